@@ -1,0 +1,264 @@
+"""The attention front door: check the inputs, normalise the layout to strided 4-D views, pick a kernel.
+
+Kernels behind this module receive only checked 4-D tensors `(B, H, L, D)` with unit stride in the last dim;
+they never validate user input or allocate behind this module's back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+import os
+from dataclasses import dataclass
+
+import torch
+
+from flashmoe_science.attention import reference
+from flashmoe_science.attention.tiles import AttentionTiles, device_traits, forward_tiles
+
+BACKENDS = ("auto", "triton", "reference")
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Which implementation a call runs, and why (shown by `flashmoe-science info`)."""
+
+    backend: str  # "triton" or "reference"
+    kernel: str
+    reason: str
+    tiles: dict | None = None
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """A checked call: the 4-D views the kernels see, and how to give results back the user's shape."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    lead_shape: tuple[int, ...]  # the user's dims before (H, L, D); () for 2-D and 3-D inputs
+    user_ndim: int
+    softmax_scale: float
+
+
+def _triton_interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be bfloat16, float16 or float32 (float64 on the reference), got {t.dtype}")
+    if t.dim() < 2:
+        raise ValueError(f"{name} must have at least 2 dims (L, D), got shape {tuple(t.shape)}")
+
+
+def _check_inputs(q, k, v, softmax_scale, backend) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    if k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(f"q, k and v must have the same number of dims, got {q.dim()}, {k.dim()}, {v.dim()}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if q.shape[:-3] != k.shape[:-3]:
+        raise ValueError(f"q and k must have the same batch dims, got {tuple(q.shape[:-3])} and {tuple(k.shape[:-3])}")
+    head_dim = q.shape[-1]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k's head dim must equal q's ({head_dim}), got {k.shape[-1]}")
+    if head_dim % 8 or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim (last dim of q) must be a multiple of 8 in [16, 256], got {head_dim}")
+    if q.dim() >= 3:
+        hq, hkv = q.shape[-3], k.shape[-3]
+        if hkv == 0 or hq % hkv:
+            raise ValueError(f"q's head count ({hq}) must be a multiple of k's head count ({hkv}) (GQA/MQA)")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+        if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+            raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor | None:
+    """A `(B, H, L, D)` view of `(..., H, L, D)` without copying, or None when the leading dims cannot merge."""
+    if t.dim() == 2:
+        return t.unsqueeze(0).unsqueeze(0)
+    if t.dim() == 3:
+        return t.unsqueeze(0)
+    if t.dim() == 4:
+        return t
+    try:
+        return t.view(-1, *t.shape[-3:])
+    except RuntimeError:
+        return None
+
+
+def _normalise(q, k, v, softmax_scale) -> _Problem:
+    scale = float(softmax_scale) if softmax_scale is not None else reference.default_softmax_scale(q.shape[-1])
+    return _Problem(_as_4d(q), _as_4d(k), _as_4d(v), tuple(q.shape[:-3]), q.dim(), scale)
+
+
+def describe_dispatch(q, k, v, *, causal: bool = False, backend: str = "auto") -> Dispatch:
+    """Which kernel `flash_attention_science` would run for these inputs, and why."""
+    _check_inputs(q, k, v, None, backend)
+    return _dispatch(q, causal, backend)
+
+
+def _dispatch(q: torch.Tensor, causal: bool, backend: str) -> Dispatch:
+    if backend == "reference":
+        return Dispatch("reference", "reference.attention_reference", "backend='reference' was requested")
+    if backend == "auto" and not q.is_cuda:
+        return Dispatch("reference", "reference.attention_reference", f"{q.device.type} tensors run the PyTorch reference")
+    if backend == "auto" and q.dtype == torch.float64:
+        return Dispatch("reference", "reference.attention_reference", "float64 has no tensor-core kernel")
+    if backend == "triton" and not q.is_cuda and not _triton_interpreter_on():
+        raise ValueError(
+            "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 to run the Triton kernels on the CPU "
+            f"(slow; for tests), got tensors on {q.device}"
+        )
+    if q.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"backend='triton' supports bfloat16, float16 and float32, got {q.dtype}")
+    traits = device_traits(q.device)
+    tiles = forward_tiles(q.shape[-1], q.dtype, causal, traits)
+    where = "the Triton interpreter" if not q.is_cuda else f"sm_{traits.capability[0]}{traits.capability[1]}"
+    why = (
+        f"{'auto picks' if backend == 'auto' else 'requested'} the portable Triton kernel on {where}; "
+        f"tiles {tiles.block_m}x{tiles.block_n}, {tiles.num_warps} warps, {tiles.num_stages} stages"
+        + (", TMA descriptors" if tiles.use_tma else ", pointer loads")
+    )
+    return Dispatch("triton", "triton_fwd._attention_forward_kernel", why, tiles.as_dict())
+
+
+def _check_triton_layout(prob: _Problem) -> None:
+    for name, t in (("q", prob.q), ("k", prob.k), ("v", prob.v)):
+        if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must have a contiguous last dim (stride 1) for the Triton kernels, got strides "
+                f"{tuple(t.stride())}; pass {name}.contiguous() (the kernels never copy inputs behind your back)"
+            )
+
+
+class _TritonAttention(torch.autograd.Function):
+    """Forward through the Triton kernel; saves only out and lse for the backward (O(L) memory)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale, tiles, deterministic):
+        from flashmoe_science.attention.triton_fwd import attention_forward
+
+        out = torch.empty_like(q)  # keeps q's strides when q is dense (e.g. a transposed (B, L, H, D) buffer)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        attention_forward(q, k, v, out, lse, causal, softmax_scale, tiles)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        raise NotImplementedError(
+            "the Triton attention backward is not available yet; use backend='reference' to differentiate"
+        )
+
+
+class _NoKeys(torch.autograd.Function):
+    """Attention with nothing to attend over (Lk == 0 or an empty q): zeros out, zero gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        return torch.zeros_like(q)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+def _run_triton(q4, k4, v4, causal, scale, deterministic) -> tuple[torch.Tensor, torch.Tensor]:
+    tiles: AttentionTiles = forward_tiles(q4.shape[-1], q4.dtype, causal, device_traits(q4.device))
+    return _TritonAttention.apply(q4, k4, v4, causal, scale, tiles, deterministic)
+
+
+def _run(backend: str, q4, k4, v4, causal, scale, deterministic):
+    if backend == "reference":
+        return reference.attention_reference(q4, k4, v4, causal, scale)
+    return _run_triton(q4, k4, v4, causal, scale, deterministic)
+
+
+def flash_attention_science(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+    deterministic: bool = False,
+):
+    """Exact scaled-dot-product attention, softmax(q kᵀ · scale) v, without materialising the score matrix.
+
+    Args:
+        q: `(..., Hq, Lq, D)` as in `torch.nn.functional.scaled_dot_product_attention`, or 2-D `(Lq, D)` for one
+            head. Any strides with a unit-stride last dim: `x.view(B, L, H, D).transpose(1, 2)` runs without a copy.
+        k, v: `(..., Hkv, Lk, D)` with the same leading dims; `Hq % Hkv == 0` gives GQA/MQA without copying k/v.
+            D is a multiple of 8 in [16, 256].
+        causal: bottom-right aligned mask (flash-attn convention): query i sees key j iff `j <= i + Lk - Lq`;
+            identical to SDPA's `is_causal` when Lq == Lk. A query that sees no key gets zeros and lse -inf.
+        softmax_scale: defaults to `1 / sqrt(D)`.
+        return_lse: also return the natural-log log-sum-exp of the scaled scores, float32 `(..., Hq, Lq)`, so
+            partial results over key blocks can be merged.
+        backend: "auto" (CUDA: the best kernel for the GPU; CPU: the PyTorch reference), "triton" (the portable
+            kernels; on CPU tensors only under TRITON_INTERPRET=1), or "reference".
+        deterministic: accepted for the backward (the forward is always deterministic).
+
+    Accuracy: bf16/fp16 inputs are multiplied on tensor cores with float32 accumulation and a float32 softmax.
+    float32 inputs use TF32 tensor-core products on the GPU (relative error about 1e-3, like
+    `torch.backends.cuda.matmul.allow_tf32 = True`); the CPU reference computes float32 exactly.
+
+    Returns:
+        `out` with q's shape and dtype, or `(out, lse)` when `return_lse=True`.
+    """
+    _check_inputs(q, k, v, softmax_scale, backend)
+    choice = _dispatch(q, causal, backend)
+    prob = _normalise(q, k, v, softmax_scale)
+    if choice.backend == "triton":
+        _check_triton_layout(prob)
+
+    lq = q.shape[-2]
+    hq = q.shape[-3] if q.dim() >= 3 else 1
+    if q.numel() == 0 or k.shape[-2] == 0:
+        # Nothing to attend over (or nobody asking): zero output, -inf log-sum-exp; still differentiable.
+        out = _NoKeys.apply(q, k, v)
+        lse = torch.full((*q.shape[:-3], hq, lq), float("-inf"), dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
+
+    if prob.q is not None and prob.k is not None and prob.v is not None:
+        out4, lse4 = _run(choice.backend, prob.q, prob.k, prob.v, causal, prob.softmax_scale, deterministic)
+        if prob.user_ndim == 2:
+            out, lse = out4[0, 0], lse4[0, 0]
+        elif prob.user_ndim == 3:
+            out, lse = out4[0], lse4[0]
+        else:
+            out, lse = out4.view(q.shape), lse4.view(*prob.lead_shape, hq, lq)
+    else:
+        # Leading dims whose strides cannot merge into one batch dim: run each leading index on its own
+        # (no input copies; the outputs are stacked).
+        outs, lses = [], []
+        for index in itertools.product(*(range(n) for n in q.shape[:-4])):
+            o, l = _run(choice.backend, q[index], k[index], v[index], causal, prob.softmax_scale, deterministic)
+            outs.append(o)
+            lses.append(l)
+        out = torch.stack(outs).view(q.shape)
+        lse = torch.stack(lses).view(*q.shape[:-3], hq, lq)
+    return (out, lse) if return_lse else out

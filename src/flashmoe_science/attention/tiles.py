@@ -1,0 +1,130 @@
+"""Tile shapes for the attention kernels: one heuristic, one autotune search space.
+
+Every kernel asks here for its block sizes, warps and pipeline depth; nothing else in the package picks them.
+The heuristic is keyed by head dim, dtype, causality and the GPU (compute capability, shared memory per block);
+the values were measured on an H200 (see docs/perf-notes.md). ``FLASHMOE_AUTOTUNE=1`` makes the kernels search
+`forward_search_space` instead, keyed by the same inputs plus the sequence lengths.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    use_tma: bool = False
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class DeviceTraits:
+    capability: tuple[int, int]
+    sm_count: int
+    smem_per_block: int  # bytes a block may opt in to
+
+    @property
+    def is_hopper(self) -> bool:
+        return self.capability[0] == 9
+
+
+# Conservative stand-in for CPU tensors run under the Triton interpreter.
+INTERPRETER_TRAITS = DeviceTraits(capability=(0, 0), sm_count=1, smem_per_block=1 << 20)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_traits(index: int) -> DeviceTraits:
+    props = torch.cuda.get_device_properties(index)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or 101376
+    return DeviceTraits((props.major, props.minor), props.multi_processor_count, int(smem))
+
+
+def device_traits(device: torch.device) -> DeviceTraits:
+    if device.type != "cuda":
+        return INTERPRETER_TRAITS
+    return _cuda_traits(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Head dims are padded to a power of two inside the kernels (Triton block shapes must be powers of 2)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("FLASHMOE_AUTOTUNE", "0") == "1"
+
+
+def forward_smem_bytes(tiles: AttentionTiles, head_dim: int, elem_bytes: int) -> int:
+    """Shared memory of the forward kernel: the Q tile plus `num_stages` buffered K and V tiles."""
+    block_d = padded_head_dim(head_dim)
+    q_tile = tiles.block_m * block_d * elem_bytes
+    kv_stage = 2 * tiles.block_n * block_d * elem_bytes
+    return q_tile + max(tiles.num_stages, 1) * kv_stage
+
+
+def forward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: DeviceTraits) -> AttentionTiles:
+    """The forward kernel's tile shape for one call."""
+    if traits is INTERPRETER_TRAITS:
+        # The interpreter runs tiles as numpy arrays: small tiles keep the CPU tests fast and exercise tails.
+        return AttentionTiles(block_m=16, block_n=16, num_warps=1, num_stages=1, use_tma=False)
+
+    block_d = padded_head_dim(head_dim)
+    elem_bytes = torch.finfo(dtype).bits // 8
+    if traits.is_hopper:
+        # Measured on an H200 (docs/perf-notes.md): 128-row query tiles over two warpgroups, and key tiles as
+        # wide as registers allow (the score tile and the output accumulator both live in registers).
+        if block_d <= 64:
+            tiles = AttentionTiles(128, 128, 8, 3, use_tma=True)
+        elif block_d <= 128:
+            tiles = AttentionTiles(128, 128, 8, 2, use_tma=True)
+        else:
+            tiles = AttentionTiles(128, 64, 8, 2, use_tma=True)
+    elif traits.capability[0] >= 8:
+        tiles = AttentionTiles(128, 64 if block_d <= 128 else 32, 8 if block_d > 64 else 4, 3)
+    else:
+        tiles = AttentionTiles(64, 32, 4, 2)
+
+    if elem_bytes == 4:
+        # fp32 tiles take twice the registers and shared memory.
+        tiles = AttentionTiles(min(tiles.block_m, 64), min(tiles.block_n, 64), tiles.num_warps, 2, tiles.use_tma)
+    return _fit_shared_memory(tiles, head_dim, elem_bytes, traits)
+
+
+def _fit_shared_memory(tiles: AttentionTiles, head_dim: int, elem_bytes: int, traits: DeviceTraits) -> AttentionTiles:
+    # Triton needs some scratch beyond the tiles (layout conversions, barriers): keep a margin.
+    budget = traits.smem_per_block - 8192
+    while forward_smem_bytes(tiles, head_dim, elem_bytes) > budget:
+        if tiles.num_stages > 1:
+            tiles = AttentionTiles(tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages - 1, tiles.use_tma)
+        elif tiles.block_n > 16:
+            tiles = AttentionTiles(tiles.block_m, tiles.block_n // 2, tiles.num_warps, tiles.num_stages, tiles.use_tma)
+        elif tiles.block_m > 16:
+            tiles = AttentionTiles(tiles.block_m // 2, tiles.block_n, tiles.num_warps, tiles.num_stages, tiles.use_tma)
+        else:
+            break
+    return tiles
+
+
+def forward_search_space(head_dim: int, dtype: torch.dtype, traits: DeviceTraits) -> list[AttentionTiles]:
+    """Candidate tiles for ``FLASHMOE_AUTOTUNE=1``: every combination that fits the GPU's shared memory."""
+    elem_bytes = torch.finfo(dtype).bits // 8
+    use_tma = traits.is_hopper
+    candidates = []
+    for block_m in (64, 128):
+        for block_n in (32, 64, 128):
+            for num_warps in (4, 8):
+                for num_stages in (1, 2, 3, 4):
+                    tiles = AttentionTiles(block_m, block_n, num_warps, num_stages, use_tma)
+                    if forward_smem_bytes(tiles, head_dim, elem_bytes) <= traits.smem_per_block - 8192:
+                        candidates.append(tiles)
+    return candidates

@@ -1,0 +1,272 @@
+"""Attention forward in Triton: FlashAttention-2 work split with an online softmax in base 2.
+
+Read top to bottom:
+
+1. One program owns a tile of BLOCK_M query rows of one (batch, query head). Programs of the same head are
+   launched next to each other so their K/V tiles are shared through L2; with causal masking the heaviest
+   (bottom) query tiles are launched first.
+2. The keys a tile sees split into full tiles, where no score needs a mask, and at most a few boundary tiles
+   (the causal diagonal, the ragged end of the sequence), where it does. Full tiles run a loop without any mask
+   arithmetic; keys no row of the tile can see are never loaded.
+3. Per key tile: s = q kᵀ, a running row max m and row sum l, and an fp32 accumulator rescaled by
+   exp2(m_old - m_new) when the max grows. The softmax scale and log2(e) are folded into one multiplier so each
+   score costs one FMA before its exp2.
+4. The output is acc / l; the log-sum-exp is (m + log2 l) · ln 2. A row that sees no key writes zeros and -inf.
+
+GQA/MQA maps query head h to key/value head h // group: no copy of K/V. Head dims that are not a power of two
+are padded inside the kernel (zero-filled loads, masked stores). On Hopper, Q/K/V/O move through TMA tensor
+descriptors over the caller's 4-D strides (out-of-bounds rows and columns are zero-filled by the copy engine);
+elsewhere, and under the interpreter, through masked pointer loads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from flashmoe_science.attention.tiles import (
+    AttentionTiles,
+    autotune_enabled,
+    forward_search_space,
+    padded_head_dim,
+)
+
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _load_tile(base, desc_ptr, batch, head, row0, n_rows, stride_row,
+               ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+               USE_TMA: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """A (ROWS, BLOCK_D) tile starting at row `row0` of one head; rows past `n_rows` and columns past HEAD_DIM read 0."""
+    if USE_TMA:
+        tile = desc_ptr.load([batch, head, row0, 0]).reshape(ROWS, BLOCK_D)
+    else:
+        rows = row0 + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK_D)
+        ptrs = base + rows[:, None] * stride_row + cols[None, :]
+        if CHECK_ROWS:
+            mask = rows[:, None] < n_rows
+            if BLOCK_D != HEAD_DIM:
+                mask = mask & (cols[None, :] < HEAD_DIM)
+            tile = tl.load(ptrs, mask=mask, other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            tile = tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def _attend_key_tiles(acc, l_i, m_i, q, offs_m,
+                      k_base, v_base, K, V, batch, kv_head, stride_kn, stride_vn,
+                      key_start, key_end, seqlen_k, diagonal, qk_scale,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr):
+    """Fold key tiles [key_start, key_end) into the running (acc, l, m). MASKED tiles apply bounds/causal masks."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(key_start, key_end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k = _load_tile(k_base, K, batch, kv_head, start_n, seqlen_k, stride_kn,
+                       BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
+        s = tl.dot(q, tl.trans(k))
+        if MASKED:
+            key_pos = start_n + offs_n
+            visible = key_pos[None, :] < seqlen_k
+            if CAUSAL:
+                visible = visible & (key_pos[None, :] <= offs_m[:, None] + diagonal)
+            s = tl.where(visible, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row with no visible key so far keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_shift[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_shift = m_new
+            p = tl.math.exp2(s * qk_scale - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = _load_tile(v_base, V, batch, kv_head, start_n, seqlen_k, stride_vn,
+                       BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attention_forward_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest query tiles first: a shorter tail of lone programs
+    batch = pid_bh // num_q_heads
+    q_head = pid_bh % num_q_heads
+    kv_head = q_head // group_size
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+
+    batch64 = batch.to(tl.int64)
+    if USE_TMA:  # descriptors carry their own addressing
+        q_base, k_base, v_base = Q, K, V
+    else:  # 64-bit head offsets: B·H·L·D can pass 2**31 elements
+        q_base = Q + batch64 * stride_qb + q_head.to(tl.int64) * stride_qh
+        k_base = K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh
+        v_base = V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh
+
+    q = _load_tile(q_base, Q, batch, q_head, start_m, seqlen_q, stride_qm,
+                   BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA, True)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Query i sees key j iff j <= i + diagonal (bottom-right aligned causal mask).
+    diagonal = seqlen_k - seqlen_q
+    if CAUSAL:
+        key_end = tl.minimum(tl.maximum(start_m + BLOCK_M + diagonal, 0), seqlen_k)
+        full_end = tl.minimum(tl.maximum(start_m + 1 + diagonal, 0) // BLOCK_N * BLOCK_N, seqlen_k // BLOCK_N * BLOCK_N)
+    else:
+        key_end = seqlen_k
+        full_end = seqlen_k // BLOCK_N * BLOCK_N
+
+    acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, kv_head,
+                                      stride_kn, stride_vn, 0, full_end, seqlen_k, diagonal, qk_scale,
+                                      BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL, USE_TMA)
+    acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, kv_head,
+                                      stride_kn, stride_vn, full_end, key_end, seqlen_k, diagonal, qk_scale,
+                                      BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL, USE_TMA)
+
+    no_key = l_i == 0.0
+    l_safe = tl.where(no_key, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(no_key, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    tl.store(LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+
+    if USE_TMA:
+        O.store([batch, q_head, start_m, 0], out.to(O.dtype).reshape(1, 1, BLOCK_M, BLOCK_D))
+    else:
+        cols = tl.arange(0, BLOCK_D)
+        o_ptrs = O + batch64 * stride_ob + q_head.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om + cols[None, :]
+        mask = offs_m[:, None] < seqlen_q
+        if BLOCK_D != HEAD_DIM:
+            mask = mask & (cols[None, :] < HEAD_DIM)
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=mask)
+
+
+def _tma_descriptor(t: torch.Tensor, block_rows: int, block_d: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    # Size-1 dims are never stepped over, but TMA still wants every outer stride 16-byte aligned.
+    strides = list(t.stride())
+    for dim in (2, 1, 0):
+        if t.shape[dim] == 1:
+            strides[dim] = t.shape[dim + 1] * strides[dim + 1]
+    return TensorDescriptor(t, list(t.shape), strides, [1, 1, block_rows, block_d])
+
+
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned base addresses and outer strides (size-1 dims excepted)."""
+    for t in tensors:
+        elem = t.element_size()
+        if t.data_ptr() % 16:
+            return False
+        if any(t.shape[d] > 1 and (t.stride(d) * elem) % 16 for d in range(3)):
+            return False
+    return True
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    causal: bool, softmax_scale: float, tiles: AttentionTiles,
+) -> None:
+    """Launch the forward kernel on checked 4-D tensors: q/out `(B, Hq, Lq, D)`, k/v `(B, Hkv, Lk, D)` with
+    unit stride in the last dim, lse a contiguous float32 `(B, Hq, Lq)`. Writes `out` and `lse` in place."""
+    batch, num_q_heads, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    block_d = padded_head_dim(head_dim)
+    use_tma = tiles.use_tma and tma_compatible(q, k, v, out)
+    qk_scale = softmax_scale * LOG2_E
+    common = dict(
+        num_q_heads=num_q_heads, group_size=num_q_heads // k.shape[1], seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        qk_scale=qk_scale, HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, USE_TMA=use_tma,
+    )
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])
+
+    if autotune_enabled() and q.is_cuda:
+        kernel = _autotuned_kernel(use_tma)
+        if use_tma:
+            q_arg, k_arg, v_arg, o_arg = (_tma_descriptor(t, 16, block_d) for t in (q, k, v, out))
+        else:
+            q_arg, k_arg, v_arg, o_arg = q, k, v, out
+        grid = lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * num_q_heads)  # noqa: E731
+        kernel[grid](q_arg, k_arg, v_arg, o_arg, lse, *strides, **common)
+        return
+
+    if use_tma:
+        q_arg = _tma_descriptor(q, tiles.block_m, block_d)
+        o_arg = _tma_descriptor(out, tiles.block_m, block_d)
+        k_arg = _tma_descriptor(k, tiles.block_n, block_d)
+        v_arg = _tma_descriptor(v, tiles.block_n, block_d)
+    else:
+        q_arg, k_arg, v_arg, o_arg = q, k, v, out
+    grid = (triton.cdiv(seqlen_q, tiles.block_m), batch * num_q_heads)
+    _attention_forward_kernel[grid](
+        q_arg, k_arg, v_arg, o_arg, lse, *strides, **common,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+
+
+def _set_descriptor_blocks(nargs: dict) -> None:
+    # Autotune picks BLOCK_M/BLOCK_N per config; the host TMA descriptors must carry the same box shape.
+    block_d = nargs["BLOCK_D"]
+    for name, rows in (("Q", nargs["BLOCK_M"]), ("O", nargs["BLOCK_M"]), ("K", nargs["BLOCK_N"]), ("V", nargs["BLOCK_N"])):
+        if hasattr(nargs[name], "block_shape"):
+            nargs[name].block_shape = [1, 1, rows, block_d]
+
+
+@functools.lru_cache(maxsize=None)
+def _autotuned_kernel(use_tma: bool):
+    """The forward kernel wrapped in `triton.autotune` over tiles.forward_search_space (FLASHMOE_AUTOTUNE=1).
+
+    Tuned once per (head dim, dtype, causal, sequence lengths); the search space is the H200's (smem 227 KiB),
+    a superset of what fits smaller GPUs: configs that fail to compile are skipped by Triton.
+    """
+    from flashmoe_science.attention.tiles import DeviceTraits
+
+    traits = DeviceTraits((9, 0), 132, 232448)
+    space = {t for dtype in (torch.bfloat16, torch.float32) for t in forward_search_space(64, dtype, traits)}
+    configs = [
+        triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n}, num_warps=t.num_warps, num_stages=t.num_stages,
+                      pre_hook=_set_descriptor_blocks)
+        for t in sorted(space, key=lambda t: (t.block_m, t.block_n, t.num_warps, t.num_stages))
+    ]
+
+    def prune(configs, named_args, **kwargs):
+        from flashmoe_science.attention.tiles import AttentionTiles, forward_smem_bytes
+
+        out = named_args["O"]
+        elem = getattr(out, "base", out).element_size()  # a TMA descriptor wraps the tensor as .base
+        budget = traits.smem_per_block - 8192
+        kept = [c for c in configs if forward_smem_bytes(
+            AttentionTiles(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages), named_args["HEAD_DIM"], elem
+        ) <= budget]
+        return kept or configs[:1]
+
+    return triton.autotune(
+        configs=configs,
+        key=["HEAD_DIM", "CAUSAL", "seqlen_q", "seqlen_k", "group_size"],
+        prune_configs_by={"early_config_prune": prune},
+    )(_attention_forward_kernel)

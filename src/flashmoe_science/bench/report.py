@@ -1,0 +1,372 @@
+"""Everything a benchmark run reports, independent of what was measured.
+
+The bench modules (`bench.attention`, `bench.moe`) produce *records*: flat dicts, one per measurement. This module
+turns them into the things a person reads or keeps: a progress bar while they run, a table and ratio summaries on
+screen, a JSON file with the environment it ran in, and a PNG plot.
+
+Numbers follow the FlashAttention convention: TFLOP/s = FLOPs / time, FLOPs counted by the bench module.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Hashable, Iterable, Mapping, Sequence, TextIO
+
+import torch
+
+NOT_AVAILABLE = "n/a"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Progress bar
+# --------------------------------------------------------------------------------------------------------------------
+class Progress:
+    """A small progress bar written to stderr, shared by every benchmark.
+
+    Interface (what `bench.moe.run_moe_bench(quick, progress)` receives):
+
+        progress = Progress(total=84, desc="attention")
+        progress.set_total(84)                   # if the number of steps is only known later; None = unknown
+        progress.update(desc="fwd L=2048 flex")  # after each finished step; `desc` names what just ran
+        progress.update(n=3)                     # several steps at once (e.g. a skipped group)
+        progress.close()                         # ends the bar; also done by `with Progress(...) as progress:`
+
+    On a terminal the bar redraws in place. When stderr is not a terminal (a log file, a remote run whose output is
+    captured) it prints a plain line at most every `log_interval_s` seconds and once at the end, so logs stay short.
+    """
+
+    def __init__(
+        self,
+        total: int | None = None,
+        desc: str = "",
+        stream: TextIO | None = None,
+        width: int = 28,
+        log_interval_s: float = 10.0,
+    ):
+        self.total = total
+        self.desc = desc
+        self.count = 0
+        self.last_step = ""
+        self._stream = stream if stream is not None else sys.stderr
+        self._width = width
+        self._log_interval_s = log_interval_s
+        self._start = time.monotonic()
+        self._last_log = -math.inf
+        self._closed = False
+        self._interactive = bool(getattr(self._stream, "isatty", lambda: False)())
+
+    def set_total(self, total: int | None) -> None:
+        self.total = total
+        self._draw(force=False)
+
+    def update(self, n: int = 1, desc: str | None = None) -> None:
+        self.count += n
+        if desc is not None:
+            self.last_step = desc
+        self._draw(force=False)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._draw(force=True)
+        if self._interactive:
+            self._stream.write("\n")
+            self._stream.flush()
+        self._closed = True
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def render(self) -> str:
+        """The bar as one line of text (without a line ending)."""
+        elapsed = time.monotonic() - self._start
+        parts = [self.desc] if self.desc else []
+        if self.total:
+            done = min(self.count / self.total, 1.0)
+            filled = int(round(done * self._width))
+            parts.append("[" + "#" * filled + "." * (self._width - filled) + "]")
+            parts.append(f"{self.count}/{self.total} {100 * done:3.0f}%")
+            timing = _format_duration(elapsed)
+            if 0 < self.count < self.total:
+                timing += f" (~{_format_duration(elapsed * (self.total - self.count) / self.count)} left)"
+            parts.append(timing)
+        else:
+            parts.append(f"{self.count} done, {_format_duration(elapsed)}")
+        if self.last_step:
+            parts.append(self.last_step[:60])
+        return "  ".join(parts)
+
+    def _draw(self, force: bool) -> None:
+        if self._closed:
+            return
+        if self._interactive:
+            # pad so a shorter line fully overwrites the previous one
+            self._stream.write("\r" + self.render().ljust(110))
+            self._stream.flush()
+            return
+        now = time.monotonic()
+        if force or now - self._last_log >= self._log_interval_s:
+            self._stream.write(self.render() + "\n")
+            self._stream.flush()
+            self._last_log = now
+
+
+def _format_duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}:{secs:02d}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Environment and GPU metadata
+# --------------------------------------------------------------------------------------------------------------------
+def gpu_name() -> str:
+    """Name of the first CUDA device, or "cpu" when there is none."""
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def cudnn_version() -> str | None:
+    """cuDNN as "major.minor.patch" (torch reports an integer whose encoding changed with cuDNN 9)."""
+    try:
+        number = torch.backends.cudnn.version()
+    except Exception:  # a build without cuDNN may raise instead of returning None
+        return None
+    if not number:
+        return None
+    if number >= 90000:  # cuDNN 9+: major*10000 + minor*100 + patch
+        major, rest = divmod(number, 10000)
+    else:  # cuDNN <= 8: major*1000 + minor*100 + patch
+        major, rest = divmod(number, 1000)
+    minor, patch = divmod(rest, 100)
+    return f"{major}.{minor}.{patch}"
+
+
+def gpu_properties(device_index: int = 0) -> dict | None:
+    """What the kernels' tile heuristics depend on, for `flashmoe-science info`; None without a CUDA GPU."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(device_index)
+    smem_optin = getattr(props, "shared_memory_per_block_optin", None)
+    if smem_optin is None:  # older torch: ask Triton's driver, which reads the same CUDA attribute
+        try:
+            import triton
+
+            smem_optin = triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+        except Exception:
+            smem_optin = None
+    return {
+        "name": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "sm_count": props.multi_processor_count,
+        "smem_per_block_optin_bytes": smem_optin,
+        "l2_bytes": getattr(props, "L2_cache_size", None),
+        "memory_bytes": props.total_memory,
+    }
+
+
+def resolve_commit(explicit: str | None = None) -> str:
+    """The commit a result belongs to: `--commit`, else $FLASHMOE_COMMIT, else git, else "unknown".
+
+    The GPU machine receives a copy of the tree without .git, so there the caller passes the commit explicitly.
+    """
+    if explicit:
+        return explicit
+    from_env = os.environ.get("FLASHMOE_COMMIT", "").strip()
+    if from_env:
+        return from_env
+    try:
+        completed = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    commit = completed.stdout.strip()
+    return commit if completed.returncode == 0 and commit else "unknown"
+
+
+def today_utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+
+
+def environment_metadata(commit: str) -> dict:
+    """The JSON envelope's fields: where and with what the numbers were measured."""
+    return {
+        "gpu": gpu_name(),
+        "torch": torch.__version__,
+        "triton": triton_version(),
+        "cuda": torch.version.cuda,
+        "cudnn": cudnn_version(),
+        "python": platform.python_version(),
+        "commit": commit,
+        "date": today_utc(),
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# JSON results
+# --------------------------------------------------------------------------------------------------------------------
+def slugify(text: str) -> str:
+    """Lowercase, every run of non-alphanumerics becomes one '-': "NVIDIA H200" -> "nvidia-h200"."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def result_stem(gpu: str, date: str, commit: str) -> str:
+    """File name without extension: `<gpu-slug>-<YYYY-MM-DD>-<commit>`."""
+    return f"{slugify(gpu)}-{date}-{slugify(commit)}"
+
+
+def unused_result_path(out_dir: Path, stem: str) -> Path:
+    """`<out_dir>/<stem>.json`, or `<stem>-2.json`, `-3`, ... if taken: a second run never overwrites measured data."""
+    path = out_dir / f"{stem}.json"
+    suffix = 2
+    while path.exists():
+        path = out_dir / f"{stem}-{suffix}.json"
+        suffix += 1
+    return path
+
+
+def write_results(out_dir: str | os.PathLike, envelope: dict, records: list[dict]) -> Path:
+    """Write `{**envelope, "records": records}` as JSON and return the file's path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = unused_result_path(out_dir, result_stem(envelope["gpu"], envelope["date"], envelope["commit"]))
+    path.write_text(json.dumps({**envelope, "records": records}, indent=1) + "\n")
+    return path
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Numbers
+# --------------------------------------------------------------------------------------------------------------------
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator, or None when either is missing (a backend that did not run) or the denominator is 0."""
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def geomean(values: Iterable[float | None]) -> float | None:
+    """Geometric mean of the positive values present; None if there are none."""
+    present = [value for value in values if value is not None and value > 0]
+    if not present:
+        return None
+    return math.exp(sum(math.log(value) for value in present) / len(present))
+
+
+def format_number(value: float | None, digits: int = 1) -> str:
+    return NOT_AVAILABLE if value is None else f"{value:.{digits}f}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------------------------------
+def pivot(
+    records: Iterable[Mapping],
+    row_key: Callable[[Mapping], Hashable],
+    column_key: str = "backend",
+    value_key: str = "tflops",
+) -> dict[Hashable, dict[str, float]]:
+    """{row: {column: value}}, rows in order of first appearance (e.g. one row per shape, one column per backend)."""
+    table: dict[Hashable, dict[str, float]] = {}
+    for record in records:
+        table.setdefault(row_key(record), {})[record[column_key]] = record[value_key]
+    return table
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain aligned text table; the first column is left-aligned, the others right-aligned (they hold numbers)."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            str(cell).ljust(width) if index == 0 else str(cell).rjust(width)
+            for index, (cell, width) in enumerate(zip(cells, widths))
+        )
+
+    rule = "  ".join("-" * width for width in widths)
+    return "\n".join([line(headers), rule, *(line(row) for row in rows)])
+
+
+def ordered_columns(present: Iterable[str], preferred_order: Sequence[str]) -> list[str]:
+    """The columns that occur, in `preferred_order` first, any others after in order of appearance."""
+    present = list(dict.fromkeys(present))
+    return [name for name in preferred_order if name in present] + [
+        name for name in present if name not in preferred_order
+    ]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Plot
+# --------------------------------------------------------------------------------------------------------------------
+Series = dict[str, list[tuple[float, float]]]  # line label -> [(x, y), ...]
+
+
+def plot_panels(
+    path: str | os.PathLike,
+    panels: Mapping[str, Series],
+    xlabel: str,
+    ylabel: str,
+    suptitle: str = "",
+    columns: int = 3,
+    log2_x: bool = True,
+) -> Path | None:
+    """One subplot per panel title, one line per series; saved as PNG. Returns None (with a message) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on a GPU node
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot written", file=sys.stderr)
+        return None
+    if not panels:
+        return None
+    columns = min(columns, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.6 * rows), squeeze=False)
+    for axis, (title, series) in zip(axes.flat, panels.items()):
+        for label, points in series.items():
+            points = sorted(points)
+            axis.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label)
+        if log2_x:
+            axis.set_xscale("log", base=2)
+        axis.set_title(title)
+        axis.set_xlabel(xlabel)
+        axis.set_ylabel(ylabel)
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=7)
+    for axis in list(axes.flat)[len(panels):]:
+        axis.set_visible(False)
+    if suptitle:
+        figure.suptitle(suptitle)
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
