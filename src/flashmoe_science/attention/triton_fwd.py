@@ -191,9 +191,10 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     causal: bool, softmax_scale: float, tiles: AttentionTiles,
-) -> None:
+):
     """Launch the forward kernel on checked 4-D tensors: q/out `(B, Hq, Lq, D)`, k/v `(B, Hkv, Lk, D)` with
-    unit stride in the last dim, lse a contiguous float32 `(B, Hq, Lq)`. Writes `out` and `lse` in place."""
+    unit stride in the last dim, lse a contiguous float32 `(B, Hq, Lq)`. Writes `out` and `lse` in place and
+    returns Triton's compiled kernel (registers, spills and SASS for diagnostics)."""
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     block_d = padded_head_dim(head_dim)
@@ -212,8 +213,7 @@ def attention_forward(
         else:
             q_arg, k_arg, v_arg, o_arg = q, k, v, out
         grid = lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * num_q_heads)  # noqa: E731
-        kernel[grid](q_arg, k_arg, v_arg, o_arg, lse, *strides, **common)
-        return
+        return kernel[grid](q_arg, k_arg, v_arg, o_arg, lse, *strides, **common)
 
     if use_tma:
         q_arg = _tma_descriptor(q, tiles.block_m, block_d)
@@ -223,7 +223,7 @@ def attention_forward(
     else:
         q_arg, k_arg, v_arg, o_arg = q, k, v, out
     grid = (triton.cdiv(seqlen_q, tiles.block_m), batch * num_q_heads)
-    _attention_forward_kernel[grid](
+    return _attention_forward_kernel[grid](
         q_arg, k_arg, v_arg, o_arg, lse, *strides, **common,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )

@@ -1,0 +1,109 @@
+"""Sweep forward tile configs on the GPU and print them beside cuDNN: the data behind tiles.forward_tiles.
+
+    PYTHONPATH=src python benchmarks/sweep_fwd.py --out $OUT [--quick]
+
+Writes sweep JSON (every config's ms, TFLOP/s, registers, spills, shared memory) and the best config's cubin
+per case (for `cuobjdump -sass`, to confirm HGMMA) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashmoe_science.attention.tiles import AttentionTiles, forward_smem_bytes, device_traits
+from flashmoe_science.attention import triton_fwd
+
+
+def flops(b, h, l, d, causal):
+    return 4 * b * h * l * l * d / (2 if causal else 1)
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def sass_summary(cubin: bytes) -> dict:
+    """Count the instructions that matter in a cubin's SASS: warpgroup MMAs, TMA copies, local-memory spills."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            sass = subprocess.run(["cuobjdump", "-sass", f.name], capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            return {"error": str(e)}
+    ops = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDL", "STL", "MUFU.EX2", "BAR.SYNC", "SYNCS")
+    return {op: sum(line.count(op + ".") + line.count(op + " ") for line in sass.splitlines()) for op in ops}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--cases", default="4x16x4096x64,4x16x4096x128,4x8x4096x256,1x16x16384x128")
+    args = parser.parse_args()
+    traits = device_traits(torch.device("cuda"))
+    results = []
+    for case in args.cases.split(","):
+        b, h, l, d = map(int, case.split("x"))
+        for causal in (False, True):
+            q, k, v = (torch.randn(b, h, l, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            fl = flops(b, h, l, d, causal)
+            row = {"B": b, "H": h, "L": l, "D": d, "causal": causal, "configs": []}
+            for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
+                try:
+                    with sdpa_kernel(backend):
+                        ms = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                    row[name] = fl / ms / 1e9
+                except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+                    row[name] = None
+                    print(f"{name} failed: {e}")
+            out = torch.empty_like(q)
+            lse = torch.empty(q.shape[:3], device="cuda")
+            best = None
+            for bm, bn, warps, stages, tma in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4), (True, False)):
+                if (bm == 64) != (warps == 4):
+                    continue  # 64 rows -> one warpgroup; 128 rows -> two
+                tiles = AttentionTiles(bm, bn, warps, stages, tma)
+                if forward_smem_bytes(tiles, d, 2) > traits.smem_per_block - 8192:
+                    continue
+                try:
+                    fn = lambda: triton_fwd.attention_forward(q, k, v, out, lse, causal, d**-0.5, tiles)  # noqa: E731
+                    kern = fn()
+                    ms = bench(fn)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {tiles} failed: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                rec = {**tiles.as_dict(), "ms": ms, "tflops": fl / ms / 1e9,
+                       "regs": getattr(kern, "n_regs", None), "spills": getattr(kern, "n_spills", None),
+                       "smem": kern.metadata.shared}
+                row["configs"].append(rec)
+                if best is None or ms < best[0]["ms"]:
+                    best = (rec, kern)
+            row["configs"].sort(key=lambda r: r["ms"])
+            results.append(row)
+            top = row["configs"][:3]
+            print(f"B{b} H{h} L{l} D{d} causal={causal}: cudnn {row['cudnn'] or 0:.0f} fa2 {row['fa2'] or 0:.0f} | "
+                  + " | ".join(f"{r['block_m']}x{r['block_n']} w{r['num_warps']} s{r['num_stages']} "
+                               f"{'tma' if r['use_tma'] else 'ptr'} {r['tflops']:.0f} (r{r['regs']} sp{r['spills']})"
+                               for r in top), flush=True)
+            if best is not None:
+                row["best_sass_summary"] = sass_summary(best[1].asm["cubin"])
+                print("   best config SASS:", row["best_sass_summary"], flush=True)
+    with open(os.path.join(args.out, "sweep_fwd.json"), "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                   "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

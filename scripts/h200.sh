@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One H200 session in one call: every step logs under $OUT/run/, packed into $OUT/run.tgz at the end
+# (the device tool returns at most 8 files). Usage: bash scripts/h200.sh STEP [STEP ...]
+#   tests      GPU pytest (pytest -m gpu) for everything present
+#   sweep      forward tile sweep (benchmarks/sweep_fwd.py)
+#   bench      flashmoe-science bench (full) ; benchq: --quick ; benchbwd: fwd+bwd
+#   moe        MoE GPU tests + bench moe
+set -u
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+export FLASHMOE_COMMIT=${FLASHMOE_COMMIT:-$(cat .commit 2>/dev/null || echo unknown)}
+OUTDIR=${OUT:-/tmp/out}/run
+mkdir -p "$OUTDIR"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUTDIR/gpu.txt" 2>&1
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.version.cuda, torch.backends.cudnn.version())" >> "$OUTDIR/gpu.txt"
+for step in "$@"; do
+  start=$(date +%s)
+  case $step in
+    tests)    python3 -m pytest -m gpu ${TESTS:-tests} -q -x --timeout=600 -p no:cacheprovider 2>&1 | tail -n 60 > "$OUTDIR/tests.log" ;;
+    testsall) python3 -m pytest -m gpu tests -q --timeout=600 -p no:cacheprovider 2>&1 | tail -n 120 > "$OUTDIR/tests.log" ;;
+    sweep)    python3 benchmarks/sweep_fwd.py --out "$OUTDIR" > "$OUTDIR/sweep.log" 2>&1 ;;
+    bench)    python3 -m flashmoe_science.cli bench --out "$OUTDIR" > "$OUTDIR/bench.log" 2>&1 ;;
+    benchq)   python3 -m flashmoe_science.cli bench --quick --out "$OUTDIR" > "$OUTDIR/bench.log" 2>&1 ;;
+    benchbwd) python3 -m flashmoe_science.cli bench --pass fwd,bwd --out "$OUTDIR" > "$OUTDIR/bench.log" 2>&1 ;;
+    moe)      python3 -m pytest -m gpu tests/moe -q --timeout=600 -p no:cacheprovider > "$OUTDIR/moe_tests.log" 2>&1;
+              python3 -m flashmoe_science.cli bench moe --out "$OUTDIR" > "$OUTDIR/moe_bench.log" 2>&1 ;;
+    *)        echo "unknown step $step" ;;
+  esac
+  echo "step $step: $(( $(date +%s) - start )) s" | tee -a "$OUTDIR/steps.txt"
+done
+tar czf "${OUT:-/tmp/out}/run.tgz" -C "${OUT:-/tmp/out}" run
+for f in "$OUTDIR"/*.log; do echo "== $f"; tail -n 25 "$f"; done
