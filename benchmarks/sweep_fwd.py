@@ -71,10 +71,9 @@ def main():
             out = torch.empty_like(q)
             lse = torch.empty(q.shape[:3], device="cuda")
             best = None
-            for bm, bn, warps, stages, tma in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4), (True, False)):
-                if (bm == 64) != (warps == 4):
-                    continue  # 64 rows -> one warpgroup; 128 rows -> two
-                tiles = AttentionTiles(bm, bn, warps, stages, tma)
+            shapes = [(64, 128, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2)]
+            for (bm, bn, warps, stages), tma, pipe in itertools.product(shapes, (True, False), (True, False)):
+                tiles = AttentionTiles(bm, bn, warps, stages, tma, pipe)
                 if forward_smem_bytes(tiles, d, 2) > traits.smem_per_block - 8192:
                     continue
                 try:
@@ -95,7 +94,7 @@ def main():
             top = row["configs"][:3]
             print(f"B{b} H{h} L{l} D{d} causal={causal}: cudnn {row['cudnn'] or 0:.0f} fa2 {row['fa2'] or 0:.0f} | "
                   + " | ".join(f"{r['block_m']}x{r['block_n']} w{r['num_warps']} s{r['num_stages']} "
-                               f"{'tma' if r['use_tma'] else 'ptr'} {r['tflops']:.0f} (r{r['regs']} sp{r['spills']})"
+                               f"{'tma' if r['use_tma'] else 'ptr'}{'+pipe' if r['pipeline_qk'] else ''} {r['tflops']:.0f} (r{r['regs']} sp{r['spills']})"
                                for r in top), flush=True)
             if best is not None:
                 row["best_sass_summary"] = sass_summary(best[1].asm["cubin"])

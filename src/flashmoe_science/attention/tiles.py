@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -22,6 +22,7 @@ class AttentionTiles:
     num_warps: int
     num_stages: int
     use_tma: bool = False
+    pipeline_qk: bool = False  # issue the next tile's q kᵀ before this tile's softmax (see triton_fwd)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -84,9 +85,9 @@ def forward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: Devic
         # Measured on an H200 (docs/perf-notes.md): 128-row query tiles over two warpgroups, and key tiles as
         # wide as registers allow (the score tile and the output accumulator both live in registers).
         if block_d <= 64:
-            tiles = AttentionTiles(128, 128, 8, 3, use_tma=True)
+            tiles = AttentionTiles(64, 128, 4, 2, use_tma=True)
         elif block_d <= 128:
-            tiles = AttentionTiles(128, 128, 8, 2, use_tma=True)
+            tiles = AttentionTiles(128, 64, 8, 3, use_tma=False)
         else:
             tiles = AttentionTiles(128, 64, 8, 2, use_tma=True)
     elif traits.capability[0] >= 8:
@@ -96,7 +97,7 @@ def forward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: Devic
 
     if elem_bytes == 4:
         # fp32 tiles take twice the registers and shared memory.
-        tiles = AttentionTiles(min(tiles.block_m, 64), min(tiles.block_n, 64), tiles.num_warps, 2, tiles.use_tma)
+        tiles = replace(tiles, block_m=min(tiles.block_m, 64), block_n=min(tiles.block_n, 64), num_stages=2)
     return _fit_shared_memory(tiles, head_dim, elem_bytes, traits)
 
 
@@ -105,11 +106,11 @@ def _fit_shared_memory(tiles: AttentionTiles, head_dim: int, elem_bytes: int, tr
     budget = traits.smem_per_block - 8192
     while forward_smem_bytes(tiles, head_dim, elem_bytes) > budget:
         if tiles.num_stages > 1:
-            tiles = AttentionTiles(tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages - 1, tiles.use_tma)
+            tiles = replace(tiles, num_stages=tiles.num_stages - 1)
         elif tiles.block_n > 16:
-            tiles = AttentionTiles(tiles.block_m, tiles.block_n // 2, tiles.num_warps, tiles.num_stages, tiles.use_tma)
+            tiles = replace(tiles, block_n=tiles.block_n // 2)
         elif tiles.block_m > 16:
-            tiles = AttentionTiles(tiles.block_m // 2, tiles.block_n, tiles.num_warps, tiles.num_stages, tiles.use_tma)
+            tiles = replace(tiles, block_m=tiles.block_m // 2)
         else:
             break
     return tiles
@@ -128,3 +129,58 @@ def forward_search_space(head_dim: int, dtype: torch.dtype, traits: DeviceTraits
                     if forward_smem_bytes(tiles, head_dim, elem_bytes) <= traits.smem_per_block - 8192:
                         candidates.append(tiles)
     return candidates
+
+
+def backward_tiles(
+    head_dim: int, dtype: torch.dtype, causal: bool, traits: DeviceTraits
+) -> tuple[AttentionTiles, AttentionTiles]:
+    """The backward kernels' tiles for one call: ``(dkdv, dq)``.
+
+    ``dkdv``: each program keeps a ``block_n``-key tile of K, V and their fp32 gradients resident and streams
+    ``block_m``-row tiles of q and dO (``num_stages`` deep). ``dq``: each program keeps ``block_m`` rows of q, dO and
+    the fp32 dQ resident and streams ``block_n``-key tiles of K and V. The resident tile is the wide one; the
+    streamed one is narrower, since four products per tile pair keep more operands live than the forward's two.
+    Not yet measured on an H200: starting points, to be tuned (``causal`` is accepted for that).
+    """
+    if traits is INTERPRETER_TRAITS:
+        # Small tiles keep the interpreter fast and put diagonal, full and ragged tiles into tiny tests.
+        small = AttentionTiles(block_m=16, block_n=16, num_warps=1, num_stages=1)
+        return small, small
+
+    block_d = padded_head_dim(head_dim)
+    elem_bytes = torch.finfo(dtype).bits // 8
+    if traits.capability[0] >= 9:
+        if block_d <= 64:
+            dkdv, dq = AttentionTiles(64, 128, 8, 3), AttentionTiles(128, 64, 8, 3)
+        elif block_d <= 128:
+            dkdv, dq = AttentionTiles(64, 128, 8, 2), AttentionTiles(128, 64, 8, 2)
+        else:
+            dkdv, dq = AttentionTiles(32, 64, 8, 2), AttentionTiles(64, 64, 8, 2)
+    elif traits.capability[0] >= 8:
+        if block_d <= 128:
+            dkdv, dq = AttentionTiles(32, 64, 4, 2), AttentionTiles(64, 32, 4, 2)
+        else:
+            dkdv, dq = AttentionTiles(16, 32, 4, 1), AttentionTiles(32, 32, 4, 1)
+    else:
+        dkdv, dq = AttentionTiles(16, 32, 4, 1), AttentionTiles(32, 16, 4, 1)
+    if elem_bytes == 4:
+        # fp32 operands take twice the registers and shared memory: halve the resident tile.
+        dkdv = AttentionTiles(dkdv.block_m, max(16, dkdv.block_n // 2), dkdv.num_warps, dkdv.num_stages)
+        dq = AttentionTiles(max(16, dq.block_m // 2), dq.block_n, dq.num_warps, dq.num_stages)
+
+    def smem(resident_rows: int, streamed_rows: int, stages: int) -> int:
+        # two resident tiles (K and V, or q and dO) plus `stages` buffered pairs of streamed tiles
+        return 2 * (resident_rows + max(stages, 1) * streamed_rows) * block_d * elem_bytes
+
+    budget = traits.smem_per_block - 8192
+    while smem(dkdv.block_n, dkdv.block_m, dkdv.num_stages) > budget and (dkdv.num_stages > 1 or dkdv.block_n > 16):
+        if dkdv.num_stages > 1:
+            dkdv = AttentionTiles(dkdv.block_m, dkdv.block_n, dkdv.num_warps, dkdv.num_stages - 1)
+        else:
+            dkdv = AttentionTiles(dkdv.block_m, dkdv.block_n // 2, dkdv.num_warps, dkdv.num_stages)
+    while smem(dq.block_m, dq.block_n, dq.num_stages) > budget and (dq.num_stages > 1 or dq.block_m > 16):
+        if dq.num_stages > 1:
+            dq = AttentionTiles(dq.block_m, dq.block_n, dq.num_warps, dq.num_stages - 1)
+        else:
+            dq = AttentionTiles(dq.block_m // 2, dq.block_n, dq.num_warps, dq.num_stages)
+    return dkdv, dq

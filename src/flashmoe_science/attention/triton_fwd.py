@@ -61,39 +61,69 @@ def _load_tile(base, desc_ptr, batch, head, row0, n_rows, stride_row,
 
 
 @triton.jit
+def _online_softmax_step(acc, l_i, m_i, s, v, offs_m, start_n, seqlen_k, diagonal, qk_scale,
+                         BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Fold one tile of raw scores s = q kᵀ and its values v into the running (acc, l, m)."""
+    if MASKED:
+        key_pos = start_n + tl.arange(0, BLOCK_N)
+        visible = key_pos[None, :] < seqlen_k
+        if CAUSAL:
+            visible = visible & (key_pos[None, :] <= offs_m[:, None] + diagonal)
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no visible key so far keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_shift[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_shift = m_new
+        p = tl.math.exp2(s * qk_scale - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attend_key_tiles(acc, l_i, m_i, q, offs_m,
                       k_base, v_base, K, V, batch, kv_head, stride_kn, stride_vn,
                       key_start, key_end, seqlen_k, diagonal, qk_scale,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr):
-    """Fold key tiles [key_start, key_end) into the running (acc, l, m). MASKED tiles apply bounds/causal masks."""
-    offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(key_start, key_end, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = _load_tile(k_base, K, batch, kv_head, start_n, seqlen_k, stride_kn,
-                       BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
+                      MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+                      PIPELINE_QK: tl.constexpr):
+    """Fold key tiles [key_start, key_end) into the running (acc, l, m). MASKED tiles apply bounds/causal masks.
+
+    PIPELINE_QK issues the next tile's q kᵀ before the current tile's softmax: the two are independent, so the
+    tensor cores work on the next scores while the warps do the exp2/max/sum of this tile.
+    """
+    if PIPELINE_QK:
+        # Tile starts stay inside the range (the last is recomputed once, unused) so no load leaves it.
+        last_n = key_start + tl.maximum(tl.cdiv(key_end - key_start, BLOCK_N) - 1, 0) * BLOCK_N
+        k = _load_tile(k_base, K, batch, kv_head, key_start, seqlen_k, stride_kn,
+                       BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, True)
         s = tl.dot(q, tl.trans(k))
-        if MASKED:
-            key_pos = start_n + offs_n
-            visible = key_pos[None, :] < seqlen_k
-            if CAUSAL:
-                visible = visible & (key_pos[None, :] <= offs_m[:, None] + diagonal)
-            s = tl.where(visible, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row with no visible key so far keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_shift[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            m_shift = m_new
-            p = tl.math.exp2(s * qk_scale - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = _load_tile(v_base, V, batch, kv_head, start_n, seqlen_k, stride_vn,
-                       BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        for start_n in range(key_start, key_end, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            next_n = tl.minimum(start_n + BLOCK_N, last_n)
+            k_next = _load_tile(k_base, K, batch, kv_head, next_n, seqlen_k, stride_kn,
+                                BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
+            s_next = tl.dot(q, tl.trans(k_next))
+            v = _load_tile(v_base, V, batch, kv_head, start_n, seqlen_k, stride_vn,
+                           BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
+            acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, offs_m, start_n, seqlen_k, diagonal,
+                                                 qk_scale, BLOCK_N, MASKED, CAUSAL)
+            s = s_next
+    else:
+        for start_n in range(key_start, key_end, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            k = _load_tile(k_base, K, batch, kv_head, start_n, seqlen_k, stride_kn,
+                           BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
+            s = tl.dot(q, tl.trans(k))
+            v = _load_tile(v_base, V, batch, kv_head, start_n, seqlen_k, stride_vn,
+                           BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
+            acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, offs_m, start_n, seqlen_k, diagonal,
+                                                 qk_scale, BLOCK_N, MASKED, CAUSAL)
     return acc, l_i, m_i
 
 
@@ -106,7 +136,7 @@ def _attention_forward_kernel(
     stride_ob, stride_oh, stride_om,
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, PIPELINE_QK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -144,10 +174,10 @@ def _attention_forward_kernel(
 
     acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, kv_head,
                                       stride_kn, stride_vn, 0, full_end, seqlen_k, diagonal, qk_scale,
-                                      BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL, USE_TMA)
+                                      BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL, USE_TMA, PIPELINE_QK)
     acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, kv_head,
                                       stride_kn, stride_vn, full_end, key_end, seqlen_k, diagonal, qk_scale,
-                                      BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL, USE_TMA)
+                                      BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL, USE_TMA, PIPELINE_QK)
 
     no_key = l_i == 0.0
     l_safe = tl.where(no_key, 1.0, l_i)
@@ -203,6 +233,7 @@ def attention_forward(
     common = dict(
         num_q_heads=num_q_heads, group_size=num_q_heads // k.shape[1], seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         qk_scale=qk_scale, HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, USE_TMA=use_tma,
+        PIPELINE_QK=tiles.pipeline_qk,
     )
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])
 
