@@ -19,8 +19,9 @@ import triton
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashmoe_science.attention.tiles import AttentionTiles, forward_smem_bytes, device_traits
+from flashmoe_science.attention.tiles import AttentionTiles, forward_smem_bytes, device_traits, padded_head_dim
 from flashmoe_science.attention import triton_fwd
+from flashmoe_science.attention.hopper import fwd_sm90
 
 
 def flops(b, h, l, d, causal):
@@ -71,19 +72,28 @@ def main():
             out = torch.empty_like(q)
             lse = torch.empty(q.shape[:3], device="cuda")
             best = None
-            shapes = [(64, 128, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2)]
-            for (bm, bn, warps, stages), tma, pipe in itertools.product(shapes, (True, False), (True, False)):
-                tiles = AttentionTiles(bm, bn, warps, stages, tma, pipe)
-                if forward_smem_bytes(tiles, d, 2) > traits.smem_per_block - 8192:
+            triton_configs = [("triton", AttentionTiles(*c)) for c in (
+                (64, 128, 4, 2, True), (64, 64, 4, 3, True), (128, 64, 8, 3, False), (128, 64, 8, 2, True))]
+            sm90_configs = [("sm90", AttentionTiles(*c, use_tma=True)) for c in (
+                (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4),
+                (64, 128, 4, 2), (64, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4), (128, 32, 8, 3))]
+            for kernel, tiles in triton_configs + sm90_configs:
+                if forward_smem_bytes(tiles, d, 2) > traits.smem_per_block - 2048:
                     continue
                 try:
-                    fn = lambda: triton_fwd.attention_forward(q, k, v, out, lse, causal, d**-0.5, tiles)  # noqa: E731
+                    if kernel == "sm90":
+                        fn = lambda: fwd_sm90.attention_forward_sm90(  # noqa: E731
+                            q, k, v, out, lse, causal, d**-0.5, tiles, padded_head_dim(d))
+                    else:
+                        fn = lambda: triton_fwd.attention_forward(q, k, v, out, lse, causal, d**-0.5, tiles)  # noqa: E731
                     kern = fn()
+                    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    err = (out.float() - ref.float()).abs().max().item()
                     ms = bench(fn)
                 except Exception as e:  # noqa: BLE001
                     print(f"  {tiles} failed: {type(e).__name__}: {str(e)[:200]}")
                     continue
-                rec = {**tiles.as_dict(), "ms": ms, "tflops": fl / ms / 1e9,
+                rec = {**tiles.as_dict(), "kernel": kernel, "max_err_vs_sdpa": err, "ms": ms, "tflops": fl / ms / 1e9,
                        "regs": getattr(kern, "n_regs", None), "spills": getattr(kern, "n_spills", None),
                        "smem": kern.metadata.shared}
                 row["configs"].append(rec)
@@ -94,7 +104,7 @@ def main():
             top = row["configs"][:3]
             print(f"B{b} H{h} L{l} D{d} causal={causal}: cudnn {row['cudnn'] or 0:.0f} fa2 {row['fa2'] or 0:.0f} | "
                   + " | ".join(f"{r['block_m']}x{r['block_n']} w{r['num_warps']} s{r['num_stages']} "
-                               f"{'tma' if r['use_tma'] else 'ptr'}{'+pipe' if r['pipeline_qk'] else ''} {r['tflops']:.0f} (r{r['regs']} sp{r['spills']})"
+                               f"{r['kernel']}{'' if r['use_tma'] else '-ptr'} {r['tflops']:.0f} err{r['max_err_vs_sdpa']:.1e} (r{r['regs']} sp{r['spills']})"
                                for r in top), flush=True)
             if best is not None:
                 row["best_sass_summary"] = sass_summary(best[1].asm["cubin"])

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from flashmoe_science.attention import reference
-from flashmoe_science.attention.tiles import AttentionTiles, device_traits, forward_tiles
+from flashmoe_science.attention.tiles import ForwardPlan, device_traits, forward_tiles, sm90_forward_tiles
 
-BACKENDS = ("auto", "triton", "reference")
+BACKENDS = ("auto", "hopper", "triton", "reference")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -111,37 +111,74 @@ def _normalise(q, k, v, softmax_scale) -> _Problem:
 def describe_dispatch(q, k, v, *, causal: bool = False, backend: str = "auto") -> Dispatch:
     """Which kernel `flash_attention_science` would run for these inputs, and why."""
     _check_inputs(q, k, v, None, backend)
-    return _dispatch(q, causal, backend)
+    choice, _ = _dispatch(q, k, v, causal, backend)
+    return choice
 
 
-def _dispatch(q: torch.Tensor, causal: bool, backend: str) -> Dispatch:
+def _hopper_unavailable(q, k, v) -> str | None:
+    """Why the Gluon sm_90 kernel cannot take this call, or None when it can."""
+    from flashmoe_science.attention.triton_fwd import tma_compatible
+
+    if not q.is_cuda or not device_traits(q.device).is_hopper:
+        return "it needs a Hopper (sm_90) GPU"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"it runs bf16/fp16, not {q.dtype}"
+    if not _gluon_available():
+        return "triton.experimental.gluon is not available"
+    if not tma_compatible(q, k, v):
+        return "TMA needs a unit last stride and 16-byte aligned base addresses and strides"
+    return None
+
+
+def _gluon_available() -> bool:
+    try:
+        import flashmoe_science.attention.hopper.fwd_sm90  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[Dispatch, ForwardPlan | None]:
     if backend == "reference":
-        return Dispatch("reference", "reference.attention_reference", "backend='reference' was requested")
+        return Dispatch("reference", "reference.attention_reference", "backend='reference' was requested"), None
     if backend == "auto" and not q.is_cuda:
-        return Dispatch("reference", "reference.attention_reference", f"{q.device.type} tensors run the PyTorch reference")
+        return Dispatch("reference", "reference.attention_reference", f"{q.device.type} tensors run the PyTorch reference"), None
     if backend == "auto" and q.dtype == torch.float64:
-        return Dispatch("reference", "reference.attention_reference", "float64 has no tensor-core kernel")
-    if backend == "triton" and not q.is_cuda and not _triton_interpreter_on():
+        return Dispatch("reference", "reference.attention_reference", "float64 has no tensor-core kernel"), None
+    if backend in ("triton", "hopper") and not q.is_cuda and not _triton_interpreter_on():
         raise ValueError(
-            "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 to run the Triton kernels on the CPU "
+            f"backend={backend!r} needs CUDA tensors, or TRITON_INTERPRET=1 to run the Triton kernels on the CPU "
             f"(slow; for tests), got tensors on {q.device}"
         )
     if q.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"backend='triton' supports bfloat16, float16 and float32, got {q.dtype}")
+        raise TypeError(f"backend={backend!r} supports bfloat16, float16 and float32, got {q.dtype}")
+
+    if backend in ("auto", "hopper"):
+        why_not = _hopper_unavailable(q, k, v)
+        if why_not is None:
+            tiles = sm90_forward_tiles(q.shape[-1], causal)
+            why = (f"{'auto picks' if backend == 'auto' else 'requested'} the Gluon sm_90 kernel (TMA, async wgmma, "
+                   f"softmax overlapped with P·V); tiles {tiles.block_m}x{tiles.block_n}, {tiles.num_warps} warps, "
+                   f"{tiles.num_stages} stages")
+            return Dispatch("hopper", "hopper.fwd_sm90.attention_forward_sm90_kernel", why, tiles.as_dict()), \
+                ForwardPlan("sm90", tiles)
+        if backend == "hopper":
+            raise ValueError(f"backend='hopper' cannot run this call: {why_not}")
     traits = device_traits(q.device)
     tiles = forward_tiles(q.shape[-1], q.dtype, causal, traits)
     where = "the Triton interpreter" if not q.is_cuda else f"sm_{traits.capability[0]}{traits.capability[1]}"
     why = (
-        f"{'auto picks' if backend == 'auto' else 'requested'} the portable Triton kernel on {where}; "
-        f"tiles {tiles.block_m}x{tiles.block_n}, {tiles.num_warps} warps, {tiles.num_stages} stages"
+        f"{'auto picks' if backend == 'auto' else 'requested'} the portable Triton kernel on {where}"
+        + (f" (the sm_90 kernel is out: {_hopper_unavailable(q, k, v)})" if backend == "auto" and q.is_cuda else "")
+        + f"; tiles {tiles.block_m}x{tiles.block_n}, {tiles.num_warps} warps, {tiles.num_stages} stages"
         + (", TMA descriptors" if tiles.use_tma else ", pointer loads")
     )
-    return Dispatch("triton", "triton_fwd._attention_forward_kernel", why, tiles.as_dict())
+    return Dispatch("triton", "triton_fwd._attention_forward_kernel", why, tiles.as_dict()), ForwardPlan("triton", tiles)
 
 
-def _check_triton_layout(prob: _Problem) -> None:
-    for name, t in (("q", prob.q), ("k", prob.k), ("v", prob.v)):
-        if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
+def _check_triton_layout(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(
                 f"{name} must have a contiguous last dim (stride 1) for the Triton kernels, got strides "
                 f"{tuple(t.stride())}; pass {name}.contiguous() (the kernels never copy inputs behind your back)"
@@ -152,22 +189,33 @@ class _TritonAttention(torch.autograd.Function):
     """Forward through the Triton kernel; saves only out and lse for the backward (O(L) memory)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, tiles, deterministic):
-        from flashmoe_science.attention.triton_fwd import attention_forward
-
-        out = torch.empty_like(q)  # keeps q's strides when q is dense (e.g. a transposed (B, L, H, D) buffer)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        attention_forward(q, k, v, out, lse, causal, softmax_scale, tiles)
+    def forward(ctx, q, k, v, causal, softmax_scale, plan, deterministic):
+        out, lse = _kernel_forward(q, k, v, causal, softmax_scale, plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # double backward raises "trying to differentiate twice ..."
     def backward(ctx, grad_out, grad_lse):
-        raise NotImplementedError(
-            "the Triton attention backward is not available yet; use backend='reference' to differentiate"
-        )
+        # grad_lse is always None or zeros: lse is marked non-differentiable.
+        from flashmoe_science.attention.tiles import backward_tiles
+        from flashmoe_science.attention.triton_bwd import attention_backward
+
+        q, k, v, out, lse = ctx.saved_tensors
+        need_dq, need_dk, need_dv = ctx.needs_input_grad[:3]
+        if grad_out.stride(-1) != 1:  # e.g. the stride-0 gradient of out.sum(): the kernels need unit last stride
+            grad_out = grad_out.contiguous()
+        dq = torch.empty_like(q) if need_dq else None  # empty_like keeps the input's strides when it is dense
+        dk = torch.empty_like(k) if need_dk or need_dv else None
+        dv = torch.empty_like(v) if need_dk or need_dv else None
+        if need_dq or need_dk or need_dv:
+            tiles = backward_tiles(q.shape[-1], q.dtype, ctx.causal, device_traits(q.device))
+            delta = torch.empty_like(lse)
+            # Two passes, no atomics: bit-identical gradients run to run whatever ctx.deterministic says.
+            attention_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, ctx.causal, ctx.softmax_scale, tiles)
+        return (dq, dk if need_dk else None, dv if need_dv else None, None, None, None, None)
 
 
 class _NoKeys(torch.autograd.Function):
@@ -184,15 +232,32 @@ class _NoKeys(torch.autograd.Function):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
-def _run_triton(q4, k4, v4, causal, scale, deterministic) -> tuple[torch.Tensor, torch.Tensor]:
-    tiles: AttentionTiles = forward_tiles(q4.shape[-1], q4.dtype, causal, device_traits(q4.device))
-    return _TritonAttention.apply(q4, k4, v4, causal, scale, tiles, deterministic)
+def _kernel_forward(q, k, v, causal, softmax_scale, plan: ForwardPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(q)  # keeps q's strides when q is dense (e.g. a transposed (B, L, H, D) buffer)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    if plan.kernel == "sm90":
+        from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90
+        from flashmoe_science.attention.tiles import padded_head_dim
+
+        attention_forward_sm90(q, k, v, out, lse, causal, softmax_scale, plan.tiles, padded_head_dim(q.shape[-1]))
+    else:
+        from flashmoe_science.attention.triton_fwd import attention_forward
+
+        attention_forward(q, k, v, out, lse, causal, softmax_scale, plan.tiles)
+    return out, lse
 
 
-def _run(backend: str, q4, k4, v4, causal, scale, deterministic):
-    if backend == "reference":
+def _run_kernel(plan: ForwardPlan, q4, k4, v4, causal, scale, deterministic) -> tuple[torch.Tensor, torch.Tensor]:
+    if torch.is_grad_enabled() and (q4.requires_grad or k4.requires_grad or v4.requires_grad):
+        return _TritonAttention.apply(q4, k4, v4, causal, scale, plan, deterministic)
+    # Inference: skip autograd's bookkeeping, a measurable share of host time on small problems.
+    return _kernel_forward(q4, k4, v4, causal, scale, plan)
+
+
+def _run(plan: ForwardPlan | None, q4, k4, v4, causal, scale, deterministic):
+    if plan is None:
         return reference.attention_reference(q4, k4, v4, causal, scale)
-    return _run_triton(q4, k4, v4, causal, scale, deterministic)
+    return _run_kernel(plan, q4, k4, v4, causal, scale, deterministic)
 
 
 def flash_attention_science(
@@ -230,35 +295,28 @@ def flash_attention_science(
         `out` with q's shape and dtype, or `(out, lse)` when `return_lse=True`.
     """
     _check_inputs(q, k, v, softmax_scale, backend)
-    choice = _dispatch(q, causal, backend)
+    choice, plan = _dispatch(q, k, v, causal, backend)
     prob = _normalise(q, k, v, softmax_scale)
-    if choice.backend == "triton":
-        _check_triton_layout(prob)
+    if plan is not None:
+        _check_triton_layout(q, k, v)
 
-    lq = q.shape[-2]
-    hq = q.shape[-3] if q.dim() >= 3 else 1
     if q.numel() == 0 or k.shape[-2] == 0:
         # Nothing to attend over (or nobody asking): zero output, -inf log-sum-exp; still differentiable.
         out = _NoKeys.apply(q, k, v)
-        lse = torch.full((*q.shape[:-3], hq, lq), float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
 
     if prob.q is not None and prob.k is not None and prob.v is not None:
-        out4, lse4 = _run(choice.backend, prob.q, prob.k, prob.v, causal, prob.softmax_scale, deterministic)
-        if prob.user_ndim == 2:
-            out, lse = out4[0, 0], lse4[0, 0]
-        elif prob.user_ndim == 3:
-            out, lse = out4[0], lse4[0]
-        else:
-            out, lse = out4.view(q.shape), lse4.view(*prob.lead_shape, hq, lq)
+        out4, lse4 = _run(plan, prob.q, prob.k, prob.v, causal, prob.softmax_scale, deterministic)
+        out, lse = out4.view(q.shape), lse4.view(q.shape[:-1])
     else:
         # Leading dims whose strides cannot merge into one batch dim: run each leading index on its own
         # (no input copies; the outputs are stacked).
         outs, lses = [], []
         for index in itertools.product(*(range(n) for n in q.shape[:-4])):
-            o, l = _run(choice.backend, q[index], k[index], v[index], causal, prob.softmax_scale, deterministic)
+            o, l = _run(plan, q[index], k[index], v[index], causal, prob.softmax_scale, deterministic)
             outs.append(o)
             lses.append(l)
         out = torch.stack(outs).view(q.shape)
-        lse = torch.stack(lses).view(*q.shape[:-3], hq, lq)
+        lse = torch.stack(lses).view(q.shape[:-1])
     return (out, lse) if return_lse else out

@@ -22,7 +22,6 @@ class AttentionTiles:
     num_warps: int
     num_stages: int
     use_tma: bool = False
-    pipeline_qk: bool = False  # issue the next tile's q kᵀ before this tile's softmax (see triton_fwd)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -73,6 +72,7 @@ def forward_smem_bytes(tiles: AttentionTiles, head_dim: int, elem_bytes: int) ->
     return q_tile + max(tiles.num_stages, 1) * kv_stage
 
 
+@functools.lru_cache(maxsize=None)
 def forward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: DeviceTraits) -> AttentionTiles:
     """The forward kernel's tile shape for one call."""
     if traits is INTERPRETER_TRAITS:
@@ -87,7 +87,7 @@ def forward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: Devic
         if block_d <= 64:
             tiles = AttentionTiles(64, 128, 4, 2, use_tma=True)
         elif block_d <= 128:
-            tiles = AttentionTiles(128, 64, 8, 3, use_tma=False)
+            tiles = AttentionTiles(64, 64, 4, 3, use_tma=True)
         else:
             tiles = AttentionTiles(128, 64, 8, 2, use_tma=True)
     elif traits.capability[0] >= 8:
@@ -140,7 +140,7 @@ def backward_tiles(
     ``block_m``-row tiles of q and dO (``num_stages`` deep). ``dq``: each program keeps ``block_m`` rows of q, dO and
     the fp32 dQ resident and streams ``block_n``-key tiles of K and V. The resident tile is the wide one; the
     streamed one is narrower, since four products per tile pair keep more operands live than the forward's two.
-    Not yet measured on an H200: starting points, to be tuned (``causal`` is accepted for that).
+    Not yet timed on an H200: starting points, to be tuned (``causal`` is accepted for that).
     """
     if traits is INTERPRETER_TRAITS:
         # Small tiles keep the interpreter fast and put diagonal, full and ragged tiles into tiny tests.
@@ -150,12 +150,14 @@ def backward_tiles(
     block_d = padded_head_dim(head_dim)
     elem_bytes = torch.finfo(dtype).bits // 8
     if traits.capability[0] >= 9:
+        # Chosen offline (sm_90 cubins from triton 3.6, no GPU run yet) as the largest tiles whose registers fit
+        # 255/thread with no or little spilling (dK/dV at D=128: ~120 B/thread, D=256: ~144 B/thread).
         if block_d <= 64:
-            dkdv, dq = AttentionTiles(64, 128, 8, 3), AttentionTiles(128, 64, 8, 3)
+            dkdv, dq = AttentionTiles(32, 128, 8, 2), AttentionTiles(128, 64, 8, 3)
         elif block_d <= 128:
-            dkdv, dq = AttentionTiles(64, 128, 8, 2), AttentionTiles(128, 64, 8, 2)
+            dkdv, dq = AttentionTiles(32, 128, 8, 2), AttentionTiles(128, 64, 8, 2)
         else:
-            dkdv, dq = AttentionTiles(32, 64, 8, 2), AttentionTiles(64, 64, 8, 2)
+            dkdv, dq = AttentionTiles(16, 64, 8, 2), AttentionTiles(64, 32, 8, 2)
     elif traits.capability[0] >= 8:
         if block_d <= 128:
             dkdv, dq = AttentionTiles(32, 64, 4, 2), AttentionTiles(64, 32, 4, 2)
@@ -184,3 +186,27 @@ def backward_tiles(
         else:
             dq = AttentionTiles(dq.block_m // 2, dq.block_n, dq.num_warps, dq.num_stages)
     return dkdv, dq
+
+
+# --- Hopper (sm_90) Gluon forward -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ForwardPlan:
+    """Which forward kernel runs and with which tiles: "triton" (triton_fwd) or "sm90" (hopper/fwd_sm90)."""
+
+    kernel: str
+    tiles: AttentionTiles
+
+
+@functools.lru_cache(maxsize=None)
+def sm90_forward_tiles(head_dim: int, causal: bool) -> AttentionTiles:
+    """Tiles of the Gluon sm_90 kernel. Its warps split the query rows 16 each: block_m = 16 * num_warps.
+
+    Measured on an H200 (docs/perf-notes.md). Registers bound the tile: the score tile, the bf16 P operand
+    and the fp32 output accumulator all live in registers (about 240 of 255 at D=128 with 128x128).
+    """
+    block_d = padded_head_dim(head_dim)
+    if block_d <= 64:
+        return AttentionTiles(128, 128, 8, 3, use_tma=True)
+    if block_d <= 128:
+        return AttentionTiles(128, 128, 8, 2, use_tma=True)
+    return AttentionTiles(128, 64, 8, 2, use_tma=True)

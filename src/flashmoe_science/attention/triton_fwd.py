@@ -26,6 +26,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashmoe_science.attention.tiles import (
     AttentionTiles,
@@ -90,40 +91,17 @@ def _attend_key_tiles(acc, l_i, m_i, q, offs_m,
                       k_base, v_base, K, V, batch, kv_head, stride_kn, stride_vn,
                       key_start, key_end, seqlen_k, diagonal, qk_scale,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
-                      PIPELINE_QK: tl.constexpr):
-    """Fold key tiles [key_start, key_end) into the running (acc, l, m). MASKED tiles apply bounds/causal masks.
-
-    PIPELINE_QK issues the next tile's q kᵀ before the current tile's softmax: the two are independent, so the
-    tensor cores work on the next scores while the warps do the exp2/max/sum of this tile.
-    """
-    if PIPELINE_QK:
-        # Tile starts stay inside the range (the last is recomputed once, unused) so no load leaves it.
-        last_n = key_start + tl.maximum(tl.cdiv(key_end - key_start, BLOCK_N) - 1, 0) * BLOCK_N
-        k = _load_tile(k_base, K, batch, kv_head, key_start, seqlen_k, stride_kn,
-                       BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, True)
+                      MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr):
+    """Fold key tiles [key_start, key_end) into the running (acc, l, m). MASKED tiles apply bounds/causal masks."""
+    for start_n in range(key_start, key_end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k = _load_tile(k_base, K, batch, kv_head, start_n, seqlen_k, stride_kn,
+                       BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
         s = tl.dot(q, tl.trans(k))
-        for start_n in range(key_start, key_end, BLOCK_N):
-            start_n = tl.multiple_of(start_n, BLOCK_N)
-            next_n = tl.minimum(start_n + BLOCK_N, last_n)
-            k_next = _load_tile(k_base, K, batch, kv_head, next_n, seqlen_k, stride_kn,
-                                BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
-            s_next = tl.dot(q, tl.trans(k_next))
-            v = _load_tile(v_base, V, batch, kv_head, start_n, seqlen_k, stride_vn,
-                           BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
-            acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, offs_m, start_n, seqlen_k, diagonal,
-                                                 qk_scale, BLOCK_N, MASKED, CAUSAL)
-            s = s_next
-    else:
-        for start_n in range(key_start, key_end, BLOCK_N):
-            start_n = tl.multiple_of(start_n, BLOCK_N)
-            k = _load_tile(k_base, K, batch, kv_head, start_n, seqlen_k, stride_kn,
-                           BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
-            s = tl.dot(q, tl.trans(k))
-            v = _load_tile(v_base, V, batch, kv_head, start_n, seqlen_k, stride_vn,
-                           BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
-            acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, offs_m, start_n, seqlen_k, diagonal,
-                                                 qk_scale, BLOCK_N, MASKED, CAUSAL)
+        v = _load_tile(v_base, V, batch, kv_head, start_n, seqlen_k, stride_vn,
+                       BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, offs_m, start_n, seqlen_k, diagonal,
+                                             qk_scale, BLOCK_N, MASKED, CAUSAL)
     return acc, l_i, m_i
 
 
@@ -136,7 +114,7 @@ def _attention_forward_kernel(
     stride_ob, stride_oh, stride_om,
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, PIPELINE_QK: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -174,10 +152,10 @@ def _attention_forward_kernel(
 
     acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, kv_head,
                                       stride_kn, stride_vn, 0, full_end, seqlen_k, diagonal, qk_scale,
-                                      BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL, USE_TMA, PIPELINE_QK)
+                                      BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL, USE_TMA)
     acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, kv_head,
                                       stride_kn, stride_vn, full_end, key_end, seqlen_k, diagonal, qk_scale,
-                                      BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL, USE_TMA, PIPELINE_QK)
+                                      BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL, USE_TMA)
 
     no_key = l_i == 0.0
     l_safe = tl.where(no_key, 1.0, l_i)
@@ -196,25 +174,34 @@ def _attention_forward_kernel(
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=mask)
 
 
-def _tma_descriptor(t: torch.Tensor, block_rows: int, block_d: int):
-    from triton.tools.tensor_descriptor import TensorDescriptor
+def _tma_descriptor(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDescriptor:
+    """A rank-4 TMA descriptor over t's own strides (already checked by `tma_compatible`).
 
+    Built without TensorDescriptor's re-validation: this runs on every call and host time matters for small
+    problems (the GPU idles while Python prepares a launch).
+    """
+    shape, strides = list(t.shape), list(t.stride())
     # Size-1 dims are never stepped over, but TMA still wants every outer stride 16-byte aligned.
-    strides = list(t.stride())
     for dim in (2, 1, 0):
-        if t.shape[dim] == 1:
-            strides[dim] = t.shape[dim + 1] * strides[dim + 1]
-    return TensorDescriptor(t, list(t.shape), strides, [1, 1, block_rows, block_d])
+        if shape[dim] == 1:
+            strides[dim] = shape[dim + 1] * strides[dim + 1]
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = t, shape, strides, [1, 1, block_rows, block_d], "zero"
+    return desc
 
 
 def tma_compatible(*tensors: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned base addresses and outer strides (size-1 dims excepted)."""
+    """TMA needs a unit last stride, 16-byte aligned base addresses and outer strides (size-1 dims excepted).
+
+    Holds for any rank: every view the API derives (merged leading dims, unsqueezed 2-D/3-D) keeps the property.
+    """
     for t in tensors:
-        elem = t.element_size()
-        if t.data_ptr() % 16:
+        align = 16 // t.element_size()
+        if t.data_ptr() % 16 or (t.shape[-1] > 1 and t.stride(-1) != 1):
             return False
-        if any(t.shape[d] > 1 and (t.stride(d) * elem) % 16 for d in range(3)):
-            return False
+        for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
+            if size > 1 and stride % align:
+                return False
     return True
 
 
@@ -233,7 +220,6 @@ def attention_forward(
     common = dict(
         num_q_heads=num_q_heads, group_size=num_q_heads // k.shape[1], seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         qk_scale=qk_scale, HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, USE_TMA=use_tma,
-        PIPELINE_QK=tiles.pipeline_qk,
     )
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])
 

@@ -61,6 +61,7 @@ class Progress:
         self._log_interval_s = log_interval_s
         self._start = time.monotonic()
         self._last_log = -math.inf
+        self._last_logged_count = None
         self._closed = False
         self._interactive = bool(getattr(self._stream, "isatty", lambda: False)())
 
@@ -117,10 +118,13 @@ class Progress:
             self._stream.flush()
             return
         now = time.monotonic()
-        if force or now - self._last_log >= self._log_interval_s:
+        # at the end: only if the last line logged is not already the final state
+        due = self.count != self._last_logged_count if force else now - self._last_log >= self._log_interval_s
+        if due:
             self._stream.write(self.render() + "\n")
             self._stream.flush()
             self._last_log = now
+            self._last_logged_count = self.count
 
 
 def _format_duration(seconds: float) -> str:
@@ -211,18 +215,19 @@ def today_utc() -> str:
     return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
 
 
-def environment_metadata(commit: str) -> dict:
-    """The JSON envelope's fields: where and with what the numbers were measured."""
+def software_versions() -> dict[str, str | None]:
     return {
-        "gpu": gpu_name(),
         "torch": torch.__version__,
         "triton": triton_version(),
         "cuda": torch.version.cuda,
         "cudnn": cudnn_version(),
         "python": platform.python_version(),
-        "commit": commit,
-        "date": today_utc(),
     }
+
+
+def environment_metadata(commit: str) -> dict:
+    """The JSON envelope's fields: where and with what the numbers were measured."""
+    return {"gpu": gpu_name(), **software_versions(), "commit": commit, "date": today_utc()}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -279,8 +284,20 @@ def geomean(values: Iterable[float | None]) -> float | None:
     return math.exp(sum(math.log(value) for value in present) / len(present))
 
 
+def round_significant(value: float, digits: int = 4) -> float:
+    """Round to `digits` significant digits: keeps 0.000123 TFLOP/s (a CPU run) as well as 456.7 (a GPU run)."""
+    if value == 0 or not math.isfinite(value):
+        return value
+    return round(value, digits - 1 - math.floor(math.log10(abs(value))))
+
+
 def format_number(value: float | None, digits: int = 1) -> str:
-    return NOT_AVAILABLE if value is None else f"{value:.{digits}f}"
+    """`digits` decimals; values below 1 get `digits + 1` significant digits instead, so small numbers stay visible."""
+    if value is None:
+        return NOT_AVAILABLE
+    if 0 < abs(value) < 1:
+        return f"{value:.{digits + 1}g}"
+    return f"{value:.{digits}f}"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -313,6 +330,36 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(headers), rule, *(line(row) for row in rows)])
 
 
+def records_table(
+    records: Sequence[Mapping],
+    row_fields: Sequence[str],
+    columns: Sequence[str] = (),
+    column_key: str = "backend",
+    value_key: str = "tflops",
+    extra_columns: Mapping[str, Callable[[dict[str, float]], str]] | None = None,
+) -> str:
+    """One row per distinct combination of `row_fields`, one column per `column_key` value holding `value_key`
+    ("n/a" where that combination has no record), then `extra_columns`, each computed from the row's
+    {column: value} (e.g. a ratio between two backends). `columns` are always shown, in that order, even if they
+    have no record at all (a backend that failed everywhere); other values that occur follow them."""
+    extra_columns = extra_columns or {}
+    by_row = pivot(records, lambda r: tuple(r.get(name) for name in row_fields), column_key, value_key)
+    columns = list(dict.fromkeys([*columns, *(r[column_key] for r in records)]))
+    rows = [
+        [_cell(value) for value in row]
+        + [format_number(values.get(column)) for column in columns]
+        + [compute(values) for compute in extra_columns.values()]
+        for row, values in by_row.items()
+    ]
+    return format_table([*row_fields, *columns, *extra_columns], rows)
+
+
+def _cell(value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return NOT_AVAILABLE if value is None else str(value)
+
+
 def ordered_columns(present: Iterable[str], preferred_order: Sequence[str]) -> list[str]:
     """The columns that occur, in `preferred_order` first, any others after in order of appearance."""
     present = list(dict.fromkeys(present))
@@ -336,7 +383,7 @@ def plot_panels(
     columns: int = 3,
     log2_x: bool = True,
 ) -> Path | None:
-    """One subplot per panel title, one line per series; saved as PNG. Returns None (with a message) without matplotlib."""
+    """One subplot per panel title, one line per series, saved as PNG; None (and a message) without matplotlib."""
     try:
         import matplotlib
 

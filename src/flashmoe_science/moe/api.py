@@ -48,10 +48,13 @@ def _check_routing_options(renormalize, scoring):
 def _check_router_logits(router_logits, num_tokens=None, num_experts=None):
     _check_tensor("router_logits", router_logits, 2, _FLOAT_DTYPES)
     if num_tokens is not None and router_logits.shape[0] != num_tokens:
-        raise ValueError(f"router_logits must have x.shape[0]={num_tokens} rows, got shape {tuple(router_logits.shape)}")
+        raise ValueError(
+            f"router_logits must have x.shape[0]={num_tokens} rows, got shape {tuple(router_logits.shape)}"
+        )
     if num_experts is not None and router_logits.shape[1] != num_experts:
         raise ValueError(
-            f"router_logits must have num_experts={num_experts} columns (w1.shape[0]), got shape {tuple(router_logits.shape)}"
+            f"router_logits must have num_experts={num_experts} columns (w1.shape[0]), "
+            f"got shape {tuple(router_logits.shape)}"
         )
 
 

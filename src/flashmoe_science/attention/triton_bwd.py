@@ -1,0 +1,314 @@
+"""Attention backward in Triton: FlashAttention-2 work split, scores recomputed tile by tile from q, k and the LSE.
+
+With P = softmax(S), S = q kᵀ · scale, O = P v and dO the incoming gradient:
+
+    dV = Pᵀ dO        dP = dO vᵀ        dS = P ∘ (dP − Δ),  Δ = rowsum(dO ∘ O)        dQ = dS k · scale        dK = dSᵀ q · scale
+
+Read top to bottom:
+
+1. `_bwd_preprocess_kernel` computes Δ (float32, one value per query row) once, so neither pass below needs O.
+2. `_bwd_dkdv_kernel`: one program owns a tile of BLOCK_N keys of one (batch, key/value head) and keeps dK and dV
+   for it in fp32 registers. It loops over the query heads of its GQA group (no repeated K/V, no atomics: the group
+   sum happens in registers) and, per head, over the query tiles that see its keys. P is recomputed as
+   exp2(s · scale · log2 e − lse · log2 e) from the forward's LSE: no (Lq, Lk) buffer exists anywhere.
+3. `_bwd_dq_kernel`: one program owns a tile of BLOCK_M query rows of one (batch, query head) and loops over the
+   key tiles it sees, exactly the forward's loop bounds.
+
+Both passes split their loop into full tiles, which run without any mask arithmetic, and boundary tiles (the causal
+diagonal, ragged sequence ends), which mask; tiles that no row can see are never visited. The visibility rule is
+the forward's: query i sees key j iff j <= i + diagonal, diagonal = Lk − Lq (bottom-right aligned). A query row that
+sees no key (lse = −inf) only ever meets masked tiles, where its P is forced to 0, so its gradients are 0, not NaN.
+
+Determinism: every gradient element is written by exactly one program that sums in a fixed order (no atomics), so
+gradients are bit-identical run to run whatever `deterministic` says; the flag exists for a future fused dQ path.
+
+Tiles, like the forward's, come from `tiles.backward_tiles`. Loads are masked pointer loads (`_load_tile` of the
+forward); head dims that are not a power of two are zero-padded inside, stores are masked.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashmoe_science.attention.tiles import AttentionTiles, padded_head_dim
+from flashmoe_science.attention.triton_fwd import LOG2_E, _load_tile
+
+# Sizes are runtime values, not specialised: every sequence length reuses one compiled kernel (masks handle tails).
+_SIZES = ["num_q_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k"]
+
+
+@triton.jit
+def _forward_key_bounds(start_m, seqlen_k, diagonal,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """For the query tile starting at `start_m`: (full_end, key_end). Key tiles in [0, full_end) are visible to every
+    row of the tile (no mask needed); [full_end, key_end) need masks; keys from key_end on are seen by no row.
+    The same bounds as `_attention_forward_kernel`."""
+    if CAUSAL:
+        key_end = tl.minimum(tl.maximum(start_m + BLOCK_M + diagonal, 0), seqlen_k)
+        full_end = tl.minimum(tl.maximum(start_m + 1 + diagonal, 0) // BLOCK_N * BLOCK_N,
+                              seqlen_k // BLOCK_N * BLOCK_N)
+    else:
+        key_end = seqlen_k
+        full_end = seqlen_k // BLOCK_N * BLOCK_N
+    return full_end, key_end
+
+
+@triton.jit(do_not_specialize=["num_q_heads", "seqlen_q"])
+def _bwd_preprocess_kernel(
+    O, DO, Delta,
+    stride_ob, stride_oh, stride_om,
+    stride_dob, stride_doh, stride_dom,
+    num_q_heads, seqlen_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Δ[b, h, i] = Σ_d dO[b, h, i, d] · O[b, h, i, d] in float32."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = (pid_bh // num_q_heads).to(tl.int64)
+    head = (pid_bh % num_q_heads).to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    o = _load_tile(O + batch * stride_ob + head * stride_oh, O, 0, 0, start_m, seqlen_q, stride_om,
+                   BLOCK_M, BLOCK_D, HEAD_DIM, False, True)
+    do = _load_tile(DO + batch * stride_dob + head * stride_doh, DO, 0, 0, start_m, seqlen_q, stride_dom,
+                    BLOCK_M, BLOCK_D, HEAD_DIM, False, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    tl.store(Delta + pid_bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _dkdv_query_tiles(dk, dv, k, v, offs_n,
+                      q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+                      query_start, query_end, seqlen_q, diagonal, qk_scale,
+                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Add query tiles [query_start, query_end) of one query head into the key tile's (dK, dV).
+
+    Scores are kept transposed, (keys, queries), so dV = Pᵀ dO and dK = dSᵀ q are plain products. MASKED tiles
+    apply the query bound and the causal rule; unmasked tiles are fully visible and fully in bounds."""
+    for start_m in range(query_start, query_end, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_tile(q_base, q_base, 0, 0, start_m, seqlen_q, stride_qm,
+                       BLOCK_M, BLOCK_D, HEAD_DIM, False, MASKED)
+        do = _load_tile(do_base, do_base, 0, 0, start_m, seqlen_q, stride_dom,
+                        BLOCK_M, BLOCK_D, HEAD_DIM, False, MASKED)
+        if MASKED:
+            in_bounds = offs_m < seqlen_q
+            lse2 = tl.load(lse_base + offs_m, mask=in_bounds, other=0.0) * 1.4426950408889634
+            delta = tl.load(delta_base + offs_m, mask=in_bounds, other=0.0)
+        else:
+            lse2 = tl.load(lse_base + offs_m) * 1.4426950408889634
+            delta = tl.load(delta_base + offs_m)
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
+        if MASKED:
+            visible = offs_m[None, :] < seqlen_q
+            if CAUSAL:
+                visible = visible & (offs_n[:, None] <= offs_m[None, :] + diagonal)
+            # where, not a product: a row with lse = -inf has exp2(+inf) here, which must become 0, not NaN.
+            p_t = tl.where(visible, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, Delta, DK, DV,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)  # with causal masking the first key tiles are the heaviest: they run first
+    pid_bh = tl.program_id(1)
+    batch = (pid_bh // num_kv_heads).to(tl.int64)
+    kv_head = pid_bh % num_kv_heads
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+
+    k = _load_tile(K + batch * stride_kb + kv_head.to(tl.int64) * stride_kh, K, 0, 0, start_n, seqlen_k, stride_kn,
+                   BLOCK_N, BLOCK_D, HEAD_DIM, False, True)
+    v = _load_tile(V + batch * stride_vb + kv_head.to(tl.int64) * stride_vh, V, 0, 0, start_n, seqlen_k, stride_vn,
+                   BLOCK_N, BLOCK_D, HEAD_DIM, False, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Query i sees key j iff j <= i + diagonal. Keys past seqlen_k (the ragged last tile) are zero-filled and their
+    # rows of dK/dV are never stored, so only real keys decide which query tiles are full.
+    diagonal = seqlen_k - seqlen_q
+    query_end = (seqlen_q + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    in_bounds_end = seqlen_q // BLOCK_M * BLOCK_M  # query tiles below this have no rows past seqlen_q
+    if CAUSAL:
+        # first query tile in which some row sees the tile's first key; first in which every row sees its last key
+        query_start = tl.maximum(start_n - diagonal, 0) // BLOCK_M * BLOCK_M
+        last_key = tl.minimum(start_n + BLOCK_N, seqlen_k) - 1
+        full_start = (tl.maximum(last_key - diagonal, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    else:
+        query_start = 0
+        full_start = 0
+    # [query_start, full_start): diagonal tiles (masked); [full_start, in_bounds_end): full tiles;
+    # [max(full_start, in_bounds_end), query_end): the ragged query tail (masked).
+    diag_end = tl.minimum(full_start, query_end)
+    tail_start = tl.maximum(full_start, in_bounds_end)
+
+    for g in range(group_size):  # GQA: the group's query heads add into the same registers, in a fixed order
+        q_head = (kv_head * group_size + g).to(tl.int64)
+        q_base = Q + batch * stride_qb + q_head * stride_qh
+        do_base = DO + batch * stride_dob + q_head * stride_doh
+        row0 = (batch * num_q_heads + q_head) * seqlen_q
+        lse_base = LSE + row0
+        delta_base = Delta + row0
+        dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base,
+                                   stride_qm, stride_dom, query_start, diag_end, seqlen_q, diagonal, qk_scale,
+                                   BLOCK_M, BLOCK_D, HEAD_DIM, True, CAUSAL)
+        dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base,
+                                   stride_qm, stride_dom, full_start, in_bounds_end, seqlen_q, diagonal, qk_scale,
+                                   BLOCK_M, BLOCK_D, HEAD_DIM, False, CAUSAL)
+        dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base,
+                                   stride_qm, stride_dom, tail_start, query_end, seqlen_q, diagonal, qk_scale,
+                                   BLOCK_M, BLOCK_D, HEAD_DIM, True, CAUSAL)
+
+    dk = dk * sm_scale
+    cols = tl.arange(0, BLOCK_D)
+    mask = offs_n[:, None] < seqlen_k
+    if BLOCK_D != HEAD_DIM:
+        mask = mask & (cols[None, :] < HEAD_DIM)
+    dk_ptrs = (DK + batch * stride_dkb + kv_head.to(tl.int64) * stride_dkh
+               + offs_n[:, None] * stride_dkn + cols[None, :])
+    dv_ptrs = (DV + batch * stride_dvb + kv_head.to(tl.int64) * stride_dvh
+               + offs_n[:, None] * stride_dvn + cols[None, :])
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dq_key_tiles(dq, q, do, lse2, delta, offs_m,
+                  k_base, v_base, stride_kn, stride_vn,
+                  key_start, key_end, seqlen_k, diagonal, qk_scale,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Add key tiles [key_start, key_end) into the query tile's dQ. MASKED tiles apply bounds/causal masks."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(key_start, key_end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k = _load_tile(k_base, k_base, 0, 0, start_n, seqlen_k, stride_kn,
+                       BLOCK_N, BLOCK_D, HEAD_DIM, False, MASKED)
+        v = _load_tile(v_base, v_base, 0, 0, start_n, seqlen_k, stride_vn,
+                       BLOCK_N, BLOCK_D, HEAD_DIM, False, MASKED)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
+        if MASKED:
+            key_pos = start_n + offs_n
+            visible = key_pos[None, :] < seqlen_k
+            if CAUSAL:
+                visible = visible & (key_pos[None, :] <= offs_m[:, None] + diagonal)
+            p = tl.where(visible, p, 0.0)  # where, not a product: see _dkdv_query_tiles
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, Delta, DQ,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
+    num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest query tiles first, as in the forward
+    batch = (pid_bh // num_q_heads).to(tl.int64)
+    q_head = pid_bh % num_q_heads
+    kv_head = (q_head // group_size).to(tl.int64)
+    q_head = q_head.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+
+    q = _load_tile(Q + batch * stride_qb + q_head * stride_qh, Q, 0, 0, start_m, seqlen_q, stride_qm,
+                   BLOCK_M, BLOCK_D, HEAD_DIM, False, True)
+    do = _load_tile(DO + batch * stride_dob + q_head * stride_doh, DO, 0, 0, start_m, seqlen_q, stride_dom,
+                    BLOCK_M, BLOCK_D, HEAD_DIM, False, True)
+    in_bounds = offs_m < seqlen_q
+    # Rows past seqlen_q read lse = 0 and Δ = 0 with zero q and dO: their dS is 0 and they are never stored.
+    lse2 = tl.load(LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m, mask=in_bounds, other=0.0) * 1.4426950408889634
+    delta = tl.load(Delta + pid_bh.to(tl.int64) * seqlen_q + offs_m, mask=in_bounds, other=0.0)
+    k_base = K + batch * stride_kb + kv_head * stride_kh
+    v_base = V + batch * stride_vb + kv_head * stride_vh
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    diagonal = seqlen_k - seqlen_q
+    full_end, key_end = _forward_key_bounds(start_m, seqlen_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
+    dq = _dq_key_tiles(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kn, stride_vn,
+                       0, full_end, seqlen_k, diagonal, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL)
+    dq = _dq_key_tiles(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kn, stride_vn,
+                       full_end, key_end, seqlen_k, diagonal, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL)
+
+    dq = dq * sm_scale
+    cols = tl.arange(0, BLOCK_D)
+    mask = in_bounds[:, None]
+    if BLOCK_D != HEAD_DIM:
+        mask = mask & (cols[None, :] < HEAD_DIM)
+    dq_ptrs = DQ + batch * stride_dqb + q_head * stride_dqh + offs_m[:, None] * stride_dqm + cols[None, :]
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=mask)
+
+
+def attention_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    grad_out: torch.Tensor, delta: torch.Tensor,
+    dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Tensor | None,
+    causal: bool, softmax_scale: float, tiles: tuple[AttentionTiles, AttentionTiles],
+) -> None:
+    """Launch the backward on checked 4-D tensors and write the gradients in place.
+
+    q/out/grad_out/dq `(B, Hq, Lq, D)`, k/v/dk/dv `(B, Hkv, Lk, D)`, all with unit stride in the last dim; lse the
+    forward's contiguous float32 `(B, Hq, Lq)`; delta a float32 workspace of lse's shape. `dq` None skips the dQ pass;
+    `dk` and `dv` are both given or both None (None skips the dK/dV pass). `tiles` is `backward_tiles(...)`:
+    (dK/dV pass, dQ pass). Deterministic: no atomics, every element written once by one program.
+    """
+    batch, num_q_heads, seqlen_q, head_dim = q.shape
+    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    dkdv_tiles, dq_tiles = tiles
+    block_d = padded_head_dim(head_dim)
+    qk_scale = softmax_scale * LOG2_E
+    group_size = num_q_heads // num_kv_heads
+
+    _bwd_preprocess_kernel[(triton.cdiv(seqlen_q, dq_tiles.block_m), batch * num_q_heads)](
+        out, grad_out, delta, *out.stride()[:3], *grad_out.stride()[:3], num_q_heads, seqlen_q,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dq_tiles.block_m, num_warps=4,
+    )
+    if dk is not None:
+        grid = (triton.cdiv(seqlen_k, dkdv_tiles.block_n), batch * num_kv_heads)
+        _bwd_dkdv_kernel[grid](
+            q, k, v, grad_out, lse, delta, dk, dv,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
+            *dk.stride()[:3], *dv.stride()[:3],
+            num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dkdv_tiles.block_m, BLOCK_N=dkdv_tiles.block_n,
+            CAUSAL=causal, num_warps=dkdv_tiles.num_warps, num_stages=dkdv_tiles.num_stages,
+        )
+    if dq is not None:
+        grid = (triton.cdiv(seqlen_q, dq_tiles.block_m), batch * num_q_heads)
+        _bwd_dq_kernel[grid](
+            q, k, v, grad_out, lse, delta, dq,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *dq.stride()[:3],
+            num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dq_tiles.block_m, BLOCK_N=dq_tiles.block_n,
+            CAUSAL=causal, num_warps=dq_tiles.num_warps, num_stages=dq_tiles.num_stages,
+        )

@@ -1,0 +1,521 @@
+"""Attention benchmark: ours against every SDPA backend and compiled FlexAttention, side by side in one process.
+
+Each measurement times one forward (or one backward) of one backend on one shape and becomes a record:
+    {"op": "attention", "pass", "B", "H", "Hkv", "Lq", "Lk", "D", "causal", "dtype", "backend",
+     "ms", "tflops", "peak_mem_mib"}            (+ "kernel" for our backends: what `describe_dispatch` reports)
+
+How things are measured, and why:
+- GPU: median of `triton.testing.do_bench` (it flushes L2 between calls). CPU: median of `time.perf_counter`.
+- Forward is timed under `torch.no_grad()` (inference; also keeps a not-yet-differentiable kernel measurable).
+  Backward is timed alone: one forward with grads on q, k, v, then `out.backward(dout, retain_graph=True)` repeated.
+- SDPA backends are forced with `sdpa_kernel`, entered once around a whole measurement, not inside the timed call.
+- FlexAttention is `torch.compile(flex_attention)`; its causal block mask is built once per shape, outside timing.
+- `flashmoe` is `flash_attention_science(..., backend="auto")`, `flashmoe-triton` the same with backend="triton".
+  Both are always timed: when they dispatch to the same kernel (their "kernel" fields agree), the difference
+  between the two rows is the run's measurement noise.
+- A backend that raises on a shape (unsupported head dim, out of memory, not differentiable yet) gets no record
+  there; the table shows "n/a" and the run goes on. sdpa-math is skipped up front where its materialised scores
+  would not fit comfortably.
+- TFLOP/s as FlashAttention counts them: forward 4·B·H·Lq·Lk·D, halved when causal; backward 2.5 × forward.
+- All shapes are MHA (Hkv = H) with Lq = Lk unless given otherwise, so SDPA's top-left causal mask and our
+  bottom-right one coincide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from flashmoe_science.bench.report import (
+    Progress,
+    format_number,
+    format_table,
+    geomean,
+    ordered_columns,
+    pivot,
+    plot_panels,
+    ratio,
+    records_table,
+    round_significant,
+    tflops,
+)
+
+OURS = "flashmoe"
+BACKEND_ORDER = ("flashmoe", "flashmoe-triton", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "sdpa-math", "flex")
+CPU_BACKENDS = ("flashmoe", "sdpa-math")
+GPU_BASELINES = ("sdpa-cudnn", "sdpa-flash")  # what our ratio columns compare against
+CPU_BASELINES = ("sdpa-math",)
+PASSES = ("fwd", "bwd")
+BWD_FLOPS_PER_FWD = 2.5  # FlashAttention's convention: backward does 2.5x the forward's matmul work
+
+# The FlashAttention-3 paper's grid: a fixed token count and hidden size, so sequence length trades against batch.
+FA3_TOKENS = 16384  # B * L
+FA3_HIDDEN = 2048  # H * D
+FA3_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+FA3_HEAD_DIMS = (64, 128, 256)
+BRIEF_SEQLENS = (2048, 4096, 8192)  # the design brief's shapes: B=4, H=8, D=64
+
+# sdpa-math materialises fp32 scores (and their softmax and gradient): skip shapes where that would pass ~20 GiB.
+MATH_MEMORY_LIMIT_BYTES = 20 * 2**30
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Shapes and FLOPs
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttentionShape:
+    B: int
+    H: int
+    Lq: int
+    Lk: int
+    D: int
+    causal: bool
+    Hkv: int = field(default=0)  # 0 = same as H (MHA)
+
+    def __post_init__(self):
+        if self.Hkv == 0:
+            object.__setattr__(self, "Hkv", self.H)
+
+    @property
+    def on_fa3_grid(self) -> bool:
+        return self.Lq == self.Lk and self.B * self.Lq == FA3_TOKENS and self.H * self.D == FA3_HIDDEN
+
+    def label(self) -> str:
+        length = f"L={self.Lq}" if self.Lq == self.Lk else f"Lq={self.Lq} Lk={self.Lk}"
+        return f"B={self.B} H={self.H} {length} D={self.D}{' causal' if self.causal else ''}"
+
+
+def attention_flops(shape: AttentionShape, pass_: str) -> float:
+    """FLOPs as FlashAttention counts them (two matmuls of 2·Lq·Lk·D each per head; half the work when causal)."""
+    forward = 4.0 * shape.B * shape.H * shape.Lq * shape.Lk * shape.D
+    if shape.causal:
+        forward /= 2
+    return forward if pass_ == "fwd" else BWD_FLOPS_PER_FWD * forward
+
+
+def _both_causal(B: int, H: int, Lq: int, Lk: int, D: int) -> list[AttentionShape]:
+    return [AttentionShape(B, H, Lq, Lk, D, causal) for causal in (False, True)]
+
+
+def fa3_grid_shapes(
+    seqlens: Sequence[int] = FA3_SEQLENS, head_dims: Sequence[int] = FA3_HEAD_DIMS
+) -> list[AttentionShape]:
+    return [
+        shape
+        for D in head_dims
+        for L in seqlens
+        for shape in _both_causal(FA3_TOKENS // L, FA3_HIDDEN // D, L, L, D)
+    ]
+
+
+def brief_shapes(seqlens: Sequence[int] = BRIEF_SEQLENS) -> list[AttentionShape]:
+    return [shape for L in seqlens for shape in _both_causal(4, 8, L, L, 64)]
+
+
+def gpu_shapes(quick: bool) -> list[AttentionShape]:
+    if quick:  # a subset that runs in well under 2 minutes on an H200
+        return fa3_grid_shapes(seqlens=(1024, 4096), head_dims=(64, 128)) + brief_shapes(seqlens=(2048,))
+    return fa3_grid_shapes() + brief_shapes()
+
+
+def cpu_shapes() -> list[AttentionShape]:
+    return [shape for L in (128, 256) for shape in _both_causal(1, 2, L, L, 64)]
+
+
+def parse_shape(text: str) -> list[AttentionShape]:
+    """"BxHxLxD" or "BxHxLqxLkxD" (e.g. "4x8x2048x64") -> that shape, non-causal and causal."""
+    try:
+        sizes = [int(part) for part in text.lower().split("x")]
+    except ValueError:
+        sizes = []
+    if len(sizes) == 4:
+        B, H, L, D = sizes
+        Lq = Lk = L
+    elif len(sizes) == 5:
+        B, H, Lq, Lk, D = sizes
+    else:
+        raise ValueError(f"shape {text!r}: expected BxHxLxD or BxHxLqxLkxD, e.g. 4x8x2048x64")
+    if min(sizes) <= 0:
+        raise ValueError(f"shape {text!r}: sizes must be positive")
+    return _both_causal(B, H, Lq, Lk, D)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Backends
+# --------------------------------------------------------------------------------------------------------------------
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One contender. `prepare(shape, device)` does per-shape setup outside timing and returns `attend(q, k, v)`;
+    `context()` is entered around a whole measurement; `skip_reason(shape)` says why not to try a shape (or None)."""
+
+    name: str
+    prepare: Callable[[AttentionShape, torch.device], Attend]
+    context: Callable[[], ContextManager] = contextlib.nullcontext
+    skip_reason: Callable[[AttentionShape], str | None] = lambda shape: None
+
+
+def _ours(kernel_backend: str) -> Callable[[AttentionShape, torch.device], Attend]:
+    def prepare(shape: AttentionShape, device: torch.device) -> Attend:
+        from flashmoe_science.attention.api import flash_attention_science
+
+        return lambda q, k, v: flash_attention_science(q, k, v, causal=shape.causal, backend=kernel_backend)
+
+    return prepare
+
+
+def _prepare_sdpa(shape: AttentionShape, device: torch.device) -> Attend:
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
+
+
+def _sdpa_context(kernel: str) -> Callable[[], ContextManager]:
+    def context() -> ContextManager:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel(getattr(SDPBackend, kernel))
+
+    return context
+
+
+def _math_skip_reason(shape: AttentionShape) -> str | None:
+    # fp32 scores, probabilities and (for backward) their gradient, each B·H·Lq·Lk
+    needed = shape.B * shape.H * shape.Lq * shape.Lk * 4 * 3
+    if needed > MATH_MEMORY_LIMIT_BYTES:
+        return f"needs ~{needed / 2**30:.0f} GiB for materialised scores"
+    return None
+
+
+_compiled_flex_attention = None
+
+
+def _compiled_flex() -> Callable:
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        import torch._dynamo.config as dynamo_config
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # every shape (and causal/non-causal, forward/backward) is a separate static-shape compilation; the default
+        # limit of 8 would silently fall back to eager flex_attention partway through the grid
+        limit_name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+        setattr(dynamo_config, limit_name, max(getattr(dynamo_config, limit_name), 1024))
+        for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, max(getattr(dynamo_config, name), 4096))
+                break
+        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex_attention
+
+
+def _prepare_flex(shape: AttentionShape, device: torch.device) -> Attend:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    flex = _compiled_flex()
+    block_mask = None
+    if shape.causal:
+        offset = shape.Lk - shape.Lq  # bottom-right aligned, like ours; 0 for the square shapes benchmarked
+
+        def causal_mask(batch, head, q_index, kv_index):
+            return q_index + offset >= kv_index
+
+        block_mask = create_block_mask(causal_mask, B=None, H=None, Q_LEN=shape.Lq, KV_LEN=shape.Lk, device=device)
+    return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
+
+
+BACKENDS: dict[str, Backend] = {
+    "flashmoe": Backend("flashmoe", _ours("auto")),
+    "flashmoe-triton": Backend("flashmoe-triton", _ours("triton")),
+    "sdpa-cudnn": Backend("sdpa-cudnn", _prepare_sdpa, _sdpa_context("CUDNN_ATTENTION")),
+    "sdpa-flash": Backend("sdpa-flash", _prepare_sdpa, _sdpa_context("FLASH_ATTENTION")),
+    "sdpa-efficient": Backend("sdpa-efficient", _prepare_sdpa, _sdpa_context("EFFICIENT_ATTENTION")),
+    "sdpa-math": Backend("sdpa-math", _prepare_sdpa, _sdpa_context("MATH"), _math_skip_reason),
+    "flex": Backend("flex", _prepare_flex),
+}
+OUR_KERNEL_BACKENDS = {"flashmoe": "auto", "flashmoe-triton": "triton"}  # bench name -> `backend=` argument
+
+
+def describe_our_kernel(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> str | None:
+    """The kernel `describe_dispatch` says our backend `name` runs for these inputs (None if it cannot say)."""
+    if name not in OUR_KERNEL_BACKENDS:
+        return None
+    try:
+        from flashmoe_science.attention.api import describe_dispatch
+
+        return describe_dispatch(q, k, v, causal=causal, backend=OUR_KERNEL_BACKENDS[name]).kernel
+    except Exception:
+        return None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------------------------------
+Timer = Callable[..., float]  # timer(fn, grad_to_none=None) -> median milliseconds
+
+
+def cuda_median_ms(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = None) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, grad_to_none=grad_to_none, return_mode="median")
+
+
+def cpu_median_ms(
+    fn: Callable[[], object],
+    grad_to_none: list[torch.Tensor] | None = None,
+    min_reps: int = 5,
+    max_reps: int = 50,
+    budget_s: float = 0.2,
+) -> float:
+    """Median wall time of `fn`, repeated until `budget_s` seconds or `max_reps` calls (at least `min_reps`)."""
+    times = []
+    started = time.perf_counter()
+    while len(times) < min_reps or (len(times) < max_reps and time.perf_counter() - started < budget_s):
+        for tensor in grad_to_none or ():
+            tensor.grad = None
+        before = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - before)
+    return 1e3 * statistics.median(times)
+
+
+def peak_memory_mib(fn: Callable[[], object], device: torch.device) -> float | None:
+    """Extra peak memory of one call of `fn` on a CUDA device, in MiB (None on CPU: torch does not track it)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    allocated_before = torch.cuda.memory_allocated(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    extra = torch.cuda.max_memory_allocated(device) - allocated_before
+    del result
+    return extra / 2**20
+
+
+def _measure_forward(attend: Attend, q, k, v, timer: Timer, device) -> tuple[float, float | None]:
+    call = lambda: attend(q, k, v)  # noqa: E731
+    with torch.no_grad():
+        call()  # compile / autotune, and surface "unsupported" before anything is timed
+        memory = peak_memory_mib(call, device)
+        return timer(call), memory
+
+
+def _measure_backward(attend: Attend, q, k, v, dout, timer: Timer, device) -> tuple[float, float | None]:
+    q, k, v = (tensor.detach().requires_grad_(True) for tensor in (q, k, v))
+    out = attend(q, k, v)
+    inputs = [q, k, v]
+
+    def backward():
+        out.backward(dout, retain_graph=True)
+
+    def clear_grads():
+        for tensor in inputs:
+            tensor.grad = None
+
+    backward()  # compile, and fail here if this backend has no backward
+    clear_grads()
+    memory = peak_memory_mib(backward, device)
+    clear_grads()
+    return timer(backward, grad_to_none=inputs), memory
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass
+class SkipLog:
+    """Why backends produced no record: {(backend, pass): [count, first reason]}, for a summary after the table."""
+
+    entries: dict[tuple[str, str], list] = field(default_factory=dict)
+
+    def note(self, backend: str, pass_: str, reason: str) -> None:
+        entry = self.entries.setdefault((backend, pass_), [0, reason])
+        entry[0] += 1
+
+    def summary(self) -> str:
+        if not self.entries:
+            return ""
+        lines = ["n/a entries (backend, pass: how many shapes, first reason):"]
+        for (backend, pass_), (count, reason) in self.entries.items():
+            lines.append(f"  {backend} {pass_}: {count} shape(s), {reason}")
+        return "\n".join(lines)
+
+
+def _short_error(error: BaseException) -> str:
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {message}"[:160]
+
+
+def run_attention_bench(
+    shapes: Sequence[AttentionShape],
+    backend_names: Sequence[str],
+    passes: Sequence[str],
+    device: torch.device,
+    dtype: torch.dtype,
+    timer: Timer,
+    progress: Progress,
+    skips: SkipLog | None = None,
+    backends: dict[str, Backend] = BACKENDS,
+) -> list[dict]:
+    """Measure every (shape, backend, pass); return the records. Failures are noted in `skips`, never raised."""
+    skips = skips if skips is not None else SkipLog()
+    progress.set_total(len(shapes) * len(backend_names) * len(passes))
+    records = []
+    for shape in shapes:
+        q = torch.randn(shape.B, shape.H, shape.Lq, shape.D, device=device, dtype=dtype)
+        k = torch.randn(shape.B, shape.Hkv, shape.Lk, shape.D, device=device, dtype=dtype)
+        v = torch.randn(shape.B, shape.Hkv, shape.Lk, shape.D, device=device, dtype=dtype)
+        dout = torch.randn_like(q)
+        for name in backend_names:
+            backend = backends[name]
+            reason = backend.skip_reason(shape)
+            if reason is None:
+                kernel = describe_our_kernel(name, q, k, v, shape.causal)
+                tensors = (q, k, v, dout)
+                records += _measure_backend(backend, shape, passes, tensors, timer, device, kernel, skips, progress)
+            else:
+                for pass_ in passes:
+                    skips.note(name, pass_, reason)
+                progress.update(len(passes), desc=f"{shape.label()} {name} skipped")
+    return records
+
+
+def _measure_backend(backend, shape, passes, tensors, timer, device, kernel, skips, progress) -> list[dict]:
+    q, k, v, dout = tensors
+    records = []
+    with warnings.catch_warnings():
+        # SDPA warns at length about each kernel it cannot use; the table's n/a says it more briefly
+        warnings.simplefilter("ignore")
+        try:
+            attend = backend.prepare(shape, device)
+        except Exception as error:  # e.g. FlexAttention missing from this torch
+            for pass_ in passes:
+                skips.note(backend.name, pass_, _short_error(error))
+            progress.update(len(passes), desc=f"{shape.label()} {backend.name} unavailable")
+            return records
+        for pass_ in passes:
+            try:
+                with backend.context():
+                    if pass_ == "fwd":
+                        ms, memory = _measure_forward(attend, q, k, v, timer, device)
+                    else:
+                        ms, memory = _measure_backward(attend, q, k, v, dout, timer, device)
+            except Exception as error:  # unsupported shape, out of memory, no backward yet: n/a, keep going
+                skips.note(backend.name, pass_, _short_error(error))
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            else:
+                records.append(_record(shape, pass_, backend.name, ms, memory, kernel, q.dtype))
+            progress.update(desc=f"{shape.label()} {backend.name} {pass_}")
+    return records
+
+
+def _record(shape, pass_, backend_name, ms, memory_mib, kernel, dtype) -> dict:
+    record = {
+        "op": "attention",
+        "pass": pass_,
+        "B": shape.B,
+        "H": shape.H,
+        "Hkv": shape.Hkv,
+        "Lq": shape.Lq,
+        "Lk": shape.Lk,
+        "D": shape.D,
+        "causal": shape.causal,
+        "dtype": DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
+        "backend": backend_name,
+        "ms": round_significant(ms),
+        "tflops": round_significant(tflops(attention_flops(shape, pass_), ms)),
+        "peak_mem_mib": None if memory_mib is None else round(memory_mib, 2),
+    }
+    if kernel is not None:
+        record["kernel"] = kernel
+    return record
+
+
+def shape_of(record: dict) -> AttentionShape:
+    fields = ("B", "H", "Lq", "Lk", "D", "causal", "Hkv")
+    return AttentionShape(*(record[name] for name in fields))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reporting
+# --------------------------------------------------------------------------------------------------------------------
+def _baseline_label(baseline: str) -> str:
+    return f"ours/{baseline.removeprefix('sdpa-')}"
+
+
+def attention_table(records: Sequence[dict], baselines: Sequence[str], backend_names: Sequence[str] = ()) -> str:
+    """One row per (pass, shape), one TFLOP/s column per backend (each of `backend_names`, and any other that has
+    records), then our ratio against each baseline."""
+    ratio_columns = {
+        _baseline_label(baseline): (
+            lambda values, baseline=baseline: format_number(ratio(values.get(OURS), values.get(baseline)), 2)
+        )
+        for baseline in baselines
+    }
+    table = records_table(
+        sorted(records, key=lambda r: PASSES.index(r["pass"])),  # all forward rows, then all backward rows
+        row_fields=("pass", "B", "H", "Lq", "Lk", "D", "causal"),
+        columns=ordered_columns([*backend_names, *(r["backend"] for r in records)], BACKEND_ORDER),
+        extra_columns=ratio_columns,
+    )
+    return "TFLOP/s (n/a: backend unsupported or skipped for that shape)\n" + table
+
+
+def summary_records(records: Sequence[dict]) -> tuple[list[dict], str]:
+    """The records the summary and the plot are drawn from: the FA3 grid when the run covered it, else all."""
+    on_grid = [r for r in records if shape_of(r).on_fa3_grid]
+    if on_grid:
+        return on_grid, f"the FlashAttention-3 grid (B·L={FA3_TOKENS}, H·D={FA3_HIDDEN})"
+    return list(records), "all shapes"
+
+
+def geomean_ratios(records: Sequence[dict], baselines: Sequence[str]) -> dict[tuple[int, bool, str], dict]:
+    """{(D, causal, pass): {"shapes": n, baseline: geometric mean over shapes of ours/baseline TFLOP/s}}."""
+    by_shape = pivot(records, row_key=lambda r: (r["D"], r["causal"], r["pass"], shape_of(r)))
+    groups: dict[tuple[int, bool, str], dict[str, list]] = {}
+    for (D, causal, pass_, _shape), tflops_by_backend in by_shape.items():
+        group = groups.setdefault((D, causal, pass_), {baseline: [] for baseline in baselines})
+        for baseline in baselines:
+            group[baseline].append(ratio(tflops_by_backend.get(OURS), tflops_by_backend.get(baseline)))
+    return {
+        key: {
+            "shapes": len(next(iter(per_baseline.values()), [])),
+            **{baseline: geomean(values) for baseline, values in per_baseline.items()},
+        }
+        for key, per_baseline in sorted(groups.items(), key=lambda item: (item[0][2] != "fwd", item[0][:2]))
+    }
+
+
+def geomean_table(records: Sequence[dict], baselines: Sequence[str]) -> str:
+    chosen, description = summary_records(records)
+    summary = geomean_ratios(chosen, baselines)
+    headers = ["pass", "D", "causal", "shapes", *map(_baseline_label, baselines)]
+    rows = [
+        [pass_, str(D), "yes" if causal else "no", str(entry["shapes"])]
+        + [format_number(entry[baseline], 2) for baseline in baselines]
+        for (D, causal, pass_), entry in summary.items()
+    ]
+    return f"Geometric mean of our TFLOP/s ratios over {description}\n" + format_table(headers, rows)
+
+
+def plot_attention(records: Sequence[dict], path, title: str):
+    """TFLOP/s vs sequence length: one subplot per (pass, D, causal), one line per backend."""
+    chosen, description = summary_records(records)
+    panels: dict[str, dict[str, list]] = {}
+    ordered = sorted(chosen, key=lambda r: (r["pass"] != "fwd", r["causal"], r["D"]))
+    for record in ordered:
+        panel = f"{record['pass']} D={record['D']} {'causal' if record['causal'] else 'non-causal'}"
+        panels.setdefault(panel, {}).setdefault(record["backend"], []).append((record["Lq"], record["tflops"]))
+    for panel, series in panels.items():
+        panels[panel] = {name: series[name] for name in ordered_columns(series, BACKEND_ORDER)}
+    return plot_panels(path, panels, xlabel="sequence length", ylabel="TFLOP/s", suptitle=f"{title} ({description})")

@@ -1,0 +1,183 @@
+"""MoE layer benchmark: ours against the two ways PyTorch users run a Mixture-of-Experts FFN today.
+
+Each backend runs the whole layer from router logits: softmax top-k routing (renormalised), SwiGLU experts,
+weighted combine. Records, one per measurement:
+    {"op": "moe", "model", "pass", "T", "E", "top_k", "d_model", "d_ff", "dtype", "backend", "ms", "tflops"}
+
+- ``flashmoe``: ``fused_moe`` (GPU sort by expert, grouped Triton GEMMs with fused gather/SwiGLU/combine).
+- ``torch-loop``: a loop over experts that gathers each expert's tokens and ``index_add_``s the results
+  (the Hugging Face implementation's shape; one host synchronisation per expert).
+- ``torch-grouped-mm``: ``torch._grouped_mm`` over tokens sorted by expert with ``argsort`` (offsets are int32
+  cumulative counts), SwiGLU and weighting as separate ops, ``index_add_`` to combine.
+TFLOP/s count the expert GEMMs only: forward 2·T·k·(2F·d + d·F), backward twice that. GPU times are medians of
+``triton.testing.do_bench``; backward is timed alone (one forward with grads on x, w1, w2 and the router logits,
+then ``torch.autograd.grad`` with the graph retained). A backend that raises on a shape (out of memory, no
+backward) gets no record there and the run goes on. On a CPU-only machine the shapes shrink by 32 in d and F
+and only T=16 runs (a smoke test of the harness, not a measurement).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from flashmoe_science.bench.report import round_significant, tflops
+from flashmoe_science.moe import fused_moe
+
+MODELS = {
+    "mixtral-8x7b": dict(num_experts=8, top_k=2, d_model=4096, d_ff=14336),
+    "qwen3-30b-a3b": dict(num_experts=128, top_k=8, d_model=2048, d_ff=768),
+}
+TOKENS = (1, 16, 256, 4096, 16384)
+QUICK_TOKENS = (16, 4096)
+CPU_TOKENS = (16,)
+CPU_SHRINK = 32
+PASSES = ("fwd", "bwd")
+BACKENDS = ("flashmoe", "torch-loop", "torch-grouped-mm")
+
+
+def expert_gemm_flops(num_tokens: int, top_k: int, d_model: int, d_ff: int, pass_: str) -> float:
+    forward = 2.0 * num_tokens * top_k * (2 * d_ff * d_model + d_model * d_ff)
+    return forward if pass_ == "fwd" else 2.0 * forward
+
+
+# ------------------------------------------------------------------------------------------------ baselines
+def _route(router_logits, top_k):
+    weights, ids = torch.topk(torch.softmax(router_logits.float(), dim=-1), top_k, dim=-1)
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+def torch_loop_moe(x, w1, w2, router_logits, top_k):
+    weights, ids = _route(router_logits, top_k)
+    d_ff = w1.shape[1] // 2
+    out = torch.zeros_like(x)
+    for expert in range(w1.shape[0]):
+        token_idx, slot_idx = torch.where(ids == expert)
+        if token_idx.numel() == 0:
+            continue
+        x_e = x[token_idx]
+        h = F.silu(x_e @ w1[expert, :d_ff].T) * (x_e @ w1[expert, d_ff:].T)
+        y = (h @ w2[expert].T) * weights[token_idx, slot_idx, None].to(x.dtype)
+        out = out.index_add(0, token_idx, y)
+    return out
+
+
+def torch_grouped_mm_moe(x, w1, w2, router_logits, top_k):
+    weights, ids = _route(router_logits, top_k)
+    num_experts = w1.shape[0]
+    d_ff = w1.shape[1] // 2
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    token_of_row = order // top_k
+    offsets = torch.cumsum(torch.bincount(ids.reshape(-1), minlength=num_experts), 0).to(torch.int32)
+    gate_up = torch._grouped_mm(x[token_of_row], w1.transpose(1, 2), offs=offsets)
+    h = F.silu(gate_up[:, :d_ff]) * gate_up[:, d_ff:]
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)
+    y = y * weights.reshape(-1)[order, None].to(x.dtype)
+    return torch.zeros_like(x).index_add(0, token_of_row, y)
+
+
+def _layer(backend):
+    if backend == "flashmoe":
+        return lambda x, w1, w2, logits, top_k: fused_moe(x, w1, w2, logits, top_k)
+    if backend == "torch-loop":
+        return torch_loop_moe
+    return torch_grouped_mm_moe
+
+
+def _available_backends(device):
+    if device.type != "cuda":
+        return ("flashmoe", "torch-loop")
+    return BACKENDS if hasattr(torch, "_grouped_mm") else BACKENDS[:2]
+
+
+# -------------------------------------------------------------------------------------------------- timing
+def _median_ms(fn, device) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _measure(backend, pass_, tensors, top_k, device) -> float:
+    layer = _layer(backend)
+    x, w1, w2, logits = tensors
+    if pass_ == "fwd":
+        with torch.no_grad():
+            return _median_ms(lambda: layer(x, w1, w2, logits, top_k), device)
+    leaves = [t.detach().requires_grad_() for t in tensors]
+    out = layer(*leaves, top_k)
+    grad_out = torch.randn_like(out)
+    return _median_ms(lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True), device)
+
+
+def _make_inputs(num_tokens, num_experts, d_model, d_ff, dtype, device):
+    x = torch.randn(num_tokens, d_model, device=device, dtype=dtype)
+    w1 = torch.randn(num_experts, 2 * d_ff, d_model, device=device, dtype=dtype) / d_model**0.5
+    w2 = torch.randn(num_experts, d_model, d_ff, device=device, dtype=dtype) / d_ff**0.5
+    logits = torch.randn(num_tokens, num_experts, device=device, dtype=dtype)
+    return x, w1, w2, logits
+
+
+def run_moe_bench(quick: bool = False, progress=None) -> list[dict]:
+    """Every backend on every (model, T, pass); returns the records. ``progress``: an object with
+    ``update(n=1, desc=None)`` and ``close()`` (``bench.report.Progress``), or None."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    token_counts = (QUICK_TOKENS if quick else TOKENS) if on_gpu else CPU_TOKENS
+    backends = _available_backends(device)
+    if progress is not None and hasattr(progress, "set_total"):
+        progress.set_total(len(MODELS) * len(token_counts) * len(PASSES) * len(backends))
+
+    records = []
+    for model, shape in MODELS.items():
+        num_experts, top_k = shape["num_experts"], shape["top_k"]
+        shrink = 1 if on_gpu else CPU_SHRINK
+        d_model, d_ff = shape["d_model"] // shrink, shape["d_ff"] // shrink
+        for num_tokens in token_counts:
+            tensors = _make_inputs(num_tokens, num_experts, d_model, d_ff, dtype, device)
+            for pass_ in PASSES:
+                for backend in backends:
+                    step = f"{model} T={num_tokens} {pass_} {backend}"
+                    try:
+                        ms = _measure(backend, pass_, tensors, top_k, device)
+                    except Exception as error:  # a backend that cannot run this shape gets no record
+                        warnings.warn(f"moe bench: {step} skipped: {type(error).__name__}: {error}")
+                        ms = None
+                    if ms is not None:
+                        flops = expert_gemm_flops(num_tokens, top_k, d_model, d_ff, pass_)
+                        records.append(
+                            {
+                                "op": "moe",
+                                "model": model,
+                                "pass": pass_,
+                                "T": num_tokens,
+                                "E": num_experts,
+                                "top_k": top_k,
+                                "d_model": d_model,
+                                "d_ff": d_ff,
+                                "dtype": {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype],
+                                "backend": backend,
+                                "ms": round_significant(ms),
+                                "tflops": round_significant(tflops(flops, ms)),
+                            }
+                        )
+                    if progress is not None:
+                        progress.update(desc=step)
+            del tensors
+            if on_gpu:
+                torch.cuda.empty_cache()
+    if progress is not None:
+        progress.close()
+    return records

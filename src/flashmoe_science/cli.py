@@ -1,0 +1,238 @@
+"""The `flashmoe-science` command.
+
+    flashmoe-science info                 GPU, versions, and which kernel a sample call would use and why
+    flashmoe-science bench [attention]    ours against every SDPA backend and FlexAttention (TFLOP/s, ms, memory)
+    flashmoe-science bench moe            the MoE layer benchmark
+
+`bench` prints a table, writes `<out>/<gpu>-<date>-<commit>.json` and a PNG plot beside it. Without a CUDA GPU it
+runs a small CPU comparison instead, so the command works everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import metadata
+
+import torch
+
+from flashmoe_science.bench import attention as attention_bench
+from flashmoe_science.bench.report import (
+    Progress,
+    environment_metadata,
+    gpu_properties,
+    records_table,
+    resolve_commit,
+    software_versions,
+    write_results,
+)
+
+DEFAULT_OUT = "benchmarks/results"
+INFO_SAMPLE_SHAPE = (2, 8, 1024, 64)  # (B, H, L, D) of the call `info` describes
+# MoE table rows: the fields present among these, in this order ("model"/"config": a name such as "mixtral-8x7b")
+MOE_ROW_FIELDS = ("model", "config", "E", "top_k", "d_model", "d_ff", "T", "pass")
+EXIT_UNAVAILABLE = 2
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# info
+# --------------------------------------------------------------------------------------------------------------------
+def _package_version() -> str:
+    try:
+        return metadata.version("flashmoe-science")
+    except metadata.PackageNotFoundError:  # running from a source tree (PYTHONPATH=src)
+        import flashmoe_science
+
+        return flashmoe_science.__version__
+
+
+def _print_key_values(pairs: list[tuple[str, object]]) -> None:
+    width = max(len(key) for key, _ in pairs)
+    for key, value in pairs:
+        print(f"{key.ljust(width)}  {'n/a' if value is None else value}")
+
+
+def run_info(args: argparse.Namespace) -> int:
+    print(f"flashmoe-science {_package_version()}")
+    props = gpu_properties()
+    if props is None:
+        pairs = [("GPU", "none: no CUDA GPU found (torch.cuda.is_available() is False); CPU calls use the reference")]
+    else:
+        smem = props["smem_per_block_optin_bytes"]
+        l2 = props["l2_bytes"]
+        pairs = [
+            ("GPU", props["name"]),
+            ("compute capability", props["capability"]),
+            ("SMs", props["sm_count"]),
+            ("shared memory/block", None if smem is None else f"{smem} bytes ({smem / 1024:.0f} KiB, opt-in max)"),
+            ("L2 cache", None if l2 is None else f"{l2 / 2**20:.0f} MiB"),
+            ("GPU memory", f"{props['memory_bytes'] / 2**30:.1f} GiB"),
+        ]
+    labels = {"torch": "torch", "triton": "triton", "cuda": "CUDA", "cudnn": "cuDNN", "python": "python"}
+    pairs += [(labels[key], version) for key, version in software_versions().items()]
+    _print_key_values(pairs)
+    print()
+    _print_sample_dispatch()
+    return 0
+
+
+def _print_sample_dispatch() -> None:
+    """Which kernel backend="auto" picks for a sample call, and why (bf16 on a GPU, float32 on the CPU)."""
+    on_gpu = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
+    print(f'backend="auto" for q, k, v of shape {INFO_SAMPLE_SHAPE}, {str(dtype).removeprefix("torch.")} on {device}:')
+    try:
+        from flashmoe_science.attention.api import describe_dispatch
+
+        q, k, v = (torch.randn(INFO_SAMPLE_SHAPE, device=device, dtype=dtype) for _ in range(3))
+    except Exception as error:  # info must keep working while the attention package is half-built
+        print(f"  cannot describe the dispatch: {type(error).__name__}: {error}")
+        return
+    for causal in (False, True):
+        label = "causal" if causal else "non-causal"
+        try:
+            dispatch = describe_dispatch(q, k, v, causal=causal, backend="auto")
+        except Exception as error:
+            print(f"  {label}: describe_dispatch raised {type(error).__name__}: {error}")
+            continue
+        print(f"  {label}: {dispatch.backend} / {dispatch.kernel}")
+        print(f"    why: {dispatch.reason}")
+        if dispatch.tiles:
+            print("    tiles: " + ", ".join(f"{name}={value}" for name, value in dispatch.tiles.items()))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# bench
+# --------------------------------------------------------------------------------------------------------------------
+def _comma_list(allowed: tuple[str, ...] | None = None):
+    """argparse type: "a,b" -> ["a", "b"], each checked against `allowed`."""
+
+    def parse(text: str) -> list[str]:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        unknown = [item for item in items if allowed is not None and item not in allowed]
+        if not items or unknown:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list from {', '.join(allowed)}; got {text!r}")
+        return list(dict.fromkeys(items))
+
+    return parse
+
+
+def _shape_list(text: str) -> list[attention_bench.AttentionShape]:
+    try:
+        return [shape for item in _comma_list()(text) for shape in attention_bench.parse_shape(item)]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
+def _save(args: argparse.Namespace, records: list[dict]):
+    """Write the JSON result (environment + records) and say where."""
+    path = write_results(args.out, environment_metadata(resolve_commit(args.commit)), records)
+    print(f"\nresults: {path}")
+    return path
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.what == "moe":
+        return _bench_moe(args)
+    return _bench_attention(args)
+
+
+def _bench_attention(args: argparse.Namespace) -> int:
+    if torch.cuda.is_available():
+        device, dtype, timer = torch.device("cuda"), torch.bfloat16, attention_bench.cuda_median_ms
+        shapes = args.shapes or attention_bench.gpu_shapes(quick=args.quick)
+        backend_names = args.backends or list(attention_bench.BACKEND_ORDER)
+        baselines = attention_bench.GPU_BASELINES
+        print(f"attention benchmark on {torch.cuda.get_device_name(0)}: bf16, median of triton.testing.do_bench")
+    else:
+        device, dtype, timer = torch.device("cpu"), torch.float32, attention_bench.cpu_median_ms
+        shapes = args.shapes or attention_bench.cpu_shapes()
+        backend_names = args.backends or list(attention_bench.CPU_BACKENDS)
+        baselines = attention_bench.CPU_BASELINES
+        print(
+            "No CUDA GPU found: running a small CPU comparison instead "
+            "(float32; ours = the PyTorch reference; median of time.perf_counter)."
+        )
+    print(f"{len(shapes)} shapes x {len(backend_names)} backends x passes {','.join(args.passes)}", flush=True)
+
+    skips = attention_bench.SkipLog()
+    with Progress(desc="attention") as progress:
+        records = attention_bench.run_attention_bench(
+            shapes, backend_names, args.passes, device, dtype, timer, progress, skips
+        )
+    print()
+    print(attention_bench.attention_table(records, baselines, backend_names))
+    print()
+    print(attention_bench.geomean_table(records, baselines))
+    if skips.entries:
+        print()
+        print(skips.summary())
+
+    path = _save(args, records)
+    if not args.no_plot and records:
+        plot = attention_bench.plot_attention(records, path.with_suffix(".png"), title=f"attention, {path.stem}")
+        if plot is not None:
+            print(f"plot:    {plot}")
+    return 0
+
+
+def _bench_moe(args: argparse.Namespace) -> int:
+    try:
+        from flashmoe_science.bench.moe import run_moe_bench
+    except ImportError as error:
+        print(f"the MoE benchmark is not available in this build ({error})", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    with Progress(desc="moe") as progress:
+        records = run_moe_bench(quick=args.quick, progress=progress)
+    row_fields = [name for name in MOE_ROW_FIELDS if any(name in record for record in records)]
+    print()
+    print("TFLOP/s of the expert GEMMs (n/a: backend unsupported or skipped)")
+    print(records_table(records, row_fields=row_fields))
+    _save(args, records)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# entry point
+# --------------------------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashmoe-science", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", metavar="{info,bench}")
+
+    info = commands.add_parser("info", help="GPU, versions, and which kernel a sample call would use and why")
+    info.set_defaults(handler=run_info)
+
+    bench = commands.add_parser("bench", help="time our kernels against SDPA and FlexAttention (or the MoE layer)")
+    bench.add_argument("what", nargs="?", choices=("attention", "moe"), default="attention")
+    bench.add_argument("--quick", action="store_true", help="a small subset of shapes (under 2 minutes on an H200)")
+    bench.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the JSON and PNG (default {DEFAULT_OUT})")
+    bench.add_argument(
+        "--pass", dest="passes", type=_comma_list(attention_bench.PASSES), default=["fwd"],
+        help="passes to time: fwd (default), bwd, or fwd,bwd",
+    )
+    bench.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+    bench.add_argument("--commit", help="commit to record (default: $FLASHMOE_COMMIT, else git, else 'unknown')")
+    bench.add_argument(
+        "--shapes", type=_shape_list,
+        help="attention shapes instead of the default grid, e.g. 4x8x2048x64,2x16x8192x128 (BxHxLxD; each run "
+        "non-causal and causal)",
+    )
+    bench.add_argument(
+        "--backends", type=_comma_list(attention_bench.BACKEND_ORDER),
+        help=f"attention backends to run (default: all on a GPU): {','.join(attention_bench.BACKEND_ORDER)}",
+    )
+    bench.set_defaults(handler=run_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 1
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

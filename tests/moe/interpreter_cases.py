@@ -1,0 +1,135 @@
+"""The Triton MoE kernels under the CPU interpreter, at small sizes.
+
+Not collected directly (no ``test_`` prefix): ``test_moe_interpreter.py`` runs this file in a subprocess with
+``TRITON_INTERPRET=1``, because Triton decides between compiling and interpreting when a kernel module is
+imported, and other test modules in the same process may already have imported the kernels.
+Run by hand: ``TRITON_INTERPRET=1 PYTHONPATH=src python -m pytest tests/moe/interpreter_cases.py -q``.
+fp16 and fp32 only: bf16 is unreliable under the interpreter (ANCHORS.md).
+"""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 (see test_moe_interpreter.py)", allow_module_level=True)
+
+from flashmoe_science.moe import fused_experts, fused_moe, moe_route  # noqa: E402
+from flashmoe_science.moe.dispatch import sort_pairs_by_expert  # noqa: E402
+from moe_testing import assert_within_budget, make_experts, reference64, torch_loop_same_dtype  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setenv("FLASHMOE_SCIENCE_POISON", "1")
+
+
+def _random_ids(num_tokens, top_k, num_experts):
+    return torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(num_tokens)])
+
+
+@pytest.mark.parametrize(
+    "num_tokens, top_k, num_experts, block_m",
+    [(1, 1, 1, 16), (5, 2, 4, 16), (37, 3, 7, 16), (200, 8, 64, 32), (10, 2, 300, 16)],
+)
+def test_sort_is_a_stable_padded_counting_sort(num_tokens, top_k, num_experts, block_m):
+    ids = _random_ids(num_tokens, top_k, num_experts)
+    if num_tokens > 3:
+        ids[1, 0] = -1  # a dropped slot
+    sort = sort_pairs_by_expert(ids, num_experts, block_m)
+    flat = ids.reshape(-1)
+    num_pairs = flat.numel()
+    counts = torch.bincount(flat[flat >= 0], minlength=num_experts)
+    assert torch.equal(sort.expert_counts.long(), counts)
+    tiles_used = 0
+    for expert in range(num_experts):
+        start, count = int(sort.expert_row_start[expert]), int(counts[expert])
+        assert start == tiles_used * block_m
+        assert torch.equal(sort.sorted_pair_ids[start : start + count].long(), torch.nonzero(flat == expert).flatten())
+        num_tiles = -(-count // block_m)
+        assert torch.all(sort.sorted_pair_ids[start + count : start + num_tiles * block_m] == num_pairs)
+        assert torch.all(sort.tile_expert[tiles_used : tiles_used + num_tiles] == expert)
+        tiles_used += num_tiles
+    assert torch.all(sort.tile_expert[tiles_used:] == -1)
+    routed = flat >= 0
+    assert torch.equal(sort.sorted_pair_ids[sort.pair_row[routed].long()].long(), torch.nonzero(routed).flatten())
+    assert torch.all(sort.pair_row[~routed] == -1)
+
+
+CASES = [
+    # T, d, F, E, k, dtype
+    (1, 32, 32, 4, 2, torch.float32),
+    (19, 48, 40, 5, 2, torch.float32),  # d and F not multiples of the tiles
+    (33, 64, 32, 8, 3, torch.float16),
+    (24, 32, 32, 16, 4, torch.float16),  # more experts than rows per expert: many empty and partial tiles
+]
+
+
+def _forward_backward(x, w1, w2, weights, ids, backend, grad_out):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w2, weights)]
+    out = fused_experts(*leaves, ids, backend=backend)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    return out.detach(), grads
+
+
+def _check_against_float64(x, w1, w2, weights, ids):
+    grad_out = torch.randn(x.shape).to(x.dtype)
+    ours, our_grads = _forward_backward(x, w1, w2, weights, ids, "triton", grad_out)
+
+    leaves64 = [t.detach().double().requires_grad_() for t in (x, w1, w2, weights)]
+    ref = reference64(*leaves64, ids)
+    ref_grads = torch.autograd.grad(ref, leaves64, grad_out.double())
+
+    leaves_same = [t.detach().clone().requires_grad_() for t in (x, w1, w2, weights)]
+    same = torch_loop_same_dtype(*leaves_same, ids)
+    same_grads = torch.autograd.grad(same, leaves_same, grad_out)
+
+    assert_within_budget("out", ours, same, ref)
+    for name, g_ours, g_same, g_ref in zip(("dx", "dw1", "dw2", "dweights"), our_grads, same_grads, ref_grads):
+        assert g_ours.dtype == g_same.dtype
+        assert_within_budget(name, g_ours, g_same, g_ref)
+
+
+@pytest.mark.parametrize("num_tokens, d_model, d_ff, num_experts, top_k, dtype", CASES)
+def test_forward_and_backward_match_float64(num_tokens, d_model, d_ff, num_experts, top_k, dtype):
+    x, w1, w2 = make_experts(num_tokens, d_model, d_ff, num_experts, dtype)
+    weights, ids = moe_route(torch.randn(num_tokens, num_experts), top_k)
+    _check_against_float64(x, w1, w2, weights, ids)
+
+
+def test_all_tokens_to_one_expert_and_dropped_slots():
+    x, w1, w2 = make_experts(40, 32, 32, 4, torch.float32)
+    ids = torch.full((40, 2), 2)
+    ids[:, 1] = -1
+    ids[5, 1] = 0
+    weights = torch.rand(40, 2)
+    _check_against_float64(x, w1, w2, weights, ids)
+
+
+def test_zero_tokens():
+    x, w1, w2 = make_experts(0, 32, 32, 4, torch.float32)
+    x.requires_grad_()
+    w1.requires_grad_()
+    out = fused_moe(x, w1, w2, torch.randn(0, 4), 2, backend="triton")
+    assert out.shape == (0, 32)
+    out.sum().backward()
+    assert torch.all(w1.grad == 0)
+
+
+def test_router_gradient_through_triton_matches_reference():
+    x, w1, w2 = make_experts(12, 32, 32, 6, torch.float32)
+    logits = torch.randn(12, 6, dtype=torch.float32, requires_grad=True)
+    grad_out = torch.randn(12, 32)
+    (ours,) = torch.autograd.grad(fused_moe(x, w1, w2, logits, 2, backend="triton"), logits, grad_out)
+    (ref,) = torch.autograd.grad(fused_moe(x, w1, w2, logits, 2, backend="reference"), logits, grad_out)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_strided_inputs_need_no_copy():
+    x, w1, w2 = make_experts(9, 32, 32, 3, torch.float32)
+    x_t = x.T.contiguous().T  # column-major (T, d)
+    w2_t = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    weights, ids = moe_route(torch.randn(9, 3), 2)
+    out = fused_experts(x_t, w1, w2_t, weights, ids, backend="triton")
+    torch.testing.assert_close(out, fused_experts(x, w1, w2, weights, ids, backend="reference"), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,144 @@
+"""The Triton MoE kernels on the GPU: bf16/fp16/fp32 against float64, forward and backward.
+
+Run on the H200: ``PYTHONPATH=src python -m pytest -m gpu tests/moe/test_moe_gpu.py -q``.
+Budget: our error vs float64 <= 2 x the error of the same computation in PyTorch ops in the same dtype (the
+per-expert loop), plus a few ulps of slack; never NaN where the reference is finite. Buffers the kernels
+should fully write are NaN-poisoned first (FLASHMOE_SCIENCE_POISON=1).
+"""
+
+import pytest
+import torch
+
+from flashmoe_science.moe import fused_experts, fused_moe, moe_route
+from flashmoe_science.moe.dispatch import sort_pairs_by_expert
+from moe_testing import assert_within_budget, make_experts, reference64, torch_loop_same_dtype
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _poison_and_exact_fp32(monkeypatch):
+    monkeypatch.setenv("FLASHMOE_SCIENCE_POISON", "1")
+    # PyTorch's fp32 baseline must be true fp32, not tf32
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def _leaves(tensors, dtype=None):
+    return [(t.detach().to(dtype) if dtype else t.detach().clone()).requires_grad_() for t in tensors]
+
+
+def check_forward_backward(x, w1, w2, weights, ids, backward=True):
+    """Ours (triton) vs float64 within 2x PyTorch's same-dtype error, output and (optionally) all four grads."""
+    leaves = _leaves((x, w1, w2, weights))
+    out = fused_experts(*leaves, ids, backend="triton")
+    leaves64 = _leaves((x, w1, w2, weights), torch.float64)
+    ref = reference64(*leaves64, ids)
+    same_leaves = _leaves((x, w1, w2, weights))
+    same = torch_loop_same_dtype(*same_leaves, ids)
+    assert_within_budget("out", out.detach(), same.detach(), ref.detach())
+    if not backward:
+        return
+    grad_out = torch.randn(out.shape, device=out.device).to(out.dtype)
+    ours = torch.autograd.grad(out, leaves, grad_out)
+    refs = torch.autograd.grad(ref, leaves64, grad_out.double())
+    sames = torch.autograd.grad(same, same_leaves, grad_out)
+    for name, g_ours, g_same, g_ref in zip(("dx", "dw1", "dw2", "dweights"), ours, sames, refs):
+        assert_within_budget(name, g_ours, g_same, g_ref)
+
+
+SHAPES = [
+    # T, d, F, E, k
+    (1, 512, 256, 8, 2),  # one token
+    (16, 1024, 512, 8, 2),  # decode-sized batch: 16-row tiles, split-K in GEMM2
+    (77, 200, 136, 6, 2),  # d and F not multiples of any tile
+    (300, 512, 384, 16, 4),  # 64-row tiles
+    (2048, 1024, 768, 8, 2),  # 128-row tiles
+    (700, 256, 128, 256, 8),  # E=256, k=8
+    (4096, 2048, 768, 128, 8),  # Qwen3-30B-A3B layer dims
+]
+
+
+@pytest.mark.parametrize("num_tokens, d_model, d_ff, num_experts, top_k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_float64(num_tokens, d_model, d_ff, num_experts, top_k, dtype):
+    x, w1, w2 = make_experts(num_tokens, d_model, d_ff, num_experts, dtype, DEVICE)
+    weights, ids = moe_route(torch.randn(num_tokens, num_experts, device=DEVICE), top_k)
+    check_forward_backward(x, w1, w2, weights, ids)
+
+
+def test_float32_matches_float64():
+    x, w1, w2 = make_experts(300, 256, 192, 8, torch.float32, DEVICE)
+    weights, ids = moe_route(torch.randn(300, 8, device=DEVICE), 2)
+    check_forward_backward(x, w1, w2, weights, ids)
+
+
+def test_mixtral_layer_at_16_tokens():
+    x, w1, w2 = make_experts(16, 4096, 14336, 8, torch.bfloat16, DEVICE)
+    weights, ids = moe_route(torch.randn(16, 8, device=DEVICE), 2)
+    check_forward_backward(x, w1, w2, weights, ids, backward=False)
+
+
+def test_all_tokens_to_one_expert():
+    x, w1, w2 = make_experts(1000, 512, 256, 8, torch.bfloat16, DEVICE)
+    logits = torch.full((1000, 8), -20.0, device=DEVICE)
+    logits[:, 5] = 20.0
+    weights, ids = moe_route(logits, 1)
+    assert torch.all(ids == 5)
+    check_forward_backward(x, w1, w2, weights, ids)
+
+
+def test_experts_without_tokens_and_dropped_slots():
+    x, w1, w2 = make_experts(4, 256, 128, 64, torch.bfloat16, DEVICE)
+    ids = torch.tensor([[3, 60], [3, -1], [60, 3], [-1, -1]], device=DEVICE)
+    weights = torch.rand(4, 2, device=DEVICE)
+    check_forward_backward(x, w1, w2, weights, ids)
+
+
+def test_zero_tokens():
+    x, w1, w2 = make_experts(0, 256, 128, 8, torch.bfloat16, DEVICE)
+    w1.requires_grad_()
+    out = fused_moe(x, w1, w2, torch.randn(0, 8, device=DEVICE), 2)
+    assert out.shape == (0, 256)
+    out.float().sum().backward()
+    assert torch.all(w1.grad == 0)
+
+
+def test_router_logits_gradient():
+    x, w1, w2 = make_experts(64, 256, 128, 8, torch.float32, DEVICE)
+    logits = torch.randn(64, 8, device=DEVICE, requires_grad=True)
+    grad_out = torch.randn(64, 256, device=DEVICE)
+    (ours,) = torch.autograd.grad(fused_moe(x, w1, w2, logits, 2), logits, grad_out)
+    (ref,) = torch.autograd.grad(fused_moe(x, w1, w2, logits, 2, backend="reference"), logits, grad_out)
+    torch.testing.assert_close(ours, ref, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_tokens, top_k, num_experts", [(16384, 8, 128), (16384, 2, 8), (3, 8, 256)])
+def test_sort_matches_stable_argsort(num_tokens, top_k, num_experts):
+    ids = torch.randn(num_tokens, num_experts, device=DEVICE).topk(top_k, dim=-1).indices
+    sort = sort_pairs_by_expert(ids, num_experts, 64)
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat, minlength=num_experts)
+    assert torch.equal(sort.expert_counts.long(), counts)
+    padded = (counts + 63) // 64 * 64
+    starts = torch.cumsum(padded, 0) - padded
+    assert torch.equal(sort.expert_row_start.long(), starts)
+    rows = torch.cat([starts[e] + torch.arange(int(counts[e]), device=DEVICE) for e in range(num_experts)])
+    assert torch.equal(sort.sorted_pair_ids[rows].long(), torch.argsort(flat, stable=True))
+    assert torch.equal(sort_pairs_by_expert(ids, num_experts, 64).sorted_pair_ids, sort.sorted_pair_ids)
+
+
+def test_cuda_graph_capture_has_no_host_sync():
+    x, w1, w2 = make_experts(256, 512, 256, 16, torch.bfloat16, DEVICE)
+    logits = torch.randn(256, 16, device=DEVICE)
+    with torch.no_grad():
+        expected = fused_moe(x, w1, w2, logits, 4)  # also compiles the kernels outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fused_moe(x, w1, w2, logits, 4)
+        graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, expected, rtol=1e-2, atol=1e-2)

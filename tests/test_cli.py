@@ -1,0 +1,259 @@
+"""The `flashmoe-science` command and the benchmark harness's arithmetic (CPU; a few seconds)."""
+
+import io
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from flashmoe_science import cli
+from flashmoe_science.bench import attention as attention_bench
+from flashmoe_science.bench import report
+from flashmoe_science.bench.attention import AttentionShape
+
+ENVELOPE_FIELDS = {"gpu", "torch", "triton", "cuda", "cudnn", "python", "commit", "date", "records"}
+ATTENTION_RECORD_FIELDS = {
+    "op", "pass", "B", "H", "Hkv", "Lq", "Lk", "D", "causal", "dtype", "backend", "ms", "tflops", "peak_mem_mib",
+}
+
+
+def _only_json(folder):
+    files = sorted(folder.glob("*.json"))
+    assert len(files) == 1, files
+    return files[0], json.loads(files[0].read_text())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the command
+# --------------------------------------------------------------------------------------------------------------------
+def test_info_prints_versions_and_dispatch(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert torch.__version__ in out
+    assert "python" in out and "triton" in out and "cuDNN" in out
+    assert "non-causal" in out and "causal" in out
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU found" in out
+
+
+def test_info_survives_a_failing_describe_dispatch(monkeypatch, capsys):
+    from flashmoe_science.attention import api
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("dispatch exploded")
+
+    monkeypatch.setattr(api, "describe_dispatch", broken)
+    assert cli.main(["info"]) == 0
+    assert "dispatch exploded" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
+def test_bench_quick_on_cpu_writes_json_and_plot(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLASHMOE_COMMIT", "abc1234")
+    assert cli.main(["bench", "--quick", "--out", str(tmp_path), "--pass", "fwd,bwd"]) == 0
+    out = capsys.readouterr().out
+    assert "No CUDA GPU found" in out and "ours/math" in out
+
+    path, result = _only_json(tmp_path)
+    assert path.name == f"cpu-{result['date']}-abc1234.json"
+    assert ENVELOPE_FIELDS <= result.keys()
+    assert result["gpu"] == "cpu" and result["commit"] == "abc1234" and result["torch"] == torch.__version__
+    records = result["records"]
+    assert {(r["backend"], r["pass"]) for r in records} == {
+        (backend, pass_) for backend in ("flashmoe", "sdpa-math") for pass_ in ("fwd", "bwd")
+    }
+    for record in records:
+        assert ATTENTION_RECORD_FIELDS <= record.keys()
+        assert record["op"] == "attention" and record["dtype"] == "fp32"
+        assert record["ms"] > 0 and record["tflops"] > 0
+    assert path.with_suffix(".png").exists()
+
+
+def test_bench_never_overwrites_a_result(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHMOE_COMMIT", "abc1234")
+    for _ in range(2):
+        assert cli.main(["bench", "--no-plot", "--out", str(tmp_path), "--shapes", "1x1x64x16",
+                         "--backends", "sdpa-math"]) == 0
+    names = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert len(names) == 2 and names[1].endswith("-abc1234.json") and names[0].endswith("-abc1234-2.json")
+
+
+def test_bench_rejects_bad_arguments(capsys):
+    for argv in (["bench", "--pass", "sideways"], ["bench", "--backends", "nope"], ["bench", "--shapes", "4x8"]):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+    capsys.readouterr()
+
+
+def test_bench_moe_missing_module_exits_2(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "flashmoe_science.bench.moe", None)  # makes the import fail
+    assert cli.main(["bench", "moe"]) == 2
+    assert "MoE benchmark is not available" in capsys.readouterr().err
+
+
+def test_bench_moe_writes_envelope_and_table(tmp_path, monkeypatch, capsys):
+    def run_moe_bench(quick, progress):
+        progress.set_total(2)
+        records = []
+        for backend, ms in (("flashmoe", 1.0), ("loop", 2.0)):
+            records.append({"op": "moe", "T": 4096, "E": 8, "top_k": 2, "d_model": 4096, "d_ff": 14336,
+                            "pass": "fwd", "backend": backend, "ms": ms, "tflops": 100.0 / ms})
+            progress.update(desc=backend)
+        return records
+
+    fake = types.ModuleType("flashmoe_science.bench.moe")
+    fake.run_moe_bench = run_moe_bench
+    monkeypatch.setitem(sys.modules, "flashmoe_science.bench.moe", fake)
+    monkeypatch.setenv("FLASHMOE_COMMIT", "abc1234")
+    assert cli.main(["bench", "moe", "--quick", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "loop" in out and "100.0" in out and "50.0" in out
+    _, result = _only_json(tmp_path)
+    assert ENVELOPE_FIELDS <= result.keys() and len(result["records"]) == 2
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# a backend that fails is n/a, never a crash
+# --------------------------------------------------------------------------------------------------------------------
+def test_failing_backend_is_skipped_not_fatal():
+    def prepare_broken(shape, device):
+        def attend(q, k, v):
+            raise RuntimeError("no kernel for this shape")
+
+        return attend
+
+    backends = {**attention_bench.BACKENDS, "broken": attention_bench.Backend("broken", prepare_broken)}
+    skips = attention_bench.SkipLog()
+    progress = report.Progress(stream=io.StringIO())
+    records = attention_bench.run_attention_bench(
+        [AttentionShape(1, 1, 32, 32, 16, causal=False)], ["sdpa-math", "broken"], ["fwd", "bwd"],
+        torch.device("cpu"), torch.float32, attention_bench.cpu_median_ms, progress, skips, backends=backends,
+    )
+    assert {r["backend"] for r in records} == {"sdpa-math"}
+    assert skips.entries[("broken", "fwd")][0] == 1 and "no kernel" in skips.entries[("broken", "bwd")][1]
+    assert progress.count == progress.total == 4
+    table = attention_bench.attention_table(records, ("sdpa-math",), backend_names=["sdpa-math", "broken"])
+    header, _rule, *rows = table.splitlines()[1:]
+    assert "broken" in header and len(rows) == 2
+    assert all(row.split()[-2:] == ["n/a", "n/a"] for row in rows)  # broken never ran; without ours, no ratio
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# arithmetic
+# --------------------------------------------------------------------------------------------------------------------
+def test_attention_flops_follow_the_flashattention_convention():
+    shape = AttentionShape(B=4, H=8, Lq=2048, Lk=2048, D=64, causal=False)
+    assert attention_bench.attention_flops(shape, "fwd") == 4 * 4 * 8 * 2048 * 2048 * 64
+    causal = AttentionShape(B=4, H=8, Lq=2048, Lk=2048, D=64, causal=True)
+    assert attention_bench.attention_flops(causal, "fwd") == 2 * 4 * 8 * 2048 * 2048 * 64
+    assert attention_bench.attention_flops(causal, "bwd") == 2.5 * attention_bench.attention_flops(causal, "fwd")
+    cross = AttentionShape(B=1, H=2, Lq=100, Lk=300, D=32, causal=False)
+    assert attention_bench.attention_flops(cross, "fwd") == 4 * 2 * 100 * 300 * 32
+    # the anchor: cudnn at 0.0818 ms on the brief's shape is ~420 TFLOP/s
+    assert report.tflops(attention_bench.attention_flops(shape, "fwd"), 0.0818) == pytest.approx(420.0, abs=0.5)
+
+
+def test_ratio_and_geomean():
+    assert report.ratio(300.0, 400.0) == 0.75
+    assert report.ratio(None, 400.0) is None and report.ratio(300.0, None) is None and report.ratio(1.0, 0.0) is None
+    assert report.geomean([2.0, 8.0]) == pytest.approx(4.0)
+    assert report.geomean([0.5, None, 2.0]) == pytest.approx(1.0)
+    assert report.geomean([None]) is None and report.geomean([]) is None
+
+
+def test_geomean_summary_per_head_dim_causal_and_pass():
+    def record(backend, L, D, causal, tflops):
+        return {"op": "attention", "pass": "fwd", "B": 16384 // L, "H": 2048 // D, "Hkv": 2048 // D, "Lq": L,
+                "Lk": L, "D": D, "causal": causal, "backend": backend, "tflops": tflops}
+
+    records = [
+        record("flashmoe", 1024, 64, False, 200.0), record("sdpa-cudnn", 1024, 64, False, 400.0),
+        record("flashmoe", 4096, 64, False, 400.0), record("sdpa-cudnn", 4096, 64, False, 200.0),
+        record("sdpa-flash", 4096, 64, False, 100.0),
+        record("flashmoe", 1024, 64, True, 300.0), record("sdpa-cudnn", 1024, 64, True, 100.0),
+        # not on the FA3 grid (B*L != 16384): left out of the summary
+        {**record("flashmoe", 2048, 64, False, 1.0), "B": 4, "H": 8, "Hkv": 8},
+        {**record("sdpa-cudnn", 2048, 64, False, 999.0), "B": 4, "H": 8, "Hkv": 8},
+    ]
+    chosen, _ = attention_bench.summary_records(records)
+    summary = attention_bench.geomean_ratios(chosen, ("sdpa-cudnn", "sdpa-flash"))
+    assert summary[(64, False, "fwd")]["sdpa-cudnn"] == pytest.approx(1.0)  # sqrt(0.5 * 2)
+    assert summary[(64, False, "fwd")]["sdpa-flash"] == pytest.approx(4.0)
+    assert summary[(64, False, "fwd")]["shapes"] == 2
+    assert summary[(64, True, "fwd")]["sdpa-cudnn"] == pytest.approx(3.0)
+    assert summary[(64, True, "fwd")]["sdpa-flash"] is None
+
+
+def test_round_significant_and_format_number():
+    assert report.round_significant(456.789) == 456.8
+    assert report.round_significant(0.000123456) == 0.0001235
+    assert report.format_number(None) == "n/a"
+    assert report.format_number(420.04) == "420.0"
+    assert report.format_number(0.0421) == "0.042"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# shapes, names, metadata
+# --------------------------------------------------------------------------------------------------------------------
+def test_shape_grids():
+    full = attention_bench.gpu_shapes(quick=False)
+    grid = [s for s in full if s.on_fa3_grid]
+    assert len(grid) == 3 * 6 * 2 and len(full) == len(grid) + 3 * 2
+    assert all(s.B * s.Lq == 16384 and s.H * s.D == 2048 for s in grid)
+    assert AttentionShape(4, 8, 2048, 2048, 64, True) in full
+    quick = attention_bench.gpu_shapes(quick=True)
+    assert set(quick) < set(full) and len(quick) == 10
+
+
+def test_parse_shape():
+    assert attention_bench.parse_shape("4x8x2048x64") == [
+        AttentionShape(4, 8, 2048, 2048, 64, False), AttentionShape(4, 8, 2048, 2048, 64, True)]
+    assert attention_bench.parse_shape("1X2x100x300x32")[0] == AttentionShape(1, 2, 100, 300, 32, False)
+    for bad in ("4x8x2048", "4x8xLx64", "0x8x2048x64"):
+        with pytest.raises(ValueError):
+            attention_bench.parse_shape(bad)
+
+
+def test_result_file_names():
+    assert report.slugify("NVIDIA H200") == "nvidia-h200"
+    assert report.slugify("NVIDIA GeForce RTX 4090 (laptop)") == "nvidia-geforce-rtx-4090-laptop"
+    assert report.result_stem("NVIDIA H200", "2026-11-21", "5cb4110") == "nvidia-h200-2026-11-21-5cb4110"
+    assert report.result_stem("cpu", "2026-11-21", "unknown") == "cpu-2026-11-21-unknown"
+
+
+def test_commit_precedence(monkeypatch):
+    monkeypatch.setenv("FLASHMOE_COMMIT", "fromenv")
+    assert report.resolve_commit("explicit") == "explicit"
+    assert report.resolve_commit(None) == "fromenv"
+    monkeypatch.delenv("FLASHMOE_COMMIT")
+    commit = report.resolve_commit(None)  # git in a checkout, "unknown" in a copy without .git
+    assert commit == "unknown" or all(c in "0123456789abcdef" for c in commit)
+
+
+def test_cudnn_version_decoding(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    assert report.cudnn_version() == "9.19.0"
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 8907)
+    assert report.cudnn_version() == "8.9.7"
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: None)
+    assert report.cudnn_version() is None
+
+
+def test_progress_bar_text():
+    stream = io.StringIO()
+    with report.Progress(total=4, desc="attention", stream=stream, log_interval_s=math.inf) as progress:
+        progress.update(desc="first")
+        progress.update(n=3, desc="rest")
+        assert "4/4 100%" in progress.render() and "rest" in progress.render()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2  # not a terminal: the first line, then one at the end, nothing in between
+    every_step = io.StringIO()
+    with report.Progress(total=2, stream=every_step, log_interval_s=0) as progress:
+        progress.update(n=2)
+    assert len(every_step.getvalue().splitlines()) == 1  # closing does not repeat the final line
+    unknown_total = report.Progress(stream=io.StringIO())
+    unknown_total.update()
+    assert "1 done" in unknown_total.render()
