@@ -25,12 +25,13 @@ def compile_once(d, bm, bn, stages, warps, causal, dtype=torch.bfloat16):
                 v_desc=fwd_sm90._descriptor(q, bn, bd), O=q, LSE=lse, stride_ob=1024 * d, stride_oh=256 * d,
                 stride_om=d, num_q_heads=4, group_size=1, seqlen_q=256, seqlen_k=256, qk_scale=0.1)
     consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, NUM_STAGES=stages, CAUSAL=causal, num_warps=warps)
+    maxnreg = fwd_sm90._register_cap(warps)
     fn = fwd_sm90.attention_forward_sm90_kernel
     names = fn.arg_names
     signature = {n: ("constexpr" if n in consts else mangle_type(args[n])) for n in names}
     constexprs = {(names.index(n),): v for n, v in consts.items()}
     src = GluonASTSource(fn, signature, constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "maxnreg": maxnreg})
 
 
 def sass_counts(cubin):

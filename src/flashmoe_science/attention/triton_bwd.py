@@ -33,26 +33,10 @@ import triton
 import triton.language as tl
 
 from flashmoe_science.attention.tiles import AttentionTiles, padded_head_dim
-from flashmoe_science.attention.triton_fwd import LOG2_E, _load_tile
+from flashmoe_science.attention.triton_fwd import LOG2_E, _load_tile, dot_precision, key_tile_bounds
 
 # Sizes are runtime values, not specialised: every sequence length reuses one compiled kernel (masks handle tails).
 _SIZES = ["num_q_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k"]
-
-
-@triton.jit
-def _forward_key_bounds(start_m, seqlen_k, diagonal,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """For the query tile starting at `start_m`: (full_end, key_end). Key tiles in [0, full_end) are visible to every
-    row of the tile (no mask needed); [full_end, key_end) need masks; keys from key_end on are seen by no row.
-    The same bounds as `_attention_forward_kernel`."""
-    if CAUSAL:
-        key_end = tl.minimum(tl.maximum(start_m + BLOCK_M + diagonal, 0), seqlen_k)
-        full_end = tl.minimum(tl.maximum(start_m + 1 + diagonal, 0) // BLOCK_N * BLOCK_N,
-                              seqlen_k // BLOCK_N * BLOCK_N)
-    else:
-        key_end = seqlen_k
-        full_end = seqlen_k // BLOCK_N * BLOCK_N
-    return full_end, key_end
 
 
 @triton.jit(do_not_specialize=["num_q_heads", "seqlen_q"])
@@ -254,7 +238,7 @@ def _bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     diagonal = seqlen_k - seqlen_q
-    full_end, key_end = _forward_key_bounds(start_m, seqlen_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
+    full_end, key_end = key_tile_bounds(start_m, seqlen_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kn, stride_vn,
                        0, full_end, seqlen_k, diagonal, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kn, stride_vn,
@@ -301,7 +285,7 @@ def attention_backward(
             *dk.stride()[:3], *dv.stride()[:3],
             num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dkdv_tiles.block_m, BLOCK_N=dkdv_tiles.block_n,
-            CAUSAL=causal, num_warps=dkdv_tiles.num_warps, num_stages=dkdv_tiles.num_stages,
+            CAUSAL=causal, num_warps=dkdv_tiles.num_warps, num_stages=dkdv_tiles.num_stages, **dot_precision(q),
         )
     if dq is not None:
         grid = (triton.cdiv(seqlen_q, dq_tiles.block_m), batch * num_q_heads)
@@ -310,5 +294,5 @@ def attention_backward(
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *dq.stride()[:3],
             num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dq_tiles.block_m, BLOCK_N=dq_tiles.block_n,
-            CAUSAL=causal, num_warps=dq_tiles.num_warps, num_stages=dq_tiles.num_stages,
+            CAUSAL=causal, num_warps=dq_tiles.num_warps, num_stages=dq_tiles.num_stages, **dot_precision(q),
         )

@@ -39,6 +39,23 @@ LOG2_E = 1.4426950408889634
 
 
 @triton.jit
+def key_tile_bounds(start_m, seqlen_k, diagonal,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """For the query tile starting at row `start_m`: (full_end, key_end). Key tiles in [0, full_end) are visible
+    to every row of the tile (no mask needed), [full_end, key_end) need the bounds/causal mask, and no row sees a
+    key from key_end on. Query i sees key j iff j <= i + diagonal, diagonal = Lk - Lq (bottom-right causal).
+    Shared by every attention kernel, forward and backward."""
+    if CAUSAL:
+        key_end = tl.minimum(tl.maximum(start_m + BLOCK_M + diagonal, 0), seqlen_k)
+        full_end = tl.minimum(tl.maximum(start_m + 1 + diagonal, 0) // BLOCK_N * BLOCK_N,
+                              seqlen_k // BLOCK_N * BLOCK_N)
+    else:
+        key_end = seqlen_k
+        full_end = seqlen_k // BLOCK_N * BLOCK_N
+    return full_end, key_end
+
+
+@triton.jit
 def _load_tile(base, desc_ptr, batch, head, row0, n_rows, stride_row,
                ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                USE_TMA: tl.constexpr, CHECK_ROWS: tl.constexpr):
@@ -141,14 +158,8 @@ def _attention_forward_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Query i sees key j iff j <= i + diagonal (bottom-right aligned causal mask).
-    diagonal = seqlen_k - seqlen_q
-    if CAUSAL:
-        key_end = tl.minimum(tl.maximum(start_m + BLOCK_M + diagonal, 0), seqlen_k)
-        full_end = tl.minimum(tl.maximum(start_m + 1 + diagonal, 0) // BLOCK_N * BLOCK_N, seqlen_k // BLOCK_N * BLOCK_N)
-    else:
-        key_end = seqlen_k
-        full_end = seqlen_k // BLOCK_N * BLOCK_N
+    diagonal = seqlen_k - seqlen_q  # query i sees key j iff j <= i + diagonal
+    full_end, key_end = key_tile_bounds(start_m, seqlen_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
 
     acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, kv_head,
                                       stride_kn, stride_vn, 0, full_end, seqlen_k, diagonal, qk_scale,
@@ -172,6 +183,14 @@ def _attention_forward_kernel(
         if BLOCK_D != HEAD_DIM:
             mask = mask & (cols[None, :] < HEAD_DIM)
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=mask)
+
+
+def dot_precision(t: torch.Tensor) -> dict:
+    """Launch options for the products' precision: float32 inputs use 3xTF32 on the GPU (near-fp32 accuracy;
+    plain TF32 would give ~1e-3 relative error, compounding through the backward's recomputation)."""
+    if t.dtype == torch.float32 and t.is_cuda:
+        return {"default_dot_input_precision": "tf32x3"}
+    return {}
 
 
 def _tma_descriptor(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDescriptor:
@@ -230,7 +249,7 @@ def attention_forward(
         else:
             q_arg, k_arg, v_arg, o_arg = q, k, v, out
         grid = lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * num_q_heads)  # noqa: E731
-        return kernel[grid](q_arg, k_arg, v_arg, o_arg, lse, *strides, **common)
+        return kernel[grid](q_arg, k_arg, v_arg, o_arg, lse, *strides, **common, **dot_precision(q))
 
     if use_tma:
         q_arg = _tma_descriptor(q, tiles.block_m, block_d)
@@ -243,6 +262,7 @@ def attention_forward(
     return _attention_forward_kernel[grid](
         q_arg, k_arg, v_arg, o_arg, lse, *strides, **common,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **dot_precision(q),
     )
 
 

@@ -14,7 +14,12 @@ explicit, and one iteration over key tile j reads:
     wait for the P·V product, then refill the stage it used with tile j-1+NUM_STAGES
 
 The first tile is peeled (there is no P_{-1}) and the last P·V runs after the loop. A CTA owns BLOCK_M query
-rows of one (batch, head); its warps split the rows 16 at a time, so BLOCK_M = 16 * num_warps.
+rows of one (batch, head); its compute warps split the rows 16 at a time, so BLOCK_M = 16 * num_warps.
+
+Loads are warp-specialised: one extra producer warp (24 registers, so the compute warps keep ~240) streams K and V
+through a ring of NUM_STAGES shared-memory stages. Each stage has a "ready" barrier (the TMA copy landed) and an
+"empty" barrier (the compute warps are done with it: K after its Q·Kᵀ product, V after its P·V product), so the
+copies run ahead as far as the ring allows and never wait on the compute warps' instruction stream.
 """
 
 from __future__ import annotations
@@ -27,21 +32,27 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashmoe_science.attention.triton_fwd import key_tile_bounds
+
 LOG2_E = 1.4426950408889634
+PRODUCER_REGISTERS = gl.constexpr(24)  # the fewest a warp may hold: the producer only computes addresses
 
 
 @gluon.jit
-def _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, batch, kv_head, tile, num_tiles,
-                   NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Start the TMA copies of key/value tile `tile` into its ring stage (no-op past the last tile)."""
-    stage = tile % NUM_STAGES
-    live = tile < num_tiles
-    k_bar = k_bars.index(stage)
-    v_bar = v_bars.index(stage)
-    mbarrier.expect(k_bar, k_desc.block_type.nbytes, pred=live)
-    tma.async_copy_global_to_shared(k_desc, [batch, kv_head, tile * BLOCK_N, 0], k_bar, k_smem.index(stage), pred=live)
-    mbarrier.expect(v_bar, v_desc.block_type.nbytes, pred=live)
-    tma.async_copy_global_to_shared(v_desc, [batch, kv_head, tile * BLOCK_N, 0], v_bar, v_smem.index(stage), pred=live)
+def _kv_producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, batch, kv_head, num_tiles,
+                 NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The producer warp: copy K and V tiles into the ring as soon as their stage is released."""
+    for tile in range(num_tiles):
+        stage = tile % NUM_STAGES
+        free_phase = ((tile // NUM_STAGES) & 1) ^ 1  # barriers start "phase 1 complete": the first round passes
+        mbarrier.wait(k_empty.index(stage), free_phase)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, tile * BLOCK_N, 0], k_ready.index(stage),
+                                        k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), free_phase)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, tile * BLOCK_N, 0], v_ready.index(stage),
+                                        v_smem.index(stage))
 
 
 @gluon.jit
@@ -67,14 +78,14 @@ def _softmax_tile(s, m_i, l_i, start_n, offs_m, seqlen_k, diagonal, full_end, qk
 
 
 @gluon.jit
-def attention_forward_sm90_kernel(
-    q_desc, k_desc, v_desc, O, LSE,
-    stride_ob, stride_oh, stride_om,
-    num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr,
-):
-    dtype: gl.constexpr = q_desc.dtype
+def _attention_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                        stride_ob, stride_oh, stride_om, batch, q_head, pid_bh, start_m, seqlen_q, seqlen_k,
+                        diagonal, full_end, num_tiles, qk_scale,
+                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                        num_warps: gl.constexpr):
+    """The compute warps: Q·Kᵀ, softmax, P·V and the epilogue, with the waits placed by hand (module docstring)."""
+    dtype: gl.constexpr = q_smem.dtype
     # wgmma layouts: warps stacked along the rows (16 rows each); instruction N = the full tile width.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -83,44 +94,6 @@ def attention_forward_sm90_kernel(
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    if CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - pid_m  # heaviest query tiles first
-    batch = pid_bh // num_q_heads
-    q_head = pid_bh % num_q_heads
-    kv_head = q_head // group_size
-    start_m = pid_m * BLOCK_M
-
-    # Keys this tile can see, and where the tiles that need a mask begin (see triton_fwd for the derivation).
-    diagonal = seqlen_k - seqlen_q
-    if CAUSAL:
-        key_end = gl.minimum(gl.maximum(start_m + BLOCK_M + diagonal, 0), seqlen_k)
-        full_end = gl.minimum(gl.maximum(start_m + 1 + diagonal, 0) // BLOCK_N * BLOCK_N, seqlen_k // BLOCK_N * BLOCK_N)
-    else:
-        key_end = seqlen_k
-        full_end = seqlen_k // BLOCK_N * BLOCK_N
-    # At least one tile, so the pipeline below never waits on a copy that was not issued; a tile no row can
-    # see is fully masked and leaves l = 0 (zeros out, lse -inf).
-    num_tiles = gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
-
-    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
-
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [batch, q_head, start_m, 0], q_bar, q_smem)
-    for i in gl.static_range(NUM_STAGES):
-        _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, batch, kv_head, i, num_tiles,
-                       NUM_STAGES, BLOCK_N)
 
     q_tile = q_smem.reshape([BLOCK_M, BLOCK_D])
     offs_m = start_m + gl.arange(0, BLOCK_M, layout=s_rows)
@@ -131,42 +104,37 @@ def attention_forward_sm90_kernel(
     mbarrier.wait(q_bar, 0)
 
     # Tile 0: nothing to overlap with yet.
-    mbarrier.wait(k_bars.index(0), 0)
+    mbarrier.wait(k_ready.index(0), 0)
     s = warpgroup_mma(q_tile, k_smem.index(0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
                       use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
+    mbarrier.arrive(k_empty.index(0), count=1)
     p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, offs_m, seqlen_k, diagonal, full_end, qk_scale,
                                        BLOCK_N, CAUSAL, s_layout)
 
     for j in range(1, num_tiles):
         stage = j % NUM_STAGES
         prev = (j - 1) % NUM_STAGES
-        mbarrier.wait(k_bars.index(stage), (j // NUM_STAGES) & 1)
+        mbarrier.wait(k_ready.index(stage), (j // NUM_STAGES) & 1)
         s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
         o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-        mbarrier.wait(v_bars.index(prev), ((j - 1) // NUM_STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         o_acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
+        mbarrier.arrive(k_empty.index(stage), count=1)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j * BLOCK_N, offs_m, seqlen_k, diagonal, full_end,
                                            qk_scale, BLOCK_N, CAUSAL, s_layout)
         o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
-        # Stage `prev` is free (K_{j-1} and V_{j-1} consumed): prefetch tile j-1+NUM_STAGES into it.
-        _issue_kv_load(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, batch, kv_head, j - 1 + NUM_STAGES,
-                       num_tiles, NUM_STAGES, BLOCK_N)
+        mbarrier.arrive(v_empty.index(prev), count=1)
 
     last = (num_tiles - 1) % NUM_STAGES
     o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-    mbarrier.wait(v_bars.index(last), ((num_tiles - 1) // NUM_STAGES) & 1)
+    mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // NUM_STAGES) & 1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     o_acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
     o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
-
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(k_bars.index(i))
-        mbarrier.invalidate(v_bars.index(i))
 
     no_key = l_i == 0.0
     l_safe = gl.where(no_key, 1.0, l_i)
@@ -180,6 +148,58 @@ def attention_forward_sm90_kernel(
               + gl.expand_dims(rows, 1) * stride_om + gl.expand_dims(cols, 0))
     mask = gl.expand_dims(rows < seqlen_q, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
     gl.store(o_ptrs, out.to(dtype), mask=mask)
+
+
+@gluon.jit
+def attention_forward_sm90_kernel(
+    q_desc, k_desc, v_desc, O, LSE,
+    stride_ob, stride_oh, stride_om,
+    num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = q_desc.dtype
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m  # heaviest query tiles first
+    batch = pid_bh // num_q_heads
+    q_head = pid_bh % num_q_heads
+    kv_head = q_head // group_size
+    start_m = pid_m * BLOCK_M
+
+    diagonal = seqlen_k - seqlen_q  # query i sees key j iff j <= i + diagonal
+    full_end, key_end = key_tile_bounds(start_m, seqlen_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
+    # At least one tile, so no wait is left on a copy that was never issued; a tile no row can see is fully
+    # masked and leaves l = 0 (zeros out, lse -inf).
+    num_tiles = gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
+
+    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=1)
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [batch, q_head, start_m, 0], q_bar, q_smem)
+
+    gl.warp_specialize([
+        (_attention_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                               stride_ob, stride_oh, stride_om, batch, q_head, pid_bh, start_m, seqlen_q, seqlen_k,
+                               diagonal, full_end, num_tiles, qk_scale,
+                               HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, num_warps)),
+        (_kv_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, batch, kv_head,
+                        num_tiles, NUM_STAGES, BLOCK_N)),
+    ], [1], [PRODUCER_REGISTERS])
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -213,4 +233,14 @@ def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float
         num_q_heads, num_q_heads // k.shape[1], seqlen_q, k.shape[2], softmax_scale * LOG2_E,
         HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=block_d,
         NUM_STAGES=tiles.num_stages, CAUSAL=causal, num_warps=tiles.num_warps,
+        maxnreg=_register_cap(tiles.num_warps),
     )
+
+
+def _register_cap(num_warps: int) -> int:
+    """Registers per thread at launch, so the compute warps plus the producer's warpgroup fit the register file
+    (64K) at the intended occupancy: one CTA per SM for 128-row tiles, two for 64-row tiles (which then overlap
+    each other's softmax and products). setmaxnreg moves the producer's share to the compute warps."""
+    ctas_per_sm = 2 if num_warps == 4 else 1
+    threads = (num_warps + 4) * 32
+    return min(255, 65536 // (ctas_per_sm * threads) // 8 * 8)
