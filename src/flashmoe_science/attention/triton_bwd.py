@@ -67,7 +67,8 @@ def _dkdv_query_tiles(dk, dv, k, v, offs_n,
                       q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
                       query_start, query_end, seqlen_q, diagonal, qk_scale,
                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+                      MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
     """Add query tiles [query_start, query_end) of one query head into the key tile's (dK, dV).
 
     Scores are kept transposed, (keys, queries), so dV = Pᵀ dO and dK = dSᵀ q are plain products. MASKED tiles
@@ -86,17 +87,17 @@ def _dkdv_query_tiles(dk, dv, k, v, offs_n,
         else:
             lse2 = tl.load(lse_base + offs_m) * 1.4426950408889634
             delta = tl.load(delta_base + offs_m)
-        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
         if MASKED:
             visible = offs_m[None, :] < seqlen_q
             if CAUSAL:
                 visible = visible & (offs_n[:, None] <= offs_m[None, :] + diagonal)
             # where, not a product: a row with lse = -inf has exp2(+inf) here, which must become 0, not NaN.
             p_t = tl.where(visible, p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv)
-        dp_t = tl.dot(v, tl.trans(do))
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -111,7 +112,7 @@ def _bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)  # with causal masking the first key tiles are the heaviest: they run first
     pid_bh = tl.program_id(1)
@@ -154,13 +155,13 @@ def _bwd_dkdv_kernel(
         delta_base = Delta + row0
         dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base,
                                    stride_qm, stride_dom, query_start, diag_end, seqlen_q, diagonal, qk_scale,
-                                   BLOCK_M, BLOCK_D, HEAD_DIM, True, CAUSAL)
+                                   BLOCK_M, BLOCK_D, HEAD_DIM, True, CAUSAL, DOT_PRECISION)
         dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base,
                                    stride_qm, stride_dom, full_start, in_bounds_end, seqlen_q, diagonal, qk_scale,
-                                   BLOCK_M, BLOCK_D, HEAD_DIM, False, CAUSAL)
+                                   BLOCK_M, BLOCK_D, HEAD_DIM, False, CAUSAL, DOT_PRECISION)
         dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base,
                                    stride_qm, stride_dom, tail_start, query_end, seqlen_q, diagonal, qk_scale,
-                                   BLOCK_M, BLOCK_D, HEAD_DIM, True, CAUSAL)
+                                   BLOCK_M, BLOCK_D, HEAD_DIM, True, CAUSAL, DOT_PRECISION)
 
     dk = dk * sm_scale
     cols = tl.arange(0, BLOCK_D)
@@ -180,7 +181,8 @@ def _dq_key_tiles(dq, q, do, lse2, delta, offs_m,
                   k_base, v_base, stride_kn, stride_vn,
                   key_start, key_end, seqlen_k, diagonal, qk_scale,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
     """Add key tiles [key_start, key_end) into the query tile's dQ. MASKED tiles apply bounds/causal masks."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(key_start, key_end, BLOCK_N):
@@ -189,16 +191,16 @@ def _dq_key_tiles(dq, q, do, lse2, delta, offs_m,
                        BLOCK_N, BLOCK_D, HEAD_DIM, False, MASKED)
         v = _load_tile(v_base, v_base, 0, 0, start_n, seqlen_k, stride_vn,
                        BLOCK_N, BLOCK_D, HEAD_DIM, False, MASKED)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
+        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
         if MASKED:
             key_pos = start_n + offs_n
             visible = key_pos[None, :] < seqlen_k
             if CAUSAL:
                 visible = visible & (key_pos[None, :] <= offs_m[:, None] + diagonal)
             p = tl.where(visible, p, 0.0)  # where, not a product: see _dkdv_query_tiles
-        dp = tl.dot(do, tl.trans(v))
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
@@ -212,7 +214,7 @@ def _bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm,
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -240,9 +242,9 @@ def _bwd_dq_kernel(
     diagonal = seqlen_k - seqlen_q
     full_end, key_end = key_tile_bounds(start_m, seqlen_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kn, stride_vn,
-                       0, full_end, seqlen_k, diagonal, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL)
+                       0, full_end, seqlen_k, diagonal, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL, DOT_PRECISION)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kn, stride_vn,
-                       full_end, key_end, seqlen_k, diagonal, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL)
+                       full_end, key_end, seqlen_k, diagonal, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL, DOT_PRECISION)
 
     dq = dq * sm_scale
     cols = tl.arange(0, BLOCK_D)

@@ -80,7 +80,8 @@ def _load_tile(base, desc_ptr, batch, head, row0, n_rows, stride_row,
 
 @triton.jit
 def _online_softmax_step(acc, l_i, m_i, s, v, offs_m, start_n, seqlen_k, diagonal, qk_scale,
-                         BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
     """Fold one tile of raw scores s = q kᵀ and its values v into the running (acc, l, m)."""
     if MASKED:
         key_pos = start_n + tl.arange(0, BLOCK_N)
@@ -99,7 +100,7 @@ def _online_softmax_step(acc, l_i, m_i, s, v, offs_m, start_n, seqlen_k, diagona
     alpha = tl.math.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
 
@@ -108,17 +109,18 @@ def _attend_key_tiles(acc, l_i, m_i, q, offs_m,
                       k_base, v_base, K, V, batch, kv_head, stride_kn, stride_vn,
                       key_start, key_end, seqlen_k, diagonal, qk_scale,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr):
+                      MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
     """Fold key tiles [key_start, key_end) into the running (acc, l, m). MASKED tiles apply bounds/causal masks."""
     for start_n in range(key_start, key_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load_tile(k_base, K, batch, kv_head, start_n, seqlen_k, stride_kn,
                        BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
-        s = tl.dot(q, tl.trans(k))
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         v = _load_tile(v_base, V, batch, kv_head, start_n, seqlen_k, stride_vn,
                        BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
         acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, offs_m, start_n, seqlen_k, diagonal,
-                                             qk_scale, BLOCK_N, MASKED, CAUSAL)
+                                             qk_scale, BLOCK_N, MASKED, CAUSAL, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -131,7 +133,7 @@ def _attention_forward_kernel(
     stride_ob, stride_oh, stride_om,
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -163,10 +165,10 @@ def _attention_forward_kernel(
 
     acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, kv_head,
                                       stride_kn, stride_vn, 0, full_end, seqlen_k, diagonal, qk_scale,
-                                      BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL, USE_TMA)
+                                      BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL, USE_TMA, DOT_PRECISION)
     acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, kv_head,
                                       stride_kn, stride_vn, full_end, key_end, seqlen_k, diagonal, qk_scale,
-                                      BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL, USE_TMA)
+                                      BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL, USE_TMA, DOT_PRECISION)
 
     no_key = l_i == 0.0
     l_safe = tl.where(no_key, 1.0, l_i)
@@ -186,11 +188,10 @@ def _attention_forward_kernel(
 
 
 def dot_precision(t: torch.Tensor) -> dict:
-    """Launch options for the products' precision: float32 inputs use 3xTF32 on the GPU (near-fp32 accuracy;
-    plain TF32 would give ~1e-3 relative error, compounding through the backward's recomputation)."""
-    if t.dtype == torch.float32 and t.is_cuda:
-        return {"default_dot_input_precision": "tf32x3"}
-    return {}
+    """The DOT_PRECISION constexpr of every attention kernel: float32 inputs multiply in 3xTF32 (near-fp32
+    accuracy; plain TF32 gives ~1e-3 relative error, which compounds through the backward's recomputation).
+    16-bit inputs ignore it."""
+    return {"DOT_PRECISION": "tf32x3" if t.dtype == torch.float32 else "tf32"}
 
 
 def _tma_descriptor(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDescriptor:
