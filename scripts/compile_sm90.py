@@ -21,11 +21,12 @@ def compile_once(d, bm, bn, stages, warps, causal, dtype=torch.bfloat16):
     bd = padded_head_dim(d)
     q = torch.empty(2, 4, 256, d, dtype=dtype)
     lse = torch.empty(2, 4, 256)
-    args = dict(q_desc=fwd_sm90._descriptor(q, bm, bd), k_desc=fwd_sm90._descriptor(q, bn, bd),
+    args = dict(q_desc=fwd_sm90._descriptor(q, fwd_sm90.CONSUMER_ROWS, bd), k_desc=fwd_sm90._descriptor(q, bn, bd),
                 v_desc=fwd_sm90._descriptor(q, bn, bd), O=q, LSE=lse, stride_ob=1024 * d, stride_oh=256 * d,
                 stride_om=d, num_q_heads=4, group_size=1, seqlen_q=256, seqlen_k=256, qk_scale=0.1)
-    consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, NUM_STAGES=stages, CAUSAL=causal, num_warps=warps)
-    maxnreg = fwd_sm90._register_cap(warps)
+    consts = dict(HEAD_DIM=d, BLOCK_N=bn, BLOCK_D=bd, NUM_STAGES=stages, CAUSAL=causal)
+    maxnreg = fwd_sm90.REGISTER_CAP
+    warps = 4
     fn = fwd_sm90.attention_forward_sm90_kernel
     names = fn.arg_names
     signature = {n: ("constexpr" if n in consts else mangle_type(args[n])) for n in names}

@@ -199,10 +199,10 @@ class ForwardPlan:
 
 @functools.lru_cache(maxsize=None)
 def sm90_forward_tiles(head_dim: int, causal: bool) -> AttentionTiles:
-    """Tiles of the Gluon sm_90 kernel. Its warps split the query rows 16 each: block_m = 16 * num_warps.
-
-    Measured on an H200 (docs/perf-notes.md). Registers bound the tile: the score tile, the bf16 P operand
-    and the fp32 output accumulator all live in registers (about 240 of 255 at D=128 with 128x128).
+    """Tiles of the Gluon sm_90 kernel: always 128 query rows on two consumer warpgroups (8 warps) plus a producer
+    warp; the key tile and the ring depth vary. Registers bound the key tile (score tile, bf16 P and the fp32
+    output accumulator live in registers: ~240 per thread at D=128 with 128-key tiles), shared memory the depth.
+    Measured on an H200 (docs/perf-notes.md).
     """
     block_d = padded_head_dim(head_dim)
     if block_d <= 64:

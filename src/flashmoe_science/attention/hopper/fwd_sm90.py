@@ -13,13 +13,15 @@ explicit, and one iteration over key tile j reads:
     softmax of S_j -> P_j, alpha_j          (exp2 on the SFU *while the tensor cores run P_{j-1} V_{j-1}*)
     wait for the P·V product, then refill the stage it used with tile j-1+NUM_STAGES
 
-The first tile is peeled (there is no P_{-1}) and the last P·V runs after the loop. A CTA owns BLOCK_M query
-rows of one (batch, head); its compute warps split the rows 16 at a time, so BLOCK_M = 16 * num_warps.
+The first tile is peeled (there is no P_{-1}) and the last P·V runs after the loop.
 
-Loads are warp-specialised: one extra producer warp (24 registers, so the compute warps keep ~240) streams K and V
+A CTA owns BLOCK_M = 128 query rows of one (batch, head), split between two consumer warpgroups of 64 rows each,
+each in its own warp-specialised partition. They share the K/V tiles but never wait for each other, so the warp
+schedulers interleave one warpgroup's softmax with the other's tensor-core products (FA3's ping-pong, left to
+the hardware). A third partition, one producer warp with 24 registers (the consumers get 240), streams K and V
 through a ring of NUM_STAGES shared-memory stages. Each stage has a "ready" barrier (the TMA copy landed) and an
-"empty" barrier (the compute warps are done with it: K after its Q·Kᵀ product, V after its P·V product), so the
-copies run ahead as far as the ring allows and never wait on the compute warps' instruction stream.
+"empty" barrier that both consumers arrive on (K after its Q·Kᵀ product, V after its P·V product), so copies run
+ahead as far as the ring allows and never sit in a consumer's instruction stream.
 """
 
 from __future__ import annotations
@@ -35,7 +37,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from flashmoe_science.attention.triton_fwd import key_tile_bounds
 
 LOG2_E = 1.4426950408889634
+CONSUMER_ROWS = 64  # rows per consumer warpgroup (4 warps x 16 rows of wgmma)
+NUM_CONSUMERS = 2
+BLOCK_M = CONSUMER_ROWS * NUM_CONSUMERS
 PRODUCER_REGISTERS = gl.constexpr(24)  # the fewest a warp may hold: the producer only computes addresses
+CONSUMER_REGISTERS = gl.constexpr(240)
 
 
 @gluon.jit
@@ -78,14 +84,22 @@ def _softmax_tile(s, m_i, l_i, start_n, offs_m, seqlen_k, diagonal, full_end, qk
 
 
 @gluon.jit
-def _attention_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
-                        stride_ob, stride_oh, stride_om, batch, q_head, pid_bh, start_m, seqlen_q, seqlen_k,
-                        diagonal, full_end, num_tiles, qk_scale,
-                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        num_warps: gl.constexpr):
-    """The compute warps: Q·Kᵀ, softmax, P·V and the epilogue, with the waits placed by hand (module docstring)."""
-    dtype: gl.constexpr = q_smem.dtype
+def _attention_consumer(q_smems, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                        stride_ob, stride_oh, stride_om, batch, q_head, pid_bh, cta_start_m, seqlen_q, seqlen_k,
+                        cta_num_tiles, qk_scale,
+                        CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+                        CAUSAL: gl.constexpr):
+    """One consumer warpgroup: Q·Kᵀ, softmax, P·V and the epilogue for its BLOCK_M rows, waits placed by hand."""
+    num_warps: gl.constexpr = 4
+    dtype: gl.constexpr = q_smems.dtype
+    q_smem = q_smems.index(CONSUMER)
+    q_bar = q_bars.index(CONSUMER)
+    start_m = cta_start_m + CONSUMER * BLOCK_M
+    diagonal = seqlen_k - seqlen_q  # query i sees key j iff j <= i + diagonal
+    full_end, key_end = key_tile_bounds(start_m, seqlen_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
+    # Causal: the upper consumer sees fewer key tiles than the CTA streams (at least one: see the kernel).
+    num_tiles = gl.minimum(gl.maximum(gl.cdiv(key_end, BLOCK_N), 1), cta_num_tiles)
     # wgmma layouts: warps stacked along the rows (16 rows each); instruction N = the full tile width.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -135,6 +149,16 @@ def _attention_consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     o_acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
     o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
+    mbarrier.arrive(v_empty.index(last), count=1)
+
+    # Tiles the other consumer still needs: release each stage in order, once its copy has landed, so the two
+    # arrivals on an "empty" barrier always belong to the same tile.
+    for j in range(num_tiles, cta_num_tiles):
+        stage = j % NUM_STAGES
+        mbarrier.wait(k_ready.index(stage), (j // NUM_STAGES) & 1)
+        mbarrier.arrive(k_empty.index(stage), count=1)
+        mbarrier.wait(v_ready.index(stage), (j // NUM_STAGES) & 1)
+        mbarrier.arrive(v_empty.index(stage), count=1)
 
     no_key = l_i == 0.0
     l_safe = gl.where(no_key, 1.0, l_i)
@@ -155,10 +179,12 @@ def attention_forward_sm90_kernel(
     q_desc, k_desc, v_desc, O, LSE,
     stride_ob, stride_oh, stride_om,
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]  # rows per consumer
+    CTA_ROWS: gl.constexpr = ROWS * 2
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
     if CAUSAL:
@@ -166,40 +192,46 @@ def attention_forward_sm90_kernel(
     batch = pid_bh // num_q_heads
     q_head = pid_bh % num_q_heads
     kv_head = q_head // group_size
-    start_m = pid_m * BLOCK_M
+    start_m = pid_m * CTA_ROWS
 
-    diagonal = seqlen_k - seqlen_q  # query i sees key j iff j <= i + diagonal
-    full_end, key_end = key_tile_bounds(start_m, seqlen_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
-    # At least one tile, so no wait is left on a copy that was never issued; a tile no row can see is fully
-    # masked and leaves l = 0 (zeros out, lse -inf).
+    # The CTA streams the keys its lowest rows see. At least one tile, so no wait is left on a copy that was never
+    # issued; a tile no row can see is fully masked and leaves l = 0 (zeros out, lse -inf).
+    _, key_end = key_tile_bounds(start_m, seqlen_k, seqlen_k - seqlen_q, CTA_ROWS, BLOCK_N, CAUSAL)
     num_tiles = gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
 
-    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    q_smems = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
+        mbarrier.init(v_empty.index(i), count=2)
 
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [batch, q_head, start_m, 0], q_bar, q_smem)
+    for i in gl.static_range(2):
+        mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, q_head, start_m + i * ROWS, 0], q_bars.index(i),
+                                        q_smems.index(i))
 
+    upper: gl.constexpr = 0
+    lower: gl.constexpr = 1
     gl.warp_specialize([
-        (_attention_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE,
+        (_attention_consumer, (q_smems, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, O, LSE,
                                stride_ob, stride_oh, stride_om, batch, q_head, pid_bh, start_m, seqlen_q, seqlen_k,
-                               diagonal, full_end, num_tiles, qk_scale,
-                               HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, num_warps)),
+                               num_tiles, qk_scale, upper, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL)),
+        (_attention_consumer, (q_smems, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                               stride_ob, stride_oh, stride_om, batch, q_head, pid_bh, start_m, seqlen_q, seqlen_k,
+                               num_tiles, qk_scale, lower, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL)),
         (_kv_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, batch, kv_head,
                         num_tiles, NUM_STAGES, BLOCK_N)),
-    ], [1], [PRODUCER_REGISTERS])
+    ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -225,22 +257,19 @@ def _descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
 def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles, block_d: int):
     """Launch on checked 4-D bf16/fp16 tensors with TMA-compatible strides (see triton_fwd.tma_compatible)."""
     batch, num_q_heads, seqlen_q, head_dim = q.shape
-    grid = ((seqlen_q + tiles.block_m - 1) // tiles.block_m, batch * num_q_heads)
+    if tiles.block_m != BLOCK_M or tiles.num_warps != 4 * NUM_CONSUMERS:
+        raise ValueError(f"the sm_90 kernel runs {BLOCK_M}-row tiles on {4 * NUM_CONSUMERS} warps, got {tiles}")
+    grid = ((seqlen_q + BLOCK_M - 1) // BLOCK_M, batch * num_q_heads)
     return attention_forward_sm90_kernel[grid](
-        _descriptor(q, tiles.block_m, block_d), _descriptor(k, tiles.block_n, block_d),
+        _descriptor(q, CONSUMER_ROWS, block_d), _descriptor(k, tiles.block_n, block_d),
         _descriptor(v, tiles.block_n, block_d), out, lse,
         *out.stride()[:3],
         num_q_heads, num_q_heads // k.shape[1], seqlen_q, k.shape[2], softmax_scale * LOG2_E,
-        HEAD_DIM=head_dim, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=block_d,
-        NUM_STAGES=tiles.num_stages, CAUSAL=causal, num_warps=tiles.num_warps,
-        maxnreg=_register_cap(tiles.num_warps),
+        HEAD_DIM=head_dim, BLOCK_N=tiles.block_n, BLOCK_D=block_d, NUM_STAGES=tiles.num_stages, CAUSAL=causal,
+        num_warps=4, maxnreg=REGISTER_CAP,
     )
 
 
-def _register_cap(num_warps: int) -> int:
-    """Registers per thread at launch, so the compute warps plus the producer's warpgroup fit the register file
-    (64K) at the intended occupancy: one CTA per SM for 128-row tiles, two for 64-row tiles (which then overlap
-    each other's softmax and products). setmaxnreg moves the producer's share to the compute warps."""
-    ctas_per_sm = 2 if num_warps == 4 else 1
-    threads = (num_warps + 4) * 32
-    return min(255, 65536 // (ctas_per_sm * threads) // 8 * 8)
+# Registers per thread at launch: the three partitions (two consumer warpgroups, the producer's warpgroup) must
+# fit the 64K register file; setmaxnreg then moves the producer's share to the consumers (2*240 + 24 = 3*168).
+REGISTER_CAP = 65536 // (3 * 128) // 8 * 8
