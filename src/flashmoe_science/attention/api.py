@@ -15,7 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from flashmoe_science.attention import reference
-from flashmoe_science.attention.tiles import ForwardPlan, device_traits, forward_tiles, sm90_forward_tiles
+from flashmoe_science.attention.tiles import (
+    ForwardPlan,
+    device_traits,
+    forward_tiles,
+    sm90_forward_tiles,
+    sm90_preferred,
+)
 
 BACKENDS = ("auto", "hopper", "triton", "reference")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -115,14 +121,16 @@ def describe_dispatch(q, k, v, *, causal: bool = False, backend: str = "auto") -
     return choice
 
 
-def _hopper_unavailable(q, k, v) -> str | None:
-    """Why the Gluon sm_90 kernel cannot take this call, or None when it can."""
+def _hopper_unavailable(q, k, v, causal: bool, backend: str) -> str | None:
+    """Why the Gluon sm_90 kernel should not take this call, or None when it should."""
     from flashmoe_science.attention.triton_fwd import tma_compatible
 
     if not q.is_cuda or not device_traits(q.device).is_hopper:
         return "it needs a Hopper (sm_90) GPU"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"it runs bf16/fp16, not {q.dtype}"
+    if backend == "auto" and not sm90_preferred(q.shape[-1]):
+        return f"the Triton kernel measured as fast at head dim {q.shape[-1]}"
     if not _gluon_available():
         return "triton.experimental.gluon is not available"
     if not tma_compatible(q, k, v):
@@ -154,7 +162,7 @@ def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[Dispatch, ForwardPla
         raise TypeError(f"backend={backend!r} supports bfloat16, float16 and float32, got {q.dtype}")
 
     if backend in ("auto", "hopper"):
-        why_not = _hopper_unavailable(q, k, v)
+        why_not = _hopper_unavailable(q, k, v, causal, backend)
         if why_not is None:
             tiles = sm90_forward_tiles(q.shape[-1], causal)
             why = (f"{'auto picks' if backend == 'auto' else 'requested'} the Gluon sm_90 kernel (TMA, async wgmma, "
@@ -169,7 +177,8 @@ def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[Dispatch, ForwardPla
     where = "the Triton interpreter" if not q.is_cuda else f"sm_{traits.capability[0]}{traits.capability[1]}"
     why = (
         f"{'auto picks' if backend == 'auto' else 'requested'} the portable Triton kernel on {where}"
-        + (f" (the sm_90 kernel is out: {_hopper_unavailable(q, k, v)})" if backend == "auto" and q.is_cuda else "")
+        + (f" (not the sm_90 kernel: {_hopper_unavailable(q, k, v, causal, backend)})"
+           if backend == "auto" and q.is_cuda else "")
         + f"; tiles {tiles.block_m}x{tiles.block_n}, {tiles.num_warps} warps, {tiles.num_stages} stages"
         + (", TMA descriptors" if tiles.use_tma else ", pointer loads")
     )
@@ -285,11 +294,16 @@ def flash_attention_science(
             partial results over key blocks can be merged.
         backend: "auto" (CUDA: the best kernel for the GPU; CPU: the PyTorch reference), "triton" (the portable
             kernels; on CPU tensors only under TRITON_INTERPRET=1), or "reference".
-        deterministic: accepted for the backward (the forward is always deterministic).
+        deterministic: accepted for API stability; the backward is always deterministic (a dK/dV pass and a dQ
+            pass, no atomics: bit-identical gradients run to run), and so is the forward.
+
+    Kernels: on Hopper, bf16/fp16 with TMA-compatible strides and head dim > 64 run the Gluon sm_90 kernel
+    (warp-specialised: TMA producer warp, two consumer warpgroups, async wgmma); everything else on a GPU runs the
+    portable Triton kernel; CPU tensors run the PyTorch reference. `describe_dispatch` says which and why.
 
     Accuracy: bf16/fp16 inputs are multiplied on tensor cores with float32 accumulation and a float32 softmax.
-    float32 inputs use TF32 tensor-core products on the GPU (relative error about 1e-3, like
-    `torch.backends.cuda.matmul.allow_tf32 = True`); the CPU reference computes float32 exactly.
+    float32 inputs use 3xTF32 tensor-core products on the GPU (close to float32 accuracy, about 3x the cost of
+    TF32); the CPU reference computes float32 exactly.
 
     Returns:
         `out` with q's shape and dtype, or `(out, lse)` when `return_lse=True`.

@@ -197,16 +197,21 @@ class ForwardPlan:
     tiles: AttentionTiles
 
 
+def sm90_preferred(head_dim: int) -> bool:
+    """Whether `backend="auto"` should run the Gluon sm_90 kernel rather than the Triton one on Hopper.
+
+    Measured on an H200 (docs/perf-notes.md, 2026-11-21 sweep): at D <= 64 the exp2 work equals the tensor-core
+    work and the Triton kernel is level (non-causal) or 6% ahead (causal); above, the sm_90 kernel leads by 15-25%.
+    """
+    return padded_head_dim(head_dim) > 64
+
+
 @functools.lru_cache(maxsize=None)
 def sm90_forward_tiles(head_dim: int, causal: bool) -> AttentionTiles:
     """Tiles of the Gluon sm_90 kernel: always 128 query rows on two consumer warpgroups (8 warps) plus a producer
     warp; the key tile and the ring depth vary. Registers bound the key tile (score tile, bf16 P and the fp32
     output accumulator live in registers: ~240 per thread at D=128 with 128-key tiles), shared memory the depth.
-    Measured on an H200 (docs/perf-notes.md).
     """
-    block_d = padded_head_dim(head_dim)
-    if block_d <= 64:
-        return AttentionTiles(128, 128, 8, 3, use_tma=True)
-    if block_d <= 128:
-        return AttentionTiles(128, 128, 8, 2, use_tma=True)
+    if padded_head_dim(head_dim) <= 128:
+        return AttentionTiles(128, 128, 8, 2 if causal else 3, use_tma=True)
     return AttentionTiles(128, 64, 8, 2, use_tma=True)
