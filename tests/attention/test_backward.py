@@ -1,6 +1,7 @@
 """Attention backward on the CPU: the reference under float64 gradcheck, the Triton backward under the interpreter.
 
-Run the Triton part with `TRITON_INTERPRET=1` (it is skipped otherwise); sizes stay tiny (L <= 64, D <= 64) and the
+The Triton part needs `TRITON_INTERPRET=1` set before the process starts: a plain `pytest` run gets it through
+the child process of test_triton_interpreter.py's driver; sizes stay tiny (L <= 64, D <= 64) and the
 interpreter tiles are 16 x 16, so every case still meets diagonal, full and ragged tiles.
 """
 

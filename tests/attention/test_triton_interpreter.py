@@ -75,7 +75,9 @@ def test_interpreter_suite_in_subprocess(request):
     if IN_INTERPRETER:
         pytest.skip("already under TRITON_INTERPRET=1: the cases run in this process")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-p", "no:warnings"]
+    # The backward's interpreter cases (skipped in a normal run) ride along in the same child.
+    backward_tests = os.path.join(os.path.dirname(__file__), "test_backward.py")
+    cmd = [sys.executable, "-m", "pytest", __file__, backward_tests, "-q", "-p", "no:cacheprovider", "-p", "no:warnings"]
     child = subprocess.run(cmd, cwd=request.config.rootpath, env=env, capture_output=True, text=True, timeout=300)
     report = (child.stdout + child.stderr)[-8000:]
     assert child.returncode == 0, f"interpreter suite failed (rc {child.returncode}):\n{report}"
