@@ -124,6 +124,20 @@ def test_every_element_written(use_tma, head_dim):
     _assert_close_to_float64(out, q, k, v, True, head_dim**-0.5, torch.bfloat16)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_autotune_mode(monkeypatch, causal):
+    """FLASHMOE_AUTOTUNE=1: the Triton kernel searches tiles.forward_search_space, and stays exact."""
+    from flashmoe_science.attention.triton_fwd import _autotuned_kernel
+
+    monkeypatch.setenv("FLASHMOE_AUTOTUNE", "1")
+    q, k, v = _inputs(2, 4, 2, 300, 333, 64, torch.bfloat16)
+    _poison_allocator()
+    out = flash_attention_science(q, k, v, causal=causal, backend="triton")
+    _assert_close_to_float64(out, q, k, v, causal, 64**-0.5, torch.bfloat16)
+    tuner = _autotuned_kernel(64, torch.bfloat16, device_traits(q.device))
+    assert tuner.best_config is not None and len(tuner.configs) > 1
+
+
 def test_shapes_2d_3d_5d():
     q2, k2, v2 = (torch.randn(70, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     out2 = flash_attention_science(q2, k2, v2, causal=True)

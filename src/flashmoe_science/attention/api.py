@@ -33,7 +33,7 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 class Dispatch:
     """Which implementation a call runs, and why (shown by `flashmoe-science info`)."""
 
-    backend: str  # "triton" or "reference"
+    backend: str  # "hopper", "triton" or "reference"
     kernel: str
     reason: str
     tiles: dict | None = None
@@ -41,13 +41,11 @@ class Dispatch:
 
 @dataclass(frozen=True)
 class _Problem:
-    """A checked call: the 4-D views the kernels see, and how to give results back the user's shape."""
+    """A checked call: the 4-D views the kernels see (None where leading dims cannot merge without a copy)."""
 
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    lead_shape: tuple[int, ...]  # the user's dims before (H, L, D); () for 2-D and 3-D inputs
-    user_ndim: int
+    q: torch.Tensor | None
+    k: torch.Tensor | None
+    v: torch.Tensor | None
     softmax_scale: float
 
 
@@ -111,26 +109,42 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor | None:
 
 def _normalise(q, k, v, softmax_scale) -> _Problem:
     scale = float(softmax_scale) if softmax_scale is not None else reference.default_softmax_scale(q.shape[-1])
-    return _Problem(_as_4d(q), _as_4d(k), _as_4d(v), tuple(q.shape[:-3]), q.dim(), scale)
+    return _Problem(_as_4d(q), _as_4d(k), _as_4d(v), scale)
 
 
 def describe_dispatch(q, k, v, *, causal: bool = False, backend: str = "auto") -> Dispatch:
     """Which kernel `flash_attention_science` would run for these inputs, and why."""
     _check_inputs(q, k, v, None, backend)
-    choice, _ = _dispatch(q, k, v, causal, backend)
-    return choice
+    plan, why_not_sm90 = _dispatch(q, k, v, causal, backend)
+    requested = "auto picks" if backend == "auto" else "requested:"
+    if plan is None:
+        where = "backend='reference' was requested" if backend == "reference" else (
+            "float64 has no tensor-core kernel" if q.is_cuda else f"{q.device.type} tensors run the PyTorch reference")
+        return Dispatch("reference", "reference.attention_reference", where)
+    tiles = plan.tiles
+    shape = f"tiles {tiles.block_m}x{tiles.block_n}, {tiles.num_warps} warps, {tiles.num_stages} stages"
+    if plan.kernel == "sm90":
+        why = (f"{requested} the Gluon sm_90 kernel (TMA producer warp, two consumer warpgroups, async wgmma, "
+               f"softmax overlapped with P·V); {shape}")
+        return Dispatch("hopper", "hopper.fwd_sm90.attention_forward_sm90_kernel", why, tiles.as_dict())
+    traits = device_traits(q.device)
+    where = "the Triton interpreter" if not q.is_cuda else f"sm_{traits.capability[0]}{traits.capability[1]}"
+    why = (f"{requested} the portable Triton kernel on {where}"
+           + (f" (not the sm_90 kernel: {why_not_sm90})" if why_not_sm90 else "")
+           + f"; {shape}" + (", TMA descriptors" if tiles.use_tma else ", pointer loads"))
+    return Dispatch("triton", "triton_fwd._attention_forward_kernel", why, tiles.as_dict())
 
 
-def _hopper_unavailable(q, k, v, causal: bool, backend: str) -> str | None:
+def _hopper_unavailable(q, k, v, backend: str) -> str | None:
     """Why the Gluon sm_90 kernel should not take this call, or None when it should."""
     from flashmoe_science.attention.triton_fwd import tma_compatible
 
     if not q.is_cuda or not device_traits(q.device).is_hopper:
         return "it needs a Hopper (sm_90) GPU"
     if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"it runs bf16/fp16, not {q.dtype}"
+        return "it runs bf16/fp16 only"
     if backend == "auto" and not sm90_preferred(q.shape[-1]):
-        return f"the Triton kernel measured as fast at head dim {q.shape[-1]}"
+        return "the Triton kernel measured as fast at head dims <= 64"
     if not _gluon_available():
         return "triton.experimental.gluon is not available"
     if not tma_compatible(q, k, v):
@@ -146,13 +160,13 @@ def _gluon_available() -> bool:
     return True
 
 
-def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[Dispatch, ForwardPlan | None]:
-    if backend == "reference":
-        return Dispatch("reference", "reference.attention_reference", "backend='reference' was requested"), None
-    if backend == "auto" and not q.is_cuda:
-        return Dispatch("reference", "reference.attention_reference", f"{q.device.type} tensors run the PyTorch reference"), None
-    if backend == "auto" and q.dtype == torch.float64:
-        return Dispatch("reference", "reference.attention_reference", "float64 has no tensor-core kernel"), None
+def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[ForwardPlan | None, str | None]:
+    """The kernel for this call (None: the PyTorch reference) and, on CUDA, why the sm_90 kernel was not taken.
+
+    Runs on every call, so it only decides; `describe_dispatch` turns the decision into sentences.
+    """
+    if backend == "reference" or (backend == "auto" and (not q.is_cuda or q.dtype == torch.float64)):
+        return None, None
     if backend in ("triton", "hopper") and not q.is_cuda and not _triton_interpreter_on():
         raise ValueError(
             f"backend={backend!r} needs CUDA tensors, or TRITON_INTERPRET=1 to run the Triton kernels on the CPU "
@@ -161,28 +175,15 @@ def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[Dispatch, ForwardPla
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"backend={backend!r} supports bfloat16, float16 and float32, got {q.dtype}")
 
+    why_not_sm90 = None
     if backend in ("auto", "hopper"):
-        why_not = _hopper_unavailable(q, k, v, causal, backend)
-        if why_not is None:
-            tiles = sm90_forward_tiles(q.shape[-1], causal)
-            why = (f"{'auto picks' if backend == 'auto' else 'requested'} the Gluon sm_90 kernel (TMA, async wgmma, "
-                   f"softmax overlapped with P·V); tiles {tiles.block_m}x{tiles.block_n}, {tiles.num_warps} warps, "
-                   f"{tiles.num_stages} stages")
-            return Dispatch("hopper", "hopper.fwd_sm90.attention_forward_sm90_kernel", why, tiles.as_dict()), \
-                ForwardPlan("sm90", tiles)
+        why_not_sm90 = _hopper_unavailable(q, k, v, backend)
+        if why_not_sm90 is None:
+            return ForwardPlan("sm90", sm90_forward_tiles(q.shape[-1], causal)), None
         if backend == "hopper":
-            raise ValueError(f"backend='hopper' cannot run this call: {why_not}")
-    traits = device_traits(q.device)
-    tiles = forward_tiles(q.shape[-1], q.dtype, causal, traits)
-    where = "the Triton interpreter" if not q.is_cuda else f"sm_{traits.capability[0]}{traits.capability[1]}"
-    why = (
-        f"{'auto picks' if backend == 'auto' else 'requested'} the portable Triton kernel on {where}"
-        + (f" (not the sm_90 kernel: {_hopper_unavailable(q, k, v, causal, backend)})"
-           if backend == "auto" and q.is_cuda else "")
-        + f"; tiles {tiles.block_m}x{tiles.block_n}, {tiles.num_warps} warps, {tiles.num_stages} stages"
-        + (", TMA descriptors" if tiles.use_tma else ", pointer loads")
-    )
-    return Dispatch("triton", "triton_fwd._attention_forward_kernel", why, tiles.as_dict()), ForwardPlan("triton", tiles)
+            raise ValueError(f"backend='hopper' cannot run this call: {why_not_sm90}")
+    tiles = forward_tiles(q.shape[-1], q.dtype, causal, device_traits(q.device))
+    return ForwardPlan("triton", tiles), why_not_sm90 if q.is_cuda else None
 
 
 def _check_triton_layout(q, k, v) -> None:
@@ -292,8 +293,9 @@ def flash_attention_science(
         softmax_scale: defaults to `1 / sqrt(D)`.
         return_lse: also return the natural-log log-sum-exp of the scaled scores, float32 `(..., Hq, Lq)`, so
             partial results over key blocks can be merged.
-        backend: "auto" (CUDA: the best kernel for the GPU; CPU: the PyTorch reference), "triton" (the portable
-            kernels; on CPU tensors only under TRITON_INTERPRET=1), or "reference".
+        backend: "auto" (CUDA: the best kernel for the GPU; CPU: the PyTorch reference), "hopper" (the Gluon sm_90
+            forward; a ValueError where it cannot run), "triton" (the portable kernels; on CPU tensors only under
+            TRITON_INTERPRET=1), or "reference".
         deterministic: accepted for API stability; the backward is always deterministic (a dK/dV pass and a dQ
             pass, no atomics: bit-identical gradients run to run), and so is the forward.
 
@@ -309,7 +311,7 @@ def flash_attention_science(
         `out` with q's shape and dtype, or `(out, lse)` when `return_lse=True`.
     """
     _check_inputs(q, k, v, softmax_scale, backend)
-    choice, plan = _dispatch(q, k, v, causal, backend)
+    plan, _ = _dispatch(q, k, v, causal, backend)
     prob = _normalise(q, k, v, softmax_scale)
     if plan is not None:
         _check_triton_layout(q, k, v)

@@ -116,19 +116,19 @@ def _fit_shared_memory(tiles: AttentionTiles, head_dim: int, elem_bytes: int, tr
     return tiles
 
 
+# (block_m, block_n, num_warps, num_stages): the shapes that competed in the H200 sweeps (docs/perf-notes.md).
+# A short list keeps an autotuned call to seconds of compilation per shape.
+_FORWARD_CANDIDATES = (
+    (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 4, 3), (128, 32, 8, 3),
+    (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3),
+)
+
+
 def forward_search_space(head_dim: int, dtype: torch.dtype, traits: DeviceTraits) -> list[AttentionTiles]:
-    """Candidate tiles for ``FLASHMOE_AUTOTUNE=1``: every combination that fits the GPU's shared memory."""
+    """Candidate tiles for ``FLASHMOE_AUTOTUNE=1``: the measured contenders that fit this GPU's shared memory."""
     elem_bytes = torch.finfo(dtype).bits // 8
-    use_tma = traits.is_hopper
-    candidates = []
-    for block_m in (64, 128):
-        for block_n in (32, 64, 128):
-            for num_warps in (4, 8):
-                for num_stages in (1, 2, 3, 4):
-                    tiles = AttentionTiles(block_m, block_n, num_warps, num_stages, use_tma)
-                    if forward_smem_bytes(tiles, head_dim, elem_bytes) <= traits.smem_per_block - 8192:
-                        candidates.append(tiles)
-    return candidates
+    candidates = [AttentionTiles(*c, use_tma=traits.is_hopper) for c in _FORWARD_CANDIDATES]
+    return [t for t in candidates if forward_smem_bytes(t, head_dim, elem_bytes) <= traits.smem_per_block - 8192]
 
 
 def backward_tiles(

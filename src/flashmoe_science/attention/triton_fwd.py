@@ -31,7 +31,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flashmoe_science.attention.tiles import (
     AttentionTiles,
     autotune_enabled,
+    device_traits,
     forward_search_space,
+    forward_tiles,
     padded_head_dim,
 )
 
@@ -244,7 +246,7 @@ def attention_forward(
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])
 
     if autotune_enabled() and q.is_cuda:
-        kernel = _autotuned_kernel(use_tma)
+        kernel = _autotuned_kernel(head_dim, q.dtype, device_traits(q.device))
         if use_tma:
             q_arg, k_arg, v_arg, o_arg = (_tma_descriptor(t, 16, block_d) for t in (q, k, v, out))
         else:
@@ -276,35 +278,14 @@ def _set_descriptor_blocks(nargs: dict) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _autotuned_kernel(use_tma: bool):
-    """The forward kernel wrapped in `triton.autotune` over tiles.forward_search_space (FLASHMOE_AUTOTUNE=1).
-
-    Tuned once per (head dim, dtype, causal, sequence lengths); the search space is the H200's (smem 227 KiB),
-    a superset of what fits smaller GPUs: configs that fail to compile are skipped by Triton.
-    """
-    from flashmoe_science.attention.tiles import DeviceTraits
-
-    traits = DeviceTraits((9, 0), 132, 232448)
-    space = {t for dtype in (torch.bfloat16, torch.float32) for t in forward_search_space(64, dtype, traits)}
+def _autotuned_kernel(head_dim: int, dtype: torch.dtype, traits):
+    """The forward kernel wrapped in `triton.autotune` over `tiles.forward_search_space` (FLASHMOE_AUTOTUNE=1),
+    one wrapper per (head dim, dtype, GPU); each wrapper tunes once per causal flag, GQA group and lengths."""
     configs = [
         triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n}, num_warps=t.num_warps, num_stages=t.num_stages,
                       pre_hook=_set_descriptor_blocks)
-        for t in sorted(space, key=lambda t: (t.block_m, t.block_n, t.num_warps, t.num_stages))
+        # no contender fits (fp32 at D=256): the heuristic's own tile, which is shrunk to fit
+        for t in forward_search_space(head_dim, dtype, traits) or [forward_tiles(head_dim, dtype, False, traits)]
     ]
-
-    def prune(configs, named_args, **kwargs):
-        from flashmoe_science.attention.tiles import AttentionTiles, forward_smem_bytes
-
-        out = named_args["O"]
-        elem = getattr(out, "base", out).element_size()  # a TMA descriptor wraps the tensor as .base
-        budget = traits.smem_per_block - 8192
-        kept = [c for c in configs if forward_smem_bytes(
-            AttentionTiles(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages), named_args["HEAD_DIM"], elem
-        ) <= budget]
-        return kept or configs[:1]
-
-    return triton.autotune(
-        configs=configs,
-        key=["HEAD_DIM", "CAUSAL", "seqlen_q", "seqlen_k", "group_size"],
-        prune_configs_by={"early_config_prune": prune},
-    )(_attention_forward_kernel)
+    return triton.autotune(configs=configs, key=["CAUSAL", "seqlen_q", "seqlen_k", "group_size"])(
+        _attention_forward_kernel)
