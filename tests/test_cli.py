@@ -257,3 +257,18 @@ def test_progress_bar_text():
     unknown_total = report.Progress(stream=io.StringIO())
     unknown_total.update()
     assert "1 done" in unknown_total.render()
+
+
+def test_attention_flops_count_the_visible_pairs_of_a_bottom_right_mask():
+    # Lq=2, Lk=4, causal bottom-right: query 0 sees 3 keys, query 1 sees 4 -> 7 pairs
+    shape = AttentionShape(B=1, H=1, Lq=2, Lk=4, D=8, causal=True)
+    assert attention_bench.attention_flops(shape, "fwd") == 4.0 * 7 * 8
+    # Lq > Lk: the first Lq - Lk queries see nothing
+    shape = AttentionShape(B=1, H=1, Lq=5, Lk=2, D=8, causal=True)
+    assert attention_bench.attention_flops(shape, "fwd") == 4.0 * (0 + 0 + 0 + 1 + 2) * 8
+
+
+def test_bench_shapes_error_names_the_problem(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--shapes", ","])
+    assert "comma-separated list" in capsys.readouterr().err

@@ -111,7 +111,8 @@ def _comma_list(allowed: tuple[str, ...] | None = None):
         items = [item.strip() for item in text.split(",") if item.strip()]
         unknown = [item for item in items if allowed is not None and item not in allowed]
         if not items or unknown:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list from {', '.join(allowed)}; got {text!r}")
+            choices = f" from {', '.join(allowed)}" if allowed is not None else ""
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list{choices}; got {text!r}")
         return list(dict.fromkeys(items))
 
     return parse

@@ -338,3 +338,20 @@ def test_describe_dispatch_checks_inputs():
         describe_dispatch(q, k.half(), v)
     with pytest.raises(ValueError, match=r"head count"):
         describe_dispatch(q, randn(2, 3, 11, 32), randn(2, 3, 11, 32))
+
+
+@pytest.mark.parametrize("flag", ["causal", "return_lse", "deterministic"])
+@pytest.mark.parametrize("value", ["yes", None, 1])
+def test_flags_must_be_bools(flag, value):
+    q, k, v = make_qkv((1, 2, 8, 16), (1, 2, 8, 16), torch.float32)
+    with pytest.raises(TypeError, match=f"^{flag} must be a bool"):
+        flash_attention_science(q, k, v, **{flag: value})
+
+
+def test_empty_inputs_lse_dtype_follows_the_reference():
+    q = randn(1, 2, 5, 16, dtype=torch.float64)
+    k = randn(1, 2, 0, 16, dtype=torch.float64)
+    _, lse = flash_attention_science(q, k, k, return_lse=True)
+    assert lse.dtype == torch.float64 and torch.isneginf(lse).all()
+    _, lse32 = flash_attention_science(q.float(), k.float(), k.float(), return_lse=True)
+    assert lse32.dtype == torch.float32

@@ -6,6 +6,7 @@ they never validate user input or allocate behind this module's back.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import numbers
@@ -93,6 +94,12 @@ def _check_inputs(q, k, v, softmax_scale, backend) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
+def _check_flags(**flags) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
 def _as_4d(t: torch.Tensor) -> torch.Tensor | None:
     """A `(B, H, L, D)` view of `(..., H, L, D)` without copying, or None when the leading dims cannot merge."""
     if t.dim() == 2:
@@ -115,6 +122,7 @@ def _normalise(q, k, v, softmax_scale) -> _Problem:
 def describe_dispatch(q, k, v, *, causal: bool = False, backend: str = "auto") -> Dispatch:
     """Which kernel `flash_attention_science` would run for these inputs, and why."""
     _check_inputs(q, k, v, None, backend)
+    _check_flags(causal=causal)
     plan, why_not_sm90 = _dispatch(q, k, v, causal, backend)
     requested = "auto picks" if backend == "auto" else "requested:"
     if plan is None:
@@ -152,7 +160,9 @@ def _hopper_unavailable(q, k, v, backend: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def _gluon_available() -> bool:
+    # cached: Python does not cache a failed import, and retrying one costs ~100 µs per call
     try:
         import flashmoe_science.attention.hopper.fwd_sm90  # noqa: F401
     except ImportError:
@@ -291,8 +301,8 @@ def flash_attention_science(
         causal: bottom-right aligned mask (flash-attn convention): query i sees key j iff `j <= i + Lk - Lq`;
             identical to SDPA's `is_causal` when Lq == Lk. A query that sees no key gets zeros and lse -inf.
         softmax_scale: defaults to `1 / sqrt(D)`.
-        return_lse: also return the natural-log log-sum-exp of the scaled scores, float32 `(..., Hq, Lq)`, so
-            partial results over key blocks can be merged.
+        return_lse: also return the natural-log log-sum-exp of the scaled scores, float32 `(..., Hq, Lq)`
+            (float64 for float64 inputs), so partial results over key blocks can be merged.
         backend: "auto" (CUDA: the best kernel for the GPU; CPU: the PyTorch reference), "hopper" (the Gluon sm_90
             forward; a ValueError where it cannot run), "triton" (the portable kernels; on CPU tensors only under
             TRITON_INTERPRET=1), or "reference".
@@ -311,6 +321,7 @@ def flash_attention_science(
         `out` with q's shape and dtype, or `(out, lse)` when `return_lse=True`.
     """
     _check_inputs(q, k, v, softmax_scale, backend)
+    _check_flags(causal=causal, return_lse=return_lse, deterministic=deterministic)
     plan, _ = _dispatch(q, k, v, causal, backend)
     prob = _normalise(q, k, v, softmax_scale)
     if plan is not None:
@@ -319,7 +330,8 @@ def flash_attention_science(
     if q.numel() == 0 or k.shape[-2] == 0:
         # Nothing to attend over (or nobody asking): zero output, -inf log-sum-exp; still differentiable.
         out = _NoKeys.apply(q, k, v)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # as the reference's
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=lse_dtype, device=q.device)
         return (out, lse) if return_lse else out
 
     if prob.q is not None and prob.k is not None and prob.v is not None:

@@ -95,10 +95,19 @@ class AttentionShape:
 
 
 def attention_flops(shape: AttentionShape, pass_: str) -> float:
-    """FLOPs as FlashAttention counts them (two matmuls of 2·Lq·Lk·D each per head; half the work when causal)."""
-    forward = 4.0 * shape.B * shape.H * shape.Lq * shape.Lk * shape.D
-    if shape.causal:
-        forward /= 2
+    """FLOPs as FlashAttention counts them: two matmuls of 2·D per visible (query, key) pair, per head.
+
+    Causal with Lq == Lk counts half the pairs (the FlashAttention convention, L²/2); with Lq != Lk the visible
+    pairs of the bottom-right mask are counted exactly (query i sees min(Lk, max(0, i + Lk - Lq + 1)) keys).
+    """
+    lq, lk = shape.Lq, shape.Lk
+    if not shape.causal:
+        pairs = lq * lk
+    elif lq == lk:
+        pairs = lq * lk / 2
+    else:
+        pairs = sum(min(lk, max(0, i + lk - lq + 1)) for i in range(lq))
+    forward = 4.0 * shape.B * shape.H * pairs * shape.D
     return forward if pass_ == "fwd" else BWD_FLOPS_PER_FWD * forward
 
 

@@ -62,7 +62,7 @@ def torch_loop_moe(x, w1, w2, router_logits, top_k):
         x_e = x[token_idx]
         h = F.silu(x_e @ w1[expert, :d_ff].T) * (x_e @ w1[expert, d_ff:].T)
         y = (h @ w2[expert].T) * weights[token_idx, slot_idx, None].to(x.dtype)
-        out = out.index_add(0, token_idx, y)
+        out.index_add_(0, token_idx, y)  # in place, as a PyTorch user (and Hugging Face) writes it
     return out
 
 
