@@ -11,13 +11,14 @@ import itertools
 import math
 import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from flashmoe_science.attention import reference
 from flashmoe_science.attention.tiles import (
     ForwardPlan,
+    autotune_enabled,
     device_traits,
     forward_tiles,
     sm90_forward_tiles,
@@ -124,6 +125,8 @@ def describe_dispatch(q, k, v, *, causal: bool = False, backend: str = "auto") -
     _check_inputs(q, k, v, None, backend)
     _check_flags(causal=causal)
     plan, why_not_sm90 = _dispatch(q, k, v, causal, backend)
+    if plan is not None:
+        _check_triton_layout(q, k, v)  # the call itself would raise here
     requested = "auto picks" if backend == "auto" else "requested:"
     if plan is None:
         where = "backend='reference' was requested" if backend == "reference" else (
@@ -137,16 +140,23 @@ def describe_dispatch(q, k, v, *, causal: bool = False, backend: str = "auto") -
         return Dispatch("hopper", "hopper.fwd_sm90.attention_forward_sm90_kernel", why, tiles.as_dict())
     traits = device_traits(q.device)
     where = "the Triton interpreter" if not q.is_cuda else f"sm_{traits.capability[0]}{traits.capability[1]}"
+    tuned = q.is_cuda and autotune_enabled()
     why = (f"{requested} the portable Triton kernel on {where}"
            + (f" (not the sm_90 kernel: {why_not_sm90})" if why_not_sm90 else "")
-           + f"; {shape}" + (", TMA descriptors" if tiles.use_tma else ", pointer loads"))
+           + ("; FLASHMOE_AUTOTUNE=1: tiles searched per shape, " if tuned else f"; {shape}, ")
+           + ("TMA descriptors" if tiles.use_tma else "pointer loads"))
     return Dispatch("triton", "triton_fwd._attention_forward_kernel", why, tiles.as_dict())
+
+
+def _tma_compatible(q, k, v) -> bool:
+    from flashmoe_science.attention.triton_fwd import tma_compatible
+
+    # out = empty_like(q) shares q's strides or is contiguous; both are TMA-compatible when q is
+    return tma_compatible(q, k, v)
 
 
 def _hopper_unavailable(q, k, v, backend: str) -> str | None:
     """Why the Gluon sm_90 kernel should not take this call, or None when it should."""
-    from flashmoe_science.attention.triton_fwd import tma_compatible
-
     if not q.is_cuda or not device_traits(q.device).is_hopper:
         return "it needs a Hopper (sm_90) GPU"
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -155,7 +165,7 @@ def _hopper_unavailable(q, k, v, backend: str) -> str | None:
         return "the Triton kernel measured as fast at head dims <= 64"
     if not _gluon_available():
         return "triton.experimental.gluon is not available"
-    if not tma_compatible(q, k, v):
+    if not _tma_compatible(q, k, v):
         return "TMA needs a unit last stride and 16-byte aligned base addresses and strides"
     return None
 
@@ -193,6 +203,8 @@ def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[ForwardPlan | None, 
         if backend == "hopper":
             raise ValueError(f"backend='hopper' cannot run this call: {why_not_sm90}")
     tiles = forward_tiles(q.shape[-1], q.dtype, causal, device_traits(q.device))
+    if tiles.use_tma and not _tma_compatible(q, k, v):  # decided here, once, so the launch and the report agree
+        tiles = replace(tiles, use_tma=False)
     return ForwardPlan("triton", tiles), why_not_sm90 if q.is_cuda else None
 
 

@@ -232,12 +232,13 @@ def attention_forward(
     causal: bool, softmax_scale: float, tiles: AttentionTiles,
 ):
     """Launch the forward kernel on checked 4-D tensors: q/out `(B, Hq, Lq, D)`, k/v `(B, Hkv, Lk, D)` with
-    unit stride in the last dim, lse a contiguous float32 `(B, Hq, Lq)`. Writes `out` and `lse` in place and
+    unit stride in the last dim, lse a contiguous float32 `(B, Hq, Lq)`; `tiles.use_tma` only where
+    `tma_compatible(q, k, v, out)` holds. Writes `out` and `lse` in place and
     returns Triton's compiled kernel (registers, spills and SASS for diagnostics)."""
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
     block_d = padded_head_dim(head_dim)
-    use_tma = tiles.use_tma and tma_compatible(q, k, v, out)
+    use_tma = tiles.use_tma  # the caller checked tma_compatible(q, k, v) when it chose TMA
     qk_scale = softmax_scale * LOG2_E
     common = dict(
         num_q_heads=num_q_heads, group_size=num_q_heads // k.shape[1], seqlen_q=seqlen_q, seqlen_k=seqlen_k,
