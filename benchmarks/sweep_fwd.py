@@ -19,7 +19,7 @@ import triton
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashmoe_science.attention.tiles import AttentionTiles, forward_smem_bytes, device_traits, padded_head_dim
+from flashmoe_science.attention.tiles import AttentionTiles, forward_smem_bytes, device_traits
 from flashmoe_science.attention import triton_fwd
 from flashmoe_science.attention.hopper import fwd_sm90
 
@@ -82,7 +82,7 @@ def main():
                 try:
                     if kernel == "sm90":
                         fn = lambda: fwd_sm90.attention_forward_sm90(  # noqa: E731
-                            q, k, v, out, lse, causal, d**-0.5, tiles, padded_head_dim(d))
+                            q, k, v, out, lse, causal, d**-0.5, tiles)
                     else:
                         fn = lambda: triton_fwd.attention_forward(q, k, v, out, lse, causal, d**-0.5, tiles)  # noqa: E731
                     kern = fn()

@@ -269,9 +269,8 @@ def _kernel_forward(q, k, v, causal, softmax_scale, plan: ForwardPlan) -> tuple[
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     if plan.kernel == "sm90":
         from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90
-        from flashmoe_science.attention.tiles import padded_head_dim
 
-        attention_forward_sm90(q, k, v, out, lse, causal, softmax_scale, plan.tiles, padded_head_dim(q.shape[-1]))
+        attention_forward_sm90(q, k, v, out, lse, causal, softmax_scale, plan.tiles)
     else:
         from flashmoe_science.attention.triton_fwd import attention_forward
 

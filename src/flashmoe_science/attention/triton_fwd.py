@@ -196,19 +196,24 @@ def dot_precision(t: torch.Tensor) -> dict:
     return {"DOT_PRECISION": "tf32x3" if t.dtype == torch.float32 else "tf32"}
 
 
-def _tma_descriptor(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDescriptor:
-    """A rank-4 TMA descriptor over t's own strides (already checked by `tma_compatible`).
+def tma_box(t: torch.Tensor, block_rows: int, block_d: int) -> dict:
+    """The fields of a rank-4 TMA descriptor over t's own strides, boxes of (1, 1, block_rows, block_d).
 
-    Built without TensorDescriptor's re-validation: this runs on every call and host time matters for small
-    problems (the GPU idles while Python prepares a launch).
+    Shared by the Triton and the Gluon launchers. The descriptors are built from these without their classes'
+    re-validation (`tma_compatible` was checked once by the caller): this runs on every call, and host time matters
+    for small problems, where the GPU idles while Python prepares a launch.
     """
     shape, strides = list(t.shape), list(t.stride())
     # Size-1 dims are never stepped over, but TMA still wants every outer stride 16-byte aligned.
     for dim in (2, 1, 0):
         if shape[dim] == 1:
             strides[dim] = shape[dim + 1] * strides[dim + 1]
+    return {"base": t, "shape": shape, "strides": strides, "block_shape": [1, 1, block_rows, block_d], "padding": "zero"}
+
+
+def _tma_descriptor(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDescriptor:
     desc = object.__new__(TensorDescriptor)
-    desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = t, shape, strides, [1, 1, block_rows, block_d], "zero"
+    desc.__dict__.update(tma_box(t, block_rows, block_d))
     return desc
 
 

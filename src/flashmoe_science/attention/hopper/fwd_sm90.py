@@ -34,9 +34,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashmoe_science.attention.triton_fwd import key_tile_bounds
+from flashmoe_science.attention.tiles import padded_head_dim
+from flashmoe_science.attention.triton_fwd import LOG2_E, key_tile_bounds, tma_box
 
-LOG2_E = 1.4426950408889634
 CONSUMER_ROWS = 64  # rows per consumer warpgroup (4 warps x 16 rows of wgmma)
 NUM_CONSUMERS = 2
 BLOCK_M = CONSUMER_ROWS * NUM_CONSUMERS
@@ -243,20 +243,16 @@ def _smem_layout(rows: int, block_d: int, dtype: torch.dtype):
 
 
 def _descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
-    """Rank-4 TMA descriptor over t's strides (alignment checked by the caller), without re-validation."""
-    shape, strides = list(t.shape), list(t.stride())
-    for dim in (2, 1, 0):  # size-1 dims are never stepped over, but TMA wants every outer stride aligned
-        if shape[dim] == 1:
-            strides[dim] = shape[dim + 1] * strides[dim + 1]
+    """Gluon's rank-4 TMA descriptor: triton_fwd.tma_box plus the shared-memory layout of the box."""
     desc = object.__new__(TensorDescriptor)
-    desc.base, desc.shape, desc.strides = t, shape, strides
-    desc.block_shape, desc.layout, desc.padding = [1, 1, rows, block_d], _smem_layout(rows, block_d, t.dtype), "zero"
+    desc.__dict__.update(tma_box(t, rows, block_d), layout=_smem_layout(rows, block_d, t.dtype))
     return desc
 
 
-def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles, block_d: int):
+def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles):
     """Launch on checked 4-D bf16/fp16 tensors with TMA-compatible strides (see triton_fwd.tma_compatible)."""
     batch, num_q_heads, seqlen_q, head_dim = q.shape
+    block_d = padded_head_dim(head_dim)
     if tiles.block_m != BLOCK_M or tiles.num_warps != 4 * NUM_CONSUMERS:
         raise ValueError(f"the sm_90 kernel runs {BLOCK_M}-row tiles on {4 * NUM_CONSUMERS} warps, got {tiles}")
     grid = ((seqlen_q + BLOCK_M - 1) // BLOCK_M, batch * num_q_heads)

@@ -1,0 +1,115 @@
+"""The GPU launchers' host code on the CPU, up to the launch: descriptors, boxes, grids and compile-time constants.
+
+CI has no GPU, so without this the host side of the default Hopper path (TMA descriptors over the caller's strides,
+register caps, tile constants) would first run on a GPU. A stub stands in for the compiled kernel and records the
+launch it was given.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    pytest.skip("launchers are stubbed here; the interpreter runs the real kernels elsewhere", allow_module_level=True)
+
+from flashmoe_science.attention import triton_fwd  # noqa: E402
+from flashmoe_science.attention.tiles import AttentionTiles, sm90_forward_tiles  # noqa: E402
+
+
+class _RecordingKernel:
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, args, kwargs))
+
+        return launch
+
+
+def _blhd(b, h, length, d, dtype=torch.bfloat16):
+    # (B, L, H, D) storage seen as (B, H, L, D): the no-copy transposed layout
+    return torch.randn(b, length, h, d).to(dtype).transpose(1, 2)
+
+
+def test_triton_launcher_builds_tma_descriptors_over_the_callers_strides(monkeypatch):
+    kernel = _RecordingKernel()
+    monkeypatch.setattr(triton_fwd, "_attention_forward_kernel", kernel)
+    q, k, v = _blhd(2, 4, 100, 80), _blhd(2, 2, 90, 80), _blhd(2, 2, 90, 80)
+    out, lse = torch.empty_like(q), torch.empty(2, 4, 100)
+    assert triton_fwd.tma_compatible(q, k, v, out)
+    triton_fwd.attention_forward(q, k, v, out, lse, True, 0.1, AttentionTiles(64, 128, 4, 2, use_tma=True))
+
+    (grid, args, kwargs), = kernel.launches
+    assert grid == (2, 8)  # cdiv(100, 64) query tiles x B*Hq
+    q_desc, k_desc = args[0], args[1]
+    assert q_desc.base is q and q_desc.shape == [2, 4, 100, 80] and q_desc.strides == list(q.stride())
+    assert q_desc.block_shape == [1, 1, 64, 128] and k_desc.block_shape == [1, 1, 128, 128]
+    assert kwargs["HEAD_DIM"] == 80 and kwargs["BLOCK_D"] == 128 and kwargs["USE_TMA"] and kwargs["CAUSAL"]
+    assert kwargs["group_size"] == 2 and kwargs["qk_scale"] == pytest.approx(0.1 * triton_fwd.LOG2_E)
+    assert kwargs["DOT_PRECISION"] == "tf32" and (kwargs["num_warps"], kwargs["num_stages"]) == (4, 2)
+
+
+def test_tma_box_gives_size_one_dims_an_aligned_stride():
+    # one head, one batch: their strides are never stepped over, but TMA still wants them 16-byte aligned
+    t = torch.randn(1, 1, 33, 24)[:, :, :, :].as_strided((1, 1, 33, 24), (7, 5, 24, 1))
+    box = triton_fwd.tma_box(t, 16, 32)
+    assert box["strides"] == [33 * 24, 33 * 24, 24, 1] and box["block_shape"] == [1, 1, 16, 32]
+
+
+def test_tma_compatible_rejects_misaligned_strides_and_bases():
+    base = torch.randn(4, 4, 64, 64, dtype=torch.bfloat16)
+    assert triton_fwd.tma_compatible(base)
+    assert not triton_fwd.tma_compatible(base[..., 1:])  # base address off by 2 bytes
+    assert not triton_fwd.tma_compatible(torch.randn(2, 2, 8, 12, dtype=torch.bfloat16)[..., :8])  # 24-byte rows
+    assert not triton_fwd.tma_compatible(base.transpose(-1, -2))  # last stride not 1
+
+
+def test_fp32_launch_asks_for_3xtf32(monkeypatch):
+    kernel = _RecordingKernel()
+    monkeypatch.setattr(triton_fwd, "_attention_forward_kernel", kernel)
+    q = torch.randn(1, 2, 40, 32)
+    triton_fwd.attention_forward(q, q, q, torch.empty_like(q), torch.empty(1, 2, 40), False, 0.2,
+                                 AttentionTiles(64, 64, 4, 2))
+    assert kernel.launches[0][2]["DOT_PRECISION"] == "tf32x3"
+
+
+@pytest.mark.parametrize("head_dim,causal", [(80, True), (128, False), (192, True), (256, False)])
+def test_sm90_launcher(monkeypatch, head_dim, causal):
+    gluon = pytest.importorskip("triton.experimental.gluon")
+    assert gluon
+    from flashmoe_science.attention.hopper import fwd_sm90
+
+    kernel = _RecordingKernel()
+    monkeypatch.setattr(fwd_sm90, "attention_forward_sm90_kernel", kernel)
+    q, k, v = _blhd(2, 8, 300, head_dim), _blhd(2, 2, 257, head_dim), _blhd(2, 2, 257, head_dim)
+    out, lse = torch.empty_like(q), torch.empty(2, 8, 300)
+    tiles = sm90_forward_tiles(head_dim, causal)
+    fwd_sm90.attention_forward_sm90(q, k, v, out, lse, causal, head_dim**-0.5, tiles)
+
+    (grid, args, kwargs), = kernel.launches
+    assert grid == (3, 16)  # cdiv(300, 128) CTAs of two 64-row consumers x B*Hq
+    q_desc, k_desc, v_desc = args[:3]
+    block_d = 128 if head_dim <= 128 else 256
+    assert q_desc.block_shape == [1, 1, fwd_sm90.CONSUMER_ROWS, block_d]
+    assert k_desc.block_shape == v_desc.block_shape == [1, 1, tiles.block_n, block_d]
+    assert q_desc.layout.swizzle_byte_width == 128 and q_desc.strides == list(q.stride())
+    assert args[5:8] == out.stride()[:3] and args[8:10] == (8, 4)  # heads, GQA group
+    assert kwargs["maxnreg"] == fwd_sm90.REGISTER_CAP == 168 and kwargs["num_warps"] == 4
+    assert (kwargs["HEAD_DIM"], kwargs["BLOCK_D"], kwargs["CAUSAL"]) == (head_dim, block_d, causal)
+    # shared memory: 2 Q boxes + NUM_STAGES K and V boxes fit the H200's 227 KiB
+    box = lambda rows: rows * block_d * 2  # noqa: E731
+    assert 2 * box(64) + kwargs["NUM_STAGES"] * 2 * box(tiles.block_n) <= 232448 - 2048
+
+
+def test_sm90_launcher_rejects_other_tiles():
+    pytest.importorskip("triton.experimental.gluon")
+    from flashmoe_science.attention.hopper import fwd_sm90
+
+    q = _blhd(1, 2, 64, 128)
+    with pytest.raises(ValueError, match="128-row tiles"):
+        fwd_sm90.attention_forward_sm90(q, q, q, torch.empty_like(q), torch.empty(1, 2, 64), False, 0.1,
+                                        AttentionTiles(64, 64, 4, 2, use_tma=True))
