@@ -2,7 +2,7 @@
 # One H200 session in one call: every step logs under $OUT/run/, packed into $OUT/run.tgz at the end
 # (the device tool returns at most 8 files). Usage: bash scripts/h200.sh STEP [STEP ...]
 #   tests      GPU pytest (pytest -m gpu) for everything present
-#   sweep      forward tile sweep (benchmarks/sweep_fwd.py)
+#   sweep      forward tile sweep (scripts/sweep_fwd.py)
 #   bench      flashmoe-science bench (full) ; benchq: --quick ; benchbwd: fwd+bwd
 #   moe        MoE GPU tests + bench moe
 set -u
@@ -17,7 +17,7 @@ for step in "$@"; do
   case $step in
     tests)    python3 -m pytest -m gpu ${TESTS:-tests} -q -x --timeout=600 -p no:cacheprovider 2>&1 | tail -n 60 > "$OUTDIR/tests.log" ;;
     testsall) python3 -m pytest -m gpu tests -q --timeout=600 -p no:cacheprovider 2>&1 | tail -n 120 > "$OUTDIR/tests.log" ;;
-    sweep)    python3 benchmarks/sweep_fwd.py --out "$OUTDIR" > "$OUTDIR/sweep.log" 2>&1 ;;
+    sweep)    python3 scripts/sweep_fwd.py --out "$OUTDIR" > "$OUTDIR/sweep.log" 2>&1 ;;
     bench)    python3 -m flashmoe_science.cli bench --out "$OUTDIR" > "$OUTDIR/bench.log" 2>&1 ;;
     benchq)   python3 -m flashmoe_science.cli bench --quick --out "$OUTDIR" > "$OUTDIR/bench.log" 2>&1 ;;
     benchbwd) python3 -m flashmoe_science.cli bench --pass fwd,bwd --out "$OUTDIR" > "$OUTDIR/bench.log" 2>&1 ;;

@@ -10,7 +10,6 @@ import functools
 import itertools
 import math
 import numbers
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,6 +23,7 @@ from flashmoe_science.attention.tiles import (
     sm90_forward_tiles,
     sm90_preferred,
 )
+from flashmoe_science.device import triton_interpreter_on
 
 BACKENDS = ("auto", "hopper", "triton", "reference")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -49,10 +49,6 @@ class _Problem:
     k: torch.Tensor | None
     v: torch.Tensor | None
     softmax_scale: float
-
-
-def _triton_interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _check_tensor(name: str, t) -> None:
@@ -187,7 +183,7 @@ def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[ForwardPlan | None, 
     """
     if backend == "reference" or (backend == "auto" and (not q.is_cuda or q.dtype == torch.float64)):
         return None, None
-    if backend in ("triton", "hopper") and not q.is_cuda and not _triton_interpreter_on():
+    if backend in ("triton", "hopper") and not q.is_cuda and not triton_interpreter_on():
         raise ValueError(
             f"backend={backend!r} needs CUDA tensors, or TRITON_INTERPRET=1 to run the Triton kernels on the CPU "
             f"(slow; for tests), got tensors on {q.device}"

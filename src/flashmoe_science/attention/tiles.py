@@ -1,9 +1,9 @@
 """Tile shapes for the attention kernels: one heuristic, one autotune search space.
 
 Every kernel asks here for its block sizes, warps and pipeline depth; nothing else in the package picks them.
-The heuristic is keyed by head dim, dtype, causality and the GPU (compute capability, shared memory per block);
-the values were measured on an H200 (see docs/perf-notes.md). ``FLASHMOE_AUTOTUNE=1`` makes the kernels search
-`forward_search_space` instead, keyed by the same inputs plus the sequence lengths.
+The heuristics are keyed by head dim, dtype, causality (where it changed the best tile) and the GPU (compute
+capability, shared memory per block); the forward values were measured on an H200 (docs/perf-notes.md).
+``FLASHMOE_AUTOTUNE=1`` makes the Triton forward search `forward_search_space` instead, per shape.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import os
 from dataclasses import asdict, dataclass, replace
 
 import torch
+
+from flashmoe_science.device import INTERPRETER_TRAITS, DeviceTraits, device_traits  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -27,34 +29,6 @@ class AttentionTiles:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class DeviceTraits:
-    capability: tuple[int, int]
-    sm_count: int
-    smem_per_block: int  # bytes a block may opt in to
-
-    @property
-    def is_hopper(self) -> bool:
-        return self.capability[0] == 9
-
-
-# Conservative stand-in for CPU tensors run under the Triton interpreter.
-INTERPRETER_TRAITS = DeviceTraits(capability=(0, 0), sm_count=1, smem_per_block=1 << 20)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_traits(index: int) -> DeviceTraits:
-    props = torch.cuda.get_device_properties(index)
-    smem = getattr(props, "shared_memory_per_block_optin", 0) or 101376
-    return DeviceTraits((props.major, props.minor), props.multi_processor_count, int(smem))
-
-
-def device_traits(device: torch.device) -> DeviceTraits:
-    if device.type != "cuda":
-        return INTERPRETER_TRAITS
-    return _cuda_traits(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def padded_head_dim(head_dim: int) -> int:
     """Head dims are padded to a power of two inside the kernels (Triton block shapes must be powers of 2)."""
     return max(16, 1 << (head_dim - 1).bit_length())
@@ -62,6 +36,15 @@ def padded_head_dim(head_dim: int) -> int:
 
 def autotune_enabled() -> bool:
     return os.environ.get("FLASHMOE_AUTOTUNE", "0") == "1"
+
+
+# Shared memory Triton needs beyond the tiles (layout conversions, barriers), kept free in every Triton budget.
+# (The Gluon kernel allocates all of its shared memory explicitly: its tiles are checked against the raw limit.)
+SMEM_SCRATCH_BYTES = 8192
+
+
+def smem_budget(traits: DeviceTraits) -> int:
+    return traits.smem_per_block - SMEM_SCRATCH_BYTES
 
 
 def forward_smem_bytes(tiles: AttentionTiles, head_dim: int, elem_bytes: int) -> int:
@@ -74,7 +57,8 @@ def forward_smem_bytes(tiles: AttentionTiles, head_dim: int, elem_bytes: int) ->
 
 @functools.lru_cache(maxsize=None)
 def forward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: DeviceTraits) -> AttentionTiles:
-    """The forward kernel's tile shape for one call."""
+    """The Triton forward kernel's tile shape for one call. (On the H200 the best tile did not depend on
+    ``causal``; the argument stays so the heuristic can use it on GPUs where it does.)"""
     if traits is INTERPRETER_TRAITS:
         # The interpreter runs tiles as numpy arrays: small tiles keep the CPU tests fast and exercise tails.
         return AttentionTiles(block_m=16, block_n=16, num_warps=1, num_stages=1, use_tma=False)
@@ -102,8 +86,7 @@ def forward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: Devic
 
 
 def _fit_shared_memory(tiles: AttentionTiles, head_dim: int, elem_bytes: int, traits: DeviceTraits) -> AttentionTiles:
-    # Triton needs some scratch beyond the tiles (layout conversions, barriers): keep a margin.
-    budget = traits.smem_per_block - 8192
+    budget = smem_budget(traits)
     while forward_smem_bytes(tiles, head_dim, elem_bytes) > budget:
         if tiles.num_stages > 1:
             tiles = replace(tiles, num_stages=tiles.num_stages - 1)
@@ -128,7 +111,7 @@ def forward_search_space(head_dim: int, dtype: torch.dtype, traits: DeviceTraits
     """Candidate tiles for ``FLASHMOE_AUTOTUNE=1``: the measured contenders that fit this GPU's shared memory."""
     elem_bytes = torch.finfo(dtype).bits // 8
     candidates = [AttentionTiles(*c, use_tma=traits.is_hopper) for c in _FORWARD_CANDIDATES]
-    return [t for t in candidates if forward_smem_bytes(t, head_dim, elem_bytes) <= traits.smem_per_block - 8192]
+    return [t for t in candidates if forward_smem_bytes(t, head_dim, elem_bytes) <= smem_budget(traits)]
 
 
 def backward_tiles(
@@ -140,7 +123,8 @@ def backward_tiles(
     ``block_m``-row tiles of q and dO (``num_stages`` deep). ``dq``: each program keeps ``block_m`` rows of q, dO and
     the fp32 dQ resident and streams ``block_n``-key tiles of K and V. The resident tile is the wide one; the
     streamed one is narrower, since four products per tile pair keep more operands live than the forward's two.
-    Not yet timed on an H200: starting points, to be tuned (``causal`` is accepted for that).
+    Correct on the H200 (GPU tests) but not tuned: timed once at commit e93d2dc at ~0.6x cuDNN for D<=128 and
+    ~0.3x at D=256 (benchmarks/results). ``causal`` is accepted for the tuning to come.
     """
     if traits is INTERPRETER_TRAITS:
         # Small tiles keep the interpreter fast and put diagonal, full and ragged tiles into tiny tests.
@@ -150,7 +134,7 @@ def backward_tiles(
     block_d = padded_head_dim(head_dim)
     elem_bytes = torch.finfo(dtype).bits // 8
     if traits.capability[0] >= 9:
-        # Chosen offline (sm_90 cubins from triton 3.6, no GPU run yet) as the largest tiles whose registers fit
+        # Chosen offline (sm_90 cubins from triton 3.6, before any GPU run) as the largest tiles whose registers fit
         # 255/thread with no or little spilling (dK/dV at D=128: ~120 B/thread, D=256: ~144 B/thread).
         if block_d <= 64:
             dkdv, dq = AttentionTiles(32, 128, 8, 2), AttentionTiles(128, 64, 8, 3)
@@ -174,7 +158,7 @@ def backward_tiles(
         # two resident tiles (K and V, or q and dO) plus `stages` buffered pairs of streamed tiles
         return 2 * (resident_rows + max(stages, 1) * streamed_rows) * block_d * elem_bytes
 
-    budget = traits.smem_per_block - 8192
+    budget = smem_budget(traits)
     while smem(dkdv.block_n, dkdv.block_m, dkdv.num_stages) > budget and (dkdv.num_stages > 1 or dkdv.block_n > 16):
         if dkdv.num_stages > 1:
             dkdv = AttentionTiles(dkdv.block_m, dkdv.block_n, dkdv.num_warps, dkdv.num_stages - 1)

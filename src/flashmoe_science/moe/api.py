@@ -3,10 +3,10 @@
 Kernels behind this file take already-checked tensors and never validate user input.
 """
 
-import os
 
 import torch
 
+from flashmoe_science.device import triton_interpreter_on
 from flashmoe_science.moe.reference import fused_experts_reference
 from flashmoe_science.moe.routing import SCORING_FUNCTIONS, route
 
@@ -99,8 +99,7 @@ def _check_topk(topk_weights, topk_ids, num_tokens, x):
 def _choose_backend(backend, x):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    triton_ok = (x.is_cuda or interpreting) and x.dtype in _TRITON_DTYPES and _triton_importable()
+    triton_ok = (x.is_cuda or triton_interpreter_on()) and x.dtype in _TRITON_DTYPES and _triton_importable()
     if backend == "triton":
         if not triton_ok:
             raise ValueError(

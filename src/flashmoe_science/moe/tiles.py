@@ -5,11 +5,12 @@ number of rows an expert receives: small tiles when tokens are few (the layer th
 the GEMM shape barely matters), 128-row tiles when every expert has hundreds of rows (tensor-core bound).
 """
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
+
+from flashmoe_science.device import device_traits, triton_interpreter_on
 
 
 @dataclass(frozen=True)
@@ -30,18 +31,8 @@ class MoETiles:
     wgrad: GemmTiles  # per-expert weight gradients: block_n x block_n output tiles, block_k sorted rows per step
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _num_sms(device) -> int:
-    if isinstance(device, torch.device) and device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
-
-
 def choose_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_ff: int, device) -> MoETiles:
-    if _interpreting():
+    if triton_interpreter_on():
         # the interpreter runs each program in numpy: few, small programs keep CPU tests quick
         small = GemmTiles(block_n=32, block_k=32, num_warps=4, num_stages=1)
         return MoETiles(block_m=16, group_m=4, up=small, down=small, wgrad=small)
@@ -64,7 +55,7 @@ def choose_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_
         tiles_used = max(1, min(num_experts, num_tokens * top_k))
         programs = tiles_used * triton.cdiv(d_model, 64)
         split_k = 1
-        while programs * split_k < 4 * _num_sms(device) and d_ff // (128 * split_k * 2) >= 1:
+        while programs * split_k < 4 * _sm_count(device) and d_ff // (128 * split_k * 2) >= 1:
             split_k *= 2
         down = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=split_k)
     elif block_m == 64:
@@ -76,3 +67,10 @@ def choose_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_
         down = GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=4)
     wgrad = GemmTiles(block_n=128, block_k=min(block_m, 64), num_warps=8, num_stages=3)
     return MoETiles(block_m=block_m, group_m=8, up=up, down=down, wgrad=wgrad)
+
+
+def _sm_count(device) -> int:
+    # split-K sizing; CPU (interpreter) tensors size as an H200 would, so interpreter tests take the GPU's branches
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return device_traits(device).sm_count
+    return 132

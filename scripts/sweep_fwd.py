@@ -1,6 +1,6 @@
 """Sweep forward tile configs on the GPU and print them beside cuDNN: the data behind tiles.forward_tiles.
 
-    PYTHONPATH=src python benchmarks/sweep_fwd.py --out $OUT [--quick]
+    PYTHONPATH=src python scripts/sweep_fwd.py --out $OUT [--cases BxHxLxD,...]
 
 Writes sweep JSON (every config's ms, TFLOP/s, registers, spills, shared memory) and the best config's cubin
 per case (for `cuobjdump -sass`, to confirm HGMMA) under --out.
@@ -9,43 +9,19 @@ per case (for `cuobjdump -sass`, to confirm HGMMA) under --out.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 
 import torch
 import torch.nn.functional as F
 import triton
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashmoe_science.attention.tiles import AttentionTiles, forward_smem_bytes, device_traits
+from flashmoe_science.attention.tiles import AttentionTiles, device_traits, forward_smem_bytes, smem_budget
 from flashmoe_science.attention import triton_fwd
 from flashmoe_science.attention.hopper import fwd_sm90
-
-
-def flops(b, h, l, d, causal):
-    return 4 * b * h * l * l * d / (2 if causal else 1)
-
-
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def sass_summary(cubin: bytes) -> dict:
-    """Count the instructions that matter in a cubin's SASS: warpgroup MMAs, TMA copies, local-memory spills."""
-    import subprocess
-    import tempfile
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        try:
-            sass = subprocess.run(["cuobjdump", "-sass", f.name], capture_output=True, text=True, timeout=60).stdout
-        except (OSError, subprocess.SubprocessError) as e:
-            return {"error": str(e)}
-    ops = ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDL", "STL", "MUFU.EX2", "BAR.SYNC", "SYNCS")
-    return {op: sum(line.count(op + ".") + line.count(op + " ") for line in sass.splitlines()) for op in ops}
+from flashmoe_science.bench.attention import AttentionShape, attention_flops, cuda_median_ms
+from sass_tools import sass_counts
 
 
 def main():
@@ -59,12 +35,12 @@ def main():
         b, h, l, d = map(int, case.split("x"))
         for causal in (False, True):
             q, k, v = (torch.randn(b, h, l, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            fl = flops(b, h, l, d, causal)
+            fl = attention_flops(AttentionShape(b, h, l, l, d, causal), "fwd")
             row = {"B": b, "H": h, "L": l, "D": d, "causal": causal, "configs": []}
             for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
                 try:
                     with sdpa_kernel(backend):
-                        ms = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                        ms = cuda_median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
                     row[name] = fl / ms / 1e9
                 except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
                     row[name] = None
@@ -77,7 +53,8 @@ def main():
             sm90_configs = [("sm90", AttentionTiles(128, block_n, 8, stages, use_tma=True)) for block_n, stages in (
                 (128, 2), (128, 3), (128, 4), (64, 2), (64, 3), (64, 4), (32, 3), (32, 4))]
             for kernel, tiles in triton_configs + sm90_configs:
-                if forward_smem_bytes(tiles, d, 2) > traits.smem_per_block - 2048:
+                limit = traits.smem_per_block - 2048 if kernel == "sm90" else smem_budget(traits)  # see tiles.py
+                if forward_smem_bytes(tiles, d, 2) > limit:
                     continue
                 try:
                     if kernel == "sm90":
@@ -88,7 +65,7 @@ def main():
                     kern = fn()
                     ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                     err = (out.float() - ref.float()).abs().max().item()
-                    ms = bench(fn)
+                    ms = cuda_median_ms(fn)
                 except Exception as e:  # noqa: BLE001
                     print(f"  {tiles} failed: {type(e).__name__}: {str(e)[:200]}")
                     continue
@@ -106,7 +83,7 @@ def main():
                                f"{r['kernel']}{'' if r['use_tma'] else '-ptr'} {r['tflops']:.0f} err{r['max_err_vs_sdpa']:.1e} (r{r['regs']} sp{r['spills']})"
                                for r in top), flush=True)
             if best is not None:
-                row["best_sass_summary"] = sass_summary(best[1].asm["cubin"])
+                row["best_sass_summary"] = sass_counts(best[1].asm["cubin"])[1]
                 print("   best config SASS:", row["best_sass_summary"], flush=True)
     with open(os.path.join(args.out, "sweep_fwd.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
