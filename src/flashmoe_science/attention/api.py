@@ -213,14 +213,15 @@ def _check_triton_layout(q, k, v) -> None:
             )
 
 
-class _TritonAttention(torch.autograd.Function):
-    """Forward through the Triton kernel; saves only out and lse for the backward (O(L) memory)."""
+class _KernelAttention(torch.autograd.Function):
+    """Forward through the planned kernel (Gluon sm_90 or Triton), backward through the Triton kernels; saves only
+    the inputs, out and lse (O(L) memory)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, plan, deterministic):
+    def forward(ctx, q, k, v, causal, softmax_scale, plan):
         out, lse = _kernel_forward(q, k, v, causal, softmax_scale, plan)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+        ctx.causal, ctx.softmax_scale = causal, softmax_scale
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -241,9 +242,9 @@ class _TritonAttention(torch.autograd.Function):
         if need_dq or need_dk or need_dv:
             tiles = backward_tiles(q.shape[-1], q.dtype, ctx.causal, device_traits(q.device))
             delta = torch.empty_like(lse)
-            # Two passes, no atomics: bit-identical gradients run to run whatever ctx.deterministic says.
+            # Two passes, no atomics: bit-identical gradients run to run (what deterministic=True asks for).
             attention_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, ctx.causal, ctx.softmax_scale, tiles)
-        return (dq, dk if need_dk else None, dv if need_dv else None, None, None, None, None)
+        return (dq, dk if need_dk else None, dv if need_dv else None, None, None, None)  # causal, scale, plan
 
 
 class _NoKeys(torch.autograd.Function):
@@ -274,17 +275,17 @@ def _kernel_forward(q, k, v, causal, softmax_scale, plan: ForwardPlan) -> tuple[
     return out, lse
 
 
-def _run_kernel(plan: ForwardPlan, q4, k4, v4, causal, scale, deterministic) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_kernel(plan: ForwardPlan, q4, k4, v4, causal, scale) -> tuple[torch.Tensor, torch.Tensor]:
     if torch.is_grad_enabled() and (q4.requires_grad or k4.requires_grad or v4.requires_grad):
-        return _TritonAttention.apply(q4, k4, v4, causal, scale, plan, deterministic)
+        return _KernelAttention.apply(q4, k4, v4, causal, scale, plan)
     # Inference: skip autograd's bookkeeping, a measurable share of host time on small problems.
     return _kernel_forward(q4, k4, v4, causal, scale, plan)
 
 
-def _run(plan: ForwardPlan | None, q4, k4, v4, causal, scale, deterministic):
+def _run(plan: ForwardPlan | None, q4, k4, v4, causal, scale):
     if plan is None:
         return reference.attention_reference(q4, k4, v4, causal, scale)
-    return _run_kernel(plan, q4, k4, v4, causal, scale, deterministic)
+    return _run_kernel(plan, q4, k4, v4, causal, scale)
 
 
 def flash_attention_science(
@@ -342,14 +343,14 @@ def flash_attention_science(
         return (out, lse) if return_lse else out
 
     if prob.q is not None and prob.k is not None and prob.v is not None:
-        out4, lse4 = _run(plan, prob.q, prob.k, prob.v, causal, prob.softmax_scale, deterministic)
+        out4, lse4 = _run(plan, prob.q, prob.k, prob.v, causal, prob.softmax_scale)
         out, lse = out4.view(q.shape), lse4.view(q.shape[:-1])
     else:
         # Leading dims whose strides cannot merge into one batch dim: run each leading index on its own
         # (no input copies; the outputs are stacked).
         outs, lses = [], []
         for index in itertools.product(*(range(n) for n in q.shape[:-4])):
-            o, l = _run(plan, q[index], k[index], v[index], causal, prob.softmax_scale, deterministic)
+            o, l = _run(plan, q[index], k[index], v[index], causal, prob.softmax_scale)
             outs.append(o)
             lses.append(l)
         out = torch.stack(outs).view(q.shape)

@@ -19,14 +19,15 @@ import math
 import torch
 
 
-def causal_visibility(lq: int, lk: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Boolean (Lq, Lk) mask, True where query i may see key j.
+def causal_visibility(lq: int, lk: int, device: torch.device | str | None = None,
+                      key_start: int = 0, key_stop: int | None = None) -> torch.Tensor:
+    """Boolean (Lq, keys) mask over keys [key_start, key_stop) (default: all Lk), True where query i may see key j.
 
     Causal attention is aligned bottom-right, as in flash-attn: query i sees key j iff ``j <= i + Lk - Lq``.
     When Lq == Lk this is the usual lower triangle (what SDPA's ``is_causal`` means).
     """
     rows = torch.arange(lq, device=device).unsqueeze(1)
-    cols = torch.arange(lk, device=device).unsqueeze(0)
+    cols = torch.arange(key_start, lk if key_stop is None else min(key_stop, lk), device=device).unsqueeze(0)
     return cols <= rows + (lk - lq)
 
 
@@ -81,13 +82,12 @@ def attention_tiled(
     m = torch.full(q.shape[:3], float("-inf"), dtype=compute, device=q.device)
     l = torch.zeros(q.shape[:3], dtype=compute, device=q.device)
     acc = torch.zeros(*q.shape[:3], v.shape[-1], dtype=compute, device=q.device)
-    query_pos = torch.arange(lq, device=q.device).unsqueeze(1)
 
     for start in range(0, lk, block_n):
-        key_pos = torch.arange(start, min(start + block_n, lk), device=q.device).unsqueeze(0)
         scores = torch.matmul(qc, kc[:, :, start : start + block_n].transpose(-1, -2)) * softmax_scale
         if causal:
-            scores = scores.masked_fill(key_pos > query_pos + (lk - lq), float("-inf"))
+            visible = causal_visibility(lq, lk, q.device, key_start=start, key_stop=start + block_n)
+            scores = scores.masked_fill(~visible, float("-inf"))
         m_new = torch.maximum(m, scores.amax(dim=-1))
         m_shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with no key yet
         p = torch.exp(scores - m_shift.unsqueeze(-1))

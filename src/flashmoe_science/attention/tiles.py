@@ -133,7 +133,7 @@ def backward_tiles(
 
     block_d = padded_head_dim(head_dim)
     elem_bytes = torch.finfo(dtype).bits // 8
-    if traits.capability[0] >= 9:
+    if traits.is_hopper:  # as the forward: Hopper-tuned tiles on Hopper only
         # Chosen offline (sm_90 cubins from triton 3.6, before any GPU run) as the largest tiles whose registers fit
         # 255/thread with no or little spilling (dK/dV at D=128: ~120 B/thread, D=256: ~144 B/thread).
         if block_d <= 64:

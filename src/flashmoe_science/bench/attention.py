@@ -6,7 +6,7 @@ Each measurement times one forward (or one backward) of one backend on one shape
 
 How things are measured, and why:
 - GPU: median of `triton.testing.do_bench` (it flushes L2 between calls). CPU: median of `time.perf_counter`.
-- Forward is timed under `torch.no_grad()` (inference; also keeps a not-yet-differentiable kernel measurable).
+- Forward is timed under `torch.no_grad()` (inference: no autograd bookkeeping in any backend).
   Backward is timed alone: one forward with grads on q, k, v, then `out.backward(dout, retain_graph=True)` repeated.
 - SDPA backends are forced with `sdpa_kernel`, entered once around a whole measurement, not inside the timed call.
 - FlexAttention is `torch.compile(flex_attention)`; its causal block mask is built once per shape, outside timing.

@@ -42,6 +42,9 @@ NUM_CONSUMERS = 2
 BLOCK_M = CONSUMER_ROWS * NUM_CONSUMERS
 PRODUCER_REGISTERS = gl.constexpr(24)  # the fewest a warp may hold: the producer only computes addresses
 CONSUMER_REGISTERS = gl.constexpr(240)
+# Registers per thread at launch: the three partitions (two consumer warpgroups, the producer's warpgroup) must
+# fit the 64K register file; setmaxnreg then moves the producer's share to the consumers (2*240 + 24 = 3*168).
+REGISTER_CAP = 65536 // (3 * 128) // 8 * 8
 
 
 @gluon.jit
@@ -265,7 +268,3 @@ def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float
         num_warps=4, maxnreg=REGISTER_CAP,
     )
 
-
-# Registers per thread at launch: the three partitions (two consumer warpgroups, the producer's warpgroup) must
-# fit the 64K register file; setmaxnreg then moves the producer's share to the consumers (2*240 + 24 = 3*168).
-REGISTER_CAP = 65536 // (3 * 128) // 8 * 8
