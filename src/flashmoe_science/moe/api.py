@@ -168,7 +168,12 @@ def fused_experts(x, w1, w2, topk_weights, topk_ids, *, backend="auto"):
     """
     num_tokens, _, _, _ = _check_experts(x, w1, w2)
     _check_topk(topk_weights, topk_ids, num_tokens, x)
-    if _choose_backend(backend, x) == "reference":
+    return _run_experts(x, w1, w2, topk_weights, topk_ids, _choose_backend(backend, x))
+
+
+def _run_experts(x, w1, w2, topk_weights, topk_ids, backend: str):
+    """The experts on checked inputs, with the backend already chosen."""
+    if backend == "reference":
         return fused_experts_reference(x, w1, w2, topk_weights, topk_ids)
     return _FusedExpertsTriton.apply(x, w1, w2, topk_weights, topk_ids)
 
@@ -184,5 +189,6 @@ def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="sof
     _check_same_device("router_logits", router_logits, x)
     _check_top_k(top_k, num_experts)
     _check_routing_options(renormalize, scoring)
-    topk_weights, topk_ids = route(router_logits, top_k, renormalize, scoring)
-    return fused_experts(x, w1, w2, topk_weights, topk_ids, backend=backend)
+    chosen = _choose_backend(backend, x)  # before the routing work: a bad backend fails first
+    topk_weights, topk_ids = route(router_logits, top_k, renormalize, scoring)  # well-formed by construction
+    return _run_experts(x, w1, w2, topk_weights, topk_ids, chosen)

@@ -7,8 +7,7 @@ import math
 import torch
 from torch import nn
 
-from flashmoe_science.moe.api import BACKENDS, fused_moe
-from flashmoe_science.moe.routing import SCORING_FUNCTIONS
+from flashmoe_science.moe.api import BACKENDS, _check_routing_options, _check_top_k, fused_moe
 
 # Hugging Face sparse-MoE block classes we convert, by class name (no import of transformers needed)
 HF_MOE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
@@ -44,14 +43,10 @@ class FusedMoE(nn.Module):
         super().__init__()
         for name, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts), ("top_k", top_k)):
             _check_positive_int(name, value)
-        if top_k > num_experts:
-            raise ValueError(f"top_k must be <= num_experts={num_experts}, got {top_k}")
-        if scoring not in SCORING_FUNCTIONS:
-            raise ValueError(f"scoring must be one of {SCORING_FUNCTIONS}, got {scoring!r}")
+        _check_top_k(top_k, num_experts)
+        _check_routing_options(renormalize, scoring)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if not isinstance(renormalize, bool):
-            raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
         factory = dict(device=device, dtype=dtype)
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.renormalize, self.scoring, self.backend = renormalize, scoring, backend
