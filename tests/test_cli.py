@@ -272,3 +272,8 @@ def test_bench_shapes_error_names_the_problem(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--shapes", ","])
     assert "comma-separated list" in capsys.readouterr().err
+
+
+def test_bench_moe_rejects_attention_only_options(capsys):
+    assert cli.main(["bench", "moe", "--shapes", "4x8x2048x64"]) == 2
+    assert "--shapes" in capsys.readouterr().err

@@ -29,8 +29,8 @@ from flashmoe_science.bench.report import (
 
 DEFAULT_OUT = "benchmarks/results"
 INFO_SAMPLE_SHAPE = (2, 8, 1024, 64)  # (B, H, L, D) of the call `info` describes
-# MoE table rows: the fields present among these, in this order ("model"/"config": a name such as "mixtral-8x7b")
-MOE_ROW_FIELDS = ("model", "config", "E", "top_k", "d_model", "d_ff", "T", "pass")
+# MoE table rows: the fields present among these, in this order ("model": a name such as "mixtral-8x7b")
+MOE_ROW_FIELDS = ("model", "E", "top_k", "d_model", "d_ff", "T", "pass")
 EXIT_UNAVAILABLE = 2
 
 
@@ -85,7 +85,7 @@ def _print_sample_dispatch() -> None:
         from flashmoe_science.attention.api import describe_dispatch
 
         q, k, v = (torch.randn(INFO_SAMPLE_SHAPE, device=device, dtype=dtype) for _ in range(3))
-    except Exception as error:  # info must keep working while the attention package is half-built
+    except Exception as error:  # info reports what it can even when one part fails
         print(f"  cannot describe the dispatch: {type(error).__name__}: {error}")
         return
     for causal in (False, True):
@@ -178,6 +178,12 @@ def _bench_attention(args: argparse.Namespace) -> int:
 
 
 def _bench_moe(args: argparse.Namespace) -> int:
+    attention_only = [flag for flag, given in (("--shapes", args.shapes), ("--backends", args.backends),
+                                              ("--pass", args.passes != ["fwd"])) if given]
+    if attention_only:
+        print(f"bench moe: {', '.join(attention_only)} apply to the attention benchmark; the MoE benchmark times "
+              "forward and backward of its fixed model configs (--quick for fewer)", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     try:
         from flashmoe_science.bench.moe import run_moe_bench
     except ImportError as error:
