@@ -113,3 +113,18 @@ def test_sm90_launcher_rejects_other_tiles():
     with pytest.raises(ValueError, match="128-row tiles"):
         fwd_sm90.attention_forward_sm90(q, q, q, torch.empty_like(q), torch.empty(1, 2, 64), False, 0.1,
                                         AttentionTiles(64, 64, 4, 2, use_tma=True))
+
+
+def test_triton_plan_drops_tma_for_strides_tma_cannot_take(monkeypatch):
+    """The dispatch decides TMA once (the launcher trusts it): on Hopper traits, misaligned strides get pointers."""
+    from flashmoe_science.attention import api
+    from flashmoe_science.device import DeviceTraits
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets backend="triton" accept CPU tensors; nothing is launched
+    monkeypatch.setattr(api, "device_traits", lambda device: DeviceTraits((9, 0), 132, 232448))
+    aligned = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    plan, _ = api._dispatch(aligned, aligned, aligned, False, "triton")
+    assert plan.kernel == "triton" and plan.tiles.use_tma
+    misaligned = torch.randn(1, 2, 64, 65, dtype=torch.bfloat16)[..., 1:]  # base off by 2 bytes, rows of 130 bytes
+    plan, _ = api._dispatch(misaligned, misaligned, misaligned, False, "triton")
+    assert plan.kernel == "triton" and not plan.tiles.use_tma
