@@ -140,8 +140,10 @@ class _FusedExpertsTriton(torch.autograd.Function):
         from flashmoe_science.moe import triton_gemm
 
         x, w1, w2, weights32 = ctx.saved_tensors
-        dx, dw1, dw2, dweights = triton_gemm.moe_backward(grad_out, x, w1, w2, weights32, ctx.saved_sort)
-        return dx, dw1, dw2, dweights.to(ctx.weights_dtype), None
+        need_dx, need_dw1, need_dw2, need_dweights = ctx.needs_input_grad[:4]
+        dx, dw1, dw2, dweights = triton_gemm.moe_backward(
+            grad_out, x, w1, w2, weights32, ctx.saved_sort, need_dx=need_dx, need_dw1=need_dw1, need_dw2=need_dw2)
+        return dx, dw1, dw2, dweights.to(ctx.weights_dtype) if need_dweights else None, None
 
 
 # ------------------------------------------------------------------------------------------- public API

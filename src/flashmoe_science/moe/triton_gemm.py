@@ -471,17 +471,23 @@ def moe_forward(x, w1, w2, weights32, topk_ids, tiles: MoETiles | None = None):
     return out32.to(x.dtype), saved
 
 
-def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward):
-    """Gradients ``(dx, dw1, dw2, dweights32)`` of ``moe_forward``'s output, reusing its sort."""
+def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
+                 need_dx: bool = True, need_dw1: bool = True, need_dw2: bool = True):
+    """Gradients ``(dx, dw1, dw2, dweights32)`` of ``moe_forward``'s output, reusing its sort.
+
+    The SwiGLU backward always runs (it also yields the routing-weight gradient); the dx GEMM and each weight
+    gradient run only when asked for (frozen experts, router-only training), and come back None otherwise.
+    """
     sort, tiles = saved
     num_tokens, d_model = x.shape
     num_experts, two_d_ff, _ = w1.shape
     d_ff = two_d_ff // 2
     dweights = torch.zeros(weights32.shape, dtype=torch.float32, device=x.device)
-    dw1 = _empty(w1.shape, w1.dtype, w1.device)
-    dw2 = _empty(w2.shape, w2.dtype, w2.device)
+    dw1 = _empty(w1.shape, w1.dtype, w1.device) if need_dw1 else None
+    dw2 = _empty(w2.shape, w2.dtype, w2.device) if need_dw2 else None
     if num_tokens == 0:
-        return x.new_empty((0, d_model)), dw1.zero_(), dw2.zero_(), dweights
+        dx = x.new_empty((0, d_model)) if need_dx else None
+        return dx, dw1.zero_() if need_dw1 else None, dw2.zero_() if need_dw2 else None, dweights
 
     num_row_tiles = sort.tile_expert.numel()
     num_rows = num_row_tiles * tiles.block_m
@@ -526,9 +532,14 @@ def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward):
         # five operand tiles per stage: three stages stay inside Hopper's 227 KiB of shared memory
         num_stages=min(up.num_stages, 3),
     )
-    dx32 = torch.zeros((num_tokens, d_model), dtype=torch.float32, device=x.device)
-    w1_strides = (w1.stride(0), w1.stride(1), w1.stride(2))  # (expert, k = 2F, n = d)
-    _launch_down_combine(dgu, w1, w1_strides, dx32, None, sort, tiles, tiles.down, two_d_ff, d_model)
-    _launch_wgrad(dgu, False, None, x, True, dw1, sort, tiles)
-    _launch_wgrad(grad_out, True, weights32, h, False, dw2, sort, tiles)
-    return dx32.to(x.dtype), dw1, dw2, dweights
+    dx = None
+    if need_dx:
+        dx32 = torch.zeros((num_tokens, d_model), dtype=torch.float32, device=x.device)
+        w1_strides = (w1.stride(0), w1.stride(1), w1.stride(2))  # (expert, k = 2F, n = d)
+        _launch_down_combine(dgu, w1, w1_strides, dx32, None, sort, tiles, tiles.down, two_d_ff, d_model)
+        dx = dx32.to(x.dtype)
+    if need_dw1:
+        _launch_wgrad(dgu, False, None, x, True, dw1, sort, tiles)
+    if need_dw2:
+        _launch_wgrad(grad_out, True, weights32, h, False, dw2, sort, tiles)
+    return dx, dw1, dw2, dweights
