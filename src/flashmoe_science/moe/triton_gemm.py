@@ -59,6 +59,17 @@ def _row_tile_and_col_block(pid, num_row_tiles, num_col_blocks, GROUP_M: tl.cons
 
 
 @triton.jit
+def _tile_rows_and_cols(tile, col_block, sorted_pair_ids_ptr, num_pairs, num_cols,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A row tile's sorted rows, the (token, slot) pair each holds, and the column block, with their masks
+    (padding rows hold ids >= num_pairs)."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pair_ids_ptr + rows)
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, pairs, pairs < num_pairs, cols, cols < num_cols
+
+
+@triton.jit
 def _up_swiglu_kernel(
     x_ptr,
     w1_ptr,
@@ -87,12 +98,9 @@ def _up_swiglu_kernel(
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
         return
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pair_ids_ptr + rows)
-    row_valid = pairs < num_pairs
+    rows, pairs, row_valid, cols, col_valid = _tile_rows_and_cols(
+        tile, col_block, sorted_pair_ids_ptr, num_pairs, d_ff, BLOCK_M, BLOCK_N)
     tokens = tl.where(row_valid, pairs // top_k, 0).to(tl.int64)
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_valid = cols < d_ff
     ks = tl.arange(0, BLOCK_K)
 
     x_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :] * stride_xd
@@ -154,11 +162,8 @@ def _down_combine_kernel(
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
         return
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pair_ids_ptr + rows)
-    row_valid = pairs < num_pairs
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_valid = cols < N
+    rows, pairs, row_valid, cols, col_valid = _tile_rows_and_cols(
+        tile, col_block, sorted_pair_ids_ptr, num_pairs, N, BLOCK_M, BLOCK_N)
 
     k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_begin = tl.program_id(1) * k_per_split
@@ -227,12 +232,9 @@ def _swiglu_backward_kernel(
     expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
     if expert < 0:
         return
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pair_ids_ptr + rows)
-    row_valid = pairs < num_pairs
+    rows, pairs, row_valid, cols, col_valid = _tile_rows_and_cols(
+        tile, col_block, sorted_pair_ids_ptr, num_pairs, d_ff, BLOCK_M, BLOCK_N)
     tokens = tl.where(row_valid, pairs // top_k, 0).to(tl.int64)
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_valid = cols < d_ff
     ks = tl.arange(0, BLOCK_K)
 
     x_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :] * stride_xd
