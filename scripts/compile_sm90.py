@@ -22,7 +22,8 @@ def compile_once(d, bn, stages, causal, dtype=torch.bfloat16):
     lse = torch.empty(2, 4, 256)
     args = dict(q_desc=fwd_sm90._descriptor(q, fwd_sm90.CONSUMER_ROWS, bd), k_desc=fwd_sm90._descriptor(q, bn, bd),
                 v_desc=fwd_sm90._descriptor(q, bn, bd), O=q, LSE=lse, stride_ob=1024 * d, stride_oh=256 * d,
-                stride_om=d, num_q_heads=4, group_size=1, seqlen_q=256, seqlen_k=256, qk_scale=0.1)
+                stride_om=d, num_q_heads=4, group_size=1, seqlen_q=256, seqlen_k=256, qk_scale=0.1,
+                num_m_tiles=2, num_work=16)
     consts = dict(HEAD_DIM=d, BLOCK_N=bn, BLOCK_D=bd, NUM_STAGES=stages, CAUSAL=causal)
     fn = fwd_sm90.attention_forward_sm90_kernel
     names = fn.arg_names

@@ -27,7 +27,8 @@ from sass_tools import sass_counts
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
-    parser.add_argument("--cases", default="4x16x4096x64,4x16x4096x128,4x8x4096x256,1x16x16384x128")
+    parser.add_argument("--cases", default="32x32x512x64,4x32x4096x64,32x16x512x128,16x16x1024x128,"
+                        "8x16x2048x128,4x16x4096x128,1x16x16384x128,32x8x512x256,8x8x2048x256,1x8x16384x256")
     args = parser.parse_args()
     traits = device_traits(torch.device("cuda"))
     results = []
@@ -49,17 +50,20 @@ def main():
             lse = torch.empty(q.shape[:3], device="cuda")
             best = None
             triton_configs = [("triton", AttentionTiles(*c)) for c in (
-                (64, 128, 4, 2, True), (64, 64, 4, 3, True), (128, 64, 8, 3, False), (128, 64, 8, 2, True))]
-            sm90_configs = [("sm90", AttentionTiles(128, block_n, 8, stages, use_tma=True)) for block_n, stages in (
-                (128, 2), (128, 3), (128, 4), (64, 2), (64, 3), (64, 4), (32, 3), (32, 4))]
+                (64, 128, 4, 2, True), (64, 64, 4, 3, True))]
+            # sm90: persistent (one CTA per SM) and "sm90-grid" (one CTA per query tile, num_ctas unbounded)
+            sm90_configs = [(kernel, AttentionTiles(128, block_n, 8, stages, use_tma=True))
+                            for kernel in ("sm90", "sm90-grid") for block_n, stages in (
+                                (128, 2), (128, 3), (64, 2), (64, 3), (64, 4))]
             for kernel, tiles in triton_configs + sm90_configs:
-                limit = traits.smem_per_block - 2048 if kernel == "sm90" else smem_budget(traits)  # see tiles.py
+                limit = traits.smem_per_block - 2048 if kernel.startswith("sm90") else smem_budget(traits)
                 if forward_smem_bytes(tiles, d, 2) > limit:
                     continue
                 try:
-                    if kernel == "sm90":
+                    if kernel.startswith("sm90"):
+                        ctas = 1 << 30 if kernel == "sm90-grid" else None
                         fn = lambda: fwd_sm90.attention_forward_sm90(  # noqa: E731
-                            q, k, v, out, lse, causal, d**-0.5, tiles)
+                            q, k, v, out, lse, causal, d**-0.5, tiles, num_ctas=ctas)
                     else:
                         fn = lambda: triton_fwd.attention_forward(q, k, v, out, lse, causal, d**-0.5, tiles)  # noqa: E731
                     kern = fn()

@@ -37,7 +37,8 @@ from flashmoe_science.attention.tiles import (
     padded_head_dim,
 )
 
-LOG2_E = 1.4426950408889634
+LOG2_E = 1.4426950408889634  # host side: folded into the softmax scale
+LN_2 = tl.constexpr(0.6931471805599453)  # in kernels: base-2 log-sum-exp -> natural log
 
 
 @triton.jit
@@ -175,7 +176,7 @@ def _attention_forward_kernel(
     no_key = l_i == 0.0
     l_safe = tl.where(no_key, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(no_key, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    lse = tl.where(no_key, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN_2)
     tl.store(LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
 
     if USE_TMA:

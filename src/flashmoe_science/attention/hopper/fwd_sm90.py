@@ -34,8 +34,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashmoe_science.attention.tiles import padded_head_dim
-from flashmoe_science.attention.triton_fwd import LOG2_E, key_tile_bounds, tma_box
+from flashmoe_science.attention.tiles import device_traits, padded_head_dim
+from flashmoe_science.attention.triton_fwd import LN_2, LOG2_E, key_tile_bounds, tma_box
 
 CONSUMER_ROWS = 64  # rows per consumer warpgroup (4 warps x 16 rows of wgmma)
 NUM_CONSUMERS = 2
@@ -48,20 +48,65 @@ REGISTER_CAP = 65536 // (3 * 128) // 8 * 8
 
 
 @gluon.jit
-def _kv_producer(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, batch, kv_head, num_tiles,
-                 NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The producer warp: copy K and V tiles into the ring as soon as their stage is released."""
-    for tile in range(num_tiles):
-        stage = tile % NUM_STAGES
-        free_phase = ((tile // NUM_STAGES) & 1) ^ 1  # barriers start "phase 1 complete": the first round passes
-        mbarrier.wait(k_empty.index(stage), free_phase)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, tile * BLOCK_N, 0], k_ready.index(stage),
-                                        k_smem.index(stage))
-        mbarrier.wait(v_empty.index(stage), free_phase)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, tile * BLOCK_N, 0], v_ready.index(stage),
-                                        v_smem.index(stage))
+def _work_tile(work, num_m_tiles, num_q_heads, group_size, CTA_ROWS: gl.constexpr, CAUSAL: gl.constexpr):
+    """Work item -> (batch, query head, kv head, first query row).
+
+    A head's query tiles are consecutive items, so the CTAs working on them share its K/V in L2. With causal
+    masking they alternate heaviest/lightest (tiles m_last, 0, m_last-1, 1, ...): any run of consecutive items,
+    which is what a CTA owns, then carries about the same number of key tiles as any other."""
+    pid_bh = work // num_m_tiles
+    t = work % num_m_tiles
+    if CAUSAL:
+        if t % 2 == 0:
+            pid_m = num_m_tiles - 1 - t // 2
+        else:
+            pid_m = t // 2
+    else:
+        pid_m = t
+    q_head = pid_bh % num_q_heads
+    return pid_bh // num_q_heads, q_head, q_head // group_size, pid_m * CTA_ROWS
+
+
+@gluon.jit
+def _cta_key_tiles(start_m, seqlen_q, seqlen_k, CTA_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   CAUSAL: gl.constexpr):
+    """Key tiles a CTA streams for the query tile at `start_m`: those its lowest rows see. At least one, so no wait
+    is left on a copy that was never issued; a tile no row can see is fully masked and leaves l = 0 (zeros out,
+    lse -inf)."""
+    _, key_end = key_tile_bounds(start_m, seqlen_k, seqlen_k - seqlen_q, CTA_ROWS, BLOCK_N, CAUSAL)
+    return gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+              work_start, work_end, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k,
+              NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """The producer warp: for each of the CTA's work items, both halves of the Q tile (once the consumers are done
+    with the previous ones), then K and V tiles into the ring as soon as their stage is released. The ring
+    position runs on across work items, so the next item's first tiles land during the current epilogue."""
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    ring = 0  # K/V tiles issued so far by this CTA
+    for item in range(work_end - work_start):
+        batch, q_head, kv_head, start_m = _work_tile(work_start + item, num_m_tiles, num_q_heads, group_size,
+                                                     2 * ROWS, CAUSAL)
+        for c in gl.static_range(2):
+            mbarrier.wait(q_empty.index(c), (item & 1) ^ 1)  # barriers start "phase 1 complete": item 0 passes
+            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [batch, q_head, start_m + c * ROWS, 0], q_ready.index(c),
+                                            q_smems.index(c))
+        num_tiles = _cta_key_tiles(start_m, seqlen_q, seqlen_k, 2 * ROWS, BLOCK_N, CAUSAL)
+        for tile in range(num_tiles):
+            stage = ring % NUM_STAGES
+            free_phase = ((ring // NUM_STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(stage), free_phase)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [batch, kv_head, tile * BLOCK_N, 0], k_ready.index(stage),
+                                            k_smem.index(stage))
+            mbarrier.wait(v_empty.index(stage), free_phase)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [batch, kv_head, tile * BLOCK_N, 0], v_ready.index(stage),
+                                            v_smem.index(stage))
+            ring += 1
 
 
 @gluon.jit
@@ -87,21 +132,18 @@ def _softmax_tile(s, m_i, l_i, start_n, offs_m, seqlen_k, diagonal, full_end, qk
 
 
 @gluon.jit
-def _attention_consumer(q_smems, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, O, LSE,
-                        stride_ob, stride_oh, stride_om, batch, q_head, pid_bh, cta_start_m, seqlen_q, seqlen_k,
-                        cta_num_tiles, qk_scale,
-                        CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr):
-    """One consumer warpgroup: Q·Kᵀ, softmax, P·V and the epilogue for its BLOCK_M rows, waits placed by hand."""
+def _attend_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                 stride_ob, stride_oh, stride_om, batch, q_head, num_q_heads, start_m, seqlen_q, seqlen_k,
+                 cta_num_tiles, ring, q_phase, qk_scale,
+                 HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+                 NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """One consumer's `ROWS` query rows of one work item: Q·Kᵀ, softmax, P·V and the epilogue, waits placed by hand.
+    `ring` is the ring position of the item's first K/V tile; the item streams `cta_num_tiles` of them."""
     num_warps: gl.constexpr = 4
-    dtype: gl.constexpr = q_smems.dtype
-    q_smem = q_smems.index(CONSUMER)
-    q_bar = q_bars.index(CONSUMER)
-    start_m = cta_start_m + CONSUMER * BLOCK_M
+    dtype: gl.constexpr = q_smem.dtype
     diagonal = seqlen_k - seqlen_q  # query i sees key j iff j <= i + diagonal
-    full_end, key_end = key_tile_bounds(start_m, seqlen_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
-    # Causal: the upper consumer sees fewer key tiles than the CTA streams (at least one: see the kernel).
+    full_end, key_end = key_tile_bounds(start_m, seqlen_k, diagonal, ROWS, BLOCK_N, CAUSAL)
+    # Causal: the upper consumer sees fewer key tiles than the CTA streams (at least one: see _cta_key_tiles).
     num_tiles = gl.minimum(gl.maximum(gl.cdiv(key_end, BLOCK_N), 1), cta_num_tiles)
     # wgmma layouts: warps stacked along the rows (16 rows each); instruction N = the full tile width.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -112,31 +154,32 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_bars, k_ready, v_ready, k_emp
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    q_tile = q_smem.reshape([BLOCK_M, BLOCK_D])
-    offs_m = start_m + gl.arange(0, BLOCK_M, layout=s_rows)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
-    o_acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(q_bar, 0)
+    q_tile = q_smem.reshape([ROWS, BLOCK_D])
+    offs_m = start_m + gl.arange(0, ROWS, layout=s_rows)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
+    l_i = gl.zeros([ROWS], gl.float32, layout=s_rows)
+    o_acc = gl.zeros([ROWS, BLOCK_D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_ready, q_phase)
 
     # Tile 0: nothing to overlap with yet.
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q_tile, k_smem.index(0).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
+    stage = ring % NUM_STAGES
+    mbarrier.wait(k_ready.index(stage), (ring // NUM_STAGES) & 1)
+    s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
                       use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
-    mbarrier.arrive(k_empty.index(0), count=1)
+    mbarrier.arrive(k_empty.index(stage), count=1)
     p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, offs_m, seqlen_k, diagonal, full_end, qk_scale,
                                        BLOCK_N, CAUSAL, s_layout)
 
     for j in range(1, num_tiles):
-        stage = j % NUM_STAGES
-        prev = (j - 1) % NUM_STAGES
-        mbarrier.wait(k_ready.index(stage), (j // NUM_STAGES) & 1)
+        prev = (ring + j - 1) % NUM_STAGES
+        stage = (ring + j) % NUM_STAGES
+        mbarrier.wait(k_ready.index(stage), ((ring + j) // NUM_STAGES) & 1)
         s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
         o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((ring + j - 1) // NUM_STAGES) & 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         o_acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
@@ -145,31 +188,35 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_bars, k_ready, v_ready, k_emp
                                            qk_scale, BLOCK_N, CAUSAL, s_layout)
         o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
+    # Every Q·Kᵀ has completed: the producer may load the next item's Q during this item's last P·V and epilogue.
+    mbarrier.arrive(q_empty, count=1)
 
-    last = (num_tiles - 1) % NUM_STAGES
+    last = ring + num_tiles - 1
     o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-    mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // NUM_STAGES) & 1)
+    mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
-    o_acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
+    o_acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
     o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
-    mbarrier.arrive(v_empty.index(last), count=1)
+    mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
 
     # Tiles the other consumer still needs: release each stage in order, once its copy has landed, so the two
     # arrivals on an "empty" barrier always belong to the same tile.
     for j in range(num_tiles, cta_num_tiles):
-        stage = j % NUM_STAGES
-        mbarrier.wait(k_ready.index(stage), (j // NUM_STAGES) & 1)
+        stage = (ring + j) % NUM_STAGES
+        phase = ((ring + j) // NUM_STAGES) & 1
+        mbarrier.wait(k_ready.index(stage), phase)
         mbarrier.arrive(k_empty.index(stage), count=1)
-        mbarrier.wait(v_ready.index(stage), (j // NUM_STAGES) & 1)
+        mbarrier.wait(v_ready.index(stage), phase)
         mbarrier.arrive(v_empty.index(stage), count=1)
 
     no_key = l_i == 0.0
     l_safe = gl.where(no_key, 1.0, l_i)
-    lse = gl.where(no_key, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    gl.store(LSE + pid_bh.to(gl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    lse = gl.where(no_key, float("-inf"), (m_i + gl.log2(l_safe)) * LN_2)
+    lse_row0 = (batch * num_q_heads + q_head).to(gl.int64) * seqlen_q
+    gl.store(LSE + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
 
     out = o_acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
-    rows = start_m + gl.arange(0, BLOCK_M, layout=o_rows)
+    rows = start_m + gl.arange(0, ROWS, layout=o_rows)
     cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
     o_ptrs = (O + batch.to(gl.int64) * stride_ob + q_head.to(gl.int64) * stride_oh
               + gl.expand_dims(rows, 1) * stride_om + gl.expand_dims(cols, 0))
@@ -178,62 +225,76 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_bars, k_ready, v_ready, k_emp
 
 
 @gluon.jit
+def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                        stride_ob, stride_oh, stride_om, work_start, work_end, num_m_tiles, num_q_heads,
+                        group_size, seqlen_q, seqlen_k, qk_scale,
+                        CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
+                        BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+                        CAUSAL: gl.constexpr):
+    """One consumer warpgroup: its `ROWS`-row half of every work item the CTA owns, in the producer's order."""
+    ring = 0  # ring position of the current item's first K/V tile
+    for item in range(work_end - work_start):
+        batch, q_head, _, cta_start_m = _work_tile(work_start + item, num_m_tiles, num_q_heads, group_size,
+                                                   2 * ROWS, CAUSAL)
+        cta_num_tiles = _cta_key_tiles(cta_start_m, seqlen_q, seqlen_k, 2 * ROWS, BLOCK_N, CAUSAL)
+        _attend_tile(q_smems.index(CONSUMER), k_smem, v_smem, q_ready.index(CONSUMER), q_empty.index(CONSUMER),
+                     k_ready, v_ready, k_empty, v_empty, O, LSE, stride_ob, stride_oh, stride_om,
+                     batch, q_head, num_q_heads, cta_start_m + CONSUMER * ROWS, seqlen_q, seqlen_k,
+                     cta_num_tiles, ring, item & 1, qk_scale,
+                     HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL)
+        ring += cta_num_tiles
+
+
+@gluon.jit
 def attention_forward_sm90_kernel(
     q_desc, k_desc, v_desc, O, LSE,
     stride_ob, stride_oh, stride_om,
-    num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
+    num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, num_m_tiles, num_work,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
 ):
+    """Persistent: CTA i owns a contiguous run of the num_work = B·Hq·num_m_tiles work items (see _work_tile)."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]  # rows per consumer
-    CTA_ROWS: gl.constexpr = ROWS * 2
-    pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    if CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - pid_m  # heaviest query tiles first
-    batch = pid_bh // num_q_heads
-    q_head = pid_bh % num_q_heads
-    kv_head = q_head // group_size
-    start_m = pid_m * CTA_ROWS
-
-    # The CTA streams the keys its lowest rows see. At least one tile, so no wait is left on a copy that was never
-    # issued; a tile no row can see is fully masked and leaves l = 0 (zeros out, lse -inf).
-    _, key_end = key_tile_bounds(start_m, seqlen_k, seqlen_k - seqlen_q, CTA_ROWS, BLOCK_N, CAUSAL)
-    num_tiles = gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
+    num_ctas = gl.num_programs(0)
+    cta = gl.program_id(0)
+    share = num_work // num_ctas
+    extra = num_work % num_ctas
+    work_start = cta * share + gl.minimum(cta, extra)
+    work_end = work_start + share + (cta < extra).to(gl.int32)
 
     q_smems = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
-        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)  # each consumer owns one half of the Q tile
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
         mbarrier.init(v_empty.index(i), count=2)
 
-    for i in gl.static_range(2):
-        mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, q_head, start_m + i * ROWS, 0], q_bars.index(i),
-                                        q_smems.index(i))
-
     upper: gl.constexpr = 0
     lower: gl.constexpr = 1
     gl.warp_specialize([
-        (_attention_consumer, (q_smems, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, O, LSE,
-                               stride_ob, stride_oh, stride_om, batch, q_head, pid_bh, start_m, seqlen_q, seqlen_k,
-                               num_tiles, qk_scale, upper, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL)),
-        (_attention_consumer, (q_smems, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, O, LSE,
-                               stride_ob, stride_oh, stride_om, batch, q_head, pid_bh, start_m, seqlen_q, seqlen_k,
-                               num_tiles, qk_scale, lower, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL)),
-        (_kv_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, batch, kv_head,
-                        num_tiles, NUM_STAGES, BLOCK_N)),
+        (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                               stride_ob, stride_oh, stride_om, work_start, work_end, num_m_tiles, num_q_heads,
+                               group_size, seqlen_q, seqlen_k, qk_scale,
+                               upper, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL)),
+        (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                               stride_ob, stride_oh, stride_om, work_start, work_end, num_m_tiles, num_q_heads,
+                               group_size, seqlen_q, seqlen_k, qk_scale,
+                               lower, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL)),
+        (_producer, (q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                     k_empty, v_empty, work_start, work_end, num_m_tiles, num_q_heads, group_size, seqlen_q,
+                     seqlen_k, NUM_STAGES, BLOCK_N, CAUSAL)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -252,19 +313,24 @@ def _descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
     return desc
 
 
-def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles):
-    """Launch on checked 4-D bf16/fp16 tensors with TMA-compatible strides (see triton_fwd.tma_compatible)."""
+def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles, num_ctas: int | None = None):
+    """Launch on checked 4-D bf16/fp16 tensors with TMA-compatible strides (see triton_fwd.tma_compatible).
+
+    Persistent: one CTA per SM (or `num_ctas`, for the sweep), each owning a run of query tiles."""
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     block_d = padded_head_dim(head_dim)
     if tiles.block_m != BLOCK_M or tiles.num_warps != 4 * NUM_CONSUMERS:
         raise ValueError(f"the sm_90 kernel runs {BLOCK_M}-row tiles on {4 * NUM_CONSUMERS} warps, got {tiles}")
-    grid = ((seqlen_q + BLOCK_M - 1) // BLOCK_M, batch * num_q_heads)
+    num_m_tiles = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+    num_work = num_m_tiles * batch * num_q_heads
+    if num_ctas is None:
+        num_ctas = device_traits(q.device).sm_count  # one CTA fills an SM: ~160-224 KB of shared memory, 64K registers
+    grid = (max(1, min(num_ctas, num_work)),)
     return attention_forward_sm90_kernel[grid](
         _descriptor(q, CONSUMER_ROWS, block_d), _descriptor(k, tiles.block_n, block_d),
         _descriptor(v, tiles.block_n, block_d), out, lse,
         *out.stride()[:3],
-        num_q_heads, num_q_heads // k.shape[1], seqlen_q, k.shape[2], softmax_scale * LOG2_E,
+        num_q_heads, num_q_heads // k.shape[1], seqlen_q, k.shape[2], softmax_scale * LOG2_E, num_m_tiles, num_work,
         HEAD_DIM=head_dim, BLOCK_N=tiles.block_n, BLOCK_D=block_d, NUM_STAGES=tiles.num_stages, CAUSAL=causal,
         num_warps=4, maxnreg=REGISTER_CAP,
     )
-
