@@ -54,7 +54,7 @@ def main():
             # sm90: persistent (one CTA per SM) and "sm90-grid" (one CTA per query tile, num_ctas unbounded)
             sm90_configs = [(kernel, AttentionTiles(128, block_n, 8, stages, use_tma=True))
                             for kernel in ("sm90", "sm90-grid") for block_n, stages in (
-                                (128, 2), (128, 3), (64, 2), (64, 3), (64, 4))]
+                                (128, 2), (128, 3), (64, 2), (64, 3))]
             for kernel, tiles in triton_configs + sm90_configs:
                 limit = traits.smem_per_block - 2048 if kernel.startswith("sm90") else smem_budget(traits)
                 if forward_smem_bytes(tiles, d, 2) > limit:

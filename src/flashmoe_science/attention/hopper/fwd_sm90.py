@@ -48,23 +48,39 @@ REGISTER_CAP = 65536 // (3 * 128) // 8 * 8
 
 
 @gluon.jit
-def _work_tile(work, num_m_tiles, num_q_heads, group_size, CTA_ROWS: gl.constexpr, CAUSAL: gl.constexpr):
-    """Work item -> (batch, query head, kv head, first query row).
+def _work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size, CTA_ROWS: gl.constexpr,
+               CAUSAL: gl.constexpr):
+    """The CTA's item-th work item -> (batch, query head, kv head, first query row).
 
-    A head's query tiles are consecutive items, so the CTAs working on them share its K/V in L2. With causal
-    masking they alternate heaviest/lightest (tiles m_last, 0, m_last-1, 1, ...): any run of consecutive items,
-    which is what a CTA owns, then carries about the same number of key tiles as any other."""
-    pid_bh = work // num_m_tiles
-    t = work % num_m_tiles
-    if CAUSAL:
-        if t % 2 == 0:
-            pid_m = num_m_tiles - 1 - t // 2
-        else:
-            pid_m = t // 2
+    Work items are numbered head by head, a head's query tiles consecutively (heaviest first with causal
+    masking). CTAs take them in rounds of num_ctas consecutive items, so the CTAs running at any moment work on
+    a few heads and share their K/V in L2 (a CTA taking a contiguous run instead was 5-15% slower: every CTA
+    streamed a different head). The rounds snake (CTA c takes position c, then num_ctas-1-c, ...), so with causal
+    masking a CTA that drew a heavy tile in one round draws a light one in the next."""
+    cta = gl.program_id(0)
+    if item % 2 == 0:
+        work = item * num_ctas + cta
     else:
-        pid_m = t
+        work = item * num_ctas + num_ctas - 1 - cta
+    pid_bh = work // num_m_tiles
+    pid_m = work % num_m_tiles
+    if CAUSAL:
+        pid_m = num_m_tiles - 1 - pid_m
     q_head = pid_bh % num_q_heads
     return pid_bh // num_q_heads, q_head, q_head // group_size, pid_m * CTA_ROWS
+
+
+@gluon.jit
+def _num_items(num_work):
+    """How many work items this CTA runs: one per full round, plus one if its position in the last round exists."""
+    num_ctas = gl.num_programs(0)
+    cta = gl.program_id(0)
+    rounds = num_work // num_ctas
+    if rounds % 2 == 0:
+        position = cta
+    else:
+        position = num_ctas - 1 - cta
+    return rounds + (position < num_work % num_ctas).to(gl.int32)
 
 
 @gluon.jit
@@ -79,15 +95,16 @@ def _cta_key_tiles(start_m, seqlen_q, seqlen_k, CTA_ROWS: gl.constexpr, BLOCK_N:
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              work_start, work_end, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k,
+              num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k,
               NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """The producer warp: for each of the CTA's work items, both halves of the Q tile (once the consumers are done
     with the previous ones), then K and V tiles into the ring as soon as their stage is released. The ring
     position runs on across work items, so the next item's first tiles land during the current epilogue."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    num_ctas = gl.num_programs(0)
     ring = 0  # K/V tiles issued so far by this CTA
-    for item in range(work_end - work_start):
-        batch, q_head, kv_head, start_m = _work_tile(work_start + item, num_m_tiles, num_q_heads, group_size,
+    for item in range(_num_items(num_work)):
+        batch, q_head, kv_head, start_m = _work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size,
                                                      2 * ROWS, CAUSAL)
         for c in gl.static_range(2):
             mbarrier.wait(q_empty.index(c), (item & 1) ^ 1)  # barriers start "phase 1 complete": item 0 passes
@@ -226,15 +243,16 @@ def _attend_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_e
 
 @gluon.jit
 def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
-                        stride_ob, stride_oh, stride_om, work_start, work_end, num_m_tiles, num_q_heads,
+                        stride_ob, stride_oh, stride_om, num_work, num_m_tiles, num_q_heads,
                         group_size, seqlen_q, seqlen_k, qk_scale,
                         CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
                         CAUSAL: gl.constexpr):
     """One consumer warpgroup: its `ROWS`-row half of every work item the CTA owns, in the producer's order."""
+    num_ctas = gl.num_programs(0)
     ring = 0  # ring position of the current item's first K/V tile
-    for item in range(work_end - work_start):
-        batch, q_head, _, cta_start_m = _work_tile(work_start + item, num_m_tiles, num_q_heads, group_size,
+    for item in range(_num_items(num_work)):
+        batch, q_head, _, cta_start_m = _work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size,
                                                    2 * ROWS, CAUSAL)
         cta_num_tiles = _cta_key_tiles(cta_start_m, seqlen_q, seqlen_k, 2 * ROWS, BLOCK_N, CAUSAL)
         _attend_tile(q_smems.index(CONSUMER), k_smem, v_smem, q_ready.index(CONSUMER), q_empty.index(CONSUMER),
@@ -253,15 +271,9 @@ def attention_forward_sm90_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
 ):
-    """Persistent: CTA i owns a contiguous run of the num_work = B·Hq·num_m_tiles work items (see _work_tile)."""
+    """Persistent: the CTAs share the num_work = B·Hq·num_m_tiles work items in rounds (see _work_tile)."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]  # rows per consumer
-    num_ctas = gl.num_programs(0)
-    cta = gl.program_id(0)
-    share = num_work // num_ctas
-    extra = num_work % num_ctas
-    work_start = cta * share + gl.minimum(cta, extra)
-    work_end = work_start + share + (cta < extra).to(gl.int32)
 
     q_smems = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -285,15 +297,15 @@ def attention_forward_sm90_kernel(
     lower: gl.constexpr = 1
     gl.warp_specialize([
         (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
-                               stride_ob, stride_oh, stride_om, work_start, work_end, num_m_tiles, num_q_heads,
+                               stride_ob, stride_oh, stride_om, num_work, num_m_tiles, num_q_heads,
                                group_size, seqlen_q, seqlen_k, qk_scale,
                                upper, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL)),
         (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
-                               stride_ob, stride_oh, stride_om, work_start, work_end, num_m_tiles, num_q_heads,
+                               stride_ob, stride_oh, stride_om, num_work, num_m_tiles, num_q_heads,
                                group_size, seqlen_q, seqlen_k, qk_scale,
                                lower, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL)),
         (_producer, (q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                     k_empty, v_empty, work_start, work_end, num_m_tiles, num_q_heads, group_size, seqlen_q,
+                     k_empty, v_empty, num_work, num_m_tiles, num_q_heads, group_size, seqlen_q,
                      seqlen_k, NUM_STAGES, BLOCK_N, CAUSAL)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
