@@ -5,8 +5,10 @@
 #   sweep      forward tile sweep (scripts/sweep_fwd.py)
 #   bench      flashmoe-science bench (full) ; benchq: --quick ; benchbwd: fwd+bwd
 #   moe        MoE GPU tests + bench moe
+#   sweepbwd   backward tile sweep (scripts/sweep_bwd.py) ; sweepmoe: MoE GEMM sweep (scripts/sweep_moe.py)
+#   profile    ncu of the sm_90 forward (scripts/profile_fwd.py $PROFILE_ARGS: B H L D CAUSAL BLOCK_N STAGES)
 set -u
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src:scripts PYTHONUNBUFFERED=1
 export FLASHMOE_COMMIT=${FLASHMOE_COMMIT:-$(cat .commit 2>/dev/null || echo unknown)}
 OUTDIR=${OUT:-/tmp/out}/run
 mkdir -p "$OUTDIR"
@@ -23,6 +25,11 @@ for step in "$@"; do
     benchbwd) python3 -m flashmoe_science.cli bench --pass fwd,bwd --out "$OUTDIR" > "$OUTDIR/bench.log" 2>&1 ;;
     moe)      python3 -m pytest -m gpu tests/moe -q --timeout=600 -p no:cacheprovider > "$OUTDIR/moe_tests.log" 2>&1;
               python3 -m flashmoe_science.cli bench moe --out "$OUTDIR" > "$OUTDIR/moe_bench.log" 2>&1 ;;
+    sweepbwd) python3 scripts/sweep_bwd.py --out "$OUTDIR" > "$OUTDIR/sweep_bwd.log" 2>&1 ;;
+    sweepmoe) python3 scripts/sweep_moe.py --out "$OUTDIR" > "$OUTDIR/sweep_moe.log" 2>&1 ;;
+    profile)  ncu --clock-control none --launch-skip 1 --launch-count 3 -k regex:attention_forward \
+                  --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+                  python3 scripts/profile_fwd.py ${PROFILE_ARGS:-32 16 512 128 0 128 2} > "$OUTDIR/ncu.log" 2>&1 ;;
     *)        echo "unknown step $step" ;;
   esac
   echo "step $step: $(( $(date +%s) - start )) s" | tee -a "$OUTDIR/steps.txt"
