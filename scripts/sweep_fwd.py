@@ -51,7 +51,7 @@ def main():
             best = None
             triton_configs = [("triton", AttentionTiles(*c)) for c in (
                 (64, 128, 4, 2, True), (64, 64, 4, 3, True))]
-            # sm90: persistent (one CTA per SM) and "sm90-grid" (one CTA per query tile, num_ctas unbounded)
+            # sm90: persistent (one CTA per SM) and "sm90-grid" (one CTA per query tile)
             sm90_configs = [(kernel, AttentionTiles(128, block_n, 8, stages, use_tma=True))
                             for kernel in ("sm90", "sm90-grid") for block_n, stages in (
                                 (128, 2), (128, 3), (64, 2), (64, 3))]
@@ -61,7 +61,7 @@ def main():
                     continue
                 try:
                     if kernel.startswith("sm90"):
-                        ctas = 1 << 30 if kernel == "sm90-grid" else None
+                        ctas = None if kernel == "sm90-grid" else traits.sm_count
                         fn = lambda: fwd_sm90.attention_forward_sm90(  # noqa: E731
                             q, k, v, out, lse, causal, d**-0.5, tiles, num_ctas=ctas)
                     else:

@@ -41,3 +41,10 @@ def device_traits(device: torch.device) -> DeviceTraits:
 def triton_interpreter_on() -> bool:
     """TRITON_INTERPRET=1: Triton kernels run on CPU tensors (slowly; for tests)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_precision(t: torch.Tensor) -> dict:
+    """The DOT_PRECISION constexpr of every kernel (attention and MoE): float32 inputs multiply in 3xTF32
+    (near-fp32 accuracy; plain TF32 gives ~1e-3 relative error, which compounds through a backward's
+    recomputation). 16-bit inputs ignore it."""
+    return {"DOT_PRECISION": "tf32x3" if t.dtype == torch.float32 else "tf32"}

@@ -2,22 +2,32 @@
 
 The Triton part needs `TRITON_INTERPRET=1` set before the process starts: a plain `pytest` run gets it through
 the child process of test_triton_interpreter.py's driver; sizes stay tiny (L <= 64, D <= 64) and the
-interpreter tiles are 16 x 16, so every case still meets diagonal, full and ragged tiles.
+interpreter tiles are 16 x 16, so every case still meets diagonal, full and ragged tiles. Both backward paths run:
+"fused" (deterministic=False: dQ summed with atomics in the dK/dV kernel) and "two-pass" (deterministic=True).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
 import torch
 
 from flashmoe_science.attention.api import flash_attention_science
+from flashmoe_science.attention.tiles import (
+    INTERPRETER_TRAITS,
+    AttentionTiles,
+    BackwardTiles,
+    backward_tiles,
+    padded_head_dim,
+)
 from grad_helpers import assert_grads_close, oracle_grads
 
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "0") != "1", reason="Triton kernels on the CPU need TRITON_INTERPRET=1"
 )
+PATHS = pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "two-pass"])
 
 
 def _leaves(*tensors):
@@ -86,14 +96,15 @@ CASES = [  # batch, q heads, kv heads, Lq, Lk, head dim, causal
 
 
 @needs_interpreter
+@PATHS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("b,hq,hkv,lq,lk,d,causal", CASES)
-def test_triton_backward_matches_float64(b, hq, hkv, lq, lk, d, causal, dtype):
+def test_triton_backward_matches_float64(b, hq, hkv, lq, lk, d, causal, dtype, deterministic):
     q = torch.randn(b, hq, lq, d).to(dtype)
     k = torch.randn(b, hkv, lk, d).to(dtype)
     v = torch.randn(b, hkv, lk, d).to(dtype)
     grad_out = torch.randn(b, hq, lq, d).to(dtype)
-    grads = _triton_grads(q, k, v, grad_out, causal=causal)
+    grads = _triton_grads(q, k, v, grad_out, causal=causal, deterministic=deterministic)
     assert_grads_close(grads, q, k, v, grad_out, causal)
 
 
@@ -111,10 +122,12 @@ def test_triton_backward_custom_scale_and_strided_inputs():
 
 
 @needs_interpreter
-def test_triton_backward_dead_rows_are_exact_zeros():
+@PATHS
+def test_triton_backward_dead_rows_are_exact_zeros(deterministic):
+    # causal with Lq - Lk = 31: rows 0..30 see no key (lse = -inf); on the fused path no key tile visits them
     q, k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 1, 9, 16), torch.randn(1, 1, 9, 16)
     grad_out = torch.randn(1, 2, 40, 16)
-    dq, dk, dv = _triton_grads(q, k, v, grad_out, causal=True)
+    dq, dk, dv = _triton_grads(q, k, v, grad_out, causal=True, deterministic=deterministic)
     assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
     assert torch.equal(dq[:, :, :31], torch.zeros_like(dq[:, :, :31]))
 
@@ -152,6 +165,87 @@ def test_triton_backward_is_deterministic():
     first = _triton_grads(q, k, v, grad_out, causal=True, deterministic=True)
     second = _triton_grads(q, k, v, grad_out, causal=True, deterministic=True)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which path runs, and the kernel entry point directly
+
+
+def _recorded_backward_calls(monkeypatch):
+    """Record each attention_backward call's dq_accum (None: the two-pass path) and gradient arguments."""
+    from flashmoe_science.attention import triton_bwd
+
+    calls = []
+    launch = triton_bwd.attention_backward
+
+    def recording(*args, **kwargs):
+        given = inspect.signature(launch).bind(*args, **kwargs).arguments
+        calls.append({"fused": given.get("dq_accum") is not None,
+                      **{name: given[name] is not None for name in ("dq", "dk", "dv")}})
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_bwd, "attention_backward", recording)
+    return calls
+
+
+@needs_interpreter
+@pytest.mark.parametrize("wanted,deterministic,fused", [
+    ("qkv", False, True), ("qkv", True, False), ("kv", False, False), ("q", False, False), ("qk", False, True),
+])
+def test_triton_backward_path_choice(monkeypatch, wanted, deterministic, fused):
+    # fused only when dQ and dK/dV are both wanted and determinism is not asked for
+    calls = _recorded_backward_calls(monkeypatch)
+    leaves = [torch.randn(1, 2, 17, 16).requires_grad_(name in wanted) for name in "qkv"]
+    flash_attention_science(*leaves, causal=True, backend="triton", deterministic=deterministic).sum().backward()
+    assert calls == [{"fused": fused, "dq": "q" in wanted, "dk": "k" in wanted or "v" in wanted,
+                      "dv": "k" in wanted or "v" in wanted}]
+
+
+@needs_interpreter
+def test_triton_backward_torch_deterministic_mode_picks_two_passes(monkeypatch):
+    calls = _recorded_backward_calls(monkeypatch)
+    leaves = [torch.randn(1, 2, 17, 16).requires_grad_() for _ in range(3)]
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        flash_attention_science(*leaves, backend="triton").sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert [call["fused"] for call in calls] == [False]
+
+
+def _poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("hq,hkv,lq,lk,d", [(4, 2, 37, 37, 32), (2, 1, 45, 20, 40), (3, 3, 20, 51, 16)],
+                         ids=lambda x: str(x))
+def test_triton_backward_paths_write_every_element(hq, hkv, lq, lk, d, causal):
+    # The launcher directly, both paths, NaN-poisoned gradients and workspace: every element must be written (the
+    # fused path zeroes its workspace itself), and both paths must match float64. A 64-row fused tile puts the
+    # query rows on the dQ product's M side (the interpreter's 16-row tiles put the head dim there).
+    from flashmoe_science.attention.triton_bwd import attention_backward
+
+    b, scale = 2, 0.3
+    q, grad_out = torch.randn(b, hq, lq, d), torch.randn(b, hq, lq, d)
+    k, v = torch.randn(b, hkv, lk, d), torch.randn(b, hkv, lk, d)
+    out, lse = flash_attention_science(q, k, v, causal=causal, softmax_scale=scale, backend="triton", return_lse=True)
+    default = backward_tiles(d, q.dtype, causal, INTERPRETER_TRAITS)
+    wide_rows = BackwardTiles(default.dkdv, default.dq, AttentionTiles(64, 16, 1, 1))
+    results = {}
+    for name, tiles, fused in (("two-pass", default, False), ("fused", default, True), ("fused-64", wide_rows, True)):
+        dq, dk, dv = _poisoned_like(q), _poisoned_like(k), _poisoned_like(v)
+        dq_accum = torch.full((b, hq, lq, padded_head_dim(d)), float("nan")) if fused else None
+        attention_backward(q, k, v, out, lse, grad_out, _poisoned_like(lse), dq, dk, dv, causal, scale, tiles,
+                           dq_accum)
+        assert_grads_close((dq, dk, dv), q, k, v, grad_out, causal, scale)
+        results[name] = (dq, dk, dv)
+    # dK and dV come from the same kernel and loop order on both paths with the same tiles: bit-identical
+    assert torch.equal(results["fused"][1], results["two-pass"][1])
+    assert torch.equal(results["fused"][2], results["two-pass"][2])
+    torch.testing.assert_close(results["fused"][0], results["two-pass"][0], atol=1e-5, rtol=1e-5)
 
 
 @needs_interpreter

@@ -87,13 +87,14 @@ def test_sm90_launcher(monkeypatch, head_dim, causal):
     monkeypatch.setattr(fwd_sm90, "attention_forward_sm90_kernel", kernel)
     q, k, v = _blhd(2, 8, 300, head_dim), _blhd(2, 2, 257, head_dim), _blhd(2, 2, 257, head_dim)
     out, lse = torch.empty_like(q), torch.empty(2, 8, 300)
-    tiles = sm90_forward_tiles(head_dim, causal)
+    tiles = sm90_forward_tiles(head_dim, causal, 300)
     fwd_sm90.attention_forward_sm90(q, k, v, out, lse, causal, head_dim**-0.5, tiles, num_ctas=132)
     fwd_sm90.attention_forward_sm90(q, k, v, out, lse, causal, head_dim**-0.5, tiles, num_ctas=20)
+    fwd_sm90.attention_forward_sm90(q, k, v, out, lse, causal, head_dim**-0.5, tiles)
 
-    (grid, args, kwargs), (grid_20, args_20, _) = kernel.launches
-    # persistent: cdiv(300, 128) query tiles x B*Hq = 48 work items over at most num_ctas CTAs
-    assert grid == (48,) and grid_20 == (20,)
+    (grid, args, kwargs), (grid_20, args_20, _), (grid_all, _, _) = kernel.launches
+    # cdiv(300, 128) query tiles x B*Hq = 48 work items over at most num_ctas CTAs; None: one CTA per item
+    assert grid == (48,) and grid_20 == (20,) and grid_all == (48,)
     assert args[-2:] == args_20[-2:] == (3, 48)  # num_m_tiles, num_work
     q_desc, k_desc, v_desc = args[:3]
     block_d = 128 if head_dim <= 128 else 256

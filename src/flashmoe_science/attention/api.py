@@ -21,6 +21,7 @@ from flashmoe_science.attention.tiles import (
     device_traits,
     forward_tiles,
     sm90_forward_tiles,
+    sm90_persistent,
     sm90_preferred,
 )
 from flashmoe_science.device import triton_interpreter_on
@@ -131,8 +132,9 @@ def describe_dispatch(q, k, v, *, causal: bool = False, backend: str = "auto") -
     tiles = plan.tiles
     shape = f"tiles {tiles.block_m}x{tiles.block_n}, {tiles.num_warps} warps, {tiles.num_stages} stages"
     if plan.kernel == "sm90":
+        ctas = "persistent, one CTA per SM" if plan.persistent else "one CTA per query tile"
         why = (f"{requested} the Gluon sm_90 kernel (TMA producer warp, two consumer warpgroups, async wgmma, "
-               f"softmax overlapped with P·V); {shape}")
+               f"softmax overlapped with P·V; {ctas}); {shape}")
         return Dispatch("hopper", "hopper.fwd_sm90.attention_forward_sm90_kernel", why, tiles.as_dict())
     traits = device_traits(q.device)
     where = "the Triton interpreter" if not q.is_cuda else f"sm_{traits.capability[0]}{traits.capability[1]}"
@@ -151,14 +153,14 @@ def _tma_compatible(q, k, v) -> bool:
     return tma_compatible(q, k, v)
 
 
-def _hopper_unavailable(q, k, v, backend: str) -> str | None:
+def _hopper_unavailable(q, k, v, causal: bool, backend: str) -> str | None:
     """Why the Gluon sm_90 kernel should not take this call, or None when it should."""
     if not q.is_cuda or not device_traits(q.device).is_hopper:
         return "it needs a Hopper (sm_90) GPU"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return "it runs bf16/fp16 only"
-    if backend == "auto" and not sm90_preferred(q.shape[-1]):
-        return "the Triton kernel measured as fast at head dims <= 64"
+    if backend == "auto" and not sm90_preferred(q.shape[-1], causal, q.shape[-2]):
+        return "the Triton kernel measured faster for short causal rows at head dims <= 64"
     if not _gluon_available():
         return "triton.experimental.gluon is not available"
     if not _tma_compatible(q, k, v):
@@ -193,9 +195,11 @@ def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[ForwardPlan | None, 
 
     why_not_sm90 = None
     if backend in ("auto", "hopper"):
-        why_not_sm90 = _hopper_unavailable(q, k, v, backend)
+        why_not_sm90 = _hopper_unavailable(q, k, v, causal, backend)
         if why_not_sm90 is None:
-            return ForwardPlan("sm90", sm90_forward_tiles(q.shape[-1], causal)), None
+            seqlen_q = q.shape[-2]
+            tiles = sm90_forward_tiles(q.shape[-1], causal, seqlen_q)
+            return ForwardPlan("sm90", tiles, persistent=sm90_persistent(causal, seqlen_q)), None
         if backend == "hopper":
             raise ValueError(f"backend='hopper' cannot run this call: {why_not_sm90}")
     tiles = forward_tiles(q.shape[-1], q.dtype, causal, device_traits(q.device))
@@ -218,10 +222,10 @@ class _KernelAttention(torch.autograd.Function):
     the inputs, out and lse (O(L) memory)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, plan):
+    def forward(ctx, q, k, v, causal, softmax_scale, plan, deterministic):
         out, lse = _kernel_forward(q, k, v, causal, softmax_scale, plan)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.softmax_scale = causal, softmax_scale
+        ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -229,7 +233,7 @@ class _KernelAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # double backward raises "trying to differentiate twice ..."
     def backward(ctx, grad_out, grad_lse):
         # grad_lse is always None or zeros: lse is marked non-differentiable.
-        from flashmoe_science.attention.tiles import backward_tiles
+        from flashmoe_science.attention.tiles import backward_tiles, padded_head_dim
         from flashmoe_science.attention.triton_bwd import attention_backward
 
         q, k, v, out, lse = ctx.saved_tensors
@@ -242,9 +246,18 @@ class _KernelAttention(torch.autograd.Function):
         if need_dq or need_dk or need_dv:
             tiles = backward_tiles(q.shape[-1], q.dtype, ctx.causal, device_traits(q.device))
             delta = torch.empty_like(lse)
-            # Two passes, no atomics: bit-identical gradients run to run (what deterministic=True asks for).
-            attention_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, ctx.causal, ctx.softmax_scale, tiles)
-        return (dq, dk if need_dk else None, dv if need_dv else None, None, None, None)  # causal, scale, plan
+            # dQ and dK/dV both wanted, determinism not asked for: the fused single pass (5 products per tile
+            # pair instead of 7), dQ summed with float32 atomics into dq_accum. Otherwise the two-pass path: no
+            # atomics, bit-identical gradients run to run.
+            deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
+            dq_accum = None
+            if dq is not None and dk is not None and not deterministic:
+                dq_accum = torch.empty(*q.shape[:3], padded_head_dim(q.shape[-1]), dtype=torch.float32,
+                                       device=q.device)
+            attention_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, ctx.causal, ctx.softmax_scale, tiles,
+                               dq_accum)
+        # the rest: causal, scale, plan, deterministic
+        return (dq, dk if need_dk else None, dv if need_dv else None, None, None, None, None)
 
 
 class _NoKeys(torch.autograd.Function):
@@ -267,7 +280,8 @@ def _kernel_forward(q, k, v, causal, softmax_scale, plan: ForwardPlan) -> tuple[
     if plan.kernel == "sm90":
         from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90
 
-        attention_forward_sm90(q, k, v, out, lse, causal, softmax_scale, plan.tiles)
+        num_ctas = device_traits(q.device).sm_count if plan.persistent else None
+        attention_forward_sm90(q, k, v, out, lse, causal, softmax_scale, plan.tiles, num_ctas)
     else:
         from flashmoe_science.attention.triton_fwd import attention_forward
 
@@ -275,17 +289,17 @@ def _kernel_forward(q, k, v, causal, softmax_scale, plan: ForwardPlan) -> tuple[
     return out, lse
 
 
-def _run_kernel(plan: ForwardPlan, q4, k4, v4, causal, scale) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_kernel(plan: ForwardPlan, q4, k4, v4, causal, scale, deterministic) -> tuple[torch.Tensor, torch.Tensor]:
     if torch.is_grad_enabled() and (q4.requires_grad or k4.requires_grad or v4.requires_grad):
-        return _KernelAttention.apply(q4, k4, v4, causal, scale, plan)
+        return _KernelAttention.apply(q4, k4, v4, causal, scale, plan, deterministic)
     # Inference: skip autograd's bookkeeping, a measurable share of host time on small problems.
     return _kernel_forward(q4, k4, v4, causal, scale, plan)
 
 
-def _run(plan: ForwardPlan | None, q4, k4, v4, causal, scale):
+def _run(plan: ForwardPlan | None, q4, k4, v4, causal, scale, deterministic):
     if plan is None:
         return reference.attention_reference(q4, k4, v4, causal, scale)
-    return _run_kernel(plan, q4, k4, v4, causal, scale)
+    return _run_kernel(plan, q4, k4, v4, causal, scale, deterministic)
 
 
 def flash_attention_science(
@@ -314,8 +328,11 @@ def flash_attention_science(
         backend: "auto" (CUDA: the best kernel for the GPU; CPU: the PyTorch reference), "hopper" (the Gluon sm_90
             forward; a ValueError where it cannot run), "triton" (the portable kernels; on CPU tensors only under
             TRITON_INTERPRET=1), or "reference".
-        deterministic: accepted for API stability; the backward is always deterministic (a dK/dV pass and a dQ
-            pass, no atomics: bit-identical gradients run to run), and so is the forward.
+        deterministic: which Triton backward runs. False (default): when q needs a gradient and k or v does too,
+            one fused pass that sums dQ with float32 atomics, so dQ may differ in its last bits from run to run
+            (dK and dV do not). True, or `torch.use_deterministic_algorithms(True)`: a dK/dV pass and a dQ pass,
+            no atomics, bit-identical gradients run to run; slower, since the dQ pass recomputes the scores. The
+            forward is always deterministic.
 
     Kernels: on Hopper, bf16/fp16 with TMA-compatible strides and head dim > 64 run the Gluon sm_90 kernel
     (warp-specialised: TMA producer warp, two consumer warpgroups, async wgmma); everything else on a GPU runs the
@@ -343,14 +360,14 @@ def flash_attention_science(
         return (out, lse) if return_lse else out
 
     if prob.q is not None and prob.k is not None and prob.v is not None:
-        out4, lse4 = _run(plan, prob.q, prob.k, prob.v, causal, prob.softmax_scale)
+        out4, lse4 = _run(plan, prob.q, prob.k, prob.v, causal, prob.softmax_scale, deterministic)
         out, lse = out4.view(q.shape), lse4.view(q.shape[:-1])
     else:
         # Leading dims whose strides cannot merge into one batch dim: run each leading index on its own
         # (no input copies; the outputs are stacked).
         outs, lses = [], []
         for index in itertools.product(*(range(n) for n in q.shape[:-4])):
-            o, l = _run(plan, q[index], k[index], v[index], causal, prob.softmax_scale)
+            o, l = _run(plan, q[index], k[index], v[index], causal, prob.softmax_scale, deterministic)
             outs.append(o)
             lses.append(l)
         out = torch.stack(outs).view(q.shape)

@@ -114,88 +114,153 @@ def forward_search_space(head_dim: int, dtype: torch.dtype, traits: DeviceTraits
     return [t for t in candidates if forward_smem_bytes(t, head_dim, elem_bytes) <= smem_budget(traits)]
 
 
-def backward_tiles(
-    head_dim: int, dtype: torch.dtype, causal: bool, traits: DeviceTraits
-) -> tuple[AttentionTiles, AttentionTiles]:
-    """The backward kernels' tiles for one call: ``(dkdv, dq)``.
+@dataclass(frozen=True)
+class BackwardTiles:
+    """The backward kernels' tiles, one set per kernel: `dkdv` and `dq` for the two passes of the deterministic
+    path (each also runs alone when only dK/dV or only dQ is wanted), `fused` for the dK/dV kernel that also adds
+    dQ with atomics (the default path when all gradients are wanted)."""
 
-    ``dkdv``: each program keeps a ``block_n``-key tile of K, V and their fp32 gradients resident and streams
-    ``block_m``-row tiles of q and dO (``num_stages`` deep). ``dq``: each program keeps ``block_m`` rows of q, dO and
-    the fp32 dQ resident and streams ``block_n``-key tiles of K and V. The resident tile is the wide one; the
-    streamed one is narrower, since four products per tile pair keep more operands live than the forward's two.
-    Correct on the H200 (GPU tests) but not tuned: timed once at commit e93d2dc at ~0.6x cuDNN for D<=128 and
+    dkdv: AttentionTiles
+    dq: AttentionTiles
+    fused: AttentionTiles
+
+    def as_dict(self) -> dict:
+        return {"dkdv": self.dkdv.as_dict(), "dq": self.dq.as_dict(), "fused": self.fused.as_dict()}
+
+
+def backward_smem_bytes(tiles: AttentionTiles, head_dim: int, elem_bytes: int, kernel: str) -> int:
+    """Shared memory of one backward kernel ("dkdv", "dq" or "fused"), an estimate for fitting tiles to the budget.
+
+    The resident tiles (K and V for "dkdv"/"fused", q and dO for "dq") plus `num_stages` buffered pairs of streamed
+    tiles; "fused" also stages dS (twice, for dK and for dQ = dS k) and may keep a transposed copy of K. Against
+    Triton 3.6's sm_90 builds of the candidates in scripts/sweep_bwd.py: within 1 KiB for "dkdv" and "dq", and
+    from 1 KiB under to twice the real size for "fused" (an upper bound errs towards tiles that fit), wherever the
+    products run on warpgroup MMAs; narrow tiles that fall back to mma.sync differ by up to 16 KiB either way."""
+    block_d = padded_head_dim(head_dim)
+    if kernel == "dq":
+        resident, streamed = tiles.block_m, tiles.block_n
+    else:
+        resident, streamed = tiles.block_n, tiles.block_m
+    total = 2 * (resident + max(tiles.num_stages, 1) * streamed) * block_d * elem_bytes
+    if kernel == "fused":
+        total += (2 * tiles.block_m + block_d) * tiles.block_n * elem_bytes
+    return total
+
+
+@functools.lru_cache(maxsize=None)
+def backward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: DeviceTraits) -> BackwardTiles:
+    """The backward kernels' tiles for one call.
+
+    ``dkdv`` and ``fused``: each program keeps a ``block_n``-key tile of K, V and their fp32 gradients resident and
+    streams ``block_m``-row tiles of q and dO (``num_stages`` deep); ``fused`` also holds a (block_m, D) fp32 dQ
+    share per step. ``dq``: each program keeps ``block_m`` rows of q, dO and the fp32 dQ resident and streams
+    ``block_n``-key tiles of K and V. The resident tile is the wide one; the streamed one is narrower, since four
+    (five) products per tile pair keep more operands live than the forward's two.
+    Two-pass tiles: correct on the H200 (GPU tests), timed once at commit e93d2dc at ~0.6x cuDNN for D<=128 and
     ~0.3x at D=256 (benchmarks/results). ``causal`` is accepted for the tuning to come.
     """
     if traits is INTERPRETER_TRAITS:
         # Small tiles keep the interpreter fast and put diagonal, full and ragged tiles into tiny tests.
         small = AttentionTiles(block_m=16, block_n=16, num_warps=1, num_stages=1)
-        return small, small
+        return BackwardTiles(small, small, small)
 
     block_d = padded_head_dim(head_dim)
     elem_bytes = torch.finfo(dtype).bits // 8
     if traits.is_hopper:  # as the forward: Hopper-tuned tiles on Hopper only
-        # Chosen offline (sm_90 cubins from triton 3.6, before any GPU run) as the largest tiles whose registers fit
-        # 255/thread with no or little spilling (dK/dV at D=128: ~120 B/thread, D=256: ~144 B/thread).
+        # Chosen offline (sm_90 cubins from triton 3.6, before any GPU run; `scripts/sweep_bwd.py --offline`) as the
+        # largest tiles whose registers fit 255/thread with no or little spilling: in bf16, dK/dV <= 8 B/thread;
+        # fused 0 B at D=64 (40 B causal), 48-64 B at D=128, 24-72 B at D=256; dQ none.
         if block_d <= 64:
             dkdv, dq = AttentionTiles(32, 128, 8, 2), AttentionTiles(128, 64, 8, 3)
+            fused = AttentionTiles(64, 128, 8, 2)
         elif block_d <= 128:
             dkdv, dq = AttentionTiles(32, 128, 8, 2), AttentionTiles(128, 64, 8, 2)
+            fused = AttentionTiles(32, 128, 8, 2)
         else:
             dkdv, dq = AttentionTiles(16, 64, 8, 2), AttentionTiles(64, 32, 8, 2)
+            fused = AttentionTiles(16, 64, 8, 2)
     elif traits.capability[0] >= 8:
         if block_d <= 128:
             dkdv, dq = AttentionTiles(32, 64, 4, 2), AttentionTiles(64, 32, 4, 2)
         else:
             dkdv, dq = AttentionTiles(16, 32, 4, 1), AttentionTiles(32, 32, 4, 1)
+        fused = dkdv
     else:
         dkdv, dq = AttentionTiles(16, 32, 4, 1), AttentionTiles(32, 16, 4, 1)
+        fused = dkdv
     if elem_bytes == 4:
         # fp32 operands take twice the registers and shared memory: halve the resident tile.
-        dkdv = AttentionTiles(dkdv.block_m, max(16, dkdv.block_n // 2), dkdv.num_warps, dkdv.num_stages)
-        dq = AttentionTiles(max(16, dq.block_m // 2), dq.block_n, dq.num_warps, dq.num_stages)
+        dkdv = replace(dkdv, block_n=max(16, dkdv.block_n // 2))
+        fused = replace(fused, block_n=max(16, fused.block_n // 2))
+        dq = replace(dq, block_m=max(16, dq.block_m // 2))
+    return BackwardTiles(
+        dkdv=_fit_backward_smem(dkdv, head_dim, elem_bytes, "dkdv", traits),
+        dq=_fit_backward_smem(dq, head_dim, elem_bytes, "dq", traits),
+        fused=_fit_backward_smem(fused, head_dim, elem_bytes, "fused", traits),
+    )
 
-    def smem(resident_rows: int, streamed_rows: int, stages: int) -> int:
-        # two resident tiles (K and V, or q and dO) plus `stages` buffered pairs of streamed tiles
-        return 2 * (resident_rows + max(stages, 1) * streamed_rows) * block_d * elem_bytes
 
+def _fit_backward_smem(tiles: AttentionTiles, head_dim: int, elem_bytes: int, kernel: str,
+                       traits: DeviceTraits) -> AttentionTiles:
+    """Fewer stages, then a smaller resident tile, until `kernel` fits the shared-memory budget."""
     budget = smem_budget(traits)
-    while smem(dkdv.block_n, dkdv.block_m, dkdv.num_stages) > budget and (dkdv.num_stages > 1 or dkdv.block_n > 16):
-        if dkdv.num_stages > 1:
-            dkdv = AttentionTiles(dkdv.block_m, dkdv.block_n, dkdv.num_warps, dkdv.num_stages - 1)
+    resident = "block_m" if kernel == "dq" else "block_n"
+    while backward_smem_bytes(tiles, head_dim, elem_bytes, kernel) > budget:
+        if tiles.num_stages > 1:
+            tiles = replace(tiles, num_stages=tiles.num_stages - 1)
+        elif getattr(tiles, resident) > 16:
+            tiles = replace(tiles, **{resident: getattr(tiles, resident) // 2})
         else:
-            dkdv = AttentionTiles(dkdv.block_m, dkdv.block_n // 2, dkdv.num_warps, dkdv.num_stages)
-    while smem(dq.block_m, dq.block_n, dq.num_stages) > budget and (dq.num_stages > 1 or dq.block_m > 16):
-        if dq.num_stages > 1:
-            dq = AttentionTiles(dq.block_m, dq.block_n, dq.num_warps, dq.num_stages - 1)
-        else:
-            dq = AttentionTiles(dq.block_m // 2, dq.block_n, dq.num_warps, dq.num_stages)
-    return dkdv, dq
+            break
+    return tiles
 
 
 # --- Hopper (sm_90) Gluon forward -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ForwardPlan:
-    """Which forward kernel runs and with which tiles: "triton" (triton_fwd) or "sm90" (hopper/fwd_sm90)."""
+    """Which forward kernel runs and with which tiles: "triton" (triton_fwd) or "sm90" (hopper/fwd_sm90).
+    ``persistent`` (sm90 only): one CTA per SM looping over query tiles, rather than one CTA per query tile."""
 
     kernel: str
     tiles: AttentionTiles
+    persistent: bool = False
 
 
-def sm90_preferred(head_dim: int) -> bool:
+# Measured on an H200 (docs/perf-notes.md, sweeps of 2026-11-21, second session): below these lengths the
+# choices flip.
+SM90_SHORT_CAUSAL_LEN = 1024  # causal, Lq <= this: 64-key tiles for sm_90; Triton at D <= 64
+SM90_PERSISTENT_MAX_CAUSAL_LEN = 4096  # causal, Lq > this: one CTA per query tile (the hardware balances them)
+
+
+def sm90_preferred(head_dim: int, causal: bool, seqlen_q: int) -> bool:
     """Whether `backend="auto"` should run the Gluon sm_90 kernel rather than the Triton one on Hopper.
 
-    Measured on an H200 (docs/perf-notes.md, 2026-11-21 sweep): at D <= 64 the exp2 work equals the tensor-core
-    work and the Triton kernel is level (non-causal) or 6% ahead (causal); above, the sm_90 kernel leads by 15-25%.
+    Above D=64 the sm_90 kernel leads by 10-25% everywhere. At D<=64 exp2 costs as much as the products, and the
+    persistent sm_90 kernel leads by 0-6% except on short causal rows, where Triton's 64-row tiles waste less
+    of the diagonal (L=512: 221 vs 207 TFLOP/s).
     """
-    return padded_head_dim(head_dim) > 64
+    if padded_head_dim(head_dim) > 64:
+        return True
+    return not (causal and seqlen_q <= SM90_SHORT_CAUSAL_LEN)
+
+
+def sm90_persistent(causal: bool, seqlen_q: int) -> bool:
+    """Persistent CTAs hide each query tile's prologue (Q load, first K/V tiles) and epilogue behind the
+    neighbouring tiles: +10-25% at L <= 2048. Their static share of causal work items is balanced only
+    roughly; at long causal rows (L=16k: 459 vs 592 TFLOP/s) one CTA per tile, balanced by the hardware
+    scheduler, wins."""
+    return not causal or seqlen_q <= SM90_PERSISTENT_MAX_CAUSAL_LEN
 
 
 @functools.lru_cache(maxsize=None)
-def sm90_forward_tiles(head_dim: int, causal: bool) -> AttentionTiles:
+def sm90_forward_tiles(head_dim: int, causal: bool, seqlen_q: int) -> AttentionTiles:
     """Tiles of the Gluon sm_90 kernel: always 128 query rows on two consumer warpgroups (8 warps) plus a producer
     warp; the key tile and the ring depth vary. Registers bound the key tile (score tile, bf16 P and the fp32
     output accumulator live in registers: ~240 per thread at D=128 with 128-key tiles), shared memory the depth.
+    Short causal rows take 64-key tiles: less of the diagonal tile is masked work (L=512: 267 vs 242 TFLOP/s).
     """
-    if padded_head_dim(head_dim) <= 128:
-        return AttentionTiles(128, 128, 8, 2 if causal else 3, use_tma=True)
-    return AttentionTiles(128, 64, 8, 2, use_tma=True)
+    if padded_head_dim(head_dim) > 128:
+        return AttentionTiles(128, 64, 8, 2, use_tma=True)
+    if causal and seqlen_q <= SM90_SHORT_CAUSAL_LEN:
+        return AttentionTiles(128, 64, 8, 2, use_tma=True)
+    return AttentionTiles(128, 128, 8, 3 if causal else 2, use_tma=True)

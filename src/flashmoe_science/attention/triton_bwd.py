@@ -4,26 +4,41 @@ With P = softmax(S), S = q kᵀ · scale, O = P v and dO the incoming gradient:
 
     dV = Pᵀ dO        dP = dO vᵀ        dS = P ∘ (dP − Δ),  Δ = rowsum(dO ∘ O)        dQ = dS k · scale        dK = dSᵀ q · scale
 
+Two paths; `attention_backward` takes the fused one when it is given a `dq_accum` workspace:
+
+- fused (single pass; `deterministic=False`, when dQ and dK/dV are both wanted): the dK/dV kernel with FUSE_DQ
+  also forms dS k for every query tile it visits and adds it with float32 atomics into `dq_accum`; a last small
+  kernel scales that by the softmax scale into dQ. Five products per (key tile, query tile) pair: S, dP, dV, dK, dQ.
+- two-pass (`deterministic=True`): the dK/dV kernel, then a dQ kernel that recomputes S and dP for every pair:
+  seven products per pair. The dK/dV kernel alone also serves calls that want no dQ, the dQ kernel alone calls that
+  want only dQ, whichever path was asked for.
+
 Read top to bottom:
 
-1. `_bwd_preprocess_kernel` computes Δ (float32, one value per query row) once, so neither pass below needs O.
+1. `_bwd_preprocess_kernel` computes Δ (float32, one value per query row) once, so no kernel below needs O; on
+   the fused path it also zeroes `dq_accum`.
 2. `_bwd_dkdv_kernel`: one program owns a tile of BLOCK_N keys of one (batch, key/value head) and keeps dK and dV
-   for it in fp32 registers. It loops over the query heads of its GQA group (no repeated K/V, no atomics: the group
-   sum happens in registers) and, per head, over the query tiles that see its keys. P is recomputed as
-   exp2(s · scale · log2 e − lse · log2 e) from the forward's LSE: no (Lq, Lk) buffer exists anywhere.
-3. `_bwd_dq_kernel`: one program owns a tile of BLOCK_M query rows of one (batch, query head) and loops over the
-   key tiles it sees, exactly the forward's loop bounds.
+   for it in fp32 registers. It loops over the query heads of its GQA group (no repeated K/V, no atomics for dK/dV:
+   the group sum happens in registers) and, per head, over the query tiles that see its keys. P is recomputed as
+   exp2(s · scale · log2 e − lse · log2 e) from the forward's LSE: no (Lq, Lk) buffer exists anywhere. With
+   FUSE_DQ each query tile's dQ share goes to that query head's rows of `dq_accum`.
+3. `_bwd_dq_kernel` (two-pass): one program owns a tile of BLOCK_M query rows of one (batch, query head) and loops
+   over the key tiles it sees, exactly the forward's loop bounds.
+4. `_bwd_dq_convert_kernel` (fused): dQ = dq_accum · scale, in dQ's dtype and strides.
 
-Both passes split their loop into full tiles, which run without any mask arithmetic, and boundary tiles (the causal
-diagonal, ragged sequence ends), which mask; tiles that no row can see are never visited. The visibility rule is
-the forward's: query i sees key j iff j <= i + diagonal, diagonal = Lk − Lq (bottom-right aligned). A query row that
-sees no key (lse = −inf) only ever meets masked tiles, where its P is forced to 0, so its gradients are 0, not NaN.
+The kernels with tile loops split them into full tiles, which run without any mask arithmetic, and boundary tiles
+(the causal diagonal, ragged sequence ends), which mask; tiles that no row can see are never visited. The
+visibility rule is the forward's: query i sees key j iff j <= i + diagonal, diagonal = Lk − Lq (bottom-right
+aligned). A query row that sees no key (lse = −inf) only ever meets masked tiles, where its P is forced to 0, so
+its gradients are 0, not NaN; no key tile visits it at all on the fused path, where its `dq_accum` rows stay 0.
 
-Determinism: every gradient element is written by exactly one program that sums in a fixed order (no atomics), so
-gradients are bit-identical run to run whatever `deterministic` says; the flag exists for a future fused dQ path.
+Determinism: dK and dV are always written once per element by one program that sums in a fixed order, and so is
+dQ on the two-pass path: there the gradients are bit-identical run to run. On the fused path the float32 atomic
+adds into `dq_accum` arrive in whatever order the key-tile programs reach them, so dQ may differ in its last bits
+from run to run (the sum is the same up to rounding; dK and dV stay bit-identical).
 
-Tiles, like the forward's, come from `tiles.backward_tiles`. Loads are masked pointer loads (`_load_tile` of the
-forward); head dims that are not a power of two are zero-padded inside, stores are masked.
+Tiles, like the forward's, come from `tiles.backward_tiles` (one set per kernel). Loads are masked pointer loads
+(`_load_tile` of the forward); head dims that are not a power of two are zero-padded inside, stores are masked.
 """
 
 from __future__ import annotations
@@ -32,22 +47,29 @@ import torch
 import triton
 import triton.language as tl
 
-from flashmoe_science.attention.tiles import AttentionTiles, padded_head_dim
+from flashmoe_science.attention.tiles import BackwardTiles, padded_head_dim
 from flashmoe_science.attention.triton_fwd import LOG2_E, _load_tile, dot_precision, key_tile_bounds
+
+# LOG2_E as a value kernels may read (Triton kernels only see globals wrapped in tl.constexpr).
+LOG2_E_IN_KERNEL = tl.constexpr(LOG2_E)
 
 # Sizes are runtime values, not specialised: every sequence length reuses one compiled kernel (masks handle tails).
 _SIZES = ["num_q_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k"]
 
+# Elements per program of the row-wise kernels (preprocess, dQ convert): ~64 fp32 values per thread at 4 warps.
+_ROW_KERNEL_ELEMENTS = 8192
+
 
 @triton.jit(do_not_specialize=["num_q_heads", "seqlen_q"])
 def _bwd_preprocess_kernel(
-    O, DO, Delta,
+    O, DO, Delta, DQ_ACCUM,
     stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom,
     num_q_heads, seqlen_q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQ_ACCUM: tl.constexpr,
 ):
-    """Δ[b, h, i] = Σ_d dO[b, h, i, d] · O[b, h, i, d] in float32."""
+    """Δ[b, h, i] = Σ_d dO[b, h, i, d] · O[b, h, i, d] in float32; with ZERO_DQ_ACCUM, zeroes the same rows of
+    the fused path's dQ workspace (one launch fewer than a separate memset)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = (pid_bh // num_q_heads).to(tl.int64)
@@ -59,21 +81,34 @@ def _bwd_preprocess_kernel(
                     BLOCK_M, BLOCK_D, HEAD_DIM, False, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    tl.store(Delta + pid_bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+    in_bounds = offs_m < seqlen_q
+    rows = pid_bh.to(tl.int64) * seqlen_q + offs_m
+    tl.store(Delta + rows, delta, mask=in_bounds)
+    if ZERO_DQ_ACCUM:
+        cols = tl.arange(0, BLOCK_D)
+        tl.store(DQ_ACCUM + rows[:, None] * BLOCK_D + cols[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
+                 mask=in_bounds[:, None])
 
 
 @triton.jit
 def _dkdv_query_tiles(dk, dv, k, v, offs_n,
-                      q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
-                      query_start, query_end, seqlen_q, diagonal, qk_scale,
+                      q_base, do_base, lse_base, delta_base, dq_accum_base, stride_qm, stride_dom,
+                      query_start, query_end, gap_start, gap_end, seqlen_q, diagonal, qk_scale,
                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                      MASKED: tl.constexpr, CAUSAL: tl.constexpr, FUSE_DQ: tl.constexpr,
                       DOT_PRECISION: tl.constexpr):
-    """Add query tiles [query_start, query_end) of one query head into the key tile's (dK, dV).
+    """Add the query tiles [query_start, gap_start) and [gap_end, query_end) of one query head into the key tile's
+    (dK, dV); with FUSE_DQ also add the key tile's share of dQ (dS k, unscaled) into those query rows of the fp32
+    workspace `dq_accum_base`.
 
     Scores are kept transposed, (keys, queries), so dV = Pᵀ dO and dK = dSᵀ q are plain products. MASKED tiles
-    apply the query bound and the causal rule; unmasked tiles are fully visible and fully in bounds."""
-    for start_m in range(query_start, query_end, BLOCK_M):
+    apply the query bound and the causal rule; unmasked tiles are fully visible and fully in bounds. The gap lets
+    one loop visit both runs of masked tiles (causal diagonal, ragged tail): every loop is another copy of the body
+    competing for registers, and a third one cost spills in the sm_90 builds (fused, D=128, 32x128 tiles, causal:
+    264 bytes/thread with three loops, 64 with two)."""
+    for start_m in range(query_start, query_end - (gap_end - gap_start), BLOCK_M):
+        if start_m >= gap_start:
+            start_m += gap_end - gap_start
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _load_tile(q_base, q_base, 0, 0, start_m, seqlen_q, stride_qm,
@@ -82,10 +117,10 @@ def _dkdv_query_tiles(dk, dv, k, v, offs_n,
                         BLOCK_M, BLOCK_D, HEAD_DIM, False, MASKED)
         if MASKED:
             in_bounds = offs_m < seqlen_q
-            lse2 = tl.load(lse_base + offs_m, mask=in_bounds, other=0.0) * 1.4426950408889634
+            lse2 = tl.load(lse_base + offs_m, mask=in_bounds, other=0.0) * LOG2_E_IN_KERNEL
             delta = tl.load(delta_base + offs_m, mask=in_bounds, other=0.0)
         else:
-            lse2 = tl.load(lse_base + offs_m) * 1.4426950408889634
+            lse2 = tl.load(lse_base + offs_m) * LOG2_E_IN_KERNEL
             delta = tl.load(delta_base + offs_m)
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
         if MASKED:
@@ -96,14 +131,28 @@ def _dkdv_query_tiles(dk, dv, k, v, offs_n,
             p_t = tl.where(visible, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+        if FUSE_DQ:
+            if BLOCK_M >= 64:
+                dq_part = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)
+            else:
+                # Hopper's warpgroup MMA wants >= 64 rows: with fewer query rows, put the head dim on the rows
+                # (dQᵀ = kᵀ dSᵀ); otherwise the product falls back to the slower mma.sync.
+                dq_part = tl.trans(tl.dot(tl.trans(k), ds_t, input_precision=DOT_PRECISION))
+            # The workspace is BLOCK_D wide (padded columns add zeros): only rows need a bound.
+            dq_ptrs = dq_accum_base + offs_m[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
+            # relaxed: nothing reads dq_accum before the kernel ends, so no ordering (fences) is needed
+            if MASKED:
+                tl.atomic_add(dq_ptrs, dq_part, mask=offs_m[:, None] < seqlen_q, sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq_part, sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=_SIZES)
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV,
+    Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACCUM,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -112,7 +161,7 @@ def _bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, FUSE_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)  # with causal masking the first key tiles are the heaviest: they run first
     pid_bh = tl.program_id(1)
@@ -129,7 +178,7 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     # Query i sees key j iff j <= i + diagonal. Keys past seqlen_k (the ragged last tile) are zero-filled and their
-    # rows of dK/dV are never stored, so only real keys decide which query tiles are full.
+    # rows of dK/dV are never stored (and add zeros to dQ), so only real keys decide which query tiles are full.
     diagonal = seqlen_k - seqlen_q
     query_end = (seqlen_q + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     in_bounds_end = seqlen_q // BLOCK_M * BLOCK_M  # query tiles below this have no rows past seqlen_q
@@ -141,10 +190,10 @@ def _bwd_dkdv_kernel(
     else:
         query_start = 0
         full_start = 0
-    # [query_start, full_start): diagonal tiles (masked); [full_start, in_bounds_end): full tiles;
-    # [max(full_start, in_bounds_end), query_end): the ragged query tail (masked).
+    # [query_start, diag_end): diagonal tiles (masked); [full_start, in_bounds_end): full tiles;
+    # [tail_start, query_end): the ragged query tail (masked). query_start <= diag_end <= tail_start <= query_end.
     diag_end = tl.minimum(full_start, query_end)
-    tail_start = tl.maximum(full_start, in_bounds_end)
+    tail_start = tl.minimum(tl.maximum(full_start, in_bounds_end), query_end)
 
     for g in range(group_size):  # GQA: the group's query heads add into the same registers, in a fixed order
         q_head = (kv_head * group_size + g).to(tl.int64)
@@ -153,15 +202,19 @@ def _bwd_dkdv_kernel(
         row0 = (batch * num_q_heads + q_head) * seqlen_q
         lse_base = LSE + row0
         delta_base = Delta + row0
-        dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base,
-                                   stride_qm, stride_dom, query_start, diag_end, seqlen_q, diagonal, qk_scale,
-                                   BLOCK_M, BLOCK_D, HEAD_DIM, True, CAUSAL, DOT_PRECISION)
-        dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base,
-                                   stride_qm, stride_dom, full_start, in_bounds_end, seqlen_q, diagonal, qk_scale,
-                                   BLOCK_M, BLOCK_D, HEAD_DIM, False, CAUSAL, DOT_PRECISION)
-        dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base,
-                                   stride_qm, stride_dom, tail_start, query_end, seqlen_q, diagonal, qk_scale,
-                                   BLOCK_M, BLOCK_D, HEAD_DIM, True, CAUSAL, DOT_PRECISION)
+        if FUSE_DQ:
+            dq_accum_base = DQ_ACCUM + row0 * BLOCK_D  # this query head's rows of the (B, Hq, Lq, BLOCK_D) workspace
+        else:
+            dq_accum_base = DQ_ACCUM
+        # the masked tiles: the diagonal ones, then the ragged tail, in one loop (the full tiles are its gap)
+        dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_accum_base,
+                                   stride_qm, stride_dom, query_start, query_end, diag_end, tail_start,
+                                   seqlen_q, diagonal, qk_scale,
+                                   BLOCK_M, BLOCK_D, HEAD_DIM, True, CAUSAL, FUSE_DQ, DOT_PRECISION)
+        dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_accum_base,
+                                   stride_qm, stride_dom, full_start, in_bounds_end, in_bounds_end, in_bounds_end,
+                                   seqlen_q, diagonal, qk_scale,
+                                   BLOCK_M, BLOCK_D, HEAD_DIM, False, CAUSAL, FUSE_DQ, DOT_PRECISION)
 
     dk = dk * sm_scale
     cols = tl.arange(0, BLOCK_D)
@@ -181,8 +234,7 @@ def _dq_key_tiles(dq, q, do, lse2, delta, offs_m,
                   k_base, v_base, stride_kn, stride_vn,
                   key_start, key_end, seqlen_k, diagonal, qk_scale,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Add key tiles [key_start, key_end) into the query tile's dQ. MASKED tiles apply bounds/causal masks."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(key_start, key_end, BLOCK_N):
@@ -233,7 +285,7 @@ def _bwd_dq_kernel(
                     BLOCK_M, BLOCK_D, HEAD_DIM, False, True)
     in_bounds = offs_m < seqlen_q
     # Rows past seqlen_q read lse = 0 and Δ = 0 with zero q and dO: their dS is 0 and they are never stored.
-    lse2 = tl.load(LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m, mask=in_bounds, other=0.0) * 1.4426950408889634
+    lse2 = tl.load(LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m, mask=in_bounds, other=0.0) * LOG2_E_IN_KERNEL
     delta = tl.load(Delta + pid_bh.to(tl.int64) * seqlen_q + offs_m, mask=in_bounds, other=0.0)
     k_base = K + batch * stride_kb + kv_head * stride_kh
     v_base = V + batch * stride_vb + kv_head * stride_vh
@@ -242,9 +294,11 @@ def _bwd_dq_kernel(
     diagonal = seqlen_k - seqlen_q
     full_end, key_end = key_tile_bounds(start_m, seqlen_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kn, stride_vn,
-                       0, full_end, seqlen_k, diagonal, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL, DOT_PRECISION)
+                       0, full_end, seqlen_k, diagonal, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL,
+                       DOT_PRECISION)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kn, stride_vn,
-                       full_end, key_end, seqlen_k, diagonal, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL, DOT_PRECISION)
+                       full_end, key_end, seqlen_k, diagonal, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL,
+                       DOT_PRECISION)
 
     dq = dq * sm_scale
     cols = tl.arange(0, BLOCK_D)
@@ -255,46 +309,90 @@ def _bwd_dq_kernel(
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["num_q_heads", "seqlen_q"])
+def _bwd_dq_convert_kernel(
+    DQ_ACCUM, DQ,
+    stride_dqb, stride_dqh, stride_dqm,
+    num_q_heads, seqlen_q, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """dQ = dq_accum · scale: the fused path's float32 (B, Hq, Lq, BLOCK_D) workspace into dQ's dtype and strides."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = (pid_bh // num_q_heads).to(tl.int64)
+    q_head = (pid_bh % num_q_heads).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    in_bounds = offs_m[:, None] < seqlen_q
+    rows = pid_bh.to(tl.int64) * seqlen_q + offs_m
+    dq = tl.load(DQ_ACCUM + rows[:, None] * BLOCK_D + cols[None, :], mask=in_bounds, other=0.0) * sm_scale
+    mask = in_bounds
+    if BLOCK_D != HEAD_DIM:
+        mask = mask & (cols[None, :] < HEAD_DIM)
+    dq_ptrs = DQ + batch * stride_dqb + q_head * stride_dqh + offs_m[:, None] * stride_dqm + cols[None, :]
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=mask)
+
+
 def attention_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     grad_out: torch.Tensor, delta: torch.Tensor,
     dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Tensor | None,
-    causal: bool, softmax_scale: float, tiles: tuple[AttentionTiles, AttentionTiles],
-) -> None:
+    causal: bool, softmax_scale: float, tiles: BackwardTiles, dq_accum: torch.Tensor | None = None,
+) -> dict:
     """Launch the backward on checked 4-D tensors and write the gradients in place.
 
     q/out/grad_out/dq `(B, Hq, Lq, D)`, k/v/dk/dv `(B, Hkv, Lk, D)`, all with unit stride in the last dim; lse the
-    forward's contiguous float32 `(B, Hq, Lq)`; delta a float32 workspace of lse's shape. `dq` None skips the dQ pass;
-    `dk` and `dv` are both given or both None (None skips the dK/dV pass). `tiles` is `backward_tiles(...)`:
-    (dK/dV pass, dQ pass). Deterministic: no atomics, every element written once by one program.
+    forward's contiguous float32 `(B, Hq, Lq)`; delta a float32 workspace of lse's shape. `dq` None skips dQ;
+    `dk` and `dv` are both given or both None (None skips dK/dV). `tiles` is `backward_tiles(...)`.
+
+    `dq_accum` picks the path when dQ and dK/dV are both wanted: a contiguous float32 `(B, Hq, Lq,
+    padded_head_dim(D))` workspace (any contents: it is zeroed here) runs the fused single pass, whose dQ is summed
+    with atomics (its last bits may vary run to run); None runs the deterministic two-pass path (no atomics,
+    bit-identical gradients). It is ignored when dQ or dK/dV is not wanted.
+
+    Returns the compiled kernels by name ("preprocess", "dkdv", "dq", "dq_convert": those that ran), for the
+    registers, spills and shared memory of the sweep script.
     """
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    dkdv_tiles, dq_tiles = tiles
     block_d = padded_head_dim(head_dim)
     qk_scale = softmax_scale * LOG2_E
     group_size = num_q_heads // num_kv_heads
+    fused = dq is not None and dk is not None and dq_accum is not None
+    row_block = max(16, min(128, _ROW_KERNEL_ELEMENTS // block_d))
+    row_grid = (triton.cdiv(seqlen_q, row_block), batch * num_q_heads)
+    kernels = {}
 
-    _bwd_preprocess_kernel[(triton.cdiv(seqlen_q, dq_tiles.block_m), batch * num_q_heads)](
-        out, grad_out, delta, *out.stride()[:3], *grad_out.stride()[:3], num_q_heads, seqlen_q,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dq_tiles.block_m, num_warps=4,
+    kernels["preprocess"] = _bwd_preprocess_kernel[row_grid](
+        out, grad_out, delta, dq_accum if fused else None, *out.stride()[:3], *grad_out.stride()[:3],
+        num_q_heads, seqlen_q, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ZERO_DQ_ACCUM=fused,
+        num_warps=4,
     )
     if dk is not None:
+        dkdv_tiles = tiles.fused if fused else tiles.dkdv
         grid = (triton.cdiv(seqlen_k, dkdv_tiles.block_n), batch * num_kv_heads)
-        _bwd_dkdv_kernel[grid](
-            q, k, v, grad_out, lse, delta, dk, dv,
+        kernels["dkdv"] = _bwd_dkdv_kernel[grid](
+            q, k, v, grad_out, lse, delta, dk, dv, dq_accum if fused else None,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
             *dk.stride()[:3], *dv.stride()[:3],
             num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dkdv_tiles.block_m, BLOCK_N=dkdv_tiles.block_n,
-            CAUSAL=causal, num_warps=dkdv_tiles.num_warps, num_stages=dkdv_tiles.num_stages, **dot_precision(q),
+            CAUSAL=causal, FUSE_DQ=fused, num_warps=dkdv_tiles.num_warps, num_stages=dkdv_tiles.num_stages,
+            **dot_precision(q),
         )
-    if dq is not None:
+    if fused:
+        kernels["dq_convert"] = _bwd_dq_convert_kernel[row_grid](
+            dq_accum, dq, *dq.stride()[:3], num_q_heads, seqlen_q, softmax_scale,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, num_warps=4,
+        )
+    elif dq is not None:
+        dq_tiles = tiles.dq
         grid = (triton.cdiv(seqlen_q, dq_tiles.block_m), batch * num_q_heads)
-        _bwd_dq_kernel[grid](
+        kernels["dq"] = _bwd_dq_kernel[grid](
             q, k, v, grad_out, lse, delta, dq,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *dq.stride()[:3],
             num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dq_tiles.block_m, BLOCK_N=dq_tiles.block_n,
             CAUSAL=causal, num_warps=dq_tiles.num_warps, num_stages=dq_tiles.num_stages, **dot_precision(q),
         )
+    return kernels

@@ -36,6 +36,7 @@ from flashmoe_science.attention.tiles import (
     forward_tiles,
     padded_head_dim,
 )
+from flashmoe_science.device import dot_precision
 
 LOG2_E = 1.4426950408889634  # host side: folded into the softmax scale
 LN_2 = tl.constexpr(0.6931471805599453)  # in kernels: base-2 log-sum-exp -> natural log
@@ -188,13 +189,6 @@ def _attention_forward_kernel(
         if BLOCK_D != HEAD_DIM:
             mask = mask & (cols[None, :] < HEAD_DIM)
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=mask)
-
-
-def dot_precision(t: torch.Tensor) -> dict:
-    """The DOT_PRECISION constexpr of every attention kernel: float32 inputs multiply in 3xTF32 (near-fp32
-    accuracy; plain TF32 gives ~1e-3 relative error, which compounds through the backward's recomputation).
-    16-bit inputs ignore it."""
-    return {"DOT_PRECISION": "tf32x3" if t.dtype == torch.float32 else "tf32"}
 
 
 def tma_box(t: torch.Tensor, block_rows: int, block_d: int) -> dict:

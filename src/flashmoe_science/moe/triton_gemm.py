@@ -8,13 +8,17 @@ Forward, two launches after the sort:
   (T·k, d) buffer is written or reduced. Atomics also make split-K free for the few-token case. The order of
   the k additions is not fixed: results may differ in the last float32 bit from run to run.
 
-Backward, four launches reusing the forward's sort (nothing but the sort is kept from the forward):
+Gate and up rows of w1 are read as one B tile with interleaved columns (``_gate_up_columns``): one MMA of width
+2·BLOCK_N per step instead of two that each re-read the A tile from shared memory.
+
+Backward, four GEMM launches reusing the forward's sort (nothing but the sort is kept from the forward):
 - ``_swiglu_backward_kernel``: recomputes gate/up and ``dh = weight * (dout[token] @ w2[e])`` in one pass over
   d (all three contract over d), then writes ``h``, ``d(gate, up)`` and atomically accumulates the routing-weight
   gradient ``dout[token] . y = (dout[token] @ w2[e]) . h``.
 - ``_down_combine_kernel`` again for ``dx[token] += d(gate, up)[row] @ w1[e]``.
 - ``_expert_wgrad_kernel`` twice: ``dw1[e] = d(gate, up)_e^T x_e`` and ``dw2[e] = (weight * dout)_e^T h_e``, a
-  reduction over each expert's rows, one writer per output element (deterministic).
+  reduction over each expert's rows, one writer per output element (deterministic). Their gathered operand
+  (x, weight * dout) is first copied to sorted-row order by ``_gather_rows_kernel``.
 """
 
 import os
@@ -24,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from flashmoe_science.device import dot_precision
 from flashmoe_science.moe.dispatch import ExpertSort, sort_pairs_by_expert
-from flashmoe_science.moe.tiles import MoETiles, choose_tiles
+from flashmoe_science.moe.tiles import GemmTiles, MoETiles, choose_tiles
 
 
 class SavedForBackward(NamedTuple):
@@ -38,11 +43,6 @@ def _empty(shape, dtype, device):
     if os.environ.get("FLASHMOE_SCIENCE_POISON", "0") == "1":
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # float32 inputs get exact products; half inputs ignore the setting
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @triton.jit
@@ -67,6 +67,18 @@ def _tile_rows_and_cols(tile, col_block, sorted_pair_ids_ptr, num_pairs, num_col
     pairs = tl.load(sorted_pair_ids_ptr + rows)
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     return rows, pairs, pairs < num_pairs, cols, cols < num_cols
+
+
+@triton.jit
+def _gate_up_columns(w_expert_ptr, col_block, ks, d_ff, stride_wf, stride_wd, BLOCK_N: tl.constexpr):
+    """Pointers to a (BLOCK_K, 2*BLOCK_N) tile of w1[e]^T whose columns interleave gate and up rows
+    (g0, u0, g1, u1, ...), and the columns' mask. One MMA twice as wide then serves both projections: each A tile
+    is read from shared memory once instead of twice, and the product splits back into (gate, up) along the last
+    axis, where every thread of the MMA layout already holds adjacent column pairs."""
+    j = tl.arange(0, 2 * BLOCK_N)
+    ff = col_block * BLOCK_N + j // 2
+    w_rows = ff + (j % 2) * d_ff
+    return w_expert_ptr + w_rows[None, :] * stride_wf + ks[:, None] * stride_wd, ff < d_ff
 
 
 @triton.jit
@@ -104,26 +116,22 @@ def _up_swiglu_kernel(
     ks = tl.arange(0, BLOCK_K)
 
     x_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :] * stride_xd
-    gate_ptrs = w1_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wf + ks[:, None] * stride_wd
-    up_ptrs = gate_ptrs + d_ff * stride_wf
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_ptrs, w_valid = _gate_up_columns(w1_ptr + expert.to(tl.int64) * stride_we, col_block, ks, d_ff,
+                                       stride_wf, stride_wd, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
     for k0 in range(0, d_model, BLOCK_K):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=row_valid[:, None], other=0.0)
-            gate_w = tl.load(gate_ptrs, mask=col_valid[None, :], other=0.0)
-            up_w = tl.load(up_ptrs, mask=col_valid[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=w_valid[None, :], other=0.0)
         else:
             k_valid = (k0 + ks) < d_model
             a = tl.load(x_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            gate_w = tl.load(gate_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-            up_w = tl.load(up_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-        acc_gate = tl.dot(a, gate_w, acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(a, up_w, acc_up, input_precision=DOT_PRECISION)
+            w = tl.load(w_ptrs, mask=k_valid[:, None] & w_valid[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xd
-        gate_ptrs += BLOCK_K * stride_wd
-        up_ptrs += BLOCK_K * stride_wd
+        w_ptrs += BLOCK_K * stride_wd
 
+    acc_gate, acc_up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
@@ -239,31 +247,31 @@ def _swiglu_backward_kernel(
 
     x_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :] * stride_xd
     dout_ptrs = dout_ptr + tokens[:, None] * stride_ot + ks[None, :] * stride_od
-    gate_ptrs = w1_ptr + expert * stride_w1e + cols[None, :] * stride_w1f + ks[:, None] * stride_w1d
-    up_ptrs = gate_ptrs + d_ff * stride_w1f
+    gu_ptrs, gu_valid = _gate_up_columns(w1_ptr + expert * stride_w1e, col_block, ks, d_ff,
+                                         stride_w1f, stride_w1d, BLOCK_N)
     w2_ptrs = w2_ptr + expert * stride_w2e + ks[:, None] * stride_w2d + cols[None, :] * stride_w2f
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_gu = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
     acc_dy_w2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, d_model, BLOCK_K):
         if EVEN_K:
             row_mask = row_valid[:, None]
-            w_mask = col_valid[None, :]
+            gu_mask = gu_valid[None, :]
+            w2_mask = col_valid[None, :]
         else:
             k_valid = (k0 + ks) < d_model
             row_mask = row_valid[:, None] & k_valid[None, :]
-            w_mask = k_valid[:, None] & col_valid[None, :]
+            gu_mask = k_valid[:, None] & gu_valid[None, :]
+            w2_mask = k_valid[:, None] & col_valid[None, :]
         a = tl.load(x_ptrs, mask=row_mask, other=0.0)
         g = tl.load(dout_ptrs, mask=row_mask, other=0.0)
-        acc_gate = tl.dot(a, tl.load(gate_ptrs, mask=w_mask, other=0.0), acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(a, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up, input_precision=DOT_PRECISION)
-        acc_dy_w2 = tl.dot(g, tl.load(w2_ptrs, mask=w_mask, other=0.0), acc_dy_w2, input_precision=DOT_PRECISION)
+        acc_gu = tl.dot(a, tl.load(gu_ptrs, mask=gu_mask, other=0.0), acc_gu, input_precision=DOT_PRECISION)
+        acc_dy_w2 = tl.dot(g, tl.load(w2_ptrs, mask=w2_mask, other=0.0), acc_dy_w2, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xd
         dout_ptrs += BLOCK_K * stride_od
-        gate_ptrs += BLOCK_K * stride_w1d
-        up_ptrs += BLOCK_K * stride_w1d
+        gu_ptrs += BLOCK_K * stride_w1d
         w2_ptrs += BLOCK_K * stride_w2d
 
+    acc_gate, acc_up = tl.split(tl.reshape(acc_gu, [BLOCK_M, BLOCK_N, 2]))
     sig = tl.sigmoid(acc_gate)
     silu = acc_gate * sig
     h = silu * acc_up
@@ -283,15 +291,43 @@ def _swiglu_backward_kernel(
 
 
 @triton.jit
+def _gather_rows_kernel(
+    src_ptr,
+    dst_ptr,
+    row_scale_ptr,
+    sorted_pair_ids_ptr,
+    num_pairs,
+    top_k,
+    num_rows,
+    num_cols,
+    stride_src_row,
+    stride_src_col,
+    stride_dst,
+    HAS_ROW_SCALE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """dst[row] = (scale[pair] *) src[token] for every sorted row holding a pair; padding rows are not written."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    pairs = tl.load(sorted_pair_ids_ptr + rows, mask=rows < num_rows, other=num_pairs)
+    row_valid = pairs < num_pairs
+    tokens = tl.where(row_valid, pairs // top_k, 0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = row_valid[:, None] & (cols < num_cols)[None, :]
+    values = tl.load(src_ptr + tokens[:, None] * stride_src_row + cols[None, :] * stride_src_col, mask=mask, other=0.0)
+    if HAS_ROW_SCALE:
+        values = values.to(tl.float32) * tl.load(row_scale_ptr + pairs, mask=row_valid, other=0.0)[:, None]
+    tl.store(dst_ptr + rows.to(tl.int64)[:, None] * stride_dst + cols[None, :], values.to(dst_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
 def _expert_wgrad_kernel(
     a_ptr,
     b_ptr,
     out_ptr,
-    row_scale_ptr,
-    sorted_pair_ids_ptr,
     expert_counts_ptr,
     expert_row_start_ptr,
-    top_k,
     M,
     N,
     stride_ar,
@@ -301,247 +337,218 @@ def _expert_wgrad_kernel(
     stride_oe,
     stride_om,
     stride_on,
-    A_GATHER: tl.constexpr,
-    A_ROW_SCALE: tl.constexpr,
-    B_GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """out[e, m, n] = sum over the rows r of expert e of A[r, m] * B[r, n].
+    """out[e, m, n] = sum over the sorted rows r of expert e of A[r, m] * B[r, n].
 
-    A row r is read at the sorted row itself or, with *_GATHER, at its token (pair // top_k).
+    Both operands are indexed by sorted row (a gathered operand is materialised in sorted order first, by
+    ``_gather_rows_kernel``): row addresses are affine in the loop counter, so Triton's pipeliner keeps
+    num_stages loads in flight. (Loading the gather index inside this loop made every step wait for its own loads.)
     """
     expert = tl.program_id(1)
     num_col_blocks = tl.cdiv(N, BLOCK_N)
     row_block = tl.program_id(0) // num_col_blocks
     col_block = tl.program_id(0) % num_col_blocks
     count = tl.load(expert_counts_ptr + expert)
-    first_row = tl.load(expert_row_start_ptr + expert)
+    first_row = tl.load(expert_row_start_ptr + expert).to(tl.int64)
     ms = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     ns = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     m_valid = ms < M
     n_valid = ns < N
+    rs = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (first_row + rs)[None, :] * stride_ar + ms[:, None] * stride_am
+    b_ptrs = b_ptr + (first_row + rs)[:, None] * stride_br + ns[None, :] * stride_bn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r0 in range(0, count, BLOCK_K):
-        rs = r0 + tl.arange(0, BLOCK_K)
-        r_valid = rs < count
-        rows = first_row + rs
-        pairs = tl.load(sorted_pair_ids_ptr + rows, mask=r_valid, other=0)
-        tokens = (pairs // top_k).to(tl.int64)
-        if A_GATHER:
-            a_rows = tokens
-        else:
-            a_rows = rows.to(tl.int64)
-        if B_GATHER:
-            b_rows = tokens
-        else:
-            b_rows = rows.to(tl.int64)
-        a = tl.load(
-            a_ptr + a_rows[None, :] * stride_ar + ms[:, None] * stride_am,
-            mask=m_valid[:, None] & r_valid[None, :],
-            other=0.0,
-        )
-        if A_ROW_SCALE:
-            scale = tl.load(row_scale_ptr + pairs, mask=r_valid, other=0.0)
-            a = (a * scale[None, :]).to(a_ptr.dtype.element_ty)
-        b = tl.load(
-            b_ptr + b_rows[:, None] * stride_br + ns[None, :] * stride_bn,
-            mask=r_valid[:, None] & n_valid[None, :],
-            other=0.0,
-        )
+        r_valid = (r0 + rs) < count  # rows past the expert's count are padding (never written)
+        a = tl.load(a_ptrs, mask=m_valid[:, None] & r_valid[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=r_valid[:, None] & n_valid[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ar
+        b_ptrs += BLOCK_K * stride_br
     out_ptrs = out_ptr + expert.to(tl.int64) * stride_oe + ms[:, None] * stride_om + ns[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
 
 
 # ---------------------------------------------------------------------------------------------- launches
-def _launch_down_combine(a, b, b_strides, out32, row_scale, sort, tiles, gemm, K, N):
+class Launch(NamedTuple):
+    """One kernel launch, built but not yet run: ``launch()`` runs it. Kept as data so that the tile sweep
+    (scripts/sweep_moe.py) can time one GEMM alone and the offline sm_90 build can compile exactly what would run."""
+
+    kernel: object  # a @triton.jit function
+    grid: tuple
+    args: tuple
+    meta: dict  # constexprs, num_warps, num_stages
+
+    def __call__(self):
+        return self.kernel[self.grid](*self.args, **self.meta)
+
+
+def up_swiglu_launch(x, w1, h, sort: ExpertSort, tiles: MoETiles) -> Launch:
+    """``h[row] = silu(x[token] @ gate.T) * (x[token] @ up.T)`` over the sorted rows (tiles.up)."""
+    d_model = x.shape[1]
+    d_ff = w1.shape[1] // 2
+    num_row_tiles = sort.tile_expert.numel()
+    gemm = tiles.up
+    args = (x, w1, h, sort.sorted_pair_ids, sort.tile_expert, sort.num_pairs, sort.top_k, d_model, d_ff,
+            num_row_tiles, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), h.stride(0))
+    meta = dict(BLOCK_M=tiles.block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=tiles.group_m,
+                EVEN_K=d_model % gemm.block_k == 0, **dot_precision(x),
+                num_warps=gemm.num_warps, num_stages=gemm.num_stages)
+    return Launch(_up_swiglu_kernel, (num_row_tiles * triton.cdiv(d_ff, gemm.block_n),), args, meta)
+
+
+def down_combine_launch(a, b, b_strides, out32, row_scale, sort: ExpertSort, tiles: MoETiles, gemm: GemmTiles,
+                        K: int, N: int) -> Launch:
     """out32[token] += (row_scale *) a[row] @ b[expert]; ``b_strides`` = (expert, k, n) strides of b."""
     num_row_tiles = sort.tile_expert.numel()
-    grid = (num_row_tiles * triton.cdiv(N, gemm.block_n), gemm.split_k)
-    _down_combine_kernel[grid](
-        a,
-        b,
-        out32,
-        row_scale if row_scale is not None else out32,
-        sort.sorted_pair_ids,
-        sort.tile_expert,
-        sort.num_pairs,
-        sort.top_k,
-        K,
-        N,
-        num_row_tiles,
-        a.stride(0),
-        a.stride(1),
-        *b_strides,
-        out32.stride(0),
-        HAS_ROW_SCALE=row_scale is not None,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=gemm.block_n,
-        BLOCK_K=gemm.block_k,
-        GROUP_M=tiles.group_m,
-        SPLIT_K=gemm.split_k,
-        EVEN_K=K % (gemm.block_k * gemm.split_k) == 0,
-        DOT_PRECISION=_dot_precision(a.dtype),
-        num_warps=gemm.num_warps,
-        num_stages=gemm.num_stages,
-    )
+    args = (a, b, out32, row_scale if row_scale is not None else out32, sort.sorted_pair_ids, sort.tile_expert,
+            sort.num_pairs, sort.top_k, K, N, num_row_tiles, a.stride(0), a.stride(1), *b_strides, out32.stride(0))
+    meta = dict(HAS_ROW_SCALE=row_scale is not None, BLOCK_M=tiles.block_m, BLOCK_N=gemm.block_n,
+                BLOCK_K=gemm.block_k, GROUP_M=tiles.group_m, SPLIT_K=gemm.split_k,
+                EVEN_K=K % (gemm.block_k * gemm.split_k) == 0, **dot_precision(a),
+                num_warps=gemm.num_warps, num_stages=gemm.num_stages)
+    return Launch(_down_combine_kernel, (num_row_tiles * triton.cdiv(N, gemm.block_n), gemm.split_k), args, meta)
 
 
-def _launch_wgrad(a, a_gather, a_row_scale, b, b_gather, out, sort, tiles):
+def swiglu_backward_launch(x, grad_out, w1, w2, weights32, h, dgu, dweights, sort: ExpertSort,
+                           tiles: MoETiles) -> Launch:
+    """Recomputed h, ``d(gate, up)`` and the routing-weight gradient over the sorted rows (tiles.up_bwd)."""
+    d_model = x.shape[1]
+    d_ff = w1.shape[1] // 2
+    num_row_tiles = sort.tile_expert.numel()
+    gemm = tiles.up_bwd
+    args = (x, grad_out, w1, w2, weights32, h, dgu, dweights, sort.sorted_pair_ids, sort.tile_expert,
+            sort.num_pairs, sort.top_k, d_model, d_ff, num_row_tiles, x.stride(0), x.stride(1),
+            grad_out.stride(0), grad_out.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
+            w2.stride(0), w2.stride(1), w2.stride(2), h.stride(0), dgu.stride(0))
+    meta = dict(BLOCK_M=tiles.block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=tiles.group_m,
+                EVEN_K=d_model % gemm.block_k == 0, **dot_precision(x),
+                num_warps=gemm.num_warps, num_stages=gemm.num_stages)
+    return Launch(_swiglu_backward_kernel, (num_row_tiles * triton.cdiv(d_ff, gemm.block_n),), args, meta)
+
+
+def gather_rows_launch(src, dst, row_scale, sort: ExpertSort) -> Launch:
+    """``dst[row] = (row_scale[pair] *) src[token]`` over the sorted rows (padding rows left unwritten)."""
+    num_rows, num_cols = dst.shape
+    block_r, block_c = 16, min(256, triton.next_power_of_2(num_cols))
+    args = (src, dst, row_scale if row_scale is not None else dst, sort.sorted_pair_ids, sort.num_pairs, sort.top_k,
+            num_rows, num_cols, src.stride(0), src.stride(1), dst.stride(0))
+    meta = dict(HAS_ROW_SCALE=row_scale is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    return Launch(_gather_rows_kernel, (triton.cdiv(num_rows, block_r), triton.cdiv(num_cols, block_c)), args, meta)
+
+
+def wgrad_launch(a, b, out, sort: ExpertSort, gemm: GemmTiles) -> Launch:
+    """``out[e] = A_e^T B_e`` over expert e's sorted rows (``_expert_wgrad_kernel``); out (E, M, N)."""
     num_experts, M, N = out.shape
-    gemm = tiles.wgrad
-    grid = (triton.cdiv(M, gemm.block_n) * triton.cdiv(N, gemm.block_n), num_experts)
-    _expert_wgrad_kernel[grid](
-        a,
-        b,
-        out,
-        a_row_scale if a_row_scale is not None else out,
-        sort.sorted_pair_ids,
-        sort.expert_counts,
-        sort.expert_row_start,
-        sort.top_k,
-        M,
-        N,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        A_GATHER=a_gather,
-        A_ROW_SCALE=a_row_scale is not None,
-        B_GATHER=b_gather,
-        BLOCK_M=gemm.block_n,
-        BLOCK_N=gemm.block_n,
-        BLOCK_K=gemm.block_k,
-        DOT_PRECISION=_dot_precision(a.dtype),
-        num_warps=gemm.num_warps,
-        num_stages=gemm.num_stages,
-    )
+    block_m = gemm.block_m or gemm.block_n
+    args = (a, b, out, sort.expert_counts, sort.expert_row_start, M, N, a.stride(0), a.stride(1), b.stride(0),
+            b.stride(1), out.stride(0), out.stride(1), out.stride(2))
+    meta = dict(BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, **dot_precision(a),
+                num_warps=gemm.num_warps, num_stages=gemm.num_stages)
+    return Launch(_expert_wgrad_kernel, (triton.cdiv(M, block_m) * triton.cdiv(N, gemm.block_n), num_experts),
+                  args, meta)
+
+
+def forward_buffers(x, w1, sort: ExpertSort, tiles: MoETiles):
+    """``h`` (sorted rows, F) and the float32 output accumulator (T, d) of the forward."""
+    num_rows = sort.tile_expert.numel() * tiles.block_m
+    h = _empty((num_rows, w1.shape[1] // 2), x.dtype, x.device)
+    out32 = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    return h, out32
+
+
+def down_forward_launch(h, w2, out32, weights32, sort: ExpertSort, tiles: MoETiles) -> Launch:
+    """GEMM2 of the forward: ``out32[token] += weight * h[row] @ w2[e].T`` (tiles.down)."""
+    d_model, d_ff = w2.shape[1], w2.shape[2]
+    w2_strides = (w2.stride(0), w2.stride(2), w2.stride(1))  # (expert, k = F, n = d)
+    return down_combine_launch(h, w2, w2_strides, out32, weights32, sort, tiles, tiles.down, d_ff, d_model)
+
+
+def dx_launch(dgu, w1, dx32, sort: ExpertSort, tiles: MoETiles) -> Launch:
+    """``dx32[token] += d(gate, up)[row] @ w1[e]`` (tiles.dx)."""
+    two_d_ff, d_model = w1.shape[1], w1.shape[2]
+    w1_strides = (w1.stride(0), w1.stride(1), w1.stride(2))  # (expert, k = 2F, n = d)
+    return down_combine_launch(dgu, w1, w1_strides, dx32, None, sort, tiles, tiles.dx, two_d_ff, d_model)
+
+
+def dw1_launch(dgu, x_sorted, dw1, sort: ExpertSort, tiles: MoETiles) -> Launch:
+    """``dw1[e] = d(gate, up)_e^T x_e`` (tiles.dw1); ``x_sorted``: x gathered to the sorted rows."""
+    return wgrad_launch(dgu, x_sorted, dw1, sort, tiles.dw1)
+
+
+def dw2_launch(g_sorted, h, dw2, sort: ExpertSort, tiles: MoETiles) -> Launch:
+    """``dw2[e] = (weight * dout)_e^T h_e`` (tiles.dw2); ``g_sorted``: weight * dout gathered to the sorted rows."""
+    return wgrad_launch(g_sorted, h, dw2, sort, tiles.dw2)
+
+
+def sorted_rows(src, row_scale, sort: ExpertSort, num_rows: int):
+    """``(row_scale *) src[token]`` for every sorted row, in src's dtype: the weight gradients' gathered operand."""
+    dst = _empty((num_rows, src.shape[1]), src.dtype, src.device)
+    gather_rows_launch(src, dst, row_scale, sort)()
+    return dst
+
+
+def backward_buffers(x, w1, sort: ExpertSort, tiles: MoETiles):
+    """``h`` (recomputed), ``d(gate, up)`` (sorted rows, 2F) and the routing-weight gradient (T, k) float32."""
+    num_rows = sort.tile_expert.numel() * tiles.block_m
+    two_d_ff = w1.shape[1]
+    h = _empty((num_rows, two_d_ff // 2), x.dtype, x.device)
+    dgu = _empty((num_rows, two_d_ff), x.dtype, x.device)
+    dweights = torch.zeros((x.shape[0], sort.top_k), dtype=torch.float32, device=x.device)
+    return h, dgu, dweights
 
 
 def moe_forward(x, w1, w2, weights32, topk_ids, tiles: MoETiles | None = None):
     """Already-checked tensors: x (T, d), w1 (E, 2F, d), w2 (E, d, F), weights32 (T, k) contiguous float32,
-    topk_ids (T, k) int. Returns ``(out, SavedForBackward)``."""
+    topk_ids (T, k) int. ``tiles``: the launch configs (default: ``choose_tiles``; the tile sweep passes its
+    candidates here). Returns ``(out, SavedForBackward)``; the backward runs with the same tiles."""
     num_tokens, d_model = x.shape
     num_experts, two_d_ff, _ = w1.shape
-    d_ff = two_d_ff // 2
     top_k = topk_ids.shape[1]
     if tiles is None:
-        tiles = choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, x.device)
+        tiles = choose_tiles(num_tokens, top_k, num_experts, d_model, two_d_ff // 2, x.device)
     sort = sort_pairs_by_expert(topk_ids, num_experts, tiles.block_m)
     saved = SavedForBackward(sort, tiles)
     if num_tokens == 0:
         return x.new_empty((0, d_model)), saved
-
-    num_row_tiles = sort.tile_expert.numel()
-    h = _empty((num_row_tiles * tiles.block_m, d_ff), x.dtype, x.device)
-    up = tiles.up
-    _up_swiglu_kernel[(num_row_tiles * triton.cdiv(d_ff, up.block_n),)](
-        x,
-        w1,
-        h,
-        sort.sorted_pair_ids,
-        sort.tile_expert,
-        sort.num_pairs,
-        top_k,
-        d_model,
-        d_ff,
-        num_row_tiles,
-        x.stride(0),
-        x.stride(1),
-        w1.stride(0),
-        w1.stride(1),
-        w1.stride(2),
-        h.stride(0),
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=up.block_n,
-        BLOCK_K=up.block_k,
-        GROUP_M=tiles.group_m,
-        EVEN_K=d_model % up.block_k == 0,
-        DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=up.num_warps,
-        num_stages=up.num_stages,
-    )
-    out32 = torch.zeros((num_tokens, d_model), dtype=torch.float32, device=x.device)
-    w2_strides = (w2.stride(0), w2.stride(2), w2.stride(1))  # (expert, k = F, n = d)
-    _launch_down_combine(h, w2, w2_strides, out32, weights32, sort, tiles, tiles.down, d_ff, d_model)
+    h, out32 = forward_buffers(x, w1, sort, tiles)
+    up_swiglu_launch(x, w1, h, sort, tiles)()
+    down_forward_launch(h, w2, out32, weights32, sort, tiles)()
     return out32.to(x.dtype), saved
 
 
 def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
                  need_dx: bool = True, need_dw1: bool = True, need_dw2: bool = True):
-    """Gradients ``(dx, dw1, dw2, dweights32)`` of ``moe_forward``'s output, reusing its sort.
+    """Gradients ``(dx, dw1, dw2, dweights32)`` of ``moe_forward``'s output, reusing its sort and tiles.
 
     The SwiGLU backward always runs (it also yields the routing-weight gradient); the dx GEMM and each weight
     gradient run only when asked for (frozen experts, router-only training), and come back None otherwise.
     """
     sort, tiles = saved
     num_tokens, d_model = x.shape
-    num_experts, two_d_ff, _ = w1.shape
-    d_ff = two_d_ff // 2
-    dweights = torch.zeros(weights32.shape, dtype=torch.float32, device=x.device)
     dw1 = _empty(w1.shape, w1.dtype, w1.device) if need_dw1 else None
     dw2 = _empty(w2.shape, w2.dtype, w2.device) if need_dw2 else None
     if num_tokens == 0:
         dx = x.new_empty((0, d_model)) if need_dx else None
+        dweights = torch.zeros(weights32.shape, dtype=torch.float32, device=x.device)
         return dx, dw1.zero_() if need_dw1 else None, dw2.zero_() if need_dw2 else None, dweights
 
-    num_row_tiles = sort.tile_expert.numel()
-    num_rows = num_row_tiles * tiles.block_m
-    h = _empty((num_rows, d_ff), x.dtype, x.device)
-    dgu = _empty((num_rows, two_d_ff), x.dtype, x.device)
-    up = tiles.up
-    _swiglu_backward_kernel[(num_row_tiles * triton.cdiv(d_ff, up.block_n),)](
-        x,
-        grad_out,
-        w1,
-        w2,
-        weights32,
-        h,
-        dgu,
-        dweights,
-        sort.sorted_pair_ids,
-        sort.tile_expert,
-        sort.num_pairs,
-        sort.top_k,
-        d_model,
-        d_ff,
-        num_row_tiles,
-        x.stride(0),
-        x.stride(1),
-        grad_out.stride(0),
-        grad_out.stride(1),
-        w1.stride(0),
-        w1.stride(1),
-        w1.stride(2),
-        w2.stride(0),
-        w2.stride(1),
-        w2.stride(2),
-        h.stride(0),
-        dgu.stride(0),
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=up.block_n,
-        BLOCK_K=up.block_k,
-        GROUP_M=tiles.group_m,
-        EVEN_K=d_model % up.block_k == 0,
-        DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=up.num_warps,
-        # five operand tiles per stage: three stages stay inside Hopper's 227 KiB of shared memory
-        num_stages=min(up.num_stages, 3),
-    )
+    h, dgu, dweights = backward_buffers(x, w1, sort, tiles)
+    swiglu_backward_launch(x, grad_out, w1, w2, weights32, h, dgu, dweights, sort, tiles)()
     dx = None
     if need_dx:
         dx32 = torch.zeros((num_tokens, d_model), dtype=torch.float32, device=x.device)
-        w1_strides = (w1.stride(0), w1.stride(1), w1.stride(2))  # (expert, k = 2F, n = d)
-        _launch_down_combine(dgu, w1, w1_strides, dx32, None, sort, tiles, tiles.down, two_d_ff, d_model)
+        dx_launch(dgu, w1, dx32, sort, tiles)()
         dx = dx32.to(x.dtype)
+    # the weight gradients reduce over sorted rows: their gathered operand is copied to sorted order once (a
+    # (rows, d) copy, ~1% of the GEMM's time at T=4096) so that their main loops have affine, pipelined loads
+    num_rows = h.shape[0]
     if need_dw1:
-        _launch_wgrad(dgu, False, None, x, True, dw1, sort, tiles)
+        dw1_launch(dgu, sorted_rows(x, None, sort, num_rows), dw1, sort, tiles)()
     if need_dw2:
-        _launch_wgrad(grad_out, True, weights32, h, False, dw2, sort, tiles)
+        dw2_launch(sorted_rows(grad_out, weights32, sort, num_rows), h, dw2, sort, tiles)()
     return dx, dw1, dw2, dweights

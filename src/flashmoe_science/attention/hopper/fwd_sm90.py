@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashmoe_science.attention.tiles import device_traits, padded_head_dim
+from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.attention.triton_fwd import LN_2, LOG2_E, key_tile_bounds, tma_box
 
 CONSUMER_ROWS = 64  # rows per consumer warpgroup (4 warps x 16 rows of wgmma)
@@ -328,16 +328,14 @@ def _descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
 def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles, num_ctas: int | None = None):
     """Launch on checked 4-D bf16/fp16 tensors with TMA-compatible strides (see triton_fwd.tma_compatible).
 
-    Persistent: one CTA per SM (or `num_ctas`, for the sweep), each owning a run of query tiles."""
+    `num_ctas`: how many CTAs share the work items (one per SM: persistent); None launches one per query tile."""
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     block_d = padded_head_dim(head_dim)
     if tiles.block_m != BLOCK_M or tiles.num_warps != 4 * NUM_CONSUMERS:
         raise ValueError(f"the sm_90 kernel runs {BLOCK_M}-row tiles on {4 * NUM_CONSUMERS} warps, got {tiles}")
     num_m_tiles = (seqlen_q + BLOCK_M - 1) // BLOCK_M
     num_work = num_m_tiles * batch * num_q_heads
-    if num_ctas is None:
-        num_ctas = device_traits(q.device).sm_count  # one CTA fills an SM: ~160-224 KB of shared memory, 64K registers
-    grid = (max(1, min(num_ctas, num_work)),)
+    grid = (max(1, num_work if num_ctas is None else min(num_ctas, num_work)),)
     return attention_forward_sm90_kernel[grid](
         _descriptor(q, CONSUMER_ROWS, block_d), _descriptor(k, tiles.block_n, block_d),
         _descriptor(v, tiles.block_n, block_d), out, lse,

@@ -1,0 +1,94 @@
+"""MoE tile choices and launch plumbing on CPU (nothing runs: the launches are built, not called)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from flashmoe_science.moe import triton_gemm  # noqa: E402
+from flashmoe_science.moe.dispatch import ExpertSort, max_row_tiles  # noqa: E402
+from flashmoe_science.moe.tiles import GemmTiles, choose_tiles, gemm_smem_bytes, split_k_for  # noqa: E402
+
+HOPPER_SMEM = 232448
+MODELS = [(8, 2, 4096, 14336), (128, 8, 2048, 768)]  # Mixtral-8x7B, Qwen3-30B-A3B: E, k, d, F
+
+
+@pytest.mark.parametrize("num_tokens", [1, 16, 64, 256, 4096, 16384])
+@pytest.mark.parametrize("num_experts, top_k, d_model, d_ff", MODELS)
+def test_heuristic_tiles_fit_hopper_shared_memory(monkeypatch, num_tokens, num_experts, top_k, d_model, d_ff):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    tiles = choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, torch.device("cpu"))
+    for name in ("up", "down", "up_bwd", "dx", "dw1", "dw2"):
+        assert gemm_smem_bytes(name, tiles.block_m, getattr(tiles, name)) <= HOPPER_SMEM - 2048, name
+
+
+def test_split_k_fills_the_gpu_and_keeps_a_full_step_per_split():
+    gemm = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
+    # 8 row tiles x 4096/64 column blocks = 512 programs < 4 x 132: one doubling
+    assert split_k_for(gemm, 8, 14336, 4096, 132).split_k == 2
+    # few programs: doubles until 4 x SMs are covered ...
+    assert split_k_for(gemm, 1, 14336, 1024, 132).split_k == 64
+    # ... but never below one BLOCK_K step per split
+    assert split_k_for(gemm, 1, 512, 1024, 132).split_k == 4
+    assert split_k_for(gemm, 128, 768, 2048, 132).split_k == 1
+
+
+def test_few_token_down_tiles_are_sized_for_their_own_k(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    tiles = choose_tiles(1, 2, 8, 1024, 2048, torch.device("cpu"))
+    assert tiles.block_m == 16
+    assert tiles.down == split_k_for(tiles.down, 2, 2048, 1024, 132)
+    assert tiles.dx == split_k_for(tiles.dx, 2, 2 * 2048, 1024, 132)  # dx contracts over 2F: twice the splits
+    assert (tiles.down.split_k, tiles.dx.split_k) == (16, 32)  # one BLOCK_K step per split
+
+
+def _sort(num_tokens, top_k, num_experts, block_m):
+    pairs = num_tokens * top_k
+    tiles_max = max_row_tiles(pairs, num_experts, block_m)
+    i32 = lambda n: torch.zeros(n, dtype=torch.int32)  # noqa: E731
+    return ExpertSort(i32(tiles_max * block_m), i32(pairs), i32(tiles_max), i32(num_experts), i32(num_experts),
+                      block_m, top_k, pairs)
+
+
+@pytest.mark.parametrize("dtype, precision", [(torch.float32, "tf32x3"), (torch.bfloat16, "tf32")])
+def test_every_moe_launch_uses_the_shared_precision_policy(monkeypatch, dtype, precision):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    num_tokens, top_k, num_experts, d_model, d_ff = 40, 2, 4, 64, 96
+    tiles = choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, torch.device("cpu"))
+    sort = _sort(num_tokens, top_k, num_experts, tiles.block_m)
+    x = torch.zeros(num_tokens, d_model, dtype=dtype)
+    w1 = torch.zeros(num_experts, 2 * d_ff, d_model, dtype=dtype)
+    w2 = torch.zeros(num_experts, d_model, d_ff, dtype=dtype)
+    weights32 = torch.zeros(num_tokens, top_k)
+    h, out32 = triton_gemm.forward_buffers(x, w1, sort, tiles)
+    h_b, dgu, dweights = triton_gemm.backward_buffers(x, w1, sort, tiles)
+    launches = [
+        triton_gemm.up_swiglu_launch(x, w1, h, sort, tiles),
+        triton_gemm.down_forward_launch(h, w2, out32, weights32, sort, tiles),
+        triton_gemm.swiglu_backward_launch(x, x, w1, w2, weights32, h_b, dgu, dweights, sort, tiles),
+        triton_gemm.dx_launch(dgu, w1, out32, sort, tiles),
+        triton_gemm.dw1_launch(dgu, torch.zeros(h.shape[0], d_model, dtype=dtype), torch.zeros_like(w1), sort, tiles),
+        triton_gemm.dw2_launch(torch.zeros(h.shape[0], d_model, dtype=dtype), h_b, torch.zeros_like(w2), sort, tiles),
+    ]
+    assert [launch.meta["DOT_PRECISION"] for launch in launches] == [precision] * 6
+
+
+def test_launches_follow_the_tiles_they_are_given(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    tiles = choose_tiles(4096, 2, 8, 4096, 14336, torch.device("cpu"))
+    from dataclasses import replace
+
+    custom = replace(tiles, block_m=64, group_m=4, up=GemmTiles(128, 32, 4, 3),
+                     dw1=GemmTiles(block_n=64, block_k=32, num_warps=4, num_stages=2, block_m=256))
+    sort = _sort(64, 2, 8, 64)
+    x = torch.zeros(64, 256, dtype=torch.bfloat16)
+    w1 = torch.zeros(8, 2 * 320, 256, dtype=torch.bfloat16)
+    h, _ = triton_gemm.forward_buffers(x, w1, sort, custom)
+    up = triton_gemm.up_swiglu_launch(x, w1, h, sort, custom)
+    assert (up.meta["BLOCK_M"], up.meta["BLOCK_N"], up.meta["BLOCK_K"], up.meta["GROUP_M"]) == (64, 128, 32, 4)
+    assert (up.meta["num_warps"], up.meta["num_stages"]) == (4, 3)
+    assert up.grid == (sort.tile_expert.numel() * 3,)  # cdiv(320, 128) column blocks per row tile
+    dw1 = triton_gemm.dw1_launch(torch.zeros(h.shape[0], 640, dtype=torch.bfloat16), torch.zeros(h.shape[0], 256),
+                                 torch.zeros(8, 640, 256, dtype=torch.bfloat16), sort, custom)
+    assert (dw1.meta["BLOCK_M"], dw1.meta["BLOCK_N"]) == (256, 64)
+    assert dw1.grid == (3 * 4, 8)  # cdiv(640, 256) x cdiv(256, 64) output tiles, per expert
