@@ -82,9 +82,10 @@ def parse_case(text: str) -> tuple[int, int, int, int]:
     return b, h, length, d
 
 
-def candidates(kernel: str, head_dim: int, default: AttentionTiles) -> list[AttentionTiles]:
-    """The candidate tiles of `kernel`, the heuristic's `default` first."""
-    tiles = [default] + [AttentionTiles(*c) for c in CANDIDATES[kernel][padded_head_dim(head_dim)]]
+def candidates(kernel: str, head_dim: int, default: AttentionTiles | None) -> list[AttentionTiles]:
+    """The candidate tiles of `kernel`, the heuristic's `default` first (None: the heuristic does not use it)."""
+    tiles = ([default] if default is not None else []) + [
+        AttentionTiles(*c) for c in CANDIDATES[kernel][padded_head_dim(head_dim)]]
     return list(dict.fromkeys(tiles))
 
 

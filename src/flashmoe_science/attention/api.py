@@ -246,12 +246,12 @@ class _KernelAttention(torch.autograd.Function):
         if need_dq or need_dk or need_dv:
             tiles = backward_tiles(q.shape[-1], q.dtype, ctx.causal, device_traits(q.device))
             delta = torch.empty_like(lse)
-            # dQ and dK/dV both wanted, determinism not asked for: the fused single pass (5 products per tile
-            # pair instead of 7), dQ summed with float32 atomics into dq_accum. Otherwise the two-pass path: no
-            # atomics, bit-identical gradients run to run.
+            # dQ and dK/dV both wanted, determinism not asked for, and the fused single pass (5 products per tile
+            # pair instead of 7, dQ summed with float32 atomics into dq_accum) measured faster on this GPU: take
+            # it. Otherwise the two-pass path: no atomics, bit-identical gradients run to run.
             deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
             dq_accum = None
-            if dq is not None and dk is not None and not deterministic:
+            if dq is not None and dk is not None and not deterministic and tiles.fused is not None:
                 dq_accum = torch.empty(*q.shape[:3], padded_head_dim(q.shape[-1]), dtype=torch.float32,
                                        device=q.device)
             attention_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, ctx.causal, ctx.softmax_scale, tiles,
@@ -328,15 +328,15 @@ def flash_attention_science(
         backend: "auto" (CUDA: the best kernel for the GPU; CPU: the PyTorch reference), "hopper" (the Gluon sm_90
             forward; a ValueError where it cannot run), "triton" (the portable kernels; on CPU tensors only under
             TRITON_INTERPRET=1), or "reference".
-        deterministic: which Triton backward runs. False (default): when q needs a gradient and k or v does too,
-            one fused pass that sums dQ with float32 atomics, so dQ may differ in its last bits from run to run
-            (dK and dV do not). True, or `torch.use_deterministic_algorithms(True)`: a dK/dV pass and a dQ pass,
-            no atomics, bit-identical gradients run to run; slower, since the dQ pass recomputes the scores. The
-            forward is always deterministic.
+        deterministic: True, or `torch.use_deterministic_algorithms(True)`: the backward runs a dK/dV pass and a
+            dQ pass, no atomics, bit-identical gradients run to run. False (default) allows, when q needs a
+            gradient and k or v does too, one fused pass that sums dQ with float32 atomics (dQ may then differ in
+            its last bits run to run) on GPUs where it measured faster; on the H200 the two passes were faster at
+            every head dim, so there both settings run them. The forward is always deterministic.
 
-    Kernels: on Hopper, bf16/fp16 with TMA-compatible strides and head dim > 64 run the Gluon sm_90 kernel
-    (warp-specialised: TMA producer warp, two consumer warpgroups, async wgmma); everything else on a GPU runs the
-    portable Triton kernel; CPU tensors run the PyTorch reference. `describe_dispatch` says which and why.
+    Kernels: on Hopper, bf16/fp16 with TMA-compatible strides run the Gluon sm_90 kernel (warp-specialised: TMA
+    producer warp, two consumer warpgroups, async wgmma; persistent CTAs), except causal calls with head dim <= 64
+    and <= 1024 queries; everything else on a GPU runs the portable Triton kernel; CPU tensors run the PyTorch reference. `describe_dispatch` says which and why.
 
     Accuracy: bf16/fp16 inputs are multiplied on tensor cores with float32 accumulation and a float32 softmax.
     float32 inputs use 3xTF32 tensor-core products on the GPU (close to float32 accuracy, about 3x the cost of

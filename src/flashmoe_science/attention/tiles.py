@@ -116,16 +116,17 @@ def forward_search_space(head_dim: int, dtype: torch.dtype, traits: DeviceTraits
 
 @dataclass(frozen=True)
 class BackwardTiles:
-    """The backward kernels' tiles, one set per kernel: `dkdv` and `dq` for the two passes of the deterministic
-    path (each also runs alone when only dK/dV or only dQ is wanted), `fused` for the dK/dV kernel that also adds
-    dQ with atomics (the default path when all gradients are wanted)."""
+    """The backward kernels' tiles, one set per kernel: `dkdv` and `dq` for the two passes (each also runs alone
+    when only dK/dV or only dQ is wanted), `fused` for the dK/dV kernel that also adds dQ with atomics. `fused` is
+    None where the two passes measured faster (so `deterministic=False` runs them too)."""
 
     dkdv: AttentionTiles
     dq: AttentionTiles
-    fused: AttentionTiles
+    fused: AttentionTiles | None
 
     def as_dict(self) -> dict:
-        return {"dkdv": self.dkdv.as_dict(), "dq": self.dq.as_dict(), "fused": self.fused.as_dict()}
+        return {"dkdv": self.dkdv.as_dict(), "dq": self.dq.as_dict(),
+                "fused": self.fused.as_dict() if self.fused is not None else None}
 
 
 def backward_smem_bytes(tiles: AttentionTiles, head_dim: int, elem_bytes: int, kernel: str) -> int:
@@ -154,49 +155,44 @@ def backward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: Devi
     ``dkdv`` and ``fused``: each program keeps a ``block_n``-key tile of K, V and their fp32 gradients resident and
     streams ``block_m``-row tiles of q and dO (``num_stages`` deep); ``fused`` also holds a (block_m, D) fp32 dQ
     share per step. ``dq``: each program keeps ``block_m`` rows of q, dO and the fp32 dQ resident and streams
-    ``block_n``-key tiles of K and V. The resident tile is the wide one; the streamed one is narrower, since four
-    (five) products per tile pair keep more operands live than the forward's two.
-    Two-pass tiles: correct on the H200 (GPU tests), timed once at commit e93d2dc at ~0.6x cuDNN for D<=128 and
-    ~0.3x at D=256 (benchmarks/results). ``causal`` is accepted for the tuning to come.
+    ``block_n``-key tiles of K and V.
     """
     if traits is INTERPRETER_TRAITS:
-        # Small tiles keep the interpreter fast and put diagonal, full and ragged tiles into tiny tests.
+        # Small tiles keep the interpreter fast and put diagonal, full and ragged tiles into tiny tests (both paths).
         small = AttentionTiles(block_m=16, block_n=16, num_warps=1, num_stages=1)
         return BackwardTiles(small, small, small)
 
     block_d = padded_head_dim(head_dim)
     elem_bytes = torch.finfo(dtype).bits // 8
     if traits.is_hopper:  # as the forward: Hopper-tuned tiles on Hopper only
-        # Chosen offline (sm_90 cubins from triton 3.6, before any GPU run; `scripts/sweep_bwd.py --offline`) as the
-        # largest tiles whose registers fit 255/thread with no or little spilling: in bf16, dK/dV <= 8 B/thread;
-        # fused 0 B at D=64 (40 B causal), 48-64 B at D=128, 24-72 B at D=256; dQ none.
+        # Measured on an H200 (scripts/sweep_bwd.py, bf16, B4 L4096 and B16 L1024; docs/perf-notes.md). Narrow
+        # 4-warp dK/dV programs won although they spill (64x64 w4 at D=128: ~116 B/thread): the 8-warp tiles the
+        # offline builds preferred for their spill-free registers ran 20-30% slower. The fused single pass (dQ by
+        # atomics) lost to the two passes at every head dim (best fused vs best pair, D=64/128/256: 278/288/184
+        # vs 329/383/208 TFLOP/s), so it is not used here.
         if block_d <= 64:
-            dkdv, dq = AttentionTiles(32, 128, 8, 2), AttentionTiles(128, 64, 8, 3)
-            fused = AttentionTiles(64, 128, 8, 2)
+            dkdv, dq = AttentionTiles(64, 64, 4, 2), AttentionTiles(128, 64, 8, 3)
         elif block_d <= 128:
-            dkdv, dq = AttentionTiles(32, 128, 8, 2), AttentionTiles(128, 64, 8, 2)
-            fused = AttentionTiles(32, 128, 8, 2)
+            dkdv = AttentionTiles(32, 64, 4, 3) if causal else AttentionTiles(64, 64, 4, 2)
+            dq = AttentionTiles(128, 64, 8, 3)
         else:
-            dkdv, dq = AttentionTiles(16, 64, 8, 2), AttentionTiles(64, 32, 8, 2)
-            fused = AttentionTiles(16, 64, 8, 2)
+            dkdv, dq = AttentionTiles(64, 32, 4, 2), AttentionTiles(128, 64, 8, 1)
     elif traits.capability[0] >= 8:
         if block_d <= 128:
             dkdv, dq = AttentionTiles(32, 64, 4, 2), AttentionTiles(64, 32, 4, 2)
         else:
             dkdv, dq = AttentionTiles(16, 32, 4, 1), AttentionTiles(32, 32, 4, 1)
-        fused = dkdv
     else:
         dkdv, dq = AttentionTiles(16, 32, 4, 1), AttentionTiles(32, 16, 4, 1)
-        fused = dkdv
     if elem_bytes == 4:
         # fp32 operands take twice the registers and shared memory: halve the resident tile.
         dkdv = replace(dkdv, block_n=max(16, dkdv.block_n // 2))
-        fused = replace(fused, block_n=max(16, fused.block_n // 2))
         dq = replace(dq, block_m=max(16, dq.block_m // 2))
+    # No GPU has measured the fused path faster yet (it is exercised by the interpreter tests and direct launches).
     return BackwardTiles(
         dkdv=_fit_backward_smem(dkdv, head_dim, elem_bytes, "dkdv", traits),
         dq=_fit_backward_smem(dq, head_dim, elem_bytes, "dq", traits),
-        fused=_fit_backward_smem(fused, head_dim, elem_bytes, "fused", traits),
+        fused=None,
     )
 
 
