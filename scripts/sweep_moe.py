@@ -55,6 +55,7 @@ CASES = (  # (model, T, passes), most wanted first: a run that hits --budget-s l
     ("mixtral-8x7b", 16384, ("fwd",)),
 )
 PASS_GEMMS = {"fwd": ("up", "down"), "bwd": ("up_bwd", "dx", "dw1", "dw2")}
+MAX_REL_ERR = 1e-3  # a candidate further than this from the heuristic's output is never "best" (tiles agree to ~1e-5)
 FLOP_FACTOR = {"up": 4, "down": 2, "up_bwd": 6, "dx": 4, "dw1": 4, "dw2": 2}  # x P·d·F
 
 
@@ -148,12 +149,25 @@ class Buffers:
     """Every tensor the six GEMMs read or write for one (case, block_m), and their Launch objects."""
 
     def __init__(self, x, w1, w2, weights32, grad_out, sort: ExpertSort, block_m: int, fill, gather=True):
+        """``fill(shape, dtype, device)`` makes the sorted-row operands of down/dx/dw1/dw2, or, when it has a
+        ``per_pair`` attribute (``PairFill``), their values per (token, slot) pair, placed at each pair's sorted row
+        (padding rows zero): then every block_m (a different row layout) sees the same operand, and the candidates'
+        outputs are comparable. (Fresh random rows per block_m made every down/dx candidate with another block_m
+        than the heuristic's read other data: the err of 1.3-1.8 in the 2026-11-21 H200 sweep, no kernel bug.)"""
         self.x, self.w1, self.w2, self.weights32, self.grad_out, self.sort = x, w1, w2, weights32, grad_out, sort
         num_rows = sort.tile_expert.numel() * block_m
         d_ff = w1.shape[1] // 2
         dev, dt = x.device, x.dtype
-        self.h_in = fill((num_rows, d_ff), dt, dev)  # down's and dw2's sorted-row operand (any values: timing)
-        self.dgu_in = fill((num_rows, 2 * d_ff), dt, dev)  # dx's and dw1's
+        if hasattr(fill, "per_pair"):
+            rows = sort.pair_row.long()
+            routed = rows >= 0
+            self.h_in = torch.zeros((num_rows, d_ff), dtype=dt, device=dev)
+            self.dgu_in = torch.zeros((num_rows, 2 * d_ff), dtype=dt, device=dev)
+            self.h_in[rows[routed]] = fill.per_pair(d_ff, dt, dev)[routed]  # down's and dw2's sorted-row operand
+            self.dgu_in[rows[routed]] = fill.per_pair(2 * d_ff, dt, dev)[routed]  # dx's and dw1's
+        else:  # any values (offline builds, timing only)
+            self.h_in = fill((num_rows, d_ff), dt, dev)
+            self.dgu_in = fill((num_rows, 2 * d_ff), dt, dev)
         self.h_out = torch.empty((num_rows, d_ff), dtype=dt, device=dev)
         self.dgu_out = torch.empty((num_rows, 2 * d_ff), dtype=dt, device=dev)
         self.out32 = torch.zeros(x.shape, dtype=torch.float32, device=dev)
@@ -196,6 +210,23 @@ class Buffers:
     def reset(self):
         self.out32.zero_()
         self.dweights.zero_()
+
+
+class PairFill:
+    """Random sorted-row operands keyed by (token, slot) pair, one tensor per width, made once and reused by the
+    Buffers of every block_m (see ``Buffers``)."""
+
+    def __init__(self, num_pairs: int):
+        self.num_pairs, self._made = num_pairs, {}
+
+    def __call__(self, shape, dtype, device):
+        return torch.randn(shape, device=device).to(dtype)
+
+    def per_pair(self, width, dtype, device):
+        key = (width, dtype, str(device))
+        if key not in self._made:
+            self._made[key] = torch.randn((self.num_pairs, width), device=device).to(dtype)
+        return self._made[key]
 
 
 def meta_buffers(model: str, num_tokens: int, block_m: int) -> Buffers:
@@ -382,8 +413,6 @@ def gpu_sweep(cases, out_dir, budget_s, workers, device=None):
     report = {"gpu": torch.cuda.get_device_name() if on_gpu else str(device), "torch": torch.__version__,
               "cases": []}
 
-    def fill(shape, dtype, dev):
-        return torch.randn(shape, device=dev).to(dtype)
 
     for model, num_tokens, passes in cases:
         num_experts, top_k, d_model, d_ff = _dims(model)
@@ -393,6 +422,7 @@ def gpu_sweep(cases, out_dir, budget_s, workers, device=None):
         weights32 = weights.float().contiguous()
         grad_out = torch.randn_like(x)
         pairs = num_tokens * top_k
+        pair_fill = PairFill(pairs)  # the same per-pair operands for every block_m of this case
         used = int((torch.bincount(ids.reshape(-1), minlength=num_experts) > 0).sum())
         base = choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, device)
         assert base == candidates(model, num_tokens, "up", device)[0], "the sweep's heuristic must be the layer's"
@@ -440,7 +470,8 @@ def gpu_sweep(cases, out_dir, budget_s, workers, device=None):
                         continue
                     if tiles.block_m not in by_block_m:
                         sort = sort_pairs_by_expert(ids, num_experts, tiles.block_m)
-                        by_block_m[tiles.block_m] = Buffers(x, w1, w2, weights32, grad_out, sort, tiles.block_m, fill)
+                        by_block_m[tiles.block_m] = Buffers(x, w1, w2, weights32, grad_out, sort, tiles.block_m,
+                                                            pair_fill)
                     buf = by_block_m[tiles.block_m]
                     try:
                         launch = buf.launch(gemm, tiles)
@@ -525,7 +556,7 @@ def _best_tiles(base: MoETiles, gemms: dict) -> MoETiles:
     best = base
     for gemm, data in gemms.items():
         timed = [r for r in data["candidates"] if "ms" in r and r["tiles"]["block_m"] == base.block_m
-                 and r["rel_err_vs_heuristic"] < 1e-2]
+                 and r["rel_err_vs_heuristic"] < MAX_REL_ERR]
         if timed:
             winner = min(timed, key=lambda r: r["ms"])["tiles"]
             best = replace(best, **{gemm: GemmTiles(**winner[gemm])})

@@ -6,6 +6,15 @@ expert weights and the GEMM shape barely matters), 128-row tiles when every expe
 (tensor-core bound). Every GEMM then gets its own ``GemmTiles``; ``choose_tiles`` is only the default: the
 launchers take any ``MoETiles`` (``triton_gemm.moe_forward(..., tiles=...)``), which is how scripts/sweep_moe.py
 tries candidates.
+
+Measured: H200 sweep, 2026-11-21 (torch 2.11, triton 3.6, bf16; scripts/sweep_moe.py, Mixtral-8x7B E=8 k=2
+d=4096 F=14336 and Qwen3-30B-A3B E=128 k=8 d=2048 F=768). Per-GEMM numbers behind each rule are quoted where the
+rule is made; configs the sweep did not reach (the 64-row regime) are the earlier, unmeasured choices. Layer,
+heuristic before -> with these rules (estimated from the per-GEMM times, the best-tiles layer runs agree):
+Mixtral T=4096 fwd 442 -> ~488-507 TFLOP/s (torch grouped_mm 504), bwd 319 -> ~342-360 (grouped_mm 491);
+Mixtral T=16384 fwd 468 -> ~535 (grouped_mm 539); Qwen3 T=4096 fwd 291 -> ~335 (grouped_mm 166), bwd 221 ->
+~238 (grouped_mm 238); T=16 fwd unchanged at ~4150 GB/s (Mixtral) / 3265 GB/s (Qwen3) of expert weights, bwd
+11.5 -> ~13 TFLOP/s (Mixtral), 3.3 -> ~3.8 (Qwen3).
 """
 
 from dataclasses import dataclass, replace
@@ -55,13 +64,20 @@ def gemm_smem_bytes(gemm_name: str, block_m: int, gemm: GemmTiles, itemsize: int
     return gemm.num_stages * _OPERANDS[gemm_name](block_m, gemm) * itemsize
 
 
+# programs per SM that split-K aims for in the weight-streaming regime. H200 sweep, 2026-11-21, Mixtral T=16
+# (8 row tiles x 64 column blocks = 512 programs at block_n 64): split_k 4 beats 2 for down (4203 vs 4145 GB/s
+# of expert weights) and for dx, K = 2F (4364 vs 4277 GB/s); the old target of 4 per SM gave split_k 2. Qwen3
+# T=16 (thousands of programs) stays at split_k 1, measured best there (down 3567 vs 3355 GB/s with split_k 2).
+SPLIT_K_PROGRAMS_PER_SM = 8
+
+
 def split_k_for(gemm: GemmTiles, row_tiles: int, K: int, N: int, sm_count: int) -> GemmTiles:
-    """``gemm`` with split_k doubled until row_tiles x column blocks x splits covers the SMs four times over,
-    while every split keeps at least one full BLOCK_K step. Free for the down-combine GEMMs: their epilogue
-    accumulates with atomics anyway."""
+    """``gemm`` with split_k doubled until row_tiles x column blocks x splits covers the SMs
+    SPLIT_K_PROGRAMS_PER_SM times over, while every split keeps at least one full BLOCK_K step. Free for the
+    down-combine GEMMs: their epilogue accumulates with atomics anyway."""
     programs = max(1, row_tiles) * triton.cdiv(N, gemm.block_n)
     split_k = 1
-    while programs * split_k < 4 * sm_count and K // (gemm.block_k * split_k * 2) >= 1:
+    while programs * split_k < SPLIT_K_PROGRAMS_PER_SM * sm_count and K // (gemm.block_k * split_k * 2) >= 1:
         split_k *= 2
     return replace(gemm, split_k=split_k)
 
@@ -83,24 +99,47 @@ def choose_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_
         block_m = 128
 
     if block_m <= 32:
-        # weight-streaming regime: deep pipelines over wide K tiles, enough programs to cover every SM
+        # weight-streaming regime: deep pipelines over wide K tiles, enough programs to cover every SM.
+        # H200 sweep, 2026-11-21, T=16 (GB/s of expert weights): up n64 k128 w4 s4 is within 0.2% (Mixtral 4406
+        # vs 4415) and 1.9% (Qwen3 3956 vs 4031) of the best; up_bwd n64 k128 w4 s3 is the best in both (4407,
+        # 4097); down/dx best or within 1.1% with the split-K below (Mixtral down 4203 vs 4215, dx 4364 vs 4414;
+        # Qwen3 down 3567 best, dx 3985 vs 3994).
         up = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
+        up_bwd = replace(up, num_stages=3)
         # few rows leave the down-combine GEMMs with few programs (experts used x d/block_n): split K
         row_tiles = min(num_experts, num_tokens * top_k)
         sms = _sm_count(device)
         stream = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
         down = split_k_for(stream, row_tiles, d_ff, d_model, sms)
         dx = split_k_for(stream, row_tiles, 2 * d_ff, d_model, sms)
+        # weight gradients: 64x128 output tiles, 4 warps, 2 stages over the expert's (few, block_m-padded) rows.
+        # H200 sweep, 2026-11-21, T=16: dw1 4432 / 4206 GB/s (Mixtral / Qwen3, best in both), dw2 4275 / 4056
+        # (Mixtral best 4313 at 128x128 w4 s2, Qwen3 best); the old 128x128 w8 s3 got 3358 / 3334 and 3317 / 3182.
+        wgrad = GemmTiles(block_n=128, block_k=block_m, num_warps=4, num_stages=2, block_m=64)
     elif block_m == 64:
+        # not measured by the 2026-11-21 sweep (no case has 33-96 rows per expert): the earlier choice
         up = GemmTiles(block_n=64, block_k=64, num_warps=4, num_stages=4)
         down = dx = GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=4)
+        # five operand tiles per stage: three stages stay inside Hopper's 227 KiB of shared memory
+        up_bwd = replace(up, num_stages=3)
+        wgrad = GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=3)
     else:
-        # two 128x64 fp32 accumulators (gate, up) per program: 8 warps keep them in registers
-        up = GemmTiles(block_n=64, block_k=64, num_warps=8, num_stages=4)
-        down = dx = GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=4)
-    # five operand tiles per stage: three stages stay inside Hopper's 227 KiB of shared memory
-    up_bwd = replace(up, num_stages=min(up.num_stages, 3))
-    wgrad = GemmTiles(block_n=128, block_k=min(block_m, 64), num_warps=8, num_stages=3)
+        # tensor-core regime (>= 97 rows per expert; measured at 256 rows: Qwen3 T=4096, 1024 and 4096: Mixtral
+        # T=4096 / 16384). H200 sweep, 2026-11-21, TFLOP/s (Mixtral 4096 / Qwen3 4096 / Mixtral 16384):
+        # up: 128x(2x128) tiles, 8 warps, 4 stages: 525 / 411 / 534, the best or within 1.2% (Qwen3 best 416 at
+        #     3 stages group 16); the old n64 got 457 / 376 / 467. torch grouped_mm (GEMM alone): 605 / 434 / 644.
+        up = GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=4)
+        # down and dx (the down-combine kernel, K = F and 2F): 128x256 tiles, 8 warps, 4 stages (238 registers,
+        #     no spills): down 485 / 297 / 523 (best, or 0.6% under 3 stages at Mixtral 4096), dx 590 / 386
+        #     (best); the old n128 got down 422 / 234 / 456, dx 458 / 330.
+        down = dx = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=4)
+        # up_bwd: 128x(2x64) tiles, 8 warps, 3 stages (five operand tiles per stage; n128 would not fit in
+        #     Hopper's 227 KiB): 392 / 298, the best at Mixtral; Qwen3 measured 317 with group 4 but 304 with
+        #     group 16 and 298 with 8 (no trend), and group_m is shared by every GEMM: left at 8.
+        up_bwd = GemmTiles(block_n=64, block_k=64, num_warps=8, num_stages=3)
+        # dw1 / dw2: 128x256 output tiles, 64 sorted rows per step, 8 warps, 3 stages: dw1 533 / 333, dw2 474 /
+        #     321, the best in both cases; the old 128x128 got dw1 448 / 297, dw2 390 / 288.
+        wgrad = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3, block_m=128)
     return MoETiles(block_m=block_m, group_m=8, up=up, down=down, up_bwd=up_bwd, dx=dx, dw1=wgrad, dw2=wgrad)
 
 
