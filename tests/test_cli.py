@@ -81,6 +81,36 @@ def test_bench_never_overwrites_a_result(tmp_path, monkeypatch):
     assert len(names) == 2 and names[1].endswith("-abc1234.json") and names[0].endswith("-abc1234-2.json")
 
 
+def test_bench_keeps_partial_results_until_it_completes(tmp_path, monkeypatch):
+    """A run killed midway (a time limit) leaves `<stem>.partial.json` with every shape measured so far."""
+    from flashmoe_science.bench import attention as attention_bench
+
+    monkeypatch.setenv("FLASHMOE_COMMIT", "abc1234")
+    measured = attention_bench._measure_backend
+    calls = []
+
+    def killed_on_second_shape(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt  # what a timeout's signal looks like from inside
+        return measured(*args, **kwargs)
+
+    monkeypatch.setattr(attention_bench, "_measure_backend", killed_on_second_shape)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["bench", "--no-plot", "--out", str(tmp_path), "--shapes", "1x1x64x16,1x1x32x16",
+                  "--backends", "sdpa-math"])
+    (partial,) = tmp_path.glob("*.json")
+    assert partial.name.endswith("-abc1234.partial.json")
+    result = json.loads(partial.read_text())
+    assert result["partial"] is True and ENVELOPE_FIELDS <= result.keys()
+    assert {r["Lq"] for r in result["records"]} == {64}
+
+    monkeypatch.setattr(attention_bench, "_measure_backend", measured)
+    assert cli.main(["bench", "--no-plot", "--out", str(tmp_path), "--shapes", "1x1x64x16",
+                     "--backends", "sdpa-math"]) == 0
+    assert sorted(p.name.split("-")[-1] for p in tmp_path.glob("*.json")) == ["abc1234.json"]
+
+
 def test_bench_rejects_bad_arguments(capsys):
     for argv in (["bench", "--pass", "sideways"], ["bench", "--backends", "nope"], ["bench", "--shapes", "4x8"]):
         with pytest.raises(SystemExit):
@@ -95,13 +125,14 @@ def test_bench_moe_missing_module_exits_2(monkeypatch, capsys):
 
 
 def test_bench_moe_writes_envelope_and_table(tmp_path, monkeypatch, capsys):
-    def run_moe_bench(quick, progress):
+    def run_moe_bench(quick, progress, on_case_done):
         progress.set_total(2)
         records = []
         for backend, ms in (("flashmoe", 1.0), ("loop", 2.0)):
             records.append({"op": "moe", "T": 4096, "E": 8, "top_k": 2, "d_model": 4096, "d_ff": 14336,
                             "pass": "fwd", "backend": backend, "ms": ms, "tflops": 100.0 / ms})
             progress.update(desc=backend)
+            on_case_done(records)
         return records
 
     fake = types.ModuleType("flashmoe_science.bench.moe")

@@ -18,6 +18,7 @@ import torch
 
 from flashmoe_science.bench import attention as attention_bench
 from flashmoe_science.bench.report import (
+    PartialResults,
     Progress,
     environment_metadata,
     gpu_properties,
@@ -125,9 +126,15 @@ def _shape_list(text: str) -> list[attention_bench.AttentionShape]:
         raise argparse.ArgumentTypeError(str(error)) from error
 
 
-def _save(args: argparse.Namespace, records: list[dict]):
-    """Write the JSON result (environment + records) and say where."""
-    path = write_results(args.out, environment_metadata(resolve_commit(args.commit)), records)
+def _partial_results(args: argparse.Namespace) -> PartialResults:
+    """Where a running benchmark keeps what it has measured so far (see bench.report.PartialResults)."""
+    return PartialResults(args.out, environment_metadata(resolve_commit(args.commit)))
+
+
+def _save(args: argparse.Namespace, records: list[dict], partial: PartialResults):
+    """Write the JSON result (environment + records), drop the partial file, and say where."""
+    path = write_results(args.out, partial.envelope, records)
+    partial.finish()
     print(f"\nresults: {path}")
     return path
 
@@ -157,9 +164,11 @@ def _bench_attention(args: argparse.Namespace) -> int:
     print(f"{len(shapes)} shapes x {len(backend_names)} backends x passes {','.join(args.passes)}", flush=True)
 
     skips = attention_bench.SkipLog()
+    partial = _partial_results(args)
+    print(f"(partial results are kept in {partial.path} until the run completes)", flush=True)
     with Progress(desc="attention") as progress:
         records = attention_bench.run_attention_bench(
-            shapes, backend_names, args.passes, device, dtype, timer, progress, skips
+            shapes, backend_names, args.passes, device, dtype, timer, progress, skips, on_shape_done=partial
         )
     print()
     print(attention_bench.attention_table(records, baselines, backend_names))
@@ -169,7 +178,7 @@ def _bench_attention(args: argparse.Namespace) -> int:
         print()
         print(skips.summary())
 
-    path = _save(args, records)
+    path = _save(args, records, partial)
     if not args.no_plot and records:
         plot = attention_bench.plot_attention(records, path.with_suffix(".png"), title=f"attention, {path.stem}")
         if plot is not None:
@@ -189,13 +198,14 @@ def _bench_moe(args: argparse.Namespace) -> int:
     except ImportError as error:
         print(f"the MoE benchmark is not available in this build ({error})", file=sys.stderr)
         return EXIT_UNAVAILABLE
+    partial = _partial_results(args)
     with Progress(desc="moe") as progress:
-        records = run_moe_bench(quick=args.quick, progress=progress)
+        records = run_moe_bench(quick=args.quick, progress=progress, on_case_done=partial)
     row_fields = [name for name in MOE_ROW_FIELDS if any(name in record for record in records)]
     print()
     print("TFLOP/s of the expert GEMMs (n/a: backend unsupported or skipped)")
     print(records_table(records, row_fields=row_fields))
-    _save(args, records)
+    _save(args, records, partial)
     return 0
 
 

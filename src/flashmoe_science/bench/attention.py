@@ -374,8 +374,10 @@ def run_attention_bench(
     progress: Progress,
     skips: SkipLog | None = None,
     backends: dict[str, Backend] = BACKENDS,
+    on_shape_done: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
-    """Measure every (shape, backend, pass); return the records. Failures are noted in `skips`, never raised."""
+    """Measure every (shape, backend, pass); return the records. Failures are noted in `skips`, never raised.
+    `on_shape_done(records so far)` runs after each shape (the CLI saves partial results there)."""
     skips = skips if skips is not None else SkipLog()
     progress.set_total(len(shapes) * len(backend_names) * len(passes))
     records = []
@@ -395,6 +397,8 @@ def run_attention_bench(
                 for pass_ in passes:
                     skips.note(name, pass_, reason)
                 progress.update(len(passes), desc=f"{shape.label()} {name} skipped")
+        if on_shape_done is not None:
+            on_shape_done(records)
     return records
 
 

@@ -129,9 +129,10 @@ def _make_inputs(num_tokens, num_experts, d_model, d_ff, dtype, device):
     return x, w1, w2, logits
 
 
-def run_moe_bench(quick: bool = False, progress=None) -> list[dict]:
+def run_moe_bench(quick: bool = False, progress=None, on_case_done=None) -> list[dict]:
     """Every backend on every (model, T, pass); returns the records. ``progress``: an object with
-    ``update(n=1, desc=None)`` and ``close()`` (``bench.report.Progress``), or None."""
+    ``update(n=1, desc=None)`` and ``close()`` (``bench.report.Progress``), or None. ``on_case_done(records so
+    far)`` runs after each (model, T) (the CLI saves partial results there)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -178,6 +179,8 @@ def run_moe_bench(quick: bool = False, progress=None) -> list[dict]:
             del tensors
             if on_gpu:
                 torch.cuda.empty_cache()
+            if on_case_done is not None:
+                on_case_done(records)
     if progress is not None:
         progress.close()
     return records

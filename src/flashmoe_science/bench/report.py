@@ -253,6 +253,23 @@ def unused_result_path(out_dir: Path, stem: str) -> Path:
     return path
 
 
+class PartialResults:
+    """`<out_dir>/<stem>.partial.json`, rewritten with every record so far after each completed step, so a run that
+    is killed (a time limit on a shared GPU) still leaves what it measured. `finish` removes it once the full
+    result is written."""
+
+    def __init__(self, out_dir: str | os.PathLike, envelope: dict):
+        self.envelope = envelope
+        self.path = Path(out_dir) / f"{result_stem(envelope['gpu'], envelope['date'], envelope['commit'])}.partial.json"
+
+    def __call__(self, records: list[dict]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({**self.envelope, "partial": True, "records": records}, indent=1) + "\n")
+
+    def finish(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 def write_results(out_dir: str | os.PathLike, envelope: dict, records: list[dict]) -> Path:
     """Write `{**envelope, "records": records}` as JSON and return the file's path."""
     out_dir = Path(out_dir)
