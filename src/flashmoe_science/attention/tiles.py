@@ -176,7 +176,8 @@ def backward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: Devi
             dkdv = AttentionTiles(32, 64, 4, 3) if causal else AttentionTiles(64, 64, 4, 2)
             dq = AttentionTiles(128, 64, 8, 3)
         else:
-            dkdv, dq = AttentionTiles(64, 32, 4, 2), AttentionTiles(128, 64, 8, 1)
+            dkdv = AttentionTiles(32, 64, 8, 2) if causal else AttentionTiles(64, 32, 4, 2)
+            dq = AttentionTiles(128, 64, 8, 1)
     elif traits.capability[0] >= 8:
         if block_d <= 128:
             dkdv, dq = AttentionTiles(32, 64, 4, 2), AttentionTiles(64, 32, 4, 2)
