@@ -15,13 +15,18 @@ explicit, and one iteration over key tile j reads:
 
 The first tile is peeled (there is no P_{-1}) and the last P·V runs after the loop.
 
-A CTA owns BLOCK_M = 128 query rows of one (batch, head), split between two consumer warpgroups of 64 rows each,
-each in its own warp-specialised partition. They share the K/V tiles but never wait for each other, so the warp
+A work item is BLOCK_M = 128 query rows of one (batch, head), split between two consumer warpgroups of 64 rows
+each, each in its own warp-specialised partition. They share the K/V tiles but never wait for each other, so the warp
 schedulers interleave one warpgroup's softmax with the other's tensor-core products (FA3's ping-pong, left to
 the hardware). A third partition, one producer warp with 24 registers (the consumers get 240), streams K and V
 through a ring of NUM_STAGES shared-memory stages. Each stage has a "ready" barrier (the TMA copy landed) and an
 "empty" barrier that both consumers arrive on (K after its Q·Kᵀ product, V after its P·V product), so copies run
 ahead as far as the ring allows and never sit in a consumer's instruction stream.
+
+Persistent: with `num_ctas` = the SM count, each CTA loops over work items (`_work_tile`: rounds of consecutive
+items, snaking). The producer also loads each item's Q (once both consumers have released the previous one, after
+their last Q·Kᵀ) and keeps the K/V ring position running across items, so the next item's first tiles land while
+the consumers finish the current one's last P·V and epilogue. With `num_ctas=None` each CTA runs one item.
 """
 
 from __future__ import annotations
