@@ -16,7 +16,19 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
     pytest.skip("launchers are stubbed here; the interpreter runs the real kernels elsewhere", allow_module_level=True)
 
 from flashmoe_science.attention import triton_fwd  # noqa: E402
-from flashmoe_science.attention.tiles import AttentionTiles, sm90_forward_tiles  # noqa: E402
+from flashmoe_science.attention.tiles import (  # noqa: E402
+    SM90_PERSISTENT_MAX_CAUSAL_LEN,
+    SM90_SHORT_CAUSAL_LEN,
+    AttentionTiles,
+    backward_tiles,
+    padded_head_dim,
+    sm90_forward_tiles,
+    sm90_persistent,
+    sm90_preferred,
+)
+from flashmoe_science.device import DeviceTraits  # noqa: E402
+
+H200 = DeviceTraits((9, 0), 132, 232448)
 
 
 class _RecordingKernel:
@@ -109,6 +121,39 @@ def test_sm90_launcher(monkeypatch, head_dim, causal):
     assert 2 * box(64) + kwargs["NUM_STAGES"] * 2 * box(tiles.block_n) <= 232448 - 2048
 
 
+def test_sm90_rules_switch_at_the_measured_lengths():
+    """`auto`'s sm_90 choice, its persistence and its key tile flip at the H200 sweeps' lengths (tiles.py)."""
+    short, long_causal = SM90_SHORT_CAUSAL_LEN, SM90_PERSISTENT_MAX_CAUSAL_LEN
+    assert not sm90_preferred(64, True, short) and sm90_preferred(64, True, short + 1)
+    assert sm90_preferred(64, False, 128) and sm90_preferred(80, True, 128)  # D=80 pads to 128: sm_90 always
+    assert sm90_persistent(True, long_causal) and not sm90_persistent(True, long_causal + 1)
+    assert sm90_persistent(False, 1 << 20)
+    assert sm90_forward_tiles(128, True, short).block_n == 64
+    assert sm90_forward_tiles(128, True, short + 1) == AttentionTiles(128, 128, 8, 3, use_tma=True)
+    assert sm90_forward_tiles(128, False, 512) == AttentionTiles(128, 128, 8, 2, use_tma=True)
+    assert sm90_forward_tiles(256, True, 1 << 14).block_n == 64
+
+
+@pytest.mark.parametrize("seqlen_q", [512, 4096])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 192, 256])
+def test_sm90_tiles_fit_hopper_shared_memory(head_dim, causal, seqlen_q):
+    tiles = sm90_forward_tiles(head_dim, causal, seqlen_q)
+    block_d = padded_head_dim(head_dim)
+    # the Q tile (two 64-row halves) + NUM_STAGES K and V tiles, bf16, within 227 KiB less the scratch
+    smem = (tiles.block_m + tiles.num_stages * 2 * tiles.block_n) * block_d * 2
+    assert (tiles.block_m, tiles.num_warps) == (128, 8) and smem <= H200.smem_per_block - 2048
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_hopper_backward_runs_two_passes(head_dim, causal, dtype):
+    # the fused atomic-dQ pass measured slower on the H200 at every head dim: no fused tiles, so `deterministic`
+    # changes nothing there (api.py takes the fused pass only when tiles.fused is set)
+    assert backward_tiles(head_dim, dtype, causal, H200).fused is None
+
+
 def test_sm90_launcher_rejects_other_tiles():
     pytest.importorskip("triton.experimental.gluon")
     from flashmoe_science.attention.hopper import fwd_sm90
@@ -122,7 +167,6 @@ def test_sm90_launcher_rejects_other_tiles():
 def test_triton_plan_drops_tma_for_strides_tma_cannot_take(monkeypatch):
     """The dispatch decides TMA once (the launcher trusts it): on Hopper traits, misaligned strides get pointers."""
     from flashmoe_science.attention import api
-    from flashmoe_science.device import DeviceTraits
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets backend="triton" accept CPU tensors; nothing is launched
     monkeypatch.setattr(api, "device_traits", lambda device: DeviceTraits((9, 0), 132, 232448))

@@ -27,7 +27,7 @@ def test_split_k_fills_the_gpu_and_keeps_a_full_step_per_split():
     # 8 row tiles x 4096/64 column blocks = 512 programs < 8 x 132 (SPLIT_K_PROGRAMS_PER_SM): two doublings
     # (Mixtral T=16: split_k 4 measured ahead of 2 on the H200, 2026-11-21)
     assert split_k_for(gemm, 8, 14336, 4096, 132).split_k == 4
-    # few programs: doubles until 4 x SMs are covered ...
+    # few programs: doubles towards SPLIT_K_PROGRAMS_PER_SM x SMs ...
     assert split_k_for(gemm, 1, 14336, 1024, 132).split_k == 64
     # ... but never below one BLOCK_K step per split
     assert split_k_for(gemm, 1, 512, 1024, 132).split_k == 4

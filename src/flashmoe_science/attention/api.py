@@ -331,12 +331,14 @@ def flash_attention_science(
         deterministic: True, or `torch.use_deterministic_algorithms(True)`: the backward runs a dK/dV pass and a
             dQ pass, no atomics, bit-identical gradients run to run. False (default) allows, when q needs a
             gradient and k or v does too, one fused pass that sums dQ with float32 atomics (dQ may then differ in
-            its last bits run to run) on GPUs where it measured faster; on the H200 the two passes were faster at
-            every head dim, so there both settings run them. The forward is always deterministic.
+            its last bits run to run) where `tiles.backward_tiles` gives it tiles. No GPU does yet (on the H200
+            the two passes were faster at every head dim), so on GPUs both settings run the two passes; the
+            Triton interpreter takes the fused pass. The forward is always deterministic.
 
     Kernels: on Hopper, bf16/fp16 with TMA-compatible strides run the Gluon sm_90 kernel (warp-specialised: TMA
-    producer warp, two consumer warpgroups, async wgmma; persistent CTAs), except causal calls with head dim <= 64
-    and <= 1024 queries; everything else on a GPU runs the portable Triton kernel; CPU tensors run the PyTorch reference. `describe_dispatch` says which and why.
+    producer warp, two consumer warpgroups, async wgmma; persistent CTAs except causal rows longer than 4096),
+    except causal calls with head dim <= 64 and <= 1024 queries; everything else on a GPU runs the portable Triton
+    kernel; CPU tensors run the PyTorch reference. `describe_dispatch` says which and why.
 
     Accuracy: bf16/fp16 inputs are multiplied on tensor cores with float32 accumulation and a float32 softmax.
     float32 inputs use 3xTF32 tensor-core products on the GPU (close to float32 accuracy, about 3x the cost of
