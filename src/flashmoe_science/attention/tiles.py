@@ -249,15 +249,18 @@ def sm90_persistent(causal: bool, seqlen_q: int) -> bool:
     return not causal or seqlen_q <= SM90_PERSISTENT_MAX_CAUSAL_LEN
 
 
-@functools.lru_cache(maxsize=None)
 def sm90_forward_tiles(head_dim: int, causal: bool, seqlen_q: int) -> AttentionTiles:
     """Tiles of the Gluon sm_90 kernel: always 128 query rows on two consumer warpgroups (8 warps) plus a producer
     warp; the key tile and the ring depth vary. Registers bound the key tile (score tile, bf16 P and the fp32
     output accumulator live in registers: ~240 per thread at D=128 with 128-key tiles), shared memory the depth.
     Short causal rows take 64-key tiles: less of the diagonal tile is masked work (L=512: 267 vs 242 TFLOP/s).
     """
-    if padded_head_dim(head_dim) > 128:
-        return AttentionTiles(128, 64, 8, 2, use_tma=True)
-    if causal and seqlen_q <= SM90_SHORT_CAUSAL_LEN:
+    # cached on the length's class, not the length: ragged workloads would grow a per-length cache without bound
+    return _sm90_tiles(padded_head_dim(head_dim), causal, causal and seqlen_q <= SM90_SHORT_CAUSAL_LEN)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_tiles(block_d: int, causal: bool, short_causal: bool) -> AttentionTiles:
+    if block_d > 128 or short_causal:
         return AttentionTiles(128, 64, 8, 2, use_tma=True)
     return AttentionTiles(128, 128, 8, 3 if causal else 2, use_tma=True)
