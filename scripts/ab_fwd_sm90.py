@@ -7,6 +7,7 @@ must match bit for bit; both are also checked against SDPA (max abs error).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -15,14 +16,14 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashmoe_science.attention.hopper import fwd_sm90
-from flashmoe_science.attention.tiles import device_traits, sm90_forward_tiles, sm90_persistent
+from flashmoe_science.attention.tiles import device_traits, padded_head_dim, sm90_forward_tiles, sm90_persistent
 from flashmoe_science.bench.attention import AttentionShape, attention_flops, cuda_median_ms
 
 CASES = ("32x16x512x128,16x16x1024x128,8x16x2048x128,2x16x8192x128,32x32x512x64,16x32x1024x64,4x32x4096x64,"
          "32x8x512x256,8x8x2048x256")
 
 
-def check_ragged(traits):
+def check_ragged(traits, limit):
     """Lq != Lk, odd lengths, GQA, both persistence modes: ping-pong must equal the plain kernel bit for bit."""
     for causal in (False, True):
         for lq, lk in ((1000, 1000), (300, 777), (777, 300), (129, 4097)):
@@ -31,16 +32,32 @@ def check_ragged(traits):
             tiles = sm90_forward_tiles(128, causal, lq)
             for ctas in (None, 7, traits.sm_count):
                 outs = []
-                for pingpong in (False, True):
+                for pingpong, qbuf in ((False, 1), (True, 1), (False, 2), (True, 2)):
+                    if fwd_sm90.sm90_smem_bytes(tiles, 128, qbuf) > limit:
+                        continue
                     out = torch.full_like(q, float("nan"))
                     lse = torch.empty(q.shape[:3], device="cuda")
                     fwd_sm90.attention_forward_sm90(q, k, v, out, lse, causal, 128**-0.5, tiles, num_ctas=ctas,
-                                                    pingpong=pingpong)
+                                                    pingpong=pingpong, q_buffers=qbuf)
                     outs.append((out, lse))
                 torch.cuda.synchronize()
-                same = torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-                print(f"ragged Lq{lq} Lk{lk} causal={causal} ctas={ctas}: identical={same}", flush=True)
+                same = all(torch.equal(outs[0][0], o) and torch.equal(outs[0][1], lse) for o, lse in outs[1:])
+                print(f"ragged Lq{lq} Lk{lk} causal={causal} ctas={ctas}: {len(outs)} variants identical={same}",
+                      flush=True)
                 assert same
+
+
+def variants(tiles, d, persistent, limit):
+    """(name, tiles, pingpong, q_buffers): the plan as is, with ping-pong, and with two Q buffers per consumer
+    (with one ring stage fewer if that is what makes it fit)."""
+    out = [("plain", tiles, False, 1), ("pingpong", tiles, True, 1)]
+    if persistent:
+        for stages in range(tiles.num_stages, 1, -1):
+            t2 = dataclasses.replace(tiles, num_stages=stages)
+            if fwd_sm90.sm90_smem_bytes(t2, padded_head_dim(d), 2) <= limit:
+                out.append((f"qbuf2-s{stages}", t2, False, 2))
+                break
+    return out
 
 
 def main():
@@ -49,7 +66,8 @@ def main():
     p.add_argument("--out", default=".")
     a = p.parse_args()
     traits = device_traits(torch.device("cuda"))
-    check_ragged(traits)
+    limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    check_ragged(traits, limit)
     rows = []
     for case in a.cases.split(","):
         b, h, length, d = map(int, case.split("x"))
@@ -64,23 +82,26 @@ def main():
             row = {"B": b, "H": h, "L": length, "D": d, "causal": causal, "cudnn": cudnn, "tiles": tiles.as_dict(),
                    "persistent": ctas is not None}
             outs = []
-            for pingpong in (False, True):
+            line = []
+            for name, vt, pingpong, qbuf in variants(tiles, d, ctas is not None, limit):
                 out = torch.empty_like(q)
                 lse = torch.empty(q.shape[:3], device="cuda")
 
                 def fn():
-                    fwd_sm90.attention_forward_sm90(q, k, v, out, lse, causal, d**-0.5, tiles, num_ctas=ctas,
-                                                    pingpong=pingpong)
+                    fwd_sm90.attention_forward_sm90(q, k, v, out, lse, causal, d**-0.5, vt, num_ctas=ctas,
+                                                    pingpong=pingpong, q_buffers=qbuf)
                 fn()
-                row[f"pingpong{int(pingpong)}"] = fl / cuda_median_ms(fn) / 1e9
-                row[f"err{int(pingpong)}"] = (out.float() - ref.float()).abs().max().item()
-                outs.append(out)
-            row["identical"] = torch.equal(outs[0], outs[1])
+                tf = fl / cuda_median_ms(fn) / 1e9
+                err = (out.float() - ref.float()).abs().max().item()
+                row[name] = {"tflops": tf, "err": err, "stages": vt.num_stages}
+                line.append(f"{name} {tf:.0f} ({tf / cudnn:.3f}) err{err:.1e}")
+                if vt.num_stages == tiles.num_stages:
+                    outs.append(out)
+            row["identical"] = all(torch.equal(outs[0], o) for o in outs[1:])
             rows.append(row)
             print(f"B{b} H{h} L{length} D{d} causal={int(causal)} 128x{tiles.block_n} s{tiles.num_stages} "
-                  f"pers={int(ctas is not None)}: cudnn {cudnn:.0f} | plain {row['pingpong0']:.0f} "
-                  f"({row['pingpong0'] / cudnn:.3f}) | pingpong {row['pingpong1']:.0f} ({row['pingpong1'] / cudnn:.3f})"
-                  f" | identical={row['identical']} err {row['err0']:.1e}/{row['err1']:.1e}", flush=True)
+                  f"pers={int(ctas is not None)}: cudnn {cudnn:.0f} | " + " | ".join(line)
+                  + f" | identical={row['identical']}", flush=True)
     with open(os.path.join(a.out, "ab_fwd_sm90.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
 

@@ -101,7 +101,7 @@ def _cta_key_tiles(start_m, seqlen_q, seqlen_k, CTA_ROWS: gl.constexpr, BLOCK_N:
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k,
-              NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+              NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr):
     """The producer warp: for each of the CTA's work items, both halves of the Q tile (once the consumers are done
     with the previous ones), then K and V tiles into the ring as soon as their stage is released. The ring
     position runs on across work items, so the next item's first tiles land during the current epilogue."""
@@ -112,10 +112,12 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
         batch, q_head, kv_head, start_m = _work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size,
                                                      2 * ROWS, CAUSAL)
         for c in gl.static_range(2):
-            mbarrier.wait(q_empty.index(c), (item & 1) ^ 1)  # barriers start "phase 1 complete": item 0 passes
-            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [batch, q_head, start_m + c * ROWS, 0], q_ready.index(c),
-                                            q_smems.index(c))
+            buf = c * Q_BUFFERS + item % Q_BUFFERS
+            # barriers start "phase 1 complete": the first use of each buffer passes
+            mbarrier.wait(q_empty.index(buf), ((item // Q_BUFFERS) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(buf), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [batch, q_head, start_m + c * ROWS, 0], q_ready.index(buf),
+                                            q_smems.index(buf))
         num_tiles = _cta_key_tiles(start_m, seqlen_q, seqlen_k, 2 * ROWS, BLOCK_N, CAUSAL)
         for tile in range(num_tiles):
             stage = ring % NUM_STAGES
@@ -290,7 +292,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                         group_size, seqlen_q, seqlen_k, qk_scale,
                         CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+                        CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, Q_BUFFERS: gl.constexpr):
     """One consumer warpgroup: its `ROWS`-row half of every work item the CTA owns, in the producer's order."""
     num_ctas = gl.num_programs(0)
     ring = 0  # ring position of the current item's first K/V tile
@@ -299,11 +301,12 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
         batch, q_head, _, cta_start_m = _work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size,
                                                    2 * ROWS, CAUSAL)
         cta_num_tiles = _cta_key_tiles(cta_start_m, seqlen_q, seqlen_k, 2 * ROWS, BLOCK_N, CAUSAL)
-        _attend_tile(q_smems.index(CONSUMER), k_smem, v_smem, q_ready.index(CONSUMER), q_empty.index(CONSUMER),
+        q_buf = CONSUMER * Q_BUFFERS + item % Q_BUFFERS
+        _attend_tile(q_smems.index(q_buf), k_smem, v_smem, q_ready.index(q_buf), q_empty.index(q_buf),
                      k_ready, v_ready, k_empty, v_empty, turns.index(CONSUMER), turns.index(1 - CONSUMER),
                      O, LSE, stride_ob, stride_oh, stride_om,
                      batch, q_head, num_q_heads, cta_start_m + CONSUMER * ROWS, seqlen_q, seqlen_k,
-                     cta_num_tiles, ring, turn, item & 1, qk_scale,
+                     cta_num_tiles, ring, turn, (item // Q_BUFFERS) & 1, qk_scale,
                      HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, 1 - CONSUMER, PINGPONG)
         ring += cta_num_tiles
         turn += cta_num_tiles + 1
@@ -315,25 +318,27 @@ def attention_forward_sm90_kernel(
     stride_ob, stride_oh, stride_om,
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, num_m_tiles, num_work,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, Q_BUFFERS: gl.constexpr,
 ):
     """Persistent: the CTAs share the num_work = B·Hq·num_m_tiles work items in rounds (see _work_tile)."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]  # rows per consumer
 
-    q_smems = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    # Q: one buffer per consumer, or two (Q_BUFFERS=2) so the next item's Q loads while this item runs
+    q_smems = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(2 * Q_BUFFERS):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=1)  # each consumer owns one half of the Q tile
+        mbarrier.init(q_empty.index(i), count=1)  # each consumer owns its half of the Q tile
+    for i in gl.static_range(2):
         mbarrier.init(turns.index(i), count=1)  # consumer i's turn: the other consumer arrives once per turn
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
@@ -347,14 +352,14 @@ def attention_forward_sm90_kernel(
         (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                                O, LSE, stride_ob, stride_oh, stride_om, num_work, num_m_tiles, num_q_heads,
                                group_size, seqlen_q, seqlen_k, qk_scale,
-                               upper, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, PINGPONG)),
+                               upper, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, PINGPONG, Q_BUFFERS)),
         (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
                                O, LSE, stride_ob, stride_oh, stride_om, num_work, num_m_tiles, num_q_heads,
                                group_size, seqlen_q, seqlen_k, qk_scale,
-                               lower, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, PINGPONG)),
+                               lower, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, PINGPONG, Q_BUFFERS)),
         (_producer, (q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                      k_empty, v_empty, num_work, num_m_tiles, num_q_heads, group_size, seqlen_q,
-                     seqlen_k, NUM_STAGES, BLOCK_N, CAUSAL)),
+                     seqlen_k, NUM_STAGES, BLOCK_N, CAUSAL, Q_BUFFERS)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -373,12 +378,21 @@ def _descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
     return desc
 
 
+def sm90_smem_bytes(tiles, block_d: int, q_buffers: int, elem_bytes: int = 2) -> int:
+    """Shared memory of one CTA: the Q buffers of both consumers, the K/V ring, and a kilobyte for barriers and
+    alignment."""
+    q_bytes = NUM_CONSUMERS * q_buffers * CONSUMER_ROWS * block_d * elem_bytes
+    kv_bytes = 2 * tiles.num_stages * tiles.block_n * block_d * elem_bytes
+    return q_bytes + kv_bytes + 1024
+
+
 def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles, num_ctas: int | None = None,
-                           pingpong: bool = False):
+                           pingpong: bool = False, q_buffers: int = 1):
     """Launch on checked 4-D bf16/fp16 tensors with TMA-compatible strides (see triton_fwd.tma_compatible).
 
     `num_ctas`: how many CTAs share the work items (one per SM: persistent); None launches one per query tile.
-    `pingpong`: the consumers take turns issuing tensor-core products (see _attend_tile)."""
+    `pingpong`: the consumers take turns issuing tensor-core products (see _attend_tile).
+    `q_buffers`: Q buffers per consumer; 2 lets a persistent CTA load the next item's Q during the current item."""
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     block_d = padded_head_dim(head_dim)
     if tiles.block_m != BLOCK_M or tiles.num_warps != 4 * NUM_CONSUMERS:
@@ -392,5 +406,5 @@ def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float
         *out.stride()[:3],
         num_q_heads, num_q_heads // k.shape[1], seqlen_q, k.shape[2], softmax_scale * LOG2_E, num_m_tiles, num_work,
         HEAD_DIM=head_dim, BLOCK_N=tiles.block_n, BLOCK_D=block_d, NUM_STAGES=tiles.num_stages, CAUSAL=causal,
-        PINGPONG=pingpong, num_warps=4, maxnreg=REGISTER_CAP,
+        PINGPONG=pingpong, Q_BUFFERS=q_buffers, num_warps=4, maxnreg=REGISTER_CAP,
     )
