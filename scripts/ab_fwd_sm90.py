@@ -1,6 +1,7 @@
-"""A/B of the sm_90 forward with and without consumer ping-pong, beside cuDNN, at the tiles and persistence the
-library picks for each shape. The two variants do the same arithmetic in the same order per row, so their outputs
-must match bit for bit; both are also checked against SDPA (max abs error).
+"""A/B of the sm_90 forward with one or two Q buffers per consumer, beside cuDNN, at the tiles and persistence the
+library picks for each shape (two buffers with one ring stage fewer where that is what fits). The variants do the
+same arithmetic in the same order per row, so at equal tiles their outputs must match bit for bit; all are also
+checked against SDPA (max abs error). (Session 3 also A/B'd a consumer ping-pong here: docs/perf-notes.md.)
 
     PYTHONPATH=src python scripts/ab_fwd_sm90.py [--cases BxHxLxD,...] [--out DIR]
 """
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashmoe_science.attention.hopper import fwd_sm90
-from flashmoe_science.attention.tiles import device_traits, padded_head_dim, sm90_forward_tiles, sm90_persistent
+from flashmoe_science.attention.tiles import device_traits, sm90_forward_tiles, sm90_persistent, sm90_smem_bytes
 from flashmoe_science.bench.attention import AttentionShape, attention_flops, cuda_median_ms
 
 CASES = ("32x16x512x128,16x16x1024x128,8x16x2048x128,2x16x8192x128,32x32x512x64,16x32x1024x64,4x32x4096x64,"
@@ -24,7 +25,7 @@ CASES = ("32x16x512x128,16x16x1024x128,8x16x2048x128,2x16x8192x128,32x32x512x64,
 
 
 def check_ragged(traits, limit):
-    """Lq != Lk, odd lengths, GQA, both persistence modes: ping-pong must equal the plain kernel bit for bit."""
+    """Lq != Lk, odd lengths, GQA, both persistence modes: two Q buffers must equal one bit for bit."""
     for causal in (False, True):
         for lq, lk in ((1000, 1000), (300, 777), (777, 300), (129, 4097)):
             q = torch.randn(2, 8, lq, 128, device="cuda", dtype=torch.bfloat16)
@@ -32,13 +33,13 @@ def check_ragged(traits, limit):
             tiles = sm90_forward_tiles(128, causal, lq)
             for ctas in (None, 7, traits.sm_count):
                 outs = []
-                for pingpong, qbuf in ((False, 1), (True, 1), (False, 2), (True, 2)):
-                    if fwd_sm90.sm90_smem_bytes(tiles, 128, qbuf) > limit:
+                for qbuf in (1, 2):
+                    if sm90_smem_bytes(tiles, 128, qbuf) > limit:
                         continue
                     out = torch.full_like(q, float("nan"))
                     lse = torch.empty(q.shape[:3], device="cuda")
                     fwd_sm90.attention_forward_sm90(q, k, v, out, lse, causal, 128**-0.5, tiles, num_ctas=ctas,
-                                                    pingpong=pingpong, q_buffers=qbuf)
+                                                    q_buffers=qbuf)
                     outs.append((out, lse))
                 torch.cuda.synchronize()
                 same = all(torch.equal(outs[0][0], o) and torch.equal(outs[0][1], lse) for o, lse in outs[1:])
@@ -48,14 +49,14 @@ def check_ragged(traits, limit):
 
 
 def variants(tiles, d, persistent, limit):
-    """(name, tiles, pingpong, q_buffers): the plan as is, with ping-pong, and with two Q buffers per consumer
-    (with one ring stage fewer if that is what makes it fit)."""
-    out = [("plain", tiles, False, 1), ("pingpong", tiles, True, 1)]
+    """(name, tiles, q_buffers): the plan's tiles with one Q buffer, and with two (with one ring stage fewer if that
+    is what makes it fit)."""
+    out = [("qbuf1", tiles, 1)]
     if persistent:
         for stages in range(tiles.num_stages, 1, -1):
             t2 = dataclasses.replace(tiles, num_stages=stages)
-            if fwd_sm90.sm90_smem_bytes(t2, padded_head_dim(d), 2) <= limit:
-                out.append((f"qbuf2-s{stages}", t2, False, 2))
+            if sm90_smem_bytes(t2, d, 2) <= limit:
+                out.append((f"qbuf2-s{stages}", t2, 2))
                 break
     return out
 
@@ -83,13 +84,13 @@ def main():
                    "persistent": ctas is not None}
             outs = []
             line = []
-            for name, vt, pingpong, qbuf in variants(tiles, d, ctas is not None, limit):
+            for name, vt, qbuf in variants(tiles, d, ctas is not None, limit):
                 out = torch.empty_like(q)
                 lse = torch.empty(q.shape[:3], device="cuda")
 
                 def fn():
                     fwd_sm90.attention_forward_sm90(q, k, v, out, lse, causal, d**-0.5, vt, num_ctas=ctas,
-                                                    pingpong=pingpong, q_buffers=qbuf)
+                                                    q_buffers=qbuf)
                 fn()
                 tf = fl / cuda_median_ms(fn) / 1e9
                 err = (out.float() - ref.float()).abs().max().item()

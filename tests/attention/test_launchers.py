@@ -25,6 +25,8 @@ from flashmoe_science.attention.tiles import (  # noqa: E402
     sm90_forward_tiles,
     sm90_persistent,
     sm90_preferred,
+    sm90_q_buffers,
+    sm90_smem_bytes,
 )
 from flashmoe_science.device import DeviceTraits  # noqa: E402
 
@@ -102,9 +104,10 @@ def test_sm90_launcher(monkeypatch, head_dim, causal):
     tiles = sm90_forward_tiles(head_dim, causal, 300)
     fwd_sm90.attention_forward_sm90(q, k, v, out, lse, causal, head_dim**-0.5, tiles, num_ctas=132)
     fwd_sm90.attention_forward_sm90(q, k, v, out, lse, causal, head_dim**-0.5, tiles, num_ctas=20)
-    fwd_sm90.attention_forward_sm90(q, k, v, out, lse, causal, head_dim**-0.5, tiles)
+    fwd_sm90.attention_forward_sm90(q, k, v, out, lse, causal, head_dim**-0.5, tiles, q_buffers=2)
 
-    (grid, args, kwargs), (grid_20, args_20, _), (grid_all, _, _) = kernel.launches
+    (grid, args, kwargs), (grid_20, args_20, _), (grid_all, _, kwargs_all) = kernel.launches
+    assert kwargs["Q_BUFFERS"] == 1 and kwargs_all["Q_BUFFERS"] == 2
     # cdiv(300, 128) query tiles x B*Hq = 48 work items over at most num_ctas CTAs; None: one CTA per item
     assert grid == (48,) and grid_20 == (20,) and grid_all == (48,)
     assert args[-2:] == args_20[-2:] == (3, 48)  # num_m_tiles, num_work
@@ -119,6 +122,28 @@ def test_sm90_launcher(monkeypatch, head_dim, causal):
     # shared memory: 2 Q boxes + NUM_STAGES K and V boxes fit the H200's 227 KiB
     box = lambda rows: rows * block_d * 2  # noqa: E731
     assert 2 * box(64) + kwargs["NUM_STAGES"] * 2 * box(tiles.block_n) <= 232448 - 2048
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q", [512, 2048, 8192])
+def test_sm90_q_buffers_only_where_persistent_and_they_fit(head_dim, causal, seqlen_q):
+    tiles = sm90_forward_tiles(head_dim, causal, seqlen_q)
+    persistent = sm90_persistent(causal, seqlen_q)
+    n = sm90_q_buffers(tiles, head_dim, persistent, H200)
+    assert sm90_smem_bytes(tiles, head_dim, n) <= H200.smem_per_block
+    # a second buffer whenever it fits a persistent CTA; never for one CTA per tile (a CTA runs one item)
+    fits = sm90_smem_bytes(tiles, head_dim, 2) <= H200.smem_per_block
+    assert n == (2 if persistent and fits else 1)
+    assert sm90_q_buffers(tiles, head_dim, False, H200) == 1
+
+
+def test_sm90_q_buffers_where_measured():
+    # D=128: two buffers with 2 ring stages (non-causal, short causal); the 3-stage causal ring leaves no room
+    assert sm90_q_buffers(sm90_forward_tiles(128, False, 512), 128, True, H200) == 2
+    assert sm90_q_buffers(sm90_forward_tiles(128, True, 512), 128, True, H200) == 2
+    assert sm90_q_buffers(sm90_forward_tiles(128, True, 2048), 128, True, H200) == 1
+    assert sm90_q_buffers(sm90_forward_tiles(256, False, 2048), 256, True, H200) == 1
 
 
 def test_sm90_rules_switch_at_the_measured_lengths():

@@ -22,6 +22,7 @@ from flashmoe_science.attention.tiles import (
     forward_tiles,
     sm90_forward_tiles,
     sm90_persistent,
+    sm90_q_buffers,
     sm90_preferred,
 )
 from flashmoe_science.device import triton_interpreter_on
@@ -132,7 +133,8 @@ def describe_dispatch(q, k, v, *, causal: bool = False, backend: str = "auto") -
     tiles = plan.tiles
     shape = f"tiles {tiles.block_m}x{tiles.block_n}, {tiles.num_warps} warps, {tiles.num_stages} stages"
     if plan.kernel == "sm90":
-        ctas = "persistent, one CTA per SM" if plan.persistent else "one CTA per query tile"
+        ctas = (f"persistent, one CTA per SM, {plan.q_buffers} Q buffer(s) per consumer" if plan.persistent
+                else "one CTA per query tile")
         why = (f"{requested} the Gluon sm_90 kernel (TMA producer warp, two consumer warpgroups, async wgmma, "
                f"softmax overlapped with P·V; {ctas}); {shape}")
         return Dispatch("hopper", "hopper.fwd_sm90.attention_forward_sm90_kernel", why, tiles.as_dict())
@@ -199,7 +201,9 @@ def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[ForwardPlan | None, 
         if why_not_sm90 is None:
             seqlen_q = q.shape[-2]
             tiles = sm90_forward_tiles(q.shape[-1], causal, seqlen_q)
-            return ForwardPlan("sm90", tiles, persistent=sm90_persistent(causal, seqlen_q)), None
+            persistent = sm90_persistent(causal, seqlen_q)
+            q_buffers = sm90_q_buffers(tiles, q.shape[-1], persistent, device_traits(q.device))
+            return ForwardPlan("sm90", tiles, persistent=persistent, q_buffers=q_buffers), None
         if backend == "hopper":
             raise ValueError(f"backend='hopper' cannot run this call: {why_not_sm90}")
     tiles = forward_tiles(q.shape[-1], q.dtype, causal, device_traits(q.device))
@@ -281,7 +285,7 @@ def _kernel_forward(q, k, v, causal, softmax_scale, plan: ForwardPlan) -> tuple[
         from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90
 
         num_ctas = device_traits(q.device).sm_count if plan.persistent else None
-        attention_forward_sm90(q, k, v, out, lse, causal, softmax_scale, plan.tiles, num_ctas)
+        attention_forward_sm90(q, k, v, out, lse, causal, softmax_scale, plan.tiles, num_ctas, plan.q_buffers)
     else:
         from flashmoe_science.attention.triton_fwd import attention_forward
 

@@ -221,6 +221,7 @@ class ForwardPlan:
     kernel: str
     tiles: AttentionTiles
     persistent: bool = False
+    q_buffers: int = 1  # sm90 only: Q buffers per consumer warpgroup (see sm90_q_buffers)
 
 
 # Measured on an H200 (docs/perf-notes.md, sweeps of 2026-11-21, second session): below these lengths the
@@ -257,6 +258,25 @@ def sm90_forward_tiles(head_dim: int, causal: bool, seqlen_q: int) -> AttentionT
     """
     # cached on the length's class, not the length: ragged workloads would grow a per-length cache without bound
     return _sm90_tiles(padded_head_dim(head_dim), causal, causal and seqlen_q <= SM90_SHORT_CAUSAL_LEN)
+
+
+def sm90_smem_bytes(tiles: AttentionTiles, head_dim: int, q_buffers: int, elem_bytes: int = 2) -> int:
+    """Shared memory of one sm_90 CTA: `q_buffers` Q tiles of block_m rows, the K/V ring, and a kilobyte for the
+    barriers and alignment (the Gluon kernel allocates everything explicitly: no compiler scratch)."""
+    block_d = padded_head_dim(head_dim)
+    q_bytes = q_buffers * tiles.block_m * block_d * elem_bytes
+    kv_bytes = 2 * tiles.num_stages * tiles.block_n * block_d * elem_bytes
+    return q_bytes + kv_bytes + 1024
+
+
+def sm90_q_buffers(tiles: AttentionTiles, head_dim: int, persistent: bool, traits: DeviceTraits) -> int:
+    """Two Q buffers per consumer when a persistent CTA has the shared memory for them: the producer then loads
+    the next work item's Q (and, no longer blocked behind it, its first K/V tiles) while the current item runs.
+    Measured on the H200 (docs/perf-notes.md): +3% at L=512 D=128, +1-2.5% at L<=2048, neutral beyond. Where the
+    second buffer would cost a ring stage (D=128 causal, 3 stages) the stage is worth more; D=256 has no room."""
+    if persistent and sm90_smem_bytes(tiles, head_dim, 2) <= traits.smem_per_block:
+        return 2
+    return 1
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,9 +24,10 @@ through a ring of NUM_STAGES shared-memory stages. Each stage has a "ready" barr
 ahead as far as the ring allows and never sit in a consumer's instruction stream.
 
 Persistent: with `num_ctas` = the SM count, each CTA loops over work items (`_work_tile`: rounds of consecutive
-items, snaking). The producer also loads each item's Q (once both consumers have released the previous one, after
-their last Q·Kᵀ) and keeps the K/V ring position running across items, so the next item's first tiles land while
-the consumers finish the current one's last P·V and epilogue. With `num_ctas=None` each CTA runs one item.
+items, snaking). The producer also loads each item's Q (into one of Q_BUFFERS buffers per consumer, once the
+consumer has released that buffer's previous item after its last Q·Kᵀ) and keeps the K/V ring position running
+across items, so the next item's first tiles land while the consumers finish the current one's last P·V and
+epilogue. With `num_ctas=None` each CTA runs one item.
 """
 
 from __future__ import annotations
@@ -103,8 +104,9 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
               num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k,
               NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr):
     """The producer warp: for each of the CTA's work items, both halves of the Q tile (once the consumers are done
-    with the previous ones), then K and V tiles into the ring as soon as their stage is released. The ring
-    position runs on across work items, so the next item's first tiles land during the current epilogue."""
+    with the buffer's previous item), then K and V tiles into the ring as soon as their stage is released. The
+    ring position runs on across work items, so the next item's first tiles land during the current epilogue;
+    with two Q buffers per consumer the next item's Q does not wait for the current item's last Q·Kᵀ either."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     num_ctas = gl.num_programs(0)
     ring = 0  # K/V tiles issued so far by this CTA
@@ -156,34 +158,13 @@ def _softmax_tile(s, m_i, l_i, start_n, offs_m, seqlen_k, diagonal, full_end, qk
 
 
 @gluon.jit
-def _take_turn(turn_mine, turn, FIRST: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong: wait until the other consumer has issued its products for its previous turn. Consumer 0 goes
-    first (its barrier counts as completed in phase "-1"), then the two strictly alternate."""
-    if PINGPONG:
-        mbarrier.wait(turn_mine, (turn & 1) ^ FIRST)
-
-
-@gluon.jit
-def _end_turn(turn_other, PINGPONG: gl.constexpr):
-    """Ping-pong: this consumer's products are issued; the other consumer may issue its own."""
-    if PINGPONG:
-        mbarrier.arrive(turn_other, count=1)
-
-
-@gluon.jit
-def _attend_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn_mine, turn_other,
-                 O, LSE, stride_ob, stride_oh, stride_om, batch, q_head, num_q_heads, start_m, seqlen_q, seqlen_k,
-                 cta_num_tiles, ring, turn, q_phase, qk_scale,
+def _attend_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                 stride_ob, stride_oh, stride_om, batch, q_head, num_q_heads, start_m, seqlen_q, seqlen_k,
+                 cta_num_tiles, ring, q_phase, qk_scale,
                  HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, FIRST: gl.constexpr, PINGPONG: gl.constexpr):
+                 NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """One consumer's `ROWS` query rows of one work item: Q·Kᵀ, softmax, P·V and the epilogue, waits placed by hand.
-    `ring` is the ring position of the item's first K/V tile; the item streams `cta_num_tiles` of them.
-
-    With PINGPONG the two consumers take turns issuing their tensor-core products (`turn` counts this consumer's
-    turns so far): one consumer's softmax then always runs while the other's products keep the tensor cores busy,
-    instead of both reaching their softmax at once. A turn waits for nothing but the other consumer's issue, and
-    each consumer takes exactly cta_num_tiles + 1 turns per item (one per issue point below, plus one pass per
-    tile it releases unread), so the alternation never waits on data it holds up."""
+    `ring` is the ring position of the item's first K/V tile; the item streams `cta_num_tiles` of them."""
     num_warps: gl.constexpr = 4
     dtype: gl.constexpr = q_smem.dtype
     diagonal = seqlen_k - seqlen_q  # query i sees key j iff j <= i + diagonal
@@ -210,10 +191,8 @@ def _attend_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_e
     # Tile 0: nothing to overlap with yet.
     stage = ring % NUM_STAGES
     mbarrier.wait(k_ready.index(stage), (ring // NUM_STAGES) & 1)
-    _take_turn(turn_mine, turn, FIRST, PINGPONG)
     s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
                       use_acc=False, is_async=True)
-    _end_turn(turn_other, PINGPONG)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(stage), count=1)
     p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, offs_m, seqlen_k, diagonal, full_end, qk_scale,
@@ -223,23 +202,12 @@ def _attend_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_e
         prev = (ring + j - 1) % NUM_STAGES
         stage = (ring + j) % NUM_STAGES
         mbarrier.wait(k_ready.index(stage), ((ring + j) // NUM_STAGES) & 1)
-        if PINGPONG:
-            # Everything but the two issues happens outside the turn.
-            mbarrier.wait(v_ready.index(prev), ((ring + j - 1) // NUM_STAGES) & 1)
-            o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            _take_turn(turn_mine, turn + j, FIRST, PINGPONG)
-            s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
-            o_acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
-            _end_turn(turn_other, PINGPONG)
-        else:
-            s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
-            o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-            mbarrier.wait(v_ready.index(prev), ((ring + j - 1) // NUM_STAGES) & 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            o_acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
+        s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+        o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        mbarrier.wait(v_ready.index(prev), ((ring + j - 1) // NUM_STAGES) & 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o_acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j * BLOCK_N, offs_m, seqlen_k, diagonal, full_end,
@@ -253,9 +221,7 @@ def _attend_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_e
     o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
     mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
-    _take_turn(turn_mine, turn + num_tiles, FIRST, PINGPONG)
     o_acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
-    _end_turn(turn_other, PINGPONG)
     o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
     mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
 
@@ -268,8 +234,6 @@ def _attend_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_e
         mbarrier.arrive(k_empty.index(stage), count=1)
         mbarrier.wait(v_ready.index(stage), phase)
         mbarrier.arrive(v_empty.index(stage), count=1)
-        _take_turn(turn_mine, turn + j + 1, FIRST, PINGPONG)  # the turn this tile's products would have taken
-        _end_turn(turn_other, PINGPONG)
 
     no_key = l_i == 0.0
     l_safe = gl.where(no_key, 1.0, l_i)
@@ -287,29 +251,26 @@ def _attend_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_e
 
 
 @gluon.jit
-def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
-                        O, LSE, stride_ob, stride_oh, stride_om, num_work, num_m_tiles, num_q_heads,
+def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                        stride_ob, stride_oh, stride_om, num_work, num_m_tiles, num_q_heads,
                         group_size, seqlen_q, seqlen_k, qk_scale,
                         CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, Q_BUFFERS: gl.constexpr):
+                        CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr):
     """One consumer warpgroup: its `ROWS`-row half of every work item the CTA owns, in the producer's order."""
     num_ctas = gl.num_programs(0)
     ring = 0  # ring position of the current item's first K/V tile
-    turn = 0  # ping-pong turns this consumer has taken
     for item in range(_num_items(num_work)):
         batch, q_head, _, cta_start_m = _work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size,
                                                    2 * ROWS, CAUSAL)
         cta_num_tiles = _cta_key_tiles(cta_start_m, seqlen_q, seqlen_k, 2 * ROWS, BLOCK_N, CAUSAL)
         q_buf = CONSUMER * Q_BUFFERS + item % Q_BUFFERS
         _attend_tile(q_smems.index(q_buf), k_smem, v_smem, q_ready.index(q_buf), q_empty.index(q_buf),
-                     k_ready, v_ready, k_empty, v_empty, turns.index(CONSUMER), turns.index(1 - CONSUMER),
-                     O, LSE, stride_ob, stride_oh, stride_om,
+                     k_ready, v_ready, k_empty, v_empty, O, LSE, stride_ob, stride_oh, stride_om,
                      batch, q_head, num_q_heads, cta_start_m + CONSUMER * ROWS, seqlen_q, seqlen_k,
-                     cta_num_tiles, ring, turn, (item // Q_BUFFERS) & 1, qk_scale,
-                     HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, 1 - CONSUMER, PINGPONG)
+                     cta_num_tiles, ring, (item // Q_BUFFERS) & 1, qk_scale,
+                     HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL)
         ring += cta_num_tiles
-        turn += cta_num_tiles + 1
 
 
 @gluon.jit
@@ -318,7 +279,7 @@ def attention_forward_sm90_kernel(
     stride_ob, stride_oh, stride_om,
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, num_m_tiles, num_work,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, Q_BUFFERS: gl.constexpr,
+    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr,
 ):
     """Persistent: the CTAs share the num_work = B·Hq·num_m_tiles work items in rounds (see _work_tile)."""
     dtype: gl.constexpr = q_desc.dtype
@@ -334,12 +295,9 @@ def attention_forward_sm90_kernel(
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2 * Q_BUFFERS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)  # each consumer owns its half of the Q tile
-    for i in gl.static_range(2):
-        mbarrier.init(turns.index(i), count=1)  # consumer i's turn: the other consumer arrives once per turn
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -349,14 +307,14 @@ def attention_forward_sm90_kernel(
     upper: gl.constexpr = 0
     lower: gl.constexpr = 1
     gl.warp_specialize([
-        (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
-                               O, LSE, stride_ob, stride_oh, stride_om, num_work, num_m_tiles, num_q_heads,
+        (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                               stride_ob, stride_oh, stride_om, num_work, num_m_tiles, num_q_heads,
                                group_size, seqlen_q, seqlen_k, qk_scale,
-                               upper, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, PINGPONG, Q_BUFFERS)),
-        (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns,
-                               O, LSE, stride_ob, stride_oh, stride_om, num_work, num_m_tiles, num_q_heads,
+                               upper, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS)),
+        (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                               stride_ob, stride_oh, stride_om, num_work, num_m_tiles, num_q_heads,
                                group_size, seqlen_q, seqlen_k, qk_scale,
-                               lower, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, PINGPONG, Q_BUFFERS)),
+                               lower, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS)),
         (_producer, (q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                      k_empty, v_empty, num_work, num_m_tiles, num_q_heads, group_size, seqlen_q,
                      seqlen_k, NUM_STAGES, BLOCK_N, CAUSAL, Q_BUFFERS)),
@@ -378,21 +336,13 @@ def _descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
     return desc
 
 
-def sm90_smem_bytes(tiles, block_d: int, q_buffers: int, elem_bytes: int = 2) -> int:
-    """Shared memory of one CTA: the Q buffers of both consumers, the K/V ring, and a kilobyte for barriers and
-    alignment."""
-    q_bytes = NUM_CONSUMERS * q_buffers * CONSUMER_ROWS * block_d * elem_bytes
-    kv_bytes = 2 * tiles.num_stages * tiles.block_n * block_d * elem_bytes
-    return q_bytes + kv_bytes + 1024
-
-
 def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles, num_ctas: int | None = None,
-                           pingpong: bool = False, q_buffers: int = 1):
+                           q_buffers: int = 1):
     """Launch on checked 4-D bf16/fp16 tensors with TMA-compatible strides (see triton_fwd.tma_compatible).
 
     `num_ctas`: how many CTAs share the work items (one per SM: persistent); None launches one per query tile.
-    `pingpong`: the consumers take turns issuing tensor-core products (see _attend_tile).
-    `q_buffers`: Q buffers per consumer; 2 lets a persistent CTA load the next item's Q during the current item."""
+    `q_buffers`: Q buffers per consumer (tiles.sm90_q_buffers); 2 lets a persistent CTA load the next item's Q
+    during the current item."""
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     block_d = padded_head_dim(head_dim)
     if tiles.block_m != BLOCK_M or tiles.num_warps != 4 * NUM_CONSUMERS:
@@ -406,5 +356,5 @@ def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float
         *out.stride()[:3],
         num_q_heads, num_q_heads // k.shape[1], seqlen_q, k.shape[2], softmax_scale * LOG2_E, num_m_tiles, num_work,
         HEAD_DIM=head_dim, BLOCK_N=tiles.block_n, BLOCK_D=block_d, NUM_STAGES=tiles.num_stages, CAUSAL=causal,
-        PINGPONG=pingpong, Q_BUFFERS=q_buffers, num_warps=4, maxnreg=REGISTER_CAP,
+        Q_BUFFERS=q_buffers, num_warps=4, maxnreg=REGISTER_CAP,
     )
