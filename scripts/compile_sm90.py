@@ -24,7 +24,7 @@ def compile_once(d, bn, stages, causal, dtype=torch.bfloat16, q_buffers=1):
                 v_desc=fwd_sm90._descriptor(q, bn, bd), O=q, LSE=lse, stride_ob=1024 * d, stride_oh=256 * d,
                 stride_om=d, num_q_heads=4, group_size=1, seqlen_q=256, seqlen_k=256, qk_scale=0.1,
                 num_m_tiles=2, num_work=16)
-    consts = dict(HEAD_DIM=d, BLOCK_N=bn, BLOCK_D=bd, NUM_STAGES=stages, CAUSAL=causal, Q_BUFFERS=q_buffers)
+    consts = dict(HEAD_DIM=d, BLOCK_N=bn, BLOCK_D=bd, NUM_STAGES=stages, CAUSAL=causal, Q_BUFFERS=q_buffers, ROW64=False)
     fn = fwd_sm90.attention_forward_sm90_kernel
     names = fn.arg_names
     signature = {n: ("constexpr" if n in consts else mangle_type(args[n])) for n in names}

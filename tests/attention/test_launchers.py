@@ -201,3 +201,15 @@ def test_triton_plan_drops_tma_for_strides_tma_cannot_take(monkeypatch):
     misaligned = torch.randn(1, 2, 64, 65, dtype=torch.bfloat16)[..., 1:]  # base off by 2 bytes, rows of 130 bytes
     plan, _ = api._dispatch(misaligned, misaligned, misaligned, False, "triton")
     assert plan.kernel == "triton" and not plan.tiles.use_tma
+
+
+def test_64bit_rows_only_where_offsets_pass_2_31():
+    from flashmoe_science.attention.triton_fwd import needs_64bit_rows
+
+    def blhd(length, heads=32, d=128):  # a transposed (B, L, H, D) buffer, on the meta device: no memory
+        return torch.empty(1, length, heads, d, device="meta").transpose(1, 2)
+
+    assert not needs_64bit_rows(blhd(524288))  # last row starts at (524288 - 1) * 4096 + 128 < 2**31
+    assert needs_64bit_rows(blhd(524289))
+    assert not needs_64bit_rows(blhd(524289).contiguous())  # row stride D
+    assert needs_64bit_rows(None, blhd(16), blhd(1 << 20)) and not needs_64bit_rows(None)

@@ -256,6 +256,30 @@ def test_bf16_interpreter_dot_is_broken():
     _run(q, k, v)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_64bit_row_offsets_give_the_same_results(monkeypatch, causal):
+    """The ROW64 variant of every Triton kernel (taken for rows past 2**31 elements, see needs_64bit_rows; too
+    large for the interpreter) computes exactly what the 32-bit one does, forward and backward."""
+    import flashmoe_science.attention.triton_bwd as triton_bwd
+    import flashmoe_science.attention.triton_fwd as triton_fwd
+
+    q, k, v = make_qkv((1, 4, 37, 32), (1, 2, 45, 32), torch.float32)
+    grad = randn(1, 4, 37, 32)
+
+    def forward_backward():
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out = flash_attention_science(*leaves, causal=causal, backend="triton", deterministic=True)
+        out.backward(grad)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    narrow = forward_backward()
+    monkeypatch.setattr(triton_fwd, "needs_64bit_rows", lambda *tensors: True)
+    monkeypatch.setattr(triton_bwd, "needs_64bit_rows", lambda *tensors: True)
+    wide = forward_backward()
+    for a, b in zip(narrow, wide):
+        assert torch.equal(a, b)
+
+
 if not IN_INTERPRETER:
     # Not under the interpreter: collect only the driver, which runs every case above in a child process.
     for _name in [n for n in list(globals()) if n.startswith("test_") and n != DRIVER]:

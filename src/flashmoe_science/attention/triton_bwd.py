@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from flashmoe_science.attention.tiles import BackwardTiles, padded_head_dim
-from flashmoe_science.attention.triton_fwd import LOG2_E, _load_tile, dot_precision, key_tile_bounds
+from flashmoe_science.attention.triton_fwd import LOG2_E, _load_tile, dot_precision, key_tile_bounds, needs_64bit_rows
 
 # LOG2_E as a value kernels may read (Triton kernels only see globals wrapped in tl.constexpr).
 LOG2_E_IN_KERNEL = tl.constexpr(LOG2_E)
@@ -69,9 +69,12 @@ def _bwd_preprocess_kernel(
     stride_dob, stride_doh, stride_dom,
     num_q_heads, seqlen_q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQ_ACCUM: tl.constexpr,
+    ROW64: tl.constexpr,
 ):
     """Δ[b, h, i] = Σ_d dO[b, h, i, d] · O[b, h, i, d] in float32; with ZERO_DQ_ACCUM, zeroes the same rows of
     the fused path's dQ workspace (one launch fewer than a separate memset)."""
+    if ROW64:  # row offsets (L-1)·stride_row reach 2**31 elements (e.g. a transposed (B, L, H, D) buffer)
+        stride_om, stride_dom = stride_om.to(tl.int64), stride_dom.to(tl.int64)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = (pid_bh // num_q_heads).to(tl.int64)
@@ -163,8 +166,12 @@ def _bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, FUSE_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, FUSE_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW64: tl.constexpr,
 ):
+    if ROW64:  # row offsets (L-1)·stride_row reach 2**31 elements (e.g. a transposed (B, L, H, D) buffer)
+        stride_qm, stride_kn, stride_vn = stride_qm.to(tl.int64), stride_kn.to(tl.int64), stride_vn.to(tl.int64)
+        stride_dom, stride_dkn = stride_dom.to(tl.int64), stride_dkn.to(tl.int64)
+        stride_dvn = stride_dvn.to(tl.int64)
     pid_n = tl.program_id(0)  # with causal masking the first key tiles are the heaviest: they run first
     pid_bh = tl.program_id(1)
     batch = (pid_bh // num_kv_heads).to(tl.int64)
@@ -268,8 +275,11 @@ def _bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm,
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW64: tl.constexpr,
 ):
+    if ROW64:  # row offsets (L-1)·stride_row reach 2**31 elements (e.g. a transposed (B, L, H, D) buffer)
+        stride_qm, stride_kn, stride_vn = stride_qm.to(tl.int64), stride_kn.to(tl.int64), stride_vn.to(tl.int64)
+        stride_dom, stride_dqm = stride_dom.to(tl.int64), stride_dqm.to(tl.int64)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     if CAUSAL:
@@ -316,9 +326,11 @@ def _bwd_dq_convert_kernel(
     DQ_ACCUM, DQ,
     stride_dqb, stride_dqh, stride_dqm,
     num_q_heads, seqlen_q, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ROW64: tl.constexpr,
 ):
     """dQ = dq_accum · scale: the fused path's float32 (B, Hq, Lq, BLOCK_D) workspace into dQ's dtype and strides."""
+    if ROW64:  # row offsets (L-1)·stride_row reach 2**31 elements (e.g. a transposed (B, L, H, D) buffer)
+        stride_dqm = stride_dqm.to(tl.int64)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = (pid_bh // num_q_heads).to(tl.int64)
@@ -363,12 +375,13 @@ def attention_backward(
     fused = dq is not None and dk is not None and dq_accum is not None
     row_block = max(16, min(128, _ROW_KERNEL_ELEMENTS // block_d))
     row_grid = (triton.cdiv(seqlen_q, row_block), batch * num_q_heads)
+    row64 = needs_64bit_rows(q, k, v, out, grad_out, dq, dk, dv)
     kernels = {}
 
     kernels["preprocess"] = _bwd_preprocess_kernel[row_grid](
         out, grad_out, delta, dq_accum if fused else None, *out.stride()[:3], *grad_out.stride()[:3],
         num_q_heads, seqlen_q, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ZERO_DQ_ACCUM=fused,
-        num_warps=4,
+        ROW64=row64, num_warps=4,
     )
     if dk is not None:
         dkdv_tiles = tiles.fused if fused else tiles.dkdv
@@ -379,13 +392,14 @@ def attention_backward(
             *dk.stride()[:3], *dv.stride()[:3],
             num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dkdv_tiles.block_m, BLOCK_N=dkdv_tiles.block_n,
-            CAUSAL=causal, FUSE_DQ=fused, num_warps=dkdv_tiles.num_warps, num_stages=dkdv_tiles.num_stages,
+            CAUSAL=causal, FUSE_DQ=fused, ROW64=row64, num_warps=dkdv_tiles.num_warps,
+            num_stages=dkdv_tiles.num_stages,
             **dot_precision(q),
         )
     if fused:
         kernels["dq_convert"] = _bwd_dq_convert_kernel[row_grid](
             dq_accum, dq, *dq.stride()[:3], num_q_heads, seqlen_q, softmax_scale,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ROW64=row64, num_warps=4,
         )
     elif dq is not None:
         dq_tiles = tiles.dq
@@ -395,6 +409,7 @@ def attention_backward(
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *dq.stride()[:3],
             num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dq_tiles.block_m, BLOCK_N=dq_tiles.block_n,
-            CAUSAL=causal, num_warps=dq_tiles.num_warps, num_stages=dq_tiles.num_stages, **dot_precision(q),
+            CAUSAL=causal, ROW64=row64, num_warps=dq_tiles.num_warps, num_stages=dq_tiles.num_stages,
+            **dot_precision(q),
         )
     return kernels

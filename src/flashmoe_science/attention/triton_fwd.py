@@ -137,8 +137,11 @@ def _attention_forward_kernel(
     stride_ob, stride_oh, stride_om,
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW64: tl.constexpr,
 ):
+    if ROW64:  # row offsets (L-1)·stride_row reach 2**31 elements (e.g. a transposed (B, L, H, D) buffer)
+        stride_qm, stride_kn = stride_qm.to(tl.int64), stride_kn.to(tl.int64)
+        stride_vn, stride_om = stride_vn.to(tl.int64), stride_om.to(tl.int64)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     if CAUSAL:
@@ -212,6 +215,15 @@ def _tma_descriptor(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDes
     return desc
 
 
+def needs_64bit_rows(*tensors: torch.Tensor | None) -> bool:
+    """Whether a kernel's row offsets (row index × row stride, in elements) can reach 2**31 for these (..., L, D)
+    tensors. The kernels compute them in 32 bits unless told otherwise (ROW64): 64-bit offsets cost registers in
+    the common case, but a transposed (B, L, H, D) buffer has row stride H·D, so H=32, D=128 passes 2**31 at
+    L = 524288. Batch and head offsets are always 64-bit; TMA descriptors address on their own."""
+    return any(t is not None and t.shape[-2] > 1 and (t.shape[-2] - 1) * t.stride(-2) + t.shape[-1] >= 2**31
+               for t in tensors)
+
+
 def tma_compatible(*tensors: torch.Tensor) -> bool:
     """TMA needs a unit last stride, 16-byte aligned base addresses and outer strides (size-1 dims excepted).
 
@@ -243,6 +255,7 @@ def attention_forward(
     common = dict(
         num_q_heads=num_q_heads, group_size=num_q_heads // k.shape[1], seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         qk_scale=qk_scale, HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, USE_TMA=use_tma,
+        ROW64=needs_64bit_rows(q, k, v, out),
     )
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])
 

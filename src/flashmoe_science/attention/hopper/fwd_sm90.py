@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashmoe_science.attention.tiles import padded_head_dim
-from flashmoe_science.attention.triton_fwd import LN_2, LOG2_E, key_tile_bounds, tma_box
+from flashmoe_science.attention.triton_fwd import LN_2, LOG2_E, key_tile_bounds, needs_64bit_rows, tma_box
 
 CONSUMER_ROWS = 64  # rows per consumer warpgroup (4 warps x 16 rows of wgmma)
 NUM_CONSUMERS = 2
@@ -279,9 +279,11 @@ def attention_forward_sm90_kernel(
     stride_ob, stride_oh, stride_om,
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, num_m_tiles, num_work,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr,
+    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, ROW64: gl.constexpr,
 ):
     """Persistent: the CTAs share the num_work = B·Hq·num_m_tiles work items in rounds (see _work_tile)."""
+    if ROW64:  # the output's row offsets reach 2**31 elements (Q, K, V are read through TMA descriptors)
+        stride_om = stride_om.to(gl.int64)
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]  # rows per consumer
 
@@ -356,5 +358,5 @@ def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float
         *out.stride()[:3],
         num_q_heads, num_q_heads // k.shape[1], seqlen_q, k.shape[2], softmax_scale * LOG2_E, num_m_tiles, num_work,
         HEAD_DIM=head_dim, BLOCK_N=tiles.block_n, BLOCK_D=block_d, NUM_STAGES=tiles.num_stages, CAUSAL=causal,
-        Q_BUFFERS=q_buffers, num_warps=4, maxnreg=REGISTER_CAP,
+        Q_BUFFERS=q_buffers, ROW64=needs_64bit_rows(out), num_warps=4, maxnreg=REGISTER_CAP,
     )
