@@ -272,8 +272,9 @@ def sm90_smem_bytes(tiles: AttentionTiles, head_dim: int, q_buffers: int, elem_b
 def sm90_q_buffers(tiles: AttentionTiles, head_dim: int, persistent: bool, traits: DeviceTraits) -> int:
     """Two Q buffers per consumer when a persistent CTA has the shared memory for them: the producer then loads
     the next work item's Q (and, no longer blocked behind it, its first K/V tiles) while the current item runs.
-    Measured on the H200 (docs/perf-notes.md): +3% at L=512 D=128, +1-2.5% at L<=2048, neutral beyond. Where the
-    second buffer would cost a ring stage (D=128 causal, 3 stages) the stage is worth more; D=256 has no room."""
+    Measured on the H200 (docs/perf-notes.md): +3% at L=512 D=128, +1-2.5% at L<=2048, neutral beyond. Where it
+    would cost a ring stage (D=128 causal, 3 stages) the trade measured even, so the plan's ring stays; D=256 has
+    no room."""
     if persistent and sm90_smem_bytes(tiles, head_dim, 2) <= traits.smem_per_block:
         return 2
     return 1
