@@ -1,7 +1,9 @@
-"""A/B of the sm_90 forward with one or two Q buffers per consumer, beside cuDNN, at the tiles and persistence the
-library picks for each shape (two buffers with one ring stage fewer where that is what fits). The variants do the
-same arithmetic in the same order per row, so at equal tiles their outputs must match bit for bit; all are also
-checked against SDPA (max abs error). (Session 3 also A/B'd a consumer ping-pong here: docs/perf-notes.md.)
+"""A/B of the sm_90 forward with and without cross-item overlap (the next work item's first Q·Kᵀ and softmax run
+under the current item's last P·V), beside cuDNN and our Triton kernel, at the tiles, persistence and Q buffering the
+library picks for each shape; short causal rows (two ring stages) also with a third stage, which cross-item overlap
+needs there. The variants do the same arithmetic in the same order per row, so their outputs must match bit for
+bit; all are also checked against SDPA (max abs error). (Session 3 A/B'd Q buffering and a consumer ping-pong here,
+session 4 half of exp2 on the FMA pipe.)
 
     PYTHONPATH=src python scripts/ab_fwd_sm90.py [--cases BxHxLxD,...] [--out DIR]
 """
@@ -16,48 +18,59 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flashmoe_science import flash_attention_science
 from flashmoe_science.attention.hopper import fwd_sm90
-from flashmoe_science.attention.tiles import device_traits, sm90_forward_tiles, sm90_persistent, sm90_smem_bytes
+from flashmoe_science.attention.tiles import (device_traits, sm90_forward_tiles, sm90_persistent, sm90_q_buffers,
+                                              sm90_smem_bytes)
 from flashmoe_science.bench.attention import AttentionShape, attention_flops, cuda_median_ms
 
-CASES = ("32x16x512x128,16x16x1024x128,8x16x2048x128,2x16x8192x128,32x32x512x64,16x32x1024x64,4x32x4096x64,"
-         "32x8x512x256,8x8x2048x256")
+CASES = ("32x32x512x64,16x32x1024x64,8x32x2048x64,4x32x4096x64,4x8x4096x64,32x16x512x128,16x16x1024x128,"
+         "4x16x4096x128,32x8x512x256")
 
 
-def check_ragged(traits, limit):
-    """Lq != Lk, odd lengths, GQA, both persistence modes: two Q buffers must equal one bit for bit."""
-    for causal in (False, True):
-        for lq, lk in ((1000, 1000), (300, 777), (777, 300), (129, 4097)):
-            q = torch.randn(2, 8, lq, 128, device="cuda", dtype=torch.bfloat16)
-            k, v = (torch.randn(2, 2, lk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-            tiles = sm90_forward_tiles(128, causal, lq)
-            for ctas in (None, 7, traits.sm_count):
-                outs = []
-                for qbuf in (1, 2):
-                    if sm90_smem_bytes(tiles, 128, qbuf) > limit:
-                        continue
-                    out = torch.full_like(q, float("nan"))
-                    lse = torch.empty(q.shape[:3], device="cuda")
-                    fwd_sm90.attention_forward_sm90(q, k, v, out, lse, causal, 128**-0.5, tiles, num_ctas=ctas,
-                                                    q_buffers=qbuf)
-                    outs.append((out, lse))
-                torch.cuda.synchronize()
-                same = all(torch.equal(outs[0][0], o) and torch.equal(outs[0][1], lse) for o, lse in outs[1:])
-                print(f"ragged Lq{lq} Lk{lk} causal={causal} ctas={ctas}: {len(outs)} variants identical={same}",
-                      flush=True)
-                assert same
+def run_sm90(q, k, v, causal, tiles, ctas, qbuf, cross):
+    out = torch.full_like(q, float("nan"))
+    lse = torch.empty(q.shape[:3], device="cuda")
+    fwd_sm90.attention_forward_sm90(q, k, v, out, lse, causal, q.shape[-1] ** -0.5, tiles, num_ctas=ctas,
+                                    q_buffers=qbuf, cross_item=cross)
+    return out, lse
 
 
-def variants(tiles, d, persistent, limit):
-    """(name, tiles, q_buffers): the plan's tiles with one Q buffer, and with two (with one ring stage fewer if that
-    is what makes it fit)."""
-    out = [("qbuf1", tiles, 1)]
-    if persistent:
-        for stages in range(tiles.num_stages, 1, -1):
-            t2 = dataclasses.replace(tiles, num_stages=stages)
-            if sm90_smem_bytes(t2, d, 2) <= limit:
-                out.append((f"qbuf2-s{stages}", t2, 2))
-                break
+def check_ragged(traits):
+    """Lq != Lk, odd lengths, GQA, uneven shares of items per CTA: cross-item overlap must equal the plain kernel
+    bit for bit."""
+    for d in (64, 128):
+        for causal in (False, True):
+            for lq, lk in ((1000, 1000), (300, 777), (777, 300), (129, 4097), (4097, 129)):
+                q = torch.randn(2, 8, lq, d, device="cuda", dtype=torch.bfloat16)
+                k, v = (torch.randn(2, 2, lk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+                tiles = sm90_forward_tiles(d, causal, lq)
+                if not fwd_sm90.cross_item_allowed(causal, tiles.num_stages):
+                    tiles = dataclasses.replace(tiles, num_stages=3)
+                for ctas in (7, 64, traits.sm_count):
+                    qbuf = sm90_q_buffers(tiles, d, True, traits)
+                    plain = run_sm90(q, k, v, causal, tiles, ctas, qbuf, False)
+                    cross = run_sm90(q, k, v, causal, tiles, ctas, qbuf, True)
+                    torch.cuda.synchronize()
+                    same = torch.equal(plain[0], cross[0]) and torch.equal(plain[1], cross[1])
+                    print(f"ragged D{d} Lq{lq} Lk{lk} causal={causal} ctas={ctas} s{tiles.num_stages} qbuf{qbuf}: "
+                          f"identical={same}", flush=True)
+                    assert same
+
+
+def variants(tiles, causal, d, persistent, traits):
+    """(name, tiles, q_buffers, cross_item): the plan's kernel, with cross-item overlap, and for two-stage causal
+    plans the same with a third stage (plain and overlapped)."""
+    qbuf = sm90_q_buffers(tiles, d, persistent, traits)
+    out = [("plan", tiles, qbuf, False)]
+    if not persistent:
+        return out
+    if fwd_sm90.cross_item_allowed(causal, tiles.num_stages):
+        out.append(("cross", tiles, qbuf, True))
+    else:
+        t3 = dataclasses.replace(tiles, num_stages=3)
+        if sm90_smem_bytes(t3, d, qbuf) <= traits.smem_per_block:
+            out += [("s3", t3, qbuf, False), ("s3-cross", t3, qbuf, True)]
     return out
 
 
@@ -65,10 +78,11 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cases", default=CASES)
     p.add_argument("--out", default=".")
+    p.add_argument("--skip-ragged", action="store_true")
     a = p.parse_args()
     traits = device_traits(torch.device("cuda"))
-    limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
-    check_ragged(traits, limit)
+    if not a.skip_ragged:
+        check_ragged(traits)
     rows = []
     for case in a.cases.split(","):
         b, h, length, d = map(int, case.split("x"))
@@ -78,31 +92,30 @@ def main():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 cudnn = fl / cuda_median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)) / 1e9
                 ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            triton_tf = fl / cuda_median_ms(lambda: flash_attention_science(q, k, v, causal=causal,
+                                                                            backend="triton")) / 1e9
             tiles = sm90_forward_tiles(d, causal, length)
             ctas = traits.sm_count if sm90_persistent(causal, length) else None
-            row = {"B": b, "H": h, "L": length, "D": d, "causal": causal, "cudnn": cudnn, "tiles": tiles.as_dict(),
-                   "persistent": ctas is not None}
+            row = {"B": b, "H": h, "L": length, "D": d, "causal": causal, "cudnn": cudnn, "triton": triton_tf,
+                   "tiles": tiles.as_dict(), "persistent": ctas is not None}
             outs = []
             line = []
-            for name, vt, qbuf in variants(tiles, d, ctas is not None, limit):
-                out = torch.empty_like(q)
-                lse = torch.empty(q.shape[:3], device="cuda")
+            for name, vt, qbuf, cross in variants(tiles, causal, d, ctas is not None, traits):
+                out, lse = run_sm90(q, k, v, causal, vt, ctas, qbuf, cross)
 
-                def fn():
+                def fn():  # into the same buffers: no allocation or fill in the timed call
                     fwd_sm90.attention_forward_sm90(q, k, v, out, lse, causal, d**-0.5, vt, num_ctas=ctas,
-                                                    q_buffers=qbuf)
-                fn()
+                                                    q_buffers=qbuf, cross_item=cross)
                 tf = fl / cuda_median_ms(fn) / 1e9
                 err = (out.float() - ref.float()).abs().max().item()
-                row[name] = {"tflops": tf, "err": err, "stages": vt.num_stages}
+                row[name] = {"tflops": tf, "err": err, "stages": vt.num_stages, "q_buffers": qbuf, "cross": cross}
                 line.append(f"{name} {tf:.0f} ({tf / cudnn:.3f}) err{err:.1e}")
-                if vt.num_stages == tiles.num_stages:
-                    outs.append(out)
+                outs.append(out)
             row["identical"] = all(torch.equal(outs[0], o) for o in outs[1:])
             rows.append(row)
             print(f"B{b} H{h} L{length} D{d} causal={int(causal)} 128x{tiles.block_n} s{tiles.num_stages} "
-                  f"pers={int(ctas is not None)}: cudnn {cudnn:.0f} | " + " | ".join(line)
-                  + f" | identical={row['identical']}", flush=True)
+                  f"pers={int(ctas is not None)}: cudnn {cudnn:.0f} | triton {triton_tf:.0f} ({triton_tf / cudnn:.3f})"
+                  f" | " + " | ".join(line) + f" | identical={row['identical']}", flush=True)
     with open(os.path.join(a.out, "ab_fwd_sm90.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
 

@@ -124,12 +124,14 @@ def test_every_element_written(use_tma, head_dim):
     _assert_close_to_float64(out, q, k, v, True, head_dim**-0.5, torch.bfloat16)
 
 
+@pytest.mark.parametrize("cross_item", [False, True])
 @pytest.mark.parametrize("q_buffers", [1, 2])
 @pytest.mark.parametrize("num_ctas", [None, 1, 7, 132])
 @pytest.mark.parametrize("block_n,causal", [(128, False), (64, True), (128, True)])
-def test_sm90_work_sharing(num_ctas, block_n, causal, q_buffers):
+def test_sm90_work_sharing(num_ctas, block_n, causal, q_buffers, cross_item):
     """The sm_90 kernel with any number of CTAs sharing the work items (None: one per query tile; 7: partial,
-    snaking rounds), one or two Q buffers per consumer, GQA, Lq > Lk and ragged tails, NaN-poisoned outputs."""
+    snaking rounds), one or two Q buffers per consumer, consecutive items overlapped or not (three ring stages
+    where causal overlap needs them), GQA, Lq > Lk and ragged tails, NaN-poisoned outputs."""
     if not device_traits(torch.device("cuda")).is_hopper:
         pytest.skip("needs a Hopper GPU")
     from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90
@@ -137,8 +139,8 @@ def test_sm90_work_sharing(num_ctas, block_n, causal, q_buffers):
     q, k, v = _inputs(3, 4, 2, 700, 333, 128, torch.bfloat16)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-    tiles = AttentionTiles(128, block_n, 8, 2, use_tma=True)
-    attention_forward_sm90(q, k, v, out, lse, causal, 128**-0.5, tiles, num_ctas, q_buffers)
+    tiles = AttentionTiles(128, block_n, 8, 3 if cross_item and causal else 2, use_tma=True)
+    attention_forward_sm90(q, k, v, out, lse, causal, 128**-0.5, tiles, num_ctas, q_buffers, cross_item)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     _assert_close_to_float64(out, q, k, v, causal, 128**-0.5, torch.bfloat16)
     _, ref_lse = attention_reference(q.double(), k.double(), v.double(), causal, 128**-0.5)

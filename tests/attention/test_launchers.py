@@ -91,6 +91,23 @@ def test_fp32_launch_asks_for_3xtf32(monkeypatch):
     assert kernel.launches[0][2]["DOT_PRECISION"] == "tf32x3"
 
 
+def test_sm90_cross_item_refuses_a_deadlocking_ring(monkeypatch):
+    """Overlapping work items with causal masking needs three ring stages (see fwd_sm90._attention_consumer)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashmoe_science.attention.hopper import fwd_sm90
+
+    kernel = _RecordingKernel()
+    monkeypatch.setattr(fwd_sm90, "attention_forward_sm90_kernel", kernel)
+    q = _blhd(2, 8, 300, 64)
+    out, lse = torch.empty_like(q), torch.empty(2, 8, 300)
+    two, three = AttentionTiles(128, 64, 8, 2, use_tma=True), AttentionTiles(128, 64, 8, 3, use_tma=True)
+    with pytest.raises(ValueError, match="cross_item"):
+        fwd_sm90.attention_forward_sm90(q, q, q, out, lse, True, 0.125, two, num_ctas=132, cross_item=True)
+    fwd_sm90.attention_forward_sm90(q, q, q, out, lse, True, 0.125, three, num_ctas=132, cross_item=True)
+    fwd_sm90.attention_forward_sm90(q, q, q, out, lse, False, 0.125, two, num_ctas=132, cross_item=True)
+    assert [launch[2]["CROSS_ITEM"] for launch in kernel.launches] == [True, True]
+
+
 @pytest.mark.parametrize("head_dim,causal", [(80, True), (128, False), (192, True), (256, False)])
 def test_sm90_launcher(monkeypatch, head_dim, causal):
     gluon = pytest.importorskip("triton.experimental.gluon")

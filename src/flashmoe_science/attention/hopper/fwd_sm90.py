@@ -158,46 +158,39 @@ def _softmax_tile(s, m_i, l_i, start_n, offs_m, seqlen_k, diagonal, full_end, qk
 
 
 @gluon.jit
-def _attend_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
-                 stride_ob, stride_oh, stride_om, batch, q_head, num_q_heads, start_m, seqlen_q, seqlen_k,
-                 cta_num_tiles, ring, q_phase, qk_scale,
-                 HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """One consumer's `ROWS` query rows of one work item: Q·Kᵀ, softmax, P·V and the epilogue, waits placed by hand.
-    `ring` is the ring position of the item's first K/V tile; the item streams `cta_num_tiles` of them."""
-    num_warps: gl.constexpr = 4
-    dtype: gl.constexpr = q_smem.dtype
-    diagonal = seqlen_k - seqlen_q  # query i sees key j iff j <= i + diagonal
-    full_end, key_end = key_tile_bounds(start_m, seqlen_k, diagonal, ROWS, BLOCK_N, CAUSAL)
-    # Causal: the upper consumer sees fewer key tiles than the CTA streams (at least one: see _cta_key_tiles).
-    num_tiles = gl.minimum(gl.maximum(gl.cdiv(key_end, BLOCK_N), 1), cta_num_tiles)
-    # wgmma layouts: warps stacked along the rows (16 rows each); instruction N = the full tile width.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k,
+                   CONSUMER: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """This consumer's share of the CTA's item-th work item: (batch, query head, first row, key tiles the CTA
+    streams, key tiles this consumer multiplies, end of the unmasked key tiles)."""
+    batch, q_head, _, cta_start_m = _work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size, 2 * ROWS,
+                                               CAUSAL)
+    cta_tiles = _cta_key_tiles(cta_start_m, seqlen_q, seqlen_k, 2 * ROWS, BLOCK_N, CAUSAL)
+    start_m = cta_start_m + CONSUMER * ROWS
+    full_end, key_end = key_tile_bounds(start_m, seqlen_k, seqlen_k - seqlen_q, ROWS, BLOCK_N, CAUSAL)
+    # Causal: the upper consumer sees fewer key tiles than the CTA streams (at most one fewer: the two halves are
+    # ROWS <= BLOCK_N rows apart), and at least one (see _cta_key_tiles).
+    num_tiles = gl.minimum(gl.maximum(gl.cdiv(key_end, BLOCK_N), 1), cta_tiles)
+    return batch, q_head, start_m, cta_tiles, num_tiles, full_end
 
-    q_tile = q_smem.reshape([ROWS, BLOCK_D])
-    offs_m = start_m + gl.arange(0, ROWS, layout=s_rows)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
-    l_i = gl.zeros([ROWS], gl.float32, layout=s_rows)
-    o_acc = gl.zeros([ROWS, BLOCK_D], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+
+@gluon.jit
+def _issue_first_scores(q_tile, q_ready, q_phase, k_smem, k_ready, ring, s_zero,
+                        BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """S_0 = Q·K_0ᵀ of a work item, issued asynchronously once its Q and first K tile have landed."""
     mbarrier.wait(q_ready, q_phase)
-
-    # Tile 0: nothing to overlap with yet.
     stage = ring % NUM_STAGES
     mbarrier.wait(k_ready.index(stage), (ring // NUM_STAGES) & 1)
-    s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
-                      use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s,))
-    mbarrier.arrive(k_empty.index(stage), count=1)
-    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, offs_m, seqlen_k, diagonal, full_end, qk_scale,
-                                       BLOCK_N, CAUSAL, s_layout)
+    return warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
+                         use_acc=False, is_async=True)
 
+
+@gluon.jit
+def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring, num_tiles, p, m_i, l_i, alpha,
+               o_acc, s_zero, offs_m, seqlen_k, diagonal, full_end, qk_scale,
+               BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+               s_layout: gl.constexpr, o_rows: gl.constexpr, p_layout: gl.constexpr):
+    """Key tiles 1..num_tiles-1 of a work item whose tile 0 is in (p, m_i, l_i, alpha); see the module docstring.
+    Returns the state after the last tile's softmax (its P·V is left to the caller)."""
     for j in range(1, num_tiles):
         prev = (ring + j - 1) % NUM_STAGES
         stage = (ring + j) % NUM_STAGES
@@ -206,7 +199,7 @@ def _attend_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_e
                           use_acc=False, is_async=True)
         o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         mbarrier.wait(v_ready.index(prev), ((ring + j - 1) // NUM_STAGES) & 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        p_op = gl.convert_layout(p.to(q_tile.dtype), p_layout)
         o_acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
@@ -214,27 +207,41 @@ def _attend_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_e
                                            qk_scale, BLOCK_N, CAUSAL, s_layout)
         o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
-    # Every Q·Kᵀ has completed: the producer may load the next item's Q during this item's last P·V and epilogue.
-    mbarrier.arrive(q_empty, count=1)
+    return p, m_i, l_i, alpha, o_acc
 
-    last = ring + num_tiles - 1
+
+@gluon.jit
+def _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last,
+                   BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   o_rows: gl.constexpr, p_layout: gl.constexpr):
+    """The item's last O += P·V, issued asynchronously (returns the pending accumulator and its P operand)."""
     o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
     mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     o_acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
-    o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
-    mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
+    return o_acc, p_op
 
-    # Tiles the other consumer still needs: release each stage in order, once its copy has landed, so the two
-    # arrivals on an "empty" barrier always belong to the same tile.
-    for j in range(num_tiles, cta_num_tiles):
-        stage = (ring + j) % NUM_STAGES
-        phase = ((ring + j) // NUM_STAGES) & 1
+
+@gluon.jit
+def _release_unused(k_ready, v_ready, k_empty, v_empty, first, end, NUM_STAGES: gl.constexpr):
+    """Ring positions [first, end): tiles the other consumer still needs. Release each stage in order, once its copy
+    has landed, so the two arrivals on an "empty" barrier always belong to the same tile."""
+    for r in range(first, end):
+        stage = r % NUM_STAGES
+        phase = (r // NUM_STAGES) & 1
         mbarrier.wait(k_ready.index(stage), phase)
         mbarrier.arrive(k_empty.index(stage), count=1)
         mbarrier.wait(v_ready.index(stage), phase)
         mbarrier.arrive(v_empty.index(stage), count=1)
 
+
+@gluon.jit
+def _store_output(o_acc, m_i, l_i, O, LSE, stride_ob, stride_oh, stride_om, batch, q_head, num_q_heads, start_m,
+                  seqlen_q, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_D: gl.constexpr,
+                  s_rows: gl.constexpr, o_layout: gl.constexpr):
+    """Normalise and store this consumer's rows of O, and their log-sum-exp (natural log; -inf where no key)."""
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    offs_m = start_m + gl.arange(0, ROWS, layout=s_rows)
     no_key = l_i == 0.0
     l_safe = gl.where(no_key, 1.0, l_i)
     lse = gl.where(no_key, float("-inf"), (m_i + gl.log2(l_safe)) * LN_2)
@@ -247,7 +254,7 @@ def _attend_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_e
     o_ptrs = (O + batch.to(gl.int64) * stride_ob + q_head.to(gl.int64) * stride_oh
               + gl.expand_dims(rows, 1) * stride_om + gl.expand_dims(cols, 0))
     mask = gl.expand_dims(rows < seqlen_q, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
-    gl.store(o_ptrs, out.to(dtype), mask=mask)
+    gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -256,21 +263,111 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                         group_size, seqlen_q, seqlen_k, qk_scale,
                         CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr):
-    """One consumer warpgroup: its `ROWS`-row half of every work item the CTA owns, in the producer's order."""
+                        CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr):
+    """One consumer warpgroup: its `ROWS`-row half of every work item the CTA owns, in the producer's order.
+
+    With CROSS_ITEM the items overlap: the next item's S_0 = Q·K_0ᵀ is issued before the current item's last P·V,
+    and its softmax runs while that product does, so an item boundary costs no more tensor-core idle time than
+    any other key tile; the current item's epilogue follows. This needs the next item's K_0 to be loadable before
+    this consumer's last P·V completes: K_0 reuses the ring stage of tile `last + 1 + unused - NUM_STAGES`, which
+    is released already unless NUM_STAGES <= 1 + unused (unused: causal tiles only the other consumer needs, at
+    most one), hence the caller's rule (non-causal, or three stages)."""
+    num_warps: gl.constexpr = 4
+    # wgmma layouts: warps stacked along the rows (16 rows each); instruction N = the full tile width.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     num_ctas = gl.num_programs(0)
+    num_items = _num_items(num_work)
+    diagonal = seqlen_k - seqlen_q  # query i sees key j iff j <= i + diagonal
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    o_zero = gl.zeros([ROWS, BLOCK_D], gl.float32, layout=o_layout)
+    m_init = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
+    l_init = gl.zeros([ROWS], gl.float32, layout=s_rows)
+
+    # The first item's tile 0: nothing to overlap with yet.
     ring = 0  # ring position of the current item's first K/V tile
-    for item in range(_num_items(num_work)):
-        batch, q_head, _, cta_start_m = _work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size,
-                                                   2 * ROWS, CAUSAL)
-        cta_num_tiles = _cta_key_tiles(cta_start_m, seqlen_q, seqlen_k, 2 * ROWS, BLOCK_N, CAUSAL)
+    batch, q_head, start_m, cta_tiles, num_tiles, full_end = _consumer_item(
+        0, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, CONSUMER, ROWS, BLOCK_N, CAUSAL)
+    q_buf = CONSUMER * Q_BUFFERS
+    s = _issue_first_scores(q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), q_ready.index(q_buf), 0, k_smem,
+                            k_ready, ring, s_zero, BLOCK_N, BLOCK_D, NUM_STAGES)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    mbarrier.arrive(k_empty.index(ring % NUM_STAGES), count=1)
+    offs_m = start_m + gl.arange(0, ROWS, layout=s_rows)
+    p, m_i, l_i, alpha = _softmax_tile(s, m_init, l_init, 0, offs_m, seqlen_k, diagonal, full_end, qk_scale,
+                                       BLOCK_N, CAUSAL, s_layout)
+    o_acc = o_zero
+
+    for item in range(num_items - 1):
         q_buf = CONSUMER * Q_BUFFERS + item % Q_BUFFERS
-        _attend_tile(q_smems.index(q_buf), k_smem, v_smem, q_ready.index(q_buf), q_empty.index(q_buf),
-                     k_ready, v_ready, k_empty, v_empty, O, LSE, stride_ob, stride_oh, stride_om,
-                     batch, q_head, num_q_heads, cta_start_m + CONSUMER * ROWS, seqlen_q, seqlen_k,
-                     cta_num_tiles, ring, (item // Q_BUFFERS) & 1, qk_scale,
-                     HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL)
-        ring += cta_num_tiles
+        p, m_i, l_i, alpha, o_acc = _key_tiles(
+            q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
+            num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, seqlen_k, diagonal, full_end, qk_scale,
+            BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, s_layout, o_rows, p_layout)
+        # Every Q·Kᵀ of the item has completed: the producer may load the item after next's Q into this buffer.
+        mbarrier.arrive(q_empty.index(q_buf), count=1)
+        last = ring + num_tiles - 1
+        next_ring = ring + cta_tiles
+        next_buf = CONSUMER * Q_BUFFERS + (item + 1) % Q_BUFFERS
+        next_q = q_smems.index(next_buf).reshape([ROWS, BLOCK_D])
+        n_batch, n_q_head, n_start_m, n_cta_tiles, n_num_tiles, n_full_end = _consumer_item(
+            item + 1, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, CONSUMER, ROWS, BLOCK_N,
+            CAUSAL)
+        n_offs_m = n_start_m + gl.arange(0, ROWS, layout=s_rows)
+        if CROSS_ITEM:
+            s = _issue_first_scores(next_q, q_ready.index(next_buf), ((item + 1) // Q_BUFFERS) & 1, k_smem, k_ready,
+                                    next_ring, s_zero, BLOCK_N, BLOCK_D, NUM_STAGES)
+            o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
+                                         p_layout)
+            s = warpgroup_mma_wait(1, deps=(s,))  # the next item's S_0 is done; this item's last P·V may still run
+            mbarrier.arrive(k_empty.index(next_ring % NUM_STAGES), count=1)
+            p, m_next, l_next, alpha = _softmax_tile(s, m_init, l_init, 0, n_offs_m, seqlen_k, diagonal, n_full_end,
+                                                     qk_scale, BLOCK_N, CAUSAL, s_layout)
+            o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
+            mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
+            _release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
+            _store_output(o_acc, m_i, l_i, O, LSE, stride_ob, stride_oh, stride_om, batch, q_head, num_q_heads,
+                          start_m, seqlen_q, HEAD_DIM, ROWS, BLOCK_D, s_rows, o_layout)
+        else:
+            o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
+                                         p_layout)
+            o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
+            mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
+            _release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
+            _store_output(o_acc, m_i, l_i, O, LSE, stride_ob, stride_oh, stride_om, batch, q_head, num_q_heads,
+                          start_m, seqlen_q, HEAD_DIM, ROWS, BLOCK_D, s_rows, o_layout)
+            s = _issue_first_scores(next_q, q_ready.index(next_buf), ((item + 1) // Q_BUFFERS) & 1, k_smem, k_ready,
+                                    next_ring, s_zero, BLOCK_N, BLOCK_D, NUM_STAGES)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            mbarrier.arrive(k_empty.index(next_ring % NUM_STAGES), count=1)
+            p, m_next, l_next, alpha = _softmax_tile(s, m_init, l_init, 0, n_offs_m, seqlen_k, diagonal, n_full_end,
+                                                     qk_scale, BLOCK_N, CAUSAL, s_layout)
+        m_i, l_i, o_acc = m_next, l_next, o_zero
+        batch, q_head, start_m, cta_tiles, num_tiles, full_end = (n_batch, n_q_head, n_start_m, n_cta_tiles,
+                                                                  n_num_tiles, n_full_end)
+        offs_m = n_offs_m
+        ring = next_ring
+
+    # The last item: nothing left to overlap its last P·V with.
+    q_buf = CONSUMER * Q_BUFFERS + (num_items - 1) % Q_BUFFERS
+    p, m_i, l_i, alpha, o_acc = _key_tiles(
+        q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
+        num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, seqlen_k, diagonal, full_end, qk_scale,
+        BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, s_layout, o_rows, p_layout)
+    mbarrier.arrive(q_empty.index(q_buf), count=1)
+    last = ring + num_tiles - 1
+    o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
+                                 p_layout)
+    o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
+    mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
+    _release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, ring + cta_tiles, NUM_STAGES)
+    _store_output(o_acc, m_i, l_i, O, LSE, stride_ob, stride_oh, stride_om, batch, q_head, num_q_heads, start_m,
+                  seqlen_q, HEAD_DIM, ROWS, BLOCK_D, s_rows, o_layout)
 
 
 @gluon.jit
@@ -279,7 +376,8 @@ def attention_forward_sm90_kernel(
     stride_ob, stride_oh, stride_om,
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, num_m_tiles, num_work,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, ROW64: gl.constexpr,
+    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
+    ROW64: gl.constexpr,
 ):
     """Persistent: the CTAs share the num_work = B·Hq·num_m_tiles work items in rounds (see _work_tile)."""
     if ROW64:  # the output's row offsets reach 2**31 elements (Q, K, V are read through TMA descriptors)
@@ -312,15 +410,21 @@ def attention_forward_sm90_kernel(
         (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
                                stride_ob, stride_oh, stride_om, num_work, num_m_tiles, num_q_heads,
                                group_size, seqlen_q, seqlen_k, qk_scale,
-                               upper, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS)),
+                               upper, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM)),
         (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
                                stride_ob, stride_oh, stride_om, num_work, num_m_tiles, num_q_heads,
                                group_size, seqlen_q, seqlen_k, qk_scale,
-                               lower, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS)),
+                               lower, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM)),
         (_producer, (q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                      k_empty, v_empty, num_work, num_m_tiles, num_q_heads, group_size, seqlen_q,
                      seqlen_k, NUM_STAGES, BLOCK_N, CAUSAL, Q_BUFFERS)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+
+
+def cross_item_allowed(causal: bool, num_stages: int) -> bool:
+    """Whether consumers may issue the next item's first Q·Kᵀ before their last P·V completes without a deadlock:
+    see _attention_consumer (a causal consumer may skip one of the CTA's key tiles)."""
+    return not causal or num_stages >= 3
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -339,13 +443,16 @@ def _descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
 
 
 def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles, num_ctas: int | None = None,
-                           q_buffers: int = 1):
+                           q_buffers: int = 1, cross_item: bool = False):
     """Launch on checked 4-D bf16/fp16 tensors with TMA-compatible strides (see triton_fwd.tma_compatible).
 
     `num_ctas`: how many CTAs share the work items (one per SM: persistent); None launches one per query tile.
     `q_buffers`: Q buffers per consumer (tiles.sm90_q_buffers); 2 lets a persistent CTA load the next item's Q
-    during the current item."""
+    during the current item. `cross_item`: overlap consecutive work items (see _attention_consumer); needs
+    `cross_item_allowed`."""
     batch, num_q_heads, seqlen_q, head_dim = q.shape
+    if cross_item and not cross_item_allowed(causal, tiles.num_stages):
+        raise ValueError(f"cross_item needs a non-causal call or three ring stages, got {tiles}")
     block_d = padded_head_dim(head_dim)
     if tiles.block_m != BLOCK_M or tiles.num_warps != 4 * NUM_CONSUMERS:
         raise ValueError(f"the sm_90 kernel runs {BLOCK_M}-row tiles on {4 * NUM_CONSUMERS} warps, got {tiles}")
@@ -358,5 +465,5 @@ def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float
         *out.stride()[:3],
         num_q_heads, num_q_heads // k.shape[1], seqlen_q, k.shape[2], softmax_scale * LOG2_E, num_m_tiles, num_work,
         HEAD_DIM=head_dim, BLOCK_N=tiles.block_n, BLOCK_D=block_d, NUM_STAGES=tiles.num_stages, CAUSAL=causal,
-        Q_BUFFERS=q_buffers, ROW64=needs_64bit_rows(out), num_warps=4, maxnreg=REGISTER_CAP,
+        Q_BUFFERS=q_buffers, CROSS_ITEM=cross_item, ROW64=needs_64bit_rows(out), num_warps=4, maxnreg=REGISTER_CAP,
     )
