@@ -20,8 +20,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashmoe_science import flash_attention_science
 from flashmoe_science.attention.hopper import fwd_sm90
-from flashmoe_science.attention.tiles import (device_traits, sm90_forward_tiles, sm90_persistent, sm90_q_buffers,
-                                              sm90_smem_bytes)
+from flashmoe_science.attention.tiles import (device_traits, sm90_cross_item_safe, sm90_forward_tiles,
+                                              sm90_persistent, sm90_q_buffers, sm90_smem_bytes)
 from flashmoe_science.bench.attention import AttentionShape, attention_flops, cuda_median_ms
 
 CASES = ("32x32x512x64,16x32x1024x64,8x32x2048x64,4x32x4096x64,4x8x4096x64,32x16x512x128,16x16x1024x128,"
@@ -45,7 +45,7 @@ def check_ragged(traits):
                 q = torch.randn(2, 8, lq, d, device="cuda", dtype=torch.bfloat16)
                 k, v = (torch.randn(2, 2, lk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
                 tiles = sm90_forward_tiles(d, causal, lq)
-                if not fwd_sm90.cross_item_allowed(causal, tiles.num_stages):
+                if not sm90_cross_item_safe(causal, tiles.num_stages):
                     tiles = dataclasses.replace(tiles, num_stages=3)
                 for ctas in (7, 64, traits.sm_count):
                     qbuf = sm90_q_buffers(tiles, d, True, traits)
@@ -65,7 +65,7 @@ def variants(tiles, causal, d, persistent, traits):
     out = [("plan", tiles, qbuf, False)]
     if not persistent:
         return out
-    if fwd_sm90.cross_item_allowed(causal, tiles.num_stages):
+    if sm90_cross_item_safe(causal, tiles.num_stages):
         out.append(("cross", tiles, qbuf, True))
     else:
         t3 = dataclasses.replace(tiles, num_stages=3)

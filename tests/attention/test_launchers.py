@@ -22,6 +22,7 @@ from flashmoe_science.attention.tiles import (  # noqa: E402
     AttentionTiles,
     backward_tiles,
     padded_head_dim,
+    sm90_cross_item,
     sm90_forward_tiles,
     sm90_persistent,
     sm90_preferred,
@@ -161,6 +162,21 @@ def test_sm90_q_buffers_where_measured():
     assert sm90_q_buffers(sm90_forward_tiles(128, True, 512), 128, True, H200) == 2
     assert sm90_q_buffers(sm90_forward_tiles(128, True, 2048), 128, True, H200) == 1
     assert sm90_q_buffers(sm90_forward_tiles(256, False, 2048), 256, True, H200) == 1
+
+
+@pytest.mark.parametrize("seqlen_q", [512, 1024, 2048, 4096, 8192])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
+def test_sm90_cross_item_where_measured_and_safe(head_dim, causal, seqlen_q):
+    """Overlapped work items: persistent D<=64 plans only, and never a causal two-stage ring (a deadlock)."""
+    tiles = sm90_forward_tiles(head_dim, causal, seqlen_q)
+    persistent = sm90_persistent(causal, seqlen_q)
+    cross = sm90_cross_item(tiles, head_dim, causal, persistent)
+    if cross:
+        assert persistent and head_dim <= 64 and (not causal or tiles.num_stages >= 3)
+    assert not sm90_cross_item(tiles, head_dim, causal, False)
+    expected = head_dim <= 64 and (not causal or 1024 < seqlen_q <= 4096)
+    assert cross == expected
 
 
 def test_sm90_rules_switch_at_the_measured_lengths():

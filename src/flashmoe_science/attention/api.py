@@ -20,6 +20,7 @@ from flashmoe_science.attention.tiles import (
     autotune_enabled,
     device_traits,
     forward_tiles,
+    sm90_cross_item,
     sm90_forward_tiles,
     sm90_persistent,
     sm90_q_buffers,
@@ -133,7 +134,8 @@ def describe_dispatch(q, k, v, *, causal: bool = False, backend: str = "auto") -
     tiles = plan.tiles
     shape = f"tiles {tiles.block_m}x{tiles.block_n}, {tiles.num_warps} warps, {tiles.num_stages} stages"
     if plan.kernel == "sm90":
-        ctas = (f"persistent, one CTA per SM, {plan.q_buffers} Q buffer(s) per consumer" if plan.persistent
+        ctas = (f"persistent, one CTA per SM, {plan.q_buffers} Q buffer(s) per consumer"
+                + (", consecutive query tiles overlapped" if plan.cross_item else "") if plan.persistent
                 else "one CTA per query tile")
         why = (f"{requested} the Gluon sm_90 kernel (TMA producer warp, two consumer warpgroups, async wgmma, "
                f"softmax overlapped with P·V; {ctas}); {shape}")
@@ -203,7 +205,9 @@ def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[ForwardPlan | None, 
             tiles = sm90_forward_tiles(q.shape[-1], causal, seqlen_q)
             persistent = sm90_persistent(causal, seqlen_q)
             q_buffers = sm90_q_buffers(tiles, q.shape[-1], persistent, device_traits(q.device))
-            return ForwardPlan("sm90", tiles, persistent=persistent, q_buffers=q_buffers), None
+            cross_item = sm90_cross_item(tiles, q.shape[-1], causal, persistent)
+            return ForwardPlan("sm90", tiles, persistent=persistent, q_buffers=q_buffers,
+                               cross_item=cross_item), None
         if backend == "hopper":
             raise ValueError(f"backend='hopper' cannot run this call: {why_not_sm90}")
     tiles = forward_tiles(q.shape[-1], q.dtype, causal, device_traits(q.device))
@@ -285,7 +289,8 @@ def _kernel_forward(q, k, v, causal, softmax_scale, plan: ForwardPlan) -> tuple[
         from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90
 
         num_ctas = device_traits(q.device).sm_count if plan.persistent else None
-        attention_forward_sm90(q, k, v, out, lse, causal, softmax_scale, plan.tiles, num_ctas, plan.q_buffers)
+        attention_forward_sm90(q, k, v, out, lse, causal, softmax_scale, plan.tiles, num_ctas, plan.q_buffers,
+                               plan.cross_item)
     else:
         from flashmoe_science.attention.triton_fwd import attention_forward
 

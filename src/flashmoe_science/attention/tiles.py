@@ -222,6 +222,7 @@ class ForwardPlan:
     tiles: AttentionTiles
     persistent: bool = False
     q_buffers: int = 1  # sm90 only: Q buffers per consumer warpgroup (see sm90_q_buffers)
+    cross_item: bool = False  # sm90 only: overlap consecutive work items (see sm90_cross_item)
 
 
 # Measured on an H200 (docs/perf-notes.md, sweeps of 2026-11-21, second session): below these lengths the
@@ -278,6 +279,22 @@ def sm90_q_buffers(tiles: AttentionTiles, head_dim: int, persistent: bool, trait
     if persistent and sm90_smem_bytes(tiles, head_dim, 2) <= traits.smem_per_block:
         return 2
     return 1
+
+
+def sm90_cross_item_safe(causal: bool, num_stages: int) -> bool:
+    """Whether the sm_90 consumers may issue the next work item's first Q·Kᵀ before their last P·V completes: its K
+    tile reuses a ring stage that, with causal masking (a consumer may skip one of the CTA's key tiles) and only two
+    stages, is released by that very P·V, a deadlock (hopper/fwd_sm90._attention_consumer)."""
+    return not causal or num_stages >= 3
+
+
+def sm90_cross_item(tiles: AttentionTiles, head_dim: int, causal: bool, persistent: bool) -> bool:
+    """Overlap consecutive work items of a persistent CTA (the next item's first Q·Kᵀ and softmax under the
+    current item's last P·V) at D <= 64, where exp2 costs as much as the products and an item boundary leaves the
+    tensor cores idle: measured on the H200 +2-3% at L=512-1024 and +2-4% causal at 2-4k. At D=128/256 it measured
+    2-4% slower (with two stages the next item's first K tile is not loaded yet when the last P·V should start)."""
+    return (persistent and padded_head_dim(head_dim) <= 64
+            and sm90_cross_item_safe(causal, tiles.num_stages))
 
 
 @functools.lru_cache(maxsize=None)

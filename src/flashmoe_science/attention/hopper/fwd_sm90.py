@@ -40,7 +40,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashmoe_science.attention.tiles import padded_head_dim
+from flashmoe_science.attention.tiles import padded_head_dim, sm90_cross_item_safe
 from flashmoe_science.attention.triton_fwd import LN_2, LOG2_E, key_tile_bounds, needs_64bit_rows, tma_box
 
 CONSUMER_ROWS = 64  # rows per consumer warpgroup (4 warps x 16 rows of wgmma)
@@ -271,7 +271,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     any other key tile; the current item's epilogue follows. This needs the next item's K_0 to be loadable before
     this consumer's last P·V completes: K_0 reuses the ring stage of tile `last + 1 + unused - NUM_STAGES`, which
     is released already unless NUM_STAGES <= 1 + unused (unused: causal tiles only the other consumer needs, at
-    most one), hence the caller's rule (non-causal, or three stages)."""
+    most one), hence tiles.sm90_cross_item_safe (non-causal, or three stages)."""
     num_warps: gl.constexpr = 4
     # wgmma layouts: warps stacked along the rows (16 rows each); instruction N = the full tile width.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -421,12 +421,6 @@ def attention_forward_sm90_kernel(
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
-def cross_item_allowed(causal: bool, num_stages: int) -> bool:
-    """Whether consumers may issue the next item's first Q·Kᵀ before their last P·V completes without a deadlock:
-    see _attention_consumer (a causal consumer may skip one of the CTA's key tiles)."""
-    return not causal or num_stages >= 3
-
-
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -449,9 +443,9 @@ def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float
     `num_ctas`: how many CTAs share the work items (one per SM: persistent); None launches one per query tile.
     `q_buffers`: Q buffers per consumer (tiles.sm90_q_buffers); 2 lets a persistent CTA load the next item's Q
     during the current item. `cross_item`: overlap consecutive work items (see _attention_consumer); needs
-    `cross_item_allowed`."""
+    `tiles.sm90_cross_item_safe`."""
     batch, num_q_heads, seqlen_q, head_dim = q.shape
-    if cross_item and not cross_item_allowed(causal, tiles.num_stages):
+    if cross_item and not sm90_cross_item_safe(causal, tiles.num_stages):
         raise ValueError(f"cross_item needs a non-causal call or three ring stages, got {tiles}")
     block_d = padded_head_dim(head_dim)
     if tiles.block_m != BLOCK_M or tiles.num_warps != 4 * NUM_CONSUMERS:
