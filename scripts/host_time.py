@@ -1,0 +1,74 @@
+"""Host time per call vs device time, for shapes whose GPU work is short enough that the launch path can bound the
+benchmark (session 4: the 1c42b3e bench had D=256 L=512 at half the TFLOP/s of a direct kernel call). Prints, per
+shape and backend: device ms (calls queued back to back, timed by CUDA events), host µs per call (no sync), and a
+cProfile of the sm_90 `auto` path's host side (top functions by cumulative time).
+
+    PYTHONPATH=src python scripts/host_time.py [--cases BxHxLxD,...] [--profile BxHxLxD]
+"""
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashmoe_science import flash_attention_science
+
+CASES = "32x8x512x256,4x8x2048x64,4x8x4096x64,32x16x512x128,8x16x2048x128"
+
+
+def call(name, q, k, v, causal):
+    if name == "cudnn":
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return flash_attention_science(q, k, v, causal=causal, backend=name)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--cases", default=CASES)
+    p.add_argument("--profile", default="32x8x512x256")
+    a = p.parse_args()
+    for case in a.cases.split(","):
+        b, h, length, d = map(int, case.split("x"))
+        for causal in (False, True):
+            q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            line = [f"B{b} H{h} L{length} D{d} causal={int(causal)}"]
+            for name in ("auto", "triton", "cudnn"):
+                for _ in range(3):
+                    call(name, q, k, v, causal)
+                torch.cuda.synchronize()
+                n = 50
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    call(name, q, k, v, causal)
+                host_us = (time.perf_counter() - t0) / n * 1e6
+                torch.cuda.synchronize()
+                # device time: a long queue so the GPU never waits for the host
+                torch.cuda._sleep(int(2e8))
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(n):
+                    call(name, q, k, v, causal)
+                end.record()
+                torch.cuda.synchronize()
+                line.append(f"{name}: device {start.elapsed_time(end) / n:.4f} ms, host {host_us:.0f} us")
+            print(" | ".join(line), flush=True)
+    b, h, length, d = map(int, a.profile.split("x"))
+    q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    call("auto", q, k, v, False)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        call("auto", q, k, v, False)
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+
+
+if __name__ == "__main__":
+    main()
