@@ -172,6 +172,38 @@ def test_failing_backend_is_skipped_not_fatal():
     assert all(row.split()[-2:] == ["n/a", "n/a"] for row in rows)  # broken never ran; without ours, no ratio
 
 
+def test_rounds_record_the_median_of_repeated_sweeps():
+    times = iter([3.0, 1.0, 9.0, 2.0, 5.0, 4.0])  # round 1: shape A, shape B; round 2: A, B; round 3: A, B
+
+    def timer(fn, grad_to_none=None):
+        fn()
+        return next(times)
+
+    shapes = [AttentionShape(1, 1, 32, 32, 16, causal=False), AttentionShape(1, 1, 32, 32, 16, causal=True)]
+    progress = report.Progress(stream=io.StringIO())
+    seen = []
+    records = attention_bench.run_attention_bench(
+        shapes, ["sdpa-math"], ["fwd"], torch.device("cpu"), torch.float32, timer, progress,
+        on_shape_done=lambda so_far: seen.append([r["ms"] for r in so_far]), rounds=3,
+    )
+    assert [r["causal"] for r in records] == [False, True]
+    assert [r["ms_rounds"] for r in records] == [[3.0, 9.0, 5.0], [1.0, 2.0, 4.0]]
+    assert [r["ms"] for r in records] == [5.0, 2.0]
+    flops = attention_bench.attention_flops(shapes[0], "fwd")
+    assert records[0]["tflops"] == report.round_significant(flops / 5.0e-3 / 1e12)
+    assert progress.count == progress.total == 6
+    assert seen[-1] == [5.0, 2.0] and len(seen) == 6
+    with pytest.raises(ValueError, match="rounds"):
+        attention_bench.run_attention_bench(shapes, ["sdpa-math"], ["fwd"], torch.device("cpu"), torch.float32,
+                                            timer, progress, rounds=0)
+
+
+def test_rounds_flag_takes_positive_integers_only(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--rounds", "0"])
+    assert "positive integer" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # arithmetic
 # --------------------------------------------------------------------------------------------------------------------

@@ -161,14 +161,16 @@ def _bench_attention(args: argparse.Namespace) -> int:
             "No CUDA GPU found: running a small CPU comparison instead "
             "(float32; ours = the PyTorch reference; median of time.perf_counter)."
         )
-    print(f"{len(shapes)} shapes x {len(backend_names)} backends x passes {','.join(args.passes)}", flush=True)
+    print(f"{len(shapes)} shapes x {len(backend_names)} backends x passes {','.join(args.passes)}"
+          + (f" x {args.rounds} rounds (median recorded)" if args.rounds > 1 else ""), flush=True)
 
     skips = attention_bench.SkipLog()
     partial = _partial_results(args)
     print(f"(partial results are kept in {partial.path} until the run completes)", flush=True)
     with Progress(desc="attention") as progress:
         records = attention_bench.run_attention_bench(
-            shapes, backend_names, args.passes, device, dtype, timer, progress, skips, on_shape_done=partial
+            shapes, backend_names, args.passes, device, dtype, timer, progress, skips, on_shape_done=partial,
+            rounds=args.rounds,
         )
     print()
     print(attention_bench.attention_table(records, baselines, backend_names))
@@ -188,7 +190,8 @@ def _bench_attention(args: argparse.Namespace) -> int:
 
 def _bench_moe(args: argparse.Namespace) -> int:
     attention_only = [flag for flag, given in (("--shapes", args.shapes), ("--backends", args.backends),
-                                              ("--pass", args.passes != ["fwd"])) if given]
+                                              ("--pass", args.passes != ["fwd"]),
+                                              ("--rounds", args.rounds != 1)) if given]
     if attention_only:
         print(f"bench moe: {', '.join(attention_only)} apply to the attention benchmark; the MoE benchmark times "
               "forward and backward of its fixed model configs (--quick for fewer)", file=sys.stderr)
@@ -212,6 +215,16 @@ def _bench_moe(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------------------------------
 # entry point
 # --------------------------------------------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashmoe-science", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", metavar="{info,bench}")
@@ -237,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--backends", type=_comma_list(attention_bench.BACKEND_ORDER),
         help=f"attention backends to run (default: all on a GPU): {','.join(attention_bench.BACKEND_ORDER)}",
+    )
+    bench.add_argument(
+        "--rounds", type=_positive_int, default=1,
+        help="repeat the attention sweep N times and record each case's median (its times in ms_rounds): one "
+        "sweep's rows vary by several percent",
     )
     bench.set_defaults(handler=run_bench)
     return parser

@@ -375,30 +375,57 @@ def run_attention_bench(
     skips: SkipLog | None = None,
     backends: dict[str, Backend] = BACKENDS,
     on_shape_done: Callable[[list[dict]], None] | None = None,
+    rounds: int = 1,
 ) -> list[dict]:
     """Measure every (shape, backend, pass); return the records. Failures are noted in `skips`, never raised.
-    `on_shape_done(records so far)` runs after each shape (the CLI saves partial results there)."""
+    `on_shape_done(records so far)` runs after each shape (the CLI saves partial results there).
+
+    `rounds` > 1 repeats the whole sweep that many times and records the median of the rounds' times (each round's
+    time in `ms_rounds`): one sweep's rows move by several percent between runs (clocks, host jitter; measured in
+    docs/perf-notes.md, session 4), and repeating the sweep, rather than each case in place, spreads a slow stretch
+    over every backend instead of charging it to one."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     skips = skips if skips is not None else SkipLog()
-    progress.set_total(len(shapes) * len(backend_names) * len(passes))
+    progress.set_total(rounds * len(shapes) * len(backend_names) * len(passes))
+    measured: dict[tuple, list[dict]] = {}  # (shape index, backend, pass) -> one record per round, in run order
+    for round_ in range(rounds):
+        for index, shape in enumerate(shapes):
+            q = torch.randn(shape.B, shape.H, shape.Lq, shape.D, device=device, dtype=dtype)
+            k = torch.randn(shape.B, shape.Hkv, shape.Lk, shape.D, device=device, dtype=dtype)
+            v = torch.randn(shape.B, shape.Hkv, shape.Lk, shape.D, device=device, dtype=dtype)
+            dout = torch.randn_like(q)
+            for name in backend_names:
+                backend = backends[name]
+                reason = backend.skip_reason(shape)
+                if reason is None:
+                    kernel = describe_our_kernel(name, q, k, v, shape.causal)
+                    tensors = (q, k, v, dout)
+                    for record in _measure_backend(backend, shape, passes, tensors, timer, device, kernel,
+                                                   skips if round_ == 0 else SkipLog(), progress):
+                        measured.setdefault((index, name, record["pass"]), []).append(record)
+                else:
+                    if round_ == 0:
+                        for pass_ in passes:
+                            skips.note(name, pass_, reason)
+                    progress.update(len(passes), desc=f"{shape.label()} {name} skipped")
+            if on_shape_done is not None:
+                on_shape_done(_median_records(measured, rounds))
+    return _median_records(measured, rounds)
+
+
+def _median_records(measured: dict[tuple, list[dict]], rounds: int) -> list[dict]:
+    """One record per (shape, backend, pass): the first round's, with the median time over the rounds so far."""
     records = []
-    for shape in shapes:
-        q = torch.randn(shape.B, shape.H, shape.Lq, shape.D, device=device, dtype=dtype)
-        k = torch.randn(shape.B, shape.Hkv, shape.Lk, shape.D, device=device, dtype=dtype)
-        v = torch.randn(shape.B, shape.Hkv, shape.Lk, shape.D, device=device, dtype=dtype)
-        dout = torch.randn_like(q)
-        for name in backend_names:
-            backend = backends[name]
-            reason = backend.skip_reason(shape)
-            if reason is None:
-                kernel = describe_our_kernel(name, q, k, v, shape.causal)
-                tensors = (q, k, v, dout)
-                records += _measure_backend(backend, shape, passes, tensors, timer, device, kernel, skips, progress)
-            else:
-                for pass_ in passes:
-                    skips.note(name, pass_, reason)
-                progress.update(len(passes), desc=f"{shape.label()} {name} skipped")
-        if on_shape_done is not None:
-            on_shape_done(records)
+    for per_round in measured.values():
+        record = dict(per_round[0])
+        if rounds > 1:
+            times = [r["ms"] for r in per_round]
+            record["ms"] = round_significant(statistics.median(times))
+            record["tflops"] = round_significant(tflops(attention_flops(shape_of(record), record["pass"]),
+                                                        record["ms"]))
+            record["ms_rounds"] = times
+        records.append(record)
     return records
 
 
