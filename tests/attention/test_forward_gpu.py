@@ -222,3 +222,28 @@ def test_one_head_of_131072_tokens_without_quadratic_memory():
     scores = scores.masked_fill(torch.arange(lq, device="cuda")[None, :] > rows[:, None], float("-inf"))
     ref = torch.softmax(scores, -1) @ v[0, 0].double()
     assert (out[0, 0, rows].double() - ref).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_repeated_signature_takes_the_prepared_launch(causal, layout):
+    """The second call of a signature skips the checks, the plan and Triton's binding (api._PREPARED): same
+    output bit for bit as the full path, and exact on new data of that signature."""
+    if not device_traits(torch.device("cuda")).is_hopper:
+        pytest.skip("needs a Hopper GPU")
+    from flashmoe_science.attention import api
+
+    def inputs():
+        return _inputs(2, 8, 2, 700, 900, 128, torch.bfloat16, layout)
+
+    api._PREPARED.clear()
+    q, k, v = inputs()
+    first, first_lse = flash_attention_science(q, k, v, causal=causal, return_lse=True)
+    assert api._prepared_key(q, k, v, causal, None, True, "auto", False) in api._PREPARED
+    again, again_lse = flash_attention_science(q, k, v, causal=causal, return_lse=True)
+    assert torch.equal(first, again) and torch.equal(first_lse, again_lse)
+    q2, k2, v2 = inputs()
+    _poison_allocator()
+    out2 = flash_attention_science(q2, k2, v2, causal=causal)
+    assert out2.stride() == first.stride()
+    _assert_close_to_float64(out2, q2, k2, v2, causal, 128**-0.5, torch.bfloat16)

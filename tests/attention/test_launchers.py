@@ -109,6 +109,84 @@ def test_sm90_cross_item_refuses_a_deadlocking_ring(monkeypatch):
     assert [launch[2]["CROSS_ITEM"] for launch in kernel.launches] == [True, True]
 
 
+class _FakeCompiled:
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class _FakeDriver:
+    class active:  # noqa: N801 - mirrors triton.runtime.driver.driver.active
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 1234)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatch, causal):
+    """PreparedForward passes the compiled kernel exactly what Triton's launch would: the new tensors' descriptors,
+    then every scalar and constexpr of the prepared call in the kernel's parameter order."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashmoe_science.attention.hopper import fwd_sm90
+
+    compiled = _FakeCompiled()
+
+    class Kernel(_RecordingKernel):
+        arg_names = fwd_sm90.attention_forward_sm90_kernel.arg_names
+
+        def warmup(self, *args, grid, **kwargs):
+            self.warmed = (grid, args, kwargs)
+            return compiled
+
+    kernel = Kernel()
+    monkeypatch.setattr(fwd_sm90, "attention_forward_sm90_kernel", kernel)
+    monkeypatch.setattr(fwd_sm90, "driver", _FakeDriver)
+    q, k, v = _blhd(2, 8, 300, 64), _blhd(2, 2, 257, 64), _blhd(2, 2, 257, 64)
+    out, lse = torch.empty_like(q), torch.empty(2, 8, 300)
+    tiles = sm90_forward_tiles(64, causal, 300)
+    prepared = fwd_sm90.prepare_forward(q, k, v, out, lse, causal, 0.125, tiles, 132, 2, not causal)
+    grid, args, kwargs = kernel.warmed
+    assert kwargs.pop("num_warps") == 4 and kwargs.pop("maxnreg") == fwd_sm90.REGISTER_CAP
+
+    q2, k2, v2 = _blhd(2, 8, 300, 64), _blhd(2, 2, 257, 64), _blhd(2, 2, 257, 64)
+    out2, lse2 = torch.empty_like(q2), torch.empty(2, 8, 300)
+    prepared(q2, k2, v2, out2, lse2)
+    (run,) = compiled.runs
+    assert run[:9] == (grid[0], 1, 1, 1234, "function", "metadata", None, None, None)
+    launched = run[9:]
+    assert launched[3] is out2 and launched[4] is lse2
+    for desc, t, old in zip(launched[:3], (q2, k2, v2), args[:3]):
+        assert desc.base is t and desc.block_shape == old.block_shape and desc.strides == old.strides
+        assert desc.layout is old.layout
+    assert launched[5:] == args[5:] + tuple(kwargs.values())  # scalars, then the constexprs in order
+    assert list(kwargs) == kernel.arg_names[len(args):]
+
+    misaligned = torch.empty(out2.numel() + 1, dtype=out2.dtype)[1:].view(out2.shape)
+    with pytest.raises(ValueError, match="aligned"):
+        prepared(q2, k2, v2, misaligned, lse2)
+
+
+def test_prepared_key_leaves_autograd_and_ambiguous_arguments_to_the_full_path():
+    from flashmoe_science.attention import api
+
+    q = torch.randn(1, 2, 8, 16)
+    key = api._prepared_key(q, q, q, False, None, False, "auto", False)
+    assert key is not None and key == api._prepared_key(q.clone(), q, q, False, None, False, "auto", False)
+    assert key != api._prepared_key(q, q, q, True, None, False, "auto", False)
+    assert key != api._prepared_key(q.transpose(2, 3).contiguous().transpose(2, 3), q, q, False, None, False,
+                                    "auto", False)  # strides
+    assert api._prepared_key(q, q, q, 1, None, False, "auto", False) is None  # 1 == True: the check must run
+    assert api._prepared_key(q, q, q, False, 1, False, "auto", False) is None
+    assert api._prepared_key(q, q, q, False, None, False, ["auto"], False) is None
+    grad = q.clone().requires_grad_()
+    assert api._prepared_key(grad, q, q, False, None, False, "auto", False) is None
+    with torch.no_grad():
+        assert api._prepared_key(grad, q, q, False, None, False, "auto", False) is not None
+
+
 @pytest.mark.parametrize("head_dim,causal", [(80, True), (128, False), (192, True), (256, False)])
 def test_sm90_launcher(monkeypatch, head_dim, causal):
     gluon = pytest.importorskip("triton.experimental.gluon")

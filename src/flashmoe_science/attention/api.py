@@ -311,6 +311,37 @@ def _run(plan: ForwardPlan | None, q4, k4, v4, causal, scale, deterministic):
     return _run_kernel(plan, q4, k4, v4, causal, scale, deterministic)
 
 
+# Calls whose signature ran before skip the checks, the plan and Triton's argument binding (host time per call:
+# docs/perf-notes.md, session 4). Bounded: ragged workloads make a new signature per length.
+_PREPARED: dict[tuple, object] = {}
+_PREPARED_MAX = 512
+
+
+def _prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic) -> tuple | None:
+    """Everything the checks, the plan and the kernel's specialisation read from a call, or None where the call must
+    take the full path: autograd, or arguments of types whose equality would hide a failing check (True == 1)."""
+    if (causal.__class__ is not bool or return_lse.__class__ is not bool or deterministic.__class__ is not bool
+            or not (softmax_scale is None or softmax_scale.__class__ is float) or backend.__class__ is not str
+            or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor))):
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16,
+            k.shape, k.stride(), k.dtype, k.device, k.data_ptr() % 16,
+            v.shape, v.stride(), v.dtype, v.device, v.data_ptr() % 16,
+            causal, softmax_scale, return_lse, backend, deterministic)
+
+
+def _remember(key, plan: ForwardPlan, q, k, v, out, lse, causal, softmax_scale) -> None:
+    from flashmoe_science.attention.hopper.fwd_sm90 import prepare_forward
+
+    if len(_PREPARED) >= _PREPARED_MAX:
+        _PREPARED.clear()
+    num_ctas = device_traits(q.device).sm_count if plan.persistent else None
+    _PREPARED[key] = prepare_forward(q, k, v, out, lse, causal, softmax_scale, plan.tiles, num_ctas, plan.q_buffers,
+                                     plan.cross_item)
+
+
 def flash_attention_science(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -356,6 +387,14 @@ def flash_attention_science(
     Returns:
         `out` with q's shape and dtype, or `(out, lse)` when `return_lse=True`.
     """
+    key = _prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic)
+    prepared = _PREPARED.get(key) if key is not None else None
+    if prepared is not None:  # a call with this signature ran before: checks and plan as then
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        prepared(q, k, v, out, lse)
+        return (out, lse) if return_lse else out
+
     _check_inputs(q, k, v, softmax_scale, backend)
     _check_flags(causal=causal, return_lse=return_lse, deterministic=deterministic)
     plan, _ = _dispatch(q, k, v, causal, backend)
@@ -373,6 +412,8 @@ def flash_attention_science(
     if prob.q is not None and prob.k is not None and prob.v is not None:
         out4, lse4 = _run(plan, prob.q, prob.k, prob.v, causal, prob.softmax_scale, deterministic)
         out, lse = out4.view(q.shape), lse4.view(q.shape[:-1])
+        if key is not None and plan is not None and plan.kernel == "sm90" and q.dim() == 4:
+            _remember(key, plan, q, k, v, out, lse, causal, prob.softmax_scale)
     else:
         # Leading dims whose strides cannot merge into one batch dim: run each leading index on its own
         # (no input copies; the outputs are stacked).
