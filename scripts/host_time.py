@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashmoe_science import flash_attention_science
 
-CASES = "32x8x512x256,4x8x2048x64,4x8x4096x64,32x16x512x128,8x16x2048x128"
+CASES = "32x8x512x256,32x8x512x64,4x8x2048x64,4x8x4096x64,32x16x512x128,8x16x2048x128"
 
 
 def call(name, q, k, v, causal):

@@ -226,24 +226,37 @@ def test_one_head_of_131072_tokens_without_quadratic_memory():
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
-def test_repeated_signature_takes_the_prepared_launch(causal, layout):
+@pytest.mark.parametrize("backend,head_dim,dtype", [("auto", 128, torch.bfloat16), ("triton", 80, torch.float16),
+                                                    ("triton", 64, torch.float32)])
+def test_repeated_signature_takes_the_prepared_launch(causal, layout, backend, head_dim, dtype):
     """The second call of a signature skips the checks, the plan and Triton's binding (api._PREPARED): same
     output bit for bit as the full path, and exact on new data of that signature."""
-    if not device_traits(torch.device("cuda")).is_hopper:
+    if backend == "auto" and not device_traits(torch.device("cuda")).is_hopper:
         pytest.skip("needs a Hopper GPU")
     from flashmoe_science.attention import api
 
     def inputs():
-        return _inputs(2, 8, 2, 700, 900, 128, torch.bfloat16, layout)
+        return _inputs(2, 8, 2, 700, 900, head_dim, dtype, layout)
 
     api._PREPARED.clear()
     q, k, v = inputs()
-    first, first_lse = flash_attention_science(q, k, v, causal=causal, return_lse=True)
-    assert api._prepared_key(q, k, v, causal, None, True, "auto", False) in api._PREPARED
-    again, again_lse = flash_attention_science(q, k, v, causal=causal, return_lse=True)
+    first, first_lse = flash_attention_science(q, k, v, causal=causal, return_lse=True, backend=backend)
+    assert api._prepared_key(q, k, v, causal, None, True, backend, False) in api._PREPARED
+    again, again_lse = flash_attention_science(q, k, v, causal=causal, return_lse=True, backend=backend)
     assert torch.equal(first, again) and torch.equal(first_lse, again_lse)
     q2, k2, v2 = inputs()
     _poison_allocator()
-    out2 = flash_attention_science(q2, k2, v2, causal=causal)
-    assert out2.stride() == first.stride()
-    _assert_close_to_float64(out2, q2, k2, v2, causal, 128**-0.5, torch.bfloat16)
+    out2 = flash_attention_science(q2, k2, v2, causal=causal, backend=backend)
+    assert out2.stride() == first.stride() and len(api._PREPARED) == 2  # (return_lse differs)
+    _assert_close_to_float64(out2, q2, k2, v2, causal, head_dim**-0.5, dtype)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensors_on_a_device_that_is_not_current():
+    """Triton launches on the current device; the API makes it the tensors' device for the call."""
+    q, k, v = (t.to("cuda:1") for t in _inputs(1, 4, 4, 300, 300, 64, torch.bfloat16))
+    with torch.cuda.device(0):
+        for _ in range(2):  # full path, then the prepared launch
+            out = flash_attention_science(q, k, v, causal=True)
+    assert out.device == q.device
+    _assert_close_to_float64(out, q, k, v, True, 64**-0.5, torch.bfloat16)

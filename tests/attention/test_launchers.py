@@ -29,12 +29,15 @@ from flashmoe_science.attention.tiles import (  # noqa: E402
     sm90_q_buffers,
     sm90_smem_bytes,
 )
+from flashmoe_science import prepared_launch  # noqa: E402
 from flashmoe_science.device import DeviceTraits  # noqa: E402
 
 H200 = DeviceTraits((9, 0), 132, 232448)
 
 
 class _RecordingKernel:
+    arg_names = triton_fwd._attention_forward_kernel.arg_names
+
     def __init__(self):
         self.launches = []
 
@@ -60,7 +63,7 @@ def test_triton_launcher_builds_tma_descriptors_over_the_callers_strides(monkeyp
 
     (grid, args, kwargs), = kernel.launches
     assert grid == (2, 8)  # cdiv(100, 64) query tiles x B*Hq
-    q_desc, k_desc = args[0], args[1]
+    q_desc, k_desc = kwargs["Q"], kwargs["K"]
     assert q_desc.base is q and q_desc.shape == [2, 4, 100, 80] and q_desc.strides == list(q.stride())
     assert q_desc.block_shape == [1, 1, 64, 128] and k_desc.block_shape == [1, 1, 128, 128]
     assert kwargs["HEAD_DIM"] == 80 and kwargs["BLOCK_D"] == 128 and kwargs["USE_TMA"] and kwargs["CAUSAL"]
@@ -125,48 +128,78 @@ class _FakeDriver:
         get_current_stream = staticmethod(lambda device: 1234)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_sm90_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatch, causal):
-    """PreparedForward passes the compiled kernel exactly what Triton's launch would: the new tensors' descriptors,
-    then every scalar and constexpr of the prepared call in the kernel's parameter order."""
-    pytest.importorskip("triton.experimental.gluon")
-    from flashmoe_science.attention.hopper import fwd_sm90
-
+def _recording_warmup_kernel(arg_names):
     compiled = _FakeCompiled()
 
     class Kernel(_RecordingKernel):
-        arg_names = fwd_sm90.attention_forward_sm90_kernel.arg_names
-
         def warmup(self, *args, grid, **kwargs):
-            self.warmed = (grid, args, kwargs)
+            assert args == ()  # every parameter by name
+            self.warmed = (grid, kwargs)
             return compiled
 
     kernel = Kernel()
+    kernel.arg_names = arg_names
+    return kernel, compiled
+
+
+def _assert_prepared_launch_matches(kernel, compiled, prepared, new_tensors, descriptor_names, options):
+    """The prepared launch hands the compiled kernel the new tensors (or descriptors over them, with the prepared
+    boxes), then every other parameter of the prepared call in the kernel's parameter order."""
+    grid, bound = kernel.warmed
+    for name, value in options.items():
+        assert bound.pop(name) == value
+    names = kernel.arg_names
+    assert sorted(bound) == sorted(names)  # every parameter, once
+    prepared(*new_tensors)
+    (run,) = compiled.runs
+    assert run[:9] == ((*grid, 1, 1)[:3] + (1234, "function", "metadata", None, None, None))
+    launched = run[9:]
+    for name, arg, t in zip(names, launched, new_tensors):
+        if name in descriptor_names:
+            old = bound[name]
+            assert arg.base is t and arg.block_shape == old.block_shape and arg.strides == old.strides
+            assert getattr(arg, "layout", None) is getattr(old, "layout", None)
+        else:
+            assert arg is t
+    assert launched[len(new_tensors):] == tuple(bound[name] for name in names[len(new_tensors):])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatch, causal):
+    pytest.importorskip("triton.experimental.gluon")
+    from flashmoe_science.attention.hopper import fwd_sm90
+
+    kernel, compiled = _recording_warmup_kernel(fwd_sm90.attention_forward_sm90_kernel.arg_names)
     monkeypatch.setattr(fwd_sm90, "attention_forward_sm90_kernel", kernel)
-    monkeypatch.setattr(fwd_sm90, "driver", _FakeDriver)
+    monkeypatch.setattr(prepared_launch, "driver", _FakeDriver)
     q, k, v = _blhd(2, 8, 300, 64), _blhd(2, 2, 257, 64), _blhd(2, 2, 257, 64)
     out, lse = torch.empty_like(q), torch.empty(2, 8, 300)
     tiles = sm90_forward_tiles(64, causal, 300)
     prepared = fwd_sm90.prepare_forward(q, k, v, out, lse, causal, 0.125, tiles, 132, 2, not causal)
-    grid, args, kwargs = kernel.warmed
-    assert kwargs.pop("num_warps") == 4 and kwargs.pop("maxnreg") == fwd_sm90.REGISTER_CAP
-
     q2, k2, v2 = _blhd(2, 8, 300, 64), _blhd(2, 2, 257, 64), _blhd(2, 2, 257, 64)
-    out2, lse2 = torch.empty_like(q2), torch.empty(2, 8, 300)
-    prepared(q2, k2, v2, out2, lse2)
-    (run,) = compiled.runs
-    assert run[:9] == (grid[0], 1, 1, 1234, "function", "metadata", None, None, None)
-    launched = run[9:]
-    assert launched[3] is out2 and launched[4] is lse2
-    for desc, t, old in zip(launched[:3], (q2, k2, v2), args[:3]):
-        assert desc.base is t and desc.block_shape == old.block_shape and desc.strides == old.strides
-        assert desc.layout is old.layout
-    assert launched[5:] == args[5:] + tuple(kwargs.values())  # scalars, then the constexprs in order
-    assert list(kwargs) == kernel.arg_names[len(args):]
+    new = (q2, k2, v2, torch.empty_like(q2), torch.empty(2, 8, 300))
+    _assert_prepared_launch_matches(kernel, compiled, prepared, new, {"q_desc", "k_desc", "v_desc"},
+                                    {"num_warps": 4, "maxnreg": fwd_sm90.REGISTER_CAP})
 
-    misaligned = torch.empty(out2.numel() + 1, dtype=out2.dtype)[1:].view(out2.shape)
-    with pytest.raises(ValueError, match="aligned"):
-        prepared(q2, k2, v2, misaligned, lse2)
+    misaligned = torch.empty(q2.numel() + 1, dtype=q2.dtype)[1:].view(q2.shape)
+    with pytest.raises(ValueError, match="alignment"):
+        prepared(q2, k2, v2, misaligned, new[4])
+
+
+@pytest.mark.parametrize("use_tma", [False, True])
+def test_triton_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatch, use_tma):
+    kernel, compiled = _recording_warmup_kernel(triton_fwd._attention_forward_kernel.arg_names)
+    monkeypatch.setattr(triton_fwd, "_attention_forward_kernel", kernel)
+    monkeypatch.setattr(prepared_launch, "driver", _FakeDriver)
+    q, k, v = _blhd(2, 4, 100, 80), _blhd(2, 2, 90, 80), _blhd(2, 2, 90, 80)
+    out, lse = torch.empty_like(q), torch.empty(2, 4, 100)
+    tiles = AttentionTiles(64, 32, 4, 3, use_tma=use_tma)
+    prepared = triton_fwd.prepare_forward(q, k, v, out, lse, True, 0.1, tiles)
+    assert kernel.warmed[0] == (2, 8) and kernel.warmed[1]["USE_TMA"] is use_tma
+    q2, k2, v2 = _blhd(2, 4, 100, 80), _blhd(2, 2, 90, 80), _blhd(2, 2, 90, 80)
+    new = (q2, k2, v2, torch.empty_like(q2), torch.empty(2, 4, 100))
+    _assert_prepared_launch_matches(kernel, compiled, prepared, new, {"Q", "K", "V", "O"} if use_tma else set(),
+                                    {"num_warps": 4, "num_stages": 3})
 
 
 def test_prepared_key_leaves_autograd_and_ambiguous_arguments_to_the_full_path():

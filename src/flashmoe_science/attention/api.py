@@ -333,13 +333,19 @@ def _prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, determini
 
 
 def _remember(key, plan: ForwardPlan, q, k, v, out, lse, causal, softmax_scale) -> None:
-    from flashmoe_science.attention.hopper.fwd_sm90 import prepare_forward
-
+    """Keep this call's launch for the next call of its signature (the call just ran with `plan`)."""
     if len(_PREPARED) >= _PREPARED_MAX:
         _PREPARED.clear()
-    num_ctas = device_traits(q.device).sm_count if plan.persistent else None
-    _PREPARED[key] = prepare_forward(q, k, v, out, lse, causal, softmax_scale, plan.tiles, num_ctas, plan.q_buffers,
-                                     plan.cross_item)
+    if plan.kernel == "sm90":
+        from flashmoe_science.attention.hopper.fwd_sm90 import prepare_forward
+
+        num_ctas = device_traits(q.device).sm_count if plan.persistent else None
+        _PREPARED[key] = prepare_forward(q, k, v, out, lse, causal, softmax_scale, plan.tiles, num_ctas,
+                                         plan.q_buffers, plan.cross_item)
+    else:
+        from flashmoe_science.attention.triton_fwd import prepare_forward
+
+        _PREPARED[key] = prepare_forward(q, k, v, out, lse, causal, softmax_scale, plan.tiles)
 
 
 def flash_attention_science(
@@ -387,6 +393,10 @@ def flash_attention_science(
     Returns:
         `out` with q's shape and dtype, or `(out, lse)` when `return_lse=True`.
     """
+    if isinstance(q, torch.Tensor) and q.is_cuda and q.get_device() != torch.cuda.current_device():
+        with torch.cuda.device(q.device):  # Triton launches on the current device: make it q's
+            return flash_attention_science(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                           return_lse=return_lse, backend=backend, deterministic=deterministic)
     key = _prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic)
     prepared = _PREPARED.get(key) if key is not None else None
     if prepared is not None:  # a call with this signature ran before: checks and plan as then
@@ -412,7 +422,7 @@ def flash_attention_science(
     if prob.q is not None and prob.k is not None and prob.v is not None:
         out4, lse4 = _run(plan, prob.q, prob.k, prob.v, causal, prob.softmax_scale, deterministic)
         out, lse = out4.view(q.shape), lse4.view(q.shape[:-1])
-        if key is not None and plan is not None and plan.kernel == "sm90" and q.dim() == 4:
+        if key is not None and plan is not None and q.is_cuda and q.dim() == 4 and not autotune_enabled():
             _remember(key, plan, q, k, v, out, lse, causal, prob.softmax_scale)
     else:
         # Leading dims whose strides cannot merge into one batch dim: run each leading index on its own

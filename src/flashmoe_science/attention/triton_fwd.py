@@ -37,6 +37,7 @@ from flashmoe_science.attention.tiles import (
     padded_head_dim,
 )
 from flashmoe_science.device import dot_precision
+from flashmoe_science.prepared_launch import PreparedLaunch
 
 LOG2_E = 1.4426950408889634  # host side: folded into the softmax scale
 LN_2 = tl.constexpr(0.6931471805599453)  # in kernels: base-2 log-sum-exp -> natural log
@@ -247,40 +248,55 @@ def attention_forward(
     unit stride in the last dim, lse a contiguous float32 `(B, Hq, Lq)`; `tiles.use_tma` only where
     `tma_compatible(q, k, v, out)` holds. Writes `out` and `lse` in place and
     returns Triton's compiled kernel (registers, spills and SASS for diagnostics)."""
-    batch, num_q_heads, seqlen_q, head_dim = q.shape
-    seqlen_k = k.shape[2]
-    block_d = padded_head_dim(head_dim)
-    use_tma = tiles.use_tma  # the caller checked tma_compatible(q, k, v) when it chose TMA
-    qk_scale = softmax_scale * LOG2_E
+    common, strides = _scalar_args(q, k, v, out, causal, softmax_scale, tiles)
+    if autotune_enabled() and q.is_cuda:
+        kernel = _autotuned_kernel(q.shape[-1], q.dtype, device_traits(q.device))
+        # box rows are placeholders: each config's pre_hook sets its own
+        tensor_args = _tensor_args(tiles.use_tma, 16, 16, common["BLOCK_D"], q, k, v, out, lse)
+        grid = lambda meta: (triton.cdiv(q.shape[2], meta["BLOCK_M"]), q.shape[0] * q.shape[1])  # noqa: E731
+        return kernel[grid](*tensor_args, *strides, **common, **dot_precision(q))
+
+    grid, bound, options = _launch(q, k, v, out, lse, tiles, common, strides)
+    return _attention_forward_kernel[grid](**bound, **options)
+
+
+def _scalar_args(q, k, v, out, causal, softmax_scale, tiles: AttentionTiles) -> tuple[dict, tuple]:
+    """The kernel's scalars and constexprs (but the tile shape) by name, and its strides in order."""
+    num_q_heads = q.shape[1]
     common = dict(
-        num_q_heads=num_q_heads, group_size=num_q_heads // k.shape[1], seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-        qk_scale=qk_scale, HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, USE_TMA=use_tma,
+        num_q_heads=num_q_heads, group_size=num_q_heads // k.shape[1], seqlen_q=q.shape[2], seqlen_k=k.shape[2],
+        qk_scale=softmax_scale * LOG2_E, HEAD_DIM=q.shape[3], BLOCK_D=padded_head_dim(q.shape[3]), CAUSAL=causal,
+        USE_TMA=tiles.use_tma,  # the caller checked tma_compatible(q, k, v, out) when it chose TMA
         ROW64=needs_64bit_rows(q, k, v, out),
     )
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])
+    return common, (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])
 
-    if autotune_enabled() and q.is_cuda:
-        kernel = _autotuned_kernel(head_dim, q.dtype, device_traits(q.device))
-        if use_tma:
-            q_arg, k_arg, v_arg, o_arg = (_tma_descriptor(t, 16, block_d) for t in (q, k, v, out))
-        else:
-            q_arg, k_arg, v_arg, o_arg = q, k, v, out
-        grid = lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * num_q_heads)  # noqa: E731
-        return kernel[grid](q_arg, k_arg, v_arg, o_arg, lse, *strides, **common, **dot_precision(q))
 
-    if use_tma:
-        q_arg = _tma_descriptor(q, tiles.block_m, block_d)
-        o_arg = _tma_descriptor(out, tiles.block_m, block_d)
-        k_arg = _tma_descriptor(k, tiles.block_n, block_d)
-        v_arg = _tma_descriptor(v, tiles.block_n, block_d)
-    else:
-        q_arg, k_arg, v_arg, o_arg = q, k, v, out
-    grid = (triton.cdiv(seqlen_q, tiles.block_m), batch * num_q_heads)
-    return _attention_forward_kernel[grid](
-        q_arg, k_arg, v_arg, o_arg, lse, *strides, **common,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **dot_precision(q),
-    )
+def _tensor_args(use_tma, block_m, block_n, block_d, q, k, v, out, lse):
+    """The kernel's per-call arguments Q, K, V, O, LSE: the tensors, or TMA descriptors over them."""
+    if not use_tma:
+        return q, k, v, out, lse
+    return (_tma_descriptor(q, block_m, block_d), _tma_descriptor(k, block_n, block_d),
+            _tma_descriptor(v, block_n, block_d), _tma_descriptor(out, block_m, block_d), lse)
+
+
+def _launch(q, k, v, out, lse, tiles: AttentionTiles, common: dict, strides: tuple):
+    """(grid, every kernel parameter by name, launch options) of a launch with the heuristic's tiles."""
+    tensor_args = _tensor_args(tiles.use_tma, tiles.block_m, tiles.block_n, common["BLOCK_D"], q, k, v, out, lse)
+    bound = dict(zip(_attention_forward_kernel.arg_names, (*tensor_args, *strides)), **common,
+                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **dot_precision(q))
+    grid = (triton.cdiv(q.shape[2], tiles.block_m), q.shape[0] * q.shape[1])
+    return grid, bound, dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def prepare_forward(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles: AttentionTiles) -> PreparedLaunch:
+    """This launch as a PreparedLaunch, called as `prepared(q, k, v, out, lse)` on new tensors of the same shapes,
+    strides, dtypes, device and 16-byte alignment (arguments as attention_forward, which must have run on them
+    without autotuning: the kernel is taken from Triton's cache)."""
+    common, strides = _scalar_args(q, k, v, out, causal, softmax_scale, tiles)
+    grid, bound, options = _launch(q, k, v, out, lse, tiles, common, strides)
+    make_head = functools.partial(_tensor_args, tiles.use_tma, tiles.block_m, tiles.block_n, common["BLOCK_D"])
+    return PreparedLaunch(_attention_forward_kernel, grid, bound, options, make_head, (q, k, v, out, lse))
 
 
 def _set_descriptor_blocks(nargs: dict) -> None:

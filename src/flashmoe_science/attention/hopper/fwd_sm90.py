@@ -35,15 +35,14 @@ from __future__ import annotations
 import functools
 
 import torch
-from triton import knobs
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.runtime.driver import driver
 
 from flashmoe_science.attention.tiles import padded_head_dim, sm90_cross_item_safe
 from flashmoe_science.attention.triton_fwd import LN_2, LOG2_E, key_tile_bounds, needs_64bit_rows, tma_box
+from flashmoe_science.prepared_launch import PreparedLaunch
 
 CONSUMER_ROWS = 64  # rows per consumer warpgroup (4 warps x 16 rows of wgmma)
 NUM_CONSUMERS = 2
@@ -438,6 +437,13 @@ def _descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
     return desc
 
 
+def _tensor_args(k_rows, block_d, q, k, v, out, lse):
+    """The kernel's per-call arguments: TMA descriptors over q, k, v (boxes of one consumer's rows, of one key
+    tile), then out and lse."""
+    return (_descriptor(q, CONSUMER_ROWS, block_d), _descriptor(k, k_rows, block_d), _descriptor(v, k_rows, block_d),
+            out, lse)
+
+
 def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers, cross_item):
     """(grid, positional args, constexprs) of one launch; see attention_forward_sm90."""
     batch, num_q_heads, seqlen_q, head_dim = q.shape
@@ -449,9 +455,7 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
     num_m_tiles = (seqlen_q + BLOCK_M - 1) // BLOCK_M
     num_work = num_m_tiles * batch * num_q_heads
     grid = (max(1, num_work if num_ctas is None else min(num_ctas, num_work)),)
-    args = (_descriptor(q, CONSUMER_ROWS, block_d), _descriptor(k, tiles.block_n, block_d),
-            _descriptor(v, tiles.block_n, block_d), out, lse,
-            *out.stride()[:3],
+    args = (*_tensor_args(tiles.block_n, block_d, q, k, v, out, lse), *out.stride()[:3],
             num_q_heads, num_q_heads // k.shape[1], seqlen_q, k.shape[2], softmax_scale * LOG2_E, num_m_tiles, num_work)
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_N=tiles.block_n, BLOCK_D=block_d, NUM_STAGES=tiles.num_stages,
                       CAUSAL=causal, Q_BUFFERS=q_buffers, CROSS_ITEM=cross_item, ROW64=needs_64bit_rows(out))
@@ -474,48 +478,14 @@ def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float
     return attention_forward_sm90_kernel[grid](*args, **constexprs, **_LAUNCH_OPTIONS)
 
 
-class PreparedForward:
-    """The launch of one call signature, ready to repeat on new tensors of that signature without Triton's
-    per-call binding (argument specialisation, cache lookup): it holds the compiled kernel and every argument
-    but the five tensors. Valid for tensors whose shapes, strides, dtypes and device equal the prepared call's
-    and whose base addresses are 16-byte aligned (what Triton specialises on: the API keys its cache on all of
-    these, see api._prepared_key). Saves ~1/3 of the host time of a small call (scripts/host_time.py)."""
-
-    __slots__ = ("compiled", "grid", "tail", "k_rows", "block_d")
-
-    def __init__(self, compiled, grid, tail, k_rows, block_d):
-        self.compiled, self.grid, self.tail, self.k_rows, self.block_d = compiled, grid, tail, k_rows, block_d
-
-    def __call__(self, q, k, v, out, lse) -> None:
-        if out.data_ptr() % 16 or lse.data_ptr() % 16:  # never from torch's allocator; kept exact regardless
-            raise ValueError("PreparedForward needs 16-byte aligned out and lse")
-        device = driver.active.get_current_device()
-        stream = driver.active.get_current_stream(device)
-        c = self.compiled
-        args = (_descriptor(q, CONSUMER_ROWS, self.block_d), _descriptor(k, self.k_rows, self.block_d),
-                _descriptor(v, self.k_rows, self.block_d), out, lse, *self.tail)
-        enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        if _hooked(enter) or _hooked(exit_):  # a profiler is listening: hand it what Triton's own launch would
-            metadata = c.launch_metadata(self.grid, stream, *args)
-            c.run(self.grid[0], 1, 1, stream, c.function, c.packed_metadata, metadata, enter, exit_, *args)
-        else:
-            c.run(self.grid[0], 1, 1, stream, c.function, c.packed_metadata, None, None, None, *args)
-
-
-def _hooked(hook) -> bool:
-    """Whether a Triton launch hook (None, a function, or an empty or non-empty HookChain) would do anything."""
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
 def prepare_forward(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles, num_ctas: int | None = None,
-                    q_buffers: int = 1, cross_item: bool = False) -> PreparedForward:
-    """A PreparedForward for calls like this one (arguments as attention_forward_sm90, which must have run on
-    them: the kernel is taken from Triton's cache, not launched)."""
+                    q_buffers: int = 1, cross_item: bool = False) -> PreparedLaunch:
+    """This launch as a PreparedLaunch, called as `prepared(q, k, v, out, lse)` on new tensors of the same shapes,
+    strides, dtypes, device and 16-byte alignment (arguments as attention_forward_sm90, which must have run on
+    them: the kernel is taken from Triton's cache)."""
     grid, args, constexprs = _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers,
                                           cross_item)
-    compiled = attention_forward_sm90_kernel.warmup(*args, grid=grid, **constexprs, **_LAUNCH_OPTIONS)
-    names = attention_forward_sm90_kernel.arg_names
-    values = dict(zip(names, args), **constexprs)
-    # every parameter after the five tensors, in the kernel's order (the launcher takes constexprs too)
-    return PreparedForward(compiled, grid, tuple(values[name] for name in names[5:]), tiles.block_n,
-                           padded_head_dim(q.shape[-1]))
+    bound = dict(zip(attention_forward_sm90_kernel.arg_names, args), **constexprs)
+    make_head = functools.partial(_tensor_args, tiles.block_n, padded_head_dim(q.shape[-1]))
+    return PreparedLaunch(attention_forward_sm90_kernel, grid, bound, _LAUNCH_OPTIONS, make_head,
+                          (q, k, v, out, lse))
