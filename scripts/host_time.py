@@ -4,6 +4,10 @@ shape and backend: device ms (calls queued back to back, timed by CUDA events), 
 cProfile of the sm_90 `auto` path's host side (top functions by cumulative time).
 
     PYTHONPATH=src python scripts/host_time.py [--cases BxHxLxD,...] [--profile BxHxLxD]
+    PYTHONPATH=src python scripts/host_time.py --moe [--tokens 1,16,64]
+
+`--moe`: the same for `fused_moe` on the bench's models (bf16), the prepared launch (a repeated signature) against
+the full path (the prepared-call cache emptied before each call).
 """
 import argparse
 import cProfile
@@ -26,11 +30,62 @@ def call(name, q, k, v, causal):
     return flash_attention_science(q, k, v, causal=causal, backend=name)
 
 
+def _host_and_device(fn, n=50):
+    """(device ms per call with the queue kept full, host µs per call without a sync) of fn()."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host_us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e8))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n, host_us
+
+
+def moe_main(tokens):
+    from flashmoe_science.bench.moe import MODELS
+    from flashmoe_science.moe import api as moe_api
+    from flashmoe_science.moe import fused_moe
+
+    for model, shape in MODELS.items():
+        e, k, d, f = shape["num_experts"], shape["top_k"], shape["d_model"], shape["d_ff"]
+        w1 = torch.randn(e, 2 * f, d, device="cuda", dtype=torch.bfloat16) * d**-0.5
+        w2 = torch.randn(e, d, f, device="cuda", dtype=torch.bfloat16) * f**-0.5
+        for t in tokens:
+            x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+            logits = torch.randn(t, e, device="cuda", dtype=torch.bfloat16)
+
+            def prepared():
+                return fused_moe(x, w1, w2, logits, k)
+
+            def full():
+                moe_api._PREPARED.clear()
+                return fused_moe(x, w1, w2, logits, k)
+
+            line = [f"{model} T={t}"]
+            for name, fn in (("prepared", prepared), ("full path", full)):
+                device_ms, host_us = _host_and_device(fn)
+                line.append(f"{name}: device {device_ms:.4f} ms, host {host_us:.0f} us")
+            print(" | ".join(line), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--moe", action="store_true")
+    p.add_argument("--tokens", default="1,16,64")
     p.add_argument("--cases", default=CASES)
     p.add_argument("--profile", default="32x8x512x256")
     a = p.parse_args()
+    if a.moe:
+        return moe_main([int(t) for t in a.tokens.split(",")])
     for case in a.cases.split(","):
         b, h, length, d = map(int, case.split("x"))
         for causal in (False, True):

@@ -142,3 +142,65 @@ def test_cuda_graph_capture_has_no_host_sync():
         graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(captured, expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("entry", ["fused_moe", "fused_experts"])
+@pytest.mark.parametrize("num_tokens, d_model, d_ff, num_experts, top_k, dtype, exact", [
+    (1, 512, 128, 8, 2, torch.bfloat16, True),  # decode, one token
+    (16, 1024, 192, 64, 2, torch.float16, True),
+    (33, 256, 128, 16, 1, torch.float32, True),
+    (4, 1024, 2048, 8, 2, torch.bfloat16, False),  # split-K in down: float32 atomics in any order
+    (64, 512, 256, 128, 8, torch.bfloat16, False),  # E=128, k=8: eight float32 atomic adds per element
+])
+def test_repeated_signature_takes_the_prepared_launches(monkeypatch, entry, num_tokens, d_model, d_ff, num_experts,
+                                                        top_k, dtype, exact):
+    """The second inference call of a signature skips the checks, the tiles and Triton's binding (moe.api._PREPARED):
+    bit for bit the full path's output where the combine is order-independent (at most two float32 atomic adds per
+    output element), and within budget on new data of that signature."""
+    from flashmoe_science.moe import api, triton_gemm
+
+    def call(x, w1, w2, logits):
+        if entry == "fused_moe":
+            return fused_moe(x, w1, w2, logits, top_k)
+        return fused_experts(x, w1, w2, *moe_route(logits, top_k))
+
+    def inputs():
+        return (*make_experts(num_tokens, d_model, d_ff, num_experts, dtype, DEVICE),
+                torch.randn(num_tokens, num_experts, device=DEVICE))
+
+    api._PREPARED.clear()
+    x, w1, w2, logits = inputs()
+    with torch.no_grad():
+        first = call(x, w1, w2, logits)
+        (prepared,) = api._PREPARED.values()
+        assert exact == (prepared.tiles.down.split_k == 1 and top_k <= 2)
+
+        def full_path(*args, **kwargs):
+            raise AssertionError("a repeated signature took the full path")
+
+        monkeypatch.setattr(triton_gemm, "moe_forward", full_path)
+        again = call(x, w1, w2, logits)
+        if exact:
+            assert torch.equal(first, again)
+        else:
+            torch.testing.assert_close(again, first, rtol=1e-2, atol=1e-2)
+        x2, w1_2, w2_2, logits2 = inputs()
+        out2 = call(x2, w1_2, w2_2, logits2)
+        assert len(api._PREPARED) == 1
+    weights, ids = moe_route(logits2, top_k)
+    assert_within_budget("out", out2, torch_loop_same_dtype(x2, w1_2, w2_2, weights, ids),
+                         reference64(x2, w1_2, w2_2, weights, ids))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensors_on_a_device_that_is_not_current():
+    """Triton launches on the current device; the API makes it the tensors' device for the call."""
+    x, w1, w2 = make_experts(8, 256, 128, 8, torch.bfloat16, "cuda:1")
+    logits = torch.randn(8, 8, device="cuda:1")
+    with torch.cuda.device(0), torch.no_grad():
+        for _ in range(2):  # full path, then the prepared launches
+            out = fused_moe(x, w1, w2, logits, 2)
+    assert out.device == x.device
+    weights, ids = moe_route(logits, 2)
+    same = torch_loop_same_dtype(x, w1, w2, weights, ids)
+    assert_within_budget("out", out, same, reference64(x, w1, w2, weights, ids))

@@ -1,6 +1,7 @@
 """The MoE front door: input checks, backend choice, autograd.
 
-Kernels behind this file take already-checked tensors and never validate user input.
+Kernels behind this file take already-checked tensors and never validate user input. An inference call whose
+signature ran before skips the checks and the launch planning (``_PREPARED``, at the end of this file).
 """
 
 
@@ -168,16 +169,37 @@ def fused_experts(x, w1, w2, topk_weights, topk_ids, *, backend="auto"):
     ``backend``: ``"auto"`` (Triton on CUDA, else the PyTorch reference), ``"triton"`` or ``"reference"``.
     Differentiable with respect to x, w1, w2 and topk_weights.
     """
+    if _on_another_cuda_device(x):
+        with torch.cuda.device(x.device):  # Triton launches on the current device: make it x's
+            return fused_experts(x, w1, w2, topk_weights, topk_ids, backend=backend)
+    key = _experts_key(x, w1, w2, topk_weights, topk_ids, backend)
+    prepared = _PREPARED.get(key) if key is not None else None
+    if prepared is not None:  # a call with this signature ran before: checks, backend and tiles as then
+        return prepared(x, w1, w2, topk_weights.float().contiguous(), topk_ids)
+
     num_tokens, _, _, _ = _check_experts(x, w1, w2)
     _check_topk(topk_weights, topk_ids, num_tokens, x)
-    return _run_experts(x, w1, w2, topk_weights, topk_ids, _choose_backend(backend, x))
+    return _run_experts(x, w1, w2, topk_weights, topk_ids, _choose_backend(backend, x), key)
 
 
-def _run_experts(x, w1, w2, topk_weights, topk_ids, backend: str):
-    """The experts on checked inputs, with the backend already chosen."""
+def _run_experts(x, w1, w2, topk_weights, topk_ids, backend: str, key: tuple | None):
+    """The experts on checked inputs, with the backend already chosen. An inference call with a prepared-call
+    ``key`` leaves its launches in ``_PREPARED`` for the next call of its signature."""
     if backend == "reference":
         return fused_experts_reference(x, w1, w2, topk_weights, topk_ids)
-    return _FusedExpertsTriton.apply(x, w1, w2, topk_weights, topk_ids)
+    if torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad or w2.requires_grad
+                                    or topk_weights.requires_grad):
+        return _FusedExpertsTriton.apply(x, w1, w2, topk_weights, topk_ids)
+    from flashmoe_science.moe import triton_gemm
+
+    # Inference: skip autograd's bookkeeping, a measurable share of host time on few tokens.
+    weights32 = topk_weights.float().contiguous()
+    out, saved = triton_gemm.moe_forward(x, w1, w2, weights32, topk_ids)
+    if key is not None and x.is_cuda and x.shape[0] > 0:  # (the interpreter has no compiled kernels to prepare)
+        if len(_PREPARED) >= _PREPARED_MAX:
+            _PREPARED.clear()
+        _PREPARED[key] = triton_gemm.prepare_forward(x, w1, w2, weights32, topk_ids, saved.tiles)
+    return out
 
 
 def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="softmax", backend="auto"):
@@ -186,6 +208,17 @@ def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="sof
     Equivalent to ``fused_experts(x, w1, w2, *moe_route(router_logits, top_k, renormalize, scoring))``; gradients
     reach the router logits through the routing weights.
     """
+    if _on_another_cuda_device(x):
+        with torch.cuda.device(x.device):  # Triton launches on the current device: make it x's
+            return fused_moe(x, w1, w2, router_logits, top_k, renormalize=renormalize, scoring=scoring,
+                             backend=backend)
+    key = _moe_key(x, w1, w2, router_logits, top_k, renormalize, scoring, backend)
+    prepared = _PREPARED.get(key) if key is not None else None
+    if prepared is not None:  # a call with this signature ran before: checks, backend and tiles as then
+        # the routing's outputs (dtypes, (T, k) shapes, fresh allocations) follow from the logits' signature
+        topk_weights, topk_ids = route(router_logits, top_k, renormalize, scoring)
+        return prepared(x, w1, w2, topk_weights.float().contiguous(), topk_ids)
+
     num_tokens, _, num_experts, _ = _check_experts(x, w1, w2)
     _check_router_logits(router_logits, num_tokens, num_experts)
     _check_same_device("router_logits", router_logits, x)
@@ -193,4 +226,47 @@ def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="sof
     _check_routing_options(renormalize, scoring)
     chosen = _choose_backend(backend, x)  # before the routing work: a bad backend fails first
     topk_weights, topk_ids = route(router_logits, top_k, renormalize, scoring)  # well-formed by construction
-    return _run_experts(x, w1, w2, topk_weights, topk_ids, chosen)
+    return _run_experts(x, w1, w2, topk_weights, topk_ids, chosen, key)
+
+
+# ------------------------------------------------------------------------------------------ prepared calls
+# Inference calls whose signature ran before skip the checks, the tiles and Triton's argument binding of the
+# forward's five launches (launch-bound on few tokens: docs/perf-notes.md). Bounded: each token count is a new
+# signature.
+_PREPARED: dict[tuple, object] = {}
+_PREPARED_MAX = 512
+
+
+def _on_another_cuda_device(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_cuda and x.get_device() != torch.cuda.current_device()
+
+
+def _signatures(*tensors) -> tuple | None:
+    """Each tensor's shape, strides, dtype, device and 16-byte alignment (all that the checks, the tiles and the
+    kernels' specialisation read from it), or None where one is not a tensor or autograd records the call."""
+    grad_enabled = torch.is_grad_enabled()
+    key = []
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or (grad_enabled and t.requires_grad):
+            return None
+        key += (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+    return tuple(key)
+
+
+def _experts_key(x, w1, w2, topk_weights, topk_ids, backend) -> tuple | None:
+    """A ``fused_experts`` call's prepared-call key, or None where it must take the full path (autograd, or a
+    backend that is no str)."""
+    if backend.__class__ is not str:
+        return None
+    signatures = _signatures(x, w1, w2, topk_weights, topk_ids)
+    return None if signatures is None else ("experts", backend, *signatures)
+
+
+def _moe_key(x, w1, w2, router_logits, top_k, renormalize, scoring, backend) -> tuple | None:
+    """A ``fused_moe`` call's prepared-call key, or None where it must take the full path: autograd, or arguments
+    of types whose equality would hide a failing check (True == 1)."""
+    if (top_k.__class__ is not int or renormalize.__class__ is not bool or scoring.__class__ is not str
+            or backend.__class__ is not str):
+        return None
+    signatures = _signatures(x, w1, w2, router_logits)
+    return None if signatures is None else ("moe", top_k, renormalize, scoring, backend, *signatures)

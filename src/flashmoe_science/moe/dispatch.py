@@ -14,11 +14,14 @@ Rows are grouped in tiles of ``block_m``: tile i covers sorted rows ``[i*block_m
 to one expert, so a GEMM program reads its expert once and needs no per-row expert lookup.
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from flashmoe_science.moe.launch import Launch
 
 
 class ExpertSort(NamedTuple):
@@ -123,50 +126,64 @@ def _scatter_pairs(
     tl.store(pair_row_ptr + pairs, tl.where(routed, row, -1), mask=in_range)
 
 
+def flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
+    """The (T·k,) pair ids in pair order: a view of ``topk_ids``, or a small copy where it is not contiguous."""
+    ids = topk_ids.reshape(-1)
+    return ids if ids.is_contiguous() else ids.contiguous()
+
+
+@functools.lru_cache(maxsize=1024)
+def _sort_sizes(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, int, int, int]:
+    """(E_POW2, CHUNK, chunks, row tiles at most) of a sort. Cached: it runs on every call, and triton.cdiv and
+    next_power_of_2 cost ~2 µs each on the host (constexpr functions)."""
+    e_pow2 = triton.next_power_of_2(num_experts)
+    chunk = max(16, min(128, 16384 // e_pow2))  # chunk x E one-hot and chunk x chunk rank tiles of <= ~16K elements
+    return e_pow2, chunk, triton.cdiv(num_pairs, chunk), max_row_tiles(num_pairs, num_experts, block_m)
+
+
+def sort_buffers(num_tokens: int, top_k: int, num_experts: int, block_m: int, device):
+    """The sort's outputs, as an ExpertSort for ``sort_launches`` to fill, and its two (chunks, E) int32 scratch
+    arrays (per-chunk counts, per-chunk first rows). Every size follows from the arguments: none from the ids."""
+    num_pairs = num_tokens * top_k
+    _, _, num_chunks, num_tiles_max = _sort_sizes(num_pairs, num_experts, block_m)
+    sort = ExpertSort(
+        torch.full((num_tiles_max * block_m,), num_pairs, dtype=torch.int32, device=device),  # padding rows
+        torch.empty(num_pairs, dtype=torch.int32, device=device),
+        torch.empty(num_tiles_max, dtype=torch.int32, device=device),
+        torch.empty(num_experts, dtype=torch.int32, device=device),
+        torch.empty(num_experts, dtype=torch.int32, device=device),
+        block_m, top_k, num_pairs,
+    )
+    chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
+    return sort, chunk_counts, torch.empty_like(chunk_counts)
+
+
+def sort_launches(ids: torch.Tensor, sort: ExpertSort, chunk_counts: torch.Tensor,
+                  chunk_row_base: torch.Tensor) -> tuple[Launch, Launch, Launch]:
+    """The count, scan and scatter launches that fill ``sort`` (from ``sort_buffers``) from the flat ``ids``."""
+    num_chunks, num_experts = chunk_counts.shape
+    e_pow2, chunk, _, num_tiles_max = _sort_sizes(sort.num_pairs, num_experts, sort.block_m)
+    block = max(1, min(64, 8192 // e_pow2))
+    count = Launch(_count_chunks, (num_chunks,), (ids, chunk_counts, sort.num_pairs, num_experts),
+                   dict(CHUNK=chunk, E_POW2=e_pow2))
+    scan = Launch(_scan_counts, (1,),
+                  (chunk_counts, chunk_row_base, sort.expert_counts, sort.expert_row_start, sort.tile_expert,
+                   num_chunks, num_experts, num_tiles_max),
+                  dict(BLOCK_M=sort.block_m, E_POW2=e_pow2, CHUNK_BLOCK=block, TILE_BLOCK=block, num_warps=4))
+    scatter = Launch(_scatter_pairs, (num_chunks,),
+                     (ids, chunk_row_base, sort.sorted_pair_ids, sort.pair_row, sort.num_pairs, num_experts),
+                     dict(CHUNK=chunk))
+    return count, scan, scatter
+
+
 def sort_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertSort:
     """Counting sort of ``topk_ids`` (T, k) by expert; ids outside [0, E) are dropped (their pair_row is -1)."""
     num_tokens, top_k = topk_ids.shape
-    num_pairs = num_tokens * top_k
-    device = topk_ids.device
-    ids = topk_ids.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()  # (T·k) indices: a small copy
-
-    e_pow2 = triton.next_power_of_2(num_experts)
-    # chunk x E one-hot and chunk x chunk rank tiles of at most ~16K elements
-    chunk = max(16, min(128, 16384 // e_pow2))
-    num_chunks = triton.cdiv(num_pairs, chunk)
-    num_tiles_max = max_row_tiles(num_pairs, num_experts, block_m)
-
-    sorted_pair_ids = torch.full((num_tiles_max * block_m,), num_pairs, dtype=torch.int32, device=device)
-    pair_row = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    tile_expert = torch.empty(num_tiles_max, dtype=torch.int32, device=device)
-    expert_counts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    expert_row_start = torch.empty(num_experts, dtype=torch.int32, device=device)
-    if num_pairs == 0:
-        expert_counts.zero_()
-        expert_row_start.zero_()
-        return ExpertSort(sorted_pair_ids, pair_row, tile_expert, expert_counts, expert_row_start, block_m, top_k, 0)
-
-    chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
-    chunk_row_base = torch.empty_like(chunk_counts)
-    _count_chunks[(num_chunks,)](ids, chunk_counts, num_pairs, num_experts, CHUNK=chunk, E_POW2=e_pow2)
-    _scan_counts[(1,)](
-        chunk_counts,
-        chunk_row_base,
-        expert_counts,
-        expert_row_start,
-        tile_expert,
-        num_chunks,
-        num_experts,
-        num_tiles_max,
-        BLOCK_M=block_m,
-        E_POW2=e_pow2,
-        CHUNK_BLOCK=max(1, min(64, 8192 // e_pow2)),
-        TILE_BLOCK=max(1, min(64, 8192 // e_pow2)),
-        num_warps=4,
-    )
-    _scatter_pairs[(num_chunks,)](ids, chunk_row_base, sorted_pair_ids, pair_row, num_pairs, num_experts, CHUNK=chunk)
-    return ExpertSort(
-        sorted_pair_ids, pair_row, tile_expert, expert_counts, expert_row_start, block_m, top_k, num_pairs
-    )
+    sort, chunk_counts, chunk_row_base = sort_buffers(num_tokens, top_k, num_experts, block_m, topk_ids.device)
+    if sort.num_pairs == 0:
+        sort.expert_counts.zero_()
+        sort.expert_row_start.zero_()
+        return sort
+    for launch in sort_launches(flat_ids(topk_ids), sort, chunk_counts, chunk_row_base):
+        launch()
+    return sort

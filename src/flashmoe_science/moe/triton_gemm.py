@@ -29,8 +29,10 @@ import triton
 import triton.language as tl
 
 from flashmoe_science.device import dot_precision
-from flashmoe_science.moe.dispatch import ExpertSort, sort_pairs_by_expert
+from flashmoe_science.moe.dispatch import ExpertSort, flat_ids, sort_buffers, sort_launches, sort_pairs_by_expert
+from flashmoe_science.moe.launch import Launch
 from flashmoe_science.moe.tiles import GemmTiles, MoETiles, choose_tiles
+from flashmoe_science.prepared_launch import PreparedLaunch
 
 
 class SavedForBackward(NamedTuple):
@@ -374,19 +376,6 @@ def _expert_wgrad_kernel(
 
 
 # ---------------------------------------------------------------------------------------------- launches
-class Launch(NamedTuple):
-    """One kernel launch, built but not yet run: ``launch()`` runs it. Kept as data so that the tile sweep
-    (scripts/sweep_moe.py) can time one GEMM alone and the offline sm_90 build can compile exactly what would run."""
-
-    kernel: object  # a @triton.jit function
-    grid: tuple
-    args: tuple
-    meta: dict  # constexprs, num_warps, num_stages
-
-    def __call__(self):
-        return self.kernel[self.grid](*self.args, **self.meta)
-
-
 def up_swiglu_launch(x, w1, h, sort: ExpertSort, tiles: MoETiles) -> Launch:
     """``h[row] = silu(x[token] @ gate.T) * (x[token] @ up.T)`` over the sorted rows (tiles.up)."""
     d_model = x.shape[1]
@@ -502,23 +491,73 @@ def backward_buffers(x, w1, sort: ExpertSort, tiles: MoETiles):
     return h, dgu, dweights
 
 
+def _default_tiles(x, w1, topk_ids) -> MoETiles:
+    num_experts, two_d_ff, _ = w1.shape
+    return choose_tiles(x.shape[0], topk_ids.shape[1], num_experts, x.shape[1], two_d_ff // 2, x.device)
+
+
+def _forward_launches(x, w1, w2, weights32, topk_ids, tiles: MoETiles):
+    """Fresh sort buffers, ``h`` and ``out32``, and the forward's five launches over them, in order: the sort's count,
+    scan and scatter, then up and down. Returns ``(sort, out32, launches)``."""
+    sort, chunk_counts, chunk_row_base = sort_buffers(x.shape[0], topk_ids.shape[1], w1.shape[0], tiles.block_m,
+                                                      x.device)
+    h, out32 = forward_buffers(x, w1, sort, tiles)
+    launches = (*sort_launches(flat_ids(topk_ids), sort, chunk_counts, chunk_row_base),
+                up_swiglu_launch(x, w1, h, sort, tiles), down_forward_launch(h, w2, out32, weights32, sort, tiles))
+    return sort, out32, launches
+
+
 def moe_forward(x, w1, w2, weights32, topk_ids, tiles: MoETiles | None = None):
     """Already-checked tensors: x (T, d), w1 (E, 2F, d), w2 (E, d, F), weights32 (T, k) contiguous float32,
     topk_ids (T, k) int. ``tiles``: the launch configs (default: ``choose_tiles``; the tile sweep passes its
     candidates here). Returns ``(out, SavedForBackward)``; the backward runs with the same tiles."""
-    num_tokens, d_model = x.shape
-    num_experts, two_d_ff, _ = w1.shape
-    top_k = topk_ids.shape[1]
     if tiles is None:
-        tiles = choose_tiles(num_tokens, top_k, num_experts, d_model, two_d_ff // 2, x.device)
-    sort = sort_pairs_by_expert(topk_ids, num_experts, tiles.block_m)
-    saved = SavedForBackward(sort, tiles)
-    if num_tokens == 0:
-        return x.new_empty((0, d_model)), saved
-    h, out32 = forward_buffers(x, w1, sort, tiles)
-    up_swiglu_launch(x, w1, h, sort, tiles)()
-    down_forward_launch(h, w2, out32, weights32, sort, tiles)()
-    return out32.to(x.dtype), saved
+        tiles = _default_tiles(x, w1, topk_ids)
+    if x.shape[0] == 0:
+        return x.new_empty((0, x.shape[1])), SavedForBackward(sort_pairs_by_expert(topk_ids, w1.shape[0],
+                                                                                   tiles.block_m), tiles)
+    sort, out32, launches = _forward_launches(x, w1, w2, weights32, topk_ids, tiles)
+    for launch in launches:
+        launch()
+    return out32.to(x.dtype), SavedForBackward(sort, tiles)
+
+
+class PreparedForward(NamedTuple):
+    """``moe_forward``'s output for one call signature, without its JIT launches: per call, fresh buffers as
+    ``_forward_launches`` makes them, then its five launches as PreparedLaunches. Every grid and scalar they freeze
+    follows from the shapes (T, k, E, d, F), strides, dtypes and device (the sort sizes its outputs for the worst
+    case and never reads a count back to the host), so a cache of these is keyed on those and on the inputs'
+    16-byte alignment (moe.api._moe_key, _experts_key)."""
+
+    tiles: MoETiles
+    count: PreparedLaunch
+    scan: PreparedLaunch
+    scatter: PreparedLaunch
+    up: PreparedLaunch
+    down: PreparedLaunch
+
+    def __call__(self, x, w1, w2, weights32, topk_ids) -> torch.Tensor:
+        """``moe_forward(x, w1, w2, weights32, topk_ids)[0]`` for new tensors of the prepared signature."""
+        ids = flat_ids(topk_ids)
+        sort, chunk_counts, chunk_row_base = sort_buffers(x.shape[0], topk_ids.shape[1], w1.shape[0],
+                                                          self.tiles.block_m, x.device)
+        h, out32 = forward_buffers(x, w1, sort, self.tiles)
+        # each kernel's tensor parameters, in order, as sort_launches / up_swiglu_launch / down_forward_launch pass them
+        self.count(ids, chunk_counts)
+        self.scan(chunk_counts, chunk_row_base, sort.expert_counts, sort.expert_row_start, sort.tile_expert)
+        self.scatter(ids, chunk_row_base, sort.sorted_pair_ids, sort.pair_row)
+        self.up(x, w1, h, sort.sorted_pair_ids, sort.tile_expert)
+        self.down(h, w2, out32, weights32, sort.sorted_pair_ids, sort.tile_expert)
+        return out32.to(x.dtype)
+
+
+def prepare_forward(x, w1, w2, weights32, topk_ids, tiles: MoETiles | None = None) -> PreparedForward:
+    """``moe_forward`` for this call signature (arguments as moe_forward, at least one token) as a PreparedForward.
+    Builds its launches over throwaway buffers; Triton compiles any kernel no call has compiled yet."""
+    if tiles is None:
+        tiles = _default_tiles(x, w1, topk_ids)
+    _, _, launches = _forward_launches(x, w1, w2, weights32, topk_ids, tiles)
+    return PreparedForward(tiles, *(launch.prepare() for launch in launches))
 
 
 def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
