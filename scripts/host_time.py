@@ -31,7 +31,8 @@ def call(name, q, k, v, causal):
 
 
 def _host_and_device(fn, n=50):
-    """(device ms per call with the queue kept full, host µs per call without a sync) of fn()."""
+    """(device ms per call, host µs per call without a sync) of fn(). The device time is taken behind a long
+    sleep kernel, so the queue is full and the GPU never waits for the host."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -92,24 +93,8 @@ def main():
             q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             line = [f"B{b} H{h} L{length} D{d} causal={int(causal)}"]
             for name in ("auto", "triton", "cudnn"):
-                for _ in range(3):
-                    call(name, q, k, v, causal)
-                torch.cuda.synchronize()
-                n = 50
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    call(name, q, k, v, causal)
-                host_us = (time.perf_counter() - t0) / n * 1e6
-                torch.cuda.synchronize()
-                # device time: a long queue so the GPU never waits for the host
-                torch.cuda._sleep(int(2e8))
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(n):
-                    call(name, q, k, v, causal)
-                end.record()
-                torch.cuda.synchronize()
-                line.append(f"{name}: device {start.elapsed_time(end) / n:.4f} ms, host {host_us:.0f} us")
+                device_ms, host_us = _host_and_device(lambda: call(name, q, k, v, causal))
+                line.append(f"{name}: device {device_ms:.4f} ms, host {host_us:.0f} us")
             print(" | ".join(line), flush=True)
     b, h, length, d = map(int, a.profile.split("x"))
     q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))

@@ -29,7 +29,6 @@ from flashmoe_science.attention.tiles import (  # noqa: E402
     sm90_q_buffers,
     sm90_smem_bytes,
 )
-from flashmoe_science import prepared_launch  # noqa: E402
 from flashmoe_science.device import DeviceTraits  # noqa: E402
 
 H200 = DeviceTraits((9, 0), 132, 232448)
@@ -112,24 +111,8 @@ def test_sm90_cross_item_refuses_a_deadlocking_ring(monkeypatch):
     assert [launch[2]["CROSS_ITEM"] for launch in kernel.launches] == [True, True]
 
 
-class _FakeCompiled:
-    function, packed_metadata = "function", "metadata"
-
-    def __init__(self):
-        self.runs = []
-
-    def run(self, *args):
-        self.runs.append(args)
-
-
-class _FakeDriver:
-    class active:  # noqa: N801 - mirrors triton.runtime.driver.driver.active
-        get_current_device = staticmethod(lambda: 0)
-        get_current_stream = staticmethod(lambda device: 1234)
-
-
-def _recording_warmup_kernel(arg_names):
-    compiled = _FakeCompiled()
+def _recording_warmup_kernel(arg_names, compiled_class):
+    compiled = compiled_class()
 
     class Kernel(_RecordingKernel):
         def warmup(self, *args, grid, **kwargs):
@@ -165,13 +148,13 @@ def _assert_prepared_launch_matches(kernel, compiled, prepared, new_tensors, des
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_sm90_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatch, causal):
+def test_sm90_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatch, fake_compiled_kernel, causal):
     pytest.importorskip("triton.experimental.gluon")
     from flashmoe_science.attention.hopper import fwd_sm90
 
-    kernel, compiled = _recording_warmup_kernel(fwd_sm90.attention_forward_sm90_kernel.arg_names)
+    kernel, compiled = _recording_warmup_kernel(fwd_sm90.attention_forward_sm90_kernel.arg_names,
+                                                fake_compiled_kernel)
     monkeypatch.setattr(fwd_sm90, "attention_forward_sm90_kernel", kernel)
-    monkeypatch.setattr(prepared_launch, "driver", _FakeDriver)
     q, k, v = _blhd(2, 8, 300, 64), _blhd(2, 2, 257, 64), _blhd(2, 2, 257, 64)
     out, lse = torch.empty_like(q), torch.empty(2, 8, 300)
     tiles = sm90_forward_tiles(64, causal, 300)
@@ -187,10 +170,9 @@ def test_sm90_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatch,
 
 
 @pytest.mark.parametrize("use_tma", [False, True])
-def test_triton_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatch, use_tma):
-    kernel, compiled = _recording_warmup_kernel(triton_fwd._attention_forward_kernel.arg_names)
+def test_triton_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatch, fake_compiled_kernel, use_tma):
+    kernel, compiled = _recording_warmup_kernel(triton_fwd._attention_forward_kernel.arg_names, fake_compiled_kernel)
     monkeypatch.setattr(triton_fwd, "_attention_forward_kernel", kernel)
-    monkeypatch.setattr(prepared_launch, "driver", _FakeDriver)
     q, k, v = _blhd(2, 4, 100, 80), _blhd(2, 2, 90, 80), _blhd(2, 2, 90, 80)
     out, lse = torch.empty_like(q), torch.empty(2, 4, 100)
     tiles = AttentionTiles(64, 32, 4, 3, use_tma=use_tma)

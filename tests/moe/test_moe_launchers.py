@@ -16,7 +16,6 @@ import torch
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     pytest.skip("launchers are stubbed here; the interpreter runs the real kernels elsewhere", allow_module_level=True)
 
-from flashmoe_science import prepared_launch  # noqa: E402
 from flashmoe_science.moe import api, dispatch, triton_gemm  # noqa: E402
 from flashmoe_science.moe.launch import Launch  # noqa: E402
 
@@ -24,30 +23,14 @@ KERNELS = [(dispatch, "_count_chunks"), (dispatch, "_scan_counts"), (dispatch, "
            (triton_gemm, "_up_swiglu_kernel"), (triton_gemm, "_down_combine_kernel")]
 
 
-class _FakeCompiled:
-    function, packed_metadata = "function", "metadata"
-
-    def __init__(self):
-        self.runs = []
-
-    def run(self, *args):
-        self.runs.append(args)
-
-
-class _FakeDriver:
-    class active:  # noqa: N801 - mirrors triton.runtime.driver.driver.active
-        get_current_device = staticmethod(lambda: 0)
-        get_current_stream = staticmethod(lambda device: 1234)
-
-
 class _RecordingKernel:
     """A JIT kernel's stand-in: records `kernel[grid](*args, **meta)` launches and `warmup` (every parameter by
     name, as PreparedLaunch asks for it), which returns the compiled kernel's stand-in."""
 
-    def __init__(self, arg_names):
+    def __init__(self, arg_names, compiled):
         self.arg_names = arg_names
         self.launches, self.warmed = [], []
-        self.compiled = _FakeCompiled()
+        self.compiled = compiled
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
@@ -62,13 +45,12 @@ class _RecordingKernel:
 
 
 @pytest.fixture
-def kernels(monkeypatch):
+def kernels(monkeypatch, fake_compiled_kernel):
     recording = []
     for module, name in KERNELS:
-        kernel = _RecordingKernel(getattr(module, name).arg_names)
+        kernel = _RecordingKernel(getattr(module, name).arg_names, fake_compiled_kernel())
         monkeypatch.setattr(module, name, kernel)
         recording.append(kernel)
-    monkeypatch.setattr(prepared_launch, "driver", _FakeDriver)
     return recording
 
 
