@@ -38,6 +38,12 @@ def device_traits(device: torch.device) -> DeviceTraits:
     return _cuda_traits(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def on_another_cuda_device(t) -> bool:
+    """Whether t is a CUDA tensor on a GPU other than the current one. Triton launches on the current device, so
+    the front doors run such calls under `torch.cuda.device(t.device)`."""
+    return isinstance(t, torch.Tensor) and t.is_cuda and t.get_device() != torch.cuda.current_device()
+
+
 def triton_interpreter_on() -> bool:
     """TRITON_INTERPRET=1: Triton kernels run on CPU tensors (slowly; for tests)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

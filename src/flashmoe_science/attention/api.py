@@ -26,7 +26,7 @@ from flashmoe_science.attention.tiles import (
     sm90_q_buffers,
     sm90_preferred,
 )
-from flashmoe_science.device import triton_interpreter_on
+from flashmoe_science.device import on_another_cuda_device, triton_interpreter_on
 
 BACKENDS = ("auto", "hopper", "triton", "reference")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -282,9 +282,13 @@ class _NoKeys(torch.autograd.Function):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
+def _new_outputs(q) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernels' out (keeps q's strides when q is dense, e.g. a transposed (B, L, H, D) buffer) and lse."""
+    return torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+
+
 def _kernel_forward(q, k, v, causal, softmax_scale, plan: ForwardPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.empty_like(q)  # keeps q's strides when q is dense (e.g. a transposed (B, L, H, D) buffer)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    out, lse = _new_outputs(q)
     if plan.kernel == "sm90":
         from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90
 
@@ -393,15 +397,14 @@ def flash_attention_science(
     Returns:
         `out` with q's shape and dtype, or `(out, lse)` when `return_lse=True`.
     """
-    if isinstance(q, torch.Tensor) and q.is_cuda and q.get_device() != torch.cuda.current_device():
+    if on_another_cuda_device(q):
         with torch.cuda.device(q.device):  # Triton launches on the current device: make it q's
             return flash_attention_science(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                            return_lse=return_lse, backend=backend, deterministic=deterministic)
     key = _prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic)
     prepared = _PREPARED.get(key) if key is not None else None
     if prepared is not None:  # a call with this signature ran before: checks and plan as then
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        out, lse = _new_outputs(q)
         prepared(q, k, v, out, lse)
         return (out, lse) if return_lse else out
 

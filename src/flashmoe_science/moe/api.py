@@ -7,7 +7,7 @@ signature ran before skips the checks and the launch planning (``_PREPARED``, at
 
 import torch
 
-from flashmoe_science.device import triton_interpreter_on
+from flashmoe_science.device import on_another_cuda_device, triton_interpreter_on
 from flashmoe_science.moe.reference import fused_experts_reference
 from flashmoe_science.moe.routing import SCORING_FUNCTIONS, route
 
@@ -169,7 +169,7 @@ def fused_experts(x, w1, w2, topk_weights, topk_ids, *, backend="auto"):
     ``backend``: ``"auto"`` (Triton on CUDA, else the PyTorch reference), ``"triton"`` or ``"reference"``.
     Differentiable with respect to x, w1, w2 and topk_weights.
     """
-    if _on_another_cuda_device(x):
+    if on_another_cuda_device(x):
         with torch.cuda.device(x.device):  # Triton launches on the current device: make it x's
             return fused_experts(x, w1, w2, topk_weights, topk_ids, backend=backend)
     key = _experts_key(x, w1, w2, topk_weights, topk_ids, backend)
@@ -208,7 +208,7 @@ def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="sof
     Equivalent to ``fused_experts(x, w1, w2, *moe_route(router_logits, top_k, renormalize, scoring))``; gradients
     reach the router logits through the routing weights.
     """
-    if _on_another_cuda_device(x):
+    if on_another_cuda_device(x):
         with torch.cuda.device(x.device):  # Triton launches on the current device: make it x's
             return fused_moe(x, w1, w2, router_logits, top_k, renormalize=renormalize, scoring=scoring,
                              backend=backend)
@@ -235,10 +235,6 @@ def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="sof
 # signature.
 _PREPARED: dict[tuple, object] = {}
 _PREPARED_MAX = 512
-
-
-def _on_another_cuda_device(x) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_cuda and x.get_device() != torch.cuda.current_device()
 
 
 def _signatures(*tensors) -> tuple | None:
