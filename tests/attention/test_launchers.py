@@ -95,7 +95,8 @@ def test_fp32_launch_asks_for_3xtf32(monkeypatch):
 
 
 def test_sm90_cross_item_refuses_a_deadlocking_ring(monkeypatch):
-    """Overlapping work items with causal masking needs three ring stages (see fwd_sm90._attention_consumer)."""
+    """Overlapping work items with causal masking needs three ring stages, and always two Q buffers: the output is
+    staged in the current item's Q buffer while the next item's Q·Kᵀ runs (see fwd_sm90._attention_consumer)."""
     pytest.importorskip("triton.experimental.gluon")
     from flashmoe_science.attention.hopper import fwd_sm90
 
@@ -105,9 +106,14 @@ def test_sm90_cross_item_refuses_a_deadlocking_ring(monkeypatch):
     out, lse = torch.empty_like(q), torch.empty(2, 8, 300)
     two, three = AttentionTiles(128, 64, 8, 2, use_tma=True), AttentionTiles(128, 64, 8, 3, use_tma=True)
     with pytest.raises(ValueError, match="cross_item"):
-        fwd_sm90.attention_forward_sm90(q, q, q, out, lse, True, 0.125, two, num_ctas=132, cross_item=True)
-    fwd_sm90.attention_forward_sm90(q, q, q, out, lse, True, 0.125, three, num_ctas=132, cross_item=True)
-    fwd_sm90.attention_forward_sm90(q, q, q, out, lse, False, 0.125, two, num_ctas=132, cross_item=True)
+        fwd_sm90.attention_forward_sm90(q, q, q, out, lse, True, 0.125, two, num_ctas=132, q_buffers=2,
+                                        cross_item=True)
+    with pytest.raises(ValueError, match="two Q buffers"):
+        fwd_sm90.attention_forward_sm90(q, q, q, out, lse, False, 0.125, two, num_ctas=132, cross_item=True)
+    fwd_sm90.attention_forward_sm90(q, q, q, out, lse, True, 0.125, three, num_ctas=132, q_buffers=2,
+                                    cross_item=True)
+    fwd_sm90.attention_forward_sm90(q, q, q, out, lse, False, 0.125, two, num_ctas=132, q_buffers=2,
+                                    cross_item=True)
     assert [launch[2]["CROSS_ITEM"] for launch in kernel.launches] == [True, True]
 
 
@@ -161,7 +167,7 @@ def test_sm90_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatch,
     prepared = fwd_sm90.prepare_forward(q, k, v, out, lse, causal, 0.125, tiles, 132, 2, not causal)
     q2, k2, v2 = _blhd(2, 8, 300, 64), _blhd(2, 2, 257, 64), _blhd(2, 2, 257, 64)
     new = (q2, k2, v2, torch.empty_like(q2), torch.empty(2, 8, 300))
-    _assert_prepared_launch_matches(kernel, compiled, prepared, new, {"q_desc", "k_desc", "v_desc"},
+    _assert_prepared_launch_matches(kernel, compiled, prepared, new, {"q_desc", "k_desc", "v_desc", "o_desc"},
                                     {"num_warps": 4, "maxnreg": fwd_sm90.REGISTER_CAP})
 
     misaligned = torch.empty(q2.numel() + 1, dtype=q2.dtype)[1:].view(q2.shape)
@@ -222,14 +228,16 @@ def test_sm90_launcher(monkeypatch, head_dim, causal):
     # cdiv(300, 128) query tiles x B*Hq = 48 work items over at most num_ctas CTAs; None: one CTA per item
     assert grid == (48,) and grid_20 == (20,) and grid_all == (48,)
     assert args[-2:] == args_20[-2:] == (3, 48)  # num_m_tiles, num_work
-    q_desc, k_desc, v_desc = args[:3]
+    q_desc, k_desc, v_desc, o_desc = args[:4]
     block_d = 128 if head_dim <= 128 else 256
-    assert q_desc.block_shape == [1, 1, fwd_sm90.CONSUMER_ROWS, block_d]
+    assert q_desc.block_shape == o_desc.block_shape == [1, 1, fwd_sm90.CONSUMER_ROWS, block_d]
     assert k_desc.block_shape == v_desc.block_shape == [1, 1, tiles.block_n, block_d]
     assert q_desc.layout.swizzle_byte_width == 128 and q_desc.strides == list(q.stride())
-    assert args[5:8] == out.stride()[:3] and args[8:10] == (8, 4)  # heads, GQA group
+    # the output is staged in a Q buffer: same box layout; its box is clipped at out's own shape (Lq, head_dim)
+    assert o_desc.layout == q_desc.layout and o_desc.base is out and o_desc.shape == list(out.shape)
+    assert args[4] is lse and args[5:7] == (8, 4)  # heads, GQA group
     assert kwargs["maxnreg"] == fwd_sm90.REGISTER_CAP == 168 and kwargs["num_warps"] == 4
-    assert (kwargs["HEAD_DIM"], kwargs["BLOCK_D"], kwargs["CAUSAL"]) == (head_dim, block_d, causal)
+    assert (kwargs["BLOCK_D"], kwargs["CAUSAL"]) == (block_d, causal)
     # shared memory: 2 Q boxes + NUM_STAGES K and V boxes fit the H200's 227 KiB
     box = lambda rows: rows * block_d * 2  # noqa: E731
     assert 2 * box(64) + kwargs["NUM_STAGES"] * 2 * box(tiles.block_n) <= 232448 - 2048
@@ -313,6 +321,19 @@ def test_sm90_launcher_rejects_other_tiles():
     with pytest.raises(ValueError, match="128-row tiles"):
         fwd_sm90.attention_forward_sm90(q, q, q, torch.empty_like(q), torch.empty(1, 2, 64), False, 0.1,
                                         AttentionTiles(64, 64, 4, 2, use_tma=True))
+
+
+def test_sm90_launcher_rejects_an_output_tma_cannot_store():
+    """The output leaves through a TMA store, so out needs TMA's alignment (the API makes it like q)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashmoe_science.attention.hopper import fwd_sm90
+
+    q = _blhd(1, 2, 64, 128)
+    tiles = sm90_forward_tiles(128, False, 64)
+    misaligned = torch.empty(1, 2, 64 * 128 + 1, dtype=q.dtype)[..., 1:].view(1, 2, 64, 128)
+    for out in (misaligned, torch.empty(1, 2, 64, 128), torch.empty(1, 2, 32, 128, dtype=q.dtype)):
+        with pytest.raises(ValueError, match="out must"):
+            fwd_sm90.attention_forward_sm90(q, q, q, out, torch.empty(1, 2, 64), False, 0.1, tiles)
 
 
 def test_triton_plan_drops_tma_for_strides_tma_cannot_take(monkeypatch):
