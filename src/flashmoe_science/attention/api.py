@@ -205,7 +205,7 @@ def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[ForwardPlan | None, 
             tiles = sm90_forward_tiles(q.shape[-1], causal, seqlen_q)
             persistent = sm90_persistent(causal, seqlen_q)
             q_buffers = sm90_q_buffers(tiles, q.shape[-1], persistent, device_traits(q.device))
-            cross_item = sm90_cross_item(tiles, q.shape[-1], causal, persistent)
+            cross_item = sm90_cross_item(tiles, q.shape[-1], causal, persistent) and q_buffers == 2
             return ForwardPlan("sm90", tiles, persistent=persistent, q_buffers=q_buffers,
                                cross_item=cross_item), None
         if backend == "hopper":

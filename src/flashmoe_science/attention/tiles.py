@@ -292,7 +292,9 @@ def sm90_cross_item(tiles: AttentionTiles, head_dim: int, causal: bool, persiste
     """Overlap consecutive work items of a persistent CTA (the next item's first Q·Kᵀ and softmax under the
     current item's last P·V) at D <= 64, where exp2 costs as much as the products and an item boundary leaves the
     tensor cores idle: measured on the H200 +2-3% at L=512-1024 and +2-4% causal at 2-4k. At D=128/256 it measured
-    2-4% slower (with two stages the next item's first K tile is not loaded yet when the last P·V should start)."""
+    2-4% slower (with two stages the next item's first K tile is not loaded yet when the last P·V should start).
+    The kernel also needs two Q buffers for it (the current item's output is staged in its Q buffer while the next
+    item's first Q·Kᵀ runs); the caller checks sm90_q_buffers."""
     return (persistent and padded_head_dim(head_dim) <= 64
             and sm90_cross_item_safe(causal, tiles.num_stages))
 
