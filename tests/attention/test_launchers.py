@@ -25,7 +25,6 @@ from flashmoe_science.attention.tiles import (  # noqa: E402
     sm90_cross_item,
     sm90_forward_tiles,
     sm90_persistent,
-    sm90_preferred,
     sm90_q_buffers,
     sm90_smem_bytes,
 )
@@ -258,7 +257,7 @@ def test_sm90_q_buffers_only_where_persistent_and_they_fit(head_dim, causal, seq
 
 
 def test_sm90_q_buffers_where_measured():
-    # D=128: two buffers with 2 ring stages (non-causal, short causal); the 3-stage causal ring leaves no room
+    # D=128: two buffers with the non-causal and the short causal rings; the 128-key 3-stage causal ring leaves no room
     assert sm90_q_buffers(sm90_forward_tiles(128, False, 512), 128, True, H200) == 2
     assert sm90_q_buffers(sm90_forward_tiles(128, True, 512), 128, True, H200) == 2
     assert sm90_q_buffers(sm90_forward_tiles(128, True, 2048), 128, True, H200) == 1
@@ -269,25 +268,29 @@ def test_sm90_q_buffers_where_measured():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
 def test_sm90_cross_item_where_measured_and_safe(head_dim, causal, seqlen_q):
-    """Overlapped work items: persistent D<=64 plans only, and never a causal two-stage ring (a deadlock)."""
+    """Overlapped work items: persistent plans with two Q buffers at D<=64 or with three ring stages, never a
+    causal two-stage ring (a deadlock)."""
     tiles = sm90_forward_tiles(head_dim, causal, seqlen_q)
     persistent = sm90_persistent(causal, seqlen_q)
-    cross = sm90_cross_item(tiles, head_dim, causal, persistent)
+    q_buffers = sm90_q_buffers(tiles, head_dim, persistent, H200)
+    cross = sm90_cross_item(tiles, head_dim, causal, persistent, q_buffers)
     if cross:
-        assert persistent and head_dim <= 64 and (not causal or tiles.num_stages >= 3)
-    assert not sm90_cross_item(tiles, head_dim, causal, False)
-    expected = head_dim <= 64 and (not causal or 1024 < seqlen_q <= 4096)
+        assert persistent and q_buffers == 2 and (not causal or tiles.num_stages >= 3)
+    assert not sm90_cross_item(tiles, head_dim, causal, False, q_buffers)
+    assert not sm90_cross_item(tiles, head_dim, causal, persistent, 1)
+    # measured: D<=64 non-causal and causal up to 4k; short causal rows (64-key tiles, three stages) up to D=128
+    expected = (head_dim <= 64 and (not causal or seqlen_q <= 4096)) or (
+        head_dim <= 128 and causal and seqlen_q <= SM90_SHORT_CAUSAL_LEN)
     assert cross == expected
 
 
 def test_sm90_rules_switch_at_the_measured_lengths():
     """`auto`'s sm_90 choice, its persistence and its key tile flip at the H200 sweeps' lengths (tiles.py)."""
     short, long_causal = SM90_SHORT_CAUSAL_LEN, SM90_PERSISTENT_MAX_CAUSAL_LEN
-    assert not sm90_preferred(64, True, short) and sm90_preferred(64, True, short + 1)
-    assert sm90_preferred(64, False, 128) and sm90_preferred(80, True, 128)  # D=80 pads to 128: sm_90 always
     assert sm90_persistent(True, long_causal) and not sm90_persistent(True, long_causal + 1)
     assert sm90_persistent(False, 1 << 20)
-    assert sm90_forward_tiles(128, True, short).block_n == 64
+    assert sm90_forward_tiles(128, True, short) == AttentionTiles(128, 64, 8, 3, use_tma=True)
+    assert sm90_forward_tiles(256, True, short) == AttentionTiles(128, 64, 8, 2, use_tma=True)
     assert sm90_forward_tiles(128, True, short + 1) == AttentionTiles(128, 128, 8, 3, use_tma=True)
     assert sm90_forward_tiles(128, False, 512) == AttentionTiles(128, 128, 8, 2, use_tma=True)
     assert sm90_forward_tiles(256, True, 1 << 14).block_n == 64
