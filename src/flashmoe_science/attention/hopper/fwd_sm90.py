@@ -191,16 +191,11 @@ def _issue_first_scores(q_tile, q_ready, q_phase, k_smem, k_ready, ring, s_zero,
 
 @gluon.jit
 def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring, num_tiles, p, m_i, l_i, alpha,
-               o_acc, s_zero, offs_m, seqlen_k, diagonal, full_end, qk_scale, staged_free, has_staged,
+               o_acc, s_zero, offs_m, seqlen_k, diagonal, full_end, qk_scale,
                BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-               s_layout: gl.constexpr, o_rows: gl.constexpr, p_layout: gl.constexpr, DEFER_RELEASE: gl.constexpr):
+               s_layout: gl.constexpr, o_rows: gl.constexpr, p_layout: gl.constexpr):
     """Key tiles 1..num_tiles-1 of a work item whose tile 0 is in (p, m_i, l_i, alpha); see the module docstring.
-    Returns the state after the last tile's softmax (its P·V is left to the caller). With DEFER_RELEASE the
-    previous item's staged output buffer (`staged_free`, if `has_staged`) is released during the first key tile,
-    when its TMA store has long read it."""
-    if DEFER_RELEASE:
-        if num_tiles == 1:
-            _release_staged_output(staged_free, has_staged)
+    Returns the state after the last tile's softmax (its P·V is left to the caller)."""
     for j in range(1, num_tiles):
         prev = (ring + j - 1) % NUM_STAGES
         stage = (ring + j) % NUM_STAGES
@@ -213,9 +208,6 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         o_acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
-        if DEFER_RELEASE:
-            if j == 1:
-                _release_staged_output(staged_free, has_staged)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j * BLOCK_N, offs_m, seqlen_k, diagonal, full_end,
                                            qk_scale, BLOCK_N, CAUSAL, s_layout)
         o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
@@ -249,21 +241,12 @@ def _release_unused(k_ready, v_ready, k_empty, v_empty, first, end, NUM_STAGES: 
 
 
 @gluon.jit
-def _release_staged_output(o_smem_free, pred):
-    """Return a Q buffer that staged an output tile to the producer, once the TMA store has read it."""
-    tma.store_wait(0)
-    mbarrier.arrive(o_smem_free, count=1, pred=pred)
-
-
-@gluon.jit
 def _store_output(o_acc, m_i, l_i, o_desc, o_smem, o_smem_free, LSE, batch, q_head, num_q_heads, start_m, seqlen_q,
-                  ROWS: gl.constexpr, BLOCK_D: gl.constexpr, s_rows: gl.constexpr, o_layout: gl.constexpr,
-                  DEFER_RELEASE: gl.constexpr):
+                  ROWS: gl.constexpr, BLOCK_D: gl.constexpr, s_rows: gl.constexpr, o_layout: gl.constexpr):
     """Normalise this consumer's rows of O and store them, and their log-sum-exp (natural log; -inf where no key).
 
     O goes out through shared memory and one TMA store: `o_smem` is the consumer's Q buffer of this item, free
-    since its last Q·Kᵀ, and released to the producer (`o_smem_free`) once the copy has read it: here, or with
-    DEFER_RELEASE (two Q buffers) during the next item's first key tile, so no consumer waits for the copy. Storing from
+    since its last Q·Kᵀ, and released to the producer (`o_smem_free`) once the copy has read it. Storing from
     registers instead is one 4-byte store per thread per 2 columns, each warp instruction touching 8 rows: the SM
     clock timeline measured it at 3.5k cycles per item at D=128 (9.4k at D=256), more than a whole key tile.
     The TMA box clips rows past seqlen_q and the padded columns past the head dim."""
@@ -279,8 +262,8 @@ def _store_output(o_acc, m_i, l_i, o_desc, o_smem, o_smem_free, LSE, batch, q_he
     o_smem.reshape([ROWS, BLOCK_D]).store(out.to(o_desc.dtype))
     fence_async_shared()  # the generic-proxy writes above before the TMA engine's read
     tma.async_copy_shared_to_global(o_desc, [batch, q_head, start_m, 0], o_smem)
-    if not DEFER_RELEASE:
-        _release_staged_output(o_smem_free, True)
+    tma.store_wait(0)  # the copy has read the buffer (its global writes may still be in flight)
+    mbarrier.arrive(o_smem_free, count=1)
 
 
 @gluon.jit
@@ -307,8 +290,6 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    # with two Q buffers an item's staged output is released during the next item (see _store_output)
-    DEFER_RELEASE: gl.constexpr = Q_BUFFERS == 2
     num_ctas = gl.num_programs(0)
     num_items = _num_items(num_work)
     diagonal = seqlen_k - seqlen_q  # query i sees key j iff j <= i + diagonal
@@ -333,12 +314,10 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
 
     for item in range(num_items - 1):
         q_buf = CONSUMER * Q_BUFFERS + item % Q_BUFFERS
-        staged_buf = CONSUMER * Q_BUFFERS + (item + Q_BUFFERS - 1) % Q_BUFFERS  # the previous item's
         p, m_i, l_i, alpha, o_acc = _key_tiles(
             q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
             num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, seqlen_k, diagonal, full_end, qk_scale,
-            q_empty.index(staged_buf), item > 0, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, s_layout, o_rows, p_layout,
-            DEFER_RELEASE)
+            BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, s_layout, o_rows, p_layout)
         last = ring + num_tiles - 1
         next_ring = ring + cta_tiles
         next_buf = CONSUMER * Q_BUFFERS + (item + 1) % Q_BUFFERS
@@ -360,7 +339,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             _release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
             _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, batch, q_head,
-                          num_q_heads, start_m, seqlen_q, ROWS, BLOCK_D, s_rows, o_layout, DEFER_RELEASE)
+                          num_q_heads, start_m, seqlen_q, ROWS, BLOCK_D, s_rows, o_layout)
         else:
             o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
                                          p_layout)
@@ -368,7 +347,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             _release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
             _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, batch, q_head,
-                          num_q_heads, start_m, seqlen_q, ROWS, BLOCK_D, s_rows, o_layout, DEFER_RELEASE)
+                          num_q_heads, start_m, seqlen_q, ROWS, BLOCK_D, s_rows, o_layout)
             s = _issue_first_scores(next_q, q_ready.index(next_buf), ((item + 1) // Q_BUFFERS) & 1, k_smem, k_ready,
                                     next_ring, s_zero, BLOCK_N, BLOCK_D, NUM_STAGES)
             s = warpgroup_mma_wait(0, deps=(s,))
@@ -383,12 +362,10 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
 
     # The last item: nothing left to overlap its last P·V with.
     q_buf = CONSUMER * Q_BUFFERS + (num_items - 1) % Q_BUFFERS
-    staged_buf = CONSUMER * Q_BUFFERS + (num_items - 2 + Q_BUFFERS) % Q_BUFFERS
     p, m_i, l_i, alpha, o_acc = _key_tiles(
         q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, seqlen_k, diagonal, full_end, qk_scale,
-        q_empty.index(staged_buf), num_items > 1, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, s_layout, o_rows, p_layout,
-        DEFER_RELEASE)
+        BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, s_layout, o_rows, p_layout)
     last = ring + num_tiles - 1
     o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
                                  p_layout)
@@ -396,8 +373,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
     _release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, ring + cta_tiles, NUM_STAGES)
     _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, batch, q_head,
-                  num_q_heads, start_m, seqlen_q, ROWS, BLOCK_D, s_rows, o_layout, DEFER_RELEASE)
-    tma.store_wait(0)  # shared memory must outlive the last TMA store's read
+                  num_q_heads, start_m, seqlen_q, ROWS, BLOCK_D, s_rows, o_layout)
 
 
 @gluon.jit
