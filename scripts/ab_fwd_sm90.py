@@ -49,6 +49,8 @@ def check_ragged(traits):
                     tiles = dataclasses.replace(tiles, num_stages=3)
                 for ctas in (7, 64, traits.sm_count):
                     qbuf = sm90_q_buffers(tiles, d, True, traits)
+                    if qbuf != 2:  # overlapped items stage the output in the current item's Q buffer
+                        continue
                     plain = run_sm90(q, k, v, causal, tiles, ctas, qbuf, False)
                     cross = run_sm90(q, k, v, causal, tiles, ctas, qbuf, True)
                     torch.cuda.synchronize()
@@ -66,11 +68,14 @@ def variants(tiles, causal, d, persistent, traits):
     if not persistent:
         return out
     if sm90_cross_item_safe(causal, tiles.num_stages):
-        out.append(("cross", tiles, qbuf, True))
+        if qbuf == 2:
+            out.append(("cross", tiles, qbuf, True))
     else:
         t3 = dataclasses.replace(tiles, num_stages=3)
         if sm90_smem_bytes(t3, d, qbuf) <= traits.smem_per_block:
-            out += [("s3", t3, qbuf, False), ("s3-cross", t3, qbuf, True)]
+            out.append(("s3", t3, qbuf, False))
+            if qbuf == 2:
+                out.append(("s3-cross", t3, qbuf, True))
     return out
 
 

@@ -136,6 +136,8 @@ def test_sm90_work_sharing(num_ctas, block_n, causal, q_buffers, cross_item):
         pytest.skip("needs a Hopper GPU")
     from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90
 
+    if cross_item and q_buffers == 1:
+        pytest.skip("overlapped items need two Q buffers (the launcher refuses one: test_launchers.py)")
     q, k, v = _inputs(3, 4, 2, 700, 333, 128, torch.bfloat16)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")

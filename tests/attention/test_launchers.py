@@ -25,7 +25,6 @@ from flashmoe_science.attention.tiles import (  # noqa: E402
     sm90_cross_item,
     sm90_forward_tiles,
     sm90_persistent,
-    sm90_preferred,
     sm90_q_buffers,
     sm90_smem_bytes,
 )
@@ -95,7 +94,8 @@ def test_fp32_launch_asks_for_3xtf32(monkeypatch):
 
 
 def test_sm90_cross_item_refuses_a_deadlocking_ring(monkeypatch):
-    """Overlapping work items with causal masking needs three ring stages (see fwd_sm90._attention_consumer)."""
+    """Overlapping work items with causal masking needs three ring stages, and always two Q buffers: the output is
+    staged in the current item's Q buffer while the next item's Q·Kᵀ runs (see fwd_sm90._attention_consumer)."""
     pytest.importorskip("triton.experimental.gluon")
     from flashmoe_science.attention.hopper import fwd_sm90
 
@@ -105,9 +105,14 @@ def test_sm90_cross_item_refuses_a_deadlocking_ring(monkeypatch):
     out, lse = torch.empty_like(q), torch.empty(2, 8, 300)
     two, three = AttentionTiles(128, 64, 8, 2, use_tma=True), AttentionTiles(128, 64, 8, 3, use_tma=True)
     with pytest.raises(ValueError, match="cross_item"):
-        fwd_sm90.attention_forward_sm90(q, q, q, out, lse, True, 0.125, two, num_ctas=132, cross_item=True)
-    fwd_sm90.attention_forward_sm90(q, q, q, out, lse, True, 0.125, three, num_ctas=132, cross_item=True)
-    fwd_sm90.attention_forward_sm90(q, q, q, out, lse, False, 0.125, two, num_ctas=132, cross_item=True)
+        fwd_sm90.attention_forward_sm90(q, q, q, out, lse, True, 0.125, two, num_ctas=132, q_buffers=2,
+                                        cross_item=True)
+    with pytest.raises(ValueError, match="two Q buffers"):
+        fwd_sm90.attention_forward_sm90(q, q, q, out, lse, False, 0.125, two, num_ctas=132, cross_item=True)
+    fwd_sm90.attention_forward_sm90(q, q, q, out, lse, True, 0.125, three, num_ctas=132, q_buffers=2,
+                                    cross_item=True)
+    fwd_sm90.attention_forward_sm90(q, q, q, out, lse, False, 0.125, two, num_ctas=132, q_buffers=2,
+                                    cross_item=True)
     assert [launch[2]["CROSS_ITEM"] for launch in kernel.launches] == [True, True]
 
 
@@ -161,7 +166,7 @@ def test_sm90_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatch,
     prepared = fwd_sm90.prepare_forward(q, k, v, out, lse, causal, 0.125, tiles, 132, 2, not causal)
     q2, k2, v2 = _blhd(2, 8, 300, 64), _blhd(2, 2, 257, 64), _blhd(2, 2, 257, 64)
     new = (q2, k2, v2, torch.empty_like(q2), torch.empty(2, 8, 300))
-    _assert_prepared_launch_matches(kernel, compiled, prepared, new, {"q_desc", "k_desc", "v_desc"},
+    _assert_prepared_launch_matches(kernel, compiled, prepared, new, {"q_desc", "k_desc", "v_desc", "o_desc"},
                                     {"num_warps": 4, "maxnreg": fwd_sm90.REGISTER_CAP})
 
     misaligned = torch.empty(q2.numel() + 1, dtype=q2.dtype)[1:].view(q2.shape)
@@ -222,14 +227,16 @@ def test_sm90_launcher(monkeypatch, head_dim, causal):
     # cdiv(300, 128) query tiles x B*Hq = 48 work items over at most num_ctas CTAs; None: one CTA per item
     assert grid == (48,) and grid_20 == (20,) and grid_all == (48,)
     assert args[-2:] == args_20[-2:] == (3, 48)  # num_m_tiles, num_work
-    q_desc, k_desc, v_desc = args[:3]
+    q_desc, k_desc, v_desc, o_desc = args[:4]
     block_d = 128 if head_dim <= 128 else 256
-    assert q_desc.block_shape == [1, 1, fwd_sm90.CONSUMER_ROWS, block_d]
+    assert q_desc.block_shape == o_desc.block_shape == [1, 1, fwd_sm90.CONSUMER_ROWS, block_d]
     assert k_desc.block_shape == v_desc.block_shape == [1, 1, tiles.block_n, block_d]
     assert q_desc.layout.swizzle_byte_width == 128 and q_desc.strides == list(q.stride())
-    assert args[5:8] == out.stride()[:3] and args[8:10] == (8, 4)  # heads, GQA group
+    # the output is staged in a Q buffer: same box layout; its box is clipped at out's own shape (Lq, head_dim)
+    assert o_desc.layout == q_desc.layout and o_desc.base is out and o_desc.shape == list(out.shape)
+    assert args[4] is lse and args[5:7] == (8, 4)  # heads, GQA group
     assert kwargs["maxnreg"] == fwd_sm90.REGISTER_CAP == 168 and kwargs["num_warps"] == 4
-    assert (kwargs["HEAD_DIM"], kwargs["BLOCK_D"], kwargs["CAUSAL"]) == (head_dim, block_d, causal)
+    assert (kwargs["BLOCK_D"], kwargs["CAUSAL"]) == (block_d, causal)
     # shared memory: 2 Q boxes + NUM_STAGES K and V boxes fit the H200's 227 KiB
     box = lambda rows: rows * block_d * 2  # noqa: E731
     assert 2 * box(64) + kwargs["NUM_STAGES"] * 2 * box(tiles.block_n) <= 232448 - 2048
@@ -250,7 +257,7 @@ def test_sm90_q_buffers_only_where_persistent_and_they_fit(head_dim, causal, seq
 
 
 def test_sm90_q_buffers_where_measured():
-    # D=128: two buffers with 2 ring stages (non-causal, short causal); the 3-stage causal ring leaves no room
+    # D=128: two buffers with the non-causal and the short causal rings; the 128-key 3-stage causal ring leaves no room
     assert sm90_q_buffers(sm90_forward_tiles(128, False, 512), 128, True, H200) == 2
     assert sm90_q_buffers(sm90_forward_tiles(128, True, 512), 128, True, H200) == 2
     assert sm90_q_buffers(sm90_forward_tiles(128, True, 2048), 128, True, H200) == 1
@@ -261,25 +268,29 @@ def test_sm90_q_buffers_where_measured():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
 def test_sm90_cross_item_where_measured_and_safe(head_dim, causal, seqlen_q):
-    """Overlapped work items: persistent D<=64 plans only, and never a causal two-stage ring (a deadlock)."""
+    """Overlapped work items: persistent plans with two Q buffers at D<=64 or with three ring stages, never a
+    causal two-stage ring (a deadlock)."""
     tiles = sm90_forward_tiles(head_dim, causal, seqlen_q)
     persistent = sm90_persistent(causal, seqlen_q)
-    cross = sm90_cross_item(tiles, head_dim, causal, persistent)
+    q_buffers = sm90_q_buffers(tiles, head_dim, persistent, H200)
+    cross = sm90_cross_item(tiles, head_dim, causal, persistent, q_buffers)
     if cross:
-        assert persistent and head_dim <= 64 and (not causal or tiles.num_stages >= 3)
-    assert not sm90_cross_item(tiles, head_dim, causal, False)
-    expected = head_dim <= 64 and (not causal or 1024 < seqlen_q <= 4096)
+        assert persistent and q_buffers == 2 and (not causal or tiles.num_stages >= 3)
+    assert not sm90_cross_item(tiles, head_dim, causal, False, q_buffers)
+    assert not sm90_cross_item(tiles, head_dim, causal, persistent, 1)
+    # measured: D<=64 non-causal and causal up to 4k; short causal rows (64-key tiles, three stages) up to D=128
+    expected = (head_dim <= 64 and (not causal or seqlen_q <= 4096)) or (
+        head_dim <= 128 and causal and seqlen_q <= SM90_SHORT_CAUSAL_LEN)
     assert cross == expected
 
 
 def test_sm90_rules_switch_at_the_measured_lengths():
     """`auto`'s sm_90 choice, its persistence and its key tile flip at the H200 sweeps' lengths (tiles.py)."""
     short, long_causal = SM90_SHORT_CAUSAL_LEN, SM90_PERSISTENT_MAX_CAUSAL_LEN
-    assert not sm90_preferred(64, True, short) and sm90_preferred(64, True, short + 1)
-    assert sm90_preferred(64, False, 128) and sm90_preferred(80, True, 128)  # D=80 pads to 128: sm_90 always
     assert sm90_persistent(True, long_causal) and not sm90_persistent(True, long_causal + 1)
     assert sm90_persistent(False, 1 << 20)
-    assert sm90_forward_tiles(128, True, short).block_n == 64
+    assert sm90_forward_tiles(128, True, short) == AttentionTiles(128, 64, 8, 3, use_tma=True)
+    assert sm90_forward_tiles(256, True, short) == AttentionTiles(128, 64, 8, 2, use_tma=True)
     assert sm90_forward_tiles(128, True, short + 1) == AttentionTiles(128, 128, 8, 3, use_tma=True)
     assert sm90_forward_tiles(128, False, 512) == AttentionTiles(128, 128, 8, 2, use_tma=True)
     assert sm90_forward_tiles(256, True, 1 << 14).block_n == 64
@@ -313,6 +324,19 @@ def test_sm90_launcher_rejects_other_tiles():
     with pytest.raises(ValueError, match="128-row tiles"):
         fwd_sm90.attention_forward_sm90(q, q, q, torch.empty_like(q), torch.empty(1, 2, 64), False, 0.1,
                                         AttentionTiles(64, 64, 4, 2, use_tma=True))
+
+
+def test_sm90_launcher_rejects_an_output_tma_cannot_store():
+    """The output leaves through a TMA store, so out needs TMA's alignment (the API makes it like q)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashmoe_science.attention.hopper import fwd_sm90
+
+    q = _blhd(1, 2, 64, 128)
+    tiles = sm90_forward_tiles(128, False, 64)
+    misaligned = torch.empty(1, 2, 64 * 128 + 1, dtype=q.dtype)[..., 1:].view(1, 2, 64, 128)
+    for out in (misaligned, torch.empty(1, 2, 64, 128), torch.empty(1, 2, 32, 128, dtype=q.dtype)):
+        with pytest.raises(ValueError, match="out must"):
+            fwd_sm90.attention_forward_sm90(q, q, q, out, torch.empty(1, 2, 64), False, 0.1, tiles)
 
 
 def test_triton_plan_drops_tma_for_strides_tma_cannot_take(monkeypatch):

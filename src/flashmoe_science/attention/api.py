@@ -24,7 +24,6 @@ from flashmoe_science.attention.tiles import (
     sm90_forward_tiles,
     sm90_persistent,
     sm90_q_buffers,
-    sm90_preferred,
 )
 from flashmoe_science.device import on_another_cuda_device, triton_interpreter_on
 
@@ -157,14 +156,12 @@ def _tma_compatible(q, k, v) -> bool:
     return tma_compatible(q, k, v)
 
 
-def _hopper_unavailable(q, k, v, causal: bool, backend: str) -> str | None:
+def _hopper_unavailable(q, k, v) -> str | None:
     """Why the Gluon sm_90 kernel should not take this call, or None when it should."""
     if not q.is_cuda or not device_traits(q.device).is_hopper:
         return "it needs a Hopper (sm_90) GPU"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return "it runs bf16/fp16 only"
-    if backend == "auto" and not sm90_preferred(q.shape[-1], causal, q.shape[-2]):
-        return "the Triton kernel measured faster for short causal rows at head dims <= 64"
     if not _gluon_available():
         return "triton.experimental.gluon is not available"
     if not _tma_compatible(q, k, v):
@@ -199,13 +196,13 @@ def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[ForwardPlan | None, 
 
     why_not_sm90 = None
     if backend in ("auto", "hopper"):
-        why_not_sm90 = _hopper_unavailable(q, k, v, causal, backend)
+        why_not_sm90 = _hopper_unavailable(q, k, v)
         if why_not_sm90 is None:
             seqlen_q = q.shape[-2]
             tiles = sm90_forward_tiles(q.shape[-1], causal, seqlen_q)
             persistent = sm90_persistent(causal, seqlen_q)
             q_buffers = sm90_q_buffers(tiles, q.shape[-1], persistent, device_traits(q.device))
-            cross_item = sm90_cross_item(tiles, q.shape[-1], causal, persistent)
+            cross_item = sm90_cross_item(tiles, q.shape[-1], causal, persistent, q_buffers)
             return ForwardPlan("sm90", tiles, persistent=persistent, q_buffers=q_buffers,
                                cross_item=cross_item), None
         if backend == "hopper":

@@ -227,20 +227,8 @@ class ForwardPlan:
 
 # Measured on an H200 (docs/perf-notes.md, sweeps of 2026-11-21, second session): below these lengths the
 # choices flip.
-SM90_SHORT_CAUSAL_LEN = 1024  # causal, Lq <= this: 64-key tiles for sm_90; Triton at D <= 64
+SM90_SHORT_CAUSAL_LEN = 1024  # causal, Lq <= this: 64-key tiles for sm_90
 SM90_PERSISTENT_MAX_CAUSAL_LEN = 4096  # causal, Lq > this: one CTA per query tile (the hardware balances them)
-
-
-def sm90_preferred(head_dim: int, causal: bool, seqlen_q: int) -> bool:
-    """Whether `backend="auto"` should run the Gluon sm_90 kernel rather than the Triton one on Hopper.
-
-    Above D=64 the sm_90 kernel leads by 10-25% everywhere. At D<=64 exp2 costs as much as the products, and the
-    persistent sm_90 kernel leads by 0-6% except on short causal rows, where Triton's 64-row tiles waste less
-    of the diagonal (L=512: 221 vs 207 TFLOP/s).
-    """
-    if padded_head_dim(head_dim) > 64:
-        return True
-    return not (causal and seqlen_q <= SM90_SHORT_CAUSAL_LEN)
 
 
 def sm90_persistent(causal: bool, seqlen_q: int) -> bool:
@@ -255,7 +243,8 @@ def sm90_forward_tiles(head_dim: int, causal: bool, seqlen_q: int) -> AttentionT
     """Tiles of the Gluon sm_90 kernel: always 128 query rows on two consumer warpgroups (8 warps) plus a producer
     warp; the key tile and the ring depth vary. Registers bound the key tile (score tile, bf16 P and the fp32
     output accumulator live in registers: ~240 per thread at D=128 with 128-key tiles), shared memory the depth.
-    Short causal rows take 64-key tiles: less of the diagonal tile is masked work (L=512: 267 vs 242 TFLOP/s).
+    Short causal rows take 64-key tiles: less of the diagonal tile is masked work (L=512: 267 vs 242 TFLOP/s),
+    in a three-stage ring where it fits (D <= 128), which lets consecutive items overlap (sm90_cross_item).
     """
     # cached on the length's class, not the length: ragged workloads would grow a per-length cache without bound
     return _sm90_tiles(padded_head_dim(head_dim), causal, causal and seqlen_q <= SM90_SHORT_CAUSAL_LEN)
@@ -288,17 +277,21 @@ def sm90_cross_item_safe(causal: bool, num_stages: int) -> bool:
     return not causal or num_stages >= 3
 
 
-def sm90_cross_item(tiles: AttentionTiles, head_dim: int, causal: bool, persistent: bool) -> bool:
+def sm90_cross_item(tiles: AttentionTiles, head_dim: int, causal: bool, persistent: bool, q_buffers: int) -> bool:
     """Overlap consecutive work items of a persistent CTA (the next item's first Q·Kᵀ and softmax under the
-    current item's last P·V) at D <= 64, where exp2 costs as much as the products and an item boundary leaves the
-    tensor cores idle: measured on the H200 +2-3% at L=512-1024 and +2-4% causal at 2-4k. At D=128/256 it measured
-    2-4% slower (with two stages the next item's first K tile is not loaded yet when the last P·V should start)."""
-    return (persistent and padded_head_dim(head_dim) <= 64
-            and sm90_cross_item_safe(causal, tiles.num_stages))
+    current item's last P·V). Measured on the H200: at D <= 64, where exp2 costs as much as the products, +2-3% at
+    L=512-1024 and +2-4% causal at 2-4k; with short causal 64-key tiles in three stages +1-3% (D=128) and +1%
+    (D=64). With two-stage 128-key rings at D=128/256 it measured 2-4% slower (the next item's first K tile is not
+    loaded yet when the last P·V should start). Needs two Q buffers: the current item's output is staged in its
+    own Q buffer while the next item's first Q·Kᵀ reads the other."""
+    return (persistent and q_buffers == 2 and sm90_cross_item_safe(causal, tiles.num_stages)
+            and (padded_head_dim(head_dim) <= 64 or tiles.num_stages >= 3))
 
 
 @functools.lru_cache(maxsize=None)
 def _sm90_tiles(block_d: int, causal: bool, short_causal: bool) -> AttentionTiles:
-    if block_d > 128 or short_causal:
+    if block_d > 128:
         return AttentionTiles(128, 64, 8, 2, use_tma=True)
+    if short_causal:
+        return AttentionTiles(128, 64, 8, 3, use_tma=True)
     return AttentionTiles(128, 128, 8, 3 if causal else 2, use_tma=True)

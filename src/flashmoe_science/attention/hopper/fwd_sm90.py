@@ -25,9 +25,12 @@ ahead as far as the ring allows and never sit in a consumer's instruction stream
 
 Persistent: with `num_ctas` = the SM count, each CTA loops over work items (`_work_tile`: rounds of consecutive
 items, snaking). The producer also loads each item's Q (into one of Q_BUFFERS buffers per consumer, once the
-consumer has released that buffer's previous item after its last Q·Kᵀ) and keeps the K/V ring position running
-across items, so the next item's first tiles land while the consumers finish the current one's last P·V and
-epilogue. With `num_ctas=None` each CTA runs one item.
+consumer has released that buffer's previous item) and keeps the K/V ring position running across items, so the
+next item's first tiles land while the consumers finish the current one's last P·V and epilogue. With
+`num_ctas=None` each CTA runs one item.
+
+The epilogue stages each consumer's output rows in its Q buffer (free after the item's last Q·Kᵀ) and writes them
+with one TMA store; the buffer returns to the producer once the store has read it.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                 warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashmoe_science.attention.tiles import padded_head_dim, sm90_cross_item_safe
-from flashmoe_science.attention.triton_fwd import LN_2, LOG2_E, key_tile_bounds, needs_64bit_rows, tma_box
+from flashmoe_science.attention.triton_fwd import LN_2, LOG2_E, key_tile_bounds, tma_box, tma_compatible
 from flashmoe_science.prepared_launch import PreparedLaunch
 
 CONSUMER_ROWS = 64  # rows per consumer warpgroup (4 warps x 16 rows of wgmma)
@@ -107,7 +111,7 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
     """The producer warp: for each of the CTA's work items, both halves of the Q tile (once the consumers are done
     with the buffer's previous item), then K and V tiles into the ring as soon as their stage is released. The
     ring position runs on across work items, so the next item's first tiles land during the current epilogue;
-    with two Q buffers per consumer the next item's Q does not wait for the current item's last Q·Kᵀ either."""
+    with two Q buffers per consumer the next item's Q does not wait for the current item's epilogue either."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     num_ctas = gl.num_programs(0)
     ring = 0  # K/V tiles issued so far by this CTA
@@ -237,10 +241,15 @@ def _release_unused(k_ready, v_ready, k_empty, v_empty, first, end, NUM_STAGES: 
 
 
 @gluon.jit
-def _store_output(o_acc, m_i, l_i, O, LSE, stride_ob, stride_oh, stride_om, batch, q_head, num_q_heads, start_m,
-                  seqlen_q, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_D: gl.constexpr,
-                  s_rows: gl.constexpr, o_layout: gl.constexpr):
-    """Normalise and store this consumer's rows of O, and their log-sum-exp (natural log; -inf where no key)."""
+def _store_output(o_acc, m_i, l_i, o_desc, o_smem, o_smem_free, LSE, batch, q_head, num_q_heads, start_m, seqlen_q,
+                  ROWS: gl.constexpr, BLOCK_D: gl.constexpr, s_rows: gl.constexpr, o_layout: gl.constexpr):
+    """Normalise this consumer's rows of O and store them, and their log-sum-exp (natural log; -inf where no key).
+
+    O goes out through shared memory and one TMA store: `o_smem` is the consumer's Q buffer of this item, free
+    since its last Q·Kᵀ, and released to the producer (`o_smem_free`) once the copy has read it. Storing from
+    registers instead is one 4-byte store per thread per 2 columns, each warp instruction touching 8 rows: the SM
+    clock timeline measured it at 3.5k cycles per item at D=128 (9.4k at D=256), more than a whole key tile.
+    The TMA box clips rows past seqlen_q and the padded columns past the head dim."""
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     offs_m = start_m + gl.arange(0, ROWS, layout=s_rows)
     no_key = l_i == 0.0
@@ -250,19 +259,18 @@ def _store_output(o_acc, m_i, l_i, O, LSE, stride_ob, stride_oh, stride_om, batc
     gl.store(LSE + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
 
     out = o_acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
-    rows = start_m + gl.arange(0, ROWS, layout=o_rows)
-    cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = (O + batch.to(gl.int64) * stride_ob + q_head.to(gl.int64) * stride_oh
-              + gl.expand_dims(rows, 1) * stride_om + gl.expand_dims(cols, 0))
-    mask = gl.expand_dims(rows < seqlen_q, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
-    gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=mask)
+    o_smem.reshape([ROWS, BLOCK_D]).store(out.to(o_desc.dtype))
+    fence_async_shared()  # the generic-proxy writes above before the TMA engine's read
+    tma.async_copy_shared_to_global(o_desc, [batch, q_head, start_m, 0], o_smem)
+    tma.store_wait(0)  # the copy has read the buffer (its global writes may still be in flight)
+    mbarrier.arrive(o_smem_free, count=1)
 
 
 @gluon.jit
-def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
-                        stride_ob, stride_oh, stride_om, num_work, num_m_tiles, num_q_heads,
+def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
+                        num_work, num_m_tiles, num_q_heads,
                         group_size, seqlen_q, seqlen_k, qk_scale,
-                        CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
+                        CONSUMER: gl.constexpr, ROWS: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
                         CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr):
     """One consumer warpgroup: its `ROWS`-row half of every work item the CTA owns, in the producer's order.
@@ -310,8 +318,6 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
             num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, seqlen_k, diagonal, full_end, qk_scale,
             BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, s_layout, o_rows, p_layout)
-        # Every Q·Kᵀ of the item has completed: the producer may load the item after next's Q into this buffer.
-        mbarrier.arrive(q_empty.index(q_buf), count=1)
         last = ring + num_tiles - 1
         next_ring = ring + cta_tiles
         next_buf = CONSUMER * Q_BUFFERS + (item + 1) % Q_BUFFERS
@@ -332,16 +338,16 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             _release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
-            _store_output(o_acc, m_i, l_i, O, LSE, stride_ob, stride_oh, stride_om, batch, q_head, num_q_heads,
-                          start_m, seqlen_q, HEAD_DIM, ROWS, BLOCK_D, s_rows, o_layout)
+            _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, batch, q_head,
+                          num_q_heads, start_m, seqlen_q, ROWS, BLOCK_D, s_rows, o_layout)
         else:
             o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
                                          p_layout)
             o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             _release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
-            _store_output(o_acc, m_i, l_i, O, LSE, stride_ob, stride_oh, stride_om, batch, q_head, num_q_heads,
-                          start_m, seqlen_q, HEAD_DIM, ROWS, BLOCK_D, s_rows, o_layout)
+            _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, batch, q_head,
+                          num_q_heads, start_m, seqlen_q, ROWS, BLOCK_D, s_rows, o_layout)
             s = _issue_first_scores(next_q, q_ready.index(next_buf), ((item + 1) // Q_BUFFERS) & 1, k_smem, k_ready,
                                     next_ring, s_zero, BLOCK_N, BLOCK_D, NUM_STAGES)
             s = warpgroup_mma_wait(0, deps=(s,))
@@ -360,29 +366,24 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
         q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, seqlen_k, diagonal, full_end, qk_scale,
         BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, s_layout, o_rows, p_layout)
-    mbarrier.arrive(q_empty.index(q_buf), count=1)
     last = ring + num_tiles - 1
     o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
                                  p_layout)
     o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
     mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
     _release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, ring + cta_tiles, NUM_STAGES)
-    _store_output(o_acc, m_i, l_i, O, LSE, stride_ob, stride_oh, stride_om, batch, q_head, num_q_heads, start_m,
-                  seqlen_q, HEAD_DIM, ROWS, BLOCK_D, s_rows, o_layout)
+    _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, batch, q_head,
+                  num_q_heads, start_m, seqlen_q, ROWS, BLOCK_D, s_rows, o_layout)
 
 
 @gluon.jit
 def attention_forward_sm90_kernel(
-    q_desc, k_desc, v_desc, O, LSE,
-    stride_ob, stride_oh, stride_om,
+    q_desc, k_desc, v_desc, o_desc, LSE,
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, num_m_tiles, num_work,
-    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
-    ROW64: gl.constexpr,
 ):
     """Persistent: the CTAs share the num_work = B·Hq·num_m_tiles work items in rounds (see _work_tile)."""
-    if ROW64:  # the output's row offsets reach 2**31 elements (Q, K, V are read through TMA descriptors)
-        stride_om = stride_om.to(gl.int64)
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]  # rows per consumer
 
@@ -408,14 +409,14 @@ def attention_forward_sm90_kernel(
     upper: gl.constexpr = 0
     lower: gl.constexpr = 1
     gl.warp_specialize([
-        (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
-                               stride_ob, stride_oh, stride_om, num_work, num_m_tiles, num_q_heads,
+        (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
+                               num_work, num_m_tiles, num_q_heads,
                                group_size, seqlen_q, seqlen_k, qk_scale,
-                               upper, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM)),
-        (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
-                               stride_ob, stride_oh, stride_om, num_work, num_m_tiles, num_q_heads,
+                               upper, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM)),
+        (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
+                               num_work, num_m_tiles, num_q_heads,
                                group_size, seqlen_q, seqlen_k, qk_scale,
-                               lower, HEAD_DIM, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM)),
+                               lower, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM)),
         (_producer, (q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                      k_empty, v_empty, num_work, num_m_tiles, num_q_heads, group_size, seqlen_q,
                      seqlen_k, NUM_STAGES, BLOCK_N, CAUSAL, Q_BUFFERS)),
@@ -438,10 +439,10 @@ def _descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
 
 
 def _tensor_args(k_rows, block_d, q, k, v, out, lse):
-    """The kernel's per-call arguments: TMA descriptors over q, k, v (boxes of one consumer's rows, of one key
-    tile), then out and lse."""
+    """The kernel's per-call arguments: TMA descriptors over q, k, v, out (boxes of one consumer's rows, of one key
+    tile; out's box is staged in the consumer's Q buffer, so it shares q's), then lse."""
     return (_descriptor(q, CONSUMER_ROWS, block_d), _descriptor(k, k_rows, block_d), _descriptor(v, k_rows, block_d),
-            out, lse)
+            _descriptor(out, CONSUMER_ROWS, block_d), lse)
 
 
 def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers, cross_item):
@@ -449,16 +450,20 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     if cross_item and not sm90_cross_item_safe(causal, tiles.num_stages):
         raise ValueError(f"cross_item needs a non-causal call or three ring stages, got {tiles}")
+    if cross_item and q_buffers != 2:
+        # the next item's Q·Kᵀ would read the buffer this item's output is staged in
+        raise ValueError(f"cross_item needs two Q buffers, got q_buffers={q_buffers}")
+    if out.dtype != q.dtype or out.shape != q.shape or not tma_compatible(out):
+        raise ValueError("out must have q's shape and dtype and TMA-compatible strides (see triton_fwd.tma_compatible)")
     block_d = padded_head_dim(head_dim)
     if tiles.block_m != BLOCK_M or tiles.num_warps != 4 * NUM_CONSUMERS:
         raise ValueError(f"the sm_90 kernel runs {BLOCK_M}-row tiles on {4 * NUM_CONSUMERS} warps, got {tiles}")
     num_m_tiles = (seqlen_q + BLOCK_M - 1) // BLOCK_M
     num_work = num_m_tiles * batch * num_q_heads
     grid = (max(1, num_work if num_ctas is None else min(num_ctas, num_work)),)
-    args = (*_tensor_args(tiles.block_n, block_d, q, k, v, out, lse), *out.stride()[:3],
-            num_q_heads, num_q_heads // k.shape[1], seqlen_q, k.shape[2], softmax_scale * LOG2_E, num_m_tiles, num_work)
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_N=tiles.block_n, BLOCK_D=block_d, NUM_STAGES=tiles.num_stages,
-                      CAUSAL=causal, Q_BUFFERS=q_buffers, CROSS_ITEM=cross_item, ROW64=needs_64bit_rows(out))
+    args = (*_tensor_args(tiles.block_n, block_d, q, k, v, out, lse), num_q_heads, num_q_heads // k.shape[1], seqlen_q, k.shape[2], softmax_scale * LOG2_E, num_m_tiles, num_work)
+    constexprs = dict(BLOCK_N=tiles.block_n, BLOCK_D=block_d, NUM_STAGES=tiles.num_stages, CAUSAL=causal,
+                      Q_BUFFERS=q_buffers, CROSS_ITEM=cross_item)
     return grid, args, constexprs
 
 
