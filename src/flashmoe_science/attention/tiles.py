@@ -280,8 +280,8 @@ def sm90_cross_item_safe(causal: bool, num_stages: int) -> bool:
 def sm90_cross_item(tiles: AttentionTiles, head_dim: int, causal: bool, persistent: bool, q_buffers: int) -> bool:
     """Overlap consecutive work items of a persistent CTA (the next item's first Q·Kᵀ and softmax under the
     current item's last P·V). Measured on the H200: at D <= 64, where exp2 costs as much as the products, +2-3% at
-    L=512-1024 and +2-4% causal at 2-4k; with short causal 64-key tiles in three stages +1-3% (D=128) and +1%
-    (D=64). With two-stage 128-key rings at D=128/256 it measured 2-4% slower (the next item's first K tile is not
+    L=512-1024 and +2-4% causal at 2-4k; with short causal 64-key tiles in three stages +1-3% (D=64 and D=128).
+    With two-stage 128-key rings at D=128/256 it measured 2-4% slower (the next item's first K tile is not
     loaded yet when the last P·V should start). Needs two Q buffers: the current item's output is staged in its
     own Q buffer while the next item's first Q·Kᵀ reads the other."""
     return (persistent and q_buffers == 2 and sm90_cross_item_safe(causal, tiles.num_stages)
