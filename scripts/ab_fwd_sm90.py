@@ -100,7 +100,8 @@ def main():
             triton_tf = fl / cuda_median_ms(lambda: flash_attention_science(q, k, v, causal=causal,
                                                                             backend="triton")) / 1e9
             tiles = sm90_forward_tiles(d, causal, length)
-            ctas = traits.sm_count if sm90_persistent(causal, length) else None
+            num_work = b * h * -(-length // tiles.block_m)
+            ctas = traits.sm_count if sm90_persistent(causal, length, num_work, traits.sm_count) else None
             row = {"B": b, "H": h, "L": length, "D": d, "causal": causal, "cudnn": cudnn, "triton": triton_tf,
                    "tiles": tiles.as_dict(), "persistent": ctas is not None}
             outs = []

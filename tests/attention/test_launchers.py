@@ -17,7 +17,9 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 
 from flashmoe_science.attention import triton_fwd  # noqa: E402
 from flashmoe_science.attention.tiles import (  # noqa: E402
+    SM90_PERSISTENT_LONG_CAUSAL_LEN,
     SM90_PERSISTENT_MAX_CAUSAL_LEN,
+    SM90_PERSISTENT_MIN_ROUNDS,
     SM90_SHORT_CAUSAL_LEN,
     AttentionTiles,
     backward_tiles,
@@ -247,7 +249,7 @@ def test_sm90_launcher(monkeypatch, head_dim, causal):
 @pytest.mark.parametrize("seqlen_q", [512, 2048, 8192])
 def test_sm90_q_buffers_only_where_persistent_and_they_fit(head_dim, causal, seqlen_q):
     tiles = sm90_forward_tiles(head_dim, causal, seqlen_q)
-    persistent = sm90_persistent(causal, seqlen_q)
+    persistent = sm90_persistent(causal, seqlen_q, 4096, 132)
     n = sm90_q_buffers(tiles, head_dim, persistent, H200)
     assert sm90_smem_bytes(tiles, head_dim, n) <= H200.smem_per_block
     # a second buffer whenever it fits a persistent CTA; never for one CTA per tile (a CTA runs one item)
@@ -271,15 +273,16 @@ def test_sm90_cross_item_where_measured_and_safe(head_dim, causal, seqlen_q):
     """Overlapped work items: persistent plans with two Q buffers at D<=64 or with three ring stages, never a
     causal two-stage ring (a deadlock)."""
     tiles = sm90_forward_tiles(head_dim, causal, seqlen_q)
-    persistent = sm90_persistent(causal, seqlen_q)
+    persistent = sm90_persistent(causal, seqlen_q, 4096, 132)
     q_buffers = sm90_q_buffers(tiles, head_dim, persistent, H200)
     cross = sm90_cross_item(tiles, head_dim, causal, persistent, q_buffers)
     if cross:
         assert persistent and q_buffers == 2 and (not causal or tiles.num_stages >= 3)
     assert not sm90_cross_item(tiles, head_dim, causal, False, q_buffers)
     assert not sm90_cross_item(tiles, head_dim, causal, persistent, 1)
-    # measured: D<=64 non-causal and causal up to 4k; short causal rows (64-key tiles, three stages) up to D=128
-    expected = (head_dim <= 64 and (not causal or seqlen_q <= 4096)) or (
+    # measured: D<=64 non-causal, and causal wherever persistent (here up to 8k: 4096 items); short causal rows
+    # (64-key tiles, three stages) up to D=128
+    expected = (head_dim <= 64 and (not causal or seqlen_q <= 8192)) or (
         head_dim <= 128 and causal and seqlen_q <= SM90_SHORT_CAUSAL_LEN)
     assert cross == expected
 
@@ -287,8 +290,12 @@ def test_sm90_cross_item_where_measured_and_safe(head_dim, causal, seqlen_q):
 def test_sm90_rules_switch_at_the_measured_lengths():
     """`auto`'s sm_90 choice, its persistence and its key tile flip at the H200 sweeps' lengths (tiles.py)."""
     short, long_causal = SM90_SHORT_CAUSAL_LEN, SM90_PERSISTENT_MAX_CAUSAL_LEN
-    assert sm90_persistent(True, long_causal) and not sm90_persistent(True, long_causal + 1)
-    assert sm90_persistent(False, 1 << 20)
+    # causal: persistent up to 4k whatever the item count, up to 8k with >= 12 query tiles per SM, never beyond
+    few, many = SM90_PERSISTENT_MIN_ROUNDS * 132 - 1, SM90_PERSISTENT_MIN_ROUNDS * 132
+    assert sm90_persistent(True, long_causal, 1, 132) and not sm90_persistent(True, long_causal + 1, few, 132)
+    assert sm90_persistent(True, SM90_PERSISTENT_LONG_CAUSAL_LEN, many, 132)
+    assert not sm90_persistent(True, SM90_PERSISTENT_LONG_CAUSAL_LEN + 1, 1 << 20, 132)
+    assert sm90_persistent(False, 1 << 20, 1, 132)
     assert sm90_forward_tiles(128, True, short) == AttentionTiles(128, 64, 8, 3, use_tma=True)
     assert sm90_forward_tiles(256, True, short) == AttentionTiles(128, 64, 8, 2, use_tma=True)
     assert sm90_forward_tiles(128, True, short + 1) == AttentionTiles(128, 128, 8, 3, use_tma=True)

@@ -198,10 +198,11 @@ def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[ForwardPlan | None, 
     if backend in ("auto", "hopper"):
         why_not_sm90 = _hopper_unavailable(q, k, v)
         if why_not_sm90 is None:
-            seqlen_q = q.shape[-2]
+            seqlen_q, traits = q.shape[-2], device_traits(q.device)
             tiles = sm90_forward_tiles(q.shape[-1], causal, seqlen_q)
-            persistent = sm90_persistent(causal, seqlen_q)
-            q_buffers = sm90_q_buffers(tiles, q.shape[-1], persistent, device_traits(q.device))
+            num_work = math.prod(q.shape[:-2]) * -(-seqlen_q // tiles.block_m)  # query tiles of all heads
+            persistent = sm90_persistent(causal, seqlen_q, num_work, traits.sm_count)
+            q_buffers = sm90_q_buffers(tiles, q.shape[-1], persistent, traits)
             cross_item = sm90_cross_item(tiles, q.shape[-1], causal, persistent, q_buffers)
             return ForwardPlan("sm90", tiles, persistent=persistent, q_buffers=q_buffers,
                                cross_item=cross_item), None
@@ -383,9 +384,9 @@ def flash_attention_science(
             Triton interpreter takes the fused pass. The forward is always deterministic.
 
     Kernels: on Hopper, bf16/fp16 with TMA-compatible strides run the Gluon sm_90 kernel (warp-specialised: TMA
-    producer warp, two consumer warpgroups, async wgmma; persistent CTAs except causal rows longer than 4096),
-    except causal calls with head dim <= 64 and <= 1024 queries; everything else on a GPU runs the portable Triton
-    kernel; CPU tensors run the PyTorch reference. `describe_dispatch` says which and why.
+    producer warp, two consumer warpgroups, async wgmma; persistent CTAs except causal rows longer than 8192, or
+    than 4096 with fewer than 12 query tiles per SM); everything else on a GPU runs the portable Triton kernel;
+    CPU tensors run the PyTorch reference. `describe_dispatch` says which and why.
 
     Accuracy: bf16/fp16 inputs are multiplied on tensor cores with float32 accumulation and a float32 softmax.
     float32 inputs use 3xTF32 tensor-core products on the GPU (close to float32 accuracy, about 3x the cost of

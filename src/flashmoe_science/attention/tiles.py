@@ -228,15 +228,22 @@ class ForwardPlan:
 # Measured on an H200 (docs/perf-notes.md, sweeps of 2026-11-21, second session): below these lengths the
 # choices flip.
 SM90_SHORT_CAUSAL_LEN = 1024  # causal, Lq <= this: 64-key tiles for sm_90
-SM90_PERSISTENT_MAX_CAUSAL_LEN = 4096  # causal, Lq > this: one CTA per query tile (the hardware balances them)
+SM90_PERSISTENT_MAX_CAUSAL_LEN = 4096  # causal, Lq <= this: persistent CTAs
+SM90_PERSISTENT_LONG_CAUSAL_LEN = 8192  # causal, Lq <= this: persistent CTAs where each runs enough items
+SM90_PERSISTENT_MIN_ROUNDS = 12  # ... at least this many work items per CTA
 
 
-def sm90_persistent(causal: bool, seqlen_q: int) -> bool:
-    """Persistent CTAs hide each query tile's prologue (Q load, first K/V tiles) and epilogue behind the
-    neighbouring tiles: +10-25% at L <= 2048. Their static share of causal work items is balanced only
-    roughly; at long causal rows (L=16k: 459 vs 592 TFLOP/s) one CTA per tile, balanced by the hardware
-    scheduler, wins."""
-    return not causal or seqlen_q <= SM90_PERSISTENT_MAX_CAUSAL_LEN
+def sm90_persistent(causal: bool, seqlen_q: int, num_work: int, sm_count: int) -> bool:
+    """Persistent CTAs (one per SM, static snaking rounds over the num_work query tiles) hide each query tile's
+    prologue (Q load, first K/V tiles) and epilogue behind the neighbouring tiles: +10-25% at L <= 2048. With
+    causal masking their fixed shares of unequal items are balanced only roughly, the worse the fewer items a
+    CTA runs and the longer the heaviest; where that costs more than the prologues, one CTA per tile, balanced
+    by the hardware scheduler, wins. Measured on the H200 (scripts/ab_persistent_sm90.py, docs/perf-notes.md,
+    session 7), persistent vs one CTA per tile, causal: L=8192 with 31 and 15.5 items per CTA +4.5% and +6.6%
+    (D=64), +2.8% (D=128, 15.5); with 7.8 items (D=256) -18%; L=16384 -2% (D=64, 31 items), -23% (D=128)."""
+    if not causal or seqlen_q <= SM90_PERSISTENT_MAX_CAUSAL_LEN:
+        return True
+    return seqlen_q <= SM90_PERSISTENT_LONG_CAUSAL_LEN and num_work >= SM90_PERSISTENT_MIN_ROUNDS * sm_count
 
 
 def sm90_forward_tiles(head_dim: int, causal: bool, seqlen_q: int) -> AttentionTiles:
