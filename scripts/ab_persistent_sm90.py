@@ -43,7 +43,8 @@ def main():
             ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         plan_tiles = sm90_forward_tiles(d, causal, length)
         if a.stages:
-            persistent = sm90_persistent(causal, length, b * h * -(-length // 128), traits.sm_count)
+            num_work = b * h * -(-length // plan_tiles.block_m)
+            persistent = sm90_persistent(causal, length, num_work, traits.sm_count)
             variants = [(f"s{n}", persistent, dataclasses.replace(plan_tiles, num_stages=int(n)))
                         for n in a.stages.split(",")]
         else:
