@@ -170,9 +170,10 @@ def test_explicit_tiles_reach_every_kernel():
         dx=GemmTiles(16, 32, 4, 1, split_k=3), dw1=GemmTiles(32, 16, 4, 1, block_m=64), dw2=GemmTiles(16, 32, 4, 1),
     )
     grad_out = torch.randn(30, 48)
-    out, saved = triton_gemm.moe_forward(x, w1, w2, weights.float().contiguous(), ids, tiles)
+    weights32 = weights.float().contiguous()
+    out, saved = triton_gemm.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
     assert saved.tiles == tiles
-    dx, dw1, dw2, dweights = triton_gemm.moe_backward(grad_out, x, w1, w2, weights.float().contiguous(), saved)
+    dx, dw1, dw2, dweights = triton_gemm.moe_backward(grad_out, x, w1, w2, weights32, saved)
 
     leaves = [t.clone().requires_grad_() for t in (x, w1, w2, weights)]
     ref = fused_experts(*leaves, ids, backend="reference")
@@ -217,7 +218,7 @@ def test_combine_tiles_agree_for_every_block_m(block_m, down, dx, wgrad):
     tiles = MoETiles(block_m=block_m, group_m=8, up=small, down=down, up_bwd=small, dx=dx, dw1=wgrad, dw2=wgrad)
     weights32 = weights.float().contiguous()
     grad_out = torch.randn(40, 64)
-    out, saved = triton_gemm.moe_forward(x, w1, w2, weights32, ids, tiles)
+    out, saved = triton_gemm.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
     grads = triton_gemm.moe_backward(grad_out, x, w1, w2, weights32, saved)
     leaves = [t.clone().requires_grad_() for t in (x, w1, w2, weights)]
     ref = fused_experts(*leaves, ids, backend="reference")

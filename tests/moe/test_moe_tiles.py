@@ -61,12 +61,12 @@ def test_every_moe_launch_uses_the_shared_precision_policy(monkeypatch, dtype, p
     w1 = torch.zeros(num_experts, 2 * d_ff, d_model, dtype=dtype)
     w2 = torch.zeros(num_experts, d_model, d_ff, dtype=dtype)
     weights32 = torch.zeros(num_tokens, top_k)
-    h, out32 = triton_gemm.forward_buffers(x, w1, sort, tiles)
+    h, out32, gate_up = triton_gemm.forward_buffers(x, w1, sort, tiles, save_for_backward=True)
     h_b, dgu, dweights = triton_gemm.backward_buffers(x, w1, sort, tiles)
     launches = [
-        triton_gemm.up_swiglu_launch(x, w1, h, sort, tiles),
+        triton_gemm.up_swiglu_launch(x, w1, h, gate_up, sort, tiles),
         triton_gemm.down_forward_launch(h, w2, out32, weights32, sort, tiles),
-        triton_gemm.swiglu_backward_launch(x, x, w1, w2, weights32, h_b, dgu, dweights, sort, tiles),
+        triton_gemm.swiglu_backward_launch(x, w2, weights32, gate_up, h_b, dgu, dweights, sort, tiles),
         triton_gemm.dx_launch(dgu, w1, out32, sort, tiles),
         triton_gemm.dw1_launch(dgu, torch.zeros(h.shape[0], d_model, dtype=dtype), torch.zeros_like(w1), sort, tiles),
         triton_gemm.dw2_launch(torch.zeros(h.shape[0], d_model, dtype=dtype), h_b, torch.zeros_like(w2), sort, tiles),
@@ -84,8 +84,8 @@ def test_launches_follow_the_tiles_they_are_given(monkeypatch):
     sort = _sort(64, 2, 8, 64)
     x = torch.zeros(64, 256, dtype=torch.bfloat16)
     w1 = torch.zeros(8, 2 * 320, 256, dtype=torch.bfloat16)
-    h, _ = triton_gemm.forward_buffers(x, w1, sort, custom)
-    up = triton_gemm.up_swiglu_launch(x, w1, h, sort, custom)
+    h, _, gate_up = triton_gemm.forward_buffers(x, w1, sort, custom)
+    up = triton_gemm.up_swiglu_launch(x, w1, h, gate_up, sort, custom)
     assert (up.meta["BLOCK_M"], up.meta["BLOCK_N"], up.meta["BLOCK_K"], up.meta["GROUP_M"]) == (64, 128, 32, 4)
     assert (up.meta["num_warps"], up.meta["num_stages"]) == (4, 3)
     assert up.grid == (sort.tile_expert.numel() * 3,)  # cdiv(320, 128) column blocks per row tile
@@ -112,7 +112,7 @@ def test_tensor_core_regime_takes_the_measured_tiles(monkeypatch, num_tokens, nu
     assert (tiles.block_m, tiles.group_m) == (128, 8)
     assert _gemm(tiles, "up") == (128, 128, 64, 8, 4, 1)
     assert _gemm(tiles, "down") == _gemm(tiles, "dx") == (128, 256, 64, 8, 4, 1)
-    assert _gemm(tiles, "up_bwd") == (128, 64, 64, 8, 3, 1)
+    assert _gemm(tiles, "up_bwd") == (128, 128, 64, 8, 4, 1)
     assert _gemm(tiles, "dw1") == _gemm(tiles, "dw2") == (128, 256, 64, 8, 3, 1)
 
 
@@ -122,7 +122,7 @@ def test_weight_streaming_regime_takes_the_measured_tiles(monkeypatch, num_exper
     tiles = choose_tiles(16, top_k, num_experts, d_model, d_ff, torch.device("cpu"))
     assert tiles.block_m == 16
     assert _gemm(tiles, "up") == (16, 64, 128, 4, 4, 1)
-    assert _gemm(tiles, "up_bwd") == (16, 64, 128, 4, 3, 1)
+    assert _gemm(tiles, "up_bwd") == (16, 64, 128, 4, 4, 1)
     assert _gemm(tiles, "down") == _gemm(tiles, "dx") == (16, 64, 128, 4, 4, split_k)
     assert _gemm(tiles, "dw1") == _gemm(tiles, "dw2") == (64, 128, 16, 4, 2, 1)
 

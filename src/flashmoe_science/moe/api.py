@@ -130,7 +130,7 @@ class _FusedExpertsTriton(torch.autograd.Function):
         from flashmoe_science.moe import triton_gemm
 
         weights32 = topk_weights.float().contiguous()
-        out, saved = triton_gemm.moe_forward(x, w1, w2, weights32, topk_ids)
+        out, saved = triton_gemm.moe_forward(x, w1, w2, weights32, topk_ids, save_for_backward=True)
         ctx.saved_sort = saved
         ctx.weights_dtype = topk_weights.dtype
         ctx.save_for_backward(x, w1, w2, weights32)

@@ -41,7 +41,7 @@ class MoETiles:
     group_m: int  # row tiles that sweep a column block together (L2 reuse of the expert's weight block)
     up: GemmTiles  # forward GEMM1: gather x @ w1^T with the SwiGLU epilogue (block_n counts gate columns)
     down: GemmTiles  # forward GEMM2: h @ w2^T with the routing weight and the combine in the epilogue
-    up_bwd: GemmTiles  # backward: gate, up and dout @ w2 recomputed over d, SwiGLU backward in the epilogue
+    up_bwd: GemmTiles  # backward: dout @ w2 over d, SwiGLU backward from the saved gate/up in the epilogue
     dx: GemmTiles  # backward: d(gate, up) @ w1 combined into dx (the down-combine kernel with K = 2F)
     dw1: GemmTiles  # backward: dw1[e] = d(gate, up)_e^T x_e, block_k sorted rows per step
     dw2: GemmTiles  # backward: dw2[e] = (weight * dout)_e^T h_e, block_k sorted rows per step
@@ -51,7 +51,7 @@ class MoETiles:
 _OPERANDS = {
     "up": lambda bm, g: bm * g.block_k + 2 * g.block_k * g.block_n,
     "down": lambda bm, g: bm * g.block_k + g.block_k * g.block_n,
-    "up_bwd": lambda bm, g: 2 * bm * g.block_k + 3 * g.block_k * g.block_n,
+    "up_bwd": lambda bm, g: bm * g.block_k + g.block_k * g.block_n,
     "dx": lambda bm, g: bm * g.block_k + g.block_k * g.block_n,
     "dw1": lambda bm, g: ((g.block_m or g.block_n) + g.block_n) * g.block_k,
     "dw2": lambda bm, g: ((g.block_m or g.block_n) + g.block_n) * g.block_k,
@@ -101,11 +101,12 @@ def choose_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_
     if block_m <= 32:
         # weight-streaming regime: deep pipelines over wide K tiles, enough programs to cover every SM.
         # H200 sweep, 2026-11-21, T=16 (GB/s of expert weights): up n64 k128 w4 s4 is within 0.2% (Mixtral 4406
-        # vs 4415) and 1.9% (Qwen3 3956 vs 4031) of the best; up_bwd n64 k128 w4 s3 is the best in both (4407,
-        # 4097); down/dx best or within 1.1% with the split-K below (Mixtral down 4203 vs 4215, dx 4364 vs 4414;
+        # vs 4415) and 1.9% (Qwen3 3956 vs 4031) of the best (up_bwd, then recomputing gate and up: n64 k128 w4 s3,
+        # 4407 / 4097); down/dx best or within 1.1% with the split-K below (Mixtral down 4203 vs 4215, dx 4364 vs 4414;
         # Qwen3 down 3567 best, dx 3985 vs 3994).
         up = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
-        up_bwd = replace(up, num_stages=3)
+        # up_bwd streams w2 alone since the pre-activations are saved (session 8): the stream tile, not yet swept
+        up_bwd = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
         # few rows leave the down-combine GEMMs with few programs (experts used x d/block_n): split K
         row_tiles = min(num_experts, num_tokens * top_k)
         sms = _sm_count(device)
@@ -120,8 +121,7 @@ def choose_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_
         # not measured by the 2026-11-21 sweep (no case has 33-96 rows per expert): the earlier choice
         up = GemmTiles(block_n=64, block_k=64, num_warps=4, num_stages=4)
         down = dx = GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=4)
-        # five operand tiles per stage: three stages stay inside Hopper's 227 KiB of shared memory
-        up_bwd = replace(up, num_stages=3)
+        up_bwd = down
         wgrad = GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=3)
     else:
         # tensor-core regime (>= 97 rows per expert; measured at 256 rows: Qwen3 T=4096, 1024 and 4096: Mixtral
@@ -133,10 +133,9 @@ def choose_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_
         #     no spills): down 485 / 297 / 523 (best, or 0.6% under 3 stages at Mixtral 4096), dx 590 / 386
         #     (best); the old n128 got down 422 / 234 / 456, dx 458 / 330.
         down = dx = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=4)
-        # up_bwd: 128x(2x64) tiles, 8 warps, 3 stages (five operand tiles per stage; n128 would not fit in
-        #     Hopper's 227 KiB): 392 / 298, the best at Mixtral; Qwen3 measured 317 with group 4 but 304 with
-        #     group 16 and 298 with 8 (no trend), and group_m is shared by every GEMM: left at 8.
-        up_bwd = GemmTiles(block_n=64, block_k=64, num_warps=8, num_stages=3)
+        # up_bwd (dout @ w2 and the SwiGLU backward from the saved pre-activations, session 8): 128x128 tiles,
+        #     8 warps, 4 stages, pending the sweep (its epilogue holds gate, up and three outputs per element).
+        up_bwd = GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=4)
         # dw1 / dw2: 128x256 output tiles, 64 sorted rows per step, 8 warps, 3 stages: dw1 533 / 333, dw2 474 /
         #     321, the best in both cases; the old 128x128 got dw1 448 / 297, dw2 390 / 288.
         wgrad = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3, block_m=128)

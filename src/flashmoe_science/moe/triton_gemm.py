@@ -11,10 +11,12 @@ Forward, two launches after the sort:
 Gate and up rows of w1 are read as one B tile with interleaved columns (``_gate_up_columns``): one MMA of width
 2·BLOCK_N per step instead of two that each re-read the A tile from shared memory.
 
-Backward, four GEMM launches reusing the forward's sort (nothing but the sort is kept from the forward):
-- ``_swiglu_backward_kernel``: recomputes gate/up and ``dh = weight * (dout[token] @ w2[e])`` in one pass over
-  d (all three contract over d), then writes ``h``, ``d(gate, up)`` and atomically accumulates the routing-weight
-  gradient ``dout[token] . y = (dout[token] @ w2[e]) . h``.
+Backward, four GEMM launches reusing the forward's sort and the SwiGLU pre-activations it saved (a training
+forward, ``save_for_backward=True``, also writes ``[gate | up]`` per sorted row: one (T·k, 2F) write instead of a
+backward that recomputes both, a third more GEMM work; inference writes nothing extra):
+- ``_swiglu_backward_kernel``: ``dh = weight * (dout[token] @ w2[e])`` over d, then from the saved gate/up writes
+  ``h``, ``d(gate, up)`` and atomically accumulates the routing-weight gradient
+  ``dout[token] . y = (dout[token] @ w2[e]) . h``.
 - ``_down_combine_kernel`` again for ``dx[token] += d(gate, up)[row] @ w1[e]``.
 - ``_expert_wgrad_kernel`` twice: ``dw1[e] = d(gate, up)_e^T x_e`` and ``dw2[e] = (weight * dout)_e^T h_e``, a
   reduction over each expert's rows, one writer per output element (deterministic). Their gathered operand
@@ -38,6 +40,7 @@ from flashmoe_science.prepared_launch import PreparedLaunch
 class SavedForBackward(NamedTuple):
     sort: ExpertSort
     tiles: MoETiles
+    gate_up: torch.Tensor | None  # (sorted rows, 2F) pre-activations [gate | up] in x.dtype; None without tokens
 
 
 def _empty(shape, dtype, device):
@@ -88,6 +91,7 @@ def _up_swiglu_kernel(
     x_ptr,
     w1_ptr,
     h_ptr,
+    gate_up_ptr,
     sorted_pair_ids_ptr,
     tile_expert_ptr,
     num_pairs,
@@ -101,6 +105,8 @@ def _up_swiglu_kernel(
     stride_wf,
     stride_wd,
     stride_hm,
+    stride_gum,
+    STORE_GATE_UP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -108,6 +114,8 @@ def _up_swiglu_kernel(
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    """h[row] = silu(gate) * up of x[token] @ w1[e]^T; with STORE_GATE_UP (training) also gate_up[row] = [gate | up],
+    the pre-activations the backward reads instead of recomputing them (a third more GEMM work)."""
     tile, col_block = _row_tile_and_col_block(tl.program_id(0), num_row_tiles, tl.cdiv(d_ff, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
@@ -135,8 +143,13 @@ def _up_swiglu_kernel(
 
     acc_gate, acc_up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
-    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
+    out_mask = row_valid[:, None] & col_valid[None, :]
+    row_offsets = rows.to(tl.int64)[:, None]
+    tl.store(h_ptr + row_offsets * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=out_mask)
+    if STORE_GATE_UP:
+        gate_ptrs = gate_up_ptr + row_offsets * stride_gum + cols[None, :]
+        tl.store(gate_ptrs, acc_gate.to(gate_up_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(gate_ptrs + d_ff, acc_up.to(gate_up_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -204,11 +217,10 @@ def _down_combine_kernel(
 
 @triton.jit
 def _swiglu_backward_kernel(
-    x_ptr,
     dout_ptr,
-    w1_ptr,
     w2_ptr,
     row_scale_ptr,
+    gate_up_ptr,
     h_ptr,
     dgu_ptr,
     dscale_ptr,
@@ -219,16 +231,12 @@ def _swiglu_backward_kernel(
     d_model,
     d_ff,
     num_row_tiles,
-    stride_xt,
-    stride_xd,
     stride_ot,
     stride_od,
-    stride_w1e,
-    stride_w1f,
-    stride_w1d,
     stride_w2e,
     stride_w2d,
     stride_w2f,
+    stride_gum,
     stride_hm,
     stride_dgum,
     BLOCK_M: tl.constexpr,
@@ -238,6 +246,8 @@ def _swiglu_backward_kernel(
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    """dh = dout[token] @ w2[e] over the sorted rows, then the SwiGLU backward from the forward's saved
+    pre-activations: d(gate, up), h (for dw2) and this column block's share of the routing-weight gradient."""
     tile, col_block = _row_tile_and_col_block(tl.program_id(0), num_row_tiles, tl.cdiv(d_ff, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
     if expert < 0:
@@ -247,45 +257,36 @@ def _swiglu_backward_kernel(
     tokens = tl.where(row_valid, pairs // top_k, 0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
 
-    x_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :] * stride_xd
     dout_ptrs = dout_ptr + tokens[:, None] * stride_ot + ks[None, :] * stride_od
-    gu_ptrs, gu_valid = _gate_up_columns(w1_ptr + expert * stride_w1e, col_block, ks, d_ff,
-                                         stride_w1f, stride_w1d, BLOCK_N)
     w2_ptrs = w2_ptr + expert * stride_w2e + ks[:, None] * stride_w2d + cols[None, :] * stride_w2f
-    acc_gu = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
     acc_dy_w2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, d_model, BLOCK_K):
         if EVEN_K:
-            row_mask = row_valid[:, None]
-            gu_mask = gu_valid[None, :]
-            w2_mask = col_valid[None, :]
+            g = tl.load(dout_ptrs, mask=row_valid[:, None], other=0.0)
+            w = tl.load(w2_ptrs, mask=col_valid[None, :], other=0.0)
         else:
             k_valid = (k0 + ks) < d_model
-            row_mask = row_valid[:, None] & k_valid[None, :]
-            gu_mask = k_valid[:, None] & gu_valid[None, :]
-            w2_mask = k_valid[:, None] & col_valid[None, :]
-        a = tl.load(x_ptrs, mask=row_mask, other=0.0)
-        g = tl.load(dout_ptrs, mask=row_mask, other=0.0)
-        acc_gu = tl.dot(a, tl.load(gu_ptrs, mask=gu_mask, other=0.0), acc_gu, input_precision=DOT_PRECISION)
-        acc_dy_w2 = tl.dot(g, tl.load(w2_ptrs, mask=w2_mask, other=0.0), acc_dy_w2, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xd
+            g = tl.load(dout_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            w = tl.load(w2_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+        acc_dy_w2 = tl.dot(g, w, acc_dy_w2, input_precision=DOT_PRECISION)
         dout_ptrs += BLOCK_K * stride_od
-        gu_ptrs += BLOCK_K * stride_w1d
         w2_ptrs += BLOCK_K * stride_w2d
 
-    acc_gate, acc_up = tl.split(tl.reshape(acc_gu, [BLOCK_M, BLOCK_N, 2]))
-    sig = tl.sigmoid(acc_gate)
-    silu = acc_gate * sig
-    h = silu * acc_up
+    out_mask = row_valid[:, None] & col_valid[None, :]
+    row_offsets = rows.to(tl.int64)[:, None]
+    gate_ptrs = gate_up_ptr + row_offsets * stride_gum + cols[None, :]
+    gate = tl.load(gate_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptrs + d_ff, mask=out_mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    h = silu * up
     # gradient of the routing weight: dout[token] . (h @ w2[e].T) = (dout[token] @ w2[e]) . h, this block's share
     tl.atomic_add(dscale_ptr + pairs, tl.sum(acc_dy_w2 * h, axis=1), mask=row_valid, sem="relaxed")
     scale = tl.load(row_scale_ptr + pairs, mask=row_valid, other=0.0)
     dh = acc_dy_w2 * scale[:, None]
     d_up = dh * silu
-    d_gate = dh * acc_up * sig * (1.0 + acc_gate * (1.0 - sig))
+    d_gate = dh * up * sig * (1.0 + gate * (1.0 - sig))
 
-    out_mask = row_valid[:, None] & col_valid[None, :]
-    row_offsets = rows.to(tl.int64)[:, None]
     tl.store(h_ptr + row_offsets * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=out_mask)
     dgu_ptrs = dgu_ptr + row_offsets * stride_dgum + cols[None, :]
     tl.store(dgu_ptrs, d_gate.to(dgu_ptr.dtype.element_ty), mask=out_mask)
@@ -376,15 +377,19 @@ def _expert_wgrad_kernel(
 
 
 # ---------------------------------------------------------------------------------------------- launches
-def up_swiglu_launch(x, w1, h, sort: ExpertSort, tiles: MoETiles) -> Launch:
-    """``h[row] = silu(x[token] @ gate.T) * (x[token] @ up.T)`` over the sorted rows (tiles.up)."""
+def up_swiglu_launch(x, w1, h, gate_up, sort: ExpertSort, tiles: MoETiles) -> Launch:
+    """``h[row] = silu(x[token] @ gate.T) * (x[token] @ up.T)`` over the sorted rows (tiles.up); with a ``gate_up``
+    buffer (training) also the pre-activations ``[gate | up]`` for the backward."""
     d_model = x.shape[1]
     d_ff = w1.shape[1] // 2
     num_row_tiles = sort.tile_expert.numel()
     gemm = tiles.up
-    args = (x, w1, h, sort.sorted_pair_ids, sort.tile_expert, sort.num_pairs, sort.top_k, d_model, d_ff,
-            num_row_tiles, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), h.stride(0))
-    meta = dict(BLOCK_M=tiles.block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=tiles.group_m,
+    store_gate_up = gate_up is not None
+    gate_up = gate_up if store_gate_up else h  # an unused pointer when not stored
+    args = (x, w1, h, gate_up, sort.sorted_pair_ids, sort.tile_expert, sort.num_pairs, sort.top_k, d_model, d_ff,
+            num_row_tiles, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), h.stride(0),
+            gate_up.stride(0))
+    meta = dict(STORE_GATE_UP=store_gate_up, BLOCK_M=tiles.block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=tiles.group_m,
                 EVEN_K=d_model % gemm.block_k == 0, **dot_precision(x),
                 num_warps=gemm.num_warps, num_stages=gemm.num_stages)
     return Launch(_up_swiglu_kernel, (num_row_tiles * triton.cdiv(d_ff, gemm.block_n),), args, meta)
@@ -403,19 +408,18 @@ def down_combine_launch(a, b, b_strides, out32, row_scale, sort: ExpertSort, til
     return Launch(_down_combine_kernel, (num_row_tiles * triton.cdiv(N, gemm.block_n), gemm.split_k), args, meta)
 
 
-def swiglu_backward_launch(x, grad_out, w1, w2, weights32, h, dgu, dweights, sort: ExpertSort,
+def swiglu_backward_launch(grad_out, w2, weights32, gate_up, h, dgu, dweights, sort: ExpertSort,
                            tiles: MoETiles) -> Launch:
-    """Recomputed h, ``d(gate, up)`` and the routing-weight gradient over the sorted rows (tiles.up_bwd)."""
-    d_model = x.shape[1]
-    d_ff = w1.shape[1] // 2
+    """``dout @ w2`` and the SwiGLU backward from the saved pre-activations: h (for dw2), ``d(gate, up)`` and the
+    routing-weight gradient over the sorted rows (tiles.up_bwd)."""
+    d_model, d_ff = w2.shape[1], w2.shape[2]
     num_row_tiles = sort.tile_expert.numel()
     gemm = tiles.up_bwd
-    args = (x, grad_out, w1, w2, weights32, h, dgu, dweights, sort.sorted_pair_ids, sort.tile_expert,
-            sort.num_pairs, sort.top_k, d_model, d_ff, num_row_tiles, x.stride(0), x.stride(1),
-            grad_out.stride(0), grad_out.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
-            w2.stride(0), w2.stride(1), w2.stride(2), h.stride(0), dgu.stride(0))
+    args = (grad_out, w2, weights32, gate_up, h, dgu, dweights, sort.sorted_pair_ids, sort.tile_expert,
+            sort.num_pairs, sort.top_k, d_model, d_ff, num_row_tiles, grad_out.stride(0), grad_out.stride(1),
+            w2.stride(0), w2.stride(1), w2.stride(2), gate_up.stride(0), h.stride(0), dgu.stride(0))
     meta = dict(BLOCK_M=tiles.block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=tiles.group_m,
-                EVEN_K=d_model % gemm.block_k == 0, **dot_precision(x),
+                EVEN_K=d_model % gemm.block_k == 0, **dot_precision(grad_out),
                 num_warps=gemm.num_warps, num_stages=gemm.num_stages)
     return Launch(_swiglu_backward_kernel, (num_row_tiles * triton.cdiv(d_ff, gemm.block_n),), args, meta)
 
@@ -442,12 +446,14 @@ def wgrad_launch(a, b, out, sort: ExpertSort, gemm: GemmTiles) -> Launch:
                   args, meta)
 
 
-def forward_buffers(x, w1, sort: ExpertSort, tiles: MoETiles):
-    """``h`` (sorted rows, F) and the float32 output accumulator (T, d) of the forward."""
+def forward_buffers(x, w1, sort: ExpertSort, tiles: MoETiles, save_for_backward: bool = False):
+    """``h`` (sorted rows, F), the float32 output accumulator (T, d) of the forward and, when saving for the
+    backward, the pre-activations ``gate_up`` (sorted rows, 2F; else None)."""
     num_rows = sort.tile_expert.numel() * tiles.block_m
     h = _empty((num_rows, w1.shape[1] // 2), x.dtype, x.device)
     out32 = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    return h, out32
+    gate_up = _empty((num_rows, w1.shape[1]), x.dtype, x.device) if save_for_backward else None
+    return h, out32, gate_up
 
 
 def down_forward_launch(h, w2, out32, weights32, sort: ExpertSort, tiles: MoETiles) -> Launch:
@@ -482,7 +488,7 @@ def sorted_rows(src, row_scale, sort: ExpertSort, num_rows: int):
 
 
 def backward_buffers(x, w1, sort: ExpertSort, tiles: MoETiles):
-    """``h`` (recomputed), ``d(gate, up)`` (sorted rows, 2F) and the routing-weight gradient (T, k) float32."""
+    """``h`` (from the saved pre-activations), ``d(gate, up)`` (sorted rows, 2F) and the routing-weight gradient (T, k) float32."""
     num_rows = sort.tile_expert.numel() * tiles.block_m
     two_d_ff = w1.shape[1]
     h = _empty((num_rows, two_d_ff // 2), x.dtype, x.device)
@@ -496,30 +502,35 @@ def _default_tiles(x, w1, topk_ids) -> MoETiles:
     return choose_tiles(x.shape[0], topk_ids.shape[1], num_experts, x.shape[1], two_d_ff // 2, x.device)
 
 
-def _forward_launches(x, w1, w2, weights32, topk_ids, tiles: MoETiles):
-    """Fresh sort buffers, ``h`` and ``out32``, and the forward's five launches over them, in order: the sort's count,
-    scan and scatter, then up and down. Returns ``(sort, out32, launches)``."""
+def _forward_launches(x, w1, w2, weights32, topk_ids, tiles: MoETiles, save_for_backward: bool = False):
+    """Fresh sort buffers, ``h``, ``out32`` (and ``gate_up`` when saving for the backward), and the forward's five
+    launches over them, in order: the sort's count, scan and scatter, then up and down. Returns
+    ``(sort, out32, gate_up, launches)``."""
     sort, chunk_counts, chunk_row_base = sort_buffers(x.shape[0], topk_ids.shape[1], w1.shape[0], tiles.block_m,
                                                       x.device)
-    h, out32 = forward_buffers(x, w1, sort, tiles)
+    h, out32, gate_up = forward_buffers(x, w1, sort, tiles, save_for_backward)
     launches = (*sort_launches(flat_ids(topk_ids), sort, chunk_counts, chunk_row_base),
-                up_swiglu_launch(x, w1, h, sort, tiles), down_forward_launch(h, w2, out32, weights32, sort, tiles))
-    return sort, out32, launches
+                up_swiglu_launch(x, w1, h, gate_up, sort, tiles),
+                down_forward_launch(h, w2, out32, weights32, sort, tiles))
+    return sort, out32, gate_up, launches
 
 
-def moe_forward(x, w1, w2, weights32, topk_ids, tiles: MoETiles | None = None):
+def moe_forward(x, w1, w2, weights32, topk_ids, tiles: MoETiles | None = None, save_for_backward: bool = False):
     """Already-checked tensors: x (T, d), w1 (E, 2F, d), w2 (E, d, F), weights32 (T, k) contiguous float32,
     topk_ids (T, k) int. ``tiles``: the launch configs (default: ``choose_tiles``; the tile sweep passes its
-    candidates here). Returns ``(out, SavedForBackward)``; the backward runs with the same tiles."""
+    candidates here). Returns ``(out, SavedForBackward)``; the backward runs with the same tiles. With
+    ``save_for_backward`` the forward also writes the SwiGLU pre-activations (sorted rows x 2F, in x.dtype), which
+    ``moe_backward`` needs: saving them costs one (T·k, 2F) write, recomputing them would cost the backward a third
+    more GEMM work (docs/perf-notes.md, session 8)."""
     if tiles is None:
         tiles = _default_tiles(x, w1, topk_ids)
     if x.shape[0] == 0:
-        return x.new_empty((0, x.shape[1])), SavedForBackward(sort_pairs_by_expert(topk_ids, w1.shape[0],
-                                                                                   tiles.block_m), tiles)
-    sort, out32, launches = _forward_launches(x, w1, w2, weights32, topk_ids, tiles)
+        sort = sort_pairs_by_expert(topk_ids, w1.shape[0], tiles.block_m)
+        return x.new_empty((0, x.shape[1])), SavedForBackward(sort, tiles, None)
+    sort, out32, gate_up, launches = _forward_launches(x, w1, w2, weights32, topk_ids, tiles, save_for_backward)
     for launch in launches:
         launch()
-    return out32.to(x.dtype), SavedForBackward(sort, tiles)
+    return out32.to(x.dtype), SavedForBackward(sort, tiles, gate_up)
 
 
 class PreparedForward(NamedTuple):
@@ -541,12 +552,12 @@ class PreparedForward(NamedTuple):
         ids = flat_ids(topk_ids)
         sort, chunk_counts, chunk_row_base = sort_buffers(x.shape[0], topk_ids.shape[1], w1.shape[0],
                                                           self.tiles.block_m, x.device)
-        h, out32 = forward_buffers(x, w1, sort, self.tiles)
+        h, out32, _ = forward_buffers(x, w1, sort, self.tiles)
         # each kernel's tensor parameters, in order, as sort_launches / up_swiglu_launch / down_forward_launch pass them
         self.count(ids, chunk_counts)
         self.scan(chunk_counts, chunk_row_base, sort.expert_counts, sort.expert_row_start, sort.tile_expert)
         self.scatter(ids, chunk_row_base, sort.sorted_pair_ids, sort.pair_row)
-        self.up(x, w1, h, sort.sorted_pair_ids, sort.tile_expert)
+        self.up(x, w1, h, h, sort.sorted_pair_ids, sort.tile_expert)  # (h twice: no gate_up in inference)
         self.down(h, w2, out32, weights32, sort.sorted_pair_ids, sort.tile_expert)
         return out32.to(x.dtype)
 
@@ -556,18 +567,19 @@ def prepare_forward(x, w1, w2, weights32, topk_ids, tiles: MoETiles | None = Non
     Builds its launches over throwaway buffers; Triton compiles any kernel no call has compiled yet."""
     if tiles is None:
         tiles = _default_tiles(x, w1, topk_ids)
-    _, _, launches = _forward_launches(x, w1, w2, weights32, topk_ids, tiles)
+    _, _, _, launches = _forward_launches(x, w1, w2, weights32, topk_ids, tiles)
     return PreparedForward(tiles, *(launch.prepare() for launch in launches))
 
 
 def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
                  need_dx: bool = True, need_dw1: bool = True, need_dw2: bool = True):
-    """Gradients ``(dx, dw1, dw2, dweights32)`` of ``moe_forward``'s output, reusing its sort and tiles.
+    """Gradients ``(dx, dw1, dw2, dweights32)`` of ``moe_forward``'s output, reusing its sort, tiles and saved
+    pre-activations (``moe_forward(..., save_for_backward=True)``).
 
     The SwiGLU backward always runs (it also yields the routing-weight gradient); the dx GEMM and each weight
     gradient run only when asked for (frozen experts, router-only training), and come back None otherwise.
     """
-    sort, tiles = saved
+    sort, tiles, gate_up = saved
     num_tokens, d_model = x.shape
     dw1 = _empty(w1.shape, w1.dtype, w1.device) if need_dw1 else None
     dw2 = _empty(w2.shape, w2.dtype, w2.device) if need_dw2 else None
@@ -576,8 +588,10 @@ def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
         dweights = torch.zeros(weights32.shape, dtype=torch.float32, device=x.device)
         return dx, dw1.zero_() if need_dw1 else None, dw2.zero_() if need_dw2 else None, dweights
 
+    if gate_up is None:
+        raise ValueError("moe_backward needs the forward's pre-activations: run moe_forward(..., save_for_backward=True)")
     h, dgu, dweights = backward_buffers(x, w1, sort, tiles)
-    swiglu_backward_launch(x, grad_out, w1, w2, weights32, h, dgu, dweights, sort, tiles)()
+    swiglu_backward_launch(grad_out, w2, weights32, gate_up, h, dgu, dweights, sort, tiles)()
     dx = None
     if need_dx:
         dx32 = torch.zeros((num_tokens, d_model), dtype=torch.float32, device=x.device)
