@@ -8,7 +8,7 @@ the data behind moe/tiles.choose_tiles.
 GEMMs (names of the MoETiles fields), FLOPs with P = routed (token, expert) pairs:
     up      gather x @ w1^T + SwiGLU        4·P·d·F      torch: _grouped_mm(x_sorted, w1^T)
     down    h @ w2^T, weight, combine       2·P·d·F      torch: _grouped_mm(h, w2^T)
-    up_bwd  dout @ w2, dSwiGLU (saved g, u) 2·P·d·F      torch: _grouped_mm(dout, w2)
+    up_bwd  dh = dout @ w2 (gathered rows)  2·P·d·F      torch: _grouped_mm(dout, w2)
     dx      d(gate,up) @ w1, combine        4·P·d·F      torch: _grouped_mm(dgu, w1)
     dw1     d(gate,up)_e^T x_e              4·P·d·F      torch: _grouped_mm(dgu^T, x_sorted)  (offsets along K)
     dw2     (weight·dout)_e^T h_e           2·P·d·F      torch: _grouped_mm(dout^T, h)
@@ -166,12 +166,9 @@ class Buffers:
             self.dgu_in = torch.zeros((num_rows, 2 * d_ff), dtype=dt, device=dev)
             self.h_in[rows[routed]] = fill.per_pair(d_ff, dt, dev)[routed]  # down's and dw2's sorted-row operand
             self.dgu_in[rows[routed]] = fill.per_pair(2 * d_ff, dt, dev)[routed]  # dx's and dw1's
-            self.gate_up_in = torch.zeros((num_rows, 2 * d_ff), dtype=dt, device=dev)  # up_bwd's saved g, u
-            self.gate_up_in[rows[routed]] = fill.per_pair(2 * d_ff, dt, dev)[routed]
         else:  # any values (offline builds, timing only)
             self.h_in = fill((num_rows, d_ff), dt, dev)
             self.dgu_in = fill((num_rows, 2 * d_ff), dt, dev)
-            self.gate_up_in = fill((num_rows, 2 * d_ff), dt, dev)
         self.h_out = torch.empty((num_rows, d_ff), dtype=dt, device=dev)
         self.dgu_out = torch.empty((num_rows, 2 * d_ff), dtype=dt, device=dev)
         self.out32 = torch.zeros(x.shape, dtype=torch.float32, device=dev)
@@ -192,8 +189,7 @@ class Buffers:
         if gemm == "down":
             return tg.down_forward_launch(self.h_in, self.w2, self.out32, self.weights32, s, tiles)
         if gemm == "up_bwd":
-            return tg.swiglu_backward_launch(self.grad_out, self.w2, self.weights32, self.gate_up_in, self.h_out,
-                                             self.dgu_out, self.dweights, s, tiles)
+            return tg.dh_launch(self.grad_out, self.w2, self.h_out, s, tiles)
         if gemm == "dx":
             return tg.dx_launch(self.dgu_in, self.w1, self.out32, s, tiles)
         if gemm == "dw1":
@@ -203,12 +199,10 @@ class Buffers:
     def result(self, gemm: str) -> torch.Tensor:
         """The GEMM's output after one launch from zeroed accumulators (call ``reset`` first), rows per pair."""
         rows = self.sort.pair_row.long()
-        if gemm == "up":
+        if gemm in ("up", "up_bwd"):  # h, or dh = dout @ w2: both (rows, F)
             return self.h_out[rows]
         if gemm in ("down", "dx"):
             return self.out32
-        if gemm == "up_bwd":
-            return torch.cat([self.dgu_out[rows].float(), self.dweights.reshape(-1, 1)], dim=1)
         return self.dw1 if gemm == "dw1" else self.dw2
 
     def reset(self):

@@ -105,7 +105,7 @@ def choose_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_
         # 4407 / 4097); down/dx best or within 1.1% with the split-K below (Mixtral down 4203 vs 4215, dx 4364 vs 4414;
         # Qwen3 down 3567 best, dx 3985 vs 3994).
         up = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
-        # up_bwd streams w2 alone since the pre-activations are saved (session 8): the stream tile, not yet swept
+        # up_bwd (dh = dout @ w2 since the pre-activations are saved, session 8): the stream tile, not yet swept
         up_bwd = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
         # few rows leave the down-combine GEMMs with few programs (experts used x d/block_n): split K
         row_tiles = min(num_experts, num_tokens * top_k)
@@ -133,9 +133,9 @@ def choose_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_
         #     no spills): down 485 / 297 / 523 (best, or 0.6% under 3 stages at Mixtral 4096), dx 590 / 386
         #     (best); the old n128 got down 422 / 234 / 456, dx 458 / 330.
         down = dx = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=4)
-        # up_bwd (dout @ w2 and the SwiGLU backward from the saved pre-activations, session 8): 128x128 tiles,
-        #     8 warps, 4 stages, pending the sweep (its epilogue holds gate, up and three outputs per element).
-        up_bwd = GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=4)
+        # up_bwd (dh = dout @ w2 over gathered rows, plain store; session 8): the down/dx tile, 212 registers,
+        #     no spills offline; pending the sweep.
+        up_bwd = down
         # dw1 / dw2: 128x256 output tiles, 64 sorted rows per step, 8 warps, 3 stages: dw1 533 / 333, dw2 474 /
         #     321, the best in both cases; the old 128x128 got dw1 448 / 297, dw2 390 / 288.
         wgrad = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3, block_m=128)

@@ -14,9 +14,9 @@ Gate and up rows of w1 are read as one B tile with interleaved columns (``_gate_
 Backward, four GEMM launches reusing the forward's sort and the SwiGLU pre-activations it saved (a training
 forward, ``save_for_backward=True``, also writes ``[gate | up]`` per sorted row: one (T·k, 2F) write instead of a
 backward that recomputes both, a third more GEMM work; inference writes nothing extra):
-- ``_swiglu_backward_kernel``: ``dh = weight * (dout[token] @ w2[e])`` over d, then from the saved gate/up writes
-  ``h``, ``d(gate, up)`` and atomically accumulates the routing-weight gradient
-  ``dout[token] . y = (dout[token] @ w2[e]) . h``.
+- ``_gathered_rows_gemm_kernel``: ``dh[row] = dout[token] @ w2[e]``, then ``_swiglu_backward_kernel`` (elementwise,
+  whole rows) writes ``h``, ``d(gate, up) = dSwiGLU(weight * dh)`` and the routing-weight gradient
+  ``dout[token] . y = dh . h``.
 - ``_down_combine_kernel`` again for ``dx[token] += d(gate, up)[row] @ w1[e]``.
 - ``_expert_wgrad_kernel`` twice: ``dw1[e] = d(gate, up)_e^T x_e`` and ``dw2[e] = (weight * dout)_e^T h_e``, a
   reduction over each expert's rows, one writer per output element (deterministic). Their gathered operand
@@ -216,29 +216,23 @@ def _down_combine_kernel(
 
 
 @triton.jit
-def _swiglu_backward_kernel(
-    dout_ptr,
-    w2_ptr,
-    row_scale_ptr,
-    gate_up_ptr,
-    h_ptr,
-    dgu_ptr,
-    dscale_ptr,
+def _gathered_rows_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
     sorted_pair_ids_ptr,
     tile_expert_ptr,
     num_pairs,
     top_k,
-    d_model,
-    d_ff,
+    K,
+    N,
     num_row_tiles,
-    stride_ot,
-    stride_od,
-    stride_w2e,
-    stride_w2d,
-    stride_w2f,
-    stride_gum,
-    stride_hm,
-    stride_dgum,
+    stride_at,
+    stride_ak,
+    stride_be,
+    stride_bk,
+    stride_bn,
+    stride_cm,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -246,51 +240,83 @@ def _swiglu_backward_kernel(
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """dh = dout[token] @ w2[e] over the sorted rows, then the SwiGLU backward from the forward's saved
-    pre-activations: d(gate, up), h (for dw2) and this column block's share of the routing-weight gradient."""
-    tile, col_block = _row_tile_and_col_block(tl.program_id(0), num_row_tiles, tl.cdiv(d_ff, BLOCK_N), GROUP_M)
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    """c[row, n] = sum_k a[token(row), k] * b[expert, k, n] over the sorted rows (the backward's dh = dout @ w2)."""
+    tile, col_block = _row_tile_and_col_block(tl.program_id(0), num_row_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
+    expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
         return
     rows, pairs, row_valid, cols, col_valid = _tile_rows_and_cols(
-        tile, col_block, sorted_pair_ids_ptr, num_pairs, d_ff, BLOCK_M, BLOCK_N)
+        tile, col_block, sorted_pair_ids_ptr, num_pairs, N, BLOCK_M, BLOCK_N)
     tokens = tl.where(row_valid, pairs // top_k, 0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-
-    dout_ptrs = dout_ptr + tokens[:, None] * stride_ot + ks[None, :] * stride_od
-    w2_ptrs = w2_ptr + expert * stride_w2e + ks[:, None] * stride_w2d + cols[None, :] * stride_w2f
-    acc_dy_w2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, d_model, BLOCK_K):
+    a_ptrs = a_ptr + tokens[:, None] * stride_at + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
-            g = tl.load(dout_ptrs, mask=row_valid[:, None], other=0.0)
-            w = tl.load(w2_ptrs, mask=col_valid[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=row_valid[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_valid[None, :], other=0.0)
         else:
-            k_valid = (k0 + ks) < d_model
-            g = tl.load(dout_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            w = tl.load(w2_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-        acc_dy_w2 = tl.dot(g, w, acc_dy_w2, input_precision=DOT_PRECISION)
-        dout_ptrs += BLOCK_K * stride_od
-        w2_ptrs += BLOCK_K * stride_w2d
+            k_valid = (k0 + ks) < K
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
 
-    out_mask = row_valid[:, None] & col_valid[None, :]
-    row_offsets = rows.to(tl.int64)[:, None]
-    gate_ptrs = gate_up_ptr + row_offsets * stride_gum + cols[None, :]
-    gate = tl.load(gate_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_ptrs + d_ff, mask=out_mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    silu = gate * sig
-    h = silu * up
-    # gradient of the routing weight: dout[token] . (h @ w2[e].T) = (dout[token] @ w2[e]) . h, this block's share
-    tl.atomic_add(dscale_ptr + pairs, tl.sum(acc_dy_w2 * h, axis=1), mask=row_valid, sem="relaxed")
+
+@triton.jit
+def _swiglu_backward_kernel(
+    gate_up_ptr,
+    dh_ptr,
+    row_scale_ptr,
+    h_ptr,
+    dgu_ptr,
+    dscale_ptr,
+    sorted_pair_ids_ptr,
+    num_pairs,
+    num_rows,
+    d_ff,
+    stride_gum,
+    stride_dhm,
+    stride_hm,
+    stride_dgum,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Per sorted row, from the saved pre-activations [gate | up] and dh = dout[token] @ w2[e]:
+    h = silu(gate) * up (for dw2), d(gate, up) of weight * dh, and the routing-weight gradient dh . h (whole rows
+    per program: a plain store, no atomics).
+
+    Elementwise, so not in the dh GEMM's epilogue: there Triton's layout assignment kept gate/up and the
+    accumulator in two register layouts at once and spilled (270+ LDL at 128x128 tiles); this pass moves
+    (T·k) x 5F elements, ~1-2% of the backward's time at T=4096."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    pairs = tl.load(sorted_pair_ids_ptr + rows, mask=rows < num_rows, other=num_pairs)
+    row_valid = pairs < num_pairs
     scale = tl.load(row_scale_ptr + pairs, mask=row_valid, other=0.0)
-    dh = acc_dy_w2 * scale[:, None]
-    d_up = dh * silu
-    d_gate = dh * up * sig * (1.0 + gate * (1.0 - sig))
-
-    tl.store(h_ptr + row_offsets * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=out_mask)
-    dgu_ptrs = dgu_ptr + row_offsets * stride_dgum + cols[None, :]
-    tl.store(dgu_ptrs, d_gate.to(dgu_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(dgu_ptrs + d_ff, d_up.to(dgu_ptr.dtype.element_ty), mask=out_mask)
+    row_offsets = rows.to(tl.int64)[:, None]
+    dscale = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for c0 in range(0, d_ff, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = row_valid[:, None] & (cols < d_ff)[None, :]
+        gate_ptrs = gate_up_ptr + row_offsets * stride_gum + cols[None, :]
+        gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_ptrs + d_ff, mask=mask, other=0.0).to(tl.float32)
+        dh = tl.load(dh_ptr + row_offsets * stride_dhm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        h = silu * up
+        # the routing weight's gradient: dout[token] . (h @ w2[e].T) = (dout[token] @ w2[e]) . h
+        dscale += tl.sum(dh * h, axis=1)
+        dh = dh * scale[:, None]
+        tl.store(h_ptr + row_offsets * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+        dgu_ptrs = dgu_ptr + row_offsets * stride_dgum + cols[None, :]
+        tl.store(dgu_ptrs, (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(dgu_ptr.dtype.element_ty), mask=mask)
+        tl.store(dgu_ptrs + d_ff, (dh * silu).to(dgu_ptr.dtype.element_ty), mask=mask)
+    tl.store(dscale_ptr + pairs, dscale, mask=row_valid)
 
 
 @triton.jit
@@ -408,20 +434,29 @@ def down_combine_launch(a, b, b_strides, out32, row_scale, sort: ExpertSort, til
     return Launch(_down_combine_kernel, (num_row_tiles * triton.cdiv(N, gemm.block_n), gemm.split_k), args, meta)
 
 
-def swiglu_backward_launch(grad_out, w2, weights32, gate_up, h, dgu, dweights, sort: ExpertSort,
-                           tiles: MoETiles) -> Launch:
-    """``dout @ w2`` and the SwiGLU backward from the saved pre-activations: h (for dw2), ``d(gate, up)`` and the
-    routing-weight gradient over the sorted rows (tiles.up_bwd)."""
+def dh_launch(grad_out, w2, dh, sort: ExpertSort, tiles: MoETiles) -> Launch:
+    """``dh[row] = dout[token] @ w2[e]`` over the sorted rows (tiles.up_bwd)."""
     d_model, d_ff = w2.shape[1], w2.shape[2]
     num_row_tiles = sort.tile_expert.numel()
     gemm = tiles.up_bwd
-    args = (grad_out, w2, weights32, gate_up, h, dgu, dweights, sort.sorted_pair_ids, sort.tile_expert,
-            sort.num_pairs, sort.top_k, d_model, d_ff, num_row_tiles, grad_out.stride(0), grad_out.stride(1),
-            w2.stride(0), w2.stride(1), w2.stride(2), gate_up.stride(0), h.stride(0), dgu.stride(0))
+    args = (grad_out, w2, dh, sort.sorted_pair_ids, sort.tile_expert, sort.num_pairs, sort.top_k, d_model, d_ff,
+            num_row_tiles, grad_out.stride(0), grad_out.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+            dh.stride(0))
     meta = dict(BLOCK_M=tiles.block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=tiles.group_m,
                 EVEN_K=d_model % gemm.block_k == 0, **dot_precision(grad_out),
                 num_warps=gemm.num_warps, num_stages=gemm.num_stages)
-    return Launch(_swiglu_backward_kernel, (num_row_tiles * triton.cdiv(d_ff, gemm.block_n),), args, meta)
+    return Launch(_gathered_rows_gemm_kernel, (num_row_tiles * triton.cdiv(d_ff, gemm.block_n),), args, meta)
+
+
+def swiglu_backward_launch(gate_up, dh, weights32, h, dgu, dweights, sort: ExpertSort) -> Launch:
+    """From the saved pre-activations and dh: h (for dw2), ``d(gate, up)`` and the routing-weight gradient,
+    per sorted row (``_swiglu_backward_kernel``)."""
+    num_rows, d_ff = dh.shape
+    block_r, block_c = 8, min(512, triton.next_power_of_2(d_ff))
+    args = (gate_up, dh, weights32, h, dgu, dweights, sort.sorted_pair_ids, sort.num_pairs, num_rows, d_ff,
+            gate_up.stride(0), dh.stride(0), h.stride(0), dgu.stride(0))
+    meta = dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    return Launch(_swiglu_backward_kernel, (triton.cdiv(num_rows, block_r),), args, meta)
 
 
 def gather_rows_launch(src, dst, row_scale, sort: ExpertSort) -> Launch:
@@ -488,13 +523,15 @@ def sorted_rows(src, row_scale, sort: ExpertSort, num_rows: int):
 
 
 def backward_buffers(x, w1, sort: ExpertSort, tiles: MoETiles):
-    """``h`` (from the saved pre-activations), ``d(gate, up)`` (sorted rows, 2F) and the routing-weight gradient (T, k) float32."""
+    """``dh = dout @ w2`` and ``h`` (sorted rows, F), ``d(gate, up)`` (sorted rows, 2F) and the routing-weight
+    gradient (T, k) float32 (zeros: dropped slots are never written)."""
     num_rows = sort.tile_expert.numel() * tiles.block_m
     two_d_ff = w1.shape[1]
+    dh = _empty((num_rows, two_d_ff // 2), x.dtype, x.device)
     h = _empty((num_rows, two_d_ff // 2), x.dtype, x.device)
     dgu = _empty((num_rows, two_d_ff), x.dtype, x.device)
     dweights = torch.zeros((x.shape[0], sort.top_k), dtype=torch.float32, device=x.device)
-    return h, dgu, dweights
+    return dh, h, dgu, dweights
 
 
 def _default_tiles(x, w1, topk_ids) -> MoETiles:
@@ -590,8 +627,9 @@ def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
 
     if gate_up is None:
         raise ValueError("moe_backward needs the forward's pre-activations: run moe_forward(..., save_for_backward=True)")
-    h, dgu, dweights = backward_buffers(x, w1, sort, tiles)
-    swiglu_backward_launch(grad_out, w2, weights32, gate_up, h, dgu, dweights, sort, tiles)()
+    dh, h, dgu, dweights = backward_buffers(x, w1, sort, tiles)
+    dh_launch(grad_out, w2, dh, sort, tiles)()
+    swiglu_backward_launch(gate_up, dh, weights32, h, dgu, dweights, sort)()
     dx = None
     if need_dx:
         dx32 = torch.zeros((num_tokens, d_model), dtype=torch.float32, device=x.device)
