@@ -1,5 +1,5 @@
 """Time the MoE backward's elementwise SwiGLU pass (``_swiglu_backward_kernel``) over rows x columns per step and
-warps, at the bench's T=4096 shapes. Prints GB/s of the bytes it must move (gate_up and dh read, h and d(gate, up)
+warps, at the bench's T=4096 shapes. Prints GB/s of the bytes it must move (gate_up, dh and h read, d(gate, up)
 written). Usage on the GPU: PYTHONPATH=src python scripts/sweep_swiglu_bwd.py
 """
 
@@ -26,10 +26,11 @@ def main():
         x = torch.empty(T, d, device="cuda", dtype=torch.bfloat16)
         w1 = torch.empty(E, 2 * F, d, device="cuda", dtype=torch.bfloat16)
         gate_up = torch.randn(num_rows, 2 * F, device="cuda").to(torch.bfloat16)
-        dh, h, dgu, dweights = tg.backward_buffers(x, w1, sort, tiles)
+        h = torch.randn(num_rows, F, device="cuda").to(torch.bfloat16)
+        dh, dgu, dweights = tg.backward_buffers(x, w1, sort, tiles)
         dh.normal_()
-        base = tg.swiglu_backward_launch(gate_up, dh, weights32, h, dgu, dweights, sort)
-        moved = T * k * F * (2 * 2 + dh.element_size() + 2 + 2 * 2)
+        base = tg.swiglu_backward_launch(gate_up, dh, h, weights32, dgu, dweights, sort)
+        moved = T * k * F * (2 * 2 + dh.element_size() + 2 + 2 * 2)  # gate_up, dh, h read; d(gate, up) written
         print(f"{model} T={T}: rows {num_rows}, F {F}; default BLOCK_R {base.meta['BLOCK_R']} BLOCK_C "
               f"{base.meta['BLOCK_C']}")
         for rows in (1, 2, 4, 8, 16):

@@ -62,14 +62,14 @@ def test_every_moe_launch_uses_the_shared_precision_policy(monkeypatch, dtype, p
     w2 = torch.zeros(num_experts, d_model, d_ff, dtype=dtype)
     weights32 = torch.zeros(num_tokens, top_k)
     h, out32, gate_up = triton_gemm.forward_buffers(x, w1, sort, tiles, save_for_backward=True)
-    dh, h_b, dgu, dweights = triton_gemm.backward_buffers(x, w1, sort, tiles)
+    dh, dgu, dweights = triton_gemm.backward_buffers(x, w1, sort, tiles)
     launches = [
         triton_gemm.up_swiglu_launch(x, w1, h, gate_up, sort, tiles),
         triton_gemm.down_forward_launch(h, w2, out32, weights32, sort, tiles),
         triton_gemm.dh_launch(x, w2, dh, sort, tiles),
         triton_gemm.dx_launch(dgu, w1, out32, sort, tiles),
         triton_gemm.dw1_launch(dgu, torch.zeros(h.shape[0], d_model, dtype=dtype), torch.zeros_like(w1), sort, tiles),
-        triton_gemm.dw2_launch(torch.zeros(h.shape[0], d_model, dtype=dtype), h_b, torch.zeros_like(w2), sort, tiles),
+        triton_gemm.dw2_launch(torch.zeros(h.shape[0], d_model, dtype=dtype), h, torch.zeros_like(w2), sort, tiles),
     ]
     assert [launch.meta["DOT_PRECISION"] for launch in launches] == [precision] * 6
 

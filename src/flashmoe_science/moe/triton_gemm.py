@@ -11,11 +11,11 @@ Forward, two launches after the sort:
 Gate and up rows of w1 are read as one B tile with interleaved columns (``_gate_up_columns``): one MMA of width
 2·BLOCK_N per step instead of two that each re-read the A tile from shared memory.
 
-Backward, four GEMM launches reusing the forward's sort and the SwiGLU pre-activations it saved (a training
-forward, ``save_for_backward=True``, also writes ``[gate | up]`` per sorted row: one (T·k, 2F) write instead of a
-backward that recomputes both, a third more GEMM work; inference writes nothing extra):
+Backward, four GEMM launches reusing the forward's sort and what a training forward (``save_for_backward=True``)
+keeps: the SwiGLU pre-activations ``[gate | up]`` per sorted row (one extra (T·k, 2F) write instead of a backward
+that recomputes both, a third more GEMM work) and h (already written for GEMM2); inference keeps nothing:
 - ``_gathered_rows_gemm_kernel``: ``dh[row] = dout[token] @ w2[e]``, then ``_swiglu_backward_kernel`` (elementwise,
-  whole rows) writes ``h``, ``d(gate, up) = dSwiGLU(weight * dh)`` and the routing-weight gradient
+  whole rows) writes ``d(gate, up) = dSwiGLU(weight * dh)`` and the routing-weight gradient
   ``dout[token] . y = dh . h``.
 - ``_down_combine_kernel`` again for ``dx[token] += d(gate, up)[row] @ w1[e]``.
 - ``_expert_wgrad_kernel`` twice: ``dw1[e] = d(gate, up)_e^T x_e`` and ``dw2[e] = (weight * dout)_e^T h_e``, a
@@ -41,6 +41,7 @@ class SavedForBackward(NamedTuple):
     sort: ExpertSort
     tiles: MoETiles
     gate_up: torch.Tensor | None  # (sorted rows, 2F) pre-activations [gate | up] in x.dtype; None without tokens
+    h: torch.Tensor | None  # (sorted rows, F) the forward's SwiGLU output, GEMM2's operand; None without tokens
 
 
 def _empty(shape, dtype, device):
@@ -271,8 +272,8 @@ def _gathered_rows_gemm_kernel(
 def _swiglu_backward_kernel(
     gate_up_ptr,
     dh_ptr,
-    row_scale_ptr,
     h_ptr,
+    row_scale_ptr,
     dgu_ptr,
     dscale_ptr,
     sorted_pair_ids_ptr,
@@ -286,13 +287,14 @@ def _swiglu_backward_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """Per sorted row, from the saved pre-activations [gate | up] and dh = dout[token] @ w2[e]:
-    h = silu(gate) * up (for dw2), d(gate, up) of weight * dh, and the routing-weight gradient dh . h (whole rows
-    per program: a plain store, no atomics).
+    """Per sorted row, from the forward's saved pre-activations [gate | up] and output h = silu(gate) * up, and
+    dh = dout[token] @ w2[e]: d(gate, up) of weight * dh, and the routing-weight gradient dh . h (whole rows per
+    program: a plain store, no atomics). The gradient takes the forward's h, rounded once as GEMM2 used it; h
+    recomputed from the rounded gate and up doubled that gradient's error in the one-token GPU test.
 
     Elementwise, so not in the dh GEMM's epilogue: there Triton's layout assignment kept gate/up and the
     accumulator in two register layouts at once and spilled (270+ LDL at 128x128 tiles); this pass moves
-    (T·k) x 5F elements, ~1-2% of the backward's time at T=4096."""
+    (T·k) x 14F bytes, ~4% of the backward's time at T=4096 (3.7-4.0 TB/s on the H200)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     pairs = tl.load(sorted_pair_ids_ptr + rows, mask=rows < num_rows, other=num_pairs)
     row_valid = pairs < num_pairs
@@ -306,13 +308,12 @@ def _swiglu_backward_kernel(
         gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_ptrs + d_ff, mask=mask, other=0.0).to(tl.float32)
         dh = tl.load(dh_ptr + row_offsets * stride_dhm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h = tl.load(h_ptr + row_offsets * stride_hm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         sig = tl.sigmoid(gate)
         silu = gate * sig
-        h = silu * up
         # the routing weight's gradient: dout[token] . (h @ w2[e].T) = (dout[token] @ w2[e]) . h
         dscale += tl.sum(dh * h, axis=1)
         dh = dh * scale[:, None]
-        tl.store(h_ptr + row_offsets * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
         dgu_ptrs = dgu_ptr + row_offsets * stride_dgum + cols[None, :]
         tl.store(dgu_ptrs, (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(dgu_ptr.dtype.element_ty), mask=mask)
         tl.store(dgu_ptrs + d_ff, (dh * silu).to(dgu_ptr.dtype.element_ty), mask=mask)
@@ -434,10 +435,6 @@ def down_combine_launch(a, b, b_strides, out32, row_scale, sort: ExpertSort, til
     return Launch(_down_combine_kernel, (num_row_tiles * triton.cdiv(N, gemm.block_n), gemm.split_k), args, meta)
 
 
-SWIGLU_BACKWARD_ROWS = 8  # rows per program of the elementwise SwiGLU backward (whole rows: no atomics)
-SWIGLU_BACKWARD_COLS = 512  # columns per step
-
-
 def dh_launch(grad_out, w2, dh, sort: ExpertSort, tiles: MoETiles) -> Launch:
     """``dh[row] = dout[token] @ w2[e]`` over the sorted rows (tiles.up_bwd)."""
     d_model, d_ff = w2.shape[1], w2.shape[2]
@@ -452,12 +449,16 @@ def dh_launch(grad_out, w2, dh, sort: ExpertSort, tiles: MoETiles) -> Launch:
     return Launch(_gathered_rows_gemm_kernel, (num_row_tiles * triton.cdiv(d_ff, gemm.block_n),), args, meta)
 
 
-def swiglu_backward_launch(gate_up, dh, weights32, h, dgu, dweights, sort: ExpertSort) -> Launch:
-    """From the saved pre-activations and dh: h (for dw2), ``d(gate, up)`` and the routing-weight gradient,
+def swiglu_backward_launch(gate_up, dh, h, weights32, dgu, dweights, sort: ExpertSort) -> Launch:
+    """From the forward's saved pre-activations and h, and dh: ``d(gate, up)`` and the routing-weight gradient,
     per sorted row (``_swiglu_backward_kernel``)."""
     num_rows, d_ff = dh.shape
-    block_r, block_c = SWIGLU_BACKWARD_ROWS, min(SWIGLU_BACKWARD_COLS, triton.next_power_of_2(d_ff))
-    args = (gate_up, dh, weights32, h, dgu, dweights, sort.sorted_pair_ids, sort.num_pairs, num_rows, d_ff,
+    # H200, scripts/sweep_swiglu_bwd.py (session 8), T=4096: 1024 elements per step, 4 warps, in 512-column steps
+    # (Mixtral F=14336: 4007 GB/s, the best within 1%) or 256 where 512 does not divide F (Qwen3 F=768: 3676 GB/s,
+    # the best; 8 rows x 512 columns got 2704 / 1981)
+    block_c = min(512 if d_ff % 512 == 0 else 256, triton.next_power_of_2(d_ff))
+    block_r = 1024 // block_c
+    args = (gate_up, dh, h, weights32, dgu, dweights, sort.sorted_pair_ids, sort.num_pairs, num_rows, d_ff,
             gate_up.stride(0), dh.stride(0), h.stride(0), dgu.stride(0))
     meta = dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
     return Launch(_swiglu_backward_kernel, (triton.cdiv(num_rows, block_r),), args, meta)
@@ -527,17 +528,16 @@ def sorted_rows(src, row_scale, sort: ExpertSort, num_rows: int):
 
 
 def backward_buffers(x, w1, sort: ExpertSort, tiles: MoETiles):
-    """``dh = dout @ w2`` (float32) and ``h`` (sorted rows, F), ``d(gate, up)`` (sorted rows, 2F) and the routing-weight
+    """``dh = dout @ w2`` (float32, sorted rows x F), ``d(gate, up)`` (sorted rows, 2F) and the routing-weight
     gradient (T, k) float32 (zeros: dropped slots are never written)."""
     num_rows = sort.tile_expert.numel() * tiles.block_m
     two_d_ff = w1.shape[1]
     # dh in float32: the routing-weight gradient sums F products of it (bf16 dh tripled that gradient's error in the
     # one-token GPU test); the extra traffic is ~1% of the backward at T=4096
     dh = _empty((num_rows, two_d_ff // 2), torch.float32, x.device)
-    h = _empty((num_rows, two_d_ff // 2), x.dtype, x.device)
     dgu = _empty((num_rows, two_d_ff), x.dtype, x.device)
     dweights = torch.zeros((x.shape[0], sort.top_k), dtype=torch.float32, device=x.device)
-    return dh, h, dgu, dweights
+    return dh, dgu, dweights
 
 
 def _default_tiles(x, w1, topk_ids) -> MoETiles:
@@ -548,32 +548,32 @@ def _default_tiles(x, w1, topk_ids) -> MoETiles:
 def _forward_launches(x, w1, w2, weights32, topk_ids, tiles: MoETiles, save_for_backward: bool = False):
     """Fresh sort buffers, ``h``, ``out32`` (and ``gate_up`` when saving for the backward), and the forward's five
     launches over them, in order: the sort's count, scan and scatter, then up and down. Returns
-    ``(sort, out32, gate_up, launches)``."""
+    ``(sort, out32, h, gate_up, launches)``."""
     sort, chunk_counts, chunk_row_base = sort_buffers(x.shape[0], topk_ids.shape[1], w1.shape[0], tiles.block_m,
                                                       x.device)
     h, out32, gate_up = forward_buffers(x, w1, sort, tiles, save_for_backward)
     launches = (*sort_launches(flat_ids(topk_ids), sort, chunk_counts, chunk_row_base),
                 up_swiglu_launch(x, w1, h, gate_up, sort, tiles),
                 down_forward_launch(h, w2, out32, weights32, sort, tiles))
-    return sort, out32, gate_up, launches
+    return sort, out32, h, gate_up, launches
 
 
 def moe_forward(x, w1, w2, weights32, topk_ids, tiles: MoETiles | None = None, save_for_backward: bool = False):
     """Already-checked tensors: x (T, d), w1 (E, 2F, d), w2 (E, d, F), weights32 (T, k) contiguous float32,
     topk_ids (T, k) int. ``tiles``: the launch configs (default: ``choose_tiles``; the tile sweep passes its
     candidates here). Returns ``(out, SavedForBackward)``; the backward runs with the same tiles. With
-    ``save_for_backward`` the forward also writes the SwiGLU pre-activations (sorted rows x 2F, in x.dtype), which
-    ``moe_backward`` needs: saving them costs one (T·k, 2F) write, recomputing them would cost the backward a third
-    more GEMM work (docs/perf-notes.md, session 8)."""
+    ``save_for_backward`` the forward also writes the SwiGLU pre-activations (sorted rows x 2F, in x.dtype) and keeps
+    h (sorted rows x F, GEMM2's operand), which ``moe_backward`` needs: saving them costs one (T·k, 2F) write,
+    recomputing them would cost the backward a third more GEMM work (docs/perf-notes.md, session 8)."""
     if tiles is None:
         tiles = _default_tiles(x, w1, topk_ids)
     if x.shape[0] == 0:
         sort = sort_pairs_by_expert(topk_ids, w1.shape[0], tiles.block_m)
-        return x.new_empty((0, x.shape[1])), SavedForBackward(sort, tiles, None)
-    sort, out32, gate_up, launches = _forward_launches(x, w1, w2, weights32, topk_ids, tiles, save_for_backward)
+        return x.new_empty((0, x.shape[1])), SavedForBackward(sort, tiles, None, None)
+    sort, out32, h, gate_up, launches = _forward_launches(x, w1, w2, weights32, topk_ids, tiles, save_for_backward)
     for launch in launches:
         launch()
-    return out32.to(x.dtype), SavedForBackward(sort, tiles, gate_up)
+    return out32.to(x.dtype), SavedForBackward(sort, tiles, gate_up, h if save_for_backward else None)
 
 
 class PreparedForward(NamedTuple):
@@ -610,7 +610,7 @@ def prepare_forward(x, w1, w2, weights32, topk_ids, tiles: MoETiles | None = Non
     Builds its launches over throwaway buffers; Triton compiles any kernel no call has compiled yet."""
     if tiles is None:
         tiles = _default_tiles(x, w1, topk_ids)
-    _, _, _, launches = _forward_launches(x, w1, w2, weights32, topk_ids, tiles)
+    _, _, _, _, launches = _forward_launches(x, w1, w2, weights32, topk_ids, tiles)
     return PreparedForward(tiles, *(launch.prepare() for launch in launches))
 
 
@@ -622,7 +622,7 @@ def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
     The SwiGLU backward always runs (it also yields the routing-weight gradient); the dx GEMM and each weight
     gradient run only when asked for (frozen experts, router-only training), and come back None otherwise.
     """
-    sort, tiles, gate_up = saved
+    sort, tiles, gate_up, h = saved
     num_tokens, d_model = x.shape
     dw1 = _empty(w1.shape, w1.dtype, w1.device) if need_dw1 else None
     dw2 = _empty(w2.shape, w2.dtype, w2.device) if need_dw2 else None
@@ -633,9 +633,9 @@ def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
 
     if gate_up is None:
         raise ValueError("moe_backward needs the forward's pre-activations: run moe_forward(..., save_for_backward=True)")
-    dh, h, dgu, dweights = backward_buffers(x, w1, sort, tiles)
+    dh, dgu, dweights = backward_buffers(x, w1, sort, tiles)
     dh_launch(grad_out, w2, dh, sort, tiles)()
-    swiglu_backward_launch(gate_up, dh, weights32, h, dgu, dweights, sort)()
+    swiglu_backward_launch(gate_up, dh, h, weights32, dgu, dweights, sort)()
     dx = None
     if need_dx:
         dx32 = torch.zeros((num_tokens, d_model), dtype=torch.float32, device=x.device)
