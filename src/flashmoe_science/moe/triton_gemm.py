@@ -370,6 +370,7 @@ def _expert_wgrad_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """out[e, m, n] = sum over the sorted rows r of expert e of A[r, m] * B[r, n].
@@ -379,9 +380,11 @@ def _expert_wgrad_kernel(
     num_stages loads in flight. (Loading the gather index inside this loop made every step wait for its own loads.)
     """
     expert = tl.program_id(1)
-    num_col_blocks = tl.cdiv(N, BLOCK_N)
-    row_block = tl.program_id(0) // num_col_blocks
-    col_block = tl.program_id(0) % num_col_blocks
+    # GROUP_M output row blocks sweep the column blocks together: with column blocks fastest instead, the
+    # programs in flight shared two or three row blocks, and B (e.g. h, rows x F for dw2) was re-read from HBM by
+    # every row block
+    row_block, col_block = _row_tile_and_col_block(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N),
+                                                   GROUP_M)
     count = tl.load(expert_counts_ptr + expert)
     first_row = tl.load(expert_row_start_ptr + expert).to(tl.int64)
     ms = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -474,13 +477,14 @@ def gather_rows_launch(src, dst, row_scale, sort: ExpertSort) -> Launch:
     return Launch(_gather_rows_kernel, (triton.cdiv(num_rows, block_r), triton.cdiv(num_cols, block_c)), args, meta)
 
 
-def wgrad_launch(a, b, out, sort: ExpertSort, gemm: GemmTiles) -> Launch:
-    """``out[e] = A_e^T B_e`` over expert e's sorted rows (``_expert_wgrad_kernel``); out (E, M, N)."""
+def wgrad_launch(a, b, out, sort: ExpertSort, gemm: GemmTiles, group_m: int) -> Launch:
+    """``out[e] = A_e^T B_e`` over expert e's sorted rows (``_expert_wgrad_kernel``); out (E, M, N); ``group_m``
+    output row blocks sweep the column blocks together (MoETiles.group_m)."""
     num_experts, M, N = out.shape
     block_m = gemm.block_m or gemm.block_n
     args = (a, b, out, sort.expert_counts, sort.expert_row_start, M, N, a.stride(0), a.stride(1), b.stride(0),
             b.stride(1), out.stride(0), out.stride(1), out.stride(2))
-    meta = dict(BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, **dot_precision(a),
+    meta = dict(BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=group_m, **dot_precision(a),
                 num_warps=gemm.num_warps, num_stages=gemm.num_stages)
     return Launch(_expert_wgrad_kernel, (triton.cdiv(M, block_m) * triton.cdiv(N, gemm.block_n), num_experts),
                   args, meta)
@@ -512,12 +516,12 @@ def dx_launch(dgu, w1, dx32, sort: ExpertSort, tiles: MoETiles) -> Launch:
 
 def dw1_launch(dgu, x_sorted, dw1, sort: ExpertSort, tiles: MoETiles) -> Launch:
     """``dw1[e] = d(gate, up)_e^T x_e`` (tiles.dw1); ``x_sorted``: x gathered to the sorted rows."""
-    return wgrad_launch(dgu, x_sorted, dw1, sort, tiles.dw1)
+    return wgrad_launch(dgu, x_sorted, dw1, sort, tiles.dw1, tiles.group_m)
 
 
 def dw2_launch(g_sorted, h, dw2, sort: ExpertSort, tiles: MoETiles) -> Launch:
     """``dw2[e] = (weight * dout)_e^T h_e`` (tiles.dw2); ``g_sorted``: weight * dout gathered to the sorted rows."""
-    return wgrad_launch(g_sorted, h, dw2, sort, tiles.dw2)
+    return wgrad_launch(g_sorted, h, dw2, sort, tiles.dw2, tiles.group_m)
 
 
 def sorted_rows(src, row_scale, sort: ExpertSort, num_rows: int):
