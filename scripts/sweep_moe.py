@@ -53,6 +53,7 @@ CASES = (  # (model, T, passes), most wanted first: a run that hits --budget-s l
     ("mixtral-8x7b", 16, ("fwd", "bwd")),
     ("qwen3-30b-a3b", 16, ("fwd", "bwd")),
     ("mixtral-8x7b", 16384, ("fwd",)),
+    ("mixtral-8x7b", 256, ("fwd", "bwd")),  # 64 rows per expert: the block_m = 64 regime
 )
 PASS_GEMMS = {"fwd": ("up", "down"), "bwd": ("up_bwd", "dx", "dw1", "dw2")}
 MAX_REL_ERR = 1e-3  # a candidate further than this from the heuristic's output is never "best" (tiles agree to ~1e-5)
@@ -93,7 +94,8 @@ _COMPUTE = {  # hundreds of rows per expert: tensor-core bound (offline sm_90 bu
                _c(_g(128, 64, 8, 4), group_m=16)],
     "dw": [_c(_g(128, 64, 8, 4)), _c(_g(256, 64, 8, 3, bm=128)), _c(_g(128, 64, 8, 3, bm=256)),
            _c(_g(128, 128, 8, 3)), _c(_g(128, 64, 4, 4)), _c(_g(256, 64, 4, 4, bm=64)), _c(_g(128, 32, 8, 6)),
-           _c(_g(256, 64, 8, 3, bm=128), group_m=4), _c(_g(256, 64, 8, 3, bm=128), group_m=16)],
+           _c(_g(256, 64, 8, 3, bm=128), group_m=4), _c(_g(256, 64, 8, 3, bm=128), group_m=16),
+           _c(_g(128, 64, 8, 3)), _c(_g(128, 64, 4, 2, bm=64)), _c(_g(256, 64, 4, 2, bm=64))],
 }
 
 

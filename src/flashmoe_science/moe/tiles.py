@@ -122,7 +122,9 @@ def choose_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_
         up = GemmTiles(block_n=64, block_k=64, num_warps=4, num_stages=4)
         down = dx = GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=4)
         up_bwd = down
-        wgrad = GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=3)
+        # weight gradients: with 64 rows per expert the reduction is one step and the GEMM writes E x 3·d·F outputs
+        # (Mixtral T=256: 2.8 GB, 1.43 ms at 128x128 w8 s3): the streaming regime's output-write tile (session 8)
+        wgrad = GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=2, block_m=64)
     else:
         # tensor-core regime (>= 97 rows per expert; measured at 256 rows: Qwen3 T=4096, 1024 and 4096: Mixtral
         # T=4096 / 16384). H200 sweep, 2026-11-21, TFLOP/s (Mixtral 4096 / Qwen3 4096 / Mixtral 16384):
