@@ -66,7 +66,7 @@ def profile_case(model, k, d, F, w1, w2, T):
     total = sum(v for v, _ in kt.values()) / 1e3
     print(f"\n== {model} T={T} fwd: eager {eager:.4f} ms, graph {graph:.4f} ms, kernels sum {total:.4f} ms; "
           f"experts used {experts_used}, weight read bound {weight_bytes / 4.3e12 * 1e3:.4f} ms "
-          f"(graph at {weight_bytes / graph / 1e9:.0f} GB/s); "
+          f"(graph at {weight_bytes / graph / 1e6:.0f} GB/s); "
           f"{expert_gemm_flops(T, k, d, F, 'fwd') / eager / 1e9:.1f} TFLOP/s eager")
     for name, (us, n) in sorted(kt.items(), key=lambda kv: -kv[1][0]):
         print(f"  {us:9.1f} us  x{n:.0f}  {name[:110]}")
