@@ -419,8 +419,8 @@ def up_swiglu_launch(x, w1, h, gate_up, sort: ExpertSort, tiles: MoETiles) -> La
     args = (x, w1, h, gate_up, sort.sorted_pair_ids, sort.tile_expert, sort.num_pairs, sort.top_k, d_model, d_ff,
             num_row_tiles, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), h.stride(0),
             gate_up.stride(0))
-    meta = dict(STORE_GATE_UP=store_gate_up, BLOCK_M=tiles.block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=tiles.group_m,
-                EVEN_K=d_model % gemm.block_k == 0, **dot_precision(x),
+    meta = dict(STORE_GATE_UP=store_gate_up, BLOCK_M=tiles.block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
+                GROUP_M=tiles.group_m, EVEN_K=d_model % gemm.block_k == 0, **dot_precision(x),
                 num_warps=gemm.num_warps, num_stages=gemm.num_stages)
     return Launch(_up_swiglu_kernel, (num_row_tiles * triton.cdiv(d_ff, gemm.block_n),), args, meta)
 
@@ -636,7 +636,8 @@ def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
         return dx, dw1.zero_() if need_dw1 else None, dw2.zero_() if need_dw2 else None, dweights
 
     if gate_up is None:
-        raise ValueError("moe_backward needs the forward's pre-activations: run moe_forward(..., save_for_backward=True)")
+        raise ValueError("moe_backward needs the forward's pre-activations: "
+                         "run moe_forward(..., save_for_backward=True)")
     dh, dgu, dweights = backward_buffers(x, w1, sort, tiles)
     dh_launch(grad_out, w2, dh, sort, tiles)()
     swiglu_backward_launch(gate_up, dh, h, weights32, dgu, dweights, sort)()
