@@ -1,10 +1,17 @@
-"""One MoE kernel launch kept as data: run it as Triton's JIT would, or prepare it for repeats on new tensors."""
+"""One MoE kernel launch kept as data: run it, or prepare it for repeats on new tensors."""
 
 from typing import NamedTuple
 
 import torch
 
+from flashmoe_science.device import triton_interpreter_on
 from flashmoe_science.prepared_launch import PreparedLaunch
+
+# Every launch whose signature ran before goes through its PreparedLaunch instead of Triton's per-call binding
+# (tens of microseconds each: the backward's seven launches and the training forward's five made small-T layers
+# host-bound; docs/perf-notes.md, session 9). Bounded: each token count is a new signature (new grids).
+_PREPARED: dict[tuple, PreparedLaunch] = {}
+_PREPARED_MAX = 1024
 
 
 class Launch(NamedTuple):
@@ -17,8 +24,28 @@ class Launch(NamedTuple):
     args: tuple  # the kernel's tensors first, then its scalars
     meta: dict  # constexprs, num_warps, num_stages
 
-    def __call__(self):
-        return self.kernel[self.grid](*self.args, **self.meta)
+    def __call__(self) -> None:
+        key = self.signature()
+        prepared = _PREPARED.get(key) if key is not None else None
+        if prepared is not None:
+            prepared(*self.args[:len(prepared.aligned)])
+            return
+        self.kernel[self.grid](*self.args, **self.meta)
+        if key is not None:
+            if len(_PREPARED) >= _PREPARED_MAX:
+                _PREPARED.clear()
+            _PREPARED[key] = self.prepare()
+
+    def signature(self) -> tuple | None:
+        """Everything a PreparedLaunch freezes or Triton specialises on: the kernel, grid, constexprs and scalars
+        as given, and per tensor its dtype, device and 16-byte alignment; None where no compiled kernel exists
+        (the interpreter, CPU tensors)."""
+        head = self.args[0]
+        if not (isinstance(head, torch.Tensor) and head.is_cuda) or triton_interpreter_on():
+            return None
+        args = tuple((a.dtype, a.device, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a
+                     for a in self.args)
+        return (self.kernel, self.grid, args, tuple(self.meta.items()))
 
     def prepare(self) -> PreparedLaunch:
         """This launch as a PreparedLaunch, called with the kernel's leading tensor arguments (new tensors of the
