@@ -8,6 +8,8 @@ cProfile of the sm_90 `auto` path's host side (top functions by cumulative time)
 
 `--moe`: the same for `fused_moe` on the bench's models (bf16), the prepared launch (a repeated signature) against
 the full path (the prepared-call cache emptied before each call).
+`--moe-bwd`: the layer's backward as the bench times it (autograd.grad, graph retained), ours and the grouped_mm
+pipeline, then a cProfile of ours (top functions by own time).
 """
 import argparse
 import cProfile
@@ -78,15 +80,51 @@ def moe_main(tokens):
             print(" | ".join(line), flush=True)
 
 
+def moe_bwd_main(tokens):
+    from flashmoe_science.bench.moe import MODELS, torch_grouped_mm_moe
+    from flashmoe_science.moe import fused_moe
+
+    for model, shape in MODELS.items():
+        e, k, d, f = shape["num_experts"], shape["top_k"], shape["d_model"], shape["d_ff"]
+        w1 = (torch.randn(e, 2 * f, d, device="cuda", dtype=torch.bfloat16) * d**-0.5).requires_grad_()
+        w2 = (torch.randn(e, d, f, device="cuda", dtype=torch.bfloat16) * f**-0.5).requires_grad_()
+        for t in tokens:
+            x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            logits = torch.randn(t, e, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            line = [f"{model} T={t} bwd"]
+            for name, layer in (("flashmoe", fused_moe), ("grouped-mm", torch_grouped_mm_moe)):
+                out = layer(x, w1, w2, logits, k)
+                grad_out = torch.randn_like(out)
+
+                def backward():
+                    return torch.autograd.grad(out, (x, w1, w2, logits), grad_out, retain_graph=True)
+
+                device_ms, host_us = _host_and_device(backward, n=20)
+                line.append(f"{name}: device {device_ms:.4f} ms, host {host_us:.0f} us")
+                if name == "flashmoe":
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    for _ in range(20):
+                        backward()
+                    prof.disable()
+                    torch.cuda.synchronize()
+                    stats = pstats.Stats(prof)
+            print(" | ".join(line), flush=True)
+            stats.sort_stats("tottime").print_stats(12)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--moe", action="store_true")
+    p.add_argument("--moe-bwd", action="store_true")
     p.add_argument("--tokens", default="1,16,64")
     p.add_argument("--cases", default=CASES)
     p.add_argument("--profile", default="32x8x512x256")
     a = p.parse_args()
     if a.moe:
         return moe_main([int(t) for t in a.tokens.split(",")])
+    if a.moe_bwd:
+        return moe_bwd_main([int(t) for t in a.tokens.split(",")])
     for case in a.cases.split(","):
         b, h, length, d = map(int, case.split("x"))
         for causal in (False, True):
