@@ -31,7 +31,7 @@ from flashmoe_science.bench.report import (
 DEFAULT_OUT = "benchmarks/results"
 INFO_SAMPLE_SHAPE = (2, 8, 1024, 64)  # (B, H, L, D) of the call `info` describes
 # MoE table rows: the fields present among these, in this order ("model": a name such as "mixtral-8x7b")
-MOE_ROW_FIELDS = ("model", "E", "top_k", "d_model", "d_ff", "T", "pass")
+MOE_ROW_FIELDS = ("model", "E", "top_k", "d_model", "d_ff", "T", "pass", "timing")
 EXIT_UNAVAILABLE = 2
 
 

@@ -227,3 +227,34 @@ def test_combine_tiles_agree_for_every_block_m(block_m, down, dx, wgrad):
     for ours, theirs in zip(grads, ref_grads):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     assert saved.tiles == tiles
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 8, 2), (37, 6, 3), (70, 128, 8), (3, 300, 1)])
+def test_triton_routing_matches_reference(num_tokens, num_experts, top_k, renormalize, scoring):
+    """One launch each way (moe.triton_routing) against the PyTorch routing in float64: same experts in the same
+    order, weights and the logits' gradient within float32 rounding; strided logits."""
+    from flashmoe_science.moe.routing import route_reference
+    from flashmoe_science.moe.triton_routing import RouteTriton
+
+    wide = torch.randn(num_tokens, num_experts + 3) * 3
+    logits = wide[:, 1:num_experts + 1].requires_grad_()  # row stride != num_experts
+    weights, ids = RouteTriton.apply(logits, top_k, renormalize, scoring == "sigmoid")
+    logits64 = logits.detach().double().requires_grad_()
+    ref_weights, ref_ids = route_reference(logits64, top_k, renormalize, scoring)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights.double(), ref_weights.detach(), rtol=2e-6, atol=1e-7)
+    grad = torch.randn(num_tokens, top_k)
+    (ours,) = torch.autograd.grad(weights, logits, grad)
+    (ref,) = torch.autograd.grad(ref_weights, logits64, grad.double())
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_triton_routing_ties_take_the_lower_expert_id():
+    from flashmoe_science.moe.triton_routing import RouteTriton
+
+    logits = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0], [2.0, 2.0, 2.0, 2.0, 2.0]])
+    _, ids = RouteTriton.apply(logits, 3, True, False)
+    assert ids.tolist() == [[1, 2, 4], [0, 1, 2]]

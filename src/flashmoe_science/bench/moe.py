@@ -14,6 +14,13 @@ TFLOP/s count the expert GEMMs only: forward 2·T·k·(2F·d + d·F), backward t
 then ``torch.autograd.grad`` with the graph retained). A backend that raises on a shape (out of memory, no
 backward) gets no record there and the run goes on. On a CPU-only machine the shapes shrink by 32 in d and F
 and only T=16 runs (a smoke test of the harness, not a measurement).
+
+Every record says how it was timed: ``"timing": "eager"`` (each call launched from Python: on few tokens this
+includes host time wherever the host is slower than the GPU), or ``"cuda-graph"``: the forward at T <= 16
+(decode) captured once in a CUDA graph and replayed, as serving engines run it, which leaves the GPU's time alone;
+backends that synchronise with the host cannot be captured and get no such record. Forward records at T <= 16
+also carry ``weight_gbps``: the bytes of the experts the tokens were routed to (3·d·F each), read once, per
+second: the bound for few tokens is reading those weights.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ MODELS = {
     "qwen3-30b-a3b": dict(num_experts=128, top_k=8, d_model=2048, d_ff=768),
 }
 TOKENS = (1, 16, 256, 4096, 16384)
+DECODE_TOKENS = 16  # forward calls with at most this many tokens also run under a CUDA graph and report weight_gbps
 QUICK_TOKENS = (16, 4096)
 CPU_TOKENS = (16,)
 CPU_SHRINK = 32
@@ -109,16 +117,43 @@ def _median_ms(fn, device) -> float:
     return statistics.median(times)
 
 
-def _measure(backend, pass_, tensors, top_k, device) -> float:
+def _graph_median_ms(fn) -> float:
+    """do_bench median of replaying ``fn`` captured in a CUDA graph (warmed up on a side stream first, as capture
+    requires); raises where fn cannot be captured (a host synchronisation)."""
+    import triton.testing
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return float(triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median"))
+
+
+def _measure(backend, pass_, tensors, top_k, device, timing="eager") -> float:
     layer = _layer(backend)
     x, w1, w2, logits = tensors
     if pass_ == "fwd":
         with torch.no_grad():
+            if timing == "cuda-graph":
+                return _graph_median_ms(lambda: layer(x, w1, w2, logits, top_k))
             return _median_ms(lambda: layer(x, w1, w2, logits, top_k), device)
     leaves = [t.detach().requires_grad_() for t in tensors]
     out = layer(*leaves, top_k)
     grad_out = torch.randn_like(out)
     return _median_ms(lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True), device)
+
+
+def _routed_expert_bytes(tensors, top_k) -> int:
+    """Bytes of the expert weights (w1 and w2 rows) of every expert that at least one token is routed to."""
+    _, w1, w2, logits = tensors
+    _, ids = _route(logits, top_k)
+    experts_used = torch.unique(ids).numel()
+    return experts_used * (w1[0].numel() + w2[0].numel()) * w1.element_size()
 
 
 def _make_inputs(num_tokens, num_experts, d_model, d_ff, dtype, device):
@@ -139,7 +174,8 @@ def run_moe_bench(quick: bool = False, progress=None, on_case_done=None) -> list
     token_counts = (QUICK_TOKENS if quick else TOKENS) if on_gpu else CPU_TOKENS
     backends = _available_backends(device)
     if progress is not None and hasattr(progress, "set_total"):
-        progress.set_total(len(MODELS) * len(token_counts) * len(PASSES) * len(backends))
+        graph_steps = sum(t <= DECODE_TOKENS for t in token_counts) if on_gpu else 0  # forward only
+        progress.set_total(len(MODELS) * len(backends) * (len(token_counts) * len(PASSES) + graph_steps))
 
     records = []
     for model, shape in MODELS.items():
@@ -148,32 +184,37 @@ def run_moe_bench(quick: bool = False, progress=None, on_case_done=None) -> list
         d_model, d_ff = shape["d_model"] // shrink, shape["d_ff"] // shrink
         for num_tokens in token_counts:
             tensors = _make_inputs(num_tokens, num_experts, d_model, d_ff, dtype, device)
+            decode = num_tokens <= DECODE_TOKENS
+            weight_bytes = _routed_expert_bytes(tensors, top_k) if decode else None
             for pass_ in PASSES:
-                for backend in backends:
-                    step = f"{model} T={num_tokens} {pass_} {backend}"
+                timings = ("eager", "cuda-graph") if decode and on_gpu and pass_ == "fwd" else ("eager",)
+                for backend, timing in ((b, t) for t in timings for b in backends):
+                    step = f"{model} T={num_tokens} {pass_} {backend}" + (f" ({timing})" if timing != "eager" else "")
                     try:
-                        ms = _measure(backend, pass_, tensors, top_k, device)
+                        ms = _measure(backend, pass_, tensors, top_k, device, timing)
                     except Exception as error:  # a backend that cannot run this shape gets no record
                         warnings.warn(f"moe bench: {step} skipped: {type(error).__name__}: {error}")
                         ms = None
                     if ms is not None:
                         flops = expert_gemm_flops(num_tokens, top_k, d_model, d_ff, pass_)
-                        records.append(
-                            {
-                                "op": "moe",
-                                "model": model,
-                                "pass": pass_,
-                                "T": num_tokens,
-                                "E": num_experts,
-                                "top_k": top_k,
-                                "d_model": d_model,
-                                "d_ff": d_ff,
-                                "dtype": {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype],
-                                "backend": backend,
-                                "ms": round_significant(ms),
-                                "tflops": round_significant(tflops(flops, ms)),
-                            }
-                        )
+                        record = {
+                            "op": "moe",
+                            "model": model,
+                            "pass": pass_,
+                            "T": num_tokens,
+                            "E": num_experts,
+                            "top_k": top_k,
+                            "d_model": d_model,
+                            "d_ff": d_ff,
+                            "dtype": {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype],
+                            "backend": backend,
+                            "timing": timing,
+                            "ms": round_significant(ms),
+                            "tflops": round_significant(tflops(flops, ms)),
+                        }
+                        if weight_bytes is not None and pass_ == "fwd":
+                            record["weight_gbps"] = round_significant(weight_bytes / ms / 1e6)
+                        records.append(record)
                     if progress is not None:
                         progress.update(desc=step)
             del tensors
