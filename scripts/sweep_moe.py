@@ -41,10 +41,9 @@ from dataclasses import replace
 import torch
 
 from flashmoe_science.bench.moe import MODELS
-from flashmoe_science.device import device_traits
 from flashmoe_science.moe import triton_gemm as tg
 from flashmoe_science.moe.dispatch import ExpertSort, max_row_tiles
-from flashmoe_science.moe.tiles import GemmTiles, MoETiles, choose_tiles, gemm_smem_bytes, split_k_for
+from flashmoe_science.moe.tiles import GemmTiles, MoETiles, choose_tiles, gemm_smem_bytes, sm_count, split_k_for
 
 SMEM_LIMIT = 232448 - 2048  # Hopper's opt-in shared memory per block, less what Triton reserves besides the ring
 CASES = (  # (model, T, passes), most wanted first: a run that hits --budget-s loses the last ones' candidates
@@ -61,8 +60,9 @@ FLOP_FACTOR = {"up": 4, "down": 2, "up_bwd": 2, "dx": 4, "dw1": 4, "dw2": 2}  # 
 
 
 # ---------------------------------------------------------------------------------------------------- candidates
-def _g(bn, bk, warps, stages, split_k=1, bm=0):
-    return GemmTiles(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=split_k, block_m=bm)
+def _g(bn, bk, warps, stages, split_k=1, bm=0, persistent=0):
+    return GemmTiles(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=split_k, block_m=bm,
+                     persistent=persistent)
 
 
 def _c(gemm, block_m=None, group_m=None):
@@ -71,7 +71,8 @@ def _c(gemm, block_m=None, group_m=None):
 
 
 # candidates besides the heuristic's own choice (which always comes first); n = gate columns for up (its MMA
-# is 2n wide: gate and up interleaved); dw: output tile bm x n, k sorted rows per step
+# is 2n wide: gate and up interleaved); dw: output tile bm x n, k sorted rows per step, persistent = programs per SM
+# of the persistent weight-gradient kernel (0: one program per tile)
 _STREAM = {  # few rows per expert (T <= 16 here): the GEMMs stream expert weights
     "up": [_c(_g(32, 128, 4, 4)), _c(_g(64, 64, 4, 4)), _c(_g(64, 128, 4, 3)), _c(_g(32, 256, 4, 3)),
            _c(_g(64, 64, 4, 6)), _c(_g(128, 64, 8, 4)), _c(_g(16, 256, 4, 4))],
@@ -80,7 +81,8 @@ _STREAM = {  # few rows per expert (T <= 16 here): the GEMMs stream expert weigh
     "up_bwd": [_c(_g(32, 128, 4, 4)), _c(_g(128, 64, 4, 4)), _c(_g(64, 256, 4, 3)), _c(_g(64, 64, 4, 6)),
                _c(_g(128, 128, 8, 3)), _c(_g(32, 256, 4, 3))],
     "dw": [_c(_g(64, 16, 4, 2, bm=64)), _c(_g(128, 16, 4, 2)), _c(_g(128, 16, 4, 2, bm=64)),
-           _c(_g(256, 16, 8, 2, bm=128)), _c(_g(128, 16, 4, 2, bm=32)), _c(_g(64, 16, 4, 2, bm=128))],
+           _c(_g(256, 16, 8, 2, bm=128)), _c(_g(128, 16, 4, 2, bm=32)), _c(_g(64, 16, 4, 2, bm=128)),
+           _c(_g(128, 16, 4, 2, bm=64, persistent=1)), _c(_g(128, 16, 4, 2, bm=64, persistent=2))],
 }
 _COMPUTE = {  # hundreds of rows per expert: tensor-core bound (offline sm_90 builds: none of these spills)
     "up": [_c(_g(128, 64, 8, 3)), _c(_g(128, 64, 8, 4)), _c(_g(64, 64, 4, 4)), _c(_g(64, 128, 8, 3)),
@@ -95,7 +97,11 @@ _COMPUTE = {  # hundreds of rows per expert: tensor-core bound (offline sm_90 bu
     "dw": [_c(_g(128, 64, 8, 4)), _c(_g(256, 64, 8, 3, bm=128)), _c(_g(128, 64, 8, 3, bm=256)),
            _c(_g(128, 128, 8, 3)), _c(_g(128, 64, 4, 4)), _c(_g(256, 64, 4, 4, bm=64)), _c(_g(128, 32, 8, 6)),
            _c(_g(256, 64, 8, 3, bm=128), group_m=4), _c(_g(256, 64, 8, 3, bm=128), group_m=16),
-           _c(_g(128, 64, 8, 3)), _c(_g(128, 64, 4, 2, bm=64)), _c(_g(256, 64, 4, 2, bm=64))],
+           _c(_g(128, 64, 8, 3)), _c(_g(128, 64, 4, 2, bm=64)), _c(_g(256, 64, 4, 2, bm=64)),
+           # persistent: the heuristic's 128x256 tile and its s4, 128x128, and the output-write tile of block_m 64
+           _c(_g(256, 64, 8, 3, bm=128, persistent=1)), _c(_g(256, 64, 8, 4, bm=128, persistent=1)),
+           _c(_g(128, 64, 8, 3, persistent=1)), _c(_g(128, 64, 8, 4, persistent=1)),
+           _c(_g(128, 64, 4, 2, bm=64, persistent=1)), _c(_g(128, 64, 4, 2, bm=64, persistent=2))],
 }
 
 
@@ -110,7 +116,7 @@ def candidates(model: str, num_tokens: int, gemm: str, device=torch.device("meta
     (its SM count sets split-K; meta = an H200)."""
     num_experts, top_k, d_model, d_ff = _dims(model)
     base = choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, device)
-    sms = device_traits(device).sm_count if device.type == "cuda" else 132
+    sms = sm_count(device)
     table = _STREAM if base.block_m <= 32 else _COMPUTE
     own = getattr(base, gemm)
     specs = [(None, None, own)] + table[{"dx": "down", "dw1": "dw", "dw2": "dw"}.get(gemm, gemm)]
@@ -143,9 +149,9 @@ def label(tiles: MoETiles, gemm: str) -> str:
     text += f" w{g.num_warps} s{g.num_stages}"
     if g.split_k > 1:
         text += f" sk{g.split_k}"
-    if gemm not in ("dw1", "dw2"):
-        text += f" g{tiles.group_m}"
-    return text
+    if g.persistent:
+        text += f" p{g.persistent}"
+    return text + f" g{tiles.group_m}"  # the weight gradients' output tiles take group_m too
 
 
 # -------------------------------------------------------------------------------------------------- the launches

@@ -18,7 +18,13 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 from flashmoe_science.moe import fused_experts, fused_moe, moe_route  # noqa: E402
 from flashmoe_science.moe.dispatch import sort_pairs_by_expert  # noqa: E402
 from flashmoe_science.moe.tiles import GemmTiles, MoETiles  # noqa: E402
-from moe_testing import assert_within_budget, make_experts, reference64, torch_loop_same_dtype  # noqa: E402
+from moe_testing import (  # noqa: E402
+    assert_within_budget,
+    make_experts,
+    reference64,
+    torch_loop_same_dtype,
+    weight_gradient_operands,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -208,6 +214,9 @@ def test_backward_with_expanded_grad_and_strided_x():
     (128, GemmTiles(256, 64, 8, 4), GemmTiles(256, 64, 8, 4), GemmTiles(256, 64, 8, 3, block_m=128)),
     (16, GemmTiles(64, 128, 4, 4, split_k=4), GemmTiles(64, 128, 4, 4, split_k=4),
      GemmTiles(128, 16, 4, 2, block_m=64)),
+    # the persistent weight gradients in the whole backward: the tensor-core tile, block_m 64's output-write tile
+    (128, GemmTiles(256, 64, 8, 4), GemmTiles(256, 64, 8, 4), GemmTiles(256, 64, 8, 3, block_m=128, persistent=1)),
+    (64, GemmTiles(256, 64, 4, 4), GemmTiles(256, 64, 4, 4), GemmTiles(128, 64, 4, 2, block_m=64, persistent=2)),
 ])
 def test_combine_tiles_agree_for_every_block_m(block_m, down, dx, wgrad):
     from flashmoe_science.moe import triton_gemm
@@ -258,3 +267,31 @@ def test_triton_routing_ties_take_the_lower_expert_id():
     logits = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0], [2.0, 2.0, 2.0, 2.0, 2.0]])
     _, ids = RouteTriton.apply(logits, 3, True, False)
     assert ids.tolist() == [[1, 2, 4], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("persistent, sms", [(1, 3), (2, 2), (1, 1000)])  # 30 tiles on 3, 4 and 30 programs
+def test_persistent_weight_gradient_matches_float64_and_the_tile_grid(monkeypatch, dtype, persistent, sms):
+    # out[e] = A_e^T B_e with experts of 13, 9, 0, 17 and 7 rows (8 rows per step: partial last steps, an expert
+    # without rows whose tiles must come out zero), 40 x 24 outputs in 16 x 16 tiles (partial both ways), padding
+    # rows and the output poisoned with NaN
+    from flashmoe_science.moe import triton_gemm
+
+    monkeypatch.setattr(triton_gemm, "sm_count", lambda device: sms)
+    counts, M, N = (13, 9, 0, 17, 7), 40, 24
+    sort, a, b, ref = weight_gradient_operands(counts, M, N, 16, dtype)
+    outs = {}
+    for kind in (persistent, 0):
+        gemm = GemmTiles(block_n=16, block_k=8, num_warps=4, num_stages=1, block_m=16, persistent=kind)
+        outs[kind] = torch.full((len(counts), M, N), float("nan"), dtype=dtype)
+        launch = triton_gemm.wgrad_launch(a, b, outs[kind], sort, gemm, group_m=2)
+        assert launch.kernel is (triton_gemm._expert_wgrad_persistent_kernel if kind else
+                                 triton_gemm._expert_wgrad_kernel)
+        if kind:
+            assert launch.grid == (min(kind * sms, len(counts) * 3 * 2),)
+        launch()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(outs[persistent].double(), ref, **tol)
+    assert torch.all(outs[persistent][2] == 0)
+    # the same steps in the same order per tile, one writer each: the same bits as one program per tile
+    assert torch.equal(outs[persistent], outs[0])

@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from flashmoe_science.moe.dispatch import sort_pairs_by_expert
 from flashmoe_science.moe.reference import fused_experts_reference
 
 
@@ -53,3 +54,25 @@ def assert_within_budget(name, ours, torch_same_dtype, ref64):
     assert ours_err <= 2 * torch_err + slack, (
         f"{name}: max error {ours_err:.3e} exceeds 2 x PyTorch {ours.dtype} error {torch_err:.3e} + {slack:.1e}"
     )
+
+
+def weight_gradient_operands(counts, M, N, block_m, dtype, device="cpu"):
+    """A weight-gradient GEMM's inputs: a sort whose expert e holds counts[e] rows, sorted-row operands a (rows, M)
+    and b (rows, N) whose padding rows are NaN (a kernel must mask them out), and the float64 reference
+    out[e] = a_e^T b_e. Returns (sort, a, b, reference)."""
+    num_experts = len(counts)
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel())][:, None].to(device)  # top_k = 1
+    sort = sort_pairs_by_expert(ids, num_experts, block_m)
+    assert sort.expert_counts.tolist() == list(counts)
+    num_rows = sort.tile_expert.numel() * block_m
+    a = torch.full((num_rows, M), float("nan"), dtype=dtype, device=device)
+    b = torch.full((num_rows, N), float("nan"), dtype=dtype, device=device)
+    ref = torch.zeros(num_experts, M, N, dtype=torch.float64, device=device)
+    for expert, count in enumerate(counts):
+        start = int(sort.expert_row_start[expert])
+        rows = slice(start, start + count)
+        a[rows] = torch.randn(count, M, device=device).to(dtype)
+        b[rows] = torch.randn(count, N, device=device).to(dtype)
+        ref[expert] = a[rows].double().T @ b[rows].double()
+    return sort, a, b, ref

@@ -11,7 +11,14 @@ import torch
 
 from flashmoe_science.moe import fused_experts, fused_moe, moe_route
 from flashmoe_science.moe.dispatch import sort_pairs_by_expert
-from moe_testing import assert_within_budget, make_experts, reference64, torch_loop_same_dtype
+from flashmoe_science.moe.tiles import GemmTiles
+from moe_testing import (
+    assert_within_budget,
+    make_experts,
+    reference64,
+    torch_loop_same_dtype,
+    weight_gradient_operands,
+)
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -129,6 +136,30 @@ def test_sort_matches_stable_argsort(num_tokens, top_k, num_experts):
     rows = torch.cat([starts[e] + torch.arange(int(counts[e]), device=DEVICE) for e in range(num_experts)])
     assert torch.equal(sort.sorted_pair_ids[rows].long(), torch.argsort(flat, stable=True))
     assert torch.equal(sort_pairs_by_expert(ids, num_experts, 64).sorted_pair_ids, sort.sorted_pair_ids)
+
+
+@pytest.mark.parametrize("persistent_tiles", [
+    GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3, block_m=128, persistent=1),  # tensor-core tile
+    GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=4, block_m=128, persistent=1),
+    GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=2, block_m=64, persistent=2),  # block_m 64's
+])
+def test_persistent_weight_gradient_is_the_tile_grid_bit_for_bit(persistent_tiles):
+    # experts without rows, with fewer rows than a step, with partial last steps; 1472 x 800 outputs (partial tiles
+    # both ways): 384 or more tiles for 132 or 264 programs
+    from dataclasses import replace
+
+    from flashmoe_science.moe import triton_gemm
+
+    counts, M, N = (300, 0, 1000, 37, 64, 129, 700, 5), 1472, 800
+    sort, a, b, ref = weight_gradient_operands(counts, M, N, 128, torch.bfloat16, DEVICE)
+    outs = []
+    for gemm in (persistent_tiles, replace(persistent_tiles, persistent=0)):
+        out = torch.full((len(counts), M, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        triton_gemm.wgrad_launch(a, b, out, sort, gemm, group_m=8)()
+        outs.append(out)
+    assert torch.all(outs[0][1] == 0)
+    torch.testing.assert_close(outs[0].double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    assert torch.equal(outs[0], outs[1])  # the same MMAs in the same order per tile, one writer each
 
 
 def test_cuda_graph_capture_has_no_host_sync():

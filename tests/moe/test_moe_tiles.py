@@ -1,5 +1,7 @@
 """MoE tile choices and launch plumbing on CPU (nothing runs: the launches are built, not called)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -77,8 +79,6 @@ def test_every_moe_launch_uses_the_shared_precision_policy(monkeypatch, dtype, p
 def test_launches_follow_the_tiles_they_are_given(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     tiles = choose_tiles(4096, 2, 8, 4096, 14336, torch.device("cpu"))
-    from dataclasses import replace
-
     custom = replace(tiles, block_m=64, group_m=4, up=GemmTiles(128, 32, 4, 3),
                      dw1=GemmTiles(block_n=64, block_k=32, num_warps=4, num_stages=2, block_m=256))
     sort = _sort(64, 2, 8, 64)
@@ -93,6 +93,51 @@ def test_launches_follow_the_tiles_they_are_given(monkeypatch):
                                  torch.zeros(8, 640, 256, dtype=torch.bfloat16), sort, custom)
     assert (dw1.meta["BLOCK_M"], dw1.meta["BLOCK_N"]) == (256, 64)
     assert dw1.grid == (3 * 4, 8)  # cdiv(640, 256) x cdiv(256, 64) output tiles, per expert
+
+
+def test_weight_gradient_launch_takes_the_persistent_kernel_when_asked(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    meta = torch.device("meta")  # shapes only; meta tensors size the grid as an H200 (132 SMs)
+    sort = _sort(4096, 2, 8, 128)
+    num_rows = sort.tile_expert.numel() * 128
+    a = torch.empty(num_rows, 4096, dtype=torch.bfloat16, device=meta)
+    b = torch.empty(num_rows, 2048, dtype=torch.bfloat16, device=meta)
+    out = torch.empty(8, 4096, 2048, dtype=torch.bfloat16, device=meta)  # 32 x 8 tiles of 128x256 per expert
+    tile = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3, block_m=128)
+    grid = triton_gemm.wgrad_launch(a, b, out, sort, tile, 8)
+    assert grid.kernel is triton_gemm._expert_wgrad_kernel and grid.grid == (32 * 8, 8)
+    for persistent, programs in ((1, 132), (2, 264)):
+        launch = triton_gemm.wgrad_launch(a, b, out, sort, replace(tile, persistent=persistent), 8)
+        assert launch.kernel is triton_gemm._expert_wgrad_persistent_kernel
+        assert launch.grid == (programs,) and launch.meta["E_POW2"] == 8
+        assert launch.args[5:] == (8, *grid.args[5:])  # num_experts, then the grid kernel's scalars
+        assert {k: v for k, v in launch.meta.items() if k != "E_POW2"} == grid.meta
+    few = torch.empty(3, 256, 512, dtype=torch.bfloat16, device=meta)  # fewer tiles (3 x 2 x 2) than SMs
+    launch = triton_gemm.wgrad_launch(a, b[:, :512], few, _sort(64, 2, 3, 128), replace(tile, persistent=1), 8)
+    assert launch.grid == (12,) and launch.meta["E_POW2"] == 4
+
+
+def test_sweep_tries_persistent_weight_gradients():
+    sweep_moe = _sweep_moe()
+    for model, num_tokens in (("mixtral-8x7b", 4096), ("mixtral-8x7b", 256), ("qwen3-30b-a3b", 16)):
+        for gemm in ("dw1", "dw2"):
+            tiles = sweep_moe.candidates(model, num_tokens, gemm)
+            assert getattr(tiles[0], gemm).persistent == 0  # the heuristic's
+            labels = [sweep_moe.label(t, gemm) for t in tiles]
+            assert len(set(labels)) == len(labels) == len(set(tiles))  # every candidate differs, and says how
+            assert sum(" p1 " in label for label in labels) >= 1
+
+
+def _sweep_moe():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    try:
+        import sweep_moe
+    finally:
+        sys.path.pop(0)
+    return sweep_moe
 
 
 def _gemm(tiles, name):
@@ -131,14 +176,7 @@ def test_sweep_operands_are_the_same_for_every_block_m():
     # the 2026-11-21 sweep drew its sorted-row operands anew per block_m, so down/dx candidates with another block_m
     # than the heuristic's (m256 n128, m64 n256) showed err 1.3-1.8 against it; now values follow the (token, slot)
     # pair and padding rows are zero
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    try:
-        import sweep_moe
-    finally:
-        sys.path.pop(0)
+    sweep_moe = _sweep_moe()
     def sort_pairs_by_expert(ids, num_experts, block_m):  # the padded counting sort, in torch (no kernel on CPU)
         flat = ids.reshape(-1)
         counts = torch.bincount(flat, minlength=num_experts)

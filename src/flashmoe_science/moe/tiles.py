@@ -33,6 +33,10 @@ class GemmTiles:
     num_stages: int
     split_k: int = 1  # down-combine GEMMs only: K cut into this many slices, summed by the atomic combine
     block_m: int = 0  # weight-gradient GEMMs only: output rows per tile (0: block_n); the others use MoETiles.block_m
+    # weight-gradient GEMMs only: 0 = one program per (output tile, expert); n > 0 = n programs per SM, each looping
+    # over its share of the tiles in one flat loop of reduction steps, so the next tile's loads overlap this one's
+    # epilogue (triton_gemm._expert_wgrad_persistent_kernel)
+    persistent: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,7 @@ def choose_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_
         up_bwd = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
         # few rows leave the down-combine GEMMs with few programs (experts used x d/block_n): split K
         row_tiles = min(num_experts, num_tokens * top_k)
-        sms = _sm_count(device)
+        sms = sm_count(device)
         stream = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
         down = split_k_for(stream, row_tiles, d_ff, d_model, sms)
         dx = split_k_for(stream, row_tiles, 2 * d_ff, d_model, sms)
@@ -144,8 +148,9 @@ def choose_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_
     return MoETiles(block_m=block_m, group_m=8, up=up, down=down, up_bwd=up_bwd, dx=dx, dw1=wgrad, dw2=wgrad)
 
 
-def _sm_count(device) -> int:
-    # split-K sizing; CPU (interpreter) tensors size as an H200 would, so interpreter tests take the GPU's branches
+def sm_count(device) -> int:
+    """SMs of ``device``, for split-K sizing and persistent grids; CPU (interpreter) tensors size as an H200 would
+    (132), so interpreter tests take the GPU's branches."""
     if isinstance(device, torch.device) and device.type == "cuda":
         return device_traits(device).sm_count
     return 132

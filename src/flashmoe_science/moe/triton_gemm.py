@@ -20,7 +20,10 @@ that recomputes both, a third more GEMM work) and h (already written for GEMM2);
 - ``_down_combine_kernel`` again for ``dx[token] += d(gate, up)[row] @ w1[e]``.
 - ``_expert_wgrad_kernel`` twice: ``dw1[e] = d(gate, up)_e^T x_e`` and ``dw2[e] = (weight * dout)_e^T h_e``, a
   reduction over each expert's rows, one writer per output element (deterministic). Their gathered operand
-  (x, weight * dout) is first copied to sorted-row order by ``_gather_rows_kernel``.
+  (x, weight * dout) is first copied to sorted-row order by ``_gather_rows_kernel``. With ``GemmTiles.persistent``
+  ``_expert_wgrad_persistent_kernel`` computes the same: a few programs per SM, each running its output tiles'
+  reduction steps as one flat loop, so that a tile's store overlaps the next tile's first loads (the reduction is
+  short: 64 sorted rows per expert at Mixtral T=256, ~1024 at T=4096).
 """
 
 import os
@@ -33,7 +36,7 @@ import triton.language as tl
 from flashmoe_science.device import dot_precision
 from flashmoe_science.moe.dispatch import ExpertSort, flat_ids, sort_buffers, sort_launches, sort_pairs_by_expert
 from flashmoe_science.moe.launch import Launch
-from flashmoe_science.moe.tiles import GemmTiles, MoETiles, choose_tiles
+from flashmoe_science.moe.tiles import GemmTiles, MoETiles, choose_tiles, sm_count
 from flashmoe_science.prepared_launch import PreparedLaunch
 
 
@@ -406,6 +409,101 @@ def _expert_wgrad_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
 
 
+@triton.jit
+def _tiles_from(first_tile, program, num_programs):
+    # how many of the tiles program, program + num_programs, ... are >= first_tile (elementwise)
+    return tl.cdiv(tl.maximum(first_tile - program, 0), num_programs)
+
+
+@triton.jit
+def _expert_wgrad_persistent_kernel(
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    expert_counts_ptr,
+    expert_row_start_ptr,
+    num_experts,
+    M,
+    N,
+    stride_ar,
+    stride_am,
+    stride_br,
+    stride_bn,
+    stride_oe,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``_expert_wgrad_kernel``'s output from a grid of a few programs per SM. The E x row blocks x column blocks
+    output tiles are numbered expert-major (within an expert in ``_row_tile_and_col_block``'s GROUP_M order);
+    program p takes tiles p, p + P, p + 2P, ... (P programs), so the tiles in flight at once are neighbours, as in
+    the one-program-per-tile grid.
+
+    One flat loop runs all of a program's reduction steps, tile after tile: a tile's step count depends on its
+    expert's row count (a device value), which Triton 3.6's loop flattening (``tl.range(flatten=True)``) leaves
+    nested: it fuses only inner loops whose bounds are invariant in the outer loop. Flat, the pipeliner issues the next
+    tile's first loads while the current tile's last steps and its store run. An expert without rows still takes
+    one (fully masked) step per tile, so its tiles are written as zeros."""
+    program = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    num_row_blocks = tl.cdiv(M, BLOCK_M)
+    num_col_blocks = tl.cdiv(N, BLOCK_N)
+    tiles_per_expert = num_row_blocks * num_col_blocks
+
+    # the loop's trip count: per expert, (this program's tiles of it) x (its reduction steps)
+    experts = tl.arange(0, E_POW2)
+    counts = tl.load(expert_counts_ptr + experts, mask=experts < num_experts, other=0)
+    first_tiles = experts * tiles_per_expert
+    own_tiles = _tiles_from(first_tiles + tiles_per_expert, program, num_programs) - \
+        _tiles_from(first_tiles, program, num_programs)
+    steps_per_tile = tl.maximum(tl.cdiv(counts, BLOCK_K), 1)
+    num_steps = tl.sum(tl.where(experts < num_experts, own_tiles * steps_per_tile, 0))
+
+    rs = tl.arange(0, BLOCK_K)
+    # the current tile; `step == tile_steps - 1` at entry makes the first iteration start tile `program`
+    tile = program - num_programs
+    step = 0
+    tile_steps = 1
+    expert = 0
+    row_block = 0
+    col_block = 0
+    count = 0
+    first_row = tl.zeros([], dtype=tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for _ in range(num_steps):
+        step = tl.where(step == tile_steps - 1, 0, step + 1)
+        if step == 0:
+            tile += num_programs
+            expert = tile // tiles_per_expert
+            row_block, col_block = _row_tile_and_col_block(tile % tiles_per_expert, num_row_blocks, num_col_blocks,
+                                                           GROUP_M)
+            count = tl.load(expert_counts_ptr + expert)
+            first_row = tl.load(expert_row_start_ptr + expert).to(tl.int64)
+            tile_steps = tl.maximum(tl.cdiv(count, BLOCK_K), 1)
+        ms = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        ns = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_valid = ms < M
+        n_valid = ns < N
+        # the step's first sorted row as a scalar offset (int64), the tile's offsets from it in int32 (64-bit tensor
+        # offsets took ~70 more SASS instructions per step, sm_90)
+        step_row = first_row + step * BLOCK_K
+        r_valid = rs < count - step * BLOCK_K  # rows past the expert's count are padding (never written)
+        a = tl.load(a_ptr + step_row * stride_ar + (rs[None, :] * stride_ar + ms[:, None] * stride_am),
+                    mask=m_valid[:, None] & r_valid[None, :], other=0.0)
+        b = tl.load(b_ptr + step_row * stride_br + (rs[:, None] * stride_br + ns[None, :] * stride_bn),
+                    mask=r_valid[:, None] & n_valid[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if step == tile_steps - 1:
+            out_ptrs = out_ptr + expert.to(tl.int64) * stride_oe + ms[:, None] * stride_om + ns[None, :] * stride_on
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+
 # ---------------------------------------------------------------------------------------------- launches
 def up_swiglu_launch(x, w1, h, gate_up, sort: ExpertSort, tiles: MoETiles) -> Launch:
     """``h[row] = silu(x[token] @ gate.T) * (x[token] @ up.T)`` over the sorted rows (tiles.up); with a ``gate_up``
@@ -478,16 +576,22 @@ def gather_rows_launch(src, dst, row_scale, sort: ExpertSort) -> Launch:
 
 
 def wgrad_launch(a, b, out, sort: ExpertSort, gemm: GemmTiles, group_m: int) -> Launch:
-    """``out[e] = A_e^T B_e`` over expert e's sorted rows (``_expert_wgrad_kernel``); out (E, M, N); ``group_m``
-    output row blocks sweep the column blocks together (MoETiles.group_m)."""
+    """``out[e] = A_e^T B_e`` over expert e's sorted rows; out (E, M, N); ``group_m`` output row blocks sweep the
+    column blocks together (MoETiles.group_m). One program per (output tile, expert) (``_expert_wgrad_kernel``),
+    or with ``gemm.persistent`` = n, n programs per SM looping over the tiles (``_expert_wgrad_persistent_kernel``)."""
     num_experts, M, N = out.shape
     block_m = gemm.block_m or gemm.block_n
-    args = (a, b, out, sort.expert_counts, sort.expert_row_start, M, N, a.stride(0), a.stride(1), b.stride(0),
-            b.stride(1), out.stride(0), out.stride(1), out.stride(2))
+    strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2))
     meta = dict(BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=group_m, **dot_precision(a),
                 num_warps=gemm.num_warps, num_stages=gemm.num_stages)
-    return Launch(_expert_wgrad_kernel, (triton.cdiv(M, block_m) * triton.cdiv(N, gemm.block_n), num_experts),
-                  args, meta)
+    tiles_per_expert = triton.cdiv(M, block_m) * triton.cdiv(N, gemm.block_n)
+    if gemm.persistent:
+        args = (a, b, out, sort.expert_counts, sort.expert_row_start, num_experts, M, N, *strides)
+        num_programs = min(gemm.persistent * sm_count(out.device), num_experts * tiles_per_expert)
+        return Launch(_expert_wgrad_persistent_kernel, (num_programs,), args,
+                      dict(meta, E_POW2=triton.next_power_of_2(num_experts)))
+    args = (a, b, out, sort.expert_counts, sort.expert_row_start, M, N, *strides)
+    return Launch(_expert_wgrad_kernel, (tiles_per_expert, num_experts), args, meta)
 
 
 def forward_buffers(x, w1, sort: ExpertSort, tiles: MoETiles, save_for_backward: bool = False):

@@ -127,29 +127,30 @@ def _route_backward_kernel(
              grad_logits.to(grad_logits_ptr.dtype.element_ty), mask=valid)
 
 
-def _rows_per_program(num_experts: int) -> tuple[int, int]:
-    """(E_POW2, BLOCK_T): rows per program such that a program holds ~4K scores (one 128-thread block's worth)."""
+def _program_shape(num_tokens: int, num_experts: int) -> dict:
+    """E_POW2, BLOCK_T (rows per program: ~2K scores, fewer when there are fewer tokens) and num_warps (one per 256
+    scores, so that a decode call's top-k rounds reduce within one warp, without shared memory or barriers: 8.8 µs
+    for one token at E=128 with 32 rows and 4 warps per program)."""
     e_pow2 = triton.next_power_of_2(num_experts)
-    return e_pow2, max(1, min(64, 4096 // e_pow2))
+    block_t = max(1, min(64, 2048 // e_pow2, triton.next_power_of_2(max(num_tokens, 1))))
+    return dict(E_POW2=e_pow2, BLOCK_T=block_t, num_warps=max(1, min(4, block_t * e_pow2 // 256)))
 
 
 def route_forward_launch(router_logits, weights, ids, top_k: int, renormalize: bool, sigmoid: bool) -> Launch:
     num_tokens, num_experts = router_logits.shape
-    e_pow2, block_t = _rows_per_program(num_experts)
+    shape = _program_shape(num_tokens, num_experts)
     args = (router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0), router_logits.stride(1))
-    meta = dict(TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), E_POW2=e_pow2, BLOCK_T=block_t, SIGMOID=sigmoid,
-                RENORMALIZE=renormalize, num_warps=4)
-    return Launch(_route_forward_kernel, (triton.cdiv(num_tokens, block_t),), args, meta)
+    meta = dict(TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), SIGMOID=sigmoid, RENORMALIZE=renormalize, **shape)
+    return Launch(_route_forward_kernel, (triton.cdiv(num_tokens, shape["BLOCK_T"]),), args, meta)
 
 
 def route_backward_launch(router_logits, ids, grad_weights, grad_logits, renormalize: bool, sigmoid: bool) -> Launch:
     num_tokens, num_experts = router_logits.shape
-    e_pow2, block_t = _rows_per_program(num_experts)
+    shape = _program_shape(num_tokens, num_experts)
     args = (router_logits, ids, grad_weights, grad_logits, num_tokens, num_experts, router_logits.stride(0),
             router_logits.stride(1), grad_weights.stride(0), grad_weights.stride(1))
-    meta = dict(TOP_K=ids.shape[1], E_POW2=e_pow2, BLOCK_T=block_t, SIGMOID=sigmoid, RENORMALIZE=renormalize,
-                num_warps=4)
-    return Launch(_route_backward_kernel, (triton.cdiv(num_tokens, block_t),), args, meta)
+    meta = dict(TOP_K=ids.shape[1], SIGMOID=sigmoid, RENORMALIZE=renormalize, **shape)
+    return Launch(_route_backward_kernel, (triton.cdiv(num_tokens, shape["BLOCK_T"]),), args, meta)
 
 
 class RouteTriton(torch.autograd.Function):
