@@ -588,6 +588,7 @@ def main():
     parser.add_argument("--out", default="")
     parser.add_argument("--offline", action="store_true", help="sm_90 builds and SASS counts only (no GPU needed)")
     parser.add_argument("--cases", default="", help="comma list of model:T (default: all of CASES)")
+    parser.add_argument("--gemms", default="", help="comma list of GEMMs to sweep (default: all of PASS_GEMMS)")
     parser.add_argument("--budget-s", type=float, default=180.0, help="wall-clock budget of the GPU candidate loop")
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     args = parser.parse_args()
@@ -595,6 +596,9 @@ def main():
     if args.cases:
         wanted = {tuple(c.split(":")) for c in args.cases.split(",")}
         cases = tuple(c for c in CASES if (c[0], str(c[1])) in wanted)
+    if args.gemms:
+        wanted = set(args.gemms.split(","))
+        PASS_GEMMS.update({p: tuple(g for g in gemms if g in wanted) for p, gemms in PASS_GEMMS.items()})
     if args.offline:
         offline(cases, args.workers, args.out)
     else:
