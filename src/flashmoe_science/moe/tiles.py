@@ -120,15 +120,17 @@ def choose_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_
         # weight gradients: 64x128 output tiles, 4 warps, 2 stages over the expert's (few, block_m-padded) rows.
         # H200 sweep, 2026-11-21, T=16: dw1 4432 / 4206 GB/s (Mixtral / Qwen3, best in both), dw2 4275 / 4056
         # (Mixtral best 4313 at 128x128 w4 s2, Qwen3 best); the old 128x128 w8 s3 got 3358 / 3334 and 3317 / 3182.
-        wgrad = GemmTiles(block_n=128, block_k=block_m, num_warps=4, num_stages=2, block_m=64)
+        dw1 = dw2 = GemmTiles(block_n=128, block_k=block_m, num_warps=4, num_stages=2, block_m=64)
     elif block_m == 64:
         # not measured by the 2026-11-21 sweep (no case has 33-96 rows per expert): the earlier choice
         up = GemmTiles(block_n=64, block_k=64, num_warps=4, num_stages=4)
         down = dx = GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=4)
         up_bwd = down
         # weight gradients: with 64 rows per expert the reduction is one step and the GEMM writes E x 3·d·F outputs
-        # (Mixtral T=256: 2.8 GB, 1.43 ms at 128x128 w8 s3): the streaming regime's output-write tile (session 8)
-        wgrad = GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=2, block_m=64)
+        # (Mixtral T=256: 2.8 GB). H200 sweep, session 9 (Mixtral T=256): the persistent 128x256 tile, 8 warps,
+        # 3 stages, one program per SM: dw1 0.669 / dw2 0.349 ms, the best of 19 (torch grouped_mm 0.703 / 0.358);
+        # the one-program-per-tile 64x128 w4 s2 of session 8 got 0.789 / 0.405
+        dw1 = dw2 = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3, block_m=128, persistent=1)
     else:
         # tensor-core regime (>= 97 rows per expert; measured at 256 rows: Qwen3 T=4096, 1024 and 4096: Mixtral
         # T=4096 / 16384). H200 sweep, 2026-11-21, TFLOP/s (Mixtral 4096 / Qwen3 4096 / Mixtral 16384):
@@ -144,8 +146,12 @@ def choose_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_
         up_bwd = down
         # dw1 / dw2: 128x256 output tiles, 64 sorted rows per step, 8 warps, 3 stages: dw1 533 / 333, dw2 474 /
         #     321, the best in both cases; the old 128x128 got dw1 448 / 297, dw2 390 / 288.
-        wgrad = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3, block_m=128)
-    return MoETiles(block_m=block_m, group_m=8, up=up, down=down, up_bwd=up_bwd, dx=dx, dw1=wgrad, dw2=wgrad)
+        # Session 9 sweep (Mixtral 4096 / Qwen3 4096, TFLOP/s): the persistent kernel (one program per SM) at that
+        #     tile: dw2 572 / 384 with 3 stages (one-program-per-tile 521 / 311; grouped_mm 692 / 365), dw1 549 / 393
+        #     with 4 stages (555 / 329; grouped_mm 548 / 368; 3 stages 531 / 395)
+        dw1 = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=4, block_m=128, persistent=1)
+        dw2 = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3, block_m=128, persistent=1)
+    return MoETiles(block_m=block_m, group_m=8, up=up, down=down, up_bwd=up_bwd, dx=dx, dw1=dw1, dw2=dw2)
 
 
 def sm_count(device) -> int:
