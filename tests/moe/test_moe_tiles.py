@@ -213,3 +213,23 @@ def test_sweep_operands_are_the_same_for_every_block_m():
         assert torch.all(buf.h_in[padding] == 0) and torch.all(buf.dgu_in[padding] == 0)
     for h, dgu in seen[1:]:
         assert torch.equal(h, seen[0][0]) and torch.equal(dgu, seen[0][1])
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, d_model, d_ff", [
+    (4096, *MODELS[0][:2], *MODELS[0][2:]), (300, 8, 2, 256, 192), (16, *MODELS[1][:2], *MODELS[1][2:]),
+])
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_every_gemm_fits_shared_memory(monkeypatch, num_tokens, num_experts, top_k, d_model, d_ff, itemsize):
+    # the tiles are measured for 2-byte operands; float32 doubles each ring (128x256 with 4 stages asked for 320 KiB
+    # and failed to launch in the session-9 GPU tests): the fit drops stages, then narrows the tile
+    from flashmoe_science.moe.tiles import gemm_smem_bytes, smem_limit
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    tiles = choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, torch.device("cpu"), itemsize)
+    limit = smem_limit(torch.device("cpu"))
+    for name in ("up", "down", "up_bwd", "dx", "dw1", "dw2"):
+        assert gemm_smem_bytes(name, tiles.block_m, getattr(tiles, name), itemsize) <= limit, name
+    if itemsize == 2:  # the measured tiles need no fitting
+        from flashmoe_science.moe.tiles import _measured_tiles
+
+        assert tiles == _measured_tiles(num_tokens, top_k, num_experts, d_model, d_ff, torch.device("cpu"))

@@ -63,9 +63,40 @@ _OPERANDS = {
 
 
 def gemm_smem_bytes(gemm_name: str, block_m: int, gemm: GemmTiles, itemsize: int = 2) -> int:
-    """Shared memory of the operand ring (num_stages buffers): an upper estimate of what Triton allocates for
-    these kernels (the epilogue's layout conversions reuse the ring)."""
-    return gemm.num_stages * _OPERANDS[gemm_name](block_m, gemm) * itemsize
+    """Shared memory of the operand ring (num_stages buffers) and, for the persistent weight-gradient kernel, of
+    its epilogue's layout conversion, which cannot reuse the ring (the next tile's loads are in flight there): what
+    Triton 3.6 allocates for these kernels on sm_90 (offline builds, session 9: 147456 / 180224 / 229376 bytes at
+    128x256, 3 stages, and persistent with 3 and 4 stages)."""
+    ring = gemm.num_stages * _OPERANDS[gemm_name](block_m, gemm) * itemsize
+    if gemm.persistent:
+        ring += (gemm.block_m or gemm.block_n) * gemm.block_n * itemsize // 2
+    return ring
+
+
+HOPPER_SMEM_PER_BLOCK = 232448  # bytes a block may opt in to on sm_90; CPU (interpreter) tiles size for this
+SMEM_RESERVED = 2048  # what Triton allocates besides the operand ring (barriers, reduction scratch)
+
+
+def smem_limit(device) -> int:
+    """Bytes of shared memory a GEMM's tiles may plan for on ``device``."""
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return device_traits(device).smem_per_block - SMEM_RESERVED
+    return HOPPER_SMEM_PER_BLOCK - SMEM_RESERVED
+
+
+def fit_shared_memory(gemm_name: str, block_m: int, gemm: GemmTiles, itemsize: int, limit: int) -> GemmTiles:
+    """``gemm`` made to fit ``limit`` bytes with operands of ``itemsize`` bytes (the tiles are measured for 2-byte
+    types; float32 doubles the ring): fewer stages down to 2, then narrower column blocks, then shorter K steps."""
+    while gemm_smem_bytes(gemm_name, block_m, gemm, itemsize) > limit:
+        if gemm.num_stages > 2:
+            gemm = replace(gemm, num_stages=gemm.num_stages - 1)
+        elif gemm.block_n > 32:
+            gemm = replace(gemm, block_n=gemm.block_n // 2, block_m=min(gemm.block_m, gemm.block_n // 2))
+        elif gemm.block_k > 16:
+            gemm = replace(gemm, block_k=gemm.block_k // 2)
+        else:
+            break
+    return gemm
 
 
 # programs per SM that split-K aims for in the weight-streaming regime. H200 sweep, 2026-11-21, Mixtral T=16
@@ -86,7 +117,18 @@ def split_k_for(gemm: GemmTiles, row_tiles: int, K: int, N: int, sm_count: int) 
     return replace(gemm, split_k=split_k)
 
 
-def choose_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_ff: int, device) -> MoETiles:
+def choose_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_ff: int, device,
+                 itemsize: int = 2) -> MoETiles:
+    """The launch configs of every MoE GEMM for these dims on ``device``, for operands of ``itemsize`` bytes."""
+    tiles = _measured_tiles(num_tokens, top_k, num_experts, d_model, d_ff, device)
+    limit = smem_limit(device)
+    fitted = {name: fit_shared_memory(name, tiles.block_m, getattr(tiles, name), itemsize, limit)
+              for name in _OPERANDS}
+    return replace(tiles, **fitted)
+
+
+def _measured_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_ff: int, device) -> MoETiles:
+    """choose_tiles' choice for 2-byte operands: the H200 sweeps' winners, quoted where each rule is made."""
     if triton_interpreter_on():
         # the interpreter runs each program in numpy: few, small programs keep CPU tests quick
         small = GemmTiles(block_n=32, block_k=32, num_warps=4, num_stages=1)

@@ -650,7 +650,8 @@ def backward_buffers(x, w1, sort: ExpertSort, tiles: MoETiles):
 
 def _default_tiles(x, w1, topk_ids) -> MoETiles:
     num_experts, two_d_ff, _ = w1.shape
-    return choose_tiles(x.shape[0], topk_ids.shape[1], num_experts, x.shape[1], two_d_ff // 2, x.device)
+    return choose_tiles(x.shape[0], topk_ids.shape[1], num_experts, x.shape[1], two_d_ff // 2, x.device,
+                        x.element_size())
 
 
 def _forward_launches(x, w1, w2, weights32, topk_ids, tiles: MoETiles, save_for_backward: bool = False):
