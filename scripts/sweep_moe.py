@@ -51,7 +51,7 @@ CASES = (  # (model, T, passes), most wanted first: a run that hits --budget-s l
     ("qwen3-30b-a3b", 4096, ("fwd", "bwd")),
     ("mixtral-8x7b", 16, ("fwd", "bwd")),
     ("qwen3-30b-a3b", 16, ("fwd", "bwd")),
-    ("mixtral-8x7b", 16384, ("fwd",)),
+    ("mixtral-8x7b", 16384, ("fwd", "bwd")),
     ("mixtral-8x7b", 256, ("fwd", "bwd")),  # 64 rows per expert: the block_m = 64 regime
 )
 PASS_GEMMS = {"fwd": ("up", "down"), "bwd": ("up_bwd", "dx", "dw1", "dw2")}
