@@ -160,7 +160,8 @@ def test_tensor_core_regime_takes_the_measured_tiles(monkeypatch, num_tokens, nu
     assert _gemm(tiles, "up_bwd") == (128, 256, 64, 8, 4, 1)
     # session 9: the persistent weight-gradient kernel, one program per SM
     assert _gemm(tiles, "dw1") == _gemm(tiles, "dw2") == (128, 256, 64, 8, 3, 1)
-    assert tiles.dw1.persistent == tiles.dw2.persistent == 1
+    assert tiles.dw2.persistent == 1
+    assert tiles.dw1.persistent == (num_tokens * top_k / num_experts <= 512)  # short reductions only
 
 
 @pytest.mark.parametrize("num_experts, top_k, d_model, d_ff, split_k", [(*MODELS[0], 4), (*MODELS[1], 1)])

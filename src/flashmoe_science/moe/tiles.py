@@ -188,11 +188,14 @@ def _measured_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int,
         up_bwd = down
         # dw1 / dw2: 128x256 output tiles, 64 sorted rows per step, 8 warps, 3 stages: dw1 533 / 333, dw2 474 /
         #     321, the best in both cases; the old 128x128 got dw1 448 / 297, dw2 390 / 288.
-        # Session 9 sweeps (Mixtral 4096 / Qwen3 4096 / Mixtral 16384, TFLOP/s): the persistent kernel (one
-        #     program per SM) at that tile: dw1 531 / 395 / 579 (one program per tile 555 / 329 / 582; grouped_mm
-        #     548 / 368 / 614), dw2 572 / 384 / 606 (521 / 311 / 611; grouped_mm 692 / 365 / 659). 4 stages won dw1
-        #     at Mixtral 4096 (549) but lost at 16384 (498).
-        dw1 = dw2 = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3, block_m=128, persistent=1)
+        # Session 9 sweeps (Mixtral 4096 / Qwen3 4096 / Mixtral 16384 = 1024 / 256 / 4096 rows per expert, TFLOP/s):
+        #     the persistent kernel (one program per SM) at that tile: dw2 572 / 384 / 606 (one program per tile
+        #     521 / 311 / 611; grouped_mm 692 / 365 / 659); dw1 531 / 395 / 579 (555 / 329 / 582; grouped_mm 548 /
+        #     368 / 614): persistence pays where the reduction is short, and dw1 (twice dw2's outputs) keeps the
+        #     tile grid from 1024 rows per expert. 4 stages won dw1 at Mixtral 4096 (549) but lost at 16384 (498).
+        wgrad = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3, block_m=128)
+        dw2 = replace(wgrad, persistent=1)
+        dw1 = dw2 if rows_per_expert <= 512 else wgrad
     return MoETiles(block_m=block_m, group_m=8, up=up, down=down, up_bwd=up_bwd, dx=dx, dw1=dw1, dw2=dw2)
 
 
