@@ -38,16 +38,19 @@ def _random_ids(num_tokens, top_k, num_experts):
 
 @pytest.mark.parametrize(
     "num_tokens, top_k, num_experts, block_m",
-    [(1, 1, 1, 16), (5, 2, 4, 16), (37, 3, 7, 16), (200, 8, 64, 32), (10, 2, 300, 16)],
+    # one chunk (one launch) up to 128 pairs at E <= 128: the first three and (10, 2, 300); several chunks beyond
+    [(1, 1, 1, 16), (5, 2, 4, 16), (37, 3, 7, 16), (200, 8, 64, 32), (10, 2, 300, 16), (70, 2, 8, 16), (3, 2, 6, 64)],
 )
 def test_sort_is_a_stable_padded_counting_sort(num_tokens, top_k, num_experts, block_m):
     ids = _random_ids(num_tokens, top_k, num_experts)
     if num_tokens > 3:
-        ids[1, 0] = -1  # a dropped slot
+        ids[1, 0] = -1  # dropped slots: ids outside [0, E), here also one in [E, next power of 2) where E is not
+        ids[2, 0] = num_experts
     sort = sort_pairs_by_expert(ids, num_experts, block_m)
     flat = ids.reshape(-1)
     num_pairs = flat.numel()
-    counts = torch.bincount(flat[flat >= 0], minlength=num_experts)
+    routed = (flat >= 0) & (flat < num_experts)
+    counts = torch.bincount(flat[routed], minlength=num_experts)
     assert torch.equal(sort.expert_counts.long(), counts)
     tiles_used = 0
     for expert in range(num_experts):
@@ -59,7 +62,6 @@ def test_sort_is_a_stable_padded_counting_sort(num_tokens, top_k, num_experts, b
         assert torch.all(sort.tile_expert[tiles_used : tiles_used + num_tiles] == expert)
         tiles_used += num_tiles
     assert torch.all(sort.tile_expert[tiles_used:] == -1)
-    routed = flat >= 0
     assert torch.equal(sort.sorted_pair_ids[sort.pair_row[routed].long()].long(), torch.nonzero(routed).flatten())
     assert torch.all(sort.pair_row[~routed] == -1)
 

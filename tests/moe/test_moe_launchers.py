@@ -1,7 +1,8 @@
 """The MoE forward's prepared launches on the CPU, up to the launch: what the compiled kernels would be handed.
 
-A repeated inference call of one signature runs `triton_gemm.PreparedForward`: its five launches (the sort's count,
-scan and scatter, then up and down) as PreparedLaunches with fresh buffers per call. Stubs stand in for the JIT
+A repeated inference call of one signature runs `triton_gemm.PreparedForward`: its launches (the sort's, one where
+all pairs fit one chunk or else count, scan and scatter; then up and down) as PreparedLaunches with fresh buffers
+per call. Stubs stand in for the JIT
 kernels and their compiled kernels and record every launch; the prepared call must hand each compiled kernel
 exactly what the JIT launch of the full path would.
 """
@@ -19,8 +20,8 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 from flashmoe_science.moe import api, dispatch, triton_gemm  # noqa: E402
 from flashmoe_science.moe.launch import Launch  # noqa: E402
 
-KERNELS = [(dispatch, "_count_chunks"), (dispatch, "_scan_counts"), (dispatch, "_scatter_pairs"),
-           (triton_gemm, "_up_swiglu_kernel"), (triton_gemm, "_down_combine_kernel")]
+KERNELS = [(dispatch, "_sort_one_chunk"), (dispatch, "_count_chunks"), (dispatch, "_scan_counts"),
+           (dispatch, "_scatter_pairs"), (triton_gemm, "_up_swiglu_kernel"), (triton_gemm, "_down_combine_kernel")]
 
 
 class _RecordingKernel:
@@ -102,11 +103,15 @@ def _jit_launches(kernels):
     (1, 64, 48, 8, 2, torch.bfloat16, "contiguous"),  # decode: one token, 16-row tiles, split-K in down
     (16, 128, 96, 128, 8, torch.float16, "contiguous"),  # Qwen3-like routing: E=128, k=8
     (40, 96, 64, 6, 3, torch.float32, "strided"),  # 3xTF32, column-major x, int32 ids that need a copy
+    (80, 64, 48, 8, 2, torch.bfloat16, "contiguous"),  # 160 pairs: two chunks, the sort's three launches
 ])
 def test_prepared_forward_repeats_the_jit_launches_on_new_tensors(kernels, num_tokens, d_model, d_ff, num_experts,
                                                                   top_k, dtype, layout):
     shape = (num_tokens, d_model, d_ff, num_experts, top_k, dtype, layout)
     prepared = triton_gemm.prepare_forward(*_inputs(*shape))
+    one_chunk = num_tokens * top_k <= 128
+    assert [bool(k.warmed) for k in kernels[:4]] == [one_chunk, *[not one_chunk] * 3]
+    kernels = [k for k in kernels if k.warmed]
     for kernel in kernels:  # one compiled kernel per launch, warmed up with every parameter and the JIT's options
         (grid, bound), = kernel.warmed
         assert sorted(name for name in bound if name in kernel.arg_names) == sorted(kernel.arg_names)
@@ -141,7 +146,7 @@ def test_prepared_forward_refuses_a_misaligned_input(kernels):
 
 
 def test_launch_prepare_freezes_no_tensor(kernels):
-    kernel = kernels[0]  # (ids, chunk_counts, num_pairs, num_experts, CHUNK, E_POW2)
+    kernel = kernels[1]  # _count_chunks: (ids, chunk_counts, num_pairs, num_experts, CHUNK, E_POW2)
     ids, counts = torch.zeros(8, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int32)
     prepared = Launch(kernel, (1,), (ids, counts, 8, 4), dict(CHUNK=16, E_POW2=4)).prepare()
     assert prepared.tail == (8, 4, 16, 4)
@@ -194,7 +199,7 @@ def test_api_runs_a_remembered_signature_through_its_prepared_launches(kernels, 
 
     with torch.no_grad():
         call(x, logits)
-        assert [len(kernel.launches) for kernel in kernels] == [1] * 5 and api._PREPARED == {}
+        assert [len(kernel.launches) for kernel in kernels] == [1, 0, 0, 0, 1, 1] and api._PREPARED == {}
         weights, ids = api.moe_route(logits, top_k)
         key = (api._moe_key(x, w1, w2, logits, top_k, True, "softmax", "triton") if entry == "fused_moe"
                else api._experts_key(x, w1, w2, weights, ids, "triton"))
@@ -203,6 +208,6 @@ def test_api_runs_a_remembered_signature_through_its_prepared_launches(kernels, 
         x2 = torch.randn_like(x)
         out = call(x2, torch.randn_like(logits))
     assert out.shape == x.shape and out.dtype == x.dtype
-    assert [len(kernel.compiled.runs) for kernel in kernels] == [1] * 5
-    up_args = kernels[3].compiled.runs[0][9:]
+    assert [len(kernel.compiled.runs) for kernel in kernels] == [1, 0, 0, 0, 1, 1]  # 10 pairs: one chunk
+    up_args = kernels[4].compiled.runs[0][9:]
     assert up_args[0] is x2 and up_args[1] is w1

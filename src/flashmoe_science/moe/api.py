@@ -231,7 +231,7 @@ def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="sof
 
 # ------------------------------------------------------------------------------------------ prepared calls
 # Inference calls whose signature ran before skip the checks, the tiles and Triton's argument binding of the
-# forward's five launches (launch-bound on few tokens: docs/perf-notes.md). Bounded: each token count is a new
+# forward's launches (launch-bound on few tokens: docs/perf-notes.md). Bounded: each token count is a new
 # signature.
 _PREPARED: dict[tuple, object] = {}
 _PREPARED_MAX = 512

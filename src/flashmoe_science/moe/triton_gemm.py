@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 
 from flashmoe_science.device import dot_precision
-from flashmoe_science.moe.dispatch import ExpertSort, flat_ids, sort_buffers, sort_launches, sort_pairs_by_expert
+from flashmoe_science.moe.dispatch import (ExpertSort, flat_ids, sort_buffers, sort_launch_tensors, sort_launches,
+                                           sort_pairs_by_expert)
 from flashmoe_science.moe.launch import Launch
 from flashmoe_science.moe.tiles import GemmTiles, MoETiles, choose_tiles, sm_count
 from flashmoe_science.prepared_launch import PreparedLaunch
@@ -655,8 +656,8 @@ def _default_tiles(x, w1, topk_ids) -> MoETiles:
 
 
 def _forward_launches(x, w1, w2, weights32, topk_ids, tiles: MoETiles, save_for_backward: bool = False):
-    """Fresh sort buffers, ``h``, ``out32`` (and ``gate_up`` when saving for the backward), and the forward's five
-    launches over them, in order: the sort's count, scan and scatter, then up and down. Returns
+    """Fresh sort buffers, ``h``, ``out32`` (and ``gate_up`` when saving for the backward), and the forward's
+    launches over them, in order: the sort's (one, or count, scan and scatter), then up and down. Returns
     ``(sort, out32, h, gate_up, launches)``."""
     sort, chunk_counts, chunk_row_base = sort_buffers(x.shape[0], topk_ids.shape[1], w1.shape[0], tiles.block_m,
                                                       x.device)
@@ -687,15 +688,13 @@ def moe_forward(x, w1, w2, weights32, topk_ids, tiles: MoETiles | None = None, s
 
 class PreparedForward(NamedTuple):
     """``moe_forward``'s output for one call signature, without its JIT launches: per call, fresh buffers as
-    ``_forward_launches`` makes them, then its five launches as PreparedLaunches. Every grid and scalar they freeze
+    ``_forward_launches`` makes them, then its launches as PreparedLaunches. Every grid and scalar they freeze
     follows from the shapes (T, k, E, d, F), strides, dtypes and device (the sort sizes its outputs for the worst
     case and never reads a count back to the host), so a cache of these is keyed on those and on the inputs'
     16-byte alignment (moe.api._moe_key, _experts_key)."""
 
     tiles: MoETiles
-    count: PreparedLaunch
-    scan: PreparedLaunch
-    scatter: PreparedLaunch
+    sort: tuple[PreparedLaunch, ...]  # dispatch.sort_launches'
     up: PreparedLaunch
     down: PreparedLaunch
 
@@ -706,9 +705,8 @@ class PreparedForward(NamedTuple):
                                                           self.tiles.block_m, x.device)
         h, out32, _ = forward_buffers(x, w1, sort, self.tiles)
         # each kernel's tensor parameters, in order, as sort_launches / up_swiglu_launch / down_forward_launch pass them
-        self.count(ids, chunk_counts)
-        self.scan(chunk_counts, chunk_row_base, sort.expert_counts, sort.expert_row_start, sort.tile_expert)
-        self.scatter(ids, chunk_row_base, sort.sorted_pair_ids, sort.pair_row)
+        for launch, tensors in zip(self.sort, sort_launch_tensors(ids, sort, chunk_counts, chunk_row_base)):
+            launch(*tensors)
         self.up(x, w1, h, h, sort.sorted_pair_ids, sort.tile_expert)  # (h twice: no gate_up in inference)
         self.down(h, w2, out32, weights32, sort.sorted_pair_ids, sort.tile_expert)
         return out32.to(x.dtype)
@@ -720,7 +718,8 @@ def prepare_forward(x, w1, w2, weights32, topk_ids, tiles: MoETiles | None = Non
     if tiles is None:
         tiles = _default_tiles(x, w1, topk_ids)
     _, _, _, _, launches = _forward_launches(x, w1, w2, weights32, topk_ids, tiles)
-    return PreparedForward(tiles, *(launch.prepare() for launch in launches))
+    *sort, up, down = (launch.prepare() for launch in launches)
+    return PreparedForward(tiles, tuple(sort), up, down)
 
 
 def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
