@@ -1,0 +1,325 @@
+"""The Gluon sm_90 dx GEMM (moe/hopper/dx_sm90.py): argument checks, launch plumbing, an offline sm_90 build and a
+model of its barrier protocol on the CPU; its output against the Triton dx kernel on the GPU (``-m gpu``)."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from flashmoe_science.moe.dispatch import ExpertSort, max_row_tiles  # noqa: E402
+from flashmoe_science.moe.hopper import dx_sm90 as gdx  # noqa: E402
+from flashmoe_science.moe.hopper.dx_sm90 import DxConfig  # noqa: E402
+
+
+def _cpu_case(num_tokens=16, top_k=2, num_experts=4, d_model=64, two_d_ff=128, block_m=128, device="cpu"):
+    """Tensors of the right shapes (values unused: nothing runs)."""
+    pairs = num_tokens * top_k
+    tiles_max = max_row_tiles(pairs, num_experts, block_m)
+    i32 = lambda n: torch.zeros(n, dtype=torch.int32, device=device)  # noqa: E731
+    sort = ExpertSort(i32(tiles_max * block_m), i32(pairs), i32(tiles_max), i32(num_experts), i32(num_experts),
+                      block_m, top_k, pairs)
+    dgu = torch.zeros(tiles_max * block_m, two_d_ff, dtype=torch.bfloat16, device=device)
+    w1 = torch.zeros(num_experts, two_d_ff, d_model, dtype=torch.bfloat16, device=device)
+    dx32 = torch.zeros(num_tokens, d_model, dtype=torch.float32, device=device)
+    return dgu, w1, dx32, sort
+
+
+def test_launch_args_for_a_valid_call():
+    dgu, w1, dx32, sort = _cpu_case()
+    grid, args, constexprs = gdx.launch_args(dgu, w1, dx32, sort, 128, DxConfig(), num_ctas=132)
+    # 32 pairs over 4 experts: at most 0 + 4 row tiles; d = 64: one 256-wide column block
+    assert grid == (sort.tile_expert.numel(),) == (4,)
+    assert constexprs == dict(GROUP_M=8, NUM_STAGES=4, PINGPONG=False, ROWS=64)
+    a_desc, b_desc = args[:2]
+    assert a_desc.block_shape == [128, 64] and b_desc.block_shape == [64, 256]
+    assert b_desc.shape == [4 * 128, 64]  # w1 viewed as (E*2F, d)
+    assert args[-3:] == (128, 64, 64)  # K = 2F, N = d, dx32's row stride
+    _, _, constexprs = gdx.launch_args(dgu, w1, dx32, sort, 128, DxConfig(block_n=128, pingpong=True), num_ctas=132)
+    assert constexprs["ROWS"] == 128 and constexprs["PINGPONG"]
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(block_m=64), "128-row tiles"),
+    (dict(sort_block_m=64), "128-row tiles"),
+    (dict(two_d_ff=96), "multiple of block_k"),
+    (dict(dtype=torch.float32), "16-bit float"),
+    (dict(dx_dtype=torch.bfloat16), "dx32 must be float32"),
+    (dict(dgu_rows=-128), r"dgu must be \(sort rows, 2F\)"),
+    (dict(dx_rows=3), r"dx32 must be \(T, d\)"),
+    (dict(d_model=60), "16-byte aligned rows"),
+    (dict(w1_strided=True), "contiguous"),
+    (dict(dgu_offset=True), "aligned base"),
+    (dict(config=DxConfig(block_n=256, pingpong=True)), "pingpong needs block_n 128"),
+    (dict(config=DxConfig(block_n=64)), "block_n must be 128 or 256"),
+    (dict(config=DxConfig(num_stages=1)), "at least 2"),
+    (dict(config=DxConfig(block_n=256, num_stages=5)), "shared memory"),
+])
+def test_argument_checks_raise_value_errors(change, match):
+    d_model, two_d_ff = change.get("d_model", 64), change.get("two_d_ff", 128)
+    dgu, w1, dx32, sort = _cpu_case(d_model=d_model, two_d_ff=two_d_ff)
+    if "sort_block_m" in change:
+        sort = sort._replace(block_m=change["sort_block_m"])
+    if "dtype" in change:
+        dgu, w1 = dgu.to(change["dtype"]), w1.to(change["dtype"])
+    if "dx_dtype" in change:
+        dx32 = dx32.to(change["dx_dtype"])
+    if "dgu_rows" in change:
+        dgu = dgu[:change["dgu_rows"]]
+    if "dx_rows" in change:
+        dx32 = dx32[:change["dx_rows"]]
+    if change.get("dgu_offset"):  # a contiguous view 2 bytes into its storage
+        dgu = torch.zeros(dgu.numel() + 1, dtype=dgu.dtype)[1:].view(dgu.shape)
+    if change.get("w1_strided"):
+        w1 = w1.transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(ValueError, match=match):
+        gdx.launch_args(dgu, w1, dx32, sort, change.get("block_m", 128), change.get("config", DxConfig()), 132)
+
+
+def test_cpu_tensors_are_refused_with_a_value_error():
+    dgu, w1, dx32, sort = _cpu_case()
+    with pytest.raises(ValueError, match="CUDA"):
+        gdx.dx_sm90(dgu, w1, dx32, sort, 128)
+
+
+def test_configs_of_the_ab_script_fit_shared_memory():
+    for config in (DxConfig(256, 64, 3), DxConfig(256, 64, 4), DxConfig(128, 64, 5),
+                   DxConfig(128, 64, 6, pingpong=True)):
+        gdx.check_config(config)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
+@pytest.mark.parametrize("config", [DxConfig(), DxConfig(block_n=128, num_stages=4, pingpong=True)])
+def test_builds_for_sm90_with_tma_wgmma_and_no_spills(config):
+    """The sm_90 binary (ptxas ships with triton: no GPU needed): TMA loads, warpgroup MMAs, no local memory."""
+    import re
+
+    from triton import knobs
+
+    cuobjdump = os.path.join(os.path.dirname(knobs.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("no cuobjdump in this triton")
+    import subprocess
+    import tempfile
+
+    num_tokens, top_k, num_experts = 4096, 2, 8
+    dev = torch.device("meta")
+    pairs = num_tokens * top_k
+    tiles_max = max_row_tiles(pairs, num_experts, 128)
+    i32 = lambda n: torch.empty(n, dtype=torch.int32, device=dev)  # noqa: E731
+    sort = ExpertSort(i32(tiles_max * 128), i32(pairs), i32(tiles_max), i32(num_experts), i32(num_experts), 128,
+                      top_k, pairs)
+    dgu = torch.empty(tiles_max * 128, 28672, dtype=torch.bfloat16, device=dev)
+    w1 = torch.empty(num_experts, 28672, 4096, dtype=torch.bfloat16, device=dev)
+    dx32 = torch.empty(num_tokens, 4096, dtype=torch.float32, device=dev)
+    compiled = gdx.compile_offline(dgu, w1, dx32, sort, config)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, timeout=120).stdout
+    assert re.search(r"\bHGMMA\.64x%dx16\.F32\.BF16" % config.block_n, sass)
+    assert re.search(r"\bUTMALDG\b", sass)
+    assert re.search(r"\bREDG\.E\.ADD\.F32", sass)
+    assert not re.search(r"\b(LDL|STL)\b", sass), "spills"
+    assert compiled.metadata.shared <= gdx.HOPPER_SMEM_PER_BLOCK
+
+
+# ------------------------------------------------------------------------------------------ the barrier protocol
+# A model of the kernel's three partitions, written out by hand from _producer / _consumer / _mma_steps (keep it in
+# step with them), run under random interleavings with mbarrier semantics (a parity wait passes once the phase of
+# that parity has completed, so it cannot tell phase p from p + 2), asynchronous TMA copies and in-order wgmma
+# completion. It checks that every wgmma reads the tile its K step expects, that no copy overwrites a stage a
+# wgmma still reads, that nothing deadlocks, and that every work item is computed (by both consumers when
+# cooperative, by one in ping-pong).
+class _Barrier:
+    def __init__(self, count):
+        self.count, self.pending, self.tx, self.phase = count, count, 0, 0
+
+    def _complete_if_done(self):
+        if self.pending == 0 and self.tx == 0:
+            self.phase, self.pending = self.phase + 1, self.count
+
+    def arrive(self):
+        assert self.pending > 0
+        self.pending -= 1
+        self._complete_if_done()
+
+    def expect(self, nbytes):  # mbarrier.arrive.expect_tx
+        self.tx += nbytes
+        self.arrive()
+
+    def complete_tx(self, nbytes):
+        self.tx -= nbytes
+        self._complete_if_done()
+
+    def passes(self, parity):
+        return (self.phase & 1) != parity
+
+
+def _tile_and_col_block(work, num_row_tiles, num_col_blocks, group_m):
+    per_group = group_m * num_col_blocks
+    first = work // per_group * group_m
+    in_group = min(num_row_tiles - first, group_m)
+    return first + work % per_group % in_group, work % per_group // in_group
+
+
+def _simulate(seed, stages, pingpong, tile_expert, num_col_blocks, group_m, num_ctas, cta, k_steps):
+    rng = random.Random(seed)
+    num_work = len(tile_expert) * num_col_blocks
+    ready = [_Barrier(1) for _ in range(stages)]
+    empty = [_Barrier(1 if pingpong else 2) for _ in range(stages)]
+    turn = [_Barrier(1), _Barrier(1)]
+    tag, landed, readers = [None] * stages, [False] * stages, [set() for _ in range(stages)]
+    copies, inflight, errors, done = [], {0: [], 1: []}, [], {0: [], 1: []}
+
+    def producer():
+        ring = 0
+        for work in range(cta, num_work, num_ctas):
+            tile, _ = _tile_and_col_block(work, len(tile_expert), num_col_blocks, group_m)
+            if tile_expert[tile] >= 0:
+                for ks in range(k_steps):
+                    stage = ring % stages
+                    while not empty[stage].passes(((ring // stages) & 1) ^ 1):
+                        yield
+                    if readers[stage]:
+                        errors.append(("copy into a stage a wgmma reads", stage, ring))
+                    ready[stage].expect(2)
+                    landed[stage] = False
+                    copies.extend([(stage, (work, ks))] * 2)  # the A and the B box
+                    ring += 1
+                    yield
+
+    def consumer(c):
+        ring, item = 0, 0
+        for work in range(cta, num_work, num_ctas):
+            tile, _ = _tile_and_col_block(work, len(tile_expert), num_col_blocks, group_m)
+            steps = k_steps if tile_expert[tile] >= 0 else 0
+            if not pingpong or item % 2 == c:
+                if pingpong and item > 0:
+                    while not turn[c].passes(((item - 1) // 2) & 1):
+                        yield
+                r = ring
+                for ks in range(steps):
+                    stage = r % stages
+                    while not ready[stage].passes((r // stages) & 1):
+                        yield
+                    if not landed[stage] or tag[stage] != (work, ks):
+                        errors.append(("wrong tile", c, work, ks, tag[stage]))
+                    inflight[c].append((stage, (work, ks)))
+                    readers[stage].add(c)
+                    while len(inflight[c]) > 1:  # warpgroup_mma_wait(1)
+                        yield
+                    if ks > 0:
+                        empty[(r + stages - 1) % stages].arrive()
+                    r += 1
+                    yield
+                if pingpong:
+                    turn[1 - c].arrive()
+                while inflight[c]:  # warpgroup_mma_wait(0)
+                    yield
+                if steps > 0:
+                    empty[(r + stages - 1) % stages].arrive()
+                    done[c].append(work)
+            ring += steps
+            item += 1
+            yield
+
+    partitions = {"producer": producer(), 0: consumer(0), 1: consumer(1)}
+    idle = 0
+    while partitions or copies or inflight[0] or inflight[1]:
+        choice = rng.choice(list(partitions) + ["copy"] * bool(copies) + [("mma", c) for c in (0, 1) if inflight[c]])
+        if choice == "copy":
+            stage, copied = copies.pop(0)
+            tag[stage] = copied
+            ready[stage].complete_tx(1)
+            landed[stage] = ready[stage].tx == 0
+        elif isinstance(choice, tuple):
+            stage, read = inflight[choice[1]].pop(0)
+            if tag[stage] != read:
+                errors.append(("tile changed under a wgmma", choice[1], read, tag[stage]))
+            readers[stage].discard(choice[1])
+        else:
+            try:
+                next(partitions[choice])
+                idle += 1
+            except StopIteration:
+                del partitions[choice]
+        if choice == "copy" or isinstance(choice, tuple):
+            idle = 0
+        if idle > 5000:
+            errors.append(("deadlock", list(partitions)))
+            break
+    return errors, done
+
+
+@pytest.mark.parametrize("pingpong", [False, True])
+@pytest.mark.parametrize("stages", [2, 3, 5])
+def test_barrier_protocol_model(pingpong, stages):
+    # 7 row tiles (the last one unused: tile_expert -1) x 4 column blocks, GROUP_M 3, 3 CTAs
+    tile_expert = [0, 0, 1, 1, 1, 2, -1]
+    for k_steps in (1, 2, 7):
+        for cta in range(3):
+            expected = [w for w in range(cta, 28, 3) if tile_expert[_tile_and_col_block(w, 7, 4, 3)[0]] >= 0]
+            for seed in range(6):
+                errors, done = _simulate(seed, stages, pingpong, tile_expert, 4, 3, 3, cta, k_steps)
+                assert not errors, errors[:3]
+                if pingpong:
+                    assert sorted(done[0] + done[1]) == expected
+                else:
+                    assert done[0] == done[1] == expected
+
+
+# ------------------------------------------------------------------------------------------------------------ GPU
+GPU_CONFIGS = [DxConfig(256, 64, 3), DxConfig(256, 64, 4), DxConfig(128, 64, 4), DxConfig(128, 64, 5),
+               DxConfig(128, 64, 3, pingpong=True), DxConfig(128, 64, 5, pingpong=True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda c: c.label().replace(" ", "-"))
+@pytest.mark.parametrize("num_tokens, d_model, d_ff, num_experts, top_k, num_ctas", [
+    (600, 384, 256, 8, 2, None),  # d = 384: a partial 256-wide column block
+    (513, 256, 384, 16, 4, 5),  # few CTAs: many (an odd number of) items each
+    (4096, 2048, 768, 128, 8, None),  # Qwen3-30B-A3B dims
+])
+def test_matches_the_triton_dx_kernel(config, num_tokens, d_model, d_ff, num_experts, top_k, num_ctas):
+    """Against triton_gemm.dx_launch (both accumulate in float32 and add into float32) and a float32 reference,
+    with NaN in every padding row of d(gate, up), an expert without rows and a dropped slot."""
+    from flashmoe_science.moe import triton_gemm
+    from flashmoe_science.moe.dispatch import sort_pairs_by_expert
+    from flashmoe_science.moe.tiles import choose_tiles
+
+    device = "cuda"
+    ids = torch.randint(0, num_experts - 1, (num_tokens, top_k), device=device)  # the last expert gets no rows
+    ids[0, 0] = -1  # a dropped slot
+    sort = sort_pairs_by_expert(ids, num_experts, 128)
+    rows = sort.tile_expert.numel() * 128
+    dgu = torch.randn(rows, 2 * d_ff, device=device).to(torch.bfloat16)
+    dgu[sort.sorted_pair_ids >= sort.num_pairs] = float("nan")
+    w1 = (torch.randn(num_experts, 2 * d_ff, d_model, device=device) / d_ff**0.5).to(torch.bfloat16)
+    tiles = replace(choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, torch.device(device)), block_m=128)
+    ref = torch.zeros(num_tokens, d_model, device=device)
+    triton_gemm.dx_launch(dgu, w1, ref, sort, tiles)()
+    out = torch.zeros_like(ref)
+    gdx.dx_sm90(dgu, w1, out, sort, 128, config, num_ctas=num_ctas)
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    scale = ref.abs().max().item()
+    assert (out - ref).abs().max().item() <= 1e-5 * scale
+    # float32 reference (no TF32): the valid rows of each expert
+    ref32 = torch.zeros_like(ref)
+    ids_sorted = sort.sorted_pair_ids.long()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for e, (start, count) in enumerate(zip(sort.expert_row_start.tolist(), sort.expert_counts.tolist())):
+            if count:
+                sl = slice(start, start + count)
+                ref32.index_add_(0, ids_sorted[sl] // top_k, dgu[sl].float() @ w1[e].float())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    assert (out - ref32).abs().max().item() <= 1e-5 * scale
