@@ -11,7 +11,7 @@ from collections import defaultdict
 import torch
 import triton
 
-from flashmoe_science.bench.moe import MODELS, expert_gemm_flops
+from flashmoe_science.bench.moe import MODELS, _graph_median_ms, expert_gemm_flops
 from flashmoe_science.moe import fused_moe
 
 ITERS = 20
@@ -33,19 +33,6 @@ def kernel_times(fn):
     return {k: (v / ITERS, counts[k] / ITERS) for k, v in totals.items()}
 
 
-def graph_ms(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return triton.testing.do_bench(g.replay)
-
-
 def profile_case(model, k, d, F, w1, w2, T):
     x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(T, w1.shape[0], device="cuda", dtype=torch.float32)
@@ -58,7 +45,7 @@ def profile_case(model, k, d, F, w1, w2, T):
 
     eager = triton.testing.do_bench(fwd)
     try:
-        graph = graph_ms(fwd)
+        graph = _graph_median_ms(fwd)
     except Exception as e:  # noqa: BLE001
         graph = float("nan")
         print("graph capture failed:", type(e).__name__, e)
