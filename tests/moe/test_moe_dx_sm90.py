@@ -4,7 +4,6 @@ model of its barrier protocol on the CPU; its output against the Triton dx kerne
 from __future__ import annotations
 
 import os
-import random
 from dataclasses import replace
 
 import pytest
@@ -15,6 +14,7 @@ pytest.importorskip("triton.experimental.gluon")
 from flashmoe_science.moe.dispatch import ExpertSort, max_row_tiles  # noqa: E402
 from flashmoe_science.moe.hopper import dx_sm90 as gdx  # noqa: E402
 from flashmoe_science.moe.hopper.dx_sm90 import DxConfig  # noqa: E402
+from sm90_protocol import grouped_block, simulate  # noqa: E402
 
 
 def _cpu_case(num_tokens=16, top_k=2, num_experts=4, d_model=64, two_d_ff=128, block_m=128, device="cpu"):
@@ -130,133 +130,8 @@ def test_builds_for_sm90_with_tma_wgmma_and_no_spills(config):
 
 
 # ------------------------------------------------------------------------------------------ the barrier protocol
-# A model of the kernel's three partitions, written out by hand from _producer / _consumer / _mma_steps (keep it in
-# step with them), run under random interleavings with mbarrier semantics (a parity wait passes once the phase of
-# that parity has completed, so it cannot tell phase p from p + 2), asynchronous TMA copies and in-order wgmma
-# completion. It checks that every wgmma reads the tile its K step expects, that no copy overwrites a stage a
-# wgmma still reads, that nothing deadlocks, and that every work item is computed (by both consumers when
-# cooperative, by one in ping-pong).
-class _Barrier:
-    def __init__(self, count):
-        self.count, self.pending, self.tx, self.phase = count, count, 0, 0
-
-    def _complete_if_done(self):
-        if self.pending == 0 and self.tx == 0:
-            self.phase, self.pending = self.phase + 1, self.count
-
-    def arrive(self):
-        assert self.pending > 0
-        self.pending -= 1
-        self._complete_if_done()
-
-    def expect(self, nbytes):  # mbarrier.arrive.expect_tx
-        self.tx += nbytes
-        self.arrive()
-
-    def complete_tx(self, nbytes):
-        self.tx -= nbytes
-        self._complete_if_done()
-
-    def passes(self, parity):
-        return (self.phase & 1) != parity
-
-
-def _tile_and_col_block(work, num_row_tiles, num_col_blocks, group_m):
-    per_group = group_m * num_col_blocks
-    first = work // per_group * group_m
-    in_group = min(num_row_tiles - first, group_m)
-    return first + work % per_group % in_group, work % per_group // in_group
-
-
-def _simulate(seed, stages, pingpong, tile_expert, num_col_blocks, group_m, num_ctas, cta, k_steps):
-    rng = random.Random(seed)
-    num_work = len(tile_expert) * num_col_blocks
-    ready = [_Barrier(1) for _ in range(stages)]
-    empty = [_Barrier(1 if pingpong else 2) for _ in range(stages)]
-    turn = [_Barrier(1), _Barrier(1)]
-    tag, landed, readers = [None] * stages, [False] * stages, [set() for _ in range(stages)]
-    copies, inflight, errors, done = [], {0: [], 1: []}, [], {0: [], 1: []}
-
-    def producer():
-        ring = 0
-        for work in range(cta, num_work, num_ctas):
-            tile, _ = _tile_and_col_block(work, len(tile_expert), num_col_blocks, group_m)
-            if tile_expert[tile] >= 0:
-                for ks in range(k_steps):
-                    stage = ring % stages
-                    while not empty[stage].passes(((ring // stages) & 1) ^ 1):
-                        yield
-                    if readers[stage]:
-                        errors.append(("copy into a stage a wgmma reads", stage, ring))
-                    ready[stage].expect(2)
-                    landed[stage] = False
-                    copies.extend([(stage, (work, ks))] * 2)  # the A and the B box
-                    ring += 1
-                    yield
-
-    def consumer(c):
-        ring, item = 0, 0
-        for work in range(cta, num_work, num_ctas):
-            tile, _ = _tile_and_col_block(work, len(tile_expert), num_col_blocks, group_m)
-            steps = k_steps if tile_expert[tile] >= 0 else 0
-            if not pingpong or item % 2 == c:
-                if pingpong and item > 0:
-                    while not turn[c].passes(((item - 1) // 2) & 1):
-                        yield
-                r = ring
-                for ks in range(steps):
-                    stage = r % stages
-                    while not ready[stage].passes((r // stages) & 1):
-                        yield
-                    if not landed[stage] or tag[stage] != (work, ks):
-                        errors.append(("wrong tile", c, work, ks, tag[stage]))
-                    inflight[c].append((stage, (work, ks)))
-                    readers[stage].add(c)
-                    while len(inflight[c]) > 1:  # warpgroup_mma_wait(1)
-                        yield
-                    if ks > 0:
-                        empty[(r + stages - 1) % stages].arrive()
-                    r += 1
-                    yield
-                if pingpong:
-                    turn[1 - c].arrive()
-                while inflight[c]:  # warpgroup_mma_wait(0)
-                    yield
-                if steps > 0:
-                    empty[(r + stages - 1) % stages].arrive()
-                    done[c].append(work)
-            ring += steps
-            item += 1
-            yield
-
-    partitions = {"producer": producer(), 0: consumer(0), 1: consumer(1)}
-    idle = 0
-    while partitions or copies or inflight[0] or inflight[1]:
-        choice = rng.choice(list(partitions) + ["copy"] * bool(copies) + [("mma", c) for c in (0, 1) if inflight[c]])
-        if choice == "copy":
-            stage, copied = copies.pop(0)
-            tag[stage] = copied
-            ready[stage].complete_tx(1)
-            landed[stage] = ready[stage].tx == 0
-        elif isinstance(choice, tuple):
-            stage, read = inflight[choice[1]].pop(0)
-            if tag[stage] != read:
-                errors.append(("tile changed under a wgmma", choice[1], read, tag[stage]))
-            readers[stage].discard(choice[1])
-        else:
-            try:
-                next(partitions[choice])
-                idle += 1
-            except StopIteration:
-                del partitions[choice]
-        if choice == "copy" or isinstance(choice, tuple):
-            idle = 0
-        if idle > 5000:
-            errors.append(("deadlock", list(partitions)))
-            break
-    return errors, done
-
-
+# sm90_protocol's model of the partitions (shared with wgrad_sm90's tests), over dx's work items: K = 2F steps per
+# row tile of an expert, none for the unused tiles (tile_expert -1)
 @pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("stages", [2, 3, 5])
 def test_barrier_protocol_model(pingpong, stages):
@@ -264,9 +139,10 @@ def test_barrier_protocol_model(pingpong, stages):
     tile_expert = [0, 0, 1, 1, 1, 2, -1]
     for k_steps in (1, 2, 7):
         for cta in range(3):
-            expected = [w for w in range(cta, 28, 3) if tile_expert[_tile_and_col_block(w, 7, 4, 3)[0]] >= 0]
+            items = [(w, k_steps if tile_expert[grouped_block(w, 7, 4, 3)[0]] >= 0 else 0) for w in range(cta, 28, 3)]
+            expected = [w for w, steps in items if steps]
             for seed in range(6):
-                errors, done = _simulate(seed, stages, pingpong, tile_expert, 4, 3, 3, cta, k_steps)
+                errors, done = simulate(seed, stages, pingpong, items)
                 assert not errors, errors[:3]
                 if pingpong:
                     assert sorted(done[0] + done[1]) == expected

@@ -40,13 +40,16 @@ shared memory 147680 / 196840 bytes at 128x256 with 3 / 4 stages, 98528 + 32768 
 
 Persistent: ``num_ctas`` = the SM count (at most the number of work items); CTA c takes work items c, c + num_ctas,
 ... Work items are (row tile, column block) pairs numbered in ``triton_gemm._row_tile_and_col_block``'s GROUP_M
-order (mirrored in ``_row_tile_and_col_block`` below; Gluon cannot call a @triton.jit helper), so the ~132 items
+order (mirrored in ``common.grouped_block``; Gluon cannot call a @triton.jit helper), so the ~132 items
 in flight at any moment cover a few row tiles (mostly one expert) across the column blocks, and the expert's
 weight blocks are read from L2 by all but the first of them. The number of row tiles is the number *used* (read
 on the device from the sort's last expert: its first row plus its count, rounded up to tiles), not the sort's
 worst case ``tile_expert.numel()``, so no CTA draws an empty item while another has two left; this changes the
 order of the last, partial group only. Tiles with tile_expert < 0 are skipped all the same (by every partition
 alike, so the ring positions stay in step).
+
+The producer step, the consumers' main loop, the barriers' set-up, descriptors and offline builds live in
+``common`` (shared with wgrad_sm90); the SASS is as before that move (the 128x128 configs' bit for bit).
 
 Numerics: bf16 (or fp16) operands, float32 accumulation in the wgmma, float32 atomics into dx32: the same as the
 Triton kernel up to the order of the K-sum inside the tensor core and the order of the top_k atomic additions
@@ -61,21 +64,17 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
 from flashmoe_science.moe.dispatch import ExpertSort
+from flashmoe_science.moe.hopper import common
+from flashmoe_science.moe.hopper.common import (BARRIER_BYTES, CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS,
+                                                NUM_CONSUMERS, PRODUCER_REGISTERS, grouped_block, init_barriers,
+                                                load_stage, mma_steps)
 from flashmoe_science.moe.tiles import HOPPER_SMEM_PER_BLOCK, sm_count
 
 BLOCK_M = 128  # rows per work item: the sort's row tile (one expert per tile)
-NUM_CONSUMERS = 2
-PRODUCER_REGISTERS = gl.constexpr(24)  # the fewest a warp may hold: the producer only computes coordinates
-CONSUMER_REGISTERS = gl.constexpr(240)
-# Registers per thread at launch: the three warpgroups (two consumers, the producer's) must fit the 64K register file;
-# setmaxnreg then moves the producer's share to the consumers (2*240 + 24 = 504 <= 3*168).
-REGISTER_CAP = 65536 // (3 * 128) // 8 * 8
-NUM_WARPS = 4  # the default partition (consumer 0); the workers add 4 + 1 warps
-BARRIER_BYTES = 1024  # mbarriers and alignment, beside the operand ring
+
 
 
 @dataclass(frozen=True)
@@ -125,19 +124,6 @@ def check_config(config: DxConfig, itemsize: int = 2, smem_limit: int = HOPPER_S
 
 # ------------------------------------------------------------------------------------------------------ the kernel
 @gluon.jit
-def _row_tile_and_col_block(work, num_row_tiles, num_col_blocks, GROUP_M: gl.constexpr):
-    """Work item -> (row tile, column block): mirrors triton_gemm._row_tile_and_col_block (GROUP_M consecutive row
-    tiles, mostly one expert, sweep a column block together, so the weight block is read from L2 by all but one)."""
-    programs_per_group = GROUP_M * num_col_blocks
-    group = work // programs_per_group
-    first_tile = group * GROUP_M
-    tiles_in_group = gl.minimum(num_row_tiles - first_tile, GROUP_M)
-    tile = first_tile + (work % programs_per_group) % tiles_in_group
-    col_block = (work % programs_per_group) // tiles_in_group
-    return tile, col_block
-
-
-@gluon.jit
 def _num_work(expert_counts_ptr, expert_row_start_ptr, num_experts, num_tiles_max, N,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """(row tiles used, work items): the experts' rows are laid out in expert order, each padded to BLOCK_M, so the
@@ -162,35 +148,14 @@ def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, tile_expert_ptr, exp
     k_steps = K // BK
     ring = 0  # K steps issued so far by this CTA (ring position)
     for work in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        tile, col_block = _row_tile_and_col_block(work, num_row_tiles, num_col_blocks, GROUP_M)
+        tile, col_block = grouped_block(work, num_row_tiles, num_col_blocks, GROUP_M)
         expert = gl.load(tile_expert_ptr + tile)
         if expert >= 0:
             b_row = expert * K
             for ks in range(k_steps):
-                stage = ring % NUM_STAGES
-                # barriers start "phase 1 complete": the first pass over the ring does not wait
-                mbarrier.wait(empty.index(stage), ((ring // NUM_STAGES) & 1) ^ 1)
-                bar = ready.index(stage)
-                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_desc, [tile * BM, ks * BK], bar, a_smem.index(stage))
-                tma.async_copy_global_to_shared(b_desc, [b_row + ks * BK, col_block * BN], bar, b_smem.index(stage))
+                load_stage(a_desc, tile * BM, ks * BK, b_desc, b_row + ks * BK, col_block * BN, a_smem, b_smem,
+                           ready, empty, ring, NUM_STAGES)
                 ring += 1
-
-
-@gluon.jit
-def _mma_steps(a_smem, b_smem, ready, empty, ring, k_steps, acc,
-               ROW0: gl.constexpr, ROWS: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """acc += A[ROW0:ROW0+ROWS] @ B over k_steps ring stages from position `ring`, one async wgmma in flight: each
-    stage is released once the wgmma after it has been issued and it has completed. Returns (acc with its last
-    wgmma still in flight, the ring position after the item)."""
-    for ks in range(k_steps):
-        stage = ring % NUM_STAGES
-        mbarrier.wait(ready.index(stage), (ring // NUM_STAGES) & 1)
-        acc = warpgroup_mma(a_smem.index(stage).slice(ROW0, ROWS), b_smem.index(stage), acc, is_async=True)
-        acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous step's wgmma is done: release its stage
-        mbarrier.arrive(empty.index((ring + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=ks > 0)
-        ring += 1
-    return acc, ring
 
 
 @gluon.jit
@@ -216,7 +181,7 @@ def _consumer(a_smem, b_smem, ready, empty, turn, dx_ptr, sorted_pair_ids_ptr, t
     ring = 0  # ring position of the current item's first K step
     item = 0  # the CTA's work items so far
     for work in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        tile, col_block = _row_tile_and_col_block(work, num_row_tiles, num_col_blocks, GROUP_M)
+        tile, col_block = grouped_block(work, num_row_tiles, num_col_blocks, GROUP_M)
         expert = gl.load(tile_expert_ptr + tile)
         item_steps = gl.where(expert >= 0, k_steps, 0)
         if PINGPONG:
@@ -232,7 +197,8 @@ def _consumer(a_smem, b_smem, ready, empty, turn, dx_ptr, sorted_pair_ids_ptr, t
                 # overlaps ours), which also means every ring stage this item reads has completed its previous phase
                 mbarrier.wait(turn.index(CONSUMER), ((item - 1) // 2) & 1, pred=item > 0)
             acc = gl.zeros([ROWS, BN], gl.float32, layout=acc_layout)
-            acc, end = _mma_steps(a_smem, b_smem, ready, empty, ring, item_steps, acc, ROW0, ROWS, NUM_STAGES)
+            acc, end = mma_steps(a_smem, b_smem, ready, empty, ring, item_steps, acc, ROW0, ROWS, NUM_STAGES,
+                                 False)
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
             acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -256,15 +222,7 @@ def dx_sm90_kernel(a_desc, b_desc, dx_ptr, sorted_pair_ids_ptr, tile_expert_ptr,
     dtype: gl.constexpr = a_desc.dtype
     a_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        # a stage is free again once every consumer that reads it has released it
-        mbarrier.init(empty.index(i), count=1 if PINGPONG else 2)
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
+    ready, empty, turn = init_barriers(NUM_STAGES, PINGPONG)
 
     gl.warp_specialize([
         (_consumer, (a_smem, b_smem, ready, empty, turn, dx_ptr, sorted_pair_ids_ptr, tile_expert_ptr,
@@ -279,20 +237,6 @@ def dx_sm90_kernel(a_desc, b_desc, dx_ptr, sorted_pair_ids_ptr, tile_expert_ptr,
 
 
 # ----------------------------------------------------------------------------------------------------- the wrapper
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-_LAUNCH_OPTIONS = dict(num_warps=NUM_WARPS, maxnreg=REGISTER_CAP)
-
-
-def _descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
-    """A TMA descriptor over a checked 2-D tensor (unit last stride, 16-byte aligned rows), built without the
-    class's re-validation (which also reads data_ptr, absent on the meta tensors of offline builds)."""
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=list(block_shape),
-                         layout=gl.NVMMASharedLayout.get_default_for(list(block_shape), _GL_DTYPES[t.dtype]),
-                         padding="zero")
-    return desc
-
-
 def unsupported_reason(dgu, w1, dx32, sort: ExpertSort, block_m: int, config: DxConfig) -> str | None:
     """Why the kernel cannot take these arguments, or None where it can."""
     if not isinstance(sort, ExpertSort):
@@ -303,7 +247,7 @@ def unsupported_reason(dgu, w1, dx32, sort: ExpertSort, block_m: int, config: Dx
     if w1.dim() != 3 or dgu.dim() != 2 or dx32.dim() != 2:
         return (f"dx_sm90: expected w1 (E, 2F, d), dgu (rows, 2F), dx32 (T, d); got w1 {tuple(w1.shape)}, "
                 f"dgu {tuple(dgu.shape)}, dx32 {tuple(dx32.shape)}")
-    if w1.dtype not in _GL_DTYPES or dgu.dtype != w1.dtype:
+    if w1.dtype not in GL_DTYPES or dgu.dtype != w1.dtype:
         return (f"dx_sm90: dgu and w1 must share a 16-bit float dtype (bfloat16 or float16), got "
                 f"{dgu.dtype} and {w1.dtype}")
     if dx32.dtype != torch.float32:
@@ -354,8 +298,8 @@ def launch_args(dgu, w1, dx32, sort: ExpertSort, block_m: int, config: DxConfig 
     if num_ctas is None:
         num_ctas = sm_count(dx32.device)
     grid = (max(1, min(num_ctas, max_work)),)
-    a_desc = _descriptor(dgu, [BLOCK_M, config.block_k])
-    b_desc = _descriptor(w1.view(num_experts * two_d_ff, d_model), [config.block_k, config.block_n])
+    a_desc = common.descriptor(dgu, [BLOCK_M, config.block_k])
+    b_desc = common.descriptor(w1.view(num_experts * two_d_ff, d_model), [config.block_k, config.block_n])
     args = (a_desc, b_desc, dx32, sort.sorted_pair_ids, sort.tile_expert, sort.expert_counts, sort.expert_row_start,
             num_experts, num_tiles_max, sort.num_pairs, sort.top_k, two_d_ff, d_model, dx32.stride(0))
     rows = BLOCK_M if config.pingpong else BLOCK_M // NUM_CONSUMERS
@@ -378,23 +322,11 @@ def dx_sm90(dgu, w1, dx32, sort: ExpertSort, block_m: int, config: DxConfig = Dx
     if len({t.device for t in tensors}) != 1:
         raise ValueError("dx_sm90: all tensors must be on one device")
     grid, args, constexprs = launch_args(dgu, w1, dx32, sort, block_m, config, num_ctas)
-    return dx_sm90_kernel[grid](*args, **constexprs, **_LAUNCH_OPTIONS)
+    return dx_sm90_kernel[grid](*args, **constexprs, **LAUNCH_OPTIONS)
 
 
 def compile_offline(dgu, w1, dx32, sort: ExpertSort, config: DxConfig = DxConfig(), num_ctas: int = 132):
     """``triton.compile`` of this launch for sm_90 without a GPU (meta tensors are enough), specialised as the JIT
     would specialise it (16-byte aligned pointers, integers divisible by 16); returns the CompiledKernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
-    _, args, consts = launch_args(dgu, w1, dx32, sort, BLOCK_M, config, num_ctas)
-    fn = dx_sm90_kernel
-    names = fn.arg_names
-    values = dict(zip(names, args))
-    signature = {n: ("constexpr" if n in consts else mangle_type(values[n])) for n in names}
-    constexprs = {(names.index(n),): v for n, v in consts.items()}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, v in values.items()
-             if isinstance(v, torch.Tensor) or (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0)}
-    src = GluonASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(_LAUNCH_OPTIONS))
+    _, args, constexprs = launch_args(dgu, w1, dx32, sort, BLOCK_M, config, num_ctas)
+    return common.compile_offline(dx_sm90_kernel, args, constexprs)

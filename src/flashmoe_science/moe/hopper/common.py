@@ -1,0 +1,128 @@
+"""What the warp-specialised sm_90 Gluon GEMMs of moe/hopper share (dx_sm90, wgrad_sm90).
+
+Both run one producer warp that fills a ring of NUM_STAGES shared-memory stages by TMA (an A box and a B box per
+stage, both completing on the stage's "ready" mbarrier) and two consumer warpgroups that issue async wgmmas on the
+stages and release each one on its "empty" mbarrier once the wgmma after it has been issued and it has completed
+(one wgmma in flight). The consumers either share each work item (cooperative: consumer c takes ROWS rows of the
+output tile from ROW0 = c * ROWS; "empty" counts 2 arrivals) or alternate work items (ping-pong: "empty" counts 1,
+and a "turn" barrier pair orders their main loops). The ring position advances by each work item's K steps, in the
+same order in every partition; see dx_sm90's docstring for the protocol and why it is safe.
+
+Here: the register split, the launch options, the GROUP_M work order, the barriers' set-up, one producer step
+(``load_stage``), the consumer's main loop (``mma_steps``), host-side TMA descriptors and offline sm_90 builds.
+Gluon inlines these helpers: the kernels compile as if they were written out in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+NUM_CONSUMERS = 2
+PRODUCER_REGISTERS = gl.constexpr(24)  # the fewest a warp may hold: the producer only computes coordinates
+CONSUMER_REGISTERS = gl.constexpr(240)
+# Registers per thread at launch: the three warpgroups (two consumers, the producer's) must fit the 64K register file;
+# setmaxnreg then moves the producer's share to the consumers (2*240 + 24 = 504 <= 3*168).
+REGISTER_CAP = 65536 // (3 * 128) // 8 * 8
+NUM_WARPS = 4  # the default partition (consumer 0); the workers add 4 + 1 warps
+BARRIER_BYTES = 1024  # mbarriers and alignment, beside the operand ring
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+LAUNCH_OPTIONS = dict(num_warps=NUM_WARPS, maxnreg=REGISTER_CAP)
+
+
+# ------------------------------------------------------------------------------------------------- device helpers
+@gluon.jit
+def grouped_block(work, num_row_blocks, num_col_blocks, GROUP_M: gl.constexpr):
+    """Work item -> (row block, column block): mirrors triton_gemm._row_tile_and_col_block (GROUP_M consecutive row
+    blocks sweep a column block together, so the operand block they share is read from L2 by all but one)."""
+    programs_per_group = GROUP_M * num_col_blocks
+    group = work // programs_per_group
+    first_block = group * GROUP_M
+    blocks_in_group = gl.minimum(num_row_blocks - first_block, GROUP_M)
+    row_block = first_block + (work % programs_per_group) % blocks_in_group
+    col_block = (work % programs_per_group) // blocks_in_group
+    return row_block, col_block
+
+
+@gluon.jit
+def init_barriers(NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """(ready, empty, turn): the ring's barriers (ready: one arrival plus the TMA bytes; empty: one arrival per
+    consumer reading the stage) and the ping-pong turn pair."""
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        # a stage is free again once every consumer that reads it has released it
+        mbarrier.init(empty.index(i), count=1 if PINGPONG else 2)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    return ready, empty, turn
+
+
+@gluon.jit
+def load_stage(a_desc, a_row, a_col, b_desc, b_row, b_col, a_smem, b_smem, ready, empty, ring,
+               NUM_STAGES: gl.constexpr):
+    """The producer's step at ring position ``ring``: wait until its stage is released, then TMA the A box at
+    (a_row, a_col) and the B box at (b_row, b_col) into it, both completing on the stage's "ready" barrier."""
+    stage = ring % NUM_STAGES
+    # barriers start "phase 1 complete": the first pass over the ring does not wait
+    mbarrier.wait(empty.index(stage), ((ring // NUM_STAGES) & 1) ^ 1)
+    bar = ready.index(stage)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [a_row, a_col], bar, a_smem.index(stage))
+    tma.async_copy_global_to_shared(b_desc, [b_row, b_col], bar, b_smem.index(stage))
+
+
+@gluon.jit
+def mma_steps(a_smem, b_smem, ready, empty, ring, k_steps, acc,
+              ROW0: gl.constexpr, ROWS: gl.constexpr, NUM_STAGES: gl.constexpr, A_MN_MAJOR: gl.constexpr):
+    """acc += A[ROW0:ROW0+ROWS] @ B over k_steps ring stages from position `ring`, one async wgmma in flight: each
+    stage is released once the wgmma after it has been issued and it has completed. A's stage holds the (rows, K)
+    tile, or with A_MN_MAJOR the (K, rows) tile, read transposed by the wgmma (an MN-major A descriptor). Returns (acc
+    with its last wgmma still in flight, the ring position after the item)."""
+    for ks in range(k_steps):
+        stage = ring % NUM_STAGES
+        mbarrier.wait(ready.index(stage), (ring // NUM_STAGES) & 1)
+        if A_MN_MAJOR:
+            a = a_smem.index(stage).slice(ROW0, ROWS, dim=1).permute((1, 0))
+        else:
+            a = a_smem.index(stage).slice(ROW0, ROWS)
+        acc = warpgroup_mma(a, b_smem.index(stage), acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous step's wgmma is done: release its stage
+        mbarrier.arrive(empty.index((ring + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=ks > 0)
+        ring += 1
+    return acc, ring
+
+
+# --------------------------------------------------------------------------------------------------- host helpers
+def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
+    """A TMA descriptor over a checked 2-D tensor (unit last stride, 16-byte aligned rows), built without the
+    class's re-validation (which also reads data_ptr, absent on the meta tensors of offline builds)."""
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=list(block_shape),
+                         layout=gl.NVMMASharedLayout.get_default_for(list(block_shape), GL_DTYPES[t.dtype]),
+                         padding="zero")
+    return desc
+
+
+def compile_offline(fn, args, constexprs: dict):
+    """``triton.compile`` of the Gluon kernel ``fn`` for sm_90 without a GPU (meta tensors are enough), specialised
+    as the JIT would specialise these arguments (16-byte aligned pointers, integers divisible by 16) and launched
+    with LAUNCH_OPTIONS; returns the CompiledKernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    names = fn.arg_names
+    values = dict(zip(names, args))
+    signature = {n: ("constexpr" if n in constexprs else mangle_type(values[n])) for n in names}
+    consts = {(names.index(n),): v for n, v in constexprs.items()}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, v in values.items()
+             if isinstance(v, torch.Tensor) or (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0)}
+    src = GluonASTSource(fn, signature, consts, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH_OPTIONS))
