@@ -297,3 +297,47 @@ def test_persistent_weight_gradient_matches_float64_and_the_tile_grid(monkeypatc
     assert torch.all(outs[persistent][2] == 0)
     # the same steps in the same order per tile, one writer each: the same bits as one program per tile
     assert torch.equal(outs[persistent], outs[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_weight_gradient_operands_have_zero_padding_rows(dtype):
+    """The Gluon weight-gradient kernel (moe/hopper/wgrad_sm90.py) reads the padding rows of an expert's last K step
+    unmasked, so their producers write zeros there: the training forward's h, the SwiGLU backward's d(gate, up) and
+    the row gathers' x and weight * dout (with and without the row scale). Rows of unused tiles stay unwritten
+    (NaN-poisoned here), the valid rows are unchanged."""
+    from flashmoe_science.moe import triton_gemm
+    from flashmoe_science.moe.tiles import choose_tiles
+
+    num_tokens, d_model, d_ff, num_experts, top_k = 30, 32, 48, 5, 2
+    x, w1, w2 = make_experts(num_tokens, d_model, d_ff, num_experts, dtype)
+    weights, ids = moe_route(torch.randn(num_tokens, num_experts), top_k)
+    ids[3, 1] = -1  # a dropped slot
+    weights32 = weights.float().contiguous()
+    tiles = choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, x.device)
+    _, saved = triton_gemm.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
+    sort = saved.sort
+    num_rows = sort.tile_expert.numel() * tiles.block_m
+    used = sort.tile_expert.long()[torch.arange(num_rows) // tiles.block_m] >= 0
+    valid = sort.sorted_pair_ids < sort.num_pairs
+    padding = used & ~valid
+    assert padding.any() and (~used).any()
+    tokens = sort.sorted_pair_ids[valid].long() // top_k
+
+    grad_out = torch.randn(num_tokens, d_model).to(dtype)
+    dh, dgu, dweights = triton_gemm.backward_buffers(x, w1, sort, tiles)
+    triton_gemm.dh_launch(grad_out, w2, dh, sort, tiles)()
+    triton_gemm.swiglu_backward_launch(saved.gate_up, dh, saved.h, weights32, dgu, dweights, sort)()
+    x_sorted = triton_gemm.sorted_rows(x, None, sort, num_rows)
+    g_sorted = triton_gemm.sorted_rows(grad_out, weights32, sort, num_rows)
+    for name, t in (("h", saved.h), ("dgu", dgu), ("x_sorted", x_sorted), ("g_sorted", g_sorted)):
+        assert torch.all(t[padding] == 0), name
+        assert t[~used].isnan().all(), name
+        assert not t[valid].isnan().any(), name
+    assert torch.equal(x_sorted[valid], x[tokens])
+    scale = weights32.reshape(-1)[sort.sorted_pair_ids[valid].long()]
+    torch.testing.assert_close(g_sorted[valid], (grad_out[tokens].float() * scale[:, None]).to(dtype))
+    # inference keeps h's padding rows unwritten (no extra writes when nothing is saved)
+    h_inference, _, _ = triton_gemm.forward_buffers(x, w1, sort, tiles)
+    triton_gemm.up_swiglu_launch(x, w1, h_inference, None, sort, tiles)()
+    assert h_inference[padding].isnan().all()
+    torch.testing.assert_close(h_inference[valid], saved.h[valid])

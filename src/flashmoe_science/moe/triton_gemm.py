@@ -122,7 +122,9 @@ def _up_swiglu_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """h[row] = silu(gate) * up of x[token] @ w1[e]^T; with STORE_GATE_UP (training) also gate_up[row] = [gate | up],
-    the pre-activations the backward reads instead of recomputing them (a third more GEMM work)."""
+    the pre-activations the backward reads instead of recomputing them (a third more GEMM work). Training also writes
+    h's padding rows, as zeros (their A rows load as zeros: silu(0) * 0 = 0): h is dw2's B operand, and the Gluon
+    weight-gradient kernel (moe/hopper/wgrad_sm90.py) reads the padding rows of an expert's last K step unmasked."""
     tile, col_block = _row_tile_and_col_block(tl.program_id(0), num_row_tiles, tl.cdiv(d_ff, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
@@ -152,7 +154,8 @@ def _up_swiglu_kernel(
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
     out_mask = row_valid[:, None] & col_valid[None, :]
     row_offsets = rows.to(tl.int64)[:, None]
-    tl.store(h_ptr + row_offsets * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=out_mask)
+    h_mask = (row_valid | STORE_GATE_UP)[:, None] & col_valid[None, :]
+    tl.store(h_ptr + row_offsets * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=h_mask)
     if STORE_GATE_UP:
         gate_ptrs = gate_up_ptr + row_offsets * stride_gum + cols[None, :]
         tl.store(gate_ptrs, acc_gate.to(gate_up_ptr.dtype.element_ty), mask=out_mask)
@@ -283,6 +286,7 @@ def _swiglu_backward_kernel(
     dgu_ptr,
     dscale_ptr,
     sorted_pair_ids_ptr,
+    tile_expert_ptr,
     num_pairs,
     num_rows,
     d_ff,
@@ -290,6 +294,7 @@ def _swiglu_backward_kernel(
     stride_dhm,
     stride_hm,
     stride_dgum,
+    BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -300,10 +305,14 @@ def _swiglu_backward_kernel(
 
     Elementwise, so not in the dh GEMM's epilogue: there Triton's layout assignment kept gate/up and the
     accumulator in two register layouts at once and spilled (270+ LDL at 128x128 tiles); this pass moves
-    (T·k) x 14F bytes, ~4% of the backward's time at T=4096 (3.7-4.0 TB/s on the H200)."""
+    (T·k) x 14F bytes, ~4% of the backward's time at T=4096 (3.7-4.0 TB/s on the H200).
+
+    The padding rows of used row tiles get zeros in d(gate, up) (their loads are masked: 0 * ... = 0), dw1's A
+    operand: the Gluon weight-gradient kernel (moe/hopper/wgrad_sm90.py) reads them unmasked."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     pairs = tl.load(sorted_pair_ids_ptr + rows, mask=rows < num_rows, other=num_pairs)
     row_valid = pairs < num_pairs
+    row_used = tl.load(tile_expert_ptr + rows // BLOCK_M, mask=rows < num_rows, other=-1) >= 0
     scale = tl.load(row_scale_ptr + pairs, mask=row_valid, other=0.0)
     row_offsets = rows.to(tl.int64)[:, None]
     dscale = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -321,8 +330,9 @@ def _swiglu_backward_kernel(
         dscale += tl.sum(dh * h, axis=1)
         dh = dh * scale[:, None]
         dgu_ptrs = dgu_ptr + row_offsets * stride_dgum + cols[None, :]
-        tl.store(dgu_ptrs, (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(dgu_ptr.dtype.element_ty), mask=mask)
-        tl.store(dgu_ptrs + d_ff, (dh * silu).to(dgu_ptr.dtype.element_ty), mask=mask)
+        dgu_mask = row_used[:, None] & (cols < d_ff)[None, :]
+        tl.store(dgu_ptrs, (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(dgu_ptr.dtype.element_ty), mask=dgu_mask)
+        tl.store(dgu_ptrs + d_ff, (dh * silu).to(dgu_ptr.dtype.element_ty), mask=dgu_mask)
     tl.store(dscale_ptr + pairs, dscale, mask=row_valid)
 
 
@@ -332,6 +342,7 @@ def _gather_rows_kernel(
     dst_ptr,
     row_scale_ptr,
     sorted_pair_ids_ptr,
+    tile_expert_ptr,
     num_pairs,
     top_k,
     num_rows,
@@ -340,21 +351,26 @@ def _gather_rows_kernel(
     stride_src_col,
     stride_dst,
     HAS_ROW_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """dst[row] = (scale[pair] *) src[token] for every sorted row holding a pair; padding rows are not written."""
+    """dst[row] = (scale[pair] *) src[token] for every sorted row holding a pair, zeros in the padding rows of used
+    row tiles (the weight-gradient GEMMs' operands: the Gluon kernel of moe/hopper/wgrad_sm90.py reads the padding
+    rows of an expert's last K step unmasked); rows of unused tiles (tile_expert < 0) are not written."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     pairs = tl.load(sorted_pair_ids_ptr + rows, mask=rows < num_rows, other=num_pairs)
     row_valid = pairs < num_pairs
+    row_used = tl.load(tile_expert_ptr + rows // BLOCK_M, mask=rows < num_rows, other=-1) >= 0
     tokens = tl.where(row_valid, pairs // top_k, 0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = row_valid[:, None] & (cols < num_cols)[None, :]
-    values = tl.load(src_ptr + tokens[:, None] * stride_src_row + cols[None, :] * stride_src_col, mask=mask, other=0.0)
+    col_valid = (cols < num_cols)[None, :]
+    values = tl.load(src_ptr + tokens[:, None] * stride_src_row + cols[None, :] * stride_src_col,
+                     mask=row_valid[:, None] & col_valid, other=0.0)  # padding rows: zeros
     if HAS_ROW_SCALE:
         values = values.to(tl.float32) * tl.load(row_scale_ptr + pairs, mask=row_valid, other=0.0)[:, None]
     tl.store(dst_ptr + rows.to(tl.int64)[:, None] * stride_dst + cols[None, :], values.to(dst_ptr.dtype.element_ty),
-             mask=mask)
+             mask=row_used[:, None] & col_valid)
 
 
 @triton.jit
@@ -402,7 +418,7 @@ def _expert_wgrad_kernel(
     b_ptrs = b_ptr + (first_row + rs)[:, None] * stride_br + ns[None, :] * stride_bn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r0 in range(0, count, BLOCK_K):
-        r_valid = (r0 + rs) < count  # rows past the expert's count are padding (never written)
+        r_valid = (r0 + rs) < count  # rows past the expert's count are padding (masked: may hold anything)
         a = tl.load(a_ptrs, mask=m_valid[:, None] & r_valid[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=r_valid[:, None] & n_valid[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
@@ -495,7 +511,7 @@ def _expert_wgrad_persistent_kernel(
         # the step's first sorted row as a scalar offset (int64), the tile's offsets from it in int32 (64-bit tensor
         # offsets took ~70 more SASS instructions per step, sm_90)
         step_row = first_row + step * BLOCK_K
-        r_valid = rs < count - step * BLOCK_K  # rows past the expert's count are padding (never written)
+        r_valid = rs < count - step * BLOCK_K  # rows past the expert's count are padding (masked: any values)
         a = tl.load(a_ptr + step_row * stride_ar + (rs[None, :] * stride_ar + ms[:, None] * stride_am),
                     mask=m_valid[:, None] & r_valid[None, :], other=0.0)
         b = tl.load(b_ptr + step_row * stride_br + (rs[:, None] * stride_br + ns[None, :] * stride_bn),
@@ -562,19 +578,21 @@ def swiglu_backward_launch(gate_up, dh, h, weights32, dgu, dweights, sort: Exper
     # the best; 8 rows x 512 columns got 2704 / 1981)
     block_c = min(512 if d_ff % 512 == 0 else 256, triton.next_power_of_2(d_ff))
     block_r = 1024 // block_c
-    args = (gate_up, dh, h, weights32, dgu, dweights, sort.sorted_pair_ids, sort.num_pairs, num_rows, d_ff,
-            gate_up.stride(0), dh.stride(0), h.stride(0), dgu.stride(0))
-    meta = dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    args = (gate_up, dh, h, weights32, dgu, dweights, sort.sorted_pair_ids, sort.tile_expert, sort.num_pairs, num_rows,
+            d_ff, gate_up.stride(0), dh.stride(0), h.stride(0), dgu.stride(0))
+    meta = dict(BLOCK_M=sort.block_m, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
     return Launch(_swiglu_backward_kernel, (triton.cdiv(num_rows, block_r),), args, meta)
 
 
 def gather_rows_launch(src, dst, row_scale, sort: ExpertSort) -> Launch:
-    """``dst[row] = (row_scale[pair] *) src[token]`` over the sorted rows (padding rows left unwritten)."""
+    """``dst[row] = (row_scale[pair] *) src[token]`` over the sorted rows, zeros in the padding rows of used row tiles
+    (rows of unused tiles left unwritten); dst has the sort's rows."""
     num_rows, num_cols = dst.shape
     block_r, block_c = 16, min(256, triton.next_power_of_2(num_cols))
-    args = (src, dst, row_scale if row_scale is not None else dst, sort.sorted_pair_ids, sort.num_pairs, sort.top_k,
-            num_rows, num_cols, src.stride(0), src.stride(1), dst.stride(0))
-    meta = dict(HAS_ROW_SCALE=row_scale is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    args = (src, dst, row_scale if row_scale is not None else dst, sort.sorted_pair_ids, sort.tile_expert,
+            sort.num_pairs, sort.top_k, num_rows, num_cols, src.stride(0), src.stride(1), dst.stride(0))
+    meta = dict(HAS_ROW_SCALE=row_scale is not None, BLOCK_M=sort.block_m, BLOCK_R=block_r, BLOCK_C=block_c,
+                num_warps=4)
     return Launch(_gather_rows_kernel, (triton.cdiv(num_rows, block_r), triton.cdiv(num_cols, block_c)), args, meta)
 
 
