@@ -100,6 +100,26 @@ def mma_steps(a_smem, b_smem, ready, empty, ring, k_steps, acc,
 
 
 # --------------------------------------------------------------------------------------------------- host helpers
+def check_tile_config(kernel: str, config, smem_needed: int, smem_limit: int) -> None:
+    """The checks every GEMM config here shares (``config`` has block_n, block_k, pingpong, num_stages, group_m and
+    label()); ValueError naming ``kernel`` and the field."""
+    if config.block_n not in (128, 256):
+        raise ValueError(f"{kernel}: block_n must be 128 or 256, got {config.block_n}")
+    if config.block_k not in (32, 64, 128):
+        raise ValueError(f"{kernel}: block_k must be 32, 64 or 128, got {config.block_k}")
+    if config.pingpong and config.block_n != 128:
+        # one warpgroup then holds the whole 128-row tile: 128 x 256 fp32 would be 256 registers per thread
+        raise ValueError(f"{kernel}: pingpong needs block_n 128 (the 128 x block_n accumulator is one warpgroup's), "
+                         f"got {config.block_n}")
+    if config.num_stages < 2:
+        raise ValueError(f"{kernel}: num_stages must be at least 2, got {config.num_stages}")
+    if config.group_m < 1:
+        raise ValueError(f"{kernel}: group_m must be positive, got {config.group_m}")
+    if smem_needed > smem_limit:
+        raise ValueError(f"{kernel}: {config.label()} needs {smem_needed} bytes of shared memory, more than the "
+                         f"{smem_limit} a block may have")
+
+
 def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
     """A TMA descriptor over a checked 2-D tensor (unit last stride, 16-byte aligned rows), built without the
     class's re-validation (which also reads data_ptr, absent on the meta tensors of offline builds)."""

@@ -69,8 +69,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from flashmoe_science.moe.dispatch import ExpertSort
 from flashmoe_science.moe.hopper import common
 from flashmoe_science.moe.hopper.common import (BARRIER_BYTES, CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS,
-                                                NUM_CONSUMERS, PRODUCER_REGISTERS, grouped_block, init_barriers,
-                                                load_stage, mma_steps)
+                                                NUM_CONSUMERS, PRODUCER_REGISTERS, check_tile_config, grouped_block,
+                                                init_barriers, load_stage, mma_steps)
 from flashmoe_science.moe.tiles import HOPPER_SMEM_PER_BLOCK, sm_count
 
 BLOCK_M = 128  # rows per work item: the sort's row tile (one expert per tile)
@@ -105,21 +105,7 @@ def smem_bytes(config: DxConfig, itemsize: int = 2) -> int:
 
 def check_config(config: DxConfig, itemsize: int = 2, smem_limit: int = HOPPER_SMEM_PER_BLOCK) -> None:
     """ValueError unless the kernel can run ``config``."""
-    if config.block_n not in (128, 256):
-        raise ValueError(f"dx_sm90: block_n must be 128 or 256, got {config.block_n}")
-    if config.block_k not in (32, 64, 128):
-        raise ValueError(f"dx_sm90: block_k must be 32, 64 or 128, got {config.block_k}")
-    if config.pingpong and config.block_n != 128:
-        # one warpgroup then holds the whole 128-row tile: 128 x 256 fp32 would be 256 registers per thread
-        raise ValueError(f"dx_sm90: pingpong needs block_n 128 (the 128 x block_n accumulator is one warpgroup's), "
-                         f"got {config.block_n}")
-    if config.num_stages < 2:
-        raise ValueError(f"dx_sm90: num_stages must be at least 2, got {config.num_stages}")
-    if config.group_m < 1:
-        raise ValueError(f"dx_sm90: group_m must be positive, got {config.group_m}")
-    if smem_bytes(config, itemsize) > smem_limit:
-        raise ValueError(f"dx_sm90: {config.label()} needs {smem_bytes(config, itemsize)} bytes of shared memory, "
-                         f"more than the {smem_limit} a block may have")
+    check_tile_config("dx_sm90", config, smem_bytes(config, itemsize), smem_limit)
 
 
 # ------------------------------------------------------------------------------------------------------ the kernel
