@@ -57,15 +57,12 @@ def _dims(model):
 
 # ------------------------------------------------------------------------------------------------- offline builds
 def _meta_case(model, num_tokens):
-    from flashmoe_science.moe.dispatch import ExpertSort, max_row_tiles
+    from flashmoe_science.moe.dispatch import sort_buffers
 
     num_experts, top_k, d_model, d_ff = _dims(model)
     dev = torch.device("meta")
-    pairs = num_tokens * top_k
-    tiles_max = max_row_tiles(pairs, num_experts, gdx.BLOCK_M)
-    i32 = lambda n: torch.empty(n, dtype=torch.int32, device=dev)  # noqa: E731
-    sort = ExpertSort(i32(tiles_max * gdx.BLOCK_M), i32(pairs), i32(tiles_max), i32(num_experts), i32(num_experts),
-                      gdx.BLOCK_M, top_k, pairs)
+    sort, _, _ = sort_buffers(num_tokens, top_k, num_experts, gdx.BLOCK_M, dev)  # shapes only
+    tiles_max = sort.tile_expert.numel()
     dgu = torch.empty(tiles_max * gdx.BLOCK_M, 2 * d_ff, dtype=torch.bfloat16, device=dev)
     w1 = torch.empty(num_experts, 2 * d_ff, d_model, dtype=torch.bfloat16, device=dev)
     dx32 = torch.empty(num_tokens, d_model, dtype=torch.float32, device=dev)

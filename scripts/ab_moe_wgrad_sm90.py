@@ -67,15 +67,12 @@ def _gemm_shapes(d_model, d_ff):
 
 # ------------------------------------------------------------------------------------------------- offline builds
 def _meta_case(model, num_tokens, gemm):
-    from flashmoe_science.moe.dispatch import ExpertSort, max_row_tiles
+    from flashmoe_science.moe.dispatch import sort_buffers
 
     num_experts, top_k, d_model, d_ff = _dims(model)
     dev = torch.device("meta")
-    pairs = num_tokens * top_k
-    tiles_max = max_row_tiles(pairs, num_experts, 128)
-    i32 = lambda n: torch.empty(n, dtype=torch.int32, device=dev)  # noqa: E731
-    sort = ExpertSort(i32(tiles_max * 128), i32(pairs), i32(tiles_max), i32(num_experts), i32(num_experts), 128,
-                      top_k, pairs)
+    sort, _, _ = sort_buffers(num_tokens, top_k, num_experts, 128, dev)  # shapes only
+    tiles_max = sort.tile_expert.numel()
     M, N = _gemm_shapes(d_model, d_ff)[gemm]
     a = torch.empty(tiles_max * 128, M, dtype=torch.bfloat16, device=dev)
     b = torch.empty(tiles_max * 128, N, dtype=torch.bfloat16, device=dev)

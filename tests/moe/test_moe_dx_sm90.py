@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
-from flashmoe_science.moe.dispatch import ExpertSort, max_row_tiles  # noqa: E402
+from flashmoe_science.moe.dispatch import sort_buffers  # noqa: E402
 from flashmoe_science.moe.hopper import dx_sm90 as gdx  # noqa: E402
 from flashmoe_science.moe.hopper.dx_sm90 import DxConfig  # noqa: E402
 from sm90_protocol import grouped_block, simulate  # noqa: E402
@@ -19,11 +19,8 @@ from sm90_protocol import grouped_block, simulate  # noqa: E402
 
 def _cpu_case(num_tokens=16, top_k=2, num_experts=4, d_model=64, two_d_ff=128, block_m=128, device="cpu"):
     """Tensors of the right shapes (values unused: nothing runs)."""
-    pairs = num_tokens * top_k
-    tiles_max = max_row_tiles(pairs, num_experts, block_m)
-    i32 = lambda n: torch.zeros(n, dtype=torch.int32, device=device)  # noqa: E731
-    sort = ExpertSort(i32(tiles_max * block_m), i32(pairs), i32(tiles_max), i32(num_experts), i32(num_experts),
-                      block_m, top_k, pairs)
+    sort, _, _ = sort_buffers(num_tokens, top_k, num_experts, block_m, device)  # shapes only
+    tiles_max = sort.tile_expert.numel()
     dgu = torch.zeros(tiles_max * block_m, two_d_ff, dtype=torch.bfloat16, device=device)
     w1 = torch.zeros(num_experts, two_d_ff, d_model, dtype=torch.bfloat16, device=device)
     dx32 = torch.zeros(num_tokens, d_model, dtype=torch.float32, device=device)
@@ -109,11 +106,8 @@ def test_builds_for_sm90_with_tma_wgmma_and_no_spills(config):
 
     num_tokens, top_k, num_experts = 4096, 2, 8
     dev = torch.device("meta")
-    pairs = num_tokens * top_k
-    tiles_max = max_row_tiles(pairs, num_experts, 128)
-    i32 = lambda n: torch.empty(n, dtype=torch.int32, device=dev)  # noqa: E731
-    sort = ExpertSort(i32(tiles_max * 128), i32(pairs), i32(tiles_max), i32(num_experts), i32(num_experts), 128,
-                      top_k, pairs)
+    sort, _, _ = sort_buffers(num_tokens, top_k, num_experts, 128, dev)  # shapes only
+    tiles_max = sort.tile_expert.numel()
     dgu = torch.empty(tiles_max * 128, 28672, dtype=torch.bfloat16, device=dev)
     w1 = torch.empty(num_experts, 28672, 4096, dtype=torch.bfloat16, device=dev)
     dx32 = torch.empty(num_tokens, 4096, dtype=torch.float32, device=dev)

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
-from flashmoe_science.moe.dispatch import ExpertSort, max_row_tiles  # noqa: E402
+from flashmoe_science.moe.dispatch import ExpertSort, sort_buffers  # noqa: E402
 from flashmoe_science.moe.hopper import wgrad_sm90 as gw  # noqa: E402
 from flashmoe_science.moe.hopper.wgrad_sm90 import WgradConfig  # noqa: E402
 from sm90_protocol import grouped_block, simulate  # noqa: E402
@@ -25,11 +25,8 @@ AB_CONFIGS = [WgradConfig(256, 64, 3), WgradConfig(256, 64, 4, epilogue_split=2)
 
 def _cpu_case(num_tokens=16, top_k=2, num_experts=4, M=256, N=64, block_m=128, device="cpu"):
     """Tensors of the right shapes (values unused: nothing runs)."""
-    pairs = num_tokens * top_k
-    tiles_max = max_row_tiles(pairs, num_experts, block_m)
-    i32 = lambda n: torch.zeros(n, dtype=torch.int32, device=device)  # noqa: E731
-    sort = ExpertSort(i32(tiles_max * block_m), i32(pairs), i32(tiles_max), i32(num_experts), i32(num_experts),
-                      block_m, top_k, pairs)
+    sort, _, _ = sort_buffers(num_tokens, top_k, num_experts, block_m, device)  # shapes only
+    tiles_max = sort.tile_expert.numel()
     a = torch.zeros(tiles_max * block_m, M, dtype=torch.bfloat16, device=device)
     b = torch.zeros(tiles_max * block_m, N, dtype=torch.bfloat16, device=device)
     out = torch.zeros(num_experts, M, N, dtype=torch.bfloat16, device=device)
@@ -140,11 +137,8 @@ def test_barrier_protocol_model(pingpong, stages):
 
 def _meta_dw1(num_tokens=4096, top_k=2, num_experts=8, d_model=4096, d_ff=14336):
     dev = torch.device("meta")
-    pairs = num_tokens * top_k
-    tiles_max = max_row_tiles(pairs, num_experts, 128)
-    i32 = lambda n: torch.empty(n, dtype=torch.int32, device=dev)  # noqa: E731
-    sort = ExpertSort(i32(tiles_max * 128), i32(pairs), i32(tiles_max), i32(num_experts), i32(num_experts), 128,
-                      top_k, pairs)
+    sort, _, _ = sort_buffers(num_tokens, top_k, num_experts, 128, dev)  # shapes only
+    tiles_max = sort.tile_expert.numel()
     a = torch.empty(tiles_max * 128, 2 * d_ff, dtype=torch.bfloat16, device=dev)
     b = torch.empty(tiles_max * 128, d_model, dtype=torch.bfloat16, device=dev)
     out = torch.empty(num_experts, 2 * d_ff, d_model, dtype=torch.bfloat16, device=dev)
