@@ -778,9 +778,9 @@ def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
     # (rows, d) copy, ~1% of the GEMM's time at T=4096) so that their main loops have affine, pipelined loads
     num_rows = h.shape[0]
     if need_dw1:
-        dw1_launch(dgu, sorted_rows(x, None, sort, num_rows), dw1, sort, tiles)()
+        _weight_gradient(dgu, sorted_rows(x, None, sort, num_rows), dw1, sort, tiles, dw1_launch)
     if need_dw2:
-        dw2_launch(sorted_rows(grad_out, weights32, sort, num_rows), h, dw2, sort, tiles)()
+        _weight_gradient(sorted_rows(grad_out, weights32, sort, num_rows), h, dw2, sort, tiles, dw2_launch)
     return dx, dw1, dw2, dweights
 
 
@@ -794,3 +794,16 @@ def _hopper_dx(dgu, w1, dx32, sort: ExpertSort, tiles: MoETiles):
     if dx_sm90.unsupported_reason(dgu, w1, dx32, sort, tiles.block_m, dx_sm90.MEASURED_CONFIG) is not None:
         return None
     return dx_sm90
+
+
+def _weight_gradient(a, b, out, sort: ExpertSort, tiles: MoETiles, triton_launch) -> None:
+    """``out[e] = A_e^T B_e``: on Hopper with 128-row tiles the Gluon kernel of moe/hopper/wgrad_sm90.py (TMA,
+    warp-specialised; it needs the padding rows of A and B zeroed, which their producers in this module do), else
+    ``triton_launch`` (dw1_launch / dw2_launch)."""
+    if a.is_cuda and tiles.block_m == 128 and device_traits(a.device).is_hopper:
+        from flashmoe_science.moe.hopper import wgrad_sm90
+
+        if wgrad_sm90.unsupported_reason(a, b, out, sort, wgrad_sm90.MEASURED_CONFIG) is None:
+            wgrad_sm90.wgrad_sm90(a, b, out, sort, wgrad_sm90.MEASURED_CONFIG)
+            return
+    triton_launch(a, b, out, sort, tiles)()

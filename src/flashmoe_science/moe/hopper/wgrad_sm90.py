@@ -95,6 +95,12 @@ class WgradConfig:
         return f"{BLOCK_M}x{self.block_n}x{self.block_k} s{self.num_stages} {mode}{split} g{self.group_m}"
 
 
+# H200, scripts/ab_moe_wgrad_sm90.py (session 9, T=4096, TFLOP/s, dw1 / dw2; Triton wgrad_launch / grouped_mm):
+# cooperative 128x256, 3 stages: Mixtral 724 / 682 (565 / 599; 582 / 623), Qwen3 505 / 479 (415 / 374; 375 / 357),
+# the best at Mixtral and within 6% of Qwen3's best (ping-pong 128x128 s6 split epilogue, 535 / 485)
+MEASURED_CONFIG = WgradConfig()
+
+
 def smem_bytes(config: WgradConfig, itemsize: int = 2) -> int:
     """Shared memory: the operand ring (A block_k x 128 and B block_k x block_n per stage), the two consumers'
     epilogue tiles (128 x block_n in all, cooperative; 2 x 128 x 128 ping-pong; each split by epilogue_split) and
