@@ -341,3 +341,40 @@ def test_weight_gradient_operands_have_zero_padding_rows(dtype):
     triton_gemm.up_swiglu_launch(x, w1, h_inference, None, sort, tiles)()
     assert h_inference[padding].isnan().all()
     torch.testing.assert_close(h_inference[valid], saved.h[valid])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("d_model, d_ff, num_experts, top_k", [(64, 48, 8, 2), (40, 20, 5, 3), (96, 16, 128, 8)])
+def test_decode_kernel_matches_float64(dtype, d_model, d_ff, num_experts, top_k):
+    """The one-launch decode path (moe/triton_decode.py) that fused_experts and fused_moe take on one token in
+    inference, with given routing and with the routing inside the kernel; F and d not multiples of the slices."""
+    from flashmoe_science.moe import triton_decode
+    from flashmoe_science.moe.routing import route_reference
+
+    x, w1, w2 = make_experts(1, d_model, d_ff, num_experts, dtype)
+    logits = torch.randn(1, num_experts)
+    config = triton_decode.DecodeConfig(block_f=16, block_k=32, block_d=32, num_warps=4)
+    for scoring, renormalize in (("softmax", True), ("sigmoid", False)):
+        weights, ids = route_reference(logits, top_k, renormalize, scoring)
+        ref = reference64(x, w1, w2, weights, ids)
+        same = torch_loop_same_dtype(x, w1, w2, weights, ids)
+        routed, _ = triton_decode.decode_forward(x, w1, w2, weights, ids, top_k, config=config)
+        fused, _ = triton_decode.decode_forward(x, w1, w2, logits, None, top_k, route=True, renormalize=renormalize,
+                                                sigmoid=scoring == "sigmoid", config=config)
+        assert_within_budget("routed", routed, same, ref)
+        assert_within_budget("fused routing", fused, same, ref)
+    # the front doors take it (the last routing above: sigmoid, not renormalised)
+    out = fused_moe(x, w1, w2, logits, top_k, scoring="sigmoid", renormalize=False, backend="triton")
+    assert_within_budget("fused_moe", out, same, ref)
+    assert_within_budget("fused_experts", fused_experts(x, w1, w2, weights, ids, backend="triton"), same, ref)
+
+
+def test_decode_kernel_drops_slots_outside_the_experts():
+    from flashmoe_science.moe import triton_decode
+
+    x, w1, w2 = make_experts(1, 32, 32, 4, torch.float32)
+    ids = torch.tensor([[2, -1, 4]])
+    weights = torch.tensor([[0.5, 0.3, 0.2]])
+    out, _ = triton_decode.decode_forward(x, w1, w2, weights, ids, 3)
+    same, ref = torch_loop_same_dtype(x, w1, w2, weights, ids), reference64(x, w1, w2, weights, ids)
+    assert_within_budget("out", out, same, ref)

@@ -203,7 +203,8 @@ def test_api_runs_a_remembered_signature_through_its_prepared_launches(kernels, 
         weights, ids = api.moe_route(logits, top_k)
         key = (api._moe_key(x, w1, w2, logits, top_k, True, "softmax", "triton") if entry == "fused_moe"
                else api._experts_key(x, w1, w2, weights, ids, "triton"))
-        api._PREPARED[key] = triton_gemm.prepare_forward(x, w1, w2, weights, ids)
+        prepared = triton_gemm.prepare_forward(x, w1, w2, weights, ids)
+        api._PREPARED[key] = api._RoutedForward(prepared, top_k, True, "softmax") if entry == "fused_moe" else prepared
         monkeypatch.setattr(triton_gemm, "moe_forward", None)
         x2 = torch.randn_like(x)
         out = call(x2, torch.randn_like(logits))

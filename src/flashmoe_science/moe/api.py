@@ -182,24 +182,30 @@ def fused_experts(x, w1, w2, topk_weights, topk_ids, *, backend="auto"):
     return _run_experts(x, w1, w2, topk_weights, topk_ids, _choose_backend(backend, x), key)
 
 
-def _run_experts(x, w1, w2, topk_weights, topk_ids, backend: str, key: tuple | None):
+def _run_experts(x, w1, w2, topk_weights, topk_ids, backend: str, key: tuple | None,
+                 wrap_prepared=lambda prepared: prepared):
     """The experts on checked inputs, with the backend already chosen. An inference call with a prepared-call
-    ``key`` leaves its launches in ``_PREPARED`` for the next call of its signature."""
+    ``key`` leaves its launches in ``_PREPARED`` for the next call of its signature (``wrap_prepared`` wraps a batched
+    forward's PreparedForward for a fused_moe key: the routing runs first)."""
     if backend == "reference":
         return fused_experts_reference(x, w1, w2, topk_weights, topk_ids)
-    if torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad or w2.requires_grad
-                                    or topk_weights.requires_grad):
+    if _records_grad(x, w1, w2, topk_weights):
         return _FusedExpertsTriton.apply(x, w1, w2, topk_weights, topk_ids)
-    from flashmoe_science.moe import triton_gemm
+    from flashmoe_science.moe import triton_decode, triton_gemm
 
     # Inference: skip autograd's bookkeeping, a measurable share of host time on few tokens.
     weights32 = topk_weights.float().contiguous()
+    if triton_decode.decode_applies(x.shape[0], w1.shape[0]):
+        out, launch = triton_decode.decode_forward(x, w1, w2, weights32, topk_ids, topk_ids.shape[1])
+        _remember(key, x, lambda: triton_decode.PreparedDecode(launch))
+        return out
     out, saved = triton_gemm.moe_forward(x, w1, w2, weights32, topk_ids)
-    if key is not None and x.is_cuda and x.shape[0] > 0:  # (the interpreter has no compiled kernels to prepare)
-        if len(_PREPARED) >= _PREPARED_MAX:
-            _PREPARED.clear()
-        _PREPARED[key] = triton_gemm.prepare_forward(x, w1, w2, weights32, topk_ids, saved.tiles)
+    _remember(key, x, lambda: wrap_prepared(triton_gemm.prepare_forward(x, w1, w2, weights32, topk_ids, saved.tiles)))
     return out
+
+
+def _records_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="softmax", backend="auto"):
@@ -215,9 +221,7 @@ def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="sof
     key = _moe_key(x, w1, w2, router_logits, top_k, renormalize, scoring, backend)
     prepared = _PREPARED.get(key) if key is not None else None
     if prepared is not None:  # a call with this signature ran before: checks, backend and tiles as then
-        # the routing's outputs (dtypes, (T, k) shapes, fresh allocations) follow from the logits' signature
-        topk_weights, topk_ids = route(router_logits, top_k, renormalize, scoring)
-        return prepared(x, w1, w2, topk_weights.float().contiguous(), topk_ids)
+        return prepared(x, w1, w2, router_logits)
 
     num_tokens, _, num_experts, _ = _check_experts(x, w1, w2)
     _check_router_logits(router_logits, num_tokens, num_experts)
@@ -225,8 +229,17 @@ def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="sof
     _check_top_k(top_k, num_experts)
     _check_routing_options(renormalize, scoring)
     chosen = _choose_backend(backend, x)  # before the routing work: a bad backend fails first
+    if chosen == "triton" and router_logits.dtype in _TRITON_DTYPES and not _records_grad(x, w1, w2, router_logits):
+        from flashmoe_science.moe import triton_decode
+
+        if triton_decode.decode_applies(num_tokens, num_experts):  # routing inside the one decode launch
+            out, launch = triton_decode.decode_forward(x, w1, w2, router_logits, None, top_k, route=True,
+                                                       renormalize=renormalize, sigmoid=scoring == "sigmoid")
+            _remember(key, x, lambda: triton_decode.PreparedDecode(launch))
+            return out
     topk_weights, topk_ids = route(router_logits, top_k, renormalize, scoring)  # well-formed by construction
-    return _run_experts(x, w1, w2, topk_weights, topk_ids, chosen, key)
+    return _run_experts(x, w1, w2, topk_weights, topk_ids, chosen, key,
+                        wrap_prepared=lambda forward: _RoutedForward(forward, top_k, renormalize, scoring))
 
 
 # ------------------------------------------------------------------------------------------ prepared calls
@@ -235,6 +248,30 @@ def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="sof
 # signature.
 _PREPARED: dict[tuple, object] = {}
 _PREPARED_MAX = 512
+
+
+def _remember(key: tuple | None, x, make_prepared) -> None:
+    """Keep ``make_prepared()`` under ``key`` for the next call of its signature (compiled kernels only: not under
+    the interpreter)."""
+    if key is None or not x.is_cuda or x.shape[0] == 0:
+        return
+    if len(_PREPARED) >= _PREPARED_MAX:
+        _PREPARED.clear()
+    _PREPARED[key] = make_prepared()
+
+
+class _RoutedForward:
+    """A fused_moe key's prepared call on the batched path: the routing, then the PreparedForward."""
+
+    __slots__ = ("forward", "top_k", "renormalize", "scoring")
+
+    def __init__(self, forward, top_k: int, renormalize: bool, scoring: str):
+        self.forward, self.top_k, self.renormalize, self.scoring = forward, top_k, renormalize, scoring
+
+    def __call__(self, x, w1, w2, router_logits):
+        # the routing's outputs (dtypes, (T, k) shapes, fresh allocations) follow from the logits' signature
+        topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize, self.scoring)
+        return self.forward(x, w1, w2, topk_weights.float().contiguous(), topk_ids)
 
 
 def _signatures(*tensors) -> tuple | None:

@@ -42,6 +42,26 @@ def _scores(logits_ptr, rows, experts, num_tokens, num_experts, stride_lt, strid
 
 
 @triton.jit
+def _top_k(scores, valid, experts, TOP_K: tl.constexpr, K_POW2: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """(weights, ids), each (rows, K_POW2): top_k rounds of "take the row's best score, lowest expert id among
+    equals" (slots past TOP_K hold 0), then the optional renormalisation. Also the decode kernel's routing
+    (moe/triton_decode.py)."""
+    remaining = tl.where(valid, scores, -1.0)  # scores are >= 0: padding experts are never taken
+    slots = tl.arange(0, K_POW2)
+    weights = tl.zeros([scores.shape[0], K_POW2], dtype=tl.float32)
+    ids = tl.zeros([scores.shape[0], K_POW2], dtype=tl.int32)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=1)
+        best_id = tl.min(tl.where(remaining == best[:, None], experts[None, :], scores.shape[1]), axis=1)
+        weights = tl.where(slots[None, :] == slot, best[:, None], weights)
+        ids = tl.where(slots[None, :] == slot, best_id[:, None], ids)
+        remaining = tl.where(experts[None, :] == best_id[:, None], -2.0, remaining)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=1)[:, None]
+    return weights, ids
+
+
+@triton.jit
 def _route_forward_kernel(
     logits_ptr,
     weights_ptr,
@@ -60,18 +80,8 @@ def _route_forward_kernel(
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, E_POW2)
     scores, valid = _scores(logits_ptr, rows, experts, num_tokens, num_experts, stride_lt, stride_le, SIGMOID)
-    remaining = tl.where(valid, scores, -1.0)  # scores are >= 0: padding experts are never taken
+    weights, ids = _top_k(scores, valid, experts, TOP_K, K_POW2, RENORMALIZE)
     slots = tl.arange(0, K_POW2)
-    weights = tl.zeros([BLOCK_T, K_POW2], dtype=tl.float32)
-    ids = tl.zeros([BLOCK_T, K_POW2], dtype=tl.int32)
-    for slot in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=1)
-        best_id = tl.min(tl.where(remaining == best[:, None], experts[None, :], E_POW2), axis=1)
-        weights = tl.where(slots[None, :] == slot, best[:, None], weights)
-        ids = tl.where(slots[None, :] == slot, best_id[:, None], ids)
-        remaining = tl.where(experts[None, :] == best_id[:, None], -2.0, remaining)
-    if RENORMALIZE:
-        weights = weights / tl.sum(weights, axis=1)[:, None]
     out = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
     mask = (rows < num_tokens)[:, None] & (slots < TOP_K)[None, :]
     tl.store(weights_ptr + out, weights, mask=mask)
