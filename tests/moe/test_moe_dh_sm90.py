@@ -1,6 +1,6 @@
 """The Gluon sm_90 dh GEMM (moe/hopper/dx_sm90.py's row-store epilogue, ``dh_sm90``): argument checks, launch
 plumbing and offline sm_90 builds on the CPU; on the GPU (``-m gpu``) its output against a float64 reference and the
-Triton kernel (``triton_gemm.dh_launch``). The barrier
+Triton kernel (``triton_gemm.dh_launch``), and the backward with it against the backward with dh_launch. The barrier
 protocol is dx's (test_moe_dx_sm90.py's model covers it: the epilogue is not part of it)."""
 
 from __future__ import annotations
@@ -220,3 +220,44 @@ def test_matches_float64_and_the_triton_dh_kernel(config, dtype, num_tokens, d_m
     # float32 accumulation of 16-bit products in both kernels, in a different order: ~1e-6 of the scale
     assert (out - ref).abs().max().item() <= 1e-5 * scale
     assert (out.double() - ref64).abs().max().item() <= 1e-5 * scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens, d_model, d_ff, num_experts, top_k, min_d_ff", [
+    (1024, 512, 4096, 8, 2, None),  # F = 4096: Gluon at the library's threshold
+    (1500, 512, 384, 8, 2, 0),  # below it (threshold lowered for the test)
+    (4096, 2048, 768, 128, 8, 0),  # Qwen3-30B-A3B dims, likewise
+])
+def test_backward_with_gluon_dh_matches_the_backward_with_triton_dh(monkeypatch, num_tokens, d_model, d_ff,
+                                                                   num_experts, top_k, min_d_ff):
+    """moe_backward takes the Gluon dh on the H200 (128-row tiles, F >= GLUON_DH_MIN_D_FF); its gradients against
+    moe_backward with dh_launch, every buffer NaN-poisoned before it is written."""
+    from flashmoe_science.moe import moe_route, triton_gemm
+    from flashmoe_science.moe.tiles import choose_tiles
+    from moe_testing import make_experts
+
+    monkeypatch.setenv("FLASHMOE_SCIENCE_POISON", "1")
+    if min_d_ff is not None:
+        monkeypatch.setattr(triton_gemm, "GLUON_DH_MIN_D_FF", min_d_ff)
+    device = "cuda"
+    x, w1, w2 = make_experts(num_tokens, d_model, d_ff, num_experts, torch.bfloat16, device)
+    weights, ids = moe_route(torch.randn(num_tokens, num_experts, device=device), top_k)
+    weights32 = weights.float().contiguous()
+    tiles = choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, torch.device(device))
+    assert tiles.block_m == 128
+    _, saved = triton_gemm.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
+    grad_out = torch.randn(num_tokens, d_model, device=device).to(torch.bfloat16)
+
+    calls = []
+    dh_sm90 = gdx.dh_sm90
+    monkeypatch.setattr(gdx, "dh_sm90", lambda *args, **kw: calls.append(1) or dh_sm90(*args, **kw))
+    ours = triton_gemm.moe_backward(grad_out, x, w1, w2, weights32, saved)
+    assert calls, "moe_backward did not take the Gluon dh"
+    monkeypatch.setattr(triton_gemm, "_dh", lambda g, w, dh, sort, t: triton_gemm.dh_launch(g, w, dh, sort, t)())
+    theirs = triton_gemm.moe_backward(grad_out, x, w1, w2, weights32, saved)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("dx", "dw1", "dw2", "dweights"), ours, theirs):
+        assert not a.isnan().any(), name
+        scale = b.float().abs().max().item()
+        # dh differs in the last float32 bits; downstream each gradient is rounded to bf16 once more (2^-8)
+        assert (a.float() - b.float()).abs().max().item() <= 1e-2 * scale, name
