@@ -23,7 +23,7 @@ import torch
 from flashmoe_science.bench.moe import MODELS, _graph_median_ms, _make_inputs, _routed_expert_bytes
 from flashmoe_science.moe import api, fused_moe, triton_decode
 
-GRID = dict(block_f=(16, 32, 64), block_k=(128, 256, 512), block_d=(128, 256, 512), num_warps=(4, 8))
+GRID = dict(block_f=(16, 32, 64), block_k=(64, 128, 256), block_d=(128, 256), num_warps=(4,), num_stages=(3, 4, 6))
 BANDWIDTH = 4.3e12
 
 

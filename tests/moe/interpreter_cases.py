@@ -353,7 +353,7 @@ def test_decode_kernel_matches_float64(dtype, d_model, d_ff, num_experts, top_k)
 
     x, w1, w2 = make_experts(1, d_model, d_ff, num_experts, dtype)
     logits = torch.randn(1, num_experts)
-    config = triton_decode.DecodeConfig(block_f=16, block_k=32, block_d=32, num_warps=4)
+    config = triton_decode.DecodeConfig(block_f=16, block_k=32, block_d=32, num_warps=4, num_stages=2)
     for scoring, renormalize in (("softmax", True), ("sigmoid", False)):
         weights, ids = route_reference(logits, top_k, renormalize, scoring)
         ref = reference64(x, w1, w2, weights, ids)

@@ -8,9 +8,9 @@ cost as much as the reading (docs/perf-notes.md, session 9). Here one program pe
 1. the slot's expert and weight: from ``topk_ids``/``topk_weights``, or (``ROUTE``) recomputed from the router
    logits by every program of the token, with the routing kernel's own helpers (``triton_routing._scores``,
    ``_top_k``): E scores cost less than a launch;
-2. gate and up for its ``BLOCK_F`` rows of w1[e] against x[token] (a GEMV over d, float32), h = silu(gate) * up,
-   rounded to the input dtype as the batched path's h is;
-3. its partial output ``weight * w2[e][:, F slice] @ h`` (d values) added with float32 atomics into the token's
+2. gate and up for its ``BLOCK_F`` rows of w1[e] against x[token], h = silu(gate) * up rounded to the input
+   dtype as the batched path's h is;
+3. its partial output ``weight * h @ w2[e][:, F slice]^T`` (d values) added with float32 atomics into the token's
    row of a zeroed accumulator;
 4. the token's last program to arrive (an acq_rel counter per token) converts that row to the output dtype.
 
@@ -25,7 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from flashmoe_science.device import dot_precision
 from flashmoe_science.moe.launch import Launch
+from flashmoe_science.moe.triton_gemm import _gate_up_columns
 from flashmoe_science.moe.triton_routing import MAX_EXPERTS, _scores, _top_k
 
 # The decode path takes layers with at most this many tokens (bench moe's decode rows: T <= 16); measured on the
@@ -74,6 +76,7 @@ def _decode_moe_kernel(
     BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """routing_ptr: the router logits (T, E) with ROUTE, else the routing weights (T, k) (ids_ptr: their ids).
     acc (T, d) float32 and arrivals (T,) int32 must be zero."""
@@ -97,36 +100,37 @@ def _decode_moe_kernel(
 
     row = token.to(tl.int64)
     if (expert >= 0) & (expert < num_experts):  # ids outside [0, E) are dropped slots
-        fs = f_slice * BLOCK_F + tl.arange(0, BLOCK_F)
-        f_valid = fs < d_ff
+        # Both products on the tensor cores with x as row 0 of a 16-row tile (the smallest MMA; the other rows are
+        # masked, so they cost no memory traffic): the loads then feed tl.dot, which Triton pipelines through
+        # shared memory (num_stages), and a weight element costs a share of one MMA instead of a convert and an FMA
+        # per element. A CUDA-core GEMV took 254 registers at 12% occupancy and streamed 2.2 TB/s (session 10).
+        tile_rows = tl.arange(0, 16)
+        x_row = tile_rows[:, None] == 0
         ks = tl.arange(0, BLOCK_K)
-        # gate and up: products accumulated per (f, k) lane, reduced over k once after the loop
-        x_ptrs = x_ptr + row * stride_xt + ks * stride_xd
-        gate_ptrs = w1_ptr + expert.to(tl.int64) * stride_w1e + fs[:, None] * stride_w1f + ks[None, :] * stride_w1d
-        up_ptrs = gate_ptrs + d_ff * stride_w1f
-        gate_acc = tl.zeros([BLOCK_F, BLOCK_K], dtype=tl.float32)
-        up_acc = tl.zeros([BLOCK_F, BLOCK_K], dtype=tl.float32)
+        x_ptrs = x_ptr + row * stride_xt + ks[None, :] * stride_xd
+        w_ptrs, f_valid = _gate_up_columns(w1_ptr + expert.to(tl.int64) * stride_w1e, f_slice, ks, d_ff,
+                                           stride_w1f, stride_w1d, BLOCK_F)
+        acc = tl.zeros([16, 2 * BLOCK_F], dtype=tl.float32)
         for k0 in range(0, d_model, BLOCK_K):
             k_valid = (k0 + ks) < d_model
-            xk = tl.load(x_ptrs, mask=k_valid, other=0.0).to(tl.float32)[None, :]
-            w_mask = f_valid[:, None] & k_valid[None, :]
-            gate_acc += tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32) * xk
-            up_acc += tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32) * xk
+            a = tl.load(x_ptrs, mask=x_row & k_valid[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_valid[:, None] & f_valid[None, :], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
             x_ptrs += BLOCK_K * stride_xd
-            gate_ptrs += BLOCK_K * stride_w1d
-            up_ptrs += BLOCK_K * stride_w1d
-        gate = tl.sum(gate_acc, axis=1)
-        up = tl.sum(up_acc, axis=1)
-        h = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty).to(tl.float32)  # rows past F: 0
-        h = (h * weight)[None, :]  # the routing weight, once per F row instead of once per output
+            w_ptrs += BLOCK_K * stride_w1d
+        gate, up = tl.split(tl.reshape(acc, [16, BLOCK_F, 2]))
+        h = (gate * tl.sigmoid(gate) * up).to(w2_ptr.dtype.element_ty)  # rounded as the batched path's h; past F: 0
 
+        # weight * h @ w2[e][:, F slice]^T, BLOCK_D outputs at a time, added into the token's accumulator row
+        fs = f_slice * BLOCK_F + tl.arange(0, BLOCK_F)
         ds = tl.arange(0, BLOCK_D)
-        w2_ptrs = w2_ptr + expert.to(tl.int64) * stride_w2e + ds[:, None] * stride_w2d + fs[None, :] * stride_w2f
-        acc_ptrs = acc_ptr + row * d_model + ds
+        w2_ptrs = w2_ptr + expert.to(tl.int64) * stride_w2e + fs[:, None] * stride_w2f + ds[None, :] * stride_w2d
+        acc_ptrs = acc_ptr + row * d_model + tile_rows[:, None] * 0 + ds[None, :]
         for d0 in range(0, d_model, BLOCK_D):
             d_valid = (d0 + ds) < d_model
-            w = tl.load(w2_ptrs, mask=d_valid[:, None] & f_valid[None, :], other=0.0).to(tl.float32)
-            tl.atomic_add(acc_ptrs, tl.sum(w * h, axis=1), mask=d_valid, sem="relaxed")
+            w = tl.load(w2_ptrs, mask=(fs < d_ff)[:, None] & d_valid[None, :], other=0.0)
+            part = tl.dot(h, w, input_precision=DOT_PRECISION) * weight
+            tl.atomic_add(acc_ptrs, part, mask=x_row & d_valid[None, :], sem="relaxed")
             w2_ptrs += BLOCK_D * stride_w2d
             acc_ptrs += BLOCK_D
 
@@ -145,15 +149,16 @@ def _decode_moe_kernel(
 
 class DecodeConfig(NamedTuple):
     block_f: int  # F rows per program (its slice of gate, up and w2's columns)
-    block_k: int  # d columns per step of the gate/up GEMV
+    block_k: int  # d columns per step of the gate/up product
     block_d: int  # d rows per step of the w2 product (and of the final conversion)
     num_warps: int
+    num_stages: int
 
 
 def decode_config(num_tokens: int, top_k: int, d_ff: int) -> DecodeConfig:
     """Placeholder heuristic until the H200 sweep (scripts/sweep_decode.py) sets it: the smallest F slice that
     still reads 32 contiguous bytes of each w2 row."""
-    return DecodeConfig(block_f=16, block_k=256, block_d=256, num_warps=4)
+    return DecodeConfig(block_f=32, block_k=128, block_d=256, num_warps=4, num_stages=4)
 
 
 def decode_launch(x, w1, w2, out, acc, arrivals, routing, ids, top_k: int, route: bool, renormalize: bool,
@@ -167,7 +172,8 @@ def decode_launch(x, w1, w2, out, acc, arrivals, routing, ids, top_k: int, route
             w2.stride(2), out.stride(0), routing.stride(0), routing.stride(1), ids.stride(0), ids.stride(1))
     meta = dict(TOP_K=top_k, ROUTE=route, K_POW2=triton.next_power_of_2(top_k),
                 E_POW2=triton.next_power_of_2(num_experts), SIGMOID=sigmoid, RENORMALIZE=renormalize,
-                BLOCK_F=config.block_f, BLOCK_K=config.block_k, BLOCK_D=config.block_d, num_warps=config.num_warps)
+                BLOCK_F=config.block_f, BLOCK_K=config.block_k, BLOCK_D=config.block_d, **dot_precision(x),
+                num_warps=config.num_warps, num_stages=config.num_stages)
     grid = (num_tokens * top_k * triton.cdiv(d_ff, config.block_f),)
     return Launch(_decode_moe_kernel, grid, args, meta)
 
