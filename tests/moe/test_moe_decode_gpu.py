@@ -1,5 +1,5 @@
-"""The one-launch decode path (moe/triton_decode.py) on the GPU: what fused_moe and fused_experts run for a
-one-token inference call. Against float64 within 2x PyTorch's same-dtype error, as every MoE GPU test."""
+"""The one-launch decode path (moe/triton_decode.py) on the GPU: what fused_moe and fused_experts run for an
+inference call of at most MAX_DECODE_TOKENS tokens. Against float64 within 2x PyTorch's same-dtype error, as every MoE GPU test."""
 
 import pytest
 import torch
@@ -17,7 +17,7 @@ def _exact_fp32_and_no_batched_path(monkeypatch):
     torch.backends.cuda.matmul.allow_tf32 = False  # PyTorch's fp32 baseline must be true fp32
 
     def batched(*args, **kwargs):
-        raise AssertionError("a one-token inference call took the batched path")
+        raise AssertionError("a decode-sized inference call took the batched path")
 
     monkeypatch.setattr(triton_gemm, "moe_forward", batched)
     api._PREPARED.clear()
@@ -40,9 +40,10 @@ def _check(out, x, w1, w2, weights, ids):
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("scoring, renormalize", [("softmax", True), ("sigmoid", False)])
-def test_one_token_matches_float64(d_model, d_ff, num_experts, top_k, dtype, scoring, renormalize):
-    x, w1, w2 = make_experts(1, d_model, d_ff, num_experts, dtype, DEVICE)
-    logits = torch.randn(1, num_experts, device=DEVICE)
+@pytest.mark.parametrize("num_tokens", range(1, triton_decode.MAX_DECODE_TOKENS + 1))
+def test_decode_matches_float64(d_model, d_ff, num_experts, top_k, dtype, scoring, renormalize, num_tokens):
+    x, w1, w2 = make_experts(num_tokens, d_model, d_ff, num_experts, dtype, DEVICE)
+    logits = torch.randn(num_tokens, num_experts, device=DEVICE)
     weights, ids = moe_route(logits, top_k, renormalize, scoring)
     with torch.no_grad():
         _check(fused_moe(x, w1, w2, logits, top_k, renormalize=renormalize, scoring=scoring), x, w1, w2, weights, ids)

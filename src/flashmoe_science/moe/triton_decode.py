@@ -30,9 +30,10 @@ from flashmoe_science.moe.launch import Launch
 from flashmoe_science.moe.triton_gemm import _gate_up_columns
 from flashmoe_science.moe.triton_routing import MAX_EXPERTS, _scores, _top_k
 
-# The decode path takes layers with at most this many tokens (bench moe's decode rows: T <= 16); measured on the
-# H200 against the batched path (docs/perf-notes.md, session 10)
-MAX_DECODE_TOKENS = 1
+# The decode path takes layers with at most this many tokens. H200, scripts/sweep_decode.py (session 10), CUDA-graph
+# medians, decode vs the batched path: Qwen3-30B-A3B T=1 37.5 vs 45.3 us, T=2 60.5 vs 68.6, T=4 99.1 vs 100.9;
+# Mixtral-8x7B T=1 189 vs 192, T=2 344 vs 354, T=4 659 vs 356 (tokens sharing an expert read its weights again)
+MAX_DECODE_TOKENS = 2
 
 
 def decode_applies(num_tokens: int, num_experts: int) -> bool:
@@ -155,10 +156,11 @@ class DecodeConfig(NamedTuple):
     num_stages: int
 
 
-def decode_config(num_tokens: int, top_k: int, d_ff: int) -> DecodeConfig:
-    """Placeholder heuristic until the H200 sweep (scripts/sweep_decode.py) sets it: the smallest F slice that
-    still reads 32 contiguous bytes of each w2 row."""
-    return DecodeConfig(block_f=32, block_k=128, block_d=256, num_warps=4, num_stages=4)
+def decode_config(itemsize: int = 2) -> DecodeConfig:
+    """H200, scripts/sweep_decode.py (session 10): 64-row F slices (128 contiguous bytes of each w2 row per load),
+    128-wide K steps, 4 stages were the best or within 3% of it at Qwen3-30B-A3B and Mixtral-8x7B shapes, T = 1 and
+    2. float32 operands halve the slice so that a stage still fits shared memory."""
+    return DecodeConfig(block_f=64 if itemsize <= 2 else 32, block_k=128, block_d=256, num_warps=4, num_stages=4)
 
 
 def decode_launch(x, w1, w2, out, acc, arrivals, routing, ids, top_k: int, route: bool, renormalize: bool,
@@ -195,7 +197,7 @@ def decode_forward(x, w1, w2, routing, ids, top_k: int, *, route: bool = False, 
     (``ids`` unused) routed as ``routing.route`` routes them (``renormalize``, ``sigmoid``). Returns
     ``(out, launch)``: out (T, d) in x.dtype, and the Launch that made it (``PreparedDecode`` repeats it)."""
     if config is None:
-        config = decode_config(x.shape[0], top_k, w1.shape[1] // 2)
+        config = decode_config(w1.element_size())
     out, acc, arrivals = decode_buffers(x)
     launch = decode_launch(x, w1, w2, out, acc, arrivals, routing, routing if route else ids, top_k, route,
                            renormalize, sigmoid, config)
