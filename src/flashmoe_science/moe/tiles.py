@@ -139,7 +139,11 @@ def _measured_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int,
         block_m = 16
     elif rows_per_expert <= 32:
         block_m = 32
-    elif rows_per_expert <= 96:
+    elif rows_per_expert <= 48:
+        # H200, scripts/ab_moe_block_m.py (session 10), backward vs grouped_mm with 64- / 128-row tiles: Mixtral 40
+        # rows per expert 1.28x / 1.21x, 64 rows 1.19x / 1.28x, 96 rows 1.05x / 1.30x; Qwen3 40 rows 1.63x / 1.51x,
+        # 64 rows 1.56x / 1.55x. Past ~48 rows the 128-row tiles (and the Gluon dx/dw1/dw2 on Hopper) win despite
+        # the padding: these layers are bound by the weights' bytes, not by the padded MMAs
         block_m = 64
     else:
         block_m = 128
@@ -164,17 +168,17 @@ def _measured_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int,
         # (Mixtral best 4313 at 128x128 w4 s2, Qwen3 best); the old 128x128 w8 s3 got 3358 / 3334 and 3317 / 3182.
         dw1 = dw2 = GemmTiles(block_n=128, block_k=block_m, num_warps=4, num_stages=2, block_m=64)
     elif block_m == 64:
-        # not measured by the 2026-11-21 sweep (no case has 33-96 rows per expert): the earlier choice
+        # not swept at 33-48 rows per expert: the earlier choice
         up = GemmTiles(block_n=64, block_k=64, num_warps=4, num_stages=4)
         down = dx = GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=4)
         up_bwd = down
-        # weight gradients: with 64 rows per expert the reduction is one step and the GEMM writes E x 3·d·F outputs
-        # (Mixtral T=256: 2.8 GB). H200 sweep, session 9 (Mixtral T=256): the persistent 128x256 tile, 8 warps,
-        # 3 stages, one program per SM: dw1 0.669 / dw2 0.349 ms, the best of 19 (torch grouped_mm 0.703 / 0.358);
+        # weight gradients: with <= 64 rows per expert the reduction is one step and the GEMM writes E x 3·d·F
+        # outputs (Mixtral T=256: 2.8 GB). H200 sweep, session 9 (Mixtral T=256, then 64-row tiles): the persistent
+        # 128x256 tile, 8 warps, 3 stages, one program per SM: dw1 0.669 / dw2 0.349 ms, the best of 19 (torch grouped_mm 0.703 / 0.358);
         # the one-program-per-tile 64x128 w4 s2 of session 8 got 0.789 / 0.405
         dw1 = dw2 = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3, block_m=128, persistent=1)
     else:
-        # tensor-core regime (>= 97 rows per expert; measured at 256 rows: Qwen3 T=4096, 1024 and 4096: Mixtral
+        # tensor-core regime (> 48 rows per expert; measured at 256 rows: Qwen3 T=4096, 1024 and 4096: Mixtral
         # T=4096 / 16384). H200 sweep, 2026-11-21, TFLOP/s (Mixtral 4096 / Qwen3 4096 / Mixtral 16384):
         # up: 128x(2x128) tiles, 8 warps, 4 stages: 525 / 411 / 534, the best or within 1.2% (Qwen3 best 416 at
         #     3 stages group 16); the old n64 got 457 / 376 / 467. torch grouped_mm (GEMM alone): 605 / 434 / 644.
