@@ -174,8 +174,8 @@ def _measured_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int,
         up_bwd = down
         # weight gradients: with <= 64 rows per expert the reduction is one step and the GEMM writes E x 3·d·F
         # outputs (Mixtral T=256: 2.8 GB). H200 sweep, session 9 (Mixtral T=256, then 64-row tiles): the persistent
-        # 128x256 tile, 8 warps, 3 stages, one program per SM: dw1 0.669 / dw2 0.349 ms, the best of 19 (torch grouped_mm 0.703 / 0.358);
-        # the one-program-per-tile 64x128 w4 s2 of session 8 got 0.789 / 0.405
+        # 128x256 tile, 8 warps, 3 stages, one program per SM: dw1 0.669 / dw2 0.349 ms, the best of 19 (torch
+        # grouped_mm 0.703 / 0.358); the one-program-per-tile 64x128 w4 s2 of session 8 got 0.789 / 0.405
         dw1 = dw2 = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3, block_m=128, persistent=1)
     else:
         # tensor-core regime (> 48 rows per expert; measured at 256 rows: Qwen3 T=4096, 1024 and 4096: Mixtral
