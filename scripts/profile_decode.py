@@ -1,7 +1,7 @@
 """Run the one-launch decode kernel a few times for ncu (scripts/h200.sh-style):
 
     ncu -k regex:_decode_moe_kernel --launch-skip 3 --launch-count 1 --section ... \
-        python scripts/profile_decode.py --model qwen3-30b-a3b --config 32,256,512,4
+        python scripts/profile_decode.py --model qwen3-30b-a3b --config 64,128,256,4,4
 """
 
 import argparse
@@ -14,7 +14,7 @@ from flashmoe_science.moe import triton_decode
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="qwen3-30b-a3b")
 parser.add_argument("--tokens", type=int, default=1)
-parser.add_argument("--config", default="32,256,512,4")
+parser.add_argument("--config", default="64,128,256,4,4")
 args = parser.parse_args()
 shape = MODELS[args.model]
 config = triton_decode.DecodeConfig(*(int(v) for v in args.config.split(",")))

@@ -147,7 +147,6 @@ def _decode_moe_kernel(
             tl.store(out_ptr + row * stride_ot + d0 + ds, total.to(out_ptr.dtype.element_ty), mask=d_valid)
 
 
-
 class DecodeConfig(NamedTuple):
     block_f: int  # F rows per program (its slice of gate, up and w2's columns)
     block_k: int  # d columns per step of the gate/up product
