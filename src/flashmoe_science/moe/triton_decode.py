@@ -24,8 +24,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashmoe_science.device import dot_precision
+from flashmoe_science.device import dot_precision, triton_interpreter_on
 from flashmoe_science.moe.launch import Launch
 from flashmoe_science.moe.triton_gemm import _gate_up_columns
 from flashmoe_science.moe.triton_routing import MAX_EXPERTS, _scores, _top_k
@@ -147,6 +148,194 @@ def _decode_moe_kernel(
             tl.store(out_ptr + row * stride_ot + d0 + ds, total.to(out_ptr.dtype.element_ty), mask=d_valid)
 
 
+@triton.jit
+def _token_routing(routing_ptr, ids_ptr, token, num_tokens, num_experts, stride_rt, stride_rk, stride_it, stride_ik,
+                   TOP_K: tl.constexpr, ROUTE: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr,
+                   SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """(weights, ids), each (1, K_POW2): the token's routing, recomputed from the logits (ROUTE: with the routing
+    kernel's own helpers, so E scores cost less than a launch) or loaded from topk_weights / topk_ids."""
+    if ROUTE:
+        experts = tl.arange(0, E_POW2)
+        scores, valid = _scores(routing_ptr, token + tl.arange(0, 1), experts, num_tokens, num_experts, stride_rt,
+                                stride_rk, SIGMOID)
+        weights, ids = _top_k(scores, valid, experts, TOP_K, K_POW2, RENORMALIZE)
+    else:
+        slots = tl.arange(0, K_POW2)[None, :]
+        weights = tl.load(routing_ptr + token * stride_rt + slots * stride_rk, mask=slots < TOP_K,
+                          other=0.0).to(tl.float32)
+        ids = tl.load(ids_ptr + token * stride_it + slots * stride_ik, mask=slots < TOP_K, other=-1).to(tl.int32)
+    return weights, ids
+
+
+@triton.jit
+def _slot_value(values, slot, K_POW2: tl.constexpr):
+    """values[0, slot] of a (1, K_POW2) routing tensor, as a scalar."""
+    return tl.sum(tl.where(tl.arange(0, K_POW2)[None, :] == slot, values, 0))
+
+
+@triton.jit
+def _decode_up_kernel(
+    x_ptr,
+    w1_ptr,
+    h_ptr,
+    routing_ptr,
+    ids_ptr,
+    num_tokens,
+    num_experts,
+    d_model,
+    d_ff,
+    stride_xt,
+    stride_xd,
+    stride_w1e,
+    stride_w1f,
+    stride_w1d,
+    stride_ht,
+    stride_hk,
+    stride_rt,
+    stride_rk,
+    stride_it,
+    stride_ik,
+    TOP_K: tl.constexpr,
+    ROUTE: tl.constexpr,
+    K_POW2: tl.constexpr,
+    E_POW2: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """h[token, slot, F slice] = silu(gate) * up of the slot's expert, rounded to h's dtype (as the batched path
+    rounds h); zeros for a dropped slot. One program per (token, slot, BLOCK_F rows of F)."""
+    if LAUNCH_DEPENDENTS:
+        # the down kernel (launched with programmatic dependent launch) may start now: its routing and weight
+        # prefetch overlap this kernel; it waits for h with gdc_wait
+        gdc_launch_dependents()
+    slices = tl.cdiv(d_ff, BLOCK_F)
+    pid = tl.program_id(0)
+    token = pid // (TOP_K * slices)
+    slot = (pid // slices) % TOP_K
+    f_slice = pid % slices
+    weights, ids = _token_routing(routing_ptr, ids_ptr, token, num_tokens, num_experts, stride_rt, stride_rk,
+                                  stride_it, stride_ik, TOP_K, ROUTE, K_POW2, E_POW2, SIGMOID, RENORMALIZE)
+    expert = _slot_value(ids, slot, K_POW2)
+    used = (expert >= 0) & (expert < num_experts)  # ids outside [0, E) are dropped slots
+    expert = tl.where(used, expert, 0)
+
+    # x as row 0 of a 16-row tile (the smallest MMA; the other rows are masked, so they cost no memory traffic):
+    # the weight loads then feed tl.dot, which Triton pipelines through shared memory (num_stages), and a weight
+    # element costs a share of one MMA instead of a convert and an FMA. A CUDA-core GEMV took 254 registers at 12%
+    # occupancy and streamed 2.2 TB/s (session 10).
+    tile_rows = tl.arange(0, 16)
+    x_row = tile_rows[:, None] == 0
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token.to(tl.int64) * stride_xt + ks[None, :] * stride_xd
+    w_ptrs, f_valid = _gate_up_columns(w1_ptr + expert.to(tl.int64) * stride_w1e, f_slice, ks, d_ff,
+                                       stride_w1f, stride_w1d, BLOCK_F)
+    acc = tl.zeros([16, 2 * BLOCK_F], dtype=tl.float32)
+    for k0 in range(0, d_model, BLOCK_K):
+        k_valid = (k0 + ks) < d_model
+        a = tl.load(x_ptrs, mask=x_row & k_valid[None, :], other=0.0)
+        # read once per call: first out of L2, so the down kernel's prefetched w2 stays
+        w = tl.load(w_ptrs, mask=used & k_valid[:, None] & f_valid[None, :], other=0.0, eviction_policy="evict_first")
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xd
+        w_ptrs += BLOCK_K * stride_w1d
+    gate, up = tl.split(tl.reshape(acc, [16, BLOCK_F, 2]))
+    h = gate * tl.sigmoid(gate) * up
+    fs = f_slice * BLOCK_F + tl.arange(0, BLOCK_F)
+    h_ptrs = h_ptr + token.to(tl.int64) * stride_ht + slot * stride_hk + tile_rows[:, None] * 0 + fs[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=x_row & (fs < d_ff)[None, :])
+
+
+@triton.jit
+def _prefetch_l2(ptrs, num_bytes):
+    """cp.async.bulk.prefetch.L2 of num_bytes (a multiple of 16) from each 16-byte aligned address in ptrs."""
+    return tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;", "=r,l,r",
+                                     [ptrs, num_bytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _decode_down_kernel(
+    h_ptr,
+    w2_ptr,
+    out_ptr,
+    routing_ptr,
+    ids_ptr,
+    num_tokens,
+    num_experts,
+    d_model,
+    d_ff,
+    stride_ht,
+    stride_hk,
+    stride_w2e,
+    stride_w2d,
+    stride_w2f,
+    stride_ot,
+    stride_rt,
+    stride_rk,
+    stride_it,
+    stride_ik,
+    TOP_K: tl.constexpr,
+    ROUTE: tl.constexpr,
+    K_POW2: tl.constexpr,
+    E_POW2: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    WAIT_PRIMARY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """out[token, D slice] = sum over the token's slots of weight * h[token, slot] @ w2[e][D slice, :]^T, summed
+    in float32 and stored once in out's dtype: one program per (token, BLOCK_D outputs), which owns its outputs,
+    so there are no atomics, no zeroed accumulator and no last-arrival conversion."""
+    d_slices = tl.cdiv(d_model, BLOCK_D)
+    pid = tl.program_id(0)
+    token = pid // d_slices
+    ds = (pid % d_slices) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_valid = ds < d_model
+    weights, ids = _token_routing(routing_ptr, ids_ptr, token, num_tokens, num_experts, stride_rt, stride_rk,
+                                  stride_it, stride_ik, TOP_K, ROUTE, K_POW2, E_POW2, SIGMOID, RENORMALIZE)
+    if PREFETCH:
+        # before waiting for the up kernel: its w1 stream and this program's w2 rows share the memory bus, and
+        # after the wait the rows come from L2 (each row of w2[e][D slice, :] is d_ff contiguous elements)
+        slots = tl.arange(0, K_POW2)[:, None]
+        slot_ids = tl.sum(tl.where(tl.arange(0, K_POW2)[None, :] == slots, ids, 0), axis=1)[:, None]
+        fetch = (slots < TOP_K) & (slot_ids >= 0) & (slot_ids < num_experts) & d_valid[None, :]
+        rows = w2_ptr + tl.where(fetch, slot_ids, 0).to(tl.int64) * stride_w2e + ds[None, :] * stride_w2d
+        row_bytes = tl.full([K_POW2, BLOCK_D], d_ff * (w2_ptr.dtype.element_ty.primitive_bitwidth // 8), tl.int32)
+        dummy = _prefetch_l2(tl.where(fetch, rows, w2_ptr), tl.where(fetch, row_bytes, 16))
+        if tl.sum(dummy) != 0:  # never: keeps the prefetch (the asm's result is used)
+            tl.store(out_ptr, 0.0)
+    if WAIT_PRIMARY:
+        gdc_wait()
+
+    tile_rows = tl.arange(0, 16)
+    h_row = tile_rows[:, None] == 0
+    fs = tl.arange(0, BLOCK_F)
+    f_steps = tl.cdiv(d_ff, BLOCK_F)
+    acc = tl.zeros([16, BLOCK_D], dtype=tl.float32)
+    # one flat loop over (slot, F block) so that the loads stay pipelined across the slots
+    for step in range(0, TOP_K * f_steps):
+        slot = step // f_steps
+        f0 = (step % f_steps) * BLOCK_F
+        expert = _slot_value(ids, slot, K_POW2)
+        weight = _slot_value(weights, slot, K_POW2)
+        used = (expert >= 0) & (expert < num_experts)
+        f_valid = (f0 + fs) < d_ff
+        h = tl.load(h_ptr + token.to(tl.int64) * stride_ht + slot * stride_hk + tile_rows[:, None] * 0
+                    + (f0 + fs)[None, :], mask=used & h_row & f_valid[None, :], other=0.0)
+        w_ptrs = (w2_ptr + tl.where(used, expert, 0).to(tl.int64) * stride_w2e + (f0 + fs)[:, None] * stride_w2f
+                  + ds[None, :] * stride_w2d)
+        w = tl.load(w_ptrs, mask=used & f_valid[:, None] & d_valid[None, :], other=0.0, eviction_policy="evict_first")
+        acc += tl.dot(h, w, input_precision=DOT_PRECISION) * weight
+    out_ptrs = out_ptr + token.to(tl.int64) * stride_ot + tile_rows[:, None] * 0 + ds[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=h_row & d_valid[None, :])
+
+
 class DecodeConfig(NamedTuple):
     block_f: int  # F rows per program (its slice of gate, up and w2's columns)
     block_k: int  # d columns per step of the gate/up product
@@ -217,3 +406,68 @@ class PreparedDecode:
         out, acc, arrivals = decode_buffers(x)
         self.launch(x, w1, w2, out, acc, arrivals, routing, routing if ids is None else ids)
         return out
+
+
+class SplitDecodeConfig(NamedTuple):
+    up_block_f: int  # F rows per up program
+    up_block_k: int  # d columns per step of the gate/up product
+    up_warps: int
+    up_stages: int
+    down_block_d: int  # outputs per down program
+    down_block_f: int  # F columns per step of the down product
+    down_warps: int
+    down_stages: int
+    pdl: bool = True  # the down kernel by programmatic dependent launch (CUDA only)
+    prefetch: bool = True  # the down kernel prefetches its w2 rows into L2 before waiting (needs pdl)
+
+
+def split_decode_config(itemsize: int = 2) -> SplitDecodeConfig:
+    return SplitDecodeConfig(32 if itemsize <= 2 else 16, 128, 4, 4, 16, 256 if itemsize <= 2 else 128, 4, 4)
+
+
+def _prefetch_applies(w2) -> bool:
+    """cp.async.bulk.prefetch needs 16-byte aligned rows of a multiple of 16 bytes: w2's F axis contiguous."""
+    itemsize = w2.element_size()
+    return (w2.stride(2) == 1 and w2.data_ptr() % 16 == 0 and (w2.stride(0) * itemsize) % 16 == 0
+            and (w2.stride(1) * itemsize) % 16 == 0 and (w2.shape[2] * itemsize) % 16 == 0)
+
+
+def split_decode_launches(x, w1, w2, h, out, routing, ids, top_k: int, route: bool, renormalize: bool,
+                          sigmoid: bool, config: SplitDecodeConfig) -> tuple[Launch, Launch]:
+    num_tokens, d_model = x.shape
+    num_experts, two_d_ff, _ = w1.shape
+    d_ff = two_d_ff // 2
+    pdl = config.pdl and x.is_cuda and not triton_interpreter_on()
+    routing_meta = dict(TOP_K=top_k, ROUTE=route, K_POW2=triton.next_power_of_2(top_k),
+                        E_POW2=triton.next_power_of_2(num_experts), SIGMOID=sigmoid, RENORMALIZE=renormalize,
+                        **dot_precision(x))
+    routing_strides = (routing.stride(0), routing.stride(1), ids.stride(0), ids.stride(1))
+    up_args = (x, w1, h, routing, ids, num_tokens, num_experts, d_model, d_ff, x.stride(0), x.stride(1),
+               w1.stride(0), w1.stride(1), w1.stride(2), h.stride(0), h.stride(1), *routing_strides)
+    up_meta = dict(routing_meta, BLOCK_F=config.up_block_f, BLOCK_K=config.up_block_k, LAUNCH_DEPENDENTS=pdl,
+                   num_warps=config.up_warps, num_stages=config.up_stages)
+    up = Launch(_decode_up_kernel, (num_tokens * top_k * triton.cdiv(d_ff, config.up_block_f),), up_args, up_meta)
+    down_args = (h, w2, out, routing, ids, num_tokens, num_experts, d_model, d_ff, h.stride(0), h.stride(1),
+                 w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), *routing_strides)
+    down_meta = dict(routing_meta, BLOCK_D=config.down_block_d, BLOCK_F=config.down_block_f,
+                     PREFETCH=pdl and config.prefetch and _prefetch_applies(w2), WAIT_PRIMARY=pdl,
+                     num_warps=config.down_warps, num_stages=config.down_stages)
+    if pdl:
+        down_meta["launch_pdl"] = True
+    down = Launch(_decode_down_kernel, (num_tokens * triton.cdiv(d_model, config.down_block_d),), down_args,
+                  down_meta)
+    return up, down
+
+
+def split_decode_forward(x, w1, w2, routing, ids, top_k: int, *, route: bool = False, renormalize: bool = True,
+                         sigmoid: bool = False, config: SplitDecodeConfig | None = None):
+    if config is None:
+        config = split_decode_config(w1.element_size())
+    num_tokens, d_model = x.shape
+    h = torch.empty((num_tokens, top_k, w2.shape[2]), dtype=w2.dtype, device=x.device)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    up, down = split_decode_launches(x, w1, w2, h, out, routing, routing if route else ids, top_k, route,
+                                     renormalize, sigmoid, config)
+    up()
+    down()
+    return out, (up, down)
