@@ -97,8 +97,11 @@ def main():
 
     sink = torch.empty(1, device="cuda")
     print(f"empty-kernel graph: {_graph_median_ms(lambda: _empty_kernel[(1,)](sink)) * 1e3:.1f} us", flush=True)
-    configs = [td.decode_config(2)._replace(prefetch_w2=p, block_f=f, num_stages=s)
-               for f in (64, 32) for s in (4, 3) for p in (False, True)]
+    base = td.decode_config(2)
+    configs = [base, base._replace(prefetch_w2=True), base._replace(num_warps=8),
+               base._replace(num_warps=8, prefetch_w2=True), base._replace(block_f=32, num_warps=8),
+               base._replace(block_k=256, num_stages=3, num_warps=8), base._replace(block_d=128, num_warps=8),
+               base._replace(block_f=32, block_k=256, num_stages=4, num_warps=8)]
     for model_name, num_tokens in (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 2), ("mixtral-8x7b", 1)):
         dims = MODELS[model_name]
         top_k = dims["top_k"]
@@ -112,14 +115,15 @@ def main():
               f"4.3 TB/s); stacks of {args.layers} layers", flush=True)
         if num_tokens == 1:
             bufs = [torch.randn(num_bytes // 2, device="cuda", dtype=torch.bfloat16) for _ in range(args.layers)]
-            for name, fn in read_floors(bufs[:1]):
+            for name, fn in read_floors(bufs[:1])[-2:]:
                 report(case, "read 1 layer", name, _graph_median_ms(fn) * 1e-3, num_bytes)
-            for name, fn in read_floors(bufs):
+            for name, fn in read_floors(bufs)[-2:]:
                 report(case, "read stack", name, _graph_median_ms(fn) * 1e-3 / args.layers, num_bytes)
             del bufs
         ref = td.decode_forward(x, w1, w2, logits, None, top_k, route=True)[0]
         for config in configs if model_name.startswith("qwen3") and num_tokens == 1 else configs[:2]:
-            name = f"f{config.block_f} s{config.num_stages} prefetch={config.prefetch_w2}"
+            name = (f"f{config.block_f} k{config.block_k} d{config.block_d} w{config.num_warps} s{config.num_stages}"
+                    f" prefetch={config.prefetch_w2}")
             try:
                 out = td.decode_forward(x, w1, w2, logits, None, top_k, route=True, config=config)[0]
                 diff = (out.float() - ref.float()).abs().max().item()
