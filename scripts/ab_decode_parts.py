@@ -66,8 +66,10 @@ def main():
                            torch.device("cuda")) for _ in range(args.layers)]
     num_bytes = _routed_expert_bytes(layers[0], top_k)
     base = td.decode_config(2)
-    configs = [base, base._replace(block_f=32), base._replace(block_f=16), base._replace(block_f=16, num_stages=3),
-               base._replace(block_f=16, block_k=256, num_stages=3), base._replace(block_f=32, num_warps=2)]
+    configs = [base, base._replace(block_f=16, block_k=512, num_stages=3), base._replace(block_f=16, block_k=1024,
+               num_stages=2), base._replace(block_f=32, block_k=512, num_stages=2),
+               base._replace(block_f=16, block_k=512, num_stages=2, num_warps=8),
+               base._replace(block_f=16, block_k=2048, num_stages=1)]
     for name, kernel in (("as-is", td._decode_moe_kernel), ("store", variants["store"]._decode_moe_kernel),
                          ("no-w2", variants["no-w2"]._decode_moe_kernel)):
         for config in configs:
@@ -85,7 +87,7 @@ def main():
                 continue
             print(f"{name:6s} f{config.block_f} k{config.block_k} d{config.block_d} w{config.num_warps} "
                   f"s{config.num_stages}: one layer {one * 1e3:5.1f} us, stack {stack * 1e3:5.1f} us/layer "
-                  f"({num_bytes / stack / 1e9 / BANDWIDTH * 1e3:.2f} of 4.3 TB/s)", flush=True)
+                  f"({num_bytes / (stack * 1e-3) / BANDWIDTH:.2f} of 4.3 TB/s)", flush=True)
 
 
 if __name__ == "__main__":
