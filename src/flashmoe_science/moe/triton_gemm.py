@@ -82,16 +82,15 @@ def _tile_rows_and_cols(tile, col_block, sorted_pair_ids_ptr, num_pairs, num_col
 
 
 @triton.jit
-def _gate_up_columns(w_expert_ptr, first_row, end_row, ks, d_ff, stride_wf, stride_wd, BLOCK_N: tl.constexpr):
-    """Pointers to a (BLOCK_K, 2*BLOCK_N) tile of w1[e]^T over the F rows [first_row, first_row + BLOCK_N) whose
-    columns interleave gate and up rows (g0, u0, g1, u1, ...), and the columns' mask (rows before end_row). One MMA
-    twice as wide then serves both projections: each A tile is read from shared memory once instead of twice, and
-    the product splits back into (gate, up) along the last axis, where every thread of the MMA layout already holds
-    adjacent column pairs."""
+def _gate_up_columns(w_expert_ptr, col_block, ks, d_ff, stride_wf, stride_wd, BLOCK_N: tl.constexpr):
+    """Pointers to a (BLOCK_K, 2*BLOCK_N) tile of w1[e]^T whose columns interleave gate and up rows
+    (g0, u0, g1, u1, ...), and the columns' mask. One MMA twice as wide then serves both projections: each A tile
+    is read from shared memory once instead of twice, and the product splits back into (gate, up) along the last
+    axis, where every thread of the MMA layout already holds adjacent column pairs."""
     j = tl.arange(0, 2 * BLOCK_N)
-    ff = first_row + j // 2
+    ff = col_block * BLOCK_N + j // 2
     w_rows = ff + (j % 2) * d_ff
-    return w_expert_ptr + w_rows[None, :] * stride_wf + ks[:, None] * stride_wd, ff < end_row
+    return w_expert_ptr + w_rows[None, :] * stride_wf + ks[:, None] * stride_wd, ff < d_ff
 
 
 @triton.jit
@@ -136,8 +135,8 @@ def _up_swiglu_kernel(
     ks = tl.arange(0, BLOCK_K)
 
     x_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :] * stride_xd
-    w_ptrs, w_valid = _gate_up_columns(w1_ptr + expert.to(tl.int64) * stride_we, col_block * BLOCK_N, d_ff, ks,
-                                       d_ff, stride_wf, stride_wd, BLOCK_N)
+    w_ptrs, w_valid = _gate_up_columns(w1_ptr + expert.to(tl.int64) * stride_we, col_block, ks, d_ff,
+                                       stride_wf, stride_wd, BLOCK_N)
     acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
     for k0 in range(0, d_model, BLOCK_K):
         if EVEN_K:
