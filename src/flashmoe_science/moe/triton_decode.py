@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashmoe_science.device import dot_precision, triton_interpreter_on
+from flashmoe_science.device import dot_precision
 from flashmoe_science.moe.launch import Launch
 from flashmoe_science.moe.triton_gemm import _gate_up_columns
 from flashmoe_science.moe.triton_routing import MAX_EXPERTS, _scores, _top_k
@@ -77,7 +77,6 @@ def _decode_moe_kernel(
     BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PREFETCH_W2: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """routing_ptr: the router logits (T, E) with ROUTE, else the routing weights (T, k) (ids_ptr: their ids).
@@ -106,18 +105,6 @@ def _decode_moe_kernel(
         # masked, so they cost no memory traffic): the loads then feed tl.dot, which Triton pipelines through
         # shared memory (num_stages), and a weight element costs a share of one MMA instead of a convert and an FMA
         # per element. A CUDA-core GEMV took 254 registers at 12% occupancy and streamed 2.2 TB/s (session 10).
-        fs = f_slice * BLOCK_F + tl.arange(0, BLOCK_F)
-        w2_expert = w2_ptr + expert.to(tl.int64) * stride_w2e
-        if PREFETCH_W2:
-            # the w2 slice (d rows of BLOCK_F contiguous elements) into L2 now, so that its loads after the w1 loop
-            # hit L2 instead of starting a second DRAM ramp after the first loop drains
-            rows = tl.arange(0, BLOCK_D)
-            issued = tl.zeros([BLOCK_D], dtype=tl.int32)
-            for d0 in range(0, d_model, BLOCK_D):
-                issued += _prefetch_l2(w2_expert + (d0 + rows).to(tl.int64) * stride_w2d + f_slice * BLOCK_F,
-                                       d0 + rows < d_model)
-            if tl.sum(issued) != 0:  # never: uses the asm's result so that it stays
-                tl.store(out_ptr, 0.0)
         tile_rows = tl.arange(0, 16)
         x_row = tile_rows[:, None] == 0
         ks = tl.arange(0, BLOCK_K)
@@ -128,8 +115,7 @@ def _decode_moe_kernel(
         for k0 in range(0, d_model, BLOCK_K):
             k_valid = (k0 + ks) < d_model
             a = tl.load(x_ptrs, mask=x_row & k_valid[None, :], other=0.0)
-            # read once per call: first out of L2 (the prefetched w2 slices stay)
-            w = tl.load(w_ptrs, mask=k_valid[:, None] & f_valid[None, :], other=0.0, eviction_policy="evict_first")
+            w = tl.load(w_ptrs, mask=k_valid[:, None] & f_valid[None, :], other=0.0)
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
             x_ptrs += BLOCK_K * stride_xd
             w_ptrs += BLOCK_K * stride_w1d
@@ -137,8 +123,9 @@ def _decode_moe_kernel(
         h = (gate * tl.sigmoid(gate) * up).to(w2_ptr.dtype.element_ty)  # rounded as the batched path's h; past F: 0
 
         # weight * h @ w2[e][:, F slice]^T, BLOCK_D outputs at a time, added into the token's accumulator row
+        fs = f_slice * BLOCK_F + tl.arange(0, BLOCK_F)
         ds = tl.arange(0, BLOCK_D)
-        w2_ptrs = w2_expert + fs[:, None] * stride_w2f + ds[None, :] * stride_w2d
+        w2_ptrs = w2_ptr + expert.to(tl.int64) * stride_w2e + fs[:, None] * stride_w2f + ds[None, :] * stride_w2d
         acc_ptrs = acc_ptr + row * d_model + tile_rows[:, None] * 0 + ds[None, :]
         for d0 in range(0, d_model, BLOCK_D):
             d_valid = (d0 + ds) < d_model
@@ -160,22 +147,12 @@ def _decode_moe_kernel(
             tl.store(out_ptr + row * stride_ot + d0 + ds, total.to(out_ptr.dtype.element_ty), mask=d_valid)
 
 
-@triton.jit
-def _prefetch_l2(ptrs, valid):
-    """prefetch.global.L2 of the 128-byte line holding each valid address (through the load/store unit: the bulk
-    (TMA) prefetch of a 128-byte row segment issues one TMA operation each, ~14 us per Qwen3 layer, session 11)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, valid.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
 class DecodeConfig(NamedTuple):
     block_f: int  # F rows per program (its slice of gate, up and w2's columns)
     block_k: int  # d columns per step of the gate/up product
     block_d: int  # d rows per step of the w2 product (and of the final conversion)
     num_warps: int
     num_stages: int
-    prefetch_w2: bool = False  # prefetch the program's w2 slice into L2 before the w1 loop (16-byte aligned rows)
 
 
 def decode_config(itemsize: int = 2) -> DecodeConfig:
@@ -196,18 +173,10 @@ def decode_launch(x, w1, w2, out, acc, arrivals, routing, ids, top_k: int, route
             w2.stride(2), out.stride(0), routing.stride(0), routing.stride(1), ids.stride(0), ids.stride(1))
     meta = dict(TOP_K=top_k, ROUTE=route, K_POW2=triton.next_power_of_2(top_k),
                 E_POW2=triton.next_power_of_2(num_experts), SIGMOID=sigmoid, RENORMALIZE=renormalize,
-                BLOCK_F=config.block_f, BLOCK_K=config.block_k, BLOCK_D=config.block_d,
-                PREFETCH_W2=config.prefetch_w2 and _prefetch_applies(w2, config.block_f), **dot_precision(x),
+                BLOCK_F=config.block_f, BLOCK_K=config.block_k, BLOCK_D=config.block_d, **dot_precision(x),
                 num_warps=config.num_warps, num_stages=config.num_stages)
     grid = (num_tokens * top_k * triton.cdiv(d_ff, config.block_f),)
     return Launch(_decode_moe_kernel, grid, args, meta)
-
-
-def _prefetch_applies(w2, block_f: int) -> bool:
-    """Whether the w2 slices' rows are contiguous (one 128-byte line per row prefetches a slice of <= 128 bytes), on
-    a GPU (the interpreter has no inline PTX)."""
-    return (w2.is_cuda and not triton_interpreter_on() and w2.stride(2) == 1
-            and block_f * w2.element_size() <= 128)
 
 
 def decode_buffers(x):
