@@ -56,6 +56,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="decode-parts")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--unpipelined", action="store_true", help="num_stages=1 configs, the kernel as it is only")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     variants = variant_modules(args.out)
@@ -70,8 +71,13 @@ def main():
                num_stages=2), base._replace(block_f=32, block_k=512, num_stages=2),
                base._replace(block_f=16, block_k=512, num_stages=2, num_warps=8),
                base._replace(block_f=16, block_k=2048, num_stages=1)]
+    if args.unpipelined:
+        # num_stages=1: plain loads into registers (no cp.async ring), several programs per SM instead
+        configs = [base] + [base._replace(block_f=f, block_k=k, num_stages=1, num_warps=w)
+                            for f, k, w in ((64, 128, 4), (32, 128, 4), (16, 128, 4), (16, 256, 4), (32, 64, 4),
+                                            (16, 128, 2), (32, 256, 8))]
     for name, kernel in (("as-is", td._decode_moe_kernel), ("store", variants["store"]._decode_moe_kernel),
-                         ("no-w2", variants["no-w2"]._decode_moe_kernel)):
+                         ("no-w2", variants["no-w2"]._decode_moe_kernel))[:1 if args.unpipelined else 3]:
         for config in configs:
             def layer_call(layer, config=config, kernel=kernel):
                 x, w1, w2, logits = layer
