@@ -1,9 +1,10 @@
-"""A/B of the MoE backward's dx GEMM, ``dx32[token] += d(gate, up)[row] @ w1[e]``: the warp-specialised Gluon
-kernel (moe/hopper/dx_sm90.py, several tile configs) against the Triton kernel the library runs
-(``triton_gemm.dx_launch`` at ``choose_tiles``' tiles) and torch._grouped_mm doing the same GEMM.
+"""A/B of the MoE backward's dx GEMM, ``dx32[token] += d(gate, up)[row] @ w1[e]`` (``--gemm dh``: its dh GEMM): the
+warp-specialised Gluon kernel (moe/hopper/dx_sm90.py, several tile configs) against the Triton kernel the library
+runs (``triton_gemm.dx_launch`` at ``choose_tiles``' tiles) and torch._grouped_mm doing the same GEMM.
 
     PYTHONPATH=src:scripts python scripts/ab_moe_dx_sm90.py --out $OUT          # on the H200, < 2 min
     PYTHONPATH=src:scripts python scripts/ab_moe_dx_sm90.py --offline           # sm_90 builds only, no GPU
+    PYTHONPATH=src:scripts python scripts/ab_moe_dx_sm90.py --gemm dh --out $OUT  # the dh GEMM instead (below)
 
 Inputs as scripts/sweep_moe.py makes them (bench.moe._make_inputs, moe_route, sort_pairs_by_expert, and its
 Buffers / PairFill: random d(gate, up) per routed pair at that pair's sorted row), except that the padding rows of
@@ -13,6 +14,13 @@ float32: expect ~1e-7 or exact equality), and both against a float32 torch refer
 (triton.testing.do_bench, L2 flushed before each call) of each, in TFLOP/s with FLOPs = 4 * pairs * d * F.
 torch._grouped_mm is the GEMM alone on the unpadded rows in expert order (no combine: a ceiling); "gmm+combine"
 adds the float32 index_add_ into (T, d) that our kernels' atomics do.
+
+``--gemm dh``: the same kernel's row-store mode, ``dh[row] = dout[token(row)] @ w2[e]`` (K = d, N = F; FLOPs =
+2 * pairs * d * F), against ``triton_gemm.dh_launch`` at ``choose_tiles``' tiles and torch._grouped_mm on dout's rows in
+expert order (bf16 output, no gather: a ceiling). The Gluon kernel reads dout already gathered to the sorted rows
+(``triton_gemm.sorted_rows``, zeros in padding rows, which are then set to NaN here: a padding row must not reach
+a valid one, and dh's padding rows must stay untouched); that copy is timed alone ("gather") and each config both
+alone and after it ("<config>+gather": what moe_backward runs). Errors are over the valid rows.
 
 A config that hangs (a deadlock would be a kernel bug) ends the process after --hang-s seconds; the results so far
 are in the JSON (written after every measurement).
@@ -46,6 +54,9 @@ CONFIGS = {
     "n128s5p": DxConfig(block_n=128, num_stages=5, pingpong=True),
     "n128s6p": DxConfig(block_n=128, num_stages=6, pingpong=True),
 }
+# dh's K = d and N = F differ from dx's (2F, d): dx's ping-pong tile with 4 and 5 stages, and the cooperative
+# 128x256 tile
+DEFAULT_CONFIGS = {"dx": list(CONFIGS), "dh": ["n128s4p", "n128s5p", "n256s3"]}
 
 
 def _dims(model):
@@ -56,14 +67,18 @@ def _dims(model):
 
 
 # ------------------------------------------------------------------------------------------------- offline builds
-def _meta_case(model, num_tokens):
+def _meta_case(model, num_tokens, gemm="dx"):
     from flashmoe_science.moe.dispatch import sort_buffers
 
     num_experts, top_k, d_model, d_ff = _dims(model)
     dev = torch.device("meta")
     sort, _, _ = sort_buffers(num_tokens, top_k, num_experts, gdx.BLOCK_M, dev)  # shapes only
-    tiles_max = sort.tile_expert.numel()
-    dgu = torch.empty(tiles_max * gdx.BLOCK_M, 2 * d_ff, dtype=torch.bfloat16, device=dev)
+    rows = sort.tile_expert.numel() * gdx.BLOCK_M
+    if gemm == "dh":  # dout_sorted (rows, d), w2 (E, d, F), dh (rows, F)
+        return (torch.empty(rows, d_model, dtype=torch.bfloat16, device=dev),
+                torch.empty(num_experts, d_model, d_ff, dtype=torch.bfloat16, device=dev),
+                torch.empty(rows, d_ff, dtype=torch.float32, device=dev), sort)
+    dgu = torch.empty(rows, 2 * d_ff, dtype=torch.bfloat16, device=dev)
     w1 = torch.empty(num_experts, 2 * d_ff, d_model, dtype=torch.bfloat16, device=dev)
     dx32 = torch.empty(num_tokens, d_model, dtype=torch.float32, device=dev)
     return dgu, w1, dx32, sort
@@ -72,20 +87,21 @@ def _meta_case(model, num_tokens):
 SETMAXNREG = r"USETMAXREG\.\w+\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)"  # the partitions' register counts
 
 
-def offline(cases, names, out_dir):
+def offline(cases, names, out_dir, gemm="dx"):
     from sass_tools import cuobjdump
 
     records = []
+    print(f"{gemm} GEMM")
     print(f"{'case':<24} {'config':<8} {'tile':<28} {'smem':>7} {'maxreg':>6} {'LDL/STL':>7} {'local':>5}  sass")
     for case in cases:
         model, num_tokens = case.split(":")
-        tensors = _meta_case(model, int(num_tokens))
+        tensors = _meta_case(model, int(num_tokens), gemm)
         for name in names:
             cfg = CONFIGS[name]
-            rec = {"case": case, "config": name, "tile": cfg.label()}
+            rec = {"case": case, "gemm": gemm, "config": name, "tile": cfg.label()}
             try:
                 start = time.perf_counter()
-                compiled = gdx.compile_offline(*tensors, cfg)
+                compiled = gdx.compile_offline(*tensors, cfg, gemm=gemm)
                 sass = cuobjdump(compiled.asm["cubin"], "-sass")
                 usage = " ".join(cuobjdump(compiled.asm["cubin"], "-res-usage").split())
                 local = re.search(r"LOCAL:(\d+)", usage)
@@ -101,18 +117,20 @@ def offline(cases, names, out_dir):
                     LDL=len(re.findall(r"\bLDL\b", sass)), STL=len(re.findall(r"\bSTL\b", sass)),
                     HGMMA=sorted(set(re.findall(r"\bHGMMA\.\w+", sass))), n_HGMMA=len(re.findall(r"\bHGMMA\b", sass)),
                     UTMALDG=len(re.findall(r"\bUTMALDG\b", sass)), REDG=sorted(set(re.findall(r"\bREDG\S*", sass))),
+                    STG=sorted(set(re.findall(r"\bSTG\S*", sass))), n_STG=len(re.findall(r"\bSTG\b", sass)),
                     setmaxnreg=sorted({int(v, 16) for v in re.findall(SETMAXNREG, sass)}))
+                epilogue = '+'.join(rec['REDG']) if gemm == "dx" else f"{'+'.join(rec['STG'])} x{rec['n_STG']}"
                 print(f"{case:<24} {name:<8} {cfg.label():<28} {rec['smem']:>7} {rec['max_register']:>6} "
                       f"{rec['LDL']:>3}/{rec['STL']:<3} {rec['local_bytes']:>5}  "
                       f"{'+'.join(rec['HGMMA'])} x{rec['n_HGMMA']}, "
-                      f"UTMALDG {rec['UTMALDG']}, {'+'.join(rec['REDG'])}, setmaxnreg {rec['setmaxnreg']}", flush=True)
+                      f"UTMALDG {rec['UTMALDG']}, {epilogue}, setmaxnreg {rec['setmaxnreg']}", flush=True)
             except Exception as error:  # noqa: BLE001 - a config that does not build is reported, not fatal
                 rec["error"] = f"{type(error).__name__}: {str(error)[:400]}"
                 print(f"{case:<24} {name:<8} FAILED {rec['error']}", flush=True)
             records.append(rec)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "ab_moe_dx_sm90_offline.json"), "w") as f:
+        with open(os.path.join(out_dir, f"ab_moe_{gemm}_sm90_offline.json"), "w") as f:
             json.dump(records, f, indent=1)
 
 
@@ -144,21 +162,22 @@ def _fp32_reference(dgu, w1, sort, num_tokens):
     return out
 
 
-def gpu_ab(cases, names, out_dir, rep, hang_s, fp32_ref, device=None):
+def gpu_ab(cases, names, out_dir, rep, hang_s, fp32_ref, device=None, gemm="dx"):
     """The A/B on ``device`` (default cuda; the CPU with TRITON_INTERPRET=1 and stubs only exercises the code)."""
     device = device or torch.device("cuda")
     on_gpu = device.type == "cuda"
     start = time.perf_counter()
     report = {"gpu": torch.cuda.get_device_name() if on_gpu else str(device), "torch": torch.__version__,
-              "configs": {name: dataclasses.asdict(CONFIGS[name]) for name in names}, "cases": []}
+              "gemm": gemm, "configs": {name: dataclasses.asdict(CONFIGS[name]) for name in names}, "cases": []}
     os.makedirs(out_dir, exist_ok=True)
 
     def write():
-        with open(os.path.join(out_dir, "ab_moe_dx_sm90.json"), "w") as f:
+        with open(os.path.join(out_dir, f"ab_moe_{gemm}_sm90.json"), "w") as f:
             json.dump(report, f, indent=1)
 
+    run_case = _run_dh_case if gemm == "dh" else _run_case
     for case_name in cases:
-        case = _run_case(case_name, names, rep, hang_s, fp32_ref, device, report, write)
+        case = run_case(case_name, names, rep, hang_s, fp32_ref, device, report, write)
         if case is not None:
             _print_table(case)
         if on_gpu:
@@ -268,18 +287,152 @@ def _run_case(case_name, names, rep, hang_s, fp32_ref, device, report, write):
     return case
 
 
+def _fp32_dh(grad_out, w2, sort, valid):
+    """dh's valid rows in float32 by torch (TF32 off): per expert, dout[tokens of its rows] @ w2[e]."""
+    ids = sort.sorted_pair_ids.long()
+    out = torch.zeros(ids.numel(), w2.shape[2], dtype=torch.float32, device=w2.device)
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for e, (start, count) in enumerate(zip(sort.expert_row_start.tolist(), sort.expert_counts.tolist())):
+            if count:
+                rows = slice(start, start + count)
+                out[rows] = grad_out[ids[rows] // sort.top_k].float() @ w2[e].float()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    return out[valid]
+
+
+def _run_dh_case(case_name, names, rep, hang_s, fp32_ref, device, report, write):
+    """``_run_case`` for dh: Triton dh_launch, torch._grouped_mm, the row gather alone, then per Gluon config the
+    kernel alone and after the gather (see the module docstring)."""
+    from flashmoe_science.bench import moe as bench_moe
+    from flashmoe_science.moe import moe_route
+    from flashmoe_science.moe import triton_gemm as tg
+    from flashmoe_science.moe.dispatch import sort_pairs_by_expert
+    from flashmoe_science.moe.tiles import choose_tiles
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    model, num_tokens = case_name.split(":")
+    num_tokens = int(num_tokens)
+    num_experts, top_k, d_model, d_ff = _dims(model)
+    torch.manual_seed(0)
+    x, w1, w2, logits = bench_moe._make_inputs(num_tokens, num_experts, d_model, d_ff, torch.bfloat16, device)
+    del x, w1
+    _, ids = moe_route(logits, top_k)
+    grad_out = torch.randn(num_tokens, d_model, device=device).to(torch.bfloat16)
+    pairs = num_tokens * top_k
+    flops = 2.0 * pairs * d_model * d_ff
+    tiles = choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, device)
+    if tiles.block_m != gdx.BLOCK_M:
+        print(f"{case_name}: the heuristic's block_m is {tiles.block_m}, the Gluon kernel needs {gdx.BLOCK_M}; "
+              f"skipped", flush=True)
+        return None
+    sort = sort_pairs_by_expert(ids, num_experts, tiles.block_m)
+    num_rows = sort.tile_expert.numel() * tiles.block_m
+    valid = sort.sorted_pair_ids < sort.num_pairs
+    counts = sort.expert_counts.tolist()
+    used_tiles = sum(-(-c // tiles.block_m) for c in counts)
+    case = {"case": case_name, "gemm": "dh", "T": num_tokens, "E": num_experts, "top_k": top_k, "d_model": d_model,
+            "d_ff": d_ff, "pairs": pairs, "flops": flops, "row_tiles_used": used_tiles,
+            "row_tiles_max": sort.tile_expert.numel(), "rows_per_expert": [min(counts), max(counts)],
+            "triton_tiles": dataclasses.asdict(tiles.up_bwd), "runs": {}}
+    report["cases"].append(case)
+    print(f"== {case_name} dh: {pairs} pairs, {used_tiles}/{sort.tile_expert.numel()} row tiles used, rows per "
+          f"expert {min(counts)}..{max(counts)}; Triton dh tiles n{tiles.up_bwd.block_n} k{tiles.up_bwd.block_k} "
+          f"w{tiles.up_bwd.num_warps} s{tiles.up_bwd.num_stages}", flush=True)
+
+    # the Triton kernel the library runs: the reference output (padding rows NaN: never written)
+    dh_ref = torch.full((num_rows, d_ff), float("nan"), device=device)
+    launch = tg.dh_launch(grad_out, w2, dh_ref, sort, tiles)
+    launch()
+    sync()
+    ref = dh_ref[valid]
+    del dh_ref
+    case["triton_nan"] = bool(ref.isnan().any())
+    ref32 = _fp32_dh(grad_out, w2, sort, valid) if fp32_ref else None
+    if ref32 is not None:
+        case["triton_err_vs_fp32"] = _rel_err(ref, ref32)
+    ms = _bench(launch, rep)
+    case["runs"]["triton"] = {"ms": ms, "tflops": flops / ms / 1e9}
+
+    # torch._grouped_mm on dout's rows in expert order (gathered once, outside the timing; bf16 output)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0).to(torch.int32)
+    dout_s = grad_out[order // top_k]
+    ms = _bench(lambda: torch._grouped_mm(dout_s, w2, offs=offs), rep)
+    case["runs"]["grouped_mm"] = {"ms": ms, "tflops": flops / ms / 1e9}
+
+    # the gathered copy the Gluon kernel reads, as moe_backward makes it
+    dout_sorted = tg.sorted_rows(grad_out, None, sort, num_rows)
+    gather = tg.gather_rows_launch(grad_out, dout_sorted, None, sort)
+    ms = _bench(gather, rep)
+    moved = 2 * (pairs + num_rows) * d_model * grad_out.element_size()  # ~: rows read (pairs) and written (rows)
+    case["runs"]["gather"] = {"ms": ms, "GB/s": moved / ms / 1e6}
+    write()
+    dout_sorted[~valid] = float("nan")  # zeros from the gather: NaN shows a padding row reaching a valid one
+
+    dh = torch.full((num_rows, d_ff), float("nan"), device=device)
+    for name in names:
+        cfg = CONFIGS[name]
+        rec = {"tile": cfg.label()}
+        case["runs"][name] = rec
+
+        def run(cfg=cfg):
+            return gdx.dh_sm90(dout_sorted, w2, dh, sort, tiles.block_m, cfg)
+
+        def run_after_gather(cfg=cfg):
+            gather()  # writes zeros into the padding rows again: outputs are checked before this runs
+            return run(cfg)
+
+        try:
+            dh.fill_(float("nan"))
+            faulthandler.dump_traceback_later(hang_s, exit=True)  # a deadlocked kernel ends the run
+            kernel = run()
+            sync()
+            faulthandler.cancel_dump_traceback_later()
+            out = dh[valid]
+            rec.update(err_vs_triton=_rel_err(out, ref), identical=bool(torch.equal(out, ref)),
+                       nan=bool(out.isnan().any()), padding_untouched=bool(dh[~valid].isnan().all()),
+                       regs=getattr(kernel, "n_regs", None), spills=getattr(kernel, "n_spills", None),
+                       smem=getattr(getattr(kernel, "metadata", None), "shared", None))
+            if ref32 is not None:
+                rec["err_vs_fp32"] = _rel_err(out, ref32)
+            del out
+            ms = _bench(run, rep)
+            rec.update(ms=ms, tflops=flops / ms / 1e9)
+            ms = _bench(run_after_gather, rep)
+            case["runs"][f"{name}+gather"] = {"tile": cfg.label(), "ms": ms, "tflops": flops / ms / 1e9}
+            dout_sorted[~valid] = float("nan")
+        except Exception as error:  # noqa: BLE001 - a config that fails is reported, the others still run
+            faulthandler.cancel_dump_traceback_later()
+            rec["error"] = f"{type(error).__name__}: {str(error)[:400]}"
+        write()
+        print(f"  {name:<8} " + (f"FAILED {rec['error']}" if "error" in rec else
+                                 f"{rec['ms']:.4f} ms {rec['tflops']:6.1f} TFLOP/s (after the gather "
+                                 f"{case['runs'][name + '+gather']['tflops']:6.1f}) err {rec['err_vs_triton']:.1e}"
+                                 f" identical={rec['identical']} nan={rec['nan']} "
+                                 f"padding_untouched={rec['padding_untouched']}"), flush=True)
+    return case
+
+
 def _print_table(case):
     runs = case["runs"]
     base = runs["grouped_mm"]["tflops"]
     tri = runs["triton"]["tflops"]
     triton_tile = "n{block_n} k{block_k} w{num_warps} s{num_stages}".format(**case["triton_tiles"])
-    print(f"\n{case['case']}  (FLOPs = 4*pairs*d*F = {case['flops'] / 1e12:.2f} T)")
+    factor = 2 if case.get("gemm") == "dh" else 4
+    print(f"\n{case['case']} {case.get('gemm', 'dx')}  (FLOPs = {factor}*pairs*d*F = {case['flops'] / 1e12:.2f} T)")
     print(f"  {'kernel':<20} {'tile':<28} {'ms':>8} {'TFLOP/s':>8} {'x gmm':>6} {'x triton':>8} {'err/triton':>10} "
           f"{'err/fp32':>9}")
     for name, r in runs.items():
         tile = triton_tile if name == "triton" else r.get("tile", "")
         if "ms" not in r:
             print(f"  {name:<20} {tile:<28} {r.get('error', 'no time')}")
+            continue
+        if "tflops" not in r:  # dh's row gather: a copy, in GB/s
+            print(f"  {name:<20} {tile:<28} {r['ms']:8.4f} {r['GB/s']:6.0f} GB/s")
             continue
         err = f"{r['err_vs_triton']:10.1e}" if "err_vs_triton" in r else f"{'':>10}"
         e32 = case.get("triton_err_vs_fp32") if name == "triton" else r.get("err_vs_fp32")
@@ -294,22 +447,24 @@ def main():
     parser.add_argument("--out", default="")
     parser.add_argument("--offline", action="store_true", help="sm_90 builds and SASS counts only (no GPU needed)")
     parser.add_argument("--cases", default=",".join(CASES), help="comma list of model:T")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {list(CONFIGS)}")
+    parser.add_argument("--gemm", choices=("dx", "dh"), default="dx", help="which product of the kernel")
+    parser.add_argument("--configs", default="",
+                        help=f"comma list of {list(CONFIGS)} (default: {DEFAULT_CONFIGS})")
     parser.add_argument("--rep", type=int, default=40, help="do_bench rep (ms of timed calls per measurement)")
     parser.add_argument("--hang-s", type=float, default=60.0, help="a first launch taking longer ends the run")
     parser.add_argument("--no-fp32-ref", action="store_true", help="skip the float32 torch reference")
     args = parser.parse_args()
     cases = [c for c in args.cases.split(",") if c]
-    names = [n for n in args.configs.split(",") if n]
+    names = [n for n in args.configs.split(",") if n] or DEFAULT_CONFIGS[args.gemm]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         sys.exit(f"unknown configs {unknown}; known: {list(CONFIGS)}")
     if args.offline:
-        offline(cases, names, args.out)
+        offline(cases, names, args.out, args.gemm)
         return
     if not torch.cuda.is_available():
         sys.exit("no GPU: use --offline for the sm_90 builds")
-    gpu_ab(cases, names, args.out or ".", args.rep, args.hang_s, not args.no_fp32_ref)
+    gpu_ab(cases, names, args.out or ".", args.rep, args.hang_s, not args.no_fp32_ref, gemm=args.gemm)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ Gate and up rows of w1 are read as one B tile with interleaved columns (``_gate_
 Backward, four GEMM launches reusing the forward's sort and what a training forward (``save_for_backward=True``)
 keeps: the SwiGLU pre-activations ``[gate | up]`` per sorted row (one extra (T·k, 2F) write instead of a backward
 that recomputes both, a third more GEMM work) and h (already written for GEMM2); inference keeps nothing:
-- ``_gathered_rows_gemm_kernel``: ``dh[row] = dout[token] @ w2[e]``, then ``_swiglu_backward_kernel`` (elementwise,
-  whole rows) writes ``d(gate, up) = dSwiGLU(weight * dh)`` and the routing-weight gradient
+- ``_gathered_rows_gemm_kernel``: ``dh[row] = dout[token] @ w2[e]`` (on Hopper with 128-row tiles and a large F
+  dx_sm90's Gluon kernel over dout gathered to sorted rows instead: ``_dh``), then ``_swiglu_backward_kernel``
+  (elementwise, whole rows) writes ``d(gate, up) = dSwiGLU(weight * dh)`` and the routing-weight gradient
   ``dout[token] . y = dh . h``.
 - ``_down_combine_kernel`` again for ``dx[token] += d(gate, up)[row] @ w1[e]``; on Hopper with 128-row tiles the
   Gluon kernel of ``moe/hopper/dx_sm90.py`` instead (TMA loads, warp-specialised, ping-pong consumers; 644 vs 607
@@ -763,7 +764,7 @@ def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
         raise ValueError("moe_backward needs the forward's pre-activations: "
                          "run moe_forward(..., save_for_backward=True)")
     dh, dgu, dweights = backward_buffers(x, w1, sort, tiles)
-    dh_launch(grad_out, w2, dh, sort, tiles)()
+    _dh(grad_out, w2, dh, sort, tiles)
     swiglu_backward_launch(gate_up, dh, h, weights32, dgu, dweights, sort)()
     dx = None
     if need_dx:
@@ -782,6 +783,31 @@ def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
     if need_dw2:
         _weight_gradient(sorted_rows(grad_out, weights32, sort, num_rows), h, dw2, sort, tiles, dw2_launch)
     return dx, dw1, dw2, dweights
+
+
+# The Gluon dh's A operand is dout gathered to the sorted rows first: 4 * rows * d bytes moved (read and write, 16-bit)
+# for 2 * rows * d * F FLOPs, i.e. ~(2 * 600 TFLOP/s) / (3.7 TB/s * F) = 324 / F of the GEMM's time on the H200.
+# The Gluon kernel gained 6-10% on dx (session 9): the copy eats that gain below F ~ 3000-4000 (Mixtral F = 14336:
+# ~2%; Qwen3 F = 768: ~35-40%, where Triton's dh already runs at 486 TFLOP/s). An estimate, not measured yet:
+# scripts/ab_moe_dx_sm90.py --gemm dh times both, copy included.
+GLUON_DH_MIN_D_FF = 4096
+
+
+def _dh(grad_out, w2, dh, sort: ExpertSort, tiles: MoETiles) -> None:
+    """``dh[row] = dout[token] @ w2[e]``: on Hopper with 128-row tiles and F >= GLUON_DH_MIN_D_FF the Gluon kernel of
+    moe/hopper/dx_sm90.py (its row-store epilogue) over dout gathered to the sorted rows first (TMA loads dense
+    boxes), else ``dh_launch`` (which gathers in its loads)."""
+    if (dh.is_cuda and tiles.block_m == 128 and dh.shape[1] >= GLUON_DH_MIN_D_FF
+            and device_traits(dh.device).is_hopper):
+        from flashmoe_science.moe.hopper import dx_sm90
+
+        # checked on a stand-in for the gathered copy (its shape and dtype; fresh, so contiguous and aligned) so
+        # that the copy is only made where the kernel takes it
+        a = torch.empty((dh.shape[0], grad_out.shape[1]), dtype=grad_out.dtype, device="meta")
+        if dx_sm90.unsupported_reason(a, w2, dh, sort, 128, dx_sm90.DH_CONFIG, gemm="dh") is None:
+            dx_sm90.dh_sm90(sorted_rows(grad_out, None, sort, dh.shape[0]), w2, dh, sort, 128, dx_sm90.DH_CONFIG)
+            return
+    dh_launch(grad_out, w2, dh, sort, tiles)()
 
 
 def _hopper_dx(dgu, w1, dx32, sort: ExpertSort, tiles: MoETiles):

@@ -1,12 +1,19 @@
-"""The MoE backward's dx GEMM for Hopper (sm_90) in Gluon: ``dx32[token] += d(gate, up)[row] @ w1[e]``.
+"""The MoE backward's sorted-rows GEMMs for Hopper (sm_90) in Gluon, one kernel with two epilogues:
 
-The same product as ``triton_gemm.dx_launch`` (``_down_combine_kernel`` with K = 2F, N = d, no row scale) over the
-expert-sorted rows of ``dispatch.ExpertSort``: row tile t (BLOCK_M = 128 sorted rows, one expert) times the
-expert's weight block ``w1[e, k0:k0+BLOCK_K, n0:n0+BLOCK_N]``, every valid row's float32 result added atomically
-into ``dx32[token]`` (the top_k rows of a token meet there; padding rows are dropped). What changes is the schedule:
-Triton's kernel loads both operands with cp.async and waits for each wgmma before the next instruction that could
-touch its registers, so its warps alternate between issuing loads and tensor-core work. Here the roles are split
-into warp-specialised partitions that only meet at mbarriers:
+- dx (``SCATTER``): ``dx32[token] += d(gate, up)[row] @ w1[e]``, ``triton_gemm.dx_launch``'s product
+  (``_down_combine_kernel`` with K = 2F, N = d, no row scale): every valid row's float32 result is added
+  atomically into ``dx32[token]`` (the top_k rows of a token meet there).
+- dh: ``dh[row] = dout[token(row)] @ w2[e]``, ``triton_gemm.dh_launch``'s product (K = d, N = F), stored to the
+  row's own row of the float32 dh (no atomics). TMA loads dense boxes, so A is dout already gathered to the sorted
+  rows (``triton_gemm.sorted_rows``: one (rows, d) copy, which Triton's kernel does in its loads instead).
+
+Both are A (sorted rows x K, dense) times the expert's block of B = the weight viewed (E*K, N), over the
+expert-sorted rows of ``dispatch.ExpertSort``: row tile t (BLOCK_M = 128 sorted rows, one expert) times
+``B[e*K + k0 : +BLOCK_K, n0 : +BLOCK_N]``; padding rows are dropped in the epilogue. What changes against Triton
+is the schedule: Triton's kernel loads both operands with cp.async and waits for each wgmma before the next
+instruction that could touch its registers, so its warps alternate between issuing loads and tensor-core work.
+Here the roles are split into warp-specialised partitions that only meet at mbarriers (described for dx; dh
+differs only in its operands and its epilogue's store):
 
 - **Producer** (one warp, 24 registers after setmaxnreg): walks the CTA's work items in the consumers' order and,
   for each K step, waits until ring stage ``s`` is released ("empty"), then issues two TMA copies into it: the A
@@ -14,7 +21,7 @@ into warp-specialised partitions that only meet at mbarriers:
   ``w1.view(E*2F, d)[e*2F + k0 : +BLOCK_K, n0 : +BLOCK_N]``, both completing on the stage's "ready" barrier
   (expect-tx of both boxes' bytes). It only computes coordinates, so it runs ahead of the consumers by the whole
   ring (NUM_STAGES stages), across work items too: the next item's first tiles land during the current epilogue.
-  A K box never straddles two experts because the wrapper requires 2F % BLOCK_K == 0.
+  A K box never straddles two experts because the wrapper requires K % BLOCK_K == 0 (2F; dh: d).
 - **Two consumer warpgroups** (240 registers each) in one of two modes:
   * cooperative (default): both take every work item, consumer c the rows [64c, 64c+64) of the 128-row tile, so
     a 128x256 tile is two 64x256 fp32 accumulators of 128 registers per thread (the largest wgmma, m64n256k16, and
@@ -29,14 +36,16 @@ into warp-specialised partitions that only meet at mbarriers:
     phase p from p+2).
   The epilogue (after waiting for the last wgmma) drops padding rows (pair id = num_pairs; the ids are loaded
   before the K loop) and columns past N, and adds the accumulator straight from registers with relaxed float32
-  atomics (``REDG.E.ADD.F32x2``: each thread holds adjacent column pairs). No shared-memory staging (Triton's
+  atomics (``REDG.E.ADD.F32x2``: each thread holds adjacent column pairs; dh: ``STG.E.64`` stores, each quad of
+  threads a full 32-byte sector of a row). No shared-memory staging (Triton's
   kernel converts to 4-wide vectors through the idle ring): here the ring is busy with the next item's loads, and
   a 128x256 fp32 tile (128 KiB) would not fit beside it. In cooperative mode the tensor cores idle during the
   epilogue (negligible at Mixtral's K = 28672, a few percent at Qwen3's K = 1536: what ping-pong is for).
 
-Offline sm_90 builds (triton 3.6, scripts/ab_moe_dx_sm90.py --offline): no spills in any config; the consumers
-use at most 175 registers (cooperative 128x256), 96 (cooperative 128x128), 183 (ping-pong 128x128) of their 240;
-shared memory 147680 / 196840 bytes at 128x256 with 3 / 4 stages, 98528 + 32768 per stage at 128x128.
+Offline sm_90 builds (triton 3.6, scripts/ab_moe_dx_sm90.py --offline [--gemm dh]): no spills in any config; the
+consumers use at most 175 registers (cooperative 128x256), 96 (cooperative 128x128), 183 (ping-pong 128x128) of
+their 240 for dx, 151 / 159 (cooperative 128x256 / ping-pong 128x128) for dh; shared memory 147680 / 196840 bytes
+at 128x256 with 3 / 4 stages, 98528 + 32768 per stage at 128x128. dx's SASS is as before dh's epilogue was added.
 
 Persistent: ``num_ctas`` = the SM count (at most the number of work items); CTA c takes work items c, c + num_ctas,
 ... Work items are (row tile, column block) pairs numbered in ``triton_gemm._row_tile_and_col_block``'s GROUP_M
@@ -51,14 +60,16 @@ alike, so the ring positions stay in step).
 The producer step, the consumers' main loop, the barriers' set-up, descriptors and offline builds live in
 ``common`` (shared with wgrad_sm90); the SASS is as before that move (the 128x128 configs' bit for bit).
 
-Numerics: bf16 (or fp16) operands, float32 accumulation in the wgmma, float32 atomics into dx32: the same as the
-Triton kernel up to the order of the K-sum inside the tensor core and the order of the top_k atomic additions
-(not fixed: results may differ in the last bits from run to run, as with the Triton kernel).
+Numerics: bf16 (or fp16) operands, float32 accumulation in the wgmma, float32 atomics into dx32 (dh: stored as
+accumulated): the same as the Triton kernels up to the order of the K-sum inside the tensor core and, for dx, the
+order of the top_k atomic additions (not fixed: results may differ in the last bits from run to run, as with the
+Triton kernel; dh is deterministic).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -79,7 +90,7 @@ BLOCK_M = 128  # rows per work item: the sort's row tile (one expert per tile)
 
 @dataclass(frozen=True)
 class DxConfig:
-    """The kernel's tile config (constexprs). BLOCK_M is fixed at 128 (the sort's row tile)."""
+    """The kernel's tile config (constexprs), dx's or dh's. BLOCK_M is fixed at 128 (the sort's row tile)."""
 
     block_n: int = 256
     block_k: int = 64
@@ -96,6 +107,8 @@ class DxConfig:
 # combine): ping-pong 128x128, 4 stages: Mixtral 644 (607 / 677), Qwen3 432 (399 / 426), the best at Mixtral and
 # within 5% of Qwen3's best (5 stages, 454, but 591 at Mixtral). Cooperative 128x256: 609-598 / 407-418.
 MEASURED_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
+# dh: not measured yet (scripts/ab_moe_dx_sm90.py --gemm dh); dx's tile until it is
+DH_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
 
 
 def smem_bytes(config: DxConfig, itemsize: int = 2) -> int:
@@ -103,9 +116,10 @@ def smem_bytes(config: DxConfig, itemsize: int = 2) -> int:
     return config.num_stages * (BLOCK_M + config.block_n) * config.block_k * itemsize + BARRIER_BYTES
 
 
-def check_config(config: DxConfig, itemsize: int = 2, smem_limit: int = HOPPER_SMEM_PER_BLOCK) -> None:
+def check_config(config: DxConfig, itemsize: int = 2, smem_limit: int = HOPPER_SMEM_PER_BLOCK,
+                 gemm: str = "dx") -> None:
     """ValueError unless the kernel can run ``config``."""
-    check_tile_config("dx_sm90", config, smem_bytes(config, itemsize), smem_limit)
+    check_tile_config(f"{gemm}_sm90", config, smem_bytes(config, itemsize), smem_limit)
 
 
 # ------------------------------------------------------------------------------------------------------ the kernel
@@ -145,11 +159,12 @@ def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, tile_expert_ptr, exp
 
 
 @gluon.jit
-def _consumer(a_smem, b_smem, ready, empty, turn, dx_ptr, sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr,
-              expert_row_start_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_dx,
+def _consumer(a_smem, b_smem, ready, empty, turn, out_ptr, sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr,
+              expert_row_start_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out,
               CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, ROWS: gl.constexpr, GROUP_M: gl.constexpr,
-              NUM_STAGES: gl.constexpr):
-    """One consumer warpgroup: its rows of every work item (cooperative), or every other work item (ping-pong)."""
+              NUM_STAGES: gl.constexpr, SCATTER: gl.constexpr):
+    """One consumer warpgroup: its rows of every work item (cooperative), or every other work item (ping-pong); the
+    epilogue adds them into their tokens' rows of out (SCATTER, dx) or stores them to their own rows (dh)."""
     BM: gl.constexpr = a_smem.type.shape[1]
     BK: gl.constexpr = a_smem.type.shape[2]
     BN: gl.constexpr = b_smem.type.shape[2]
@@ -191,19 +206,26 @@ def _consumer(a_smem, b_smem, ready, empty, turn, dx_ptr, sorted_pair_ids_ptr, t
             if item_steps > 0:
                 mbarrier.arrive(empty.index((end + NUM_STAGES - 1) % NUM_STAGES), count=1)
                 valid = pairs < num_pairs  # padding rows hold num_pairs
-                tokens = gl.where(valid, pairs // top_k, 0).to(gl.int64)
+                if SCATTER:
+                    out_rows = gl.where(valid, pairs // top_k, 0).to(gl.int64)  # the rows' tokens
+                else:
+                    out_rows = rows.to(gl.int64)
                 cols = col_block * BN + gl.arange(0, BN, layout=col_layout)
-                ptrs = dx_ptr + gl.expand_dims(tokens * stride_dx, 1) + gl.expand_dims(cols, 0)
+                ptrs = out_ptr + gl.expand_dims(out_rows * stride_out, 1) + gl.expand_dims(cols, 0)
                 mask = gl.expand_dims(valid, 1) & gl.expand_dims(cols < N, 0)
-                gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+                if SCATTER:
+                    gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+                else:
+                    gl.store(ptrs, acc, mask=mask)
         ring += item_steps
         item += 1
 
 
 @gluon.jit
-def dx_sm90_kernel(a_desc, b_desc, dx_ptr, sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr,
-                   expert_row_start_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_dx,
-                   GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, ROWS: gl.constexpr):
+def sorted_rows_sm90_kernel(a_desc, b_desc, out_ptr, sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr,
+                            expert_row_start_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out,
+                            GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                            ROWS: gl.constexpr, SCATTER: gl.constexpr):
     """Persistent: each CTA runs work items program_id, program_id + num_programs, ... (see the module docstring)."""
     dtype: gl.constexpr = a_desc.dtype
     a_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -211,86 +233,118 @@ def dx_sm90_kernel(a_desc, b_desc, dx_ptr, sorted_pair_ids_ptr, tile_expert_ptr,
     ready, empty, turn = init_barriers(NUM_STAGES, PINGPONG)
 
     gl.warp_specialize([
-        (_consumer, (a_smem, b_smem, ready, empty, turn, dx_ptr, sorted_pair_ids_ptr, tile_expert_ptr,
+        (_consumer, (a_smem, b_smem, ready, empty, turn, out_ptr, sorted_pair_ids_ptr, tile_expert_ptr,
                      expert_counts_ptr, expert_row_start_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N,
-                     stride_dx, 0, PINGPONG, ROWS, GROUP_M, NUM_STAGES)),
-        (_consumer, (a_smem, b_smem, ready, empty, turn, dx_ptr, sorted_pair_ids_ptr, tile_expert_ptr,
+                     stride_out, 0, PINGPONG, ROWS, GROUP_M, NUM_STAGES, SCATTER)),
+        (_consumer, (a_smem, b_smem, ready, empty, turn, out_ptr, sorted_pair_ids_ptr, tile_expert_ptr,
                      expert_counts_ptr, expert_row_start_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N,
-                     stride_dx, 1, PINGPONG, ROWS, GROUP_M, NUM_STAGES)),
+                     stride_out, 1, PINGPONG, ROWS, GROUP_M, NUM_STAGES, SCATTER)),
         (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, tile_expert_ptr, expert_counts_ptr,
                      expert_row_start_ptr, num_experts, num_tiles_max, K, N, GROUP_M, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
-# ----------------------------------------------------------------------------------------------------- the wrapper
-def unsupported_reason(dgu, w1, dx32, sort: ExpertSort, block_m: int, config: DxConfig) -> str | None:
-    """Why the kernel cannot take these arguments, or None where it can."""
+# ---------------------------------------------------------------------------------------------------- the wrappers
+class _Gemm(NamedTuple):
+    """What differs between the two products on the host: the operands' names (for messages), K and N's names,
+    the Triton fallback, and the epilogue."""
+
+    a: str
+    w: str
+    out: str
+    k: str
+    n: str
+    triton: str
+    scatter: bool
+
+
+GEMMS = {"dx": _Gemm("dgu", "w1", "dx32", "2F", "d", "dx_launch", True),
+         "dh": _Gemm("dout_sorted", "w2", "dh", "d", "F", "dh_launch", False)}
+
+
+def unsupported_reason(a, w, out, sort: ExpertSort, block_m: int, config: DxConfig, gemm: str = "dx") -> str | None:
+    """Why the kernel cannot take these arguments, or None where it can. ``gemm="dx"``: a = dgu (rows, 2F),
+    w = w1 (E, 2F, d), out = dx32 (T, d); ``gemm="dh"``: a = dout_sorted (rows, d), w = w2 (E, d, F),
+    out = dh (rows, F)."""
+    g = GEMMS[gemm]
+    name = f"{gemm}_sm90"
     if not isinstance(sort, ExpertSort):
-        return f"dx_sm90: sort must be a dispatch.ExpertSort, got {type(sort).__name__}"
+        return f"{name}: sort must be a dispatch.ExpertSort, got {type(sort).__name__}"
     if block_m != BLOCK_M or sort.block_m != BLOCK_M:
-        return (f"dx_sm90: the kernel runs {BLOCK_M}-row tiles; got block_m={block_m}, "
+        return (f"{name}: the kernel runs {BLOCK_M}-row tiles; got block_m={block_m}, "
                 f"sort.block_m={sort.block_m}")
-    if w1.dim() != 3 or dgu.dim() != 2 or dx32.dim() != 2:
-        return (f"dx_sm90: expected w1 (E, 2F, d), dgu (rows, 2F), dx32 (T, d); got w1 {tuple(w1.shape)}, "
-                f"dgu {tuple(dgu.shape)}, dx32 {tuple(dx32.shape)}")
-    if w1.dtype not in GL_DTYPES or dgu.dtype != w1.dtype:
-        return (f"dx_sm90: dgu and w1 must share a 16-bit float dtype (bfloat16 or float16), got "
-                f"{dgu.dtype} and {w1.dtype}")
-    if dx32.dtype != torch.float32:
-        return f"dx_sm90: dx32 must be float32 (the atomics add float32), got {dx32.dtype}"
-    num_experts, two_d_ff, d_model = w1.shape
+    out_rows = "T" if g.scatter else "rows"
+    if w.dim() != 3 or a.dim() != 2 or out.dim() != 2:
+        return (f"{name}: expected {g.w} (E, {g.k}, {g.n}), {g.a} (rows, {g.k}), {g.out} ({out_rows}, {g.n}); got "
+                f"{g.w} {tuple(w.shape)}, {g.a} {tuple(a.shape)}, {g.out} {tuple(out.shape)}")
+    if w.dtype not in GL_DTYPES or a.dtype != w.dtype:
+        return (f"{name}: {g.a} and {g.w} must share a 16-bit float dtype (bfloat16 or float16), got "
+                f"{a.dtype} and {w.dtype}")
+    if out.dtype != torch.float32:
+        why = "the atomics add float32" if g.scatter else "the accumulator, stored as it is"
+        return f"{name}: {g.out} must be float32 ({why}), got {out.dtype}"
+    num_experts, K, N = w.shape
     num_rows = sort.tile_expert.numel() * BLOCK_M
-    if dgu.shape != (num_rows, two_d_ff):
-        return f"dx_sm90: dgu must be (sort rows, 2F) = ({num_rows}, {two_d_ff}), got {tuple(dgu.shape)}"
-    if dx32.shape[1] != d_model or dx32.shape[0] * sort.top_k != sort.num_pairs:
-        return (f"dx_sm90: dx32 must be (T, d) = ({sort.num_pairs // max(sort.top_k, 1)}, {d_model}), "
-                f"got {tuple(dx32.shape)}")
+    if a.shape != (num_rows, K):
+        return f"{name}: {g.a} must be (sort rows, {g.k}) = ({num_rows}, {K}), got {tuple(a.shape)}"
+    if g.scatter and (out.shape[1] != N or out.shape[0] * sort.top_k != sort.num_pairs):
+        return (f"{name}: {g.out} must be (T, {g.n}) = ({sort.num_pairs // max(sort.top_k, 1)}, {N}), "
+                f"got {tuple(out.shape)}")
+    if not g.scatter and out.shape != (num_rows, N):
+        return f"{name}: {g.out} must be (sort rows, {g.n}) = ({num_rows}, {N}), got {tuple(out.shape)}"
     if sort.expert_counts.numel() != num_experts:
-        return f"dx_sm90: the sort has {sort.expert_counts.numel()} experts, w1 {num_experts}"
-    if two_d_ff % config.block_k:
-        # the B descriptor views w1 as (E*2F, d): a K box must not straddle two experts
-        return (f"dx_sm90: 2F = {two_d_ff} must be a multiple of block_k = {config.block_k} (a K tile of "
-                f"w1 viewed as (E*2F, d) would cross an expert boundary); use triton_gemm.dx_launch")
-    if not (w1.is_contiguous() and dgu.is_contiguous()):
-        return "dx_sm90: dgu and w1 must be contiguous (TMA descriptors over their rows)"
-    if dx32.stride(1) != 1:
-        return f"dx_sm90: dx32 needs a unit last stride, got strides {dx32.stride()}"
-    if (d_model * w1.element_size()) % 16 or (two_d_ff * dgu.element_size()) % 16:
-        return (f"dx_sm90: TMA needs 16-byte aligned rows: d = {d_model} and 2F = {two_d_ff} must be "
+        return f"{name}: the sort has {sort.expert_counts.numel()} experts, {g.w} {num_experts}"
+    if K % config.block_k:
+        # the B descriptor views w as (E*K, N): a K box must not straddle two experts
+        return (f"{name}: {g.k} = {K} must be a multiple of block_k = {config.block_k} (a K tile of "
+                f"{g.w} viewed as (E*{g.k}, {g.n}) would cross an expert boundary); use triton_gemm.{g.triton}")
+    if not (w.is_contiguous() and a.is_contiguous()):
+        return f"{name}: {g.a} and {g.w} must be contiguous (TMA descriptors over their rows)"
+    if out.stride(1) != 1:
+        return f"{name}: {g.out} needs a unit last stride, got strides {out.stride()}"
+    if (N * w.element_size()) % 16 or (K * a.element_size()) % 16:
+        return (f"{name}: TMA needs 16-byte aligned rows: {g.n} = {N} and {g.k} = {K} must be "
                 f"multiples of 8")
-    if dgu.data_ptr() % 16 or w1.data_ptr() % 16:
-        return "dx_sm90: TMA needs 16-byte aligned base addresses of dgu and w1"
+    if a.data_ptr() % 16 or w.data_ptr() % 16:
+        return f"{name}: TMA needs 16-byte aligned base addresses of {g.a} and {g.w}"
     try:
-        check_config(config, w1.element_size())
+        check_config(config, w.element_size(), gemm=gemm)
     except ValueError as error:
         return str(error)
     return None
 
 
-def _check_args(dgu, w1, dx32, sort: ExpertSort, block_m: int, config: DxConfig) -> None:
-    reason = unsupported_reason(dgu, w1, dx32, sort, block_m, config)
+def launch_args(a, w, out, sort: ExpertSort, block_m: int, config: DxConfig = DxConfig(),
+                num_ctas: int | None = None, gemm: str = "dx"):
+    """(grid, positional args, constexprs) of one launch (``unsupported_reason``'s arguments), after the argument
+    checks (ValueError); no device check, so that offline builds can pass meta tensors."""
+    reason = unsupported_reason(a, w, out, sort, block_m, config, gemm)
     if reason is not None:
         raise ValueError(reason)
-
-
-def launch_args(dgu, w1, dx32, sort: ExpertSort, block_m: int, config: DxConfig = DxConfig(),
-                num_ctas: int | None = None):
-    """(grid, positional args, constexprs) of one launch, after the argument checks (ValueError); no device check,
-    so that offline builds can pass meta tensors."""
-    _check_args(dgu, w1, dx32, sort, block_m, config)
-    num_experts, two_d_ff, d_model = w1.shape
+    num_experts, K, N = w.shape
     num_tiles_max = sort.tile_expert.numel()
-    max_work = num_tiles_max * triton.cdiv(d_model, config.block_n)
+    max_work = num_tiles_max * triton.cdiv(N, config.block_n)
     if num_ctas is None:
-        num_ctas = sm_count(dx32.device)
+        num_ctas = sm_count(out.device)
     grid = (max(1, min(num_ctas, max_work)),)
-    a_desc = common.descriptor(dgu, [BLOCK_M, config.block_k])
-    b_desc = common.descriptor(w1.view(num_experts * two_d_ff, d_model), [config.block_k, config.block_n])
-    args = (a_desc, b_desc, dx32, sort.sorted_pair_ids, sort.tile_expert, sort.expert_counts, sort.expert_row_start,
-            num_experts, num_tiles_max, sort.num_pairs, sort.top_k, two_d_ff, d_model, dx32.stride(0))
+    a_desc = common.descriptor(a, [BLOCK_M, config.block_k])
+    b_desc = common.descriptor(w.view(num_experts * K, N), [config.block_k, config.block_n])
+    args = (a_desc, b_desc, out, sort.sorted_pair_ids, sort.tile_expert, sort.expert_counts, sort.expert_row_start,
+            num_experts, num_tiles_max, sort.num_pairs, sort.top_k, K, N, out.stride(0))
     rows = BLOCK_M if config.pingpong else BLOCK_M // NUM_CONSUMERS
-    constexprs = dict(GROUP_M=config.group_m, NUM_STAGES=config.num_stages, PINGPONG=config.pingpong, ROWS=rows)
+    constexprs = dict(GROUP_M=config.group_m, NUM_STAGES=config.num_stages, PINGPONG=config.pingpong, ROWS=rows,
+                      SCATTER=GEMMS[gemm].scatter)
     return grid, args, constexprs
+
+
+def _launch(gemm, a, w, out, sort: ExpertSort, block_m: int, config: DxConfig, num_ctas: int | None):
+    tensors = (a, w, out, sort.sorted_pair_ids, sort.tile_expert, sort.expert_counts, sort.expert_row_start)
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
+        raise ValueError(f"{gemm}_sm90: needs CUDA tensors (a Hopper GPU)")
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"{gemm}_sm90: all tensors must be on one device")
+    grid, args, constexprs = launch_args(a, w, out, sort, block_m, config, num_ctas, gemm)
+    return sorted_rows_sm90_kernel[grid](*args, **constexprs, **LAUNCH_OPTIONS)
 
 
 def dx_sm90(dgu, w1, dx32, sort: ExpertSort, block_m: int, config: DxConfig = DxConfig(),
@@ -302,17 +356,23 @@ def dx_sm90(dgu, w1, dx32, sort: ExpertSort, block_m: int, config: DxConfig = Dx
     first); sort: the forward's ExpertSort with block_m = 128. ``num_ctas``: persistent CTAs (default: one per SM).
     Raises ValueError on arguments the kernel cannot take (then use triton_gemm.dx_launch). Returns the compiled
     kernel (registers, spills, SASS for diagnostics)."""
-    tensors = (dgu, w1, dx32, sort.sorted_pair_ids, sort.tile_expert, sort.expert_counts, sort.expert_row_start)
-    if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
-        raise ValueError("dx_sm90: needs CUDA tensors (a Hopper GPU)")
-    if len({t.device for t in tensors}) != 1:
-        raise ValueError("dx_sm90: all tensors must be on one device")
-    grid, args, constexprs = launch_args(dgu, w1, dx32, sort, block_m, config, num_ctas)
-    return dx_sm90_kernel[grid](*args, **constexprs, **LAUNCH_OPTIONS)
+    return _launch("dx", dgu, w1, dx32, sort, block_m, config, num_ctas)
 
 
-def compile_offline(dgu, w1, dx32, sort: ExpertSort, config: DxConfig = DxConfig(), num_ctas: int = 132):
+def dh_sm90(dout_sorted, w2, dh, sort: ExpertSort, block_m: int, config: DxConfig = DH_CONFIG,
+            num_ctas: int | None = None):
+    """``dh[row] = dout_sorted[row] @ w2[expert(row)]`` for every valid sorted row (``triton_gemm.dh_launch``'s
+    product, with dout already gathered to the sorted rows: ``triton_gemm.sorted_rows(dout, None, ...)``).
+
+    dout_sorted: (sort rows, d) bf16/fp16 contiguous (padding rows may hold anything); w2: (E, d, F) contiguous,
+    same dtype, d a multiple of config.block_k; dh: (sort rows, F) float32 with unit last stride: the valid rows
+    are written, the padding rows left as they were. Otherwise as ``dx_sm90`` (ValueError: use dh_launch)."""
+    return _launch("dh", dout_sorted, w2, dh, sort, block_m, config, num_ctas)
+
+
+def compile_offline(a, w, out, sort: ExpertSort, config: DxConfig = DxConfig(), num_ctas: int = 132,
+                    gemm: str = "dx"):
     """``triton.compile`` of this launch for sm_90 without a GPU (meta tensors are enough), specialised as the JIT
     would specialise it (16-byte aligned pointers, integers divisible by 16); returns the CompiledKernel."""
-    _, args, constexprs = launch_args(dgu, w1, dx32, sort, BLOCK_M, config, num_ctas)
-    return common.compile_offline(dx_sm90_kernel, args, constexprs)
+    _, args, constexprs = launch_args(a, w, out, sort, BLOCK_M, config, num_ctas, gemm)
+    return common.compile_offline(sorted_rows_sm90_kernel, args, constexprs)
