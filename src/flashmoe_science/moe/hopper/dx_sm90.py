@@ -80,8 +80,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from flashmoe_science.moe.dispatch import ExpertSort
 from flashmoe_science.moe.hopper import common
 from flashmoe_science.moe.hopper.common import (BARRIER_BYTES, CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS,
-                                                NUM_CONSUMERS, PRODUCER_REGISTERS, check_tile_config, grouped_block,
-                                                init_barriers, load_stage, mma_steps)
+                                                NUM_CONSUMERS, PRODUCER_REGISTERS, check_tile_config, column_halves,
+                                                grouped_block, init_barriers, load_stage, mma_steps)
 from flashmoe_science.moe.tiles import HOPPER_SMEM_PER_BLOCK, sm_count
 
 BLOCK_M = 128  # rows per work item: the sort's row tile (one expert per tile)
@@ -97,18 +97,28 @@ class DxConfig:
     num_stages: int = 4
     pingpong: bool = False  # consumers alternate work items (block_n 128 only); else both share each item
     group_m: int = 8  # row tiles that sweep the column blocks together (MoETiles.group_m)
+    # SWIGLU_BWD only: accumulator columns per epilogue pass (the passes' gate / up / h loads must fit beside the
+    # accumulator in the consumer's registers)
+    swiglu_cols: int = 16
 
     def label(self) -> str:
         mode = "pingpong" if self.pingpong else "coop"
         return f"{BLOCK_M}x{self.block_n}x{self.block_k} s{self.num_stages} {mode} g{self.group_m}"
+
+    def swiglu_label(self) -> str:
+        return f"{self.label()} c{self.swiglu_cols}"
 
 
 # H200, scripts/ab_moe_dx_sm90.py (session 9, T=4096, TFLOP/s; Triton dx_launch / torch grouped_mm without the
 # combine): ping-pong 128x128, 4 stages: Mixtral 644 (607 / 677), Qwen3 432 (399 / 426), the best at Mixtral and
 # within 5% of Qwen3's best (5 stages, 454, but 591 at Mixtral). Cooperative 128x256: 609-598 / 407-418.
 MEASURED_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
-# dh: not measured yet (scripts/ab_moe_dx_sm90.py --gemm dh); dx's tile until it is
+# dh: H200, scripts/ab_moe_dx_sm90.py --gemm dh (session 10, Mixtral T=4096): ping-pong 128x128 s4 1.46 ms,
+# cooperative 128x256 s3 1.58 ms, Triton dh_launch 1.54 ms
 DH_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
+# dh with the SwiGLU backward in its epilogue: dh's tile (the ping-pong consumers' epilogue loads and stores overlap
+# the other consumer's wgmmas); not yet measured on the GPU
+DH_SWIGLU_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
 
 
 def smem_bytes(config: DxConfig, itemsize: int = 2) -> int:
@@ -120,6 +130,17 @@ def check_config(config: DxConfig, itemsize: int = 2, smem_limit: int = HOPPER_S
                  gemm: str = "dx") -> None:
     """ValueError unless the kernel can run ``config``."""
     check_tile_config(f"{gemm}_sm90", config, smem_bytes(config, itemsize), smem_limit)
+    cols = config.swiglu_cols
+    if gemm == "dh_swiglu" and not (8 <= cols <= config.block_n and cols & (cols - 1) == 0):
+        # the epilogue halves the tile's columns until a pass is swiglu_cols wide (a wgmma layout: N >= 8)
+        raise ValueError(f"dh_swiglu_sm90: swiglu_cols must be a power of two from 8 to block_n = {config.block_n}, "
+                         f"got {cols}")
+
+
+# the epilogues (constexpr EPILOGUE): dx's atomic scatter-add into token rows, dh's row store, dh's SwiGLU backward
+SCATTER_ADD = gl.constexpr(0)
+ROW_STORE = gl.constexpr(1)
+SWIGLU_BWD = gl.constexpr(2)
 
 
 # ------------------------------------------------------------------------------------------------------ the kernel
@@ -158,21 +179,67 @@ def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, tile_expert_ptr, exp
                 ring += 1
 
 
+@gluon.constexpr_function
+def _wgmma_layout(N):
+    """The wgmma accumulator layout of an N-column tile: the 4 warps stacked along the rows (16 rows each, repeated
+    down the tile), each thread holding adjacent column pairs. Its column slices (``column_halves``) have the layout
+    of the narrower tile."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+
+
+@gluon.jit
+def _swiglu_backward_columns(dh, col0, rows, valid, scale, gate_up_ptr, h_ptr, dgu_ptr, N, stride_gate_up, stride_h,
+                             stride_dgu, COLS: gl.constexpr):
+    """The SwiGLU backward of a tile of dh (float32, accumulator layout) whose first column is ``col0``, COLS
+    columns per pass (halving the tile until it is that wide: a pass's loads are three bf16 values per accumulator
+    value, and all of them at once would not fit beside the accumulator). Stores d(gate, up) of the rows' scaled dh
+    (zeros in padding rows) and returns the rows' partial routing-weight gradients sum_cols dh * h."""
+    if dh.shape[1] > COLS:
+        left, right = column_halves(dh)
+        return (_swiglu_backward_columns(left, col0, rows, valid, scale, gate_up_ptr, h_ptr, dgu_ptr, N,
+                                         stride_gate_up, stride_h, stride_dgu, COLS)
+                + _swiglu_backward_columns(right, col0 + dh.shape[1] // 2, rows, valid, scale, gate_up_ptr, h_ptr,
+                                           dgu_ptr, N, stride_gate_up, stride_h, stride_dgu, COLS))
+    else:
+        layout: gl.constexpr = _wgmma_layout(COLS)
+        dh = gl.convert_layout(dh, layout)  # the layout column_halves produced, named (no data moves)
+        cols = gl.expand_dims(col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout)), 0)
+        row_valid = gl.expand_dims(valid, 1)
+        col_valid = cols < N
+        mask = row_valid & col_valid
+        gate_ptrs = gate_up_ptr + gl.expand_dims(rows * stride_gate_up, 1) + cols
+        gate = gl.load(gate_ptrs, mask=mask, other=0.0).to(gl.float32)
+        up = gl.load(gate_ptrs + N, mask=mask, other=0.0).to(gl.float32)
+        h = gl.load(h_ptr + gl.expand_dims(rows * stride_h, 1) + cols, mask=mask, other=0.0).to(gl.float32)
+        # the routing weight's gradient: dout[token] . (h @ w2[e].T) = dh . h (padding rows: masked by the caller)
+        dscale = gl.sum(dh * h, axis=1)
+        # padding rows: zeros (their dh may be anything: the A rows the TMA read there are not the library's)
+        dh = gl.where(row_valid, dh * gl.expand_dims(scale, 1), 0.0)
+        sig = 1.0 / (1.0 + gl.exp(-gate))  # tl.sigmoid's expression, as _swiglu_backward_kernel computes it
+        dgu_ptrs = dgu_ptr + gl.expand_dims(rows * stride_dgu, 1) + cols
+        dtype: gl.constexpr = dgu_ptr.dtype.element_ty
+        gl.store(dgu_ptrs, (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(dtype), mask=col_valid)
+        gl.store(dgu_ptrs + N, (dh * (gate * sig)).to(dtype), mask=col_valid)
+        return dscale
+
+
 @gluon.jit
 def _consumer(a_smem, b_smem, ready, empty, turn, out_ptr, sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr,
-              expert_row_start_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out,
+              expert_row_start_ptr, gate_up_ptr, h_ptr, row_scale_ptr, dscale_ptr, num_experts, num_tiles_max,
+              num_pairs, top_k, K, N, stride_out, stride_gate_up, stride_h,
               CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, ROWS: gl.constexpr, GROUP_M: gl.constexpr,
-              NUM_STAGES: gl.constexpr, SCATTER: gl.constexpr):
+              NUM_STAGES: gl.constexpr, EPILOGUE: gl.constexpr, SWIGLU_COLS: gl.constexpr):
     """One consumer warpgroup: its rows of every work item (cooperative), or every other work item (ping-pong); the
-    epilogue adds them into their tokens' rows of out (SCATTER, dx) or stores them to their own rows (dh)."""
+    epilogue adds them into their tokens' rows of out (SCATTER_ADD, dx), stores them to their own rows (ROW_STORE,
+    dh) or stores the SwiGLU backward of them to their own rows of out = d(gate, up) (SWIGLU_BWD)."""
     BM: gl.constexpr = a_smem.type.shape[1]
     BK: gl.constexpr = a_smem.type.shape[2]
     BN: gl.constexpr = b_smem.type.shape[2]
     ROW0: gl.constexpr = 0 if PINGPONG else CONSUMER * ROWS
-    # wgmma accumulator: the 4 warps stacked along the rows (16 rows each, repeated for 128 rows); N = BN
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BN, 16])
-    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    acc_layout: gl.constexpr = _wgmma_layout(BN)
+    # the epilogue's row vectors in the layout of the tile slices it works on (SWIGLU_BWD: SWIGLU_COLS columns)
+    EPILOGUE_N: gl.constexpr = SWIGLU_COLS if EPILOGUE == SWIGLU_BWD else BN
+    row_layout: gl.constexpr = gl.SliceLayout(1, _wgmma_layout(EPILOGUE_N))
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
 
     num_row_tiles, num_work = _num_work(expert_counts_ptr, expert_row_start_ptr, num_experts, num_tiles_max, N,
@@ -190,9 +257,11 @@ def _consumer(a_smem, b_smem, ready, empty, turn, out_ptr, sorted_pair_ids_ptr, 
         else:
             mine = True
         if mine:
-            # the rows' pair ids, loaded ahead of the K loop so the epilogue does not wait for them
+            # the rows' pair ids (and routing weights), loaded ahead of the K loop so the epilogue does not wait
             rows = tile * BM + ROW0 + gl.arange(0, ROWS, layout=row_layout)
             pairs = gl.load(sorted_pair_ids_ptr + rows)
+            if EPILOGUE == SWIGLU_BWD:
+                scale = gl.load(row_scale_ptr + pairs, mask=pairs < num_pairs, other=0.0)
             if PINGPONG:
                 # wait until the other consumer has issued its wgmmas of the previous item (its epilogue then
                 # overlaps ours), which also means every ring stage this item reads has completed its previous phase
@@ -206,27 +275,36 @@ def _consumer(a_smem, b_smem, ready, empty, turn, out_ptr, sorted_pair_ids_ptr, 
             if item_steps > 0:
                 mbarrier.arrive(empty.index((end + NUM_STAGES - 1) % NUM_STAGES), count=1)
                 valid = pairs < num_pairs  # padding rows hold num_pairs
-                if SCATTER:
-                    out_rows = gl.where(valid, pairs // top_k, 0).to(gl.int64)  # the rows' tokens
+                if EPILOGUE == SWIGLU_BWD:
+                    dscale = _swiglu_backward_columns(acc, col_block * BN, rows.to(gl.int64), valid, scale,
+                                                      gate_up_ptr, h_ptr, out_ptr, N, stride_gate_up, stride_h,
+                                                      stride_out, SWIGLU_COLS)
+                    # one partial sum per row and column block (the quad of threads holding a row adds once)
+                    gl.atomic_add(dscale_ptr + pairs, dscale, mask=valid, sem="relaxed")
                 else:
-                    out_rows = rows.to(gl.int64)
-                cols = col_block * BN + gl.arange(0, BN, layout=col_layout)
-                ptrs = out_ptr + gl.expand_dims(out_rows * stride_out, 1) + gl.expand_dims(cols, 0)
-                mask = gl.expand_dims(valid, 1) & gl.expand_dims(cols < N, 0)
-                if SCATTER:
-                    gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
-                else:
-                    gl.store(ptrs, acc, mask=mask)
+                    if EPILOGUE == SCATTER_ADD:
+                        out_rows = gl.where(valid, pairs // top_k, 0).to(gl.int64)  # the rows' tokens
+                    else:
+                        out_rows = rows.to(gl.int64)
+                    cols = col_block * BN + gl.arange(0, BN, layout=col_layout)
+                    ptrs = out_ptr + gl.expand_dims(out_rows * stride_out, 1) + gl.expand_dims(cols, 0)
+                    mask = gl.expand_dims(valid, 1) & gl.expand_dims(cols < N, 0)
+                    if EPILOGUE == SCATTER_ADD:
+                        gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+                    else:
+                        gl.store(ptrs, acc, mask=mask)
         ring += item_steps
         item += 1
 
 
 @gluon.jit
 def sorted_rows_sm90_kernel(a_desc, b_desc, out_ptr, sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr,
-                            expert_row_start_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out,
+                            expert_row_start_ptr, gate_up_ptr, h_ptr, row_scale_ptr, dscale_ptr, num_experts,
+                            num_tiles_max, num_pairs, top_k, K, N, stride_out, stride_gate_up, stride_h,
                             GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                            ROWS: gl.constexpr, SCATTER: gl.constexpr):
-    """Persistent: each CTA runs work items program_id, program_id + num_programs, ... (see the module docstring)."""
+                            ROWS: gl.constexpr, EPILOGUE: gl.constexpr, SWIGLU_COLS: gl.constexpr):
+    """Persistent: each CTA runs work items program_id, program_id + num_programs, ... (see the module docstring).
+    gate_up_ptr, h_ptr, row_scale_ptr, dscale_ptr, stride_gate_up and stride_h are SWIGLU_BWD's (unused else)."""
     dtype: gl.constexpr = a_desc.dtype
     a_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -234,19 +312,30 @@ def sorted_rows_sm90_kernel(a_desc, b_desc, out_ptr, sorted_pair_ids_ptr, tile_e
 
     gl.warp_specialize([
         (_consumer, (a_smem, b_smem, ready, empty, turn, out_ptr, sorted_pair_ids_ptr, tile_expert_ptr,
-                     expert_counts_ptr, expert_row_start_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N,
-                     stride_out, 0, PINGPONG, ROWS, GROUP_M, NUM_STAGES, SCATTER)),
+                     expert_counts_ptr, expert_row_start_ptr, gate_up_ptr, h_ptr, row_scale_ptr, dscale_ptr,
+                     num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out, stride_gate_up, stride_h,
+                     0, PINGPONG, ROWS, GROUP_M, NUM_STAGES, EPILOGUE, SWIGLU_COLS)),
         (_consumer, (a_smem, b_smem, ready, empty, turn, out_ptr, sorted_pair_ids_ptr, tile_expert_ptr,
-                     expert_counts_ptr, expert_row_start_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N,
-                     stride_out, 1, PINGPONG, ROWS, GROUP_M, NUM_STAGES, SCATTER)),
+                     expert_counts_ptr, expert_row_start_ptr, gate_up_ptr, h_ptr, row_scale_ptr, dscale_ptr,
+                     num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out, stride_gate_up, stride_h,
+                     1, PINGPONG, ROWS, GROUP_M, NUM_STAGES, EPILOGUE, SWIGLU_COLS)),
         (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, tile_expert_ptr, expert_counts_ptr,
                      expert_row_start_ptr, num_experts, num_tiles_max, K, N, GROUP_M, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
 # ---------------------------------------------------------------------------------------------------- the wrappers
+class SwigluOperands(NamedTuple):
+    """SWIGLU_BWD's operands beside the GEMM's (as ``triton_gemm.swiglu_backward_launch`` takes them)."""
+
+    gate_up: torch.Tensor  # (sort rows, 2F) the forward's saved pre-activations [gate | up], w2's dtype
+    h: torch.Tensor  # (sort rows, F) the forward's SwiGLU output, w2's dtype
+    row_scale: torch.Tensor  # (T, k) float32 contiguous: the routing weights, read at the rows' pair ids
+    dscale: torch.Tensor  # (T, k) float32 contiguous, zeroed by the caller: per-column-block partial sums land here
+
+
 class _Gemm(NamedTuple):
-    """What differs between the two products on the host: the operands' names (for messages), K and N's names,
+    """What differs between the products on the host: the operands' names (for messages), K and N's names,
     the Triton fallback, and the epilogue."""
 
     a: str
@@ -255,17 +344,36 @@ class _Gemm(NamedTuple):
     k: str
     n: str
     triton: str
-    scatter: bool
+    epilogue: int
 
 
-GEMMS = {"dx": _Gemm("dgu", "w1", "dx32", "2F", "d", "dx_launch", True),
-         "dh": _Gemm("dout_sorted", "w2", "dh", "d", "F", "dh_launch", False)}
+GEMMS = {"dx": _Gemm("dgu", "w1", "dx32", "2F", "d", "dx_launch", SCATTER_ADD.value),
+         "dh": _Gemm("dout_sorted", "w2", "dh", "d", "F", "dh_launch", ROW_STORE.value),
+         "dh_swiglu": _Gemm("dout_sorted", "w2", "dgu", "d", "F", "dh_launch + swiglu_backward_launch",
+                            SWIGLU_BWD.value)}
 
 
-def unsupported_reason(a, w, out, sort: ExpertSort, block_m: int, config: DxConfig, gemm: str = "dx") -> str | None:
+def _swiglu_reason(swiglu, w, sort: ExpertSort, num_rows: int) -> str | None:
+    """Why SWIGLU_BWD's own operands do not fit (see SwigluOperands), or None."""
+    if not isinstance(swiglu, SwigluOperands):
+        return f"dh_swiglu_sm90: needs SwigluOperands (gate_up, h, row_scale, dscale), got {type(swiglu).__name__}"
+    d_ff = w.shape[2]
+    for name, t, cols, cols_name in (("gate_up", swiglu.gate_up, 2 * d_ff, "2F"), ("h", swiglu.h, d_ff, "F")):
+        if t.shape != (num_rows, cols) or t.dtype != w.dtype or t.stride(1) != 1:
+            return (f"dh_swiglu_sm90: {name} must be (sort rows, {cols_name}) = ({num_rows}, {cols}) in w2's dtype "
+                    f"{w.dtype} with unit last stride, got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
+    for name, t in (("row_scale", swiglu.row_scale), ("dscale", swiglu.dscale)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != sort.num_pairs:
+            return (f"dh_swiglu_sm90: {name} must be float32, contiguous, one value per (token, slot) pair "
+                    f"({sort.num_pairs}), got {t.dtype} {tuple(t.shape)} contiguous={t.is_contiguous()}")
+    return None
+
+
+def unsupported_reason(a, w, out, sort: ExpertSort, block_m: int, config: DxConfig, gemm: str = "dx",
+                       swiglu: SwigluOperands | None = None) -> str | None:
     """Why the kernel cannot take these arguments, or None where it can. ``gemm="dx"``: a = dgu (rows, 2F),
     w = w1 (E, 2F, d), out = dx32 (T, d); ``gemm="dh"``: a = dout_sorted (rows, d), w = w2 (E, d, F),
-    out = dh (rows, F)."""
+    out = dh (rows, F); ``gemm="dh_swiglu"``: as dh, but out = dgu (rows, 2F) in w2's dtype, and ``swiglu``."""
     g = GEMMS[gemm]
     name = f"{gemm}_sm90"
     if not isinstance(sort, ExpertSort):
@@ -273,25 +381,30 @@ def unsupported_reason(a, w, out, sort: ExpertSort, block_m: int, config: DxConf
     if block_m != BLOCK_M or sort.block_m != BLOCK_M:
         return (f"{name}: the kernel runs {BLOCK_M}-row tiles; got block_m={block_m}, "
                 f"sort.block_m={sort.block_m}")
-    out_rows = "T" if g.scatter else "rows"
+    out_shape = {SCATTER_ADD.value: f"(T, {g.n})", ROW_STORE.value: f"(rows, {g.n})",
+                 SWIGLU_BWD.value: f"(rows, 2{g.n})"}[g.epilogue]
     if w.dim() != 3 or a.dim() != 2 or out.dim() != 2:
-        return (f"{name}: expected {g.w} (E, {g.k}, {g.n}), {g.a} (rows, {g.k}), {g.out} ({out_rows}, {g.n}); got "
+        return (f"{name}: expected {g.w} (E, {g.k}, {g.n}), {g.a} (rows, {g.k}), {g.out} {out_shape}; got "
                 f"{g.w} {tuple(w.shape)}, {g.a} {tuple(a.shape)}, {g.out} {tuple(out.shape)}")
     if w.dtype not in GL_DTYPES or a.dtype != w.dtype:
         return (f"{name}: {g.a} and {g.w} must share a 16-bit float dtype (bfloat16 or float16), got "
                 f"{a.dtype} and {w.dtype}")
-    if out.dtype != torch.float32:
-        why = "the atomics add float32" if g.scatter else "the accumulator, stored as it is"
+    if g.epilogue == SWIGLU_BWD.value and out.dtype != w.dtype:
+        return f"{name}: {g.out} must be in {g.w}'s dtype {w.dtype} (dw1's operand), got {out.dtype}"
+    if g.epilogue != SWIGLU_BWD.value and out.dtype != torch.float32:
+        why = "the atomics add float32" if g.epilogue == SCATTER_ADD.value else "the accumulator, stored as it is"
         return f"{name}: {g.out} must be float32 ({why}), got {out.dtype}"
     num_experts, K, N = w.shape
     num_rows = sort.tile_expert.numel() * BLOCK_M
     if a.shape != (num_rows, K):
         return f"{name}: {g.a} must be (sort rows, {g.k}) = ({num_rows}, {K}), got {tuple(a.shape)}"
-    if g.scatter and (out.shape[1] != N or out.shape[0] * sort.top_k != sort.num_pairs):
+    if g.epilogue == SCATTER_ADD.value and (out.shape[1] != N or out.shape[0] * sort.top_k != sort.num_pairs):
         return (f"{name}: {g.out} must be (T, {g.n}) = ({sort.num_pairs // max(sort.top_k, 1)}, {N}), "
                 f"got {tuple(out.shape)}")
-    if not g.scatter and out.shape != (num_rows, N):
-        return f"{name}: {g.out} must be (sort rows, {g.n}) = ({num_rows}, {N}), got {tuple(out.shape)}"
+    out_cols = 2 * N if g.epilogue == SWIGLU_BWD.value else N
+    if g.epilogue != SCATTER_ADD.value and out.shape != (num_rows, out_cols):
+        return (f"{name}: {g.out} must be {out_shape.replace('rows', 'sort rows')} = ({num_rows}, {out_cols}), "
+                f"got {tuple(out.shape)}")
     if sort.expert_counts.numel() != num_experts:
         return f"{name}: the sort has {sort.expert_counts.numel()} experts, {g.w} {num_experts}"
     if K % config.block_k:
@@ -307,6 +420,10 @@ def unsupported_reason(a, w, out, sort: ExpertSort, block_m: int, config: DxConf
                 f"multiples of 8")
     if a.data_ptr() % 16 or w.data_ptr() % 16:
         return f"{name}: TMA needs 16-byte aligned base addresses of {g.a} and {g.w}"
+    if g.epilogue == SWIGLU_BWD.value:
+        reason = _swiglu_reason(swiglu, w, sort, num_rows)
+        if reason is not None:
+            return reason
     try:
         check_config(config, w.element_size(), gemm=gemm)
     except ValueError as error:
@@ -315,10 +432,10 @@ def unsupported_reason(a, w, out, sort: ExpertSort, block_m: int, config: DxConf
 
 
 def launch_args(a, w, out, sort: ExpertSort, block_m: int, config: DxConfig = DxConfig(),
-                num_ctas: int | None = None, gemm: str = "dx"):
+                num_ctas: int | None = None, gemm: str = "dx", swiglu: SwigluOperands | None = None):
     """(grid, positional args, constexprs) of one launch (``unsupported_reason``'s arguments), after the argument
     checks (ValueError); no device check, so that offline builds can pass meta tensors."""
-    reason = unsupported_reason(a, w, out, sort, block_m, config, gemm)
+    reason = unsupported_reason(a, w, out, sort, block_m, config, gemm, swiglu)
     if reason is not None:
         raise ValueError(reason)
     num_experts, K, N = w.shape
@@ -329,21 +446,30 @@ def launch_args(a, w, out, sort: ExpertSort, block_m: int, config: DxConfig = Dx
     grid = (max(1, min(num_ctas, max_work)),)
     a_desc = common.descriptor(a, [BLOCK_M, config.block_k])
     b_desc = common.descriptor(w.view(num_experts * K, N), [config.block_k, config.block_n])
+    epilogue = GEMMS[gemm].epilogue
+    if epilogue == SWIGLU_BWD.value:
+        swiglu_args = (swiglu.gate_up, swiglu.h, swiglu.row_scale, swiglu.dscale)
+        swiglu_strides = (swiglu.gate_up.stride(0), swiglu.h.stride(0))
+    else:  # unused pointers and strides
+        swiglu_args, swiglu_strides = (out,) * 4, (0, 0)
     args = (a_desc, b_desc, out, sort.sorted_pair_ids, sort.tile_expert, sort.expert_counts, sort.expert_row_start,
-            num_experts, num_tiles_max, sort.num_pairs, sort.top_k, K, N, out.stride(0))
+            *swiglu_args, num_experts, num_tiles_max, sort.num_pairs, sort.top_k, K, N, out.stride(0),
+            *swiglu_strides)
     rows = BLOCK_M if config.pingpong else BLOCK_M // NUM_CONSUMERS
     constexprs = dict(GROUP_M=config.group_m, NUM_STAGES=config.num_stages, PINGPONG=config.pingpong, ROWS=rows,
-                      SCATTER=GEMMS[gemm].scatter)
+                      EPILOGUE=epilogue, SWIGLU_COLS=config.swiglu_cols)
     return grid, args, constexprs
 
 
-def _launch(gemm, a, w, out, sort: ExpertSort, block_m: int, config: DxConfig, num_ctas: int | None):
-    tensors = (a, w, out, sort.sorted_pair_ids, sort.tile_expert, sort.expert_counts, sort.expert_row_start)
+def _launch(gemm, a, w, out, sort: ExpertSort, block_m: int, config: DxConfig, num_ctas: int | None,
+            swiglu: SwigluOperands | None = None):
+    tensors = (a, w, out, sort.sorted_pair_ids, sort.tile_expert, sort.expert_counts, sort.expert_row_start,
+               *(swiglu if isinstance(swiglu, SwigluOperands) else ()))
     if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
         raise ValueError(f"{gemm}_sm90: needs CUDA tensors (a Hopper GPU)")
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"{gemm}_sm90: all tensors must be on one device")
-    grid, args, constexprs = launch_args(a, w, out, sort, block_m, config, num_ctas, gemm)
+    grid, args, constexprs = launch_args(a, w, out, sort, block_m, config, num_ctas, gemm, swiglu)
     return sorted_rows_sm90_kernel[grid](*args, **constexprs, **LAUNCH_OPTIONS)
 
 
@@ -370,9 +496,23 @@ def dh_sm90(dout_sorted, w2, dh, sort: ExpertSort, block_m: int, config: DxConfi
     return _launch("dh", dout_sorted, w2, dh, sort, block_m, config, num_ctas)
 
 
+def dh_swiglu_sm90(dout_sorted, w2, dgu, swiglu: SwigluOperands, sort: ExpertSort, block_m: int,
+                   config: DxConfig = DH_SWIGLU_CONFIG, num_ctas: int | None = None):
+    """``dh_sm90``'s product with the SwiGLU backward in its epilogue: what ``triton_gemm.dh_launch`` followed by
+    ``swiglu_backward_launch`` compute, without dh in memory. With dh = dout_sorted[row] @ w2[expert(row)]:
+    ``dgu[row] = d(gate, up)`` of ``row_scale[pair] * dh`` at the forward's saved ``gate_up[row]``, and
+    ``dscale[pair] += dh . h[row]`` (float32 atomics, one per row and F column block: zero dscale first; the order
+    of the additions is not fixed, so dscale may differ in its last bits from run to run).
+
+    dgu: (sort rows, 2F) in w2's dtype with unit last stride: every row of each used row tile is written (padding
+    rows as zeros: dw1's Gluon kernel reads them), rows of unused tiles are left as they were. Other arguments as
+    ``dh_sm90`` and ``SwigluOperands`` (ValueError: use dh_launch and swiglu_backward_launch)."""
+    return _launch("dh_swiglu", dout_sorted, w2, dgu, sort, block_m, config, num_ctas, swiglu)
+
+
 def compile_offline(a, w, out, sort: ExpertSort, config: DxConfig = DxConfig(), num_ctas: int = 132,
-                    gemm: str = "dx"):
+                    gemm: str = "dx", swiglu: SwigluOperands | None = None):
     """``triton.compile`` of this launch for sm_90 without a GPU (meta tensors are enough), specialised as the JIT
     would specialise it (16-byte aligned pointers, integers divisible by 16); returns the CompiledKernel."""
-    _, args, constexprs = launch_args(a, w, out, sort, BLOCK_M, config, num_ctas, gemm)
+    _, args, constexprs = launch_args(a, w, out, sort, BLOCK_M, config, num_ctas, gemm, swiglu)
     return common.compile_offline(sorted_rows_sm90_kernel, args, constexprs)
