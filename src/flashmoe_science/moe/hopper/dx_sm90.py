@@ -1,13 +1,18 @@
-"""The MoE backward's sorted-rows GEMMs for Hopper (sm_90) in Gluon, one kernel with two epilogues:
+"""The MoE backward's sorted-rows GEMMs for Hopper (sm_90) in Gluon, one kernel with three epilogues (EPILOGUE):
 
-- dx (``SCATTER``): ``dx32[token] += d(gate, up)[row] @ w1[e]``, ``triton_gemm.dx_launch``'s product
-  (``_down_combine_kernel`` with K = 2F, N = d, no row scale): every valid row's float32 result is added
+- dx (``SCATTER_ADD``, ``dx_sm90``): ``dx32[token] += d(gate, up)[row] @ w1[e]``, ``triton_gemm.dx_launch``'s
+  product (``_down_combine_kernel`` with K = 2F, N = d, no row scale): every valid row's float32 result is added
   atomically into ``dx32[token]`` (the top_k rows of a token meet there).
-- dh: ``dh[row] = dout[token(row)] @ w2[e]``, ``triton_gemm.dh_launch``'s product (K = d, N = F), stored to the
-  row's own row of the float32 dh (no atomics). TMA loads dense boxes, so A is dout already gathered to the sorted
-  rows (``triton_gemm.sorted_rows``: one (rows, d) copy, which Triton's kernel does in its loads instead).
+- dh (``ROW_STORE``, ``dh_sm90``): ``dh[row] = dout[token(row)] @ w2[e]``, ``triton_gemm.dh_launch``'s product
+  (K = d, N = F), stored to the row's own row of the float32 dh (no atomics). TMA loads dense boxes, so A is dout
+  already gathered to the sorted rows (``triton_gemm.sorted_rows``: one (rows, d) copy, which Triton's kernel does
+  in its loads instead). Alone it did not pay in the layer (perf notes v18: 1.46 ms vs Triton's 1.54 at Mixtral
+  T=4096, 1.63 with the gather); it stays for the A/B, as the fused mode's baseline.
+- dh with the SwiGLU backward (``SWIGLU_BWD``, ``dh_swiglu_sm90``, what moe_backward runs on Hopper): the dh
+  product as above, and in the epilogue what ``triton_gemm._swiglu_backward_kernel`` computes from it, so that dh
+  never reaches memory (see below).
 
-Both are A (sorted rows x K, dense) times the expert's block of B = the weight viewed (E*K, N), over the
+All are A (sorted rows x K, dense) times the expert's block of B = the weight viewed (E*K, N), over the
 expert-sorted rows of ``dispatch.ExpertSort``: row tile t (BLOCK_M = 128 sorted rows, one expert) times
 ``B[e*K + k0 : +BLOCK_K, n0 : +BLOCK_N]``; padding rows are dropped in the epilogue. What changes against Triton
 is the schedule: Triton's kernel loads both operands with cp.async and waits for each wgmma before the next
@@ -42,10 +47,45 @@ differs only in its operands and its epilogue's store):
   a 128x256 fp32 tile (128 KiB) would not fit beside it. In cooperative mode the tensor cores idle during the
   epilogue (negligible at Mixtral's K = 28672, a few percent at Qwen3's K = 1536: what ping-pong is for).
 
+**The SwiGLU backward epilogue** (``SWIGLU_BWD``). Why: the Triton path writes dh (rows x F float32) and reads it
+back in a separate memory-bound pass (``_swiglu_backward_kernel``, 0.42 ms at Mixtral T=4096 beside dh's 1.65 ms),
+and Triton could not fuse it (its layouts spilled: that kernel's docstring). Here the consumer's accumulator tile
+``acc = dh[rows, cols]`` stays in the wgmma register layout, and the epilogue loads in that same layout (pointer
+tensors built from the layout's row and column slices: no layout conversion, no shared memory) ``gate = gate_up[row,
+col]``, ``up = gate_up[row, F + col]``, ``h[row, col]`` (masked to valid rows and columns < F) and, before the K
+loop, the rows' routing weights ``scale = row_scale[pair]``, and computes exactly the Triton pass's expressions:
+``dscale[pair] += sum_cols dh * h`` (one float32 ``REDG`` per row and column block, from one thread of the quad
+that holds the row: dscale must start at zero, and the order of the additions is not fixed), ``dhs = scale * dh``,
+``sig = sigmoid(gate)``, ``dgu[row, col] = dhs * up * sig * (1 + gate * (1 - sig))`` and ``dgu[row, F + col] =
+dhs * silu(gate)`` (4-byte stores: a bf16 pair per thread and row). Padding rows of the tile get zeros (dw1's Gluon
+kernel reads them unmasked), rows of unused tiles are never visited. Registers: the 128 accumulator floats per
+thread plus 3 bf16 loads per value do not fit the consumer's 240 at once, so the tile is processed in passes of
+``swiglu_cols`` columns (``column_halves`` halves it recursively: register selections, no shuffles): 16 columns in
+ping-pong (16 values per thread per pass, 8 passes) builds without spills, 32 spilled (290 STL / 322 LDL), 64
+worse (433 / 434); cooperative 64 x 256 tiles take 16 or 32 columns (8 or 16 values per thread). Each pass is one
+round trip to memory (its loads cannot move above the previous pass's stores: the compiler cannot tell dgu from
+gate_up), ~8 per item; in ping-pong they overlap the other consumer's wgmmas (an item's main loop is ~27 us at
+Mixtral's K = 4096, ~14 us at Qwen3's 2048). The extra traffic is 10 bytes per element of dh (gate_up, h read,
+dgu written) instead of the Triton pair's 4 (dh written) + 14 (the pass): at Mixtral T=4096 ~1.2 GB during a
+~1.5 ms GEMM. Not yet measured on the GPU: scripts/ab_moe_dx_sm90.py --gemm dh_swiglu times it against the
+Triton pair, with the same tile's plain dh beside it (what the epilogue costs).
+
+The A operand stays pre-gathered (``triton_gemm.sorted_rows(dout)``, ~0.03 ms at Mixtral T=4096, ~2% of the
+GEMM; a third of it at Qwen3's F = 768): Hopper's TMA has no row gather, and a gathering producer (cp.async rows
+by a producer warpgroup, which then needs registers the consumers have) is a larger change. dw2's gathered operand
+cannot serve: it is dout scaled by the routing weight, and dscale would then need a division by it (undefined at
+weight 0).
+
 Offline sm_90 builds (triton 3.6, scripts/ab_moe_dx_sm90.py --offline [--gemm dh]): no spills in any config; the
 consumers use at most 175 registers (cooperative 128x256), 96 (cooperative 128x128), 183 (ping-pong 128x128) of
 their 240 for dx, 151 / 159 (cooperative 128x256 / ping-pong 128x128) for dh; shared memory 147680 / 196840 bytes
 at 128x256 with 3 / 4 stages, 98528 + 32768 per stage at 128x128. dx's SASS is as before dh's epilogue was added.
+dh_swiglu (``--gemm dh_swiglu``, Mixtral and Qwen3 alike): no spills, no local memory in the four A/B configs; the
+highest register named is R237 (of the consumers' 240: ptxas schedules into what there is); shared memory 131368 /
+164168 bytes (ping-pong 128x128 s4 / s5), 147712 (cooperative 128x256 s3), the ring's as for dh (no epilogue
+staging); BAR.SYNC count as dh's (29 / 30 / 24); 192 4-byte loads and 128 4-byte stores per consumer thread and
+item, 4 (ping-pong) / 2 (cooperative) REDG. dx's and dh's SASS are unchanged by the third epilogue except for the
+kernel parameters' constant-bank offsets.
 
 Persistent: ``num_ctas`` = the SM count (at most the number of work items); CTA c takes work items c, c + num_ctas,
 ... Work items are (row tile, column block) pairs numbered in ``triton_gemm._row_tile_and_col_block``'s GROUP_M
@@ -63,7 +103,10 @@ The producer step, the consumers' main loop, the barriers' set-up, descriptors a
 Numerics: bf16 (or fp16) operands, float32 accumulation in the wgmma, float32 atomics into dx32 (dh: stored as
 accumulated): the same as the Triton kernels up to the order of the K-sum inside the tensor core and, for dx, the
 order of the top_k atomic additions (not fixed: results may differ in the last bits from run to run, as with the
-Triton kernel; dh is deterministic).
+Triton kernel; dh is deterministic). dh_swiglu: d(gate, up) from the float32 accumulator with the Triton pass's
+expressions, rounded once (as the Triton pair, which stores dh in float32): it differs from the Triton path only
+where dh's last float32 bits flip a rounding; the routing-weight gradient sums per column block, added atomically
+(not deterministic in its last bits, unlike the Triton pass's whole-row sums).
 """
 
 from __future__ import annotations
