@@ -256,7 +256,7 @@ def _swiglu_backward_columns(dh, col0, rows, valid, scale, gate_up_ptr, h_ptr, d
         h = gl.load(h_ptr + gl.expand_dims(rows * stride_h, 1) + cols, mask=mask, other=0.0).to(gl.float32)
         # the routing weight's gradient: dout[token] . (h @ w2[e].T) = dh . h (padding rows: masked by the caller)
         dscale = gl.sum(dh * h, axis=1)
-        # padding rows: zeros (their dh may be anything: the A rows the TMA read there are not the library's)
+        # padding rows: zeros, whatever their dh (the gathered copy's padding rows are not relied on)
         dh = gl.where(row_valid, dh * gl.expand_dims(scale, 1), 0.0)
         sig = 1.0 / (1.0 + gl.exp(-gate))  # tl.sigmoid's expression, as _swiglu_backward_kernel computes it
         dgu_ptrs = dgu_ptr + gl.expand_dims(rows * stride_dgu, 1) + cols
