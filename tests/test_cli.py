@@ -124,8 +124,28 @@ def test_bench_moe_missing_module_exits_2(monkeypatch, capsys):
     assert "MoE benchmark is not available" in capsys.readouterr().err
 
 
+def test_bench_moe_rounds_record_the_median(monkeypatch):
+    """bench moe --rounds: the whole sweep repeated, each case's median time (and its TFLOP/s) recorded."""
+    from flashmoe_science.bench import moe as moe_bench
+
+    times = iter([3.0, 1.0, 9.0, 2.0, 5.0, 4.0])  # rounds of (flashmoe, torch-loop) at one (model, T, pass)
+    monkeypatch.setattr(moe_bench, "MODELS", {"tiny": dict(num_experts=4, top_k=2, d_model=64, d_ff=32)})
+    monkeypatch.setattr(moe_bench, "CPU_TOKENS", (16,))
+    monkeypatch.setattr(moe_bench, "CPU_SHRINK", 1)
+    monkeypatch.setattr(moe_bench, "PASSES", ("fwd",))
+    monkeypatch.setattr(moe_bench, "_measure", lambda *args, **kwargs: next(times))
+    records = moe_bench.run_moe_bench(rounds=3)
+    assert [(r["backend"], r["ms"], r["ms_rounds"]) for r in records] == [
+        ("flashmoe", 5.0, [3.0, 9.0, 5.0]), ("torch-loop", 2.0, [1.0, 2.0, 4.0])]
+    flops = moe_bench.expert_gemm_flops(16, 2, 64, 32, "fwd")
+    assert records[0]["tflops"] == pytest.approx(flops / 5e-3 / 1e12, rel=1e-3)
+    with pytest.raises(ValueError, match="rounds"):
+        moe_bench.run_moe_bench(rounds=0)
+
+
 def test_bench_moe_writes_envelope_and_table(tmp_path, monkeypatch, capsys):
-    def run_moe_bench(quick, progress, on_case_done):
+    def run_moe_bench(quick, progress, on_case_done, rounds):
+        assert rounds == 1
         progress.set_total(2)
         records = []
         for backend, ms in (("flashmoe", 1.0), ("loop", 2.0)):

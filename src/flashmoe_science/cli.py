@@ -190,8 +190,7 @@ def _bench_attention(args: argparse.Namespace) -> int:
 
 def _bench_moe(args: argparse.Namespace) -> int:
     attention_only = [flag for flag, given in (("--shapes", args.shapes), ("--backends", args.backends),
-                                              ("--pass", args.passes != ["fwd"]),
-                                              ("--rounds", args.rounds != 1)) if given]
+                                              ("--pass", args.passes != ["fwd"])) if given]
     if attention_only:
         print(f"bench moe: {', '.join(attention_only)} apply to the attention benchmark; the MoE benchmark times "
               "forward and backward of its fixed model configs (--quick for fewer)", file=sys.stderr)
@@ -203,7 +202,7 @@ def _bench_moe(args: argparse.Namespace) -> int:
         return EXIT_UNAVAILABLE
     partial = _partial_results(args)
     with Progress(desc="moe") as progress:
-        records = run_moe_bench(quick=args.quick, progress=progress, on_case_done=partial)
+        records = run_moe_bench(quick=args.quick, progress=progress, on_case_done=partial, rounds=args.rounds)
     row_fields = [name for name in MOE_ROW_FIELDS if any(name in record for record in records)]
     print()
     print("TFLOP/s of the expert GEMMs (n/a: backend unsupported or skipped)")
@@ -253,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--rounds", type=_positive_int, default=1,
-        help="repeat the attention sweep N times and record each case's median (its times in ms_rounds): one "
-        "sweep's rows vary by several percent",
+        help="repeat the sweep (attention or moe) N times and record each case's median (its times in ms_rounds): "
+        "one sweep's rows vary by several percent",
     )
     bench.set_defaults(handler=run_bench)
     return parser

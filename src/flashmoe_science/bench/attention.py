@@ -38,6 +38,7 @@ from flashmoe_science.bench.report import (
     format_number,
     format_table,
     geomean,
+    median_over_rounds,
     ordered_columns,
     pivot,
     plot_panels,
@@ -416,17 +417,10 @@ def run_attention_bench(
 
 def _median_records(measured: dict[tuple, list[dict]], rounds: int) -> list[dict]:
     """One record per (shape, backend, pass): the first round's, with the median time over the rounds so far."""
-    records = []
-    for per_round in measured.values():
-        record = dict(per_round[0])
-        if rounds > 1:
-            times = [r["ms"] for r in per_round]
-            record["ms"] = round_significant(statistics.median(times))
-            record["tflops"] = round_significant(tflops(attention_flops(shape_of(record), record["pass"]),
-                                                        record["ms"]))
-            record["ms_rounds"] = times
-        records.append(record)
-    return records
+    def scale_rates(record, ms):
+        record["tflops"] = round_significant(tflops(attention_flops(shape_of(record), record["pass"]), ms))
+
+    return [median_over_rounds(per_round, scale_rates) for per_round in measured.values()]
 
 
 def _measure_backend(backend, shape, passes, tensors, timer, device, kernel, skips, progress) -> list[dict]:

@@ -32,7 +32,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from flashmoe_science.bench.report import round_significant, tflops
+from flashmoe_science.bench.report import median_over_rounds, round_significant, tflops
 from flashmoe_science.moe import fused_moe
 
 MODELS = {
@@ -164,10 +164,16 @@ def _make_inputs(num_tokens, num_experts, d_model, d_ff, dtype, device):
     return x, w1, w2, logits
 
 
-def run_moe_bench(quick: bool = False, progress=None, on_case_done=None) -> list[dict]:
+def run_moe_bench(quick: bool = False, progress=None, on_case_done=None, rounds: int = 1) -> list[dict]:
     """Every backend on every (model, T, pass); returns the records. ``progress``: an object with
     ``update(n=1, desc=None)`` and ``close()`` (``bench.report.Progress``), or None. ``on_case_done(records so
-    far)`` runs after each (model, T) (the CLI saves partial results there)."""
+    far)`` runs after each (model, T) (the CLI saves partial results there).
+
+    ``rounds`` > 1 repeats the whole sweep and records each case's median time (each round's in ``ms_rounds``):
+    at Mixtral T=4096 the backward's ratio to grouped_mm read 1.14-1.19x across single sweeps of the same code
+    (docs/perf-notes.md, session 10); a slow stretch of clocks then lands on every backend of a round alike."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -175,10 +181,10 @@ def run_moe_bench(quick: bool = False, progress=None, on_case_done=None) -> list
     backends = _available_backends(device)
     if progress is not None and hasattr(progress, "set_total"):
         graph_steps = sum(t <= DECODE_TOKENS for t in token_counts) if on_gpu else 0  # forward only
-        progress.set_total(len(MODELS) * len(backends) * (len(token_counts) * len(PASSES) + graph_steps))
+        progress.set_total(rounds * len(MODELS) * len(backends) * (len(token_counts) * len(PASSES) + graph_steps))
 
-    records = []
-    for model, shape in MODELS.items():
+    measured: dict[tuple, list[dict]] = {}  # (model, T, pass, backend, timing) -> one record per round
+    for model, shape in ((m, s) for _ in range(rounds) for m, s in MODELS.items()):
         num_experts, top_k = shape["num_experts"], shape["top_k"]
         shrink = 1 if on_gpu else CPU_SHRINK
         d_model, d_ff = shape["d_model"] // shrink, shape["d_ff"] // shrink
@@ -214,14 +220,26 @@ def run_moe_bench(quick: bool = False, progress=None, on_case_done=None) -> list
                         }
                         if weight_bytes is not None and pass_ == "fwd":
                             record["weight_gbps"] = round_significant(weight_bytes / ms / 1e6)
-                        records.append(record)
+                            record["weight_bytes"] = weight_bytes
+                        measured.setdefault((model, num_tokens, pass_, backend, timing), []).append(record)
                     if progress is not None:
                         progress.update(desc=step)
             del tensors
             if on_gpu:
                 torch.cuda.empty_cache()
             if on_case_done is not None:
-                on_case_done(records)
+                on_case_done(_median_records(measured))
     if progress is not None:
         progress.close()
-    return records
+    return _median_records(measured)
+
+
+def _median_records(measured: dict[tuple, list[dict]]) -> list[dict]:
+    """One record per case: the first round's, with the median time over the rounds so far."""
+    def scale_rates(record, ms):
+        flops = expert_gemm_flops(record["T"], record["top_k"], record["d_model"], record["d_ff"], record["pass"])
+        record["tflops"] = round_significant(tflops(flops, ms))
+        if "weight_bytes" in record:
+            record["weight_gbps"] = round_significant(record["weight_bytes"] / ms / 1e6)
+
+    return [median_over_rounds(per_round, scale_rates) for per_round in measured.values()]

@@ -15,6 +15,7 @@ import math
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -125,6 +126,19 @@ class Progress:
             self._stream.flush()
             self._last_log = now
             self._last_logged_count = self.count
+
+
+def median_over_rounds(per_round: Sequence[dict], scale_rates: Callable[[dict, float], None]) -> dict:
+    """One record from a case's records of repeated sweeps (in run order): the first round's, with ``ms`` the median
+    of the rounds' times and ``ms_rounds`` each round's; ``scale_rates(record, ms)`` rewrites the record's
+    rates (TFLOP/s, GB/s) for the median time. A single round comes back unchanged."""
+    record = dict(per_round[0])
+    if len(per_round) > 1:
+        times = [r["ms"] for r in per_round]
+        record["ms"] = round_significant(statistics.median(times))
+        record["ms_rounds"] = times
+        scale_rates(record, record["ms"])
+    return record
 
 
 def _format_duration(seconds: float) -> str:
