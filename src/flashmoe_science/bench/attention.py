@@ -411,11 +411,11 @@ def run_attention_bench(
                             skips.note(name, pass_, reason)
                     progress.update(len(passes), desc=f"{shape.label()} {name} skipped")
             if on_shape_done is not None:
-                on_shape_done(_median_records(measured, rounds))
-    return _median_records(measured, rounds)
+                on_shape_done(_median_records(measured))
+    return _median_records(measured)
 
 
-def _median_records(measured: dict[tuple, list[dict]], rounds: int) -> list[dict]:
+def _median_records(measured: dict[tuple, list[dict]]) -> list[dict]:
     """One record per (shape, backend, pass): the first round's, with the median time over the rounds so far."""
     def scale_rates(record, ms):
         record["tflops"] = round_significant(tflops(attention_flops(shape_of(record), record["pass"]), ms))
