@@ -69,15 +69,18 @@ CONFIGS = {
     "n128s4p": DxConfig(block_n=128, num_stages=4, pingpong=True),
     "n128s5p": DxConfig(block_n=128, num_stages=5, pingpong=True),
     "n128s6p": DxConfig(block_n=128, num_stages=6, pingpong=True),
-    # dh_swiglu's epilogue passes (swiglu_cols, default 16): 16 columns are 16 values per thread in ping-pong (32
-    # spilled in the offline build), 8 cooperative; 32 columns cooperative are 16
-    "n256s3c32": DxConfig(block_n=256, num_stages=3, swiglu_cols=32),
+    # dh_swiglu (ping-pong only: one set of epilogue buffers, 3 x 128 x 128, beside a ring of at most 4 stages):
+    # the epilogue's chunk width (swiglu_cols, default 16: 16 values per thread per chunk)
+    "n128s3p": DxConfig(block_n=128, num_stages=3, pingpong=True),
+    "n128s4pc32": DxConfig(block_n=128, num_stages=4, pingpong=True, swiglu_cols=32),
+    "n128s3pc32": DxConfig(block_n=128, num_stages=3, pingpong=True, swiglu_cols=32),
 }
 # dh's K = d and N = F differ from dx's (2F, d): dx's ping-pong tile with 4 and 5 stages, and the cooperative
-# 128x256 tile; dh_swiglu: the same, the cooperative tile with both pass widths (tests/moe/test_moe_dh_sm90.py's
+# 128x256 tile; dh_swiglu: ping-pong with 3 or 4 stages and 16- or 32-column chunks (tests/moe/test_moe_dh_sm90.py's
 # SWIGLU_CONFIGS: keep in step)
-DEFAULT_CONFIGS = {"dx": [n for n in CONFIGS if n != "n256s3c32"], "dh": ["n128s4p", "n128s5p", "n256s3"],
-                   "dh_swiglu": ["n128s4p", "n128s5p", "n256s3", "n256s3c32"]}
+DEFAULT_CONFIGS = {"dx": ["n256s3", "n256s4", "n128s3", "n128s4", "n128s5", "n128s4p", "n128s5p", "n128s6p"],
+                   "dh": ["n128s4p", "n128s5p", "n256s3"],
+                   "dh_swiglu": ["n128s4p", "n128s4pc32", "n128s3p", "n128s3pc32"]}
 
 
 def _dims(model):

@@ -23,10 +23,10 @@ from flashmoe_science.moe.hopper.dx_sm90 import DxConfig, SwigluOperands  # noqa
 # the dh configs of scripts/ab_moe_dx_sm90.py (keep in step): ping-pong 128x128 with 4 / 5 stages, cooperative
 # 128x256 with 3
 AB_CONFIGS = [DxConfig(128, 64, 4, pingpong=True), DxConfig(128, 64, 5, pingpong=True), DxConfig(256, 64, 3)]
-# and its dh_swiglu configs: the same tiles, 16 or 32 columns per epilogue pass (16 or 32 values per thread in
-# ping-pong, 8 or 16 cooperative)
-SWIGLU_CONFIGS = [DxConfig(128, 64, 4, pingpong=True, swiglu_cols=16), DxConfig(128, 64, 5, pingpong=True),
-                  DxConfig(256, 64, 3, swiglu_cols=16), DxConfig(256, 64, 3, swiglu_cols=32)]
+# and its dh_swiglu configs: ping-pong 128x128 (one set of epilogue buffers beside a ring of 3 or 4 stages), 16 or
+# 32 columns per epilogue chunk
+SWIGLU_CONFIGS = [DxConfig(128, 64, 4, pingpong=True, swiglu_cols=16), DxConfig(128, 64, 4, pingpong=True, swiglu_cols=32),
+                  DxConfig(128, 64, 3, pingpong=True), DxConfig(128, 64, 3, pingpong=True, swiglu_cols=32)]
 
 
 def _cpu_case(num_tokens=16, top_k=2, num_experts=4, d_model=128, d_ff=64, block_m=128, device="cpu",
@@ -45,13 +45,12 @@ def test_launch_args_for_a_valid_call():
     grid, args, constexprs = gdx.launch_args(a, w2, dh, sort, 128, gdx.DH_CONFIG, num_ctas=132, gemm="dh")
     # 32 pairs over 4 experts: at most 0 + 4 row tiles; F = 64: one 128-wide column block
     assert grid == (4,)
-    assert constexprs == dict(GROUP_M=8, NUM_STAGES=4, PINGPONG=True, ROWS=128, EPILOGUE=gdx.ROW_STORE.value,
-                              SWIGLU_COLS=16)
+    assert constexprs == dict(GROUP_M=8, NUM_STAGES=4, PINGPONG=True, ROWS=128, EPILOGUE=gdx.ROW_STORE.value)
     a_desc, b_desc = args[:2]
     assert a_desc.block_shape == [128, 64] and a_desc.shape == [4 * 128, 128]
     assert b_desc.block_shape == [64, 128] and b_desc.shape == [4 * 128, 64]  # w2 viewed as (E*d, F)
-    assert args[2] is dh
-    assert args[-5:] == (128, 64, 64, 0, 0)  # K = d, N = F, dh's row stride; SWIGLU_BWD's strides unused
+    assert args[5] is dh
+    assert args[-3:] == (128, 64, 64)  # K = d, N = F, dh's row stride
     _, _, constexprs = gdx.launch_args(a, w2, dh, sort, 128, DxConfig(256, 64, 3), num_ctas=2, gemm="dh")
     assert constexprs["ROWS"] == 64 and not constexprs["PINGPONG"]
     assert constexprs["EPILOGUE"] == gdx.ROW_STORE.value
@@ -114,7 +113,7 @@ def test_cpu_tensors_are_refused_with_a_value_error():
         gdx.dh_sm90(a, w2, dh, sort, 128)
 
 
-def _swiglu_case(num_tokens=16, top_k=2, num_experts=4, d_model=128, d_ff=64, device="cpu",
+def _swiglu_case(num_tokens=16, top_k=2, num_experts=4, d_model=128, d_ff=128, device="cpu",
                  dtype=torch.bfloat16):
     """dh_swiglu_sm90's tensors of the right shapes (values unused: nothing runs): (dout_sorted, w2, dgu,
     SwigluOperands, sort)."""
@@ -132,11 +131,14 @@ def test_swiglu_launch_args_for_a_valid_call():
     a, w2, dgu, swiglu, sort = _swiglu_case()
     grid, args, constexprs = gdx.launch_args(a, w2, dgu, sort, 128, gdx.DH_SWIGLU_CONFIG, 132, "dh_swiglu", swiglu)
     assert grid == (4,)
-    assert constexprs == dict(GROUP_M=8, NUM_STAGES=4, PINGPONG=True, ROWS=128, EPILOGUE=gdx.SWIGLU_BWD.value,
-                              SWIGLU_COLS=16)
-    assert args[2] is dgu
-    assert all(arg is t for arg, t in zip(args[7:11], swiglu))  # gate_up, h, row_scale, dscale
-    assert args[-5:] == (128, 64, 128, 128, 64)  # K = d, N = F; the row strides of dgu, gate_up and h
+    assert constexprs == dict(GROUP_M=8, NUM_STAGES=4, PINGPONG=True, ROWS=128, EPILOGUE=gdx.SWIGLU_BWD.value)
+    gate_up_desc, h_desc, dgu_desc = args[2:5]
+    # the epilogue's chunks: 128 rows x swiglu_cols of [gate | up], h and d(gate, up)
+    for desc, t in ((gate_up_desc, swiglu.gate_up), (h_desc, swiglu.h), (dgu_desc, dgu)):
+        assert desc.base is t and desc.block_shape == [128, 16]
+    assert args[5] is dgu
+    assert args[10] is swiglu.row_scale and args[11] is swiglu.dscale
+    assert args[-3:] == (128, 128, 256)  # K = d, N = F; dgu's row stride
 
 
 @pytest.mark.parametrize("change, match", [
@@ -151,10 +153,13 @@ def test_swiglu_launch_args_for_a_valid_call():
     (dict(config=DxConfig(128, 64, 4, True, swiglu_cols=12)), "swiglu_cols must be a power of two from 8"),
     (dict(config=DxConfig(128, 64, 4, True, swiglu_cols=4)), "swiglu_cols must be a power of two from 8"),
     (dict(config=DxConfig(128, 64, 4, True, swiglu_cols=256)), "to block_n = 128"),
+    (dict(config=DxConfig(256, 64, 3)), "needs pingpong=True"),
+    (dict(config=DxConfig(128, 64, 5, True)), "needs 263168 bytes of shared memory"),
+    (dict(d_ff=200), r"F = 200 must be a multiple of block_n = 128 .*swiglu_backward_launch"),
     (dict(d_model=96), r"d = 96 must be a multiple of block_k = 64 .*swiglu_backward_launch"),
 ])
 def test_swiglu_argument_checks_raise_value_errors(change, match):
-    a, w2, dgu, swiglu, sort = _swiglu_case(d_model=change.get("d_model", 128))
+    a, w2, dgu, swiglu, sort = _swiglu_case(d_model=change.get("d_model", 128), d_ff=change.get("d_ff", 128))
     if "dgu_dtype" in change:
         dgu = dgu.to(change["dgu_dtype"])
     if "dgu_cols" in change:
@@ -256,25 +261,28 @@ def test_builds_for_sm90_with_tma_wgmma_row_stores_and_no_spills(config):
                          + [("qwen3", gdx.DH_SWIGLU_CONFIG)],
                          ids=lambda v: v.swiglu_label().replace(" ", "-") if isinstance(v, DxConfig) else v)
 def test_swiglu_builds_for_sm90_without_spills(model, config):
-    """The fused kernel's sm_90 binary at Mixtral's / Qwen3's dh: the epilogue works in the accumulator's registers
-    (no local memory: the passes of config.swiglu_cols columns keep the loads beside the accumulator; no shared
-    memory beyond the ring), 4-byte loads and stores (a bf16 pair per thread and row: 3 loads and 2 stores per
-    accumulator pair), and one float32 reduction per row of the tile per thread quad (REDG, no returned atomics)."""
+    """The fused kernel's sm_90 binary at Mixtral's / Qwen3's dh: no local memory (the epilogue's chunks of
+    config.swiglu_cols columns keep gate, up and h beside the accumulator), the epilogue's operands read from shared
+    memory with ldmatrix and d(gate, up) written back with stmatrix (no global loads or stores of tile data: the
+    producer's and consumers' TMA move them), and one float32 reduction per row of the tile per thread quad (REDG,
+    no returned atomics)."""
     dims = dict(mixtral=(4096, 2, 8, 4096, 14336), qwen3=(4096, 8, 128, 2048, 768))[model]
     a, w2, dgu, swiglu, sort = _swiglu_case(*dims, device=torch.device("meta"))
     compiled = gdx.compile_offline(a, w2, dgu, sort, config, gemm="dh_swiglu", swiglu=swiglu)
     sass = _sass(compiled)
     assert not re.search(r"\b(LDL|STL)\b", sass), "spills"
     assert re.search(r"\bHGMMA\.64x%dx16\.F32\.BF16" % config.block_n, sass)
-    assert re.search(r"\bUTMALDG\b", sass)
-    pairs_per_thread = 128 // 2  # 128 accumulator floats per thread (128x128 or 64x256 over 128 threads), in pairs
-    # two consumer partitions; a few more 4-byte loads (tile experts, pair ids, routing weights, the sort's counts)
-    assert 2 * 3 * pairs_per_thread <= len(re.findall(r"\bLDG\.E\s", sass)) <= 2 * 3 * pairs_per_thread + 32
-    assert len(re.findall(r"\bSTG\.E\s", sass)) == 2 * 2 * pairs_per_thread
-    rows_per_thread = (128 if config.pingpong else 64) // 32
-    assert len(re.findall(r"\bREDG\.E\.ADD\.F32", sass)) == 2 * rows_per_thread
-    assert not re.search(r"\b(ATOM|ATOMG|STG\.E\.64|STS\.128)\b", sass)
-    assert compiled.metadata.shared <= gdx.smem_bytes(config) <= gdx.HOPPER_SMEM_PER_BLOCK
+    chunks = config.block_n // config.swiglu_cols
+    # the ring's two boxes, and per item gate, up and h per chunk (the producer); d(gate, up) per chunk (both consumers)
+    assert len(re.findall(r"\bUTMALDG\b", sass)) >= 2 + 3 * chunks
+    assert len(re.findall(r"\bUTMASTG\b", sass)) == 2 * 2 * chunks
+    # 128 accumulator values per thread: gate, up and h by 4-wide ldmatrix (8 values), d(gate, up) by stmatrix
+    assert len(re.findall(r"\bLDSM\b", sass)) == 2 * 3 * 128 // 8
+    assert len(re.findall(r"\bSTSM\b", sass)) == 2 * 2 * 128 // 8
+    assert not re.search(r"\bSTG\b", sass)
+    assert len(re.findall(r"\bREDG\.E\.ADD\.F32", sass)) == 2 * 128 // 32
+    assert not re.search(r"\b(ATOM|ATOMG)\b", sass)
+    assert compiled.metadata.shared <= gdx.smem_bytes(config, gemm="dh_swiglu") <= gdx.HOPPER_SMEM_PER_BLOCK
 
 
 # ------------------------------------------------------------------------------------------------------------ GPU
@@ -366,9 +374,9 @@ def _swiglu_operands(sort, num_tokens, top_k, d_ff, dtype, device):
 @pytest.mark.parametrize("num_tokens, d_model, d_ff, num_experts, top_k, routing, num_ctas", [
     (600, 512, 1024, 8, 2, "random", None),  # Mixtral-like: 8 experts, top-2, 8 column blocks of F
     (512, 2048, 768, 128, 8, "random", None),  # Qwen3-30B-A3B dims: mostly padding rows (32 pairs per expert)
-    (513, 256, 200, 16, 4, "random", 5),  # F = 200: a partial column block (TMA zero-fills); few CTAs
+    (513, 256, 256, 16, 4, "random", 5),  # few CTAs: several items each, the epilogue buffers handed on
     (1, 128, 384, 8, 2, "random", None),  # one token
-    (1000, 512, 136, 8, 1, "one_expert", None),  # every row on one expert; F = 136
+    (1000, 512, 640, 8, 1, "one_expert", None),  # every row on one expert
 ])
 def test_fused_swiglu_matches_the_triton_dh_and_swiglu_kernels(config, dtype, num_tokens, d_model, d_ff,
                                                               num_experts, top_k, routing, num_ctas):

@@ -118,7 +118,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
 from flashmoe_science.moe.dispatch import ExpertSort
 from flashmoe_science.moe.hopper import common
@@ -164,20 +164,29 @@ DH_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
 DH_SWIGLU_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
 
 
-def smem_bytes(config: DxConfig, itemsize: int = 2) -> int:
-    """Shared memory of the operand ring (A 128 x block_k and B block_k x block_n per stage) plus barriers."""
-    return config.num_stages * (BLOCK_M + config.block_n) * config.block_k * itemsize + BARRIER_BYTES
+def smem_bytes(config: DxConfig, itemsize: int = 2, gemm: str = "dx") -> int:
+    """Shared memory of the operand ring (A 128 x block_k and B block_k x block_n per stage) plus barriers, and for
+    dh_swiglu the epilogue's gate, up and h buffers (3 x 128 x block_n)."""
+    ring = config.num_stages * (BLOCK_M + config.block_n) * config.block_k * itemsize
+    epilogue = 3 * BLOCK_M * config.block_n * itemsize if gemm == "dh_swiglu" else 0
+    return ring + epilogue + BARRIER_BYTES
 
 
 def check_config(config: DxConfig, itemsize: int = 2, smem_limit: int = HOPPER_SMEM_PER_BLOCK,
                  gemm: str = "dx") -> None:
     """ValueError unless the kernel can run ``config``."""
-    check_tile_config(f"{gemm}_sm90", config, smem_bytes(config, itemsize), smem_limit)
-    cols = config.swiglu_cols
-    if gemm == "dh_swiglu" and not (8 <= cols <= config.block_n and cols & (cols - 1) == 0):
-        # the epilogue halves the tile's columns until a pass is swiglu_cols wide (a wgmma layout: N >= 8)
-        raise ValueError(f"dh_swiglu_sm90: swiglu_cols must be a power of two from 8 to block_n = {config.block_n}, "
-                         f"got {cols}")
+    if gemm == "dh_swiglu":
+        if not config.pingpong:
+            # one set of epilogue buffers, handed from item to item: the consumers must take whole items in turn
+            raise ValueError(f"dh_swiglu_sm90: needs pingpong=True (the epilogue buffers hold one whole item), got "
+                             f"{config.label()}")
+        cols = config.swiglu_cols
+        if not (8 <= cols <= config.block_n and cols & (cols - 1) == 0):
+            # the epilogue halves the tile's columns until a chunk is swiglu_cols wide (a wgmma layout: N >= 8; a
+            # TMA box: >= 16 bytes a row)
+            raise ValueError(f"dh_swiglu_sm90: swiglu_cols must be a power of two from 8 to block_n = "
+                             f"{config.block_n}, got {cols}")
+    check_tile_config(f"{gemm}_sm90", config, smem_bytes(config, itemsize, gemm), smem_limit)
 
 
 # the epilogues (constexpr EPILOGUE): dx's atomic scatter-add into token rows, dh's row store, dh's SwiGLU backward
@@ -199,10 +208,12 @@ def _num_work(expert_counts_ptr, expert_row_start_ptr, num_experts, num_tiles_ma
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr,
-              num_experts, num_tiles_max, K, N, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _producer(a_desc, b_desc, gate_up_desc, h_desc, a_smem, b_smem, epi_smem, ready, empty, epi_ready, epi_empty,
+              tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, num_experts, num_tiles_max, K, N,
+              GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPILOGUE: gl.constexpr):
     """One warp: every K step of every work item of this CTA, A and B tiles by TMA into the next ring stage once
-    the consumers have released it."""
+    the consumers have released it; for SWIGLU_BWD, after an item's K steps, the item's gate, up and h boxes into
+    the epilogue buffers once the previous item's epilogue has released them."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[1]
@@ -211,6 +222,7 @@ def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, tile_expert_ptr, exp
     num_col_blocks = gl.cdiv(N, BN)
     k_steps = K // BK
     ring = 0  # K steps issued so far by this CTA (ring position)
+    epi_items = 0  # items whose epilogue operands were loaded so far (SWIGLU_BWD)
     for work in range(gl.program_id(0), num_work, gl.num_programs(0)):
         tile, col_block = grouped_block(work, num_row_tiles, num_col_blocks, GROUP_M)
         expert = gl.load(tile_expert_ptr + tile)
@@ -220,6 +232,28 @@ def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, tile_expert_ptr, exp
                 load_stage(a_desc, tile * BM, ks * BK, b_desc, b_row + ks * BK, col_block * BN, a_smem, b_smem,
                            ready, empty, ring, NUM_STAGES)
                 ring += 1
+            if EPILOGUE == SWIGLU_BWD:
+                _load_swiglu_operands(gate_up_desc, h_desc, epi_smem, epi_ready, epi_empty, epi_items, tile * BM,
+                                      col_block * BN, N)
+                epi_items += 1
+
+
+@gluon.jit
+def _load_swiglu_operands(gate_up_desc, h_desc, epi_smem, epi_ready, epi_empty, epi_items, row, col, N):
+    """The producer's epilogue step: once the previous item's epilogue has released the buffers (its TMA stores have
+    read them), TMA the item's gate, up and h boxes, chunk by chunk, all completing on ``epi_ready``. Issued after
+    the item's K steps: the other ping-pong consumer's epilogue is long done by then, and the boxes land while this
+    item's last wgmmas run."""
+    COLS: gl.constexpr = gate_up_desc.block_type.shape[1]
+    CHUNKS: gl.constexpr = epi_smem.type.shape[0] // 3
+    # barriers start "phase 1 complete": the first item does not wait
+    mbarrier.wait(epi_empty, (epi_items & 1) ^ 1)
+    mbarrier.expect(epi_ready, CHUNKS * (2 * gate_up_desc.block_type.nbytes + h_desc.block_type.nbytes))
+    for c in gl.static_range(CHUNKS):
+        tma.async_copy_global_to_shared(gate_up_desc, [row, col + c * COLS], epi_ready, epi_smem.index(3 * c))
+        tma.async_copy_global_to_shared(gate_up_desc, [row, N + col + c * COLS], epi_ready,
+                                        epi_smem.index(3 * c + 1))
+        tma.async_copy_global_to_shared(h_desc, [row, col + c * COLS], epi_ready, epi_smem.index(3 * c + 2))
 
 
 @gluon.constexpr_function
@@ -231,57 +265,58 @@ def _wgmma_layout(N):
 
 
 @gluon.jit
-def _swiglu_backward_columns(dh, col0, rows, valid, scale, gate_up_ptr, h_ptr, dgu_ptr, N, stride_gate_up, stride_h,
-                             stride_dgu, COLS: gl.constexpr):
-    """The SwiGLU backward of a tile of dh (float32, accumulator layout) whose first column is ``col0``, COLS
-    columns per pass (halving the tile until it is that wide: a pass's loads are three bf16 values per accumulator
-    value, and all of them at once would not fit beside the accumulator). Stores d(gate, up) of the rows' scaled dh
-    (zeros in padding rows) and returns the rows' partial routing-weight gradients sum_cols dh * h."""
+def _swiglu_backward_columns(dh, CHUNK0: gl.constexpr, valid, scale, epi_smem, dgu_desc, row, col, N):
+    """The SwiGLU backward of a tile of dh (float32, accumulator layout) whose first column is chunk CHUNK0 of the
+    item's epilogue buffers, one chunk (COLS columns) at a time (halving the tile until it is that wide: the chunk's
+    gate, up and h must fit beside the accumulator in registers). Each chunk's d(gate, up) (zeros in padding rows)
+    overwrites its gate and up buffers and leaves by TMA store at once (the stores overlap the next chunk's work);
+    returns the rows' partial routing-weight gradients sum_cols dh * h."""
+    COLS: gl.constexpr = dgu_desc.block_type.shape[1]
     if dh.shape[1] > COLS:
         left, right = column_halves(dh)
-        return (_swiglu_backward_columns(left, col0, rows, valid, scale, gate_up_ptr, h_ptr, dgu_ptr, N,
-                                         stride_gate_up, stride_h, stride_dgu, COLS)
-                + _swiglu_backward_columns(right, col0 + dh.shape[1] // 2, rows, valid, scale, gate_up_ptr, h_ptr,
-                                           dgu_ptr, N, stride_gate_up, stride_h, stride_dgu, COLS))
+        return (_swiglu_backward_columns(left, CHUNK0, valid, scale, epi_smem, dgu_desc, row, col, N)
+                + _swiglu_backward_columns(right, CHUNK0 + dh.shape[1] // 2 // COLS, valid, scale, epi_smem,
+                                           dgu_desc, row, col, N))
     else:
         layout: gl.constexpr = _wgmma_layout(COLS)
         dh = gl.convert_layout(dh, layout)  # the layout column_halves produced, named (no data moves)
-        cols = gl.expand_dims(col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout)), 0)
-        row_valid = gl.expand_dims(valid, 1)
-        col_valid = cols < N
-        mask = row_valid & col_valid
-        gate_ptrs = gate_up_ptr + gl.expand_dims(rows * stride_gate_up, 1) + cols
-        gate = gl.load(gate_ptrs, mask=mask, other=0.0).to(gl.float32)
-        up = gl.load(gate_ptrs + N, mask=mask, other=0.0).to(gl.float32)
-        h = gl.load(h_ptr + gl.expand_dims(rows * stride_h, 1) + cols, mask=mask, other=0.0).to(gl.float32)
+        gate_smem = epi_smem.index(3 * CHUNK0)
+        up_smem = epi_smem.index(3 * CHUNK0 + 1)
+        gate = gate_smem.load(layout).to(gl.float32)
+        up = up_smem.load(layout).to(gl.float32)
+        h = epi_smem.index(3 * CHUNK0 + 2).load(layout).to(gl.float32)
         # the routing weight's gradient: dout[token] . (h @ w2[e].T) = dh . h (padding rows: masked by the caller)
         dscale = gl.sum(dh * h, axis=1)
-        # padding rows: zeros, whatever their dh (the gathered copy's padding rows are not relied on)
-        dh = gl.where(row_valid, dh * gl.expand_dims(scale, 1), 0.0)
+        # padding rows: zeros, whatever their dh and saved operands (the gathered copy's padding rows and gate_up's
+        # are not relied on)
+        dh = gl.where(gl.expand_dims(valid, 1), dh * gl.expand_dims(scale, 1), 0.0)
         sig = 1.0 / (1.0 + gl.exp(-gate))  # tl.sigmoid's expression, as _swiglu_backward_kernel computes it
-        dgu_ptrs = dgu_ptr + gl.expand_dims(rows * stride_dgu, 1) + cols
-        dtype: gl.constexpr = dgu_ptr.dtype.element_ty
-        gl.store(dgu_ptrs, (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(dtype), mask=col_valid)
-        gl.store(dgu_ptrs + N, (dh * (gate * sig)).to(dtype), mask=col_valid)
+        dtype: gl.constexpr = dgu_desc.dtype
+        # in place: every value is read and rewritten by the same thread
+        gate_smem.store((dh * up * sig * (1.0 + gate * (1.0 - sig))).to(dtype))
+        up_smem.store((dh * (gate * sig)).to(dtype))
+        fence_async_shared()  # the generic-proxy writes before the TMA engine reads them
+        tma.async_copy_shared_to_global(dgu_desc, [row, col + CHUNK0 * COLS], gate_smem)
+        tma.async_copy_shared_to_global(dgu_desc, [row, N + col + CHUNK0 * COLS], up_smem)
         return dscale
 
 
 @gluon.jit
-def _consumer(a_smem, b_smem, ready, empty, turn, out_ptr, sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr,
-              expert_row_start_ptr, gate_up_ptr, h_ptr, row_scale_ptr, dscale_ptr, num_experts, num_tiles_max,
-              num_pairs, top_k, K, N, stride_out, stride_gate_up, stride_h,
+def _consumer(a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty, out_ptr, dgu_desc,
+              sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, row_scale_ptr,
+              dscale_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out,
               CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, ROWS: gl.constexpr, GROUP_M: gl.constexpr,
-              NUM_STAGES: gl.constexpr, EPILOGUE: gl.constexpr, SWIGLU_COLS: gl.constexpr):
+              NUM_STAGES: gl.constexpr, EPILOGUE: gl.constexpr):
     """One consumer warpgroup: its rows of every work item (cooperative), or every other work item (ping-pong); the
     epilogue adds them into their tokens' rows of out (SCATTER_ADD, dx), stores them to their own rows (ROW_STORE,
-    dh) or stores the SwiGLU backward of them to their own rows of out = d(gate, up) (SWIGLU_BWD)."""
+    dh) or stores the SwiGLU backward of them to their own rows of d(gate, up) by TMA (SWIGLU_BWD, ping-pong)."""
     BM: gl.constexpr = a_smem.type.shape[1]
     BK: gl.constexpr = a_smem.type.shape[2]
     BN: gl.constexpr = b_smem.type.shape[2]
     ROW0: gl.constexpr = 0 if PINGPONG else CONSUMER * ROWS
     acc_layout: gl.constexpr = _wgmma_layout(BN)
-    # the epilogue's row vectors in the layout of the tile slices it works on (SWIGLU_BWD: SWIGLU_COLS columns)
-    EPILOGUE_N: gl.constexpr = SWIGLU_COLS if EPILOGUE == SWIGLU_BWD else BN
+    # the epilogue's row vectors in the layout of the tile slices it works on (SWIGLU_BWD: chunks of COLS columns)
+    EPILOGUE_N: gl.constexpr = dgu_desc.block_type.shape[1] if EPILOGUE == SWIGLU_BWD else BN
     row_layout: gl.constexpr = gl.SliceLayout(1, _wgmma_layout(EPILOGUE_N))
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
 
@@ -291,6 +326,7 @@ def _consumer(a_smem, b_smem, ready, empty, turn, out_ptr, sorted_pair_ids_ptr, 
     k_steps = K // BK
     ring = 0  # ring position of the current item's first K step
     item = 0  # the CTA's work items so far
+    epi_items = 0  # the CTA's items with an epilogue so far (both consumers count every one: the buffers' phase)
     for work in range(gl.program_id(0), num_work, gl.num_programs(0)):
         tile, col_block = grouped_block(work, num_row_tiles, num_col_blocks, GROUP_M)
         expert = gl.load(tile_expert_ptr + tile)
@@ -319,9 +355,11 @@ def _consumer(a_smem, b_smem, ready, empty, turn, out_ptr, sorted_pair_ids_ptr, 
                 mbarrier.arrive(empty.index((end + NUM_STAGES - 1) % NUM_STAGES), count=1)
                 valid = pairs < num_pairs  # padding rows hold num_pairs
                 if EPILOGUE == SWIGLU_BWD:
-                    dscale = _swiglu_backward_columns(acc, col_block * BN, rows.to(gl.int64), valid, scale,
-                                                      gate_up_ptr, h_ptr, out_ptr, N, stride_gate_up, stride_h,
-                                                      stride_out, SWIGLU_COLS)
+                    mbarrier.wait(epi_ready, epi_items & 1)
+                    dscale = _swiglu_backward_columns(acc, 0, valid, scale, epi_smem, dgu_desc, tile * BM,
+                                                      col_block * BN, N)
+                    tma.store_wait(0)  # the stores have read the buffers: the producer may refill them
+                    mbarrier.arrive(epi_empty, count=1)
                     # one partial sum per row and column block (the quad of threads holding a row adds once)
                     gl.atomic_add(dscale_ptr + pairs, dscale, mask=valid, sem="relaxed")
                 else:
@@ -337,33 +375,45 @@ def _consumer(a_smem, b_smem, ready, empty, turn, out_ptr, sorted_pair_ids_ptr, 
                     else:
                         gl.store(ptrs, acc, mask=mask)
         ring += item_steps
+        epi_items += (expert >= 0).to(gl.int32)
         item += 1
 
 
 @gluon.jit
-def sorted_rows_sm90_kernel(a_desc, b_desc, out_ptr, sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr,
-                            expert_row_start_ptr, gate_up_ptr, h_ptr, row_scale_ptr, dscale_ptr, num_experts,
-                            num_tiles_max, num_pairs, top_k, K, N, stride_out, stride_gate_up, stride_h,
+def sorted_rows_sm90_kernel(a_desc, b_desc, gate_up_desc, h_desc, dgu_desc, out_ptr, sorted_pair_ids_ptr,
+                            tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, row_scale_ptr, dscale_ptr,
+                            num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out,
                             GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                            ROWS: gl.constexpr, EPILOGUE: gl.constexpr, SWIGLU_COLS: gl.constexpr):
+                            ROWS: gl.constexpr, EPILOGUE: gl.constexpr):
     """Persistent: each CTA runs work items program_id, program_id + num_programs, ... (see the module docstring).
-    gate_up_ptr, h_ptr, row_scale_ptr, dscale_ptr, stride_gate_up and stride_h are SWIGLU_BWD's (unused else)."""
+    gate_up_desc, h_desc, dgu_desc, row_scale_ptr and dscale_ptr are SWIGLU_BWD's (unused else)."""
     dtype: gl.constexpr = a_desc.dtype
     a_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+    if EPILOGUE == SWIGLU_BWD:
+        # gate, up and h of one item, chunk by chunk (BLOCK_N / COLS chunks of 128 x COLS; d(gate, up) reuses them)
+        EPI_BUFFERS: gl.constexpr = 3 * (b_desc.block_type.shape[1] // dgu_desc.block_type.shape[1])
+        epi_smem = gl.allocate_shared_memory(dtype, [EPI_BUFFERS] + dgu_desc.block_type.shape, dgu_desc.layout)
+    else:
+        epi_smem = gl.allocate_shared_memory(dtype, [1, 8, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ready, empty, turn = init_barriers(NUM_STAGES, PINGPONG)
+    epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    epi_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(epi_ready, count=1)
+    mbarrier.init(epi_empty, count=1)
 
     gl.warp_specialize([
-        (_consumer, (a_smem, b_smem, ready, empty, turn, out_ptr, sorted_pair_ids_ptr, tile_expert_ptr,
-                     expert_counts_ptr, expert_row_start_ptr, gate_up_ptr, h_ptr, row_scale_ptr, dscale_ptr,
-                     num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out, stride_gate_up, stride_h,
-                     0, PINGPONG, ROWS, GROUP_M, NUM_STAGES, EPILOGUE, SWIGLU_COLS)),
-        (_consumer, (a_smem, b_smem, ready, empty, turn, out_ptr, sorted_pair_ids_ptr, tile_expert_ptr,
-                     expert_counts_ptr, expert_row_start_ptr, gate_up_ptr, h_ptr, row_scale_ptr, dscale_ptr,
-                     num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out, stride_gate_up, stride_h,
-                     1, PINGPONG, ROWS, GROUP_M, NUM_STAGES, EPILOGUE, SWIGLU_COLS)),
-        (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, tile_expert_ptr, expert_counts_ptr,
-                     expert_row_start_ptr, num_experts, num_tiles_max, K, N, GROUP_M, NUM_STAGES)),
+        (_consumer, (a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty, out_ptr, dgu_desc,
+                     sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, row_scale_ptr,
+                     dscale_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out,
+                     0, PINGPONG, ROWS, GROUP_M, NUM_STAGES, EPILOGUE)),
+        (_consumer, (a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty, out_ptr, dgu_desc,
+                     sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, row_scale_ptr,
+                     dscale_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out,
+                     1, PINGPONG, ROWS, GROUP_M, NUM_STAGES, EPILOGUE)),
+        (_producer, (a_desc, b_desc, gate_up_desc, h_desc, a_smem, b_smem, epi_smem, ready, empty, epi_ready,
+                     epi_empty, tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, num_experts,
+                     num_tiles_max, K, N, GROUP_M, NUM_STAGES, EPILOGUE)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -396,7 +446,7 @@ GEMMS = {"dx": _Gemm("dgu", "w1", "dx32", "2F", "d", "dx_launch", SCATTER_ADD.va
                             SWIGLU_BWD.value)}
 
 
-def _swiglu_reason(swiglu, w, sort: ExpertSort, num_rows: int) -> str | None:
+def _swiglu_reason(swiglu, w, dgu, sort: ExpertSort, num_rows: int, config: DxConfig) -> str | None:
     """Why SWIGLU_BWD's own operands do not fit (see SwigluOperands), or None."""
     if not isinstance(swiglu, SwigluOperands):
         return f"dh_swiglu_sm90: needs SwigluOperands (gate_up, h, row_scale, dscale), got {type(swiglu).__name__}"
@@ -409,6 +459,14 @@ def _swiglu_reason(swiglu, w, sort: ExpertSort, num_rows: int) -> str | None:
         if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != sort.num_pairs:
             return (f"dh_swiglu_sm90: {name} must be float32, contiguous, one value per (token, slot) pair "
                     f"({sort.num_pairs}), got {t.dtype} {tuple(t.shape)} contiguous={t.is_contiguous()}")
+    if d_ff % config.block_n:
+        # the epilogue's gate box at the last column block would reach into up's columns
+        return (f"dh_swiglu_sm90: F = {d_ff} must be a multiple of block_n = {config.block_n} (the epilogue moves "
+                f"whole column blocks of [gate | up] by TMA); use dh_launch and swiglu_backward_launch")
+    for name, t in (("gate_up", swiglu.gate_up), ("h", swiglu.h), ("dgu", dgu)):
+        if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return (f"dh_swiglu_sm90: TMA needs {name}'s rows and base address 16-byte aligned, got strides "
+                    f"{t.stride()}")
     return None
 
 
@@ -463,14 +521,12 @@ def unsupported_reason(a, w, out, sort: ExpertSort, block_m: int, config: DxConf
                 f"multiples of 8")
     if a.data_ptr() % 16 or w.data_ptr() % 16:
         return f"{name}: TMA needs 16-byte aligned base addresses of {g.a} and {g.w}"
-    if g.epilogue == SWIGLU_BWD.value:
-        reason = _swiglu_reason(swiglu, w, sort, num_rows)
-        if reason is not None:
-            return reason
     try:
         check_config(config, w.element_size(), gemm=gemm)
     except ValueError as error:
         return str(error)
+    if g.epilogue == SWIGLU_BWD.value:
+        return _swiglu_reason(swiglu, w, out, sort, num_rows, config)
     return None
 
 
@@ -491,16 +547,18 @@ def launch_args(a, w, out, sort: ExpertSort, block_m: int, config: DxConfig = Dx
     b_desc = common.descriptor(w.view(num_experts * K, N), [config.block_k, config.block_n])
     epilogue = GEMMS[gemm].epilogue
     if epilogue == SWIGLU_BWD.value:
-        swiglu_args = (swiglu.gate_up, swiglu.h, swiglu.row_scale, swiglu.dscale)
-        swiglu_strides = (swiglu.gate_up.stride(0), swiglu.h.stride(0))
-    else:  # unused pointers and strides
-        swiglu_args, swiglu_strides = (out,) * 4, (0, 0)
-    args = (a_desc, b_desc, out, sort.sorted_pair_ids, sort.tile_expert, sort.expert_counts, sort.expert_row_start,
-            *swiglu_args, num_experts, num_tiles_max, sort.num_pairs, sort.top_k, K, N, out.stride(0),
-            *swiglu_strides)
+        box = [BLOCK_M, config.swiglu_cols]
+        epilogue_descs = (common.descriptor(swiglu.gate_up, box), common.descriptor(swiglu.h, box),
+                          common.descriptor(out, box))
+        scales = (swiglu.row_scale, swiglu.dscale)
+    else:  # unused descriptors and pointers
+        epilogue_descs, scales = (a_desc,) * 3, (out, out)
+    args = (a_desc, b_desc, *epilogue_descs, out, sort.sorted_pair_ids, sort.tile_expert, sort.expert_counts,
+            sort.expert_row_start, *scales, num_experts, num_tiles_max, sort.num_pairs, sort.top_k, K, N,
+            out.stride(0))
     rows = BLOCK_M if config.pingpong else BLOCK_M // NUM_CONSUMERS
     constexprs = dict(GROUP_M=config.group_m, NUM_STAGES=config.num_stages, PINGPONG=config.pingpong, ROWS=rows,
-                      EPILOGUE=epilogue, SWIGLU_COLS=config.swiglu_cols)
+                      EPILOGUE=epilogue)
     return grid, args, constexprs
 
 
