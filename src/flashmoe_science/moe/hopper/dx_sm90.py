@@ -47,28 +47,28 @@ differs only in its operands and its epilogue's store):
   a 128x256 fp32 tile (128 KiB) would not fit beside it. In cooperative mode the tensor cores idle during the
   epilogue (negligible at Mixtral's K = 28672, a few percent at Qwen3's K = 1536: what ping-pong is for).
 
-**The SwiGLU backward epilogue** (``SWIGLU_BWD``). Why: the Triton path writes dh (rows x F float32) and reads it
-back in a separate memory-bound pass (``_swiglu_backward_kernel``, 0.42 ms at Mixtral T=4096 beside dh's 1.65 ms),
-and Triton could not fuse it (its layouts spilled: that kernel's docstring). Here the consumer's accumulator tile
-``acc = dh[rows, cols]`` stays in the wgmma register layout, and the epilogue loads in that same layout (pointer
-tensors built from the layout's row and column slices: no layout conversion, no shared memory) ``gate = gate_up[row,
-col]``, ``up = gate_up[row, F + col]``, ``h[row, col]`` (masked to valid rows and columns < F) and, before the K
-loop, the rows' routing weights ``scale = row_scale[pair]``, and computes exactly the Triton pass's expressions:
-``dscale[pair] += sum_cols dh * h`` (one float32 ``REDG`` per row and column block, from one thread of the quad
-that holds the row: dscale must start at zero, and the order of the additions is not fixed), ``dhs = scale * dh``,
-``sig = sigmoid(gate)``, ``dgu[row, col] = dhs * up * sig * (1 + gate * (1 - sig))`` and ``dgu[row, F + col] =
-dhs * silu(gate)`` (4-byte stores: a bf16 pair per thread and row). Padding rows of the tile get zeros (dw1's Gluon
-kernel reads them unmasked), rows of unused tiles are never visited. Registers: the 128 accumulator floats per
-thread plus 3 bf16 loads per value do not fit the consumer's 240 at once, so the tile is processed in passes of
-``swiglu_cols`` columns (``column_halves`` halves it recursively: register selections, no shuffles): 16 columns in
-ping-pong (16 values per thread per pass, 8 passes) builds without spills, 32 spilled (290 STL / 322 LDL), 64
-worse (433 / 434); cooperative 64 x 256 tiles take 16 or 32 columns (8 or 16 values per thread). Each pass is one
-round trip to memory (its loads cannot move above the previous pass's stores: the compiler cannot tell dgu from
-gate_up), ~8 per item; in ping-pong they overlap the other consumer's wgmmas (an item's main loop is ~27 us at
-Mixtral's K = 4096, ~14 us at Qwen3's 2048). The extra traffic is 10 bytes per element of dh (gate_up, h read,
-dgu written) instead of the Triton pair's 4 (dh written) + 14 (the pass): at Mixtral T=4096 ~1.2 GB during a
-~1.5 ms GEMM. Not yet measured on the GPU: scripts/ab_moe_dx_sm90.py --gemm dh_swiglu times it against the
-Triton pair, with the same tile's plain dh beside it (what the epilogue costs).
+**The SwiGLU backward epilogue** (``SWIGLU_BWD``, ping-pong 128x128 only). Why: the Triton path writes dh (rows x F
+float32) and reads it back in a separate memory-bound pass (``_swiglu_backward_kernel``, 0.42 ms at Mixtral T=4096
+beside dh's 1.6 ms), and Triton could not fuse it (its layouts spilled: that kernel's docstring). Here the
+consumer's accumulator ``acc = dh[rows, cols]`` stays in registers and the epilogue's operands come through shared
+memory: after an item's K steps the producer TMA-loads its ``gate = gate_up[rows, cols]``, ``up = gate_up[rows, F +
+cols]`` and ``h[rows, cols]`` into one set of epilogue buffers (BLOCK_N / swiglu_cols chunks of 128 x swiglu_cols
+each, 96 KiB in all, completing on ``epi_ready``), once the previous item's epilogue has released them
+(``epi_empty``). The consumer, chunk by chunk (``column_halves`` halves the accumulator: register selections, no
+shuffles), reads them in the accumulator's layout (``LDSM``), computes the Triton pass's expressions
+(``dscale[pair] += sum_cols dh * h``; ``dhs = scale * dh``; ``d gate = dhs * up * sig * (1 + gate * (1 - sig))``,
+``d up = dhs * silu(gate)``), writes d(gate, up) over the chunk's gate and up buffers (``STSM``) and TMA-stores
+them at once, so that the stores overlap the next chunk; it waits for the stores to have read the buffers before
+releasing them. The routing-weight gradient is added with one float32 ``REDG`` per row and column block (dscale must
+start at zero; the order of the additions is not fixed). Padding rows of the tile get zeros (dw1's Gluon kernel
+reads them unmasked), rows of unused tiles are never written. The sigmoid uses the approximate ex2 and reciprocal
+(``_fast_sigmoid``): with the IEEE expression the epilogue outlasted the other consumer's main loop.
+
+Measured on the H200 (scripts/probe_dh_swiglu.py on branch probe/dh-swiglu, interleaved do_bench medians, session
+12): Mixtral T=4096 1.73 ms against 2.13 for Triton's dh + SwiGLU pass (plain dh with this tile 1.57); Qwen3
+0.28 ms against 0.32 (plain 0.23). The operands loaded by global loads in the accumulator layout (the first version,
+session 11) took 2.0-2.3 ms at Mixtral: ~400 exposed 4-byte loads per thread and item. Registers: 128 accumulator
+floats per thread plus a chunk's gate, up and h; 32-column chunks build without spills (16 too; 64 spill).
 
 The A operand stays pre-gathered (``triton_gemm.sorted_rows(dout)``, ~0.03 ms at Mixtral T=4096, ~2% of the
 GEMM; a third of it at Qwen3's F = 768): Hopper's TMA has no row gather, and a gathering producer (cp.async rows
@@ -80,12 +80,8 @@ Offline sm_90 builds (triton 3.6, scripts/ab_moe_dx_sm90.py --offline [--gemm dh
 consumers use at most 175 registers (cooperative 128x256), 96 (cooperative 128x128), 183 (ping-pong 128x128) of
 their 240 for dx, 151 / 159 (cooperative 128x256 / ping-pong 128x128) for dh; shared memory 147680 / 196840 bytes
 at 128x256 with 3 / 4 stages, 98528 + 32768 per stage at 128x128. dx's SASS is as before dh's epilogue was added.
-dh_swiglu (``--gemm dh_swiglu``, Mixtral and Qwen3 alike): no spills, no local memory in the four A/B configs; the
-highest register named is R237 (of the consumers' 240: ptxas schedules into what there is); shared memory 131368 /
-164168 bytes (ping-pong 128x128 s4 / s5), 147712 (cooperative 128x256 s3), the ring's as for dh (no epilogue
-staging); BAR.SYNC count as dh's (29 / 30 / 24); 192 4-byte loads and 128 4-byte stores per consumer thread and
-item, 4 (ping-pong) / 2 (cooperative) REDG. dx's and dh's SASS are unchanged by the third epilogue except for the
-kernel parameters' constant-bank offsets.
+dh_swiglu (``--gemm dh_swiglu``): no spills at 16- and 32-column chunks; shared memory 229728 bytes with 4
+stages (the ring's 131072 + 98304 for the epilogue buffers; 5 stages do not fit), 196960 with 3.
 
 Persistent: ``num_ctas`` = the SM count (at most the number of work items); CTA c takes work items c, c + num_ctas,
 ... Work items are (row tile, column block) pairs numbered in ``triton_gemm._row_tile_and_col_block``'s GROUP_M
@@ -104,8 +100,9 @@ Numerics: bf16 (or fp16) operands, float32 accumulation in the wgmma, float32 at
 accumulated): the same as the Triton kernels up to the order of the K-sum inside the tensor core and, for dx, the
 order of the top_k atomic additions (not fixed: results may differ in the last bits from run to run, as with the
 Triton kernel; dh is deterministic). dh_swiglu: d(gate, up) from the float32 accumulator with the Triton pass's
-expressions, rounded once (as the Triton pair, which stores dh in float32): it differs from the Triton path only
-where dh's last float32 bits flip a rounding; the routing-weight gradient sums per column block, added atomically
+expressions (the sigmoid to ~2 float32 ulp), rounded once (as the Triton pair, which stores dh in float32): it
+differs from the Triton path only where dh's or the sigmoid's last float32 bits flip a rounding (about 1e-4 of the
+elements, by one ulp of the output dtype); the routing-weight gradient sums per column block, added atomically
 (not deterministic in its last bits, unlike the Triton pass's whole-row sums).
 """
 
@@ -159,9 +156,9 @@ MEASURED_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
 # dh: H200, scripts/ab_moe_dx_sm90.py --gemm dh (session 10, Mixtral T=4096): ping-pong 128x128 s4 1.46 ms,
 # cooperative 128x256 s3 1.58 ms, Triton dh_launch 1.54 ms
 DH_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
-# dh with the SwiGLU backward in its epilogue: dh's tile (the ping-pong consumers' epilogue loads and stores overlap
-# the other consumer's wgmmas); not yet measured on the GPU
-DH_SWIGLU_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
+# dh with the SwiGLU backward in its epilogue: dh's tile, 32-column epilogue chunks (H200, session 12: Mixtral
+# T=4096 1.73 ms vs 1.96 with 16-column chunks before the fast sigmoid, 1.83-1.95 with 3 stages; Qwen3 even)
+DH_SWIGLU_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True, swiglu_cols=32)
 
 
 def smem_bytes(config: DxConfig, itemsize: int = 2, gemm: str = "dx") -> int:
@@ -265,6 +262,17 @@ def _wgmma_layout(N):
 
 
 @gluon.jit
+def _fast_sigmoid(x):
+    """1 / (1 + 2^(-x log2 e)) with the approximate ex2 and reciprocal (MUFU, flush-to-zero): 2-ulp float32, within
+    the output's bf16/fp16 rounding. The IEEE expression (``tl.sigmoid``'s, what _swiglu_backward_kernel computes)
+    carries denormal and range fix-ups around both MUFU ops; in this epilogue, run by one warpgroup beside the other
+    one's wgmmas, it cost more than the GEMM could hide (Mixtral T=4096: 1.96 vs 1.73 ms; Qwen3: 0.46 vs 0.28 ms)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .f32 t; ex2.approx.ftz.f32 t, $1; add.ftz.f32 t, t, 0f3F800000; rcp.approx.ftz.f32 $0, t; }",
+        "=r,r", [x * -1.4426950408889634], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _swiglu_backward_columns(dh, CHUNK0: gl.constexpr, valid, scale, epi_smem, dgu_desc, row, col, N):
     """The SwiGLU backward of a tile of dh (float32, accumulator layout) whose first column is chunk CHUNK0 of the
     item's epilogue buffers, one chunk (COLS columns) at a time (halving the tile until it is that wide: the chunk's
@@ -282,15 +290,16 @@ def _swiglu_backward_columns(dh, CHUNK0: gl.constexpr, valid, scale, epi_smem, d
         dh = gl.convert_layout(dh, layout)  # the layout column_halves produced, named (no data moves)
         gate_smem = epi_smem.index(3 * CHUNK0)
         up_smem = epi_smem.index(3 * CHUNK0 + 1)
-        gate = gate_smem.load(layout).to(gl.float32)
-        up = up_smem.load(layout).to(gl.float32)
+        row_valid = gl.expand_dims(valid, 1)
+        # padding rows: zeros out, whatever their dh and saved operands hold (the gathered copy's padding rows and
+        # gate_up's are never written: NaN * 0 would be NaN)
+        gate = gl.where(row_valid, gate_smem.load(layout).to(gl.float32), 0.0)
+        up = gl.where(row_valid, up_smem.load(layout).to(gl.float32), 0.0)
         h = epi_smem.index(3 * CHUNK0 + 2).load(layout).to(gl.float32)
         # the routing weight's gradient: dout[token] . (h @ w2[e].T) = dh . h (padding rows: masked by the caller)
         dscale = gl.sum(dh * h, axis=1)
-        # padding rows: zeros, whatever their dh and saved operands (the gathered copy's padding rows and gate_up's
-        # are not relied on)
-        dh = gl.where(gl.expand_dims(valid, 1), dh * gl.expand_dims(scale, 1), 0.0)
-        sig = 1.0 / (1.0 + gl.exp(-gate))  # tl.sigmoid's expression, as _swiglu_backward_kernel computes it
+        dh = gl.where(row_valid, dh * gl.expand_dims(scale, 1), 0.0)
+        sig = _fast_sigmoid(gate)
         dtype: gl.constexpr = dgu_desc.dtype
         # in place: every value is read and rewritten by the same thread
         gate_smem.store((dh * up * sig * (1.0 + gate * (1.0 - sig))).to(dtype))
