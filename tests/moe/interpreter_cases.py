@@ -324,7 +324,8 @@ def test_weight_gradient_operands_have_zero_padding_rows(dtype):
     tokens = sort.sorted_pair_ids[valid].long() // top_k
 
     grad_out = torch.randn(num_tokens, d_model).to(dtype)
-    dh, dgu, dweights = triton_gemm.backward_buffers(x, w1, sort, tiles)
+    dgu, dweights = triton_gemm.backward_buffers(x, w1, sort, tiles)
+    dh = triton_gemm.dh_buffer(dgu)
     triton_gemm.dh_launch(grad_out, w2, dh, sort, tiles)()
     triton_gemm.swiglu_backward_launch(saved.gate_up, dh, saved.h, weights32, dgu, dweights, sort)()
     x_sorted = triton_gemm.sorted_rows(x, None, sort, num_rows)

@@ -1,5 +1,6 @@
-"""The Gluon sm_90 dx GEMM (moe/hopper/dx_sm90.py): argument checks, launch plumbing, an offline sm_90 build and a
-model of its barrier protocol on the CPU; its output against the Triton dx kernel on the GPU (``-m gpu``)."""
+"""The Gluon sm_90 dx GEMM (moe/hopper/dx_sm90.py, its scatter epilogue; the dh mode: test_moe_dh_sm90.py):
+argument checks, launch plumbing, an offline sm_90 build and a model of its barrier protocol on the CPU; its output
+against the Triton dx kernel on the GPU (``-m gpu``)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ def test_launch_args_for_a_valid_call():
     grid, args, constexprs = gdx.launch_args(dgu, w1, dx32, sort, 128, DxConfig(), num_ctas=132)
     # 32 pairs over 4 experts: at most 0 + 4 row tiles; d = 64: one 256-wide column block
     assert grid == (sort.tile_expert.numel(),) == (4,)
-    assert constexprs == dict(GROUP_M=8, NUM_STAGES=4, PINGPONG=False, ROWS=64)
+    assert constexprs == dict(GROUP_M=8, NUM_STAGES=4, PINGPONG=False, ROWS=64, EPILOGUE=gdx.SCATTER_ADD.value)
     a_desc, b_desc = args[:2]
     assert a_desc.block_shape == [128, 64] and b_desc.block_shape == [64, 256]
     assert b_desc.shape == [4 * 128, 64]  # w1 viewed as (E*2F, d)
+    assert args[5] is dx32
     assert args[-3:] == (128, 64, 64)  # K = 2F, N = d, dx32's row stride
     _, _, constexprs = gdx.launch_args(dgu, w1, dx32, sort, 128, DxConfig(block_n=128, pingpong=True), num_ctas=132)
     assert constexprs["ROWS"] == 128 and constexprs["PINGPONG"]

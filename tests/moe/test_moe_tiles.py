@@ -64,7 +64,8 @@ def test_every_moe_launch_uses_the_shared_precision_policy(monkeypatch, dtype, p
     w2 = torch.zeros(num_experts, d_model, d_ff, dtype=dtype)
     weights32 = torch.zeros(num_tokens, top_k)
     h, out32, gate_up = triton_gemm.forward_buffers(x, w1, sort, tiles, save_for_backward=True)
-    dh, dgu, dweights = triton_gemm.backward_buffers(x, w1, sort, tiles)
+    dgu, dweights = triton_gemm.backward_buffers(x, w1, sort, tiles)
+    dh = triton_gemm.dh_buffer(dgu)
     launches = [
         triton_gemm.up_swiglu_launch(x, w1, h, gate_up, sort, tiles),
         triton_gemm.down_forward_launch(h, w2, out32, weights32, sort, tiles),

@@ -262,7 +262,8 @@ def test_on_the_backward_operands(monkeypatch, config):
     _, saved = triton_gemm.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
     sort = saved.sort
     grad_out = torch.randn(num_tokens, d_model, device=device).to(torch.bfloat16)
-    dh, dgu, dweights = triton_gemm.backward_buffers(x, w1, sort, tiles)
+    dgu, dweights = triton_gemm.backward_buffers(x, w1, sort, tiles)
+    dh = triton_gemm.dh_buffer(dgu)
     triton_gemm.dh_launch(grad_out, w2, dh, sort, tiles)()
     triton_gemm.swiglu_backward_launch(saved.gate_up, dh, saved.h, weights32, dgu, dweights, sort)()
     num_rows = dgu.shape[0]

@@ -14,9 +14,10 @@ Gate and up rows of w1 are read as one B tile with interleaved columns (``_gate_
 Backward, four GEMM launches reusing the forward's sort and what a training forward (``save_for_backward=True``)
 keeps: the SwiGLU pre-activations ``[gate | up]`` per sorted row (one extra (T·k, 2F) write instead of a backward
 that recomputes both, a third more GEMM work) and h (already written for GEMM2); inference keeps nothing:
-- ``_gathered_rows_gemm_kernel``: ``dh[row] = dout[token] @ w2[e]``, then ``_swiglu_backward_kernel`` (elementwise,
-  whole rows) writes ``d(gate, up) = dSwiGLU(weight * dh)`` and the routing-weight gradient
-  ``dout[token] . y = dh . h``.
+- ``_gathered_rows_gemm_kernel``: ``dh[row] = dout[token] @ w2[e]``, then ``_swiglu_backward_kernel``
+  (elementwise, whole rows) writes ``d(gate, up) = dSwiGLU(weight * dh)`` and the routing-weight gradient
+  ``dout[token] . y = dh . h``. On Hopper with 128-row tiles both in one launch instead: dx_sm90's Gluon kernel
+  over dout gathered to sorted rows, the SwiGLU backward in its epilogue (``_dh_swiglu_backward``).
 - ``_down_combine_kernel`` again for ``dx[token] += d(gate, up)[row] @ w1[e]``; on Hopper with 128-row tiles the
   Gluon kernel of ``moe/hopper/dx_sm90.py`` instead (TMA loads, warp-specialised, ping-pong consumers; 644 vs 607
   TFLOP/s at Mixtral T=4096, session 9).
@@ -303,9 +304,11 @@ def _swiglu_backward_kernel(
     program: a plain store, no atomics). The gradient takes the forward's h, rounded once as GEMM2 used it; h
     recomputed from the rounded gate and up doubled that gradient's error in the one-token GPU test.
 
-    Elementwise, so not in the dh GEMM's epilogue: there Triton's layout assignment kept gate/up and the
+    Elementwise, so not in the Triton dh GEMM's epilogue: there Triton's layout assignment kept gate/up and the
     accumulator in two register layouts at once and spilled (270+ LDL at 128x128 tiles); this pass moves
-    (T·k) x 14F bytes, ~4% of the backward's time at T=4096 (3.7-4.0 TB/s on the H200).
+    (T·k) x 14F bytes, ~4% of the backward's time at T=4096 (3.7-4.0 TB/s on the H200). On Hopper with 128-row tiles
+    the Gluon dh kernel does the same in its epilogue, in the accumulator's own layout (moe/hopper/dx_sm90.py,
+    SWIGLU_BWD); this kernel is the path elsewhere.
 
     The padding rows of used row tiles get zeros in d(gate, up) (their loads are masked: 0 * ... = 0), dw1's A
     operand: the Gluon weight-gradient kernel (moe/hopper/wgrad_sm90.py) reads them unmasked."""
@@ -657,16 +660,19 @@ def sorted_rows(src, row_scale, sort: ExpertSort, num_rows: int):
 
 
 def backward_buffers(x, w1, sort: ExpertSort, tiles: MoETiles):
-    """``dh = dout @ w2`` (float32, sorted rows x F), ``d(gate, up)`` (sorted rows, 2F) and the routing-weight
-    gradient (T, k) float32 (zeros: dropped slots are never written)."""
+    """``d(gate, up)`` (sorted rows, 2F) and the routing-weight gradient (T, k) float32 (zeros: dropped slots are
+    never written, and the Gluon dh kernel adds per-column-block partial sums into it)."""
     num_rows = sort.tile_expert.numel() * tiles.block_m
-    two_d_ff = w1.shape[1]
-    # dh in float32: the routing-weight gradient sums F products of it (bf16 dh tripled that gradient's error in the
-    # one-token GPU test); the extra traffic is ~1% of the backward at T=4096
-    dh = _empty((num_rows, two_d_ff // 2), torch.float32, x.device)
-    dgu = _empty((num_rows, two_d_ff), x.dtype, x.device)
+    dgu = _empty((num_rows, w1.shape[1]), x.dtype, x.device)
     dweights = torch.zeros((x.shape[0], sort.top_k), dtype=torch.float32, device=x.device)
-    return dh, dgu, dweights
+    return dgu, dweights
+
+
+def dh_buffer(dgu):
+    """``dh = dout @ w2`` for the Triton path (float32, sorted rows x F; the Gluon path keeps dh in registers)."""
+    # float32: the routing-weight gradient sums F products of it (bf16 dh tripled that gradient's error in the
+    # one-token GPU test); the extra traffic is ~1% of the backward at T=4096
+    return _empty((dgu.shape[0], dgu.shape[1] // 2), torch.float32, dgu.device)
 
 
 def _default_tiles(x, w1, topk_ids) -> MoETiles:
@@ -762,9 +768,8 @@ def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
     if gate_up is None:
         raise ValueError("moe_backward needs the forward's pre-activations: "
                          "run moe_forward(..., save_for_backward=True)")
-    dh, dgu, dweights = backward_buffers(x, w1, sort, tiles)
-    dh_launch(grad_out, w2, dh, sort, tiles)()
-    swiglu_backward_launch(gate_up, dh, h, weights32, dgu, dweights, sort)()
+    dgu, dweights = backward_buffers(x, w1, sort, tiles)
+    _dh_swiglu_backward(grad_out, w2, gate_up, h, weights32, dgu, dweights, sort, tiles)
     dx = None
     if need_dx:
         dx32 = torch.zeros((num_tokens, d_model), dtype=torch.float32, device=x.device)
@@ -782,6 +787,40 @@ def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
     if need_dw2:
         _weight_gradient(sorted_rows(grad_out, weights32, sort, num_rows), h, dw2, sort, tiles, dw2_launch)
     return dx, dw1, dw2, dweights
+
+
+def _dh_swiglu_backward(grad_out, w2, gate_up, h, weights32, dgu, dweights, sort: ExpertSort,
+                        tiles: MoETiles) -> None:
+    """``d(gate, up)`` and the routing-weight gradient from ``dh[row] = dout[token] @ w2[e]``: on Hopper with 128-row
+    tiles the Gluon dh GEMM with the SwiGLU backward in its epilogue (moe/hopper/dx_sm90.py, ``dh_swiglu_sm90``:
+    dh never reaches memory) over dout gathered to the sorted rows first (TMA loads dense boxes), else
+    ``dh_launch`` (which gathers in its loads) into a float32 dh, then ``swiglu_backward_launch``."""
+    hopper = _hopper_dh_swiglu(grad_out, w2, gate_up, h, weights32, dgu, dweights, sort, tiles)
+    if hopper is not None:
+        dx_sm90, swiglu = hopper
+        dout_sorted = sorted_rows(grad_out, None, sort, dgu.shape[0])
+        dx_sm90.dh_swiglu_sm90(dout_sorted, w2, dgu, swiglu, sort, tiles.block_m, dx_sm90.DH_SWIGLU_CONFIG)
+        return
+    dh = dh_buffer(dgu)
+    dh_launch(grad_out, w2, dh, sort, tiles)()
+    swiglu_backward_launch(gate_up, dh, h, weights32, dgu, dweights, sort)()
+
+
+def _hopper_dh_swiglu(grad_out, w2, gate_up, h, weights32, dgu, dweights, sort: ExpertSort, tiles: MoETiles):
+    """(the Gluon sm_90 dx module, the SwigluOperands of its dh kernel) where that kernel takes these arguments on
+    this GPU (Hopper, 128-row tiles, 16-bit operands, TMA-aligned), else None (dh_launch, swiglu_backward_launch)."""
+    if not dgu.is_cuda or tiles.block_m != 128 or not device_traits(dgu.device).is_hopper:
+        return None
+    from flashmoe_science.moe.hopper import dx_sm90
+
+    swiglu = dx_sm90.SwigluOperands(gate_up, h, weights32, dweights)
+    # checked on a stand-in for the gathered copy of dout (its shape and dtype; fresh, so contiguous and aligned) so
+    # that the copy is only made where the kernel takes it
+    a = torch.empty((dgu.shape[0], grad_out.shape[1]), dtype=grad_out.dtype, device="meta")
+    if dx_sm90.unsupported_reason(a, w2, dgu, sort, tiles.block_m, dx_sm90.DH_SWIGLU_CONFIG, "dh_swiglu",
+                                  swiglu) is not None:
+        return None
+    return dx_sm90, swiglu
 
 
 def _hopper_dx(dgu, w1, dx32, sort: ExpertSort, tiles: MoETiles):

@@ -1,2 +1,3 @@
-"""Gluon kernels of the MoE layer for Hopper (sm_90): one module per kernel (dx_sm90, wgrad_sm90), the shared
-pieces in common. dx_sm90 runs in moe_backward on Hopper; wgrad_sm90 is not wired in yet."""
+"""Gluon kernels of the MoE layer for Hopper (sm_90): one module per kernel (dx_sm90: dx, and dh with the SwiGLU
+backward in its epilogue; wgrad_sm90: dw1, dw2), the shared pieces in common. All run in moe_backward on Hopper
+with 128-row tiles."""

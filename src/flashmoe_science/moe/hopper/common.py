@@ -9,7 +9,8 @@ and a "turn" barrier pair orders their main loops). The ring position advances b
 same order in every partition; see dx_sm90's docstring for the protocol and why it is safe.
 
 Here: the register split, the launch options, the GROUP_M work order, the barriers' set-up, one producer step
-(``load_stage``), the consumer's main loop (``mma_steps``), host-side TMA descriptors and offline sm_90 builds.
+(``load_stage``), the consumer's main loop (``mma_steps``), the accumulator's column halves (``column_halves``, for
+epilogues in slices), host-side TMA descriptors and offline sm_90 builds.
 Gluon inlines these helpers: the kernels compile as if they were written out in place.
 """
 
@@ -97,6 +98,15 @@ def mma_steps(a_smem, b_smem, ready, empty, ring, k_steps, acc,
         mbarrier.arrive(empty.index((ring + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=ks > 0)
         ring += 1
     return acc, ring
+
+
+@gluon.jit
+def column_halves(t):
+    """(left, right) column halves of a 2-D register tensor in a wgmma accumulator layout, without moving data: a
+    thread holds columns c and c + N/2 of the same rows, so the split only selects registers (no shuffles)."""
+    ROWS: gl.constexpr = t.shape[0]
+    HALF: gl.constexpr = t.shape[1] // 2
+    return t.reshape([ROWS, 2, HALF]).permute((0, 2, 1)).split()
 
 
 # --------------------------------------------------------------------------------------------------- host helpers

@@ -1,12 +1,24 @@
-"""The MoE backward's dx GEMM for Hopper (sm_90) in Gluon: ``dx32[token] += d(gate, up)[row] @ w1[e]``.
+"""The MoE backward's sorted-rows GEMMs for Hopper (sm_90) in Gluon, one kernel with three epilogues (EPILOGUE):
 
-The same product as ``triton_gemm.dx_launch`` (``_down_combine_kernel`` with K = 2F, N = d, no row scale) over the
-expert-sorted rows of ``dispatch.ExpertSort``: row tile t (BLOCK_M = 128 sorted rows, one expert) times the
-expert's weight block ``w1[e, k0:k0+BLOCK_K, n0:n0+BLOCK_N]``, every valid row's float32 result added atomically
-into ``dx32[token]`` (the top_k rows of a token meet there; padding rows are dropped). What changes is the schedule:
-Triton's kernel loads both operands with cp.async and waits for each wgmma before the next instruction that could
-touch its registers, so its warps alternate between issuing loads and tensor-core work. Here the roles are split
-into warp-specialised partitions that only meet at mbarriers:
+- dx (``SCATTER_ADD``, ``dx_sm90``): ``dx32[token] += d(gate, up)[row] @ w1[e]``, ``triton_gemm.dx_launch``'s
+  product (``_down_combine_kernel`` with K = 2F, N = d, no row scale): every valid row's float32 result is added
+  atomically into ``dx32[token]`` (the top_k rows of a token meet there).
+- dh (``ROW_STORE``, ``dh_sm90``): ``dh[row] = dout[token(row)] @ w2[e]``, ``triton_gemm.dh_launch``'s product
+  (K = d, N = F), stored to the row's own row of the float32 dh (no atomics). TMA loads dense boxes, so A is dout
+  already gathered to the sorted rows (``triton_gemm.sorted_rows``: one (rows, d) copy, which Triton's kernel does
+  in its loads instead). Alone it did not pay in the layer (perf notes v18: 1.46 ms vs Triton's 1.54 at Mixtral
+  T=4096, 1.63 with the gather); it stays for the A/B, as the fused mode's baseline.
+- dh with the SwiGLU backward (``SWIGLU_BWD``, ``dh_swiglu_sm90``, what moe_backward runs on Hopper): the dh
+  product as above, and in the epilogue what ``triton_gemm._swiglu_backward_kernel`` computes from it, so that dh
+  never reaches memory (see below).
+
+All are A (sorted rows x K, dense) times the expert's block of B = the weight viewed (E*K, N), over the
+expert-sorted rows of ``dispatch.ExpertSort``: row tile t (BLOCK_M = 128 sorted rows, one expert) times
+``B[e*K + k0 : +BLOCK_K, n0 : +BLOCK_N]``; padding rows are dropped in the epilogue. What changes against Triton
+is the schedule: Triton's kernel loads both operands with cp.async and waits for each wgmma before the next
+instruction that could touch its registers, so its warps alternate between issuing loads and tensor-core work.
+Here the roles are split into warp-specialised partitions that only meet at mbarriers (described for dx; dh
+differs only in its operands and its epilogue's store):
 
 - **Producer** (one warp, 24 registers after setmaxnreg): walks the CTA's work items in the consumers' order and,
   for each K step, waits until ring stage ``s`` is released ("empty"), then issues two TMA copies into it: the A
@@ -14,7 +26,7 @@ into warp-specialised partitions that only meet at mbarriers:
   ``w1.view(E*2F, d)[e*2F + k0 : +BLOCK_K, n0 : +BLOCK_N]``, both completing on the stage's "ready" barrier
   (expect-tx of both boxes' bytes). It only computes coordinates, so it runs ahead of the consumers by the whole
   ring (NUM_STAGES stages), across work items too: the next item's first tiles land during the current epilogue.
-  A K box never straddles two experts because the wrapper requires 2F % BLOCK_K == 0.
+  A K box never straddles two experts because the wrapper requires K % BLOCK_K == 0 (2F; dh: d).
 - **Two consumer warpgroups** (240 registers each) in one of two modes:
   * cooperative (default): both take every work item, consumer c the rows [64c, 64c+64) of the 128-row tile, so
     a 128x256 tile is two 64x256 fp32 accumulators of 128 registers per thread (the largest wgmma, m64n256k16, and
@@ -29,14 +41,47 @@ into warp-specialised partitions that only meet at mbarriers:
     phase p from p+2).
   The epilogue (after waiting for the last wgmma) drops padding rows (pair id = num_pairs; the ids are loaded
   before the K loop) and columns past N, and adds the accumulator straight from registers with relaxed float32
-  atomics (``REDG.E.ADD.F32x2``: each thread holds adjacent column pairs). No shared-memory staging (Triton's
+  atomics (``REDG.E.ADD.F32x2``: each thread holds adjacent column pairs; dh: ``STG.E.64`` stores, each quad of
+  threads a full 32-byte sector of a row). No shared-memory staging (Triton's
   kernel converts to 4-wide vectors through the idle ring): here the ring is busy with the next item's loads, and
   a 128x256 fp32 tile (128 KiB) would not fit beside it. In cooperative mode the tensor cores idle during the
   epilogue (negligible at Mixtral's K = 28672, a few percent at Qwen3's K = 1536: what ping-pong is for).
 
-Offline sm_90 builds (triton 3.6, scripts/ab_moe_dx_sm90.py --offline): no spills in any config; the consumers
-use at most 175 registers (cooperative 128x256), 96 (cooperative 128x128), 183 (ping-pong 128x128) of their 240;
-shared memory 147680 / 196840 bytes at 128x256 with 3 / 4 stages, 98528 + 32768 per stage at 128x128.
+**The SwiGLU backward epilogue** (``SWIGLU_BWD``, ping-pong 128x128 only). Why: the Triton path writes dh (rows x F
+float32) and reads it back in a separate memory-bound pass (``_swiglu_backward_kernel``, 0.42 ms at Mixtral T=4096
+beside dh's 1.6 ms), and Triton could not fuse it (its layouts spilled: that kernel's docstring). Here the
+consumer's accumulator ``acc = dh[rows, cols]`` stays in registers and the epilogue's operands come through shared
+memory: after an item's K steps the producer TMA-loads its ``gate = gate_up[rows, cols]``, ``up = gate_up[rows, F +
+cols]`` and ``h[rows, cols]`` into one set of epilogue buffers (BLOCK_N / swiglu_cols chunks of 128 x swiglu_cols
+each, 96 KiB in all, completing on ``epi_ready``), once the previous item's epilogue has released them
+(``epi_empty``). The consumer, chunk by chunk (``column_halves`` halves the accumulator: register selections, no
+shuffles), reads them in the accumulator's layout (``LDSM``), computes the Triton pass's expressions
+(``dscale[pair] += sum_cols dh * h``; ``dhs = scale * dh``; ``d gate = dhs * up * sig * (1 + gate * (1 - sig))``,
+``d up = dhs * silu(gate)``), writes d(gate, up) over the chunk's gate and up buffers (``STSM``) and TMA-stores
+them at once, so that the stores overlap the next chunk; it waits for the stores to have read the buffers before
+releasing them. The routing-weight gradient is added with one float32 ``REDG`` per row and column block (dscale must
+start at zero; the order of the additions is not fixed). Padding rows of the tile get zeros (dw1's Gluon kernel
+reads them unmasked), rows of unused tiles are never written. The sigmoid uses the approximate ex2 and reciprocal
+(``_fast_sigmoid``): with the IEEE expression the epilogue outlasted the other consumer's main loop.
+
+Measured on the H200 (scripts/probe_dh_swiglu.py on branch probe/dh-swiglu, interleaved do_bench medians, session
+12): Mixtral T=4096 1.73 ms against 2.13 for Triton's dh + SwiGLU pass (plain dh with this tile 1.57); Qwen3
+0.28 ms against 0.32 (plain 0.23). The operands loaded by global loads in the accumulator layout (the first version,
+session 11) took 2.0-2.3 ms at Mixtral: ~400 exposed 4-byte loads per thread and item. Registers: 128 accumulator
+floats per thread plus a chunk's gate, up and h; 32-column chunks build without spills (16 too; 64 spill).
+
+The A operand stays pre-gathered (``triton_gemm.sorted_rows(dout)``, ~0.03 ms at Mixtral T=4096, ~2% of the
+GEMM; a third of it at Qwen3's F = 768): Hopper's TMA has no row gather, and a gathering producer (cp.async rows
+by a producer warpgroup, which then needs registers the consumers have) is a larger change. dw2's gathered operand
+cannot serve: it is dout scaled by the routing weight, and dscale would then need a division by it (undefined at
+weight 0).
+
+Offline sm_90 builds (triton 3.6, scripts/ab_moe_dx_sm90.py --offline [--gemm dh]): no spills in any config; the
+consumers use at most 175 registers (cooperative 128x256), 96 (cooperative 128x128), 183 (ping-pong 128x128) of
+their 240 for dx, 151 / 159 (cooperative 128x256 / ping-pong 128x128) for dh; shared memory 147680 / 196840 bytes
+at 128x256 with 3 / 4 stages, 98528 + 32768 per stage at 128x128. dx's SASS is as before dh's epilogue was added.
+dh_swiglu (``--gemm dh_swiglu``): no spills at 16- and 32-column chunks; shared memory 229728 bytes with 4
+stages (the ring's 131072 + 98304 for the epilogue buffers; 5 stages do not fit), 196960 with 3.
 
 Persistent: ``num_ctas`` = the SM count (at most the number of work items); CTA c takes work items c, c + num_ctas,
 ... Work items are (row tile, column block) pairs numbered in ``triton_gemm._row_tile_and_col_block``'s GROUP_M
@@ -51,26 +96,32 @@ alike, so the ring positions stay in step).
 The producer step, the consumers' main loop, the barriers' set-up, descriptors and offline builds live in
 ``common`` (shared with wgrad_sm90); the SASS is as before that move (the 128x128 configs' bit for bit).
 
-Numerics: bf16 (or fp16) operands, float32 accumulation in the wgmma, float32 atomics into dx32: the same as the
-Triton kernel up to the order of the K-sum inside the tensor core and the order of the top_k atomic additions
-(not fixed: results may differ in the last bits from run to run, as with the Triton kernel).
+Numerics: bf16 (or fp16) operands, float32 accumulation in the wgmma, float32 atomics into dx32 (dh: stored as
+accumulated): the same as the Triton kernels up to the order of the K-sum inside the tensor core and, for dx, the
+order of the top_k atomic additions (not fixed: results may differ in the last bits from run to run, as with the
+Triton kernel; dh is deterministic). dh_swiglu: d(gate, up) from the float32 accumulator with the Triton pass's
+expressions (the sigmoid to ~2 float32 ulp), rounded once (as the Triton pair, which stores dh in float32): it
+differs from the Triton path only where dh's or the sigmoid's last float32 bits flip a rounding (about 1e-4 of the
+elements, by one ulp of the output dtype); the routing-weight gradient sums per column block, added atomically
+(not deterministic in its last bits, unlike the Triton pass's whole-row sums).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
 from flashmoe_science.moe.dispatch import ExpertSort
 from flashmoe_science.moe.hopper import common
 from flashmoe_science.moe.hopper.common import (BARRIER_BYTES, CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS,
-                                                NUM_CONSUMERS, PRODUCER_REGISTERS, check_tile_config, grouped_block,
-                                                init_barriers, load_stage, mma_steps)
+                                                NUM_CONSUMERS, PRODUCER_REGISTERS, check_tile_config, column_halves,
+                                                grouped_block, init_barriers, load_stage, mma_steps)
 from flashmoe_science.moe.tiles import HOPPER_SMEM_PER_BLOCK, sm_count
 
 BLOCK_M = 128  # rows per work item: the sort's row tile (one expert per tile)
@@ -79,33 +130,66 @@ BLOCK_M = 128  # rows per work item: the sort's row tile (one expert per tile)
 
 @dataclass(frozen=True)
 class DxConfig:
-    """The kernel's tile config (constexprs). BLOCK_M is fixed at 128 (the sort's row tile)."""
+    """The kernel's tile config (constexprs), dx's or dh's. BLOCK_M is fixed at 128 (the sort's row tile)."""
 
     block_n: int = 256
     block_k: int = 64
     num_stages: int = 4
     pingpong: bool = False  # consumers alternate work items (block_n 128 only); else both share each item
     group_m: int = 8  # row tiles that sweep the column blocks together (MoETiles.group_m)
+    # SWIGLU_BWD only: accumulator columns per epilogue pass (the passes' gate / up / h loads must fit beside the
+    # accumulator in the consumer's registers)
+    swiglu_cols: int = 16
 
     def label(self) -> str:
         mode = "pingpong" if self.pingpong else "coop"
         return f"{BLOCK_M}x{self.block_n}x{self.block_k} s{self.num_stages} {mode} g{self.group_m}"
+
+    def swiglu_label(self) -> str:
+        return f"{self.label()} c{self.swiglu_cols}"
 
 
 # H200, scripts/ab_moe_dx_sm90.py (session 9, T=4096, TFLOP/s; Triton dx_launch / torch grouped_mm without the
 # combine): ping-pong 128x128, 4 stages: Mixtral 644 (607 / 677), Qwen3 432 (399 / 426), the best at Mixtral and
 # within 5% of Qwen3's best (5 stages, 454, but 591 at Mixtral). Cooperative 128x256: 609-598 / 407-418.
 MEASURED_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
+# dh: H200, scripts/ab_moe_dx_sm90.py --gemm dh (session 10, Mixtral T=4096): ping-pong 128x128 s4 1.46 ms,
+# cooperative 128x256 s3 1.58 ms, Triton dh_launch 1.54 ms
+DH_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
+# dh with the SwiGLU backward in its epilogue: dh's tile, 32-column epilogue chunks (H200, session 12: Mixtral
+# T=4096 1.73 ms vs 1.96 with 16-column chunks before the fast sigmoid, 1.83-1.95 with 3 stages; Qwen3 even)
+DH_SWIGLU_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True, swiglu_cols=32)
 
 
-def smem_bytes(config: DxConfig, itemsize: int = 2) -> int:
-    """Shared memory of the operand ring (A 128 x block_k and B block_k x block_n per stage) plus barriers."""
-    return config.num_stages * (BLOCK_M + config.block_n) * config.block_k * itemsize + BARRIER_BYTES
+def smem_bytes(config: DxConfig, itemsize: int = 2, gemm: str = "dx") -> int:
+    """Shared memory of the operand ring (A 128 x block_k and B block_k x block_n per stage) plus barriers, and for
+    dh_swiglu the epilogue's gate, up and h buffers (3 x 128 x block_n)."""
+    ring = config.num_stages * (BLOCK_M + config.block_n) * config.block_k * itemsize
+    epilogue = 3 * BLOCK_M * config.block_n * itemsize if gemm == "dh_swiglu" else 0
+    return ring + epilogue + BARRIER_BYTES
 
 
-def check_config(config: DxConfig, itemsize: int = 2, smem_limit: int = HOPPER_SMEM_PER_BLOCK) -> None:
+def check_config(config: DxConfig, itemsize: int = 2, smem_limit: int = HOPPER_SMEM_PER_BLOCK,
+                 gemm: str = "dx") -> None:
     """ValueError unless the kernel can run ``config``."""
-    check_tile_config("dx_sm90", config, smem_bytes(config, itemsize), smem_limit)
+    if gemm == "dh_swiglu":
+        if not config.pingpong:
+            # one set of epilogue buffers, handed from item to item: the consumers must take whole items in turn
+            raise ValueError(f"dh_swiglu_sm90: needs pingpong=True (the epilogue buffers hold one whole item), got "
+                             f"{config.label()}")
+        cols = config.swiglu_cols
+        if not (8 <= cols <= config.block_n and cols & (cols - 1) == 0):
+            # the epilogue halves the tile's columns until a chunk is swiglu_cols wide (a wgmma layout: N >= 8; a
+            # TMA box: >= 16 bytes a row)
+            raise ValueError(f"dh_swiglu_sm90: swiglu_cols must be a power of two from 8 to block_n = "
+                             f"{config.block_n}, got {cols}")
+    check_tile_config(f"{gemm}_sm90", config, smem_bytes(config, itemsize, gemm), smem_limit)
+
+
+# the epilogues (constexpr EPILOGUE): dx's atomic scatter-add into token rows, dh's row store, dh's SwiGLU backward
+SCATTER_ADD = gl.constexpr(0)
+ROW_STORE = gl.constexpr(1)
+SWIGLU_BWD = gl.constexpr(2)
 
 
 # ------------------------------------------------------------------------------------------------------ the kernel
@@ -121,10 +205,12 @@ def _num_work(expert_counts_ptr, expert_row_start_ptr, num_experts, num_tiles_ma
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr,
-              num_experts, num_tiles_max, K, N, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _producer(a_desc, b_desc, gate_up_desc, h_desc, a_smem, b_smem, epi_smem, ready, empty, epi_ready, epi_empty,
+              tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, num_experts, num_tiles_max, K, N,
+              GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPILOGUE: gl.constexpr):
     """One warp: every K step of every work item of this CTA, A and B tiles by TMA into the next ring stage once
-    the consumers have released it."""
+    the consumers have released it; for SWIGLU_BWD, after an item's K steps, the item's gate, up and h boxes into
+    the epilogue buffers once the previous item's epilogue has released them."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[1]
@@ -133,6 +219,7 @@ def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, tile_expert_ptr, exp
     num_col_blocks = gl.cdiv(N, BN)
     k_steps = K // BK
     ring = 0  # K steps issued so far by this CTA (ring position)
+    epi_items = 0  # items whose epilogue operands were loaded so far (SWIGLU_BWD)
     for work in range(gl.program_id(0), num_work, gl.num_programs(0)):
         tile, col_block = grouped_block(work, num_row_tiles, num_col_blocks, GROUP_M)
         expert = gl.load(tile_expert_ptr + tile)
@@ -142,22 +229,104 @@ def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, tile_expert_ptr, exp
                 load_stage(a_desc, tile * BM, ks * BK, b_desc, b_row + ks * BK, col_block * BN, a_smem, b_smem,
                            ready, empty, ring, NUM_STAGES)
                 ring += 1
+            if EPILOGUE == SWIGLU_BWD:
+                _load_swiglu_operands(gate_up_desc, h_desc, epi_smem, epi_ready, epi_empty, epi_items, tile * BM,
+                                      col_block * BN, N)
+                epi_items += 1
 
 
 @gluon.jit
-def _consumer(a_smem, b_smem, ready, empty, turn, dx_ptr, sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr,
-              expert_row_start_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_dx,
+def _load_swiglu_operands(gate_up_desc, h_desc, epi_smem, epi_ready, epi_empty, epi_items, row, col, N):
+    """The producer's epilogue step: once the previous item's epilogue has released the buffers (its TMA stores have
+    read them), TMA the item's gate, up and h boxes, chunk by chunk, all completing on ``epi_ready``. Issued after
+    the item's K steps: the other ping-pong consumer's epilogue is long done by then, and the boxes land while this
+    item's last wgmmas run."""
+    COLS: gl.constexpr = gate_up_desc.block_type.shape[1]
+    CHUNKS: gl.constexpr = epi_smem.type.shape[0] // 3
+    # barriers start "phase 1 complete": the first item does not wait
+    mbarrier.wait(epi_empty, (epi_items & 1) ^ 1)
+    mbarrier.expect(epi_ready, CHUNKS * (2 * gate_up_desc.block_type.nbytes + h_desc.block_type.nbytes))
+    for c in gl.static_range(CHUNKS):
+        tma.async_copy_global_to_shared(gate_up_desc, [row, col + c * COLS], epi_ready, epi_smem.index(3 * c))
+        tma.async_copy_global_to_shared(gate_up_desc, [row, N + col + c * COLS], epi_ready,
+                                        epi_smem.index(3 * c + 1))
+        tma.async_copy_global_to_shared(h_desc, [row, col + c * COLS], epi_ready, epi_smem.index(3 * c + 2))
+
+
+@gluon.constexpr_function
+def _wgmma_layout(N):
+    """The wgmma accumulator layout of an N-column tile: the 4 warps stacked along the rows (16 rows each, repeated
+    down the tile), each thread holding adjacent column pairs. Its column slices (``column_halves``) have the layout
+    of the narrower tile."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+
+
+@gluon.jit
+def _fast_sigmoid(x):
+    """1 / (1 + 2^(-x log2 e)) with the approximate ex2 and reciprocal (MUFU, flush-to-zero): 2-ulp float32, within
+    the output's bf16/fp16 rounding. The IEEE expression (``tl.sigmoid``'s, what _swiglu_backward_kernel computes)
+    carries denormal and range fix-ups around both MUFU ops; in this epilogue, run by one warpgroup beside the other
+    one's wgmmas, it cost more than the GEMM could hide (Mixtral T=4096: 1.96 vs 1.73 ms; Qwen3: 0.46 vs 0.28 ms)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .f32 t; ex2.approx.ftz.f32 t, $1; add.ftz.f32 t, t, 0f3F800000; rcp.approx.ftz.f32 $0, t; }",
+        "=r,r", [x * -1.4426950408889634], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _swiglu_backward_columns(dh, CHUNK0: gl.constexpr, valid, scale, epi_smem, dgu_desc, row, col, N):
+    """The SwiGLU backward of a tile of dh (float32, accumulator layout) whose first column is chunk CHUNK0 of the
+    item's epilogue buffers, one chunk (COLS columns) at a time (halving the tile until it is that wide: the chunk's
+    gate, up and h must fit beside the accumulator in registers). Each chunk's d(gate, up) (zeros in padding rows)
+    overwrites its gate and up buffers and leaves by TMA store at once (the stores overlap the next chunk's work);
+    returns the rows' partial routing-weight gradients sum_cols dh * h."""
+    COLS: gl.constexpr = dgu_desc.block_type.shape[1]
+    if dh.shape[1] > COLS:
+        left, right = column_halves(dh)
+        return (_swiglu_backward_columns(left, CHUNK0, valid, scale, epi_smem, dgu_desc, row, col, N)
+                + _swiglu_backward_columns(right, CHUNK0 + dh.shape[1] // 2 // COLS, valid, scale, epi_smem,
+                                           dgu_desc, row, col, N))
+    else:
+        layout: gl.constexpr = _wgmma_layout(COLS)
+        dh = gl.convert_layout(dh, layout)  # the layout column_halves produced, named (no data moves)
+        gate_smem = epi_smem.index(3 * CHUNK0)
+        up_smem = epi_smem.index(3 * CHUNK0 + 1)
+        row_valid = gl.expand_dims(valid, 1)
+        # padding rows: zeros out, whatever their dh and saved operands hold (the gathered copy's padding rows and
+        # gate_up's are never written: NaN * 0 would be NaN)
+        gate = gl.where(row_valid, gate_smem.load(layout).to(gl.float32), 0.0)
+        up = gl.where(row_valid, up_smem.load(layout).to(gl.float32), 0.0)
+        h = epi_smem.index(3 * CHUNK0 + 2).load(layout).to(gl.float32)
+        # the routing weight's gradient: dout[token] . (h @ w2[e].T) = dh . h (padding rows: masked by the caller)
+        dscale = gl.sum(dh * h, axis=1)
+        dh = gl.where(row_valid, dh * gl.expand_dims(scale, 1), 0.0)
+        sig = _fast_sigmoid(gate)
+        dtype: gl.constexpr = dgu_desc.dtype
+        # in place: every value is read and rewritten by the same thread
+        gate_smem.store((dh * up * sig * (1.0 + gate * (1.0 - sig))).to(dtype))
+        up_smem.store((dh * (gate * sig)).to(dtype))
+        fence_async_shared()  # the generic-proxy writes before the TMA engine reads them
+        tma.async_copy_shared_to_global(dgu_desc, [row, col + CHUNK0 * COLS], gate_smem)
+        tma.async_copy_shared_to_global(dgu_desc, [row, N + col + CHUNK0 * COLS], up_smem)
+        return dscale
+
+
+@gluon.jit
+def _consumer(a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty, out_ptr, dgu_desc,
+              sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, row_scale_ptr,
+              dscale_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out,
               CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, ROWS: gl.constexpr, GROUP_M: gl.constexpr,
-              NUM_STAGES: gl.constexpr):
-    """One consumer warpgroup: its rows of every work item (cooperative), or every other work item (ping-pong)."""
+              NUM_STAGES: gl.constexpr, EPILOGUE: gl.constexpr):
+    """One consumer warpgroup: its rows of every work item (cooperative), or every other work item (ping-pong); the
+    epilogue adds them into their tokens' rows of out (SCATTER_ADD, dx), stores them to their own rows (ROW_STORE,
+    dh) or stores the SwiGLU backward of them to their own rows of d(gate, up) by TMA (SWIGLU_BWD, ping-pong)."""
     BM: gl.constexpr = a_smem.type.shape[1]
     BK: gl.constexpr = a_smem.type.shape[2]
     BN: gl.constexpr = b_smem.type.shape[2]
     ROW0: gl.constexpr = 0 if PINGPONG else CONSUMER * ROWS
-    # wgmma accumulator: the 4 warps stacked along the rows (16 rows each, repeated for 128 rows); N = BN
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BN, 16])
-    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    acc_layout: gl.constexpr = _wgmma_layout(BN)
+    # the epilogue's row vectors in the layout of the tile slices it works on (SWIGLU_BWD: chunks of COLS columns)
+    EPILOGUE_N: gl.constexpr = dgu_desc.block_type.shape[1] if EPILOGUE == SWIGLU_BWD else BN
+    row_layout: gl.constexpr = gl.SliceLayout(1, _wgmma_layout(EPILOGUE_N))
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
 
     num_row_tiles, num_work = _num_work(expert_counts_ptr, expert_row_start_ptr, num_experts, num_tiles_max, N,
@@ -166,6 +335,7 @@ def _consumer(a_smem, b_smem, ready, empty, turn, dx_ptr, sorted_pair_ids_ptr, t
     k_steps = K // BK
     ring = 0  # ring position of the current item's first K step
     item = 0  # the CTA's work items so far
+    epi_items = 0  # the CTA's items with an epilogue so far (both consumers count every one: the buffers' phase)
     for work in range(gl.program_id(0), num_work, gl.num_programs(0)):
         tile, col_block = grouped_block(work, num_row_tiles, num_col_blocks, GROUP_M)
         expert = gl.load(tile_expert_ptr + tile)
@@ -175,9 +345,11 @@ def _consumer(a_smem, b_smem, ready, empty, turn, dx_ptr, sorted_pair_ids_ptr, t
         else:
             mine = True
         if mine:
-            # the rows' pair ids, loaded ahead of the K loop so the epilogue does not wait for them
+            # the rows' pair ids (and routing weights), loaded ahead of the K loop so the epilogue does not wait
             rows = tile * BM + ROW0 + gl.arange(0, ROWS, layout=row_layout)
             pairs = gl.load(sorted_pair_ids_ptr + rows)
+            if EPILOGUE == SWIGLU_BWD:
+                scale = gl.load(row_scale_ptr + pairs, mask=pairs < num_pairs, other=0.0)
             if PINGPONG:
                 # wait until the other consumer has issued its wgmmas of the previous item (its epilogue then
                 # overlaps ours), which also means every ring stage this item reads has completed its previous phase
@@ -191,106 +363,224 @@ def _consumer(a_smem, b_smem, ready, empty, turn, dx_ptr, sorted_pair_ids_ptr, t
             if item_steps > 0:
                 mbarrier.arrive(empty.index((end + NUM_STAGES - 1) % NUM_STAGES), count=1)
                 valid = pairs < num_pairs  # padding rows hold num_pairs
-                tokens = gl.where(valid, pairs // top_k, 0).to(gl.int64)
-                cols = col_block * BN + gl.arange(0, BN, layout=col_layout)
-                ptrs = dx_ptr + gl.expand_dims(tokens * stride_dx, 1) + gl.expand_dims(cols, 0)
-                mask = gl.expand_dims(valid, 1) & gl.expand_dims(cols < N, 0)
-                gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+                if EPILOGUE == SWIGLU_BWD:
+                    mbarrier.wait(epi_ready, epi_items & 1)
+                    dscale = _swiglu_backward_columns(acc, 0, valid, scale, epi_smem, dgu_desc, tile * BM,
+                                                      col_block * BN, N)
+                    tma.store_wait(0)  # the stores have read the buffers: the producer may refill them
+                    mbarrier.arrive(epi_empty, count=1)
+                    # one partial sum per row and column block (the quad of threads holding a row adds once)
+                    gl.atomic_add(dscale_ptr + pairs, dscale, mask=valid, sem="relaxed")
+                else:
+                    if EPILOGUE == SCATTER_ADD:
+                        out_rows = gl.where(valid, pairs // top_k, 0).to(gl.int64)  # the rows' tokens
+                    else:
+                        out_rows = rows.to(gl.int64)
+                    cols = col_block * BN + gl.arange(0, BN, layout=col_layout)
+                    ptrs = out_ptr + gl.expand_dims(out_rows * stride_out, 1) + gl.expand_dims(cols, 0)
+                    mask = gl.expand_dims(valid, 1) & gl.expand_dims(cols < N, 0)
+                    if EPILOGUE == SCATTER_ADD:
+                        gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+                    else:
+                        gl.store(ptrs, acc, mask=mask)
         ring += item_steps
+        epi_items += (expert >= 0).to(gl.int32)
         item += 1
 
 
 @gluon.jit
-def dx_sm90_kernel(a_desc, b_desc, dx_ptr, sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr,
-                   expert_row_start_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_dx,
-                   GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, ROWS: gl.constexpr):
-    """Persistent: each CTA runs work items program_id, program_id + num_programs, ... (see the module docstring)."""
+def sorted_rows_sm90_kernel(a_desc, b_desc, gate_up_desc, h_desc, dgu_desc, out_ptr, sorted_pair_ids_ptr,
+                            tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, row_scale_ptr, dscale_ptr,
+                            num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out,
+                            GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                            ROWS: gl.constexpr, EPILOGUE: gl.constexpr):
+    """Persistent: each CTA runs work items program_id, program_id + num_programs, ... (see the module docstring).
+    gate_up_desc, h_desc, dgu_desc, row_scale_ptr and dscale_ptr are SWIGLU_BWD's (unused else)."""
     dtype: gl.constexpr = a_desc.dtype
     a_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+    if EPILOGUE == SWIGLU_BWD:
+        # gate, up and h of one item, chunk by chunk (BLOCK_N / COLS chunks of 128 x COLS; d(gate, up) reuses them)
+        EPI_BUFFERS: gl.constexpr = 3 * (b_desc.block_type.shape[1] // dgu_desc.block_type.shape[1])
+        epi_smem = gl.allocate_shared_memory(dtype, [EPI_BUFFERS] + dgu_desc.block_type.shape, dgu_desc.layout)
+    else:
+        epi_smem = gl.allocate_shared_memory(dtype, [1, 8, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ready, empty, turn = init_barriers(NUM_STAGES, PINGPONG)
+    epi_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    epi_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(epi_ready, count=1)
+    mbarrier.init(epi_empty, count=1)
 
     gl.warp_specialize([
-        (_consumer, (a_smem, b_smem, ready, empty, turn, dx_ptr, sorted_pair_ids_ptr, tile_expert_ptr,
-                     expert_counts_ptr, expert_row_start_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N,
-                     stride_dx, 0, PINGPONG, ROWS, GROUP_M, NUM_STAGES)),
-        (_consumer, (a_smem, b_smem, ready, empty, turn, dx_ptr, sorted_pair_ids_ptr, tile_expert_ptr,
-                     expert_counts_ptr, expert_row_start_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N,
-                     stride_dx, 1, PINGPONG, ROWS, GROUP_M, NUM_STAGES)),
-        (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, tile_expert_ptr, expert_counts_ptr,
-                     expert_row_start_ptr, num_experts, num_tiles_max, K, N, GROUP_M, NUM_STAGES)),
+        (_consumer, (a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty, out_ptr, dgu_desc,
+                     sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, row_scale_ptr,
+                     dscale_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out,
+                     0, PINGPONG, ROWS, GROUP_M, NUM_STAGES, EPILOGUE)),
+        (_consumer, (a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty, out_ptr, dgu_desc,
+                     sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, row_scale_ptr,
+                     dscale_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out,
+                     1, PINGPONG, ROWS, GROUP_M, NUM_STAGES, EPILOGUE)),
+        (_producer, (a_desc, b_desc, gate_up_desc, h_desc, a_smem, b_smem, epi_smem, ready, empty, epi_ready,
+                     epi_empty, tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, num_experts,
+                     num_tiles_max, K, N, GROUP_M, NUM_STAGES, EPILOGUE)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
-# ----------------------------------------------------------------------------------------------------- the wrapper
-def unsupported_reason(dgu, w1, dx32, sort: ExpertSort, block_m: int, config: DxConfig) -> str | None:
-    """Why the kernel cannot take these arguments, or None where it can."""
-    if not isinstance(sort, ExpertSort):
-        return f"dx_sm90: sort must be a dispatch.ExpertSort, got {type(sort).__name__}"
-    if block_m != BLOCK_M or sort.block_m != BLOCK_M:
-        return (f"dx_sm90: the kernel runs {BLOCK_M}-row tiles; got block_m={block_m}, "
-                f"sort.block_m={sort.block_m}")
-    if w1.dim() != 3 or dgu.dim() != 2 or dx32.dim() != 2:
-        return (f"dx_sm90: expected w1 (E, 2F, d), dgu (rows, 2F), dx32 (T, d); got w1 {tuple(w1.shape)}, "
-                f"dgu {tuple(dgu.shape)}, dx32 {tuple(dx32.shape)}")
-    if w1.dtype not in GL_DTYPES or dgu.dtype != w1.dtype:
-        return (f"dx_sm90: dgu and w1 must share a 16-bit float dtype (bfloat16 or float16), got "
-                f"{dgu.dtype} and {w1.dtype}")
-    if dx32.dtype != torch.float32:
-        return f"dx_sm90: dx32 must be float32 (the atomics add float32), got {dx32.dtype}"
-    num_experts, two_d_ff, d_model = w1.shape
-    num_rows = sort.tile_expert.numel() * BLOCK_M
-    if dgu.shape != (num_rows, two_d_ff):
-        return f"dx_sm90: dgu must be (sort rows, 2F) = ({num_rows}, {two_d_ff}), got {tuple(dgu.shape)}"
-    if dx32.shape[1] != d_model or dx32.shape[0] * sort.top_k != sort.num_pairs:
-        return (f"dx_sm90: dx32 must be (T, d) = ({sort.num_pairs // max(sort.top_k, 1)}, {d_model}), "
-                f"got {tuple(dx32.shape)}")
-    if sort.expert_counts.numel() != num_experts:
-        return f"dx_sm90: the sort has {sort.expert_counts.numel()} experts, w1 {num_experts}"
-    if two_d_ff % config.block_k:
-        # the B descriptor views w1 as (E*2F, d): a K box must not straddle two experts
-        return (f"dx_sm90: 2F = {two_d_ff} must be a multiple of block_k = {config.block_k} (a K tile of "
-                f"w1 viewed as (E*2F, d) would cross an expert boundary); use triton_gemm.dx_launch")
-    if not (w1.is_contiguous() and dgu.is_contiguous()):
-        return "dx_sm90: dgu and w1 must be contiguous (TMA descriptors over their rows)"
-    if dx32.stride(1) != 1:
-        return f"dx_sm90: dx32 needs a unit last stride, got strides {dx32.stride()}"
-    if (d_model * w1.element_size()) % 16 or (two_d_ff * dgu.element_size()) % 16:
-        return (f"dx_sm90: TMA needs 16-byte aligned rows: d = {d_model} and 2F = {two_d_ff} must be "
-                f"multiples of 8")
-    if dgu.data_ptr() % 16 or w1.data_ptr() % 16:
-        return "dx_sm90: TMA needs 16-byte aligned base addresses of dgu and w1"
-    try:
-        check_config(config, w1.element_size())
-    except ValueError as error:
-        return str(error)
+# ---------------------------------------------------------------------------------------------------- the wrappers
+class SwigluOperands(NamedTuple):
+    """SWIGLU_BWD's operands beside the GEMM's (as ``triton_gemm.swiglu_backward_launch`` takes them)."""
+
+    gate_up: torch.Tensor  # (sort rows, 2F) the forward's saved pre-activations [gate | up], w2's dtype
+    h: torch.Tensor  # (sort rows, F) the forward's SwiGLU output, w2's dtype
+    row_scale: torch.Tensor  # (T, k) float32 contiguous: the routing weights, read at the rows' pair ids
+    dscale: torch.Tensor  # (T, k) float32 contiguous, zeroed by the caller: per-column-block partial sums land here
+
+
+class _Gemm(NamedTuple):
+    """What differs between the products on the host: the operands' names (for messages), K and N's names,
+    the Triton fallback, and the epilogue."""
+
+    a: str
+    w: str
+    out: str
+    k: str
+    n: str
+    triton: str
+    epilogue: int
+
+
+GEMMS = {"dx": _Gemm("dgu", "w1", "dx32", "2F", "d", "dx_launch", SCATTER_ADD.value),
+         "dh": _Gemm("dout_sorted", "w2", "dh", "d", "F", "dh_launch", ROW_STORE.value),
+         "dh_swiglu": _Gemm("dout_sorted", "w2", "dgu", "d", "F", "dh_launch + swiglu_backward_launch",
+                            SWIGLU_BWD.value)}
+
+
+def _swiglu_reason(swiglu, w, dgu, sort: ExpertSort, num_rows: int, config: DxConfig) -> str | None:
+    """Why SWIGLU_BWD's own operands do not fit (see SwigluOperands), or None."""
+    if not isinstance(swiglu, SwigluOperands):
+        return f"dh_swiglu_sm90: needs SwigluOperands (gate_up, h, row_scale, dscale), got {type(swiglu).__name__}"
+    d_ff = w.shape[2]
+    for name, t, cols, cols_name in (("gate_up", swiglu.gate_up, 2 * d_ff, "2F"), ("h", swiglu.h, d_ff, "F")):
+        if t.shape != (num_rows, cols) or t.dtype != w.dtype or t.stride(1) != 1:
+            return (f"dh_swiglu_sm90: {name} must be (sort rows, {cols_name}) = ({num_rows}, {cols}) in w2's dtype "
+                    f"{w.dtype} with unit last stride, got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
+    for name, t in (("row_scale", swiglu.row_scale), ("dscale", swiglu.dscale)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != sort.num_pairs:
+            return (f"dh_swiglu_sm90: {name} must be float32, contiguous, one value per (token, slot) pair "
+                    f"({sort.num_pairs}), got {t.dtype} {tuple(t.shape)} contiguous={t.is_contiguous()}")
+    if d_ff % config.block_n:
+        # the epilogue's gate box at the last column block would reach into up's columns
+        return (f"dh_swiglu_sm90: F = {d_ff} must be a multiple of block_n = {config.block_n} (the epilogue moves "
+                f"whole column blocks of [gate | up] by TMA); use dh_launch and swiglu_backward_launch")
+    for name, t in (("gate_up", swiglu.gate_up), ("h", swiglu.h), ("dgu", dgu)):
+        if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return (f"dh_swiglu_sm90: TMA needs {name}'s rows and base address 16-byte aligned, got strides "
+                    f"{t.stride()}")
     return None
 
 
-def _check_args(dgu, w1, dx32, sort: ExpertSort, block_m: int, config: DxConfig) -> None:
-    reason = unsupported_reason(dgu, w1, dx32, sort, block_m, config)
+def unsupported_reason(a, w, out, sort: ExpertSort, block_m: int, config: DxConfig, gemm: str = "dx",
+                       swiglu: SwigluOperands | None = None) -> str | None:
+    """Why the kernel cannot take these arguments, or None where it can. ``gemm="dx"``: a = dgu (rows, 2F),
+    w = w1 (E, 2F, d), out = dx32 (T, d); ``gemm="dh"``: a = dout_sorted (rows, d), w = w2 (E, d, F),
+    out = dh (rows, F); ``gemm="dh_swiglu"``: as dh, but out = dgu (rows, 2F) in w2's dtype, and ``swiglu``."""
+    g = GEMMS[gemm]
+    name = f"{gemm}_sm90"
+    if not isinstance(sort, ExpertSort):
+        return f"{name}: sort must be a dispatch.ExpertSort, got {type(sort).__name__}"
+    if block_m != BLOCK_M or sort.block_m != BLOCK_M:
+        return (f"{name}: the kernel runs {BLOCK_M}-row tiles; got block_m={block_m}, "
+                f"sort.block_m={sort.block_m}")
+    out_shape = {SCATTER_ADD.value: f"(T, {g.n})", ROW_STORE.value: f"(rows, {g.n})",
+                 SWIGLU_BWD.value: f"(rows, 2{g.n})"}[g.epilogue]
+    if w.dim() != 3 or a.dim() != 2 or out.dim() != 2:
+        return (f"{name}: expected {g.w} (E, {g.k}, {g.n}), {g.a} (rows, {g.k}), {g.out} {out_shape}; got "
+                f"{g.w} {tuple(w.shape)}, {g.a} {tuple(a.shape)}, {g.out} {tuple(out.shape)}")
+    if w.dtype not in GL_DTYPES or a.dtype != w.dtype:
+        return (f"{name}: {g.a} and {g.w} must share a 16-bit float dtype (bfloat16 or float16), got "
+                f"{a.dtype} and {w.dtype}")
+    if g.epilogue == SWIGLU_BWD.value and out.dtype != w.dtype:
+        return f"{name}: {g.out} must be in {g.w}'s dtype {w.dtype} (dw1's operand), got {out.dtype}"
+    if g.epilogue != SWIGLU_BWD.value and out.dtype != torch.float32:
+        why = "the atomics add float32" if g.epilogue == SCATTER_ADD.value else "the accumulator, stored as it is"
+        return f"{name}: {g.out} must be float32 ({why}), got {out.dtype}"
+    num_experts, K, N = w.shape
+    num_rows = sort.tile_expert.numel() * BLOCK_M
+    if a.shape != (num_rows, K):
+        return f"{name}: {g.a} must be (sort rows, {g.k}) = ({num_rows}, {K}), got {tuple(a.shape)}"
+    if g.epilogue == SCATTER_ADD.value and (out.shape[1] != N or out.shape[0] * sort.top_k != sort.num_pairs):
+        return (f"{name}: {g.out} must be (T, {g.n}) = ({sort.num_pairs // max(sort.top_k, 1)}, {N}), "
+                f"got {tuple(out.shape)}")
+    out_cols = 2 * N if g.epilogue == SWIGLU_BWD.value else N
+    if g.epilogue != SCATTER_ADD.value and out.shape != (num_rows, out_cols):
+        return (f"{name}: {g.out} must be {out_shape.replace('rows', 'sort rows')} = ({num_rows}, {out_cols}), "
+                f"got {tuple(out.shape)}")
+    if sort.expert_counts.numel() != num_experts:
+        return f"{name}: the sort has {sort.expert_counts.numel()} experts, {g.w} {num_experts}"
+    if K % config.block_k:
+        # the B descriptor views w as (E*K, N): a K box must not straddle two experts
+        return (f"{name}: {g.k} = {K} must be a multiple of block_k = {config.block_k} (a K tile of "
+                f"{g.w} viewed as (E*{g.k}, {g.n}) would cross an expert boundary); use triton_gemm.{g.triton}")
+    if not (w.is_contiguous() and a.is_contiguous()):
+        return f"{name}: {g.a} and {g.w} must be contiguous (TMA descriptors over their rows)"
+    if out.stride(1) != 1:
+        return f"{name}: {g.out} needs a unit last stride, got strides {out.stride()}"
+    if (N * w.element_size()) % 16 or (K * a.element_size()) % 16:
+        return (f"{name}: TMA needs 16-byte aligned rows: {g.n} = {N} and {g.k} = {K} must be "
+                f"multiples of 8")
+    if a.data_ptr() % 16 or w.data_ptr() % 16:
+        return f"{name}: TMA needs 16-byte aligned base addresses of {g.a} and {g.w}"
+    try:
+        check_config(config, w.element_size(), gemm=gemm)
+    except ValueError as error:
+        return str(error)
+    if g.epilogue == SWIGLU_BWD.value:
+        return _swiglu_reason(swiglu, w, out, sort, num_rows, config)
+    return None
+
+
+def launch_args(a, w, out, sort: ExpertSort, block_m: int, config: DxConfig = DxConfig(),
+                num_ctas: int | None = None, gemm: str = "dx", swiglu: SwigluOperands | None = None):
+    """(grid, positional args, constexprs) of one launch (``unsupported_reason``'s arguments), after the argument
+    checks (ValueError); no device check, so that offline builds can pass meta tensors."""
+    reason = unsupported_reason(a, w, out, sort, block_m, config, gemm, swiglu)
     if reason is not None:
         raise ValueError(reason)
-
-
-def launch_args(dgu, w1, dx32, sort: ExpertSort, block_m: int, config: DxConfig = DxConfig(),
-                num_ctas: int | None = None):
-    """(grid, positional args, constexprs) of one launch, after the argument checks (ValueError); no device check,
-    so that offline builds can pass meta tensors."""
-    _check_args(dgu, w1, dx32, sort, block_m, config)
-    num_experts, two_d_ff, d_model = w1.shape
+    num_experts, K, N = w.shape
     num_tiles_max = sort.tile_expert.numel()
-    max_work = num_tiles_max * triton.cdiv(d_model, config.block_n)
+    max_work = num_tiles_max * triton.cdiv(N, config.block_n)
     if num_ctas is None:
-        num_ctas = sm_count(dx32.device)
+        num_ctas = sm_count(out.device)
     grid = (max(1, min(num_ctas, max_work)),)
-    a_desc = common.descriptor(dgu, [BLOCK_M, config.block_k])
-    b_desc = common.descriptor(w1.view(num_experts * two_d_ff, d_model), [config.block_k, config.block_n])
-    args = (a_desc, b_desc, dx32, sort.sorted_pair_ids, sort.tile_expert, sort.expert_counts, sort.expert_row_start,
-            num_experts, num_tiles_max, sort.num_pairs, sort.top_k, two_d_ff, d_model, dx32.stride(0))
+    a_desc = common.descriptor(a, [BLOCK_M, config.block_k])
+    b_desc = common.descriptor(w.view(num_experts * K, N), [config.block_k, config.block_n])
+    epilogue = GEMMS[gemm].epilogue
+    if epilogue == SWIGLU_BWD.value:
+        box = [BLOCK_M, config.swiglu_cols]
+        epilogue_descs = (common.descriptor(swiglu.gate_up, box), common.descriptor(swiglu.h, box),
+                          common.descriptor(out, box))
+        scales = (swiglu.row_scale, swiglu.dscale)
+    else:  # unused descriptors and pointers
+        epilogue_descs, scales = (a_desc,) * 3, (out, out)
+    args = (a_desc, b_desc, *epilogue_descs, out, sort.sorted_pair_ids, sort.tile_expert, sort.expert_counts,
+            sort.expert_row_start, *scales, num_experts, num_tiles_max, sort.num_pairs, sort.top_k, K, N,
+            out.stride(0))
     rows = BLOCK_M if config.pingpong else BLOCK_M // NUM_CONSUMERS
-    constexprs = dict(GROUP_M=config.group_m, NUM_STAGES=config.num_stages, PINGPONG=config.pingpong, ROWS=rows)
+    constexprs = dict(GROUP_M=config.group_m, NUM_STAGES=config.num_stages, PINGPONG=config.pingpong, ROWS=rows,
+                      EPILOGUE=epilogue)
     return grid, args, constexprs
+
+
+def _launch(gemm, a, w, out, sort: ExpertSort, block_m: int, config: DxConfig, num_ctas: int | None,
+            swiglu: SwigluOperands | None = None):
+    tensors = (a, w, out, sort.sorted_pair_ids, sort.tile_expert, sort.expert_counts, sort.expert_row_start,
+               *(swiglu if isinstance(swiglu, SwigluOperands) else ()))
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
+        raise ValueError(f"{gemm}_sm90: needs CUDA tensors (a Hopper GPU)")
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"{gemm}_sm90: all tensors must be on one device")
+    grid, args, constexprs = launch_args(a, w, out, sort, block_m, config, num_ctas, gemm, swiglu)
+    return sorted_rows_sm90_kernel[grid](*args, **constexprs, **LAUNCH_OPTIONS)
 
 
 def dx_sm90(dgu, w1, dx32, sort: ExpertSort, block_m: int, config: DxConfig = DxConfig(),
@@ -302,17 +592,37 @@ def dx_sm90(dgu, w1, dx32, sort: ExpertSort, block_m: int, config: DxConfig = Dx
     first); sort: the forward's ExpertSort with block_m = 128. ``num_ctas``: persistent CTAs (default: one per SM).
     Raises ValueError on arguments the kernel cannot take (then use triton_gemm.dx_launch). Returns the compiled
     kernel (registers, spills, SASS for diagnostics)."""
-    tensors = (dgu, w1, dx32, sort.sorted_pair_ids, sort.tile_expert, sort.expert_counts, sort.expert_row_start)
-    if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
-        raise ValueError("dx_sm90: needs CUDA tensors (a Hopper GPU)")
-    if len({t.device for t in tensors}) != 1:
-        raise ValueError("dx_sm90: all tensors must be on one device")
-    grid, args, constexprs = launch_args(dgu, w1, dx32, sort, block_m, config, num_ctas)
-    return dx_sm90_kernel[grid](*args, **constexprs, **LAUNCH_OPTIONS)
+    return _launch("dx", dgu, w1, dx32, sort, block_m, config, num_ctas)
 
 
-def compile_offline(dgu, w1, dx32, sort: ExpertSort, config: DxConfig = DxConfig(), num_ctas: int = 132):
+def dh_sm90(dout_sorted, w2, dh, sort: ExpertSort, block_m: int, config: DxConfig = DH_CONFIG,
+            num_ctas: int | None = None):
+    """``dh[row] = dout_sorted[row] @ w2[expert(row)]`` for every valid sorted row (``triton_gemm.dh_launch``'s
+    product, with dout already gathered to the sorted rows: ``triton_gemm.sorted_rows(dout, None, ...)``).
+
+    dout_sorted: (sort rows, d) bf16/fp16 contiguous (padding rows may hold anything); w2: (E, d, F) contiguous,
+    same dtype, d a multiple of config.block_k; dh: (sort rows, F) float32 with unit last stride: the valid rows
+    are written, the padding rows left as they were. Otherwise as ``dx_sm90`` (ValueError: use dh_launch)."""
+    return _launch("dh", dout_sorted, w2, dh, sort, block_m, config, num_ctas)
+
+
+def dh_swiglu_sm90(dout_sorted, w2, dgu, swiglu: SwigluOperands, sort: ExpertSort, block_m: int,
+                   config: DxConfig = DH_SWIGLU_CONFIG, num_ctas: int | None = None):
+    """``dh_sm90``'s product with the SwiGLU backward in its epilogue: what ``triton_gemm.dh_launch`` followed by
+    ``swiglu_backward_launch`` compute, without dh in memory. With dh = dout_sorted[row] @ w2[expert(row)]:
+    ``dgu[row] = d(gate, up)`` of ``row_scale[pair] * dh`` at the forward's saved ``gate_up[row]``, and
+    ``dscale[pair] += dh . h[row]`` (float32 atomics, one per row and F column block: zero dscale first; the order
+    of the additions is not fixed, so dscale may differ in its last bits from run to run).
+
+    dgu: (sort rows, 2F) in w2's dtype with unit last stride: every row of each used row tile is written (padding
+    rows as zeros: dw1's Gluon kernel reads them), rows of unused tiles are left as they were. Other arguments as
+    ``dh_sm90`` and ``SwigluOperands`` (ValueError: use dh_launch and swiglu_backward_launch)."""
+    return _launch("dh_swiglu", dout_sorted, w2, dgu, sort, block_m, config, num_ctas, swiglu)
+
+
+def compile_offline(a, w, out, sort: ExpertSort, config: DxConfig = DxConfig(), num_ctas: int = 132,
+                    gemm: str = "dx", swiglu: SwigluOperands | None = None):
     """``triton.compile`` of this launch for sm_90 without a GPU (meta tensors are enough), specialised as the JIT
     would specialise it (16-byte aligned pointers, integers divisible by 16); returns the CompiledKernel."""
-    _, args, constexprs = launch_args(dgu, w1, dx32, sort, BLOCK_M, config, num_ctas)
-    return common.compile_offline(dx_sm90_kernel, args, constexprs)
+    _, args, constexprs = launch_args(a, w, out, sort, BLOCK_M, config, num_ctas, gemm, swiglu)
+    return common.compile_offline(sorted_rows_sm90_kernel, args, constexprs)

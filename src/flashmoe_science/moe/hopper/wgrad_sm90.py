@@ -72,7 +72,7 @@ from flashmoe_science.moe.dispatch import ExpertSort
 from flashmoe_science.moe.hopper import common
 from flashmoe_science.moe.hopper.common import (BARRIER_BYTES, CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS,
                                                 NUM_CONSUMERS, PRODUCER_REGISTERS, check_tile_config, grouped_block,
-                                                init_barriers, load_stage, mma_steps)
+                                                column_halves, init_barriers, load_stage, mma_steps)
 from flashmoe_science.moe.tiles import HOPPER_SMEM_PER_BLOCK, sm_count
 
 BLOCK_M = 128  # output rows per work item (M = 2F for dw1, d for dw2)
@@ -201,7 +201,7 @@ def _consumer(a_smem, b_smem, c_smem, ready, empty, turn, out_desc, expert_count
                 fence_async_shared()  # the tile's generic-proxy writes before the TMA (async proxy) reads it
                 tma.async_copy_shared_to_global(out_desc, [out_row, col_block * BN], c_tile)
             else:
-                halves = out.reshape([ROWS, 2, BN // 2]).permute((0, 2, 1)).split()
+                halves = column_halves(out)
                 for h in gl.static_range(2):
                     tma.store_wait(0)
                     c_tile.store(halves[h])
