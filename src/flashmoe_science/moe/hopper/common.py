@@ -9,8 +9,8 @@ and a "turn" barrier pair orders their main loops). The ring position advances b
 same order in every partition; see dx_sm90's docstring for the protocol and why it is safe.
 
 Here: the register split, the launch options, the GROUP_M work order, the barriers' set-up, one producer step
-(``load_stage``), the consumer's main loop (``mma_steps``), the accumulator's column halves (``column_halves``, for
-epilogues in slices), host-side TMA descriptors and offline sm_90 builds.
+(``load_stage``), the consumer's main loop (``mma_steps``), the accumulator's layout (``wgmma_layout``) and its
+column halves (``column_halves``, for epilogues in slices), host-side TMA descriptors and offline sm_90 builds.
 Gluon inlines these helpers: the kernels compile as if they were written out in place.
 """
 
@@ -98,6 +98,14 @@ def mma_steps(a_smem, b_smem, ready, empty, ring, k_steps, acc,
         mbarrier.arrive(empty.index((ring + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=ks > 0)
         ring += 1
     return acc, ring
+
+
+@gluon.constexpr_function
+def wgmma_layout(N):
+    """The consumers' wgmma accumulator layout of an N-column tile: the 4 warps stacked along the rows (16 rows each,
+    repeated down the tile), each thread holding adjacent column pairs. Its column slices (``column_halves``) have
+    the layout of the narrower tile."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
 
 
 @gluon.jit

@@ -121,7 +121,7 @@ from flashmoe_science.moe.dispatch import ExpertSort
 from flashmoe_science.moe.hopper import common
 from flashmoe_science.moe.hopper.common import (BARRIER_BYTES, CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS,
                                                 NUM_CONSUMERS, PRODUCER_REGISTERS, check_tile_config, column_halves,
-                                                grouped_block, init_barriers, load_stage, mma_steps)
+                                                grouped_block, init_barriers, load_stage, mma_steps, wgmma_layout)
 from flashmoe_science.moe.tiles import HOPPER_SMEM_PER_BLOCK, sm_count
 
 BLOCK_M = 128  # rows per work item: the sort's row tile (one expert per tile)
@@ -253,14 +253,6 @@ def _load_swiglu_operands(gate_up_desc, h_desc, epi_smem, epi_ready, epi_empty, 
         tma.async_copy_global_to_shared(h_desc, [row, col + c * COLS], epi_ready, epi_smem.index(3 * c + 2))
 
 
-@gluon.constexpr_function
-def _wgmma_layout(N):
-    """The wgmma accumulator layout of an N-column tile: the 4 warps stacked along the rows (16 rows each, repeated
-    down the tile), each thread holding adjacent column pairs. Its column slices (``column_halves``) have the layout
-    of the narrower tile."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
-
-
 @gluon.jit
 def _fast_sigmoid(x):
     """1 / (1 + 2^(-x log2 e)) with the approximate ex2 and reciprocal (MUFU, flush-to-zero): 2-ulp float32, within
@@ -286,7 +278,7 @@ def _swiglu_backward_columns(dh, CHUNK0: gl.constexpr, valid, scale, epi_smem, d
                 + _swiglu_backward_columns(right, CHUNK0 + dh.shape[1] // 2 // COLS, valid, scale, epi_smem,
                                            dgu_desc, row, col, N))
     else:
-        layout: gl.constexpr = _wgmma_layout(COLS)
+        layout: gl.constexpr = wgmma_layout(COLS)
         dh = gl.convert_layout(dh, layout)  # the layout column_halves produced, named (no data moves)
         gate_smem = epi_smem.index(3 * CHUNK0)
         up_smem = epi_smem.index(3 * CHUNK0 + 1)
@@ -323,10 +315,10 @@ def _consumer(a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty
     BK: gl.constexpr = a_smem.type.shape[2]
     BN: gl.constexpr = b_smem.type.shape[2]
     ROW0: gl.constexpr = 0 if PINGPONG else CONSUMER * ROWS
-    acc_layout: gl.constexpr = _wgmma_layout(BN)
+    acc_layout: gl.constexpr = wgmma_layout(BN)
     # the epilogue's row vectors in the layout of the tile slices it works on (SWIGLU_BWD: chunks of COLS columns)
     EPILOGUE_N: gl.constexpr = dgu_desc.block_type.shape[1] if EPILOGUE == SWIGLU_BWD else BN
-    row_layout: gl.constexpr = gl.SliceLayout(1, _wgmma_layout(EPILOGUE_N))
+    row_layout: gl.constexpr = gl.SliceLayout(1, wgmma_layout(EPILOGUE_N))
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
 
     num_row_tiles, num_work = _num_work(expert_counts_ptr, expert_row_start_ptr, num_experts, num_tiles_max, N,

@@ -72,7 +72,8 @@ from flashmoe_science.moe.dispatch import ExpertSort
 from flashmoe_science.moe.hopper import common
 from flashmoe_science.moe.hopper.common import (BARRIER_BYTES, CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS,
                                                 NUM_CONSUMERS, PRODUCER_REGISTERS, check_tile_config, grouped_block,
-                                                column_halves, init_barriers, load_stage, mma_steps)
+                                                column_halves, init_barriers, load_stage, mma_steps,
+                                                wgmma_layout)
 from flashmoe_science.moe.tiles import HOPPER_SMEM_PER_BLOCK, sm_count
 
 BLOCK_M = 128  # output rows per work item (M = 2F for dw1, d for dw2)
@@ -164,9 +165,7 @@ def _consumer(a_smem, b_smem, c_smem, ready, empty, turn, out_desc, expert_count
     BM: gl.constexpr = a_smem.type.shape[2]
     BN: gl.constexpr = b_smem.type.shape[2]
     ROW0: gl.constexpr = 0 if PINGPONG else CONSUMER * ROWS
-    # wgmma accumulator: the 4 warps stacked along the rows (16 rows each, repeated for ROWS rows); N = BN
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BN, 16])
+    acc_layout: gl.constexpr = wgmma_layout(BN)
     c_tile = c_smem.index(CONSUMER)
 
     num_row_blocks = M // BM
