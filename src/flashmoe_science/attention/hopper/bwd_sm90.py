@@ -235,10 +235,10 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
     cols = gl.arange(0, BLOCK_D, layout=acc_cols)
     mask = gl.expand_dims(rows < seqlen_k, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
     dk_ptrs = (DK + batch.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
-               + gl.expand_dims(rows * stride_dkn, 1) + gl.expand_dims(cols, 0))
+               + gl.expand_dims(rows.to(gl.int64) * stride_dkn, 1) + gl.expand_dims(cols, 0))
     gl.store(dk_ptrs, dk.to(dtype), mask=mask)
     dv_ptrs = (DV + batch.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
-               + gl.expand_dims(rows * stride_dvn, 1) + gl.expand_dims(cols, 0))
+               + gl.expand_dims(rows.to(gl.int64) * stride_dvn, 1) + gl.expand_dims(cols, 0))
     gl.store(dv_ptrs, dv.to(dtype), mask=mask)
 
 
@@ -248,16 +248,27 @@ def attention_backward_sm90_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    HEAVY_FIRST: gl.constexpr,
 ):
-    """Grid (cdiv(Lk, 128), B·Hkv): key tiles fastest, the first (causal: heaviest) first."""
+    """Grid (cdiv(Lk, 128) · B·Hkv,). CTAs start roughly in program order. By default a (batch, kv head)'s key tiles
+    are consecutive, so the CTAs running at once share their heads' Q and dO in L2. HEAVY_FIRST (for causal masks,
+    where key tile j sees Lq - j·128 queries) numbers every head's first key tile first, then every head's second,
+    ...: the longest CTAs start first and the last wave holds the shortest (a head-by-head order leaves a last head's
+    first key tile running alone at the end)."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
     KEYS: gl.constexpr = CTA_KEYS // 2
     DQ_N: gl.constexpr = BLOCK_D // 2
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
-    start_n = gl.program_id(0) * CTA_KEYS
-    pid_bh = gl.program_id(1)
+    num_bh = gl.num_programs(0) // gl.cdiv(seqlen_k, CTA_KEYS)
+    if HEAVY_FIRST:
+        key_tile = gl.program_id(0) // num_bh
+        pid_bh = gl.program_id(0) % num_bh
+    else:
+        key_tile = gl.program_id(0) % gl.cdiv(seqlen_k, CTA_KEYS)
+        pid_bh = gl.program_id(0) // gl.cdiv(seqlen_k, CTA_KEYS)
+    start_n = key_tile * CTA_KEYS
     batch = pid_bh // num_kv_heads
     kv_head = pid_bh % num_kv_heads
 
@@ -336,12 +347,13 @@ def check_supported(q: torch.Tensor) -> None:
 
 
 def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal: bool, softmax_scale: float,
-                            dq_accum, num_stages: int = NUM_STAGES):
+                            dq_accum, num_stages: int = NUM_STAGES, heavy_first: bool | None = None):
     """triton_bwd.attention_backward's conventions, all three gradients wanted: q/out/grad_out/dq `(B, Hq, Lq, D)`,
     k/v/dk/dv `(B, Hkv, Lk, D)` with unit last stride and TMA-compatible strides (triton_fwd.tma_compatible of q, k,
     v, grad_out: the caller checks), lse the forward's contiguous float32 `(B, Hq, Lq)`, delta a float32 workspace
     of lse's shape, dq_accum a contiguous float32 `(B, Hq, Lq, padded_head_dim(D))` workspace (any contents: the
-    preprocess zeroes it). Writes dq, dk, dv in place; returns the compiled kernels by name."""
+    preprocess zeroes it). `heavy_first` (default: causal) picks the CTA order, see the kernel. Writes dq, dk, dv in
+    place; returns the compiled kernels by name."""
     import triton
 
     from flashmoe_science.attention import triton_bwd
@@ -360,7 +372,7 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, caus
         num_q_heads, seqlen_q, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ZERO_DQ_ACCUM=True,
         ROW64=row64, num_warps=4,
     )
-    grid = (triton.cdiv(seqlen_k, BLOCK_N), batch * num_kv_heads)
+    grid = (triton.cdiv(seqlen_k, BLOCK_N) * batch * num_kv_heads,)
     kernels["dkdv_dq"] = attention_backward_sm90_kernel[grid](
         _descriptor(q, BLOCK_M, block_d), _descriptor(grad_out, BLOCK_M, block_d),
         _descriptor(k, BLOCK_N, block_d), _descriptor(v, BLOCK_N, block_d), _dq_accum_descriptor(dq_accum),
@@ -368,7 +380,7 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, caus
         num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, softmax_scale * LOG2_E,
         softmax_scale,
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages, CAUSAL=causal,
-        num_warps=4, maxnreg=REGISTER_CAP,
+        HEAVY_FIRST=causal if heavy_first is None else heavy_first, num_warps=4, maxnreg=REGISTER_CAP,
     )
     kernels["dq_convert"] = triton_bwd._bwd_dq_convert_kernel[row_grid](
         dq_accum, dq, *dq.stride()[:3], num_q_heads, seqlen_q, softmax_scale,
