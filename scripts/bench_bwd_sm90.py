@@ -27,7 +27,7 @@ def tflops(b, h, length, d, causal, ms):
     return flops / ms / 1e9
 
 
-def sm90_backward_ms(q, k, v, grad_out, causal, num_stages, heavy_first=None):
+def sm90_backward_ms(q, k, v, grad_out, causal, num_stages, heads_per_band=None):
     scale = 1.0 / math.sqrt(q.shape[-1])
     with torch.no_grad():
         out, lse = flash_attention_science(q, k, v, causal=causal, return_lse=True)
@@ -37,7 +37,7 @@ def sm90_backward_ms(q, k, v, grad_out, causal, num_stages, heavy_first=None):
 
     def run():
         bwd_sm90.attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal, scale, dq_accum,
-                                         num_stages=num_stages, heavy_first=heavy_first)
+                                         num_stages=num_stages, heads_per_band=heads_per_band)
 
     run()
     return cuda_median_ms(run)
@@ -46,10 +46,10 @@ def sm90_backward_ms(q, k, v, grad_out, causal, num_stages, heavy_first=None):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--variants", default=f"{bwd_sm90.NUM_STAGES}:auto",
-                   help="comma-separated STAGES:HEAVY_FIRST (auto, 0 or 1) sm_90 variants, e.g. 2:auto,2:0,3:auto")
+                   help="comma-separated STAGES:HEADS_PER_BAND (auto or a count) sm_90 variants, e.g. 2:auto,2:0,3:auto")
     p.add_argument("--d", default="128,64", help="head dims to run")
     a = p.parse_args()
-    variants = [(int(st), None if hf == "auto" else bool(int(hf)))
+    variants = [(int(st), None if hf == "auto" else int(hf))
                 for st, hf in (v.split(":") for v in a.variants.split(","))]
     dims = {int(x) for x in a.d.split(",")}
     device = torch.device("cuda")
@@ -72,13 +72,13 @@ def main():
             cells = [(name, ms, tflops(b, h, length, d, causal, ms))
                      for name, ms in (("cudnn", cudnn_ms), ("triton", triton_ms))]
             print(row, " | ".join(f"{n} {ms:.3f} ms {t:.0f} TFLOP/s" for n, ms, t in cells), flush=True)
-            for stages, heavy_first in variants:
+            for stages, heads_per_band in variants:
                 try:
-                    sm90_ms = sm90_backward_ms(q, k, v, grad_out, causal, stages, heavy_first)
+                    sm90_ms = sm90_backward_ms(q, k, v, grad_out, causal, stages, heads_per_band)
                 except Exception as e:  # e.g. a ring too deep for the shared memory at this head dim
-                    print(f"    sm90 s{stages} hf{heavy_first}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                    print(f"    sm90 s{stages} band{heads_per_band}: {type(e).__name__}: {str(e)[:100]}", flush=True)
                     continue
-                print(f"    sm90 s{stages} hf{heavy_first}: {sm90_ms:.3f} ms "
+                print(f"    sm90 s{stages} band{heads_per_band}: {sm90_ms:.3f} ms "
                       f"{tflops(b, h, length, d, causal, sm90_ms):.0f} TFLOP/s | sm90/cudnn {cudnn_ms / sm90_ms:.2f}x, "
                       f"sm90/triton {triton_ms / sm90_ms:.2f}x", flush=True)
 

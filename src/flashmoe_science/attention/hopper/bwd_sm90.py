@@ -75,6 +75,7 @@ PRODUCER_REGISTERS = gl.constexpr(24)
 CONSUMER_REGISTERS = gl.constexpr(240)
 REGISTER_CAP = 65536 // (3 * 128) // 8 * 8  # launch-time registers/thread: 3 warpgroups' worth (as fwd_sm90)
 LOG2_E_IN_KERNEL = gl.constexpr(LOG2_E)
+CAUSAL_HEADS_PER_BAND = 0  # CTA order with a causal mask (see the kernel's docstring)
 
 
 @builtin
@@ -248,26 +249,32 @@ def attention_backward_sm90_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    HEAVY_FIRST: gl.constexpr,
+    HEADS_PER_BAND: gl.constexpr,
 ):
-    """Grid (cdiv(Lk, 128) · B·Hkv,). CTAs start roughly in program order. By default a (batch, kv head)'s key tiles
-    are consecutive, so the CTAs running at once share their heads' Q and dO in L2. HEAVY_FIRST (for causal masks,
-    where key tile j sees Lq - j·128 queries) numbers every head's first key tile first, then every head's second,
-    ...: the longest CTAs start first and the last wave holds the shortest (a head-by-head order leaves a last head's
-    first key tile running alone at the end)."""
+    """Grid (cdiv(Lk, 128) · B·Hkv,); CTAs start roughly in program order. HEADS_PER_BAND = 0: a (batch, kv head)'s
+    key tiles are consecutive, so the CTAs running at once share a few heads' Q and dO in L2. HEADS_PER_BAND = h > 0
+    (for causal masks, where key tile j sees Lq - 128·j queries): bands of h heads, and within a band every head's
+    first key tile, then every head's second, ...: the longest CTAs of a band start first, so the last wave is not
+    a lone long CTA, while the CTAs running at once still share h heads' Q and dO."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
     KEYS: gl.constexpr = CTA_KEYS // 2
     DQ_N: gl.constexpr = BLOCK_D // 2
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
-    num_bh = gl.num_programs(0) // gl.cdiv(seqlen_k, CTA_KEYS)
-    if HEAVY_FIRST:
-        key_tile = gl.program_id(0) // num_bh
-        pid_bh = gl.program_id(0) % num_bh
+    num_key_tiles = gl.cdiv(seqlen_k, CTA_KEYS)
+    pid = gl.program_id(0)
+    if HEADS_PER_BAND > 0:
+        num_bh = gl.num_programs(0) // num_key_tiles
+        band = pid // (HEADS_PER_BAND * num_key_tiles)
+        first_bh = band * HEADS_PER_BAND
+        band_heads = gl.minimum(num_bh - first_bh, HEADS_PER_BAND)
+        in_band = pid - first_bh * num_key_tiles
+        key_tile = in_band // band_heads
+        pid_bh = first_bh + in_band % band_heads
     else:
-        key_tile = gl.program_id(0) % gl.cdiv(seqlen_k, CTA_KEYS)
-        pid_bh = gl.program_id(0) // gl.cdiv(seqlen_k, CTA_KEYS)
+        key_tile = pid % num_key_tiles
+        pid_bh = pid // num_key_tiles
     start_n = key_tile * CTA_KEYS
     batch = pid_bh // num_kv_heads
     kv_head = pid_bh % num_kv_heads
@@ -347,13 +354,13 @@ def check_supported(q: torch.Tensor) -> None:
 
 
 def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal: bool, softmax_scale: float,
-                            dq_accum, num_stages: int = NUM_STAGES, heavy_first: bool | None = None):
+                            dq_accum, num_stages: int = NUM_STAGES, heads_per_band: int | None = None):
     """triton_bwd.attention_backward's conventions, all three gradients wanted: q/out/grad_out/dq `(B, Hq, Lq, D)`,
     k/v/dk/dv `(B, Hkv, Lk, D)` with unit last stride and TMA-compatible strides (triton_fwd.tma_compatible of q, k,
     v, grad_out: the caller checks), lse the forward's contiguous float32 `(B, Hq, Lq)`, delta a float32 workspace
     of lse's shape, dq_accum a contiguous float32 `(B, Hq, Lq, padded_head_dim(D))` workspace (any contents: the
-    preprocess zeroes it). `heavy_first` (default: causal) picks the CTA order, see the kernel. Writes dq, dk, dv in
-    place; returns the compiled kernels by name."""
+    preprocess zeroes it). `heads_per_band` picks the CTA order (see the kernel; default CAUSAL_HEADS_PER_BAND with a
+    causal mask, else 0). Writes dq, dk, dv in place; returns the compiled kernels by name."""
     import triton
 
     from flashmoe_science.attention import triton_bwd
@@ -380,7 +387,8 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, caus
         num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, softmax_scale * LOG2_E,
         softmax_scale,
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages, CAUSAL=causal,
-        HEAVY_FIRST=causal if heavy_first is None else heavy_first, num_warps=4, maxnreg=REGISTER_CAP,
+        HEADS_PER_BAND=(CAUSAL_HEADS_PER_BAND if causal else 0) if heads_per_band is None else heads_per_band,
+        num_warps=4, maxnreg=REGISTER_CAP,
     )
     kernels["dq_convert"] = triton_bwd._bwd_dq_convert_kernel[row_grid](
         dq_accum, dq, *dq.stride()[:3], num_q_heads, seqlen_q, softmax_scale,
