@@ -1,11 +1,12 @@
 """Time the Gluon sm_90 backward beside sdpa-cudnn's backward and the library's Triton backward (H200).
 
-    PYTHONPATH=src python scripts/bench_bwd_sm90.py [--stages N]
+    PYTHONPATH=src python scripts/bench_bwd_sm90.py [--stages 2,3] [--d 128,64]
 
 Shapes: from the FA3 grid (B·L = 16k, H·D = 2048) at D = 128 and 64, causal and not, bf16. TFLOP/s count the backward as 2.5x the
 forward's 4·B·H·Lq·Lk·D (halved for causal). The sm_90 time covers its three launches (preprocess, the Gluon
-kernel, dQ convert) on precomputed out/lse, like the library's backward; cuDNN and Triton are timed through autograd
-(bench/attention.py's _measure_backward), which adds a little host time to theirs.
+kernel, dQ convert) on precomputed out/lse; cuDNN and the library's default call ("library": on Hopper the same
+sm_90 backward for D <= 128) are timed through autograd (bench/attention.py's _measure_backward), which adds a
+little host time to theirs.
 """
 import argparse
 import math
@@ -27,7 +28,7 @@ def tflops(b, h, length, d, causal, ms):
     return flops / ms / 1e9
 
 
-def sm90_backward_ms(q, k, v, grad_out, causal, num_stages, heads_per_band=None):
+def sm90_backward_ms(q, k, v, grad_out, causal, num_stages):
     scale = 1.0 / math.sqrt(q.shape[-1])
     with torch.no_grad():
         out, lse = flash_attention_science(q, k, v, causal=causal, return_lse=True)
@@ -37,7 +38,7 @@ def sm90_backward_ms(q, k, v, grad_out, causal, num_stages, heads_per_band=None)
 
     def run():
         bwd_sm90.attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal, scale, dq_accum,
-                                         num_stages=num_stages, heads_per_band=heads_per_band)
+                                         num_stages=num_stages)
 
     run()
     return cuda_median_ms(run)
@@ -45,12 +46,10 @@ def sm90_backward_ms(q, k, v, grad_out, causal, num_stages, heads_per_band=None)
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--variants", default=f"{bwd_sm90.NUM_STAGES}:auto",
-                   help="comma-separated STAGES:HEADS_PER_BAND (auto or a count) sm_90 variants, e.g. 2:auto,2:0,3:auto")
+    p.add_argument("--stages", default=str(bwd_sm90.NUM_STAGES), help="comma-separated Q/dO ring depths to time")
     p.add_argument("--d", default="128,64", help="head dims to run")
     a = p.parse_args()
-    variants = [(int(st), None if hf == "auto" else int(hf))
-                for st, hf in (v.split(":") for v in a.variants.split(","))]
+    variants = [int(st) for st in a.stages.split(",")]
     dims = {int(x) for x in a.d.split(",")}
     device = torch.device("cuda")
     for b, h, length, d in SHAPES:
@@ -70,17 +69,17 @@ def main():
             triton_ms, _ = _measure_backward(ours, q, k, v, grad_out, cuda_median_ms, device)
             row = f"B{b} H{h} L{length} D{d} {'causal' if causal else 'full':6}"
             cells = [(name, ms, tflops(b, h, length, d, causal, ms))
-                     for name, ms in (("cudnn", cudnn_ms), ("triton", triton_ms))]
+                     for name, ms in (("cudnn", cudnn_ms), ("library", triton_ms))]
             print(row, " | ".join(f"{n} {ms:.3f} ms {t:.0f} TFLOP/s" for n, ms, t in cells), flush=True)
-            for stages, heads_per_band in variants:
+            for stages in variants:
                 try:
-                    sm90_ms = sm90_backward_ms(q, k, v, grad_out, causal, stages, heads_per_band)
+                    sm90_ms = sm90_backward_ms(q, k, v, grad_out, causal, stages)
                 except Exception as e:  # e.g. a ring too deep for the shared memory at this head dim
-                    print(f"    sm90 s{stages} band{heads_per_band}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                    print(f"    sm90 s{stages}: {type(e).__name__}: {str(e)[:100]}", flush=True)
                     continue
-                print(f"    sm90 s{stages} band{heads_per_band}: {sm90_ms:.3f} ms "
+                print(f"    sm90 s{stages}: {sm90_ms:.3f} ms "
                       f"{tflops(b, h, length, d, causal, sm90_ms):.0f} TFLOP/s | sm90/cudnn {cudnn_ms / sm90_ms:.2f}x, "
-                      f"sm90/triton {triton_ms / sm90_ms:.2f}x", flush=True)
+                      f"sm90/library {triton_ms / sm90_ms:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

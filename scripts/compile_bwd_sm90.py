@@ -25,8 +25,8 @@ def compile_once(d, causal, stages=bwd_sm90.NUM_STAGES, dtype=torch.bfloat16):
     args = (bwd_sm90._descriptor(q, bwd_sm90.BLOCK_M, bd), bwd_sm90._descriptor(q, bwd_sm90.BLOCK_M, bd),
             bwd_sm90._descriptor(q, bwd_sm90.BLOCK_N, bd), bwd_sm90._descriptor(q, bwd_sm90.BLOCK_N, bd),
             bwd_sm90._dq_accum_descriptor(acc), lse, lse, q, q,
-            1024 * d, 256 * d, d, 1024 * d, 256 * d, d, 4, 2, 2, 256, 256, 0.1, 0.07, d, bd, stages, causal, 0)
-    consts = dict(HEAD_DIM=d, BLOCK_D=bd, NUM_STAGES=stages, CAUSAL=causal, HEADS_PER_BAND=8 if causal else 0)
+            1024 * d, 256 * d, d, 1024 * d, 256 * d, d, 4, 2, 2, 256, 256, 0.1, 0.07, d, bd, stages, causal)
+    consts = dict(HEAD_DIM=d, BLOCK_D=bd, NUM_STAGES=stages, CAUSAL=causal)
     return compile_offline(bwd_sm90.attention_backward_sm90_kernel, args, consts)
 
 

@@ -169,14 +169,15 @@ def _hopper_unavailable(q, k, v) -> str | None:
     return None
 
 
-def _sm90_backward_runs(q, grad_out) -> bool:
+def _sm90_backward_runs(q, grad_out, softmax_scale: float) -> bool:
     """Whether the Gluon sm_90 backward takes a call whose forward ran the sm_90 kernel (so q, k, v are already
-    known TMA-compatible bf16/fp16 on Hopper): its head dims, and grad_out's strides."""
+    known TMA-compatible bf16/fp16 on Hopper): its head dims, a positive scale (its masks are -inf scores), and
+    grad_out's strides."""
     from flashmoe_science.attention.hopper.bwd_sm90 import SUPPORTED_BLOCK_D
     from flashmoe_science.attention.tiles import padded_head_dim
     from flashmoe_science.attention.triton_fwd import tma_compatible
 
-    return padded_head_dim(q.shape[-1]) in SUPPORTED_BLOCK_D and tma_compatible(grad_out)
+    return padded_head_dim(q.shape[-1]) in SUPPORTED_BLOCK_D and softmax_scale > 0 and tma_compatible(grad_out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -264,7 +265,7 @@ class _KernelAttention(torch.autograd.Function):
             delta = torch.empty_like(lse)
             deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
             if (ctx.hopper and dq is not None and dk is not None and not deterministic
-                    and _sm90_backward_runs(q, grad_out)):
+                    and _sm90_backward_runs(q, grad_out, ctx.softmax_scale)):
                 # one pass for all three gradients on Hopper (dQ summed by TMA reduce-adds: last bits may vary)
                 from flashmoe_science.attention.hopper.bwd_sm90 import attention_backward_sm90
 

@@ -33,11 +33,13 @@ tile t's for its dQ product; it cannot reach tile t+2 before the other has finis
 arrival of tile t+1 first). The fp32 dQ staging buffer is reused once the previous tile's reduce has read it
 (`tma.store_wait(0)` before the barrier that precedes the next write).
 
-Which query tiles a key tile visits, per query head (query i sees key j iff j <= i + Lk − Lq):
-[query_start, diag_end) causal diagonal (masked), [diag_end, tail_start) full (no mask arithmetic),
-[tail_start, query_end) the ragged end of the queries (masked). The CTA whose keys run past Lk masks every tile:
-its zero-filled keys would otherwise give P = exp2(−lse·log2e), which overflows for lse < −88 and would send
-inf·0 = NaN into dQ. Rows that see no key (lse = −inf) only occur in masked tiles, where P is forced to 0.
+Which query tiles a key tile visits, per query head (query i sees key j iff j <= i + Lk − Lq): from the first
+that sees one of its keys to the last; [query_start, diag_end) are the causal diagonal's, which mask, the rest
+run without mask arithmetic. Queries past Lq need no mask: their lse is read as +inf, so their P is exactly 0. The
+CTA whose keys run past Lk masks every tile: its zero-filled keys would otherwise give P = exp2(−lse·log2e), which
+overflows for lse < −88 and would send inf·0 = NaN into dQ. Rows that see no key (lse = −inf) only occur in masked
+tiles. A mask is applied by starting the Sᵀ accumulator from −inf at hidden (key, query) pairs (so P = 0 there);
+the softmax scale must be positive (the caller checks).
 
 dQ's last bits may vary run to run (the reduce-adds arrive in any order); dK and dV are deterministic.
 """
@@ -75,7 +77,6 @@ PRODUCER_REGISTERS = gl.constexpr(24)
 CONSUMER_REGISTERS = gl.constexpr(240)
 REGISTER_CAP = 65536 // (3 * 128) // 8 * 8  # launch-time registers/thread: 3 warpgroups' worth (as fwd_sm90)
 LOG2_E_IN_KERNEL = gl.constexpr(LOG2_E)
-CAUSAL_HEADS_PER_BAND = 0  # CTA order with a causal mask (see the kernel's docstring)
 
 
 @builtin
@@ -89,23 +90,21 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 @gluon.jit
 def _query_tile_bounds(start_n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        CAUSAL: gl.constexpr):
-    """For the key tile at `start_n`: (query_start, num_tiles, diag_end, tail_start) in rows; see the module doc."""
+    """For the key tile at `start_n`: (query_start, num_tiles, diag_end) in rows; see the module doc."""
     diagonal = seqlen_k - seqlen_q
     query_end = (seqlen_q + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    in_bounds_end = seqlen_q // BLOCK_M * BLOCK_M
     if CAUSAL:
         query_start = gl.maximum(start_n - diagonal, 0) // BLOCK_M * BLOCK_M
         last_key = gl.minimum(start_n + BLOCK_N, seqlen_k) - 1
-        full_start = (gl.maximum(last_key - diagonal, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        diag_end = (gl.maximum(last_key - diagonal, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     else:
         query_start = 0
-        full_start = 0
+        diag_end = 0
     query_start = gl.minimum(query_start, query_end)
-    diag_end = gl.minimum(full_start, query_end)
-    tail_start = gl.minimum(gl.maximum(full_start, in_bounds_end), query_end)
+    diag_end = gl.minimum(diag_end, query_end)
     if start_n + BLOCK_N > seqlen_k:  # ragged keys: everything masked
         diag_end = query_end
-    return query_start, (query_end - query_start) // BLOCK_M, diag_end, tail_start
+    return query_start, (query_end - query_start) // BLOCK_M, diag_end
 
 
 @gluon.jit
@@ -118,7 +117,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [batch, kv_head, start_n, 0], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [batch, kv_head, start_n, 0], kv_ready, v_smem)
-    query_start, num_tiles, _, _ = _query_tile_bounds(start_n, seqlen_q, seqlen_k, ROWS, KEYS, CAUSAL)
+    query_start, num_tiles, _ = _query_tile_bounds(start_n, seqlen_q, seqlen_k, ROWS, KEYS, CAUSAL)
     for ring in range(group_size * num_tiles):
         g = ring // num_tiles
         start_m = query_start + (ring - g * num_tiles) * ROWS
@@ -160,11 +159,11 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
     k_cols = k_smem.slice(CONSUMER * DQ_N, DQ_N, dim=1)  # (BLOCK_N, DQ_N): B of this consumer's dQ half
     my_start_n = start_n + CONSUMER * KEYS
     diagonal = seqlen_k - seqlen_q
-    query_start, num_tiles, diag_end, tail_start = _query_tile_bounds(start_n, seqlen_q, seqlen_k, ROWS,
+    query_start, num_tiles, diag_end = _query_tile_bounds(start_n, seqlen_q, seqlen_k, ROWS,
                                                                       2 * KEYS, CAUSAL)
     dk = gl.zeros([KEYS, BLOCK_D], gl.float32, layout=kv_layout)
     dv = gl.zeros([KEYS, BLOCK_D], gl.float32, layout=kv_layout)
-    s_zero = gl.zeros([KEYS, ROWS], gl.float32, layout=s_layout)
+    inv_scale = 1.0 / sm_scale  # -lse / scale in the raw scores: exp2((Sᵀ - lse / scale) · scale · log2e) = P
     dq_zero = gl.zeros([ROWS, DQ_N], gl.float32, layout=dq_layout)
     offs_key = my_start_n + gl.arange(0, KEYS, layout=key_slice)
     mbarrier.wait(kv_ready, 0)
@@ -180,30 +179,32 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
         do_tile = do_smem.index(stage).reshape([ROWS, BLOCK_D])
         ds_buf = ds_smem.index(ring % 2)  # (BLOCK_N, ROWS): dSᵀ of both consumers
 
-        mbarrier.wait(q_ready.index(stage), phase)
-        s = warpgroup_mma(my_keys, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(stage), phase)
-        dp = warpgroup_mma(my_values, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        # column statistics while both products run; queries past Lq read 0 (their P is masked below)
+        # The column statistics ride in the accumulators: Sᵀ starts from -lse / scale and dPᵀ from -Δ, so the
+        # products give Sᵀ - lse/scale and dPᵀ - Δ directly, and so does the mask: Sᵀ starts from -inf where a key
+        # is hidden. All of it is built before the Q/dO wait, while only dK and dV are live (per-column lse, Δ and
+        # mask bounds held across the products spilled at D=128). Queries past Lq read lse = +inf: their P is
+        # exactly 0 (their zero-filled Q rows give finite scores), so the ragged end of the queries needs no mask.
         offs_q = start_m + gl.arange(0, ROWS, layout=query_slice)
         in_rows = offs_q < seqlen_q
-        lse2 = gl.load(LSE + q_row0 + offs_q, mask=in_rows, other=0.0) * LOG2_E_IN_KERNEL
+        lse = gl.load(LSE + q_row0 + offs_q, mask=in_rows, other=float("inf"))
         delta = gl.load(Delta + q_row0 + offs_q, mask=in_rows, other=0.0)
-        s = warpgroup_mma_wait(1, deps=(s,))
-
-        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
-        if (start_m < diag_end) | (start_m >= tail_start):  # boundary tiles only
-            # one compare per element: key j of query i is visible iff j <= last_key[i], with last_key = -1 for
-            # queries past Lq, min(i + Lk - Lq, Lk - 1) causal, Lk - 1 otherwise
-            last_key = seqlen_k - 1
+        s_init = gl.zeros([KEYS, ROWS], gl.float32, layout=s_layout) - gl.expand_dims(lse * inv_scale, 0)
+        if start_m < diag_end:  # causal diagonal tiles, and every tile of a CTA whose keys run past Lk
+            # key j is visible to query i iff j < Lk and (causal) j <= i + Lk - Lq. -inf, not a product: a dead
+            # row (lse = -inf, no visible key) would otherwise start from +inf
+            visible = gl.expand_dims(offs_key < seqlen_k, 1)
             if CAUSAL:
-                last_key = gl.minimum(offs_q + diagonal, last_key)
-            last_key = gl.where(in_rows, last_key, -1)
-            visible = gl.expand_dims(offs_key, 1) <= gl.expand_dims(last_key, 0)
-            # where, not a product: a dead row (lse = -inf) has exp2(+inf) here, which must become 0
-            p = gl.where(visible, p, 0.0)
+                visible = visible & (gl.expand_dims(offs_key - diagonal, 1) <= gl.expand_dims(offs_q, 0))
+            s_init = gl.where(visible, s_init, float("-inf"))
+        dp_init = gl.zeros([KEYS, ROWS], gl.float32, layout=s_layout) - gl.expand_dims(delta, 0)
+        mbarrier.wait(q_ready.index(stage), phase)
+        s = warpgroup_mma(my_keys, q_tile.permute((1, 0)), s_init, is_async=True)
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp = warpgroup_mma(my_values, do_tile.permute((1, 0)), dp_init, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        p = gl.exp2(s * qk_scale)  # hidden keys: exp2(-inf) = 0
         dp = warpgroup_mma_wait(0, deps=(dp,))
-        ds = (p * (dp - gl.expand_dims(delta, 0))).to(dtype)
+        ds = (p * dp).to(dtype)
         dv = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), do_tile, dv, is_async=True)
         ds_buf.slice(CONSUMER * KEYS, KEYS).store(ds)
         dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_tile, dk, is_async=True)
@@ -249,13 +250,10 @@ def attention_backward_sm90_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    HEADS_PER_BAND: gl.constexpr,
 ):
-    """Grid (cdiv(Lk, 128) · B·Hkv,); CTAs start roughly in program order. HEADS_PER_BAND = 0: a (batch, kv head)'s
-    key tiles are consecutive, so the CTAs running at once share a few heads' Q and dO in L2. HEADS_PER_BAND = h > 0
-    (for causal masks, where key tile j sees Lq - 128·j queries): bands of h heads, and within a band every head's
-    first key tile, then every head's second, ...: the longest CTAs of a band start first, so the last wave is not
-    a lone long CTA, while the CTAs running at once still share h heads' Q and dO."""
+    """Grid (cdiv(Lk, 128) · B·Hkv,); CTAs start roughly in program order, and a (batch, kv head)'s key tiles are
+    consecutive, so the CTAs running at once share a few heads' Q and dO in L2. (Ordering causal CTAs longest
+    first, in bands of 4-16 heads or over all heads, measured no faster or up to 20% slower: perf-notes.)"""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
@@ -263,18 +261,8 @@ def attention_backward_sm90_kernel(
     DQ_N: gl.constexpr = BLOCK_D // 2
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
     num_key_tiles = gl.cdiv(seqlen_k, CTA_KEYS)
-    pid = gl.program_id(0)
-    if HEADS_PER_BAND > 0:
-        num_bh = gl.num_programs(0) // num_key_tiles
-        band = pid // (HEADS_PER_BAND * num_key_tiles)
-        first_bh = band * HEADS_PER_BAND
-        band_heads = gl.minimum(num_bh - first_bh, HEADS_PER_BAND)
-        in_band = pid - first_bh * num_key_tiles
-        key_tile = in_band // band_heads
-        pid_bh = first_bh + in_band % band_heads
-    else:
-        key_tile = pid % num_key_tiles
-        pid_bh = pid // num_key_tiles
+    key_tile = gl.program_id(0) % num_key_tiles
+    pid_bh = gl.program_id(0) // num_key_tiles
     start_n = key_tile * CTA_KEYS
     batch = pid_bh // num_kv_heads
     kv_head = pid_bh % num_kv_heads
@@ -345,8 +333,11 @@ def _dq_accum_descriptor(dq_accum: torch.Tensor) -> TensorDescriptor:
     return desc
 
 
-def check_supported(q: torch.Tensor) -> None:
+def check_supported(q: torch.Tensor, softmax_scale: float = 1.0) -> None:
     """Raise ValueError for what this kernel does not run (the caller falls back to triton_bwd)."""
+    if not softmax_scale > 0:
+        raise ValueError(f"the sm_90 backward needs a positive softmax_scale (its masks are -inf scores), got "
+                         f"{softmax_scale}")
     if q.dtype not in _GL_DTYPES:
         raise ValueError(f"the sm_90 backward runs bf16/fp16 only, got {q.dtype}")
     if padded_head_dim(q.shape[-1]) not in SUPPORTED_BLOCK_D:
@@ -354,19 +345,18 @@ def check_supported(q: torch.Tensor) -> None:
 
 
 def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal: bool, softmax_scale: float,
-                            dq_accum, num_stages: int = NUM_STAGES, heads_per_band: int | None = None):
+                            dq_accum, num_stages: int = NUM_STAGES):
     """triton_bwd.attention_backward's conventions, all three gradients wanted: q/out/grad_out/dq `(B, Hq, Lq, D)`,
     k/v/dk/dv `(B, Hkv, Lk, D)` with unit last stride and TMA-compatible strides (triton_fwd.tma_compatible of q, k,
     v, grad_out: the caller checks), lse the forward's contiguous float32 `(B, Hq, Lq)`, delta a float32 workspace
     of lse's shape, dq_accum a contiguous float32 `(B, Hq, Lq, padded_head_dim(D))` workspace (any contents: the
-    preprocess zeroes it). `heads_per_band` picks the CTA order (see the kernel; default CAUSAL_HEADS_PER_BAND with a
-    causal mask, else 0). Writes dq, dk, dv in place; returns the compiled kernels by name."""
+    preprocess zeroes it). Writes dq, dk, dv in place; returns the compiled kernels by name."""
     import triton
 
     from flashmoe_science.attention import triton_bwd
     from flashmoe_science.attention.triton_fwd import needs_64bit_rows
 
-    check_supported(q)
+    check_supported(q, softmax_scale)
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     block_d = padded_head_dim(head_dim)
@@ -387,7 +377,6 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, caus
         num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, softmax_scale * LOG2_E,
         softmax_scale,
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages, CAUSAL=causal,
-        HEADS_PER_BAND=(CAUSAL_HEADS_PER_BAND if causal else 0) if heads_per_band is None else heads_per_band,
         num_warps=4, maxnreg=REGISTER_CAP,
     )
     kernels["dq_convert"] = triton_bwd._bwd_dq_convert_kernel[row_grid](
