@@ -5,7 +5,7 @@
 Shapes: from the FA3 grid (B·L = 16k, H·D = 2048) at D = 128 and 64, causal and not, bf16. TFLOP/s count the backward as 2.5x the
 forward's 4·B·H·Lq·Lk·D (halved for causal). The sm_90 time covers its three launches (preprocess, the Gluon
 kernel, dQ convert) on precomputed out/lse; cuDNN and the library's default call ("library": on Hopper the same
-sm_90 backward for D <= 128) are timed through autograd (bench/attention.py's _measure_backward), which adds a
+sm_90 backward for D <= 128) and its deterministic call ("two-pass": the Triton backward) are timed through autograd (bench/attention.py's _measure_backward), which adds a
 little host time to theirs.
 """
 import argparse
@@ -20,7 +20,8 @@ from flashmoe_science.attention.hopper import bwd_sm90
 from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.bench.attention import _measure_backward, cuda_median_ms
 
-SHAPES = [(4, 16, 4096, 128), (16, 16, 1024, 128), (1, 16, 16384, 128), (4, 32, 4096, 64), (16, 32, 1024, 64)]
+SHAPES = [(4, 16, 4096, 128), (16, 16, 1024, 128), (1, 16, 16384, 128), (32, 16, 512, 128), (4, 32, 4096, 64),
+          (16, 32, 1024, 64), (32, 32, 512, 64), (8, 32, 2048, 64)]
 
 
 def tflops(b, h, length, d, causal, ms):
@@ -48,12 +49,13 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--stages", default=str(bwd_sm90.NUM_STAGES), help="comma-separated Q/dO ring depths to time")
     p.add_argument("--d", default="128,64", help="head dims to run")
+    p.add_argument("--max-len", type=int, default=1 << 30, help="skip shapes longer than this")
     a = p.parse_args()
     variants = [int(st) for st in a.stages.split(",")]
     dims = {int(x) for x in a.d.split(",")}
     device = torch.device("cuda")
     for b, h, length, d in SHAPES:
-        if d not in dims:
+        if d not in dims or length > a.max_len:
             continue
         for causal in (False, True):
             q, k, v, grad_out = (torch.randn(b, h, length, d, device=device, dtype=torch.bfloat16) for _ in range(4))
@@ -65,11 +67,15 @@ def main():
             def ours(q, k, v):
                 return flash_attention_science(q, k, v, causal=causal)
 
+            def two_pass(q, k, v):
+                return flash_attention_science(q, k, v, causal=causal, deterministic=True)
+
             cudnn_ms, _ = _measure_backward(cudnn, q, k, v, grad_out, cuda_median_ms, device)
             triton_ms, _ = _measure_backward(ours, q, k, v, grad_out, cuda_median_ms, device)
+            two_pass_ms, _ = _measure_backward(two_pass, q, k, v, grad_out, cuda_median_ms, device)
             row = f"B{b} H{h} L{length} D{d} {'causal' if causal else 'full':6}"
             cells = [(name, ms, tflops(b, h, length, d, causal, ms))
-                     for name, ms in (("cudnn", cudnn_ms), ("library", triton_ms))]
+                     for name, ms in (("cudnn", cudnn_ms), ("library", triton_ms), ("two-pass", two_pass_ms))]
             print(row, " | ".join(f"{n} {ms:.3f} ms {t:.0f} TFLOP/s" for n, ms, t in cells), flush=True)
             for stages in variants:
                 try:

@@ -235,8 +235,9 @@ def _check_triton_layout(q, k, v) -> None:
 
 
 class _KernelAttention(torch.autograd.Function):
-    """Forward through the planned kernel (Gluon sm_90 or Triton), backward through the Triton kernels; saves only
-    the inputs, out and lse (O(L) memory)."""
+    """Forward through the planned kernel (Gluon sm_90 or Triton); backward through the Gluon sm_90 one-pass kernel
+    after an sm_90 forward (non-deterministic calls wanting every gradient, head dims up to 128), else the Triton
+    kernels. Saves only the inputs, out and lse (O(L) memory)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, plan, deterministic):

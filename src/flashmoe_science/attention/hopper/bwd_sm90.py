@@ -384,3 +384,21 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, caus
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ROW64=row64, num_warps=4,
     )
     return kernels
+
+
+def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, dtype: torch.dtype = torch.bfloat16):
+    """The kernel built for sm_90 without a GPU (meta tensors; ptxas ships with triton), specialised as a launch
+    would specialise it; returns the CompiledKernel (registers, shared memory, SASS: scripts/compile_bwd_sm90.py)."""
+    from flashmoe_science.moe.hopper.common import compile_offline as build
+
+    block_d = padded_head_dim(head_dim)
+    q = torch.empty(2, 4, 256, head_dim, dtype=dtype, device="meta")
+    lse = torch.empty(2, 4, 256, device="meta")
+    dq_accum = torch.empty(2, 4, 256, block_d, device="meta")
+    row = 256 * head_dim
+    args = (_descriptor(q, BLOCK_M, block_d), _descriptor(q, BLOCK_M, block_d), _descriptor(q, BLOCK_N, block_d),
+            _descriptor(q, BLOCK_N, block_d), _dq_accum_descriptor(dq_accum), lse, lse, q, q,
+            4 * row, row, head_dim, 4 * row, row, head_dim, 4, 2, 2, 256, 256, 0.1, 0.07,
+            head_dim, block_d, num_stages, causal)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages, CAUSAL=causal)
+    return build(attention_backward_sm90_kernel, args, constexprs)
