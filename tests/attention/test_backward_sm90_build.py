@@ -56,6 +56,9 @@ def test_api_takes_it_only_where_it_runs():
 
     q = torch.empty(1, 2, 8, 128, dtype=torch.bfloat16)
     assert _sm90_backward_runs(q, torch.empty_like(q), 0.1)
+    short64, long64 = torch.empty(1, 2, 1024, 64, dtype=torch.bfloat16), torch.empty(1, 2, 2048, 64, dtype=torch.bfloat16)
+    assert not _sm90_backward_runs(short64, torch.empty_like(short64), 0.1)  # the two passes measured faster
+    assert _sm90_backward_runs(long64, torch.empty_like(long64), 0.1)
     assert not _sm90_backward_runs(q, torch.empty_like(q), 0.0)
     assert not _sm90_backward_runs(torch.empty(1, 2, 8, 256, dtype=torch.bfloat16), torch.empty(1, 2, 8, 256), 0.1)
     assert not _sm90_backward_runs(q, torch.empty(1, 2, 8, 130)[..., :128], 0.1)  # rows not 16-byte aligned

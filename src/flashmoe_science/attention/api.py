@@ -171,13 +171,14 @@ def _hopper_unavailable(q, k, v) -> str | None:
 
 def _sm90_backward_runs(q, grad_out, softmax_scale: float) -> bool:
     """Whether the Gluon sm_90 backward takes a call whose forward ran the sm_90 kernel (so q, k, v are already
-    known TMA-compatible bf16/fp16 on Hopper): its head dims, a positive scale (its masks are -inf scores), and
-    grad_out's strides."""
+    known TMA-compatible bf16/fp16 on Hopper): its head dims, a positive scale (its masks are -inf scores),
+    grad_out's strides, and where it measured faster than the Triton two passes (tiles.sm90_backward_wins)."""
     from flashmoe_science.attention.hopper.bwd_sm90 import SUPPORTED_BLOCK_D
-    from flashmoe_science.attention.tiles import padded_head_dim
+    from flashmoe_science.attention.tiles import padded_head_dim, sm90_backward_wins
     from flashmoe_science.attention.triton_fwd import tma_compatible
 
-    return padded_head_dim(q.shape[-1]) in SUPPORTED_BLOCK_D and softmax_scale > 0 and tma_compatible(grad_out)
+    return (padded_head_dim(q.shape[-1]) in SUPPORTED_BLOCK_D and softmax_scale > 0
+            and sm90_backward_wins(q.shape[-1], q.shape[-2]) and tma_compatible(grad_out))
 
 
 @functools.lru_cache(maxsize=None)
