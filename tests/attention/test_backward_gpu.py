@@ -2,9 +2,10 @@
 
 Run: `PYTHONPATH=src python -m pytest tests/attention/test_backward_gpu.py -q -m gpu`.
 
-The H200 runs the two-pass backward whatever `deterministic` says (the fused single pass measured slower:
-tiles.backward_tiles), so the shape matrix runs the default call once; `test_fused_path_on_the_gpu` launches the
-fused kernel directly (dQ summed with float32 atomics inside the dK/dV kernel) so that it stays GPU-tested.
+On the H200 the default call (`deterministic=False`) runs the Gluon sm_90 backward for head dims up to 128 (one pass,
+dQ by TMA reduce-adds; hopper/bwd_sm90.py) and the Triton two-pass backward above; `deterministic=True` always runs
+the Triton two passes. The shape matrix runs both. `test_fused_path_on_the_gpu` launches the Triton fused kernel
+directly (dQ summed with float32 atomics inside the dK/dV kernel) so that it stays GPU-tested.
 
 Every gradient is compared with a float64 oracle, within 2 x PyTorch's own error in the same dtype (SDPA's backward:
 cuDNN/flash for plain causal or full attention, the masked kernel for bottom-right causal with Lq != Lk) plus a slack
@@ -25,7 +26,7 @@ from grad_helpers import assert_grads_close, torch_same_dtype_grads
 pytestmark = pytest.mark.gpu
 
 CUDA = "cuda"
-PATHS = pytest.mark.parametrize("deterministic", [False], ids=["default"])
+PATHS = pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 
 
 def _inputs(b, hq, hkv, lq, lk, d, dtype):

@@ -1,7 +1,9 @@
 """Row offsets past 2**31 elements: a transposed (B, L, H, D) buffer has row stride H·D, so with H=32, D=128 the
 rows beyond L = 524288 sit more than 2**31 elements from their head's start. Every kernel (sm_90 and Triton
 forward, the backward's passes) must address them in 64 bits (tiles: needs_64bit_rows). The contiguous copy of the
-same inputs stays within 32 bits and runs the same arithmetic, so results must match it bit for bit."""
+same inputs stays within 32 bits and runs the same arithmetic, so results must match it bit for bit (except dQ of
+the default backend's backward on Hopper: the sm_90 one-pass backward sums it with reduce-adds in arrival order, so
+it matches within a rounding of bf16)."""
 
 from __future__ import annotations
 
@@ -46,4 +48,7 @@ def test_rows_past_2_31_elements_match_the_contiguous_call(long_side, backend):
     want = _run(*flat, grad.contiguous(), backend, causal)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert torch.isfinite(a).all(), name
-        assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max().item()}"
+        if name == "dq" and backend == "auto":
+            torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-3 * b.abs().max().item())
+        else:
+            assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max().item()}"

@@ -169,6 +169,18 @@ def _hopper_unavailable(q, k, v) -> str | None:
     return None
 
 
+def _sm90_backward_runs(q, grad_out, softmax_scale: float) -> bool:
+    """Whether the Gluon sm_90 backward takes a call whose forward ran the sm_90 kernel (so q, k, v are already
+    known TMA-compatible bf16/fp16 on Hopper): its head dims, a positive scale (its masks are -inf scores),
+    grad_out's strides, and where it measured faster than the Triton two passes (tiles.sm90_backward_wins)."""
+    from flashmoe_science.attention.hopper.bwd_sm90 import SUPPORTED_BLOCK_D
+    from flashmoe_science.attention.tiles import padded_head_dim, sm90_backward_wins
+    from flashmoe_science.attention.triton_fwd import tma_compatible
+
+    return (padded_head_dim(q.shape[-1]) in SUPPORTED_BLOCK_D and softmax_scale > 0
+            and sm90_backward_wins(q.shape[-1], q.shape[-2]) and tma_compatible(grad_out))
+
+
 @functools.lru_cache(maxsize=None)
 def _gluon_available() -> bool:
     # cached: Python does not cache a failed import, and retrying one costs ~100 µs per call
@@ -224,14 +236,16 @@ def _check_triton_layout(q, k, v) -> None:
 
 
 class _KernelAttention(torch.autograd.Function):
-    """Forward through the planned kernel (Gluon sm_90 or Triton), backward through the Triton kernels; saves only
-    the inputs, out and lse (O(L) memory)."""
+    """Forward through the planned kernel (Gluon sm_90 or Triton); backward through the Gluon sm_90 one-pass kernel
+    after an sm_90 forward (non-deterministic calls wanting every gradient, head dims up to 128), else the Triton
+    kernels. Saves only the inputs, out and lse (O(L) memory)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, plan, deterministic):
         out, lse = _kernel_forward(q, k, v, causal, softmax_scale, plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+        ctx.hopper = plan.kernel == "sm90"
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -250,12 +264,22 @@ class _KernelAttention(torch.autograd.Function):
         dk = torch.empty_like(k) if need_dk or need_dv else None
         dv = torch.empty_like(v) if need_dk or need_dv else None
         if need_dq or need_dk or need_dv:
-            tiles = backward_tiles(q.shape[-1], q.dtype, ctx.causal, device_traits(q.device))
             delta = torch.empty_like(lse)
+            deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
+            if (ctx.hopper and dq is not None and dk is not None and not deterministic
+                    and _sm90_backward_runs(q, grad_out, ctx.softmax_scale)):
+                # one pass for all three gradients on Hopper (dQ summed by TMA reduce-adds: last bits may vary)
+                from flashmoe_science.attention.hopper.bwd_sm90 import attention_backward_sm90
+
+                dq_accum = torch.empty(*q.shape[:3], padded_head_dim(q.shape[-1]), dtype=torch.float32,
+                                       device=q.device)
+                attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, ctx.causal,
+                                        ctx.softmax_scale, dq_accum)
+                return (dq, dk if need_dk else None, dv if need_dv else None, None, None, None, None)
+            tiles = backward_tiles(q.shape[-1], q.dtype, ctx.causal, device_traits(q.device))
             # dQ and dK/dV both wanted, determinism not asked for, and the fused single pass (5 products per tile
             # pair instead of 7, dQ summed with float32 atomics into dq_accum) measured faster on this GPU: take
             # it. Otherwise the two-pass path: no atomics, bit-identical gradients run to run.
-            deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
             dq_accum = None
             if dq is not None and dk is not None and not deterministic and tiles.fused is not None:
                 dq_accum = torch.empty(*q.shape[:3], padded_head_dim(q.shape[-1]), dtype=torch.float32,
@@ -378,10 +402,10 @@ def flash_attention_science(
             TRITON_INTERPRET=1), or "reference".
         deterministic: True, or `torch.use_deterministic_algorithms(True)`: the backward runs a dK/dV pass and a
             dQ pass, no atomics, bit-identical gradients run to run. False (default) allows, when q needs a
-            gradient and k or v does too, one fused pass that sums dQ with float32 atomics (dQ may then differ in
-            its last bits run to run) where `tiles.backward_tiles` gives it tiles. No GPU does yet (on the H200
-            the two passes were faster at every head dim), so on GPUs both settings run the two passes; the
-            Triton interpreter takes the fused pass. The forward is always deterministic.
+            gradient and k or v does too, one pass for all three that sums dQ with float32 atomics (dQ may then
+            differ in its last bits run to run; dK and dV never do): on Hopper the Gluon sm_90 backward (head dims
+            up to 128, after the sm_90 forward), under the Triton interpreter the fused Triton pass; other GPUs
+            and head dims run the two passes either way. The forward is always deterministic.
 
     Kernels: on Hopper, bf16/fp16 with TMA-compatible strides run the Gluon sm_90 kernel (warp-specialised: TMA
     producer warp, two consumer warpgroups, async wgmma; persistent CTAs except causal rows longer than 8192, or

@@ -246,6 +246,19 @@ def sm90_persistent(causal: bool, seqlen_q: int, num_work: int, sm_count: int) -
     return seqlen_q <= SM90_PERSISTENT_LONG_CAUSAL_LEN and num_work >= SM90_PERSISTENT_MIN_ROUNDS * sm_count
 
 
+SM90_BACKWARD_MIN_LEN_D64 = 2048  # query rows from which the sm_90 backward beats the Triton two passes at D <= 64
+
+
+def sm90_backward_wins(head_dim: int, seqlen_q: int) -> bool:
+    """Whether the Gluon sm_90 one-pass backward (hopper/bwd_sm90.py: head dims padding to 64 or 128) beats the
+    Triton two passes. A CTA of 128 keys runs Lq/64 query tiles; with few of them its set-up (K/V loads) and its
+    dK/dV stores, which nothing overlaps, weigh most at D=64, where a tile is cheapest. Measured on the H200 in one
+    process (scripts/bench_bwd_sm90.py, `...-42f3611-bwd-sm90-short.log`), TFLOP/s sm_90 vs two-pass: D=64 L=512
+    227 vs 243 (causal 149 vs 171), L=1024 287 vs 292 (217 vs 235), L=2048 337 vs 324 (281 vs 286); D=128 the
+    sm_90 kernel is ahead from L=512 (283 vs 248, causal 171 vs 148)."""
+    return padded_head_dim(head_dim) > 64 or seqlen_q >= SM90_BACKWARD_MIN_LEN_D64
+
+
 def sm90_forward_tiles(head_dim: int, causal: bool, seqlen_q: int) -> AttentionTiles:
     """Tiles of the Gluon sm_90 kernel: always 128 query rows on two consumer warpgroups (8 warps) plus a producer
     warp; the key tile and the ring depth vary. Registers bound the key tile (score tile, bf16 P and the fp32

@@ -7,12 +7,13 @@ With P = softmax(S), S = q kᵀ · scale, O = P v and dO the incoming gradient:
 Two paths; `attention_backward` takes the fused one when it is given a `dq_accum` workspace:
 
 - fused (single pass; api.py takes it for `deterministic=False` when dQ and dK/dV are both wanted and
-  `tiles.backward_tiles` gives fused tiles, which no GPU does yet: the interpreter only): the dK/dV kernel with
+  `tiles.backward_tiles` gives fused tiles, which no GPU does yet: the interpreter only; on Hopper api.py runs
+  hopper/bwd_sm90.py's one-pass kernel instead, head dims up to 128): the dK/dV kernel with
   FUSE_DQ also forms dS k for every query tile it visits and adds it with float32 atomics into `dq_accum`; a last
   small kernel scales that by the softmax scale into dQ. Five products per (key tile, query tile) pair: S, dP, dV,
   dK, dQ.
-- two-pass (`deterministic=True`, and every GPU today): the dK/dV kernel, then a dQ kernel that recomputes S and dP
-  for every pair: seven products per pair. The dK/dV kernel alone also serves calls that want no dQ, the dQ kernel
+- two-pass (`deterministic=True`, and other calls on GPUs): the dK/dV kernel, then a dQ kernel that recomputes S
+  and dP for every pair: seven products per pair. The dK/dV kernel alone also serves calls that want no dQ, the dQ kernel
   alone calls that want only dQ, whichever path was asked for.
 
 Read top to bottom:

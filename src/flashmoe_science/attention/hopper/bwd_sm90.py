@@ -1,0 +1,404 @@
+"""Attention backward for Hopper (sm_90) in Gluon: one pass for dK, dV and dQ, FA3's work split.
+
+The math is `triton_bwd`'s (P recomputed from the forward's LSE, Δ = rowsum(dO ∘ O) from its preprocess kernel,
+bottom-right causal, dead rows -> zero gradients, GQA summed over the group's query heads). What is Hopper-specific
+is who holds what:
+
+A CTA owns BLOCK_N = 128 keys of one (batch, kv head); grid (cdiv(Lk, 128), B·Hkv). Three warp-specialised
+partitions:
+
+- producer (one warp, 24 registers): loads the CTA's K and V once, then streams Q and dO tiles of BLOCK_M = 64 query
+  rows through a ring of NUM_STAGES stages, for every query head of the GQA group and every query tile that sees
+  the CTA's keys (`q_ready`, `do_ready`; `empty` takes one arrival per consumer).
+- two consumers (4 warps, 240 registers each): consumer c owns keys [64c, 64c + 64) of the CTA, and keeps their dK_c
+  and dV_c in fp32 registers over every query tile of every head of the group. The scores are computed transposed
+  (keys as rows), so that Pᵀ and dSᵀ come out of the wgmma already in the register layout of the A operand of the
+  dV and dK products: those two read them straight from registers (no shared-memory round trip). Per query tile:
+
+    issue  Sᵀ = K_c Qᵀ,  dPᵀ = V_c dOᵀ          (async wgmma, operands in shared memory)
+    Pᵀ = exp2(Sᵀ·scale·log2e − lse·log2e)        (masks on boundary tiles only)
+    dSᵀ = Pᵀ ∘ (dPᵀ − Δ)
+    issue  dV_c += Pᵀ dO,  dK_c += dSᵀ Q          (async wgmma, A from registers)
+    store  dSᵀ (bf16/fp16) into this consumer's 64 rows of the shared dSᵀ buffer; both consumers meet (`ds_ready`)
+    issue  dQ[:, half c] = dS K[:, half c]        (async wgmma over all 128 keys, A = the buffer read transposed)
+    dQ half -> shared memory (fp32) -> one TMA reduce-add into dq_accum per 32 columns
+    release the Q/dO stage
+
+  Each consumer computes dQ for half of the head dim over both consumers' keys (FA3's split): every dq_accum element
+  receives Lk/128 additions, made by the TMA unit in L2 (`cp.reduce.async.bulk.tensor`), not by the warps.
+- epilogue (each consumer): dK_c · softmax_scale and dV_c stored with masked stores (rows past Lk, head-dim padding).
+
+The dSᵀ buffer is double-buffered by tile parity: a consumer writes tile t+1's rows while the other may still read
+tile t's for its dQ product; it cannot reach tile t+2 before the other has finished tile t (it waits for the other's
+arrival of tile t+1 first). The fp32 dQ staging buffer is reused once the previous tile's reduce has read it
+(`tma.store_wait(0)` before the barrier that precedes the next write).
+
+Which query tiles a key tile visits, per query head (query i sees key j iff j <= i + Lk − Lq): from the first
+that sees one of its keys to the last; [query_start, diag_end) are the causal diagonal's, which mask, the rest
+run without mask arithmetic. Queries past Lq need no mask: their lse is read as +inf, so their P is exactly 0. The
+CTA whose keys run past Lk masks every tile: its zero-filled keys would otherwise give P = exp2(−lse·log2e), which
+overflows for lse < −88 and would send inf·0 = NaN into dQ. Rows that see no key (lse = −inf) only occur in masked
+tiles. A mask is applied by starting the Sᵀ accumulator from −inf at hidden (key, query) pairs (so P = 0 there);
+the softmax scale must be positive (the caller checks).
+
+dQ's last bits may vary run to run (the reduce-adds arrive in any order); dK and dV are deterministic.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from flashmoe_science.attention.tiles import padded_head_dim
+from flashmoe_science.attention.triton_fwd import LOG2_E, tma_box
+from flashmoe_science.moe.hopper.common import column_halves
+
+KEYS_PER_CONSUMER = 64  # one wgmma M tile per consumer warpgroup
+NUM_CONSUMERS = 2
+BLOCK_N = KEYS_PER_CONSUMER * NUM_CONSUMERS  # keys per CTA
+BLOCK_M = 64  # query rows per streamed tile
+NUM_STAGES = 2  # Q/dO ring depth
+DQ_COLS = 32  # columns per dQ reduce-add box: 32 fp32 = 128 bytes, the widest swizzled TMA box
+SUPPORTED_BLOCK_D = (64, 128)
+PRODUCER_REGISTERS = gl.constexpr(24)
+CONSUMER_REGISTERS = gl.constexpr(240)
+REGISTER_CAP = 65536 // (3 * 128) // 8 * 8  # launch-time registers/thread: 3 warpgroups' worth (as fwd_sm90)
+LOG2_E_IN_KERNEL = gl.constexpr(LOG2_E)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """dst[box at coord] += src (shared memory), by the TMA unit: `cp.reduce.async.bulk.tensor.add`. Gluon 3.6 builds
+    the op but exposes no wrapper for it on Hopper; completion is tracked like a TMA store (`tma.store_wait`)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _query_tile_bounds(start_n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       CAUSAL: gl.constexpr):
+    """For the key tile at `start_n`: (query_start, num_tiles, diag_end) in rows; see the module doc."""
+    diagonal = seqlen_k - seqlen_q
+    query_end = (seqlen_q + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    if CAUSAL:
+        query_start = gl.maximum(start_n - diagonal, 0) // BLOCK_M * BLOCK_M
+        last_key = gl.minimum(start_n + BLOCK_N, seqlen_k) - 1
+        diag_end = (gl.maximum(last_key - diagonal, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    else:
+        query_start = 0
+        diag_end = 0
+    query_start = gl.minimum(query_start, query_end)
+    diag_end = gl.minimum(diag_end, query_end)
+    if start_n + BLOCK_N > seqlen_k:  # ragged keys: everything masked
+        diag_end = query_end
+    return query_start, (query_end - query_start) // BLOCK_M, diag_end
+
+
+@gluon.jit
+def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+              kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """K and V once, then Q and dO of every visited query tile of every query head of the group."""
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    KEYS: gl.constexpr = k_desc.block_type.shape[2]
+    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [batch, kv_head, start_n, 0], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [batch, kv_head, start_n, 0], kv_ready, v_smem)
+    query_start, num_tiles, _ = _query_tile_bounds(start_n, seqlen_q, seqlen_k, ROWS, KEYS, CAUSAL)
+    for ring in range(group_size * num_tiles):
+        g = ring // num_tiles
+        start_m = query_start + (ring - g * num_tiles) * ROWS
+        q_head = kv_head * group_size + g
+        stage = ring % NUM_STAGES
+        mbarrier.wait(empty.index(stage), ((ring // NUM_STAGES) & 1) ^ 1)  # first pass: passes at once
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, q_head, start_m, 0], q_ready.index(stage),
+                                        q_smem.index(stage))
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [batch, q_head, start_m, 0], do_ready.index(stage),
+                                        do_smem.index(stage))
+
+
+@gluon.jit
+def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, empty, ds_ready,
+              dq_desc, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+              start_n, batch, kv_head, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+              CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, ROWS: gl.constexpr,
+              KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """One consumer warpgroup: keys [start_n + CONSUMER·KEYS, +KEYS), all query tiles of all heads of the group."""
+    num_warps: gl.constexpr = 4
+    dtype: gl.constexpr = q_smem.dtype
+    DQ_N: gl.constexpr = BLOCK_D // 2  # this consumer's dQ columns
+    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
+    # Sᵀ, dPᵀ: (keys, queries); dK, dV: (keys, BLOCK_D); dQ half: (queries, DQ_N). Warps stacked on the rows.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, ROWS, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, BLOCK_D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, DQ_N, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    key_slice: gl.constexpr = gl.SliceLayout(1, s_layout)
+    query_slice: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    my_keys = k_smem.slice(CONSUMER * KEYS, KEYS)  # (KEYS, BLOCK_D)
+    my_values = v_smem.slice(CONSUMER * KEYS, KEYS)
+    k_cols = k_smem.slice(CONSUMER * DQ_N, DQ_N, dim=1)  # (BLOCK_N, DQ_N): B of this consumer's dQ half
+    my_start_n = start_n + CONSUMER * KEYS
+    diagonal = seqlen_k - seqlen_q
+    query_start, num_tiles, diag_end = _query_tile_bounds(start_n, seqlen_q, seqlen_k, ROWS,
+                                                                      2 * KEYS, CAUSAL)
+    dk = gl.zeros([KEYS, BLOCK_D], gl.float32, layout=kv_layout)
+    dv = gl.zeros([KEYS, BLOCK_D], gl.float32, layout=kv_layout)
+    inv_scale = 1.0 / sm_scale  # -lse / scale in the raw scores: exp2((Sᵀ - lse / scale) · scale · log2e) = P
+    dq_zero = gl.zeros([ROWS, DQ_N], gl.float32, layout=dq_layout)
+    offs_key = my_start_n + gl.arange(0, KEYS, layout=key_slice)
+    mbarrier.wait(kv_ready, 0)
+
+    for ring in range(group_size * num_tiles):
+        g = ring // num_tiles
+        start_m = query_start + (ring - g * num_tiles) * ROWS
+        q_head = batch * num_q_heads + kv_head * group_size + g  # flat (batch, query head)
+        q_row0 = q_head * seqlen_q  # this head's first row of lse/Δ
+        stage = ring % NUM_STAGES
+        phase = (ring // NUM_STAGES) & 1
+        q_tile = q_smem.index(stage).reshape([ROWS, BLOCK_D])
+        do_tile = do_smem.index(stage).reshape([ROWS, BLOCK_D])
+        ds_buf = ds_smem.index(ring % 2)  # (BLOCK_N, ROWS): dSᵀ of both consumers
+
+        # The column statistics ride in the accumulators: Sᵀ starts from -lse / scale and dPᵀ from -Δ, so the
+        # products give Sᵀ - lse/scale and dPᵀ - Δ directly, and so does the mask: Sᵀ starts from -inf where a key
+        # is hidden. All of it is built before the Q/dO wait, while only dK and dV are live (per-column lse, Δ and
+        # mask bounds held across the products spilled at D=128). Queries past Lq read lse = +inf: their P is
+        # exactly 0 (their zero-filled Q rows give finite scores), so the ragged end of the queries needs no mask.
+        offs_q = start_m + gl.arange(0, ROWS, layout=query_slice)
+        in_rows = offs_q < seqlen_q
+        lse = gl.load(LSE + q_row0 + offs_q, mask=in_rows, other=float("inf"))
+        delta = gl.load(Delta + q_row0 + offs_q, mask=in_rows, other=0.0)
+        s_init = gl.zeros([KEYS, ROWS], gl.float32, layout=s_layout) - gl.expand_dims(lse * inv_scale, 0)
+        if start_m < diag_end:  # causal diagonal tiles, and every tile of a CTA whose keys run past Lk
+            # key j is visible to query i iff j < Lk and (causal) j <= i + Lk - Lq. -inf, not a product: a dead
+            # row (lse = -inf, no visible key) would otherwise start from +inf
+            visible = gl.expand_dims(offs_key < seqlen_k, 1)
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(offs_key - diagonal, 1) <= gl.expand_dims(offs_q, 0))
+            s_init = gl.where(visible, s_init, float("-inf"))
+        dp_init = gl.zeros([KEYS, ROWS], gl.float32, layout=s_layout) - gl.expand_dims(delta, 0)
+        mbarrier.wait(q_ready.index(stage), phase)
+        s = warpgroup_mma(my_keys, q_tile.permute((1, 0)), s_init, is_async=True)
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp = warpgroup_mma(my_values, do_tile.permute((1, 0)), dp_init, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        p = gl.exp2(s * qk_scale)  # hidden keys: exp2(-inf) = 0
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        ds = (p * dp).to(dtype)
+        dv = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), do_tile, dv, is_async=True)
+        ds_buf.slice(CONSUMER * KEYS, KEYS).store(ds)
+        dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_tile, dk, is_async=True)
+        fence_async_shared()  # the dSᵀ rows (generic proxy) before the wgmma (async proxy) reads them
+        tma.store_wait(0)  # the previous tile's dQ reduce has read the staging buffer
+        gl.thread_barrier()  # every warp's rows are written (and the staging buffer is free)
+        mbarrier.arrive(ds_ready.index(ring % 2), count=1)
+        mbarrier.wait(ds_ready.index(ring % 2), (ring // 2) & 1)  # the other consumer's rows too
+        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+        mbarrier.arrive(empty.index(stage), count=1)  # Q and dO are no longer read
+
+        # dQ half -> staging buffer -> one reduce-add per DQ_COLS columns (rows past Lq are clipped by the TMA unit)
+        if DQ_N == 2 * DQ_COLS:
+            left, right = column_halves(dq)
+            dq_smem.index(0).reshape([ROWS, DQ_COLS]).store(left)
+            dq_smem.index(1).reshape([ROWS, DQ_COLS]).store(right)
+        else:
+            dq_smem.index(0).reshape([ROWS, DQ_COLS]).store(dq)
+        fence_async_shared()
+        gl.thread_barrier()
+        for chunk in gl.static_range(DQ_N // DQ_COLS):
+            _tma_reduce_add(dq_desc, [q_head, start_m, CONSUMER * DQ_N + chunk * DQ_COLS], dq_smem.index(chunk))
+
+    tma.store_wait(0)
+    dk = dk * sm_scale
+    acc_rows: gl.constexpr = gl.SliceLayout(1, kv_layout)
+    acc_cols: gl.constexpr = gl.SliceLayout(0, kv_layout)
+    rows = my_start_n + gl.arange(0, KEYS, layout=acc_rows)
+    cols = gl.arange(0, BLOCK_D, layout=acc_cols)
+    mask = gl.expand_dims(rows < seqlen_k, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
+    dk_ptrs = (DK + batch.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
+               + gl.expand_dims(rows.to(gl.int64) * stride_dkn, 1) + gl.expand_dims(cols, 0))
+    gl.store(dk_ptrs, dk.to(dtype), mask=mask)
+    dv_ptrs = (DV + batch.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
+               + gl.expand_dims(rows.to(gl.int64) * stride_dvn, 1) + gl.expand_dims(cols, 0))
+    gl.store(dv_ptrs, dv.to(dtype), mask=mask)
+
+
+@gluon.jit
+def attention_backward_sm90_kernel(
+    q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, Delta, DK, DV,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+):
+    """Grid (cdiv(Lk, 128) · B·Hkv,); CTAs start roughly in program order, and a (batch, kv head)'s key tiles are
+    consecutive, so the CTAs running at once share a few heads' Q and dO in L2. (Ordering causal CTAs longest
+    first, in bands of 4-16 heads or over all heads, measured no faster or up to 20% slower: perf-notes.)"""
+    dtype: gl.constexpr = q_desc.dtype
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
+    KEYS: gl.constexpr = CTA_KEYS // 2
+    DQ_N: gl.constexpr = BLOCK_D // 2
+    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
+    num_key_tiles = gl.cdiv(seqlen_k, CTA_KEYS)
+    key_tile = gl.program_id(0) % num_key_tiles
+    pid_bh = gl.program_id(0) // num_key_tiles
+    start_n = key_tile * CTA_KEYS
+    batch = pid_bh // num_kv_heads
+    kv_head = pid_bh % num_kv_heads
+
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_box = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_box = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    k_smem = k_box.reshape([CTA_KEYS, BLOCK_D])
+    v_smem = v_box.reshape([CTA_KEYS, BLOCK_D])
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CTA_KEYS, ROWS], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, CTA_KEYS, ROWS], ds_layout)
+    dq_smem0 = gl.allocate_shared_memory(gl.float32, [DQ_N // DQ_COLS] + dq_desc.block_type.shape, dq_desc.layout)
+    dq_smem1 = gl.allocate_shared_memory(gl.float32, [DQ_N // DQ_COLS] + dq_desc.block_type.shape, dq_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)  # both consumers' dSᵀ rows are in the buffer
+
+    gl.warp_specialize([
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem0, kv_ready, q_ready, do_ready, empty,
+                     ds_ready, dq_desc, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+                     stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads, group_size,
+                     seqlen_q, seqlen_k, qk_scale, sm_scale,
+                     0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL)),
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem1, kv_ready, q_ready, do_ready, empty,
+                     ds_ready, dq_desc, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+                     stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads, group_size,
+                     seqlen_q, seqlen_k, qk_scale, sm_scale,
+                     1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL)),
+        (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_box, v_box,
+                     kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
+                     NUM_STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, block_d: int, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d], _GL_DTYPES[dtype])
+
+
+def _descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
+    """Gluon's rank-4 TMA descriptor over t's own strides (triton_fwd.tma_box) with its shared-memory layout."""
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(tma_box(t, rows, block_d), layout=_smem_layout(rows, block_d, t.dtype))
+    return desc
+
+
+def _dq_accum_descriptor(dq_accum: torch.Tensor) -> TensorDescriptor:
+    """The reduce-add target: dq_accum seen as (B·Hq, Lq, BLOCK_D) float32, boxes of (1, BLOCK_M, DQ_COLS) (a query
+    tile's rows past Lq fall outside the box's head and are dropped)."""
+    flat = dq_accum.view(-1, *dq_accum.shape[-2:])
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(base=flat, shape=list(flat.shape), strides=list(flat.stride()),
+                         block_shape=[1, BLOCK_M, DQ_COLS], padding="zero",
+                         layout=gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, DQ_COLS], gl.float32))
+    return desc
+
+
+def check_supported(q: torch.Tensor, softmax_scale: float = 1.0) -> None:
+    """Raise ValueError for what this kernel does not run (the caller falls back to triton_bwd)."""
+    if not softmax_scale > 0:
+        raise ValueError(f"the sm_90 backward needs a positive softmax_scale (its masks are -inf scores), got "
+                         f"{softmax_scale}")
+    if q.dtype not in _GL_DTYPES:
+        raise ValueError(f"the sm_90 backward runs bf16/fp16 only, got {q.dtype}")
+    if padded_head_dim(q.shape[-1]) not in SUPPORTED_BLOCK_D:
+        raise ValueError(f"the sm_90 backward runs head dims padding to {SUPPORTED_BLOCK_D}, got {q.shape[-1]}")
+
+
+def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal: bool, softmax_scale: float,
+                            dq_accum, num_stages: int = NUM_STAGES):
+    """triton_bwd.attention_backward's conventions, all three gradients wanted: q/out/grad_out/dq `(B, Hq, Lq, D)`,
+    k/v/dk/dv `(B, Hkv, Lk, D)` with unit last stride and TMA-compatible strides (triton_fwd.tma_compatible of q, k,
+    v, grad_out: the caller checks), lse the forward's contiguous float32 `(B, Hq, Lq)`, delta a float32 workspace
+    of lse's shape, dq_accum a contiguous float32 `(B, Hq, Lq, padded_head_dim(D))` workspace (any contents: the
+    preprocess zeroes it). Writes dq, dk, dv in place; returns the compiled kernels by name."""
+    import triton
+
+    from flashmoe_science.attention import triton_bwd
+    from flashmoe_science.attention.triton_fwd import needs_64bit_rows
+
+    check_supported(q, softmax_scale)
+    batch, num_q_heads, seqlen_q, head_dim = q.shape
+    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    block_d = padded_head_dim(head_dim)
+    row_block = max(16, min(128, triton_bwd._ROW_KERNEL_ELEMENTS // block_d))
+    row_grid = (triton.cdiv(seqlen_q, row_block), batch * num_q_heads)
+    row64 = needs_64bit_rows(q, out, grad_out, dq)
+    kernels = {}
+    kernels["preprocess"] = triton_bwd._bwd_preprocess_kernel[row_grid](
+        out, grad_out, delta, dq_accum, *out.stride()[:3], *grad_out.stride()[:3],
+        num_q_heads, seqlen_q, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ZERO_DQ_ACCUM=True,
+        ROW64=row64, num_warps=4,
+    )
+    grid = (triton.cdiv(seqlen_k, BLOCK_N) * batch * num_kv_heads,)
+    kernels["dkdv_dq"] = attention_backward_sm90_kernel[grid](
+        _descriptor(q, BLOCK_M, block_d), _descriptor(grad_out, BLOCK_M, block_d),
+        _descriptor(k, BLOCK_N, block_d), _descriptor(v, BLOCK_N, block_d), _dq_accum_descriptor(dq_accum),
+        lse, delta, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
+        num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, softmax_scale * LOG2_E,
+        softmax_scale,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages, CAUSAL=causal,
+        num_warps=4, maxnreg=REGISTER_CAP,
+    )
+    kernels["dq_convert"] = triton_bwd._bwd_dq_convert_kernel[row_grid](
+        dq_accum, dq, *dq.stride()[:3], num_q_heads, seqlen_q, softmax_scale,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ROW64=row64, num_warps=4,
+    )
+    return kernels
+
+
+def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, dtype: torch.dtype = torch.bfloat16):
+    """The kernel built for sm_90 without a GPU (meta tensors; ptxas ships with triton), specialised as a launch
+    would specialise it; returns the CompiledKernel (registers, shared memory, SASS: scripts/compile_bwd_sm90.py)."""
+    from flashmoe_science.moe.hopper.common import compile_offline as build
+
+    block_d = padded_head_dim(head_dim)
+    q = torch.empty(2, 4, 256, head_dim, dtype=dtype, device="meta")
+    lse = torch.empty(2, 4, 256, device="meta")
+    dq_accum = torch.empty(2, 4, 256, block_d, device="meta")
+    row = 256 * head_dim
+    args = (_descriptor(q, BLOCK_M, block_d), _descriptor(q, BLOCK_M, block_d), _descriptor(q, BLOCK_N, block_d),
+            _descriptor(q, BLOCK_N, block_d), _dq_accum_descriptor(dq_accum), lse, lse, q, q,
+            4 * row, row, head_dim, 4 * row, row, head_dim, 4, 2, 2, 256, 256, 0.1, 0.07,
+            head_dim, block_d, num_stages, causal)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages, CAUSAL=causal)
+    return build(attention_backward_sm90_kernel, args, constexprs)

@@ -1,0 +1,64 @@
+"""The Gluon sm_90 backward without a GPU: its sm_90 build (ptxas and cuobjdump ship with triton) and the checks
+that decide whether it takes a call. Its numerics are tested on the H200 (test_backward_sm90_gpu.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+bwd_sm90 = pytest.importorskip("flashmoe_science.attention.hopper.bwd_sm90")
+
+
+def _sass(compiled) -> str:
+    from triton import knobs
+
+    cuobjdump = os.path.join(os.path.dirname(knobs.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("no cuobjdump in this triton")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, timeout=120).stdout
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
+def test_builds_for_sm90_with_register_operands_and_tma_reduce_adds():
+    """D=128, causal: Sᵀ/dPᵀ/dQ from shared memory, dV/dK with P and dS from registers, dQ by TMA reduce-adds, and
+    (after folding lse, Δ and the mask into the accumulators) at most a few spilled scalars."""
+    compiled = bwd_sm90.compile_offline(128, causal=True)
+    sass = _sass(compiled)
+    assert re.search(r"\bHGMMA\.64x64x16\.F32\.BF16 R\d+, gdesc", sass)  # Sᵀ, dPᵀ, dQ: both operands in smem
+    assert re.search(r"\bHGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)  # dV, dK: A from registers
+    assert len(re.findall(r"\bUTMAREDG\.3D\.ADD\b", sass)) == 4  # two 32-column boxes per consumer
+    assert not re.search(r"\b(RED|ATOM)G?\.E\.ADD", sass), "dQ must not use per-thread atomics"
+    assert len(re.findall(r"\bLDL\b", sass)) <= 16, "spills grew back"
+    assert compiled.metadata.shared <= 227 * 1024
+
+
+def test_check_supported_names_what_it_does_not_run():
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        bwd_sm90.check_supported(torch.empty(1, 1, 8, 64))
+    for d in (16, 32, 192, 256):
+        with pytest.raises(ValueError, match="head dims"):
+            bwd_sm90.check_supported(torch.empty(1, 1, 8, d, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="positive softmax_scale"):
+        bwd_sm90.check_supported(torch.empty(1, 1, 8, 64, dtype=torch.bfloat16), softmax_scale=-0.5)
+    bwd_sm90.check_supported(torch.empty(1, 1, 8, 96, dtype=torch.float16), softmax_scale=0.1)  # pads to 128
+
+
+def test_api_takes_it_only_where_it_runs():
+    from flashmoe_science.attention.api import _sm90_backward_runs
+
+    q = torch.empty(1, 2, 8, 128, dtype=torch.bfloat16)
+    assert _sm90_backward_runs(q, torch.empty_like(q), 0.1)
+    short64, long64 = torch.empty(1, 2, 1024, 64, dtype=torch.bfloat16), torch.empty(1, 2, 2048, 64, dtype=torch.bfloat16)
+    assert not _sm90_backward_runs(short64, torch.empty_like(short64), 0.1)  # the two passes measured faster
+    assert _sm90_backward_runs(long64, torch.empty_like(long64), 0.1)
+    assert not _sm90_backward_runs(q, torch.empty_like(q), 0.0)
+    assert not _sm90_backward_runs(torch.empty(1, 2, 8, 256, dtype=torch.bfloat16), torch.empty(1, 2, 8, 256), 0.1)
+    assert not _sm90_backward_runs(q, torch.empty(1, 2, 8, 130)[..., :128], 0.1)  # rows not 16-byte aligned

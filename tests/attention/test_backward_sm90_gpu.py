@@ -1,0 +1,132 @@
+"""The Gluon sm_90 backward (hopper/bwd_sm90.py) on a Hopper GPU, launched directly (api.py does not dispatch to it).
+
+Run: `PYTHONPATH=src python -m pytest tests/attention/test_backward_sm90_gpu.py -q -m gpu`.
+
+The forward runs through the library (its out and lse are what the backward reads); the backward is
+`bwd_sm90.attention_backward_sm90`, compared with the float64 oracle within 2 x PyTorch's same-dtype error plus
+slack (grad_helpers.py). Gradients are NaN-poisoned before the launch so that any element the kernels fail to write
+shows up; dq_accum is poisoned too (the preprocess must zero it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashmoe_science.attention.api import flash_attention_science
+from flashmoe_science.attention.tiles import padded_head_dim
+from flashmoe_science.attention.triton_fwd import tma_compatible
+from grad_helpers import assert_grads_close
+
+pytestmark = pytest.mark.gpu
+
+CUDA = "cuda"
+
+
+def _hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs a Hopper (sm_90) GPU")
+    from flashmoe_science.attention.hopper import bwd_sm90
+
+    return bwd_sm90
+
+
+def _inputs(b, hq, hkv, lq, lk, d, dtype, transposed=False):
+    if transposed:  # (B, L, H, D) storage seen as (B, H, L, D)
+        make = lambda h, length: torch.randn(b, length, h, d, device=CUDA).to(dtype).transpose(1, 2)  # noqa: E731
+    else:
+        make = lambda h, length: torch.randn(b, h, length, d, device=CUDA).to(dtype)  # noqa: E731
+    return make(hq, lq), make(hkv, lk), make(hkv, lk), make(hq, lq)
+
+
+def sm90_grads(q, k, v, grad_out, causal, softmax_scale=None, num_stages=None):
+    """(dq, dk, dv) from the library's forward and the sm_90 backward, every output NaN-poisoned first."""
+    bwd_sm90 = _hopper()
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    with torch.no_grad():
+        out, lse = flash_attention_science(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    assert tma_compatible(q, k, v, grad_out)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    delta = torch.full_like(lse, float("nan"))
+    dq_accum = torch.full((*q.shape[:3], padded_head_dim(q.shape[-1])), float("nan"), device=CUDA)
+    kwargs = {} if num_stages is None else {"num_stages": num_stages}
+    bwd_sm90.attention_backward_sm90(q, k, v, out, lse.contiguous(), grad_out, delta, dq, dk, dv, causal, scale,
+                                     dq_accum, **kwargs)
+    torch.cuda.synchronize()
+    return dq, dk, dv
+
+
+def _check(b, hq, hkv, lq, lk, d, causal, dtype=torch.bfloat16, **kwargs):
+    q, k, v, grad_out = _inputs(b, hq, hkv, lq, lk, d, dtype, kwargs.pop("transposed", False))
+    grads = sm90_grads(q, k, v, grad_out, causal, **kwargs)
+    return assert_grads_close(grads, q, k, v, grad_out, causal, kwargs.get("softmax_scale"))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("length", [1, 17, 127, 128, 129, 1000])
+def test_lengths(length, causal, d):
+    _check(2, 4, 4, length, length, d, causal)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 1)])
+def test_gqa(hq, hkv, causal, d):
+    _check(2, hq, hkv, 300, 300, d, causal)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lq,lk", [(100, 333), (333, 100), (1, 700), (700, 1), (64, 257), (257, 64)])
+def test_unequal_lengths(lq, lk, causal, d):
+    # causal with Lq > Lk: the first Lq - Lk query rows see no key (lse = -inf): zero dQ, no NaN anywhere
+    _check(1, 4, 2, lq, lk, d, causal)
+
+
+def test_dead_rows_have_zero_grads():
+    q, k, v, grad_out = _inputs(1, 2, 2, 300, 40, 128, torch.bfloat16)
+    dq, dk, dv = sm90_grads(q, k, v, grad_out, causal=True)
+    assert dq[:, :, :260].abs().max().item() == 0.0  # rows 0..259 see no key (j <= i + 40 - 300)
+    assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [80, 96, 48])
+def test_dtypes_and_padded_head_dims(d, dtype):
+    _check(2, 4, 2, 200, 200, d, True, dtype=dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_transposed_layout_and_scale(causal):
+    _check(2, 8, 2, 513, 513, 128, causal, transposed=True, softmax_scale=0.3)
+
+
+@pytest.mark.parametrize("d,num_stages", [(128, 1), (64, 1), (64, 3)])
+def test_ring_depths(d, num_stages):
+    _check(1, 4, 2, 700, 700, d, True, num_stages=num_stages)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_repeated_runs_agree(causal):
+    # dK and dV are summed in registers in a fixed order: bit-identical; dQ's reduce-adds may arrive in any order
+    q, k, v, grad_out = _inputs(2, 4, 2, 777, 777, 128, torch.bfloat16)
+    first = sm90_grads(q, k, v, grad_out, causal)
+    second = sm90_grads(q, k, v, grad_out, causal)
+    assert torch.equal(first[1], second[1]) and torch.equal(first[2], second[2])
+    torch.testing.assert_close(first[0], second[0], rtol=1e-2, atol=1e-3)
+
+
+def test_long_rows():
+    _check(1, 2, 1, 4096, 4096, 128, True)
+
+
+def test_unsupported_head_dims_raise():
+    bwd_sm90 = _hopper()
+    for d in (16, 32, 192, 256):
+        with pytest.raises(ValueError, match="head dims"):
+            bwd_sm90.check_supported(torch.empty(1, 1, 8, d, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        bwd_sm90.check_supported(torch.empty(1, 1, 8, 64))
