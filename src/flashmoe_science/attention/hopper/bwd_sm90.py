@@ -46,8 +46,6 @@ dQ's last bits may vary run to run (the reduce-adds arrive in any order); dK and
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -63,7 +61,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashmoe_science.attention.tiles import padded_head_dim
-from flashmoe_science.attention.triton_fwd import LOG2_E, tma_box
+from flashmoe_science.attention.hopper.fwd_sm90 import _GL_DTYPES, _descriptor  # the forward's TMA boxes
+from flashmoe_science.attention.triton_fwd import LOG2_E
 from flashmoe_science.moe.hopper.common import column_halves
 
 KEYS_PER_CONSUMER = 64  # one wgmma M tile per consumer warpgroup
@@ -305,21 +304,6 @@ def attention_backward_sm90_kernel(
                      kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
                      NUM_STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
-
-
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-
-
-@functools.lru_cache(maxsize=None)
-def _smem_layout(rows: int, block_d: int, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d], _GL_DTYPES[dtype])
-
-
-def _descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
-    """Gluon's rank-4 TMA descriptor over t's own strides (triton_fwd.tma_box) with its shared-memory layout."""
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(tma_box(t, rows, block_d), layout=_smem_layout(rows, block_d, t.dtype))
-    return desc
 
 
 def _dq_accum_descriptor(dq_accum: torch.Tensor) -> TensorDescriptor:
