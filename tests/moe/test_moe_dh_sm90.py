@@ -18,6 +18,7 @@ pytest.importorskip("triton.experimental.gluon")
 
 from flashmoe_science.moe.dispatch import sort_buffers  # noqa: E402
 from flashmoe_science.moe.hopper import dx_sm90 as gdx  # noqa: E402
+from flashmoe_science.moe.hopper.common import offline_sass  # noqa: E402
 from flashmoe_science.moe.hopper.dx_sm90 import DxConfig, SwigluOperands  # noqa: E402
 
 # the dh configs of scripts/ab_moe_dx_sm90.py (keep in step): ping-pong 128x128 with 4 / 5 stages, cooperative
@@ -220,20 +221,12 @@ def _meta_case(num_tokens, top_k, num_experts, d_model, d_ff, dtype=torch.bfloat
     return _cpu_case(num_tokens, top_k, num_experts, d_model, d_ff, 128, torch.device("meta"), dtype)
 
 
-def _sass(compiled):
-    """The SASS of an offline build (the cuobjdump that ships with triton; skips the test where there is none)."""
-    import subprocess
-    import tempfile
-
-    from triton import knobs
-
-    cuobjdump = os.path.join(os.path.dirname(knobs.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
+def _sass(compiled) -> str:
+    """The SASS of an offline build (skips the test where triton ships no cuobjdump)."""
+    sass = offline_sass(compiled)
+    if sass is None:
         pytest.skip("no cuobjdump in this triton")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, timeout=120).stdout
+    return sass
 
 
 NOT_INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1",

@@ -63,7 +63,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.attention.hopper.fwd_sm90 import _GL_DTYPES, _descriptor  # the forward's TMA boxes
 from flashmoe_science.attention.triton_fwd import LOG2_E
-from flashmoe_science.moe.hopper.common import column_halves
+from flashmoe_science.moe.hopper.common import column_halves, wgmma_layout
 
 KEYS_PER_CONSUMER = 64  # one wgmma M tile per consumer warpgroup
 NUM_CONSUMERS = 2
@@ -138,17 +138,13 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
               CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, ROWS: gl.constexpr,
               KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """One consumer warpgroup: keys [start_n + CONSUMER·KEYS, +KEYS), all query tiles of all heads of the group."""
-    num_warps: gl.constexpr = 4
     dtype: gl.constexpr = q_smem.dtype
     DQ_N: gl.constexpr = BLOCK_D // 2  # this consumer's dQ columns
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
     # Sᵀ, dPᵀ: (keys, queries); dK, dV: (keys, BLOCK_D); dQ half: (queries, DQ_N). Warps stacked on the rows.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, ROWS, 16])
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, BLOCK_D, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, DQ_N, 16])
+    s_layout: gl.constexpr = wgmma_layout(ROWS)
+    kv_layout: gl.constexpr = wgmma_layout(BLOCK_D)
+    dq_layout: gl.constexpr = wgmma_layout(DQ_N)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     key_slice: gl.constexpr = gl.SliceLayout(1, s_layout)
     query_slice: gl.constexpr = gl.SliceLayout(0, s_layout)

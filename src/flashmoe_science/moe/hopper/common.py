@@ -164,3 +164,21 @@ def compile_offline(fn, args, constexprs: dict):
              if isinstance(v, torch.Tensor) or (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0)}
     src = GluonASTSource(fn, signature, consts, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH_OPTIONS))
+
+
+def offline_sass(compiled) -> str | None:
+    """The SASS of a compiled kernel (``compile_offline``'s), by the cuobjdump that ships with triton; None where this
+    triton has none."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    cuobjdump = os.path.join(os.path.dirname(knobs.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, timeout=120).stdout
