@@ -71,7 +71,7 @@ BLOCK_N = KEYS_PER_CONSUMER * NUM_CONSUMERS  # keys per CTA
 BLOCK_M = 64  # query rows per streamed tile
 NUM_STAGES = 2  # Q/dO ring depth
 DQ_COLS = 32  # columns per dQ reduce-add box: 32 fp32 = 128 bytes, the widest swizzled TMA box
-SUPPORTED_BLOCK_D = (64, 128)
+SUPPORTED_BLOCK_D = (64, 128, 256)  # 256: bwd_sm90_hdim256's kernel (the head dim split between the consumers)
 PRODUCER_REGISTERS = gl.constexpr(24)
 CONSUMER_REGISTERS = gl.constexpr(240)
 REGISTER_CAP = 65536 // (3 * 128) // 8 * 8  # launch-time registers/thread: 3 warpgroups' worth (as fwd_sm90)
@@ -334,6 +334,7 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, caus
     import triton
 
     from flashmoe_science.attention import triton_bwd
+    from flashmoe_science.attention.hopper import bwd_sm90_hdim256
     from flashmoe_science.attention.triton_fwd import needs_64bit_rows
 
     check_supported(q, softmax_scale)
@@ -349,6 +350,10 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, caus
         num_q_heads, seqlen_q, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ZERO_DQ_ACCUM=True,
         ROW64=row64, num_warps=4,
     )
+    if block_d == bwd_sm90_hdim256.BLOCK_D:
+        kernels["dkdv_dq"] = bwd_sm90_hdim256.launch(q, k, v, lse, grad_out, delta, dq_accum, dk, dv, causal,
+                                                     softmax_scale, num_stages)
+        return _convert_dq(kernels, dq_accum, dq, row_grid, row_block, row64, softmax_scale)
     grid = (triton.cdiv(seqlen_k, BLOCK_N) * batch * num_kv_heads,)
     kernels["dkdv_dq"] = attention_backward_sm90_kernel[grid](
         _descriptor(q, BLOCK_M, block_d), _descriptor(grad_out, BLOCK_M, block_d),
@@ -359,9 +364,17 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, caus
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages, CAUSAL=causal,
         num_warps=4, maxnreg=REGISTER_CAP,
     )
+    return _convert_dq(kernels, dq_accum, dq, row_grid, row_block, row64, softmax_scale)
+
+
+def _convert_dq(kernels, dq_accum, dq, row_grid, row_block, row64, softmax_scale):
+    """dq = dq_accum · scale in dq's dtype (triton_bwd's convert kernel); returns `kernels` with it added."""
+    from flashmoe_science.attention import triton_bwd
+
+    num_q_heads, seqlen_q, head_dim = dq.shape[1:]
     kernels["dq_convert"] = triton_bwd._bwd_dq_convert_kernel[row_grid](
         dq_accum, dq, *dq.stride()[:3], num_q_heads, seqlen_q, softmax_scale,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ROW64=row64, num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_D=dq_accum.shape[-1], BLOCK_M=row_block, ROW64=row64, num_warps=4,
     )
     return kernels
 
@@ -372,6 +385,10 @@ def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, d
     from flashmoe_science.moe.hopper.common import compile_offline as build
 
     block_d = padded_head_dim(head_dim)
+    if block_d == 256:
+        from flashmoe_science.attention.hopper import bwd_sm90_hdim256
+
+        return bwd_sm90_hdim256.compile_offline(head_dim, causal, num_stages, dtype)
     q = torch.empty(2, 4, 256, head_dim, dtype=dtype, device="meta")
     lse = torch.empty(2, 4, 256, device="meta")
     dq_accum = torch.empty(2, 4, 256, block_d, device="meta")
