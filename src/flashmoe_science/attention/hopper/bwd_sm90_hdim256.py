@@ -33,6 +33,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -41,8 +42,10 @@ from flashmoe_science.attention.hopper.bwd_sm90 import (
     CONSUMER_REGISTERS,
     PRODUCER_REGISTERS,
     REGISTER_CAP,
+    _dq_accum_descriptor,
     _producer,
     _query_tile_bounds,
+    _tma_reduce_add,
 )
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor
 from flashmoe_science.attention.triton_fwd import LOG2_E
@@ -57,11 +60,28 @@ BLOCK_D = 256
 
 
 @gluon.jit
-def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready, do_ready, empty, pds_ready,
-              LSE, Delta, DQ_ACCUM, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+def _column_quarter(t, i: gl.constexpr):
+    """Columns [i·N/4, (i+1)·N/4) of a wgmma accumulator (N = 128: register selection only, no shuffles)."""
+    ROWS: gl.constexpr = t.shape[0]
+    Q: gl.constexpr = t.shape[1] // 4
+    left, right = t.reshape([ROWS, 2, 2, Q]).permute((0, 3, 1, 2)).split()  # on the 32-column bit
+    if i % 2 == 0:
+        half = left
+    else:
+        half = right
+    lo, hi = half.split()  # on the 64-column bit
+    if i // 2 == 0:
+        return lo
+    else:
+        return hi
+
+
+@gluon.jit
+def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, empty,
+              pds_ready, dq_desc, LSE, Delta, DQ_ACCUM, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               start_n, batch, kv_head, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
               CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, ROWS: gl.constexpr,
-              KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+              KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BY_TMA: gl.constexpr):
     """Consumer CONSUMER: score columns [CONSUMER·KEYS, +KEYS) of the CTA's keys, head-dim half CONSUMER of dQ, dK, dV."""
     dtype: gl.constexpr = q_smem.dtype
     CTA_KEYS: gl.constexpr = 2 * KEYS
@@ -73,9 +93,6 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_read
     row_slice: gl.constexpr = gl.SliceLayout(1, s_layout)
     key_slice: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    my_keys = k_smem.slice(CONSUMER * KEYS, KEYS)  # (KEYS, BLOCK_D): B of S_c, read transposed
-    my_values = v_smem.slice(CONSUMER * KEYS, KEYS)
-    k_half = k_smem.slice(CONSUMER * D_HALF, D_HALF, dim=1)  # (CTA_KEYS, D_HALF): B of this consumer's dQ half
     diagonal = seqlen_k - seqlen_q
     query_start, num_tiles, diag_end = _query_tile_bounds(start_n, seqlen_q, seqlen_k, ROWS, CTA_KEYS, CAUSAL)
     dk0 = gl.zeros([D_HALF, KEYS], gl.float32, layout=kv_layout)  # dKᵀ of the CTA's keys [0, KEYS), this half
@@ -94,8 +111,16 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_read
         start_m = query_start + (ring - g * num_tiles) * ROWS
         q_head = batch * num_q_heads + kv_head * group_size + g  # flat (batch, query head)
         q_row0 = q_head * seqlen_q
-        stage = ring % NUM_STAGES
+        # K and V (and a one-stage ring) addressed through an index the compiler cannot prove constant: hoisted
+        # out of the loop, their wgmma descriptors (one per k-step) were ~70 registers held across it, and spilled
+        opaque_zero = ring // 0x40000000
+        stage = ring % NUM_STAGES + opaque_zero
         phase = (ring // NUM_STAGES) & 1
+        k_tile = k_smem.index(opaque_zero).reshape([CTA_KEYS, BLOCK_D])
+        v_tile = v_smem.index(opaque_zero).reshape([CTA_KEYS, BLOCK_D])
+        my_keys = k_tile.slice(CONSUMER * KEYS, KEYS)  # (KEYS, BLOCK_D): B of S_c, read transposed
+        my_values = v_tile.slice(CONSUMER * KEYS, KEYS)
+        k_half = k_tile.slice(CONSUMER * D_HALF, D_HALF, dim=1)  # (CTA_KEYS, D_HALF): B of this consumer's dQ half
         q_tile = q_smem.index(stage).reshape([ROWS, BLOCK_D])
         do_tile = do_smem.index(stage).reshape([ROWS, BLOCK_D])
         slot0 = (ring % 2) * 2  # this tile's P_j and dS_j are at slot0 + j
@@ -136,10 +161,19 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_read
         dk1 = warpgroup_mma(q_half_t, ds_smem.index(slot0 + 1), dk1, is_async=True)
         dq = warpgroup_mma_wait(4, deps=(dq,))
         # dQ half -> dq_accum while dVᵀ/dKᵀ run; rows past Lq dropped
-        # (the offsets are built here, not hoisted: held across the loop they were 64 more registers and spilled)
-        dq_ptrs = (DQ_ACCUM + (q_row0 + start_m).to(gl.int64) * BLOCK_D + gl.expand_dims(dq_rows * BLOCK_D, 1)
-                   + gl.expand_dims(dq_cols, 0))
-        gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(start_m + dq_rows < seqlen_q, 1), sem="relaxed")
+        if DQ_BY_TMA:
+            tma.store_wait(0)  # the previous tile's reduce-adds have read the staging buffer
+            gl.thread_barrier()
+            for chunk in gl.static_range(4):
+                dq_smem.index(chunk).reshape([ROWS, 32]).store(_column_quarter(dq, chunk))
+            fence_async_shared()
+            gl.thread_barrier()
+            for chunk in gl.static_range(4):
+                _tma_reduce_add(dq_desc, [q_head, start_m, CONSUMER * D_HALF + chunk * 32], dq_smem.index(chunk))
+        else:
+            dq_ptrs = (DQ_ACCUM + (q_row0 + start_m).to(gl.int64) * BLOCK_D + gl.expand_dims(dq_rows * BLOCK_D, 1)
+                       + gl.expand_dims(dq_cols, 0))
+            gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(start_m + dq_rows < seqlen_q, 1), sem="relaxed")
         dv0, dv1, dk0, dk1 = warpgroup_mma_wait(0, deps=(dv0, dv1, dk0, dk1))
         mbarrier.arrive(empty.index(stage), count=1)  # Q and dO are no longer read
 
@@ -149,6 +183,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_read
     d_ok = gl.expand_dims(d_idx < HEAD_DIM, 1)
     dk_base = DK + batch.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
     dv_base = DV + batch.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
+    if DQ_BY_TMA:
+        tma.store_wait(0)
     for j in gl.static_range(2):
         keys = start_n + j * KEYS + key_idx
         mask = d_ok & gl.expand_dims(keys < seqlen_k, 0)
@@ -165,10 +201,11 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_read
 
 @gluon.jit
 def attention_backward_sm90_hdim256_kernel(
-    q_desc, do_desc, k_desc, v_desc, LSE, Delta, DQ_ACCUM, DK, DV,
+    q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, Delta, DQ_ACCUM, DK, DV,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    DQ_BY_TMA: gl.constexpr,
 ):
     """Grid (cdiv(Lk, 64) · B·Hkv,), key tiles of a (batch, kv head) consecutive (bwd_sm90's order)."""
     dtype: gl.constexpr = q_desc.dtype
@@ -184,13 +221,18 @@ def attention_backward_sm90_hdim256_kernel(
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
-    k_box = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
-    v_box = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
-    k_smem = k_box.reshape([CTA_KEYS, BLOCK_D])
-    v_smem = v_box.reshape([CTA_KEYS, BLOCK_D])
+    # one-entry arrays: the consumers index them (see opaque_zero), the producer fills entry 0
+    k_boxes = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
+    v_boxes = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
     pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, KEYS], dtype)
     p_smem = gl.allocate_shared_memory(dtype, [4, ROWS, KEYS], pds_layout)  # [2 · tile parity + slot j]
     ds_smem = gl.allocate_shared_memory(dtype, [4, ROWS, KEYS], pds_layout)
+    if DQ_BY_TMA:  # per consumer: its dQ half in four 32-column boxes
+        dq_smem0 = gl.allocate_shared_memory(gl.float32, [4] + dq_desc.block_type.shape, dq_desc.layout)
+        dq_smem1 = gl.allocate_shared_memory(gl.float32, [4] + dq_desc.block_type.shape, dq_desc.layout)
+    else:
+        dq_smem0 = p_smem
+        dq_smem1 = p_smem
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -205,24 +247,24 @@ def attention_backward_sm90_hdim256_kernel(
         mbarrier.init(pds_ready.index(i), count=2)
 
     gl.warp_specialize([
-        (_consumer, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready, do_ready, empty,
-                     pds_ready, LSE, Delta, DQ_ACCUM, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+        (_consumer, (q_smem, do_smem, k_boxes, v_boxes, p_smem, ds_smem, dq_smem0, kv_ready, q_ready, do_ready,
+                     empty, pds_ready, dq_desc, LSE, Delta, DQ_ACCUM, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads, group_size,
                      seqlen_q, seqlen_k, qk_scale, sm_scale,
-                     0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL)),
-        (_consumer, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready, do_ready, empty,
-                     pds_ready, LSE, Delta, DQ_ACCUM, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+                     0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, DQ_BY_TMA)),
+        (_consumer, (q_smem, do_smem, k_boxes, v_boxes, p_smem, ds_smem, dq_smem1, kv_ready, q_ready, do_ready,
+                     empty, pds_ready, dq_desc, LSE, Delta, DQ_ACCUM, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads, group_size,
                      seqlen_q, seqlen_k, qk_scale, sm_scale,
-                     1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL)),
-        (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_box, v_box,
+                     1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, DQ_BY_TMA)),
+        (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_boxes.index(0), v_boxes.index(0),
                      kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
                      NUM_STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
 def launch(q, k, v, lse, grad_out, delta, dq_accum, dk, dv, causal: bool, softmax_scale: float,
-           num_stages: int = NUM_STAGES):
+           num_stages: int = NUM_STAGES, dq_by_tma: bool = False):
     """The main kernel of bwd_sm90.attention_backward_sm90 at padded head dim 256 (its conventions; dq_accum zeroed
     by its preprocess). Returns the compiled kernel."""
     import triton
@@ -231,10 +273,10 @@ def launch(q, k, v, lse, grad_out, delta, dq_accum, dk, dv, causal: bool, softma
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     grid = (triton.cdiv(seqlen_k, BLOCK_N) * batch * num_kv_heads,)
     return attention_backward_sm90_hdim256_kernel[grid](
-        *_tensor_args(q, k, v, grad_out), lse, delta, dq_accum, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
+        *_tensor_args(q, k, v, grad_out), _dq_accum_descriptor(dq_accum), lse, delta, dq_accum, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
         num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, softmax_scale * LOG2_E,
         softmax_scale,
-        HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, NUM_STAGES=num_stages, CAUSAL=causal,
+        HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, NUM_STAGES=num_stages, CAUSAL=causal, DQ_BY_TMA=dq_by_tma,
         num_warps=4, maxnreg=REGISTER_CAP,
     )
 
@@ -245,7 +287,8 @@ def _tensor_args(q, k, v, grad_out):
             _descriptor(k, BLOCK_N, BLOCK_D), _descriptor(v, BLOCK_N, BLOCK_D))
 
 
-def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, dtype: torch.dtype = torch.bfloat16):
+def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, dtype: torch.dtype = torch.bfloat16,
+                    dq_by_tma: bool = False):
     """bwd_sm90.compile_offline's counterpart for this kernel (head dims 129..256)."""
     from flashmoe_science.moe.hopper.common import compile_offline as build
 
@@ -253,7 +296,8 @@ def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, d
     lse = torch.empty(2, 4, 256, device="meta")
     dq_accum = torch.empty(2, 4, 256, BLOCK_D, device="meta")
     row = 256 * head_dim
-    args = (*_tensor_args(q, q, q, q), lse, lse, dq_accum, q, q, 4 * row, row, head_dim, 4 * row, row, head_dim,
-            4, 2, 2, 256, 256, 0.1, 0.07, head_dim, BLOCK_D, num_stages, causal)
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, NUM_STAGES=num_stages, CAUSAL=causal)
+    args = (*_tensor_args(q, q, q, q), _dq_accum_descriptor(dq_accum), lse, lse, dq_accum, q, q, 4 * row, row,
+            head_dim, 4 * row, row, head_dim, 4, 2, 2, 256, 256, 0.1, 0.07, head_dim, BLOCK_D, num_stages, causal,
+            dq_by_tma)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, NUM_STAGES=num_stages, CAUSAL=causal, DQ_BY_TMA=dq_by_tma)
     return build(attention_backward_sm90_hdim256_kernel, args, constexprs)
