@@ -325,16 +325,20 @@ def check_supported(q: torch.Tensor, softmax_scale: float = 1.0) -> None:
 
 
 def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal: bool, softmax_scale: float,
-                            dq_accum, num_stages: int = NUM_STAGES):
+                            dq_accum=None, num_stages: int | None = None):
     """triton_bwd.attention_backward's conventions, all three gradients wanted: q/out/grad_out/dq `(B, Hq, Lq, D)`,
     k/v/dk/dv `(B, Hkv, Lk, D)` with unit last stride and TMA-compatible strides (triton_fwd.tma_compatible of q, k,
     v, grad_out: the caller checks), lse the forward's contiguous float32 `(B, Hq, Lq)`, delta a float32 workspace
-    of lse's shape, dq_accum a contiguous float32 `(B, Hq, Lq, padded_head_dim(D))` workspace (any contents: the
-    preprocess zeroes it). Writes dq, dk, dv in place; returns the compiled kernels by name."""
+    of lse's shape. Writes dq, dk, dv in place; returns the compiled kernels by name.
+
+    Head dims padding to 64 or 128: this module's one-pass kernel, with dq_accum a contiguous float32
+    `(B, Hq, Lq, padded_head_dim(D))` workspace (any contents: the preprocess zeroes it; allocated here if None).
+    Padding to 256: two kernels, bwd_sm90_hdim256 (dK, dV) then bwd_dq_sm90 (dQ, written directly: no dq_accum,
+    and deterministic). num_stages: the Q/dO ring depth of the dK/dV kernel (None: its default)."""
     import triton
 
     from flashmoe_science.attention import triton_bwd
-    from flashmoe_science.attention.hopper import bwd_sm90_hdim256
+    from flashmoe_science.attention.hopper import bwd_dq_sm90, bwd_sm90_hdim256
     from flashmoe_science.attention.triton_fwd import needs_64bit_rows
 
     check_supported(q, softmax_scale)
@@ -344,16 +348,20 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, caus
     row_block = max(16, min(128, triton_bwd._ROW_KERNEL_ELEMENTS // block_d))
     row_grid = (triton.cdiv(seqlen_q, row_block), batch * num_q_heads)
     row64 = needs_64bit_rows(q, out, grad_out, dq)
+    split = block_d == bwd_sm90_hdim256.BLOCK_D
+    if dq_accum is None and not split:
+        dq_accum = torch.empty(*q.shape[:3], block_d, dtype=torch.float32, device=q.device)
     kernels = {}
     kernels["preprocess"] = triton_bwd._bwd_preprocess_kernel[row_grid](
-        out, grad_out, delta, dq_accum, *out.stride()[:3], *grad_out.stride()[:3],
-        num_q_heads, seqlen_q, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ZERO_DQ_ACCUM=True,
+        out, grad_out, delta, None if split else dq_accum, *out.stride()[:3], *grad_out.stride()[:3],
+        num_q_heads, seqlen_q, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ZERO_DQ_ACCUM=not split,
         ROW64=row64, num_warps=4,
     )
-    if block_d == bwd_sm90_hdim256.BLOCK_D:
-        kernels["dkdv_dq"] = bwd_sm90_hdim256.launch(q, k, v, lse, grad_out, delta, dq_accum, dk, dv, causal,
-                                                     softmax_scale, num_stages)
-        return _convert_dq(kernels, dq_accum, dq, row_grid, row_block, row64, softmax_scale)
+    if split:
+        kernels["dkdv"] = bwd_sm90_hdim256.launch(q, k, v, lse, grad_out, delta, dk, dv, causal, softmax_scale,
+                                                  num_stages or bwd_sm90_hdim256.NUM_STAGES)
+        kernels["dq"] = bwd_dq_sm90.launch(q, k, v, lse, grad_out, delta, dq, causal, softmax_scale)
+        return kernels
     grid = (triton.cdiv(seqlen_k, BLOCK_N) * batch * num_kv_heads,)
     kernels["dkdv_dq"] = attention_backward_sm90_kernel[grid](
         _descriptor(q, BLOCK_M, block_d), _descriptor(grad_out, BLOCK_M, block_d),
@@ -361,20 +369,12 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, caus
         lse, delta, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
         num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, softmax_scale * LOG2_E,
         softmax_scale,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages, CAUSAL=causal,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages or NUM_STAGES, CAUSAL=causal,
         num_warps=4, maxnreg=REGISTER_CAP,
     )
-    return _convert_dq(kernels, dq_accum, dq, row_grid, row_block, row64, softmax_scale)
-
-
-def _convert_dq(kernels, dq_accum, dq, row_grid, row_block, row64, softmax_scale):
-    """dq = dq_accum · scale in dq's dtype (triton_bwd's convert kernel); returns `kernels` with it added."""
-    from flashmoe_science.attention import triton_bwd
-
-    num_q_heads, seqlen_q, head_dim = dq.shape[1:]
     kernels["dq_convert"] = triton_bwd._bwd_dq_convert_kernel[row_grid](
         dq_accum, dq, *dq.stride()[:3], num_q_heads, seqlen_q, softmax_scale,
-        HEAD_DIM=head_dim, BLOCK_D=dq_accum.shape[-1], BLOCK_M=row_block, ROW64=row64, num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ROW64=row64, num_warps=4,
     )
     return kernels
 

@@ -1,9 +1,11 @@
-"""Attention backward for Hopper (sm_90) at head dims padding to 256, in Gluon: one pass, the head dim split.
+"""dK and dV of the attention backward for Hopper (sm_90) at head dims padding to 256, in Gluon; dQ is bwd_dq_sm90's.
 
 bwd_sm90's split (each consumer warpgroup keeps 64 keys' dK and dV over the full head dim) needs 2 x 64 x 256 fp32
 accumulators per consumer at D=256: 256 registers a thread, more than a warpgroup has. Here the two consumers split
-the head dim for the three gradient products instead (FA3's hdim-256 configuration does the same), and the scores
-by keys:
+the head dim for the gradient products instead (as FA3's hdim-256 configuration does), and the scores by keys. dQ
+is not computed here: at 64 keys per CTA its partials would be 64 x 256 fp32 per tile to add in L2, and that
+reduction alone capped a one-pass kernel at ~265 TFLOP/s on the H200 (atomics or TMA reduce-adds alike; 430 with it
+removed, docs/perf-notes.md v27), so bwd_dq_sm90 computes dQ query-stationary in a second kernel.
 
 A CTA owns BLOCK_N = 64 keys of one (batch, kv head); grid (cdiv(Lk, 64) · B·Hkv). The producer warp is
 bwd_sm90's (K and V once, Q and dO tiles of 64 query rows through a ring). Consumer c (4 warps) per query tile:
@@ -11,18 +13,14 @@ bwd_sm90's (K and V once, Q and dO tiles of 64 query rows through a ring). Consu
     issue  S_c = Q K_cᵀ,  dP_c = dO V_cᵀ            (64 queries x 32 keys: keys [32c, 32c + 32) of the CTA)
     P_c = exp2(S_c·scale·log2e − lse·log2e),  dS_c = P_c ∘ (dP_c − Δ)
     store  P_c, dS_c (bf16/fp16) into slot c of the shared P and dS tiles; both consumers meet (`pds_ready`)
-    issue  dQ[:, half c] = Σ_j dS_j K_j[:, half c]        (64 queries x 128: dQ's columns of head-dim half c)
     issue  dVᵀ_j[half c] += dOᵀ[half c] P_j,  dKᵀ_j[half c] += Qᵀ[half c] dS_j     for j = 0, 1
-    dQ half -> dq_accum by float32 atomics (while dVᵀ/dKᵀ run on the tensor cores), release the Q/dO stage
+    release the Q/dO stage once they complete
 
 so each consumer holds dKᵀ and dVᵀ for all 64 keys and half the head dim (transposed: the head dim is the wgmma M),
-2 x 128 x 64 fp32 = 128 registers, plus 64 for its dQ half. dQ is added from registers (64 x 256 fp32 per tile is
-more shared memory than is left for a TMA reduce-add's staging); every dq_accum element receives Lk/64 additions.
-
-P and dS are double-buffered by tile parity (bwd_sm90's argument: a consumer cannot write tile t+2's slot before
-the other has arrived for tile t+1, which it does after its last read of tile t). Masks, the statistics in the
-accumulators' initial values and the query-tile bounds are bwd_sm90's; see there. dQ's last bits may vary run to
-run (the atomics land in any order); dK and dV are deterministic.
+2 x 128 x 64 fp32 = 128 registers. P and dS are double-buffered by tile parity (bwd_sm90's argument: a consumer
+cannot write tile t+2's slot before the other has arrived for tile t+1, which it does after its last read of tile
+t). Masks, the statistics in the accumulators' initial values and the query-tile bounds are bwd_sm90's. dK and dV
+are deterministic (summed in registers in a fixed order).
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -42,10 +39,8 @@ from flashmoe_science.attention.hopper.bwd_sm90 import (
     CONSUMER_REGISTERS,
     PRODUCER_REGISTERS,
     REGISTER_CAP,
-    _dq_accum_descriptor,
     _producer,
     _query_tile_bounds,
-    _tma_reduce_add,
 )
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor
 from flashmoe_science.attention.triton_fwd import LOG2_E
@@ -60,36 +55,18 @@ BLOCK_D = 256
 
 
 @gluon.jit
-def _column_quarter(t, i: gl.constexpr):
-    """Columns [i·N/4, (i+1)·N/4) of a wgmma accumulator (N = 128: register selection only, no shuffles)."""
-    ROWS: gl.constexpr = t.shape[0]
-    Q: gl.constexpr = t.shape[1] // 4
-    left, right = t.reshape([ROWS, 2, 2, Q]).permute((0, 3, 1, 2)).split()  # on the 32-column bit
-    if i % 2 == 0:
-        half = left
-    else:
-        half = right
-    lo, hi = half.split()  # on the 64-column bit
-    if i // 2 == 0:
-        return lo
-    else:
-        return hi
-
-
-@gluon.jit
-def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, empty,
-              pds_ready, dq_desc, LSE, Delta, DQ_ACCUM, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready, do_ready, empty, pds_ready,
+              LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               start_n, batch, kv_head, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
               CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, ROWS: gl.constexpr,
-              KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_BY_TMA: gl.constexpr):
-    """Consumer CONSUMER: score columns [CONSUMER·KEYS, +KEYS) of the CTA's keys, head-dim half CONSUMER of dQ, dK, dV."""
+              KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer CONSUMER: score columns [CONSUMER·KEYS, +KEYS) of the CTA's keys, head-dim half CONSUMER of dK, dV."""
     dtype: gl.constexpr = q_smem.dtype
     CTA_KEYS: gl.constexpr = 2 * KEYS
     D_HALF: gl.constexpr = BLOCK_D // 2
-    # S, dP: (queries, KEYS); dKᵀ_j, dVᵀ_j: (D_HALF, KEYS); dQ half: (queries, D_HALF). Warps stacked on the rows.
+    # S, dP: (queries, KEYS); dKᵀ_j, dVᵀ_j: (D_HALF, KEYS). Warps stacked on the rows.
     s_layout: gl.constexpr = wgmma_layout(KEYS)
     kv_layout: gl.constexpr = wgmma_layout(KEYS)
-    dq_layout: gl.constexpr = wgmma_layout(D_HALF)
     row_slice: gl.constexpr = gl.SliceLayout(1, s_layout)
     key_slice: gl.constexpr = gl.SliceLayout(0, s_layout)
 
@@ -100,10 +77,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_read
     dv0 = gl.zeros([D_HALF, KEYS], gl.float32, layout=kv_layout)
     dv1 = gl.zeros([D_HALF, KEYS], gl.float32, layout=kv_layout)
     inv_scale = 1.0 / sm_scale
-    dq_zero = gl.zeros([ROWS, D_HALF], gl.float32, layout=dq_layout)
     offs_key = start_n + CONSUMER * KEYS + gl.arange(0, KEYS, layout=key_slice)
-    dq_rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq_layout))
-    dq_cols = CONSUMER * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, dq_layout))
     mbarrier.wait(kv_ready, 0)
 
     for ring in range(group_size * num_tiles):
@@ -113,6 +87,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_read
         q_row0 = q_head * seqlen_q
         # K and V (and a one-stage ring) addressed through an index the compiler cannot prove constant: hoisted
         # out of the loop, their wgmma descriptors (one per k-step) were ~70 registers held across it, and spilled
+        # (300 B of stack, 14% slower)
         opaque_zero = ring // 0x40000000
         stage = ring % NUM_STAGES + opaque_zero
         phase = (ring // NUM_STAGES) & 1
@@ -120,7 +95,6 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_read
         v_tile = v_smem.index(opaque_zero).reshape([CTA_KEYS, BLOCK_D])
         my_keys = k_tile.slice(CONSUMER * KEYS, KEYS)  # (KEYS, BLOCK_D): B of S_c, read transposed
         my_values = v_tile.slice(CONSUMER * KEYS, KEYS)
-        k_half = k_tile.slice(CONSUMER * D_HALF, D_HALF, dim=1)  # (CTA_KEYS, D_HALF): B of this consumer's dQ half
         q_tile = q_smem.index(stage).reshape([ROWS, BLOCK_D])
         do_tile = do_smem.index(stage).reshape([ROWS, BLOCK_D])
         slot0 = (ring % 2) * 2  # this tile's P_j and dS_j are at slot0 + j
@@ -153,27 +127,10 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_read
 
         q_half_t = q_tile.slice(CONSUMER * D_HALF, D_HALF, dim=1).permute((1, 0))  # (D_HALF, ROWS)
         do_half_t = do_tile.slice(CONSUMER * D_HALF, D_HALF, dim=1).permute((1, 0))
-        dq = warpgroup_mma(ds_smem.index(slot0 + 0), k_half.slice(0, KEYS), dq_zero, use_acc=False, is_async=True)
-        dq = warpgroup_mma(ds_smem.index(slot0 + 1), k_half.slice(KEYS, KEYS), dq, is_async=True)
         dv0 = warpgroup_mma(do_half_t, p_smem.index(slot0 + 0), dv0, is_async=True)
         dv1 = warpgroup_mma(do_half_t, p_smem.index(slot0 + 1), dv1, is_async=True)
         dk0 = warpgroup_mma(q_half_t, ds_smem.index(slot0 + 0), dk0, is_async=True)
         dk1 = warpgroup_mma(q_half_t, ds_smem.index(slot0 + 1), dk1, is_async=True)
-        dq = warpgroup_mma_wait(4, deps=(dq,))
-        # dQ half -> dq_accum while dVᵀ/dKᵀ run; rows past Lq dropped
-        if DQ_BY_TMA:
-            tma.store_wait(0)  # the previous tile's reduce-adds have read the staging buffer
-            gl.thread_barrier()
-            for chunk in gl.static_range(4):
-                dq_smem.index(chunk).reshape([ROWS, 32]).store(_column_quarter(dq, chunk))
-            fence_async_shared()
-            gl.thread_barrier()
-            for chunk in gl.static_range(4):
-                _tma_reduce_add(dq_desc, [q_head, start_m, CONSUMER * D_HALF + chunk * 32], dq_smem.index(chunk))
-        else:
-            dq_ptrs = (DQ_ACCUM + (q_row0 + start_m).to(gl.int64) * BLOCK_D + gl.expand_dims(dq_rows * BLOCK_D, 1)
-                       + gl.expand_dims(dq_cols, 0))
-            gl.atomic_add(dq_ptrs, dq, mask=gl.expand_dims(start_m + dq_rows < seqlen_q, 1), sem="relaxed")
         dv0, dv1, dk0, dk1 = warpgroup_mma_wait(0, deps=(dv0, dv1, dk0, dk1))
         mbarrier.arrive(empty.index(stage), count=1)  # Q and dO are no longer read
 
@@ -183,8 +140,6 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_read
     d_ok = gl.expand_dims(d_idx < HEAD_DIM, 1)
     dk_base = DK + batch.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
     dv_base = DV + batch.to(gl.int64) * stride_dvb + kv_head.to(gl.int64) * stride_dvh
-    if DQ_BY_TMA:
-        tma.store_wait(0)
     for j in gl.static_range(2):
         keys = start_n + j * KEYS + key_idx
         mask = d_ok & gl.expand_dims(keys < seqlen_k, 0)
@@ -201,11 +156,10 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_read
 
 @gluon.jit
 def attention_backward_sm90_hdim256_kernel(
-    q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, Delta, DQ_ACCUM, DK, DV,
+    q_desc, do_desc, k_desc, v_desc, LSE, Delta, DK, DV,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    DQ_BY_TMA: gl.constexpr,
 ):
     """Grid (cdiv(Lk, 64) · B·Hkv,), key tiles of a (batch, kv head) consecutive (bwd_sm90's order)."""
     dtype: gl.constexpr = q_desc.dtype
@@ -227,12 +181,6 @@ def attention_backward_sm90_hdim256_kernel(
     pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, KEYS], dtype)
     p_smem = gl.allocate_shared_memory(dtype, [4, ROWS, KEYS], pds_layout)  # [2 · tile parity + slot j]
     ds_smem = gl.allocate_shared_memory(dtype, [4, ROWS, KEYS], pds_layout)
-    if DQ_BY_TMA:  # per consumer: its dQ half in four 32-column boxes
-        dq_smem0 = gl.allocate_shared_memory(gl.float32, [4] + dq_desc.block_type.shape, dq_desc.layout)
-        dq_smem1 = gl.allocate_shared_memory(gl.float32, [4] + dq_desc.block_type.shape, dq_desc.layout)
-    else:
-        dq_smem0 = p_smem
-        dq_smem1 = p_smem
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -247,36 +195,35 @@ def attention_backward_sm90_hdim256_kernel(
         mbarrier.init(pds_ready.index(i), count=2)
 
     gl.warp_specialize([
-        (_consumer, (q_smem, do_smem, k_boxes, v_boxes, p_smem, ds_smem, dq_smem0, kv_ready, q_ready, do_ready,
-                     empty, pds_ready, dq_desc, LSE, Delta, DQ_ACCUM, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+        (_consumer, (q_smem, do_smem, k_boxes, v_boxes, p_smem, ds_smem, kv_ready, q_ready, do_ready,
+                     empty, pds_ready, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads, group_size,
                      seqlen_q, seqlen_k, qk_scale, sm_scale,
-                     0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, DQ_BY_TMA)),
-        (_consumer, (q_smem, do_smem, k_boxes, v_boxes, p_smem, ds_smem, dq_smem1, kv_ready, q_ready, do_ready,
-                     empty, pds_ready, dq_desc, LSE, Delta, DQ_ACCUM, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+                     0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL)),
+        (_consumer, (q_smem, do_smem, k_boxes, v_boxes, p_smem, ds_smem, kv_ready, q_ready, do_ready,
+                     empty, pds_ready, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads, group_size,
                      seqlen_q, seqlen_k, qk_scale, sm_scale,
-                     1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, DQ_BY_TMA)),
+                     1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_boxes.index(0), v_boxes.index(0),
                      kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
                      NUM_STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
-def launch(q, k, v, lse, grad_out, delta, dq_accum, dk, dv, causal: bool, softmax_scale: float,
-           num_stages: int = NUM_STAGES, dq_by_tma: bool = False):
-    """The main kernel of bwd_sm90.attention_backward_sm90 at padded head dim 256 (its conventions; dq_accum zeroed
-    by its preprocess). Returns the compiled kernel."""
+def launch(q, k, v, lse, grad_out, delta, dk, dv, causal: bool, softmax_scale: float, num_stages: int = NUM_STAGES):
+    """dk, dv in place, with bwd_sm90.attention_backward_sm90's conventions (delta from its preprocess). Returns
+    the compiled kernel."""
     import triton
 
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     grid = (triton.cdiv(seqlen_k, BLOCK_N) * batch * num_kv_heads,)
     return attention_backward_sm90_hdim256_kernel[grid](
-        *_tensor_args(q, k, v, grad_out), _dq_accum_descriptor(dq_accum), lse, delta, dq_accum, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
+        *_tensor_args(q, k, v, grad_out), lse, delta, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
         num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, softmax_scale * LOG2_E,
         softmax_scale,
-        HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, NUM_STAGES=num_stages, CAUSAL=causal, DQ_BY_TMA=dq_by_tma,
+        HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, NUM_STAGES=num_stages, CAUSAL=causal,
         num_warps=4, maxnreg=REGISTER_CAP,
     )
 
@@ -287,17 +234,14 @@ def _tensor_args(q, k, v, grad_out):
             _descriptor(k, BLOCK_N, BLOCK_D), _descriptor(v, BLOCK_N, BLOCK_D))
 
 
-def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, dtype: torch.dtype = torch.bfloat16,
-                    dq_by_tma: bool = False):
+def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, dtype: torch.dtype = torch.bfloat16):
     """bwd_sm90.compile_offline's counterpart for this kernel (head dims 129..256)."""
     from flashmoe_science.moe.hopper.common import compile_offline as build
 
     q = torch.empty(2, 4, 256, head_dim, dtype=dtype, device="meta")
     lse = torch.empty(2, 4, 256, device="meta")
-    dq_accum = torch.empty(2, 4, 256, BLOCK_D, device="meta")
     row = 256 * head_dim
-    args = (*_tensor_args(q, q, q, q), _dq_accum_descriptor(dq_accum), lse, lse, dq_accum, q, q, 4 * row, row,
-            head_dim, 4 * row, row, head_dim, 4, 2, 2, 256, 256, 0.1, 0.07, head_dim, BLOCK_D, num_stages, causal,
-            dq_by_tma)
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, NUM_STAGES=num_stages, CAUSAL=causal, DQ_BY_TMA=dq_by_tma)
+    args = (*_tensor_args(q, q, q, q), lse, lse, q, q, 4 * row, row, head_dim, 4 * row, row, head_dim,
+            4, 2, 2, 256, 256, 0.1, 0.07, head_dim, BLOCK_D, num_stages, causal)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, NUM_STAGES=num_stages, CAUSAL=causal)
     return build(attention_backward_sm90_hdim256_kernel, args, constexprs)
