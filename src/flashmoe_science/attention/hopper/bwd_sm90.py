@@ -1,4 +1,5 @@
-"""Attention backward for Hopper (sm_90) in Gluon: one pass for dK, dV and dQ, FA3's work split.
+"""Attention backward for Hopper (sm_90) in Gluon: one pass for dK, dV and dQ, FA3's work split (head dims padding
+to 64 or 128; at 256, attention_backward_sm90 runs bwd_sm90_hdim256 and bwd_dq_sm90 instead).
 
 The math is `triton_bwd`'s (P recomputed from the forward's LSE, Δ = rowsum(dO ∘ O) from its preprocess kernel,
 bottom-right causal, dead rows -> zero gradients, GQA summed over the group's query heads). What is Hopper-specific
@@ -71,7 +72,8 @@ BLOCK_N = KEYS_PER_CONSUMER * NUM_CONSUMERS  # keys per CTA
 BLOCK_M = 64  # query rows per streamed tile
 NUM_STAGES = 2  # Q/dO ring depth
 DQ_COLS = 32  # columns per dQ reduce-add box: 32 fp32 = 128 bytes, the widest swizzled TMA box
-SUPPORTED_BLOCK_D = (64, 128, 256)  # 256: bwd_sm90_hdim256's kernel (the head dim split between the consumers)
+TWO_KERNEL_BLOCK_D = 256  # padded head dim run as bwd_sm90_hdim256 (dK, dV) + bwd_dq_sm90 (dQ)
+SUPPORTED_BLOCK_D = (64, 128, TWO_KERNEL_BLOCK_D)
 PRODUCER_REGISTERS = gl.constexpr(24)
 CONSUMER_REGISTERS = gl.constexpr(240)
 REGISTER_CAP = 65536 // (3 * 128) // 8 * 8  # launch-time registers/thread: 3 warpgroups' worth (as fwd_sm90)
@@ -313,6 +315,12 @@ def _dq_accum_descriptor(dq_accum: torch.Tensor) -> TensorDescriptor:
     return desc
 
 
+def is_deterministic(head_dim: int) -> bool:
+    """Whether attention_backward_sm90's gradients are bit-identical run to run at this head dim: the two-kernel
+    path (padded 256) is; the one-pass kernel's dQ reduce-adds land in any order."""
+    return padded_head_dim(head_dim) == TWO_KERNEL_BLOCK_D
+
+
 def check_supported(q: torch.Tensor, softmax_scale: float = 1.0) -> None:
     """Raise ValueError for what this kernel does not run (the caller falls back to triton_bwd)."""
     if not softmax_scale > 0:
@@ -348,7 +356,7 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, caus
     row_block = max(16, min(128, triton_bwd._ROW_KERNEL_ELEMENTS // block_d))
     row_grid = (triton.cdiv(seqlen_q, row_block), batch * num_q_heads)
     row64 = needs_64bit_rows(q, out, grad_out, dq)
-    split = block_d == bwd_sm90_hdim256.BLOCK_D
+    split = block_d == TWO_KERNEL_BLOCK_D
     if dq_accum is None and not split:
         dq_accum = torch.empty(*q.shape[:3], block_d, dtype=torch.float32, device=q.device)
     kernels = {}

@@ -39,6 +39,7 @@ from flashmoe_science.attention.hopper.bwd_sm90 import (
     CONSUMER_REGISTERS,
     PRODUCER_REGISTERS,
     REGISTER_CAP,
+    TWO_KERNEL_BLOCK_D,
     _producer,
     _query_tile_bounds,
 )
@@ -51,7 +52,7 @@ BLOCK_N = 64  # keys per CTA: dKᵀ and dVᵀ of 64 keys x half the head dim fit
 KEYS_PER_CONSUMER = BLOCK_N // NUM_CONSUMERS  # the score columns each consumer computes
 BLOCK_M = 64  # query rows per streamed tile
 NUM_STAGES = 2
-BLOCK_D = 256
+BLOCK_D = TWO_KERNEL_BLOCK_D
 
 
 @gluon.jit
