@@ -2,10 +2,10 @@
 
     PYTHONPATH=src python scripts/bench_bwd_sm90.py [--stages 2,3] [--d 128,64]
 
-Shapes: from the FA3 grid (B·L = 16k, H·D = 2048) at D = 128 and 64, causal and not, bf16. TFLOP/s count the backward as 2.5x the
+Shapes: from the FA3 grid (B·L = 16k, H·D = 2048) at D = 128, 64 and 256, causal and not, bf16. TFLOP/s count the backward as 2.5x the
 forward's 4·B·H·Lq·Lk·D (halved for causal). The sm_90 time covers its three launches (preprocess, the Gluon
 kernel, dQ convert) on precomputed out/lse; cuDNN and the library's default call ("library": on Hopper the same
-sm_90 backward for D <= 128) and its deterministic call ("two-pass": the Triton backward) are timed through autograd (bench/attention.py's _measure_backward), which adds a
+sm_90 backward) and its deterministic call ("two-pass": the Triton backward) are timed through autograd (bench/attention.py's _measure_backward), which adds a
 little host time to theirs.
 """
 import argparse
@@ -21,7 +21,8 @@ from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.bench.attention import _measure_backward, cuda_median_ms
 
 SHAPES = [(4, 16, 4096, 128), (16, 16, 1024, 128), (1, 16, 16384, 128), (32, 16, 512, 128), (4, 32, 4096, 64),
-          (16, 32, 1024, 64), (32, 32, 512, 64), (8, 32, 2048, 64)]
+          (16, 32, 1024, 64), (32, 32, 512, 64), (8, 32, 2048, 64), (4, 8, 4096, 256), (1, 8, 16384, 256),
+          (16, 8, 1024, 256), (32, 8, 512, 256), (8, 8, 2048, 256)]
 
 
 def tflops(b, h, length, d, causal, ms):

@@ -3,7 +3,7 @@ registers, shared memory, spills and the SASS instruction mix (HGMMA, TMA, barri
 
     PYTHONPATH=src:scripts python scripts/compile_bwd_sm90.py [--sass out.sass] [--stages N] [D CAUSAL ...]
 
-With no config: D in {64, 128} x causal in {0, 1}.
+With no config: D in {64, 128, 256} x causal in {0, 1} (at 256: the dK/dV kernel, bwd_sm90_hdim256).
 """
 import argparse
 
@@ -31,6 +31,6 @@ if __name__ == "__main__":
     p.add_argument("--stages", type=int, default=bwd_sm90.NUM_STAGES)
     p.add_argument("config", nargs="*", type=int, help="D CAUSAL [D CAUSAL ...]")
     a = p.parse_args()
-    configs = list(zip(a.config[::2], a.config[1::2])) or [(64, 0), (64, 1), (128, 0), (128, 1)]
+    configs = list(zip(a.config[::2], a.config[1::2])) or [(64, 0), (64, 1), (128, 0), (128, 1), (256, 0), (256, 1)]
     for d, c in configs:
         report(d, bool(c), a.stages, a.sass)

@@ -35,25 +35,51 @@ def test_builds_for_sm90_with_register_operands_and_tma_reduce_adds():
     assert compiled.metadata.shared <= 227 * 1024
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dim_256_builds_as_two_kernels_without_atomics_or_spills(causal):
+    """D=256: the dK/dV kernel (head dim split: transposed N=32 products, both operands in shared memory) and the
+    dQ kernel (dS from registers into a 64 x 256 accumulator); neither adds into memory, neither spills (the K/V
+    descriptors hoisted out of the dK/dV loop once spilled 300 bytes)."""
+    from flashmoe_science.attention.hopper import bwd_dq_sm90, bwd_sm90_hdim256
+
+    dkdv = bwd_sm90_hdim256.compile_offline(256, causal)
+    dq = bwd_dq_sm90.compile_offline(256, causal)
+    assert bwd_sm90.compile_offline(192, causal).asm["cubin"] == bwd_sm90_hdim256.compile_offline(192, causal).asm["cubin"]
+    dkdv_sass, dq_sass = _sass(dkdv), _sass(dq)
+    assert re.search(r"\bHGMMA\.64x32x16\.F32\.BF16 R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB", dkdv_sass)  # dVᵀ, dKᵀ
+    assert re.search(r"\bHGMMA\.64x256x16\.F32\.BF16 R\d+, R\d+, gdesc", dq_sass)  # dQ += dS K, A from registers
+    for sass in (dkdv_sass, dq_sass):
+        assert not re.search(r"\b(RED|ATOM)G?\.E\.ADD|UTMAREDG", sass)
+        assert not re.search(r"\b(LDL|STL)\b", sass), "spills"
+    assert max(dkdv.metadata.shared, dq.metadata.shared) <= 227 * 1024
+
+
 def test_check_supported_names_what_it_does_not_run():
     with pytest.raises(ValueError, match="bf16/fp16"):
         bwd_sm90.check_supported(torch.empty(1, 1, 8, 64))
-    for d in (16, 32, 192, 256):
+    for d in (16, 32, 257):
         with pytest.raises(ValueError, match="head dims"):
             bwd_sm90.check_supported(torch.empty(1, 1, 8, d, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="positive softmax_scale"):
         bwd_sm90.check_supported(torch.empty(1, 1, 8, 64, dtype=torch.bfloat16), softmax_scale=-0.5)
     bwd_sm90.check_supported(torch.empty(1, 1, 8, 96, dtype=torch.float16), softmax_scale=0.1)  # pads to 128
+    bwd_sm90.check_supported(torch.empty(1, 1, 8, 192, dtype=torch.bfloat16))  # pads to 256: the two kernels
+    assert bwd_sm90.is_deterministic(256) and bwd_sm90.is_deterministic(160) and not bwd_sm90.is_deterministic(128)
 
 
 def test_api_takes_it_only_where_it_runs():
     from flashmoe_science.attention.api import _sm90_backward_runs
 
     q = torch.empty(1, 2, 8, 128, dtype=torch.bfloat16)
-    assert _sm90_backward_runs(q, torch.empty_like(q), 0.1)
+    assert _sm90_backward_runs(q, torch.empty_like(q), 0.1, False)
+    assert not _sm90_backward_runs(q, torch.empty_like(q), 0.1, True)  # one pass: dQ's last bits may vary
     short64, long64 = torch.empty(1, 2, 1024, 64, dtype=torch.bfloat16), torch.empty(1, 2, 2048, 64, dtype=torch.bfloat16)
-    assert not _sm90_backward_runs(short64, torch.empty_like(short64), 0.1)  # the two passes measured faster
-    assert _sm90_backward_runs(long64, torch.empty_like(long64), 0.1)
-    assert not _sm90_backward_runs(q, torch.empty_like(q), 0.0)
-    assert not _sm90_backward_runs(torch.empty(1, 2, 8, 256, dtype=torch.bfloat16), torch.empty(1, 2, 8, 256), 0.1)
-    assert not _sm90_backward_runs(q, torch.empty(1, 2, 8, 130)[..., :128], 0.1)  # rows not 16-byte aligned
+    assert not _sm90_backward_runs(short64, torch.empty_like(short64), 0.1, False)  # the two passes measured faster
+    assert _sm90_backward_runs(long64, torch.empty_like(long64), 0.1, False)
+    assert not _sm90_backward_runs(q, torch.empty_like(q), 0.0, False)
+    q256 = torch.empty(1, 2, 8, 256, dtype=torch.bfloat16)
+    assert _sm90_backward_runs(q256, torch.empty_like(q256), 0.1, True)  # the two kernels are deterministic
+    assert not _sm90_backward_runs(torch.empty(1, 2, 8, 512, dtype=torch.bfloat16), torch.empty(1, 2, 8, 512), 0.1,
+                                   False)
+    assert not _sm90_backward_runs(q, torch.empty(1, 2, 8, 130)[..., :128], 0.1, False)  # rows not 16-byte aligned

@@ -1,4 +1,5 @@
-"""The Gluon sm_90 backward (hopper/bwd_sm90.py) on a Hopper GPU, launched directly (api.py does not dispatch to it).
+"""The Gluon sm_90 backward (hopper/bwd_sm90.py; bwd_sm90_hdim256.py at head dims 129..256) on a Hopper GPU,
+launched directly.
 
 Run: `PYTHONPATH=src python -m pytest tests/attention/test_backward_sm90_gpu.py -q -m gpu`.
 
@@ -64,21 +65,21 @@ def _check(b, hq, hkv, lq, lk, d, causal, dtype=torch.bfloat16, **kwargs):
     return assert_grads_close(grads, q, k, v, grad_out, causal, kwargs.get("softmax_scale"))
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("length", [1, 17, 127, 128, 129, 1000])
 def test_lengths(length, causal, d):
     _check(2, 4, 4, length, length, d, causal)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 1)])
 def test_gqa(hq, hkv, causal, d):
     _check(2, hq, hkv, 300, 300, d, causal)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("lq,lk", [(100, 333), (333, 100), (1, 700), (700, 1), (64, 257), (257, 64)])
 def test_unequal_lengths(lq, lk, causal, d):
@@ -94,38 +95,41 @@ def test_dead_rows_have_zero_grads():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [80, 96, 48])
+@pytest.mark.parametrize("d", [80, 96, 48, 160, 192])
 def test_dtypes_and_padded_head_dims(d, dtype):
     _check(2, 4, 2, 200, 200, d, True, dtype=dtype)
 
 
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_transposed_layout_and_scale(causal):
-    _check(2, 8, 2, 513, 513, 128, causal, transposed=True, softmax_scale=0.3)
+def test_transposed_layout_and_scale(causal, d):
+    _check(2, 8, 2, 513, 513, d, causal, transposed=True, softmax_scale=0.3)
 
 
-@pytest.mark.parametrize("d,num_stages", [(128, 1), (64, 1), (64, 3)])
+@pytest.mark.parametrize("d,num_stages", [(128, 1), (64, 1), (64, 3), (256, 1)])
 def test_ring_depths(d, num_stages):
     _check(1, 4, 2, 700, 700, d, True, num_stages=num_stages)
 
 
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_repeated_runs_agree(causal):
-    # dK and dV are summed in registers in a fixed order: bit-identical; dQ's reduce-adds may arrive in any order
-    q, k, v, grad_out = _inputs(2, 4, 2, 777, 777, 128, torch.bfloat16)
+def test_repeated_runs_agree(causal, d):
+    # dK and dV are summed in registers in a fixed order: bit-identical; dQ's additions may arrive in any order
+    q, k, v, grad_out = _inputs(2, 4, 2, 777, 777, d, torch.bfloat16)
     first = sm90_grads(q, k, v, grad_out, causal)
     second = sm90_grads(q, k, v, grad_out, causal)
     assert torch.equal(first[1], second[1]) and torch.equal(first[2], second[2])
     torch.testing.assert_close(first[0], second[0], rtol=1e-2, atol=1e-3)
 
 
-def test_long_rows():
-    _check(1, 2, 1, 4096, 4096, 128, True)
+@pytest.mark.parametrize("d", [128, 256])
+def test_long_rows(d):
+    _check(1, 2, 1, 4096, 4096, d, True)
 
 
 def test_unsupported_head_dims_raise():
     bwd_sm90 = _hopper()
-    for d in (16, 32, 192, 256):
+    for d in (16, 32, 257):
         with pytest.raises(ValueError, match="head dims"):
             bwd_sm90.check_supported(torch.empty(1, 1, 8, d, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="bf16/fp16"):

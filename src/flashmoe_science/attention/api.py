@@ -169,15 +169,17 @@ def _hopper_unavailable(q, k, v) -> str | None:
     return None
 
 
-def _sm90_backward_runs(q, grad_out, softmax_scale: float) -> bool:
+def _sm90_backward_runs(q, grad_out, softmax_scale: float, deterministic: bool) -> bool:
     """Whether the Gluon sm_90 backward takes a call whose forward ran the sm_90 kernel (so q, k, v are already
-    known TMA-compatible bf16/fp16 on Hopper): its head dims, a positive scale (its masks are -inf scores),
-    grad_out's strides, and where it measured faster than the Triton two passes (tiles.sm90_backward_wins)."""
-    from flashmoe_science.attention.hopper.bwd_sm90 import SUPPORTED_BLOCK_D
+    known TMA-compatible bf16/fp16 on Hopper): its head dims, determinism where asked for, a positive scale (its
+    masks are -inf scores), grad_out's strides, and where it measured faster than the Triton backward
+    (tiles.sm90_backward_wins)."""
+    from flashmoe_science.attention.hopper.bwd_sm90 import SUPPORTED_BLOCK_D, is_deterministic
     from flashmoe_science.attention.tiles import padded_head_dim, sm90_backward_wins
     from flashmoe_science.attention.triton_fwd import tma_compatible
 
     return (padded_head_dim(q.shape[-1]) in SUPPORTED_BLOCK_D and softmax_scale > 0
+            and (is_deterministic(q.shape[-1]) or not deterministic)
             and sm90_backward_wins(q.shape[-1], q.shape[-2]) and tma_compatible(grad_out))
 
 
@@ -236,9 +238,10 @@ def _check_triton_layout(q, k, v) -> None:
 
 
 class _KernelAttention(torch.autograd.Function):
-    """Forward through the planned kernel (Gluon sm_90 or Triton); backward through the Gluon sm_90 one-pass kernel
-    after an sm_90 forward (non-deterministic calls wanting every gradient, head dims up to 128), else the Triton
-    kernels. Saves only the inputs, out and lse (O(L) memory)."""
+    """Forward through the planned kernel (Gluon sm_90 or Triton); backward through the Gluon sm_90 kernels after an
+    sm_90 forward for calls wanting every gradient (head dims up to 128: one pass, non-deterministic calls only;
+    129..256: a dK/dV kernel and a dQ kernel, deterministic), else the Triton kernels. Saves only the inputs, out
+    and lse (O(L) memory)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, plan, deterministic):
@@ -266,15 +269,14 @@ class _KernelAttention(torch.autograd.Function):
         if need_dq or need_dk or need_dv:
             delta = torch.empty_like(lse)
             deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
-            if (ctx.hopper and dq is not None and dk is not None and not deterministic
-                    and _sm90_backward_runs(q, grad_out, ctx.softmax_scale)):
-                # one pass for all three gradients on Hopper (dQ summed by TMA reduce-adds: last bits may vary)
+            if (ctx.hopper and dq is not None and dk is not None
+                    and _sm90_backward_runs(q, grad_out, ctx.softmax_scale, deterministic)):
+                # Hopper: one pass for all three gradients (D <= 128; dQ summed by TMA reduce-adds, last bits may
+                # vary), or the dK/dV and dQ kernels (D 129..256, deterministic)
                 from flashmoe_science.attention.hopper.bwd_sm90 import attention_backward_sm90
 
-                dq_accum = torch.empty(*q.shape[:3], padded_head_dim(q.shape[-1]), dtype=torch.float32,
-                                       device=q.device)
                 attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, ctx.causal,
-                                        ctx.softmax_scale, dq_accum)
+                                        ctx.softmax_scale)
                 return (dq, dk if need_dk else None, dv if need_dv else None, None, None, None, None)
             tiles = backward_tiles(q.shape[-1], q.dtype, ctx.causal, device_traits(q.device))
             # dQ and dK/dV both wanted, determinism not asked for, and the fused single pass (5 products per tile
@@ -405,7 +407,8 @@ def flash_attention_science(
             gradient and k or v does too, one pass for all three that sums dQ with float32 atomics (dQ may then
             differ in its last bits run to run; dK and dV never do): on Hopper the Gluon sm_90 backward (head dims
             up to 128, after the sm_90 forward), under the Triton interpreter the fused Triton pass; other GPUs
-            and head dims run the two passes either way. The forward is always deterministic.
+            and head dims run the two passes either way. On Hopper, head dims 129..256 always run the Gluon
+            dK/dV and dQ kernels (deterministic). The forward is always deterministic.
 
     Kernels: on Hopper, bf16/fp16 with TMA-compatible strides run the Gluon sm_90 kernel (warp-specialised: TMA
     producer warp, two consumer warpgroups, async wgmma; persistent CTAs except causal rows longer than 8192, or

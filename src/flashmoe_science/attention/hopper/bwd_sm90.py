@@ -1,4 +1,5 @@
-"""Attention backward for Hopper (sm_90) in Gluon: one pass for dK, dV and dQ, FA3's work split.
+"""Attention backward for Hopper (sm_90) in Gluon: one pass for dK, dV and dQ, FA3's work split (head dims padding
+to 64 or 128; at 256, attention_backward_sm90 runs bwd_sm90_hdim256 and bwd_dq_sm90 instead).
 
 The math is `triton_bwd`'s (P recomputed from the forward's LSE, Δ = rowsum(dO ∘ O) from its preprocess kernel,
 bottom-right causal, dead rows -> zero gradients, GQA summed over the group's query heads). What is Hopper-specific
@@ -71,7 +72,8 @@ BLOCK_N = KEYS_PER_CONSUMER * NUM_CONSUMERS  # keys per CTA
 BLOCK_M = 64  # query rows per streamed tile
 NUM_STAGES = 2  # Q/dO ring depth
 DQ_COLS = 32  # columns per dQ reduce-add box: 32 fp32 = 128 bytes, the widest swizzled TMA box
-SUPPORTED_BLOCK_D = (64, 128)
+TWO_KERNEL_BLOCK_D = 256  # padded head dim run as bwd_sm90_hdim256 (dK, dV) + bwd_dq_sm90 (dQ)
+SUPPORTED_BLOCK_D = (64, 128, TWO_KERNEL_BLOCK_D)
 PRODUCER_REGISTERS = gl.constexpr(24)
 CONSUMER_REGISTERS = gl.constexpr(240)
 REGISTER_CAP = 65536 // (3 * 128) // 8 * 8  # launch-time registers/thread: 3 warpgroups' worth (as fwd_sm90)
@@ -313,6 +315,12 @@ def _dq_accum_descriptor(dq_accum: torch.Tensor) -> TensorDescriptor:
     return desc
 
 
+def is_deterministic(head_dim: int) -> bool:
+    """Whether attention_backward_sm90's gradients are bit-identical run to run at this head dim: the two-kernel
+    path (padded 256) is; the one-pass kernel's dQ reduce-adds land in any order."""
+    return padded_head_dim(head_dim) == TWO_KERNEL_BLOCK_D
+
+
 def check_supported(q: torch.Tensor, softmax_scale: float = 1.0) -> None:
     """Raise ValueError for what this kernel does not run (the caller falls back to triton_bwd)."""
     if not softmax_scale > 0:
@@ -325,15 +333,20 @@ def check_supported(q: torch.Tensor, softmax_scale: float = 1.0) -> None:
 
 
 def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal: bool, softmax_scale: float,
-                            dq_accum, num_stages: int = NUM_STAGES):
+                            dq_accum=None, num_stages: int | None = None):
     """triton_bwd.attention_backward's conventions, all three gradients wanted: q/out/grad_out/dq `(B, Hq, Lq, D)`,
     k/v/dk/dv `(B, Hkv, Lk, D)` with unit last stride and TMA-compatible strides (triton_fwd.tma_compatible of q, k,
     v, grad_out: the caller checks), lse the forward's contiguous float32 `(B, Hq, Lq)`, delta a float32 workspace
-    of lse's shape, dq_accum a contiguous float32 `(B, Hq, Lq, padded_head_dim(D))` workspace (any contents: the
-    preprocess zeroes it). Writes dq, dk, dv in place; returns the compiled kernels by name."""
+    of lse's shape. Writes dq, dk, dv in place; returns the compiled kernels by name.
+
+    Head dims padding to 64 or 128: this module's one-pass kernel, with dq_accum a contiguous float32
+    `(B, Hq, Lq, padded_head_dim(D))` workspace (any contents: the preprocess zeroes it; allocated here if None).
+    Padding to 256: two kernels, bwd_sm90_hdim256 (dK, dV) then bwd_dq_sm90 (dQ, written directly: no dq_accum,
+    and deterministic). num_stages: the Q/dO ring depth of the dK/dV kernel (None: its default)."""
     import triton
 
     from flashmoe_science.attention import triton_bwd
+    from flashmoe_science.attention.hopper import bwd_dq_sm90, bwd_sm90_hdim256
     from flashmoe_science.attention.triton_fwd import needs_64bit_rows
 
     check_supported(q, softmax_scale)
@@ -343,12 +356,20 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, caus
     row_block = max(16, min(128, triton_bwd._ROW_KERNEL_ELEMENTS // block_d))
     row_grid = (triton.cdiv(seqlen_q, row_block), batch * num_q_heads)
     row64 = needs_64bit_rows(q, out, grad_out, dq)
+    split = block_d == TWO_KERNEL_BLOCK_D
+    if dq_accum is None and not split:
+        dq_accum = torch.empty(*q.shape[:3], block_d, dtype=torch.float32, device=q.device)
     kernels = {}
     kernels["preprocess"] = triton_bwd._bwd_preprocess_kernel[row_grid](
-        out, grad_out, delta, dq_accum, *out.stride()[:3], *grad_out.stride()[:3],
-        num_q_heads, seqlen_q, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ZERO_DQ_ACCUM=True,
+        out, grad_out, delta, None if split else dq_accum, *out.stride()[:3], *grad_out.stride()[:3],
+        num_q_heads, seqlen_q, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ZERO_DQ_ACCUM=not split,
         ROW64=row64, num_warps=4,
     )
+    if split:
+        kernels["dkdv"] = bwd_sm90_hdim256.launch(q, k, v, lse, grad_out, delta, dk, dv, causal, softmax_scale,
+                                                  num_stages or bwd_sm90_hdim256.NUM_STAGES)
+        kernels["dq"] = bwd_dq_sm90.launch(q, k, v, lse, grad_out, delta, dq, causal, softmax_scale)
+        return kernels
     grid = (triton.cdiv(seqlen_k, BLOCK_N) * batch * num_kv_heads,)
     kernels["dkdv_dq"] = attention_backward_sm90_kernel[grid](
         _descriptor(q, BLOCK_M, block_d), _descriptor(grad_out, BLOCK_M, block_d),
@@ -356,7 +377,7 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, caus
         lse, delta, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
         num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, softmax_scale * LOG2_E,
         softmax_scale,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages, CAUSAL=causal,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages or NUM_STAGES, CAUSAL=causal,
         num_warps=4, maxnreg=REGISTER_CAP,
     )
     kernels["dq_convert"] = triton_bwd._bwd_dq_convert_kernel[row_grid](
@@ -372,6 +393,10 @@ def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, d
     from flashmoe_science.moe.hopper.common import compile_offline as build
 
     block_d = padded_head_dim(head_dim)
+    if block_d == 256:
+        from flashmoe_science.attention.hopper import bwd_sm90_hdim256
+
+        return bwd_sm90_hdim256.compile_offline(head_dim, causal, num_stages, dtype)
     q = torch.empty(2, 4, 256, head_dim, dtype=dtype, device="meta")
     lse = torch.empty(2, 4, 256, device="meta")
     dq_accum = torch.empty(2, 4, 256, block_d, device="meta")

@@ -1,0 +1,244 @@
+"""dQ of the attention backward for Hopper (sm_90) in Gluon, query-stationary: no atomics, no dq_accum.
+
+At head dim 256 a one-pass backward must add each CTA's dQ partial (64 queries x 256 fp32 per tile of 64 keys)
+into a float32 accumulator in L2; measured on the H200 that reduction traffic alone held the one-pass kernel at
+~265 TFLOP/s whether done by atomics or TMA reduce-adds (docs/perf-notes.md, v27), against ~430 with it removed.
+So at D=256 the backward runs two kernels: bwd_sm90_hdim256 (dK, dV; keys stationary) and this one, which
+recomputes the scores once more (7 products per tile pair instead of 5) but owns its rows' dQ outright:
+
+A CTA owns 2 x 64 query rows of one (batch, query head); grid (cdiv(Lq, 128) · B·Hq). The producer warp loads each
+consumer's Q and dO rows once, then streams K and V tiles of BLOCK_N = 32 keys through a ring (separate K and V
+barriers: dP needs V early, dQ needs K late). Consumer c (4 warps, rows [64c, 64c + 64)) per key tile j:
+
+    issue  S = Q Kⱼᵀ,  dP = dO Vⱼᵀ            (accumulators start from -lse/scale and -Δ: bwd_sm90's scheme)
+    P = exp2(S·scale·log2e),  dS = P ∘ dP      (the previous tile's dQ product still runs meanwhile)
+    issue  dQ += dS Kⱼ                          (A from registers; 64 x 256 fp32 accumulator, 128 registers)
+
+Tile j's dQ product is issued in iteration j+1 after that tile's S and dP, so it runs while their P and dS are
+computed (the forward's P·V overlap); K stage j is released once it completes, V stage j once dP_j has. dQ · scale
+is stored once at the end. With causal masking consumer 0 (the lower rows) stops a tile or two before consumer 1
+and releases the remaining stages unread (fwd_sm90._release_unused).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from flashmoe_science.attention.hopper.bwd_sm90 import CONSUMER_REGISTERS, PRODUCER_REGISTERS, REGISTER_CAP
+from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor, _release_unused
+from flashmoe_science.attention.triton_fwd import LOG2_E, key_tile_bounds
+from flashmoe_science.moe.hopper.common import wgmma_layout
+
+BLOCK_M = 64  # query rows per consumer
+BLOCK_N = 32  # keys per streamed tile: Q and dO of 128 rows take 128 KB of the shared memory at D=256
+NUM_STAGES = 3
+
+
+@gluon.jit
+def _cta_key_end(start_m, seqlen_q, seqlen_k, CTA_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Keys [0, key_end) are seen by some row of the CTA; the producer streams cdiv(key_end, BLOCK_N) tiles."""
+    _, key_end = key_tile_bounds(start_m, seqlen_k, seqlen_k - seqlen_q, CTA_ROWS, BLOCK_N, CAUSAL)
+    return key_end
+
+
+@gluon.jit
+def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready,
+              k_empty, v_empty, batch, q_head, kv_head, start_m, seqlen_q, seqlen_k,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    KEYS: gl.constexpr = k_desc.block_type.shape[2]
+    mbarrier.expect(qdo_ready, 4 * q_desc.block_type.nbytes)
+    for c in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [batch, q_head, start_m + c * ROWS, 0], qdo_ready, q_smem.index(c))
+        tma.async_copy_global_to_shared(do_desc, [batch, q_head, start_m + c * ROWS, 0], qdo_ready,
+                                        do_smem.index(c))
+    key_end = _cta_key_end(start_m, seqlen_q, seqlen_k, 2 * ROWS, KEYS, CAUSAL)
+    for j in range(gl.cdiv(key_end, KEYS)):
+        stage = j % NUM_STAGES
+        empty_phase = ((j // NUM_STAGES) & 1) ^ 1  # barriers start "phase 1 complete": the first pass is free
+        mbarrier.wait(k_empty.index(stage), empty_phase)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, j * KEYS, 0], k_ready.index(stage),
+                                        k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), empty_phase)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, j * KEYS, 0], v_ready.index(stage),
+                                        v_smem.index(stage))
+
+
+@gluon.jit
+def _issue_scores(q_tile, do_tile, k_smem, v_smem, k_ready, v_ready, j, s_start, dp_init, offs_q, full_end,
+                  seqlen_k, diagonal, KEYS: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr):
+    """S = Q Kⱼᵀ and dP = dO Vⱼᵀ for key tile j, issued asynchronously once its K and V have landed. The
+    accumulators start from -lse/scale (-inf at hidden keys) and -Δ (bwd_sm90's scheme)."""
+    s_init = s_start
+    if j * KEYS >= full_end:  # diagonal tiles, the ragged last tile, and every tile of rows that see no key
+        offs_key = j * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_start.type.layout))
+        visible = gl.expand_dims(offs_key < seqlen_k, 0)
+        if CAUSAL:
+            visible = visible & (gl.expand_dims(offs_key - diagonal, 0) <= gl.expand_dims(offs_q, 1))
+        s_init = gl.where(visible, s_init, float("-inf"))
+    stage = j % NUM_STAGES
+    phase = (j // NUM_STAGES) & 1
+    mbarrier.wait(k_ready.index(stage), phase)
+    s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([KEYS, BLOCK_D]).permute((1, 0)), s_init, is_async=True)
+    mbarrier.wait(v_ready.index(stage), phase)
+    dp = warpgroup_mma(do_tile, v_smem.index(stage).reshape([KEYS, BLOCK_D]).permute((1, 0)), dp_init,
+                       is_async=True)
+    return s, dp
+
+
+@gluon.jit
+def _consumer(q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, k_empty, v_empty,
+              LSE, Delta, DQ, stride_dqb, stride_dqh, stride_dqm, batch, q_head, start_m, seqlen_q, seqlen_k,
+              qk_scale, sm_scale, num_q_heads,
+              CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, ROWS: gl.constexpr,
+              KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = wgmma_layout(KEYS)
+    dq_layout: gl.constexpr = wgmma_layout(BLOCK_D)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+    row_slice: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    my_start_m = start_m + CONSUMER * ROWS
+    diagonal = seqlen_k - seqlen_q
+    cta_tiles = gl.cdiv(_cta_key_end(start_m, seqlen_q, seqlen_k, 2 * ROWS, KEYS, CAUSAL), KEYS)
+    full_end, key_end = key_tile_bounds(my_start_m, seqlen_k, diagonal, ROWS, KEYS, CAUSAL)
+    my_tiles = gl.cdiv(key_end, KEYS)  # <= cta_tiles
+
+    offs_q = my_start_m + gl.arange(0, ROWS, layout=row_slice)
+    in_rows = offs_q < seqlen_q
+    row0 = (batch * num_q_heads + q_head) * seqlen_q
+    # queries past Lq: lse = +inf, so P = 0 (their zero-filled Q/dO rows give finite scores)
+    lse = gl.load(LSE + row0 + offs_q, mask=in_rows, other=float("inf"))
+    delta = gl.load(Delta + row0 + offs_q, mask=in_rows, other=0.0)
+    s_start = gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout) - gl.expand_dims(lse * (1.0 / sm_scale), 1)
+    dp_init = gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout) - gl.expand_dims(delta, 1)
+    dq = gl.zeros([ROWS, BLOCK_D], gl.float32, layout=dq_layout)
+    ds = gl.zeros([ROWS, KEYS], dtype, layout=a_layout)
+    q_tile = q_smem.index(CONSUMER).reshape([ROWS, BLOCK_D])
+    do_tile = do_smem.index(CONSUMER).reshape([ROWS, BLOCK_D])
+    mbarrier.wait(qdo_ready, 0)
+
+    if my_tiles > 0:  # tile 0: nothing to overlap yet
+        s, dp = _issue_scores(q_tile, do_tile, k_smem, v_smem, k_ready, v_ready, 0, s_start, dp_init, offs_q,
+                              full_end, seqlen_k, diagonal, KEYS, BLOCK_D, NUM_STAGES, CAUSAL)
+        s, dp = warpgroup_mma_wait(0, deps=(s, dp))
+        mbarrier.arrive(v_empty.index(0), count=1)
+        ds = gl.convert_layout((gl.exp2(s * qk_scale) * dp).to(dtype), a_layout)
+    for j in range(1, my_tiles):
+        s, dp = _issue_scores(q_tile, do_tile, k_smem, v_smem, k_ready, v_ready, j, s_start, dp_init, offs_q,
+                              full_end, seqlen_k, diagonal, KEYS, BLOCK_D, NUM_STAGES, CAUSAL)
+        prev = (j - 1) % NUM_STAGES
+        dq = warpgroup_mma(ds, k_smem.index(prev).reshape([KEYS, BLOCK_D]), dq, is_async=True)
+        s, dp = warpgroup_mma_wait(1, deps=(s, dp))  # S and dP done; the dQ product may still run
+        mbarrier.arrive(v_empty.index(j % NUM_STAGES), count=1)
+        ds_next = gl.convert_layout((gl.exp2(s * qk_scale) * dp).to(dtype), a_layout)
+        dq, _ = warpgroup_mma_wait(0, deps=(dq, ds))
+        mbarrier.arrive(k_empty.index(prev), count=1)
+        ds = ds_next
+    if my_tiles > 0:
+        last = (my_tiles - 1) % NUM_STAGES
+        dq = warpgroup_mma(ds, k_smem.index(last).reshape([KEYS, BLOCK_D]), dq, is_async=True)
+        dq, _ = warpgroup_mma_wait(0, deps=(dq, ds))
+        mbarrier.arrive(k_empty.index(last), count=1)
+    _release_unused(k_ready, v_ready, k_empty, v_empty, my_tiles, cta_tiles, NUM_STAGES)
+
+    rows = my_start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq_layout))
+    cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, dq_layout))
+    mask = gl.expand_dims(rows < seqlen_q, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
+    ptrs = (DQ + batch.to(gl.int64) * stride_dqb + q_head.to(gl.int64) * stride_dqh
+            + gl.expand_dims(rows.to(gl.int64) * stride_dqm, 1) + gl.expand_dims(cols, 0))
+    gl.store(ptrs, (dq * sm_scale).to(dtype), mask=mask)
+
+
+@gluon.jit
+def attention_backward_dq_sm90_kernel(
+    q_desc, do_desc, k_desc, v_desc, LSE, Delta, DQ, stride_dqb, stride_dqh, stride_dqm,
+    num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+):
+    """Grid (cdiv(Lq, 128) · B·Hq,): a head's query tiles consecutive (the CTAs running at once share its K/V in
+    L2), longest first with causal masking."""
+    dtype: gl.constexpr = q_desc.dtype
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    KEYS: gl.constexpr = k_desc.block_type.shape[2]
+    num_m_tiles = gl.cdiv(seqlen_q, 2 * ROWS)
+    pid_m = gl.program_id(0) % num_m_tiles
+    if CAUSAL:
+        pid_m = num_m_tiles - 1 - pid_m
+    pid_bh = gl.program_id(0) // num_m_tiles
+    batch = pid_bh // num_q_heads
+    q_head = pid_bh % num_q_heads
+    kv_head = q_head // group_size
+    start_m = pid_m * 2 * ROWS
+
+    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    qdo_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(qdo_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
+        mbarrier.init(v_empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, k_empty, v_empty,
+                     LSE, Delta, DQ, stride_dqb, stride_dqh, stride_dqm, batch, q_head, start_m, seqlen_q, seqlen_k,
+                     qk_scale, sm_scale, num_q_heads, 0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL)),
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, k_empty, v_empty,
+                     LSE, Delta, DQ, stride_dqb, stride_dqh, stride_dqm, batch, q_head, start_m, seqlen_q, seqlen_k,
+                     qk_scale, sm_scale, num_q_heads, 1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL)),
+        (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready,
+                     k_empty, v_empty, batch, q_head, kv_head, start_m, seqlen_q, seqlen_k, NUM_STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+
+
+def _tensor_args(q, k, v, grad_out, block_d):
+    return (_descriptor(q, BLOCK_M, block_d), _descriptor(grad_out, BLOCK_M, block_d),
+            _descriptor(k, BLOCK_N, block_d), _descriptor(v, BLOCK_N, block_d))
+
+
+def launch(q, k, v, lse, grad_out, delta, dq, causal: bool, softmax_scale: float, num_stages: int = NUM_STAGES):
+    """dq (B, Hq, Lq, D), unit last stride, written in place, from q/grad_out (B, Hq, Lq, D), k/v (B, Hkv, Lk, D)
+    (TMA-compatible strides, bf16/fp16), the forward's lse and the preprocess's delta (contiguous float32
+    (B, Hq, Lq)). Returns the compiled kernel."""
+    import triton
+
+    from flashmoe_science.attention.tiles import padded_head_dim
+
+    batch, num_q_heads, seqlen_q, head_dim = q.shape
+    block_d = padded_head_dim(head_dim)
+    grid = (triton.cdiv(seqlen_q, 2 * BLOCK_M) * batch * num_q_heads,)
+    return attention_backward_dq_sm90_kernel[grid](
+        *_tensor_args(q, k, v, grad_out, block_d), lse, delta, dq, *dq.stride()[:3],
+        num_q_heads, num_q_heads // k.shape[1], seqlen_q, k.shape[2], softmax_scale * LOG2_E, softmax_scale,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages, CAUSAL=causal,
+        num_warps=4, maxnreg=REGISTER_CAP,
+    )
+
+
+def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, dtype: torch.dtype = torch.bfloat16):
+    """The kernel built for sm_90 without a GPU (see bwd_sm90.compile_offline)."""
+    from flashmoe_science.attention.tiles import padded_head_dim
+    from flashmoe_science.moe.hopper.common import compile_offline as build
+
+    block_d = padded_head_dim(head_dim)
+    q = torch.empty(2, 4, 256, head_dim, dtype=dtype, device="meta")
+    lse = torch.empty(2, 4, 256, device="meta")
+    row = 256 * head_dim
+    args = (*_tensor_args(q, q, q, q, block_d), lse, lse, q, 4 * row, row, head_dim, 4, 2, 256, 256, 0.1, 0.07,
+            head_dim, block_d, num_stages, causal)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages, CAUSAL=causal)
+    return build(attention_backward_dq_sm90_kernel, args, constexprs)
