@@ -27,7 +27,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from flashmoe_science.attention.hopper.bwd_sm90 import CONSUMER_REGISTERS, PRODUCER_REGISTERS, REGISTER_CAP
+from flashmoe_science.attention.hopper.bwd_sm90 import (
+    CONSUMER_REGISTERS,
+    PRODUCER_REGISTERS,
+    REGISTER_CAP,
+    _hide_keys,
+)
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor, _release_unused
 from flashmoe_science.attention.triton_fwd import LOG2_E, key_tile_bounds
 from flashmoe_science.moe.hopper.common import wgmma_layout
@@ -78,10 +83,8 @@ def _issue_scores(q_tile, do_tile, k_smem, v_smem, k_ready, v_ready, j, s_start,
     s_init = s_start
     if j * KEYS >= full_end:  # diagonal tiles, the ragged last tile, and every tile of rows that see no key
         offs_key = j * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_start.type.layout))
-        visible = gl.expand_dims(offs_key < seqlen_k, 0)
-        if CAUSAL:
-            visible = visible & (gl.expand_dims(offs_key - diagonal, 0) <= gl.expand_dims(offs_q, 1))
-        s_init = gl.where(visible, s_init, float("-inf"))
+        s_init = _hide_keys(s_init, gl.expand_dims(offs_q, 1), gl.expand_dims(offs_key, 0), seqlen_k, diagonal,
+                            CAUSAL)
     stage = j % NUM_STAGES
     phase = (j // NUM_STAGES) & 1
     mbarrier.wait(k_ready.index(stage), phase)

@@ -109,6 +109,18 @@ def _query_tile_bounds(start_n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK
 
 
 @gluon.jit
+def _hide_keys(s_init, queries, keys, seqlen_k, diagonal, CAUSAL: gl.constexpr):
+    """s_init with -inf where a key is hidden from a query: past Lk, or (causal) key j > query i + Lk - Lq.
+    `queries` and `keys` are index tensors expanded to s_init's orientation (the three sm_90 backward kernels hold
+    scores as keys x queries or queries x keys). -inf, not a product: a dead row (lse = -inf, no visible key) would
+    otherwise start from +inf."""
+    visible = keys < seqlen_k
+    if CAUSAL:
+        visible = visible & (keys - diagonal <= queries)
+    return gl.where(visible, s_init, float("-inf"))
+
+
+@gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
               kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
@@ -187,12 +199,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
         delta = gl.load(Delta + q_row0 + offs_q, mask=in_rows, other=0.0)
         s_init = gl.zeros([KEYS, ROWS], gl.float32, layout=s_layout) - gl.expand_dims(lse * inv_scale, 0)
         if start_m < diag_end:  # causal diagonal tiles, and every tile of a CTA whose keys run past Lk
-            # key j is visible to query i iff j < Lk and (causal) j <= i + Lk - Lq. -inf, not a product: a dead
-            # row (lse = -inf, no visible key) would otherwise start from +inf
-            visible = gl.expand_dims(offs_key < seqlen_k, 1)
-            if CAUSAL:
-                visible = visible & (gl.expand_dims(offs_key - diagonal, 1) <= gl.expand_dims(offs_q, 0))
-            s_init = gl.where(visible, s_init, float("-inf"))
+            s_init = _hide_keys(s_init, gl.expand_dims(offs_q, 0), gl.expand_dims(offs_key, 1), seqlen_k, diagonal,
+                                CAUSAL)
         dp_init = gl.zeros([KEYS, ROWS], gl.float32, layout=s_layout) - gl.expand_dims(delta, 0)
         mbarrier.wait(q_ready.index(stage), phase)
         s = warpgroup_mma(my_keys, q_tile.permute((1, 0)), s_init, is_async=True)

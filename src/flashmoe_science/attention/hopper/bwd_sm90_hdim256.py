@@ -40,6 +40,7 @@ from flashmoe_science.attention.hopper.bwd_sm90 import (
     PRODUCER_REGISTERS,
     REGISTER_CAP,
     TWO_KERNEL_BLOCK_D,
+    _hide_keys,
     _producer,
     _query_tile_bounds,
 )
@@ -107,10 +108,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_read
         delta = gl.load(Delta + q_row0 + offs_q, mask=in_rows, other=0.0)
         s_init = gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout) - gl.expand_dims(lse * inv_scale, 1)
         if start_m < diag_end:
-            visible = gl.expand_dims(offs_key < seqlen_k, 0)
-            if CAUSAL:
-                visible = visible & (gl.expand_dims(offs_key - diagonal, 0) <= gl.expand_dims(offs_q, 1))
-            s_init = gl.where(visible, s_init, float("-inf"))
+            s_init = _hide_keys(s_init, gl.expand_dims(offs_q, 1), gl.expand_dims(offs_key, 0), seqlen_k, diagonal,
+                                CAUSAL)
         dp_init = gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout) - gl.expand_dims(delta, 1)
         mbarrier.wait(q_ready.index(stage), phase)
         s = warpgroup_mma(q_tile, my_keys.permute((1, 0)), s_init, is_async=True)
