@@ -3,9 +3,9 @@ dQ) separately and together, beside sdpa-cudnn's whole backward, in one process 
 
     PYTHONPATH=src python scripts/ab_bwd_hdim256.py [--dq-stages 2,3] [--shapes B,H,L,causal ...]
 
-The kernels run on precomputed out/lse/Δ (triton.testing.do_bench medians). TFLOP/s count the whole backward as
-2.5x the forward's 4·B·H·Lq·Lk·D (half if causal), also for a kernel timed alone (so the parts' rates add up
-like their times: 1/total = Σ 1/part is not what is printed; the times are).
+The kernels run on precomputed out/lse/Δ (triton.testing.do_bench medians); each is timed alone and the row's
+total is the sum of the two times. TFLOP/s (cuDNN's and the total's) count the backward as 2.5x the forward's
+4·B·H·Lq·Lk·D (half if causal).
 """
 import argparse
 import math

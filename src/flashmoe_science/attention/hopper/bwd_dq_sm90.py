@@ -43,10 +43,11 @@ NUM_STAGES = 3
 
 
 @gluon.jit
-def _cta_key_end(start_m, seqlen_q, seqlen_k, CTA_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Keys [0, key_end) are seen by some row of the CTA; the producer streams cdiv(key_end, BLOCK_N) tiles."""
+def _cta_key_tiles(start_m, seqlen_q, seqlen_k, CTA_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   CAUSAL: gl.constexpr):
+    """How many key tiles the producer streams: those some row of the CTA sees (possibly none)."""
     _, key_end = key_tile_bounds(start_m, seqlen_k, seqlen_k - seqlen_q, CTA_ROWS, BLOCK_N, CAUSAL)
-    return key_end
+    return gl.cdiv(key_end, BLOCK_N)
 
 
 @gluon.jit
@@ -60,8 +61,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, 
         tma.async_copy_global_to_shared(q_desc, [batch, q_head, start_m + c * ROWS, 0], qdo_ready, q_smem.index(c))
         tma.async_copy_global_to_shared(do_desc, [batch, q_head, start_m + c * ROWS, 0], qdo_ready,
                                         do_smem.index(c))
-    key_end = _cta_key_end(start_m, seqlen_q, seqlen_k, 2 * ROWS, KEYS, CAUSAL)
-    for j in range(gl.cdiv(key_end, KEYS)):
+    for j in range(_cta_key_tiles(start_m, seqlen_q, seqlen_k, 2 * ROWS, KEYS, CAUSAL)):
         stage = j % NUM_STAGES
         empty_phase = ((j // NUM_STAGES) & 1) ^ 1  # barriers start "phase 1 complete": the first pass is free
         mbarrier.wait(k_empty.index(stage), empty_phase)
@@ -109,7 +109,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, k_em
 
     my_start_m = start_m + CONSUMER * ROWS
     diagonal = seqlen_k - seqlen_q
-    cta_tiles = gl.cdiv(_cta_key_end(start_m, seqlen_q, seqlen_k, 2 * ROWS, KEYS, CAUSAL), KEYS)
+    cta_tiles = _cta_key_tiles(start_m, seqlen_q, seqlen_k, 2 * ROWS, KEYS, CAUSAL)
     full_end, key_end = key_tile_bounds(my_start_m, seqlen_k, diagonal, ROWS, KEYS, CAUSAL)
     my_tiles = gl.cdiv(key_end, KEYS)  # <= cta_tiles
 

@@ -121,6 +121,30 @@ def _hide_keys(s_init, queries, keys, seqlen_k, diagonal, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
+def _cta_key_block(seqlen_k, num_kv_heads, CTA_KEYS: gl.constexpr):
+    """This CTA's (first key, batch, kv head): program ids run over a (batch, kv head)'s key blocks consecutively."""
+    num_key_tiles = gl.cdiv(seqlen_k, CTA_KEYS)
+    pid_bh = gl.program_id(0) // num_key_tiles
+    return (gl.program_id(0) % num_key_tiles) * CTA_KEYS, pid_bh // num_kv_heads, pid_bh % num_kv_heads
+
+
+@gluon.jit
+def _producer_barriers(NUM_STAGES: gl.constexpr):
+    """The barriers of `_producer`'s protocol, initialised: kv_ready (K and V landed), q_ready/do_ready per ring
+    stage, and empty per stage (one arrival per consumer frees it)."""
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    return kv_ready, q_ready, do_ready, empty
+
+
+@gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
               kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
@@ -265,12 +289,7 @@ def attention_backward_sm90_kernel(
     KEYS: gl.constexpr = CTA_KEYS // 2
     DQ_N: gl.constexpr = BLOCK_D // 2
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
-    num_key_tiles = gl.cdiv(seqlen_k, CTA_KEYS)
-    key_tile = gl.program_id(0) % num_key_tiles
-    pid_bh = gl.program_id(0) // num_key_tiles
-    start_n = key_tile * CTA_KEYS
-    batch = pid_bh // num_kv_heads
-    kv_head = pid_bh % num_kv_heads
+    start_n, batch, kv_head = _cta_key_block(seqlen_k, num_kv_heads, CTA_KEYS)
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -282,16 +301,8 @@ def attention_backward_sm90_kernel(
     ds_smem = gl.allocate_shared_memory(dtype, [2, CTA_KEYS, ROWS], ds_layout)
     dq_smem0 = gl.allocate_shared_memory(gl.float32, [DQ_N // DQ_COLS] + dq_desc.block_type.shape, dq_desc.layout)
     dq_smem1 = gl.allocate_shared_memory(gl.float32, [DQ_N // DQ_COLS] + dq_desc.block_type.shape, dq_desc.layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_ready, q_ready, do_ready, empty = _producer_barriers(NUM_STAGES)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers' dSᵀ rows are in the buffer
 

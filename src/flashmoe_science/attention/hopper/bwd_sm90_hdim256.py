@@ -40,8 +40,10 @@ from flashmoe_science.attention.hopper.bwd_sm90 import (
     PRODUCER_REGISTERS,
     REGISTER_CAP,
     TWO_KERNEL_BLOCK_D,
+    _cta_key_block,
     _hide_keys,
     _producer,
+    _producer_barriers,
     _query_tile_bounds,
 )
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor
@@ -166,12 +168,7 @@ def attention_backward_sm90_hdim256_kernel(
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
     KEYS: gl.constexpr = CTA_KEYS // 2
-    num_key_tiles = gl.cdiv(seqlen_k, CTA_KEYS)
-    key_tile = gl.program_id(0) % num_key_tiles
-    pid_bh = gl.program_id(0) // num_key_tiles
-    start_n = key_tile * CTA_KEYS
-    batch = pid_bh // num_kv_heads
-    kv_head = pid_bh % num_kv_heads
+    start_n, batch, kv_head = _cta_key_block(seqlen_k, num_kv_heads, CTA_KEYS)
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -181,16 +178,8 @@ def attention_backward_sm90_hdim256_kernel(
     pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, KEYS], dtype)
     p_smem = gl.allocate_shared_memory(dtype, [4, ROWS, KEYS], pds_layout)  # [2 · tile parity + slot j]
     ds_smem = gl.allocate_shared_memory(dtype, [4, ROWS, KEYS], pds_layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_ready, q_ready, do_ready, empty = _producer_barriers(NUM_STAGES)
     pds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(pds_ready.index(i), count=2)
 
