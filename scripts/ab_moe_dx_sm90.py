@@ -69,6 +69,11 @@ CONFIGS = {
     "n128s4p": DxConfig(block_n=128, num_stages=4, pingpong=True),
     "n128s5p": DxConfig(block_n=128, num_stages=5, pingpong=True),
     "n128s6p": DxConfig(block_n=128, num_stages=6, pingpong=True),
+    # dx with the last, partial wave's items split along K (split_tail)
+    "n256s3t": DxConfig(block_n=256, num_stages=3, split_tail=True),
+    "n256s4t": DxConfig(block_n=256, num_stages=4, split_tail=True),
+    "n128s4pt": DxConfig(block_n=128, num_stages=4, pingpong=True, split_tail=True),
+    "n128s5pt": DxConfig(block_n=128, num_stages=5, pingpong=True, split_tail=True),
     # dh_swiglu (ping-pong only: one set of epilogue buffers, 3 x 128 x 128, beside a ring of at most 4 stages):
     # the epilogue's chunk width (swiglu_cols, default 16: 16 values per thread per chunk)
     "n128s3p": DxConfig(block_n=128, num_stages=3, pingpong=True),

@@ -47,6 +47,24 @@ def grouped_block(work, num_row_blocks, num_col_blocks, group_m):
     return first + work % per_group % in_group, work % per_group // in_group
 
 
+def work_units(num_work, k_steps, num_ctas, split_tail):
+    """dx_sm90._work_units in Python: (whole items, parts per tail item, work units)."""
+    tail = num_work % num_ctas if split_tail else 0
+    parts = min(max(num_ctas // max(tail, 1), 1), k_steps) if split_tail else 1
+    whole = num_work - tail
+    return whole, parts, whole + tail * parts
+
+
+def unit_item(unit, whole, parts, k_steps):
+    """dx_sm90._unit_item in Python: work unit -> (work item, first K step, K steps)."""
+    if unit < whole:
+        return unit, 0, k_steps
+    t = unit - whole
+    part = t % parts
+    first = part * k_steps // parts
+    return whole + t // parts, first, (part + 1) * k_steps // parts - first
+
+
 def simulate(seed, stages, pingpong, items, epilogue_without_steps=False):
     """One CTA's run over ``items``, its work items in order as (work id, K steps). Returns (errors, done): done[c]
     lists the items consumer c finished (took through its epilogue: items with K steps, and with

@@ -46,7 +46,8 @@ def test_launch_args_for_a_valid_call():
     grid, args, constexprs = gdx.launch_args(a, w2, dh, sort, 128, gdx.DH_CONFIG, num_ctas=132, gemm="dh")
     # 32 pairs over 4 experts: at most 0 + 4 row tiles; F = 64: one 128-wide column block
     assert grid == (4,)
-    assert constexprs == dict(GROUP_M=8, NUM_STAGES=4, PINGPONG=True, ROWS=128, EPILOGUE=gdx.ROW_STORE.value)
+    assert constexprs == dict(GROUP_M=8, NUM_STAGES=4, PINGPONG=True, ROWS=128, EPILOGUE=gdx.ROW_STORE.value,
+                              SPLIT_TAIL=False)
     a_desc, b_desc = args[:2]
     assert a_desc.block_shape == [128, 64] and a_desc.shape == [4 * 128, 128]
     assert b_desc.block_shape == [64, 128] and b_desc.shape == [4 * 128, 64]  # w2 viewed as (E*d, F)
@@ -132,7 +133,8 @@ def test_swiglu_launch_args_for_a_valid_call():
     a, w2, dgu, swiglu, sort = _swiglu_case()
     grid, args, constexprs = gdx.launch_args(a, w2, dgu, sort, 128, gdx.DH_SWIGLU_CONFIG, 132, "dh_swiglu", swiglu)
     assert grid == (4,)
-    assert constexprs == dict(GROUP_M=8, NUM_STAGES=4, PINGPONG=True, ROWS=128, EPILOGUE=gdx.SWIGLU_BWD.value)
+    assert constexprs == dict(GROUP_M=8, NUM_STAGES=4, PINGPONG=True, ROWS=128, EPILOGUE=gdx.SWIGLU_BWD.value,
+                              SPLIT_TAIL=False)
     gate_up_desc, h_desc, dgu_desc = args[2:5]
     # the epilogue's chunks: 128 rows x swiglu_cols of [gate | up], h and d(gate, up)
     for desc, t in ((gate_up_desc, swiglu.gate_up), (h_desc, swiglu.h), (dgu_desc, dgu)):

@@ -15,7 +15,7 @@ pytest.importorskip("triton.experimental.gluon")
 from flashmoe_science.moe.dispatch import sort_buffers  # noqa: E402
 from flashmoe_science.moe.hopper import dx_sm90 as gdx  # noqa: E402
 from flashmoe_science.moe.hopper.dx_sm90 import DxConfig  # noqa: E402
-from sm90_protocol import grouped_block, simulate  # noqa: E402
+from sm90_protocol import grouped_block, simulate, unit_item, work_units  # noqa: E402
 
 
 def _cpu_case(num_tokens=16, top_k=2, num_experts=4, d_model=64, two_d_ff=128, block_m=128, device="cpu"):
@@ -33,7 +33,8 @@ def test_launch_args_for_a_valid_call():
     grid, args, constexprs = gdx.launch_args(dgu, w1, dx32, sort, 128, DxConfig(), num_ctas=132)
     # 32 pairs over 4 experts: at most 0 + 4 row tiles; d = 64: one 256-wide column block
     assert grid == (sort.tile_expert.numel(),) == (4,)
-    assert constexprs == dict(GROUP_M=8, NUM_STAGES=4, PINGPONG=False, ROWS=64, EPILOGUE=gdx.SCATTER_ADD.value)
+    assert constexprs == dict(GROUP_M=8, NUM_STAGES=4, PINGPONG=False, ROWS=64, EPILOGUE=gdx.SCATTER_ADD.value,
+                              SPLIT_TAIL=False)
     a_desc, b_desc = args[:2]
     assert a_desc.block_shape == [128, 64] and b_desc.block_shape == [64, 256]
     assert b_desc.shape == [4 * 128, 64]  # w1 viewed as (E*2F, d)
@@ -78,6 +79,12 @@ def test_argument_checks_raise_value_errors(change, match):
         w1 = w1.transpose(1, 2).contiguous().transpose(1, 2)
     with pytest.raises(ValueError, match=match):
         gdx.launch_args(dgu, w1, dx32, sort, change.get("block_m", 128), change.get("config", DxConfig()), 132)
+
+
+def test_split_tail_is_refused_outside_dx():
+    with pytest.raises(ValueError, match="split_tail needs dx"):
+        gdx.check_config(DxConfig(block_n=128, pingpong=True, split_tail=True), gemm="dh")
+    gdx.check_config(DxConfig(split_tail=True), gemm="dx")
 
 
 def test_cpu_tensors_are_refused_with_a_value_error():
@@ -139,9 +146,42 @@ def test_barrier_protocol_model(pingpong, stages):
                     assert done[0] == done[1] == expected
 
 
+@pytest.mark.parametrize("num_ctas", [1, 7, 132])
+@pytest.mark.parametrize("k_steps", [1, 3, 448])
+def test_split_tail_units_cover_every_k_step_once(num_ctas, k_steps):
+    """split_tail's work units (sm90_protocol mirrors _work_units / _unit_item): every K step of every item exactly
+    once, whole items first, and the last wave's units spread over the CTAs as evenly as whole K steps allow."""
+    for num_work in (1, 5, 131, 132, 133, 263, 1088, 2176):
+        whole, parts, num_units = work_units(num_work, k_steps, num_ctas, True)
+        seen = {}
+        for unit in range(num_units):
+            work, first, steps = unit_item(unit, whole, parts, k_steps)
+            assert steps >= 1
+            for ks in range(first, first + steps):
+                seen[(work, ks)] = seen.get((work, ks), 0) + 1
+        assert seen == {(w, k): 1 for w in range(num_work) for k in range(k_steps)}
+        assert num_units - whole <= max(num_ctas, num_work % num_ctas)  # the tail's units fit one wave
+        assert work_units(num_work, k_steps, num_ctas, False) == (num_work, 1, num_work)
+
+
+@pytest.mark.parametrize("pingpong", [False, True])
+def test_barrier_protocol_model_with_split_tail(pingpong):
+    # 10 items of 5 K steps on 4 CTAs: 8 whole, the last 2 in 2 parts each (2 and 3 K steps)
+    whole, parts, num_units = work_units(10, 5, 4, True)
+    assert (whole, parts, num_units) == (8, 2, 12)
+    for cta in range(4):
+        items = [(unit, unit_item(unit, whole, parts, 5)[2]) for unit in range(cta, num_units, 4)]
+        for seed in range(6):
+            errors, done = simulate(seed, 3, pingpong, items)
+            assert not errors, errors[:3]
+            finished = sorted(done[0] + done[1]) if pingpong else done[0]
+            assert finished == [unit for unit, _ in items]
+
+
 # ------------------------------------------------------------------------------------------------------------ GPU
 GPU_CONFIGS = [DxConfig(256, 64, 3), DxConfig(256, 64, 4), DxConfig(128, 64, 4), DxConfig(128, 64, 5),
-               DxConfig(128, 64, 3, pingpong=True), DxConfig(128, 64, 5, pingpong=True)]
+               DxConfig(128, 64, 3, pingpong=True), DxConfig(128, 64, 5, pingpong=True),
+               DxConfig(256, 64, 4, split_tail=True), DxConfig(128, 64, 4, pingpong=True, split_tail=True)]
 
 
 @pytest.mark.gpu
@@ -149,6 +189,7 @@ GPU_CONFIGS = [DxConfig(256, 64, 3), DxConfig(256, 64, 4), DxConfig(128, 64, 4),
 @pytest.mark.parametrize("num_tokens, d_model, d_ff, num_experts, top_k, num_ctas", [
     (600, 384, 256, 8, 2, None),  # d = 384: a partial 256-wide column block
     (513, 256, 384, 16, 4, 5),  # few CTAs: many (an odd number of) items each
+    (513, 256, 384, 16, 4, 7),  # a partial last wave (split_tail: its items in parts)
     (4096, 2048, 768, 128, 8, None),  # Qwen3-30B-A3B dims
 ])
 def test_matches_the_triton_dx_kernel(config, num_tokens, d_model, d_ff, num_experts, top_k, num_ctas):

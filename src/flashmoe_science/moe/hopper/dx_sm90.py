@@ -140,10 +140,13 @@ class DxConfig:
     # SWIGLU_BWD only: accumulator columns per epilogue pass (the passes' gate / up / h loads must fit beside the
     # accumulator in the consumer's registers)
     swiglu_cols: int = 16
+    # dx (SCATTER_ADD) only: split the items of the last, partial wave along K (see _work_units)
+    split_tail: bool = False
 
     def label(self) -> str:
         mode = "pingpong" if self.pingpong else "coop"
-        return f"{BLOCK_M}x{self.block_n}x{self.block_k} s{self.num_stages} {mode} g{self.group_m}"
+        tail = " split-tail" if self.split_tail else ""
+        return f"{BLOCK_M}x{self.block_n}x{self.block_k} s{self.num_stages} {mode}{tail} g{self.group_m}"
 
     def swiglu_label(self) -> str:
         return f"{self.label()} c{self.swiglu_cols}"
@@ -172,6 +175,9 @@ def smem_bytes(config: DxConfig, itemsize: int = 2, gemm: str = "dx") -> int:
 def check_config(config: DxConfig, itemsize: int = 2, smem_limit: int = HOPPER_SMEM_PER_BLOCK,
                  gemm: str = "dx") -> None:
     """ValueError unless the kernel can run ``config``."""
+    if config.split_tail and gemm != "dx":
+        # a split item's parts meet only where the epilogue adds (dx's atomics); dh's epilogues store
+        raise ValueError(f"{gemm}_sm90: split_tail needs dx's additive epilogue, got {config.label()}")
     if gemm == "dh_swiglu":
         if not config.pingpong:
             # one set of epilogue buffers, handed from item to item: the consumers must take whole items in turn
@@ -205,10 +211,41 @@ def _num_work(expert_counts_ptr, expert_row_start_ptr, num_experts, num_tiles_ma
 
 
 @gluon.jit
+def _work_units(num_work, k_steps, SPLIT_TAIL: gl.constexpr):
+    """(whole items, tail items, parts per tail item, work units) of this launch. Without SPLIT_TAIL every item is
+    one unit. With it, the items of the last, partial wave (num_work % CTAs of them) are each split along K into
+    as many parts as that wave has CTAs per item (at most one K step each), so that the wave's CTAs share their
+    work instead of most of them idling: at Mixtral T=4096, dx's 1088 128x256 items are 8.24 waves of ~350 us
+    each on 132 SMs. The parts add into dx32 like whole items (the epilogue's atomics), so nothing else changes."""
+    num_ctas = gl.num_programs(0)
+    if SPLIT_TAIL:
+        tail = num_work % num_ctas
+        parts = gl.minimum(gl.maximum(num_ctas // gl.maximum(tail, 1), 1), k_steps)
+    else:
+        tail = num_work * 0
+        parts = tail + 1
+    whole = num_work - tail
+    return whole, tail, parts, whole + tail * parts
+
+
+@gluon.jit
+def _unit_item(unit, whole, parts, k_steps):
+    """Work unit -> (work item, first K step, K steps): units below ``whole`` are whole items; the rest are the
+    tail items' parts, ``parts`` consecutive units per item, each an even share of its K steps."""
+    t = gl.maximum(unit - whole, 0)
+    part = t % parts
+    is_whole = unit < whole
+    work = gl.where(is_whole, unit, whole + t // parts)
+    k_first = gl.where(is_whole, 0, part * k_steps // parts)
+    k_end = gl.where(is_whole, k_steps, (part + 1) * k_steps // parts)
+    return work, k_first, k_end - k_first
+
+
+@gluon.jit
 def _producer(a_desc, b_desc, gate_up_desc, h_desc, a_smem, b_smem, epi_smem, ready, empty, epi_ready, epi_empty,
               tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, num_experts, num_tiles_max, K, N,
-              GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPILOGUE: gl.constexpr):
-    """One warp: every K step of every work item of this CTA, A and B tiles by TMA into the next ring stage once
+              GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPILOGUE: gl.constexpr, SPLIT_TAIL: gl.constexpr):
+    """One warp: every K step of every work unit of this CTA, A and B tiles by TMA into the next ring stage once
     the consumers have released it; for SWIGLU_BWD, after an item's K steps, the item's gate, up and h boxes into
     the epilogue buffers once the previous item's epilogue has released them."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -218,14 +255,16 @@ def _producer(a_desc, b_desc, gate_up_desc, h_desc, a_smem, b_smem, epi_smem, re
                                         BM, BN)
     num_col_blocks = gl.cdiv(N, BN)
     k_steps = K // BK
+    whole, _, parts, num_units = _work_units(num_work, k_steps, SPLIT_TAIL)
     ring = 0  # K steps issued so far by this CTA (ring position)
     epi_items = 0  # items whose epilogue operands were loaded so far (SWIGLU_BWD)
-    for work in range(gl.program_id(0), num_work, gl.num_programs(0)):
+    for unit in range(gl.program_id(0), num_units, gl.num_programs(0)):
+        work, k_first, unit_steps = _unit_item(unit, whole, parts, k_steps)
         tile, col_block = grouped_block(work, num_row_tiles, num_col_blocks, GROUP_M)
         expert = gl.load(tile_expert_ptr + tile)
         if expert >= 0:
             b_row = expert * K
-            for ks in range(k_steps):
+            for ks in range(k_first, k_first + unit_steps):
                 load_stage(a_desc, tile * BM, ks * BK, b_desc, b_row + ks * BK, col_block * BN, a_smem, b_smem,
                            ready, empty, ring, NUM_STAGES)
                 ring += 1
@@ -307,7 +346,7 @@ def _consumer(a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty
               sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, row_scale_ptr,
               dscale_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out,
               CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, ROWS: gl.constexpr, GROUP_M: gl.constexpr,
-              NUM_STAGES: gl.constexpr, EPILOGUE: gl.constexpr):
+              NUM_STAGES: gl.constexpr, EPILOGUE: gl.constexpr, SPLIT_TAIL: gl.constexpr):
     """One consumer warpgroup: its rows of every work item (cooperative), or every other work item (ping-pong); the
     epilogue adds them into their tokens' rows of out (SCATTER_ADD, dx), stores them to their own rows (ROW_STORE,
     dh) or stores the SwiGLU backward of them to their own rows of d(gate, up) by TMA (SWIGLU_BWD, ping-pong)."""
@@ -325,13 +364,15 @@ def _consumer(a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty
                                         BM, BN)
     num_col_blocks = gl.cdiv(N, BN)
     k_steps = K // BK
+    whole, _, parts, num_units = _work_units(num_work, k_steps, SPLIT_TAIL)
     ring = 0  # ring position of the current item's first K step
-    item = 0  # the CTA's work items so far
+    item = 0  # the CTA's work units so far
     epi_items = 0  # the CTA's items with an epilogue so far (both consumers count every one: the buffers' phase)
-    for work in range(gl.program_id(0), num_work, gl.num_programs(0)):
+    for unit in range(gl.program_id(0), num_units, gl.num_programs(0)):
+        work, _, unit_steps = _unit_item(unit, whole, parts, k_steps)
         tile, col_block = grouped_block(work, num_row_tiles, num_col_blocks, GROUP_M)
         expert = gl.load(tile_expert_ptr + tile)
-        item_steps = gl.where(expert >= 0, k_steps, 0)
+        item_steps = gl.where(expert >= 0, unit_steps, 0)
         if PINGPONG:
             mine = item % 2 == CONSUMER
         else:
@@ -385,8 +426,8 @@ def sorted_rows_sm90_kernel(a_desc, b_desc, gate_up_desc, h_desc, dgu_desc, out_
                             tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, row_scale_ptr, dscale_ptr,
                             num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out,
                             GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                            ROWS: gl.constexpr, EPILOGUE: gl.constexpr):
-    """Persistent: each CTA runs work items program_id, program_id + num_programs, ... (see the module docstring).
+                            ROWS: gl.constexpr, EPILOGUE: gl.constexpr, SPLIT_TAIL: gl.constexpr):
+    """Persistent: each CTA runs work units program_id, program_id + num_programs, ... (see the module docstring).
     gate_up_desc, h_desc, dgu_desc, row_scale_ptr and dscale_ptr are SWIGLU_BWD's (unused else)."""
     dtype: gl.constexpr = a_desc.dtype
     a_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -407,14 +448,14 @@ def sorted_rows_sm90_kernel(a_desc, b_desc, gate_up_desc, h_desc, dgu_desc, out_
         (_consumer, (a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty, out_ptr, dgu_desc,
                      sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, row_scale_ptr,
                      dscale_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out,
-                     0, PINGPONG, ROWS, GROUP_M, NUM_STAGES, EPILOGUE)),
+                     0, PINGPONG, ROWS, GROUP_M, NUM_STAGES, EPILOGUE, SPLIT_TAIL)),
         (_consumer, (a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty, out_ptr, dgu_desc,
                      sorted_pair_ids_ptr, tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, row_scale_ptr,
                      dscale_ptr, num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out,
-                     1, PINGPONG, ROWS, GROUP_M, NUM_STAGES, EPILOGUE)),
+                     1, PINGPONG, ROWS, GROUP_M, NUM_STAGES, EPILOGUE, SPLIT_TAIL)),
         (_producer, (a_desc, b_desc, gate_up_desc, h_desc, a_smem, b_smem, epi_smem, ready, empty, epi_ready,
                      epi_empty, tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, num_experts,
-                     num_tiles_max, K, N, GROUP_M, NUM_STAGES, EPILOGUE)),
+                     num_tiles_max, K, N, GROUP_M, NUM_STAGES, EPILOGUE, SPLIT_TAIL)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -541,6 +582,8 @@ def launch_args(a, w, out, sort: ExpertSort, block_m: int, config: DxConfig = Dx
     num_experts, K, N = w.shape
     num_tiles_max = sort.tile_expert.numel()
     max_work = num_tiles_max * triton.cdiv(N, config.block_n)
+    if config.split_tail:  # the parts of a last wave smaller than the grid fill the grid
+        max_work *= K // config.block_k
     if num_ctas is None:
         num_ctas = sm_count(out.device)
     grid = (max(1, min(num_ctas, max_work)),)
@@ -559,7 +602,7 @@ def launch_args(a, w, out, sort: ExpertSort, block_m: int, config: DxConfig = Dx
             out.stride(0))
     rows = BLOCK_M if config.pingpong else BLOCK_M // NUM_CONSUMERS
     constexprs = dict(GROUP_M=config.group_m, NUM_STAGES=config.num_stages, PINGPONG=config.pingpong, ROWS=rows,
-                      EPILOGUE=epilogue)
+                      EPILOGUE=epilogue, SPLIT_TAIL=config.split_tail)
     return grid, args, constexprs
 
 
