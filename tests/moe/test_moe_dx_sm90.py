@@ -87,6 +87,21 @@ def test_split_tail_is_refused_outside_dx():
     gdx.check_config(DxConfig(split_tail=True), gemm="dx")
 
 
+def test_dx_config_by_k():
+    # cooperative 128x256 with the tail split at long K (Mixtral's 2F = 28672), ping-pong at short K (Qwen3's 1536)
+    assert gdx.dx_config(28672) == gdx.LONG_K_CONFIG and gdx.LONG_K_CONFIG.split_tail
+    assert gdx.dx_config(1536) == gdx.SHORT_K_CONFIG and gdx.SHORT_K_CONFIG.pingpong
+    assert gdx.dx_config(gdx.LONG_K) == gdx.LONG_K_CONFIG and gdx.dx_config(gdx.LONG_K - 64) == gdx.SHORT_K_CONFIG
+    for config in (gdx.LONG_K_CONFIG, gdx.SHORT_K_CONFIG):
+        gdx.check_config(config)
+
+
+def test_split_tail_grid_takes_every_sm():
+    dgu, w1, dx32, sort = _cpu_case()  # 4 row tiles x 1 column block, K = 128: 2 K steps each
+    grid, _, constexprs = gdx.launch_args(dgu, w1, dx32, sort, 128, DxConfig(split_tail=True), num_ctas=132)
+    assert grid == (8,) and constexprs["SPLIT_TAIL"]
+
+
 def test_cpu_tensors_are_refused_with_a_value_error():
     dgu, w1, dx32, sort = _cpu_case()
     with pytest.raises(ValueError, match="CUDA"):
@@ -100,7 +115,7 @@ def test_configs_of_the_ab_script_fit_shared_memory():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
-@pytest.mark.parametrize("config", [DxConfig(), DxConfig(block_n=128, num_stages=4, pingpong=True)])
+@pytest.mark.parametrize("config", [DxConfig(), gdx.LONG_K_CONFIG, gdx.SHORT_K_CONFIG])
 def test_builds_for_sm90_with_tma_wgmma_and_no_spills(config):
     """The sm_90 binary (ptxas ships with triton: no GPU needed): TMA loads, warpgroup MMAs, no local memory."""
     import re

@@ -19,8 +19,8 @@ that recomputes both, a third more GEMM work) and h (already written for GEMM2);
   ``dout[token] . y = dh . h``. On Hopper with 128-row tiles both in one launch instead: dx_sm90's Gluon kernel
   over dout gathered to sorted rows, the SwiGLU backward in its epilogue (``_dh_swiglu_backward``).
 - ``_down_combine_kernel`` again for ``dx[token] += d(gate, up)[row] @ w1[e]``; on Hopper with 128-row tiles the
-  Gluon kernel of ``moe/hopper/dx_sm90.py`` instead (TMA loads, warp-specialised, ping-pong consumers; 644 vs 607
-  TFLOP/s at Mixtral T=4096, session 9).
+  Gluon kernel of ``moe/hopper/dx_sm90.py`` instead (TMA loads, warp-specialised; ``dx_sm90.dx_config``: at
+  long K (2F) cooperative 128x256 tiles with the last wave's items split along K, else ping-pong 128x128).
 - ``_expert_wgrad_kernel`` twice: ``dw1[e] = d(gate, up)_e^T x_e`` and ``dw2[e] = (weight * dout)_e^T h_e``, a
   reduction over each expert's rows, one writer per output element (deterministic). Their gathered operand
   (x, weight * dout) is first copied to sorted-row order by ``_gather_rows_kernel``. With ``GemmTiles.persistent``
@@ -775,7 +775,7 @@ def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
         dx32 = torch.zeros((num_tokens, d_model), dtype=torch.float32, device=x.device)
         dx_sm90 = _hopper_dx(dgu, w1, dx32, sort, tiles)
         if dx_sm90 is not None:
-            dx_sm90.dx_sm90(dgu, w1, dx32, sort, tiles.block_m, dx_sm90.MEASURED_CONFIG)
+            dx_sm90.dx_sm90(dgu, w1, dx32, sort, tiles.block_m, dx_sm90.dx_config(w1.shape[1]))
         else:
             dx_launch(dgu, w1, dx32, sort, tiles)()
         dx = dx32.to(x.dtype)
@@ -824,13 +824,13 @@ def _hopper_dh_swiglu(grad_out, w2, gate_up, h, weights32, dgu, dweights, sort: 
 
 
 def _hopper_dx(dgu, w1, dx32, sort: ExpertSort, tiles: MoETiles):
-    """The Gluon sm_90 dx module (TMA, warp-specialised, ping-pong consumers: moe/hopper/dx_sm90.py) where it takes
+    """The Gluon sm_90 dx module (TMA, warp-specialised: moe/hopper/dx_sm90.py, ``dx_config``) where it takes
     these arguments on this GPU (Hopper, 128-row tiles, 16-bit operands, TMA-aligned), else None (dx_launch)."""
     if not dgu.is_cuda or tiles.block_m != 128 or not device_traits(dgu.device).is_hopper:
         return None
     from flashmoe_science.moe.hopper import dx_sm90
 
-    if dx_sm90.unsupported_reason(dgu, w1, dx32, sort, tiles.block_m, dx_sm90.MEASURED_CONFIG) is not None:
+    if dx_sm90.unsupported_reason(dgu, w1, dx32, sort, tiles.block_m, dx_sm90.dx_config(w1.shape[1])) is not None:
         return None
     return dx_sm90
 

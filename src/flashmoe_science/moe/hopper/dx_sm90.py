@@ -91,7 +91,11 @@ weight blocks are read from L2 by all but the first of them. The number of row t
 on the device from the sort's last expert: its first row plus its count, rounded up to tiles), not the sort's
 worst case ``tile_expert.numel()``, so no CTA draws an empty item while another has two left; this changes the
 order of the last, partial group only. Tiles with tile_expert < 0 are skipped all the same (by every partition
-alike, so the ring positions stay in step).
+alike, so the ring positions stay in step). With ``split_tail`` (dx only) the work is counted in units
+(``_work_units``): whole items, then the last partial wave's items each split along K into as many parts as that
+wave has CTAs per item, so that a wave of few long items (Mixtral's K = 28672: 1088 items of 128x256 are 8.24
+waves of ~350 us on 132 SMs) ends after a fraction of an item instead of a whole one; the parts add into dx32 by
+the same atomics. The launch then takes every SM even when there are fewer items than SMs.
 
 The producer step, the consumers' main loop, the barriers' set-up, descriptors and offline builds live in
 ``common`` (shared with wgrad_sm90); the SASS is as before that move (the 128x128 configs' bit for bit).
@@ -152,10 +156,27 @@ class DxConfig:
         return f"{self.label()} c{self.swiglu_cols}"
 
 
-# H200, scripts/ab_moe_dx_sm90.py (session 9, T=4096, TFLOP/s; Triton dx_launch / torch grouped_mm without the
-# combine): ping-pong 128x128, 4 stages: Mixtral 644 (607 / 677), Qwen3 432 (399 / 426), the best at Mixtral and
-# within 5% of Qwen3's best (5 stages, 454, but 591 at Mixtral). Cooperative 128x256: 609-598 / 407-418.
-MEASURED_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
+# dx's configs by K = 2F (``dx_config``). H200, scripts/ab_moe_layer_dx.py --kernel (session 15, 5 interleaved
+# rounds, the kernel alone / the layer's backward, ms): Mixtral (K = 28672) T=4096 cooperative 128x256 s3 with the
+# tail split 3.07 / 9.61 against ping-pong 128x128 s4 3.26 / 9.82 (1088 items of ~350 us are 8.24 waves: the split
+# is most of the gain; without it the cooperative tile lost, 600 vs 644-684 TFLOP/s); T=16384 11.70 / 35.66 vs
+# 12.13 / 35.96. Qwen3 (K = 1536) the other way: ping-pong 0.50 / 1.64 and 1.63 / 5.17 at T=4096 / 16384 against
+# 0.55 / 1.65 and 1.82 / 5.37 (short items: the cooperative consumers' atomic epilogue leaves the tensor cores idle,
+# which ping-pong hides). Fitting the two (cooperative +5% at K = 1536, -2.5% at 28672, the idle epilogue a fixed
+# cost per item) puts the break-even near K = 4200.
+LONG_K_CONFIG = DxConfig(block_n=256, num_stages=3, split_tail=True)
+# session 9 (scripts/ab_moe_dx_sm90.py, T=4096, TFLOP/s): ping-pong 128x128 s4 Qwen3 432 (Triton 399, torch
+# grouped_mm without the combine 426), within 5% of its best (5 stages, 454, but 591 at Mixtral); the tail split
+# measured no gain here (session 15: 0.52 / 1.63 at T=4096)
+SHORT_K_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
+LONG_K = 4096  # K = 2F from which LONG_K_CONFIG runs
+
+
+def dx_config(two_d_ff: int) -> DxConfig:
+    """dx's measured tile config for K = 2F (see LONG_K_CONFIG)."""
+    return LONG_K_CONFIG if two_d_ff >= LONG_K else SHORT_K_CONFIG
+
+
 # dh: H200, scripts/ab_moe_dx_sm90.py --gemm dh (session 10, Mixtral T=4096): ping-pong 128x128 s4 1.46 ms,
 # cooperative 128x256 s3 1.58 ms, Triton dh_launch 1.54 ms
 DH_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
