@@ -24,13 +24,20 @@ def kernel_times(fn):
         for _ in range(ITERS):
             fn()
         torch.cuda.synchronize()
+    events = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda ev: ev.time_range.start)
+    per_call = defaultdict(int)
+    for ev in events:
+        per_call[ev.name] += 1
+    # a kernel launched several times per call (the Gluon GEMMs) is reported per launch in call order ("#i")
     totals = defaultdict(float)
-    counts = defaultdict(int)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            totals[ev.name] += ev.device_time_total
-            counts[ev.name] += 1
-    return {k: (v / ITERS, counts[k] / ITERS) for k, v in totals.items()}
+    seen = defaultdict(int)
+    for ev in events:
+        n = per_call[ev.name] // ITERS
+        label = ev.name if n <= 1 else f"{ev.name} #{seen[ev.name] % n}"
+        seen[ev.name] += 1
+        totals[label] += ev.device_time_total
+    return {k: (v / ITERS, 1) for k, v in totals.items()}
 
 
 def profile_case(model, k, d, F, w1, w2, T):
