@@ -156,7 +156,7 @@ class DxConfig:
         return f"{self.label()} c{self.swiglu_cols}"
 
 
-# dx's configs by K = 2F (``dx_config``). H200, scripts/ab_moe_layer_dx.py --kernel (session 15, 5 interleaved
+# dx's configs by K = 2F (``dx_config``). H200, scripts/ab_moe_layer_bwd.py --kernel (session 15, 5 interleaved
 # rounds, the kernel alone / the layer's backward, ms): Mixtral (K = 28672) T=4096 cooperative 128x256 s3 with the
 # tail split 3.07 / 9.61 against ping-pong 128x128 s4 3.26 / 9.82 (1088 items of ~350 us are 8.24 waves: the split
 # is most of the gain; without it the cooperative tile lost, 600 vs 644-684 TFLOP/s); T=16384 11.70 / 35.66 vs
