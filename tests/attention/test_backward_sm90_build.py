@@ -83,3 +83,37 @@ def test_api_takes_it_only_where_it_runs():
     assert not _sm90_backward_runs(torch.empty(1, 2, 8, 512, dtype=torch.bfloat16), torch.empty(1, 2, 8, 512), 0.1,
                                    False)
     assert not _sm90_backward_runs(q, torch.empty(1, 2, 8, 130)[..., :128], 0.1, False)  # rows not 16-byte aligned
+
+
+def test_one_pass_launches_bind_every_parameter():
+    """The one-pass path's launches (attention_backward_sm90 and PreparedBackward build them once): every kernel
+    parameter bound, the per-call ones first (what PreparedLaunch rebuilds from new tensors), in launch order."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from flashmoe_science.attention.hopper import bwd_sm90
+
+    q = torch.empty(2, 4, 300, 64, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(2, 2, 300, 64, dtype=torch.bfloat16, device="meta")
+    lse = torch.empty(2, 4, 300, device="meta")
+    dq_accum = torch.empty(2, 4, 300, 64, device="meta")
+    launches = bwd_sm90._one_pass_launches(q, kv, kv, q, lse, q, lse, q, kv, kv, dq_accum, True, 0.125, None)
+    assert list(launches) == ["preprocess", "dkdv_dq", "dq_convert"]
+    for kernel, grid, bound, options, heads in launches.values():
+        assert list(bound) == list(kernel.arg_names)
+        per_call = [bound[name] for name in kernel.arg_names[:len(heads)]]
+        assert all(isinstance(t, (torch.Tensor, TensorDescriptor)) for t in per_call)
+        assert not any(isinstance(bound[name], (torch.Tensor, TensorDescriptor))
+                       for name in kernel.arg_names[len(heads):])
+    assert launches["dkdv_dq"][1] == (3 * 2 * 2,)  # key blocks x batch x kv heads
+    assert launches["preprocess"][2]["ZERO_DQ_ACCUM"]
+
+
+def test_backward_key_tells_strides_and_alignment_apart():
+    from flashmoe_science.attention.api import _backward_key
+
+    t = torch.zeros(2, 3, 8, 16)
+    base = _backward_key((t,), False, 0.25)
+    assert _backward_key((t.transpose(1, 2).contiguous().transpose(1, 2),), False, 0.25) != base
+    assert _backward_key((torch.zeros(2 * 3 * 8 * 16 + 1)[1:].view(2, 3, 8, 16),), False, 0.25) != base
+    assert _backward_key((t,), True, 0.25) != base and _backward_key((t,), False, 0.5) != base
+    assert _backward_key((torch.zeros(2, 3, 8, 16),), False, 0.25) == base

@@ -237,6 +237,37 @@ def _check_triton_layout(q, k, v) -> None:
             )
 
 
+# The sm_90 one-pass backward's launches per call signature (bwd_sm90.PreparedBackward): a call whose signature
+# ran before skips Triton's binding of its three launches (host time: docs/perf-notes.md, session 15). Bounded
+# like _PREPARED.
+_PREPARED_BACKWARD: dict[tuple, object] = {}
+
+
+def _backward_key(tensors, causal: bool, softmax_scale: float) -> tuple:
+    """What the sm_90 backward's launches freeze from a call: each tensor's shape, strides, dtype, device and
+    16-byte alignment, the mask and the scale."""
+    return (*((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors), causal, softmax_scale)
+
+
+def _sm90_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal: bool, softmax_scale: float) -> None:
+    """attention_backward_sm90, through a PreparedBackward where the one-pass kernel runs (head dims up to 128)."""
+    from flashmoe_science.attention.hopper import bwd_sm90
+
+    tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv)
+    if bwd_sm90.is_deterministic(q.shape[-1]):  # the D=256 kernels: fewer, larger problems; not prepared
+        bwd_sm90.attention_backward_sm90(*tensors, causal, softmax_scale)
+        return
+    key = _backward_key(tensors, causal, softmax_scale)
+    prepared = _PREPARED_BACKWARD.get(key)
+    if prepared is None:
+        bwd_sm90.attention_backward_sm90(*tensors, causal, softmax_scale)  # compiles what has not run yet
+        if len(_PREPARED_BACKWARD) >= _PREPARED_MAX:
+            _PREPARED_BACKWARD.clear()
+        _PREPARED_BACKWARD[key] = bwd_sm90.PreparedBackward(*tensors, causal, softmax_scale)
+        return
+    prepared(*tensors)
+
+
 class _KernelAttention(torch.autograd.Function):
     """Forward through the planned kernel (Gluon sm_90 or Triton); backward through the Gluon sm_90 kernels after an
     sm_90 forward for calls wanting every gradient (head dims up to 128: one pass, non-deterministic calls only;
@@ -273,10 +304,7 @@ class _KernelAttention(torch.autograd.Function):
                     and _sm90_backward_runs(q, grad_out, ctx.softmax_scale, deterministic)):
                 # Hopper: one pass for all three gradients (D <= 128; dQ summed by TMA reduce-adds, last bits may
                 # vary), or the dK/dV and dQ kernels (D 129..256, deterministic)
-                from flashmoe_science.attention.hopper.bwd_sm90 import attention_backward_sm90
-
-                attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, ctx.causal,
-                                        ctx.softmax_scale)
+                _sm90_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, ctx.causal, ctx.softmax_scale)
                 return (dq, dk if need_dk else None, dv if need_dv else None, None, None, None, None)
             tiles = backward_tiles(q.shape[-1], q.dtype, ctx.causal, device_traits(q.device))
             # dQ and dK/dV both wanted, determinism not asked for, and the fused single pass (5 products per tile

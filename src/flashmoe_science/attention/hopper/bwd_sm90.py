@@ -47,6 +47,8 @@ dQ's last bits may vary run to run (the reduce-adds arrive in any order); dK and
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -362,48 +364,129 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, caus
     `(B, Hq, Lq, padded_head_dim(D))` workspace (any contents: the preprocess zeroes it; allocated here if None).
     Padding to 256: two kernels, bwd_sm90_hdim256 (dK, dV) then bwd_dq_sm90 (dQ, written directly: no dq_accum,
     and deterministic). num_stages: the Q/dO ring depth of the dK/dV kernel (None: its default)."""
-    import triton
-
-    from flashmoe_science.attention import triton_bwd
     from flashmoe_science.attention.hopper import bwd_dq_sm90, bwd_sm90_hdim256
-    from flashmoe_science.attention.triton_fwd import needs_64bit_rows
 
     check_supported(q, softmax_scale)
-    batch, num_q_heads, seqlen_q, head_dim = q.shape
-    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    block_d = padded_head_dim(head_dim)
-    row_block = max(16, min(128, triton_bwd._ROW_KERNEL_ELEMENTS // block_d))
-    row_grid = (triton.cdiv(seqlen_q, row_block), batch * num_q_heads)
-    row64 = needs_64bit_rows(q, out, grad_out, dq)
-    split = block_d == TWO_KERNEL_BLOCK_D
+    split = padded_head_dim(q.shape[-1]) == TWO_KERNEL_BLOCK_D
     if dq_accum is None and not split:
-        dq_accum = torch.empty(*q.shape[:3], block_d, dtype=torch.float32, device=q.device)
-    kernels = {}
-    kernels["preprocess"] = triton_bwd._bwd_preprocess_kernel[row_grid](
-        out, grad_out, delta, None if split else dq_accum, *out.stride()[:3], *grad_out.stride()[:3],
-        num_q_heads, seqlen_q, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ZERO_DQ_ACCUM=not split,
-        ROW64=row64, num_warps=4,
-    )
+        dq_accum = torch.empty(*q.shape[:3], padded_head_dim(q.shape[-1]), dtype=torch.float32, device=q.device)
     if split:
+        kernel, grid, bound, options, _ = _preprocess_launch(q, out, grad_out, delta, dq, None)
+        kernels = {"preprocess": kernel[grid](**bound, **options)}
         kernels["dkdv"] = bwd_sm90_hdim256.launch(q, k, v, lse, grad_out, delta, dk, dv, causal, softmax_scale,
                                                   num_stages or bwd_sm90_hdim256.NUM_STAGES)
         kernels["dq"] = bwd_dq_sm90.launch(q, k, v, lse, grad_out, delta, dq, causal, softmax_scale)
         return kernels
-    grid = (triton.cdiv(seqlen_k, BLOCK_N) * batch * num_kv_heads,)
-    kernels["dkdv_dq"] = attention_backward_sm90_kernel[grid](
-        _descriptor(q, BLOCK_M, block_d), _descriptor(grad_out, BLOCK_M, block_d),
-        _descriptor(k, BLOCK_N, block_d), _descriptor(v, BLOCK_N, block_d), _dq_accum_descriptor(dq_accum),
-        lse, delta, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
-        num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, softmax_scale * LOG2_E,
-        softmax_scale,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages or NUM_STAGES, CAUSAL=causal,
-        num_warps=4, maxnreg=REGISTER_CAP,
-    )
-    kernels["dq_convert"] = triton_bwd._bwd_dq_convert_kernel[row_grid](
-        dq_accum, dq, *dq.stride()[:3], num_q_heads, seqlen_q, softmax_scale,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ROW64=row64, num_warps=4,
-    )
-    return kernels
+    return {name: kernel[grid](**bound, **options) for name, (kernel, grid, bound, options, _) in _one_pass_launches(
+        q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, causal, softmax_scale, num_stages).items()}
+
+
+def _row_launch_params(q, out, grad_out, dq):
+    """(padded head dim, rows per program, grid, 64-bit row offsets) of the row kernels (triton_bwd's preprocess
+    and dQ conversion) around the sm_90 kernels."""
+    import triton
+
+    from flashmoe_science.attention import triton_bwd
+    from flashmoe_science.attention.triton_fwd import needs_64bit_rows
+
+    block_d = padded_head_dim(q.shape[-1])
+    row_block = max(16, min(128, triton_bwd._ROW_KERNEL_ELEMENTS // block_d))
+    row_grid = (triton.cdiv(q.shape[2], row_block), q.shape[0] * q.shape[1])
+    return block_d, row_block, row_grid, needs_64bit_rows(q, out, grad_out, dq)
+
+
+def _bound(kernel, *args, **constexprs) -> dict:
+    """Every parameter of ``kernel`` by name: the positional ``args`` in order, then the constexprs."""
+    return dict(zip(kernel.arg_names, args), **constexprs)
+
+
+def _preprocess_launch(q, out, grad_out, delta, dq, dq_accum):
+    """triton_bwd's preprocess (delta = rowsum(dO * O); dq_accum zeroed unless None) as (kernel, grid, parameters
+    by name, options, the names of its tensor parameters)."""
+    from flashmoe_science.attention import triton_bwd
+
+    block_d, row_block, row_grid, row64 = _row_launch_params(q, out, grad_out, dq)
+    kernel = triton_bwd._bwd_preprocess_kernel
+    return (kernel, row_grid, _bound(
+        kernel, out, grad_out, delta, dq_accum, *out.stride()[:3], *grad_out.stride()[:3], q.shape[1], q.shape[2],
+        HEAD_DIM=q.shape[-1], BLOCK_D=block_d, BLOCK_M=row_block, ZERO_DQ_ACCUM=dq_accum is not None, ROW64=row64),
+        dict(num_warps=4), ("out", "grad_out", "delta", "dq_accum"))
+
+
+def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, causal: bool, softmax_scale: float,
+                       num_stages: int | None):
+    """The one-pass path's three launches (head dims padding to 64 or 128), by name, in order: (kernel, grid, every
+    parameter by name, launch options, the names of its leading parameters that are tensors or descriptors over
+    them). Written once for attention_backward_sm90 and PreparedBackward."""
+    import triton
+
+    from flashmoe_science.attention import triton_bwd
+
+    batch, num_q_heads, seqlen_q, head_dim = q.shape
+    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    block_d, row_block, row_grid, row64 = _row_launch_params(q, out, grad_out, dq)
+    main = attention_backward_sm90_kernel
+    convert = triton_bwd._bwd_dq_convert_kernel
+    return {
+        "preprocess": _preprocess_launch(q, out, grad_out, delta, dq, dq_accum),
+        "dkdv_dq": (main, (triton.cdiv(seqlen_k, BLOCK_N) * batch * num_kv_heads,), _bound(
+            main, *_one_pass_tensor_args(block_d, q, grad_out, k, v, dq_accum, lse, delta, dk, dv),
+            *dk.stride()[:3], *dv.stride()[:3], num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q,
+            seqlen_k, softmax_scale * LOG2_E, softmax_scale, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            NUM_STAGES=num_stages or NUM_STAGES, CAUSAL=causal),
+            dict(num_warps=4, maxnreg=REGISTER_CAP),
+            ("q", "grad_out", "k", "v", "dq_accum", "lse", "delta", "dk", "dv")),
+        "dq_convert": (convert, row_grid, _bound(
+            convert, dq_accum, dq, *dq.stride()[:3], num_q_heads, seqlen_q, softmax_scale, HEAD_DIM=head_dim,
+            BLOCK_D=block_d, BLOCK_M=row_block, ROW64=row64),
+            dict(num_warps=4), ("dq_accum", "dq")),
+    }
+
+
+def _one_pass_tensor_args(block_d, q, grad_out, k, v, dq_accum, lse, delta, dk, dv):
+    """The one-pass kernel's per-call arguments: TMA descriptors over q, dO (query tiles), k, v (key tiles) and the
+    dq_accum reduce-add target, then the plain tensors."""
+    return (_descriptor(q, BLOCK_M, block_d), _descriptor(grad_out, BLOCK_M, block_d),
+            _descriptor(k, BLOCK_N, block_d), _descriptor(v, BLOCK_N, block_d), _dq_accum_descriptor(dq_accum),
+            lse, delta, dk, dv)
+
+
+class PreparedBackward:
+    """attention_backward_sm90's one-pass path (head dims padding to 64 or 128) for one call signature, its three
+    launches as PreparedLaunches: called as ``prepared(q, k, v, out, lse, grad_out, delta, dq, dk, dv)`` on new
+    tensors of the same shapes, strides, dtypes, device and 16-byte alignment (the caller keys its cache on them,
+    attention.api._backward_key), it allocates dq_accum and launches without Triton's per-call binding (host time:
+    docs/perf-notes.md, session 15)."""
+
+    __slots__ = ("launches", "dq_accum_shape")
+
+    def __init__(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal: bool, softmax_scale: float,
+                 num_stages: int | None = None):
+        from flashmoe_science.prepared_launch import PreparedLaunch
+
+        check_supported(q, softmax_scale)
+        if padded_head_dim(q.shape[-1]) == TWO_KERNEL_BLOCK_D:
+            raise ValueError("PreparedBackward runs the one-pass kernel (head dims up to 128)")
+        self.dq_accum_shape = (*q.shape[:3], padded_head_dim(q.shape[-1]))
+        dq_accum = torch.empty(self.dq_accum_shape, dtype=torch.float32, device=q.device)
+        tensors = dict(q=q, k=k, v=v, out=out, lse=lse, grad_out=grad_out, delta=delta, dq=dq, dk=dk, dv=dv,
+                       dq_accum=dq_accum)
+        block_d = padded_head_dim(q.shape[-1])
+        self.launches = []
+        for name, (kernel, grid, bound, options, heads) in _one_pass_launches(
+                q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, causal, softmax_scale,
+                num_stages).items():
+            make_head = (functools.partial(_one_pass_tensor_args, block_d) if name == "dkdv_dq"
+                         else lambda *t: t)
+            self.launches.append((PreparedLaunch(kernel, grid, bound, options, make_head,
+                                                 tuple(tensors[h] for h in heads)), heads))
+
+    def __call__(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv) -> None:
+        dq_accum = torch.empty(self.dq_accum_shape, dtype=torch.float32, device=q.device)
+        tensors = dict(q=q, k=k, v=v, out=out, lse=lse, grad_out=grad_out, delta=delta, dq=dq, dk=dk, dv=dv,
+                       dq_accum=dq_accum)
+        for launch, heads in self.launches:
+            launch(*(tensors[h] for h in heads))
 
 
 def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, dtype: torch.dtype = torch.bfloat16):
@@ -419,10 +502,7 @@ def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, d
     q = torch.empty(2, 4, 256, head_dim, dtype=dtype, device="meta")
     lse = torch.empty(2, 4, 256, device="meta")
     dq_accum = torch.empty(2, 4, 256, block_d, device="meta")
-    row = 256 * head_dim
-    args = (_descriptor(q, BLOCK_M, block_d), _descriptor(q, BLOCK_M, block_d), _descriptor(q, BLOCK_N, block_d),
-            _descriptor(q, BLOCK_N, block_d), _dq_accum_descriptor(dq_accum), lse, lse, q, q,
-            4 * row, row, head_dim, 4 * row, row, head_dim, 4, 2, 2, 256, 256, 0.1, 0.07,
-            head_dim, block_d, num_stages, causal)
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages, CAUSAL=causal)
-    return build(attention_backward_sm90_kernel, args, constexprs)
+    kernel, _, bound, _, _ = _one_pass_launches(q, q[:, :2], q[:, :2], q, lse, q, lse, q, q[:, :2], q[:, :2],
+                                                dq_accum, causal, 0.07, num_stages)["dkdv_dq"]
+    constexprs = {name: bound[name] for name in ("HEAD_DIM", "BLOCK_D", "NUM_STAGES", "CAUSAL")}
+    return build(kernel, [bound[name] for name in kernel.arg_names], constexprs)
