@@ -26,6 +26,7 @@ from flashmoe_science.attention.tiles import (
     sm90_q_buffers,
 )
 from flashmoe_science.device import on_another_cuda_device, triton_interpreter_on
+from flashmoe_science.prepared_cache import remember, tensor_signature
 
 BACKENDS = ("auto", "hopper", "triton", "reference")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -238,15 +239,14 @@ def _check_triton_layout(q, k, v) -> None:
 
 
 # The sm_90 one-pass backward's launches per call signature (bwd_sm90.PreparedBackward): a call whose signature
-# ran before skips Triton's binding of its three launches (host time: docs/perf-notes.md, session 15). Bounded
-# like _PREPARED.
+# ran before skips Triton's binding of its three launches (host time: docs/perf-notes.md, session 15).
 _PREPARED_BACKWARD: dict[tuple, object] = {}
 
 
 def _backward_key(tensors, causal: bool, softmax_scale: float) -> tuple:
     """What the sm_90 backward's launches freeze from a call: each tensor's shape, strides, dtype, device and
     16-byte alignment, the mask and the scale."""
-    return (*((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors), causal, softmax_scale)
+    return (*map(tensor_signature, tensors), causal, softmax_scale)
 
 
 def _sm90_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal: bool, softmax_scale: float) -> None:
@@ -261,9 +261,7 @@ def _sm90_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal: bool,
     prepared = _PREPARED_BACKWARD.get(key)
     if prepared is None:
         bwd_sm90.attention_backward_sm90(*tensors, causal, softmax_scale)  # compiles what has not run yet
-        if len(_PREPARED_BACKWARD) >= _PREPARED_MAX:
-            _PREPARED_BACKWARD.clear()
-        _PREPARED_BACKWARD[key] = bwd_sm90.PreparedBackward(*tensors, causal, softmax_scale)
+        remember(_PREPARED_BACKWARD, key, bwd_sm90.PreparedBackward(*tensors, causal, softmax_scale))
         return
     prepared(*tensors)
 
@@ -368,9 +366,8 @@ def _run(plan: ForwardPlan | None, q4, k4, v4, causal, scale, deterministic):
 
 
 # Calls whose signature ran before skip the checks, the plan and Triton's argument binding (host time per call:
-# docs/perf-notes.md, session 4). Bounded: ragged workloads make a new signature per length.
+# docs/perf-notes.md, session 4). Bounded (prepared_cache.CACHE_MAX).
 _PREPARED: dict[tuple, object] = {}
-_PREPARED_MAX = 512
 
 
 def _prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic) -> tuple | None:
@@ -382,26 +379,22 @@ def _prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, determini
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return None
-    return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16,
-            k.shape, k.stride(), k.dtype, k.device, k.data_ptr() % 16,
-            v.shape, v.stride(), v.dtype, v.device, v.data_ptr() % 16,
-            causal, softmax_scale, return_lse, backend, deterministic)
+    return (*map(tensor_signature, (q, k, v)), causal, softmax_scale, return_lse, backend, deterministic)
 
 
 def _remember(key, plan: ForwardPlan, q, k, v, out, lse, causal, softmax_scale) -> None:
     """Keep this call's launch for the next call of its signature (the call just ran with `plan`)."""
-    if len(_PREPARED) >= _PREPARED_MAX:
-        _PREPARED.clear()
     if plan.kernel == "sm90":
         from flashmoe_science.attention.hopper.fwd_sm90 import prepare_forward
 
         num_ctas = device_traits(q.device).sm_count if plan.persistent else None
-        _PREPARED[key] = prepare_forward(q, k, v, out, lse, causal, softmax_scale, plan.tiles, num_ctas,
-                                         plan.q_buffers, plan.cross_item)
+        prepared = prepare_forward(q, k, v, out, lse, causal, softmax_scale, plan.tiles, num_ctas, plan.q_buffers,
+                                   plan.cross_item)
     else:
         from flashmoe_science.attention.triton_fwd import prepare_forward
 
-        _PREPARED[key] = prepare_forward(q, k, v, out, lse, causal, softmax_scale, plan.tiles)
+        prepared = prepare_forward(q, k, v, out, lse, causal, softmax_scale, plan.tiles)
+    remember(_PREPARED, key, prepared)
 
 
 def flash_attention_science(

@@ -8,6 +8,7 @@ signature ran before skips the checks and the launch planning (``_PREPARED``, at
 import torch
 
 from flashmoe_science.device import on_another_cuda_device, triton_interpreter_on
+from flashmoe_science.prepared_cache import remember, tensor_signature
 from flashmoe_science.moe.reference import fused_experts_reference
 from flashmoe_science.moe.routing import SCORING_FUNCTIONS, route
 
@@ -245,9 +246,8 @@ def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="sof
 # ------------------------------------------------------------------------------------------ prepared calls
 # Inference calls whose signature ran before skip the checks, the tiles and Triton's argument binding of the
 # forward's launches (launch-bound on few tokens: docs/perf-notes.md). Bounded: each token count is a new
-# signature.
+# signature (prepared_cache.CACHE_MAX).
 _PREPARED: dict[tuple, object] = {}
-_PREPARED_MAX = 512
 
 
 def _remember(key: tuple | None, x, make_prepared) -> None:
@@ -255,9 +255,7 @@ def _remember(key: tuple | None, x, make_prepared) -> None:
     the interpreter)."""
     if key is None or not x.is_cuda or x.shape[0] == 0:
         return
-    if len(_PREPARED) >= _PREPARED_MAX:
-        _PREPARED.clear()
-    _PREPARED[key] = make_prepared()
+    remember(_PREPARED, key, make_prepared())
 
 
 class _RoutedForward:
@@ -282,7 +280,7 @@ def _signatures(*tensors) -> tuple | None:
     for t in tensors:
         if not isinstance(t, torch.Tensor) or (grad_enabled and t.requires_grad):
             return None
-        key += (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+        key.append(tensor_signature(t))
     return tuple(key)
 
 

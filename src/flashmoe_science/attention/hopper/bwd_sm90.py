@@ -367,9 +367,10 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, caus
     from flashmoe_science.attention.hopper import bwd_dq_sm90, bwd_sm90_hdim256
 
     check_supported(q, softmax_scale)
-    split = padded_head_dim(q.shape[-1]) == TWO_KERNEL_BLOCK_D
+    block_d = padded_head_dim(q.shape[-1])
+    split = block_d == TWO_KERNEL_BLOCK_D
     if dq_accum is None and not split:
-        dq_accum = torch.empty(*q.shape[:3], padded_head_dim(q.shape[-1]), dtype=torch.float32, device=q.device)
+        dq_accum = torch.empty(*q.shape[:3], block_d, dtype=torch.float32, device=q.device)
     if split:
         kernel, grid, bound, options, _ = _preprocess_launch(q, out, grad_out, delta, dq, None)
         kernels = {"preprocess": kernel[grid](**bound, **options)}

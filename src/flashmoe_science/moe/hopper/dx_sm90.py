@@ -233,7 +233,7 @@ def _num_work(expert_counts_ptr, expert_row_start_ptr, num_experts, num_tiles_ma
 
 @gluon.jit
 def _work_units(num_work, k_steps, SPLIT_TAIL: gl.constexpr):
-    """(whole items, tail items, parts per tail item, work units) of this launch. Without SPLIT_TAIL every item is
+    """(whole items, parts per tail item, work units) of this launch. Without SPLIT_TAIL every item is
     one unit. With it, the items of the last, partial wave (num_work % CTAs of them) are each split along K into
     as many parts as that wave has CTAs per item (at most one K step each), so that the wave's CTAs share their
     work instead of most of them idling: at Mixtral T=4096, dx's 1088 128x256 items are 8.24 waves of ~350 us
@@ -246,7 +246,7 @@ def _work_units(num_work, k_steps, SPLIT_TAIL: gl.constexpr):
         tail = num_work * 0
         parts = tail + 1
     whole = num_work - tail
-    return whole, tail, parts, whole + tail * parts
+    return whole, parts, whole + tail * parts
 
 
 @gluon.jit
@@ -276,7 +276,7 @@ def _producer(a_desc, b_desc, gate_up_desc, h_desc, a_smem, b_smem, epi_smem, re
                                         BM, BN)
     num_col_blocks = gl.cdiv(N, BN)
     k_steps = K // BK
-    whole, _, parts, num_units = _work_units(num_work, k_steps, SPLIT_TAIL)
+    whole, parts, num_units = _work_units(num_work, k_steps, SPLIT_TAIL)
     ring = 0  # K steps issued so far by this CTA (ring position)
     epi_items = 0  # items whose epilogue operands were loaded so far (SWIGLU_BWD)
     for unit in range(gl.program_id(0), num_units, gl.num_programs(0)):
@@ -385,7 +385,7 @@ def _consumer(a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty
                                         BM, BN)
     num_col_blocks = gl.cdiv(N, BN)
     k_steps = K // BK
-    whole, _, parts, num_units = _work_units(num_work, k_steps, SPLIT_TAIL)
+    whole, parts, num_units = _work_units(num_work, k_steps, SPLIT_TAIL)
     ring = 0  # ring position of the current item's first K step
     item = 0  # the CTA's work units so far
     epi_items = 0  # the CTA's items with an epilogue so far (both consumers count every one: the buffers' phase)
