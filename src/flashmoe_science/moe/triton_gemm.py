@@ -6,7 +6,9 @@ Forward, two launches after the sort:
 - ``_down_combine_kernel``: ``out[token] += weight[pair] * (h[row] @ w2[e].T)``; the routing weight is applied in
   the epilogue and the k rows of a token meet through float32 atomic adds straight into the (T, d) output, so no
   (T·k, d) buffer is written or reduced. Atomics also make split-K free for the few-token case. The order of
-  the k additions is not fixed: results may differ in the last float32 bit from run to run.
+  the k additions is not fixed: results may differ in the last float32 bit from run to run. On Hopper with
+  128-row tiles the same product runs in dx_sm90's Gluon kernel instead (``down_sm90``: TMA loads of h and of w2
+  read K-major, warp-specialised; ``_hopper_down``).
 
 Gate and up rows of w1 are read as one B tile with interleaved columns (``_gate_up_columns``): one MMA of width
 2·BLOCK_N per step instead of two that each re-read the A tile from shared memory.
@@ -629,7 +631,7 @@ def forward_buffers(x, w1, sort: ExpertSort, tiles: MoETiles, save_for_backward:
 
 
 def down_forward_launch(h, w2, out32, weights32, sort: ExpertSort, tiles: MoETiles) -> Launch:
-    """GEMM2 of the forward: ``out32[token] += weight * h[row] @ w2[e].T`` (tiles.down)."""
+    """GEMM2 of the forward in Triton: ``out32[token] += weight * h[row] @ w2[e].T`` (tiles.down)."""
     d_model, d_ff = w2.shape[1], w2.shape[2]
     w2_strides = (w2.stride(0), w2.stride(2), w2.stride(1))  # (expert, k = F, n = d)
     return down_combine_launch(h, w2, w2_strides, out32, weights32, sort, tiles, tiles.down, d_ff, d_model)
@@ -690,8 +692,52 @@ def _forward_launches(x, w1, w2, weights32, topk_ids, tiles: MoETiles, save_for_
     h, out32, gate_up = forward_buffers(x, w1, sort, tiles, save_for_backward)
     launches = (*sort_launches(flat_ids(topk_ids), sort, chunk_counts, chunk_row_base),
                 up_swiglu_launch(x, w1, h, gate_up, sort, tiles),
-                down_forward_launch(h, w2, out32, weights32, sort, tiles))
+                _down_launch(h, w2, out32, weights32, sort, tiles))
     return sort, out32, h, gate_up, launches
+
+
+class HopperDownLaunch(NamedTuple):
+    """GEMM2 of the forward in dx_sm90's Gluon kernel (``down_sm90``), kept as data as a ``Launch`` is: run it, or
+    prepare it for repeats (``prepare_down``)."""
+
+    h: torch.Tensor
+    w2: torch.Tensor
+    out32: torch.Tensor
+    weights32: torch.Tensor
+    sort: ExpertSort
+
+    def __call__(self) -> None:
+        from flashmoe_science.moe.hopper import dx_sm90
+
+        dx_sm90.down_sm90(self.h, self.w2, self.out32, self.weights32, self.sort, self.sort.block_m)
+
+    def prepare(self) -> PreparedLaunch:
+        from flashmoe_science.moe.hopper import dx_sm90
+
+        return dx_sm90.prepare_down(self.h, self.w2, self.out32, self.weights32, self.sort)
+
+
+def _down_launch(h, w2, out32, weights32, sort: ExpertSort, tiles: MoETiles):
+    """GEMM2 of the forward: the Gluon kernel where ``_hopper_down`` takes the call, else ``down_forward_launch``."""
+    if _hopper_down(h, w2, out32, weights32, sort, tiles):
+        return HopperDownLaunch(h, w2, out32, weights32, sort)
+    return down_forward_launch(h, w2, out32, weights32, sort, tiles)
+
+
+# the sort's tensors each down launch takes after (h, w2, out32, weights32), in its kernel's order
+_DOWN_SORT_TENSORS = {HopperDownLaunch: ("sorted_pair_ids", "tile_expert", "expert_counts", "expert_row_start"),
+                      Launch: ("sorted_pair_ids", "tile_expert")}
+
+
+def _hopper_down(h, w2, out32, weights32, sort: ExpertSort, tiles: MoETiles) -> bool:
+    """Whether the forward's down GEMM runs in the Gluon sm_90 kernel (``dx_sm90.down_sm90``): on Hopper, with
+    128-row tiles, 16-bit operands and TMA-aligned rows."""
+    if not h.is_cuda or tiles.block_m != 128 or not device_traits(h.device).is_hopper:
+        return False
+    from flashmoe_science.moe.hopper import dx_sm90
+
+    return dx_sm90.unsupported_reason(h, w2, out32, sort, tiles.block_m, dx_sm90.down_config(w2.shape[2]), "down",
+                                      row_scale=weights32) is None
 
 
 def moe_forward(x, w1, w2, weights32, topk_ids, tiles: MoETiles | None = None, save_for_backward: bool = False):
@@ -723,6 +769,7 @@ class PreparedForward(NamedTuple):
     sort: tuple[PreparedLaunch, ...]  # dispatch.sort_launches'
     up: PreparedLaunch
     down: PreparedLaunch
+    down_sort_tensors: tuple[str, ...]  # the sort's tensors ``down`` takes after (h, w2, out32, weights32)
 
     def __call__(self, x, w1, w2, weights32, topk_ids) -> torch.Tensor:
         """``moe_forward(x, w1, w2, weights32, topk_ids)[0]`` for new tensors of the prepared signature."""
@@ -734,7 +781,7 @@ class PreparedForward(NamedTuple):
         for launch, tensors in zip(self.sort, sort_launch_tensors(ids, sort, chunk_counts, chunk_row_base)):
             launch(*tensors)
         self.up(x, w1, h, h, sort.sorted_pair_ids, sort.tile_expert)  # (h twice: no gate_up in inference)
-        self.down(h, w2, out32, weights32, sort.sorted_pair_ids, sort.tile_expert)
+        self.down(h, w2, out32, weights32, *(getattr(sort, name) for name in self.down_sort_tensors))
         return out32.to(x.dtype)
 
 
@@ -745,7 +792,7 @@ def prepare_forward(x, w1, w2, weights32, topk_ids, tiles: MoETiles | None = Non
         tiles = _default_tiles(x, w1, topk_ids)
     _, _, _, _, launches = _forward_launches(x, w1, w2, weights32, topk_ids, tiles)
     *sort, up, down = (launch.prepare() for launch in launches)
-    return PreparedForward(tiles, tuple(sort), up, down)
+    return PreparedForward(tiles, tuple(sort), up, down, _DOWN_SORT_TENSORS[type(launches[-1])])
 
 
 def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,

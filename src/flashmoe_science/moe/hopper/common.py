@@ -81,10 +81,12 @@ def load_stage(a_desc, a_row, a_col, b_desc, b_row, b_col, a_smem, b_smem, ready
 
 @gluon.jit
 def mma_steps(a_smem, b_smem, ready, empty, ring, k_steps, acc,
-              ROW0: gl.constexpr, ROWS: gl.constexpr, NUM_STAGES: gl.constexpr, A_MN_MAJOR: gl.constexpr):
+              ROW0: gl.constexpr, ROWS: gl.constexpr, NUM_STAGES: gl.constexpr, A_MN_MAJOR: gl.constexpr,
+              B_K_MAJOR: gl.constexpr = False):
     """acc += A[ROW0:ROW0+ROWS] @ B over k_steps ring stages from position `ring`, one async wgmma in flight: each
     stage is released once the wgmma after it has been issued and it has completed. A's stage holds the (rows, K)
-    tile, or with A_MN_MAJOR the (K, rows) tile, read transposed by the wgmma (an MN-major A descriptor). Returns (acc
+    tile, or with A_MN_MAJOR the (K, rows) tile, read transposed by the wgmma (an MN-major A descriptor). B's stage
+    holds the (K, N) tile, or with B_K_MAJOR the (N, K) tile (a weight stored (N, K), read transposed). Returns (acc
     with its last wgmma still in flight, the ring position after the item)."""
     for ks in range(k_steps):
         stage = ring % NUM_STAGES
@@ -93,7 +95,11 @@ def mma_steps(a_smem, b_smem, ready, empty, ring, k_steps, acc,
             a = a_smem.index(stage).slice(ROW0, ROWS, dim=1).permute((1, 0))
         else:
             a = a_smem.index(stage).slice(ROW0, ROWS)
-        acc = warpgroup_mma(a, b_smem.index(stage), acc, is_async=True)
+        if B_K_MAJOR:
+            b = b_smem.index(stage).permute((1, 0))
+        else:
+            b = b_smem.index(stage)
+        acc = warpgroup_mma(a, b, acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous step's wgmma is done: release its stage
         mbarrier.arrive(empty.index((ring + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=ks > 0)
         ring += 1

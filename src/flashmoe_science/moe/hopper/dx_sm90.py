@@ -127,6 +127,7 @@ from flashmoe_science.moe.hopper.common import (BARRIER_BYTES, CONSUMER_REGISTER
                                                 NUM_CONSUMERS, PRODUCER_REGISTERS, check_tile_config, column_halves,
                                                 grouped_block, init_barriers, load_stage, mma_steps, wgmma_layout)
 from flashmoe_science.moe.tiles import HOPPER_SMEM_PER_BLOCK, sm_count
+from flashmoe_science.prepared_launch import PreparedLaunch
 
 BLOCK_M = 128  # rows per work item: the sort's row tile (one expert per tile)
 
@@ -177,6 +178,12 @@ def dx_config(two_d_ff: int) -> DxConfig:
     return LONG_K_CONFIG if two_d_ff >= LONG_K else SHORT_K_CONFIG
 
 
+def down_config(d_ff: int) -> DxConfig:
+    """The forward's down GEMM's tile config for K = F: the same product shape as dx's (sorted rows times one
+    expert's weight, atomics into token rows), so dx's rule by K (not yet measured for down on its own)."""
+    return dx_config(d_ff)
+
+
 # dh: H200, scripts/ab_moe_dx_sm90.py --gemm dh (session 10, Mixtral T=4096): ping-pong 128x128 s4 1.46 ms,
 # cooperative 128x256 s3 1.58 ms, Triton dh_launch 1.54 ms
 DH_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
@@ -196,8 +203,8 @@ def smem_bytes(config: DxConfig, itemsize: int = 2, gemm: str = "dx") -> int:
 def check_config(config: DxConfig, itemsize: int = 2, smem_limit: int = HOPPER_SMEM_PER_BLOCK,
                  gemm: str = "dx") -> None:
     """ValueError unless the kernel can run ``config``."""
-    if config.split_tail and gemm != "dx":
-        # a split item's parts meet only where the epilogue adds (dx's atomics); dh's epilogues store
+    if config.split_tail and gemm not in ("dx", "down"):
+        # a split item's parts meet only where the epilogue adds (dx's and down's atomics); dh's epilogues store
         raise ValueError(f"{gemm}_sm90: split_tail needs dx's additive epilogue, got {config.label()}")
     if gemm == "dh_swiglu":
         if not config.pingpong:
@@ -217,6 +224,15 @@ def check_config(config: DxConfig, itemsize: int = 2, smem_limit: int = HOPPER_S
 SCATTER_ADD = gl.constexpr(0)
 ROW_STORE = gl.constexpr(1)
 SWIGLU_BWD = gl.constexpr(2)
+# the forward's down GEMM: SCATTER_ADD of the rows scaled by their routing weights; its B (w2, stored (E, d, F)) is
+# K-major: B boxes are (BLOCK_N, BLOCK_K) tiles of w2 viewed (E*d, F), read transposed by the wgmma
+DOWN = gl.constexpr(3)
+
+
+@gluon.constexpr_function
+def b_k_major(epilogue):
+    """Whether the product's B is stored (N, K) (the forward's w2) rather than (K, N) (dx's w1, dh's w2)."""
+    return getattr(epilogue, "value", epilogue) == DOWN.value
 
 
 # ------------------------------------------------------------------------------------------------------ the kernel
@@ -271,7 +287,8 @@ def _producer(a_desc, b_desc, gate_up_desc, h_desc, a_smem, b_smem, epi_smem, re
     the epilogue buffers once the previous item's epilogue has released them."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = b_desc.block_type.shape[1]
+    B_K_MAJOR: gl.constexpr = b_k_major(EPILOGUE)
+    BN: gl.constexpr = b_desc.block_type.shape[0] if B_K_MAJOR else b_desc.block_type.shape[1]
     num_row_tiles, num_work = _num_work(expert_counts_ptr, expert_row_start_ptr, num_experts, num_tiles_max, N,
                                         BM, BN)
     num_col_blocks = gl.cdiv(N, BN)
@@ -286,8 +303,12 @@ def _producer(a_desc, b_desc, gate_up_desc, h_desc, a_smem, b_smem, epi_smem, re
         if expert >= 0:
             b_row = expert * K
             for ks in range(k_first, k_first + unit_steps):
-                load_stage(a_desc, tile * BM, ks * BK, b_desc, b_row + ks * BK, col_block * BN, a_smem, b_smem,
-                           ready, empty, ring, NUM_STAGES)
+                if B_K_MAJOR:  # B viewed (E*N, K)
+                    load_stage(a_desc, tile * BM, ks * BK, b_desc, expert * N + col_block * BN, ks * BK, a_smem,
+                               b_smem, ready, empty, ring, NUM_STAGES)
+                else:  # B viewed (E*K, N)
+                    load_stage(a_desc, tile * BM, ks * BK, b_desc, b_row + ks * BK, col_block * BN, a_smem, b_smem,
+                               ready, empty, ring, NUM_STAGES)
                 ring += 1
             if EPILOGUE == SWIGLU_BWD:
                 _load_swiglu_operands(gate_up_desc, h_desc, epi_smem, epi_ready, epi_empty, epi_items, tile * BM,
@@ -369,11 +390,13 @@ def _consumer(a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty
               CONSUMER: gl.constexpr, PINGPONG: gl.constexpr, ROWS: gl.constexpr, GROUP_M: gl.constexpr,
               NUM_STAGES: gl.constexpr, EPILOGUE: gl.constexpr, SPLIT_TAIL: gl.constexpr):
     """One consumer warpgroup: its rows of every work item (cooperative), or every other work item (ping-pong); the
-    epilogue adds them into their tokens' rows of out (SCATTER_ADD, dx), stores them to their own rows (ROW_STORE,
-    dh) or stores the SwiGLU backward of them to their own rows of d(gate, up) by TMA (SWIGLU_BWD, ping-pong)."""
+    epilogue adds them into their tokens' rows of out (SCATTER_ADD, dx; DOWN scaled by the rows' routing weights),
+    stores them to their own rows (ROW_STORE, dh) or stores the SwiGLU backward of them to their own rows of d(gate,
+    up) by TMA (SWIGLU_BWD, ping-pong)."""
     BM: gl.constexpr = a_smem.type.shape[1]
     BK: gl.constexpr = a_smem.type.shape[2]
-    BN: gl.constexpr = b_smem.type.shape[2]
+    B_K_MAJOR: gl.constexpr = b_k_major(EPILOGUE)
+    BN: gl.constexpr = b_smem.type.shape[1] if B_K_MAJOR else b_smem.type.shape[2]
     ROW0: gl.constexpr = 0 if PINGPONG else CONSUMER * ROWS
     acc_layout: gl.constexpr = wgmma_layout(BN)
     # the epilogue's row vectors in the layout of the tile slices it works on (SWIGLU_BWD: chunks of COLS columns)
@@ -402,7 +425,7 @@ def _consumer(a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty
             # the rows' pair ids (and routing weights), loaded ahead of the K loop so the epilogue does not wait
             rows = tile * BM + ROW0 + gl.arange(0, ROWS, layout=row_layout)
             pairs = gl.load(sorted_pair_ids_ptr + rows)
-            if EPILOGUE == SWIGLU_BWD:
+            if EPILOGUE == SWIGLU_BWD or EPILOGUE == DOWN:
                 scale = gl.load(row_scale_ptr + pairs, mask=pairs < num_pairs, other=0.0)
             if PINGPONG:
                 # wait until the other consumer has issued its wgmmas of the previous item (its epilogue then
@@ -410,7 +433,7 @@ def _consumer(a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty
                 mbarrier.wait(turn.index(CONSUMER), ((item - 1) // 2) & 1, pred=item > 0)
             acc = gl.zeros([ROWS, BN], gl.float32, layout=acc_layout)
             acc, end = mma_steps(a_smem, b_smem, ready, empty, ring, item_steps, acc, ROW0, ROWS, NUM_STAGES,
-                                 False)
+                                 False, B_K_MAJOR)
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
             acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -426,17 +449,19 @@ def _consumer(a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty
                     # one partial sum per row and column block (the quad of threads holding a row adds once)
                     gl.atomic_add(dscale_ptr + pairs, dscale, mask=valid, sem="relaxed")
                 else:
-                    if EPILOGUE == SCATTER_ADD:
-                        out_rows = gl.where(valid, pairs // top_k, 0).to(gl.int64)  # the rows' tokens
-                    else:
+                    if EPILOGUE == ROW_STORE:
                         out_rows = rows.to(gl.int64)
+                    else:
+                        out_rows = gl.where(valid, pairs // top_k, 0).to(gl.int64)  # the rows' tokens
+                    if EPILOGUE == DOWN:
+                        acc = acc * gl.expand_dims(scale, 1)
                     cols = col_block * BN + gl.arange(0, BN, layout=col_layout)
                     ptrs = out_ptr + gl.expand_dims(out_rows * stride_out, 1) + gl.expand_dims(cols, 0)
                     mask = gl.expand_dims(valid, 1) & gl.expand_dims(cols < N, 0)
-                    if EPILOGUE == SCATTER_ADD:
-                        gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
-                    else:
+                    if EPILOGUE == ROW_STORE:
                         gl.store(ptrs, acc, mask=mask)
+                    else:
+                        gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
         ring += item_steps
         epi_items += (expert >= 0).to(gl.int32)
         item += 1
@@ -506,7 +531,14 @@ class _Gemm(NamedTuple):
 GEMMS = {"dx": _Gemm("dgu", "w1", "dx32", "2F", "d", "dx_launch", SCATTER_ADD.value),
          "dh": _Gemm("dout_sorted", "w2", "dh", "d", "F", "dh_launch", ROW_STORE.value),
          "dh_swiglu": _Gemm("dout_sorted", "w2", "dgu", "d", "F", "dh_launch + swiglu_backward_launch",
-                            SWIGLU_BWD.value)}
+                            SWIGLU_BWD.value),
+         "down": _Gemm("h", "w2", "out32", "F", "d", "down_forward_launch", DOWN.value)}
+
+
+def _gemm_dims(w, epilogue: int):
+    """(E, K, N) of the product's weight: stored (E, K, N), or (E, N, K) where B is K-major (DOWN)."""
+    num_experts, rows, cols = w.shape
+    return (num_experts, cols, rows) if b_k_major(epilogue) else (num_experts, rows, cols)
 
 
 def _swiglu_reason(swiglu, w, dgu, sort: ExpertSort, num_rows: int, config: DxConfig) -> str | None:
@@ -534,10 +566,11 @@ def _swiglu_reason(swiglu, w, dgu, sort: ExpertSort, num_rows: int, config: DxCo
 
 
 def unsupported_reason(a, w, out, sort: ExpertSort, block_m: int, config: DxConfig, gemm: str = "dx",
-                       swiglu: SwigluOperands | None = None) -> str | None:
+                       swiglu: SwigluOperands | None = None, row_scale: torch.Tensor | None = None) -> str | None:
     """Why the kernel cannot take these arguments, or None where it can. ``gemm="dx"``: a = dgu (rows, 2F),
     w = w1 (E, 2F, d), out = dx32 (T, d); ``gemm="dh"``: a = dout_sorted (rows, d), w = w2 (E, d, F),
-    out = dh (rows, F); ``gemm="dh_swiglu"``: as dh, but out = dgu (rows, 2F) in w2's dtype, and ``swiglu``."""
+    out = dh (rows, F); ``gemm="dh_swiglu"``: as dh, but out = dgu (rows, 2F) in w2's dtype, and ``swiglu``;
+    ``gemm="down"``: a = h (rows, F), w = w2 (E, d, F), out = out32 (T, d), and ``row_scale`` (T, k) float32."""
     g = GEMMS[gemm]
     name = f"{gemm}_sm90"
     if not isinstance(sort, ExpertSort):
@@ -546,9 +579,10 @@ def unsupported_reason(a, w, out, sort: ExpertSort, block_m: int, config: DxConf
         return (f"{name}: the kernel runs {BLOCK_M}-row tiles; got block_m={block_m}, "
                 f"sort.block_m={sort.block_m}")
     out_shape = {SCATTER_ADD.value: f"(T, {g.n})", ROW_STORE.value: f"(rows, {g.n})",
-                 SWIGLU_BWD.value: f"(rows, 2{g.n})"}[g.epilogue]
+                 SWIGLU_BWD.value: f"(rows, 2{g.n})", DOWN.value: f"(T, {g.n})"}[g.epilogue]
+    w_shape = f"(E, {g.n}, {g.k})" if b_k_major(g.epilogue) else f"(E, {g.k}, {g.n})"
     if w.dim() != 3 or a.dim() != 2 or out.dim() != 2:
-        return (f"{name}: expected {g.w} (E, {g.k}, {g.n}), {g.a} (rows, {g.k}), {g.out} {out_shape}; got "
+        return (f"{name}: expected {g.w} {w_shape}, {g.a} (rows, {g.k}), {g.out} {out_shape}; got "
                 f"{g.w} {tuple(w.shape)}, {g.a} {tuple(a.shape)}, {g.out} {tuple(out.shape)}")
     if w.dtype not in GL_DTYPES or a.dtype != w.dtype:
         return (f"{name}: {g.a} and {g.w} must share a 16-bit float dtype (bfloat16 or float16), got "
@@ -556,23 +590,24 @@ def unsupported_reason(a, w, out, sort: ExpertSort, block_m: int, config: DxConf
     if g.epilogue == SWIGLU_BWD.value and out.dtype != w.dtype:
         return f"{name}: {g.out} must be in {g.w}'s dtype {w.dtype} (dw1's operand), got {out.dtype}"
     if g.epilogue != SWIGLU_BWD.value and out.dtype != torch.float32:
-        why = "the atomics add float32" if g.epilogue == SCATTER_ADD.value else "the accumulator, stored as it is"
+        why = "the accumulator, stored as it is" if g.epilogue == ROW_STORE.value else "the atomics add float32"
         return f"{name}: {g.out} must be float32 ({why}), got {out.dtype}"
-    num_experts, K, N = w.shape
+    num_experts, K, N = _gemm_dims(w, g.epilogue)
     num_rows = sort.tile_expert.numel() * BLOCK_M
     if a.shape != (num_rows, K):
         return f"{name}: {g.a} must be (sort rows, {g.k}) = ({num_rows}, {K}), got {tuple(a.shape)}"
-    if g.epilogue == SCATTER_ADD.value and (out.shape[1] != N or out.shape[0] * sort.top_k != sort.num_pairs):
+    adds_to_tokens = g.epilogue in (SCATTER_ADD.value, DOWN.value)
+    if adds_to_tokens and (out.shape[1] != N or out.shape[0] * sort.top_k != sort.num_pairs):
         return (f"{name}: {g.out} must be (T, {g.n}) = ({sort.num_pairs // max(sort.top_k, 1)}, {N}), "
                 f"got {tuple(out.shape)}")
     out_cols = 2 * N if g.epilogue == SWIGLU_BWD.value else N
-    if g.epilogue != SCATTER_ADD.value and out.shape != (num_rows, out_cols):
+    if not adds_to_tokens and out.shape != (num_rows, out_cols):
         return (f"{name}: {g.out} must be {out_shape.replace('rows', 'sort rows')} = ({num_rows}, {out_cols}), "
                 f"got {tuple(out.shape)}")
     if sort.expert_counts.numel() != num_experts:
         return f"{name}: the sort has {sort.expert_counts.numel()} experts, {g.w} {num_experts}"
     if K % config.block_k:
-        # the B descriptor views w as (E*K, N): a K box must not straddle two experts
+        # dx/dh view w as (E*K, N): a K box must not straddle two experts (and the K loop takes whole boxes)
         return (f"{name}: {g.k} = {K} must be a multiple of block_k = {config.block_k} (a K tile of "
                 f"{g.w} viewed as (E*{g.k}, {g.n}) would cross an expert boundary); use triton_gemm.{g.triton}")
     if not (w.is_contiguous() and a.is_contiguous()):
@@ -590,17 +625,24 @@ def unsupported_reason(a, w, out, sort: ExpertSort, block_m: int, config: DxConf
         return str(error)
     if g.epilogue == SWIGLU_BWD.value:
         return _swiglu_reason(swiglu, w, out, sort, num_rows, config)
+    if g.epilogue == DOWN.value and (not isinstance(row_scale, torch.Tensor) or row_scale.dtype != torch.float32
+                                     or not row_scale.is_contiguous() or row_scale.numel() != sort.num_pairs):
+        return (f"{name}: row_scale must be the routing weights, float32 and contiguous, one per (token, slot) pair "
+                f"({sort.num_pairs}), got {type(row_scale).__name__} "
+                f"{getattr(row_scale, 'dtype', '')} {tuple(getattr(row_scale, 'shape', ()))}")
     return None
 
 
 def launch_args(a, w, out, sort: ExpertSort, block_m: int, config: DxConfig = DxConfig(),
-                num_ctas: int | None = None, gemm: str = "dx", swiglu: SwigluOperands | None = None):
+                num_ctas: int | None = None, gemm: str = "dx", swiglu: SwigluOperands | None = None,
+                row_scale: torch.Tensor | None = None):
     """(grid, positional args, constexprs) of one launch (``unsupported_reason``'s arguments), after the argument
     checks (ValueError); no device check, so that offline builds can pass meta tensors."""
-    reason = unsupported_reason(a, w, out, sort, block_m, config, gemm, swiglu)
+    reason = unsupported_reason(a, w, out, sort, block_m, config, gemm, swiglu, row_scale)
     if reason is not None:
         raise ValueError(reason)
-    num_experts, K, N = w.shape
+    epilogue = GEMMS[gemm].epilogue
+    num_experts, K, N = _gemm_dims(w, epilogue)
     num_tiles_max = sort.tile_expert.numel()
     max_work = num_tiles_max * triton.cdiv(N, config.block_n)
     if config.split_tail:  # the parts of a last wave smaller than the grid fill the grid
@@ -608,34 +650,51 @@ def launch_args(a, w, out, sort: ExpertSort, block_m: int, config: DxConfig = Dx
     if num_ctas is None:
         num_ctas = sm_count(out.device)
     grid = (max(1, min(num_ctas, max_work)),)
-    a_desc = common.descriptor(a, [BLOCK_M, config.block_k])
-    b_desc = common.descriptor(w.view(num_experts * K, N), [config.block_k, config.block_n])
-    epilogue = GEMMS[gemm].epilogue
-    if epilogue == SWIGLU_BWD.value:
-        box = [BLOCK_M, config.swiglu_cols]
-        epilogue_descs = (common.descriptor(swiglu.gate_up, box), common.descriptor(swiglu.h, box),
-                          common.descriptor(out, box))
-        scales = (swiglu.row_scale, swiglu.dscale)
-    else:  # unused descriptors and pointers
-        epilogue_descs, scales = (a_desc,) * 3, (out, out)
-    args = (a_desc, b_desc, *epilogue_descs, out, sort.sorted_pair_ids, sort.tile_expert, sort.expert_counts,
-            sort.expert_row_start, *scales, num_experts, num_tiles_max, sort.num_pairs, sort.top_k, K, N,
-            out.stride(0))
+    epilogue_tensors = tuple(swiglu) if epilogue == SWIGLU_BWD.value else (row_scale,) if epilogue == DOWN.value else ()
+    head = kernel_head(gemm, config, a, w, out, sort.sorted_pair_ids, sort.tile_expert, sort.expert_counts,
+                       sort.expert_row_start, *epilogue_tensors)
+    args = (*head, num_experts, num_tiles_max, sort.num_pairs, sort.top_k, K, N, out.stride(0))
     rows = BLOCK_M if config.pingpong else BLOCK_M // NUM_CONSUMERS
     constexprs = dict(GROUP_M=config.group_m, NUM_STAGES=config.num_stages, PINGPONG=config.pingpong, ROWS=rows,
                       EPILOGUE=epilogue, SPLIT_TAIL=config.split_tail)
     return grid, args, constexprs
 
 
+def kernel_head(gemm: str, config: DxConfig, a, w, out, sorted_pair_ids, tile_expert, expert_counts,
+                expert_row_start, *epilogue_tensors):
+    """The kernel's leading arguments over these (checked) tensors: the TMA descriptors and the pointers, in the
+    kernel's order; ``epilogue_tensors``: SwigluOperands' four (dh_swiglu), the routing weights (down), or none.
+    What a PreparedLaunch rebuilds per call (``prepare``)."""
+    epilogue = GEMMS[gemm].epilogue
+    a_desc = common.descriptor(a, [BLOCK_M, config.block_k])
+    num_experts, K, N = _gemm_dims(w, epilogue)
+    if b_k_major(epilogue):
+        b_desc = common.descriptor(w.view(num_experts * N, K), [config.block_n, config.block_k])
+    else:
+        b_desc = common.descriptor(w.view(num_experts * K, N), [config.block_k, config.block_n])
+    if epilogue == SWIGLU_BWD.value:
+        gate_up, h, row_scale, dscale = epilogue_tensors
+        box = [BLOCK_M, config.swiglu_cols]
+        epilogue_descs = (common.descriptor(gate_up, box), common.descriptor(h, box), common.descriptor(out, box))
+        scales = (row_scale, dscale)
+    elif epilogue == DOWN.value:  # unused descriptors; the routing weights, and an unused pointer
+        epilogue_descs, scales = (a_desc,) * 3, (epilogue_tensors[0], out)
+    else:  # unused descriptors and pointers
+        epilogue_descs, scales = (a_desc,) * 3, (out, out)
+    return (a_desc, b_desc, *epilogue_descs, out, sorted_pair_ids, tile_expert, expert_counts, expert_row_start,
+            *scales)
+
+
 def _launch(gemm, a, w, out, sort: ExpertSort, block_m: int, config: DxConfig, num_ctas: int | None,
-            swiglu: SwigluOperands | None = None):
+            swiglu: SwigluOperands | None = None, row_scale: torch.Tensor | None = None):
     tensors = (a, w, out, sort.sorted_pair_ids, sort.tile_expert, sort.expert_counts, sort.expert_row_start,
-               *(swiglu if isinstance(swiglu, SwigluOperands) else ()))
+               *(swiglu if isinstance(swiglu, SwigluOperands) else ()),
+               *((row_scale,) if isinstance(row_scale, torch.Tensor) else ()))
     if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
         raise ValueError(f"{gemm}_sm90: needs CUDA tensors (a Hopper GPU)")
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"{gemm}_sm90: all tensors must be on one device")
-    grid, args, constexprs = launch_args(a, w, out, sort, block_m, config, num_ctas, gemm, swiglu)
+    grid, args, constexprs = launch_args(a, w, out, sort, block_m, config, num_ctas, gemm, swiglu, row_scale)
     return sorted_rows_sm90_kernel[grid](*args, **constexprs, **LAUNCH_OPTIONS)
 
 
@@ -676,9 +735,43 @@ def dh_swiglu_sm90(dout_sorted, w2, dgu, swiglu: SwigluOperands, sort: ExpertSor
     return _launch("dh_swiglu", dout_sorted, w2, dgu, sort, block_m, config, num_ctas, swiglu)
 
 
+def down_sm90(h, w2, out32, row_scale, sort: ExpertSort, block_m: int, config: DxConfig | None = None,
+              num_ctas: int | None = None):
+    """The forward's down GEMM: ``out32[token] += row_scale[pair] * h[row] @ w2[expert(row)].T`` for every valid
+    sorted row (``triton_gemm.down_forward_launch``'s product).
+
+    h: (sort rows, F) bf16/fp16 contiguous (padding rows may hold anything); w2: (E, d, F) contiguous, same dtype,
+    F a multiple of config.block_k; out32: (T, d) float32 with unit last stride, accumulated into (zero it first);
+    row_scale: (T, k) float32 contiguous, the routing weights. ``config``: default ``down_config(F)``. Otherwise as
+    ``dx_sm90`` (ValueError: use down_forward_launch)."""
+    config = config or down_config(w2.shape[2])
+    return _launch("down", h, w2, out32, sort, block_m, config, num_ctas, row_scale=row_scale)
+
+
+def prepare_down(h, w2, out32, row_scale, sort: ExpertSort, config: DxConfig | None = None,
+                 num_ctas: int | None = None) -> PreparedLaunch:
+    """``down_sm90`` for this call signature as a PreparedLaunch (run it once first, so that it is compiled), called
+    with a new call's h, w2, out32, row_scale and the sort's DOWN_SORT_TENSORS. The grid and every
+    scalar follow from the shapes (T, k, E, d, F) and the sort's sizes: the caller keys its cache on them."""
+    config = config or down_config(w2.shape[2])
+    grid, args, constexprs = launch_args(h, w2, out32, sort, BLOCK_M, config, num_ctas, "down", row_scale=row_scale)
+    bound = dict(zip(sorted_rows_sm90_kernel.arg_names, args), **constexprs)
+
+    def make_head(h, w2, out32, row_scale, sorted_pair_ids, tile_expert, expert_counts, expert_row_start):
+        return kernel_head("down", config, h, w2, out32, sorted_pair_ids, tile_expert, expert_counts,
+                           expert_row_start, row_scale)
+
+    tensors = (h, w2, out32, row_scale, *(getattr(sort, name) for name in DOWN_SORT_TENSORS))
+    return PreparedLaunch(sorted_rows_sm90_kernel, grid, bound, LAUNCH_OPTIONS, make_head, tensors)
+
+
+# the sort's tensors a prepared down launch takes after h, w2, out32 and row_scale
+DOWN_SORT_TENSORS = ("sorted_pair_ids", "tile_expert", "expert_counts", "expert_row_start")
+
+
 def compile_offline(a, w, out, sort: ExpertSort, config: DxConfig = DxConfig(), num_ctas: int = 132,
-                    gemm: str = "dx", swiglu: SwigluOperands | None = None):
+                    gemm: str = "dx", swiglu: SwigluOperands | None = None, row_scale: torch.Tensor | None = None):
     """``triton.compile`` of this launch for sm_90 without a GPU (meta tensors are enough), specialised as the JIT
     would specialise it (16-byte aligned pointers, integers divisible by 16); returns the CompiledKernel."""
-    _, args, constexprs = launch_args(a, w, out, sort, BLOCK_M, config, num_ctas, gemm, swiglu)
+    _, args, constexprs = launch_args(a, w, out, sort, BLOCK_M, config, num_ctas, gemm, swiglu, row_scale)
     return common.compile_offline(sorted_rows_sm90_kernel, args, constexprs)
