@@ -133,10 +133,10 @@ def test_bench_moe_rounds_record_the_median(monkeypatch):
     monkeypatch.setattr(moe_bench, "CPU_TOKENS", (16,))
     monkeypatch.setattr(moe_bench, "CPU_SHRINK", 1)
     monkeypatch.setattr(moe_bench, "PASSES", ("fwd",))
-    monkeypatch.setattr(moe_bench, "_measure", lambda *args, **kwargs: next(times))
+    monkeypatch.setattr(moe_bench, "_measure", lambda *args, **kwargs: (next(times), 25))
     records = moe_bench.run_moe_bench(rounds=3)
-    assert [(r["backend"], r["ms"], r["ms_rounds"]) for r in records] == [
-        ("flashmoe", 5.0, [3.0, 9.0, 5.0]), ("torch-loop", 2.0, [1.0, 2.0, 4.0])]
+    assert [(r["backend"], r["ms"], r["ms_rounds"], r["warmup_ms"]) for r in records] == [
+        ("flashmoe", 5.0, [3.0, 9.0, 5.0], 25), ("torch-loop", 2.0, [1.0, 2.0, 4.0], 25)]
     flops = moe_bench.expert_gemm_flops(16, 2, 64, 32, "fwd")
     assert records[0]["tflops"] == pytest.approx(flops / 5e-3 / 1e12, rel=1e-3)
     with pytest.raises(ValueError, match="rounds"):
@@ -360,3 +360,26 @@ def test_bench_shapes_error_names_the_problem(capsys):
 def test_bench_moe_rejects_attention_only_options(capsys):
     assert cli.main(["bench", "moe", "--shapes", "4x8x2048x64"]) == 2
     assert "--shapes" in capsys.readouterr().err
+
+
+def test_gpu_median_ms_retimes_long_calls_in_the_sustained_state(monkeypatch):
+    """report.gpu_median_ms: a call under SUSTAINED_FROM_MS keeps do_bench's short window; a longer one is timed
+    again after SUSTAINED_WARMUP_MS of back-to-back calls, and that second median is what it returns."""
+    pytest.importorskip("triton")
+    import triton.testing
+
+    from flashmoe_science.bench import report
+
+    calls = []
+
+    def fake_do_bench(fn, warmup, rep, grad_to_none=None, return_mode="mean"):
+        calls.append((warmup, rep))
+        return {25: first, report.SUSTAINED_WARMUP_MS: 9.5}[warmup]
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    first = 0.5
+    assert report.gpu_median_ms(lambda: None) == (0.5, 25) and calls == [(25, 100)]
+    calls.clear()
+    first = 9.0
+    assert report.gpu_median_ms(lambda: None) == (9.5, report.SUSTAINED_WARMUP_MS)
+    assert calls == [(25, 100), (report.SUSTAINED_WARMUP_MS, report.SUSTAINED_REP_MS)]

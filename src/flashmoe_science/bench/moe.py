@@ -10,7 +10,9 @@ weighted combine. Records, one per measurement:
 - ``torch-grouped-mm``: ``torch._grouped_mm`` over tokens sorted by expert with ``argsort`` (offsets are int32
   cumulative counts), SwiGLU and weighting as separate ops, ``index_add_`` to combine.
 TFLOP/s count the expert GEMMs only: forward 2·T·k·(2F·d + d·F), backward twice that. GPU times are medians of
-``triton.testing.do_bench``; backward is timed alone (one forward with grads on x, w1, w2 and the router logits,
+``triton.testing.do_bench``; calls of 1 ms or longer after 3 s of back-to-back calls (``report.gpu_median_ms``: the
+layer runs at the GPU's power cap, and training runs in that settled state; each record's ``warmup_ms`` says which
+window it had); backward is timed alone (one forward with grads on x, w1, w2 and the router logits,
 then ``torch.autograd.grad`` with the graph retained). A backend that raises on a shape (out of memory, no
 backward) gets no record there and the run goes on. On a CPU-only machine the shapes shrink by 32 in d and F
 and only T=16 runs (a smoke test of the harness, not a measurement).
@@ -32,7 +34,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from flashmoe_science.bench.report import median_over_rounds, round_significant, tflops
+from flashmoe_science.bench.report import gpu_median_ms, median_over_rounds, round_significant, tflops
 from flashmoe_science.moe import fused_moe
 
 MODELS = {
@@ -103,18 +105,18 @@ def _available_backends(device):
 
 
 # -------------------------------------------------------------------------------------------------- timing
-def _median_ms(fn, device) -> float:
+def _median_ms(fn, device) -> tuple[float, int]:
+    """(median ms, warm-up ms): ``report.gpu_median_ms`` on the GPU (long calls in the sustained state), else five
+    timed calls after one."""
     if device.type == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        return gpu_median_ms(fn)
     fn()
     times = []
     for _ in range(5):
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return statistics.median(times), 0
 
 
 def _graph_median_ms(fn) -> float:
@@ -134,13 +136,14 @@ def _graph_median_ms(fn) -> float:
     return float(triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median"))
 
 
-def _measure(backend, pass_, tensors, top_k, device, timing="eager") -> float:
+def _measure(backend, pass_, tensors, top_k, device, timing="eager") -> tuple[float, int]:
+    """(median ms, warm-up ms) of one backend's layer, forward or backward, as the records report it."""
     layer = _layer(backend)
     x, w1, w2, logits = tensors
     if pass_ == "fwd":
         with torch.no_grad():
             if timing == "cuda-graph":
-                return _graph_median_ms(lambda: layer(x, w1, w2, logits, top_k))
+                return _graph_median_ms(lambda: layer(x, w1, w2, logits, top_k)), 25
             return _median_ms(lambda: layer(x, w1, w2, logits, top_k), device)
     leaves = [t.detach().requires_grad_() for t in tensors]
     out = layer(*leaves, top_k)
@@ -197,7 +200,7 @@ def run_moe_bench(quick: bool = False, progress=None, on_case_done=None, rounds:
                 for backend, timing in ((b, t) for t in timings for b in backends):
                     step = f"{model} T={num_tokens} {pass_} {backend}" + (f" ({timing})" if timing != "eager" else "")
                     try:
-                        ms = _measure(backend, pass_, tensors, top_k, device, timing)
+                        ms, warmup_ms = _measure(backend, pass_, tensors, top_k, device, timing)
                     except Exception as error:  # a backend that cannot run this shape gets no record
                         warnings.warn(f"moe bench: {step} skipped: {type(error).__name__}: {error}")
                         ms = None
@@ -215,6 +218,7 @@ def run_moe_bench(quick: bool = False, progress=None, on_case_done=None, rounds:
                             "dtype": {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype],
                             "backend": backend,
                             "timing": timing,
+                            "warmup_ms": warmup_ms,
                             "ms": round_significant(ms),
                             "tflops": round_significant(tflops(flops, ms)),
                         }
