@@ -101,10 +101,10 @@ def main():
                     if "dx" in _parse(name):
                         kernel_times[name].append(dx_kernel(_parse(name)["dx"]))
             times["torch-grouped-mm"].append(bench_moe._measure("torch-grouped-mm", "bwd", tensors,
-                                                                shape["top_k"], device)[0])
+                                                                shape["top_k"], device))
             for name in names:
                 times[name].append(_swapped(name, lambda: bench_moe._measure("flashmoe", "bwd", tensors,
-                                                                             shape["top_k"], device)[0]))
+                                                                             shape["top_k"], device)))
         medians = {name: statistics.median(t) for name, t in times.items()}
         base = medians["torch-grouped-mm"]
         report["cases"][case] = {"ms": times, "median_ms": medians, "dx_kernel_ms": kernel_times}

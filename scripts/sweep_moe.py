@@ -445,7 +445,7 @@ def gpu_sweep(cases, out_dir, budget_s, workers, device=None):
             flops = bench_moe.expert_gemm_flops(num_tokens, top_k, d_model, d_ff, pass_)
             for backend in ("flashmoe", "torch-grouped-mm"):
                 try:
-                    ms, _ = bench_moe._measure(backend, pass_, tensors, top_k, device)
+                    ms = bench_moe._measure(backend, pass_, tensors, top_k, device)
                 except Exception as error:  # noqa: BLE001
                     print(f"  layer {pass_} {backend} failed: {error}")
                     continue

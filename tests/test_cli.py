@@ -133,7 +133,7 @@ def test_bench_moe_rounds_record_the_median(monkeypatch):
     monkeypatch.setattr(moe_bench, "CPU_TOKENS", (16,))
     monkeypatch.setattr(moe_bench, "CPU_SHRINK", 1)
     monkeypatch.setattr(moe_bench, "PASSES", ("fwd",))
-    monkeypatch.setattr(moe_bench, "_measure", lambda *args, **kwargs: (next(times), 25))
+    monkeypatch.setattr(moe_bench, "_measure", lambda *args, **kwargs: next(times))
     records = moe_bench.run_moe_bench(rounds=3)
     assert [(r["backend"], r["ms"], r["ms_rounds"], r["warmup_ms"]) for r in records] == [
         ("flashmoe", 5.0, [3.0, 9.0, 5.0], 25), ("torch-loop", 2.0, [1.0, 2.0, 4.0], 25)]
@@ -144,7 +144,7 @@ def test_bench_moe_rounds_record_the_median(monkeypatch):
 
 
 def test_bench_moe_writes_envelope_and_table(tmp_path, monkeypatch, capsys):
-    def run_moe_bench(quick, progress, on_case_done, rounds):
+    def run_moe_bench(quick, progress, on_case_done, rounds, models):
         assert rounds == 1
         progress.set_total(2)
         records = []
@@ -362,24 +362,49 @@ def test_bench_moe_rejects_attention_only_options(capsys):
     assert "--shapes" in capsys.readouterr().err
 
 
-def test_gpu_median_ms_retimes_long_calls_in_the_sustained_state(monkeypatch):
-    """report.gpu_median_ms: a call under SUSTAINED_FROM_MS keeps do_bench's short window; a longer one is timed
-    again after SUSTAINED_WARMUP_MS of back-to-back calls, and that second median is what it returns."""
+def test_gpu_median_ms_windows(monkeypatch):
+    """report.gpu_median_ms: do_bench's short warm-up, or with sustained=True SUSTAINED_WARMUP_MS of back-to-back
+    calls; bench moe picks the window per case by its FLOPs, the same for every backend."""
     pytest.importorskip("triton")
     import triton.testing
 
+    from flashmoe_science.bench import moe as moe_bench
     from flashmoe_science.bench import report
 
     calls = []
 
     def fake_do_bench(fn, warmup, rep, grad_to_none=None, return_mode="mean"):
         calls.append((warmup, rep))
-        return {25: first, report.SUSTAINED_WARMUP_MS: 9.5}[warmup]
+        return 1.5
 
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
-    first = 0.5
-    assert report.gpu_median_ms(lambda: None) == (0.5, 25) and calls == [(25, 100)]
-    calls.clear()
-    first = 9.0
-    assert report.gpu_median_ms(lambda: None) == (9.5, report.SUSTAINED_WARMUP_MS)
-    assert calls == [(25, 100), (report.SUSTAINED_WARMUP_MS, report.SUSTAINED_REP_MS)]
+    assert report.gpu_median_ms(lambda: None) == 1.5 and calls == [(report.SHORT_WARMUP_MS, 100)]
+    assert report.gpu_median_ms(lambda: None, sustained=True) == 1.5
+    assert calls[-1] == (report.SUSTAINED_WARMUP_MS, report.SUSTAINED_REP_MS)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    mixtral_4096 = moe_bench.expert_gemm_flops(4096, 2, 4096, 14336, "fwd")
+    qwen3_256 = moe_bench.expert_gemm_flops(256, 8, 2048, 768, "bwd")
+    assert moe_bench.sustained_window(mixtral_4096, "eager", cuda)
+    assert not moe_bench.sustained_window(mixtral_4096, "cuda-graph", cuda)
+    assert not moe_bench.sustained_window(mixtral_4096, "eager", cpu)
+    assert not moe_bench.sustained_window(qwen3_256, "eager", cuda)
+
+
+def test_bench_moe_models_picks_models_and_rejects_unknown(monkeypatch):
+    from flashmoe_science.bench import moe as moe_bench
+
+    monkeypatch.setattr(moe_bench, "MODELS", {"tiny": dict(num_experts=4, top_k=2, d_model=64, d_ff=32),
+                                              "other": dict(num_experts=4, top_k=1, d_model=64, d_ff=32)})
+    monkeypatch.setattr(moe_bench, "CPU_TOKENS", (16,))
+    monkeypatch.setattr(moe_bench, "CPU_SHRINK", 1)
+    monkeypatch.setattr(moe_bench, "PASSES", ("fwd",))
+    monkeypatch.setattr(moe_bench, "_measure", lambda *args, **kwargs: 1.0)
+    records = moe_bench.run_moe_bench(models=["other"])
+    assert {r["model"] for r in records} == {"other"}
+    with pytest.raises(ValueError, match="models: unknown nope"):
+        moe_bench.run_moe_bench(models=["nope"])
+
+
+def test_bench_attention_refuses_models(capsys):
+    assert cli.main(["bench", "attention", "--models", "mixtral-8x7b"]) == 2
+    assert "--models applies to the MoE benchmark" in capsys.readouterr().err

@@ -146,6 +146,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_attention(args: argparse.Namespace) -> int:
+    if args.models:
+        print("bench attention: --models applies to the MoE benchmark (bench moe)", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     if torch.cuda.is_available():
         device, dtype, timer = torch.device("cuda"), torch.bfloat16, attention_bench.cuda_median_ms
         shapes = args.shapes or attention_bench.gpu_shapes(quick=args.quick)
@@ -202,7 +205,8 @@ def _bench_moe(args: argparse.Namespace) -> int:
         return EXIT_UNAVAILABLE
     partial = _partial_results(args)
     with Progress(desc="moe") as progress:
-        records = run_moe_bench(quick=args.quick, progress=progress, on_case_done=partial, rounds=args.rounds)
+        records = run_moe_bench(quick=args.quick, progress=progress, on_case_done=partial, rounds=args.rounds,
+                                models=args.models)
     row_fields = [name for name in MOE_ROW_FIELDS if any(name in record for record in records)]
     print()
     print("TFLOP/s of the expert GEMMs (n/a: backend unsupported or skipped)")
@@ -249,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--backends", type=_comma_list(attention_bench.BACKEND_ORDER),
         help=f"attention backends to run (default: all on a GPU): {','.join(attention_bench.BACKEND_ORDER)}",
+    )
+    bench.add_argument(
+        "--models", type=_comma_list(),
+        help="MoE models to run (default: all): mixtral-8x7b, qwen3-30b-a3b",
     )
     bench.add_argument(
         "--rounds", type=_positive_int, default=1,

@@ -10,9 +10,9 @@ weighted combine. Records, one per measurement:
 - ``torch-grouped-mm``: ``torch._grouped_mm`` over tokens sorted by expert with ``argsort`` (offsets are int32
   cumulative counts), SwiGLU and weighting as separate ops, ``index_add_`` to combine.
 TFLOP/s count the expert GEMMs only: forward 2·T·k·(2F·d + d·F), backward twice that. GPU times are medians of
-``triton.testing.do_bench``; calls of 1 ms or longer after 3 s of back-to-back calls (``report.gpu_median_ms``: the
-layer runs at the GPU's power cap, and training runs in that settled state; each record's ``warmup_ms`` says which
-window it had); backward is timed alone (one forward with grads on x, w1, w2 and the router logits,
+``triton.testing.do_bench``; cases of 0.25 TFLOP or more after 3 s of back-to-back calls (``sustained_window``,
+``report.gpu_median_ms``: such a layer runs at the GPU's power cap, and training runs in that settled state; each
+record's ``warmup_ms`` says which window it had); backward is timed alone (one forward with grads on x, w1, w2 and the router logits,
 then ``torch.autograd.grad`` with the graph retained). A backend that raises on a shape (out of memory, no
 backward) gets no record there and the run goes on. On a CPU-only machine the shapes shrink by 32 in d and F
 and only T=16 runs (a smoke test of the harness, not a measurement).
@@ -34,7 +34,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from flashmoe_science.bench.report import gpu_median_ms, median_over_rounds, round_significant, tflops
+from flashmoe_science.bench.report import (SHORT_WARMUP_MS, SUSTAINED_WARMUP_MS, gpu_median_ms, median_over_rounds,
+                                           round_significant, tflops)
 from flashmoe_science.moe import fused_moe
 
 MODELS = {
@@ -42,6 +43,7 @@ MODELS = {
     "qwen3-30b-a3b": dict(num_experts=128, top_k=8, d_model=2048, d_ff=768),
 }
 TOKENS = (1, 16, 256, 4096, 16384)
+SUSTAINED_FROM_FLOPS = 2.5e11  # expert GEMM FLOPs from which a case is timed in the sustained window
 DECODE_TOKENS = 16  # forward calls with at most this many tokens also run under a CUDA graph and report weight_gbps
 QUICK_TOKENS = (16, 4096)
 CPU_TOKENS = (16,)
@@ -105,18 +107,17 @@ def _available_backends(device):
 
 
 # -------------------------------------------------------------------------------------------------- timing
-def _median_ms(fn, device) -> tuple[float, int]:
-    """(median ms, warm-up ms): ``report.gpu_median_ms`` on the GPU (long calls in the sustained state), else five
-    timed calls after one."""
+def _median_ms(fn, device, sustained=False) -> float:
+    """``report.gpu_median_ms`` on the GPU, else the median of five timed calls after one."""
     if device.type == "cuda":
-        return gpu_median_ms(fn)
+        return gpu_median_ms(fn, sustained=sustained)
     fn()
     times = []
     for _ in range(5):
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), 0
+    return statistics.median(times)
 
 
 def _graph_median_ms(fn) -> float:
@@ -136,19 +137,27 @@ def _graph_median_ms(fn) -> float:
     return float(triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median"))
 
 
-def _measure(backend, pass_, tensors, top_k, device, timing="eager") -> tuple[float, int]:
-    """(median ms, warm-up ms) of one backend's layer, forward or backward, as the records report it."""
+def _measure(backend, pass_, tensors, top_k, device, timing="eager", sustained=False) -> float:
+    """Median ms of one backend's layer, forward or backward, as the records report it (``sustained``: eager calls
+    after seconds of back-to-back calls, ``sustained_window``)."""
     layer = _layer(backend)
     x, w1, w2, logits = tensors
     if pass_ == "fwd":
         with torch.no_grad():
             if timing == "cuda-graph":
-                return _graph_median_ms(lambda: layer(x, w1, w2, logits, top_k)), 25
-            return _median_ms(lambda: layer(x, w1, w2, logits, top_k), device)
+                return _graph_median_ms(lambda: layer(x, w1, w2, logits, top_k))
+            return _median_ms(lambda: layer(x, w1, w2, logits, top_k), device, sustained)
     leaves = [t.detach().requires_grad_() for t in tensors]
     out = layer(*leaves, top_k)
     grad_out = torch.randn_like(out)
-    return _median_ms(lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True), device)
+    return _median_ms(lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True), device, sustained)
+
+
+def sustained_window(flops: float, timing: str, device) -> bool:
+    """Whether a case is timed in the sustained window (``report.gpu_median_ms``): eager GPU calls whose expert GEMMs
+    are SUSTAINED_FROM_FLOPS or more (~0.5 ms at 500 TFLOP/s: long enough to hold the GPU at its power cap), decided
+    per case so that every backend of a comparison gets the same window."""
+    return device.type == "cuda" and timing == "eager" and flops >= SUSTAINED_FROM_FLOPS
 
 
 def _routed_expert_bytes(tensors, top_k) -> int:
@@ -167,7 +176,8 @@ def _make_inputs(num_tokens, num_experts, d_model, d_ff, dtype, device):
     return x, w1, w2, logits
 
 
-def run_moe_bench(quick: bool = False, progress=None, on_case_done=None, rounds: int = 1) -> list[dict]:
+def run_moe_bench(quick: bool = False, progress=None, on_case_done=None, rounds: int = 1,
+                  models: list[str] | None = None) -> list[dict]:
     """Every backend on every (model, T, pass); returns the records. ``progress``: an object with
     ``update(n=1, desc=None)`` and ``close()`` (``bench.report.Progress``), or None. ``on_case_done(records so
     far)`` runs after each (model, T) (the CLI saves partial results there).
@@ -177,6 +187,10 @@ def run_moe_bench(quick: bool = False, progress=None, on_case_done=None, rounds:
     (docs/perf-notes.md, session 10); a slow stretch of clocks then lands on every backend of a round alike."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    unknown = [name for name in models or () if name not in MODELS]
+    if unknown:
+        raise ValueError(f"models: unknown {', '.join(unknown)}; expected some of {', '.join(MODELS)}")
+    chosen = {name: shape for name, shape in MODELS.items() if not models or name in models}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -184,10 +198,10 @@ def run_moe_bench(quick: bool = False, progress=None, on_case_done=None, rounds:
     backends = _available_backends(device)
     if progress is not None and hasattr(progress, "set_total"):
         graph_steps = sum(t <= DECODE_TOKENS for t in token_counts) if on_gpu else 0  # forward only
-        progress.set_total(rounds * len(MODELS) * len(backends) * (len(token_counts) * len(PASSES) + graph_steps))
+        progress.set_total(rounds * len(chosen) * len(backends) * (len(token_counts) * len(PASSES) + graph_steps))
 
     measured: dict[tuple, list[dict]] = {}  # (model, T, pass, backend, timing) -> one record per round
-    for model, shape in ((m, s) for _ in range(rounds) for m, s in MODELS.items()):
+    for model, shape in ((m, s) for _ in range(rounds) for m, s in chosen.items()):
         num_experts, top_k = shape["num_experts"], shape["top_k"]
         shrink = 1 if on_gpu else CPU_SHRINK
         d_model, d_ff = shape["d_model"] // shrink, shape["d_ff"] // shrink
@@ -199,13 +213,14 @@ def run_moe_bench(quick: bool = False, progress=None, on_case_done=None, rounds:
                 timings = ("eager", "cuda-graph") if decode and on_gpu and pass_ == "fwd" else ("eager",)
                 for backend, timing in ((b, t) for t in timings for b in backends):
                     step = f"{model} T={num_tokens} {pass_} {backend}" + (f" ({timing})" if timing != "eager" else "")
+                    flops = expert_gemm_flops(num_tokens, top_k, d_model, d_ff, pass_)
+                    sustained = sustained_window(flops, timing, device)
                     try:
-                        ms, warmup_ms = _measure(backend, pass_, tensors, top_k, device, timing)
+                        ms = _measure(backend, pass_, tensors, top_k, device, timing, sustained)
                     except Exception as error:  # a backend that cannot run this shape gets no record
                         warnings.warn(f"moe bench: {step} skipped: {type(error).__name__}: {error}")
                         ms = None
                     if ms is not None:
-                        flops = expert_gemm_flops(num_tokens, top_k, d_model, d_ff, pass_)
                         record = {
                             "op": "moe",
                             "model": model,
@@ -218,7 +233,7 @@ def run_moe_bench(quick: bool = False, progress=None, on_case_done=None, rounds:
                             "dtype": {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype],
                             "backend": backend,
                             "timing": timing,
-                            "warmup_ms": warmup_ms,
+                            "warmup_ms": SUSTAINED_WARMUP_MS if sustained else SHORT_WARMUP_MS,
                             "ms": round_significant(ms),
                             "tflops": round_significant(tflops(flops, ms)),
                         }

@@ -149,24 +149,23 @@ def median_over_rounds(per_round: Sequence[dict], scale_rates: Callable[[dict, f
 # its window at a higher clock. At Mixtral T=4096 (scripts/ab_moe_sustained.py, docs/perf-notes.md session 16) the
 # torch._grouped_mm backward read 11.3-11.9 ms with 25 ms of warm-up depending on the order, and 11.8-11.9 after 3 s
 # of back-to-back calls (its clock 1770 -> 1590 MHz), ours 9.1-9.5 and 9.5-9.7. Training runs in that settled
-# state, so calls this long are timed there.
-SUSTAINED_FROM_MS = 1.0  # calls at least this long are re-timed after SUSTAINED_WARMUP_MS of back-to-back calls
+# state, so large problems are timed there. The caller decides per problem, not per backend, so that every backend
+# of a comparison gets the same window.
+SHORT_WARMUP_MS = 25
 SUSTAINED_WARMUP_MS = 3000
 SUSTAINED_REP_MS = 500
 
 
-def gpu_median_ms(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] | None = None) -> tuple[float, int]:
-    """(median ms of ``fn`` by triton.testing.do_bench, L2 flushed before each call; the warm-up it had, ms): a first
-    measurement with 25 ms of warm-up, and for calls of SUSTAINED_FROM_MS or longer a second one after
-    SUSTAINED_WARMUP_MS of back-to-back calls, whose median is returned."""
+def gpu_median_ms(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] | None = None,
+                  sustained: bool = False) -> float:
+    """Median ms of ``fn`` by triton.testing.do_bench (L2 flushed before each call): after SHORT_WARMUP_MS of warm-up,
+    or with ``sustained`` after SUSTAINED_WARMUP_MS of back-to-back calls (the power-capped steady state)."""
     from triton.testing import do_bench
 
-    ms = do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
-    if ms < SUSTAINED_FROM_MS:
-        return float(ms), 25
-    ms = do_bench(fn, warmup=SUSTAINED_WARMUP_MS, rep=SUSTAINED_REP_MS, grad_to_none=grad_to_none,
-                  return_mode="median")
-    return float(ms), SUSTAINED_WARMUP_MS
+    if sustained:
+        return float(do_bench(fn, warmup=SUSTAINED_WARMUP_MS, rep=SUSTAINED_REP_MS, grad_to_none=grad_to_none,
+                              return_mode="median"))
+    return float(do_bench(fn, warmup=SHORT_WARMUP_MS, rep=100, grad_to_none=grad_to_none, return_mode="median"))
 
 
 def _format_duration(seconds: float) -> str:
