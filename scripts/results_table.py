@@ -75,6 +75,9 @@ def environment_line(data: Mapping, records: Sequence[Mapping], path: Path) -> s
         if data.get(key)
     )
     timer = "time.perf_counter medians" if data.get("gpu") == "cpu" else "medians of triton.testing.do_bench"
+    sustained = sorted({r["warmup_ms"] for r in records if r.get("warmup_ms", 0) >= 1000})
+    if sustained:  # bench moe's large cases: timed in the power-capped steady state (report.gpu_median_ms)
+        timer += f" (rows whose records carry warmup_ms {sustained[0]}: after {sustained[0]} ms of back-to-back calls)"
     return (
         f"{data.get('gpu', '?')}, {data.get('date', '?')}, commit `{data.get('commit', '?')}`; {versions}; "
         f"{dtypes}; TFLOP/s, {timer}. Source: `{path.name}`."
