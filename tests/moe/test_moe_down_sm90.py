@@ -94,9 +94,11 @@ def test_cpu_forward_keeps_the_triton_down_launch():
 
     h, w2, out32, weights, sort = _cpu_case()
     tiles = replace(choose_tiles(16, 2, 4, 256, 128, torch.device("cpu")), block_m=128)
-    assert isinstance(triton_gemm._down_launch(h, w2, out32, weights, sort, tiles), Launch)
-    assert triton_gemm._DOWN_SORT_TENSORS[Launch] == ("sorted_pair_ids", "tile_expert")
-    assert triton_gemm._DOWN_SORT_TENSORS[triton_gemm.HopperDownLaunch] == gdx.DOWN_SORT_TENSORS
+    launch = triton_gemm._down_launch(h, w2, out32, weights, sort, tiles)
+    assert isinstance(launch, Launch)
+    assert triton_gemm._down_sort_tensors(launch) == ("sorted_pair_ids", "tile_expert")
+    hopper = triton_gemm.HopperDownLaunch(h, w2, out32, weights, sort)
+    assert triton_gemm._down_sort_tensors(hopper) == gdx.DOWN_SORT_TENSORS
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")

@@ -724,9 +724,13 @@ def _down_launch(h, w2, out32, weights32, sort: ExpertSort, tiles: MoETiles):
     return down_forward_launch(h, w2, out32, weights32, sort, tiles)
 
 
-# the sort's tensors each down launch takes after (h, w2, out32, weights32), in its kernel's order
-_DOWN_SORT_TENSORS = {HopperDownLaunch: ("sorted_pair_ids", "tile_expert", "expert_counts", "expert_row_start"),
-                      Launch: ("sorted_pair_ids", "tile_expert")}
+def _down_sort_tensors(launch) -> tuple[str, ...]:
+    """The sort's tensors a prepared down launch takes after (h, w2, out32, weights32), in its kernel's order."""
+    if isinstance(launch, HopperDownLaunch):
+        from flashmoe_science.moe.hopper import dx_sm90
+
+        return dx_sm90.DOWN_SORT_TENSORS
+    return ("sorted_pair_ids", "tile_expert")  # down_combine_launch's
 
 
 def _hopper_down(h, w2, out32, weights32, sort: ExpertSort, tiles: MoETiles) -> bool:
@@ -792,7 +796,7 @@ def prepare_forward(x, w1, w2, weights32, topk_ids, tiles: MoETiles | None = Non
         tiles = _default_tiles(x, w1, topk_ids)
     _, _, _, _, launches = _forward_launches(x, w1, w2, weights32, topk_ids, tiles)
     *sort, up, down = (launch.prepare() for launch in launches)
-    return PreparedForward(tiles, tuple(sort), up, down, _DOWN_SORT_TENSORS[type(launches[-1])])
+    return PreparedForward(tiles, tuple(sort), up, down, _down_sort_tensors(launches[-1]))
 
 
 def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
