@@ -38,6 +38,7 @@ from flashmoe_science.bench.report import (
     format_number,
     format_table,
     geomean,
+    gpu_median_ms,
     median_over_rounds,
     ordered_columns,
     pivot,
@@ -273,9 +274,8 @@ Timer = Callable[..., float]  # timer(fn, grad_to_none=None) -> median milliseco
 
 
 def cuda_median_ms(fn: Callable[[], object], grad_to_none: list[torch.Tensor] | None = None) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, grad_to_none=grad_to_none, return_mode="median")
+    """``report.gpu_median_ms`` with its short window (do_bench's 25 ms warm-up, 100 ms timed)."""
+    return gpu_median_ms(fn, grad_to_none)
 
 
 def cpu_median_ms(
