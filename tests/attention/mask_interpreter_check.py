@@ -14,7 +14,7 @@ from flashmoe_science.attention import mask as M
 
 
 @triton.jit
-def _tile_view(RANGES, VIS, SCORES, S, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
+def _tile_view(RANGES, QRANGES, VIS, SCORES, S, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
                alibi_slope_log2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEYS: tl.constexpr,
                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     pid = tl.program_id(0)
@@ -25,6 +25,12 @@ def _tile_view(RANGES, VIS, SCORES, S, seqlen_q, seqlen_k, window_left, window_r
     tl.store(RANGES + pid * 4 + 1, full_start)
     tl.store(RANGES + pid * 4 + 2, full_end)
     tl.store(RANGES + pid * 4 + 3, key_end)
+    q_start, qfull_start, qfull_end, q_end = M.query_tile_range(
+        pid * BLOCK_N, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    tl.store(QRANGES + pid * 4 + 0, q_start)
+    tl.store(QRANGES + pid * 4 + 1, qfull_start)
+    tl.store(QRANGES + pid * 4 + 2, qfull_end)
+    tl.store(QRANGES + pid * 4 + 3, q_end)
     rows = start_m + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, KEYS)
     diagonal = seqlen_k - seqlen_q
@@ -49,19 +55,31 @@ def check(rng: random.Random) -> None:
     scale = 0.7
     args = spec.kernel_args(scale)
     keys = triton.next_power_of_2(lk)
-    n_tiles = math.ceil(lq / block_m)
+    n_tiles = max(math.ceil(lq / block_m), math.ceil(lk / block_n))
     ranges = torch.full((n_tiles, 4), -7, dtype=torch.int32)
+    qranges = torch.full((n_tiles, 4), -7, dtype=torch.int32)
     vis = torch.zeros(lq, keys, dtype=torch.int8)
     s = torch.randn(lq, keys) * 4
     scores = torch.zeros(lq, keys)
-    _tile_view[(n_tiles,)](ranges, vis, scores, s, lq, lk, args["window_left"], args["window_right"],
+    _tile_view[(n_tiles,)](ranges, qranges, vis, scores, s, lq, lk, args["window_left"], args["window_right"],
                            args["qk_scale"], args["softcap_scale"], (slope or 0.0) * M.LOG2_E,
                            BLOCK_M=block_m, BLOCK_N=block_n, KEYS=keys, MASK_LEFT=args["MASK_LEFT"],
                            MASK_RIGHT=args["MASK_RIGHT"], SOFTCAP=args["SOFTCAP"], ALIBI=slope is not None)
     truth = M.visibility(lq, lk, spec)
     what = f"lq={lq} lk={lk} blocks={block_m}x{block_n} causal={causal} window={window} -> {spec}"
     assert torch.equal(vis[:, :lk].bool(), truth), f"visible() disagrees with visibility(): {what}"
-    for tile in range(n_tiles):
+    for tile in range(math.ceil(lk / block_n)):
+        qs, fs, fe, qe = qranges[tile].tolist()
+        cols = slice(tile * block_n, min(lk, (tile + 1) * block_n))
+        assert 0 <= qs <= fs <= fe <= qe <= lq, (qranges[tile], what)
+        for bound in (qs, fs, fe):
+            assert bound % block_m == 0 or bound == qe, (qranges[tile], what)
+        seen_rows = truth[:, cols].any(1).nonzero().flatten()
+        if len(seen_rows):
+            assert qs <= seen_rows.min() and seen_rows.max() < qe, f"key tile {tile} misses rows {qranges[tile]}: {what}"
+        full = truth[fs:fe, tile * block_n:(tile + 1) * block_n]
+        assert full.all() and (fs == fe or full.shape[1] == block_n), f"key tile {tile} rows {fs}:{fe} not full: {what}"
+    for tile in range(math.ceil(lq / block_m)):
         ks, fs, fe, ke = ranges[tile].tolist()
         rows = slice(tile * block_m, min(lq, (tile + 1) * block_m))
         assert 0 <= ks <= fs <= fe <= ke <= lk, (ranges[tile], what)

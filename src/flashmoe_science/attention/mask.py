@@ -14,8 +14,8 @@ Three views of the same rules live here:
 
 1. Host side: `MaskSpec` (normalised, checked arguments) and the PyTorch functions the reference uses
    (`visibility`, `score_mods`).
-2. Tile bookkeeping for kernels (`key_tile_range`): which key tiles a query tile must visit, and which of them
-   need no elementwise mask.
+2. Tile bookkeeping for kernels: which key tiles a query tile must visit (`key_tile_range`), which query tiles a
+   key tile must visit (`query_tile_range`, for the backward), and which of them need no elementwise mask.
 3. Elementwise, for kernels (`visible`, `score_to_log2`): plain `@triton.jit` functions of broadcast tensors, so
    the Triton and the Gluon kernels call the same code (Gluon callers pass tensors that already carry layouts).
 
@@ -178,6 +178,36 @@ def key_tile_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
     full_start = tl.minimum(tl.maximum(full_start, key_start), key_end)
     full_end = tl.minimum(tl.maximum(full_end, full_start), key_end)
     return key_start, full_start, full_end, key_end
+
+
+@triton.jit
+def query_tile_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """The transpose of `key_tile_range`, for kernels that hold a key tile [start_n, start_n + BLOCK_N) and walk
+    the queries (the backward's dK/dV): (q_start, full_start, full_end, q_end) in rows, q_start a multiple of
+    BLOCK_M. Query tiles in [full_start, full_end) see every key of this tile (no mask); the rest need `visible`.
+    A key tile that runs past Lk is never full."""
+    diagonal = seqlen_k - seqlen_q
+    first_key = start_n - diagonal  # j - diagonal for the tile's first and last keys
+    last_key = tl.minimum(start_n + BLOCK_N, seqlen_k) - 1 - diagonal
+    q_start = 0
+    full_start = 0
+    if MASK_RIGHT:  # i >= j - diagonal - right
+        q_start = tl.minimum(tl.maximum(first_key - window_right, 0) // BLOCK_M * BLOCK_M, seqlen_q)
+        full_start = tl.maximum(last_key - window_right, 0)
+        full_start = (full_start + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    q_end = seqlen_q
+    full_end = seqlen_q // BLOCK_M * BLOCK_M
+    if MASK_LEFT:  # i <= j - diagonal + left
+        q_end = tl.minimum(tl.maximum(last_key + window_left + 1, 0), seqlen_q)
+        full_end = tl.minimum(tl.maximum(first_key + window_left + 1, 0) // BLOCK_M * BLOCK_M, full_end)
+    if start_n + BLOCK_N > seqlen_k:
+        full_end = 0
+    q_start = tl.minimum(q_start, q_end)
+    full_start = tl.minimum(tl.maximum(full_start, q_start), q_end)
+    full_end = tl.minimum(tl.maximum(full_end, full_start), q_end)
+    return q_start, full_start, full_end, q_end
 
 
 @triton.jit
