@@ -181,7 +181,8 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, 
         if not isinstance(alibi_slopes, torch.Tensor):
             raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
         _same_device("alibi_slopes", alibi_slopes, q.device)
-        if alibi_slopes.dtype != torch.float32 or alibi_slopes.shape not in ((num_q_heads,), (batch, num_q_heads)):
+        slope_dtypes = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
+        if alibi_slopes.dtype not in slope_dtypes or alibi_slopes.shape not in ((num_q_heads,), (batch, num_q_heads)):
             raise ValueError(f"alibi_slopes must be float32 of shape ({num_q_heads},) or ({batch}, {num_q_heads}), "
                              f"got {alibi_slopes.dtype} {tuple(alibi_slopes.shape)}")
         if alibi_slopes.stride(-1) != 1:
@@ -279,6 +280,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     return torch.cat((rotated, rest), dim=-1).to(x.dtype)
 
 
+def rotate_new_tokens(q, k_new, cos, sin, cache_seqlens, problem: DecodeProblem, interleaved: bool):
+    """(q, k_new) rotated at their positions: k_new's token t at cache_seqlens + t; q's token i there too when the
+    mask is causal or windowed, else at cache_seqlens (flash_attn_with_kvcache's convention)."""
+    starts = cache_seqlens.long().unsqueeze(1)
+    k_new = apply_rotary(k_new, cos, sin, starts + torch.arange(problem.num_new, device=q.device), interleaved)
+    per_token = problem.mask.causal or problem.mask.bounded_left or problem.mask.bounded_right
+    q_pos = starts + torch.arange(problem.seqlen_q, device=q.device) * int(per_token)
+    return apply_rotary(q, cos, sin, q_pos, interleaved), k_new
+
+
 def cache_positions(problem: DecodeProblem, block_table, batch: int, positions: torch.Tensor):
     """(block index, row in block) of the cache rows at `positions` of sequence `batch` (contiguous: (batch, pos))."""
     if not problem.paged:
@@ -294,13 +305,8 @@ def decode_reference(q, k_cache, v_cache, cache_seqlens, problem: DecodeProblem,
     seqlens = torch.as_tensor(cache_seqlens).expand(batch).to("cpu", torch.int64)
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     if rotary_cos is not None:
-        starts = seqlens.to(q.device).unsqueeze(1)
-        k_new = apply_rotary(k_new, rotary_cos, rotary_sin, starts + torch.arange(problem.num_new, device=q.device),
-                             rotary_interleaved)
-        per_token = problem.mask.causal or problem.mask.bounded_left or problem.mask.bounded_right
-        q_pos = starts + (torch.arange(lq, device=q.device) if per_token else torch.zeros(lq, dtype=torch.long,
-                                                                                          device=q.device))
-        q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+        q, k_new = rotate_new_tokens(q, k_new, rotary_cos, rotary_sin, seqlens.to(q.device), problem,
+                                     rotary_interleaved)
     out = torch.zeros(q.shape, dtype=compute, device=q.device)
     lse = torch.full((batch, problem.num_q_heads, lq), float("-inf"), dtype=compute, device=q.device)
     for b in range(batch):
@@ -312,18 +318,18 @@ def decode_reference(q, k_cache, v_cache, cache_seqlens, problem: DecodeProblem,
             v_cache[blocks, rows] = v_new[b]
         lk = start + problem.num_new
         blocks, rows = cache_positions(problem, block_table, b, torch.arange(lk, device=q.device))
-        keys = k_cache[blocks, rows].transpose(0, 1).to(compute)  # (Hkv, Lk, D)
-        values = v_cache[blocks, rows].transpose(0, 1).to(compute)
-        keys = keys.repeat_interleave(problem.group, dim=0)
-        values = values.repeat_interleave(problem.group, dim=0)
-        queries = q[b].transpose(0, 1).to(compute)  # (Hq, Lq, D)
-        scores = (queries @ keys.transpose(-1, -2) * problem.softmax_scale).unsqueeze(0)
+        # One KV head's keys against its group's query heads x tokens (no repeated K/V: the 1M-token oracle fits).
+        keys = k_cache[blocks, rows].permute(1, 2, 0).to(compute)  # (Hkv, D, Lk)
+        values = v_cache[blocks, rows].transpose(0, 1).to(compute)  # (Hkv, Lk, D)
+        queries = q[b].transpose(0, 1).to(compute).reshape(problem.num_kv_heads, problem.group * lq, -1)
+        scores = (queries @ keys * problem.softmax_scale).view(1, problem.num_q_heads, lq, lk)
         slopes = None if alibi_slopes is None else alibi_slopes.expand(batch, -1)[b : b + 1]
         scores = score_mods(scores, problem.mask, lq, lk, slopes)[0]
         row_lse = torch.logsumexp(scores, dim=-1) if lk else lse[b]
         seen = torch.isfinite(row_lse)
         weights = torch.exp(scores - torch.where(seen, row_lse, 0.0).unsqueeze(-1))
-        out[b] = (weights @ values).masked_fill(~seen.unsqueeze(-1), 0.0).transpose(0, 1)
+        weighted = (weights.view(problem.num_kv_heads, problem.group * lq, lk) @ values).view(-1, lq, q.shape[-1])
+        out[b] = weighted.masked_fill(~seen.unsqueeze(-1), 0.0).transpose(0, 1)
         lse[b] = row_lse
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return out.to(q.dtype), lse.to(lse_dtype)
