@@ -74,13 +74,13 @@ def make_case(lengths, *, lq=1, hq=4, hkv=2, d=64, dtype=torch.float32, device="
 
 
 def _as64(t):
-    return None if t is None else (t.to(torch.float64) if t.is_floating_point() else t)
+    """A float64 copy (always a copy: the oracle's append must not touch the case's caches)."""
+    return None if t is None else t.to(torch.float64 if t.is_floating_point() else t.dtype, copy=True)
 
 
 def oracle(case: DecodeCase, **mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """float64 (out, lse, k_cache, v_cache after the append) of the case, leaving its tensors untouched."""
     c64 = DecodeCase(**{name: _as64(value) for name, value in case.__dict__.items()})
-    c64 = c64.fresh_caches()
     problem = check_decode(c64.q, c64.k_cache, c64.v_cache, c64.cache_seqlens, c64.block_table, c64.k_new,
                            c64.v_new, c64.rotary_cos, c64.rotary_sin, mask.get("causal", True),
                            mask.get("softmax_scale"), mask.get("window"), mask.get("softcap"), c64.alibi_slopes)
@@ -94,7 +94,8 @@ def torch_same_dtype_error(case: DecodeCase, ref_out: torch.Tensor, k_after, v_a
     """max |PyTorch's attention in the case's dtype - ref_out|, over the gathered (already appended, rotated) cache
     of the oracle rounded back to the dtype."""
     dtype = case.q.dtype
-    c64 = DecodeCase(**{name: _as64(value) for name, value in case.__dict__.items()})
+    c64 = DecodeCase(**{name: value if name.endswith("cache") else _as64(value)
+                        for name, value in case.__dict__.items()})
     problem = check_decode(c64.q, k_after, v_after, c64.cache_seqlens, c64.block_table, c64.k_new, c64.v_new, None, None,
                            mask.get("causal", True), mask.get("softmax_scale"), mask.get("window"),
                            mask.get("softcap"), c64.alibi_slopes)
