@@ -166,7 +166,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
     partial = _partial_results(args)
     skips: list[str] = []
     with Progress(desc="decode") as progress:
-        records = decode_bench.run_decode_bench(progress, skips, contexts)
+        records = decode_bench.run_decode_bench(progress, skips, contexts, on_case_done=partial)
     print()
     print(decode_bench.decode_table(records))
     if skips:

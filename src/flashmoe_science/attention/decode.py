@@ -37,7 +37,7 @@ MAX_NEW_TOKENS = 16
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
 MAX_SPLITS = 128
 WAVES = 2  # CTAs per SM the split heuristic aims for
-MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (partial write, combine) outweighs its parallelism
+MIN_KEYS_PER_SPLIT = 512  # below this a split's fixed cost (partial write, combine) outweighs its parallelism
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -237,8 +237,10 @@ class DecodeTiles:
 
 
 def decode_tiles(problem: DecodeProblem, traits) -> DecodeTiles:
-    """Row tile: the whole GQA group x new tokens (padded to the 16 rows of an MMA), at most 64 rows;
-    key tile and pipeline: enough bytes in flight per SM to saturate HBM (measured on the H200: bench decode)."""
+    """Row tile: the whole GQA group x new tokens (padded to the 16 rows of an MMA), at most 64 rows. Key tile and
+    pipeline measured on the H200 (scripts/sweep_attention_decode.py, docs/perf-notes.md): 64 keys, 4 warps, 3
+    stages led at B=1 128k for both layouts (3.80 / 3.46 TB/s before the paged prefetch; 32-key and 8-warp tiles
+    down to 2.4)."""
     rows = problem.group * problem.seqlen_q
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     if traits.capability == (0, 0):  # the interpreter: small tiles exercise the tile boundaries
@@ -248,12 +250,13 @@ def decode_tiles(problem: DecodeProblem, traits) -> DecodeTiles:
 
 
 def choose_num_splits(problem: DecodeProblem, tiles: DecodeTiles, sm_count: int) -> int:
-    """Splits of each sequence's keys so that about `WAVES` CTAs per SM run, from shapes only (CUDA-graph safe):
-    batch x KV heads x row tiles programs exist already; long contexts add splits until the GPU is full, but no
-    split gets fewer than MIN_KEYS_PER_SPLIT keys of the cache's capacity."""
+    """Splits of each sequence's keys, from shapes only (CUDA-graph safe): batch x KV heads x row tiles programs
+    exist already; long contexts add splits up to WAVES CTAs per SM, never past it (a few CTAs over a full wave
+    cost a whole extra round: on the H200 at B=2, 128k, 17 splits ran at 3.6 TB/s, 16 at 4.1), and no split gets
+    fewer than MIN_KEYS_PER_SPLIT keys of the cache's capacity (at 8k, 16 splits beat 32)."""
     programs = problem.batch * problem.num_kv_heads * math.ceil(problem.group * problem.seqlen_q / tiles.block_m)
-    wanted = math.ceil(WAVES * sm_count / max(programs, 1))
-    longest = max(1, problem.capacity // MIN_KEYS_PER_SPLIT)
+    wanted = WAVES * sm_count // max(programs, 1)
+    longest = problem.capacity // MIN_KEYS_PER_SPLIT
     return max(1, min(wanted, longest, MAX_SPLITS))
 
 

@@ -36,23 +36,29 @@ LN_2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _cache_rows(batch, start, pos, row_ok, block_table_row, num_blocks, max_blocks, stride_b, stride_row,
+def _page_block(block_table_row, pos, num_blocks, max_blocks, PAGE_SIZE: tl.constexpr):
+    """The cache block holding position ``pos`` of a sequence, as a 64-bit index clamped into the pool."""
+    block = tl.load(block_table_row + tl.minimum(pos // PAGE_SIZE, max_blocks - 1))
+    return tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
+
+
+@triton.jit
+def _cache_rows(batch, page, pos, row_ok, block_table_row, num_blocks, max_blocks, stride_b, stride_row,
                 PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr):
-    """64-bit element offsets of cache rows at positions ``pos`` (from ``start`` on) of one sequence (head offset
-    excluded).
+    """64-bit element offsets of cache rows at positions ``pos`` of one sequence (head offset excluded).
 
     Contiguous: ``batch * stride_b + pos * stride_row``. Paged: the row's block ``block_table[pos // PAGE_SIZE]``
     (clamped into [0, num_blocks)) times the block stride plus ``pos % PAGE_SIZE`` rows. ONE_PAGE: all of ``pos``
-    lie in one block (a tile no larger than a page, aligned to it), so the table is read once, not per row.
+    lie in the block ``page`` (from `_page_block`; a tile no larger than a page, aligned to it), so the table is
+    not read per row.
     """
     if PAGED:
         if ONE_PAGE:
-            block = tl.load(block_table_row + start // PAGE_SIZE)
+            block = page
+        else:
+            slot = tl.minimum(pos // PAGE_SIZE, max_blocks - 1)
+            block = tl.load(block_table_row + slot, mask=row_ok, other=0)
             block = tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
-            return block * stride_b + (pos % PAGE_SIZE).to(tl.int64) * stride_row
-        slot = tl.minimum(pos // PAGE_SIZE, max_blocks - 1)
-        block = tl.load(block_table_row + slot, mask=row_ok, other=0)
-        block = tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
         return block * stride_b + (pos % PAGE_SIZE).to(tl.int64) * stride_row
     return batch.to(tl.int64) * stride_b + pos.to(tl.int64) * stride_row
 
@@ -137,9 +143,9 @@ def _append_kernel(
             v = tl.load(V_NEW + b64 * stride_vnb + token * stride_vnm + head * stride_vnh + cols, mask=in_row,
                         other=0.0)
             table_row = BLOCK_TABLE + b64 * stride_btb
-            k_row = _cache_rows(batch, pos, pos, True, table_row, num_blocks, max_blocks, stride_kb, stride_krow,
+            k_row = _cache_rows(batch, 0, pos, True, table_row, num_blocks, max_blocks, stride_kb, stride_krow,
                                 PAGED, PAGE_SIZE, False)
-            v_row = _cache_rows(batch, pos, pos, True, table_row, num_blocks, max_blocks, stride_vb, stride_vrow,
+            v_row = _cache_rows(batch, 0, pos, True, table_row, num_blocks, max_blocks, stride_vb, stride_vrow,
                                 PAGED, PAGE_SIZE, False)
             tl.store(K + k_row + head * stride_kh + cols, k.to(K.dtype.element_ty), mask=in_row)
             tl.store(V + v_row + head * stride_vh + cols, v.to(V.dtype.element_ty), mask=in_row)
@@ -161,14 +167,22 @@ def _attend(acc, l_i, m_i, q, token, slope_log2, key_lo, key_hi,
             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold key tiles [key_lo, key_hi) into the running (acc, l, m). MASKED tiles check bounds and the window."""
     cols = tl.arange(0, BLOCK_D)
+    # One-page tiles: the next tile's block index is read one iteration ahead, so the K/V loads do not wait on a
+    # table load of their own iteration and software-pipeline like a contiguous cache's.
+    page = tl.zeros([], dtype=tl.int64)
+    if PAGED and ONE_PAGE:
+        page = _page_block(block_table_row, key_lo, num_blocks, max_blocks, PAGE_SIZE)
     for start_n in range(key_lo, key_hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         pos = start_n + tl.arange(0, BLOCK_N)
         row_ok = pos < seqlen_k
-        k_rows = _cache_rows(batch, start_n, pos, row_ok, block_table_row, num_blocks, max_blocks, stride_kb, stride_krow,
-                             PAGED, PAGE_SIZE, ONE_PAGE)
-        v_rows = _cache_rows(batch, start_n, pos, row_ok, block_table_row, num_blocks, max_blocks, stride_vb, stride_vrow,
-                             PAGED, PAGE_SIZE, ONE_PAGE)
+        k_rows = _cache_rows(batch, page, pos, row_ok, block_table_row, num_blocks, max_blocks, stride_kb,
+                             stride_krow, PAGED, PAGE_SIZE, ONE_PAGE)
+        v_rows = _cache_rows(batch, page, pos, row_ok, block_table_row, num_blocks, max_blocks, stride_vb,
+                             stride_vrow, PAGED, PAGE_SIZE, ONE_PAGE)
+        if PAGED and ONE_PAGE:
+            page = _page_block(block_table_row, tl.minimum(start_n + BLOCK_N, key_hi - 1), num_blocks, max_blocks,
+                               PAGE_SIZE)
         k_ptrs = k_head + k_rows[:, None] + cols[None, :]
         v_ptrs = v_head + v_rows[:, None] + cols[None, :]
         if MASKED or BLOCK_D != HEAD_DIM:

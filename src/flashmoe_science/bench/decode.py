@@ -131,8 +131,9 @@ def _contenders(batch: int, length: int, device, dtype, on_gpu: bool) -> dict[st
     return calls
 
 
-def run_decode_bench(progress, skips: list[str], contexts=None) -> list[dict]:
-    """Time every contender on every case; returns the records (see the module docstring)."""
+def run_decode_bench(progress, skips: list[str], contexts=None, on_case_done=None) -> list[dict]:
+    """Time every contender on every case; returns the records (see the module docstring). ``on_case_done(records)``
+    after each case (the partial-results file)."""
     from flashmoe_science.bench.attention import cpu_median_ms
 
     on_gpu = torch.cuda.is_available()
@@ -163,6 +164,8 @@ def run_decode_bench(progress, skips: list[str], contexts=None) -> list[dict]:
         del calls
         if on_gpu:
             torch.cuda.empty_cache()
+        if on_case_done is not None:
+            on_case_done(records)
         progress.update(desc=f"B={batch} L={length}")
     return records
 
