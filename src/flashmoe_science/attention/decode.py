@@ -36,8 +36,8 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_NEW_TOKENS = 16
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
 MAX_SPLITS = 128
-WAVES = 2  # CTAs per SM the split heuristic aims for
 MIN_KEYS_PER_SPLIT = 512  # below this a split's fixed cost (partial write, combine) outweighs its parallelism
+LONG_SPLIT_KEYS = 4096  # splits this long hide their fixed cost: then two CTAs per SM pay off
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -250,14 +250,17 @@ def decode_tiles(problem: DecodeProblem, traits) -> DecodeTiles:
 
 
 def choose_num_splits(problem: DecodeProblem, tiles: DecodeTiles, sm_count: int) -> int:
-    """Splits of each sequence's keys, from shapes only (CUDA-graph safe): batch x KV heads x row tiles programs
-    exist already; long contexts add splits up to WAVES CTAs per SM, never past it (a few CTAs over a full wave
-    cost a whole extra round: on the H200 at B=2, 128k, 17 splits ran at 3.6 TB/s, 16 at 4.1), and no split gets
-    fewer than MIN_KEYS_PER_SPLIT keys of the cache's capacity (at 8k, 16 splits beat 32)."""
+    """Splits of each sequence's keys, from shapes only (CUDA-graph safe), measured on the H200
+    (scripts/sweep_attention_decode.py, docs/perf-notes.md). batch x KV heads x row tiles programs exist already;
+    splits fill the GPU up to a whole number of CTAs per SM and never past it (a few CTAs over a full wave cost a
+    whole extra round: at B=2, 128k, 17 splits ran at 3.6 TB/s, 16 at 4.1). Two CTAs per SM where each split still
+    gets >= LONG_SPLIT_KEYS keys of the cache's capacity (B=1 1M: 33 splits 4.45, 16 splits 4.28), else one (B=1
+    32k: 16 splits 2.67, 32 splits 2.58); never fewer than MIN_KEYS_PER_SPLIT keys per split."""
     programs = problem.batch * problem.num_kv_heads * math.ceil(problem.group * problem.seqlen_q / tiles.block_m)
-    wanted = WAVES * sm_count // max(programs, 1)
-    longest = problem.capacity // MIN_KEYS_PER_SPLIT
-    return max(1, min(wanted, longest, MAX_SPLITS))
+    splits = max(1, 2 * sm_count // programs)
+    if problem.capacity < splits * LONG_SPLIT_KEYS:
+        splits = max(1, sm_count // programs)
+    return max(1, min(splits, problem.capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
 # ----------------------------------------------------------------------------------------------------------------
