@@ -140,6 +140,15 @@ def _save(args: argparse.Namespace, records: list[dict], partial: PartialResults
     return path
 
 
+def _save_and_plot(args: argparse.Namespace, records: list[dict], partial: PartialResults, plot, name: str) -> None:
+    """`_save`, then `plot(records, png_path, title=...)` beside the JSON unless --no-plot."""
+    path = _save(args, records, partial)
+    if not args.no_plot and records:
+        written = plot(records, path.with_suffix(".png"), title=f"{name}, {path.stem}")
+        if written is not None:
+            print(f"plot:    {written}")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     what = args.suite or args.what
     if what == "moe":
@@ -171,11 +180,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
     print(decode_bench.decode_table(records))
     if skips:
         print("\nnot run:\n  " + "\n  ".join(skips))
-    path = _save(args, records, partial)
-    if not args.no_plot and records:
-        plot = decode_bench.plot_decode(records, path.with_suffix(".png"), title=f"decode, {path.stem}")
-        if plot is not None:
-            print(f"plot:    {plot}")
+    _save_and_plot(args, records, partial, decode_bench.plot_decode, "decode")
     return 0
 
 
@@ -217,11 +222,7 @@ def _bench_attention(args: argparse.Namespace) -> int:
         print()
         print(skips.summary())
 
-    path = _save(args, records, partial)
-    if not args.no_plot and records:
-        plot = attention_bench.plot_attention(records, path.with_suffix(".png"), title=f"attention, {path.stem}")
-        if plot is not None:
-            print(f"plot:    {plot}")
+    _save_and_plot(args, records, partial, attention_bench.plot_attention, "attention")
     return 0
 
 

@@ -10,15 +10,13 @@ only (the interpreter's bf16 dot is broken). To see the cases:
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from decode_helpers import assert_decode_close, make_case
 from flashmoe_science import flash_attention_decode
+from interpreter_driver import run_under_interpreter
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DRIVER = "test_decode_interpreter_in_subprocess"
@@ -27,13 +25,7 @@ DRIVER = "test_decode_interpreter_in_subprocess"
 def test_decode_interpreter_in_subprocess(request):
     if IN_INTERPRETER:
         pytest.skip("already under TRITON_INTERPRET=1: the cases run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-p", "no:warnings"]
-    child = subprocess.run(cmd, cwd=request.config.rootpath, env=env, capture_output=True, text=True, timeout=300)
-    report = (child.stdout + child.stderr)[-8000:]
-    assert child.returncode == 0, f"decode interpreter suite failed (rc {child.returncode}):\n{report}"
-    summary = child.stdout.strip().splitlines()[-1]
-    assert re.search(r"\b\d+ passed\b", summary) and not re.search(r"\b\d+ (failed|errors?)\b", summary), report
+    summary = run_under_interpreter(request.config.rootpath, __file__)
     print(f"TRITON_INTERPRET=1 child: {summary}")
 
 

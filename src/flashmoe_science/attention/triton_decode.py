@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from flashmoe_science.attention.mask import key_tile_range, score_to_log2, visible
-from flashmoe_science.device import dot_precision
 
 LN_2 = tl.constexpr(0.6931471805599453)
 
