@@ -37,7 +37,7 @@ MAX_NEW_TOKENS = 16
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
 MAX_SPLITS = 128
 MIN_KEYS_PER_SPLIT = 512  # below this a split's fixed cost (partial write, combine) outweighs its parallelism
-LONG_SPLIT_KEYS = 4096  # splits this long hide their fixed cost: then two CTAs per SM pay off
+LONG_SPLIT_KEYS = 2048  # splits this long hide their fixed cost: then two CTAs per SM pay off
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -254,8 +254,9 @@ def choose_num_splits(problem: DecodeProblem, tiles: DecodeTiles, sm_count: int)
     (scripts/sweep_attention_decode.py, docs/perf-notes.md). batch x KV heads x row tiles programs exist already;
     splits fill the GPU up to a whole number of CTAs per SM and never past it (a few CTAs over a full wave cost a
     whole extra round: at B=2, 128k, 17 splits ran at 3.6 TB/s, 16 at 4.1). Two CTAs per SM where each split still
-    gets >= LONG_SPLIT_KEYS keys of the cache's capacity (B=1 1M: 33 splits 4.45, 16 splits 4.28), else one (B=1
-    32k: 16 splits 2.67, 32 splits 2.58); never fewer than MIN_KEYS_PER_SPLIT keys per split."""
+    gets >= LONG_SPLIT_KEYS keys of the cache's capacity (B=1 1M: 33 splits 4.45, 16 splits 4.28; B=1 128k paged:
+    33 splits 3.77, 16 splits 3.34), else one (B=1 32k contiguous: 16 splits 2.67, 33 splits 2.59); never fewer
+    than MIN_KEYS_PER_SPLIT keys per split."""
     programs = problem.batch * problem.num_kv_heads * math.ceil(problem.group * problem.seqlen_q / tiles.block_m)
     splits = max(1, 2 * sm_count // programs)
     if problem.capacity < splits * LONG_SPLIT_KEYS:
