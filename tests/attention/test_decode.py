@@ -90,14 +90,22 @@ def test_float32_reference_matches_float64_oracle():
     assert (out.double() - ref_out).abs().max() < 1e-5
 
 
-def test_split_heuristic_uses_shapes_only():
-    problem = lambda batch, capacity: check_decode(  # noqa: E731
-        torch.empty(batch, 1, 32, 128), torch.empty(batch, capacity, 8, 128), torch.empty(batch, capacity, 8, 128),
-        torch.zeros(batch, dtype=torch.int32), None, None, None, None, None, True, None, None, None, None)
-    tiles = DecodeTiles(16, 64, 4, 3)
-    assert choose_num_splits(problem(1, 1 << 20), tiles, 132) > 16  # one long sequence: spread over the GPU
-    assert choose_num_splits(problem(64, 4096), tiles, 132) == 1  # enough programs already
-    assert choose_num_splits(problem(1, 300), tiles, 132) == 1  # too short to split
+def _problem(batch, capacity):
+    shape = (batch, capacity, 8, 128)
+    return check_decode(torch.empty(batch, 1, 32, 128), torch.empty(shape), torch.empty(shape),
+                        torch.zeros(batch, dtype=torch.int32), None, None, None, None, None, True, None, None, None,
+                        None)
+
+
+# The split counts that measured best on the H200 (132 SMs; docs/perf-notes.md, 2026-11-24), then two cases
+# with nothing to split (too short; enough programs already)
+MEASURED_BEST_SPLITS = [(1, 8192, 16), (32, 8192, 1), (1, 32768, 16), (8, 32768, 4), (1, 131072, 33),
+                        (2, 131072, 16), (1, 1 << 20, 33), (1, 300, 1), (64, 4096, 1)]
+
+
+@pytest.mark.parametrize("batch,capacity,splits", MEASURED_BEST_SPLITS)
+def test_split_heuristic_from_shapes(batch, capacity, splits):
+    assert choose_num_splits(_problem(batch, capacity), DecodeTiles(16, 64, 4, 3), 132) == splits
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from flashmoe_science.device import device_traits, dot_precision, on_another_cud
 BACKENDS = ("auto", "triton", "reference")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_NEW_TOKENS = 16
+MAX_GROUP = 16  # query heads per KV head
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
 MAX_SPLITS = 128
 MIN_KEYS_PER_SPLIT = 512  # below this a split's fixed cost (partial write, combine) outweighs its parallelism
@@ -107,9 +108,9 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, 
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache's head dim must equal q's ({head_dim}), got {k_cache.shape[3]}")
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads or num_q_heads // num_kv_heads > MAX_NEW_TOKENS:
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads or num_q_heads // num_kv_heads > MAX_GROUP:
         raise ValueError(f"q's head count ({num_q_heads}) must be a multiple of the cache's ({num_kv_heads}) "
-                         f"by 1..{MAX_NEW_TOKENS} (GQA/MQA)")
+                         f"by 1..{MAX_GROUP} (GQA/MQA)")
 
     if block_table is None:
         paged, block_size = False, k_cache.shape[1]
