@@ -178,12 +178,10 @@ def fp8_attention(q, k, v, q_descale, k_descale, v_descale, *, causal: bool, sof
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     why_not = "backend='reference'" if reference else fp8_kernel_unavailable(q, k, v)
     if why_not is None:
-        from flashmoe_science.attention.triton_fp8 import attention_forward_fp8
-
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         if q.numel() and k.shape[2]:
-            attention_forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, causal, scale)
+            launch_fp8_forward(q, k, v, out, lse, q_descale, k_descale, v_descale, causal, scale)
         else:
             out.zero_()
             lse.fill_(float("-inf"))
@@ -197,3 +195,24 @@ def fp8_attention(q, k, v, q_descale, k_descale, v_descale, *, causal: bool, sof
                                        backend="reference" if reference else "auto")
     out = out.to(torch.bfloat16)
     return (out, lse) if return_lse else out
+
+
+def launch_fp8_forward(q, k, v, out, lse, q_descale, k_descale, v_descale, causal: bool, scale: float,
+                       kernel: str = "auto"):
+    """The e4m3 kernel on checked Hopper tensors: the Gluon sm_90 kernel (warp-specialised, the bf16 forward's
+    pipeline with e4m3 operands) where TMA can address q, k, out and the K-major v; else the Triton kernel.
+    `kernel` ("auto", "gluon", "triton") forces one, for A/B measurements."""
+    from flashmoe_science.attention.triton_fwd import tma_compatible
+
+    q_descale, k_descale, v_descale = (t.contiguous() for t in (q_descale, k_descale, v_descale))
+    gluon_ok = v.stride(-2) == 1 and tma_compatible(q, k, v.transpose(-1, -2), out)
+    if kernel == "gluon" or (kernel == "auto" and gluon_ok):
+        from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90_fp8
+        from flashmoe_science.attention.tiles import AttentionTiles
+
+        tiles = AttentionTiles(128, 128 if q.shape[-1] <= 128 else 64, 8, 3)
+        return attention_forward_sm90_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, causal, scale, tiles,
+                                          device_traits(q.device).sm_count)
+    from flashmoe_science.attention.triton_fp8 import attention_forward_fp8
+
+    return attention_forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, causal, scale)

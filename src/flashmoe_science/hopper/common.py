@@ -26,7 +26,7 @@ CONSUMER_REGISTERS = gl.constexpr(240)
 REGISTER_CAP = 65536 // (3 * 128) // 8 * 8
 NUM_WARPS = 4  # the default partition (consumer 0); the workers add 4 + 1 warps
 BARRIER_BYTES = 1024  # mbarriers and alignment, beside the operand ring
-GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
 LAUNCH_OPTIONS = dict(num_warps=NUM_WARPS, maxnreg=REGISTER_CAP)
 
 

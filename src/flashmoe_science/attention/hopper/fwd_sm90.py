@@ -103,7 +103,8 @@ def _cta_key_tiles(start_m, seqlen_q, seqlen_k, CTA_ROWS: gl.constexpr, BLOCK_N:
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k,
-              NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr):
+              NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr,
+              FP8: gl.constexpr):
     """The producer warp: for each of the CTA's work items, both halves of the Q tile (once the consumers are done
     with the buffer's previous item), then K and V tiles into the ring as soon as their stage is released. The
     ring position runs on across work items, so the next item's first tiles land during the current epilogue;
@@ -131,9 +132,58 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
                                             k_smem.index(stage))
             mbarrier.wait(v_empty.index(stage), free_phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [batch, kv_head, tile * BLOCK_N, 0], v_ready.index(stage),
-                                            v_smem.index(stage))
+            if FP8:  # e4m3 V is stored transposed (K-major): its box is (head dim, keys)
+                tma.async_copy_global_to_shared(v_desc, [batch, kv_head, 0, tile * BLOCK_N], v_ready.index(stage),
+                                                v_smem.index(stage))
+            else:
+                tma.async_copy_global_to_shared(v_desc, [batch, kv_head, tile * BLOCK_N, 0], v_ready.index(stage),
+                                                v_smem.index(stage))
             ring += 1
+
+
+@gluon.jit
+def _v_operand(v_smem, stage, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, FP8: gl.constexpr):
+    """A V tile as the P·V product's B operand, (BLOCK_N, BLOCK_D): row-major for 16-bit types; for e4m3, which
+    wgmma takes only K-major, the tile is stored as Vᵀ and read through a transposed view."""
+    if FP8:
+        return v_smem.index(stage).reshape([BLOCK_D, BLOCK_N]).permute((1, 0))
+    else:
+        return v_smem.index(stage).reshape([BLOCK_N, BLOCK_D])
+
+
+@gluon.jit
+def _issue_pv(p, o_acc, v_op, p_smem, p_layout: gl.constexpr, FP8: gl.constexpr):
+    """O += P·V, issued asynchronously: (pending accumulator, what its wait must keep alive). 16-bit P stays in
+    registers; e4m3 P goes through shared memory (wgmma waits cannot hold 8-bit register operands here)."""
+    if FP8:
+        p_smem.store(p.to(p_smem.dtype))
+        fence_async_shared()
+        o_acc = warpgroup_mma(p_smem, v_op, o_acc, is_async=True)
+        return o_acc, o_acc
+    else:
+        p_op = gl.convert_layout(p.to(v_op.dtype), p_layout)
+        return warpgroup_mma(p_op, v_op, o_acc, is_async=True), p_op
+
+
+@gluon.jit
+def _wait_pv(o_acc, keep, FP8: gl.constexpr):
+    """Wait for the pending P·V (see _issue_pv)."""
+    if FP8:
+        o_acc = warpgroup_mma_wait(0, deps=(o_acc,))
+    else:
+        o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, keep))
+    return o_acc
+
+
+@gluon.jit
+def _item_scales(QD, KD, VD, batch, q_head, num_q_heads, group_size, qk_scale, FP8: gl.constexpr):
+    """(softmax multiplier, output multiplier) of a work item: e4m3 inputs carry descale factors per (batch,
+    kv-head), folded into the multiplier (q, k) and the final normalisation (v); 16-bit inputs have none."""
+    if FP8:
+        slab = batch * (num_q_heads // group_size) + q_head // group_size
+        return qk_scale * gl.load(QD + slab) * gl.load(KD + slab), gl.load(VD + slab)
+    else:
+        return qk_scale, 1.0
 
 
 @gluon.jit
@@ -186,10 +236,10 @@ def _issue_first_scores(q_tile, q_ready, q_phase, k_smem, k_ready, ring, s_zero,
 
 
 @gluon.jit
-def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring, num_tiles, p, m_i, l_i, alpha,
+def _key_tiles(q_tile, k_smem, v_smem, p_smem, k_ready, v_ready, k_empty, v_empty, ring, num_tiles, p, m_i, l_i, alpha,
                o_acc, s_zero, offs_m, seqlen_k, diagonal, full_end, qk_scale,
                BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-               s_layout: gl.constexpr, o_rows: gl.constexpr, p_layout: gl.constexpr):
+               s_layout: gl.constexpr, o_rows: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr):
     """Key tiles 1..num_tiles-1 of a work item whose tile 0 is in (p, m_i, l_i, alpha); see the module docstring.
     Returns the state after the last tile's softmax (its P·V is left to the caller)."""
     for j in range(1, num_tiles):
@@ -200,27 +250,24 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
                           use_acc=False, is_async=True)
         o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         mbarrier.wait(v_ready.index(prev), ((ring + j - 1) // NUM_STAGES) & 1)
-        p_op = gl.convert_layout(p.to(q_tile.dtype), p_layout)
-        o_acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
+        o_acc, p_op = _issue_pv(p, o_acc, _v_operand(v_smem, prev, BLOCK_N, BLOCK_D, FP8), p_smem, p_layout, FP8)
         s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j * BLOCK_N, offs_m, seqlen_k, diagonal, full_end,
                                            qk_scale, BLOCK_N, CAUSAL, s_layout)
-        o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
+        o_acc = _wait_pv(o_acc, p_op, FP8)
         mbarrier.arrive(v_empty.index(prev), count=1)
     return p, m_i, l_i, alpha, o_acc
 
 
 @gluon.jit
-def _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last,
+def _issue_last_pv(p, alpha, o_acc, v_smem, p_smem, v_ready, last,
                    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   o_rows: gl.constexpr, p_layout: gl.constexpr):
+                   o_rows: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr):
     """The item's last O += P·V, issued asynchronously (returns the pending accumulator and its P operand)."""
     o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
     mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
-    p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-    o_acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
-    return o_acc, p_op
+    return _issue_pv(p, o_acc, _v_operand(v_smem, last % NUM_STAGES, BLOCK_N, BLOCK_D, FP8), p_smem, p_layout, FP8)
 
 
 @gluon.jit
@@ -237,8 +284,9 @@ def _release_unused(k_ready, v_ready, k_empty, v_empty, first, end, NUM_STAGES: 
 
 
 @gluon.jit
-def _store_output(o_acc, m_i, l_i, o_desc, o_smem, o_smem_free, LSE, batch, q_head, num_q_heads, start_m, seqlen_q,
-                  ROWS: gl.constexpr, BLOCK_D: gl.constexpr, s_rows: gl.constexpr, o_layout: gl.constexpr):
+def _store_output(o_acc, m_i, l_i, o_scale, o_desc, o_smem, o_smem_free, LSE, batch, q_head, num_q_heads, start_m,
+                  seqlen_q, ROWS: gl.constexpr, BLOCK_D: gl.constexpr, s_rows: gl.constexpr, o_layout: gl.constexpr,
+                  FP8: gl.constexpr):
     """Normalise this consumer's rows of O and store them, and their log-sum-exp (natural log; -inf where no key).
 
     O goes out through shared memory and one TMA store: `o_smem` is the consumer's Q buffer of this item, free
@@ -254,7 +302,10 @@ def _store_output(o_acc, m_i, l_i, o_desc, o_smem, o_smem_free, LSE, batch, q_he
     lse_row0 = (batch * num_q_heads + q_head).to(gl.int64) * seqlen_q
     gl.store(LSE + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
 
-    out = o_acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
+    if FP8:  # v's descale, and a bf16 staging buffer of its own (the e4m3 Q buffer is half as large)
+        out = o_acc * gl.expand_dims(gl.convert_layout(o_scale / l_safe, o_rows), 1)
+    else:
+        out = o_acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
     o_smem.reshape([ROWS, BLOCK_D]).store(out.to(o_desc.dtype))
     fence_async_shared()  # the generic-proxy writes above before the TMA engine's read
     tma.async_copy_shared_to_global(o_desc, [batch, q_head, start_m, 0], o_smem)
@@ -263,12 +314,14 @@ def _store_output(o_acc, m_i, l_i, o_desc, o_smem, o_smem_free, LSE, batch, q_he
 
 
 @gluon.jit
-def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
-                        num_work, num_m_tiles, num_q_heads,
+def _attention_consumer(q_smems, k_smem, v_smem, o_smems, p_smems, q_ready, q_empty, k_ready, v_ready, k_empty,
+                        v_empty, o_desc,
+                        LSE, QD, KD, VD, num_work, num_m_tiles, num_q_heads,
                         group_size, seqlen_q, seqlen_k, qk_scale,
                         CONSUMER: gl.constexpr, ROWS: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr):
+                        CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
+                        FP8: gl.constexpr):
     """One consumer warpgroup: its `ROWS`-row half of every work item the CTA owns, in the producer's order.
 
     With CROSS_ITEM the items overlap: the next item's S_0 = Q·K_0ᵀ is issued before the current item's last P·V,
@@ -278,15 +331,17 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     is released already unless NUM_STAGES <= 1 + unused (unused: causal tiles only the other consumer needs, at
     most one), hence tiles.sm90_cross_item_safe (non-causal, or three stages)."""
     num_warps: gl.constexpr = 4
-    # wgmma layouts: warps stacked along the rows (16 rows each); instruction N = the full tile width.
+    # wgmma layouts: warps stacked along the rows (16 rows each); instruction N = the full tile width, K = 32 bytes.
+    INSTR_K: gl.constexpr = 32 if FP8 else 16
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, INSTR_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, BLOCK_D, INSTR_K])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     num_ctas = gl.num_programs(0)
+    p_smem = p_smems.index(CONSUMER)
     num_items = _num_items(num_work)
     diagonal = seqlen_k - seqlen_q  # query i sees key j iff j <= i + diagonal
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
@@ -298,22 +353,23 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     ring = 0  # ring position of the current item's first K/V tile
     batch, q_head, start_m, cta_tiles, num_tiles, full_end = _consumer_item(
         0, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, CONSUMER, ROWS, BLOCK_N, CAUSAL)
+    item_scale, o_scale = _item_scales(QD, KD, VD, batch, q_head, num_q_heads, group_size, qk_scale, FP8)
     q_buf = CONSUMER * Q_BUFFERS
     s = _issue_first_scores(q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), q_ready.index(q_buf), 0, k_smem,
                             k_ready, ring, s_zero, BLOCK_N, BLOCK_D, NUM_STAGES)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(ring % NUM_STAGES), count=1)
     offs_m = start_m + gl.arange(0, ROWS, layout=s_rows)
-    p, m_i, l_i, alpha = _softmax_tile(s, m_init, l_init, 0, offs_m, seqlen_k, diagonal, full_end, qk_scale,
+    p, m_i, l_i, alpha = _softmax_tile(s, m_init, l_init, 0, offs_m, seqlen_k, diagonal, full_end, item_scale,
                                        BLOCK_N, CAUSAL, s_layout)
     o_acc = o_zero
 
     for item in range(num_items - 1):
         q_buf = CONSUMER * Q_BUFFERS + item % Q_BUFFERS
         p, m_i, l_i, alpha, o_acc = _key_tiles(
-            q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
-            num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, seqlen_k, diagonal, full_end, qk_scale,
-            BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, s_layout, o_rows, p_layout)
+            q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, p_smem, k_ready, v_ready, k_empty, v_empty, ring,
+            num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, seqlen_k, diagonal, full_end, item_scale,
+            BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, s_layout, o_rows, p_layout, FP8)
         last = ring + num_tiles - 1
         next_ring = ring + cta_tiles
         next_buf = CONSUMER * Q_BUFFERS + (item + 1) % Q_BUFFERS
@@ -322,35 +378,41 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             item + 1, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, CONSUMER, ROWS, BLOCK_N,
             CAUSAL)
         n_offs_m = n_start_m + gl.arange(0, ROWS, layout=s_rows)
+        n_item_scale, n_o_scale = _item_scales(QD, KD, VD, n_batch, n_q_head, num_q_heads, group_size, qk_scale, FP8)
+        if FP8:  # the output is staged in a buffer of its own; Q's goes back to the producer here
+            out_smem = o_smems.index(CONSUMER)
+        else:
+            out_smem = q_smems.index(q_buf)
         if CROSS_ITEM:
             s = _issue_first_scores(next_q, q_ready.index(next_buf), ((item + 1) // Q_BUFFERS) & 1, k_smem, k_ready,
                                     next_ring, s_zero, BLOCK_N, BLOCK_D, NUM_STAGES)
-            o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
-                                         p_layout)
+            o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, p_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
+                                         p_layout, FP8)
             s = warpgroup_mma_wait(1, deps=(s,))  # the next item's S_0 is done; this item's last P·V may still run
             mbarrier.arrive(k_empty.index(next_ring % NUM_STAGES), count=1)
             p, m_next, l_next, alpha = _softmax_tile(s, m_init, l_init, 0, n_offs_m, seqlen_k, diagonal, n_full_end,
-                                                     qk_scale, BLOCK_N, CAUSAL, s_layout)
-            o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
+                                                     n_item_scale, BLOCK_N, CAUSAL, s_layout)
+            o_acc = _wait_pv(o_acc, p_op, FP8)
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             _release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
-            _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, batch, q_head,
-                          num_q_heads, start_m, seqlen_q, ROWS, BLOCK_D, s_rows, o_layout)
+            _store_output(o_acc, m_i, l_i, o_scale, o_desc, out_smem, q_empty.index(q_buf), LSE, batch, q_head,
+                          num_q_heads, start_m, seqlen_q, ROWS, BLOCK_D, s_rows, o_layout, FP8)
         else:
-            o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
-                                         p_layout)
-            o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
+            o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, p_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
+                                         p_layout, FP8)
+            o_acc = _wait_pv(o_acc, p_op, FP8)
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             _release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
-            _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, batch, q_head,
-                          num_q_heads, start_m, seqlen_q, ROWS, BLOCK_D, s_rows, o_layout)
+            _store_output(o_acc, m_i, l_i, o_scale, o_desc, out_smem, q_empty.index(q_buf), LSE, batch, q_head,
+                          num_q_heads, start_m, seqlen_q, ROWS, BLOCK_D, s_rows, o_layout, FP8)
             s = _issue_first_scores(next_q, q_ready.index(next_buf), ((item + 1) // Q_BUFFERS) & 1, k_smem, k_ready,
                                     next_ring, s_zero, BLOCK_N, BLOCK_D, NUM_STAGES)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(next_ring % NUM_STAGES), count=1)
             p, m_next, l_next, alpha = _softmax_tile(s, m_init, l_init, 0, n_offs_m, seqlen_k, diagonal, n_full_end,
-                                                     qk_scale, BLOCK_N, CAUSAL, s_layout)
+                                                     n_item_scale, BLOCK_N, CAUSAL, s_layout)
         m_i, l_i, o_acc = m_next, l_next, o_zero
+        item_scale, o_scale = n_item_scale, n_o_scale
         batch, q_head, start_m, cta_tiles, num_tiles, full_end = (n_batch, n_q_head, n_start_m, n_cta_tiles,
                                                                   n_num_tiles, n_full_end)
         offs_m = n_offs_m
@@ -359,25 +421,30 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     # The last item: nothing left to overlap its last P·V with.
     q_buf = CONSUMER * Q_BUFFERS + (num_items - 1) % Q_BUFFERS
     p, m_i, l_i, alpha, o_acc = _key_tiles(
-        q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
-        num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, seqlen_k, diagonal, full_end, qk_scale,
-        BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, s_layout, o_rows, p_layout)
+        q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, p_smem, k_ready, v_ready, k_empty, v_empty, ring,
+        num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, seqlen_k, diagonal, full_end, item_scale,
+        BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, s_layout, o_rows, p_layout, FP8)
     last = ring + num_tiles - 1
-    o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
-                                 p_layout)
-    o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
+    o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, p_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
+                                 p_layout, FP8)
+    o_acc = _wait_pv(o_acc, p_op, FP8)
     mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
     _release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, ring + cta_tiles, NUM_STAGES)
-    _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, batch, q_head,
-                  num_q_heads, start_m, seqlen_q, ROWS, BLOCK_D, s_rows, o_layout)
+    if FP8:
+        out_smem = o_smems.index(CONSUMER)
+    else:
+        out_smem = q_smems.index(q_buf)
+    _store_output(o_acc, m_i, l_i, o_scale, o_desc, out_smem, q_empty.index(q_buf), LSE, batch, q_head,
+                  num_q_heads, start_m, seqlen_q, ROWS, BLOCK_D, s_rows, o_layout, FP8)
 
 
 @gluon.jit
 def attention_forward_sm90_kernel(
-    q_desc, k_desc, v_desc, o_desc, LSE,
+    q_desc, k_desc, v_desc, o_desc, LSE, QD, KD, VD,
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, num_m_tiles, num_work,
     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
+    FP8: gl.constexpr,
 ):
     """Persistent: the CTAs share the num_work = B·Hq·num_m_tiles work items in rounds (see _work_tile)."""
     dtype: gl.constexpr = q_desc.dtype
@@ -387,6 +454,13 @@ def attention_forward_sm90_kernel(
     q_smems = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    if FP8:  # a bf16 staging buffer per consumer for the output (16-bit inputs stage it in their Q buffer)
+        o_smems = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+        p_smems = gl.allocate_shared_memory(dtype, [2, ROWS, BLOCK_N],
+                                            gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype))
+    else:
+        o_smems = q_smems
+        p_smems = q_smems
     q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -405,17 +479,19 @@ def attention_forward_sm90_kernel(
     upper: gl.constexpr = 0
     lower: gl.constexpr = 1
     gl.warp_specialize([
-        (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
-                               num_work, num_m_tiles, num_q_heads,
+        (_attention_consumer, (q_smems, k_smem, v_smem, o_smems, p_smems, q_ready, q_empty, k_ready, v_ready,
+                               k_empty, v_empty,
+                               o_desc, LSE, QD, KD, VD, num_work, num_m_tiles, num_q_heads,
                                group_size, seqlen_q, seqlen_k, qk_scale,
-                               upper, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM)),
-        (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
-                               num_work, num_m_tiles, num_q_heads,
+                               upper, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM, FP8)),
+        (_attention_consumer, (q_smems, k_smem, v_smem, o_smems, p_smems, q_ready, q_empty, k_ready, v_ready,
+                               k_empty, v_empty,
+                               o_desc, LSE, QD, KD, VD, num_work, num_m_tiles, num_q_heads,
                                group_size, seqlen_q, seqlen_k, qk_scale,
-                               lower, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM)),
+                               lower, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM, FP8)),
         (_producer, (q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                      k_empty, v_empty, num_work, num_m_tiles, num_q_heads, group_size, seqlen_q,
-                     seqlen_k, NUM_STAGES, BLOCK_N, CAUSAL, Q_BUFFERS)),
+                     seqlen_k, NUM_STAGES, BLOCK_N, CAUSAL, Q_BUFFERS, FP8)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -433,9 +509,10 @@ def _descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
 
 def _tensor_args(k_rows, block_d, q, k, v, out, lse):
     """The kernel's per-call arguments: TMA descriptors over q, k, v, out (boxes of one consumer's rows, of one key
-    tile; out's box is staged in the consumer's Q buffer, so it shares q's), then lse."""
+    tile; out's box is staged in the consumer's Q buffer, so it shares q's), then lse (and, in the descale slots
+    that only e4m3 calls read, lse again)."""
     return (_descriptor(q, CONSUMER_ROWS, block_d), _descriptor(k, k_rows, block_d), _descriptor(v, k_rows, block_d),
-            _descriptor(out, CONSUMER_ROWS, block_d), lse)
+            _descriptor(out, CONSUMER_ROWS, block_d), lse, lse, lse, lse)
 
 
 def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers, cross_item):
@@ -456,7 +533,7 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
     grid = (max(1, num_work if num_ctas is None else min(num_ctas, num_work)),)
     args = (*_tensor_args(tiles.block_n, block_d, q, k, v, out, lse), num_q_heads, num_q_heads // k.shape[1], seqlen_q, k.shape[2], softmax_scale * LOG2_E, num_m_tiles, num_work)
     constexprs = dict(BLOCK_N=tiles.block_n, BLOCK_D=block_d, NUM_STAGES=tiles.num_stages, CAUSAL=causal,
-                      Q_BUFFERS=q_buffers, CROSS_ITEM=cross_item)
+                      Q_BUFFERS=q_buffers, CROSS_ITEM=cross_item, FP8=False)
     return grid, args, constexprs
 
 
@@ -484,3 +561,28 @@ def prepare_forward(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles
     make_head = functools.partial(_tensor_args, tiles.block_n, padded_head_dim(q.shape[-1]))
     return PreparedLaunch(attention_forward_sm90_kernel, grid, bound, LAUNCH_OPTIONS, make_head,
                           (q, k, v, out, lse))
+
+
+def attention_forward_sm90_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, causal: bool,
+                               softmax_scale: float, tiles, num_ctas: int | None = None):
+    """The same kernel on e4m3 inputs (attention/fp8.py checked them): q (B, Hq, Lq, D) and k (B, Hkv, Lk, D) with
+    TMA-compatible strides, v (B, Hkv, Lk, D) K-major (unit stride on Lk, 16-byte aligned rows of Vᵀ, as
+    `quantize_fp8` writes it), out bf16 (B, Hq, Lq, D), lse float32, descales float32 (B, Hkv) contiguous.
+    Tiles: fp8_sm90_tiles."""
+    batch, num_q_heads, seqlen_q, head_dim = q.shape
+    vt = v.transpose(-1, -2)
+    if not tma_compatible(q, k, vt, out):
+        raise ValueError("the e4m3 sm_90 kernel needs TMA-compatible q, k, out and a K-major v (see quantize_fp8)")
+    num_m_tiles = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+    num_work = num_m_tiles * batch * num_q_heads
+    grid = (max(1, num_work if num_ctas is None else min(num_ctas, num_work)),)
+    v_desc = object.__new__(TensorDescriptor)  # boxes of (head dim, keys) over Vᵀ
+    v_desc.__dict__.update(tma_box(vt, head_dim, tiles.block_n),
+                           layout=_smem_layout(head_dim, tiles.block_n, v.dtype))
+    args = (_descriptor(q, CONSUMER_ROWS, head_dim), _descriptor(k, tiles.block_n, head_dim), v_desc,
+            _descriptor(out, CONSUMER_ROWS, head_dim), lse, q_descale, k_descale, v_descale,
+            num_q_heads, num_q_heads // k.shape[1], seqlen_q, k.shape[2], softmax_scale * LOG2_E, num_m_tiles,
+            num_work)
+    return attention_forward_sm90_kernel[grid](*args, BLOCK_N=tiles.block_n, BLOCK_D=head_dim,
+                                               NUM_STAGES=tiles.num_stages, CAUSAL=causal, Q_BUFFERS=1,
+                                               CROSS_ITEM=False, FP8=True, **LAUNCH_OPTIONS)
