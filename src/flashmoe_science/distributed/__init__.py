@@ -1,0 +1,14 @@
+"""Beyond one GPU through `torch.distributed`: context-parallel ring attention and expert-parallel MoE.
+
+- `ring_attention`: one sequence sharded zig-zag over a process group (`zigzag_shard` / `zigzag_unshard` /
+  `zigzag_positions`), K/V passed around the ring, partial results merged by log-sum-exp; forward and backward.
+- `ExpertParallelMoE` / `expert_parallel_experts`: experts sharded over a process group, tokens exchanged with
+  all-to-all, the local experts run by `fused_experts`; forward and backward.
+
+Run under `torchrun` (NCCL on GPUs) or any initialised process group (gloo on CPUs).
+"""
+
+from flashmoe_science.distributed.ring_attention import ring_attention
+from flashmoe_science.distributed.zigzag import zigzag_positions, zigzag_shard, zigzag_unshard
+
+__all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard", "zigzag_positions"]

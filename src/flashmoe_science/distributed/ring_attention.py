@@ -1,0 +1,377 @@
+"""Context-parallel ring attention: one sequence sharded zig-zag over the ranks of a process group.
+
+Each rank holds its queries and its keys/values (two mirrored chunks, see `zigzag`). The K/V shards travel around
+the ring (rank r sends to r + 1 and receives from r - 1) with ``batch_isend_irecv``; the transfer of the next shard
+is in flight while the local kernel works on the current one. Partial results are merged by their log-sum-exp:
+
+    lse = log(exp(lse_a) + exp(lse_b)),    out = exp(lse_a - lse) · out_a + exp(lse_b - lse) · out_b
+
+which is exact: softmax over the union of two key sets is this reweighting of the softmaxes over each.
+
+The backward passes the K/V shards around the ring again; each rank computes the gradient contributions of its
+queries against the visiting shard with the single-GPU backward kernels, given the *global* out and lse (that is all
+the FlashAttention backward needs: P = exp(S - lse), dS = P ∘ (dP - rowsum(dO ∘ O))). dQ stays local; the dK/dV
+contributions (float32) follow their shard around the ring and, after one last hop, arrive at the shard's owner.
+
+Masks (causal, sliding window) are stated on global positions. Between a chunk of queries and a chunk of keys the
+visible part is a rectangle cropped to the band ``lo <= j - i <= hi``, which the local kernel expresses as a
+bottom-right aligned window (`_visible_block`); pairs that see nothing are skipped, fully visible pairs of one ring
+step are merged into one kernel call (`_plan_step`).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flashmoe_science.attention.reference import default_softmax_scale
+from flashmoe_science.distributed.zigzag import Chunk, gather_ints, group_rank_and_size, shard_chunks, shard_lengths
+
+_KV_TAG, _GRAD_TAG = 0, 1  # gloo matches point-to-point messages by tag; NCCL ignores tags
+
+
+# ------------------------------------------------------------------------------------------------ local kernels
+# Until attention/api.py offers attention_forward_lse / attention_backward_lse (the blockwise pair the varlen branch
+# adds), these stand in: the forward through flash_attention_science (no window) or PyTorch, the backward a plain
+# PyTorch recomputation from the global out and lse.
+def _block_scores(q, k, causal, softmax_scale, window):
+    group = q.shape[-3] // k.shape[-3]
+    kx = k.repeat_interleave(group, dim=-3) if group > 1 else k
+    scores = torch.matmul(q.float(), kx.float().transpose(-1, -2)) * softmax_scale
+    lq, lk = q.shape[-2], k.shape[-2]
+    rows = torch.arange(lq, device=q.device).unsqueeze(1) + (lk - lq)
+    cols = torch.arange(lk, device=q.device).unsqueeze(0)
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    seen = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        seen &= cols <= rows + right
+    if left >= 0:
+        seen &= cols >= rows - left
+    return scores.masked_fill(~seen, float("-inf")), group
+
+
+def attention_forward_lse(q, k, v, *, causal, softmax_scale, window):
+    if window is None:
+        from flashmoe_science.attention.api import flash_attention_science
+
+        with torch.no_grad():
+            return flash_attention_science(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    scores, group = _block_scores(q, k, causal, softmax_scale, window)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    vx = v.repeat_interleave(group, dim=-3) if group > 1 else v
+    return torch.matmul(p, vx.float()).to(q.dtype), lse
+
+
+def attention_backward_lse(q, k, v, out, lse, grad_out, *, causal, softmax_scale, window):
+    scores, group = _block_scores(q, k, causal, softmax_scale, window)
+    p = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).float().unsqueeze(-1))
+    vx = v.repeat_interleave(group, dim=-3) if group > 1 else v
+    do = grad_out.float()
+    dp = torch.matmul(do, vx.float().transpose(-1, -2))
+    delta = (do * out.float()).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * softmax_scale
+    dq = torch.matmul(ds, k.float().repeat_interleave(group, dim=-3) if group > 1 else k.float())
+    dk = torch.matmul(ds.transpose(-1, -2), q.float())
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    if group > 1:  # GQA: a key head's gradient sums over the query heads that read it
+        dk = dk.unflatten(-3, (k.shape[-3], group)).sum(-3)
+        dv = dv.unflatten(-3, (k.shape[-3], group)).sum(-3)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ planning
+@dataclass(frozen=True)
+class Block:
+    """One local kernel call of a ring step: query rows and key rows (local indices) and the kernel's mask."""
+
+    q_rows: slice
+    k_rows: slice
+    causal: bool
+    window: tuple[int, int] | None
+
+
+def _band(causal: bool, window: tuple[int, int] | None) -> tuple[float, float]:
+    """The global mask as a band of key-minus-query offsets ``lo <= j - i <= hi`` (Lq == Lk: no diagonal shift)."""
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0  # flash-attn: causal clips the right side of a window to 0
+    return (-left if left >= 0 else -math.inf), (right if right >= 0 else math.inf)
+
+
+def _visible_block(q_chunk: Chunk, k_chunk: Chunk, lo: float, hi: float) -> Block | None:
+    """The rectangle of a (query chunk, key chunk) pair that sees anything, as one kernel call, or None.
+
+    Query row i (global) sees keys ``[i + lo, i + hi]``: rows ``[k_start - hi, k_stop - lo)`` see some key of the
+    chunk, keys ``[q_start + lo, q_stop + hi)`` are seen by some row. On the cropped rectangle the kernel's window
+    (aligned at ``diagonal = Lk - Lq``) is ``left = k_stop - q_stop - lo``, ``right = hi + q_stop - k_stop``, both
+    >= 0 by construction of the crop; a side at least as wide as the rectangle is unbounded.
+    """
+    q_start = max(q_chunk.global_start, k_chunk.global_start - hi)
+    q_stop = min(q_chunk.global_start + q_chunk.length, k_chunk.global_start + k_chunk.length - lo)
+    k_start = max(k_chunk.global_start, q_chunk.global_start + lo)
+    k_stop = min(k_chunk.global_start + k_chunk.length, q_chunk.global_start + q_chunk.length + hi)
+    if q_start >= q_stop or k_start >= k_stop:
+        return None
+    q_start, q_stop, k_start, k_stop = int(q_start), int(q_stop), int(k_start), int(k_stop)
+    left, right = k_stop - q_stop - lo, hi + q_stop - k_stop
+    left = -1 if left >= k_stop - k_start - 1 else int(left)
+    right = -1 if right >= q_stop - q_start - 1 else int(right)
+    q_off, k_off = q_chunk.local_start - q_chunk.global_start, k_chunk.local_start - k_chunk.global_start
+    rows, keys = slice(q_start + q_off, q_stop + q_off), slice(k_start + k_off, k_stop + k_off)
+    if left == -1 and right == 0:
+        return Block(rows, keys, True, None)
+    return Block(rows, keys, False, None if (left, right) == (-1, -1) else (left, right))
+
+
+def _whole(block: Block | None, q_chunk: Chunk, k_chunk: Chunk) -> bool:
+    """The pair is fully visible: its block is the whole of both chunks with no mask."""
+    return (block is not None and not block.causal and block.window is None
+            and block.q_rows.stop - block.q_rows.start == q_chunk.length
+            and block.k_rows.stop - block.k_rows.start == k_chunk.length)
+
+
+def _plan_step(q_chunks, k_chunks, causal: bool, window, same_shard: bool) -> list[Block]:
+    """The kernel calls of one ring step: the queries of this rank against one visiting K/V shard.
+
+    Zig-zag causal steps collapse to one call each: the own shard is causal over the local order (local order is
+    global order); an earlier shard is seen whole by both query chunks; a later shard whole by the second chunk.
+    """
+    q_len = sum(c.length for c in q_chunks)
+    k_len = sum(c.length for c in k_chunks)
+    if same_shard and window is None and causal:
+        return [Block(slice(0, q_len), slice(0, k_len), True, None)]
+    lo, hi = _band(causal, window)
+    pairs = {(a, b): _visible_block(qc, kc, lo, hi) for a, qc in enumerate(q_chunks) for b, kc in enumerate(k_chunks)}
+    whole = {key: _whole(block, q_chunks[key[0]], k_chunks[key[1]]) for key, block in pairs.items()}
+    if all(whole.values()):
+        return [Block(slice(0, q_len), slice(0, k_len), False, None)]
+    blocks, used = [], set()
+    for b, kc in enumerate(k_chunks):  # a key chunk every query sees: one call for both query chunks
+        if whole[0, b] and whole[1, b]:
+            blocks.append(Block(slice(0, q_len), slice(kc.local_start, kc.local_start + kc.length), False, None))
+            used |= {(0, b), (1, b)}
+    for a, qc in enumerate(q_chunks):  # a query chunk that sees all keys: one call for both key chunks
+        if whole[a, 0] and whole[a, 1] and not used & {(a, 0), (a, 1)}:
+            blocks.append(Block(slice(qc.local_start, qc.local_start + qc.length), slice(0, k_len), False, None))
+            used |= {(a, 0), (a, 1)}
+    blocks += [block for key, block in pairs.items() if block is not None and key not in used]
+    return blocks
+
+
+# ------------------------------------------------------------------------------------------------ the ring
+@dataclass(frozen=True)
+class _Ring:
+    group: object
+    rank: int
+    world_size: int
+    seqlen: int  # global
+    causal: bool
+    window: tuple[int, int] | None
+    softmax_scale: float
+
+    def chunks(self, rank: int):
+        return shard_chunks(self.seqlen, self.world_size, rank)
+
+    def peer(self, offset: int) -> int:
+        """The global rank of the group member ``offset`` steps along the ring."""
+        return dist.get_global_rank(self.group, (self.rank + offset) % self.world_size)
+
+    def source(self, step: int) -> int:
+        """Whose K/V shard this rank holds at ring step ``step``."""
+        return (self.rank - step) % self.world_size
+
+    def plan(self, step: int) -> list[Block]:
+        source = self.source(step)
+        return _plan_step(self.chunks(self.rank), self.chunks(source), self.causal, self.window, source == self.rank)
+
+    def shift(self, send: torch.Tensor, recv_shape, tag: int):
+        """Start sending ``send`` to the next rank and receiving a tensor of ``recv_shape`` from the previous one."""
+        recv = torch.empty(recv_shape, dtype=send.dtype, device=send.device)
+        ops = [dist.P2POp(dist.isend, send, self.peer(1), self.group, tag),
+               dist.P2POp(dist.irecv, recv, self.peer(-1), self.group, tag)]
+        return recv, dist.batch_isend_irecv(ops)
+
+    def shard_shape(self, kv: torch.Tensor, step: int) -> tuple[int, ...]:
+        """The shape of the packed K/V (or dK/dV) shard held at ``step``: ``kv``'s, with that rank's length."""
+        length = sum(c.length for c in self.chunks(self.source(step)))
+        return (*kv.shape[:-2], length, kv.shape[-1])
+
+
+def _wait(requests) -> None:
+    for request in requests:
+        request.wait()
+
+
+def _merge_into(out_acc, lse_acc, rows: slice, out, lse) -> None:
+    """Merge a partial (out, lse) for query rows ``rows`` into the float32 accumulators, in place.
+    Rows that have seen no key on either side stay out 0, lse -inf."""
+    acc_out, acc_lse = out_acc[..., rows, :], lse_acc[..., rows]
+    lse = lse.float()
+    merged = torch.logaddexp(acc_lse, lse)
+    shift = torch.where(torch.isinf(merged), 0.0, merged)
+    acc_out.mul_(torch.exp(acc_lse - shift).unsqueeze(-1)).add_(out.float() * torch.exp(lse - shift).unsqueeze(-1))
+    acc_lse.copy_(merged)
+
+
+def _ring_forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    kv = torch.stack((k, v))  # one message per step; also the buffer the first send reads
+    out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse_acc = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+    for step in range(ring.world_size):
+        last = step == ring.world_size - 1
+        if not last:  # the next shard travels while this one is computed on
+            next_kv, requests = ring.shift(kv, ring.shard_shape(kv, step + 1), _KV_TAG)
+        for block in ring.plan(step):
+            out, lse = attention_forward_lse(q[..., block.q_rows, :], kv[0][..., block.k_rows, :],
+                                             kv[1][..., block.k_rows, :], causal=block.causal,
+                                             softmax_scale=ring.softmax_scale, window=block.window)
+            _merge_into(out_acc, lse_acc, block.q_rows, out, lse)
+        if not last:
+            _wait(requests)
+            kv = next_kv
+    return out_acc.to(q.dtype), lse_acc
+
+
+def _ring_backward(ring: _Ring, q, k, v, out, lse, grad_out):
+    kv = torch.stack((k, v))
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    grad_requests, incoming = [], None
+    for step in range(ring.world_size):
+        last = step == ring.world_size - 1
+        if not last:
+            next_kv, kv_requests = ring.shift(kv, ring.shard_shape(kv, step + 1), _KV_TAG)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # this step's shard's contributions
+        for block in ring.plan(step):
+            rows, keys = block.q_rows, block.k_rows
+            dq_b, dk_b, dv_b = attention_backward_lse(
+                q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], out[..., rows, :], lse[..., rows],
+                grad_out[..., rows, :], causal=block.causal, softmax_scale=ring.softmax_scale, window=block.window)
+            dq[..., rows, :] += dq_b
+            dkv[0][..., keys, :] += dk_b
+            dkv[1][..., keys, :] += dv_b
+        if incoming is not None:  # what earlier ranks added for the same shard
+            _wait(grad_requests)
+            dkv += incoming
+        if ring.world_size == 1:
+            incoming = dkv
+            continue
+        # after the last step this hop brings each shard's sum home: the shard of rank r - 1 - (W - 1) = r
+        incoming, grad_requests = ring.shift(dkv, ring.shard_shape(dkv, step + 1), _GRAD_TAG)
+        if not last:
+            _wait(kv_requests)
+            kv = next_kv
+    _wait(grad_requests)
+    return dq.to(q.dtype), incoming[0].to(k.dtype), incoming[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: _Ring):
+        out, lse = _ring_forward(ring, q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(ctx.ring, q, k, v, out, lse, grad_out)
+        return dq, dk, dv, None
+
+
+# ------------------------------------------------------------------------------------------------ front door
+def _check_window(window) -> tuple[int, int] | None:
+    if window is None:
+        return None
+    if not (isinstance(window, (tuple, list)) and len(window) == 2
+            and all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in window)):
+        raise TypeError(f"window must be None or a (left, right) pair of ints (-1 = unbounded), got {window!r}")
+    if min(window) < -1:
+        raise ValueError(f"window values must be >= -1 (-1 = unbounded), got {tuple(window)}")
+    return None if tuple(window) == (-1, -1) else (int(window[0]), int(window[1]))
+
+
+def _check_local(q, k, v, causal, softmax_scale) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() not in (3, 4):
+            raise ValueError(f"{name} must be (B, H, L, D) or (H, L, D), got shape {tuple(t.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if k.dim() != q.dim() or v.shape != k.shape:
+        raise ValueError(f"k and v must have one shape with q's number of dims, got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[:-3] != k.shape[:-3] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share batch and head dims, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"ring_attention is self-attention over one sharded sequence: q and k must hold the same "
+                         f"positions, got local lengths {q.shape[-2]} and {k.shape[-2]}")
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"q's head count ({hq}) must be a multiple of k's head count ({hkv}) (GQA/MQA)")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+                                      or not (math.isfinite(softmax_scale) and softmax_scale > 0)):
+        raise ValueError(f"softmax_scale must be a finite number > 0 or None, got {softmax_scale!r}")
+
+
+def _check_ranks(q, k, group, world_size: int, causal: bool, window) -> int:
+    """Every rank's shapes and mask agree and the local lengths form a zig-zag split; returns the global length.
+    One small all-gather, so every rank raises the same error instead of hanging in the ring."""
+    left, right = window if window is not None else (-1, -1)
+    mine = [q.dim(), *q.shape[:-2], k.shape[-3], q.shape[-1], int(causal), left, right, q.shape[-2]]
+    everyone = gather_ints(mine, group, q.device)
+    if not bool((everyone[:, :-1] == everyone[0, :-1]).all()):
+        raise ValueError("ring_attention: the ranks disagree on shapes or mask "
+                         f"(per rank: [dims, batch.., Hq, Hkv, D, causal, left, right, L] = {everyone.tolist()})")
+    lengths = everyone[:, -1].tolist()
+    seqlen = sum(lengths)
+    if lengths != shard_lengths(seqlen, world_size):
+        raise ValueError(f"ring_attention: local sequence lengths {lengths} are not the zig-zag split of {seqlen} "
+                         f"positions over {world_size} ranks (expected {shard_lengths(seqlen, world_size)}); shard "
+                         "the sequence with zigzag_shard")
+    return seqlen
+
+
+def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale: float | None = None,
+                   window: tuple[int, int] | None = None, return_lse: bool = False):
+    """Exact attention over a sequence sharded zig-zag over the ranks of ``group`` (None: the default group).
+
+    Args:
+        q, k, v: this rank's shard, ``(B, H, L_local, D)`` or ``(H, L_local, D)``, as produced by `zigzag_shard` from
+            the full ``(..., L, D)`` tensors (any strides the local kernel accepts; GQA: ``Hq % Hkv == 0``). Every
+            rank passes the same shapes except L_local, which must be its zig-zag share of the global length.
+        causal: the causal mask on global positions (what single-GPU attention over the unsharded sequence does).
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+        window: ``(left, right)`` sliding window on global positions, flash-attn semantics (-1 = unbounded; with
+            ``causal`` the right side is 0).
+        return_lse: also return the float32 log-sum-exp ``(..., H, L_local)`` of this rank's queries.
+
+    Returns ``out`` (q's shape and dtype; differentiable with respect to q, k and v), or ``(out, lse)``. The result is
+    that of `flash_attention_science` on the unsharded sequence, sharded the same way; partial results are merged in
+    float32 (each partial rounded once to q's dtype). A group of one rank runs the local kernel directly.
+    """
+    _check_local(q, k, v, causal, softmax_scale)
+    window = _check_window(window)
+    rank, world_size = group_rank_and_size(group)
+    scale = float(softmax_scale) if softmax_scale is not None else default_softmax_scale(q.shape[-1])
+    if world_size == 1:
+        from flashmoe_science.attention.api import flash_attention_science
+
+        if window is None:
+            return flash_attention_science(q, k, v, causal=causal, softmax_scale=scale, return_lse=return_lse)
+    seqlen = _check_ranks(q, k, group, world_size, causal, window) if world_size > 1 else q.shape[-2]
+    ring = _Ring(group if group is not None else dist.group.WORLD, rank, world_size, seqlen, causal, window, scale)
+    out, lse = _RingAttention.apply(q, k, v, ring)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,132 @@
+"""The zig-zag layout of a sequence sharded over the ranks of a ring (load-balanced causal context parallelism).
+
+A sequence of L positions is cut into ``2W`` consecutive chunks (W = number of ranks), sized as
+``torch.tensor_split`` sizes them: the first ``L % 2W`` chunks hold one position more. Rank r holds chunk r and its
+mirror, chunk ``2W - 1 - r``, in that order. Under a causal mask every rank then has the same amount of work at
+every ring step (an early chunk paired with a late one), which a plain contiguous split does not give: there the
+last rank attends to everything and the first to almost nothing.
+
+Every rank can compute every other rank's chunks from L and W alone; `ring_attention` relies on that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk of a rank's shard: where it starts in the rank's local tensor and in the global sequence."""
+
+    local_start: int
+    global_start: int
+    length: int
+
+
+def _check_split(seqlen: int, world_size: int) -> None:
+    for name, value in (("seqlen", seqlen), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if seqlen < 0:
+        raise ValueError(f"seqlen must be >= 0, got {seqlen}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+
+
+def chunk_starts(seqlen: int, world_size: int) -> list[int]:
+    """The global start of each of the ``2W`` chunks, then L (so chunk i is ``[starts[i], starts[i + 1])``)."""
+    _check_split(seqlen, world_size)
+    num_chunks = 2 * world_size
+    base, extra = divmod(seqlen, num_chunks)
+    starts = [0]
+    for i in range(num_chunks):
+        starts.append(starts[-1] + base + (1 if i < extra else 0))
+    return starts
+
+
+def shard_chunks(seqlen: int, world_size: int, rank: int) -> tuple[Chunk, Chunk]:
+    """The two chunks rank ``rank`` holds: chunk ``rank`` then chunk ``2W - 1 - rank``."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    starts = chunk_starts(seqlen, world_size)
+    first, second = rank, 2 * world_size - 1 - rank
+    first_len = starts[first + 1] - starts[first]
+    return (Chunk(0, starts[first], first_len),
+            Chunk(first_len, starts[second], starts[second + 1] - starts[second]))
+
+
+def shard_lengths(seqlen: int, world_size: int) -> list[int]:
+    """The local sequence length of each rank."""
+    return [sum(c.length for c in shard_chunks(seqlen, world_size, r)) for r in range(world_size)]
+
+
+def zigzag_positions(seqlen: int, world_size: int, rank: int, device=None) -> torch.Tensor:
+    """The global position of each local token of rank ``rank`` (int64), e.g. for rotary embeddings."""
+    return torch.cat([torch.arange(c.global_start, c.global_start + c.length, device=device)
+                      for c in shard_chunks(seqlen, world_size, rank)])
+
+
+def group_rank_and_size(group) -> tuple[int, int]:
+    """This process's rank in ``group`` (None: the default group) and the group's size, with clear errors."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group first "
+                           "(torchrun sets up the environment it reads)")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of `group`")
+    return rank, dist.get_world_size(group)
+
+
+def _check_dim(x: torch.Tensor, dim: int) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must be an int in [-{x.dim()}, {x.dim()}) for a tensor of shape {tuple(x.shape)}, "
+                         f"got {dim!r}")
+    return dim % x.dim()
+
+
+def zigzag_shard(x: torch.Tensor, group=None, *, dim: int = -2) -> torch.Tensor:
+    """This rank's zig-zag shard of the full sequence ``x`` (the sequence along ``dim``; default -2, the L of
+    ``(..., H, L, D)``). Returns a new contiguous tensor (the two chunks concatenated)."""
+    dim = _check_dim(x, dim)
+    rank, world_size = group_rank_and_size(group)
+    chunks = shard_chunks(x.shape[dim], world_size, rank)
+    return torch.cat([x.narrow(dim, c.global_start, c.length) for c in chunks], dim=dim)
+
+
+def zigzag_unshard(local: torch.Tensor, group=None, *, dim: int = -2) -> torch.Tensor:
+    """The full sequence from every rank's zig-zag shard (an all-gather; every rank gets the whole tensor).
+    Not differentiable: it is for inspecting results and for tests."""
+    dim = _check_dim(local, dim)
+    rank, world_size = group_rank_and_size(group)
+    lengths = gather_ints([local.shape[dim]], group, local.device)[:, 0].tolist()
+    seqlen = sum(lengths)
+    expected = shard_lengths(seqlen, world_size)
+    if lengths != expected:
+        raise ValueError(f"zigzag_unshard: shard lengths {lengths} along dim {dim} are not a zig-zag split of "
+                         f"{seqlen} positions over {world_size} ranks (expected {expected})")
+    longest = max(lengths)
+    padded = torch.zeros(*local.shape[:dim], longest, *local.shape[dim + 1:], dtype=local.dtype,
+                         device=local.device)
+    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
+    gathered = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(gathered, padded, group=group)
+    pieces: list[tuple[int, torch.Tensor]] = []
+    for r, shard in enumerate(gathered):
+        for c in shard_chunks(seqlen, world_size, r):
+            pieces.append((c.global_start, shard.narrow(dim, c.local_start, c.length)))
+    return torch.cat([piece for _, piece in sorted(pieces, key=lambda item: item[0])], dim=dim)
+
+
+def gather_ints(values: list[int], group, device) -> torch.Tensor:
+    """All ranks' ``values`` (the same count on each) as a ``(W, len(values))`` int64 CPU tensor: one all-gather
+    (on ``device``: NCCL moves CUDA tensors only)."""
+    _, world_size = group_rank_and_size(group)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    out = torch.empty(world_size * len(values), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(out, mine, group=group)
+    return out.view(world_size, len(values)).cpu()

@@ -1,0 +1,127 @@
+"""Ring-attention cases run in every rank of a gloo group (see dist_spawn.py): the sharded result against the
+single-process one on the full sequence, outputs and gradients, float32 inputs vs a float64 dense oracle."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from flashmoe_science.attention.api import flash_attention_science
+from flashmoe_science.distributed import ring_attention, zigzag_positions, zigzag_shard, zigzag_unshard
+
+ATOL, RTOL = 2e-5, 1e-4  # float32 against float64: a few float32 ulps of the partial results and their merge
+
+
+def dense_attention(q, k, v, causal, window, scale=None):
+    """Materialised float64 attention on global positions: the oracle (a row that sees nothing gives zeros)."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = q @ k.transpose(-1, -2) * (scale or 1 / math.sqrt(q.shape[-1]))
+    i = torch.arange(q.shape[-2]).unsqueeze(1)
+    j = torch.arange(k.shape[-2]).unsqueeze(0)
+    left, right = window if window is not None else (-1, -1)
+    right = 0 if causal else right
+    seen = torch.ones(i.shape[0], j.shape[1], dtype=torch.bool)
+    if right >= 0:
+        seen &= j <= i + right
+    if left >= 0:
+        seen &= j >= i - left
+    scores = scores.masked_fill(~seen, -math.inf)
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return weights @ v
+
+
+def _check(name, got, expected):
+    if got.shape != expected.shape:
+        raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(expected.shape)}")
+    err = (got.double() - expected).abs().max().item() if got.numel() else 0.0
+    if not torch.allclose(got.double(), expected, atol=ATOL, rtol=RTOL):
+        raise AssertionError(f"{name}: max abs error {err:.3g} (atol {ATOL}, rtol {RTOL})")
+
+
+def _compare(rank, world_size, *, seqlen, heads=(4, 4), causal, window=None, batch=2, head_dim=16, group=None):
+    hq, hkv = heads
+    q = torch.randn(batch, hq, seqlen, head_dim)
+    k = torch.randn(batch, hkv, seqlen, head_dim)
+    v = torch.randn(batch, hkv, seqlen, head_dim)
+    grad = torch.randn(batch, hq, seqlen, head_dim)
+    full = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = dense_attention(*full, causal, window)
+    expected.backward(grad.double())
+    local = [zigzag_shard(t, group).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, group, causal=causal, window=window)
+    out.backward(zigzag_shard(grad, group))
+    _check("out", out, zigzag_shard(expected.detach(), group))
+    for name, t, ref in zip(("dq", "dk", "dv"), local, full):
+        _check(name, t.grad, zigzag_shard(ref.grad, group))
+
+
+def ring_causal(rank, world_size):
+    _compare(rank, world_size, seqlen=8 * world_size, causal=True)
+
+
+def ring_noncausal_gqa(rank, world_size):
+    _compare(rank, world_size, seqlen=6 * world_size, heads=(4, 2), causal=False)
+
+
+def ring_ragged_causal(rank, world_size):
+    # L not a multiple of 2W: chunks of unequal length, ranks of unequal length
+    _compare(rank, world_size, seqlen=8 * world_size + 3, causal=True, heads=(2, 1))
+
+
+def ring_tiny_sequence(rank, world_size):
+    # fewer positions than chunks: some ranks hold one chunk or none
+    _compare(rank, world_size, seqlen=3, causal=True, batch=1)
+
+
+def ring_sliding_window(rank, world_size):
+    _compare(rank, world_size, seqlen=10 * world_size + 1, causal=True, window=(5, -1))
+    _compare(rank, world_size, seqlen=10 * world_size, causal=False, window=(3, 7), heads=(2, 2))
+    _compare(rank, world_size, seqlen=7 * world_size, causal=False, window=(0, 2), heads=(2, 2))
+
+
+def ring_return_lse_and_layout(rank, world_size):
+    # (B, L, H, D) buffers viewed as (B, H, L, D); lse equals the single-process one
+    q, k, v = (torch.randn(2, 6 * world_size, 4, 32) for _ in range(3))
+    out, lse = ring_attention(*(zigzag_shard(t, dim=1).transpose(1, 2) for t in (q, k, v)), causal=True,
+                              return_lse=True)
+    ref_out, ref_lse = flash_attention_science(*(t.transpose(1, 2) for t in (q, k, v)), causal=True, return_lse=True)
+    _check("out", out.double(), zigzag_shard(ref_out.double(), dim=-2))
+    _check("lse", lse.double(), zigzag_shard(ref_lse.double(), dim=-1))
+    _check("unshard", zigzag_unshard(out).double(), ref_out.double())
+    positions = zigzag_positions(6 * world_size, world_size, rank)
+    if not torch.equal(zigzag_shard(torch.arange(6 * world_size), dim=0), positions):
+        raise AssertionError("zigzag_positions disagrees with zigzag_shard")
+
+
+def ring_group_of_one(rank, world_size):
+    # every rank in its own group: the local kernel, no communication
+    groups = [dist.new_group([r]) for r in range(world_size)]
+    _compare(rank, world_size, seqlen=9, causal=True, group=groups[rank])
+
+
+def _expect_error(fn, *fragments):
+    try:
+        fn()
+    except (ValueError, TypeError) as error:
+        if not all(f in str(error) for f in fragments):
+            raise AssertionError(f"error {error!r} lacks {fragments}") from error
+        return
+    raise AssertionError(f"no error raised (expected one mentioning {fragments})")
+
+
+def ring_bad_input(rank, world_size):
+    q = torch.randn(1, 4, 6 + rank, 16)  # rank-dependent lengths: not a zig-zag split
+    _expect_error(lambda: ring_attention(q, q, q, causal=True), "zig-zag split")
+    heads = torch.randn(1, 2 + 2 * rank, 6, 16)  # ranks disagree on the head count
+    _expect_error(lambda: ring_attention(heads, heads, heads), "disagree")
+    q3, k2 = torch.randn(1, 3, 6, 16), torch.randn(1, 2, 6, 16)
+    _expect_error(lambda: ring_attention(q3, k2, k2), "multiple of k's head count")
+    _expect_error(lambda: ring_attention(q3, q3[..., :4, :], q3[..., :4, :]), "same positions")
+    _expect_error(lambda: ring_attention(q3, q3, q3, window=(-2, 0)), "window")
+
+
+CASES = [name for name in dir() if name.startswith("ring_") and name != "ring_attention"]
