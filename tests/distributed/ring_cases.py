@@ -89,9 +89,10 @@ def ring_return_lse_and_layout(rank, world_size):
     out, lse = ring_attention(*(zigzag_shard(t, dim=1).transpose(1, 2) for t in (q, k, v)), causal=True,
                               return_lse=True)
     ref_out, ref_lse = flash_attention_science(*(t.transpose(1, 2) for t in (q, k, v)), causal=True, return_lse=True)
+    gathered = zigzag_unshard(out)  # a collective: before any check can raise
     _check("out", out.double(), zigzag_shard(ref_out.double(), dim=-2))
     _check("lse", lse.double(), zigzag_shard(ref_lse.double(), dim=-1))
-    _check("unshard", zigzag_unshard(out).double(), ref_out.double())
+    _check("unshard", gathered.double(), ref_out.double())
     positions = zigzag_positions(6 * world_size, world_size, rank)
     if not torch.equal(zigzag_shard(torch.arange(6 * world_size), dim=0), positions):
         raise AssertionError("zigzag_positions disagrees with zigzag_shard")

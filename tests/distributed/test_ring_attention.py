@@ -1,24 +1,17 @@
-"""Ring attention on CPU processes (gloo): outputs and gradients equal the single-process result."""
+"""Ring attention in 2 and 4 CPU processes (gloo): outputs and gradients equal the single-process result on the full
+sequence (ring_cases.py; all cases of a world size run in one spawn, conftest.py)."""
 
 import pytest
 
-from dist_spawn import run_cases
-from flashmoe_science.distributed.zigzag import chunk_starts, shard_chunks, shard_lengths, zigzag_positions
 import ring_cases
-
-WORLD_SIZES = (2, 3, 4)
-
-
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"world{w}")
-def ring_results(request):
-    return request.param, run_cases("ring_cases", ring_cases.CASES, request.param)
+from flashmoe_science.distributed.ring_attention import _plan_step
+from flashmoe_science.distributed.zigzag import chunk_starts, shard_chunks, shard_lengths, zigzag_positions
 
 
+@pytest.mark.parametrize("world_size", (2, 4))
 @pytest.mark.parametrize("case", ring_cases.CASES)
-def test_ring_attention(ring_results, case):
-    world_size, results = ring_results
-    if results[case] is not None:
-        pytest.fail(f"world size {world_size}, {case}: {results[case]}")
+def test_ring_attention(distributed_case, world_size, case):
+    distributed_case(world_size, f"ring_cases.{case}")
 
 
 def test_zigzag_layout():
@@ -30,3 +23,15 @@ def test_zigzag_layout():
     assert sorted(sum((zigzag_positions(13, 3, r).tolist() for r in range(3)), [])) == list(range(13))
     with pytest.raises(ValueError, match="rank"):
         shard_chunks(8, 2, 2)
+
+
+def test_causal_steps_are_one_call_each():
+    # zig-zag causal: own shard causal, an earlier shard seen whole by both chunks, a later one by the second chunk
+    mine, earlier, later = (shard_chunks(16, 4, r) for r in (1, 0, 2))
+    (own,) = _plan_step(mine, mine, True, None, True)
+    assert own.causal and own.q_rows == slice(0, 4) and own.k_rows == slice(0, 4)
+    (before,) = _plan_step(mine, earlier, True, None, False)
+    assert not before.causal and before.q_rows == slice(0, 4) and before.k_rows == slice(0, 2)
+    (after,) = _plan_step(mine, later, True, None, False)
+    assert not after.causal and after.q_rows == slice(2, 4) and after.k_rows == slice(0, 4)
+    assert _plan_step(mine, earlier, False, (0, 0), False) == []  # a diagonal window sees no other shard

@@ -8,7 +8,9 @@
 Run under `torchrun` (NCCL on GPUs) or any initialised process group (gloo on CPUs).
 """
 
+from flashmoe_science.distributed.expert_parallel import ExpertParallelMoE, expert_bounds, expert_parallel_experts
 from flashmoe_science.distributed.ring_attention import ring_attention
 from flashmoe_science.distributed.zigzag import zigzag_positions, zigzag_shard, zigzag_unshard
 
-__all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard", "zigzag_positions"]
+__all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard", "zigzag_positions", "ExpertParallelMoE",
+           "expert_parallel_experts", "expert_bounds"]

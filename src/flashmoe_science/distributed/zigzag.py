@@ -127,6 +127,6 @@ def gather_ints(values: list[int], group, device) -> torch.Tensor:
     (on ``device``: NCCL moves CUDA tensors only)."""
     _, world_size = group_rank_and_size(group)
     mine = torch.tensor(values, dtype=torch.int64, device=device)
-    out = torch.empty(world_size * len(values), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, mine, group=group)
-    return out.view(world_size, len(values)).cpu()
+    everyone = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(everyone, mine, group=group)
+    return torch.stack(everyone).cpu()
