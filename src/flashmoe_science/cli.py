@@ -3,6 +3,7 @@
     flashmoe-science info                 GPU, versions, and which kernel a sample call would use and why
     flashmoe-science bench [attention]    ours against every SDPA backend and FlexAttention (TFLOP/s, ms, memory)
     flashmoe-science bench moe            the MoE layer benchmark
+    flashmoe-science bench --suite distributed   ring attention / expert-parallel MoE scaling (under torchrun)
 
 `bench` prints a table, writes `<out>/<gpu>-<date>-<commit>.json` and a PNG plot beside it. Without a CUDA GPU it
 runs a small CPU comparison instead, so the command works everywhere.
@@ -140,6 +141,12 @@ def _save(args: argparse.Namespace, records: list[dict], partial: PartialResults
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.suite == "distributed":
+        from flashmoe_science.bench.distributed import run_from_cli
+
+        return run_from_cli(args)
+    if args.suite is not None:
+        args.what = args.suite
     if args.what == "moe":
         return _bench_moe(args)
     return _bench_attention(args)
@@ -237,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="time our kernels against SDPA and FlexAttention (or the MoE layer)")
     bench.add_argument("what", nargs="?", choices=("attention", "moe"), default="attention")
+    bench.add_argument(
+        "--suite", choices=("attention", "moe", "distributed"),
+        help="what to benchmark (instead of the positional name); distributed: ring attention and expert-parallel "
+        "MoE scaling under `torchrun --nproc-per-node N`, or on one GPU without torchrun a ring step's overlap",
+    )
     bench.add_argument("--quick", action="store_true", help="a small subset of shapes (under 2 minutes on an H200)")
     bench.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the JSON and PNG (default {DEFAULT_OUT})")
     bench.add_argument(
