@@ -215,61 +215,56 @@ def _cuda_ms(fn, reps: int = 10) -> float:
 
 def run_overlap_bench(shards=OVERLAP_SHARDS, progress=None) -> list[dict]:
     """One GPU: a ring step's local kernel against the transfer of the next K/V shard (see the module docstring)."""
+    side = torch.cuda.Stream()
+    records = []
+    for chunk in shards:
+        for record in _overlap_records(chunk, side):  # one function call per size: its tensors go with it
+            records.append(record)
+            if progress is not None:
+                progress.update(desc=f"overlap c={chunk} {record['pass']}")
+    return records
+
+
+def _overlap_records(chunk: int, side) -> list[dict]:
     from flashmoe_science.distributed.ring_attention import attention_backward_lse, attention_forward_lse
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     batch, heads, head_dim = RING_SHAPE["batch"], RING_SHAPE["heads"], RING_SHAPE["head_dim"]
-    side = torch.cuda.Stream()
+    scale = 1 / math.sqrt(head_dim)
+    q = torch.randn(batch, heads, 2 * chunk, head_dim, device=device, dtype=dtype)
+    kv = torch.randn(2, batch, heads, 2 * chunk, head_dim, device=device, dtype=dtype)
+    k, v = kv[0][..., :chunk, :], kv[1][..., :chunk, :]  # a balanced zig-zag step: 2c queries, c keys
+    grad = torch.randn_like(q)
+    out, lse = attention_forward_lse(q, k, v, causal=False, softmax_scale=scale, window=None)
+    # what travels per step: the K/V shard forward; backward also the float32 dK/dV accumulator
+    payloads = {"fwd": [kv], "bwd": [kv, torch.zeros(kv.shape, dtype=torch.float32, device=device)]}
+    kernels = {
+        "fwd": lambda: attention_forward_lse(q, k, v, causal=False, softmax_scale=scale, window=None),
+        "bwd": lambda: attention_backward_lse(q, k, v, out, lse, grad, causal=False, softmax_scale=scale,
+                                              window=None),
+    }
     records = []
-    for chunk in shards:
-        q = torch.randn(batch, heads, 2 * chunk, head_dim, device=device, dtype=dtype)
-        kv = torch.randn(2, batch, heads, 2 * chunk, head_dim, device=device, dtype=dtype)
-        grad = torch.randn_like(q)
-        scale = 1 / math.sqrt(head_dim)
-        out, lse = attention_forward_lse(q, kv[0][..., :chunk, :], kv[1][..., :chunk, :], causal=False,
-                                         softmax_scale=scale, window=None)
-        # what travels per step: the K/V shard forward; backward also the float32 dK/dV accumulator
-        payloads = {"fwd": [kv], "bwd": [kv, torch.zeros(kv.shape, dtype=torch.float32, device=device)]}
-        kernels = {
-            "fwd": lambda: attention_forward_lse(q, kv[0][..., :chunk, :], kv[1][..., :chunk, :], causal=False,
-                                                 softmax_scale=scale, window=None),
-            "bwd": lambda: attention_backward_lse(q, kv[0][..., :chunk, :], kv[1][..., :chunk, :], out, lse, grad,
-                                                  causal=False, softmax_scale=scale, window=None),
-        }
-        for pass_, kernel in kernels.items():
-            sources = payloads[pass_]
-            targets = [torch.empty_like(t) for t in sources]
+    for pass_, kernel in kernels.items():
+        sources = payloads[pass_]
+        targets = [torch.empty_like(t) for t in sources]
 
-            def transfer():
-                with torch.cuda.stream(side):
-                    for target, source in zip(targets, sources):
-                        target.copy_(source, non_blocking=True)
+        def transfer(also=None, sources=sources, targets=targets):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for target, source in zip(targets, sources):
+                    target.copy_(source, non_blocking=True)
+            if also is not None:
+                also()
+            torch.cuda.current_stream().wait_stream(side)
 
-            def both():
-                side.wait_stream(torch.cuda.current_stream())
-                transfer()
-                kernel()
-                torch.cuda.current_stream().wait_stream(side)
-
-            def transfer_alone():
-                side.wait_stream(torch.cuda.current_stream())
-                transfer()
-                torch.cuda.current_stream().wait_stream(side)
-
-            kernel_ms, copy_ms, both_ms = _cuda_ms(kernel), _cuda_ms(transfer_alone), _cuda_ms(both)
-            shard_bytes = sum(t.numel() * t.element_size() for t in sources)
-            nvlink_ms = shard_bytes / (NVLINK_GBPS * 1e9) * 1e3
-            records.append(dict(op="ring-step-overlap", pass_=pass_, chunk=chunk, L_local=2 * chunk,
-                                L_global_8gpu=16 * chunk, H=heads, D=head_dim, kernel_ms=round(kernel_ms, 4),
-                                copy_ms=round(copy_ms, 4), overlapped_ms=round(both_ms, 4),
-                                hidden=round(min(1.0, max(0.0, (kernel_ms + copy_ms - both_ms) / copy_ms)), 3),
-                                slowdown=round(both_ms / kernel_ms, 3), nvlink_ms=round(nvlink_ms, 4),
-                                compute_over_nvlink=round(kernel_ms / nvlink_ms, 2)))
-            if progress is not None:
-                progress.update(desc=f"overlap c={chunk} {pass_}")
-        del q, kv, grad, out, lse, payloads
-    for record in records:
-        record["pass"] = record.pop("pass_")
+        kernel_ms, copy_ms, both_ms = _cuda_ms(kernel), _cuda_ms(transfer), _cuda_ms(lambda: transfer(kernel))
+        nvlink_ms = sum(t.numel() * t.element_size() for t in sources) / (NVLINK_GBPS * 1e9) * 1e3
+        records.append({"op": "ring-step-overlap", "pass": pass_, "chunk": chunk, "L_local": 2 * chunk,
+                        "L_global_8gpu": 16 * chunk, "H": heads, "D": head_dim, "kernel_ms": round(kernel_ms, 4),
+                        "copy_ms": round(copy_ms, 4), "overlapped_ms": round(both_ms, 4),
+                        "hidden": round(min(1.0, max(0.0, (kernel_ms + copy_ms - both_ms) / copy_ms)), 3),
+                        "slowdown": round(both_ms / kernel_ms, 3), "nvlink_ms": round(nvlink_ms, 4),
+                        "compute_over_nvlink": round(kernel_ms / nvlink_ms, 2)})
     return records
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flashmoe_science.distributed.zigzag import group_rank_and_size
+from flashmoe_science.distributed.comm import all_to_all, all_to_all_counts, group_rank_and_size
 from flashmoe_science.moe.api import (
     BACKENDS,
     _check_experts,
@@ -76,18 +76,10 @@ def _plan_exchange(topk_ids: torch.Tensor, bounds: list[int], world_size: int, g
         local_ids.append(torch.where(mine, topk_ids[token] - starts[dest].unsqueeze(1), -1).to(torch.int32))
         counts.append(visits[first:stop].sum(0))
     send_counts = torch.stack(counts, dim=1)  # (W destinations, chunks)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    recv_counts = all_to_all_counts(send_counts, group)
     send_splits = send_counts.T.tolist()
     recv_splits = recv_counts.T.tolist()  # the one host synchronisation: the splits size the buffers
     return _Exchange(group, token_rows, local_ids, send_splits, recv_splits)
-
-
-def _all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group):
-    """Start an uneven all-to-all of the rows of ``send``; returns (receive buffer, work handle)."""
-    recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
-    work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
-    return recv, work
 
 
 class _ExpertParallel(torch.autograd.Function):
@@ -102,14 +94,12 @@ class _ExpertParallel(torch.autograd.Function):
         for rows, ids, send_splits, recv_splits in zip(exchange.token_rows, exchange.local_ids,
                                                        exchange.send_splits, exchange.recv_splits):
             meta = torch.cat((ids, topk_weights[rows].float().view(torch.int32)), dim=1)  # one message
-            x_recv, x_work = _all_to_all(x[rows], send_splits, recv_splits, group)
-            meta_recv, meta_work = _all_to_all(meta, send_splits, recv_splits, group)
-            arrivals.append((x_recv, meta_recv, (x_work, meta_work)))
+            arrivals.append((all_to_all(x[rows], send_splits, recv_splits, group),
+                             all_to_all(meta, send_splits, recv_splits, group)))
         saved, returns = [], []
-        for (x_recv, meta_recv, works), send_splits, recv_splits in zip(arrivals, exchange.send_splits,
+        for (x_arriving, meta_arriving), send_splits, recv_splits in zip(arrivals, exchange.send_splits,
                                                                          exchange.recv_splits):
-            for work in works:
-                work.wait()
+            x_recv, meta_recv = x_arriving.wait(), meta_arriving.wait()
             ids_recv = meta_recv[:, :top_k].contiguous()
             weights_recv = meta_recv[:, top_k:].contiguous().view(torch.float32)
             with torch.enable_grad():
@@ -117,11 +107,10 @@ class _ExpertParallel(torch.autograd.Function):
                 weights_recv.requires_grad_(ctx.needs_input_grad[1])
                 y = fused_experts(x_recv, w1_leaf, w2_leaf, weights_recv, ids_recv, backend=backend)
             saved.append((y, x_recv, weights_recv) if needs_grad else None)
-            returns.append(_all_to_all(y.detach(), recv_splits, send_splits, group))
+            returns.append(all_to_all(y.detach(), recv_splits, send_splits, group))
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for rows, (partials, work) in zip(exchange.token_rows, returns):
-            work.wait()
-            out.index_add_(0, rows, partials.float())  # the sum over the ranks each token visited
+        for rows, partials in zip(exchange.token_rows, returns):
+            out.index_add_(0, rows, partials.wait().float())  # the sum over the ranks each token visited
         ctx.exchange, ctx.saved, ctx.leaves = exchange, saved, (w1_leaf, w2_leaf)
         ctx.shapes = (x.shape, x.dtype, topk_weights.shape, topk_weights.dtype)
         return out.to(x.dtype)
@@ -132,15 +121,15 @@ class _ExpertParallel(torch.autograd.Function):
         exchange, group = ctx.exchange, ctx.exchange.group
         (x_shape, x_dtype, w_shape, w_dtype), (w1_leaf, w2_leaf) = ctx.shapes, ctx.leaves
         need_dx, need_dweights, need_dw1, need_dw2 = ctx.needs_input_grad[:4]
-        arrivals = [_all_to_all(grad_out[rows], send_splits, recv_splits, group)
+        arrivals = [all_to_all(grad_out[rows], send_splits, recv_splits, group)
                     for rows, send_splits, recv_splits in zip(exchange.token_rows, exchange.send_splits,
                                                              exchange.recv_splits)]
         dw1 = torch.zeros_like(w1_leaf) if need_dw1 else None
         dw2 = torch.zeros_like(w2_leaf) if need_dw2 else None
         returns = []
-        for (grad_recv, work), (y, x_recv, weights_recv), send_splits, recv_splits in zip(
+        for arriving, (y, x_recv, weights_recv), send_splits, recv_splits in zip(
                 arrivals, ctx.saved, exchange.send_splits, exchange.recv_splits):
-            work.wait()
+            grad_recv = arriving.wait()
             wanted = [t for t, need in ((x_recv, need_dx), (weights_recv, need_dweights), (w1_leaf, need_dw1),
                                         (w2_leaf, need_dw2)) if need]
             # a rank that received no token has an output no input reaches: zero gradients
@@ -153,16 +142,15 @@ class _ExpertParallel(torch.autograd.Function):
                 dw1 += grads.pop(0)
             if need_dw2:
                 dw2 += grads.pop(0)
-            returns.append((_all_to_all(dx_recv, recv_splits, send_splits, group) if need_dx else None,
-                            _all_to_all(dweights_recv.float(), recv_splits, send_splits, group)
+            returns.append((all_to_all(dx_recv, recv_splits, send_splits, group) if need_dx else None,
+                            all_to_all(dweights_recv.float(), recv_splits, send_splits, group)
                             if need_dweights else None))
         dx = torch.zeros(x_shape, dtype=torch.float32, device=grad_out.device) if need_dx else None
         dweights = torch.zeros(w_shape, dtype=torch.float32, device=grad_out.device) if need_dweights else None
         for rows, (dx_back, dweights_back) in zip(exchange.token_rows, returns):
             for total, back in ((dx, dx_back), (dweights, dweights_back)):
                 if back is not None:
-                    back[1].wait()
-                    total.index_add_(0, rows, back[0].float())
+                    total.index_add_(0, rows, back.wait().float())
         ctx.saved = None  # the local graphs are spent
         return (dx.to(x_dtype) if need_dx else None, dweights.to(w_dtype) if need_dweights else None,
                 dw1, dw2, None, None)

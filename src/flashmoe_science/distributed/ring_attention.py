@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from flashmoe_science.attention.reference import default_softmax_scale
-from flashmoe_science.distributed.zigzag import Chunk, gather_ints, group_rank_and_size, shard_chunks, shard_lengths
+from flashmoe_science.distributed.comm import gather_ints, group_rank_and_size, ring_shift
+from flashmoe_science.distributed.zigzag import Chunk, shard_chunks, shard_lengths
 
 _KV_TAG, _GRAD_TAG = 0, 1  # gloo matches point-to-point messages by tag; NCCL ignores tags
 
@@ -193,20 +194,12 @@ class _Ring:
 
     def shift(self, send: torch.Tensor, recv_shape, tag: int):
         """Start sending ``send`` to the next rank and receiving a tensor of ``recv_shape`` from the previous one."""
-        recv = torch.empty(recv_shape, dtype=send.dtype, device=send.device)
-        ops = [dist.P2POp(dist.isend, send, self.peer(1), self.group, tag),
-               dist.P2POp(dist.irecv, recv, self.peer(-1), self.group, tag)]
-        return recv, dist.batch_isend_irecv(ops)
+        return ring_shift(send, recv_shape, self.peer(1), self.peer(-1), self.group, tag)
 
     def shard_shape(self, kv: torch.Tensor, step: int) -> tuple[int, ...]:
         """The shape of the packed K/V (or dK/dV) shard held at ``step``: ``kv``'s, with that rank's length."""
         length = sum(c.length for c in self.chunks(self.source(step)))
         return (*kv.shape[:-2], length, kv.shape[-1])
-
-
-def _wait(requests) -> None:
-    for request in requests:
-        request.wait()
 
 
 def _merge_into(out_acc, lse_acc, rows: slice, out, lse) -> None:
@@ -227,26 +220,25 @@ def _ring_forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     for step in range(ring.world_size):
         last = step == ring.world_size - 1
         if not last:  # the next shard travels while this one is computed on
-            next_kv, requests = ring.shift(kv, ring.shard_shape(kv, step + 1), _KV_TAG)
+            arriving = ring.shift(kv, ring.shard_shape(kv, step + 1), _KV_TAG)
         for block in ring.plan(step):
             out, lse = attention_forward_lse(q[..., block.q_rows, :], kv[0][..., block.k_rows, :],
                                              kv[1][..., block.k_rows, :], causal=block.causal,
                                              softmax_scale=ring.softmax_scale, window=block.window)
             _merge_into(out_acc, lse_acc, block.q_rows, out, lse)
         if not last:
-            _wait(requests)
-            kv = next_kv
+            kv = arriving.wait()
     return out_acc.to(q.dtype), lse_acc
 
 
 def _ring_backward(ring: _Ring, q, k, v, out, lse, grad_out):
     kv = torch.stack((k, v))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    grad_requests, incoming = [], None
+    incoming = None  # the dK/dV sums arriving from the previous rank
     for step in range(ring.world_size):
         last = step == ring.world_size - 1
         if not last:
-            next_kv, kv_requests = ring.shift(kv, ring.shard_shape(kv, step + 1), _KV_TAG)
+            arriving = ring.shift(kv, ring.shard_shape(kv, step + 1), _KV_TAG)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # this step's shard's contributions
         for block in ring.plan(step):
             rows, keys = block.q_rows, block.k_rows
@@ -257,18 +249,13 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, grad_out):
             dkv[0][..., keys, :] += dk_b
             dkv[1][..., keys, :] += dv_b
         if incoming is not None:  # what earlier ranks added for the same shard
-            _wait(grad_requests)
-            dkv += incoming
-        if ring.world_size == 1:
-            incoming = dkv
-            continue
+            dkv += incoming.wait()
         # after the last step this hop brings each shard's sum home: the shard of rank r - 1 - (W - 1) = r
-        incoming, grad_requests = ring.shift(dkv, ring.shard_shape(dkv, step + 1), _GRAD_TAG)
+        incoming = ring.shift(dkv, ring.shard_shape(dkv, step + 1), _GRAD_TAG)
         if not last:
-            _wait(kv_requests)
-            kv = next_kv
-    _wait(grad_requests)
-    return dq.to(q.dtype), incoming[0].to(k.dtype), incoming[1].to(v.dtype)
+            kv = arriving.wait()
+    dkv = incoming.wait()
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):

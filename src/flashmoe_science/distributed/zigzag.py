@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from flashmoe_science.distributed.comm import gather_ints, group_rank_and_size
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -69,17 +71,6 @@ def zigzag_positions(seqlen: int, world_size: int, rank: int, device=None) -> to
                       for c in shard_chunks(seqlen, world_size, rank)])
 
 
-def group_rank_and_size(group) -> tuple[int, int]:
-    """This process's rank in ``group`` (None: the default group) and the group's size, with clear errors."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group first "
-                           "(torchrun sets up the environment it reads)")
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("this process is not a member of `group`")
-    return rank, dist.get_world_size(group)
-
-
 def _check_dim(x: torch.Tensor, dim: int) -> int:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -121,12 +112,3 @@ def zigzag_unshard(local: torch.Tensor, group=None, *, dim: int = -2) -> torch.T
             pieces.append((c.global_start, shard.narrow(dim, c.local_start, c.length)))
     return torch.cat([piece for _, piece in sorted(pieces, key=lambda item: item[0])], dim=dim)
 
-
-def gather_ints(values: list[int], group, device) -> torch.Tensor:
-    """All ranks' ``values`` (the same count on each) as a ``(W, len(values))`` int64 CPU tensor: one all-gather
-    (on ``device``: NCCL moves CUDA tensors only)."""
-    _, world_size = group_rank_and_size(group)
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(everyone, mine, group=group)
-    return torch.stack(everyone).cpu()
