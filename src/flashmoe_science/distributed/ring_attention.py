@@ -28,63 +28,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from flashmoe_science.attention.api import attention_backward_lse, attention_forward_lse, flash_attention_science
+from flashmoe_science.attention.mask import make_mask
 from flashmoe_science.attention.reference import default_softmax_scale
 from flashmoe_science.distributed.comm import gather_ints, group_rank_and_size, ring_shift
 from flashmoe_science.distributed.zigzag import Chunk, shard_chunks, shard_lengths
 
 _KV_TAG, _GRAD_TAG = 0, 1  # gloo matches point-to-point messages by tag; NCCL ignores tags
-
-
-# ------------------------------------------------------------------------------------------------ local kernels
-# Until attention/api.py offers attention_forward_lse / attention_backward_lse (the blockwise pair the varlen branch
-# adds), these stand in: the forward through flash_attention_science (no window) or PyTorch, the backward a plain
-# PyTorch recomputation from the global out and lse.
-def _block_scores(q, k, causal, softmax_scale, window):
-    group = q.shape[-3] // k.shape[-3]
-    kx = k.repeat_interleave(group, dim=-3) if group > 1 else k
-    scores = torch.matmul(q.float(), kx.float().transpose(-1, -2)) * softmax_scale
-    lq, lk = q.shape[-2], k.shape[-2]
-    rows = torch.arange(lq, device=q.device).unsqueeze(1) + (lk - lq)
-    cols = torch.arange(lk, device=q.device).unsqueeze(0)
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0
-    seen = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
-    if right >= 0:
-        seen &= cols <= rows + right
-    if left >= 0:
-        seen &= cols >= rows - left
-    return scores.masked_fill(~seen, float("-inf")), group
-
-
-def attention_forward_lse(q, k, v, *, causal, softmax_scale, window):
-    if window is None:
-        from flashmoe_science.attention.api import flash_attention_science
-
-        with torch.no_grad():
-            return flash_attention_science(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
-    scores, group = _block_scores(q, k, causal, softmax_scale, window)
-    lse = torch.logsumexp(scores, dim=-1)
-    p = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
-    vx = v.repeat_interleave(group, dim=-3) if group > 1 else v
-    return torch.matmul(p, vx.float()).to(q.dtype), lse
-
-
-def attention_backward_lse(q, k, v, out, lse, grad_out, *, causal, softmax_scale, window):
-    scores, group = _block_scores(q, k, causal, softmax_scale, window)
-    p = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).float().unsqueeze(-1))
-    vx = v.repeat_interleave(group, dim=-3) if group > 1 else v
-    do = grad_out.float()
-    dp = torch.matmul(do, vx.float().transpose(-1, -2))
-    delta = (do * out.float()).sum(-1, keepdim=True)
-    ds = p * (dp - delta) * softmax_scale
-    dq = torch.matmul(ds, k.float().repeat_interleave(group, dim=-3) if group > 1 else k.float())
-    dk = torch.matmul(ds.transpose(-1, -2), q.float())
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    if group > 1:  # GQA: a key head's gradient sums over the query heads that read it
-        dk = dk.unflatten(-3, (k.shape[-3], group)).sum(-3)
-        dv = dv.unflatten(-3, (k.shape[-3], group)).sum(-3)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ planning
@@ -271,20 +221,18 @@ class _RingAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
+        if grad_out.stride(-1) != 1:  # e.g. the stride-0 gradient of out.sum(): the kernels need unit last stride
+            grad_out = grad_out.contiguous()
         dq, dk, dv = _ring_backward(ctx.ring, q, k, v, out, lse, grad_out)
         return dq, dk, dv, None
 
 
 # ------------------------------------------------------------------------------------------------ front door
-def _check_window(window) -> tuple[int, int] | None:
-    if window is None:
-        return None
-    if not (isinstance(window, (tuple, list)) and len(window) == 2
-            and all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in window)):
-        raise TypeError(f"window must be None or a (left, right) pair of ints (-1 = unbounded), got {window!r}")
-    if min(window) < -1:
-        raise ValueError(f"window values must be >= -1 (-1 = unbounded), got {tuple(window)}")
-    return None if tuple(window) == (-1, -1) else (int(window[0]), int(window[1]))
+def _check_window(causal, window) -> tuple[int, int] | None:
+    """The window as the single-GPU front door checks it (attention.mask.make_mask), None when unbounded."""
+    mask = make_mask(causal, window)
+    left, right = mask.window_left, -1 if causal else mask.window_right
+    return None if (left, right) == (-1, -1) else (left, right)
 
 
 def _check_local(q, k, v, causal, softmax_scale) -> None:
@@ -306,8 +254,6 @@ def _check_local(q, k, v, causal, softmax_scale) -> None:
     hq, hkv = q.shape[-3], k.shape[-3]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"q's head count ({hq}) must be a multiple of k's head count ({hkv}) (GQA/MQA)")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
                                       or not (math.isfinite(softmax_scale) and softmax_scale > 0)):
         raise ValueError(f"softmax_scale must be a finite number > 0 or None, got {softmax_scale!r}")
@@ -350,15 +296,13 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale: 
     float32 (each partial rounded once to q's dtype). A group of one rank runs the local kernel directly.
     """
     _check_local(q, k, v, causal, softmax_scale)
-    window = _check_window(window)
+    window = _check_window(causal, window)
     rank, world_size = group_rank_and_size(group)
     scale = float(softmax_scale) if softmax_scale is not None else default_softmax_scale(q.shape[-1])
     if world_size == 1:
-        from flashmoe_science.attention.api import flash_attention_science
-
-        if window is None:
-            return flash_attention_science(q, k, v, causal=causal, softmax_scale=scale, return_lse=return_lse)
-    seqlen = _check_ranks(q, k, group, world_size, causal, window) if world_size > 1 else q.shape[-2]
+        return flash_attention_science(q, k, v, causal=causal, softmax_scale=scale, window=window,
+                                       return_lse=return_lse)
+    seqlen = _check_ranks(q, k, group, world_size, causal, window)
     ring = _Ring(group if group is not None else dist.group.WORLD, rank, world_size, seqlen, causal, window, scale)
     out, lse = _RingAttention.apply(q, k, v, ring)
     return (out, lse) if return_lse else out
