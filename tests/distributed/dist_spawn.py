@@ -26,12 +26,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str) -> None:
+def _worker(rank: int, world_size: int, port: int, names: list[str], out_dir: str, backend: str, device: str) -> None:
     import importlib
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=30))  # a hung collective fails the case
+    options = {}
+    if device == "cuda":  # the cases create their tensors on this rank's GPU (several ranks may share one)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.set_default_device(torch.device("cuda", torch.cuda.current_device()))
+        if backend == "nccl":
+            options["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60), **options)  # a hung collective fails the case
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as report:
         for name in names:
             try:
@@ -46,11 +52,13 @@ def _worker(rank: int, world_size: int, port: int, names: list[str], out_dir: st
     dist.destroy_process_group()
 
 
-def run_cases(names: list[str], world_size: int) -> dict[str, str | None]:
-    """Run the cases ``names`` ("module.function", modules importable from this folder) in ``world_size`` ranks."""
+def run_cases(names: list[str], world_size: int, backend: str = "gloo", device: str = "cpu") -> dict[str, str | None]:
+    """Run the cases ``names`` ("module.function", modules importable from this folder) in ``world_size`` ranks of a
+    ``backend`` group, tensors on ``device`` ("cuda": rank r on GPU r mod the GPU count; gloo stages through host
+    memory, so several ranks may share one GPU; NCCL needs a GPU per rank)."""
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.spawn(_worker, args=(world_size, _free_port(), names, out_dir), nprocs=world_size)
+            mp.spawn(_worker, args=(world_size, _free_port(), names, out_dir, backend, device), nprocs=world_size)
             crash = ""
         except mp.ProcessRaisedException as error:  # e.g. ranks out of step after a failed case: a timeout
             crash = f" (the processes then failed: {error})"

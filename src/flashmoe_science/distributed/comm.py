@@ -52,6 +52,15 @@ def gather_ints(values: list[int], group, device) -> torch.Tensor:
     return torch.stack(everyone).cpu()
 
 
+def all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (the same shape on each), on ``tensor``'s device."""
+    _, world_size = group_rank_and_size(group)
+    source = tensor.cpu() if _staged(group, tensor) else tensor
+    everyone = [torch.empty_like(source) for _ in range(world_size)]
+    dist.all_gather(everyone, source, group=group)
+    return [t.to(tensor.device) for t in everyone]
+
+
 def ring_shift(send: torch.Tensor, recv_shape, next_rank: int, prev_rank: int, group, tag: int) -> Pending:
     """Start sending ``send`` to global rank ``next_rank`` and receiving a tensor of ``recv_shape`` (send's dtype)
     from ``prev_rank`` (one ``batch_isend_irecv``)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from flashmoe_science.distributed.comm import gather_ints, group_rank_and_size
+from flashmoe_science.distributed.comm import all_gather, gather_ints, group_rank_and_size
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,7 @@ def zigzag_unshard(local: torch.Tensor, group=None, *, dim: int = -2) -> torch.T
     padded = torch.zeros(*local.shape[:dim], longest, *local.shape[dim + 1:], dtype=local.dtype,
                          device=local.device)
     padded.narrow(dim, 0, local.shape[dim]).copy_(local)
-    gathered = [torch.empty_like(padded) for _ in range(world_size)]
-    dist.all_gather(gathered, padded, group=group)
+    gathered = all_gather(padded, group)
     pieces: list[tuple[int, torch.Tensor]] = []
     for r, shard in enumerate(gathered):
         for c in shard_chunks(seqlen, world_size, r):
