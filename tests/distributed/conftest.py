@@ -3,10 +3,11 @@ import functools
 import pytest
 
 from dist_spawn import run_cases
+import bench_cases
 import moe_cases
 import ring_cases
 
-CASES = [f"ring_cases.{name}" for name in ring_cases.CASES] + [f"moe_cases.{name}" for name in moe_cases.CASES]
+CASES = [f"{module.__name__}.{name}" for module in (ring_cases, moe_cases, bench_cases) for name in module.CASES]
 
 
 @functools.lru_cache(maxsize=None)

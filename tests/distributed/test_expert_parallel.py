@@ -16,3 +16,19 @@ def test_expert_parallel(distributed_case, world_size, case):
 def test_expert_bounds():
     assert expert_bounds(8, 4) == [0, 2, 4, 6, 8]
     assert expert_bounds(7, 4) == [0, 2, 4, 6, 7]
+
+
+@pytest.mark.parametrize("world_size", (2,))
+def test_distributed_bench_harness(distributed_case, world_size):
+    distributed_case(world_size, "bench_cases.bench_scaling_smoke")
+
+
+def test_cli_suite_distributed_without_torchrun_or_gpu(capsys):
+    import torch
+
+    from flashmoe_science.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the command runs the one-GPU overlap measurement")
+    assert main(["bench", "--suite", "distributed"]) == 2
+    assert "torchrun" in capsys.readouterr().err

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from flashmoe_science.distributed.comm import all_gather, gather_ints, group_rank_and_size
 
