@@ -28,16 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from flashmoe_science.distributed.comm import all_to_all, all_to_all_counts, group_rank_and_size
-from flashmoe_science.moe.api import (
-    BACKENDS,
-    _check_experts,
-    _check_routing_options,
-    _check_top_k,
-    _check_topk,
-    fused_experts,
-    moe_route,
-)
-from flashmoe_science.nn.moe import _check_positive_int
+from flashmoe_science.moe.api import BACKENDS, _check_experts, _check_topk, fused_experts, moe_route
+from flashmoe_science.nn.moe import _check_positive_int, check_layer_args, tokens_of
 
 
 def expert_bounds(num_experts: int, world_size: int) -> list[int]:
@@ -211,13 +203,8 @@ class ExpertParallelMoE(nn.Module):
                  renormalize: bool = True, scoring: str = "softmax", backend: str = "auto", overlap_chunks: int = 2,
                  device=None, dtype=None):
         super().__init__()
-        for name, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts), ("top_k", top_k)):
-            _check_positive_int(name, value)
-        _check_top_k(top_k, num_experts)
-        _check_routing_options(renormalize, scoring)
+        check_layer_args(d_model, d_ff, num_experts, top_k, renormalize, scoring, backend)
         _check_chunks(overlap_chunks)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         rank, world_size = group_rank_and_size(group)
         if num_experts < world_size:
             raise ValueError(f"num_experts ({num_experts}) must be at least the group's size ({world_size})")
@@ -255,12 +242,7 @@ class ExpertParallelMoE(nn.Module):
         return sharded
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not isinstance(hidden_states, torch.Tensor):
-            raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
-        if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.d_model:
-            raise ValueError(f"hidden_states must end in d_model={self.d_model}, got shape "
-                             f"{tuple(hidden_states.shape)}")
-        x = hidden_states.reshape(-1, self.d_model)
+        x = tokens_of(hidden_states, self.d_model)
         topk_weights, topk_ids = moe_route(self.router(x), self.top_k, self.renormalize, self.scoring)
         out = expert_parallel_experts(x, self.w1, self.w2, topk_weights, topk_ids, self.group,
                                       num_experts=self.num_experts, backend=self.backend,
