@@ -44,14 +44,14 @@ def _compare_module(rank, world_size, tokens_per_rank, *, num_experts=8, top_k=2
     x = x_all[rows].clone().requires_grad_()
     out = sharded(x)
     out.backward(grad_all[rows])
-    router_grad = sharded.router.weight.grad.float()
+    router_grad = sharded.router.weight.grad.float().cpu()
     dist.all_reduce(router_grad)  # replicated router: the data-parallel sum (before any check can raise)
     check("out", out.detach(), layer(x_all).detach()[rows])
     check("dx", x.grad, x_ref.grad[rows])
     first, stop = sharded.expert_range
     check("dw1", sharded.w1.grad, layer.w1.grad[first:stop])
     check("dw2", sharded.w2.grad, layer.w2.grad[first:stop])
-    check("drouter", router_grad, layer.router.weight.grad.float())
+    check("drouter", router_grad, layer.router.weight.grad.float().cpu())
 
 
 def ep_even(rank, world_size):

@@ -124,6 +124,9 @@ def _scaling_record(base, pass_, backend, ms, ms_1gpu, tokens, world_size) -> di
             "tokens_per_s": round(tokens / (ms * 1e-3)), "efficiency": round(ms_1gpu / (world_size * ms), 4)}
 
 
+_MESHES: dict[int, object] = {}
+
+
 def _torch_context_parallel_ms(full, group, world_size, device, pass_) -> float | None:
     """PyTorch's ``context_parallel`` SDPA on the same problem (its own sharding of the full buffers), or None
     where this torch lacks it or it fails (the failure is printed by rank 0)."""
@@ -134,7 +137,9 @@ def _torch_context_parallel_ms(full, group, world_size, device, pass_) -> float 
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental import context_parallel
 
-        mesh = init_device_mesh("cuda", (world_size,))
+        if world_size not in _MESHES:  # one mesh (and its communicator) per run
+            _MESHES[world_size] = init_device_mesh("cuda", (world_size,))
+        mesh = _MESHES[world_size]
         buffers = [t.clone() for t in full]
         with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
             run = _pass_fn(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True), buffers, pass_)
