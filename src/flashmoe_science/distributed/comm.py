@@ -30,14 +30,16 @@ class Pending:
     """Started transfers into ``recv``; ``wait()`` blocks until they are done (on NCCL: until the current stream
     waits for them) and copies staged data to the device."""
 
-    def __init__(self, works, recv: torch.Tensor, staging: torch.Tensor | None = None):
-        self.works, self.recv, self.staging = works, recv, staging
+    def __init__(self, works, send: torch.Tensor, recv: torch.Tensor, staging: torch.Tensor | None = None):
+        # send is held until the wait: a temporary (x[rows]) must outlive the transfer that reads it
+        self.works, self.send, self.recv, self.staging = works, send, recv, staging
 
     def wait(self) -> torch.Tensor:
         for work in self.works:
             work.wait()
         if self.staging is not None:
             self.recv.copy_(self.staging)
+        self.send = None
         return self.recv
 
 
@@ -70,7 +72,7 @@ def ring_shift(send: torch.Tensor, recv_shape, next_rank: int, prev_rank: int, g
         send, staging = send.cpu(), torch.empty(recv_shape, dtype=send.dtype)
     ops = [dist.P2POp(dist.isend, send, next_rank, group, tag),
            dist.P2POp(dist.irecv, recv if staging is None else staging, prev_rank, group, tag)]
-    return Pending(dist.batch_isend_irecv(ops), recv, staging)
+    return Pending(dist.batch_isend_irecv(ops), send, recv, staging)
 
 
 def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> Pending:
@@ -81,7 +83,7 @@ def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int
         send, staging = send.cpu(), torch.empty(recv.shape, dtype=send.dtype)
     work = dist.all_to_all_single(recv if staging is None else staging, send, recv_splits, send_splits, group=group,
                                   async_op=True)
-    return Pending([work], recv, staging)
+    return Pending([work], send, recv, staging)
 
 
 def all_to_all_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
