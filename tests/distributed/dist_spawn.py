@@ -52,10 +52,25 @@ def _worker(rank: int, world_size: int, port: int, names: list[str], out_dir: st
     dist.destroy_process_group()
 
 
-def run_cases(names: list[str], world_size: int, backend: str = "gloo", device: str = "cpu") -> dict[str, str | None]:
+def run_cases(names: list[str], world_size: int, backend: str = "gloo", device: str = "cpu",
+              env: dict[str, str] | None = None) -> dict[str, str | None]:
     """Run the cases ``names`` ("module.function", modules importable from this folder) in ``world_size`` ranks of a
     ``backend`` group, tensors on ``device`` ("cuda": rank r on GPU r mod the GPU count; gloo stages through host
-    memory, so several ranks may share one GPU; NCCL needs a GPU per rank)."""
+    memory, so several ranks may share one GPU; NCCL needs a GPU per rank), with ``env`` added to the processes'
+    environment (e.g. TRITON_INTERPRET=1, read when triton is imported)."""
+    saved = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    try:
+        return _run(names, world_size, backend, device)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _run(names, world_size, backend, device):
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.spawn(_worker, args=(world_size, _free_port(), names, out_dir, backend, device), nprocs=world_size)

@@ -39,7 +39,7 @@ def dense_attention(q, k, v, causal, window, scale=None):
     return weights @ v
 
 
-def _check(name, got, expected):
+def check_close(name, got, expected):
     if got.shape != expected.shape:
         raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(expected.shape)}")
     atol, rtol = tolerance()
@@ -60,9 +60,9 @@ def _compare(rank, world_size, *, seqlen, heads=(4, 4), causal, window=None, bat
     local = [zigzag_shard(t, group).requires_grad_() for t in (q, k, v)]
     out = ring_attention(*local, group, causal=causal, window=window)
     out.backward(zigzag_shard(grad, group))
-    _check("out", out, zigzag_shard(expected.detach(), group))
+    check_close("out", out, zigzag_shard(expected.detach(), group))
     for name, t, ref in zip(("dq", "dk", "dv"), local, full):
-        _check(name, t.grad, zigzag_shard(ref.grad, group))
+        check_close(name, t.grad, zigzag_shard(ref.grad, group))
 
 
 def ring_causal(rank, world_size):
@@ -96,9 +96,9 @@ def ring_return_lse_and_layout(rank, world_size):
                               return_lse=True)
     ref_out, ref_lse = flash_attention_science(*(t.transpose(1, 2) for t in (q, k, v)), causal=True, return_lse=True)
     gathered = zigzag_unshard(out)  # a collective: before any check can raise
-    _check("out", out.double(), zigzag_shard(ref_out.double(), dim=-2))
-    _check("lse", lse.double(), zigzag_shard(ref_lse.double(), dim=-1))
-    _check("unshard", gathered.double(), ref_out.double())
+    check_close("out", out.double(), zigzag_shard(ref_out.double(), dim=-2))
+    check_close("lse", lse.double(), zigzag_shard(ref_lse.double(), dim=-1))
+    check_close("unshard", gathered.double(), ref_out.double())
     positions = zigzag_positions(6 * world_size, world_size, rank)
     if not torch.equal(zigzag_shard(torch.arange(6 * world_size), dim=0), positions):
         raise AssertionError("zigzag_positions disagrees with zigzag_shard")

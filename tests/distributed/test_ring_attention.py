@@ -35,3 +35,13 @@ def test_causal_steps_are_one_call_each():
     (after,) = _plan_step(mine, later, True, None, False)
     assert not after.causal and after.q_rows == slice(2, 4) and after.k_rows == slice(0, 4)
     assert _plan_step(mine, earlier, False, (0, 0), False) == []  # a diagonal window sees no other shard
+
+
+def test_ring_attention_triton_kernels_interpreted():
+    # a spawn of its own: TRITON_INTERPRET=1 must be set before triton is imported
+    from dist_spawn import run_cases
+
+    error = run_cases(["interpreter_cases.ring_triton_kernels"], 2, env={"TRITON_INTERPRET": "1"})[
+        "interpreter_cases.ring_triton_kernels"]
+    if error is not None:
+        pytest.fail(error, pytrace=False)

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from flashmoe_science.attention.api import attention_backward_lse, attention_forward_lse, flash_attention_science
+from flashmoe_science.attention.api import (BACKENDS, attention_backward_lse, attention_forward_lse,
+                                            flash_attention_science)
 from flashmoe_science.attention.mask import make_mask
 from flashmoe_science.attention.reference import default_softmax_scale
 from flashmoe_science.distributed.comm import gather_ints, group_rank_and_size, ring_shift
@@ -126,6 +127,7 @@ class _Ring:
     causal: bool
     window: tuple[int, int] | None
     softmax_scale: float
+    backend: str  # the local kernels' (flash_attention_science's backend argument)
 
     def chunks(self, rank: int):
         return shard_chunks(self.seqlen, self.world_size, rank)
@@ -174,7 +176,8 @@ def _ring_forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         for block in ring.plan(step):
             out, lse = attention_forward_lse(q[..., block.q_rows, :], kv[0][..., block.k_rows, :],
                                              kv[1][..., block.k_rows, :], causal=block.causal,
-                                             softmax_scale=ring.softmax_scale, window=block.window)
+                                             softmax_scale=ring.softmax_scale, window=block.window,
+                                             backend=ring.backend)
             _merge_into(out_acc, lse_acc, block.q_rows, out, lse)
         if not last:
             kv = arriving.wait()
@@ -194,7 +197,8 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, grad_out):
             rows, keys = block.q_rows, block.k_rows
             dq_b, dk_b, dv_b = attention_backward_lse(
                 q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], out[..., rows, :], lse[..., rows],
-                grad_out[..., rows, :], causal=block.causal, softmax_scale=ring.softmax_scale, window=block.window)
+                grad_out[..., rows, :], causal=block.causal, softmax_scale=ring.softmax_scale, window=block.window,
+                backend=ring.backend)
             dq[..., rows, :] += dq_b
             dkv[0][..., keys, :] += dk_b
             dkv[1][..., keys, :] += dv_b
@@ -278,7 +282,7 @@ def _check_ranks(q, k, group, world_size: int, causal: bool, window) -> int:
 
 
 def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale: float | None = None,
-                   window: tuple[int, int] | None = None, return_lse: bool = False):
+                   window: tuple[int, int] | None = None, return_lse: bool = False, backend: str = "auto"):
     """Exact attention over a sequence sharded zig-zag over the ranks of ``group`` (None: the default group).
 
     Args:
@@ -290,6 +294,7 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale: 
         window: ``(left, right)`` sliding window on global positions, flash-attn semantics (-1 = unbounded; with
             ``causal`` the right side is 0).
         return_lse: also return the float32 log-sum-exp ``(..., H, L_local)`` of this rank's queries.
+        backend: the local kernels, as `flash_attention_science`'s ``backend`` ("auto": the best for the device).
 
     Returns ``out`` (q's shape and dtype; differentiable with respect to q, k and v), or ``(out, lse)``. The result is
     that of `flash_attention_science` on the unsharded sequence, sharded the same way; partial results are merged in
@@ -297,12 +302,15 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale: 
     """
     _check_local(q, k, v, causal, softmax_scale)
     window = _check_window(causal, window)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     rank, world_size = group_rank_and_size(group)
     scale = float(softmax_scale) if softmax_scale is not None else default_softmax_scale(q.shape[-1])
     if world_size == 1:
         return flash_attention_science(q, k, v, causal=causal, softmax_scale=scale, window=window,
-                                       return_lse=return_lse)
+                                       return_lse=return_lse, backend=backend)
     seqlen = _check_ranks(q, k, group, world_size, causal, window)
-    ring = _Ring(group if group is not None else dist.group.WORLD, rank, world_size, seqlen, causal, window, scale)
+    ring = _Ring(group if group is not None else dist.group.WORLD, rank, world_size, seqlen, causal, window, scale,
+                 backend)
     out, lse = _RingAttention.apply(q, k, v, ring)
     return (out, lse) if return_lse else out
