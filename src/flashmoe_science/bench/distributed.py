@@ -8,10 +8,11 @@ Under ``torchrun --nproc-per-node N`` (N > 1; NCCL on GPUs, gloo on CPUs), `run_
   PyTorch's ``context_parallel`` SDPA runs in the same pass where this torch has it (``backend`` "torch-cp").
 - ``ep-moe``: `ExpertParallelMoE`'s computation (routing, exchange, local experts, combine) at Qwen3-30B-A3B shapes
   (E=128, top-8, d=2048, F=768) with T=16384 tokens per GPU, against `fused_moe` of the whole layer on T tokens on
-  one GPU; ``efficiency`` = tokens/s per GPU over the one-GPU layer's; ``overlap_chunks`` 1 (no overlap) and 2.
+  one GPU; ``efficiency`` = tokens/s per GPU over the one-GPU layer's; ``overlap_chunks`` 1 (no overlap), 2 and 4.
 
-Timing: fixed numbers of calls on every rank (a collective must be entered by all ranks, so an adaptive timer such as
-``do_bench`` cannot be used); each call starts after a barrier; the record keeps the slowest rank's median.
+Timing: the same number of calls on every rank (a collective must be entered by all ranks, so a per-rank adaptive timer
+such as ``do_bench`` cannot be used; the count follows the slowest rank's first call); each call starts after a
+barrier; the record keeps the slowest rank's median. A 1M-token run of the whole suite takes several minutes.
 
 Without torchrun on a GPU, `run_overlap_bench` measures on the one GPU what a ring step overlaps: the local kernel of
 a balanced zig-zag step (2c queries against c keys, non-causal) alone, the transfer of the next K/V shard alone
@@ -36,6 +37,7 @@ from flashmoe_science.bench.moe import MODELS, expert_gemm_flops
 RING_LENGTHS = (131072, 262144, 524288, 1048576)
 RING_SHAPE = dict(batch=1, heads=8, head_dim=128)
 EP_MODEL, EP_TOKENS = "qwen3-30b-a3b", 16384
+EP_CHUNKS = (1, 2, 4)  # overlap_chunks: 1 is no overlap
 OVERLAP_SHARDS = (8192, 16384, 32768, 65536, 131072)  # c: the chunk length; a rank holds 2c tokens
 NVLINK_GBPS = 450.0
 # CPU (gloo) smoke sizes: the harness, not a measurement
@@ -51,23 +53,35 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _collective_median_ms(fn, device, group=None, warmup: int = 2, reps: int = 5) -> float:
-    """Median ms of ``fn`` over ``reps`` calls, every rank making the same calls; the slowest rank's median."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if group is not None:
-            dist.barrier(group)
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    median = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-    if group is not None:
-        dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
-    return float(median.item())
+def _collective_median_ms(fn, device, group=None, budget_s: float = 6.0) -> float:
+    """Median ms of ``fn`` with every rank making the same calls (a collective inside must be entered by all): one
+    untimed call, then as many timed ones as fit ``budget_s`` by the slowest rank's first call (3 to 10); each
+    timed call starts after a barrier. Returns the slowest rank's median."""
+    first = _timed_ms(fn, device, group)
+    first = _slowest(first, device, group)
+    reps = max(3, min(10, int(budget_s * 1e3 / max(first, 1e-3))))
+    if first < 100:  # short calls: a few more untimed ones (clocks, caches, Triton's first launches)
+        for _ in range(2):
+            fn()
+    times = [_timed_ms(fn, device, group) for _ in range(reps)]
+    return _slowest(statistics.median(times), device, group)
+
+
+def _timed_ms(fn, device, group) -> float:
+    if dist.is_initialized():
+        dist.barrier(group)
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def _slowest(ms: float, device, group) -> float:
+    value = torch.tensor([ms], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return float(value.item())
 
 
 def _pass_fn(forward, inputs, pass_: str):
@@ -168,7 +182,7 @@ def _ep_records(world_size, rank, group, device, dtype, config, tokens, model, p
     for pass_ in PASSES:
         one_gpu = _collective_median_ms(
             _pass_fn(lambda *t: fused_moe(*t, top_k), (x, w1, w2, logits), pass_), device, group)
-        for chunks in (1, 2):
+        for chunks in EP_CHUNKS:
             def layer(x, w1, w2, logits, chunks=chunks):
                 weights, ids = moe_route(logits, top_k)
                 return expert_parallel_experts(x, w1, w2, weights, ids, group, num_experts=num_experts,
