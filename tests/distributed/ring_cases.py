@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from flashmoe_science.attention.api import flash_attention_science
-from flashmoe_science.distributed import ring_attention, zigzag_positions, zigzag_shard, zigzag_unshard
+from flashmoe_science.distributed import (ring_attention, ring_attention_varlen, zigzag_positions, zigzag_shard,
+                                          zigzag_unshard)
 
 
 
@@ -133,6 +134,46 @@ def ring_bf16_error_within_twice_single(rank, world_size):
             raise AssertionError(f"{name}: ring bf16 error {ours_err:.3g} > 2 x single-process {single_err:.3g}")
 
 
+def _compare_varlen(rank, world_size, seqlens, *, causal, window=None, heads=(4, 2), head_dim=16, group=None):
+    bounds = [0]
+    for length in seqlens:
+        bounds.append(bounds[-1] + length)
+    hq, hkv = heads
+    q = torch.randn(bounds[-1], hq, head_dim)
+    k, v = torch.randn(bounds[-1], hkv, head_dim), torch.randn(bounds[-1], hkv, head_dim)
+    grad = torch.randn_like(q)
+    full = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = torch.cat([  # each sequence on its own, (L, H, D) <-> (H, L, D)
+        dense_attention(*(t[a:b].transpose(0, 1) for t in full), causal, window).transpose(0, 1)
+        for a, b in zip(bounds, bounds[1:])])
+    expected.backward(grad.double())
+    local = [zigzag_shard(t, group, dim=0, cu_seqlens=bounds).requires_grad_() for t in (q, k, v)]
+    out, lse = ring_attention_varlen(*local, torch.tensor(bounds), group, causal=causal, window=window,
+                                     return_lse=True)
+    out.backward(zigzag_shard(grad, group, dim=0, cu_seqlens=bounds))
+    gathered = zigzag_unshard(out.detach(), group, dim=0, cu_seqlens=bounds)  # a collective: before any check
+    if lse.shape != (hq, out.shape[0]):
+        raise AssertionError(f"lse shape {tuple(lse.shape)}, expected {(hq, out.shape[0])}")
+    check_close("out", out, zigzag_shard(expected.detach(), group, dim=0, cu_seqlens=bounds))
+    check_close("unshard", gathered, expected.detach())
+    for name, t, ref in zip(("dq", "dk", "dv"), local, full):
+        check_close(name, t.grad, zigzag_shard(ref.grad, group, dim=0, cu_seqlens=bounds))
+
+
+def ring_varlen(rank, world_size):
+    # sequences shorter than the ring (empty chunks), of odd length, and a long one; causal, windowed, plain
+    seqlens = [13, 3, 8 * world_size + 1, 1]
+    _compare_varlen(rank, world_size, seqlens, causal=True)
+    _compare_varlen(rank, world_size, seqlens, causal=True, window=(4, -1))
+    _compare_varlen(rank, world_size, seqlens, causal=False, window=(2, 3), heads=(2, 2))
+    _compare_varlen(rank, world_size, [5, 0, 7], causal=False)
+
+
+def ring_varlen_group_of_one(rank, world_size):
+    groups = [dist.new_group([r]) for r in range(world_size)]
+    _compare_varlen(rank, world_size, [9, 4], causal=True, group=groups[rank])
+
+
 def _expect_error(fn, *fragments):
     try:
         fn()
@@ -152,6 +193,8 @@ def ring_bad_input(rank, world_size):
     _expect_error(lambda: ring_attention(q3, k2, k2), "multiple of k's head count")
     _expect_error(lambda: ring_attention(q3, q3[..., :4, :], q3[..., :4, :]), "same positions")
     _expect_error(lambda: ring_attention(q3, q3, q3, window=(-2, 0)), "window")
+    packed = torch.randn(6, 2, 16)  # 12 tokens in two sequences whose split depends on the rank
+    _expect_error(lambda: ring_attention_varlen(packed, packed, packed, [0, 4 + rank, 12]), "disagree")
 
 
 CASES = [name for name in dir() if name.startswith("ring_") and name != "ring_attention"]

@@ -33,7 +33,7 @@ from flashmoe_science.attention.api import (BACKENDS, attention_backward_lse, at
 from flashmoe_science.attention.mask import make_mask
 from flashmoe_science.attention.reference import default_softmax_scale
 from flashmoe_science.distributed.comm import gather_ints, group_rank_and_size, ring_shift
-from flashmoe_science.distributed.zigzag import Chunk, shard_chunks, shard_lengths
+from flashmoe_science.distributed.zigzag import Chunk, _seqlens, sequence_shards, shard_lengths
 
 _KV_TAG, _GRAD_TAG = 0, 1  # gloo matches point-to-point messages by tag; NCCL ignores tags
 
@@ -95,23 +95,24 @@ def _plan_step(q_chunks, k_chunks, causal: bool, window, same_shard: bool) -> li
     Zig-zag causal steps collapse to one call each: the own shard is causal over the local order (local order is
     global order); an earlier shard is seen whole by both query chunks; a later shard whole by the second chunk.
     """
-    q_len = sum(c.length for c in q_chunks)
-    k_len = sum(c.length for c in k_chunks)
+    # the rank's two chunks of one sequence are adjacent in its shard: their span
+    q_span = slice(q_chunks[0].local_start, q_chunks[1].local_start + q_chunks[1].length)
+    k_span = slice(k_chunks[0].local_start, k_chunks[1].local_start + k_chunks[1].length)
     if same_shard and window is None and causal:
-        return [Block(slice(0, q_len), slice(0, k_len), True, None)]
+        return [Block(q_span, k_span, True, None)]
     lo, hi = _band(causal, window)
     pairs = {(a, b): _visible_block(qc, kc, lo, hi) for a, qc in enumerate(q_chunks) for b, kc in enumerate(k_chunks)}
     whole = {key: _whole(block, q_chunks[key[0]], k_chunks[key[1]]) for key, block in pairs.items()}
     if all(whole.values()):
-        return [Block(slice(0, q_len), slice(0, k_len), False, None)]
+        return [Block(q_span, k_span, False, None)]
     blocks, used = [], set()
     for b, kc in enumerate(k_chunks):  # a key chunk every query sees: one call for both query chunks
         if whole[0, b] and whole[1, b]:
-            blocks.append(Block(slice(0, q_len), slice(kc.local_start, kc.local_start + kc.length), False, None))
+            blocks.append(Block(q_span, slice(kc.local_start, kc.local_start + kc.length), False, None))
             used |= {(0, b), (1, b)}
     for a, qc in enumerate(q_chunks):  # a query chunk that sees all keys: one call for both key chunks
         if whole[a, 0] and whole[a, 1] and not used & {(a, 0), (a, 1)}:
-            blocks.append(Block(slice(qc.local_start, qc.local_start + qc.length), slice(0, k_len), False, None))
+            blocks.append(Block(slice(qc.local_start, qc.local_start + qc.length), k_span, False, None))
             used |= {(a, 0), (a, 1)}
     blocks += [block for key, block in pairs.items() if block is not None and key not in used]
     return blocks
@@ -123,14 +124,14 @@ class _Ring:
     group: object
     rank: int
     world_size: int
-    seqlen: int  # global
+    seqlens: tuple[int, ...]  # global: one sequence, or the packed sequences of a varlen batch
     causal: bool
     window: tuple[int, int] | None
     softmax_scale: float
     backend: str  # the local kernels' (flash_attention_science's backend argument)
 
-    def chunks(self, rank: int):
-        return shard_chunks(self.seqlen, self.world_size, rank)
+    def chunks(self, rank: int) -> list[tuple[Chunk, Chunk]]:
+        return sequence_shards(self.seqlens, self.world_size, rank)
 
     def peer(self, offset: int) -> int:
         """The global rank of the group member ``offset`` steps along the ring."""
@@ -142,7 +143,8 @@ class _Ring:
 
     def plan(self, step: int) -> list[Block]:
         source = self.source(step)
-        return _plan_step(self.chunks(self.rank), self.chunks(source), self.causal, self.window, source == self.rank)
+        return [block for mine, theirs in zip(self.chunks(self.rank), self.chunks(source))
+                for block in _plan_step(mine, theirs, self.causal, self.window, source == self.rank)]
 
     def shift(self, send: torch.Tensor, recv_shape, tag: int):
         """Start sending ``send`` to the next rank and receiving a tensor of ``recv_shape`` from the previous one."""
@@ -150,7 +152,7 @@ class _Ring:
 
     def shard_shape(self, kv: torch.Tensor, step: int) -> tuple[int, ...]:
         """The shape of the packed K/V (or dK/dV) shard held at ``step``: ``kv``'s, with that rank's length."""
-        length = sum(c.length for c in self.chunks(self.source(step)))
+        length = sum(c.length for pair in self.chunks(self.source(step)) for c in pair)
         return (*kv.shape[:-2], length, kv.shape[-1])
 
 
@@ -263,22 +265,41 @@ def _check_local(q, k, v, causal, softmax_scale) -> None:
         raise ValueError(f"softmax_scale must be a finite number > 0 or None, got {softmax_scale!r}")
 
 
-def _check_ranks(q, k, group, world_size: int, causal: bool, window) -> int:
-    """Every rank's shapes and mask agree and the local lengths form a zig-zag split; returns the global length.
-    One small all-gather, so every rank raises the same error instead of hanging in the ring."""
+def _check_ranks(q, k, group, world_size: int, causal: bool, window, seqlens: list[int] | None) -> list[int]:
+    """Every rank's shapes, mask and batch agree and the local lengths form a zig-zag split; returns the global
+    sequence lengths (``seqlens``, or the one sequence of all ranks' tokens). One small all-gather, so every rank
+    raises the same error instead of hanging in the ring."""
     left, right = window if window is not None else (-1, -1)
-    mine = [q.dim(), *q.shape[:-2], k.shape[-3], q.shape[-1], int(causal), left, right, q.shape[-2]]
+    batch = [-1, -1] if seqlens is None else [len(seqlens), sum(i * n for i, n in enumerate(seqlens, 1)) % 2**31]
+    mine = [q.dim(), *q.shape[:-2], k.shape[-3], q.shape[-1], int(causal), left, right, *batch, q.shape[-2]]
     everyone = gather_ints(mine, group, q.device)
     if not bool((everyone[:, :-1] == everyone[0, :-1]).all()):
-        raise ValueError("ring_attention: the ranks disagree on shapes or mask "
-                         f"(per rank: [dims, batch.., Hq, Hkv, D, causal, left, right, L] = {everyone.tolist()})")
+        raise ValueError("ring_attention: the ranks disagree on shapes, mask or cu_seqlens (per rank: [dims, "
+                         f"batch.., Hq, Hkv, D, causal, left, right, sequences, checksum, L] = {everyone.tolist()})")
     lengths = everyone[:, -1].tolist()
-    seqlen = sum(lengths)
-    if lengths != shard_lengths(seqlen, world_size):
-        raise ValueError(f"ring_attention: local sequence lengths {lengths} are not the zig-zag split of {seqlen} "
-                         f"positions over {world_size} ranks (expected {shard_lengths(seqlen, world_size)}); shard "
-                         "the sequence with zigzag_shard")
-    return seqlen
+    seqlens = [sum(lengths)] if seqlens is None else seqlens
+    if lengths != shard_lengths(seqlens, world_size):
+        raise ValueError(f"ring_attention: local lengths {lengths} are not the zig-zag split of sequences "
+                         f"{seqlens} over {world_size} ranks (expected {shard_lengths(seqlens, world_size)}); shard "
+                         "the inputs with zigzag_shard")
+    return seqlens
+
+
+def _ring(q, k, v, group, causal, softmax_scale, window, backend, seqlens=None):
+    """The checks and the ring of `ring_attention` / `ring_attention_varlen` on ``(..., H, L, D)`` views; returns
+    (out, lse), or None for a group of one rank (the caller runs its single-GPU function)."""
+    _check_local(q, k, v, causal, softmax_scale)
+    window = _check_window(causal, window)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    rank, world_size = group_rank_and_size(group)
+    if world_size == 1:
+        return None
+    seqlens = _check_ranks(q, k, group, world_size, causal, window, seqlens)
+    scale = float(softmax_scale) if softmax_scale is not None else default_softmax_scale(q.shape[-1])
+    ring = _Ring(group if group is not None else dist.group.WORLD, rank, world_size, tuple(seqlens), causal, window,
+                 scale, backend)
+    return _RingAttention.apply(q, k, v, ring)
 
 
 def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale: float | None = None,
@@ -300,17 +321,44 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale: 
     that of `flash_attention_science` on the unsharded sequence, sharded the same way; partial results are merged in
     float32 (each partial rounded once to q's dtype). A group of one rank runs the local kernel directly.
     """
-    _check_local(q, k, v, causal, softmax_scale)
-    window = _check_window(causal, window)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    rank, world_size = group_rank_and_size(group)
-    scale = float(softmax_scale) if softmax_scale is not None else default_softmax_scale(q.shape[-1])
-    if world_size == 1:
-        return flash_attention_science(q, k, v, causal=causal, softmax_scale=scale, window=window,
+    result = _ring(q, k, v, group, causal, softmax_scale, window, backend)
+    if result is None:
+        return flash_attention_science(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
                                        return_lse=return_lse, backend=backend)
-    seqlen = _check_ranks(q, k, group, world_size, causal, window)
-    ring = _Ring(group if group is not None else dist.group.WORLD, rank, world_size, seqlen, causal, window, scale,
-                 backend)
-    out, lse = _RingAttention.apply(q, k, v, ring)
-    return (out, lse) if return_lse else out
+    return result if return_lse else result[0]
+
+
+def ring_attention_varlen(q, k, v, cu_seqlens, group=None, *, causal: bool = False,
+                          softmax_scale: float | None = None, window: tuple[int, int] | None = None,
+                          return_lse: bool = False, backend: str = "auto"):
+    """`ring_attention` over a batch of packed sequences of different lengths, each sharded zig-zag on its own.
+
+    Args:
+        q, k, v: this rank's packed shard ``(total_local, H, D)``: `zigzag_shard(x, dim=0, cu_seqlens=cu_seqlens)`
+            of the full packed ``(total, H, D)`` (each sequence's two chunks, sequence after sequence).
+        cu_seqlens: the *global* cumulative lengths ``(batch + 1,)`` (a list, or an integer tensor: one host copy),
+            the same on every rank. Masks apply per sequence, on its own positions.
+        the rest: as `ring_attention`.
+
+    Returns ``out`` ``(total_local, H, D)``, or ``(out, lse)`` with lse float32 ``(H, total_local)`` (the layout of
+    `flash_attention_varlen`). Each step runs the local kernel once per sequence and block: meant for a few long
+    sequences; many short ones fit one GPU each (`flash_attention_varlen`).
+    """
+    seqlens = _seqlens(cu_seqlens)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a packed (total, H, D) tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    result = _ring(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), group, causal, softmax_scale, window,
+                   backend, seqlens)
+    if result is None:
+        from flashmoe_science.attention.varlen import flash_attention_varlen
+
+        bounds = torch.tensor([0] + [sum(seqlens[:i + 1]) for i in range(len(seqlens))], dtype=torch.int32,
+                              device=q.device)
+        longest = max(seqlens, default=0)
+        return flash_attention_varlen(q, k, v, bounds, bounds, longest, longest, causal=causal,
+                                      softmax_scale=softmax_scale, window=window, return_lse=return_lse,
+                                      backend=backend)
+    out, lse = result
+    return (out.transpose(0, 1), lse) if return_lse else out.transpose(0, 1)

@@ -59,15 +59,45 @@ def shard_chunks(seqlen: int, world_size: int, rank: int) -> tuple[Chunk, Chunk]
             Chunk(first_len, starts[second], starts[second + 1] - starts[second]))
 
 
-def shard_lengths(seqlen: int, world_size: int) -> list[int]:
-    """The local sequence length of each rank."""
-    return [sum(c.length for c in shard_chunks(seqlen, world_size, r)) for r in range(world_size)]
+def sequence_shards(seqlens, world_size: int, rank: int) -> list[tuple[Chunk, Chunk]]:
+    """Rank ``rank``'s two chunks of each of several packed sequences (varlen), each sequence split on its own:
+    ``local_start`` in the rank's packed shard (the sequences one after the other, each as its two chunks),
+    ``global_start`` in the packed full batch. One sequence of length L gives `shard_chunks`."""
+    shards, local, offset = [], 0, 0
+    for seqlen in seqlens:
+        first, second = shard_chunks(seqlen, world_size, rank)
+        shards.append((Chunk(local, offset + first.global_start, first.length),
+                       Chunk(local + first.length, offset + second.global_start, second.length)))
+        local += first.length + second.length
+        offset += seqlen
+    return shards
 
 
-def zigzag_positions(seqlen: int, world_size: int, rank: int, device=None) -> torch.Tensor:
-    """The global position of each local token of rank ``rank`` (int64), e.g. for rotary embeddings."""
-    return torch.cat([torch.arange(c.global_start, c.global_start + c.length, device=device)
-                      for c in shard_chunks(seqlen, world_size, rank)])
+def shard_lengths(seqlens, world_size: int) -> list[int]:
+    """The local (packed) length of each rank, for one sequence of length ``seqlens`` or several (a list)."""
+    seqlens = [seqlens] if isinstance(seqlens, int) else list(seqlens)
+    return [sum(c.length for pair in sequence_shards(seqlens, world_size, r) for c in pair)
+            for r in range(world_size)]
+
+
+def _seqlens(cu_seqlens) -> list[int]:
+    """Sequence lengths from cumulative lengths (a list or an integer tensor: one host copy)."""
+    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    if not bounds or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {bounds}")
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def zigzag_positions(seqlen, world_size: int, rank: int, device=None, *, cu_seqlens=None) -> torch.Tensor:
+    """The position of each local token of rank ``rank`` in its sequence (int64), e.g. for rotary embeddings: of a
+    sequence of length ``seqlen``, or with ``cu_seqlens`` (``seqlen`` then None) of each packed sequence."""
+    lengths = _seqlens(cu_seqlens) if cu_seqlens is not None else [seqlen]
+    starts = [0]
+    for length in lengths:
+        starts.append(starts[-1] + length)
+    positions = [torch.arange(c.global_start - start, c.global_start - start + c.length, device=device)
+                 for pair, start in zip(sequence_shards(lengths, world_size, rank), starts) for c in pair]
+    return torch.cat(positions) if positions else torch.empty(0, dtype=torch.int64, device=device)
 
 
 def _check_dim(x: torch.Tensor, dim: int) -> int:
@@ -79,26 +109,37 @@ def _check_dim(x: torch.Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
-def zigzag_shard(x: torch.Tensor, group=None, *, dim: int = -2) -> torch.Tensor:
+def zigzag_shard(x: torch.Tensor, group=None, *, dim: int = -2, cu_seqlens=None) -> torch.Tensor:
     """This rank's zig-zag shard of the full sequence ``x`` (the sequence along ``dim``; default -2, the L of
-    ``(..., H, L, D)``). Returns a new contiguous tensor (the two chunks concatenated)."""
+    ``(..., H, L, D)``), or with ``cu_seqlens`` of each packed sequence of ``x`` (varlen: ``dim=0`` of
+    ``(total, H, D)``). Returns a new contiguous tensor (each sequence's two chunks, sequence after sequence)."""
     dim = _check_dim(x, dim)
     rank, world_size = group_rank_and_size(group)
-    chunks = shard_chunks(x.shape[dim], world_size, rank)
-    return torch.cat([x.narrow(dim, c.global_start, c.length) for c in chunks], dim=dim)
+    lengths = _lengths_along(x, dim, cu_seqlens)
+    return torch.cat([x.narrow(dim, c.global_start, c.length)
+                      for pair in sequence_shards(lengths, world_size, rank) for c in pair], dim=dim)
 
 
-def zigzag_unshard(local: torch.Tensor, group=None, *, dim: int = -2) -> torch.Tensor:
-    """The full sequence from every rank's zig-zag shard (an all-gather; every rank gets the whole tensor).
-    Not differentiable: it is for inspecting results and for tests."""
+def _lengths_along(x, dim, cu_seqlens) -> list[int]:
+    if cu_seqlens is None:
+        return [x.shape[dim]]
+    lengths = _seqlens(cu_seqlens)
+    if sum(lengths) != x.shape[dim]:
+        raise ValueError(f"cu_seqlens end at {sum(lengths)} but x has {x.shape[dim]} positions along dim {dim}")
+    return lengths
+
+
+def zigzag_unshard(local: torch.Tensor, group=None, *, dim: int = -2, cu_seqlens=None) -> torch.Tensor:
+    """The full sequence (or, with ``cu_seqlens``, the packed full batch) from every rank's zig-zag shard: an
+    all-gather, every rank gets the whole tensor. Not differentiable: for inspecting results and for tests."""
     dim = _check_dim(local, dim)
     rank, world_size = group_rank_and_size(group)
     lengths = gather_ints([local.shape[dim]], group, local.device)[:, 0].tolist()
-    seqlen = sum(lengths)
-    expected = shard_lengths(seqlen, world_size)
+    seqlens = [sum(lengths)] if cu_seqlens is None else _seqlens(cu_seqlens)
+    expected = shard_lengths(seqlens, world_size)
     if lengths != expected:
         raise ValueError(f"zigzag_unshard: shard lengths {lengths} along dim {dim} are not a zig-zag split of "
-                         f"{seqlen} positions over {world_size} ranks (expected {expected})")
+                         f"sequences {seqlens} over {world_size} ranks (expected {expected})")
     longest = max(lengths)
     padded = torch.zeros(*local.shape[:dim], longest, *local.shape[dim + 1:], dtype=local.dtype,
                          device=local.device)
@@ -106,7 +147,6 @@ def zigzag_unshard(local: torch.Tensor, group=None, *, dim: int = -2) -> torch.T
     gathered = all_gather(padded, group)
     pieces: list[tuple[int, torch.Tensor]] = []
     for r, shard in enumerate(gathered):
-        for c in shard_chunks(seqlen, world_size, r):
-            pieces.append((c.global_start, shard.narrow(dim, c.local_start, c.length)))
+        for pair in sequence_shards(seqlens, world_size, r):
+            pieces += [(c.global_start, shard.narrow(dim, c.local_start, c.length)) for c in pair]
     return torch.cat([piece for _, piece in sorted(pieces, key=lambda item: item[0])], dim=dim)
-
