@@ -5,7 +5,8 @@ import pytest
 
 import ring_cases
 from flashmoe_science.distributed.ring_attention import _plan_step
-from flashmoe_science.distributed.zigzag import chunk_starts, shard_chunks, shard_lengths, zigzag_positions
+from flashmoe_science.distributed.zigzag import (chunk_starts, sequence_shards, shard_chunks, shard_lengths,
+                                                zigzag_positions)
 
 
 @pytest.mark.parametrize("world_size", (2, 4))
@@ -23,6 +24,17 @@ def test_zigzag_layout():
     assert sorted(sum((zigzag_positions(13, 3, r).tolist() for r in range(3)), [])) == list(range(13))
     with pytest.raises(ValueError, match="rank"):
         shard_chunks(8, 2, 2)
+
+
+def test_zigzag_layout_varlen():
+    # two sequences (10 and 3 tokens) over 2 ranks: each split on its own, packed sequence after sequence
+    assert shard_lengths([10, 3], 2) == [6, 7]
+    (a0, a1), (b0, b1) = sequence_shards([10, 3], 2, 1)
+    assert [(c.local_start, c.global_start, c.length) for c in (a0, a1, b0, b1)] == [
+        (0, 3, 3), (3, 6, 2), (5, 11, 1), (6, 12, 1)]
+    assert zigzag_positions(None, 2, 1, cu_seqlens=[0, 10, 13]).tolist() == [3, 4, 5, 6, 7, 1, 2]
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        zigzag_positions(None, 2, 0, cu_seqlens=[0, 5, 3])
 
 
 def test_causal_steps_are_one_call_each():
