@@ -18,7 +18,8 @@ Without torchrun on a GPU, `run_overlap_bench` measures on the one GPU what a ri
 a balanced zig-zag step (2c queries against c keys, non-causal) alone, the transfer of the next K/V shard alone
 (a device-to-device copy on a side stream, standing in for the NCCL receive), and both at once. ``hidden`` is the
 share of the transfer that the overlapped step hides, ``nvlink_ms`` what the shard takes at ``NVLINK_GBPS`` (H200
-NVLink 4, one direction), against which ``kernel_ms`` must be long for the ring to scale.
+NVLink 4, one direction), against which ``kernel_ms`` must be long for the ring to scale. `run_ep_local_bench` times
+one expert-parallel rank's expert work on what it would receive (W = 2, 4, 8) against the whole layer on one GPU.
 """
 
 from __future__ import annotations
@@ -287,6 +288,43 @@ def _overlap_records(chunk: int, side) -> list[dict]:
     return records
 
 
+def run_ep_local_bench(world_sizes=(2, 4, 8), tokens: int = EP_TOKENS, progress=None) -> list[dict]:
+    """One GPU: the expert work of one rank of expert parallelism without the exchange. Rank 0 of W receives, from
+    all W ranks' T tokens each, every token routed to one of its E/W experts (its other slots -1) and runs them with
+    `fused_experts`; against `fused_moe` of the whole layer on T tokens. The ratio bounds the EP efficiency from the
+    compute side (the same expert GEMM work, more rows to sort)."""
+    from flashmoe_science.bench.report import gpu_median_ms
+    from flashmoe_science.distributed import expert_bounds
+    from flashmoe_science.moe import fused_experts, fused_moe, moe_route
+
+    config = MODELS[EP_MODEL]
+    num_experts, top_k, d_model, d_ff = (config[name] for name in ("num_experts", "top_k", "d_model", "d_ff"))
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    w1 = torch.randn(num_experts, 2 * d_ff, d_model, device=device, dtype=dtype) / math.sqrt(d_model)
+    w2 = torch.randn(num_experts, d_model, d_ff, device=device, dtype=dtype) / math.sqrt(d_ff)
+    x = torch.randn(tokens, d_model, device=device, dtype=dtype)
+    logits = torch.randn(tokens, num_experts, device=device, dtype=dtype)
+    records = []
+    for pass_ in PASSES:
+        one_gpu = gpu_median_ms(_pass_fn(lambda *t: fused_moe(*t, top_k), (x, w1, w2, logits), pass_),
+                                sustained=True)
+        for world_size in world_sizes:
+            local = expert_bounds(num_experts, world_size)[1]  # rank 0's experts: [0, local)
+            weights, ids = moe_route(torch.randn(world_size * tokens, num_experts, device=device, dtype=dtype), top_k)
+            rows = (ids < local).any(dim=1).nonzero().squeeze(1)
+            local_ids = torch.where(ids[rows] < local, ids[rows], -1)
+            x_recv = torch.randn(rows.numel(), d_model, device=device, dtype=dtype)
+            run = _pass_fn(lambda x, w1, w2, w, ids=local_ids: fused_experts(x, w1, w2, w, ids),
+                           (x_recv, w1[:local].clone(), w2[:local].clone(), weights[rows].contiguous()), pass_)
+            ms = gpu_median_ms(run, sustained=True)
+            records.append({"op": "ep-local-experts", "model": EP_MODEL, "T": tokens, "world_size": world_size,
+                            "pass": pass_, "rows_received": rows.numel(), "ms": round(ms, 4),
+                            "ms_1gpu": round(one_gpu, 4), "efficiency": round(one_gpu / ms, 4)})
+            if progress is not None:
+                progress.update(desc=f"ep-local W={world_size} {pass_}")
+    return records
+
+
 def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
@@ -331,7 +369,12 @@ def run_from_cli(args) -> int:
               "transfer; for the scaling suite run under `torchrun --nproc-per-node N`")
         with Progress(desc="overlap") as progress:
             records = run_overlap_bench(OVERLAP_SHARDS[:3] if args.quick else OVERLAP_SHARDS, progress)
-        tables, columns = [("ring step overlap", records, OVERLAP_FIELDS)], ()
+            records += run_ep_local_bench(progress=progress)
+        tables = [("ring step overlap", [r for r in records if r["op"] == "ring-step-overlap"], OVERLAP_FIELDS),
+                  ("one EP rank's experts without the exchange (efficiency = ms_1gpu / ms)",
+                   [r for r in records if r["op"] == "ep-local-experts"],
+                   ("world_size", "pass", "rows_received", "ms", "ms_1gpu", "efficiency"))]
+        columns = ()
     else:
         print("bench --suite distributed needs torchrun (`torchrun --nproc-per-node N -m flashmoe_science.cli bench "
               "--suite distributed`; gloo on CPUs runs a small smoke test) or a CUDA GPU", file=sys.stderr)
