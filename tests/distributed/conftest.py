@@ -2,12 +2,8 @@ import functools
 
 import pytest
 
+from all_cases import CASES
 from dist_spawn import run_cases
-import bench_cases
-import moe_cases
-import ring_cases
-
-CASES = [f"{module.__name__}.{name}" for module in (ring_cases, moe_cases, bench_cases) for name in module.CASES]
 
 
 @functools.lru_cache(maxsize=None)

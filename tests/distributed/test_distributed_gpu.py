@@ -9,7 +9,7 @@
 import pytest
 import torch
 
-from conftest import CASES as ALL_CASES
+from all_cases import CASES as ALL_CASES
 
 pytestmark = pytest.mark.gpu
 CASES = [name for name in ALL_CASES if not name.startswith("bench_cases.")]  # the bench runs its own GPU sizes

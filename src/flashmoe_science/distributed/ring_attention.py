@@ -1,4 +1,4 @@
-"""Context-parallel ring attention: one sequence sharded zig-zag over the ranks of a process group.
+"""Context-parallel ring attention: a sequence (or packed sequences) sharded zig-zag over the ranks of a group.
 
 Each rank holds its queries and its keys/values (two mirrored chunks, see `zigzag`). The K/V shards travel around
 the ring (rank r sends to r + 1 and receives from r - 1) with ``batch_isend_irecv``; the transfer of the next shard
