@@ -141,12 +141,15 @@ def _save(args: argparse.Namespace, records: list[dict], partial: PartialResults
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    if args.suite == "distributed":
+    if args.suite == ["distributed"]:
         from flashmoe_science.bench.distributed import run_from_cli
 
         return run_from_cli(args)
-    if args.suite is not None:
-        args.what = args.suite
+    if args.suite and "distributed" in args.suite:
+        print("bench --suite distributed runs on its own (under torchrun), not with other suites", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    if args.suite:
+        return _bench_features(args)
     if args.what == "moe":
         return _bench_moe(args)
     return _bench_attention(args)
@@ -198,6 +201,28 @@ def _bench_attention(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_features(args: argparse.Namespace) -> int:
+    from flashmoe_science.bench import features as features_bench
+
+    on_gpu = torch.cuda.is_available()
+    device, dtype = (torch.device("cuda"), torch.bfloat16) if on_gpu else (torch.device("cpu"), torch.float32)
+    timer = attention_bench.cuda_median_ms if on_gpu else attention_bench.cpu_median_ms
+    print(f"masked/packed attention suites {','.join(args.suite)} on "
+          + (torch.cuda.get_device_name(0) if on_gpu else "the CPU (sizes / 64: a smoke test)"), flush=True)
+    partial = _partial_results(args)
+    with Progress(desc="features") as progress:
+        records = features_bench.run_features_bench(args.suite, args.quick, device, dtype, timer, progress,
+                                                    on_case_done=partial, rounds=args.rounds)
+    print()
+    print(features_bench.features_tables(records))
+    path = _save(args, records, partial)
+    if not args.no_plot and records:
+        plot = features_bench.plot_features(records, path.with_suffix(".png"), title=f"attention features, {path.stem}")
+        if plot is not None:
+            print(f"plot:    {plot}")
+    return 0
+
+
 def _bench_moe(args: argparse.Namespace) -> int:
     attention_only = [flag for flag, given in (("--shapes", args.shapes), ("--backends", args.backends),
                                               ("--pass", args.passes != ["fwd"])) if given]
@@ -244,11 +269,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="time our kernels against SDPA and FlexAttention (or the MoE layer)")
     bench.add_argument("what", nargs="?", choices=("attention", "moe"), default="attention")
-    bench.add_argument(
-        "--suite", choices=("attention", "moe", "distributed"),
-        help="what to benchmark (instead of the positional name); distributed: ring attention and expert-parallel "
-        "MoE scaling under `torchrun --nproc-per-node N`, or on one GPU without torchrun a ring step's overlap",
-    )
     bench.add_argument("--quick", action="store_true", help="a small subset of shapes (under 2 minutes on an H200)")
     bench.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the JSON and PNG (default {DEFAULT_OUT})")
     bench.add_argument(
@@ -265,6 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--backends", type=_comma_list(attention_bench.BACKEND_ORDER),
         help=f"attention backends to run (default: all on a GPU): {','.join(attention_bench.BACKEND_ORDER)}",
+    )
+    bench.add_argument(
+        "--suite", type=_comma_list(("varlen", "window", "mods", "distributed")),
+        help="the masked/packed attention suites instead of the dense grid: varlen, window, mods (softcap, ALiBi, "
+        "bias); see bench/features.py. Or distributed (alone): ring attention and expert-parallel MoE scaling under "
+        "`torchrun --nproc-per-node N -m flashmoe_science.cli bench --suite distributed`, or without torchrun on "
+        "one GPU a ring step's overlap and one EP rank's expert work (bench/distributed.py)",
     )
     bench.add_argument(
         "--models", type=_comma_list(),
