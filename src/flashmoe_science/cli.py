@@ -3,7 +3,11 @@
     flashmoe-science info                 GPU, versions, and which kernel a sample call would use and why
     flashmoe-science bench [attention]    ours against every SDPA backend and FlexAttention (TFLOP/s, ms, memory)
     flashmoe-science bench moe            the MoE layer benchmark
+<<<<<<< HEAD
     flashmoe-science bench --suite decode KV-cache decode bandwidth against SDPA, FlexAttention and a pure read
+=======
+    flashmoe-science bench --suite distributed   ring attention / expert-parallel MoE scaling (under torchrun)
+>>>>>>> wip/dist
 
 `bench` prints a table, writes `<out>/<gpu>-<date>-<commit>.json` and a PNG plot beside it. Without a CUDA GPU it
 runs a small CPU comparison instead, so the command works everywhere.
@@ -149,8 +153,23 @@ def _save_and_plot(args: argparse.Namespace, records: list[dict], partial: Parti
             print(f"plot:    {written}")
 
 
+FEATURE_SUITES = frozenset(("varlen", "window", "mods"))
+
+
 def run_bench(args: argparse.Namespace) -> int:
-    what = args.suite or args.what
+    suites = args.suite or [args.what]
+    if suites in (["moe"], ["decode"], ["attention"], ["distributed"]):
+        what = suites[0]
+    elif set(suites) <= FEATURE_SUITES:
+        return _bench_features(args)
+    else:
+        print(f"bench --suite: attention, moe, decode and distributed each run on their own; varlen, window and mods "
+              f"combine; got {','.join(suites)}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    if what == "distributed":
+        from flashmoe_science.bench.distributed import run_from_cli
+
+        return run_from_cli(args)
     if what == "moe":
         return _bench_moe(args)
     if what == "decode":
@@ -234,6 +253,28 @@ def _bench_attention(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_features(args: argparse.Namespace) -> int:
+    from flashmoe_science.bench import features as features_bench
+
+    on_gpu = torch.cuda.is_available()
+    device, dtype = (torch.device("cuda"), torch.bfloat16) if on_gpu else (torch.device("cpu"), torch.float32)
+    timer = attention_bench.cuda_median_ms if on_gpu else attention_bench.cpu_median_ms
+    print(f"masked/packed attention suites {','.join(args.suite)} on "
+          + (torch.cuda.get_device_name(0) if on_gpu else "the CPU (sizes / 64: a smoke test)"), flush=True)
+    partial = _partial_results(args)
+    with Progress(desc="features") as progress:
+        records = features_bench.run_features_bench(args.suite, args.quick, device, dtype, timer, progress,
+                                                    on_case_done=partial, rounds=args.rounds)
+    print()
+    print(features_bench.features_tables(records))
+    path = _save(args, records, partial)
+    if not args.no_plot and records:
+        plot = features_bench.plot_features(records, path.with_suffix(".png"), title=f"attention features, {path.stem}")
+        if plot is not None:
+            print(f"plot:    {plot}")
+    return 0
+
+
 def _bench_moe(args: argparse.Namespace) -> int:
     attention_only = [flag for flag, given in (("--shapes", args.shapes), ("--backends", args.backends),
                                               ("--pass", args.passes != ["fwd"])) if given]
@@ -280,8 +321,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="time our kernels against SDPA and FlexAttention (or the MoE layer)")
     bench.add_argument("what", nargs="?", choices=("attention", "moe", "decode"), default="attention")
-    bench.add_argument("--suite", choices=("attention", "moe", "decode"),
-                       help="the benchmark to run (same as the positional name)")
     bench.add_argument("--quick", action="store_true", help="a small subset of shapes (under 2 minutes on an H200)")
     bench.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the JSON and PNG (default {DEFAULT_OUT})")
     bench.add_argument(
@@ -302,6 +341,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--backends", type=_comma_list(attention_bench.BACKEND_ORDER),
         help=f"attention backends to run (default: all on a GPU): {','.join(attention_bench.BACKEND_ORDER)}",
+    )
+    bench.add_argument(
+        "--suite", type=_comma_list(("attention", "moe", "decode", *sorted(FEATURE_SUITES), "distributed")),
+        help="the benchmark(s) to run instead of the positional name: attention, moe or decode; or the masked/packed "
+        "attention suites, which combine: varlen, window, mods (softcap, ALiBi, "
+        "bias); see bench/features.py. Or distributed (alone): ring attention and expert-parallel MoE scaling under "
+        "`torchrun --nproc-per-node N -m flashmoe_science.cli bench --suite distributed`, or without torchrun on "
+        "one GPU a ring step's overlap and one EP rank's expert work (bench/distributed.py)",
     )
     bench.add_argument(
         "--models", type=_comma_list(),

@@ -72,9 +72,11 @@ def triton_fwd():
 def test_interpreter_suite_in_subprocess(request):
     if IN_INTERPRETER:
         pytest.skip("already under TRITON_INTERPRET=1: the cases run in this process")
-    # The backward's interpreter cases (skipped in a normal run) ride along in the same child.
-    backward_tests = os.path.join(os.path.dirname(__file__), "test_backward.py")
-    summary = run_under_interpreter(request.config.rootpath, __file__, backward_tests)
+    # The backward's and the masks/varlen features' interpreter cases (skipped in a normal run) ride along in the
+    # same child.
+    here = os.path.dirname(__file__)
+    riders = [os.path.join(here, name) for name in ("test_backward.py", "test_features_interpreter.py")]
+    summary = run_under_interpreter(request.config.rootpath, __file__, *riders, timeout=900)
     print(f"TRITON_INTERPRET=1 child: {summary}")
 
 
