@@ -239,19 +239,30 @@ def visible(q_pos, k_pos, seqlen_k, diagonal, window_left, window_right,
 
 
 @triton.jit
-def softcap_tanh(x):
-    """tanh through exp2 (no libdevice, so the interpreter and every backend run it); saturates cleanly."""
-    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)  # 2.885... = 2·log2(e)
+def softcap_tanh(x, FAST: tl.constexpr = False):
+    """tanh through exp2 (no libdevice, so the interpreter and every backend run it); saturates cleanly.
+
+    FAST: NVIDIA's `tanh.approx.f32` instead (one SFU instruction, relative error below 2^-10.9; not under the
+    interpreter). The exp2 form costs a second exp2 and an IEEE division per score, more SFU work than the softmax
+    itself: the Hopper forward, SFU-bound, takes FAST (flash-attn's softcap uses the same instruction)."""
+    if FAST:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        t = 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)  # 2.885... = 2·log2(e)
+    return t
 
 
 @triton.jit
 def score_to_log2(s, q_pos, k_pos, diagonal, qk_scale, softcap_scale, alibi_slope_log2,
-                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FAST_TANH: tl.constexpr = False):
     """Raw products s = q·k -> scores in log2 units (before masking), following `MaskSpec.kernel_args`:
     plain: s·scale·log2e; softcap: c·log2e·tanh(s·scale/c); ALiBi adds -slope·log2e·|i + diagonal - j|.
-    Returns (scores, t) where t is tanh(...) for the backward's softcap derivative (1 - t²), or s when not capped."""
+    Returns (scores, t) where t is tanh(...) for the backward's softcap derivative (1 - t²), or s when not capped.
+    Positions may be int or float32 tensors (float ones, with the diagonal already added to q_pos and 0 passed,
+    spare the per-score integer-to-float conversion). FAST_TANH: see `softcap_tanh`."""
     if SOFTCAP:
-        t = softcap_tanh(s * softcap_scale)
+        t = softcap_tanh(s * softcap_scale, FAST_TANH)
         x = t * qk_scale
     else:
         t = s
