@@ -21,6 +21,25 @@ def compile_once(d, bn, stages, causal, dtype=torch.bfloat16, q_buffers=1, cross
                                     varlen, dtype)
 
 
+def sweep(head_dims=(128,)):
+    """Every mask/feature constexpr combination of the forward at each head dim's tiles (non-causal and causal
+    plans): prints one line each; raises on the first that does not build."""
+    import itertools
+
+    from flashmoe_science.attention.tiles import sm90_forward_tiles
+
+    masks = {"none": (False, None), "causal": (True, None), "window": (False, (100, 20)), "left": (False, (100, -1)),
+             "causal_window": (True, (100, -1))}
+    for d, (name, (causal, window)), softcap, alibi, varlen in itertools.product(
+            head_dims, masks.items(), (None, 30.0), (False, True), (False, True)):
+        t = sm90_forward_tiles(d, causal or window is not None and window[1] >= 0, 4096)
+        k = compile_once(d, t.block_n, t.num_stages, causal, window=window, softcap=softcap, alibi=alibi,
+                         varlen=varlen)
+        _, counts = sass_counts(k.asm["cubin"])
+        print(f"D{d} {name} softcap{int(bool(softcap))} alibi{int(alibi)} varlen{int(varlen)}: smem "
+              f"{k.metadata.shared} LDL {counts['LDL']} STL {counts['STL']}", flush=True)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--sass")
@@ -30,8 +49,12 @@ if __name__ == "__main__":
     p.add_argument("--softcap", type=float)
     p.add_argument("--alibi", action="store_true")
     p.add_argument("--varlen", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="build every mask/feature combination (slow)")
     p.add_argument("config", nargs="*", type=int, default=[128, 128, 2, 0], help="D BLOCK_N STAGES CAUSAL")
     a = p.parse_args()
+    if a.sweep:
+        sweep()
+        raise SystemExit
     d, bn, st, c = a.config
     k = compile_once(d, bn, st, bool(c), q_buffers=a.q_buffers, cross_item=a.cross_item, window=a.window,
                      softcap=a.softcap, alibi=a.alibi, varlen=a.varlen)
@@ -41,3 +64,4 @@ if __name__ == "__main__":
     if a.sass:
         with open(a.sass, "w") as f:
             f.write(sass)
+
