@@ -113,7 +113,7 @@ def _packed(lengths, heads, head_dim):
 
 VARLEN_CASES = [("d128", 128, name) for name in ("plain", "causal", "causal_window", "softcap", "all")] + [
     (f"d{d}", d, name) for d in (64, 256) for name in ("causal", "all")]
-VARLEN_MASKS = {"plain": (False, None, None, False), **MASKS}
+VARLEN_MASKS = {"plain": (False, None, None, False), "causal": (True, None, None, False), **MASKS}
 
 
 @pytest.mark.parametrize("ids,head_dim,mask_name", VARLEN_CASES, ids=[f"{a}-{c}" for a, _, c in VARLEN_CASES])
@@ -165,7 +165,7 @@ def test_api_keeps_hopper_d128(mask_name):
     from flashmoe_science.attention.api import describe_dispatch
     from flashmoe_science.attention.varlen import describe_varlen_dispatch
 
-    causal, window, softcap, alibi = MASKS[mask_name]
+    causal, window, softcap, alibi = VARLEN_MASKS[mask_name]
     lengths = [1, 300, 0, 513]
     q_packed, cu = _packed(lengths, 4, 128)
     k_packed, v_packed = torch.randn_like(q_packed), torch.randn_like(q_packed)

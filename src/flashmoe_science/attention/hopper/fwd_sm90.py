@@ -222,13 +222,14 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale,
     key_start, full_start, full_end, seqlen_k, diagonal, alibi_slope_log2 = tile_mask
     window_left, window_right, softcap_scale = mask_args
     start_n = key_start + j * BLOCK_N
-    MODIFIED: gl.constexpr = SOFTCAP or ALIBI
-    if MODIFIED:
-        # float positions: ALiBi's distance costs a subtraction per score, no integer conversion
+    if ALIBI:  # scores in log2 units: s·scale·log2e (or its softcap) minus the ALiBi distance term
+        # float positions: the distance costs a subtraction per score, no integer conversion
         key_pos_f = (start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))).to(gl.float32)
         s, _ = score_to_log2(s, gl.expand_dims(offs_m.to(gl.float32), 1), gl.expand_dims(key_pos_f, 0),
                              diagonal.to(gl.float32), qk_scale, softcap_scale, alibi_slope_log2, SOFTCAP, ALIBI,
                              True)
+    elif SOFTCAP:  # s becomes t = tanh(s·scale/c); its multiplier c·log2e is folded into exp2's FMA below
+        _, s = score_to_log2(s, 0, 0, 0, qk_scale, softcap_scale, 0.0, SOFTCAP, False, True)
     masked = start_n + BLOCK_N > full_end  # only tiles at the window's edges and the ragged end pay for the mask
     if MASK_LEFT:
         masked = masked | (start_n < full_start)
@@ -241,7 +242,7 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale,
             seen = visible(gl.expand_dims(offs_m, 1), gl.expand_dims(key_pos, 0), seqlen_k, diagonal, 0, 0, False,
                            CAUSAL)
         s = gl.where(seen, s, float("-inf"))
-    if MODIFIED:  # s is in log2 units already
+    if ALIBI:  # s is in log2 units already
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - gl.expand_dims(m_shift, 1))
