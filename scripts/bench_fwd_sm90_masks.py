@@ -116,7 +116,7 @@ def varlen_rows() -> list[dict]:
     cu = cu.cuda()
     packed = [rand(total, H, D) for _ in range(3)]
     q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in packed)
-    batch = fwd_sm90.VarlenBatch(cu, cu, fwd_sm90.varlen_tile_offsets(cu))
+    batch = fwd_sm90.VarlenBatch(cu, cu, fwd_sm90.varlen_tile_offsets(cu, fwd_sm90.BLOCK_M))
     for causal in (False, True):
         mask = make_mask(causal)
         pairs = H * sum(visible_pairs(n, n, mask) for n in lengths)

@@ -139,7 +139,7 @@ def test_varlen(ids, head_dim, mask_name, gqa):
     lse = torch.full((hq, total_q), float("nan"), device="cuda")
     slopes = _slopes(len(lengths_q), hq) if alibi else None
     tiles, num_ctas, q_buffers, cross_item = _plan(fwd_sm90, head_dim, mask, max(lengths_q))
-    batch = fwd_sm90.VarlenBatch(cu_q, cu_k, fwd_sm90.varlen_tile_offsets(cu_q))
+    batch = fwd_sm90.VarlenBatch(cu_q, cu_k, fwd_sm90.varlen_tile_offsets(cu_q, fwd_sm90.BLOCK_M))
     fwd_sm90.attention_forward_sm90(q, k, v, out, lse.unsqueeze(0), causal, scale, tiles, num_ctas, q_buffers,
                                     cross_item, mask=mask, alibi_slopes=slopes, varlen=batch)
     assert torch.isnan(out_packed[total_q:]).all(), "a store ran past the last sequence"

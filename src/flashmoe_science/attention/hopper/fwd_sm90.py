@@ -23,7 +23,7 @@ through a ring of NUM_STAGES shared-memory stages. Each stage has a "ready" barr
 "empty" barrier that both consumers arrive on (K after its Q·Kᵀ product, V after its P·V product), so copies run
 ahead as far as the ring allows and never sit in a consumer's instruction stream.
 
-Persistent: with `num_ctas` = the SM count, each CTA loops over work items (`_work_tile`: rounds of consecutive
+Persistent: with `num_ctas` = the SM count, each CTA loops over work items (`work_items.work_tile`: rounds of consecutive
 items, snaking). The producer also loads each item's Q (into one of Q_BUFFERS buffers per consumer, once the
 consumer has released that buffer's previous item) and keeps the K/V ring position running across items, so the
 next item's first tiles land while the consumers finish the current one's last P·V and epilogue. With
@@ -36,7 +36,6 @@ with one TMA store; the buffer returns to the producer once the store has read i
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 from triton.experimental import gluon
@@ -45,8 +44,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                  warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashmoe_science.attention.mask import (MaskSpec, alibi_separable, key_tile_bounds, key_tile_range, score_to_log2,
-                                             visible)
+from flashmoe_science.attention.hopper.work_items import (VarlenBatch, cta_key_tiles, cta_num_items, item_rows,
+                                                          varlen_tile_offsets)
+from flashmoe_science.attention.mask import MaskSpec, alibi_separable, key_tile_bounds, key_tile_range, score_to_log2, visible
 from flashmoe_science.attention.tiles import padded_head_dim, sm90_cross_item_safe
 from flashmoe_science.attention.triton_fwd import LN_2, LOG2_E, tma_box, tma_compatible
 from flashmoe_science.hopper.common import CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS
@@ -56,118 +56,6 @@ CONSUMER_ROWS = 64  # rows per consumer warpgroup (4 warps x 16 rows of wgmma)
 NUM_CONSUMERS = 2
 BLOCK_M = CONSUMER_ROWS * NUM_CONSUMERS
 LOG2_E_GL = gl.constexpr(LOG2_E)
-
-
-@gluon.jit
-def _work_index(item, num_ctas):
-    """The CTA's item-th work item in the global numbering: rounds of num_ctas consecutive items, snaking (CTA c takes
-    position c, then num_ctas-1-c, ...)."""
-    cta = gl.program_id(0)
-    if item % 2 == 0:
-        work = item * num_ctas + cta
-    else:
-        work = item * num_ctas + num_ctas - 1 - cta
-    return work
-
-
-@gluon.jit
-def _work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size, CTA_ROWS: gl.constexpr,
-               CAUSAL: gl.constexpr):
-    """The CTA's item-th work item -> (batch, query head, kv head, first query row).
-
-    Work items are numbered head by head, a head's query tiles consecutively (heaviest first with causal
-    masking). CTAs take them in rounds of num_ctas consecutive items, so the CTAs running at any moment work on
-    a few heads and share their K/V in L2 (a CTA taking a contiguous run instead was 5-15% slower: every CTA
-    streamed a different head). The rounds snake (CTA c takes position c, then num_ctas-1-c, ...), so with causal
-    masking a CTA that drew a heavy tile in one round draws a light one in the next."""
-    work = _work_index(item, num_ctas)
-    pid_bh = work // num_m_tiles
-    pid_m = work % num_m_tiles
-    if CAUSAL:
-        pid_m = num_m_tiles - 1 - pid_m
-    q_head = pid_bh % num_q_heads
-    return pid_bh // num_q_heads, q_head, q_head // group_size, pid_m * CTA_ROWS
-
-
-@gluon.jit
-def _varlen_work(work, TILE_OFFSETS, num_seqs, num_q_heads, CAUSAL: gl.constexpr):
-    """Work item `work` of a packed (varlen) batch -> (sequence, query head, query tile), numbered as _work_tile's:
-    sequence by sequence, head by head, a head's query tiles consecutively (heaviest first with causal masking).
-    Only real tiles are numbered: TILE_OFFSETS[b] (varlen_tile_offsets) counts the query tiles of the sequences
-    before b, and the sequence is found by bisection (log2 of the batch size loads, cached)."""
-    lo = gl.to_tensor(0)
-    hi = gl.to_tensor(num_seqs)
-    while hi - lo > 1:  # TILE_OFFSETS[lo]·H <= work < TILE_OFFSETS[hi]·H
-        mid = (lo + hi) // 2
-        if gl.load(TILE_OFFSETS + mid) * num_q_heads <= work:
-            lo = mid
-        else:
-            hi = mid
-    first = gl.load(TILE_OFFSETS + lo)
-    num_m_tiles = gl.load(TILE_OFFSETS + lo + 1) - first
-    rest = work - first * num_q_heads
-    pid_m = rest % num_m_tiles
-    if CAUSAL:
-        pid_m = num_m_tiles - 1 - pid_m
-    return lo, rest // num_m_tiles, pid_m
-
-
-@gluon.jit
-def _item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, varlen_args,
-          CTA_ROWS: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
-    """The CTA's item-th work item -> (batch, TMA batch coordinate, query head, kv head, first query row of the tile
-    within its sequence, first Q row and first K row of the sequence in the TMA row coordinate, Lq, Lk).
-
-    Dense: the sequence is the batch entry (rows from 0). Varlen: q/k are (1, H, total, D) views of the packed
-    tensors, sequence b spans rows cu_seqlens[b]..cu_seqlens[b+1], and the per-sequence lengths replace the
-    kernel's (see _varlen_work for the numbering)."""
-    if VARLEN:
-        CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, num_seqs = varlen_args[0], varlen_args[1], varlen_args[2], varlen_args[3]
-        batch, q_head, pid_m = _varlen_work(_work_index(item, num_ctas), TILE_OFFSETS, num_seqs, num_q_heads, CAUSAL)
-        q_row0 = gl.load(CU_SEQLENS_Q + batch)
-        k_row0 = gl.load(CU_SEQLENS_K + batch)
-        seqlen_q = gl.load(CU_SEQLENS_Q + batch + 1) - q_row0
-        seqlen_k = gl.load(CU_SEQLENS_K + batch + 1) - k_row0
-        desc_batch = 0
-        kv_head = q_head // group_size
-        start_m = pid_m * CTA_ROWS
-    else:
-        batch, q_head, kv_head, start_m = _work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size, CTA_ROWS,
-                                                     CAUSAL)
-        desc_batch = batch
-        q_row0 = 0
-        k_row0 = 0
-    return batch, desc_batch, q_head, kv_head, start_m, q_row0, k_row0, seqlen_q, seqlen_k
-
-
-@gluon.jit
-def _num_items(num_work):
-    """How many work items this CTA runs: one per full round, plus one if its position in the last round exists."""
-    num_ctas = gl.num_programs(0)
-    cta = gl.program_id(0)
-    rounds = num_work // num_ctas
-    if rounds % 2 == 0:
-        position = cta
-    else:
-        position = num_ctas - 1 - cta
-    return rounds + (position < num_work % num_ctas).to(gl.int32)
-
-
-@gluon.jit
-def _cta_key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right, CTA_ROWS: gl.constexpr,
-                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
-    """Key tiles a CTA streams for the query tile at `start_m`: (first key, number of BLOCK_N tiles), those its rows
-    see (mask.key_tile_range; mask.key_tile_bounds for the plain causal mask). At least one, so no wait is left on
-    a copy that was never issued; a tile no row can see is fully masked and leaves l = 0 (zeros out, lse -inf)."""
-    if MASK_LEFT or MASK_RIGHT:
-        key_start, _, _, key_end = key_tile_range(start_m, seqlen_q, seqlen_k, window_left, window_right, CTA_ROWS,
-                                                  BLOCK_N, MASK_LEFT, MASK_RIGHT)
-        num_tiles = gl.maximum(gl.cdiv(key_end - key_start, BLOCK_N), 1)
-    else:
-        _, key_end = key_tile_bounds(start_m, seqlen_k, seqlen_k - seqlen_q, CTA_ROWS, BLOCK_N, CAUSAL)
-        key_start = 0
-        num_tiles = gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
-    return key_start, num_tiles
 
 
 @gluon.jit
@@ -183,8 +71,8 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     num_ctas = gl.num_programs(0)
     ring = 0  # K/V tiles issued so far by this CTA
-    for item in range(_num_items(num_work)):
-        _, desc_batch, q_head, kv_head, start_m, q_row0, k_row0, item_seqlen_q, item_seqlen_k = _item(
+    for item in range(cta_num_items(num_work)):
+        _, desc_batch, q_head, kv_head, start_m, q_row0, k_row0, item_seqlen_q, item_seqlen_k = item_rows(
             item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, varlen_args, 2 * ROWS, CAUSAL,
             VARLEN)
         for c in gl.static_range(2):
@@ -194,7 +82,7 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
             mbarrier.expect(q_ready.index(buf), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [desc_batch, q_head, q_row0 + start_m + c * ROWS, 0],
                                             q_ready.index(buf), q_smems.index(buf))
-        key_start, num_tiles = _cta_key_tiles(start_m, item_seqlen_q, item_seqlen_k, window_left, window_right,
+        key_start, num_tiles = cta_key_tiles(start_m, item_seqlen_q, item_seqlen_k, window_left, window_right,
                                               2 * ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT)
         for tile in range(num_tiles):
             stage = ring % NUM_STAGES
@@ -280,11 +168,11 @@ def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_
     the sequence's first Q row, Lq), the key tiles the CTA streams, the key tiles this consumer multiplies, and
     what its masks need: (first key of the CTA's tiles, start and end of the keys it sees unmasked, Lk, Lk - Lq,
     ALiBi slope · log2 e)."""
-    batch, desc_batch, q_head, _, cta_start_m, q_row0, _, item_seqlen_q, item_seqlen_k = _item(
+    batch, desc_batch, q_head, _, cta_start_m, q_row0, _, item_seqlen_q, item_seqlen_k = item_rows(
         item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, varlen_args, 2 * ROWS, CAUSAL,
         VARLEN)
     window_left, window_right, _ = mask_args
-    key_start, cta_tiles = _cta_key_tiles(cta_start_m, item_seqlen_q, item_seqlen_k, window_left, window_right,
+    key_start, cta_tiles = cta_key_tiles(cta_start_m, item_seqlen_q, item_seqlen_k, window_left, window_right,
                                           2 * ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT)
     start_m = cta_start_m + CONSUMER * ROWS
     if MASK_LEFT or MASK_RIGHT:
@@ -299,7 +187,7 @@ def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_
         full_start = 0
         num_tiles = gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
     # A right bound (causal or window): the upper consumer sees fewer key tiles than the CTA streams (at most one
-    # fewer: the two halves are ROWS <= BLOCK_N rows apart), and at least one (see _cta_key_tiles).
+    # fewer: the two halves are ROWS <= BLOCK_N rows apart), and at least one (see work_items.cta_key_tiles).
     num_tiles = gl.minimum(num_tiles, cta_tiles)
     if ALIBI:
         ALIBI_SLOPES, alibi_stride_b, alibi_stride_h = alibi_args
@@ -453,7 +341,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     num_ctas = gl.num_programs(0)
-    num_items = _num_items(num_work)
+    num_items = cta_num_items(num_work)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     o_zero = gl.zeros([ROWS, BLOCK_D], gl.float32, layout=o_layout)
     m_init = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
@@ -548,7 +436,7 @@ def attention_forward_sm90_kernel(
     MASK_LEFT: gl.constexpr = False, MASK_RIGHT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
     ALIBI: gl.constexpr = False, VARLEN: gl.constexpr = False,
 ):
-    """Persistent: the CTAs share the num_work = B·Hq·num_m_tiles work items in rounds (see _work_tile).
+    """Persistent: the CTAs share the num_work = B·Hq·num_m_tiles work items in rounds (see work_items.work_tile).
 
     Masks (mask.MaskSpec.kernel_args): CAUSAL is the plain causal mask (left unbounded, right 0); any other window
     sets MASK_LEFT/MASK_RIGHT with window_left/window_right. SOFTCAP (softcap_scale, qk_scale = c·log2 e) and ALIBI
@@ -621,27 +509,6 @@ def _tensor_args(k_rows, block_d, q, k, v, out, lse):
     tile; out's box is staged in the consumer's Q buffer, so it shares q's), then lse."""
     return (_descriptor(q, CONSUMER_ROWS, block_d), _descriptor(k, k_rows, block_d), _descriptor(v, k_rows, block_d),
             _descriptor(out, CONSUMER_ROWS, block_d), lse)
-
-
-@dataclass(frozen=True)
-class VarlenBatch:
-    """A packed batch as the kernel walks it: int32 cumulative lengths (B+1,) of the queries and keys on q's device,
-    and `tile_offsets` (varlen_tile_offsets of cu_seqlens_q): the work items are the real query tiles only."""
-
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    tile_offsets: torch.Tensor
-
-
-def varlen_tile_offsets(cu_seqlens_q: torch.Tensor) -> torch.Tensor:
-    """int32 (B+1,): entry b counts the BLOCK_M-row query tiles of the sequences before b (the last entry: all of
-    them). Computed on the device (no synchronisation), so the kernel numbers its work items without a host copy of
-    the lengths."""
-    lengths = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    offsets = torch.zeros(cu_seqlens_q.shape[0], dtype=torch.int32, device=cu_seqlens_q.device)
-    torch.cumsum(torch.div(lengths + (BLOCK_M - 1), BLOCK_M, rounding_mode="floor"), 0, dtype=torch.int32,
-                 out=offsets[1:])
-    return offsets
 
 
 def _mask_launch_args(mask: MaskSpec, softmax_scale: float) -> tuple[dict, dict]:
