@@ -33,16 +33,17 @@ def visible_pairs(lq: int, lk: int, mask) -> int:
     return int(torch.clamp(hi - lo + 1, min=0).sum())
 
 
-def launch(q, k, v, mask, slopes=None, varlen=None, seqlen_q=None):
-    """One forward launch, planned as the api plans the sm_90 kernel (a right bound plans as causal)."""
+def launch(q, k, v, mask, slopes=None, varlen=None, seqlen_q=None, two_stage=False):
+    """One forward launch, planned as the api plans the sm_90 kernel (a right bound plans as causal); two_stage:
+    the non-causal plan's ring (two stages, two Q buffers) whatever the mask."""
     traits = device_traits(q.device)
-    right = mask.bounded_right
+    right = mask.bounded_right and not two_stage
     seqlen_q = seqlen_q or q.shape[2]
     tiles = sm90_forward_tiles(D, right, seqlen_q)
     num_work = q.shape[0] * q.shape[1] * -(-q.shape[2] // 128)
     persistent = varlen is not None or sm90_persistent(right, seqlen_q, num_work, traits.sm_count)
     q_buffers = sm90_q_buffers(tiles, D, persistent, traits)
-    cross = sm90_cross_item(tiles, D, right, persistent, q_buffers)
+    cross = sm90_cross_item(tiles, D, right, persistent, q_buffers) and not two_stage
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device)
     num_ctas = traits.sm_count if persistent else None
@@ -67,10 +68,12 @@ def window_rows(quick: bool) -> list[dict]:
     rows = []
     L = 32768
     q, k, v = rand(1, H, L, D), rand(1, H, L, D), rand(1, H, L, D)
-    for name, mask in (("dense", make_mask(False)), ("causal", make_mask(True)),
-                       ("window(4096,0)", make_mask(True, (4096, -1))),
-                       ("window(2048,2048)", make_mask(False, (2048, 2048)))):
-        t = ms(launch(q, k, v, mask))
+    for name, mask, two_stage in (("dense", make_mask(False), False), ("causal", make_mask(True), False),
+                                  ("window(4096,0)", make_mask(True, (4096, -1)), False),
+                                  ("window(4096,0) two-stage", make_mask(True, (4096, -1)), True),
+                                  ("window(2048,2048)", make_mask(False, (2048, 2048)), False),
+                                  ("window(2048,2048) two-stage", make_mask(False, (2048, 2048)), True)):
+        t = ms(launch(q, k, v, mask, two_stage=two_stage))
         pairs = H * visible_pairs(L, L, mask)
         rows.append(dict(case=name, L=L, ms=t, tflops=tflops(pairs, t)))
     if not quick:
@@ -120,9 +123,10 @@ def varlen_rows() -> list[dict]:
     for causal in (False, True):
         mask = make_mask(causal)
         pairs = H * sum(visible_pairs(n, n, mask) for n in lengths)
-        t = ms(launch(q, k, v, mask, varlen=batch, seqlen_q=max(lengths)))
-        rows.append(dict(case=f"varlen {len(lengths)} seqs 64..8192", causal=causal, tokens=total, ms=t,
-                         tflops=tflops(pairs, t)))
+        for two_stage in (False, True) if causal else (False,):
+            t = ms(launch(q, k, v, mask, varlen=batch, seqlen_q=max(lengths), two_stage=two_stage))
+            rows.append(dict(case=f"varlen {len(lengths)} seqs 64..8192" + (" two-stage" if two_stage else ""),
+                             causal=causal, tokens=total, ms=t, tflops=tflops(pairs, t)))
         for b, L in ((8, 2048), (2, 8192)):
             dq, dk, dv = rand(b, H, L, D), rand(b, H, L, D), rand(b, H, L, D)
             t = ms(launch(dq, dk, dv, mask))

@@ -14,7 +14,7 @@ from flashmoe_science.attention import mask as M
 
 
 @triton.jit
-def _tile_view(RANGES, QRANGES, VIS, SCORES, ALIBI_TERMS, S, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
+def _tile_view(RANGES, QRANGES, VIS, SCORES, S, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_scale,
                alibi_slope_log2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEYS: tl.constexpr,
                MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     pid = tl.program_id(0)
@@ -42,13 +42,6 @@ def _tile_view(RANGES, QRANGES, VIS, SCORES, ALIBI_TERMS, S, seqlen_q, seqlen_k,
     x, _ = M.score_to_log2(s, rows[:, None], cols[None, :], diagonal, qk_scale, softcap_scale, alibi_slope_log2,
                            SOFTCAP, ALIBI)
     tl.store(SCORES + rows[:, None] * KEYS + cols[None, :], x, mask=in_q)
-    # alibi_separable's two forms, each where its keys lie (before / after the query's diagonal)
-    rows_f = rows.to(tl.float32)[:, None]
-    cols_f = cols.to(tl.float32)[None, :]
-    key_before, row_before = M.alibi_separable(rows_f, cols_f, diagonal.to(tl.float32), alibi_slope_log2, True)
-    key_after, row_after = M.alibi_separable(rows_f, cols_f, diagonal.to(tl.float32), alibi_slope_log2, False)
-    term = tl.where(cols[None, :] <= rows[:, None] + diagonal, key_before + row_before, key_after + row_after)
-    tl.store(ALIBI_TERMS + rows[:, None] * KEYS + cols[None, :], term, mask=in_q)
 
 
 def check(rng: random.Random) -> None:
@@ -68,8 +61,7 @@ def check(rng: random.Random) -> None:
     vis = torch.zeros(lq, keys, dtype=torch.int8)
     s = torch.randn(lq, keys) * 4
     scores = torch.zeros(lq, keys)
-    alibi_terms = torch.zeros(lq, keys)
-    _tile_view[(n_tiles,)](ranges, qranges, vis, scores, alibi_terms, s, lq, lk, args["window_left"], args["window_right"],
+    _tile_view[(n_tiles,)](ranges, qranges, vis, scores, s, lq, lk, args["window_left"], args["window_right"],
                            args["qk_scale"], args["softcap_scale"], (slope or 0.0) * M.LOG2_E,
                            BLOCK_M=block_m, BLOCK_N=block_n, KEYS=keys, MASK_LEFT=args["MASK_LEFT"],
                            MASK_RIGHT=args["MASK_RIGHT"], SOFTCAP=args["SOFTCAP"], ALIBI=slope is not None)
@@ -102,9 +94,6 @@ def check(rng: random.Random) -> None:
     got = scores[:, :lk] / M.LOG2_E
     fin = truth
     assert torch.allclose(got[fin], ref[fin], rtol=1e-5, atol=1e-5), f"score_to_log2 disagrees: {what}"
-    distance = M.alibi_distance(lq, lk)
-    want = -(slope or 0.0) * M.LOG2_E * distance
-    assert torch.allclose(alibi_terms[:, :lk], want.float(), rtol=1e-5, atol=1e-4), f"alibi_separable: {what}"
 
 
 if __name__ == "__main__":

@@ -55,13 +55,15 @@ def _check(out, lse, q, k, v, mask, scale, slopes):
     assert (out[~seen] == 0).all()
 
 
-def _plan(fwd_sm90, head_dim, mask, seqlen_q):
-    """The launch options the api plans for this mask (a right bound plans as causal does)."""
-    right_bounded = mask.bounded_right
+def _plan(fwd_sm90, head_dim, mask, seqlen_q, two_stage=False):
+    """The launch options the api plans for this mask (a right bound plans as causal does); two_stage: the
+    non-causal plan's ring (two stages, two Q buffers where they fit, items not overlapped) whatever the mask."""
+    right_bounded = mask.bounded_right and not two_stage
     tiles = sm90_forward_tiles(head_dim, right_bounded, seqlen_q)
     traits = device_traits(torch.device("cuda"))
     q_buffers = sm90_q_buffers(tiles, head_dim, True, traits)
-    return tiles, traits.sm_count, q_buffers, sm90_cross_item(tiles, head_dim, right_bounded, True, q_buffers)
+    cross_item = sm90_cross_item(tiles, head_dim, right_bounded, True, q_buffers) and not two_stage
+    return tiles, traits.sm_count, q_buffers, cross_item
 
 
 def _slopes(batch, heads):
@@ -79,13 +81,15 @@ MASKS = {
     "causal_alibi_softcap": (True, None, 3.0, True),
     "all": (True, (200, -1), 4.0, True),
 }
-HEAD_DIM_MASKS = [("d128", 128, name) for name in MASKS] + [
-    (f"d{d}", d, name) for d in (64, 256) for name in ("causal_window", "all")]
+HEAD_DIM_MASKS = [("d128", 128, name, False) for name in MASKS] + [
+    (f"d{d}", d, name, False) for d in (64, 256) for name in ("causal_window", "all")] + [
+    ("d128", 128, name, True) for name in ("causal_window", "window")]
 
 
-@pytest.mark.parametrize("ids,head_dim,mask_name", HEAD_DIM_MASKS, ids=[f"{a}-{c}" for a, _, c in HEAD_DIM_MASKS])
+@pytest.mark.parametrize("ids,head_dim,mask_name,two_stage", HEAD_DIM_MASKS,
+                         ids=[f"{a}-{c}" + ("-two_stage" if t else "") for a, _, c, t in HEAD_DIM_MASKS])
 @pytest.mark.parametrize("lq,lk", [(700, 700), (333, 650)], ids=["square", "cross"])
-def test_dense_masks(ids, head_dim, mask_name, lq, lk):
+def test_dense_masks(ids, head_dim, mask_name, two_stage, lq, lk):
     fwd_sm90 = _hopper()
     causal, window, softcap, alibi = MASKS[mask_name]
     mask = make_mask(causal, window, softcap)
@@ -95,7 +99,7 @@ def test_dense_masks(ids, head_dim, mask_name, lq, lk):
     slopes = _slopes(b, hq) if alibi else None
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-    tiles, num_ctas, q_buffers, cross_item = _plan(fwd_sm90, head_dim, mask, lq)
+    tiles, num_ctas, q_buffers, cross_item = _plan(fwd_sm90, head_dim, mask, lq, two_stage)
     fwd_sm90.attention_forward_sm90(q, k, v, out, lse, causal, scale, tiles, num_ctas, q_buffers, cross_item,
                                     mask=mask, alibi_slopes=slopes)
     for i in range(b):
@@ -111,14 +115,15 @@ def _packed(lengths, heads, head_dim):
     return x, cu.cuda()
 
 
-VARLEN_CASES = [("d128", 128, name) for name in ("plain", "causal", "causal_window", "softcap", "all")] + [
-    (f"d{d}", d, name) for d in (64, 256) for name in ("causal", "all")]
+VARLEN_CASES = [("d128", 128, name, False) for name in ("plain", "causal", "causal_window", "softcap", "all")] + [
+    (f"d{d}", d, name, False) for d in (64, 256) for name in ("causal", "all")] + [("d128", 128, "causal", True)]
 VARLEN_MASKS = {"plain": (False, None, None, False), "causal": (True, None, None, False), **MASKS}
 
 
-@pytest.mark.parametrize("ids,head_dim,mask_name", VARLEN_CASES, ids=[f"{a}-{c}" for a, _, c in VARLEN_CASES])
+@pytest.mark.parametrize("ids,head_dim,mask_name,two_stage", VARLEN_CASES,
+                         ids=[f"{a}-{c}" + ("-two_stage" if t else "") for a, _, c, t in VARLEN_CASES])
 @pytest.mark.parametrize("gqa", [1, 2], ids=["mha", "gqa"])
-def test_varlen(ids, head_dim, mask_name, gqa):
+def test_varlen(ids, head_dim, mask_name, two_stage, gqa):
     """Ragged batches: lengths 0, 1, odd, one tile, > 4 tiles; keys of other lengths than the queries (cross), a
     sequence with queries but no keys. Each sequence against its own dense reference; LSE packed (H, total_q)."""
     fwd_sm90 = _hopper()
@@ -138,7 +143,7 @@ def test_varlen(ids, head_dim, mask_name, gqa):
     out = as4d(out_packed, total_q)
     lse = torch.full((hq, total_q), float("nan"), device="cuda")
     slopes = _slopes(len(lengths_q), hq) if alibi else None
-    tiles, num_ctas, q_buffers, cross_item = _plan(fwd_sm90, head_dim, mask, max(lengths_q))
+    tiles, num_ctas, q_buffers, cross_item = _plan(fwd_sm90, head_dim, mask, max(lengths_q), two_stage)
     batch = fwd_sm90.VarlenBatch(cu_q, cu_k, fwd_sm90.varlen_tile_offsets(cu_q, fwd_sm90.BLOCK_M))
     fwd_sm90.attention_forward_sm90(q, k, v, out, lse.unsqueeze(0), causal, scale, tiles, num_ctas, q_buffers,
                                     cross_item, mask=mask, alibi_slopes=slopes, varlen=batch)

@@ -271,17 +271,3 @@ def score_to_log2(s, q_pos, k_pos, diagonal, qk_scale, softcap_scale, alibi_slop
         x = x - alibi_slope_log2 * tl.abs(q_pos + diagonal - k_pos).to(tl.float32)
     return x, t
 
-
-@triton.jit
-def alibi_separable(q_pos, k_pos, diagonal, alibi_slope_log2, KEYS_BEFORE: tl.constexpr):
-    """score_to_log2's ALiBi term, -slope·log2e·|i + diagonal - j|, split as (key term, query term) for a tile whose
-    keys all lie on one side of every query's diagonal: KEYS_BEFORE (j <= i + diagonal for all pairs) gives
-    (slope·j, -slope·(i + diagonal)), else (j >= i + diagonal) (-slope·j, slope·(i + diagonal)). A kernel adds the
-    key term to each score (one FMA with the scale) and folds the per-query term into its row max and exp2 shift,
-    instead of a distance, an absolute value and a multiply per score. Float positions, as score_to_log2."""
-    key_term = alibi_slope_log2 * k_pos
-    query_term = alibi_slope_log2 * (q_pos + diagonal)
-    if KEYS_BEFORE:
-        return key_term, -query_term
-    else:
-        return -key_term, query_term

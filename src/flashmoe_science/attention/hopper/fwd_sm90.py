@@ -44,9 +44,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                  warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashmoe_science.attention.hopper.work_items import (VarlenBatch, cta_key_tiles, cta_num_items, item_rows,
-                                                          varlen_tile_offsets)
-from flashmoe_science.attention.mask import MaskSpec, alibi_separable, key_tile_bounds, key_tile_range, score_to_log2, visible
+from flashmoe_science.attention.hopper.work_items import (  # noqa: F401 (varlen_tile_offsets: for the launchers)
+    VarlenBatch, cta_key_tiles, cta_num_items, item_rows, varlen_tile_offsets)
+from flashmoe_science.attention.mask import MaskSpec, key_tile_bounds, key_tile_range, score_to_log2, visible
 from flashmoe_science.attention.tiles import padded_head_dim, sm90_cross_item_safe
 from flashmoe_science.attention.triton_fwd import LN_2, LOG2_E, tma_box, tma_compatible
 from flashmoe_science.hopper.common import CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS
@@ -108,31 +108,16 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale,
 
     Returns p = exp2(score − m_new) (unnormalised probabilities), m_new, l_new, alpha = exp2(m_old − m_new).
     """
-    key_start, full_start, full_end, seqlen_k, diagonal, alibi_slope_log2, start_m = tile_mask
+    key_start, full_start, full_end, seqlen_k, diagonal, alibi_slope_log2 = tile_mask
     window_left, window_right, softcap_scale = mask_args
-    ROWS: gl.constexpr = s.shape[0]
     start_n = key_start + j * BLOCK_N
     if SOFTCAP:  # s becomes t = tanh(s·scale/c); its multiplier c·log2e is folded into the FMAs below
         _, s = score_to_log2(s, 0, 0, 0, qk_scale, softcap_scale, 0.0, SOFTCAP, False, True)
-    if ALIBI:
-        # Scores in log2 units less a per-row term (row_term) folded into the max and the exp2 shift. A tile whose
-        # keys all lie on one side of every row's diagonal (all but about one tile per row) takes ALiBi's
-        # separable form: one FMA per score, as the plain kernel; the tiles across the diagonal the full rule.
-        key_pos_f = gl.expand_dims((start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))).to(gl.float32),
-                                   0)
-        row_f = offs_m.to(gl.float32)
-        diagonal_f = diagonal.to(gl.float32)
-        if start_n + BLOCK_N - 1 <= start_m + diagonal:
-            key_term, row_term = alibi_separable(row_f, key_pos_f, diagonal_f, alibi_slope_log2, True)
-            s = s * qk_scale + key_term
-        elif start_n >= start_m + ROWS - 1 + diagonal:
-            key_term, row_term = alibi_separable(row_f, key_pos_f, diagonal_f, alibi_slope_log2, False)
-            s = s * qk_scale + key_term
-        else:
-            # t (or s) and unit scale: score_to_log2 applies the softcap's multiplier and the distance term
-            s, _ = score_to_log2(s, gl.expand_dims(row_f, 1), key_pos_f, diagonal_f, qk_scale, 1.0,
-                                 alibi_slope_log2, False, True, True)
-            row_term = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    if ALIBI:  # scores in log2 units: t (or s)·multiplier minus the distance term
+        # float positions: the distance costs a subtraction per score, no integer conversion
+        key_pos_f = (start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))).to(gl.float32)
+        s, _ = score_to_log2(s, gl.expand_dims(offs_m.to(gl.float32), 1), gl.expand_dims(key_pos_f, 0),
+                             diagonal.to(gl.float32), qk_scale, 1.0, alibi_slope_log2, False, ALIBI)
     masked = start_n + BLOCK_N > full_end  # only tiles at the window's edges and the ragged end pay for the mask
     if MASK_LEFT:
         masked = masked | (start_n < full_start)
@@ -145,10 +130,10 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale,
             seen = visible(gl.expand_dims(offs_m, 1), gl.expand_dims(key_pos, 0), seqlen_k, diagonal, 0, 0, False,
                            CAUSAL)
         s = gl.where(seen, s, float("-inf"))
-    if ALIBI:  # score = s + row_term, in log2 units
-        m_new = gl.maximum(m_i, gl.max(s, 1) + row_term)
+    if ALIBI:  # s is in log2 units already
+        m_new = gl.maximum(m_i, gl.max(s, 1))
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - gl.expand_dims(m_shift - row_term, 1))
+        p = gl.exp2(s - gl.expand_dims(m_shift, 1))
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         # A row that has seen no key keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN.
@@ -195,8 +180,7 @@ def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_
     else:
         alibi_slope_log2 = 0.0
     rows = (desc_batch, q_head, start_m, q_row0, item_seqlen_q)
-    tile_mask = (key_start, full_start, full_end, item_seqlen_k, item_seqlen_k - item_seqlen_q, alibi_slope_log2,
-                 start_m)
+    tile_mask = (key_start, full_start, full_end, item_seqlen_k, item_seqlen_k - item_seqlen_q, alibi_slope_log2)
     return rows, cta_tiles, num_tiles, tile_mask
 
 

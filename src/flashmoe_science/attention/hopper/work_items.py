@@ -99,7 +99,8 @@ def item_rows(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, se
     tensors, sequence b spans rows cu_seqlens[b]..cu_seqlens[b+1], and the per-sequence lengths replace the
     kernel's (see varlen_work for the numbering)."""
     if VARLEN:
-        CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, num_seqs = varlen_args[0], varlen_args[1], varlen_args[2], varlen_args[3]
+        CU_SEQLENS_Q, CU_SEQLENS_K = varlen_args[0], varlen_args[1]
+        TILE_OFFSETS, num_seqs = varlen_args[2], varlen_args[3]
         batch, q_head, pid_m = varlen_work(work_index(item, num_ctas), TILE_OFFSETS, num_seqs, num_q_heads, CAUSAL)
         q_row0 = gl.load(CU_SEQLENS_Q + batch)
         k_row0 = gl.load(CU_SEQLENS_K + batch)
