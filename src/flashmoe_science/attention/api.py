@@ -230,6 +230,10 @@ def _dispatch(q, k, v, features, backend: str) -> tuple[ForwardPlan | None, str 
             traits = device_traits(q.device)
             seqlen_q = q.shape[-2] if features.varlen is None else features.varlen.max_seqlen_q
             tiles = sm90_forward_tiles(q.shape[-1], right_bounded, seqlen_q)
+            if features.varlen is not None and tiles.block_n == 128:
+                # a packed batch with a right bound: the two-stage ring with two Q buffers measured +5.6% over the
+                # causal plan's three stages (H200, 17 sequences of 64..8192, D=128: 421 vs 399 TFLOP/s)
+                tiles = sm90_forward_tiles(q.shape[-1], False, seqlen_q)
             num_work = math.prod(q.shape[:-2]) * -(-seqlen_q // tiles.block_m)  # query tiles of all heads
             # Unequal items (what can make one CTA per tile win) come from a right bound without a left one; varlen
             # runs persistent always (the kernel numbers the real tiles itself)
