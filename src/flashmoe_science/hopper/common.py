@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from flashmoe_science.hopper.gluon_compat import TensorDescriptor, gl, gluon
+from flashmoe_science.hopper.gluon_compat import TensorDescriptor, gl, gluon, on_tuned_triton
 
 PRODUCER_REGISTERS = gl.constexpr(24)  # the fewest a warp may hold: the producer only computes coordinates
 CONSUMER_REGISTERS = gl.constexpr(240)
@@ -90,3 +90,23 @@ def offline_sass(compiled) -> str | None:
         f.write(compiled.asm["cubin"])
         f.flush()
         return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, timeout=120).stdout
+
+
+# LDL/STL instructions a build of another triton release may add to a kernel's tuned count: their register
+# allocators spill where 3.6's did not (measured on 3.7.1-3.9.0: +41 in the fused SwiGLU dh, +153 in the D=256
+# causal forward on 3.9, at the work-item boundary). That costs some speed there (unmeasured: the H200 runs 3.6), not
+# correctness; a collapse into the main loops (thousands) still fails the build tests.
+UNTUNED_SPILL_SLACK = 256
+
+
+def spill_count(sass: str) -> int:
+    """Local-memory loads and stores (LDL, STL) in a kernel's SASS: register spills."""
+    import re
+
+    return len(re.findall(r"\b(?:LDL|STL)\b", sass))
+
+
+def spill_budget(tuned: int = 0) -> int:
+    """The spills a build test allows: ``tuned`` on the triton the kernels were tuned on (gluon_compat.TUNED_TRITON),
+    ``tuned + UNTUNED_SPILL_SLACK`` on other releases."""
+    return tuned if on_tuned_triton() else tuned + UNTUNED_SPILL_SLACK

@@ -34,10 +34,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["TensorDescriptor", "barrier", "fence_async_shared", "gl", "gluon", "mbarrier", "tma", "warpgroup_mma",
-           "warpgroup_mma_wait"]
+__all__ = ["TRITON_VERSION", "TUNED_TRITON", "TensorDescriptor", "barrier", "fence_async_shared", "gl", "gluon", "mbarrier", "tma", "warpgroup_mma",
+           "on_tuned_triton", "warpgroup_mma_wait"]
 
 TRITON_VERSION = triton.__version__
+# The release the kernels' tiles, register budgets and spill-free builds were tuned and measured on (the H200's).
+TUNED_TRITON = "3.6"
+
+
+def on_tuned_triton() -> bool:
+    """Whether the running triton is the release the Gluon kernels were tuned on (``TUNED_TRITON``)."""
+    return TRITON_VERSION.split(".")[:2] == TUNED_TRITON.split(".")
 _tma = _hopper.tma
 
 

@@ -478,3 +478,17 @@ def prepare_forward(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles
     make_head = functools.partial(_tensor_args, tiles.block_n, padded_head_dim(q.shape[-1]))
     return PreparedLaunch(attention_forward_sm90_kernel, grid, bound, LAUNCH_OPTIONS, make_head,
                           (q, k, v, out, lse))
+
+
+def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = None, q_buffers: int = 1,
+                    cross_item: bool = False, dtype: torch.dtype = torch.bfloat16):
+    """The kernel built for sm_90 without a GPU (meta tensors; ptxas ships with triton), specialised as a launch of
+    (2, 4, 256, head_dim) tensors with these tiles would specialise it; returns the CompiledKernel (registers, shared
+    memory, SASS: benchmarks/tools)."""
+    from flashmoe_science.hopper.common import compile_offline as build
+
+    q = torch.empty(2, 4, 256, head_dim, dtype=dtype, device="meta")
+    lse = torch.empty(2, 4, 256, device="meta")
+    _, args, constexprs = _launch_args(q, q, q, q, lse, causal, 0.1, tiles, num_ctas, q_buffers, cross_item)
+    kernel = attention_forward_sm90_kernel
+    return build(kernel, list(args) + [constexprs[n] for n in kernel.arg_names[len(args):]], constexprs)
