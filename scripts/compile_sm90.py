@@ -17,8 +17,8 @@ from sass_tools import sass_counts
 def compile_once(d, bn, stages, causal, dtype=torch.bfloat16, q_buffers=1, cross_item=False, window=None,
                  softcap=None, alibi=False, varlen=False):
     tiles = AttentionTiles(fwd_sm90.BLOCK_M, bn, 4 * fwd_sm90.NUM_CONSUMERS, stages, use_tma=True)
-    return fwd_sm90.compile_offline(d, tiles, q_buffers, cross_item, make_mask(causal, window, softcap), alibi,
-                                    varlen, dtype)
+    return fwd_sm90.compile_offline(d, causal, tiles, None, q_buffers, cross_item, dtype,
+                                    mask=make_mask(causal, window, softcap), alibi=alibi, varlen=varlen)
 
 
 def sweep(head_dims=(128,)):

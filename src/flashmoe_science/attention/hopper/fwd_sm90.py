@@ -38,11 +38,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                 warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashmoe_science.attention.hopper.work_items import (  # noqa: F401 (varlen_tile_offsets: for the launchers)
     VarlenBatch, cta_key_tiles, cta_num_items, item_rows, varlen_tile_offsets)
@@ -50,6 +45,8 @@ from flashmoe_science.attention.mask import MaskSpec, key_tile_bounds, key_tile_
 from flashmoe_science.attention.tiles import padded_head_dim, sm90_cross_item_safe
 from flashmoe_science.attention.triton_fwd import LN_2, LOG2_E, tma_box, tma_compatible
 from flashmoe_science.hopper.common import CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS
+from flashmoe_science.hopper.gluon_compat import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tma,
+                                                  warpgroup_mma, warpgroup_mma_wait)
 from flashmoe_science.prepared_launch import PreparedLaunch
 
 CONSUMER_ROWS = 64  # rows per consumer warpgroup (4 warps x 16 rows of wgmma)
@@ -80,7 +77,7 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
             # barriers start "phase 1 complete": the first use of each buffer passes
             mbarrier.wait(q_empty.index(buf), ((item // Q_BUFFERS) & 1) ^ 1)
             mbarrier.expect(q_ready.index(buf), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [desc_batch, q_head, q_row0 + start_m + c * ROWS, 0],
+            tma.async_load(q_desc, [desc_batch, q_head, q_row0 + start_m + c * ROWS, 0],
                                             q_ready.index(buf), q_smems.index(buf))
         key_start, num_tiles = cta_key_tiles(start_m, item_seqlen_q, item_seqlen_k, window_left, window_right,
                                               2 * ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT)
@@ -90,11 +87,11 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
             key_row = k_row0 + key_start + tile * BLOCK_N
             mbarrier.wait(k_empty.index(stage), free_phase)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [desc_batch, kv_head, key_row, 0], k_ready.index(stage),
+            tma.async_load(k_desc, [desc_batch, kv_head, key_row, 0], k_ready.index(stage),
                                             k_smem.index(stage))
             mbarrier.wait(v_empty.index(stage), free_phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [desc_batch, kv_head, key_row, 0], v_ready.index(stage),
+            tma.async_load(v_desc, [desc_batch, kv_head, key_row, 0], v_ready.index(stage),
                                             v_smem.index(stage))
             ring += 1
 
@@ -292,7 +289,7 @@ def _tma_store_rows(out, o_desc, o_smem, o_smem_free, coords, ROWS: gl.constexpr
     """Stage the normalised rows in the consumer's Q buffer, store them with one TMA copy, release the buffer."""
     o_smem.reshape([ROWS, BLOCK_D]).store(out.to(o_desc.dtype))
     fence_async_shared()  # the generic-proxy writes above before the TMA engine's read
-    tma.async_copy_shared_to_global(o_desc, coords, o_smem)
+    tma.async_store(o_desc, coords, o_smem)
     tma.store_wait(0)  # the copy has read the buffer (its global writes may still be in flight)
     mbarrier.arrive(o_smem_free, count=1)
 
@@ -587,21 +584,24 @@ def prepare_forward(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles
                           (q, k, v, out, lse))
 
 
-def compile_offline(head_dim: int, tiles, q_buffers: int = 1, cross_item: bool = False, mask: MaskSpec | None = None,
-                    alibi: bool = False, varlen: bool = False, dtype: torch.dtype = torch.bfloat16):
+def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = None, q_buffers: int = 1,
+                    cross_item: bool = False, dtype: torch.dtype = torch.bfloat16, *, mask: MaskSpec | None = None,
+                    alibi: bool = False, varlen: bool = False):
     """The kernel built for sm_90 without a GPU (meta tensors; ptxas ships with triton), specialised as a launch of
-    these options would be (arguments a plain call leaves None are constexprs); returns the CompiledKernel."""
+    (2, 4, 256, head_dim) tensors with these tiles would specialise it (varlen: a (1, 4, 512, head_dim) packed
+    batch); `mask` (default: `causal` alone), ALiBi slopes and varlen as attention_forward_sm90 takes them, the
+    arguments a call leaves None as constexprs. Returns the CompiledKernel (registers, shared memory, SASS)."""
     from flashmoe_science.hopper.common import compile_offline as build
 
-    mask = mask or MaskSpec()
+    mask = mask or MaskSpec(causal=causal, window_right=0 if causal else -1)
     batch, rows = (1, 512) if varlen else (2, 256)
     q = torch.empty(batch, 4, rows, head_dim, dtype=dtype, device="meta")
     lse = torch.empty(batch, 4, rows, device="meta")
     slopes = torch.empty(4, device="meta") if alibi else None
     cu_seqlens = torch.empty(3, dtype=torch.int32, device="meta")
     batch_info = VarlenBatch(cu_seqlens, cu_seqlens, cu_seqlens) if varlen else None
-    _, args, constexprs = _launch_args(q, q, q, q, lse, mask.causal, 0.07, tiles, 132, q_buffers, cross_item, mask,
-                                       slopes, batch_info)
+    _, args, constexprs = _launch_args(q, q, q, q, lse, mask.causal, 0.1, tiles, num_ctas, q_buffers, cross_item,
+                                       mask, slopes, batch_info)
     kernel = attention_forward_sm90_kernel
     unused = {name: None for name, value in zip(kernel.arg_names, args) if value is None}
     return build(kernel, list(args) + [constexprs[name] for name in kernel.arg_names[len(args):]],

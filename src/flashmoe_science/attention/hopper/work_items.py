@@ -8,10 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-
 from flashmoe_science.attention.mask import key_tile_bounds, key_tile_range
+from flashmoe_science.hopper.gluon_compat import gl, gluon
 
 
 @dataclass(frozen=True)
