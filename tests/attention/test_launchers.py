@@ -231,7 +231,9 @@ def test_sm90_launcher(monkeypatch, head_dim, causal):
     assert kwargs["Q_BUFFERS"] == 1 and kwargs_all["Q_BUFFERS"] == 2
     # cdiv(300, 128) query tiles x B*Hq = 48 work items over at most num_ctas CTAs; None: one CTA per item
     assert grid == (48,) and grid_20 == (20,) and grid_all == (48,)
-    assert args[-2:] == args_20[-2:] == (3, 48)  # num_m_tiles, num_work
+    work = slice(10, 12)  # num_m_tiles, num_work (the mask, ALiBi and varlen arguments follow: None here)
+    assert args[work] == args_20[work] == (3, 48)
+    assert all(a is None for a in args[12:])
     q_desc, k_desc, v_desc, o_desc = args[:4]
     block_d = 128 if head_dim <= 128 else 256
     assert q_desc.block_shape == o_desc.block_shape == [1, 1, fwd_sm90.CONSUMER_ROWS, block_d]

@@ -224,12 +224,23 @@ def _dispatch(q, k, v, features, backend: str) -> tuple[ForwardPlan | None, str 
     if backend in ("auto", "hopper"):
         why_not_sm90 = _hopper_unavailable(q, k, v, features)
         if why_not_sm90 is None:
-            seqlen_q, traits = q.shape[-2], device_traits(q.device)
-            tiles = sm90_forward_tiles(q.shape[-1], causal, seqlen_q)
+            # a right bound (causal or a window's) plans as causal: query tiles see unequal key ranges, and a
+            # consumer may skip the CTA's last key tile (sm90_cross_item_safe)
+            right_bounded = features.mask.bounded_right
+            traits = device_traits(q.device)
+            seqlen_q = q.shape[-2] if features.varlen is None else features.varlen.max_seqlen_q
+            tiles = sm90_forward_tiles(q.shape[-1], right_bounded, seqlen_q)
+            if features.varlen is not None and tiles.block_n == 128:
+                # a packed batch with a right bound: the two-stage ring with two Q buffers measured +5.6% over the
+                # causal plan's three stages (H200, 17 sequences of 64..8192, D=128: 421 vs 399 TFLOP/s)
+                tiles = sm90_forward_tiles(q.shape[-1], False, seqlen_q)
             num_work = math.prod(q.shape[:-2]) * -(-seqlen_q // tiles.block_m)  # query tiles of all heads
-            persistent = sm90_persistent(causal, seqlen_q, num_work, traits.sm_count)
+            # Unequal items (what can make one CTA per tile win) come from a right bound without a left one; varlen
+            # runs persistent always (the kernel numbers the real tiles itself)
+            unequal = right_bounded and not features.mask.bounded_left
+            persistent = features.varlen is not None or sm90_persistent(unequal, seqlen_q, num_work, traits.sm_count)
             q_buffers = sm90_q_buffers(tiles, q.shape[-1], persistent, traits)
-            cross_item = sm90_cross_item(tiles, q.shape[-1], causal, persistent, q_buffers)
+            cross_item = sm90_cross_item(tiles, q.shape[-1], right_bounded, persistent, q_buffers)
             return ForwardPlan("sm90", tiles, persistent=persistent, q_buffers=q_buffers,
                                cross_item=cross_item), None
         if backend == "hopper":

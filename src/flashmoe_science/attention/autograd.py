@@ -66,11 +66,17 @@ def kernel_forward(q, k, v, features: CallFeatures, softmax_scale, plan: Forward
     if out is None:
         out, lse = new_outputs(q)
     if plan.kernel == "sm90":
-        from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90
+        from flashmoe_science.attention.hopper.fwd_sm90 import (BLOCK_M, VarlenBatch, attention_forward_sm90,
+                                                                varlen_tile_offsets)
 
         num_ctas = device_traits(q.device).sm_count if plan.persistent else None
+        varlen = features.varlen
+        if varlen is not None:  # the kernel numbers the real query tiles only: their running count per sequence
+            offsets = varlen_tile_offsets(varlen.cu_seqlens_q, BLOCK_M)
+            varlen = VarlenBatch(varlen.cu_seqlens_q, varlen.cu_seqlens_k, offsets)
         attention_forward_sm90(q, k, v, out, lse, features.causal, softmax_scale, plan.tiles, num_ctas,
-                               plan.q_buffers, plan.cross_item)
+                               plan.q_buffers, plan.cross_item, mask=features.mask,
+                               alibi_slopes=features.alibi_slopes, varlen=varlen)
     else:
         from flashmoe_science.attention.triton_fwd import attention_forward
 

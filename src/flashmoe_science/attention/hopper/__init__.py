@@ -5,5 +5,7 @@ portable Triton kernels on Hopper too, and `describe_dispatch` says which featur
 learns a feature adds its word here (and reads the feature's arguments from `CallFeatures`).
 """
 
-SM90_FORWARD_FEATURES = frozenset({"causal"})
+# forward: an additive attn_bias stays on the Triton kernel (a (B, H, Lq, Lk) read per score, no TMA box for its
+# broadcast strides); odd head dims reach the kernel padded by the api
+SM90_FORWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "varlen"})
 SM90_BACKWARD_FEATURES = frozenset({"causal"})

@@ -23,9 +23,6 @@ and releases the remaining stages unread (fwd_sm90._release_unused).
 from __future__ import annotations
 
 import torch
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from flashmoe_science.attention.hopper.bwd_common import (
     _hide_keys,
@@ -33,6 +30,7 @@ from flashmoe_science.attention.hopper.bwd_common import (
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor, _release_unused
 from flashmoe_science.attention.triton_fwd import LOG2_E, key_tile_bounds
 from flashmoe_science.hopper.common import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS, wgmma_layout
+from flashmoe_science.hopper.gluon_compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 BLOCK_M = 64  # query rows per consumer
 BLOCK_N = 32  # keys per streamed tile: Q and dO of 128 rows take 128 KB of the shared memory at D=256
@@ -55,20 +53,17 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, 
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     mbarrier.expect(qdo_ready, 4 * q_desc.block_type.nbytes)
     for c in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [batch, q_head, start_m + c * ROWS, 0], qdo_ready, q_smem.index(c))
-        tma.async_copy_global_to_shared(do_desc, [batch, q_head, start_m + c * ROWS, 0], qdo_ready,
-                                        do_smem.index(c))
+        tma.async_load(q_desc, [batch, q_head, start_m + c * ROWS, 0], qdo_ready, q_smem.index(c))
+        tma.async_load(do_desc, [batch, q_head, start_m + c * ROWS, 0], qdo_ready, do_smem.index(c))
     for j in range(_cta_key_tiles(start_m, seqlen_q, seqlen_k, 2 * ROWS, KEYS, CAUSAL)):
         stage = j % NUM_STAGES
         empty_phase = ((j // NUM_STAGES) & 1) ^ 1  # barriers start "phase 1 complete": the first pass is free
         mbarrier.wait(k_empty.index(stage), empty_phase)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, j * KEYS, 0], k_ready.index(stage),
-                                        k_smem.index(stage))
+        tma.async_load(k_desc, [batch, kv_head, j * KEYS, 0], k_ready.index(stage), k_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), empty_phase)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, j * KEYS, 0], v_ready.index(stage),
-                                        v_smem.index(stage))
+        tma.async_load(v_desc, [batch, kv_head, j * KEYS, 0], v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
