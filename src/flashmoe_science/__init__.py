@@ -2,6 +2,7 @@
 
 from flashmoe_science.attention.api import flash_attention_science
 from flashmoe_science.moe import fused_experts, fused_moe, moe_route
+from flashmoe_science.integrations import ops as _custom_ops  # noqa: F401  registers the torch.compile custom ops
 
 __version__ = "0.1.0"
 

@@ -285,37 +285,62 @@ class _KernelAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # double backward raises "trying to differentiate twice ..."
     def backward(ctx, grad_out, grad_lse):
         # grad_lse is always None or zeros: lse is marked non-differentiable.
-        from flashmoe_science.attention.tiles import backward_tiles, padded_head_dim
-        from flashmoe_science.attention.triton_bwd import attention_backward
-
         q, k, v, out, lse = ctx.saved_tensors
-        need_dq, need_dk, need_dv = ctx.needs_input_grad[:3]
-        if grad_out.stride(-1) != 1:  # e.g. the stride-0 gradient of out.sum(): the kernels need unit last stride
-            grad_out = grad_out.contiguous()
-        dq = torch.empty_like(q) if need_dq else None  # empty_like keeps the input's strides when it is dense
-        dk = torch.empty_like(k) if need_dk or need_dv else None
-        dv = torch.empty_like(v) if need_dk or need_dv else None
-        if need_dq or need_dk or need_dv:
-            delta = torch.empty_like(lse)
-            deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
-            if (ctx.hopper and dq is not None and dk is not None
-                    and _sm90_backward_runs(q, grad_out, ctx.softmax_scale, deterministic)):
-                # Hopper: one pass for all three gradients (D <= 128; dQ summed by TMA reduce-adds, last bits may
-                # vary), or the dK/dV and dQ kernels (D 129..256, deterministic)
-                _sm90_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, ctx.causal, ctx.softmax_scale)
-                return (dq, dk if need_dk else None, dv if need_dv else None, None, None, None, None)
-            tiles = backward_tiles(q.shape[-1], q.dtype, ctx.causal, device_traits(q.device))
-            # dQ and dK/dV both wanted, determinism not asked for, and the fused single pass (5 products per tile
-            # pair instead of 7, dQ summed with float32 atomics into dq_accum) measured faster on this GPU: take
-            # it. Otherwise the two-pass path: no atomics, bit-identical gradients run to run.
-            dq_accum = None
-            if dq is not None and dk is not None and not deterministic and tiles.fused is not None:
-                dq_accum = torch.empty(*q.shape[:3], padded_head_dim(q.shape[-1]), dtype=torch.float32,
-                                       device=q.device)
-            attention_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, ctx.causal, ctx.softmax_scale, tiles,
-                               dq_accum)
+        dq, dk, dv = _kernel_backward(q, k, v, out, lse, grad_out, ctx.causal, ctx.softmax_scale, ctx.deterministic,
+                                      ctx.hopper, *ctx.needs_input_grad[:3])
         # the rest: causal, scale, plan, deterministic
-        return (dq, dk if need_dk else None, dv if need_dv else None, None, None, None, None)
+        return dq, dk, dv, None, None, None, None
+
+
+def _kernel_backward(q, k, v, out, lse, grad_out, causal: bool, softmax_scale: float, deterministic: bool,
+                     hopper: bool, need_dq: bool, need_dk: bool, need_dv: bool):
+    """(dq, dk, dv) of a kernel forward (`hopper`: it ran the sm_90 kernel) on 4-D tensors; None where not needed."""
+    from flashmoe_science.attention.tiles import backward_tiles, padded_head_dim
+    from flashmoe_science.attention.triton_bwd import attention_backward
+
+    if grad_out.stride(-1) != 1:  # e.g. the stride-0 gradient of out.sum(): the kernels need unit last stride
+        grad_out = grad_out.contiguous()
+    dq = torch.empty_like(q) if need_dq else None  # empty_like keeps the input's strides when it is dense
+    dk = torch.empty_like(k) if need_dk or need_dv else None
+    dv = torch.empty_like(v) if need_dk or need_dv else None
+    if need_dq or need_dk or need_dv:
+        delta = torch.empty_like(lse)
+        deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+        if (hopper and dq is not None and dk is not None
+                and _sm90_backward_runs(q, grad_out, softmax_scale, deterministic)):
+            # Hopper: one pass for all three gradients (D <= 128; dQ summed by TMA reduce-adds, last bits may
+            # vary), or the dK/dV and dQ kernels (D 129..256, deterministic)
+            _sm90_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal, softmax_scale)
+            return dq, dk if need_dk else None, dv if need_dv else None
+        tiles = backward_tiles(q.shape[-1], q.dtype, causal, device_traits(q.device))
+        # dQ and dK/dV both wanted, determinism not asked for, and the fused single pass (5 products per tile
+        # pair instead of 7, dQ summed with float32 atomics into dq_accum) measured faster on this GPU: take
+        # it. Otherwise the two-pass path: no atomics, bit-identical gradients run to run.
+        dq_accum = None
+        if dq is not None and dk is not None and not deterministic and tiles.fused is not None:
+            dq_accum = torch.empty(*q.shape[:3], padded_head_dim(q.shape[-1]), dtype=torch.float32,
+                                   device=q.device)
+        attention_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal, softmax_scale, tiles,
+                           dq_accum)
+    return dq, dk if need_dk else None, dv if need_dv else None
+
+
+def attention_gradients(grad_out, q, k, v, out, lse, *, causal: bool, softmax_scale: float, backend: str,
+                        deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `flash_attention_science(q, k, v, ...)` = (out, lse) on 4-D tensors that the forward accepted,
+    through the backward of the kernel the forward ran (the reference: by recomputation). The torch.compile custom
+    op's backward (integrations/ops.py), where no autograd.Function context survives from the forward."""
+    if q.numel() == 0 or k.shape[-2] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if on_another_cuda_device(q):
+        with torch.cuda.device(q.device):
+            return attention_gradients(grad_out, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                       backend=backend, deterministic=deterministic)
+    plan, _ = _dispatch(q, k, v, causal, backend)
+    if plan is not None:
+        return _kernel_backward(q, k, v, out, lse, grad_out, causal, softmax_scale, deterministic,
+                                plan.kernel == "sm90", True, True, True)
+    return reference.attention_reference_backward(q, k, v, out, lse, grad_out, causal, softmax_scale)
 
 
 class _NoKeys(torch.autograd.Function):
@@ -443,6 +468,10 @@ def flash_attention_science(
     Returns:
         `out` with q's shape and dtype, or `(out, lse)` when `return_lse=True`.
     """
+    if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
+        from flashmoe_science.integrations import ops
+
+        return ops.compiled_attention(q, k, v, causal, softmax_scale, return_lse, backend, deterministic)
     if on_another_cuda_device(q):
         with torch.cuda.device(q.device):  # Triton launches on the current device: make it q's
             return flash_attention_science(q, k, v, causal=causal, softmax_scale=softmax_scale,

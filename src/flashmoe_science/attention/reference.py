@@ -63,6 +63,36 @@ def attention_reference(
     return out.to(q.dtype), lse
 
 
+def attention_reference_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+    causal: bool, softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `attention_reference` without autograd (for callers that run where autograd is off, such as a
+    custom op's implementation), in float32 (float64 for float64), returned in the inputs' dtypes.
+
+    With P = exp(S - lse) the probabilities: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP - rowsum(dO ∘ O)),
+    dQ = scale · dS K, dK = scale · dSᵀ Q; a GQA key head sums the gradients of its query heads.
+    """
+    group = q.shape[1] // k.shape[1]
+    compute = _compute_dtype(q.dtype)
+    qc, kc, vc = q.to(compute), _expand_kv_heads(k, group).to(compute), _expand_kv_heads(v, group).to(compute)
+    dout = grad_out.to(compute)
+    scores = torch.matmul(qc, kc.transpose(-1, -2)) * softmax_scale
+    if causal:
+        scores = scores.masked_fill(~causal_visibility(q.shape[2], k.shape[2], q.device), float("-inf"))
+    lse_c = lse.to(compute).unsqueeze(-1)
+    probs = torch.exp(scores - torch.where(torch.isinf(lse_c), torch.zeros_like(lse_c), lse_c))  # rows seeing no key: 0
+    dv = torch.matmul(probs.transpose(-1, -2), dout)
+    delta = (dout * out.to(compute)).sum(dim=-1, keepdim=True)
+    dscores = probs * (torch.matmul(dout, vc.transpose(-1, -2)) - delta) * softmax_scale
+    dq = torch.matmul(dscores, kc)
+    dk = torch.matmul(dscores.transpose(-1, -2), qc)
+    if group > 1:  # query heads h*group .. h*group+group-1 read key head h
+        dk = dk.unflatten(1, (k.shape[1], group)).sum(dim=2)
+        dv = dv.unflatten(1, (k.shape[1], group)).sum(dim=2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 def attention_tiled(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float, block_n: int = 64
 ) -> tuple[torch.Tensor, torch.Tensor]:
