@@ -1,0 +1,158 @@
+"""The torch.compile custom ops (integrations/ops.py) on the CPU: fake implementations and autograd registrations
+(torch.library.opcheck), compiled graphs without breaks (fullgraph=True, torch._dynamo.explain) whose outputs and
+gradients equal eager mode's, and bad input failing at trace time. The Triton kernels through the same ops run in
+interpreter_ops_cases.py (TRITON_INTERPRET=1 subprocess); inductor and CUDA graphs in test_custom_ops_gpu.py."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashmoe_science as fs
+from flashmoe_science.integrations import ops
+from flashmoe_science.nn import TransformerBlock
+
+HERE = Path(__file__).resolve().parent
+
+
+def _grads(out, inputs, grad_out):
+    return torch.autograd.grad(out, inputs, grad_out)
+
+
+def _assert_compiled_matches(fn, inputs, atol=1e-12):
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    got, want = compiled(*inputs), fn(*inputs)
+    torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    grad_out = torch.randn_like(want)
+    differentiable = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    for g, w in zip(_grads(got, differentiable, grad_out), _grads(want, differentiable, grad_out)):
+        torch.testing.assert_close(g, w, atol=atol, rtol=1e-9)
+
+
+def _qkv(shape_q, shape_k, dtype=torch.float64):
+    q = torch.randn(shape_q, dtype=dtype, requires_grad=True)
+    k = torch.randn(shape_k, dtype=dtype, requires_grad=True)
+    v = torch.randn(shape_k, dtype=dtype, requires_grad=True)
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shapes", [((2, 4, 33, 32), (2, 2, 40, 32)),  # GQA, Lq != Lk
+                                    ((17, 16), (9, 16)),  # 2-D
+                                    ((3, 5, 24), (3, 7, 24)),  # 3-D
+                                    ((2, 3, 2, 6, 16), (2, 3, 1, 6, 16))])  # 5-D
+def test_compiled_attention_matches_eager(shapes, causal):
+    q, k, v = _qkv(*shapes)
+    _assert_compiled_matches(lambda q, k, v: fs.flash_attention_science(q, k, v, causal=causal), (q, k, v))
+
+
+def test_compiled_attention_lse_and_transposed_layout():
+    # a (B, L, H, D) buffer seen as (B, H, L, D): the op's output keeps that memory order
+    q = torch.randn(2, 12, 4, 16, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 12, 2, 16, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    v = torch.randn(2, 12, 2, 16, dtype=torch.float64).transpose(1, 2).requires_grad_()
+
+    def attention(q, k, v):
+        return fs.flash_attention_science(q, k, v, causal=True, softmax_scale=0.3, return_lse=True)
+
+    (out, lse), (want_out, want_lse) = torch.compile(attention, backend="aot_eager", fullgraph=True)(q, k, v), \
+        attention(q, k, v)
+    torch.testing.assert_close(out, want_out, atol=1e-12, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=0)
+    assert out.stride() == torch.empty_like(q).stride()  # as the GPU kernels' out (the reference's is contiguous)
+
+
+def test_compiled_attention_empty_keys():
+    q, k, v = _qkv((1, 2, 5, 16), (1, 2, 0, 16))
+    out = torch.compile(lambda q, k, v: fs.flash_attention_science(q, k, v), backend="aot_eager",
+                        fullgraph=True)(q, k, v)
+    assert torch.equal(out, torch.zeros_like(q))
+    (dq,) = torch.autograd.grad(out.sum(), [q])
+    assert torch.equal(dq, torch.zeros_like(q))
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_compiled_moe_matches_eager(scoring, renormalize):
+    x = torch.randn(21, 16, dtype=torch.float64, requires_grad=True)
+    w1 = torch.randn(4, 24, 16, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(4, 16, 12, dtype=torch.float64, requires_grad=True)
+    logits = torch.randn(21, 4, dtype=torch.float64, requires_grad=True)
+    _assert_compiled_matches(
+        lambda x, w1, w2, logits: fs.fused_moe(x, w1, w2, logits, 2, renormalize=renormalize, scoring=scoring),
+        (x, w1, w2, logits))
+
+
+def test_compiled_moe_route_and_experts_matches_eager():
+    x = torch.randn(9, 16, dtype=torch.float64, requires_grad=True)
+    w1 = torch.randn(3, 8, 16, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(3, 16, 4, dtype=torch.float64, requires_grad=True)
+    logits = torch.randn(9, 3, dtype=torch.float64, requires_grad=True)
+
+    def experts(x, w1, w2, logits):
+        weights, ids = fs.moe_route(logits, 2)
+        return fs.fused_experts(x, w1, w2, weights, ids)
+
+    _assert_compiled_matches(experts, (x, w1, w2, logits))
+
+
+def test_compiled_moe_inference_has_no_residuals():
+    x, w1, w2 = torch.randn(5, 16), torch.randn(4, 24, 16), torch.randn(4, 16, 12)
+    logits = torch.randn(5, 4)
+    compiled = torch.compile(lambda *a: fs.fused_moe(*a, 2), backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, w1, w2, logits), fs.fused_moe(x, w1, w2, logits, 2))
+    explained = torch._dynamo.explain(lambda *a: fs.fused_moe(*a, 2))(x, w1, w2, logits)
+    targets = {str(node.target) for graph in explained.graphs for node in graph.graph.nodes}
+    assert any("fused_moe_inference" in t for t in targets), targets
+
+
+@pytest.mark.parametrize("num_experts", [None, 4])
+def test_transformer_block_compiles_without_graph_breaks(num_experts):
+    block = TransformerBlock(64, 4, 96, num_experts=num_experts, top_k=2, n_kv_heads=2, qk_norm=True)
+    x = torch.randn(2, 10, 64, requires_grad=True)
+    explained = torch._dynamo.explain(block)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    got, want = compiled(x), block(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    params = [x, *block.parameters()]
+    for g, w in zip(torch.autograd.grad(got.sum(), params), torch.autograd.grad(want.sum(), params)):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_opcheck():
+    q, k, v = _qkv((1, 2, 7, 16), (1, 1, 9, 16), torch.float32)
+    torch.library.opcheck(ops.attention_forward, (q, k, v, True, 0.25, "auto", False))
+    logits = torch.randn(6, 4, requires_grad=True)
+    torch.library.opcheck(ops.moe_route, (logits, 2, True, "softmax"))
+    x, w1 = torch.randn(6, 16, requires_grad=True), torch.randn(4, 24, 16, requires_grad=True)
+    w2 = torch.randn(4, 16, 12, requires_grad=True)
+    weights, ids = fs.moe_route(logits.detach(), 2)
+    torch.library.opcheck(ops.fused_experts_forward, (x, w1, w2, weights.requires_grad_(), ids, "auto"))
+
+
+def test_bad_input_fails_at_trace_time():
+    q, k, v = torch.randn(1, 3, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    compiled = torch.compile(lambda q, k, v: fs.flash_attention_science(q, k, v), backend="aot_eager",
+                             fullgraph=True)
+    with pytest.raises(Exception, match="multiple of k's head count"):
+        compiled(q, k, v)
+    x, w1, w2 = torch.randn(5, 16), torch.randn(4, 24, 16), torch.randn(4, 16, 12)
+    compiled_moe = torch.compile(lambda *a: fs.fused_moe(*a, 5), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="top_k must be in"):
+        compiled_moe(x, w1, w2, torch.randn(5, 4))
+
+
+def test_triton_kernels_through_the_ops_under_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    src = str(HERE.parents[1] / "src")
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "interpreter_ops_cases.py")],
+        cwd=HERE.parents[1], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
