@@ -152,7 +152,15 @@ def _bench_attention(args: argparse.Namespace) -> int:
     if torch.cuda.is_available():
         device, dtype, timer = torch.device("cuda"), torch.bfloat16, attention_bench.cuda_median_ms
         shapes = args.shapes or attention_bench.gpu_shapes(quick=args.quick)
-        backend_names = args.backends or list(attention_bench.BACKEND_ORDER)
+        backend_names = args.backends or [name for name in attention_bench.BACKEND_ORDER
+                                           if name not in attention_bench.FP8_BACKENDS]
+        if args.dtype == "fp8":  # FP8 is forward-only: ours in e4m3 beside ours and cuDNN in bf16, same run
+            shapes = args.shapes or attention_bench.fa3_grid_shapes(
+                seqlens=(1024, 4096, 16384) if args.quick else attention_bench.FA3_SEQLENS)
+            backend_names = args.backends or list(attention_bench.FP8_RUN_BACKENDS)
+            if args.passes != ["fwd"]:
+                print("bench --dtype fp8: FP8 attention is forward-only; timing fwd", file=sys.stderr)
+                args.passes = ["fwd"]
         baselines = attention_bench.GPU_BASELINES
         print(f"attention benchmark on {torch.cuda.get_device_name(0)}: bf16, median of triton.testing.do_bench")
     else:
@@ -244,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="passes to time: fwd (default), bwd, or fwd,bwd",
     )
     bench.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
+    bench.add_argument(
+        "--dtype", choices=("bf16", "fp8"), default="bf16",
+        help="attention inputs: bf16 (default) or fp8 (our e4m3 forward beside our bf16 forward and cuDNN, FA3 grid)",
+    )
     bench.add_argument("--commit", help="commit to record (default: $FLASHMOE_COMMIT, else git, else 'unknown')")
     bench.add_argument(
         "--shapes", type=_shape_list,

@@ -422,6 +422,29 @@ def _remember(key, plan: ForwardPlan, q, k, v, out, lse, causal, softmax_scale) 
     remember(_PREPARED, key, prepared)
 
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _fp8_call(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, return_lse, backend, deterministic):
+    from flashmoe_science.attention import fp8
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    fp8.check_fp8_call(q, k, v, q_descale, k_descale, v_descale)
+    _check_flags(causal=causal, return_lse=return_lse, deterministic=deterministic)
+    if backend not in ("auto", "hopper", "reference"):
+        raise ValueError(f"FP8 attention runs backend 'auto', 'hopper' or 'reference', got {backend!r}")
+    if backend == "hopper" and fp8.fp8_kernel_unavailable(q, k, v):
+        raise ValueError(f"backend='hopper' cannot run this FP8 call: {fp8.fp8_kernel_unavailable(q, k, v)}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("FP8 attention is forward-only: q, k and v must not require grad")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a real number > 0 or None, got {softmax_scale!r}")
+    return fp8.fp8_attention(q, k, v, q_descale, k_descale, v_descale, causal=causal, softmax_scale=softmax_scale,
+                             return_lse=return_lse, reference=backend == "reference")
+
+
 def flash_attention_science(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -432,6 +455,9 @@ def flash_attention_science(
     return_lse: bool = False,
     backend: str = "auto",
     deterministic: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """Exact scaled-dot-product attention, softmax(q kᵀ · scale) v, without materialising the score matrix.
 
@@ -455,6 +481,10 @@ def flash_attention_science(
             up to 128, after the sm_90 forward), under the Triton interpreter the fused Triton pass; other GPUs
             and head dims run the two passes either way. On Hopper, head dims 129..256 always run the Gluon
             dK/dV and dQ kernels (deterministic). The forward is always deterministic.
+        q_descale, k_descale, v_descale: FP8 (forward only): with float8_e4m3fn q, k, v, float32 (B, Hkv) factors
+            such that real value = fp8 value × descale (flash-attn's convention; `quantize_fp8` makes all six).
+            The output is bfloat16. On Hopper, head dims 64/128/256 run an e4m3 tensor-core kernel; elsewhere the
+            inputs are dequantised and the bf16 (GPU) or float32 (CPU) path runs. See attention/fp8.py.
 
     Kernels: on Hopper, bf16/fp16 with TMA-compatible strides run the Gluon sm_90 kernel (warp-specialised: TMA
     producer warp, two consumer warpgroups, async wgmma; persistent CTAs except causal rows longer than 8192, or
@@ -476,6 +506,11 @@ def flash_attention_science(
         with torch.cuda.device(q.device):  # Triton launches on the current device: make it q's
             return flash_attention_science(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                            return_lse=return_lse, backend=backend, deterministic=deterministic)
+    if (q_descale is not None or k_descale is not None or v_descale is not None
+            or getattr(q, "dtype", None) in _FP8_DTYPES or getattr(k, "dtype", None) in _FP8_DTYPES
+            or getattr(v, "dtype", None) in _FP8_DTYPES):
+        return _fp8_call(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, return_lse, backend,
+                         deterministic)
     key = _prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic)
     prepared = _PREPARED.get(key) if key is not None else None
     if prepared is not None:  # a call with this signature ran before: checks and plan as then

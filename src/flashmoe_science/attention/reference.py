@@ -18,17 +18,20 @@ import math
 
 import torch
 
+from flashmoe_science.attention.mask import make_mask, visibility
+
+CAUSAL = make_mask(True)
+
 
 def causal_visibility(lq: int, lk: int, device: torch.device | str | None = None,
                       key_start: int = 0, key_stop: int | None = None) -> torch.Tensor:
     """Boolean (Lq, keys) mask over keys [key_start, key_stop) (default: all Lk), True where query i may see key j.
 
     Causal attention is aligned bottom-right, as in flash-attn: query i sees key j iff ``j <= i + Lk - Lq``.
-    When Lq == Lk this is the usual lower triangle (what SDPA's ``is_causal`` means).
+    When Lq == Lk this is the usual lower triangle (what SDPA's ``is_causal`` means). The rule lives in
+    `mask.visibility`, with the window rules every kernel shares.
     """
-    rows = torch.arange(lq, device=device).unsqueeze(1)
-    cols = torch.arange(key_start, lk if key_stop is None else min(key_stop, lk), device=device).unsqueeze(0)
-    return cols <= rows + (lk - lq)
+    return visibility(lq, lk, CAUSAL, device, key_start, key_stop)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

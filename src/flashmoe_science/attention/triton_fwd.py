@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from flashmoe_science.attention.mask import key_tile_bounds  # noqa: F401 (re-exported for the kernels)
 from flashmoe_science.attention.tiles import (
     AttentionTiles,
     autotune_enabled,
@@ -41,23 +42,6 @@ from flashmoe_science.prepared_launch import PreparedLaunch
 
 LOG2_E = 1.4426950408889634  # host side: folded into the softmax scale
 LN_2 = tl.constexpr(0.6931471805599453)  # in kernels: base-2 log-sum-exp -> natural log
-
-
-@triton.jit
-def key_tile_bounds(start_m, seqlen_k, diagonal,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """For the query tile starting at row `start_m`: (full_end, key_end). Key tiles in [0, full_end) are visible
-    to every row of the tile (no mask needed), [full_end, key_end) need the bounds/causal mask, and no row sees a
-    key from key_end on. Query i sees key j iff j <= i + diagonal, diagonal = Lk - Lq (bottom-right causal).
-    Shared by every attention kernel, forward and backward."""
-    if CAUSAL:
-        key_end = tl.minimum(tl.maximum(start_m + BLOCK_M + diagonal, 0), seqlen_k)
-        full_end = tl.minimum(tl.maximum(start_m + 1 + diagonal, 0) // BLOCK_N * BLOCK_N,
-                              seqlen_k // BLOCK_N * BLOCK_N)
-    else:
-        key_end = seqlen_k
-        full_end = seqlen_k // BLOCK_N * BLOCK_N
-    return full_end, key_end
 
 
 @triton.jit

@@ -1,0 +1,199 @@
+"""FP8 (e4m3) attention forward: quantisation with an optional Hadamard rotation, checks, dispatch.
+
+Convention (flash-attn's): q, k, v are `torch.float8_e4m3fn` and each comes with a float32 descale factor per
+(batch, kv-head), shape (B, Hkv): the real value is ``fp8 value × descale``. The output is bfloat16.
+
+Granularity: one scale per (batch, kv-head) slab, the block the kernel multiplies by for free (folded into the
+softmax multiplier for q and k, into the final normalisation for v). Query heads of one GQA group share their
+kv-head's scale. Finer blocks would cost a multiply per score tile; the Hadamard rotation is what removes the
+outliers that make a coarse scale lossy (FlashAttention-3's incoherent processing).
+
+Hadamard rotation: Q and K are multiplied along the head dim by the same orthonormal matrix ``R = diag(s)·H/√D``
+(H the Walsh–Hadamard matrix, s a fixed random ±1 vector): ``(QR)(KR)ᵀ = QKᵀ`` exactly, so attention is unchanged,
+but a channel 100x larger than the rest is spread over all D channels before rounding to e4m3. V is not rotated
+(its rotation would have to be undone on the output). The rotation is a fast Walsh–Hadamard transform, O(D log D)
+per row, fused into the quantisation kernel on the GPU.
+
+V layout: e4m3 wgmma wants the P·V product's B operand K-major, i.e. V stored with the sequence dim contiguous.
+`quantize_fp8` writes V that way (the transpose is fused into the quantisation, so the attention kernel pays
+nothing); its result is still a (B, Hkv, L, D) tensor, with strides (.., D·L, 1, L). A row-major e4m3 V given by
+the caller is transposed once by the front door (a copy: documented in the README).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from flashmoe_science.device import device_traits
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+HADAMARD_SEED = 0x5EED
+
+
+class Fp8Inputs(NamedTuple):
+    """What `flash_attention_science` takes for an FP8 call: `flash_attention_science(*inputs[:3], q_descale=...,
+    k_descale=..., v_descale=...)`, or `flash_attention_science(**inputs._asdict())`."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_descale: torch.Tensor
+    k_descale: torch.Tensor
+    v_descale: torch.Tensor
+
+
+def hadamard_signs(head_dim: int, device) -> torch.Tensor:
+    """The fixed random ±1 vector of the rotation (the same for Q and K, so it cancels in QKᵀ)."""
+    gen = torch.Generator().manual_seed(HADAMARD_SEED + head_dim)
+    return (torch.randint(0, 2, (head_dim,), generator=gen) * 2 - 1).to(device=device, dtype=torch.float32)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """x·diag(s)·H/√D along the last dim in float32: the PyTorch spec of the kernel's rotation (log2 D butterfly
+    stages of a fast Walsh–Hadamard transform). D must be a power of two."""
+    d = x.shape[-1]
+    y = (x.float() * hadamard_signs(d, x.device)).reshape(-1, d)
+    half = 1
+    while half < d:
+        pairs = y.view(-1, d // (2 * half), 2, half)
+        y = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=2).reshape(-1, d)
+        half *= 2
+    return (y / math.sqrt(d)).view(x.shape)
+
+
+def _check_quantize_inputs(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"quantize_fp8: {name} must be bfloat16, float16 or float32, got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"quantize_fp8: {name} must be 4-D (B, H, L, D), got shape {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"quantize_fp8: q, k and v must be on one device, got {name} on {t.device}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"quantize_fp8: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not "
+                         f"form an attention call (k and v equal; batch and head dim shared with q)")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"quantize_fp8: q's head count ({q.shape[1]}) must be a multiple of k's ({k.shape[1]})")
+
+
+def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, hadamard: bool = True) -> Fp8Inputs:
+    """Quantise (B, H, L, D) q, k, v to e4m3 with one scale per (batch, kv-head); optionally rotate Q and K by a
+    random Hadamard matrix first (`hadamard=True`, needs a power-of-two head dim). Returns `Fp8Inputs`; V comes
+    back K-major (see the module docstring). On CUDA one fused Triton kernel per tensor (rotation, amax, scale,
+    cast; plus the transpose for V); elsewhere the same in PyTorch."""
+    _check_quantize_inputs(q, k, v)
+    d = q.shape[-1]
+    if hadamard and (d & (d - 1) or d < 2):
+        raise ValueError(f"quantize_fp8: hadamard=True needs a power-of-two head dim, got {d}")
+    if q.is_cuda:
+        from flashmoe_science.attention.triton_fp8 import quantize_slabs
+
+        group = q.shape[1] // k.shape[1]
+        q8, qd = quantize_slabs(q, group, hadamard, transpose=False)
+        k8, kd = quantize_slabs(k, 1, hadamard, transpose=False)
+        v8, vd = quantize_slabs(v, 1, False, transpose=True)
+        return Fp8Inputs(q8, k8, v8, qd, kd, vd)
+    return _quantize_reference(q, k, v, hadamard)
+
+
+def _quantize_slab_reference(x: torch.Tensor, group: int, rotate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    x = hadamard_rotate(x) if rotate else x.float()
+    b, h = x.shape[:2]
+    amax = x.abs().reshape(b, h // group, -1).amax(-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    per_head = scale.repeat_interleave(group, dim=1)[:, :, None, None]
+    return (x / per_head).to(FP8), scale
+
+
+def _quantize_reference(q, k, v, hadamard: bool) -> Fp8Inputs:
+    group = q.shape[1] // k.shape[1]
+    q8, qd = _quantize_slab_reference(q, group, hadamard)
+    k8, kd = _quantize_slab_reference(k, 1, hadamard)
+    v8, vd = _quantize_slab_reference(v, 1, False)
+    return Fp8Inputs(q8, k8, v8.transpose(-1, -2).contiguous().transpose(-1, -2), qd, kd, vd)
+
+
+def dequantize(t: torch.Tensor, descale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """fp8 (B, H, L, D) × its (B, Hkv) descale -> `dtype` (query heads of a group share their kv-head's scale)."""
+    group = t.shape[1] // descale.shape[1]
+    return (t.to(torch.float32) * descale.repeat_interleave(group, dim=1)[:, :, None, None]).to(dtype)
+
+
+def check_fp8_call(q, k, v, q_descale, k_descale, v_descale) -> None:
+    """The checks of an FP8 call (fp8 inputs or any descale given). Raises TypeError/ValueError naming the
+    argument."""
+    dtypes = {name: t.dtype for name, t in (("q", q), ("k", k), ("v", v))}
+    fp8_names = [n for n, dt in dtypes.items() if dt in (torch.float8_e4m3fn, torch.float8_e5m2)]
+    if any(dt == torch.float8_e5m2 for dt in dtypes.values()):
+        raise TypeError("float8_e5m2 is not supported: FP8 attention takes float8_e4m3fn q, k and v "
+                        "(quantize_fp8 makes them)")
+    if fp8_names and len(fp8_names) != 3:
+        raise TypeError(f"q, k and v must all be float8_e4m3fn or none of them, got q={dtypes['q']}, "
+                        f"k={dtypes['k']}, v={dtypes['v']}")
+    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    if not fp8_names:
+        given = [n for n, t in descales.items() if t is not None]
+        raise TypeError(f"{', '.join(given)} given with {dtypes['q']} inputs: descale factors are for "
+                        f"float8_e4m3fn q, k, v only")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"FP8 attention takes 4-D (B, H, L, D) q, k, v, got {q.dim()}, {k.dim()}, {v.dim()} dims")
+    batch, kv_heads = k.shape[0], k.shape[1]
+    for name, t in descales.items():
+        if t is None:
+            raise ValueError(f"{name} is required with float8_e4m3fn inputs (float32 (B, Hkv) = "
+                             f"({batch}, {kv_heads}); quantize_fp8 returns it)")
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise TypeError(f"{name} must be a float32 tensor, got "
+                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if tuple(t.shape) != (batch, kv_heads):
+            raise ValueError(f"{name} must have shape (B, Hkv) = ({batch}, {kv_heads}), got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+        if t.requires_grad:
+            raise ValueError(f"FP8 attention is forward-only: {name} must not require grad")
+
+
+def fp8_kernel_unavailable(q, k, v) -> str | None:
+    """Why the e4m3 kernel cannot take this call (it then runs the dequantised bf16 path), or None."""
+    if not q.is_cuda or not device_traits(q.device).is_hopper:
+        return "the e4m3 tensor-core kernel needs a Hopper (sm_90) GPU"
+    if q.shape[-1] not in (64, 128, 256):
+        return f"the e4m3 kernel takes head dims 64, 128 and 256, got {q.shape[-1]}"
+    for name, t in (("q", q), ("k", k)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit-stride last dim for FP8 attention, got strides {t.stride()}")
+    return None
+
+
+def fp8_attention(q, k, v, q_descale, k_descale, v_descale, *, causal: bool, softmax_scale: float | None,
+                  return_lse: bool, reference: bool = False):
+    """The FP8 forward behind `flash_attention_science` (already checked by `check_fp8_call`). `reference`: the
+    dequantised path even where the e4m3 kernel could run."""
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    why_not = "backend='reference'" if reference else fp8_kernel_unavailable(q, k, v)
+    if why_not is None:
+        from flashmoe_science.attention.triton_fp8 import attention_forward_fp8
+
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        if q.numel() and k.shape[2]:
+            attention_forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, causal, scale)
+        else:
+            out.zero_()
+            lse.fill_(float("-inf"))
+        return (out, lse) if return_lse else out
+    # Other GPUs and the CPU: dequantise, then the bf16 (GPU) or float32 (CPU) path. Slow, never wrong.
+    from flashmoe_science.attention.api import flash_attention_science
+
+    dtype = torch.bfloat16 if q.is_cuda else torch.float32
+    qf, kf, vf = (dequantize(t, d, dtype) for t, d in ((q, q_descale), (k, k_descale), (v, v_descale)))
+    out, lse = flash_attention_science(qf, kf, vf, causal=causal, softmax_scale=scale, return_lse=True,
+                                       backend="reference" if reference else "auto")
+    out = out.to(torch.bfloat16)
+    return (out, lse) if return_lse else out
