@@ -501,7 +501,8 @@ def flash_attention_science(
     if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
         from flashmoe_science.integrations import ops
 
-        return ops.compiled_attention(q, k, v, causal, softmax_scale, return_lse, backend, deterministic)
+        return ops.compiled_attention(q, k, v, causal, softmax_scale, return_lse, backend, deterministic,
+                                      fp8_descales=(q_descale, k_descale, v_descale))
     if on_another_cuda_device(q):
         with torch.cuda.device(q.device):  # Triton launches on the current device: make it q's
             return flash_attention_science(q, k, v, causal=causal, softmax_scale=softmax_scale,

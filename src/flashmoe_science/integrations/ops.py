@@ -122,8 +122,11 @@ def _as_4d(t: Tensor) -> Tensor:
     return t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:])
 
 
-def compiled_attention(q, k, v, causal, softmax_scale, return_lse, backend, deterministic):
+def compiled_attention(q, k, v, causal, softmax_scale, return_lse, backend, deterministic, fp8_descales=()):
     """``flash_attention_science`` as the compiler traces it (its arguments as there)."""
+    if any(t is not None for t in fp8_descales):
+        raise ValueError("the FP8 forward (q_descale, k_descale, v_descale) has no torch.compile custom op yet: "
+                         "call it outside the compiled region (torch.compiler.disable)")
     if not all(isinstance(t, Tensor) for t in (q, k, v)):  # the eager message, before any shape is read
         attention_api._check_inputs(q, k, v, softmax_scale, backend)
     attention_api._check_flags(return_lse=return_lse)
