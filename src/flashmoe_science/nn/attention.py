@@ -147,21 +147,24 @@ class TransformerBlock(nn.Module):
     """A pre-norm decoder block: ``x + attention(norm(x))``, then ``+ ffn(norm(x))`` where the ffn is a ``FusedMoE``
     of ``num_experts`` SwiGLU experts (top ``top_k``) or, with ``num_experts=None``, a dense ``SwiGLU``. Norms are
     ``nn.RMSNorm``. Attention options (``n_kv_heads``, ``head_dim``, ``rope_theta``, ``qk_norm``, ``window``,
-    ``softcap``, ``bias``, ``causal``) as ``Attention``'s; ``backend`` goes to both the attention and the MoE."""
+    ``softcap``, ``bias``, ``causal``) as ``Attention``'s; ``backend`` goes to both the attention and the MoE.
+    ``attention_class`` / ``moe_class``: subclasses of ``Attention`` / ``FusedMoE`` to build instead (same
+    parameters, another computation: e.g. a PyTorch baseline)."""
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, *, num_experts: int | None = None, top_k: int = 2,
-                 norm_eps: float = 1e-6, backend: str = "auto", device=None, dtype=None, **attention_options):
+                 norm_eps: float = 1e-6, backend: str = "auto", attention_class: type = Attention,
+                 moe_class: type = FusedMoE, device=None, dtype=None, **attention_options):
         super().__init__()
         factory = dict(device=device, dtype=dtype)
         self.attention_norm = nn.RMSNorm(d_model, eps=norm_eps, **factory)
-        self.attention = Attention(d_model, n_heads, norm_eps=norm_eps, backend=backend, **attention_options,
+        self.attention = attention_class(d_model, n_heads, norm_eps=norm_eps, backend=backend, **attention_options,
                                    **factory)
         self.ffn_norm = nn.RMSNorm(d_model, eps=norm_eps, **factory)
         if num_experts is None:
             self.ffn = SwiGLU(d_model, d_ff, bias=attention_options.get("bias", False), **factory)
         else:
             moe_backend = "auto" if backend == "hopper" else backend  # the MoE has no separate Hopper switch
-            self.ffn = FusedMoE(d_model, d_ff, num_experts, top_k, backend=moe_backend, **factory)
+            self.ffn = moe_class(d_model, d_ff, num_experts, top_k, backend=moe_backend, **factory)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), positions)
