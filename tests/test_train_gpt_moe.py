@@ -5,6 +5,7 @@ and the CSV, summary and plot are written."""
 import csv
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt_moe.py"
 def load_example():
     spec = importlib.util.spec_from_file_location("train_gpt_moe", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
