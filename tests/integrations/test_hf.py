@@ -30,11 +30,18 @@ def model_pair(name: str, dtype=torch.float32, device="cpu"):
     """(the sdpa model, a copy on flashmoe_science with its MoE blocks swapped, that copy's parameters by name)."""
     config = small_config(name)
     config._attn_implementation = "sdpa"
-    sdpa = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).to(device)
-    ours = copy.deepcopy(sdpa)
-    params = dict(ours.named_parameters())  # FusedMoE shares these Parameters: their grads are ours
+    sdpa = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype,
+                                                         experts_implementation="eager").to(device)  # any dtype
+    return (sdpa, *converted_copy(sdpa))
+
+
+def converted_copy(model):
+    """(a copy of `model` on flashmoe_science with its MoE blocks swapped, the copy's parameters by their names in
+    `model`: FusedMoE shares these Parameters, so their grads are the converted model's)."""
+    ours = copy.deepcopy(model)
+    params = dict(ours.named_parameters())
     hf.apply(ours)
-    return sdpa, ours, params
+    return ours, params
 
 
 def batch(padding: str | None, device="cpu"):
