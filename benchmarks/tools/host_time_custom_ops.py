@@ -48,7 +48,7 @@ def cases():
         def attention(q=q, k=k, v=v):
             return fs.flash_attention_science(q, k, v, causal=True)
 
-        op = (lambda q=q, k=k, v=v: ops.attention_forward(q, k, v, True, d ** -0.5, "auto", False)) if ops else None
+        op = (lambda q=q, k=k, v=v: ops.attention_forward(q, k, v, True, d ** -0.5, None, None, None, "auto", False)) if ops else None
         yield f"attention B{b} H{h} L{length} D{d} causal", attention, op
     for tokens, experts, d_model, d_ff in ((1, 8, 1024, 1024), (16, 64, 1024, 512), (256, 8, 1024, 1024)):
         x = torch.randn(tokens, d_model, device=device, dtype=dtype)

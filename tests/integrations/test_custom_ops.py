@@ -49,6 +49,30 @@ def test_compiled_attention_matches_eager(shapes, causal):
     _assert_compiled_matches(lambda q, k, v: fs.flash_attention_science(q, k, v, causal=causal), (q, k, v))
 
 
+@pytest.mark.parametrize("features", [dict(window=(5, 0)), dict(softcap=3.0), dict(window=(3, 2), softcap=2.0),
+                                      dict(alibi_slopes="per-head")])
+def test_compiled_attention_features_match_eager(features):
+    q, k, v = _qkv((2, 4, 19, 16), (2, 2, 23, 16))
+    if features.get("alibi_slopes") == "per-head":
+        features = dict(alibi_slopes=torch.rand(4, dtype=torch.float32))
+    causal = "window" not in features or features["window"][1] == 0
+    _assert_compiled_matches(lambda q, k, v: fs.flash_attention_science(q, k, v, causal=causal, **features),
+                             (q, k, v), atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_varlen_matches_eager(causal):
+    lengths_q, lengths_k = [5, 0, 9, 1], [7, 3, 9, 2]
+    q = torch.randn(sum(lengths_q), 4, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(sum(lengths_k), 2, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(sum(lengths_k), 2, 16, dtype=torch.float64, requires_grad=True)
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
+    _assert_compiled_matches(
+        lambda q, k, v: fs.flash_attention_varlen(q, k, v, cu_q, cu_k, 9, 9, causal=causal, window=(4, -1)),
+        (q, k, v), atol=1e-10)
+
+
 def test_compiled_attention_lse_and_transposed_layout():
     # a (B, L, H, D) buffer seen as (B, H, L, D): the op's output keeps that memory order
     q = torch.randn(2, 12, 4, 16, dtype=torch.float64).transpose(1, 2).requires_grad_()
@@ -126,7 +150,7 @@ def test_transformer_block_compiles_without_graph_breaks(num_experts):
 
 def test_opcheck():
     q, k, v = _qkv((1, 2, 7, 16), (1, 1, 9, 16), torch.float32)
-    torch.library.opcheck(ops.attention_forward, (q, k, v, True, 0.25, "auto", False))
+    torch.library.opcheck(ops.attention_forward, (q, k, v, True, 0.25, None, None, None, "auto", False))
     logits = torch.randn(6, 4, requires_grad=True)
     torch.library.opcheck(ops.moe_route, (logits, 2, True, "softmax"))
     x, w1 = torch.randn(6, 16, requires_grad=True), torch.randn(4, 24, 16, requires_grad=True)

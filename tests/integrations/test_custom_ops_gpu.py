@@ -19,9 +19,9 @@ def test_opcheck_on_the_kernels():
     q = torch.randn(2, 8, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(2, 2, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(2, 2, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    torch.library.opcheck(ops.attention_forward, (q, k, v, True, 0.125, "auto", False))
+    torch.library.opcheck(ops.attention_forward, (q, k, v, True, 0.125, None, None, None, "auto", False))
     qt = torch.randn(2, 300, 8, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
-    torch.library.opcheck(ops.attention_forward, (qt, k, v, False, 0.125, "auto", False))
+    torch.library.opcheck(ops.attention_forward, (qt, k, v, False, 0.125, [64, 0], 30.0, None, "auto", False))
     for tokens in (1, 40, 3000):
         logits = torch.randn(tokens, 8, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         torch.library.opcheck(ops.moe_route, (logits, 2, True, "softmax"))

@@ -26,6 +26,8 @@ from torch import Tensor
 
 from flashmoe_science.attention import api as attention_api
 from flashmoe_science.attention import reference as attention_reference
+from flashmoe_science.attention.checks import check_flags, check_inputs
+from flashmoe_science.attention.varlen import flash_attention_varlen
 from flashmoe_science.moe import api as moe_api
 from flashmoe_science.moe import routing
 from flashmoe_science.moe.reference import fused_experts_reference_backward
@@ -58,58 +60,147 @@ def _empty_like_fake(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------------- attention
+# The mask-and-score options travel as (causal, softmax_scale, window or None, softcap or None, alibi_slopes or None)
+# after q, k, v; `backend` and `deterministic` last. attn_bias has no op (its gradient's buffer follows the bias's
+# broadcast shape): under compile it raises.
+
+
 def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def _window(window: list[int] | None):
+    # int(): a fake implementation may see symbolic ints (dynamo makes a changing int dynamic); the mask specialises
+    return None if window is None else tuple(int(side) for side in window)
+
+
+def _autograd_on():
+    """Autograd inside an op's implementation, where the dispatcher has switched it off: the reference backward
+    differentiates through its score modifications (softcap, GQA expansion)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality, False))
+    stack.enter_context(torch.enable_grad())
+    return stack
+
+
 @_op(f"{NAMESPACE}::attention_forward", mutates_args=())
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, backend: str,
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, window: list[int] | None,
+                      softcap: float | None, alibi_slopes: Tensor | None, backend: str,
                       deterministic: bool) -> tuple[Tensor, Tensor]:
-    """``flash_attention_science(q, k, v, return_lse=True, ...)`` on 4-D ``(B, H, L, D)`` tensors. `deterministic`
-    is the backward's (saved here for it)."""
-    with torch.no_grad():
-        out, lse = attention_api.flash_attention_science(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                                         return_lse=True, backend=backend,
-                                                         deterministic=deterministic)
+    """``attention_forward_lse`` on 4-D ``(B, H, L, D)`` tensors. `deterministic` is the backward's (saved for it)."""
+    out, lse = attention_api.attention_forward_lse(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                                   window=_window(window), softcap=softcap,
+                                                   alibi_slopes=alibi_slopes, backend=backend)
     return _laid_out_like(out, q), lse.contiguous()
 
 
 @attention_forward.register_fake
-def _attention_forward_fake(q, k, v, causal, softmax_scale, backend, deterministic):
+def _attention_forward_fake(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, backend, deterministic):
     # the eager checks run here, at trace time, so bad input fails when compiling with the eager messages
-    attention_api._check_inputs(q, k, v, softmax_scale, backend)
-    attention_api._check_flags(causal=causal, deterministic=deterministic)
+    attention_api._checked_problem(q, k, v, causal, softmax_scale, _window(window), softcap, alibi_slopes, None,
+                                   backend, deterministic=deterministic)
     return _empty_like_fake(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
 
 
 @_op(f"{NAMESPACE}::attention_backward", mutates_args=())
 def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                       softmax_scale: float, backend: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
-    grads = attention_api.attention_gradients(grad_out, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                              backend=backend, deterministic=deterministic)
-    return tuple(_laid_out_like(g, t) for g, t in zip(grads, (q, k, v)))
+                       softmax_scale: float, window: list[int] | None, softcap: float | None,
+                       alibi_slopes: Tensor | None, backend: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    with _autograd_on():
+        grads = attention_api.attention_backward_lse(q, k, v, out, lse, grad_out, causal=causal,
+                                                     softmax_scale=softmax_scale, window=_window(window),
+                                                     softcap=softcap, alibi_slopes=alibi_slopes, backend=backend,
+                                                     deterministic=deterministic)
+    return tuple(_laid_out_like(g.detach(), t) for g, t in zip(grads, (q, k, v)))
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(grad_out, q, k, v, out, lse, causal, softmax_scale, backend, deterministic):
+def _attention_backward_fake(grad_out, q, k, v, out, lse, *options):
     return _empty_like_fake(q), _empty_like_fake(k), _empty_like_fake(v)
 
 
 def _attention_setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, backend, deterministic = inputs
+    q, k, v, *options = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.options = (causal, softmax_scale, backend, deterministic)
+    ctx.options = options
     ctx.mark_non_differentiable(lse)  # as the eager autograd.Function's
 
 
 def _attention_autograd_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, *ctx.options)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, *(None for _ in ctx.options)
 
 
 attention_forward.register_autograd(_attention_autograd_backward, setup_context=_attention_setup_context)
+
+
+@_op(f"{NAMESPACE}::attention_varlen_forward", mutates_args=())
+def attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                             max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
+                             window: list[int] | None, softcap: float | None, alibi_slopes: Tensor | None,
+                             backend: str, deterministic: bool) -> tuple[Tensor, Tensor]:
+    """``flash_attention_varlen(..., return_lse=True)`` on packed ``(total, H, D)`` tensors."""
+    with torch.no_grad():
+        out, lse = flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          causal=causal, softmax_scale=softmax_scale, window=_window(window),
+                                          softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True,
+                                          backend=backend, deterministic=deterministic)
+    return out.contiguous(), lse.contiguous()
+
+
+@attention_varlen_forward.register_fake
+def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                   softmax_scale, window, softcap, alibi_slopes, backend, deterministic):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+
+
+@_op(f"{NAMESPACE}::attention_varlen_backward", mutates_args=())
+def attention_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                              causal: bool, softmax_scale: float, window: list[int] | None, softcap: float | None,
+                              alibi_slopes: Tensor | None, backend: str,
+                              deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    from flashmoe_science.attention import varlen
+    from flashmoe_science.attention.autograd import kernel_backward
+
+    q4, k4, v4, features, scale = varlen._checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  causal, softmax_scale, _window(window), softcap, alibi_slopes,
+                                                  backend)
+    plan, _ = attention_api._dispatch(q4, k4, v4, features, backend)
+    out4, grad4, lse4 = varlen._packed_as_4d(out), varlen._packed_as_4d(grad_out), lse.unsqueeze(0)
+    if plan is None:
+        with _autograd_on():
+            grads = attention_reference.attention_backward_reference(q4, k4, v4, out4, lse4, grad4, features, scale)
+    else:
+        with _on_device(q):
+            grads = kernel_backward(q4, k4, v4, out4, lse4.contiguous(), grad4, features, scale,
+                                    sm90_forward=plan.kernel == "sm90", deterministic=deterministic)
+    return tuple(g.detach().squeeze(0).permute(1, 0, 2).contiguous() for g in grads[:3])
+
+
+@attention_varlen_backward.register_fake
+def _attention_varlen_backward_fake(grad_out, q, k, v, *rest):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.options = options
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_autograd_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    dq, dk, dv = attention_varlen_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                           *ctx.options)
+    return dq, dk, dv, None, None, *(None for _ in ctx.options)
+
+
+attention_varlen_forward.register_autograd(_varlen_autograd_backward, setup_context=_varlen_setup_context)
 
 
 def _as_4d(t: Tensor) -> Tensor:
@@ -122,17 +213,42 @@ def _as_4d(t: Tensor) -> Tensor:
     return t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:])
 
 
-def compiled_attention(q, k, v, causal, softmax_scale, return_lse, backend, deterministic, fp8_descales=()):
+def _scale(q, softmax_scale):
+    return attention_reference.default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+
+
+def _options_list(window):
+    return None if window is None else [int(side) for side in window]
+
+
+def compiled_attention(q, k, v, *, causal, softmax_scale, window, softcap, alibi_slopes, attn_bias, return_lse,
+                       backend, deterministic, fp8_descales=()):
     """``flash_attention_science`` as the compiler traces it (its arguments as there)."""
     if any(t is not None for t in fp8_descales):
         raise ValueError("the FP8 forward (q_descale, k_descale, v_descale) has no torch.compile custom op yet: "
                          "call it outside the compiled region (torch.compiler.disable)")
+    if attn_bias is not None:
+        raise ValueError("attn_bias has no torch.compile custom op yet: call flash_attention_science with a bias "
+                         "outside the compiled region (torch.compiler.disable)")
     if not all(isinstance(t, Tensor) for t in (q, k, v)):  # the eager message, before any shape is read
-        attention_api._check_inputs(q, k, v, softmax_scale, backend)
-    attention_api._check_flags(return_lse=return_lse)
-    scale = attention_reference.default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
-    out, lse = attention_forward(_as_4d(q), _as_4d(k), _as_4d(v), causal, scale, backend, deterministic)
+        check_inputs(q, k, v, softmax_scale, backend)
+    check_flags(return_lse=return_lse)
+    slopes = alibi_slopes
+    if slopes is not None and slopes.dim() > 2:  # (*batch, H) slopes follow q's leading dims into one batch dim
+        slopes = slopes.reshape(-1, slopes.shape[-1])
+    out, lse = attention_forward(_as_4d(q), _as_4d(k), _as_4d(v), causal, _scale(q, softmax_scale),
+                                 _options_list(window), softcap, slopes, backend, deterministic)
     out, lse = out.reshape(q.shape), lse.reshape(q.shape[:-1])
+    return (out, lse) if return_lse else out
+
+
+def compiled_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
+                              softmax_scale, window, softcap, alibi_slopes, return_lse, deterministic, backend):
+    """``flash_attention_varlen`` as the compiler traces it (its arguments as there)."""
+    check_flags(return_lse=return_lse)
+    out, lse = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                        _scale(q, softmax_scale), _options_list(window), softcap, alibi_slopes,
+                                        backend, deterministic)
     return (out, lse) if return_lse else out
 
 
