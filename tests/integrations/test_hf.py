@@ -20,6 +20,10 @@ COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_la
 def small_config(name: str):
     if name == "llama":
         return transformers.LlamaConfig(**COMMON, head_dim=16)
+    if name == "mistral_window":  # a window shorter than the batch's sequences
+        return transformers.MistralConfig(**COMMON, head_dim=16, sliding_window=4)
+    if name == "gemma2_softcap":  # soft-capped logits, sliding and full layers
+        return transformers.Gemma2Config(**COMMON, head_dim=16, sliding_window=4, attn_logit_softcapping=5.0)
     if name == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=32, norm_topk_prob=True)
@@ -27,10 +31,11 @@ def small_config(name: str):
 
 
 def model_pair(name: str, dtype=torch.float32, device="cpu"):
-    """(the sdpa model, a copy on flashmoe_science with its MoE blocks swapped, that copy's parameters by name)."""
+    """(the sdpa model (eager for soft-capping, which sdpa refuses), a copy on flashmoe_science with its MoE blocks
+    swapped, that copy's parameters by name)."""
     config = small_config(name)
-    config._attn_implementation = "sdpa"
-    sdpa = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype,
+    baseline = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+    sdpa = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=baseline, dtype=dtype,
                                                          experts_implementation="eager").to(device)  # any dtype
     return (sdpa, *converted_copy(sdpa))
 
@@ -63,10 +68,10 @@ def logits_and_grads(model, params, ids, mask):
 
 
 @pytest.mark.parametrize("padding", [None, "right", "left"])
-@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "mixtral", "mistral_window", "gemma2_softcap"])
 def test_matches_sdpa(name, padding):
     sdpa, ours, params = model_pair(name)
-    if name != "llama":
+    if name in ("qwen3_moe", "mixtral"):
         assert sum(isinstance(m, FusedMoE) for m in ours.modules()) == COMMON["num_hidden_layers"]
     ids, mask = batch(padding)
     want_logits, want_grads = logits_and_grads(sdpa, dict(sdpa.named_parameters()), ids, mask)
@@ -98,13 +103,17 @@ def test_generate_with_cache():
 @pytest.mark.parametrize("feature, overrides, message", [
     ("dropout", dict(attention_dropout=0.1), "attention dropout"),
     ("head_dim", dict(head_dim=12), "head dim 12"),
-    ("softcap", dict(attn_logit_softcapping=30.0), "soft-capping"),
+    ("alibi", dict(alibi=True), "ALiBi"),
 ])
 def test_unsupported_config_raises_at_construction(feature, overrides, message):
     config = small_config("llama")
     for key, value in overrides.items():
         setattr(config, key, value)
-    if feature == "softcap" and "softcap" in hf.attention_keywords():
-        pytest.skip("this version supports softcap")
     with pytest.raises(ValueError, match=message):
+        hf.from_config(config)
+
+
+def test_attention_sinks_raise_at_construction():
+    config = transformers.GptOssConfig(**COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="attention sinks"):
         hf.from_config(config)

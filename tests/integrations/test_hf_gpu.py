@@ -16,7 +16,7 @@ DEVICE = "cuda"
 
 
 @pytest.mark.parametrize("padding", [None, "right", "left"])
-@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "mixtral", "mistral_window", "gemma2_softcap"])
 def test_bf16_error_within_twice_sdpa(name, padding):
     sdpa64, _, _ = model_pair(name, dtype=torch.float64, device=DEVICE)
     sdpa16 = copy.deepcopy(sdpa64).to(torch.bfloat16)

@@ -71,7 +71,8 @@ def check_config(config) -> None:
     if softcap is not None:
         require_attention_feature("softcap", f"logit soft-capping (config.attn_logit_softcapping={softcap})")
     if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi":
-        require_attention_feature("alibi_slopes", "ALiBi position biases")
+        # such models add their bias to the scores themselves: it would not reach this attention function
+        raise ValueError(f"ALiBi position biases are not supported by {ATTN_IMPLEMENTATION}")
 
 
 def _check_model(model) -> None:
