@@ -3,9 +3,6 @@
 gradients equal eager mode's, and bad input failing at trace time. The Triton kernels through the same ops run in
 interpreter_ops_cases.py (TRITON_INTERPRET=1 subprocess); inductor and CUDA graphs in test_custom_ops_gpu.py."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +11,7 @@ import torch
 import flashmoe_science as fs
 from flashmoe_science.integrations import ops
 from flashmoe_science.nn import TransformerBlock
+from interpreter_subprocess import run_under_interpreter
 
 HERE = Path(__file__).resolve().parent
 
@@ -172,11 +170,4 @@ def test_bad_input_fails_at_trace_time():
 
 
 def test_triton_kernels_through_the_ops_under_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    src = str(HERE.parents[1] / "src")
-    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "interpreter_ops_cases.py")],
-        cwd=HERE.parents[1], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    run_under_interpreter(HERE / "interpreter_ops_cases.py")
