@@ -117,3 +117,12 @@ def test_attention_sinks_raise_at_construction():
     config = transformers.GptOssConfig(**COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2)
     with pytest.raises(ValueError, match="attention sinks"):
         hf.from_config(config)
+
+
+def test_model_compiles_without_graph_breaks():
+    sdpa, ours, _ = model_pair("qwen3_moe")  # our attention and FusedMoE in every layer
+    ids, _ = batch(None)
+    explained = torch._dynamo.explain(lambda i: ours(input_ids=i).logits)(ids)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(lambda i: ours(input_ids=i).logits, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(ids), sdpa(input_ids=ids).logits, atol=2e-5, rtol=2e-5)
