@@ -1,5 +1,6 @@
 """The custom ops' Triton paths (attention kernels, expert sort and GEMMs with their residuals, routing) under
-TRITON_INTERPRET=1, compiled with aot_eager, against the reference backend. Run by test_custom_ops.py."""
+TRITON_INTERPRET=1, compiled with aot_eager, against the reference backend; and the layers' rotary kernel
+(nn/triton_rotary.py). Run by test_custom_ops.py."""
 
 import os
 
@@ -38,3 +39,22 @@ def test_moe_triton_through_ops(num_tokens):
     inputs = (x, w1, w2, logits)
     for g, w in zip(torch.autograd.grad(got, inputs, grad_out), torch.autograd.grad(want, inputs, grad_out)):
         torch.testing.assert_close(g, w, atol=5e-5, rtol=5e-5)
+
+
+@pytest.mark.parametrize("per_row_positions", [False, True])
+def test_rotary_kernel_matches_torch(per_row_positions):
+    from flashmoe_science.nn.attention import rotary_cos_sin
+    from flashmoe_science.nn.triton_rotary import RotaryTriton
+
+    x = torch.randn(2, 9, 12, 3, 20).select(-2, 1)  # (B, L, H, D) with a row stride that is not H*D
+    x.requires_grad_()
+    positions = torch.stack([torch.arange(9), torch.arange(4, 13)]) if per_row_positions else torch.arange(9)
+    cos, sin = rotary_cos_sin(positions, 20, 10000.0, torch.float32)
+    want = torch.cat((x[..., :10] * cos.unsqueeze(-2) - x[..., 10:] * sin.unsqueeze(-2),
+                      x[..., 10:] * cos.unsqueeze(-2) + x[..., :10] * sin.unsqueeze(-2)), dim=-1)
+    got = RotaryTriton.apply(x, cos.contiguous(), sin.contiguous())
+    torch.testing.assert_close(got, want.expand_as(got), atol=1e-6, rtol=1e-6)
+    grad_out = torch.randn_like(got)
+    (got_dx,) = torch.autograd.grad(got, x, grad_out)
+    (want_dx,) = torch.autograd.grad(want, x, grad_out)
+    torch.testing.assert_close(got_dx, want_dx, atol=1e-6, rtol=1e-6)
