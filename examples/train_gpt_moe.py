@@ -37,6 +37,7 @@ from tqdm import tqdm
 from flashmoe_science.moe.reference import fused_experts_reference
 from flashmoe_science.moe.routing import route_reference
 from flashmoe_science.nn import Attention, FusedMoE, TransformerBlock
+from flashmoe_science.nn.attention import apply_rotary_torch
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,11 @@ CONFIGS = {
 
 # ------------------------------------------------------------------------------------------------ the baseline
 class TorchAttention(Attention):
-    """The same layer, attention through ``F.scaled_dot_product_attention`` (cuDNN / flash on the GPU)."""
+    """The same layer in PyTorch ops: the rotary embedding, and attention through ``F.scaled_dot_product_attention``
+    (cuDNN / flash on the GPU)."""
+
+    def rotate(self, x, cos, sin):
+        return apply_rotary_torch(x, cos, sin)
 
     def attend(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=self.attention_options["causal"])

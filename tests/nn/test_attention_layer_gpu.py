@@ -8,15 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from flashmoe_science.nn import Attention
-from flashmoe_science.nn.attention import apply_rotary, rotary_cos_sin
+from flashmoe_science.nn.attention import apply_rotary, apply_rotary_torch, rotary_cos_sin
 
 pytestmark = pytest.mark.gpu
-
-
-def _torch_rotary(x, cos, sin):
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
 
 def test_rotary_kernel_in_bf16():
@@ -24,12 +18,12 @@ def test_rotary_kernel_in_bf16():
     positions = torch.arange(257, device="cuda")
     grad_out = torch.randn_like(x64)
     cos64, sin64 = rotary_cos_sin(positions, 128, 1e6, torch.float64)
-    want = _torch_rotary(x64, cos64, sin64)
+    want = apply_rotary_torch(x64, cos64, sin64)
     (want_dx,) = torch.autograd.grad(want, x64, grad_out)
     x16 = x64.detach().to(torch.bfloat16).requires_grad_()
     cos16, sin16 = rotary_cos_sin(positions, 128, 1e6, torch.bfloat16)
     outs = []
-    for rotary in (apply_rotary, _torch_rotary):
+    for rotary in (apply_rotary, apply_rotary_torch):
         out = rotary(x16, cos16, sin16)
         (dx,) = torch.autograd.grad(out, x16, grad_out.to(torch.bfloat16))
         outs.append(((out.double() - want).abs().max().item(), (dx.double() - want_dx).abs().max().item()))
@@ -38,6 +32,9 @@ def test_rotary_kernel_in_bf16():
 
 
 class TorchAttention(Attention):
+    def rotate(self, x, cos, sin):
+        return apply_rotary_torch(x, cos, sin)
+
     def attend(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 

@@ -52,6 +52,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         from flashmoe_science.nn.triton_rotary import RotaryTriton
 
         return RotaryTriton.apply(x, cos.contiguous(), sin.contiguous())
+    return apply_rotary_torch(x, cos, sin)
+
+
+def apply_rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary`` in PyTorch ops (any device; what torch.compile traces)."""
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     if cos.dim() == 3:
         cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
@@ -120,9 +125,13 @@ class Attention(nn.Module):
             if positions is None:
                 positions = torch.arange(length, device=x.device)
             cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, H, L, D) views
         return self.out(out.transpose(1, 2).reshape(batch, length, self.n_heads * self.head_dim))
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The rotary embedding of ``x (B, L, H, D)`` (a subclass may swap it, e.g. for a baseline)."""
+        return apply_rotary(x, cos, sin)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention itself on ``(B, H, L, D)`` views (a subclass may swap it, e.g. for a baseline)."""
