@@ -3,6 +3,7 @@
     flashmoe-science info                 GPU, versions, and which kernel a sample call would use and why
     flashmoe-science bench [attention]    ours against every SDPA backend and FlexAttention (TFLOP/s, ms, memory)
     flashmoe-science bench moe            the MoE layer benchmark
+    flashmoe-science bench --suite decode KV-cache decode bandwidth against SDPA, FlexAttention and a pure read
 
 `bench` prints a table, writes `<out>/<gpu>-<date>-<commit>.json` and a PNG plot beside it. Without a CUDA GPU it
 runs a small CPU comparison instead, so the command works everywhere.
@@ -139,10 +140,48 @@ def _save(args: argparse.Namespace, records: list[dict], partial: PartialResults
     return path
 
 
+def _save_and_plot(args: argparse.Namespace, records: list[dict], partial: PartialResults, plot, name: str) -> None:
+    """`_save`, then `plot(records, png_path, title=...)` beside the JSON unless --no-plot."""
+    path = _save(args, records, partial)
+    if not args.no_plot and records:
+        written = plot(records, path.with_suffix(".png"), title=f"{name}, {path.stem}")
+        if written is not None:
+            print(f"plot:    {written}")
+
+
 def run_bench(args: argparse.Namespace) -> int:
-    if args.what == "moe":
+    what = args.suite or args.what
+    if what == "moe":
         return _bench_moe(args)
+    if what == "decode":
+        return _bench_decode(args)
     return _bench_attention(args)
+
+
+def _bench_decode(args: argparse.Namespace) -> int:
+    from flashmoe_science.bench import decode as decode_bench
+
+    if args.shapes or args.backends or args.models or args.passes != ["fwd"]:
+        print("bench decode: --shapes, --backends, --models and --pass do not apply (fixed grid; --quick for "
+              "fewer contexts)", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    on_gpu = torch.cuda.is_available()
+    contexts = None
+    if args.quick:
+        contexts = decode_bench.GPU_CONTEXTS[:2] if on_gpu else decode_bench.CPU_CONTEXTS[:1]
+    print(f"decode benchmark on {torch.cuda.get_device_name(0)}" if on_gpu else
+          "No CUDA GPU found: a small CPU comparison instead (float32; ours = the PyTorch reference)")
+    print(decode_bench.bandwidth_note(), flush=True)
+    partial = _partial_results(args)
+    skips: list[str] = []
+    with Progress(desc="decode") as progress:
+        records = decode_bench.run_decode_bench(progress, skips, contexts, on_case_done=partial)
+    print()
+    print(decode_bench.decode_table(records))
+    if skips:
+        print("\nnot run:\n  " + "\n  ".join(skips))
+    _save_and_plot(args, records, partial, decode_bench.plot_decode, "decode")
+    return 0
 
 
 def _bench_attention(args: argparse.Namespace) -> int:
@@ -191,11 +230,7 @@ def _bench_attention(args: argparse.Namespace) -> int:
         print()
         print(skips.summary())
 
-    path = _save(args, records, partial)
-    if not args.no_plot and records:
-        plot = attention_bench.plot_attention(records, path.with_suffix(".png"), title=f"attention, {path.stem}")
-        if plot is not None:
-            print(f"plot:    {plot}")
+    _save_and_plot(args, records, partial, attention_bench.plot_attention, "attention")
     return 0
 
 
@@ -244,7 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(handler=run_info)
 
     bench = commands.add_parser("bench", help="time our kernels against SDPA and FlexAttention (or the MoE layer)")
-    bench.add_argument("what", nargs="?", choices=("attention", "moe"), default="attention")
+    bench.add_argument("what", nargs="?", choices=("attention", "moe", "decode"), default="attention")
+    bench.add_argument("--suite", choices=("attention", "moe", "decode"),
+                       help="the benchmark to run (same as the positional name)")
     bench.add_argument("--quick", action="store_true", help="a small subset of shapes (under 2 minutes on an H200)")
     bench.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the JSON and PNG (default {DEFAULT_OUT})")
     bench.add_argument(

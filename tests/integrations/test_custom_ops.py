@@ -11,7 +11,7 @@ import torch
 import flashmoe_science as fs
 from flashmoe_science.integrations import ops
 from flashmoe_science.nn import TransformerBlock
-from interpreter_subprocess import run_under_interpreter
+from interpreter_driver import run_under_interpreter
 
 HERE = Path(__file__).resolve().parent
 
@@ -170,4 +170,5 @@ def test_bad_input_fails_at_trace_time():
 
 
 def test_triton_kernels_through_the_ops_under_interpreter():
-    run_under_interpreter(HERE / "interpreter_ops_cases.py")
+    pytest.importorskip("triton")
+    run_under_interpreter(HERE.parents[1], str(HERE / "interpreter_ops_cases.py"), timeout=600)
