@@ -155,6 +155,13 @@ def test_opcheck():
     w2 = torch.randn(4, 16, 12, requires_grad=True)
     weights, ids = fs.moe_route(logits.detach(), 2)
     torch.library.opcheck(ops.fused_experts_forward, (x, w1, w2, weights.requires_grad_(), ids, "auto"))
+    caches = [torch.randn(2, 24, 2, 16) for _ in range(2)]
+    decode_args = (torch.randn(2, 1, 4, 16), *caches, torch.tensor([3, 20], dtype=torch.int32), None)
+    torch.library.opcheck(ops.attention_decode,
+                          (*decode_args, None, None, None, None, False, True, None, None, None, None, 0, "auto", None))
+    new_kv = [torch.randn(2, 1, 2, 16) for _ in range(2)]
+    torch.library.opcheck(ops.attention_decode_append, (*decode_args, *new_kv, None, None, False, True, None, None,
+                                                        None, None, 0, "auto", None))
 
 
 def test_bad_input_fails_at_trace_time():
@@ -172,3 +179,25 @@ def test_bad_input_fails_at_trace_time():
 def test_triton_kernels_through_the_ops_under_interpreter():
     pytest.importorskip("triton")
     run_under_interpreter(HERE.parents[1], str(HERE / "interpreter_ops_cases.py"), timeout=600)
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_compiled_decode_matches_eager(append):
+    batch, capacity, heads_kv, head_dim = 2, 24, 2, 16
+    q = torch.randn(batch, 2, 4, head_dim, dtype=torch.float64)
+    caches = [torch.randn(batch, capacity, heads_kv, head_dim, dtype=torch.float64) for _ in range(2)]
+    seqlens = torch.tensor([5, 17], dtype=torch.int32)
+    new = [torch.randn(batch, 2, heads_kv, head_dim, dtype=torch.float64) for _ in range(2)] if append else [None] * 2
+
+    def decode(q, k_cache, v_cache):
+        return fs.flash_attention_decode(q, k_cache, v_cache, seqlens, k_new=new[0], v_new=new[1], window=(6, 0),
+                                         return_lse=True)
+
+    eager_caches = [c.clone() for c in caches]
+    want_out, want_lse = decode(q, *eager_caches)
+    compiled = torch.compile(decode, backend="aot_eager", fullgraph=True)
+    got_out, got_lse = compiled(q, *caches)
+    torch.testing.assert_close(got_out, want_out, atol=1e-12, rtol=0)
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-12, rtol=0)
+    for got, want in zip(caches, eager_caches):  # the appended keys and values land in the caches as in eager mode
+        assert torch.equal(got, want)

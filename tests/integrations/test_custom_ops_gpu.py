@@ -30,6 +30,14 @@ def test_opcheck_on_the_kernels():
         w2 = (0.05 * torch.randn(8, 256, 256, device="cuda", dtype=torch.bfloat16)).requires_grad_()
         weights, ids = fs.moe_route(logits.detach(), 2)
         torch.library.opcheck(ops.fused_experts_forward, (x, w1, w2, weights.requires_grad_(), ids, "auto"))
+    for paged in (False, True):
+        caches = [torch.randn(64 if paged else 2, 32 if paged else 2048, 2, 128, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(2)]
+        table = torch.randperm(64, device="cuda", dtype=torch.int32)[:2 * 32].view(2, 32) if paged else None
+        seqlens = torch.tensor([300, 900], device="cuda", dtype=torch.int32)  # paged: at most 32 blocks of 32
+        q1 = torch.randn(2, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
+        torch.library.opcheck(ops.attention_decode, (q1, *caches, seqlens, table, None, None, None, None, False, True,
+                                                     None, None, None, None, 0, "auto", None))
 
 
 def _block_and_input(num_experts):

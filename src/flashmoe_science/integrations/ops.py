@@ -2,7 +2,8 @@
 ``torch.compile``.
 
 Dynamo cannot trace a Triton or Gluon launch made through the prepared-launch caches, so under ``torch.compile`` the
-public functions (``flash_attention_science``, ``fused_moe``, ``fused_experts``, ``moe_route``) call the
+public functions (``flash_attention_science``, ``flash_attention_varlen``, ``flash_attention_decode``,
+``fused_moe``, ``fused_experts``, ``moe_route``) call the
 ``compiled_*`` functions below, which call these ops: the compiler sees one opaque node per op, with a fake
 implementation giving its outputs' shapes, dtypes and strides, and the backward as another op
 (``register_autograd``). In eager mode the public functions never come here (one ``is_compiling()`` test per call):
@@ -11,7 +12,9 @@ their prepared launches keep the host time they had (benchmarks/tools/host_time_
 Each op's real implementation runs the eager front door under ``no_grad``, so checks, kernel choice and the
 prepared-launch caches are the eager ones; only its outputs are made to have the layout its fake promises.
 
-Ops: ``attention_forward`` -> (out, lse) and ``attention_backward``; ``moe_route`` and ``moe_route_backward``;
+Ops: ``attention_forward`` -> (out, lse) and ``attention_backward`` (window, softcap, ALiBi; not attn_bias, not
+FP8); ``attention_varlen_forward``/``attention_varlen_backward``; ``attention_decode`` (forward only; the caches
+written in place by ``attention_decode_append`` when new keys come); ``moe_route`` and ``moe_route_backward``;
 ``fused_experts_forward`` -> (out, residuals for the backward) and ``fused_experts_backward``; and, for calls that
 record no gradient, ``fused_moe_inference`` / ``fused_experts_inference`` (no residuals saved; the few-token decode
 kernel with its fused routing).
@@ -249,6 +252,57 @@ def compiled_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     out, lse = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                         _scale(q, softmax_scale), _options_list(window), softcap, alibi_slopes,
                                         backend, deterministic)
+    return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------------------------------------------------------------- decode
+# Two registrations of one function: with k_new/v_new the caches are written in place (declared mutated), without
+# them they are only read (a declared mutation would make the compiler copy the whole cache on every call).
+def _decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, rotary_cos, rotary_sin,
+            rotary_interleaved, causal, softmax_scale, window, softcap, alibi_slopes, num_splits, backend,
+            check_values):
+    from flashmoe_science.attention.decode import flash_attention_decode
+
+    out, lse = flash_attention_decode(
+        q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k_new, v_new=v_new, rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, causal=causal, softmax_scale=softmax_scale,
+        window=_window(window), softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True,
+        num_splits="auto" if num_splits == 0 else num_splits, backend=backend, check_values=check_values)
+    return out.contiguous(), lse.to(_lse_dtype(q)).contiguous()
+
+
+def _decode_fake(q, *args):
+    batch, length_q, heads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads, length_q), dtype=_lse_dtype(q))
+
+
+attention_decode = _op(f"{NAMESPACE}::attention_decode", _decode, mutates_args=(),
+                       schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
+                              "Tensor? k_new, Tensor? v_new, Tensor? rotary_cos, Tensor? rotary_sin, "
+                              "bool rotary_interleaved, bool causal, float? softmax_scale, SymInt[]? window, "
+                              "float? softcap, Tensor? alibi_slopes, int num_splits, str backend, bool? check_values) "
+                              "-> (Tensor, Tensor)")
+attention_decode_append = _op(
+    f"{NAMESPACE}::attention_decode_append", _decode, mutates_args=("k_cache", "v_cache"),
+    schema="(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? block_table, "
+           "Tensor? k_new, Tensor? v_new, Tensor? rotary_cos, Tensor? rotary_sin, bool rotary_interleaved, "
+           "bool causal, float? softmax_scale, SymInt[]? window, float? softcap, Tensor? alibi_slopes, int num_splits, "
+           "str backend, bool? check_values) -> (Tensor, Tensor)")
+attention_decode.register_fake(_decode_fake)
+attention_decode_append.register_fake(_decode_fake)
+
+
+def compiled_attention_decode(q, k_cache, v_cache, cache_seqlens, *, block_table, k_new, v_new, rotary_cos,
+                              rotary_sin, rotary_interleaved, causal, softmax_scale, window, softcap, alibi_slopes,
+                              return_lse, num_splits, backend, check_values):
+    """``flash_attention_decode`` as the compiler traces it (its arguments as there; forward only)."""
+    check_flags(return_lse=return_lse)
+    if not isinstance(cache_seqlens, Tensor):
+        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    op = attention_decode if k_new is None else attention_decode_append
+    out, lse = op(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, rotary_cos, rotary_sin,
+                  rotary_interleaved, causal, softmax_scale, _options_list(window), softcap, alibi_slopes,
+                  0 if num_splits == "auto" else num_splits, backend, check_values)
     return (out, lse) if return_lse else out
 
 
