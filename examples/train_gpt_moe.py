@@ -54,7 +54,7 @@ class ModelConfig:
 
 
 CONFIGS = {
-    # ~101M parameters: embeddings (tied) 12.6M, attention 8 x 2.4M, experts 8 x 9.4M, routers and norms
+    # 107M parameters: embeddings (tied) 12.6M, attention 8 x 2.4M, experts 8 x 9.4M, routers and norms
     "100m": ModelConfig(layers=8, d_model=768, n_heads=12, d_ff=512, experts=8, top_k=2, vocab=16384, seq_len=1024,
                         batch=32),
     "tiny": ModelConfig(layers=2, d_model=64, n_heads=4, d_ff=64, experts=4, top_k=2, vocab=512, seq_len=32, batch=4),
