@@ -126,3 +126,18 @@ def test_model_compiles_without_graph_breaks():
     assert explained.graph_break_count == 0, explained.break_reasons
     compiled = torch.compile(lambda i: ours(input_ids=i).logits, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(ids), sdpa(input_ids=ids).logits, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("how", ["position_ids", "cu_seq_lens"])
+def test_packed_sequences_attend_within_themselves(how):
+    # two documents in one row: each gives the logits it gives alone (sdpa, on the documents one by one)
+    sdpa, ours, _ = model_pair("llama")
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 11))
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6]])
+    extra = {}
+    if how == "cu_seq_lens":
+        cu = torch.tensor([0, 4, 11], dtype=torch.int32)
+        extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+    got = ours(input_ids=ids, position_ids=position_ids, **extra).logits
+    want = torch.cat((sdpa(input_ids=ids[:, :4]).logits, sdpa(input_ids=ids[:, 4:]).logits), dim=1)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -7,7 +7,7 @@ kernel to fetch from its hub (``transformers.utils.generic.is_flash_attention_re
 (``AttentionInterface``) and, for the masks, transformers' own flash-attention mask builder
 (``AttentionMaskInterface``): the attention then receives either no mask (plain causal or bidirectional attention)
 or the 2-D padding mask of the tokenizer, which it turns into packed variable-length sequences (only the real
-tokens are computed; ``flash_attention_varlen`` where this version has it, else the dense kernels per sequence).
+tokens are computed, by ``flash_attention_varlen``).
 A sliding-window config becomes ``window``, a logit soft-cap ``softcap`` where ``flash_attention_science`` has those
 arguments. ``check_config`` names any config feature this backend cannot compute (instead of a wrong output);
 ``from_config`` / ``apply`` build or convert a model in one line, MoE blocks included (``nn.replace_hf_moe_blocks``)::
@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from flashmoe_science.attention.api import MAX_HEAD_DIM, MIN_HEAD_DIM, flash_attention_science
+from flashmoe_science.attention.varlen import flash_attention_varlen
 from flashmoe_science.nn.attention import attention_keywords, require_attention_feature
 from flashmoe_science.nn.moe import replace_hf_moe_blocks
 
@@ -135,16 +136,33 @@ def flashmoe_science_attention(module, query, key, value, attention_mask, dropou
         raise ValueError(f"{ATTN_IMPLEMENTATION} takes the 2-D padding mask (batch, keys), got an attention mask of "
                          f"shape {tuple(attention_mask.shape)}: build the model with attn_implementation="
                          f"'{ATTN_IMPLEMENTATION}' so that transformers makes that mask")
-    if attention_mask is None:
-        return flash_attention_science(query, key, value, **options).transpose(1, 2), None
-    return _padded_attention(query, key, value, attention_mask.bool(), options), None
+    if attention_mask is not None:
+        return _padded_attention(query, key, value, attention_mask.bool(), options), None
+    cu_seqlens = _packed_sequences(query, key, kwargs)
+    if cu_seqlens is not None:  # several documents in one row: each attends only within itself
+        out = flash_attention_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                     *cu_seqlens, query.shape[2], key.shape[2], **options)
+        return out.unsqueeze(0), None
+    return flash_attention_science(query, key, value, **options).transpose(1, 2), None
 
 
-def _varlen():
-    """``flash_attention_varlen`` where this version has it, else None."""
-    from flashmoe_science.attention import api
-
-    return getattr(api, "flash_attention_varlen", None)
+def _packed_sequences(query, key, kwargs):
+    """(cu_seqlens_q, cu_seqlens_k) where one batch row packs several sequences, as transformers marks them: its
+    flattening collator's ``cu_seq_lens_q``/``cu_seq_lens_k``, or ``position_ids`` restarting at 0 (checked, as
+    transformers' flash-attention path does, for a single row without a cache: one host synchronisation). Else None."""
+    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
+        return kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32)
+    positions = kwargs.get("position_ids")
+    if positions is None or query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] < 2:
+        return None
+    positions = positions.reshape(-1)
+    if not bool((positions[1:] <= positions[:-1]).any()):
+        return None
+    starts = (positions == 0).nonzero().reshape(-1).to(torch.int32)
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: packed position_ids must start each sequence at 0")
+    cu_seqlens = torch.cat((starts, starts.new_tensor([positions.numel()])))
+    return cu_seqlens, cu_seqlens
 
 
 def _packed(t: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -160,17 +178,10 @@ def _padded_attention(query, key, value, mask, options) -> torch.Tensor:
     mask_q = mask[:, -length_q:]
     real_q, real_k = mask_q.reshape(-1).nonzero().squeeze(1), mask.reshape(-1).nonzero().squeeze(1)
     q, k, v = _packed(query, real_q), _packed(key, real_k), _packed(value, real_k)
-    lengths_q, lengths_k = mask_q.sum(1, dtype=torch.int32), mask.sum(1, dtype=torch.int32)
-    varlen = _varlen()
-    if varlen is not None:
-        cu_q = F.pad(lengths_q.cumsum(0, dtype=torch.int32), (1, 0))
-        cu_k = F.pad(lengths_k.cumsum(0, dtype=torch.int32), (1, 0))
-        # the padded lengths bound every sequence's (no host synchronisation to find the longest)
-        out = varlen(q, k, v, cu_q, cu_k, length_q, mask.shape[1], **options)
-    else:  # the dense kernels sequence by sequence, on the same packed tokens
-        pieces = zip(q.split(lengths_q.tolist()), k.split(lengths_k.tolist()), v.split(lengths_k.tolist()))
-        out = torch.cat([flash_attention_science(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
-                                                 **options).transpose(0, 1) for qs, ks, vs in pieces])
+    cu_q = F.pad(mask_q.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    cu_k = F.pad(mask.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    # the padded lengths bound every sequence's (no host synchronisation to find the longest)
+    out = flash_attention_varlen(q, k, v, cu_q, cu_k, length_q, mask.shape[1], **options)
     padded = out.new_zeros(batch * length_q, heads, head_dim).index_copy(0, real_q, out)
     return padded.view(batch, length_q, heads, head_dim)
 
