@@ -30,6 +30,7 @@ from torch import Tensor
 from flashmoe_science.attention import api as attention_api
 from flashmoe_science.attention import reference as attention_reference
 from flashmoe_science.attention.checks import check_flags, check_inputs
+from flashmoe_science.attention.mask import make_mask
 from flashmoe_science.attention.varlen import flash_attention_varlen
 from flashmoe_science.moe import api as moe_api
 from flashmoe_science.moe import routing
@@ -99,9 +100,11 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_sca
 
 @attention_forward.register_fake
 def _attention_forward_fake(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, backend, deterministic):
-    # the eager checks run here, at trace time, so bad input fails when compiling with the eager messages
-    attention_api._checked_problem(q, k, v, causal, softmax_scale, _window(window), softcap, alibi_slopes, None,
-                                   backend, deterministic=deterministic)
+    # the eager checks run here, at trace time, so bad input fails when compiling with the eager messages; not the
+    # kernel choice, which reads data pointers (a fake tensor has none)
+    check_inputs(q, k, v, softmax_scale, backend)
+    check_flags(causal=causal, deterministic=deterministic)
+    attention_api._normalise(q, k, v, softmax_scale, make_mask(causal, _window(window), softcap), alibi_slopes)
     return _empty_like_fake(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
 
 

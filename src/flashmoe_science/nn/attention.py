@@ -42,13 +42,17 @@ def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: 
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+_ROTARY_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the kernel computes in float32
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x (B, L, H, D)`` in the "rotate half" convention (Llama, GPT-NeoX, Hugging Face): the
     pair (x[i], x[i + D/2]) is rotated by angle i. ``cos``/``sin``: ``(L, D/2)`` or ``(B, L, D/2)``.
 
     Eager on CUDA: one Triton launch each way (nn/triton_rotary.py); elsewhere, and under torch.compile (which fuses
     it), these PyTorch ops."""
-    if x.is_cuda and x.stride(-1) == 1 and not torch.compiler.is_compiling():
+    if (x.is_cuda and x.dtype in _ROTARY_KERNEL_DTYPES and x.stride(-1) == 1
+            and not torch.compiler.is_compiling()):
         from flashmoe_science.nn.triton_rotary import RotaryTriton
 
         return RotaryTriton.apply(x, cos.contiguous(), sin.contiguous())
