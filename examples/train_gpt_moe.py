@@ -185,7 +185,7 @@ def learning_rate(step: int, args) -> float:
 def train(impl: str, compiled: bool, ids, config: ModelConfig, args, device, dtype) -> dict:
     torch.manual_seed(args.seed)
     model = GPT(config, impl).to(device=device, dtype=dtype)
-    forward = torch.compile(model, backend=args.compile_backend) if compiled else model
+    forward = torch.compile(model, backend=args.compile_backend, mode=args.compile_mode) if compiled else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     name = f"{impl}{' compiled' if compiled else ''}"
     tokens_per_step = config.batch * config.seq_len
@@ -266,6 +266,7 @@ def parse_args(argv=None):
     parser.add_argument("--runs", default="ours,torch", help="comma-separated: ours, torch")
     parser.add_argument("--compile", default="off,on", help="comma-separated: off, on")
     parser.add_argument("--compile-backend", default="inductor")
+    parser.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--corpus-packages", default="numpy,torch", type=lambda s: s.split(","))
     parser.add_argument("--max-corpus-chars", type=int, default=8_000_000)
