@@ -396,6 +396,13 @@ def flash_attention_science(
     Returns:
         `out` with q's shape and dtype, or `(out, lse)` when `return_lse=True`.
     """
+    if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
+        from flashmoe_science.integrations import ops
+
+        return ops.compiled_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                                      softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
+                                      return_lse=return_lse, backend=backend, deterministic=deterministic,
+                                      fp8_descales=(q_descale, k_descale, v_descale))
     if on_another_cuda_device(q):
         with torch.cuda.device(q.device):  # Triton launches on the current device: make it q's
             return flash_attention_science(

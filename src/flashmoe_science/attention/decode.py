@@ -449,6 +449,14 @@ def flash_attention_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=No
 
     Returns out (B, Lq, Hq, D) in q's dtype, and lse when return_lse.
     """
+    if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
+        from flashmoe_science.integrations import ops
+
+        return ops.compiled_attention_decode(
+            q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k_new, v_new=v_new,
+            rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, causal=causal,
+            softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+            return_lse=return_lse, num_splits=num_splits, backend=backend, check_values=check_values)
     problem = check_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, rotary_cos, rotary_sin,
                            causal, softmax_scale, window, softcap, alibi_slopes)
     if not isinstance(rotary_interleaved, bool) or not isinstance(return_lse, bool):

@@ -89,6 +89,13 @@ def flash_attention_varlen(
     Returns:
         `out` `(total_q, Hq, D)` in q's dtype, or `(out, lse)` when `return_lse=True`.
     """
+    if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
+        from flashmoe_science.integrations import ops
+
+        return ops.compiled_attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+            softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+            return_lse=return_lse, deterministic=deterministic, backend=backend)
     if on_another_cuda_device(q):
         with torch.cuda.device(q.device):
             return flash_attention_varlen(

@@ -1,5 +1,6 @@
 """Runs test files in a child pytest under TRITON_INTERPRET=1 (which must be set before triton is first imported:
-see test_triton_interpreter.py's docstring) and fails with the child's report if any case fails."""
+see tests/attention/test_triton_interpreter.py's docstring) and fails with the child's report if any case fails.
+(tests/ is on sys.path in every test: pytest puts the root conftest's folder there.)"""
 
 from __future__ import annotations
 
