@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashmoe_science.attention.features import CallFeatures, as_features
+from flashmoe_science.attention.features import as_features
 from flashmoe_science.attention.mask import key_tile_range, masked_runs, query_tile_range, visible
 from flashmoe_science.attention.tiles import BackwardTiles, padded_head_dim
 from flashmoe_science.attention.triton_fwd import (
