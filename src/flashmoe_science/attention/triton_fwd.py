@@ -87,8 +87,9 @@ def scores_log2(s, q_pos, k_pos, seqlen_q, seqlen_k, diagonal, qk_scale, softcap
     x, t = score_to_log2(s, q_pos, k_pos, diagonal, qk_scale, softcap_scale, alibi_slope_log2, SOFTCAP, ALIBI)
     if HAS_BIAS:
         in_bounds = (q_pos < seqlen_q) & (k_pos < seqlen_k)
-        bias = tl.load(BIAS + bias_offset + q_pos * stride_bias_m + k_pos * stride_bias_n, mask=in_bounds,
-                       other=0.0)
+        # 64-bit within the plane too: Lq·Lk passes 2**31 at L = 46341
+        bias = tl.load(BIAS + bias_offset + q_pos.to(tl.int64) * stride_bias_m + k_pos.to(tl.int64) * stride_bias_n,
+                       mask=in_bounds, other=0.0)
         x = x + bias.to(tl.float32) * LOG2_E_IN_KERNEL
     return x, t
 
