@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from helpers import OUT_SLACK, max_abs_err
+from helpers import LSE_SLACK, OUT_SLACK, max_abs_err
 
 GRAD_SLACK = {torch.bfloat16: 2e-3, torch.float16: 5e-4, torch.float32: 1e-5, torch.float64: 1e-10}
 
@@ -81,3 +81,55 @@ def assert_within_rule(name, ours, ref64, same_dtype, dtype, slack_table=OUT_SLA
     magnitude = max(1.0, finite.abs().max().item()) if relative and finite.numel() else 1.0
     bound = 2 * torch_err + slack_table[dtype] * magnitude
     assert ours_err <= bound, f"{name}: error {ours_err:.3e} > {bound:.3e} (2 x torch's {torch_err:.3e} + slack)"
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def check_forward_and_grads(run, oracle, inputs, dtype, names):
+    """Our out, lse and gradients (`run(*leaves) -> (out, lse)`) against the float64 oracle
+    (`oracle(*leaves, compute_dtype) -> (out, lse)`), within 2 x the oracle's own error in `dtype` + slack."""
+    ours_leaves = _leaves(*inputs)
+    out, lse = run(*ours_leaves)
+    grad = torch.randn(out.shape, device=out.device).to(dtype)
+    ours_grads = torch.autograd.grad(out, ours_leaves, grad)
+    ref_leaves = _leaves(*(t.double() for t in inputs))
+    ref, ref_lse = oracle(*ref_leaves, torch.float64)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, grad.double())
+    same_leaves = _leaves(*inputs)
+    same, same_lse = oracle(*same_leaves, dtype)
+    same_grads = torch.autograd.grad(same, same_leaves, grad)
+    assert_within_rule("out", out.cpu(), ref.cpu(), same.cpu(), dtype)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse: -inf rows differ"
+    finite = torch.isfinite(ref_lse)
+    assert_within_rule("lse", lse[finite].cpu(), ref_lse[finite].cpu(), same_lse.float()[finite].cpu(), dtype,
+                       LSE_SLACK, relative=True)
+    for name, g, r, s in zip(names, ours_grads, ref_grads, same_grads):
+        assert_within_rule(name, g.cpu(), r.cpu(), s.cpu(), dtype, GRAD_SLACK, relative=True)
+
+
+def assert_varlen_equals_dense(out, q, k, v, cu_q, cu_k, **kwargs):
+    """Each packed sequence's rows of `out` equal, bit for bit, the dense call (flash_attention_science with
+    `kwargs`) on that sequence alone (sequences without queries or keys are skipped)."""
+    from flashmoe_science import flash_attention_science
+
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cu_q) - 1):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if qs.stop > qs.start and ks.stop > ks.start:
+            dense = flash_attention_science(q[qs].transpose(0, 1), k[ks].transpose(0, 1), v[ks].transpose(0, 1),
+                                            **kwargs)
+            assert torch.equal(out[qs], dense.transpose(0, 1)), f"sequence {b}"
+
+
+def assert_backward_bit_identical(fn, inputs):
+    """Two backward passes of `fn(*inputs)` with the same incoming gradient give bit-identical gradients."""
+    grad, runs = None, []
+    for _ in range(2):
+        leaves = _leaves(*inputs)
+        out = fn(*leaves)
+        grad = torch.randn(out.shape, device=out.device).to(out.dtype) if grad is None else grad
+        runs.append(torch.autograd.grad(out, leaves, grad))
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)

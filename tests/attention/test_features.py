@@ -211,3 +211,18 @@ def test_sm90_features_are_declared_in_one_place():
     assert hopper.SM90_FORWARD_FEATURES <= set(FEATURES) and hopper.SM90_BACKWARD_FEATURES <= set(FEATURES)
     missing = sm90_missing(frozenset({"causal", "varlen", "window"}))
     assert missing == [name for name in ("causal", "window", "varlen") if name not in hopper.SM90_FORWARD_FEATURES]
+
+
+@pytest.mark.parametrize("bias_shape", [(7, 9), (2, 1, 4, 7, 9), (3, 4, 1, 9)], ids=str)
+def test_five_dim_inputs_index_the_extras_per_leading_index(bias_shape):
+    """Leading dims that cannot merge (a transposed 5-D view) run per index: the slopes and bias follow."""
+    q = randn(3, 2, 4, 7, 16, dtype=torch.float64).transpose(0, 1)
+    k, v = (randn(3, 2, 2, 9, 16, dtype=torch.float64).transpose(0, 1) for _ in range(2))
+    slopes, bias = torch.rand(2, 3, 4), randn(*bias_shape, dtype=torch.float64)
+    out = flash_attention_science(q, k, v, attn_bias=bias, alibi_slopes=slopes, causal=True)
+    full_bias = bias.expand(2, 3, 4, 7, 9)
+    for i in range(2):
+        for j in range(3):
+            ref, _ = feature_attention(q[i, j][None], k[i, j][None], v[i, j][None], alibi=slopes[i, j],
+                                       bias=full_bias[i, j][None], causal=True)
+            _close(out[i, j], ref[0])

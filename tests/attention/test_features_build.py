@@ -94,5 +94,7 @@ def test_kernels_compile_for_sm90(monkeypatch, name, head_dim):
                                   dbias=dbias, dbias_atomic=False)
     for recorder, kernel in ((fwd, fwd.kernel), (dkdv, dkdv.kernel), (dq, dq.kernel)):
         (bound, options), = recorder.calls
+        if bound["SOFTCAP"]:  # what the launcher passes for 16-bit CUDA tensors (these are CPU ones): tanh.approx
+            bound["SOFTCAP"] = 2
         compiled = _compile(kernel, bound, options)
         assert compiled.asm.get("cubin"), kernel.fn.__name__

@@ -8,9 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from feature_oracle import GRAD_SLACK, assert_within_rule, feature_attention, varlen_feature_attention
+from feature_oracle import (
+    assert_backward_bit_identical,
+    assert_varlen_equals_dense,
+    check_forward_and_grads,
+    feature_attention,
+    varlen_feature_attention,
+)
 from flashmoe_science import flash_attention_science, flash_attention_varlen
-from helpers import LSE_SLACK
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -25,30 +30,6 @@ MASKS = [
 
 def _randn(*shape, dtype=torch.bfloat16):
     return torch.randn(shape, device="cuda", dtype=torch.float32).to(dtype)
-
-
-def _leaves(*tensors):
-    return [t.detach().clone().requires_grad_() for t in tensors]
-
-
-def _check(run, oracle, inputs, dtype, names):
-    ours_leaves = _leaves(*inputs)
-    out, lse = run(*ours_leaves)
-    grad = _randn(*out.shape, dtype=dtype)
-    ours_grads = torch.autograd.grad(out, ours_leaves, grad)
-    ref_leaves = _leaves(*(t.double() for t in inputs))
-    ref, ref_lse = oracle(*ref_leaves, torch.float64)
-    ref_grads = torch.autograd.grad(ref, ref_leaves, grad.double())
-    same_leaves = _leaves(*inputs)
-    same, same_lse = oracle(*same_leaves, dtype)
-    same_grads = torch.autograd.grad(same, same_leaves, grad)
-    assert_within_rule("out", out.cpu(), ref.cpu(), same.cpu(), dtype)
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse: -inf rows differ"
-    finite = torch.isfinite(ref_lse)
-    assert_within_rule("lse", lse[finite].cpu(), ref_lse[finite].cpu(), same_lse.float()[finite].cpu(), dtype,
-                       LSE_SLACK, relative=True)
-    for name, g, r, s in zip(names, ours_grads, ref_grads, same_grads):
-        assert_within_rule(name, g.cpu(), r.cpu(), s.cpu(), dtype, GRAD_SLACK, relative=True)
 
 
 # every mask at D=128; causal+window at the other head dims (each case compiles its own kernels: kept few)
@@ -66,7 +47,7 @@ def test_dense_masks(mask, head_dim, backend):
     def oracle(q, k, v, compute):
         return feature_attention(q, k, v, dtype=compute, **mask)
 
-    _check(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))
+    check_forward_and_grads(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))
 
 
 @pytest.mark.parametrize("bias_shape,deterministic", [((2, 8, 300, 517), False), ((8, 1, 517), False),
@@ -84,7 +65,7 @@ def test_alibi_and_bias(bias_shape, deterministic):
     def oracle(q, k, v, bias, compute):
         return feature_attention(q, k, v, alibi=slopes, bias=bias, dtype=compute, **kwargs)
 
-    _check(run, oracle, (q, k, v, bias), torch.bfloat16, ("dq", "dk", "dv", "dbias"))
+    check_forward_and_grads(run, oracle, (q, k, v, bias), torch.bfloat16, ("dq", "dk", "dv", "dbias"))
 
 
 def _ragged(head_dim, dtype=torch.bfloat16, hq=8, hkv=2, seed=0):
@@ -111,18 +92,13 @@ def test_varlen(mask, head_dim):
     def oracle(q, k, v, compute):
         return varlen_feature_attention(q, k, v, cu_q.tolist(), cu_k.tolist(), alibi=slopes, dtype=compute, **mask)
 
-    _check(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))
+    check_forward_and_grads(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))
 
 
 def test_varlen_equals_per_sequence_dense_calls():
     q, k, v, cu_q, cu_k, max_q, max_k = _ragged(128)
     out = flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, backend="triton")
-    for b in range(cu_q.numel() - 1):
-        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-        if qs.stop > qs.start and ks.stop > ks.start:
-            dense = flash_attention_science(q[qs].transpose(0, 1), k[ks].transpose(0, 1), v[ks].transpose(0, 1),
-                                            causal=True, backend="triton")
-            assert torch.equal(out[qs], dense.transpose(0, 1)), b
+    assert_varlen_equals_dense(out, q, k, v, cu_q, cu_k, causal=True, backend="triton")
 
 
 @pytest.mark.parametrize("call", ["varlen", "window"])
@@ -138,11 +114,21 @@ def test_deterministic_backward_is_bit_identical(call):
         def fn(q, k, v):
             return flash_attention_science(q, k, v, window=(512, 0), deterministic=True)
 
-    grad, runs = None, []
-    for _ in range(2):
-        leaves = _leaves(q, k, v)
-        out = fn(*leaves)
-        grad = _randn(*out.shape) if grad is None else grad
-        runs.append(torch.autograd.grad(out, leaves, grad))
-    for first, second in zip(*runs):
-        assert torch.equal(first, second)
+    assert_backward_bit_identical(fn, (q, k, v))
+
+
+@pytest.mark.parametrize("kwargs", [dict(causal=True), dict(window=(256, 0), softcap=20.0)], ids=str)
+def test_lse_functions_run_the_autograd_kernels(kwargs):
+    """attention_forward_lse / attention_backward_lse give what autograd gives (same kernels: bit-identical with
+    deterministic=True)."""
+    from flashmoe_science.attention.api import attention_backward_lse, attention_forward_lse
+
+    q, k, v = _randn(2, 8, 1000, 128), _randn(2, 2, 1000, 128), _randn(2, 2, 1000, 128)
+    out, lse = attention_forward_lse(q, k, v, **kwargs)
+    grad = _randn(*out.shape)
+    grads = attention_backward_lse(q, k, v, out, lse, grad, deterministic=True, **kwargs)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = flash_attention_science(*leaves, deterministic=True, **kwargs)
+    assert torch.equal(out, ref.detach())
+    for ours, theirs in zip(grads, torch.autograd.grad(ref, leaves, grad)):
+        assert torch.equal(ours, theirs)

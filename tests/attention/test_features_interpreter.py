@@ -13,9 +13,15 @@ import os
 import pytest
 import torch
 
-from feature_oracle import GRAD_SLACK, assert_within_rule, feature_attention, varlen_feature_attention
+from feature_oracle import (
+    assert_backward_bit_identical,
+    assert_varlen_equals_dense,
+    check_forward_and_grads,
+    feature_attention,
+    varlen_feature_attention,
+)
 from flashmoe_science import flash_attention_science, flash_attention_varlen
-from helpers import LSE_SLACK, dtype_id, randn
+from helpers import dtype_id, randn
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
                                 reason="Triton kernels on the CPU need TRITON_INTERPRET=1")
@@ -32,30 +38,6 @@ MASKS = [
 ]
 
 
-def _leaves(*tensors):
-    return [t.detach().clone().requires_grad_() for t in tensors]
-
-
-def _check_forward_and_grads(run, oracle, inputs, dtype, names, grad_shape_of=0):
-    """Our out/lse/gradients (run) vs the float64 oracle and the oracle in `dtype` (PyTorch's same-dtype error)."""
-    ours_leaves = _leaves(*inputs)
-    out, lse = run(*ours_leaves)
-    grad = randn(*out.shape, dtype=dtype)
-    ours_grads = torch.autograd.grad(out, ours_leaves, grad)
-    ref_leaves = _leaves(*(t.double() for t in inputs))
-    ref, ref_lse = oracle(*ref_leaves, torch.float64)
-    ref_grads = torch.autograd.grad(ref, ref_leaves, grad.double())
-    same_leaves = _leaves(*inputs)
-    same, same_lse = oracle(*same_leaves, dtype)
-    same_grads = torch.autograd.grad(same, same_leaves, grad)
-    assert_within_rule("out", out, ref, same, dtype)
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse: -inf rows differ"
-    finite = torch.isfinite(ref_lse)
-    assert_within_rule("lse", lse[finite], ref_lse[finite], same_lse.float()[finite], dtype, LSE_SLACK, relative=True)
-    for name, g, r, s in zip(names, ours_grads, ref_grads, same_grads):
-        assert_within_rule(name, g, r, s, dtype, GRAD_SLACK, relative=True)
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=dtype_id)
 @pytest.mark.parametrize("mask", MASKS, ids=str)
 @pytest.mark.parametrize("lq,lk", [(37, 53), (53, 37)], ids=str)
@@ -70,7 +52,7 @@ def test_dense_masks(mask, lq, lk, dtype):
     def oracle(q, k, v, compute):
         return feature_attention(q, k, v, dtype=compute, **mask)
 
-    _check_forward_and_grads(run, oracle, (q, k, v), dtype, ("dq", "dk", "dv"))
+    check_forward_and_grads(run, oracle, (q, k, v), dtype, ("dq", "dk", "dv"))
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
@@ -89,7 +71,7 @@ def test_alibi_bias_and_their_gradients(bias_shape, deterministic):
     def oracle(q, k, v, bias, compute):
         return feature_attention(q, k, v, alibi=slopes, bias=bias, dtype=compute, **kwargs)
 
-    _check_forward_and_grads(run, oracle, (q, k, v, bias), dtype, ("dq", "dk", "dv", "dbias"))
+    check_forward_and_grads(run, oracle, (q, k, v, bias), dtype, ("dq", "dk", "dv", "dbias"))
 
 
 # lengths 0, 1, odd and > 4 tiles; a query sequence with no keys and keys with no queries
@@ -120,19 +102,13 @@ def test_varlen(mask, head_dim):
     def oracle(q, k, v, compute):
         return varlen_feature_attention(q, k, v, cu_q.tolist(), cu_k.tolist(), alibi=slopes, dtype=compute, **mask)
 
-    _check_forward_and_grads(run, oracle, (q, k, v), dtype, ("dq", "dk", "dv"))
+    check_forward_and_grads(run, oracle, (q, k, v), dtype, ("dq", "dk", "dv"))
 
 
 def test_varlen_output_equals_per_sequence_dense_calls():
     q, k, v, cu_q, cu_k = _ragged(torch.float32, 32)
     out = flash_attention_varlen(q, k, v, cu_q, cu_k, max(LENGTHS_Q), max(LENGTHS_K), causal=True, backend="triton")
-    for b in range(len(LENGTHS_Q)):
-        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-        if qs.stop == qs.start:
-            continue
-        dense = flash_attention_science(q[qs].transpose(0, 1), k[ks].transpose(0, 1), v[ks].transpose(0, 1),
-                                        causal=True, backend="triton")
-        assert torch.equal(out[qs], dense.transpose(0, 1)), b
+    assert_varlen_equals_dense(out, q, k, v, cu_q, cu_k, causal=True, backend="triton")
 
 
 @pytest.mark.parametrize("call", ["varlen", "window"])
@@ -149,15 +125,7 @@ def test_deterministic_backward_is_bit_identical(call):
         def fn(q, k, v):
             return flash_attention_science(q, k, v, window=(17, 5), backend="triton", deterministic=True)
 
-    grad = None
-    runs = []
-    for _ in range(2):
-        leaves = _leaves(q, k, v)
-        out = fn(*leaves)
-        grad = randn(*out.shape, dtype=out.dtype) if grad is None else grad
-        runs.append(torch.autograd.grad(out, leaves, grad))
-    for first, second in zip(*runs):
-        assert torch.equal(first, second)
+    assert_backward_bit_identical(fn, (q, k, v))
 
 
 def test_window_skips_key_tiles():

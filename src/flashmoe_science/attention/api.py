@@ -97,8 +97,7 @@ def _leading_views(q, k, alibi_slopes, attn_bias) -> tuple[torch.Tensor | None, 
     bias = check_attn_bias(attn_bias, target, q.dtype, q.device)
     if bias is not None:
         bias = bias.view((1,) * (len(target) - bias.dim()) + tuple(bias.shape))
-        if any(size != 1 for size in bias.shape[:-3]):
-            bias = bias.expand(*batch_shape, *bias.shape[-3:])
+        bias = bias.expand(*batch_shape, *bias.shape[-3:])  # stride 0 where it broadcasts over the batch
     return slopes, bias
 
 

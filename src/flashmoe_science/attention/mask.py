@@ -34,6 +34,7 @@ import triton.language as tl
 
 LOG2_E = 1.4426950408889634
 UNBOUNDED = -1  # a window side without a bound
+HARDWARE_TANH = tl.constexpr(2)  # SOFTCAP = 2: softcap with the GPU's tanh instruction (see softcap_tanh)
 
 
 @dataclass(frozen=True)
@@ -277,7 +278,7 @@ def score_to_log2(s, q_pos, k_pos, diagonal, qk_scale, softcap_scale, alibi_slop
     Positions may be int or float32 tensors (float ones, with the diagonal already added to q_pos and 0 passed,
     spare the per-score integer-to-float conversion). FAST_TANH: see `softcap_tanh`."""
     if SOFTCAP:
-        t = softcap_tanh(s * softcap_scale, FAST_TANH)
+        t = softcap_tanh(s * softcap_scale, FAST_TANH or SOFTCAP == HARDWARE_TANH)
         x = t * qk_scale
     else:
         t = s

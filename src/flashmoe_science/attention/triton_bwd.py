@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashmoe_science.attention.features import CallFeatures, as_features
+from flashmoe_science.attention.features import as_features
 from flashmoe_science.attention.mask import key_tile_range, masked_runs, query_tile_range, visible
 from flashmoe_science.attention.tiles import BackwardTiles, padded_head_dim
 from flashmoe_science.attention.triton_fwd import (
@@ -309,7 +309,8 @@ def _dq_key_tiles(dq, q, do, lse2, delta, offs_m,
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         if DBIAS != 0:  # the bias is added to the scores as is: its gradient is dS (rows past Lq have dS = 0)
-            dbias_ptrs = dbias_base + offs_m[:, None] * stride_dbias_m + key_pos[None, :] * stride_dbias_n
+            dbias_ptrs = (dbias_base + offs_m[:, None].to(tl.int64) * stride_dbias_m
+                          + key_pos[None, :].to(tl.int64) * stride_dbias_n)
             in_bounds = (offs_m[:, None] < seqlen_q) & (key_pos[None, :] < seqlen_k)
             if DBIAS == 1:
                 tl.store(dbias_ptrs, ds, mask=in_bounds)

@@ -30,6 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashmoe_science.attention.features import CallFeatures, as_features, bias_strides
 from flashmoe_science.attention.mask import (  # noqa: F401 (key_tile_bounds re-exported for the kernels)
+    HARDWARE_TANH,
     key_tile_bounds,
     key_tile_range,
     masked_runs,
@@ -86,8 +87,9 @@ def scores_log2(s, q_pos, k_pos, seqlen_q, seqlen_k, diagonal, qk_scale, softcap
     x, t = score_to_log2(s, q_pos, k_pos, diagonal, qk_scale, softcap_scale, alibi_slope_log2, SOFTCAP, ALIBI)
     if HAS_BIAS:
         in_bounds = (q_pos < seqlen_q) & (k_pos < seqlen_k)
-        bias = tl.load(BIAS + bias_offset + q_pos * stride_bias_m + k_pos * stride_bias_n, mask=in_bounds,
-                       other=0.0)
+        # 64-bit within the plane too: Lq·Lk passes 2**31 at L = 46341
+        bias = tl.load(BIAS + bias_offset + q_pos.to(tl.int64) * stride_bias_m + k_pos.to(tl.int64) * stride_bias_n,
+                       mask=in_bounds, other=0.0)
         x = x + bias.to(tl.float32) * LOG2_E_IN_KERNEL
     return x, t
 
@@ -344,6 +346,8 @@ def feature_args(q, k, features: CallFeatures, softmax_scale: float) -> tuple[di
         **features.mask.kernel_args(softmax_scale),
         ALIBI=features.alibi_slopes is not None, HAS_BIAS=bias is not None, VARLEN=features.varlen is not None,
     )
+    if scalars["SOFTCAP"] and q.is_cuda and q.dtype != torch.float32:
+        scalars["SOFTCAP"] = int(HARDWARE_TANH)  # 16-bit inputs on a GPU: the tanh instruction (mask.softcap_tanh)
     alibi_strides = features.alibi_slopes.stride() if features.alibi_slopes is not None else (0, 0)
     full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     return scalars, (*alibi_strides, *(bias_strides(bias, full) if bias is not None else (0, 0, 0, 0)))
