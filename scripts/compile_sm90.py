@@ -13,6 +13,7 @@ from triton.runtime.jit import mangle_type
 
 from flashmoe_science.attention.hopper import fwd_sm90
 from flashmoe_science.attention.tiles import padded_head_dim
+from flashmoe_science.hopper.common import LAUNCH_OPTIONS
 from sass_tools import sass_counts
 
 
@@ -34,7 +35,7 @@ def compile_once(d, bn, stages, causal, dtype=torch.bfloat16, q_buffers=1, cross
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, v in args.items()
              if isinstance(v, torch.Tensor) or (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0)}
     src = GluonASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": fwd_sm90.REGISTER_CAP})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH_OPTIONS))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 bwd_sm90 = pytest.importorskip("flashmoe_science.attention.hopper.bwd_sm90")
-from flashmoe_science.moe.hopper.common import offline_sass  # noqa: E402
+from flashmoe_science.hopper.common import offline_sass  # noqa: E402
 
 
 def _sass(compiled) -> str:

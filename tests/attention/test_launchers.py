@@ -158,6 +158,7 @@ def _assert_prepared_launch_matches(kernel, compiled, prepared, new_tensors, des
 def test_sm90_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatch, fake_compiled_kernel, causal):
     pytest.importorskip("triton.experimental.gluon")
     from flashmoe_science.attention.hopper import fwd_sm90
+    from flashmoe_science.hopper.common import REGISTER_CAP
 
     kernel, compiled = _recording_warmup_kernel(fwd_sm90.attention_forward_sm90_kernel.arg_names,
                                                 fake_compiled_kernel)
@@ -169,7 +170,7 @@ def test_sm90_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatch,
     q2, k2, v2 = _blhd(2, 8, 300, 64), _blhd(2, 2, 257, 64), _blhd(2, 2, 257, 64)
     new = (q2, k2, v2, torch.empty_like(q2), torch.empty(2, 8, 300))
     _assert_prepared_launch_matches(kernel, compiled, prepared, new, {"q_desc", "k_desc", "v_desc", "o_desc"},
-                                    {"num_warps": 4, "maxnreg": fwd_sm90.REGISTER_CAP})
+                                    {"num_warps": 4, "maxnreg": REGISTER_CAP})
 
     misaligned = torch.empty(q2.numel() + 1, dtype=q2.dtype)[1:].view(q2.shape)
     with pytest.raises(ValueError, match="alignment"):
@@ -214,6 +215,7 @@ def test_sm90_launcher(monkeypatch, head_dim, causal):
     gluon = pytest.importorskip("triton.experimental.gluon")
     assert gluon
     from flashmoe_science.attention.hopper import fwd_sm90
+    from flashmoe_science.hopper.common import REGISTER_CAP
 
     kernel = _RecordingKernel()
     monkeypatch.setattr(fwd_sm90, "attention_forward_sm90_kernel", kernel)
@@ -237,7 +239,7 @@ def test_sm90_launcher(monkeypatch, head_dim, causal):
     # the output is staged in a Q buffer: same box layout; its box is clipped at out's own shape (Lq, head_dim)
     assert o_desc.layout == q_desc.layout and o_desc.base is out and o_desc.shape == list(out.shape)
     assert args[4] is lse and args[5:7] == (8, 4)  # heads, GQA group
-    assert kwargs["maxnreg"] == fwd_sm90.REGISTER_CAP == 168 and kwargs["num_warps"] == 4
+    assert kwargs["maxnreg"] == REGISTER_CAP == 168 and kwargs["num_warps"] == 4
     assert (kwargs["BLOCK_D"], kwargs["CAUSAL"]) == (block_d, causal)
     # shared memory: 2 Q boxes + NUM_STAGES K and V boxes fit the H200's 227 KiB
     box = lambda rows: rows * block_d * 2  # noqa: E731

@@ -18,7 +18,7 @@ pytest.importorskip("triton.experimental.gluon")
 
 from flashmoe_science.moe.dispatch import sort_buffers  # noqa: E402
 from flashmoe_science.moe.hopper import dx_sm90 as gdx  # noqa: E402
-from flashmoe_science.moe.hopper.common import offline_sass  # noqa: E402
+from flashmoe_science.hopper.common import offline_sass  # noqa: E402
 from flashmoe_science.moe.hopper.dx_sm90 import DxConfig, SwigluOperands  # noqa: E402
 
 # the dh configs of scripts/ab_moe_dx_sm90.py (keep in step): ping-pong 128x128 with 4 / 5 stages, cooperative

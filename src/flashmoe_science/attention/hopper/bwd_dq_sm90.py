@@ -27,15 +27,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from flashmoe_science.attention.hopper.bwd_sm90 import (
-    CONSUMER_REGISTERS,
-    PRODUCER_REGISTERS,
-    REGISTER_CAP,
+from flashmoe_science.attention.hopper.bwd_common import (
     _hide_keys,
 )
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor, _release_unused
 from flashmoe_science.attention.triton_fwd import LOG2_E, key_tile_bounds
-from flashmoe_science.moe.hopper.common import wgmma_layout
+from flashmoe_science.hopper.common import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS, wgmma_layout
 
 BLOCK_M = 64  # query rows per consumer
 BLOCK_N = 32  # keys per streamed tile: Q and dO of 128 rows take 128 KB of the shared memory at D=256
@@ -228,14 +225,14 @@ def launch(q, k, v, lse, grad_out, delta, dq, causal: bool, softmax_scale: float
         *_tensor_args(q, k, v, grad_out, block_d), lse, delta, dq, *dq.stride()[:3],
         num_q_heads, num_q_heads // k.shape[1], seqlen_q, k.shape[2], softmax_scale * LOG2_E, softmax_scale,
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages, CAUSAL=causal,
-        num_warps=4, maxnreg=REGISTER_CAP,
+        **LAUNCH_OPTIONS,
     )
 
 
 def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, dtype: torch.dtype = torch.bfloat16):
     """The kernel built for sm_90 without a GPU (see bwd_sm90.compile_offline)."""
     from flashmoe_science.attention.tiles import padded_head_dim
-    from flashmoe_science.moe.hopper.common import compile_offline as build
+    from flashmoe_science.hopper.common import compile_offline as build
 
     block_d = padded_head_dim(head_dim)
     q = torch.empty(2, 4, 256, head_dim, dtype=dtype, device="meta")

@@ -50,10 +50,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -63,10 +61,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashmoe_science.attention.hopper import bwd_dq_sm90, bwd_sm90_hdim256
+from flashmoe_science.attention.hopper.bwd_common import (TWO_KERNEL_BLOCK_D, _cta_key_block, _hide_keys, _producer,
+                                                          _producer_barriers, _query_tile_bounds)
+from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor  # the forward's TMA boxes
 from flashmoe_science.attention.tiles import padded_head_dim
-from flashmoe_science.attention.hopper.fwd_sm90 import _GL_DTYPES, _descriptor  # the forward's TMA boxes
 from flashmoe_science.attention.triton_fwd import LOG2_E
-from flashmoe_science.moe.hopper.common import column_halves, wgmma_layout
+from flashmoe_science.hopper.common import (CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS,
+                                            column_halves, tma_reduce_add, wgmma_layout)
+from flashmoe_science.hopper.common import compile_offline as sm90_compile_offline
 
 KEYS_PER_CONSUMER = 64  # one wgmma M tile per consumer warpgroup
 NUM_CONSUMERS = 2
@@ -74,101 +77,7 @@ BLOCK_N = KEYS_PER_CONSUMER * NUM_CONSUMERS  # keys per CTA
 BLOCK_M = 64  # query rows per streamed tile
 NUM_STAGES = 2  # Q/dO ring depth
 DQ_COLS = 32  # columns per dQ reduce-add box: 32 fp32 = 128 bytes, the widest swizzled TMA box
-TWO_KERNEL_BLOCK_D = 256  # padded head dim run as bwd_sm90_hdim256 (dK, dV) + bwd_dq_sm90 (dQ)
 SUPPORTED_BLOCK_D = (64, 128, TWO_KERNEL_BLOCK_D)
-PRODUCER_REGISTERS = gl.constexpr(24)
-CONSUMER_REGISTERS = gl.constexpr(240)
-REGISTER_CAP = 65536 // (3 * 128) // 8 * 8  # launch-time registers/thread: 3 warpgroups' worth (as fwd_sm90)
-LOG2_E_IN_KERNEL = gl.constexpr(LOG2_E)
-
-
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """dst[box at coord] += src (shared memory), by the TMA unit: `cp.reduce.async.bulk.tensor.add`. Gluon 3.6 builds
-    the op but exposes no wrapper for it on Hopper; completion is tracked like a TMA store (`tma.store_wait`)."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.jit
-def _query_tile_bounds(start_n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       CAUSAL: gl.constexpr):
-    """For the key tile at `start_n`: (query_start, num_tiles, diag_end) in rows; see the module doc."""
-    diagonal = seqlen_k - seqlen_q
-    query_end = (seqlen_q + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    if CAUSAL:
-        query_start = gl.maximum(start_n - diagonal, 0) // BLOCK_M * BLOCK_M
-        last_key = gl.minimum(start_n + BLOCK_N, seqlen_k) - 1
-        diag_end = (gl.maximum(last_key - diagonal, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    else:
-        query_start = 0
-        diag_end = 0
-    query_start = gl.minimum(query_start, query_end)
-    diag_end = gl.minimum(diag_end, query_end)
-    if start_n + BLOCK_N > seqlen_k:  # ragged keys: everything masked
-        diag_end = query_end
-    return query_start, (query_end - query_start) // BLOCK_M, diag_end
-
-
-@gluon.jit
-def _hide_keys(s_init, queries, keys, seqlen_k, diagonal, CAUSAL: gl.constexpr):
-    """s_init with -inf where a key is hidden from a query: past Lk, or (causal) key j > query i + Lk - Lq.
-    `queries` and `keys` are index tensors expanded to s_init's orientation (the three sm_90 backward kernels hold
-    scores as keys x queries or queries x keys). -inf, not a product: a dead row (lse = -inf, no visible key) would
-    otherwise start from +inf."""
-    visible = keys < seqlen_k
-    if CAUSAL:
-        visible = visible & (keys - diagonal <= queries)
-    return gl.where(visible, s_init, float("-inf"))
-
-
-@gluon.jit
-def _cta_key_block(seqlen_k, num_kv_heads, CTA_KEYS: gl.constexpr):
-    """This CTA's (first key, batch, kv head): program ids run over a (batch, kv head)'s key blocks consecutively."""
-    num_key_tiles = gl.cdiv(seqlen_k, CTA_KEYS)
-    pid_bh = gl.program_id(0) // num_key_tiles
-    return (gl.program_id(0) % num_key_tiles) * CTA_KEYS, pid_bh // num_kv_heads, pid_bh % num_kv_heads
-
-
-@gluon.jit
-def _producer_barriers(NUM_STAGES: gl.constexpr):
-    """The barriers of `_producer`'s protocol, initialised: kv_ready (K and V landed), q_ready/do_ready per ring
-    stage, and empty per stage (one arrival per consumer frees it)."""
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    return kv_ready, q_ready, do_ready, empty
-
-
-@gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
-              kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
-              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """K and V once, then Q and dO of every visited query tile of every query head of the group."""
-    ROWS: gl.constexpr = q_desc.block_type.shape[2]
-    KEYS: gl.constexpr = k_desc.block_type.shape[2]
-    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [batch, kv_head, start_n, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [batch, kv_head, start_n, 0], kv_ready, v_smem)
-    query_start, num_tiles, _ = _query_tile_bounds(start_n, seqlen_q, seqlen_k, ROWS, KEYS, CAUSAL)
-    for ring in range(group_size * num_tiles):
-        g = ring // num_tiles
-        start_m = query_start + (ring - g * num_tiles) * ROWS
-        q_head = kv_head * group_size + g
-        stage = ring % NUM_STAGES
-        mbarrier.wait(empty.index(stage), ((ring // NUM_STAGES) & 1) ^ 1)  # first pass: passes at once
-        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, q_head, start_m, 0], q_ready.index(stage),
-                                        q_smem.index(stage))
-        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [batch, q_head, start_m, 0], do_ready.index(stage),
-                                        do_smem.index(stage))
 
 
 @gluon.jit
@@ -258,7 +167,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
         fence_async_shared()
         gl.thread_barrier()
         for chunk in gl.static_range(DQ_N // DQ_COLS):
-            _tma_reduce_add(dq_desc, [q_head, start_m, CONSUMER * DQ_N + chunk * DQ_COLS], dq_smem.index(chunk))
+            tma_reduce_add(dq_desc, [q_head, start_m, CONSUMER * DQ_N + chunk * DQ_COLS], dq_smem.index(chunk))
 
     tma.store_wait(0)
     dk = dk * sm_scale
@@ -347,7 +256,7 @@ def check_supported(q: torch.Tensor, softmax_scale: float = 1.0) -> None:
     if not softmax_scale > 0:
         raise ValueError(f"the sm_90 backward needs a positive softmax_scale (its masks are -inf scores), got "
                          f"{softmax_scale}")
-    if q.dtype not in _GL_DTYPES:
+    if q.dtype not in GL_DTYPES:
         raise ValueError(f"the sm_90 backward runs bf16/fp16 only, got {q.dtype}")
     if padded_head_dim(q.shape[-1]) not in SUPPORTED_BLOCK_D:
         raise ValueError(f"the sm_90 backward runs head dims padding to {SUPPORTED_BLOCK_D}, got {q.shape[-1]}")
@@ -364,8 +273,6 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, caus
     `(B, Hq, Lq, padded_head_dim(D))` workspace (any contents: the preprocess zeroes it; allocated here if None).
     Padding to 256: two kernels, bwd_sm90_hdim256 (dK, dV) then bwd_dq_sm90 (dQ, written directly: no dq_accum,
     and deterministic). num_stages: the Q/dO ring depth of the dK/dV kernel (None: its default)."""
-    from flashmoe_science.attention.hopper import bwd_dq_sm90, bwd_sm90_hdim256
-
     check_supported(q, softmax_scale)
     block_d = padded_head_dim(q.shape[-1])
     split = block_d == TWO_KERNEL_BLOCK_D
@@ -435,7 +342,7 @@ def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum,
             *dk.stride()[:3], *dv.stride()[:3], num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q,
             seqlen_k, softmax_scale * LOG2_E, softmax_scale, HEAD_DIM=head_dim, BLOCK_D=block_d,
             NUM_STAGES=num_stages or NUM_STAGES, CAUSAL=causal),
-            dict(num_warps=4, maxnreg=REGISTER_CAP),
+            dict(LAUNCH_OPTIONS),
             ("q", "grad_out", "k", "v", "dq_accum", "lse", "delta", "dk", "dv")),
         "dq_convert": (convert, row_grid, _bound(
             convert, dq_accum, dq, *dq.stride()[:3], num_q_heads, seqlen_q, softmax_scale, HEAD_DIM=head_dim,
@@ -493,12 +400,9 @@ class PreparedBackward:
 def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, dtype: torch.dtype = torch.bfloat16):
     """The kernel built for sm_90 without a GPU (meta tensors; ptxas ships with triton), specialised as a launch
     would specialise it; returns the CompiledKernel (registers, shared memory, SASS: scripts/compile_bwd_sm90.py)."""
-    from flashmoe_science.moe.hopper.common import compile_offline as build
 
     block_d = padded_head_dim(head_dim)
     if block_d == 256:
-        from flashmoe_science.attention.hopper import bwd_sm90_hdim256
-
         return bwd_sm90_hdim256.compile_offline(head_dim, causal, num_stages, dtype)
     q = torch.empty(2, 4, 256, head_dim, dtype=dtype, device="meta")
     lse = torch.empty(2, 4, 256, device="meta")
@@ -506,4 +410,4 @@ def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, d
     kernel, _, bound, _, _ = _one_pass_launches(q, q[:, :2], q[:, :2], q, lse, q, lse, q, q[:, :2], q[:, :2],
                                                 dq_accum, causal, 0.07, num_stages)["dkdv_dq"]
     constexprs = {name: bound[name] for name in ("HEAD_DIM", "BLOCK_D", "NUM_STAGES", "CAUSAL")}
-    return build(kernel, [bound[name] for name in kernel.arg_names], constexprs)
+    return sm90_compile_offline(kernel, [bound[name] for name in kernel.arg_names], constexprs)

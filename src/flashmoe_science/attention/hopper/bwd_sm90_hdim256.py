@@ -8,7 +8,7 @@ reduction alone capped a one-pass kernel at ~265 TFLOP/s on the H200 (atomics or
 removed, docs/perf-notes.md v27), so bwd_dq_sm90 computes dQ query-stationary in a second kernel.
 
 A CTA owns BLOCK_N = 64 keys of one (batch, kv head); grid (cdiv(Lk, 64) · B·Hkv). The producer warp is
-bwd_sm90's (K and V once, Q and dO tiles of 64 query rows through a ring). Consumer c (4 warps) per query tile:
+bwd_common's (K and V once, Q and dO tiles of 64 query rows through a ring). Consumer c (4 warps) per query tile:
 
     issue  S_c = Q K_cᵀ,  dP_c = dO V_cᵀ            (64 queries x 32 keys: keys [32c, 32c + 32) of the CTA)
     P_c = exp2(S_c·scale·log2e − lse·log2e),  dS_c = P_c ∘ (dP_c − Δ)
@@ -19,7 +19,7 @@ bwd_sm90's (K and V once, Q and dO tiles of 64 query rows through a ring). Consu
 so each consumer holds dKᵀ and dVᵀ for all 64 keys and half the head dim (transposed: the head dim is the wgmma M),
 2 x 128 x 64 fp32 = 128 registers. P and dS are double-buffered by tile parity (bwd_sm90's argument: a consumer
 cannot write tile t+2's slot before the other has arrived for tile t+1, which it does after its last read of tile
-t). Masks, the statistics in the accumulators' initial values and the query-tile bounds are bwd_sm90's. dK and dV
+t). Masks, the statistics in the accumulators' initial values and the query-tile bounds are bwd_common's. dK and dV
 are deterministic (summed in registers in a fixed order).
 """
 
@@ -35,10 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashmoe_science.attention.hopper.bwd_sm90 import (
-    CONSUMER_REGISTERS,
-    PRODUCER_REGISTERS,
-    REGISTER_CAP,
+from flashmoe_science.attention.hopper.bwd_common import (
     TWO_KERNEL_BLOCK_D,
     _cta_key_block,
     _hide_keys,
@@ -48,7 +45,7 @@ from flashmoe_science.attention.hopper.bwd_sm90 import (
 )
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor
 from flashmoe_science.attention.triton_fwd import LOG2_E
-from flashmoe_science.moe.hopper.common import wgmma_layout
+from flashmoe_science.hopper.common import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS, wgmma_layout
 
 NUM_CONSUMERS = 2
 BLOCK_N = 64  # keys per CTA: dKᵀ and dVᵀ of 64 keys x half the head dim fit a consumer's registers
@@ -213,7 +210,7 @@ def launch(q, k, v, lse, grad_out, delta, dk, dv, causal: bool, softmax_scale: f
         num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, softmax_scale * LOG2_E,
         softmax_scale,
         HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, NUM_STAGES=num_stages, CAUSAL=causal,
-        num_warps=4, maxnreg=REGISTER_CAP,
+        **LAUNCH_OPTIONS,
     )
 
 
@@ -225,7 +222,7 @@ def _tensor_args(q, k, v, grad_out):
 
 def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, dtype: torch.dtype = torch.bfloat16):
     """bwd_sm90.compile_offline's counterpart for this kernel (head dims 129..256)."""
-    from flashmoe_science.moe.hopper.common import compile_offline as build
+    from flashmoe_science.hopper.common import compile_offline as build
 
     q = torch.empty(2, 4, 256, head_dim, dtype=dtype, device="meta")
     lse = torch.empty(2, 4, 256, device="meta")

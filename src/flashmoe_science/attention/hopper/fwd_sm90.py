@@ -46,16 +46,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashmoe_science.attention.tiles import padded_head_dim, sm90_cross_item_safe
 from flashmoe_science.attention.triton_fwd import LN_2, LOG2_E, key_tile_bounds, tma_box, tma_compatible
+from flashmoe_science.hopper.common import CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS
 from flashmoe_science.prepared_launch import PreparedLaunch
 
 CONSUMER_ROWS = 64  # rows per consumer warpgroup (4 warps x 16 rows of wgmma)
 NUM_CONSUMERS = 2
 BLOCK_M = CONSUMER_ROWS * NUM_CONSUMERS
-PRODUCER_REGISTERS = gl.constexpr(24)  # the fewest a warp may hold: the producer only computes addresses
-CONSUMER_REGISTERS = gl.constexpr(240)
-# Registers per thread at launch: the three partitions (two consumer warpgroups, the producer's warpgroup) must
-# fit the 64K register file; setmaxnreg then moves the producer's share to the consumers (2*240 + 24 = 3*168).
-REGISTER_CAP = 65536 // (3 * 128) // 8 * 8
 
 
 @gluon.jit
@@ -423,12 +419,9 @@ def attention_forward_sm90_kernel(
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-
-
 @functools.lru_cache(maxsize=None)
 def _smem_layout(rows: int, block_d: int, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d], _GL_DTYPES[dtype])
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d], GL_DTYPES[dtype])
 
 
 def _descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
@@ -467,9 +460,6 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
     return grid, args, constexprs
 
 
-_LAUNCH_OPTIONS = dict(num_warps=4, maxnreg=REGISTER_CAP)
-
-
 def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles, num_ctas: int | None = None,
                            q_buffers: int = 1, cross_item: bool = False):
     """Launch on checked 4-D bf16/fp16 tensors with TMA-compatible strides (see triton_fwd.tma_compatible).
@@ -480,7 +470,7 @@ def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float
     `tiles.sm90_cross_item_safe`."""
     grid, args, constexprs = _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers,
                                           cross_item)
-    return attention_forward_sm90_kernel[grid](*args, **constexprs, **_LAUNCH_OPTIONS)
+    return attention_forward_sm90_kernel[grid](*args, **constexprs, **LAUNCH_OPTIONS)
 
 
 def prepare_forward(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles, num_ctas: int | None = None,
@@ -492,5 +482,5 @@ def prepare_forward(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles
                                           cross_item)
     bound = dict(zip(attention_forward_sm90_kernel.arg_names, args), **constexprs)
     make_head = functools.partial(_tensor_args, tiles.block_n, padded_head_dim(q.shape[-1]))
-    return PreparedLaunch(attention_forward_sm90_kernel, grid, bound, _LAUNCH_OPTIONS, make_head,
+    return PreparedLaunch(attention_forward_sm90_kernel, grid, bound, LAUNCH_OPTIONS, make_head,
                           (q, k, v, out, lse))

@@ -1,4 +1,5 @@
-"""What the warp-specialised sm_90 Gluon GEMMs of moe/hopper share (dx_sm90, wgrad_sm90).
+"""What the warp-specialised sm_90 Gluon GEMMs of moe/hopper share (dx_sm90, wgrad_sm90); what every sm_90 kernel
+shares (register split, launch options, wgmma layouts, descriptors, offline builds) is flashmoe_science.hopper.common.
 
 Both run one producer warp that fills a ring of NUM_STAGES shared-memory stages by TMA (an A box and a B box per
 stage, both completing on the stage's "ready" mbarrier) and two consumer warpgroups that issue async wgmmas on the
@@ -8,31 +9,18 @@ output tile from ROW0 = c * ROWS; "empty" counts 2 arrivals) or alternate work i
 and a "turn" barrier pair orders their main loops). The ring position advances by each work item's K steps, in the
 same order in every partition; see dx_sm90's docstring for the protocol and why it is safe.
 
-Here: the register split, the launch options, the GROUP_M work order, the barriers' set-up, one producer step
-(``load_stage``), the consumer's main loop (``mma_steps``), the accumulator's layout (``wgmma_layout``) and its
-column halves (``column_halves``, for epilogues in slices), host-side TMA descriptors and offline sm_90 builds.
-Gluon inlines these helpers: the kernels compile as if they were written out in place.
+Here: the GROUP_M work order, the barriers' set-up, one producer step (``load_stage``), the consumer's main loop
+(``mma_steps``) and the checks of a tile config. Gluon inlines these helpers: the kernels compile as if they were
+written out in place.
 """
 
 from __future__ import annotations
 
-import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 NUM_CONSUMERS = 2
-PRODUCER_REGISTERS = gl.constexpr(24)  # the fewest a warp may hold: the producer only computes coordinates
-CONSUMER_REGISTERS = gl.constexpr(240)
-# Registers per thread at launch: the three warpgroups (two consumers, the producer's) must fit the 64K register file;
-# setmaxnreg then moves the producer's share to the consumers (2*240 + 24 = 504 <= 3*168).
-REGISTER_CAP = 65536 // (3 * 128) // 8 * 8
-NUM_WARPS = 4  # the default partition (consumer 0); the workers add 4 + 1 warps
-BARRIER_BYTES = 1024  # mbarriers and alignment, beside the operand ring
-GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-LAUNCH_OPTIONS = dict(num_warps=NUM_WARPS, maxnreg=REGISTER_CAP)
 
 
 # ------------------------------------------------------------------------------------------------- device helpers
@@ -106,23 +94,6 @@ def mma_steps(a_smem, b_smem, ready, empty, ring, k_steps, acc,
     return acc, ring
 
 
-@gluon.constexpr_function
-def wgmma_layout(N):
-    """The consumers' wgmma accumulator layout of an N-column tile: the 4 warps stacked along the rows (16 rows each,
-    repeated down the tile), each thread holding adjacent column pairs. Its column slices (``column_halves``) have
-    the layout of the narrower tile."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
-
-
-@gluon.jit
-def column_halves(t):
-    """(left, right) column halves of a 2-D register tensor in a wgmma accumulator layout, without moving data: a
-    thread holds columns c and c + N/2 of the same rows, so the split only selects registers (no shuffles)."""
-    ROWS: gl.constexpr = t.shape[0]
-    HALF: gl.constexpr = t.shape[1] // 2
-    return t.reshape([ROWS, 2, HALF]).permute((0, 2, 1)).split()
-
-
 # --------------------------------------------------------------------------------------------------- host helpers
 def check_tile_config(kernel: str, config, smem_needed: int, smem_limit: int) -> None:
     """The checks every GEMM config here shares (``config`` has block_n, block_k, pingpong, num_stages, group_m and
@@ -142,49 +113,3 @@ def check_tile_config(kernel: str, config, smem_needed: int, smem_limit: int) ->
     if smem_needed > smem_limit:
         raise ValueError(f"{kernel}: {config.label()} needs {smem_needed} bytes of shared memory, more than the "
                          f"{smem_limit} a block may have")
-
-
-def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
-    """A TMA descriptor over a checked 2-D tensor (unit last stride, 16-byte aligned rows), built without the
-    class's re-validation (which also reads data_ptr, absent on the meta tensors of offline builds)."""
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=list(block_shape),
-                         layout=gl.NVMMASharedLayout.get_default_for(list(block_shape), GL_DTYPES[t.dtype]),
-                         padding="zero")
-    return desc
-
-
-def compile_offline(fn, args, constexprs: dict):
-    """``triton.compile`` of the Gluon kernel ``fn`` for sm_90 without a GPU (meta tensors are enough), specialised
-    as the JIT would specialise these arguments (16-byte aligned pointers, integers divisible by 16) and launched
-    with LAUNCH_OPTIONS; returns the CompiledKernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
-    names = fn.arg_names
-    values = dict(zip(names, args))
-    signature = {n: ("constexpr" if n in constexprs else mangle_type(values[n])) for n in names}
-    consts = {(names.index(n),): v for n, v in constexprs.items()}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, v in values.items()
-             if isinstance(v, torch.Tensor) or (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0)}
-    src = GluonASTSource(fn, signature, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH_OPTIONS))
-
-
-def offline_sass(compiled) -> str | None:
-    """The SASS of a compiled kernel (``compile_offline``'s), by the cuobjdump that ships with triton; None where this
-    triton has none."""
-    import os
-    import subprocess
-    import tempfile
-
-    from triton import knobs
-
-    cuobjdump = os.path.join(os.path.dirname(knobs.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, timeout=120).stdout

@@ -121,11 +121,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
+from flashmoe_science.hopper import common as sm90
+from flashmoe_science.hopper.common import (BARRIER_BYTES, CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS,
+                                            PRODUCER_REGISTERS, column_halves, wgmma_layout)
 from flashmoe_science.moe.dispatch import ExpertSort
-from flashmoe_science.moe.hopper import common
-from flashmoe_science.moe.hopper.common import (BARRIER_BYTES, CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS,
-                                                NUM_CONSUMERS, PRODUCER_REGISTERS, check_tile_config, column_halves,
-                                                grouped_block, init_barriers, load_stage, mma_steps, wgmma_layout)
+from flashmoe_science.moe.hopper.common import (NUM_CONSUMERS, check_tile_config, grouped_block, init_barriers,
+                                                load_stage, mma_steps)
 from flashmoe_science.moe.tiles import HOPPER_SMEM_PER_BLOCK, sm_count
 from flashmoe_science.prepared_launch import PreparedLaunch
 
@@ -666,16 +667,16 @@ def kernel_head(gemm: str, config: DxConfig, a, w, out, sorted_pair_ids, tile_ex
     kernel's order; ``epilogue_tensors``: SwigluOperands' four (dh_swiglu), the routing weights (down), or none.
     What a PreparedLaunch rebuilds per call (``prepare``)."""
     epilogue = GEMMS[gemm].epilogue
-    a_desc = common.descriptor(a, [BLOCK_M, config.block_k])
+    a_desc = sm90.descriptor(a, [BLOCK_M, config.block_k])
     num_experts, K, N = _gemm_dims(w, epilogue)
     if b_k_major(epilogue):
-        b_desc = common.descriptor(w.view(num_experts * N, K), [config.block_n, config.block_k])
+        b_desc = sm90.descriptor(w.view(num_experts * N, K), [config.block_n, config.block_k])
     else:
-        b_desc = common.descriptor(w.view(num_experts * K, N), [config.block_k, config.block_n])
+        b_desc = sm90.descriptor(w.view(num_experts * K, N), [config.block_k, config.block_n])
     if epilogue == SWIGLU_BWD.value:
         gate_up, h, row_scale, dscale = epilogue_tensors
         box = [BLOCK_M, config.swiglu_cols]
-        epilogue_descs = (common.descriptor(gate_up, box), common.descriptor(h, box), common.descriptor(out, box))
+        epilogue_descs = (sm90.descriptor(gate_up, box), sm90.descriptor(h, box), sm90.descriptor(out, box))
         scales = (row_scale, dscale)
     elif epilogue == DOWN.value:  # unused descriptors; the routing weights, and an unused pointer
         epilogue_descs, scales = (a_desc,) * 3, (epilogue_tensors[0], out)
@@ -774,4 +775,4 @@ def compile_offline(a, w, out, sort: ExpertSort, config: DxConfig = DxConfig(), 
     """``triton.compile`` of this launch for sm_90 without a GPU (meta tensors are enough), specialised as the JIT
     would specialise it (16-byte aligned pointers, integers divisible by 16); returns the CompiledKernel."""
     _, args, constexprs = launch_args(a, w, out, sort, BLOCK_M, config, num_ctas, gemm, swiglu, row_scale)
-    return common.compile_offline(sorted_rows_sm90_kernel, args, constexprs)
+    return sm90.compile_offline(sorted_rows_sm90_kernel, args, constexprs)

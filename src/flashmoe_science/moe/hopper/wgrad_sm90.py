@@ -68,12 +68,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
+from flashmoe_science.hopper import common as sm90
+from flashmoe_science.hopper.common import (BARRIER_BYTES, CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS,
+                                            PRODUCER_REGISTERS, column_halves, wgmma_layout)
 from flashmoe_science.moe.dispatch import ExpertSort
-from flashmoe_science.moe.hopper import common
-from flashmoe_science.moe.hopper.common import (BARRIER_BYTES, CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS,
-                                                NUM_CONSUMERS, PRODUCER_REGISTERS, check_tile_config, grouped_block,
-                                                column_halves, init_barriers, load_stage, mma_steps,
-                                                wgmma_layout)
+from flashmoe_science.moe.hopper.common import (NUM_CONSUMERS, check_tile_config, grouped_block, init_barriers,
+                                                load_stage, mma_steps)
 from flashmoe_science.moe.tiles import HOPPER_SMEM_PER_BLOCK, sm_count
 
 BLOCK_M = 128  # output rows per work item (M = 2F for dw1, d for dw2)
@@ -282,9 +282,9 @@ def launch_args(a, b, out, sort: ExpertSort, config: WgradConfig = WgradConfig()
     if num_ctas is None:
         num_ctas = sm_count(out.device)
     grid = (max(1, min(num_ctas, num_work)),)
-    a_desc = common.descriptor(a, [config.block_k, BLOCK_M])
-    b_desc = common.descriptor(b, [config.block_k, config.block_n])
-    out_desc = common.descriptor(out.view(num_experts * M, N),
+    a_desc = sm90.descriptor(a, [config.block_k, BLOCK_M])
+    b_desc = sm90.descriptor(b, [config.block_k, config.block_n])
+    out_desc = sm90.descriptor(out.view(num_experts * M, N),
                                  [_rows(config), config.block_n // config.epilogue_split])
     args = (a_desc, b_desc, out_desc, sort.expert_counts, sort.expert_row_start, num_experts, M, N)
     constexprs = dict(GROUP_M=config.group_m, NUM_STAGES=config.num_stages, PINGPONG=config.pingpong,
@@ -314,4 +314,4 @@ def compile_offline(a, b, out, sort: ExpertSort, config: WgradConfig = WgradConf
     """``triton.compile`` of this launch for sm_90 without a GPU (meta tensors are enough), specialised as the JIT
     would specialise it; returns the CompiledKernel."""
     _, args, constexprs = launch_args(a, b, out, sort, config, num_ctas)
-    return common.compile_offline(wgrad_sm90_kernel, args, constexprs)
+    return sm90.compile_offline(wgrad_sm90_kernel, args, constexprs)

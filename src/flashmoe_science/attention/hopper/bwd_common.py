@@ -1,0 +1,94 @@
+"""What the three sm_90 attention backward kernels share: the query tiles a key block visits, the mask, the CTA's
+key block, and the producer warp that loads K and V once and streams Q and dO tiles (bwd_sm90's one-pass kernel and
+bwd_sm90_hdim256's dK/dV kernel; bwd_dq_sm90 takes the mask only). Each kernel module imports this one;
+bwd_sm90.attention_backward_sm90 picks the kernels. See bwd_sm90's docstring for the protocol.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+TWO_KERNEL_BLOCK_D = 256  # padded head dim run as bwd_sm90_hdim256 (dK, dV) + bwd_dq_sm90 (dQ)
+
+
+@gluon.jit
+def _query_tile_bounds(start_n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       CAUSAL: gl.constexpr):
+    """For the key tile at `start_n`: (query_start, num_tiles, diag_end) in rows; see the module doc."""
+    diagonal = seqlen_k - seqlen_q
+    query_end = (seqlen_q + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    if CAUSAL:
+        query_start = gl.maximum(start_n - diagonal, 0) // BLOCK_M * BLOCK_M
+        last_key = gl.minimum(start_n + BLOCK_N, seqlen_k) - 1
+        diag_end = (gl.maximum(last_key - diagonal, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    else:
+        query_start = 0
+        diag_end = 0
+    query_start = gl.minimum(query_start, query_end)
+    diag_end = gl.minimum(diag_end, query_end)
+    if start_n + BLOCK_N > seqlen_k:  # ragged keys: everything masked
+        diag_end = query_end
+    return query_start, (query_end - query_start) // BLOCK_M, diag_end
+
+
+@gluon.jit
+def _hide_keys(s_init, queries, keys, seqlen_k, diagonal, CAUSAL: gl.constexpr):
+    """s_init with -inf where a key is hidden from a query: past Lk, or (causal) key j > query i + Lk - Lq.
+    `queries` and `keys` are index tensors expanded to s_init's orientation (the three sm_90 backward kernels hold
+    scores as keys x queries or queries x keys). -inf, not a product: a dead row (lse = -inf, no visible key) would
+    otherwise start from +inf."""
+    visible = keys < seqlen_k
+    if CAUSAL:
+        visible = visible & (keys - diagonal <= queries)
+    return gl.where(visible, s_init, float("-inf"))
+
+
+@gluon.jit
+def _cta_key_block(seqlen_k, num_kv_heads, CTA_KEYS: gl.constexpr):
+    """This CTA's (first key, batch, kv head): program ids run over a (batch, kv head)'s key blocks consecutively."""
+    num_key_tiles = gl.cdiv(seqlen_k, CTA_KEYS)
+    pid_bh = gl.program_id(0) // num_key_tiles
+    return (gl.program_id(0) % num_key_tiles) * CTA_KEYS, pid_bh // num_kv_heads, pid_bh % num_kv_heads
+
+
+@gluon.jit
+def _producer_barriers(NUM_STAGES: gl.constexpr):
+    """The barriers of `_producer`'s protocol, initialised: kv_ready (K and V landed), q_ready/do_ready per ring
+    stage, and empty per stage (one arrival per consumer frees it)."""
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    return kv_ready, q_ready, do_ready, empty
+
+
+@gluon.jit
+def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
+              kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """K and V once, then Q and dO of every visited query tile of every query head of the group."""
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    KEYS: gl.constexpr = k_desc.block_type.shape[2]
+    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [batch, kv_head, start_n, 0], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [batch, kv_head, start_n, 0], kv_ready, v_smem)
+    query_start, num_tiles, _ = _query_tile_bounds(start_n, seqlen_q, seqlen_k, ROWS, KEYS, CAUSAL)
+    for ring in range(group_size * num_tiles):
+        g = ring // num_tiles
+        start_m = query_start + (ring - g * num_tiles) * ROWS
+        q_head = kv_head * group_size + g
+        stage = ring % NUM_STAGES
+        mbarrier.wait(empty.index(stage), ((ring // NUM_STAGES) & 1) ^ 1)  # first pass: passes at once
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, q_head, start_m, 0], q_ready.index(stage),
+                                        q_smem.index(stage))
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [batch, q_head, start_m, 0], do_ready.index(stage),
+                                        do_smem.index(stage))

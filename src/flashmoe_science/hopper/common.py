@@ -1,0 +1,103 @@
+"""The building blocks every warp-specialised sm_90 Gluon kernel of the library shares (attention/hopper and
+moe/hopper import them from here; neither imports the other).
+
+Each kernel runs one producer warp (TMA copies only) beside two consumer warpgroups (wgmma and the math): the
+register split between them (``PRODUCER_REGISTERS``, ``CONSUMER_REGISTERS``, ``REGISTER_CAP``), the launch
+options that go with it (``LAUNCH_OPTIONS``), the consumers' accumulator layout (``wgmma_layout``) and its column
+halves (``column_halves``, for epilogues in slices), the TMA reduce-add that Gluon does not wrap
+(``tma_reduce_add``), host-side TMA descriptors (``descriptor``) and offline sm_90 builds (``compile_offline``,
+``offline_sass``). Gluon inlines the device helpers: the kernels compile as if they were written out in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+PRODUCER_REGISTERS = gl.constexpr(24)  # the fewest a warp may hold: the producer only computes coordinates
+CONSUMER_REGISTERS = gl.constexpr(240)
+# Registers per thread at launch: the three warpgroups (two consumers, the producer's) must fit the 64K register file;
+# setmaxnreg then moves the producer's share to the consumers (2*240 + 24 = 504 <= 3*168).
+REGISTER_CAP = 65536 // (3 * 128) // 8 * 8
+NUM_WARPS = 4  # the default partition (consumer 0); the workers add 4 + 1 warps
+BARRIER_BYTES = 1024  # mbarriers and alignment, beside the operand ring
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+LAUNCH_OPTIONS = dict(num_warps=NUM_WARPS, maxnreg=REGISTER_CAP)
+
+
+# ------------------------------------------------------------------------------------------------- device helpers
+@gluon.constexpr_function
+def wgmma_layout(N):
+    """The consumers' wgmma accumulator layout of an N-column tile: the 4 warps stacked along the rows (16 rows each,
+    repeated down the tile), each thread holding adjacent column pairs. Its column slices (``column_halves``) have
+    the layout of the narrower tile."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+
+
+@gluon.jit
+def column_halves(t):
+    """(left, right) column halves of a 2-D register tensor in a wgmma accumulator layout, without moving data: a
+    thread holds columns c and c + N/2 of the same rows, so the split only selects registers (no shuffles)."""
+    ROWS: gl.constexpr = t.shape[0]
+    HALF: gl.constexpr = t.shape[1] // 2
+    return t.reshape([ROWS, 2, HALF]).permute((0, 2, 1)).split()
+
+
+@builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """dst[box at coord] += src (shared memory), by the TMA unit: `cp.reduce.async.bulk.tensor.add`. Gluon 3.6 builds
+    the op but exposes no wrapper for it on Hopper; completion is tracked like a TMA store (`tma.store_wait`)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+# --------------------------------------------------------------------------------------------------- host helpers
+def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
+    """A TMA descriptor over a checked 2-D tensor (unit last stride, 16-byte aligned rows), built without the
+    class's re-validation (which also reads data_ptr, absent on the meta tensors of offline builds)."""
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=list(block_shape),
+                         layout=gl.NVMMASharedLayout.get_default_for(list(block_shape), GL_DTYPES[t.dtype]),
+                         padding="zero")
+    return desc
+
+
+def compile_offline(fn, args, constexprs: dict):
+    """``triton.compile`` of the Gluon kernel ``fn`` for sm_90 without a GPU (meta tensors are enough), specialised
+    as the JIT would specialise these arguments (16-byte aligned pointers, integers divisible by 16) and launched
+    with LAUNCH_OPTIONS; returns the CompiledKernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    names = fn.arg_names
+    values = dict(zip(names, args))
+    signature = {n: ("constexpr" if n in constexprs else mangle_type(values[n])) for n in names}
+    consts = {(names.index(n),): v for n, v in constexprs.items()}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, v in values.items()
+             if isinstance(v, torch.Tensor) or (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0)}
+    src = GluonASTSource(fn, signature, consts, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH_OPTIONS))
+
+
+def offline_sass(compiled) -> str | None:
+    """The SASS of a compiled kernel (``compile_offline``'s), by the cuobjdump that ships with triton; None where this
+    triton has none."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    cuobjdump = os.path.join(os.path.dirname(knobs.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, timeout=120).stdout
