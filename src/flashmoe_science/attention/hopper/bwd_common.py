@@ -10,6 +10,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from flashmoe_science.attention.mask import LOG2_E, query_tile_range, score_to_log2, visible
+
+LOG2_E_IN_KERNEL = gl.constexpr(LOG2_E)
+
 TWO_KERNEL_BLOCK_D = 256  # padded head dim run as bwd_sm90_hdim256 (dK, dV) + bwd_dq_sm90 (dQ)
 
 
@@ -34,15 +38,89 @@ def _query_tile_bounds(start_n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK
 
 
 @gluon.jit
-def _hide_keys(s_init, queries, keys, seqlen_k, diagonal, CAUSAL: gl.constexpr):
-    """s_init with -inf where a key is hidden from a query: past Lk, or (causal) key j > query i + Lk - Lq.
-    `queries` and `keys` are index tensors expanded to s_init's orientation (the three sm_90 backward kernels hold
-    scores as keys x queries or queries x keys). -inf, not a product: a dead row (lse = -inf, no visible key) would
-    otherwise start from +inf."""
-    visible = keys < seqlen_k
-    if CAUSAL:
-        visible = visible & (keys - diagonal <= queries)
-    return gl.where(visible, s_init, float("-inf"))
+def _visited_query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
+                         MASK_RIGHT: gl.constexpr):
+    """For the key block at `start_n`: (query_start, num_tiles, full_start, full_end) in rows. Query tiles
+    [query_start, query_start + num_tiles·BLOCK_M) see some of its keys; `_tile_needs_mask` says which need the
+    elementwise mask. Windows (MASK_LEFT/MASK_RIGHT, mask.kernel_args) take mask.query_tile_range: tiles entirely
+    outside the window are never visited. Dense and causal-only calls (CAUSAL, no MASK_*) keep the original
+    kernels' `_query_tile_bounds` (the same tiles; their SASS is unchanged)."""
+    if MASK_LEFT or MASK_RIGHT:
+        query_start, full_start, full_end, query_end = query_tile_range(
+            start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+        num_tiles = (query_end - query_start + BLOCK_M - 1) // BLOCK_M
+    else:
+        query_start, num_tiles, full_start = _query_tile_bounds(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
+                                                                CAUSAL)
+        full_end = full_start  # unused: masked tiles are [query_start, full_start)
+    return query_start, num_tiles, full_start, full_end
+
+
+@gluon.jit
+def _tile_needs_mask(start, full_start, full_end, WINDOW: gl.constexpr):
+    """Whether the tile at `start` (rows or keys) lies outside the unmasked [full_start, full_end) of
+    `_visited_query_tiles` or bwd_dq_sm90's key ranges (without a window: only tiles before full_start mask)."""
+    if WINDOW:
+        needs = (start < full_start) | (start >= full_end)
+    else:
+        needs = start < full_start
+    return needs
+
+
+@gluon.jit
+def _hide_keys(s_init, queries, keys, seqlen_k, diagonal, window_left, window_right, CAUSAL: gl.constexpr,
+               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """s_init with -inf where a key is hidden from a query (mask.visible: past Lk, outside the window; CAUSAL is
+    the window (-1, 0)). `queries` and `keys` are index tensors expanded to s_init's orientation (the three sm_90
+    backward kernels hold scores as keys x queries or queries x keys). -inf, not a product: a dead row (lse = -inf,
+    no visible key) would otherwise start from +inf."""
+    if MASK_LEFT or MASK_RIGHT:
+        seen = visible(queries, keys, seqlen_k, diagonal, window_left, window_right, MASK_LEFT, MASK_RIGHT)
+    else:
+        seen = visible(queries, keys, seqlen_k, diagonal, 0, 0, False, CAUSAL)
+    return gl.where(seen, s_init, float("-inf"))
+
+
+@gluon.jit
+def _score_start(zeros, lse, inv_scale, queries, keys, needs_mask, seqlen_k, diagonal, window_left, window_right,
+                 AXIS: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                 SOFTCAP: gl.constexpr):
+    """The score product's starting accumulator. The statistics and the mask ride in it: -lse / scale (`lse` the
+    vector along the queries, expanded on AXIS), -inf at hidden pairs where `needs_mask`, so the product gives
+    (S - lse / scale) directly (ALiBi's bias is linear and added after). A softcap is not linear: its product
+    must be raw (zeros), and `_probabilities` subtracts lse and masks after the tanh."""
+    if SOFTCAP:
+        s_init = zeros
+    else:
+        s_init = zeros - gl.expand_dims(lse * inv_scale, AXIS)
+        if needs_mask:
+            s_init = _hide_keys(s_init, queries, keys, seqlen_k, diagonal, window_left, window_right, CAUSAL,
+                                MASK_LEFT, MASK_RIGHT)
+    return s_init
+
+
+@gluon.jit
+def _probabilities(s, lse, queries, keys, needs_mask, seqlen_k, diagonal, window_left, window_right, qk_scale,
+                   softcap_scale, alibi_slope_log2, AXIS: gl.constexpr, CAUSAL: gl.constexpr,
+                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+    """(P, t) from the product started by `_score_start`: P = exp2 of mask.score_to_log2's scores minus lse (in
+    log2 units); t is the softcap's tanh, for `_softcap_grad` (unused otherwise). Hidden pairs give P = 0."""
+    x, t = score_to_log2(s, queries, keys, diagonal, qk_scale, softcap_scale, alibi_slope_log2, SOFTCAP, ALIBI)
+    if SOFTCAP:
+        x = x - gl.expand_dims(lse * LOG2_E_IN_KERNEL, AXIS)
+        if needs_mask:
+            x = _hide_keys(x, queries, keys, seqlen_k, diagonal, window_left, window_right, CAUSAL, MASK_LEFT,
+                           MASK_RIGHT)
+    return gl.exp2(x), t
+
+
+@gluon.jit
+def _softcap_grad(ds, t, SOFTCAP: gl.constexpr):
+    """dS through the softcap: d(c·tanh(u/c))/du = 1 - tanh², so dS_raw = dS · (1 - t²)."""
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return ds
 
 
 @gluon.jit
@@ -72,17 +150,21 @@ def _producer_barriers(NUM_STAGES: gl.constexpr):
 @gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
               kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
-              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """K and V once, then Q and dO of every visited query tile of every query head of the group."""
+              q_first, k_first, window_left, window_right,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """K and V once, then Q and dO of every visited query tile of every query head of the group. Rows are
+    relative to the sequence's first (q_first, k_first: mask.sequence_span; 0 for dense batches). A packed
+    sequence's last tiles may read the next sequence's rows: hidden keys and queries with lse = +inf, harmless."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [batch, kv_head, start_n, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [batch, kv_head, start_n, 0], kv_ready, v_smem)
-    query_start, num_tiles, _ = _query_tile_bounds(start_n, seqlen_q, seqlen_k, ROWS, KEYS, CAUSAL)
+    tma.async_copy_global_to_shared(k_desc, [batch, kv_head, k_first + start_n, 0], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [batch, kv_head, k_first + start_n, 0], kv_ready, v_smem)
+    query_start, num_tiles, _, _ = _visited_query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                                        ROWS, KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT)
     for ring in range(group_size * num_tiles):
         g = ring // num_tiles
-        start_m = query_start + (ring - g * num_tiles) * ROWS
+        start_m = q_first + query_start + (ring - g * num_tiles) * ROWS
         q_head = kv_head * group_size + g
         stage = ring % NUM_STAGES
         mbarrier.wait(empty.index(stage), ((ring // NUM_STAGES) & 1) ^ 1)  # first pass: passes at once
