@@ -6,11 +6,15 @@ bwd_sm90.attention_backward_sm90 picks the kernels. See bwd_sm90's docstring for
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from flashmoe_science.attention.features import as_features
 from flashmoe_science.attention.mask import LOG2_E, query_tile_range, score_to_log2, visible
+
+from flashmoe_science.hopper.common import compile_offline as sm90_compile_offline
 
 LOG2_E_IN_KERNEL = gl.constexpr(LOG2_E)
 
@@ -174,3 +178,58 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [batch, q_head, start_m, 0], do_ready.index(stage),
                                         do_smem.index(stage))
+
+
+# ---------------------------------------------------------------------------------------------------- host side
+def check_features(features) -> None:
+    """Raise ValueError for a feature these kernels do not take (the caller runs triton_bwd instead)."""
+    if features.attn_bias is not None:
+        raise ValueError("the sm_90 backward takes no attn_bias (the Triton backward does)")
+
+
+def feature_args(features, softmax_scale: float, q, k) -> tuple[tuple, dict, tuple]:
+    """What the three sm_90 backward kernels take for a call's features: (their trailing arguments `Slopes,
+    CuSeqlensQ, CuSeqlensK, stride_slopes, lse_rows, window_left, window_right, softcap_scale`, their feature
+    constexprs, (num_seqs, seqlen_q, seqlen_k, qk_scale) for the grids and the scale argument).
+
+    Dense and causal-only masks run as CAUSAL with no MASK_* flag: the original kernels' code and SASS. Any other
+    window sets MASK_LEFT/MASK_RIGHT from mask.kernel_args. Varlen: one "batch" entry per packed sequence, the
+    maximal lengths (the kernels read each sequence's from cu_seqlens)."""
+    features = as_features(features)
+    mask = features.mask
+    scalars = mask.kernel_args(softmax_scale)
+    causal_only = not mask.bounded_left and mask.bounded_right and mask.window_right == 0
+    slopes = features.alibi_slopes
+    if slopes is not None and slopes.stride(-1) != 1:
+        slopes = slopes.contiguous()  # (B, Hq) float32: a few bytes
+    varlen = features.varlen
+    if varlen is None:
+        cu_q = cu_k = None
+        shape = (q.shape[0], q.shape[2], k.shape[2])
+    else:
+        cu_q, cu_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
+        shape = (varlen.num_seqs, varlen.max_seqlen_q, varlen.max_seqlen_k)
+    args = (slopes, cu_q, cu_k, 0 if slopes is None else slopes.stride(0), q.shape[2], scalars["window_left"],
+            scalars["window_right"], scalars["softcap_scale"])
+    constexprs = dict(CAUSAL=causal_only, MASK_LEFT=scalars["MASK_LEFT"],
+                      MASK_RIGHT=scalars["MASK_RIGHT"] and not causal_only, SOFTCAP=scalars["SOFTCAP"],
+                      ALIBI=slopes is not None, VARLEN=varlen is not None)
+    return args, constexprs, (*shape, scalars["qk_scale"])
+
+
+def offline_build(kernel, bound: dict):
+    """sm90_compile_offline of a launch's bound parameters: constexprs and None arguments specialised."""
+    declared = {param.name for param in kernel.params if param.is_constexpr}
+    constexprs = {name: value for name, value in bound.items() if value is None or name in declared}
+    return sm90_compile_offline(kernel, [bound[name] for name in kernel.arg_names], constexprs)
+
+
+def offline_features(causal=False, window=None, softcap=None, alibi=False, varlen=False, heads=4):
+    """A CallFeatures over meta tensors for offline builds (two sequences, `heads` query heads)."""
+    from flashmoe_science.attention.features import CallFeatures, Varlen
+    from flashmoe_science.attention.mask import make_mask
+
+    slopes = torch.empty(2, heads, device="meta") if alibi else None
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    return CallFeatures(mask=make_mask(causal, window, softcap), alibi_slopes=slopes,
+                        varlen=Varlen(cu, cu, 256, 256) if varlen else None)
