@@ -62,13 +62,16 @@ def _visited_query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @gluon.jit
-def _tile_needs_mask(start, full_start, full_end, WINDOW: gl.constexpr):
+def _tile_needs_mask(start, full_start, full_end, BEFORE: gl.constexpr, AFTER: gl.constexpr):
     """Whether the tile at `start` (rows or keys) lies outside the unmasked [full_start, full_end) of
-    `_visited_query_tiles` or bwd_dq_sm90's key ranges (without a window: only tiles before full_start mask)."""
-    if WINDOW:
+    `_visited_query_tiles` or bwd_dq_sm90's `_visited_key_tiles`: BEFORE / AFTER say which side can hold masked
+    tiles (a window: both; causal-only: the key-stationary kernels' first tiles, the dQ kernel's last)."""
+    if BEFORE and AFTER:
         needs = (start < full_start) | (start >= full_end)
-    else:
+    elif BEFORE:
         needs = start < full_start
+    else:
+        needs = start >= full_end
     return needs
 
 
@@ -97,7 +100,19 @@ def _score_start(zeros, lse, inv_scale, queries, keys, needs_mask, seqlen_k, dia
     if SOFTCAP:
         s_init = zeros
     else:
-        s_init = zeros - gl.expand_dims(lse * inv_scale, AXIS)
+        s_init = _mask_score_start(zeros - gl.expand_dims(lse * inv_scale, AXIS), queries, keys, needs_mask,
+                                   seqlen_k, diagonal, window_left, window_right, CAUSAL, MASK_LEFT, MASK_RIGHT,
+                                   SOFTCAP)
+    return s_init
+
+
+@gluon.jit
+def _mask_score_start(s_init, queries, keys, needs_mask, seqlen_k, diagonal, window_left, window_right,
+                      CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                      SOFTCAP: gl.constexpr):
+    """`_score_start`'s mask, for a start built once and masked per tile (bwd_sm90_dq): -inf at hidden pairs
+    where `needs_mask`, except with a softcap (masked after the tanh by `_probabilities`)."""
+    if not SOFTCAP:
         if needs_mask:
             s_init = _hide_keys(s_init, queries, keys, seqlen_k, diagonal, window_left, window_right, CAUSAL,
                                 MASK_LEFT, MASK_RIGHT)

@@ -146,7 +146,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
         lse = gl.load(LSE + q_row0 + offs_q, mask=in_rows, other=float("inf"))
         delta = gl.load(Delta + q_row0 + offs_q, mask=in_rows, other=0.0)
         # masked: causal diagonal tiles, window edges, and every tile of a CTA whose keys run past Lk
-        needs_mask = _tile_needs_mask(start_m, full_start, full_end, MASK_LEFT or MASK_RIGHT)
+        needs_mask = _tile_needs_mask(start_m, full_start, full_end, True, MASK_LEFT or MASK_RIGHT)
         queries = gl.expand_dims(offs_q, 0)
         keys = gl.expand_dims(offs_key, 1)
         s_init = _score_start(gl.zeros([KEYS, ROWS], gl.float32, layout=s_layout), lse, inv_scale, queries, keys,
