@@ -226,23 +226,6 @@ def key_tile_bounds(start_m, seqlen_k, diagonal,
 
 
 @triton.jit
-def sequence_span(seq, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
-    """Sequence ``seq``'s (first query row, first key row, Lq, Lk) in the tensors the kernel reads: dense batches
-    give (0, 0, seqlen_q, seqlen_k) (compile-time zeros, so the dense kernels are unchanged); varlen (packed rows,
-    ``cu_seqlens_*`` int32 cumulative lengths) reads them from the cumulative lengths. Every position the rules
-    above see is relative to the sequence's first row."""
-    if VARLEN:
-        q_first = tl.load(cu_seqlens_q + seq)
-        k_first = tl.load(cu_seqlens_k + seq)
-        seqlen_q = tl.load(cu_seqlens_q + seq + 1) - q_first
-        seqlen_k = tl.load(cu_seqlens_k + seq + 1) - k_first
-    else:
-        q_first = 0
-        k_first = 0
-    return q_first, k_first, seqlen_q, seqlen_k
-
-
-@triton.jit
 def visible(q_pos, k_pos, seqlen_k, diagonal, window_left, window_right,
             MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
     """Whether query q_pos sees key k_pos (broadcast tensors, e.g. offs_m[:, None] and offs_n[None, :]): inside

@@ -6,4 +6,5 @@ learns a feature adds its word here (and reads the feature's arguments from `Cal
 """
 
 SM90_FORWARD_FEATURES = frozenset({"causal"})
-SM90_BACKWARD_FEATURES = frozenset({"causal"})
+# the backward runs after a Triton forward too (autograd._sm90_backward_inputs); attn_bias stays on Triton
+SM90_BACKWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "varlen"})

@@ -172,7 +172,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
               q_first, k_first, window_left, window_right,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
     """K and V once, then Q and dO of every visited query tile of every query head of the group. Rows are
-    relative to the sequence's first (q_first, k_first: mask.sequence_span; 0 for dense batches). A packed
+    relative to the sequence's first (q_first, k_first: triton_fwd.sequence_bounds; 0 for dense batches). A packed
     sequence's last tiles may read the next sequence's rows: hidden keys and queries with lse = +inf, harmless."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]

@@ -38,7 +38,8 @@ from flashmoe_science.attention.hopper.bwd_common import (
     offline_build,
 )
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor, _release_unused
-from flashmoe_science.attention.mask import key_tile_bounds, key_tile_range, sequence_span
+from flashmoe_science.attention.mask import key_tile_bounds, key_tile_range
+from flashmoe_science.attention.triton_fwd import sequence_bounds
 from flashmoe_science.hopper.common import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS, wgmma_layout
 
 BLOCK_M = 64  # query rows per consumer
@@ -239,8 +240,11 @@ def attention_backward_dq_sm90_kernel(
     q_head = pid_bh % num_q_heads
     kv_head = q_head // group_size
     start_m = pid_m * 2 * ROWS
-    q_first, k_first, seqlen_q, seqlen_k = sequence_span(seq, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, VARLEN)
+    q_first, seqlen_q = sequence_bounds(CuSeqlensQ, seq, seqlen_q, VARLEN)
+    k_first, seqlen_k = sequence_bounds(CuSeqlensK, seq, seqlen_k, VARLEN)
     if VARLEN:
+        q_first = q_first.to(gl.int32)  # TMA coordinates are 32-bit
+        k_first = k_first.to(gl.int32)
         batch = 0  # the tensors are (1, H, total rows, D)
         if start_m >= seqlen_q:
             return

@@ -67,7 +67,7 @@ from flashmoe_science.attention.hopper.bwd_common import (TWO_KERNEL_BLOCK_D, _c
                                                           LOG2_E_IN_KERNEL, _producer, _producer_barriers, _score_start, _softcap_grad,
                                                           _tile_needs_mask, _visited_query_tiles)
 from flashmoe_science.attention.features import as_features
-from flashmoe_science.attention.mask import sequence_span
+from flashmoe_science.attention.triton_fwd import sequence_bounds
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor  # the forward's TMA boxes
 from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.hopper.common import (CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS,
@@ -227,8 +227,11 @@ def attention_backward_sm90_kernel(
     DQ_N: gl.constexpr = BLOCK_D // 2
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
     start_n, seq, kv_head = _cta_key_block(seqlen_k, num_kv_heads, CTA_KEYS)
-    q_first, k_first, seqlen_q, seqlen_k = sequence_span(seq, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, VARLEN)
+    q_first, seqlen_q = sequence_bounds(CuSeqlensQ, seq, seqlen_q, VARLEN)
+    k_first, seqlen_k = sequence_bounds(CuSeqlensK, seq, seqlen_k, VARLEN)
     if VARLEN:
+        q_first = q_first.to(gl.int32)  # TMA coordinates are 32-bit
+        k_first = k_first.to(gl.int32)
         batch = 0  # the tensors are (1, H, total rows, D)
         if start_n >= seqlen_k:
             return

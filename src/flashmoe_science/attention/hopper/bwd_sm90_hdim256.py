@@ -50,7 +50,7 @@ from flashmoe_science.attention.hopper.bwd_common import (
     offline_build,
 )
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor
-from flashmoe_science.attention.mask import sequence_span
+from flashmoe_science.attention.triton_fwd import sequence_bounds
 from flashmoe_science.hopper.common import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS, wgmma_layout
 
 NUM_CONSUMERS = 2
@@ -189,8 +189,11 @@ def attention_backward_sm90_hdim256_kernel(
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
     KEYS: gl.constexpr = CTA_KEYS // 2
     start_n, seq, kv_head = _cta_key_block(seqlen_k, num_kv_heads, CTA_KEYS)
-    q_first, k_first, seqlen_q, seqlen_k = sequence_span(seq, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, VARLEN)
+    q_first, seqlen_q = sequence_bounds(CuSeqlensQ, seq, seqlen_q, VARLEN)
+    k_first, seqlen_k = sequence_bounds(CuSeqlensK, seq, seqlen_k, VARLEN)
     if VARLEN:
+        q_first = q_first.to(gl.int32)  # TMA coordinates are 32-bit
+        k_first = k_first.to(gl.int32)
         batch = 0  # the tensors are (1, H, total rows, D)
         if start_n >= seqlen_k:
             return
