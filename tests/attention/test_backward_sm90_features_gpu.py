@@ -59,7 +59,7 @@ def _attention(q, k, v, seen, dist, scale, softcap, slopes, sdpa):
     bias = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).expand(1, q.shape[1], *seen.shape)
     if slopes is not None:
         bias = bias - slopes.to(q.dtype)[None, :, None, None] * dist.to(q.dtype)
-    bias = bias.masked_fill(~(seen & alive), float("-inf"))
+    bias = bias.masked_fill(~seen & alive, float("-inf"))  # dead rows: finite, then zeroed
     if sdpa and not softcap:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale) * alive
     scores = (q @ k.transpose(-1, -2)) * scale
@@ -114,7 +114,7 @@ def run_case(lengths_q, lengths_k, hq, hkv, d, *, causal=False, window=None, sof
     n = len(lengths_q)
     slopes = (torch.rand(n, hq, device=CUDA) * 0.3) if alibi else None
     if varlen:
-        (q, q4), (k, k4), (v, v4), (g, g4) = (_packed(lengths_q, hq, d, dtype), _packed(lengths_k, hkv, d, dtype),
+        (_, q4), (_, k4), (_, v4), (_, g4) = (_packed(lengths_q, hq, d, dtype), _packed(lengths_k, hkv, d, dtype),
                                               _packed(lengths_k, hkv, d, dtype), _packed(lengths_q, hq, d, dtype))
         cu_q, cu_k = _cu(lengths_q), _cu(lengths_k)
         spans = [(int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])) for b in range(n)]
@@ -134,7 +134,10 @@ def run_case(lengths_q, lengths_k, hq, hkv, d, *, causal=False, window=None, sof
         qb, kb, vb = seq_views(q4, b, False), seq_views(k4, b, True), seq_views(v4, b, True)
         seen, dist = _window_visibility(qb.shape[2], kb.shape[2], causal, window, CUDA)
         masks.append((seen, dist))
-        ob, lb = _forward_stats(qb, kb, vb, seen, dist, scale, softcap, None if slopes is None else slopes[b])
+        if kb.shape[2] == 0:  # no keys: zeros out, lse -inf
+            ob, lb = torch.zeros_like(qb), torch.full(qb.shape[:3], float("-inf"), device=CUDA)
+        else:
+            ob, lb = _forward_stats(qb, kb, vb, seen, dist, scale, softcap, None if slopes is None else slopes[b])
         seq_views(out4, b, False).copy_(ob)
         seq_views(lse4, b, False).copy_(lb)
     features = CallFeatures(mask=make_mask(causal, window, softcap), alibi_slopes=slopes, varlen=varlen_info)
@@ -144,20 +147,30 @@ def run_case(lengths_q, lengths_k, hq, hkv, d, *, causal=False, window=None, sof
     bwd_sm90.attention_backward_sm90(q4, k4, v4, out4, lse4, g4, delta, dq4, dk4, dv4, features, scale, dq_accum)
     torch.cuda.synchronize()
 
-    for b in range(n):
-        seen, dist = masks[b]
-        qb, kb, vb, gb = seq_views(q4, b, False), seq_views(k4, b, True), seq_views(v4, b, True), seq_views(g4, b, False)
+    _check_sequences((dq4, dk4, dv4), (q4, k4, v4, g4), seq_views, masks, slopes, scale, softcap, dtype)
+    return (dq4, dk4, dv4), features
+
+
+def _check_sequences(grads, inputs, seq_views, masks, slopes, scale, softcap, dtype):
+    """Each sequence's dq, dk, dv (views of the kernels' 4-D gradients) vs the float64 oracle, within 2 x torch's
+    own bf16 error plus slack."""
+    q4, k4, v4, g4 = inputs
+    for b, (seen, dist) in enumerate(masks):
+        qb, kb, vb, gb = (seq_views(q4, b, False), seq_views(k4, b, True), seq_views(v4, b, True),
+                          seq_views(g4, b, False))
+        ours = (seq_views(grads[0], b, False), seq_views(grads[1], b, True), seq_views(grads[2], b, True))
+        if qb.shape[2] == 0 or kb.shape[2] == 0:  # nothing attends: zero gradients
+            assert all(torch.equal(o, torch.zeros_like(o)) for o in ours), f"sequence {b}: nonzero gradients"
+            continue
         sb = None if slopes is None else slopes[b]
         ref = _grads(qb, kb, vb, gb, seen, dist, scale, softcap, sb, torch.float64, False)
         base = _grads(qb, kb, vb, gb, seen, dist, scale, softcap, sb, dtype, True)
-        ours = (seq_views(dq4, b, False), seq_views(dk4, b, True), seq_views(dv4, b, True))
         for name, o, r, t in zip(("dq", "dk", "dv"), ours, ref, base):
             assert torch.isfinite(o).all(), f"sequence {b}: {name} not finite"
             err, torch_err = max_abs_err(o, r), max_abs_err(t, r)
             bound = 2 * torch_err + GRAD_SLACK[dtype] * max(1.0, r.abs().max().item() if r.numel() else 0.0)
             assert err <= bound, (f"sequence {b} (Lq={qb.shape[2]}, Lk={kb.shape[2]}): {name} error {err:.3e} > "
                                   f"{bound:.3e} (2 x torch's {torch_err:.3e} + slack)")
-    return (dq4, dk4, dv4), features
 
 
 # ------------------------------------------------------------------------------------------------ the cases
@@ -232,3 +245,49 @@ def test_one_pass_dk_dv_are_bit_identical_run_to_run(d):
     first, _ = run_case(lengths, lengths, 4, 2, d, window=(300, 100), alibi=True)
     second, _ = run_case(lengths, lengths, 4, 2, d, window=(300, 100), alibi=True)
     assert torch.equal(first[1], second[1]) and torch.equal(first[2], second[2])
+
+
+# ------------------------------------------------------------------------------------------------ through the API
+def _varlen_api_grads(lengths, hq, hkv, d, *, deterministic=False, seed=0, **mask):
+    """flash_attention_varlen's gradients (autograd) and the inputs, packed."""
+    from flashmoe_science.attention.varlen import flash_attention_varlen
+
+    torch.manual_seed(seed)
+    q, k, v, g = (torch.randn(sum(lengths), h, d, device=CUDA).to(torch.bfloat16) for h in (hq, hkv, hkv, hq))
+    cu = _cu(lengths)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flash_attention_varlen(*leaves, cu, cu, max(lengths), max(lengths), deterministic=deterministic, **mask)
+    return torch.autograd.grad(out, leaves, g), (q, k, v, g), cu
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_varlen_api_backward_runs_the_sm90_kernels(d, monkeypatch):
+    """flash_attention_varlen with a window, softcap and ALiBi: its backward is attention_backward_sm90's (spied
+    on), and every sequence's gradients are right."""
+    bwd_sm90 = _hopper()
+    calls = []
+    real = bwd_sm90.attention_backward_sm90
+    monkeypatch.setattr(bwd_sm90, "attention_backward_sm90", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    lengths = [0, 1, 300, 2100, 77]
+    slopes = torch.rand(len(lengths), 4, device=CUDA) * 0.2
+    mask = dict(causal=True, window=(500, -1), softcap=12.0, alibi_slopes=slopes)
+    grads, (q, k, v, g), cu = _varlen_api_grads(lengths, 4, 2, d, **mask)
+    assert calls, "the backward did not run the sm_90 kernels"
+    as4 = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
+    spans = [(int(cu[b]), int(cu[b + 1])) for b in range(len(lengths))]
+    seq_views = lambda t4, b, kv: t4[:, :, spans[b][0]:spans[b][1]]  # noqa: E731
+    masks = [_window_visibility(n, n, True, (500, -1), CUDA) for n in lengths]
+    _check_sequences([as4(t) for t in grads], [as4(t) for t in (q, k, v, g)], seq_views, masks, slopes,
+                     1.0 / math.sqrt(d), 12.0, torch.bfloat16)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_deterministic_varlen_window_backward_is_bit_identical(d):
+    """deterministic=True: D=256 on the Gluon dK/dV and dQ kernels, D=128 on the Triton two passes (the one-pass
+    kernel's dQ reduce-adds are not ordered); both bit-identical over two runs."""
+    _hopper()
+    mask = dict(causal=True, window=(200, -1), softcap=10.0)
+    first, _, _ = _varlen_api_grads([700, 1, 0, 1300], 4, 2, d, deterministic=True, **mask)
+    second, _, _ = _varlen_api_grads([700, 1, 0, 1300], 4, 2, d, deterministic=True, **mask)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
