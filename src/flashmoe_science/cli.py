@@ -140,6 +140,8 @@ def _save(args: argparse.Namespace, records: list[dict], partial: PartialResults
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.suite:
+        return _bench_features(args)
     if args.what == "moe":
         return _bench_moe(args)
     return _bench_attention(args)
@@ -186,6 +188,28 @@ def _bench_attention(args: argparse.Namespace) -> int:
     path = _save(args, records, partial)
     if not args.no_plot and records:
         plot = attention_bench.plot_attention(records, path.with_suffix(".png"), title=f"attention, {path.stem}")
+        if plot is not None:
+            print(f"plot:    {plot}")
+    return 0
+
+
+def _bench_features(args: argparse.Namespace) -> int:
+    from flashmoe_science.bench import features as features_bench
+
+    on_gpu = torch.cuda.is_available()
+    device, dtype = (torch.device("cuda"), torch.bfloat16) if on_gpu else (torch.device("cpu"), torch.float32)
+    timer = attention_bench.cuda_median_ms if on_gpu else attention_bench.cpu_median_ms
+    print(f"masked/packed attention suites {','.join(args.suite)} on "
+          + (torch.cuda.get_device_name(0) if on_gpu else "the CPU (sizes / 64: a smoke test)"), flush=True)
+    partial = _partial_results(args)
+    with Progress(desc="features") as progress:
+        records = features_bench.run_features_bench(args.suite, args.quick, device, dtype, timer, progress,
+                                                    on_case_done=partial, rounds=args.rounds)
+    print()
+    print(features_bench.features_tables(records))
+    path = _save(args, records, partial)
+    if not args.no_plot and records:
+        plot = features_bench.plot_features(records, path.with_suffix(".png"), title=f"attention features, {path.stem}")
         if plot is not None:
             print(f"plot:    {plot}")
     return 0
@@ -253,6 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--backends", type=_comma_list(attention_bench.BACKEND_ORDER),
         help=f"attention backends to run (default: all on a GPU): {','.join(attention_bench.BACKEND_ORDER)}",
+    )
+    bench.add_argument(
+        "--suite", type=_comma_list(("varlen", "window", "mods")),
+        help="the masked/packed attention suites instead of the dense grid: varlen, window, mods (softcap, ALiBi, "
+        "bias); see bench/features.py",
     )
     bench.add_argument(
         "--models", type=_comma_list(),

@@ -17,19 +17,18 @@ from helpers import OUT_SLACK, max_abs_err
 GRAD_SLACK = {torch.bfloat16: 2e-3, torch.float16: 5e-4, torch.float32: 1e-5, torch.float64: 1e-10}
 
 
-def window_visibility(lq: int, lk: int, causal: bool, window) -> torch.Tensor:
+def window_visibility(lq: int, lk: int, causal: bool, window, device=None) -> torch.Tensor:
     """query i sees key j iff i + Lk - Lq - left <= j <= i + Lk - Lq + right (-1: unbounded); causal: right = 0."""
     left, right = window if window is not None else (-1, -1)
     if causal:
         right = 0
-    seen = torch.ones(lq, lk, dtype=torch.bool)
-    for i in range(lq):
-        for j in range(lk):
-            d = i + lk - lq
-            if right != -1 and j > d + right:
-                seen[i, j] = False
-            if left != -1 and j < d - left:
-                seen[i, j] = False
+    i = torch.arange(lq, device=device)[:, None]
+    j = torch.arange(lk, device=device)[None, :]
+    seen = torch.ones(lq, lk, dtype=torch.bool, device=device)
+    if right != -1:
+        seen &= j <= i + lk - lq + right
+    if left != -1:
+        seen &= j >= i + lk - lq - left
     return seen
 
 
@@ -45,12 +44,13 @@ def feature_attention(q, k, v, *, causal=False, window=None, softcap=None, alibi
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     if alibi is not None:
-        slopes = alibi.to(dtype).expand(q.shape[0], q.shape[1])
-        dist = (torch.arange(lq)[:, None] + lk - lq - torch.arange(lk)[None, :]).abs().to(dtype)
+        slopes = alibi.to(device=q.device, dtype=dtype).expand(q.shape[0], q.shape[1])
+        dist = (torch.arange(lq, device=q.device)[:, None] + lk - lq
+                - torch.arange(lk, device=q.device)[None, :]).abs().to(dtype)
         s = s - slopes[:, :, None, None] * dist
     if bias is not None:
         s = s + bias.to(dtype)
-    seen = window_visibility(lq, lk, causal, window)
+    seen = window_visibility(lq, lk, causal, window, q.device)
     alive = seen.any(-1, keepdim=True)
     s = s.masked_fill(~seen & alive, float("-inf"))  # a dead row keeps finite scores and is multiplied by 0
     weights = torch.softmax(s, dim=-1) * alive

@@ -57,6 +57,7 @@ from flashmoe_science.attention.triton_fwd import (
     LOG2_E,
     _load_tile,
     batch_programs,
+    head_extras,
     dot_precision,
     feature_args,
     feature_tensors,
@@ -115,7 +116,7 @@ def _dkdv_query_tiles(dk, dv, k, v, offs_n,
                       q_base, do_base, lse_base, delta_base, dq_accum_base, stride_qm, stride_dom,
                       query_start, query_end, gap_start, gap_end, seqlen_q, seqlen_k, diagonal,
                       window_left, window_right, qk_scale, softcap_scale, alibi_slope_log2,
-                      bias_base, stride_bias_m, stride_bias_n,
+                      BIAS, bias_offset, stride_bias_m, stride_bias_n,
                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                       MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                       SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -147,7 +148,7 @@ def _dkdv_query_tiles(dk, dv, k, v, offs_n,
             delta = tl.load(delta_base + offs_m)
         x_t, tanh_t = scores_log2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION),
                                   offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, diagonal, qk_scale,
-                                  softcap_scale, alibi_slope_log2, bias_base, stride_bias_m, stride_bias_n,
+                                  softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
                                   SOFTCAP, ALIBI, HAS_BIAS)
         p_t = tl.math.exp2(x_t - lse2[None, :])
         if MASKED:
@@ -177,19 +178,6 @@ def _dkdv_query_tiles(dk, dv, k, v, offs_n,
             else:
                 tl.atomic_add(dq_ptrs, dq_part, sem="relaxed")
     return dk, dv
-
-
-@triton.jit
-def _head_extras(ALIBI_SLOPES, BIAS, batch, batch64, q_head, stride_alibi_b, stride_alibi_h,
-                 stride_bias_b, stride_bias_h, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """One (sequence, query head)'s ALiBi slope in log2 units and its bias plane (as the forward reads them)."""
-    alibi_slope_log2 = 0.0
-    if ALIBI:
-        alibi_slope_log2 = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + q_head * stride_alibi_h) * LOG2_E_IN_KERNEL
-    bias_base = BIAS
-    if HAS_BIAS:
-        bias_base = BIAS + batch64 * stride_bias_b + q_head.to(tl.int64) * stride_bias_h
-    return alibi_slope_log2, bias_base
 
 
 @triton.jit(do_not_specialize=_SIZES)
@@ -255,19 +243,19 @@ def _bwd_dkdv_kernel(
             dq_accum_base = DQ_ACCUM + row0 * BLOCK_D  # this query head's rows of the (B, Hq, Lq, BLOCK_D) workspace
         else:
             dq_accum_base = DQ_ACCUM
-        alibi_slope_log2, bias_base = _head_extras(ALIBI_SLOPES, BIAS, batch, batch64, q_head, stride_alibi_b,
-                                                   stride_alibi_h, stride_bias_b, stride_bias_h, ALIBI, HAS_BIAS)
+        alibi_slope_log2, bias_offset = head_extras(ALIBI_SLOPES, batch, batch64, q_head, stride_alibi_b,
+                                                    stride_alibi_h, stride_bias_b, stride_bias_h, ALIBI)
         # the masked tiles on both sides of the full ones, in one loop (the full tiles are its gap)
         dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_accum_base,
                                    stride_qm, stride_dom, query_start, query_end, full_start, full_end,
                                    seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale,
-                                   softcap_scale, alibi_slope_log2, bias_base, stride_bias_m, stride_bias_n,
+                                   softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
                                    BLOCK_M, BLOCK_D, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
                                    HAS_BIAS, FUSE_DQ, DOT_PRECISION)
         dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_accum_base,
                                    stride_qm, stride_dom, full_start, full_end, full_end, full_end,
                                    seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale,
-                                   softcap_scale, alibi_slope_log2, bias_base, stride_bias_m, stride_bias_n,
+                                   softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
                                    BLOCK_M, BLOCK_D, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
                                    HAS_BIAS, FUSE_DQ, DOT_PRECISION)
 
@@ -289,7 +277,7 @@ def _dq_key_tiles(dq, q, do, lse2, delta, offs_m,
                   k_base, v_base, stride_kn, stride_vn,
                   key_start, key_end, gap_start, gap_end, seqlen_q, seqlen_k, diagonal,
                   window_left, window_right, qk_scale, softcap_scale, alibi_slope_log2,
-                  bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+                  BIAS, bias_offset, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                   MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
@@ -308,7 +296,7 @@ def _dq_key_tiles(dq, q, do, lse2, delta, offs_m,
         key_pos = start_n + offs_n
         x, tanh_s = scores_log2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION),
                                 offs_m[:, None], key_pos[None, :], seqlen_q, seqlen_k, diagonal, qk_scale,
-                                softcap_scale, alibi_slope_log2, bias_base, stride_bias_m, stride_bias_n,
+                                softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
                                 SOFTCAP, ALIBI, HAS_BIAS)
         p = tl.math.exp2(x - lse2[:, None])
         if MASKED:
@@ -381,8 +369,8 @@ def _bwd_dq_kernel(
     delta = tl.load(Delta + row0 + offs_m, mask=in_bounds, other=0.0)
     k_base = K + batch64 * stride_kb + kv_head * stride_kh + k_start * stride_kn
     v_base = V + batch64 * stride_vb + kv_head * stride_vh + k_start * stride_vn
-    alibi_slope_log2, bias_base = _head_extras(ALIBI_SLOPES, BIAS, batch, batch64, q_head, stride_alibi_b,
-                                               stride_alibi_h, stride_bias_b, stride_bias_h, ALIBI, HAS_BIAS)
+    alibi_slope_log2, bias_offset = head_extras(ALIBI_SLOPES, batch, batch64, q_head, stride_alibi_b,
+                                                stride_alibi_h, stride_bias_b, stride_bias_h, ALIBI)
     dbias_base = DBIAS_OUT
     if DBIAS != 0:
         dbias_base = DBIAS_OUT + batch64 * stride_dbias_b + q_head64 * stride_dbias_h
@@ -394,13 +382,13 @@ def _bwd_dq_kernel(
     dq = _dq_key_tiles(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kn, stride_vn,
                        full_start, full_end, full_end, full_end, seqlen_q, seqlen_k, diagonal,
                        window_left, window_right, qk_scale, softcap_scale, alibi_slope_log2,
-                       bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+                       BIAS, bias_offset, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
                        BLOCK_N, BLOCK_D, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, DBIAS,
                        DOT_PRECISION)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kn, stride_vn,
                        key_start, key_end, full_start, full_end, seqlen_q, seqlen_k, diagonal,
                        window_left, window_right, qk_scale, softcap_scale, alibi_slope_log2,
-                       bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+                       BIAS, bias_offset, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
                        BLOCK_N, BLOCK_D, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, DBIAS,
                        DOT_PRECISION)
 

@@ -76,18 +76,31 @@ def _load_tile(base, desc_ptr, batch, head, row0, n_rows, stride_row,
 
 @triton.jit
 def scores_log2(s, q_pos, k_pos, seqlen_q, seqlen_k, diagonal, qk_scale, softcap_scale, alibi_slope_log2,
-                bias_base, stride_bias_m, stride_bias_n,
+                BIAS, bias_offset, stride_bias_m, stride_bias_n,
                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Raw products s = q·k (any orientation: q_pos and k_pos broadcast over s) -> scores in log2 units:
     `mask.score_to_log2` (softcap, ALiBi) and then the bias, read through its (possibly stride-0) strides.
     Returns (scores, t) as score_to_log2 (t = tanh(...) for the softcap's derivative). Used by the forward and
-    both backward kernels."""
+    both backward kernels. `bias_offset`: the (batch, head) plane's offset (`head_extras`)."""
     x, t = score_to_log2(s, q_pos, k_pos, diagonal, qk_scale, softcap_scale, alibi_slope_log2, SOFTCAP, ALIBI)
     if HAS_BIAS:
         in_bounds = (q_pos < seqlen_q) & (k_pos < seqlen_k)
-        bias = tl.load(bias_base + q_pos * stride_bias_m + k_pos * stride_bias_n, mask=in_bounds, other=0.0)
+        bias = tl.load(BIAS + bias_offset + q_pos * stride_bias_m + k_pos * stride_bias_n, mask=in_bounds,
+                       other=0.0)
         x = x + bias.to(tl.float32) * LOG2_E_IN_KERNEL
     return x, t
+
+
+@triton.jit
+def head_extras(ALIBI_SLOPES, batch, batch64, q_head, stride_alibi_b, stride_alibi_h, stride_bias_b, stride_bias_h,
+                ALIBI: tl.constexpr):
+    """One (sequence, query head)'s ALiBi slope in log2 units (0 without ALiBi) and its bias plane's offset (the
+    strides are 0 without a bias)."""
+    if ALIBI:
+        slope_log2 = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + q_head * stride_alibi_h) * LOG2_E_IN_KERNEL
+    else:
+        slope_log2 = tl.zeros([], tl.float32)
+    return slope_log2, batch64 * stride_bias_b + q_head.to(tl.int64) * stride_bias_h
 
 
 @triton.jit
@@ -119,7 +132,7 @@ def _attend_key_tiles(acc, l_i, m_i, q, offs_m,
                       k_base, v_base, K, V, batch, kv_head, stride_kn, stride_vn,
                       key_start, key_end, gap_start, gap_end, seqlen_q, seqlen_k, diagonal,
                       window_left, window_right, qk_scale, softcap_scale, alibi_slope_log2,
-                      bias_base, stride_bias_m, stride_bias_n,
+                      BIAS, bias_offset, stride_bias_m, stride_bias_n,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                       MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                       SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -139,7 +152,7 @@ def _attend_key_tiles(acc, l_i, m_i, q, offs_m,
         key_pos = start_n + tl.arange(0, BLOCK_N)
         if SOFTCAP or ALIBI or HAS_BIAS:
             x, _ = scores_log2(s, offs_m[:, None], key_pos[None, :], seqlen_q, seqlen_k, diagonal, qk_scale,
-                               softcap_scale, alibi_slope_log2, bias_base, stride_bias_m, stride_bias_n,
+                               softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
                                SOFTCAP, ALIBI, HAS_BIAS)
         elif MASKED:
             x = s * qk_scale
@@ -219,12 +232,8 @@ def _attention_forward_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    alibi_slope_log2 = 0.0
-    if ALIBI:
-        alibi_slope_log2 = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + q_head * stride_alibi_h) * LOG2_E_IN_KERNEL
-    bias_base = BIAS
-    if HAS_BIAS:
-        bias_base = BIAS + batch64 * stride_bias_b + q_head.to(tl.int64) * stride_bias_h
+    alibi_slope_log2, bias_offset = head_extras(ALIBI_SLOPES, batch, batch64, q_head, stride_alibi_b,
+                                                stride_alibi_h, stride_bias_b, stride_bias_h, ALIBI)
 
     diagonal = seqlen_k - seqlen_q  # query i sees key j iff i + diagonal - left <= j <= i + diagonal + right
     key_start, full_start, full_end, key_end = key_tile_range(start_m, seqlen_q, seqlen_k, window_left,
@@ -232,13 +241,13 @@ def _attention_forward_kernel(
     acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, kv_head,
                                       stride_kn, stride_vn, full_start, full_end, full_end, full_end,
                                       seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale,
-                                      softcap_scale, alibi_slope_log2, bias_base, stride_bias_m, stride_bias_n,
+                                      softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
                                       BLOCK_N, BLOCK_D, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
                                       HAS_BIAS, USE_TMA, DOT_PRECISION)
     acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, kv_head,
                                       stride_kn, stride_vn, key_start, key_end, full_start, full_end,
                                       seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale,
-                                      softcap_scale, alibi_slope_log2, bias_base, stride_bias_m, stride_bias_n,
+                                      softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
                                       BLOCK_N, BLOCK_D, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
                                       HAS_BIAS, USE_TMA, DOT_PRECISION)
 
