@@ -4,20 +4,16 @@ moe/hopper import them from here; neither imports the other).
 Each kernel runs one producer warp (TMA copies only) beside two consumer warpgroups (wgmma and the math): the
 register split between them (``PRODUCER_REGISTERS``, ``CONSUMER_REGISTERS``, ``REGISTER_CAP``), the launch
 options that go with it (``LAUNCH_OPTIONS``), the consumers' accumulator layout (``wgmma_layout``) and its column
-halves (``column_halves``, for epilogues in slices), the TMA reduce-add that Gluon does not wrap
-(``tma_reduce_add``), host-side TMA descriptors (``descriptor``) and offline sm_90 builds (``compile_offline``,
-``offline_sass``). Gluon inlines the device helpers: the kernels compile as if they were written out in place.
+halves (``column_halves``, for epilogues in slices), host-side TMA descriptors (``descriptor``) and offline sm_90
+builds (``compile_offline``, ``offline_sass``). Gluon's own names come from ``gluon_compat``. Gluon inlines the device helpers: the kernels compile as if they were written out in place.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
-from triton._C.libtriton import ir
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from flashmoe_science.hopper.gluon_compat import TensorDescriptor, gl, gluon
 
 PRODUCER_REGISTERS = gl.constexpr(24)  # the fewest a warp may hold: the producer only computes coordinates
 CONSUMER_REGISTERS = gl.constexpr(240)
@@ -48,14 +44,6 @@ def column_halves(t):
     return t.reshape([ROWS, 2, HALF]).permute((0, 2, 1)).split()
 
 
-@builtin
-def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """dst[box at coord] += src (shared memory), by the TMA unit: `cp.reduce.async.bulk.tensor.add`. Gluon 3.6 builds
-    the op but exposes no wrapper for it on Hopper; completion is tracked like a TMA store (`tma.store_wait`)."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
 # --------------------------------------------------------------------------------------------------- host helpers
 def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
     """A TMA descriptor over a checked 2-D tensor (unit last stride, 16-byte aligned rows), built without the
@@ -79,8 +67,9 @@ def compile_offline(fn, args, constexprs: dict):
     values = dict(zip(names, args))
     signature = {n: ("constexpr" if n in constexprs else mangle_type(values[n])) for n in names}
     consts = {(names.index(n),): v for n, v in constexprs.items()}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, v in values.items()
-             if isinstance(v, torch.Tensor) or (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0)}
+    # no attributes on constexprs: triton 3.7+ numbers the attributes over the kernel's runtime arguments only
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, v in values.items() if n not in constexprs and (
+        isinstance(v, torch.Tensor) or (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0))}
     src = GluonASTSource(fn, signature, consts, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH_OPTIONS))
 

@@ -7,9 +7,8 @@ bwd_sm90.attention_backward_sm90 picks the kernels. See bwd_sm90's docstring for
 from __future__ import annotations
 
 import torch
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from flashmoe_science.hopper.gluon_compat import gl, gluon, mbarrier, tma
 
 from flashmoe_science.attention.features import as_features
 from flashmoe_science.attention.mask import LOG2_E, query_tile_range, score_to_log2, visible
@@ -177,8 +176,8 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [batch, kv_head, k_first + start_n, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [batch, kv_head, k_first + start_n, 0], kv_ready, v_smem)
+    tma.async_load(k_desc, [batch, kv_head, k_first + start_n, 0], kv_ready, k_smem)
+    tma.async_load(v_desc, [batch, kv_head, k_first + start_n, 0], kv_ready, v_smem)
     query_start, num_tiles, _, _ = _visited_query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                                         ROWS, KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT)
     for ring in range(group_size * num_tiles):
@@ -188,10 +187,10 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
         stage = ring % NUM_STAGES
         mbarrier.wait(empty.index(stage), ((ring // NUM_STAGES) & 1) ^ 1)  # first pass: passes at once
         mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, q_head, start_m, 0], q_ready.index(stage),
+        tma.async_load(q_desc, [batch, q_head, start_m, 0], q_ready.index(stage),
                                         q_smem.index(stage))
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [batch, q_head, start_m, 0], do_ready.index(stage),
+        tma.async_load(do_desc, [batch, q_head, start_m, 0], do_ready.index(stage),
                                         do_smem.index(stage))
 
 

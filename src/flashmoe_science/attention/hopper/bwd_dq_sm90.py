@@ -23,9 +23,7 @@ and releases the remaining stages unread (fwd_sm90._release_unused).
 from __future__ import annotations
 
 import torch
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from flashmoe_science.hopper.gluon_compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from flashmoe_science.attention.hopper.bwd_common import (
     LOG2_E_IN_KERNEL,
@@ -72,9 +70,9 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, 
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     mbarrier.expect(qdo_ready, 4 * q_desc.block_type.nbytes)
     for c in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [batch, q_head, q_first + start_m + c * ROWS, 0], qdo_ready,
+        tma.async_load(q_desc, [batch, q_head, q_first + start_m + c * ROWS, 0], qdo_ready,
                                         q_smem.index(c))
-        tma.async_copy_global_to_shared(do_desc, [batch, q_head, q_first + start_m + c * ROWS, 0], qdo_ready,
+        tma.async_load(do_desc, [batch, q_head, q_first + start_m + c * ROWS, 0], qdo_ready,
                                         do_smem.index(c))
     cta_start, _, _, cta_end = _visited_key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right, 2 * ROWS,
                                                   KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT)
@@ -84,11 +82,11 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, 
         key_row = k_first + cta_start + j * KEYS
         mbarrier.wait(k_empty.index(stage), empty_phase)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, key_row, 0], k_ready.index(stage),
+        tma.async_load(k_desc, [batch, kv_head, key_row, 0], k_ready.index(stage),
                                         k_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), empty_phase)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, key_row, 0], v_ready.index(stage),
+        tma.async_load(v_desc, [batch, kv_head, key_row, 0], v_ready.index(stage),
                                         v_smem.index(stage))
 
 

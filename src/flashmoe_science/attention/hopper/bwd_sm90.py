@@ -50,16 +50,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashmoe_science.attention.hopper import bwd_dq_sm90, bwd_sm90_hdim256
 from flashmoe_science.attention.hopper.bwd_common import (TWO_KERNEL_BLOCK_D, _cta_key_block, _probabilities,
@@ -71,7 +61,9 @@ from flashmoe_science.attention.triton_fwd import sequence_bounds
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor  # the forward's TMA boxes
 from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.hopper.common import (CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS,
-                                            column_halves, tma_reduce_add, wgmma_layout)
+                                            column_halves, wgmma_layout)
+from flashmoe_science.hopper.gluon_compat import (TensorDescriptor, barrier, fence_async_shared, gl, gluon, mbarrier,
+                                                  tma, warpgroup_mma, warpgroup_mma_wait)
 
 KEYS_PER_CONSUMER = 64  # one wgmma M tile per consumer warpgroup
 NUM_CONSUMERS = 2
@@ -167,7 +159,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
         dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_tile, dk, is_async=True)
         fence_async_shared()  # the dSᵀ rows (generic proxy) before the wgmma (async proxy) reads them
         tma.store_wait(0)  # the previous tile's dQ reduce has read the staging buffer
-        gl.thread_barrier()  # every warp's rows are written (and the staging buffer is free)
+        barrier()  # every warp's rows are written (and the staging buffer is free)
         mbarrier.arrive(ds_ready.index(ring % 2), count=1)
         mbarrier.wait(ds_ready.index(ring % 2), (ring // 2) & 1)  # the other consumer's rows too
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
@@ -182,9 +174,9 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
         else:
             dq_smem.index(0).reshape([ROWS, DQ_COLS]).store(dq)
         fence_async_shared()
-        gl.thread_barrier()
+        barrier()
         for chunk in gl.static_range(DQ_N // DQ_COLS):
-            tma_reduce_add(dq_desc, [q_head, q_first + start_m, CONSUMER * DQ_N + chunk * DQ_COLS],
+            tma.async_atomic_add(dq_desc, [q_head, q_first + start_m, CONSUMER * DQ_N + chunk * DQ_COLS],
                            dq_smem.index(chunk))
 
     tma.store_wait(0)

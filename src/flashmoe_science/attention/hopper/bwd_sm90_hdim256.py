@@ -26,14 +26,6 @@ are deterministic (summed in registers in a fixed order).
 from __future__ import annotations
 
 import torch
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
 
 from flashmoe_science.attention.hopper.bwd_common import (
     LOG2_E_IN_KERNEL,
@@ -52,6 +44,8 @@ from flashmoe_science.attention.hopper.bwd_common import (
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor
 from flashmoe_science.attention.triton_fwd import sequence_bounds
 from flashmoe_science.hopper.common import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS, wgmma_layout
+from flashmoe_science.hopper.gluon_compat import (barrier, fence_async_shared, gl, gluon, mbarrier, warpgroup_mma,
+                                                  warpgroup_mma_wait)
 
 NUM_CONSUMERS = 2
 BLOCK_N = 64  # keys per CTA: dKᵀ and dVᵀ of 64 keys x half the head dim fit a consumer's registers
@@ -139,7 +133,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_read
         p_smem.index(slot0 + CONSUMER).store(p.to(dtype))
         ds_smem.index(slot0 + CONSUMER).store(_softcap_grad(p * dp, t, SOFTCAP).to(dtype))
         fence_async_shared()  # generic-proxy stores before the wgmmas (async proxy) read them
-        gl.thread_barrier()
+        barrier()
         mbarrier.arrive(pds_ready.index(ring % 2), count=1)
         mbarrier.wait(pds_ready.index(ring % 2), (ring // 2) & 1)  # the other consumer's slot too
 

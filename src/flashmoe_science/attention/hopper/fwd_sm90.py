@@ -38,15 +38,12 @@ from __future__ import annotations
 import functools
 
 import torch
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                 warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashmoe_science.attention.tiles import padded_head_dim, sm90_cross_item_safe
 from flashmoe_science.attention.triton_fwd import LN_2, LOG2_E, key_tile_bounds, tma_box, tma_compatible
 from flashmoe_science.hopper.common import CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS
+from flashmoe_science.hopper.gluon_compat import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tma,
+                                                  warpgroup_mma, warpgroup_mma_wait)
 from flashmoe_science.prepared_launch import PreparedLaunch
 
 CONSUMER_ROWS = 64  # rows per consumer warpgroup (4 warps x 16 rows of wgmma)
@@ -119,20 +116,17 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
             # barriers start "phase 1 complete": the first use of each buffer passes
             mbarrier.wait(q_empty.index(buf), ((item // Q_BUFFERS) & 1) ^ 1)
             mbarrier.expect(q_ready.index(buf), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [batch, q_head, start_m + c * ROWS, 0], q_ready.index(buf),
-                                            q_smems.index(buf))
+            tma.async_load(q_desc, [batch, q_head, start_m + c * ROWS, 0], q_ready.index(buf), q_smems.index(buf))
         num_tiles = _cta_key_tiles(start_m, seqlen_q, seqlen_k, 2 * ROWS, BLOCK_N, CAUSAL)
         for tile in range(num_tiles):
             stage = ring % NUM_STAGES
             free_phase = ((ring // NUM_STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(stage), free_phase)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [batch, kv_head, tile * BLOCK_N, 0], k_ready.index(stage),
-                                            k_smem.index(stage))
+            tma.async_load(k_desc, [batch, kv_head, tile * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
             mbarrier.wait(v_empty.index(stage), free_phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [batch, kv_head, tile * BLOCK_N, 0], v_ready.index(stage),
-                                            v_smem.index(stage))
+            tma.async_load(v_desc, [batch, kv_head, tile * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
             ring += 1
 
 
@@ -257,7 +251,7 @@ def _store_output(o_acc, m_i, l_i, o_desc, o_smem, o_smem_free, LSE, batch, q_he
     out = o_acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
     o_smem.reshape([ROWS, BLOCK_D]).store(out.to(o_desc.dtype))
     fence_async_shared()  # the generic-proxy writes above before the TMA engine's read
-    tma.async_copy_shared_to_global(o_desc, [batch, q_head, start_m, 0], o_smem)
+    tma.async_store(o_desc, [batch, q_head, start_m, 0], o_smem)
     tma.store_wait(0)  # the copy has read the buffer (its global writes may still be in flight)
     mbarrier.arrive(o_smem_free, count=1)
 

@@ -16,9 +16,7 @@ written out in place.
 
 from __future__ import annotations
 
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from flashmoe_science.hopper.gluon_compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 NUM_CONSUMERS = 2
 
@@ -63,8 +61,8 @@ def load_stage(a_desc, a_row, a_col, b_desc, b_row, b_col, a_smem, b_smem, ready
     mbarrier.wait(empty.index(stage), ((ring // NUM_STAGES) & 1) ^ 1)
     bar = ready.index(stage)
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(a_desc, [a_row, a_col], bar, a_smem.index(stage))
-    tma.async_copy_global_to_shared(b_desc, [b_row, b_col], bar, b_smem.index(stage))
+    tma.async_load(a_desc, [a_row, a_col], bar, a_smem.index(stage))
+    tma.async_load(b_desc, [b_row, b_col], bar, b_smem.index(stage))
 
 
 @gluon.jit

@@ -117,13 +117,11 @@ from typing import NamedTuple
 
 import torch
 import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
 from flashmoe_science.hopper import common as sm90
 from flashmoe_science.hopper.common import (BARRIER_BYTES, CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS,
                                             PRODUCER_REGISTERS, column_halves, wgmma_layout)
+from flashmoe_science.hopper.gluon_compat import fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma_wait
 from flashmoe_science.moe.dispatch import ExpertSort
 from flashmoe_science.moe.hopper.common import (NUM_CONSUMERS, check_tile_config, grouped_block, init_barriers,
                                                 load_stage, mma_steps)
@@ -329,10 +327,9 @@ def _load_swiglu_operands(gate_up_desc, h_desc, epi_smem, epi_ready, epi_empty, 
     mbarrier.wait(epi_empty, (epi_items & 1) ^ 1)
     mbarrier.expect(epi_ready, CHUNKS * (2 * gate_up_desc.block_type.nbytes + h_desc.block_type.nbytes))
     for c in gl.static_range(CHUNKS):
-        tma.async_copy_global_to_shared(gate_up_desc, [row, col + c * COLS], epi_ready, epi_smem.index(3 * c))
-        tma.async_copy_global_to_shared(gate_up_desc, [row, N + col + c * COLS], epi_ready,
-                                        epi_smem.index(3 * c + 1))
-        tma.async_copy_global_to_shared(h_desc, [row, col + c * COLS], epi_ready, epi_smem.index(3 * c + 2))
+        tma.async_load(gate_up_desc, [row, col + c * COLS], epi_ready, epi_smem.index(3 * c))
+        tma.async_load(gate_up_desc, [row, N + col + c * COLS], epi_ready, epi_smem.index(3 * c + 1))
+        tma.async_load(h_desc, [row, col + c * COLS], epi_ready, epi_smem.index(3 * c + 2))
 
 
 @gluon.jit
@@ -379,8 +376,8 @@ def _swiglu_backward_columns(dh, CHUNK0: gl.constexpr, valid, scale, epi_smem, d
         gate_smem.store((dh * up * sig * (1.0 + gate * (1.0 - sig))).to(dtype))
         up_smem.store((dh * (gate * sig)).to(dtype))
         fence_async_shared()  # the generic-proxy writes before the TMA engine reads them
-        tma.async_copy_shared_to_global(dgu_desc, [row, col + CHUNK0 * COLS], gate_smem)
-        tma.async_copy_shared_to_global(dgu_desc, [row, N + col + CHUNK0 * COLS], up_smem)
+        tma.async_store(dgu_desc, [row, col + CHUNK0 * COLS], gate_smem)
+        tma.async_store(dgu_desc, [row, N + col + CHUNK0 * COLS], up_smem)
         return dscale
 
 

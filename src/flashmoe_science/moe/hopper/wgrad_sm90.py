@@ -64,13 +64,11 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
 from flashmoe_science.hopper import common as sm90
 from flashmoe_science.hopper.common import (BARRIER_BYTES, CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS,
                                             PRODUCER_REGISTERS, column_halves, wgmma_layout)
+from flashmoe_science.hopper.gluon_compat import fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma_wait
 from flashmoe_science.moe.dispatch import ExpertSort
 from flashmoe_science.moe.hopper.common import (NUM_CONSUMERS, check_tile_config, grouped_block, init_barriers,
                                                 load_stage, mma_steps)
@@ -198,14 +196,14 @@ def _consumer(a_smem, b_smem, c_smem, ready, empty, turn, out_desc, expert_count
                 tma.store_wait(0)  # this consumer's previous TMA store has read its tile
                 c_tile.store(out)
                 fence_async_shared()  # the tile's generic-proxy writes before the TMA (async proxy) reads it
-                tma.async_copy_shared_to_global(out_desc, [out_row, col_block * BN], c_tile)
+                tma.async_store(out_desc, [out_row, col_block * BN], c_tile)
             else:
                 halves = column_halves(out)
                 for h in gl.static_range(2):
                     tma.store_wait(0)
                     c_tile.store(halves[h])
                     fence_async_shared()
-                    tma.async_copy_shared_to_global(out_desc, [out_row, col_block * BN + h * (BN // 2)], c_tile)
+                    tma.async_store(out_desc, [out_row, col_block * BN + h * (BN // 2)], c_tile)
         ring += item_steps
         item += 1
     tma.store_wait(0)
