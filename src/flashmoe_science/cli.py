@@ -89,10 +89,10 @@ def _print_sample_dispatch() -> None:
     except Exception as error:  # info reports what it can even when one part fails
         print(f"  cannot describe the dispatch: {type(error).__name__}: {error}")
         return
-    for causal in (False, True):
-        label = "causal" if causal else "non-causal"
+    for label, kwargs in (("non-causal", {}), ("causal", dict(causal=True)),
+                          ("causal, window (256, 0), softcap 30", dict(causal=True, window=(256, 0), softcap=30.0))):
         try:
-            dispatch = describe_dispatch(q, k, v, causal=causal, backend="auto")
+            dispatch = describe_dispatch(q, k, v, backend="auto", **kwargs)
         except Exception as error:
             print(f"  {label}: describe_dispatch raised {type(error).__name__}: {error}")
             continue

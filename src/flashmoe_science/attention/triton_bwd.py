@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from flashmoe_science.attention.features import CallFeatures, as_features
-from flashmoe_science.attention.mask import key_tile_range, query_tile_range, visible
+from flashmoe_science.attention.mask import key_tile_range, masked_runs, query_tile_range, visible
 from flashmoe_science.attention.tiles import BackwardTiles, padded_head_dim
 from flashmoe_science.attention.triton_fwd import (
     LOG2_E,
@@ -131,8 +131,9 @@ def _dkdv_query_tiles(dk, dv, k, v, offs_n,
     competing for registers, and a third one cost spills in the sm_90 builds (fused, D=128, 32x128 tiles, causal:
     264 bytes/thread with three loops, 64 with two)."""
     for start_m in range(query_start, query_end - (gap_end - gap_start), BLOCK_M):
-        if start_m >= gap_start:
-            start_m += gap_end - gap_start
+        if MASKED and MASK_RIGHT:  # a gap only between two masked runs (see `masked_runs`)
+            if start_m >= gap_start:
+                start_m += gap_end - gap_start
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _load_tile(q_base, q_base, 0, 0, start_m, seqlen_q, stride_qm,
@@ -230,6 +231,7 @@ def _bwd_dkdv_kernel(
     diagonal = seqlen_k - seqlen_q
     query_start, full_start, full_end, query_end = query_tile_range(
         start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    masked_start, gap_start = masked_runs(query_start, full_start, full_end, MASK_RIGHT)
 
     for g in range(group_size):  # GQA: the group's query heads add into the same registers, in a fixed order
         q_head = kv_head * group_size + g
@@ -247,7 +249,7 @@ def _bwd_dkdv_kernel(
                                                     stride_alibi_h, stride_bias_b, stride_bias_h, ALIBI)
         # the masked tiles on both sides of the full ones, in one loop (the full tiles are its gap)
         dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_accum_base,
-                                   stride_qm, stride_dom, query_start, query_end, full_start, full_end,
+                                   stride_qm, stride_dom, masked_start, query_end, gap_start, full_end,
                                    seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale,
                                    softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
                                    BLOCK_M, BLOCK_D, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
@@ -286,8 +288,9 @@ def _dq_key_tiles(dq, q, do, lse2, delta, offs_m,
     `mask.visible`). DBIAS (1: store, 2: float32 atomic add) also writes dS, the bias's gradient, for each pair."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(key_start, key_end - (gap_end - gap_start), BLOCK_N):
-        if start_n >= gap_start:
-            start_n += gap_end - gap_start
+        if MASKED and MASK_LEFT:  # a gap only between two masked runs (see `masked_runs`)
+            if start_n >= gap_start:
+                start_n += gap_end - gap_start
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load_tile(k_base, k_base, 0, 0, start_n, seqlen_k, stride_kn,
                        BLOCK_N, BLOCK_D, HEAD_DIM, False, MASKED)
@@ -379,6 +382,7 @@ def _bwd_dq_kernel(
     diagonal = seqlen_k - seqlen_q
     key_start, full_start, full_end, key_end = key_tile_range(start_m, seqlen_q, seqlen_k, window_left,
                                                               window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    masked_start, gap_start = masked_runs(key_start, full_start, full_end, MASK_LEFT)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kn, stride_vn,
                        full_start, full_end, full_end, full_end, seqlen_q, seqlen_k, diagonal,
                        window_left, window_right, qk_scale, softcap_scale, alibi_slope_log2,
@@ -386,7 +390,7 @@ def _bwd_dq_kernel(
                        BLOCK_N, BLOCK_D, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, DBIAS,
                        DOT_PRECISION)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kn, stride_vn,
-                       key_start, key_end, full_start, full_end, seqlen_q, seqlen_k, diagonal,
+                       masked_start, key_end, gap_start, full_end, seqlen_q, seqlen_k, diagonal,
                        window_left, window_right, qk_scale, softcap_scale, alibi_slope_log2,
                        BIAS, bias_offset, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
                        BLOCK_N, BLOCK_D, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, DBIAS,

@@ -32,6 +32,7 @@ from flashmoe_science.attention.features import CallFeatures, as_features, bias_
 from flashmoe_science.attention.mask import (  # noqa: F401 (key_tile_bounds re-exported for the kernels)
     key_tile_bounds,
     key_tile_range,
+    masked_runs,
     score_to_log2,
     visible,
 )
@@ -141,8 +142,9 @@ def _attend_key_tiles(acc, l_i, m_i, q, offs_m,
     apply `mask.visible` (bounds and window); the gap lets one loop visit both runs of masked tiles around the
     full ones (a loop per run would be another copy of the body competing for registers)."""
     for start_n in range(key_start, key_end - (gap_end - gap_start), BLOCK_N):
-        if start_n >= gap_start:
-            start_n += gap_end - gap_start
+        if MASKED and MASK_LEFT:  # a gap only between two masked runs (see `masked_runs`)
+            if start_n >= gap_start:
+                start_n += gap_end - gap_start
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load_tile(k_base, K, batch, kv_head, start_n, seqlen_k, stride_kn,
                        BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
@@ -238,6 +240,7 @@ def _attention_forward_kernel(
     diagonal = seqlen_k - seqlen_q  # query i sees key j iff i + diagonal - left <= j <= i + diagonal + right
     key_start, full_start, full_end, key_end = key_tile_range(start_m, seqlen_q, seqlen_k, window_left,
                                                               window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+    masked_start, gap_start = masked_runs(key_start, full_start, full_end, MASK_LEFT)
     acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, kv_head,
                                       stride_kn, stride_vn, full_start, full_end, full_end, full_end,
                                       seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale,
@@ -245,7 +248,7 @@ def _attention_forward_kernel(
                                       BLOCK_N, BLOCK_D, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
                                       HAS_BIAS, USE_TMA, DOT_PRECISION)
     acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, kv_head,
-                                      stride_kn, stride_vn, key_start, key_end, full_start, full_end,
+                                      stride_kn, stride_vn, masked_start, key_end, gap_start, full_end,
                                       seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale,
                                       softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
                                       BLOCK_N, BLOCK_D, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
