@@ -67,7 +67,7 @@ def main():
     d, h = a.d, a.heads
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     dense = {}  # the dense kernel's TFLOP/s per mask, from the first (shortest) length: at 128k a dense call
-    for length in (int(x) for x in a.lengths.split(",")):  # costs seconds, and its rate no longer changes
+    for length in (int(x) for x in a.lengths.split(",") if x):  # costs seconds, and its rate no longer changes
         for causal, window in ((True, (a.window - 1, 0)), (False, (a.window // 2, a.window // 2))):
             if causal not in dense:
                 dense[causal] = report(f"dense {'causal' if causal else 'full'}", 1, h, length, d,
