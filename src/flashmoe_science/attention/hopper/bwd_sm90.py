@@ -42,6 +42,15 @@ overflows for lse < −88 and would send inf·0 = NaN into dQ. Rows that see no 
 tiles. A mask is applied by starting the Sᵀ accumulator from −inf at hidden (key, query) pairs (so P = 0 there);
 the softmax scale must be positive (the caller checks).
 
+Features (bwd_common.feature_args; the same in the two D=256 kernels): a window walks mask.query_tile_range
+(tiles outside it are never loaded; both of its edges mask); ALiBi subtracts slope·|i + Lk − Lq − j| after the
+product (it is linear, so lse still rides the accumulator); a softcap needs the raw product (lse subtracted after
+the tanh, dS · (1 − t²)); varlen runs one "batch" entry per packed sequence (rows offset by cu_seqlens, CTAs past
+their sequence's keys return at once). A packed sequence's last Q/dO box may read the next sequence's rows: their
+lse is read as +inf, so their P and dS are exactly 0, and the dQ reduce-add of that box adds exact zeros (±0) into
+the next sequence's rows of the float32 workspace, which leaves every value unchanged (free: no masked reduce
+path). Its last K/V box is masked like any ragged key block; dK and dV stores are masked by the sequence's length.
+
 dQ's last bits may vary run to run (the reduce-adds arrive in any order); dK and dV are deterministic.
 """
 
