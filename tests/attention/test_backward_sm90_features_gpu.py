@@ -118,7 +118,10 @@ def run_case(lengths_q, lengths_k, hq, hkv, d, *, causal=False, window=None, sof
                                               _packed(lengths_k, hkv, d, dtype), _packed(lengths_q, hq, d, dtype))
         cu_q, cu_k = _cu(lengths_q), _cu(lengths_k)
         spans = [(int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])) for b in range(n)]
-        seq_views = lambda t4, b, kv: t4[:, :, spans[b][2]:spans[b][3]] if kv else t4[:, :, spans[b][0]:spans[b][1]]  # noqa: E731
+
+        def seq_views(t4, b, kv):
+            first, end = spans[b][2:] if kv else spans[b][:2]
+            return t4[:, :, first:end]
         varlen_info = Varlen(cu_q, cu_k, max(lengths_q), max(lengths_k))
     else:
         assert len(set(lengths_q)) == 1 and len(set(lengths_k)) == 1

@@ -61,11 +61,22 @@ import functools
 import torch
 
 from flashmoe_science.attention.hopper import bwd_dq_sm90, bwd_sm90_hdim256
-from flashmoe_science.attention.hopper.bwd_common import (TWO_KERNEL_BLOCK_D, _cta_key_block, _probabilities,
-                                                          check_features, feature_args, offline_build,
-                                                          LOG2_E_IN_KERNEL, _producer, _producer_barriers, _score_start, _softcap_grad,
-                                                          _tile_needs_mask, _visited_query_tiles)
 from flashmoe_science.attention.features import as_features
+from flashmoe_science.attention.hopper.bwd_common import (
+    LOG2_E_IN_KERNEL,
+    TWO_KERNEL_BLOCK_D,
+    _cta_key_block,
+    _probabilities,
+    _producer,
+    _producer_barriers,
+    _score_start,
+    _softcap_grad,
+    _tile_needs_mask,
+    _visited_query_tiles,
+    check_features,
+    feature_args,
+    offline_build,
+)
 from flashmoe_science.attention.triton_fwd import sequence_bounds
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor  # the forward's TMA boxes
 from flashmoe_science.attention.tiles import padded_head_dim
