@@ -25,7 +25,7 @@ def _sass(compiled) -> str:
 def test_builds_for_sm90_with_register_operands_and_tma_reduce_adds():
     """D=128, causal: Sᵀ/dPᵀ/dQ from shared memory, dV/dK with P and dS from registers, dQ by TMA reduce-adds, and
     (after folding lse, Δ and the mask into the accumulators) at most a few spilled scalars."""
-    compiled = bwd_sm90.compile_offline(128, causal=True)
+    compiled = bwd_sm90.compile_offline(128, True)
     sass = _sass(compiled)
     assert re.search(r"\bHGMMA\.64x64x16\.F32\.BF16 R\d+, gdesc", sass)  # Sᵀ, dPᵀ, dQ: both operands in smem
     assert re.search(r"\bHGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)  # dV, dK: A from registers
@@ -117,3 +117,52 @@ def test_backward_key_tells_strides_and_alignment_apart():
     assert _backward_key((torch.zeros(2 * 3 * 8 * 16 + 1)[1:].view(2, 3, 8, 16),), False, 0.25) != base
     assert _backward_key((t,), True, 0.25) != base and _backward_key((t,), False, 0.5) != base
     assert _backward_key((torch.zeros(2, 3, 8, 16),), False, 0.25) == base
+
+
+FEATURE_CASES = {  # bwd_common.offline_features arguments: each feature alone and all at once
+    "window": dict(window=(100, 20)),
+    "window_causal": dict(causal=True, window=(300, -1)),
+    "softcap": dict(softcap=5.0),
+    "alibi": dict(alibi=True),
+    "varlen": dict(varlen=True, causal=True),
+    "all": dict(causal=True, window=(100, -1), softcap=5.0, alibi=True, varlen=True),
+}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
+@pytest.mark.parametrize("case", list(FEATURE_CASES))
+def test_features_build_for_sm90(case):
+    """Window, softcap, ALiBi and varlen build into all three kernels (one pass at D=128; dK/dV and dQ at D=256)
+    within the shared memory; the one-pass kernel keeps its TMA reduce-adds. Spills are what the features cost
+    (none alone at D=256; a few dozen loads at D=128 with softcap and a window or ALiBi together)."""
+    from flashmoe_science.attention.hopper import bwd_dq_sm90, bwd_sm90_hdim256
+    from flashmoe_science.attention.hopper.bwd_common import offline_features
+
+    features = offline_features(**FEATURE_CASES[case])
+    one_pass = bwd_sm90.compile_offline(128, features)
+    assert len(re.findall(r"\bUTMAREDG\.3D\.ADD\b", _sass(one_pass))) == 4
+    for compiled in (one_pass, bwd_sm90_hdim256.compile_offline(256, features),
+                     bwd_dq_sm90.compile_offline(256, features)):
+        assert compiled.metadata.shared <= 227 * 1024
+    if case in ("window", "alibi", "varlen", "softcap"):
+        assert len(re.findall(r"\bLDL\b", _sass(one_pass))) <= 24, "spills grew"
+
+
+def test_feature_args_keep_plain_calls_on_the_original_kernels():
+    """Dense and causal-only masks (including the window (-1, 0)) run as CAUSAL with no MASK_* flag (the original
+    SASS); other windows set MASK_LEFT/MASK_RIGHT; varlen passes the maxima and one entry per sequence."""
+    from flashmoe_science.attention.hopper.bwd_common import feature_args, offline_features
+
+    q = torch.empty(2, 4, 300, 64, device="meta")
+    k = torch.empty(2, 2, 200, 64, device="meta")
+    for features, causal, left, right in ((False, False, False, False), (True, True, False, False),
+                                          (offline_features(window=(-1, 0)), True, False, False),
+                                          (offline_features(causal=True, window=(8, -1)), False, True, True),
+                                          (offline_features(window=(-1, 5)), False, False, True)):
+        args, flags, (batch, lq, lk, _) = feature_args(features, 0.125, q, k)
+        assert (flags["CAUSAL"], flags["MASK_LEFT"], flags["MASK_RIGHT"]) == (causal, left, right)
+        assert (batch, lq, lk) == (2, 300, 200) and args[:3] == (None, None, None)
+    args, flags, (batch, lq, lk, qk_scale) = feature_args(offline_features(varlen=True, alibi=True, softcap=2.0),
+                                                           0.125, q, k)
+    assert flags["VARLEN"] and flags["ALIBI"] and flags["SOFTCAP"] and (batch, lq, lk) == (2, 256, 256)
+    assert args[4] == 300 and qk_scale == pytest.approx(2.0 * 1.4426950408889634)  # lse rows; c·log2(e)

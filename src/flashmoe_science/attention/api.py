@@ -155,7 +155,8 @@ def describe_plan(q, k, v, features: CallFeatures, backend: str, bias_grad: bool
                f"async wgmma, softmax overlapped with P·V; {ctas}); {shape}")
         missing_bwd = sm90_missing(feature_names(features, q.shape[-1], bias_grad), "backward")
         if missing_bwd:
-            why += f"; the backward runs the Triton kernels (the sm_90 backward does not take {', '.join(missing_bwd)} yet)"
+            why += (f"; the backward runs the Triton kernels (the sm_90 backward does not take "
+                    f"{', '.join(missing_bwd)} yet)")
         return Dispatch("hopper", "hopper.fwd_sm90.attention_forward_sm90_kernel", why, tiles.as_dict())
     traits = device_traits(q.device)
     where = "the Triton interpreter" if not q.is_cuda else f"sm_{traits.capability[0]}{traits.capability[1]}"
@@ -164,6 +165,9 @@ def describe_plan(q, k, v, features: CallFeatures, backend: str, bias_grad: bool
            + (f" (not the sm_90 kernel: {why_not_sm90})" if why_not_sm90 else "")
            + ("; FLASHMOE_AUTOTUNE=1: tiles searched per shape, " if tuned else f"; {shape}, ")
            + ("TMA descriptors" if tiles.use_tma else "pointer loads"))
+    if (q.is_cuda and traits.is_hopper and q.dtype in (torch.bfloat16, torch.float16) and _tma_compatible(q, k, v)
+            and not sm90_missing(feature_names(features, q.shape[-1], bias_grad), "backward")):
+        why += "; the backward runs the Gluon sm_90 kernels (where they take the head dim and length)"
     return Dispatch("triton", "triton_fwd._attention_forward_kernel", why, tiles.as_dict())
 
 

@@ -25,14 +25,19 @@ def _backward_key(tensors, causal: bool, softmax_scale: float) -> tuple:
     return (*map(tensor_signature, tensors), causal, softmax_scale)
 
 
-def _sm90_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal: bool, softmax_scale: float) -> None:
-    """attention_backward_sm90, through a PreparedBackward where the one-pass kernel runs (head dims up to 128)."""
+def _sm90_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features: CallFeatures,
+                   softmax_scale: float) -> None:
+    """attention_backward_sm90, through a PreparedBackward where the one-pass kernel runs a plain (dense or
+    causal) call (head dims up to 128); calls with features launch directly (their slopes and cu_seqlens are
+    per-call tensors a prepared launch would freeze)."""
     from flashmoe_science.attention.hopper import bwd_sm90
 
     tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv)
-    if bwd_sm90.is_deterministic(q.shape[-1]):  # the D=256 kernels: fewer, larger problems; not prepared
-        bwd_sm90.attention_backward_sm90(*tensors, causal, softmax_scale)
+    if bwd_sm90.is_deterministic(q.shape[-1]) or not features.is_plain:
+        # the D=256 kernels (fewer, larger problems) and feature calls: not prepared
+        bwd_sm90.attention_backward_sm90(*tensors, features, softmax_scale)
         return
+    causal = features.causal
     key = _backward_key(tensors, causal, softmax_scale)
     prepared = _PREPARED_BACKWARD.get(key)
     if prepared is None:
@@ -42,18 +47,35 @@ def _sm90_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal: bool,
     prepared(*tensors)
 
 
-def _sm90_backward_runs(q, grad_out, softmax_scale: float, deterministic: bool) -> bool:
-    """Whether the Gluon sm_90 backward takes a call whose forward ran the sm_90 kernel (so q, k, v are already
-    known TMA-compatible bf16/fp16 on Hopper): its head dims, determinism where asked for, a positive scale (its
-    masks are -inf scores), grad_out's strides, and where it measured faster than the Triton backward
-    (tiles.sm90_backward_wins). Features: see `sm90_missing(..., "backward")`."""
+def _sm90_backward_runs(q, grad_out, softmax_scale: float, deterministic: bool, seqlen_q: int | None = None) -> bool:
+    """Whether the Gluon sm_90 backward takes a call on Hopper whose q, k, v are TMA-compatible bf16/fp16 (known
+    after an sm_90 forward; else `_sm90_backward_inputs`): its head dims, determinism where asked for, a positive
+    scale (its masks are -inf scores), grad_out's strides, and where it measured faster than the Triton backward
+    (tiles.sm90_backward_wins; seqlen_q: the longest sequence's queries, default q's rows). Features: see
+    `sm90_missing(..., "backward")`."""
     from flashmoe_science.attention.hopper.bwd_sm90 import SUPPORTED_BLOCK_D, is_deterministic
     from flashmoe_science.attention.tiles import padded_head_dim, sm90_backward_wins
     from flashmoe_science.attention.triton_fwd import tma_compatible
 
     return (padded_head_dim(q.shape[-1]) in SUPPORTED_BLOCK_D and softmax_scale > 0
             and (is_deterministic(q.shape[-1]) or not deterministic)
-            and sm90_backward_wins(q.shape[-1], q.shape[-2]) and tma_compatible(grad_out))
+            and sm90_backward_wins(q.shape[-1], q.shape[-2] if seqlen_q is None else seqlen_q)
+            and tma_compatible(grad_out))
+
+
+def _sm90_backward_inputs(q, k, v) -> bool:
+    """Whether q, k, v suit the Gluon sm_90 backward when the forward ran on Triton (a feature the sm_90 forward
+    does not take): Hopper, bf16/fp16, TMA-compatible strides, Gluon importable."""
+    from flashmoe_science.attention.triton_fwd import tma_compatible
+
+    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and device_traits(q.device).is_hopper
+            and tma_compatible(q, k, v)):
+        return False
+    try:
+        import flashmoe_science.attention.hopper.bwd_sm90  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def new_outputs(q) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,11 +135,14 @@ def kernel_backward(q, k, v, out, lse, grad_out, features: CallFeatures, softmax
     delta = torch.empty_like(lse)
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     names = feature_names(features, q.shape[-1], need_dbias)
-    if (sm90_forward and dq is not None and dk is not None and not sm90_missing(names, "backward")
-            and _sm90_backward_runs(q, grad_out, softmax_scale, deterministic)):
+    varlen = features.varlen
+    if (dq is not None and dk is not None and not sm90_missing(names, "backward")
+            and _sm90_backward_runs(q, grad_out, softmax_scale, deterministic,
+                                    None if varlen is None else varlen.max_seqlen_q)
+            and (sm90_forward or _sm90_backward_inputs(q, k, v))):
         # Hopper: one pass for all three gradients (D <= 128; dQ summed by TMA reduce-adds, last bits may
         # vary), or the dK/dV and dQ kernels (D 129..256, deterministic)
-        _sm90_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features.causal, softmax_scale)
+        _sm90_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale)
         return dq, dk, dv, None
     tiles = backward_tiles(q.shape[-1], q.dtype, features.causal, device_traits(q.device))
     # dQ and dK/dV both wanted, determinism not asked for, no bias gradient (formed by the dQ kernel) and the fused

@@ -248,7 +248,7 @@ def visible(q_pos, k_pos, seqlen_k, diagonal, window_left, window_right,
     the sequence and inside the window. Positions are relative to the sequence's start."""
     seen = k_pos < seqlen_k
     if MASK_RIGHT:
-        seen = seen & (k_pos <= q_pos + diagonal + window_right)
+        seen = seen & (k_pos - diagonal - window_right <= q_pos)  # this form: the causal kernels' SASS as before
     if MASK_LEFT:
         seen = seen & (k_pos >= q_pos + diagonal - window_left)
     return seen

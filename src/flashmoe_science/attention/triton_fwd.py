@@ -173,11 +173,16 @@ def _attend_key_tiles(acc, l_i, m_i, q, offs_m,
 
 @triton.jit
 def sequence_bounds(CU_SEQLENS, batch, seqlen, VARLEN: tl.constexpr):
-    """(first row, length) of sequence `batch`: from the cumulative lengths of a packed batch, else (0, seqlen)."""
+    """(first row, length) of sequence `batch`: from the cumulative lengths of a packed batch (the first row as
+    int64), else (0, seqlen) with a compile-time 0 (so the dense kernels are unchanged, and Gluon kernels, which
+    have no layout-free tl.zeros, can call this too)."""
     if VARLEN:
         start = tl.load(CU_SEQLENS + batch)
-        return start.to(tl.int64), tl.load(CU_SEQLENS + batch + 1) - start
-    return tl.zeros([], tl.int64), seqlen
+        seqlen = tl.load(CU_SEQLENS + batch + 1) - start
+        start = start.to(tl.int64)
+    else:
+        start = 0
+    return start, seqlen
 
 
 @triton.jit

@@ -8,4 +8,5 @@ learns a feature adds its word here (and reads the feature's arguments from `Cal
 # forward: an additive attn_bias stays on the Triton kernel (a (B, H, Lq, Lk) read per score, no TMA box for its
 # broadcast strides); odd head dims reach the kernel padded by the api
 SM90_FORWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "varlen"})
-SM90_BACKWARD_FEATURES = frozenset({"causal"})
+# the backward runs after a Triton forward too (autograd._sm90_backward_inputs); attn_bias stays on Triton
+SM90_BACKWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "varlen"})

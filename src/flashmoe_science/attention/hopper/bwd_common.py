@@ -6,7 +6,16 @@ bwd_sm90.attention_backward_sm90 picks the kernels. See bwd_sm90's docstring for
 
 from __future__ import annotations
 
+import torch
+
 from flashmoe_science.hopper.gluon_compat import gl, gluon, mbarrier, tma
+
+from flashmoe_science.attention.features import as_features
+from flashmoe_science.attention.mask import LOG2_E, query_tile_range, score_to_log2, visible
+
+from flashmoe_science.hopper.common import compile_offline as sm90_compile_offline
+
+LOG2_E_IN_KERNEL = gl.constexpr(LOG2_E)
 
 TWO_KERNEL_BLOCK_D = 256  # padded head dim run as bwd_sm90_hdim256 (dK, dV) + bwd_dq_sm90 (dQ)
 
@@ -32,15 +41,114 @@ def _query_tile_bounds(start_n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK
 
 
 @gluon.jit
-def _hide_keys(s_init, queries, keys, seqlen_k, diagonal, CAUSAL: gl.constexpr):
-    """s_init with -inf where a key is hidden from a query: past Lk, or (causal) key j > query i + Lk - Lq.
-    `queries` and `keys` are index tensors expanded to s_init's orientation (the three sm_90 backward kernels hold
-    scores as keys x queries or queries x keys). -inf, not a product: a dead row (lse = -inf, no visible key) would
-    otherwise start from +inf."""
-    visible = keys < seqlen_k
-    if CAUSAL:
-        visible = visible & (keys - diagonal <= queries)
-    return gl.where(visible, s_init, float("-inf"))
+def _visited_query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
+                         MASK_RIGHT: gl.constexpr):
+    """For the key block at `start_n`: (query_start, num_tiles, full_start, full_end) in rows. Query tiles
+    [query_start, query_start + num_tiles·BLOCK_M) see some of its keys; `_tile_needs_mask` says which need the
+    elementwise mask. Windows (MASK_LEFT/MASK_RIGHT, mask.kernel_args) take mask.query_tile_range: tiles entirely
+    outside the window are never visited. Dense and causal-only calls (CAUSAL, no MASK_*) keep the original
+    kernels' `_query_tile_bounds` (the same tiles; their SASS is unchanged)."""
+    if MASK_LEFT or MASK_RIGHT:
+        query_start, full_start, full_end, query_end = query_tile_range(
+            start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+        num_tiles = (query_end - query_start + BLOCK_M - 1) // BLOCK_M
+    else:
+        query_start, num_tiles, full_start = _query_tile_bounds(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N,
+                                                                CAUSAL)
+        full_end = full_start  # unused: masked tiles are [query_start, full_start)
+    return query_start, num_tiles, full_start, full_end
+
+
+@gluon.jit
+def _tile_needs_mask(start, full_start, full_end, BEFORE: gl.constexpr, AFTER: gl.constexpr):
+    """Whether the tile at `start` (rows or keys) lies outside the unmasked [full_start, full_end) of
+    `_visited_query_tiles` or bwd_dq_sm90's `_visited_key_tiles`: BEFORE / AFTER say which side can hold masked
+    tiles (a window: both; causal-only: the key-stationary kernels' first tiles, the dQ kernel's last)."""
+    if BEFORE and AFTER:
+        needs = (start < full_start) | (start >= full_end)
+    elif BEFORE:
+        needs = start < full_start
+    else:
+        needs = start >= full_end
+    return needs
+
+
+@gluon.jit
+def _hide_keys(s_init, queries, keys, seqlen_k, diagonal, window_left, window_right, CAUSAL: gl.constexpr,
+               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, HIDDEN: gl.constexpr = float("-inf")):
+    """s_init with -inf where a key is hidden from a query (mask.visible: past Lk, outside the window; CAUSAL is
+    the window (-1, 0)). `queries` and `keys` are index tensors expanded to s_init's orientation (the three sm_90
+    backward kernels hold scores as keys x queries or queries x keys). -inf, not a product: a dead row (lse = -inf,
+    no visible key) would otherwise start from +inf."""
+    if MASK_LEFT or MASK_RIGHT:
+        seen = visible(queries, keys, seqlen_k, diagonal, window_left, window_right, MASK_LEFT, MASK_RIGHT)
+    else:
+        seen = visible(queries, keys, seqlen_k, diagonal, 0, 0, False, CAUSAL)
+    return gl.where(seen, s_init, HIDDEN)
+
+
+@gluon.jit
+def _score_start(zeros, lse, inv_scale, queries, keys, needs_mask, seqlen_k, diagonal, window_left, window_right,
+                 AXIS: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                 SOFTCAP: gl.constexpr):
+    """The score product's starting accumulator. The statistics and the mask ride in it: -lse / scale (`lse` the
+    vector along the queries, expanded on AXIS), -inf at hidden pairs where `needs_mask`, so the product gives
+    (S - lse / scale) directly (ALiBi's bias is linear and added after). A softcap is not linear: its product
+    must be raw (zeros) and lse is subtracted after the tanh; with a causal or window mask its hidden pairs start
+    from NaN instead, which the tanh keeps and `_probabilities` turns into P = 0 (so no index vector is held
+    across the products: that spilled at D=128, 115 -> 70 loads causal); dense calls mask their ragged key block
+    after the tanh (fewer spills there: 18 vs 51 loads)."""
+    if SOFTCAP:
+        start = zeros
+    else:
+        start = zeros - gl.expand_dims(lse * inv_scale, AXIS)
+    return _mask_score_start(start, queries, keys, needs_mask, seqlen_k, diagonal, window_left, window_right,
+                             CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP)
+
+
+@gluon.jit
+def _mask_score_start(s_init, queries, keys, needs_mask, seqlen_k, diagonal, window_left, window_right,
+                      CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                      SOFTCAP: gl.constexpr):
+    """`_score_start`'s mask, for a start built once and masked per tile (bwd_sm90_dq): -inf at hidden pairs
+    where `needs_mask` (NaN with a softcap, see `_score_start`)."""
+    if needs_mask:  # (a dense softcapped call masks its ragged key block after the tanh: `_probabilities`)
+        if SOFTCAP and (CAUSAL or MASK_LEFT or MASK_RIGHT):
+            s_init = _hide_keys(s_init, queries, keys, seqlen_k, diagonal, window_left, window_right, CAUSAL,
+                                MASK_LEFT, MASK_RIGHT, float("nan"))
+        elif not SOFTCAP:
+            s_init = _hide_keys(s_init, queries, keys, seqlen_k, diagonal, window_left, window_right, CAUSAL,
+                                MASK_LEFT, MASK_RIGHT)
+    return s_init
+
+
+@gluon.jit
+def _probabilities(s, lse, queries, keys, needs_mask, seqlen_k, diagonal, window_left, window_right, qk_scale,
+                   softcap_scale, alibi_slope_log2, AXIS: gl.constexpr, CAUSAL: gl.constexpr,
+                   MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+    """(P, t) from the product started by `_score_start`: P = exp2 of mask.score_to_log2's scores minus lse (in
+    log2 units); t is the softcap's tanh, for `_softcap_grad` (unused otherwise). Hidden pairs give P = 0."""
+    x, t = score_to_log2(s, queries, keys, diagonal, qk_scale, softcap_scale, alibi_slope_log2, SOFTCAP, ALIBI)
+    if SOFTCAP:
+        x = x - gl.expand_dims(lse * LOG2_E_IN_KERNEL, AXIS)
+        if needs_mask:
+            if CAUSAL or MASK_LEFT or MASK_RIGHT:  # hidden pairs carry NaN from `_score_start`: P = 0, t finite
+                hidden = t != t
+                x = gl.where(hidden, float("-inf"), x)
+                t = gl.where(hidden, 0.0, t)
+            else:  # keys past Lk (dense: no mask rides the product)
+                x = _hide_keys(x, queries, keys, seqlen_k, diagonal, window_left, window_right, CAUSAL, MASK_LEFT,
+                               MASK_RIGHT)
+    return gl.exp2(x), t
+
+
+@gluon.jit
+def _softcap_grad(ds, t, SOFTCAP: gl.constexpr):
+    """dS through the softcap: d(c·tanh(u/c))/du = 1 - tanh², so dS_raw = dS · (1 - t²)."""
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return ds
 
 
 @gluon.jit
@@ -70,21 +178,82 @@ def _producer_barriers(NUM_STAGES: gl.constexpr):
 @gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
               kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
-              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """K and V once, then Q and dO of every visited query tile of every query head of the group."""
+              q_first, k_first, window_left, window_right,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """K and V once, then Q and dO of every visited query tile of every query head of the group. Rows are
+    relative to the sequence's first (q_first, k_first: triton_fwd.sequence_bounds; 0 for dense batches). A packed
+    sequence's last tiles may read the next sequence's rows: hidden keys and queries with lse = +inf, harmless."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
-    tma.async_load(k_desc, [batch, kv_head, start_n, 0], kv_ready, k_smem)
-    tma.async_load(v_desc, [batch, kv_head, start_n, 0], kv_ready, v_smem)
-    query_start, num_tiles, _ = _query_tile_bounds(start_n, seqlen_q, seqlen_k, ROWS, KEYS, CAUSAL)
+    tma.async_load(k_desc, [batch, kv_head, k_first + start_n, 0], kv_ready, k_smem)
+    tma.async_load(v_desc, [batch, kv_head, k_first + start_n, 0], kv_ready, v_smem)
+    query_start, num_tiles, _, _ = _visited_query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                                        ROWS, KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT)
     for ring in range(group_size * num_tiles):
         g = ring // num_tiles
-        start_m = query_start + (ring - g * num_tiles) * ROWS
+        start_m = q_first + query_start + (ring - g * num_tiles) * ROWS
         q_head = kv_head * group_size + g
         stage = ring % NUM_STAGES
         mbarrier.wait(empty.index(stage), ((ring // NUM_STAGES) & 1) ^ 1)  # first pass: passes at once
         mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-        tma.async_load(q_desc, [batch, q_head, start_m, 0], q_ready.index(stage), q_smem.index(stage))
+        tma.async_load(q_desc, [batch, q_head, start_m, 0], q_ready.index(stage),
+                                        q_smem.index(stage))
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-        tma.async_load(do_desc, [batch, q_head, start_m, 0], do_ready.index(stage), do_smem.index(stage))
+        tma.async_load(do_desc, [batch, q_head, start_m, 0], do_ready.index(stage),
+                                        do_smem.index(stage))
+
+
+# ---------------------------------------------------------------------------------------------------- host side
+def check_features(features) -> None:
+    """Raise ValueError for a feature these kernels do not take (the caller runs triton_bwd instead)."""
+    if features.attn_bias is not None:
+        raise ValueError("the sm_90 backward takes no attn_bias (the Triton backward does)")
+
+
+def feature_args(features, softmax_scale: float, q, k) -> tuple[tuple, dict, tuple]:
+    """What the three sm_90 backward kernels take for a call's features: (their trailing arguments `Slopes,
+    CuSeqlensQ, CuSeqlensK, stride_slopes, lse_rows, window_left, window_right, softcap_scale`, their feature
+    constexprs, (num_seqs, seqlen_q, seqlen_k, qk_scale) for the grids and the scale argument).
+
+    Dense and causal-only masks run as CAUSAL with no MASK_* flag: the original kernels' code and SASS. Any other
+    window sets MASK_LEFT/MASK_RIGHT from mask.kernel_args. Varlen: one "batch" entry per packed sequence, the
+    maximal lengths (the kernels read each sequence's from cu_seqlens)."""
+    features = as_features(features)
+    mask = features.mask
+    scalars = mask.kernel_args(softmax_scale)
+    causal_only = not mask.bounded_left and mask.bounded_right and mask.window_right == 0
+    slopes = features.alibi_slopes
+    if slopes is not None and slopes.stride(-1) != 1:
+        slopes = slopes.contiguous()  # (B, Hq) float32: a few bytes
+    varlen = features.varlen
+    if varlen is None:
+        cu_q = cu_k = None
+        shape = (q.shape[0], q.shape[2], k.shape[2])
+    else:
+        cu_q, cu_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
+        shape = (varlen.num_seqs, varlen.max_seqlen_q, varlen.max_seqlen_k)
+    args = (slopes, cu_q, cu_k, 0 if slopes is None else slopes.stride(0), q.shape[2], scalars["window_left"],
+            scalars["window_right"], scalars["softcap_scale"])
+    constexprs = dict(CAUSAL=causal_only, MASK_LEFT=scalars["MASK_LEFT"],
+                      MASK_RIGHT=scalars["MASK_RIGHT"] and not causal_only, SOFTCAP=scalars["SOFTCAP"],
+                      ALIBI=slopes is not None, VARLEN=varlen is not None)
+    return args, constexprs, (*shape, scalars["qk_scale"])
+
+
+def offline_build(kernel, bound: dict):
+    """sm90_compile_offline of a launch's bound parameters: constexprs and None arguments specialised."""
+    declared = {param.name for param in kernel.params if param.is_constexpr}
+    constexprs = {name: value for name, value in bound.items() if value is None or name in declared}
+    return sm90_compile_offline(kernel, [bound[name] for name in kernel.arg_names], constexprs)
+
+
+def offline_features(causal=False, window=None, softcap=None, alibi=False, varlen=False, heads=4):
+    """A CallFeatures over meta tensors for offline builds (two sequences, `heads` query heads)."""
+    from flashmoe_science.attention.features import CallFeatures, Varlen
+    from flashmoe_science.attention.mask import make_mask
+
+    slopes = torch.empty(2, heads, device="meta") if alibi else None
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    return CallFeatures(mask=make_mask(causal, window, softcap), alibi_slopes=slopes,
+                        varlen=Varlen(cu, cu, 256, 256) if varlen else None)

@@ -23,14 +23,22 @@ and releases the remaining stages unread (fwd_sm90._release_unused).
 from __future__ import annotations
 
 import torch
+from flashmoe_science.hopper.gluon_compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from flashmoe_science.attention.hopper.bwd_common import (
-    _hide_keys,
+    LOG2_E_IN_KERNEL,
+    _mask_score_start,
+    _probabilities,
+    _score_start,
+    _softcap_grad,
+    _tile_needs_mask,
+    feature_args,
+    offline_build,
 )
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor, _release_unused
-from flashmoe_science.attention.triton_fwd import LOG2_E, key_tile_bounds
+from flashmoe_science.attention.mask import key_tile_bounds, key_tile_range
+from flashmoe_science.attention.triton_fwd import sequence_bounds
 from flashmoe_science.hopper.common import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS, wgmma_layout
-from flashmoe_science.hopper.gluon_compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 BLOCK_M = 64  # query rows per consumer
 BLOCK_N = 32  # keys per streamed tile: Q and dO of 128 rows take 128 KB of the shared memory at D=256
@@ -38,45 +46,69 @@ NUM_STAGES = 3
 
 
 @gluon.jit
-def _cta_key_tiles(start_m, seqlen_q, seqlen_k, CTA_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                   CAUSAL: gl.constexpr):
-    """How many key tiles the producer streams: those some row of the CTA sees (possibly none)."""
-    _, key_end = key_tile_bounds(start_m, seqlen_k, seqlen_k - seqlen_q, CTA_ROWS, BLOCK_N, CAUSAL)
-    return gl.cdiv(key_end, BLOCK_N)
+def _visited_key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right, ROWS: gl.constexpr,
+                       KEYS: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """For the rows [start_m, start_m + ROWS): (key_start, full_start, full_end, key_end) in keys, as
+    mask.key_tile_range (windows: tiles outside are never streamed); dense and causal-only calls keep the original
+    kernel's mask.key_tile_bounds (key_start = full_start = 0; its SASS unchanged)."""
+    if MASK_LEFT or MASK_RIGHT:
+        key_start, full_start, full_end, key_end = key_tile_range(
+            start_m, seqlen_q, seqlen_k, window_left, window_right, ROWS, KEYS, MASK_LEFT, MASK_RIGHT)
+    else:
+        full_end, key_end = key_tile_bounds(start_m, seqlen_k, seqlen_k - seqlen_q, ROWS, KEYS, CAUSAL)
+        key_start = 0
+        full_start = 0
+    return key_start, full_start, full_end, key_end
 
 
 @gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready,
-              k_empty, v_empty, batch, q_head, kv_head, start_m, seqlen_q, seqlen_k,
-              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+              k_empty, v_empty, batch, q_head, kv_head, start_m, seqlen_q, seqlen_k, q_first, k_first, window_left,
+              window_right, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
+              MASK_RIGHT: gl.constexpr):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     mbarrier.expect(qdo_ready, 4 * q_desc.block_type.nbytes)
     for c in gl.static_range(2):
-        tma.async_load(q_desc, [batch, q_head, start_m + c * ROWS, 0], qdo_ready, q_smem.index(c))
-        tma.async_load(do_desc, [batch, q_head, start_m + c * ROWS, 0], qdo_ready, do_smem.index(c))
-    for j in range(_cta_key_tiles(start_m, seqlen_q, seqlen_k, 2 * ROWS, KEYS, CAUSAL)):
+        tma.async_load(q_desc, [batch, q_head, q_first + start_m + c * ROWS, 0], qdo_ready,
+                                        q_smem.index(c))
+        tma.async_load(do_desc, [batch, q_head, q_first + start_m + c * ROWS, 0], qdo_ready,
+                                        do_smem.index(c))
+    cta_start, _, _, cta_end = _visited_key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right, 2 * ROWS,
+                                                  KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT)
+    for j in range(gl.cdiv(cta_end - cta_start, KEYS)):  # ring position j: keys from cta_start + j·KEYS
         stage = j % NUM_STAGES
         empty_phase = ((j // NUM_STAGES) & 1) ^ 1  # barriers start "phase 1 complete": the first pass is free
+        key_row = k_first + cta_start + j * KEYS
         mbarrier.wait(k_empty.index(stage), empty_phase)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_load(k_desc, [batch, kv_head, j * KEYS, 0], k_ready.index(stage), k_smem.index(stage))
+        tma.async_load(k_desc, [batch, kv_head, key_row, 0], k_ready.index(stage),
+                                        k_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), empty_phase)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_load(v_desc, [batch, kv_head, j * KEYS, 0], v_ready.index(stage), v_smem.index(stage))
+        tma.async_load(v_desc, [batch, kv_head, key_row, 0], v_ready.index(stage),
+                                        v_smem.index(stage))
 
 
 @gluon.jit
-def _issue_scores(q_tile, do_tile, k_smem, v_smem, k_ready, v_ready, j, s_start, dp_init, offs_q, full_end,
-                  seqlen_k, diagonal, KEYS: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr):
-    """S = Q Kⱼᵀ and dP = dO Vⱼᵀ for key tile j, issued asynchronously once its K and V have landed. The
-    accumulators start from -lse/scale (-inf at hidden keys) and -Δ (bwd_sm90's scheme)."""
-    s_init = s_start
-    if j * KEYS >= full_end:  # diagonal tiles, the ragged last tile, and every tile of rows that see no key
-        offs_key = j * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_start.type.layout))
-        s_init = _hide_keys(s_init, gl.expand_dims(offs_q, 1), gl.expand_dims(offs_key, 0), seqlen_k, diagonal,
-                            CAUSAL)
+def _tile_keys(j, cta_start, full_start, full_end, layout: gl.constexpr, KEYS: gl.constexpr,
+               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """Ring position j's key indices (expanded along the keys of `layout`) and whether the tile needs the mask:
+    diagonal tiles, the ragged last tile, every tile of rows that see no key, and window edges."""
+    start_n = cta_start + j * KEYS
+    keys = gl.expand_dims(start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(0, layout)), 0)
+    return keys, _tile_needs_mask(start_n, full_start, full_end, MASK_LEFT or MASK_RIGHT, True)
+
+
+@gluon.jit
+def _issue_scores(q_tile, do_tile, k_smem, v_smem, k_ready, v_ready, j, s_start, dp_init, queries, keys, needs_mask,
+                  seqlen_k, diagonal, window_left, window_right, KEYS: gl.constexpr, BLOCK_D: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                  SOFTCAP: gl.constexpr):
+    """S = Q Kⱼᵀ and dP = dO Vⱼᵀ for ring position j, issued asynchronously once its K and V have landed. The
+    accumulators start from -lse/scale (-inf at hidden keys) and -Δ (bwd_sm90's scheme; bwd_common._score_start)."""
+    s_init = _mask_score_start(s_start, queries, keys, needs_mask, seqlen_k, diagonal, window_left, window_right,
+                               CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP)
     stage = j % NUM_STAGES
     phase = (j // NUM_STAGES) & 1
     mbarrier.wait(k_ready.index(stage), phase)
@@ -90,9 +122,11 @@ def _issue_scores(q_tile, do_tile, k_smem, v_smem, k_ready, v_ready, j, s_start,
 @gluon.jit
 def _consumer(q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, k_empty, v_empty,
               LSE, Delta, DQ, stride_dqb, stride_dqh, stride_dqm, batch, q_head, start_m, seqlen_q, seqlen_k,
-              qk_scale, sm_scale, num_q_heads,
+              qk_scale, sm_scale, num_q_heads, seq, q_first, lse_rows, window_left, window_right, softcap_scale,
+              Slopes, stride_slopes,
               CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, ROWS: gl.constexpr,
-              KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+              KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
+              MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr):
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = wgmma_layout(KEYS)
     dq_layout: gl.constexpr = wgmma_layout(BLOCK_D)
@@ -101,17 +135,37 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, k_em
 
     my_start_m = start_m + CONSUMER * ROWS
     diagonal = seqlen_k - seqlen_q
-    cta_tiles = _cta_key_tiles(start_m, seqlen_q, seqlen_k, 2 * ROWS, KEYS, CAUSAL)
-    full_end, key_end = key_tile_bounds(my_start_m, seqlen_k, diagonal, ROWS, KEYS, CAUSAL)
-    my_tiles = gl.cdiv(key_end, KEYS)  # <= cta_tiles
+    # ring positions: the CTA's key tiles from cta_start; this consumer's are [first, end) of them
+    cta_start, cta_full_start, cta_full_end, cta_end = _visited_key_tiles(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, 2 * ROWS, KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT)
+    cta_tiles = gl.cdiv(cta_end - cta_start, KEYS)
+    key_start, full_start, full_end, key_end = _visited_key_tiles(
+        my_start_m, seqlen_q, seqlen_k, window_left, window_right, ROWS, KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT)
+    if MASK_LEFT or MASK_RIGHT:
+        first = gl.minimum((key_start - cta_start) // KEYS, cta_tiles)
+        end = gl.minimum(gl.maximum(gl.cdiv(key_end - cta_start, KEYS), first), cta_tiles)
+        _release_unused(k_ready, v_ready, k_empty, v_empty, 0, first, NUM_STAGES)  # the other consumer's
+    else:
+        first = 0
+        end = gl.cdiv(key_end, KEYS)  # <= cta_tiles
 
     offs_q = my_start_m + gl.arange(0, ROWS, layout=row_slice)
+    queries = gl.expand_dims(offs_q, 1)
     in_rows = offs_q < seqlen_q
-    row0 = (batch * num_q_heads + q_head) * seqlen_q
+    if VARLEN:  # lse/Δ are (1, Hq, total rows): the sequence's rows of this head
+        row0 = q_head * lse_rows + q_first
+    else:
+        row0 = (batch * num_q_heads + q_head) * seqlen_q
+    if ALIBI:
+        slope_log2 = gl.load(Slopes + seq * stride_slopes + q_head) * LOG2_E_IN_KERNEL
+    else:
+        slope_log2 = 0.0
     # queries past Lq: lse = +inf, so P = 0 (their zero-filled Q/dO rows give finite scores)
     lse = gl.load(LSE + row0 + offs_q, mask=in_rows, other=float("inf"))
     delta = gl.load(Delta + row0 + offs_q, mask=in_rows, other=0.0)
-    s_start = gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout) - gl.expand_dims(lse * (1.0 / sm_scale), 1)
+    s_start = _score_start(gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout), lse, 1.0 / sm_scale, queries,
+                           queries, False, seqlen_k, diagonal, window_left, window_right, 1, CAUSAL, MASK_LEFT,
+                           MASK_RIGHT, SOFTCAP)  # masked per tile by _issue_scores
     dp_init = gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout) - gl.expand_dims(delta, 1)
     dq = gl.zeros([ROWS, BLOCK_D], gl.float32, layout=dq_layout)
     ds = gl.zeros([ROWS, KEYS], dtype, layout=a_layout)
@@ -119,33 +173,42 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, k_em
     do_tile = do_smem.index(CONSUMER).reshape([ROWS, BLOCK_D])
     mbarrier.wait(qdo_ready, 0)
 
-    if my_tiles > 0:  # tile 0: nothing to overlap yet
-        s, dp = _issue_scores(q_tile, do_tile, k_smem, v_smem, k_ready, v_ready, 0, s_start, dp_init, offs_q,
-                              full_end, seqlen_k, diagonal, KEYS, BLOCK_D, NUM_STAGES, CAUSAL)
+    if end > first:  # the first tile: nothing to overlap yet
+        keys, needs_mask = _tile_keys(first, cta_start, full_start, full_end, s_layout, KEYS, MASK_LEFT, MASK_RIGHT)
+        s, dp = _issue_scores(q_tile, do_tile, k_smem, v_smem, k_ready, v_ready, first, s_start, dp_init, queries,
+                              keys, needs_mask, seqlen_k, diagonal, window_left, window_right, KEYS, BLOCK_D,
+                              NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP)
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
-        mbarrier.arrive(v_empty.index(0), count=1)
-        ds = gl.convert_layout((gl.exp2(s * qk_scale) * dp).to(dtype), a_layout)
-    for j in range(1, my_tiles):
-        s, dp = _issue_scores(q_tile, do_tile, k_smem, v_smem, k_ready, v_ready, j, s_start, dp_init, offs_q,
-                              full_end, seqlen_k, diagonal, KEYS, BLOCK_D, NUM_STAGES, CAUSAL)
+        mbarrier.arrive(v_empty.index(first % NUM_STAGES), count=1)
+        p, t = _probabilities(s, lse, queries, keys, needs_mask, seqlen_k, diagonal, window_left, window_right,
+                              qk_scale, softcap_scale, slope_log2, 1, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
+        ds = gl.convert_layout(_softcap_grad(p * dp, t, SOFTCAP).to(dtype), a_layout)
+    for j in range(first + 1, end):
+        keys, needs_mask = _tile_keys(j, cta_start, full_start, full_end, s_layout, KEYS, MASK_LEFT, MASK_RIGHT)
+        s, dp = _issue_scores(q_tile, do_tile, k_smem, v_smem, k_ready, v_ready, j, s_start, dp_init, queries,
+                              keys, needs_mask, seqlen_k, diagonal, window_left, window_right, KEYS, BLOCK_D,
+                              NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP)
         prev = (j - 1) % NUM_STAGES
         dq = warpgroup_mma(ds, k_smem.index(prev).reshape([KEYS, BLOCK_D]), dq, is_async=True)
         s, dp = warpgroup_mma_wait(1, deps=(s, dp))  # S and dP done; the dQ product may still run
         mbarrier.arrive(v_empty.index(j % NUM_STAGES), count=1)
-        ds_next = gl.convert_layout((gl.exp2(s * qk_scale) * dp).to(dtype), a_layout)
+        p, t = _probabilities(s, lse, queries, keys, needs_mask, seqlen_k, diagonal, window_left, window_right,
+                              qk_scale, softcap_scale, slope_log2, 1, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
+        ds_next = gl.convert_layout(_softcap_grad(p * dp, t, SOFTCAP).to(dtype), a_layout)
         dq, _ = warpgroup_mma_wait(0, deps=(dq, ds))
         mbarrier.arrive(k_empty.index(prev), count=1)
         ds = ds_next
-    if my_tiles > 0:
-        last = (my_tiles - 1) % NUM_STAGES
+    if end > first:
+        last = (end - 1) % NUM_STAGES
         dq = warpgroup_mma(ds, k_smem.index(last).reshape([KEYS, BLOCK_D]), dq, is_async=True)
         dq, _ = warpgroup_mma_wait(0, deps=(dq, ds))
         mbarrier.arrive(k_empty.index(last), count=1)
-    _release_unused(k_ready, v_ready, k_empty, v_empty, my_tiles, cta_tiles, NUM_STAGES)
+    _release_unused(k_ready, v_ready, k_empty, v_empty, end, cta_tiles, NUM_STAGES)
 
     rows = my_start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq_layout))
     cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, dq_layout))
     mask = gl.expand_dims(rows < seqlen_q, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
+    rows = q_first + rows  # a packed sequence's rows
     ptrs = (DQ + batch.to(gl.int64) * stride_dqb + q_head.to(gl.int64) * stride_dqh
             + gl.expand_dims(rows.to(gl.int64) * stride_dqm, 1) + gl.expand_dims(cols, 0))
     gl.store(ptrs, (dq * sm_scale).to(dtype), mask=mask)
@@ -155,10 +218,14 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, k_em
 def attention_backward_dq_sm90_kernel(
     q_desc, do_desc, k_desc, v_desc, LSE, Delta, DQ, stride_dqb, stride_dqh, stride_dqm,
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+    Slopes, CuSeqlensQ, CuSeqlensK, stride_slopes, lse_rows, window_left, window_right, softcap_scale,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
     """Grid (cdiv(Lq, 128) · B·Hq,): a head's query tiles consecutive (the CTAs running at once share its K/V in
-    L2), longest first with causal masking."""
+    L2), longest first with causal masking. Features as bwd_sm90's kernel (bwd_common.feature_args); VARLEN: B
+    sequences, seqlen_q/k their maxima, CTAs past their sequence's queries return at once."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
@@ -167,10 +234,20 @@ def attention_backward_dq_sm90_kernel(
     if CAUSAL:
         pid_m = num_m_tiles - 1 - pid_m
     pid_bh = gl.program_id(0) // num_m_tiles
-    batch = pid_bh // num_q_heads
+    seq = pid_bh // num_q_heads
     q_head = pid_bh % num_q_heads
     kv_head = q_head // group_size
     start_m = pid_m * 2 * ROWS
+    q_first, seqlen_q = sequence_bounds(CuSeqlensQ, seq, seqlen_q, VARLEN)
+    k_first, seqlen_k = sequence_bounds(CuSeqlensK, seq, seqlen_k, VARLEN)
+    if VARLEN:
+        q_first = q_first.to(gl.int32)  # TMA coordinates are 32-bit
+        k_first = k_first.to(gl.int32)
+        batch = 0  # the tensors are (1, H, total rows, D)
+        if start_m >= seqlen_q:
+            return
+    else:
+        batch = seq
 
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
@@ -191,12 +268,17 @@ def attention_backward_dq_sm90_kernel(
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, k_empty, v_empty,
                      LSE, Delta, DQ, stride_dqb, stride_dqh, stride_dqm, batch, q_head, start_m, seqlen_q, seqlen_k,
-                     qk_scale, sm_scale, num_q_heads, 0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL)),
+                     qk_scale, sm_scale, num_q_heads, seq, q_first, lse_rows, window_left, window_right,
+                     softcap_scale, Slopes, stride_slopes, 0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL,
+                     MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, k_empty, v_empty,
                      LSE, Delta, DQ, stride_dqb, stride_dqh, stride_dqm, batch, q_head, start_m, seqlen_q, seqlen_k,
-                     qk_scale, sm_scale, num_q_heads, 1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL)),
+                     qk_scale, sm_scale, num_q_heads, seq, q_first, lse_rows, window_left, window_right,
+                     softcap_scale, Slopes, stride_slopes, 1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL,
+                     MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready,
-                     k_empty, v_empty, batch, q_head, kv_head, start_m, seqlen_q, seqlen_k, NUM_STAGES, CAUSAL)),
+                     k_empty, v_empty, batch, q_head, kv_head, start_m, seqlen_q, seqlen_k, q_first, k_first,
+                     window_left, window_right, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -205,35 +287,37 @@ def _tensor_args(q, k, v, grad_out, block_d):
             _descriptor(k, BLOCK_N, block_d), _descriptor(v, BLOCK_N, block_d))
 
 
-def launch(q, k, v, lse, grad_out, delta, dq, causal: bool, softmax_scale: float, num_stages: int = NUM_STAGES):
+def launch(q, k, v, lse, grad_out, delta, dq, features, softmax_scale: float, num_stages: int = NUM_STAGES):
     """dq (B, Hq, Lq, D), unit last stride, written in place, from q/grad_out (B, Hq, Lq, D), k/v (B, Hkv, Lk, D)
     (TMA-compatible strides, bf16/fp16), the forward's lse and the preprocess's delta (contiguous float32
-    (B, Hq, Lq)). Returns the compiled kernel."""
+    (B, Hq, Lq)); features a CallFeatures or the causal bool (varlen: (1, H, total rows, D)). Returns the
+    compiled kernel."""
+    kernel, grid, bound = _launch(q, k, v, lse, grad_out, delta, dq, features, softmax_scale, num_stages)
+    return kernel[grid](**bound, **LAUNCH_OPTIONS)
+
+
+def _launch(q, k, v, lse, grad_out, delta, dq, features, softmax_scale: float, num_stages: int):
+    """(kernel, grid, every parameter by name)."""
     import triton
 
     from flashmoe_science.attention.tiles import padded_head_dim
 
-    batch, num_q_heads, seqlen_q, head_dim = q.shape
+    num_q_heads, head_dim = q.shape[1], q.shape[3]
     block_d = padded_head_dim(head_dim)
+    tail, flags, (batch, seqlen_q, seqlen_k, qk_scale) = feature_args(features, softmax_scale, q, k)
+    kernel = attention_backward_dq_sm90_kernel
     grid = (triton.cdiv(seqlen_q, 2 * BLOCK_M) * batch * num_q_heads,)
-    return attention_backward_dq_sm90_kernel[grid](
-        *_tensor_args(q, k, v, grad_out, block_d), lse, delta, dq, *dq.stride()[:3],
-        num_q_heads, num_q_heads // k.shape[1], seqlen_q, k.shape[2], softmax_scale * LOG2_E, softmax_scale,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages, CAUSAL=causal,
-        **LAUNCH_OPTIONS,
-    )
+    args = (*_tensor_args(q, k, v, grad_out, block_d), lse, delta, dq, *dq.stride()[:3],
+            num_q_heads, num_q_heads // k.shape[1], seqlen_q, seqlen_k, qk_scale, softmax_scale, *tail)
+    return kernel, grid, dict(zip(kernel.arg_names, args), HEAD_DIM=head_dim, BLOCK_D=block_d,
+                              NUM_STAGES=num_stages, **flags)
 
 
-def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, dtype: torch.dtype = torch.bfloat16):
+def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,
+                    dtype: torch.dtype = torch.bfloat16):
     """The kernel built for sm_90 without a GPU (see bwd_sm90.compile_offline)."""
-    from flashmoe_science.attention.tiles import padded_head_dim
-    from flashmoe_science.hopper.common import compile_offline as build
-
-    block_d = padded_head_dim(head_dim)
     q = torch.empty(2, 4, 256, head_dim, dtype=dtype, device="meta")
+    kv = torch.empty(2, 2, 256, head_dim, dtype=dtype, device="meta")
     lse = torch.empty(2, 4, 256, device="meta")
-    row = 256 * head_dim
-    args = (*_tensor_args(q, q, q, q, block_d), lse, lse, q, 4 * row, row, head_dim, 4, 2, 256, 256, 0.1, 0.07,
-            head_dim, block_d, num_stages, causal)
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages, CAUSAL=causal)
-    return build(attention_backward_dq_sm90_kernel, args, constexprs)
+    kernel, _, bound = _launch(q, kv, kv, lse, q, lse, q, features, 0.07, num_stages)
+    return offline_build(kernel, bound)

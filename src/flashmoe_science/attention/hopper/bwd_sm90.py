@@ -42,6 +42,15 @@ overflows for lse < −88 and would send inf·0 = NaN into dQ. Rows that see no 
 tiles. A mask is applied by starting the Sᵀ accumulator from −inf at hidden (key, query) pairs (so P = 0 there);
 the softmax scale must be positive (the caller checks).
 
+Features (bwd_common.feature_args; the same in the two D=256 kernels): a window walks mask.query_tile_range
+(tiles outside it are never loaded; both of its edges mask); ALiBi subtracts slope·|i + Lk − Lq − j| after the
+product (it is linear, so lse still rides the accumulator); a softcap needs the raw product (lse subtracted after
+the tanh, dS · (1 − t²)); varlen runs one "batch" entry per packed sequence (rows offset by cu_seqlens, CTAs past
+their sequence's keys return at once). A packed sequence's last Q/dO box may read the next sequence's rows: their
+lse is read as +inf, so their P and dS are exactly 0, and the dQ reduce-add of that box adds exact zeros (±0) into
+the next sequence's rows of the float32 workspace, which leaves every value unchanged (free: no masked reduce
+path). Its last K/V box is masked like any ragged key block; dK and dV stores are masked by the sequence's length.
+
 dQ's last bits may vary run to run (the reduce-adds arrive in any order); dK and dV are deterministic.
 """
 
@@ -52,14 +61,27 @@ import functools
 import torch
 
 from flashmoe_science.attention.hopper import bwd_dq_sm90, bwd_sm90_hdim256
-from flashmoe_science.attention.hopper.bwd_common import (TWO_KERNEL_BLOCK_D, _cta_key_block, _hide_keys, _producer,
-                                                          _producer_barriers, _query_tile_bounds)
+from flashmoe_science.attention.features import as_features
+from flashmoe_science.attention.hopper.bwd_common import (
+    LOG2_E_IN_KERNEL,
+    TWO_KERNEL_BLOCK_D,
+    _cta_key_block,
+    _probabilities,
+    _producer,
+    _producer_barriers,
+    _score_start,
+    _softcap_grad,
+    _tile_needs_mask,
+    _visited_query_tiles,
+    check_features,
+    feature_args,
+    offline_build,
+)
+from flashmoe_science.attention.triton_fwd import sequence_bounds
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor  # the forward's TMA boxes
 from flashmoe_science.attention.tiles import padded_head_dim
-from flashmoe_science.attention.triton_fwd import LOG2_E
 from flashmoe_science.hopper.common import (CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS,
                                             column_halves, wgmma_layout)
-from flashmoe_science.hopper.common import compile_offline as sm90_compile_offline
 from flashmoe_science.hopper.gluon_compat import (TensorDescriptor, barrier, fence_async_shared, gl, gluon, mbarrier,
                                                   tma, warpgroup_mma, warpgroup_mma_wait)
 
@@ -76,9 +98,13 @@ SUPPORTED_BLOCK_D = (64, 128, TWO_KERNEL_BLOCK_D)
 def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, empty, ds_ready,
               dq_desc, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               start_n, batch, kv_head, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+              seq, q_first, k_first, lse_rows, window_left, window_right, softcap_scale, Slopes, stride_slopes,
               CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, ROWS: gl.constexpr,
-              KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """One consumer warpgroup: keys [start_n + CONSUMER·KEYS, +KEYS), all query tiles of all heads of the group."""
+              KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
+              MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr):
+    """One consumer warpgroup: keys [start_n + CONSUMER·KEYS, +KEYS), all query tiles of all heads of the group.
+    Positions are relative to sequence `seq`'s first rows (q_first, k_first; lse_rows: the lse tensor's rows per
+    head, read with VARLEN only)."""
     dtype: gl.constexpr = q_smem.dtype
     DQ_N: gl.constexpr = BLOCK_D // 2  # this consumer's dQ columns
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
@@ -95,8 +121,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
     k_cols = k_smem.slice(CONSUMER * DQ_N, DQ_N, dim=1)  # (BLOCK_N, DQ_N): B of this consumer's dQ half
     my_start_n = start_n + CONSUMER * KEYS
     diagonal = seqlen_k - seqlen_q
-    query_start, num_tiles, diag_end = _query_tile_bounds(start_n, seqlen_q, seqlen_k, ROWS,
-                                                                      2 * KEYS, CAUSAL)
+    query_start, num_tiles, full_start, full_end = _visited_query_tiles(
+        start_n, seqlen_q, seqlen_k, window_left, window_right, ROWS, 2 * KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT)
     dk = gl.zeros([KEYS, BLOCK_D], gl.float32, layout=kv_layout)
     dv = gl.zeros([KEYS, BLOCK_D], gl.float32, layout=kv_layout)
     inv_scale = 1.0 / sm_scale  # -lse / scale in the raw scores: exp2((Sᵀ - lse / scale) · scale · log2e) = P
@@ -108,7 +134,14 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
         g = ring // num_tiles
         start_m = query_start + (ring - g * num_tiles) * ROWS
         q_head = batch * num_q_heads + kv_head * group_size + g  # flat (batch, query head)
-        q_row0 = q_head * seqlen_q  # this head's first row of lse/Δ
+        if VARLEN:  # lse/Δ are (1, Hq, total rows): the sequence's rows of this head
+            q_row0 = q_head * lse_rows + q_first
+        else:
+            q_row0 = q_head * seqlen_q  # this head's first row of lse/Δ
+        if ALIBI:
+            slope_log2 = gl.load(Slopes + seq * stride_slopes + kv_head * group_size + g) * LOG2_E_IN_KERNEL
+        else:
+            slope_log2 = 0.0
         stage = ring % NUM_STAGES
         phase = (ring // NUM_STAGES) & 1
         q_tile = q_smem.index(stage).reshape([ROWS, BLOCK_D])
@@ -124,19 +157,23 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
         in_rows = offs_q < seqlen_q
         lse = gl.load(LSE + q_row0 + offs_q, mask=in_rows, other=float("inf"))
         delta = gl.load(Delta + q_row0 + offs_q, mask=in_rows, other=0.0)
-        s_init = gl.zeros([KEYS, ROWS], gl.float32, layout=s_layout) - gl.expand_dims(lse * inv_scale, 0)
-        if start_m < diag_end:  # causal diagonal tiles, and every tile of a CTA whose keys run past Lk
-            s_init = _hide_keys(s_init, gl.expand_dims(offs_q, 0), gl.expand_dims(offs_key, 1), seqlen_k, diagonal,
-                                CAUSAL)
+        # masked: causal diagonal tiles, window edges, and every tile of a CTA whose keys run past Lk
+        needs_mask = _tile_needs_mask(start_m, full_start, full_end, True, MASK_LEFT or MASK_RIGHT)
+        queries = gl.expand_dims(offs_q, 0)
+        keys = gl.expand_dims(offs_key, 1)
+        s_init = _score_start(gl.zeros([KEYS, ROWS], gl.float32, layout=s_layout), lse, inv_scale, queries, keys,
+                              needs_mask, seqlen_k, diagonal, window_left, window_right, 0, CAUSAL, MASK_LEFT,
+                              MASK_RIGHT, SOFTCAP)
         dp_init = gl.zeros([KEYS, ROWS], gl.float32, layout=s_layout) - gl.expand_dims(delta, 0)
         mbarrier.wait(q_ready.index(stage), phase)
         s = warpgroup_mma(my_keys, q_tile.permute((1, 0)), s_init, is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
         dp = warpgroup_mma(my_values, do_tile.permute((1, 0)), dp_init, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
-        p = gl.exp2(s * qk_scale)  # hidden keys: exp2(-inf) = 0
+        p, t = _probabilities(s, lse, queries, keys, needs_mask, seqlen_k, diagonal, window_left, window_right,
+                              qk_scale, softcap_scale, slope_log2, 0, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
         dp = warpgroup_mma_wait(0, deps=(dp,))
-        ds = (p * dp).to(dtype)
+        ds = _softcap_grad(p * dp, t, SOFTCAP).to(dtype)
         dv = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), do_tile, dv, is_async=True)
         ds_buf.slice(CONSUMER * KEYS, KEYS).store(ds)
         dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_tile, dk, is_async=True)
@@ -159,7 +196,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
         fence_async_shared()
         barrier()
         for chunk in gl.static_range(DQ_N // DQ_COLS):
-            tma.async_atomic_add(dq_desc, [q_head, start_m, CONSUMER * DQ_N + chunk * DQ_COLS], dq_smem.index(chunk))
+            tma.async_atomic_add(dq_desc, [q_head, q_first + start_m, CONSUMER * DQ_N + chunk * DQ_COLS],
+                           dq_smem.index(chunk))
 
     tma.store_wait(0)
     dk = dk * sm_scale
@@ -168,6 +206,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
     rows = my_start_n + gl.arange(0, KEYS, layout=acc_rows)
     cols = gl.arange(0, BLOCK_D, layout=acc_cols)
     mask = gl.expand_dims(rows < seqlen_k, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
+    rows = k_first + rows  # a packed sequence's rows
     dk_ptrs = (DK + batch.to(gl.int64) * stride_dkb + kv_head.to(gl.int64) * stride_dkh
                + gl.expand_dims(rows.to(gl.int64) * stride_dkn, 1) + gl.expand_dims(cols, 0))
     gl.store(dk_ptrs, dk.to(dtype), mask=mask)
@@ -181,18 +220,35 @@ def attention_backward_sm90_kernel(
     q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, Delta, DK, DV,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+    Slopes, CuSeqlensQ, CuSeqlensK, stride_slopes, lse_rows, window_left, window_right, softcap_scale,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
     """Grid (cdiv(Lk, 128) · B·Hkv,); CTAs start roughly in program order, and a (batch, kv head)'s key tiles are
     consecutive, so the CTAs running at once share a few heads' Q and dO in L2. (Ordering causal CTAs longest
-    first, in bands of 4-16 heads or over all heads, measured no faster or up to 20% slower: perf-notes.)"""
+    first, in bands of 4-16 heads or over all heads, measured no faster or up to 20% slower: perf-notes.)
+
+    The arguments after sm_scale are the features' (appended, so the plain kernel's parameters keep their
+    places): see `_feature_args`. VARLEN: B is the number of packed sequences, seqlen_q/k their maxima, and CTAs
+    past their sequence's keys return at once."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
     KEYS: gl.constexpr = CTA_KEYS // 2
     DQ_N: gl.constexpr = BLOCK_D // 2
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
-    start_n, batch, kv_head = _cta_key_block(seqlen_k, num_kv_heads, CTA_KEYS)
+    start_n, seq, kv_head = _cta_key_block(seqlen_k, num_kv_heads, CTA_KEYS)
+    q_first, seqlen_q = sequence_bounds(CuSeqlensQ, seq, seqlen_q, VARLEN)
+    k_first, seqlen_k = sequence_bounds(CuSeqlensK, seq, seqlen_k, VARLEN)
+    if VARLEN:
+        q_first = q_first.to(gl.int32)  # TMA coordinates are 32-bit
+        k_first = k_first.to(gl.int32)
+        batch = 0  # the tensors are (1, H, total rows, D)
+        if start_n >= seqlen_k:
+            return
+    else:
+        batch = seq
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -213,16 +269,20 @@ def attention_backward_sm90_kernel(
         (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem0, kv_ready, q_ready, do_ready, empty,
                      ds_ready, dq_desc, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads, group_size,
-                     seqlen_q, seqlen_k, qk_scale, sm_scale,
-                     0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL)),
+                     seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first, lse_rows, window_left,
+                     window_right, softcap_scale, Slopes, stride_slopes,
+                     0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                     VARLEN)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem1, kv_ready, q_ready, do_ready, empty,
                      ds_ready, dq_desc, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads, group_size,
-                     seqlen_q, seqlen_k, qk_scale, sm_scale,
-                     1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL)),
+                     seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first, lse_rows, window_left,
+                     window_right, softcap_scale, Slopes, stride_slopes,
+                     1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                     VARLEN)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_box, v_box,
                      kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
-                     NUM_STAGES, CAUSAL)),
+                     q_first, k_first, window_left, window_right, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -254,18 +314,27 @@ def check_supported(q: torch.Tensor, softmax_scale: float = 1.0) -> None:
         raise ValueError(f"the sm_90 backward runs head dims padding to {SUPPORTED_BLOCK_D}, got {q.shape[-1]}")
 
 
-def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal: bool, softmax_scale: float,
+def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float,
                             dq_accum=None, num_stages: int | None = None):
     """triton_bwd.attention_backward's conventions, all three gradients wanted: q/out/grad_out/dq `(B, Hq, Lq, D)`,
     k/v/dk/dv `(B, Hkv, Lk, D)` with unit last stride and TMA-compatible strides (triton_fwd.tma_compatible of q, k,
     v, grad_out: the caller checks), lse the forward's contiguous float32 `(B, Hq, Lq)`, delta a float32 workspace
     of lse's shape. Writes dq, dk, dv in place; returns the compiled kernels by name.
 
+    features: a `features.CallFeatures` (or the causal bool): window, softcap, ALiBi slopes and varlen (the tensors
+    then (1, H, total rows, D), lse (1, Hq, total rows)); attn_bias is not taken here (`check_features`).
+
     Head dims padding to 64 or 128: this module's one-pass kernel, with dq_accum a contiguous float32
     `(B, Hq, Lq, padded_head_dim(D))` workspace (any contents: the preprocess zeroes it; allocated here if None).
     Padding to 256: two kernels, bwd_sm90_hdim256 (dK, dV) then bwd_dq_sm90 (dQ, written directly: no dq_accum,
     and deterministic). num_stages: the Q/dO ring depth of the dK/dV kernel (None: its default)."""
     check_supported(q, softmax_scale)
+    features = as_features(features)
+    check_features(features)
+    if q.shape[2] == 0 or k.shape[2] == 0:  # a packed batch of empty sequences: no TMA box over no rows
+        for grad in (dq, dk, dv):
+            grad.zero_()
+        return {}
     block_d = padded_head_dim(q.shape[-1])
     split = block_d == TWO_KERNEL_BLOCK_D
     if dq_accum is None and not split:
@@ -273,12 +342,12 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, caus
     if split:
         kernel, grid, bound, options, _ = _preprocess_launch(q, out, grad_out, delta, dq, None)
         kernels = {"preprocess": kernel[grid](**bound, **options)}
-        kernels["dkdv"] = bwd_sm90_hdim256.launch(q, k, v, lse, grad_out, delta, dk, dv, causal, softmax_scale,
+        kernels["dkdv"] = bwd_sm90_hdim256.launch(q, k, v, lse, grad_out, delta, dk, dv, features, softmax_scale,
                                                   num_stages or bwd_sm90_hdim256.NUM_STAGES)
-        kernels["dq"] = bwd_dq_sm90.launch(q, k, v, lse, grad_out, delta, dq, causal, softmax_scale)
+        kernels["dq"] = bwd_dq_sm90.launch(q, k, v, lse, grad_out, delta, dq, features, softmax_scale)
         return kernels
     return {name: kernel[grid](**bound, **options) for name, (kernel, grid, bound, options, _) in _one_pass_launches(
-        q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, causal, softmax_scale, num_stages).items()}
+        q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale, num_stages).items()}
 
 
 def _row_launch_params(q, out, grad_out, dq):
@@ -313,7 +382,7 @@ def _preprocess_launch(q, out, grad_out, delta, dq, dq_accum):
         dict(num_warps=4), ("out", "grad_out", "delta", "dq_accum"))
 
 
-def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, causal: bool, softmax_scale: float,
+def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale: float,
                        num_stages: int | None):
     """The one-pass path's three launches (head dims padding to 64 or 128), by name, in order: (kernel, grid, every
     parameter by name, launch options, the names of its leading parameters that are tensors or descriptors over
@@ -322,8 +391,9 @@ def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum,
 
     from flashmoe_science.attention import triton_bwd
 
-    batch, num_q_heads, seqlen_q, head_dim = q.shape
-    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    num_q_heads, head_dim = q.shape[1], q.shape[3]
+    num_kv_heads = k.shape[1]
+    tail, flags, (batch, seqlen_q, seqlen_k, qk_scale) = feature_args(as_features(features), softmax_scale, q, k)
     block_d, row_block, row_grid, row64 = _row_launch_params(q, out, grad_out, dq)
     main = attention_backward_sm90_kernel
     convert = triton_bwd._bwd_dq_convert_kernel
@@ -332,12 +402,12 @@ def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum,
         "dkdv_dq": (main, (triton.cdiv(seqlen_k, BLOCK_N) * batch * num_kv_heads,), _bound(
             main, *_one_pass_tensor_args(block_d, q, grad_out, k, v, dq_accum, lse, delta, dk, dv),
             *dk.stride()[:3], *dv.stride()[:3], num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q,
-            seqlen_k, softmax_scale * LOG2_E, softmax_scale, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            NUM_STAGES=num_stages or NUM_STAGES, CAUSAL=causal),
+            seqlen_k, qk_scale, softmax_scale, *tail, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            NUM_STAGES=num_stages or NUM_STAGES, **flags),
             dict(LAUNCH_OPTIONS),
             ("q", "grad_out", "k", "v", "dq_accum", "lse", "delta", "dk", "dv")),
         "dq_convert": (convert, row_grid, _bound(
-            convert, dq_accum, dq, *dq.stride()[:3], num_q_heads, seqlen_q, softmax_scale, HEAD_DIM=head_dim,
+            convert, dq_accum, dq, *dq.stride()[:3], num_q_heads, q.shape[2], softmax_scale, HEAD_DIM=head_dim,
             BLOCK_D=block_d, BLOCK_M=row_block, ROW64=row64),
             dict(num_warps=4), ("dq_accum", "dq")),
     }
@@ -360,13 +430,16 @@ class PreparedBackward:
 
     __slots__ = ("launches", "dq_accum_shape")
 
-    def __init__(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal: bool, softmax_scale: float,
+    def __init__(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float,
                  num_stages: int | None = None):
         from flashmoe_science.prepared_launch import PreparedLaunch
 
         check_supported(q, softmax_scale)
+        features = as_features(features)
         if padded_head_dim(q.shape[-1]) == TWO_KERNEL_BLOCK_D:
             raise ValueError("PreparedBackward runs the one-pass kernel (head dims up to 128)")
+        if not features.is_plain:  # its frozen trailing arguments would keep one call's slopes and cu_seqlens
+            raise ValueError("PreparedBackward runs dense and causal calls only")
         self.dq_accum_shape = (*q.shape[:3], padded_head_dim(q.shape[-1]))
         dq_accum = torch.empty(self.dq_accum_shape, dtype=torch.float32, device=q.device)
         tensors = dict(q=q, k=k, v=v, out=out, lse=lse, grad_out=grad_out, delta=delta, dq=dq, dk=dk, dv=dv,
@@ -374,7 +447,7 @@ class PreparedBackward:
         block_d = padded_head_dim(q.shape[-1])
         self.launches = []
         for name, (kernel, grid, bound, options, heads) in _one_pass_launches(
-                q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, causal, softmax_scale,
+                q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale,
                 num_stages).items():
             make_head = (functools.partial(_one_pass_tensor_args, block_d) if name == "dkdv_dq"
                          else lambda *t: t)
@@ -389,17 +462,18 @@ class PreparedBackward:
             launch(*(tensors[h] for h in heads))
 
 
-def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, dtype: torch.dtype = torch.bfloat16):
+def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,
+                    dtype: torch.dtype = torch.bfloat16):
     """The kernel built for sm_90 without a GPU (meta tensors; ptxas ships with triton), specialised as a launch
-    would specialise it; returns the CompiledKernel (registers, shared memory, SASS: scripts/compile_bwd_sm90.py)."""
+    would specialise it; returns the CompiledKernel (registers, shared memory, SASS: scripts/compile_bwd_sm90.py).
+    features: the causal bool or a CallFeatures (its tensors may live on the meta device: `offline_features`)."""
 
     block_d = padded_head_dim(head_dim)
     if block_d == 256:
-        return bwd_sm90_hdim256.compile_offline(head_dim, causal, num_stages, dtype)
+        return bwd_sm90_hdim256.compile_offline(head_dim, features, num_stages, dtype)
     q = torch.empty(2, 4, 256, head_dim, dtype=dtype, device="meta")
     lse = torch.empty(2, 4, 256, device="meta")
     dq_accum = torch.empty(2, 4, 256, block_d, device="meta")
     kernel, _, bound, _, _ = _one_pass_launches(q, q[:, :2], q[:, :2], q, lse, q, lse, q, q[:, :2], q[:, :2],
-                                                dq_accum, causal, 0.07, num_stages)["dkdv_dq"]
-    constexprs = {name: bound[name] for name in ("HEAD_DIM", "BLOCK_D", "NUM_STAGES", "CAUSAL")}
-    return sm90_compile_offline(kernel, [bound[name] for name in kernel.arg_names], constexprs)
+                                                dq_accum, features, 0.07, num_stages)["dkdv_dq"]
+    return offline_build(kernel, bound)

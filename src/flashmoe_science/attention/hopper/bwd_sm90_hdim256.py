@@ -28,15 +28,21 @@ from __future__ import annotations
 import torch
 
 from flashmoe_science.attention.hopper.bwd_common import (
+    LOG2_E_IN_KERNEL,
     TWO_KERNEL_BLOCK_D,
     _cta_key_block,
-    _hide_keys,
+    _probabilities,
     _producer,
     _producer_barriers,
-    _query_tile_bounds,
+    _score_start,
+    _softcap_grad,
+    _tile_needs_mask,
+    _visited_query_tiles,
+    feature_args,
+    offline_build,
 )
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor
-from flashmoe_science.attention.triton_fwd import LOG2_E
+from flashmoe_science.attention.triton_fwd import sequence_bounds
 from flashmoe_science.hopper.common import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS, wgmma_layout
 from flashmoe_science.hopper.gluon_compat import (barrier, fence_async_shared, gl, gluon, mbarrier, warpgroup_mma,
                                                   warpgroup_mma_wait)
@@ -53,8 +59,10 @@ BLOCK_D = TWO_KERNEL_BLOCK_D
 def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_ready, do_ready, empty, pds_ready,
               LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               start_n, batch, kv_head, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+              seq, q_first, k_first, lse_rows, window_left, window_right, softcap_scale, Slopes, stride_slopes,
               CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, ROWS: gl.constexpr,
-              KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+              KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
+              MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr):
     """Consumer CONSUMER: score columns [CONSUMER·KEYS, +KEYS) of the CTA's keys, head-dim half CONSUMER of dK, dV."""
     dtype: gl.constexpr = q_smem.dtype
     CTA_KEYS: gl.constexpr = 2 * KEYS
@@ -66,7 +74,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_read
     key_slice: gl.constexpr = gl.SliceLayout(0, s_layout)
 
     diagonal = seqlen_k - seqlen_q
-    query_start, num_tiles, diag_end = _query_tile_bounds(start_n, seqlen_q, seqlen_k, ROWS, CTA_KEYS, CAUSAL)
+    query_start, num_tiles, full_start, full_end = _visited_query_tiles(
+        start_n, seqlen_q, seqlen_k, window_left, window_right, ROWS, CTA_KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT)
     dk0 = gl.zeros([D_HALF, KEYS], gl.float32, layout=kv_layout)  # dKᵀ of the CTA's keys [0, KEYS), this half
     dk1 = gl.zeros([D_HALF, KEYS], gl.float32, layout=kv_layout)  # ... keys [KEYS, 2·KEYS)
     dv0 = gl.zeros([D_HALF, KEYS], gl.float32, layout=kv_layout)
@@ -79,7 +88,14 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_read
         g = ring // num_tiles
         start_m = query_start + (ring - g * num_tiles) * ROWS
         q_head = batch * num_q_heads + kv_head * group_size + g  # flat (batch, query head)
-        q_row0 = q_head * seqlen_q
+        if VARLEN:  # lse/Δ are (1, Hq, total rows): the sequence's rows of this head
+            q_row0 = q_head * lse_rows + q_first
+        else:
+            q_row0 = q_head * seqlen_q
+        if ALIBI:
+            slope_log2 = gl.load(Slopes + seq * stride_slopes + kv_head * group_size + g) * LOG2_E_IN_KERNEL
+        else:
+            slope_log2 = 0.0
         # K and V (and a one-stage ring) addressed through an index the compiler cannot prove constant: hoisted
         # out of the loop, their wgmma descriptors (one per k-step) were ~70 registers held across it, and spilled
         # (300 B of stack, 14% slower)
@@ -99,20 +115,23 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_read
         in_rows = offs_q < seqlen_q
         lse = gl.load(LSE + q_row0 + offs_q, mask=in_rows, other=float("inf"))
         delta = gl.load(Delta + q_row0 + offs_q, mask=in_rows, other=0.0)
-        s_init = gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout) - gl.expand_dims(lse * inv_scale, 1)
-        if start_m < diag_end:
-            s_init = _hide_keys(s_init, gl.expand_dims(offs_q, 1), gl.expand_dims(offs_key, 0), seqlen_k, diagonal,
-                                CAUSAL)
+        needs_mask = _tile_needs_mask(start_m, full_start, full_end, True, MASK_LEFT or MASK_RIGHT)
+        queries = gl.expand_dims(offs_q, 1)
+        keys = gl.expand_dims(offs_key, 0)
+        s_init = _score_start(gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout), lse, inv_scale, queries, keys,
+                              needs_mask, seqlen_k, diagonal, window_left, window_right, 1, CAUSAL, MASK_LEFT,
+                              MASK_RIGHT, SOFTCAP)
         dp_init = gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout) - gl.expand_dims(delta, 1)
         mbarrier.wait(q_ready.index(stage), phase)
         s = warpgroup_mma(q_tile, my_keys.permute((1, 0)), s_init, is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
         dp = warpgroup_mma(do_tile, my_values.permute((1, 0)), dp_init, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
-        p = gl.exp2(s * qk_scale)
+        p, t = _probabilities(s, lse, queries, keys, needs_mask, seqlen_k, diagonal, window_left, window_right,
+                              qk_scale, softcap_scale, slope_log2, 1, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
         dp = warpgroup_mma_wait(0, deps=(dp,))
         p_smem.index(slot0 + CONSUMER).store(p.to(dtype))
-        ds_smem.index(slot0 + CONSUMER).store((p * dp).to(dtype))
+        ds_smem.index(slot0 + CONSUMER).store(_softcap_grad(p * dp, t, SOFTCAP).to(dtype))
         fence_async_shared()  # generic-proxy stores before the wgmmas (async proxy) read them
         barrier()
         mbarrier.arrive(pds_ready.index(ring % 2), count=1)
@@ -136,7 +155,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_read
     for j in gl.static_range(2):
         keys = start_n + j * KEYS + key_idx
         mask = d_ok & gl.expand_dims(keys < seqlen_k, 0)
-        key_rows = gl.expand_dims(keys.to(gl.int64), 0)
+        key_rows = gl.expand_dims((k_first + keys).to(gl.int64), 0)  # a packed sequence's rows
         if j == 0:
             dk_j = dk0
             dv_j = dv0
@@ -152,14 +171,28 @@ def attention_backward_sm90_hdim256_kernel(
     q_desc, do_desc, k_desc, v_desc, LSE, Delta, DK, DV,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+    Slopes, CuSeqlensQ, CuSeqlensK, stride_slopes, lse_rows, window_left, window_right, softcap_scale,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
-    """Grid (cdiv(Lk, 64) · B·Hkv,), key tiles of a (batch, kv head) consecutive (bwd_sm90's order)."""
+    """Grid (cdiv(Lk, 64) · B·Hkv,), key tiles of a (batch, kv head) consecutive (bwd_sm90's order). Features as
+    bwd_sm90's kernel (bwd_common.feature_args)."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
     KEYS: gl.constexpr = CTA_KEYS // 2
-    start_n, batch, kv_head = _cta_key_block(seqlen_k, num_kv_heads, CTA_KEYS)
+    start_n, seq, kv_head = _cta_key_block(seqlen_k, num_kv_heads, CTA_KEYS)
+    q_first, seqlen_q = sequence_bounds(CuSeqlensQ, seq, seqlen_q, VARLEN)
+    k_first, seqlen_k = sequence_bounds(CuSeqlensK, seq, seqlen_k, VARLEN)
+    if VARLEN:
+        q_first = q_first.to(gl.int32)  # TMA coordinates are 32-bit
+        k_first = k_first.to(gl.int32)
+        batch = 0  # the tensors are (1, H, total rows, D)
+        if start_n >= seqlen_k:
+            return
+    else:
+        batch = seq
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -178,34 +211,43 @@ def attention_backward_sm90_hdim256_kernel(
         (_consumer, (q_smem, do_smem, k_boxes, v_boxes, p_smem, ds_smem, kv_ready, q_ready, do_ready,
                      empty, pds_ready, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads, group_size,
-                     seqlen_q, seqlen_k, qk_scale, sm_scale,
-                     0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL)),
+                     seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first, lse_rows, window_left,
+                     window_right, softcap_scale, Slopes, stride_slopes,
+                     0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                     VARLEN)),
         (_consumer, (q_smem, do_smem, k_boxes, v_boxes, p_smem, ds_smem, kv_ready, q_ready, do_ready,
                      empty, pds_ready, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads, group_size,
-                     seqlen_q, seqlen_k, qk_scale, sm_scale,
-                     1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL)),
+                     seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first, lse_rows, window_left,
+                     window_right, softcap_scale, Slopes, stride_slopes,
+                     1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                     VARLEN)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_boxes.index(0), v_boxes.index(0),
                      kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
-                     NUM_STAGES, CAUSAL)),
+                     q_first, k_first, window_left, window_right, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
-def launch(q, k, v, lse, grad_out, delta, dk, dv, causal: bool, softmax_scale: float, num_stages: int = NUM_STAGES):
-    """dk, dv in place, with bwd_sm90.attention_backward_sm90's conventions (delta from its preprocess). Returns
-    the compiled kernel."""
+def launch(q, k, v, lse, grad_out, delta, dk, dv, features, softmax_scale: float, num_stages: int = NUM_STAGES):
+    """dk, dv in place, with bwd_sm90.attention_backward_sm90's conventions (delta from its preprocess; features a
+    CallFeatures or the causal bool). Returns the compiled kernel."""
+    kernel, grid, bound = _launch(q, k, v, lse, grad_out, delta, dk, dv, features, softmax_scale, num_stages)
+    return kernel[grid](**bound, **LAUNCH_OPTIONS)
+
+
+def _launch(q, k, v, lse, grad_out, delta, dk, dv, features, softmax_scale: float, num_stages: int):
+    """(kernel, grid, every parameter by name)."""
     import triton
 
-    batch, num_q_heads, seqlen_q, head_dim = q.shape
-    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    num_q_heads, head_dim, num_kv_heads = q.shape[1], q.shape[3], k.shape[1]
+    tail, flags, (batch, seqlen_q, seqlen_k, qk_scale) = feature_args(features, softmax_scale, q, k)
+    kernel = attention_backward_sm90_hdim256_kernel
     grid = (triton.cdiv(seqlen_k, BLOCK_N) * batch * num_kv_heads,)
-    return attention_backward_sm90_hdim256_kernel[grid](
-        *_tensor_args(q, k, v, grad_out), lse, delta, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
-        num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, softmax_scale * LOG2_E,
-        softmax_scale,
-        HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, NUM_STAGES=num_stages, CAUSAL=causal,
-        **LAUNCH_OPTIONS,
-    )
+    args = (*_tensor_args(q, k, v, grad_out), lse, delta, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
+            num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+            *tail)
+    return kernel, grid, dict(zip(kernel.arg_names, args), HEAD_DIM=head_dim, BLOCK_D=BLOCK_D,
+                              NUM_STAGES=num_stages, **flags)
 
 
 def _tensor_args(q, k, v, grad_out):
@@ -214,14 +256,11 @@ def _tensor_args(q, k, v, grad_out):
             _descriptor(k, BLOCK_N, BLOCK_D), _descriptor(v, BLOCK_N, BLOCK_D))
 
 
-def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, dtype: torch.dtype = torch.bfloat16):
+def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,
+                    dtype: torch.dtype = torch.bfloat16):
     """bwd_sm90.compile_offline's counterpart for this kernel (head dims 129..256)."""
-    from flashmoe_science.hopper.common import compile_offline as build
-
     q = torch.empty(2, 4, 256, head_dim, dtype=dtype, device="meta")
+    kv = torch.empty(2, 2, 256, head_dim, dtype=dtype, device="meta")
     lse = torch.empty(2, 4, 256, device="meta")
-    row = 256 * head_dim
-    args = (*_tensor_args(q, q, q, q), lse, lse, q, q, 4 * row, row, head_dim, 4 * row, row, head_dim,
-            4, 2, 2, 256, 256, 0.1, 0.07, head_dim, BLOCK_D, num_stages, causal)
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, NUM_STAGES=num_stages, CAUSAL=causal)
-    return build(attention_backward_sm90_hdim256_kernel, args, constexprs)
+    kernel, _, bound = _launch(q, kv, kv, lse, q, lse, kv, kv, features, 0.07, num_stages)
+    return offline_build(kernel, bound)
