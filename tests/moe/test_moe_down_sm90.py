@@ -97,7 +97,7 @@ def test_cpu_forward_keeps_the_triton_down_launch():
     launch = triton_gemm._down_launch(h, w2, out32, weights, sort, tiles)
     assert isinstance(launch, Launch)
     assert triton_gemm._down_sort_tensors(launch) == ("sorted_pair_ids", "tile_expert")
-    hopper = triton_gemm.HopperDownLaunch(h, w2, out32, weights, sort)
+    hopper = triton_gemm.HopperDownLaunch(h, w2, out32, weights, sort, tiles)
     assert triton_gemm._down_sort_tensors(hopper) == gdx.DOWN_SORT_TENSORS
 
 

@@ -6,7 +6,6 @@ they never validate user input or allocate behind this module's back.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import numbers
@@ -26,6 +25,7 @@ from flashmoe_science.attention.tiles import (
     sm90_q_buffers,
 )
 from flashmoe_science.device import on_another_cuda_device, triton_interpreter_on
+from flashmoe_science.hopper.availability import run_gluon, unavailable_reason
 from flashmoe_science.prepared_cache import remember, tensor_signature
 
 BACKENDS = ("auto", "hopper", "triton", "reference")
@@ -163,8 +163,9 @@ def _hopper_unavailable(q, k, v) -> str | None:
         return "it needs a Hopper (sm_90) GPU"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return "it runs bf16/fp16 only"
-    if not _gluon_available():
-        return "triton.experimental.gluon is not available"
+    gluon_off = unavailable_reason()
+    if gluon_off is not None:
+        return gluon_off
     if not _tma_compatible(q, k, v):
         return "TMA needs a unit last stride and 16-byte aligned base addresses and strides"
     return None
@@ -182,16 +183,6 @@ def _sm90_backward_runs(q, grad_out, softmax_scale: float, deterministic: bool) 
     return (padded_head_dim(q.shape[-1]) in SUPPORTED_BLOCK_D and softmax_scale > 0
             and (is_deterministic(q.shape[-1]) or not deterministic)
             and sm90_backward_wins(q.shape[-1], q.shape[-2]) and tma_compatible(grad_out))
-
-
-@functools.lru_cache(maxsize=None)
-def _gluon_available() -> bool:
-    # cached: Python does not cache a failed import, and retrying one costs ~100 µs per call
-    try:
-        import flashmoe_science.attention.hopper.fwd_sm90  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[ForwardPlan | None, str | None]:
@@ -220,13 +211,18 @@ def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[ForwardPlan | None, 
             q_buffers = sm90_q_buffers(tiles, q.shape[-1], persistent, traits)
             cross_item = sm90_cross_item(tiles, q.shape[-1], causal, persistent, q_buffers)
             return ForwardPlan("sm90", tiles, persistent=persistent, q_buffers=q_buffers,
-                               cross_item=cross_item), None
+                               cross_item=cross_item, strict=backend == "hopper"), None
         if backend == "hopper":
             raise ValueError(f"backend='hopper' cannot run this call: {why_not_sm90}")
+    return _triton_plan(q, k, v, causal), why_not_sm90 if q.is_cuda else None
+
+
+def _triton_plan(q, k, v, causal: bool) -> ForwardPlan:
+    """The portable Triton forward's plan (also where a Gluon build failed: hopper.availability)."""
     tiles = forward_tiles(q.shape[-1], q.dtype, causal, device_traits(q.device))
     if tiles.use_tma and not _tma_compatible(q, k, v):  # decided here, once, so the launch and the report agree
         tiles = replace(tiles, use_tma=False)
-    return ForwardPlan("triton", tiles), why_not_sm90 if q.is_cuda else None
+    return ForwardPlan("triton", tiles)
 
 
 def _check_triton_layout(q, k, v) -> None:
@@ -277,7 +273,7 @@ class _KernelAttention(torch.autograd.Function):
         out, lse = _kernel_forward(q, k, v, causal, softmax_scale, plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
-        ctx.hopper = plan.kernel == "sm90"
+        ctx.hopper, ctx.strict = plan.kernel == "sm90", plan.strict
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -299,10 +295,11 @@ class _KernelAttention(torch.autograd.Function):
             delta = torch.empty_like(lse)
             deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
             if (ctx.hopper and dq is not None and dk is not None
-                    and _sm90_backward_runs(q, grad_out, ctx.softmax_scale, deterministic)):
+                    and _sm90_backward_runs(q, grad_out, ctx.softmax_scale, deterministic)
+                    and run_gluon("attention backward", lambda: _sm90_backward(
+                        q, k, v, out, lse, grad_out, delta, dq, dk, dv, ctx.causal, ctx.softmax_scale), ctx.strict)):
                 # Hopper: one pass for all three gradients (D <= 128; dQ summed by TMA reduce-adds, last bits may
                 # vary), or the dK/dV and dQ kernels (D 129..256, deterministic)
-                _sm90_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, ctx.causal, ctx.softmax_scale)
                 return (dq, dk if need_dk else None, dv if need_dv else None, None, None, None, None)
             tiles = backward_tiles(q.shape[-1], q.dtype, ctx.causal, device_traits(q.device))
             # dQ and dK/dV both wanted, determinism not asked for, and the fused single pass (5 products per tile
@@ -343,12 +340,14 @@ def _kernel_forward(q, k, v, causal, softmax_scale, plan: ForwardPlan) -> tuple[
         from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90
 
         num_ctas = device_traits(q.device).sm_count if plan.persistent else None
-        attention_forward_sm90(q, k, v, out, lse, causal, softmax_scale, plan.tiles, num_ctas, plan.q_buffers,
-                               plan.cross_item)
-    else:
-        from flashmoe_science.attention.triton_fwd import attention_forward
+        if run_gluon("attention forward", lambda: attention_forward_sm90(
+                q, k, v, out, lse, causal, softmax_scale, plan.tiles, num_ctas, plan.q_buffers, plan.cross_item),
+                plan.strict):
+            return out, lse
+        plan = _triton_plan(q, k, v, causal)  # it did not build on this triton (warned once)
+    from flashmoe_science.attention.triton_fwd import attention_forward
 
-        attention_forward(q, k, v, out, lse, causal, softmax_scale, plan.tiles)
+    attention_forward(q, k, v, out, lse, causal, softmax_scale, plan.tiles)
     return out, lse
 
 
@@ -384,6 +383,8 @@ def _prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, determini
 
 def _remember(key, plan: ForwardPlan, q, k, v, out, lse, causal, softmax_scale) -> None:
     """Keep this call's launch for the next call of its signature (the call just ran with `plan`)."""
+    if plan.kernel == "sm90" and unavailable_reason() is not None:
+        return  # it fell back to the Triton kernel: the next call plans (and remembers) that one
     if plan.kernel == "sm90":
         from flashmoe_science.attention.hopper.fwd_sm90 import prepare_forward
 

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from flashmoe_science.device import device_traits, dot_precision
+from flashmoe_science.hopper.availability import run_gluon, unavailable_reason
 from flashmoe_science.moe.dispatch import (ExpertSort, flat_ids, sort_buffers, sort_launch_tensors, sort_launches,
                                            sort_pairs_by_expert)
 from flashmoe_science.moe.launch import Launch
@@ -705,11 +706,14 @@ class HopperDownLaunch(NamedTuple):
     out32: torch.Tensor
     weights32: torch.Tensor
     sort: ExpertSort
+    tiles: MoETiles  # the Triton launch's, where the Gluon kernel does not build on this triton
 
     def __call__(self) -> None:
         from flashmoe_science.moe.hopper import dx_sm90
 
-        dx_sm90.down_sm90(self.h, self.w2, self.out32, self.weights32, self.sort, self.sort.block_m)
+        if not run_gluon("MoE down", lambda: dx_sm90.down_sm90(self.h, self.w2, self.out32, self.weights32,
+                                                                self.sort, self.sort.block_m)):
+            down_forward_launch(self.h, self.w2, self.out32, self.weights32, self.sort, self.tiles)()
 
     def prepare(self) -> PreparedLaunch:
         from flashmoe_science.moe.hopper import dx_sm90
@@ -720,7 +724,7 @@ class HopperDownLaunch(NamedTuple):
 def _down_launch(h, w2, out32, weights32, sort: ExpertSort, tiles: MoETiles):
     """GEMM2 of the forward: the Gluon kernel where ``_hopper_down`` takes the call, else ``down_forward_launch``."""
     if _hopper_down(h, w2, out32, weights32, sort, tiles):
-        return HopperDownLaunch(h, w2, out32, weights32, sort)
+        return HopperDownLaunch(h, w2, out32, weights32, sort, tiles)
     return down_forward_launch(h, w2, out32, weights32, sort, tiles)
 
 
@@ -736,7 +740,7 @@ def _down_sort_tensors(launch) -> tuple[str, ...]:
 def _hopper_down(h, w2, out32, weights32, sort: ExpertSort, tiles: MoETiles) -> bool:
     """Whether the forward's down GEMM runs in the Gluon sm_90 kernel (``dx_sm90.down_sm90``): on Hopper, with
     128-row tiles, 16-bit operands and TMA-aligned rows."""
-    if not h.is_cuda or tiles.block_m != 128 or not device_traits(h.device).is_hopper:
+    if not _gluon_may_run(h, tiles):
         return False
     from flashmoe_science.moe.hopper import dx_sm90
 
@@ -825,9 +829,8 @@ def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
     if need_dx:
         dx32 = torch.zeros((num_tokens, d_model), dtype=torch.float32, device=x.device)
         dx_sm90 = _hopper_dx(dgu, w1, dx32, sort, tiles)
-        if dx_sm90 is not None:
-            dx_sm90.dx_sm90(dgu, w1, dx32, sort, tiles.block_m, dx_sm90.dx_config(w1.shape[1]))
-        else:
+        if dx_sm90 is None or not run_gluon("MoE dx", lambda: dx_sm90.dx_sm90(
+                dgu, w1, dx32, sort, tiles.block_m, dx_sm90.dx_config(w1.shape[1]))):
             dx_launch(dgu, w1, dx32, sort, tiles)()
         dx = dx32.to(x.dtype)
     # the weight gradients reduce over sorted rows: their gathered operand is copied to sorted order once (a
@@ -850,8 +853,9 @@ def _dh_swiglu_backward(grad_out, w2, gate_up, h, weights32, dgu, dweights, sort
     if hopper is not None:
         dx_sm90, swiglu = hopper
         dout_sorted = sorted_rows(grad_out, None, sort, dgu.shape[0])
-        dx_sm90.dh_swiglu_sm90(dout_sorted, w2, dgu, swiglu, sort, tiles.block_m, dx_sm90.DH_SWIGLU_CONFIG)
-        return
+        if run_gluon("MoE dh", lambda: dx_sm90.dh_swiglu_sm90(dout_sorted, w2, dgu, swiglu, sort, tiles.block_m,
+                                                              dx_sm90.DH_SWIGLU_CONFIG)):
+            return
     dh = dh_buffer(dgu)
     dh_launch(grad_out, w2, dh, sort, tiles)()
     swiglu_backward_launch(gate_up, dh, h, weights32, dgu, dweights, sort)()
@@ -860,7 +864,7 @@ def _dh_swiglu_backward(grad_out, w2, gate_up, h, weights32, dgu, dweights, sort
 def _hopper_dh_swiglu(grad_out, w2, gate_up, h, weights32, dgu, dweights, sort: ExpertSort, tiles: MoETiles):
     """(the Gluon sm_90 dx module, the SwigluOperands of its dh kernel) where that kernel takes these arguments on
     this GPU (Hopper, 128-row tiles, 16-bit operands, TMA-aligned), else None (dh_launch, swiglu_backward_launch)."""
-    if not dgu.is_cuda or tiles.block_m != 128 or not device_traits(dgu.device).is_hopper:
+    if not _gluon_may_run(dgu, tiles):
         return None
     from flashmoe_science.moe.hopper import dx_sm90
 
@@ -877,7 +881,7 @@ def _hopper_dh_swiglu(grad_out, w2, gate_up, h, weights32, dgu, dweights, sort: 
 def _hopper_dx(dgu, w1, dx32, sort: ExpertSort, tiles: MoETiles):
     """The Gluon sm_90 dx module (TMA, warp-specialised: moe/hopper/dx_sm90.py, ``dx_config``) where it takes
     these arguments on this GPU (Hopper, 128-row tiles, 16-bit operands, TMA-aligned), else None (dx_launch)."""
-    if not dgu.is_cuda or tiles.block_m != 128 or not device_traits(dgu.device).is_hopper:
+    if not _gluon_may_run(dgu, tiles):
         return None
     from flashmoe_science.moe.hopper import dx_sm90
 
@@ -890,10 +894,18 @@ def _weight_gradient(a, b, out, sort: ExpertSort, tiles: MoETiles, triton_launch
     """``out[e] = A_e^T B_e``: on Hopper with 128-row tiles the Gluon kernel of moe/hopper/wgrad_sm90.py (TMA,
     warp-specialised; it needs the padding rows of A and B zeroed, which their producers in this module do), else
     ``triton_launch`` (dw1_launch / dw2_launch)."""
-    if a.is_cuda and tiles.block_m == 128 and device_traits(a.device).is_hopper:
+    if _gluon_may_run(a, tiles):
         from flashmoe_science.moe.hopper import wgrad_sm90
 
-        if wgrad_sm90.unsupported_reason(a, b, out, sort, wgrad_sm90.MEASURED_CONFIG) is None:
-            wgrad_sm90.wgrad_sm90(a, b, out, sort, wgrad_sm90.MEASURED_CONFIG)
+        config = wgrad_sm90.MEASURED_CONFIG
+        if wgrad_sm90.unsupported_reason(a, b, out, sort, config) is None and run_gluon(
+                "MoE weight-gradient", lambda: wgrad_sm90.wgrad_sm90(a, b, out, sort, config)):
             return
     triton_launch(a, b, out, sort, tiles)()
+
+
+def _gluon_may_run(t: torch.Tensor, tiles: MoETiles) -> bool:
+    """Whether the Gluon sm_90 GEMMs may take a call: on Hopper, with 128-row tiles, where they build on this triton
+    (hopper.availability: after a build failure every call runs the Triton kernels)."""
+    return (t.is_cuda and tiles.block_m == 128 and device_traits(t.device).is_hopper
+            and unavailable_reason() is None)
