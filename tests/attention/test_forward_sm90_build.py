@@ -26,6 +26,7 @@ CASES = {
 }
 
 
+@pytest.mark.sm90_build
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
 @pytest.mark.parametrize("case", list(CASES), ids=lambda c: "D{}-{}-L{}-q{}{}".format(
     c[0], "causal" if c[1] else "full", c[2], c[3], "-cross" if c[4] else ""))

@@ -235,6 +235,7 @@ NOT_INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == 
                                      reason="a real sm_90 build, not the interpreter")
 
 
+@pytest.mark.sm90_build
 @NOT_INTERPRETED
 @pytest.mark.parametrize("config", AB_CONFIGS, ids=lambda c: c.label().replace(" ", "-"))
 def test_builds_for_sm90_with_tma_wgmma_row_stores_and_no_spills(config):
@@ -251,6 +252,7 @@ def test_builds_for_sm90_with_tma_wgmma_row_stores_and_no_spills(config):
     assert compiled.metadata.shared <= gdx.smem_bytes(config) <= gdx.HOPPER_SMEM_PER_BLOCK
 
 
+@pytest.mark.sm90_build
 @NOT_INTERPRETED
 @pytest.mark.parametrize("model, config", [("mixtral", c) for c in SWIGLU_CONFIGS]
                          + [("qwen3", gdx.DH_SWIGLU_CONFIG)],

@@ -101,6 +101,7 @@ def test_cpu_forward_keeps_the_triton_down_launch():
     assert triton_gemm._down_sort_tensors(hopper) == gdx.DOWN_SORT_TENSORS
 
 
+@pytest.mark.sm90_build
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
 @pytest.mark.parametrize("config", [gdx.LONG_K_CONFIG, gdx.SHORT_K_CONFIG])
 def test_builds_for_sm90_with_transposed_b_and_no_spills(config):

@@ -145,6 +145,7 @@ def _meta_dw1(num_tokens=4096, top_k=2, num_experts=8, d_model=4096, d_ff=14336)
     return a, b, out, sort
 
 
+@pytest.mark.sm90_build
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
 @pytest.mark.parametrize("config", [WgradConfig(), WgradConfig(num_stages=4, epilogue_split=2),
                                     WgradConfig(block_n=128, num_stages=5, pingpong=True)],
