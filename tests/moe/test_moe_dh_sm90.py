@@ -21,7 +21,7 @@ from flashmoe_science.moe.hopper import dx_sm90 as gdx  # noqa: E402
 from flashmoe_science.hopper.common import offline_sass, spill_budget, spill_count  # noqa: E402
 from flashmoe_science.moe.hopper.dx_sm90 import DxConfig, SwigluOperands  # noqa: E402
 
-# the dh configs of scripts/ab_moe_dx_sm90.py (keep in step): ping-pong 128x128 with 4 / 5 stages, cooperative
+# the dh configs the A/B script measured (scripts/ab_moe_dx_sm90.py, git history): ping-pong 128x128 with 4 / 5 stages, cooperative
 # 128x256 with 3
 AB_CONFIGS = [DxConfig(128, 64, 4, pingpong=True), DxConfig(128, 64, 5, pingpong=True), DxConfig(256, 64, 3)]
 # and its dh_swiglu configs with 32-column epilogue chunks: ping-pong 128x128 (one set of epilogue buffers beside a

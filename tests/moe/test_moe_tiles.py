@@ -147,7 +147,7 @@ def _gemm(tiles, name):
             g.num_stages, g.split_k)
 
 
-# the H200 sweep of 2026-11-21 (scripts/sweep_moe.py): each GEMM's measured-best config, or one within ~2% of it
+# the H200 sweep of 2026-11-21 (benchmarks/tools/sweep_moe_gemm_tiles.py): each GEMM's measured-best config, or one within ~2% of it
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, d_model, d_ff", [
     (4096, *MODELS[0][:2], *MODELS[0][2:]), (16384, *MODELS[0][:2], *MODELS[0][2:]),
     (4096, *MODELS[1][:2], *MODELS[1][2:]),

@@ -17,7 +17,7 @@ from flashmoe_science.moe.hopper import wgrad_sm90 as gw  # noqa: E402
 from flashmoe_science.moe.hopper.wgrad_sm90 import WgradConfig  # noqa: E402
 from sm90_protocol import grouped_block, simulate  # noqa: E402
 
-# the configs of scripts/ab_moe_wgrad_sm90.py (keep in step)
+# the configs the A/B script measured (scripts/ab_moe_wgrad_sm90.py, git history)
 AB_CONFIGS = [WgradConfig(256, 64, 3), WgradConfig(256, 64, 4, epilogue_split=2),
               WgradConfig(128, 64, 4, pingpong=True), WgradConfig(128, 64, 5, pingpong=True),
               WgradConfig(128, 64, 6, pingpong=True, epilogue_split=2)]

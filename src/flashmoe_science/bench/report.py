@@ -146,7 +146,7 @@ def median_over_rounds(per_round: Sequence[dict], scale_rates: Callable[[dict, f
 # --------------------------------------------------------------------------------------------------------------------
 # A layer that keeps the H200's tensor cores busy for milliseconds runs at its 700 W cap, and the power controller
 # takes seconds to settle: measured with 25 ms of warm-up, whichever backend follows a lighter stretch runs part of
-# its window at a higher clock. At Mixtral T=4096 (scripts/ab_moe_sustained.py, docs/perf-notes.md session 16) the
+# its window at a higher clock. At Mixtral T=4096 (git history: scripts/ab_moe_sustained.py, docs/perf-notes.md session 16) the
 # torch._grouped_mm backward read 11.3-11.9 ms with 25 ms of warm-up depending on the order, and 11.8-11.9 after 3 s
 # of back-to-back calls (its clock 1770 -> 1590 MHz), ours 9.1-9.5 and 9.5-9.7. Training runs in that settled
 # state, so large problems are timed there. The caller decides per problem, not per backend, so that every backend

@@ -579,7 +579,7 @@ def swiglu_backward_launch(gate_up, dh, h, weights32, dgu, dweights, sort: Exper
     """From the forward's saved pre-activations and h, and dh: ``d(gate, up)`` and the routing-weight gradient,
     per sorted row (``_swiglu_backward_kernel``)."""
     num_rows, d_ff = dh.shape
-    # H200, scripts/sweep_swiglu_bwd.py (session 8), T=4096: 1024 elements per step, 4 warps, in 512-column steps
+    # H200, benchmarks/tools/sweep_moe_swiglu_backward_tiles.py (session 8), T=4096: 1024 elements per step, 4 warps, in 512-column steps
     # (Mixtral F=14336: 4007 GB/s, the best within 1%) or 256 where 512 does not divide F (Qwen3 F=768: 3676 GB/s,
     # the best; 8 rows x 512 columns got 2704 / 1981)
     block_c = min(512 if d_ff % 512 == 0 else 256, triton.next_power_of_2(d_ff))

@@ -391,7 +391,7 @@ class PreparedBackward:
 
 def compile_offline(head_dim: int, causal: bool, num_stages: int = NUM_STAGES, dtype: torch.dtype = torch.bfloat16):
     """The kernel built for sm_90 without a GPU (meta tensors; ptxas ships with triton), specialised as a launch
-    would specialise it; returns the CompiledKernel (registers, shared memory, SASS: scripts/compile_bwd_sm90.py)."""
+    would specialise it; returns the CompiledKernel (registers, shared memory, SASS: benchmarks/tools/sass_attention_backward.py)."""
 
     block_d = padded_head_dim(head_dim)
     if block_d == 256:

@@ -64,7 +64,7 @@ start at zero; the order of the additions is not fixed). Padding rows of the til
 reads them unmasked), rows of unused tiles are never written. The sigmoid uses the approximate ex2 and reciprocal
 (``_fast_sigmoid``): with the IEEE expression the epilogue outlasted the other consumer's main loop.
 
-Measured on the H200 (scripts/probe_dh_swiglu.py on branch probe/dh-swiglu, interleaved do_bench medians, session
+Measured on the H200 (git history: scripts/probe_dh_swiglu.py on branch probe/dh-swiglu, interleaved do_bench medians, session
 12): Mixtral T=4096 1.73 ms against 2.13 for Triton's dh + SwiGLU pass (plain dh with this tile 1.57); Qwen3
 0.28 ms against 0.32 (plain 0.23). The operands loaded by global loads in the accumulator layout (the first version,
 session 11) took 2.0-2.3 ms at Mixtral: ~400 exposed 4-byte loads per thread and item. Registers: 128 accumulator
@@ -76,7 +76,7 @@ by a producer warpgroup, which then needs registers the consumers have) is a lar
 cannot serve: it is dout scaled by the routing weight, and dscale would then need a division by it (undefined at
 weight 0).
 
-Offline sm_90 builds (triton 3.6, scripts/ab_moe_dx_sm90.py --offline [--gemm dh]): no spills in any config; the
+Offline sm_90 builds (triton 3.6, git history: scripts/ab_moe_dx_sm90.py --offline [--gemm dh]): no spills in any config; the
 consumers use at most 175 registers (cooperative 128x256), 96 (cooperative 128x128), 183 (ping-pong 128x128) of
 their 240 for dx, 151 / 159 (cooperative 128x256 / ping-pong 128x128) for dh; shared memory 147680 / 196840 bytes
 at 128x256 with 3 / 4 stages, 98528 + 32768 per stage at 128x128. dx's SASS is as before dh's epilogue was added.
@@ -156,7 +156,7 @@ class DxConfig:
         return f"{self.label()} c{self.swiglu_cols}"
 
 
-# dx's configs by K = 2F (``dx_config``). H200, scripts/ab_moe_layer_bwd.py --kernel (session 15, 5 interleaved
+# dx's configs by K = 2F (``dx_config``). H200, git history: scripts/ab_moe_layer_bwd.py --kernel (session 15, 5 interleaved
 # rounds, the kernel alone / the layer's backward, ms): Mixtral (K = 28672) T=4096 cooperative 128x256 s3 with the
 # tail split 3.07 / 9.61 against ping-pong 128x128 s4 3.26 / 9.82 (1088 items of ~350 us are 8.24 waves: the split
 # is most of the gain; without it the cooperative tile lost, 600 vs 644-684 TFLOP/s); T=16384 11.70 / 35.66 vs
@@ -165,7 +165,7 @@ class DxConfig:
 # which ping-pong hides). Fitting the two (cooperative +5% at K = 1536, -2.5% at 28672, the idle epilogue a fixed
 # cost per item) puts the break-even near K = 4200.
 LONG_K_CONFIG = DxConfig(block_n=256, num_stages=3, split_tail=True)
-# session 9 (scripts/ab_moe_dx_sm90.py, T=4096, TFLOP/s): ping-pong 128x128 s4 Qwen3 432 (Triton 399, torch
+# session 9 (git history: scripts/ab_moe_dx_sm90.py, T=4096, TFLOP/s): ping-pong 128x128 s4 Qwen3 432 (Triton 399, torch
 # grouped_mm without the combine 426), within 5% of its best (5 stages, 454, but 591 at Mixtral); the tail split
 # measured no gain here (session 15: 0.52 / 1.63 at T=4096)
 SHORT_K_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
@@ -183,7 +183,7 @@ def down_config(d_ff: int) -> DxConfig:
     return dx_config(d_ff)
 
 
-# dh: H200, scripts/ab_moe_dx_sm90.py --gemm dh (session 10, Mixtral T=4096): ping-pong 128x128 s4 1.46 ms,
+# dh: H200, git history: scripts/ab_moe_dx_sm90.py --gemm dh (session 10, Mixtral T=4096): ping-pong 128x128 s4 1.46 ms,
 # cooperative 128x256 s3 1.58 ms, Triton dh_launch 1.54 ms
 DH_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
 # dh with the SwiGLU backward in its epilogue: dh's tile, 32-column epilogue chunks (H200, session 12: Mixtral

@@ -1,7 +1,7 @@
-"""Run the one-launch decode kernel a few times for ncu (scripts/h200.sh-style):
+"""Run the one-launch decode kernel a few times for ncu (benchmarks/tools/h200_session.sh-style):
 
     ncu -k regex:_decode_moe_kernel --launch-skip 3 --launch-count 1 --section ... \
-        python scripts/profile_decode.py --model qwen3-30b-a3b --config 64,128,256,4,4
+        python benchmarks/tools/profile_moe_decode_ncu.py --model qwen3-30b-a3b --config 64,128,256,4,4
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """Sweep forward tile configs on the GPU and print them beside cuDNN: the data behind tiles.forward_tiles.
 
-    PYTHONPATH=src python scripts/sweep_fwd.py --out $OUT [--cases BxHxLxD,...]
+    PYTHONPATH=src python benchmarks/tools/sweep_attention_forward_tiles.py --out $OUT [--cases BxHxLxD,...]
 
 Writes sweep JSON (every config's ms, TFLOP/s, registers, spills, shared memory) and the best config's cubin
 per case (for `cuobjdump -sass`, to confirm HGMMA) under --out.

@@ -1,7 +1,7 @@
 """Compile the Gluon sm_90 attention kernel on a machine without a GPU (ptxas ships with triton) and report
 registers, shared memory, spills and the SASS instruction mix. Catches compile errors before using GPU time.
 
-    PYTHONPATH=src python scripts/compile_sm90.py [--sass out.sass] [--q-buffers N] [--cross-item] D BLOCK_N STAGES CAUSAL
+    PYTHONPATH=src python benchmarks/tools/sass_attention_forward.py [--sass out.sass] [--q-buffers N] [--cross-item] D BLOCK_N STAGES CAUSAL
 """
 import argparse
 

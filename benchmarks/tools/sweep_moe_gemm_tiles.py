@@ -2,8 +2,8 @@
 whole layer (ours with the heuristic tiles, ours with each GEMM's best tiles, the torch._grouped_mm pipeline):
 the data behind moe/tiles.choose_tiles.
 
-    PYTHONPATH=src:scripts python scripts/sweep_moe.py --out $OUT/run                  # on the H200, < 4 min
-    PYTHONPATH=src:scripts python scripts/sweep_moe.py --offline [--cases mixtral-8x7b:4096]   # CPU is enough
+    PYTHONPATH=src:benchmarks/tools python benchmarks/tools/sweep_moe_gemm_tiles.py --out $OUT/run                  # on the H200, < 4 min
+    PYTHONPATH=src:benchmarks/tools python benchmarks/tools/sweep_moe_gemm_tiles.py --offline [--cases mixtral-8x7b:4096]   # CPU is enough
 
 GEMMs (names of the MoETiles fields), FLOPs with P = routed (token, expert) pairs:
     up      gather x @ w1^T + SwiGLU        4·P·d·F      torch: _grouped_mm(x_sorted, w1^T)

@@ -1,7 +1,7 @@
 """Compile the Gluon sm_90 attention backward on a machine without a GPU (ptxas ships with triton) and report
 registers, shared memory, spills and the SASS instruction mix (HGMMA, TMA, barriers).
 
-    PYTHONPATH=src:scripts python scripts/compile_bwd_sm90.py [--sass out.sass] [--stages N] [D CAUSAL ...]
+    PYTHONPATH=src:benchmarks/tools python benchmarks/tools/sass_attention_backward.py [--sass out.sass] [--stages N] [D CAUSAL ...]
 
 With no config: D in {64, 128, 256} x causal in {0, 1} (at 256: the dK/dV kernel, bwd_sm90_hdim256).
 """

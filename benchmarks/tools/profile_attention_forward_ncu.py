@@ -1,6 +1,6 @@
 """Forward launches of the sm_90 kernel at one shape, for `ncu` (see docs/perf-notes.md for the command).
 
-    PYTHONPATH=src python scripts/profile_fwd.py B H L D CAUSAL BLOCK_N STAGES
+    PYTHONPATH=src python benchmarks/tools/profile_attention_forward_ncu.py B H L D CAUSAL BLOCK_N STAGES
 
 Launches the persistent kernel, then the one-CTA-per-tile grid, twice each (read the second of each)."""
 import sys

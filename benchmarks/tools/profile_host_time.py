@@ -3,8 +3,8 @@ benchmark (session 4: the 1c42b3e bench had D=256 L=512 at half the TFLOP/s of a
 shape and backend: device ms (calls queued back to back, timed by CUDA events), host µs per call (no sync), and a
 cProfile of the sm_90 `auto` path's host side (top functions by cumulative time).
 
-    PYTHONPATH=src python scripts/host_time.py [--cases BxHxLxD,...] [--profile BxHxLxD]
-    PYTHONPATH=src python scripts/host_time.py --moe [--tokens 1,16,64]
+    PYTHONPATH=src python benchmarks/tools/profile_host_time.py [--cases BxHxLxD,...] [--profile BxHxLxD]
+    PYTHONPATH=src python benchmarks/tools/profile_host_time.py --moe [--tokens 1,16,64]
 
 `--moe`: the same for `fused_moe` on the bench's models (bf16), the prepared launch (a repeated signature) against
 the full path (the prepared-call cache emptied before each call).

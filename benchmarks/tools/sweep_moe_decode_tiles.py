@@ -1,7 +1,7 @@
 """Sweep the one-launch decode kernel's configs (moe/triton_decode.py) beside the batched path, under CUDA graphs:
 the data behind triton_decode.decode_config and MAX_DECODE_TOKENS.
 
-    PYTHONPATH=src:scripts python scripts/sweep_decode.py --out $OUT/decode [--tokens 1,2,4,8,16] [--budget-s 240]
+    PYTHONPATH=src:benchmarks/tools python benchmarks/tools/sweep_moe_decode_tiles.py --out $OUT/decode [--tokens 1,2,4,8,16] [--budget-s 240]
 
 Per (model, T): the batched path (fused_moe with the decode path off: routing, sort, GEMM1, GEMM2) and, per config,
 the decode path with the routing inside the kernel (zeroed workspace + one launch), each captured in a CUDA graph and

@@ -2,7 +2,7 @@
 pipeline, as bench moe calls them), sampled by nvidia-smi every 50 ms: is the layer power-limited, and at what
 clock does each backend run?
 
-    PYTHONPATH=src python scripts/power_moe_bwd.py [--case mixtral-8x7b:4096] [--seconds 4]
+    PYTHONPATH=src python benchmarks/tools/profile_moe_power.py [--case mixtral-8x7b:4096] [--seconds 4]
 """
 
 import argparse

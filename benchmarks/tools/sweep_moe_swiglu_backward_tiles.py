@@ -1,6 +1,6 @@
 """Time the MoE backward's elementwise SwiGLU pass (``_swiglu_backward_kernel``) over rows x columns per step and
 warps, at the bench's T=4096 shapes. Prints GB/s of the bytes it must move (gate_up, dh and h read, d(gate, up)
-written). Usage on the GPU: PYTHONPATH=src python scripts/sweep_swiglu_bwd.py
+written). Usage on the GPU: PYTHONPATH=src python benchmarks/tools/sweep_moe_swiglu_backward_tiles.py
 """
 
 import torch

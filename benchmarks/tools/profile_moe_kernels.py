@@ -1,6 +1,6 @@
 """Per-kernel GPU time of the MoE layer (torch.profiler), and the layer's GPU-only time under a CUDA graph.
 
-Usage: PYTHONPATH=src python scripts/profile_moe_kernels.py [--tokens 1,16,4096] [--models mixtral-8x7b,...]
+Usage: PYTHONPATH=src python benchmarks/tools/profile_moe_kernels.py [--tokens 1,16,4096] [--models mixtral-8x7b,...]
 Prints, per (model, T, pass), each kernel's mean device time per call and the sum, beside do_bench's median of
 the eager call (which includes host time when the host is slower than the GPU) and of a CUDA-graph replay.
 """

@@ -1,7 +1,7 @@
 """One launch of the Gluon sm_90 backward (and the Triton dK/dV pass beside it) for Nsight Compute:
 
     ncu --set full -k regex:"attention_backward_sm90|_bwd_dkdv" --launch-skip 0 --launch-count 2 \\
-        python scripts/profile_bwd_sm90.py [B H L D causal]
+        python benchmarks/tools/profile_attention_backward_ncu.py [B H L D causal]
 
 Each kernel runs twice (warm-up, then the profiled launch is whichever ncu picks by its filters)."""
 import math

@@ -1,7 +1,7 @@
 """Sweep backward tile configs on the GPU beside cuDNN and FlashAttention-2: the data behind tiles.backward_tiles.
 
-    PYTHONPATH=src:scripts python scripts/sweep_bwd.py --out $OUT/run [--cases BxHxLxD,...] [--budget-s 180]
-    PYTHONPATH=src:scripts python scripts/sweep_bwd.py --offline     # no GPU: sm_90 registers, spills, smem
+    PYTHONPATH=src:benchmarks/tools python benchmarks/tools/sweep_attention_backward_tiles.py --out $OUT/run [--cases BxHxLxD,...] [--budget-s 180]
+    PYTHONPATH=src:benchmarks/tools python benchmarks/tools/sweep_attention_backward_tiles.py --offline     # no GPU: sm_90 registers, spills, smem
 
 Per case (bf16, non-causal and causal) it times the backward of sdpa-cudnn and sdpa-flash as the benchmark does
 (bench/attention.py: one forward, then `out.backward(dout, retain_graph=True)` under `cuda_median_ms`), and ours

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Markdown tables for the README from a `flashmoe-science bench` JSON file.
 
-    python scripts/results_table.py benchmarks/results/<file>.json          # attention: one table per pass
-    python scripts/results_table.py --moe benchmarks/results/<file>.json    # the MoE layer benchmark
+    python benchmarks/tools/results_table.py benchmarks/results/<file>.json          # attention: one table per pass
+    python benchmarks/tools/results_table.py --moe benchmarks/results/<file>.json    # the MoE layer benchmark
 
 Attention: one row per shape (B, H, L, D, causal), TFLOP/s of flashmoe, sdpa-cudnn, sdpa-flash and flex, then
 flashmoe's ratio to each baseline (cuDNN, FA2 = sdpa-flash); one table per pass (fwd, bwd); then the geometric mean
