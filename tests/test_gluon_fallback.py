@@ -124,10 +124,10 @@ def test_attention_backward_falls_back_to_the_triton_kernels(monkeypatch):
 
 
 def test_moe_gemms_fall_back_to_the_triton_kernels(monkeypatch):
-    from flashmoe_science.moe import triton_gemm
+    from flashmoe_science.moe import layer
     from flashmoe_science.moe.hopper import wgrad_sm90
 
-    monkeypatch.setattr(triton_gemm, "device_traits", lambda device: type("Hopper", (), {"is_hopper": True}))
+    monkeypatch.setattr(layer, "device_traits", lambda device: type("Hopper", (), {"is_hopper": True}))
     monkeypatch.setattr(wgrad_sm90, "unsupported_reason", lambda *args: None)
     monkeypatch.setattr(wgrad_sm90, "wgrad_sm90", _build_failure)
     a = type("OnCuda", (), {"is_cuda": True, "device": "cuda"})()
@@ -137,11 +137,11 @@ def test_moe_gemms_fall_back_to_the_triton_kernels(monkeypatch):
     def triton_launch(*args):
         return lambda: ran.append(args)
 
-    assert triton_gemm._gluon_may_run(a, tiles)
+    assert layer._gluon_may_run(a, tiles)
     with pytest.warns(RuntimeWarning, match="MoE weight-gradient kernel does not build"):
-        triton_gemm._weight_gradient(a, None, None, None, tiles, triton_launch)
+        layer._weight_gradient(a, None, None, None, tiles, triton_launch)
     assert len(ran) == 1
-    assert not triton_gemm._gluon_may_run(a, tiles)  # every later MoE call: the Triton kernels
+    assert not layer._gluon_may_run(a, tiles)  # every later MoE call: the Triton kernels
 
 
 def test_info_reports_the_gluon_kernels(capsys):

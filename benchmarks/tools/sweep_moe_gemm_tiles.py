@@ -41,6 +41,7 @@ from dataclasses import replace
 import torch
 
 from flashmoe_science.bench.moe import MODELS
+from flashmoe_science.moe import layer
 from flashmoe_science.moe import triton_gemm as tg
 from flashmoe_science.moe.dispatch import ExpertSort, max_row_tiles
 from flashmoe_science.moe.tiles import GemmTiles, MoETiles, choose_tiles, gemm_smem_bytes, sm_count, smem_limit, split_k_for
@@ -185,8 +186,8 @@ class Buffers:
         self.dw1 = torch.empty(w1.shape, dtype=dt, device=dev)
         self.dw2 = torch.empty(w2.shape, dtype=dt, device=dev)
         if gather:  # the weight gradients' gathered operands, as moe_backward makes them
-            self.x_sorted = tg.sorted_rows(x, None, sort, num_rows)
-            self.g_sorted = tg.sorted_rows(grad_out, weights32, sort, num_rows)
+            self.x_sorted = layer.sorted_rows(x, None, sort, num_rows)
+            self.g_sorted = layer.sorted_rows(grad_out, weights32, sort, num_rows)
         else:
             self.x_sorted = torch.empty((num_rows, x.shape[1]), dtype=dt, device=dev)
             self.g_sorted = torch.empty((num_rows, x.shape[1]), dtype=dt, device=dev)
@@ -389,13 +390,13 @@ def _layer_with_tiles(tensors, top_k, tiles, pass_):
     if pass_ == "fwd":
         def fwd():
             weights, ids = route(logits, top_k, True, "softmax")
-            return tg.moe_forward(x, w1, w2, weights.float().contiguous(), ids, tiles)[0]
+            return layer.moe_forward(x, w1, w2, weights.float().contiguous(), ids, tiles)[0]
         return fwd
     weights, ids = route(logits, top_k, True, "softmax")
     weights32 = weights.float().contiguous()
-    _, saved = tg.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
+    _, saved = layer.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
     grad_out = torch.randn_like(x)
-    return lambda: tg.moe_backward(grad_out, x, w1, w2, weights32, saved)
+    return lambda: layer.moe_backward(grad_out, x, w1, w2, weights32, saved)
 
 
 def gpu_sweep(cases, out_dir, budget_s, workers, device=None):

@@ -4,7 +4,7 @@ One ``block_m`` serves the sort's padding and every grouped GEMM over the sorted
 from the average number of rows an expert receives: small tiles when tokens are few (the layer then streams
 expert weights and the GEMM shape barely matters), 128-row tiles when every expert has hundreds of rows
 (tensor-core bound). Every GEMM then gets its own ``GemmTiles``; ``choose_tiles`` is only the default: the
-launchers take any ``MoETiles`` (``triton_gemm.moe_forward(..., tiles=...)``), which is how benchmarks/tools/sweep_moe_gemm_tiles.py
+launchers take any ``MoETiles`` (``layer.moe_forward(..., tiles=...)``), which is how benchmarks/tools/sweep_moe_gemm_tiles.py
 tries candidates.
 
 Measured: H200 sweep, 2026-11-21 (torch 2.11, triton 3.6, bf16; benchmarks/tools/sweep_moe_gemm_tiles.py, Mixtral-8x7B E=8 k=2

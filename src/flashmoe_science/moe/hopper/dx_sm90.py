@@ -5,7 +5,7 @@
   atomically into ``dx32[token]`` (the top_k rows of a token meet there).
 - dh (``ROW_STORE``, ``dh_sm90``): ``dh[row] = dout[token(row)] @ w2[e]``, ``triton_gemm.dh_launch``'s product
   (K = d, N = F), stored to the row's own row of the float32 dh (no atomics). TMA loads dense boxes, so A is dout
-  already gathered to the sorted rows (``triton_gemm.sorted_rows``: one (rows, d) copy, which Triton's kernel does
+  already gathered to the sorted rows (``layer.sorted_rows``: one (rows, d) copy, which Triton's kernel does
   in its loads instead). Alone it did not pay in the layer (perf notes v18: 1.46 ms vs Triton's 1.54 at Mixtral
   T=4096, 1.63 with the gather); it stays for the A/B, as the fused mode's baseline.
 - dh with the SwiGLU backward (``SWIGLU_BWD``, ``dh_swiglu_sm90``, what moe_backward runs on Hopper): the dh
@@ -70,7 +70,7 @@ Measured on the H200 (git history: scripts/probe_dh_swiglu.py on branch probe/dh
 session 11) took 2.0-2.3 ms at Mixtral: ~400 exposed 4-byte loads per thread and item. Registers: 128 accumulator
 floats per thread plus a chunk's gate, up and h; 32-column chunks build without spills (16 too; 64 spill).
 
-The A operand stays pre-gathered (``triton_gemm.sorted_rows(dout)``, ~0.03 ms at Mixtral T=4096, ~2% of the
+The A operand stays pre-gathered (``layer.sorted_rows(dout)``, ~0.03 ms at Mixtral T=4096, ~2% of the
 GEMM; a third of it at Qwen3's F = 768): Hopper's TMA has no row gather, and a gathering producer (cp.async rows
 by a producer warpgroup, which then needs registers the consumers have) is a larger change. dw2's gathered operand
 cannot serve: it is dout scaled by the routing weight, and dscale would then need a division by it (undefined at
@@ -528,7 +528,7 @@ def dx_sm90(dgu, w1, dx32, sort: ExpertSort, block_m: int, config: DxConfig = Dx
 def dh_sm90(dout_sorted, w2, dh, sort: ExpertSort, block_m: int, config: DxConfig = DH_CONFIG,
             num_ctas: int | None = None):
     """``dh[row] = dout_sorted[row] @ w2[expert(row)]`` for every valid sorted row (``triton_gemm.dh_launch``'s
-    product, with dout already gathered to the sorted rows: ``triton_gemm.sorted_rows(dout, None, ...)``).
+    product, with dout already gathered to the sorted rows: ``layer.sorted_rows(dout, None, ...)``).
 
     dout_sorted: (sort rows, d) bf16/fp16 contiguous (padding rows may hold anything); w2: (E, d, F) contiguous,
     same dtype, d a multiple of config.block_k; dh: (sort rows, F) float32 with unit last stride: the valid rows
