@@ -76,7 +76,8 @@ def _qkv(requires_grad=False):
 
 
 def test_attention_forward_falls_back_to_the_triton_kernel(monkeypatch):
-    from flashmoe_science.attention import api, triton_fwd
+    from flashmoe_science.attention import api, autograd, triton_fwd
+    from flashmoe_science.attention.features import PLAIN
     from flashmoe_science.attention.hopper import fwd_sm90
     from flashmoe_science.attention.tiles import ForwardPlan, sm90_forward_tiles
 
@@ -86,16 +87,17 @@ def test_attention_forward_falls_back_to_the_triton_kernel(monkeypatch):
     q, k, v = _qkv()
     plan = ForwardPlan("sm90", sm90_forward_tiles(64, False, 64))
     with pytest.warns(RuntimeWarning, match="attention forward kernel does not build"):
-        api._kernel_forward(q, k, v, False, 0.125, plan)
-    assert ran == [api._triton_plan(q, k, v, False).tiles]  # the Triton forward ran, with its own tiles
-    api._kernel_forward(q, k, v, False, 0.125, plan)  # later calls: no warning, no Gluon attempt
+        autograd.kernel_forward(q, k, v, PLAIN, 0.125, plan)
+    assert ran == [api.triton_plan(q, k, v, PLAIN).tiles]  # the Triton forward ran, with its own tiles
+    autograd.kernel_forward(q, k, v, PLAIN, 0.125, plan)  # later calls: no warning, no Gluon attempt
     assert len(ran) == 2
     # later calls plan the Triton kernel: _hopper_unavailable (after its device checks) returns this reason
     assert "attention forward kernel does not build" in availability.unavailable_reason()
 
 
 def test_attention_forward_strict_raises(monkeypatch):
-    from flashmoe_science.attention import api
+    from flashmoe_science.attention import autograd
+    from flashmoe_science.attention.features import PLAIN
     from flashmoe_science.attention.hopper import fwd_sm90
     from flashmoe_science.attention.tiles import ForwardPlan, sm90_forward_tiles
 
@@ -103,21 +105,22 @@ def test_attention_forward_strict_raises(monkeypatch):
     q, k, v = _qkv()
     plan = ForwardPlan("sm90", sm90_forward_tiles(64, False, 64), strict=True)
     with pytest.warns(RuntimeWarning), pytest.raises(availability.GluonUnavailable, match="backend='hopper'"):
-        api._kernel_forward(q, k, v, False, 0.125, plan)
+        autograd.kernel_forward(q, k, v, PLAIN, 0.125, plan)
 
 
 def test_attention_backward_falls_back_to_the_triton_kernels(monkeypatch):
-    from flashmoe_science.attention import api, triton_bwd
+    from flashmoe_science.attention import autograd, triton_bwd
+    from flashmoe_science.attention.features import PLAIN
     from flashmoe_science.attention.tiles import ForwardPlan, sm90_forward_tiles
 
     ran = []
-    monkeypatch.setattr(api, "_kernel_forward", lambda q, *rest: (torch.zeros_like(q), torch.zeros(q.shape[:3])))
-    monkeypatch.setattr(api, "_sm90_backward_runs", lambda *args: True)
-    monkeypatch.setattr(api, "_sm90_backward", _build_failure)
-    monkeypatch.setattr(triton_bwd, "attention_backward", lambda *args: ran.append(args))
+    monkeypatch.setattr(autograd, "kernel_forward", lambda q, *rest: (torch.zeros_like(q), torch.zeros(q.shape[:3])))
+    monkeypatch.setattr(autograd, "_sm90_backward_runs", lambda *args: True)
+    monkeypatch.setattr(autograd, "_sm90_backward", _build_failure)
+    monkeypatch.setattr(triton_bwd, "attention_backward", lambda *args, **kwargs: ran.append(args))
     q, k, v = _qkv(requires_grad=True)
     plan = ForwardPlan("sm90", sm90_forward_tiles(64, False, 64))
-    out, _ = api._KernelAttention.apply(q, k, v, False, 0.125, plan, False)
+    out, _ = autograd._KernelAttention.apply(q, k, v, None, PLAIN, 0.125, plan, False)
     with pytest.warns(RuntimeWarning, match="attention backward kernel does not build"):
         out.sum().backward()
     assert len(ran) == 1 and q.grad is not None and k.grad is not None

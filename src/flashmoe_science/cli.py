@@ -3,6 +3,11 @@
     flashmoe-science info                 GPU, versions, and which kernel a sample call would use and why
     flashmoe-science bench [attention]    ours against every SDPA backend and FlexAttention (TFLOP/s, ms, memory)
     flashmoe-science bench moe            the MoE layer benchmark
+<<<<<<< HEAD
+    flashmoe-science bench --suite decode KV-cache decode bandwidth against SDPA, FlexAttention and a pure read
+=======
+    flashmoe-science bench --suite distributed   ring attention / expert-parallel MoE scaling (under torchrun)
+>>>>>>> wip/dist
 
 `bench` prints a table, writes `<out>/<gpu>-<date>-<commit>.json` and a PNG plot beside it. Without a CUDA GPU it
 runs a small CPU comparison instead, so the command works everywhere.
@@ -92,10 +97,10 @@ def _print_sample_dispatch() -> None:
     except Exception as error:  # info reports what it can even when one part fails
         print(f"  cannot describe the dispatch: {type(error).__name__}: {error}")
         return
-    for causal in (False, True):
-        label = "causal" if causal else "non-causal"
+    for label, kwargs in (("non-causal", {}), ("causal", dict(causal=True)),
+                          ("causal, window (256, 0), softcap 30", dict(causal=True, window=(256, 0), softcap=30.0))):
         try:
-            dispatch = describe_dispatch(q, k, v, causal=causal, backend="auto")
+            dispatch = describe_dispatch(q, k, v, backend="auto", **kwargs)
         except Exception as error:
             print(f"  {label}: describe_dispatch raised {type(error).__name__}: {error}")
             continue
@@ -142,10 +147,63 @@ def _save(args: argparse.Namespace, records: list[dict], partial: PartialResults
     return path
 
 
+def _save_and_plot(args: argparse.Namespace, records: list[dict], partial: PartialResults, plot, name: str) -> None:
+    """`_save`, then `plot(records, png_path, title=...)` beside the JSON unless --no-plot."""
+    path = _save(args, records, partial)
+    if not args.no_plot and records:
+        written = plot(records, path.with_suffix(".png"), title=f"{name}, {path.stem}")
+        if written is not None:
+            print(f"plot:    {written}")
+
+
+FEATURE_SUITES = frozenset(("varlen", "window", "mods"))
+
+
 def run_bench(args: argparse.Namespace) -> int:
-    if args.what == "moe":
+    suites = args.suite or [args.what]
+    if suites in (["moe"], ["decode"], ["attention"], ["distributed"]):
+        what = suites[0]
+    elif set(suites) <= FEATURE_SUITES:
+        return _bench_features(args)
+    else:
+        print(f"bench --suite: attention, moe, decode and distributed each run on their own; varlen, window and mods "
+              f"combine; got {','.join(suites)}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    if what == "distributed":
+        from flashmoe_science.bench.distributed import run_from_cli
+
+        return run_from_cli(args)
+    if what == "moe":
         return _bench_moe(args)
+    if what == "decode":
+        return _bench_decode(args)
     return _bench_attention(args)
+
+
+def _bench_decode(args: argparse.Namespace) -> int:
+    from flashmoe_science.bench import decode as decode_bench
+
+    if args.shapes or args.backends or args.models or args.passes != ["fwd"]:
+        print("bench decode: --shapes, --backends, --models and --pass do not apply (fixed grid; --quick for "
+              "fewer contexts)", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    on_gpu = torch.cuda.is_available()
+    contexts = None
+    if args.quick:
+        contexts = decode_bench.GPU_CONTEXTS[:2] if on_gpu else decode_bench.CPU_CONTEXTS[:1]
+    print(f"decode benchmark on {torch.cuda.get_device_name(0)}" if on_gpu else
+          "No CUDA GPU found: a small CPU comparison instead (float32; ours = the PyTorch reference)")
+    print(decode_bench.bandwidth_note(), flush=True)
+    partial = _partial_results(args)
+    skips: list[str] = []
+    with Progress(desc="decode") as progress:
+        records = decode_bench.run_decode_bench(progress, skips, contexts, on_case_done=partial)
+    print()
+    print(decode_bench.decode_table(records))
+    if skips:
+        print("\nnot run:\n  " + "\n  ".join(skips))
+    _save_and_plot(args, records, partial, decode_bench.plot_decode, "decode")
+    return 0
 
 
 def _bench_attention(args: argparse.Namespace) -> int:
@@ -194,9 +252,27 @@ def _bench_attention(args: argparse.Namespace) -> int:
         print()
         print(skips.summary())
 
+    _save_and_plot(args, records, partial, attention_bench.plot_attention, "attention")
+    return 0
+
+
+def _bench_features(args: argparse.Namespace) -> int:
+    from flashmoe_science.bench import features as features_bench
+
+    on_gpu = torch.cuda.is_available()
+    device, dtype = (torch.device("cuda"), torch.bfloat16) if on_gpu else (torch.device("cpu"), torch.float32)
+    timer = attention_bench.cuda_median_ms if on_gpu else attention_bench.cpu_median_ms
+    print(f"masked/packed attention suites {','.join(args.suite)} on "
+          + (torch.cuda.get_device_name(0) if on_gpu else "the CPU (sizes / 64: a smoke test)"), flush=True)
+    partial = _partial_results(args)
+    with Progress(desc="features") as progress:
+        records = features_bench.run_features_bench(args.suite, args.quick, device, dtype, timer, progress,
+                                                    on_case_done=partial, rounds=args.rounds)
+    print()
+    print(features_bench.features_tables(records))
     path = _save(args, records, partial)
     if not args.no_plot and records:
-        plot = attention_bench.plot_attention(records, path.with_suffix(".png"), title=f"attention, {path.stem}")
+        plot = features_bench.plot_features(records, path.with_suffix(".png"), title=f"attention features, {path.stem}")
         if plot is not None:
             print(f"plot:    {plot}")
     return 0
@@ -247,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(handler=run_info)
 
     bench = commands.add_parser("bench", help="time our kernels against SDPA and FlexAttention (or the MoE layer)")
-    bench.add_argument("what", nargs="?", choices=("attention", "moe"), default="attention")
+    bench.add_argument("what", nargs="?", choices=("attention", "moe", "decode"), default="attention")
     bench.add_argument("--quick", action="store_true", help="a small subset of shapes (under 2 minutes on an H200)")
     bench.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the JSON and PNG (default {DEFAULT_OUT})")
     bench.add_argument(
@@ -268,6 +344,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--backends", type=_comma_list(attention_bench.BACKEND_ORDER),
         help=f"attention backends to run (default: all on a GPU): {','.join(attention_bench.BACKEND_ORDER)}",
+    )
+    bench.add_argument(
+        "--suite", type=_comma_list(("attention", "moe", "decode", *sorted(FEATURE_SUITES), "distributed")),
+        help="the benchmark(s) to run instead of the positional name: attention, moe or decode; or the masked/packed "
+        "attention suites, which combine: varlen, window, mods (softcap, ALiBi, "
+        "bias); see bench/features.py. Or distributed (alone): ring attention and expert-parallel MoE scaling under "
+        "`torchrun --nproc-per-node N -m flashmoe_science.cli bench --suite distributed`, or without torchrun on "
+        "one GPU a ring step's overlap and one EP rank's expert work (bench/distributed.py)",
     )
     bench.add_argument(
         "--models", type=_comma_list(),

@@ -1,5 +1,7 @@
 """The Gluon sm_90 forward without a GPU: its sm_90 build (ptxas and cuobjdump ship with triton) at the tiles the
-library launches. Its numerics are tested on the H200 (test_forward_gpu.py)."""
+library launches, the launch arguments a window, softcap, ALiBi or packed batch sets, and builds of those feature
+paths (every combination: `benchmarks/tools/sass_attention_forward.py --sweep`). Numerics run on the H200 (test_forward_gpu.py,
+test_forward_sm90_masks_gpu.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +9,98 @@ import os
 import re
 
 import pytest
+import torch
 
 fwd_sm90 = pytest.importorskip("flashmoe_science.attention.hopper.fwd_sm90")
-from flashmoe_science.attention.tiles import sm90_forward_tiles  # noqa: E402
+from flashmoe_science.attention.mask import make_mask  # noqa: E402
+from flashmoe_science.attention.tiles import AttentionTiles, sm90_forward_tiles  # noqa: E402
 from flashmoe_science.hopper.common import offline_sass, spill_budget, spill_count  # noqa: E402
 
 SMEM_PER_BLOCK = 232448  # sm_90's opt-in limit (ANCHORS.md)
+
+TWO_STAGES = AttentionTiles(128, 128, 8, 2, use_tma=True)
+THREE_STAGES = AttentionTiles(128, 64, 8, 3, use_tma=True)
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _named(args):
+    return dict(zip(fwd_sm90.attention_forward_sm90_kernel.arg_names, args))
+
+
+def test_varlen_tile_offsets_count_the_real_query_tiles():
+    cu = torch.tensor([0, 0, 1, 128, 257, 257, 900], dtype=torch.int32)
+    offsets = fwd_sm90.varlen_tile_offsets(cu, 128)
+    assert offsets.dtype == torch.int32 and offsets.tolist() == [0, 0, 1, 2, 4, 4, 10]  # lengths 0, 1, 127, 129, 0, 643
+
+
+def test_plain_calls_leave_every_new_argument_none():
+    """A plain call passes None (a constexpr) for every mask/ALiBi/varlen argument: it compiles to the plain kernel."""
+    q, lse = _meta(2, 4, 300, 64), _meta(2, 4, 300, dtype=torch.float32)
+    for causal in (False, True):
+        _, args, constexprs = fwd_sm90._launch_args(q, q, q, q, lse, causal, 0.125, TWO_STAGES, 132, 1, False)
+        named = _named(args)
+        new = ("window_left", "window_right", "softcap_scale", "ALIBI_SLOPES", "alibi_stride_b", "alibi_stride_h",
+               "CU_SEQLENS_Q", "CU_SEQLENS_K", "TILE_OFFSETS", "num_seqs", "O", "stride_oh", "stride_om", "head_dim")
+        assert all(named[name] is None for name in new)
+        assert constexprs["CAUSAL"] == causal
+        assert not any(constexprs[f] for f in ("MASK_LEFT", "MASK_RIGHT", "SOFTCAP", "ALIBI", "VARLEN"))
+
+
+def test_mask_alibi_and_varlen_arguments():
+    """The window as MASK_LEFT/MASK_RIGHT (causal with a left bound included), softcap's scales (mask.kernel_args),
+    ALiBi slopes of (H,) read with a zero batch stride, and a packed batch: (1, H, total, D) views, the grid bounded
+    by cdiv(total_q, 128) query tiles per head (no CTA without work), num_work read by the kernel."""
+    total_q, total_k = 1000, 700
+    q, k = _meta(1, 4, total_q, 128), _meta(1, 2, total_k, 128)
+    lse = _meta(1, 4, total_q, dtype=torch.float32)
+    cu = torch.empty(6, dtype=torch.int32, device="meta")
+    slopes = torch.empty(4, device="meta")
+    mask = make_mask(True, (256, -1), 30.0)
+    grid, args, constexprs = fwd_sm90._launch_args(
+        q, k, k, q, lse, True, 0.1, THREE_STAGES, 132, 2, True, mask, slopes, fwd_sm90.VarlenBatch(cu, cu, cu))
+    named = _named(args)
+    assert grid == (min(132, 4 * 8),)
+    assert (constexprs["CAUSAL"], constexprs["MASK_LEFT"], constexprs["MASK_RIGHT"]) == (False, True, True)
+    assert (named["window_left"], named["window_right"]) == (256, 0)
+    assert constexprs["SOFTCAP"] and named["softcap_scale"] == pytest.approx(0.1 / 30.0)
+    assert named["qk_scale"] == pytest.approx(30.0 * 1.4426950408889634)
+    assert constexprs["ALIBI"] and named["alibi_stride_b"] == 0 and named["alibi_stride_h"] == 1
+    assert constexprs["VARLEN"] and named["num_seqs"] == 5 and named["num_work"] is None
+    assert named["O"] is q and (named["stride_oh"], named["stride_om"], named["head_dim"]) == q.stride()[1:3] + (128,)
+    with pytest.raises(ValueError, match="right bound"):  # a window's right bound needs three stages, as causal
+        fwd_sm90._launch_args(q, k, k, q, lse, False, 0.1, TWO_STAGES, 132, 2, True, make_mask(False, (-1, 4)))
+    with pytest.raises(ValueError, match="views"):
+        fwd_sm90._launch_args(_meta(2, 4, 8, 128), k, k, _meta(2, 4, 8, 128), lse, False, 0.1, TWO_STAGES, 132, 1,
+                              False, None, None, fwd_sm90.VarlenBatch(cu, cu, cu))
+
+
+def _sass(compiled) -> str:
+    sass = offline_sass(compiled)
+    if sass is None:
+        pytest.skip("no cuobjdump in this triton")
+    return sass
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
+def test_every_feature_at_once_builds_for_sm90():
+    """Window (both sides), softcap, ALiBi and a packed batch in one D=128 build: one tanh.approx per score (no exp2
+    form), the ragged rows' masked register store beside the TMA stores, the shared memory within the H200's."""
+    compiled = fwd_sm90.compile_offline(128, False, TWO_STAGES, 132, mask=make_mask(False, (100, 20), 30.0),
+                                        alibi=True, varlen=True)
+    sass = _sass(compiled)
+    assert len(re.findall(r"\bMUFU\.TANH\b", sass)) == len(re.findall(r"\bMUFU\.EX2\b", sass)) - 16
+    assert re.search(r"\bUTMASTG\b", sass) and re.search(r"\bSTG\.E\b", sass)
+    assert compiled.metadata.shared <= SMEM_PER_BLOCK
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
+def test_varlen_causal_overlapped_items_build_for_sm90():
+    """The packed batch on the short-causal plan: 64-key tiles, three stages, two Q buffers, items overlapped."""
+    compiled = fwd_sm90.compile_offline(64, True, THREE_STAGES, 132, q_buffers=2, cross_item=True, varlen=True)
+    assert re.search(r"\bHGMMA\.64x64x16\.F32\.BF16\b", _sass(compiled))
 
 
 # (head dim, causal, seqlen, Q buffers, cross-item) -> LDL + STL of the triton 3.6 build: the persistent kernel
@@ -37,9 +125,7 @@ def test_builds_for_sm90_with_tma_and_register_operand_pv(case):
     tiles = sm90_forward_tiles(head_dim, causal, seqlen)
     compiled = fwd_sm90.compile_offline(head_dim, causal, tiles, num_ctas=132, q_buffers=q_buffers,
                                         cross_item=cross_item)
-    sass = offline_sass(compiled)
-    if sass is None:
-        pytest.skip("no cuobjdump in this triton")
+    sass = _sass(compiled)
     assert re.search(r"\bHGMMA\.64x%dx16\.F32\.BF16 R\d+, gdesc" % tiles.block_n, sass)  # S: both from smem
     assert re.search(r"\bHGMMA\.64x%dx16\.F32\.BF16 R\d+, R\d+, gdesc" % head_dim, sass)  # P·V: P in registers
     assert re.search(r"\bUTMALDG\b", sass) and re.search(r"\bUTMASTG\b", sass)

@@ -66,7 +66,8 @@ def test_triton_launcher_builds_tma_descriptors_over_the_callers_strides(monkeyp
     q_desc, k_desc = kwargs["Q"], kwargs["K"]
     assert q_desc.base is q and q_desc.shape == [2, 4, 100, 80] and q_desc.strides == list(q.stride())
     assert q_desc.block_shape == [1, 1, 64, 128] and k_desc.block_shape == [1, 1, 128, 128]
-    assert kwargs["HEAD_DIM"] == 80 and kwargs["BLOCK_D"] == 128 and kwargs["USE_TMA"] and kwargs["CAUSAL"]
+    assert kwargs["HEAD_DIM"] == 80 and kwargs["BLOCK_D"] == 128 and kwargs["USE_TMA"] and kwargs["MASK_RIGHT"]
+    assert kwargs["window_right"] == 0 and not kwargs["MASK_LEFT"] and not kwargs["VARLEN"]
     assert kwargs["group_size"] == 2 and kwargs["qk_scale"] == pytest.approx(0.1 * triton_fwd.LOG2_E)
     assert kwargs["DOT_PRECISION"] == "tf32" and (kwargs["num_warps"], kwargs["num_stages"]) == (4, 2)
 
@@ -230,7 +231,9 @@ def test_sm90_launcher(monkeypatch, head_dim, causal):
     assert kwargs["Q_BUFFERS"] == 1 and kwargs_all["Q_BUFFERS"] == 2
     # cdiv(300, 128) query tiles x B*Hq = 48 work items over at most num_ctas CTAs; None: one CTA per item
     assert grid == (48,) and grid_20 == (20,) and grid_all == (48,)
-    assert args[-2:] == args_20[-2:] == (3, 48)  # num_m_tiles, num_work
+    work = slice(10, 12)  # num_m_tiles, num_work (the mask, ALiBi and varlen arguments follow: None here)
+    assert args[work] == args_20[work] == (3, 48)
+    assert all(a is None for a in args[12:])
     q_desc, k_desc, v_desc, o_desc = args[:4]
     block_d = 128 if head_dim <= 128 else 256
     assert q_desc.block_shape == o_desc.block_shape == [1, 1, fwd_sm90.CONSUMER_ROWS, block_d]

@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -33,6 +30,7 @@ import torch
 from flashmoe_science import flash_attention_science
 from flashmoe_science.attention.tiles import INTERPRETER_TRAITS, forward_tiles
 from helpers import assert_lse_close, assert_out_close, dtype_id, make_qkv, oracle, randn
+from interpreter_driver import run_under_interpreter
 
 # Decided once, when this module is imported (collection), before any test can monkeypatch the variable.
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -74,15 +72,11 @@ def triton_fwd():
 def test_interpreter_suite_in_subprocess(request):
     if IN_INTERPRETER:
         pytest.skip("already under TRITON_INTERPRET=1: the cases run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    # The backward's interpreter cases (skipped in a normal run) ride along in the same child.
-    backward_tests = os.path.join(os.path.dirname(__file__), "test_backward.py")
-    cmd = [sys.executable, "-m", "pytest", __file__, backward_tests, "-q", "-p", "no:cacheprovider", "-p", "no:warnings"]
-    child = subprocess.run(cmd, cwd=request.config.rootpath, env=env, capture_output=True, text=True, timeout=300)
-    report = (child.stdout + child.stderr)[-8000:]
-    assert child.returncode == 0, f"interpreter suite failed (rc {child.returncode}):\n{report}"
-    summary = child.stdout.strip().splitlines()[-1]
-    assert re.search(r"\b\d+ passed\b", summary) and not re.search(r"\b\d+ (failed|errors?)\b", summary), report
+    # The backward's and the masks/varlen features' interpreter cases (skipped in a normal run) ride along in the
+    # same child.
+    here = os.path.dirname(__file__)
+    riders = [os.path.join(here, name) for name in ("test_backward.py", "test_features_interpreter.py")]
+    summary = run_under_interpreter(request.config.rootpath, __file__, *riders, timeout=900)
     print(f"TRITON_INTERPRET=1 child: {summary}")
 
 

@@ -156,6 +156,10 @@ def moe_route(router_logits, top_k, renormalize=True, scoring="softmax"):
     experts are kept and, with ``renormalize``, their weights rescaled to sum to 1. Weights are float32 (float64 for
     float64 logits), ids int64. Differentiable with respect to ``router_logits``.
     """
+    if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
+        from flashmoe_science.integrations import ops
+
+        return ops.compiled_moe_route(router_logits, top_k, renormalize, scoring)
     _check_router_logits(router_logits)
     _check_top_k(top_k, router_logits.shape[1])
     _check_routing_options(renormalize, scoring)
@@ -170,6 +174,10 @@ def fused_experts(x, w1, w2, topk_weights, topk_ids, *, backend="auto"):
     ``backend``: ``"auto"`` (Triton on CUDA, else the PyTorch reference), ``"triton"`` or ``"reference"``.
     Differentiable with respect to x, w1, w2 and topk_weights.
     """
+    if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
+        from flashmoe_science.integrations import ops
+
+        return ops.compiled_fused_experts(x, w1, w2, topk_weights, topk_ids, backend)
     if on_another_cuda_device(x):
         with torch.cuda.device(x.device):  # Triton launches on the current device: make it x's
             return fused_experts(x, w1, w2, topk_weights, topk_ids, backend=backend)
@@ -215,6 +223,10 @@ def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="sof
     Equivalent to ``fused_experts(x, w1, w2, *moe_route(router_logits, top_k, renormalize, scoring))``; gradients
     reach the router logits through the routing weights.
     """
+    if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
+        from flashmoe_science.integrations import ops
+
+        return ops.compiled_fused_moe(x, w1, w2, router_logits, top_k, renormalize, scoring, backend)
     if on_another_cuda_device(x):
         with torch.cuda.device(x.device):  # Triton launches on the current device: make it x's
             return fused_moe(x, w1, w2, router_logits, top_k, renormalize=renormalize, scoring=scoring,

@@ -183,7 +183,12 @@ class RouteTriton(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_weights, _grad_ids):
         router_logits, ids = ctx.saved_tensors
-        grad_logits = torch.empty(router_logits.shape, dtype=router_logits.dtype, device=router_logits.device)
-        if router_logits.shape[0] > 0:
-            route_backward_launch(router_logits, ids, grad_weights, grad_logits, *ctx.options)()
-        return grad_logits, None, None, None
+        return route_backward(router_logits, ids, grad_weights, *ctx.options), None, None, None
+
+
+def route_backward(router_logits, ids, grad_weights, renormalize: bool, sigmoid: bool) -> torch.Tensor:
+    """The router logits' gradient from the routing weights' (one launch; the scores are recomputed)."""
+    grad_logits = torch.empty(router_logits.shape, dtype=router_logits.dtype, device=router_logits.device)
+    if router_logits.shape[0] > 0:
+        route_backward_launch(router_logits, ids, grad_weights, grad_logits, renormalize, sigmoid)()
+    return grad_logits

@@ -20,6 +20,25 @@ def _check_positive_int(name, value):
         raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+def check_layer_args(d_model, d_ff, num_experts, top_k, renormalize, scoring, backend) -> None:
+    """The checks of an MoE layer's constructor arguments (FusedMoE, distributed.ExpertParallelMoE)."""
+    for name, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts), ("top_k", top_k)):
+        _check_positive_int(name, value)
+    _check_top_k(top_k, num_experts)
+    _check_routing_options(renormalize, scoring)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def tokens_of(hidden_states, d_model: int) -> torch.Tensor:
+    """``(..., d_model)`` hidden states as ``(tokens, d_model)`` rows, checked."""
+    if not isinstance(hidden_states, torch.Tensor):
+        raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
+    if hidden_states.dim() < 1 or hidden_states.shape[-1] != d_model:
+        raise ValueError(f"hidden_states must end in d_model={d_model}, got shape {tuple(hidden_states.shape)}")
+    return hidden_states.reshape(-1, d_model)
+
+
 class FusedMoE(nn.Module):
     """Mixture-of-Experts FFN: ``router`` (Linear d -> E, no bias) then top-k SwiGLU experts, weighted sum.
 
@@ -41,12 +60,7 @@ class FusedMoE(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        for name, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts), ("top_k", top_k)):
-            _check_positive_int(name, value)
-        _check_top_k(top_k, num_experts)
-        _check_routing_options(renormalize, scoring)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        check_layer_args(d_model, d_ff, num_experts, top_k, renormalize, scoring, backend)
         factory = dict(device=device, dtype=dtype)
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.renormalize, self.scoring, self.backend = renormalize, scoring, backend
@@ -62,13 +76,7 @@ class FusedMoE(nn.Module):
         self.router.reset_parameters()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not isinstance(hidden_states, torch.Tensor):
-            raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
-        if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.d_model:
-            raise ValueError(
-                f"hidden_states must end in d_model={self.d_model}, got shape {tuple(hidden_states.shape)}"
-            )
-        x = hidden_states.reshape(-1, self.d_model)
+        x = tokens_of(hidden_states, self.d_model)
         out = fused_moe(
             x,
             self.w1,

@@ -23,7 +23,7 @@ through a ring of NUM_STAGES shared-memory stages. Each stage has a "ready" barr
 "empty" barrier that both consumers arrive on (K after its Q·Kᵀ product, V after its P·V product), so copies run
 ahead as far as the ring allows and never sit in a consumer's instruction stream.
 
-Persistent: with `num_ctas` = the SM count, each CTA loops over work items (`_work_tile`: rounds of consecutive
+Persistent: with `num_ctas` = the SM count, each CTA loops over work items (`work_items.work_tile`: rounds of consecutive
 items, snaking). The producer also loads each item's Q (into one of Q_BUFFERS buffers per consumer, once the
 consumer has released that buffer's previous item) and keeps the K/V ring position running across items, so the
 next item's first tiles land while the consumers finish the current one's last P·V and epilogue. With
@@ -39,8 +39,11 @@ import functools
 
 import torch
 
+from flashmoe_science.attention.hopper.work_items import (  # noqa: F401 (varlen_tile_offsets: for the launchers)
+    VarlenBatch, cta_key_tiles, cta_num_items, item_rows, varlen_tile_offsets)
+from flashmoe_science.attention.mask import MaskSpec, key_tile_bounds, key_tile_range, score_to_log2, visible
 from flashmoe_science.attention.tiles import padded_head_dim, sm90_cross_item_safe
-from flashmoe_science.attention.triton_fwd import LN_2, LOG2_E, key_tile_bounds, tma_box, tma_compatible
+from flashmoe_science.attention.triton_fwd import LN_2, LOG2_E, tma_box, tma_compatible
 from flashmoe_science.hopper.common import CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS
 from flashmoe_science.hopper.gluon_compat import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tma,
                                                   warpgroup_mma, warpgroup_mma_wait)
@@ -49,123 +52,133 @@ from flashmoe_science.prepared_launch import PreparedLaunch
 CONSUMER_ROWS = 64  # rows per consumer warpgroup (4 warps x 16 rows of wgmma)
 NUM_CONSUMERS = 2
 BLOCK_M = CONSUMER_ROWS * NUM_CONSUMERS
-
-
-@gluon.jit
-def _work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size, CTA_ROWS: gl.constexpr,
-               CAUSAL: gl.constexpr):
-    """The CTA's item-th work item -> (batch, query head, kv head, first query row).
-
-    Work items are numbered head by head, a head's query tiles consecutively (heaviest first with causal
-    masking). CTAs take them in rounds of num_ctas consecutive items, so the CTAs running at any moment work on
-    a few heads and share their K/V in L2 (a CTA taking a contiguous run instead was 5-15% slower: every CTA
-    streamed a different head). The rounds snake (CTA c takes position c, then num_ctas-1-c, ...), so with causal
-    masking a CTA that drew a heavy tile in one round draws a light one in the next."""
-    cta = gl.program_id(0)
-    if item % 2 == 0:
-        work = item * num_ctas + cta
-    else:
-        work = item * num_ctas + num_ctas - 1 - cta
-    pid_bh = work // num_m_tiles
-    pid_m = work % num_m_tiles
-    if CAUSAL:
-        pid_m = num_m_tiles - 1 - pid_m
-    q_head = pid_bh % num_q_heads
-    return pid_bh // num_q_heads, q_head, q_head // group_size, pid_m * CTA_ROWS
-
-
-@gluon.jit
-def _num_items(num_work):
-    """How many work items this CTA runs: one per full round, plus one if its position in the last round exists."""
-    num_ctas = gl.num_programs(0)
-    cta = gl.program_id(0)
-    rounds = num_work // num_ctas
-    if rounds % 2 == 0:
-        position = cta
-    else:
-        position = num_ctas - 1 - cta
-    return rounds + (position < num_work % num_ctas).to(gl.int32)
-
-
-@gluon.jit
-def _cta_key_tiles(start_m, seqlen_q, seqlen_k, CTA_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                   CAUSAL: gl.constexpr):
-    """Key tiles a CTA streams for the query tile at `start_m`: those its lowest rows see. At least one, so no wait
-    is left on a copy that was never issued; a tile no row can see is fully masked and leaves l = 0 (zeros out,
-    lse -inf)."""
-    _, key_end = key_tile_bounds(start_m, seqlen_k, seqlen_k - seqlen_q, CTA_ROWS, BLOCK_N, CAUSAL)
-    return gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
+LOG2_E_GL = gl.constexpr(LOG2_E)
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k,
-              NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr):
+              num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, window_left, window_right,
+              varlen_args, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+              Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
     """The producer warp: for each of the CTA's work items, both halves of the Q tile (once the consumers are done
     with the buffer's previous item), then K and V tiles into the ring as soon as their stage is released. The
     ring position runs on across work items, so the next item's first tiles land during the current epilogue;
-    with two Q buffers per consumer the next item's Q does not wait for the current item's epilogue either."""
+    with two Q buffers per consumer the next item's Q does not wait for the current item's epilogue either.
+    Varlen boxes may run into the next sequence's rows: extra Q rows are never stored, extra keys are masked."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     num_ctas = gl.num_programs(0)
     ring = 0  # K/V tiles issued so far by this CTA
-    for item in range(_num_items(num_work)):
-        batch, q_head, kv_head, start_m = _work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size,
-                                                     2 * ROWS, CAUSAL)
+    for item in range(cta_num_items(num_work)):
+        _, desc_batch, q_head, kv_head, start_m, q_row0, k_row0, item_seqlen_q, item_seqlen_k = item_rows(
+            item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, varlen_args, 2 * ROWS, CAUSAL,
+            VARLEN)
         for c in gl.static_range(2):
             buf = c * Q_BUFFERS + item % Q_BUFFERS
             # barriers start "phase 1 complete": the first use of each buffer passes
             mbarrier.wait(q_empty.index(buf), ((item // Q_BUFFERS) & 1) ^ 1)
             mbarrier.expect(q_ready.index(buf), q_desc.block_type.nbytes)
-            tma.async_load(q_desc, [batch, q_head, start_m + c * ROWS, 0], q_ready.index(buf), q_smems.index(buf))
-        num_tiles = _cta_key_tiles(start_m, seqlen_q, seqlen_k, 2 * ROWS, BLOCK_N, CAUSAL)
+            tma.async_load(q_desc, [desc_batch, q_head, q_row0 + start_m + c * ROWS, 0],
+                                            q_ready.index(buf), q_smems.index(buf))
+        key_start, num_tiles = cta_key_tiles(start_m, item_seqlen_q, item_seqlen_k, window_left, window_right,
+                                              2 * ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT)
         for tile in range(num_tiles):
             stage = ring % NUM_STAGES
             free_phase = ((ring // NUM_STAGES) & 1) ^ 1
+            key_row = k_row0 + key_start + tile * BLOCK_N
             mbarrier.wait(k_empty.index(stage), free_phase)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_load(k_desc, [batch, kv_head, tile * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+            tma.async_load(k_desc, [desc_batch, kv_head, key_row, 0], k_ready.index(stage),
+                                            k_smem.index(stage))
             mbarrier.wait(v_empty.index(stage), free_phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_load(v_desc, [batch, kv_head, tile * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+            tma.async_load(v_desc, [desc_batch, kv_head, key_row, 0], v_ready.index(stage),
+                                            v_smem.index(stage))
             ring += 1
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, start_n, offs_m, seqlen_k, diagonal, full_end, qk_scale,
-                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
-    """Mask (boundary tiles only), then fold the raw scores s into the running max m and sum l.
+def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale,
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, s_layout: gl.constexpr):
+    """Score modifiers (softcap, ALiBi: mask.score_to_log2), the mask (boundary tiles only: mask.visible), then fold
+    the raw scores s of the item's j-th key tile into the running max m and sum l.
 
-    Returns p = exp2(s·scale − m_new) (unnormalised probabilities), m_new, l_new, alpha = exp2(m_old − m_new).
+    Returns p = exp2(score − m_new) (unnormalised probabilities), m_new, l_new, alpha = exp2(m_old − m_new).
     """
-    if start_n + BLOCK_N > full_end:  # only the causal diagonal and the ragged end pay for the mask
+    key_start, full_start, full_end, seqlen_k, diagonal, alibi_slope_log2 = tile_mask
+    window_left, window_right, softcap_scale = mask_args
+    start_n = key_start + j * BLOCK_N
+    if SOFTCAP:  # s becomes t = tanh(s·scale/c); its multiplier c·log2e is folded into the FMAs below
+        _, s = score_to_log2(s, 0, 0, 0, qk_scale, softcap_scale, 0.0, SOFTCAP, False, True)
+    if ALIBI:  # scores in log2 units: t (or s)·multiplier minus the distance term
+        # float positions: the distance costs a subtraction per score, no integer conversion
+        key_pos_f = (start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))).to(gl.float32)
+        s, _ = score_to_log2(s, gl.expand_dims(offs_m.to(gl.float32), 1), gl.expand_dims(key_pos_f, 0),
+                             diagonal.to(gl.float32), qk_scale, 1.0, alibi_slope_log2, False, ALIBI)
+    masked = start_n + BLOCK_N > full_end  # only tiles at the window's edges and the ragged end pay for the mask
+    if MASK_LEFT:
+        masked = masked | (start_n < full_start)
+    if masked:
         key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = gl.expand_dims(key_pos, 0) < seqlen_k
-        if CAUSAL:
-            visible = visible & (gl.expand_dims(key_pos, 0) <= gl.expand_dims(offs_m, 1) + diagonal)
-        s = gl.where(visible, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    # A row that has seen no key keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN.
-    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_shift, 1))
+        if MASK_LEFT or MASK_RIGHT:
+            seen = visible(gl.expand_dims(offs_m, 1), gl.expand_dims(key_pos, 0), seqlen_k, diagonal, window_left,
+                           window_right, MASK_LEFT, MASK_RIGHT)
+        else:  # the plain mask: bounds, and the causal diagonal (the window (-1, 0))
+            seen = visible(gl.expand_dims(offs_m, 1), gl.expand_dims(key_pos, 0), seqlen_k, diagonal, 0, 0, False,
+                           CAUSAL)
+        s = gl.where(seen, s, float("-inf"))
+    if ALIBI:  # s is in log2 units already
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - gl.expand_dims(m_shift, 1))
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        # A row that has seen no key keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN.
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_shift, 1))
     alpha = gl.exp2(m_i - m_shift)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_new, alpha
 
 
 @gluon.jit
-def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k,
-                   CONSUMER: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """This consumer's share of the CTA's item-th work item: (batch, query head, first row, key tiles the CTA
-    streams, key tiles this consumer multiplies, end of the unmasked key tiles)."""
-    batch, q_head, _, cta_start_m = _work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size, 2 * ROWS,
-                                               CAUSAL)
-    cta_tiles = _cta_key_tiles(cta_start_m, seqlen_q, seqlen_k, 2 * ROWS, BLOCK_N, CAUSAL)
+def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, mask_args, alibi_args,
+                   varlen_args, CONSUMER: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, ALIBI: gl.constexpr,
+                   VARLEN: gl.constexpr):
+    """This consumer's share of the CTA's item-th work item: (its rows: TMA batch coordinate, query head, first row,
+    the sequence's first Q row, Lq), the key tiles the CTA streams, the key tiles this consumer multiplies, and
+    what its masks need: (first key of the CTA's tiles, start and end of the keys it sees unmasked, Lk, Lk - Lq,
+    ALiBi slope · log2 e)."""
+    batch, desc_batch, q_head, _, cta_start_m, q_row0, _, item_seqlen_q, item_seqlen_k = item_rows(
+        item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, varlen_args, 2 * ROWS, CAUSAL,
+        VARLEN)
+    window_left, window_right, _ = mask_args
+    key_start, cta_tiles = cta_key_tiles(cta_start_m, item_seqlen_q, item_seqlen_k, window_left, window_right,
+                                          2 * ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT)
     start_m = cta_start_m + CONSUMER * ROWS
-    full_end, key_end = key_tile_bounds(start_m, seqlen_k, seqlen_k - seqlen_q, ROWS, BLOCK_N, CAUSAL)
-    # Causal: the upper consumer sees fewer key tiles than the CTA streams (at most one fewer: the two halves are
-    # ROWS <= BLOCK_N rows apart), and at least one (see _cta_key_tiles).
-    num_tiles = gl.minimum(gl.maximum(gl.cdiv(key_end, BLOCK_N), 1), cta_tiles)
-    return batch, q_head, start_m, cta_tiles, num_tiles, full_end
+    if MASK_LEFT or MASK_RIGHT:
+        # Both consumers walk the CTA's tiles from its first: with a left bound the lower one may find its first
+        # tile fully masked (skipping it would let the cross-item prefetch wait on a stage it holds itself).
+        _, full_start, full_end, key_end = key_tile_range(start_m, item_seqlen_q, item_seqlen_k, window_left,
+                                                          window_right, ROWS, BLOCK_N, MASK_LEFT, MASK_RIGHT)
+        num_tiles = gl.maximum(gl.cdiv(key_end - key_start, BLOCK_N), 1)
+    else:
+        full_end, key_end = key_tile_bounds(start_m, item_seqlen_k, item_seqlen_k - item_seqlen_q, ROWS, BLOCK_N,
+                                            CAUSAL)
+        full_start = 0
+        num_tiles = gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
+    # A right bound (causal or window): the upper consumer sees fewer key tiles than the CTA streams (at most one
+    # fewer: the two halves are ROWS <= BLOCK_N rows apart), and at least one (see work_items.cta_key_tiles).
+    num_tiles = gl.minimum(num_tiles, cta_tiles)
+    if ALIBI:
+        ALIBI_SLOPES, alibi_stride_b, alibi_stride_h = alibi_args
+        alibi_slope_log2 = gl.load(ALIBI_SLOPES + batch * alibi_stride_b + q_head * alibi_stride_h) * LOG2_E_GL
+    else:
+        alibi_slope_log2 = 0.0
+    rows = (desc_batch, q_head, start_m, q_row0, item_seqlen_q)
+    tile_mask = (key_start, full_start, full_end, item_seqlen_k, item_seqlen_k - item_seqlen_q, alibi_slope_log2)
+    return rows, cta_tiles, num_tiles, tile_mask
 
 
 @gluon.jit
@@ -181,8 +194,9 @@ def _issue_first_scores(q_tile, q_ready, q_phase, k_smem, k_ready, ring, s_zero,
 
 @gluon.jit
 def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring, num_tiles, p, m_i, l_i, alpha,
-               o_acc, s_zero, offs_m, seqlen_k, diagonal, full_end, qk_scale,
+               o_acc, s_zero, offs_m, tile_mask, mask_args, qk_scale,
                BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+               MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                s_layout: gl.constexpr, o_rows: gl.constexpr, p_layout: gl.constexpr):
     """Key tiles 1..num_tiles-1 of a work item whose tile 0 is in (p, m_i, l_i, alpha); see the module docstring.
     Returns the state after the last tile's softmax (its P·V is left to the caller)."""
@@ -198,8 +212,8 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         o_acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j * BLOCK_N, offs_m, seqlen_k, diagonal, full_end,
-                                           qk_scale, BLOCK_N, CAUSAL, s_layout)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, BLOCK_N, CAUSAL,
+                                           MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, s_layout)
         o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
     return p, m_i, l_i, alpha, o_acc
@@ -231,46 +245,73 @@ def _release_unused(k_ready, v_ready, k_empty, v_empty, first, end, NUM_STAGES: 
 
 
 @gluon.jit
-def _store_output(o_acc, m_i, l_i, o_desc, o_smem, o_smem_free, LSE, batch, q_head, num_q_heads, start_m, seqlen_q,
-                  ROWS: gl.constexpr, BLOCK_D: gl.constexpr, s_rows: gl.constexpr, o_layout: gl.constexpr):
+def _store_output(o_acc, m_i, l_i, o_desc, o_smem, o_smem_free, LSE, rows, num_q_heads, lse_rows, varlen_args,
+                  ROWS: gl.constexpr, BLOCK_D: gl.constexpr, VARLEN: gl.constexpr, s_rows: gl.constexpr,
+                  o_layout: gl.constexpr):
     """Normalise this consumer's rows of O and store them, and their log-sum-exp (natural log; -inf where no key).
+    LSE is (batch, head, lse_rows) (varlen: (head, total_q) packed; lse_rows = total_q).
 
     O goes out through shared memory and one TMA store: `o_smem` is the consumer's Q buffer of this item, free
     since its last Q·Kᵀ, and released to the producer (`o_smem_free`) once the copy has read it. Storing from
     registers instead is one 4-byte store per thread per 2 columns, each warp instruction touching 8 rows: the SM
     clock timeline measured it at 3.5k cycles per item at D=128 (9.4k at D=256), more than a whole key tile.
-    The TMA box clips rows past seqlen_q and the padded columns past the head dim."""
+    The TMA box clips rows past the tensor's end and the padded columns past the head dim. A varlen sequence's
+    last rows are the exception: the box would write into the next sequence, so a tile that runs past the
+    sequence's end stores from registers with a row mask (one such tile per sequence and head)."""
+    desc_batch, q_head, start_m, q_row0, seqlen_q = rows
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     offs_m = start_m + gl.arange(0, ROWS, layout=s_rows)
     no_key = l_i == 0.0
     l_safe = gl.where(no_key, 1.0, l_i)
     lse = gl.where(no_key, float("-inf"), (m_i + gl.log2(l_safe)) * LN_2)
-    lse_row0 = (batch * num_q_heads + q_head).to(gl.int64) * seqlen_q
+    lse_row0 = (desc_batch * num_q_heads + q_head).to(gl.int64) * lse_rows + q_row0
     gl.store(LSE + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
 
     out = o_acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
+    if VARLEN:
+        if start_m + ROWS > seqlen_q:
+            O, stride_oh, stride_om, head_dim = varlen_args[4], varlen_args[5], varlen_args[6], varlen_args[7]
+            out_rows = start_m + gl.arange(0, ROWS, layout=o_rows)
+            cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
+            row_offsets = (q_row0 + out_rows).to(gl.int64) * stride_om + q_head.to(gl.int64) * stride_oh
+            ptrs = O + gl.expand_dims(row_offsets, 1) + gl.expand_dims(cols, 0)
+            inside = gl.expand_dims(out_rows < seqlen_q, 1) & gl.expand_dims(cols < head_dim, 0)
+            gl.store(ptrs, out.to(O.dtype.element_ty), mask=inside)
+            mbarrier.arrive(o_smem_free, count=1)
+        else:
+            _tma_store_rows(out, o_desc, o_smem, o_smem_free, [0, q_head, q_row0 + start_m, 0], ROWS, BLOCK_D)
+    else:
+        _tma_store_rows(out, o_desc, o_smem, o_smem_free, [desc_batch, q_head, start_m, 0], ROWS, BLOCK_D)
+
+
+@gluon.jit
+def _tma_store_rows(out, o_desc, o_smem, o_smem_free, coords, ROWS: gl.constexpr, BLOCK_D: gl.constexpr):
+    """Stage the normalised rows in the consumer's Q buffer, store them with one TMA copy, release the buffer."""
     o_smem.reshape([ROWS, BLOCK_D]).store(out.to(o_desc.dtype))
     fence_async_shared()  # the generic-proxy writes above before the TMA engine's read
-    tma.async_store(o_desc, [batch, q_head, start_m, 0], o_smem)
+    tma.async_store(o_desc, coords, o_smem)
     tma.store_wait(0)  # the copy has read the buffer (its global writes may still be in flight)
     mbarrier.arrive(o_smem_free, count=1)
 
 
 @gluon.jit
 def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
-                        num_work, num_m_tiles, num_q_heads,
-                        group_size, seqlen_q, seqlen_k, qk_scale,
+                        num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
+                        mask_args, alibi_args, varlen_args,
                         CONSUMER: gl.constexpr, ROWS: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr):
+                        CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
+                        MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                        ALIBI: gl.constexpr, VARLEN: gl.constexpr):
     """One consumer warpgroup: its `ROWS`-row half of every work item the CTA owns, in the producer's order.
 
     With CROSS_ITEM the items overlap: the next item's S_0 = Q·K_0ᵀ is issued before the current item's last P·V,
     and its softmax runs while that product does, so an item boundary costs no more tensor-core idle time than
     any other key tile; the current item's epilogue follows. This needs the next item's K_0 to be loadable before
     this consumer's last P·V completes: K_0 reuses the ring stage of tile `last + 1 + unused - NUM_STAGES`, which
-    is released already unless NUM_STAGES <= 1 + unused (unused: causal tiles only the other consumer needs, at
-    most one), hence tiles.sm90_cross_item_safe (non-causal, or three stages)."""
+    is released already unless NUM_STAGES <= 1 + unused (unused: tiles only the other consumer needs, at most one
+    and only with a right bound: causal or a window), hence tiles.sm90_cross_item_safe (no right bound, or three
+    stages)."""
     num_warps: gl.constexpr = 4
     # wgmma layouts: warps stacked along the rows (16 rows each); instruction N = the full tile width.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -281,8 +322,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     num_ctas = gl.num_programs(0)
-    num_items = _num_items(num_work)
-    diagonal = seqlen_k - seqlen_q  # query i sees key j iff j <= i + diagonal
+    num_items = cta_num_items(num_work)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     o_zero = gl.zeros([ROWS, BLOCK_D], gl.float32, layout=o_layout)
     m_init = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
@@ -290,32 +330,33 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
 
     # The first item's tile 0: nothing to overlap with yet.
     ring = 0  # ring position of the current item's first K/V tile
-    batch, q_head, start_m, cta_tiles, num_tiles, full_end = _consumer_item(
-        0, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, CONSUMER, ROWS, BLOCK_N, CAUSAL)
+    rows, cta_tiles, num_tiles, tile_mask = _consumer_item(
+        0, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, mask_args, alibi_args, varlen_args,
+        CONSUMER, ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, ALIBI, VARLEN)
     q_buf = CONSUMER * Q_BUFFERS
     s = _issue_first_scores(q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), q_ready.index(q_buf), 0, k_smem,
                             k_ready, ring, s_zero, BLOCK_N, BLOCK_D, NUM_STAGES)
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(ring % NUM_STAGES), count=1)
-    offs_m = start_m + gl.arange(0, ROWS, layout=s_rows)
-    p, m_i, l_i, alpha = _softmax_tile(s, m_init, l_init, 0, offs_m, seqlen_k, diagonal, full_end, qk_scale,
-                                       BLOCK_N, CAUSAL, s_layout)
+    offs_m = rows[2] + gl.arange(0, ROWS, layout=s_rows)
+    p, m_i, l_i, alpha = _softmax_tile(s, m_init, l_init, 0, offs_m, tile_mask, mask_args, qk_scale, BLOCK_N, CAUSAL,
+                                       MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, s_layout)
     o_acc = o_zero
 
     for item in range(num_items - 1):
         q_buf = CONSUMER * Q_BUFFERS + item % Q_BUFFERS
         p, m_i, l_i, alpha, o_acc = _key_tiles(
             q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
-            num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, seqlen_k, diagonal, full_end, qk_scale,
-            BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, s_layout, o_rows, p_layout)
+            num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, qk_scale,
+            BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, s_layout, o_rows, p_layout)
         last = ring + num_tiles - 1
         next_ring = ring + cta_tiles
         next_buf = CONSUMER * Q_BUFFERS + (item + 1) % Q_BUFFERS
         next_q = q_smems.index(next_buf).reshape([ROWS, BLOCK_D])
-        n_batch, n_q_head, n_start_m, n_cta_tiles, n_num_tiles, n_full_end = _consumer_item(
-            item + 1, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, CONSUMER, ROWS, BLOCK_N,
-            CAUSAL)
-        n_offs_m = n_start_m + gl.arange(0, ROWS, layout=s_rows)
+        n_rows, n_cta_tiles, n_num_tiles, n_tile_mask = _consumer_item(
+            item + 1, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, mask_args, alibi_args,
+            varlen_args, CONSUMER, ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, ALIBI, VARLEN)
+        n_offs_m = n_rows[2] + gl.arange(0, ROWS, layout=s_rows)
         if CROSS_ITEM:
             s = _issue_first_scores(next_q, q_ready.index(next_buf), ((item + 1) // Q_BUFFERS) & 1, k_smem, k_ready,
                                     next_ring, s_zero, BLOCK_N, BLOCK_D, NUM_STAGES)
@@ -323,30 +364,29 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                                          p_layout)
             s = warpgroup_mma_wait(1, deps=(s,))  # the next item's S_0 is done; this item's last P·V may still run
             mbarrier.arrive(k_empty.index(next_ring % NUM_STAGES), count=1)
-            p, m_next, l_next, alpha = _softmax_tile(s, m_init, l_init, 0, n_offs_m, seqlen_k, diagonal, n_full_end,
-                                                     qk_scale, BLOCK_N, CAUSAL, s_layout)
+            p, m_next, l_next, alpha = _softmax_tile(s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, qk_scale,
+                                                     BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, s_layout)
             o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             _release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
-            _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, batch, q_head,
-                          num_q_heads, start_m, seqlen_q, ROWS, BLOCK_D, s_rows, o_layout)
+            _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, rows,
+                          num_q_heads, seqlen_q, varlen_args, ROWS, BLOCK_D, VARLEN, s_rows, o_layout)
         else:
             o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
                                          p_layout)
             o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             _release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
-            _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, batch, q_head,
-                          num_q_heads, start_m, seqlen_q, ROWS, BLOCK_D, s_rows, o_layout)
+            _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, rows,
+                          num_q_heads, seqlen_q, varlen_args, ROWS, BLOCK_D, VARLEN, s_rows, o_layout)
             s = _issue_first_scores(next_q, q_ready.index(next_buf), ((item + 1) // Q_BUFFERS) & 1, k_smem, k_ready,
                                     next_ring, s_zero, BLOCK_N, BLOCK_D, NUM_STAGES)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(next_ring % NUM_STAGES), count=1)
-            p, m_next, l_next, alpha = _softmax_tile(s, m_init, l_init, 0, n_offs_m, seqlen_k, diagonal, n_full_end,
-                                                     qk_scale, BLOCK_N, CAUSAL, s_layout)
+            p, m_next, l_next, alpha = _softmax_tile(s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, qk_scale,
+                                                     BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, s_layout)
         m_i, l_i, o_acc = m_next, l_next, o_zero
-        batch, q_head, start_m, cta_tiles, num_tiles, full_end = (n_batch, n_q_head, n_start_m, n_cta_tiles,
-                                                                  n_num_tiles, n_full_end)
+        rows, cta_tiles, num_tiles, tile_mask = n_rows, n_cta_tiles, n_num_tiles, n_tile_mask
         offs_m = n_offs_m
         ring = next_ring
 
@@ -354,28 +394,45 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     q_buf = CONSUMER * Q_BUFFERS + (num_items - 1) % Q_BUFFERS
     p, m_i, l_i, alpha, o_acc = _key_tiles(
         q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
-        num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, seqlen_k, diagonal, full_end, qk_scale,
-        BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, s_layout, o_rows, p_layout)
+        num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, qk_scale,
+        BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, s_layout, o_rows, p_layout)
     last = ring + num_tiles - 1
     o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
                                  p_layout)
     o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
     mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
     _release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, ring + cta_tiles, NUM_STAGES)
-    _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, batch, q_head,
-                  num_q_heads, start_m, seqlen_q, ROWS, BLOCK_D, s_rows, o_layout)
+    _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, rows, num_q_heads,
+                  seqlen_q, varlen_args, ROWS, BLOCK_D, VARLEN, s_rows, o_layout)
 
 
 @gluon.jit
 def attention_forward_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE,
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, num_m_tiles, num_work,
+    window_left, window_right, softcap_scale, ALIBI_SLOPES, alibi_stride_b, alibi_stride_h,
+    CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, num_seqs, O, stride_oh, stride_om, head_dim,
     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
+    MASK_LEFT: gl.constexpr = False, MASK_RIGHT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
+    ALIBI: gl.constexpr = False, VARLEN: gl.constexpr = False,
 ):
-    """Persistent: the CTAs share the num_work = B·Hq·num_m_tiles work items in rounds (see _work_tile)."""
+    """Persistent: the CTAs share the num_work = B·Hq·num_m_tiles work items in rounds (see work_items.work_tile).
+
+    Masks (mask.MaskSpec.kernel_args): CAUSAL is the plain causal mask (left unbounded, right 0); any other window
+    sets MASK_LEFT/MASK_RIGHT with window_left/window_right. SOFTCAP (softcap_scale, qk_scale = c·log2 e) and ALIBI
+    (slopes at ALIBI_SLOPES + b·alibi_stride_b + h·alibi_stride_h) modify the scores. VARLEN: q/k/v/o are (1, H,
+    total, D) views of packed tensors, sequences delimited by CU_SEQLENS_Q/K (num_seqs of them); TILE_OFFSETS
+    numbers their query tiles (varlen_tile_offsets); num_work is read from it; O (base of o, with its head and row
+    strides and head_dim) takes each sequence's ragged last rows; LSE is (H, total_q) and seqlen_q = total_q.
+    Arguments a call does not use are None (constexpr: a plain call compiles to the plain kernel)."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]  # rows per consumer
+    if VARLEN:
+        num_work = num_q_heads * gl.load(TILE_OFFSETS + num_seqs)
+    mask_args = (window_left, window_right, softcap_scale)
+    alibi_args = (ALIBI_SLOPES, alibi_stride_b, alibi_stride_h)
+    varlen_args = (CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, num_seqs, O, stride_oh, stride_om, head_dim)
 
     # Q: one buffer per consumer, or two (Q_BUFFERS=2) so the next item's Q loads while this item runs
     q_smems = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
@@ -400,16 +457,19 @@ def attention_forward_sm90_kernel(
     lower: gl.constexpr = 1
     gl.warp_specialize([
         (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
-                               num_work, num_m_tiles, num_q_heads,
-                               group_size, seqlen_q, seqlen_k, qk_scale,
-                               upper, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM)),
+                               num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
+                               mask_args, alibi_args, varlen_args,
+                               upper, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM,
+                               MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN)),
         (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
-                               num_work, num_m_tiles, num_q_heads,
-                               group_size, seqlen_q, seqlen_k, qk_scale,
-                               lower, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM)),
+                               num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
+                               mask_args, alibi_args, varlen_args,
+                               lower, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM,
+                               MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN)),
         (_producer, (q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                     k_empty, v_empty, num_work, num_m_tiles, num_q_heads, group_size, seqlen_q,
-                     seqlen_k, NUM_STAGES, BLOCK_N, CAUSAL, Q_BUFFERS)),
+                     k_empty, v_empty, num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k,
+                     window_left, window_right, varlen_args, NUM_STAGES, BLOCK_N, CAUSAL, Q_BUFFERS,
+                     MASK_LEFT, MASK_RIGHT, VARLEN)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -432,11 +492,34 @@ def _tensor_args(k_rows, block_d, q, k, v, out, lse):
             _descriptor(out, CONSUMER_ROWS, block_d), lse)
 
 
-def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers, cross_item):
+def _mask_launch_args(mask: MaskSpec, softmax_scale: float) -> tuple[dict, dict]:
+    """The mask's kernel scalars and constexprs (mask.MaskSpec.kernel_args). The plain causal mask (left unbounded,
+    right 0) runs as CAUSAL, the dense kernel's own path (mask.key_tile_bounds, heaviest query tiles first); other
+    windows as MASK_LEFT/MASK_RIGHT. Unused scalars are None, so a plain call compiles to the plain kernel."""
+    kernel = mask.kernel_args(softmax_scale)
+    plain_causal = not mask.bounded_left and mask.bounded_right and mask.window_right == 0
+    mask_left, mask_right = kernel["MASK_LEFT"], kernel["MASK_RIGHT"] and not plain_causal
+    scalars = dict(qk_scale=kernel["qk_scale"],
+                   window_left=kernel["window_left"] if mask_left else None,
+                   window_right=kernel["window_right"] if mask_right else None,
+                   softcap_scale=kernel["softcap_scale"] if kernel["SOFTCAP"] else None)
+    constexprs = dict(CAUSAL=plain_causal, MASK_LEFT=mask_left, MASK_RIGHT=mask_right, SOFTCAP=kernel["SOFTCAP"])
+    return scalars, constexprs
+
+
+def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers, cross_item, mask=None,
+                 alibi_slopes=None, varlen=None):
     """(grid, positional args, constexprs) of one launch; see attention_forward_sm90."""
     batch, num_q_heads, seqlen_q, head_dim = q.shape
-    if cross_item and not sm90_cross_item_safe(causal, tiles.num_stages):
-        raise ValueError(f"cross_item needs a non-causal call or three ring stages, got {tiles}")
+    if mask is None:
+        mask = MaskSpec(causal=causal, window_right=0 if causal else -1)
+    elif mask.causal != causal:
+        raise ValueError(f"mask.causal ({mask.causal}) and causal ({causal}) disagree")
+    scalars, mask_constexprs = _mask_launch_args(mask, softmax_scale)
+    right_bounded = mask_constexprs["CAUSAL"] or mask_constexprs["MASK_RIGHT"]
+    if cross_item and not sm90_cross_item_safe(right_bounded, tiles.num_stages):
+        raise ValueError(f"cross_item needs a mask without a right bound (causal, window) or three ring stages, "
+                         f"got {tiles}")
     if cross_item and q_buffers != 2:
         # the next item's Q·Kᵀ would read the buffer this item's output is staged in
         raise ValueError(f"cross_item needs two Q buffers, got q_buffers={q_buffers}")
@@ -445,35 +528,56 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
     block_d = padded_head_dim(head_dim)
     if tiles.block_m != BLOCK_M or tiles.num_warps != 4 * NUM_CONSUMERS:
         raise ValueError(f"the sm_90 kernel runs {BLOCK_M}-row tiles on {4 * NUM_CONSUMERS} warps, got {tiles}")
-    num_m_tiles = (seqlen_q + BLOCK_M - 1) // BLOCK_M
-    num_work = num_m_tiles * batch * num_q_heads
-    grid = (max(1, num_work if num_ctas is None else min(num_ctas, num_work)),)
-    args = (*_tensor_args(tiles.block_n, block_d, q, k, v, out, lse), num_q_heads, num_q_heads // k.shape[1], seqlen_q, k.shape[2], softmax_scale * LOG2_E, num_m_tiles, num_work)
-    constexprs = dict(BLOCK_N=tiles.block_n, BLOCK_D=block_d, NUM_STAGES=tiles.num_stages, CAUSAL=causal,
-                      Q_BUFFERS=q_buffers, CROSS_ITEM=cross_item)
+    alibi = (None, None, None)
+    if alibi_slopes is not None:  # (H,) or (B, H) float32
+        alibi = (alibi_slopes, 0 if alibi_slopes.dim() == 1 else alibi_slopes.stride(0), alibi_slopes.stride(-1))
+    if varlen is None:
+        num_m_tiles = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+        num_work = num_m_tiles * batch * num_q_heads
+        varlen_args = (None,) * 8
+    else:
+        if batch != 1:
+            raise ValueError(f"varlen launches take (1, H, total, D) views of the packed tensors, got {tuple(q.shape)}")
+        # The kernel reads the number of real tiles (>= cdiv(total_q, BLOCK_M)) from tile_offsets: this many
+        # CTAs all find work.
+        num_m_tiles, num_work = None, None
+        varlen_args = (varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.tile_offsets, varlen.cu_seqlens_q.shape[0] - 1,
+                       out, out.stride(1), out.stride(2), head_dim)
+    work_bound = num_q_heads * ((seqlen_q + BLOCK_M - 1) // BLOCK_M) if varlen is not None else num_work
+    grid = (max(1, work_bound if num_ctas is None else min(num_ctas, work_bound)),)
+    args = (*_tensor_args(tiles.block_n, block_d, q, k, v, out, lse), num_q_heads, num_q_heads // k.shape[1],
+            seqlen_q, k.shape[2], scalars["qk_scale"], num_m_tiles, num_work,
+            scalars["window_left"], scalars["window_right"], scalars["softcap_scale"], *alibi, *varlen_args)
+    constexprs = dict(BLOCK_N=tiles.block_n, BLOCK_D=block_d, NUM_STAGES=tiles.num_stages,
+                      CAUSAL=mask_constexprs["CAUSAL"], Q_BUFFERS=q_buffers, CROSS_ITEM=cross_item)
+    constexprs.update(MASK_LEFT=mask_constexprs["MASK_LEFT"], MASK_RIGHT=mask_constexprs["MASK_RIGHT"],
+                      SOFTCAP=mask_constexprs["SOFTCAP"], ALIBI=alibi_slopes is not None, VARLEN=varlen is not None)
     return grid, args, constexprs
 
 
 def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles, num_ctas: int | None = None,
-                           q_buffers: int = 1, cross_item: bool = False):
+                           q_buffers: int = 1, cross_item: bool = False, *, mask: MaskSpec | None = None,
+                           alibi_slopes: torch.Tensor | None = None, varlen: VarlenBatch | None = None):
     """Launch on checked 4-D bf16/fp16 tensors with TMA-compatible strides (see triton_fwd.tma_compatible).
 
     `num_ctas`: how many CTAs share the work items (one per SM: persistent); None launches one per query tile.
     `q_buffers`: Q buffers per consumer (tiles.sm90_q_buffers); 2 lets a persistent CTA load the next item's Q
     during the current item. `cross_item`: overlap consecutive work items (see _attention_consumer); needs
-    `tiles.sm90_cross_item_safe`."""
+    `tiles.sm90_cross_item_safe`. `mask`: window and softcap (default: `causal` alone). `alibi_slopes`: float32
+    (H,) or (B, H). `varlen`: q/k/v/out are (1, H, total, D) views of packed tensors and lse is (H, total_q)."""
     grid, args, constexprs = _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers,
-                                          cross_item)
+                                          cross_item, mask, alibi_slopes, varlen)
     return attention_forward_sm90_kernel[grid](*args, **constexprs, **LAUNCH_OPTIONS)
 
 
 def prepare_forward(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles, num_ctas: int | None = None,
-                    q_buffers: int = 1, cross_item: bool = False) -> PreparedLaunch:
+                    q_buffers: int = 1, cross_item: bool = False, *, mask: MaskSpec | None = None) -> PreparedLaunch:
     """This launch as a PreparedLaunch, called as `prepared(q, k, v, out, lse)` on new tensors of the same shapes,
     strides, dtypes, device and 16-byte alignment (arguments as attention_forward_sm90, which must have run on
-    them: the kernel is taken from Triton's cache)."""
+    them: the kernel is taken from Triton's cache). Dense calls only: ALiBi slopes and varlen lengths are tensors
+    a new call brings."""
     grid, args, constexprs = _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers,
-                                          cross_item)
+                                          cross_item, mask)
     bound = dict(zip(attention_forward_sm90_kernel.arg_names, args), **constexprs)
     make_head = functools.partial(_tensor_args, tiles.block_n, padded_head_dim(q.shape[-1]))
     return PreparedLaunch(attention_forward_sm90_kernel, grid, bound, LAUNCH_OPTIONS, make_head,
@@ -481,14 +585,24 @@ def prepare_forward(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles
 
 
 def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = None, q_buffers: int = 1,
-                    cross_item: bool = False, dtype: torch.dtype = torch.bfloat16):
+                    cross_item: bool = False, dtype: torch.dtype = torch.bfloat16, *, mask: MaskSpec | None = None,
+                    alibi: bool = False, varlen: bool = False):
     """The kernel built for sm_90 without a GPU (meta tensors; ptxas ships with triton), specialised as a launch of
-    (2, 4, 256, head_dim) tensors with these tiles would specialise it; returns the CompiledKernel (registers, shared
-    memory, SASS: benchmarks/tools)."""
+    (2, 4, 256, head_dim) tensors with these tiles would specialise it (varlen: a (1, 4, 512, head_dim) packed
+    batch); `mask` (default: `causal` alone), ALiBi slopes and varlen as attention_forward_sm90 takes them, the
+    arguments a call leaves None as constexprs. Returns the CompiledKernel (registers, shared memory, SASS)."""
     from flashmoe_science.hopper.common import compile_offline as build
 
-    q = torch.empty(2, 4, 256, head_dim, dtype=dtype, device="meta")
-    lse = torch.empty(2, 4, 256, device="meta")
-    _, args, constexprs = _launch_args(q, q, q, q, lse, causal, 0.1, tiles, num_ctas, q_buffers, cross_item)
+    mask = mask or MaskSpec(causal=causal, window_right=0 if causal else -1)
+    batch, rows = (1, 512) if varlen else (2, 256)
+    q = torch.empty(batch, 4, rows, head_dim, dtype=dtype, device="meta")
+    lse = torch.empty(batch, 4, rows, device="meta")
+    slopes = torch.empty(4, device="meta") if alibi else None
+    cu_seqlens = torch.empty(3, dtype=torch.int32, device="meta")
+    batch_info = VarlenBatch(cu_seqlens, cu_seqlens, cu_seqlens) if varlen else None
+    _, args, constexprs = _launch_args(q, q, q, q, lse, mask.causal, 0.1, tiles, num_ctas, q_buffers, cross_item,
+                                       mask, slopes, batch_info)
     kernel = attention_forward_sm90_kernel
-    return build(kernel, list(args) + [constexprs[n] for n in kernel.arg_names[len(args):]], constexprs)
+    unused = {name: None for name, value in zip(kernel.arg_names, args) if value is None}
+    return build(kernel, list(args) + [constexprs[name] for name in kernel.arg_names[len(args):]],
+                 {**constexprs, **unused})

@@ -1,0 +1,146 @@
+"""Which work items a persistent CTA of the sm_90 attention forward runs, and what each item covers: the item
+numbering shared by the producer and the consumers (dense batches: every query tile of every head; packed batches:
+only the real query tiles, numbered through a per-sequence tile count), the sequence's rows and lengths, and the
+key tiles a CTA streams for a query tile (mask.key_tile_range / key_tile_bounds)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from flashmoe_science.attention.mask import key_tile_bounds, key_tile_range
+from flashmoe_science.hopper.gluon_compat import gl, gluon
+
+
+@dataclass(frozen=True)
+class VarlenBatch:
+    """A packed batch as the kernel walks it: int32 cumulative lengths (B+1,) of the queries and keys on q's device,
+    and `tile_offsets` (varlen_tile_offsets of cu_seqlens_q): the work items are the real query tiles only."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    tile_offsets: torch.Tensor
+
+
+def varlen_tile_offsets(cu_seqlens_q: torch.Tensor, block_m: int) -> torch.Tensor:
+    """int32 (B+1,): entry b counts the block_m-row query tiles of the sequences before b (the last entry: all of
+    them). Computed on the device (no synchronisation), so the kernel numbers its work items without a host copy of
+    the lengths."""
+    lengths = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    offsets = torch.zeros(cu_seqlens_q.shape[0], dtype=torch.int32, device=cu_seqlens_q.device)
+    torch.cumsum(torch.div(lengths + (block_m - 1), block_m, rounding_mode="floor"), 0, dtype=torch.int32,
+                 out=offsets[1:])
+    return offsets
+
+
+@gluon.jit
+def work_index(item, num_ctas):
+    """The CTA's item-th work item in the global numbering: rounds of num_ctas consecutive items, snaking (CTA c takes
+    position c, then num_ctas-1-c, ...)."""
+    cta = gl.program_id(0)
+    if item % 2 == 0:
+        work = item * num_ctas + cta
+    else:
+        work = item * num_ctas + num_ctas - 1 - cta
+    return work
+
+
+@gluon.jit
+def work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size, CTA_ROWS: gl.constexpr,
+               CAUSAL: gl.constexpr):
+    """The CTA's item-th work item -> (batch, query head, kv head, first query row).
+
+    Work items are numbered head by head, a head's query tiles consecutively (heaviest first with causal
+    masking). CTAs take them in rounds of num_ctas consecutive items, so the CTAs running at any moment work on
+    a few heads and share their K/V in L2 (a CTA taking a contiguous run instead was 5-15% slower: every CTA
+    streamed a different head). The rounds snake (CTA c takes position c, then num_ctas-1-c, ...), so with causal
+    masking a CTA that drew a heavy tile in one round draws a light one in the next."""
+    work = work_index(item, num_ctas)
+    pid_bh = work // num_m_tiles
+    pid_m = work % num_m_tiles
+    if CAUSAL:
+        pid_m = num_m_tiles - 1 - pid_m
+    q_head = pid_bh % num_q_heads
+    return pid_bh // num_q_heads, q_head, q_head // group_size, pid_m * CTA_ROWS
+
+
+@gluon.jit
+def varlen_work(work, TILE_OFFSETS, num_seqs, num_q_heads, CAUSAL: gl.constexpr):
+    """Work item `work` of a packed (varlen) batch -> (sequence, query head, query tile), numbered as work_tile's:
+    sequence by sequence, head by head, a head's query tiles consecutively (heaviest first with causal masking).
+    Only real tiles are numbered: TILE_OFFSETS[b] (varlen_tile_offsets) counts the query tiles of the sequences
+    before b, and the sequence is found by bisection (log2 of the batch size loads, cached)."""
+    lo = gl.to_tensor(0)
+    hi = gl.to_tensor(num_seqs)
+    while hi - lo > 1:  # TILE_OFFSETS[lo]·H <= work < TILE_OFFSETS[hi]·H
+        mid = (lo + hi) // 2
+        if gl.load(TILE_OFFSETS + mid) * num_q_heads <= work:
+            lo = mid
+        else:
+            hi = mid
+    first = gl.load(TILE_OFFSETS + lo)
+    num_m_tiles = gl.load(TILE_OFFSETS + lo + 1) - first
+    rest = work - first * num_q_heads
+    pid_m = rest % num_m_tiles
+    if CAUSAL:
+        pid_m = num_m_tiles - 1 - pid_m
+    return lo, rest // num_m_tiles, pid_m
+
+
+@gluon.jit
+def item_rows(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, varlen_args,
+          CTA_ROWS: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
+    """The CTA's item-th work item -> (batch, TMA batch coordinate, query head, kv head, first query row of the tile
+    within its sequence, first Q row and first K row of the sequence in the TMA row coordinate, Lq, Lk).
+
+    Dense: the sequence is the batch entry (rows from 0). Varlen: q/k are (1, H, total, D) views of the packed
+    tensors, sequence b spans rows cu_seqlens[b]..cu_seqlens[b+1], and the per-sequence lengths replace the
+    kernel's (see varlen_work for the numbering)."""
+    if VARLEN:
+        CU_SEQLENS_Q, CU_SEQLENS_K = varlen_args[0], varlen_args[1]
+        TILE_OFFSETS, num_seqs = varlen_args[2], varlen_args[3]
+        batch, q_head, pid_m = varlen_work(work_index(item, num_ctas), TILE_OFFSETS, num_seqs, num_q_heads, CAUSAL)
+        q_row0 = gl.load(CU_SEQLENS_Q + batch)
+        k_row0 = gl.load(CU_SEQLENS_K + batch)
+        seqlen_q = gl.load(CU_SEQLENS_Q + batch + 1) - q_row0
+        seqlen_k = gl.load(CU_SEQLENS_K + batch + 1) - k_row0
+        desc_batch = 0
+        kv_head = q_head // group_size
+        start_m = pid_m * CTA_ROWS
+    else:
+        batch, q_head, kv_head, start_m = work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size, CTA_ROWS,
+                                                     CAUSAL)
+        desc_batch = batch
+        q_row0 = 0
+        k_row0 = 0
+    return batch, desc_batch, q_head, kv_head, start_m, q_row0, k_row0, seqlen_q, seqlen_k
+
+
+@gluon.jit
+def cta_num_items(num_work):
+    """How many work items this CTA runs: one per full round, plus one if its position in the last round exists."""
+    num_ctas = gl.num_programs(0)
+    cta = gl.program_id(0)
+    rounds = num_work // num_ctas
+    if rounds % 2 == 0:
+        position = cta
+    else:
+        position = num_ctas - 1 - cta
+    return rounds + (position < num_work % num_ctas).to(gl.int32)
+
+
+@gluon.jit
+def cta_key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right, CTA_ROWS: gl.constexpr,
+                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """Key tiles a CTA streams for the query tile at `start_m`: (first key, number of BLOCK_N tiles), those its rows
+    see (mask.key_tile_range; mask.key_tile_bounds for the plain causal mask). At least one, so no wait is left on
+    a copy that was never issued; a tile no row can see is fully masked and leaves l = 0 (zeros out, lse -inf)."""
+    if MASK_LEFT or MASK_RIGHT:
+        key_start, _, _, key_end = key_tile_range(start_m, seqlen_q, seqlen_k, window_left, window_right, CTA_ROWS,
+                                                  BLOCK_N, MASK_LEFT, MASK_RIGHT)
+        num_tiles = gl.maximum(gl.cdiv(key_end - key_start, BLOCK_N), 1)
+    else:
+        _, key_end = key_tile_bounds(start_m, seqlen_k, seqlen_k - seqlen_q, CTA_ROWS, BLOCK_N, CAUSAL)
+        key_start = 0
+        num_tiles = gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
+    return key_start, num_tiles

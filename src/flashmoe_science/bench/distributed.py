@@ -1,0 +1,390 @@
+"""The distributed benchmark behind `flashmoe-science bench --suite distributed`.
+
+Under ``torchrun --nproc-per-node N`` (N > 1; NCCL on GPUs, gloo on CPUs), `run_scaling_bench`:
+
+- ``ring-attention``: `ring_attention` over the zig-zag sharded sequence (B=1, H=8, D=128, causal, bf16) at 128k to
+  1M tokens, forward and forward+backward, against `flash_attention_science` on the whole sequence on one GPU.
+  ``efficiency = ms_1gpu / (N · ms)``: tokens/s on N GPUs over N times tokens/s on one (1.0 = perfect scaling).
+  PyTorch's ``context_parallel`` SDPA runs in the same pass where this torch has it (``backend`` "torch-cp").
+- ``ep-moe``: `ExpertParallelMoE`'s computation (routing, exchange, local experts, combine) at Qwen3-30B-A3B shapes
+  (E=128, top-8, d=2048, F=768) with T=16384 tokens per GPU, against `fused_moe` of the whole layer on T tokens on
+  one GPU; ``efficiency`` = tokens/s per GPU over the one-GPU layer's; ``overlap_chunks`` 1 (no overlap), 2 and 4.
+
+Timing: the same number of calls on every rank (a collective must be entered by all ranks, so a per-rank adaptive timer
+such as ``do_bench`` cannot be used; the count follows the slowest rank's first call); each call starts after a
+barrier; the record keeps the slowest rank's median. A 1M-token run of the whole suite takes several minutes.
+
+Without torchrun on a GPU, `run_overlap_bench` measures on the one GPU what a ring step overlaps: the local kernel of
+a balanced zig-zag step (2c queries against c keys, non-causal) alone, the transfer of the next K/V shard alone
+(a device-to-device copy on a side stream, standing in for the NCCL receive), and both at once. ``hidden`` is the
+share of the transfer that the overlapped step hides, ``nvlink_ms`` what the shard takes at ``NVLINK_GBPS`` (H200
+NVLink 4, one direction), against which ``kernel_ms`` must be long for the ring to scale. `run_ep_local_bench` times
+one expert-parallel rank's expert work on what it would receive (W = 2, 4, 8) against the whole layer on one GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from flashmoe_science.bench.moe import MODELS, expert_gemm_flops
+
+RING_LENGTHS = (131072, 262144, 524288, 1048576)
+RING_SHAPE = dict(batch=1, heads=8, head_dim=128)
+EP_MODEL, EP_TOKENS = "qwen3-30b-a3b", 16384
+EP_CHUNKS = (1, 2, 4)  # overlap_chunks: 1 is no overlap
+OVERLAP_SHARDS = (8192, 16384, 32768, 65536, 131072)  # c: the chunk length; a rank holds 2c tokens
+NVLINK_GBPS = 450.0
+# CPU (gloo) smoke sizes: the harness, not a measurement
+CPU_RING_LENGTHS, CPU_RING_SHAPE = (64, 128), dict(batch=1, heads=2, head_dim=16)
+CPU_EP = dict(num_experts=8, top_k=2, d_model=32, d_ff=16)
+CPU_EP_TOKENS = 32
+PASSES = ("fwd", "fwd+bwd")
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _collective_median_ms(fn, device, group=None, budget_s: float = 6.0) -> float:
+    """Median ms of ``fn`` with every rank making the same calls (a collective inside must be entered by all): one
+    untimed call, then as many timed ones as fit ``budget_s`` by the slowest rank's first call (3 to 10); each
+    timed call starts after a barrier. Returns the slowest rank's median."""
+    first = _timed_ms(fn, device, group)
+    first = _slowest(first, device, group)
+    reps = max(3, min(10, int(budget_s * 1e3 / max(first, 1e-3))))
+    if first < 100:  # short calls: a few more untimed ones (clocks, caches, Triton's first launches)
+        for _ in range(2):
+            fn()
+    times = [_timed_ms(fn, device, group) for _ in range(reps)]
+    return _slowest(statistics.median(times), device, group)
+
+
+def _timed_ms(fn, device, group) -> float:
+    if dist.is_initialized():
+        dist.barrier(group)
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def _slowest(ms: float, device, group) -> float:
+    value = torch.tensor([ms], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return float(value.item())
+
+
+def _pass_fn(forward, inputs, pass_: str):
+    """The call a pass times: the forward alone (no autograd), or forward and backward from a fixed gradient."""
+    if pass_ == "fwd":
+        def run():
+            with torch.no_grad():
+                forward(*inputs)
+        return run
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    grad = None
+
+    def run():
+        nonlocal grad
+        for t in leaves:
+            t.grad = None
+        out = forward(*leaves)
+        grad = torch.randn_like(out) if grad is None else grad
+        out.backward(grad)
+    return run
+
+
+# ------------------------------------------------------------------------------------------------ ring attention
+def _ring_records(world_size, rank, group, device, dtype, lengths, shape, progress) -> list[dict]:
+    from flashmoe_science.attention.api import flash_attention_science
+    from flashmoe_science.distributed import ring_attention
+    from flashmoe_science.distributed.zigzag import shard_lengths
+
+    batch, heads, head_dim = shape["batch"], shape["heads"], shape["head_dim"]
+    records = []
+    for seqlen in lengths:
+        local = shard_lengths(seqlen, world_size)[rank]
+        q, k, v = (torch.randn(batch, heads, local, head_dim, device=device, dtype=dtype) for _ in range(3))
+        full = [torch.randn(batch, heads, seqlen, head_dim, device=device, dtype=dtype) for _ in range(3)]
+        base = dict(op="ring-attention", L=seqlen, B=batch, H=heads, D=head_dim, causal=True, world_size=world_size,
+                    dtype=str(dtype).removeprefix("torch."))
+        for pass_ in PASSES:
+            one_gpu = _collective_median_ms(
+                _pass_fn(lambda *t: flash_attention_science(*t, causal=True), full, pass_), device, group)
+            ring = _collective_median_ms(
+                _pass_fn(lambda *t: ring_attention(*t, group, causal=True), (q, k, v), pass_), device, group)
+            records.append(_scaling_record(base, pass_, "flashmoe-ring", ring, one_gpu, seqlen, world_size))
+            torch_cp = _torch_context_parallel_ms(full, group, world_size, device, pass_)
+            if torch_cp is not None:
+                records.append(_scaling_record(base, pass_, "torch-cp", torch_cp, one_gpu, seqlen, world_size))
+            if progress is not None:
+                progress.update(desc=f"ring L={seqlen} {pass_}")
+        del q, k, v, full
+    return records
+
+
+def _scaling_record(base, pass_, backend, ms, ms_1gpu, tokens, world_size) -> dict:
+    return {**base, "pass": pass_, "backend": backend, "ms": round(ms, 4), "ms_1gpu": round(ms_1gpu, 4),
+            "tokens_per_s": round(tokens / (ms * 1e-3)), "efficiency": round(ms_1gpu / (world_size * ms), 4)}
+
+
+_MESHES: dict[int, object] = {}
+
+
+def _torch_context_parallel_ms(full, group, world_size, device, pass_) -> float | None:
+    """PyTorch's ``context_parallel`` SDPA on the same problem (its own sharding of the full buffers), or None
+    where this torch lacks it or it fails (the failure is printed by rank 0)."""
+    if device.type != "cuda":
+        return None
+    try:
+        import torch.nn.functional as F
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        if world_size not in _MESHES:  # one mesh (and its communicator) per run
+            _MESHES[world_size] = init_device_mesh("cuda", (world_size,))
+        mesh = _MESHES[world_size]
+        buffers = [t.clone() for t in full]
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
+            run = _pass_fn(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True), buffers, pass_)
+            return _collective_median_ms(run, device, group)
+    except Exception as error:  # a baseline that cannot run is reported, not fatal
+        if dist.get_rank() == 0:
+            print(f"torch context_parallel baseline skipped: {type(error).__name__}: {error}")
+        return None
+
+
+# ------------------------------------------------------------------------------------------------ expert parallel
+def _ep_records(world_size, rank, group, device, dtype, config, tokens, model, progress) -> list[dict]:
+    from flashmoe_science.distributed import expert_bounds, expert_parallel_experts
+    from flashmoe_science.moe import fused_moe, moe_route
+
+    num_experts, top_k, d_model, d_ff = (config[name] for name in ("num_experts", "top_k", "d_model", "d_ff"))
+    x = torch.randn(tokens, d_model, device=device, dtype=dtype)
+    logits = torch.randn(tokens, num_experts, device=device, dtype=dtype)
+    w1 = torch.randn(num_experts, 2 * d_ff, d_model, device=device, dtype=dtype) / math.sqrt(d_model)
+    w2 = torch.randn(num_experts, d_model, d_ff, device=device, dtype=dtype) / math.sqrt(d_ff)
+    first, stop = expert_bounds(num_experts, world_size)[rank:rank + 2]
+    w1_local, w2_local = w1[first:stop].clone(), w2[first:stop].clone()
+    base = dict(op="ep-moe", model=model, E=num_experts, top_k=top_k, d_model=d_model, d_ff=d_ff, T=tokens,
+                world_size=world_size, dtype=str(dtype).removeprefix("torch."))
+    records = []
+    for pass_ in PASSES:
+        one_gpu = _collective_median_ms(
+            _pass_fn(lambda *t: fused_moe(*t, top_k), (x, w1, w2, logits), pass_), device, group)
+        for chunks in EP_CHUNKS:
+            def layer(x, w1, w2, logits, chunks=chunks):
+                weights, ids = moe_route(logits, top_k)
+                return expert_parallel_experts(x, w1, w2, weights, ids, group, num_experts=num_experts,
+                                               overlap_chunks=chunks)
+
+            ms = _collective_median_ms(_pass_fn(layer, (x, w1_local, w2_local, logits), pass_), device, group)
+            records.append({**base, "pass": pass_, "backend": f"flashmoe-ep/chunks={chunks}",
+                            "overlap_chunks": chunks, "ms": round(ms, 4), "ms_1gpu": round(one_gpu, 4),
+                            "tokens_per_s_per_gpu": round(tokens / (ms * 1e-3)),
+                            "tflops_per_gpu": round(expert_gemm_flops(tokens, top_k, d_model, d_ff,
+                                                                      "fwd" if pass_ == "fwd" else "bwd")
+                                                    / (ms * 1e-3) / 1e12, 1),
+                            "efficiency": round(one_gpu / ms, 4)})
+            if progress is not None:
+                progress.update(desc=f"ep {model} {pass_} chunks={chunks}")
+    return records
+
+
+def run_scaling_bench(group=None, quick: bool = False, progress=None) -> list[dict]:
+    """The multi-rank suite on an initialised process group (every rank calls it; every rank gets the records)."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    on_gpu = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    if on_gpu:
+        lengths = RING_LENGTHS[:2] if quick else RING_LENGTHS
+        records = _ring_records(world_size, rank, group, device, dtype, lengths, RING_SHAPE, progress)
+        records += _ep_records(world_size, rank, group, device, dtype, MODELS[EP_MODEL], EP_TOKENS, EP_MODEL, progress)
+    else:
+        records = _ring_records(world_size, rank, group, device, dtype, CPU_RING_LENGTHS, CPU_RING_SHAPE, progress)
+        records += _ep_records(world_size, rank, group, device, dtype, CPU_EP, CPU_EP_TOKENS, "cpu-smoke", progress)
+    return records
+
+
+# ------------------------------------------------------------------------------------------------ one GPU: overlap
+def _cuda_ms(fn, reps: int = 10) -> float:
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def run_overlap_bench(shards=OVERLAP_SHARDS, progress=None) -> list[dict]:
+    """One GPU: a ring step's local kernel against the transfer of the next K/V shard (see the module docstring)."""
+    side = torch.cuda.Stream()
+    records = []
+    for chunk in shards:
+        for record in _overlap_records(chunk, side):  # one function call per size: its tensors go with it
+            records.append(record)
+            if progress is not None:
+                progress.update(desc=f"overlap c={chunk} {record['pass']}")
+    return records
+
+
+def _overlap_records(chunk: int, side) -> list[dict]:
+    from flashmoe_science.distributed.ring_attention import attention_backward_lse, attention_forward_lse
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    batch, heads, head_dim = RING_SHAPE["batch"], RING_SHAPE["heads"], RING_SHAPE["head_dim"]
+    scale = 1 / math.sqrt(head_dim)
+    q = torch.randn(batch, heads, 2 * chunk, head_dim, device=device, dtype=dtype)
+    kv = torch.randn(2, batch, heads, 2 * chunk, head_dim, device=device, dtype=dtype)
+    k, v = kv[0][..., :chunk, :], kv[1][..., :chunk, :]  # a balanced zig-zag step: 2c queries, c keys
+    grad = torch.randn_like(q)
+    out, lse = attention_forward_lse(q, k, v, causal=False, softmax_scale=scale, window=None)
+    # what travels per step: the K/V shard forward; backward also the float32 dK/dV accumulator
+    payloads = {"fwd": [kv], "bwd": [kv, torch.zeros(kv.shape, dtype=torch.float32, device=device)]}
+    kernels = {
+        "fwd": lambda: attention_forward_lse(q, k, v, causal=False, softmax_scale=scale, window=None),
+        "bwd": lambda: attention_backward_lse(q, k, v, out, lse, grad, causal=False, softmax_scale=scale,
+                                              window=None),
+    }
+    records = []
+    for pass_, kernel in kernels.items():
+        sources = payloads[pass_]
+        targets = [torch.empty_like(t) for t in sources]
+
+        def transfer(also=None, sources=sources, targets=targets):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for target, source in zip(targets, sources):
+                    target.copy_(source, non_blocking=True)
+            if also is not None:
+                also()
+            torch.cuda.current_stream().wait_stream(side)
+
+        kernel_ms, copy_ms, both_ms = _cuda_ms(kernel), _cuda_ms(transfer), _cuda_ms(lambda: transfer(kernel))
+        nvlink_ms = sum(t.numel() * t.element_size() for t in sources) / (NVLINK_GBPS * 1e9) * 1e3
+        records.append({"op": "ring-step-overlap", "pass": pass_, "chunk": chunk, "L_local": 2 * chunk,
+                        "L_global_8gpu": 16 * chunk, "H": heads, "D": head_dim, "kernel_ms": round(kernel_ms, 4),
+                        "copy_ms": round(copy_ms, 4), "overlapped_ms": round(both_ms, 4),
+                        "hidden": round(min(1.0, max(0.0, (kernel_ms + copy_ms - both_ms) / copy_ms)), 3),
+                        "slowdown": round(both_ms / kernel_ms, 3), "nvlink_ms": round(nvlink_ms, 4),
+                        "compute_over_nvlink": round(kernel_ms / nvlink_ms, 2)})
+    return records
+
+
+def run_ep_local_bench(world_sizes=(2, 4, 8), tokens: int = EP_TOKENS, progress=None) -> list[dict]:
+    """One GPU: the expert work of one rank of expert parallelism without the exchange. Rank 0 of W receives, from
+    all W ranks' T tokens each, every token routed to one of its E/W experts (its other slots -1) and runs them with
+    `fused_experts`; against `fused_moe` of the whole layer on T tokens. The ratio bounds the EP efficiency from the
+    compute side (the same expert GEMM work, more rows to sort)."""
+    from flashmoe_science.bench.report import gpu_median_ms
+    from flashmoe_science.distributed import expert_bounds
+    from flashmoe_science.moe import fused_experts, fused_moe, moe_route
+
+    config = MODELS[EP_MODEL]
+    num_experts, top_k, d_model, d_ff = (config[name] for name in ("num_experts", "top_k", "d_model", "d_ff"))
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    w1 = torch.randn(num_experts, 2 * d_ff, d_model, device=device, dtype=dtype) / math.sqrt(d_model)
+    w2 = torch.randn(num_experts, d_model, d_ff, device=device, dtype=dtype) / math.sqrt(d_ff)
+    x = torch.randn(tokens, d_model, device=device, dtype=dtype)
+    logits = torch.randn(tokens, num_experts, device=device, dtype=dtype)
+    records = []
+    for pass_ in PASSES:
+        one_gpu = gpu_median_ms(_pass_fn(lambda *t: fused_moe(*t, top_k), (x, w1, w2, logits), pass_),
+                                sustained=True)
+        for world_size in world_sizes:
+            local = expert_bounds(num_experts, world_size)[1]  # rank 0's experts: [0, local)
+            weights, ids = moe_route(torch.randn(world_size * tokens, num_experts, device=device, dtype=dtype), top_k)
+            rows = (ids < local).any(dim=1).nonzero().squeeze(1)
+            local_ids = torch.where(ids[rows] < local, ids[rows], -1)
+            x_recv = torch.randn(rows.numel(), d_model, device=device, dtype=dtype)
+            run = _pass_fn(lambda x, w1, w2, w, ids=local_ids: fused_experts(x, w1, w2, w, ids),
+                           (x_recv, w1[:local].clone(), w2[:local].clone(), weights[rows].contiguous()), pass_)
+            ms = gpu_median_ms(run, sustained=True)
+            records.append({"op": "ep-local-experts", "model": EP_MODEL, "T": tokens, "world_size": world_size,
+                            "pass": pass_, "rows_received": rows.numel(), "ms": round(ms, 4),
+                            "ms_1gpu": round(one_gpu, 4), "efficiency": round(one_gpu / ms, 4)})
+            if progress is not None:
+                progress.update(desc=f"ep-local W={world_size} {pass_}")
+    return records
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init_from_torchrun() -> None:
+    """The process group torchrun describes: NCCL with one GPU per local rank where CUDA is there, else gloo."""
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    else:
+        dist.init_process_group("gloo")
+
+
+RING_FIELDS = ("L", "world_size", "pass")
+EP_FIELDS = ("model", "T", "world_size", "pass")
+OVERLAP_FIELDS = ("pass", "chunk", "L_local", "kernel_ms", "copy_ms", "overlapped_ms", "hidden", "slowdown",
+                  "nvlink_ms", "compute_over_nvlink")
+
+
+def run_from_cli(args) -> int:
+    """`flashmoe-science bench --suite distributed`: the scaling suite under torchrun, else the one-GPU overlap
+    measurement; rank 0 prints the tables and writes the JSON (`--out`)."""
+    from flashmoe_science.bench.report import (Progress, environment_metadata, format_table, resolve_commit,
+                                               write_results)
+
+    if launched_by_torchrun():
+        init_from_torchrun()
+        rank = dist.get_rank()
+        with Progress(desc="distributed", stream=None if rank == 0 else open(os.devnull, "w")) as progress:
+            records = run_scaling_bench(quick=args.quick, progress=progress)
+        dist.barrier()
+        tables = [("ring attention (efficiency = ms_1gpu / (N x ms))",
+                   [r for r in records if r["op"] == "ring-attention"], (*RING_FIELDS, "backend")),
+                  ("expert-parallel MoE (efficiency = tokens/s per GPU / one-GPU layer's)",
+                   [r for r in records if r["op"] == "ep-moe"], (*EP_FIELDS, "backend"))]
+        columns = ("ms", "ms_1gpu", "efficiency")
+    elif torch.cuda.is_available():
+        rank = 0
+        print(f"one GPU ({torch.cuda.get_device_name(0)}): a ring step's local kernel against the next shard's "
+              "transfer; for the scaling suite run under `torchrun --nproc-per-node N`")
+        with Progress(desc="overlap") as progress:
+            records = run_overlap_bench(OVERLAP_SHARDS[:3] if args.quick else OVERLAP_SHARDS, progress)
+            records += run_ep_local_bench(progress=progress)
+        tables = [("ring step overlap", [r for r in records if r["op"] == "ring-step-overlap"], OVERLAP_FIELDS),
+                  ("one EP rank's experts without the exchange (efficiency = ms_1gpu / ms)",
+                   [r for r in records if r["op"] == "ep-local-experts"],
+                   ("world_size", "pass", "rows_received", "ms", "ms_1gpu", "efficiency"))]
+        columns = ()
+    else:
+        print("bench --suite distributed needs torchrun (`torchrun --nproc-per-node N -m flashmoe_science.cli bench "
+              "--suite distributed`; gloo on CPUs runs a small smoke test) or a CUDA GPU", file=sys.stderr)
+        return 2
+    if rank == 0:
+        for title, rows, fields in tables:
+            print(f"\n{title}")
+            print(format_table([*fields, *columns], [[str(r.get(f)) for f in (*fields, *columns)] for r in rows]))
+        path = write_results(args.out, environment_metadata(resolve_commit(args.commit)), records)
+        print(f"\nresults: {path}")
+    if launched_by_torchrun():
+        dist.destroy_process_group()
+    return 0

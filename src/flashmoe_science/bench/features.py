@@ -1,0 +1,279 @@
+"""Benchmarks of the packed and masked attention: `flashmoe-science bench --suite varlen,window,mods`.
+
+Suites (bf16, D=128, one GPU; on a CPU-only machine every size shrinks by 64 as a smoke test of the harness):
+
+- ``varlen``: a batch of 16384 tokens in sequences of long-tailed lengths (log-normal, clipped to 64..8192, fixed
+  seed), causal and not. ``flashmoe-varlen`` (`flash_attention_varlen`) against ``flashmoe-dense`` (our dense call
+  at equal tokens, 4 x 4096), ``sdpa-nested`` (SDPA on a jagged nested tensor, whichever kernel PyTorch picks) and
+  ``sdpa-cudnn-padded`` (cuDNN's SDPA on the batch padded to the longest sequence, without a key-padding mask: a
+  lower bound of the padded call's cost, since a mask would take cuDNN off its fast path).
+- ``window``: a causal sliding window of 4096 keys at L = 32k and 128k: ``flashmoe-window`` against our dense causal
+  call (``flashmoe-dense``, auto; ``flashmoe-triton-dense``, the Triton kernel the window runs on until the Gluon
+  kernels take windows) and compiled FlexAttention with the equivalent block mask (``flex-window``).
+- ``mods``: softcap (30), ALiBi and a (1, H, L, L) bias at B=4, L=4096, causal, against the plain call (auto and
+  Triton).
+
+TFLOP/s count only the pairs attended: FlashAttention's convention for dense calls (4·Lq·Lk·D per head, halved when
+causal; backward 2.5 x forward), each sequence's own for varlen, and the exact number of (query, key) pairs inside
+the window. Records: {"op": "attention-features", "suite", "case", "pass", "backend", "ms", "tflops", "note"}.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from flashmoe_science.bench.attention import _measure_backward, _measure_forward
+from flashmoe_science.bench.report import (format_number, median_over_rounds, plot_panels, records_table,
+                                           round_significant, tflops)
+
+SUITES = ("varlen", "window", "mods")
+PASSES = ("fwd", "bwd")
+HEADS, HEAD_DIM = 16, 128
+VARLEN_TOKENS, VARLEN_MIN, VARLEN_MAX = 16384, 64, 8192
+WINDOW = 4096
+WINDOW_LENGTHS = (32768, 131072)
+CPU_SHRINK = 64
+
+
+@dataclass
+class Contender:
+    """One backend of a case: its inputs (q, k, v), the call, the forward FLOPs it is credited with, a note."""
+
+    make_inputs: Callable[[], tuple[torch.Tensor, ...]]
+    attend: Callable
+    flops_fwd: float
+    note: str = ""
+
+
+@dataclass
+class Case:
+    suite: str
+    name: str
+    contenders: dict[str, Contender] = field(default_factory=dict)
+
+
+def _randn(*shape, device, dtype):
+    return torch.randn(shape, device=device, dtype=dtype)
+
+
+def dense_flops(batch, heads, lq, lk, dim, causal) -> float:
+    return 4.0 * batch * heads * lq * lk * dim / (2 if causal else 1)
+
+
+def long_tailed_lengths(total: int, low: int, high: int, seed: int = 0) -> list[int]:
+    """Sequence lengths summing to `total`, log-normal (median ~ 4·low) clipped to [low, high]; the last one
+    takes the remainder (at least `low` when it can)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < total:
+        draw = int(min(high, max(low, math.exp(math.log(4 * low) + 1.2 * torch.randn(1, generator=gen).item()))))
+        lengths.append(min(draw, total - sum(lengths)))
+    return lengths
+
+
+def _varlen_case(causal: bool, device, dtype, shrink: int) -> Case:
+    from flashmoe_science import flash_attention_science, flash_attention_varlen
+
+    lengths = long_tailed_lengths(VARLEN_TOKENS // shrink, max(1, VARLEN_MIN // shrink), VARLEN_MAX // shrink)
+    total, longest, heads = sum(lengths), max(lengths), HEADS
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    real = sum(dense_flops(1, heads, n, n, HEAD_DIM, causal) for n in lengths)
+    packed = lambda: tuple(_randn(total, heads, HEAD_DIM, device=device, dtype=dtype) for _ in range(3))  # noqa: E731
+    dense_len = 4096 // shrink
+    dense_batch = total // dense_len
+    case = Case("varlen", f"{len(lengths)} seqs {min(lengths)}..{longest}, {total} tokens"
+                + (", causal" if causal else ""))
+    case.contenders["flashmoe-varlen"] = Contender(
+        packed, lambda q, k, v: flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal), real)
+    case.contenders["flashmoe-dense"] = Contender(
+        lambda: tuple(_randn(dense_batch, heads, dense_len, HEAD_DIM, device=device, dtype=dtype) for _ in range(3)),
+        lambda q, k, v: flash_attention_science(q, k, v, causal=causal),
+        dense_flops(dense_batch, heads, dense_len, dense_len, HEAD_DIM, causal), f"{dense_batch} x {dense_len}")
+    if device.type == "cuda":
+        offsets = cu.long()
+
+        def nested(q, k, v):
+            q, k, v = (torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2) for t in (q, k, v))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2).values()
+
+        case.contenders["sdpa-nested"] = Contender(packed, nested, real, "jagged nested tensors")
+
+        def padded(q, k, v):
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        case.contenders["sdpa-cudnn-padded"] = Contender(
+            lambda: tuple(_randn(len(lengths), heads, longest, HEAD_DIM, device=device, dtype=dtype)
+                          for _ in range(3)),
+            padded, real, f"padded to {len(lengths)} x {longest}, no padding mask")
+    return case
+
+
+def window_pairs(length: int, window: int) -> int:
+    """(query, key) pairs of a causal window of `window` keys (the query's own included) over `length` tokens."""
+    full = max(0, length - window) * window
+    return full + min(length, window) * (min(length, window) + 1) // 2
+
+
+def _window_case(length: int, device, dtype, shrink: int) -> Case:
+    from flashmoe_science import flash_attention_science
+
+    length, window = length // shrink, WINDOW // shrink
+    heads = HEADS if length <= 32768 else 4
+    make = lambda: tuple(_randn(1, heads, length, HEAD_DIM, device=device, dtype=dtype) for _ in range(3))  # noqa: E731
+    inside = 4.0 * heads * HEAD_DIM * window_pairs(length, window)
+    dense = dense_flops(1, heads, length, length, HEAD_DIM, True)
+    case = Case("window", f"L={length} H={heads} window {window}")
+    case.contenders["flashmoe-window"] = Contender(
+        make, lambda q, k, v: flash_attention_science(q, k, v, causal=True, window=(window - 1, 0)), inside)
+    case.contenders["flashmoe-dense"] = Contender(
+        make, lambda q, k, v: flash_attention_science(q, k, v, causal=True), dense, "causal, no window")
+    case.contenders["flashmoe-triton-dense"] = Contender(
+        make, lambda q, k, v: flash_attention_science(q, k, v, causal=True, backend="triton"), dense,
+        "causal, no window")
+    if device.type == "cuda":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        from flashmoe_science.bench.attention import _compiled_flex
+
+        def sliding(batch, head, q_index, kv_index):
+            return (q_index >= kv_index) & (q_index - kv_index < window)
+
+        block_mask = create_block_mask(sliding, B=None, H=None, Q_LEN=length, KV_LEN=length, device=device)
+        flex = _compiled_flex()
+        case.contenders["flex-window"] = Contender(make, lambda q, k, v: flex(q, k, v, block_mask=block_mask), inside)
+    return case
+
+
+def _mods_case(device, dtype, shrink: int) -> Case:
+    from flashmoe_science import flash_attention_science
+
+    batch, length = 4, 4096 // shrink
+    make = lambda: tuple(_randn(batch, HEADS, length, HEAD_DIM, device=device, dtype=dtype) for _ in range(3))  # noqa: E731
+    flops = dense_flops(batch, HEADS, length, length, HEAD_DIM, True)
+    slopes = torch.exp2(-8.0 * torch.arange(1, HEADS + 1, device=device) / HEADS).float()
+    bias = _randn(1, HEADS, length, length, device=device, dtype=dtype)
+    case = Case("mods", f"B={batch} H={HEADS} L={length}, causal")
+    for name, kwargs in (("flashmoe", {}), ("flashmoe-triton", dict(backend="triton")),
+                         ("flashmoe-softcap", dict(softcap=30.0)), ("flashmoe-alibi", dict(alibi_slopes=slopes)),
+                         ("flashmoe-bias", dict(attn_bias=bias))):
+        case.contenders[name] = Contender(
+            make, lambda q, k, v, kwargs=kwargs: flash_attention_science(q, k, v, causal=True, **kwargs), flops)
+    return case
+
+
+def feature_cases(suites, quick: bool, device, dtype) -> list[Case]:
+    shrink = 1 if device.type == "cuda" else CPU_SHRINK
+    cases = []
+    if "varlen" in suites:
+        cases += [_varlen_case(causal, device, dtype, shrink) for causal in (False, True)]
+    if "window" in suites:
+        cases += [_window_case(length, device, dtype, shrink) for length in WINDOW_LENGTHS[:1 if quick else None]]
+    if "mods" in suites:
+        cases.append(_mods_case(device, dtype, shrink))
+    return cases
+
+
+def run_features_bench(suites, quick: bool, device, dtype, timer, progress=None, on_case_done=None,
+                       rounds: int = 1) -> list[dict]:
+    """Time every contender of every case, forward and backward; a contender that raises is skipped (warned)."""
+    measured: dict[tuple, list[dict]] = {}
+    cases = feature_cases(suites, quick, device, dtype)  # inputs are made per measurement (make_inputs)
+    if progress is not None:
+        progress.set_total(rounds * len(PASSES) * sum(len(case.contenders) for case in cases))
+    for _ in range(rounds):
+        for case in cases:
+            for name, contender in case.contenders.items():
+                for pass_ in PASSES:
+                    step = f"{case.suite} {case.name} {pass_} {name}"
+                    try:
+                        ms = _time(contender, pass_, timer, device)
+                    except Exception as error:  # a backend that cannot run this case gets no record
+                        warnings.warn(f"features bench: {step} skipped: {type(error).__name__}: {error}")
+                        ms = None
+                    if ms is not None:
+                        flops = contender.flops_fwd * (2.5 if pass_ == "bwd" else 1.0)
+                        measured.setdefault((case.suite, case.name, pass_, name), []).append({
+                            "op": "attention-features", "suite": case.suite, "case": case.name, "pass": pass_,
+                            "backend": name, "dtype": str(dtype).removeprefix("torch."), "flops": flops,
+                            "ms": round_significant(ms), "tflops": round_significant(tflops(flops, ms)),
+                            "note": contender.note,
+                        })
+                    if progress is not None:
+                        progress.update(desc=step)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if on_case_done is not None:
+                on_case_done(_median_records(measured))
+    return _median_records(measured)
+
+
+def _time(contender: Contender, pass_: str, timer, device) -> float:
+    q, k, v = contender.make_inputs()
+    if pass_ == "fwd":
+        return _measure_forward(contender.attend, q, k, v, timer, device)[0]
+    with torch.no_grad():
+        dout = torch.randn_like(contender.attend(q, k, v))
+    return _measure_backward(contender.attend, q, k, v, dout, timer, device)[0]
+
+
+def _median_records(measured: dict[tuple, list[dict]]) -> list[dict]:
+    def scale_rates(record, ms):
+        record["tflops"] = round_significant(tflops(record["flops"], ms))
+
+    return [median_over_rounds(per_round, scale_rates) for per_round in measured.values()]
+
+
+# The ratios each suite's table shows (numerator, denominator), per the issue's targets.
+RATIOS = {
+    "varlen": (("flashmoe-varlen", "flashmoe-dense"), ("flashmoe-varlen", "sdpa-nested"),
+               ("flashmoe-varlen", "sdpa-cudnn-padded")),
+    "window": (("flashmoe-window", "flashmoe-dense"), ("flashmoe-window", "flashmoe-triton-dense"),
+               ("flashmoe-window", "flex-window")),
+    "mods": (("flashmoe-softcap", "flashmoe"), ("flashmoe-alibi", "flashmoe"), ("flashmoe-bias", "flashmoe"),
+             ("flashmoe-softcap", "flashmoe-triton"), ("flashmoe-alibi", "flashmoe-triton")),
+}
+
+
+def _ratio_column(numerator: str, denominator: str):
+    def compute(values: dict) -> str:
+        a, b = values.get(numerator), values.get(denominator)
+        return format_number(a / b, 2) if a and b else "n/a"
+
+    return compute
+
+
+def features_tables(records: list[dict]) -> str:
+    """One table per suite: TFLOP/s per backend, then the ratios of RATIOS (x = ours / theirs, TFLOP/s)."""
+    parts = []
+    for suite in SUITES:
+        rows = [r for r in records if r["suite"] == suite]
+        if not rows:
+            continue
+        extra = {f"{a.removeprefix('flashmoe-')}/{b.removeprefix('flashmoe-')}": _ratio_column(a, b)
+                 for a, b in RATIOS[suite]}
+        parts.append(f"{suite}: TFLOP/s over the pairs attended\n"
+                     + records_table(rows, row_fields=("case", "pass"), extra_columns=extra))
+    notes = {(r["backend"], r["note"]) for r in records if r["note"]}
+    if notes:
+        parts.append("notes: " + "; ".join(f"{b}: {n}" for b, n in sorted(notes)))
+    return "\n\n".join(parts)
+
+
+def plot_features(records: list[dict], path, title: str):
+    """One panel per suite and pass: TFLOP/s of each backend over the suite's cases (numbered in run order)."""
+    panels: dict[str, dict[str, list]] = {}
+    for suite in SUITES:
+        cases = list(dict.fromkeys(r["case"] for r in records if r["suite"] == suite))
+        for record in (r for r in records if r["suite"] == suite):
+            series = panels.setdefault(f"{suite} {record['pass']}", {})
+            series.setdefault(record["backend"], []).append((cases.index(record["case"]) + 1, record["tflops"]))
+    return plot_panels(path, panels, xlabel="case", ylabel="TFLOP/s", suptitle=title, log2_x=False)

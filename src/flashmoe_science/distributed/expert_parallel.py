@@ -1,0 +1,255 @@
+"""Expert-parallel MoE: the experts of a layer sharded over the ranks of a process group.
+
+Rank r owns a contiguous range of experts (`expert_bounds`, sized as ``torch.tensor_split`` sizes them). Each rank
+routes its own tokens, then:
+
+1. plans the exchange: a token goes once to every rank owning at least one of its top-k experts (not once per
+   expert), carrying its k routing weights and its k expert ids made local to that rank, -1 for slots owned
+   elsewhere (`fused_experts` skips ids outside ``[0, E_local)``);
+2. exchanges the per-rank counts (one small ``all_to_all_single`` and the only host synchronisation), then the
+   token rows and their (ids, weights) with ``all_to_all_single`` of uneven splits: capacity-free, nothing dropped
+   or padded, a rank may send or receive zero tokens;
+3. runs its local experts with `fused_experts` on what it received and sends the weighted partial results back;
+   each token's output is the sum of the partials of the ranks it visited.
+
+Overlap: the tokens are cut into ``overlap_chunks`` consecutive pieces, each exchanged by its own asynchronous
+collectives. All dispatches are started first; then for each piece, its experts run as soon as its tokens have
+arrived (while later pieces are still in flight) and its results are sent back at once (while the next piece
+computes). The backward does the same with the output gradient going out and the input gradients coming back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flashmoe_science.distributed.comm import all_to_all, all_to_all_counts, group_rank_and_size
+from flashmoe_science.moe.api import BACKENDS, _check_experts, _check_topk, fused_experts, moe_route
+from flashmoe_science.nn.moe import _check_positive_int, check_layer_args, tokens_of
+
+
+def expert_bounds(num_experts: int, world_size: int) -> list[int]:
+    """The first expert of each rank, then E: rank r owns experts ``[bounds[r], bounds[r + 1])``."""
+    base, extra = divmod(num_experts, world_size)
+    bounds = [0]
+    for r in range(world_size):
+        bounds.append(bounds[-1] + base + (1 if r < extra else 0))
+    return bounds
+
+
+@dataclass
+class _Exchange:
+    """Who sends what to whom in one call, per overlap chunk (pieces of consecutive tokens)."""
+
+    group: object
+    token_rows: list[torch.Tensor]  # per chunk: the local token of each row sent, ordered by destination
+    local_ids: list[torch.Tensor]  # per chunk: (rows, k) int32 expert ids local to the destination, -1 elsewhere
+    send_splits: list[list[int]]  # per chunk, per destination rank
+    recv_splits: list[list[int]]  # per chunk, per source rank
+
+
+def _plan_exchange(topk_ids: torch.Tensor, bounds: list[int], world_size: int, group, chunks: int) -> _Exchange:
+    num_tokens, top_k = topk_ids.shape
+    device = topk_ids.device
+    starts = torch.tensor(bounds[:-1], dtype=topk_ids.dtype, device=device)
+    owner = torch.bucketize(topk_ids, starts[1:], right=True)  # (T, k): the rank owning each routed expert
+    visits = torch.zeros(num_tokens, world_size, dtype=torch.bool, device=device).scatter_(1, owner, True)
+    token_rows, local_ids, counts = [], [], []
+    for c in range(chunks):
+        first, stop = c * num_tokens // chunks, (c + 1) * num_tokens // chunks
+        dest, token = visits[first:stop].T.nonzero(as_tuple=True)  # ordered by destination, then token
+        token = token + first
+        token_rows.append(token)
+        mine = owner[token] == dest.unsqueeze(1)
+        local_ids.append(torch.where(mine, topk_ids[token] - starts[dest].unsqueeze(1), -1).to(torch.int32))
+        counts.append(visits[first:stop].sum(0))
+    send_counts = torch.stack(counts, dim=1)  # (W destinations, chunks)
+    recv_counts = all_to_all_counts(send_counts, group)
+    send_splits = send_counts.T.tolist()
+    recv_splits = recv_counts.T.tolist()  # the one host synchronisation: the splits size the buffers
+    return _Exchange(group, token_rows, local_ids, send_splits, recv_splits)
+
+
+class _ExpertParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, w1, w2, exchange: _Exchange, backend: str):
+        group, top_k = exchange.group, exchange.local_ids[0].shape[1]
+        needs_grad = any(ctx.needs_input_grad[:4])
+        # leaves of the local expert graphs (detached views: no copy), kept for the backward
+        w1_leaf = w1.detach().requires_grad_(ctx.needs_input_grad[2])
+        w2_leaf = w2.detach().requires_grad_(ctx.needs_input_grad[3])
+        arrivals = []
+        for rows, ids, send_splits, recv_splits in zip(exchange.token_rows, exchange.local_ids,
+                                                       exchange.send_splits, exchange.recv_splits):
+            meta = torch.cat((ids, topk_weights[rows].float().view(torch.int32)), dim=1)  # one message
+            arrivals.append((all_to_all(x[rows], send_splits, recv_splits, group),
+                             all_to_all(meta, send_splits, recv_splits, group)))
+        saved, returns = [], []
+        for (x_arriving, meta_arriving), send_splits, recv_splits in zip(arrivals, exchange.send_splits,
+                                                                         exchange.recv_splits):
+            x_recv, meta_recv = x_arriving.wait(), meta_arriving.wait()
+            ids_recv = meta_recv[:, :top_k].contiguous()
+            weights_recv = meta_recv[:, top_k:].contiguous().view(torch.float32)
+            with torch.enable_grad():
+                x_recv.requires_grad_(ctx.needs_input_grad[0])
+                weights_recv.requires_grad_(ctx.needs_input_grad[1])
+                y = fused_experts(x_recv, w1_leaf, w2_leaf, weights_recv, ids_recv, backend=backend)
+            saved.append((y, x_recv, weights_recv) if needs_grad else None)
+            returns.append(all_to_all(y.detach(), recv_splits, send_splits, group))
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for rows, partials in zip(exchange.token_rows, returns):
+            out.index_add_(0, rows, partials.wait().float())  # the sum over the ranks each token visited
+        ctx.exchange, ctx.saved, ctx.leaves = exchange, saved, (w1_leaf, w2_leaf)
+        ctx.shapes = (x.shape, x.dtype, topk_weights.shape, topk_weights.dtype)
+        return out.to(x.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        exchange, group = ctx.exchange, ctx.exchange.group
+        (x_shape, x_dtype, w_shape, w_dtype), (w1_leaf, w2_leaf) = ctx.shapes, ctx.leaves
+        need_dx, need_dweights, need_dw1, need_dw2 = ctx.needs_input_grad[:4]
+        arrivals = [all_to_all(grad_out[rows], send_splits, recv_splits, group)
+                    for rows, send_splits, recv_splits in zip(exchange.token_rows, exchange.send_splits,
+                                                             exchange.recv_splits)]
+        dw1 = torch.zeros_like(w1_leaf) if need_dw1 else None
+        dw2 = torch.zeros_like(w2_leaf) if need_dw2 else None
+        returns = []
+        for arriving, (y, x_recv, weights_recv), send_splits, recv_splits in zip(
+                arrivals, ctx.saved, exchange.send_splits, exchange.recv_splits):
+            grad_recv = arriving.wait()
+            wanted = [t for t, need in ((x_recv, need_dx), (weights_recv, need_dweights), (w1_leaf, need_dw1),
+                                        (w2_leaf, need_dw2)) if need]
+            # a rank that received no token has an output no input reaches: zero gradients
+            grads = (list(torch.autograd.grad(y, wanted, grad_recv, allow_unused=True)) if y.requires_grad
+                     else [None] * len(wanted))
+            grads = [torch.zeros_like(t) if g is None else g for t, g in zip(wanted, grads)]
+            dx_recv = grads.pop(0) if need_dx else None
+            dweights_recv = grads.pop(0) if need_dweights else None
+            if need_dw1:
+                dw1 += grads.pop(0)
+            if need_dw2:
+                dw2 += grads.pop(0)
+            returns.append((all_to_all(dx_recv, recv_splits, send_splits, group) if need_dx else None,
+                            all_to_all(dweights_recv.float(), recv_splits, send_splits, group)
+                            if need_dweights else None))
+        dx = torch.zeros(x_shape, dtype=torch.float32, device=grad_out.device) if need_dx else None
+        dweights = torch.zeros(w_shape, dtype=torch.float32, device=grad_out.device) if need_dweights else None
+        for rows, (dx_back, dweights_back) in zip(exchange.token_rows, returns):
+            for total, back in ((dx, dx_back), (dweights, dweights_back)):
+                if back is not None:
+                    total.index_add_(0, rows, back.wait().float())
+        ctx.saved = None  # the local graphs are spent
+        return (dx.to(x_dtype) if need_dx else None, dweights.to(w_dtype) if need_dweights else None,
+                dw1, dw2, None, None)
+
+
+def _check_chunks(overlap_chunks) -> None:
+    if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
+        raise ValueError(f"overlap_chunks must be an int >= 1, got {overlap_chunks!r}")
+
+
+def expert_parallel_experts(x, w1, w2, topk_weights, topk_ids, group=None, *, num_experts: int,
+                            backend: str = "auto", overlap_chunks: int = 2):
+    """`fused_experts` with the experts sharded over ``group`` (None: the default group).
+
+    Args:
+        x: ``(T, d)`` this rank's tokens (T may differ between ranks, and be 0).
+        w1, w2: this rank's experts, ``(E_local, 2F, d)`` and ``(E_local, d, F)``: experts
+            ``[expert_bounds(E, W)[r], expert_bounds(E, W)[r + 1])`` of the layer.
+        topk_weights, topk_ids: ``(T, k)`` routing of this rank's tokens over the *global* expert ids ``[0, E)``.
+        num_experts: E, the layer's expert count (the same on every rank, at least the group's size).
+        overlap_chunks: pieces of the token range whose exchanges overlap the expert GEMMs of the others (the same
+            on every rank); 1: no overlap.
+
+    Returns ``(T, d)`` in x's dtype, differentiable with respect to x, topk_weights, w1 and w2 (the gradients of w1
+    and w2 include every rank's tokens). Equals `fused_experts` of the whole layer on all ranks' tokens.
+    """
+    rank, world_size = group_rank_and_size(group)
+    _check_positive_int("num_experts", num_experts)
+    if num_experts < world_size:
+        raise ValueError(f"num_experts ({num_experts}) must be at least the group's size ({world_size})")
+    _check_chunks(overlap_chunks)
+    num_tokens, _, local_experts, _ = _check_experts(x, w1, w2)
+    _check_topk(topk_weights, topk_ids, num_tokens, x)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    bounds = expert_bounds(num_experts, world_size)
+    if local_experts != bounds[rank + 1] - bounds[rank]:
+        raise ValueError(f"w1 must hold this rank's {bounds[rank + 1] - bounds[rank]} experts "
+                         f"([{bounds[rank]}, {bounds[rank + 1]}) of {num_experts} over {world_size} ranks), "
+                         f"got {local_experts}")
+    if world_size == 1:
+        return fused_experts(x, w1, w2, topk_weights, topk_ids, backend=backend)
+    group = group if group is not None else dist.group.WORLD
+    exchange = _plan_exchange(topk_ids, bounds, world_size, group, overlap_chunks)
+    return _ExpertParallel.apply(x, topk_weights, w1, w2, exchange, backend)
+
+
+class ExpertParallelMoE(nn.Module):
+    """A Mixture-of-Experts FFN whose experts are sharded over a process group: the `FusedMoE` layer of E experts,
+    of which this rank holds ``[expert_bounds(E, W)[r], expert_bounds(E, W)[r + 1])``.
+
+    Parameters: ``router.weight (E, d)`` (replicated: every rank routes its own tokens; average its gradient over the
+    data-parallel ranks as for any replicated parameter, e.g. with DistributedDataParallel), ``w1 (E_local, 2F, d)``,
+    ``w2 (E_local, d, F)``. Input ``(..., d_model)``: this rank's tokens; output of the same shape and dtype.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, group=None, *,
+                 renormalize: bool = True, scoring: str = "softmax", backend: str = "auto", overlap_chunks: int = 2,
+                 device=None, dtype=None):
+        super().__init__()
+        check_layer_args(d_model, d_ff, num_experts, top_k, renormalize, scoring, backend)
+        _check_chunks(overlap_chunks)
+        rank, world_size = group_rank_and_size(group)
+        if num_experts < world_size:
+            raise ValueError(f"num_experts ({num_experts}) must be at least the group's size ({world_size})")
+        bounds = expert_bounds(num_experts, world_size)
+        self.group, self.expert_range = group, (bounds[rank], bounds[rank + 1])
+        self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
+        self.renormalize, self.scoring, self.backend, self.overlap_chunks = renormalize, scoring, backend, overlap_chunks
+        factory = dict(device=device, dtype=dtype)
+        local = bounds[rank + 1] - bounds[rank]
+        self.router = nn.Linear(d_model, num_experts, bias=False, **factory)
+        self.w1 = nn.Parameter(torch.empty(local, 2 * d_ff, d_model, **factory))
+        self.w2 = nn.Parameter(torch.empty(local, d_model, d_ff, **factory))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # as FusedMoE: each expert like an nn.Linear of its own fan-in (the router should match across ranks:
+        # seed identically or broadcast it)
+        nn.init.uniform_(self.w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
+        nn.init.uniform_(self.w2, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
+        self.router.reset_parameters()
+
+    @classmethod
+    def from_fused_moe(cls, module, group=None, *, overlap_chunks: int = 2) -> "ExpertParallelMoE":
+        """This rank's shard of a `FusedMoE` (present on every rank): a copy of its local experts and of its router."""
+        sharded = cls(module.d_model, module.d_ff, module.num_experts, module.top_k, group,
+                      renormalize=module.renormalize, scoring=module.scoring, backend=module.backend,
+                      overlap_chunks=overlap_chunks, device="meta", dtype=module.w1.dtype)
+        first, stop = sharded.expert_range
+        sharded.router = nn.Linear(module.d_model, module.num_experts, bias=False, device=module.w1.device,
+                                   dtype=module.router.weight.dtype)
+        with torch.no_grad():
+            sharded.router.weight.copy_(module.router.weight)
+        sharded.w1 = nn.Parameter(module.w1.detach()[first:stop].clone())
+        sharded.w2 = nn.Parameter(module.w2.detach()[first:stop].clone())
+        return sharded
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = tokens_of(hidden_states, self.d_model)
+        topk_weights, topk_ids = moe_route(self.router(x), self.top_k, self.renormalize, self.scoring)
+        out = expert_parallel_experts(x, self.w1, self.w2, topk_weights, topk_ids, self.group,
+                                      num_experts=self.num_experts, backend=self.backend,
+                                      overlap_chunks=self.overlap_chunks)
+        return out.reshape(hidden_states.shape)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, d_ff={self.d_ff}, num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"experts=[{self.expert_range[0]}, {self.expert_range[1]}), backend={self.backend!r}, "
+                f"overlap_chunks={self.overlap_chunks}")

@@ -1,0 +1,364 @@
+"""Context-parallel ring attention: a sequence (or packed sequences) sharded zig-zag over the ranks of a group.
+
+Each rank holds its queries and its keys/values (two mirrored chunks, see `zigzag`). The K/V shards travel around
+the ring (rank r sends to r + 1 and receives from r - 1) with ``batch_isend_irecv``; the transfer of the next shard
+is in flight while the local kernel works on the current one. Partial results are merged by their log-sum-exp:
+
+    lse = log(exp(lse_a) + exp(lse_b)),    out = exp(lse_a - lse) · out_a + exp(lse_b - lse) · out_b
+
+which is exact: softmax over the union of two key sets is this reweighting of the softmaxes over each.
+
+The backward passes the K/V shards around the ring again; each rank computes the gradient contributions of its
+queries against the visiting shard with the single-GPU backward kernels, given the *global* out and lse (that is all
+the FlashAttention backward needs: P = exp(S - lse), dS = P ∘ (dP - rowsum(dO ∘ O))). dQ stays local; the dK/dV
+contributions (float32) follow their shard around the ring and, after one last hop, arrive at the shard's owner.
+
+Masks (causal, sliding window) are stated on global positions. Between a chunk of queries and a chunk of keys the
+visible part is a rectangle cropped to the band ``lo <= j - i <= hi``, which the local kernel expresses as a
+bottom-right aligned window (`_visible_block`); pairs that see nothing are skipped, fully visible pairs of one ring
+step are merged into one kernel call (`_plan_step`).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flashmoe_science.attention.api import (BACKENDS, attention_backward_lse, attention_forward_lse,
+                                            flash_attention_science)
+from flashmoe_science.attention.mask import make_mask
+from flashmoe_science.attention.reference import default_softmax_scale
+from flashmoe_science.distributed.comm import gather_ints, group_rank_and_size, ring_shift
+from flashmoe_science.distributed.zigzag import Chunk, _seqlens, sequence_shards, shard_lengths
+
+_KV_TAG, _GRAD_TAG = 0, 1  # gloo matches point-to-point messages by tag; NCCL ignores tags
+
+
+# ------------------------------------------------------------------------------------------------ planning
+@dataclass(frozen=True)
+class Block:
+    """One local kernel call of a ring step: query rows and key rows (local indices) and the kernel's mask."""
+
+    q_rows: slice
+    k_rows: slice
+    causal: bool
+    window: tuple[int, int] | None
+
+
+def _band(causal: bool, window: tuple[int, int] | None) -> tuple[float, float]:
+    """The global mask as a band of key-minus-query offsets ``lo <= j - i <= hi`` (Lq == Lk: no diagonal shift)."""
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0  # flash-attn: causal clips the right side of a window to 0
+    return (-left if left >= 0 else -math.inf), (right if right >= 0 else math.inf)
+
+
+def _visible_block(q_chunk: Chunk, k_chunk: Chunk, lo: float, hi: float) -> Block | None:
+    """The rectangle of a (query chunk, key chunk) pair that sees anything, as one kernel call, or None.
+
+    Query row i (global) sees keys ``[i + lo, i + hi]``: rows ``[k_start - hi, k_stop - lo)`` see some key of the
+    chunk, keys ``[q_start + lo, q_stop + hi)`` are seen by some row. On the cropped rectangle the kernel's window
+    (aligned at ``diagonal = Lk - Lq``) is ``left = k_stop - q_stop - lo``, ``right = hi + q_stop - k_stop``, both
+    >= 0 by construction of the crop; a side at least as wide as the rectangle is unbounded.
+    """
+    q_start = max(q_chunk.global_start, k_chunk.global_start - hi)
+    q_stop = min(q_chunk.global_start + q_chunk.length, k_chunk.global_start + k_chunk.length - lo)
+    k_start = max(k_chunk.global_start, q_chunk.global_start + lo)
+    k_stop = min(k_chunk.global_start + k_chunk.length, q_chunk.global_start + q_chunk.length + hi)
+    if q_start >= q_stop or k_start >= k_stop:
+        return None
+    q_start, q_stop, k_start, k_stop = int(q_start), int(q_stop), int(k_start), int(k_stop)
+    left, right = k_stop - q_stop - lo, hi + q_stop - k_stop
+    left = -1 if left >= k_stop - k_start - 1 else int(left)
+    right = -1 if right >= q_stop - q_start - 1 else int(right)
+    q_off, k_off = q_chunk.local_start - q_chunk.global_start, k_chunk.local_start - k_chunk.global_start
+    rows, keys = slice(q_start + q_off, q_stop + q_off), slice(k_start + k_off, k_stop + k_off)
+    if left == -1 and right == 0:
+        return Block(rows, keys, True, None)
+    return Block(rows, keys, False, None if (left, right) == (-1, -1) else (left, right))
+
+
+def _whole(block: Block | None, q_chunk: Chunk, k_chunk: Chunk) -> bool:
+    """The pair is fully visible: its block is the whole of both chunks with no mask."""
+    return (block is not None and not block.causal and block.window is None
+            and block.q_rows.stop - block.q_rows.start == q_chunk.length
+            and block.k_rows.stop - block.k_rows.start == k_chunk.length)
+
+
+def _plan_step(q_chunks, k_chunks, causal: bool, window, same_shard: bool) -> list[Block]:
+    """The kernel calls of one ring step: the queries of this rank against one visiting K/V shard.
+
+    Zig-zag causal steps collapse to one call each: the own shard is causal over the local order (local order is
+    global order); an earlier shard is seen whole by both query chunks; a later shard whole by the second chunk.
+    """
+    # the rank's two chunks of one sequence are adjacent in its shard: their span
+    q_span = slice(q_chunks[0].local_start, q_chunks[1].local_start + q_chunks[1].length)
+    k_span = slice(k_chunks[0].local_start, k_chunks[1].local_start + k_chunks[1].length)
+    if same_shard and window is None and causal:
+        return [Block(q_span, k_span, True, None)]
+    lo, hi = _band(causal, window)
+    pairs = {(a, b): _visible_block(qc, kc, lo, hi) for a, qc in enumerate(q_chunks) for b, kc in enumerate(k_chunks)}
+    whole = {key: _whole(block, q_chunks[key[0]], k_chunks[key[1]]) for key, block in pairs.items()}
+    if all(whole.values()):
+        return [Block(q_span, k_span, False, None)]
+    blocks, used = [], set()
+    for b, kc in enumerate(k_chunks):  # a key chunk every query sees: one call for both query chunks
+        if whole[0, b] and whole[1, b]:
+            blocks.append(Block(q_span, slice(kc.local_start, kc.local_start + kc.length), False, None))
+            used |= {(0, b), (1, b)}
+    for a, qc in enumerate(q_chunks):  # a query chunk that sees all keys: one call for both key chunks
+        if whole[a, 0] and whole[a, 1] and not used & {(a, 0), (a, 1)}:
+            blocks.append(Block(slice(qc.local_start, qc.local_start + qc.length), k_span, False, None))
+            used |= {(a, 0), (a, 1)}
+    blocks += [block for key, block in pairs.items() if block is not None and key not in used]
+    return blocks
+
+
+# ------------------------------------------------------------------------------------------------ the ring
+@dataclass(frozen=True)
+class _Ring:
+    group: object
+    rank: int
+    world_size: int
+    seqlens: tuple[int, ...]  # global: one sequence, or the packed sequences of a varlen batch
+    causal: bool
+    window: tuple[int, int] | None
+    softmax_scale: float
+    backend: str  # the local kernels' (flash_attention_science's backend argument)
+
+    def chunks(self, rank: int) -> list[tuple[Chunk, Chunk]]:
+        return sequence_shards(self.seqlens, self.world_size, rank)
+
+    def peer(self, offset: int) -> int:
+        """The global rank of the group member ``offset`` steps along the ring."""
+        return dist.get_global_rank(self.group, (self.rank + offset) % self.world_size)
+
+    def source(self, step: int) -> int:
+        """Whose K/V shard this rank holds at ring step ``step``."""
+        return (self.rank - step) % self.world_size
+
+    def plan(self, step: int) -> list[Block]:
+        source = self.source(step)
+        return [block for mine, theirs in zip(self.chunks(self.rank), self.chunks(source))
+                for block in _plan_step(mine, theirs, self.causal, self.window, source == self.rank)]
+
+    def shift(self, send: torch.Tensor, recv_shape, tag: int):
+        """Start sending ``send`` to the next rank and receiving a tensor of ``recv_shape`` from the previous one."""
+        return ring_shift(send, recv_shape, self.peer(1), self.peer(-1), self.group, tag)
+
+    def shard_shape(self, kv: torch.Tensor, step: int) -> tuple[int, ...]:
+        """The shape of the packed K/V (or dK/dV) shard held at ``step``: ``kv``'s, with that rank's length."""
+        length = sum(c.length for pair in self.chunks(self.source(step)) for c in pair)
+        return (*kv.shape[:-2], length, kv.shape[-1])
+
+
+def _merge_into(out_acc, lse_acc, rows: slice, out, lse) -> None:
+    """Merge a partial (out, lse) for query rows ``rows`` into the float32 accumulators, in place.
+    Rows that have seen no key on either side stay out 0, lse -inf."""
+    acc_out, acc_lse = out_acc[..., rows, :], lse_acc[..., rows]
+    lse = lse.float()
+    merged = torch.logaddexp(acc_lse, lse)
+    shift = torch.where(torch.isinf(merged), 0.0, merged)
+    acc_out.mul_(torch.exp(acc_lse - shift).unsqueeze(-1)).add_(out.float() * torch.exp(lse - shift).unsqueeze(-1))
+    acc_lse.copy_(merged)
+
+
+def _ring_forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    kv = torch.stack((k, v))  # one message per step; also the buffer the first send reads
+    out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse_acc = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+    for step in range(ring.world_size):
+        last = step == ring.world_size - 1
+        if not last:  # the next shard travels while this one is computed on
+            arriving = ring.shift(kv, ring.shard_shape(kv, step + 1), _KV_TAG)
+        for block in ring.plan(step):
+            out, lse = attention_forward_lse(q[..., block.q_rows, :], kv[0][..., block.k_rows, :],
+                                             kv[1][..., block.k_rows, :], causal=block.causal,
+                                             softmax_scale=ring.softmax_scale, window=block.window,
+                                             backend=ring.backend)
+            _merge_into(out_acc, lse_acc, block.q_rows, out, lse)
+        if not last:
+            kv = arriving.wait()
+    return out_acc.to(q.dtype), lse_acc
+
+
+def _ring_backward(ring: _Ring, q, k, v, out, lse, grad_out):
+    kv = torch.stack((k, v))
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    incoming = None  # the dK/dV sums arriving from the previous rank
+    for step in range(ring.world_size):
+        last = step == ring.world_size - 1
+        if not last:
+            arriving = ring.shift(kv, ring.shard_shape(kv, step + 1), _KV_TAG)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # this step's shard's contributions
+        for block in ring.plan(step):
+            rows, keys = block.q_rows, block.k_rows
+            dq_b, dk_b, dv_b = attention_backward_lse(
+                q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], out[..., rows, :], lse[..., rows],
+                grad_out[..., rows, :], causal=block.causal, softmax_scale=ring.softmax_scale, window=block.window,
+                backend=ring.backend)
+            dq[..., rows, :] += dq_b
+            dkv[0][..., keys, :] += dk_b
+            dkv[1][..., keys, :] += dv_b
+        if incoming is not None:  # what earlier ranks added for the same shard
+            dkv += incoming.wait()
+        # after the last step this hop brings each shard's sum home: the shard of rank r - 1 - (W - 1) = r
+        incoming = ring.shift(dkv, ring.shard_shape(dkv, step + 1), _GRAD_TAG)
+        if not last:
+            kv = arriving.wait()
+    dkv = incoming.wait()
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: _Ring):
+        out, lse = _ring_forward(ring, q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad_out.stride(-1) != 1:  # e.g. the stride-0 gradient of out.sum(): the kernels need unit last stride
+            grad_out = grad_out.contiguous()
+        dq, dk, dv = _ring_backward(ctx.ring, q, k, v, out, lse, grad_out)
+        return dq, dk, dv, None
+
+
+# ------------------------------------------------------------------------------------------------ front door
+def _check_window(causal, window) -> tuple[int, int] | None:
+    """The window as the single-GPU front door checks it (attention.mask.make_mask), None when unbounded."""
+    mask = make_mask(causal, window)
+    left, right = mask.window_left, -1 if causal else mask.window_right
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
+def _check_local(q, k, v, causal, softmax_scale) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() not in (3, 4):
+            raise ValueError(f"{name} must be (B, H, L, D) or (H, L, D), got shape {tuple(t.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if k.dim() != q.dim() or v.shape != k.shape:
+        raise ValueError(f"k and v must have one shape with q's number of dims, got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[:-3] != k.shape[:-3] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share batch and head dims, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"ring_attention is self-attention over one sharded sequence: q and k must hold the same "
+                         f"positions, got local lengths {q.shape[-2]} and {k.shape[-2]}")
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"q's head count ({hq}) must be a multiple of k's head count ({hkv}) (GQA/MQA)")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+                                      or not (math.isfinite(softmax_scale) and softmax_scale > 0)):
+        raise ValueError(f"softmax_scale must be a finite number > 0 or None, got {softmax_scale!r}")
+
+
+def _check_ranks(q, k, group, world_size: int, causal: bool, window, seqlens: list[int] | None) -> list[int]:
+    """Every rank's shapes, mask and batch agree and the local lengths form a zig-zag split; returns the global
+    sequence lengths (``seqlens``, or the one sequence of all ranks' tokens). One small all-gather, so every rank
+    raises the same error instead of hanging in the ring."""
+    left, right = window if window is not None else (-1, -1)
+    batch = [-1, -1] if seqlens is None else [len(seqlens), sum(i * n for i, n in enumerate(seqlens, 1)) % 2**31]
+    mine = [q.dim(), *q.shape[:-2], k.shape[-3], q.shape[-1], int(causal), left, right, *batch, q.shape[-2]]
+    everyone = gather_ints(mine, group, q.device)
+    if not bool((everyone[:, :-1] == everyone[0, :-1]).all()):
+        raise ValueError("ring_attention: the ranks disagree on shapes, mask or cu_seqlens (per rank: [dims, "
+                         f"batch.., Hq, Hkv, D, causal, left, right, sequences, checksum, L] = {everyone.tolist()})")
+    lengths = everyone[:, -1].tolist()
+    seqlens = [sum(lengths)] if seqlens is None else seqlens
+    if lengths != shard_lengths(seqlens, world_size):
+        raise ValueError(f"ring_attention: local lengths {lengths} are not the zig-zag split of sequences "
+                         f"{seqlens} over {world_size} ranks (expected {shard_lengths(seqlens, world_size)}); shard "
+                         "the inputs with zigzag_shard")
+    return seqlens
+
+
+def _ring(q, k, v, group, causal, softmax_scale, window, backend, seqlens=None):
+    """The checks and the ring of `ring_attention` / `ring_attention_varlen` on ``(..., H, L, D)`` views; returns
+    (out, lse), or None for a group of one rank (the caller runs its single-GPU function)."""
+    _check_local(q, k, v, causal, softmax_scale)
+    window = _check_window(causal, window)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    rank, world_size = group_rank_and_size(group)
+    if world_size == 1:
+        return None
+    seqlens = _check_ranks(q, k, group, world_size, causal, window, seqlens)
+    scale = float(softmax_scale) if softmax_scale is not None else default_softmax_scale(q.shape[-1])
+    ring = _Ring(group if group is not None else dist.group.WORLD, rank, world_size, tuple(seqlens), causal, window,
+                 scale, backend)
+    return _RingAttention.apply(q, k, v, ring)
+
+
+def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale: float | None = None,
+                   window: tuple[int, int] | None = None, return_lse: bool = False, backend: str = "auto"):
+    """Exact attention over a sequence sharded zig-zag over the ranks of ``group`` (None: the default group).
+
+    Args:
+        q, k, v: this rank's shard, ``(B, H, L_local, D)`` or ``(H, L_local, D)``, as produced by `zigzag_shard` from
+            the full ``(..., L, D)`` tensors (any strides the local kernel accepts; GQA: ``Hq % Hkv == 0``). Every
+            rank passes the same shapes except L_local, which must be its zig-zag share of the global length.
+        causal: the causal mask on global positions (what single-GPU attention over the unsharded sequence does).
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+        window: ``(left, right)`` sliding window on global positions, flash-attn semantics (-1 = unbounded; with
+            ``causal`` the right side is 0).
+        return_lse: also return the float32 log-sum-exp ``(..., H, L_local)`` of this rank's queries.
+        backend: the local kernels, as `flash_attention_science`'s ``backend`` ("auto": the best for the device).
+
+    Returns ``out`` (q's shape and dtype; differentiable with respect to q, k and v), or ``(out, lse)``. The result is
+    that of `flash_attention_science` on the unsharded sequence, sharded the same way; partial results are merged in
+    float32 (each partial rounded once to q's dtype). A group of one rank runs the local kernel directly.
+    """
+    result = _ring(q, k, v, group, causal, softmax_scale, window, backend)
+    if result is None:
+        return flash_attention_science(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                                       return_lse=return_lse, backend=backend)
+    return result if return_lse else result[0]
+
+
+def ring_attention_varlen(q, k, v, cu_seqlens, group=None, *, causal: bool = False,
+                          softmax_scale: float | None = None, window: tuple[int, int] | None = None,
+                          return_lse: bool = False, backend: str = "auto"):
+    """`ring_attention` over a batch of packed sequences of different lengths, each sharded zig-zag on its own.
+
+    Args:
+        q, k, v: this rank's packed shard ``(total_local, H, D)``: `zigzag_shard(x, dim=0, cu_seqlens=cu_seqlens)`
+            of the full packed ``(total, H, D)`` (each sequence's two chunks, sequence after sequence).
+        cu_seqlens: the *global* cumulative lengths ``(batch + 1,)`` (a list, or an integer tensor: one host copy),
+            the same on every rank. Masks apply per sequence, on its own positions.
+        the rest: as `ring_attention`.
+
+    Returns ``out`` ``(total_local, H, D)``, or ``(out, lse)`` with lse float32 ``(H, total_local)`` (the layout of
+    `flash_attention_varlen`). Each step runs the local kernel once per sequence and block: meant for a few long
+    sequences; many short ones fit one GPU each (`flash_attention_varlen`).
+    """
+    seqlens = _seqlens(cu_seqlens)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a packed (total, H, D) tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    result = _ring(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), group, causal, softmax_scale, window,
+                   backend, seqlens)
+    if result is None:
+        from flashmoe_science.attention.varlen import flash_attention_varlen
+
+        bounds = torch.tensor([0] + [sum(seqlens[:i + 1]) for i in range(len(seqlens))], dtype=torch.int32,
+                              device=q.device)
+        longest = max(seqlens, default=0)
+        return flash_attention_varlen(q, k, v, bounds, bounds, longest, longest, causal=causal,
+                                      softmax_scale=softmax_scale, window=window, return_lse=return_lse,
+                                      backend=backend)
+    out, lse = result
+    return (out.transpose(0, 1), lse) if return_lse else out.transpose(0, 1)

@@ -1,0 +1,190 @@
+"""Hugging Face transformers: ``attn_implementation="fmoe_science"`` (``ATTN_IMPLEMENTATION``).
+
+Not "flashmoe_science": transformers treats every implementation whose name contains "flash" as a flash-attention
+kernel to fetch from its hub (``transformers.utils.generic.is_flash_attention_requested``), and fails on ours.
+
+``register()`` adds ``flashmoe_science_attention`` to transformers' attention-function registry
+(``AttentionInterface``) and, for the masks, transformers' own flash-attention mask builder
+(``AttentionMaskInterface``): the attention then receives either no mask (plain causal or bidirectional attention)
+or the 2-D padding mask of the tokenizer, which it turns into packed variable-length sequences (only the real
+tokens are computed, by ``flash_attention_varlen``).
+A sliding-window config becomes ``window``, a logit soft-cap ``softcap`` where ``flash_attention_science`` has those
+arguments. ``check_config`` names any config feature this backend cannot compute (instead of a wrong output);
+``from_config`` / ``apply`` build or convert a model in one line, MoE blocks included (``nn.replace_hf_moe_blocks``)::
+
+    model = hf.from_config(config)                       # register, check, build, swap the MoE blocks
+    model = hf.apply(AutoModelForCausalLM.from_pretrained(name))
+
+transformers has no hook that runs a backend's checks while ``AutoModel.from_config(cfg,
+attn_implementation="fmoe_science")`` builds a model, so a model built that way meets an unsupported feature at
+its first forward (the same ValueError); ``from_config`` and ``apply`` raise it at construction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flashmoe_science.attention.api import MAX_HEAD_DIM, MIN_HEAD_DIM, flash_attention_science
+from flashmoe_science.attention.varlen import flash_attention_varlen
+from flashmoe_science.nn.attention import attention_keywords, require_attention_feature
+from flashmoe_science.nn.moe import replace_hf_moe_blocks
+
+ATTN_IMPLEMENTATION = "fmoe_science"
+
+
+def register() -> None:
+    """Adds ``"fmoe_science"`` to transformers' attention and mask registries (registering again replaces the
+    entries with the same functions: harmless)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, flashmoe_science_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_attention_mask)
+
+
+def _head_dim(config) -> int | None:
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None and getattr(config, "hidden_size", None) and getattr(config, "num_attention_heads", None):
+        head_dim = config.hidden_size // config.num_attention_heads
+    return head_dim
+
+
+def _uses_sliding_window(config) -> bool:
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return True
+    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+
+
+def check_config(config) -> None:
+    """A ValueError naming the first feature of a transformers config that this backend cannot compute."""
+    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+    if dropout > 0:
+        raise ValueError(f"attention dropout (config.attention_dropout={dropout}) is not supported by "
+                         f"{ATTN_IMPLEMENTATION}: set it to 0.0")
+    head_dim = _head_dim(config)
+    if head_dim is not None and (head_dim % 8 or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM):
+        raise ValueError(f"head dim {head_dim} is not supported by {ATTN_IMPLEMENTATION}: it needs a multiple of 8 in "
+                         f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+    if _uses_sliding_window(config):
+        require_attention_feature("window", f"a sliding window (config.sliding_window={config.sliding_window})")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        require_attention_feature("softcap", f"logit soft-capping (config.attn_logit_softcapping={softcap})")
+    if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi":
+        # such models add their bias to the scores themselves: it would not reach this attention function
+        raise ValueError(f"ALiBi position biases are not supported by {ATTN_IMPLEMENTATION}")
+
+
+def _check_model(model) -> None:
+    check_config(model.config)
+    sinks = [name for name, _ in model.named_parameters() if name.rsplit(".", 1)[-1] == "sinks"]
+    if sinks:
+        raise ValueError(f"attention sinks (parameter {sinks[0]}) are not supported by {ATTN_IMPLEMENTATION}")
+
+
+def apply(model, *, swap_moe: bool = True):
+    """Switches a built transformers model to this attention (after ``check_config``) and, with ``swap_moe``, its
+    Mixtral / Qwen3-MoE blocks to ``FusedMoE`` (sharing their parameters). Returns the model."""
+    register()
+    _check_model(model)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if swap_moe:
+        replace_hf_moe_blocks(model)
+    return model
+
+
+def from_config(config, model_class=None, *, swap_moe: bool = True, **kwargs):
+    """``model_class.from_config(config, attn_implementation="fmoe_science", **kwargs)`` (default
+    ``AutoModelForCausalLM``) after ``check_config``, with its MoE blocks swapped when ``swap_moe``."""
+    register()
+    check_config(config)
+    if model_class is None:
+        from transformers import AutoModelForCausalLM as model_class
+    model = model_class.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, **kwargs)
+    _check_model(model)
+    if swap_moe:
+        replace_hf_moe_blocks(model)
+    return model
+
+
+def _attention_options(sliding_window, softcap, kwargs) -> dict:
+    for name, what in (("position_bias", "an additive position bias"), ("s_aux", "attention sinks")):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{what} ({name}) is not supported by {ATTN_IMPLEMENTATION}")
+    options = {}
+    if sliding_window is not None:
+        require_attention_feature("window", f"a sliding window (sliding_window={sliding_window})")
+        options["window"] = (sliding_window - 1, 0)  # transformers: key j visible from query i iff i - j < window
+    if softcap is not None:
+        require_attention_feature("softcap", f"logit soft-capping (softcap={softcap})")
+        options["softcap"] = float(softcap)
+    return options
+
+
+def flashmoe_science_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                               is_causal=None, sliding_window=None, softcap=None, **kwargs):
+    """transformers' attention-function interface: query ``(B, Hq, Lq, D)``, key/value ``(B, Hkv, Lk, D)``, the
+    mask from ``flash_attention_mask`` (None, or ``(B, Lk)`` with True at real tokens). Returns
+    ``(out (B, Lq, Hq, D), None)``."""
+    if dropout:
+        raise ValueError(f"attention dropout (p={dropout}) is not supported by {ATTN_IMPLEMENTATION}: set the "
+                         "config's attention_dropout to 0.0")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    options = dict(causal=bool(causal), softmax_scale=scaling, **_attention_options(sliding_window, softcap, kwargs))
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(f"{ATTN_IMPLEMENTATION} takes the 2-D padding mask (batch, keys), got an attention mask of "
+                         f"shape {tuple(attention_mask.shape)}: build the model with attn_implementation="
+                         f"'{ATTN_IMPLEMENTATION}' so that transformers makes that mask")
+    if attention_mask is not None:
+        return _padded_attention(query, key, value, attention_mask.bool(), options), None
+    cu_seqlens = _packed_sequences(query, key, kwargs)
+    if cu_seqlens is not None:  # several documents in one row: each attends only within itself
+        out = flash_attention_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                     *cu_seqlens, query.shape[2], key.shape[2], **options)
+        return out.unsqueeze(0), None
+    return flash_attention_science(query, key, value, **options).transpose(1, 2), None
+
+
+def _packed_sequences(query, key, kwargs):
+    """(cu_seqlens_q, cu_seqlens_k) where one batch row packs several sequences, as transformers marks them: its
+    flattening collator's ``cu_seq_lens_q``/``cu_seq_lens_k``, or ``position_ids`` restarting at 0 (checked, as
+    transformers' flash-attention path does, for a single row without a cache: one host synchronisation). Else None."""
+    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
+        return kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32)
+    positions = kwargs.get("position_ids")
+    if positions is None or query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] < 2:
+        return None
+    positions = positions.reshape(-1)
+    if not bool((positions[1:] <= positions[:-1]).any()):
+        return None
+    starts = (positions == 0).nonzero().reshape(-1).to(torch.int32)
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        raise ValueError(f"{ATTN_IMPLEMENTATION}: packed position_ids must start each sequence at 0")
+    cu_seqlens = torch.cat((starts, starts.new_tensor([positions.numel()])))
+    return cu_seqlens, cu_seqlens
+
+
+def _packed(t: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """The real tokens of ``t (B, H, L, D)`` as ``(tokens, H, D)``, batch by batch (a view's rows gathered)."""
+    tokens = t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])  # no copy for HF's (B, L, H, D) projections
+    return tokens.index_select(0, real)
+
+
+def _padded_attention(query, key, value, mask, options) -> torch.Tensor:
+    """Attention over the real tokens only (bottom-right causal per sequence): the padding mask ``(B, Lk)`` picks
+    the keys, its last Lq columns the queries. Rows of padding queries are zeros. Returns ``(B, Lq, Hq, D)``."""
+    batch, heads, length_q, head_dim = query.shape
+    mask_q = mask[:, -length_q:]
+    real_q, real_k = mask_q.reshape(-1).nonzero().squeeze(1), mask.reshape(-1).nonzero().squeeze(1)
+    q, k, v = _packed(query, real_q), _packed(key, real_k), _packed(value, real_k)
+    cu_q = F.pad(mask_q.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    cu_k = F.pad(mask.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    # the padded lengths bound every sequence's (no host synchronisation to find the longest)
+    out = flash_attention_varlen(q, k, v, cu_q, cu_k, length_q, mask.shape[1], **options)
+    padded = out.new_zeros(batch * length_q, heads, head_dim).index_copy(0, real_q, out)
+    return padded.view(batch, length_q, heads, head_dim)
+
+
+__all__ = ["ATTN_IMPLEMENTATION", "apply", "attention_keywords", "check_config", "flashmoe_science_attention",
+           "from_config", "register"]

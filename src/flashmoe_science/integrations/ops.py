@@ -1,0 +1,513 @@
+"""The attention and MoE front doors as ``torch.library`` custom ops (namespace ``flashmoe_science``), for
+``torch.compile``.
+
+Dynamo cannot trace a Triton or Gluon launch made through the prepared-launch caches, so under ``torch.compile`` the
+public functions (``flash_attention_science``, ``flash_attention_varlen``, ``flash_attention_decode``,
+``fused_moe``, ``fused_experts``, ``moe_route``) call the
+``compiled_*`` functions below, which call these ops: the compiler sees one opaque node per op, with a fake
+implementation giving its outputs' shapes, dtypes and strides, and the backward as another op
+(``register_autograd``). In eager mode the public functions never come here (one ``is_compiling()`` test per call):
+their prepared launches keep the host time they had (benchmarks/tools/host_time_custom_ops.py measures both).
+
+Each op's real implementation runs the eager front door under ``no_grad``, so checks, kernel choice and the
+prepared-launch caches are the eager ones; only its outputs are made to have the layout its fake promises.
+
+Ops: ``attention_forward`` -> (out, lse) and ``attention_backward`` (window, softcap, ALiBi; not attn_bias, not
+FP8); ``attention_varlen_forward``/``attention_varlen_backward``; ``attention_decode`` (forward only; the caches
+written in place by ``attention_decode_append`` when new keys come); ``moe_route`` and ``moe_route_backward``;
+``fused_experts_forward`` -> (out, residuals for the backward) and ``fused_experts_backward``; and, for calls that
+record no gradient, ``fused_moe_inference`` / ``fused_experts_inference`` (no residuals saved; the few-token decode
+kernel with its fused routing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from flashmoe_science.attention import api as attention_api
+from flashmoe_science.attention import reference as attention_reference
+from flashmoe_science.attention.checks import check_flags, check_inputs
+from flashmoe_science.attention.mask import make_mask
+from flashmoe_science.attention.varlen import flash_attention_varlen
+from flashmoe_science.moe import api as moe_api
+from flashmoe_science.moe import routing
+from flashmoe_science.moe.reference import fused_experts_reference_backward
+
+NAMESPACE = "flashmoe_science"
+_op = torch.library.custom_op
+
+
+def _same_layout(a: Tensor, b: Tensor) -> bool:
+    """Whether `a` and `b` (one shape) have the same strides wherever a dim has more than one element."""
+    return all(n <= 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
+
+
+def _laid_out_like(t: Tensor, like: Tensor) -> Tensor:
+    """`t` with the strides `torch.empty_like(like)` has (what the fake implementations promise), copied only where
+    they differ (the reference path's outputs; the kernels' already have them)."""
+    layout = torch.empty_like(like, device="meta")
+    if _same_layout(t, layout):
+        return t
+    return torch.empty_like(like).copy_(t)
+
+
+def _on_device(x: Tensor):
+    """Triton launches on the current CUDA device: make it x's."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def _empty_like_fake(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    return torch.empty_like(t, dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------------------- attention
+# The mask-and-score options travel as (causal, softmax_scale, window or None, softcap or None, alibi_slopes or None)
+# after q, k, v; `backend` and `deterministic` last. attn_bias has no op (its gradient's buffer follows the bias's
+# broadcast shape): under compile it raises.
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _window(window: list[int] | None):
+    # int(): a fake implementation may see symbolic ints (dynamo makes a changing int dynamic); the mask specialises
+    return None if window is None else tuple(int(side) for side in window)
+
+
+def _autograd_on():
+    """Autograd inside an op's implementation, where the dispatcher has switched it off: the reference backward
+    differentiates through its score modifications (softcap, GQA expansion)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.AutogradFunctionality, False))
+    stack.enter_context(torch.enable_grad())
+    return stack
+
+
+@_op(f"{NAMESPACE}::attention_forward", mutates_args=())
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float, window: list[int] | None,
+                      softcap: float | None, alibi_slopes: Tensor | None, backend: str,
+                      deterministic: bool) -> tuple[Tensor, Tensor]:
+    """``attention_forward_lse`` on 4-D ``(B, H, L, D)`` tensors. `deterministic` is the backward's (saved for it)."""
+    out, lse = attention_api.attention_forward_lse(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                                   window=_window(window), softcap=softcap,
+                                                   alibi_slopes=alibi_slopes, backend=backend)
+    return _laid_out_like(out, q), lse.contiguous()
+
+
+@attention_forward.register_fake
+def _attention_forward_fake(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, backend, deterministic):
+    # the eager checks run here, at trace time, so bad input fails when compiling with the eager messages; not the
+    # kernel choice, which reads data pointers (a fake tensor has none)
+    check_inputs(q, k, v, softmax_scale, backend)
+    check_flags(causal=causal, deterministic=deterministic)
+    attention_api._normalise(q, k, v, softmax_scale, make_mask(causal, _window(window), softcap), alibi_slopes)
+    return _empty_like_fake(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
+
+
+@_op(f"{NAMESPACE}::attention_backward", mutates_args=())
+def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                       softmax_scale: float, window: list[int] | None, softcap: float | None,
+                       alibi_slopes: Tensor | None, backend: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    with _autograd_on():
+        grads = attention_api.attention_backward_lse(q, k, v, out, lse, grad_out, causal=causal,
+                                                     softmax_scale=softmax_scale, window=_window(window),
+                                                     softcap=softcap, alibi_slopes=alibi_slopes, backend=backend,
+                                                     deterministic=deterministic)
+    return tuple(_laid_out_like(g.detach(), t) for g, t in zip(grads, (q, k, v)))
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(grad_out, q, k, v, out, lse, *options):
+    return _empty_like_fake(q), _empty_like_fake(k), _empty_like_fake(v)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.options = options
+    ctx.mark_non_differentiable(lse)  # as the eager autograd.Function's
+
+
+def _attention_autograd_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, *ctx.options)
+    return dq, dk, dv, *(None for _ in ctx.options)
+
+
+attention_forward.register_autograd(_attention_autograd_backward, setup_context=_attention_setup_context)
+
+
+@_op(f"{NAMESPACE}::attention_varlen_forward", mutates_args=())
+def attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                             max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
+                             window: list[int] | None, softcap: float | None, alibi_slopes: Tensor | None,
+                             backend: str, deterministic: bool) -> tuple[Tensor, Tensor]:
+    """``flash_attention_varlen(..., return_lse=True)`` on packed ``(total, H, D)`` tensors."""
+    with torch.no_grad():
+        out, lse = flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          causal=causal, softmax_scale=softmax_scale, window=_window(window),
+                                          softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True,
+                                          backend=backend, deterministic=deterministic)
+    return out.contiguous(), lse.contiguous()
+
+
+@attention_varlen_forward.register_fake
+def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                   softmax_scale, window, softcap, alibi_slopes, backend, deterministic):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+
+
+@_op(f"{NAMESPACE}::attention_varlen_backward", mutates_args=())
+def attention_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                              causal: bool, softmax_scale: float, window: list[int] | None, softcap: float | None,
+                              alibi_slopes: Tensor | None, backend: str,
+                              deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    from flashmoe_science.attention import varlen
+    from flashmoe_science.attention.autograd import kernel_backward
+
+    q4, k4, v4, features, scale = varlen._checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  causal, softmax_scale, _window(window), softcap, alibi_slopes,
+                                                  backend)
+    plan, _ = attention_api._dispatch(q4, k4, v4, features, backend)
+    out4, grad4, lse4 = varlen._packed_as_4d(out), varlen._packed_as_4d(grad_out), lse.unsqueeze(0)
+    if plan is None:
+        with _autograd_on():
+            grads = attention_reference.attention_backward_reference(q4, k4, v4, out4, lse4, grad4, features, scale)
+    else:
+        with _on_device(q):
+            grads = kernel_backward(q4, k4, v4, out4, lse4.contiguous(), grad4, features, scale,
+                                    sm90_forward=plan.kernel == "sm90", deterministic=deterministic)
+    return tuple(g.detach().squeeze(0).permute(1, 0, 2).contiguous() for g in grads[:3])
+
+
+@attention_varlen_backward.register_fake
+def _attention_varlen_backward_fake(grad_out, q, k, v, *rest):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.options = options
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_autograd_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    dq, dk, dv = attention_varlen_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                           *ctx.options)
+    return dq, dk, dv, None, None, *(None for _ in ctx.options)
+
+
+attention_varlen_forward.register_autograd(_varlen_autograd_backward, setup_context=_varlen_setup_context)
+
+
+def _as_4d(t: Tensor) -> Tensor:
+    """(B, H, L, D) of a 2-D, 3-D, 4-D or deeper tensor (a view; a copy only where deeper leading dims cannot
+    merge, which eager mode avoids by looping and a compiled graph cannot)."""
+    if t.dim() == 2:
+        return t[None, None]
+    if t.dim() == 3:
+        return t[None]
+    return t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:])
+
+
+def _scale(q, softmax_scale):
+    return attention_reference.default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+
+
+def _options_list(window):
+    return None if window is None else [int(side) for side in window]
+
+
+def compiled_attention(q, k, v, *, causal, softmax_scale, window, softcap, alibi_slopes, attn_bias, return_lse,
+                       backend, deterministic, fp8_descales=()):
+    """``flash_attention_science`` as the compiler traces it (its arguments as there)."""
+    if any(t is not None for t in fp8_descales):
+        raise ValueError("the FP8 forward (q_descale, k_descale, v_descale) has no torch.compile custom op yet: "
+                         "call it outside the compiled region (torch.compiler.disable)")
+    if attn_bias is not None:
+        raise ValueError("attn_bias has no torch.compile custom op yet: call flash_attention_science with a bias "
+                         "outside the compiled region (torch.compiler.disable)")
+    if not all(isinstance(t, Tensor) for t in (q, k, v)):  # the eager message, before any shape is read
+        check_inputs(q, k, v, softmax_scale, backend)
+    check_flags(return_lse=return_lse)
+    slopes = alibi_slopes
+    if slopes is not None and slopes.dim() > 2:  # (*batch, H) slopes follow q's leading dims into one batch dim
+        slopes = slopes.reshape(-1, slopes.shape[-1])
+    out, lse = attention_forward(_as_4d(q), _as_4d(k), _as_4d(v), causal, _scale(q, softmax_scale),
+                                 _options_list(window), softcap, slopes, backend, deterministic)
+    out, lse = out.reshape(q.shape), lse.reshape(q.shape[:-1])
+    return (out, lse) if return_lse else out
+
+
+def compiled_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
+                              softmax_scale, window, softcap, alibi_slopes, return_lse, deterministic, backend):
+    """``flash_attention_varlen`` as the compiler traces it (its arguments as there)."""
+    check_flags(return_lse=return_lse)
+    out, lse = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                        _scale(q, softmax_scale), _options_list(window), softcap, alibi_slopes,
+                                        backend, deterministic)
+    return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------------------------------------------------------------- decode
+# Two registrations of one function: with k_new/v_new the caches are written in place (declared mutated), without
+# them they are only read (a declared mutation would make the compiler copy the whole cache on every call).
+def _decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, rotary_cos, rotary_sin,
+            rotary_interleaved, causal, softmax_scale, window, softcap, alibi_slopes, num_splits, backend,
+            check_values):
+    from flashmoe_science.attention.decode import flash_attention_decode
+
+    out, lse = flash_attention_decode(
+        q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k_new, v_new=v_new, rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, causal=causal, softmax_scale=softmax_scale,
+        window=_window(window), softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True,
+        num_splits="auto" if num_splits == 0 else num_splits, backend=backend, check_values=check_values)
+    return out.contiguous(), lse.to(_lse_dtype(q)).contiguous()
+
+
+def _decode_fake(q, *args):
+    batch, length_q, heads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads, length_q), dtype=_lse_dtype(q))
+
+
+attention_decode = _op(f"{NAMESPACE}::attention_decode", _decode, mutates_args=(),
+                       schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
+                              "Tensor? k_new, Tensor? v_new, Tensor? rotary_cos, Tensor? rotary_sin, "
+                              "bool rotary_interleaved, bool causal, float? softmax_scale, SymInt[]? window, "
+                              "float? softcap, Tensor? alibi_slopes, int num_splits, str backend, bool? check_values) "
+                              "-> (Tensor, Tensor)")
+attention_decode_append = _op(
+    f"{NAMESPACE}::attention_decode_append", _decode, mutates_args=("k_cache", "v_cache"),
+    schema="(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? block_table, "
+           "Tensor? k_new, Tensor? v_new, Tensor? rotary_cos, Tensor? rotary_sin, bool rotary_interleaved, "
+           "bool causal, float? softmax_scale, SymInt[]? window, float? softcap, Tensor? alibi_slopes, int num_splits, "
+           "str backend, bool? check_values) -> (Tensor, Tensor)")
+attention_decode.register_fake(_decode_fake)
+attention_decode_append.register_fake(_decode_fake)
+
+
+def compiled_attention_decode(q, k_cache, v_cache, cache_seqlens, *, block_table, k_new, v_new, rotary_cos,
+                              rotary_sin, rotary_interleaved, causal, softmax_scale, window, softcap, alibi_slopes,
+                              return_lse, num_splits, backend, check_values):
+    """``flash_attention_decode`` as the compiler traces it (its arguments as there; forward only)."""
+    check_flags(return_lse=return_lse)
+    if not isinstance(cache_seqlens, Tensor):
+        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    op = attention_decode if k_new is None else attention_decode_append
+    out, lse = op(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, rotary_cos, rotary_sin,
+                  rotary_interleaved, causal, softmax_scale, _options_list(window), softcap, alibi_slopes,
+                  0 if num_splits == "auto" else num_splits, backend, check_values)
+    return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------------------------------------------------------------ routing
+@_op(f"{NAMESPACE}::moe_route", mutates_args=())
+def moe_route(router_logits: Tensor, top_k: int, renormalize: bool, scoring: str) -> tuple[Tensor, Tensor]:
+    with torch.no_grad():
+        return moe_api.moe_route(router_logits, top_k, renormalize, scoring)
+
+
+@moe_route.register_fake
+def _moe_route_fake(router_logits, top_k, renormalize, scoring):
+    moe_api._check_router_logits(router_logits)
+    moe_api._check_top_k(top_k, router_logits.shape[1])
+    moe_api._check_routing_options(renormalize, scoring)
+    shape = (router_logits.shape[0], top_k)
+    weights_dtype = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
+    return router_logits.new_empty(shape, dtype=weights_dtype), router_logits.new_empty(shape, dtype=torch.int64)
+
+
+@_op(f"{NAMESPACE}::moe_route_backward", mutates_args=())
+def moe_route_backward(grad_weights: Tensor, router_logits: Tensor, topk_ids: Tensor, renormalize: bool,
+                       scoring: str) -> Tensor:
+    if routing.routes_in_triton(router_logits):
+        from flashmoe_science.moe import triton_routing
+
+        return triton_routing.route_backward(router_logits, topk_ids, grad_weights, renormalize, scoring == "sigmoid")
+    grad_logits = routing.route_reference_backward(router_logits, topk_ids, grad_weights, renormalize, scoring)
+    return _laid_out_like(grad_logits, router_logits)
+
+
+@moe_route_backward.register_fake
+def _moe_route_backward_fake(grad_weights, router_logits, topk_ids, renormalize, scoring):
+    return _empty_like_fake(router_logits)
+
+
+def _route_setup_context(ctx, inputs, output):
+    router_logits, _, renormalize, scoring = inputs
+    _, topk_ids = output
+    ctx.save_for_backward(router_logits, topk_ids)
+    ctx.options = (renormalize, scoring)
+    ctx.mark_non_differentiable(topk_ids)
+
+
+def _route_autograd_backward(ctx, grad_weights, grad_ids):
+    router_logits, topk_ids = ctx.saved_tensors
+    return moe_route_backward(grad_weights, router_logits, topk_ids, *ctx.options), None, None, None
+
+
+moe_route.register_autograd(_route_autograd_backward, setup_context=_route_setup_context)
+
+
+def compiled_moe_route(router_logits, top_k, renormalize, scoring):
+    return moe_route(router_logits, top_k, renormalize, scoring)
+
+
+# ------------------------------------------------------------------------------------------------------ experts
+# The Triton forward's residuals, in this order: its expert sort's five tensors, then the SwiGLU pre-activations
+# (gate_up) and output (h) by sorted row. The reference backend keeps none (its backward recomputes): empty tensors.
+_SORT_FIELDS = ("sorted_pair_ids", "pair_row", "tile_expert", "expert_counts", "expert_row_start")
+
+
+def _experts_backend(x: Tensor, backend: str) -> str:
+    return moe_api._choose_backend(backend, x)
+
+
+def _triton_tiles(x, w1, topk_ids):
+    from flashmoe_science.moe import triton_gemm
+
+    return triton_gemm._default_tiles(x, w1, topk_ids)
+
+
+def _residuals_fake(x, w1, topk_ids, backend) -> list[Tensor]:
+    """Tensors shaped as ``fused_experts_forward``'s residuals (every size follows from the shapes, none from the
+    ids: dispatch.sort_buffers, triton_gemm.forward_buffers)."""
+    if _experts_backend(x, backend) == "reference":
+        return [x.new_empty((0,)) for _ in range(len(_SORT_FIELDS) + 2)]
+    from flashmoe_science.moe.dispatch import max_row_tiles
+
+    block_m, (num_tokens, top_k), num_experts = _triton_tiles(x, w1, topk_ids).block_m, topk_ids.shape, w1.shape[0]
+    num_tiles = max_row_tiles(num_tokens * top_k, num_experts, block_m)
+    sizes = ((num_tiles * block_m,), (num_tokens * top_k,), (num_tiles,), (num_experts,), (num_experts,))
+    sort = [x.new_empty(size, dtype=torch.int32) for size in sizes]
+    rows, two_d_ff = num_tiles * block_m, w1.shape[1]
+    return [*sort, x.new_empty((rows, two_d_ff)), x.new_empty((rows, two_d_ff // 2))]
+
+
+# out, then the residuals (a fixed count: a list output would reach the backward as one gradient)
+_EXPERTS_OUTPUTS = tuple[(Tensor,) * (1 + len(_SORT_FIELDS) + 2)]
+
+
+@_op(f"{NAMESPACE}::fused_experts_forward", mutates_args=())
+def fused_experts_forward(x: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+                          backend: str) -> _EXPERTS_OUTPUTS:
+    """(out, *residuals): ``fused_experts`` for a call that records gradients, keeping what its backward needs."""
+    chosen = _experts_backend(x, backend)
+    if chosen == "reference":
+        with torch.no_grad():
+            out = moe_api.fused_experts(x, w1, w2, topk_weights, topk_ids, backend=chosen)
+        return (out, *_residuals_fake(x, w1, topk_ids, chosen))
+    from flashmoe_science.moe import triton_gemm
+
+    with _on_device(x):
+        out, saved = triton_gemm.moe_forward(x, w1, w2, topk_weights.float().contiguous(), topk_ids,
+                                             save_for_backward=True)
+    rows, two_d_ff = saved.sort.tile_expert.numel() * saved.tiles.block_m, w1.shape[1]
+    gate_up = saved.gate_up if saved.gate_up is not None else x.new_empty((rows, two_d_ff))  # None: no tokens
+    h = saved.h if saved.h is not None else x.new_empty((rows, two_d_ff // 2))
+    return (out, *(getattr(saved.sort, name) for name in _SORT_FIELDS), gate_up, h)
+
+
+@fused_experts_forward.register_fake
+def _fused_experts_forward_fake(x, w1, w2, topk_weights, topk_ids, backend):
+    num_tokens, _, _, _ = moe_api._check_experts(x, w1, w2)
+    moe_api._check_topk(topk_weights, topk_ids, num_tokens, x)
+    return (x.new_empty(x.shape), *_residuals_fake(x, w1, topk_ids, backend))
+
+
+@_op(f"{NAMESPACE}::fused_experts_backward", mutates_args=())
+def fused_experts_backward(grad_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor,
+                           topk_ids: Tensor, residuals: list[Tensor], backend: str) -> list[Tensor]:
+    """[dx, dw1, dw2, dweights] of ``fused_experts_forward``."""
+    chosen = _experts_backend(x, backend)
+    if chosen == "reference":
+        grads = fused_experts_reference_backward(grad_out, x, w1, w2, topk_weights, topk_ids)
+        return [_laid_out_like(g, t) for g, t in zip(grads, (x, w1, w2, topk_weights))]
+    from flashmoe_science.moe import triton_gemm
+    from flashmoe_science.moe.dispatch import ExpertSort
+
+    tiles = _triton_tiles(x, w1, topk_ids)  # the forward's: the same rule on the same shapes
+    *sort_tensors, gate_up, h = residuals
+    sort = ExpertSort(*sort_tensors, tiles.block_m, topk_ids.shape[1], topk_ids.numel())
+    saved = triton_gemm.SavedForBackward(sort, tiles, gate_up, h)
+    with _on_device(x):
+        dx, dw1, dw2, dweights = triton_gemm.moe_backward(grad_out, x, w1, w2, topk_weights.float().contiguous(),
+                                                          saved)
+    return [dx, dw1, dw2, _laid_out_like(dweights.to(topk_weights.dtype), topk_weights)]
+
+
+@fused_experts_backward.register_fake
+def _fused_experts_backward_fake(grad_out, x, w1, w2, topk_weights, topk_ids, residuals, backend):
+    return [_empty_like_fake(x), _empty_like_fake(w1), _empty_like_fake(w2), _empty_like_fake(topk_weights)]
+
+
+def _experts_setup_context(ctx, inputs, output):
+    x, w1, w2, topk_weights, topk_ids, backend = inputs
+    ctx.save_for_backward(x, w1, w2, topk_weights, topk_ids, *output[1:])
+    ctx.backend = backend
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _experts_autograd_backward(ctx, grad_out, *grad_residuals):
+    x, w1, w2, topk_weights, topk_ids, *residuals = ctx.saved_tensors
+    dx, dw1, dw2, dweights = fused_experts_backward(grad_out, x, w1, w2, topk_weights, topk_ids, residuals,
+                                                    ctx.backend)
+    return dx, dw1, dw2, dweights, None, None
+
+
+fused_experts_forward.register_autograd(_experts_autograd_backward, setup_context=_experts_setup_context)
+
+
+@_op(f"{NAMESPACE}::fused_experts_inference", mutates_args=())
+def fused_experts_inference(x: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+                            backend: str) -> Tensor:
+    with torch.no_grad():
+        return moe_api.fused_experts(x, w1, w2, topk_weights, topk_ids, backend=backend)
+
+
+@fused_experts_inference.register_fake
+def _fused_experts_inference_fake(x, w1, w2, topk_weights, topk_ids, backend):
+    return _fused_experts_forward_fake(x, w1, w2, topk_weights, topk_ids, backend)[0]
+
+
+@_op(f"{NAMESPACE}::fused_moe_inference", mutates_args=())
+def fused_moe_inference(x: Tensor, w1: Tensor, w2: Tensor, router_logits: Tensor, top_k: int, renormalize: bool,
+                        scoring: str, backend: str) -> Tensor:
+    with torch.no_grad():
+        return moe_api.fused_moe(x, w1, w2, router_logits, top_k, renormalize=renormalize, scoring=scoring,
+                                 backend=backend)
+
+
+@fused_moe_inference.register_fake
+def _fused_moe_inference_fake(x, w1, w2, router_logits, top_k, renormalize, scoring, backend):
+    num_tokens, _, num_experts, _ = moe_api._check_experts(x, w1, w2)
+    moe_api._check_router_logits(router_logits, num_tokens, num_experts)
+    moe_api._check_top_k(top_k, num_experts)
+    moe_api._check_routing_options(renormalize, scoring)
+    return x.new_empty(x.shape)
+
+
+def _records_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def compiled_fused_experts(x, w1, w2, topk_weights, topk_ids, backend):
+    if _records_grad(x, w1, w2, topk_weights):
+        return fused_experts_forward(x, w1, w2, topk_weights, topk_ids, backend)[0]
+    return fused_experts_inference(x, w1, w2, topk_weights, topk_ids, backend)
+
+
+def compiled_fused_moe(x, w1, w2, router_logits, top_k, renormalize, scoring, backend):
+    if _records_grad(x, w1, w2, router_logits):
+        topk_weights, topk_ids = moe_route(router_logits, top_k, renormalize, scoring)
+        return fused_experts_forward(x, w1, w2, topk_weights, topk_ids, backend)[0]
+    return fused_moe_inference(x, w1, w2, router_logits, top_k, renormalize, scoring, backend)

@@ -1,0 +1,174 @@
+"""flash_attention_decode on the CPU: the reference against an independent float64 oracle, and bad input.
+
+The Triton kernels run on the CPU in test_decode_interpreter.py and on the GPU in test_decode_gpu.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from decode_helpers import make_case, oracle
+from flashmoe_science import flash_attention_decode
+from flashmoe_science.attention.decode import DecodeTiles, apply_rotary, check_decode, choose_num_splits
+from helpers import oracle as dense_oracle
+
+
+def _gathered(case, k_cache, v_cache, b, lk):
+    pos = torch.arange(lk)
+    if case.block_table is None:
+        return k_cache[b, :lk], v_cache[b, :lk]
+    bs = k_cache.shape[1]
+    blocks = case.block_table[b, pos // bs].long()
+    return k_cache[blocks, pos % bs], v_cache[blocks, pos % bs]
+
+
+@pytest.mark.parametrize("block_size", [None, 16], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("lq,num_new", [(1, 0), (3, 0), (4, 4), (2, 5)])
+def test_reference_matches_dense_oracle_on_gathered_cache(block_size, lq, num_new):
+    """Causal decode = bottom-right causal attention of the new tokens over each row's gathered keys; the append
+    writes k_new/v_new at cache_seqlens."""
+    case = make_case([0 if num_new else 1, 17, 32, 40], lq=lq, hq=6, hkv=2, d=32, dtype=torch.float64,
+                     block_size=block_size, capacity=48, num_new=num_new)
+    before_k = case.k_cache.clone()
+    out, lse = flash_attention_decode(case.q, case.k_cache, case.v_cache, case.cache_seqlens,
+                                      **case.kwargs(return_lse=True))
+    for b, start in enumerate(case.cache_seqlens.tolist()):
+        lk = start + num_new
+        keys, values = _gathered(case, case.k_cache, case.v_cache, b, lk)
+        if num_new:
+            torch.testing.assert_close(keys[start:], case.k_new[b], rtol=0, atol=0)
+            old_keys, _ = _gathered(case, before_k, before_k, b, start)
+            torch.testing.assert_close(keys[:start], old_keys, rtol=0, atol=0)
+        if lk == 0:
+            assert (out[b] == 0).all() and torch.isneginf(lse[b]).all()
+            continue
+        q = case.q[b].transpose(0, 1)
+        ref_out, ref_lse = dense_oracle(q, keys.transpose(0, 1), values.transpose(0, 1), causal=True)
+        torch.testing.assert_close(out[b], ref_out.transpose(0, 1), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse[b], ref_lse, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_reference_is_a_complex_rotation(interleaved):
+    x = torch.randn(2, 3, 4, 32, dtype=torch.float64)
+    angles = torch.randn(10, 8, dtype=torch.float64)  # rotary_dim 16 of 32
+    positions = torch.tensor([[0, 1, 2], [7, 8, 9]])
+    got = apply_rotary(x, angles.cos(), angles.sin(), positions, interleaved)
+    rot = x[..., :16]
+    pairs = torch.complex(rot[..., 0::2], rot[..., 1::2]) if interleaved else torch.complex(rot[..., :8], rot[..., 8:])
+    turned = pairs * torch.polar(torch.ones((), dtype=torch.float64), angles[positions]).unsqueeze(2).to(pairs.dtype)
+    expected = (torch.stack((turned.real, turned.imag), -1).flatten(-2) if interleaved
+                else torch.cat((turned.real, turned.imag), -1))
+    torch.testing.assert_close(got[..., :16], expected)
+    torch.testing.assert_close(got[..., 16:], x[..., 16:], rtol=0, atol=0)
+
+
+def test_window_softcap_alibi_reference_formula():
+    """One row written out by hand: softcap, then ALiBi by distance, then the window; keys past Lk unseen."""
+    case = make_case([9], lq=2, hq=2, hkv=1, d=16, dtype=torch.float64, capacity=12, alibi=True)
+    out, lse = flash_attention_decode(case.q, case.k_cache, case.v_cache, case.cache_seqlens, causal=True,
+                                      window=(3, 0), softcap=2.0, alibi_slopes=case.alibi_slopes, return_lse=True)
+    lk, lq = 9, 2
+    for h in range(2):
+        for i in range(lq):
+            row = i + lk - lq
+            keys = list(range(row - 3, row + 1))
+            s = case.q[0, i, h] @ case.k_cache[0, keys, 0].T / 4.0
+            s = 2.0 * torch.tanh(s / 2.0) - case.alibi_slopes[0, h] * torch.tensor([row - j for j in keys])
+            torch.testing.assert_close(lse[0, h, i], torch.logsumexp(s, 0))
+            torch.testing.assert_close(out[0, i, h], torch.softmax(s, 0) @ case.v_cache[0, keys, 0])
+
+
+def test_float32_reference_matches_float64_oracle():
+    case = make_case([5, 31], lq=4, hq=8, hkv=2, d=32, block_size=16, capacity=48, num_new=4, rotary=True)
+    out = flash_attention_decode(case.q, case.k_cache.clone(), case.v_cache.clone(), case.cache_seqlens,
+                                 **case.kwargs())
+    ref_out, *_ = oracle(case)
+    assert (out.double() - ref_out).abs().max() < 1e-5
+
+
+def _problem(batch, capacity):
+    shape = (batch, capacity, 8, 128)
+    return check_decode(torch.empty(batch, 1, 32, 128), torch.empty(shape), torch.empty(shape),
+                        torch.zeros(batch, dtype=torch.int32), None, None, None, None, None, True, None, None, None,
+                        None)
+
+
+# The split counts that measured best on the H200 (132 SMs; docs/perf-notes.md, 2026-11-24), then two cases
+# with nothing to split (too short; enough programs already)
+MEASURED_BEST_SPLITS = [(1, 8192, 16), (32, 8192, 1), (1, 32768, 16), (8, 32768, 4), (1, 131072, 33),
+                        (2, 131072, 16), (1, 1 << 20, 33), (1, 300, 1), (64, 4096, 1)]
+
+
+@pytest.mark.parametrize("batch,capacity,splits", MEASURED_BEST_SPLITS)
+def test_split_heuristic_from_shapes(batch, capacity, splits):
+    assert choose_num_splits(_problem(batch, capacity), DecodeTiles(16, 64, 4, 3), 132) == splits
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad input
+
+
+def _args(**change):
+    case = make_case([3, 5], lq=2, hq=4, hkv=2, d=32, block_size=16, capacity=32, num_new=2)
+    args = dict(q=case.q, k_cache=case.k_cache, v_cache=case.v_cache, cache_seqlens=case.cache_seqlens,
+                block_table=case.block_table, k_new=case.k_new, v_new=case.v_new)
+    args.update(change)
+    return args
+
+
+def _call(args):
+    args = dict(args)
+    return flash_attention_decode(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"),
+                                  args.pop("cache_seqlens"), **args)
+
+
+BAD_INPUTS = [
+    ("q", lambda a: dict(q=a["q"][:, :, :, :24].contiguous()[..., :16]), "k_cache's head dim"),
+    ("q_tokens", lambda a: dict(q=torch.randn(2, 17, 4, 32)), "1..16 new tokens"),
+    ("heads", lambda a: dict(q=torch.randn(2, 2, 3, 32)), "multiple of the cache"),
+    ("dtype", lambda a: dict(k_cache=a["k_cache"].half()), "k_cache must be torch.float32"),
+    ("table_dtype", lambda a: dict(block_table=a["block_table"].long()), "block_table must be torch.int32"),
+    ("table_rows", lambda a: dict(block_table=a["block_table"][:1]), "block_table must have q's batch size"),
+    ("seqlens_dtype", lambda a: dict(cache_seqlens=a["cache_seqlens"].long()), "cache_seqlens must be torch.int32"),
+    ("seqlens_len", lambda a: dict(cache_seqlens=a["cache_seqlens"][:1]), "cache_seqlens must have"),
+    ("new_pair", lambda a: dict(v_new=None), "k_new and v_new must be given together"),
+    ("new_heads", lambda a: dict(k_new=a["k_new"][:, :, :1], v_new=a["v_new"][:, :, :1]), "k_new must have shape"),
+    ("block_size", lambda a: dict(k_cache=torch.randn(9, 8, 2, 32), v_cache=torch.randn(9, 8, 2, 32)),
+     "block size"),
+    ("strided", lambda a: dict(q=torch.randn(2, 2, 4, 64)[..., ::2]), "q must have unit stride"),
+    ("rotary_alone", lambda a: dict(rotary_cos=torch.ones(40, 8), rotary_sin=torch.ones(40, 8), k_new=None,
+                                    v_new=None), "pass k_new and v_new"),
+    ("rotary_dim", lambda a: dict(rotary_cos=torch.ones(40, 20), rotary_sin=torch.ones(40, 20)), "rotary_dim"),
+    ("alibi", lambda a: dict(alibi_slopes=torch.ones(3)), "alibi_slopes must be float32 of shape"),
+    ("splits", lambda a: dict(num_splits=0), "num_splits"),
+    ("backend", lambda a: dict(backend="cuda"), "backend must be one of"),
+    ("window", lambda a: dict(window=(2,)), "window must be"),
+    # value checks (on by default for CPU tensors)
+    ("table_range", lambda a: dict(block_table=a["block_table"].clone().fill_(99)), r"block_table\[0, 0\] = 99"),
+    ("capacity", lambda a: dict(cache_seqlens=torch.tensor([3, 31], dtype=torch.int32)), "k_new overflows"),
+    ("negative", lambda a: dict(cache_seqlens=torch.tensor([3, -1], dtype=torch.int32)), ">= 0"),
+    ("over", lambda a: dict(cache_seqlens=torch.tensor([3, 33], dtype=torch.int32), k_new=None, v_new=None),
+     "exceeds the cache's capacity"),
+    ("rotary_short", lambda a: dict(rotary_cos=torch.ones(4, 8), rotary_sin=torch.ones(4, 8)), "rotary_cos has 4"),
+]
+
+
+@pytest.mark.parametrize("name,change,message", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_names_the_argument(name, change, message):
+    args = _args()
+    args.update(change(args))
+    with pytest.raises((ValueError, TypeError), match=message):
+        _call(args)
+
+
+def test_unused_table_entries_are_not_checked():
+    """Only the blocks a sequence uses must be valid (vLLM pads tables with garbage)."""
+    args = _args()
+    table = args["block_table"].clone()
+    table[0, 1] = -7  # row 0 holds 3 + 2 keys: block 0 only
+    args["block_table"] = table
+    assert math.isfinite(_call(args).abs().sum().item())

@@ -1,0 +1,108 @@
+"""The decode kernels (append + rotary, split-KV, LSE combine) on the CPU under TRITON_INTERPRET=1, vs float64.
+
+TRITON_INTERPRET must be set before triton is first imported (see test_triton_interpreter.py), so a normal run
+collects only `test_decode_interpreter_in_subprocess`, which runs this file in a child pytest with the variable
+set. Sizes are tiny (the interpreter runs tiles as numpy arrays): 16-key tiles, block size 16, D=32; fp16 and fp32
+only (the interpreter's bf16 dot is broken). To see the cases:
+`TRITON_INTERPRET=1 PYTHONPATH=src python -m pytest tests/attention/test_decode_interpreter.py`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from decode_helpers import assert_decode_close, make_case
+from flashmoe_science import flash_attention_decode
+from interpreter_driver import run_under_interpreter
+
+IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DRIVER = "test_decode_interpreter_in_subprocess"
+
+
+def test_decode_interpreter_in_subprocess(request):
+    if IN_INTERPRETER:
+        pytest.skip("already under TRITON_INTERPRET=1: the cases run in this process")
+    summary = run_under_interpreter(request.config.rootpath, __file__)
+    print(f"TRITON_INTERPRET=1 child: {summary}")
+
+
+def _run(case, **options):
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    out, lse = flash_attention_decode(case.q, k_cache, v_cache, case.cache_seqlens,
+                                      **case.kwargs(return_lse=True, backend="triton", **options))
+    mask = {name: options[name] for name in ("causal", "window", "softcap", "rotary_interleaved") if name in options}
+    appended = case.k_new is not None
+    assert_decode_close(case, out, lse, k_cache if appended else None, v_cache if appended else None, **mask)
+    return out, lse
+
+
+# Lengths per row: empty, 1, odd, a block boundary, full (capacity 48 = 3 blocks of 16)
+LENGTHS = [0, 1, 17, 32, 48]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("block_size", [None, 16], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("splits", [1, 3, "auto"])
+def test_lengths_and_splits(block_size, splits, dtype):
+    case = make_case(LENGTHS, lq=1, hq=4, hkv=2, d=32, dtype=dtype, block_size=block_size, capacity=48)
+    out, lse = _run(case, num_splits=splits)
+    assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()  # the empty sequence
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("lq", [1, 4])
+def test_gqa_and_new_tokens(group, lq):
+    # group 8 x 4 tokens = 32 rows: two 16-row tiles per KV head
+    case = make_case([4, 23, 40], lq=lq, hq=2 * group, hkv=2, d=32, block_size=16, capacity=48)
+    _run(case, num_splits=2)
+
+
+@pytest.mark.parametrize("block_size", [None, 16], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("rotary,interleaved", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "rotary", "rotary-interleaved"])
+def test_append(block_size, rotary, interleaved):
+    case = make_case([0, 13, 44], lq=4, hq=4, hkv=2, d=32, block_size=block_size, capacity=48, num_new=4,
+                     rotary=rotary)
+    _run(case, num_splits=2, rotary_interleaved=interleaved)
+
+
+def test_append_non_causal_rotary_rotates_q_at_cache_seqlens():
+    case = make_case([5, 30], lq=2, hq=4, hkv=2, d=32, capacity=40, num_new=2, rotary=True)
+    _run(case, causal=False)
+
+
+@pytest.mark.parametrize("mask", [dict(window=(5, 0)), dict(window=(20, 3), causal=False), dict(softcap=2.5),
+                                  dict(alibi=True), dict(window=(9, 0), softcap=4.0, alibi=True)],
+                         ids=["window", "window-noncausal", "softcap", "alibi", "all"])
+def test_masks(mask):
+    mask = dict(mask)
+    case = make_case([1, 19, 37], lq=3, hq=4, hkv=2, d=32, block_size=16, capacity=48, alibi=mask.pop("alibi", False))
+    _run(case, num_splits=3, **mask)
+
+
+def test_head_dim_padding():
+    case = make_case([7, 33], lq=2, hq=2, hkv=1, d=40, capacity=40)  # D=40 runs as 64 with masked columns
+    _run(case, num_splits=2)
+
+
+def test_bad_values_never_leave_the_cache():
+    """check_values=False (what a CUDA graph needs): out-of-range block indices and lengths are clamped; the call
+    finishes with finite numbers and the spare blocks of the pool are never written."""
+    case = make_case([5, 20], lq=1, hq=2, hkv=1, d=32, block_size=16, capacity=32, num_new=1)
+    case.block_table[1, 1] = 1000
+    case.cache_seqlens[0] = 10**6
+    k_cache = case.k_cache.clone()
+    out = flash_attention_decode(case.q, k_cache, case.v_cache.clone(), case.cache_seqlens,
+                                 **case.kwargs(backend="triton", check_values=False))
+    assert torch.isfinite(out).all()
+    used = set(case.block_table.flatten().tolist()) | {k_cache.shape[0] - 1}  # 1000 clamps to the last block
+    for block in set(range(k_cache.shape[0])) - used:
+        assert torch.equal(k_cache[block], case.k_cache[block])
+
+
+if not IN_INTERPRETER:
+    for _name in [n for n in list(globals()) if n.startswith("test_") and n != DRIVER]:
+        del globals()[_name]

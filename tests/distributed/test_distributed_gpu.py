@@ -1,0 +1,33 @@
+"""The distributed cases (ring_cases.py, moe_cases.py) with CUDA tensors: the GPU kernels between ranks.
+
+- One GPU (the H200 here): 2 ranks of a gloo group share it, their tensors staged through host memory
+  (distributed/comm.py); checks the local kernels, the merges and the gradient bookkeeping on the GPU.
+- Two or more GPUs: NCCL, one GPU per rank (the issue "multi-GPU measurement"). NVLink multicast is left off
+  (NCCL_NVLS_ENABLE=0 in the environment of the run).
+"""
+
+import pytest
+import torch
+
+from all_cases import CASES as ALL_CASES
+
+pytestmark = pytest.mark.gpu
+CASES = [name for name in ALL_CASES if not name.startswith("bench_cases.")]  # the bench runs its own GPU sizes
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_cases_on_one_gpu_gloo(distributed_case, case):
+    distributed_case(2, case, "gloo", "cuda")
+
+
+def _gpu_counts():
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return sorted({n for n in (2, 4, count) if 2 <= n <= count}) or [2]
+
+
+@pytest.mark.parametrize("world_size", _gpu_counts())
+@pytest.mark.parametrize("case", CASES)
+def test_cases_nccl(distributed_case, world_size, case):
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs for NCCL (one per rank), found {torch.cuda.device_count()}")
+    distributed_case(world_size, case, "nccl", "cuda")

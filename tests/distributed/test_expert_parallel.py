@@ -1,0 +1,34 @@
+"""Expert-parallel MoE in 2 and 4 CPU processes (gloo): outputs and gradients equal the whole layer run in one
+process on every rank's tokens (moe_cases.py; ragged token counts, a rank without tokens, a rank that receives none)."""
+
+import pytest
+
+import moe_cases
+from flashmoe_science.distributed import expert_bounds
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+@pytest.mark.parametrize("case", moe_cases.CASES)
+def test_expert_parallel(distributed_case, world_size, case):
+    distributed_case(world_size, f"moe_cases.{case}")
+
+
+def test_expert_bounds():
+    assert expert_bounds(8, 4) == [0, 2, 4, 6, 8]
+    assert expert_bounds(7, 4) == [0, 2, 4, 6, 7]
+
+
+@pytest.mark.parametrize("world_size", (2,))
+def test_distributed_bench_harness(distributed_case, world_size):
+    distributed_case(world_size, "bench_cases.bench_scaling_smoke")
+
+
+def test_cli_suite_distributed_without_torchrun_or_gpu(capsys):
+    import torch
+
+    from flashmoe_science.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the command runs the one-GPU overlap measurement")
+    assert main(["bench", "--suite", "distributed"]) == 2
+    assert "torchrun" in capsys.readouterr().err
