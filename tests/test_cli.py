@@ -330,14 +330,11 @@ def test_progress_bar_text():
     with report.Progress(total=4, desc="attention", stream=stream, log_interval_s=math.inf) as progress:
         progress.update(desc="first")
         progress.update(n=3, desc="rest")
-        assert "4/4 100%" in progress.render() and "rest" in progress.render()
-    lines = stream.getvalue().splitlines()
-    assert len(lines) == 2  # not a terminal: the first line, then one at the end, nothing in between
-    every_step = io.StringIO()
-    with report.Progress(total=2, stream=every_step, log_interval_s=0) as progress:
-        progress.update(n=2)
-    assert len(every_step.getvalue().splitlines()) == 1  # closing does not repeat the final line
-    unknown_total = report.Progress(stream=io.StringIO())
+        text = progress.render()
+        assert "attention" in text and "4/4" in text and "100%" in text and "rest" in text
+    # not a terminal: the bar at the start, then once at the end, no refresh in between
+    assert stream.getvalue().count("/4") == 2 and "first" not in stream.getvalue()
+    unknown_total = report.Progress(desc="moe", stream=io.StringIO())
     unknown_total.update()
     assert "1 done" in unknown_total.render()
 

@@ -76,6 +76,9 @@ def run_info(args: argparse.Namespace) -> int:
         ]
     labels = {"torch": "torch", "triton": "triton", "cuda": "CUDA", "cudnn": "cuDNN", "python": "python"}
     pairs += [(labels[key], version) for key, version in software_versions().items()]
+    from flashmoe_science.hopper.availability import describe as gluon_status
+
+    pairs.append(("Gluon sm_90 kernels", gluon_status()))
     _print_key_values(pairs)
     print()
     _print_sample_dispatch()

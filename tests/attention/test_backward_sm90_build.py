@@ -21,6 +21,7 @@ def _sass(compiled) -> str:
     return sass
 
 
+@pytest.mark.sm90_build
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
 def test_builds_for_sm90_with_register_operands_and_tma_reduce_adds():
     """D=128, causal: Sᵀ/dPᵀ/dQ from shared memory, dV/dK with P and dS from registers, dQ by TMA reduce-adds, and
@@ -35,6 +36,7 @@ def test_builds_for_sm90_with_register_operands_and_tma_reduce_adds():
     assert compiled.metadata.shared <= 227 * 1024
 
 
+@pytest.mark.sm90_build
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_head_dim_256_builds_as_two_kernels_without_atomics_or_spills(causal):

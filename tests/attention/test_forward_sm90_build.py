@@ -1,6 +1,6 @@
 """The Gluon sm_90 forward without a GPU: its sm_90 build (ptxas and cuobjdump ship with triton) at the tiles the
 library launches, the launch arguments a window, softcap, ALiBi or packed batch sets, and builds of those feature
-paths (every combination: `scripts/compile_sm90.py --sweep`). Numerics run on the H200 (test_forward_gpu.py,
+paths (every combination: `benchmarks/tools/sass_attention_forward.py --sweep`). Numerics run on the H200 (test_forward_gpu.py,
 test_forward_sm90_masks_gpu.py)."""
 
 from __future__ import annotations
@@ -114,6 +114,7 @@ CASES = {
 }
 
 
+@pytest.mark.sm90_build
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
 @pytest.mark.parametrize("case", list(CASES), ids=lambda c: "D{}-{}-L{}-q{}{}".format(
     c[0], "causal" if c[1] else "full", c[2], c[3], "-cross" if c[4] else ""))

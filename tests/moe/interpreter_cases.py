@@ -166,7 +166,7 @@ def test_explicit_tiles_reach_every_kernel():
     # both combine GEMMs, 32-row tiles, K steps that do not divide d or F
     from dataclasses import replace
 
-    from flashmoe_science.moe import triton_gemm
+    from flashmoe_science.moe import layer
     from flashmoe_science.moe.tiles import GemmTiles, choose_tiles
 
     x, w1, w2 = make_experts(30, 48, 40, 5, torch.float32)
@@ -179,9 +179,9 @@ def test_explicit_tiles_reach_every_kernel():
     )
     grad_out = torch.randn(30, 48)
     weights32 = weights.float().contiguous()
-    out, saved = triton_gemm.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
+    out, saved = layer.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
     assert saved.tiles == tiles
-    dx, dw1, dw2, dweights = triton_gemm.moe_backward(grad_out, x, w1, w2, weights32, saved)
+    dx, dw1, dw2, dweights = layer.moe_backward(grad_out, x, w1, w2, weights32, saved)
 
     leaves = [t.clone().requires_grad_() for t in (x, w1, w2, weights)]
     ref = fused_experts(*leaves, ids, backend="reference")
@@ -221,7 +221,7 @@ def test_backward_with_expanded_grad_and_strided_x():
     (64, GemmTiles(256, 64, 4, 4), GemmTiles(256, 64, 4, 4), GemmTiles(128, 64, 4, 2, block_m=64, persistent=2)),
 ])
 def test_combine_tiles_agree_for_every_block_m(block_m, down, dx, wgrad):
-    from flashmoe_science.moe import triton_gemm
+    from flashmoe_science.moe import layer
 
     x, w1, w2 = make_experts(40, 64, 96, 4, torch.float32)
     weights, ids = moe_route(torch.randn(40, 4), 2)
@@ -229,8 +229,8 @@ def test_combine_tiles_agree_for_every_block_m(block_m, down, dx, wgrad):
     tiles = MoETiles(block_m=block_m, group_m=8, up=small, down=down, up_bwd=small, dx=dx, dw1=wgrad, dw2=wgrad)
     weights32 = weights.float().contiguous()
     grad_out = torch.randn(40, 64)
-    out, saved = triton_gemm.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
-    grads = triton_gemm.moe_backward(grad_out, x, w1, w2, weights32, saved)
+    out, saved = layer.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
+    grads = layer.moe_backward(grad_out, x, w1, w2, weights32, saved)
     leaves = [t.clone().requires_grad_() for t in (x, w1, w2, weights)]
     ref = fused_experts(*leaves, ids, backend="reference")
     ref_grads = torch.autograd.grad(ref, leaves, grad_out)
@@ -305,7 +305,7 @@ def test_weight_gradient_operands_have_zero_padding_rows(dtype):
     unmasked, so their producers write zeros there: the training forward's h, the SwiGLU backward's d(gate, up) and
     the row gathers' x and weight * dout (with and without the row scale). Rows of unused tiles stay unwritten
     (NaN-poisoned here), the valid rows are unchanged."""
-    from flashmoe_science.moe import triton_gemm
+    from flashmoe_science.moe import layer, triton_gemm
     from flashmoe_science.moe.tiles import choose_tiles
 
     num_tokens, d_model, d_ff, num_experts, top_k = 30, 32, 48, 5, 2
@@ -314,7 +314,7 @@ def test_weight_gradient_operands_have_zero_padding_rows(dtype):
     ids[3, 1] = -1  # a dropped slot
     weights32 = weights.float().contiguous()
     tiles = choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, x.device)
-    _, saved = triton_gemm.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
+    _, saved = layer.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
     sort = saved.sort
     num_rows = sort.tile_expert.numel() * tiles.block_m
     used = sort.tile_expert.long()[torch.arange(num_rows) // tiles.block_m] >= 0
@@ -324,12 +324,12 @@ def test_weight_gradient_operands_have_zero_padding_rows(dtype):
     tokens = sort.sorted_pair_ids[valid].long() // top_k
 
     grad_out = torch.randn(num_tokens, d_model).to(dtype)
-    dgu, dweights = triton_gemm.backward_buffers(x, w1, sort, tiles)
-    dh = triton_gemm.dh_buffer(dgu)
+    dgu, dweights = layer.backward_buffers(x, w1, sort, tiles)
+    dh = layer.dh_buffer(dgu)
     triton_gemm.dh_launch(grad_out, w2, dh, sort, tiles)()
     triton_gemm.swiglu_backward_launch(saved.gate_up, dh, saved.h, weights32, dgu, dweights, sort)()
-    x_sorted = triton_gemm.sorted_rows(x, None, sort, num_rows)
-    g_sorted = triton_gemm.sorted_rows(grad_out, weights32, sort, num_rows)
+    x_sorted = layer.sorted_rows(x, None, sort, num_rows)
+    g_sorted = layer.sorted_rows(grad_out, weights32, sort, num_rows)
     for name, t in (("h", saved.h), ("dgu", dgu), ("x_sorted", x_sorted), ("g_sorted", g_sorted)):
         assert torch.all(t[padding] == 0), name
         assert t[~used].isnan().all(), name
@@ -338,7 +338,7 @@ def test_weight_gradient_operands_have_zero_padding_rows(dtype):
     scale = weights32.reshape(-1)[sort.sorted_pair_ids[valid].long()]
     torch.testing.assert_close(g_sorted[valid], (grad_out[tokens].float() * scale[:, None]).to(dtype))
     # inference keeps h's padding rows unwritten (no extra writes when nothing is saved)
-    h_inference, _, _ = triton_gemm.forward_buffers(x, w1, sort, tiles)
+    h_inference, _, _ = layer.forward_buffers(x, w1, sort, tiles)
     triton_gemm.up_swiglu_launch(x, w1, h_inference, None, sort, tiles)()
     assert h_inference[padding].isnan().all()
     torch.testing.assert_close(h_inference[valid], saved.h[valid])

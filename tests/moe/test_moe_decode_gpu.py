@@ -4,7 +4,7 @@ inference call of at most MAX_DECODE_TOKENS tokens. Against float64 within 2x Py
 import pytest
 import torch
 
-from flashmoe_science.moe import api, fused_experts, fused_moe, moe_route, triton_decode, triton_gemm
+from flashmoe_science.moe import api, fused_experts, fused_moe, moe_route, layer, triton_decode
 from moe_testing import assert_within_budget, make_experts, reference64, torch_loop_same_dtype
 
 pytestmark = pytest.mark.gpu
@@ -19,7 +19,7 @@ def _exact_fp32_and_no_batched_path(monkeypatch):
     def batched(*args, **kwargs):
         raise AssertionError("a decode-sized inference call took the batched path")
 
-    monkeypatch.setattr(triton_gemm, "moe_forward", batched)
+    monkeypatch.setattr(layer, "moe_forward", batched)
     api._PREPARED.clear()
     yield
     api._PREPARED.clear()

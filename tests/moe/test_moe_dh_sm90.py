@@ -21,7 +21,7 @@ from flashmoe_science.moe.hopper import dx_sm90 as gdx  # noqa: E402
 from flashmoe_science.hopper.common import offline_sass, spill_budget, spill_count  # noqa: E402
 from flashmoe_science.moe.hopper.dx_sm90 import DxConfig, SwigluOperands  # noqa: E402
 
-# the dh configs of scripts/ab_moe_dx_sm90.py (keep in step): ping-pong 128x128 with 4 / 5 stages, cooperative
+# the dh configs the A/B script measured (scripts/ab_moe_dx_sm90.py, git history): ping-pong 128x128 with 4 / 5 stages, cooperative
 # 128x256 with 3
 AB_CONFIGS = [DxConfig(128, 64, 4, pingpong=True), DxConfig(128, 64, 5, pingpong=True), DxConfig(256, 64, 3)]
 # and its dh_swiglu configs with 32-column epilogue chunks: ping-pong 128x128 (one set of epilogue buffers beside a
@@ -190,7 +190,7 @@ def test_swiglu_cpu_tensors_are_refused_with_a_value_error():
 
 
 def test_meta_stand_in_for_the_gathered_operand():
-    """moe_backward (triton_gemm._hopper_dh_swiglu) checks a meta tensor of the gathered copy's shape and dtype
+    """moe_backward (layer._hopper_dh_swiglu) checks a meta tensor of the gathered copy's shape and dtype
     before making it: it passes where the real copy would, and d % block_k still sends dh to Triton."""
     for d_model, passes in ((128, True), (96, False)):
         _, w2, dgu, swiglu, sort = _swiglu_case(d_model=d_model)
@@ -202,13 +202,13 @@ def test_meta_stand_in_for_the_gathered_operand():
 
 def test_the_triton_path_off_hopper():
     """On the CPU moe_backward's dh + SwiGLU step takes the Triton kernels (the Gluon kernel needs a Hopper GPU)."""
-    from flashmoe_science.moe import triton_gemm
+    from flashmoe_science.moe import layer
     from flashmoe_science.moe.tiles import choose_tiles
 
     _, w2, dgu, swiglu, sort = _swiglu_case()
     tiles = replace(choose_tiles(16, 2, 4, 128, 64, torch.device("cpu")), block_m=128)
     grad_out = torch.zeros(16, 128, dtype=torch.bfloat16)
-    assert triton_gemm._hopper_dh_swiglu(grad_out, w2, *swiglu[:2], swiglu.row_scale, dgu, swiglu.dscale, sort,
+    assert layer._hopper_dh_swiglu(grad_out, w2, *swiglu[:2], swiglu.row_scale, dgu, swiglu.dscale, sort,
                                          tiles) is None
 
 
@@ -235,6 +235,7 @@ NOT_INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == 
                                      reason="a real sm_90 build, not the interpreter")
 
 
+@pytest.mark.sm90_build
 @NOT_INTERPRETED
 @pytest.mark.parametrize("config", AB_CONFIGS, ids=lambda c: c.label().replace(" ", "-"))
 def test_builds_for_sm90_with_tma_wgmma_row_stores_and_no_spills(config):
@@ -251,6 +252,7 @@ def test_builds_for_sm90_with_tma_wgmma_row_stores_and_no_spills(config):
     assert compiled.metadata.shared <= gdx.smem_bytes(config) <= gdx.HOPPER_SMEM_PER_BLOCK
 
 
+@pytest.mark.sm90_build
 @NOT_INTERPRETED
 @pytest.mark.parametrize("model, config", [("mixtral", c) for c in SWIGLU_CONFIGS]
                          + [("qwen3", gdx.DH_SWIGLU_CONFIG)],
@@ -314,10 +316,10 @@ def _float64_dh(grad_out, w2, sort):
 ])
 def test_matches_float64_and_the_triton_dh_kernel(config, dtype, num_tokens, d_model, d_ff, num_experts, top_k,
                                                   routing, num_ctas):
-    """dh_sm90 over dout gathered by triton_gemm.sorted_rows (NaN in the padding rows it reads: they must not reach
+    """dh_sm90 over dout gathered by layer.sorted_rows (NaN in the padding rows it reads: they must not reach
     a valid row) against triton_gemm.dh_launch and float64, on the valid rows; the padding rows of dh (NaN) stay
     untouched."""
-    from flashmoe_science.moe import triton_gemm
+    from flashmoe_science.moe import layer, triton_gemm
     from flashmoe_science.moe.dispatch import sort_pairs_by_expert
     from flashmoe_science.moe.tiles import GemmTiles, choose_tiles
 
@@ -327,7 +329,7 @@ def test_matches_float64_and_the_triton_dh_kernel(config, dtype, num_tokens, d_m
     rows = sort.tile_expert.numel() * 128
     grad_out = torch.randn(num_tokens, d_model, device=device).to(dtype)
     w2 = (torch.randn(num_experts, d_model, d_ff, device=device) / d_model**0.5).to(dtype)
-    dout_sorted = triton_gemm.sorted_rows(grad_out, None, sort, rows)
+    dout_sorted = layer.sorted_rows(grad_out, None, sort, rows)
     valid = sort.sorted_pair_ids < sort.num_pairs
     dout_sorted[~valid] = float("nan")
     # 128-row tiles as the Gluon kernel's (the heuristic picks fewer rows for the small cases), with a 128x128 dh tile
@@ -379,7 +381,7 @@ def test_fused_swiglu_matches_the_triton_dh_and_swiglu_kernels(config, dtype, nu
     accumulation order of dh (a rounding flip of the output dtype now and then), the routing-weight gradient close,
     zeros in the padding rows of used row tiles, rows of unused tiles untouched (NaN). dout's gathered copy, gate_up
     and h hold NaN in every row without a pair: none of it may reach a valid row."""
-    from flashmoe_science.moe import triton_gemm
+    from flashmoe_science.moe import layer, triton_gemm
     from flashmoe_science.moe.dispatch import sort_pairs_by_expert
     from flashmoe_science.moe.tiles import GemmTiles, choose_tiles
 
@@ -403,7 +405,7 @@ def test_fused_swiglu_matches_the_triton_dh_and_swiglu_kernels(config, dtype, nu
     ref_dscale = torch.zeros(num_tokens, top_k, device=device)
     triton_gemm.swiglu_backward_launch(gate_up, dh, h, weights32, ref, ref_dscale, sort)()
 
-    dout_sorted = triton_gemm.sorted_rows(grad_out, None, sort, rows)
+    dout_sorted = layer.sorted_rows(grad_out, None, sort, rows)
     dout_sorted[~valid] = float("nan")
     dgu = torch.full((rows, 2 * d_ff), float("nan"), device=device, dtype=dtype)
     dscale = torch.zeros(num_tokens, top_k, device=device)
@@ -436,7 +438,7 @@ def test_backward_with_the_fused_dh_matches_the_backward_with_the_triton_kernels
                                                                                  d_ff, num_experts, top_k):
     """moe_backward takes dh_swiglu_sm90 on the H200 (128-row tiles); its gradients against moe_backward with
     dh_launch + swiglu_backward_launch, every buffer NaN-poisoned before it is written."""
-    from flashmoe_science.moe import moe_route, triton_gemm
+    from flashmoe_science.moe import layer, moe_route
     from flashmoe_science.moe.tiles import choose_tiles
     from moe_testing import make_experts
 
@@ -447,16 +449,16 @@ def test_backward_with_the_fused_dh_matches_the_backward_with_the_triton_kernels
     weights32 = weights.float().contiguous()
     tiles = choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, torch.device(device))
     assert tiles.block_m == 128
-    _, saved = triton_gemm.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
+    _, saved = layer.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
     grad_out = torch.randn(num_tokens, d_model, device=device).to(torch.bfloat16)
 
     calls = []
     fused = gdx.dh_swiglu_sm90
     monkeypatch.setattr(gdx, "dh_swiglu_sm90", lambda *args, **kw: calls.append(1) or fused(*args, **kw))
-    ours = triton_gemm.moe_backward(grad_out, x, w1, w2, weights32, saved)
+    ours = layer.moe_backward(grad_out, x, w1, w2, weights32, saved)
     assert calls, "moe_backward did not take the fused Gluon dh"
-    monkeypatch.setattr(triton_gemm, "_hopper_dh_swiglu", lambda *args: None)
-    theirs = triton_gemm.moe_backward(grad_out, x, w1, w2, weights32, saved)
+    monkeypatch.setattr(layer, "_hopper_dh_swiglu", lambda *args: None)
+    theirs = layer.moe_backward(grad_out, x, w1, w2, weights32, saved)
     torch.cuda.synchronize()
     assert len(calls) == 1
     for name, a, b in zip(("dx", "dw1", "dw2", "dweights"), ours, theirs):

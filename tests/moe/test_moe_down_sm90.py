@@ -88,19 +88,20 @@ def test_split_tail_is_allowed_for_down():
 
 
 def test_cpu_forward_keeps_the_triton_down_launch():
-    from flashmoe_science.moe import triton_gemm
+    from flashmoe_science.moe import layer
     from flashmoe_science.moe.launch import Launch
     from flashmoe_science.moe.tiles import choose_tiles
 
     h, w2, out32, weights, sort = _cpu_case()
     tiles = replace(choose_tiles(16, 2, 4, 256, 128, torch.device("cpu")), block_m=128)
-    launch = triton_gemm._down_launch(h, w2, out32, weights, sort, tiles)
+    launch = layer._down_launch(h, w2, out32, weights, sort, tiles)
     assert isinstance(launch, Launch)
-    assert triton_gemm._down_sort_tensors(launch) == ("sorted_pair_ids", "tile_expert")
-    hopper = triton_gemm.HopperDownLaunch(h, w2, out32, weights, sort)
-    assert triton_gemm._down_sort_tensors(hopper) == gdx.DOWN_SORT_TENSORS
+    assert layer._down_sort_tensors(launch) == ("sorted_pair_ids", "tile_expert")
+    hopper = layer.HopperDownLaunch(h, w2, out32, weights, sort, tiles)
+    assert layer._down_sort_tensors(hopper) == gdx.DOWN_SORT_TENSORS
 
 
+@pytest.mark.sm90_build
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
 @pytest.mark.parametrize("config", [gdx.LONG_K_CONFIG, gdx.SHORT_K_CONFIG])
 def test_builds_for_sm90_with_transposed_b_and_no_spills(config):
@@ -207,7 +208,7 @@ def test_prepared_down_matches_a_direct_call_on_new_tensors():
 def test_forward_runs_the_gluon_down_and_matches_the_reference():
     """moe_forward on Hopper with 128-row tiles takes HopperDownLaunch; its output, eager and prepared, against the
     float64 reference within 2x PyTorch's own bf16 error."""
-    from flashmoe_science.moe import moe_route, triton_gemm
+    from flashmoe_science.moe import layer, moe_route
     from moe_testing import assert_within_budget, make_experts, reference64, torch_loop_same_dtype
 
     torch.manual_seed(0)
@@ -215,13 +216,13 @@ def test_forward_runs_the_gluon_down_and_matches_the_reference():
     x, w1, w2 = make_experts(num_tokens, d_model, d_ff, num_experts, torch.bfloat16, "cuda")
     weights, ids = moe_route(torch.randn(num_tokens, num_experts, device="cuda"), top_k)
     weights32 = weights.float().contiguous()
-    tiles = triton_gemm._default_tiles(x, w1, ids)
+    tiles = layer._default_tiles(x, w1, ids)
     if tiles.block_m != 128:
         pytest.skip(f"the heuristic chose block_m={tiles.block_m}")
-    *_, launches = triton_gemm._forward_launches(x, w1, w2, weights32, ids, tiles)
-    assert isinstance(launches[-1], triton_gemm.HopperDownLaunch)
-    out, _ = triton_gemm.moe_forward(x, w1, w2, weights32, ids)
-    prepared = triton_gemm.prepare_forward(x, w1, w2, weights32, ids)
+    *_, launches = layer._forward_launches(x, w1, w2, weights32, ids, tiles)
+    assert isinstance(launches[-1], layer.HopperDownLaunch)
+    out, _ = layer.moe_forward(x, w1, w2, weights32, ids)
+    prepared = layer.prepare_forward(x, w1, w2, weights32, ids)
     assert prepared.down_sort_tensors == gdx.DOWN_SORT_TENSORS
     again = prepared(x, w1, w2, weights32, ids)
     ref = reference64(x, w1, w2, weights, ids)

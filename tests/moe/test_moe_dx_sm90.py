@@ -114,6 +114,7 @@ def test_configs_of_the_ab_script_fit_shared_memory():
         gdx.check_config(config)
 
 
+@pytest.mark.sm90_build
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
 @pytest.mark.parametrize("config", [DxConfig(), gdx.LONG_K_CONFIG, gdx.SHORT_K_CONFIG])
 def test_builds_for_sm90_with_tma_wgmma_and_no_spills(config):

@@ -189,7 +189,7 @@ def test_repeated_signature_takes_the_prepared_launches(monkeypatch, entry, num_
     """The second inference call of a signature skips the checks, the tiles and Triton's binding (moe.api._PREPARED):
     bit for bit the full path's output where the combine is order-independent (at most two float32 atomic adds per
     output element), and within budget on new data of that signature."""
-    from flashmoe_science.moe import api, triton_gemm
+    from flashmoe_science.moe import api, layer
 
     def call(x, w1, w2, logits):
         if entry == "fused_moe":
@@ -211,7 +211,7 @@ def test_repeated_signature_takes_the_prepared_launches(monkeypatch, entry, num_
         def full_path(*args, **kwargs):
             raise AssertionError("a repeated signature took the full path")
 
-        monkeypatch.setattr(triton_gemm, "moe_forward", full_path)
+        monkeypatch.setattr(layer, "moe_forward", full_path)
         again = call(x, w1, w2, logits)
         if exact:
             assert torch.equal(first, again)

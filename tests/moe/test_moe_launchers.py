@@ -1,6 +1,6 @@
 """The MoE forward's prepared launches on the CPU, up to the launch: what the compiled kernels would be handed.
 
-A repeated inference call of one signature runs `triton_gemm.PreparedForward`: its launches (the sort's, one where
+A repeated inference call of one signature runs `layer.PreparedForward`: its launches (the sort's, one where
 all pairs fit one chunk or else count, scan and scatter; then up and down) as PreparedLaunches with fresh buffers
 per call. Stubs stand in for the JIT
 kernels and their compiled kernels and record every launch; the prepared call must hand each compiled kernel
@@ -17,7 +17,7 @@ import torch
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     pytest.skip("launchers are stubbed here; the interpreter runs the real kernels elsewhere", allow_module_level=True)
 
-from flashmoe_science.moe import api, dispatch, triton_gemm  # noqa: E402
+from flashmoe_science.moe import api, dispatch, layer, triton_gemm  # noqa: E402
 from flashmoe_science.moe.launch import Launch  # noqa: E402
 
 KERNELS = [(dispatch, "_sort_one_chunk"), (dispatch, "_count_chunks"), (dispatch, "_scan_counts"),
@@ -108,7 +108,7 @@ def _jit_launches(kernels):
 def test_prepared_forward_repeats_the_jit_launches_on_new_tensors(kernels, num_tokens, d_model, d_ff, num_experts,
                                                                   top_k, dtype, layout):
     shape = (num_tokens, d_model, d_ff, num_experts, top_k, dtype, layout)
-    prepared = triton_gemm.prepare_forward(*_inputs(*shape))
+    prepared = layer.prepare_forward(*_inputs(*shape))
     one_chunk = num_tokens * top_k <= 128
     assert [bool(k.warmed) for k in kernels[:4]] == [one_chunk, *[not one_chunk] * 3]
     kernels = [k for k in kernels if k.warmed]
@@ -127,7 +127,7 @@ def test_prepared_forward_repeats_the_jit_launches_on_new_tensors(kernels, num_t
         assert run[3:9] == (1234, "function", "metadata", None, None, None)
         prepared_runs.append((run[:3], run[9:]))
 
-    triton_gemm.moe_forward(*new, tiles=prepared.tiles)
+    layer.moe_forward(*new, tiles=prepared.tiles)
     assert _canonical(prepared_runs, names) == _canonical(_jit_launches(kernels), names)
     for kernel in kernels:  # the JIT launch's options are the prepared launch's
         (_, _, kwargs), = kernel.launches
@@ -138,7 +138,7 @@ def test_prepared_forward_repeats_the_jit_launches_on_new_tensors(kernels, num_t
 
 def test_prepared_forward_refuses_a_misaligned_input(kernels):
     shape = (4, 64, 48, 8, 2, torch.bfloat16, "contiguous")
-    prepared = triton_gemm.prepare_forward(*_inputs(*shape))
+    prepared = layer.prepare_forward(*_inputs(*shape))
     x, w1, w2, weights32, ids = _inputs(*shape)
     misaligned = torch.empty(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape)
     with pytest.raises(ValueError, match="alignment"):
@@ -203,9 +203,9 @@ def test_api_runs_a_remembered_signature_through_its_prepared_launches(kernels, 
         weights, ids = api.moe_route(logits, top_k)
         key = (api._moe_key(x, w1, w2, logits, top_k, True, "softmax", "triton") if entry == "fused_moe"
                else api._experts_key(x, w1, w2, weights, ids, "triton"))
-        prepared = triton_gemm.prepare_forward(x, w1, w2, weights, ids)
+        prepared = layer.prepare_forward(x, w1, w2, weights, ids)
         api._PREPARED[key] = api._RoutedForward(prepared, top_k, True, "softmax") if entry == "fused_moe" else prepared
-        monkeypatch.setattr(triton_gemm, "moe_forward", None)
+        monkeypatch.setattr(layer, "moe_forward", None)
         x2 = torch.randn_like(x)
         out = call(x2, torch.randn_like(logits))
     assert out.shape == x.shape and out.dtype == x.dtype

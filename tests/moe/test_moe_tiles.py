@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from flashmoe_science.moe import triton_gemm  # noqa: E402
+from flashmoe_science.moe import layer, triton_gemm  # noqa: E402
 from flashmoe_science.moe.dispatch import ExpertSort, max_row_tiles  # noqa: E402
 from flashmoe_science.moe.tiles import GemmTiles, choose_tiles, gemm_smem_bytes, split_k_for  # noqa: E402
 
@@ -63,9 +63,9 @@ def test_every_moe_launch_uses_the_shared_precision_policy(monkeypatch, dtype, p
     w1 = torch.zeros(num_experts, 2 * d_ff, d_model, dtype=dtype)
     w2 = torch.zeros(num_experts, d_model, d_ff, dtype=dtype)
     weights32 = torch.zeros(num_tokens, top_k)
-    h, out32, gate_up = triton_gemm.forward_buffers(x, w1, sort, tiles, save_for_backward=True)
-    dgu, dweights = triton_gemm.backward_buffers(x, w1, sort, tiles)
-    dh = triton_gemm.dh_buffer(dgu)
+    h, out32, gate_up = layer.forward_buffers(x, w1, sort, tiles, save_for_backward=True)
+    dgu, dweights = layer.backward_buffers(x, w1, sort, tiles)
+    dh = layer.dh_buffer(dgu)
     launches = [
         triton_gemm.up_swiglu_launch(x, w1, h, gate_up, sort, tiles),
         triton_gemm.down_forward_launch(h, w2, out32, weights32, sort, tiles),
@@ -85,7 +85,7 @@ def test_launches_follow_the_tiles_they_are_given(monkeypatch):
     sort = _sort(64, 2, 8, 64)
     x = torch.zeros(64, 256, dtype=torch.bfloat16)
     w1 = torch.zeros(8, 2 * 320, 256, dtype=torch.bfloat16)
-    h, _, gate_up = triton_gemm.forward_buffers(x, w1, sort, custom)
+    h, _, gate_up = layer.forward_buffers(x, w1, sort, custom)
     up = triton_gemm.up_swiglu_launch(x, w1, h, gate_up, sort, custom)
     assert (up.meta["BLOCK_M"], up.meta["BLOCK_N"], up.meta["BLOCK_K"], up.meta["GROUP_M"]) == (64, 128, 32, 4)
     assert (up.meta["num_warps"], up.meta["num_stages"]) == (4, 3)
@@ -133,12 +133,12 @@ def _sweep_moe():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "tools"))
     try:
-        import sweep_moe
+        import sweep_moe_gemm_tiles
     finally:
         sys.path.pop(0)
-    return sweep_moe
+    return sweep_moe_gemm_tiles
 
 
 def _gemm(tiles, name):
@@ -147,7 +147,7 @@ def _gemm(tiles, name):
             g.num_stages, g.split_k)
 
 
-# the H200 sweep of 2026-11-21 (scripts/sweep_moe.py): each GEMM's measured-best config, or one within ~2% of it
+# the H200 sweep of 2026-11-21 (benchmarks/tools/sweep_moe_gemm_tiles.py): each GEMM's measured-best config, or one within ~2% of it
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, d_model, d_ff", [
     (4096, *MODELS[0][:2], *MODELS[0][2:]), (16384, *MODELS[0][:2], *MODELS[0][2:]),
     (4096, *MODELS[1][:2], *MODELS[1][2:]),

@@ -17,7 +17,7 @@ from flashmoe_science.moe.hopper import wgrad_sm90 as gw  # noqa: E402
 from flashmoe_science.moe.hopper.wgrad_sm90 import WgradConfig  # noqa: E402
 from sm90_protocol import grouped_block, simulate  # noqa: E402
 
-# the configs of scripts/ab_moe_wgrad_sm90.py (keep in step)
+# the configs the A/B script measured (scripts/ab_moe_wgrad_sm90.py, git history)
 AB_CONFIGS = [WgradConfig(256, 64, 3), WgradConfig(256, 64, 4, epilogue_split=2),
               WgradConfig(128, 64, 4, pingpong=True), WgradConfig(128, 64, 5, pingpong=True),
               WgradConfig(128, 64, 6, pingpong=True, epilogue_split=2)]
@@ -145,6 +145,7 @@ def _meta_dw1(num_tokens=4096, top_k=2, num_experts=8, d_model=4096, d_ff=14336)
     return a, b, out, sort
 
 
+@pytest.mark.sm90_build
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
 @pytest.mark.parametrize("config", [WgradConfig(), WgradConfig(num_stages=4, epilogue_split=2),
                                     WgradConfig(block_n=128, num_stages=5, pingpong=True)],
@@ -241,7 +242,7 @@ def test_on_the_backward_operands(monkeypatch, config):
     """dw1 and dw2 from the operands the library's kernels produce (training forward's h, the SwiGLU backward's
     d(gate, up), the row gathers' x and weight * dout), NaN-poisoned before they are written: their padding rows
     must come out zero for this kernel to match the Triton one."""
-    from flashmoe_science.moe import moe_route, triton_gemm
+    from flashmoe_science.moe import layer, moe_route, triton_gemm
     from flashmoe_science.moe.tiles import choose_tiles
     from moe_testing import make_experts
 
@@ -253,16 +254,16 @@ def test_on_the_backward_operands(monkeypatch, config):
     weights32 = weights.float().contiguous()
     tiles = choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, torch.device(device))
     assert tiles.block_m == 128
-    _, saved = triton_gemm.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
+    _, saved = layer.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
     sort = saved.sort
     grad_out = torch.randn(num_tokens, d_model, device=device).to(torch.bfloat16)
-    dgu, dweights = triton_gemm.backward_buffers(x, w1, sort, tiles)
-    dh = triton_gemm.dh_buffer(dgu)
+    dgu, dweights = layer.backward_buffers(x, w1, sort, tiles)
+    dh = layer.dh_buffer(dgu)
     triton_gemm.dh_launch(grad_out, w2, dh, sort, tiles)()
     triton_gemm.swiglu_backward_launch(saved.gate_up, dh, saved.h, weights32, dgu, dweights, sort)()
     num_rows = dgu.shape[0]
-    x_sorted = triton_gemm.sorted_rows(x, None, sort, num_rows)
-    g_sorted = triton_gemm.sorted_rows(grad_out, weights32, sort, num_rows)
+    x_sorted = layer.sorted_rows(x, None, sort, num_rows)
+    g_sorted = layer.sorted_rows(grad_out, weights32, sort, num_rows)
     for name, a, b, shape in (("dw1", dgu, x_sorted, w1.shape), ("dw2", g_sorted, saved.h, w2.shape)):
         ref = _triton_wgrad(a, b, sort)
         out = torch.full(shape, float("nan"), device=device, dtype=torch.bfloat16)

@@ -6,7 +6,6 @@ they never validate user input or allocate behind this module's back.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from dataclasses import dataclass, replace
@@ -48,6 +47,7 @@ from flashmoe_science.attention.tiles import (
     sm90_q_buffers,
 )
 from flashmoe_science.device import on_another_cuda_device, triton_interpreter_on
+from flashmoe_science.hopper.availability import unavailable_reason
 from flashmoe_science.prepared_cache import remember, tensor_signature
 
 @dataclass(frozen=True)
@@ -184,24 +184,15 @@ def _hopper_unavailable(q, k, v, features: CallFeatures = PLAIN) -> str | None:
         return "it needs a Hopper (sm_90) GPU"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return "it runs bf16/fp16 only"
-    if not _gluon_available():
-        return "triton.experimental.gluon is not available"
+    gluon_off = unavailable_reason()
+    if gluon_off is not None:
+        return gluon_off
     missing = sm90_missing(feature_names(features, q.shape[-1]), "forward")
     if missing:
         return f"it does not take {', '.join(missing)} yet"
     if not _tma_compatible(q, k, v):
         return "TMA needs a unit last stride and 16-byte aligned base addresses and strides"
     return None
-
-
-@functools.lru_cache(maxsize=None)
-def _gluon_available() -> bool:
-    # cached: Python does not cache a failed import, and retrying one costs ~100 µs per call
-    try:
-        import flashmoe_science.attention.hopper.fwd_sm90  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _dispatch(q, k, v, features, backend: str) -> tuple[ForwardPlan | None, str | None]:
@@ -222,7 +213,6 @@ def _dispatch(q, k, v, features, backend: str) -> tuple[ForwardPlan | None, str 
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"backend={backend!r} supports bfloat16, float16 and float32, got {q.dtype}")
 
-    causal = features.causal
     why_not_sm90 = None
     if backend in ("auto", "hopper"):
         why_not_sm90 = _hopper_unavailable(q, k, v, features)
@@ -245,15 +235,20 @@ def _dispatch(q, k, v, features, backend: str) -> tuple[ForwardPlan | None, str 
             q_buffers = sm90_q_buffers(tiles, q.shape[-1], persistent, traits)
             cross_item = sm90_cross_item(tiles, q.shape[-1], right_bounded, persistent, q_buffers)
             return ForwardPlan("sm90", tiles, persistent=persistent, q_buffers=q_buffers,
-                               cross_item=cross_item), None
+                               cross_item=cross_item, strict=backend == "hopper"), None
         if backend == "hopper":
             raise ValueError(f"backend='hopper' cannot run this call: {why_not_sm90}")
-    tiles = forward_tiles(q.shape[-1], q.dtype, causal, device_traits(q.device))
+    return triton_plan(q, k, v, features), why_not_sm90 if q.is_cuda else None
+
+
+def triton_plan(q, k, v, features: CallFeatures) -> ForwardPlan:
+    """The portable Triton forward's plan (also where a Gluon build failed: hopper.availability)."""
+    tiles = forward_tiles(q.shape[-1], q.dtype, features.causal, device_traits(q.device))
     # decided here, once, so the launch and the report agree. Packed sequences are read with pointer loads: a
     # TMA box would cross into the next sequence's rows (and its stores would overwrite them).
     if tiles.use_tma and (features.varlen is not None or q.shape[-1] < 16 or not _tma_compatible(q, k, v)):
         tiles = replace(tiles, use_tma=False)
-    return ForwardPlan("triton", tiles), why_not_sm90 if q.is_cuda else None
+    return ForwardPlan("triton", tiles)
 
 
 def _run(plan: ForwardPlan | None, q4, k4, v4, features: CallFeatures, scale, deterministic):
@@ -282,6 +277,8 @@ def _prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, determini
 
 def _remember(key, plan: ForwardPlan, q, k, v, out, lse, causal, softmax_scale) -> None:
     """Keep this call's launch for the next call of its signature (the call just ran with `plan`)."""
+    if plan.kernel == "sm90" and unavailable_reason() is not None:
+        return  # it fell back to the Triton kernel: the next call plans (and remembers) that one
     if plan.kernel == "sm90":
         from flashmoe_science.attention.hopper.fwd_sm90 import prepare_forward
 

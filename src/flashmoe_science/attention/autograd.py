@@ -12,6 +12,7 @@ import torch
 
 from flashmoe_science.attention.features import CallFeatures, feature_names, sm90_missing
 from flashmoe_science.attention.tiles import ForwardPlan, device_traits
+from flashmoe_science.hopper.availability import run_gluon
 from flashmoe_science.prepared_cache import remember, tensor_signature
 
 # The sm_90 one-pass backward's launches per call signature (bwd_sm90.PreparedBackward): a call whose signature
@@ -96,13 +97,17 @@ def kernel_forward(q, k, v, features: CallFeatures, softmax_scale, plan: Forward
         if varlen is not None:  # the kernel numbers the real query tiles only: their running count per sequence
             offsets = varlen_tile_offsets(varlen.cu_seqlens_q, BLOCK_M)
             varlen = VarlenBatch(varlen.cu_seqlens_q, varlen.cu_seqlens_k, offsets)
-        attention_forward_sm90(q, k, v, out, lse, features.causal, softmax_scale, plan.tiles, num_ctas,
-                               plan.q_buffers, plan.cross_item, mask=features.mask,
-                               alibi_slopes=features.alibi_slopes, varlen=varlen)
-    else:
-        from flashmoe_science.attention.triton_fwd import attention_forward
+        if run_gluon("attention forward", lambda: attention_forward_sm90(
+                q, k, v, out, lse, features.causal, softmax_scale, plan.tiles, num_ctas, plan.q_buffers,
+                plan.cross_item, mask=features.mask, alibi_slopes=features.alibi_slopes, varlen=varlen),
+                plan.strict):
+            return out, lse
+        from flashmoe_science.attention.api import triton_plan  # (api imports this module)
 
-        attention_forward(q, k, v, out, lse, features, softmax_scale, plan.tiles)
+        plan = triton_plan(q, k, v, features)  # it did not build on this triton (warned once)
+    from flashmoe_science.attention.triton_fwd import attention_forward
+
+    attention_forward(q, k, v, out, lse, features, softmax_scale, plan.tiles)
     return out, lse
 
 
@@ -139,10 +144,12 @@ def kernel_backward(q, k, v, out, lse, grad_out, features: CallFeatures, softmax
     if (dq is not None and dk is not None and not sm90_missing(names, "backward")
             and _sm90_backward_runs(q, grad_out, softmax_scale, deterministic,
                                     None if varlen is None else varlen.max_seqlen_q)
-            and (sm90_forward or _sm90_backward_inputs(q, k, v))):
+            and (sm90_forward or _sm90_backward_inputs(q, k, v))
+            and run_gluon("attention backward", lambda: _sm90_backward(
+                q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale))):
         # Hopper: one pass for all three gradients (D <= 128; dQ summed by TMA reduce-adds, last bits may
-        # vary), or the dK/dV and dQ kernels (D 129..256, deterministic)
-        _sm90_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale)
+        # vary), or the dK/dV and dQ kernels (D 129..256, deterministic); where they do not build on this triton
+        # (hopper.availability, warned once), the Triton kernels below
         return dq, dk, dv, None
     tiles = backward_tiles(q.shape[-1], q.dtype, features.causal, device_traits(q.device))
     # dQ and dK/dV both wanted, determinism not asked for, no bias gradient (formed by the dQ kernel) and the fused

@@ -239,7 +239,7 @@ class DecodeTiles:
 
 def decode_tiles(problem: DecodeProblem, traits) -> DecodeTiles:
     """Row tile: the whole GQA group x new tokens (padded to the 16 rows of an MMA), at most 64 rows. Key tile and
-    pipeline measured on the H200 (scripts/sweep_attention_decode.py, docs/perf-notes.md): 64 keys, 4 warps, 3
+    pipeline measured on the H200 (benchmarks/tools/sweep_attention_decode.py, docs/perf-notes.md): 64 keys, 4 warps, 3
     stages led at B=1 128k for both layouts (3.80 / 3.46 TB/s before the paged prefetch; 32-key and 8-warp tiles
     down to 2.4)."""
     rows = problem.group * problem.seqlen_q
@@ -252,7 +252,7 @@ def decode_tiles(problem: DecodeProblem, traits) -> DecodeTiles:
 
 def choose_num_splits(problem: DecodeProblem, tiles: DecodeTiles, sm_count: int) -> int:
     """Splits of each sequence's keys, from shapes only (CUDA-graph safe), measured on the H200
-    (scripts/sweep_attention_decode.py, docs/perf-notes.md). batch x KV heads x row tiles programs exist already;
+    (benchmarks/tools/sweep_attention_decode.py, docs/perf-notes.md). batch x KV heads x row tiles programs exist already;
     splits fill the GPU up to a whole number of CTAs per SM and never past it (a few CTAs over a full wave cost a
     whole extra round: at B=2, 128k, 17 splits ran at 3.6 TB/s, 16 at 4.1). Two CTAs per SM where each split still
     gets >= LONG_SPLIT_KEYS keys of the cache's capacity (B=1 1M: 33 splits 4.45, 16 splits 4.28; B=1 128k paged:

@@ -134,7 +134,7 @@ def backward_smem_bytes(tiles: AttentionTiles, head_dim: int, elem_bytes: int, k
 
     The resident tiles (K and V for "dkdv"/"fused", q and dO for "dq") plus `num_stages` buffered pairs of streamed
     tiles; "fused" also stages dS (twice, for dK and for dQ = dS k) and may keep a transposed copy of K. Against
-    Triton 3.6's sm_90 builds of the candidates in scripts/sweep_bwd.py: within 1 KiB for "dkdv" and "dq", and
+    Triton 3.6's sm_90 builds of the candidates in benchmarks/tools/sweep_attention_backward_tiles.py: within 1 KiB for "dkdv" and "dq", and
     from 1 KiB under to twice the real size for "fused" (an upper bound errs towards tiles that fit), wherever the
     products run on warpgroup MMAs; narrow tiles that fall back to mma.sync differ by up to 16 KiB either way."""
     block_d = padded_head_dim(head_dim)
@@ -165,7 +165,7 @@ def backward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: Devi
     block_d = padded_head_dim(head_dim)
     elem_bytes = torch.finfo(dtype).bits // 8
     if traits.is_hopper:  # as the forward: Hopper-tuned tiles on Hopper only
-        # Measured on an H200 (scripts/sweep_bwd.py, bf16, B4 L4096 and B16 L1024; docs/perf-notes.md). Narrow
+        # Measured on an H200 (benchmarks/tools/sweep_attention_backward_tiles.py, bf16, B4 L4096 and B16 L1024; docs/perf-notes.md). Narrow
         # 4-warp dK/dV programs won although they spill (64x64 w4 at D=128: ~116 B/thread): the 8-warp tiles the
         # offline builds preferred for their spill-free registers ran 20-30% slower. The fused single pass (dQ by
         # atomics) lost to the two passes at every head dim (best fused vs best pair, D=64/128/256: 278/288/184
@@ -223,6 +223,7 @@ class ForwardPlan:
     persistent: bool = False
     q_buffers: int = 1  # sm90 only: Q buffers per consumer warpgroup (see sm90_q_buffers)
     cross_item: bool = False  # sm90 only: overlap consecutive work items (see sm90_cross_item)
+    strict: bool = False  # sm90 only: backend="hopper": a Gluon build failure raises instead of falling back
 
 
 # Measured on an H200 (docs/perf-notes.md, sweeps of 2026-11-21, second session): below these lengths the
@@ -238,7 +239,7 @@ def sm90_persistent(causal: bool, seqlen_q: int, num_work: int, sm_count: int) -
     prologue (Q load, first K/V tiles) and epilogue behind the neighbouring tiles: +10-25% at L <= 2048. With
     causal masking their fixed shares of unequal items are balanced only roughly, the worse the fewer items a
     CTA runs and the longer the heaviest; where that costs more than the prologues, one CTA per tile, balanced
-    by the hardware scheduler, wins. Measured on the H200 (scripts/ab_persistent_sm90.py, docs/perf-notes.md,
+    by the hardware scheduler, wins. Measured on the H200 (git history: scripts/ab_persistent_sm90.py, docs/perf-notes.md,
     session 7), persistent vs one CTA per tile, causal: L=8192 with 31 and 15.5 items per CTA +4.5% and +6.6%
     (D=64), +2.8% (D=128, 15.5); with 7.8 items (D=256) -18%; L=16384 -2% (D=64, 31 items), -23% (D=128)."""
     if not causal or seqlen_q <= SM90_PERSISTENT_MAX_CAUSAL_LEN:
@@ -255,7 +256,7 @@ def sm90_backward_wins(head_dim: int, seqlen_q: int) -> bool:
     one-pass kernel (64 or 128) vs the Triton two passes: a CTA of 128 keys runs Lq/64 query tiles; with few of
     them its set-up (K/V loads) and its dK/dV stores, which nothing overlaps, weigh most at D=64, where a tile is
     cheapest. Measured on the H200 in one
-    process (scripts/bench_bwd_sm90.py, `...-42f3611-bwd-sm90-short.log`), TFLOP/s sm_90 vs two-pass: D=64 L=512
+    process (git history: scripts/bench_bwd_sm90.py, `...-42f3611-bwd-sm90-short.log`), TFLOP/s sm_90 vs two-pass: D=64 L=512
     227 vs 243 (causal 149 vs 171), L=1024 287 vs 292 (217 vs 235), L=2048 337 vs 324 (281 vs 286); D=128 the
     sm_90 kernel is ahead from L=512 (283 vs 248, causal 171 vs 148)."""
     return padded_head_dim(head_dim) > 64 or seqlen_q >= SM90_BACKWARD_MIN_LEN_D64

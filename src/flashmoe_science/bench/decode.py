@@ -130,7 +130,7 @@ def _contenders(batch: int, length: int, device, dtype, on_gpu: bool) -> dict[st
 
         flex = _compiled_flex()
         # An explicit all-visible block mask, built once: with block_mask=None the compiled call ran at 0.11 TB/s
-        # (scripts/ab_flex_decode.py: 2.1 TB/s at 32k, 2.8 at 128k with this mask, as CUDA-graph replays).
+        # (benchmarks/tools/ab_flex_decode.py: 2.1 TB/s at 32k, 2.8 at 128k with this mask, as CUDA-graph replays).
         every_key = create_block_mask(lambda b, h, q_index, kv_index: q_index >= 0, B=None, H=None, Q_LEN=1,
                                       KV_LEN=length, device=device)
         calls["flex"] = lambda: flex(q_heads, k_heads, v_heads, block_mask=every_key, enable_gqa=True)

@@ -18,7 +18,6 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Hashable, Iterable, Mapping, Sequence, TextIO
 
@@ -31,7 +30,7 @@ NOT_AVAILABLE = "n/a"
 # Progress bar
 # --------------------------------------------------------------------------------------------------------------------
 class Progress:
-    """A small progress bar written to stderr, shared by every benchmark.
+    """The progress bar every benchmark shares: tqdm on stderr, with the name of the step that just ran beside it.
 
     Interface (what `bench.moe.run_moe_bench(quick, progress)` receives):
 
@@ -41,91 +40,49 @@ class Progress:
         progress.update(n=3)                     # several steps at once (e.g. a skipped group)
         progress.close()                         # ends the bar; also done by `with Progress(...) as progress:`
 
-    On a terminal the bar redraws in place. When stderr is not a terminal (a log file, a remote run whose output is
-    captured) it prints a plain line at most every `log_interval_s` seconds and once at the end, so logs stay short.
+    On a terminal the bar redraws in place. When the stream is not a terminal (a log file, a remote run whose output
+    is captured) it refreshes at most every `log_interval_s` seconds, so logs stay short.
     """
 
-    def __init__(
-        self,
-        total: int | None = None,
-        desc: str = "",
-        stream: TextIO | None = None,
-        width: int = 28,
-        log_interval_s: float = 10.0,
-    ):
-        self.total = total
-        self.desc = desc
-        self.count = 0
-        self.last_step = ""
-        self._stream = stream if stream is not None else sys.stderr
-        self._width = width
-        self._log_interval_s = log_interval_s
-        self._start = time.monotonic()
-        self._last_log = -math.inf
-        self._last_logged_count = None
-        self._closed = False
-        self._interactive = bool(getattr(self._stream, "isatty", lambda: False)())
+    def __init__(self, total: int | None = None, desc: str = "", stream: TextIO | None = None,
+                 log_interval_s: float = 10.0):
+        from tqdm import tqdm
+
+        stream = stream if stream is not None else sys.stderr
+        interactive = bool(getattr(stream, "isatty", lambda: False)())
+        self._bar = tqdm(total=total, desc=desc or None, file=stream, ascii=not interactive, leave=True,
+                         dynamic_ncols=interactive, mininterval=0.1 if interactive else log_interval_s,
+                         maxinterval=math.inf, bar_format=None if total else "{desc}: {n} done, {elapsed}{postfix}")
+
+    @property
+    def count(self) -> int:
+        return self._bar.n
+
+    @property
+    def total(self) -> int | None:
+        return self._bar.total
 
     def set_total(self, total: int | None) -> None:
-        self.total = total
-        self._draw(force=False)
+        self._bar.total = total
+        self._bar.refresh()
 
     def update(self, n: int = 1, desc: str | None = None) -> None:
-        self.count += n
         if desc is not None:
-            self.last_step = desc
-        self._draw(force=False)
+            self._bar.set_postfix_str(desc[:60], refresh=False)
+        self._bar.update(n)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._draw(force=True)
-        if self._interactive:
-            self._stream.write("\n")
-            self._stream.flush()
-        self._closed = True
+        self._bar.close()
+
+    def render(self) -> str:
+        """The bar as one line of text."""
+        return str(self._bar)
 
     def __enter__(self) -> "Progress":
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-    def render(self) -> str:
-        """The bar as one line of text (without a line ending)."""
-        elapsed = time.monotonic() - self._start
-        parts = [self.desc] if self.desc else []
-        if self.total:
-            done = min(self.count / self.total, 1.0)
-            filled = int(round(done * self._width))
-            parts.append("[" + "#" * filled + "." * (self._width - filled) + "]")
-            parts.append(f"{self.count}/{self.total} {100 * done:3.0f}%")
-            timing = _format_duration(elapsed)
-            if 0 < self.count < self.total:
-                timing += f" (~{_format_duration(elapsed * (self.total - self.count) / self.count)} left)"
-            parts.append(timing)
-        else:
-            parts.append(f"{self.count} done, {_format_duration(elapsed)}")
-        if self.last_step:
-            parts.append(self.last_step[:60])
-        return "  ".join(parts)
-
-    def _draw(self, force: bool) -> None:
-        if self._closed:
-            return
-        if self._interactive:
-            # pad so a shorter line fully overwrites the previous one
-            self._stream.write("\r" + self.render().ljust(110))
-            self._stream.flush()
-            return
-        now = time.monotonic()
-        # at the end: only if the last line logged is not already the final state
-        due = self.count != self._last_logged_count if force else now - self._last_log >= self._log_interval_s
-        if due:
-            self._stream.write(self.render() + "\n")
-            self._stream.flush()
-            self._last_log = now
-            self._last_logged_count = self.count
 
 
 def median_over_rounds(per_round: Sequence[dict], scale_rates: Callable[[dict, float], None]) -> dict:
@@ -146,7 +103,7 @@ def median_over_rounds(per_round: Sequence[dict], scale_rates: Callable[[dict, f
 # --------------------------------------------------------------------------------------------------------------------
 # A layer that keeps the H200's tensor cores busy for milliseconds runs at its 700 W cap, and the power controller
 # takes seconds to settle: measured with 25 ms of warm-up, whichever backend follows a lighter stretch runs part of
-# its window at a higher clock. At Mixtral T=4096 (scripts/ab_moe_sustained.py, docs/perf-notes.md session 16) the
+# its window at a higher clock. At Mixtral T=4096 (git history: scripts/ab_moe_sustained.py, docs/perf-notes.md session 16) the
 # torch._grouped_mm backward read 11.3-11.9 ms with 25 ms of warm-up depending on the order, and 11.8-11.9 after 3 s
 # of back-to-back calls (its clock 1770 -> 1590 MHz), ours 9.1-9.5 and 9.5-9.7. Training runs in that settled
 # state, so large problems are timed there. The caller decides per problem, not per backend, so that every backend
@@ -166,11 +123,6 @@ def gpu_median_ms(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor]
         return float(do_bench(fn, warmup=SUSTAINED_WARMUP_MS, rep=SUSTAINED_REP_MS, grad_to_none=grad_to_none,
                               return_mode="median"))
     return float(do_bench(fn, warmup=SHORT_WARMUP_MS, rep=100, grad_to_none=grad_to_none, return_mode="median"))
-
-
-def _format_duration(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes}:{secs:02d}"
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -128,10 +128,10 @@ class _FusedExpertsTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, w2, topk_weights, topk_ids):
-        from flashmoe_science.moe import triton_gemm
+        from flashmoe_science.moe import layer
 
         weights32 = topk_weights.float().contiguous()
-        out, saved = triton_gemm.moe_forward(x, w1, w2, weights32, topk_ids, save_for_backward=True)
+        out, saved = layer.moe_forward(x, w1, w2, weights32, topk_ids, save_for_backward=True)
         ctx.saved_sort = saved
         ctx.weights_dtype = topk_weights.dtype
         ctx.save_for_backward(x, w1, w2, weights32)
@@ -139,11 +139,11 @@ class _FusedExpertsTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from flashmoe_science.moe import triton_gemm
+        from flashmoe_science.moe import layer
 
         x, w1, w2, weights32 = ctx.saved_tensors
         need_dx, need_dw1, need_dw2, need_dweights = ctx.needs_input_grad[:4]
-        dx, dw1, dw2, dweights = triton_gemm.moe_backward(
+        dx, dw1, dw2, dweights = layer.moe_backward(
             grad_out, x, w1, w2, weights32, ctx.saved_sort, need_dx=need_dx, need_dw1=need_dw1, need_dw2=need_dw2)
         return dx, dw1, dw2, dweights.to(ctx.weights_dtype) if need_dweights else None, None
 
@@ -200,7 +200,7 @@ def _run_experts(x, w1, w2, topk_weights, topk_ids, backend: str, key: tuple | N
         return fused_experts_reference(x, w1, w2, topk_weights, topk_ids)
     if _records_grad(x, w1, w2, topk_weights):
         return _FusedExpertsTriton.apply(x, w1, w2, topk_weights, topk_ids)
-    from flashmoe_science.moe import triton_decode, triton_gemm
+    from flashmoe_science.moe import layer, triton_decode
 
     # Inference: skip autograd's bookkeeping, a measurable share of host time on few tokens.
     weights32 = topk_weights.float().contiguous()
@@ -208,8 +208,8 @@ def _run_experts(x, w1, w2, topk_weights, topk_ids, backend: str, key: tuple | N
         out, launch = triton_decode.decode_forward(x, w1, w2, weights32, topk_ids, topk_ids.shape[1])
         _remember(key, x, lambda: triton_decode.PreparedDecode(launch))
         return out
-    out, saved = triton_gemm.moe_forward(x, w1, w2, weights32, topk_ids)
-    _remember(key, x, lambda: wrap_prepared(triton_gemm.prepare_forward(x, w1, w2, weights32, topk_ids, saved.tiles)))
+    out, saved = layer.moe_forward(x, w1, w2, weights32, topk_ids)
+    _remember(key, x, lambda: wrap_prepared(layer.prepare_forward(x, w1, w2, weights32, topk_ids, saved.tiles)))
     return out
 
 

@@ -16,7 +16,7 @@ _PREPARED_MAX = 1024
 
 class Launch(NamedTuple):
     """One kernel launch, built but not yet run: ``launch()`` runs it. Kept as data so that the tile sweep
-    (scripts/sweep_moe.py) can time one GEMM alone, the offline sm_90 build can compile exactly what would run, and
+    (benchmarks/tools/sweep_moe_gemm_tiles.py) can time one GEMM alone, the offline sm_90 build can compile exactly what would run, and
     a repeated call signature can skip Triton's binding (``prepare``)."""
 
     kernel: object  # a @triton.jit function

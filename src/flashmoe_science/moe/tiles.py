@@ -4,10 +4,10 @@ One ``block_m`` serves the sort's padding and every grouped GEMM over the sorted
 from the average number of rows an expert receives: small tiles when tokens are few (the layer then streams
 expert weights and the GEMM shape barely matters), 128-row tiles when every expert has hundreds of rows
 (tensor-core bound). Every GEMM then gets its own ``GemmTiles``; ``choose_tiles`` is only the default: the
-launchers take any ``MoETiles`` (``triton_gemm.moe_forward(..., tiles=...)``), which is how scripts/sweep_moe.py
+launchers take any ``MoETiles`` (``layer.moe_forward(..., tiles=...)``), which is how benchmarks/tools/sweep_moe_gemm_tiles.py
 tries candidates.
 
-Measured: H200 sweep, 2026-11-21 (torch 2.11, triton 3.6, bf16; scripts/sweep_moe.py, Mixtral-8x7B E=8 k=2
+Measured: H200 sweep, 2026-11-21 (torch 2.11, triton 3.6, bf16; benchmarks/tools/sweep_moe_gemm_tiles.py, Mixtral-8x7B E=8 k=2
 d=4096 F=14336 and Qwen3-30B-A3B E=128 k=8 d=2048 F=768). Per-GEMM numbers behind each rule are quoted where the
 rule is made; configs the sweep did not reach (the 64-row regime) are the earlier, unmeasured choices. Layer,
 heuristic before -> with these rules (estimated from the per-GEMM times, the best-tiles layer runs agree):
@@ -140,7 +140,7 @@ def _measured_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int,
     elif rows_per_expert <= 32:
         block_m = 32
     elif rows_per_expert <= 48:
-        # H200, scripts/ab_moe_block_m.py (session 10), backward vs grouped_mm with 64- / 128-row tiles: Mixtral 40
+        # H200, git history: scripts/ab_moe_block_m.py (session 10), backward vs grouped_mm with 64- / 128-row tiles: Mixtral 40
         # rows per expert 1.28x / 1.21x, 64 rows 1.19x / 1.28x, 96 rows 1.05x / 1.30x; Qwen3 40 rows 1.63x / 1.51x,
         # 64 rows 1.56x / 1.55x. Past ~48 rows the 128-row tiles (and the Gluon dx/dw1/dw2 on Hopper) win despite
         # the padding: these layers are bound by the weights' bytes, not by the padded MMAs

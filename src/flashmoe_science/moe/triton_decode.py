@@ -30,7 +30,7 @@ from flashmoe_science.moe.launch import Launch
 from flashmoe_science.moe.triton_gemm import _gate_up_columns
 from flashmoe_science.moe.triton_routing import MAX_EXPERTS, _scores, _top_k
 
-# The decode path takes layers with at most this many tokens. H200, scripts/sweep_decode.py (session 10), CUDA-graph
+# The decode path takes layers with at most this many tokens. H200, benchmarks/tools/sweep_moe_decode_tiles.py (session 10), CUDA-graph
 # medians, decode vs the batched path: Qwen3-30B-A3B T=1 37.5 vs 45.3 us, T=2 60.5 vs 68.6, T=4 99.1 vs 100.9;
 # Mixtral-8x7B T=1 189 vs 192, T=2 344 vs 354, T=4 659 vs 356 (tokens sharing an expert read its weights again)
 MAX_DECODE_TOKENS = 2
@@ -156,7 +156,7 @@ class DecodeConfig(NamedTuple):
 
 
 def decode_config(itemsize: int = 2) -> DecodeConfig:
-    """H200, scripts/sweep_decode.py (session 10): 64-row F slices (128 contiguous bytes of each w2 row per load),
+    """H200, benchmarks/tools/sweep_moe_decode_tiles.py (session 10): 64-row F slices (128 contiguous bytes of each w2 row per load),
     128-wide K steps, 4 stages were the best or within 3% of it at Qwen3-30B-A3B and Mixtral-8x7B shapes, T = 1 and
     2. float32 operands halve the slice so that a stage still fits shared memory."""
     return DecodeConfig(block_f=64 if itemsize <= 2 else 32, block_k=128, block_d=256, num_warps=4, num_stages=4)

@@ -465,8 +465,9 @@ class PreparedBackward:
 def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,
                     dtype: torch.dtype = torch.bfloat16):
     """The kernel built for sm_90 without a GPU (meta tensors; ptxas ships with triton), specialised as a launch
-    would specialise it; returns the CompiledKernel (registers, shared memory, SASS: scripts/compile_bwd_sm90.py).
-    features: the causal bool or a CallFeatures (its tensors may live on the meta device: `offline_features`)."""
+    would specialise it; returns the CompiledKernel (registers, shared memory, SASS:
+    benchmarks/tools/sass_attention_backward.py). features: the causal bool or a CallFeatures (its tensors may live
+    on the meta device: `offline_features`)."""
 
     block_d = padded_head_dim(head_dim)
     if block_d == 256:

@@ -5,7 +5,7 @@
   atomically into ``dx32[token]`` (the top_k rows of a token meet there).
 - dh (``ROW_STORE``, ``dh_sm90``): ``dh[row] = dout[token(row)] @ w2[e]``, ``triton_gemm.dh_launch``'s product
   (K = d, N = F), stored to the row's own row of the float32 dh (no atomics). TMA loads dense boxes, so A is dout
-  already gathered to the sorted rows (``triton_gemm.sorted_rows``: one (rows, d) copy, which Triton's kernel does
+  already gathered to the sorted rows (``layer.sorted_rows``: one (rows, d) copy, which Triton's kernel does
   in its loads instead). Alone it did not pay in the layer (perf notes v18: 1.46 ms vs Triton's 1.54 at Mixtral
   T=4096, 1.63 with the gather); it stays for the A/B, as the fused mode's baseline.
 - dh with the SwiGLU backward (``SWIGLU_BWD``, ``dh_swiglu_sm90``, what moe_backward runs on Hopper): the dh
@@ -62,21 +62,21 @@ them at once, so that the stores overlap the next chunk; it waits for the stores
 releasing them. The routing-weight gradient is added with one float32 ``REDG`` per row and column block (dscale must
 start at zero; the order of the additions is not fixed). Padding rows of the tile get zeros (dw1's Gluon kernel
 reads them unmasked), rows of unused tiles are never written. The sigmoid uses the approximate ex2 and reciprocal
-(``_fast_sigmoid``): with the IEEE expression the epilogue outlasted the other consumer's main loop.
+(``swiglu_epilogue._fast_sigmoid``): with the IEEE expression the epilogue outlasted the other consumer's main loop.
 
-Measured on the H200 (scripts/probe_dh_swiglu.py on branch probe/dh-swiglu, interleaved do_bench medians, session
+Measured on the H200 (git history: scripts/probe_dh_swiglu.py on branch probe/dh-swiglu, interleaved do_bench medians, session
 12): Mixtral T=4096 1.73 ms against 2.13 for Triton's dh + SwiGLU pass (plain dh with this tile 1.57); Qwen3
 0.28 ms against 0.32 (plain 0.23). The operands loaded by global loads in the accumulator layout (the first version,
 session 11) took 2.0-2.3 ms at Mixtral: ~400 exposed 4-byte loads per thread and item. Registers: 128 accumulator
 floats per thread plus a chunk's gate, up and h; 32-column chunks build without spills (16 too; 64 spill).
 
-The A operand stays pre-gathered (``triton_gemm.sorted_rows(dout)``, ~0.03 ms at Mixtral T=4096, ~2% of the
+The A operand stays pre-gathered (``layer.sorted_rows(dout)``, ~0.03 ms at Mixtral T=4096, ~2% of the
 GEMM; a third of it at Qwen3's F = 768): Hopper's TMA has no row gather, and a gathering producer (cp.async rows
 by a producer warpgroup, which then needs registers the consumers have) is a larger change. dw2's gathered operand
 cannot serve: it is dout scaled by the routing weight, and dscale would then need a division by it (undefined at
 weight 0).
 
-Offline sm_90 builds (triton 3.6, scripts/ab_moe_dx_sm90.py --offline [--gemm dh]): no spills in any config; the
+Offline sm_90 builds (triton 3.6, git history: scripts/ab_moe_dx_sm90.py --offline [--gemm dh]): no spills in any config; the
 consumers use at most 175 registers (cooperative 128x256), 96 (cooperative 128x128), 183 (ping-pong 128x128) of
 their 240 for dx, 151 / 159 (cooperative 128x256 / ping-pong 128x128) for dh; shared memory 147680 / 196840 bytes
 at 128x256 with 3 / 4 stages, 98528 + 32768 per stage at 128x128. dx's SASS is as before dh's epilogue was added.
@@ -112,111 +112,27 @@ elements, by one ulp of the output dtype); the routing-weight gradient sums per 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import triton
 
 from flashmoe_science.hopper import common as sm90
-from flashmoe_science.hopper.common import (BARRIER_BYTES, CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS,
-                                            PRODUCER_REGISTERS, column_halves, wgmma_layout)
-from flashmoe_science.hopper.gluon_compat import fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma_wait
+from flashmoe_science.hopper.common import (CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS,
+                                            wgmma_layout)
+from flashmoe_science.hopper.gluon_compat import gl, gluon, mbarrier, tma, warpgroup_mma_wait
 from flashmoe_science.moe.dispatch import ExpertSort
-from flashmoe_science.moe.hopper.common import (NUM_CONSUMERS, check_tile_config, grouped_block, init_barriers,
-                                                load_stage, mma_steps)
-from flashmoe_science.moe.tiles import HOPPER_SMEM_PER_BLOCK, sm_count
+from flashmoe_science.moe.hopper.common import NUM_CONSUMERS, grouped_block, init_barriers, load_stage, mma_steps
+# the configs are this kernel's: callers (triton_gemm, the tests) read them here
+from flashmoe_science.moe.hopper.dx_configs import (BLOCK_M, DH_CONFIG, DH_SWIGLU_CONFIG, LONG_K,  # noqa: F401
+                                                    LONG_K_CONFIG, SHORT_K_CONFIG, DxConfig, check_config,
+                                                    down_config, dx_config, smem_bytes)
+from flashmoe_science.moe.hopper.swiglu_epilogue import (SwigluOperands, load_swiglu_operands,
+                                                         swiglu_backward_columns, swiglu_reason)
+from flashmoe_science.moe.tiles import HOPPER_SMEM_PER_BLOCK, sm_count  # noqa: F401 (the limit the configs fit)
 from flashmoe_science.prepared_launch import PreparedLaunch
 
-BLOCK_M = 128  # rows per work item: the sort's row tile (one expert per tile)
 
-
-
-@dataclass(frozen=True)
-class DxConfig:
-    """The kernel's tile config (constexprs), dx's or dh's. BLOCK_M is fixed at 128 (the sort's row tile)."""
-
-    block_n: int = 256
-    block_k: int = 64
-    num_stages: int = 4
-    pingpong: bool = False  # consumers alternate work items (block_n 128 only); else both share each item
-    group_m: int = 8  # row tiles that sweep the column blocks together (MoETiles.group_m)
-    # SWIGLU_BWD only: accumulator columns per epilogue pass (the passes' gate / up / h loads must fit beside the
-    # accumulator in the consumer's registers)
-    swiglu_cols: int = 16
-    # dx (SCATTER_ADD) only: split the items of the last, partial wave along K (see _work_units)
-    split_tail: bool = False
-
-    def label(self) -> str:
-        mode = "pingpong" if self.pingpong else "coop"
-        tail = " split-tail" if self.split_tail else ""
-        return f"{BLOCK_M}x{self.block_n}x{self.block_k} s{self.num_stages} {mode}{tail} g{self.group_m}"
-
-    def swiglu_label(self) -> str:
-        return f"{self.label()} c{self.swiglu_cols}"
-
-
-# dx's configs by K = 2F (``dx_config``). H200, scripts/ab_moe_layer_bwd.py --kernel (session 15, 5 interleaved
-# rounds, the kernel alone / the layer's backward, ms): Mixtral (K = 28672) T=4096 cooperative 128x256 s3 with the
-# tail split 3.07 / 9.61 against ping-pong 128x128 s4 3.26 / 9.82 (1088 items of ~350 us are 8.24 waves: the split
-# is most of the gain; without it the cooperative tile lost, 600 vs 644-684 TFLOP/s); T=16384 11.70 / 35.66 vs
-# 12.13 / 35.96. Qwen3 (K = 1536) the other way: ping-pong 0.50 / 1.64 and 1.63 / 5.17 at T=4096 / 16384 against
-# 0.55 / 1.65 and 1.82 / 5.37 (short items: the cooperative consumers' atomic epilogue leaves the tensor cores idle,
-# which ping-pong hides). Fitting the two (cooperative +5% at K = 1536, -2.5% at 28672, the idle epilogue a fixed
-# cost per item) puts the break-even near K = 4200.
-LONG_K_CONFIG = DxConfig(block_n=256, num_stages=3, split_tail=True)
-# session 9 (scripts/ab_moe_dx_sm90.py, T=4096, TFLOP/s): ping-pong 128x128 s4 Qwen3 432 (Triton 399, torch
-# grouped_mm without the combine 426), within 5% of its best (5 stages, 454, but 591 at Mixtral); the tail split
-# measured no gain here (session 15: 0.52 / 1.63 at T=4096)
-SHORT_K_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
-LONG_K = 4096  # K = 2F from which LONG_K_CONFIG runs
-
-
-def dx_config(two_d_ff: int) -> DxConfig:
-    """dx's measured tile config for K = 2F (see LONG_K_CONFIG)."""
-    return LONG_K_CONFIG if two_d_ff >= LONG_K else SHORT_K_CONFIG
-
-
-def down_config(d_ff: int) -> DxConfig:
-    """The forward's down GEMM's tile config for K = F: the same product shape as dx's (sorted rows times one
-    expert's weight, atomics into token rows), so dx's rule by K (not yet measured for down on its own)."""
-    return dx_config(d_ff)
-
-
-# dh: H200, scripts/ab_moe_dx_sm90.py --gemm dh (session 10, Mixtral T=4096): ping-pong 128x128 s4 1.46 ms,
-# cooperative 128x256 s3 1.58 ms, Triton dh_launch 1.54 ms
-DH_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
-# dh with the SwiGLU backward in its epilogue: dh's tile, 32-column epilogue chunks (H200, session 12: Mixtral
-# T=4096 1.73 ms vs 1.96 with 16-column chunks before the fast sigmoid, 1.83-1.95 with 3 stages; Qwen3 even)
-DH_SWIGLU_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True, swiglu_cols=32)
-
-
-def smem_bytes(config: DxConfig, itemsize: int = 2, gemm: str = "dx") -> int:
-    """Shared memory of the operand ring (A 128 x block_k and B block_k x block_n per stage) plus barriers, and for
-    dh_swiglu the epilogue's gate, up and h buffers (3 x 128 x block_n)."""
-    ring = config.num_stages * (BLOCK_M + config.block_n) * config.block_k * itemsize
-    epilogue = 3 * BLOCK_M * config.block_n * itemsize if gemm == "dh_swiglu" else 0
-    return ring + epilogue + BARRIER_BYTES
-
-
-def check_config(config: DxConfig, itemsize: int = 2, smem_limit: int = HOPPER_SMEM_PER_BLOCK,
-                 gemm: str = "dx") -> None:
-    """ValueError unless the kernel can run ``config``."""
-    if config.split_tail and gemm not in ("dx", "down"):
-        # a split item's parts meet only where the epilogue adds (dx's and down's atomics); dh's epilogues store
-        raise ValueError(f"{gemm}_sm90: split_tail needs dx's additive epilogue, got {config.label()}")
-    if gemm == "dh_swiglu":
-        if not config.pingpong:
-            # one set of epilogue buffers, handed from item to item: the consumers must take whole items in turn
-            raise ValueError(f"dh_swiglu_sm90: needs pingpong=True (the epilogue buffers hold one whole item), got "
-                             f"{config.label()}")
-        cols = config.swiglu_cols
-        if not (8 <= cols <= config.block_n and cols & (cols - 1) == 0):
-            # the epilogue halves the tile's columns until a chunk is swiglu_cols wide (a wgmma layout: N >= 8; a
-            # TMA box: >= 16 bytes a row)
-            raise ValueError(f"dh_swiglu_sm90: swiglu_cols must be a power of two from 8 to block_n = "
-                             f"{config.block_n}, got {cols}")
-    check_tile_config(f"{gemm}_sm90", config, smem_bytes(config, itemsize, gemm), smem_limit)
 
 
 # the epilogues (constexpr EPILOGUE): dx's atomic scatter-add into token rows, dh's row store, dh's SwiGLU backward
@@ -310,75 +226,9 @@ def _producer(a_desc, b_desc, gate_up_desc, h_desc, a_smem, b_smem, epi_smem, re
                                ready, empty, ring, NUM_STAGES)
                 ring += 1
             if EPILOGUE == SWIGLU_BWD:
-                _load_swiglu_operands(gate_up_desc, h_desc, epi_smem, epi_ready, epi_empty, epi_items, tile * BM,
+                load_swiglu_operands(gate_up_desc, h_desc, epi_smem, epi_ready, epi_empty, epi_items, tile * BM,
                                       col_block * BN, N)
                 epi_items += 1
-
-
-@gluon.jit
-def _load_swiglu_operands(gate_up_desc, h_desc, epi_smem, epi_ready, epi_empty, epi_items, row, col, N):
-    """The producer's epilogue step: once the previous item's epilogue has released the buffers (its TMA stores have
-    read them), TMA the item's gate, up and h boxes, chunk by chunk, all completing on ``epi_ready``. Issued after
-    the item's K steps: the other ping-pong consumer's epilogue is long done by then, and the boxes land while this
-    item's last wgmmas run."""
-    COLS: gl.constexpr = gate_up_desc.block_type.shape[1]
-    CHUNKS: gl.constexpr = epi_smem.type.shape[0] // 3
-    # barriers start "phase 1 complete": the first item does not wait
-    mbarrier.wait(epi_empty, (epi_items & 1) ^ 1)
-    mbarrier.expect(epi_ready, CHUNKS * (2 * gate_up_desc.block_type.nbytes + h_desc.block_type.nbytes))
-    for c in gl.static_range(CHUNKS):
-        tma.async_load(gate_up_desc, [row, col + c * COLS], epi_ready, epi_smem.index(3 * c))
-        tma.async_load(gate_up_desc, [row, N + col + c * COLS], epi_ready, epi_smem.index(3 * c + 1))
-        tma.async_load(h_desc, [row, col + c * COLS], epi_ready, epi_smem.index(3 * c + 2))
-
-
-@gluon.jit
-def _fast_sigmoid(x):
-    """1 / (1 + 2^(-x log2 e)) with the approximate ex2 and reciprocal (MUFU, flush-to-zero): 2-ulp float32, within
-    the output's bf16/fp16 rounding. The IEEE expression (``tl.sigmoid``'s, what _swiglu_backward_kernel computes)
-    carries denormal and range fix-ups around both MUFU ops; in this epilogue, run by one warpgroup beside the other
-    one's wgmmas, it cost more than the GEMM could hide (Mixtral T=4096: 1.96 vs 1.73 ms; Qwen3: 0.46 vs 0.28 ms)."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .f32 t; ex2.approx.ftz.f32 t, $1; add.ftz.f32 t, t, 0f3F800000; rcp.approx.ftz.f32 $0, t; }",
-        "=r,r", [x * -1.4426950408889634], dtype=gl.float32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _swiglu_backward_columns(dh, CHUNK0: gl.constexpr, valid, scale, epi_smem, dgu_desc, row, col, N):
-    """The SwiGLU backward of a tile of dh (float32, accumulator layout) whose first column is chunk CHUNK0 of the
-    item's epilogue buffers, one chunk (COLS columns) at a time (halving the tile until it is that wide: the chunk's
-    gate, up and h must fit beside the accumulator in registers). Each chunk's d(gate, up) (zeros in padding rows)
-    overwrites its gate and up buffers and leaves by TMA store at once (the stores overlap the next chunk's work);
-    returns the rows' partial routing-weight gradients sum_cols dh * h."""
-    COLS: gl.constexpr = dgu_desc.block_type.shape[1]
-    if dh.shape[1] > COLS:
-        left, right = column_halves(dh)
-        return (_swiglu_backward_columns(left, CHUNK0, valid, scale, epi_smem, dgu_desc, row, col, N)
-                + _swiglu_backward_columns(right, CHUNK0 + dh.shape[1] // 2 // COLS, valid, scale, epi_smem,
-                                           dgu_desc, row, col, N))
-    else:
-        layout: gl.constexpr = wgmma_layout(COLS)
-        dh = gl.convert_layout(dh, layout)  # the layout column_halves produced, named (no data moves)
-        gate_smem = epi_smem.index(3 * CHUNK0)
-        up_smem = epi_smem.index(3 * CHUNK0 + 1)
-        row_valid = gl.expand_dims(valid, 1)
-        # padding rows: zeros out, whatever their dh and saved operands hold (the gathered copy's padding rows and
-        # gate_up's are never written: NaN * 0 would be NaN)
-        gate = gl.where(row_valid, gate_smem.load(layout).to(gl.float32), 0.0)
-        up = gl.where(row_valid, up_smem.load(layout).to(gl.float32), 0.0)
-        h = epi_smem.index(3 * CHUNK0 + 2).load(layout).to(gl.float32)
-        # the routing weight's gradient: dout[token] . (h @ w2[e].T) = dh . h (padding rows: masked by the caller)
-        dscale = gl.sum(dh * h, axis=1)
-        dh = gl.where(row_valid, dh * gl.expand_dims(scale, 1), 0.0)
-        sig = _fast_sigmoid(gate)
-        dtype: gl.constexpr = dgu_desc.dtype
-        # in place: every value is read and rewritten by the same thread
-        gate_smem.store((dh * up * sig * (1.0 + gate * (1.0 - sig))).to(dtype))
-        up_smem.store((dh * (gate * sig)).to(dtype))
-        fence_async_shared()  # the generic-proxy writes before the TMA engine reads them
-        tma.async_store(dgu_desc, [row, col + CHUNK0 * COLS], gate_smem)
-        tma.async_store(dgu_desc, [row, N + col + CHUNK0 * COLS], up_smem)
-        return dscale
 
 
 @gluon.jit
@@ -440,7 +290,7 @@ def _consumer(a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty
                 valid = pairs < num_pairs  # padding rows hold num_pairs
                 if EPILOGUE == SWIGLU_BWD:
                     mbarrier.wait(epi_ready, epi_items & 1)
-                    dscale = _swiglu_backward_columns(acc, 0, valid, scale, epi_smem, dgu_desc, tile * BM,
+                    dscale = swiglu_backward_columns(acc, 0, valid, scale, epi_smem, dgu_desc, tile * BM,
                                                       col_block * BN, N)
                     tma.store_wait(0)  # the stores have read the buffers: the producer may refill them
                     mbarrier.arrive(epi_empty, count=1)
@@ -504,15 +354,6 @@ def sorted_rows_sm90_kernel(a_desc, b_desc, gate_up_desc, h_desc, dgu_desc, out_
 
 
 # ---------------------------------------------------------------------------------------------------- the wrappers
-class SwigluOperands(NamedTuple):
-    """SWIGLU_BWD's operands beside the GEMM's (as ``triton_gemm.swiglu_backward_launch`` takes them)."""
-
-    gate_up: torch.Tensor  # (sort rows, 2F) the forward's saved pre-activations [gate | up], w2's dtype
-    h: torch.Tensor  # (sort rows, F) the forward's SwiGLU output, w2's dtype
-    row_scale: torch.Tensor  # (T, k) float32 contiguous: the routing weights, read at the rows' pair ids
-    dscale: torch.Tensor  # (T, k) float32 contiguous, zeroed by the caller: per-column-block partial sums land here
-
-
 class _Gemm(NamedTuple):
     """What differs between the products on the host: the operands' names (for messages), K and N's names,
     the Triton fallback, and the epilogue."""
@@ -537,30 +378,6 @@ def _gemm_dims(w, epilogue: int):
     """(E, K, N) of the product's weight: stored (E, K, N), or (E, N, K) where B is K-major (DOWN)."""
     num_experts, rows, cols = w.shape
     return (num_experts, cols, rows) if b_k_major(epilogue) else (num_experts, rows, cols)
-
-
-def _swiglu_reason(swiglu, w, dgu, sort: ExpertSort, num_rows: int, config: DxConfig) -> str | None:
-    """Why SWIGLU_BWD's own operands do not fit (see SwigluOperands), or None."""
-    if not isinstance(swiglu, SwigluOperands):
-        return f"dh_swiglu_sm90: needs SwigluOperands (gate_up, h, row_scale, dscale), got {type(swiglu).__name__}"
-    d_ff = w.shape[2]
-    for name, t, cols, cols_name in (("gate_up", swiglu.gate_up, 2 * d_ff, "2F"), ("h", swiglu.h, d_ff, "F")):
-        if t.shape != (num_rows, cols) or t.dtype != w.dtype or t.stride(1) != 1:
-            return (f"dh_swiglu_sm90: {name} must be (sort rows, {cols_name}) = ({num_rows}, {cols}) in w2's dtype "
-                    f"{w.dtype} with unit last stride, got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
-    for name, t in (("row_scale", swiglu.row_scale), ("dscale", swiglu.dscale)):
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != sort.num_pairs:
-            return (f"dh_swiglu_sm90: {name} must be float32, contiguous, one value per (token, slot) pair "
-                    f"({sort.num_pairs}), got {t.dtype} {tuple(t.shape)} contiguous={t.is_contiguous()}")
-    if d_ff % config.block_n:
-        # the epilogue's gate box at the last column block would reach into up's columns
-        return (f"dh_swiglu_sm90: F = {d_ff} must be a multiple of block_n = {config.block_n} (the epilogue moves "
-                f"whole column blocks of [gate | up] by TMA); use dh_launch and swiglu_backward_launch")
-    for name, t in (("gate_up", swiglu.gate_up), ("h", swiglu.h), ("dgu", dgu)):
-        if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            return (f"dh_swiglu_sm90: TMA needs {name}'s rows and base address 16-byte aligned, got strides "
-                    f"{t.stride()}")
-    return None
 
 
 def unsupported_reason(a, w, out, sort: ExpertSort, block_m: int, config: DxConfig, gemm: str = "dx",
@@ -622,7 +439,7 @@ def unsupported_reason(a, w, out, sort: ExpertSort, block_m: int, config: DxConf
     except ValueError as error:
         return str(error)
     if g.epilogue == SWIGLU_BWD.value:
-        return _swiglu_reason(swiglu, w, out, sort, num_rows, config)
+        return swiglu_reason(swiglu, w, out, sort, num_rows, config)
     if g.epilogue == DOWN.value and (not isinstance(row_scale, torch.Tensor) or row_scale.dtype != torch.float32
                                      or not row_scale.is_contiguous() or row_scale.numel() != sort.num_pairs):
         return (f"{name}: row_scale must be the routing weights, float32 and contiguous, one per (token, slot) pair "
@@ -711,7 +528,7 @@ def dx_sm90(dgu, w1, dx32, sort: ExpertSort, block_m: int, config: DxConfig = Dx
 def dh_sm90(dout_sorted, w2, dh, sort: ExpertSort, block_m: int, config: DxConfig = DH_CONFIG,
             num_ctas: int | None = None):
     """``dh[row] = dout_sorted[row] @ w2[expert(row)]`` for every valid sorted row (``triton_gemm.dh_launch``'s
-    product, with dout already gathered to the sorted rows: ``triton_gemm.sorted_rows(dout, None, ...)``).
+    product, with dout already gathered to the sorted rows: ``layer.sorted_rows(dout, None, ...)``).
 
     dout_sorted: (sort rows, d) bf16/fp16 contiguous (padding rows may hold anything); w2: (E, d, F) contiguous,
     same dtype, d a multiple of config.block_k; dh: (sort rows, F) float32 with unit last stride: the valid rows

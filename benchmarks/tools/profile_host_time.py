@@ -1,0 +1,152 @@
+"""Host time per call vs device time, for shapes whose GPU work is short enough that the launch path can bound the
+benchmark (session 4: the 1c42b3e bench had D=256 L=512 at half the TFLOP/s of a direct kernel call). Prints, per
+shape and backend: device ms (calls queued back to back, timed by CUDA events), host µs per call (no sync), and a
+cProfile of the sm_90 `auto` path's host side (top functions by cumulative time).
+
+    PYTHONPATH=src python benchmarks/tools/profile_host_time.py [--cases BxHxLxD,...] [--profile BxHxLxD]
+    PYTHONPATH=src python benchmarks/tools/profile_host_time.py --moe [--tokens 1,16,64]
+
+`--moe`: the same for `fused_moe` on the bench's models (bf16), the prepared launch (a repeated signature) against
+the full path (the prepared-call cache emptied before each call).
+`--moe-bwd`: the layer's backward as the bench times it (autograd.grad, graph retained), ours and the grouped_mm
+pipeline, then a cProfile of ours (top functions by own time).
+"""
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashmoe_science import flash_attention_science
+
+CASES = "32x8x512x256,32x8x512x64,4x8x2048x64,4x8x4096x64,32x16x512x128,8x16x2048x128"
+
+
+def call(name, q, k, v, causal):
+    if name == "cudnn":
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return flash_attention_science(q, k, v, causal=causal, backend=name)
+
+
+def _host_and_device(fn, n=50):
+    """(device ms per call, host µs per call without a sync) of fn(). The device time is taken behind a long
+    sleep kernel, so the queue is full and the GPU never waits for the host."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host_us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e8))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n, host_us
+
+
+def moe_main(tokens):
+    from flashmoe_science.bench.moe import MODELS
+    from flashmoe_science.moe import api as moe_api
+    from flashmoe_science.moe import fused_moe
+
+    for model, shape in MODELS.items():
+        e, k, d, f = shape["num_experts"], shape["top_k"], shape["d_model"], shape["d_ff"]
+        w1 = torch.randn(e, 2 * f, d, device="cuda", dtype=torch.bfloat16) * d**-0.5
+        w2 = torch.randn(e, d, f, device="cuda", dtype=torch.bfloat16) * f**-0.5
+        for t in tokens:
+            x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+            logits = torch.randn(t, e, device="cuda", dtype=torch.bfloat16)
+
+            def prepared():
+                return fused_moe(x, w1, w2, logits, k)
+
+            def full():
+                moe_api._PREPARED.clear()
+                return fused_moe(x, w1, w2, logits, k)
+
+            line = [f"{model} T={t}"]
+            for name, fn in (("prepared", prepared), ("full path", full)):
+                device_ms, host_us = _host_and_device(fn)
+                line.append(f"{name}: device {device_ms:.4f} ms, host {host_us:.0f} us")
+            print(" | ".join(line), flush=True)
+
+
+def moe_bwd_main(tokens):
+    from flashmoe_science.bench.moe import MODELS, torch_grouped_mm_moe
+    from flashmoe_science.moe import fused_moe
+
+    for model, shape in MODELS.items():
+        e, k, d, f = shape["num_experts"], shape["top_k"], shape["d_model"], shape["d_ff"]
+        w1 = (torch.randn(e, 2 * f, d, device="cuda", dtype=torch.bfloat16) * d**-0.5).requires_grad_()
+        w2 = (torch.randn(e, d, f, device="cuda", dtype=torch.bfloat16) * f**-0.5).requires_grad_()
+        for t in tokens:
+            x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            logits = torch.randn(t, e, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            line = [f"{model} T={t} bwd"]
+            for name, layer in (("flashmoe", fused_moe), ("grouped-mm", torch_grouped_mm_moe)):
+                out = layer(x, w1, w2, logits, k)
+                grad_out = torch.randn_like(out)
+
+                def backward():
+                    return torch.autograd.grad(out, (x, w1, w2, logits), grad_out, retain_graph=True)
+
+                device_ms, host_us = _host_and_device(backward, n=20)
+                line.append(f"{name}: device {device_ms:.4f} ms, host {host_us:.0f} us")
+                if name == "flashmoe":
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    for _ in range(20):
+                        backward()
+                    prof.disable()
+                    torch.cuda.synchronize()
+                    stats = pstats.Stats(prof)
+            print(" | ".join(line), flush=True)
+            stats.sort_stats("tottime").print_stats(12)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--moe", action="store_true")
+    p.add_argument("--moe-bwd", action="store_true")
+    p.add_argument("--tokens", default="1,16,64")
+    p.add_argument("--cases", default=CASES)
+    p.add_argument("--profile", default="32x8x512x256")
+    a = p.parse_args()
+    if a.moe:
+        return moe_main([int(t) for t in a.tokens.split(",")])
+    if a.moe_bwd:
+        return moe_bwd_main([int(t) for t in a.tokens.split(",")])
+    for case in a.cases.split(","):
+        b, h, length, d = map(int, case.split("x"))
+        for causal in (False, True):
+            q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            line = [f"B{b} H{h} L{length} D{d} causal={int(causal)}"]
+            for name in ("auto", "triton", "cudnn"):
+                device_ms, host_us = _host_and_device(lambda: call(name, q, k, v, causal))
+                line.append(f"{name}: device {device_ms:.4f} ms, host {host_us:.0f} us")
+            print(" | ".join(line), flush=True)
+    b, h, length, d = map(int, a.profile.split("x"))
+    q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    call("auto", q, k, v, False)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        call("auto", q, k, v, False)
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Fingerprints of the SASS of every Gluon sm_90 kernel, built offline (no GPU: ptxas and cuobjdump ship with
+triton): one line per kernel and config, the sha256 of its instruction lines and their count. Run it before and
+after a change that must leave the kernels alone (a move, a rename, a compatibility shim) and diff the outputs.
+
+    PYTHONPATH=src python benchmarks/tools/sass_fingerprints.py [NAME ...] > before.txt
+
+The MoE operands are the offline build tests' (tests/moe), at Mixtral's and Qwen3's dims.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+import re
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "moe"))
+
+from flashmoe_science.attention.hopper import bwd_dq_sm90, bwd_sm90, bwd_sm90_hdim256, fwd_sm90  # noqa: E402
+from flashmoe_science.attention.tiles import AttentionTiles  # noqa: E402
+from flashmoe_science.hopper.common import offline_sass  # noqa: E402
+from flashmoe_science.moe.dispatch import sort_buffers  # noqa: E402
+from flashmoe_science.moe.hopper import dx_sm90, wgrad_sm90  # noqa: E402
+
+META = torch.device("meta")
+
+
+def _forward(head_dim, block_n, stages, causal, q_buffers=1, cross_item=False):
+    return fwd_sm90.compile_offline(head_dim, causal, AttentionTiles(128, block_n, 8, stages), q_buffers=q_buffers,
+                                    cross_item=cross_item)
+
+
+def _mixtral_rows():
+    sort, _, _ = sort_buffers(4096, 2, 8, 128, META)
+    return sort, sort.tile_expert.numel() * 128
+
+
+def _dx():
+    sort, rows = _mixtral_rows()
+    return dx_sm90.compile_offline(torch.empty(rows, 28672, dtype=torch.bfloat16, device=META),
+                                   torch.empty(8, 28672, 4096, dtype=torch.bfloat16, device=META),
+                                   torch.empty(4096, 4096, dtype=torch.float32, device=META), sort,
+                                   dx_sm90.DxConfig())
+
+
+def _dh():
+    import test_moe_dh_sm90 as cases
+
+    return dx_sm90.compile_offline(*cases._meta_case(4096, 2, 8, 4096, 14336), cases.AB_CONFIGS[0], gemm="dh")
+
+
+def _dh_swiglu():
+    import test_moe_dh_sm90 as cases
+
+    a, w2, dgu, swiglu, sort = cases._swiglu_case(4096, 8, 128, 2048, 768, device=META)
+    return dx_sm90.compile_offline(a, w2, dgu, sort, dx_sm90.DH_SWIGLU_CONFIG, gemm="dh_swiglu", swiglu=swiglu)
+
+
+def _down():
+    sort, rows = _mixtral_rows()
+    return dx_sm90.compile_offline(torch.empty(rows, 14336, dtype=torch.bfloat16, device=META),
+                                   torch.empty(8, 4096, 14336, dtype=torch.bfloat16, device=META),
+                                   torch.empty(4096, 4096, dtype=torch.float32, device=META), sort,
+                                   dx_sm90.LONG_K_CONFIG, gemm="down",
+                                   row_scale=torch.empty(4096, 2, dtype=torch.float32, device=META))
+
+
+def _wgrad():
+    import test_moe_wgrad_sm90 as cases
+
+    return wgrad_sm90.compile_offline(*cases._meta_dw1(), wgrad_sm90.WgradConfig())
+
+
+KERNELS = {
+    "fwd_d128_causal": lambda: _forward(128, 128, 2, True),
+    "fwd_d64_cross": lambda: _forward(64, 128, 3, False, 2, True),
+    "fwd_d64": lambda: _forward(64, 128, 2, False),
+    "fwd_d256_causal_q2": lambda: _forward(256, 64, 2, True, 2),
+    "bwd_d128_causal": lambda: bwd_sm90.compile_offline(128, True),
+    "bwd_d64": lambda: bwd_sm90.compile_offline(64, False),
+    "bwd_d192": lambda: bwd_sm90.compile_offline(192, False),
+    "bwd_dq_d256": lambda: bwd_dq_sm90.compile_offline(256, False),
+    "bwd_dkdv_d256_causal": lambda: bwd_sm90_hdim256.compile_offline(256, True),
+    "bwd_dq_d256_causal": lambda: bwd_dq_sm90.compile_offline(256, True),
+    "moe_dx": _dx,
+    "moe_dh": _dh,
+    "moe_dh_swiglu": _dh_swiglu,
+    "moe_down": _down,
+    "moe_wgrad": _wgrad,
+}
+
+
+def fingerprint(sass: str) -> tuple[str, int]:
+    """(sha256 prefix, count) of the instruction lines (``/*0a10*/ ...``): addresses and opcodes, no file names."""
+    lines = [line.strip() for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16], len(lines)
+
+
+def main(names: list[str]) -> int:
+    failed = 0
+    for name, build in KERNELS.items():
+        if names and name not in names:
+            continue
+        start = time.time()
+        try:
+            digest, count = fingerprint(offline_sass(build()))
+        except Exception as error:  # report every kernel, then fail
+            failed += 1
+            print(f"{name:24s} FAILED {type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}", flush=True)
+            continue
+        print(f"{name:24s} {digest} {count:6d} instructions {time.time() - start:5.1f}s", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,110 @@
+"""Whether the Gluon sm_90 kernels can run on this triton, and the one rule for when one does not build.
+
+Gluon is Triton's experimental layer: a triton after the tested range (``TESTED_TRITON``; gluon_compat maps the
+names that moved within it) may fail to import or to build a kernel. A user's training step must not fail for that:
+with ``backend="auto"`` the first failure is recorded, one warning names the triton version and the fallback, and
+from then on every call takes the portable Triton kernels (attention forward and backward, the MoE GEMMs).
+``backend="hopper"`` raises ``GluonUnavailable`` instead. Builds fail before anything is launched, so a fallback
+recomputes from untouched inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Callable
+
+TESTED_TRITON = ("3.6", "3.9")  # oldest and newest release whose Gluon builds the offline sm_90 tests cover
+_failure: str | None = None  # why the Gluon kernels are off in this process (the first build failure)
+
+
+class GluonUnavailable(RuntimeError):
+    """A Gluon sm_90 kernel cannot run on this triton (backend="hopper" was asked for)."""
+
+
+def _build_errors() -> tuple[type[BaseException], ...]:
+    """What a kernel build raises (front end, ptxas, resources) or an import of the Gluon layer, never a launch."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    errors = [CompilationError, OutOfResources, ImportError, AttributeError]
+    try:
+        from triton.runtime.errors import PTXASError
+
+        errors.append(PTXASError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+@functools.lru_cache(maxsize=None)
+def _import_error() -> str | None:
+    """Why the Gluon layer (gluon_compat and the shared sm_90 blocks) does not import on this triton, or None."""
+    try:
+        import flashmoe_science.hopper.common  # noqa: F401
+    except Exception as error:  # any failure here means: no Gluon kernels on this triton
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def triton_version() -> str | None:
+    try:
+        from triton import __version__
+    except ImportError:
+        return None
+    return __version__
+
+
+def in_tested_range(version: str) -> bool:
+    release = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+    low, high = (tuple(int(p) for p in v.split(".")) for v in TESTED_TRITON)
+    return low <= release <= high
+
+
+def unavailable_reason() -> str | None:
+    """Why the Gluon kernels are not taken in this process (the Gluon layer does not import, or a kernel failed to
+    build earlier), or None when they may run."""
+    return _failure or _import_error()
+
+
+def record_failure(kernel: str, error: BaseException) -> str:
+    """Turn the Gluon kernels off for this process after ``kernel`` failed to build; warns once. Returns the reason."""
+    global _failure
+    first_line = (str(error).strip().splitlines() or [""])[-1][:300]
+    reason = (f"the Gluon sm_90 {kernel} kernel does not build on triton {triton_version()} "
+              f"({type(error).__name__}: {first_line})")
+    if _failure is None:
+        _failure = reason
+        tested = "-".join(TESTED_TRITON)
+        warnings.warn(f"flashmoe_science: {reason}; backend='auto' runs the portable Triton kernels instead from now "
+                      f"on (attention and MoE; the Gluon kernels are tested on triton {tested}, backend='hopper' "
+                      "raises)", RuntimeWarning, stacklevel=3)
+    return reason
+
+
+def run_gluon(kernel: str, launch: Callable[[], object], strict: bool = False) -> bool:
+    """Run ``launch`` (a Gluon kernel's launch) unless the Gluon kernels are off. True when it ran; False when they
+    are off or it failed to build (recorded, one warning): the caller then runs its Triton kernel. With ``strict``
+    (backend="hopper") raises GluonUnavailable instead of returning False."""
+    reason = unavailable_reason()
+    if reason is None:
+        try:
+            launch()
+            return True
+        except _build_errors() as error:
+            reason = record_failure(kernel, error)
+    if strict:
+        raise GluonUnavailable(f"backend='hopper': {reason}")
+    return False
+
+
+def describe() -> str:
+    """One line for ``flashmoe-science info``."""
+    reason = unavailable_reason()
+    tested = "-".join(TESTED_TRITON)
+    if reason is not None:
+        return f"off: {reason}; backend='auto' runs the portable Triton kernels"
+    if not in_tested_range(triton_version()):
+        return (f"triton {triton_version()} is outside the tested range {tested}: the Gluon kernels are tried, and "
+                "backend='auto' falls back to the portable Triton kernels (one warning) if one does not build")
+    return f"available (triton {triton_version()}, tested {tested}; a build failure would fall back to Triton)"

@@ -1,0 +1,154 @@
+"""A Gluon build failure on a future triton (simulated: the kernel launch raises what a failed build raises) never
+fails a call: backend="auto" warns once, naming the triton version, and runs the portable Triton kernels from then
+on (attention forward and backward, the MoE GEMMs); backend="hopper" raises GluonUnavailable; `info` says so."""
+
+from __future__ import annotations
+
+import ast
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from triton.compiler.errors import CompilationError  # noqa: E402
+
+from flashmoe_science.hopper import availability  # noqa: E402
+
+
+def _build_failure(*args, **kwargs):
+    raise CompilationError("def kernel(x):\n    tma.async_load(x)\n", ast.parse("tma.async_load(x)").body[0],
+                           "RuntimeError: async_load has been removed; call async_tensor_load instead")
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_state(monkeypatch):
+    """Each test starts as a fresh process would: no build failure recorded."""
+    monkeypatch.setattr(availability, "_failure", None)
+
+
+def test_first_failure_warns_once_with_the_triton_version_and_turns_gluon_off():
+    import triton
+
+    with pytest.warns(RuntimeWarning) as caught:
+        assert not availability.run_gluon("attention forward", _build_failure)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert f"triton {triton.__version__}" in message and "portable Triton kernels" in message
+    assert "attention forward" in message and "async_load has been removed" in message
+    assert "does not build" in availability.unavailable_reason()
+    launched = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        assert not availability.run_gluon("MoE dx", lambda: launched.append(1))
+    assert not launched  # off for the rest of the process: not even tried
+    assert availability.describe().startswith("off: the Gluon sm_90 attention forward kernel does not build")
+
+
+def test_strict_raises_a_clear_error():
+    with pytest.warns(RuntimeWarning), pytest.raises(availability.GluonUnavailable,
+                                                     match="backend='hopper': the Gluon sm_90 attention forward"):
+        availability.run_gluon("attention forward", _build_failure, strict=True)
+    with pytest.raises(availability.GluonUnavailable):  # and every later strict call
+        availability.run_gluon("attention forward", lambda: None, strict=True)
+
+
+def test_errors_that_are_not_build_failures_propagate():
+    def out_of_memory():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        availability.run_gluon("attention forward", out_of_memory)
+    assert availability.unavailable_reason() is None
+
+
+def test_tested_range():
+    assert availability.in_tested_range("3.6.0") and availability.in_tested_range("3.9.1")
+    assert not availability.in_tested_range("3.10.0") and not availability.in_tested_range("3.5.1")
+    assert availability.describe().startswith(("available", "triton"))
+
+
+def _qkv(requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 2, 64, 64, generator=g, dtype=torch.float16).requires_grad_(requires_grad)
+            for _ in range(3)]
+
+
+def test_attention_forward_falls_back_to_the_triton_kernel(monkeypatch):
+    from flashmoe_science.attention import api, autograd, triton_fwd
+    from flashmoe_science.attention.features import PLAIN
+    from flashmoe_science.attention.hopper import fwd_sm90
+    from flashmoe_science.attention.tiles import ForwardPlan, sm90_forward_tiles
+
+    ran = []
+    monkeypatch.setattr(fwd_sm90, "attention_forward_sm90", _build_failure)
+    monkeypatch.setattr(triton_fwd, "attention_forward", lambda *args: ran.append(args[-1]))
+    q, k, v = _qkv()
+    plan = ForwardPlan("sm90", sm90_forward_tiles(64, False, 64))
+    with pytest.warns(RuntimeWarning, match="attention forward kernel does not build"):
+        autograd.kernel_forward(q, k, v, PLAIN, 0.125, plan)
+    assert ran == [api.triton_plan(q, k, v, PLAIN).tiles]  # the Triton forward ran, with its own tiles
+    autograd.kernel_forward(q, k, v, PLAIN, 0.125, plan)  # later calls: no warning, no Gluon attempt
+    assert len(ran) == 2
+    # later calls plan the Triton kernel: _hopper_unavailable (after its device checks) returns this reason
+    assert "attention forward kernel does not build" in availability.unavailable_reason()
+
+
+def test_attention_forward_strict_raises(monkeypatch):
+    from flashmoe_science.attention import autograd
+    from flashmoe_science.attention.features import PLAIN
+    from flashmoe_science.attention.hopper import fwd_sm90
+    from flashmoe_science.attention.tiles import ForwardPlan, sm90_forward_tiles
+
+    monkeypatch.setattr(fwd_sm90, "attention_forward_sm90", _build_failure)
+    q, k, v = _qkv()
+    plan = ForwardPlan("sm90", sm90_forward_tiles(64, False, 64), strict=True)
+    with pytest.warns(RuntimeWarning), pytest.raises(availability.GluonUnavailable, match="backend='hopper'"):
+        autograd.kernel_forward(q, k, v, PLAIN, 0.125, plan)
+
+
+def test_attention_backward_falls_back_to_the_triton_kernels(monkeypatch):
+    from flashmoe_science.attention import autograd, triton_bwd
+    from flashmoe_science.attention.features import PLAIN
+    from flashmoe_science.attention.tiles import ForwardPlan, sm90_forward_tiles
+
+    ran = []
+    monkeypatch.setattr(autograd, "kernel_forward", lambda q, *rest: (torch.zeros_like(q), torch.zeros(q.shape[:3])))
+    monkeypatch.setattr(autograd, "_sm90_backward_runs", lambda *args: True)
+    monkeypatch.setattr(autograd, "_sm90_backward", _build_failure)
+    monkeypatch.setattr(triton_bwd, "attention_backward", lambda *args, **kwargs: ran.append(args))
+    q, k, v = _qkv(requires_grad=True)
+    plan = ForwardPlan("sm90", sm90_forward_tiles(64, False, 64))
+    out, _ = autograd._KernelAttention.apply(q, k, v, None, PLAIN, 0.125, plan, False)
+    with pytest.warns(RuntimeWarning, match="attention backward kernel does not build"):
+        out.sum().backward()
+    assert len(ran) == 1 and q.grad is not None and k.grad is not None
+
+
+def test_moe_gemms_fall_back_to_the_triton_kernels(monkeypatch):
+    from flashmoe_science.moe import layer
+    from flashmoe_science.moe.hopper import wgrad_sm90
+
+    monkeypatch.setattr(layer, "device_traits", lambda device: type("Hopper", (), {"is_hopper": True}))
+    monkeypatch.setattr(wgrad_sm90, "unsupported_reason", lambda *args: None)
+    monkeypatch.setattr(wgrad_sm90, "wgrad_sm90", _build_failure)
+    a = type("OnCuda", (), {"is_cuda": True, "device": "cuda"})()
+    tiles = type("Tiles", (), {"block_m": 128})()
+    ran = []
+
+    def triton_launch(*args):
+        return lambda: ran.append(args)
+
+    assert layer._gluon_may_run(a, tiles)
+    with pytest.warns(RuntimeWarning, match="MoE weight-gradient kernel does not build"):
+        layer._weight_gradient(a, None, None, None, tiles, triton_launch)
+    assert len(ran) == 1
+    assert not layer._gluon_may_run(a, tiles)  # every later MoE call: the Triton kernels
+
+
+def test_info_reports_the_gluon_kernels(capsys):
+    from flashmoe_science.cli import main
+
+    assert main(["info"]) == 0
+    assert "Gluon sm_90 kernels" in capsys.readouterr().out
