@@ -164,3 +164,34 @@ def test_gpu_kernel_against_float64(d, causal, lq, lk):
 @gpu
 def test_gpu_hadamard_cuts_the_error_of_outlier_channels():
     assert _rmse_ratio("cuda", magnitude=30.0) >= 2.0
+
+
+def test_e4m3_forward_builds_for_sm90_offline():
+    """The e4m3 Triton forward compiles for sm_90 without a GPU (meta tensors; ptxas ships with triton): catches a
+    drift of the shared building blocks it calls (triton_fwd._online_softmax_step, mask.visible) on the CPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+
+    from flashmoe_science.attention.triton_fp8 import _fp8_forward_kernel, fp8_tiles
+    from flashmoe_science.attention.triton_fwd import _tma_descriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    d, tiles = 128, fp8_tiles(128)
+    q = torch.empty(2, 4, 256, d, dtype=FP8, device="meta")
+    vt = torch.empty(2, 4, d, 256, dtype=FP8, device="meta")
+    out = torch.empty(2, 4, 256, d, dtype=torch.bfloat16, device="meta")
+    lse, descale = torch.empty(2, 4, 256, device="meta"), torch.empty(2, 4, device="meta")
+    v_desc = TensorDescriptor(vt, list(vt.shape), list(vt.stride()), [1, 1, d, tiles.block_n], padding="zero")
+    values = [_tma_descriptor(q, tiles.block_m, d), _tma_descriptor(q, tiles.block_n, d), v_desc, out, lse,
+              descale, descale, descale, *q.stride()[:3], *q.stride()[:3], *vt.stride()[:2], 1, 256,
+              *out.stride()[:3], 4, 4, 1, 256, 256, 0.1]
+    names = _fp8_forward_kernel.arg_names
+    args = dict(zip(names, values))
+    consts = dict(HEAD_DIM=d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, CAUSAL=True, USE_TMA=True)
+    signature = {n: ("constexpr" if n in consts else mangle_type(args[n])) for n in names}
+    source = ASTSource(_fp8_forward_kernel, signature, {(names.index(n),): v for n, v in consts.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+    assert compiled.metadata.shared > 0

@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashmoe_science.attention.fp8 import FP8_MAX, hadamard_signs
-from flashmoe_science.attention.mask import LOG2_E, key_tile_bounds
+from flashmoe_science.attention.mask import LOG2_E, key_tile_bounds, visible
 from flashmoe_science.attention.tiles import AttentionTiles
 from flashmoe_science.attention.triton_fwd import LN_2, _online_softmax_step, _tma_descriptor, tma_compatible
 
@@ -126,8 +126,10 @@ def _fp8_key_tiles(acc, l_i, m_i, q, offs_m, K, V, batch, kv_head, k_base, v_bas
                 k = tl.load(k_ptrs)
                 vt = tl.load(vt_ptrs)
         s = tl.dot(q, tl.trans(k))
-        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, tl.trans(vt), offs_m, start_n, seqlen_k, diagonal,
-                                             qk_scale, BLOCK_N, MASKED, CAUSAL, "tf32")
+        if MASKED:  # the sequence's end and the causal diagonal (mask.visible: causal = window (-1, 0))
+            seen = visible(offs_m[:, None], offs_n[None, :], seqlen_k, diagonal, 0, 0, False, CAUSAL)
+            s = tl.where(seen, s * qk_scale, float("-inf"))
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, tl.trans(vt), qk_scale, not MASKED, MASKED, "tf32")
     return acc, l_i, m_i
 
 
