@@ -3,6 +3,7 @@
     flashmoe-science info                 GPU, versions, and which kernel a sample call would use and why
     flashmoe-science bench [attention]    ours against every SDPA backend and FlexAttention (TFLOP/s, ms, memory)
     flashmoe-science bench moe            the MoE layer benchmark
+    flashmoe-science supercon train|screen|bench   the superconductor Tc model (flashmoe_science.science.cli)
 
 `bench` prints a table, writes `<out>/<gpu>-<date>-<commit>.json` and a PNG plot beside it. Without a CUDA GPU it
 runs a small CPU comparison instead, so the command works everywhere.
@@ -230,7 +231,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashmoe-science", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", metavar="{info,bench}")
+    commands = parser.add_subparsers(dest="command", metavar="{info,bench,supercon}")
 
     info = commands.add_parser("info", help="GPU, versions, and which kernel a sample call would use and why")
     info.set_defaults(handler=run_info)
@@ -264,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
         "one sweep's rows vary by several percent",
     )
     bench.set_defaults(handler=run_bench)
+
+    from flashmoe_science.science.cli import add_supercon_parser
+
+    add_supercon_parser(commands)
     return parser
 
 
