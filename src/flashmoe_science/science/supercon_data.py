@@ -102,6 +102,10 @@ def split_indices(data: CompositionSet, split: str, seed: int) -> dict[str, torc
         rows = members[names[k]]
         part = next((p for p in ("test", "val") if len(parts[p]) + len(rows) / 2 <= quota[p]), "train")
         parts[part].extend(rows)
+    empty = [part for part, rows in parts.items() if not rows]
+    if empty:
+        raise ValueError(f"the family split of {n} compositions in {len(names)} chemical systems leaves {empty} "
+                         "empty: too few systems (use the random split)")
     return {part: torch.tensor(sorted(rows), dtype=torch.int64) for part, rows in parts.items()}
 
 

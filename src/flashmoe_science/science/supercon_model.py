@@ -54,7 +54,7 @@ class ModelConfig:
     num_experts: int = 8
     top_k: int = 2
     d_ff: int = 256
-    fraction_frequencies: int = 16  # sinusoids per scale (linear and log) in the fractional-amount encoding
+    fraction_frequencies: int = 8  # sinusoids per scale (linear and log) in the fractional-amount encoding
     dropout: float = 0.1  # residual dropout in the blocks
     head_dropout: float = 0.1  # dropout in the head: also the MC-dropout uncertainty at screening time
 
@@ -125,17 +125,23 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _accumulate_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32, or float64 for float64 inputs."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _experts_loop(moe: FusedMoE, x: torch.Tensor) -> torch.Tensor:
     """The plain MoE feed-forward: softmax router, top-k renormalised, one gather/matmul/scatter per expert."""
     logits = moe.router(x)
-    weights, experts = torch.topk(torch.softmax(logits.float(), dim=-1), moe.top_k, dim=-1)
+    accumulate = _accumulate_dtype(logits)
+    weights, experts = torch.topk(torch.softmax(logits.to(accumulate), dim=-1), moe.top_k, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out = torch.zeros(x.shape, dtype=accumulate, device=x.device)
     for expert in range(moe.num_experts):
         token, slot = torch.nonzero(experts == expert, as_tuple=True)
         gate, up = F.linear(x[token], moe.w1[expert]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, moe.w2[expert])
-        out.index_add_(0, token, y.float() * weights[token, slot, None])
+        out.index_add_(0, token, y.to(accumulate) * weights[token, slot, None])
     return out.to(_compute_dtype(x))
 
 
@@ -176,10 +182,12 @@ class CompositionTransformer(nn.Module):
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         num = lengths.numel()
         segment = torch.repeat_interleave(torch.arange(num, device=x.device), lengths, output_size=x.shape[0])
-        weighted = torch.zeros(num, x.shape[1], dtype=torch.float32, device=x.device)
-        weighted.index_add_(0, segment, x.float() * fractions.float()[:, None])
-        mean = torch.zeros_like(weighted).index_add_(0, segment, x.float()) / lengths.clamp_min(1)[:, None]
-        return torch.cat([weighted, mean], dim=-1).to(x.dtype)
+        accumulate = _accumulate_dtype(x)
+        x = x.to(accumulate)
+        weighted = torch.zeros(num, x.shape[1], dtype=accumulate, device=x.device)
+        weighted.index_add_(0, segment, x * fractions.to(accumulate)[:, None])
+        mean = torch.zeros_like(weighted).index_add_(0, segment, x) / lengths.clamp_min(1)[:, None]
+        return torch.cat([weighted, mean], dim=-1).to(self.final_norm.weight.dtype)
 
     # --------------------------------------------------------------------------------------------- plain build
     def pooled_padded(self, elements, fractions, mask) -> torch.Tensor:
@@ -188,17 +196,19 @@ class CompositionTransformer(nn.Module):
         x = self._tokens(elements, fractions)
         for block in self.blocks:
             x = block.forward_padded(x, mask)
-        x = self.final_norm(x).float() * mask[..., None]
-        weighted = (x * fractions.float()[..., None]).sum(1)
+        x = self.final_norm(x)
+        x = x.to(_accumulate_dtype(x)) * mask[..., None]
+        weighted = (x * fractions.to(x.dtype)[..., None]).sum(1)
         mean = x.sum(1) / mask.sum(1, keepdim=True).clamp_min(1)
         return torch.cat([weighted, mean], dim=-1).to(self.final_norm.weight.dtype)
 
     # ------------------------------------------------------------------------------------------------- head
     def head(self, pooled: torch.Tensor, *, dropout: bool | None = None) -> torch.Tensor:
-        """Pooled ``(B, 2d)`` -> Tc ``(B,)`` float32 in kelvin; ``dropout`` defaults to ``self.training``."""
+        """Pooled ``(B, 2d)`` -> Tc ``(B,)`` float32 (float64 for a float64 model) in kelvin; ``dropout`` defaults to ``self.training``."""
         active = self.training if dropout is None else dropout
         hidden = F.dropout(F.silu(self.head_hidden(pooled)), self.config.head_dropout, training=active)
-        return self.head_out(hidden).squeeze(-1).float() * self.target_std + self.target_mean
+        out = self.head_out(hidden).squeeze(-1)
+        return out.to(_accumulate_dtype(out)) * self.target_std + self.target_mean
 
     def head_samples(self, pooled: torch.Tensor, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
         """MC dropout over the head: ``samples`` stochastic passes -> (mean, std) of Tc, each ``(B,)``."""

@@ -21,6 +21,8 @@ from flashmoe_science.science.supercon_model import (
 )
 
 PREDICT_BATCH = 4096
+LOSSES = {"mse": torch.nn.functional.mse_loss, "l1": torch.nn.functional.l1_loss,
+          "huber": torch.nn.functional.smooth_l1_loss}
 
 
 @dataclass
@@ -30,6 +32,7 @@ class TrainConfig:
     lr: float = 2e-3
     weight_decay: float = 1e-4
     warmup_fraction: float = 0.05
+    loss: str = "mse"  # on the standardised Tc: "mse" (what R² measures), "l1" or "huber"
     seed: int = 0
     split: str = "random"
     implementation: str | None = None  # None: default_implementation(device)
@@ -94,7 +97,7 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: _lr_factor(step, total_steps, max(1, round(config.warmup_fraction * total_steps))))
     shuffle = torch.Generator().manual_seed(config.seed)
-    history = {"epoch": [], "train_l1_K": [], "val_mae_K": [], "val_r2": []}
+    history = {"epoch": [], "train_loss": [], "val_loss": [], "val_mae_K": [], "val_r2": []}
     best = (math.inf, None)
     started = time.perf_counter()
     bar = tqdm(total=total_steps, desc=f"train {config.split}", unit="step", disable=not progress, mininterval=1.0)
@@ -106,7 +109,7 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
             target = (data.targets[chunk].to(device) - model.target_mean) / model.target_std
             with _autocast(device):
                 predicted = model(batch)
-            loss = torch.nn.functional.l1_loss((predicted - model.target_mean) / model.target_std, target)
+            loss = LOSSES[config.loss]((predicted - model.target_mean) / model.target_std, target)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -118,13 +121,16 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
         val_pred, _ = predict(model, data, parts["val"], implementation, device)
         val = regression_metrics(val_pred, data.targets[parts["val"]])
         history["epoch"].append(epoch + 1)
-        history["train_l1_K"].append(float(loss_sum) / count * float(model.target_std))
+        history["train_loss"].append(float(loss_sum) / count)
+        val_targets = data.targets[parts["val"]]
+        std, mean = float(model.target_std), float(model.target_mean)
+        history["val_loss"].append(float(LOSSES[config.loss]((val_pred - mean) / std, (val_targets - mean) / std)))
         history["val_mae_K"].append(val["mae_K"])
         history["val_r2"].append(val["r2"])
-        bar.set_postfix(train_l1=f"{history['train_l1_K'][-1]:.2f}K", val_mae=f"{val['mae_K']:.2f}K",
+        bar.set_postfix(train_loss=f"{history['train_loss'][-1]:.4f}", val_mae=f"{val['mae_K']:.2f}K",
                         val_r2=f"{val['r2']:.3f}")
-        if val["mae_K"] < best[0]:
-            best = (val["mae_K"], {k: v.detach().clone() for k, v in model.state_dict().items()})
+        if history["val_loss"][-1] < best[0]:
+            best = (history["val_loss"][-1], {k: v.detach().clone() for k, v in model.state_dict().items()})
     bar.close()
     train_seconds = time.perf_counter() - started
     model.load_state_dict(best[1])
@@ -137,7 +143,7 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
         "device": str(device),
         "sizes": {part: int(index.numel()) for part, index in parts.items()},
         "test": regression_metrics(test_pred, measured),
-        "best_val_mae_K": best[0],
+        "best_val_loss": best[0],
         "uncertainty_error_spearman": _spearman(test_std, (test_pred - measured).abs()),
         "train_seconds": train_seconds,
         "history": history,
@@ -149,7 +155,7 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
         torch.save({"model_config": config.model.to_dict(), "state_dict": model.state_dict()}, out_dir / "model.pt")
         (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         plot_parity(test_pred, measured, out_dir / "parity.png", metrics)
-        plot_loss(history, out_dir / "loss.png", config.split)
+        plot_loss(history, out_dir / "loss.png", config.split, config.loss)
     return model, metrics
 
 
@@ -188,16 +194,17 @@ def plot_parity(predicted: torch.Tensor, measured: torch.Tensor, path: Path, met
     plt.close(figure)
 
 
-def plot_loss(history: dict, path: Path, split: str) -> None:
+def plot_loss(history: dict, path: Path, split: str, loss: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(6, 4))
-    axes.plot(history["epoch"], history["train_l1_K"], label="train L1 (K)")
-    axes.plot(history["epoch"], history["val_mae_K"], label="validation MAE (K)")
-    axes.set(xlabel="epoch", ylabel="K", title=f"training, {split} split", yscale="log")
+    axes.plot(history["epoch"], history["train_loss"], label="train (dropout on)")
+    axes.plot(history["epoch"], history["val_loss"], label="validation")
+    axes.set(xlabel="epoch", ylabel=f"{loss} loss on standardised Tc", title=f"training, {split} split",
+             yscale="log")
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
