@@ -120,17 +120,17 @@ def test_heads_not_a_multiple(hq, hkv):
         flash_attention_science(q, k, v)
 
 
-@pytest.mark.parametrize("head_dim", [1, 4, 8, 12, 15, 20, 36, 100, 257, 264, 512])
+@pytest.mark.parametrize("head_dim", [0, 257, 264, 512])
 def test_unsupported_head_dims(head_dim):
     q, k, v = make_qkv((1, 2, 5, head_dim), (1, 2, 5, head_dim))
-    with pytest.raises(ValueError, match=rf"head dim .*multiple of 8 in \[16, 256\].*got {head_dim}"):
+    with pytest.raises(ValueError, match=rf"head dim .* in \[1, 256\].*got {head_dim}"):
         flash_attention_science(q, k, v)
     with pytest.raises(ValueError, match=r"head dim"):
         describe_dispatch(q, k, v)
 
 
 def test_every_supported_head_dim_is_accepted():
-    for head_dim in range(16, 257, 8):
+    for head_dim in range(1, 257):
         q, k, v = make_qkv((1, 1, 2, head_dim), (1, 1, 3, head_dim))
         assert describe_dispatch(q, k, v).backend == "reference"
         assert flash_attention_science(q, k, v).shape == q.shape
@@ -294,7 +294,7 @@ def test_empty_bad_inputs_still_rejected():
     q, k, v = randn(2, 4, 0, 32), randn(2, 3, 0, 32), randn(2, 3, 0, 32)
     with pytest.raises(ValueError, match=r"head count"):
         flash_attention_science(q, k, v)
-    q, k, v = randn(0, 4, 7, 12), randn(0, 2, 5, 12), randn(0, 2, 5, 12)
+    q, k, v = randn(0, 4, 7, 264), randn(0, 2, 5, 264), randn(0, 2, 5, 264)
     with pytest.raises(ValueError, match=r"head dim"):
         flash_attention_science(q, k, v)
 

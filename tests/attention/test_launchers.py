@@ -66,7 +66,8 @@ def test_triton_launcher_builds_tma_descriptors_over_the_callers_strides(monkeyp
     q_desc, k_desc = kwargs["Q"], kwargs["K"]
     assert q_desc.base is q and q_desc.shape == [2, 4, 100, 80] and q_desc.strides == list(q.stride())
     assert q_desc.block_shape == [1, 1, 64, 128] and k_desc.block_shape == [1, 1, 128, 128]
-    assert kwargs["HEAD_DIM"] == 80 and kwargs["BLOCK_D"] == 128 and kwargs["USE_TMA"] and kwargs["CAUSAL"]
+    assert kwargs["HEAD_DIM"] == 80 and kwargs["BLOCK_D"] == 128 and kwargs["USE_TMA"] and kwargs["MASK_RIGHT"]
+    assert kwargs["window_right"] == 0 and not kwargs["MASK_LEFT"] and not kwargs["VARLEN"]
     assert kwargs["group_size"] == 2 and kwargs["qk_scale"] == pytest.approx(0.1 * triton_fwd.LOG2_E)
     assert kwargs["DOT_PRECISION"] == "tf32" and (kwargs["num_warps"], kwargs["num_stages"]) == (4, 2)
 

@@ -75,10 +75,12 @@ def test_interpreter_suite_in_subprocess(request):
     if IN_INTERPRETER:
         pytest.skip("already under TRITON_INTERPRET=1: the cases run in this process")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    # The backward's interpreter cases (skipped in a normal run) ride along in the same child.
-    backward_tests = os.path.join(os.path.dirname(__file__), "test_backward.py")
-    cmd = [sys.executable, "-m", "pytest", __file__, backward_tests, "-q", "-p", "no:cacheprovider", "-p", "no:warnings"]
-    child = subprocess.run(cmd, cwd=request.config.rootpath, env=env, capture_output=True, text=True, timeout=300)
+    # The backward's and the masks/varlen features' interpreter cases (skipped in a normal run) ride along in the
+    # same child.
+    here = os.path.dirname(__file__)
+    riders = [os.path.join(here, name) for name in ("test_backward.py", "test_features_interpreter.py")]
+    cmd = [sys.executable, "-m", "pytest", __file__, *riders, "-q", "-p", "no:cacheprovider", "-p", "no:warnings"]
+    child = subprocess.run(cmd, cwd=request.config.rootpath, env=env, capture_output=True, text=True, timeout=600)
     report = (child.stdout + child.stderr)[-8000:]
     assert child.returncode == 0, f"interpreter suite failed (rc {child.returncode}):\n{report}"
     summary = child.stdout.strip().splitlines()[-1]

@@ -9,12 +9,34 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import numbers
 from dataclasses import dataclass, replace
 
 import torch
 
 from flashmoe_science.attention import reference
+from flashmoe_science.attention.autograd import (  # noqa: F401 (_PREPARED_BACKWARD ... re-exported for tests)
+    _PREPARED_BACKWARD,
+    _backward_key,
+    _NoKeys,
+    _sm90_backward_runs,
+    kernel_backward,
+    new_outputs,
+    run_kernel,
+)
+from flashmoe_science.attention.checks import (  # noqa: F401 (BACKENDS ... re-exported)
+    BACKENDS,
+    FLOAT_DTYPES,
+    KERNEL_DTYPES,
+    MAX_HEAD_DIM,
+    MIN_HEAD_DIM,
+    check_alibi_slopes,
+    check_attn_bias,
+    check_flags,
+    check_inputs,
+    check_triton_layout,
+)
+from flashmoe_science.attention.features import PLAIN, CallFeatures, feature_names, sm90_missing
+from flashmoe_science.attention.mask import make_mask
 from flashmoe_science.attention.tiles import (
     ForwardPlan,
     autotune_enabled,
@@ -28,12 +50,6 @@ from flashmoe_science.attention.tiles import (
 from flashmoe_science.device import on_another_cuda_device, triton_interpreter_on
 from flashmoe_science.prepared_cache import remember, tensor_signature
 
-BACKENDS = ("auto", "hopper", "triton", "reference")
-KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
-
-
 @dataclass(frozen=True)
 class Dispatch:
     """Which implementation a call runs, and why (shown by `flashmoe-science info`)."""
@@ -44,60 +60,17 @@ class Dispatch:
     tiles: dict | None = None
 
 
+
 @dataclass(frozen=True)
 class _Problem:
-    """A checked call: the 4-D views the kernels see (None where leading dims cannot merge without a copy)."""
+    """A checked call: the 4-D views the kernels see (None where leading dims cannot merge without a copy), and
+    its features over those views (see `_dense_features`)."""
 
     q: torch.Tensor | None
     k: torch.Tensor | None
     v: torch.Tensor | None
     softmax_scale: float
-
-
-def _check_tensor(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be bfloat16, float16 or float32 (float64 on the reference), got {t.dtype}")
-    if t.dim() < 2:
-        raise ValueError(f"{name} must have at least 2 dims (L, D), got shape {tuple(t.shape)}")
-
-
-def _check_inputs(q, k, v, softmax_scale, backend) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
-    if k.dim() != q.dim() or v.dim() != q.dim():
-        raise ValueError(f"q, k and v must have the same number of dims, got {q.dim()}, {k.dim()}, {v.dim()}")
-    if v.shape != k.shape:
-        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    if q.shape[:-3] != k.shape[:-3]:
-        raise ValueError(f"q and k must have the same batch dims, got {tuple(q.shape[:-3])} and {tuple(k.shape[:-3])}")
-    head_dim = q.shape[-1]
-    if k.shape[-1] != head_dim:
-        raise ValueError(f"k's head dim must equal q's ({head_dim}), got {k.shape[-1]}")
-    if head_dim % 8 or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim (last dim of q) must be a multiple of 8 in [16, 256], got {head_dim}")
-    if q.dim() >= 3:
-        hq, hkv = q.shape[-3], k.shape[-3]
-        if hkv == 0 or hq % hkv:
-            raise ValueError(f"q's head count ({hq}) must be a multiple of k's head count ({hkv}) (GQA/MQA)")
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
-        if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-            raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-
-
-def _check_flags(**flags) -> None:
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    features: CallFeatures = PLAIN
 
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor | None:
@@ -114,36 +87,81 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _normalise(q, k, v, softmax_scale) -> _Problem:
+def _leading_views(q, k, alibi_slopes, attn_bias) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The checked slopes as `(*batch, H)` and the bias with q's rank, its leading (batch) dims broadcast to q's
+    (views, no copies)."""
+    num_heads = q.shape[-3] if q.dim() >= 3 else 1
+    batch_shape = tuple(q.shape[:-3])
+    slopes = check_alibi_slopes(alibi_slopes, batch_shape, num_heads, q.device)
+    target = (*q.shape[:-1], k.shape[-2])
+    bias = check_attn_bias(attn_bias, target, q.dtype, q.device)
+    if bias is not None:
+        bias = bias.view((1,) * (len(target) - bias.dim()) + tuple(bias.shape))
+        if any(size != 1 for size in bias.shape[:-3]):
+            bias = bias.expand(*batch_shape, *bias.shape[-3:])
+    return slopes, bias
+
+
+def _features_4d(mask, slopes, bias, index: tuple = ()) -> CallFeatures:
+    """The features over 4-D views: the whole (merged) batch, or one leading index of the per-index loop."""
+    if slopes is not None:
+        slopes = slopes[index].reshape(-1, slopes.shape[-1])  # (B, H); B merged from the leading dims
+    if bias is not None:
+        bias = bias[index] if bias.dim() > 3 and index else bias
+        lead = bias.shape[:-3]
+        if all(size == 1 for size in lead):
+            bias = bias.reshape(1, *bias.shape[-3:])
+        else:  # a bias that varies over several unmergeable leading dims of a >4-D q: reshape may copy it
+            bias = bias.reshape(-1, *bias.shape[-3:])
+    return CallFeatures(mask=mask, alibi_slopes=slopes, attn_bias=bias)
+
+
+def _normalise(q, k, v, softmax_scale, mask=None, alibi_slopes=None, attn_bias=None) -> tuple[_Problem, tuple]:
+    """The problem over 4-D views, and the leading views of the extras (for the per-index loop)."""
     scale = float(softmax_scale) if softmax_scale is not None else reference.default_softmax_scale(q.shape[-1])
-    return _Problem(_as_4d(q), _as_4d(k), _as_4d(v), scale)
+    mask = make_mask(False) if mask is None else mask
+    slopes, bias = _leading_views(q, k, alibi_slopes, attn_bias)
+    features = _features_4d(mask, slopes, bias)
+    return _Problem(_as_4d(q), _as_4d(k), _as_4d(v), scale, features), (mask, slopes, bias)
 
 
-def describe_dispatch(q, k, v, *, causal: bool = False, backend: str = "auto") -> Dispatch:
+def describe_dispatch(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi_slopes=None,
+                      attn_bias=None, backend: str = "auto") -> Dispatch:
     """Which kernel `flash_attention_science` would run for these inputs, and why."""
-    _check_inputs(q, k, v, None, backend)
-    _check_flags(causal=causal)
-    plan, why_not_sm90 = _dispatch(q, k, v, causal, backend)
+    check_inputs(q, k, v, None, backend)
+    check_flags(causal=causal)
+    prob, _ = _normalise(q, k, v, None, make_mask(causal, window, softcap), alibi_slopes, attn_bias)
+    return describe_plan(q, k, v, prob.features, backend)
+
+
+def describe_plan(q, k, v, features: CallFeatures, backend: str, bias_grad: bool = False) -> Dispatch:
+    """`describe_dispatch`'s sentences for checked inputs (the varlen front door's too)."""
+    plan, why_not_sm90 = _dispatch(q, k, v, features, backend)
     if plan is not None:
-        _check_triton_layout(q, k, v)  # the call itself would raise here
+        check_triton_layout(q, k, v)  # the call itself would raise here
     requested = "auto picks" if backend == "auto" else "requested:"
+    names = sorted(feature_names(features, q.shape[-1], bias_grad))
+    with_features = f" with {', '.join(names)}" if names else ""
     if plan is None:
         where = "backend='reference' was requested" if backend == "reference" else (
             "float64 has no tensor-core kernel" if q.is_cuda else f"{q.device.type} tensors run the PyTorch reference")
-        return Dispatch("reference", "reference.attention_reference", where)
+        return Dispatch("reference", "reference.attention_reference", where + with_features)
     tiles = plan.tiles
     shape = f"tiles {tiles.block_m}x{tiles.block_n}, {tiles.num_warps} warps, {tiles.num_stages} stages"
     if plan.kernel == "sm90":
         ctas = (f"persistent, one CTA per SM, {plan.q_buffers} Q buffer(s) per consumer"
                 + (", consecutive query tiles overlapped" if plan.cross_item else "") if plan.persistent
                 else "one CTA per query tile")
-        why = (f"{requested} the Gluon sm_90 kernel (TMA producer warp, two consumer warpgroups, async wgmma, "
-               f"softmax overlapped with P·V; {ctas}); {shape}")
+        why = (f"{requested} the Gluon sm_90 kernel{with_features} (TMA producer warp, two consumer warpgroups, "
+               f"async wgmma, softmax overlapped with P·V; {ctas}); {shape}")
+        missing_bwd = sm90_missing(feature_names(features, q.shape[-1], bias_grad), "backward")
+        if missing_bwd:
+            why += f"; the backward runs the Triton kernels (the sm_90 backward does not take {', '.join(missing_bwd)} yet)"
         return Dispatch("hopper", "hopper.fwd_sm90.attention_forward_sm90_kernel", why, tiles.as_dict())
     traits = device_traits(q.device)
     where = "the Triton interpreter" if not q.is_cuda else f"sm_{traits.capability[0]}{traits.capability[1]}"
-    tuned = q.is_cuda and autotune_enabled()
-    why = (f"{requested} the portable Triton kernel on {where}"
+    tuned = q.is_cuda and autotune_enabled() and features.is_plain
+    why = (f"{requested} the portable Triton kernel{with_features} on {where}"
            + (f" (not the sm_90 kernel: {why_not_sm90})" if why_not_sm90 else "")
            + ("; FLASHMOE_AUTOTUNE=1: tiles searched per shape, " if tuned else f"; {shape}, ")
            + ("TMA descriptors" if tiles.use_tma else "pointer loads"))
@@ -157,7 +175,7 @@ def _tma_compatible(q, k, v) -> bool:
     return tma_compatible(q, k, v)
 
 
-def _hopper_unavailable(q, k, v) -> str | None:
+def _hopper_unavailable(q, k, v, features: CallFeatures = PLAIN) -> str | None:
     """Why the Gluon sm_90 kernel should not take this call, or None when it should."""
     if not q.is_cuda or not device_traits(q.device).is_hopper:
         return "it needs a Hopper (sm_90) GPU"
@@ -165,23 +183,12 @@ def _hopper_unavailable(q, k, v) -> str | None:
         return "it runs bf16/fp16 only"
     if not _gluon_available():
         return "triton.experimental.gluon is not available"
+    missing = sm90_missing(feature_names(features, q.shape[-1]), "forward")
+    if missing:
+        return f"it does not take {', '.join(missing)} yet"
     if not _tma_compatible(q, k, v):
         return "TMA needs a unit last stride and 16-byte aligned base addresses and strides"
     return None
-
-
-def _sm90_backward_runs(q, grad_out, softmax_scale: float, deterministic: bool) -> bool:
-    """Whether the Gluon sm_90 backward takes a call whose forward ran the sm_90 kernel (so q, k, v are already
-    known TMA-compatible bf16/fp16 on Hopper): its head dims, determinism where asked for, a positive scale (its
-    masks are -inf scores), grad_out's strides, and where it measured faster than the Triton backward
-    (tiles.sm90_backward_wins)."""
-    from flashmoe_science.attention.hopper.bwd_sm90 import SUPPORTED_BLOCK_D, is_deterministic
-    from flashmoe_science.attention.tiles import padded_head_dim, sm90_backward_wins
-    from flashmoe_science.attention.triton_fwd import tma_compatible
-
-    return (padded_head_dim(q.shape[-1]) in SUPPORTED_BLOCK_D and softmax_scale > 0
-            and (is_deterministic(q.shape[-1]) or not deterministic)
-            and sm90_backward_wins(q.shape[-1], q.shape[-2]) and tma_compatible(grad_out))
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,11 +201,14 @@ def _gluon_available() -> bool:
     return True
 
 
-def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[ForwardPlan | None, str | None]:
+def _dispatch(q, k, v, features, backend: str) -> tuple[ForwardPlan | None, str | None]:
     """The kernel for this call (None: the PyTorch reference) and, on CUDA, why the sm_90 kernel was not taken.
+    `features` is a `CallFeatures` (or the causal bool of a plain call).
 
-    Runs on every call, so it only decides; `describe_dispatch` turns the decision into sentences.
+    Runs on every call, so it only decides; `describe_plan` turns the decision into sentences.
     """
+    if not isinstance(features, CallFeatures):
+        features = PLAIN if features is False else CallFeatures(mask=make_mask(bool(features)))
     if backend == "reference" or (backend == "auto" and (not q.is_cuda or q.dtype == torch.float64)):
         return None, None
     if backend in ("triton", "hopper") and not q.is_cuda and not triton_interpreter_on():
@@ -209,9 +219,10 @@ def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[ForwardPlan | None, 
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"backend={backend!r} supports bfloat16, float16 and float32, got {q.dtype}")
 
+    causal = features.causal
     why_not_sm90 = None
     if backend in ("auto", "hopper"):
-        why_not_sm90 = _hopper_unavailable(q, k, v)
+        why_not_sm90 = _hopper_unavailable(q, k, v, features)
         if why_not_sm90 is None:
             seqlen_q, traits = q.shape[-2], device_traits(q.device)
             tiles = sm90_forward_tiles(q.shape[-1], causal, seqlen_q)
@@ -224,149 +235,22 @@ def _dispatch(q, k, v, causal: bool, backend: str) -> tuple[ForwardPlan | None, 
         if backend == "hopper":
             raise ValueError(f"backend='hopper' cannot run this call: {why_not_sm90}")
     tiles = forward_tiles(q.shape[-1], q.dtype, causal, device_traits(q.device))
-    if tiles.use_tma and not _tma_compatible(q, k, v):  # decided here, once, so the launch and the report agree
+    # decided here, once, so the launch and the report agree. Packed sequences are read with pointer loads: a
+    # TMA box would cross into the next sequence's rows (and its stores would overwrite them).
+    if tiles.use_tma and (features.varlen is not None or q.shape[-1] < 16 or not _tma_compatible(q, k, v)):
         tiles = replace(tiles, use_tma=False)
     return ForwardPlan("triton", tiles), why_not_sm90 if q.is_cuda else None
 
 
-def _check_triton_layout(q, k, v) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(
-                f"{name} must have a contiguous last dim (stride 1) for the Triton kernels, got strides "
-                f"{tuple(t.stride())}; pass {name}.contiguous() (the kernels never copy inputs behind your back)"
-            )
-
-
-# The sm_90 one-pass backward's launches per call signature (bwd_sm90.PreparedBackward): a call whose signature
-# ran before skips Triton's binding of its three launches (host time: docs/perf-notes.md, session 15).
-_PREPARED_BACKWARD: dict[tuple, object] = {}
-
-
-def _backward_key(tensors, causal: bool, softmax_scale: float) -> tuple:
-    """What the sm_90 backward's launches freeze from a call: each tensor's shape, strides, dtype, device and
-    16-byte alignment, the mask and the scale."""
-    return (*map(tensor_signature, tensors), causal, softmax_scale)
-
-
-def _sm90_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, causal: bool, softmax_scale: float) -> None:
-    """attention_backward_sm90, through a PreparedBackward where the one-pass kernel runs (head dims up to 128)."""
-    from flashmoe_science.attention.hopper import bwd_sm90
-
-    tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv)
-    if bwd_sm90.is_deterministic(q.shape[-1]):  # the D=256 kernels: fewer, larger problems; not prepared
-        bwd_sm90.attention_backward_sm90(*tensors, causal, softmax_scale)
-        return
-    key = _backward_key(tensors, causal, softmax_scale)
-    prepared = _PREPARED_BACKWARD.get(key)
-    if prepared is None:
-        bwd_sm90.attention_backward_sm90(*tensors, causal, softmax_scale)  # compiles what has not run yet
-        remember(_PREPARED_BACKWARD, key, bwd_sm90.PreparedBackward(*tensors, causal, softmax_scale))
-        return
-    prepared(*tensors)
-
-
-class _KernelAttention(torch.autograd.Function):
-    """Forward through the planned kernel (Gluon sm_90 or Triton); backward through the Gluon sm_90 kernels after an
-    sm_90 forward for calls wanting every gradient (head dims up to 128: one pass, non-deterministic calls only;
-    129..256: a dK/dV kernel and a dQ kernel, deterministic), else the Triton kernels. Saves only the inputs, out
-    and lse (O(L) memory)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, plan, deterministic):
-        out, lse = _kernel_forward(q, k, v, causal, softmax_scale, plan)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
-        ctx.hopper = plan.kernel == "sm90"
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # double backward raises "trying to differentiate twice ..."
-    def backward(ctx, grad_out, grad_lse):
-        # grad_lse is always None or zeros: lse is marked non-differentiable.
-        from flashmoe_science.attention.tiles import backward_tiles, padded_head_dim
-        from flashmoe_science.attention.triton_bwd import attention_backward
-
-        q, k, v, out, lse = ctx.saved_tensors
-        need_dq, need_dk, need_dv = ctx.needs_input_grad[:3]
-        if grad_out.stride(-1) != 1:  # e.g. the stride-0 gradient of out.sum(): the kernels need unit last stride
-            grad_out = grad_out.contiguous()
-        dq = torch.empty_like(q) if need_dq else None  # empty_like keeps the input's strides when it is dense
-        dk = torch.empty_like(k) if need_dk or need_dv else None
-        dv = torch.empty_like(v) if need_dk or need_dv else None
-        if need_dq or need_dk or need_dv:
-            delta = torch.empty_like(lse)
-            deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
-            if (ctx.hopper and dq is not None and dk is not None
-                    and _sm90_backward_runs(q, grad_out, ctx.softmax_scale, deterministic)):
-                # Hopper: one pass for all three gradients (D <= 128; dQ summed by TMA reduce-adds, last bits may
-                # vary), or the dK/dV and dQ kernels (D 129..256, deterministic)
-                _sm90_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, ctx.causal, ctx.softmax_scale)
-                return (dq, dk if need_dk else None, dv if need_dv else None, None, None, None, None)
-            tiles = backward_tiles(q.shape[-1], q.dtype, ctx.causal, device_traits(q.device))
-            # dQ and dK/dV both wanted, determinism not asked for, and the fused single pass (5 products per tile
-            # pair instead of 7, dQ summed with float32 atomics into dq_accum) measured faster on this GPU: take
-            # it. Otherwise the two-pass path: no atomics, bit-identical gradients run to run.
-            dq_accum = None
-            if dq is not None and dk is not None and not deterministic and tiles.fused is not None:
-                dq_accum = torch.empty(*q.shape[:3], padded_head_dim(q.shape[-1]), dtype=torch.float32,
-                                       device=q.device)
-            attention_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, ctx.causal, ctx.softmax_scale, tiles,
-                               dq_accum)
-        # the rest: causal, scale, plan, deterministic
-        return (dq, dk if need_dk else None, dv if need_dv else None, None, None, None, None)
-
-
-class _NoKeys(torch.autograd.Function):
-    """Attention with nothing to attend over (Lk == 0 or an empty q): zeros out, zero gradients."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        ctx.save_for_backward(q, k, v)
-        return torch.zeros_like(q)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v = ctx.saved_tensors
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-
-
-def _new_outputs(q) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward kernels' out (keeps q's strides when q is dense, e.g. a transposed (B, L, H, D) buffer) and lse."""
-    return torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-
-
-def _kernel_forward(q, k, v, causal, softmax_scale, plan: ForwardPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _new_outputs(q)
-    if plan.kernel == "sm90":
-        from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90
-
-        num_ctas = device_traits(q.device).sm_count if plan.persistent else None
-        attention_forward_sm90(q, k, v, out, lse, causal, softmax_scale, plan.tiles, num_ctas, plan.q_buffers,
-                               plan.cross_item)
-    else:
-        from flashmoe_science.attention.triton_fwd import attention_forward
-
-        attention_forward(q, k, v, out, lse, causal, softmax_scale, plan.tiles)
-    return out, lse
-
-
-def _run_kernel(plan: ForwardPlan, q4, k4, v4, causal, scale, deterministic) -> tuple[torch.Tensor, torch.Tensor]:
-    if torch.is_grad_enabled() and (q4.requires_grad or k4.requires_grad or v4.requires_grad):
-        return _KernelAttention.apply(q4, k4, v4, causal, scale, plan, deterministic)
-    # Inference: skip autograd's bookkeeping, a measurable share of host time on small problems.
-    return _kernel_forward(q4, k4, v4, causal, scale, plan)
-
-
-def _run(plan: ForwardPlan | None, q4, k4, v4, causal, scale, deterministic):
+def _run(plan: ForwardPlan | None, q4, k4, v4, features: CallFeatures, scale, deterministic):
     if plan is None:
-        return reference.attention_reference(q4, k4, v4, causal, scale)
-    return _run_kernel(plan, q4, k4, v4, causal, scale, deterministic)
+        return reference.attention_reference(q4, k4, v4, features, scale)
+    return run_kernel(plan, q4, k4, v4, features, scale, deterministic)
 
 
 # Calls whose signature ran before skip the checks, the plan and Triton's argument binding (host time per call:
-# docs/perf-notes.md, session 4). Bounded (prepared_cache.CACHE_MAX).
+# docs/perf-notes.md, session 4). Bounded (prepared_cache.CACHE_MAX). Plain calls only (no window, softcap,
+# ALiBi or bias).
 _PREPARED: dict[tuple, object] = {}
 
 
@@ -397,6 +281,19 @@ def _remember(key, plan: ForwardPlan, q, k, v, out, lse, causal, softmax_scale) 
     remember(_PREPARED, key, prepared)
 
 
+def _checked_problem(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, attn_bias, backend,
+                     **flags):
+    """The full path's checks, normalisation and plan (shared by the front door and the lse functions)."""
+    check_inputs(q, k, v, softmax_scale, backend)
+    check_flags(causal=causal, **flags)
+    mask = make_mask(causal, window, softcap)
+    prob, extras = _normalise(q, k, v, softmax_scale, mask, alibi_slopes, attn_bias)
+    plan, _ = _dispatch(q, k, v, prob.features, backend)
+    if plan is not None:
+        check_triton_layout(q, k, v)
+    return prob, extras, plan
+
+
 def flash_attention_science(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -404,6 +301,10 @@ def flash_attention_science(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    attn_bias: torch.Tensor | None = None,
     return_lse: bool = False,
     backend: str = "auto",
     deterministic: bool = False,
@@ -414,27 +315,38 @@ def flash_attention_science(
         q: `(..., Hq, Lq, D)` as in `torch.nn.functional.scaled_dot_product_attention`, or 2-D `(Lq, D)` for one
             head. Any strides with a unit-stride last dim: `x.view(B, L, H, D).transpose(1, 2)` runs without a copy.
         k, v: `(..., Hkv, Lk, D)` with the same leading dims; `Hq % Hkv == 0` gives GQA/MQA without copying k/v.
-            D is a multiple of 8 in [16, 256].
+            Any head dim D in [1, 256] (the kernels pad the tile, never the tensors).
         causal: bottom-right aligned mask (flash-attn convention): query i sees key j iff `j <= i + Lk - Lq`;
             identical to SDPA's `is_causal` when Lq == Lk. A query that sees no key gets zeros and lse -inf.
         softmax_scale: defaults to `1 / sqrt(D)`.
-        return_lse: also return the natural-log log-sum-exp of the scaled scores, float32 `(..., Hq, Lq)`
-            (float64 for float64 inputs), so partial results over key blocks can be merged.
+        window: `(left, right)` sliding window, -1 = unbounded: query i sees key j iff
+            `i + Lk - Lq - left <= j <= i + Lk - Lq + right`; with `causal` the right side is 0 (flash-attn's
+            `window_size`). Key tiles outside every row's window are skipped (cost ~ the pairs inside).
+        softcap: `c > 0`: scores become `c · tanh(s / c)` before the softmax (Gemma 2, Grok); None or 0: off.
+        alibi_slopes: float32 `(Hq,)` or `(*batch, Hq)`: adds `-slope · |i + Lk - Lq - j|` to the (softcapped)
+            scores, as flash-attn. The slopes get no gradient (a slope tensor requiring grad is refused).
+        attn_bias: an additive float bias broadcastable to `q.shape[:-1] + (Lk,)` ((B, H, Lq, Lk) for 4-D q),
+            added last; it gets a gradient when it requires grad (memory O(bias); see `autograd._bias_grad_buffer`).
+            Read through stride-0 dims where it broadcasts (no copy); slower than the mask-only kernels.
+        return_lse: also return the natural-log log-sum-exp of the (modified) scaled scores, float32
+            `(..., Hq, Lq)` (float64 for float64 inputs), so partial results over key blocks can be merged.
         backend: "auto" (CUDA: the best kernel for the GPU; CPU: the PyTorch reference), "hopper" (the Gluon sm_90
             forward; a ValueError where it cannot run), "triton" (the portable kernels; on CPU tensors only under
             TRITON_INTERPRET=1), or "reference".
         deterministic: True, or `torch.use_deterministic_algorithms(True)`: the backward runs a dK/dV pass and a
-            dQ pass, no atomics, bit-identical gradients run to run. False (default) allows, when q needs a
+            dQ pass, no atomics, bit-identical gradients run to run (a broadcast bias's gradient then goes through
+            a (B, H, Lq, Lk) float32 buffer). False (default) allows, when q needs a
             gradient and k or v does too, one pass for all three that sums dQ with float32 atomics (dQ may then
             differ in its last bits run to run; dK and dV never do): on Hopper the Gluon sm_90 backward (head dims
             up to 128, after the sm_90 forward), under the Triton interpreter the fused Triton pass; other GPUs
             and head dims run the two passes either way. On Hopper, head dims 129..256 always run the Gluon
             dK/dV and dQ kernels (deterministic). The forward is always deterministic.
 
-    Kernels: on Hopper, bf16/fp16 with TMA-compatible strides run the Gluon sm_90 kernel (warp-specialised: TMA
-    producer warp, two consumer warpgroups, async wgmma; persistent CTAs except causal rows longer than 8192, or
-    than 4096 with fewer than 12 query tiles per SM); everything else on a GPU runs the portable Triton kernel;
-    CPU tensors run the PyTorch reference. `describe_dispatch` says which and why.
+    Kernels: on Hopper, bf16/fp16 with TMA-compatible strides and only the features the Gluon kernels take
+    (`hopper.SM90_FORWARD_FEATURES`) run the Gluon sm_90 kernel (warp-specialised: TMA producer warp, two consumer
+    warpgroups, async wgmma; persistent CTAs except causal rows longer than 8192, or than 4096 with fewer than 12
+    query tiles per SM); everything else on a GPU runs the portable Triton kernel; CPU tensors run the PyTorch
+    reference. `describe_dispatch` says which and why.
 
     Accuracy: bf16/fp16 inputs are multiplied on tensor cores with float32 accumulation and a float32 softmax.
     float32 inputs use 3xTF32 tensor-core products on the GPU (close to float32 accuracy, about 3x the cost of
@@ -445,21 +357,21 @@ def flash_attention_science(
     """
     if on_another_cuda_device(q):
         with torch.cuda.device(q.device):  # Triton launches on the current device: make it q's
-            return flash_attention_science(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                           return_lse=return_lse, backend=backend, deterministic=deterministic)
-    key = _prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic)
+            return flash_attention_science(
+                q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                alibi_slopes=alibi_slopes, attn_bias=attn_bias, return_lse=return_lse, backend=backend,
+                deterministic=deterministic)
+    plain = window is None and softcap is None and alibi_slopes is None and attn_bias is None
+    key = _prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic) if plain else None
     prepared = _PREPARED.get(key) if key is not None else None
     if prepared is not None:  # a call with this signature ran before: checks and plan as then
-        out, lse = _new_outputs(q)
+        out, lse = new_outputs(q)
         prepared(q, k, v, out, lse)
         return (out, lse) if return_lse else out
 
-    _check_inputs(q, k, v, softmax_scale, backend)
-    _check_flags(causal=causal, return_lse=return_lse, deterministic=deterministic)
-    plan, _ = _dispatch(q, k, v, causal, backend)
-    prob = _normalise(q, k, v, softmax_scale)
-    if plan is not None:
-        _check_triton_layout(q, k, v)
+    prob, (mask, slopes, bias), plan = _checked_problem(
+        q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, attn_bias, backend,
+        return_lse=return_lse, deterministic=deterministic)
 
     if q.numel() == 0 or k.shape[-2] == 0:
         # Nothing to attend over (or nobody asking): zero output, -inf log-sum-exp; still differentiable.
@@ -469,7 +381,7 @@ def flash_attention_science(
         return (out, lse) if return_lse else out
 
     if prob.q is not None and prob.k is not None and prob.v is not None:
-        out4, lse4 = _run(plan, prob.q, prob.k, prob.v, causal, prob.softmax_scale, deterministic)
+        out4, lse4 = _run(plan, prob.q, prob.k, prob.v, prob.features, prob.softmax_scale, deterministic)
         out, lse = out4.view(q.shape), lse4.view(q.shape[:-1])
         if key is not None and plan is not None and q.is_cuda and q.dim() == 4 and not autotune_enabled():
             _remember(key, plan, q, k, v, out, lse, causal, prob.softmax_scale)
@@ -478,9 +390,60 @@ def flash_attention_science(
         # (no input copies; the outputs are stacked).
         outs, lses = [], []
         for index in itertools.product(*(range(n) for n in q.shape[:-4])):
-            o, l = _run(plan, q[index], k[index], v[index], causal, prob.softmax_scale, deterministic)
+            features = _features_4d(mask, slopes, bias, index)
+            o, l = _run(plan, q[index], k[index], v[index], features, prob.softmax_scale, deterministic)
             outs.append(o)
             lses.append(l)
         out = torch.stack(outs).view(q.shape)
         lse = torch.stack(lses).view(q.shape[:-1])
     return (out, lse) if return_lse else out
+
+
+def attention_forward_lse(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, window=None,
+                          softcap=None, alibi_slopes=None, attn_bias=None, backend: str = "auto"):
+    """`(out, lse)` of `flash_attention_science` without autograd (for callers that run the backward themselves
+    through `attention_backward_lse`, e.g. ring attention merging partial results by their lse)."""
+    with torch.no_grad():
+        return flash_attention_science(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                                       softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
+                                       return_lse=True, backend=backend)
+
+
+def attention_backward_lse(q, k, v, out, lse, grad_out, *, causal: bool = False, softmax_scale: float | None = None,
+                           window=None, softcap=None, alibi_slopes=None, backend: str = "auto",
+                           deterministic: bool = False):
+    """`(dq, dk, dv)` of attention given its output `out` and natural-log `lse` (those of `attention_forward_lse`,
+    or merged ones: with a merged out and lse over several key blocks this gives each block's share of the
+    gradients, as ring attention needs). Runs the same backward kernels as autograd would after
+    `flash_attention_science` with these arguments (Gluon sm_90 / Triton / the reference). q, k, v as there,
+    with leading dims that merge into one batch dim; out and grad_out of q's shape; lse of shape q.shape[:-1],
+    float32 (float64 for float64 inputs)."""
+    prob, _, plan = _checked_problem(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, None, backend,
+                                     deterministic=deterministic)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    for name, t, shape, dtype in (("out", out, q.shape, q.dtype), ("grad_out", grad_out, q.shape, q.dtype),
+                                  ("lse", lse, q.shape[:-1], lse_dtype)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.shape != shape or t.dtype != dtype or t.device != q.device:
+            raise ValueError(f"{name} must be {dtype} of shape {tuple(shape)} on {q.device}, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    if prob.q is None or prob.k is None or prob.v is None:
+        raise ValueError("attention_backward_lse needs q, k, v whose leading dims merge into one batch dim")
+    if plan is not None and lse.stride(-1) != 1:
+        lse = lse.contiguous()  # (B·H·Lq floats: the kernels index it densely)
+    out4, grad4 = _as_4d(out), _as_4d(grad_out)
+    if out4 is None or grad4 is None:
+        raise ValueError("out and grad_out must have leading dims that merge into one batch dim")
+    lse4 = lse.reshape(*prob.q.shape[:3])
+    if q.numel() == 0 or k.shape[-2] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if plan is None:
+        dq, dk, dv, _ = reference.attention_backward_reference(prob.q, prob.k, prob.v, out4, lse4, grad4,
+                                                               prob.features, prob.softmax_scale)
+    else:
+        check_triton_layout(out4, grad4, grad4)
+        dq, dk, dv, _ = kernel_backward(prob.q, prob.k, prob.v, out4, lse4.contiguous(), grad4, prob.features,
+                                        prob.softmax_scale, sm90_forward=plan.kernel == "sm90",
+                                        deterministic=deterministic)
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)

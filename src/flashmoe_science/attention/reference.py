@@ -18,17 +18,21 @@ import math
 
 import torch
 
+from flashmoe_science.attention.features import CallFeatures, as_features
+from flashmoe_science.attention.mask import make_mask, score_mods, visibility
+
+CAUSAL = make_mask(True)
+
 
 def causal_visibility(lq: int, lk: int, device: torch.device | str | None = None,
                       key_start: int = 0, key_stop: int | None = None) -> torch.Tensor:
     """Boolean (Lq, keys) mask over keys [key_start, key_stop) (default: all Lk), True where query i may see key j.
 
     Causal attention is aligned bottom-right, as in flash-attn: query i sees key j iff ``j <= i + Lk - Lq``.
-    When Lq == Lk this is the usual lower triangle (what SDPA's ``is_causal`` means).
+    When Lq == Lk this is the usual lower triangle (what SDPA's ``is_causal`` means). The rule lives in
+    `mask.visibility`, with the window rules every kernel shares.
     """
-    rows = torch.arange(lq, device=device).unsqueeze(1)
-    cols = torch.arange(key_start, lk if key_stop is None else min(key_stop, lk), device=device).unsqueeze(0)
-    return cols <= rows + (lk - lq)
+    return visibility(lq, lk, CAUSAL, device, key_start, key_stop)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -40,27 +44,104 @@ def _expand_kv_heads(t: torch.Tensor, group: int) -> torch.Tensor:
     return t if group == 1 else t.repeat_interleave(group, dim=1)
 
 
-def attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Materialised attention: softmax(q kᵀ · scale, masked) v, computed in float32 (float64 for float64)."""
-    group = q.shape[1] // k.shape[1]
-    compute = _compute_dtype(q.dtype)
-    qc, kc, vc = q.to(compute), _expand_kv_heads(k, group).to(compute), _expand_kv_heads(v, group).to(compute)
-
+def _modified_scores(qc: torch.Tensor, kc: torch.Tensor, features: CallFeatures, softmax_scale: float,
+                     alibi_slopes, attn_bias) -> torch.Tensor:
+    """Scaled scores q kᵀ · scale with the call's softcap, ALiBi, bias and mask applied (mask.score_mods)."""
     scores = torch.matmul(qc, kc.transpose(-1, -2)) * softmax_scale
-    if causal:
-        scores = scores.masked_fill(~causal_visibility(q.shape[2], k.shape[2], q.device), float("-inf"))
+    return score_mods(scores, features.mask, qc.shape[2], kc.shape[2], alibi_slopes, attn_bias)
 
+
+def _softmax_rows(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weights, row_sum, row_max) of the stable softmax; rows that see no key get weights 0, row max 0."""
     # Shift by the row max for stability; a row that sees no key has max -inf, shift it by 0 instead so
     # exp gives exact zeros (not NaN). The shift cancels mathematically, so it carries no gradient.
     row_max = scores.amax(dim=-1, keepdim=True).detach() if scores.shape[-1] else scores.sum(-1, keepdim=True)
     row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
     weights = torch.exp(scores - row_max)
-    row_sum = weights.sum(dim=-1, keepdim=True)
+    return weights, weights.sum(dim=-1, keepdim=True), row_max
+
+
+def _dense_reference(q, k, v, features: CallFeatures, softmax_scale: float, alibi_slopes, attn_bias):
+    group = q.shape[1] // k.shape[1]
+    compute = _compute_dtype(q.dtype)
+    qc, kc, vc = q.to(compute), _expand_kv_heads(k, group).to(compute), _expand_kv_heads(v, group).to(compute)
+    scores = _modified_scores(qc, kc, features, softmax_scale, alibi_slopes, attn_bias)
+    weights, row_sum, row_max = _softmax_rows(scores)
     out = torch.matmul(weights, vc) / torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
     lse = (row_max + torch.log(row_sum)).squeeze(-1)
     return out.to(q.dtype), lse
+
+
+def _sequences(features: CallFeatures):
+    """(batch index, query rows, key rows) of each problem: one per packed sequence for varlen (the 4-D views
+    are (1, H, total, D)), else the whole batch at once."""
+    if features.varlen is None:
+        yield slice(None), slice(None), slice(None)
+        return
+    cu_q = features.varlen.cu_seqlens_q.tolist()
+    cu_k = features.varlen.cu_seqlens_k.tolist()
+    for b in range(len(cu_q) - 1):
+        yield slice(b, b + 1), slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+
+
+def _slopes(features: CallFeatures, batch: slice):
+    """The ALiBi slopes (B, H) of one problem of `_sequences` (None without ALiBi)."""
+    return None if features.alibi_slopes is None else features.alibi_slopes[batch]
+
+
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal, softmax_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Materialised attention: softmax(q kᵀ · scale, modified and masked) v, computed in float32 (float64 for
+    float64). `causal` is a bool or a `features.CallFeatures` (window, softcap, ALiBi, bias, varlen); for varlen the
+    4-D views are (1, H, total, D) and each packed sequence is attended on its own. Differentiable (also to the
+    bias)."""
+    features = as_features(causal)
+    if features.varlen is None:
+        return _dense_reference(q, k, v, features, softmax_scale, features.alibi_slopes, features.attn_bias)
+    outs, lses = [], []
+    for batch, q_rows, k_rows in _sequences(features):
+        out, lse = _dense_reference(q[:, :, q_rows], k[:, :, k_rows], v[:, :, k_rows], features, softmax_scale,
+                                    _slopes(features, batch), None)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def attention_backward_reference(q, k, v, out, lse, grad_out, causal, softmax_scale: float):
+    """(dq, dk, dv, dbias) from a given out and lse (e.g. merged over a ring of key blocks), by the textbook
+    formulas: P = exp(S - lse), dV = Pᵀ dO, dS = P ∘ (dO vᵀ − rowsum(dO ∘ O)), and dq, dk (and the bias's gradient)
+    by autograd through S = score_mods(q kᵀ · scale) (so through softcap and the GQA expansion). dbias is None
+    without a bias. Computed in float32 (float64 for float64), returned in the inputs' dtypes."""
+    features = as_features(causal)
+    compute = _compute_dtype(q.dtype)
+    dq, dk, dv = (torch.zeros_like(t, dtype=compute) for t in (q, k, v))
+    bias = features.attn_bias
+    dbias = torch.zeros_like(bias, dtype=compute) if bias is not None else None
+    group = q.shape[1] // k.shape[1]
+    for batch, q_rows, k_rows in _sequences(features):
+        slopes = _slopes(features, batch)
+        with torch.enable_grad():
+            qc = q[:, :, q_rows].detach().to(compute).requires_grad_()
+            kc = k[:, :, k_rows].detach().to(compute).requires_grad_()
+            bc = bias.detach().to(compute).requires_grad_() if bias is not None else None
+            scores = _modified_scores(qc, _expand_kv_heads(kc, group), features, softmax_scale, slopes, bc)
+            lse_rows = lse[:, :, q_rows].to(compute).unsqueeze(-1)
+            # rows that see no key (lse -inf) have all scores -inf: P is 0 there, not NaN
+            p = torch.exp(scores - torch.where(torch.isinf(lse_rows), torch.zeros_like(lse_rows), lse_rows))
+            do = grad_out[:, :, q_rows].to(compute)
+            vc = _expand_kv_heads(v[:, :, k_rows], group).to(compute)
+            delta = (do * out[:, :, q_rows].to(compute)).sum(-1, keepdim=True)
+            ds = (p * (do @ vc.transpose(-1, -2) - delta)).detach()
+            dv_rows = p.detach().transpose(-1, -2) @ do
+            grads = torch.autograd.grad(scores, [t for t in (qc, kc, bc) if t is not None], ds)
+        dq[:, :, q_rows] = grads[0]
+        dk[:, :, k_rows] = grads[1]
+        dv[:, :, k_rows] = dv_rows.unflatten(1, (k.shape[1], group)).sum(2)
+        if bc is not None:
+            dbias += grads[2]
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+            dbias.to(bias.dtype) if dbias is not None else None)
 
 
 def attention_tiled(

@@ -50,14 +50,28 @@ import torch
 import triton
 import triton.language as tl
 
+from flashmoe_science.attention.features import CallFeatures, as_features
+from flashmoe_science.attention.mask import key_tile_range, query_tile_range, visible
 from flashmoe_science.attention.tiles import BackwardTiles, padded_head_dim
-from flashmoe_science.attention.triton_fwd import LOG2_E, _load_tile, dot_precision, key_tile_bounds, needs_64bit_rows
+from flashmoe_science.attention.triton_fwd import (
+    LOG2_E,
+    _load_tile,
+    batch_programs,
+    dot_precision,
+    feature_args,
+    feature_tensors,
+    launch_lengths,
+    needs_64bit_rows,
+    scores_log2,
+    sequence_bounds,
+)
 
 # LOG2_E as a value kernels may read (Triton kernels only see globals wrapped in tl.constexpr).
 LOG2_E_IN_KERNEL = tl.constexpr(LOG2_E)
 
 # Sizes are runtime values, not specialised: every sequence length reuses one compiled kernel (masks handle tails).
-_SIZES = ["num_q_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k"]
+_SIZES = ["num_q_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "lse_rows", "window_left",
+          "window_right"]
 
 # Elements per program of the row-wise kernels (preprocess, dQ convert): ~64 fp32 values per thread at 4 warps.
 _ROW_KERNEL_ELEMENTS = 8192
@@ -99,17 +113,20 @@ def _bwd_preprocess_kernel(
 @triton.jit
 def _dkdv_query_tiles(dk, dv, k, v, offs_n,
                       q_base, do_base, lse_base, delta_base, dq_accum_base, stride_qm, stride_dom,
-                      query_start, query_end, gap_start, gap_end, seqlen_q, diagonal, qk_scale,
+                      query_start, query_end, gap_start, gap_end, seqlen_q, seqlen_k, diagonal,
+                      window_left, window_right, qk_scale, softcap_scale, alibi_slope_log2,
+                      bias_base, stride_bias_m, stride_bias_n,
                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      MASKED: tl.constexpr, CAUSAL: tl.constexpr, FUSE_DQ: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+                      MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                      SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      FUSE_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Add the query tiles [query_start, gap_start) and [gap_end, query_end) of one query head into the key tile's
     (dK, dV); with FUSE_DQ also add the key tile's share of dQ (dS k, unscaled) into those query rows of the fp32
     workspace `dq_accum_base`.
 
     Scores are kept transposed, (keys, queries), so dV = Pᵀ dO and dK = dSᵀ q are plain products. MASKED tiles
-    apply the query bound and the causal rule; unmasked tiles are fully visible and fully in bounds. The gap lets
-    one loop visit both runs of masked tiles (causal diagonal, ragged tail): every loop is another copy of the body
+    apply the query bound and `mask.visible`; unmasked tiles are fully visible and fully in bounds. The gap lets
+    one loop visit both runs of masked tiles around the full ones: every loop is another copy of the body
     competing for registers, and a third one cost spills in the sm_90 builds (fused, D=128, 32x128 tiles, causal:
     264 bytes/thread with three loops, 64 with two)."""
     for start_m in range(query_start, query_end - (gap_end - gap_start), BLOCK_M):
@@ -128,16 +145,22 @@ def _dkdv_query_tiles(dk, dv, k, v, offs_n,
         else:
             lse2 = tl.load(lse_base + offs_m) * LOG2_E_IN_KERNEL
             delta = tl.load(delta_base + offs_m)
-        p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
+        x_t, tanh_t = scores_log2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION),
+                                  offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, diagonal, qk_scale,
+                                  softcap_scale, alibi_slope_log2, bias_base, stride_bias_m, stride_bias_n,
+                                  SOFTCAP, ALIBI, HAS_BIAS)
+        p_t = tl.math.exp2(x_t - lse2[None, :])
         if MASKED:
-            visible = offs_m[None, :] < seqlen_q
-            if CAUSAL:
-                visible = visible & (offs_n[:, None] <= offs_m[None, :] + diagonal)
+            seen = visible(offs_m[None, :], offs_n[:, None], seqlen_k, diagonal, window_left, window_right,
+                           MASK_LEFT, MASK_RIGHT) & (offs_m[None, :] < seqlen_q)
             # where, not a product: a row with lse = -inf has exp2(+inf) here, which must become 0, not NaN.
-            p_t = tl.where(visible, p_t, 0.0)
+            p_t = tl.where(seen, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:  # d(c·tanh(s·scale/c))/ds = scale·(1 - tanh²); the scale is applied once at the end
+            ds_t = ds_t * (1.0 - tanh_t * tanh_t)
+        ds_t = ds_t.to(q.dtype)
         dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
         if FUSE_DQ:
             if BLOCK_M >= 64:
@@ -156,18 +179,36 @@ def _dkdv_query_tiles(dk, dv, k, v, offs_n,
     return dk, dv
 
 
+@triton.jit
+def _head_extras(ALIBI_SLOPES, BIAS, batch, batch64, q_head, stride_alibi_b, stride_alibi_h,
+                 stride_bias_b, stride_bias_h, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One (sequence, query head)'s ALiBi slope in log2 units and its bias plane (as the forward reads them)."""
+    alibi_slope_log2 = 0.0
+    if ALIBI:
+        alibi_slope_log2 = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + q_head * stride_alibi_h) * LOG2_E_IN_KERNEL
+    bias_base = BIAS
+    if HAS_BIAS:
+        bias_base = BIAS + batch64 * stride_bias_b + q_head.to(tl.int64) * stride_bias_h
+    return alibi_slope_log2, bias_base
+
+
 @triton.jit(do_not_specialize=_SIZES)
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACCUM,
+    Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACCUM, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, BIAS,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+    stride_alibi_b, stride_alibi_h,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lse_rows, qk_scale, sm_scale, softcap_scale,
+    window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, FUSE_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW64: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr,
+    FUSE_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW64: tl.constexpr,
 ):
     if ROW64:  # row offsets (L-1)·stride_row reach 2**31 elements (e.g. a transposed (B, L, H, D) buffer)
         stride_qm, stride_kn, stride_vn = stride_qm.to(tl.int64), stride_kn.to(tl.int64), stride_vn.to(tl.int64)
@@ -175,65 +216,69 @@ def _bwd_dkdv_kernel(
         stride_dvn = stride_dvn.to(tl.int64)
     pid_n = tl.program_id(0)  # with causal masking the first key tiles are the heaviest: they run first
     pid_bh = tl.program_id(1)
-    batch = (pid_bh // num_kv_heads).to(tl.int64)
+    batch = pid_bh // num_kv_heads
     kv_head = pid_bh % num_kv_heads
     start_n = pid_n * BLOCK_N
+    # varlen: this program's sequence (the grid covers the longest one); the tensors are (1, H, total, D) views
+    q_start, seqlen_q = sequence_bounds(CU_SEQLENS_Q, batch, seqlen_q, VARLEN)
+    k_start, seqlen_k = sequence_bounds(CU_SEQLENS_K, batch, seqlen_k, VARLEN)
+    if VARLEN:
+        if start_n >= seqlen_k:
+            return
+        batch64 = tl.zeros([], tl.int64)
+    else:
+        batch64 = batch.to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
 
-    k = _load_tile(K + batch * stride_kb + kv_head.to(tl.int64) * stride_kh, K, 0, 0, start_n, seqlen_k, stride_kn,
-                   BLOCK_N, BLOCK_D, HEAD_DIM, False, True)
-    v = _load_tile(V + batch * stride_vb + kv_head.to(tl.int64) * stride_vh, V, 0, 0, start_n, seqlen_k, stride_vn,
-                   BLOCK_N, BLOCK_D, HEAD_DIM, False, True)
+    k = _load_tile(K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh + k_start * stride_kn, K, 0, 0,
+                   start_n, seqlen_k, stride_kn, BLOCK_N, BLOCK_D, HEAD_DIM, False, True)
+    v = _load_tile(V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh + k_start * stride_vn, V, 0, 0,
+                   start_n, seqlen_k, stride_vn, BLOCK_N, BLOCK_D, HEAD_DIM, False, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Query i sees key j iff j <= i + diagonal. Keys past seqlen_k (the ragged last tile) are zero-filled and their
-    # rows of dK/dV are never stored (and add zeros to dQ), so only real keys decide which query tiles are full.
+    # The query tiles that see this key tile (mask.query_tile_range): masked ones around the full ones. Keys past
+    # seqlen_k (the ragged last tile) are zero-filled and their rows of dK/dV are never stored.
     diagonal = seqlen_k - seqlen_q
-    query_end = (seqlen_q + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    in_bounds_end = seqlen_q // BLOCK_M * BLOCK_M  # query tiles below this have no rows past seqlen_q
-    if CAUSAL:
-        # first query tile in which some row sees the tile's first key; first in which every row sees its last key
-        query_start = tl.maximum(start_n - diagonal, 0) // BLOCK_M * BLOCK_M
-        last_key = tl.minimum(start_n + BLOCK_N, seqlen_k) - 1
-        full_start = (tl.maximum(last_key - diagonal, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    else:
-        query_start = 0
-        full_start = 0
-    # [query_start, diag_end): diagonal tiles (masked); [full_start, in_bounds_end): full tiles;
-    # [tail_start, query_end): the ragged query tail (masked). query_start <= diag_end <= tail_start <= query_end.
-    diag_end = tl.minimum(full_start, query_end)
-    tail_start = tl.minimum(tl.maximum(full_start, in_bounds_end), query_end)
+    query_start, full_start, full_end, query_end = query_tile_range(
+        start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
 
     for g in range(group_size):  # GQA: the group's query heads add into the same registers, in a fixed order
-        q_head = (kv_head * group_size + g).to(tl.int64)
-        q_base = Q + batch * stride_qb + q_head * stride_qh
-        do_base = DO + batch * stride_dob + q_head * stride_doh
-        row0 = (batch * num_q_heads + q_head) * seqlen_q
+        q_head = kv_head * group_size + g
+        q_head64 = q_head.to(tl.int64)
+        q_base = Q + batch64 * stride_qb + q_head64 * stride_qh + q_start * stride_qm
+        do_base = DO + batch64 * stride_dob + q_head64 * stride_doh + q_start * stride_dom
+        row0 = (batch64 * num_q_heads + q_head64) * lse_rows + q_start  # lse: (B, H, Lq) or packed (1, H, total)
         lse_base = LSE + row0
         delta_base = Delta + row0
         if FUSE_DQ:
             dq_accum_base = DQ_ACCUM + row0 * BLOCK_D  # this query head's rows of the (B, Hq, Lq, BLOCK_D) workspace
         else:
             dq_accum_base = DQ_ACCUM
-        # the masked tiles: the diagonal ones, then the ragged tail, in one loop (the full tiles are its gap)
+        alibi_slope_log2, bias_base = _head_extras(ALIBI_SLOPES, BIAS, batch, batch64, q_head, stride_alibi_b,
+                                                   stride_alibi_h, stride_bias_b, stride_bias_h, ALIBI, HAS_BIAS)
+        # the masked tiles on both sides of the full ones, in one loop (the full tiles are its gap)
         dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_accum_base,
-                                   stride_qm, stride_dom, query_start, query_end, diag_end, tail_start,
-                                   seqlen_q, diagonal, qk_scale,
-                                   BLOCK_M, BLOCK_D, HEAD_DIM, True, CAUSAL, FUSE_DQ, DOT_PRECISION)
+                                   stride_qm, stride_dom, query_start, query_end, full_start, full_end,
+                                   seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale,
+                                   softcap_scale, alibi_slope_log2, bias_base, stride_bias_m, stride_bias_n,
+                                   BLOCK_M, BLOCK_D, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                                   HAS_BIAS, FUSE_DQ, DOT_PRECISION)
         dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_accum_base,
-                                   stride_qm, stride_dom, full_start, in_bounds_end, in_bounds_end, in_bounds_end,
-                                   seqlen_q, diagonal, qk_scale,
-                                   BLOCK_M, BLOCK_D, HEAD_DIM, False, CAUSAL, FUSE_DQ, DOT_PRECISION)
+                                   stride_qm, stride_dom, full_start, full_end, full_end, full_end,
+                                   seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale,
+                                   softcap_scale, alibi_slope_log2, bias_base, stride_bias_m, stride_bias_n,
+                                   BLOCK_M, BLOCK_D, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                                   HAS_BIAS, FUSE_DQ, DOT_PRECISION)
 
     dk = dk * sm_scale
     cols = tl.arange(0, BLOCK_D)
     mask = offs_n[:, None] < seqlen_k
     if BLOCK_D != HEAD_DIM:
         mask = mask & (cols[None, :] < HEAD_DIM)
-    dk_ptrs = (DK + batch * stride_dkb + kv_head.to(tl.int64) * stride_dkh
+    dk_ptrs = (DK + batch64 * stride_dkb + kv_head.to(tl.int64) * stride_dkh + k_start * stride_dkn
                + offs_n[:, None] * stride_dkn + cols[None, :])
-    dv_ptrs = (DV + batch * stride_dvb + kv_head.to(tl.int64) * stride_dvh
+    dv_ptrs = (DV + batch64 * stride_dvb + kv_head.to(tl.int64) * stride_dvh + k_start * stride_dvn
                + offs_n[:, None] * stride_dvn + cols[None, :])
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=mask)
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask)
@@ -242,75 +287,121 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _dq_key_tiles(dq, q, do, lse2, delta, offs_m,
                   k_base, v_base, stride_kn, stride_vn,
-                  key_start, key_end, seqlen_k, diagonal, qk_scale,
+                  key_start, key_end, gap_start, gap_end, seqlen_q, seqlen_k, diagonal,
+                  window_left, window_right, qk_scale, softcap_scale, alibi_slope_log2,
+                  bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Add key tiles [key_start, key_end) into the query tile's dQ. MASKED tiles apply bounds/causal masks."""
+                  MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """Add key tiles [key_start, gap_start) and [gap_end, key_end) into the query tile's dQ (MASKED tiles apply
+    `mask.visible`). DBIAS (1: store, 2: float32 atomic add) also writes dS, the bias's gradient, for each pair."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(key_start, key_end, BLOCK_N):
+    for start_n in range(key_start, key_end - (gap_end - gap_start), BLOCK_N):
+        if start_n >= gap_start:
+            start_n += gap_end - gap_start
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load_tile(k_base, k_base, 0, 0, start_n, seqlen_k, stride_kn,
                        BLOCK_N, BLOCK_D, HEAD_DIM, False, MASKED)
         v = _load_tile(v_base, v_base, 0, 0, start_n, seqlen_k, stride_vn,
                        BLOCK_N, BLOCK_D, HEAD_DIM, False, MASKED)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
+        key_pos = start_n + offs_n
+        x, tanh_s = scores_log2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION),
+                                offs_m[:, None], key_pos[None, :], seqlen_q, seqlen_k, diagonal, qk_scale,
+                                softcap_scale, alibi_slope_log2, bias_base, stride_bias_m, stride_bias_n,
+                                SOFTCAP, ALIBI, HAS_BIAS)
+        p = tl.math.exp2(x - lse2[:, None])
         if MASKED:
-            key_pos = start_n + offs_n
-            visible = key_pos[None, :] < seqlen_k
-            if CAUSAL:
-                visible = visible & (key_pos[None, :] <= offs_m[:, None] + diagonal)
-            p = tl.where(visible, p, 0.0)  # where, not a product: see _dkdv_query_tiles
+            seen = visible(offs_m[:, None], key_pos[None, :], seqlen_k, diagonal, window_left, window_right,
+                           MASK_LEFT, MASK_RIGHT)
+            p = tl.where(seen, p, 0.0)  # where, not a product: see _dkdv_query_tiles
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if DBIAS != 0:  # the bias is added to the scores as is: its gradient is dS (rows past Lq have dS = 0)
+            dbias_ptrs = dbias_base + offs_m[:, None] * stride_dbias_m + key_pos[None, :] * stride_dbias_n
+            in_bounds = (offs_m[:, None] < seqlen_q) & (key_pos[None, :] < seqlen_k)
+            if DBIAS == 1:
+                tl.store(dbias_ptrs, ds, mask=in_bounds)
+            else:
+                tl.atomic_add(dbias_ptrs, ds, mask=in_bounds, sem="relaxed")
+        if SOFTCAP:  # d(c·tanh(s·scale/c))/ds = scale·(1 - tanh²); the scale is applied once at the end
+            ds = ds * (1.0 - tanh_s * tanh_s)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
 @triton.jit(do_not_specialize=_SIZES)
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, Delta, DQ,
+    Q, K, V, DO, LSE, Delta, DQ, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, BIAS, DBIAS_OUT,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm,
-    num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
+    stride_alibi_b, stride_alibi_h,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    stride_dbias_b, stride_dbias_h, stride_dbias_m, stride_dbias_n,
+    num_q_heads, group_size, seqlen_q, seqlen_k, lse_rows, qk_scale, sm_scale, softcap_scale,
+    window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW64: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, DBIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ROW64: tl.constexpr,
 ):
     if ROW64:  # row offsets (L-1)·stride_row reach 2**31 elements (e.g. a transposed (B, L, H, D) buffer)
         stride_qm, stride_kn, stride_vn = stride_qm.to(tl.int64), stride_kn.to(tl.int64), stride_vn.to(tl.int64)
         stride_dom, stride_dqm = stride_dom.to(tl.int64), stride_dqm.to(tl.int64)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    if CAUSAL:
+    if MASK_RIGHT:
         pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest query tiles first, as in the forward
-    batch = (pid_bh // num_q_heads).to(tl.int64)
+    batch = pid_bh // num_q_heads
     q_head = pid_bh % num_q_heads
     kv_head = (q_head // group_size).to(tl.int64)
-    q_head = q_head.to(tl.int64)
     start_m = pid_m * BLOCK_M
+    q_start, seqlen_q = sequence_bounds(CU_SEQLENS_Q, batch, seqlen_q, VARLEN)
+    k_start, seqlen_k = sequence_bounds(CU_SEQLENS_K, batch, seqlen_k, VARLEN)
+    if VARLEN:
+        if start_m >= seqlen_q:
+            return
+        batch64 = tl.zeros([], tl.int64)
+    else:
+        batch64 = batch.to(tl.int64)
+    q_head64 = q_head.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
 
-    q = _load_tile(Q + batch * stride_qb + q_head * stride_qh, Q, 0, 0, start_m, seqlen_q, stride_qm,
-                   BLOCK_M, BLOCK_D, HEAD_DIM, False, True)
-    do = _load_tile(DO + batch * stride_dob + q_head * stride_doh, DO, 0, 0, start_m, seqlen_q, stride_dom,
-                    BLOCK_M, BLOCK_D, HEAD_DIM, False, True)
+    q = _load_tile(Q + batch64 * stride_qb + q_head64 * stride_qh + q_start * stride_qm, Q, 0, 0, start_m,
+                   seqlen_q, stride_qm, BLOCK_M, BLOCK_D, HEAD_DIM, False, True)
+    do = _load_tile(DO + batch64 * stride_dob + q_head64 * stride_doh + q_start * stride_dom, DO, 0, 0, start_m,
+                    seqlen_q, stride_dom, BLOCK_M, BLOCK_D, HEAD_DIM, False, True)
     in_bounds = offs_m < seqlen_q
     # Rows past seqlen_q read lse = 0 and Δ = 0 with zero q and dO: their dS is 0 and they are never stored.
-    lse2 = tl.load(LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m, mask=in_bounds, other=0.0) * LOG2_E_IN_KERNEL
-    delta = tl.load(Delta + pid_bh.to(tl.int64) * seqlen_q + offs_m, mask=in_bounds, other=0.0)
-    k_base = K + batch * stride_kb + kv_head * stride_kh
-    v_base = V + batch * stride_vb + kv_head * stride_vh
+    row0 = (batch64 * num_q_heads + q_head64) * lse_rows + q_start
+    lse2 = tl.load(LSE + row0 + offs_m, mask=in_bounds, other=0.0) * LOG2_E_IN_KERNEL
+    delta = tl.load(Delta + row0 + offs_m, mask=in_bounds, other=0.0)
+    k_base = K + batch64 * stride_kb + kv_head * stride_kh + k_start * stride_kn
+    v_base = V + batch64 * stride_vb + kv_head * stride_vh + k_start * stride_vn
+    alibi_slope_log2, bias_base = _head_extras(ALIBI_SLOPES, BIAS, batch, batch64, q_head, stride_alibi_b,
+                                               stride_alibi_h, stride_bias_b, stride_bias_h, ALIBI, HAS_BIAS)
+    dbias_base = DBIAS_OUT
+    if DBIAS != 0:
+        dbias_base = DBIAS_OUT + batch64 * stride_dbias_b + q_head64 * stride_dbias_h
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     diagonal = seqlen_k - seqlen_q
-    full_end, key_end = key_tile_bounds(start_m, seqlen_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
+    key_start, full_start, full_end, key_end = key_tile_range(start_m, seqlen_q, seqlen_k, window_left,
+                                                              window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kn, stride_vn,
-                       0, full_end, seqlen_k, diagonal, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL,
+                       full_start, full_end, full_end, full_end, seqlen_q, seqlen_k, diagonal,
+                       window_left, window_right, qk_scale, softcap_scale, alibi_slope_log2,
+                       bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+                       BLOCK_N, BLOCK_D, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, DBIAS,
                        DOT_PRECISION)
     dq = _dq_key_tiles(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kn, stride_vn,
-                       full_end, key_end, seqlen_k, diagonal, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL,
+                       key_start, key_end, full_start, full_end, seqlen_q, seqlen_k, diagonal,
+                       window_left, window_right, qk_scale, softcap_scale, alibi_slope_log2,
+                       bias_base, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+                       BLOCK_N, BLOCK_D, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, DBIAS,
                        DOT_PRECISION)
 
     dq = dq * sm_scale
@@ -318,7 +409,8 @@ def _bwd_dq_kernel(
     mask = in_bounds[:, None]
     if BLOCK_D != HEAD_DIM:
         mask = mask & (cols[None, :] < HEAD_DIM)
-    dq_ptrs = DQ + batch * stride_dqb + q_head * stride_dqh + offs_m[:, None] * stride_dqm + cols[None, :]
+    dq_ptrs = (DQ + batch64 * stride_dqb + q_head64 * stride_dqh + q_start * stride_dqm
+               + offs_m[:, None] * stride_dqm + cols[None, :])
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=mask)
 
 
@@ -352,65 +444,82 @@ def attention_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     grad_out: torch.Tensor, delta: torch.Tensor,
     dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Tensor | None,
-    causal: bool, softmax_scale: float, tiles: BackwardTiles, dq_accum: torch.Tensor | None = None,
+    causal, softmax_scale: float, tiles: BackwardTiles, dq_accum: torch.Tensor | None = None,
+    dbias: torch.Tensor | None = None, dbias_atomic: bool = False,
 ) -> dict:
     """Launch the backward on checked 4-D tensors and write the gradients in place.
 
     q/out/grad_out/dq `(B, Hq, Lq, D)`, k/v/dk/dv `(B, Hkv, Lk, D)`, all with unit stride in the last dim; lse the
     forward's contiguous float32 `(B, Hq, Lq)`; delta a float32 workspace of lse's shape. `dq` None skips dQ;
-    `dk` and `dv` are both given or both None (None skips dK/dV). `tiles` is `backward_tiles(...)`.
+    `dk` and `dv` are both given or both None (None skips dK/dV). `tiles` is `backward_tiles(...)`. `causal` is a
+    bool or a `features.CallFeatures` (window, softcap, ALiBi, bias; varlen: `(1, H, total, D)` views and lse
+    `(1, H, total)`, as the forward).
 
     `dq_accum` picks the path when dQ and dK/dV are both wanted: a contiguous float32 `(B, Hq, Lq,
     padded_head_dim(D))` workspace (any contents: it is zeroed here) runs the fused single pass, whose dQ is summed
     with atomics (its last bits may vary run to run); None runs the deterministic two-pass path (no atomics,
     bit-identical gradients). It is ignored when dQ or dK/dV is not wanted.
 
+    `dbias` (with `dq`, on the two-pass path): a zeroed float32 buffer that receives the bias's gradient dS,
+    either the bias's own shape read with its broadcast strides and summed with atomics (`dbias_atomic`), or a
+    buffer every element of which one program stores (the full (B, H, Lq, Lk), or a bias without broadcast dims).
+
     Returns the compiled kernels by name ("preprocess", "dkdv", "dq", "dq_convert": those that ran), for the
     registers, spills and shared memory of the sweep script.
     """
-    batch, num_q_heads, seqlen_q, head_dim = q.shape
-    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    features = as_features(causal)
+    batch, num_q_heads, rows_q, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    seqlen_q, seqlen_k, lse_rows = launch_lengths(q, k, features)
     block_d = padded_head_dim(head_dim)
-    qk_scale = softmax_scale * LOG2_E
+    scalars, feature_strides = feature_args(q, k, features, softmax_scale)
     group_size = num_q_heads // num_kv_heads
-    fused = dq is not None and dk is not None and dq_accum is not None
+    fused = dq is not None and dk is not None and dq_accum is not None and dbias is None
     row_block = max(16, min(128, _ROW_KERNEL_ELEMENTS // block_d))
-    row_grid = (triton.cdiv(seqlen_q, row_block), batch * num_q_heads)
+    row_grid = (triton.cdiv(rows_q, row_block), batch * num_q_heads)  # every row of the (packed) tensors
     row64 = needs_64bit_rows(q, k, v, out, grad_out, dq, dk, dv)
+    extras = feature_tensors(features)
     kernels = {}
 
     kernels["preprocess"] = _bwd_preprocess_kernel[row_grid](
         out, grad_out, delta, dq_accum if fused else None, *out.stride()[:3], *grad_out.stride()[:3],
-        num_q_heads, seqlen_q, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ZERO_DQ_ACCUM=fused,
+        num_q_heads, rows_q, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ZERO_DQ_ACCUM=fused,
         ROW64=row64, num_warps=4,
     )
     if dk is not None:
         dkdv_tiles = tiles.fused if fused else tiles.dkdv
-        grid = (triton.cdiv(seqlen_k, dkdv_tiles.block_n), batch * num_kv_heads)
+        grid = (triton.cdiv(seqlen_k, dkdv_tiles.block_n), batch_programs(k, features))
         kernels["dkdv"] = _bwd_dkdv_kernel[grid](
-            q, k, v, grad_out, lse, delta, dk, dv, dq_accum if fused else None,
+            q, k, v, grad_out, lse, delta, dk, dv, dq_accum if fused else None, *extras,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
-            *dk.stride()[:3], *dv.stride()[:3],
-            num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+            *dk.stride()[:3], *dv.stride()[:3], *feature_strides,
+            num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lse_rows, scalars.pop("qk_scale"),
+            softmax_scale, scalars.pop("softcap_scale"), scalars.pop("window_left"), scalars.pop("window_right"),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dkdv_tiles.block_m, BLOCK_N=dkdv_tiles.block_n,
-            CAUSAL=causal, FUSE_DQ=fused, ROW64=row64, num_warps=dkdv_tiles.num_warps,
-            num_stages=dkdv_tiles.num_stages,
-            **dot_precision(q),
+            **scalars, FUSE_DQ=fused, ROW64=row64, num_warps=dkdv_tiles.num_warps,
+            num_stages=dkdv_tiles.num_stages, **dot_precision(q),
         )
+        scalars, _ = feature_args(q, k, features, softmax_scale)
     if fused:
         kernels["dq_convert"] = _bwd_dq_convert_kernel[row_grid](
-            dq_accum, dq, *dq.stride()[:3], num_q_heads, seqlen_q, softmax_scale,
+            dq_accum, dq, *dq.stride()[:3], num_q_heads, rows_q, softmax_scale,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ROW64=row64, num_warps=4,
         )
     elif dq is not None:
         dq_tiles = tiles.dq
-        grid = (triton.cdiv(seqlen_q, dq_tiles.block_m), batch * num_q_heads)
+        grid = (triton.cdiv(seqlen_q, dq_tiles.block_m), batch_programs(q, features))
+        dbias_strides = (0, 0, 0, 0)
+        if dbias is not None:
+            full = (batch, num_q_heads, rows_q, k.shape[2])
+            dbias_strides = dbias.expand(full).stride()
         kernels["dq"] = _bwd_dq_kernel[grid](
-            q, k, v, grad_out, lse, delta, dq,
+            q, k, v, grad_out, lse, delta, dq, *extras, dbias,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *dq.stride()[:3],
-            num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, softmax_scale,
+            *feature_strides, *dbias_strides,
+            num_q_heads, group_size, seqlen_q, seqlen_k, lse_rows, scalars.pop("qk_scale"), softmax_scale,
+            scalars.pop("softcap_scale"), scalars.pop("window_left"), scalars.pop("window_right"),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dq_tiles.block_m, BLOCK_N=dq_tiles.block_n,
-            CAUSAL=causal, ROW64=row64, num_warps=dq_tiles.num_warps, num_stages=dq_tiles.num_stages,
-            **dot_precision(q),
+            **scalars, DBIAS=0 if dbias is None else (2 if dbias_atomic else 1),
+            ROW64=row64, num_warps=dq_tiles.num_warps, num_stages=dq_tiles.num_stages, **dot_precision(q),
         )
     return kernels

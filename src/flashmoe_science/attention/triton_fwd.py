@@ -28,6 +28,13 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from flashmoe_science.attention.features import CallFeatures, as_features, bias_strides
+from flashmoe_science.attention.mask import (  # noqa: F401 (key_tile_bounds re-exported for the kernels)
+    key_tile_bounds,
+    key_tile_range,
+    score_to_log2,
+    visible,
+)
 from flashmoe_science.attention.tiles import (
     AttentionTiles,
     autotune_enabled,
@@ -41,23 +48,7 @@ from flashmoe_science.prepared_launch import PreparedLaunch
 
 LOG2_E = 1.4426950408889634  # host side: folded into the softmax scale
 LN_2 = tl.constexpr(0.6931471805599453)  # in kernels: base-2 log-sum-exp -> natural log
-
-
-@triton.jit
-def key_tile_bounds(start_m, seqlen_k, diagonal,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """For the query tile starting at row `start_m`: (full_end, key_end). Key tiles in [0, full_end) are visible
-    to every row of the tile (no mask needed), [full_end, key_end) need the bounds/causal mask, and no row sees a
-    key from key_end on. Query i sees key j iff j <= i + diagonal, diagonal = Lk - Lq (bottom-right causal).
-    Shared by every attention kernel, forward and backward."""
-    if CAUSAL:
-        key_end = tl.minimum(tl.maximum(start_m + BLOCK_M + diagonal, 0), seqlen_k)
-        full_end = tl.minimum(tl.maximum(start_m + 1 + diagonal, 0) // BLOCK_N * BLOCK_N,
-                              seqlen_k // BLOCK_N * BLOCK_N)
-    else:
-        key_end = seqlen_k
-        full_end = seqlen_k // BLOCK_N * BLOCK_N
-    return full_end, key_end
+LOG2_E_IN_KERNEL = tl.constexpr(LOG2_E)
 
 
 @triton.jit
@@ -84,24 +75,38 @@ def _load_tile(base, desc_ptr, batch, head, row0, n_rows, stride_row,
 
 
 @triton.jit
-def _online_softmax_step(acc, l_i, m_i, s, v, offs_m, start_n, seqlen_k, diagonal, qk_scale,
-                         BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
-    """Fold one tile of raw scores s = q kᵀ and its values v into the running (acc, l, m)."""
-    if MASKED:
-        key_pos = start_n + tl.arange(0, BLOCK_N)
-        visible = key_pos[None, :] < seqlen_k
-        if CAUSAL:
-            visible = visible & (key_pos[None, :] <= offs_m[:, None] + diagonal)
-        s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with no visible key so far keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_shift[:, None])
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+def scores_log2(s, q_pos, k_pos, seqlen_q, seqlen_k, diagonal, qk_scale, softcap_scale, alibi_slope_log2,
+                bias_base, stride_bias_m, stride_bias_n,
+                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Raw products s = q·k (any orientation: q_pos and k_pos broadcast over s) -> scores in log2 units:
+    `mask.score_to_log2` (softcap, ALiBi) and then the bias, read through its (possibly stride-0) strides.
+    Returns (scores, t) as score_to_log2 (t = tanh(...) for the softcap's derivative). Used by the forward and
+    both backward kernels."""
+    x, t = score_to_log2(s, q_pos, k_pos, diagonal, qk_scale, softcap_scale, alibi_slope_log2, SOFTCAP, ALIBI)
+    if HAS_BIAS:
+        in_bounds = (q_pos < seqlen_q) & (k_pos < seqlen_k)
+        bias = tl.load(bias_base + q_pos * stride_bias_m + k_pos * stride_bias_n, mask=in_bounds, other=0.0)
+        x = x + bias.to(tl.float32) * LOG2_E_IN_KERNEL
+    return x, t
+
+
+@triton.jit
+def _online_softmax_step(acc, l_i, m_i, x, v, qk_scale,
+                         RAW: tl.constexpr, MAY_BE_EMPTY: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of scores x (log2 units; RAW: plain products q kᵀ, scaled here, where the scale folds into
+    the exp2's FMA) and its values v into the running (acc, l, m). MAY_BE_EMPTY: rows may have seen no key."""
+    if RAW:
+        m_new = tl.maximum(m_i, tl.max(x, 1) * qk_scale)
         m_shift = m_new
-        p = tl.math.exp2(s * qk_scale - m_shift[:, None])
+        p = tl.math.exp2(x * qk_scale - m_shift[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(x, 1))
+        if MAY_BE_EMPTY:
+            # A row with no visible key so far keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_shift = m_new
+        p = tl.math.exp2(x - m_shift[:, None])
     alpha = tl.math.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -112,54 +117,95 @@ def _online_softmax_step(acc, l_i, m_i, s, v, offs_m, start_n, seqlen_k, diagona
 @triton.jit
 def _attend_key_tiles(acc, l_i, m_i, q, offs_m,
                       k_base, v_base, K, V, batch, kv_head, stride_kn, stride_vn,
-                      key_start, key_end, seqlen_k, diagonal, qk_scale,
+                      key_start, key_end, gap_start, gap_end, seqlen_q, seqlen_k, diagonal,
+                      window_left, window_right, qk_scale, softcap_scale, alibi_slope_log2,
+                      bias_base, stride_bias_m, stride_bias_n,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
-    """Fold key tiles [key_start, key_end) into the running (acc, l, m). MASKED tiles apply bounds/causal masks."""
-    for start_n in range(key_start, key_end, BLOCK_N):
+                      MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                      SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold key tiles [key_start, gap_start) and [gap_end, key_end) into the running (acc, l, m). MASKED tiles
+    apply `mask.visible` (bounds and window); the gap lets one loop visit both runs of masked tiles around the
+    full ones (a loop per run would be another copy of the body competing for registers)."""
+    for start_n in range(key_start, key_end - (gap_end - gap_start), BLOCK_N):
+        if start_n >= gap_start:
+            start_n += gap_end - gap_start
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load_tile(k_base, K, batch, kv_head, start_n, seqlen_k, stride_kn,
                        BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         v = _load_tile(v_base, V, batch, kv_head, start_n, seqlen_k, stride_vn,
                        BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
-        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, offs_m, start_n, seqlen_k, diagonal,
-                                             qk_scale, BLOCK_N, MASKED, CAUSAL, DOT_PRECISION)
+        key_pos = start_n + tl.arange(0, BLOCK_N)
+        if SOFTCAP or ALIBI or HAS_BIAS:
+            x, _ = scores_log2(s, offs_m[:, None], key_pos[None, :], seqlen_q, seqlen_k, diagonal, qk_scale,
+                               softcap_scale, alibi_slope_log2, bias_base, stride_bias_m, stride_bias_n,
+                               SOFTCAP, ALIBI, HAS_BIAS)
+        elif MASKED:
+            x = s * qk_scale
+        else:
+            x = s  # plain full tiles: the scale is applied in _online_softmax_step (RAW)
+        if MASKED:
+            seen = visible(offs_m[:, None], key_pos[None, :], seqlen_k, diagonal, window_left, window_right,
+                           MASK_LEFT, MASK_RIGHT)
+            x = tl.where(seen, x, float("-inf"))
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, x, v, qk_scale,
+                                             not (MASKED or SOFTCAP or ALIBI or HAS_BIAS), MASKED, DOT_PRECISION)
     return acc, l_i, m_i
 
 
 @triton.jit
+def sequence_bounds(CU_SEQLENS, batch, seqlen, VARLEN: tl.constexpr):
+    """(first row, length) of sequence `batch`: from the cumulative lengths of a packed batch, else (0, seqlen)."""
+    if VARLEN:
+        start = tl.load(CU_SEQLENS + batch)
+        return start.to(tl.int64), tl.load(CU_SEQLENS + batch + 1) - start
+    return tl.zeros([], tl.int64), seqlen
+
+
+@triton.jit
 def _attention_forward_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, BIAS,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
-    num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
+    stride_alibi_b, stride_alibi_h,
+    stride_bias_b, stride_bias_h, stride_bias_m, stride_bias_n,
+    num_q_heads, group_size, seqlen_q, seqlen_k, lse_rows, qk_scale, softcap_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW64: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW64: tl.constexpr,
 ):
     if ROW64:  # row offsets (L-1)·stride_row reach 2**31 elements (e.g. a transposed (B, L, H, D) buffer)
         stride_qm, stride_kn = stride_qm.to(tl.int64), stride_kn.to(tl.int64)
         stride_vn, stride_om = stride_vn.to(tl.int64), stride_om.to(tl.int64)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest query tiles first: a shorter tail of lone programs
+    if MASK_RIGHT:
+        pid_m = tl.num_programs(0) - 1 - pid_m  # causal: heaviest query tiles first, a shorter tail of lone programs
     batch = pid_bh // num_q_heads
     q_head = pid_bh % num_q_heads
     kv_head = q_head // group_size
     start_m = pid_m * BLOCK_M
+    # varlen: this program's sequence (the grid covers the longest one); the tensors are (1, H, total, D) views
+    q_start, seqlen_q = sequence_bounds(CU_SEQLENS_Q, batch, seqlen_q, VARLEN)
+    k_start, seqlen_k = sequence_bounds(CU_SEQLENS_K, batch, seqlen_k, VARLEN)
+    if VARLEN:
+        if start_m >= seqlen_q:
+            return
+        batch64 = tl.zeros([], tl.int64)  # the tensors' batch index: one packed batch
+    else:
+        batch64 = batch.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
 
-    batch64 = batch.to(tl.int64)
-    if USE_TMA:  # descriptors carry their own addressing
+    if USE_TMA:  # descriptors carry their own addressing (never varlen: api.py turns TMA off there)
         q_base, k_base, v_base = Q, K, V
     else:  # 64-bit head offsets: B·H·L·D can pass 2**31 elements
-        q_base = Q + batch64 * stride_qb + q_head.to(tl.int64) * stride_qh
-        k_base = K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh
-        v_base = V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh
+        q_base = Q + batch64 * stride_qb + q_head.to(tl.int64) * stride_qh + q_start * stride_qm
+        k_base = K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh + k_start * stride_kn
+        v_base = V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh + k_start * stride_vn
 
     q = _load_tile(q_base, Q, batch, q_head, start_m, seqlen_q, stride_qm,
                    BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA, True)
@@ -168,27 +214,42 @@ def _attention_forward_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    diagonal = seqlen_k - seqlen_q  # query i sees key j iff j <= i + diagonal
-    full_end, key_end = key_tile_bounds(start_m, seqlen_k, diagonal, BLOCK_M, BLOCK_N, CAUSAL)
+    alibi_slope_log2 = 0.0
+    if ALIBI:
+        alibi_slope_log2 = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + q_head * stride_alibi_h) * LOG2_E_IN_KERNEL
+    bias_base = BIAS
+    if HAS_BIAS:
+        bias_base = BIAS + batch64 * stride_bias_b + q_head.to(tl.int64) * stride_bias_h
 
+    diagonal = seqlen_k - seqlen_q  # query i sees key j iff i + diagonal - left <= j <= i + diagonal + right
+    key_start, full_start, full_end, key_end = key_tile_range(start_m, seqlen_q, seqlen_k, window_left,
+                                                              window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
     acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, kv_head,
-                                      stride_kn, stride_vn, 0, full_end, seqlen_k, diagonal, qk_scale,
-                                      BLOCK_N, BLOCK_D, HEAD_DIM, False, CAUSAL, USE_TMA, DOT_PRECISION)
+                                      stride_kn, stride_vn, full_start, full_end, full_end, full_end,
+                                      seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale,
+                                      softcap_scale, alibi_slope_log2, bias_base, stride_bias_m, stride_bias_n,
+                                      BLOCK_N, BLOCK_D, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                                      HAS_BIAS, USE_TMA, DOT_PRECISION)
     acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, kv_head,
-                                      stride_kn, stride_vn, full_end, key_end, seqlen_k, diagonal, qk_scale,
-                                      BLOCK_N, BLOCK_D, HEAD_DIM, True, CAUSAL, USE_TMA, DOT_PRECISION)
+                                      stride_kn, stride_vn, key_start, key_end, full_start, full_end,
+                                      seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale,
+                                      softcap_scale, alibi_slope_log2, bias_base, stride_bias_m, stride_bias_n,
+                                      BLOCK_N, BLOCK_D, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                                      HAS_BIAS, USE_TMA, DOT_PRECISION)
 
     no_key = l_i == 0.0
     l_safe = tl.where(no_key, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(no_key, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN_2)
-    tl.store(LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    lse_row0 = (batch64 * num_q_heads + q_head) * lse_rows + q_start  # lse is (B, H, Lq) or packed (1, H, total)
+    tl.store(LSE + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
 
     if USE_TMA:
         O.store([batch, q_head, start_m, 0], out.to(O.dtype).reshape(1, 1, BLOCK_M, BLOCK_D))
     else:
         cols = tl.arange(0, BLOCK_D)
-        o_ptrs = O + batch64 * stride_ob + q_head.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om + cols[None, :]
+        o_ptrs = (O + batch64 * stride_ob + q_head.to(tl.int64) * stride_oh
+                  + q_start * stride_om + offs_m[:, None] * stride_om + cols[None, :])
         mask = offs_m[:, None] < seqlen_q
         if BLOCK_D != HEAD_DIM:
             mask = mask & (cols[None, :] < HEAD_DIM)
@@ -242,61 +303,105 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
 
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    causal: bool, softmax_scale: float, tiles: AttentionTiles,
+    causal, softmax_scale: float, tiles: AttentionTiles,
 ):
     """Launch the forward kernel on checked 4-D tensors: q/out `(B, Hq, Lq, D)`, k/v `(B, Hkv, Lk, D)` with
     unit stride in the last dim, lse a contiguous float32 `(B, Hq, Lq)`; `tiles.use_tma` only where
-    `tma_compatible(q, k, v, out)` holds. Writes `out` and `lse` in place and
+    `tma_compatible(q, k, v, out)` holds (never varlen). `causal` is a bool or a `features.CallFeatures` (window,
+    softcap, ALiBi, bias; varlen: q/out `(1, Hq, total_q, D)` views of the packed tensors, k/v likewise, lse
+    `(1, Hq, total_q)`). Writes `out` and `lse` in place and
     returns Triton's compiled kernel (registers, spills and SASS for diagnostics)."""
-    common, strides = _scalar_args(q, k, v, out, causal, softmax_scale, tiles)
-    if autotune_enabled() and q.is_cuda:
+    features = as_features(causal)
+    common, strides = _scalar_args(q, k, v, out, features, softmax_scale, tiles)
+    if autotune_enabled() and q.is_cuda and features.is_plain:
         kernel = _autotuned_kernel(q.shape[-1], q.dtype, device_traits(q.device))
         # box rows are placeholders: each config's pre_hook sets its own
-        tensor_args = _tensor_args(tiles.use_tma, 16, 16, common["BLOCK_D"], q, k, v, out, lse)
+        tensor_args = _tensor_args(tiles.use_tma, 16, 16, common["BLOCK_D"], q, k, v, out, lse, features)
         grid = lambda meta: (triton.cdiv(q.shape[2], meta["BLOCK_M"]), q.shape[0] * q.shape[1])  # noqa: E731
         return kernel[grid](*tensor_args, *strides, **common, **dot_precision(q))
 
-    grid, bound, options = _launch(q, k, v, out, lse, tiles, common, strides)
+    grid, bound, options = _launch(q, k, v, out, lse, features, tiles, common, strides)
     return _attention_forward_kernel[grid](**bound, **options)
 
 
-def _scalar_args(q, k, v, out, causal, softmax_scale, tiles: AttentionTiles) -> tuple[dict, tuple]:
+def feature_args(q, k, features: CallFeatures, softmax_scale: float) -> tuple[dict, tuple]:
+    """The mask's scalars and constexprs (mask.MaskSpec.kernel_args), the feature flags, and the ALiBi and bias
+    strides, for the forward and the backward kernels alike."""
+    bias = features.attn_bias
+    scalars = dict(
+        **features.mask.kernel_args(softmax_scale),
+        ALIBI=features.alibi_slopes is not None, HAS_BIAS=bias is not None, VARLEN=features.varlen is not None,
+    )
+    alibi_strides = features.alibi_slopes.stride() if features.alibi_slopes is not None else (0, 0)
+    full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return scalars, (*alibi_strides, *(bias_strides(bias, full) if bias is not None else (0, 0, 0, 0)))
+
+
+def feature_tensors(features: CallFeatures) -> tuple:
+    """CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, BIAS (None where the call has none)."""
+    varlen = features.varlen
+    return (varlen.cu_seqlens_q if varlen is not None else None, varlen.cu_seqlens_k if varlen is not None else None,
+            features.alibi_slopes, features.attn_bias)
+
+
+def launch_lengths(q, k, features: CallFeatures) -> tuple[int, int, int]:
+    """(seqlen_q, seqlen_k, rows of lse per head) the kernels take: the tensors' lengths, or for varlen the
+    longest sequences (grids) and the packed total (lse is (1, H, total_q))."""
+    if features.varlen is not None:
+        return features.varlen.max_seqlen_q, features.varlen.max_seqlen_k, q.shape[2]
+    return q.shape[2], k.shape[2], q.shape[2]
+
+
+def batch_programs(q, features: CallFeatures) -> int:
+    """The grid's (batch, head) programs: one per sequence and query head."""
+    num_seqs = features.varlen.num_seqs if features.varlen is not None else q.shape[0]
+    return num_seqs * q.shape[1]
+
+
+def _scalar_args(q, k, v, out, features: CallFeatures, softmax_scale, tiles: AttentionTiles) -> tuple[dict, tuple]:
     """The kernel's scalars and constexprs (but the tile shape) by name, and its strides in order."""
     num_q_heads = q.shape[1]
+    seqlen_q, seqlen_k, lse_rows = launch_lengths(q, k, features)
+    scalars, feature_strides = feature_args(q, k, features, softmax_scale)
     common = dict(
-        num_q_heads=num_q_heads, group_size=num_q_heads // k.shape[1], seqlen_q=q.shape[2], seqlen_k=k.shape[2],
-        qk_scale=softmax_scale * LOG2_E, HEAD_DIM=q.shape[3], BLOCK_D=padded_head_dim(q.shape[3]), CAUSAL=causal,
+        num_q_heads=num_q_heads, group_size=num_q_heads // k.shape[1], seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        lse_rows=lse_rows, **scalars, HEAD_DIM=q.shape[3], BLOCK_D=padded_head_dim(q.shape[3]),
         USE_TMA=tiles.use_tma,  # the caller checked tma_compatible(q, k, v, out) when it chose TMA
         ROW64=needs_64bit_rows(q, k, v, out),
     )
-    return common, (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])
+    return common, (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *feature_strides)
 
 
-def _tensor_args(use_tma, block_m, block_n, block_d, q, k, v, out, lse):
-    """The kernel's per-call arguments Q, K, V, O, LSE: the tensors, or TMA descriptors over them."""
+def _tensor_args(use_tma, block_m, block_n, block_d, q, k, v, out, lse, features: CallFeatures):
+    """The kernel's per-call tensor arguments Q, K, V, O, LSE (the tensors, or TMA descriptors over them) and
+    the features' tensors."""
     if not use_tma:
-        return q, k, v, out, lse
+        return q, k, v, out, lse, *feature_tensors(features)
     return (_tma_descriptor(q, block_m, block_d), _tma_descriptor(k, block_n, block_d),
-            _tma_descriptor(v, block_n, block_d), _tma_descriptor(out, block_m, block_d), lse)
+            _tma_descriptor(v, block_n, block_d), _tma_descriptor(out, block_m, block_d), lse,
+            *feature_tensors(features))
 
 
-def _launch(q, k, v, out, lse, tiles: AttentionTiles, common: dict, strides: tuple):
+def _launch(q, k, v, out, lse, features: CallFeatures, tiles: AttentionTiles, common: dict, strides: tuple):
     """(grid, every kernel parameter by name, launch options) of a launch with the heuristic's tiles."""
-    tensor_args = _tensor_args(tiles.use_tma, tiles.block_m, tiles.block_n, common["BLOCK_D"], q, k, v, out, lse)
+    tensor_args = _tensor_args(tiles.use_tma, tiles.block_m, tiles.block_n, common["BLOCK_D"], q, k, v, out, lse,
+                               features)
     bound = dict(zip(_attention_forward_kernel.arg_names, (*tensor_args, *strides)), **common,
                  BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **dot_precision(q))
-    grid = (triton.cdiv(q.shape[2], tiles.block_m), q.shape[0] * q.shape[1])
+    grid = (triton.cdiv(common["seqlen_q"], tiles.block_m), batch_programs(q, features))
     return grid, bound, dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def prepare_forward(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles: AttentionTiles) -> PreparedLaunch:
     """This launch as a PreparedLaunch, called as `prepared(q, k, v, out, lse)` on new tensors of the same shapes,
     strides, dtypes, device and 16-byte alignment (arguments as attention_forward, which must have run on them
-    without autotuning: the kernel is taken from Triton's cache)."""
-    common, strides = _scalar_args(q, k, v, out, causal, softmax_scale, tiles)
-    grid, bound, options = _launch(q, k, v, out, lse, tiles, common, strides)
+    without autotuning: the kernel is taken from Triton's cache). Plain calls only (causal or not)."""
+    features = as_features(causal)
+    common, strides = _scalar_args(q, k, v, out, features, softmax_scale, tiles)
+    grid, bound, options = _launch(q, k, v, out, lse, features, tiles, common, strides)
     make_head = functools.partial(_tensor_args, tiles.use_tma, tiles.block_m, tiles.block_n, common["BLOCK_D"])
-    return PreparedLaunch(_attention_forward_kernel, grid, bound, options, make_head, (q, k, v, out, lse))
+    return PreparedLaunch(_attention_forward_kernel, grid, bound, options,
+                          lambda q, k, v, out, lse: make_head(q, k, v, out, lse, features), (q, k, v, out, lse))
 
 
 def _set_descriptor_blocks(nargs: dict) -> None:
@@ -317,5 +422,5 @@ def _autotuned_kernel(head_dim: int, dtype: torch.dtype, traits):
         # no contender fits (fp32 at D=256): the heuristic's own tile, which is shrunk to fit
         for t in forward_search_space(head_dim, dtype, traits) or [forward_tiles(head_dim, dtype, False, traits)]
     ]
-    return triton.autotune(configs=configs, key=["CAUSAL", "seqlen_q", "seqlen_k", "group_size"])(
+    return triton.autotune(configs=configs, key=["MASK_RIGHT", "seqlen_q", "seqlen_k", "group_size"])(
         _attention_forward_kernel)

@@ -1,0 +1,106 @@
+"""What one attention call asks for beyond plain q, k, v: its mask, score modifiers and packed layout.
+
+`CallFeatures` carries the checked extras of a call to every kernel (the api builds it once; kernels only read
+it). `feature_names` turns it into the words the dispatch reasons with, and `sm90_missing` says which of them the
+Gluon sm_90 kernels cannot take yet: that list is the one place where the Hopper kernels declare their reach
+(`hopper.SM90_FORWARD_FEATURES`, `hopper.SM90_BACKWARD_FEATURES`), so wiring a new Gluon feature in is one edit
+there plus its kernel arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flashmoe_science.attention.mask import MaskSpec, make_mask
+
+# Every feature word a call can carry (the order is the order describe_dispatch lists them in).
+FEATURES = ("causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen", "odd_head_dim")
+
+
+@dataclass(frozen=True, eq=False)
+class Varlen:
+    """flash-attn's packed layout: sequence b holds rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) of q (and the same
+    of k/v with cu_seqlens_k). The cu_seqlens are checked int32 tensors on q's device; max_seqlen_* bound every
+    sequence's length (the kernels' grids are sized by them)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens_q.numel() - 1
+
+
+@dataclass(frozen=True, eq=False)
+class CallFeatures:
+    """The checked extras of one call, in the kernels' 4-D terms.
+
+    alibi_slopes: float32 `(B, Hq)` (a stride-0 batch dim when the user gave `(Hq,)`); for varlen B is the number
+        of sequences. attn_bias: 4-D `(Bb, Hb, Lqb, Lkb)`, each dim 1 (broadcast) or the full size; kernels read
+        it through `bias_strides` (stride 0 on broadcast dims).
+    """
+
+    mask: MaskSpec = field(default_factory=lambda: make_mask(False))
+    alibi_slopes: torch.Tensor | None = None
+    attn_bias: torch.Tensor | None = None
+    varlen: Varlen | None = None
+
+    @property
+    def causal(self) -> bool:
+        return self.mask.causal
+
+    @property
+    def is_plain(self) -> bool:
+        """Only what the original dense kernels compute: no window beyond causal, no softcap, ALiBi, bias, varlen."""
+        return self.mask.is_plain and self.alibi_slopes is None and self.attn_bias is None and self.varlen is None
+
+
+PLAIN = CallFeatures()
+
+
+def as_features(causal_or_features) -> CallFeatures:
+    """Kernel launchers take either the old `causal` bool or a `CallFeatures`."""
+    if isinstance(causal_or_features, CallFeatures):
+        return causal_or_features
+    return CallFeatures(mask=make_mask(bool(causal_or_features)))
+
+
+def bias_strides(bias: torch.Tensor, shape: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    """The bias's strides as read over the full (B, H, Lq, Lk) problem: 0 on its broadcast dims."""
+    return tuple(bias.expand(shape).stride())
+
+
+def feature_names(features: CallFeatures, head_dim: int, bias_grad: bool = False) -> frozenset[str]:
+    """The feature words of a call (see FEATURES)."""
+    mask = features.mask
+    names = set()
+    if mask.causal:
+        names.add("causal")
+    if mask.bounded_left or (mask.bounded_right and not (mask.causal and mask.window_right == 0)):
+        names.add("window")
+    if mask.softcap > 0:
+        names.add("softcap")
+    if features.alibi_slopes is not None:
+        names.add("alibi")
+    if features.attn_bias is not None:
+        names.add("bias")
+        if bias_grad:
+            names.add("bias_grad")
+    if features.varlen is not None:
+        names.add("varlen")
+    if head_dim % 8 or head_dim < 16:
+        names.add("odd_head_dim")
+    return frozenset(names)
+
+
+def sm90_missing(names: frozenset[str], direction: str = "forward") -> list[str]:
+    """The features of a call the Gluon sm_90 `direction` ("forward" or "backward") does not take yet, in
+    FEATURES order (empty: it takes the call)."""
+    from flashmoe_science.attention import hopper
+
+    supported = hopper.SM90_FORWARD_FEATURES if direction == "forward" else hopper.SM90_BACKWARD_FEATURES
+    return [name for name in FEATURES if name in names and name not in supported]

@@ -1,0 +1,172 @@
+"""The Triton forward and backward with window, softcap, ALiBi, bias and varlen, under the Triton interpreter,
+against the float64 oracle of feature_oracle.py (tolerance: 2 x PyTorch's same-dtype error + slack).
+
+Runs in the child process of test_triton_interpreter.py's driver (TRITON_INTERPRET=1 must be set before triton
+is imported); skipped in a plain run. Tiny sizes (interpreter tiles are 16 x 16, so lengths up to 70 meet full,
+masked, skipped and ragged tiles); fp16/fp32 only (the interpreter's bf16 dot is broken).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from feature_oracle import GRAD_SLACK, assert_within_rule, feature_attention, varlen_feature_attention
+from flashmoe_science import flash_attention_science, flash_attention_varlen
+from helpers import LSE_SLACK, dtype_id, randn
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
+                                reason="Triton kernels on the CPU need TRITON_INTERPRET=1")
+
+MASKS = [
+    dict(causal=True),
+    dict(window=(5, 3)),
+    dict(window=(20, -1)),  # left only: tiles before the window are skipped
+    dict(window=(-1, 0)),  # = causal
+    dict(window=(3, 9), causal=True),  # causal clips the right side
+    dict(window=(0, 0)),  # the diagonal only: rows of Lq > Lk see nothing
+    dict(softcap=0.8),
+    dict(window=(10, 2), softcap=2.0),
+]
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def _check_forward_and_grads(run, oracle, inputs, dtype, names, grad_shape_of=0):
+    """Our out/lse/gradients (run) vs the float64 oracle and the oracle in `dtype` (PyTorch's same-dtype error)."""
+    ours_leaves = _leaves(*inputs)
+    out, lse = run(*ours_leaves)
+    grad = randn(*out.shape, dtype=dtype)
+    ours_grads = torch.autograd.grad(out, ours_leaves, grad)
+    ref_leaves = _leaves(*(t.double() for t in inputs))
+    ref, ref_lse = oracle(*ref_leaves, torch.float64)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, grad.double())
+    same_leaves = _leaves(*inputs)
+    same, same_lse = oracle(*same_leaves, dtype)
+    same_grads = torch.autograd.grad(same, same_leaves, grad)
+    assert_within_rule("out", out, ref, same, dtype)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse: -inf rows differ"
+    finite = torch.isfinite(ref_lse)
+    assert_within_rule("lse", lse[finite], ref_lse[finite], same_lse.float()[finite], dtype, LSE_SLACK, relative=True)
+    for name, g, r, s in zip(names, ours_grads, ref_grads, same_grads):
+        assert_within_rule(name, g, r, s, dtype, GRAD_SLACK, relative=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=dtype_id)
+@pytest.mark.parametrize("mask", MASKS, ids=str)
+@pytest.mark.parametrize("lq,lk", [(37, 53), (53, 37)], ids=str)
+def test_dense_masks(mask, lq, lk, dtype):
+    if dtype == torch.float32 and lq > lk:
+        pytest.skip("one float32 shape per mask keeps the suite short")
+    q, k, v = randn(1, 4, lq, 32, dtype=dtype), randn(1, 2, lk, 32, dtype=dtype), randn(1, 2, lk, 32, dtype=dtype)
+
+    def run(q, k, v):
+        return flash_attention_science(q, k, v, backend="triton", return_lse=True, **mask)
+
+    def oracle(q, k, v, compute):
+        return feature_attention(q, k, v, dtype=compute, **mask)
+
+    _check_forward_and_grads(run, oracle, (q, k, v), dtype, ("dq", "dk", "dv"))
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "deterministic"])
+@pytest.mark.parametrize("bias_shape", [(1, 4, 19, 45), (4, 1, 45), (19, 1)], ids=str)
+def test_alibi_bias_and_their_gradients(bias_shape, deterministic):
+    dtype = torch.float16
+    q, k, v = randn(1, 4, 19, 24, dtype=dtype), randn(1, 2, 45, 24, dtype=dtype), randn(1, 2, 45, 24, dtype=dtype)
+    bias = randn(*bias_shape, dtype=dtype)
+    slopes = torch.rand(4) * 0.5
+    kwargs = dict(window=(30, 4), softcap=3.0)
+
+    def run(q, k, v, bias):
+        return flash_attention_science(q, k, v, backend="triton", return_lse=True, alibi_slopes=slopes,
+                                       attn_bias=bias, deterministic=deterministic, **kwargs)
+
+    def oracle(q, k, v, bias, compute):
+        return feature_attention(q, k, v, alibi=slopes, bias=bias, dtype=compute, **kwargs)
+
+    _check_forward_and_grads(run, oracle, (q, k, v, bias), dtype, ("dq", "dk", "dv", "dbias"))
+
+
+# lengths 0, 1, odd and > 4 tiles; a query sequence with no keys and keys with no queries
+LENGTHS_Q = [5, 0, 1, 70, 17, 3]
+LENGTHS_K = [5, 4, 0, 66, 31, 3]
+
+
+def _ragged(dtype, head_dim, hq=4, hkv=2):
+    cu_q = torch.tensor([0, *torch.tensor(LENGTHS_Q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(LENGTHS_K).cumsum(0).tolist()], dtype=torch.int32)
+    q = randn(int(cu_q[-1]), hq, head_dim, dtype=dtype)
+    k, v = randn(int(cu_k[-1]), hkv, head_dim, dtype=dtype), randn(int(cu_k[-1]), hkv, head_dim, dtype=dtype)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("head_dim", [64, 59], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("mask", [dict(), dict(causal=True), dict(window=(9, 4), softcap=1.5, alibi=True)], ids=str)
+def test_varlen(mask, head_dim):
+    dtype = torch.float16
+    q, k, v, cu_q, cu_k = _ragged(dtype, head_dim)
+    mask = dict(mask)
+    slopes = torch.rand(len(LENGTHS_Q), 4) if mask.pop("alibi", False) else None
+
+    def run(q, k, v):
+        return flash_attention_varlen(q, k, v, cu_q, cu_k, max(LENGTHS_Q), max(LENGTHS_K), backend="triton",
+                                      return_lse=True, alibi_slopes=slopes, **mask)
+
+    def oracle(q, k, v, compute):
+        return varlen_feature_attention(q, k, v, cu_q.tolist(), cu_k.tolist(), alibi=slopes, dtype=compute, **mask)
+
+    _check_forward_and_grads(run, oracle, (q, k, v), dtype, ("dq", "dk", "dv"))
+
+
+def test_varlen_output_equals_per_sequence_dense_calls():
+    q, k, v, cu_q, cu_k = _ragged(torch.float32, 32)
+    out = flash_attention_varlen(q, k, v, cu_q, cu_k, max(LENGTHS_Q), max(LENGTHS_K), causal=True, backend="triton")
+    for b in range(len(LENGTHS_Q)):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if qs.stop == qs.start:
+            continue
+        dense = flash_attention_science(q[qs].transpose(0, 1), k[ks].transpose(0, 1), v[ks].transpose(0, 1),
+                                        causal=True, backend="triton")
+        assert torch.equal(out[qs], dense.transpose(0, 1)), b
+
+
+@pytest.mark.parametrize("call", ["varlen", "window"])
+def test_deterministic_backward_is_bit_identical(call):
+    if call == "varlen":
+        q, k, v, cu_q, cu_k = _ragged(torch.float16, 32)
+
+        def fn(q, k, v):
+            return flash_attention_varlen(q, k, v, cu_q, cu_k, max(LENGTHS_Q), max(LENGTHS_K), causal=True,
+                                          backend="triton", deterministic=True)
+    else:
+        q, k, v = (randn(1, 2, 61, 32, dtype=torch.float16) for _ in range(3))
+
+        def fn(q, k, v):
+            return flash_attention_science(q, k, v, window=(17, 5), backend="triton", deterministic=True)
+
+    grad = None
+    runs = []
+    for _ in range(2):
+        leaves = _leaves(q, k, v)
+        out = fn(*leaves)
+        grad = randn(*out.shape, dtype=out.dtype) if grad is None else grad
+        runs.append(torch.autograd.grad(out, leaves, grad))
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+def test_window_skips_key_tiles():
+    """A query tile visits only the key tiles its rows' windows touch: a 16-wide window at L = 64 visits 2 of 4
+    tiles per query tile (mask.key_tile_range), so keys outside every window cannot influence the output even if
+    they are NaN."""
+    q, k, v = (randn(1, 1, 64, 16) for _ in range(3))
+    v_poisoned = v.clone()
+    v_poisoned[:, :, :16] = float("nan")  # keys 0..15: outside the window of rows 32.. (window (10, 0))
+    out = flash_attention_science(q, k, v_poisoned, window=(10, 0), backend="triton")
+    ref = flash_attention_science(q, k, v, window=(10, 0), backend="triton")
+    assert torch.equal(out[:, :, 32:], ref[:, :, 32:])
