@@ -24,22 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashmoe_science.attention.varlen import flash_attention_varlen
 from flashmoe_science.moe.api import fused_moe
 from flashmoe_science.nn.moe import FusedMoE
 from flashmoe_science.science.element_table import ELEMENT_PROPERTIES, PROPERTY_NAMES
-
-try:
-    from flashmoe_science.attention.api import flash_attention_varlen
-except ImportError:  # TEMPORARY until wip/varlen is merged: the same signature over a block-diagonal mask
-    def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                               softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-                               return_lse=False, deterministic=False, backend="auto"):
-        lengths = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-        segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=q.device), lengths.long())
-        same = segment[:, None] == segment[None, :]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=same, scale=softmax_scale)
-        return out.transpose(0, 1)
 
 ELEMENT_SYMBOLS = tuple(ELEMENT_PROPERTIES)  # index i <-> atomic number i + 1
 ELEMENT_INDEX = {symbol: i for i, symbol in enumerate(ELEMENT_SYMBOLS)}
