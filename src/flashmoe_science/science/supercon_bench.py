@@ -62,7 +62,8 @@ def training_step_ms(model: CompositionTransformer, data: CompositionSet, batch_
     on the same batches of the data (bf16 autocast on a GPU)."""
     results = {}
     generator = torch.Generator().manual_seed(0)
-    chunks = list(iterate_batches(torch.arange(len(data)), batch_size, generator))[:steps + warmup]
+    chunks = list(iterate_batches(torch.arange(len(data)), batch_size, generator))
+    chunks = [chunks[i % len(chunks)] for i in range(steps + warmup)]  # small data: batches reused
     for implementation in IMPLEMENTATIONS:
         trained = copy.deepcopy(model).float().train()
         optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-4)

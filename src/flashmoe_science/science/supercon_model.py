@@ -3,7 +3,9 @@
 A composition (``La1.8Sr0.2Cu1O4``) is a set of element tokens. Each token is the element's embedding (initialised
 from its periodic-table properties, :mod:`element_table`) plus an encoding of its fractional amount. Pre-norm
 transformer blocks (self-attention within the composition, then a mixture-of-experts SwiGLU feed-forward) mix the
-tokens; a fraction-weighted mean and a plain mean pool them into one vector, which an MLP head maps to Tc in kelvin.
+tokens; a fraction-weighted mean and a plain mean pool them into one vector which, with statistics of the
+composition's element embeddings (fraction-weighted mean and standard deviation, max, min: the classic composition
+features, here of trainable rows), an MLP head maps to Tc in kelvin.
 
 - ``forward_packed`` (the library build): the tokens of a batch are packed end to end, ``(total_tokens, d)`` with
   int32 ``cu_seqlens``; attention runs through ``flash_attention_varlen`` and the feed-forward through ``fused_moe``:
@@ -27,11 +29,13 @@ from torch import nn
 from flashmoe_science.attention.varlen import flash_attention_varlen
 from flashmoe_science.moe.api import fused_moe
 from flashmoe_science.nn.moe import FusedMoE
-from flashmoe_science.science.element_table import ELEMENT_PROPERTIES, PROPERTY_NAMES
+from flashmoe_science.science.element_table import ELEMENT_PROPERTIES
 
 ELEMENT_SYMBOLS = tuple(ELEMENT_PROPERTIES)  # index i <-> atomic number i + 1
 ELEMENT_INDEX = {symbol: i for i, symbol in enumerate(ELEMENT_SYMBOLS)}
 IMPLEMENTATIONS = ("fused", "plain")
+# per composition, over its elements' embedding rows: fraction-weighted mean and standard deviation, max, min
+STATISTICS = ("mean", "std", "max", "min")
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,11 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _pooled(weighted, mean, p_mean, p_var, p_max, p_min, dtype) -> torch.Tensor:
+    """The head's input: pooled tokens, then the element-embedding statistics (STATISTICS order)."""
+    return torch.cat([weighted, mean, p_mean, (p_var + 1e-4).sqrt(), p_max, p_min], dim=-1).to(dtype)
+
+
 def _accumulate_dtype(x: torch.Tensor) -> torch.dtype:
     """float32, or float64 for float64 inputs."""
     return torch.promote_types(x.dtype, torch.float32)
@@ -148,13 +157,14 @@ class CompositionTransformer(nn.Module):
         self.fraction_proj = nn.Linear(4 * config.fraction_frequencies, d)
         self.blocks = nn.ModuleList(CompositionBlock(config) for _ in range(config.num_layers))
         self.final_norm = nn.LayerNorm(d)
-        self.head_hidden = nn.Linear(2 * d, d)
+        # the head reads the pooled tokens and statistics of the composition's element embeddings
+        self.head_hidden = nn.Linear(2 * d + len(STATISTICS) * properties.shape[1], d)
         self.head_out = nn.Linear(d, 1)
         self.register_buffer("target_mean", torch.zeros(()))
         self.register_buffer("target_std", torch.ones(()))
 
-    def _tokens(self, elements: torch.Tensor, fractions: torch.Tensor) -> torch.Tensor:
-        embedded = self.element_proj(self.element_embedding(elements))
+    def _tokens(self, properties: torch.Tensor, fractions: torch.Tensor) -> torch.Tensor:
+        embedded = self.element_proj(properties)
         features = fraction_features(fractions, self.config.fraction_frequencies)
         encoded = self.fraction_proj(features.to(self.fraction_proj.weight.dtype))
         return embedded + encoded
@@ -162,8 +172,9 @@ class CompositionTransformer(nn.Module):
     # ------------------------------------------------------------------------------------------- library build
     def pooled_packed(self, elements, fractions, cu_seqlens, max_seqlen: int) -> torch.Tensor:
         """Packed tokens ``elements (T,)`` int64 element indices, ``fractions (T,)`` (each composition's sum to 1),
-        ``cu_seqlens (B + 1,)`` int32 -> pooled ``(B, 2 * d_model)``."""
-        x = self._tokens(elements, fractions)
+        ``cu_seqlens (B + 1,)`` int32 -> pooled ``(B, 2 * d_model + 4 * P)``."""
+        properties = self.element_embedding(elements)
+        x = self._tokens(properties, fractions)
         for block in self.blocks:
             x = block.forward_packed(x, cu_seqlens, max_seqlen)
         x = self.final_norm(x)
@@ -172,27 +183,40 @@ class CompositionTransformer(nn.Module):
         segment = torch.repeat_interleave(torch.arange(num, device=x.device), lengths, output_size=x.shape[0])
         accumulate = _accumulate_dtype(x)
         x = x.to(accumulate)
-        weighted = torch.zeros(num, x.shape[1], dtype=accumulate, device=x.device)
-        weighted.index_add_(0, segment, x * fractions.to(accumulate)[:, None])
-        mean = torch.zeros_like(weighted).index_add_(0, segment, x) / lengths.clamp_min(1)[:, None]
-        return torch.cat([weighted, mean], dim=-1).to(self.final_norm.weight.dtype)
+        fractions = fractions.to(accumulate)[:, None]
+        weighted = x.new_zeros(num, x.shape[1]).index_add_(0, segment, x * fractions)
+        mean = x.new_zeros(num, x.shape[1]).index_add_(0, segment, x) / lengths.clamp_min(1)[:, None]
+        p = properties.to(accumulate)
+        p_mean = p.new_zeros(num, p.shape[1]).index_add_(0, segment, p * fractions)
+        p_var = p.new_zeros(num, p.shape[1]).index_add_(0, segment, (p - p_mean[segment]).square() * fractions)
+        rows = segment[:, None].expand_as(p)
+        p_max = p.new_zeros(num, p.shape[1]).scatter_reduce_(0, rows, p, "amax", include_self=False)
+        p_min = p.new_zeros(num, p.shape[1]).scatter_reduce_(0, rows, p, "amin", include_self=False)
+        return _pooled(weighted, mean, p_mean, p_var, p_max, p_min, self.final_norm.weight.dtype)
 
     # --------------------------------------------------------------------------------------------- plain build
     def pooled_padded(self, elements, fractions, mask) -> torch.Tensor:
         """Padded ``elements (B, L)``, ``fractions (B, L)`` (0 on padding), ``mask (B, L)`` bool (True: a real
-        element) -> pooled ``(B, 2 * d_model)``."""
-        x = self._tokens(elements, fractions)
+        element) -> pooled ``(B, 2 * d_model + 4 * P)``."""
+        properties = self.element_embedding(elements)
+        x = self._tokens(properties, fractions)
         for block in self.blocks:
             x = block.forward_padded(x, mask)
         x = self.final_norm(x)
         x = x.to(_accumulate_dtype(x)) * mask[..., None]
-        weighted = (x * fractions.to(x.dtype)[..., None]).sum(1)
+        fractions = fractions.to(x.dtype)[..., None]
+        weighted = (x * fractions).sum(1)
         mean = x.sum(1) / mask.sum(1, keepdim=True).clamp_min(1)
-        return torch.cat([weighted, mean], dim=-1).to(self.final_norm.weight.dtype)
+        p = properties.to(x.dtype)
+        p_mean = (p * fractions).sum(1)
+        p_var = ((p - p_mean[:, None]).square() * fractions).sum(1)
+        p_max = p.masked_fill(~mask[..., None], -torch.inf).amax(1)
+        p_min = p.masked_fill(~mask[..., None], torch.inf).amin(1)
+        return _pooled(weighted, mean, p_mean, p_var, p_max, p_min, self.final_norm.weight.dtype)
 
     # ------------------------------------------------------------------------------------------------- head
     def head(self, pooled: torch.Tensor, *, dropout: bool | None = None) -> torch.Tensor:
-        """Pooled ``(B, 2d)`` -> Tc ``(B,)`` float32 (float64 for a float64 model) in kelvin; ``dropout`` defaults to ``self.training``."""
+        """Pooled ``(B, 2d + 4P)`` -> Tc ``(B,)`` float32 (float64 for a float64 model) in kelvin; ``dropout`` defaults to ``self.training``."""
         active = self.training if dropout is None else dropout
         hidden = F.dropout(F.silu(self.head_hidden(pooled)), self.config.head_dropout, training=active)
         out = self.head_out(hidden).squeeze(-1)
