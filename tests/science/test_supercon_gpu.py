@@ -31,7 +31,7 @@ def test_fused_build_bf16_error_within_twice_plain():
     padded = space.padded_batch(0, min(len(space), 20000))
     reference = score(copy.deepcopy(model).double(), type(padded)(padded.elements, padded.fractions.double(),
                                                                    padded.mask), "plain", 0)[0]
-    bf16 = copy.deepcopy(model).bfloat16()
+    bf16 = copy.deepcopy(model).cast_parameters(torch.bfloat16)
     fused_error = (score(bf16, padded, "fused", 0)[0].double() - reference).abs().max()
     plain_error = (score(bf16, padded, "plain", 0)[0].double() - reference).abs().max()
     assert torch.isfinite(reference).all()

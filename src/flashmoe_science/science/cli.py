@@ -76,7 +76,7 @@ def run_screen(args: argparse.Namespace) -> int:
 
     device = _device(args.device)
     _, space = _space(args, device)
-    model = load_model(args.model, device).to(DTYPES[args.dtype])
+    model = load_model(args.model, device).cast_parameters(DTYPES[args.dtype])
     implementation = args.implementation or default_implementation(device)
     summary = screen(model, space, top=args.top, batch_size=args.batch_size, implementation=implementation,
                      mc_samples=args.mc_samples, limit=args.limit, out_dir=Path(args.out), resume=args.resume,

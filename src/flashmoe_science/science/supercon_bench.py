@@ -34,7 +34,7 @@ def output_agreement(model: CompositionTransformer, space: CandidateSpace, count
                       "plain", 0)[0]
     errors = {}
     for implementation in IMPLEMENTATIONS:
-        predicted = score(model.to(dtype), padded, implementation, 0)[0]
+        predicted = score(model.cast_parameters(dtype), padded, implementation, 0)[0]
         error = (predicted.double() - reference).abs()
         errors[implementation] = {"max_abs_K": float(error.max()), "mean_abs_K": float(error.mean())}
     return {"candidates": padded.mask.shape[0], "dtype": str(dtype).removeprefix("torch."), "vs_float64": errors,
@@ -92,14 +92,15 @@ def run_benchmark(model: CompositionTransformer, data: CompositionSet, space: Ca
     model = model.to(device).eval()
     agreement = output_agreement(model, space, 8192, dtype, mc_samples)
     steps = training_step_ms(model, data, train_batch_size, device)
-    throughput = screening_throughput(model.to(dtype), space, candidates, batch_size, mc_samples)
+    throughput = screening_throughput(model.cast_parameters(dtype), space, candidates, batch_size, mc_samples)
     record = {
         **environment_metadata(resolve_commit(commit)),
         "benchmark": "supercon",
         "screening": {"dtype": str(dtype).removeprefix("torch."), "batch_size": batch_size,
                       "mc_samples": mc_samples, "space_size": len(space), **throughput,
                       "speedup": throughput["fused"]["candidates_per_s"] / throughput["plain"]["candidates_per_s"]},
-        "training_step": {"batch_size": train_batch_size, **steps,
+        "training_step": {"batch_size": train_batch_size, "precision": "bf16 autocast" if device.type == "cuda"
+                          else "float32", **steps,
                           "speedup": steps["plain"]["median_ms"] / steps["fused"]["median_ms"]},
         "agreement": agreement,
         "model_config": model.config.to_dict(),
@@ -123,7 +124,7 @@ def markdown_table(record: dict) -> str:
         "|---|---|---|---|",
         f"| screening, candidates/s ({s['dtype']}, batch {s['batch_size']}, {s['mc_samples']} MC samples) | "
         f"{s['fused']['candidates_per_s']:,.0f} | {s['plain']['candidates_per_s']:,.0f} | {s['speedup']:.2f}x |",
-        f"| training step, ms (batch {t['batch_size']}, bf16 autocast) | {t['fused']['median_ms']:.2f} | "
+        f"| training step, ms (batch {t['batch_size']}, {t['precision']}) | {t['fused']['median_ms']:.2f} | "
         f"{t['plain']['median_ms']:.2f} | {t['speedup']:.2f}x |",
         f"| max abs error vs float64, K ({record['agreement']['dtype']}, {record['agreement']['candidates']} "
         f"candidates) | {a['fused']['max_abs_K']:.3f} | {a['plain']['max_abs_K']:.3f} | |",
