@@ -117,9 +117,9 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def _pooled(weighted, mean, p_mean, p_var, p_max, p_min, dtype) -> torch.Tensor:
-    """The head's input: pooled tokens, then the element-embedding statistics (STATISTICS order)."""
-    return torch.cat([weighted, mean, p_mean, (p_var + 1e-4).sqrt(), p_max, p_min], dim=-1).to(dtype)
+def _pooled(weighted, mean, p_mean, p_var, p_max, p_min, vector, dtype) -> torch.Tensor:
+    """The head's input: pooled tokens, the element-embedding statistics (STATISTICS order), the fraction vector."""
+    return torch.cat([weighted, mean, p_mean, (p_var + 1e-4).sqrt(), p_max, p_min, vector], dim=-1).to(dtype)
 
 
 def _accumulate_dtype(x: torch.Tensor) -> torch.dtype:
@@ -158,7 +158,8 @@ class CompositionTransformer(nn.Module):
         self.blocks = nn.ModuleList(CompositionBlock(config) for _ in range(config.num_layers))
         self.final_norm = nn.LayerNorm(d)
         # the head reads the pooled tokens and statistics of the composition's element embeddings
-        self.head_hidden = nn.Linear(2 * d + len(STATISTICS) * properties.shape[1], d)
+        # and the composition as a vector of element fractions
+        self.head_hidden = nn.Linear(2 * d + len(STATISTICS) * properties.shape[1] + properties.shape[0], d)
         self.head_out = nn.Linear(d, 1)
         self.register_buffer("target_mean", torch.zeros(()))
         self.register_buffer("target_std", torch.ones(()))
@@ -199,7 +200,9 @@ class CompositionTransformer(nn.Module):
         rows = segment[:, None].expand_as(p)
         p_max = p.new_zeros(num, p.shape[1]).scatter_reduce_(0, rows, p, "amax", include_self=False)
         p_min = p.new_zeros(num, p.shape[1]).scatter_reduce_(0, rows, p, "amin", include_self=False)
-        return _pooled(weighted, mean, p_mean, p_var, p_max, p_min, self.final_norm.weight.dtype)
+        vector = p.new_zeros(num, len(ELEMENT_SYMBOLS)).index_put_((segment, elements), fractions[:, 0],
+                                                                  accumulate=True)
+        return _pooled(weighted, mean, p_mean, p_var, p_max, p_min, vector, self.final_norm.weight.dtype)
 
     # --------------------------------------------------------------------------------------------- plain build
     def pooled_padded(self, elements, fractions, mask) -> torch.Tensor:
@@ -219,7 +222,8 @@ class CompositionTransformer(nn.Module):
         p_var = ((p - p_mean[:, None]).square() * fractions).sum(1)
         p_max = p.masked_fill(~mask[..., None], -torch.inf).amax(1)
         p_min = p.masked_fill(~mask[..., None], torch.inf).amin(1)
-        return _pooled(weighted, mean, p_mean, p_var, p_max, p_min, self.final_norm.weight.dtype)
+        vector = p.new_zeros(p.shape[0], len(ELEMENT_SYMBOLS)).scatter_add_(1, elements, fractions[..., 0])
+        return _pooled(weighted, mean, p_mean, p_var, p_max, p_min, vector, self.final_norm.weight.dtype)
 
     # ------------------------------------------------------------------------------------------------- head
     def head(self, pooled: torch.Tensor, *, dropout: bool | None = None) -> torch.Tensor:
