@@ -49,7 +49,8 @@ def run_train(args: argparse.Namespace) -> int:
                              implementation=args.implementation, model=model_config)
         _, metrics = train(data, config, device, Path(args.out) / split, progress=not args.no_progress)
         test = metrics["test"]
-        print(f"{split} split (seed {args.seed}): test R2 = {test['r2']:.4f}, MAE = {test['mae_K']:.2f} K, "
+        print(f"{split} split (seed {args.seed}): test R2 = {test['r2']:.4f} (of log(1+Tc): {test['r2_log1p']:.4f}), "
+              f"MAE = {test['mae_K']:.2f} K, "
               f"RMSE = {test['rmse_K']:.2f} K, n = {test['n']} ({metrics['train_seconds']:.0f} s, "
               f"{metrics['implementation']} build on {device}) -> {Path(args.out) / split}", flush=True)
         summary[split] = {key: metrics[key] for key in ("test", "sizes", "seed", "implementation", "train_seconds")}

@@ -39,11 +39,18 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
 
 
+def _r2(predicted: torch.Tensor, measured: torch.Tensor) -> float:
+    total = (measured - measured.mean()).pow(2).sum()
+    return float(1 - (predicted - measured).pow(2).sum() / total) if total > 0 else math.nan
+
+
 def regression_metrics(predicted: torch.Tensor, measured: torch.Tensor) -> dict[str, float]:
-    residual = predicted.double() - measured.double()
-    total = (measured.double() - measured.double().mean()).pow(2).sum()
+    """R² and errors in kelvin; also R² of log(1 + Tc), the scale of Stanev et al.'s ln(Tc) regression."""
+    predicted, measured = predicted.double(), measured.double()
+    residual = predicted - measured
     return {
-        "r2": float(1 - residual.pow(2).sum() / total) if total > 0 else math.nan,
+        "r2": _r2(predicted, measured),
+        "r2_log1p": _r2(predicted.clamp_min(0).log1p(), measured.clamp_min(0).log1p()),
         "mae_K": float(residual.abs().mean()),
         "rmse_K": float(residual.pow(2).mean().sqrt()),
         "n": int(measured.numel()),
