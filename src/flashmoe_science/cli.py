@@ -3,11 +3,10 @@
     flashmoe-science info                 GPU, versions, and which kernel a sample call would use and why
     flashmoe-science bench [attention]    ours against every SDPA backend and FlexAttention (TFLOP/s, ms, memory)
     flashmoe-science bench moe            the MoE layer benchmark
-<<<<<<< HEAD
     flashmoe-science bench --suite decode KV-cache decode bandwidth against SDPA, FlexAttention and a pure read
-=======
+    flashmoe-science bench --suite varlen,window,mods   packed sequences and masks against SDPA/FlexAttention
     flashmoe-science bench --suite distributed   ring attention / expert-parallel MoE scaling (under torchrun)
->>>>>>> wip/dist
+    flashmoe-science supercon train|screen|bench   the superconductor Tc model (flashmoe_science.science.cli)
 
 `bench` prints a table, writes `<out>/<gpu>-<date>-<commit>.json` and a PNG plot beside it. Without a CUDA GPU it
 runs a small CPU comparison instead, so the command works everywhere.
@@ -317,7 +316,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashmoe-science", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", metavar="{info,bench}")
+    commands = parser.add_subparsers(dest="command", metavar="{info,bench,supercon}")
 
     info = commands.add_parser("info", help="GPU, versions, and which kernel a sample call would use and why")
     info.set_defaults(handler=run_info)
@@ -363,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
         "one sweep's rows vary by several percent",
     )
     bench.set_defaults(handler=run_bench)
+
+    from flashmoe_science.science.cli import add_supercon_parser
+
+    add_supercon_parser(commands)
     return parser
 
 

@@ -1,0 +1,131 @@
+"""The supercon benchmark: screening throughput (candidates/s end to end: candidate decoding, batching, the model,
+the top-N merge) and training step time, the library build against the plain-PyTorch build on the same weights,
+plus the agreement of their outputs. Writes JSON and a markdown table."""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from flashmoe_science.bench.report import environment_metadata, resolve_commit, result_stem, unused_result_path
+from flashmoe_science.science.supercon_data import CompositionSet, iterate_batches
+from flashmoe_science.science.supercon_model import IMPLEMENTATIONS, CompositionTransformer, make_batch
+from flashmoe_science.science.supercon_screen import CandidateSpace, score, screen
+from flashmoe_science.science.supercon_train import _autocast
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def output_agreement(model: CompositionTransformer, space: CandidateSpace, count: int, dtype: torch.dtype,
+                     mc_samples: int) -> dict:
+    """Both builds in ``dtype`` against the plain build in float64 on the first ``count`` candidates (head
+    dropout off, so the outputs are deterministic): max and mean absolute error of each, in kelvin."""
+    padded = space.padded_batch(0, min(count, len(space)))
+    reference_model = copy.deepcopy(model).double()
+    reference = score(reference_model, type(padded)(padded.elements, padded.fractions.double(), padded.mask),
+                      "plain", 0)[0]
+    errors = {}
+    for implementation in IMPLEMENTATIONS:
+        predicted = score(model.cast_parameters(dtype), padded, implementation, 0)[0]
+        error = (predicted.double() - reference).abs()
+        errors[implementation] = {"max_abs_K": float(error.max()), "mean_abs_K": float(error.mean())}
+    return {"candidates": padded.mask.shape[0], "dtype": str(dtype).removeprefix("torch."), "vs_float64": errors,
+            "mc_samples_note": f"screening uses {mc_samples} MC-dropout head samples; this check runs dropout off"}
+
+
+def screening_throughput(model: CompositionTransformer, space: CandidateSpace, candidates: int, batch_size: int,
+                         mc_samples: int, rounds: int = 3) -> dict:
+    """Candidates/s of each build (median of ``rounds`` runs over the same ``candidates``, after a warm-up)."""
+    results = {}
+    for implementation in IMPLEMENTATIONS:
+        screen(model, space, top=100, batch_size=batch_size, implementation=implementation, mc_samples=mc_samples,
+               limit=2 * batch_size, progress=False)  # warm-up: compilation, autotuning, allocator
+        runs = [screen(model, space, top=100, batch_size=batch_size, implementation=implementation,
+                       mc_samples=mc_samples, limit=candidates, progress=False) for _ in range(rounds)]
+        per_s = [run["candidates_per_s"] for run in runs]
+        results[implementation] = {"candidates_per_s": statistics.median(per_s), "rounds": per_s,
+                                   "candidates": runs[0]["candidates"]}
+    return results
+
+
+def training_step_ms(model: CompositionTransformer, data: CompositionSet, batch_size: int, device: torch.device,
+                     steps: int = 30, warmup: int = 5) -> dict:
+    """Median ms of one training step (forward, L1 loss, backward, AdamW) of each build, from the same weights,
+    on the same batches of the data (bf16 autocast on a GPU)."""
+    results = {}
+    generator = torch.Generator().manual_seed(0)
+    chunks = list(iterate_batches(torch.arange(len(data)), batch_size, generator))
+    chunks = [chunks[i % len(chunks)] for i in range(steps + warmup)]  # small data: batches reused
+    for implementation in IMPLEMENTATIONS:
+        trained = copy.deepcopy(model).float().train()
+        optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-4)
+        times = []
+        for step, chunk in enumerate(chunks):
+            _synchronize(device)
+            started = time.perf_counter()
+            batch = make_batch(data.batch(chunk).to(device), implementation)
+            with _autocast(device):
+                predicted = trained(batch)
+            loss = torch.nn.functional.l1_loss(predicted, data.targets[chunk].to(device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            _synchronize(device)
+            if step >= warmup:
+                times.append(1e3 * (time.perf_counter() - started))
+        results[implementation] = {"median_ms": statistics.median(times), "steps": len(times)}
+    return results
+
+
+def run_benchmark(model: CompositionTransformer, data: CompositionSet, space: CandidateSpace, *, candidates: int,
+                  batch_size: int, train_batch_size: int, mc_samples: int, dtype: torch.dtype, out_dir: Path,
+                  commit: str | None = None) -> tuple[Path, str]:
+    device = space.device
+    model = model.to(device).eval()
+    agreement = output_agreement(model, space, 8192, dtype, mc_samples)
+    steps = training_step_ms(model, data, train_batch_size, device)
+    throughput = screening_throughput(model.cast_parameters(dtype), space, candidates, batch_size, mc_samples)
+    record = {
+        **environment_metadata(resolve_commit(commit)),
+        "benchmark": "supercon",
+        "screening": {"dtype": str(dtype).removeprefix("torch."), "batch_size": batch_size,
+                      "mc_samples": mc_samples, "space_size": len(space), **throughput,
+                      "speedup": throughput["fused"]["candidates_per_s"] / throughput["plain"]["candidates_per_s"]},
+        "training_step": {"batch_size": train_batch_size, "precision": "bf16 autocast" if device.type == "cuda"
+                          else "float32", **steps,
+                          "speedup": steps["plain"]["median_ms"] / steps["fused"]["median_ms"]},
+        "agreement": agreement,
+        "model_config": model.config.to_dict(),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = unused_result_path(out_dir, "supercon-" + result_stem(record["gpu"], record["date"], record["commit"]))
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    table = markdown_table(record)
+    path.with_suffix(".md").write_text(table + "\n")
+    return path, table
+
+
+def markdown_table(record: dict) -> str:
+    s, t, a = record["screening"], record["training_step"], record["agreement"]["vs_float64"]
+    return "\n".join([
+        f"SuperCon composition transformer on {record['gpu']} ({record['date']}, commit {record['commit']}): "
+        f"library build (packed varlen attention + fused_moe) vs plain PyTorch (padding + SDPA + per-expert loop), "
+        f"same weights.",
+        "",
+        "| what | library | plain PyTorch | speedup |",
+        "|---|---|---|---|",
+        f"| screening, candidates/s ({s['dtype']}, batch {s['batch_size']}, {s['mc_samples']} MC samples) | "
+        f"{s['fused']['candidates_per_s']:,.0f} | {s['plain']['candidates_per_s']:,.0f} | {s['speedup']:.2f}x |",
+        f"| training step, ms (batch {t['batch_size']}, {t['precision']}) | {t['fused']['median_ms']:.2f} | "
+        f"{t['plain']['median_ms']:.2f} | {t['speedup']:.2f}x |",
+        f"| max abs error vs float64, K ({record['agreement']['dtype']}, {record['agreement']['candidates']} "
+        f"candidates) | {a['fused']['max_abs_K']:.3f} | {a['plain']['max_abs_K']:.3f} | |",
+    ])

@@ -1,0 +1,241 @@
+"""High-throughput screening: a streaming enumeration of candidate compositions, scored in large ragged batches, the
+best N kept (memory flat in the number of candidates), resumable.
+
+The candidates are partial substitutions of the known compositions: for every parent composition, every element
+site A of amount a, every dopant element B of the data not already in the parent, and every level x of a grid, the
+parent with ``A(a) -> A(a(1 - x)) B(a x)`` (x = 1 replaces A entirely). Candidate ``i`` is decoded from its index by
+integer arithmetic on the device (no strings, no Python loop per candidate), so the enumeration needs no memory of
+its own and a run can resume from any index. Formulas are written only for the N best.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from flashmoe_science.science.formula import format_formula, parse_formula
+from flashmoe_science.science.supercon_data import CompositionSet
+from flashmoe_science.science.supercon_model import (
+    ELEMENT_SYMBOLS,
+    CompositionTransformer,
+    PackedBatch,
+    PaddedBatch,
+)
+
+DEFAULT_LEVELS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 1.0)
+STATE_FILE = "screen_state.pt"
+
+
+class CandidateSpace:
+    """Substitution candidates over ``parents`` (a CompositionSet; amounts are its fractions, which the
+    substitution preserves in sum), with dopants ``dopants`` (element indices) and levels ``levels``."""
+
+    def __init__(self, parents: CompositionSet, dopants: torch.Tensor, levels=DEFAULT_LEVELS,
+                 device: torch.device | str = "cpu"):
+        if len(parents) == 0:
+            raise ValueError("parents must hold at least one composition")
+        levels = torch.tensor(levels, dtype=torch.float32)
+        if levels.numel() == 0 or not bool(((levels > 0) & (levels <= 1)).all()):
+            raise ValueError(f"levels must be in (0, 1], got {levels.tolist()}")
+        self.parents, self.device = parents, torch.device(device)
+        lengths = parents.offsets[1:] - parents.offsets[:-1]
+        self.max_parent_length = int(lengths.max())
+        num = len(parents)
+        # parent tables, padded: element indices and fractions (B, L)
+        padded = parents.batch(torch.arange(num)).padded()
+        present = torch.zeros(num, len(ELEMENT_SYMBOLS), dtype=torch.bool)
+        present.scatter_(1, padded.elements, padded.mask)
+        dopants = torch.unique(dopants)
+        absent = ~present[:, dopants]  # (P, D): dopant d may go into parent p
+        # the absent dopants of each parent first, in dopant order (a stable sort of "present" flags)
+        order = torch.sort((~absent).to(torch.int8), dim=1, stable=True).indices
+        self.dopant_table = dopants[order].to(self.device)  # (P, D)
+        self.dopant_counts = absent.sum(1).to(self.device)  # (P,)
+        self.parent_elements = padded.elements.to(self.device)
+        self.parent_fractions = padded.fractions.to(self.device)
+        self.parent_lengths = lengths.to(self.device)
+        self.levels = levels.to(self.device)
+        per_parent = lengths * absent.sum(1) * levels.numel()
+        self.offsets = torch.zeros(num + 1, dtype=torch.int64)
+        torch.cumsum(per_parent, 0, out=self.offsets[1:])
+        self.size = int(self.offsets[-1])
+        self.offsets = self.offsets.to(self.device)
+        self.signature = hashlib.sha256(
+            repr((parents.formulas, dopants.tolist(), levels.tolist())).encode()).hexdigest()[:16]
+
+    def __len__(self) -> int:
+        return self.size
+
+    def decode(self, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Candidate indices (int64, on the device) -> (parent, site, dopant element, level value)."""
+        parent = torch.searchsorted(self.offsets, index, right=True) - 1
+        rest = index - self.offsets[parent]
+        num_levels = self.levels.numel()
+        level, rest = rest % num_levels, rest // num_levels
+        count = self.dopant_counts[parent]
+        rank, site = rest % count, rest // count
+        return parent, site, self.dopant_table[parent, rank], self.levels[level]
+
+    def padded_batch(self, start: int, stop: int) -> PaddedBatch:
+        """Candidates ``start:stop`` as a PaddedBatch of width max parent length + 1 (the dopant's extra slot)."""
+        index = torch.arange(start, stop, device=self.device)
+        parent, site, dopant, level = self.decode(index)
+        width = self.max_parent_length + 1
+        elements = torch.zeros(index.numel(), width, dtype=torch.int64, device=self.device)
+        fractions = torch.zeros(index.numel(), width, dtype=torch.float32, device=self.device)
+        elements[:, :-1] = self.parent_elements[parent]
+        fractions[:, :-1] = self.parent_fractions[parent]
+        rows = torch.arange(index.numel(), device=self.device)
+        site_fraction = fractions[rows, site]
+        full = level >= 1
+        # x = 1: the dopant takes the site; x < 1: the site keeps a(1 - x) and the dopant (a x) goes after the
+        # parent's last element
+        elements[rows, site] = torch.where(full, dopant, elements[rows, site])
+        fractions[rows, site] = site_fraction * torch.where(full, 1.0, 1.0 - level)
+        extra = self.parent_lengths[parent]
+        elements[rows, extra] = torch.where(full, 0, dopant)
+        fractions[rows, extra] = torch.where(full, 0.0, site_fraction * level)
+        mask = fractions > 0
+        return PaddedBatch(elements, fractions, mask)
+
+    def formula(self, index: int) -> str:
+        """Candidate ``index`` written in its parent's amounts (``La2Cu1O4``, Sr for La at 0.1 -> ``La1.8Sr0.2Cu1O4``)."""
+        parent, site, dopant, level = (t.item() for t in self.decode(torch.tensor([index], device=self.device)))
+        composition: dict[str, float] = {}
+        for position, (symbol, amount) in enumerate(parse_formula(self.parents.formulas[parent]).items()):
+            if position != site:
+                composition[symbol] = amount
+                continue
+            if level < 1:
+                composition[symbol] = amount * (1 - level)
+            composition[ELEMENT_SYMBOLS[dopant]] = amount * level
+        return format_formula(composition)
+
+    def parent_formula(self, index: int) -> str:
+        parent = int(torch.searchsorted(self.offsets, torch.tensor([index], device=self.device), right=True)) - 1
+        return self.parents.formulas[parent]
+
+
+def pack(padded: PaddedBatch) -> PackedBatch:
+    """A padded batch's real tokens end to end, with int32 cu_seqlens (one host sync for the total)."""
+    lengths = padded.mask.sum(1, dtype=torch.int32)
+    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
+    torch.cumsum(lengths, 0, out=cu_seqlens[1:])
+    return PackedBatch(padded.elements[padded.mask], padded.fractions[padded.mask], cu_seqlens,
+                       padded.elements.shape[1])
+
+
+@torch.inference_mode()
+def score(model: CompositionTransformer, padded: PaddedBatch, implementation: str,
+          mc_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) predicted Tc of a batch of candidates, with the library build (packed) or the plain one."""
+    batch = pack(padded) if implementation == "fused" else padded
+    return model.head_samples(batch.pooled(model), mc_samples)
+
+
+@dataclass
+class ScreenState:
+    """The running top-K and where the enumeration stands: all a resumed run needs."""
+
+    next_index: int
+    scores: torch.Tensor  # (K,) float32, -inf where empty
+    stds: torch.Tensor
+    indices: torch.Tensor  # (K,) int64, -1 where empty
+
+    @classmethod
+    def empty(cls, keep: int, device) -> "ScreenState":
+        return cls(0, torch.full((keep,), -torch.inf, device=device), torch.zeros(keep, device=device),
+                   torch.full((keep,), -1, dtype=torch.int64, device=device))
+
+    def merge(self, scores: torch.Tensor, stds: torch.Tensor, start: int) -> None:
+        indices = torch.arange(start, start + scores.numel(), device=scores.device)
+        all_scores = torch.cat([self.scores, scores.float()])
+        best = torch.topk(all_scores, self.scores.numel()).indices
+        self.scores = all_scores[best]
+        self.stds = torch.cat([self.stds, stds.float()])[best]
+        self.indices = torch.cat([self.indices, indices])[best]
+
+
+def screen(model: CompositionTransformer, space: CandidateSpace, *, top: int, batch_size: int,
+           implementation: str, mc_samples: int, limit: int | None = None, out_dir: Path | None = None,
+           resume: bool = False, checkpoint_every: int = 50, progress: bool = True) -> dict:
+    """Scores candidates ``0:limit`` (all by default) in batches of ``batch_size``; keeps the ``top`` best (by the
+    MC-dropout mean). With ``out_dir``: the state is saved every ``checkpoint_every`` batches (``resume`` continues
+    from it) and ``top.csv`` written at the end. Returns a summary (candidates, seconds, candidates/s)."""
+    if top < 1 or batch_size < 1:
+        raise ValueError(f"top and batch_size must be >= 1, got top={top}, batch_size={batch_size}")
+    stop = len(space) if limit is None else min(limit, len(space))
+    keep = 2 * top  # room for the duplicates dropped when the formulas are written
+    state_path = None if out_dir is None else out_dir / STATE_FILE
+    state = ScreenState.empty(keep, space.device)
+    if resume and state_path is not None and state_path.is_file():
+        saved = torch.load(state_path, map_location=space.device, weights_only=True)
+        if saved["signature"] != space.signature or saved["keep"] != keep:
+            raise ValueError(f"{state_path} belongs to another candidate space or --top; remove it or drop --resume")
+        state = ScreenState(saved["next_index"], saved["scores"], saved["stds"], saved["indices"])
+    first = state.next_index
+    model.eval()
+    bar = tqdm(total=stop, initial=first, desc=f"screen ({implementation})", unit="cand", unit_scale=True,
+               disable=not progress, mininterval=1.0)
+    synchronize = torch.cuda.synchronize if space.device.type == "cuda" else (lambda: None)
+    synchronize()
+    started = time.perf_counter()
+    for batch_number, start in enumerate(range(first, stop, batch_size)):
+        end = min(start + batch_size, stop)
+        scores, stds = score(model, space.padded_batch(start, end), implementation, mc_samples)
+        state.merge(scores, stds, start)
+        state.next_index = end
+        bar.update(end - start)
+        if state_path is not None and (batch_number + 1) % checkpoint_every == 0:
+            _save_state(state_path, state, space.signature, keep)
+    synchronize()
+    seconds = time.perf_counter() - started
+    bar.close()
+    summary = {"candidates": stop - first, "space_size": len(space), "seconds": seconds,
+               "candidates_per_s": (stop - first) / seconds if seconds > 0 else float("nan"),
+               "implementation": implementation, "batch_size": batch_size, "mc_samples": mc_samples}
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _save_state(state_path, state, space.signature, keep)
+        summary["top_csv"] = str(write_top(space, state, top, out_dir / "top.csv"))
+        (out_dir / "screen_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _save_state(path: Path, state: ScreenState, signature: str, keep: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    torch.save({"signature": signature, "keep": keep, "next_index": state.next_index, "scores": state.scores,
+                "stds": state.stds, "indices": state.indices}, temporary)
+    temporary.replace(path)  # atomic: a run killed while saving leaves the previous state
+
+
+def write_top(space: CandidateSpace, state: ScreenState, top: int, path: Path) -> Path:
+    """The ``top`` best distinct formulas: rank, formula, predicted Tc, its MC-dropout std, parent, index."""
+    rows, seen = [], set()
+    for score_value, std, index in zip(state.scores.tolist(), state.stds.tolist(), state.indices.tolist()):
+        if index < 0 or len(rows) == top:
+            break
+        formula = space.formula(index)
+        if formula in seen:
+            continue
+        seen.add(formula)
+        rows.append((len(rows) + 1, formula, f"{score_value:.2f}", f"{std:.2f}", space.parent_formula(index), index))
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["rank", "formula", "predicted_Tc_K", "uncertainty_K", "parent", "candidate_index"])
+        writer.writerows(rows)
+    return path
+
+
+def dopant_elements(data: CompositionSet, min_count: int = 1) -> torch.Tensor:
+    """Element indices appearing in at least ``min_count`` compositions of ``data``."""
+    counts = torch.bincount(data.elements, minlength=len(ELEMENT_SYMBOLS))
+    return torch.nonzero(counts >= min_count).flatten()
