@@ -131,6 +131,7 @@ FEATURE_CASES = {  # bwd_common.offline_features arguments: each feature alone a
 }
 
 
+@pytest.mark.sm90_build
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
 @pytest.mark.parametrize("case", list(FEATURE_CASES))
 def test_features_build_for_sm90(case):
