@@ -131,6 +131,7 @@ FEATURE_CASES = {  # bwd_common.offline_features arguments: each feature alone a
 }
 
 
+@pytest.mark.sm90_build
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
 @pytest.mark.parametrize("case", list(FEATURE_CASES))
 def test_features_build_for_sm90(case):
@@ -147,7 +148,8 @@ def test_features_build_for_sm90(case):
                      bwd_dq_sm90.compile_offline(256, features)):
         assert compiled.metadata.shared <= 227 * 1024
     if case in ("window", "alibi", "varlen", "softcap"):
-        assert len(re.findall(r"\bLDL\b", _sass(one_pass))) <= 24, "spills grew"
+        # 24 LDL on triton 3.6 (the tuned release); other releases' allocators may spill more (spill_budget)
+        assert len(re.findall(r"\bLDL\b", _sass(one_pass))) <= spill_budget(24), "spills grew"
 
 
 def test_feature_args_keep_plain_calls_on_the_original_kernels():

@@ -84,6 +84,7 @@ def _sass(compiled) -> str:
     return sass
 
 
+@pytest.mark.sm90_build
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
 def test_every_feature_at_once_builds_for_sm90():
     """Window (both sides), softcap, ALiBi and a packed batch in one D=128 build: one tanh.approx per score (no exp2
@@ -96,6 +97,7 @@ def test_every_feature_at_once_builds_for_sm90():
     assert compiled.metadata.shared <= SMEM_PER_BLOCK
 
 
+@pytest.mark.sm90_build
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
 def test_varlen_causal_overlapped_items_build_for_sm90():
     """The packed batch on the short-causal plan: 64-key tiles, three stages, two Q buffers, items overlapped."""
