@@ -53,7 +53,7 @@ def test_ring_attention_triton_kernels_interpreted():
     # a spawn of its own: TRITON_INTERPRET=1 must be set before triton is imported
     from dist_spawn import run_cases
 
-    error = run_cases(["interpreter_cases.ring_triton_kernels"], 2, env={"TRITON_INTERPRET": "1"})[
-        "interpreter_cases.ring_triton_kernels"]
+    error = run_cases(["ring_interpreter_cases.ring_triton_kernels"], 2, env={"TRITON_INTERPRET": "1"})[
+        "ring_interpreter_cases.ring_triton_kernels"]
     if error is not None:
         pytest.fail(error, pytrace=False)

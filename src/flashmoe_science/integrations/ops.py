@@ -373,14 +373,14 @@ def _experts_backend(x: Tensor, backend: str) -> str:
 
 
 def _triton_tiles(x, w1, topk_ids):
-    from flashmoe_science.moe import triton_gemm
+    from flashmoe_science.moe import layer
 
-    return triton_gemm._default_tiles(x, w1, topk_ids)
+    return layer._default_tiles(x, w1, topk_ids)
 
 
 def _residuals_fake(x, w1, topk_ids, backend) -> list[Tensor]:
     """Tensors shaped as ``fused_experts_forward``'s residuals (every size follows from the shapes, none from the
-    ids: dispatch.sort_buffers, triton_gemm.forward_buffers)."""
+    ids: dispatch.sort_buffers, layer.forward_buffers)."""
     if _experts_backend(x, backend) == "reference":
         return [x.new_empty((0,)) for _ in range(len(_SORT_FIELDS) + 2)]
     from flashmoe_science.moe.dispatch import max_row_tiles
@@ -406,10 +406,10 @@ def fused_experts_forward(x: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tenso
         with torch.no_grad():
             out = moe_api.fused_experts(x, w1, w2, topk_weights, topk_ids, backend=chosen)
         return (out, *_residuals_fake(x, w1, topk_ids, chosen))
-    from flashmoe_science.moe import triton_gemm
+    from flashmoe_science.moe import layer
 
     with _on_device(x):
-        out, saved = triton_gemm.moe_forward(x, w1, w2, topk_weights.float().contiguous(), topk_ids,
+        out, saved = layer.moe_forward(x, w1, w2, topk_weights.float().contiguous(), topk_ids,
                                              save_for_backward=True)
     rows, two_d_ff = saved.sort.tile_expert.numel() * saved.tiles.block_m, w1.shape[1]
     gate_up = saved.gate_up if saved.gate_up is not None else x.new_empty((rows, two_d_ff))  # None: no tokens
@@ -432,15 +432,15 @@ def fused_experts_backward(grad_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor, 
     if chosen == "reference":
         grads = fused_experts_reference_backward(grad_out, x, w1, w2, topk_weights, topk_ids)
         return [_laid_out_like(g, t) for g, t in zip(grads, (x, w1, w2, topk_weights))]
-    from flashmoe_science.moe import triton_gemm
+    from flashmoe_science.moe import layer
     from flashmoe_science.moe.dispatch import ExpertSort
 
     tiles = _triton_tiles(x, w1, topk_ids)  # the forward's: the same rule on the same shapes
     *sort_tensors, gate_up, h = residuals
     sort = ExpertSort(*sort_tensors, tiles.block_m, topk_ids.shape[1], topk_ids.numel())
-    saved = triton_gemm.SavedForBackward(sort, tiles, gate_up, h)
+    saved = layer.SavedForBackward(sort, tiles, gate_up, h)
     with _on_device(x):
-        dx, dw1, dw2, dweights = triton_gemm.moe_backward(grad_out, x, w1, w2, topk_weights.float().contiguous(),
+        dx, dw1, dw2, dweights = layer.moe_backward(grad_out, x, w1, w2, topk_weights.float().contiguous(),
                                                           saved)
     return [dx, dw1, dw2, _laid_out_like(dweights.to(topk_weights.dtype), topk_weights)]
 

@@ -123,7 +123,7 @@ from flashmoe_science.hopper.common import (CONSUMER_REGISTERS, GL_DTYPES, LAUNC
 from flashmoe_science.hopper.gluon_compat import gl, gluon, mbarrier, tma, warpgroup_mma_wait
 from flashmoe_science.moe.dispatch import ExpertSort
 from flashmoe_science.moe.hopper.common import NUM_CONSUMERS, grouped_block, init_barriers, load_stage, mma_steps
-# the configs are this kernel's: callers (triton_gemm, the tests) read them here
+# the configs are this kernel's: callers (moe.layer, the tests) read them here
 from flashmoe_science.moe.hopper.dx_configs import (BLOCK_M, DH_CONFIG, DH_SWIGLU_CONFIG, LONG_K,  # noqa: F401
                                                     LONG_K_CONFIG, SHORT_K_CONFIG, DxConfig, check_config,
                                                     down_config, dx_config, smem_bytes)
