@@ -12,6 +12,7 @@ from flashmoe_science.hopper.gluon_compat import gl, gluon, mbarrier, tma
 
 from flashmoe_science.attention.features import as_features
 from flashmoe_science.attention.mask import LOG2_E, query_tile_range, score_to_log2, visible
+from flashmoe_science.attention.triton_fwd import sequence_bounds
 
 from flashmoe_science.hopper.common import compile_offline as sm90_compile_offline
 
@@ -257,3 +258,16 @@ def offline_features(causal=False, window=None, softcap=None, alibi=False, varle
     cu = torch.empty(3, dtype=torch.int32, device="meta")
     return CallFeatures(mask=make_mask(causal, window, softcap), alibi_slopes=slopes,
                         varlen=Varlen(cu, cu, 256, 256) if varlen else None)
+
+
+@gluon.jit
+def _sequence_coords(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k, VARLEN: gl.constexpr):
+    """(batch, q_first, seqlen_q, k_first, seqlen_k) of sequence `seq` for the backward kernels' TMA coordinates: a
+    packed batch is one (1, H, total rows, D) tensor whose sequences start at 32-bit row offsets; a dense batch is
+    batch `seq` with offsets 0. The caller returns early where its tile lies past the sequence."""
+    q_first, seqlen_q = sequence_bounds(CuSeqlensQ, seq, seqlen_q, VARLEN)
+    k_first, seqlen_k = sequence_bounds(CuSeqlensK, seq, seqlen_k, VARLEN)
+    if VARLEN:
+        return 0, q_first.to(gl.int32), seqlen_q, k_first.to(gl.int32), seqlen_k
+    else:
+        return seq, q_first, seqlen_q, k_first, seqlen_k

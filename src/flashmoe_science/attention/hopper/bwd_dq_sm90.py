@@ -30,6 +30,7 @@ from flashmoe_science.attention.hopper.bwd_common import (
     _mask_score_start,
     _probabilities,
     _score_start,
+    _sequence_coords,
     _softcap_grad,
     _tile_needs_mask,
     feature_args,
@@ -37,7 +38,6 @@ from flashmoe_science.attention.hopper.bwd_common import (
 )
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor, _release_unused
 from flashmoe_science.attention.mask import key_tile_bounds, key_tile_range
-from flashmoe_science.attention.triton_fwd import sequence_bounds
 from flashmoe_science.hopper.common import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS, wgmma_layout
 
 BLOCK_M = 64  # query rows per consumer
@@ -238,16 +238,11 @@ def attention_backward_dq_sm90_kernel(
     q_head = pid_bh % num_q_heads
     kv_head = q_head // group_size
     start_m = pid_m * 2 * ROWS
-    q_first, seqlen_q = sequence_bounds(CuSeqlensQ, seq, seqlen_q, VARLEN)
-    k_first, seqlen_k = sequence_bounds(CuSeqlensK, seq, seqlen_k, VARLEN)
+    batch, q_first, seqlen_q, k_first, seqlen_k = _sequence_coords(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k,
+                                                                   VARLEN)
     if VARLEN:
-        q_first = q_first.to(gl.int32)  # TMA coordinates are 32-bit
-        k_first = k_first.to(gl.int32)
-        batch = 0  # the tensors are (1, H, total rows, D)
         if start_m >= seqlen_q:
             return
-    else:
-        batch = seq
 
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)

@@ -35,6 +35,7 @@ from flashmoe_science.attention.hopper.bwd_common import (
     _producer,
     _producer_barriers,
     _score_start,
+    _sequence_coords,
     _softcap_grad,
     _tile_needs_mask,
     _visited_query_tiles,
@@ -42,7 +43,6 @@ from flashmoe_science.attention.hopper.bwd_common import (
     offline_build,
 )
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor
-from flashmoe_science.attention.triton_fwd import sequence_bounds
 from flashmoe_science.hopper.common import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS, wgmma_layout
 from flashmoe_science.hopper.gluon_compat import (barrier, fence_async_shared, gl, gluon, mbarrier, warpgroup_mma,
                                                   warpgroup_mma_wait)
@@ -183,16 +183,11 @@ def attention_backward_sm90_hdim256_kernel(
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
     KEYS: gl.constexpr = CTA_KEYS // 2
     start_n, seq, kv_head = _cta_key_block(seqlen_k, num_kv_heads, CTA_KEYS)
-    q_first, seqlen_q = sequence_bounds(CuSeqlensQ, seq, seqlen_q, VARLEN)
-    k_first, seqlen_k = sequence_bounds(CuSeqlensK, seq, seqlen_k, VARLEN)
+    batch, q_first, seqlen_q, k_first, seqlen_k = _sequence_coords(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k,
+                                                                   VARLEN)
     if VARLEN:
-        q_first = q_first.to(gl.int32)  # TMA coordinates are 32-bit
-        k_first = k_first.to(gl.int32)
-        batch = 0  # the tensors are (1, H, total rows, D)
         if start_n >= seqlen_k:
             return
-    else:
-        batch = seq
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
