@@ -295,26 +295,6 @@ def _remember(key, plan: ForwardPlan, q, k, v, out, lse, causal, softmax_scale) 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _fp8_call(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, return_lse, backend, deterministic):
-    from flashmoe_science.attention import fp8
-
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    fp8.check_fp8_call(q, k, v, q_descale, k_descale, v_descale)
-    check_flags(causal=causal, return_lse=return_lse, deterministic=deterministic)
-    if backend not in ("auto", "hopper", "reference"):
-        raise ValueError(f"FP8 attention runs backend 'auto', 'hopper' or 'reference', got {backend!r}")
-    if backend == "hopper" and fp8.fp8_kernel_unavailable(q, k, v):
-        raise ValueError(f"backend='hopper' cannot run this FP8 call: {fp8.fp8_kernel_unavailable(q, k, v)}")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError("FP8 attention is forward-only: q, k and v must not require grad")
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a real number > 0 or None, got {softmax_scale!r}")
-    return fp8.fp8_attention(q, k, v, q_descale, k_descale, v_descale, causal=causal, softmax_scale=softmax_scale,
-                             return_lse=return_lse, reference=backend == "reference")
-
-
 def _checked_problem(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, attn_bias, backend,
                      **flags):
     """The full path's checks, normalisation and plan (shared by the front door and the lse functions)."""
@@ -415,8 +395,10 @@ def flash_attention_science(
         if not (window is None and softcap is None and alibi_slopes is None and attn_bias is None):
             raise ValueError("FP8 attention takes causal masks only: window, softcap, alibi_slopes and attn_bias "
                              "are not supported with float8_e4m3fn inputs")
-        return _fp8_call(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, return_lse, backend,
-                         deterministic)
+        from flashmoe_science.attention.fp8 import fp8_front_door
+
+        return fp8_front_door(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, return_lse, backend,
+                              deterministic)
     plain = window is None and softcap is None and alibi_slopes is None and attn_bias is None
     key = _prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic) if plain else None
     prepared = _PREPARED.get(key) if key is not None else None

@@ -171,13 +171,35 @@ def fp8_kernel_unavailable(q, k, v) -> str | None:
     return None
 
 
+def fp8_front_door(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, return_lse, backend,
+                   deterministic):
+    """`flash_attention_science` for fp8 inputs or any descale given: the checks, then `fp8_attention`."""
+    from flashmoe_science.attention.checks import check_flags, check_scale_and_backend
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_fp8_call(q, k, v, q_descale, k_descale, v_descale)
+    check_flags(causal=causal, return_lse=return_lse, deterministic=deterministic)
+    check_scale_and_backend(softmax_scale, backend)
+    if backend not in ("auto", "hopper", "reference"):
+        raise ValueError(f"FP8 attention runs backend 'auto', 'hopper' or 'reference', got {backend!r}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("FP8 attention is forward-only: q, k and v must not require grad")
+    why_not = "backend='reference'" if backend == "reference" else fp8_kernel_unavailable(q, k, v)
+    if backend == "hopper" and why_not is not None:
+        raise ValueError(f"backend='hopper' cannot run this FP8 call: {why_not}")
+    return fp8_attention(q, k, v, q_descale, k_descale, v_descale, causal=causal, softmax_scale=softmax_scale,
+                         return_lse=return_lse, use_kernel=why_not is None,
+                         fallback_backend="reference" if backend == "reference" else "auto")
+
+
 def fp8_attention(q, k, v, q_descale, k_descale, v_descale, *, causal: bool, softmax_scale: float | None,
-                  return_lse: bool, reference: bool = False):
-    """The FP8 forward behind `flash_attention_science` (already checked by `check_fp8_call`). `reference`: the
-    dequantised path even where the e4m3 kernel could run."""
+                  return_lse: bool, use_kernel: bool, fallback_backend: str = "auto"):
+    """The FP8 forward on checked inputs: the e4m3 kernel (`use_kernel`), else the dequantised inputs through
+    `flash_attention_science(..., backend=fallback_backend)`."""
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    why_not = "backend='reference'" if reference else fp8_kernel_unavailable(q, k, v)
-    if why_not is None:
+    if use_kernel:
         from flashmoe_science.attention.triton_fp8 import attention_forward_fp8
 
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
@@ -194,6 +216,6 @@ def fp8_attention(q, k, v, q_descale, k_descale, v_descale, *, causal: bool, sof
     dtype = torch.bfloat16 if q.is_cuda else torch.float32
     qf, kf, vf = (dequantize(t, d, dtype) for t, d in ((q, q_descale), (k, k_descale), (v, v_descale)))
     out, lse = flash_attention_science(qf, kf, vf, causal=causal, softmax_scale=scale, return_lse=True,
-                                       backend="reference" if reference else "auto")
+                                       backend=fallback_backend)
     out = out.to(torch.bfloat16)
     return (out, lse) if return_lse else out
