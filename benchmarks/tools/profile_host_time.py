@@ -8,6 +8,9 @@ cProfile of the sm_90 `auto` path's host side (top functions by cumulative time)
 
 `--moe`: the same for `fused_moe` on the bench's models (bf16), the prepared launch (a repeated signature) against
 the full path (the prepared-call cache emptied before each call).
+`--attn-bwd`: the attention backward as the bench times it (out.backward, graph retained) per backend (auto,
+triton, cudnn): device ms, host µs, the kernels it launched (torch.profiler, device µs each) and a cProfile of
+auto's host side.
 `--moe-bwd`: the layer's backward as the bench times it (autograd.grad, graph retained), ours and the grouped_mm
 pipeline, then a cProfile of ours (top functions by own time).
 """
@@ -113,16 +116,61 @@ def moe_bwd_main(tokens):
             stats.sort_stats("tottime").print_stats(12)
 
 
+def attn_bwd_main(cases):
+    from torch.profiler import ProfilerActivity, profile
+
+    for case in cases.split(","):
+        b, h, length, d = map(int, case.split("x"))
+        for causal in (False, True):
+            line = [f"B{b} H{h} L{length} D{d} causal={int(causal)} bwd"]
+            for name in ("auto", "triton", "cudnn"):
+                q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                           for _ in range(3))
+                out = call(name, q, k, v, causal)
+                grad_out = torch.randn_like(out)
+
+                def backward():
+                    for t in (q, k, v):
+                        t.grad = None
+                    out.backward(grad_out, retain_graph=True)
+
+                device_ms, host_us = _host_and_device(backward, n=30)
+                line.append(f"{name}: device {device_ms:.4f} ms, host {host_us:.0f} us")
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        backward()
+                    torch.cuda.synchronize()
+                kernels = {}
+                for event in prof.events():
+                    if event.device_type.name == "CUDA":
+                        kernels.setdefault(event.name[:70], []).append(event.device_time)
+                print(f"  {line[0]} {name} kernels (count, mean us):", flush=True)
+                for kname, times in kernels.items():
+                    print(f"    {len(times):3d} x {sum(times) / len(times):8.1f}  {kname}", flush=True)
+                if name == "auto" and not causal:
+                    cprof = cProfile.Profile()
+                    cprof.enable()
+                    for _ in range(30):
+                        backward()
+                    cprof.disable()
+                    torch.cuda.synchronize()
+                    pstats.Stats(cprof).sort_stats("tottime").print_stats(15)
+            print(" | ".join(line), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--moe", action="store_true")
     p.add_argument("--moe-bwd", action="store_true")
+    p.add_argument("--attn-bwd", action="store_true")
     p.add_argument("--tokens", default="1,16,64")
     p.add_argument("--cases", default=CASES)
     p.add_argument("--profile", default="32x8x512x256")
     a = p.parse_args()
     if a.moe:
         return moe_main([int(t) for t in a.tokens.split(",")])
+    if a.attn_bwd:
+        return attn_bwd_main(a.cases)
     if a.moe_bwd:
         return moe_bwd_main([int(t) for t in a.tokens.split(",")])
     for case in a.cases.split(","):

@@ -180,6 +180,28 @@ def test_varlen_checks(changes, error, match):
         flash_attention_varlen(**args)
 
 
+def test_varlen_values_checked_once_per_cu_seqlens(monkeypatch):
+    """The host copy of the value check runs once per pair of cu_seqlens tensors (a model's layers share them);
+    an in-place write, a new tensor or other bounds check again."""
+    from flashmoe_science.attention import checks
+
+    calls = []
+    check_values = checks._check_cu_seqlens_values
+    monkeypatch.setattr(checks, "_check_cu_seqlens_values", lambda *a: calls.append(a) or check_values(*a))
+    args = _varlen_args()
+    flash_attention_varlen(**args)
+    flash_attention_varlen(**args)
+    assert len(calls) == 1
+    flash_attention_varlen(**dict(args, max_seqlen_k=6))  # other bounds: checked again
+    assert len(calls) == 2
+    args["cu_seqlens_q"][1] = 5  # in place: no longer non-decreasing
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        flash_attention_varlen(**args)
+    fresh = _varlen_args()
+    flash_attention_varlen(**fresh)
+    assert len(calls) == 4
+
+
 def test_varlen_alibi_shape_names_the_batch():
     with pytest.raises(ValueError, match=r"alibi_slopes must have shape \(4,\) or \(3, 4\)"):
         flash_attention_varlen(**_varlen_args(), alibi_slopes=torch.rand(2, 4))

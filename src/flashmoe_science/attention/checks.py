@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 
 import torch
 
@@ -149,8 +150,9 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     """The packed layout's arguments (q `(total_q, Hq, D)`, k/v `(total_k, Hkv, D)`) -> a checked `Varlen`.
 
     The values of cu_seqlens are checked too (start 0, non-decreasing, last entry the tensor's total, no sequence
-    longer than max_seqlen): one small device-to-host copy per call (8 numbers; a sync on a GPU), cheaper than
-    the wrong answers an unchecked kernel gives. (It makes the call unsuitable for CUDA-graph capture.)"""
+    longer than max_seqlen): one small device-to-host copy (8 numbers; a sync on a GPU), once per pair of
+    cu_seqlens tensors: a model's layers (forward and backward) share one pair per batch, so a batch pays one sync,
+    not one per layer (`_values_checked`). (A first sight makes the call unsuitable for CUDA-graph capture.)"""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
         if t.dim() != 3:
@@ -170,7 +172,38 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
             raise TypeError(f"{name} must be a non-negative int, got {value!r}")
-    # one device-to-host copy for every value check
+    bounds = (q.shape[0], k.shape[0], int(max_seqlen_q), int(max_seqlen_k))
+    if not _values_checked(cu_seqlens_q, cu_seqlens_k, bounds):
+        _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, *bounds)
+        _remember_values_checked(cu_seqlens_q, cu_seqlens_k, bounds)
+    return Varlen(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+
+
+# (id(cu_seqlens_q), id(cu_seqlens_k)) -> (weak references to both, their version counters, the bounds checked
+# against). An entry counts only while both references still point at the very tensors (a freed tensor's id and
+# memory may be reused by the next batch's) and neither was written since (an in-place write bumps `_version`).
+_CHECKED_VALUES: dict[tuple[int, int], tuple] = {}
+_CHECKED_VALUES_MAX = 64
+
+
+def _values_checked(cu_q: torch.Tensor, cu_k: torch.Tensor, bounds: tuple) -> bool:
+    entry = _CHECKED_VALUES.get((id(cu_q), id(cu_k)))
+    if entry is None:
+        return False
+    ref_q, ref_k, version_q, version_k, checked_bounds = entry
+    return (ref_q() is cu_q and ref_k() is cu_k and version_q == cu_q._version and version_k == cu_k._version
+            and checked_bounds == bounds)
+
+
+def _remember_values_checked(cu_q: torch.Tensor, cu_k: torch.Tensor, bounds: tuple) -> None:
+    if len(_CHECKED_VALUES) >= _CHECKED_VALUES_MAX:
+        _CHECKED_VALUES.clear()
+    _CHECKED_VALUES[(id(cu_q), id(cu_k))] = (weakref.ref(cu_q), weakref.ref(cu_k), cu_q._version, cu_k._version,
+                                             bounds)
+
+
+def _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k) -> None:
+    """The value rules of `check_varlen`, from one device-to-host copy."""
     lengths_q, lengths_k = cu_seqlens_q.diff(), cu_seqlens_k.diff()
     empty = cu_seqlens_q.new_zeros(1)
     first_q, first_k, last_q, last_k, min_q, min_k, max_q, max_k = torch.cat([
@@ -179,8 +212,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         lengths_q.max().view(1) if lengths_q.numel() else empty, lengths_k.max().view(1) if lengths_k.numel() else empty,
     ]).tolist()
     for name, first, last, shortest, longest, total, bound, bound_name in (
-        ("cu_seqlens_q", first_q, last_q, min_q, max_q, q.shape[0], max_seqlen_q, "max_seqlen_q"),
-        ("cu_seqlens_k", first_k, last_k, min_k, max_k, k.shape[0], max_seqlen_k, "max_seqlen_k"),
+        ("cu_seqlens_q", first_q, last_q, min_q, max_q, total_q, max_seqlen_q, "max_seqlen_q"),
+        ("cu_seqlens_k", first_k, last_k, min_k, max_k, total_k, max_seqlen_k, "max_seqlen_k"),
     ):
         if first != 0:
             raise ValueError(f"{name} must start at 0, got {first}")
@@ -190,4 +223,3 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             raise ValueError(f"{name}'s last entry ({last}) must equal the number of packed tokens ({total})")
         if longest > bound:
             raise ValueError(f"{bound_name} ({bound}) is smaller than the longest sequence ({longest})")
-    return Varlen(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))

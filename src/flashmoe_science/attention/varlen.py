@@ -84,7 +84,8 @@ def flash_attention_varlen(
         return_lse: also return the natural-log log-sum-exp, float32 `(Hq, total_q)` (flash-attn's packed layout).
         deterministic, backend: as `flash_attention_science`.
 
-    The cu_seqlens values are checked with one small device-to-host copy per call (see `checks.check_varlen`).
+    The cu_seqlens values are checked with one small device-to-host copy per new pair of cu_seqlens tensors (see
+    `checks.check_varlen`).
 
     Returns:
         `out` `(total_q, Hq, D)` in q's dtype, or `(out, lse)` when `return_lse=True`.
