@@ -200,6 +200,11 @@ def test_varlen_values_checked_once_per_cu_seqlens(monkeypatch):
     fresh = _varlen_args()
     flash_attention_varlen(**fresh)
     assert len(calls) == 4
+    with torch.inference_mode():  # inference tensors have no version counter: checked on every call
+        fresh = _varlen_args()
+        flash_attention_varlen(**fresh)
+        flash_attention_varlen(**fresh)
+    assert len(calls) == 6
 
 
 def test_varlen_alibi_shape_names_the_batch():

@@ -480,7 +480,7 @@ def attention_backward_lse(q, k, v, out, lse, grad_out, *, causal: bool = False,
         dq, dk, dv, _ = reference.attention_backward_reference(prob.q, prob.k, prob.v, out4, lse4, grad4,
                                                                prob.features, prob.softmax_scale)
     else:
-        check_triton_layout(out4, grad4, grad4)
+        check_triton_layout(out4, grad4, grad4, names=("out", "grad_out", "grad_out"))
         dq, dk, dv, _ = kernel_backward(prob.q, prob.k, prob.v, out4, lse4.contiguous(), grad4, prob.features,
                                         prob.softmax_scale, sm90_forward=plan.kernel == "sm90",
                                         deterministic=deterministic)

@@ -83,8 +83,8 @@ def check_flags(**flags) -> None:
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def check_triton_layout(q, k, v) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
+def check_triton_layout(q, k, v, names=("q", "k", "v")) -> None:
+    for name, t in zip(names, (q, k, v)):
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(
                 f"{name} must have a contiguous last dim (stride 1) for the Triton kernels, got strides "
@@ -152,7 +152,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     The values of cu_seqlens are checked too (start 0, non-decreasing, last entry the tensor's total, no sequence
     longer than max_seqlen): one small device-to-host copy (8 numbers; a sync on a GPU), once per pair of
     cu_seqlens tensors: a model's layers (forward and backward) share one pair per batch, so a batch pays one sync,
-    not one per layer (`_values_checked`). (A first sight makes the call unsuitable for CUDA-graph capture.)"""
+    not one per layer (`_values_checked`; inference tensors, which have no version counter, on every call). (A first sight makes the call unsuitable for CUDA-graph capture.)"""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
         if t.dim() != 3:
@@ -187,6 +187,8 @@ _CHECKED_VALUES_MAX = 64
 
 
 def _values_checked(cu_q: torch.Tensor, cu_k: torch.Tensor, bounds: tuple) -> bool:
+    if cu_q.is_inference() or cu_k.is_inference():  # no version counter: an in-place write would go unseen
+        return False
     entry = _CHECKED_VALUES.get((id(cu_q), id(cu_k)))
     if entry is None:
         return False
@@ -196,6 +198,8 @@ def _values_checked(cu_q: torch.Tensor, cu_k: torch.Tensor, bounds: tuple) -> bo
 
 
 def _remember_values_checked(cu_q: torch.Tensor, cu_k: torch.Tensor, bounds: tuple) -> None:
+    if cu_q.is_inference() or cu_k.is_inference():
+        return
     if len(_CHECKED_VALUES) >= _CHECKED_VALUES_MAX:
         _CHECKED_VALUES.clear()
     _CHECKED_VALUES[(id(cu_q), id(cu_k))] = (weakref.ref(cu_q), weakref.ref(cu_k), cu_q._version, cu_k._version,

@@ -135,6 +135,8 @@ def _attention_setup_context(ctx, inputs, output):
 
 def _attention_autograd_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
+    if grad_out.stride(-1) != 1:  # e.g. the stride-0 gradient of out.sum(); as the eager autograd.Function does
+        grad_out = grad_out.contiguous()
     dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, *ctx.options)
     return dq, dk, dv, *(None for _ in ctx.options)
 

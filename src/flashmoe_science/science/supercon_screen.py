@@ -132,7 +132,9 @@ def pack(padded: PaddedBatch) -> PackedBatch:
                        padded.elements.shape[1])
 
 
-@torch.inference_mode()
+# no_grad, not inference_mode: inference tensors have no version counter, so flash_attention_varlen would check the
+# batch's cu_seqlens in every layer instead of once
+@torch.no_grad()
 def score(model: CompositionTransformer, padded: PaddedBatch, implementation: str,
           mc_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean, std) predicted Tc of a batch of candidates, with the library build (packed) or the plain one."""
