@@ -165,7 +165,9 @@ def describe_plan(q, k, v, features: CallFeatures, backend: str, bias_grad: bool
            + (f" (not the sm_90 kernel: {why_not_sm90})" if why_not_sm90 else "")
            + ("; FLASHMOE_AUTOTUNE=1: tiles searched per shape, " if tuned else f"; {shape}, ")
            + ("TMA descriptors" if tiles.use_tma else "pointer loads"))
-    if (q.is_cuda and traits.is_hopper and q.dtype in (torch.bfloat16, torch.float16) and _tma_compatible(q, k, v)
+    if plan.portable:
+        why += "; the backward runs the Triton kernels too"
+    elif (q.is_cuda and traits.is_hopper and q.dtype in (torch.bfloat16, torch.float16) and _tma_compatible(q, k, v)
             and not sm90_missing(feature_names(features, q.shape[-1], bias_grad), "backward")):
         why += "; the backward runs the Gluon sm_90 kernels (where they take the head dim and length)"
     return Dispatch("triton", "triton_fwd._attention_forward_kernel", why, tiles.as_dict())
@@ -238,17 +240,18 @@ def _dispatch(q, k, v, features, backend: str) -> tuple[ForwardPlan | None, str 
                                cross_item=cross_item, strict=backend == "hopper"), None
         if backend == "hopper":
             raise ValueError(f"backend='hopper' cannot run this call: {why_not_sm90}")
-    return triton_plan(q, k, v, features), why_not_sm90 if q.is_cuda else None
+    return triton_plan(q, k, v, features, portable=backend == "triton"), why_not_sm90 if q.is_cuda else None
 
 
-def triton_plan(q, k, v, features: CallFeatures) -> ForwardPlan:
-    """The portable Triton forward's plan (also where a Gluon build failed: hopper.availability)."""
+def triton_plan(q, k, v, features: CallFeatures, portable: bool = False) -> ForwardPlan:
+    """The portable Triton forward's plan (also where a Gluon build failed: hopper.availability). ``portable``:
+    backend="triton" was asked for, so the backward stays on the Triton kernels too."""
     tiles = forward_tiles(q.shape[-1], q.dtype, features.causal, device_traits(q.device))
     # decided here, once, so the launch and the report agree. Packed sequences are read with pointer loads: a
     # TMA box would cross into the next sequence's rows (and its stores would overwrite them).
     if tiles.use_tma and (features.varlen is not None or q.shape[-1] < 16 or not _tma_compatible(q, k, v)):
         tiles = replace(tiles, use_tma=False)
-    return ForwardPlan("triton", tiles)
+    return ForwardPlan("triton", tiles, portable=portable)
 
 
 def _run(plan: ForwardPlan | None, q4, k4, v4, features: CallFeatures, scale, deterministic):
@@ -482,6 +485,6 @@ def attention_backward_lse(q, k, v, out, lse, grad_out, *, causal: bool = False,
     else:
         check_triton_layout(out4, grad4, grad4, names=("out", "grad_out", "grad_out"))
         dq, dk, dv, _ = kernel_backward(prob.q, prob.k, prob.v, out4, lse4.contiguous(), grad4, prob.features,
-                                        prob.softmax_scale, sm90_forward=plan.kernel == "sm90",
+                                        prob.softmax_scale, sm90_forward=plan.kernel == "sm90", portable=plan.portable,
                                         deterministic=deterministic)
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)

@@ -124,8 +124,10 @@ def _bias_grad_buffer(bias: torch.Tensor, full_shape, deterministic: bool) -> tu
 
 
 def kernel_backward(q, k, v, out, lse, grad_out, features: CallFeatures, softmax_scale: float, *,
-                    sm90_forward: bool, deterministic: bool, need_dq=True, need_dkdv=True, need_dbias=False):
-    """(dq, dk, dv, dbias) from the backward kernels on checked 4-D views (None for what is not needed)."""
+                    sm90_forward: bool, deterministic: bool, need_dq=True, need_dkdv=True, need_dbias=False,
+                    portable: bool = False):
+    """(dq, dk, dv, dbias) from the backward kernels on checked 4-D views (None for what is not needed).
+    ``portable`` (backend="triton"): the Triton kernels, never the Gluon sm_90 backward."""
     from flashmoe_science.attention.tiles import backward_tiles, padded_head_dim
     from flashmoe_science.attention.triton_bwd import attention_backward
 
@@ -141,7 +143,7 @@ def kernel_backward(q, k, v, out, lse, grad_out, features: CallFeatures, softmax
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     names = feature_names(features, q.shape[-1], need_dbias)
     varlen = features.varlen
-    if (dq is not None and dk is not None and not sm90_missing(names, "backward")
+    if (dq is not None and dk is not None and not portable and not sm90_missing(names, "backward")
             and _sm90_backward_runs(q, grad_out, softmax_scale, deterministic,
                                     None if varlen is None else varlen.max_seqlen_q)
             and (sm90_forward or _sm90_backward_inputs(q, k, v))
@@ -184,7 +186,7 @@ class _KernelAttention(torch.autograd.Function):
         out, lse = kernel_forward(q, k, v, features, softmax_scale, plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.features, ctx.softmax_scale, ctx.deterministic = features, softmax_scale, deterministic
-        ctx.hopper = plan.kernel == "sm90"
+        ctx.hopper, ctx.portable = plan.kernel == "sm90", plan.portable
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -196,7 +198,8 @@ class _KernelAttention(torch.autograd.Function):
         need_dq, need_dk, need_dv, need_dbias = ctx.needs_input_grad[:4]
         dq, dk, dv, dbias = kernel_backward(
             q, k, v, out, lse, grad_out, ctx.features, ctx.softmax_scale, sm90_forward=ctx.hopper,
-            deterministic=ctx.deterministic, need_dq=need_dq, need_dkdv=need_dk or need_dv, need_dbias=need_dbias)
+            portable=ctx.portable, deterministic=ctx.deterministic, need_dq=need_dq, need_dkdv=need_dk or need_dv,
+            need_dbias=need_dbias)
         # the rest: features, scale, plan, deterministic
         return (dq if need_dq else None, dk if need_dk else None, dv if need_dv else None, dbias,
                 None, None, None, None)

@@ -224,6 +224,7 @@ class ForwardPlan:
     q_buffers: int = 1  # sm90 only: Q buffers per consumer warpgroup (see sm90_q_buffers)
     cross_item: bool = False  # sm90 only: overlap consecutive work items (see sm90_cross_item)
     strict: bool = False  # sm90 only: backend="hopper": a Gluon build failure raises instead of falling back
+    portable: bool = False  # triton only: backend="triton" asked for the portable kernels, the backward's too
 
 
 # Measured on an H200 (docs/perf-notes.md, sweeps of 2026-11-21, second session): below these lengths the

@@ -69,7 +69,7 @@ def ring_shift(send: torch.Tensor, recv_shape, next_rank: int, prev_rank: int, g
     recv = torch.empty(recv_shape, dtype=send.dtype, device=send.device)
     staging = None
     if _staged(group, send):
-        send, staging = send.cpu(), torch.empty(recv_shape, dtype=send.dtype)
+        send, staging = send.cpu(), torch.empty(recv_shape, dtype=send.dtype, device="cpu")
     ops = [dist.P2POp(dist.isend, send, next_rank, group, tag),
            dist.P2POp(dist.irecv, recv if staging is None else staging, prev_rank, group, tag)]
     return Pending(dist.batch_isend_irecv(ops), send, recv, staging)
@@ -80,7 +80,7 @@ def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int
     recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
     staging = None
     if _staged(group, send):
-        send, staging = send.cpu(), torch.empty(recv.shape, dtype=send.dtype)
+        send, staging = send.cpu(), torch.empty(recv.shape, dtype=send.dtype, device="cpu")
     work = dist.all_to_all_single(recv if staging is None else staging, send, recv_splits, send_splits, group=group,
                                   async_op=True)
     return Pending([work], send, recv, staging)
