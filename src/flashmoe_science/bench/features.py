@@ -147,7 +147,9 @@ def _window_case(length: int, device, dtype, shrink: int) -> Case:
         def sliding(batch, head, q_index, kv_index):
             return (q_index >= kv_index) & (q_index - kv_index < window)
 
-        block_mask = create_block_mask(sliding, B=None, H=None, Q_LEN=length, KV_LEN=length, device=device)
+        # _compile: the eager path materialises the whole (L, L) mask first (128 GiB at L=128k)
+        block_mask = create_block_mask(sliding, B=None, H=None, Q_LEN=length, KV_LEN=length, device=device,
+                                       _compile=True)
         flex = _compiled_flex()
         case.contenders["flex-window"] = Contender(make, lambda q, k, v: flex(q, k, v, block_mask=block_mask), inside)
     return case
