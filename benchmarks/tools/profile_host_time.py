@@ -56,6 +56,17 @@ def _host_and_device(fn, n=50):
     return start.elapsed_time(end) / n, host_us
 
 
+def _host_profile(fn, n) -> pstats.Stats:
+    """cProfile of n calls of fn() (the host side; the GPU work is synchronised after the last)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    return pstats.Stats(prof)
+
+
 def moe_main(tokens):
     from flashmoe_science.bench.moe import MODELS
     from flashmoe_science.moe import api as moe_api
@@ -105,13 +116,7 @@ def moe_bwd_main(tokens):
                 device_ms, host_us = _host_and_device(backward, n=20)
                 line.append(f"{name}: device {device_ms:.4f} ms, host {host_us:.0f} us")
                 if name == "flashmoe":
-                    prof = cProfile.Profile()
-                    prof.enable()
-                    for _ in range(20):
-                        backward()
-                    prof.disable()
-                    torch.cuda.synchronize()
-                    stats = pstats.Stats(prof)
+                    stats = _host_profile(backward, 20)
             print(" | ".join(line), flush=True)
             stats.sort_stats("tottime").print_stats(12)
 
@@ -148,13 +153,7 @@ def attn_bwd_main(cases):
                 for kname, times in kernels.items():
                     print(f"    {len(times):3d} x {sum(times) / len(times):8.1f}  {kname}", flush=True)
                 if name == "auto" and not causal:
-                    cprof = cProfile.Profile()
-                    cprof.enable()
-                    for _ in range(30):
-                        backward()
-                    cprof.disable()
-                    torch.cuda.synchronize()
-                    pstats.Stats(cprof).sort_stats("tottime").print_stats(15)
+                    _host_profile(backward, 30).sort_stats("tottime").print_stats(15)
             print(" | ".join(line), flush=True)
 
 
