@@ -10,15 +10,8 @@ import pytest
 import torch
 
 bwd_sm90 = pytest.importorskip("flashmoe_science.attention.hopper.bwd_sm90")
-from flashmoe_science.hopper.common import offline_sass, spill_budget, spill_count  # noqa: E402
-
-
-def _sass(compiled) -> str:
-    """The SASS of an offline build (skips the test where triton ships no cuobjdump)."""
-    sass = offline_sass(compiled)
-    if sass is None:
-        pytest.skip("no cuobjdump in this triton")
-    return sass
+from flashmoe_science.hopper.common import spill_budget, spill_count  # noqa: E402
+from sm90_helpers import sass_or_skip  # noqa: E402
 
 
 @pytest.mark.sm90_build
@@ -27,7 +20,7 @@ def test_builds_for_sm90_with_register_operands_and_tma_reduce_adds():
     """D=128, causal: Sᵀ/dPᵀ/dQ from shared memory, dV/dK with P and dS from registers, dQ by TMA reduce-adds, and
     (after folding lse, Δ and the mask into the accumulators) at most a few spilled scalars."""
     compiled = bwd_sm90.compile_offline(128, True)
-    sass = _sass(compiled)
+    sass = sass_or_skip(compiled)
     assert re.search(r"\bHGMMA\.64x64x16\.F32\.BF16 R\d+, gdesc", sass)  # Sᵀ, dPᵀ, dQ: both operands in smem
     assert re.search(r"\bHGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)  # dV, dK: A from registers
     assert len(re.findall(r"\bUTMAREDG\.3D\.ADD\b", sass)) == 4  # two 32-column boxes per consumer
@@ -48,7 +41,7 @@ def test_head_dim_256_builds_as_two_kernels_without_atomics_or_spills(causal):
     dkdv = bwd_sm90_hdim256.compile_offline(256, causal)
     dq = bwd_dq_sm90.compile_offline(256, causal)
     assert bwd_sm90.compile_offline(192, causal).asm["cubin"] == bwd_sm90_hdim256.compile_offline(192, causal).asm["cubin"]
-    dkdv_sass, dq_sass = _sass(dkdv), _sass(dq)
+    dkdv_sass, dq_sass = sass_or_skip(dkdv), sass_or_skip(dq)
     assert re.search(r"\bHGMMA\.64x32x16\.F32\.BF16 R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB", dkdv_sass)  # dVᵀ, dKᵀ
     assert re.search(r"\bHGMMA\.64x256x16\.F32\.BF16 R\d+, R\d+, gdesc", dq_sass)  # dQ += dS K, A from registers
     for sass in (dkdv_sass, dq_sass):
@@ -143,13 +136,13 @@ def test_features_build_for_sm90(case):
 
     features = offline_features(**FEATURE_CASES[case])
     one_pass = bwd_sm90.compile_offline(128, features)
-    assert len(re.findall(r"\bUTMAREDG\.3D\.ADD\b", _sass(one_pass))) == 4
+    assert len(re.findall(r"\bUTMAREDG\.3D\.ADD\b", sass_or_skip(one_pass))) == 4
     for compiled in (one_pass, bwd_sm90_hdim256.compile_offline(256, features),
                      bwd_dq_sm90.compile_offline(256, features)):
         assert compiled.metadata.shared <= 227 * 1024
     if case in ("window", "alibi", "varlen", "softcap"):
         # 24 LDL on triton 3.6 (the tuned release); other releases' allocators may spill more (spill_budget)
-        assert len(re.findall(r"\bLDL\b", _sass(one_pass))) <= spill_budget(24), "spills grew"
+        assert len(re.findall(r"\bLDL\b", sass_or_skip(one_pass))) <= spill_budget(24), "spills grew"
 
 
 def test_feature_args_keep_plain_calls_on_the_original_kernels():

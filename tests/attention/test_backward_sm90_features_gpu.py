@@ -21,18 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from grad_helpers import GRAD_SLACK, max_abs_err
+from sm90_helpers import hopper_attention_module
 
 pytestmark = pytest.mark.gpu
 
 CUDA = "cuda"
-
-
-def _hopper():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs a Hopper (sm_90) GPU")
-    from flashmoe_science.attention.hopper import bwd_sm90
-
-    return bwd_sm90
 
 
 # ------------------------------------------------------------------------------------------------ the oracle
@@ -108,7 +101,7 @@ def run_case(lengths_q, lengths_k, hq, hkv, d, *, causal=False, window=None, sof
     from flashmoe_science.attention.mask import make_mask
     from flashmoe_science.attention.tiles import padded_head_dim
 
-    bwd_sm90 = _hopper()
+    bwd_sm90 = hopper_attention_module("bwd_sm90")
     torch.manual_seed(seed)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     n = len(lengths_q)
@@ -267,7 +260,7 @@ def _varlen_api_grads(lengths, hq, hkv, d, *, deterministic=False, seed=0, **mas
 def test_varlen_api_backward_runs_the_sm90_kernels(d, monkeypatch):
     """flash_attention_varlen with a window, softcap and ALiBi: its backward is attention_backward_sm90's (spied
     on), and every sequence's gradients are right."""
-    bwd_sm90 = _hopper()
+    bwd_sm90 = hopper_attention_module("bwd_sm90")
     calls = []
     real = bwd_sm90.attention_backward_sm90
     monkeypatch.setattr(bwd_sm90, "attention_backward_sm90", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -288,7 +281,7 @@ def test_varlen_api_backward_runs_the_sm90_kernels(d, monkeypatch):
 def test_deterministic_varlen_window_backward_is_bit_identical(d):
     """deterministic=True: D=256 on the Gluon dK/dV and dQ kernels, D=128 on the Triton two passes (the one-pass
     kernel's dQ reduce-adds are not ordered); both bit-identical over two runs."""
-    _hopper()
+    hopper_attention_module("bwd_sm90")
     mask = dict(causal=True, window=(200, -1), softcap=10.0)
     first, _, _ = _varlen_api_grads([700, 1, 0, 1300], 4, 2, d, deterministic=True, **mask)
     second, _, _ = _varlen_api_grads([700, 1, 0, 1300], 4, 2, d, deterministic=True, **mask)

@@ -20,18 +20,11 @@ from flashmoe_science.attention.api import flash_attention_science
 from flashmoe_science.attention.tiles import SM90_BACKWARD_MIN_LEN_D64, padded_head_dim
 from flashmoe_science.attention.triton_fwd import tma_compatible
 from grad_helpers import assert_grads_close
+from sm90_helpers import hopper_attention_module
 
 pytestmark = pytest.mark.gpu
 
 CUDA = "cuda"
-
-
-def _hopper():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs a Hopper (sm_90) GPU")
-    from flashmoe_science.attention.hopper import bwd_sm90
-
-    return bwd_sm90
 
 
 def _inputs(b, hq, hkv, lq, lk, d, dtype, transposed=False):
@@ -44,7 +37,7 @@ def _inputs(b, hq, hkv, lq, lk, d, dtype, transposed=False):
 
 def sm90_grads(q, k, v, grad_out, causal, softmax_scale=None, num_stages=None):
     """(dq, dk, dv) from the library's forward and the sm_90 backward, every output NaN-poisoned first."""
-    bwd_sm90 = _hopper()
+    bwd_sm90 = hopper_attention_module("bwd_sm90")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     with torch.no_grad():
         out, lse = flash_attention_science(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
@@ -128,7 +121,7 @@ def test_long_rows(d):
 
 
 def test_unsupported_head_dims_raise():
-    bwd_sm90 = _hopper()
+    bwd_sm90 = hopper_attention_module("bwd_sm90")
     for d in (16, 32, 257):
         with pytest.raises(ValueError, match="head dims"):
             bwd_sm90.check_supported(torch.empty(1, 1, 8, d, dtype=torch.bfloat16))
@@ -145,7 +138,7 @@ def test_prepared_backward_through_autograd(causal, d, transposed):
     launch's on the same inputs."""
     from flashmoe_science.attention import api
 
-    bwd_sm90 = _hopper()
+    bwd_sm90 = hopper_attention_module("bwd_sm90")
     api._PREPARED_BACKWARD.clear()
     length = SM90_BACKWARD_MIN_LEN_D64 + 77  # the sm_90 backward runs short rows at D=128 only (tiles)
     for call in range(3):
@@ -164,7 +157,7 @@ def test_prepared_backward_keys_on_strides():
     """A call whose strides differ does not reuse another signature's launches."""
     from flashmoe_science.attention import api
 
-    _hopper()
+    hopper_attention_module("bwd_sm90")
     api._PREPARED_BACKWARD.clear()
     for transposed in (False, True):
         q, k, v, grad_out = _inputs(1, 2, 2, 300, 300, 128, torch.bfloat16, transposed)

@@ -14,7 +14,8 @@ import torch
 fwd_sm90 = pytest.importorskip("flashmoe_science.attention.hopper.fwd_sm90")
 from flashmoe_science.attention.mask import make_mask  # noqa: E402
 from flashmoe_science.attention.tiles import AttentionTiles, sm90_forward_tiles  # noqa: E402
-from flashmoe_science.hopper.common import offline_sass, spill_budget, spill_count  # noqa: E402
+from flashmoe_science.hopper.common import spill_budget, spill_count  # noqa: E402
+from sm90_helpers import sass_or_skip  # noqa: E402
 
 SMEM_PER_BLOCK = 232448  # sm_90's opt-in limit (ANCHORS.md)
 
@@ -77,13 +78,6 @@ def test_mask_alibi_and_varlen_arguments():
                               False, None, None, fwd_sm90.VarlenBatch(cu, cu, cu))
 
 
-def _sass(compiled) -> str:
-    sass = offline_sass(compiled)
-    if sass is None:
-        pytest.skip("no cuobjdump in this triton")
-    return sass
-
-
 @pytest.mark.sm90_build
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
 def test_every_feature_at_once_builds_for_sm90():
@@ -91,7 +85,7 @@ def test_every_feature_at_once_builds_for_sm90():
     form), the ragged rows' masked register store beside the TMA stores, the shared memory within the H200's."""
     compiled = fwd_sm90.compile_offline(128, False, TWO_STAGES, 132, mask=make_mask(False, (100, 20), 30.0),
                                         alibi=True, varlen=True)
-    sass = _sass(compiled)
+    sass = sass_or_skip(compiled)
     assert len(re.findall(r"\bMUFU\.TANH\b", sass)) == len(re.findall(r"\bMUFU\.EX2\b", sass)) - 16
     assert re.search(r"\bUTMASTG\b", sass) and re.search(r"\bSTG\.E\b", sass)
     assert compiled.metadata.shared <= SMEM_PER_BLOCK
@@ -102,7 +96,7 @@ def test_every_feature_at_once_builds_for_sm90():
 def test_varlen_causal_overlapped_items_build_for_sm90():
     """The packed batch on the short-causal plan: 64-key tiles, three stages, two Q buffers, items overlapped."""
     compiled = fwd_sm90.compile_offline(64, True, THREE_STAGES, 132, q_buffers=2, cross_item=True, varlen=True)
-    assert re.search(r"\bHGMMA\.64x64x16\.F32\.BF16\b", _sass(compiled))
+    assert re.search(r"\bHGMMA\.64x64x16\.F32\.BF16\b", sass_or_skip(compiled))
 
 
 # (head dim, causal, seqlen, Q buffers, cross-item) -> LDL + STL of the triton 3.6 build: the persistent kernel
@@ -131,7 +125,7 @@ def test_builds_for_sm90_with_tma_and_register_operand_pv(case):
     tiles = sm90_forward_tiles(head_dim, causal, seqlen)
     compiled = fwd_sm90.compile_offline(head_dim, causal, tiles, num_ctas=132, q_buffers=q_buffers,
                                         cross_item=cross_item)
-    sass = _sass(compiled)
+    sass = sass_or_skip(compiled)
     assert re.search(r"\bHGMMA\.64x%dx16\.F32\.BF16 R\d+, gdesc" % tiles.block_n, sass)  # S: both from smem
     assert re.search(r"\bHGMMA\.64x%dx16\.F32\.BF16 R\d+, R\d+, gdesc" % head_dim, sass)  # P·V: P in registers
     assert re.search(r"\bUTMALDG\b", sass) and re.search(r"\bUTMASTG\b", sass)

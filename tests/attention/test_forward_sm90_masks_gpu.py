@@ -14,18 +14,11 @@ import torch
 
 from flashmoe_science.attention.mask import make_mask, score_mods
 from flashmoe_science.attention.tiles import (device_traits, sm90_cross_item, sm90_forward_tiles, sm90_q_buffers)
+from sm90_helpers import hopper_attention_module
 
 pytestmark = pytest.mark.gpu
 
 SENTINEL_ROWS = 40  # rows after a packed batch that no sequence owns
-
-
-def _hopper():
-    if not torch.cuda.is_available() or not device_traits(torch.device("cuda")).is_hopper:
-        pytest.skip("needs a Hopper GPU")
-    from flashmoe_science.attention.hopper import fwd_sm90
-
-    return fwd_sm90
 
 
 def _materialised(q, k, v, mask, scale, slopes, dtype):
@@ -90,7 +83,7 @@ HEAD_DIM_MASKS = [("d128", 128, name, False) for name in MASKS] + [
                          ids=[f"{a}-{c}" + ("-two_stage" if t else "") for a, _, c, t in HEAD_DIM_MASKS])
 @pytest.mark.parametrize("lq,lk", [(700, 700), (333, 650)], ids=["square", "cross"])
 def test_dense_masks(ids, head_dim, mask_name, two_stage, lq, lk):
-    fwd_sm90 = _hopper()
+    fwd_sm90 = hopper_attention_module("fwd_sm90")
     causal, window, softcap, alibi = MASKS[mask_name]
     mask = make_mask(causal, window, softcap)
     b, hq, hkv, scale = 2, 4, 2, head_dim**-0.5
@@ -126,7 +119,7 @@ VARLEN_MASKS = {"plain": (False, None, None, False), "causal": (True, None, None
 def test_varlen(ids, head_dim, mask_name, two_stage, gqa):
     """Ragged batches: lengths 0, 1, odd, one tile, > 4 tiles; keys of other lengths than the queries (cross), a
     sequence with queries but no keys. Each sequence against its own dense reference; LSE packed (H, total_q)."""
-    fwd_sm90 = _hopper()
+    fwd_sm90 = hopper_attention_module("fwd_sm90")
     causal, window, softcap, alibi = VARLEN_MASKS[mask_name]
     mask = make_mask(causal, window, softcap)
     lengths_q = [0, 1, 77, 128, 129, 601, 0, 300, 5]
@@ -165,7 +158,7 @@ def test_varlen(ids, head_dim, mask_name, two_stage, gqa):
 def test_api_keeps_hopper_d128(mask_name):
     """The front doors on Hopper: backend='auto' runs the sm_90 kernel for windows, softcap, ALiBi and a packed
     batch, and the packed output equals each sequence's own dense call (which the dense tests check)."""
-    _hopper()
+    hopper_attention_module("fwd_sm90")
     from flashmoe_science import flash_attention_science, flash_attention_varlen
     from flashmoe_science.attention.api import describe_dispatch
     from flashmoe_science.attention.varlen import describe_varlen_dispatch

@@ -18,8 +18,9 @@ pytest.importorskip("triton.experimental.gluon")
 
 from flashmoe_science.moe.dispatch import sort_buffers  # noqa: E402
 from flashmoe_science.moe.hopper import dx_sm90 as gdx  # noqa: E402
-from flashmoe_science.hopper.common import offline_sass, spill_budget, spill_count  # noqa: E402
+from flashmoe_science.hopper.common import spill_budget, spill_count  # noqa: E402
 from flashmoe_science.moe.hopper.dx_sm90 import DxConfig, SwigluOperands  # noqa: E402
+from sm90_helpers import sass_or_skip  # noqa: E402
 
 # the dh configs the A/B script measured (scripts/ab_moe_dx_sm90.py, git history): ping-pong 128x128 with 4 / 5 stages, cooperative
 # 128x256 with 3
@@ -223,14 +224,6 @@ def _meta_case(num_tokens, top_k, num_experts, d_model, d_ff, dtype=torch.bfloat
     return _cpu_case(num_tokens, top_k, num_experts, d_model, d_ff, 128, torch.device("meta"), dtype)
 
 
-def _sass(compiled) -> str:
-    """The SASS of an offline build (skips the test where triton ships no cuobjdump)."""
-    sass = offline_sass(compiled)
-    if sass is None:
-        pytest.skip("no cuobjdump in this triton")
-    return sass
-
-
 NOT_INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1",
                                      reason="a real sm_90 build, not the interpreter")
 
@@ -242,7 +235,7 @@ def test_builds_for_sm90_with_tma_wgmma_row_stores_and_no_spills(config):
     """The sm_90 binary at Mixtral's dh (ptxas ships with triton: no GPU needed): TMA loads, warpgroup MMAs on
     shared-memory operands, 8-byte float32 stores and no atomics in the epilogue, no local memory."""
     compiled = gdx.compile_offline(*_meta_case(4096, 2, 8, 4096, 14336), config, gemm="dh")
-    sass = _sass(compiled)
+    sass = sass_or_skip(compiled)
     assert re.search(r"\bHGMMA\.64x%dx16\.F32\.BF16" % config.block_n, sass)
     assert re.search(r"\bUTMALDG\b", sass)
     # per consumer, each thread stores its 128 accumulator floats (128x128 or 64x256 over 128 threads) in pairs
@@ -266,7 +259,7 @@ def test_swiglu_builds_for_sm90_without_spills(model, config):
     dims = dict(mixtral=(4096, 2, 8, 4096, 14336), qwen3=(4096, 8, 128, 2048, 768))[model]
     a, w2, dgu, swiglu, sort = _swiglu_case(*dims, device=torch.device("meta"))
     compiled = gdx.compile_offline(a, w2, dgu, sort, config, gemm="dh_swiglu", swiglu=swiglu)
-    sass = _sass(compiled)
+    sass = sass_or_skip(compiled)
     assert spill_count(sass) <= spill_budget(), "spills"
     assert re.search(r"\bHGMMA\.64x%dx16\.F32\.BF16" % config.block_n, sass)
     chunks = config.block_n // config.swiglu_cols

@@ -485,6 +485,5 @@ def attention_backward_lse(q, k, v, out, lse, grad_out, *, causal: bool = False,
     else:
         check_triton_layout(out4, grad4, grad4, names=("out", "grad_out", "grad_out"))
         dq, dk, dv, _ = kernel_backward(prob.q, prob.k, prob.v, out4, lse4.contiguous(), grad4, prob.features,
-                                        prob.softmax_scale, sm90_forward=plan.kernel == "sm90", portable=plan.portable,
-                                        deterministic=deterministic)
+                                        prob.softmax_scale, plan=plan, deterministic=deterministic)
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)

@@ -124,10 +124,9 @@ def _bias_grad_buffer(bias: torch.Tensor, full_shape, deterministic: bool) -> tu
 
 
 def kernel_backward(q, k, v, out, lse, grad_out, features: CallFeatures, softmax_scale: float, *,
-                    sm90_forward: bool, deterministic: bool, need_dq=True, need_dkdv=True, need_dbias=False,
-                    portable: bool = False):
-    """(dq, dk, dv, dbias) from the backward kernels on checked 4-D views (None for what is not needed).
-    ``portable`` (backend="triton"): the Triton kernels, never the Gluon sm_90 backward."""
+                    plan: ForwardPlan, deterministic: bool, need_dq=True, need_dkdv=True, need_dbias=False):
+    """(dq, dk, dv, dbias) from the backward kernels on checked 4-D views (None for what is not needed), after the
+    forward `plan` (an sm_90 forward vouches for the Gluon backward's inputs; a portable one keeps to Triton)."""
     from flashmoe_science.attention.tiles import backward_tiles, padded_head_dim
     from flashmoe_science.attention.triton_bwd import attention_backward
 
@@ -143,10 +142,10 @@ def kernel_backward(q, k, v, out, lse, grad_out, features: CallFeatures, softmax
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     names = feature_names(features, q.shape[-1], need_dbias)
     varlen = features.varlen
-    if (dq is not None and dk is not None and not portable and not sm90_missing(names, "backward")
+    if (dq is not None and dk is not None and not plan.portable and not sm90_missing(names, "backward")
             and _sm90_backward_runs(q, grad_out, softmax_scale, deterministic,
                                     None if varlen is None else varlen.max_seqlen_q)
-            and (sm90_forward or _sm90_backward_inputs(q, k, v))
+            and (plan.kernel == "sm90" or _sm90_backward_inputs(q, k, v))
             and run_gluon("attention backward", lambda: _sm90_backward(
                 q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale))):
         # Hopper: one pass for all three gradients (D <= 128; dQ summed by TMA reduce-adds, last bits may
@@ -186,7 +185,7 @@ class _KernelAttention(torch.autograd.Function):
         out, lse = kernel_forward(q, k, v, features, softmax_scale, plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.features, ctx.softmax_scale, ctx.deterministic = features, softmax_scale, deterministic
-        ctx.hopper, ctx.portable = plan.kernel == "sm90", plan.portable
+        ctx.plan = plan
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -197,9 +196,8 @@ class _KernelAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         need_dq, need_dk, need_dv, need_dbias = ctx.needs_input_grad[:4]
         dq, dk, dv, dbias = kernel_backward(
-            q, k, v, out, lse, grad_out, ctx.features, ctx.softmax_scale, sm90_forward=ctx.hopper,
-            portable=ctx.portable, deterministic=ctx.deterministic, need_dq=need_dq, need_dkdv=need_dk or need_dv,
-            need_dbias=need_dbias)
+            q, k, v, out, lse, grad_out, ctx.features, ctx.softmax_scale, plan=ctx.plan,
+            deterministic=ctx.deterministic, need_dq=need_dq, need_dkdv=need_dk or need_dv, need_dbias=need_dbias)
         # the rest: features, scale, plan, deterministic
         return (dq if need_dq else None, dk if need_dk else None, dv if need_dv else None, dbias,
                 None, None, None, None)

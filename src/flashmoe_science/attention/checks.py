@@ -152,7 +152,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     The values of cu_seqlens are checked too (start 0, non-decreasing, last entry the tensor's total, no sequence
     longer than max_seqlen): one small device-to-host copy (8 numbers; a sync on a GPU), once per pair of
     cu_seqlens tensors: a model's layers (forward and backward) share one pair per batch, so a batch pays one sync,
-    not one per layer (`_values_checked`; inference tensors, which have no version counter, on every call). (A first sight makes the call unsuitable for CUDA-graph capture.)"""
+    not one per layer (`_values_checked`; inference tensors, which have no version counter, on every call). A
+    first sight makes the call unsuitable for CUDA-graph capture."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
         if t.dim() != 3:

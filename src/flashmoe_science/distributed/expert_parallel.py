@@ -20,7 +20,6 @@ computes). The backward does the same with the output gradient going out and the
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,7 @@ from torch import nn
 
 from flashmoe_science.distributed.comm import all_to_all, all_to_all_counts, group_rank_and_size
 from flashmoe_science.moe.api import BACKENDS, _check_experts, _check_topk, fused_experts, moe_route
-from flashmoe_science.nn.moe import _check_positive_int, check_layer_args, tokens_of
+from flashmoe_science.nn.moe import _check_positive_int, check_layer_args, init_experts, tokens_of
 
 
 def expert_bounds(num_experts: int, world_size: int) -> list[int]:
@@ -220,10 +219,8 @@ class ExpertParallelMoE(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        # as FusedMoE: each expert like an nn.Linear of its own fan-in (the router should match across ranks:
-        # seed identically or broadcast it)
-        nn.init.uniform_(self.w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
-        nn.init.uniform_(self.w2, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
+        # as FusedMoE (the router should match across ranks: seed identically or broadcast it)
+        init_experts(self.w1, self.w2)
         self.router.reset_parameters()
 
     @classmethod

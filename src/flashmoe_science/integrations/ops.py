@@ -183,8 +183,7 @@ def attention_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
             grads = attention_reference.attention_backward_reference(q4, k4, v4, out4, lse4, grad4, features, scale)
     else:
         with _on_device(q):
-            grads = kernel_backward(q4, k4, v4, out4, lse4.contiguous(), grad4, features, scale,
-                                    sm90_forward=plan.kernel == "sm90", portable=plan.portable,
+            grads = kernel_backward(q4, k4, v4, out4, lse4.contiguous(), grad4, features, scale, plan=plan,
                                     deterministic=deterministic)
     return tuple(g.detach().squeeze(0).permute(1, 0, 2).contiguous() for g in grads[:3])
 

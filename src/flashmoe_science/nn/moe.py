@@ -39,6 +39,13 @@ def tokens_of(hidden_states, d_model: int) -> torch.Tensor:
     return hidden_states.reshape(-1, d_model)
 
 
+def init_experts(w1: torch.Tensor, w2: torch.Tensor) -> None:
+    """Each expert's w1 `(E, 2F, d)` and w2 `(E, d, F)` initialised in place like an nn.Linear of its own fan-in."""
+    for w in (w1, w2):
+        bound = 1 / math.sqrt(w.shape[-1])
+        nn.init.uniform_(w, -bound, bound)
+
+
 class FusedMoE(nn.Module):
     """Mixture-of-Experts FFN: ``router`` (Linear d -> E, no bias) then top-k SwiGLU experts, weighted sum.
 
@@ -70,9 +77,7 @@ class FusedMoE(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        # each expert initialised like an nn.Linear of its own fan-in
-        nn.init.uniform_(self.w1, -1 / math.sqrt(self.d_model), 1 / math.sqrt(self.d_model))
-        nn.init.uniform_(self.w2, -1 / math.sqrt(self.d_ff), 1 / math.sqrt(self.d_ff))
+        init_experts(self.w1, self.w2)
         self.router.reset_parameters()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
