@@ -19,7 +19,7 @@ def hopper_attention_module(name: str):
 
 def sass_or_skip(compiled) -> str:
     """The SASS of an offline build (skips the test where triton ships no cuobjdump)."""
-    from flashmoe_science.hopper.common import offline_sass
+    from flashmoe_science.gluon.build import offline_sass
 
     sass = offline_sass(compiled)
     if sass is None:

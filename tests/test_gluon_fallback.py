@@ -14,7 +14,7 @@ pytest.importorskip("triton.experimental.gluon")
 
 from triton.compiler.errors import CompilationError  # noqa: E402
 
-from flashmoe_science.hopper import availability  # noqa: E402
+from flashmoe_science.gluon import availability  # noqa: E402
 
 
 def _build_failure(*args, **kwargs):

@@ -19,10 +19,11 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "moe"))
+sys.path.insert(0, str(ROOT / "tests"))  # sm90_helpers, which the MoE cases import
 
 from flashmoe_science.attention.hopper import bwd_dq_sm90, bwd_sm90, bwd_sm90_hdim256, fwd_sm90  # noqa: E402
 from flashmoe_science.attention.tiles import AttentionTiles  # noqa: E402
-from flashmoe_science.hopper.common import offline_sass  # noqa: E402
+from flashmoe_science.gluon.build import offline_sass  # noqa: E402
 from flashmoe_science.moe.dispatch import sort_buffers  # noqa: E402
 from flashmoe_science.moe.hopper import dx_sm90, wgrad_sm90  # noqa: E402
 

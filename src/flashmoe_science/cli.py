@@ -75,7 +75,7 @@ def run_info(args: argparse.Namespace) -> int:
         ]
     labels = {"torch": "torch", "triton": "triton", "cuda": "CUDA", "cudnn": "cuDNN", "python": "python"}
     pairs += [(labels[key], version) for key, version in software_versions().items()]
-    from flashmoe_science.hopper.availability import describe as gluon_status
+    from flashmoe_science.gluon.availability import describe as gluon_status
 
     pairs.append(("Gluon sm_90 kernels", gluon_status()))
     _print_key_values(pairs)

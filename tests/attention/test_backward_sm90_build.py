@@ -10,7 +10,7 @@ import pytest
 import torch
 
 bwd_sm90 = pytest.importorskip("flashmoe_science.attention.hopper.bwd_sm90")
-from flashmoe_science.hopper.common import spill_budget, spill_count  # noqa: E402
+from flashmoe_science.gluon.build import spill_budget, spill_count  # noqa: E402
 from sm90_helpers import sass_or_skip  # noqa: E402
 
 

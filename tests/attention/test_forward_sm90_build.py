@@ -14,7 +14,7 @@ import torch
 fwd_sm90 = pytest.importorskip("flashmoe_science.attention.hopper.fwd_sm90")
 from flashmoe_science.attention.mask import make_mask  # noqa: E402
 from flashmoe_science.attention.tiles import AttentionTiles, sm90_forward_tiles  # noqa: E402
-from flashmoe_science.hopper.common import spill_budget, spill_count  # noqa: E402
+from flashmoe_science.gluon.build import spill_budget, spill_count  # noqa: E402
 from sm90_helpers import sass_or_skip  # noqa: E402
 
 SMEM_PER_BLOCK = 232448  # sm_90's opt-in limit (ANCHORS.md)

@@ -159,7 +159,7 @@ def _assert_prepared_launch_matches(kernel, compiled, prepared, new_tensors, des
 def test_sm90_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatch, fake_compiled_kernel, causal):
     pytest.importorskip("triton.experimental.gluon")
     from flashmoe_science.attention.hopper import fwd_sm90
-    from flashmoe_science.hopper.common import REGISTER_CAP
+    from flashmoe_science.gluon.sm90 import REGISTER_CAP
 
     kernel, compiled = _recording_warmup_kernel(fwd_sm90.attention_forward_sm90_kernel.arg_names,
                                                 fake_compiled_kernel)
@@ -216,7 +216,7 @@ def test_sm90_launcher(monkeypatch, head_dim, causal):
     gluon = pytest.importorskip("triton.experimental.gluon")
     assert gluon
     from flashmoe_science.attention.hopper import fwd_sm90
-    from flashmoe_science.hopper.common import REGISTER_CAP
+    from flashmoe_science.gluon.sm90 import REGISTER_CAP
 
     kernel = _RecordingKernel()
     monkeypatch.setattr(fwd_sm90, "attention_forward_sm90_kernel", kernel)

@@ -18,7 +18,7 @@ pytest.importorskip("triton.experimental.gluon")
 
 from flashmoe_science.moe.dispatch import sort_buffers  # noqa: E402
 from flashmoe_science.moe.hopper import dx_sm90 as gdx  # noqa: E402
-from flashmoe_science.hopper.common import spill_budget, spill_count  # noqa: E402
+from flashmoe_science.gluon.build import spill_budget, spill_count  # noqa: E402
 from flashmoe_science.moe.hopper.dx_sm90 import DxConfig, SwigluOperands  # noqa: E402
 from sm90_helpers import sass_or_skip  # noqa: E402
 

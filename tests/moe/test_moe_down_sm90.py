@@ -107,7 +107,7 @@ def test_cpu_forward_keeps_the_triton_down_launch():
 def test_builds_for_sm90_with_transposed_b_and_no_spills(config):
     """The sm_90 binary at Mixtral's dims (ptxas ships with triton: no GPU needed): TMA loads, warpgroup MMAs that
     read B transposed, float32 reductions into the output, no local memory."""
-    from flashmoe_science.hopper.common import offline_sass, spill_budget, spill_count
+    from flashmoe_science.gluon.build import offline_sass, spill_budget, spill_count
 
     num_tokens, top_k, num_experts, d_model, d_ff = 4096, 2, 8, 4096, 14336
     dev = torch.device("meta")

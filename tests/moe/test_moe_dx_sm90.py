@@ -121,7 +121,7 @@ def test_builds_for_sm90_with_tma_wgmma_and_no_spills(config):
     """The sm_90 binary (ptxas ships with triton: no GPU needed): TMA loads, warpgroup MMAs, no local memory."""
     import re
 
-    from flashmoe_science.hopper.common import offline_sass, spill_budget, spill_count
+    from flashmoe_science.gluon.build import offline_sass, spill_budget, spill_count
 
     num_tokens, top_k, num_experts = 4096, 2, 8
     dev = torch.device("meta")

@@ -153,7 +153,7 @@ def _meta_dw1(num_tokens=4096, top_k=2, num_experts=8, d_model=4096, d_ff=14336)
 def test_builds_for_sm90_with_tma_wgmma_from_shared_memory_and_no_spills(config):
     """The sm_90 binary (ptxas ships with triton: no GPU needed): TMA loads and stores, warpgroup MMAs that read A
     transposed (tnspA) and B from shared-memory descriptors, no local memory, no operand loads into registers."""
-    from flashmoe_science.hopper.common import offline_sass, spill_budget, spill_count
+    from flashmoe_science.gluon.build import offline_sass, spill_budget, spill_count
 
     compiled = gw.compile_offline(*_meta_dw1(), config)
     sass = offline_sass(compiled)

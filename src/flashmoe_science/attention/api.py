@@ -47,7 +47,7 @@ from flashmoe_science.attention.tiles import (
     sm90_q_buffers,
 )
 from flashmoe_science.device import on_another_cuda_device, triton_interpreter_on
-from flashmoe_science.hopper.availability import unavailable_reason
+from flashmoe_science.gluon.availability import unavailable_reason
 from flashmoe_science.prepared_cache import remember, tensor_signature
 
 @dataclass(frozen=True)

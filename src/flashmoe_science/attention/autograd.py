@@ -12,7 +12,7 @@ import torch
 
 from flashmoe_science.attention.features import CallFeatures, feature_names, sm90_missing
 from flashmoe_science.attention.tiles import ForwardPlan, device_traits
-from flashmoe_science.hopper.availability import run_gluon
+from flashmoe_science.gluon.availability import run_gluon
 from flashmoe_science.prepared_cache import remember, tensor_signature
 
 # The sm_90 one-pass backward's launches per call signature (bwd_sm90.PreparedBackward): a call whose signature

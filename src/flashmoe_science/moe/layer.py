@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from flashmoe_science.device import device_traits
-from flashmoe_science.hopper.availability import run_gluon, unavailable_reason
+from flashmoe_science.gluon.availability import run_gluon, unavailable_reason
 from flashmoe_science.moe.dispatch import (ExpertSort, flat_ids, sort_buffers, sort_launch_tensors, sort_launches,
                                            sort_pairs_by_expert)
 from flashmoe_science.moe.tiles import MoETiles, choose_tiles

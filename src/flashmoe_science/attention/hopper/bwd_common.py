@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from flashmoe_science.hopper.gluon_compat import gl, gluon, mbarrier, tma
+from flashmoe_science.gluon.compat import gl, gluon, mbarrier, tma
 
 from flashmoe_science.attention.features import as_features
 from flashmoe_science.attention.mask import LOG2_E, query_tile_range, score_to_log2, visible
 from flashmoe_science.attention.triton_fwd import sequence_bounds
 
-from flashmoe_science.hopper.common import compile_offline as sm90_compile_offline
+from flashmoe_science.gluon.sm90 import compile_offline as sm90_compile_offline
 
 LOG2_E_IN_KERNEL = gl.constexpr(LOG2_E)
 

@@ -23,7 +23,7 @@ and releases the remaining stages unread (fwd_sm90._release_unused).
 from __future__ import annotations
 
 import torch
-from flashmoe_science.hopper.gluon_compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from flashmoe_science.gluon.compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from flashmoe_science.attention.hopper.bwd_common import (
     LOG2_E_IN_KERNEL,
@@ -38,7 +38,7 @@ from flashmoe_science.attention.hopper.bwd_common import (
 )
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor, _release_unused
 from flashmoe_science.attention.mask import key_tile_bounds, key_tile_range
-from flashmoe_science.hopper.common import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS, wgmma_layout
+from flashmoe_science.gluon.sm90 import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS, wgmma_layout
 
 BLOCK_M = 64  # query rows per consumer
 BLOCK_N = 32  # keys per streamed tile: Q and dO of 128 rows take 128 KB of the shared memory at D=256

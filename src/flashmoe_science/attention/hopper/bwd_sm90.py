@@ -80,9 +80,9 @@ from flashmoe_science.attention.hopper.bwd_common import (
 )
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor  # the forward's TMA boxes
 from flashmoe_science.attention.tiles import padded_head_dim
-from flashmoe_science.hopper.common import (CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS,
+from flashmoe_science.gluon.sm90 import (CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS,
                                             column_halves, wgmma_layout)
-from flashmoe_science.hopper.gluon_compat import (TensorDescriptor, barrier, fence_async_shared, gl, gluon, mbarrier,
+from flashmoe_science.gluon.compat import (TensorDescriptor, barrier, fence_async_shared, gl, gluon, mbarrier,
                                                   tma, warpgroup_mma, warpgroup_mma_wait)
 
 KEYS_PER_CONSUMER = 64  # one wgmma M tile per consumer warpgroup

@@ -43,8 +43,8 @@ from flashmoe_science.attention.hopper.bwd_common import (
     offline_build,
 )
 from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor
-from flashmoe_science.hopper.common import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS, wgmma_layout
-from flashmoe_science.hopper.gluon_compat import (barrier, fence_async_shared, gl, gluon, mbarrier, warpgroup_mma,
+from flashmoe_science.gluon.sm90 import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS, wgmma_layout
+from flashmoe_science.gluon.compat import (barrier, fence_async_shared, gl, gluon, mbarrier, warpgroup_mma,
                                                   warpgroup_mma_wait)
 
 NUM_CONSUMERS = 2

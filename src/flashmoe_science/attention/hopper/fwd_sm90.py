@@ -44,8 +44,8 @@ from flashmoe_science.attention.hopper.work_items import (  # noqa: F401 (varlen
 from flashmoe_science.attention.mask import MaskSpec, key_tile_bounds, key_tile_range, score_to_log2, visible
 from flashmoe_science.attention.tiles import padded_head_dim, sm90_cross_item_safe
 from flashmoe_science.attention.triton_fwd import LN_2, LOG2_E, tma_box, tma_compatible
-from flashmoe_science.hopper.common import CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS
-from flashmoe_science.hopper.gluon_compat import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tma,
+from flashmoe_science.gluon.sm90 import CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS
+from flashmoe_science.gluon.compat import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tma,
                                                   warpgroup_mma, warpgroup_mma_wait)
 from flashmoe_science.prepared_launch import PreparedLaunch
 
@@ -591,7 +591,7 @@ def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = N
     (2, 4, 256, head_dim) tensors with these tiles would specialise it (varlen: a (1, 4, 512, head_dim) packed
     batch); `mask` (default: `causal` alone), ALiBi slopes and varlen as attention_forward_sm90 takes them, the
     arguments a call leaves None as constexprs. Returns the CompiledKernel (registers, shared memory, SASS)."""
-    from flashmoe_science.hopper.common import compile_offline as build
+    from flashmoe_science.gluon.sm90 import compile_offline as build
 
     mask = mask or MaskSpec(causal=causal, window_right=0 if causal else -1)
     batch, rows = (1, 512) if varlen else (2, 256)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 from flashmoe_science.attention.mask import key_tile_bounds, key_tile_range
-from flashmoe_science.hopper.gluon_compat import gl, gluon
+from flashmoe_science.gluon.compat import gl, gluon
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """What the warp-specialised sm_90 Gluon GEMMs of moe/hopper share (dx_sm90, wgrad_sm90); what every sm_90 kernel
-shares (register split, launch options, wgmma layouts, descriptors, offline builds) is flashmoe_science.hopper.common.
+shares (register split, launch options, wgmma layouts, descriptors, offline builds) is flashmoe_science.gluon.sm90.
 
 Both run one producer warp that fills a ring of NUM_STAGES shared-memory stages by TMA (an A box and a B box per
 stage, both completing on the stage's "ready" mbarrier) and two consumer warpgroups that issue async wgmmas on the
@@ -16,7 +16,7 @@ written out in place.
 
 from __future__ import annotations
 
-from flashmoe_science.hopper.gluon_compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from flashmoe_science.gluon.compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 NUM_CONSUMERS = 2
 

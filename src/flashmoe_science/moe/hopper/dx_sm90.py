@@ -117,10 +117,10 @@ from typing import NamedTuple
 import torch
 import triton
 
-from flashmoe_science.hopper import common as sm90
-from flashmoe_science.hopper.common import (CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS,
+from flashmoe_science.gluon import sm90
+from flashmoe_science.gluon.sm90 import (CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS,
                                             wgmma_layout)
-from flashmoe_science.hopper.gluon_compat import gl, gluon, mbarrier, tma, warpgroup_mma_wait
+from flashmoe_science.gluon.compat import gl, gluon, mbarrier, tma, warpgroup_mma_wait
 from flashmoe_science.moe.dispatch import ExpertSort
 from flashmoe_science.moe.hopper.common import NUM_CONSUMERS, grouped_block, init_barriers, load_stage, mma_steps
 # the configs are this kernel's: callers (moe.layer, the tests) read them here

@@ -9,8 +9,8 @@ from typing import NamedTuple
 
 import torch
 
-from flashmoe_science.hopper.common import column_halves, wgmma_layout
-from flashmoe_science.hopper.gluon_compat import fence_async_shared, gl, gluon, mbarrier, tma
+from flashmoe_science.gluon.sm90 import column_halves, wgmma_layout
+from flashmoe_science.gluon.compat import fence_async_shared, gl, gluon, mbarrier, tma
 from flashmoe_science.moe.dispatch import ExpertSort
 from flashmoe_science.moe.hopper.dx_configs import DxConfig
 

@@ -65,10 +65,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from flashmoe_science.hopper import common as sm90
-from flashmoe_science.hopper.common import (BARRIER_BYTES, CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS,
+from flashmoe_science.gluon import sm90
+from flashmoe_science.gluon.sm90 import (BARRIER_BYTES, CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS,
                                             PRODUCER_REGISTERS, column_halves, wgmma_layout)
-from flashmoe_science.hopper.gluon_compat import fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma_wait
+from flashmoe_science.gluon.compat import fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma_wait
 from flashmoe_science.moe.dispatch import ExpertSort
 from flashmoe_science.moe.hopper.common import (NUM_CONSUMERS, check_tile_config, grouped_block, init_barriers,
                                                 load_stage, mma_steps)

@@ -11,7 +11,7 @@ What moved (Gluon is Triton's experimental layer):
 - ``gl.thread_barrier()`` (3.6) became ``gl.barrier()`` (3.7, which dropped the old name): exported as ``barrier``.
 - ``mbarrier.expect``'s byte count is positional everywhere (its name moved from ``bytes`` to ``bytes_per_cta``).
 - ``TensorDescriptor`` gained ``round_f32_to_tf32`` (3.7; a class-level default, so descriptors built field by
-  field in ``common.descriptor`` stay valid).
+  field in ``sm90.descriptor`` stay valid).
 
 Kernels write ``tma.async_load(...)``; ``tma`` here is a module holding the TMA ops of the running triton under
 those names (Gluon's compiler accepts a module global, and calls the same builtins: the SASS on 3.6 is the one

@@ -1,6 +1,6 @@
 """Whether the Gluon sm_90 kernels can run on this triton, and the one rule for when one does not build.
 
-Gluon is Triton's experimental layer: a triton after the tested range (``TESTED_TRITON``; gluon_compat maps the
+Gluon is Triton's experimental layer: a triton after the tested range (``TESTED_TRITON``; compat maps the
 names that moved within it) may fail to import or to build a kernel. A user's training step must not fail for that:
 with ``backend="auto"`` the first failure is recorded, one warning names the triton version and the fallback, and
 from then on every call takes the portable Triton kernels (attention forward and backward, the MoE GEMMs).
@@ -39,9 +39,9 @@ def _build_errors() -> tuple[type[BaseException], ...]:
 
 @functools.lru_cache(maxsize=None)
 def _import_error() -> str | None:
-    """Why the Gluon layer (gluon_compat and the shared sm_90 blocks) does not import on this triton, or None."""
+    """Why the Gluon layer (compat and the shared sm_90 blocks) does not import on this triton, or None."""
     try:
-        import flashmoe_science.hopper.common  # noqa: F401
+        import flashmoe_science.gluon.sm90  # noqa: F401
     except Exception as error:  # any failure here means: no Gluon kernels on this triton
         return f"{type(error).__name__}: {error}"
     return None

@@ -5,7 +5,7 @@ Each kernel runs one producer warp (TMA copies only) beside two consumer warpgro
 register split between them (``PRODUCER_REGISTERS``, ``CONSUMER_REGISTERS``, ``REGISTER_CAP``), the launch
 options that go with it (``LAUNCH_OPTIONS``), the consumers' accumulator layout (``wgmma_layout``) and its column
 halves (``column_halves``, for epilogues in slices), host-side TMA descriptors (``descriptor``) and offline sm_90
-builds (``compile_offline``, ``offline_sass``). Gluon's own names come from ``gluon_compat``. Gluon inlines the device helpers: the kernels compile as if they were written out in place.
+builds (``compile_offline``; the target-independent part is ``build``). Gluon's own names come from ``compat``. Gluon inlines the device helpers: the kernels compile as if they were written out in place.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from flashmoe_science.hopper.gluon_compat import TensorDescriptor, gl, gluon, on_tuned_triton
+from flashmoe_science.gluon import build
+from flashmoe_science.gluon.compat import TensorDescriptor, gl, gluon
 
 PRODUCER_REGISTERS = gl.constexpr(24)  # the fewest a warp may hold: the producer only computes coordinates
 CONSUMER_REGISTERS = gl.constexpr(240)
@@ -56,57 +57,6 @@ def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
 
 
 def compile_offline(fn, args, constexprs: dict):
-    """``triton.compile`` of the Gluon kernel ``fn`` for sm_90 without a GPU (meta tensors are enough), specialised
-    as the JIT would specialise these arguments (16-byte aligned pointers, integers divisible by 16) and launched
-    with LAUNCH_OPTIONS; returns the CompiledKernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
-    names = fn.arg_names
-    values = dict(zip(names, args))
-    signature = {n: ("constexpr" if n in constexprs else mangle_type(values[n])) for n in names}
-    consts = {(names.index(n),): v for n, v in constexprs.items()}
-    # no attributes on constexprs: triton 3.7+ numbers the attributes over the kernel's runtime arguments only
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, v in values.items() if n not in constexprs and (
-        isinstance(v, torch.Tensor) or (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0))}
-    src = GluonASTSource(fn, signature, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(LAUNCH_OPTIONS))
-
-
-def offline_sass(compiled) -> str | None:
-    """The SASS of a compiled kernel (``compile_offline``'s), by the cuobjdump that ships with triton; None where this
-    triton has none."""
-    import os
-    import subprocess
-    import tempfile
-
-    from triton import knobs
-
-    cuobjdump = os.path.join(os.path.dirname(knobs.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, timeout=120).stdout
-
-
-# LDL/STL instructions a build of another triton release may add to a kernel's tuned count: their register
-# allocators spill where 3.6's did not (measured on 3.7.1-3.9.0: +41 in the fused SwiGLU dh, +153 in the D=256
-# causal forward on 3.9, at the work-item boundary). That costs some speed there (unmeasured: the H200 runs 3.6), not
-# correctness; a collapse into the main loops (thousands) still fails the build tests.
-UNTUNED_SPILL_SLACK = 256
-
-
-def spill_count(sass: str) -> int:
-    """Local-memory loads and stores (LDL, STL) in a kernel's SASS: register spills."""
-    import re
-
-    return len(re.findall(r"\b(?:LDL|STL)\b", sass))
-
-
-def spill_budget(tuned: int = 0) -> int:
-    """The spills a build test allows: ``tuned`` on the triton the kernels were tuned on (gluon_compat.TUNED_TRITON),
-    ``tuned + UNTUNED_SPILL_SLACK`` on other releases."""
-    return tuned if on_tuned_triton() else tuned + UNTUNED_SPILL_SLACK
+    """``build.compile_offline`` for sm_90 with this module's LAUNCH_OPTIONS: the CompiledKernel of the Gluon kernel
+    ``fn`` built without a GPU (meta tensors are enough)."""
+    return build.compile_offline(fn, args, constexprs, arch=90, options=LAUNCH_OPTIONS)
