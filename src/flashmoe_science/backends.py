@@ -1,0 +1,61 @@
+"""The contract every kernel family meets, and the one walk over them that picks a family for a call.
+
+A kernel family (the Gluon sm_90 kernels, the portable Triton kernels, the PyTorch reference; the same for the MoE
+GEMMs) is a ``Backend``: it says why it cannot take a checked problem (``decline``, None when it can) and, when it
+can, plans the call (``plan``: tiles and schedule for the forward and the backward alike). ``choose`` walks an
+ordered list of backends and returns the first that takes the problem, with every earlier family's reason, so that
+``describe_dispatch``/``info`` render the decision instead of deriving it again. Nothing here names an architecture:
+the ordered lists live beside the front doors that own them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, Protocol, Sequence, TypeVar
+
+P = TypeVar("P")  # a checked problem
+K = TypeVar("K", covariant=True)  # what a backend plans for it
+
+
+class Backend(Protocol[P, K]):
+    """A kernel family behind a front door."""
+
+    name: str
+
+    def decline(self, problem: P) -> str | None:
+        """Why this family does not take ``problem`` (a phrase that completes "not <name>: ..."), or None."""
+
+    def plan(self, problem: P) -> K:
+        """The family's plan for a problem it takes (only called when ``decline`` returned None)."""
+
+
+@dataclass(frozen=True)
+class Choice(Generic[K]):
+    """The family that takes a call, its plan, and why each family before it in the walk declined."""
+
+    backend: str
+    plan: K
+    declined: tuple[tuple[str, str], ...] = ()
+
+    def why_not(self, name: str) -> str | None:
+        """The reason ``name`` declined this call, or None when it was not asked (or took it)."""
+        return dict(self.declined).get(name)
+
+
+class NoBackend(ValueError):
+    """No family in the walk takes the call: the message lists each one's reason."""
+
+
+def choose(backends: Sequence[Backend], problem, requested: str = "auto") -> Choice:
+    """The first backend of ``backends`` that takes ``problem``; ``requested`` other than "auto" walks that one
+    alone (its refusal raises NoBackend naming the reason, as a requested backend must not be swapped silently)."""
+    walk = backends if requested == "auto" else [b for b in backends if b.name == requested]
+    if not walk:
+        raise NoBackend(f"backend must be 'auto' or one of {[b.name for b in backends]}, got {requested!r}")
+    declined = []
+    for backend in walk:
+        reason = backend.decline(problem)
+        if reason is None:
+            return Choice(backend.name, backend.plan(problem), tuple(declined))
+        declined.append((backend.name, reason))
+    raise NoBackend("; ".join(f"backend={name!r} cannot take this call: {why}" for name, why in declined))
