@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Markdown tables for the README from a `flashmoe-science bench` JSON file.
+"""Markdown tables from a `flashmoe-science bench` JSON file (docs/benchmarks.md is built from these).
 
     python benchmarks/tools/results_table.py benchmarks/results/<file>.json          # attention: one table per pass
     python benchmarks/tools/results_table.py --moe benchmarks/results/<file>.json    # the MoE layer benchmark
@@ -103,12 +103,12 @@ def choose(requested: Sequence[str] | None, defaults: Sequence[str], present: Se
 # --------------------------------------------------------------------------------------------------------------------
 # Attention
 # --------------------------------------------------------------------------------------------------------------------
-def _shape_key(record: Mapping) -> tuple:
+def shape_key(record: Mapping) -> tuple:
     return (record["B"], record["H"], record.get("Hkv", record["H"]), record["Lq"], record["Lk"], record["D"],
             bool(record["causal"]))
 
 
-def _shape_cells(key: tuple) -> list[str]:
+def shape_cells(key: tuple) -> list[str]:
     B, H, Hkv, Lq, Lk, D, causal = key
     heads = str(H) if Hkv == H else f"{H} (kv {Hkv})"
     length = str(Lq) if Lq == Lk else f"{Lq} × {Lk}"
@@ -116,12 +116,12 @@ def _shape_cells(key: tuple) -> list[str]:
 
 
 def attention_pass_table(records: Sequence[Mapping], columns: Sequence[str], baselines: Sequence[str]) -> str:
-    # the FlashAttention-3 grid first (by D, causal, L), then any other shapes (e.g. the brief's B=4 H=8 D=64)
+    # the FlashAttention-3 grid first (by D, causal, L), then any other shapes (e.g. B=4 H=8 D=64)
     order = lambda r: (not shape_of(r).on_fa3_grid, r["D"], r["causal"], r["Lq"], r["Lk"], -r["B"])  # noqa: E731
-    by_shape = pivot(sorted(records, key=order), _shape_key)
+    by_shape = pivot(sorted(records, key=order), shape_key)
     headers = ["B", "H", "L", "D", "causal", *columns, *map(ratio_label, baselines)]
     rows = [
-        _shape_cells(key)
+        shape_cells(key)
         + [format_number(values.get(column)) for column in columns]
         + [ratio_cell(ratio(values.get(OURS), values.get(baseline))) for baseline in baselines]
         for key, values in by_shape.items()
@@ -174,7 +174,7 @@ def _model_name(record: Mapping) -> str:
     return str(record.get("model") or record.get("config") or f"E{record.get('E')}-k{record.get('top_k')}")
 
 
-# the expert-weight read bandwidth that the MoE issue's few-token target is stated against (H200)
+# HBM bandwidth of the H200, the ceiling of the few-token rows (the layer reads its routed experts' weights once)
 WEIGHT_READ_GBPS = 4300.0
 
 

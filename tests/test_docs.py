@@ -1,0 +1,57 @@
+"""The documents agree with the data and speak of the code only.
+
+- docs/benchmarks.md and the README's headline table are what benchmarks/tools/benchmarks_doc.py generates from
+  benchmarks/results/ (rerun the script after publishing a run).
+- README.md stays a first hour's read: at most 300 lines.
+- No file of the repository narrates how the work was organised (numbered rounds, work sessions, references to an
+  issue tracker): a comment or a document says why in terms of the code and its measurements.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README_MAX_LINES = 300
+NARRATION = re.compile(r"\b(session|sessions)\b|the brief|the issue|issue #?\d+|round \d+", re.IGNORECASE)
+CHECKED = ("src", "docs", "README.md", "tests", "benchmarks/tools", "examples")
+TEXT_SUFFIXES = {".py", ".md", ".sh", ".txt", ".toml", ".cfg", ".rst", ".yaml", ".yml"}
+
+
+def _benchmarks_doc():
+    spec = importlib.util.spec_from_file_location("benchmarks_doc", ROOT / "benchmarks/tools/benchmarks_doc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmarks_doc_and_readme_headline_are_generated_from_the_results():
+    assert _benchmarks_doc().main(["--check"]) == 0, (
+        "docs/benchmarks.md or README.md's headline table is stale: run python benchmarks/tools/benchmarks_doc.py"
+    )
+
+
+def test_readme_is_at_most_300_lines():
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail to docs/"
+
+
+def _text_files():
+    for name in CHECKED:
+        path = ROOT / name
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        for file in files:
+            if file.suffix in TEXT_SUFFIXES and "__pycache__" not in file.parts and file != Path(__file__).resolve():
+                yield file
+
+
+def test_no_file_narrates_how_the_work_was_organised():
+    hits = []
+    for file in _text_files():
+        for number, line in enumerate(file.read_text(errors="replace").splitlines(), 1):
+            match = NARRATION.search(line)
+            if match:
+                hits.append(f"{file.relative_to(ROOT)}:{number}: {match.group(0)!r}: {line.strip()[:100]}")
+    assert not hits, "narration instead of code and measurements:\n" + "\n".join(hits)
