@@ -2,8 +2,7 @@
 
     PYTHONPATH=src python benchmarks/tools/bench_bwd_sm90_features.py [--lengths 32768,131072] [--d 128]
 
-The backward alone (bwd_sm90.attention_backward_sm90's launches on precomputed out and lse, as
-scripts/bench_bwd_sm90.py times it). TFLOP/s count the backward as 2.5x the forward's 4·B·H·D per visible
+The backward alone: bwd_sm90.attention_backward_sm90's launches on precomputed out and lse. TFLOP/s count the backward as 2.5x the forward's 4·B·H·D per visible
 (query, key) pair: L² dense, L²/2 causal (the FlashAttention convention), and the exact number of pairs inside a
 window, so a windowed call at the dense call's TFLOP/s skips every tile outside its window at no cost.
 """

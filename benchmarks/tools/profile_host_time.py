@@ -1,5 +1,5 @@
 """Host time per call vs device time, for shapes whose GPU work is short enough that the launch path can bound the
-benchmark (session 4: the 1c42b3e bench had D=256 L=512 at half the TFLOP/s of a direct kernel call). Prints, per
+benchmark (before prepared launches, D=256 L=512 ran at half the TFLOP/s of a direct kernel call). Prints, per
 shape and backend: device ms (calls queued back to back, timed by CUDA events), host µs per call (no sync), and a
 cProfile of the sm_90 `auto` path's host side (top functions by cumulative time).
 

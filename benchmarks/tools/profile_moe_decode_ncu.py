@@ -1,4 +1,4 @@
-"""Run the one-launch decode kernel a few times for ncu (benchmarks/tools/h200_session.sh-style):
+"""Run the one-launch decode kernel a few times for ncu:
 
     ncu -k regex:_decode_moe_kernel --launch-skip 3 --launch-count 1 --section ... \
         python benchmarks/tools/profile_moe_decode_ncu.py --model qwen3-30b-a3b --config 64,128,256,4,4

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One H200 session in one call: every step logs under $OUT/run/, packed into $OUT/run.tgz at the end
-# (the device tool returns at most 8 files). Usage: bash benchmarks/tools/h200_session.sh STEP [STEP ...]
+# GPU tests, benchmarks, sweeps and profiles in one run on a GPU machine: each step logs under $OUT/run/, and the
+# folder is packed into $OUT/run.tgz at the end (one file to copy back). Usage: bash benchmarks/tools/gpu_run.sh STEP [STEP ...]
 #   tests      GPU pytest (pytest -m gpu) for everything present
 #   sweep      forward tile sweep (benchmarks/tools/sweep_attention_forward_tiles.py)
 #   bench      flashmoe-science bench (full) ; benchq: --quick ; benchbwd: fwd+bwd
