@@ -112,10 +112,8 @@ def cell(value) -> str:
 def render_attention(data: Mapping, path: Path) -> str:
     records = [r for r in data["records"] if r.get("op") == "attention"]
     if any(str(r.get("dtype", "")).startswith("fp8") for r in records):
-        return render_fp8(records)
-    backends = results_table.present_backends(records)
-    text = results_table.attention_markdown(data, path, backends=backends)
-    return text.split("\n\n", 1)[1]  # without its first line: the heading says the same
+        return results_table.environment_line(data, records, path) + "\n\n" + render_fp8(records)
+    return results_table.attention_markdown(data, path, backends=results_table.present_backends(records))
 
 
 def render_fp8(records: Sequence[Mapping]) -> str:
@@ -128,7 +126,7 @@ def render_fp8(records: Sequence[Mapping]) -> str:
 
 
 def render_moe(data: Mapping, path: Path) -> str:
-    return results_table.moe_markdown(data, path).split("\n\n", 1)[1]
+    return results_table.moe_markdown(data, path)
 
 
 def render_features(data: Mapping, path: Path) -> str:
@@ -213,6 +211,7 @@ TITLES = {"attention": "Attention", "moe": "MoE layer", "attention-features": "M
           "decode": "KV-cache decode", "ring-step-overlap": "Distributed, on one GPU",
           "supercon": "Science workload: SuperCon Tc model",
           "groups": "Masked forward, kernel alone"}
+SELF_HEADED = ("attention", "moe")
 KIND_ORDER = ("attention", "groups", "attention-features", "decode", "moe", "ring-step-overlap", "supercon")
 
 
@@ -235,8 +234,10 @@ def render_file(path: Path) -> str:
     else:
         body = RENDERERS.get(what, render_records)(data, path)
     title = TITLES.get(what, "Kernel timings") + f": `{path.name}`"
-    note = f"\n\n{data['note']}" if data.get("note") else ""
-    return f"## {title}\n\n{run_heading(data, path)}.{note}\n\n{body}\n\n{links(path)}".rstrip()
+    # results_table's renderers head their tables with the run's GPU, versions, commit, dtypes and timing window
+    heading = "" if what in SELF_HEADED else f"{run_heading(data, path)}.\n\n"
+    note = f"{data['note']}\n\n" if data.get("note") else ""
+    return f"## {title}\n\n{heading}{note}{body}\n\n{links(path)}".rstrip()
 
 
 # --------------------------------------------------------------------------------------------------------------------
