@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashmoe_science.gluon.sm90 import BARRIER_BYTES
-from flashmoe_science.moe.hopper.common import check_tile_config
-from flashmoe_science.moe.tiles import HOPPER_SMEM_PER_BLOCK
+from flashmoe_science.moe.hopper.common import HOPPER_SMEM_PER_BLOCK, check_tile_config
 
 BLOCK_M = 128  # rows per work item: the sort's row tile (one expert per tile)
 

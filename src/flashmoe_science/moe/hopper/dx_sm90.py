@@ -122,14 +122,15 @@ from flashmoe_science.gluon.sm90 import (CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_O
                                             wgmma_layout)
 from flashmoe_science.gluon.compat import gl, gluon, mbarrier, tma, warpgroup_mma_wait
 from flashmoe_science.moe.dispatch import ExpertSort
-from flashmoe_science.moe.hopper.common import NUM_CONSUMERS, grouped_block, init_barriers, load_stage, mma_steps
-# the configs are this kernel's: callers (moe.layer, the tests) read them here
+from flashmoe_science.moe.hopper.common import (HOPPER_SMEM_PER_BLOCK, NUM_CONSUMERS,  # noqa: F401 (the limit)
+                                                grouped_block, init_barriers, load_stage, mma_steps)
+# the configs are this kernel's: the tests and the offline builds read them here
 from flashmoe_science.moe.hopper.dx_configs import (BLOCK_M, DH_CONFIG, DH_SWIGLU_CONFIG, LONG_K,  # noqa: F401
                                                     LONG_K_CONFIG, SHORT_K_CONFIG, DxConfig, check_config,
                                                     down_config, dx_config, smem_bytes)
 from flashmoe_science.moe.hopper.swiglu_epilogue import (SwigluOperands, load_swiglu_operands,
                                                          swiglu_backward_columns, swiglu_reason)
-from flashmoe_science.moe.tiles import HOPPER_SMEM_PER_BLOCK, sm_count  # noqa: F401 (the limit the configs fit)
+from flashmoe_science.moe.tiles import sm_count
 from flashmoe_science.prepared_launch import PreparedLaunch
 
 

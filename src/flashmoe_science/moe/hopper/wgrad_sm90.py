@@ -70,9 +70,9 @@ from flashmoe_science.gluon.sm90 import (BARRIER_BYTES, CONSUMER_REGISTERS, GL_D
                                             PRODUCER_REGISTERS, column_halves, wgmma_layout)
 from flashmoe_science.gluon.compat import fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma_wait
 from flashmoe_science.moe.dispatch import ExpertSort
-from flashmoe_science.moe.hopper.common import (NUM_CONSUMERS, check_tile_config, grouped_block, init_barriers,
-                                                load_stage, mma_steps)
-from flashmoe_science.moe.tiles import HOPPER_SMEM_PER_BLOCK, sm_count
+from flashmoe_science.moe.hopper.common import (HOPPER_SMEM_PER_BLOCK, NUM_CONSUMERS, check_tile_config,
+                                                grouped_block, init_barriers, load_stage, mma_steps)
+from flashmoe_science.moe.tiles import sm_count
 
 BLOCK_M = 128  # output rows per work item (M = 2F for dw1, d for dw2)
 
