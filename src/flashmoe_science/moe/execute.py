@@ -106,7 +106,7 @@ def moe(x, w1, w2, router_logits, top_k, renormalize, scoring, backend: str):
         return out
     topk_weights, topk_ids = route(router_logits, top_k, renormalize, scoring)  # well-formed by construction
     return run_experts(plan, x, w1, w2, topk_weights, topk_ids, key,
-                       wrap_prepared=lambda forward: _RoutedForward(forward, top_k, renormalize, scoring))
+                       wrap_prepared=lambda forward: RoutedForward(forward, top_k, renormalize, scoring))
 
 
 def run_experts(plan: Choice, x, w1, w2, topk_weights, topk_ids, key: tuple | None = None,
@@ -144,7 +144,7 @@ def _remember(key: tuple | None, x, make_prepared) -> None:
     remember(PREPARED, key, make_prepared())
 
 
-class _RoutedForward:
+class RoutedForward:
     """A fused_moe key's prepared call on the batched path: the routing, then the PreparedForward."""
 
     __slots__ = ("forward", "top_k", "renormalize", "scoring")

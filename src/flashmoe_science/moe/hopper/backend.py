@@ -60,7 +60,12 @@ class HopperDown:
     """The forward's down GEMM in ``dx_sm90.down_sm90`` (TMA loads of h and of w2 read K-major)."""
 
     config: object
-    sort_tensors = ("sorted_pair_ids", "tile_expert", "expert_counts", "expert_row_start")  # dx_sm90's
+
+    @property
+    def sort_tensors(self) -> tuple[str, ...]:
+        from flashmoe_science.moe.hopper import dx_sm90
+
+        return dx_sm90.DOWN_SORT_TENSORS
 
     def launch(self, h, w2, out32, weights32, sort: ExpertSort, tiles: MoETiles):
         return HopperDownLaunch(h, w2, out32, weights32, sort, tiles, self.config)
