@@ -385,3 +385,22 @@ def test_decode_kernel_drops_slots_outside_the_experts():
     out, _ = triton_decode.decode_forward(x, w1, w2, weights, ids, 3)
     same, ref = torch_loop_same_dtype(x, w1, w2, weights, ids), reference64(x, w1, w2, weights, ids)
     assert_within_budget("out", out, same, ref)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_describe_moe_names_the_kernels_that_run(monkeypatch, training):
+    """describe_moe's plan is the one the call runs: the GEMM kernels it names are the ones launched."""
+    from flashmoe_science.moe import describe_moe
+    from moe_testing import described_kernels, spy_on_gemm_kernels
+
+    x, w1, w2 = make_experts(40, 32, 24, 4, torch.float32)
+    logits = torch.randn(40, 4)
+    ran = spy_on_gemm_kernels(monkeypatch)
+    description = describe_moe(x, w1, w2, 2, backend="triton", training=training)
+    if training:
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+        fused_moe(*leaves, logits, 2, backend="triton").sum().backward()
+    else:
+        fused_moe(x, w1, w2, logits, 2, backend="triton")
+    assert ran and ran == described_kernels(description), description
+    assert ("triton_gemm.dw1_launch" in ran) == training

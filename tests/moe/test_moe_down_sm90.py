@@ -210,8 +210,8 @@ def test_prepared_down_matches_a_direct_call_on_new_tensors():
 
 @pytest.mark.gpu
 def test_forward_runs_the_gluon_down_and_matches_the_reference():
-    """moe_forward on Hopper with 128-row tiles takes the Gluon down kernel (HopperDownLaunch); its output, eager and prepared, against the
-    float64 reference within 2x PyTorch's own bf16 error."""
+    """moe_forward on Hopper with 128-row tiles takes the Gluon down kernel (HopperDownLaunch); its output, eager
+    and prepared, against the float64 reference within 2x PyTorch's own bf16 error."""
     from flashmoe_science.moe import layer, moe_route
     from flashmoe_science.moe.hopper.backend import HopperDownLaunch
     from flashmoe_science.moe.plan import plan_kernels

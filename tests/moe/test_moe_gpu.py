@@ -300,3 +300,24 @@ def test_triton_routing_matches_pytorch_routing(num_tokens, num_experts, top_k, 
     assert ours.dtype == dtype
     torch.testing.assert_close(ours[clear].double(), ref[clear], rtol=2e-2 if dtype != torch.float32 else 1e-4,
                                atol=1e-2 if dtype != torch.float32 else 1e-6)
+
+
+@pytest.mark.parametrize("num_tokens, d_model, d_ff, num_experts, top_k", [
+    (4096, 512, 768, 8, 2),  # 1024 rows per expert: 128-row tiles, the Gluon GEMMs on Hopper
+    (64, 256, 192, 8, 2),  # 16 rows per expert: the Triton GEMMs everywhere
+    (4096, 512, 720, 8, 2),  # F not a multiple of 128: the fused dh declines on Hopper, the rest is Gluon
+])
+def test_describe_moe_names_the_kernels_that_run(monkeypatch, num_tokens, d_model, d_ff, num_experts, top_k):
+    """describe_moe's plan is the one a training call runs: the GEMM kernels it names (Gluon and Triton) are the
+    ones launched, forward and backward."""
+    from flashmoe_science.moe import describe_moe
+    from moe_testing import described_kernels, spy_on_gemm_kernels
+
+    x, w1, w2 = make_experts(num_tokens, d_model, d_ff, num_experts, torch.bfloat16, DEVICE)
+    logits = torch.randn(num_tokens, num_experts, device=DEVICE)
+    ran = spy_on_gemm_kernels(monkeypatch, gluon=True)
+    description = describe_moe(x, w1, w2, top_k)
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    fused_moe(*leaves, logits, top_k).sum().backward()
+    torch.cuda.synchronize()
+    assert ran == described_kernels(description), description
