@@ -10,7 +10,8 @@ Two ordered walks (``backends.choose``) over families that each say why they can
   dh with the SwiGLU backward, dx, dw1, dw2) the first family that takes it; its plan is the runner the layer calls.
 
 The plan is made once, before any work, and carried by the call: the forward runs it and keeps it for the backward
-(``layer.SavedForBackward``), ``describe`` renders it, and nothing derives it again.
+(``layer.SavedForBackward``), ``describe`` renders it, and nothing derives it again. (Under torch.compile the
+backward is a custom op that receives tensors only: it asks this planner again, on the same tensors.)
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def plan_kernels(x, w1, w2, top_k: int, tiles: MoETiles | None = None, training:
     """The kernel layer's plan for checked x (T, d), w1 (E, 2F, d), w2 (E, d, F) and top_k: ``tiles`` (default
     ``tiles.choose_tiles``; the tile sweep passes its candidates), each forward GEMM's family and, with
     ``training``, each backward GEMM's."""
-    tiles = tiles or default_tiles(x, w1, top_k)
+    if tiles is None:
+        tiles = default_tiles(x, w1, top_k)
     names = FORWARD_GEMMS + (BACKWARD_GEMMS if training else ())
     return KernelPlan(tiles, tuple((name, choose(GEMM_BACKENDS, GemmProblem(name, x, w1, w2, top_k, tiles)))
                                    for name in names))
