@@ -127,24 +127,26 @@ def test_attention_backward_falls_back_to_the_triton_kernels(monkeypatch):
 
 
 def test_moe_gemms_fall_back_to_the_triton_kernels(monkeypatch):
-    from flashmoe_science.moe import layer
-    from flashmoe_science.moe.hopper import wgrad_sm90
+    from flashmoe_science.device import DeviceTraits
+    from flashmoe_science.moe import gemms
+    from flashmoe_science.moe.hopper import backend, wgrad_sm90
 
-    monkeypatch.setattr(layer, "device_traits", lambda device: type("Hopper", (), {"is_hopper": True}))
-    monkeypatch.setattr(wgrad_sm90, "unsupported_reason", lambda *args: None)
+    monkeypatch.setattr(backend, "device_traits", lambda device: DeviceTraits((9, 0), 132, 232448))
+    monkeypatch.setattr(backend, "_kernel_reason", lambda *args: None)
     monkeypatch.setattr(wgrad_sm90, "wgrad_sm90", _build_failure)
-    a = type("OnCuda", (), {"is_cuda": True, "device": "cuda"})()
-    tiles = type("Tiles", (), {"block_m": 128})()
     ran = []
+    monkeypatch.setitem(gemms.TRITON_RUNNERS, "dw1", lambda *args: ran.append(args))
+    x = type("OnCuda", (), {"is_cuda": True, "device": "cuda", "shape": (4096, 64), "dtype": torch.bfloat16})()
+    w1, w2 = torch.empty(8, 256, 64, dtype=torch.bfloat16), torch.empty(8, 64, 128, dtype=torch.bfloat16)
+    tiles = type("Tiles", (), {"block_m": 128})()
+    problem = gemms.GemmProblem("dw1", x, w1, w2, 2, tiles)
+    hopper = backend.HopperGemms()
 
-    def triton_launch(*args):
-        return lambda: ran.append(args)
-
-    assert layer._gluon_may_run(a, tiles)
+    assert hopper.decline(problem) is None
     with pytest.warns(RuntimeWarning, match="MoE weight-gradient kernel does not build"):
-        layer._weight_gradient(a, None, None, None, tiles, triton_launch)
+        hopper.plan(problem)(None, None, None, None, tiles)
     assert len(ran) == 1
-    assert not layer._gluon_may_run(a, tiles)  # every later MoE call: the Triton kernels
+    assert "does not build" in hopper.decline(problem)  # every later MoE call plans the Triton kernels
 
 
 def test_info_reports_the_gluon_kernels(capsys):

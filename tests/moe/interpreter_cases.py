@@ -17,6 +17,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from flashmoe_science.moe import fused_experts, fused_moe, moe_route  # noqa: E402
 from flashmoe_science.moe.dispatch import sort_pairs_by_expert  # noqa: E402
+from flashmoe_science.moe import gemms  # noqa: E402
+from flashmoe_science.moe.plan import plan_kernels  # noqa: E402
 from flashmoe_science.moe.tiles import GemmTiles, MoETiles  # noqa: E402
 from moe_testing import (  # noqa: E402
     assert_within_budget,
@@ -179,8 +181,9 @@ def test_explicit_tiles_reach_every_kernel():
     )
     grad_out = torch.randn(30, 48)
     weights32 = weights.float().contiguous()
-    out, saved = layer.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
-    assert saved.tiles == tiles
+    plan = plan_kernels(x, w1, w2, ids.shape[1], tiles, training=True)
+    out, saved = layer.moe_forward(x, w1, w2, weights32, ids, plan, save_for_backward=True)
+    assert saved.plan.tiles == tiles
     dx, dw1, dw2, dweights = layer.moe_backward(grad_out, x, w1, w2, weights32, saved)
 
     leaves = [t.clone().requires_grad_() for t in (x, w1, w2, weights)]
@@ -229,7 +232,8 @@ def test_combine_tiles_agree_for_every_block_m(block_m, down, dx, wgrad):
     tiles = MoETiles(block_m=block_m, group_m=8, up=small, down=down, up_bwd=small, dx=dx, dw1=wgrad, dw2=wgrad)
     weights32 = weights.float().contiguous()
     grad_out = torch.randn(40, 64)
-    out, saved = layer.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
+    out, saved = layer.moe_forward(x, w1, w2, weights32, ids, plan_kernels(x, w1, w2, 2, tiles, training=True),
+                                   save_for_backward=True)
     grads = layer.moe_backward(grad_out, x, w1, w2, weights32, saved)
     leaves = [t.clone().requires_grad_() for t in (x, w1, w2, weights)]
     ref = fused_experts(*leaves, ids, backend="reference")
@@ -237,7 +241,7 @@ def test_combine_tiles_agree_for_every_block_m(block_m, down, dx, wgrad):
     torch.testing.assert_close(out, ref.detach(), rtol=1e-4, atol=1e-5)
     for ours, theirs in zip(grads, ref_grads):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
-    assert saved.tiles == tiles
+    assert saved.plan.tiles == tiles
 
 
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
@@ -314,7 +318,8 @@ def test_weight_gradient_operands_have_zero_padding_rows(dtype):
     ids[3, 1] = -1  # a dropped slot
     weights32 = weights.float().contiguous()
     tiles = choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, x.device)
-    _, saved = layer.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
+    plan = plan_kernels(x, w1, w2, ids.shape[1], tiles, training=True)
+    _, saved = layer.moe_forward(x, w1, w2, weights32, ids, plan, save_for_backward=True)
     sort = saved.sort
     num_rows = sort.tile_expert.numel() * tiles.block_m
     used = sort.tile_expert.long()[torch.arange(num_rows) // tiles.block_m] >= 0
@@ -325,11 +330,11 @@ def test_weight_gradient_operands_have_zero_padding_rows(dtype):
 
     grad_out = torch.randn(num_tokens, d_model).to(dtype)
     dgu, dweights = layer.backward_buffers(x, w1, sort, tiles)
-    dh = layer.dh_buffer(dgu)
+    dh = gemms.dh_buffer(dgu)
     triton_gemm.dh_launch(grad_out, w2, dh, sort, tiles)()
     triton_gemm.swiglu_backward_launch(saved.gate_up, dh, saved.h, weights32, dgu, dweights, sort)()
-    x_sorted = layer.sorted_rows(x, None, sort, num_rows)
-    g_sorted = layer.sorted_rows(grad_out, weights32, sort, num_rows)
+    x_sorted = gemms.sorted_rows(x, None, sort, num_rows)
+    g_sorted = gemms.sorted_rows(grad_out, weights32, sort, num_rows)
     for name, t in (("h", saved.h), ("dgu", dgu), ("x_sorted", x_sorted), ("g_sorted", g_sorted)):
         assert torch.all(t[padding] == 0), name
         assert t[~used].isnan().all(), name
@@ -380,3 +385,22 @@ def test_decode_kernel_drops_slots_outside_the_experts():
     out, _ = triton_decode.decode_forward(x, w1, w2, weights, ids, 3)
     same, ref = torch_loop_same_dtype(x, w1, w2, weights, ids), reference64(x, w1, w2, weights, ids)
     assert_within_budget("out", out, same, ref)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_describe_moe_names_the_kernels_that_run(monkeypatch, training):
+    """describe_moe's plan is the one the call runs: the GEMM kernels it names are the ones launched."""
+    from flashmoe_science.moe import describe_moe
+    from moe_testing import described_kernels, spy_on_gemm_kernels
+
+    x, w1, w2 = make_experts(40, 32, 24, 4, torch.float32)
+    logits = torch.randn(40, 4)
+    ran = spy_on_gemm_kernels(monkeypatch)
+    description = describe_moe(x, w1, w2, 2, backend="triton", training=training)
+    if training:
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+        fused_moe(*leaves, logits, 2, backend="triton").sum().backward()
+    else:
+        fused_moe(x, w1, w2, logits, 2, backend="triton")
+    assert ran and ran == described_kernels(description), description
+    assert ("triton_gemm.dw1_launch" in ran) == training

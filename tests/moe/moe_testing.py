@@ -76,3 +76,41 @@ def weight_gradient_operands(counts, M, N, block_m, dtype, device="cpu"):
         b[rows] = torch.randn(count, N, device=device).to(dtype)
         ref[expert] = a[rows].double().T @ b[rows].double()
     return sort, a, b, ref
+
+
+# every kernel entry a GEMM runner of moe/gemms.py or moe/hopper/backend.py may call, by the module it is looked up in
+_TRITON_GEMM_LAUNCHES = ("up_swiglu_launch", "down_forward_launch", "dh_launch", "swiglu_backward_launch",
+                         "dx_launch", "dw1_launch", "dw2_launch")
+_GLUON_KERNELS = {"dx_sm90": ("down_sm90", "dh_swiglu_sm90", "dx_sm90"), "wgrad_sm90": ("wgrad_sm90",)}
+
+
+def spy_on_gemm_kernels(monkeypatch, gluon=False) -> set:
+    """The names (``triton_gemm.dx_launch``, ``dx_sm90.dx_sm90``, ...) of the GEMM kernels the layer calls from now
+    on, as ``describe_moe`` writes them, collected into the returned set."""
+    from flashmoe_science.moe import gemms
+
+    ran = set()
+
+    def spy(module, name, function):
+        def called(*args, **kwargs):
+            ran.add(f"{module}.{name}")
+            return function(*args, **kwargs)
+        return called
+
+    for name in _TRITON_GEMM_LAUNCHES:
+        monkeypatch.setattr(gemms, name, spy("triton_gemm", name, getattr(gemms, name)))
+    if gluon:
+        from flashmoe_science.moe.hopper import dx_sm90, wgrad_sm90
+
+        for module in (dx_sm90, wgrad_sm90):
+            short = module.__name__.rsplit(".", 1)[1]
+            for name in _GLUON_KERNELS[short]:
+                monkeypatch.setattr(module, name, spy(short, name, getattr(module, name)))
+    return ran
+
+
+def described_kernels(description: str) -> set:
+    """The GEMM kernels a ``describe_moe`` text says run (the names ``spy_on_gemm_kernels`` collects)."""
+    import re
+
+    return set(re.findall(r"\b(?:triton_gemm|dx_sm90|wgrad_sm90)\.\w+", description))

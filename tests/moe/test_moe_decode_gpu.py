@@ -4,7 +4,7 @@ inference call of at most MAX_DECODE_TOKENS tokens. Against float64 within 2x Py
 import pytest
 import torch
 
-from flashmoe_science.moe import api, fused_experts, fused_moe, moe_route, layer, triton_decode
+from flashmoe_science.moe import execute, fused_experts, fused_moe, moe_route, layer, triton_decode
 from moe_testing import assert_within_budget, make_experts, reference64, torch_loop_same_dtype
 
 pytestmark = pytest.mark.gpu
@@ -20,9 +20,9 @@ def _exact_fp32_and_no_batched_path(monkeypatch):
         raise AssertionError("a decode-sized inference call took the batched path")
 
     monkeypatch.setattr(layer, "moe_forward", batched)
-    api._PREPARED.clear()
+    execute.PREPARED.clear()
     yield
-    api._PREPARED.clear()
+    execute.PREPARED.clear()
     torch.backends.cuda.matmul.allow_tf32 = previous
 
 
@@ -91,13 +91,13 @@ def test_repeated_signature_takes_the_prepared_decode(monkeypatch, entry):
 
     with torch.no_grad():
         first = call(x, logits)
-        (prepared,) = api._PREPARED.values()
+        (prepared,) = execute.PREPARED.values()
         assert isinstance(prepared, triton_decode.PreparedDecode)
         monkeypatch.setattr(triton_decode, "decode_forward", None)  # a repeat must not take the full path
         torch.testing.assert_close(call(x, logits), first, rtol=0, atol=2e-2)  # float32 atomics in any order
         x2, logits2 = torch.randn_like(x), torch.randn_like(logits)
         out2 = call(x2, logits2)
-    assert len(api._PREPARED) == 1
+    assert len(execute.PREPARED) == 1
     weights, ids = moe_route(logits2, 4)
     _check(out2, x2, w1, w2, weights, ids)
 

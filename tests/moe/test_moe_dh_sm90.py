@@ -191,8 +191,8 @@ def test_swiglu_cpu_tensors_are_refused_with_a_value_error():
 
 
 def test_meta_stand_in_for_the_gathered_operand():
-    """moe_backward (layer._hopper_dh_swiglu) checks a meta tensor of the gathered copy's shape and dtype
-    before making it: it passes where the real copy would, and d % block_k still sends dh to Triton."""
+    """The Hopper family's plan (moe/hopper/backend.py) checks a meta tensor of the gathered copy's shape and dtype
+    before the copy is made: it passes where the real copy would, and d % block_k still sends dh to Triton."""
     for d_model, passes in ((128, True), (96, False)):
         _, w2, dgu, swiglu, sort = _swiglu_case(d_model=d_model)
         stand_in = torch.empty((dgu.shape[0], w2.shape[1]), dtype=w2.dtype, device="meta")
@@ -202,15 +202,19 @@ def test_meta_stand_in_for_the_gathered_operand():
 
 
 def test_the_triton_path_off_hopper():
-    """On the CPU moe_backward's dh + SwiGLU step takes the Triton kernels (the Gluon kernel needs a Hopper GPU)."""
-    from flashmoe_science.moe import layer
+    """On the CPU the plan gives moe_backward's dh + SwiGLU step to the Triton kernels (the Gluon kernel needs a
+    Hopper GPU), and says so."""
+    from flashmoe_science.moe.gemms import TritonDhSwiglu
+    from flashmoe_science.moe.plan import plan_kernels
     from flashmoe_science.moe.tiles import choose_tiles
 
-    _, w2, dgu, swiglu, sort = _swiglu_case()
+    _, w2, _, _, _ = _swiglu_case()
+    x = torch.zeros(16, w2.shape[1], dtype=w2.dtype)
+    w1 = torch.zeros(w2.shape[0], 2 * w2.shape[2], w2.shape[1], dtype=w2.dtype)
     tiles = replace(choose_tiles(16, 2, 4, 128, 64, torch.device("cpu")), block_m=128)
-    grad_out = torch.zeros(16, 128, dtype=torch.bfloat16)
-    assert layer._hopper_dh_swiglu(grad_out, w2, *swiglu[:2], swiglu.row_scale, dgu, swiglu.dscale, sort,
-                                         tiles) is None
+    choice = plan_kernels(x, w1, w2, 2, tiles, training=True).choice("dh_swiglu")
+    assert choice.backend == "triton" and isinstance(choice.plan, TritonDhSwiglu)
+    assert "CUDA" in choice.why_not("hopper")
 
 
 def test_configs_of_the_ab_script_fit_shared_memory():
@@ -309,10 +313,10 @@ def _float64_dh(grad_out, w2, sort):
 ])
 def test_matches_float64_and_the_triton_dh_kernel(config, dtype, num_tokens, d_model, d_ff, num_experts, top_k,
                                                   routing, num_ctas):
-    """dh_sm90 over dout gathered by layer.sorted_rows (NaN in the padding rows it reads: they must not reach
+    """dh_sm90 over dout gathered by gemms.sorted_rows (NaN in the padding rows it reads: they must not reach
     a valid row) against triton_gemm.dh_launch and float64, on the valid rows; the padding rows of dh (NaN) stay
     untouched."""
-    from flashmoe_science.moe import layer, triton_gemm
+    from flashmoe_science.moe import gemms, triton_gemm
     from flashmoe_science.moe.dispatch import sort_pairs_by_expert
     from flashmoe_science.moe.tiles import GemmTiles, choose_tiles
 
@@ -322,7 +326,7 @@ def test_matches_float64_and_the_triton_dh_kernel(config, dtype, num_tokens, d_m
     rows = sort.tile_expert.numel() * 128
     grad_out = torch.randn(num_tokens, d_model, device=device).to(dtype)
     w2 = (torch.randn(num_experts, d_model, d_ff, device=device) / d_model**0.5).to(dtype)
-    dout_sorted = layer.sorted_rows(grad_out, None, sort, rows)
+    dout_sorted = gemms.sorted_rows(grad_out, None, sort, rows)
     valid = sort.sorted_pair_ids < sort.num_pairs
     dout_sorted[~valid] = float("nan")
     # 128-row tiles as the Gluon kernel's (the heuristic picks fewer rows for the small cases), with a 128x128 dh tile
@@ -374,7 +378,7 @@ def test_fused_swiglu_matches_the_triton_dh_and_swiglu_kernels(config, dtype, nu
     accumulation order of dh (a rounding flip of the output dtype now and then), the routing-weight gradient close,
     zeros in the padding rows of used row tiles, rows of unused tiles untouched (NaN). dout's gathered copy, gate_up
     and h hold NaN in every row without a pair: none of it may reach a valid row."""
-    from flashmoe_science.moe import layer, triton_gemm
+    from flashmoe_science.moe import gemms, triton_gemm
     from flashmoe_science.moe.dispatch import sort_pairs_by_expert
     from flashmoe_science.moe.tiles import GemmTiles, choose_tiles
 
@@ -398,7 +402,7 @@ def test_fused_swiglu_matches_the_triton_dh_and_swiglu_kernels(config, dtype, nu
     ref_dscale = torch.zeros(num_tokens, top_k, device=device)
     triton_gemm.swiglu_backward_launch(gate_up, dh, h, weights32, ref, ref_dscale, sort)()
 
-    dout_sorted = layer.sorted_rows(grad_out, None, sort, rows)
+    dout_sorted = gemms.sorted_rows(grad_out, None, sort, rows)
     dout_sorted[~valid] = float("nan")
     dgu = torch.full((rows, 2 * d_ff), float("nan"), device=device, dtype=dtype)
     dscale = torch.zeros(num_tokens, top_k, device=device)
@@ -431,7 +435,10 @@ def test_backward_with_the_fused_dh_matches_the_backward_with_the_triton_kernels
                                                                                  d_ff, num_experts, top_k):
     """moe_backward takes dh_swiglu_sm90 on the H200 (128-row tiles); its gradients against moe_backward with
     dh_launch + swiglu_backward_launch, every buffer NaN-poisoned before it is written."""
+    from flashmoe_science.backends import Choice
     from flashmoe_science.moe import layer, moe_route
+    from flashmoe_science.moe.gemms import TRITON_RUNNERS
+    from flashmoe_science.moe.plan import plan_kernels
     from flashmoe_science.moe.tiles import choose_tiles
     from moe_testing import make_experts
 
@@ -442,7 +449,9 @@ def test_backward_with_the_fused_dh_matches_the_backward_with_the_triton_kernels
     weights32 = weights.float().contiguous()
     tiles = choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, torch.device(device))
     assert tiles.block_m == 128
-    _, saved = layer.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
+    _, saved = layer.moe_forward(x, w1, w2, weights32, ids, plan_kernels(x, w1, w2, top_k, tiles, training=True),
+                                 save_for_backward=True)
+    assert saved.plan.choice("dh_swiglu").backend == "hopper"
     grad_out = torch.randn(num_tokens, d_model, device=device).to(torch.bfloat16)
 
     calls = []
@@ -450,8 +459,10 @@ def test_backward_with_the_fused_dh_matches_the_backward_with_the_triton_kernels
     monkeypatch.setattr(gdx, "dh_swiglu_sm90", lambda *args, **kw: calls.append(1) or fused(*args, **kw))
     ours = layer.moe_backward(grad_out, x, w1, w2, weights32, saved)
     assert calls, "moe_backward did not take the fused Gluon dh"
-    monkeypatch.setattr(layer, "_hopper_dh_swiglu", lambda *args: None)
-    theirs = layer.moe_backward(grad_out, x, w1, w2, weights32, saved)
+    triton_dh = tuple((name, Choice("triton", TRITON_RUNNERS[name]) if name == "dh_swiglu" else choice)
+                      for name, choice in saved.plan.gemms)
+    theirs = layer.moe_backward(grad_out, x, w1, w2, weights32, saved._replace(plan=replace(saved.plan,
+                                                                                           gemms=triton_dh)))
     torch.cuda.synchronize()
     assert len(calls) == 1
     for name, a, b in zip(("dx", "dw1", "dw2", "dweights"), ours, theirs):

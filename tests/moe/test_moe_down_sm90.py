@@ -88,17 +88,21 @@ def test_split_tail_is_allowed_for_down():
 
 
 def test_cpu_forward_keeps_the_triton_down_launch():
-    from flashmoe_science.moe import layer
+    from flashmoe_science.moe.hopper.backend import HopperDown, HopperDownLaunch
     from flashmoe_science.moe.launch import Launch
+    from flashmoe_science.moe.plan import plan_kernels
     from flashmoe_science.moe.tiles import choose_tiles
 
     h, w2, out32, weights, sort = _cpu_case()
+    x = torch.zeros(out32.shape, dtype=w2.dtype)
+    w1 = torch.zeros(w2.shape[0], 2 * w2.shape[2], w2.shape[1], dtype=w2.dtype)
     tiles = replace(choose_tiles(16, 2, 4, 256, 128, torch.device("cpu")), block_m=128)
-    launch = layer._down_launch(h, w2, out32, weights, sort, tiles)
-    assert isinstance(launch, Launch)
-    assert layer._down_sort_tensors(launch) == ("sorted_pair_ids", "tile_expert")
-    hopper = layer.HopperDownLaunch(h, w2, out32, weights, sort, tiles)
-    assert layer._down_sort_tensors(hopper) == gdx.DOWN_SORT_TENSORS
+    down = plan_kernels(x, w1, w2, 2, tiles).runner("down")
+    assert isinstance(down.launch(h, w2, out32, weights, sort, tiles), Launch)
+    assert down.sort_tensors == ("sorted_pair_ids", "tile_expert")
+    hopper = HopperDown(gdx.down_config(w2.shape[2]))
+    assert isinstance(hopper.launch(h, w2, out32, weights, sort, tiles), HopperDownLaunch)
+    assert hopper.sort_tensors == gdx.DOWN_SORT_TENSORS
 
 
 @pytest.mark.sm90_build
@@ -206,9 +210,11 @@ def test_prepared_down_matches_a_direct_call_on_new_tensors():
 
 @pytest.mark.gpu
 def test_forward_runs_the_gluon_down_and_matches_the_reference():
-    """moe_forward on Hopper with 128-row tiles takes HopperDownLaunch; its output, eager and prepared, against the
-    float64 reference within 2x PyTorch's own bf16 error."""
+    """moe_forward on Hopper with 128-row tiles takes the Gluon down kernel (HopperDownLaunch); its output, eager
+    and prepared, against the float64 reference within 2x PyTorch's own bf16 error."""
     from flashmoe_science.moe import layer, moe_route
+    from flashmoe_science.moe.hopper.backend import HopperDownLaunch
+    from flashmoe_science.moe.plan import plan_kernels
     from moe_testing import assert_within_budget, make_experts, reference64, torch_loop_same_dtype
 
     torch.manual_seed(0)
@@ -216,11 +222,11 @@ def test_forward_runs_the_gluon_down_and_matches_the_reference():
     x, w1, w2 = make_experts(num_tokens, d_model, d_ff, num_experts, torch.bfloat16, "cuda")
     weights, ids = moe_route(torch.randn(num_tokens, num_experts, device="cuda"), top_k)
     weights32 = weights.float().contiguous()
-    tiles = layer._default_tiles(x, w1, ids)
-    if tiles.block_m != 128:
-        pytest.skip(f"the heuristic chose block_m={tiles.block_m}")
-    *_, launches = layer._forward_launches(x, w1, w2, weights32, ids, tiles)
-    assert isinstance(launches[-1], layer.HopperDownLaunch)
+    plan = plan_kernels(x, w1, w2, top_k)
+    if plan.tiles.block_m != 128:
+        pytest.skip(f"the heuristic chose block_m={plan.tiles.block_m}")
+    *_, launches = layer._forward_launches(x, w1, w2, weights32, ids, plan)
+    assert isinstance(launches[-1], HopperDownLaunch)
     out, _ = layer.moe_forward(x, w1, w2, weights32, ids)
     prepared = layer.prepare_forward(x, w1, w2, weights32, ids)
     assert prepared.down_sort_tensors == gdx.DOWN_SORT_TENSORS

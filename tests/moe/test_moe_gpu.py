@@ -186,10 +186,10 @@ def test_cuda_graph_capture_has_no_host_sync():
 ])
 def test_repeated_signature_takes_the_prepared_launches(monkeypatch, entry, num_tokens, d_model, d_ff, num_experts,
                                                         top_k, dtype, exact):
-    """The second inference call of a signature skips the checks, the tiles and Triton's binding (moe.api._PREPARED):
+    """The second inference call of a signature skips the checks, the tiles and Triton's binding (moe.execute.PREPARED):
     bit for bit the full path's output where the combine is order-independent (at most two float32 atomic adds per
     output element), and within budget on new data of that signature."""
-    from flashmoe_science.moe import api, layer
+    from flashmoe_science.moe import execute, layer
 
     def call(x, w1, w2, logits):
         if entry == "fused_moe":
@@ -200,11 +200,11 @@ def test_repeated_signature_takes_the_prepared_launches(monkeypatch, entry, num_
         return (*make_experts(num_tokens, d_model, d_ff, num_experts, dtype, DEVICE),
                 torch.randn(num_tokens, num_experts, device=DEVICE))
 
-    api._PREPARED.clear()
+    execute.PREPARED.clear()
     x, w1, w2, logits = inputs()
     with torch.no_grad():
         first = call(x, w1, w2, logits)
-        (prepared,) = api._PREPARED.values()
+        (prepared,) = execute.PREPARED.values()
         tiles = getattr(prepared, "forward", prepared).tiles  # (fused_moe's: the routing, then the forward)
         assert exact == (tiles.down.split_k == 1 and top_k <= 2)
 
@@ -219,7 +219,7 @@ def test_repeated_signature_takes_the_prepared_launches(monkeypatch, entry, num_
             torch.testing.assert_close(again, first, rtol=1e-2, atol=1e-2)
         x2, w1_2, w2_2, logits2 = inputs()
         out2 = call(x2, w1_2, w2_2, logits2)
-        assert len(api._PREPARED) == 1
+        assert len(execute.PREPARED) == 1
     weights, ids = moe_route(logits2, top_k)
     assert_within_budget("out", out2, torch_loop_same_dtype(x2, w1_2, w2_2, weights, ids),
                          reference64(x2, w1_2, w2_2, weights, ids))
@@ -300,3 +300,24 @@ def test_triton_routing_matches_pytorch_routing(num_tokens, num_experts, top_k, 
     assert ours.dtype == dtype
     torch.testing.assert_close(ours[clear].double(), ref[clear], rtol=2e-2 if dtype != torch.float32 else 1e-4,
                                atol=1e-2 if dtype != torch.float32 else 1e-6)
+
+
+@pytest.mark.parametrize("num_tokens, d_model, d_ff, num_experts, top_k", [
+    (4096, 512, 768, 8, 2),  # 1024 rows per expert: 128-row tiles, the Gluon GEMMs on Hopper
+    (64, 256, 192, 8, 2),  # 16 rows per expert: the Triton GEMMs everywhere
+    (4096, 512, 704, 8, 2),  # F not a multiple of 128: the fused dh declines on Hopper, the other GEMMs are Gluon
+])
+def test_describe_moe_names_the_kernels_that_run(monkeypatch, num_tokens, d_model, d_ff, num_experts, top_k):
+    """describe_moe's plan is the one a training call runs: the GEMM kernels it names (Gluon and Triton) are the
+    ones launched, forward and backward."""
+    from flashmoe_science.moe import describe_moe
+    from moe_testing import described_kernels, spy_on_gemm_kernels
+
+    x, w1, w2 = make_experts(num_tokens, d_model, d_ff, num_experts, torch.bfloat16, DEVICE)
+    logits = torch.randn(num_tokens, num_experts, device=DEVICE)
+    ran = spy_on_gemm_kernels(monkeypatch, gluon=True)
+    description = describe_moe(x, w1, w2, top_k)
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    fused_moe(*leaves, logits, top_k).sum().backward()
+    torch.cuda.synchronize()
+    assert ran == described_kernels(description), description

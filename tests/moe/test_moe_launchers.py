@@ -17,7 +17,8 @@ import torch
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     pytest.skip("launchers are stubbed here; the interpreter runs the real kernels elsewhere", allow_module_level=True)
 
-from flashmoe_science.moe import api, dispatch, layer, triton_gemm  # noqa: E402
+from flashmoe_science.moe import api, dispatch, execute, layer, triton_gemm  # noqa: E402
+from flashmoe_science.moe.plan import plan_kernels  # noqa: E402
 from flashmoe_science.moe.launch import Launch  # noqa: E402
 
 KERNELS = [(dispatch, "_sort_one_chunk"), (dispatch, "_count_chunks"), (dispatch, "_scan_counts"),
@@ -127,7 +128,8 @@ def test_prepared_forward_repeats_the_jit_launches_on_new_tensors(kernels, num_t
         assert run[3:9] == (1234, "function", "metadata", None, None, None)
         prepared_runs.append((run[:3], run[9:]))
 
-    layer.moe_forward(*new, tiles=prepared.tiles)
+    x, w1, w2, _, ids = new
+    layer.moe_forward(*new, plan_kernels(x, w1, w2, ids.shape[1], prepared.tiles))
     assert _canonical(prepared_runs, names) == _canonical(_jit_launches(kernels), names)
     for kernel in kernels:  # the JIT launch's options are the prepared launch's
         (_, _, kwargs), = kernel.launches
@@ -157,27 +159,27 @@ def test_launch_prepare_freezes_no_tensor(kernels):
 def test_prepared_keys_leave_autograd_and_ambiguous_arguments_to_the_full_path():
     x, w1, w2, weights, ids = _inputs(4, 32, 16, 8, 2, torch.float32, "contiguous")
     logits = torch.randn(4, 8)
-    key = api._moe_key(x, w1, w2, logits, 2, True, "softmax", "auto")
-    assert key is not None and key == api._moe_key(x.clone(), w1, w2, logits, 2, True, "softmax", "auto")
-    assert key != api._moe_key(x, w1, w2, logits, 3, True, "softmax", "auto")
-    assert key != api._moe_key(x.T.contiguous().T, w1, w2, logits, 2, True, "softmax", "auto")  # strides
-    assert key != api._moe_key(x, w1, w2, logits.double(), 2, True, "softmax", "auto")  # the routing's dtypes
+    key = execute.moe_key(x, w1, w2, logits, 2, True, "softmax", "auto")
+    assert key is not None and key == execute.moe_key(x.clone(), w1, w2, logits, 2, True, "softmax", "auto")
+    assert key != execute.moe_key(x, w1, w2, logits, 3, True, "softmax", "auto")
+    assert key != execute.moe_key(x.T.contiguous().T, w1, w2, logits, 2, True, "softmax", "auto")  # strides
+    assert key != execute.moe_key(x, w1, w2, logits.double(), 2, True, "softmax", "auto")  # the routing's dtypes
     offset = torch.empty(x.numel() + 2)[2:].view(x.shape)  # 8 bytes off: Triton specialises on 16
-    assert key != api._moe_key(offset, w1, w2, logits, 2, True, "softmax", "auto")
-    assert api._moe_key(x, w1, w2, logits, True, True, "softmax", "auto") is None  # True == 1: the check must run
-    assert api._moe_key(x, w1, w2, logits, 2, 1, "softmax", "auto") is None
-    assert api._moe_key(x, w1, w2, logits, 2, True, "softmax", ["auto"]) is None
-    assert api._moe_key(x, w1, w2, logits.numpy(), 2, True, "softmax", "auto") is None
+    assert key != execute.moe_key(offset, w1, w2, logits, 2, True, "softmax", "auto")
+    assert execute.moe_key(x, w1, w2, logits, True, True, "softmax", "auto") is None  # True == 1: the check must run
+    assert execute.moe_key(x, w1, w2, logits, 2, 1, "softmax", "auto") is None
+    assert execute.moe_key(x, w1, w2, logits, 2, True, "softmax", ["auto"]) is None
+    assert execute.moe_key(x, w1, w2, logits.numpy(), 2, True, "softmax", "auto") is None
     grad_logits = logits.clone().requires_grad_()
-    assert api._moe_key(x, w1, w2, grad_logits, 2, True, "softmax", "auto") is None  # the router trains
+    assert execute.moe_key(x, w1, w2, grad_logits, 2, True, "softmax", "auto") is None  # the router trains
     with torch.no_grad():
-        assert api._moe_key(x, w1, w2, grad_logits, 2, True, "softmax", "auto") is not None
+        assert execute.moe_key(x, w1, w2, grad_logits, 2, True, "softmax", "auto") is not None
 
-    key = api._experts_key(x, w1, w2, weights, ids, "auto")
-    assert key is not None and key != api._experts_key(x, w1, w2, weights, ids.int(), "auto")
-    assert key != api._experts_key(x, w1, w2, weights, ids, "triton")
-    assert api._experts_key(x, w1.clone().requires_grad_(), w2, weights, ids, "auto") is None
-    assert api._experts_key(x, w1, w2, weights, ids, None) is None
+    key = execute.experts_key(x, w1, w2, weights, ids, "auto")
+    assert key is not None and key != execute.experts_key(x, w1, w2, weights, ids.int(), "auto")
+    assert key != execute.experts_key(x, w1, w2, weights, ids, "triton")
+    assert execute.experts_key(x, w1.clone().requires_grad_(), w2, weights, ids, "auto") is None
+    assert execute.experts_key(x, w1, w2, weights, ids, None) is None
 
 
 @pytest.mark.parametrize("entry", ["fused_moe", "fused_experts"])
@@ -186,8 +188,8 @@ def test_api_runs_a_remembered_signature_through_its_prepared_launches(kernels, 
     here; tests/moe/test_moe_gpu.py covers the rest): an inference call skips autograd, and a call whose key is
     in `_PREPARED` runs its prepared launches, not the full path."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets backend="triton" take CPU tensors; the kernels are stubs
-    monkeypatch.setattr(api._FusedExpertsTriton, "apply", None)  # inference never builds an autograd node
-    monkeypatch.setattr(api, "_PREPARED", {})
+    monkeypatch.setattr(execute.FusedExperts, "apply", None)  # inference never builds an autograd node
+    monkeypatch.setattr(execute, "PREPARED", {})
     num_tokens, top_k, num_experts = 5, 2, 8
     x, w1, w2, _, _ = _inputs(num_tokens, 64, 48, num_experts, top_k, torch.bfloat16, "contiguous")
     logits = torch.randn(num_tokens, num_experts)
@@ -199,12 +201,13 @@ def test_api_runs_a_remembered_signature_through_its_prepared_launches(kernels, 
 
     with torch.no_grad():
         call(x, logits)
-        assert [len(kernel.launches) for kernel in kernels] == [1, 0, 0, 0, 1, 1] and api._PREPARED == {}
+        assert [len(kernel.launches) for kernel in kernels] == [1, 0, 0, 0, 1, 1] and execute.PREPARED == {}
         weights, ids = api.moe_route(logits, top_k)
-        key = (api._moe_key(x, w1, w2, logits, top_k, True, "softmax", "triton") if entry == "fused_moe"
-               else api._experts_key(x, w1, w2, weights, ids, "triton"))
+        key = (execute.moe_key(x, w1, w2, logits, top_k, True, "softmax", "triton") if entry == "fused_moe"
+               else execute.experts_key(x, w1, w2, weights, ids, "triton"))
         prepared = layer.prepare_forward(x, w1, w2, weights, ids)
-        api._PREPARED[key] = api._RoutedForward(prepared, top_k, True, "softmax") if entry == "fused_moe" else prepared
+        execute.PREPARED[key] = (execute.RoutedForward(prepared, top_k, True, "softmax") if entry == "fused_moe"
+                                 else prepared)
         monkeypatch.setattr(layer, "moe_forward", None)
         x2 = torch.randn_like(x)
         out = call(x2, torch.randn_like(logits))

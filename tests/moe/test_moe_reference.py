@@ -171,3 +171,31 @@ def test_triton_backend_on_cpu_needs_interpreter(monkeypatch):
     g = _good()
     with pytest.raises(ValueError, match="backend"):
         fused_moe(g["x"], g["w1"], g["w2"], g["router_logits"], 2, backend="triton")
+
+
+@pytest.mark.parametrize("w1_shape, w2_shape, blamed", [
+    ((3, 6, 8), (3, 8, 6), "w1"),  # w1 holds 2F = 6 rows where w2 says F = 6
+    ((3, 12, 7), (3, 8, 6), "w1"),  # w1's d is not x's
+    ((3, 12, 8), (3, 7, 6), "w2"),  # w2's d is not x's
+])
+def test_expert_shape_errors_name_the_weight_whose_dims_disagree(w1_shape, w2_shape, blamed):
+    g = _good()
+    with pytest.raises(ValueError, match=f"^{blamed} must") as error:
+        fused_moe(g["x"], torch.randn(w1_shape), torch.randn(w2_shape), g["router_logits"], 2)
+    if blamed == "w1" and w1_shape[2] == 8:  # both shapes are shown where the weights disagree
+        assert str(tuple(w2_shape)) in str(error.value)
+
+
+def test_describe_moe_names_the_reference_that_runs(monkeypatch):
+    from flashmoe_science.moe import describe_moe, execute
+
+    ran = []
+    reference = execute.fused_experts_reference
+    monkeypatch.setattr(execute, "fused_experts_reference", lambda *args: ran.append(1) or reference(*args))
+    g = _good()
+    description = describe_moe(g["x"], g["w1"], g["w2"], 2)
+    assert description.splitlines()[:2] == ["experts: reference",
+                                            "  not triton: x is on cpu: 'auto' runs the Triton kernels on CUDA "
+                                            "tensors only"]
+    fused_moe(**g)
+    assert ran == [1]

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from flashmoe_science.moe import layer, triton_gemm  # noqa: E402
+from flashmoe_science.moe import gemms, layer, triton_gemm  # noqa: E402
 from flashmoe_science.moe.dispatch import ExpertSort, max_row_tiles  # noqa: E402
 from flashmoe_science.moe.tiles import GemmTiles, choose_tiles, gemm_smem_bytes, split_k_for  # noqa: E402
 
@@ -65,7 +65,7 @@ def test_every_moe_launch_uses_the_shared_precision_policy(monkeypatch, dtype, p
     weights32 = torch.zeros(num_tokens, top_k)
     h, out32, gate_up = layer.forward_buffers(x, w1, sort, tiles, save_for_backward=True)
     dgu, dweights = layer.backward_buffers(x, w1, sort, tiles)
-    dh = layer.dh_buffer(dgu)
+    dh = gemms.dh_buffer(dgu)
     launches = [
         triton_gemm.up_swiglu_launch(x, w1, h, gate_up, sort, tiles),
         triton_gemm.down_forward_launch(h, w2, out32, weights32, sort, tiles),

@@ -242,7 +242,8 @@ def test_on_the_backward_operands(monkeypatch, config):
     """dw1 and dw2 from the operands the library's kernels produce (training forward's h, the SwiGLU backward's
     d(gate, up), the row gathers' x and weight * dout), NaN-poisoned before they are written: their padding rows
     must come out zero for this kernel to match the Triton one."""
-    from flashmoe_science.moe import layer, moe_route, triton_gemm
+    from flashmoe_science.moe import gemms, layer, moe_route, triton_gemm
+    from flashmoe_science.moe.plan import plan_kernels
     from flashmoe_science.moe.tiles import choose_tiles
     from moe_testing import make_experts
 
@@ -254,16 +255,17 @@ def test_on_the_backward_operands(monkeypatch, config):
     weights32 = weights.float().contiguous()
     tiles = choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, torch.device(device))
     assert tiles.block_m == 128
-    _, saved = layer.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
+    _, saved = layer.moe_forward(x, w1, w2, weights32, ids, plan_kernels(x, w1, w2, top_k, tiles, training=True),
+                                 save_for_backward=True)
     sort = saved.sort
     grad_out = torch.randn(num_tokens, d_model, device=device).to(torch.bfloat16)
     dgu, dweights = layer.backward_buffers(x, w1, sort, tiles)
-    dh = layer.dh_buffer(dgu)
+    dh = gemms.dh_buffer(dgu)
     triton_gemm.dh_launch(grad_out, w2, dh, sort, tiles)()
     triton_gemm.swiglu_backward_launch(saved.gate_up, dh, saved.h, weights32, dgu, dweights, sort)()
     num_rows = dgu.shape[0]
-    x_sorted = layer.sorted_rows(x, None, sort, num_rows)
-    g_sorted = layer.sorted_rows(grad_out, weights32, sort, num_rows)
+    x_sorted = gemms.sorted_rows(x, None, sort, num_rows)
+    g_sorted = gemms.sorted_rows(grad_out, weights32, sort, num_rows)
     for name, a, b, shape in (("dw1", dgu, x_sorted, w1.shape), ("dw2", g_sorted, saved.h, w2.shape)):
         ref = _triton_wgrad(a, b, sort)
         out = torch.full(shape, float("nan"), device=device, dtype=torch.bfloat16)

@@ -27,7 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from flashmoe_science.distributed.comm import all_to_all, all_to_all_counts, group_rank_and_size
-from flashmoe_science.moe.api import BACKENDS, _check_experts, _check_topk, fused_experts, moe_route
+from flashmoe_science.moe.api import fused_experts, moe_route
+from flashmoe_science.moe.checks import check_experts as _check_experts, check_topk as _check_topk
+from flashmoe_science.moe.plan import BACKENDS
 from flashmoe_science.nn.moe import _check_positive_int, check_layer_args, init_experts, tokens_of
 
 

@@ -32,9 +32,13 @@ from flashmoe_science.attention import reference as attention_reference
 from flashmoe_science.attention.checks import check_flags, check_inputs
 from flashmoe_science.attention.mask import make_mask
 from flashmoe_science.attention.varlen import flash_attention_varlen
-from flashmoe_science.moe import api as moe_api
+from flashmoe_science.moe import execute as moe_execute
 from flashmoe_science.moe import routing
-from flashmoe_science.moe.reference import fused_experts_reference_backward
+from flashmoe_science.moe.checks import (check_experts, check_router_logits, check_routing_options, check_top_k,
+                                         check_topk)
+from flashmoe_science.moe.dispatch import ExpertSort, max_row_tiles
+from flashmoe_science.moe.plan import ExpertsProblem, plan_experts
+from flashmoe_science.moe.reference import fused_experts_reference, fused_experts_reference_backward
 
 NAMESPACE = "flashmoe_science"
 _op = torch.library.custom_op
@@ -315,14 +319,14 @@ def compiled_attention_decode(q, k_cache, v_cache, cache_seqlens, *, block_table
 @_op(f"{NAMESPACE}::moe_route", mutates_args=())
 def moe_route(router_logits: Tensor, top_k: int, renormalize: bool, scoring: str) -> tuple[Tensor, Tensor]:
     with torch.no_grad():
-        return moe_api.moe_route(router_logits, top_k, renormalize, scoring)
+        return moe_execute.route_checked(router_logits, top_k, renormalize, scoring)
 
 
 @moe_route.register_fake
 def _moe_route_fake(router_logits, top_k, renormalize, scoring):
-    moe_api._check_router_logits(router_logits)
-    moe_api._check_top_k(top_k, router_logits.shape[1])
-    moe_api._check_routing_options(renormalize, scoring)
+    check_router_logits(router_logits)
+    check_top_k(top_k, router_logits.shape[1])
+    check_routing_options(renormalize, scoring)
     shape = (router_logits.shape[0], top_k)
     weights_dtype = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
     return router_logits.new_empty(shape, dtype=weights_dtype), router_logits.new_empty(shape, dtype=torch.int64)
@@ -365,34 +369,29 @@ def compiled_moe_route(router_logits, top_k, renormalize, scoring):
 
 
 # ------------------------------------------------------------------------------------------------------ experts
-# The Triton forward's residuals, in this order: its expert sort's five tensors, then the SwiGLU pre-activations
-# (gate_up) and output (h) by sorted row. The reference backend keeps none (its backward recomputes): empty tensors.
+# The kernel layer's residuals, in this order: its expert sort's five tensors, then the SwiGLU pre-activations
+# (gate_up) and output (h) by sorted row. The reference keeps none (its backward recomputes): empty tensors.
+# The backward op plans the call again (a custom op passes tensors, not the forward's plan): the same planner on
+# the same tensors, so the same plan.
 _SORT_FIELDS = ("sorted_pair_ids", "pair_row", "tile_expert", "expert_counts", "expert_row_start")
 
 
-def _experts_backend(x: Tensor, backend: str) -> str:
-    return moe_api._choose_backend(backend, x)
-
-
-def _triton_tiles(x, w1, topk_ids):
-    from flashmoe_science.moe import layer
-
-    return layer._default_tiles(x, w1, topk_ids)
-
-
-def _residuals_fake(x, w1, topk_ids, backend) -> list[Tensor]:
+def _residuals_fake(x, w1, w2, topk_ids, backend) -> list[Tensor]:
     """Tensors shaped as ``fused_experts_forward``'s residuals (every size follows from the shapes, none from the
     ids: dispatch.sort_buffers, layer.forward_buffers)."""
-    if _experts_backend(x, backend) == "reference":
-        return [x.new_empty((0,)) for _ in range(len(_SORT_FIELDS) + 2)]
-    from flashmoe_science.moe.dispatch import max_row_tiles
-
-    block_m, (num_tokens, top_k), num_experts = _triton_tiles(x, w1, topk_ids).block_m, topk_ids.shape, w1.shape[0]
+    plan = plan_experts(ExpertsProblem(x, w1, w2, topk_ids.shape[1], backend, training=True), gemms=False)
+    if plan.plan is None:
+        return _no_residuals(x)
+    block_m, (num_tokens, top_k), num_experts = plan.plan.tiles.block_m, topk_ids.shape, w1.shape[0]
     num_tiles = max_row_tiles(num_tokens * top_k, num_experts, block_m)
     sizes = ((num_tiles * block_m,), (num_tokens * top_k,), (num_tiles,), (num_experts,), (num_experts,))
     sort = [x.new_empty(size, dtype=torch.int32) for size in sizes]
     rows, two_d_ff = num_tiles * block_m, w1.shape[1]
     return [*sort, x.new_empty((rows, two_d_ff)), x.new_empty((rows, two_d_ff // 2))]
+
+
+def _no_residuals(x) -> list[Tensor]:
+    return [x.new_empty((0,)) for _ in range(len(_SORT_FIELDS) + 2)]
 
 
 # out, then the residuals (a fixed count: a list output would reach the backward as one gradient)
@@ -403,17 +402,16 @@ _EXPERTS_OUTPUTS = tuple[(Tensor,) * (1 + len(_SORT_FIELDS) + 2)]
 def fused_experts_forward(x: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
                           backend: str) -> _EXPERTS_OUTPUTS:
     """(out, *residuals): ``fused_experts`` for a call that records gradients, keeping what its backward needs."""
-    chosen = _experts_backend(x, backend)
-    if chosen == "reference":
+    plan = moe_execute.plan_experts_call(x, w1, w2, topk_weights, topk_ids, backend, training=True)
+    if plan.plan is None:
         with torch.no_grad():
-            out = moe_api.fused_experts(x, w1, w2, topk_weights, topk_ids, backend=chosen)
-        return (out, *_residuals_fake(x, w1, topk_ids, chosen))
+            return (fused_experts_reference(x, w1, w2, topk_weights, topk_ids), *_no_residuals(x))
     from flashmoe_science.moe import layer
 
     with _on_device(x):
-        out, saved = layer.moe_forward(x, w1, w2, topk_weights.float().contiguous(), topk_ids,
-                                             save_for_backward=True)
-    rows, two_d_ff = saved.sort.tile_expert.numel() * saved.tiles.block_m, w1.shape[1]
+        out, saved = layer.moe_forward(x, w1, w2, topk_weights.float().contiguous(), topk_ids, plan.plan,
+                                       save_for_backward=True)
+    rows, two_d_ff = saved.sort.tile_expert.numel() * saved.plan.tiles.block_m, w1.shape[1]
     gate_up = saved.gate_up if saved.gate_up is not None else x.new_empty((rows, two_d_ff))  # None: no tokens
     h = saved.h if saved.h is not None else x.new_empty((rows, two_d_ff // 2))
     return (out, *(getattr(saved.sort, name) for name in _SORT_FIELDS), gate_up, h)
@@ -421,29 +419,26 @@ def fused_experts_forward(x: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tenso
 
 @fused_experts_forward.register_fake
 def _fused_experts_forward_fake(x, w1, w2, topk_weights, topk_ids, backend):
-    num_tokens, _, _, _ = moe_api._check_experts(x, w1, w2)
-    moe_api._check_topk(topk_weights, topk_ids, num_tokens, x)
-    return (x.new_empty(x.shape), *_residuals_fake(x, w1, topk_ids, backend))
+    num_tokens, _, _, _ = check_experts(x, w1, w2)
+    check_topk(topk_weights, topk_ids, num_tokens, x)
+    return (x.new_empty(x.shape), *_residuals_fake(x, w1, w2, topk_ids, backend))
 
 
 @_op(f"{NAMESPACE}::fused_experts_backward", mutates_args=())
 def fused_experts_backward(grad_out: Tensor, x: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor,
                            topk_ids: Tensor, residuals: list[Tensor], backend: str) -> list[Tensor]:
     """[dx, dw1, dw2, dweights] of ``fused_experts_forward``."""
-    chosen = _experts_backend(x, backend)
-    if chosen == "reference":
+    plan = plan_experts(ExpertsProblem(x, w1, w2, topk_ids.shape[1], backend, training=True))
+    if plan.plan is None:
         grads = fused_experts_reference_backward(grad_out, x, w1, w2, topk_weights, topk_ids)
         return [_laid_out_like(g, t) for g, t in zip(grads, (x, w1, w2, topk_weights))]
     from flashmoe_science.moe import layer
-    from flashmoe_science.moe.dispatch import ExpertSort
 
-    tiles = _triton_tiles(x, w1, topk_ids)  # the forward's: the same rule on the same shapes
     *sort_tensors, gate_up, h = residuals
-    sort = ExpertSort(*sort_tensors, tiles.block_m, topk_ids.shape[1], topk_ids.numel())
-    saved = layer.SavedForBackward(sort, tiles, gate_up, h)
+    sort = ExpertSort(*sort_tensors, plan.plan.tiles.block_m, topk_ids.shape[1], topk_ids.numel())
+    saved = layer.SavedForBackward(sort, plan.plan, gate_up, h)
     with _on_device(x):
-        dx, dw1, dw2, dweights = layer.moe_backward(grad_out, x, w1, w2, topk_weights.float().contiguous(),
-                                                          saved)
+        dx, dw1, dw2, dweights = layer.moe_backward(grad_out, x, w1, w2, topk_weights.float().contiguous(), saved)
     return [dx, dw1, dw2, _laid_out_like(dweights.to(topk_weights.dtype), topk_weights)]
 
 
@@ -472,8 +467,8 @@ fused_experts_forward.register_autograd(_experts_autograd_backward, setup_contex
 @_op(f"{NAMESPACE}::fused_experts_inference", mutates_args=())
 def fused_experts_inference(x: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor,
                             backend: str) -> Tensor:
-    with torch.no_grad():
-        return moe_api.fused_experts(x, w1, w2, topk_weights, topk_ids, backend=backend)
+    with torch.no_grad(), _on_device(x):
+        return moe_execute.experts(x, w1, w2, topk_weights, topk_ids, backend)
 
 
 @fused_experts_inference.register_fake
@@ -484,32 +479,27 @@ def _fused_experts_inference_fake(x, w1, w2, topk_weights, topk_ids, backend):
 @_op(f"{NAMESPACE}::fused_moe_inference", mutates_args=())
 def fused_moe_inference(x: Tensor, w1: Tensor, w2: Tensor, router_logits: Tensor, top_k: int, renormalize: bool,
                         scoring: str, backend: str) -> Tensor:
-    with torch.no_grad():
-        return moe_api.fused_moe(x, w1, w2, router_logits, top_k, renormalize=renormalize, scoring=scoring,
-                                 backend=backend)
+    with torch.no_grad(), _on_device(x):
+        return moe_execute.moe(x, w1, w2, router_logits, top_k, renormalize, scoring, backend)
 
 
 @fused_moe_inference.register_fake
 def _fused_moe_inference_fake(x, w1, w2, router_logits, top_k, renormalize, scoring, backend):
-    num_tokens, _, num_experts, _ = moe_api._check_experts(x, w1, w2)
-    moe_api._check_router_logits(router_logits, num_tokens, num_experts)
-    moe_api._check_top_k(top_k, num_experts)
-    moe_api._check_routing_options(renormalize, scoring)
+    num_tokens, _, num_experts, _ = check_experts(x, w1, w2)
+    check_router_logits(router_logits, num_tokens, num_experts)
+    check_top_k(top_k, num_experts)
+    check_routing_options(renormalize, scoring)
     return x.new_empty(x.shape)
 
 
-def _records_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def compiled_fused_experts(x, w1, w2, topk_weights, topk_ids, backend):
-    if _records_grad(x, w1, w2, topk_weights):
+    if moe_execute.records_grad(x, w1, w2, topk_weights):
         return fused_experts_forward(x, w1, w2, topk_weights, topk_ids, backend)[0]
     return fused_experts_inference(x, w1, w2, topk_weights, topk_ids, backend)
 
 
 def compiled_fused_moe(x, w1, w2, router_logits, top_k, renormalize, scoring, backend):
-    if _records_grad(x, w1, w2, router_logits):
+    if moe_execute.records_grad(x, w1, w2, router_logits):
         topk_weights, topk_ids = moe_route(router_logits, top_k, renormalize, scoring)
         return fused_experts_forward(x, w1, w2, topk_weights, topk_ids, backend)[0]
     return fused_moe_inference(x, w1, w2, router_logits, top_k, renormalize, scoring, backend)

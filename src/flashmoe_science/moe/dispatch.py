@@ -252,7 +252,7 @@ def sort_launches(ids: torch.Tensor, sort: ExpertSort, chunk_counts: torch.Tenso
     tensors = sort_launch_tensors(ids, sort, chunk_counts, chunk_row_base)
     if chunk_counts is None:
         # the chunk shrinks to the pairs there are: its (chunk x E) one-hot and (chunk x chunk) rank tiles are the
-        # kernel's work (one program: 8.5 µs at the full 128-pair chunk for 8 pairs, Qwen3 T=1, session 9)
+        # kernel's work (one program: 8.5 µs at the full 128-pair chunk for 8 pairs, Qwen3 T=1)
         one_chunk = max(16, triton.next_power_of_2(sort.num_pairs))
         return (Launch(_sort_one_chunk, (1,), (*tensors[0], sort.num_pairs, num_experts,
                                                sort.sorted_pair_ids.numel(), num_tiles_max),

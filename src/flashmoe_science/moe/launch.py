@@ -9,15 +9,15 @@ from flashmoe_science.prepared_launch import PreparedLaunch
 
 # Every launch whose signature ran before goes through its PreparedLaunch instead of Triton's per-call binding
 # (tens of microseconds each: the backward's seven launches and the training forward's five made small-T layers
-# host-bound; docs/perf-notes.md, session 9). Bounded: each token count is a new signature (new grids).
+# host-bound; docs/perf-notes.md). Bounded: each token count is a new signature (new grids).
 _PREPARED: dict[tuple, PreparedLaunch] = {}
 _PREPARED_MAX = 1024
 
 
 class Launch(NamedTuple):
     """One kernel launch, built but not yet run: ``launch()`` runs it. Kept as data so that the tile sweep
-    (benchmarks/tools/sweep_moe_gemm_tiles.py) can time one GEMM alone, the offline sm_90 build can compile exactly what would run, and
-    a repeated call signature can skip Triton's binding (``prepare``)."""
+    (benchmarks/tools/sweep_moe_gemm_tiles.py) can time one GEMM alone, an offline build can compile exactly what
+    would run, and a repeated call signature can skip Triton's binding (``prepare``)."""
 
     kernel: object  # a @triton.jit function
     grid: tuple

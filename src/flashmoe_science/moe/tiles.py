@@ -4,8 +4,8 @@ One ``block_m`` serves the sort's padding and every grouped GEMM over the sorted
 from the average number of rows an expert receives: small tiles when tokens are few (the layer then streams
 expert weights and the GEMM shape barely matters), 128-row tiles when every expert has hundreds of rows
 (tensor-core bound). Every GEMM then gets its own ``GemmTiles``; ``choose_tiles`` is only the default: the
-launchers take any ``MoETiles`` (``layer.moe_forward(..., tiles=...)``), which is how benchmarks/tools/sweep_moe_gemm_tiles.py
-tries candidates.
+layer runs any ``MoETiles`` (``plan.plan_kernels(..., tiles=...)``), which is how
+benchmarks/tools/sweep_moe_gemm_tiles.py tries candidates.
 
 Measured: H200 sweep, 2026-11-21 (torch 2.11, triton 3.6, bf16; benchmarks/tools/sweep_moe_gemm_tiles.py, Mixtral-8x7B E=8 k=2
 d=4096 F=14336 and Qwen3-30B-A3B E=128 k=8 d=2048 F=768). Per-GEMM numbers behind each rule are quoted where the
@@ -65,15 +65,16 @@ _OPERANDS = {
 def gemm_smem_bytes(gemm_name: str, block_m: int, gemm: GemmTiles, itemsize: int = 2) -> int:
     """Shared memory of the operand ring (num_stages buffers) and, for the persistent weight-gradient kernel, of
     its epilogue's layout conversion, which cannot reuse the ring (the next tile's loads are in flight there): what
-    Triton 3.6 allocates for these kernels on sm_90 (offline builds, session 9: 147456 / 180224 / 229376 bytes at
-    128x256, 3 stages, and persistent with 3 and 4 stages)."""
+    Triton 3.6 allocates for these kernels on the H200 (offline builds: 147456 / 180224 / 229376 bytes at 128x256,
+    3 stages, and persistent with 3 and 4 stages)."""
     ring = gemm.num_stages * _OPERANDS[gemm_name](block_m, gemm) * itemsize
     if gemm.persistent:
         ring += (gemm.block_m or gemm.block_n) * gemm.block_n * itemsize // 2
     return ring
 
 
-HOPPER_SMEM_PER_BLOCK = 232448  # bytes a block may opt in to on sm_90; CPU (interpreter) tiles size for this
+# what CPU (interpreter) tiles plan for: the opt-in shared memory per block of the H200 the tiles were measured on
+CPU_SMEM_PER_BLOCK = 232448
 SMEM_RESERVED = 2048  # what Triton allocates besides the operand ring (barriers, reduction scratch)
 
 
@@ -81,7 +82,7 @@ def smem_limit(device) -> int:
     """Bytes of shared memory a GEMM's tiles may plan for on ``device``."""
     if isinstance(device, torch.device) and device.type == "cuda":
         return device_traits(device).smem_per_block - SMEM_RESERVED
-    return HOPPER_SMEM_PER_BLOCK - SMEM_RESERVED
+    return CPU_SMEM_PER_BLOCK - SMEM_RESERVED
 
 
 def fit_shared_memory(gemm_name: str, block_m: int, gemm: GemmTiles, itemsize: int, limit: int) -> GemmTiles:
@@ -140,10 +141,10 @@ def _measured_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int,
     elif rows_per_expert <= 32:
         block_m = 32
     elif rows_per_expert <= 48:
-        # H200, git history: scripts/ab_moe_block_m.py (session 10), backward vs grouped_mm with 64- / 128-row tiles: Mixtral 40
-        # rows per expert 1.28x / 1.21x, 64 rows 1.19x / 1.28x, 96 rows 1.05x / 1.30x; Qwen3 40 rows 1.63x / 1.51x,
-        # 64 rows 1.56x / 1.55x. Past ~48 rows the 128-row tiles (and the Gluon dx/dw1/dw2 on Hopper) win despite
-        # the padding: these layers are bound by the weights' bytes, not by the padded MMAs
+        # H200, backward vs grouped_mm with 64- / 128-row tiles: Mixtral 40 rows per expert 1.28x / 1.21x, 64 rows
+        # 1.19x / 1.28x, 96 rows 1.05x / 1.30x; Qwen3 40 rows 1.63x / 1.51x, 64 rows 1.56x / 1.55x. Past ~48 rows
+        # the 128-row tiles (and the GEMM families that need them) win despite the padding: these layers are bound
+        # by the weights' bytes, not by the padded MMAs
         block_m = 64
     else:
         block_m = 128
@@ -155,7 +156,7 @@ def _measured_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int,
         # 4407 / 4097); down/dx best or within 1.1% with the split-K below (Mixtral down 4203 vs 4215, dx 4364 vs 4414;
         # Qwen3 down 3567 best, dx 3985 vs 3994).
         up = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
-        # up_bwd (dh = dout @ w2 since the pre-activations are saved, session 8): the stream tile, not yet swept
+        # up_bwd (dh = dout @ w2, the pre-activations being saved): the stream tile, not yet swept
         up_bwd = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
         # few rows leave the down-combine GEMMs with few programs (experts used x d/block_n): split K
         row_tiles = min(num_experts, num_tokens * top_k)
@@ -173,9 +174,9 @@ def _measured_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int,
         down = dx = GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=4)
         up_bwd = down
         # weight gradients: with <= 64 rows per expert the reduction is one step and the GEMM writes E x 3·d·F
-        # outputs (Mixtral T=256: 2.8 GB). H200 sweep, session 9 (Mixtral T=256, then 64-row tiles): the persistent
+        # outputs (Mixtral T=256: 2.8 GB). H200 sweep (Mixtral T=256, 64-row tiles): the persistent
         # 128x256 tile, 8 warps, 3 stages, one program per SM: dw1 0.669 / dw2 0.349 ms, the best of 19 (torch
-        # grouped_mm 0.703 / 0.358); the one-program-per-tile 64x128 w4 s2 of session 8 got 0.789 / 0.405
+        # grouped_mm 0.703 / 0.358); the one-program-per-tile 64x128 w4 s2 got 0.789 / 0.405
         dw1 = dw2 = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3, block_m=128, persistent=1)
     else:
         # tensor-core regime (> 48 rows per expert; measured at 256 rows: Qwen3 T=4096, 1024 and 4096: Mixtral
@@ -187,12 +188,12 @@ def _measured_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int,
         #     no spills): down 485 / 297 / 523 (best, or 0.6% under 3 stages at Mixtral 4096), dx 590 / 386
         #     (best); the old n128 got down 422 / 234 / 456, dx 458 / 330.
         down = dx = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=4)
-        # up_bwd (dh = dout @ w2 over gathered rows, plain store; session 8): the down/dx tile, 212 registers,
+        # up_bwd (dh = dout @ w2 over gathered rows, plain store): the down/dx tile, 212 registers,
         #     no spills: 591 / 486 TFLOP/s, the best of the sweep at both (torch grouped_mm 586 / 425).
         up_bwd = down
         # dw1 / dw2: 128x256 output tiles, 64 sorted rows per step, 8 warps, 3 stages: dw1 533 / 333, dw2 474 /
         #     321, the best in both cases; the old 128x128 got dw1 448 / 297, dw2 390 / 288.
-        # Session 9 sweeps (Mixtral 4096 / Qwen3 4096 / Mixtral 16384 = 1024 / 256 / 4096 rows per expert, TFLOP/s):
+        # H200 sweeps (Mixtral 4096 / Qwen3 4096 / Mixtral 16384 = 1024 / 256 / 4096 rows per expert, TFLOP/s):
         #     the persistent kernel (one program per SM) at that tile: dw2 572 / 384 / 606 (one program per tile
         #     521 / 311 / 611; grouped_mm 692 / 365 / 659); dw1 531 / 395 / 579 (555 / 329 / 582; grouped_mm 548 /
         #     368 / 614): persistence pays where the reduction is short, and dw1 (twice dw2's outputs) keeps the

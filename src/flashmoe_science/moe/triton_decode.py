@@ -3,7 +3,7 @@
 On one token a layer reads top_k experts' weights once and does almost no arithmetic, so its time is bytes over
 bandwidth plus what stands between kernels. The batched path (sort, GEMM1, GEMM2: ``triton_gemm``) pays five to
 seven launches and their gaps for it; at Qwen3-30B-A3B shapes (75 MB of weights, 17.6 µs at 4.3 TB/s) the gaps
-cost as much as the reading (docs/perf-notes.md, session 9). Here one program per (token, slot, F slice):
+cost as much as the reading (docs/perf-notes.md). Here one program per (token, slot, F slice):
 
 1. the slot's expert and weight: from ``topk_ids``/``topk_weights``, or (``ROUTE``) recomputed from the router
    logits by every program of the token, with the routing kernel's own helpers (``triton_routing._scores``,
@@ -30,7 +30,7 @@ from flashmoe_science.moe.launch import Launch
 from flashmoe_science.moe.triton_gemm import _gate_up_columns
 from flashmoe_science.moe.triton_routing import MAX_EXPERTS, _scores, _top_k
 
-# The decode path takes layers with at most this many tokens. H200, benchmarks/tools/sweep_moe_decode_tiles.py (session 10), CUDA-graph
+# The decode path takes layers with at most this many tokens. H200, benchmarks/tools/sweep_moe_decode_tiles.py, CUDA-graph
 # medians, decode vs the batched path: Qwen3-30B-A3B T=1 37.5 vs 45.3 us, T=2 60.5 vs 68.6, T=4 99.1 vs 100.9;
 # Mixtral-8x7B T=1 189 vs 192, T=2 344 vs 354, T=4 659 vs 356 (tokens sharing an expert read its weights again)
 MAX_DECODE_TOKENS = 2
@@ -104,7 +104,7 @@ def _decode_moe_kernel(
         # Both products on the tensor cores with x as row 0 of a 16-row tile (the smallest MMA; the other rows are
         # masked, so they cost no memory traffic): the loads then feed tl.dot, which Triton pipelines through
         # shared memory (num_stages), and a weight element costs a share of one MMA instead of a convert and an FMA
-        # per element. A CUDA-core GEMV took 254 registers at 12% occupancy and streamed 2.2 TB/s (session 10).
+        # per element. A CUDA-core GEMV took 254 registers at 12% occupancy and streamed 2.2 TB/s.
         tile_rows = tl.arange(0, 16)
         x_row = tile_rows[:, None] == 0
         ks = tl.arange(0, BLOCK_K)
@@ -156,7 +156,7 @@ class DecodeConfig(NamedTuple):
 
 
 def decode_config(itemsize: int = 2) -> DecodeConfig:
-    """H200, benchmarks/tools/sweep_moe_decode_tiles.py (session 10): 64-row F slices (128 contiguous bytes of each w2 row per load),
+    """H200, benchmarks/tools/sweep_moe_decode_tiles.py: 64-row F slices (128 contiguous bytes of each w2 row per load),
     128-wide K steps, 4 stages were the best or within 3% of it at Qwen3-30B-A3B and Mixtral-8x7B shapes, T = 1 and
     2. float32 operands halve the slice so that a stage still fits shared memory."""
     return DecodeConfig(block_f=64 if itemsize <= 2 else 32, block_k=128, block_d=256, num_warps=4, num_stages=4)

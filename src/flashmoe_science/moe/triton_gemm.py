@@ -1,5 +1,6 @@
 """Grouped expert GEMMs over the expert-sorted rows of ``dispatch.sort_pairs_by_expert``: the Triton kernels and
-their launches (``moe/layer.py`` runs them in order, with the Gluon kernels of ``moe/hopper`` where they take over).
+their launches. ``moe/gemms.py`` wraps them as the portable family of the layer's GEMMs; ``moe/layer.py`` runs each
+product in the family the call's plan gives it (``moe/plan.py``), these kernels wherever no earlier family takes it.
 
 Forward, two launches after the sort:
 - ``_up_swiglu_kernel``: ``h[row] = silu(x[token] @ w1[e, :F].T) * (x[token] @ w1[e, F:].T)``; the gather of
@@ -7,9 +8,7 @@ Forward, two launches after the sort:
 - ``_down_combine_kernel``: ``out[token] += weight[pair] * (h[row] @ w2[e].T)``; the routing weight is applied in
   the epilogue and the k rows of a token meet through float32 atomic adds straight into the (T, d) output, so no
   (T·k, d) buffer is written or reduced. Atomics also make split-K free for the few-token case. The order of
-  the k additions is not fixed: results may differ in the last float32 bit from run to run. On Hopper with
-  128-row tiles the same product runs in dx_sm90's Gluon kernel instead (``down_sm90``: TMA loads of h and of w2
-  read K-major, warp-specialised; ``layer._hopper_down``).
+  the k additions is not fixed: results may differ in the last float32 bit from run to run.
 
 Gate and up rows of w1 are read as one B tile with interleaved columns (``_gate_up_columns``): one MMA of width
 2·BLOCK_N per step instead of two that each re-read the A tile from shared memory.
@@ -19,11 +18,9 @@ keeps: the SwiGLU pre-activations ``[gate | up]`` per sorted row (one extra (T·
 that recomputes both, a third more GEMM work) and h (already written for GEMM2); inference keeps nothing:
 - ``_gathered_rows_gemm_kernel``: ``dh[row] = dout[token] @ w2[e]``, then ``_swiglu_backward_kernel``
   (elementwise, whole rows) writes ``d(gate, up) = dSwiGLU(weight * dh)`` and the routing-weight gradient
-  ``dout[token] . y = dh . h``. On Hopper with 128-row tiles both in one launch instead: dx_sm90's Gluon kernel
-  over dout gathered to sorted rows, the SwiGLU backward in its epilogue (``layer._dh_swiglu_backward``).
-- ``_down_combine_kernel`` again for ``dx[token] += d(gate, up)[row] @ w1[e]``; on Hopper with 128-row tiles the
-  Gluon kernel of ``moe/hopper/dx_sm90.py`` instead (TMA loads, warp-specialised; ``dx_sm90.dx_config``: at
-  long K (2F) cooperative 128x256 tiles with the last wave's items split along K, else ping-pong 128x128).
+  ``dout[token] . y = dh . h`` (a family whose dh kernel has the SwiGLU backward in its epilogue does both in
+  one launch).
+- ``_down_combine_kernel`` again for ``dx[token] += d(gate, up)[row] @ w1[e]``.
 - ``_expert_wgrad_kernel`` twice: ``dw1[e] = d(gate, up)_e^T x_e`` and ``dw2[e] = (weight * dout)_e^T h_e``, a
   reduction over each expert's rows, one writer per output element (deterministic). Their gathered operand
   (x, weight * dout) is first copied to sorted-row order by ``_gather_rows_kernel``. With ``GemmTiles.persistent``
@@ -107,8 +104,8 @@ def _up_swiglu_kernel(
 ):
     """h[row] = silu(gate) * up of x[token] @ w1[e]^T; with STORE_GATE_UP (training) also gate_up[row] = [gate | up],
     the pre-activations the backward reads instead of recomputing them (a third more GEMM work). Training also writes
-    h's padding rows, as zeros (their A rows load as zeros: silu(0) * 0 = 0): h is dw2's B operand, and the Gluon
-    weight-gradient kernel (moe/hopper/wgrad_sm90.py) reads the padding rows of an expert's last K step unmasked."""
+    h's padding rows, as zeros (their A rows load as zeros: silu(0) * 0 = 0): h is dw2's B operand, and a TMA
+    weight-gradient kernel reads the padding rows of an expert's last K step unmasked (TMA cannot mask rows)."""
     tile, col_block = _row_tile_and_col_block(tl.program_id(0), num_row_tiles, tl.cdiv(d_ff, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
@@ -289,12 +286,10 @@ def _swiglu_backward_kernel(
 
     Elementwise, so not in the Triton dh GEMM's epilogue: there Triton's layout assignment kept gate/up and the
     accumulator in two register layouts at once and spilled (270+ LDL at 128x128 tiles); this pass moves
-    (T·k) x 14F bytes, ~4% of the backward's time at T=4096 (3.7-4.0 TB/s on the H200). On Hopper with 128-row tiles
-    the Gluon dh kernel does the same in its epilogue, in the accumulator's own layout (moe/hopper/dx_sm90.py,
-    SWIGLU_BWD); this kernel is the path elsewhere.
+    (T·k) x 14F bytes, ~4% of the backward's time at T=4096 (3.7-4.0 TB/s on the H200).
 
     The padding rows of used row tiles get zeros in d(gate, up) (their loads are masked: 0 * ... = 0), dw1's A
-    operand: the Gluon weight-gradient kernel (moe/hopper/wgrad_sm90.py) reads them unmasked."""
+    operand: a TMA weight-gradient kernel reads them unmasked."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     pairs = tl.load(sorted_pair_ids_ptr + rows, mask=rows < num_rows, other=num_pairs)
     row_valid = pairs < num_pairs
@@ -342,8 +337,8 @@ def _gather_rows_kernel(
     BLOCK_C: tl.constexpr,
 ):
     """dst[row] = (scale[pair] *) src[token] for every sorted row holding a pair, zeros in the padding rows of used
-    row tiles (the weight-gradient GEMMs' operands: the Gluon kernel of moe/hopper/wgrad_sm90.py reads the padding
-    rows of an expert's last K step unmasked); rows of unused tiles (tile_expert < 0) are not written."""
+    row tiles (the weight-gradient GEMMs' operands: a TMA weight-gradient kernel reads the padding rows of an
+    expert's last K step unmasked); rows of unused tiles (tile_expert < 0) are not written."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     pairs = tl.load(sorted_pair_ids_ptr + rows, mask=rows < num_rows, other=num_pairs)
     row_valid = pairs < num_pairs
@@ -495,7 +490,7 @@ def _expert_wgrad_persistent_kernel(
         m_valid = ms < M
         n_valid = ns < N
         # the step's first sorted row as a scalar offset (int64), the tile's offsets from it in int32 (64-bit tensor
-        # offsets took ~70 more SASS instructions per step, sm_90)
+        # offsets took ~70 more SASS instructions per step on the H200)
         step_row = first_row + step * BLOCK_K
         r_valid = rs < count - step * BLOCK_K  # rows past the expert's count are padding (masked: any values)
         a = tl.load(a_ptr + step_row * stride_ar + (rs[None, :] * stride_ar + ms[:, None] * stride_am),
@@ -559,7 +554,7 @@ def swiglu_backward_launch(gate_up, dh, h, weights32, dgu, dweights, sort: Exper
     """From the forward's saved pre-activations and h, and dh: ``d(gate, up)`` and the routing-weight gradient,
     per sorted row (``_swiglu_backward_kernel``)."""
     num_rows, d_ff = dh.shape
-    # H200, benchmarks/tools/sweep_moe_swiglu_backward_tiles.py (session 8), T=4096: 1024 elements per step, 4 warps, in 512-column steps
+    # H200, benchmarks/tools/sweep_moe_swiglu_backward_tiles.py, T=4096: 1024 elements per step, 4 warps, in 512-column steps
     # (Mixtral F=14336: 4007 GB/s, the best within 1%) or 256 where 512 does not divide F (Qwen3 F=768: 3676 GB/s,
     # the best; 8 rows x 512 columns got 2704 / 1981)
     block_c = min(512 if d_ff % 512 == 0 else 256, triton.next_power_of_2(d_ff))

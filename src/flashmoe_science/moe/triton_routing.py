@@ -1,7 +1,7 @@
 """Top-k routing in one Triton launch each way, with the semantics of ``routing.route_reference``.
 
 The PyTorch routing is five kernels forward (cast, softmax, top-k, sum, divide) and as many autograd nodes
-backward: on few tokens their launch costs outweigh the expert GEMMs they feed (docs/perf-notes.md, session 9).
+backward: on few tokens their launch costs outweigh the expert GEMMs they feed (docs/perf-notes.md).
 Here one program handles BLOCK_T rows of logits, all E experts of a row in registers:
 
 - ``_route_forward_kernel``: scores (softmax or sigmoid) in float32, then top_k rounds of "take the row's best

@@ -7,7 +7,9 @@ import math
 import torch
 from torch import nn
 
-from flashmoe_science.moe.api import BACKENDS, _check_routing_options, _check_top_k, fused_moe
+from flashmoe_science.moe.api import fused_moe
+from flashmoe_science.moe.checks import check_routing_options, check_top_k
+from flashmoe_science.moe.plan import check_backend
 
 # Hugging Face sparse-MoE block classes we convert, by class name (no import of transformers needed)
 HF_MOE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
@@ -24,10 +26,9 @@ def check_layer_args(d_model, d_ff, num_experts, top_k, renormalize, scoring, ba
     """The checks of an MoE layer's constructor arguments (FusedMoE, distributed.ExpertParallelMoE)."""
     for name, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts), ("top_k", top_k)):
         _check_positive_int(name, value)
-    _check_top_k(top_k, num_experts)
-    _check_routing_options(renormalize, scoring)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_top_k(top_k, num_experts)
+    check_routing_options(renormalize, scoring)
+    check_backend(backend)
 
 
 def tokens_of(hidden_states, d_model: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from flashmoe_science.gluon.compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 NUM_CONSUMERS = 2
+HOPPER_SMEM_PER_BLOCK = 232448  # bytes of shared memory a block may opt in to on sm_90
 
 
 # ------------------------------------------------------------------------------------------------- device helpers

@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashmoe_science.gluon.sm90 import BARRIER_BYTES
-from flashmoe_science.moe.hopper.common import check_tile_config
-from flashmoe_science.moe.tiles import HOPPER_SMEM_PER_BLOCK
+from flashmoe_science.moe.hopper.common import HOPPER_SMEM_PER_BLOCK, check_tile_config
 
 BLOCK_M = 128  # rows per work item: the sort's row tile (one expert per tile)
 
@@ -36,18 +35,17 @@ class DxConfig:
         return f"{self.label()} c{self.swiglu_cols}"
 
 
-# dx's configs by K = 2F (``dx_config``). H200, git history: scripts/ab_moe_layer_bwd.py --kernel (session 15, 5 interleaved
-# rounds, the kernel alone / the layer's backward, ms): Mixtral (K = 28672) T=4096 cooperative 128x256 s3 with the
-# tail split 3.07 / 9.61 against ping-pong 128x128 s4 3.26 / 9.82 (1088 items of ~350 us are 8.24 waves: the split
-# is most of the gain; without it the cooperative tile lost, 600 vs 644-684 TFLOP/s); T=16384 11.70 / 35.66 vs
+# dx's configs by K = 2F (``dx_config``). H200, 5 interleaved runs, the kernel alone / the layer's backward, ms:
+# Mixtral (K = 28672) T=4096 cooperative 128x256 s3 with the tail split 3.07 / 9.61 against ping-pong 128x128 s4
+# 3.26 / 9.82 (1088 items of ~350 us are 8.24 waves: the split is most of the gain; without it the cooperative tile lost, 600 vs 644-684 TFLOP/s); T=16384 11.70 / 35.66 vs
 # 12.13 / 35.96. Qwen3 (K = 1536) the other way: ping-pong 0.50 / 1.64 and 1.63 / 5.17 at T=4096 / 16384 against
 # 0.55 / 1.65 and 1.82 / 5.37 (short items: the cooperative consumers' atomic epilogue leaves the tensor cores idle,
 # which ping-pong hides). Fitting the two (cooperative +5% at K = 1536, -2.5% at 28672, the idle epilogue a fixed
 # cost per item) puts the break-even near K = 4200.
 LONG_K_CONFIG = DxConfig(block_n=256, num_stages=3, split_tail=True)
-# session 9 (git history: scripts/ab_moe_dx_sm90.py, T=4096, TFLOP/s): ping-pong 128x128 s4 Qwen3 432 (Triton 399, torch
-# grouped_mm without the combine 426), within 5% of its best (5 stages, 454, but 591 at Mixtral); the tail split
-# measured no gain here (session 15: 0.52 / 1.63 at T=4096)
+# H200 (T=4096, TFLOP/s): ping-pong 128x128 s4 Qwen3 432 (Triton 399, torch grouped_mm without the combine 426),
+# within 5% of its best (5 stages, 454, but 591 at Mixtral); the tail split measured no gain here (0.52 / 1.63 at
+# T=4096)
 SHORT_K_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
 LONG_K = 4096  # K = 2F from which LONG_K_CONFIG runs
 
@@ -63,10 +61,10 @@ def down_config(d_ff: int) -> DxConfig:
     return dx_config(d_ff)
 
 
-# dh: H200, git history: scripts/ab_moe_dx_sm90.py --gemm dh (session 10, Mixtral T=4096): ping-pong 128x128 s4 1.46 ms,
+# dh: H200, Mixtral T=4096: ping-pong 128x128 s4 1.46 ms,
 # cooperative 128x256 s3 1.58 ms, Triton dh_launch 1.54 ms
 DH_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
-# dh with the SwiGLU backward in its epilogue: dh's tile, 32-column epilogue chunks (H200, session 12: Mixtral
+# dh with the SwiGLU backward in its epilogue: dh's tile, 32-column epilogue chunks (H200: Mixtral
 # T=4096 1.73 ms vs 1.96 with 16-column chunks before the fast sigmoid, 1.83-1.95 with 3 stages; Qwen3 even)
 DH_SWIGLU_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True, swiglu_cols=32)
 

@@ -5,7 +5,7 @@
   atomically into ``dx32[token]`` (the top_k rows of a token meet there).
 - dh (``ROW_STORE``, ``dh_sm90``): ``dh[row] = dout[token(row)] @ w2[e]``, ``triton_gemm.dh_launch``'s product
   (K = d, N = F), stored to the row's own row of the float32 dh (no atomics). TMA loads dense boxes, so A is dout
-  already gathered to the sorted rows (``layer.sorted_rows``: one (rows, d) copy, which Triton's kernel does
+  already gathered to the sorted rows (``gemms.sorted_rows``: one (rows, d) copy, which Triton's kernel does
   in its loads instead). Alone it did not pay in the layer (perf notes v18: 1.46 ms vs Triton's 1.54 at Mixtral
   T=4096, 1.63 with the gather); it stays for the A/B, as the fused mode's baseline.
 - dh with the SwiGLU backward (``SWIGLU_BWD``, ``dh_swiglu_sm90``, what moe_backward runs on Hopper): the dh
@@ -64,19 +64,19 @@ start at zero; the order of the additions is not fixed). Padding rows of the til
 reads them unmasked), rows of unused tiles are never written. The sigmoid uses the approximate ex2 and reciprocal
 (``swiglu_epilogue._fast_sigmoid``): with the IEEE expression the epilogue outlasted the other consumer's main loop.
 
-Measured on the H200 (git history: scripts/probe_dh_swiglu.py on branch probe/dh-swiglu, interleaved do_bench medians, session
-12): Mixtral T=4096 1.73 ms against 2.13 for Triton's dh + SwiGLU pass (plain dh with this tile 1.57); Qwen3
-0.28 ms against 0.32 (plain 0.23). The operands loaded by global loads in the accumulator layout (the first version,
-session 11) took 2.0-2.3 ms at Mixtral: ~400 exposed 4-byte loads per thread and item. Registers: 128 accumulator
-floats per thread plus a chunk's gate, up and h; 32-column chunks build without spills (16 too; 64 spill).
+Measured on the H200 (interleaved do_bench medians): Mixtral T=4096 1.73 ms against 2.13 for Triton's dh + SwiGLU
+pass (plain dh with this tile 1.57); Qwen3 0.28 ms against 0.32 (plain 0.23). Loading the operands by global loads
+in the accumulator layout instead took 2.0-2.3 ms at Mixtral: ~400 exposed 4-byte loads per thread and item.
+Registers: 128 accumulator floats per thread plus a chunk's gate, up and h; 32-column chunks build without spills
+(16 too; 64 spill).
 
-The A operand stays pre-gathered (``layer.sorted_rows(dout)``, ~0.03 ms at Mixtral T=4096, ~2% of the
+The A operand stays pre-gathered (``gemms.sorted_rows(dout)``, ~0.03 ms at Mixtral T=4096, ~2% of the
 GEMM; a third of it at Qwen3's F = 768): Hopper's TMA has no row gather, and a gathering producer (cp.async rows
 by a producer warpgroup, which then needs registers the consumers have) is a larger change. dw2's gathered operand
 cannot serve: it is dout scaled by the routing weight, and dscale would then need a division by it (undefined at
 weight 0).
 
-Offline sm_90 builds (triton 3.6, git history: scripts/ab_moe_dx_sm90.py --offline [--gemm dh]): no spills in any config; the
+Offline sm_90 builds (triton 3.6): no spills in any config; the
 consumers use at most 175 registers (cooperative 128x256), 96 (cooperative 128x128), 183 (ping-pong 128x128) of
 their 240 for dx, 151 / 159 (cooperative 128x256 / ping-pong 128x128) for dh; shared memory 147680 / 196840 bytes
 at 128x256 with 3 / 4 stages, 98528 + 32768 per stage at 128x128. dx's SASS is as before dh's epilogue was added.
@@ -122,14 +122,15 @@ from flashmoe_science.gluon.sm90 import (CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_O
                                             wgmma_layout)
 from flashmoe_science.gluon.compat import gl, gluon, mbarrier, tma, warpgroup_mma_wait
 from flashmoe_science.moe.dispatch import ExpertSort
-from flashmoe_science.moe.hopper.common import NUM_CONSUMERS, grouped_block, init_barriers, load_stage, mma_steps
-# the configs are this kernel's: callers (moe.layer, the tests) read them here
+from flashmoe_science.moe.hopper.common import (HOPPER_SMEM_PER_BLOCK, NUM_CONSUMERS,  # noqa: F401 (the limit)
+                                                grouped_block, init_barriers, load_stage, mma_steps)
+# the configs are this kernel's: the tests and the offline builds read them here
 from flashmoe_science.moe.hopper.dx_configs import (BLOCK_M, DH_CONFIG, DH_SWIGLU_CONFIG, LONG_K,  # noqa: F401
                                                     LONG_K_CONFIG, SHORT_K_CONFIG, DxConfig, check_config,
                                                     down_config, dx_config, smem_bytes)
 from flashmoe_science.moe.hopper.swiglu_epilogue import (SwigluOperands, load_swiglu_operands,
                                                          swiglu_backward_columns, swiglu_reason)
-from flashmoe_science.moe.tiles import HOPPER_SMEM_PER_BLOCK, sm_count  # noqa: F401 (the limit the configs fit)
+from flashmoe_science.moe.tiles import sm_count
 from flashmoe_science.prepared_launch import PreparedLaunch
 
 
@@ -528,7 +529,7 @@ def dx_sm90(dgu, w1, dx32, sort: ExpertSort, block_m: int, config: DxConfig = Dx
 def dh_sm90(dout_sorted, w2, dh, sort: ExpertSort, block_m: int, config: DxConfig = DH_CONFIG,
             num_ctas: int | None = None):
     """``dh[row] = dout_sorted[row] @ w2[expert(row)]`` for every valid sorted row (``triton_gemm.dh_launch``'s
-    product, with dout already gathered to the sorted rows: ``layer.sorted_rows(dout, None, ...)``).
+    product, with dout already gathered to the sorted rows: ``gemms.sorted_rows(dout, None, ...)``).
 
     dout_sorted: (sort rows, d) bf16/fp16 contiguous (padding rows may hold anything); w2: (E, d, F) contiguous,
     same dtype, d a multiple of config.block_k; dh: (sort rows, F) float32 with unit last stride: the valid rows

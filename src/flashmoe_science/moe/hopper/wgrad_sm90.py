@@ -45,7 +45,7 @@ of ~320) (a) costs ~100 MB of extra writes over the four producers (~25 us, ~1% 
 ~25 KB of shared memory per work item (~300 MB over dw1's 12288 items) and stall the consumers at each item's last
 step. Rows past the expert's last K step (and unused row tiles) are never read: they may hold anything.
 
-Offline sm_90 builds (triton 3.6, git history: scripts/ab_moe_wgrad_sm90.py --offline; the same binaries for dw1 and dw2 and
+Offline sm_90 builds (triton 3.6; the same binaries for dw1 and dw2 and
 both models): no spills (no local memory, no LDL/STL) in any config; the highest register the consumers name is
 R151 of their 240; shared memory 213200 (128x256 s3), 229592 (128x256 s4, split epilogue), 196856 / 229656
 (ping-pong 128x128 s4 / s5), 229656 (ping-pong s6, split epilogue) bytes; 6 TMA loads per K step at 128x256 (the
@@ -70,9 +70,9 @@ from flashmoe_science.gluon.sm90 import (BARRIER_BYTES, CONSUMER_REGISTERS, GL_D
                                             PRODUCER_REGISTERS, column_halves, wgmma_layout)
 from flashmoe_science.gluon.compat import fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma_wait
 from flashmoe_science.moe.dispatch import ExpertSort
-from flashmoe_science.moe.hopper.common import (NUM_CONSUMERS, check_tile_config, grouped_block, init_barriers,
-                                                load_stage, mma_steps)
-from flashmoe_science.moe.tiles import HOPPER_SMEM_PER_BLOCK, sm_count
+from flashmoe_science.moe.hopper.common import (HOPPER_SMEM_PER_BLOCK, NUM_CONSUMERS, check_tile_config,
+                                                grouped_block, init_barriers, load_stage, mma_steps)
+from flashmoe_science.moe.tiles import sm_count
 
 BLOCK_M = 128  # output rows per work item (M = 2F for dw1, d for dw2)
 
@@ -94,7 +94,7 @@ class WgradConfig:
         return f"{BLOCK_M}x{self.block_n}x{self.block_k} s{self.num_stages} {mode}{split} g{self.group_m}"
 
 
-# H200, git history: scripts/ab_moe_wgrad_sm90.py (session 9, T=4096, TFLOP/s, dw1 / dw2; Triton wgrad_launch / grouped_mm):
+# H200 (T=4096, TFLOP/s, dw1 / dw2; Triton wgrad_launch / grouped_mm):
 # cooperative 128x256, 3 stages: Mixtral 724 / 682 (565 / 599; 582 / 623), Qwen3 505 / 479 (415 / 374; 375 / 357),
 # the best at Mixtral and within 6% of Qwen3's best (ping-pong 128x128 s6 split epilogue, 535 / 485)
 MEASURED_CONFIG = WgradConfig()
