@@ -73,6 +73,7 @@ QUICK_LENGTHS = (512, 2048, 8192)
 GPU_DTYPES = (torch.float16, torch.bfloat16)
 CPU_SHAPES = ((1, 2, 32, 32), (1, 2, 64, 32))  # (B, H, L, D): tiny, for the interpreter
 CPU_DTYPE = torch.float16  # the interpreter's bf16 is unreliable (numpy has no bfloat16)
+CPU_BUDGET_S = 0.2  # cpu_median_ms's time budget per shape
 SLOW_CALL_S = 2.0  # a rung whose call took longer stops on its series: the next L doubles its work
 LSE_BYTES = 4
 
@@ -177,8 +178,8 @@ def _measure(rung: Rung, shape: AttentionShape, q, k, v, device: torch.device) -
         first_s = time.perf_counter() - started
         if where == "cuda":
             return gpu_median_ms(call), peak_memory_mib(call, q.device), where
-        # one slow call is measurement enough: the next length would stop the series anyway
-        return cpu_median_ms(call, min_reps=1 if first_s > SLOW_CALL_S else 3, max_reps=10, budget_s=1.0), None, where
+        # a call slower than the timer's budget is timed once more: its median would cost seconds per shape
+        return cpu_median_ms(call, min_reps=1 if first_s > CPU_BUDGET_S else 3, budget_s=CPU_BUDGET_S), None, where
 
 
 def run_ladder(series: Sequence[Series], device: torch.device, progress: Progress, stops: Stops,

@@ -33,7 +33,7 @@ from flashmoe_science.attention.ladder.triton_tiles import fma_dot, fma_dot_t, h
 
 LOG2_E = 1.4426950408889634
 BLOCK_M = 32  # query rows per program
-PRODUCT_REGISTERS = 128  # float32 registers per thread for one (BLOCK_M, BLOCK_N, D) broadcast product
+PRODUCT_REGISTERS = 64  # float32 registers per thread for one (BLOCK_M, BLOCK_N, D) broadcast product
 NUM_WARPS = 8
 
 
@@ -83,7 +83,7 @@ def _tiled_fma_kernel(Q, K, V, O, num_heads, seqlen_q, seqlen_k, qk_scale,
 
 def block_n(block_d: int) -> int:
     """Keys per tile: as many as keep the (BLOCK_M, BLOCK_N, D) product within PRODUCT_REGISTERS per thread (a tile
-    of 32 x 8 at D = 128), at most 32. There is no tensor core to hold the operands: every product is a register."""
+    of 32 x 4 at D = 128), at most 32. There is no tensor core to hold the operands: every product is a register."""
     fit = PRODUCT_REGISTERS * 32 * NUM_WARPS // (BLOCK_M * block_d)
     return max(1, min(32, 1 << (fit.bit_length() - 1)))
 

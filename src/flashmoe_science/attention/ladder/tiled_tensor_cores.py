@@ -10,7 +10,7 @@ This is the library's portable Triton kernel (`attention/triton_fwd.py`), called
 A tensor core multiplies small matrix tiles in one instruction (mma on Ampere, wgmma on Hopper), so the products
 no longer occupy the CUDA cores: the ceiling moves from ~67 TFLOP/s of float32 FMA to ~989 TFLOP/s of dense
 bf16/fp16 on an H200, and the operands need far fewer registers, so the tiles can be larger (64 x 64 at D = 128
-on an H200, see `attention.tiles.forward_tiles`, instead of 32 x 8), which halves the re-reads of K and V from L2.
+on an H200, see `attention.tiles.forward_tiles`, instead of 32 x 4), which halves the re-reads of K and V from L2.
 The kernel also adds what a production kernel needs: tiles chosen per GPU and head dim, TMA loads on Hopper,
 unmasked loops over full tiles, the heaviest causal tiles launched first. The softmax itself (max, exp2, sums,
 rescale) still runs on the CUDA cores, in the same instruction stream as the products, waiting for each product
