@@ -212,3 +212,38 @@ def test_gpu_naive_refuses_scores_that_do_not_fit():
     q = torch.randn(1, 64, 1, 128, device="cuda", dtype=torch.bfloat16).expand(1, 64, 1 << 20, 128)
     with pytest.raises(ValueError, match=r"L = 1048576 x 1048576 .* bytes .* free on the GPU"):
         rung("naive_gpu").attention(q, q, q)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# benchmarks/tools/ladder_doc.py: docs/ladder.md's measured sections from a result file
+# ----------------------------------------------------------------------------------------------------------------
+@in_process
+def test_ladder_doc_fills_every_marked_section(request, monkeypatch, tmp_path):
+    import importlib.util
+
+    root = request.config.rootpath
+    monkeypatch.syspath_prepend(str(root / "benchmarks" / "tools"))
+    spec = importlib.util.spec_from_file_location("ladder_doc", root / "benchmarks" / "tools" / "ladder_doc.py")
+    ladder_doc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ladder_doc)
+
+    tflops = {"cpu": 0.5, "naive_gpu": 20.0, "tiled_fma": 30.0, "tiled_tensor_cores": 300.0, "hopper": 600.0}
+    records = [dict(op="attention", B=16384 // L, H=16, Lq=L, Lk=L, D=128, causal=False, dtype="bf16", backend=name,
+                    ms=1.0, tflops=value * (1 + L / 4096), peak_mem_mib=None if name == "cpu" else 64.0,
+                    device="cpu" if name == "cpu" else "cuda")
+               for L in (512, 1024) for name, value in tflops.items() if not (name == "naive_gpu" and L == 1024)]
+    stopped = [{"backend": "naive_gpu", "series": "bf16 non-causal", "L": 1024, "reason": "ValueError: too big"}]
+    result = dict(gpu="NVIDIA H200", commit="abc1234", date="2026-01-01", torch="2.x", triton="3.x", suite="ladder",
+                  stopped=stopped, records=records)
+    doc = (root / "docs" / "ladder.md").read_text()
+    filled = ladder_doc.filled_doc(doc, result, tmp_path / "nvidia-h200.json")
+
+    assert "_Measured: filled by" not in filled and "_Empty until a GPU run" not in filled
+    assert "| 512 | 32 | 0.56 | 22.5 | 33.8 | 337.5 | 675.0 | 40.00 | 1.50 | 10.00 | 2.00 |" in filled
+    assert "| 1024 | 16 | 0.62 | n/a | 37.5 | 375.0 | 750.0 | n/a | n/a | 10.00 | 2.00 |" in filled
+    assert "Measured on the host CPU of the NVIDIA H200 machine: bf16 non-causal: 0.56–0.62 TFLOP/s" in filled
+    assert "1.50–1.50x naive_gpu (geometric mean 1.50x over L = 512–512)" in filled
+    assert "Stopped (bf16 non-causal, at L = 1024): ValueError: too big." in filled
+    assert ladder_doc.filled_doc(filled, result, tmp_path / "nvidia-h200.json") == filled  # refilling is stable
+    with pytest.raises(ValueError, match="ladder:table"):
+        ladder_doc.fill("no markers here", "table", "x")
