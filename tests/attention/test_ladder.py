@@ -173,7 +173,7 @@ def test_triton_rungs_take_a_softmax_scale():
 
 @interpreted
 def test_bench_runs_on_the_cpu(tmp_path, capsys):
-    from flashmoe_science.bench.ladder import run_from_cli
+    from flashmoe_science.bench.ladder import CPU_SHAPES, run_from_cli
 
     args = argparse.Namespace(out=str(tmp_path), quick=True, no_plot=True, commit="test")
     assert run_from_cli(args) == 0
@@ -183,7 +183,8 @@ def test_bench_runs_on_the_cpu(tmp_path, capsys):
     result = json.loads(path.read_text())
     assert result["suite"] == "ladder" and result["commit"] == "test"
     ran = {(r["backend"], r["Lq"], r["causal"]) for r in result["records"]}
-    assert ran == {(name, L, causal) for name in ["cpu", *TRITON_RUNGS] for L in (32, 64) for causal in (False, True)}
+    assert ran == {(name, shape[2], causal) for name in ["cpu", *TRITON_RUNGS] for shape in CPU_SHAPES
+                   for causal in (False, True)}
     assert all(r["op"] == "attention" and r["pass"] == "fwd" and r["ms"] > 0 and r["bytes"] > 0
                for r in result["records"])
     assert {s["backend"] for s in result["stopped"]} == {"hopper"}

@@ -3,8 +3,8 @@
 The grid (a GPU): the FlashAttention-3 paper's token budget at one head shape, B·L = 16384, H = 16, D = 128,
 L = 512, 1024, ..., 16384 (B = 16384 / L), fp16 and bf16, non-causal and causal (`--quick`: L = 512, 2048, 8192,
 non-causal). On a CPU: the cpu rung and, when the process was started with TRITON_INTERPRET=1, the Triton rungs
-through the interpreter, at tiny sizes (B = 1, H = 2, D = 32, L = 32 and 64, float16): a smoke test of the
-suite, not a measurement of the kernels.
+through the interpreter, at tiny sizes (CPU_SHAPES, float16): a smoke test of the suite, not a measurement of
+the kernels.
 
 Each (rung, L, dtype, causal) becomes a record in the attention benchmark's format (`bench.attention`:
 op, pass, B, H, Hkv, Lq, Lk, D, causal, dtype, backend = the rung's name, ms, tflops, peak_mem_mib) plus
@@ -71,7 +71,7 @@ HEAD_DIM = 128
 GPU_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_LENGTHS = (512, 2048, 8192)
 GPU_DTYPES = (torch.float16, torch.bfloat16)
-CPU_SHAPES = ((1, 2, 32, 32), (1, 2, 64, 32))  # (B, H, L, D): tiny, for the interpreter
+CPU_SHAPES = ((1, 1, 16, 16), (1, 1, 32, 16))  # (B, H, L, D): tiny, for the interpreter
 CPU_DTYPE = torch.float16  # the interpreter's bf16 is unreliable (numpy has no bfloat16)
 CPU_BUDGET_S = 0.2  # cpu_median_ms's time budget per shape
 SLOW_CALL_S = 2.0  # a rung whose call took longer stops on its series: the next L doubles its work
@@ -274,8 +274,9 @@ def run_from_cli(args) -> int:
         device, series = torch.device("cpu"), cpu_series()
         triton_rungs = ("the Triton rungs through the interpreter" if triton_interpreter_on() else
                         "not the Triton rungs (start the process with TRITON_INTERPRET=1 to interpret them)")
-        print(f"No CUDA GPU found: the ladder at tiny sizes only (B=1, H=2, D=32, L=32 and 64, float16), the cpu rung "
-              f"and {triton_rungs}; a smoke test, not a measurement", flush=True)
+        sizes = ", ".join("B={}, H={}, L={}, D={}".format(*shape) for shape in CPU_SHAPES)
+        print(f"No CUDA GPU found: the ladder at tiny sizes only ({sizes}; float16), the cpu rung and {triton_rungs}; "
+              "a smoke test, not a measurement", flush=True)
     envelope = {**environment_metadata(resolve_commit(args.commit)), "suite": "ladder"}
     partial = PartialResults(args.out, envelope)
     stops = Stops()

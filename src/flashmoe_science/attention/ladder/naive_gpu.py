@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from flashmoe_science.attention.ladder.inputs import check_inputs
-from flashmoe_science.attention.ladder.triton_tiles import fma_dot, fma_dot_t, head_base, load_f32
+from flashmoe_science.attention.ladder.triton_tiles import fma_dot, fma_dot_t, head_base, load_f32, store_tile
 
 BLOCK_M = 32  # query rows per program (kernels 1 and 3)
 BLOCK_N = 32  # keys per program (kernel 1)
@@ -50,9 +50,7 @@ def _scores_kernel(Q, K, S, num_heads, seqlen_q, seqlen_k, scale,
     s = s * scale
     if CAUSAL:  # bottom-right aligned: query i sees key j iff j <= i + Lk - Lq
         s = tl.where(cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q), s, float("-inf"))
-    plane = S + pid_bh.to(tl.int64) * seqlen_q * seqlen_k
-    in_bounds = (rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k)
-    tl.store(plane + rows.to(tl.int64)[:, None] * seqlen_k + cols[None, :], s, mask=in_bounds)
+    store_tile(S + pid_bh.to(tl.int64) * seqlen_q * seqlen_k, rows, cols, seqlen_q, seqlen_k, seqlen_k, s)
 
 
 @triton.jit
@@ -92,9 +90,7 @@ def _pv_kernel(P, V, O, num_heads, seqlen_q, seqlen_k,
         keys = k0 + tl.arange(0, BLOCK_K)
         acc += fma_dot(load_f32(plane, rows, keys, seqlen_q, seqlen_k, seqlen_k),
                        load_f32(v_base, keys, cols, seqlen_k, HEAD_DIM, stride_vn))
-    o_base = head_base(O, pid_bh, num_heads, stride_ob, stride_oh)
-    mask = (rows[:, None] < seqlen_q) & (cols[None, :] < HEAD_DIM)
-    tl.store(o_base + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(O.dtype.element_ty), mask=mask)
+    store_tile(head_base(O, pid_bh, num_heads, stride_ob, stride_oh), rows, cols, seqlen_q, HEAD_DIM, stride_om, acc)
 
 
 def scores_bytes(q: torch.Tensor, k: torch.Tensor) -> int:

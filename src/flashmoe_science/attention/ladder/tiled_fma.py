@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from flashmoe_science.attention.ladder.inputs import check_inputs
-from flashmoe_science.attention.ladder.triton_tiles import fma_dot, fma_dot_t, head_base, load_f32, padded
+from flashmoe_science.attention.ladder.triton_tiles import (fma_dot, fma_dot_t, head_base, load_f32, padded,
+                                                             store_tile)
 
 LOG2_E = 1.4426950408889634
 BLOCK_M = 32  # query rows per program
@@ -76,9 +77,7 @@ def _tiled_fma_kernel(Q, K, V, O, num_heads, seqlen_q, seqlen_k, qk_scale,
         m = m_new
 
     out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # a row that saw no key keeps acc = 0
-    o_base = head_base(O, pid_bh, num_heads, stride_ob, stride_oh)
-    mask = (rows[:, None] < seqlen_q) & (cols[None, :] < HEAD_DIM)
-    tl.store(o_base + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], out.to(O.dtype.element_ty), mask=mask)
+    store_tile(head_base(O, pid_bh, num_heads, stride_ob, stride_oh), rows, cols, seqlen_q, HEAD_DIM, stride_om, out)
 
 
 def block_n(block_d: int) -> int:

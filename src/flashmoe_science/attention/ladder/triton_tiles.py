@@ -1,4 +1,4 @@
-"""What the two hand-written Triton rungs (naive_gpu, tiled_fma) share: addressing and products on CUDA cores.
+"""What the two hand-written Triton rungs (naive_gpu, tiled_fma) share: tile loads and stores, products on CUDA cores.
 
 A Triton program works on tiles: small 2-D blocks of a tensor held in the registers of its warps. Both rungs load
 tiles with masked pointer loads (rows or columns past the end read 0) and multiply them without `tl.dot`, that is
@@ -28,6 +28,14 @@ def load_f32(base, rows, cols, n_rows, n_cols, stride_row):
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     ptrs = base + rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
     return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_tile(base, rows, cols, n_rows, n_cols, stride_row, tile):
+    """base[rows, cols] = tile (converted to base's dtype), where rows < n_rows and cols < n_cols (64-bit rows)."""
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    ptrs = base + rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
+    tl.store(ptrs, tile.to(base.dtype.element_ty), mask=mask)
 
 
 @triton.jit
