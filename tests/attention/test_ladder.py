@@ -135,8 +135,8 @@ def test_gpu_grid_is_the_token_budget():
     full, quick = gpu_series(quick=False), gpu_series(quick=True)
     assert len(full) == 4 and len(quick) == 2
     for series in full:
-        assert [s.Lq for s in series.shapes] == [512, 1024, 2048, 4096, 8192, 16384]
-        assert all(s.B * s.Lq == 16384 and (s.H, s.D) == (16, 128) for s in series.shapes)
+        assert [s.Lq for s in series.shapes] == [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
+        assert all(s.B * s.Lq == max(16384, s.Lq) and (s.H, s.D) == (16, 128) for s in series.shapes)
 
 
 @in_process

@@ -1,8 +1,9 @@
 """`flashmoe-science bench --suite ladder`: every rung of `attention.ladder` on one grid, from the CPU to Hopper.
 
 The grid (a GPU): the FlashAttention-3 paper's token budget at one head shape, B·L = 16384, H = 16, D = 128,
-L = 512, 1024, ..., 16384 (B = 16384 / L), fp16 and bf16, non-causal and causal (`--quick`: L = 512, 2048, 8192,
-non-causal). On a CPU: the cpu rung and, when the process was started with TRITON_INTERPRET=1, the Triton rungs
+L = 512, 1024, ..., 16384 (B = 16384 / L), then L = 32768 and 65536 at B = 1, past the budget: there naive_gpu's
+scores (4·H·L² bytes) reach 64 and 256 GiB, and it stops where they no longer fit. fp16 and bf16, non-causal and
+causal (`--quick`: L = 512, 2048, 8192, non-causal). On a CPU: the cpu rung and, when the process was started with TRITON_INTERPRET=1, the Triton rungs
 through the interpreter, at tiny sizes (CPU_SHAPES, float16): a smoke test of the suite, not a measurement of
 the kernels.
 
@@ -69,6 +70,7 @@ TOKENS = 16384  # B · L
 HEADS = 16
 HEAD_DIM = 128
 GPU_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+LONG_LENGTHS = (32768, 65536)  # at B = 1: where the materialised scores outgrow a GPU's memory
 QUICK_LENGTHS = (512, 2048, 8192)
 GPU_DTYPES = (torch.float16, torch.bfloat16)
 CPU_SHAPES = ((1, 1, 16, 16), (1, 1, 32, 16))  # (B, H, L, D): tiny, for the interpreter
@@ -125,8 +127,9 @@ class Series:
 
 
 def gpu_series(quick: bool) -> list[Series]:
-    lengths = QUICK_LENGTHS if quick else GPU_LENGTHS
-    return [Series(dtype, causal, tuple(AttentionShape(TOKENS // L, HEADS, L, L, HEAD_DIM, causal) for L in lengths))
+    sizes = [(TOKENS // L, L) for L in (QUICK_LENGTHS if quick else GPU_LENGTHS)]
+    sizes += [] if quick else [(1, L) for L in LONG_LENGTHS]
+    return [Series(dtype, causal, tuple(AttentionShape(B, HEADS, L, L, HEAD_DIM, causal) for B, L in sizes))
             for dtype in GPU_DTYPES for causal in ((False,) if quick else (False, True))]
 
 
@@ -269,7 +272,8 @@ def run_from_cli(args) -> int:
     if torch.cuda.is_available():
         device, series = torch.device("cuda"), gpu_series(args.quick)
         print(f"the ladder on {torch.cuda.get_device_name(0)}: B·L = {TOKENS}, H = {HEADS}, D = {HEAD_DIM}, "
-              "fp16 and bf16; the cpu rung on CPU copies of the inputs", flush=True)
+              f"fp16 and bf16{'' if args.quick else ', then L = 32768 and 65536 at B = 1'}; the cpu rung on CPU "
+              "copies of the inputs", flush=True)
     else:
         device, series = torch.device("cpu"), cpu_series()
         triton_rungs = ("the Triton rungs through the interpreter" if triton_interpreter_on() else
