@@ -3,9 +3,9 @@
 The grid (a GPU): the FlashAttention-3 paper's token budget at one head shape, B·L = 16384, H = 16, D = 128,
 L = 512, 1024, ..., 16384 (B = 16384 / L), then L = 32768 and 65536 at B = 1, past the budget: there naive_gpu's
 scores (4·H·L² bytes) reach 64 and 256 GiB, and it stops where they no longer fit. fp16 and bf16, non-causal and
-causal (`--quick`: L = 512, 2048, 8192, non-causal). On a CPU: the cpu rung and, when the process was started with TRITON_INTERPRET=1, the Triton rungs
-through the interpreter, at tiny sizes (CPU_SHAPES, float16): a smoke test of the suite, not a measurement of
-the kernels.
+causal (`--quick`: L = 512, 2048, 8192, non-causal). On a CPU: the cpu rung and, when the process was started
+with TRITON_INTERPRET=1, the Triton rungs through the interpreter, at tiny sizes (CPU_SHAPES, float16): a smoke
+test of the suite, not a measurement of the kernels.
 
 Each (rung, L, dtype, causal) becomes a record in the attention benchmark's format (`bench.attention`:
 op, pass, B, H, Hkv, Lq, Lk, D, causal, dtype, backend = the rung's name, ms, tflops, peak_mem_mib) plus
@@ -16,14 +16,15 @@ The result file's envelope has the usual gpu/versions/commit/date (`report.envir
 
 How it is measured:
 - time: GPU rungs by `report.gpu_median_ms` (do_bench's median, L2 flushed between calls); the cpu rung, which
-  runs on CPU copies of the inputs made outside timing, by `bench.attention.cpu_median_ms`.
+  runs on CPU copies of the inputs made outside timing, by `bench.attention.cpu_median_ms`; a call slower than
+  SLOW_CALL_S (after compiling) by one call alone.
 - TFLOP/s: the useful forward FLOPs over the time, 4·B·H·L²·D, halved when causal (`bench.attention.
   attention_flops`): naive_gpu computes every masked score anyway and gets no credit for it.
 - peak memory: the extra `torch.cuda.max_memory_allocated` of one call (`bench.attention.peak_memory_mib`;
   None on the CPU).
 - a rung stops on a series (dtype, causal) where it refuses a shape (naive_gpu where its L x L float32 scores
-  would not fit in free GPU memory; hopper off Hopper), runs out of memory, or where one call took longer than
-  SLOW_CALL_S: the next L doubles its work (B·L is fixed, so FLOPs grow as L).
+  would not fit in free GPU memory; hopper off Hopper), fails (out of memory, ...), or where one call took longer than
+  SLOW_CALL_S: longer L only take longer (FLOPs grow as L while B·L is fixed, as L² past it).
 
 The bytes model (HBM traffic of one forward call; N = B·H heads, e = bytes per input element, scores float32;
 every tensor a kernel touches counted once per kernel that reads or writes it, re-reads that L2 serves not
@@ -48,6 +49,7 @@ from flashmoe_science.bench.attention import (
     DTYPE_NAMES,
     AttentionShape,
     _record,
+    _short_error,
     cpu_median_ms,
     peak_memory_mib,
 )
@@ -76,7 +78,7 @@ GPU_DTYPES = (torch.float16, torch.bfloat16)
 CPU_SHAPES = ((1, 1, 16, 16), (1, 1, 32, 16))  # (B, H, L, D): tiny, for the interpreter
 CPU_DTYPE = torch.float16  # the interpreter's bf16 is unreliable (numpy has no bfloat16)
 CPU_BUDGET_S = 0.2  # cpu_median_ms's time budget per shape
-SLOW_CALL_S = 2.0  # a rung whose call took longer stops on its series: the next L doubles its work
+SLOW_CALL_S = 2.0  # a rung whose call took longer is timed by that call alone and stops on its series
 LSE_BYTES = 4
 
 
@@ -163,24 +165,47 @@ class Stops:
         return "\n".join(["where the rungs stopped:", *lines]) if lines else ""
 
 
-def _rung_device(rung: Rung, device: torch.device) -> str:
+def _home(rung: Rung, device: torch.device) -> torch.device:
+    """Where a rung runs in a run on `device`: the cpu rung on the host (on CPU copies of the inputs), the others
+    on `device`."""
+    return torch.device("cpu") if rung.devices == ("cpu",) else device
+
+
+def _home_label(rung: Rung, device: torch.device) -> str:
+    """The record's "device": cuda, cpu, or interpreter (a Triton rung on CPU tensors)."""
+    home = _home(rung, device)
+    return home.type if home.type == "cuda" or "cpu" in rung.devices else "interpreter"
+
+
+def _seconds(call: Callable[[], object], device: torch.device) -> tuple[float, float | None]:
+    """(wall seconds, peak MiB on a GPU) of one call, synchronised (peak_memory_mib waits for the GPU)."""
+    started = time.perf_counter()
+    memory = None
     if device.type == "cuda":
-        return "cpu" if rung.devices == ("cpu",) else "cuda"
-    return "cpu" if "cpu" in rung.devices else "interpreter"
+        memory = peak_memory_mib(call, device)
+    else:
+        call()
+    return time.perf_counter() - started, memory
 
 
 def _measure(rung: Rung, shape: AttentionShape, q, k, v, device: torch.device) -> tuple[float, float | None, str]:
-    """(ms, peak MiB, where it ran) of one rung on one shape; raises what the rung raises."""
-    where = _rung_device(rung, device)
-    if where == "cpu" and q.is_cuda:
-        q, k, v = q.cpu(), k.cpu(), v.cpu()
+    """(ms, peak MiB, where it ran) of one rung on one shape; raises what the rung raises.
+
+    The first call compiles, refuses a shape before anything is timed, and gives the peak memory. Where it took
+    longer than SLOW_CALL_S, a second call alone says whether compiling did, or the rung is that slow: then that
+    call is the measurement (the timers' warm-up and repeats would cost ten such calls). Others go to the
+    harness's timers."""
+    where = _home_label(rung, device)
+    q, k, v = (t.to(_home(rung, device)) for t in (q, k, v))
     call = lambda: rung.attention(q, k, v, causal=shape.causal)  # noqa: E731
     with torch.no_grad():
-        started = time.perf_counter()
-        call()  # compile, and refuse before anything is timed
-        first_s = time.perf_counter() - started
-        if where == "cuda":
-            return gpu_median_ms(call), peak_memory_mib(call, q.device), where
+        first_s, memory = _seconds(call, q.device)
+        if first_s > SLOW_CALL_S:
+            first_s, _ = _seconds(call, q.device)
+            if first_s > SLOW_CALL_S:
+                return 1e3 * first_s, memory, where
+        if q.is_cuda:
+            return gpu_median_ms(call), memory, where
         # a call slower than the timer's budget is timed once more: its median would cost seconds per shape
         return cpu_median_ms(call, min_reps=1 if first_s > CPU_BUDGET_S else 3, budget_s=CPU_BUDGET_S), None, where
 
@@ -192,7 +217,7 @@ def run_ladder(series: Sequence[Series], device: torch.device, progress: Progres
     records: list[dict] = []
     for line in series:
         for rung in rungs:
-            reason = unavailable(rung, device)
+            reason = unavailable(rung, _home(rung, device))
             if reason is not None:
                 stops.note(rung.name, line, None, reason)
         for shape in line.shapes:
@@ -215,12 +240,14 @@ def run_ladder(series: Sequence[Series], device: torch.device, progress: Progres
 def _run_one(rung: Rung, shape: AttentionShape, line: Series, q, k, v, device, stops: Stops) -> dict | None:
     try:
         ms, memory, where = _measure(rung, shape, q, k, v, device)
-    except (ValueError, TypeError, torch.cuda.OutOfMemoryError) as error:
-        stops.note(rung.name, line, shape.Lq, f"{type(error).__name__}: {str(error).strip().splitlines()[0]}")
+    except Exception as error:  # a refusal, out of memory, a compile failure: the rung stops, the run goes on
+        stops.note(rung.name, line, shape.Lq, _short_error(error))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         return None
     if ms > 1e3 * SLOW_CALL_S:
         stops.note(rung.name, line, shape.Lq * 2,
-                   f"one call took {ms / 1e3:.1f} s at L = {shape.Lq} (> {SLOW_CALL_S:g} s); the next L doubles it")
+                   f"one call took {ms / 1e3:.1f} s at L = {shape.Lq} (> {SLOW_CALL_S:g} s); longer L take longer")
     record = _record(shape, "fwd", rung.name, ms, memory, None, line.dtype)
     moved = bytes_moved(rung.name, shape, line.dtype)
     record.update(device=where, bytes=moved, tbps=round_significant(moved / (ms * 1e-3) / 1e12))

@@ -111,10 +111,8 @@ def check_scores_fit(q: torch.Tensor, k: torch.Tensor, free_bytes: int) -> None:
     needed = scores_bytes(q, k)
     if needed > free_bytes:
         b, h, lq, _ = q.shape
-        raise ValueError(
-            f"naive_gpu materialises the scores: L = {lq} x {k.shape[2]} keys with B·H = {b * h} needs {needed} bytes "
-            f"({needed / 2**30:.1f} GiB) of float32 scores, but only {free_bytes} bytes ({free_bytes / 2**30:.1f} GiB) "
-            "are free on the GPU")
+        raise ValueError(f"naive_gpu: L = {lq} x {k.shape[2]} (B·H = {b * h}) needs {needed} bytes "
+                         f"({needed / 2**30:.1f} GiB) of float32 scores, {free_bytes / 2**30:.1f} GiB free on the GPU")
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
