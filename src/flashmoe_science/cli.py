@@ -6,6 +6,7 @@
     flashmoe-science bench --suite decode KV-cache decode bandwidth against SDPA, FlexAttention and a pure read
     flashmoe-science bench --suite varlen,window,mods   packed sequences and masks against SDPA/FlexAttention
     flashmoe-science bench --suite distributed   ring attention / expert-parallel MoE scaling (under torchrun)
+    flashmoe-science bench --suite ladder  every rung of attention.ladder, from the CPU to the Hopper kernel
     flashmoe-science supercon train|screen|bench   the superconductor Tc model (flashmoe_science.science.cli)
 
 `bench` prints a table, writes `<out>/<gpu>-<date>-<commit>.json` and a PNG plot beside it. Without a CUDA GPU it
@@ -160,14 +161,18 @@ FEATURE_SUITES = frozenset(("varlen", "window", "mods"))
 
 def run_bench(args: argparse.Namespace) -> int:
     suites = args.suite or [args.what]
-    if suites in (["moe"], ["decode"], ["attention"], ["distributed"]):
+    if suites in (["moe"], ["decode"], ["attention"], ["distributed"], ["ladder"]):
         what = suites[0]
     elif set(suites) <= FEATURE_SUITES:
         return _bench_features(args)
     else:
-        print(f"bench --suite: attention, moe, decode and distributed each run on their own; varlen, window and mods "
-              f"combine; got {','.join(suites)}", file=sys.stderr)
+        print(f"bench --suite: attention, moe, decode, distributed and ladder each run on their own; varlen, window "
+              f"and mods combine; got {','.join(suites)}", file=sys.stderr)
         return EXIT_UNAVAILABLE
+    if what == "ladder":
+        from flashmoe_science.bench.ladder import run_from_cli as run_ladder
+
+        return run_ladder(args)
     if what == "distributed":
         from flashmoe_science.bench.distributed import run_from_cli
 
@@ -345,12 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"attention backends to run (default: all on a GPU): {','.join(attention_bench.BACKEND_ORDER)}",
     )
     bench.add_argument(
-        "--suite", type=_comma_list(("attention", "moe", "decode", *sorted(FEATURE_SUITES), "distributed")),
+        "--suite", type=_comma_list(("attention", "moe", "decode", *sorted(FEATURE_SUITES), "distributed", "ladder")),
         help="the benchmark(s) to run instead of the positional name: attention, moe or decode; or the masked/packed "
         "attention suites, which combine: varlen, window, mods (softcap, ALiBi, "
         "bias); see bench/features.py. Or distributed (alone): ring attention and expert-parallel MoE scaling under "
         "`torchrun --nproc-per-node N -m flashmoe_science.cli bench --suite distributed`, or without torchrun on "
-        "one GPU a ring step's overlap and one EP rank's expert work (bench/distributed.py)",
+        "one GPU a ring step's overlap and one EP rank's expert work (bench/distributed.py). Or ladder (alone): every "
+        "rung of attention.ladder from the CPU to the Hopper kernel (bench/ladder.py)",
     )
     bench.add_argument(
         "--models", type=_comma_list(),
