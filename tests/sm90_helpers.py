@@ -10,7 +10,7 @@ import torch
 
 def hopper_attention_module(name: str):
     """`flashmoe_science.attention.hopper.<name>` (e.g. "fwd_sm90", "bwd_sm90"); skips the test off Hopper."""
-    from flashmoe_science.attention.tiles import device_traits
+    from flashmoe_science.device import device_traits
 
     if not torch.cuda.is_available() or not device_traits(torch.device("cuda")).is_hopper:
         pytest.skip("needs a Hopper (sm_90) GPU")

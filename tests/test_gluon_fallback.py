@@ -75,52 +75,66 @@ def _qkv(requires_grad=False):
             for _ in range(3)]
 
 
+def _hopper_plan(strict=False):
+    """An sm_90 forward plan for 64-row bf16-shaped test inputs, as the planner would make on Hopper."""
+    from flashmoe_science.attention.hopper.backend import HopperForward
+    from flashmoe_science.attention.hopper.tiles import sm90_forward_tiles
+
+    return HopperForward(sm90_forward_tiles(64, False, 64), persistent=False, q_buffers=1, cross_item=False,
+                         strict=strict)
+
+
 def test_attention_forward_falls_back_to_the_triton_kernel(monkeypatch):
-    from flashmoe_science.attention import api, autograd, triton_fwd
+    from flashmoe_science.attention import triton_backend, triton_fwd
     from flashmoe_science.attention.features import PLAIN
     from flashmoe_science.attention.hopper import fwd_sm90
-    from flashmoe_science.attention.tiles import ForwardPlan, sm90_forward_tiles
 
     ran = []
     monkeypatch.setattr(fwd_sm90, "attention_forward_sm90", _build_failure)
     monkeypatch.setattr(triton_fwd, "attention_forward", lambda *args: ran.append(args[-1]))
     q, k, v = _qkv()
-    plan = ForwardPlan("sm90", sm90_forward_tiles(64, False, 64))
+    plan = _hopper_plan()
     with pytest.warns(RuntimeWarning, match="attention forward kernel does not build"):
-        autograd.kernel_forward(q, k, v, PLAIN, 0.125, plan)
-    assert ran == [api.triton_plan(q, k, v, PLAIN).tiles]  # the Triton forward ran, with its own tiles
-    autograd.kernel_forward(q, k, v, PLAIN, 0.125, plan)  # later calls: no warning, no Gluon attempt
+        plan.run(q, k, v, PLAIN, 0.125)
+    assert ran == [triton_backend.forward_plan(q, k, v, PLAIN).tiles]  # the Triton forward ran, with its own tiles
+    plan.run(q, k, v, PLAIN, 0.125)  # later calls: no warning, no Gluon attempt
     assert len(ran) == 2
-    # later calls plan the Triton kernel: _hopper_unavailable (after its device checks) returns this reason
+    # later calls plan the Triton kernel: the Hopper backend's decline (after its device checks) returns this reason
     assert "attention forward kernel does not build" in availability.unavailable_reason()
 
 
 def test_attention_forward_strict_raises(monkeypatch):
-    from flashmoe_science.attention import autograd
     from flashmoe_science.attention.features import PLAIN
     from flashmoe_science.attention.hopper import fwd_sm90
-    from flashmoe_science.attention.tiles import ForwardPlan, sm90_forward_tiles
 
     monkeypatch.setattr(fwd_sm90, "attention_forward_sm90", _build_failure)
     q, k, v = _qkv()
-    plan = ForwardPlan("sm90", sm90_forward_tiles(64, False, 64), strict=True)
     with pytest.warns(RuntimeWarning), pytest.raises(availability.GluonUnavailable, match="backend='hopper'"):
-        autograd.kernel_forward(q, k, v, PLAIN, 0.125, plan)
+        _hopper_plan(strict=True).run(q, k, v, PLAIN, 0.125)
 
 
 def test_attention_backward_falls_back_to_the_triton_kernels(monkeypatch):
-    from flashmoe_science.attention import autograd, triton_bwd
+    from flashmoe_science.attention import triton_bwd
+    from flashmoe_science.attention.autograd import _KernelAttention
     from flashmoe_science.attention.features import PLAIN
-    from flashmoe_science.attention.tiles import ForwardPlan, sm90_forward_tiles
+    from flashmoe_science.attention.hopper import backend
+    from flashmoe_science.attention.plan import Plan
+    from flashmoe_science.attention.problem import dense_problem
+    from flashmoe_science.attention.triton_backend import TritonBackward
+    from flashmoe_science.attention.tiles import backward_tiles
+    from flashmoe_science.backends import Choice
+    from flashmoe_science.device import INTERPRETER_TRAITS
 
     ran = []
-    monkeypatch.setattr(autograd, "kernel_forward", lambda q, *rest: (torch.zeros_like(q), torch.zeros(q.shape[:3])))
-    monkeypatch.setattr(autograd, "_sm90_backward_runs", lambda *args: True)
-    monkeypatch.setattr(autograd, "_sm90_backward", _build_failure)
+    monkeypatch.setattr(backend, "launch_backward", _build_failure)
     monkeypatch.setattr(triton_bwd, "attention_backward", lambda *args, **kwargs: ran.append(args))
     q, k, v = _qkv(requires_grad=True)
-    plan = ForwardPlan("sm90", sm90_forward_tiles(64, False, 64))
-    out, _ = autograd._KernelAttention.apply(q, k, v, None, PLAIN, 0.125, plan, False)
+    forward = _hopper_plan()
+    monkeypatch.setattr(type(forward), "run", lambda self, q, *rest: (torch.zeros_like(q), torch.zeros(q.shape[:3])))
+    fallback = TritonBackward(backward_tiles(64, q.dtype, False, INTERPRETER_TRAITS))
+    plan = Plan(dense_problem(q, k, v)[0], Choice("hopper", forward), ())
+    plan.__dict__["backward_choice"] = Choice("hopper", backend.HopperBackward(fallback))  # as planned on Hopper
+    out, _ = _KernelAttention.apply(q, k, v, None, PLAIN, 0.125, plan)
     with pytest.warns(RuntimeWarning, match="attention backward kernel does not build"):
         out.sum().backward()
     assert len(ran) == 1 and q.grad is not None and k.grad is not None

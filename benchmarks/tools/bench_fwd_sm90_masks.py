@@ -18,8 +18,9 @@ import triton
 
 from flashmoe_science.attention.hopper import fwd_sm90
 from flashmoe_science.attention.mask import make_mask
-from flashmoe_science.attention.tiles import (device_traits, sm90_cross_item, sm90_forward_tiles, sm90_persistent,
-                                              sm90_q_buffers)
+from flashmoe_science.attention.hopper.tiles import (sm90_cross_item, sm90_forward_tiles, sm90_persistent,
+                                                     sm90_q_buffers)
+from flashmoe_science.device import device_traits
 
 D, H = 128, 16
 

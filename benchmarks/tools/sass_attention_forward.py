@@ -26,7 +26,7 @@ def sweep(head_dims=(128,)):
     plans): prints one line each; raises on the first that does not build."""
     import itertools
 
-    from flashmoe_science.attention.tiles import sm90_forward_tiles
+    from flashmoe_science.attention.hopper.tiles import sm90_forward_tiles
 
     masks = {"none": (False, None), "causal": (True, None), "window": (False, (100, 20)), "left": (False, (100, -1)),
              "causal_window": (True, (100, -1))}

@@ -37,9 +37,9 @@ from flashmoe_science.attention.tiles import (
     BackwardTiles,
     backward_smem_bytes,
     backward_tiles,
-    device_traits,
     padded_head_dim,
 )
+from flashmoe_science.device import device_traits
 
 DEFAULT_CASES = "4x16x4096x64,4x16x4096x128,4x8x4096x256,16x16x1024x128"
 

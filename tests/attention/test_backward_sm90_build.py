@@ -64,7 +64,13 @@ def test_check_supported_names_what_it_does_not_run():
 
 
 def test_api_takes_it_only_where_it_runs():
-    from flashmoe_science.attention.api import _sm90_backward_runs
+    from flashmoe_science.attention.hopper.backend import backward_refusal
+    from flashmoe_science.attention.triton_fwd import tma_compatible
+
+    def _sm90_backward_runs(q, grad_out, softmax_scale, deterministic):
+        # the plan's rule (backward_refusal) and the run's (a TMA-compatible grad_out)
+        return (backward_refusal(q.shape[-1], q.shape[-2], softmax_scale, deterministic) is None
+                and tma_compatible(grad_out))
 
     q = torch.empty(1, 2, 8, 128, dtype=torch.bfloat16)
     assert _sm90_backward_runs(q, torch.empty_like(q), 0.1, False)
@@ -104,7 +110,7 @@ def test_one_pass_launches_bind_every_parameter():
 
 
 def test_backward_key_tells_strides_and_alignment_apart():
-    from flashmoe_science.attention.api import _backward_key
+    from flashmoe_science.attention.hopper.backend import _backward_key
 
     t = torch.zeros(2, 3, 8, 16)
     base = _backward_key((t,), False, 0.25)

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from flashmoe_science.attention.api import flash_attention_science
-from flashmoe_science.attention.tiles import SM90_BACKWARD_MIN_LEN_D64, padded_head_dim
+from flashmoe_science.attention.hopper.tiles import SM90_BACKWARD_MIN_LEN_D64
+from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.attention.triton_fwd import tma_compatible
 from grad_helpers import assert_grads_close
 from sm90_helpers import hopper_attention_module
@@ -133,35 +134,35 @@ def test_unsupported_head_dims_raise():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["bhld", "blhd"])
 def test_prepared_backward_through_autograd(causal, d, transposed):
-    """The second call of a signature goes through api._PREPARED_BACKWARD (bwd_sm90.PreparedBackward: frozen
+    """The second call of a signature goes through hopper.backend.PREPARED_BACKWARD (bwd_sm90.PreparedBackward: frozen
     launches, new tensors): its gradients on fresh inputs are right, and its dK/dV are bit-identical to the direct
     launch's on the same inputs."""
-    from flashmoe_science.attention import api
+    from flashmoe_science.attention.hopper import backend
 
     bwd_sm90 = hopper_attention_module("bwd_sm90")
-    api._PREPARED_BACKWARD.clear()
+    backend.PREPARED_BACKWARD.clear()
     length = SM90_BACKWARD_MIN_LEN_D64 + 77  # the sm_90 backward runs short rows at D=128 only (tiles)
     for call in range(3):
         q, k, v, grad_out = _inputs(1, 4, 2, length, length, d, torch.bfloat16, transposed)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         out = flash_attention_science(*leaves, causal=causal)
         grads = torch.autograd.grad(out, leaves, grad_out)
-        assert len(api._PREPARED_BACKWARD) == 1  # prepared after the first call, reused by the others
+        assert len(backend.PREPARED_BACKWARD) == 1  # prepared after the first call, reused by the others
         assert_grads_close(grads, q, k, v, grad_out, causal, None)
         direct = sm90_grads(q, k, v, grad_out, causal)
         assert torch.equal(grads[1], direct[1]) and torch.equal(grads[2], direct[2])
-    assert isinstance(next(iter(api._PREPARED_BACKWARD.values())), bwd_sm90.PreparedBackward)
+    assert isinstance(next(iter(backend.PREPARED_BACKWARD.values())), bwd_sm90.PreparedBackward)
 
 
 def test_prepared_backward_keys_on_strides():
     """A call whose strides differ does not reuse another signature's launches."""
-    from flashmoe_science.attention import api
+    from flashmoe_science.attention.hopper import backend
 
     hopper_attention_module("bwd_sm90")
-    api._PREPARED_BACKWARD.clear()
+    backend.PREPARED_BACKWARD.clear()
     for transposed in (False, True):
         q, k, v, grad_out = _inputs(1, 2, 2, 300, 300, 128, torch.bfloat16, transposed)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         grads = torch.autograd.grad(flash_attention_science(*leaves), leaves, grad_out)
         assert_grads_close(grads, q, k, v, grad_out, False, None)
-    assert len(api._PREPARED_BACKWARD) == 2
+    assert len(backend.PREPARED_BACKWARD) == 2

@@ -231,13 +231,13 @@ def test_describe_dispatch_names_the_features():
     assert d.backend == "reference" and "causal, varlen" in d.reason
 
 
-def test_sm90_features_are_declared_in_one_place():
-    from flashmoe_science.attention import hopper
-    from flashmoe_science.attention.features import FEATURES, sm90_missing
+def test_each_backend_declares_its_features_in_one_place():
+    from flashmoe_science.attention.features import FEATURES
+    from flashmoe_science.attention.hopper import backend as hopper
 
-    assert hopper.SM90_FORWARD_FEATURES <= set(FEATURES) and hopper.SM90_BACKWARD_FEATURES <= set(FEATURES)
-    missing = sm90_missing(frozenset({"causal", "varlen", "window"}))
-    assert missing == [name for name in ("causal", "window", "varlen") if name not in hopper.SM90_FORWARD_FEATURES]
+    assert hopper.FORWARD_FEATURES <= set(FEATURES) and hopper.BACKWARD_FEATURES <= set(FEATURES)
+    absent = hopper.missing(frozenset({"causal", "varlen", "window"}), hopper.FORWARD_FEATURES)
+    assert absent == [name for name in ("causal", "window", "varlen") if name not in hopper.FORWARD_FEATURES]
 
 
 @pytest.mark.parametrize("bias_shape", [(7, 9), (2, 1, 4, 7, 9), (3, 4, 1, 9)], ids=str)

@@ -79,7 +79,7 @@ def test_kernels_compile_for_sm90(monkeypatch, name, head_dim):
     fwd = _Recorder(triton_fwd._attention_forward_kernel)
     monkeypatch.setattr(triton_fwd, "_attention_forward_kernel", fwd)
     tiles = forward_tiles(head_dim, dtype, True, H200)
-    # TMA where api._dispatch would take it (dense, 16-byte rows): the descriptors' compile path too
+    # TMA where the plan would take it (dense, 16-byte rows): the descriptors' compile path too
     use_tma = features.varlen is None and head_dim % 8 == 0
     tiles = type(tiles)(tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages, use_tma=use_tma)
     out, lse = torch.empty_like(q), torch.empty(1, 4, 256)

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 
 from flashmoe_science import flash_attention_science
 from flashmoe_science.attention.reference import attention_reference, causal_visibility
-from flashmoe_science.attention.tiles import AttentionTiles, device_traits, forward_tiles, sm90_smem_bytes
+from flashmoe_science.attention.hopper.tiles import sm90_smem_bytes
+from flashmoe_science.attention.tiles import AttentionTiles, forward_tiles
+from flashmoe_science.device import device_traits
 from flashmoe_science.attention.triton_fwd import attention_forward
 
 pytestmark = pytest.mark.gpu
@@ -231,25 +233,25 @@ def test_one_head_of_131072_tokens_without_quadratic_memory():
 @pytest.mark.parametrize("backend,head_dim,dtype", [("auto", 128, torch.bfloat16), ("triton", 80, torch.float16),
                                                     ("triton", 64, torch.float32)])
 def test_repeated_signature_takes_the_prepared_launch(causal, layout, backend, head_dim, dtype):
-    """The second call of a signature skips the checks, the plan and Triton's binding (api._PREPARED): same
+    """The second call of a signature skips the checks, the plan and Triton's binding (call.PREPARED): same
     output bit for bit as the full path, and exact on new data of that signature."""
     if backend == "auto" and not device_traits(torch.device("cuda")).is_hopper:
         pytest.skip("needs a Hopper GPU")
-    from flashmoe_science.attention import api
+    from flashmoe_science.attention import call
 
     def inputs():
         return _inputs(2, 8, 2, 700, 900, head_dim, dtype, layout)
 
-    api._PREPARED.clear()
+    call.PREPARED.clear()
     q, k, v = inputs()
     first, first_lse = flash_attention_science(q, k, v, causal=causal, return_lse=True, backend=backend)
-    assert api._prepared_key(q, k, v, causal, None, True, backend, False) in api._PREPARED
+    assert call.prepared_key(q, k, v, causal, None, True, backend, False) in call.PREPARED
     again, again_lse = flash_attention_science(q, k, v, causal=causal, return_lse=True, backend=backend)
     assert torch.equal(first, again) and torch.equal(first_lse, again_lse)
     q2, k2, v2 = inputs()
     _poison_allocator()
     out2 = flash_attention_science(q2, k2, v2, causal=causal, backend=backend)
-    assert out2.stride() == first.stride() and len(api._PREPARED) == 2  # (return_lse differs)
+    assert out2.stride() == first.stride() and len(call.PREPARED) == 2  # (return_lse differs)
     _assert_close_to_float64(out2, q2, k2, v2, causal, head_dim**-0.5, dtype)
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from flashmoe_science.attention.mask import make_mask, score_mods
-from flashmoe_science.attention.tiles import (device_traits, sm90_cross_item, sm90_forward_tiles, sm90_q_buffers)
+from flashmoe_science.attention.hopper.tiles import sm90_cross_item, sm90_forward_tiles, sm90_q_buffers
+from flashmoe_science.device import device_traits
 from sm90_helpers import hopper_attention_module
 
 pytestmark = pytest.mark.gpu

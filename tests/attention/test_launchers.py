@@ -16,20 +16,18 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
     pytest.skip("launchers are stubbed here; the interpreter runs the real kernels elsewhere", allow_module_level=True)
 
 from flashmoe_science.attention import triton_fwd  # noqa: E402
-from flashmoe_science.attention.tiles import (  # noqa: E402
+from flashmoe_science.attention.hopper.tiles import (  # noqa: E402
     SM90_PERSISTENT_LONG_CAUSAL_LEN,
     SM90_PERSISTENT_MAX_CAUSAL_LEN,
     SM90_PERSISTENT_MIN_ROUNDS,
     SM90_SHORT_CAUSAL_LEN,
-    AttentionTiles,
-    backward_tiles,
-    padded_head_dim,
     sm90_cross_item,
     sm90_forward_tiles,
     sm90_persistent,
     sm90_q_buffers,
     sm90_smem_bytes,
 )
+from flashmoe_science.attention.tiles import AttentionTiles, backward_tiles, padded_head_dim  # noqa: E402
 from flashmoe_science.device import DeviceTraits  # noqa: E402
 
 H200 = DeviceTraits((9, 0), 132, 232448)
@@ -194,21 +192,21 @@ def test_triton_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatc
 
 
 def test_prepared_key_leaves_autograd_and_ambiguous_arguments_to_the_full_path():
-    from flashmoe_science.attention import api
+    from flashmoe_science.attention import call
 
     q = torch.randn(1, 2, 8, 16)
-    key = api._prepared_key(q, q, q, False, None, False, "auto", False)
-    assert key is not None and key == api._prepared_key(q.clone(), q, q, False, None, False, "auto", False)
-    assert key != api._prepared_key(q, q, q, True, None, False, "auto", False)
-    assert key != api._prepared_key(q.transpose(2, 3).contiguous().transpose(2, 3), q, q, False, None, False,
+    key = call.prepared_key(q, q, q, False, None, False, "auto", False)
+    assert key is not None and key == call.prepared_key(q.clone(), q, q, False, None, False, "auto", False)
+    assert key != call.prepared_key(q, q, q, True, None, False, "auto", False)
+    assert key != call.prepared_key(q.transpose(2, 3).contiguous().transpose(2, 3), q, q, False, None, False,
                                     "auto", False)  # strides
-    assert api._prepared_key(q, q, q, 1, None, False, "auto", False) is None  # 1 == True: the check must run
-    assert api._prepared_key(q, q, q, False, 1, False, "auto", False) is None
-    assert api._prepared_key(q, q, q, False, None, False, ["auto"], False) is None
+    assert call.prepared_key(q, q, q, 1, None, False, "auto", False) is None  # 1 == True: the check must run
+    assert call.prepared_key(q, q, q, False, 1, False, "auto", False) is None
+    assert call.prepared_key(q, q, q, False, None, False, ["auto"], False) is None
     grad = q.clone().requires_grad_()
-    assert api._prepared_key(grad, q, q, False, None, False, "auto", False) is None
+    assert call.prepared_key(grad, q, q, False, None, False, "auto", False) is None
     with torch.no_grad():
-        assert api._prepared_key(grad, q, q, False, None, False, "auto", False) is not None
+        assert call.prepared_key(grad, q, q, False, None, False, "auto", False) is not None
 
 
 @pytest.mark.parametrize("head_dim,causal", [(80, True), (128, False), (192, True), (256, False)])
@@ -352,17 +350,19 @@ def test_sm90_launcher_rejects_an_output_tma_cannot_store():
 
 
 def test_triton_plan_drops_tma_for_strides_tma_cannot_take(monkeypatch):
-    """The dispatch decides TMA once (the launcher trusts it): on Hopper traits, misaligned strides get pointers."""
-    from flashmoe_science.attention import api
+    """The plan decides TMA once (the launcher trusts it): on Hopper traits, misaligned strides get pointers."""
+    from flashmoe_science.attention import triton_backend
+    from flashmoe_science.attention.plan import plan_attention
+    from flashmoe_science.attention.problem import dense_problem
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets backend="triton" accept CPU tensors; nothing is launched
-    monkeypatch.setattr(api, "device_traits", lambda device: DeviceTraits((9, 0), 132, 232448))
+    monkeypatch.setattr(triton_backend, "device_traits", lambda device: DeviceTraits((9, 0), 132, 232448))
     aligned = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
-    plan, _ = api._dispatch(aligned, aligned, aligned, False, "triton")
-    assert plan.kernel == "triton" and plan.tiles.use_tma
+    plan = plan_attention(dense_problem(aligned, aligned, aligned, backend="triton")[0])
+    assert plan.backend == "triton" and plan.forward.tiles.use_tma
     misaligned = torch.randn(1, 2, 64, 65, dtype=torch.bfloat16)[..., 1:]  # base off by 2 bytes, rows of 130 bytes
-    plan, _ = api._dispatch(misaligned, misaligned, misaligned, False, "triton")
-    assert plan.kernel == "triton" and not plan.tiles.use_tma
+    plan = plan_attention(dense_problem(misaligned, misaligned, misaligned, backend="triton")[0])
+    assert plan.backend == "triton" and not plan.forward.tiles.use_tma
 
 
 def test_64bit_rows_only_where_offsets_pass_2_31():

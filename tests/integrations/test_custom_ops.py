@@ -201,3 +201,23 @@ def test_compiled_decode_matches_eager(append):
     torch.testing.assert_close(got_lse, want_lse, atol=1e-12, rtol=0)
     for got, want in zip(caches, eager_caches):  # the appended keys and values land in the caches as in eager mode
         assert torch.equal(got, want)
+
+
+def test_each_check_runs_once_per_call(monkeypatch):
+    """The ops run the layer below the public functions: an eager op call, an eager public call and a compiled call
+    (after its trace) each check their inputs once."""
+    from flashmoe_science.attention import problem
+
+    calls = []
+    check_inputs = problem.check_inputs
+    monkeypatch.setattr(problem, "check_inputs", lambda *args: (calls.append(args), check_inputs(*args))[1])
+    q, k, v = (torch.randn(2, 3, 9, 16) for _ in range(3))
+    torch.ops.flashmoe_science.attention_forward(q, k, v, True, 0.25, None, None, None, "auto", False)
+    fs.flash_attention_science(q, k, v, causal=True)
+    assert len(calls) == 2
+    compiled = torch.compile(lambda q, k, v: fs.flash_attention_science(q, k, v, causal=True), backend="aot_eager",
+                             fullgraph=True)
+    compiled(q, k, v)  # the trace runs the fake implementation's checks too
+    calls.clear()
+    compiled(q, k, v)
+    assert len(calls) == 1

@@ -14,11 +14,10 @@ import torch
 
 from flashmoe_science.attention.features import Varlen
 
-BACKENDS = ("auto", "hopper", "triton", "reference")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
-# Any head dim in [1, 256]: the Triton kernels pad the tile to a power of two (>= 16) inside; the sm_90 kernels
-# take multiples of 8 from 16 (TMA rows of 16-byte multiples) and leave the others to Triton.
+# Any head dim in [1, 256]: the Triton kernels pad the tile to a power of two (>= 16) inside; kernels that need
+# more (TMA rows of 16-byte multiples) decline the others (the "odd_head_dim" feature) and leave them to Triton.
 MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256
 
 
@@ -36,14 +35,18 @@ def check_head_dim(head_dim: int) -> None:
         raise ValueError(f"head dim (last dim of q) must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {head_dim}")
 
 
-def check_scale_and_backend(softmax_scale, backend) -> None:
+def check_scale(softmax_scale) -> None:
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
             raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
         if not (math.isfinite(softmax_scale) and softmax_scale > 0):
             raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def check_backend(backend, names: tuple[str, ...]) -> None:
+    """`backend` is one of `names` (the planner's list; a front door's own where it has one)."""
+    if backend not in names:
+        raise ValueError(f"backend must be one of {names}, got {backend!r}")
 
 
 def check_same_kind(q, k, v) -> None:
@@ -58,8 +61,8 @@ def check_heads(hq: int, hkv: int) -> None:
         raise ValueError(f"q's head count ({hq}) must be a multiple of k's head count ({hkv}) (GQA/MQA)")
 
 
-def check_inputs(q, k, v, softmax_scale, backend) -> None:
-    """The dense front door's q, k, v `(..., H, L, D)`, scale and backend."""
+def check_inputs(q, k, v, softmax_scale) -> None:
+    """The dense front door's q, k, v `(..., H, L, D)` and scale (the planner checks the backend's name)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
     check_same_kind(q, k, v)
@@ -74,7 +77,7 @@ def check_inputs(q, k, v, softmax_scale, backend) -> None:
     check_head_dim(q.shape[-1])
     if q.dim() >= 3:
         check_heads(q.shape[-3], k.shape[-3])
-    check_scale_and_backend(softmax_scale, backend)
+    check_scale(softmax_scale)
 
 
 def check_flags(**flags) -> None:

@@ -28,10 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
+from flashmoe_science.attention.checks import check_backend, check_flags
 from flashmoe_science.attention.mask import MaskSpec, make_mask, score_mods
+from flashmoe_science.attention.record import ran
+from flashmoe_science.backends import Choice, choose
 from flashmoe_science.device import device_traits, dot_precision, on_another_cuda_device, triton_interpreter_on
 
-BACKENDS = ("auto", "triton", "reference")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_NEW_TOKENS = 16
 MAX_GROUP = 16  # query heads per KV head
@@ -348,14 +350,29 @@ def decode_reference(q, k_cache, v_cache, cache_seqlens, problem: DecodeProblem,
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _kernel_decode(q, k_cache, v_cache, seqlens, problem: DecodeProblem, block_table, k_new, v_new, rotary_cos,
-                   rotary_sin, rotary_interleaved, alibi_slopes, num_splits):
+@dataclass(frozen=True)
+class TritonDecode:
+    """The Triton decode kernels (triton_decode): the append (with rotary) where new keys come, the split-KV
+    attention with `splits` key splits per sequence, and the LSE combine where splits > 1."""
+
+    tiles: DecodeTiles
+    splits: int
+    backend = "triton"
+    kernel = "triton_decode._decode_kernel"
+
+    def run(self, q, k_cache, v_cache, seqlens, problem: DecodeProblem, block_table, k_new, v_new, rotary_cos,
+            rotary_sin, rotary_interleaved, alibi_slopes):
+        # Triton launches on the current device: make it q's
+        with torch.cuda.device(q.device) if on_another_cuda_device(q) else contextlib.nullcontext():
+            ran("forward", self.backend, self.kernel)
+            return _launch(q, k_cache, v_cache, seqlens, problem, block_table, k_new, v_new, rotary_cos, rotary_sin,
+                           rotary_interleaved, alibi_slopes, self.tiles, self.splits)
+
+
+def _launch(q, k_cache, v_cache, seqlens, problem: DecodeProblem, block_table, k_new, v_new, rotary_cos, rotary_sin,
+            rotary_interleaved, alibi_slopes, tiles: DecodeTiles, splits: int):
     from flashmoe_science.attention import triton_decode as kernels
 
-    traits = device_traits(q.device)
-    tiles = decode_tiles(problem, traits)
-    splits = choose_num_splits(problem, tiles, traits.sm_count) if num_splits == "auto" else num_splits
-    splits = max(1, min(splits, math.ceil(problem.capacity / tiles.block_n)))
     batch, lq, hq, d = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, hq, lq, dtype=torch.float32, device=q.device)
@@ -412,16 +429,88 @@ def _mask_args(problem: DecodeProblem) -> dict:
                                           "MASK_LEFT", "MASK_RIGHT", "SOFTCAP")}
 
 
-def _uses_kernel(q, backend: str) -> bool:
-    if backend == "reference" or q.dtype == torch.float64:
-        if backend == "triton":
-            raise ValueError("backend='triton' has no float64 kernel: use bfloat16, float16 or float32")
-        return False
-    if q.is_cuda or triton_interpreter_on():
-        return True
-    if backend == "triton":
-        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
-    return False
+class ReferenceDecode:
+    """`decode_reference`: the CPU path, float64, and backend="reference"."""
+
+    backend = "reference"
+    kernel = "decode.decode_reference"
+
+    def run(self, q, k_cache, v_cache, seqlens, problem: DecodeProblem, block_table, k_new, v_new, rotary_cos,
+            rotary_sin, rotary_interleaved, alibi_slopes):
+        ran("forward", self.backend, self.kernel)
+        return decode_reference(q, k_cache, v_cache, seqlens, problem, block_table, k_new, v_new, rotary_cos,
+                                rotary_sin, rotary_interleaved, alibi_slopes)
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeCall:
+    """What the decode backends decide on: the checked problem, q (device and dtype) and num_splits."""
+
+    problem: DecodeProblem
+    q: torch.Tensor
+    num_splits: int | str
+
+
+class _TritonDecodeBackend:
+    name = "triton"
+
+    def decline(self, call: DecodeCall) -> str | None:
+        if call.q.dtype == torch.float64:
+            return "it has no float64 kernel: use bfloat16, float16 or float32"
+        if not call.q.is_cuda and not triton_interpreter_on():
+            return "it needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)"
+        return None
+
+    def plan(self, call: DecodeCall) -> TritonDecode:
+        problem, traits = call.problem, device_traits(call.q.device)
+        tiles = decode_tiles(problem, traits)
+        splits = choose_num_splits(problem, tiles, traits.sm_count) if call.num_splits == "auto" else call.num_splits
+        return TritonDecode(tiles, max(1, min(splits, math.ceil(problem.capacity / tiles.block_n))))
+
+
+class _ReferenceDecodeBackend:
+    name = "reference"
+
+    def decline(self, call: DecodeCall) -> str | None:
+        return None
+
+    def plan(self, call: DecodeCall) -> ReferenceDecode:
+        return ReferenceDecode()
+
+
+# The ordered backend list of decode calls (walked by backends.choose, as every attention call's).
+DECODE_BACKENDS = (_TritonDecodeBackend(), _ReferenceDecodeBackend())
+BACKENDS = ("auto", *(b.name for b in DECODE_BACKENDS))
+
+
+def plan_decode(problem: DecodeProblem, q, num_splits="auto", backend: str = "auto") -> Choice:
+    """The decode backend that runs a checked call, its plan (tiles, splits) and why the ones before declined."""
+    return choose(DECODE_BACKENDS, DecodeCall(problem, q, num_splits), backend)
+
+
+def decode_call(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None, v_new=None, rotary_cos=None,
+                rotary_sin=None, rotary_interleaved=False, causal=True, softmax_scale=None, window=None,
+                softcap=None, alibi_slopes=None, return_lse=False, num_splits="auto", backend="auto",
+                check_values=None):
+    """(out, lse) of `flash_attention_decode` (its arguments): the checks, the plan and the kernels, once. The
+    custom ops (torch.compile) call this too."""
+    problem = check_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, rotary_cos, rotary_sin,
+                           causal, softmax_scale, window, softcap, alibi_slopes)
+    if not isinstance(rotary_interleaved, bool) or not isinstance(return_lse, bool):
+        raise TypeError("rotary_interleaved and return_lse must be bools")
+    if num_splits != "auto" and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
+                                 or num_splits < 1):
+        raise ValueError(f"num_splits must be 'auto' or an int >= 1, got {num_splits!r}")
+    check_backend(backend, BACKENDS)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((problem.batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    if check_values is None:
+        check_values = not q.is_cuda
+    if check_values:
+        check_decode_values(problem, k_cache, cache_seqlens, block_table, rotary_cos)
+    step = plan_decode(problem, q, num_splits, backend).plan
+    return step.run(q, k_cache, v_cache, cache_seqlens, problem, block_table, k_new, v_new, rotary_cos, rotary_sin,
+                    rotary_interleaved, alibi_slopes)
 
 
 def flash_attention_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None, v_new=None,
@@ -450,35 +539,18 @@ def flash_attention_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=No
     Returns out (B, Lq, Hq, D) in q's dtype, and lse when return_lse.
     """
     if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
-        from flashmoe_science.integrations import ops
-
-        return ops.compiled_attention_decode(
-            q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k_new, v_new=v_new,
-            rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, causal=causal,
-            softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-            return_lse=return_lse, num_splits=num_splits, backend=backend, check_values=check_values)
-    problem = check_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, rotary_cos, rotary_sin,
-                           causal, softmax_scale, window, softcap, alibi_slopes)
-    if not isinstance(rotary_interleaved, bool) or not isinstance(return_lse, bool):
-        raise TypeError("rotary_interleaved and return_lse must be bools")
-    if num_splits != "auto" and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
-                                 or num_splits < 1):
-        raise ValueError(f"num_splits must be 'auto' or an int >= 1, got {num_splits!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not isinstance(cache_seqlens, torch.Tensor):
-        cache_seqlens = torch.full((problem.batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    if check_values is None:
-        check_values = not q.is_cuda
-    if check_values:
-        check_decode_values(problem, k_cache, cache_seqlens, block_table, rotary_cos)
-
-    if _uses_kernel(q, backend):
-        # Triton launches on the current device: make it q's
-        with torch.cuda.device(q.device) if on_another_cuda_device(q) else contextlib.nullcontext():
-            out, lse = _kernel_decode(q, k_cache, v_cache, cache_seqlens, problem, block_table, k_new, v_new,
-                                      rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes, num_splits)
+        check_flags(return_lse=return_lse)
+        if not isinstance(cache_seqlens, torch.Tensor):
+            cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+        op = torch.ops.flashmoe_science.attention_decode if k_new is None else \
+            torch.ops.flashmoe_science.attention_decode_append
+        out, lse = op(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, rotary_cos, rotary_sin,
+                      rotary_interleaved, causal, softmax_scale, None if window is None else [int(s) for s in window],
+                      softcap, alibi_slopes, 0 if num_splits == "auto" else num_splits, backend, check_values)
     else:
-        out, lse = decode_reference(q, k_cache, v_cache, cache_seqlens, problem, block_table, k_new, v_new,
-                                    rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes)
+        out, lse = decode_call(q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k_new, v_new=v_new,
+                               rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                               causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                               alibi_slopes=alibi_slopes, return_lse=return_lse, num_splits=num_splits,
+                               backend=backend, check_values=check_values)
     return (out, lse) if return_lse else out

@@ -1,10 +1,9 @@
 """What one attention call asks for beyond plain q, k, v: its mask, score modifiers and packed layout.
 
-`CallFeatures` carries the checked extras of a call to every kernel (the api builds it once; kernels only read
-it). `feature_names` turns it into the words the dispatch reasons with, and `sm90_missing` says which of them the
-Gluon sm_90 kernels cannot take yet: that list is the one place where the Hopper kernels declare their reach
-(`hopper.SM90_FORWARD_FEATURES`, `hopper.SM90_BACKWARD_FEATURES`), so wiring a new Gluon feature in is one edit
-there plus its kernel arguments.
+`CallFeatures` carries the checked extras of a call to every kernel (the problem is built once per call; kernels
+only read it). `feature_names` turns it into the words the planner reasons with: each backend declares, once, which
+of them its kernels take (a backend module's `FORWARD_FEATURES`), so wiring a new feature into a kernel
+family is one edit there plus its kernel arguments.
 """
 
 from __future__ import annotations
@@ -95,12 +94,3 @@ def feature_names(features: CallFeatures, head_dim: int, bias_grad: bool = False
     if head_dim % 8 or head_dim < 16:
         names.add("odd_head_dim")
     return frozenset(names)
-
-
-def sm90_missing(names: frozenset[str], direction: str = "forward") -> list[str]:
-    """The features of a call the Gluon sm_90 `direction` ("forward" or "backward") does not take yet, in
-    FEATURES order (empty: it takes the call)."""
-    from flashmoe_science.attention import hopper
-
-    supported = hopper.SM90_FORWARD_FEATURES if direction == "forward" else hopper.SM90_BACKWARD_FEATURES
-    return [name for name in FEATURES if name in names and name not in supported]

@@ -1,4 +1,4 @@
-"""FP8 (e4m3) attention forward: quantisation with an optional Hadamard rotation, checks, dispatch.
+"""FP8 (e4m3) attention forward: quantisation with an optional Hadamard rotation, and the checks of a call.
 
 Convention (flash-attn's): q, k, v are `torch.float8_e4m3fn` and each comes with a float32 descale factor per
 (batch, kv-head), shape (B, Hkv): the real value is ``fp8 value × descale``. The output is bfloat16.
@@ -23,11 +23,12 @@ the caller is transposed once by the front door (a copy: documented in the READM
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from flashmoe_science.device import device_traits
+from flashmoe_science.attention.checks import check_flags, check_scale
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -159,63 +160,30 @@ def check_fp8_call(q, k, v, q_descale, k_descale, v_descale) -> None:
             raise ValueError(f"FP8 attention is forward-only: {name} must not require grad")
 
 
-def fp8_kernel_unavailable(q, k, v) -> str | None:
-    """Why the e4m3 kernel cannot take this call (it then runs the dequantised bf16 path), or None."""
-    if not q.is_cuda or not device_traits(q.device).is_hopper:
-        return "the e4m3 tensor-core kernel needs a Hopper (sm_90) GPU"
-    if q.shape[-1] not in (64, 128, 256):
-        return f"the e4m3 kernel takes head dims 64, 128 and 256, got {q.shape[-1]}"
-    for name, t in (("q", q), ("k", k)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a unit-stride last dim for FP8 attention, got strides {t.stride()}")
-    return None
+@dataclass(frozen=True, eq=False)
+class Fp8Problem:
+    """A checked FP8 call: 4-D e4m3 q, k, v, their (B, Hkv) descales, the causal flag, the scale (default 1/sqrt(D))
+    and the backend asked for (`plan.plan_fp8` walks the FP8 backends)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    causal: bool
+    softmax_scale: float
+    backend: str
 
 
-def fp8_front_door(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, return_lse, backend,
-                   deterministic):
-    """`flash_attention_science` for fp8 inputs or any descale given: the checks, then `fp8_attention`."""
-    from flashmoe_science.attention.checks import check_flags, check_scale_and_backend
-
+def fp8_problem(q, k, v, q_descale, k_descale, v_descale, *, causal, softmax_scale, backend, **flags) -> Fp8Problem:
+    """The checks of an FP8 call (fp8 inputs or any descale given), once: TypeError/ValueError naming the
+    argument. `flags`: the call's other bools (return_lse, deterministic)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     check_fp8_call(q, k, v, q_descale, k_descale, v_descale)
-    check_flags(causal=causal, return_lse=return_lse, deterministic=deterministic)
-    check_scale_and_backend(softmax_scale, backend)
-    if backend not in ("auto", "hopper", "reference"):
-        raise ValueError(f"FP8 attention runs backend 'auto', 'hopper' or 'reference', got {backend!r}")
+    check_flags(causal=causal, **flags)
+    check_scale(softmax_scale)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError("FP8 attention is forward-only: q, k and v must not require grad")
-    why_not = "backend='reference'" if backend == "reference" else fp8_kernel_unavailable(q, k, v)
-    if backend == "hopper" and why_not is not None:
-        raise ValueError(f"backend='hopper' cannot run this FP8 call: {why_not}")
-    return fp8_attention(q, k, v, q_descale, k_descale, v_descale, causal=causal, softmax_scale=softmax_scale,
-                         return_lse=return_lse, use_kernel=why_not is None,
-                         fallback_backend="reference" if backend == "reference" else "auto")
-
-
-def fp8_attention(q, k, v, q_descale, k_descale, v_descale, *, causal: bool, softmax_scale: float | None,
-                  return_lse: bool, use_kernel: bool, fallback_backend: str = "auto"):
-    """The FP8 forward on checked inputs: the e4m3 kernel (`use_kernel`), else the dequantised inputs through
-    `flash_attention_science(..., backend=fallback_backend)`."""
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if use_kernel:
-        from flashmoe_science.attention.triton_fp8 import attention_forward_fp8
-
-        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        if q.numel() and k.shape[2]:
-            attention_forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, causal, scale)
-        else:
-            out.zero_()
-            lse.fill_(float("-inf"))
-        return (out, lse) if return_lse else out
-    # Other GPUs and the CPU: dequantise, then the bf16 (GPU) or float32 (CPU) path. Slow, never wrong.
-    from flashmoe_science.attention.api import flash_attention_science
-
-    dtype = torch.bfloat16 if q.is_cuda else torch.float32
-    qf, kf, vf = (dequantize(t, d, dtype) for t, d in ((q, q_descale), (k, k_descale), (v, v_descale)))
-    out, lse = flash_attention_science(qf, kf, vf, causal=causal, softmax_scale=scale, return_lse=True,
-                                       backend=fallback_backend)
-    out = out.to(torch.bfloat16)
-    return (out, lse) if return_lse else out
+    return Fp8Problem(q, k, v, (q_descale, k_descale, v_descale), causal, scale, backend)

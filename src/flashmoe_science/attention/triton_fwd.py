@@ -40,12 +40,11 @@ from flashmoe_science.attention.mask import (  # noqa: F401 (key_tile_bounds re-
 from flashmoe_science.attention.tiles import (
     AttentionTiles,
     autotune_enabled,
-    device_traits,
     forward_search_space,
     forward_tiles,
     padded_head_dim,
 )
-from flashmoe_science.device import dot_precision
+from flashmoe_science.device import device_traits, dot_precision
 from flashmoe_science.prepared_launch import PreparedLaunch
 
 LOG2_E = 1.4426950408889634  # host side: folded into the softmax scale

@@ -10,46 +10,21 @@ from __future__ import annotations
 
 import torch
 
-from flashmoe_science.attention import reference
-from flashmoe_science.attention.api import Dispatch, _dispatch, describe_plan
-from flashmoe_science.attention.autograd import run_kernel
-from flashmoe_science.attention.checks import (
-    check_alibi_slopes,
-    check_flags,
-    check_scale_and_backend,
-    check_triton_layout,
-    check_varlen,
-)
-from flashmoe_science.attention.features import CallFeatures
-from flashmoe_science.attention.mask import make_mask
+from flashmoe_science.attention import call
+from flashmoe_science.attention.checks import check_flags
+from flashmoe_science.attention.plan import Dispatch, describe, plan_attention
+from flashmoe_science.attention.problem import packed_problem
+from flashmoe_science.attention.reference import default_softmax_scale
 from flashmoe_science.device import on_another_cuda_device
-
-
-def _packed_as_4d(t: torch.Tensor) -> torch.Tensor:
-    """(total, H, D) -> a (1, H, total, D) view (no copy)."""
-    return t.permute(1, 0, 2).unsqueeze(0)
-
-
-def _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window,
-             softcap, alibi_slopes, backend, **flags):
-    varlen = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    check_scale_and_backend(softmax_scale, backend)
-    check_flags(causal=causal, **flags)
-    mask = make_mask(causal, window, softcap)
-    slopes = check_alibi_slopes(alibi_slopes, (varlen.num_seqs,), q.shape[1], q.device)
-    scale = float(softmax_scale) if softmax_scale is not None else reference.default_softmax_scale(q.shape[-1])
-    features = CallFeatures(mask=mask, alibi_slopes=slopes, varlen=varlen)
-    q4, k4, v4 = _packed_as_4d(q), _packed_as_4d(k), _packed_as_4d(v)
-    return q4, k4, v4, features, scale
 
 
 def describe_varlen_dispatch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                              causal: bool = False, window=None, softcap=None, alibi_slopes=None,
                              backend: str = "auto") -> Dispatch:
-    """Which kernel `flash_attention_varlen` would run for these inputs, and why."""
-    q4, k4, v4, features, _ = _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                       None, window, softcap, alibi_slopes, backend)
-    return describe_plan(q4, k4, v4, features, backend)
+    """Which kernels `flash_attention_varlen` would run for these inputs (forward and backward), and why."""
+    problem = packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                             window=window, softcap=softcap, alibi_slopes=alibi_slopes, backend=backend)
+    return describe(plan_attention(problem))
 
 
 def flash_attention_varlen(
@@ -91,28 +66,21 @@ def flash_attention_varlen(
         `out` `(total_q, Hq, D)` in q's dtype, or `(out, lse)` when `return_lse=True`.
     """
     if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
-        from flashmoe_science.integrations import ops
-
-        return ops.compiled_attention_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-            softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-            return_lse=return_lse, deterministic=deterministic, backend=backend)
+        check_flags(return_lse=return_lse)
+        out, lse = torch.ops.flashmoe_science.attention_varlen_forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+            default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale,
+            None if window is None else [int(side) for side in window], softcap, alibi_slopes, backend,
+            deterministic)
+        return (out, lse) if return_lse else out
     if on_another_cuda_device(q):
         with torch.cuda.device(q.device):
             return flash_attention_varlen(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                 softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                 return_lse=return_lse, deterministic=deterministic, backend=backend)
-    q4, k4, v4, features, scale = _checked(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, softcap,
-        alibi_slopes, backend, return_lse=return_lse, deterministic=deterministic)
-    plan, _ = _dispatch(q4, k4, v4, features, backend)
-    if plan is None:
-        out4, lse4 = reference.attention_reference(q4, k4, v4, features, scale)
-    else:
-        check_triton_layout(q, k, v)
-        out4, lse4 = run_kernel(plan, q4, k4, v4, features, scale, deterministic)
-    out = out4.squeeze(0).permute(1, 0, 2)  # back to (total_q, Hq, D): a view of the kernels' packed output
-    if not out.is_contiguous():  # the reference's output is (1, H, total, D)-contiguous
-        out = out.contiguous()
-    return (out, lse4.squeeze(0)) if return_lse else out
+    out, lse = call.packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                   softmax_scale=softmax_scale, window=window, softcap=softcap,
+                                   alibi_slopes=alibi_slopes, backend=backend, deterministic=deterministic,
+                                   return_lse=return_lse)
+    return (out, lse) if return_lse else out

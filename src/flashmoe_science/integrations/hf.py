@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashmoe_science.attention.api import MAX_HEAD_DIM, MIN_HEAD_DIM, flash_attention_science
+from flashmoe_science.attention.api import flash_attention_science
+from flashmoe_science.attention.checks import MAX_HEAD_DIM, MIN_HEAD_DIM
 from flashmoe_science.attention.varlen import flash_attention_varlen
 from flashmoe_science.nn.attention import attention_keywords, require_attention_feature
 from flashmoe_science.nn.moe import replace_hf_moe_blocks

@@ -3,14 +3,15 @@
 
 Dynamo cannot trace a Triton or Gluon launch made through the prepared-launch caches, so under ``torch.compile`` the
 public functions (``flash_attention_science``, ``flash_attention_varlen``, ``flash_attention_decode``,
-``fused_moe``, ``fused_experts``, ``moe_route``) call the
-``compiled_*`` functions below, which call these ops: the compiler sees one opaque node per op, with a fake
-implementation giving its outputs' shapes, dtypes and strides, and the backward as another op
-(``register_autograd``). In eager mode the public functions never come here (one ``is_compiling()`` test per call):
-their prepared launches keep the host time they had (benchmarks/tools/host_time_custom_ops.py measures both).
+``fused_moe``, ``fused_experts``, ``moe_route``) call these ops (``torch.ops.flashmoe_science.*``): the compiler
+sees one opaque node per op, with a fake implementation giving its outputs' shapes, dtypes and strides (and running
+the eager checks at trace time), and the backward as another op (``register_autograd``). In eager mode the public
+functions never come here (one ``is_compiling()`` test per call): their prepared launches keep the host time they
+had (benchmarks/tools/host_time_custom_ops.py measures both).
 
-Each op's real implementation runs the eager front door under ``no_grad``, so checks, kernel choice and the
-prepared-launch caches are the eager ones; only its outputs are made to have the layout its fake promises.
+An attention op's real implementation calls the layer below the public functions (``attention.call``, and
+``attention.decode.decode_call``: checked problem -> plan -> execute), so a compiled call runs each check once; only
+its outputs are made to have the layout its fake promises.
 
 Ops: ``attention_forward`` -> (out, lse) and ``attention_backward`` (window, softcap, ALiBi; not attn_bias, not
 FP8); ``attention_varlen_forward``/``attention_varlen_backward``; ``attention_decode`` (forward only; the caches
@@ -27,11 +28,9 @@ import contextlib
 import torch
 from torch import Tensor
 
-from flashmoe_science.attention import api as attention_api
-from flashmoe_science.attention import reference as attention_reference
-from flashmoe_science.attention.checks import check_flags, check_inputs
-from flashmoe_science.attention.mask import make_mask
-from flashmoe_science.attention.varlen import flash_attention_varlen
+from flashmoe_science.attention import call
+from flashmoe_science.attention.decode import decode_call
+from flashmoe_science.attention.problem import dense_problem
 from flashmoe_science.moe import execute as moe_execute
 from flashmoe_science.moe import routing
 from flashmoe_science.moe.checks import (check_experts, check_router_logits, check_routing_options, check_top_k,
@@ -96,9 +95,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_sca
                       softcap: float | None, alibi_slopes: Tensor | None, backend: str,
                       deterministic: bool) -> tuple[Tensor, Tensor]:
     """``attention_forward_lse`` on 4-D ``(B, H, L, D)`` tensors. `deterministic` is the backward's (saved for it)."""
-    out, lse = attention_api.attention_forward_lse(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                                   window=_window(window), softcap=softcap,
-                                                   alibi_slopes=alibi_slopes, backend=backend)
+    with torch.no_grad():
+        out, lse = call.dense_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window=_window(window),
+                                      softcap=softcap, alibi_slopes=alibi_slopes, backend=backend, return_lse=True)
     return _laid_out_like(out, q), lse.contiguous()
 
 
@@ -106,9 +105,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_sca
 def _attention_forward_fake(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, backend, deterministic):
     # the eager checks run here, at trace time, so bad input fails when compiling with the eager messages; not the
     # kernel choice, which reads data pointers (a fake tensor has none)
-    check_inputs(q, k, v, softmax_scale, backend)
-    check_flags(causal=causal, deterministic=deterministic)
-    attention_api._normalise(q, k, v, softmax_scale, make_mask(causal, _window(window), softcap), alibi_slopes)
+    dense_problem(q, k, v, causal=causal, softmax_scale=softmax_scale, window=_window(window), softcap=softcap,
+                  alibi_slopes=alibi_slopes, backend=backend, deterministic=deterministic)
     return _empty_like_fake(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
 
 
@@ -117,10 +115,9 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
                        softmax_scale: float, window: list[int] | None, softcap: float | None,
                        alibi_slopes: Tensor | None, backend: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     with _autograd_on():
-        grads = attention_api.attention_backward_lse(q, k, v, out, lse, grad_out, causal=causal,
-                                                     softmax_scale=softmax_scale, window=_window(window),
-                                                     softcap=softcap, alibi_slopes=alibi_slopes, backend=backend,
-                                                     deterministic=deterministic)
+        grads = call.dense_backward(q, k, v, out, lse, grad_out, causal=causal, softmax_scale=softmax_scale,
+                                    window=_window(window), softcap=softcap, alibi_slopes=alibi_slopes,
+                                    backend=backend, deterministic=deterministic)
     return tuple(_laid_out_like(g.detach(), t) for g, t in zip(grads, (q, k, v)))
 
 
@@ -155,10 +152,10 @@ def attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
                              backend: str, deterministic: bool) -> tuple[Tensor, Tensor]:
     """``flash_attention_varlen(..., return_lse=True)`` on packed ``(total, H, D)`` tensors."""
     with torch.no_grad():
-        out, lse = flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                          causal=causal, softmax_scale=softmax_scale, window=_window(window),
-                                          softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True,
-                                          backend=backend, deterministic=deterministic)
+        out, lse = call.packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                       causal=causal, softmax_scale=softmax_scale, window=_window(window),
+                                       softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True, backend=backend,
+                                       deterministic=deterministic)
     return out.contiguous(), lse.contiguous()
 
 
@@ -174,22 +171,12 @@ def attention_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
                               causal: bool, softmax_scale: float, window: list[int] | None, softcap: float | None,
                               alibi_slopes: Tensor | None, backend: str,
                               deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
-    from flashmoe_science.attention import varlen
-    from flashmoe_science.attention.autograd import kernel_backward
-
-    q4, k4, v4, features, scale = varlen._checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                  causal, softmax_scale, _window(window), softcap, alibi_slopes,
-                                                  backend)
-    plan, _ = attention_api._dispatch(q4, k4, v4, features, backend)
-    out4, grad4, lse4 = varlen._packed_as_4d(out), varlen._packed_as_4d(grad_out), lse.unsqueeze(0)
-    if plan is None:
-        with _autograd_on():
-            grads = attention_reference.attention_backward_reference(q4, k4, v4, out4, lse4, grad4, features, scale)
-    else:
-        with _on_device(q):
-            grads = kernel_backward(q4, k4, v4, out4, lse4.contiguous(), grad4, features, scale, plan=plan,
-                                    deterministic=deterministic)
-    return tuple(g.detach().squeeze(0).permute(1, 0, 2).contiguous() for g in grads[:3])
+    with _on_device(q), _autograd_on():
+        grads = call.packed_backward(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, causal=causal, softmax_scale=softmax_scale, window=_window(window),
+                                     softcap=softcap, alibi_slopes=alibi_slopes, backend=backend,
+                                     deterministic=deterministic)
+    return tuple(g.detach().contiguous() for g in grads)
 
 
 @attention_varlen_backward.register_fake
@@ -215,64 +202,13 @@ def _varlen_autograd_backward(ctx, grad_out, grad_lse):
 attention_varlen_forward.register_autograd(_varlen_autograd_backward, setup_context=_varlen_setup_context)
 
 
-def _as_4d(t: Tensor) -> Tensor:
-    """(B, H, L, D) of a 2-D, 3-D, 4-D or deeper tensor (a view; a copy only where deeper leading dims cannot
-    merge, which eager mode avoids by looping and a compiled graph cannot)."""
-    if t.dim() == 2:
-        return t[None, None]
-    if t.dim() == 3:
-        return t[None]
-    return t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:])
-
-
-def _scale(q, softmax_scale):
-    return attention_reference.default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
-
-
-def _options_list(window):
-    return None if window is None else [int(side) for side in window]
-
-
-def compiled_attention(q, k, v, *, causal, softmax_scale, window, softcap, alibi_slopes, attn_bias, return_lse,
-                       backend, deterministic, fp8_descales=()):
-    """``flash_attention_science`` as the compiler traces it (its arguments as there)."""
-    if any(t is not None for t in fp8_descales):
-        raise ValueError("the FP8 forward (q_descale, k_descale, v_descale) has no torch.compile custom op yet: "
-                         "call it outside the compiled region (torch.compiler.disable)")
-    if attn_bias is not None:
-        raise ValueError("attn_bias has no torch.compile custom op yet: call flash_attention_science with a bias "
-                         "outside the compiled region (torch.compiler.disable)")
-    if not all(isinstance(t, Tensor) for t in (q, k, v)):  # the eager message, before any shape is read
-        check_inputs(q, k, v, softmax_scale, backend)
-    check_flags(return_lse=return_lse)
-    slopes = alibi_slopes
-    if slopes is not None and slopes.dim() > 2:  # (*batch, H) slopes follow q's leading dims into one batch dim
-        slopes = slopes.reshape(-1, slopes.shape[-1])
-    out, lse = attention_forward(_as_4d(q), _as_4d(k), _as_4d(v), causal, _scale(q, softmax_scale),
-                                 _options_list(window), softcap, slopes, backend, deterministic)
-    out, lse = out.reshape(q.shape), lse.reshape(q.shape[:-1])
-    return (out, lse) if return_lse else out
-
-
-def compiled_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
-                              softmax_scale, window, softcap, alibi_slopes, return_lse, deterministic, backend):
-    """``flash_attention_varlen`` as the compiler traces it (its arguments as there)."""
-    check_flags(return_lse=return_lse)
-    out, lse = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                        _scale(q, softmax_scale), _options_list(window), softcap, alibi_slopes,
-                                        backend, deterministic)
-    return (out, lse) if return_lse else out
-
-
 # ------------------------------------------------------------------------------------------------------- decode
 # Two registrations of one function: with k_new/v_new the caches are written in place (declared mutated), without
 # them they are only read (a declared mutation would make the compiler copy the whole cache on every call).
 def _decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, rotary_cos, rotary_sin,
             rotary_interleaved, causal, softmax_scale, window, softcap, alibi_slopes, num_splits, backend,
             check_values):
-    from flashmoe_science.attention.decode import flash_attention_decode
-
-    out, lse = flash_attention_decode(
+    out, lse = decode_call(
         q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k_new, v_new=v_new, rotary_cos=rotary_cos,
         rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, causal=causal, softmax_scale=softmax_scale,
         window=_window(window), softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True,
@@ -299,20 +235,6 @@ attention_decode_append = _op(
            "str backend, bool? check_values) -> (Tensor, Tensor)")
 attention_decode.register_fake(_decode_fake)
 attention_decode_append.register_fake(_decode_fake)
-
-
-def compiled_attention_decode(q, k_cache, v_cache, cache_seqlens, *, block_table, k_new, v_new, rotary_cos,
-                              rotary_sin, rotary_interleaved, causal, softmax_scale, window, softcap, alibi_slopes,
-                              return_lse, num_splits, backend, check_values):
-    """``flash_attention_decode`` as the compiler traces it (its arguments as there; forward only)."""
-    check_flags(return_lse=return_lse)
-    if not isinstance(cache_seqlens, Tensor):
-        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    op = attention_decode if k_new is None else attention_decode_append
-    out, lse = op(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, rotary_cos, rotary_sin,
-                  rotary_interleaved, causal, softmax_scale, _options_list(window), softcap, alibi_slopes,
-                  0 if num_splits == "auto" else num_splits, backend, check_values)
-    return (out, lse) if return_lse else out
 
 
 # ------------------------------------------------------------------------------------------------------ routing
@@ -362,10 +284,6 @@ def _route_autograd_backward(ctx, grad_weights, grad_ids):
 
 
 moe_route.register_autograd(_route_autograd_backward, setup_context=_route_setup_context)
-
-
-def compiled_moe_route(router_logits, top_k, renormalize, scoring):
-    return moe_route(router_logits, top_k, renormalize, scoring)
 
 
 # ------------------------------------------------------------------------------------------------------ experts
@@ -490,16 +408,3 @@ def _fused_moe_inference_fake(x, w1, w2, router_logits, top_k, renormalize, scor
     check_top_k(top_k, num_experts)
     check_routing_options(renormalize, scoring)
     return x.new_empty(x.shape)
-
-
-def compiled_fused_experts(x, w1, w2, topk_weights, topk_ids, backend):
-    if moe_execute.records_grad(x, w1, w2, topk_weights):
-        return fused_experts_forward(x, w1, w2, topk_weights, topk_ids, backend)[0]
-    return fused_experts_inference(x, w1, w2, topk_weights, topk_ids, backend)
-
-
-def compiled_fused_moe(x, w1, w2, router_logits, top_k, renormalize, scoring, backend):
-    if moe_execute.records_grad(x, w1, w2, router_logits):
-        topk_weights, topk_ids = moe_route(router_logits, top_k, renormalize, scoring)
-        return fused_experts_forward(x, w1, w2, topk_weights, topk_ids, backend)[0]
-    return fused_moe_inference(x, w1, w2, router_logits, top_k, renormalize, scoring, backend)

@@ -20,9 +20,7 @@ def moe_route(router_logits, top_k, renormalize=True, scoring="softmax"):
     float64 logits), ids int64. Differentiable with respect to ``router_logits``.
     """
     if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
-        from flashmoe_science.integrations import ops
-
-        return ops.compiled_moe_route(router_logits, top_k, renormalize, scoring)
+        return torch.ops.flashmoe_science.moe_route(router_logits, top_k, renormalize, scoring)
     return execute.route_checked(router_logits, top_k, renormalize, scoring)
 
 
@@ -35,9 +33,9 @@ def fused_experts(x, w1, w2, topk_weights, topk_ids, *, backend="auto"):
     Differentiable with respect to x, w1, w2 and topk_weights.
     """
     if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
-        from flashmoe_science.integrations import ops
-
-        return ops.compiled_fused_experts(x, w1, w2, topk_weights, topk_ids, backend)
+        if execute.records_grad(x, w1, w2, topk_weights):
+            return torch.ops.flashmoe_science.fused_experts_forward(x, w1, w2, topk_weights, topk_ids, backend)[0]
+        return torch.ops.flashmoe_science.fused_experts_inference(x, w1, w2, topk_weights, topk_ids, backend)
     if on_another_cuda_device(x):
         with torch.cuda.device(x.device):  # Triton launches on the current device: make it x's
             return execute.experts(x, w1, w2, topk_weights, topk_ids, backend)
@@ -51,9 +49,11 @@ def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="sof
     reach the router logits through the routing weights.
     """
     if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
-        from flashmoe_science.integrations import ops
-
-        return ops.compiled_fused_moe(x, w1, w2, router_logits, top_k, renormalize, scoring, backend)
+        if execute.records_grad(x, w1, w2, router_logits):
+            topk_weights, topk_ids = torch.ops.flashmoe_science.moe_route(router_logits, top_k, renormalize, scoring)
+            return torch.ops.flashmoe_science.fused_experts_forward(x, w1, w2, topk_weights, topk_ids, backend)[0]
+        return torch.ops.flashmoe_science.fused_moe_inference(x, w1, w2, router_logits, top_k, renormalize, scoring,
+                                                              backend)
     if on_another_cuda_device(x):
         with torch.cuda.device(x.device):  # Triton launches on the current device: make it x's
             return execute.moe(x, w1, w2, router_logits, top_k, renormalize, scoring, backend)

@@ -1,12 +1,3 @@
-"""The Gluon sm_90 attention kernels (fwd_sm90: forward; bwd_sm90, bwd_dq_sm90, bwd_sm90_hdim256: backward).
-
-What they take, declared once (see attention/features.py for the words): a call with any other feature runs the
-portable Triton kernels on Hopper too, and `describe_dispatch` says which feature sent it there. A kernel that
-learns a feature adds its word here (and reads the feature's arguments from `CallFeatures`).
-"""
-
-# forward: an additive attn_bias stays on the Triton kernel (a (B, H, Lq, Lk) read per score, no TMA box for its
-# broadcast strides); odd head dims reach the kernel padded by the api
-SM90_FORWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "varlen"})
-# the backward runs after a Triton forward too (autograd._sm90_backward_inputs); attn_bias stays on Triton
-SM90_BACKWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "varlen"})
+"""The Hopper (sm_90) attention backend: `backend.py` (what it takes, its plans, how they run), `tiles.py` (its tile
+and schedule heuristics), and the Gluon kernels (fwd_sm90: forward; bwd_sm90, bwd_dq_sm90, bwd_sm90_hdim256:
+backward; bwd_common, work_items: their shared pieces)."""

@@ -42,7 +42,8 @@ import torch
 from flashmoe_science.attention.hopper.work_items import (  # noqa: F401 (varlen_tile_offsets: for the launchers)
     VarlenBatch, cta_key_tiles, cta_num_items, item_rows, varlen_tile_offsets)
 from flashmoe_science.attention.mask import MaskSpec, key_tile_bounds, key_tile_range, score_to_log2, visible
-from flashmoe_science.attention.tiles import padded_head_dim, sm90_cross_item_safe
+from flashmoe_science.attention.hopper.tiles import sm90_cross_item_safe
+from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.attention.triton_fwd import LN_2, LOG2_E, tma_box, tma_compatible
 from flashmoe_science.gluon.sm90 import CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS
 from flashmoe_science.gluon.compat import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tma,

@@ -1,0 +1,136 @@
+"""The layer below the public functions: checked problem -> plan -> execute, once per call.
+
+The front doors (`api`, `varlen`) call these after their device and torch.compile routing; the custom ops
+(`integrations.ops`) call them as their real implementations, so a compiled call runs every check once. Each
+returns `(out, lse)` (or the gradients) shaped as the public functions document.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashmoe_science.attention import autograd
+from flashmoe_science.attention.fp8 import fp8_problem
+from flashmoe_science.attention.plan import plan_attention, plan_fp8
+from flashmoe_science.attention.problem import as_4d, dense_problem, new_outputs, packed_as_4d, packed_problem
+from flashmoe_science.attention.record import ran
+from flashmoe_science.attention.tiles import autotune_enabled
+from flashmoe_science.prepared_cache import remember, tensor_signature
+
+# Calls whose signature ran before skip the checks, the plan and Triton's argument binding (host time per call:
+# docs/perf-notes.md). Bounded (prepared_cache.CACHE_MAX). Plain calls only (no window, softcap, ALiBi or bias).
+# Values: (the PreparedLaunch, the forward plan it repeats).
+PREPARED: dict[tuple, tuple] = {}
+
+
+def prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic) -> tuple | None:
+    """Everything the checks, the plan and the kernel's specialisation read from a call, or None where the call must
+    take the full path: autograd, or arguments of types whose equality would hide a failing check (True == 1)."""
+    if (causal.__class__ is not bool or return_lse.__class__ is not bool or deterministic.__class__ is not bool
+            or not (softmax_scale is None or softmax_scale.__class__ is float) or backend.__class__ is not str
+            or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor))):
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    return (*map(tensor_signature, (q, k, v)), causal, softmax_scale, return_lse, backend, deterministic)
+
+
+_LOOK_UP = object()  # dense_forward's default key: look the call up in PREPARED itself
+
+
+def replay(entry: tuple, q, k, v):
+    """(out, lse) of a call whose signature ran before (`PREPARED[key]`): checks and plan as then."""
+    prepared, step = entry
+    out, lse = new_outputs(q)
+    ran("forward", step.backend, step.kernel)
+    prepared(q, k, v, out, lse)
+    return out, lse
+
+
+def dense_forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None, alibi_slopes=None,
+                  attn_bias=None, backend="auto", deterministic=False, return_lse=False, key=_LOOK_UP):
+    """(out, lse) of a dense call (the arguments of `flash_attention_science`), with autograd where gradients flow.
+    `key`: the call's `prepared_key` where the caller looked it up in PREPARED already (None: not a plain call)."""
+    if key is _LOOK_UP:
+        plain = window is None and softcap is None and alibi_slopes is None and attn_bias is None
+        key = prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic) if plain else None
+        entry = PREPARED.get(key) if key is not None else None
+        if entry is not None:
+            return replay(entry, q, k, v)
+    problem, extras = dense_problem(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                                    softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias, backend=backend,
+                                    deterministic=deterministic, return_lse=return_lse)
+    plan = plan_attention(problem)
+    out, lse = autograd.forward(plan, extras)
+    step = plan.forward
+    if (key is not None and not step.differentiable and q.is_cuda and q.dim() == 4 and q.numel() and k.shape[-2]
+            and not autotune_enabled()):
+        prepared = step.prepare(q, k, v, out, lse, causal, problem.softmax_scale)
+        if prepared is not None:
+            remember(PREPARED, key, (prepared, step))
+    return out, lse
+
+
+def _check_saved(q, out, lse, grad_out) -> None:
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    for name, t, shape, dtype in (("out", out, q.shape, q.dtype), ("grad_out", grad_out, q.shape, q.dtype),
+                                  ("lse", lse, q.shape[:-1], lse_dtype)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.shape != shape or t.dtype != dtype or t.device != q.device:
+            raise ValueError(f"{name} must be {dtype} of shape {tuple(shape)} on {q.device}, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+
+
+def dense_backward(q, k, v, out, lse, grad_out, *, causal=False, softmax_scale=None, window=None, softcap=None,
+                   alibi_slopes=None, backend="auto", deterministic=False):
+    """(dq, dk, dv) of a dense call from a given out and lse (the arguments of `attention_backward_lse`)."""
+    problem, _ = dense_problem(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                               alibi_slopes=alibi_slopes, backend=backend, deterministic=deterministic)
+    plan = plan_attention(problem)
+    _check_saved(q, out, lse, grad_out)
+    if problem.q4 is None or problem.k4 is None or problem.v4 is None:
+        raise ValueError("attention_backward_lse needs q, k, v whose leading dims merge into one batch dim")
+    out4, grad4 = as_4d(out), as_4d(grad_out)
+    if out4 is None or grad4 is None:
+        raise ValueError("out and grad_out must have leading dims that merge into one batch dim")
+    if q.numel() == 0 or k.shape[-2] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    lse4 = lse.reshape(*problem.q4.shape[:3])
+    dq, dk, dv, _ = autograd.backward(plan, out4, lse4, grad4)
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+
+def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                   softmax_scale=None, window=None, softcap=None, alibi_slopes=None, backend="auto",
+                   deterministic=False, return_lse=False):
+    """(out (total_q, Hq, D), lse (Hq, total_q)) of a packed call (the arguments of `flash_attention_varlen`)."""
+    problem = packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                             softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                             backend=backend, deterministic=deterministic, return_lse=return_lse)
+    plan = plan_attention(problem)
+    out4, lse4 = autograd.run(plan, problem.q4, problem.k4, problem.v4, problem.features, problem.softmax_scale)
+    out = out4.squeeze(0).permute(1, 0, 2)  # back to (total_q, Hq, D): a view of the kernels' packed output
+    if not out.is_contiguous():  # the reference's output is (1, H, total, D)-contiguous
+        out = out.contiguous()
+    return out, lse4.squeeze(0)
+
+
+def packed_backward(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                    causal=False, softmax_scale=None, window=None, softcap=None, alibi_slopes=None, backend="auto",
+                    deterministic=False):
+    """(dq, dk, dv), packed as q, k, v, of a packed call from a given out `(total_q, Hq, D)` and lse `(Hq, total_q)`."""
+    problem = packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                             softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                             backend=backend, deterministic=deterministic)
+    plan = plan_attention(problem)
+    grads = autograd.backward(plan, packed_as_4d(out), lse.unsqueeze(0), packed_as_4d(grad_out))
+    return tuple(g.squeeze(0).permute(1, 0, 2) for g in grads[:3])
+
+
+def fp8_forward(q, k, v, q_descale, k_descale, v_descale, *, causal=False, softmax_scale=None, backend="auto",
+                deterministic=False, return_lse=False):
+    """(out bf16, lse) of an FP8 call: the e4m3 kernel, else the dequantised inputs planned as a dense call."""
+    problem = fp8_problem(q, k, v, q_descale, k_descale, v_descale, causal=causal, softmax_scale=softmax_scale,
+                          backend=backend, return_lse=return_lse, deterministic=deterministic)
+    return plan_fp8(problem).plan.run(problem)

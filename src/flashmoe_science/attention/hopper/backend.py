@@ -1,0 +1,326 @@
+"""The Hopper (sm_90) backend: the Gluon attention kernels and the e4m3 FP8 forward, behind the backend contract.
+
+What the Gluon kernels take is declared here, once (`FORWARD_FEATURES`, `BACKWARD_FEATURES`, in the words of
+`features.FEATURES`): a call with any other feature runs the portable Triton kernels on Hopper too, and
+`describe_dispatch` says which feature sent it there. A kernel that learns a feature adds its word here (and reads
+the feature's arguments from `CallFeatures`). The tile and schedule heuristics live in `hopper/tiles.py`.
+
+`HOPPER` plans the forward (`HopperForward`: tiles, persistent CTAs, Q buffers, overlapped work items) and, through
+`HOPPER.backward`, the backward (`HopperBackward`); `HOPPER_FP8` plans the FP8 forward (`Fp8Forward`). Where a Gluon
+kernel does not build on the installed Triton (gluon.availability, warned once) the plans run the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flashmoe_science.attention import triton_backend
+from flashmoe_science.attention.features import FEATURES
+from flashmoe_science.attention.hopper.tiles import (
+    sm90_backward_wins,
+    sm90_cross_item,
+    sm90_forward_tiles,
+    sm90_persistent,
+    sm90_q_buffers,
+)
+from flashmoe_science.attention.problem import new_outputs
+from flashmoe_science.attention.record import ran
+from flashmoe_science.attention.tiles import AttentionTiles, padded_head_dim
+from flashmoe_science.device import device_traits
+from flashmoe_science.gluon.availability import run_gluon, unavailable_reason
+from flashmoe_science.prepared_cache import remember, tensor_signature
+
+# forward: an additive attn_bias stays on the Triton kernel (a (B, H, Lq, Lk) read per score, no TMA box for its
+# broadcast strides); odd head dims reach the kernel padded
+FORWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "varlen"})
+# the backward runs after a Triton forward too (`_HopperAttentionBackward.decline`); attn_bias stays on Triton
+BACKWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "varlen"})
+
+FORWARD_KERNEL = "hopper.fwd_sm90.attention_forward_sm90_kernel"
+BACKWARD_KERNEL = "hopper.bwd_sm90.attention_backward_sm90"
+FP8_KERNEL = "triton_fp8.attention_forward_fp8"
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+TMA_RULE = "TMA needs a unit last stride and 16-byte aligned base addresses and strides"
+
+
+def missing(names: frozenset[str], supported: frozenset[str]) -> list[str]:
+    """The features of a call (`names`) outside `supported`, in FEATURES order (empty: the kernels take it)."""
+    return [name for name in FEATURES if name in names and name not in supported]
+
+
+def _on_hopper(q) -> bool:
+    return q.is_cuda and device_traits(q.device).is_hopper
+
+
+def _tma_compatible(*tensors) -> bool:
+    from flashmoe_science.attention.triton_fwd import tma_compatible
+
+    return tma_compatible(*tensors)
+
+
+# --------------------------------------------------------------------------------------------------- forward
+@dataclass(frozen=True)
+class HopperForward:
+    """The Gluon sm_90 forward: `tiles` (128 query rows; key tile and ring depth vary), `persistent` (one CTA per SM
+    looping over query tiles, else one CTA per tile), `q_buffers` per consumer warpgroup, `cross_item` (overlap
+    consecutive work items), `strict` (backend="hopper": a build failure raises instead of running Triton)."""
+
+    tiles: AttentionTiles
+    persistent: bool
+    q_buffers: int
+    cross_item: bool
+    strict: bool = False
+    backend = "hopper"
+    kernel = FORWARD_KERNEL
+    differentiable = False
+
+    def run(self, q, k, v, features, softmax_scale, out=None, lse=None):
+        """(out, lse) on checked 4-D views (varlen: (1, H, total, D); lse (1, H, total))."""
+        from flashmoe_science.attention.hopper.fwd_sm90 import (BLOCK_M, VarlenBatch, attention_forward_sm90,
+                                                                varlen_tile_offsets)
+
+        if out is None:
+            out, lse = new_outputs(q)
+        num_ctas = device_traits(q.device).sm_count if self.persistent else None
+        varlen = features.varlen
+        if varlen is not None:  # the kernel numbers the real query tiles only: their running count per sequence
+            offsets = varlen_tile_offsets(varlen.cu_seqlens_q, BLOCK_M)
+            varlen = VarlenBatch(varlen.cu_seqlens_q, varlen.cu_seqlens_k, offsets)
+        if run_gluon("attention forward", lambda: attention_forward_sm90(
+                q, k, v, out, lse, features.causal, softmax_scale, self.tiles, num_ctas, self.q_buffers,
+                self.cross_item, mask=features.mask, alibi_slopes=features.alibi_slopes, varlen=varlen), self.strict):
+            ran("forward", self.backend, self.kernel)
+            return out, lse
+        # it did not build on this triton (warned once): the Triton kernel, with its own tiles
+        return triton_backend.forward_plan(q, k, v, features).run(q, k, v, features, softmax_scale, out, lse)
+
+    def prepare(self, q, k, v, out, lse, causal: bool, softmax_scale: float):
+        """This launch as a PreparedLaunch for the next call of its signature (plain calls), or None where the
+        call fell back to the Triton kernel (the next call plans, and prepares, that one)."""
+        if unavailable_reason() is not None:
+            return None
+        from flashmoe_science.attention.hopper.fwd_sm90 import prepare_forward
+
+        num_ctas = device_traits(q.device).sm_count if self.persistent else None
+        return prepare_forward(q, k, v, out, lse, causal, softmax_scale, self.tiles, num_ctas, self.q_buffers,
+                               self.cross_item)
+
+    def describe(self, problem, requested: str, with_features: str, declined: str) -> str:
+        tiles = self.tiles
+        shape = f"tiles {tiles.block_m}x{tiles.block_n}, {tiles.num_warps} warps, {tiles.num_stages} stages"
+        ctas = (f"persistent, one CTA per SM, {self.q_buffers} Q buffer(s) per consumer"
+                + (", consecutive query tiles overlapped" if self.cross_item else "") if self.persistent
+                else "one CTA per query tile")
+        return (f"{requested} the Gluon sm_90 kernel{with_features} (TMA producer warp, two consumer warpgroups, "
+                f"async wgmma, softmax overlapped with P·V; {ctas}); {shape}")
+
+
+def forward_plan(problem) -> HopperForward:
+    """Tiles and schedule of the Gluon forward for a call it takes (hopper/tiles.py has the measurements)."""
+    q, features = problem.q, problem.features
+    # a right bound (causal or a window's) plans as causal: query tiles see unequal key ranges, and a consumer may
+    # skip the CTA's last key tile (sm90_cross_item_safe)
+    right_bounded = features.mask.bounded_right
+    traits = device_traits(q.device)
+    seqlen_q = problem.seqlen_q
+    tiles = sm90_forward_tiles(q.shape[-1], right_bounded, seqlen_q)
+    if features.varlen is not None and tiles.block_n == 128:
+        # a packed batch with a right bound: the two-stage ring with two Q buffers measured +5.6% over the causal
+        # plan's three stages (H200, 17 sequences of 64..8192, D=128: 421 vs 399 TFLOP/s)
+        tiles = sm90_forward_tiles(q.shape[-1], False, seqlen_q)
+    num_work = math.prod(q.shape[:-2]) * -(-seqlen_q // tiles.block_m)  # query tiles of all heads
+    # Unequal items (what can make one CTA per tile win) come from a right bound without a left one; varlen runs
+    # persistent always (the kernel numbers the real tiles itself)
+    unequal = right_bounded and not features.mask.bounded_left
+    persistent = features.varlen is not None or sm90_persistent(unequal, seqlen_q, num_work, traits.sm_count)
+    q_buffers = sm90_q_buffers(tiles, q.shape[-1], persistent, traits)
+    cross_item = sm90_cross_item(tiles, q.shape[-1], right_bounded, persistent, q_buffers)
+    return HopperForward(tiles, persistent, q_buffers, cross_item, strict=problem.backend == "hopper")
+
+
+# -------------------------------------------------------------------------------------------------- backward
+# The one-pass backward's launches per call signature (bwd_sm90.PreparedBackward): a call whose signature ran
+# before skips Triton's binding of its three launches (host time: docs/perf-notes.md).
+PREPARED_BACKWARD: dict[tuple, object] = {}
+
+
+def _backward_key(tensors, causal: bool, softmax_scale: float) -> tuple:
+    """What the backward's launches freeze from a call: each tensor's shape, strides, dtype, device and 16-byte
+    alignment, the mask and the scale."""
+    return (*map(tensor_signature, tensors), causal, softmax_scale)
+
+
+def launch_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float) -> None:
+    """attention_backward_sm90, through a PreparedBackward where the one-pass kernel runs a plain (dense or causal)
+    call (head dims up to 128); calls with features launch directly (their slopes and cu_seqlens are per-call
+    tensors a prepared launch would freeze)."""
+    from flashmoe_science.attention.hopper import bwd_sm90
+
+    tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv)
+    if bwd_sm90.is_deterministic(q.shape[-1]) or not features.is_plain:
+        # the D=256 kernels (fewer, larger problems) and feature calls: not prepared
+        bwd_sm90.attention_backward_sm90(*tensors, features, softmax_scale)
+        return
+    causal = features.causal
+    key = _backward_key(tensors, causal, softmax_scale)
+    prepared = PREPARED_BACKWARD.get(key)
+    if prepared is None:
+        bwd_sm90.attention_backward_sm90(*tensors, causal, softmax_scale)  # compiles what has not run yet
+        remember(PREPARED_BACKWARD, key, bwd_sm90.PreparedBackward(*tensors, causal, softmax_scale))
+        return
+    prepared(*tensors)
+
+
+@dataclass(frozen=True)
+class HopperBackward:
+    """The Gluon sm_90 backward: one pass for all three gradients (D <= 128; dQ summed by TMA reduce-adds, last bits
+    may vary), or the dK/dV and dQ kernels (D 129..256, deterministic). It needs dQ and dK/dV both and a
+    TMA-compatible grad_out (known when the backward runs); otherwise, or where it does not build on this triton,
+    `fallback` runs."""
+
+    fallback: triton_backend.TritonBackward
+    backend = "hopper"
+    kernel = BACKWARD_KERNEL
+    title = "the Gluon sm_90 kernels"
+
+    def run(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float, deterministic: bool,
+            need_dbias: bool):
+        if (dq is not None and dk is not None and _tma_compatible(grad_out)
+                and run_gluon("attention backward", lambda: launch_backward(
+                    q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale))):
+            ran("backward", self.backend, self.kernel)
+            return dq, dk, dv, None
+        return self.fallback.run(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale,
+                                 deterministic, need_dbias)
+
+
+def backward_refusal(head_dim: int, seqlen_q: int, softmax_scale: float, deterministic: bool) -> str | None:
+    """Why the Gluon backward does not take a call its inputs suit (TMA-compatible bf16/fp16 on Hopper), or None:
+    its head dims, a positive scale (its masks are -inf scores), determinism where asked for, and where it
+    measured faster than the Triton backward (`sm90_backward_wins`; seqlen_q: the longest sequence's queries)."""
+    from flashmoe_science.attention.hopper.bwd_sm90 import SUPPORTED_BLOCK_D, is_deterministic
+
+    if padded_head_dim(head_dim) not in SUPPORTED_BLOCK_D:
+        return f"it takes head dims padding to {', '.join(map(str, SUPPORTED_BLOCK_D))}"
+    if softmax_scale <= 0:
+        return "its masks need a positive softmax_scale"
+    if deterministic and not is_deterministic(head_dim):
+        return "determinism was asked for and its one pass sums dQ with atomics"
+    if not sm90_backward_wins(head_dim, seqlen_q):
+        return "the Triton backward measured faster at this head dim and length"
+    return None
+
+
+class _HopperAttentionBackward:
+    """The backward half of the Hopper family. It also takes the backward of a Triton forward (a feature the Gluon
+    forward does not take, or its build failed) where the inputs suit it."""
+
+    name = "hopper"
+    title = "the sm_90 backward"
+
+    def decline(self, question) -> str | None:
+        problem, forward = question.problem, question.forward
+        q = problem.q
+        if forward.backend != "hopper":  # an sm_90 forward vouches for these
+            if not _on_hopper(q):
+                return "it needs a Hopper (sm_90) GPU"
+            if q.dtype not in KERNEL_DTYPES:
+                return "it runs bf16/fp16 only"
+            if not _tma_compatible(problem.q, problem.k, problem.v):
+                return TMA_RULE
+            try:
+                import flashmoe_science.attention.hopper.bwd_sm90  # noqa: F401
+            except ImportError as error:
+                return f"its Gluon module does not import ({error})"
+        absent = missing(problem.feature_names(), BACKWARD_FEATURES)
+        if absent:
+            return f"it does not take {', '.join(absent)} yet"
+        return backward_refusal(problem.head_dim, problem.seqlen_q, problem.softmax_scale,
+                                problem.deterministic_now())
+
+    def plan(self, question) -> HopperBackward:
+        return HopperBackward(triton_backend.backward_plan(question.problem))
+
+
+class HopperAttention:
+    """The Gluon sm_90 kernels: Hopper GPUs, bf16/fp16, TMA-compatible strides, the features of FORWARD_FEATURES."""
+
+    name = "hopper"
+    title = "the sm_90 kernel"
+    runs_kernels = True
+    backward = _HopperAttentionBackward()
+
+    def decline(self, problem) -> str | None:
+        q = problem.q
+        if not _on_hopper(q):
+            return "it needs a Hopper (sm_90) GPU"
+        if q.dtype not in KERNEL_DTYPES:
+            return "it runs bf16/fp16 only"
+        gluon_off = unavailable_reason()
+        if gluon_off is not None:
+            return gluon_off
+        absent = missing(problem.feature_names(), FORWARD_FEATURES)
+        if absent:
+            return f"it does not take {', '.join(absent)} yet"
+        if not _tma_compatible(q, problem.k, problem.v):
+            return TMA_RULE
+        return None
+
+    def plan(self, problem) -> HopperForward:
+        return forward_plan(problem)
+
+
+HOPPER = HopperAttention()
+
+
+# ------------------------------------------------------------------------------------------------------- FP8
+FP8_HEAD_DIMS = (64, 128, 256)
+
+
+class Fp8Forward:
+    """The e4m3 tensor-core forward (triton_fp8): bf16 out, float32 lse."""
+
+    backend = "hopper"
+    kernel = FP8_KERNEL
+
+    def run(self, problem):
+        from flashmoe_science.attention.triton_fp8 import attention_forward_fp8
+
+        q, k = problem.q, problem.k
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        if q.numel() and k.shape[2]:
+            ran("forward", self.backend, self.kernel)
+            attention_forward_fp8(q, k, problem.v, out, lse, *problem.descales, problem.causal, problem.softmax_scale)
+        else:
+            out.zero_()
+            lse.fill_(float("-inf"))
+        return out, lse
+
+
+class HopperFp8:
+    """The e4m3 kernel: Hopper GPUs, head dims 64, 128 and 256."""
+
+    name = "hopper"
+    title = "the e4m3 kernel"
+
+    def decline(self, problem) -> str | None:
+        q = problem.q
+        if not _on_hopper(q):
+            return "the e4m3 tensor-core kernel needs a Hopper (sm_90) GPU"
+        if q.shape[-1] not in FP8_HEAD_DIMS:
+            return f"the e4m3 kernel takes head dims 64, 128 and 256, got {q.shape[-1]}"
+        for name, t in (("q", q), ("k", problem.k)):
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name} must have a unit-stride last dim for FP8 attention, got strides {t.stride()}")
+        return None
+
+    def plan(self, problem) -> Fp8Forward:
+        return FP8_FORWARD
+
+
+FP8_FORWARD = Fp8Forward()
+HOPPER_FP8 = HopperFp8()
