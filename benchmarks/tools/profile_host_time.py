@@ -69,7 +69,7 @@ def _host_profile(fn, n) -> pstats.Stats:
 
 def moe_main(tokens):
     from flashmoe_science.bench.moe import MODELS
-    from flashmoe_science.moe import api as moe_api
+    from flashmoe_science.moe import execute as moe_execute
     from flashmoe_science.moe import fused_moe
 
     for model, shape in MODELS.items():
@@ -84,7 +84,7 @@ def moe_main(tokens):
                 return fused_moe(x, w1, w2, logits, k)
 
             def full():
-                moe_api._PREPARED.clear()
+                moe_execute.PREPARED.clear()
                 return fused_moe(x, w1, w2, logits, k)
 
             line = [f"{model} T={t}"]

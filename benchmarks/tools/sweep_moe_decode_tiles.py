@@ -21,7 +21,7 @@ import time
 import torch
 
 from flashmoe_science.bench.moe import MODELS, _graph_median_ms, _make_inputs, _routed_expert_bytes
-from flashmoe_science.moe import api, fused_moe, triton_decode
+from flashmoe_science.moe import execute, fused_moe, triton_decode
 
 GRID = dict(block_f=(16, 32, 64), block_k=(64, 128, 256), block_d=(128, 256), num_warps=(4,), num_stages=(3, 4, 6))
 BANDWIDTH = 4.3e12
@@ -36,7 +36,7 @@ def batched_ms(tensors, top_k):
         return out, _graph_median_ms(lambda: fused_moe(x, w1, w2, logits, top_k))
     finally:
         triton_decode.MAX_DECODE_TOKENS = saved
-        api._PREPARED.clear()  # (prepared calls remember the path they took)
+        execute.PREPARED.clear()  # (prepared calls remember the path they took)
 
 
 def decode_ms(tensors, top_k, config):

@@ -41,9 +41,10 @@ from dataclasses import replace
 import torch
 
 from flashmoe_science.bench.moe import MODELS
-from flashmoe_science.moe import layer
+from flashmoe_science.moe import gemms, layer
 from flashmoe_science.moe import triton_gemm as tg
 from flashmoe_science.moe.dispatch import ExpertSort, max_row_tiles
+from flashmoe_science.moe.plan import plan_kernels
 from flashmoe_science.moe.tiles import GemmTiles, MoETiles, choose_tiles, gemm_smem_bytes, sm_count, smem_limit, split_k_for
 
 SMEM_LIMIT = smem_limit(torch.device("meta"))  # an H200's, as the heuristic sizes for
@@ -186,8 +187,8 @@ class Buffers:
         self.dw1 = torch.empty(w1.shape, dtype=dt, device=dev)
         self.dw2 = torch.empty(w2.shape, dtype=dt, device=dev)
         if gather:  # the weight gradients' gathered operands, as moe_backward makes them
-            self.x_sorted = layer.sorted_rows(x, None, sort, num_rows)
-            self.g_sorted = layer.sorted_rows(grad_out, weights32, sort, num_rows)
+            self.x_sorted = gemms.sorted_rows(x, None, sort, num_rows)
+            self.g_sorted = gemms.sorted_rows(grad_out, weights32, sort, num_rows)
         else:
             self.x_sorted = torch.empty((num_rows, x.shape[1]), dtype=dt, device=dev)
             self.g_sorted = torch.empty((num_rows, x.shape[1]), dtype=dt, device=dev)
@@ -388,13 +389,16 @@ def _layer_with_tiles(tensors, top_k, tiles, pass_):
 
     x, w1, w2, logits = tensors
     if pass_ == "fwd":
+        forward_plan = plan_kernels(x, w1, w2, top_k, tiles)
+
         def fwd():
             weights, ids = route(logits, top_k, True, "softmax")
-            return layer.moe_forward(x, w1, w2, weights.float().contiguous(), ids, tiles)[0]
+            return layer.moe_forward(x, w1, w2, weights.float().contiguous(), ids, forward_plan)[0]
         return fwd
     weights, ids = route(logits, top_k, True, "softmax")
     weights32 = weights.float().contiguous()
-    _, saved = layer.moe_forward(x, w1, w2, weights32, ids, tiles, save_for_backward=True)
+    _, saved = layer.moe_forward(x, w1, w2, weights32, ids, plan_kernels(x, w1, w2, top_k, tiles, training=True),
+                                 save_for_backward=True)
     grad_out = torch.randn_like(x)
     return lambda: layer.moe_backward(grad_out, x, w1, w2, weights32, saved)
 

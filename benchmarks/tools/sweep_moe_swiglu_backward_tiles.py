@@ -9,7 +9,7 @@ from triton.testing import do_bench
 
 from flashmoe_science.bench.moe import MODELS
 from flashmoe_science.moe import moe_route
-from flashmoe_science.moe import layer
+from flashmoe_science.moe import gemms, layer
 from flashmoe_science.moe import triton_gemm as tg
 from flashmoe_science.moe.dispatch import sort_pairs_by_expert
 from flashmoe_science.moe.tiles import choose_tiles
@@ -29,7 +29,7 @@ def main():
         gate_up = torch.randn(num_rows, 2 * F, device="cuda").to(torch.bfloat16)
         h = torch.randn(num_rows, F, device="cuda").to(torch.bfloat16)
         dgu, dweights = layer.backward_buffers(x, w1, sort, tiles)
-        dh = layer.dh_buffer(dgu)
+        dh = gemms.dh_buffer(dgu)
         dh.normal_()
         base = tg.swiglu_backward_launch(gate_up, dh, h, weights32, dgu, dweights, sort)
         moved = T * k * F * (2 * 2 + dh.element_size() + 2 + 2 * 2)  # gate_up, dh, h read; d(gate, up) written
