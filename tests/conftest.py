@@ -1,17 +1,49 @@
+import atexit
 import os
+import sys
 import zlib
 
 import pytest
 import torch
 
 
+# The skip reason of the Triton-kernel tests that a plain run executes in a TRITON_INTERPRET=1 child process (the
+# drivers of tests/interpreter_driver.py); the parent drops its own copies of them instead of listing them as skipped.
+INTERPRETER_CHILD = "runs in the TRITON_INTERPRET=1 child process of test_triton_interpreter.py"
+
+
+def _runs_in_interpreter_child(item) -> bool:
+    return any(mark.kwargs.get("reason") == INTERPRETER_CHILD and (mark.args[0] if mark.args else True)
+               for mark in item.iter_markers("skipif"))
+
+
 def pytest_collection_modifyitems(config, items):
+    if not triton_interpret_enabled():
+        dropped = [item for item in items if _runs_in_interpreter_child(item)]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if not _runs_in_interpreter_child(item)]
     if torch.cuda.is_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run with `pytest -m gpu` on the H200)")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: run `pytest -m gpu` on a GPU machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_unconfigure(config):
+    """After the summary: silence stderr for the interpreter's teardown, where libtriton's nanobind bindings print
+    a leak report (a few dozen lines) whenever triton compiled or interpreted a kernel in this process; triton
+    silences the same report in its own compile workers."""
+    if "triton" in sys.modules:
+        sys.stderr.flush()
+        atexit.register(_silence_stderr)
+
+
+def _silence_stderr() -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
 
 
 @pytest.fixture(autouse=True)

@@ -1,43 +1,73 @@
-"""The `flashmoe-science` command.
+"""flashmoe-science: fast, exact attention and Mixture-of-Experts kernels for PyTorch, from the command line.
 
-    flashmoe-science info                 GPU, versions, and which kernel a sample call would use and why
-    flashmoe-science bench [attention]    ours against every SDPA backend and FlexAttention (TFLOP/s, ms, memory)
-    flashmoe-science bench moe            the MoE layer benchmark
-    flashmoe-science bench --suite decode KV-cache decode bandwidth against SDPA, FlexAttention and a pure read
-    flashmoe-science bench --suite varlen,window,mods   packed sequences and masks against SDPA/FlexAttention
-    flashmoe-science bench --suite distributed   ring attention / expert-parallel MoE scaling (under torchrun)
-    flashmoe-science bench --suite ladder  every rung of attention.ladder, from the CPU to the Hopper kernel
-    flashmoe-science supercon train|screen|bench   the superconductor Tc model (flashmoe_science.science.cli)
+Commands:
+  info                     this machine: GPU, versions, which kernels can run here, and which one a sample
+                           attention call takes and why
+  bench [attention]        our attention against every SDPA backend and FlexAttention (TFLOP/s, ms, memory);
+                           on a CPU a small smoke test (the PyTorch reference against SDPA), not a speed claim
+  bench moe                the MoE layer against a loop over experts and torch._grouped_mm
+  bench decode             KV-cache decode bandwidth (GPU only)
+  bench --suite varlen,window,mods   packed sequences and masks against SDPA/FlexAttention
+  bench --suite distributed          ring attention / expert-parallel MoE scaling (under torchrun)
+  bench --suite ladder               every rung of attention.ladder, from the CPU loop to the Hopper kernel
+  supercon train|screen|bench        the superconductor critical-temperature model
 
-`bench` prints a table, writes `<out>/<gpu>-<date>-<commit>.json` and a PNG plot beside it. Without a CUDA GPU it
-runs a small CPU comparison instead, so the command works everywhere.
+Examples:
+  flashmoe-science info
+  flashmoe-science bench                          # results in ./flashmoe-results/
+  flashmoe-science bench --pass fwd,bwd --rounds 5 --out benchmarks/results
+
+Errors print one line (exit status 2); `flashmoe-science --debug ...` shows the full traceback instead.
+`bench` prints a table, writes `<out>/<gpu>-<date>-<commit>.json` and a PNG plot beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
+import traceback
 from importlib import metadata
 
 import torch
 
 from flashmoe_science.bench import attention as attention_bench
+from flashmoe_science.bench.moe import MODELS as MOE_MODELS
 from flashmoe_science.bench.report import (
     PartialResults,
     Progress,
     environment_metadata,
     gpu_properties,
+    noise_note,
     records_table,
     resolve_commit,
     software_versions,
     write_results,
 )
+from flashmoe_science.errors import CommandError
 
-DEFAULT_OUT = "benchmarks/results"
+PROG = "flashmoe-science"
+DEFAULT_OUT = "flashmoe-results"
+PUBLISHED_OUT = "benchmarks/results"
+DEFAULT_ROUNDS = 3
 INFO_SAMPLE_SHAPE = (2, 8, 1024, 64)  # (B, H, L, D) of the call `info` describes
 # MoE table rows: the fields present among these, in this order ("model": a name such as "mixtral-8x7b")
 MOE_ROW_FIELDS = ("model", "E", "top_k", "d_model", "d_ff", "T", "pass", "timing")
-EXIT_UNAVAILABLE = 2
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+# optional modules -> the extra of pyproject.toml that installs them
+EXTRAS = {"tqdm": "cli", "matplotlib": "cli", "tokenizers": "demo", "transformers": "hf"}
+
+
+def require_extra(*modules: str) -> None:
+    """A CommandError naming the `pip install` that brings ``modules`` when one of them is not installed."""
+    for name in modules:
+        if importlib.util.find_spec(name) is None:
+            raise CommandError(_missing_extra_message(name))
+
+
+def _missing_extra_message(module: str) -> str:
+    return f'{module} is not installed: pip install "flashmoe-science[{EXTRAS[module]}]"'
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -58,11 +88,39 @@ def _print_key_values(pairs: list[tuple[str, object]]) -> None:
         print(f"{key.ljust(width)}  {'n/a' if value is None else value}")
 
 
+def kernels_here() -> str:
+    """Which kernel families `backend="auto"` can run on this machine, in one line."""
+    from flashmoe_science.device import triton_interpreter_on
+
+    if not torch.cuda.is_available():
+        if triton_interpreter_on():
+            return ("the PyTorch reference (backend='auto' on CPU tensors); the Triton kernels through the "
+                    "interpreter (TRITON_INTERPRET=1 is set: backend='triton', slow, for tests)")
+        return ("the PyTorch reference (backend='auto' on CPU tensors); the Triton kernels only under "
+                "TRITON_INTERPRET=1 (an interpreter, for tests); the GPU kernels need a CUDA GPU")
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return f"the portable Triton kernels (sm_{major}{minor}; the Gluon kernels need sm_90) and the reference"
+    return "the Gluon sm_90 kernels, the portable Triton kernels and the reference"
+
+
+def gluon_here() -> str:
+    """Whether the Gluon sm_90 kernels run here: a Hopper GPU first, then whether this triton builds them."""
+    from flashmoe_science.gluon.availability import describe
+
+    if not torch.cuda.is_available():
+        return "not on this machine: they need a Hopper GPU (sm_90) and there is no CUDA GPU"
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return f"not on this GPU: they need a Hopper GPU (sm_90), this one is sm_{major}{minor}"
+    return describe()
+
+
 def run_info(args: argparse.Namespace) -> int:
     print(f"flashmoe-science {_package_version()}")
     props = gpu_properties()
     if props is None:
-        pairs = [("GPU", "none: no CUDA GPU found (torch.cuda.is_available() is False); CPU calls use the reference")]
+        pairs = [("GPU", "none: no CUDA GPU found (torch.cuda.is_available() is False)")]
     else:
         smem = props["smem_per_block_optin_bytes"]
         l2 = props["l2_bytes"]
@@ -76,9 +134,8 @@ def run_info(args: argparse.Namespace) -> int:
         ]
     labels = {"torch": "torch", "triton": "triton", "cuda": "CUDA", "cudnn": "cuDNN", "python": "python"}
     pairs += [(labels[key], version) for key, version in software_versions().items()]
-    from flashmoe_science.gluon.availability import describe as gluon_status
-
-    pairs.append(("Gluon sm_90 kernels", gluon_status()))
+    pairs.append(("kernels here", kernels_here()))
+    pairs.append(("Gluon sm_90 kernels", gluon_here()))
     _print_key_values(pairs)
     print()
     _print_sample_dispatch()
@@ -136,7 +193,9 @@ def _shape_list(text: str) -> list[attention_bench.AttentionShape]:
 
 def _partial_results(args: argparse.Namespace) -> PartialResults:
     """Where a running benchmark keeps what it has measured so far (see bench.report.PartialResults)."""
-    return PartialResults(args.out, environment_metadata(resolve_commit(args.commit)))
+    partial = PartialResults(args.out, environment_metadata(resolve_commit(args.commit)))
+    print(f"(partial results are kept in {partial.path} until the run completes)", flush=True)
+    return partial
 
 
 def _save(args: argparse.Namespace, records: list[dict], partial: PartialResults):
@@ -156,19 +215,34 @@ def _save_and_plot(args: argparse.Namespace, records: list[dict], partial: Parti
             print(f"plot:    {written}")
 
 
+def _print_noise_note(records: list[dict]) -> None:
+    note = noise_note(records)
+    if note:
+        print()
+        print(note)
+
+
 FEATURE_SUITES = frozenset(("varlen", "window", "mods"))
+GPU_ONLY = "it needs a CUDA GPU and this machine has none (`flashmoe-science bench` runs the CPU smoke test)"
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    require_extra("tqdm", *(() if args.no_plot else ("matplotlib",)))
     suites = args.suite or [args.what]
     if suites in (["moe"], ["decode"], ["attention"], ["distributed"], ["ladder"]):
         what = suites[0]
     elif set(suites) <= FEATURE_SUITES:
-        return _bench_features(args)
+        what = "features"
     else:
-        print(f"bench --suite: attention, moe, decode, distributed and ladder each run on their own; varlen, window "
-              f"and mods combine; got {','.join(suites)}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+        raise CommandError(f"bench --suite: attention, moe, decode, distributed and ladder each run on their own; "
+                           f"varlen, window and mods combine; got {','.join(suites)}")
+    on_gpu = torch.cuda.is_available()
+    if what == "decode" and not on_gpu:
+        raise CommandError(f"bench decode measures the bandwidth of CUDA-graph replays against the GPU's: {GPU_ONLY}")
+    if not on_gpu and args.dtype is not None:
+        raise CommandError(f"bench --dtype {args.dtype}: {GPU_ONLY}; on a CPU the comparison runs float32")
+    if args.dtype is not None and what != "attention":
+        raise CommandError(f"bench --dtype applies to the attention benchmark, not {what}")
     if what == "ladder":
         from flashmoe_science.bench.ladder import run_from_cli as run_ladder
 
@@ -177,6 +251,11 @@ def run_bench(args: argparse.Namespace) -> int:
         from flashmoe_science.bench.distributed import run_from_cli
 
         return run_from_cli(args)
+    if args.rounds > 1:
+        print(f"{args.rounds} rounds: each case's median time is recorded, with the spread of the rounds "
+              "((max - min) / median)", flush=True)
+    if what == "features":
+        return _bench_features(args)
     if what == "moe":
         return _bench_moe(args)
     if what == "decode":
@@ -185,18 +264,13 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_decode(args: argparse.Namespace) -> int:
+    if args.shapes or args.backends or args.models or args.passes != ["fwd"]:
+        raise CommandError("bench decode: --shapes, --backends, --models and --pass do not apply (fixed grid; "
+                           "--quick for fewer contexts)")
     from flashmoe_science.bench import decode as decode_bench
 
-    if args.shapes or args.backends or args.models or args.passes != ["fwd"]:
-        print("bench decode: --shapes, --backends, --models and --pass do not apply (fixed grid; --quick for "
-              "fewer contexts)", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    on_gpu = torch.cuda.is_available()
-    contexts = None
-    if args.quick:
-        contexts = decode_bench.GPU_CONTEXTS[:2] if on_gpu else decode_bench.CPU_CONTEXTS[:1]
-    print(f"decode benchmark on {torch.cuda.get_device_name(0)}" if on_gpu else
-          "No CUDA GPU found: a small CPU comparison instead (float32; ours = the PyTorch reference)")
+    contexts = decode_bench.GPU_CONTEXTS[:2] if args.quick else None
+    print(f"decode benchmark on {torch.cuda.get_device_name(0)}")
     print(decode_bench.bandwidth_note(), flush=True)
     partial = _partial_results(args)
     skips: list[str] = []
@@ -212,8 +286,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
 
 def _bench_attention(args: argparse.Namespace) -> int:
     if args.models:
-        print("bench attention: --models applies to the MoE benchmark (bench moe)", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+        raise CommandError("bench attention: --models applies to the MoE benchmark (bench moe)")
     if torch.cuda.is_available():
         device, dtype, timer = torch.device("cuda"), torch.bfloat16, attention_bench.cuda_median_ms
         shapes = args.shapes or attention_bench.gpu_shapes(quick=args.quick)
@@ -224,8 +297,7 @@ def _bench_attention(args: argparse.Namespace) -> int:
                 seqlens=(1024, 4096, 16384) if args.quick else attention_bench.FA3_SEQLENS)
             backend_names = args.backends or list(attention_bench.FP8_RUN_BACKENDS)
             if args.passes != ["fwd"]:
-                print("bench --dtype fp8: FP8 attention is forward-only; timing fwd", file=sys.stderr)
-                args.passes = ["fwd"]
+                raise CommandError("bench --dtype fp8: FP8 attention is forward-only; leave out --pass")
         baselines = attention_bench.GPU_BASELINES
         print(f"attention benchmark on {torch.cuda.get_device_name(0)}: bf16, median of triton.testing.do_bench")
     else:
@@ -233,16 +305,14 @@ def _bench_attention(args: argparse.Namespace) -> int:
         shapes = args.shapes or attention_bench.cpu_shapes()
         backend_names = args.backends or list(attention_bench.CPU_BACKENDS)
         baselines = attention_bench.CPU_BASELINES
-        print(
-            "No CUDA GPU found: running a small CPU comparison instead "
-            "(float32; ours = the PyTorch reference; median of time.perf_counter)."
-        )
+        print("No CUDA GPU found: a smoke test of the benchmark on the CPU, not a speed claim. It compares the "
+              "PyTorch reference (what backend='auto' runs on CPU tensors) with SDPA's math kernel on small float32 "
+              "shapes, timed by time.perf_counter; the kernels' numbers need a GPU.")
     print(f"{len(shapes)} shapes x {len(backend_names)} backends x passes {','.join(args.passes)}"
-          + (f" x {args.rounds} rounds (median recorded)" if args.rounds > 1 else ""), flush=True)
+          + (f" x {args.rounds} rounds" if args.rounds > 1 else ""), flush=True)
 
     skips = attention_bench.SkipLog()
     partial = _partial_results(args)
-    print(f"(partial results are kept in {partial.path} until the run completes)", flush=True)
     with Progress(desc="attention") as progress:
         records = attention_bench.run_attention_bench(
             shapes, backend_names, args.passes, device, dtype, timer, progress, skips, on_shape_done=partial,
@@ -255,7 +325,7 @@ def _bench_attention(args: argparse.Namespace) -> int:
     if skips.entries:
         print()
         print(skips.summary())
-
+    _print_noise_note(records)
     _save_and_plot(args, records, partial, attention_bench.plot_attention, "attention")
     return 0
 
@@ -267,18 +337,17 @@ def _bench_features(args: argparse.Namespace) -> int:
     device, dtype = (torch.device("cuda"), torch.bfloat16) if on_gpu else (torch.device("cpu"), torch.float32)
     timer = attention_bench.cuda_median_ms if on_gpu else attention_bench.cpu_median_ms
     print(f"masked/packed attention suites {','.join(args.suite)} on "
-          + (torch.cuda.get_device_name(0) if on_gpu else "the CPU (sizes / 64: a smoke test)"), flush=True)
+          + (torch.cuda.get_device_name(0) if on_gpu
+             else f"the CPU: sizes / {features_bench.CPU_SHRINK}, a smoke test of the harness, not a speed claim"),
+          flush=True)
     partial = _partial_results(args)
     with Progress(desc="features") as progress:
         records = features_bench.run_features_bench(args.suite, args.quick, device, dtype, timer, progress,
                                                     on_case_done=partial, rounds=args.rounds)
     print()
     print(features_bench.features_tables(records))
-    path = _save(args, records, partial)
-    if not args.no_plot and records:
-        plot = features_bench.plot_features(records, path.with_suffix(".png"), title=f"attention features, {path.stem}")
-        if plot is not None:
-            print(f"plot:    {plot}")
+    _print_noise_note(records)
+    _save_and_plot(args, records, partial, features_bench.plot_features, "attention features")
     return 0
 
 
@@ -286,22 +355,23 @@ def _bench_moe(args: argparse.Namespace) -> int:
     attention_only = [flag for flag, given in (("--shapes", args.shapes), ("--backends", args.backends),
                                               ("--pass", args.passes != ["fwd"])) if given]
     if attention_only:
-        print(f"bench moe: {', '.join(attention_only)} apply to the attention benchmark; the MoE benchmark times "
-              "forward and backward of its fixed model configs (--quick for fewer)", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    try:
-        from flashmoe_science.bench.moe import run_moe_bench
-    except ImportError as error:
-        print(f"the MoE benchmark is not available in this build ({error})", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+        raise CommandError(f"bench moe: {', '.join(attention_only)} apply to the attention benchmark; the MoE "
+                           "benchmark times forward and backward of its fixed model configs (--quick for fewer)")
+    from flashmoe_science.bench import moe as moe_bench
+
+    if not torch.cuda.is_available():
+        print(f"No CUDA GPU found: the MoE layer at 1/{moe_bench.CPU_SHRINK} of the models' widths and "
+              f"T={','.join(map(str, moe_bench.CPU_TOKENS))} on the CPU, float32: a smoke test of the harness, "
+              "not a speed claim", flush=True)
     partial = _partial_results(args)
     with Progress(desc="moe") as progress:
-        records = run_moe_bench(quick=args.quick, progress=progress, on_case_done=partial, rounds=args.rounds,
-                                models=args.models)
+        records = moe_bench.run_moe_bench(quick=args.quick, progress=progress, on_case_done=partial,
+                                          rounds=args.rounds, models=args.models)
     row_fields = [name for name in MOE_ROW_FIELDS if any(name in record for record in records)]
     print()
     print("TFLOP/s of the expert GEMMs (n/a: backend unsupported or skipped)")
     print(records_table(records, row_fields=row_fields))
+    _print_noise_note(records)
     _save(args, records, partial)
     return 0
 
@@ -309,6 +379,13 @@ def _bench_moe(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------------------------------
 # entry point
 # --------------------------------------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: `flashmoe-science: error: <what>; see <command> --help` (exit status 2)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_ERROR, f"{PROG}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -320,24 +397,31 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashmoe-science", description=__doc__.splitlines()[0])
+    parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     commands = parser.add_subparsers(dest="command", metavar="{info,bench,supercon}")
 
-    info = commands.add_parser("info", help="GPU, versions, and which kernel a sample call would use and why")
+    info = commands.add_parser("info", help="GPU, versions, which kernels run here, and which one a sample call takes")
     info.set_defaults(handler=run_info)
 
-    bench = commands.add_parser("bench", help="time our kernels against SDPA and FlexAttention (or the MoE layer)")
+    bench = commands.add_parser(
+        "bench", help="time our kernels against SDPA and FlexAttention (or the MoE layer)",
+        description="Time our kernels against PyTorch's. Without a CUDA GPU: a small CPU smoke test, not a speed "
+        "claim. Each sweep runs --rounds times; tables show each case's median and the rounds' spread.")
     bench.add_argument("what", nargs="?", choices=("attention", "moe", "decode"), default="attention")
     bench.add_argument("--quick", action="store_true", help="a small subset of shapes (under 2 minutes on an H200)")
-    bench.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the JSON and PNG (default {DEFAULT_OUT})")
+    bench.add_argument("--out", default=DEFAULT_OUT,
+                       help=f"folder for the JSON and PNG (default ./{DEFAULT_OUT}; {PUBLISHED_OUT} publishes a "
+                       "run beside the measured ones the README cites)")
     bench.add_argument(
         "--pass", dest="passes", type=_comma_list(attention_bench.PASSES), default=["fwd"],
         help="passes to time: fwd (default), bwd, or fwd,bwd",
     )
     bench.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
     bench.add_argument(
-        "--dtype", choices=("bf16", "fp8"), default="bf16",
-        help="attention inputs: bf16 (default) or fp8 (our e4m3 forward beside our bf16 forward and cuDNN, FA3 grid)",
+        "--dtype", choices=("bf16", "fp8"),
+        help="attention inputs on a GPU: bf16 (default) or fp8 (our e4m3 forward beside our bf16 forward and cuDNN, "
+        "FA3 grid); a CPU runs float32 only",
     )
     bench.add_argument("--commit", help="commit to record (default: $FLASHMOE_COMMIT, else git, else 'unknown')")
     bench.add_argument(
@@ -352,20 +436,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--suite", type=_comma_list(("attention", "moe", "decode", *sorted(FEATURE_SUITES), "distributed", "ladder")),
         help="the benchmark(s) to run instead of the positional name: attention, moe or decode; or the masked/packed "
-        "attention suites, which combine: varlen, window, mods (softcap, ALiBi, "
-        "bias); see bench/features.py. Or distributed (alone): ring attention and expert-parallel MoE scaling under "
+        "attention suites, which combine: varlen, window, mods (softcap, ALiBi, bias); see bench/features.py. Or "
+        "distributed (alone): ring attention and expert-parallel MoE scaling under "
         "`torchrun --nproc-per-node N -m flashmoe_science.cli bench --suite distributed`, or without torchrun on "
         "one GPU a ring step's overlap and one EP rank's expert work (bench/distributed.py). Or ladder (alone): every "
         "rung of attention.ladder from the CPU to the Hopper kernel (bench/ladder.py)",
     )
     bench.add_argument(
-        "--models", type=_comma_list(),
-        help="MoE models to run (default: all): mixtral-8x7b, qwen3-30b-a3b",
+        "--models", type=_comma_list(tuple(MOE_MODELS)),
+        help=f"MoE models to run (default: all): {', '.join(MOE_MODELS)}",
     )
     bench.add_argument(
-        "--rounds", type=_positive_int, default=1,
-        help="repeat the sweep (attention or moe) N times and record each case's median (its times in ms_rounds): "
-        "one sweep's rows vary by several percent",
+        "--rounds", type=_positive_int, default=DEFAULT_ROUNDS,
+        help=f"repeat the sweep N times (default {DEFAULT_ROUNDS}) and record each case's median, its rounds' times "
+        "(ms_rounds) and their spread; a row whose spread passes 10%% is marked as noisy",
     )
     bench.set_defaults(handler=run_bench)
 
@@ -376,12 +460,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `flashmoe-science` command: runs the subcommand and returns its exit status. A CommandError prints one
+    line and returns 2 (with --debug: raises); Ctrl-C prints one line and returns 130."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
-        return 1
-    return args.handler(args)
+        return EXIT_ERROR
+    try:
+        return args.handler(args)
+    except CommandError as error:
+        if args.debug:
+            raise
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return EXIT_ERROR
+    except ModuleNotFoundError as error:
+        if args.debug or (error.name or "").split(".")[0] not in EXTRAS:
+            raise
+        print(f"{PROG}: error: {_missing_extra_message(error.name.split('.')[0])}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        if args.debug:
+            traceback.print_exc()
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ from flashmoe_science.attention.tiles import (
 from grad_helpers import assert_grads_close, oracle_grads
 
 needs_interpreter = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET", "0") != "1", reason="Triton kernels on the CPU need TRITON_INTERPRET=1"
+    os.environ.get("TRITON_INTERPRET", "0") != "1",
+    reason="runs in the TRITON_INTERPRET=1 child process of test_triton_interpreter.py",
 )
 PATHS = pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "two-pass"])
 

@@ -24,7 +24,7 @@ from flashmoe_science import flash_attention_science, flash_attention_varlen
 from helpers import dtype_id, randn
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
-                                reason="Triton kernels on the CPU need TRITON_INTERPRET=1")
+                                reason="runs in the TRITON_INTERPRET=1 child process of test_triton_interpreter.py")
 
 MASKS = [
     dict(causal=True),

@@ -1,8 +1,8 @@
 """The distributed cases (ring_cases.py, moe_cases.py) with CUDA tensors: the GPU kernels between ranks.
 
-- One GPU (the H200 here): 2 ranks of a gloo group share it, their tensors staged through host memory
+- One GPU: 2 ranks of a gloo group share it, their tensors staged through host memory
   (distributed/comm.py); checks the local kernels, the merges and the gradient bookkeeping on the GPU.
-- Two or more GPUs: NCCL, one GPU per rank (the issue "multi-GPU measurement"). NVLink multicast is left off
+- Two or more GPUs: NCCL, one GPU per rank. NVLink multicast is left off
   (NCCL_NVLS_ENABLE=0 in the environment of the run).
 """
 

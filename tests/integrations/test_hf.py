@@ -100,9 +100,17 @@ def test_generate_with_cache():
     assert torch.equal(ours.generate(ids, **kwargs), sdpa.generate(ids, **kwargs))
 
 
+@pytest.mark.parametrize("head_dim", [1, 8, 12, 15, 256])
+def test_config_head_dims_follow_the_kernels(head_dim):
+    """The rule is the kernels' (attention.checks MIN_HEAD_DIM..MAX_HEAD_DIM), not a stricter one of its own."""
+    config = small_config("llama")
+    config.head_dim = head_dim
+    hf.check_config(config)
+
+
 @pytest.mark.parametrize("feature, overrides, message", [
     ("dropout", dict(attention_dropout=0.1), "attention dropout"),
-    ("head_dim", dict(head_dim=12), "head dim 12"),
+    ("head_dim", dict(head_dim=320), r"head dim 320 \(config.head_dim\) .* \[1, 256\]"),
     ("alibi", dict(alibi=True), "ALiBi"),
 ])
 def test_unsupported_config_raises_at_construction(feature, overrides, message):

@@ -63,7 +63,7 @@ FA3_TOKENS = 16384  # B * L
 FA3_HIDDEN = 2048  # H * D
 FA3_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 FA3_HEAD_DIMS = (64, 128, 256)
-BRIEF_SEQLENS = (2048, 4096, 8192)  # the design brief's shapes: B=4, H=8, D=64
+BASE_SEQLENS = (2048, 4096, 8192)  # the B=4, H=8, D=64 shapes the README's headline numbers use
 
 # sdpa-math materialises fp32 scores (and their softmax and gradient): skip shapes where that would pass ~20 GiB.
 MATH_MEMORY_LIMIT_BYTES = 20 * 2**30
@@ -129,14 +129,14 @@ def fa3_grid_shapes(
     ]
 
 
-def brief_shapes(seqlens: Sequence[int] = BRIEF_SEQLENS) -> list[AttentionShape]:
+def base_shapes(seqlens: Sequence[int] = BASE_SEQLENS) -> list[AttentionShape]:
     return [shape for L in seqlens for shape in _both_causal(4, 8, L, L, 64)]
 
 
 def gpu_shapes(quick: bool) -> list[AttentionShape]:
     if quick:  # a subset that runs in well under 2 minutes on an H200
-        return fa3_grid_shapes(seqlens=(1024, 4096), head_dims=(64, 128)) + brief_shapes(seqlens=(2048,))
-    return fa3_grid_shapes() + brief_shapes()
+        return fa3_grid_shapes(seqlens=(1024, 4096), head_dims=(64, 128)) + base_shapes(seqlens=(2048,))
+    return fa3_grid_shapes() + base_shapes()
 
 
 def cpu_shapes() -> list[AttentionShape]:
@@ -389,7 +389,7 @@ class SkipLog:
         return "\n".join(lines)
 
 
-def _short_error(error: BaseException) -> str:
+def short_error(error: BaseException) -> str:
     message = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return f"{type(error).__name__}: {message}"[:160]
 
@@ -411,8 +411,8 @@ def run_attention_bench(
     `on_shape_done(records so far)` runs after each shape (the CLI saves partial results there).
 
     `rounds` > 1 repeats the whole sweep that many times and records the median of the rounds' times (each round's
-    time in `ms_rounds`): one sweep's rows move by several percent between runs (clocks, host jitter; measured in
-    docs/perf-notes.md, session 4), and repeating the sweep, rather than each case in place, spreads a slow stretch
+    time in `ms_rounds`, their range in `ms_min`/`ms_max` and `spread`): one sweep's rows move by several percent
+    between runs (clocks, host jitter), and repeating the sweep, rather than each case in place, spreads a slow stretch
     over every backend instead of charging it to one."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
@@ -462,7 +462,7 @@ def _measure_backend(backend, shape, passes, tensors, timer, device, kernel, ski
             attend = backend.prepare(shape, device)
         except Exception as error:  # e.g. FlexAttention missing from this torch
             for pass_ in passes:
-                skips.note(backend.name, pass_, _short_error(error))
+                skips.note(backend.name, pass_, short_error(error))
             progress.update(len(passes), desc=f"{shape.label()} {backend.name} unavailable")
             return records
         for pass_ in passes:
@@ -473,16 +473,16 @@ def _measure_backend(backend, shape, passes, tensors, timer, device, kernel, ski
                     else:
                         ms, memory = _measure_backward(attend, q, k, v, dout, timer, device)
             except Exception as error:  # unsupported shape, out of memory, no backward yet: n/a, keep going
-                skips.note(backend.name, pass_, _short_error(error))
+                skips.note(backend.name, pass_, short_error(error))
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             else:
-                records.append(_record(shape, pass_, backend.name, ms, memory, kernel, q.dtype))
+                records.append(attention_record(shape, pass_, backend.name, ms, memory, kernel, q.dtype))
             progress.update(desc=f"{shape.label()} {backend.name} {pass_}")
     return records
 
 
-def _record(shape, pass_, backend_name, ms, memory_mib, kernel, dtype) -> dict:
+def attention_record(shape, pass_, backend_name, ms, memory_mib, kernel, dtype) -> dict:
     record = {
         "op": "attention",
         "pass": pass_,

@@ -27,13 +27,13 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 from flashmoe_science.bench.moe import MODELS, expert_gemm_flops
+from flashmoe_science.errors import CommandError
 
 RING_LENGTHS = (131072, 262144, 524288, 1048576)
 RING_SHAPE = dict(batch=1, heads=8, head_dim=128)
@@ -376,9 +376,9 @@ def run_from_cli(args) -> int:
                    ("world_size", "pass", "rows_received", "ms", "ms_1gpu", "efficiency"))]
         columns = ()
     else:
-        print("bench --suite distributed needs torchrun (`torchrun --nproc-per-node N -m flashmoe_science.cli bench "
-              "--suite distributed`; gloo on CPUs runs a small smoke test) or a CUDA GPU", file=sys.stderr)
-        return 2
+        raise CommandError("bench --suite distributed needs torchrun (`torchrun --nproc-per-node N -m "
+                           "flashmoe_science.cli bench --suite distributed`; gloo on CPUs runs a small smoke test) "
+                           "or a CUDA GPU")
     if rank == 0:
         for title, rows, fields in tables:
             print(f"\n{title}")

@@ -48,8 +48,8 @@ from flashmoe_science.attention.ladder import RUNGS, Rung, unavailable
 from flashmoe_science.bench.attention import (
     DTYPE_NAMES,
     AttentionShape,
-    _record,
-    _short_error,
+    attention_record,
+    short_error,
     cpu_median_ms,
     peak_memory_mib,
 )
@@ -241,14 +241,14 @@ def _run_one(rung: Rung, shape: AttentionShape, line: Series, q, k, v, device, s
     try:
         ms, memory, where = _measure(rung, shape, q, k, v, device)
     except Exception as error:  # a refusal, out of memory, a compile failure: the rung stops, the run goes on
-        stops.note(rung.name, line, shape.Lq, _short_error(error))
+        stops.note(rung.name, line, shape.Lq, short_error(error))
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return None
     if ms > 1e3 * SLOW_CALL_S:
         stops.note(rung.name, line, shape.Lq * 2,
                    f"one call took {ms / 1e3:.1f} s at L = {shape.Lq} (> {SLOW_CALL_S:g} s); longer L take longer")
-    record = _record(shape, "fwd", rung.name, ms, memory, None, line.dtype)
+    record = attention_record(shape, "fwd", rung.name, ms, memory, None, line.dtype)
     moved = bytes_moved(rung.name, shape, line.dtype)
     record.update(device=where, bytes=moved, tbps=round_significant(moved / (ms * 1e-3) / 1e12))
     return record

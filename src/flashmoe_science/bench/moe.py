@@ -183,8 +183,8 @@ def run_moe_bench(quick: bool = False, progress=None, on_case_done=None, rounds:
     far)`` runs after each (model, T) (the CLI saves partial results there).
 
     ``rounds`` > 1 repeats the whole sweep and records each case's median time (each round's in ``ms_rounds``):
-    at Mixtral T=4096 the backward's ratio to grouped_mm read 1.14-1.19x across single sweeps of the same code
-    (docs/perf-notes.md, session 10); a slow stretch of clocks then lands on every backend of a round alike."""
+    at Mixtral T=4096 the backward's ratio to grouped_mm read 1.14-1.19x across single sweeps of the same code;
+    a slow stretch of clocks then lands on every backend of a round alike."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     unknown = [name for name in models or () if name not in MODELS]

@@ -85,17 +85,47 @@ class Progress:
         self.close()
 
 
+NOISY_SPREAD = 0.10  # a case whose rounds' times spread more than this (relative to their median) is flagged
+
+
 def median_over_rounds(per_round: Sequence[dict], scale_rates: Callable[[dict, float], None]) -> dict:
     """One record from a case's records of repeated sweeps (in run order): the first round's, with ``ms`` the median
-    of the rounds' times and ``ms_rounds`` each round's; ``scale_rates(record, ms)`` rewrites the record's
-    rates (TFLOP/s, GB/s) for the median time. A single round comes back unchanged."""
+    of the rounds' times, ``ms_rounds`` each round's, ``ms_min``/``ms_max`` their range and ``spread`` that range
+    over the median; ``scale_rates(record, ms)`` rewrites the record's rates (TFLOP/s, GB/s) for the median time.
+    A single round comes back unchanged."""
     record = dict(per_round[0])
     if len(per_round) > 1:
         times = [r["ms"] for r in per_round]
         record["ms"] = round_significant(statistics.median(times))
         record["ms_rounds"] = times
+        record["ms_min"], record["ms_max"] = min(times), max(times)
+        record["spread"] = round_significant((max(times) - min(times)) / record["ms"], 2) if record["ms"] else 0.0
         scale_rates(record, record["ms"])
     return record
+
+
+def format_spread(spread: float | None) -> str:
+    """"4%", with "!" appended above NOISY_SPREAD; "n/a" for a single round."""
+    if spread is None:
+        return NOT_AVAILABLE
+    return f"{100 * spread:.0f}%" + ("!" if spread > NOISY_SPREAD else "")
+
+
+def noise_note(records: Iterable[Mapping]) -> str:
+    """What the spread column means, and a warning when some case's rounds spread past NOISY_SPREAD ("" for a
+    single round)."""
+    spreads = [r["spread"] for r in records if r.get("spread") is not None]
+    if not spreads:
+        return ""
+    rounds = max(len(r["ms_rounds"]) for r in records if "ms_rounds" in r)
+    note = (f"spread: (slowest - fastest) / median of the {rounds} rounds' times, the largest of the row's "
+            "backends")
+    noisy = sum(spread > NOISY_SPREAD for spread in spreads)
+    if noisy:
+        note += (f"\nnoisy machine: {noisy} of {len(spreads)} cases spread more than {100 * NOISY_SPREAD:.0f}% "
+                 f"(up to {100 * max(spreads):.0f}%, rows marked !): differences smaller than that are not "
+                 "measured here; rerun on an idle machine or with more --rounds")
+    return note
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -103,7 +133,7 @@ def median_over_rounds(per_round: Sequence[dict], scale_rates: Callable[[dict, f
 # --------------------------------------------------------------------------------------------------------------------
 # A layer that keeps the H200's tensor cores busy for milliseconds runs at its 700 W cap, and the power controller
 # takes seconds to settle: measured with 25 ms of warm-up, whichever backend follows a lighter stretch runs part of
-# its window at a higher clock. At Mixtral T=4096 (git history: scripts/ab_moe_sustained.py, docs/perf-notes.md session 16) the
+# its window at a higher clock. At Mixtral T=4096 the
 # torch._grouped_mm backward read 11.3-11.9 ms with 25 ms of warm-up depending on the order, and 11.8-11.9 after 3 s
 # of back-to-back calls (its clock 1770 -> 1590 MHz), ours 9.1-9.5 and 9.5-9.7. Training runs in that settled
 # state, so large problems are timed there. The caller decides per problem, not per backend, so that every backend
@@ -350,18 +380,25 @@ def records_table(
 ) -> str:
     """One row per distinct combination of `row_fields`, one column per `column_key` value holding `value_key`
     ("n/a" where that combination has no record), then `extra_columns`, each computed from the row's
-    {column: value} (e.g. a ratio between two backends). `columns` are always shown, in that order, even if they
+    {column: value} (e.g. a ratio between two backends), and, for repeated rounds, the row's largest ``spread``.
+    `columns` are always shown, in that order, even if they
     have no record at all (a backend that failed everywhere); other values that occur follow them."""
-    extra_columns = extra_columns or {}
-    by_row = pivot(records, lambda r: tuple(r.get(name) for name in row_fields), column_key, value_key)
+    extra_columns = dict(extra_columns or {})
+    row_of = lambda r: tuple(r.get(name) for name in row_fields)  # noqa: E731
+    by_row = pivot(records, row_of, column_key, value_key)
     columns = list(dict.fromkeys([*columns, *(r[column_key] for r in records)]))
+    spreads: dict[tuple, float] = {}
+    for record in records:
+        if record.get("spread") is not None:
+            spreads[row_of(record)] = max(spreads.get(row_of(record), 0.0), record["spread"])
     rows = [
         [_cell(value) for value in row]
         + [format_number(values.get(column)) for column in columns]
         + [compute(values) for compute in extra_columns.values()]
+        + ([format_spread(spreads.get(row))] if spreads else [])
         for row, values in by_row.items()
     ]
-    return format_table([*row_fields, *columns, *extra_columns], rows)
+    return format_table([*row_fields, *columns, *extra_columns, *(["spread"] if spreads else [])], rows)
 
 
 def _cell(value) -> str:

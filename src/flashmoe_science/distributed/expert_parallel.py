@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from flashmoe_science.distributed.comm import all_to_all, all_to_all_counts, group_rank_and_size
@@ -46,7 +45,7 @@ def expert_bounds(num_experts: int, world_size: int) -> list[int]:
 class _Exchange:
     """Who sends what to whom in one call, per overlap chunk (pieces of consecutive tokens)."""
 
-    group: object
+    group: object  # as the caller passed it, None for the default group (see ring_attention._Ring.group)
     token_rows: list[torch.Tensor]  # per chunk: the local token of each row sent, ordered by destination
     local_ids: list[torch.Tensor]  # per chunk: (rows, k) int32 expert ids local to the destination, -1 elsewhere
     send_splits: list[list[int]]  # per chunk, per destination rank
@@ -144,7 +143,7 @@ class _ExpertParallel(torch.autograd.Function):
             for total, back in ((dx, dx_back), (dweights, dweights_back)):
                 if back is not None:
                     total.index_add_(0, rows, back.wait().float())
-        ctx.saved = None  # the local graphs are spent
+        ctx.saved = ctx.exchange = None  # the local graphs are spent; the graph no longer refers to the group
         return (dx.to(x_dtype) if need_dx else None, dweights.to(w_dtype) if need_dweights else None,
                 dw1, dw2, None, None)
 
@@ -186,7 +185,6 @@ def expert_parallel_experts(x, w1, w2, topk_weights, topk_ids, group=None, *, nu
                          f"got {local_experts}")
     if world_size == 1:
         return fused_experts(x, w1, w2, topk_weights, topk_ids, backend=backend)
-    group = group if group is not None else dist.group.WORLD
     exchange = _plan_exchange(topk_ids, bounds, world_size, group, overlap_chunks)
     return _ExpertParallel.apply(x, topk_weights, w1, w2, exchange, backend)
 

@@ -64,9 +64,11 @@ def check_config(config) -> None:
         raise ValueError(f"attention dropout (config.attention_dropout={dropout}) is not supported by "
                          f"{ATTN_IMPLEMENTATION}: set it to 0.0")
     head_dim = _head_dim(config)
-    if head_dim is not None and (head_dim % 8 or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM):
-        raise ValueError(f"head dim {head_dim} is not supported by {ATTN_IMPLEMENTATION}: it needs a multiple of 8 in "
-                         f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+    if head_dim is not None and not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        source = "config.head_dim" if getattr(config, "head_dim", None) is not None else (
+            "config.hidden_size // config.num_attention_heads")
+        raise ValueError(f"head dim {head_dim} ({source}) is not supported by {ATTN_IMPLEMENTATION}: the attention "
+                         f"kernels take head dims in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
     if _uses_sliding_window(config):
         require_attention_feature("window", f"a sliding window (config.sliding_window={config.sliding_window})")
     softcap = getattr(config, "attn_logit_softcapping", None)

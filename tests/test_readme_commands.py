@@ -1,0 +1,70 @@
+"""Every command README.md tells a user to run on a CPU runs as written: each line of its ```bash blocks that starts
+with `flashmoe-science ` or `python examples/` and does not end with `# GPU`, in README order, in one temporary folder
+(later commands read what earlier ones wrote, e.g. a trained model), each expected to exit 0. Lines that install
+(`pip`) or test (`pytest`) are not run. `flashmoe-science` runs as `python -m flashmoe_science.cli` from this
+checkout's src/, so no installed entry point is needed. Minutes on a CPU: marked slow."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMAND_TIMEOUT_S = 1200  # per command: generous for a loaded 2-core CI machine
+PREFIXES = ("flashmoe-science ", "python examples/")
+
+
+def readme_commands(text: str) -> list[str]:
+    """The runnable lines of the ```bash blocks of ``text``, in order (see the module docstring)."""
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.M | re.S):
+        for line in block.splitlines():
+            line = line.strip()
+            if (line.startswith(PREFIXES) and not line.endswith("# GPU")
+                    and not re.search(r"\b(pip|pytest)\b", line)):
+                commands.append(line)
+    return commands
+
+
+def argv_of(command: str) -> list[str]:
+    """The command as this interpreter runs it: comments dropped, `flashmoe-science` as the module, `python` as
+    sys.executable with the example's path made absolute."""
+    words = shlex.split(command, comments=True)
+    if words[0] == "flashmoe-science":
+        return [sys.executable, "-m", "flashmoe_science.cli", *words[1:]]
+    return [sys.executable, str(ROOT / words[1]), *words[2:]]
+
+
+def test_readme_commands_are_found():
+    text = "\n".join(["```bash", 'pip install -e ".[cli]" && flashmoe-science bench', "flashmoe-science info",
+                      "flashmoe-science bench decode   # GPU", "python examples/train.py --device cpu  # seconds",
+                      "pytest", "```", "```python", "flashmoe-science info", "```"])
+    assert readme_commands(text) == ["flashmoe-science info", "python examples/train.py --device cpu  # seconds"]
+    assert argv_of("python examples/train.py --device cpu  # seconds")[1:] == [str(ROOT / "examples/train.py"),
+                                                                                "--device", "cpu"]
+
+
+README_COMMANDS = readme_commands((ROOT / "README.md").read_text())
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("readme")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", README_COMMANDS)
+def test_readme_command_runs(command, workdir):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
+    try:
+        child = subprocess.run(argv_of(command), cwd=workdir, env=env, capture_output=True, text=True,
+                               timeout=COMMAND_TIMEOUT_S)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"`{command}` ran past {COMMAND_TIMEOUT_S} s:\n{(error.stderr or '')[-3000:]}")
+    assert child.returncode == 0, f"`{command}` exited {child.returncode}:\n{(child.stdout + child.stderr)[-4000:]}"
