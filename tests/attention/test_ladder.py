@@ -28,7 +28,7 @@ from interpreter_driver import run_under_interpreter
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 in_process = pytest.mark.skipif(IN_INTERPRETER, reason="runs in the parent process, not under the interpreter")
-interpreted = pytest.mark.skipif(not IN_INTERPRETER, reason="runs in the TRITON_INTERPRET=1 child")
+interpreted = pytest.mark.skipif(not IN_INTERPRETER, reason="runs in the TRITON_INTERPRET=1 child process of this file")
 
 LENGTHS = (1, 37, 130)
 HEAD_DIMS = (16, 64)
