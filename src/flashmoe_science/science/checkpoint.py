@@ -73,6 +73,8 @@ class deferred_interrupt:
             self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
+        if self.requested and exc_type is None:  # Ctrl-C after the last check: never swallowed
+            raise KeyboardInterrupt

@@ -264,7 +264,7 @@ def _screening(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="the model.pt that `supercon train` wrote, e.g. "
                         "runs/supercon/random/model.pt")
     parser.add_argument("--batch-size", type=int, help=f"candidates per batch (default {BATCH_SIZE[0]} on a GPU, "
-                        f"{BATCH_SIZE[1]} on the CPU; bench --quick: 2048)")
+                        f"{BATCH_SIZE[1]} on the CPU; bench --quick: 4096)")
     parser.add_argument("--mc-samples", type=int, default=8,
                         help="MC-dropout head samples per candidate, for its uncertainty (default 8; 0: none)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help=f"model dtype (default {DTYPE[0]} on a GPU, "
@@ -333,7 +333,7 @@ def add_supercon_parser(commands) -> None:
     _screening(bench)
     bench.add_argument("--out", default=DEFAULT_BENCH_OUT, help=f"results folder (default {DEFAULT_BENCH_OUT}/)")
     bench.add_argument("--candidates", type=int, help="candidates per timed screening run (default 2,000,000; "
-                       "4096 with --quick)")
+                       "8192 with --quick)")
     bench.add_argument("--train-batch-size", type=int, default=256,
                        help="compositions per timed training step (default 256)")
     bench.set_defaults(handler=_command(run_bench))

@@ -196,6 +196,15 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
     bar = progress_bar(total_steps, f"train {config.split}", unit="step", enabled=progress, initial=done)
     with deferred_interrupt() as interrupt:
         checkpoint = None if checkpoint_path is None else Checkpoint(checkpoint_path, checkpoint_interval_s)
+
+        def save_or_stop() -> None:
+            """After a whole step or epoch: the checkpoint when due, and on Ctrl-C, then stop."""
+            if checkpoint is not None and (checkpoint.due() or interrupt.requested):
+                checkpoint.save(state())
+            if interrupt.requested:
+                bar.close()
+                raise Interrupted(checkpoint_path) if checkpoint is not None else KeyboardInterrupt
+
         while position["epoch"] < config.epochs:
             model.train()
             shuffle.set_state(position["shuffle"])
@@ -216,15 +225,13 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
                 position["count"] += chunk.numel()
                 position["batch"] += 1
                 bar.update(1)
-                if checkpoint is not None and (checkpoint.due() or interrupt.requested):
-                    checkpoint.save(state())
-                if interrupt.requested:
-                    bar.close()
-                    raise Interrupted(checkpoint_path) if checkpoint is not None else KeyboardInterrupt
+                save_or_stop()
             position["loss_sum"] = float(loss_sum)
             _finish_epoch(model, data, parts, implementation, device, config, position, history, best, bar)
             position.update(epoch=position["epoch"] + 1, batch=0, shuffle=shuffle.get_state(), loss_sum=0.0,
                             count=0)
+            loss_sum = torch.zeros((), device=device)
+            save_or_stop()
     bar.close()
     train_seconds = position["seconds"] + time.perf_counter() - started
     model.load_state_dict(best["state_dict"])
