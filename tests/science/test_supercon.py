@@ -231,7 +231,8 @@ def test_train_resumes_after_ctrl_c(small_csv, tmp_path, monkeypatch, capsys):
     assert (tmp_path / "parts" / "random" / "checkpoint.pt").is_file()
     assert supercon(*command, "--out", str(tmp_path / "parts")) == 0
     assert "resuming from" in capsys.readouterr().out
-    whole, parts = (json.loads((tmp_path / name / "random" / "metrics.json").read_text()) for name in ("whole", "parts"))
+    whole, parts = (json.loads((tmp_path / name / "random" / "metrics.json").read_text())
+                    for name in ("whole", "parts"))
     assert parts["history"] == whole["history"] and parts["test"] == whole["test"]
 
 

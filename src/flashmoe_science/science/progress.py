@@ -36,6 +36,7 @@ def progress_bar(total: int | None, desc: str, unit: str = "it", enabled: bool =
 
     stream = sys.stderr if stream is None else stream
     interactive = bool(getattr(stream, "isatty", lambda: False)())
-    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, file=stream if interactive else _LineStream(stream),
+    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled,
+                file=stream if interactive else _LineStream(stream),
                 mininterval=0.2 if interactive else LOG_INTERVAL_S, dynamic_ncols=interactive, ascii=not interactive,
                 **options)

@@ -114,7 +114,8 @@ class CandidateSpace:
         return PaddedBatch(elements, fractions, mask)
 
     def formula(self, index: int) -> str:
-        """Candidate ``index`` written in its parent's amounts (``La2Cu1O4``, Sr for La at 0.1 -> ``La1.8Sr0.2Cu1O4``)."""
+        """Candidate ``index`` written in its parent's amounts (``La2Cu1O4``, Sr for La at 0.1 ->
+        ``La1.8Sr0.2Cu1O4``)."""
         parent, site, dopant, level = (t.item() for t in self.decode(torch.tensor([index], device=self.device)))
         composition: dict[str, float] = {}
         for position, (symbol, amount) in enumerate(parse_formula(self.parents.formulas[parent]).items()):
