@@ -277,7 +277,7 @@ def _screening(parser: argparse.ArgumentParser) -> None:
 
 def _help(name: str, text: str) -> str:
     full, quick = TRAIN_DEFAULTS[name]
-    return f"{text} (default {full}; {quick} with --quick)"
+    return f"{text} (default {full}" + (f"; {quick} with --quick)" if quick != full else ")")
 
 
 def add_supercon_parser(commands) -> None:
