@@ -8,10 +8,14 @@ and both runs of a machine read the same text). Tokenizer: a byte-level BPE (Hug
 transformers installs) trained on that corpus; corpus, tokenizer and token ids are cached under ``--out``.
 
 Writes ``--out``/train_gpt_moe.csv (every step of every run), summary.json (final loss, tokens/s, ratios) and
-loss.png. A progress bar shows the loss and tokens/s.
+loss.png. Progress bars show the corpus being read and each run's loss and tokens/s (one line per update when
+stderr is a log file).
 
-    python examples/train_gpt_moe.py                    # ~100M parameters (8 layers, d=768, 8 experts top-2), GPU
-    python examples/train_gpt_moe.py --config tiny --steps 4 --device cpu --compile-backend aot_eager   # seconds
+    python examples/train_gpt_moe.py                             # ~100M parameters (8 layers, d=768, 8 experts), GPU
+    python examples/train_gpt_moe.py --config tiny --device cpu  # about a minute on 2 CPU cores
+
+The tiny config on a CPU checks the pipeline (both builds, eager and compiled, agree step by step); its tokens/s
+are no measure of the kernels, which a CPU does not run.
 """
 
 from __future__ import annotations
@@ -32,12 +36,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
-
 from flashmoe_science.moe.reference import fused_experts_reference
 from flashmoe_science.moe.routing import route_reference
 from flashmoe_science.nn import Attention, FusedMoE, TransformerBlock
 from flashmoe_science.nn.attention import apply_rotary_torch
+from flashmoe_science.science.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ CONFIGS = {
                         batch=32),
     "tiny": ModelConfig(layers=2, d_model=64, n_heads=4, d_ff=64, experts=4, top_k=2, vocab=512, seq_len=32, batch=4),
 }
+# the defaults of options left out, per config: the tiny one runs in about a minute on 2 CPU cores
+RUN_DEFAULTS = {"100m": dict(steps=300, max_corpus_chars=8_000_000),
+                "tiny": dict(steps=200, max_corpus_chars=1_000_000)}
 
 
 # ------------------------------------------------------------------------------------------------ the baseline
@@ -116,25 +122,27 @@ class GPT(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------- the data
-def package_docstrings(packages: list[str], max_chars: int) -> str:
+def package_docstrings(packages: list[str], max_chars: int, progress: bool = True) -> str:
     """The docstrings of the installed `packages`' modules, classes and functions, file by file in sorted order,
     until `max_chars`."""
     pieces, total = [], 0
-    for package in packages:
-        root = pathlib.Path(importlib.util.find_spec(package).submodule_search_locations[0])
-        for path in sorted(root.rglob("*.py")):
-            try:
-                tree = ast.parse(path.read_text(encoding="utf-8"))
-            except (SyntaxError, UnicodeDecodeError, ValueError):
-                continue
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                    doc = ast.get_docstring(node)
-                    if doc and len(doc) > 40:
-                        pieces.append(doc)
-                        total += len(doc) + 2
-            if total >= max_chars:
-                return "\n\n".join(pieces)[:max_chars]
+    with progress_bar(max_chars, "corpus", unit="char", enabled=progress, unit_scale=True) as bar:
+        for package in packages:
+            root = pathlib.Path(importlib.util.find_spec(package).submodule_search_locations[0])
+            for path in sorted(root.rglob("*.py")):
+                try:
+                    tree = ast.parse(path.read_text(encoding="utf-8"))
+                except (SyntaxError, UnicodeDecodeError, ValueError):
+                    continue
+                for node in ast.walk(tree):
+                    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                        doc = ast.get_docstring(node)
+                        if doc and len(doc) > 40:
+                            pieces.append(doc)
+                            total += len(doc) + 2
+                bar.update(min(total, max_chars) - bar.n)
+                if total >= max_chars:
+                    return "\n\n".join(pieces)[:max_chars]
     return "\n\n".join(pieces)
 
 
@@ -150,6 +158,8 @@ def load_tokens(args, config: ModelConfig) -> tuple[np.ndarray, str]:
     if cache.exists():
         return np.load(cache), about
     text = package_docstrings(args.corpus_packages, args.max_corpus_chars)
+    print(f"training the tokenizer (byte-level BPE, vocab {config.vocab}) on {len(text):,} chars, then encoding",
+          flush=True)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -190,8 +200,8 @@ def train(impl: str, compiled: bool, ids, config: ModelConfig, args, device, dty
     name = f"{impl}{' compiled' if compiled else ''}"
     tokens_per_step = config.batch * config.seq_len
     records, timed_from = [], None
-    bar = tqdm(batches(ids, config, args.steps, args.seed, device), total=args.steps, desc=name, unit="step")
-    for step, (inputs, targets) in enumerate(bar):
+    bar = progress_bar(args.steps, name, unit="step")
+    for step, (inputs, targets) in enumerate(batches(ids, config, args.steps, args.seed, device)):
         if step == args.warmup_steps:  # compilation and first-call costs stay out of tokens/s
             timed_from = time.perf_counter()
         for group in optimizer.param_groups:
@@ -207,7 +217,9 @@ def train(impl: str, compiled: bool, ids, config: ModelConfig, args, device, dty
         speed = (step + 1 - args.warmup_steps) * tokens_per_step / elapsed if elapsed > 0 else float("nan")
         records.append(dict(run=name, impl=impl, compiled=compiled, step=step, loss=value,
                             lr=learning_rate(step, args), tokens_per_s=speed))
-        bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{speed:,.0f}")
+        bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{speed:,.0f}", refresh=False)
+        bar.update(1)
+    bar.close()
     last = [r["loss"] for r in records[-max(1, args.steps // 10):]]
     return dict(run=name, impl=impl, compiled=compiled, final_loss=float(np.mean(last)),
                 tokens_per_s=records[-1]["tokens_per_s"], parameters=sum(p.numel() for p in model.parameters()),
@@ -248,30 +260,54 @@ def write_outputs(results: list[dict], args, about: str, config: ModelConfig, de
         ax.set(title="torch.compile" if compiled else "eager", xlabel="step", ylabel="training loss")
         ax.legend()
     fig.suptitle(f"{config.layers} layers, d={config.d_model}, {config.experts} experts top-{config.top_k} "
-                 f"({results[0]['parameters'] / 1e6:.0f}M parameters), {summary['gpu'] or device}", fontsize=9)
+                 f"({format_count(results[0]['parameters'])} parameters), {summary['gpu'] or device}", fontsize=9)
     fig.tight_layout()
     fig.savefig(args.out / "loss.png", dpi=120)
     plt.close(fig)
     return summary
 
 
+def format_count(n: int) -> str:
+    """``107_000_000`` -> ``"107M"``, ``260_000`` -> ``"260K"``, ``2_630_000`` -> ``"2.63M"`` (3 significant digits)."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="100m")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="100m",
+                        help="100m: ~100M parameters for a GPU; tiny: a minute on a CPU (default 100m)")
+    parser.add_argument("--steps", type=int, help="training steps per run (default 300; 200 for tiny)")
     parser.add_argument("--warmup-steps", type=int, default=None,
                         help="steps left out of tokens/s (default: 10%% of --steps, at least 1)")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and batches (default 0)")
     parser.add_argument("--runs", default="ours,torch", help="comma-separated: ours, torch")
     parser.add_argument("--compile", default="off,on", help="comma-separated: off, on")
-    parser.add_argument("--compile-backend", default="inductor")
+    parser.add_argument("--compile-backend", help="torch.compile backend (default inductor on a GPU, aot_eager on "
+                        "the CPU, which traces the same graph without minutes of C++ compilation)")
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--corpus-packages", default="numpy,torch", type=lambda s: s.split(","))
-    parser.add_argument("--max-corpus-chars", type=int, default=8_000_000)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/train_gpt_moe"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda or cpu (default cuda if available)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the tiny config's "
+                        "small matrix products gain little from more, and several threads slow down many times over "
+                        "when other processes share the cores)")
+    parser.add_argument("--corpus-packages", default="numpy,torch", type=lambda s: s.split(","),
+                        help="installed packages whose docstrings form the corpus (default numpy,torch)")
+    parser.add_argument("--max-corpus-chars", type=int,
+                        help="corpus size in characters (default 8,000,000; 1,000,000 for tiny)")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/train_gpt_moe"),
+                        help="output folder; the corpus, tokenizer and token ids are cached there")
     args = parser.parse_args(argv)
+    for name, value in RUN_DEFAULTS[args.config].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.compile_backend is None:
+        args.compile_backend = "inductor" if args.device.startswith("cuda") else "aot_eager"
+    if args.steps < 1 or args.threads < 1:
+        parser.error(f"--steps and --threads must be at least 1, got {args.steps} and {args.threads}")
     if args.warmup_steps is None:
         args.warmup_steps = max(1, args.steps // 10)
     if not 0 <= args.warmup_steps < args.steps:
@@ -286,6 +322,15 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(args) -> dict:
     config, device = CONFIGS[args.config], torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ids, about = load_tokens(args, config)
@@ -293,8 +338,9 @@ def main(argv=None) -> dict:
     results = [train(impl, mode == "on", ids, config, args, device, dtype)
                for mode in args.compile for impl in args.runs]
     summary = write_outputs(results, args, about, config, device)
-    for run in summary["runs"]:
-        print(f"{run['run']:>15}: final loss {run['final_loss']:.4f}, {run['tokens_per_s']:,.0f} tokens/s")
+    for run_summary in summary["runs"]:
+        print(f"{run_summary['run']:>15}: final loss {run_summary['final_loss']:.4f}, "
+              f"{run_summary['tokens_per_s']:,.0f} tokens/s")
     for key in ("eager_speedup", "compiled_speedup", "eager_final_loss_rel_diff", "compiled_final_loss_rel_diff"):
         if key in summary:
             print(f"{key}: {summary[key]:.4f}")

@@ -1,17 +1,26 @@
-"""The supercon workload on the CPU: formula parsing, the two builds' agreement, the candidate space, a tiny
-training run and a resumed screening run through the CLI (a few hundred rows: the pipeline, not the score)."""
+"""The supercon workload on the CPU: formula parsing, the packaged data, the two builds' agreement, the candidate
+space, training and screening through the command (a few hundred rows and a tiny model: the pipeline, not the
+score), resuming after Ctrl-C, and the one-line errors of bad input."""
 
+import argparse
 import csv
-import re
+import gzip
+import io
 import json
-from pathlib import Path
+import re
+import signal
+from importlib import resources
 
 import pytest
 import torch
 
-from flashmoe_science.cli import main
+from flashmoe_science.errors import CommandError
+from flashmoe_science.science import supercon_screen, supercon_train
+from flashmoe_science.science.checkpoint import Interrupted, save_atomic
+from flashmoe_science.science.cli import add_supercon_parser
 from flashmoe_science.science.formula import FormulaError, parse_formula, read_formula_csv
-from flashmoe_science.science.supercon_data import load_supercon, pack_compositions, split_indices
+from flashmoe_science.science.progress import progress_bar
+from flashmoe_science.science.supercon_data import PACKAGED_DATA, load_supercon, pack_compositions, split_indices
 from flashmoe_science.science.supercon_model import (
     ELEMENT_SYMBOLS,
     CompositionTransformer,
@@ -19,29 +28,50 @@ from flashmoe_science.science.supercon_model import (
     element_property_matrix,
 )
 from flashmoe_science.science.supercon_screen import CandidateSpace, pack, score, screen
+from flashmoe_science.science.supercon_train import TrainConfig, train
 
-ROOT = Path(__file__).resolve().parents[2]
-# the data: ../shared beside a clone (CI), or shared/ inside a checkout
-DATA = next((p for p in (ROOT.parent / "shared/data/supercon.csv", ROOT / "shared/data/supercon.csv") if p.is_file()),
-            ROOT.parent / "shared/data/supercon.csv")
 TINY = ModelConfig(d_model=32, num_heads=2, num_layers=1, num_experts=4, top_k=2, d_ff=32, fraction_frequencies=4)
+TINY_OPTIONS = ["--d-model", "32", "--heads", "2", "--layers", "1", "--experts", "4", "--d-ff", "32"]
+
+
+def supercon(*argv: str) -> int:
+    """``flashmoe-science supercon ...`` up to the command's handler (CommandError propagates, as the entry point
+    receives it)."""
+    parser = argparse.ArgumentParser(prog="flashmoe-science")
+    add_supercon_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["supercon", *argv])
+    return args.handler(args)
+
+
+def packaged_lines(count: int) -> list[str]:
+    """The header and the first ``count`` rows of the packaged SuperCon CSV."""
+    with resources.as_file(resources.files("flashmoe_science.science").joinpath(PACKAGED_DATA)) as path:
+        with gzip.open(path, "rt") as handle:
+            return [next(handle) for _ in range(count + 1)]
 
 
 @pytest.fixture
 def small_csv(tmp_path):
-    """A real slice of SuperCon when it is there, else a hand-written one; plus two bad lines."""
+    """A real slice of SuperCon (300 rows) plus two bad lines."""
     path = tmp_path / "supercon.csv"
-    if DATA.is_file():
-        with DATA.open() as handle:
-            lines = [next(handle) for _ in range(301)]
-    else:
-        metals = ("Nb", "Ti", "V", "Zr", "Mo", "La", "Y", "Pb", "Sn", "Ga", "Al", "In")
-        lines = ["name,Tc\n"] + [f"{a}{3 - x / 4:g}{b}{1 + x / 4:g},{(i + j + x) % 23 + 0.5:g}\n"
-                                  for i, a in enumerate(metals) for j, b in enumerate(metals[i + 1:]) for x in range(5)]
+    lines = packaged_lines(300)
     lines.insert(5, "Sm1Ba-1Cu3O6.94,10\n")
     lines.insert(9, "La2CuO4,n/a\n")
     path.write_text("".join(lines))
     return path
+
+
+def interrupt_on_call(monkeypatch, module, name: str, call: int) -> None:
+    """Sends SIGINT (Ctrl-C) when ``module.name`` is called for the ``call``-th time."""
+    original, calls = getattr(module, name), []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            signal.raise_signal(signal.SIGINT)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapped)
 
 
 def test_parse_formula():
@@ -120,7 +150,7 @@ def test_family_split_holds_out_whole_systems(small_csv):
                                                                      n - round(0.8 * n) - round(0.1 * n)]
 
 
-def test_screen_is_resumable_and_matches_one_pass(small_csv, tmp_path):
+def test_screen_is_resumable_and_matches_one_pass(small_csv, tmp_path, monkeypatch):
     data, _ = load_supercon(small_csv)
     torch.manual_seed(0)
     model = CompositionTransformer(TINY).eval()
@@ -128,8 +158,13 @@ def test_screen_is_resumable_and_matches_one_pass(small_csv, tmp_path):
     common = dict(top=10, batch_size=64, implementation="plain", mc_samples=0, progress=False)
     whole = screen(model, space, out_dir=tmp_path / "whole", **common)
     screen(model, space, out_dir=tmp_path / "parts", limit=128, **common)
-    screen(model, space, out_dir=tmp_path / "parts", resume=True, checkpoint_every=1, **common)
-    assert whole["candidates"] == len(space)
+    interrupt_on_call(monkeypatch, supercon_screen, "score", 2)
+    with pytest.raises(Interrupted) as stopped:
+        screen(model, space, out_dir=tmp_path / "parts", checkpoint_interval_s=3600, **common)
+    monkeypatch.undo()
+    assert torch.load(stopped.value.path, weights_only=True)["next_index"] == 128 + 2 * 64  # saved on Ctrl-C
+    resumed = screen(model, space, out_dir=tmp_path / "parts", **common)
+    assert whole["candidates"] == len(space) and resumed["candidates"] == len(space) - 256
     first, second = ((tmp_path / name / "top.csv").read_text() for name in ("whole", "parts"))
     assert first == second
     rows = list(csv.DictReader(first.splitlines()))
@@ -137,20 +172,143 @@ def test_screen_is_resumable_and_matches_one_pass(small_csv, tmp_path):
     fused = score(model, space.padded_batch(0, 64), "fused", 0)[0]
     plain = score(model, space.padded_batch(0, 64), "plain", 0)[0]
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    with pytest.raises(CommandError, match="--restart"):  # another --top: another run
+        screen(model, space, out_dir=tmp_path / "parts", **{**common, "top": 5})
+    assert screen(model, space, out_dir=tmp_path / "parts", restart=True, **{**common, "top": 5})["candidates"] == \
+        len(space)
 
 
-def test_cli_train_and_screen(small_csv, tmp_path):
+def test_cli_train_screen_and_bench(small_csv, tmp_path, capsys):
     out = tmp_path / "run"
     args = ["--data", str(small_csv), "--no-progress"]
-    assert main(["supercon", "train", *args, "--out", str(out), "--epochs", "2", "--d-model", "32", "--heads", "2",
-                 "--layers", "1", "--experts", "4", "--d-ff", "32"]) == 0
+    assert supercon("train", *args, "--out", str(out), "--epochs", "2", *TINY_OPTIONS) == 0
     for split in ("random", "family"):
         metrics = json.loads((out / split / "metrics.json").read_text())
         assert metrics["test"]["n"] > 0 and metrics["seed"] == 0 and len(metrics["history"]["epoch"]) == 2
         assert (out / split / "parity.png").stat().st_size > 0 and (out / split / "loss.png").stat().st_size > 0
-    assert main(["supercon", "screen", *args, "--model", str(out / "random" / "model.pt"), "--out",
-                 str(out / "screen"), "--top", "5", "--limit", "3000", "--batch-size", "1000", "--mc-samples", "4",
-                 "--dtype", "float32", "--min-dopant-count", "1"]) == 0
+        assert not (out / split / "checkpoint.pt").exists()
+    model = str(out / "random" / "model.pt")
+    assert supercon("screen", *args, "--model", model, "--out", str(out / "screen"), "--top", "5", "--limit", "3000",
+                    "--batch-size", "1000", "--mc-samples", "4", "--min-dopant-count", "1") == 0
     rows = list(csv.DictReader((out / "screen" / "top.csv").open()))
     assert len(rows) == 5 and all(float(row["uncertainty_K"]) >= 0 for row in rows)
     parse_formula(rows[0]["formula"])
+    assert supercon("train", *args, "--out", str(out), "--epochs", "2", *TINY_OPTIONS) == 0  # nothing left to do
+    assert capsys.readouterr().out.count("already trained") == 2
+    assert supercon("bench", *args, "--model", model, "--quick", "--candidates", "64", "--batch-size", "32",
+                    "--out", str(out / "bench")) == 0
+    record = json.loads(next((out / "bench").glob("supercon-*.json")).read_text())
+    assert record["screening"]["fused"]["candidates"] == 64 and record["agreement"]["candidates"] == 64
+
+
+def test_quick_train_runs_both_splits(tmp_path):
+    """--quick's sizes, cut down here to one epoch on 300 rows of the packaged data."""
+    out = tmp_path / "quick"
+    assert supercon("train", "--quick", "--rows", "300", "--epochs", "1", "--no-progress", "--out", str(out)) == 0
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert set(summary) == {"random", "family"}
+    settings = json.loads((out / "random" / "metrics.json").read_text())["settings"]
+    assert settings["model"]["d_model"] == 64 and settings["rows"] == 300
+
+
+def test_packaged_data_loads():
+    data, table = load_supercon()
+    assert len(data) + len(table.rejected) == 16414 and len(table.rejected) == 8
+    assert data.formulas[0] == "Ba0.4K0.6Fe2As2" and data.targets[0] == pytest.approx(31.2)
+
+
+def test_train_resumes_after_ctrl_c(small_csv, tmp_path, monkeypatch, capsys):
+    """Ctrl-C mid-epoch saves the state and prints how to resume; the same command again finishes the run with
+    exactly the numbers of a run never interrupted."""
+    command = ["train", "--data", str(small_csv), "--no-progress", "--splits", "random", "--epochs", "3",
+               "--batch-size", "32", *TINY_OPTIONS]
+    assert supercon(*command, "--out", str(tmp_path / "whole")) == 0
+    interrupt_on_call(monkeypatch, supercon_train, "make_batch", 12)  # epoch 2 of 3 (8 batches an epoch)
+    assert supercon(*command, "--out", str(tmp_path / "parts")) == 130
+    monkeypatch.undo()
+    message = capsys.readouterr().err.strip().splitlines()
+    assert len(message) == 1 and "run the same command again to resume" in message[0] and "--restart" in message[0]
+    assert (tmp_path / "parts" / "random" / "checkpoint.pt").is_file()
+    assert supercon(*command, "--out", str(tmp_path / "parts")) == 0
+    assert "resuming from" in capsys.readouterr().out
+    whole, parts = (json.loads((tmp_path / name / "random" / "metrics.json").read_text())
+                    for name in ("whole", "parts"))
+    assert parts["history"] == whole["history"] and parts["test"] == whole["test"]
+
+
+def test_train_interrupted_without_out_dir_keeps_keyboard_interrupt(small_csv, monkeypatch):
+    data, _ = load_supercon(small_csv)
+    interrupt_on_call(monkeypatch, supercon_train, "make_batch", 2)
+    with pytest.raises(KeyboardInterrupt):
+        train(data, TrainConfig(epochs=1, model=TINY), torch.device("cpu"), progress=False)
+
+
+def test_progress_in_a_log_file_is_one_line_per_update():
+    log = io.StringIO()
+    with progress_bar(3, "work", stream=log) as bar:
+        for _ in range(3):
+            bar.update(1)
+    text = log.getvalue()
+    assert "\r" not in text and text.endswith("\n")
+    assert text.splitlines()[0].startswith("work:") and "3/3" in text.splitlines()[-1]
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def one_line_error(*argv: str) -> str:
+    with pytest.raises(CommandError) as error:
+        supercon(*argv)
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_not_a_model_is_recognised_before_any_work(tmp_path, small_csv):
+    garbage = tmp_path / "notamodel.pt"
+    garbage.write_bytes(b"this is not a torch file\n" * 10)
+    other = tmp_path / "other.pt"
+    torch.save({"weights": torch.ones(3)}, other)
+    pickled = tmp_path / "pickled.pt"
+    torch.save({"model": argparse.Namespace(a=1)}, pickled)  # needs weights_only=False: never suggested
+    missing = tmp_path / "missing.pt"
+    for path, expected in ((garbage, "is not a model file"), (other, "is a torch file but not a supercon model"),
+                           (pickled, "is not a model file"), (missing, "no such model file")):
+        for command in ("screen", "bench"):
+            out = ["--out", str(tmp_path / "out")]
+            message = one_line_error(command, "--model", str(path), "--data", str(tmp_path / "absent.csv"), *out)
+            assert expected in message and "weights_only" not in message and "supercon train" in message
+    checkpoint = tmp_path / "run" / "random" / "checkpoint.pt"
+    save_atomic({"format": supercon_train.CHECKPOINT_FORMAT}, checkpoint)
+    assert "unfinished training run" in one_line_error("screen", "--model", str(checkpoint), "--out", str(tmp_path))
+
+
+def test_bad_training_input_is_one_line(tmp_path, small_csv):
+    out = ["--out", str(tmp_path / "out"), "--no-progress"]
+    few = tmp_path / "few.csv"
+    few.write_text("name,Tc\n" + "".join(f"Nb3Sn,{t}\nXx2,{t}\n" for t in range(30)))
+    message = one_line_error("train", "--data", str(few), *out)
+    assert "30 readable compositions (30 rejected)" in message and "at least 100" in message
+    assert "--epochs must be at least 1, got 0" in one_line_error("train", "--epochs", "0", *out)
+    message = one_line_error("train", "--rows", "10", *out)
+    assert "first 10 rows" in message and "larger --rows" in message
+    assert "no such data file" in one_line_error("train", "--data", str(tmp_path / "absent.csv"), *out)
+    assert "multiple of --heads" in one_line_error("train", "--d-model", "30", "--heads", "4", *out)
+    assert "must be at least 1" in one_line_error("train", "--threads", "0", *out)
+
+
+def test_tiny_or_empty_splits_are_refused(tmp_path):
+    one_system = tmp_path / "one_system.csv"
+    one_system.write_text("name,Tc\n" + "".join(f"Nb{3 + i / 100:g}Sn1,{i % 20 + 1}\n" for i in range(150)))
+    message = one_line_error("train", "--data", str(one_system), "--splits", "family", "--out", str(tmp_path))
+    assert "empty" in message and "random split" in message
+    data, _ = load_supercon(one_system)
+    parts = split_indices(data, "random", 0)
+    assert min(index.numel() for index in parts.values()) >= supercon_train.MIN_SPLIT_ROWS
+
+
+def test_rerun_with_other_settings_asks_for_restart(small_csv, tmp_path):
+    command = ["train", "--data", str(small_csv), "--no-progress", "--splits", "random", "--out", str(tmp_path),
+               *TINY_OPTIONS]
+    assert supercon(*command, "--epochs", "1") == 0
+    message = one_line_error(*command, "--epochs", "2")
+    assert "epochs 1 -> 2" in message and "--restart" in message
+    assert supercon(*command, "--epochs", "2", "--restart") == 0

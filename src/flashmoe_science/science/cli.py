@@ -1,31 +1,84 @@
 """``flashmoe-science supercon train | screen | bench``: the superconductor Tc workload from the command line.
 
-    flashmoe-science supercon train  --out runs/supercon              # random and family splits, metrics and plots
-    flashmoe-science supercon screen --model runs/supercon/random/model.pt --out runs/supercon/screen --top 1000
-    flashmoe-science supercon bench  --model runs/supercon/random/model.pt --out benchmarks/results
+    flashmoe-science supercon train  --quick --out runs/supercon     # both splits in minutes on a CPU
+    flashmoe-science supercon screen --model runs/supercon/random/model.pt --out runs/supercon/screen --top 100 \\
+        --limit 200000
+    flashmoe-science supercon bench  --model runs/supercon/random/model.pt --quick
+
+The SuperCon data ship with the package (``--data`` reads another CSV). ``train`` and ``screen`` save their state
+every minute and on Ctrl-C; the same command again resumes, ``--restart`` starts over. Problems with the input are
+one :class:`~flashmoe_science.errors.CommandError` line.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import functools
+import gzip
 import json
+import sys
 from pathlib import Path
 
 import torch
 
-from flashmoe_science.science.supercon_data import DEFAULT_DATA, SPLITS, load_supercon
+from flashmoe_science.errors import CommandError
+from flashmoe_science.science.checkpoint import Interrupted
+from flashmoe_science.science.supercon_data import SPLITS, load_supercon
 from flashmoe_science.science.supercon_model import IMPLEMENTATIONS, ModelConfig, default_implementation
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DEFAULT_BENCH_OUT = "flashmoe-results"
+EXIT_INTERRUPTED = 130  # the shell's code for a command stopped by Ctrl-C (128 + SIGINT)
+
+# train: (full run, --quick) defaults of the options left out; --quick trains both splits in minutes on 2 CPU cores
+TRAIN_DEFAULTS = {
+    "epochs": (60, 12), "batch_size": (256, 256), "lr": (2e-3, 3e-3),
+    "d_model": (ModelConfig.d_model, 64), "heads": (ModelConfig.num_heads, 4), "layers": (ModelConfig.num_layers, 2),
+    "experts": (ModelConfig.num_experts, 4), "top_k": (ModelConfig.top_k, 2), "d_ff": (ModelConfig.d_ff, 128),
+}
+SCREEN_QUICK_LIMIT = 100_000
+# screen and bench: (GPU, CPU) defaults
+BATCH_SIZE = (65536, 8192)
+DTYPE = ("bfloat16", "float32")
 
 
 def _device(name: str | None) -> torch.device:
-    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise CommandError(f"--device {name!r} is not a torch device; use cpu, cuda or cuda:N") from None
 
 
-def _load_data(args: argparse.Namespace):
-    data, table = load_supercon(args.data, limit=args.rows)
-    print(table.summary(), flush=True)
+def _per_device(device: torch.device, choices: tuple):
+    return choices[0] if device.type == "cuda" else choices[1]
+
+
+def _check_at_least(**options) -> None:
+    """``name=(value, minimum)``: a CommandError naming the first option below its minimum (None: not given)."""
+    for name, (value, minimum) in options.items():
+        if value is not None and value < minimum:
+            raise CommandError(f"--{name.replace('_', '-')} must be at least {minimum}, got {value}")
+
+
+def _load_data(args: argparse.Namespace, minimum_rows: int, purpose: str):
+    """The data of ``--data`` (default: the packaged SuperCon CSV), with at least ``minimum_rows`` readable rows."""
+    source = args.data or "the packaged SuperCon data"
+    try:
+        data, table = load_supercon(args.data, limit=args.rows)
+    except FileNotFoundError:
+        raise CommandError(f"no such data file: {args.data} (leave out --data to use the packaged SuperCon "
+                           "data)") from None
+    except (ValueError, UnicodeDecodeError, gzip.BadGzipFile, csv.Error) as error:
+        raise CommandError(f"{args.data} is not a CSV with columns name,Tc ({str(error).splitlines()[0][:120]})"
+                           ) from None
+    print(f"{source}: {table.summary()}", flush=True)
+    if len(data) < minimum_rows:
+        read = f"the first {args.rows} rows of {source}" if args.rows is not None else source
+        raise CommandError(f"{read} hold {len(data)} readable compositions ({len(table.rejected)} rejected); "
+                           f"{purpose} needs at least {minimum_rows}: "
+                           + ("use a larger --rows or leave it out" if args.rows is not None
+                              else "use a CSV with more valid name,Tc rows"))
     return data
 
 
@@ -36,36 +89,107 @@ def _splits(text: str) -> list[str]:
     return names
 
 
-def run_train(args: argparse.Namespace) -> int:
-    from flashmoe_science.science.supercon_train import TrainConfig, train
+def _command(handler):
+    """Runs a command with ``--threads`` torch CPU threads (restored afterwards); after Ctrl-C, once its state is
+    saved, prints one line on how to resume and returns exit code 130."""
 
+    @functools.wraps(handler)
+    def run(args: argparse.Namespace) -> int:
+        _check_at_least(threads=(args.threads, 1))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(args.threads)
+        try:
+            return handler(args)
+        except Interrupted as stop:
+            print(f"interrupted: state saved to {stop.path}; run the same command again to resume "
+                  "(--restart starts over)", file=sys.stderr, flush=True)
+            return EXIT_INTERRUPTED
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------------- train
+def _train_options(args: argparse.Namespace) -> dict:
+    """The train options, each the given value or its full/--quick default."""
+    options = {name: getattr(args, name) if getattr(args, name) is not None else defaults[int(args.quick)]
+               for name, defaults in TRAIN_DEFAULTS.items()}
+    _check_at_least(epochs=(options["epochs"], 1), batch_size=(options["batch_size"], 1),
+                    d_model=(options["d_model"], 1), heads=(options["heads"], 1), layers=(options["layers"], 1),
+                    experts=(options["experts"], 1), top_k=(options["top_k"], 1), d_ff=(options["d_ff"], 1),
+                    rows=(args.rows, 1))
+    if options["lr"] <= 0:
+        raise CommandError(f"--lr must be positive, got {options['lr']}")
+    if options["d_model"] % options["heads"]:
+        raise CommandError(f"--d-model ({options['d_model']}) must be a multiple of --heads ({options['heads']})")
+    if options["top_k"] > options["experts"]:
+        raise CommandError(f"--top-k ({options['top_k']}) must be at most --experts ({options['experts']})")
+    return options
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from flashmoe_science.science.supercon_train import (
+        CHECKPOINT_FILE,
+        MIN_ROWS,
+        TrainConfig,
+        finished_run,
+        run_settings,
+        train,
+    )
+
+    options = _train_options(args)
     device = _device(args.device)
-    data = _load_data(args)
-    model_config = ModelConfig(d_model=args.d_model, num_heads=args.heads, num_layers=args.layers,
-                               num_experts=args.experts, top_k=args.top_k, d_ff=args.d_ff)
+    data = _load_data(args, MIN_ROWS, "training")
+    model_config = ModelConfig(d_model=options["d_model"], num_heads=options["heads"], num_layers=options["layers"],
+                               num_experts=options["experts"], top_k=options["top_k"], d_ff=options["d_ff"])
+    out = Path(args.out)
     summary = {}
     for split in args.splits:
-        config = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed, split=split,
-                             implementation=args.implementation, model=model_config)
-        _, metrics = train(data, config, device, Path(args.out) / split, progress=not args.no_progress)
+        config = TrainConfig(epochs=options["epochs"], batch_size=options["batch_size"], lr=options["lr"],
+                             seed=args.seed, split=split, implementation=args.implementation, model=model_config)
+        implementation = args.implementation or default_implementation(device)
+        metrics = None if args.restart else finished_run(out / split, run_settings(config, implementation, data))
+        if metrics is not None:
+            print(f"{split} split: already trained in {out / split} (--restart trains again)", flush=True)
+        else:
+            if not args.restart and (out / split / CHECKPOINT_FILE).is_file():
+                print(f"{split} split: resuming from {out / split / CHECKPOINT_FILE}", flush=True)
+            _, metrics = train(data, config, device, out / split, progress=not args.no_progress,
+                               restart=args.restart)
         test = metrics["test"]
         print(f"{split} split (seed {args.seed}): test R2 = {test['r2']:.4f} (of log(1+Tc): {test['r2_log1p']:.4f}), "
-              f"MAE = {test['mae_K']:.2f} K, "
-              f"RMSE = {test['rmse_K']:.2f} K, n = {test['n']} ({metrics['train_seconds']:.0f} s, "
-              f"{metrics['implementation']} build on {device}) -> {Path(args.out) / split}", flush=True)
+              f"MAE = {test['mae_K']:.2f} K, RMSE = {test['rmse_K']:.2f} K, n = {test['n']} "
+              f"({metrics['train_seconds']:.0f} s, {metrics['implementation']} build on {metrics['device']}) "
+              f"-> {out / split}", flush=True)
         summary[split] = {key: metrics[key] for key in ("test", "sizes", "seed", "implementation", "train_seconds")}
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return 0
+
+
+# ------------------------------------------------------------------------------------------------ screen, bench
+def _model(args: argparse.Namespace, device: torch.device):
+    """The trained model of ``--model``, read before any heavy work (a wrong file fails in a second)."""
+    from flashmoe_science.science.supercon_train import load_model
+
+    return load_model(args.model, device)
 
 
 def _space(args: argparse.Namespace, device: torch.device):
     from flashmoe_science.science.supercon_screen import CandidateSpace, dopant_elements
 
-    data = _load_data(args)
+    _check_at_least(rows=(args.rows, 1), min_dopant_count=(args.min_dopant_count, 1))
+    data = _load_data(args, 1, "screening")
     keep = torch.nonzero(data.targets >= args.min_parent_tc).flatten()
+    if keep.numel() == 0:
+        raise CommandError(f"no composition has Tc >= {args.min_parent_tc} K (the largest is "
+                           f"{float(data.targets.max()):.1f} K): lower --min-parent-tc")
+    dopants = dopant_elements(data, args.min_dopant_count)
+    if dopants.numel() == 0:
+        raise CommandError(f"no element occurs in {args.min_dopant_count} compositions: lower --min-dopant-count")
     parents = data.subset(keep)
-    space = CandidateSpace(parents, dopant_elements(data, args.min_dopant_count), device=device)
+    space = CandidateSpace(parents, dopants, device=device)
     print(f"candidate space: {len(space):,} substitutions over {len(parents):,} parent compositions "
           f"(Tc >= {args.min_parent_tc} K)", flush=True)
     return data, space
@@ -73,40 +197,61 @@ def _space(args: argparse.Namespace, device: torch.device):
 
 def run_screen(args: argparse.Namespace) -> int:
     from flashmoe_science.science.supercon_screen import screen
-    from flashmoe_science.science.supercon_train import load_model
 
     device = _device(args.device)
+    limit = args.limit if args.limit is not None or not args.quick else SCREEN_QUICK_LIMIT
+    batch_size = args.batch_size or _per_device(device, BATCH_SIZE)
+    _check_at_least(top=(args.top, 1), limit=(limit, 1), batch_size=(batch_size, 1), mc_samples=(args.mc_samples, 0))
+    dtype = args.dtype or _per_device(device, DTYPE)
+    model = _model(args, device).cast_parameters(DTYPES[dtype])
     _, space = _space(args, device)
-    model = load_model(args.model, device).cast_parameters(DTYPES[args.dtype])
     implementation = args.implementation or default_implementation(device)
-    summary = screen(model, space, top=args.top, batch_size=args.batch_size, implementation=implementation,
-                     mc_samples=args.mc_samples, limit=args.limit, out_dir=Path(args.out), resume=args.resume,
+    summary = screen(model, space, top=args.top, batch_size=batch_size, implementation=implementation,
+                     mc_samples=args.mc_samples, limit=limit, out_dir=Path(args.out), restart=args.restart,
                      progress=not args.no_progress)
     print(f"screened {summary['candidates']:,} candidates in {summary['seconds']:.1f} s "
-          f"({summary['candidates_per_s']:,.0f}/s, {implementation} build); top {args.top}: {summary['top_csv']}")
+          f"({summary['candidates_per_s']:,.0f}/s, {implementation} build, {dtype}); "
+          f"{summary['screened_total']:,} in all; top {args.top}: {summary['top_csv']}")
     return 0
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from flashmoe_science.science.supercon_bench import run_benchmark
-    from flashmoe_science.science.supercon_train import load_model
+    from dataclasses import replace
+
+    from flashmoe_science.science.supercon_bench import QUICK_SIZES, BenchSizes, run_benchmark
 
     device = _device(args.device)
+    sizes = QUICK_SIZES if args.quick else BenchSizes(batch_size=_per_device(device, BATCH_SIZE))
+    sizes = replace(sizes, **{name: value for name, value in (("candidates", args.candidates),
+                                                              ("batch_size", args.batch_size)) if value is not None})
+    _check_at_least(candidates=(sizes.candidates, 1), batch_size=(sizes.batch_size, 1),
+                    train_batch_size=(args.train_batch_size, 1), mc_samples=(args.mc_samples, 0))
+    dtype = args.dtype or _per_device(device, DTYPE)
+    model = _model(args, device)
     data, space = _space(args, device)
-    model = load_model(args.model, device)
-    path, table = run_benchmark(model, data, space, candidates=args.candidates, batch_size=args.batch_size,
-                                train_batch_size=args.train_batch_size, mc_samples=args.mc_samples,
-                                dtype=DTYPES[args.dtype], out_dir=Path(args.out))
+    if device.type != "cuda" and not args.quick:
+        print("note: full-size benchmark on a CPU (hours); --quick measures both builds in a minute or two",
+              flush=True)
+    path, table = run_benchmark(model, data, space, sizes=sizes, train_batch_size=args.train_batch_size,
+                                mc_samples=args.mc_samples, dtype=DTYPES[dtype], out_dir=Path(args.out),
+                                progress=not args.no_progress)
     print(table)
     print(f"\nresults: {path} (and {path.with_suffix('.md').name})")
     return 0
 
 
+# ------------------------------------------------------------------------------------------------------ parser
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", default=str(DEFAULT_DATA), help=f"SuperCon CSV (name,Tc; default {DEFAULT_DATA})")
-    parser.add_argument("--rows", type=int, help="read only the first N data rows (quick runs, tests)")
-    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--data", help="a CSV with columns name,Tc (gzip if it ends in .gz) instead of the SuperCon "
+                        "data packaged with flashmoe-science (16,414 compositions)")
+    parser.add_argument("--rows", type=int, help="read only the first N rows of the data (quick trials)")
+    parser.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available, else cpu)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (results still print)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: the model's small matrix products gain little from "
+                        "more, and several threads slow down many times over when other processes share the cores)")
+    parser.add_argument("--quick", action="store_true", help="sized for a CPU: minutes, not hours (options given "
+                        "explicitly still apply)")
 
 
 def _implementation(parser: argparse.ArgumentParser) -> None:
@@ -116,52 +261,79 @@ def _implementation(parser: argparse.ArgumentParser) -> None:
 
 
 def _screening(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model.pt written by `supercon train`")
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--batch-size", type=int, default=65536, help="candidates per batch (default 65536)")
-    parser.add_argument("--mc-samples", type=int, default=8, help="MC-dropout head samples per candidate (default 8)")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16", help="model dtype (default bfloat16)")
+    parser.add_argument("--model", required=True, help="the model.pt that `supercon train` wrote, e.g. "
+                        "runs/supercon/random/model.pt")
+    parser.add_argument("--batch-size", type=int, help=f"candidates per batch (default {BATCH_SIZE[0]} on a GPU, "
+                        f"{BATCH_SIZE[1]} on the CPU; bench --quick: 4096)")
+    parser.add_argument("--mc-samples", type=int, default=8,
+                        help="MC-dropout head samples per candidate, for its uncertainty (default 8; 0: none)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), help=f"model dtype (default {DTYPE[0]} on a GPU, "
+                        f"{DTYPE[1]} on the CPU)")
     parser.add_argument("--min-parent-tc", type=float, default=0.0,
                         help="parents: data compositions with Tc >= this (K, default 0: all)")
     parser.add_argument("--min-dopant-count", type=int, default=20,
                         help="dopants: elements in at least this many data compositions (default 20)")
 
 
+def _help(name: str, text: str) -> str:
+    full, quick = TRAIN_DEFAULTS[name]
+    return f"{text} (default {full}" + (f"; {quick} with --quick)" if quick != full else ")")
+
+
 def add_supercon_parser(commands) -> None:
     """Adds ``supercon`` (with train, screen, bench) to the ``flashmoe-science`` subcommands."""
-    supercon = commands.add_parser("supercon", help="superconductor Tc model: train, screen candidates, benchmark")
+    supercon = commands.add_parser("supercon", help="superconductor Tc model: train, screen candidates, benchmark",
+                                   description=__doc__.split("\n\n")[0])
     actions = supercon.add_subparsers(dest="action", metavar="{train,screen,bench}", required=True)
 
-    train = actions.add_parser("train", help="train on the random and the held-out-family splits")
+    train = actions.add_parser("train", help="train on the random and the held-out-family splits",
+                               description="Trains the composition transformer on each split; writes model.pt, "
+                               "metrics.json, parity.png and loss.png per split under --out. Saves its state every "
+                               "minute and on Ctrl-C: the same command again resumes.")
     _common(train)
     _implementation(train)
-    train.add_argument("--out", required=True, help="output folder (one subfolder per split)")
-    train.add_argument("--splits", type=_splits, default=list(SPLITS), help="random,family (default both)")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--epochs", type=int, default=60)
-    train.add_argument("--batch-size", type=int, default=256)
-    train.add_argument("--lr", type=float, default=2e-3)
-    defaults = ModelConfig()
-    train.add_argument("--d-model", type=int, default=defaults.d_model)
-    train.add_argument("--heads", type=int, default=defaults.num_heads)
-    train.add_argument("--layers", type=int, default=defaults.num_layers)
-    train.add_argument("--experts", type=int, default=defaults.num_experts)
-    train.add_argument("--top-k", type=int, default=defaults.top_k)
-    train.add_argument("--d-ff", type=int, default=defaults.d_ff)
-    train.set_defaults(handler=run_train)
+    train.add_argument("--out", required=True, help="output folder (one subfolder per split); a rerun with the same "
+                       "--out resumes or reuses what is there")
+    train.add_argument("--restart", action="store_true", help="start over, ignoring checkpoints and finished runs "
+                       "in --out")
+    train.add_argument("--splits", type=_splits, default=list(SPLITS),
+                       help="comma-separated: random (rows shuffled), family (whole chemical systems held out); "
+                       "default both")
+    train.add_argument("--seed", type=int, default=0, help="seed of the split, the initial weights and the batch "
+                       "order (default 0)")
+    train.add_argument("--epochs", type=int, help=_help("epochs", "passes over the training rows"))
+    train.add_argument("--batch-size", type=int, help=_help("batch_size", "compositions per training step"))
+    train.add_argument("--lr", type=float, help=_help("lr", "peak AdamW learning rate (warm-up, then cosine decay)"))
+    train.add_argument("--d-model", type=int, help=_help("d_model", "token width"))
+    train.add_argument("--heads", type=int, help=_help("heads", "attention heads (must divide --d-model)"))
+    train.add_argument("--layers", type=int, help=_help("layers", "transformer blocks"))
+    train.add_argument("--experts", type=int, help=_help("experts", "MoE experts per block"))
+    train.add_argument("--top-k", type=int, help=_help("top_k", "experts per token"))
+    train.add_argument("--d-ff", type=int, help=_help("d_ff", "hidden width of each expert"))
+    train.set_defaults(handler=_command(run_train))
 
-    screen = actions.add_parser("screen", help="score the substitution candidates, write the top N as CSV")
+    screen = actions.add_parser("screen", help="score the substitution candidates, write the top N as CSV",
+                                description="Scores partial substitutions of the known compositions with a trained "
+                                "model and writes the best as top.csv under --out. Saves its state every minute and "
+                                "on Ctrl-C: the same command again resumes.")
     _common(screen)
     _implementation(screen)
     _screening(screen)
-    screen.add_argument("--top", type=int, default=1000, help="how many to keep (default 1000)")
-    screen.add_argument("--limit", type=int, help="screen only the first N candidates")
-    screen.add_argument("--resume", action="store_true", help="continue from <out>/screen_state.pt")
-    screen.set_defaults(handler=run_screen)
+    screen.add_argument("--out", required=True, help="output folder (top.csv, screen_summary.json, the state)")
+    screen.add_argument("--restart", action="store_true", help="start over, ignoring the state saved in --out")
+    screen.add_argument("--top", type=int, default=1000, help="how many distinct formulas to keep (default 1000)")
+    screen.add_argument("--limit", type=int, help="screen only the first N candidates (default: all, tens of "
+                        f"millions; {SCREEN_QUICK_LIMIT:,} with --quick)")
+    screen.set_defaults(handler=_command(run_screen))
 
-    bench = actions.add_parser("bench", help="screening and training speed, library vs plain build")
+    bench = actions.add_parser("bench", help="screening and training speed, library vs plain build",
+                               description="Times screening and training steps of the library build against the "
+                               "plain-PyTorch build on the same weights and checks that their outputs agree.")
     _common(bench)
     _screening(bench)
-    bench.add_argument("--candidates", type=int, default=2_000_000, help="candidates per timed run (default 2M)")
-    bench.add_argument("--train-batch-size", type=int, default=256)
-    bench.set_defaults(handler=run_bench)
+    bench.add_argument("--out", default=DEFAULT_BENCH_OUT, help=f"results folder (default {DEFAULT_BENCH_OUT}/)")
+    bench.add_argument("--candidates", type=int, help="candidates per timed screening run (default 2,000,000; "
+                       "8192 with --quick)")
+    bench.add_argument("--train-batch-size", type=int, default=256,
+                       help="compositions per timed training step (default 256)")
+    bench.set_defaults(handler=_command(run_bench))

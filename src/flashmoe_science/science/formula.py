@@ -11,6 +11,7 @@ symbols, unbalanced parentheses, no element left) raises :class:`FormulaError` s
 from __future__ import annotations
 
 import csv
+import gzip
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,12 +114,14 @@ class FormulaTable:
 
 def read_formula_csv(path: str | Path, formula_column: str = "name", value_column: str = "Tc",
                      limit: int | None = None) -> FormulaTable:
-    """Reads ``path`` (a CSV with a header) into a FormulaTable; ``limit``: stop after that many data lines."""
+    """Reads ``path`` (a CSV with a header; gzip-compressed when its name ends in ``.gz``) into a FormulaTable;
+    ``limit``: stop after that many data lines."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such data file: {path}")
     table = FormulaTable()
-    with path.open(newline="") as handle:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", newline="") as handle:
         reader = csv.DictReader(handle)
         missing = {formula_column, value_column} - set(reader.fieldnames or ())
         if missing:

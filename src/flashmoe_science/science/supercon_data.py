@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from flashmoe_science.science.formula import FormulaTable, read_formula_csv
 from flashmoe_science.science.supercon_model import ELEMENT_INDEX, ELEMENT_SYMBOLS, PackedBatch
 
-DEFAULT_DATA = Path("../shared/data/supercon.csv")
+PACKAGED_DATA = "data/supercon.csv.gz"  # inside flashmoe_science.science; source and terms in data/NOTICE.md
 SPLITS = ("random", "family")
 SPLIT_FRACTIONS = (0.8, 0.1, 0.1)  # train, validation, test
 
@@ -74,9 +75,14 @@ def pack_compositions(compositions: list[dict[str, float]], formulas: list[str],
                           offsets, list(formulas), torch.tensor(values, dtype=torch.float32))
 
 
-def load_supercon(path: str | Path = DEFAULT_DATA, limit: int | None = None) -> tuple[CompositionSet, FormulaTable]:
-    """Reads the SuperCon CSV (columns ``name``, ``Tc``); returns the packed set and the table (with its rejects)."""
-    table = read_formula_csv(path, "name", "Tc", limit=limit)
+def load_supercon(path: str | Path | None = None, limit: int | None = None) -> tuple[CompositionSet, FormulaTable]:
+    """Reads a SuperCon CSV (columns ``name``, ``Tc``; gzip when it ends in ``.gz``), by default the 16,414
+    compositions that ship with the package; returns the packed set and the table (with its rejects)."""
+    if path is None:
+        with resources.as_file(resources.files("flashmoe_science.science").joinpath(PACKAGED_DATA)) as packaged:
+            table = read_formula_csv(packaged, "name", "Tc", limit=limit)
+    else:
+        table = read_formula_csv(path, "name", "Tc", limit=limit)
     return pack_compositions(table.compositions, table.formulas, table.values), table
 
 

@@ -227,7 +227,8 @@ class CompositionTransformer(nn.Module):
 
     # ------------------------------------------------------------------------------------------------- head
     def head(self, pooled: torch.Tensor, *, dropout: bool | None = None) -> torch.Tensor:
-        """Pooled ``(B, 2d + 4P)`` -> Tc ``(B,)`` float32 (float64 for a float64 model) in kelvin; ``dropout`` defaults to ``self.training``."""
+        """Pooled ``(B, 2d + 4P)`` -> Tc ``(B,)`` float32 (float64 for a float64 model) in kelvin; ``dropout``
+        defaults to ``self.training``."""
         active = self.training if dropout is None else dropout
         hidden = F.dropout(F.silu(self.head_hidden(pooled)), self.config.head_dropout, training=active)
         out = self.head_out(hidden).squeeze(-1)

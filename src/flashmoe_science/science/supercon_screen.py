@@ -18,9 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
+from flashmoe_science.errors import CommandError
+from flashmoe_science.science.checkpoint import (
+    CHECKPOINT_INTERVAL_S,
+    Checkpoint,
+    Interrupted,
+    deferred_interrupt,
+    save_atomic,
+)
 from flashmoe_science.science.formula import format_formula, parse_formula
+from flashmoe_science.science.progress import progress_bar
 from flashmoe_science.science.supercon_data import CompositionSet
 from flashmoe_science.science.supercon_model import (
     ELEMENT_SYMBOLS,
@@ -106,7 +114,8 @@ class CandidateSpace:
         return PaddedBatch(elements, fractions, mask)
 
     def formula(self, index: int) -> str:
-        """Candidate ``index`` written in its parent's amounts (``La2Cu1O4``, Sr for La at 0.1 -> ``La1.8Sr0.2Cu1O4``)."""
+        """Candidate ``index`` written in its parent's amounts (``La2Cu1O4``, Sr for La at 0.1 ->
+        ``La1.8Sr0.2Cu1O4``)."""
         parent, site, dopant, level = (t.item() for t in self.decode(torch.tensor([index], device=self.device)))
         composition: dict[str, float] = {}
         for position, (symbol, amount) in enumerate(parse_formula(self.parents.formulas[parent]).items()):
@@ -156,6 +165,11 @@ class ScreenState:
         return cls(0, torch.full((keep,), -torch.inf, device=device), torch.zeros(keep, device=device),
                    torch.full((keep,), -1, dtype=torch.int64, device=device))
 
+    def to_dict(self, signature: str | None) -> dict:
+        """Tensors and plain values (``torch.load(..., weights_only=True)`` reads them back)."""
+        return {"signature": signature, "next_index": self.next_index, "scores": self.scores, "stds": self.stds,
+                "indices": self.indices}
+
     def merge(self, scores: torch.Tensor, stds: torch.Tensor, start: int) -> None:
         indices = torch.arange(start, start + scores.numel(), device=scores.device)
         all_scores = torch.cat([self.scores, scores.float()])
@@ -165,58 +179,75 @@ class ScreenState:
         self.indices = torch.cat([self.indices, indices])[best]
 
 
+def run_signature(model: CompositionTransformer, space: CandidateSpace, keep: int, implementation: str,
+                  mc_samples: int) -> str:
+    """What the running top-K depends on: the candidate space, the model's weights and dtype, how it is scored."""
+    digest = hashlib.sha256(repr((space.signature, keep, implementation, mc_samples)).encode())
+    for tensor in model.state_dict().values():
+        digest.update(str(tensor.dtype).encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def screen(model: CompositionTransformer, space: CandidateSpace, *, top: int, batch_size: int,
            implementation: str, mc_samples: int, limit: int | None = None, out_dir: Path | None = None,
-           resume: bool = False, checkpoint_every: int = 50, progress: bool = True) -> dict:
+           restart: bool = False, checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S, progress: bool = True) -> dict:
     """Scores candidates ``0:limit`` (all by default) in batches of ``batch_size``; keeps the ``top`` best (by the
-    MC-dropout mean). With ``out_dir``: the state is saved every ``checkpoint_every`` batches (``resume`` continues
-    from it) and ``top.csv`` written at the end. Returns a summary (candidates, seconds, candidates/s)."""
+    MC-dropout mean). With ``out_dir``: the state is saved there every ``checkpoint_interval_s`` seconds and on
+    Ctrl-C (raising :class:`Interrupted`), a later call with the same model and settings continues from it
+    (``restart``: starts over), and ``top.csv`` is written at the end. Returns a summary (candidates, seconds,
+    candidates/s)."""
     if top < 1 or batch_size < 1:
         raise ValueError(f"top and batch_size must be >= 1, got top={top}, batch_size={batch_size}")
     stop = len(space) if limit is None else min(limit, len(space))
     keep = 2 * top  # room for the duplicates dropped when the formulas are written
     state_path = None if out_dir is None else out_dir / STATE_FILE
     state = ScreenState.empty(keep, space.device)
-    if resume and state_path is not None and state_path.is_file():
-        saved = torch.load(state_path, map_location=space.device, weights_only=True)
-        if saved["signature"] != space.signature or saved["keep"] != keep:
-            raise ValueError(f"{state_path} belongs to another candidate space or --top; remove it or drop --resume")
-        state = ScreenState(saved["next_index"], saved["scores"], saved["stds"], saved["indices"])
+    signature = None
+    if state_path is not None:
+        signature = run_signature(model, space, keep, implementation, mc_samples)
+        if restart:
+            state_path.unlink(missing_ok=True)
+        elif state_path.is_file():
+            saved = torch.load(state_path, map_location=space.device, weights_only=True)
+            if saved["signature"] != signature:
+                raise CommandError(f"{out_dir} holds a screening run of another model, candidate space, --top, "
+                                   "--implementation, --mc-samples or --dtype: add --restart to start over, or "
+                                   "choose another --out")
+            state = ScreenState(saved["next_index"], saved["scores"], saved["stds"], saved["indices"])
     first = state.next_index
     model.eval()
-    bar = tqdm(total=stop, initial=first, desc=f"screen ({implementation})", unit="cand", unit_scale=True,
-               disable=not progress, mininterval=1.0)
+    bar = progress_bar(stop, f"screen ({implementation})", unit="cand", enabled=progress, unit_scale=True,
+                       initial=min(first, stop))
     synchronize = torch.cuda.synchronize if space.device.type == "cuda" else (lambda: None)
     synchronize()
     started = time.perf_counter()
-    for batch_number, start in enumerate(range(first, stop, batch_size)):
-        end = min(start + batch_size, stop)
-        scores, stds = score(model, space.padded_batch(start, end), implementation, mc_samples)
-        state.merge(scores, stds, start)
-        state.next_index = end
-        bar.update(end - start)
-        if state_path is not None and (batch_number + 1) % checkpoint_every == 0:
-            _save_state(state_path, state, space.signature, keep)
+    with deferred_interrupt() as interrupt:
+        checkpoint = None if state_path is None else Checkpoint(state_path, checkpoint_interval_s)
+        for start in range(first, stop, batch_size):
+            end = min(start + batch_size, stop)
+            scores, stds = score(model, space.padded_batch(start, end), implementation, mc_samples)
+            state.merge(scores, stds, start)
+            state.next_index = end
+            bar.update(end - start)
+            if checkpoint is not None and (checkpoint.due() or interrupt.requested):
+                checkpoint.save(state.to_dict(signature))
+            if interrupt.requested:
+                bar.close()
+                raise Interrupted(state_path) if checkpoint is not None else KeyboardInterrupt
     synchronize()
     seconds = time.perf_counter() - started
     bar.close()
-    summary = {"candidates": stop - first, "space_size": len(space), "seconds": seconds,
-               "candidates_per_s": (stop - first) / seconds if seconds > 0 else float("nan"),
+    screened = max(0, stop - first)
+    summary = {"candidates": screened, "screened_total": state.next_index, "space_size": len(space),
+               "seconds": seconds, "candidates_per_s": screened / seconds if seconds > 0 else float("nan"),
                "implementation": implementation, "batch_size": batch_size, "mc_samples": mc_samples}
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        _save_state(state_path, state, space.signature, keep)
+        save_atomic(state.to_dict(signature), state_path)
         summary["top_csv"] = str(write_top(space, state, top, out_dir / "top.csv"))
         (out_dir / "screen_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
-
-
-def _save_state(path: Path, state: ScreenState, signature: str, keep: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    torch.save({"signature": signature, "keep": keep, "next_index": state.next_index, "scores": state.scores,
-                "stds": state.stds, "indices": state.indices}, temporary)
-    temporary.replace(path)  # atomic: a run killed while saving leaves the previous state
 
 
 def write_top(space: CandidateSpace, state: ScreenState, top: int, path: Path) -> Path:

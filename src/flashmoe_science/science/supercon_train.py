@@ -3,6 +3,7 @@ the standardised Tc, the checkpoint of the best validation epoch, test metrics, 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -10,9 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from flashmoe_science.science.supercon_data import CompositionSet, iterate_batches, split_indices
+from flashmoe_science.errors import CommandError
+from flashmoe_science.science.checkpoint import CHECKPOINT_INTERVAL_S, Checkpoint, Interrupted, deferred_interrupt
+from flashmoe_science.science.progress import progress_bar
+from flashmoe_science.science.supercon_data import SPLIT_FRACTIONS, CompositionSet, iterate_batches, split_indices
 from flashmoe_science.science.supercon_model import (
     CompositionTransformer,
     ModelConfig,
@@ -21,6 +24,11 @@ from flashmoe_science.science.supercon_model import (
 )
 
 PREDICT_BATCH = 4096
+MIN_SPLIT_ROWS = 10  # per part (train, validation, test): R2 of fewer rows says little (and is nan on one)
+MIN_ROWS = math.ceil(MIN_SPLIT_ROWS / min(SPLIT_FRACTIONS))
+CHECKPOINT_FILE = "checkpoint.pt"
+MODEL_FORMAT = "flashmoe-science supercon model 1"
+CHECKPOINT_FORMAT = "flashmoe-science supercon training checkpoint 1"
 LOSSES = {"mse": torch.nn.functional.mse_loss, "l1": torch.nn.functional.l1_loss,
           "huber": torch.nn.functional.smooth_l1_loss}
 
@@ -86,13 +94,72 @@ def _lr_factor(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def data_digest(data: CompositionSet) -> str:
+    """A short hash of the compositions and targets: a saved run belongs to the data it was trained on."""
+    text = repr((data.formulas, data.targets.tolist()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def run_settings(config: TrainConfig, implementation: str, data: CompositionSet) -> dict:
+    """What a run's numbers depend on (plain values): a checkpoint or finished run resumes only under the same."""
+    return {**{k: v for k, v in config.__dict__.items() if k != "model"}, "implementation": implementation,
+            "model": config.model.to_dict(), "data": data_digest(data), "rows": len(data)}
+
+
+def _check_settings(saved: dict, wanted: dict, where: Path) -> None:
+    if saved != wanted:
+        changed = ", ".join(f"{key} {saved.get(key)!r} -> {wanted.get(key)!r}"
+                            for key in sorted(set(saved) | set(wanted)) if saved.get(key) != wanted.get(key))
+        raise CommandError(f"{where} holds a run with other settings ({changed}): add --restart to start over, or "
+                           "choose another --out")
+
+
+def _check_sizes(parts: dict[str, torch.Tensor], split: str, n: int) -> None:
+    small = {part: int(index.numel()) for part, index in parts.items() if index.numel() < MIN_SPLIT_ROWS}
+    if small:
+        sizes = ", ".join(f"{part} {count}" for part, count in small.items())
+        raise CommandError(f"the {split} split of {n} compositions leaves too few rows ({sizes}; R2 and the best "
+                           f"epoch need at least {MIN_SPLIT_ROWS} each): use at least {MIN_ROWS} rows (a larger "
+                           "--rows, or leave it out)" + (", or --splits random" if split == "family" else ""))
+
+
+def finished_run(out_dir: Path, settings: dict) -> dict | None:
+    """The metrics of a run finished in ``out_dir`` under ``settings`` (None if there is none, or only a checkpoint);
+    CommandError if a finished run there had other settings."""
+    metrics_path = out_dir / "metrics.json"
+    if (out_dir / CHECKPOINT_FILE).is_file() or not metrics_path.is_file():
+        return None
+    metrics = json.loads(metrics_path.read_text())
+    _check_settings(metrics.get("settings"), settings, out_dir)
+    return metrics
+
+
 def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_dir: Path | None = None,
-          progress: bool = True) -> tuple[CompositionTransformer, dict]:
+          progress: bool = True, restart: bool = False,
+          checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S) -> tuple[CompositionTransformer, dict]:
     """Trains on ``config.split`` (seeded); returns the model (best validation epoch) and its metrics. With
-    ``out_dir``: writes ``model.pt``, ``metrics.json``, ``parity.png`` and ``loss.png`` there."""
-    torch.manual_seed(config.seed)
+    ``out_dir``: the state goes to ``checkpoint.pt`` there every ``checkpoint_interval_s`` seconds and on Ctrl-C
+    (raising :class:`Interrupted`), a later call with the same settings resumes from it (``restart``: starts
+    over), and the finished run writes ``model.pt``, ``metrics.json``, ``parity.png`` and ``loss.png``."""
+    if config.epochs < 1 or config.batch_size < 1:
+        raise ValueError(f"epochs and batch_size must be >= 1, got {config.epochs} and {config.batch_size}")
     implementation = config.implementation or default_implementation(device)
-    parts = split_indices(data, config.split, config.seed)
+    try:
+        parts = split_indices(data, config.split, config.seed)
+    except ValueError as error:
+        raise CommandError(f"{error}; or use more rows") from None
+    _check_sizes(parts, config.split, len(data))
+    settings = run_settings(config, implementation, data)
+    checkpoint_path = None if out_dir is None else out_dir / CHECKPOINT_FILE
+    saved = None
+    if checkpoint_path is not None:
+        if restart:
+            checkpoint_path.unlink(missing_ok=True)
+        elif checkpoint_path.is_file():
+            saved = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+            _check_settings(saved["settings"], settings, out_dir)
+
+    torch.manual_seed(config.seed)
     model = CompositionTransformer(config.model)
     train_targets = data.targets[parts["train"]]
     model.target_mean.fill_(float(train_targets.mean()))
@@ -104,43 +171,70 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: _lr_factor(step, total_steps, max(1, round(config.warmup_fraction * total_steps))))
     shuffle = torch.Generator().manual_seed(config.seed)
+    # where the run stands: (epoch, batches done in it), the shuffle generator at the epoch's start, the epoch's
+    # running loss, the history of finished epochs and the best of them so far
+    position = {"epoch": 0, "batch": 0, "shuffle": shuffle.get_state(), "loss_sum": 0.0, "count": 0,
+                "seconds": 0.0}
     history = {"epoch": [], "train_loss": [], "val_loss": [], "val_mae_K": [], "val_r2": []}
-    best = (math.inf, None)
+    best = {"val_loss": math.inf, "state_dict": None}
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        schedule.load_state_dict(saved["schedule"])
+        position, history, best = saved["position"], saved["history"], saved["best"]
+        torch.set_rng_state(saved["rng"])
+
+    def state() -> dict:
+        return {"format": CHECKPOINT_FORMAT, "settings": settings, "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "rng": torch.get_rng_state(),
+                "position": {**position, "loss_sum": float(loss_sum),
+                             "seconds": position["seconds"] + time.perf_counter() - started},
+                "history": history, "best": best}
+
     started = time.perf_counter()
-    bar = tqdm(total=total_steps, desc=f"train {config.split}", unit="step", disable=not progress, mininterval=1.0)
-    for epoch in range(config.epochs):
-        model.train()
-        loss_sum, count = torch.zeros((), device=device), 0
-        for chunk in iterate_batches(parts["train"], config.batch_size, shuffle):
-            batch = make_batch(data.batch(chunk).to(device), implementation)
-            target = (data.targets[chunk].to(device) - model.target_mean) / model.target_std
-            with _autocast(device):
-                predicted = model(batch)
-            loss = LOSSES[config.loss]((predicted - model.target_mean) / model.target_std, target)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            loss_sum += loss.detach() * chunk.numel()
-            count += chunk.numel()
-            bar.update(1)
-        val_pred, _ = predict(model, data, parts["val"], implementation, device)
-        val = regression_metrics(val_pred, data.targets[parts["val"]])
-        history["epoch"].append(epoch + 1)
-        history["train_loss"].append(float(loss_sum) / count)
-        val_targets = data.targets[parts["val"]]
-        std, mean = float(model.target_std), float(model.target_mean)
-        history["val_loss"].append(float(LOSSES[config.loss]((val_pred - mean) / std, (val_targets - mean) / std)))
-        history["val_mae_K"].append(val["mae_K"])
-        history["val_r2"].append(val["r2"])
-        bar.set_postfix(train_loss=f"{history['train_loss'][-1]:.4f}", val_mae=f"{val['mae_K']:.2f}K",
-                        val_r2=f"{val['r2']:.3f}")
-        if history["val_loss"][-1] < best[0]:
-            best = (history["val_loss"][-1], {k: v.detach().clone() for k, v in model.state_dict().items()})
+    done = position["epoch"] * steps_per_epoch + position["batch"]
+    bar = progress_bar(total_steps, f"train {config.split}", unit="step", enabled=progress, initial=done)
+    with deferred_interrupt() as interrupt:
+        checkpoint = None if checkpoint_path is None else Checkpoint(checkpoint_path, checkpoint_interval_s)
+
+        def save_or_stop() -> None:
+            """After a whole step or epoch: the checkpoint when due, and on Ctrl-C, then stop."""
+            if checkpoint is not None and (checkpoint.due() or interrupt.requested):
+                checkpoint.save(state())
+            if interrupt.requested:
+                bar.close()
+                raise Interrupted(checkpoint_path) if checkpoint is not None else KeyboardInterrupt
+
+        while position["epoch"] < config.epochs:
+            model.train()
+            shuffle.set_state(position["shuffle"])
+            batches = list(iterate_batches(parts["train"], config.batch_size, shuffle))
+            loss_sum = torch.tensor(position["loss_sum"], device=device)  # on the device: no sync per step
+            for chunk in batches[position["batch"]:]:
+                batch = make_batch(data.batch(chunk).to(device), implementation)
+                target = (data.targets[chunk].to(device) - model.target_mean) / model.target_std
+                with _autocast(device):
+                    predicted = model(batch)
+                loss = LOSSES[config.loss]((predicted - model.target_mean) / model.target_std, target)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                schedule.step()
+                loss_sum += loss.detach() * chunk.numel()
+                position["count"] += chunk.numel()
+                position["batch"] += 1
+                bar.update(1)
+                save_or_stop()
+            position["loss_sum"] = float(loss_sum)
+            _finish_epoch(model, data, parts, implementation, device, config, position, history, best, bar)
+            position.update(epoch=position["epoch"] + 1, batch=0, shuffle=shuffle.get_state(), loss_sum=0.0,
+                            count=0)
+            loss_sum = torch.zeros((), device=device)
+            save_or_stop()
     bar.close()
-    train_seconds = time.perf_counter() - started
-    model.load_state_dict(best[1])
+    train_seconds = position["seconds"] + time.perf_counter() - started
+    model.load_state_dict(best["state_dict"])
     test_pred, test_std = predict(model, data, parts["test"], implementation, device, mc_samples=16)
     measured = data.targets[parts["test"]]
     metrics = {
@@ -150,20 +244,38 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
         "device": str(device),
         "sizes": {part: int(index.numel()) for part, index in parts.items()},
         "test": regression_metrics(test_pred, measured),
-        "best_val_loss": best[0],
+        "best_val_loss": best["val_loss"],
         "uncertainty_error_spearman": _spearman(test_std, (test_pred - measured).abs()),
         "train_seconds": train_seconds,
         "history": history,
-        "train_config": {**{k: v for k, v in config.__dict__.items() if k != "model"}},
-        "model_config": config.model.to_dict(),
+        "settings": settings,
     }
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        torch.save({"model_config": config.model.to_dict(), "state_dict": model.state_dict()}, out_dir / "model.pt")
+        save_model(model, out_dir / "model.pt")
         (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         plot_parity(test_pred, measured, out_dir / "parity.png", metrics)
         plot_loss(history, out_dir / "loss.png", config.split, config.loss)
+        checkpoint_path.unlink(missing_ok=True)  # the run is finished: a rerun finds metrics.json
     return model, metrics
+
+
+def _finish_epoch(model, data, parts, implementation, device, config, position, history, best, bar) -> None:
+    """Validation after an epoch: the history row, the best state so far, the bar's postfix."""
+    val_pred, _ = predict(model, data, parts["val"], implementation, device)
+    val_targets = data.targets[parts["val"]]
+    val = regression_metrics(val_pred, val_targets)
+    std, mean = float(model.target_std), float(model.target_mean)
+    history["epoch"].append(position["epoch"] + 1)
+    history["train_loss"].append(position["loss_sum"] / position["count"])
+    history["val_loss"].append(float(LOSSES[config.loss]((val_pred - mean) / std, (val_targets - mean) / std)))
+    history["val_mae_K"].append(val["mae_K"])
+    history["val_r2"].append(val["r2"])
+    bar.set_postfix(train_loss=f"{history['train_loss'][-1]:.4f}", val_mae=f"{val['mae_K']:.2f}K",
+                    val_r2=f"{val['r2']:.3f}", refresh=False)
+    if history["val_loss"][-1] < best["val_loss"]:
+        best.update(val_loss=history["val_loss"][-1],
+                    state_dict={k: v.detach().clone() for k, v in model.state_dict().items()})
 
 
 def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -175,10 +287,38 @@ def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.corrcoef(torch.stack(ranks))[0, 1])
 
 
+def save_model(model: CompositionTransformer, path: Path) -> None:
+    """The model as plain data (its config as a dict, its state dict): ``torch.load(..., weights_only=True)`` reads
+    it, so loading never runs code from the file."""
+    torch.save({"format": MODEL_FORMAT, "model_config": model.config.to_dict(), "state_dict": model.state_dict()},
+               path)
+
+
 def load_model(path: str | Path, device: torch.device | str = "cpu") -> CompositionTransformer:
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    model = CompositionTransformer(ModelConfig(**checkpoint["model_config"]))
-    model.load_state_dict(checkpoint["state_dict"])
+    """A model written by :func:`save_model`, read with ``weights_only=True``; anything else is a CommandError
+    saying what the file is and how to get a model."""
+    path = Path(path)
+    get_one = "train one with `flashmoe-science supercon train --quick --out runs/supercon`"
+    if not path.is_file():
+        raise CommandError(f"no such model file: {path}; {get_one}")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 (pickle, zip and weights-only errors alike: the file is not ours)
+        raise CommandError(f"{path} is not a model file (torch cannot read it as tensors and plain data); pass the "
+                           f"model.pt that `supercon train` writes, or {get_one}") from None
+    kind = checkpoint.get("format") if isinstance(checkpoint, dict) else None
+    if kind == CHECKPOINT_FORMAT:
+        raise CommandError(f"{path} is the checkpoint of an unfinished training run, not a model: run the same "
+                           "`supercon train` command again to finish it, then pass its model.pt")
+    if kind != MODEL_FORMAT:
+        raise CommandError(f"{path} is a torch file but not a supercon model (no format {MODEL_FORMAT!r}); pass the "
+                           f"model.pt that `supercon train` writes, or {get_one}")
+    try:
+        model = CompositionTransformer(ModelConfig(**checkpoint["model_config"]))
+        model.load_state_dict(checkpoint["state_dict"])
+    except (KeyError, TypeError, RuntimeError) as error:
+        raise CommandError(f"{path} is a damaged supercon model ({type(error).__name__}: "
+                           f"{str(error).splitlines()[0][:120]}); {get_one}") from None
     return model.to(device).eval()
 
 
