@@ -34,6 +34,7 @@ import torch
 from flashmoe_science.bench import attention as attention_bench
 from flashmoe_science.bench.moe import MODELS as MOE_MODELS
 from flashmoe_science.bench.report import (
+    DEFAULT_OUT,
     PartialResults,
     Progress,
     environment_metadata,
@@ -47,7 +48,6 @@ from flashmoe_science.bench.report import (
 from flashmoe_science.errors import CommandError
 
 PROG = "flashmoe-science"
-DEFAULT_OUT = "flashmoe-results"
 PUBLISHED_OUT = "benchmarks/results"
 DEFAULT_ROUNDS = 3
 INFO_SAMPLE_SHAPE = (2, 8, 1024, 64)  # (B, H, L, D) of the call `info` describes

@@ -23,6 +23,10 @@ from typing import Callable, Hashable, Iterable, Mapping, Sequence, TextIO
 
 import torch
 
+# Where every benchmark command writes unless --out says otherwise: a folder of the user's, never beside the
+# published runs in benchmarks/results.
+DEFAULT_OUT = "flashmoe-results"
+
 NOT_AVAILABLE = "n/a"
 
 

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
+from flashmoe_science.bench.report import DEFAULT_OUT
 from flashmoe_science.errors import CommandError
 from flashmoe_science.science.checkpoint import Interrupted
 from flashmoe_science.science.supercon_data import SPLITS, load_supercon
 from flashmoe_science.science.supercon_model import IMPLEMENTATIONS, ModelConfig, default_implementation
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-DEFAULT_BENCH_OUT = "flashmoe-results"
 EXIT_INTERRUPTED = 130  # the shell's code for a command stopped by Ctrl-C (128 + SIGINT)
 
 # train: (full run, --quick) defaults of the options left out; --quick trains both splits in minutes on 2 CPU cores
@@ -331,7 +331,7 @@ def add_supercon_parser(commands) -> None:
                                "plain-PyTorch build on the same weights and checks that their outputs agree.")
     _common(bench)
     _screening(bench)
-    bench.add_argument("--out", default=DEFAULT_BENCH_OUT, help=f"results folder (default {DEFAULT_BENCH_OUT}/)")
+    bench.add_argument("--out", default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT}/)")
     bench.add_argument("--candidates", type=int, help="candidates per timed screening run (default 2,000,000; "
                        "8192 with --quick)")
     bench.add_argument("--train-batch-size", type=int, default=256,
