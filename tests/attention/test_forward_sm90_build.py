@@ -13,6 +13,7 @@ import torch
 
 fwd_sm90 = pytest.importorskip("flashmoe_science.attention.hopper.fwd_sm90")
 from flashmoe_science.attention.mask import make_mask  # noqa: E402
+from flashmoe_science.attention.seqlen import VarlenBatch, varlen_tile_offsets  # noqa: E402
 from flashmoe_science.attention.tiles import AttentionTiles, sm90_forward_tiles  # noqa: E402
 from flashmoe_science.gluon.build import spill_budget, spill_count  # noqa: E402
 from sm90_helpers import sass_or_skip  # noqa: E402
@@ -33,7 +34,7 @@ def _named(args):
 
 def test_varlen_tile_offsets_count_the_real_query_tiles():
     cu = torch.tensor([0, 0, 1, 128, 257, 257, 900], dtype=torch.int32)
-    offsets = fwd_sm90.varlen_tile_offsets(cu, 128)
+    offsets = varlen_tile_offsets(cu, 128)
     assert offsets.dtype == torch.int32 and offsets.tolist() == [0, 0, 1, 2, 4, 4, 10]  # lengths 0, 1, 127, 129, 0, 643
 
 
@@ -61,7 +62,7 @@ def test_mask_alibi_and_varlen_arguments():
     slopes = torch.empty(4, device="meta")
     mask = make_mask(True, (256, -1), 30.0)
     grid, args, constexprs = fwd_sm90._launch_args(
-        q, k, k, q, lse, True, 0.1, THREE_STAGES, 132, 2, True, mask, slopes, fwd_sm90.VarlenBatch(cu, cu, cu))
+        q, k, k, q, lse, True, 0.1, THREE_STAGES, 132, 2, True, mask, slopes, VarlenBatch(cu, cu, cu))
     named = _named(args)
     assert grid == (min(132, 4 * 8),)
     assert (constexprs["CAUSAL"], constexprs["MASK_LEFT"], constexprs["MASK_RIGHT"]) == (False, True, True)
@@ -75,7 +76,7 @@ def test_mask_alibi_and_varlen_arguments():
         fwd_sm90._launch_args(q, k, k, q, lse, False, 0.1, TWO_STAGES, 132, 2, True, make_mask(False, (-1, 4)))
     with pytest.raises(ValueError, match="views"):
         fwd_sm90._launch_args(_meta(2, 4, 8, 128), k, k, _meta(2, 4, 8, 128), lse, False, 0.1, TWO_STAGES, 132, 1,
-                              False, None, None, fwd_sm90.VarlenBatch(cu, cu, cu))
+                              False, None, None, VarlenBatch(cu, cu, cu))
 
 
 @pytest.mark.sm90_build

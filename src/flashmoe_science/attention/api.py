@@ -174,7 +174,7 @@ def describe_plan(q, k, v, features: CallFeatures, backend: str, bias_grad: bool
 
 
 def _tma_compatible(q, k, v) -> bool:
-    from flashmoe_science.attention.triton_fwd import tma_compatible
+    from flashmoe_science.attention.layout import tma_compatible
 
     # out = empty_like(q) shares q's strides or is contiguous; both are TMA-compatible when q is
     return tma_compatible(q, k, v)

@@ -56,7 +56,7 @@ def _sm90_backward_runs(q, grad_out, softmax_scale: float, deterministic: bool, 
     `sm90_missing(..., "backward")`."""
     from flashmoe_science.attention.hopper.bwd_sm90 import SUPPORTED_BLOCK_D, is_deterministic
     from flashmoe_science.attention.tiles import padded_head_dim, sm90_backward_wins
-    from flashmoe_science.attention.triton_fwd import tma_compatible
+    from flashmoe_science.attention.layout import tma_compatible
 
     return (padded_head_dim(q.shape[-1]) in SUPPORTED_BLOCK_D and softmax_scale > 0
             and (is_deterministic(q.shape[-1]) or not deterministic)
@@ -67,7 +67,7 @@ def _sm90_backward_runs(q, grad_out, softmax_scale: float, deterministic: bool, 
 def _sm90_backward_inputs(q, k, v) -> bool:
     """Whether q, k, v suit the Gluon sm_90 backward when the forward ran on Triton (a feature the sm_90 forward
     does not take): Hopper, bf16/fp16, TMA-compatible strides, Gluon importable."""
-    from flashmoe_science.attention.triton_fwd import tma_compatible
+    from flashmoe_science.attention.layout import tma_compatible
 
     if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and device_traits(q.device).is_hopper
             and tma_compatible(q, k, v)):
@@ -89,8 +89,8 @@ def kernel_forward(q, k, v, features: CallFeatures, softmax_scale, plan: Forward
     if out is None:
         out, lse = new_outputs(q)
     if plan.kernel == "sm90":
-        from flashmoe_science.attention.hopper.fwd_sm90 import (BLOCK_M, VarlenBatch, attention_forward_sm90,
-                                                                varlen_tile_offsets)
+        from flashmoe_science.attention.hopper.fwd_sm90 import BLOCK_M, attention_forward_sm90
+        from flashmoe_science.attention.seqlen import VarlenBatch, varlen_tile_offsets
 
         num_ctas = device_traits(q.device).sm_count if plan.persistent else None
         varlen = features.varlen

@@ -19,7 +19,9 @@ Three views of the same rules live here:
 3. Elementwise, for kernels (`visible`, `score_to_log2`): plain `@triton.jit` functions of broadcast tensors, so
    the Triton and the Gluon kernels call the same code (Gluon callers pass tensors that already carry layouts).
 
-Kernels work in base 2: the softmax scale and log2(e) are folded into one multiplier ``qk_scale``.
+Kernels work in base 2: the softmax scale and log2(e) are folded into one multiplier ``qk_scale``, and the
+log-sum-exp they keep in base 2 is turned back into natural log with ln(2). `LOG2_E` and `LN_2` are constexprs,
+the form kernels can read (host code takes ``.value``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2_E = 1.4426950408889634
+LOG2_E = tl.constexpr(1.4426950408889634)
+LN_2 = tl.constexpr(0.6931471805599453)
 UNBOUNDED = -1  # a window side without a bound
 HARDWARE_TANH = tl.constexpr(2)  # SOFTCAP = 2: softcap with the GPU's tanh instruction (see softcap_tanh)
 
@@ -71,7 +74,7 @@ class MaskSpec:
             window_left=max(self.window_left, 0), window_right=max(self.window_right, 0),
             MASK_LEFT=self.bounded_left, MASK_RIGHT=self.bounded_right,
             softcap_scale=softmax_scale / self.softcap if softcapped else 1.0,
-            qk_scale=(self.softcap if softcapped else softmax_scale) * LOG2_E,
+            qk_scale=(self.softcap if softcapped else softmax_scale) * LOG2_E.value,
             SOFTCAP=softcapped,
         )
 

@@ -24,9 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashmoe_science.attention.mask import key_tile_range, score_to_log2, visible
-
-LN_2 = tl.constexpr(0.6931471805599453)
+from flashmoe_science.attention.mask import LN_2, key_tile_range, score_to_log2, visible
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -12,11 +12,9 @@ from flashmoe_science.gluon.compat import gl, gluon, mbarrier, tma
 
 from flashmoe_science.attention.features import as_features
 from flashmoe_science.attention.mask import LOG2_E, query_tile_range, score_to_log2, visible
-from flashmoe_science.attention.triton_fwd import sequence_bounds
+from flashmoe_science.attention.seqlen import launch_sizes
 
 from flashmoe_science.gluon.sm90 import compile_offline as sm90_compile_offline
-
-LOG2_E_IN_KERNEL = gl.constexpr(LOG2_E)
 
 TWO_KERNEL_BLOCK_D = 256  # padded head dim run as bwd_sm90_hdim256 (dK, dV) + bwd_dq_sm90 (dQ)
 
@@ -132,7 +130,7 @@ def _probabilities(s, lse, queries, keys, needs_mask, seqlen_k, diagonal, window
     log2 units); t is the softcap's tanh, for `_softcap_grad` (unused otherwise). Hidden pairs give P = 0."""
     x, t = score_to_log2(s, queries, keys, diagonal, qk_scale, softcap_scale, alibi_slope_log2, SOFTCAP, ALIBI)
     if SOFTCAP:
-        x = x - gl.expand_dims(lse * LOG2_E_IN_KERNEL, AXIS)
+        x = x - gl.expand_dims(lse * LOG2_E, AXIS)
         if needs_mask:
             if CAUSAL or MASK_LEFT or MASK_RIGHT:  # hidden pairs carry NaN from `_score_start`: P = 0, t finite
                 hidden = t != t
@@ -182,7 +180,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
               q_first, k_first, window_left, window_right,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
     """K and V once, then Q and dO of every visited query tile of every query head of the group. Rows are
-    relative to the sequence's first (q_first, k_first: triton_fwd.sequence_bounds; 0 for dense batches). A packed
+    relative to the sequence's first (q_first, k_first: seqlen.sequence_coords; 0 for dense batches). A packed
     sequence's last tiles may read the next sequence's rows: hidden keys and queries with lse = +inf, harmless."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
@@ -228,18 +226,13 @@ def feature_args(features, softmax_scale: float, q, k) -> tuple[tuple, dict, tup
     if slopes is not None and slopes.stride(-1) != 1:
         slopes = slopes.contiguous()  # (B, Hq) float32: a few bytes
     varlen = features.varlen
-    if varlen is None:
-        cu_q = cu_k = None
-        shape = (q.shape[0], q.shape[2], k.shape[2])
-    else:
-        cu_q, cu_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
-        shape = (varlen.num_seqs, varlen.max_seqlen_q, varlen.max_seqlen_k)
+    cu_q, cu_k = (None, None) if varlen is None else (varlen.cu_seqlens_q, varlen.cu_seqlens_k)
     args = (slopes, cu_q, cu_k, 0 if slopes is None else slopes.stride(0), q.shape[2], scalars["window_left"],
             scalars["window_right"], scalars["softcap_scale"])
     constexprs = dict(CAUSAL=causal_only, MASK_LEFT=scalars["MASK_LEFT"],
                       MASK_RIGHT=scalars["MASK_RIGHT"] and not causal_only, SOFTCAP=scalars["SOFTCAP"],
                       ALIBI=slopes is not None, VARLEN=varlen is not None)
-    return args, constexprs, (*shape, scalars["qk_scale"])
+    return args, constexprs, (*launch_sizes(q, k, varlen), scalars["qk_scale"])
 
 
 def offline_build(kernel, bound: dict):
@@ -258,16 +251,3 @@ def offline_features(causal=False, window=None, softcap=None, alibi=False, varle
     cu = torch.empty(3, dtype=torch.int32, device="meta")
     return CallFeatures(mask=make_mask(causal, window, softcap), alibi_slopes=slopes,
                         varlen=Varlen(cu, cu, 256, 256) if varlen else None)
-
-
-@gluon.jit
-def _sequence_coords(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k, VARLEN: gl.constexpr):
-    """(batch, q_first, seqlen_q, k_first, seqlen_k) of sequence `seq` for the backward kernels' TMA coordinates: a
-    packed batch is one (1, H, total rows, D) tensor whose sequences start at 32-bit row offsets; a dense batch is
-    batch `seq` with offsets 0. The caller returns early where its tile lies past the sequence."""
-    q_first, seqlen_q = sequence_bounds(CuSeqlensQ, seq, seqlen_q, VARLEN)
-    k_first, seqlen_k = sequence_bounds(CuSeqlensK, seq, seqlen_k, VARLEN)
-    if VARLEN:
-        return 0, q_first.to(gl.int32), seqlen_q, k_first.to(gl.int32), seqlen_k
-    else:
-        return seq, q_first, seqlen_q, k_first, seqlen_k

@@ -1,36 +1,13 @@
 """Which work items a persistent CTA of the sm_90 attention forward runs, and what each item covers: the item
 numbering shared by the producer and the consumers (dense batches: every query tile of every head; packed batches:
-only the real query tiles, numbered through a per-sequence tile count), the sequence's rows and lengths, and the
-key tiles a CTA streams for a query tile (mask.key_tile_range / key_tile_bounds)."""
+only the real query tiles, numbered through a per-sequence tile count: seqlen.varlen_work), the sequence's rows and
+lengths, and the key tiles a CTA streams for a query tile (mask.key_tile_range / key_tile_bounds)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
 from flashmoe_science.attention.mask import key_tile_bounds, key_tile_range
+from flashmoe_science.attention.seqlen import varlen_work
 from flashmoe_science.gluon.compat import gl, gluon
-
-
-@dataclass(frozen=True)
-class VarlenBatch:
-    """A packed batch as the kernel walks it: int32 cumulative lengths (B+1,) of the queries and keys on q's device,
-    and `tile_offsets` (varlen_tile_offsets of cu_seqlens_q): the work items are the real query tiles only."""
-
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    tile_offsets: torch.Tensor
-
-
-def varlen_tile_offsets(cu_seqlens_q: torch.Tensor, block_m: int) -> torch.Tensor:
-    """int32 (B+1,): entry b counts the block_m-row query tiles of the sequences before b (the last entry: all of
-    them). Computed on the device (no synchronisation), so the kernel numbers its work items without a host copy of
-    the lengths."""
-    lengths = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    offsets = torch.zeros(cu_seqlens_q.shape[0], dtype=torch.int32, device=cu_seqlens_q.device)
-    torch.cumsum(torch.div(lengths + (block_m - 1), block_m, rounding_mode="floor"), 0, dtype=torch.int32,
-                 out=offsets[1:])
-    return offsets
 
 
 @gluon.jit
@@ -65,29 +42,6 @@ def work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size, CTA_ROWS: gl
 
 
 @gluon.jit
-def varlen_work(work, TILE_OFFSETS, num_seqs, num_q_heads, CAUSAL: gl.constexpr):
-    """Work item `work` of a packed (varlen) batch -> (sequence, query head, query tile), numbered as work_tile's:
-    sequence by sequence, head by head, a head's query tiles consecutively (heaviest first with causal masking).
-    Only real tiles are numbered: TILE_OFFSETS[b] (varlen_tile_offsets) counts the query tiles of the sequences
-    before b, and the sequence is found by bisection (log2 of the batch size loads, cached)."""
-    lo = gl.to_tensor(0)
-    hi = gl.to_tensor(num_seqs)
-    while hi - lo > 1:  # TILE_OFFSETS[lo]·H <= work < TILE_OFFSETS[hi]·H
-        mid = (lo + hi) // 2
-        if gl.load(TILE_OFFSETS + mid) * num_q_heads <= work:
-            lo = mid
-        else:
-            hi = mid
-    first = gl.load(TILE_OFFSETS + lo)
-    num_m_tiles = gl.load(TILE_OFFSETS + lo + 1) - first
-    rest = work - first * num_q_heads
-    pid_m = rest % num_m_tiles
-    if CAUSAL:
-        pid_m = num_m_tiles - 1 - pid_m
-    return lo, rest // num_m_tiles, pid_m
-
-
-@gluon.jit
 def item_rows(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, varlen_args,
           CTA_ROWS: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
     """The CTA's item-th work item -> (batch, TMA batch coordinate, query head, kv head, first query row of the tile
@@ -95,7 +49,7 @@ def item_rows(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, se
 
     Dense: the sequence is the batch entry (rows from 0). Varlen: q/k are (1, H, total, D) views of the packed
     tensors, sequence b spans rows cu_seqlens[b]..cu_seqlens[b+1], and the per-sequence lengths replace the
-    kernel's (see varlen_work for the numbering)."""
+    kernel's (see seqlen.varlen_work for the numbering)."""
     if VARLEN:
         CU_SEQLENS_Q, CU_SEQLENS_K = varlen_args[0], varlen_args[1]
         TILE_OFFSETS, num_seqs = varlen_args[2], varlen_args[3]
