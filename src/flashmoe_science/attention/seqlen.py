@@ -7,9 +7,9 @@ Dense batches: sequence b is batch entry b, its rows start at 0, and every seque
 sequence's first row and lengths.
 
 Host side: `launch_sizes` (the sequences and lengths a launch covers), `varlen_tile_offsets` and `VarlenBatch` (a
-packed batch's real query tiles, numbered for persistent kernels). Kernel side, plain `triton.jit` functions that
-the Gluon kernels call too: `sequence_bounds` (a sequence's first row and length), `sequence_coords` (the same as
-TMA coordinates), `varlen_work` (a work item of a packed batch -> its sequence, head and query tile).
+packed batch's real query tiles, numbered for persistent kernels: hopper/work_items.varlen_work walks them). Kernel
+side, plain `triton.jit` functions that the Gluon kernels call too: `sequence_bounds` (a sequence's first row and
+length) and `sequence_coords` (the same as TMA coordinates).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def varlen_tile_offsets(cu_seqlens_q: torch.Tensor, block_m: int) -> torch.Tenso
 @triton.jit
 def sequence_bounds(CU_SEQLENS, batch, seqlen, VARLEN: tl.constexpr):
     """(first row, length) of sequence `batch`: from the cumulative lengths of a packed batch (the first row as
-    int64), else (0, seqlen) with a compile-time 0 (so the dense kernels are unchanged, and Gluon kernels, which
-    have no layout-free tl.zeros, can call this too)."""
+    int64), else (0, seqlen) with a compile-time 0 (so dense launches carry no row offset arithmetic, and Gluon
+    kernels, which have no layout-free tl.zeros, can call this too)."""
     if VARLEN:
         start = tl.load(CU_SEQLENS + batch)
         seqlen = tl.load(CU_SEQLENS + batch + 1) - start
@@ -75,26 +75,3 @@ def sequence_coords(CU_SEQLENS_Q, CU_SEQLENS_K, seq, seqlen_q, seqlen_k, VARLEN:
         return 0, q_first.to(tl.int32), seqlen_q, k_first.to(tl.int32), seqlen_k
     else:
         return seq, q_first, seqlen_q, k_first, seqlen_k
-
-
-@triton.jit
-def varlen_work(work, TILE_OFFSETS, num_seqs, num_q_heads, HEAVIEST_FIRST: tl.constexpr):
-    """Work item `work` of a packed batch -> (sequence, query head, query tile): numbered sequence by sequence, head
-    by head, a head's query tiles consecutively (HEAVIEST_FIRST, for causal masking: the last tile first). Only real
-    tiles are numbered: TILE_OFFSETS[b] (varlen_tile_offsets) counts the query tiles of the sequences before b, and
-    the sequence is found by bisection (log2 of the batch size loads, cached)."""
-    lo = tl.to_tensor(0)
-    hi = tl.to_tensor(num_seqs)
-    while hi - lo > 1:  # TILE_OFFSETS[lo]·H <= work < TILE_OFFSETS[hi]·H
-        mid = (lo + hi) // 2
-        if tl.load(TILE_OFFSETS + mid) * num_q_heads <= work:
-            lo = mid
-        else:
-            hi = mid
-    first = tl.load(TILE_OFFSETS + lo)
-    num_m_tiles = tl.load(TILE_OFFSETS + lo + 1) - first
-    rest = work - first * num_q_heads
-    pid_m = rest % num_m_tiles
-    if HEAVIEST_FIRST:
-        pid_m = num_m_tiles - 1 - pid_m
-    return lo, rest // num_m_tiles, pid_m

@@ -46,8 +46,9 @@ def _visited_query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
     """For the key block at `start_n`: (query_start, num_tiles, full_start, full_end) in rows. Query tiles
     [query_start, query_start + num_tiles·BLOCK_M) see some of its keys; `_tile_needs_mask` says which need the
     elementwise mask. Windows (MASK_LEFT/MASK_RIGHT, mask.kernel_args) take mask.query_tile_range: tiles entirely
-    outside the window are never visited. Dense and causal-only calls (CAUSAL, no MASK_*) keep the original
-    kernels' `_query_tile_bounds` (the same tiles; their SASS is unchanged)."""
+    outside the window are never visited. Dense and causal-only calls (CAUSAL, no MASK_*) take `_query_tile_bounds`:
+    the same tiles with less arithmetic (its ragged-key rule masks every tile, where query_tile_range's would need
+    a second comparison per tile)."""
     if MASK_LEFT or MASK_RIGHT:
         query_start, full_start, full_end, query_end = query_tile_range(
             start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
@@ -215,8 +216,9 @@ def feature_args(features, softmax_scale: float, q, k) -> tuple[tuple, dict, tup
     CuSeqlensQ, CuSeqlensK, stride_slopes, lse_rows, window_left, window_right, softcap_scale`, their feature
     constexprs, (num_seqs, seqlen_q, seqlen_k, qk_scale) for the grids and the scale argument).
 
-    Dense and causal-only masks run as CAUSAL with no MASK_* flag: the original kernels' code and SASS. Any other
-    window sets MASK_LEFT/MASK_RIGHT from mask.kernel_args. Varlen: one "batch" entry per packed sequence, the
+    Dense and causal-only masks run as CAUSAL with no MASK_* flag (a constant window: mask.key_tile_bounds and
+    `_query_tile_bounds`, fewer instructions than the general bounds with a runtime window). Any other window sets
+    MASK_LEFT/MASK_RIGHT from mask.kernel_args. Varlen: one "batch" entry per packed sequence, the
     maximal lengths (the kernels read each sequence's from cu_seqlens)."""
     features = as_features(features)
     mask = features.mask

@@ -231,9 +231,8 @@ def attention_backward_sm90_kernel(
     consecutive, so the CTAs running at once share a few heads' Q and dO in L2. (Ordering causal CTAs longest
     first, in bands of 4-16 heads or over all heads, measured no faster or up to 20% slower: perf-notes.)
 
-    The arguments after sm_scale are the features' (appended, so the plain kernel's parameters keep their
-    places): see `_feature_args`. VARLEN: B is the number of packed sequences, seqlen_q/k their maxima, and CTAs
-    past their sequence's keys return at once."""
+    The arguments after sm_scale are the features' (bwd_common.feature_args). VARLEN: B is the number of packed
+    sequences, seqlen_q/k their maxima, and CTAs past their sequence's keys return at once."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
@@ -392,7 +391,7 @@ class PreparedBackward:
     launches as PreparedLaunches: called as ``prepared(q, k, v, out, lse, grad_out, delta, dq, dk, dv)`` on new
     tensors of the same shapes, strides, dtypes, device and 16-byte alignment (the caller keys its cache on them,
     attention.api._backward_key), it allocates dq_accum and launches without Triton's per-call binding (host time:
-    docs/perf-notes.md, session 15)."""
+    docs/perf-notes.md)."""
 
     __slots__ = ("launches", "dq_accum_shape")
 

@@ -5,7 +5,7 @@ accumulators per consumer at D=256: 256 registers a thread, more than a warpgrou
 the head dim for the gradient products instead (as FA3's hdim-256 configuration does), and the scores by keys. dQ
 is not computed here: at 64 keys per CTA its partials would be 64 x 256 fp32 per tile to add in L2, and that
 reduction alone capped a one-pass kernel at ~265 TFLOP/s on the H200 (atomics or TMA reduce-adds alike; 430 with it
-removed, docs/perf-notes.md v27), so bwd_dq_sm90 computes dQ query-stationary in a second kernel.
+removed, docs/perf-notes.md), so bwd_dq_sm90 computes dQ query-stationary in a second kernel.
 
 A CTA owns BLOCK_N = 64 keys of one (batch, kv head); grid (cdiv(Lk, 64) · B·Hkv). The producer warp is
 bwd_common's (K and V once, Q and dO tiles of 64 query rows through a ring). Consumer c (4 warps) per query tile:

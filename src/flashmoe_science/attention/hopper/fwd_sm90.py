@@ -40,7 +40,7 @@ import functools
 import torch
 
 from flashmoe_science.attention.hopper.common import descriptor, release_unused
-from flashmoe_science.attention.hopper.work_items import cta_key_tiles, cta_num_items, item_rows
+from flashmoe_science.attention.hopper.work_items import VarlenArgs, cta_key_tiles, cta_num_items, item_rows
 from flashmoe_science.attention.layout import tma_compatible
 from flashmoe_science.attention.mask import (LN_2, LOG2_E, MaskSpec, key_tile_bounds, key_tile_range, score_to_log2,
                                              visible)
@@ -258,13 +258,13 @@ def _store_output(o_acc, m_i, l_i, o_desc, o_smem, o_smem_free, LSE, rows, num_q
     out = o_acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
     if VARLEN:
         if start_m + ROWS > seqlen_q:
-            O, stride_oh, stride_om, head_dim = varlen_args[4], varlen_args[5], varlen_args[6], varlen_args[7]
             out_rows = start_m + gl.arange(0, ROWS, layout=o_rows)
             cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
-            row_offsets = (q_row0 + out_rows).to(gl.int64) * stride_om + q_head.to(gl.int64) * stride_oh
-            ptrs = O + gl.expand_dims(row_offsets, 1) + gl.expand_dims(cols, 0)
-            inside = gl.expand_dims(out_rows < seqlen_q, 1) & gl.expand_dims(cols < head_dim, 0)
-            gl.store(ptrs, out.to(O.dtype.element_ty), mask=inside)
+            row_offsets = ((q_row0 + out_rows).to(gl.int64) * varlen_args.stride_om
+                           + q_head.to(gl.int64) * varlen_args.stride_oh)
+            ptrs = varlen_args.out + gl.expand_dims(row_offsets, 1) + gl.expand_dims(cols, 0)
+            inside = gl.expand_dims(out_rows < seqlen_q, 1) & gl.expand_dims(cols < varlen_args.head_dim, 0)
+            gl.store(ptrs, out.to(varlen_args.out.dtype.element_ty), mask=inside)
             mbarrier.arrive(o_smem_free, count=1)
         else:
             _tma_store_rows(out, o_desc, o_smem, o_smem_free, [0, q_head, q_row0 + start_m, 0], ROWS, BLOCK_D)
@@ -420,7 +420,7 @@ def attention_forward_sm90_kernel(
         num_work = num_q_heads * gl.load(TILE_OFFSETS + num_seqs)
     mask_args = (window_left, window_right, softcap_scale)
     alibi_args = (ALIBI_SLOPES, alibi_stride_b, alibi_stride_h)
-    varlen_args = (CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, num_seqs, O, stride_oh, stride_om, head_dim)
+    varlen_args = VarlenArgs(CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, num_seqs, O, stride_oh, stride_om, head_dim)
 
     # Q: one buffer per consumer, or two (Q_BUFFERS=2) so the next item's Q loads while this item runs
     q_smems = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
