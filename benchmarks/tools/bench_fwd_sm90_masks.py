@@ -20,6 +20,7 @@ from flashmoe_science.attention.hopper import fwd_sm90
 from flashmoe_science.attention.mask import make_mask
 from flashmoe_science.attention.hopper.tiles import (sm90_cross_item, sm90_forward_tiles, sm90_persistent,
                                                      sm90_q_buffers)
+from flashmoe_science.attention.seqlen import VarlenBatch, varlen_tile_offsets
 from flashmoe_science.device import device_traits
 
 D, H = 128, 16
@@ -120,7 +121,7 @@ def varlen_rows() -> list[dict]:
     cu = cu.cuda()
     packed = [rand(total, H, D) for _ in range(3)]
     q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in packed)
-    batch = fwd_sm90.VarlenBatch(cu, cu, fwd_sm90.varlen_tile_offsets(cu, fwd_sm90.BLOCK_M))
+    batch = VarlenBatch(cu, cu, varlen_tile_offsets(cu, fwd_sm90.BLOCK_M))
     for causal in (False, True):
         mask = make_mask(causal)
         pairs = H * sum(visible_pairs(n, n, mask) for n in lengths)

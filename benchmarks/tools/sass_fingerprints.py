@@ -4,7 +4,11 @@ after a change that must leave the kernels alone (a move, a rename, a compatibil
 
     PYTHONPATH=src python benchmarks/tools/sass_fingerprints.py [NAME ...] > before.txt
 
-The MoE operands are the offline build tests' (tests/moe), at Mixtral's and Qwen3's dims.
+The attention feature builds follow the offline build tests (tests/attention/test_*sm90_build.py): a window bounded
+on both sides, one bounded on the left only, softcap, ALiBi, a packed (varlen) batch and all of them at once, in the
+forward (the persistent kernel, and the varlen short-causal plan with overlapped items) and in the three backward
+kernels. The MoE operands
+are the offline build tests' (tests/moe), at Mixtral's and Qwen3's dims.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ sys.path.insert(0, str(ROOT / "tests" / "moe"))
 sys.path.insert(0, str(ROOT / "tests"))  # sm90_helpers, which the MoE cases import
 
 from flashmoe_science.attention.hopper import bwd_dq_sm90, bwd_sm90, bwd_sm90_hdim256, fwd_sm90  # noqa: E402
+from flashmoe_science.attention.hopper.bwd_common import offline_features  # noqa: E402
+from flashmoe_science.attention.mask import make_mask  # noqa: E402
 from flashmoe_science.attention.tiles import AttentionTiles  # noqa: E402
 from flashmoe_science.gluon.build import offline_sass  # noqa: E402
 from flashmoe_science.moe.dispatch import sort_buffers  # noqa: E402
@@ -33,6 +39,28 @@ META = torch.device("meta")
 def _forward(head_dim, block_n, stages, causal, q_buffers=1, cross_item=False):
     return fwd_sm90.compile_offline(head_dim, causal, AttentionTiles(128, block_n, 8, stages), q_buffers=q_buffers,
                                     cross_item=cross_item)
+
+
+def _forward_features(head_dim=128, block_n=128, stages=2, causal=False, window=None, softcap=None, alibi=False,
+                      varlen=False, q_buffers=1, cross_item=False):
+    return fwd_sm90.compile_offline(head_dim, causal, AttentionTiles(128, block_n, 8, stages), 132, q_buffers,
+                                    cross_item, mask=make_mask(causal, window, softcap), alibi=alibi, varlen=varlen)
+
+
+# offline_features arguments: each feature alone and all at once (a window bounded on both sides and one bounded on
+# the left only: causal with a left bound builds as the former)
+BACKWARD_FEATURES = {
+    "window": dict(window=(100, 20)),
+    "left": dict(window=(300, -1)),
+    "softcap": dict(softcap=5.0),
+    "alibi": dict(alibi=True),
+    "varlen_causal": dict(varlen=True, causal=True),
+    "all": dict(causal=True, window=(100, -1), softcap=5.0, alibi=True, varlen=True),
+}
+
+
+def _backward_features(module, head_dim, name):
+    return module.compile_offline(head_dim, offline_features(**BACKWARD_FEATURES[name]))
 
 
 def _mixtral_rows():
@@ -87,6 +115,20 @@ KERNELS = {
     "bwd_dq_d256": lambda: bwd_dq_sm90.compile_offline(256, False),
     "bwd_dkdv_d256_causal": lambda: bwd_sm90_hdim256.compile_offline(256, True),
     "bwd_dq_d256_causal": lambda: bwd_dq_sm90.compile_offline(256, True),
+    "fwd_d128_window": lambda: _forward_features(window=(100, 20)),
+    "fwd_d128_left": lambda: _forward_features(window=(100, -1)),
+    "fwd_d128_softcap": lambda: _forward_features(softcap=30.0),
+    "fwd_d128_alibi": lambda: _forward_features(alibi=True),
+    "fwd_d128_varlen": lambda: _forward_features(varlen=True),
+    "fwd_d128_varlen_causal": lambda: _forward_features(causal=True, varlen=True),
+    "fwd_d128_all": lambda: _forward_features(window=(100, 20), softcap=30.0, alibi=True, varlen=True),
+    "fwd_d64_varlen_causal_cross": lambda: _forward_features(64, 64, 3, True, varlen=True, q_buffers=2,
+                                                             cross_item=True),
+    **{f"bwd_d128_{name}": (lambda name=name: _backward_features(bwd_sm90, 128, name)) for name in BACKWARD_FEATURES},
+    **{f"bwd_dkdv_d256_{name}": (lambda name=name: _backward_features(bwd_sm90_hdim256, 256, name))
+       for name in BACKWARD_FEATURES},
+    **{f"bwd_dq_d256_{name}": (lambda name=name: _backward_features(bwd_dq_sm90, 256, name))
+       for name in BACKWARD_FEATURES},
     "moe_dx": _dx,
     "moe_dh": _dh,
     "moe_dh_swiglu": _dh_swiglu,

@@ -62,7 +62,7 @@ def check(rng: random.Random) -> None:
     s = torch.randn(lq, keys) * 4
     scores = torch.zeros(lq, keys)
     _tile_view[(n_tiles,)](ranges, qranges, vis, scores, s, lq, lk, args["window_left"], args["window_right"],
-                           args["qk_scale"], args["softcap_scale"], (slope or 0.0) * M.LOG2_E,
+                           args["qk_scale"], args["softcap_scale"], (slope or 0.0) * M.LOG2_E.value,
                            BLOCK_M=block_m, BLOCK_N=block_n, KEYS=keys, MASK_LEFT=args["MASK_LEFT"],
                            MASK_RIGHT=args["MASK_RIGHT"], SOFTCAP=args["SOFTCAP"], ALIBI=slope is not None)
     truth = M.visibility(lq, lk, spec)
@@ -91,7 +91,7 @@ def check(rng: random.Random) -> None:
         assert truth[rows, fs:fe].all(), f"tile {tile} full range {fs}:{fe} is not fully visible: {what}"
     ref = M.score_mods(s[:, :lk][None, None] * scale, spec, lq, lk,
                        None if slope is None else torch.full((1, 1), slope))[0, 0]
-    got = scores[:, :lk] / M.LOG2_E
+    got = scores[:, :lk] / M.LOG2_E.value
     fin = truth
     assert torch.allclose(got[fin], ref[fin], rtol=1e-5, atol=1e-5), f"score_to_log2 disagrees: {what}"
 

@@ -65,7 +65,7 @@ def test_check_supported_names_what_it_does_not_run():
 
 def test_api_takes_it_only_where_it_runs():
     from flashmoe_science.attention.hopper.backend import backward_refusal
-    from flashmoe_science.attention.triton_fwd import tma_compatible
+    from flashmoe_science.attention.layout import tma_compatible
 
     def _sm90_backward_runs(q, grad_out, softmax_scale, deterministic):
         # the plan's rule (backward_refusal) and the run's (a TMA-compatible grad_out)
@@ -151,9 +151,10 @@ def test_features_build_for_sm90(case):
         assert len(re.findall(r"\bLDL\b", sass_or_skip(one_pass))) <= spill_budget(24), "spills grew"
 
 
-def test_feature_args_keep_plain_calls_on_the_original_kernels():
-    """Dense and causal-only masks (including the window (-1, 0)) run as CAUSAL with no MASK_* flag (the original
-    SASS); other windows set MASK_LEFT/MASK_RIGHT; varlen passes the maxima and one entry per sequence."""
+def test_feature_args_run_plain_calls_as_causal_without_window_flags():
+    """Dense and causal-only masks (including the window (-1, 0)) run as CAUSAL with no MASK_* flag (the constant
+    window's bounds, mask.key_tile_bounds); other windows set MASK_LEFT/MASK_RIGHT; varlen passes the maxima and one
+    entry per sequence."""
     from flashmoe_science.attention.hopper.bwd_common import feature_args, offline_features
 
     q = torch.empty(2, 4, 300, 64, device="meta")

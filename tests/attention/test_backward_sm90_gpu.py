@@ -18,8 +18,8 @@ import torch
 
 from flashmoe_science.attention.api import flash_attention_science
 from flashmoe_science.attention.hopper.tiles import SM90_BACKWARD_MIN_LEN_D64
+from flashmoe_science.attention.layout import tma_compatible
 from flashmoe_science.attention.tiles import padded_head_dim
-from flashmoe_science.attention.triton_fwd import tma_compatible
 from grad_helpers import assert_grads_close
 from sm90_helpers import hopper_attention_module
 

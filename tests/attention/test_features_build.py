@@ -13,7 +13,7 @@ import torch
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     pytest.skip("compiles for sm_90; the interpreter runs the kernels elsewhere", allow_module_level=True)
 
-from flashmoe_science.attention import triton_bwd, triton_fwd  # noqa: E402
+from flashmoe_science.attention import bwd_prep, triton_bwd, triton_fwd  # noqa: E402
 from flashmoe_science.attention.features import CallFeatures, Varlen  # noqa: E402
 from flashmoe_science.attention.mask import make_mask  # noqa: E402
 from flashmoe_science.attention.tiles import backward_tiles, forward_tiles  # noqa: E402
@@ -87,7 +87,7 @@ def test_kernels_compile_for_sm90(monkeypatch, name, head_dim):
     dkdv, dq = _Recorder(triton_bwd._bwd_dkdv_kernel), _Recorder(triton_bwd._bwd_dq_kernel)
     monkeypatch.setattr(triton_bwd, "_bwd_dkdv_kernel", dkdv)
     monkeypatch.setattr(triton_bwd, "_bwd_dq_kernel", dq)
-    monkeypatch.setattr(triton_bwd, "_bwd_preprocess_kernel", _Recorder(triton_bwd._bwd_preprocess_kernel))
+    monkeypatch.setattr(bwd_prep, "preprocess_kernel", _Recorder(bwd_prep.preprocess_kernel))
     dbias = torch.zeros(features.attn_bias.shape) if features.attn_bias is not None else None
     triton_bwd.attention_backward(q, k, v, out, lse, out, lse, torch.empty_like(q), torch.empty_like(k),
                                   torch.empty_like(v), features, 0.1, backward_tiles(head_dim, dtype, True, H200),

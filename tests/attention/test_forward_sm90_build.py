@@ -13,6 +13,7 @@ import torch
 
 fwd_sm90 = pytest.importorskip("flashmoe_science.attention.hopper.fwd_sm90")
 from flashmoe_science.attention.mask import make_mask  # noqa: E402
+from flashmoe_science.attention.seqlen import VarlenBatch, varlen_tile_offsets  # noqa: E402
 from flashmoe_science.attention.tiles import AttentionTiles, sm90_forward_tiles  # noqa: E402
 from flashmoe_science.gluon.build import spill_budget, spill_count  # noqa: E402
 from sm90_helpers import sass_or_skip  # noqa: E402
@@ -33,7 +34,7 @@ def _named(args):
 
 def test_varlen_tile_offsets_count_the_real_query_tiles():
     cu = torch.tensor([0, 0, 1, 128, 257, 257, 900], dtype=torch.int32)
-    offsets = fwd_sm90.varlen_tile_offsets(cu, 128)
+    offsets = varlen_tile_offsets(cu, 128)
     assert offsets.dtype == torch.int32 and offsets.tolist() == [0, 0, 1, 2, 4, 4, 10]  # lengths 0, 1, 127, 129, 0, 643
 
 
@@ -61,7 +62,7 @@ def test_mask_alibi_and_varlen_arguments():
     slopes = torch.empty(4, device="meta")
     mask = make_mask(True, (256, -1), 30.0)
     grid, args, constexprs = fwd_sm90._launch_args(
-        q, k, k, q, lse, True, 0.1, THREE_STAGES, 132, 2, True, mask, slopes, fwd_sm90.VarlenBatch(cu, cu, cu))
+        q, k, k, q, lse, True, 0.1, THREE_STAGES, 132, 2, True, mask, slopes, VarlenBatch(cu, cu, cu))
     named = _named(args)
     assert grid == (min(132, 4 * 8),)
     assert (constexprs["CAUSAL"], constexprs["MASK_LEFT"], constexprs["MASK_RIGHT"]) == (False, True, True)
@@ -75,7 +76,7 @@ def test_mask_alibi_and_varlen_arguments():
         fwd_sm90._launch_args(q, k, k, q, lse, False, 0.1, TWO_STAGES, 132, 2, True, make_mask(False, (-1, 4)))
     with pytest.raises(ValueError, match="views"):
         fwd_sm90._launch_args(_meta(2, 4, 8, 128), k, k, _meta(2, 4, 8, 128), lse, False, 0.1, TWO_STAGES, 132, 1,
-                              False, None, None, fwd_sm90.VarlenBatch(cu, cu, cu))
+                              False, None, None, VarlenBatch(cu, cu, cu))
 
 
 @pytest.mark.sm90_build
@@ -101,10 +102,8 @@ def test_varlen_causal_overlapped_items_build_for_sm90():
 
 # (head dim, causal, seqlen, Q buffers, cross-item) -> LDL + STL of the triton 3.6 build: the persistent kernel
 # spills a few values at the work-item boundary only (docs/perf-notes.md), none at short causal rows' 64-key tiles.
-# The two causal budgets grew this round with the shared mask blocks (key_tile_range, visible) the plain causal path
-# now shares with windows and varlen: 188 -> 225 (D=128) and 38 -> 75 (D=256). The H200 run at cc1666f read the
-# causal forward at 620 TFLOP/s (D=128, L=8192; 566 at 2f11e38) and 550 (D=256, L=2048; 539): no slower, so the
-# budgets moved; getting the plain causal SASS back is open in docs/perf-notes.md.
+# The causal budgets are those of the kernel whose plain causal path shares the mask blocks (key_tile_range, visible)
+# with windows and varlen; the H200 measured it at 620 TFLOP/s (D=128, L=8192) and 550 (D=256, L=2048) causal.
 CASES = {
     (64, False, 2048, 2, True): 0,
     (128, False, 2048, 1, False): 65,

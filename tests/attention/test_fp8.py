@@ -168,14 +168,14 @@ def test_gpu_hadamard_cuts_the_error_of_outlier_channels():
 
 def test_e4m3_forward_builds_for_sm90_offline():
     """The e4m3 Triton forward compiles for sm_90 without a GPU (meta tensors; ptxas ships with triton): catches a
-    drift of the shared building blocks it calls (triton_fwd._online_softmax_step, mask.visible) on the CPU."""
+    drift of the shared building blocks it calls (triton_common.online_softmax_step, mask.visible) on the CPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import mangle_type
 
     from flashmoe_science.attention.triton_fp8 import _fp8_forward_kernel, fp8_tiles
-    from flashmoe_science.attention.triton_fwd import _tma_descriptor
+    from flashmoe_science.attention.layout import tma_descriptor
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     d, tiles = 128, fp8_tiles(128)
@@ -184,7 +184,7 @@ def test_e4m3_forward_builds_for_sm90_offline():
     out = torch.empty(2, 4, 256, d, dtype=torch.bfloat16, device="meta")
     lse, descale = torch.empty(2, 4, 256, device="meta"), torch.empty(2, 4, device="meta")
     v_desc = TensorDescriptor(vt, list(vt.shape), list(vt.stride()), [1, 1, d, tiles.block_n], padding="zero")
-    values = [_tma_descriptor(q, tiles.block_m, d), _tma_descriptor(q, tiles.block_n, d), v_desc, out, lse,
+    values = [tma_descriptor(q, tiles.block_m, d), tma_descriptor(q, tiles.block_n, d), v_desc, out, lse,
               descale, descale, descale, *q.stride()[:3], *q.stride()[:3], *vt.stride()[:2], 1, 256,
               *out.stride()[:3], 4, 4, 1, 256, 256, 0.1]
     names = _fp8_forward_kernel.arg_names

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flashmoe_science.attention.api import flash_attention_science
-from flashmoe_science.attention.triton_fwd import needs_64bit_rows
+from flashmoe_science.attention.layout import needs_64bit_rows
 
 pytestmark = pytest.mark.gpu
 

@@ -15,7 +15,7 @@ import torch
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     pytest.skip("launchers are stubbed here; the interpreter runs the real kernels elsewhere", allow_module_level=True)
 
-from flashmoe_science.attention import triton_fwd  # noqa: E402
+from flashmoe_science.attention import layout, triton_fwd  # noqa: E402
 from flashmoe_science.attention.hopper.tiles import (  # noqa: E402
     SM90_PERSISTENT_LONG_CAUSAL_LEN,
     SM90_PERSISTENT_MAX_CAUSAL_LEN,
@@ -56,7 +56,7 @@ def test_triton_launcher_builds_tma_descriptors_over_the_callers_strides(monkeyp
     monkeypatch.setattr(triton_fwd, "_attention_forward_kernel", kernel)
     q, k, v = _blhd(2, 4, 100, 80), _blhd(2, 2, 90, 80), _blhd(2, 2, 90, 80)
     out, lse = torch.empty_like(q), torch.empty(2, 4, 100)
-    assert triton_fwd.tma_compatible(q, k, v, out)
+    assert layout.tma_compatible(q, k, v, out)
     triton_fwd.attention_forward(q, k, v, out, lse, True, 0.1, AttentionTiles(64, 128, 4, 2, use_tma=True))
 
     (grid, args, kwargs), = kernel.launches
@@ -66,23 +66,23 @@ def test_triton_launcher_builds_tma_descriptors_over_the_callers_strides(monkeyp
     assert q_desc.block_shape == [1, 1, 64, 128] and k_desc.block_shape == [1, 1, 128, 128]
     assert kwargs["HEAD_DIM"] == 80 and kwargs["BLOCK_D"] == 128 and kwargs["USE_TMA"] and kwargs["MASK_RIGHT"]
     assert kwargs["window_right"] == 0 and not kwargs["MASK_LEFT"] and not kwargs["VARLEN"]
-    assert kwargs["group_size"] == 2 and kwargs["qk_scale"] == pytest.approx(0.1 * triton_fwd.LOG2_E)
+    assert kwargs["group_size"] == 2 and kwargs["qk_scale"] == pytest.approx(0.1 * 1.4426950408889634)
     assert kwargs["DOT_PRECISION"] == "tf32" and (kwargs["num_warps"], kwargs["num_stages"]) == (4, 2)
 
 
 def test_tma_box_gives_size_one_dims_an_aligned_stride():
     # one head, one batch: their strides are never stepped over, but TMA still wants them 16-byte aligned
     t = torch.randn(1, 1, 33, 24)[:, :, :, :].as_strided((1, 1, 33, 24), (7, 5, 24, 1))
-    box = triton_fwd.tma_box(t, 16, 32)
+    box = layout.tma_box(t, 16, 32)
     assert box["strides"] == [33 * 24, 33 * 24, 24, 1] and box["block_shape"] == [1, 1, 16, 32]
 
 
 def test_tma_compatible_rejects_misaligned_strides_and_bases():
     base = torch.randn(4, 4, 64, 64, dtype=torch.bfloat16)
-    assert triton_fwd.tma_compatible(base)
-    assert not triton_fwd.tma_compatible(base[..., 1:])  # base address off by 2 bytes
-    assert not triton_fwd.tma_compatible(torch.randn(2, 2, 8, 12, dtype=torch.bfloat16)[..., :8])  # 24-byte rows
-    assert not triton_fwd.tma_compatible(base.transpose(-1, -2))  # last stride not 1
+    assert layout.tma_compatible(base)
+    assert not layout.tma_compatible(base[..., 1:])  # base address off by 2 bytes
+    assert not layout.tma_compatible(torch.randn(2, 2, 8, 12, dtype=torch.bfloat16)[..., :8])  # 24-byte rows
+    assert not layout.tma_compatible(base.transpose(-1, -2))  # last stride not 1
 
 
 def test_fp32_launch_asks_for_3xtf32(monkeypatch):
@@ -366,7 +366,7 @@ def test_triton_plan_drops_tma_for_strides_tma_cannot_take(monkeypatch):
 
 
 def test_64bit_rows_only_where_offsets_pass_2_31():
-    from flashmoe_science.attention.triton_fwd import needs_64bit_rows
+    from flashmoe_science.attention.layout import needs_64bit_rows
 
     def blhd(length, heads=32, d=128):  # a transposed (B, L, H, D) buffer, on the meta device: no memory
         return torch.empty(1, length, heads, d, device="meta").transpose(1, 2)

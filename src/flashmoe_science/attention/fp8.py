@@ -29,10 +29,9 @@ from typing import NamedTuple
 import torch
 
 from flashmoe_science.attention.checks import check_flags, check_scale
+from flashmoe_science.attention.fp8_format import FP8_MAX, hadamard_signs
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
-HADAMARD_SEED = 0x5EED
 
 
 class Fp8Inputs(NamedTuple):
@@ -45,12 +44,6 @@ class Fp8Inputs(NamedTuple):
     q_descale: torch.Tensor
     k_descale: torch.Tensor
     v_descale: torch.Tensor
-
-
-def hadamard_signs(head_dim: int, device) -> torch.Tensor:
-    """The fixed random ±1 vector of the rotation (the same for Q and K, so it cancels in QKᵀ)."""
-    gen = torch.Generator().manual_seed(HADAMARD_SEED + head_dim)
-    return (torch.randint(0, 2, (head_dim,), generator=gen) * 2 - 1).to(device=device, dtype=torch.float32)
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from flashmoe_science.attention.layout import tma_compatible
 from flashmoe_science.attention.problem import new_outputs
 from flashmoe_science.attention.record import ran
 from flashmoe_science.attention.tiles import (
@@ -28,10 +29,6 @@ FORWARD_KERNEL = "triton_fwd._attention_forward_kernel"
 BACKWARD_KERNEL = "triton_bwd.attention_backward"
 
 
-def _tma_compatible(*tensors) -> bool:
-    from flashmoe_science.attention.triton_fwd import tma_compatible
-
-    return tma_compatible(*tensors)
 
 
 @dataclass(frozen=True)
@@ -77,7 +74,7 @@ def forward_plan(q, k, v, features) -> TritonForward:
     # decided here, once, so the launch and the report agree. Packed sequences are read with pointer loads: a
     # TMA box would cross into the next sequence's rows (and its stores would overwrite them). The output,
     # empty_like(q), shares q's strides or is contiguous: TMA-compatible when q is.
-    if tiles.use_tma and (features.varlen is not None or q.shape[-1] < 16 or not _tma_compatible(q, k, v)):
+    if tiles.use_tma and (features.varlen is not None or q.shape[-1] < 16 or not tma_compatible(q, k, v)):
         tiles = replace(tiles, use_tma=False)
     return TritonForward(tiles)
 

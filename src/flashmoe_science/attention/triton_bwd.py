@@ -18,7 +18,7 @@ Two paths; `attention_backward` takes the fused one when it is given a `dq_accum
 
 Read top to bottom:
 
-1. `_bwd_preprocess_kernel` computes Δ (float32, one value per query row) once, so no kernel below needs O; on
+1. `bwd_prep`'s preprocess computes Δ (float32, one value per query row) once, so no kernel below needs O; on
    the fused path it also zeroes `dq_accum`.
 2. `_bwd_dkdv_kernel`: one program owns a tile of BLOCK_N keys of one (batch, key/value head) and keeps dK and dV
    for it in fp32 registers. It loops over the query heads of its GQA group (no repeated K/V, no atomics for dK/dV:
@@ -27,7 +27,7 @@ Read top to bottom:
    FUSE_DQ each query tile's dQ share goes to that query head's rows of `dq_accum`.
 3. `_bwd_dq_kernel` (two-pass): one program owns a tile of BLOCK_M query rows of one (batch, query head) and loops
    over the key tiles it sees, exactly the forward's loop bounds.
-4. `_bwd_dq_convert_kernel` (fused): dQ = dq_accum · scale, in dQ's dtype and strides.
+4. `bwd_prep`'s dQ conversion (fused): dQ = dq_accum · scale, in dQ's dtype and strides.
 
 The kernels with tile loops split them into full tiles, which run without any mask arithmetic, and boundary tiles
 (the causal diagonal, ragged sequence ends), which mask; tiles that no row can see are never visited. The
@@ -50,65 +50,18 @@ import torch
 import triton
 import triton.language as tl
 
+from flashmoe_science.attention import bwd_prep
 from flashmoe_science.attention.features import as_features
-from flashmoe_science.attention.mask import key_tile_range, masked_runs, query_tile_range, visible
+from flashmoe_science.attention.layout import needs_64bit_rows
+from flashmoe_science.attention.mask import LOG2_E, key_tile_range, masked_runs, query_tile_range, visible
+from flashmoe_science.attention.seqlen import launch_sizes, sequence_bounds
 from flashmoe_science.attention.tiles import BackwardTiles, padded_head_dim
-from flashmoe_science.attention.triton_fwd import (
-    LOG2_E,
-    _load_tile,
-    batch_programs,
-    head_extras,
-    dot_precision,
-    feature_args,
-    feature_tensors,
-    launch_lengths,
-    needs_64bit_rows,
-    scores_log2,
-    sequence_bounds,
-)
-
-# LOG2_E as a value kernels may read (Triton kernels only see globals wrapped in tl.constexpr).
-LOG2_E_IN_KERNEL = tl.constexpr(LOG2_E)
+from flashmoe_science.attention.triton_common import feature_args, feature_tensors, head_extras, load_tile, scores_log2
+from flashmoe_science.device import dot_precision
 
 # Sizes are runtime values, not specialised: every sequence length reuses one compiled kernel (masks handle tails).
 _SIZES = ["num_q_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "lse_rows", "window_left",
           "window_right"]
-
-# Elements per program of the row-wise kernels (preprocess, dQ convert): ~64 fp32 values per thread at 4 warps.
-_ROW_KERNEL_ELEMENTS = 8192
-
-
-@triton.jit(do_not_specialize=["num_q_heads", "seqlen_q"])
-def _bwd_preprocess_kernel(
-    O, DO, Delta, DQ_ACCUM,
-    stride_ob, stride_oh, stride_om,
-    stride_dob, stride_doh, stride_dom,
-    num_q_heads, seqlen_q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQ_ACCUM: tl.constexpr,
-    ROW64: tl.constexpr,
-):
-    """Δ[b, h, i] = Σ_d dO[b, h, i, d] · O[b, h, i, d] in float32; with ZERO_DQ_ACCUM, zeroes the same rows of
-    the fused path's dQ workspace (one launch fewer than a separate memset)."""
-    if ROW64:  # row offsets (L-1)·stride_row reach 2**31 elements (e.g. a transposed (B, L, H, D) buffer)
-        stride_om, stride_dom = stride_om.to(tl.int64), stride_dom.to(tl.int64)
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = (pid_bh // num_q_heads).to(tl.int64)
-    head = (pid_bh % num_q_heads).to(tl.int64)
-    start_m = pid_m * BLOCK_M
-    o = _load_tile(O + batch * stride_ob + head * stride_oh, O, 0, 0, start_m, seqlen_q, stride_om,
-                   BLOCK_M, BLOCK_D, HEAD_DIM, False, True)
-    do = _load_tile(DO + batch * stride_dob + head * stride_doh, DO, 0, 0, start_m, seqlen_q, stride_dom,
-                    BLOCK_M, BLOCK_D, HEAD_DIM, False, True)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    in_bounds = offs_m < seqlen_q
-    rows = pid_bh.to(tl.int64) * seqlen_q + offs_m
-    tl.store(Delta + rows, delta, mask=in_bounds)
-    if ZERO_DQ_ACCUM:
-        cols = tl.arange(0, BLOCK_D)
-        tl.store(DQ_ACCUM + rows[:, None] * BLOCK_D + cols[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
-                 mask=in_bounds[:, None])
 
 
 @triton.jit
@@ -136,16 +89,16 @@ def _dkdv_query_tiles(dk, dv, k, v, offs_n,
                 start_m += gap_end - gap_start
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_tile(q_base, q_base, 0, 0, start_m, seqlen_q, stride_qm,
+        q = load_tile(q_base, q_base, 0, 0, start_m, seqlen_q, stride_qm,
+                      BLOCK_M, BLOCK_D, HEAD_DIM, False, MASKED)
+        do = load_tile(do_base, do_base, 0, 0, start_m, seqlen_q, stride_dom,
                        BLOCK_M, BLOCK_D, HEAD_DIM, False, MASKED)
-        do = _load_tile(do_base, do_base, 0, 0, start_m, seqlen_q, stride_dom,
-                        BLOCK_M, BLOCK_D, HEAD_DIM, False, MASKED)
         if MASKED:
             in_bounds = offs_m < seqlen_q
-            lse2 = tl.load(lse_base + offs_m, mask=in_bounds, other=0.0) * LOG2_E_IN_KERNEL
+            lse2 = tl.load(lse_base + offs_m, mask=in_bounds, other=0.0) * LOG2_E
             delta = tl.load(delta_base + offs_m, mask=in_bounds, other=0.0)
         else:
-            lse2 = tl.load(lse_base + offs_m) * LOG2_E_IN_KERNEL
+            lse2 = tl.load(lse_base + offs_m) * LOG2_E
             delta = tl.load(delta_base + offs_m)
         x_t, tanh_t = scores_log2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION),
                                   offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, diagonal, qk_scale,
@@ -219,10 +172,10 @@ def _bwd_dkdv_kernel(
         batch64 = batch.to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
 
-    k = _load_tile(K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh + k_start * stride_kn, K, 0, 0,
-                   start_n, seqlen_k, stride_kn, BLOCK_N, BLOCK_D, HEAD_DIM, False, True)
-    v = _load_tile(V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh + k_start * stride_vn, V, 0, 0,
-                   start_n, seqlen_k, stride_vn, BLOCK_N, BLOCK_D, HEAD_DIM, False, True)
+    k = load_tile(K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh + k_start * stride_kn, K, 0, 0,
+                  start_n, seqlen_k, stride_kn, BLOCK_N, BLOCK_D, HEAD_DIM, False, True)
+    v = load_tile(V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh + k_start * stride_vn, V, 0, 0,
+                  start_n, seqlen_k, stride_vn, BLOCK_N, BLOCK_D, HEAD_DIM, False, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -292,10 +245,10 @@ def _dq_key_tiles(dq, q, do, lse2, delta, offs_m,
             if start_n >= gap_start:
                 start_n += gap_end - gap_start
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = _load_tile(k_base, k_base, 0, 0, start_n, seqlen_k, stride_kn,
-                       BLOCK_N, BLOCK_D, HEAD_DIM, False, MASKED)
-        v = _load_tile(v_base, v_base, 0, 0, start_n, seqlen_k, stride_vn,
-                       BLOCK_N, BLOCK_D, HEAD_DIM, False, MASKED)
+        k = load_tile(k_base, k_base, 0, 0, start_n, seqlen_k, stride_kn,
+                      BLOCK_N, BLOCK_D, HEAD_DIM, False, MASKED)
+        v = load_tile(v_base, v_base, 0, 0, start_n, seqlen_k, stride_vn,
+                      BLOCK_N, BLOCK_D, HEAD_DIM, False, MASKED)
         key_pos = start_n + offs_n
         x, tanh_s = scores_log2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION),
                                 offs_m[:, None], key_pos[None, :], seqlen_q, seqlen_k, diagonal, qk_scale,
@@ -362,14 +315,14 @@ def _bwd_dq_kernel(
     q_head64 = q_head.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
 
-    q = _load_tile(Q + batch64 * stride_qb + q_head64 * stride_qh + q_start * stride_qm, Q, 0, 0, start_m,
-                   seqlen_q, stride_qm, BLOCK_M, BLOCK_D, HEAD_DIM, False, True)
-    do = _load_tile(DO + batch64 * stride_dob + q_head64 * stride_doh + q_start * stride_dom, DO, 0, 0, start_m,
-                    seqlen_q, stride_dom, BLOCK_M, BLOCK_D, HEAD_DIM, False, True)
+    q = load_tile(Q + batch64 * stride_qb + q_head64 * stride_qh + q_start * stride_qm, Q, 0, 0, start_m,
+                  seqlen_q, stride_qm, BLOCK_M, BLOCK_D, HEAD_DIM, False, True)
+    do = load_tile(DO + batch64 * stride_dob + q_head64 * stride_doh + q_start * stride_dom, DO, 0, 0, start_m,
+                   seqlen_q, stride_dom, BLOCK_M, BLOCK_D, HEAD_DIM, False, True)
     in_bounds = offs_m < seqlen_q
     # Rows past seqlen_q read lse = 0 and Δ = 0 with zero q and dO: their dS is 0 and they are never stored.
     row0 = (batch64 * num_q_heads + q_head64) * lse_rows + q_start
-    lse2 = tl.load(LSE + row0 + offs_m, mask=in_bounds, other=0.0) * LOG2_E_IN_KERNEL
+    lse2 = tl.load(LSE + row0 + offs_m, mask=in_bounds, other=0.0) * LOG2_E
     delta = tl.load(Delta + row0 + offs_m, mask=in_bounds, other=0.0)
     k_base = K + batch64 * stride_kb + kv_head * stride_kh + k_start * stride_kn
     v_base = V + batch64 * stride_vb + kv_head * stride_vh + k_start * stride_vn
@@ -407,32 +360,6 @@ def _bwd_dq_kernel(
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_q_heads", "seqlen_q"])
-def _bwd_dq_convert_kernel(
-    DQ_ACCUM, DQ,
-    stride_dqb, stride_dqh, stride_dqm,
-    num_q_heads, seqlen_q, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ROW64: tl.constexpr,
-):
-    """dQ = dq_accum · scale: the fused path's float32 (B, Hq, Lq, BLOCK_D) workspace into dQ's dtype and strides."""
-    if ROW64:  # row offsets (L-1)·stride_row reach 2**31 elements (e.g. a transposed (B, L, H, D) buffer)
-        stride_dqm = stride_dqm.to(tl.int64)
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = (pid_bh // num_q_heads).to(tl.int64)
-    q_head = (pid_bh % num_q_heads).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
-    in_bounds = offs_m[:, None] < seqlen_q
-    rows = pid_bh.to(tl.int64) * seqlen_q + offs_m
-    dq = tl.load(DQ_ACCUM + rows[:, None] * BLOCK_D + cols[None, :], mask=in_bounds, other=0.0) * sm_scale
-    mask = in_bounds
-    if BLOCK_D != HEAD_DIM:
-        mask = mask & (cols[None, :] < HEAD_DIM)
-    dq_ptrs = DQ + batch * stride_dqb + q_head * stride_dqh + offs_m[:, None] * stride_dqm + cols[None, :]
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=mask)
-
-
 def attention_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     grad_out: torch.Tensor, delta: torch.Tensor,
@@ -463,30 +390,25 @@ def attention_backward(
     features = as_features(causal)
     batch, num_q_heads, rows_q, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    seqlen_q, seqlen_k, lse_rows = launch_lengths(q, k, features)
+    num_seqs, seqlen_q, seqlen_k = launch_sizes(q, k, features.varlen)
     block_d = padded_head_dim(head_dim)
     scalars, feature_strides = feature_args(q, k, features, softmax_scale)
     group_size = num_q_heads // num_kv_heads
     fused = dq is not None and dk is not None and dq_accum is not None and dbias is None
-    row_block = max(16, min(128, _ROW_KERNEL_ELEMENTS // block_d))
-    row_grid = (triton.cdiv(rows_q, row_block), batch * num_q_heads)  # every row of the (packed) tensors
     row64 = needs_64bit_rows(q, k, v, out, grad_out, dq, dk, dv)
     extras = feature_tensors(features)
     kernels = {}
 
-    kernels["preprocess"] = _bwd_preprocess_kernel[row_grid](
-        out, grad_out, delta, dq_accum if fused else None, *out.stride()[:3], *grad_out.stride()[:3],
-        num_q_heads, rows_q, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ZERO_DQ_ACCUM=fused,
-        ROW64=row64, num_warps=4,
-    )
+    kernel, grid, bound, options = bwd_prep.preprocess_launch(out, grad_out, delta, dq_accum if fused else None, row64)
+    kernels["preprocess"] = kernel[grid](**bound, **options)
     if dk is not None:
         dkdv_tiles = tiles.fused if fused else tiles.dkdv
-        grid = (triton.cdiv(seqlen_k, dkdv_tiles.block_n), batch_programs(k, features))
+        grid = (triton.cdiv(seqlen_k, dkdv_tiles.block_n), num_seqs * num_kv_heads)
         kernels["dkdv"] = _bwd_dkdv_kernel[grid](
             q, k, v, grad_out, lse, delta, dk, dv, dq_accum if fused else None, *extras,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
             *dk.stride()[:3], *dv.stride()[:3], *feature_strides,
-            num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lse_rows, scalars.pop("qk_scale"),
+            num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, rows_q, scalars.pop("qk_scale"),
             softmax_scale, scalars.pop("softcap_scale"), scalars.pop("window_left"), scalars.pop("window_right"),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dkdv_tiles.block_m, BLOCK_N=dkdv_tiles.block_n,
             **scalars, FUSE_DQ=fused, ROW64=row64, num_warps=dkdv_tiles.num_warps,
@@ -494,13 +416,11 @@ def attention_backward(
         )
         scalars, _ = feature_args(q, k, features, softmax_scale)
     if fused:
-        kernels["dq_convert"] = _bwd_dq_convert_kernel[row_grid](
-            dq_accum, dq, *dq.stride()[:3], num_q_heads, rows_q, softmax_scale,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=row_block, ROW64=row64, num_warps=4,
-        )
+        kernel, grid, bound, options = bwd_prep.dq_convert_launch(dq_accum, dq, softmax_scale, row64)
+        kernels["dq_convert"] = kernel[grid](**bound, **options)
     elif dq is not None:
         dq_tiles = tiles.dq
-        grid = (triton.cdiv(seqlen_q, dq_tiles.block_m), batch_programs(q, features))
+        grid = (triton.cdiv(seqlen_q, dq_tiles.block_m), num_seqs * num_q_heads)
         dbias_strides = (0, 0, 0, 0)
         if dbias is not None:
             full = (batch, num_q_heads, rows_q, k.shape[2])
@@ -509,7 +429,7 @@ def attention_backward(
             q, k, v, grad_out, lse, delta, dq, *extras, dbias,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *dq.stride()[:3],
             *feature_strides, *dbias_strides,
-            num_q_heads, group_size, seqlen_q, seqlen_k, lse_rows, scalars.pop("qk_scale"), softmax_scale,
+            num_q_heads, group_size, seqlen_q, seqlen_k, rows_q, scalars.pop("qk_scale"), softmax_scale,
             scalars.pop("softcap_scale"), scalars.pop("window_left"), scalars.pop("window_right"),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dq_tiles.block_m, BLOCK_N=dq_tiles.block_n,
             **scalars, DBIAS=0 if dbias is None else (2 if dbias_atomic else 1),

@@ -24,9 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashmoe_science.attention.mask import key_tile_range, score_to_log2, visible
-
-LN_2 = tl.constexpr(0.6931471805599453)
+from flashmoe_science.attention.mask import LN_2, LOG2_E, key_tile_range, score_to_log2, visible
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -237,7 +235,7 @@ def _decode_kernel(
     q_rows = b64 * stride_qb + token * stride_qm + q_head * stride_qh
     q = tl.load(Q + q_rows[:, None] + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     if ALIBI:  # slopes (B, Hq) with a batch stride of 0 for per-head slopes; log2 units like the scores
-        slope_log2 = tl.load(SLOPES + b64 * stride_sb + q_head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        slope_log2 = tl.load(SLOPES + b64 * stride_sb + q_head, mask=row_ok, other=0.0).to(tl.float32) * LOG2_E
     else:
         slope_log2 = tl.zeros([BLOCK_M], dtype=tl.float32)
 

@@ -18,10 +18,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashmoe_science.attention.fp8 import FP8_MAX, hadamard_signs
-from flashmoe_science.attention.mask import LOG2_E, key_tile_bounds, visible
+from flashmoe_science.attention.fp8_format import FP8_MAX, hadamard_signs
+from flashmoe_science.attention.layout import tma_compatible, tma_descriptor
+from flashmoe_science.attention.mask import LN_2, LOG2_E, key_tile_bounds, visible
 from flashmoe_science.attention.tiles import AttentionTiles
-from flashmoe_science.attention.triton_fwd import LN_2, _online_softmax_step, _tma_descriptor, tma_compatible
+from flashmoe_science.attention.triton_common import online_softmax_step
 
 # ------------------------------------------------------------------------------------------------ quantisation
 
@@ -129,7 +130,7 @@ def _fp8_key_tiles(acc, l_i, m_i, q, offs_m, K, V, batch, kv_head, k_base, v_bas
         if MASKED:  # the sequence's end and the causal diagonal (mask.visible: causal = window (-1, 0))
             seen = visible(offs_m[:, None], offs_n[None, :], seqlen_k, diagonal, 0, 0, False, CAUSAL)
             s = tl.where(seen, s * qk_scale, float("-inf"))
-        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, tl.trans(vt), qk_scale, not MASKED, MASKED, "tf32")
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, s, tl.trans(vt), qk_scale, not MASKED, MASKED, "tf32")
     return acc, l_i, m_i
 
 
@@ -209,11 +210,11 @@ def attention_forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, ca
     use_tma = tiles.use_tma and tma_compatible(q, k, vt)
     tensors = (q, k, v)
     if use_tma:
-        tensors = (_tma_descriptor(q, tiles.block_m, d), _tma_descriptor(k, tiles.block_n, d),
+        tensors = (tma_descriptor(q, tiles.block_m, d), tma_descriptor(k, tiles.block_n, d),
                    TensorDescriptor(vt, list(vt.shape), list(vt.stride()), [1, 1, d, tiles.block_n], padding="zero"))
     return _fp8_forward_kernel[grid](
         *tensors, out, lse, q_descale.contiguous(), k_descale.contiguous(), v_descale.contiguous(),
         *q.stride()[:3], *k.stride()[:3], v.stride(0), v.stride(1), v.stride(2), v.stride(3), *out.stride()[:3],
-        hq, hkv, hq // hkv, lq, lk, softmax_scale * LOG2_E,
+        hq, hkv, hq // hkv, lq, lk, softmax_scale * LOG2_E.value,
         HEAD_DIM=d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, CAUSAL=causal, USE_TMA=use_tma,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)

@@ -26,17 +26,11 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashmoe_science.attention.features import CallFeatures, as_features, bias_strides
-from flashmoe_science.attention.mask import (  # noqa: F401 (key_tile_bounds re-exported for the kernels)
-    HARDWARE_TANH,
-    key_tile_bounds,
-    key_tile_range,
-    masked_runs,
-    score_to_log2,
-    visible,
-)
+from flashmoe_science.attention.features import CallFeatures, as_features
+from flashmoe_science.attention.layout import needs_64bit_rows, tma_descriptor
+from flashmoe_science.attention.mask import LN_2, key_tile_range, masked_runs, visible
+from flashmoe_science.attention.seqlen import launch_sizes, sequence_bounds
 from flashmoe_science.attention.tiles import (
     AttentionTiles,
     autotune_enabled,
@@ -44,89 +38,10 @@ from flashmoe_science.attention.tiles import (
     forward_tiles,
     padded_head_dim,
 )
+from flashmoe_science.attention.triton_common import (feature_args, feature_tensors, head_extras, load_tile,
+                                                     online_softmax_step, scores_log2)
 from flashmoe_science.device import device_traits, dot_precision
 from flashmoe_science.prepared_launch import PreparedLaunch
-
-LOG2_E = 1.4426950408889634  # host side: folded into the softmax scale
-LN_2 = tl.constexpr(0.6931471805599453)  # in kernels: base-2 log-sum-exp -> natural log
-LOG2_E_IN_KERNEL = tl.constexpr(LOG2_E)
-
-
-@triton.jit
-def _load_tile(base, desc_ptr, batch, head, row0, n_rows, stride_row,
-               ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-               USE_TMA: tl.constexpr, CHECK_ROWS: tl.constexpr):
-    """A (ROWS, BLOCK_D) tile starting at row `row0` of one head; rows past `n_rows` and columns past HEAD_DIM read 0."""
-    if USE_TMA:
-        tile = desc_ptr.load([batch, head, row0, 0]).reshape(ROWS, BLOCK_D)
-    else:
-        rows = row0 + tl.arange(0, ROWS)
-        cols = tl.arange(0, BLOCK_D)
-        ptrs = base + rows[:, None] * stride_row + cols[None, :]
-        if CHECK_ROWS:
-            mask = rows[:, None] < n_rows
-            if BLOCK_D != HEAD_DIM:
-                mask = mask & (cols[None, :] < HEAD_DIM)
-            tile = tl.load(ptrs, mask=mask, other=0.0)
-        elif BLOCK_D != HEAD_DIM:
-            tile = tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
-        else:
-            tile = tl.load(ptrs)
-    return tile
-
-
-@triton.jit
-def scores_log2(s, q_pos, k_pos, seqlen_q, seqlen_k, diagonal, qk_scale, softcap_scale, alibi_slope_log2,
-                BIAS, bias_offset, stride_bias_m, stride_bias_n,
-                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Raw products s = q·k (any orientation: q_pos and k_pos broadcast over s) -> scores in log2 units:
-    `mask.score_to_log2` (softcap, ALiBi) and then the bias, read through its (possibly stride-0) strides.
-    Returns (scores, t) as score_to_log2 (t = tanh(...) for the softcap's derivative). Used by the forward and
-    both backward kernels. `bias_offset`: the (batch, head) plane's offset (`head_extras`)."""
-    x, t = score_to_log2(s, q_pos, k_pos, diagonal, qk_scale, softcap_scale, alibi_slope_log2, SOFTCAP, ALIBI)
-    if HAS_BIAS:
-        in_bounds = (q_pos < seqlen_q) & (k_pos < seqlen_k)
-        # 64-bit within the plane too: Lq·Lk passes 2**31 at L = 46341
-        bias = tl.load(BIAS + bias_offset + q_pos.to(tl.int64) * stride_bias_m + k_pos.to(tl.int64) * stride_bias_n,
-                       mask=in_bounds, other=0.0)
-        x = x + bias.to(tl.float32) * LOG2_E_IN_KERNEL
-    return x, t
-
-
-@triton.jit
-def head_extras(ALIBI_SLOPES, batch, batch64, q_head, stride_alibi_b, stride_alibi_h, stride_bias_b, stride_bias_h,
-                ALIBI: tl.constexpr):
-    """One (sequence, query head)'s ALiBi slope in log2 units (0 without ALiBi) and its bias plane's offset (the
-    strides are 0 without a bias)."""
-    if ALIBI:
-        slope_log2 = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + q_head * stride_alibi_h) * LOG2_E_IN_KERNEL
-    else:
-        slope_log2 = tl.zeros([], tl.float32)
-    return slope_log2, batch64 * stride_bias_b + q_head.to(tl.int64) * stride_bias_h
-
-
-@triton.jit
-def _online_softmax_step(acc, l_i, m_i, x, v, qk_scale,
-                         RAW: tl.constexpr, MAY_BE_EMPTY: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Fold one tile of scores x (log2 units; RAW: plain products q kᵀ, scaled here, where the scale folds into
-    the exp2's FMA) and its values v into the running (acc, l, m). MAY_BE_EMPTY: rows may have seen no key."""
-    if RAW:
-        m_new = tl.maximum(m_i, tl.max(x, 1) * qk_scale)
-        m_shift = m_new
-        p = tl.math.exp2(x * qk_scale - m_shift[:, None])
-    else:
-        m_new = tl.maximum(m_i, tl.max(x, 1))
-        if MAY_BE_EMPTY:
-            # A row with no visible key so far keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_shift = m_new
-        p = tl.math.exp2(x - m_shift[:, None])
-    alpha = tl.math.exp2(m_i - m_shift)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
 
 
 @triton.jit
@@ -147,11 +62,11 @@ def _attend_key_tiles(acc, l_i, m_i, q, offs_m,
             if start_n >= gap_start:
                 start_n += gap_end - gap_start
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = _load_tile(k_base, K, batch, kv_head, start_n, seqlen_k, stride_kn,
-                       BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
+        k = load_tile(k_base, K, batch, kv_head, start_n, seqlen_k, stride_kn,
+                      BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        v = _load_tile(v_base, V, batch, kv_head, start_n, seqlen_k, stride_vn,
-                       BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
+        v = load_tile(v_base, V, batch, kv_head, start_n, seqlen_k, stride_vn,
+                      BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
         key_pos = start_n + tl.arange(0, BLOCK_N)
         if SOFTCAP or ALIBI or HAS_BIAS:
             x, _ = scores_log2(s, offs_m[:, None], key_pos[None, :], seqlen_q, seqlen_k, diagonal, qk_scale,
@@ -165,23 +80,9 @@ def _attend_key_tiles(acc, l_i, m_i, q, offs_m,
             seen = visible(offs_m[:, None], key_pos[None, :], seqlen_k, diagonal, window_left, window_right,
                            MASK_LEFT, MASK_RIGHT)
             x = tl.where(seen, x, float("-inf"))
-        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, x, v, qk_scale,
-                                             not (MASKED or SOFTCAP or ALIBI or HAS_BIAS), MASKED, DOT_PRECISION)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, x, v, qk_scale,
+                                            not (MASKED or SOFTCAP or ALIBI or HAS_BIAS), MASKED, DOT_PRECISION)
     return acc, l_i, m_i
-
-
-@triton.jit
-def sequence_bounds(CU_SEQLENS, batch, seqlen, VARLEN: tl.constexpr):
-    """(first row, length) of sequence `batch`: from the cumulative lengths of a packed batch (the first row as
-    int64), else (0, seqlen) with a compile-time 0 (so the dense kernels are unchanged, and Gluon kernels, which
-    have no layout-free tl.zeros, can call this too)."""
-    if VARLEN:
-        start = tl.load(CU_SEQLENS + batch)
-        seqlen = tl.load(CU_SEQLENS + batch + 1) - start
-        start = start.to(tl.int64)
-    else:
-        start = 0
-    return start, seqlen
 
 
 @triton.jit
@@ -228,8 +129,8 @@ def _attention_forward_kernel(
         k_base = K + batch64 * stride_kb + kv_head.to(tl.int64) * stride_kh + k_start * stride_kn
         v_base = V + batch64 * stride_vb + kv_head.to(tl.int64) * stride_vh + k_start * stride_vn
 
-    q = _load_tile(q_base, Q, batch, q_head, start_m, seqlen_q, stride_qm,
-                   BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA, True)
+    q = load_tile(q_base, Q, batch, q_head, start_m, seqlen_q, stride_qm,
+                  BLOCK_M, BLOCK_D, HEAD_DIM, USE_TMA, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -274,51 +175,6 @@ def _attention_forward_kernel(
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=mask)
 
 
-def tma_box(t: torch.Tensor, block_rows: int, block_d: int) -> dict:
-    """The fields of a rank-4 TMA descriptor over t's own strides, boxes of (1, 1, block_rows, block_d).
-
-    Shared by the Triton and the Gluon launchers. The descriptors are built from these without their classes'
-    re-validation (`tma_compatible` was checked once by the caller): this runs on every call, and host time matters
-    for small problems, where the GPU idles while Python prepares a launch.
-    """
-    shape, strides = list(t.shape), list(t.stride())
-    # Size-1 dims are never stepped over, but TMA still wants every outer stride 16-byte aligned.
-    for dim in (2, 1, 0):
-        if shape[dim] == 1:
-            strides[dim] = shape[dim + 1] * strides[dim + 1]
-    return {"base": t, "shape": shape, "strides": strides, "block_shape": [1, 1, block_rows, block_d], "padding": "zero"}
-
-
-def _tma_descriptor(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDescriptor:
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(tma_box(t, block_rows, block_d))
-    return desc
-
-
-def needs_64bit_rows(*tensors: torch.Tensor | None) -> bool:
-    """Whether a kernel's row offsets (row index × row stride, in elements) can reach 2**31 for these (..., L, D)
-    tensors. The kernels compute them in 32 bits unless told otherwise (ROW64): 64-bit offsets cost registers in
-    the common case, but a transposed (B, L, H, D) buffer has row stride H·D, so H=32, D=128 passes 2**31 at
-    L = 524288. Batch and head offsets are always 64-bit; TMA descriptors address on their own."""
-    return any(t is not None and t.shape[-2] > 1 and (t.shape[-2] - 1) * t.stride(-2) + t.shape[-1] >= 2**31
-               for t in tensors)
-
-
-def tma_compatible(*tensors: torch.Tensor) -> bool:
-    """TMA needs a unit last stride, 16-byte aligned base addresses and outer strides (size-1 dims excepted).
-
-    Holds for any rank: every view the API derives (merged leading dims, unsqueezed 2-D/3-D) keeps the property.
-    """
-    for t in tensors:
-        align = 16 // t.element_size()
-        if t.data_ptr() % 16 or (t.shape[-1] > 1 and t.stride(-1) != 1):
-            return False
-        for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
-            if size > 1 and stride % align:
-                return False
-    return True
-
-
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     causal, softmax_scale: float, tiles: AttentionTiles,
@@ -342,50 +198,14 @@ def attention_forward(
     return _attention_forward_kernel[grid](**bound, **options)
 
 
-def feature_args(q, k, features: CallFeatures, softmax_scale: float) -> tuple[dict, tuple]:
-    """The mask's scalars and constexprs (mask.MaskSpec.kernel_args), the feature flags, and the ALiBi and bias
-    strides, for the forward and the backward kernels alike."""
-    bias = features.attn_bias
-    scalars = dict(
-        **features.mask.kernel_args(softmax_scale),
-        ALIBI=features.alibi_slopes is not None, HAS_BIAS=bias is not None, VARLEN=features.varlen is not None,
-    )
-    if scalars["SOFTCAP"] and q.is_cuda and q.dtype != torch.float32:
-        scalars["SOFTCAP"] = int(HARDWARE_TANH)  # 16-bit inputs on a GPU: the tanh instruction (mask.softcap_tanh)
-    alibi_strides = features.alibi_slopes.stride() if features.alibi_slopes is not None else (0, 0)
-    full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    return scalars, (*alibi_strides, *(bias_strides(bias, full) if bias is not None else (0, 0, 0, 0)))
-
-
-def feature_tensors(features: CallFeatures) -> tuple:
-    """CU_SEQLENS_Q, CU_SEQLENS_K, ALIBI_SLOPES, BIAS (None where the call has none)."""
-    varlen = features.varlen
-    return (varlen.cu_seqlens_q if varlen is not None else None, varlen.cu_seqlens_k if varlen is not None else None,
-            features.alibi_slopes, features.attn_bias)
-
-
-def launch_lengths(q, k, features: CallFeatures) -> tuple[int, int, int]:
-    """(seqlen_q, seqlen_k, rows of lse per head) the kernels take: the tensors' lengths, or for varlen the
-    longest sequences (grids) and the packed total (lse is (1, H, total_q))."""
-    if features.varlen is not None:
-        return features.varlen.max_seqlen_q, features.varlen.max_seqlen_k, q.shape[2]
-    return q.shape[2], k.shape[2], q.shape[2]
-
-
-def batch_programs(q, features: CallFeatures) -> int:
-    """The grid's (batch, head) programs: one per sequence and query head."""
-    num_seqs = features.varlen.num_seqs if features.varlen is not None else q.shape[0]
-    return num_seqs * q.shape[1]
-
-
 def _scalar_args(q, k, v, out, features: CallFeatures, softmax_scale, tiles: AttentionTiles) -> tuple[dict, tuple]:
     """The kernel's scalars and constexprs (but the tile shape) by name, and its strides in order."""
     num_q_heads = q.shape[1]
-    seqlen_q, seqlen_k, lse_rows = launch_lengths(q, k, features)
+    _, seqlen_q, seqlen_k = launch_sizes(q, k, features.varlen)
     scalars, feature_strides = feature_args(q, k, features, softmax_scale)
     common = dict(
         num_q_heads=num_q_heads, group_size=num_q_heads // k.shape[1], seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-        lse_rows=lse_rows, **scalars, HEAD_DIM=q.shape[3], BLOCK_D=padded_head_dim(q.shape[3]),
+        lse_rows=q.shape[2], **scalars, HEAD_DIM=q.shape[3], BLOCK_D=padded_head_dim(q.shape[3]),
         USE_TMA=tiles.use_tma,  # the caller checked tma_compatible(q, k, v, out) when it chose TMA
         ROW64=needs_64bit_rows(q, k, v, out),
     )
@@ -397,8 +217,8 @@ def _tensor_args(use_tma, block_m, block_n, block_d, q, k, v, out, lse, features
     the features' tensors."""
     if not use_tma:
         return q, k, v, out, lse, *feature_tensors(features)
-    return (_tma_descriptor(q, block_m, block_d), _tma_descriptor(k, block_n, block_d),
-            _tma_descriptor(v, block_n, block_d), _tma_descriptor(out, block_m, block_d), lse,
+    return (tma_descriptor(q, block_m, block_d), tma_descriptor(k, block_n, block_d),
+            tma_descriptor(v, block_n, block_d), tma_descriptor(out, block_m, block_d), lse,
             *feature_tensors(features))
 
 
@@ -408,7 +228,7 @@ def _launch(q, k, v, out, lse, features: CallFeatures, tiles: AttentionTiles, co
                                features)
     bound = dict(zip(_attention_forward_kernel.arg_names, (*tensor_args, *strides)), **common,
                  BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **dot_precision(q))
-    grid = (triton.cdiv(common["seqlen_q"], tiles.block_m), batch_programs(q, features))
+    grid = (triton.cdiv(common["seqlen_q"], tiles.block_m), launch_sizes(q, k, features.varlen)[0] * q.shape[1])
     return grid, bound, dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 

@@ -10,6 +10,11 @@ What moved (Gluon is Triton's experimental layer):
   Hopper, so ``async_atomic_add`` is written here for them as a builtin; 3.8 added ``tma.async_atomic_add``.
 - ``gl.thread_barrier()`` (3.6) became ``gl.barrier()`` (3.7, which dropped the old name): exported as ``barrier``.
 - ``mbarrier.expect``'s byte count is positional everywhere (its name moved from ``bytes`` to ``bytes_per_cta``).
+- Aggregates (named kernel-side structs): ``gluon.aggregate`` from 3.9, ``triton.language.core._aggregate`` before
+  (the same decorator); exported as ``aggregate``. Their ``__init__`` is a ``gluon.constexpr_function`` (3.6 and 3.7
+  require one; 3.9 would generate it), which sees constexpr arguments unwrapped: it stores each argument through
+  ``field`` (constexprs wrapped again, tensors as they are). Field annotations must be real classes, not strings:
+  a module that declares an aggregate does not use ``from __future__ import annotations``.
 - ``TensorDescriptor`` gained ``round_f32_to_tf32`` (3.7; a class-level default, so descriptors built field by
   field in ``sm90.descriptor`` stay valid).
 
@@ -34,8 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["TRITON_VERSION", "TUNED_TRITON", "TensorDescriptor", "barrier", "fence_async_shared", "gl", "gluon", "mbarrier", "tma", "warpgroup_mma",
-           "on_tuned_triton", "warpgroup_mma_wait"]
+__all__ = ["TRITON_VERSION", "TUNED_TRITON", "TensorDescriptor", "aggregate", "barrier", "fence_async_shared", "field",
+           "gl", "gluon", "mbarrier", "on_tuned_triton", "tma", "warpgroup_mma", "warpgroup_mma_wait"]
 
 TRITON_VERSION = triton.__version__
 # The release the kernels' tiles, register budgets and spill-free builds were tuned and measured on (the H200's).
@@ -45,6 +50,8 @@ TUNED_TRITON = "3.6"
 def on_tuned_triton() -> bool:
     """Whether the running triton is the release the Gluon kernels were tuned on (``TUNED_TRITON``)."""
     return TRITON_VERSION.split(".")[:2] == TUNED_TRITON.split(".")
+
+
 _tma = _hopper.tma
 
 
@@ -65,6 +72,14 @@ def _legacy_async_atomic_add():
 
 
 barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # a CTA-wide barrier (bar.sync)
+aggregate = getattr(gluon, "aggregate", None) or triton.language.core._aggregate
+
+
+@gluon.constexpr_function
+def field(value):
+    """An aggregate field's value inside its ``__init__``: a tensor as it is, anything else (a constexpr argument,
+    which the constexpr function sees unwrapped, e.g. None for an argument a launch leaves out) as a constexpr."""
+    return value if isinstance(value, gl.tensor) else gl.constexpr(value)
 
 tma = types.ModuleType(__name__ + ".tma", "Gluon's Hopper TMA ops under triton 3.8+'s names, on any supported triton.")
 tma.async_load = getattr(_tma, "async_load", None) or _tma.async_copy_global_to_shared

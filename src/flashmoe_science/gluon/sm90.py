@@ -5,7 +5,8 @@ Each kernel runs one producer warp (TMA copies only) beside two consumer warpgro
 register split between them (``PRODUCER_REGISTERS``, ``CONSUMER_REGISTERS``, ``REGISTER_CAP``), the launch
 options that go with it (``LAUNCH_OPTIONS``), the consumers' accumulator layout (``wgmma_layout``) and its column
 halves (``column_halves``, for epilogues in slices), host-side TMA descriptors (``descriptor``) and offline sm_90
-builds (``compile_offline``; the target-independent part is ``build``). Gluon's own names come from ``compat``. Gluon inlines the device helpers: the kernels compile as if they were written out in place.
+builds (``compile_offline``; the target-independent part is ``build``). Gluon's own names come from ``compat``.
+Gluon inlines the device helpers: the kernels compile as if they were written out in place.
 """
 
 from __future__ import annotations

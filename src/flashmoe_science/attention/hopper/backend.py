@@ -19,6 +19,7 @@ import torch
 
 from flashmoe_science.attention import triton_backend
 from flashmoe_science.attention.features import FEATURES
+from flashmoe_science.attention.layout import tma_compatible
 from flashmoe_science.attention.hopper.tiles import (
     sm90_backward_wins,
     sm90_cross_item,
@@ -55,10 +56,6 @@ def _on_hopper(q) -> bool:
     return q.is_cuda and device_traits(q.device).is_hopper
 
 
-def _tma_compatible(*tensors) -> bool:
-    from flashmoe_science.attention.triton_fwd import tma_compatible
-
-    return tma_compatible(*tensors)
 
 
 # --------------------------------------------------------------------------------------------------- forward
@@ -79,8 +76,8 @@ class HopperForward:
 
     def run(self, q, k, v, features, softmax_scale, out=None, lse=None):
         """(out, lse) on checked 4-D views (varlen: (1, H, total, D); lse (1, H, total))."""
-        from flashmoe_science.attention.hopper.fwd_sm90 import (BLOCK_M, VarlenBatch, attention_forward_sm90,
-                                                                varlen_tile_offsets)
+        from flashmoe_science.attention.hopper.fwd_sm90 import BLOCK_M, attention_forward_sm90
+        from flashmoe_science.attention.seqlen import VarlenBatch, varlen_tile_offsets
 
         if out is None:
             out, lse = new_outputs(q)
@@ -188,7 +185,7 @@ class HopperBackward:
 
     def run(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float, deterministic: bool,
             need_dbias: bool):
-        if (dq is not None and dk is not None and _tma_compatible(grad_out)
+        if (dq is not None and dk is not None and tma_compatible(grad_out)
                 and run_gluon("attention backward", lambda: launch_backward(
                     q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale))):
             ran("backward", self.backend, self.kernel)
@@ -229,7 +226,7 @@ class _HopperAttentionBackward:
                 return "it needs a Hopper (sm_90) GPU"
             if q.dtype not in KERNEL_DTYPES:
                 return "it runs bf16/fp16 only"
-            if not _tma_compatible(problem.q, problem.k, problem.v):
+            if not tma_compatible(problem.q, problem.k, problem.v):
                 return TMA_RULE
             try:
                 import flashmoe_science.attention.hopper.bwd_sm90  # noqa: F401
@@ -265,7 +262,7 @@ class HopperAttention:
         absent = missing(problem.feature_names(), FORWARD_FEATURES)
         if absent:
             return f"it does not take {', '.join(absent)} yet"
-        if not _tma_compatible(q, problem.k, problem.v):
+        if not tma_compatible(q, problem.k, problem.v):
             return TMA_RULE
         return None
 

@@ -12,11 +12,9 @@ from flashmoe_science.gluon.compat import gl, gluon, mbarrier, tma
 
 from flashmoe_science.attention.features import as_features
 from flashmoe_science.attention.mask import LOG2_E, query_tile_range, score_to_log2, visible
-from flashmoe_science.attention.triton_fwd import sequence_bounds
+from flashmoe_science.attention.seqlen import launch_sizes
 
 from flashmoe_science.gluon.sm90 import compile_offline as sm90_compile_offline
-
-LOG2_E_IN_KERNEL = gl.constexpr(LOG2_E)
 
 TWO_KERNEL_BLOCK_D = 256  # padded head dim run as bwd_sm90_hdim256 (dK, dV) + bwd_dq_sm90 (dQ)
 
@@ -48,8 +46,9 @@ def _visited_query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
     """For the key block at `start_n`: (query_start, num_tiles, full_start, full_end) in rows. Query tiles
     [query_start, query_start + num_tiles·BLOCK_M) see some of its keys; `_tile_needs_mask` says which need the
     elementwise mask. Windows (MASK_LEFT/MASK_RIGHT, mask.kernel_args) take mask.query_tile_range: tiles entirely
-    outside the window are never visited. Dense and causal-only calls (CAUSAL, no MASK_*) keep the original
-    kernels' `_query_tile_bounds` (the same tiles; their SASS is unchanged)."""
+    outside the window are never visited. Dense and causal-only calls (CAUSAL, no MASK_*) take `_query_tile_bounds`:
+    the same tiles with less arithmetic (its ragged-key rule masks every tile, where query_tile_range's would need
+    a second comparison per tile)."""
     if MASK_LEFT or MASK_RIGHT:
         query_start, full_start, full_end, query_end = query_tile_range(
             start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
@@ -132,7 +131,7 @@ def _probabilities(s, lse, queries, keys, needs_mask, seqlen_k, diagonal, window
     log2 units); t is the softcap's tanh, for `_softcap_grad` (unused otherwise). Hidden pairs give P = 0."""
     x, t = score_to_log2(s, queries, keys, diagonal, qk_scale, softcap_scale, alibi_slope_log2, SOFTCAP, ALIBI)
     if SOFTCAP:
-        x = x - gl.expand_dims(lse * LOG2_E_IN_KERNEL, AXIS)
+        x = x - gl.expand_dims(lse * LOG2_E, AXIS)
         if needs_mask:
             if CAUSAL or MASK_LEFT or MASK_RIGHT:  # hidden pairs carry NaN from `_score_start`: P = 0, t finite
                 hidden = t != t
@@ -182,7 +181,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
               q_first, k_first, window_left, window_right,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
     """K and V once, then Q and dO of every visited query tile of every query head of the group. Rows are
-    relative to the sequence's first (q_first, k_first: triton_fwd.sequence_bounds; 0 for dense batches). A packed
+    relative to the sequence's first (q_first, k_first: seqlen.sequence_coords; 0 for dense batches). A packed
     sequence's last tiles may read the next sequence's rows: hidden keys and queries with lse = +inf, harmless."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
@@ -217,8 +216,9 @@ def feature_args(features, softmax_scale: float, q, k) -> tuple[tuple, dict, tup
     CuSeqlensQ, CuSeqlensK, stride_slopes, lse_rows, window_left, window_right, softcap_scale`, their feature
     constexprs, (num_seqs, seqlen_q, seqlen_k, qk_scale) for the grids and the scale argument).
 
-    Dense and causal-only masks run as CAUSAL with no MASK_* flag: the original kernels' code and SASS. Any other
-    window sets MASK_LEFT/MASK_RIGHT from mask.kernel_args. Varlen: one "batch" entry per packed sequence, the
+    Dense and causal-only masks run as CAUSAL with no MASK_* flag (a constant window: mask.key_tile_bounds and
+    `_query_tile_bounds`, fewer instructions than the general bounds with a runtime window). Any other window sets
+    MASK_LEFT/MASK_RIGHT from mask.kernel_args. Varlen: one "batch" entry per packed sequence, the
     maximal lengths (the kernels read each sequence's from cu_seqlens)."""
     features = as_features(features)
     mask = features.mask
@@ -228,18 +228,13 @@ def feature_args(features, softmax_scale: float, q, k) -> tuple[tuple, dict, tup
     if slopes is not None and slopes.stride(-1) != 1:
         slopes = slopes.contiguous()  # (B, Hq) float32: a few bytes
     varlen = features.varlen
-    if varlen is None:
-        cu_q = cu_k = None
-        shape = (q.shape[0], q.shape[2], k.shape[2])
-    else:
-        cu_q, cu_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
-        shape = (varlen.num_seqs, varlen.max_seqlen_q, varlen.max_seqlen_k)
+    cu_q, cu_k = (None, None) if varlen is None else (varlen.cu_seqlens_q, varlen.cu_seqlens_k)
     args = (slopes, cu_q, cu_k, 0 if slopes is None else slopes.stride(0), q.shape[2], scalars["window_left"],
             scalars["window_right"], scalars["softcap_scale"])
     constexprs = dict(CAUSAL=causal_only, MASK_LEFT=scalars["MASK_LEFT"],
                       MASK_RIGHT=scalars["MASK_RIGHT"] and not causal_only, SOFTCAP=scalars["SOFTCAP"],
                       ALIBI=slopes is not None, VARLEN=varlen is not None)
-    return args, constexprs, (*shape, scalars["qk_scale"])
+    return args, constexprs, (*launch_sizes(q, k, varlen), scalars["qk_scale"])
 
 
 def offline_build(kernel, bound: dict):
@@ -258,16 +253,3 @@ def offline_features(causal=False, window=None, softcap=None, alibi=False, varle
     cu = torch.empty(3, dtype=torch.int32, device="meta")
     return CallFeatures(mask=make_mask(causal, window, softcap), alibi_slopes=slopes,
                         varlen=Varlen(cu, cu, 256, 256) if varlen else None)
-
-
-@gluon.jit
-def _sequence_coords(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k, VARLEN: gl.constexpr):
-    """(batch, q_first, seqlen_q, k_first, seqlen_k) of sequence `seq` for the backward kernels' TMA coordinates: a
-    packed batch is one (1, H, total rows, D) tensor whose sequences start at 32-bit row offsets; a dense batch is
-    batch `seq` with offsets 0. The caller returns early where its tile lies past the sequence."""
-    q_first, seqlen_q = sequence_bounds(CuSeqlensQ, seq, seqlen_q, VARLEN)
-    k_first, seqlen_k = sequence_bounds(CuSeqlensK, seq, seqlen_k, VARLEN)
-    if VARLEN:
-        return 0, q_first.to(gl.int32), seqlen_q, k_first.to(gl.int32), seqlen_k
-    else:
-        return seq, q_first, seqlen_q, k_first, seqlen_k

@@ -2,7 +2,7 @@
 
 At head dim 256 a one-pass backward must add each CTA's dQ partial (64 queries x 256 fp32 per tile of 64 keys)
 into a float32 accumulator in L2; measured on the H200 that reduction traffic alone held the one-pass kernel at
-~265 TFLOP/s whether done by atomics or TMA reduce-adds (docs/perf-notes.md, v27), against ~430 with it removed.
+~265 TFLOP/s whether done by atomics or TMA reduce-adds (docs/perf-notes.md), against ~430 with it removed.
 So at D=256 the backward runs two kernels: bwd_sm90_hdim256 (dK, dV; keys stationary) and this one, which
 recomputes the scores once more (7 products per tile pair instead of 5) but owns its rows' dQ outright:
 
@@ -17,7 +17,7 @@ barriers: dP needs V early, dQ needs K late). Consumer c (4 warps, rows [64c, 64
 Tile j's dQ product is issued in iteration j+1 after that tile's S and dP, so it runs while their P and dS are
 computed (the forward's P·V overlap); K stage j is released once it completes, V stage j once dP_j has. dQ · scale
 is stored once at the end. With causal masking consumer 0 (the lower rows) stops a tile or two before consumer 1
-and releases the remaining stages unread (fwd_sm90._release_unused).
+and releases the remaining stages unread (hopper.common.release_unused).
 """
 
 from __future__ import annotations
@@ -25,19 +25,18 @@ from __future__ import annotations
 import torch
 from flashmoe_science.gluon.compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from flashmoe_science.attention.seqlen import sequence_coords
 from flashmoe_science.attention.hopper.bwd_common import (
-    LOG2_E_IN_KERNEL,
     _mask_score_start,
     _probabilities,
     _score_start,
-    _sequence_coords,
     _softcap_grad,
     _tile_needs_mask,
     feature_args,
     offline_build,
 )
-from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor, _release_unused
-from flashmoe_science.attention.mask import key_tile_bounds, key_tile_range
+from flashmoe_science.attention.hopper.common import descriptor, release_unused
+from flashmoe_science.attention.mask import LOG2_E, key_tile_bounds, key_tile_range
 from flashmoe_science.gluon.sm90 import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS, wgmma_layout
 
 BLOCK_M = 64  # query rows per consumer
@@ -49,8 +48,9 @@ NUM_STAGES = 3
 def _visited_key_tiles(start_m, seqlen_q, seqlen_k, window_left, window_right, ROWS: gl.constexpr,
                        KEYS: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
     """For the rows [start_m, start_m + ROWS): (key_start, full_start, full_end, key_end) in keys, as
-    mask.key_tile_range (windows: tiles outside are never streamed); dense and causal-only calls keep the original
-    kernel's mask.key_tile_bounds (key_start = full_start = 0; its SASS unchanged)."""
+    mask.key_tile_range (windows: tiles outside are never streamed); dense and causal-only calls take
+    mask.key_tile_bounds (key_start = full_start = 0; key_tile_range with a constant causal window measured 24 more
+    instructions in the D=256 causal build, 4040 -> 4064)."""
     if MASK_LEFT or MASK_RIGHT:
         key_start, full_start, full_end, key_end = key_tile_range(
             start_m, seqlen_q, seqlen_k, window_left, window_right, ROWS, KEYS, MASK_LEFT, MASK_RIGHT)
@@ -144,7 +144,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, k_em
     if MASK_LEFT or MASK_RIGHT:
         first = gl.minimum((key_start - cta_start) // KEYS, cta_tiles)
         end = gl.minimum(gl.maximum(gl.cdiv(key_end - cta_start, KEYS), first), cta_tiles)
-        _release_unused(k_ready, v_ready, k_empty, v_empty, 0, first, NUM_STAGES)  # the other consumer's
+        release_unused(k_ready, v_ready, k_empty, v_empty, 0, first, NUM_STAGES)  # the other consumer's
     else:
         first = 0
         end = gl.cdiv(key_end, KEYS)  # <= cta_tiles
@@ -157,7 +157,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, k_em
     else:
         row0 = (batch * num_q_heads + q_head) * seqlen_q
     if ALIBI:
-        slope_log2 = gl.load(Slopes + seq * stride_slopes + q_head) * LOG2_E_IN_KERNEL
+        slope_log2 = gl.load(Slopes + seq * stride_slopes + q_head) * LOG2_E
     else:
         slope_log2 = 0.0
     # queries past Lq: lse = +inf, so P = 0 (their zero-filled Q/dO rows give finite scores)
@@ -203,7 +203,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, k_em
         dq = warpgroup_mma(ds, k_smem.index(last).reshape([KEYS, BLOCK_D]), dq, is_async=True)
         dq, _ = warpgroup_mma_wait(0, deps=(dq, ds))
         mbarrier.arrive(k_empty.index(last), count=1)
-    _release_unused(k_ready, v_ready, k_empty, v_empty, end, cta_tiles, NUM_STAGES)
+    release_unused(k_ready, v_ready, k_empty, v_empty, end, cta_tiles, NUM_STAGES)
 
     rows = my_start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq_layout))
     cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, dq_layout))
@@ -238,8 +238,8 @@ def attention_backward_dq_sm90_kernel(
     q_head = pid_bh % num_q_heads
     kv_head = q_head // group_size
     start_m = pid_m * 2 * ROWS
-    batch, q_first, seqlen_q, k_first, seqlen_k = _sequence_coords(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k,
-                                                                   VARLEN)
+    batch, q_first, seqlen_q, k_first, seqlen_k = sequence_coords(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k,
+                                                                  VARLEN)
     if VARLEN:
         if start_m >= seqlen_q:
             return
@@ -278,8 +278,8 @@ def attention_backward_dq_sm90_kernel(
 
 
 def _tensor_args(q, k, v, grad_out, block_d):
-    return (_descriptor(q, BLOCK_M, block_d), _descriptor(grad_out, BLOCK_M, block_d),
-            _descriptor(k, BLOCK_N, block_d), _descriptor(v, BLOCK_N, block_d))
+    return (descriptor(q, BLOCK_M, block_d), descriptor(grad_out, BLOCK_M, block_d),
+            descriptor(k, BLOCK_N, block_d), descriptor(v, BLOCK_N, block_d))
 
 
 def launch(q, k, v, lse, grad_out, delta, dq, features, softmax_scale: float, num_stages: int = NUM_STAGES):

@@ -60,17 +60,16 @@ import functools
 
 import torch
 
-from flashmoe_science.attention.hopper import bwd_dq_sm90, bwd_sm90_hdim256
+from flashmoe_science.attention import bwd_prep
 from flashmoe_science.attention.features import as_features
+from flashmoe_science.attention.hopper import bwd_dq_sm90, bwd_sm90_hdim256
 from flashmoe_science.attention.hopper.bwd_common import (
-    LOG2_E_IN_KERNEL,
     TWO_KERNEL_BLOCK_D,
     _cta_key_block,
     _probabilities,
     _producer,
     _producer_barriers,
     _score_start,
-    _sequence_coords,
     _softcap_grad,
     _tile_needs_mask,
     _visited_query_tiles,
@@ -78,7 +77,10 @@ from flashmoe_science.attention.hopper.bwd_common import (
     feature_args,
     offline_build,
 )
-from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor  # the forward's TMA boxes
+from flashmoe_science.attention.hopper.common import descriptor
+from flashmoe_science.attention.layout import needs_64bit_rows
+from flashmoe_science.attention.mask import LOG2_E
+from flashmoe_science.attention.seqlen import sequence_coords
 from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.gluon.sm90 import (CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS,
                                             column_halves, wgmma_layout)
@@ -139,7 +141,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
         else:
             q_row0 = q_head * seqlen_q  # this head's first row of lse/Δ
         if ALIBI:
-            slope_log2 = gl.load(Slopes + seq * stride_slopes + kv_head * group_size + g) * LOG2_E_IN_KERNEL
+            slope_log2 = gl.load(Slopes + seq * stride_slopes + kv_head * group_size + g) * LOG2_E
         else:
             slope_log2 = 0.0
         stage = ring % NUM_STAGES
@@ -229,9 +231,8 @@ def attention_backward_sm90_kernel(
     consecutive, so the CTAs running at once share a few heads' Q and dO in L2. (Ordering causal CTAs longest
     first, in bands of 4-16 heads or over all heads, measured no faster or up to 20% slower: perf-notes.)
 
-    The arguments after sm_scale are the features' (appended, so the plain kernel's parameters keep their
-    places): see `_feature_args`. VARLEN: B is the number of packed sequences, seqlen_q/k their maxima, and CTAs
-    past their sequence's keys return at once."""
+    The arguments after sm_scale are the features' (bwd_common.feature_args). VARLEN: B is the number of packed
+    sequences, seqlen_q/k their maxima, and CTAs past their sequence's keys return at once."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
@@ -239,8 +240,8 @@ def attention_backward_sm90_kernel(
     DQ_N: gl.constexpr = BLOCK_D // 2
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
     start_n, seq, kv_head = _cta_key_block(seqlen_k, num_kv_heads, CTA_KEYS)
-    batch, q_first, seqlen_q, k_first, seqlen_k = _sequence_coords(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k,
-                                                                   VARLEN)
+    batch, q_first, seqlen_q, k_first, seqlen_k = sequence_coords(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k,
+                                                                  VARLEN)
     if VARLEN:
         if start_n >= seqlen_k:
             return
@@ -312,7 +313,7 @@ def check_supported(q: torch.Tensor, softmax_scale: float = 1.0) -> None:
 def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float,
                             dq_accum=None, num_stages: int | None = None):
     """triton_bwd.attention_backward's conventions, all three gradients wanted: q/out/grad_out/dq `(B, Hq, Lq, D)`,
-    k/v/dk/dv `(B, Hkv, Lk, D)` with unit last stride and TMA-compatible strides (triton_fwd.tma_compatible of q, k,
+    k/v/dk/dv `(B, Hkv, Lk, D)` with unit last stride and TMA-compatible strides (layout.tma_compatible of q, k,
     v, grad_out: the caller checks), lse the forward's contiguous float32 `(B, Hq, Lq)`, delta a float32 workspace
     of lse's shape. Writes dq, dk, dv in place; returns the compiled kernels by name.
 
@@ -345,36 +346,11 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, feat
         q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale, num_stages).items()}
 
 
-def _row_launch_params(q, out, grad_out, dq):
-    """(padded head dim, rows per program, grid, 64-bit row offsets) of the row kernels (triton_bwd's preprocess
-    and dQ conversion) around the sm_90 kernels."""
-    import triton
-
-    from flashmoe_science.attention import triton_bwd
-    from flashmoe_science.attention.triton_fwd import needs_64bit_rows
-
-    block_d = padded_head_dim(q.shape[-1])
-    row_block = max(16, min(128, triton_bwd._ROW_KERNEL_ELEMENTS // block_d))
-    row_grid = (triton.cdiv(q.shape[2], row_block), q.shape[0] * q.shape[1])
-    return block_d, row_block, row_grid, needs_64bit_rows(q, out, grad_out, dq)
-
-
-def _bound(kernel, *args, **constexprs) -> dict:
-    """Every parameter of ``kernel`` by name: the positional ``args`` in order, then the constexprs."""
-    return dict(zip(kernel.arg_names, args), **constexprs)
-
-
 def _preprocess_launch(q, out, grad_out, delta, dq, dq_accum):
-    """triton_bwd's preprocess (delta = rowsum(dO * O); dq_accum zeroed unless None) as (kernel, grid, parameters
-    by name, options, the names of its tensor parameters)."""
-    from flashmoe_science.attention import triton_bwd
-
-    block_d, row_block, row_grid, row64 = _row_launch_params(q, out, grad_out, dq)
-    kernel = triton_bwd._bwd_preprocess_kernel
-    return (kernel, row_grid, _bound(
-        kernel, out, grad_out, delta, dq_accum, *out.stride()[:3], *grad_out.stride()[:3], q.shape[1], q.shape[2],
-        HEAD_DIM=q.shape[-1], BLOCK_D=block_d, BLOCK_M=row_block, ZERO_DQ_ACCUM=dq_accum is not None, ROW64=row64),
-        dict(num_warps=4), ("out", "grad_out", "delta", "dq_accum"))
+    """bwd_prep's preprocess (delta = rowsum(dO * O); dq_accum zeroed unless None) as (kernel, grid, parameters by
+    name, options, the names of its tensor parameters)."""
+    return (*bwd_prep.preprocess_launch(out, grad_out, delta, dq_accum, needs_64bit_rows(q, out, grad_out, dq)),
+            ("out", "grad_out", "delta", "dq_accum"))
 
 
 def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale: float,
@@ -384,35 +360,29 @@ def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum,
     them). Written once for attention_backward_sm90 and PreparedBackward."""
     import triton
 
-    from flashmoe_science.attention import triton_bwd
-
     num_q_heads, head_dim = q.shape[1], q.shape[3]
     num_kv_heads = k.shape[1]
     tail, flags, (batch, seqlen_q, seqlen_k, qk_scale) = feature_args(as_features(features), softmax_scale, q, k)
-    block_d, row_block, row_grid, row64 = _row_launch_params(q, out, grad_out, dq)
+    block_d = padded_head_dim(head_dim)
     main = attention_backward_sm90_kernel
-    convert = triton_bwd._bwd_dq_convert_kernel
+    main_args = (*_one_pass_tensor_args(block_d, q, grad_out, k, v, dq_accum, lse, delta, dk, dv), *dk.stride()[:3],
+                 *dv.stride()[:3], num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
+                 qk_scale, softmax_scale, *tail)
+    row64 = needs_64bit_rows(q, out, grad_out, dq)
     return {
         "preprocess": _preprocess_launch(q, out, grad_out, delta, dq, dq_accum),
-        "dkdv_dq": (main, (triton.cdiv(seqlen_k, BLOCK_N) * batch * num_kv_heads,), _bound(
-            main, *_one_pass_tensor_args(block_d, q, grad_out, k, v, dq_accum, lse, delta, dk, dv),
-            *dk.stride()[:3], *dv.stride()[:3], num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q,
-            seqlen_k, qk_scale, softmax_scale, *tail, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            NUM_STAGES=num_stages or NUM_STAGES, **flags),
-            dict(LAUNCH_OPTIONS),
-            ("q", "grad_out", "k", "v", "dq_accum", "lse", "delta", "dk", "dv")),
-        "dq_convert": (convert, row_grid, _bound(
-            convert, dq_accum, dq, *dq.stride()[:3], num_q_heads, q.shape[2], softmax_scale, HEAD_DIM=head_dim,
-            BLOCK_D=block_d, BLOCK_M=row_block, ROW64=row64),
-            dict(num_warps=4), ("dq_accum", "dq")),
+        "dkdv_dq": (main, (triton.cdiv(seqlen_k, BLOCK_N) * batch * num_kv_heads,), dict(
+            zip(main.arg_names, main_args), HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages or NUM_STAGES,
+            **flags), dict(LAUNCH_OPTIONS), ("q", "grad_out", "k", "v", "dq_accum", "lse", "delta", "dk", "dv")),
+        "dq_convert": (*bwd_prep.dq_convert_launch(dq_accum, dq, softmax_scale, row64), ("dq_accum", "dq")),
     }
 
 
 def _one_pass_tensor_args(block_d, q, grad_out, k, v, dq_accum, lse, delta, dk, dv):
     """The one-pass kernel's per-call arguments: TMA descriptors over q, dO (query tiles), k, v (key tiles) and the
     dq_accum reduce-add target, then the plain tensors."""
-    return (_descriptor(q, BLOCK_M, block_d), _descriptor(grad_out, BLOCK_M, block_d),
-            _descriptor(k, BLOCK_N, block_d), _descriptor(v, BLOCK_N, block_d), _dq_accum_descriptor(dq_accum),
+    return (descriptor(q, BLOCK_M, block_d), descriptor(grad_out, BLOCK_M, block_d),
+            descriptor(k, BLOCK_N, block_d), descriptor(v, BLOCK_N, block_d), _dq_accum_descriptor(dq_accum),
             lse, delta, dk, dv)
 
 
@@ -421,7 +391,7 @@ class PreparedBackward:
     launches as PreparedLaunches: called as ``prepared(q, k, v, out, lse, grad_out, delta, dq, dk, dv)`` on new
     tensors of the same shapes, strides, dtypes, device and 16-byte alignment (the caller keys its cache on them,
     attention.api._backward_key), it allocates dq_accum and launches without Triton's per-call binding (host time:
-    docs/perf-notes.md, session 15)."""
+    docs/perf-notes.md)."""
 
     __slots__ = ("launches", "dq_accum_shape")
 

@@ -5,7 +5,7 @@ accumulators per consumer at D=256: 256 registers a thread, more than a warpgrou
 the head dim for the gradient products instead (as FA3's hdim-256 configuration does), and the scores by keys. dQ
 is not computed here: at 64 keys per CTA its partials would be 64 x 256 fp32 per tile to add in L2, and that
 reduction alone capped a one-pass kernel at ~265 TFLOP/s on the H200 (atomics or TMA reduce-adds alike; 430 with it
-removed, docs/perf-notes.md v27), so bwd_dq_sm90 computes dQ query-stationary in a second kernel.
+removed, docs/perf-notes.md), so bwd_dq_sm90 computes dQ query-stationary in a second kernel.
 
 A CTA owns BLOCK_N = 64 keys of one (batch, kv head); grid (cdiv(Lk, 64) · B·Hkv). The producer warp is
 bwd_common's (K and V once, Q and dO tiles of 64 query rows through a ring). Consumer c (4 warps) per query tile:
@@ -27,22 +27,22 @@ from __future__ import annotations
 
 import torch
 
+from flashmoe_science.attention.mask import LOG2_E
+from flashmoe_science.attention.seqlen import sequence_coords
 from flashmoe_science.attention.hopper.bwd_common import (
-    LOG2_E_IN_KERNEL,
     TWO_KERNEL_BLOCK_D,
     _cta_key_block,
     _probabilities,
     _producer,
     _producer_barriers,
     _score_start,
-    _sequence_coords,
     _softcap_grad,
     _tile_needs_mask,
     _visited_query_tiles,
     feature_args,
     offline_build,
 )
-from flashmoe_science.attention.hopper.fwd_sm90 import _descriptor
+from flashmoe_science.attention.hopper.common import descriptor
 from flashmoe_science.gluon.sm90 import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS, wgmma_layout
 from flashmoe_science.gluon.compat import (barrier, fence_async_shared, gl, gluon, mbarrier, warpgroup_mma,
                                                   warpgroup_mma_wait)
@@ -93,7 +93,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_read
         else:
             q_row0 = q_head * seqlen_q
         if ALIBI:
-            slope_log2 = gl.load(Slopes + seq * stride_slopes + kv_head * group_size + g) * LOG2_E_IN_KERNEL
+            slope_log2 = gl.load(Slopes + seq * stride_slopes + kv_head * group_size + g) * LOG2_E
         else:
             slope_log2 = 0.0
         # K and V (and a one-stage ring) addressed through an index the compiler cannot prove constant: hoisted
@@ -183,8 +183,8 @@ def attention_backward_sm90_hdim256_kernel(
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
     KEYS: gl.constexpr = CTA_KEYS // 2
     start_n, seq, kv_head = _cta_key_block(seqlen_k, num_kv_heads, CTA_KEYS)
-    batch, q_first, seqlen_q, k_first, seqlen_k = _sequence_coords(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k,
-                                                                   VARLEN)
+    batch, q_first, seqlen_q, k_first, seqlen_k = sequence_coords(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k,
+                                                                  VARLEN)
     if VARLEN:
         if start_n >= seqlen_k:
             return
@@ -247,8 +247,8 @@ def _launch(q, k, v, lse, grad_out, delta, dk, dv, features, softmax_scale: floa
 
 def _tensor_args(q, k, v, grad_out):
     """TMA descriptors: Q and dO in tiles of BLOCK_M rows, K and V in the CTA's BLOCK_N rows, all BLOCK_D wide."""
-    return (_descriptor(q, BLOCK_M, BLOCK_D), _descriptor(grad_out, BLOCK_M, BLOCK_D),
-            _descriptor(k, BLOCK_N, BLOCK_D), _descriptor(v, BLOCK_N, BLOCK_D))
+    return (descriptor(q, BLOCK_M, BLOCK_D), descriptor(grad_out, BLOCK_M, BLOCK_D),
+            descriptor(k, BLOCK_N, BLOCK_D), descriptor(v, BLOCK_N, BLOCK_D))
 
 
 def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,

@@ -39,21 +39,22 @@ import functools
 
 import torch
 
-from flashmoe_science.attention.hopper.work_items import (  # noqa: F401 (varlen_tile_offsets: for the launchers)
-    VarlenBatch, cta_key_tiles, cta_num_items, item_rows, varlen_tile_offsets)
-from flashmoe_science.attention.mask import MaskSpec, key_tile_bounds, key_tile_range, score_to_log2, visible
+from flashmoe_science.attention.hopper.common import descriptor, release_unused
 from flashmoe_science.attention.hopper.tiles import sm90_cross_item_safe
+from flashmoe_science.attention.hopper.work_items import VarlenArgs, cta_key_tiles, cta_num_items, item_rows
+from flashmoe_science.attention.layout import tma_compatible
+from flashmoe_science.attention.mask import (LN_2, LOG2_E, MaskSpec, key_tile_bounds, key_tile_range, score_to_log2,
+                                             visible)
+from flashmoe_science.attention.seqlen import VarlenBatch
 from flashmoe_science.attention.tiles import padded_head_dim
-from flashmoe_science.attention.triton_fwd import LN_2, LOG2_E, tma_box, tma_compatible
-from flashmoe_science.gluon.sm90 import CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS
-from flashmoe_science.gluon.compat import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier, tma,
-                                                  warpgroup_mma, warpgroup_mma_wait)
+from flashmoe_science.gluon.compat import (fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma,
+                                           warpgroup_mma_wait)
+from flashmoe_science.gluon.sm90 import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS
 from flashmoe_science.prepared_launch import PreparedLaunch
 
 CONSUMER_ROWS = 64  # rows per consumer warpgroup (4 warps x 16 rows of wgmma)
 NUM_CONSUMERS = 2
 BLOCK_M = CONSUMER_ROWS * NUM_CONSUMERS
-LOG2_E_GL = gl.constexpr(LOG2_E)
 
 
 @gluon.jit
@@ -174,7 +175,7 @@ def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_
     num_tiles = gl.minimum(num_tiles, cta_tiles)
     if ALIBI:
         ALIBI_SLOPES, alibi_stride_b, alibi_stride_h = alibi_args
-        alibi_slope_log2 = gl.load(ALIBI_SLOPES + batch * alibi_stride_b + q_head * alibi_stride_h) * LOG2_E_GL
+        alibi_slope_log2 = gl.load(ALIBI_SLOPES + batch * alibi_stride_b + q_head * alibi_stride_h) * LOG2_E
     else:
         alibi_slope_log2 = 0.0
     rows = (desc_batch, q_head, start_m, q_row0, item_seqlen_q)
@@ -233,19 +234,6 @@ def _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last,
 
 
 @gluon.jit
-def _release_unused(k_ready, v_ready, k_empty, v_empty, first, end, NUM_STAGES: gl.constexpr):
-    """Ring positions [first, end): tiles the other consumer still needs. Release each stage in order, once its copy
-    has landed, so the two arrivals on an "empty" barrier always belong to the same tile."""
-    for r in range(first, end):
-        stage = r % NUM_STAGES
-        phase = (r // NUM_STAGES) & 1
-        mbarrier.wait(k_ready.index(stage), phase)
-        mbarrier.arrive(k_empty.index(stage), count=1)
-        mbarrier.wait(v_ready.index(stage), phase)
-        mbarrier.arrive(v_empty.index(stage), count=1)
-
-
-@gluon.jit
 def _store_output(o_acc, m_i, l_i, o_desc, o_smem, o_smem_free, LSE, rows, num_q_heads, lse_rows, varlen_args,
                   ROWS: gl.constexpr, BLOCK_D: gl.constexpr, VARLEN: gl.constexpr, s_rows: gl.constexpr,
                   o_layout: gl.constexpr):
@@ -271,13 +259,13 @@ def _store_output(o_acc, m_i, l_i, o_desc, o_smem, o_smem_free, LSE, rows, num_q
     out = o_acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
     if VARLEN:
         if start_m + ROWS > seqlen_q:
-            O, stride_oh, stride_om, head_dim = varlen_args[4], varlen_args[5], varlen_args[6], varlen_args[7]
             out_rows = start_m + gl.arange(0, ROWS, layout=o_rows)
             cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
-            row_offsets = (q_row0 + out_rows).to(gl.int64) * stride_om + q_head.to(gl.int64) * stride_oh
-            ptrs = O + gl.expand_dims(row_offsets, 1) + gl.expand_dims(cols, 0)
-            inside = gl.expand_dims(out_rows < seqlen_q, 1) & gl.expand_dims(cols < head_dim, 0)
-            gl.store(ptrs, out.to(O.dtype.element_ty), mask=inside)
+            row_offsets = ((q_row0 + out_rows).to(gl.int64) * varlen_args.stride_om
+                           + q_head.to(gl.int64) * varlen_args.stride_oh)
+            ptrs = varlen_args.out + gl.expand_dims(row_offsets, 1) + gl.expand_dims(cols, 0)
+            inside = gl.expand_dims(out_rows < seqlen_q, 1) & gl.expand_dims(cols < varlen_args.head_dim, 0)
+            gl.store(ptrs, out.to(varlen_args.out.dtype.element_ty), mask=inside)
             mbarrier.arrive(o_smem_free, count=1)
         else:
             _tma_store_rows(out, o_desc, o_smem, o_smem_free, [0, q_head, q_row0 + start_m, 0], ROWS, BLOCK_D)
@@ -369,7 +357,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                                                      BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, s_layout)
             o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
-            _release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
+            release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
             _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, rows,
                           num_q_heads, seqlen_q, varlen_args, ROWS, BLOCK_D, VARLEN, s_rows, o_layout)
         else:
@@ -377,7 +365,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                                          p_layout)
             o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
-            _release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
+            release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
             _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, rows,
                           num_q_heads, seqlen_q, varlen_args, ROWS, BLOCK_D, VARLEN, s_rows, o_layout)
             s = _issue_first_scores(next_q, q_ready.index(next_buf), ((item + 1) // Q_BUFFERS) & 1, k_smem, k_ready,
@@ -402,7 +390,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                                  p_layout)
     o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
     mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
-    _release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, ring + cta_tiles, NUM_STAGES)
+    release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, ring + cta_tiles, NUM_STAGES)
     _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, rows, num_q_heads,
                   seqlen_q, varlen_args, ROWS, BLOCK_D, VARLEN, s_rows, o_layout)
 
@@ -433,7 +421,7 @@ def attention_forward_sm90_kernel(
         num_work = num_q_heads * gl.load(TILE_OFFSETS + num_seqs)
     mask_args = (window_left, window_right, softcap_scale)
     alibi_args = (ALIBI_SLOPES, alibi_stride_b, alibi_stride_h)
-    varlen_args = (CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, num_seqs, O, stride_oh, stride_om, head_dim)
+    varlen_args = VarlenArgs(CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, num_seqs, O, stride_oh, stride_om, head_dim)
 
     # Q: one buffer per consumer, or two (Q_BUFFERS=2) so the next item's Q loads while this item runs
     q_smems = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
@@ -474,23 +462,11 @@ def attention_forward_sm90_kernel(
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_layout(rows: int, block_d: int, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d], GL_DTYPES[dtype])
-
-
-def _descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
-    """Gluon's rank-4 TMA descriptor: triton_fwd.tma_box plus the shared-memory layout of the box."""
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(tma_box(t, rows, block_d), layout=_smem_layout(rows, block_d, t.dtype))
-    return desc
-
-
 def _tensor_args(k_rows, block_d, q, k, v, out, lse):
     """The kernel's per-call arguments: TMA descriptors over q, k, v, out (boxes of one consumer's rows, of one key
     tile; out's box is staged in the consumer's Q buffer, so it shares q's), then lse."""
-    return (_descriptor(q, CONSUMER_ROWS, block_d), _descriptor(k, k_rows, block_d), _descriptor(v, k_rows, block_d),
-            _descriptor(out, CONSUMER_ROWS, block_d), lse)
+    return (descriptor(q, CONSUMER_ROWS, block_d), descriptor(k, k_rows, block_d), descriptor(v, k_rows, block_d),
+            descriptor(out, CONSUMER_ROWS, block_d), lse)
 
 
 def _mask_launch_args(mask: MaskSpec, softmax_scale: float) -> tuple[dict, dict]:
@@ -525,7 +501,7 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
         # the next item's Q·Kᵀ would read the buffer this item's output is staged in
         raise ValueError(f"cross_item needs two Q buffers, got q_buffers={q_buffers}")
     if out.dtype != q.dtype or out.shape != q.shape or not tma_compatible(out):
-        raise ValueError("out must have q's shape and dtype and TMA-compatible strides (see triton_fwd.tma_compatible)")
+        raise ValueError("out must have q's shape and dtype and TMA-compatible strides (see layout.tma_compatible)")
     block_d = padded_head_dim(head_dim)
     if tiles.block_m != BLOCK_M or tiles.num_warps != 4 * NUM_CONSUMERS:
         raise ValueError(f"the sm_90 kernel runs {BLOCK_M}-row tiles on {4 * NUM_CONSUMERS} warps, got {tiles}")
@@ -559,7 +535,7 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
 def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles, num_ctas: int | None = None,
                            q_buffers: int = 1, cross_item: bool = False, *, mask: MaskSpec | None = None,
                            alibi_slopes: torch.Tensor | None = None, varlen: VarlenBatch | None = None):
-    """Launch on checked 4-D bf16/fp16 tensors with TMA-compatible strides (see triton_fwd.tma_compatible).
+    """Launch on checked 4-D bf16/fp16 tensors with TMA-compatible strides (see layout.tma_compatible).
 
     `num_ctas`: how many CTAs share the work items (one per SM: persistent); None launches one per query tile.
     `q_buffers`: Q buffers per consumer (tiles.sm90_q_buffers); 2 lets a persistent CTA load the next item's Q

@@ -1,36 +1,39 @@
 """Which work items a persistent CTA of the sm_90 attention forward runs, and what each item covers: the item
 numbering shared by the producer and the consumers (dense batches: every query tile of every head; packed batches:
-only the real query tiles, numbered through a per-sequence tile count), the sequence's rows and lengths, and the
-key tiles a CTA streams for a query tile (mask.key_tile_range / key_tile_bounds)."""
+only the real query tiles, numbered through a per-sequence tile count: `varlen_work`), the sequence's rows and
+lengths, and the key tiles a CTA streams for a query tile (mask.key_tile_range / key_tile_bounds)."""
 
-from __future__ import annotations
-
-from dataclasses import dataclass
-
-import torch
+# no `from __future__ import annotations`: VarlenArgs' field annotations must be classes (compat.aggregate)
 from flashmoe_science.attention.mask import key_tile_bounds, key_tile_range
-from flashmoe_science.gluon.compat import gl, gluon
+from flashmoe_science.gluon.compat import aggregate, field, gl, gluon
 
 
-@dataclass(frozen=True)
-class VarlenBatch:
-    """A packed batch as the kernel walks it: int32 cumulative lengths (B+1,) of the queries and keys on q's device,
-    and `tile_offsets` (varlen_tile_offsets of cu_seqlens_q): the work items are the real query tiles only."""
+@aggregate
+class VarlenArgs:
+    """A packed batch as the forward kernel reads it (each field None, a constexpr, in a dense launch): int32
+    cumulative lengths of the queries and keys, the query tiles before each sequence (seqlen.varlen_tile_offsets),
+    the number of sequences, and the output's base pointer with its head and row strides and the head dim, for
+    the ragged last rows a TMA box would write past the sequence."""
 
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    tile_offsets: torch.Tensor
+    cu_seqlens_q: gl.tensor | gl.constexpr
+    cu_seqlens_k: gl.tensor | gl.constexpr
+    tile_offsets: gl.tensor | gl.constexpr
+    num_seqs: gl.tensor | gl.constexpr
+    out: gl.tensor | gl.constexpr
+    stride_oh: gl.tensor | gl.constexpr
+    stride_om: gl.tensor | gl.constexpr
+    head_dim: gl.tensor | gl.constexpr
 
-
-def varlen_tile_offsets(cu_seqlens_q: torch.Tensor, block_m: int) -> torch.Tensor:
-    """int32 (B+1,): entry b counts the block_m-row query tiles of the sequences before b (the last entry: all of
-    them). Computed on the device (no synchronisation), so the kernel numbers its work items without a host copy of
-    the lengths."""
-    lengths = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    offsets = torch.zeros(cu_seqlens_q.shape[0], dtype=torch.int32, device=cu_seqlens_q.device)
-    torch.cumsum(torch.div(lengths + (block_m - 1), block_m, rounding_mode="floor"), 0, dtype=torch.int32,
-                 out=offsets[1:])
-    return offsets
+    @gluon.constexpr_function
+    def __init__(self, cu_seqlens_q, cu_seqlens_k, tile_offsets, num_seqs, out, stride_oh, stride_om, head_dim):
+        self.cu_seqlens_q = field(cu_seqlens_q)
+        self.cu_seqlens_k = field(cu_seqlens_k)
+        self.tile_offsets = field(tile_offsets)
+        self.num_seqs = field(num_seqs)
+        self.out = field(out)
+        self.stride_oh = field(stride_oh)
+        self.stride_om = field(stride_om)
+        self.head_dim = field(head_dim)
 
 
 @gluon.jit
@@ -68,8 +71,8 @@ def work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size, CTA_ROWS: gl
 def varlen_work(work, TILE_OFFSETS, num_seqs, num_q_heads, CAUSAL: gl.constexpr):
     """Work item `work` of a packed (varlen) batch -> (sequence, query head, query tile), numbered as work_tile's:
     sequence by sequence, head by head, a head's query tiles consecutively (heaviest first with causal masking).
-    Only real tiles are numbered: TILE_OFFSETS[b] (varlen_tile_offsets) counts the query tiles of the sequences
-    before b, and the sequence is found by bisection (log2 of the batch size loads, cached)."""
+    Only real tiles are numbered: TILE_OFFSETS[b] (seqlen.varlen_tile_offsets) counts the query tiles of the
+    sequences before b, and the sequence is found by bisection (log2 of the batch size loads, cached)."""
     lo = gl.to_tensor(0)
     hi = gl.to_tensor(num_seqs)
     while hi - lo > 1:  # TILE_OFFSETS[lo]·H <= work < TILE_OFFSETS[hi]·H
@@ -97,13 +100,12 @@ def item_rows(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, se
     tensors, sequence b spans rows cu_seqlens[b]..cu_seqlens[b+1], and the per-sequence lengths replace the
     kernel's (see varlen_work for the numbering)."""
     if VARLEN:
-        CU_SEQLENS_Q, CU_SEQLENS_K = varlen_args[0], varlen_args[1]
-        TILE_OFFSETS, num_seqs = varlen_args[2], varlen_args[3]
-        batch, q_head, pid_m = varlen_work(work_index(item, num_ctas), TILE_OFFSETS, num_seqs, num_q_heads, CAUSAL)
-        q_row0 = gl.load(CU_SEQLENS_Q + batch)
-        k_row0 = gl.load(CU_SEQLENS_K + batch)
-        seqlen_q = gl.load(CU_SEQLENS_Q + batch + 1) - q_row0
-        seqlen_k = gl.load(CU_SEQLENS_K + batch + 1) - k_row0
+        batch, q_head, pid_m = varlen_work(work_index(item, num_ctas), varlen_args.tile_offsets,
+                                           varlen_args.num_seqs, num_q_heads, CAUSAL)
+        q_row0 = gl.load(varlen_args.cu_seqlens_q + batch)
+        k_row0 = gl.load(varlen_args.cu_seqlens_k + batch)
+        seqlen_q = gl.load(varlen_args.cu_seqlens_q + batch + 1) - q_row0
+        seqlen_k = gl.load(varlen_args.cu_seqlens_k + batch + 1) - k_row0
         desc_batch = 0
         kv_head = q_head // group_size
         start_m = pid_m * CTA_ROWS
