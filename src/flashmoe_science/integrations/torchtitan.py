@@ -1,0 +1,188 @@
+"""TorchTitan (0.3.0): our attention and routed experts as TorchTitan modules, chosen through its override registry.
+
+TorchTitan builds every model component from a ``Configurable.Config`` tree, and its ``@override`` registry
+(``torchtitan.config.override``) swaps a config node for another before anything is built. This module registers
+three overrides; a job turns them on by name, from the command line or in a config function::
+
+    torchrun --nproc-per-node 1 -m torchtitan.train --module llama3 --config llama3_8b \\
+        --override.imports flashmoe_science.integrations.torchtitan.flash_attention_for_flex \\
+                           flashmoe_science.integrations.torchtitan.flash_routed_experts
+
+- ``flash_attention`` (replaces ``VarlenAttention``) and ``flash_attention_for_flex`` (replaces ``FlexAttention``):
+  :class:`FlashAttention`, the inner attention of every ``GQAttention`` layer, through ``flash_attention_varlen``.
+  Its config subclasses ``VarlenAttention.Config``, so TorchTitan's decoder builds the same per-document metadata
+  for it (``create_varlen_metadata_for_document``: packed documents attend only within themselves); without
+  positions (no masks) every row is one causal sequence. ``window_size`` (left, right) is TorchTitan's
+  sliding window: ``(-1, 0)`` causal, ``(W, 0)`` causal over the last W+1 keys, ``(-1, -1)`` bidirectional.
+  GQA runs natively (no repeated K/V); ``out_transform`` epilogues receive our log-sum-exp.
+- ``flash_routed_experts`` (replaces ``RoutedExperts``): :class:`FlashRoutedExperts` with
+  :class:`FlashGroupedExperts` inside. The parameters keep TorchTitan's names and shapes
+  (``routed_experts.inner_experts.w1_EFD / w2_EDF / w3_EFD``), so checkpoints, FSDP2 sharding, TorchTitan's
+  state-dict adapters and its initialisation apply unchanged. Without expert parallelism the layer hands the
+  router's ``(T, K)`` choices straight to ``fused_experts`` (gather, SwiGLU experts, weighted combine in our
+  kernels: TorchTitan's argsort permutation and scatter-add are skipped). With expert parallelism TorchTitan's
+  token dispatcher (all-to-all) still moves the tokens, and ``fused_experts`` runs the local shard of experts on
+  the rows it receives (capacity-padding rows beyond the counts are dropped).
+
+What composes (TorchTitan's own code paths, unchanged):
+- FSDP2 (``fully_shard`` wraps the same parameters; mixed precision hands bf16 weights to our kernels, which run
+  in the input's dtype) and HSDP; activation checkpointing (full and selective: our ops are ordinary autograd
+  nodes); ``torch.compile`` per block (``flash_attention_varlen`` and ``fused_experts`` trace as the custom ops
+  ``torch.ops.flashmoe_science.*``, registered when ``flashmoe_science`` is imported); expert parallel with the
+  ``standard`` all-to-all dispatcher (and any dispatcher that returns rows grouped by local expert); tensor parallel
+  of attention heads and of the experts' hidden dimension (each rank's shard is a smaller problem of the same
+  shape); pipeline parallel (nothing here is stage-aware).
+
+Not supported:
+- Context parallel: TorchTitan refuses CP for varlen attention (``VarlenAttention.Config`` in its Llama 3 / Qwen3
+  ``update_from_config``), and our config is one; ``flashmoe_science.distributed.ring_attention`` has no hook in
+  TorchTitan's CP wrapper (``apply_cp_to_forward`` only knows SDPA and Flex), so a CP job keeps TorchTitan's Flex.
+- ``spmd_backend`` ``"full_dtensor"`` / ``"spmd_types"`` typechecking: our kernels are opaque to ``spmd_types``.
+- Our own ``ExpertParallelMoE`` in place of TorchTitan's dispatcher: TorchTitan owns the EP mesh and FSDP's
+  expert mesh layout; the local-shard path above keeps both.
+
+TorchTitan offers no hook for the inner attention of a model that its config function builds with Flex other than
+this override (``attn_backend`` is not a job-config field), hence the two attention entry points.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torchtitan.config import derive, override
+from torchtitan.models.common.attention import FlexAttention, VarlenAttention, VarlenMetadata
+from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+from torchtitan.protocols.module import Module
+from torch.distributed.tensor import DTensor
+
+from flashmoe_science.attention.varlen import flash_attention_varlen
+from flashmoe_science.moe import fused_experts
+
+__all__ = ["FlashAttention", "FlashGroupedExperts", "FlashRoutedExperts", "flash_attention",
+           "flash_attention_for_flex", "flash_routed_experts"]
+
+
+def _causal_and_window(window_size: tuple[int, int]) -> tuple[bool, tuple[int, int] | None]:
+    """TorchTitan's ``window_size`` (left, right; -1 unbounded) as our ``causal`` and ``window``."""
+    left, right = window_size
+    if (left, right) in ((-1, 0), (-1, -1)):
+        return right == 0, None
+    if left >= 0 and right >= 0:
+        return right == 0, (left, right)
+    raise ValueError(f"window_size={tuple(window_size)}: expected (-1, 0), (-1, -1) or (left >= 0, right >= 0)")
+
+
+def _dense_metadata(batch: int, seq_len: int, device: torch.device) -> VarlenMetadata:
+    """Each of the batch's rows as one whole sequence (what ``attention_masks=None`` means)."""
+    cu_seqlens = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=device)
+    return VarlenMetadata(cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens, max_q=seq_len, max_k=seq_len)
+
+
+class FlashAttention(VarlenAttention):
+    """TorchTitan's inner attention ``(B, L, N, H)`` -> ``(B, L, N, H)`` through ``flash_attention_varlen``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(VarlenAttention.Config):
+        backend: str = "auto"
+        """``flash_attention_varlen``'s backend: "auto", "gluon", "triton" or "reference"."""
+
+    def __init__(self, config: Config) -> None:
+        Module.__init__(self)  # VarlenAttention.__init__ only selects PyTorch's flash-attention implementation
+        self.window_size = tuple(config.window_size)
+        self.causal, self.window = _causal_and_window(self.window_size)
+        self.backend = config.backend
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks: VarlenMetadata | None = None,
+                scale: float | None = None, out_transform=None, **kwargs) -> torch.Tensor:
+        B, L, _, head_dim = q_BLNH.shape
+        value_head_dim = v_BLNH.shape[-1]
+        meta = _dense_metadata(B, L, q_BLNH.device) if attention_masks is None else attention_masks
+        if not isinstance(meta, VarlenMetadata):
+            raise TypeError(f"attention_masks must be a VarlenMetadata or None, got {type(meta).__name__}")
+        result = flash_attention_varlen(
+            q_BLNH.reshape(B * L, -1, head_dim), k_BLNH.reshape(B * L, -1, head_dim),
+            v_BLNH.reshape(B * L, -1, value_head_dim), meta.cu_seq_q, meta.cu_seq_k, meta.max_q, meta.max_k,
+            causal=self.causal, softmax_scale=scale, window=self.window, return_lse=out_transform is not None,
+            backend=self.backend)
+        if out_transform is None:
+            return result.view(B, L, -1, value_head_dim)
+        out_TNH, lse_NT = result
+        return out_transform(out_TNH.view(B, L, -1, value_head_dim), lse_NT.transpose(0, 1).reshape(B, L, -1))
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+class FlashGroupedExperts(GroupedExperts):
+    """TorchTitan's ``GroupedExperts`` (same parameters) computed by ``fused_experts``.
+
+    ``forward(x_RD, num_tokens_per_expert_E)`` keeps TorchTitan's contract: rows grouped by (local) expert, the
+    counts in expert order; rows past the counts' sum (capacity padding) come back as zeros.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        backend: str = "auto"
+        """``fused_experts``' backend: "auto", "triton" or "reference"."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.backend = config.backend
+
+    def swiglu_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``(w1, w2)`` in ``fused_experts``' layout: ``w1`` ``(E, 2F, D)`` = [gate; up], ``w2``
+        ``(E, D, F)``; local shards under EP/TP, cast to the activations' dtype (a no-op under FSDP2's bf16)."""
+        w13 = torch.cat([_local(self.w1_EFD), _local(self.w3_EFD)], dim=1)
+        return w13.to(dtype), _local(self.w2_EDF).to(dtype)
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        offsets = torch.cumsum(num_tokens_per_expert_E, dim=0)
+        rows = torch.arange(x_RD.shape[0], device=x_RD.device, dtype=offsets.dtype)
+        expert_of_row = torch.searchsorted(offsets, rows, right=True)  # == E past the counts: a dropped slot
+        w13, w2 = self.swiglu_weights(x_RD.dtype)
+        ones = torch.ones(x_RD.shape[0], 1, dtype=torch.float32, device=x_RD.device)
+        return fused_experts(x_RD, w13, w2, ones, expert_of_row.unsqueeze(1), backend=self.backend)
+
+
+class FlashRoutedExperts(RoutedExperts):
+    """TorchTitan's ``RoutedExperts`` (dispatch, experts, combine) with ``fused_experts``.
+
+    Without expert parallelism (TorchTitan's ``LocalTokenDispatcher``) the router's ``(T, K)`` scores and ids go
+    to ``fused_experts`` directly; otherwise TorchTitan's dispatcher moves the tokens and
+    :class:`FlashGroupedExperts` computes the local experts.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(RoutedExperts.Config):
+        pass
+
+    def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E):
+        if type(self.token_dispatcher) is not LocalTokenDispatcher or not isinstance(
+                self.inner_experts, FlashGroupedExperts):
+            return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
+        B, L, D = x_BLD.shape
+        K = topk_scores_BLK.shape[-1]
+        w13, w2 = self.inner_experts.swiglu_weights(x_BLD.dtype)
+        out_TD = fused_experts(x_BLD.reshape(B * L, D), w13, w2, topk_scores_BLK.reshape(B * L, K),
+                               topk_expert_ids_BLK.reshape(B * L, K), backend=self.inner_experts.backend)
+        return out_TD.view(B, -1, D)
+
+
+@override(target=VarlenAttention.Config, description="flashmoe-science attention (flash_attention_varlen)")
+def flash_attention(cfg: VarlenAttention.Config, backend: str = "auto") -> FlashAttention.Config:
+    return derive(cfg, FlashAttention.Config, backend=backend)
+
+
+@override(target=FlexAttention.Config, description="flashmoe-science attention in place of FlexAttention")
+def flash_attention_for_flex(cfg: FlexAttention.Config, backend: str = "auto") -> FlashAttention.Config:
+    # Flex's language-model masks are causal per document: varlen metadata with window (-1, 0), the default
+    return derive(cfg, FlashAttention.Config, backend=backend)
+
+
+@override(target=RoutedExperts.Config, description="flashmoe-science routed experts (fused_experts)")
+def flash_routed_experts(cfg: RoutedExperts.Config, backend: str = "auto") -> FlashRoutedExperts.Config:
+    inner = derive(cfg.inner_experts, FlashGroupedExperts.Config, backend=backend)
+    return derive(cfg, FlashRoutedExperts.Config, inner_experts=inner)

@@ -1,0 +1,202 @@
+"""TorchTitan's Llama 3 and Qwen3-MoE with our modules (its override registry) against its own modules, same weights.
+
+TorchTitan's FlexAttention layer is the attention reference, with TorchTitan's per-document causal mask: its mask
+function is evaluated into a dense mask for SDPA's math kernel in float64 (``flex_attention`` has no backward on
+the CPU). TorchTitan's
+``GroupedExperts`` rounds activations and weights to bfloat16 whatever the model's dtype, so the MoE model is
+compared at that precision, and the routed-experts layer alone exactly, in float64, against TorchTitan's own token
+dispatch and combine around TorchTitan's ``FeedForward`` run expert by expert.
+"""
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan.models.qwen3")
+
+from torch.nn.attention.flex_attention import create_block_mask, create_mask  # noqa: E402
+from torchtitan.config import OverrideConfig, apply_overrides  # noqa: E402
+from torchtitan.models.common import attention as titan_attention  # noqa: E402
+from torchtitan.models.common.feed_forward import FeedForward  # noqa: E402
+from torchtitan.models.common.linear import Linear  # noqa: E402
+
+from flashmoe_science.integrations import torchtitan as ours  # noqa: E402
+
+MODELS = Path(__file__).resolve().parents[2] / "examples" / "torchtitan" / "titan_models.py"
+
+
+def _titan_models():
+    spec = importlib.util.spec_from_file_location("titan_models", MODELS)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("titan_models", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _dense_flex(q, k, v, *, block_mask, scale, enable_gqa, return_aux, **_):
+    """``flex_attention`` with ``block_mask``'s mask function as a dense boolean mask (SDPA math, any dtype)."""
+    assert not return_aux.lse
+    mask = create_mask(block_mask.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2], device=q.device)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                            enable_gqa=enable_gqa), None
+
+
+@pytest.fixture
+def eager_flex(monkeypatch):
+    monkeypatch.setattr(titan_attention.FlexAttention, "_compiled_flex_attn", _dense_flex)
+    monkeypatch.setattr(titan_attention, "_compiled_create_block_mask", create_block_mask)
+
+
+def _with_overrides(model_config, *targets):
+    config = copy.deepcopy(model_config)
+    apply_overrides(OverrideConfig(imports=[f"{ours.__name__}.{t}" for t in targets]), config)
+    return config
+
+
+def _pair(spec, targets, dtype):
+    """TorchTitan's model (initialised) and ours with its weights, both in ``dtype``."""
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # not .to(dtype): that would drop the imaginary part of complex RoPE buffers
+    try:
+        reference = spec.model.build()
+        reference.init_states()
+        model = _with_overrides(spec.model, *targets).build()
+    finally:
+        torch.set_default_dtype(default)
+    model.load_state_dict(reference.state_dict())  # same names and shapes: a TorchTitan checkpoint loads as is
+    return reference, model
+
+
+def _batch(vocab_size, seq_len):
+    """Two packed rows: documents of 5, 11 and 16 tokens, then one of ``seq_len`` (positions restart at 0)."""
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab_size, (2, seq_len), generator=generator)
+    first = torch.cat([torch.arange(5), torch.arange(11), torch.arange(seq_len - 16)])
+    positions = torch.stack([first, torch.arange(seq_len)])
+    return tokens, positions
+
+
+def _run(model, tokens, positions):
+    model.zero_grad()
+    out = model(tokens, positions=positions, attention_masks=model.get_attention_masks(positions))
+    (out.square().mean()).backward()
+    return out.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_override_swaps_the_modules_and_keeps_the_parameters():
+    spec = _titan_models().qwen3_moe_spec(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
+                                          moe_hidden_dim=16, num_experts=4, top_k=2, vocab_size=50, max_seq_len=32,
+                                          attn_backend="flex")
+    reference = spec.model.build()
+    model = _with_overrides(spec.model, "flash_attention_for_flex", "flash_routed_experts").build()
+    layer = model.layers["0"]
+    assert isinstance(layer.attention.inner_attention, ours.FlashAttention)
+    assert isinstance(layer.moe.routed_experts, ours.FlashRoutedExperts)
+    assert isinstance(layer.moe.routed_experts.inner_experts, ours.FlashGroupedExperts)
+    assert {n: p.shape for n, p in model.named_parameters()} == {n: p.shape for n, p in reference.named_parameters()}
+
+
+def test_llama3_matches_titan_flex_float64(eager_flex):
+    spec = _titan_models().llama3_spec(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96,
+                                       vocab_size=61, max_seq_len=64, attn_backend="flex")
+    reference, model = _pair(spec, ["flash_attention_for_flex"], torch.float64)
+    tokens, positions = _batch(61, 32)
+    ref_out, ref_grads = _run(reference, tokens, positions)
+    out, grads = _run(model, tokens, positions)
+    torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-9)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-8, atol=1e-10, msg=name)
+
+
+def test_sliding_window_matches_titan_varlen_semantics():
+    # TorchTitan's varlen (-1, 0) / (W, 0) windows, written as Flex masks: causal within the document and the window
+    q, k, v = (torch.randn(2, 24, 4, 16, dtype=torch.float64) for _ in range(3))
+    positions = torch.stack([torch.cat([torch.arange(9), torch.arange(15)]), torch.arange(24)])
+    meta = titan_attention.create_varlen_metadata_for_document(positions)
+    doc = torch.cumsum((positions == 0).int(), dim=1)
+    idx = torch.arange(24)
+    for window in (-1, 5):
+        attention = ours.FlashAttention.Config(window_size=(window, 0)).build()
+        allowed = (doc[:, :, None] == doc[:, None, :]) & (idx[None, :, None] >= idx[None, None, :])
+        if window >= 0:
+            allowed &= idx[None, :, None] - idx[None, None, :] <= window
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None]).transpose(1, 2)
+        torch.testing.assert_close(attention(q, k, v, attention_masks=meta), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_routed_experts_match_titan_dispatch_float64():
+    spec = _titan_models().qwen3_moe_spec(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
+                                          moe_hidden_dim=24, num_experts=6, top_k=3, vocab_size=50, max_seq_len=32)
+    reference, model = _pair(spec, ["flash_routed_experts"], torch.float64)
+    titan, flash = reference.layers["0"].moe, model.layers["0"].moe
+    experts = titan.routed_experts.inner_experts
+    x = torch.randn(2, 16, 32, dtype=torch.float64)
+    with torch.no_grad():
+        scores, ids, _ = titan.router(x)
+    counts = torch.zeros(6, dtype=torch.int64).scatter_add_(0, ids.flatten(), torch.ones(ids.numel(), dtype=torch.int64))
+
+    def titan_experts(x_BLD, scores):
+        """TorchTitan's dispatch and combine around its dense SwiGLU FeedForward, one expert at a time."""
+        dispatcher = titan.routed_experts.token_dispatcher
+        rows, grouped_counts, meta = dispatcher.dispatch(x_BLD.view(-1, 32), scores.view(-1, 3), ids.view(-1, 3),
+                                                         counts)
+        ffn = FeedForward.Config(w1=Linear.Config(in_features=32, out_features=24),
+                                 w2=Linear.Config(in_features=24, out_features=32),
+                                 w3=Linear.Config(in_features=32, out_features=24)).build()
+        outs = [torch.func.functional_call(ffn, {"w1.weight": experts.w1_EFD[e], "w2.weight": experts.w2_EDF[e],
+                                                 "w3.weight": experts.w3_EFD[e]}, (part,))
+                for e, part in enumerate(rows.split(grouped_counts.tolist()))]
+        return dispatcher.combine(torch.cat(outs), meta, x_BLD.view(-1, 32)).view_as(x_BLD)
+
+    x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    scores_ref, scores_ours = scores.clone().requires_grad_(), scores.clone().requires_grad_()
+    expected = titan_experts(x_ref, scores_ref)
+    got = flash.routed_experts(x_ours, scores_ours, ids, counts)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    torch.testing.assert_close(x_ours.grad, x_ref.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(scores_ours.grad, scores_ref.grad, rtol=1e-10, atol=1e-12)
+    for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
+        ours_grad = getattr(flash.routed_experts.inner_experts, name).grad
+        torch.testing.assert_close(ours_grad, getattr(experts, name).grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_grouped_experts_match_titan_on_grouped_rows():
+    # the expert-parallel path: rows already grouped by local expert, two capacity-padding rows at the end
+    config = ours.FlashGroupedExperts.Config(dim=16, hidden_dim=8, num_experts=3)
+    torch.manual_seed(2)
+    flash = config.build()
+    for p in flash.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    counts = torch.tensor([4, 0, 5])
+    x = torch.randn(11, 16, dtype=torch.float64)
+    w13, w2 = flash.swiglu_weights(torch.float64)
+    expected = torch.zeros_like(x)
+    for e, (lo, hi) in enumerate([(0, 4), (4, 4), (4, 9)]):
+        h = x[lo:hi] @ w13[e].T
+        expected[lo:hi] = (torch.nn.functional.silu(h[:, :8]) * h[:, 8:]) @ w2[e].T
+    torch.testing.assert_close(flash.to(torch.float64)(x, counts), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_qwen3_moe_model_matches_titan_at_its_bf16_experts(eager_flex):
+    spec = _titan_models().qwen3_moe_spec(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                                          moe_hidden_dim=32, num_experts=8, top_k=2, vocab_size=61, max_seq_len=64,
+                                          attn_backend="flex")
+    reference, model = _pair(spec, ["flash_attention_for_flex", "flash_routed_experts"], torch.float32)
+    tokens, positions = _batch(61, 32)
+    ref_out, ref_grads = _run(reference, tokens, positions)
+    out, grads = _run(model, tokens, positions)
+    # TorchTitan rounds expert inputs, weights and the SwiGLU product to bf16 (8 significant bits): a few 2^-8
+    # relative to each tensor's scale
+    scale = ref_out.abs().max()
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=float(0.03 * scale))
+    for name, grad in grads.items():
+        tol = 0.05 * float(ref_grads[name].abs().max()) + 1e-7
+        torch.testing.assert_close(grad, ref_grads[name], rtol=0, atol=tol, msg=name)
