@@ -14,7 +14,8 @@ import torch
 fwd_sm90 = pytest.importorskip("flashmoe_science.attention.hopper.fwd_sm90")
 from flashmoe_science.attention.mask import make_mask  # noqa: E402
 from flashmoe_science.attention.seqlen import VarlenBatch, varlen_tile_offsets  # noqa: E402
-from flashmoe_science.attention.tiles import AttentionTiles, sm90_forward_tiles  # noqa: E402
+from flashmoe_science.attention.hopper.tiles import sm90_forward_tiles  # noqa: E402
+from flashmoe_science.attention.tiles import AttentionTiles  # noqa: E402
 from flashmoe_science.gluon.build import spill_budget, spill_count  # noqa: E402
 from sm90_helpers import sass_or_skip  # noqa: E402
 
