@@ -25,7 +25,7 @@ from flashmoe_science.attention.ladder.triton_tiles import fma_dot, fma_dot_t, h
 
 BLOCK_M = 32  # query rows per program (kernels 1 and 3)
 BLOCK_N = 32  # keys per program (kernel 1)
-BLOCK_K = 8  # the reduction dim's chunk: 32 x 32 x 8 products = 64 float32 registers per thread at 4 warps
+BLOCK_K = 16  # the reduction dim's chunk (a dot's sides are at least 16)
 BLOCK_D = 32  # output columns per program (kernel 3)
 SOFTMAX_CHUNK = 1024  # row elements per step of kernel 2
 SCORE_BYTES = 4  # float32

@@ -34,7 +34,6 @@ from flashmoe_science.attention.ladder.triton_tiles import (fma_dot, fma_dot_t, 
 
 LOG2_E = 1.4426950408889634
 BLOCK_M = 32  # query rows per program
-PRODUCT_REGISTERS = 64  # float32 registers per thread for one (BLOCK_M, BLOCK_N, D) broadcast product
 NUM_WARPS = 8
 
 
@@ -81,10 +80,9 @@ def _tiled_fma_kernel(Q, K, V, O, num_heads, seqlen_q, seqlen_k, qk_scale,
 
 
 def block_n(block_d: int) -> int:
-    """Keys per tile: as many as keep the (BLOCK_M, BLOCK_N, D) product within PRODUCT_REGISTERS per thread (a tile
-    of 32 x 4 at D = 128), at most 32. There is no tensor core to hold the operands: every product is a register."""
-    fit = PRODUCT_REGISTERS * 32 * NUM_WARPS // (BLOCK_M * block_d)
-    return max(1, min(32, 1 << (fit.bit_length() - 1)))
+    """Keys per tile: 32 up to D = 64, 16 above (a dot's sides are at least 16). Without tensor cores the float32
+    operands of both products sit in registers and shared memory: (32 + 2·BLOCK_N)·D floats per program."""
+    return 32 if block_d <= 64 else 16
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
