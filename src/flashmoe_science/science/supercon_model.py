@@ -117,6 +117,21 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def element_statistics(p: torch.Tensor, elements: torch.Tensor, fractions: torch.Tensor, segment: torch.Tensor,
+                       num: int) -> tuple[torch.Tensor, ...]:
+    """The classic composition features of packed tokens: per composition (``segment`` (T,) its index, ``num`` of
+    them), the fraction-weighted mean and variance, max and min of the rows ``p (T, P)``, and the composition as a
+    vector of element fractions ``(num, 96)`` (``elements (T,)`` indices, ``fractions (T,)``)."""
+    weights = fractions.to(p.dtype)[:, None]
+    p_mean = p.new_zeros(num, p.shape[1]).index_add_(0, segment, p * weights)
+    p_var = p.new_zeros(num, p.shape[1]).index_add_(0, segment, (p - p_mean[segment]).square() * weights)
+    rows = segment[:, None].expand_as(p)
+    p_max = p.new_zeros(num, p.shape[1]).scatter_reduce_(0, rows, p, "amax", include_self=False)
+    p_min = p.new_zeros(num, p.shape[1]).scatter_reduce_(0, rows, p, "amin", include_self=False)
+    vector = p.new_zeros(num, len(ELEMENT_SYMBOLS)).index_put_((segment, elements), weights[:, 0], accumulate=True)
+    return p_mean, p_var, p_max, p_min, vector
+
+
 def _pooled(weighted, mean, p_mean, p_var, p_max, p_min, vector, dtype) -> torch.Tensor:
     """The head's input: pooled tokens, the element-embedding statistics (STATISTICS order), the fraction vector."""
     return torch.cat([weighted, mean, p_mean, (p_var + 1e-4).sqrt(), p_max, p_min, vector], dim=-1).to(dtype)
@@ -194,15 +209,8 @@ class CompositionTransformer(nn.Module):
         fractions = fractions.to(accumulate)[:, None]
         weighted = x.new_zeros(num, x.shape[1]).index_add_(0, segment, x * fractions)
         mean = x.new_zeros(num, x.shape[1]).index_add_(0, segment, x) / lengths.clamp_min(1)[:, None]
-        p = properties.to(accumulate)
-        p_mean = p.new_zeros(num, p.shape[1]).index_add_(0, segment, p * fractions)
-        p_var = p.new_zeros(num, p.shape[1]).index_add_(0, segment, (p - p_mean[segment]).square() * fractions)
-        rows = segment[:, None].expand_as(p)
-        p_max = p.new_zeros(num, p.shape[1]).scatter_reduce_(0, rows, p, "amax", include_self=False)
-        p_min = p.new_zeros(num, p.shape[1]).scatter_reduce_(0, rows, p, "amin", include_self=False)
-        vector = p.new_zeros(num, len(ELEMENT_SYMBOLS)).index_put_((segment, elements), fractions[:, 0],
-                                                                  accumulate=True)
-        return _pooled(weighted, mean, p_mean, p_var, p_max, p_min, vector, self.final_norm.weight.dtype)
+        statistics = element_statistics(properties.to(accumulate), elements, fractions[:, 0], segment, num)
+        return _pooled(weighted, mean, *statistics, self.final_norm.weight.dtype)
 
     # --------------------------------------------------------------------------------------------- plain build
     def pooled_padded(self, elements, fractions, mask) -> torch.Tensor:
