@@ -193,6 +193,14 @@ def test_cli_train_screen_and_bench(small_csv, tmp_path, capsys):
     rows = list(csv.DictReader((out / "screen" / "top.csv").open()))
     assert len(rows) == 5 and all(float(row["uncertainty_K"]) >= 0 for row in rows)
     parse_formula(rows[0]["formula"])
+    formulas = {row["name"]: float(row["Tc"]) for row in csv.DictReader(small_csv.open()) if row["name"] in
+                {r["nearest_known"] for r in rows} | {r["parent"] for r in rows}}
+    for row in rows:  # the parent, the substitution, the nearest known composition with their measured Tc
+        assert float(row["parent_Tc_K"]) == pytest.approx(formulas[row["parent"]], abs=1e-3)
+        assert float(row["nearest_known_Tc_K"]) == pytest.approx(formulas[row["nearest_known"]], abs=1e-3)
+        assert re.fullmatch(r"[A-Z][a-z]? for [A-Z][a-z]?, x = [0-9.]+", row["substitution"])
+        assert 0 <= float(row["nearest_distance"]) <= 2
+    assert (out / "screen" / "candidates.png").stat().st_size > 0
     assert supercon("train", *args, "--out", str(out), "--epochs", "2", *TINY_OPTIONS) == 0  # nothing left to do
     assert capsys.readouterr().out.count("already trained") == 2
     assert supercon("bench", *args, "--model", model, "--quick", "--candidates", "64", "--batch-size", "32",
@@ -312,3 +320,38 @@ def test_rerun_with_other_settings_asks_for_restart(small_csv, tmp_path):
     message = one_line_error(*command, "--epochs", "2")
     assert "epochs 1 -> 2" in message and "--restart" in message
     assert supercon(*command, "--epochs", "2", "--restart") == 0
+
+
+def test_superconductors_split_holds_only_tc_above_zero(small_csv):
+    data, _ = load_supercon(small_csv)
+    parts = split_indices(data, "superconductors", 0)
+    rows = torch.cat(list(parts.values()))
+    assert bool((data.targets[rows] > 0).all()) and rows.unique().numel() == int((data.targets > 0).sum())
+
+
+def test_cli_baselines_beside_ours(small_csv, tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    pytest.importorskip("lightgbm")
+    args = ["--data", str(small_csv), "--no-progress"]
+    assert supercon("train", *args, "--out", str(tmp_path / "ours"), "--epochs", "1", "--splits", "random",
+                    *TINY_OPTIONS) == 0
+    assert supercon("baselines", *args, "--out", str(tmp_path / "baselines"), "--seeds", "0,1", "--trees", "5",
+                    "--splits", "random,superconductors", "--ours", str(tmp_path / "ours")) == 0
+    results = json.loads((tmp_path / "baselines" / "baselines.json").read_text())
+    assert {(r["model"], r["split"]) for r in results["records"]} == {
+        (model, split) for model in ("knn", "random_forest", "extra_trees", "lightgbm")
+        for split in ("random", "superconductors")} | {("ours", "random")}
+    assert results["summary"]["extra_trees"]["random"]["seeds"] == [0, 1]
+    table = (tmp_path / "baselines" / "baselines.md").read_text()
+    assert "| ours (composition transformer) | " in table and "| LightGBM | " in table
+    assert "LightGBM" in capsys.readouterr().out
+
+
+def test_baselines_features_are_the_model_statistics(small_csv):
+    from flashmoe_science.science.supercon_baselines import composition_features
+
+    data, _ = load_supercon(small_csv)
+    features = composition_features(data)
+    assert features.shape == (len(data), len(ELEMENT_SYMBOLS) + 4 * element_property_matrix().shape[1])
+    torch.testing.assert_close(features[:, :len(ELEMENT_SYMBOLS)], data.fraction_vectors())
+    assert torch.isfinite(features).all()

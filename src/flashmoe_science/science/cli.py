@@ -248,14 +248,15 @@ def run_screen(args: argparse.Namespace) -> int:
     _check_at_least(top=(args.top, 1), limit=(limit, 1), batch_size=(batch_size, 1), mc_samples=(args.mc_samples, 0))
     dtype = args.dtype or _per_device(device, DTYPE)
     model = _model(args, device).cast_parameters(DTYPES[dtype])
-    _, space = _space(args, device)
+    data, space = _space(args, device)
     implementation = args.implementation or default_implementation(device)
     summary = screen(model, space, top=args.top, batch_size=batch_size, implementation=implementation,
                      mc_samples=args.mc_samples, limit=limit, out_dir=Path(args.out), restart=args.restart,
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, known=data)
     print(f"screened {summary['candidates']:,} candidates in {summary['seconds']:.1f} s "
           f"({summary['candidates_per_s']:,.0f}/s, {implementation} build, {dtype}); "
-          f"{summary['screened_total']:,} in all; top {args.top}: {summary['top_csv']}")
+          f"{summary['screened_total']:,} in all; top {args.top}: {summary['top_csv']} (with each one's parent, "
+          f"substitution and nearest known composition); distribution: {summary['plot']}")
     return 0
 
 

@@ -71,7 +71,7 @@ def fit_predict(name: str, features: torch.Tensor, targets: torch.Tensor, parts:
         model = lightgbm.LGBMRegressor(n_estimators=LIGHTGBM_MAX_TREES, learning_rate=0.03, num_leaves=63,
                                        subsample=0.8, subsample_freq=1, colsample_bytree=0.5, random_state=seed,
                                        n_jobs=threads, verbose=-1)
-        model.fit(x["train"], y["train"], eval_set=[(x["val"], y["val"])],
+        model.fit(x["train"], y["train"], eval_X=(x["val"],), eval_y=(y["val"],),
                   callbacks=[lightgbm.early_stopping(LIGHTGBM_PATIENCE, verbose=False)])
     else:
         forest = (sklearn.ensemble.RandomForestRegressor if name == "random_forest"

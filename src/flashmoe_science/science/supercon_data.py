@@ -47,6 +47,13 @@ class CompositionSet:
         return ["-".join(sorted(ELEMENT_SYMBOLS[e] for e in self.elements[a:b].tolist()))
                 for a, b in zip(self.offsets[:-1].tolist(), self.offsets[1:].tolist())]
 
+    def fraction_vectors(self) -> torch.Tensor:
+        """``(N, 96)`` float32: each composition's element fractions at its elements' indices."""
+        lengths = self.offsets[1:] - self.offsets[:-1]
+        segment = torch.repeat_interleave(torch.arange(len(self)), lengths, output_size=self.elements.numel())
+        return torch.zeros(len(self), len(ELEMENT_SYMBOLS)).index_put_((segment, self.elements), self.fractions,
+                                                                       accumulate=True)
+
     def subset(self, index: torch.Tensor) -> "CompositionSet":
         """The compositions ``index`` (int64) as a CompositionSet of their own."""
         packed = self.batch(index)
