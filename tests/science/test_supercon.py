@@ -337,12 +337,13 @@ def test_cli_baselines_beside_ours(small_csv, tmp_path, capsys):
                     *TINY_OPTIONS) == 0
     assert supercon("baselines", *args, "--out", str(tmp_path / "baselines"), "--seeds", "0,1", "--trees", "5",
                     "--splits", "random,superconductors", "--ours", str(tmp_path / "ours")) == 0
-    results = json.loads((tmp_path / "baselines" / "baselines.json").read_text())
+    path = next((tmp_path / "baselines").glob("supercon-baselines-*.json"))
+    results = json.loads(path.read_text())
     assert {(r["model"], r["split"]) for r in results["records"]} == {
         (model, split) for model in ("knn", "random_forest", "extra_trees", "lightgbm")
         for split in ("random", "superconductors")} | {("ours", "random")}
     assert results["summary"]["extra_trees"]["random"]["seeds"] == [0, 1]
-    table = (tmp_path / "baselines" / "baselines.md").read_text()
+    table = path.with_suffix(".md").read_text()
     assert "| ours (composition transformer) | " in table and "| LightGBM | " in table
     assert "LightGBM" in capsys.readouterr().out
 

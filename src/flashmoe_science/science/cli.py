@@ -357,10 +357,11 @@ def add_supercon_parser(commands) -> None:
 
     baselines = actions.add_parser("baselines", help="kNN, random forest, extra trees, LightGBM on the same splits",
                                    description="Trains the classical baselines on the model's features and splits "
-                                   "(needs pip install -e \".[science]\") and writes baselines.json and a markdown "
-                                   "table (with --ours: beside the model's runs) under --out.")
+                                   "(needs pip install -e \".[science]\") and writes the results as JSON and a "
+                                   "markdown table (with --ours: beside the model's runs) under --out.")
     _common(baselines)
-    baselines.add_argument("--out", required=True, help="results folder (baselines.json, baselines.md)")
+    baselines.add_argument("--out", required=True, help="results folder (supercon-baselines-*.json and .md; "
+                           "benchmarks/results publishes the run)")
     baselines.add_argument("--splits", type=_splits, default=list(SPLITS), help=SPLITS_HELP.replace(
         "default random,family", "default all three"))
     baselines.add_argument("--seeds", type=_seeds, default=[0, 1, 2], help="split seeds, comma-separated "

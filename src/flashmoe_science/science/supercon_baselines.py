@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from flashmoe_science.bench.report import environment_metadata, resolve_commit, result_stem, unused_result_path
 from flashmoe_science.errors import CommandError
 from flashmoe_science.science.progress import progress_bar
 from flashmoe_science.science.supercon_data import CompositionSet, split_indices
@@ -151,15 +152,22 @@ def markdown_table(summary: dict[str, dict[str, dict]], splits: list[str]) -> st
     return "\n".join(lines)
 
 
-def write_results(records: list[dict], splits: list[str], out_dir: Path, settings: dict) -> tuple[Path, str]:
-    """``baselines.json`` (settings, every record, the summary) and ``baselines.md`` (the table) in ``out_dir``."""
+NOTE = ("Test R² and MAE (K) of each split's test rows, mean ± standard deviation over the split seeds. Baseline "
+        "features: element fractions + fraction-weighted mean, standard deviation, max and min of 29 element "
+        "properties; kNN: the fractions only; LightGBM: early stopping on the validation rows.")
+
+
+def write_results(records: list[dict], splits: list[str], out_dir: Path, settings: dict,
+                  commit: str | None = None) -> tuple[Path, str]:
+    """``supercon-baselines-<machine>-<date>-<commit>.json`` (where and with what, the settings, every record, the
+    summary) and the ``.md`` table beside it in ``out_dir``; a second run never overwrites the first."""
     summary = summarize(records)
     table = markdown_table(summary, splits)
+    record = {"benchmark": "supercon-baselines", **environment_metadata(resolve_commit(commit)), "note": NOTE,
+              "settings": settings, "splits": splits, "records": records, "summary": summary}
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "baselines.json"
-    path.write_text(json.dumps({"settings": settings, "records": records, "summary": summary}, indent=2,
-                               allow_nan=True) + "\n")
-    note = ("Test R² and MAE (K), mean ± standard deviation over the split seeds; features: element fractions + "
-            "fraction-weighted statistics of 29 element properties.")
-    (out_dir / "baselines.md").write_text(f"{note}\n\n{table}\n")
+    path = unused_result_path(out_dir, "supercon-baselines-" + result_stem(record["gpu"], record["date"],
+                                                                          record["commit"]))
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    path.with_suffix(".md").write_text(f"{NOTE}\n\n{table}\n")
     return path, table
