@@ -9,6 +9,7 @@ import io
 import json
 import re
 import signal
+from dataclasses import replace
 from importlib import resources
 
 import pytest
@@ -356,3 +357,33 @@ def test_baselines_features_are_the_model_statistics(small_csv):
     assert features.shape == (len(data), len(ELEMENT_SYMBOLS) + 4 * element_property_matrix().shape[1])
     torch.testing.assert_close(features[:, :len(ELEMENT_SYMBOLS)], data.fraction_vectors())
     assert torch.isfinite(features).all()
+
+
+def test_weight_average_is_applied_then_restored():
+    from flashmoe_science.science.supercon_train import WeightAverage
+
+    model = torch.nn.Linear(3, 1)
+    start = model.weight.detach().clone()
+    average = WeightAverage(model, decay=0.9)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    average.update(model)  # the first steps' decay is ramped: 2 / 11 of the old average stays
+    expected = start + (1 - 2 / 11) * 1.0
+    with average.applied(model):
+        torch.testing.assert_close(model.weight.detach(), expected)
+    torch.testing.assert_close(model.weight.detach(), start + 1.0)
+    with pytest.raises(ValueError, match="decay"):
+        WeightAverage(model, decay=1.0)
+
+
+def test_two_stage_head_trains_and_predicts_in_kelvin(small_csv):
+    data, _ = load_supercon(small_csv)
+    config = TrainConfig(epochs=2, batch_size=64, model=replace(TINY, two_stage=True), implementation="plain")
+    model, metrics = train(data, config, torch.device("cpu"), progress=False)
+    train_targets = data.targets[split_indices(data, "random", 0)["train"]]
+    assert float(model.target_mean) == pytest.approx(float(train_targets[train_targets > 0].mean()))  # Tc if > 0
+    assert model.head_out.out_features == 2 and metrics["test"]["n"] > 0
+    pooled = data.batch(torch.arange(8)).padded().pooled(model.eval())
+    tc, logit = model.head_outputs(pooled)
+    torch.testing.assert_close(tc, torch.sigmoid(logit) * (model.head_out(torch.nn.functional.silu(
+        model.head_hidden(pooled)))[:, 0] * model.target_std + model.target_mean))

@@ -49,6 +49,9 @@ class ModelConfig:
     fraction_frequencies: int = 8  # sinusoids per scale (linear and log) in the fractional-amount encoding
     dropout: float = 0.1  # residual dropout in the blocks
     head_dropout: float = 0.1  # dropout in the head: also the MC-dropout uncertainty at screening time
+    # the head as P(Tc > 0) x (Tc if superconducting), the first factor also trained on "is Tc > 0" (24% of the
+    # SuperCon rows are 0 K, many beside superconductors of the same system)
+    two_stage: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -175,7 +178,7 @@ class CompositionTransformer(nn.Module):
         # the head reads the pooled tokens and statistics of the composition's element embeddings
         # and the composition as a vector of element fractions
         self.head_hidden = nn.Linear(2 * d + len(STATISTICS) * properties.shape[1] + properties.shape[0], d)
-        self.head_out = nn.Linear(d, 1)
+        self.head_out = nn.Linear(d, 2 if config.two_stage else 1)
         self.register_buffer("target_mean", torch.zeros(()))
         self.register_buffer("target_std", torch.ones(()))
 
@@ -234,13 +237,21 @@ class CompositionTransformer(nn.Module):
         return _pooled(weighted, mean, p_mean, p_var, p_max, p_min, vector, self.final_norm.weight.dtype)
 
     # ------------------------------------------------------------------------------------------------- head
-    def head(self, pooled: torch.Tensor, *, dropout: bool | None = None) -> torch.Tensor:
-        """Pooled ``(B, 2d + 4P)`` -> Tc ``(B,)`` float32 (float64 for a float64 model) in kelvin; ``dropout``
-        defaults to ``self.training``."""
+    def head_outputs(self, pooled: torch.Tensor, *, dropout: bool | None = None) -> tuple[torch.Tensor, ...]:
+        """Pooled ``(B, 2d + 4P)`` -> (Tc ``(B,)`` float32 (float64 for a float64 model) in kelvin, the logit of
+        P(Tc > 0) ``(B,)`` of a two-stage head, else None); ``dropout`` defaults to ``self.training``."""
         active = self.training if dropout is None else dropout
         hidden = F.dropout(F.silu(self.head_hidden(pooled)), self.config.head_dropout, training=active)
-        out = self.head_out(hidden).squeeze(-1)
-        return out.to(_accumulate_dtype(out)) * self.target_std + self.target_mean
+        out = self.head_out(hidden)
+        out = out.to(_accumulate_dtype(out))
+        value = out[:, 0] * self.target_std + self.target_mean
+        if not self.config.two_stage:
+            return value, None
+        return torch.sigmoid(out[:, 1]) * value, out[:, 1]
+
+    def head(self, pooled: torch.Tensor, *, dropout: bool | None = None) -> torch.Tensor:
+        """Pooled ``(B, 2d + 4P)`` -> Tc ``(B,)`` in kelvin (:meth:`head_outputs`)."""
+        return self.head_outputs(pooled, dropout=dropout)[0]
 
     def head_samples(self, pooled: torch.Tensor, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
         """MC dropout over the head: ``samples`` stochastic passes -> (mean, std) of Tc, each ``(B,)``."""

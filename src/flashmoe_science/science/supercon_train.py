@@ -1,5 +1,6 @@
-"""Training the composition transformer on SuperCon: seeded splits, AdamW with warmup and cosine decay, L1 loss on
-the standardised Tc, the checkpoint of the best validation epoch, test metrics, a parity plot and a loss curve."""
+"""Training the composition transformer on SuperCon: seeded splits, AdamW with warmup and cosine decay, MSE on the
+standardised Tc (a two-stage head adds a cross-entropy on Tc > 0), an exponential average of the weights, the
+averaged weights of the best validation epoch, test metrics, a parity plot and a loss curve."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from flashmoe_science.errors import CommandError
 from flashmoe_science.science.checkpoint import CHECKPOINT_INTERVAL_S, Checkpoint, Interrupted, deferred_interrupt
@@ -30,8 +32,7 @@ MIN_ROWS = math.ceil(MIN_SPLIT_ROWS / min(SPLIT_FRACTIONS))
 CHECKPOINT_FILE = "checkpoint.pt"
 MODEL_FORMAT = "flashmoe-science supercon model 1"
 CHECKPOINT_FORMAT = "flashmoe-science supercon training checkpoint 2"
-LOSSES = {"mse": torch.nn.functional.mse_loss, "l1": torch.nn.functional.l1_loss,
-          "huber": torch.nn.functional.smooth_l1_loss}
+LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss, "huber": F.smooth_l1_loss}
 
 
 @dataclass
@@ -208,8 +209,10 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
     torch.manual_seed(config.seed)
     model = CompositionTransformer(config.model)
     train_targets = data.targets[parts["train"]]
-    model.target_mean.fill_(float(train_targets.mean()))
-    model.target_std.fill_(float(train_targets.std()))
+    # a two-stage head's value is Tc given Tc > 0: scaled by the superconductors' statistics
+    scaled = train_targets[train_targets > 0] if config.model.two_stage else train_targets
+    model.target_mean.fill_(float(scaled.mean()))
+    model.target_std.fill_(float(scaled.std()))
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     steps_per_epoch = math.ceil(parts["train"].numel() / config.batch_size)
@@ -260,10 +263,13 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
             loss_sum = torch.tensor(position["loss_sum"], device=device)  # on the device: no sync per step
             for chunk in batches[position["batch"]:]:
                 batch = make_batch(data.batch(chunk).to(device), implementation)
-                target = (data.targets[chunk].to(device) - model.target_mean) / model.target_std
+                measured = data.targets[chunk].to(device)
+                target = (measured - model.target_mean) / model.target_std
                 with _autocast(device):
-                    predicted = model(batch)
+                    predicted, logit = model.head_outputs(batch.pooled(model))
                 loss = LOSSES[config.loss]((predicted - model.target_mean) / model.target_std, target)
+                if logit is not None:
+                    loss = loss + F.binary_cross_entropy_with_logits(logit, (measured > 0).to(logit.dtype))
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
