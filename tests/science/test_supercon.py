@@ -347,6 +347,13 @@ def test_cli_baselines_beside_ours(small_csv, tmp_path, capsys):
     table = path.with_suffix(".md").read_text()
     assert "| ours (composition transformer) | " in table and "| LightGBM | " in table
     assert "LightGBM" in capsys.readouterr().out
+    # the baselines measured once, tabled again beside the model's runs without refitting them
+    assert supercon("baselines", "--models", "none", "--include", str(path), "--splits", "random,superconductors",
+                    "--out", str(tmp_path / "again")) == 0
+    again = json.loads(next((tmp_path / "again").glob("supercon-baselines-*.json")).read_text())
+    assert again["records"] == results["records"] and again["summary"] == results["summary"]
+    with pytest.raises(CommandError, match="as a supercon baselines result"):
+        supercon("baselines", "--models", "none", "--include", str(small_csv), "--out", str(tmp_path / "bad"))
 
 
 def test_baselines_features_are_the_model_statistics(small_csv):

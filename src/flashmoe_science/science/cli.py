@@ -188,25 +188,37 @@ def _seeds(text: str) -> list[int]:
 def _models(text: str) -> list[str]:
     from flashmoe_science.science.supercon_baselines import BASELINES
 
+    if text.strip() == "none":
+        return []
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names or any(name not in BASELINES for name in names):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list from {', '.join(BASELINES)}; got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected none or a comma-separated list from {', '.join(BASELINES)}; "
+                                         f"got {text!r}")
     return names
 
 
 def run_baselines(args: argparse.Namespace) -> int:
-    from flashmoe_science.science.supercon_baselines import BASELINES, read_ours, run_baselines, write_results
+    from flashmoe_science.science.supercon_baselines import (
+        BASELINES,
+        read_earlier,
+        read_ours,
+        run_baselines,
+        write_results,
+    )
     from flashmoe_science.science.supercon_train import MIN_ROWS
 
     _check_at_least(rows=(args.rows, 1), trees=(args.trees, 1))
+    earlier = read_earlier(Path(args.include)) if args.include else []
     ours = read_ours(Path(args.ours)) if args.ours else []
-    data = _load_data(args, MIN_ROWS, "the baselines")
-    models = args.models or list(BASELINES)
-    records = run_baselines(data, args.splits, args.seeds, models, trees=args.trees, threads=args.threads,
-                            progress=not args.no_progress)
+    models = list(BASELINES) if args.models is None else args.models
+    records = []
+    if models:
+        data = _load_data(args, MIN_ROWS, "the baselines")
+        records = run_baselines(data, args.splits, args.seeds, models, trees=args.trees, threads=args.threads,
+                                progress=not args.no_progress)
     settings = {"splits": args.splits, "seeds": args.seeds, "models": models, "trees": args.trees,
-                "rows": len(data), "data": args.data or "packaged", "ours": args.ours}
-    path, table = write_results(ours + records, args.splits, Path(args.out), settings)
+                "rows": args.rows, "data": args.data or "packaged", "ours": args.ours, "include": args.include}
+    path, table = write_results(earlier + ours + records, args.splits, Path(args.out), settings)
     print(table)
     print(f"\nresults: {path} (and {path.with_suffix('.md').name})")
     return 0
@@ -367,10 +379,13 @@ def add_supercon_parser(commands) -> None:
     baselines.add_argument("--seeds", type=_seeds, default=[0, 1, 2], help="split seeds, comma-separated "
                            "(default 0,1,2)")
     baselines.add_argument("--models", type=_models, default=None,
-                           help="comma-separated from knn, random_forest, extra_trees, lightgbm (default all)")
+                           help="comma-separated from knn, random_forest, extra_trees, lightgbm (default all; "
+                           "none: only tabulate --ours and --include)")
     baselines.add_argument("--trees", type=int, default=300, help="trees per forest (default 300)")
     baselines.add_argument("--ours", help="a folder of `supercon train` runs (one per seed, e.g. "
                            "runs/supercon/seed0, ...): their test metrics join the table")
+    baselines.add_argument("--include", help="an earlier supercon-baselines-*.json: its records join the table "
+                           "(the baselines measured once, beside new --ours runs)")
     baselines.set_defaults(handler=_command(run_baselines))
 
     screen = actions.add_parser("screen", help="score the substitution candidates, write the top N as CSV",

@@ -117,6 +117,17 @@ def read_ours(folder: Path) -> list[dict]:
     return records
 
 
+def read_earlier(path: Path) -> list[dict]:
+    """The records of an earlier results file of :func:`write_results`."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise CommandError(f"cannot read {path} as a supercon baselines result ({error})") from None
+    if not isinstance(data, dict) or data.get("benchmark") != "supercon-baselines":
+        raise CommandError(f"{path} is not a supercon baselines result (a supercon-baselines-*.json)")
+    return data["records"]
+
+
 def summarize(records: list[dict]) -> dict[str, dict[str, dict]]:
     """model -> split -> ``{"r2", "r2_spread", "mae_K", "mae_spread", "seeds"}``: means over the seeds and their
     sample standard deviations (0 for one seed)."""
