@@ -138,7 +138,7 @@ class CandidateSpace:
         (``"Sr for La, x = 0.1"``: a fraction x of the La site's amount replaced by Sr)."""
         parent, site, dopant, level = self._decode_one(index)
         site_symbol = list(parse_formula(self.parents.formulas[parent]))[site]
-        return {"parent": self.parents.formulas[parent], "parent_Tc_K": float(self.parents.targets[parent]),
+        return {"parent": self.parents.formulas[parent], "parent_Tc_K": round(float(self.parents.targets[parent]), 2),
                 "substitution": f"{ELEMENT_SYMBOLS[dopant]} for {site_symbol}, x = {level:g}"}
 
     def fraction_vectors(self, index: torch.Tensor) -> torch.Tensor:
@@ -299,7 +299,7 @@ def write_top(space: CandidateSpace, state: ScreenState, top: int, path: Path,
         nearest, distance = nearest_known(space.fraction_vectors(torch.tensor([r["candidate_index"] for r in rows])),
                                           known)
         for row, k, d in zip(rows, nearest.tolist(), distance.tolist()):
-            row.update(nearest_known=known.formulas[k], nearest_known_Tc_K=float(known.targets[k]),
+            row.update(nearest_known=known.formulas[k], nearest_known_Tc_K=round(float(known.targets[k]), 2),
                        nearest_distance=round(d, 4))
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["rank", "formula"])
