@@ -345,7 +345,7 @@ def test_cli_baselines_beside_ours(small_csv, tmp_path, capsys):
         for split in ("random", "superconductors")} | {("ours", "random")}
     assert results["summary"]["extra_trees"]["random"]["seeds"] == [0, 1]
     table = path.with_suffix(".md").read_text()
-    assert "| ours (composition transformer) | " in table and "| LightGBM | " in table
+    assert "| ours (d=32, layers=1, experts=4, epochs=1, cpu) | " in table and "| LightGBM | " in table
     assert "LightGBM" in capsys.readouterr().out
     # the baselines measured once, tabled again beside the model's runs without refitting them
     assert supercon("baselines", "--models", "none", "--include", str(path), "--splits", "random,superconductors",

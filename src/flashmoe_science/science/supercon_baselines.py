@@ -26,7 +26,7 @@ from flashmoe_science.science.supercon_model import ELEMENT_SYMBOLS, element_pro
 from flashmoe_science.science.supercon_train import regression_metrics
 
 BASELINES = ("knn", "random_forest", "extra_trees", "lightgbm")
-LABELS = {"ours": "ours (composition transformer)", "knn": "k-nearest neighbours (k=5), fractions only",
+LABELS = {"ours": "ours", "knn": "k-nearest neighbours (k=5), fractions only",
           "random_forest": "random forest", "extra_trees": "extra trees", "lightgbm": "LightGBM"}
 LIGHTGBM_MAX_TREES = 5000
 LIGHTGBM_PATIENCE = 100  # rounds without a better validation loss before LightGBM stops
@@ -110,7 +110,10 @@ def read_ours(folder: Path) -> list[dict]:
     records = []
     for path in sorted(Path(folder).rglob("metrics.json")):
         metrics = json.loads(path.read_text())
-        records.append({"model": "ours", "split": metrics["split"], "seed": metrics["seed"],
+        settings = metrics["settings"]
+        size = (f"d={settings['model']['d_model']}, layers={settings['model']['num_layers']}, "
+                f"experts={settings['model']['num_experts']}, epochs={settings['epochs']}, {metrics['device']}")
+        records.append({"model": "ours", "split": metrics["split"], "seed": metrics["seed"], "size": size,
                         "test": metrics["test"], "seconds": metrics["train_seconds"], "run": str(path.parent)})
     if not records:
         raise CommandError(f"no finished `supercon train` run (metrics.json) under {folder}")
@@ -129,8 +132,8 @@ def read_earlier(path: Path) -> list[dict]:
 
 
 def summarize(records: list[dict]) -> dict[str, dict[str, dict]]:
-    """model -> split -> ``{"r2", "r2_spread", "mae_K", "mae_spread", "seeds"}``: means over the seeds and their
-    sample standard deviations (0 for one seed)."""
+    """model -> split -> ``{"r2", "r2_spread", "mae_K", "mae_spread", "seeds", "sizes"}``: means over the seeds
+    and their sample standard deviations (0 for one seed); ``sizes``: the model runs' sizes (ours only)."""
     grouped: dict[str, dict[str, list[dict]]] = {}
     for record in records:
         grouped.setdefault(record["model"], {}).setdefault(record["split"], []).append(record)
@@ -142,7 +145,8 @@ def summarize(records: list[dict]) -> dict[str, dict[str, dict]]:
             summary.setdefault(model, {})[split] = {
                 "r2": statistics.fmean(r2), "r2_spread": statistics.stdev(r2) if len(r2) > 1 else 0.0,
                 "mae_K": statistics.fmean(mae), "mae_spread": statistics.stdev(mae) if len(mae) > 1 else 0.0,
-                "seeds": sorted(row["seed"] for row in rows)}
+                "seeds": sorted(row["seed"] for row in rows),
+                "sizes": sorted({row["size"] for row in rows if "size" in row})}
     return summary
 
 
@@ -159,7 +163,9 @@ def markdown_table(summary: dict[str, dict[str, dict]], splits: list[str]) -> st
                          f"{entry['r2']:.3f} ± {entry['r2_spread']:.3f} / {entry['mae_K']:.2f} ± "
                          f"{entry['mae_spread']:.2f}")
         seeds = sorted({seed for entry in summary[model].values() for seed in entry["seeds"]})
-        lines.append("| " + " | ".join([LABELS.get(model, model), *cells, ",".join(map(str, seeds))]) + " |")
+        sizes = sorted({size for entry in summary[model].values() for size in entry.get("sizes", ())})
+        label = LABELS.get(model, model) + (f" ({'; '.join(sizes)})" if sizes else "")
+        lines.append("| " + " | ".join([label, *cells, ",".join(map(str, seeds))]) + " |")
     return "\n".join(lines)
 
 
