@@ -49,7 +49,6 @@ class ModelConfig:
     fraction_frequencies: int = 8  # sinusoids per scale (linear and log) in the fractional-amount encoding
     dropout: float = 0.1  # residual dropout in the blocks
     head_dropout: float = 0.1  # dropout in the head: also the MC-dropout uncertainty at screening time
-    head_width: int = 0  # hidden units of the head's MLP (0: d_model)
     # the head as P(Tc > 0) x (Tc if superconducting), the first factor also trained on "is Tc > 0" (24% of the
     # SuperCon rows are 0 K, many beside superconductors of the same system)
     two_stage: bool = False
@@ -178,9 +177,8 @@ class CompositionTransformer(nn.Module):
         self.final_norm = nn.LayerNorm(d)
         # the head reads the pooled tokens and statistics of the composition's element embeddings
         # and the composition as a vector of element fractions
-        width = config.head_width or d
-        self.head_hidden = nn.Linear(2 * d + len(STATISTICS) * properties.shape[1] + properties.shape[0], width)
-        self.head_out = nn.Linear(width, 2 if config.two_stage else 1)
+        self.head_hidden = nn.Linear(2 * d + len(STATISTICS) * properties.shape[1] + properties.shape[0], d)
+        self.head_out = nn.Linear(d, 2 if config.two_stage else 1)
         self.register_buffer("target_mean", torch.zeros(()))
         self.register_buffer("target_std", torch.ones(()))
 
