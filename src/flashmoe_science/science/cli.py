@@ -298,17 +298,22 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------ parser
-def _common(parser: argparse.ArgumentParser) -> None:
+def _common(parser: argparse.ArgumentParser, model: bool = True) -> None:
+    """The options every supercon command has; ``model``: also --device and --quick (the commands that run the
+    model)."""
     parser.add_argument("--data", help="a CSV with columns name,Tc (gzip if it ends in .gz) instead of the SuperCon "
                         "data packaged with flashmoe-science (16,414 compositions)")
     parser.add_argument("--rows", type=int, help="read only the first N rows of the data (quick trials)")
-    parser.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available, else cpu)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (results still print)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: the model's small matrix products gain little from "
-                        "more, and several threads slow down many times over when other processes share the cores)")
-    parser.add_argument("--quick", action="store_true", help="sized for a CPU: minutes, not hours (options given "
-                        "explicitly still apply)")
+                        help="torch CPU threads, and the baselines' worker threads (default 1: the model's small "
+                        "matrix products gain little from more, and several threads slow down many times over when "
+                        "other processes share the cores)")
+    if model:
+        parser.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available, else "
+                            "cpu)")
+        parser.add_argument("--quick", action="store_true", help="sized for a CPU: minutes, not hours (options "
+                            "given explicitly still apply)")
 
 
 def _implementation(parser: argparse.ArgumentParser) -> None:
@@ -371,7 +376,7 @@ def add_supercon_parser(commands) -> None:
                                    description="Trains the classical baselines on the model's features and splits "
                                    "(needs pip install -e \".[science]\") and writes the results as JSON and a "
                                    "markdown table (with --ours: beside the model's runs) under --out.")
-    _common(baselines)
+    _common(baselines, model=False)
     baselines.add_argument("--out", required=True, help="results folder (supercon-baselines-*.json and .md; "
                            "benchmarks/results publishes the run)")
     baselines.add_argument("--splits", type=_splits, default=list(SPLITS), help=SPLITS_HELP.replace(
