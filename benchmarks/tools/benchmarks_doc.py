@@ -187,6 +187,13 @@ def render_supercon(data: Mapping, path: Path) -> str:
     return "\n\n".join(parts)
 
 
+def render_supercon_baselines(data: Mapping, path: Path) -> str:
+    """`supercon baselines`: ours beside kNN, random forest, extra trees and LightGBM, per split over the seeds."""
+    from flashmoe_science.science.supercon_baselines import markdown_table as baselines_table
+
+    return baselines_table(data["summary"], data["splits"])
+
+
 def render_training_demo(folder: Path) -> tuple[str, str]:
     """examples/train_gpt_moe.py's summaries: tokens/s and final loss per build, eager and compiled."""
     summaries = [json.loads(p.read_text()) for p in sorted(folder.glob("summary-*.json"))]
@@ -210,14 +217,16 @@ RENDERERS: dict[str, Callable[[Mapping, Path], str]] = {
 TITLES = {"attention": "Attention", "moe": "MoE layer", "attention-features": "Masks and packed sequences",
           "decode": "KV-cache decode", "ring-step-overlap": "Distributed, on one GPU",
           "supercon": "Science workload: SuperCon Tc model",
+          "supercon-baselines": "Science workload: the Tc model beside classical baselines",
           "groups": "Masked forward, kernel alone"}
 SELF_HEADED = ("attention", "moe")
-KIND_ORDER = ("attention", "groups", "attention-features", "decode", "moe", "ring-step-overlap", "supercon")
+KIND_ORDER = ("attention", "groups", "attention-features", "decode", "moe", "ring-step-overlap", "supercon",
+              "supercon-baselines")
 
 
 def kind(data: Mapping) -> str:
-    if data.get("benchmark") == "supercon":
-        return "supercon"
+    if data.get("benchmark") in ("supercon", "supercon-baselines"):
+        return data["benchmark"]
     records = data.get("records")
     if records is None:
         return "groups"
@@ -229,6 +238,8 @@ def render_file(path: Path) -> str:
     what = kind(data)
     if what == "supercon":
         body = render_supercon(data, path)
+    elif what == "supercon-baselines":
+        body = render_supercon_baselines(data, path)
     elif what == "groups":
         body = render_groups(data, path)
     else:

@@ -9,6 +9,7 @@ import io
 import json
 import re
 import signal
+from dataclasses import replace
 from importlib import resources
 
 import pytest
@@ -193,6 +194,14 @@ def test_cli_train_screen_and_bench(small_csv, tmp_path, capsys):
     rows = list(csv.DictReader((out / "screen" / "top.csv").open()))
     assert len(rows) == 5 and all(float(row["uncertainty_K"]) >= 0 for row in rows)
     parse_formula(rows[0]["formula"])
+    formulas = {row["name"]: float(row["Tc"]) for row in csv.DictReader(small_csv.open()) if row["name"] in
+                {r["nearest_known"] for r in rows} | {r["parent"] for r in rows}}
+    for row in rows:  # the parent, the substitution, the nearest known composition with their measured Tc
+        assert float(row["parent_Tc_K"]) == pytest.approx(formulas[row["parent"]], abs=1e-3)
+        assert float(row["nearest_known_Tc_K"]) == pytest.approx(formulas[row["nearest_known"]], abs=1e-3)
+        assert re.fullmatch(r"[A-Z][a-z]? for [A-Z][a-z]?, x = [0-9.]+", row["substitution"])
+        assert 0 <= float(row["nearest_distance"]) <= 2
+    assert (out / "screen" / "candidates.png").stat().st_size > 0
     assert supercon("train", *args, "--out", str(out), "--epochs", "2", *TINY_OPTIONS) == 0  # nothing left to do
     assert capsys.readouterr().out.count("already trained") == 2
     assert supercon("bench", *args, "--model", model, "--quick", "--candidates", "64", "--batch-size", "32",
@@ -312,3 +321,76 @@ def test_rerun_with_other_settings_asks_for_restart(small_csv, tmp_path):
     message = one_line_error(*command, "--epochs", "2")
     assert "epochs 1 -> 2" in message and "--restart" in message
     assert supercon(*command, "--epochs", "2", "--restart") == 0
+
+
+def test_superconductors_split_holds_only_tc_above_zero(small_csv):
+    data, _ = load_supercon(small_csv)
+    parts = split_indices(data, "superconductors", 0)
+    rows = torch.cat(list(parts.values()))
+    assert bool((data.targets[rows] > 0).all()) and rows.unique().numel() == int((data.targets > 0).sum())
+
+
+def test_cli_baselines_beside_ours(small_csv, tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    pytest.importorskip("lightgbm")
+    args = ["--data", str(small_csv), "--no-progress"]
+    assert supercon("train", *args, "--out", str(tmp_path / "ours"), "--epochs", "1", "--splits", "random",
+                    *TINY_OPTIONS) == 0
+    assert supercon("baselines", *args, "--out", str(tmp_path / "baselines"), "--seeds", "0,1", "--trees", "5",
+                    "--splits", "random,superconductors", "--ours", str(tmp_path / "ours")) == 0
+    path = next((tmp_path / "baselines").glob("supercon-baselines-*.json"))
+    results = json.loads(path.read_text())
+    assert {(r["model"], r["split"]) for r in results["records"]} == {
+        (model, split) for model in ("knn", "random_forest", "extra_trees", "lightgbm")
+        for split in ("random", "superconductors")} | {("ours", "random")}
+    assert results["summary"]["extra_trees"]["random"]["seeds"] == [0, 1]
+    table = path.with_suffix(".md").read_text()
+    assert "| ours (d=32, layers=1, experts=4, epochs=1, cpu) | " in table and "| LightGBM | " in table
+    assert "LightGBM" in capsys.readouterr().out
+    # the baselines measured once, tabled again beside the model's runs without refitting them
+    assert supercon("baselines", "--models", "none", "--include", str(path), "--splits", "random,superconductors",
+                    "--out", str(tmp_path / "again")) == 0
+    again = json.loads(next((tmp_path / "again").glob("supercon-baselines-*.json")).read_text())
+    assert again["records"] == results["records"] and again["summary"] == results["summary"]
+    with pytest.raises(CommandError, match="as a supercon baselines result"):
+        supercon("baselines", "--models", "none", "--include", str(small_csv), "--out", str(tmp_path / "bad"))
+
+
+def test_baselines_features_are_the_model_statistics(small_csv):
+    from flashmoe_science.science.supercon_baselines import composition_features
+
+    data, _ = load_supercon(small_csv)
+    features = composition_features(data)
+    assert features.shape == (len(data), len(ELEMENT_SYMBOLS) + 4 * element_property_matrix().shape[1])
+    torch.testing.assert_close(features[:, :len(ELEMENT_SYMBOLS)], data.fraction_vectors())
+    assert torch.isfinite(features).all()
+
+
+def test_weight_average_is_applied_then_restored():
+    from flashmoe_science.science.supercon_train import WeightAverage
+
+    model = torch.nn.Linear(3, 1)
+    start = model.weight.detach().clone()
+    average = WeightAverage(model, decay=0.9)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    average.update(model)  # the first steps' decay is ramped: 2 / 11 of the old average stays
+    expected = start + (1 - 2 / 11) * 1.0
+    with average.applied(model):
+        torch.testing.assert_close(model.weight.detach(), expected)
+    torch.testing.assert_close(model.weight.detach(), start + 1.0)
+    with pytest.raises(ValueError, match="decay"):
+        WeightAverage(model, decay=1.0)
+
+
+def test_two_stage_head_trains_and_predicts_in_kelvin(small_csv):
+    data, _ = load_supercon(small_csv)
+    config = TrainConfig(epochs=2, batch_size=64, model=replace(TINY, two_stage=True), implementation="plain")
+    model, metrics = train(data, config, torch.device("cpu"), progress=False)
+    train_targets = data.targets[split_indices(data, "random", 0)["train"]]
+    assert float(model.target_mean) == pytest.approx(float(train_targets[train_targets > 0].mean()))  # Tc if > 0
+    assert model.head_out.out_features == 2 and metrics["test"]["n"] > 0
+    pooled = data.batch(torch.arange(8)).padded().pooled(model.eval())
+    tc, logit = model.head_outputs(pooled)
+    torch.testing.assert_close(tc, torch.sigmoid(logit) * (model.head_out(torch.nn.functional.silu(
+        model.head_hidden(pooled)))[:, 0] * model.target_std + model.target_mean))

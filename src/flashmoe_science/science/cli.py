@@ -1,6 +1,8 @@
-"""``flashmoe-science supercon train | screen | bench``: the superconductor Tc workload from the command line.
+"""``flashmoe-science supercon train | baselines | screen | bench``: the superconductor Tc workload from the command
+line.
 
     flashmoe-science supercon train  --quick --out runs/supercon     # both splits in minutes on a CPU
+    flashmoe-science supercon baselines --out runs/supercon/baselines --ours runs/supercon  # needs .[science]
     flashmoe-science supercon screen --model runs/supercon/random/model.pt --out runs/supercon/screen --top 100 \\
         --limit 200000
     flashmoe-science supercon bench  --model runs/supercon/random/model.pt --quick
@@ -25,7 +27,7 @@ import torch
 from flashmoe_science.bench.report import DEFAULT_OUT
 from flashmoe_science.errors import CommandError
 from flashmoe_science.science.checkpoint import Interrupted
-from flashmoe_science.science.supercon_data import SPLITS, load_supercon
+from flashmoe_science.science.supercon_data import DEFAULT_SPLITS, SPLITS, load_supercon
 from flashmoe_science.science.supercon_model import IMPLEMENTATIONS, ModelConfig, default_implementation
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -80,6 +82,10 @@ def _load_data(args: argparse.Namespace, minimum_rows: int, purpose: str):
                            + ("use a larger --rows or leave it out" if args.rows is not None
                               else "use a CSV with more valid name,Tc rows"))
     return data
+
+
+SPLITS_HELP = ("comma-separated: random (rows shuffled), family (whole chemical systems held out), superconductors "
+               "(the rows with Tc > 0 shuffled); default random,family")
 
 
 def _splits(text: str) -> list[str]:
@@ -168,6 +174,56 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------------------ baselines
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 0,1,2; got {text!r}")
+    return seeds
+
+
+def _models(text: str) -> list[str]:
+    from flashmoe_science.science.supercon_baselines import BASELINES
+
+    if text.strip() == "none":
+        return []
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names or any(name not in BASELINES for name in names):
+        raise argparse.ArgumentTypeError(f"expected none or a comma-separated list from {', '.join(BASELINES)}; "
+                                         f"got {text!r}")
+    return names
+
+
+def run_baselines(args: argparse.Namespace) -> int:
+    from flashmoe_science.science.supercon_baselines import (
+        BASELINES,
+        read_earlier,
+        read_ours,
+        run_baselines,
+        write_results,
+    )
+    from flashmoe_science.science.supercon_train import MIN_ROWS
+
+    _check_at_least(rows=(args.rows, 1), trees=(args.trees, 1))
+    earlier = read_earlier(Path(args.include)) if args.include else []
+    ours = read_ours(Path(args.ours)) if args.ours else []
+    models = list(BASELINES) if args.models is None else args.models
+    records = []
+    if models:
+        data = _load_data(args, MIN_ROWS, "the baselines")
+        records = run_baselines(data, args.splits, args.seeds, models, trees=args.trees, threads=args.threads,
+                                progress=not args.no_progress)
+    settings = {"splits": args.splits, "seeds": args.seeds, "models": models, "trees": args.trees,
+                "rows": args.rows, "data": args.data or "packaged", "ours": args.ours, "include": args.include}
+    path, table = write_results(earlier + ours + records, args.splits, Path(args.out), settings)
+    print(table)
+    print(f"\nresults: {path} (and {path.with_suffix('.md').name})")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------ screen, bench
 def _model(args: argparse.Namespace, device: torch.device):
     """The trained model of ``--model``, read before any heavy work (a wrong file fails in a second)."""
@@ -204,14 +260,15 @@ def run_screen(args: argparse.Namespace) -> int:
     _check_at_least(top=(args.top, 1), limit=(limit, 1), batch_size=(batch_size, 1), mc_samples=(args.mc_samples, 0))
     dtype = args.dtype or _per_device(device, DTYPE)
     model = _model(args, device).cast_parameters(DTYPES[dtype])
-    _, space = _space(args, device)
+    data, space = _space(args, device)
     implementation = args.implementation or default_implementation(device)
     summary = screen(model, space, top=args.top, batch_size=batch_size, implementation=implementation,
                      mc_samples=args.mc_samples, limit=limit, out_dir=Path(args.out), restart=args.restart,
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, known=data)
     print(f"screened {summary['candidates']:,} candidates in {summary['seconds']:.1f} s "
           f"({summary['candidates_per_s']:,.0f}/s, {implementation} build, {dtype}); "
-          f"{summary['screened_total']:,} in all; top {args.top}: {summary['top_csv']}")
+          f"{summary['screened_total']:,} in all; top {args.top}: {summary['top_csv']} (with each one's parent, "
+          f"substitution and nearest known composition); distribution: {summary['plot']}")
     return 0
 
 
@@ -241,17 +298,22 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------ parser
-def _common(parser: argparse.ArgumentParser) -> None:
+def _common(parser: argparse.ArgumentParser, model: bool = True) -> None:
+    """The options every supercon command has; ``model``: also --device and --quick (the commands that run the
+    model)."""
     parser.add_argument("--data", help="a CSV with columns name,Tc (gzip if it ends in .gz) instead of the SuperCon "
                         "data packaged with flashmoe-science (16,414 compositions)")
     parser.add_argument("--rows", type=int, help="read only the first N rows of the data (quick trials)")
-    parser.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available, else cpu)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (results still print)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: the model's small matrix products gain little from "
-                        "more, and several threads slow down many times over when other processes share the cores)")
-    parser.add_argument("--quick", action="store_true", help="sized for a CPU: minutes, not hours (options given "
-                        "explicitly still apply)")
+                        help="torch CPU threads, and the baselines' worker threads (default 1: the model's small "
+                        "matrix products gain little from more, and several threads slow down many times over when "
+                        "other processes share the cores)")
+    if model:
+        parser.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available, else "
+                            "cpu)")
+        parser.add_argument("--quick", action="store_true", help="sized for a CPU: minutes, not hours (options "
+                            "given explicitly still apply)")
 
 
 def _implementation(parser: argparse.ArgumentParser) -> None:
@@ -281,10 +343,10 @@ def _help(name: str, text: str) -> str:
 
 
 def add_supercon_parser(commands) -> None:
-    """Adds ``supercon`` (with train, screen, bench) to the ``flashmoe-science`` subcommands."""
+    """Adds ``supercon`` (with train, baselines, screen, bench) to the ``flashmoe-science`` subcommands."""
     supercon = commands.add_parser("supercon", help="superconductor Tc model: train, screen candidates, benchmark",
                                    description=__doc__.split("\n\n")[0])
-    actions = supercon.add_subparsers(dest="action", metavar="{train,screen,bench}", required=True)
+    actions = supercon.add_subparsers(dest="action", metavar="{train,baselines,screen,bench}", required=True)
 
     train = actions.add_parser("train", help="train on the random and the held-out-family splits",
                                description="Trains the composition transformer on each split; writes model.pt, "
@@ -296,9 +358,7 @@ def add_supercon_parser(commands) -> None:
                        "--out resumes or reuses what is there")
     train.add_argument("--restart", action="store_true", help="start over, ignoring checkpoints and finished runs "
                        "in --out")
-    train.add_argument("--splits", type=_splits, default=list(SPLITS),
-                       help="comma-separated: random (rows shuffled), family (whole chemical systems held out); "
-                       "default both")
+    train.add_argument("--splits", type=_splits, default=list(DEFAULT_SPLITS), help=SPLITS_HELP)
     train.add_argument("--seed", type=int, default=0, help="seed of the split, the initial weights and the batch "
                        "order (default 0)")
     train.add_argument("--epochs", type=int, help=_help("epochs", "passes over the training rows"))
@@ -311,6 +371,27 @@ def add_supercon_parser(commands) -> None:
     train.add_argument("--top-k", type=int, help=_help("top_k", "experts per token"))
     train.add_argument("--d-ff", type=int, help=_help("d_ff", "hidden width of each expert"))
     train.set_defaults(handler=_command(run_train))
+
+    baselines = actions.add_parser("baselines", help="kNN, random forest, extra trees, LightGBM on the same splits",
+                                   description="Trains the classical baselines on the model's features and splits "
+                                   "(needs pip install -e \".[science]\") and writes the results as JSON and a "
+                                   "markdown table (with --ours: beside the model's runs) under --out.")
+    _common(baselines, model=False)
+    baselines.add_argument("--out", required=True, help="results folder (supercon-baselines-*.json and .md; "
+                           "benchmarks/results publishes the run)")
+    baselines.add_argument("--splits", type=_splits, default=list(SPLITS), help=SPLITS_HELP.replace(
+        "default random,family", "default all three"))
+    baselines.add_argument("--seeds", type=_seeds, default=[0, 1, 2], help="split seeds, comma-separated "
+                           "(default 0,1,2)")
+    baselines.add_argument("--models", type=_models, default=None,
+                           help="comma-separated from knn, random_forest, extra_trees, lightgbm (default all; "
+                           "none: only tabulate --ours and --include)")
+    baselines.add_argument("--trees", type=int, default=300, help="trees per forest (default 300)")
+    baselines.add_argument("--ours", help="a folder of `supercon train` runs (one per seed, e.g. "
+                           "runs/supercon/seed0, ...): their test metrics join the table")
+    baselines.add_argument("--include", help="an earlier supercon-baselines-*.json: its records join the table "
+                           "(the baselines measured once, beside new --ours runs)")
+    baselines.set_defaults(handler=_command(run_baselines))
 
     screen = actions.add_parser("screen", help="score the substitution candidates, write the top N as CSV",
                                 description="Scores partial substitutions of the known compositions with a trained "

@@ -18,7 +18,10 @@ from flashmoe_science.science.formula import FormulaTable, read_formula_csv
 from flashmoe_science.science.supercon_model import ELEMENT_INDEX, ELEMENT_SYMBOLS, PackedBatch
 
 PACKAGED_DATA = "data/supercon.csv.gz"  # inside flashmoe_science.science; source and terms in data/NOTICE.md
-SPLITS = ("random", "family")
+# random: rows shuffled; family: whole chemical systems held out; superconductors: the rows with Tc > 0 shuffled (the
+# setting of the published Tc regressions, which leave the non-superconductors out)
+SPLITS = ("random", "family", "superconductors")
+DEFAULT_SPLITS = ("random", "family")
 SPLIT_FRACTIONS = (0.8, 0.1, 0.1)  # train, validation, test
 
 
@@ -43,6 +46,13 @@ class CompositionSet:
         """Each composition's chemical system: its element symbols sorted and joined by '-'."""
         return ["-".join(sorted(ELEMENT_SYMBOLS[e] for e in self.elements[a:b].tolist()))
                 for a, b in zip(self.offsets[:-1].tolist(), self.offsets[1:].tolist())]
+
+    def fraction_vectors(self) -> torch.Tensor:
+        """``(N, 96)`` float32: each composition's element fractions at its elements' indices."""
+        lengths = self.offsets[1:] - self.offsets[:-1]
+        segment = torch.repeat_interleave(torch.arange(len(self)), lengths, output_size=self.elements.numel())
+        return torch.zeros(len(self), len(ELEMENT_SYMBOLS)).index_put_((segment, self.elements), self.fractions,
+                                                                       accumulate=True)
 
     def subset(self, index: torch.Tensor) -> "CompositionSet":
         """The compositions ``index`` (int64) as a CompositionSet of their own."""
@@ -88,13 +98,16 @@ def load_supercon(path: str | Path | None = None, limit: int | None = None) -> t
 
 def split_indices(data: CompositionSet, split: str, seed: int) -> dict[str, torch.Tensor]:
     """``{"train", "val", "test"}`` -> int64 indices, 80/10/10. ``"random"``: rows shuffled with ``seed``.
-    ``"family"``: chemical systems shuffled with ``seed`` and taken whole until each part holds its share of rows."""
+    ``"family"``: chemical systems shuffled with ``seed`` and taken whole until each part holds its share of rows.
+    ``"superconductors"``: the rows with Tc > 0 shuffled with ``seed`` (the others belong to no part)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     generator = torch.Generator().manual_seed(seed)
     n = len(data)
-    if split == "random":
-        order = torch.randperm(n, generator=generator)
+    if split in ("random", "superconductors"):
+        rows = torch.arange(n) if split == "random" else torch.nonzero(data.targets > 0).flatten()
+        n = rows.numel()
+        order = rows[torch.randperm(n, generator=generator)]
         n_train, n_val = round(SPLIT_FRACTIONS[0] * n), round(SPLIT_FRACTIONS[1] * n)
         return {"train": order[:n_train], "val": order[n_train:n_train + n_val], "test": order[n_train + n_val:]}
     systems = data.systems()

@@ -49,6 +49,9 @@ class ModelConfig:
     fraction_frequencies: int = 8  # sinusoids per scale (linear and log) in the fractional-amount encoding
     dropout: float = 0.1  # residual dropout in the blocks
     head_dropout: float = 0.1  # dropout in the head: also the MC-dropout uncertainty at screening time
+    # the head as P(Tc > 0) x (Tc if superconducting), the first factor also trained on "is Tc > 0" (24% of the
+    # SuperCon rows are 0 K, many beside superconductors of the same system)
+    two_stage: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,6 +120,21 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def element_statistics(p: torch.Tensor, elements: torch.Tensor, fractions: torch.Tensor, segment: torch.Tensor,
+                       num: int) -> tuple[torch.Tensor, ...]:
+    """The classic composition features of packed tokens: per composition (``segment`` (T,) its index, ``num`` of
+    them), the fraction-weighted mean and variance, max and min of the rows ``p (T, P)``, and the composition as a
+    vector of element fractions ``(num, 96)`` (``elements (T,)`` indices, ``fractions (T,)``)."""
+    weights = fractions.to(p.dtype)[:, None]
+    p_mean = p.new_zeros(num, p.shape[1]).index_add_(0, segment, p * weights)
+    p_var = p.new_zeros(num, p.shape[1]).index_add_(0, segment, (p - p_mean[segment]).square() * weights)
+    rows = segment[:, None].expand_as(p)
+    p_max = p.new_zeros(num, p.shape[1]).scatter_reduce_(0, rows, p, "amax", include_self=False)
+    p_min = p.new_zeros(num, p.shape[1]).scatter_reduce_(0, rows, p, "amin", include_self=False)
+    vector = p.new_zeros(num, len(ELEMENT_SYMBOLS)).index_put_((segment, elements), weights[:, 0], accumulate=True)
+    return p_mean, p_var, p_max, p_min, vector
+
+
 def _pooled(weighted, mean, p_mean, p_var, p_max, p_min, vector, dtype) -> torch.Tensor:
     """The head's input: pooled tokens, the element-embedding statistics (STATISTICS order), the fraction vector."""
     return torch.cat([weighted, mean, p_mean, (p_var + 1e-4).sqrt(), p_max, p_min, vector], dim=-1).to(dtype)
@@ -160,7 +178,7 @@ class CompositionTransformer(nn.Module):
         # the head reads the pooled tokens and statistics of the composition's element embeddings
         # and the composition as a vector of element fractions
         self.head_hidden = nn.Linear(2 * d + len(STATISTICS) * properties.shape[1] + properties.shape[0], d)
-        self.head_out = nn.Linear(d, 1)
+        self.head_out = nn.Linear(d, 2 if config.two_stage else 1)
         self.register_buffer("target_mean", torch.zeros(()))
         self.register_buffer("target_std", torch.ones(()))
 
@@ -194,15 +212,8 @@ class CompositionTransformer(nn.Module):
         fractions = fractions.to(accumulate)[:, None]
         weighted = x.new_zeros(num, x.shape[1]).index_add_(0, segment, x * fractions)
         mean = x.new_zeros(num, x.shape[1]).index_add_(0, segment, x) / lengths.clamp_min(1)[:, None]
-        p = properties.to(accumulate)
-        p_mean = p.new_zeros(num, p.shape[1]).index_add_(0, segment, p * fractions)
-        p_var = p.new_zeros(num, p.shape[1]).index_add_(0, segment, (p - p_mean[segment]).square() * fractions)
-        rows = segment[:, None].expand_as(p)
-        p_max = p.new_zeros(num, p.shape[1]).scatter_reduce_(0, rows, p, "amax", include_self=False)
-        p_min = p.new_zeros(num, p.shape[1]).scatter_reduce_(0, rows, p, "amin", include_self=False)
-        vector = p.new_zeros(num, len(ELEMENT_SYMBOLS)).index_put_((segment, elements), fractions[:, 0],
-                                                                  accumulate=True)
-        return _pooled(weighted, mean, p_mean, p_var, p_max, p_min, vector, self.final_norm.weight.dtype)
+        statistics = element_statistics(properties.to(accumulate), elements, fractions[:, 0], segment, num)
+        return _pooled(weighted, mean, *statistics, self.final_norm.weight.dtype)
 
     # --------------------------------------------------------------------------------------------- plain build
     def pooled_padded(self, elements, fractions, mask) -> torch.Tensor:
@@ -226,13 +237,21 @@ class CompositionTransformer(nn.Module):
         return _pooled(weighted, mean, p_mean, p_var, p_max, p_min, vector, self.final_norm.weight.dtype)
 
     # ------------------------------------------------------------------------------------------------- head
-    def head(self, pooled: torch.Tensor, *, dropout: bool | None = None) -> torch.Tensor:
-        """Pooled ``(B, 2d + 4P)`` -> Tc ``(B,)`` float32 (float64 for a float64 model) in kelvin; ``dropout``
-        defaults to ``self.training``."""
+    def head_outputs(self, pooled: torch.Tensor, *, dropout: bool | None = None) -> tuple[torch.Tensor, ...]:
+        """Pooled ``(B, 2d + 4P)`` -> (Tc ``(B,)`` float32 (float64 for a float64 model) in kelvin, the logit of
+        P(Tc > 0) ``(B,)`` of a two-stage head, else None); ``dropout`` defaults to ``self.training``."""
         active = self.training if dropout is None else dropout
         hidden = F.dropout(F.silu(self.head_hidden(pooled)), self.config.head_dropout, training=active)
-        out = self.head_out(hidden).squeeze(-1)
-        return out.to(_accumulate_dtype(out)) * self.target_std + self.target_mean
+        out = self.head_out(hidden)
+        out = out.to(_accumulate_dtype(out))
+        value = out[:, 0] * self.target_std + self.target_mean
+        if not self.config.two_stage:
+            return value, None
+        return torch.sigmoid(out[:, 1]) * value, out[:, 1]
+
+    def head(self, pooled: torch.Tensor, *, dropout: bool | None = None) -> torch.Tensor:
+        """Pooled ``(B, 2d + 4P)`` -> Tc ``(B,)`` in kelvin (:meth:`head_outputs`)."""
+        return self.head_outputs(pooled, dropout=dropout)[0]
 
     def head_samples(self, pooled: torch.Tensor, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
         """MC dropout over the head: ``samples`` stochastic passes -> (mean, std) of Tc, each ``(B,)``."""

@@ -39,6 +39,9 @@ from flashmoe_science.science.supercon_model import (
 
 DEFAULT_LEVELS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 1.0)
 STATE_FILE = "screen_state.pt"
+STATE_FORMAT = "screen state 2"  # part of a run's signature: a state file of another layout is another run
+HISTOGRAM_RANGE_K = (-20.0, 200.0)  # predictions outside fall into the first or last bin
+HISTOGRAM_BINS = 220
 
 
 class CandidateSpace:
@@ -116,7 +119,7 @@ class CandidateSpace:
     def formula(self, index: int) -> str:
         """Candidate ``index`` written in its parent's amounts (``La2Cu1O4``, Sr for La at 0.1 ->
         ``La1.8Sr0.2Cu1O4``)."""
-        parent, site, dopant, level = (t.item() for t in self.decode(torch.tensor([index], device=self.device)))
+        parent, site, dopant, level = self._decode_one(index)
         composition: dict[str, float] = {}
         for position, (symbol, amount) in enumerate(parse_formula(self.parents.formulas[parent]).items()):
             if position != site:
@@ -127,9 +130,22 @@ class CandidateSpace:
             composition[ELEMENT_SYMBOLS[dopant]] = amount * level
         return format_formula(composition)
 
-    def parent_formula(self, index: int) -> str:
-        parent = int(torch.searchsorted(self.offsets, torch.tensor([index], device=self.device), right=True)) - 1
-        return self.parents.formulas[parent]
+    def _decode_one(self, index: int) -> tuple:
+        return tuple(t.item() for t in self.decode(torch.tensor([index], device=self.device)))
+
+    def substitution(self, index: int) -> dict:
+        """Candidate ``index`` as a chemist reads it: the parent formula and its measured Tc, and the substitution
+        (``"Sr for La, x = 0.1"``: a fraction x of the La site's amount replaced by Sr)."""
+        parent, site, dopant, level = self._decode_one(index)
+        site_symbol = list(parse_formula(self.parents.formulas[parent]))[site]
+        return {"parent": self.parents.formulas[parent], "parent_Tc_K": round(float(self.parents.targets[parent]), 2),
+                "substitution": f"{ELEMENT_SYMBOLS[dopant]} for {site_symbol}, x = {level:g}"}
+
+    def fraction_vectors(self, index: torch.Tensor) -> torch.Tensor:
+        """Candidates ``index`` as element-fraction vectors ``(len(index), 96)`` float32 (CPU)."""
+        vectors = [self.padded_batch(i, i + 1) for i in index.tolist()]
+        return torch.cat([torch.zeros(1, len(ELEMENT_SYMBOLS), device=self.device).scatter_add_(
+            1, batch.elements, batch.fractions) for batch in vectors]).cpu()
 
 
 def pack(padded: PaddedBatch) -> PackedBatch:
@@ -159,18 +175,27 @@ class ScreenState:
     scores: torch.Tensor  # (K,) float32, -inf where empty
     stds: torch.Tensor
     indices: torch.Tensor  # (K,) int64, -1 where empty
+    histogram: torch.Tensor  # (HISTOGRAM_BINS,) int64: every screened candidate's predicted Tc, binned
 
     @classmethod
     def empty(cls, keep: int, device) -> "ScreenState":
         return cls(0, torch.full((keep,), -torch.inf, device=device), torch.zeros(keep, device=device),
-                   torch.full((keep,), -1, dtype=torch.int64, device=device))
+                   torch.full((keep,), -1, dtype=torch.int64, device=device),
+                   torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=device))
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> "ScreenState":
+        return cls(saved["next_index"], saved["scores"], saved["stds"], saved["indices"], saved["histogram"])
 
     def to_dict(self, signature: str | None) -> dict:
         """Tensors and plain values (``torch.load(..., weights_only=True)`` reads them back)."""
         return {"signature": signature, "next_index": self.next_index, "scores": self.scores, "stds": self.stds,
-                "indices": self.indices}
+                "indices": self.indices, "histogram": self.histogram}
 
     def merge(self, scores: torch.Tensor, stds: torch.Tensor, start: int) -> None:
+        low, high = HISTOGRAM_RANGE_K
+        bins = ((scores.float().clamp(low, high - 1e-3) - low) * (HISTOGRAM_BINS / (high - low))).long()
+        self.histogram += torch.bincount(bins, minlength=HISTOGRAM_BINS)
         indices = torch.arange(start, start + scores.numel(), device=scores.device)
         all_scores = torch.cat([self.scores, scores.float()])
         best = torch.topk(all_scores, self.scores.numel()).indices
@@ -182,7 +207,7 @@ class ScreenState:
 def run_signature(model: CompositionTransformer, space: CandidateSpace, keep: int, implementation: str,
                   mc_samples: int) -> str:
     """What the running top-K depends on: the candidate space, the model's weights and dtype, how it is scored."""
-    digest = hashlib.sha256(repr((space.signature, keep, implementation, mc_samples)).encode())
+    digest = hashlib.sha256(repr((STATE_FORMAT, space.signature, keep, implementation, mc_samples)).encode())
     for tensor in model.state_dict().values():
         digest.update(str(tensor.dtype).encode())
         digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
@@ -191,12 +216,14 @@ def run_signature(model: CompositionTransformer, space: CandidateSpace, keep: in
 
 def screen(model: CompositionTransformer, space: CandidateSpace, *, top: int, batch_size: int,
            implementation: str, mc_samples: int, limit: int | None = None, out_dir: Path | None = None,
-           restart: bool = False, checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S, progress: bool = True) -> dict:
+           restart: bool = False, checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S, progress: bool = True,
+           known: CompositionSet | None = None) -> dict:
     """Scores candidates ``0:limit`` (all by default) in batches of ``batch_size``; keeps the ``top`` best (by the
     MC-dropout mean). With ``out_dir``: the state is saved there every ``checkpoint_interval_s`` seconds and on
     Ctrl-C (raising :class:`Interrupted`), a later call with the same model and settings continues from it
-    (``restart``: starts over), and ``top.csv`` is written at the end. Returns a summary (candidates, seconds,
-    candidates/s)."""
+    (``restart``: starts over), and ``top.csv`` (:func:`write_top`; ``known``: the measured compositions, for each
+    candidate's nearest) and ``candidates.png`` (:func:`plot_candidates`) are written at the end. Returns a summary
+    (candidates, seconds, candidates/s)."""
     if top < 1 or batch_size < 1:
         raise ValueError(f"top and batch_size must be >= 1, got top={top}, batch_size={batch_size}")
     stop = len(space) if limit is None else min(limit, len(space))
@@ -214,7 +241,7 @@ def screen(model: CompositionTransformer, space: CandidateSpace, *, top: int, ba
                 raise CommandError(f"{out_dir} holds a screening run of another model, candidate space, --top, "
                                    "--implementation, --mc-samples or --dtype: add --restart to start over, or "
                                    "choose another --out")
-            state = ScreenState(saved["next_index"], saved["scores"], saved["stds"], saved["indices"])
+            state = ScreenState.from_dict(saved)
     first = state.next_index
     model.eval()
     bar = progress_bar(stop, f"screen ({implementation})", unit="cand", enabled=progress, unit_scale=True,
@@ -245,13 +272,19 @@ def screen(model: CompositionTransformer, space: CandidateSpace, *, top: int, ba
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_atomic(state.to_dict(signature), state_path)
-        summary["top_csv"] = str(write_top(space, state, top, out_dir / "top.csv"))
+        top_csv, rows = write_top(space, state, top, out_dir / "top.csv", known)
+        summary["top_csv"] = str(top_csv)
+        summary["plot"] = str(plot_candidates(state, rows, out_dir / "candidates.png"))
         (out_dir / "screen_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def write_top(space: CandidateSpace, state: ScreenState, top: int, path: Path) -> Path:
-    """The ``top`` best distinct formulas: rank, formula, predicted Tc, its MC-dropout std, parent, index."""
+def write_top(space: CandidateSpace, state: ScreenState, top: int, path: Path,
+              known: CompositionSet | None = None) -> tuple[Path, list[dict]]:
+    """The ``top`` best distinct formulas as CSV: rank, formula, predicted Tc and its uncertainty (MC-dropout std),
+    the parent, its measured Tc and the substitution; with ``known`` (the measured compositions) also the nearest
+    known composition (L1 distance of the element-fraction vectors, 0 to 2), its measured Tc and the distance.
+    Returns the path and the rows."""
     rows, seen = [], set()
     for score_value, std, index in zip(state.scores.tolist(), state.stds.tolist(), state.indices.tolist()):
         if index < 0 or len(rows) == top:
@@ -260,11 +293,61 @@ def write_top(space: CandidateSpace, state: ScreenState, top: int, path: Path) -
         if formula in seen:
             continue
         seen.add(formula)
-        rows.append((len(rows) + 1, formula, f"{score_value:.2f}", f"{std:.2f}", space.parent_formula(index), index))
+        rows.append({"rank": len(rows) + 1, "formula": formula, "predicted_Tc_K": round(score_value, 2),
+                     "uncertainty_K": round(std, 2), **space.substitution(index), "candidate_index": index})
+    if known is not None and rows:
+        nearest, distance = nearest_known(space.fraction_vectors(torch.tensor([r["candidate_index"] for r in rows])),
+                                          known)
+        for row, k, d in zip(rows, nearest.tolist(), distance.tolist()):
+            row.update(nearest_known=known.formulas[k], nearest_known_Tc_K=round(float(known.targets[k]), 2),
+                       nearest_distance=round(d, 4))
     with path.open("w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["rank", "formula", "predicted_Tc_K", "uncertainty_K", "parent", "candidate_index"])
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["rank", "formula"])
+        writer.writeheader()
         writer.writerows(rows)
+    return path, rows
+
+
+def nearest_known(vectors: torch.Tensor, known: CompositionSet, chunk: int = 256) -> tuple[torch.Tensor, ...]:
+    """For each element-fraction vector ``(M, 96)``, the index of the nearest composition of ``known`` (L1
+    distance) and that distance."""
+    reference = known.fraction_vectors()
+    best = [torch.cdist(vectors[start:start + chunk], reference, p=1).min(1) for start in range(0, len(vectors), chunk)]
+    return torch.cat([b.indices for b in best]), torch.cat([b.values for b in best])
+
+
+def plot_candidates(state: ScreenState, rows: list[dict], path: Path) -> Path:
+    """Left: the predicted Tc of every screened candidate (histogram, log counts), the top N's threshold marked.
+    Right: the top N's predicted Tc against their nearest known composition's measured Tc, with uncertainty bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    low, high = HISTOGRAM_RANGE_K
+    edges = torch.linspace(low, high, HISTOGRAM_BINS + 1)
+    counts = state.histogram.cpu().double()
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    left.stairs(counts.numpy(), edges.numpy(), fill=True, alpha=0.6)
+    left.set(yscale="log", xlabel="predicted Tc (K)", ylabel="candidates",
+             title=f"{int(counts.sum()):,} candidates screened")
+    if rows:
+        left.axvline(rows[-1]["predicted_Tc_K"], color="black", linewidth=0.8, linestyle="--",
+                     label=f"top {len(rows)}")
+        left.legend()
+    if rows and "nearest_known_Tc_K" in rows[0]:
+        known = [r["nearest_known_Tc_K"] for r in rows]
+        predicted = [r["predicted_Tc_K"] for r in rows]
+        right.errorbar(known, predicted, yerr=[r["uncertainty_K"] for r in rows], fmt="o", markersize=3,
+                       alpha=0.6, elinewidth=0.6)
+        top = max(max(known), max(predicted)) * 1.05 + 1
+        right.plot([0, top], [0, top], color="black", linewidth=0.8)
+        right.set(xlim=(0, top), ylim=(0, top))
+    right.set(xlabel="measured Tc of the nearest known composition (K)", ylabel="predicted Tc (K)",
+              title=f"top {len(rows)} candidates")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
     return path
 
 

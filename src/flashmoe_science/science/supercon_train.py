@@ -1,5 +1,6 @@
-"""Training the composition transformer on SuperCon: seeded splits, AdamW with warmup and cosine decay, L1 loss on
-the standardised Tc, the checkpoint of the best validation epoch, test metrics, a parity plot and a loss curve."""
+"""Training the composition transformer on SuperCon: seeded splits, AdamW with warmup and cosine decay, MSE on the
+standardised Tc (a two-stage head adds a cross-entropy on Tc > 0), an exponential average of the weights, the
+averaged weights of the best validation epoch, test metrics, a parity plot and a loss curve."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import hashlib
 import json
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from flashmoe_science.errors import CommandError
 from flashmoe_science.science.checkpoint import CHECKPOINT_INTERVAL_S, Checkpoint, Interrupted, deferred_interrupt
@@ -28,9 +31,8 @@ MIN_SPLIT_ROWS = 10  # per part (train, validation, test): R2 of fewer rows says
 MIN_ROWS = math.ceil(MIN_SPLIT_ROWS / min(SPLIT_FRACTIONS))
 CHECKPOINT_FILE = "checkpoint.pt"
 MODEL_FORMAT = "flashmoe-science supercon model 1"
-CHECKPOINT_FORMAT = "flashmoe-science supercon training checkpoint 1"
-LOSSES = {"mse": torch.nn.functional.mse_loss, "l1": torch.nn.functional.l1_loss,
-          "huber": torch.nn.functional.smooth_l1_loss}
+CHECKPOINT_FORMAT = "flashmoe-science supercon training checkpoint 2"
+LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss, "huber": F.smooth_l1_loss}
 
 
 @dataclass
@@ -41,6 +43,7 @@ class TrainConfig:
     weight_decay: float = 1e-4
     warmup_fraction: float = 0.05
     loss: str = "mse"  # on the standardised Tc: "mse" (what R² measures), "l1" or "huber"
+    ema_decay: float = 0.995  # validation, the best epoch and the saved model use this average of the weights (0: off)
     seed: int = 0
     split: str = "random"
     implementation: str | None = None  # None: default_implementation(device)
@@ -85,6 +88,50 @@ def predict(model: CompositionTransformer, data: CompositionSet, index: torch.Te
 def _autocast(device: torch.device):
     """bf16 autocast on a GPU (the attention and MoE kernels' dtype); float32 on the CPU."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+class WeightAverage:
+    """An exponential moving average of a model's parameters, ``decay`` per step (ramped up from 0.1 over the first
+    steps, so the average does not remember the initial weights). The averaged weights of a noisy small-batch
+    optimisation generalise better than the last step's: validation and the saved model use them."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        if not 0 <= decay < 1:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        self.decay, self.steps = decay, 0
+        self.shadow = [p.detach().clone() for p in model.parameters()]
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        self.steps += 1
+        weight = 1 - min(self.decay, (1 + self.steps) / (10 + self.steps))
+        for average, parameter in zip(self.shadow, model.parameters()):
+            average.lerp_(parameter.detach(), weight)
+
+    def state(self) -> dict:
+        return {"steps": self.steps, "shadow": self.shadow}
+
+    def load(self, state: dict) -> None:
+        self.steps = state["steps"]
+        for average, saved in zip(self.shadow, state["shadow"]):
+            average.copy_(saved)
+
+    @contextmanager
+    def applied(self, model: torch.nn.Module):
+        """Inside: the model holds the averaged weights (its own ones restored after; a no-op with decay 0)."""
+        if self.decay == 0:
+            yield
+            return
+        own = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for parameter, average in zip(model.parameters(), self.shadow):
+                parameter.copy_(average)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for parameter, saved in zip(model.parameters(), own):
+                    parameter.copy_(saved)
 
 
 def _lr_factor(step: int, total: int, warmup: int) -> float:
@@ -162,14 +209,17 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
     torch.manual_seed(config.seed)
     model = CompositionTransformer(config.model)
     train_targets = data.targets[parts["train"]]
-    model.target_mean.fill_(float(train_targets.mean()))
-    model.target_std.fill_(float(train_targets.std()))
+    # a two-stage head's value is Tc given Tc > 0: scaled by the superconductors' statistics
+    scaled = train_targets[train_targets > 0] if config.model.two_stage else train_targets
+    model.target_mean.fill_(float(scaled.mean()))
+    model.target_std.fill_(float(scaled.std()))
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     steps_per_epoch = math.ceil(parts["train"].numel() / config.batch_size)
     total_steps = config.epochs * steps_per_epoch
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: _lr_factor(step, total_steps, max(1, round(config.warmup_fraction * total_steps))))
+    average = WeightAverage(model, config.ema_decay)
     shuffle = torch.Generator().manual_seed(config.seed)
     # where the run stands: (epoch, batches done in it), the shuffle generator at the epoch's start, the epoch's
     # running loss, the history of finished epochs and the best of them so far
@@ -182,6 +232,7 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
         optimizer.load_state_dict(saved["optimizer"])
         schedule.load_state_dict(saved["schedule"])
         position, history, best = saved["position"], saved["history"], saved["best"]
+        average.load(saved["average"])
         torch.set_rng_state(saved["rng"])
 
     def state() -> dict:
@@ -189,7 +240,7 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
                 "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "rng": torch.get_rng_state(),
                 "position": {**position, "loss_sum": float(loss_sum),
                              "seconds": position["seconds"] + time.perf_counter() - started},
-                "history": history, "best": best}
+                "history": history, "best": best, "average": average.state()}
 
     started = time.perf_counter()
     done = position["epoch"] * steps_per_epoch + position["batch"]
@@ -212,22 +263,27 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
             loss_sum = torch.tensor(position["loss_sum"], device=device)  # on the device: no sync per step
             for chunk in batches[position["batch"]:]:
                 batch = make_batch(data.batch(chunk).to(device), implementation)
-                target = (data.targets[chunk].to(device) - model.target_mean) / model.target_std
+                measured = data.targets[chunk].to(device)
+                target = (measured - model.target_mean) / model.target_std
                 with _autocast(device):
-                    predicted = model(batch)
+                    predicted, logit = model.head_outputs(batch.pooled(model))
                 loss = LOSSES[config.loss]((predicted - model.target_mean) / model.target_std, target)
+                if logit is not None:
+                    loss = loss + F.binary_cross_entropy_with_logits(logit, (measured > 0).to(logit.dtype))
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 schedule.step()
+                average.update(model)
                 loss_sum += loss.detach() * chunk.numel()
                 position["count"] += chunk.numel()
                 position["batch"] += 1
                 bar.update(1)
                 save_or_stop()
             position["loss_sum"] = float(loss_sum)
-            _finish_epoch(model, data, parts, implementation, device, config, position, history, best, bar)
+            with average.applied(model):
+                _finish_epoch(model, data, parts, implementation, device, config, position, history, best, bar)
             position.update(epoch=position["epoch"] + 1, batch=0, shuffle=shuffle.get_state(), loss_sum=0.0,
                             count=0)
             loss_sum = torch.zeros((), device=device)
