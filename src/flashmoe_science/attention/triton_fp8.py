@@ -40,43 +40,47 @@ def _fwht(x, BLOCK_R: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
 
 @triton.jit
 def _rows(X, SIGNS, b, h, row0, seqlen, stride_b, stride_h, stride_l,
-          BLOCK_R: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr, ROTATE: tl.constexpr):
-    """A (BLOCK_R, D) float32 block of rows of head (b, h), rotated when ROTATE (x·diag(s)·H/√D)."""
+          BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, LOG_D: tl.constexpr, ROTATE: tl.constexpr):
+    """A (BLOCK_R, BLOCK_D) float32 block of rows of head (b, h), rotated when ROTATE (x·diag(s)·H/√D; D is then a
+    power of two and BLOCK_D == D), columns past D read as 0; and the mask of the real elements."""
     rows = row0 + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, D)
+    cols = tl.arange(0, BLOCK_D)
+    real = (rows[:, None] < seqlen) & (cols[None, :] < D)
     ptrs = X + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h + rows[:, None].to(tl.int64) * stride_l + cols[None, :]
-    x = tl.load(ptrs, mask=rows[:, None] < seqlen, other=0.0).to(tl.float32)
+    x = tl.load(ptrs, mask=real, other=0.0).to(tl.float32)
     if ROTATE:
-        x = _fwht(x * tl.load(SIGNS + cols)[None, :], BLOCK_R, D, LOG_D) * (1.0 / tl.sqrt(D * 1.0))
-    return x, rows, cols
+        x = _fwht(x * tl.load(SIGNS + cols)[None, :], BLOCK_R, BLOCK_D, LOG_D) * (1.0 / tl.sqrt(D * 1.0))
+    return x, rows, cols, real
 
 
 @triton.jit
 def _amax_kernel(X, SIGNS, AMAX, seqlen, num_heads, group, stride_b, stride_h, stride_l,
-                 BLOCK_R: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr, ROTATE: tl.constexpr):
+                 BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, LOG_D: tl.constexpr,
+                 ROTATE: tl.constexpr):
     pid_r, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // num_heads, pid_bh % num_heads
-    x, _, _ = _rows(X, SIGNS, b, h, pid_r * BLOCK_R, seqlen, stride_b, stride_h, stride_l, BLOCK_R, D, LOG_D, ROTATE)
+    x, _, _, _ = _rows(X, SIGNS, b, h, pid_r * BLOCK_R, seqlen, stride_b, stride_h, stride_l, BLOCK_R, D, BLOCK_D,
+                       LOG_D, ROTATE)
     tl.atomic_max(AMAX + b * (num_heads // group) + h // group, tl.max(tl.max(tl.abs(x), 1), 0))
 
 
 @triton.jit
 def _cast_kernel(X, SIGNS, AMAX, OUT, seqlen, row_pitch, num_heads, group, stride_b, stride_h, stride_l,
-                 BLOCK_R: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr, ROTATE: tl.constexpr,
-                 TRANSPOSE: tl.constexpr, FP8_LIMIT: tl.constexpr):
+                 BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, LOG_D: tl.constexpr,
+                 ROTATE: tl.constexpr, TRANSPOSE: tl.constexpr, FP8_LIMIT: tl.constexpr):
     pid_r, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // num_heads, pid_bh % num_heads
-    x, rows, cols = _rows(X, SIGNS, b, h, pid_r * BLOCK_R, seqlen, stride_b, stride_h, stride_l,
-                          BLOCK_R, D, LOG_D, ROTATE)
+    x, rows, cols, real = _rows(X, SIGNS, b, h, pid_r * BLOCK_R, seqlen, stride_b, stride_h, stride_l,
+                                BLOCK_R, D, BLOCK_D, LOG_D, ROTATE)
     amax = tl.load(AMAX + b * (num_heads // group) + h // group)
     scale = tl.where(amax > 0, amax / FP8_LIMIT, 1.0)
     y = (x / scale).to(OUT.dtype.element_ty)
     if TRANSPOSE:  # (D, row_pitch) per head: the K-major layout of V
         head = OUT + pid_bh.to(tl.int64) * row_pitch * D
-        tl.store(head + cols[None, :].to(tl.int64) * row_pitch + rows[:, None], y, mask=rows[:, None] < seqlen)
+        tl.store(head + cols[None, :].to(tl.int64) * row_pitch + rows[:, None], y, mask=real)
     else:
         head = OUT + pid_bh.to(tl.int64) * seqlen * D
-        tl.store(head + rows[:, None].to(tl.int64) * D + cols[None, :], y, mask=rows[:, None] < seqlen)
+        tl.store(head + rows[:, None].to(tl.int64) * D + cols[None, :], y, mask=real)
 
 
 def quantize_slabs(x: torch.Tensor, group: int, rotate: bool, transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,9 +95,10 @@ def quantize_slabs(x: torch.Tensor, group: int, rotate: bool, transpose: bool) -
     buf = torch.empty((b, h, d, row) if transpose else (b, h, seqlen, d), dtype=torch.float8_e4m3fn,
                       device=x.device)
     signs = hadamard_signs(d, x.device)
-    block_r = max(16, min(128, 8192 // d))
+    block_d = triton.next_power_of_2(d)  # tl.arange takes powers of two: columns past d are masked
+    block_r = max(16, min(128, 8192 // block_d))
     grid = (triton.cdiv(seqlen, block_r), b * h)
-    common = dict(BLOCK_R=block_r, D=d, LOG_D=int(math.log2(d)) if rotate else 0, ROTATE=rotate)
+    common = dict(BLOCK_R=block_r, D=d, BLOCK_D=block_d, LOG_D=int(math.log2(d)) if rotate else 0, ROTATE=rotate)
     if seqlen:
         _amax_kernel[grid](x, signs, amax, seqlen, h, group, *x.stride()[:3], **common, num_warps=4)
         _cast_kernel[grid](x, signs, amax, buf, seqlen, row, h, group, *x.stride()[:3], **common, TRANSPOSE=transpose,
