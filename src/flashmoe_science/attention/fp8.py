@@ -114,9 +114,11 @@ def _quantize_reference(q, k, v, hadamard: bool) -> Fp8Inputs:
 
 
 def dequantize(t: torch.Tensor, descale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """fp8 (B, H, L, D) × its (B, Hkv) descale -> `dtype` (query heads of a group share their kv-head's scale)."""
+    """fp8 (B, H, L, D) × its (B, Hkv) descale -> `dtype` (query heads of a group share their kv-head's scale),
+    row-major whatever `t`'s layout (V arrives K-major from `quantize_fp8`; the kernels take a unit last stride)."""
     group = t.shape[1] // descale.shape[1]
-    return (t.to(torch.float32) * descale.repeat_interleave(group, dim=1)[:, :, None, None]).to(dtype)
+    scaled = t.to(torch.float32) * descale.repeat_interleave(group, dim=1)[:, :, None, None]
+    return scaled.to(dtype, memory_format=torch.contiguous_format)
 
 
 def check_fp8_call(q, k, v, q_descale, k_descale, v_descale) -> None:
