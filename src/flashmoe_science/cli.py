@@ -10,7 +10,7 @@ Commands:
   bench --suite varlen,window,mods   packed sequences and masks against SDPA/FlexAttention
   bench --suite distributed          ring attention / expert-parallel MoE scaling (under torchrun)
   bench --suite ladder               every rung of attention.ladder, from the CPU loop to the Hopper kernel
-  supercon train|screen|bench        the superconductor critical-temperature model
+  supercon train|screen|bench|baselines   the superconductor critical-temperature model and its baselines
 
 Examples:
   flashmoe-science info
