@@ -211,22 +211,25 @@ def render_training_demo(folder: Path) -> tuple[str, str]:
 
 
 RENDERERS: dict[str, Callable[[Mapping, Path], str]] = {
-    "attention": render_attention, "moe": render_moe, "attention-features": render_features,
+    "attention": render_attention, "ladder": render_attention, "moe": render_moe, "attention-features": render_features,
     "decode": render_decode,
 }
 TITLES = {"attention": "Attention", "moe": "MoE layer", "attention-features": "Masks and packed sequences",
           "decode": "KV-cache decode", "ring-step-overlap": "Distributed, on one GPU",
           "supercon": "Science workload: SuperCon Tc model",
           "supercon-baselines": "Science workload: the Tc model beside classical baselines",
-          "groups": "Masked forward, kernel alone"}
-SELF_HEADED = ("attention", "moe")
-KIND_ORDER = ("attention", "groups", "attention-features", "decode", "moe", "ring-step-overlap", "supercon",
+          "groups": "Masked forward, kernel alone",
+          "ladder": "The ladder, from a CPU loop to the Hopper kernel (docs/ladder.md)"}
+SELF_HEADED = ("attention", "ladder", "moe")
+KIND_ORDER = ("attention", "ladder", "groups", "attention-features", "decode", "moe", "ring-step-overlap", "supercon",
               "supercon-baselines")
 
 
 def kind(data: Mapping) -> str:
     if data.get("benchmark") in ("supercon", "supercon-baselines"):
         return data["benchmark"]
+    if data.get("suite") == "ladder":
+        return "ladder"
     records = data.get("records")
     if records is None:
         return "groups"
