@@ -267,7 +267,7 @@ def test_failing_backend_is_skipped_not_fatal():
 
 
 def test_rounds_record_the_median_of_repeated_sweeps():
-    times = iter([3.0, 1.0, 9.0, 2.0, 5.0, 4.0])  # round 1: shape A, shape B; round 2: A, B; round 3: A, B
+    times = iter([3.0, 1.0, 9.0, 2.0, 5.0, 4.0])  # sweep 1: shape A, shape B; sweep 2: A, B; sweep 3: A, B
 
     def timer(fn, grad_to_none=None):
         fn()

@@ -1,11 +1,11 @@
 """Repeating a Triton/Gluon kernel launch without Triton's per-call binding.
 
 `kernel[grid](...)` re-binds and re-specialises every argument and looks the compiled kernel up on each call:
-tens of microseconds of host time, which on a small problem is longer than the GPU work (docs/perf-notes.md,
-session 4). A PreparedLaunch does that once for one call signature and afterwards hands the compiled kernel only
+tens of microseconds of host time, which on a small problem is longer than the GPU work (docs/perf-notes.md, host
+time). A PreparedLaunch does that once for one call signature and afterwards hands the compiled kernel only
 the arguments that change per call: the tensors (or TMA descriptors over them). Everything else (shapes, strides,
 scalars, constexprs, grid) is frozen, so the caller must key its cache of prepared launches on all of it, and on
-each tensor's 16-byte alignment, which Triton specialises on (see attention.api._prepared_key).
+each tensor's 16-byte alignment, which Triton specialises on (see attention.call.prepared_key).
 """
 
 from __future__ import annotations

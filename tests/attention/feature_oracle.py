@@ -1,5 +1,5 @@
-"""The oracle of the masked/modified attention (window, softcap, ALiBi, bias, varlen), written from the issue's
-definitions and sharing no code with `flashmoe_science` (its reference or mask module).
+"""The oracle of the masked/modified attention (window, softcap, ALiBi, bias, varlen), written from the
+definitions in the front doors' docstrings and sharing no code with `flashmoe_science` (its reference or mask module).
 
 `feature_attention` computes out and lse in any dtype with an explicit softmax: float64 is the oracle, q's own dtype
 is "PyTorch's same-dtype error" for the tolerance rule (helpers.py: ours <= 2 x torch's + slack). It is

@@ -31,7 +31,7 @@ CUDA = "cuda"
 # ------------------------------------------------------------------------------------------------ the oracle
 def _window_visibility(lq, lk, causal, window, device):
     """(Lq, Lk): query i sees key j iff i + Lk - Lq - left <= j <= i + Lk - Lq + right (-1: unbounded; causal
-    clips right to 0): the issue's definition, written out."""
+    clips right to 0): the documented definition, written out."""
     left, right = window if window is not None else (-1, -1)
     if causal:
         right = 0

@@ -159,7 +159,7 @@ def test_tensor_core_regime_takes_the_measured_tiles(monkeypatch, num_tokens, nu
     assert _gemm(tiles, "up") == (128, 128, 64, 8, 4, 1)
     assert _gemm(tiles, "down") == _gemm(tiles, "dx") == (128, 256, 64, 8, 4, 1)
     assert _gemm(tiles, "up_bwd") == (128, 256, 64, 8, 4, 1)
-    # session 9: the persistent weight-gradient kernel, one program per SM
+    # the persistent weight-gradient kernel, one program per SM
     assert _gemm(tiles, "dw1") == _gemm(tiles, "dw2") == (128, 256, 64, 8, 3, 1)
     assert tiles.dw2.persistent == 1
     assert tiles.dw1.persistent == (num_tokens * top_k / num_experts <= 512)  # short reductions only
@@ -223,7 +223,7 @@ def test_sweep_operands_are_the_same_for_every_block_m():
 @pytest.mark.parametrize("itemsize", [2, 4])
 def test_every_gemm_fits_shared_memory(monkeypatch, num_tokens, num_experts, top_k, d_model, d_ff, itemsize):
     # the tiles are measured for 2-byte operands; float32 doubles each ring (128x256 with 4 stages asked for 320 KiB
-    # and failed to launch in the session-9 GPU tests): the fit drops stages, then narrows the tile
+    # and failed to launch on an H200): the fit drops stages, then narrows the tile
     from flashmoe_science.moe.tiles import gemm_smem_bytes, smem_limit
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
