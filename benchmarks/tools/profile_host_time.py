@@ -11,6 +11,9 @@ the full path (the prepared-call cache emptied before each call).
 `--attn-bwd`: the attention backward as the bench times it (out.backward, graph retained) per backend (auto,
 triton, cudnn): device ms, host µs, the kernels it launched (torch.profiler, device µs each) and a cProfile of
 auto's host side.
+`--varlen`: `flash_attention_varlen` on the varlen bench's long-tailed batch (16384 tokens, H=16, D=128) against
+the dense call of the same tokens (4 x 4096), forward alone and forward + backward, causal and not: device ms, host
+µs, the kernels each launches (torch.profiler) and a cProfile of the packed forward's host side.
 `--moe-bwd`: the layer's backward as the bench times it (autograd.grad, graph retained), ours and the grouped_mm
 pipeline, then a cProfile of ours (top functions by own time).
 """
@@ -157,17 +160,65 @@ def attn_bwd_main(cases):
             print(" | ".join(line), flush=True)
 
 
+def _kernels(fn, n=5) -> str:
+    """The CUDA kernels fn() launches: count per call and mean device µs each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    kernels = {}
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            kernels.setdefault(event.name[:70], []).append(event.device_time)
+    return "\n".join(f"    {len(t) / n:4.1f} x {sum(t) / len(t):8.1f} us  {name}" for name, t in kernels.items())
+
+
+def varlen_main():
+    from flashmoe_science import flash_attention_varlen
+    from flashmoe_science.bench.features import HEAD_DIM, HEADS, VARLEN_MAX, VARLEN_MIN, VARLEN_TOKENS, long_tailed_lengths
+
+    lengths = long_tailed_lengths(VARLEN_TOKENS, VARLEN_MIN, VARLEN_MAX)
+    total, longest = sum(lengths), max(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    print(f"{len(lengths)} sequences {min(lengths)}..{longest}, {total} tokens", flush=True)
+    for causal in (False, True):
+        for grad in (False, True):
+            packed = [torch.randn(total, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+                      for _ in range(3)]
+            dense = [torch.randn(4, HEADS, total // 4, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                                 requires_grad=grad) for _ in range(3)]
+            calls = {"varlen": lambda: flash_attention_varlen(*packed, cu, cu, longest, longest, causal=causal),
+                     "dense": lambda: flash_attention_science(*dense, causal=causal)}
+            for name, fn in calls.items():
+                step = fn
+                if grad:
+                    def step(fn=fn):
+                        fn().backward(gradient=grad_out)
+                    grad_out = torch.randn_like(fn())
+                device_ms, host_us = _host_and_device(step, n=30)
+                label = f"causal={int(causal)} {'fwd+bwd' if grad else 'fwd'} {name}"
+                print(f"{label}: device {device_ms:.4f} ms, host {host_us:.0f} us", flush=True)
+                print(_kernels(step), flush=True)
+                if name == "varlen" and not causal:
+                    _host_profile(step, 30).sort_stats("tottime").print_stats(12)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--moe", action="store_true")
     p.add_argument("--moe-bwd", action="store_true")
     p.add_argument("--attn-bwd", action="store_true")
+    p.add_argument("--varlen", action="store_true")
     p.add_argument("--tokens", default="1,16,64")
     p.add_argument("--cases", default=CASES)
     p.add_argument("--profile", default="32x8x512x256")
     a = p.parse_args()
     if a.moe:
         return moe_main([int(t) for t in a.tokens.split(",")])
+    if a.varlen:
+        return varlen_main()
     if a.attn_bwd:
         return attn_bwd_main(a.cases)
     if a.moe_bwd:

@@ -7,6 +7,8 @@ key their calls without importing Triton (the CPU reference path does not need i
 
 from __future__ import annotations
 
+import weakref
+
 # Prepared calls kept per cache: ragged workloads make a new signature per length.
 CACHE_MAX = 512
 
@@ -22,3 +24,36 @@ def remember(cache: dict, key, prepared) -> None:
     if len(cache) >= CACHE_MAX:
         cache.clear()
     cache[key] = prepared
+
+
+class TensorMemo:
+    """Values derived from tensors' contents (a check passed, a table computed on the device), remembered while
+    those very tensors live unwritten: an entry counts only while weak references to its tensors still point at
+    them (a freed tensor's id and memory may be reused by the next batch's) and their version counters are
+    unchanged (an in-place write bumps `_version`). Inference tensors have no version counter: never remembered.
+    Bounded (`max_entries`; emptied when full)."""
+
+    __slots__ = ("entries", "max_entries")
+
+    def __init__(self, max_entries: int = 64):
+        self.entries: dict[tuple, tuple] = {}
+        self.max_entries = max_entries
+
+    def get(self, tensors: tuple, extra=None):
+        """The value remembered for these tensors (and `extra`, what else it was derived from), or None."""
+        entry = self.entries.get((*map(id, tensors), extra))
+        if entry is None:
+            return None
+        refs, versions, value = entry
+        for ref, t, version in zip(refs, tensors, versions):
+            if ref() is not t or t._version != version:
+                return None
+        return value
+
+    def put(self, tensors: tuple, extra, value) -> None:
+        if any(t.is_inference() for t in tensors):
+            return
+        if len(self.entries) >= self.max_entries:
+            self.entries.clear()
+        self.entries[(*map(id, tensors), extra)] = (tuple(map(weakref.ref, tensors)),
+                                                    tuple(t._version for t in tensors), value)

@@ -21,25 +21,42 @@ class PreparedLaunch:
 
     `bound`: every kernel parameter by name, as for `kernel[grid](**bound, **options)`, which must have been
     launched (or warmed up) with them already: the compiled kernel is taken from Triton's cache. `make_head(*tensors)`
-    builds the leading kernel arguments that change per call (tensors, descriptors) from the call's tensors; the
-    parameters after them are frozen from `bound`.
+    builds the kernel arguments that change per call (tensors, descriptors) from the call's tensors: the leading
+    parameters, or those named in `live` (in that order) where per-call tensors sit among frozen scalars (a packed
+    batch's cumulative lengths); every other parameter is frozen from `bound`.
     """
 
-    __slots__ = ("compiled", "grid", "make_head", "tail", "aligned")
+    __slots__ = ("compiled", "grid", "make_head", "template", "positions", "aligned")
 
     def __init__(self, kernel, grid: tuple[int, ...], bound: dict, options: dict,
-                 make_head: Callable[..., tuple], tensors: tuple):
+                 make_head: Callable[..., tuple], tensors: tuple, live: tuple[str, ...] | None = None):
         self.compiled = kernel.warmup(grid=grid, **bound, **options)
         self.grid = (*grid, 1, 1)[:3]
         self.make_head = make_head
-        num_head = len(make_head(*tensors))
-        self.tail = tuple(bound[name] for name in kernel.arg_names[num_head:])  # scalars and constexprs, in order
+        names = list(kernel.arg_names)
+        live = names[:len(make_head(*tensors))] if live is None else list(live)
+        self.positions = tuple(names.index(name) for name in live)
+        if self.positions == tuple(range(len(live))):  # the common case: one tuple concatenation per call
+            self.positions = len(live)
+        self.template = tuple(bound[name] for name in names)  # the frozen arguments, in order
         self.aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
+
+    @property
+    def frozen(self) -> tuple:
+        """The arguments every call repeats (all but the per-call ones), in parameter order."""
+        live = range(self.positions) if isinstance(self.positions, int) else self.positions
+        return tuple(arg for position, arg in enumerate(self.template) if position not in live)
 
     def __call__(self, *tensors) -> None:
         if tuple(t.data_ptr() % 16 == 0 for t in tensors) != self.aligned:  # Triton specialised on it
             raise ValueError("PreparedLaunch: a tensor's 16-byte alignment differs from the prepared call's")
-        args = (*self.make_head(*tensors), *self.tail)
+        head = self.make_head(*tensors)
+        if isinstance(self.positions, int):
+            args = (*head, *self.template[self.positions:])
+        else:
+            args = list(self.template)
+            for position, value in zip(self.positions, head):
+                args[position] = value
         device = driver.active.get_current_device()
         stream = driver.active.get_current_stream(device)
         c = self.compiled

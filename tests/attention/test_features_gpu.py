@@ -132,3 +132,30 @@ def test_lse_functions_run_the_autograd_kernels(kwargs):
     assert torch.equal(out, ref.detach())
     for ours, theirs in zip(grads, torch.autograd.grad(ref, leaves, grad)):
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("causal,head_dim", [(False, 128), (True, 128), (True, 64), (True, 256)], ids=str)
+def test_varlen_repeated_signature_reads_each_calls_lengths(causal, head_dim):
+    """Calls of one signature (same totals, sequence count and max lengths) replay a prepared launch: each must
+    read its own cu_seqlens (values and work list), also after an in-place write to them, forward and backward."""
+    splits = ([100, 300, 0, 200], [300, 1, 99, 200], [5, 295, 300, 0])
+    q, k, v = (_randn(600, 8, head_dim) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(splits[0]).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    for lengths in (*splits, splits[0]):
+        cu_new = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        for cu_call in (cu_new, cu.copy_(cu_new)):  # a new tensor, then an in-place write to a known one
+            with torch.no_grad():
+                out = flash_attention_varlen(q, k, v, cu_call, cu_call, 300, 300, causal=causal)
+            expected = varlen_feature_attention(q, k, v, cu_new.tolist(), cu_new.tolist(), causal=causal,
+                                                dtype=torch.float64)[0]
+            assert (out.double() - expected).abs().max().item() < 2e-2
+
+    def run(q, k, v):
+        return flash_attention_varlen(q, k, v, cu, cu, 300, 300, causal=causal, return_lse=True)
+
+    def oracle(q, k, v, compute):
+        return varlen_feature_attention(q, k, v, cu.tolist(), cu.tolist(), causal=causal, dtype=compute)
+
+    for lengths in splits:  # the backward's prepared launches too: the second and third calls replay
+        cu.copy_(torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda"))
+        check_forward_and_grads(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))

@@ -151,7 +151,7 @@ def test_launch_prepare_freezes_no_tensor(kernels):
     kernel = kernels[1]  # _count_chunks: (ids, chunk_counts, num_pairs, num_experts, CHUNK, E_POW2)
     ids, counts = torch.zeros(8, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int32)
     prepared = Launch(kernel, (1,), (ids, counts, 8, 4), dict(CHUNK=16, E_POW2=4)).prepare()
-    assert prepared.tail == (8, 4, 16, 4)
+    assert prepared.frozen == (8, 4, 16, 4)
     with pytest.raises(ValueError, match="frozen"):
         Launch(kernel, (1,), (ids, 8, counts, 4), dict(CHUNK=16, E_POW2=4)).prepare()
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from flashmoe_science.attention import autograd
+from flashmoe_science.attention.checks import values_checked
+from flashmoe_science.attention.features import CallFeatures, Varlen
 from flashmoe_science.attention.fp8 import fp8_problem
 from flashmoe_science.attention.plan import plan_attention, plan_fp8
 from flashmoe_science.attention.problem import as_4d, dense_problem, new_outputs, packed_as_4d, packed_problem
@@ -65,7 +67,7 @@ def dense_forward(q, k, v, *, causal=False, softmax_scale=None, window=None, sof
     step = plan.forward
     if (key is not None and not step.differentiable and q.is_cuda and q.dim() == 4 and q.numel() and k.shape[-2]
             and not autotune_enabled()):
-        prepared = step.prepare(q, k, v, out, lse, causal, problem.softmax_scale)
+        prepared = step.prepare(q, k, v, out, lse, problem.features, problem.softmax_scale)
         if prepared is not None:
             remember(PREPARED, key, (prepared, step))
     return out, lse
@@ -101,19 +103,61 @@ def dense_backward(q, k, v, out, lse, grad_out, *, causal=False, softmax_scale=N
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
 
+def packed_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse,
+               backend, deterministic) -> tuple | None:
+    """`prepared_key` of a packed call: also the cu_seqlens' signatures and the max lengths (the plan reads them),
+    or None where the call must take the full path."""
+    key = prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic)
+    if (key is None or cu_seqlens_q.__class__ is not torch.Tensor or cu_seqlens_k.__class__ is not torch.Tensor
+            or max_seqlen_q.__class__ is not int or max_seqlen_k.__class__ is not int):
+        return None
+    return (*key, tensor_signature(cu_seqlens_q), tensor_signature(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
+
+
+# Packed calls whose signature ran before (`packed_key`): the plan's forward step, the mask and the scale. A replay
+# still asks checks.values_checked for the cu_seqlens pair (their values are not part of a signature).
+PREPARED_PACKED: dict[tuple, tuple] = {}
+
+
+def packed_replay(entry: tuple, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """(out, lse) of a packed call whose signature ran before (`PREPARED_PACKED[key]`), or None where its cu_seqlens
+    pair has not passed the value check (the full path checks it)."""
+    if not values_checked(cu_seqlens_q, cu_seqlens_k, (q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)):
+        return None
+    step, mask, softmax_scale = entry
+    features = CallFeatures(mask=mask, varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return packed_outputs(*step.run(packed_as_4d(q), packed_as_4d(k), packed_as_4d(v), features, softmax_scale))
+
+
+def packed_outputs(out4, lse4):
+    """(out (total_q, Hq, D), lse (Hq, total_q)) from the kernels' (1, H, total, D) output and (1, H, total) lse."""
+    out = out4.squeeze(0).permute(1, 0, 2)  # back to (total_q, Hq, D): a view of the kernels' packed output
+    if not out.is_contiguous():  # the reference's output is (1, H, total, D)-contiguous
+        out = out.contiguous()
+    return out, lse4.squeeze(0)
+
+
 def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                    softmax_scale=None, window=None, softcap=None, alibi_slopes=None, backend="auto",
                    deterministic=False, return_lse=False):
     """(out (total_q, Hq, D), lse (Hq, total_q)) of a packed call (the arguments of `flash_attention_varlen`)."""
+    plain = window is None and softcap is None and alibi_slopes is None
+    key = packed_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                     return_lse, backend, deterministic) if plain else None
+    entry = PREPARED_PACKED.get(key) if key is not None else None
+    if entry is not None:
+        outputs = packed_replay(entry, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if outputs is not None:
+            return outputs
     problem = packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                              softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                              backend=backend, deterministic=deterministic, return_lse=return_lse)
     plan = plan_attention(problem)
     out4, lse4 = autograd.run(plan, problem.q4, problem.k4, problem.v4, problem.features, problem.softmax_scale)
-    out = out4.squeeze(0).permute(1, 0, 2)  # back to (total_q, Hq, D): a view of the kernels' packed output
-    if not out.is_contiguous():  # the reference's output is (1, H, total, D)-contiguous
-        out = out.contiguous()
-    return out, lse4.squeeze(0)
+    step = plan.forward
+    if key is not None and not step.differentiable and q.is_cuda and q.numel() and k.shape[0]:
+        remember(PREPARED_PACKED, key, (step, problem.features.mask, problem.softmax_scale))
+    return packed_outputs(out4, lse4)
 
 
 def packed_backward(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,

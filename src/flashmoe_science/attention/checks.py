@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 import numbers
-import weakref
 
 import torch
 
 from flashmoe_science.attention.features import Varlen
+from flashmoe_science.prepared_cache import TensorMemo
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FLOAT_DTYPES = KERNEL_DTYPES + (torch.float64,)
@@ -155,7 +155,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     The values of cu_seqlens are checked too (start 0, non-decreasing, last entry the tensor's total, no sequence
     longer than max_seqlen): one small device-to-host copy (8 numbers; a sync on a GPU), once per pair of
     cu_seqlens tensors: a model's layers (forward and backward) share one pair per batch, so a batch pays one sync,
-    not one per layer (`_values_checked`; inference tensors, which have no version counter, on every call). A
+    not one per layer (`values_checked`; inference tensors, which have no version counter, on every call). A
     first sight makes the call unsuitable for CUDA-graph capture."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
@@ -177,37 +177,21 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
             raise TypeError(f"{name} must be a non-negative int, got {value!r}")
     bounds = (q.shape[0], k.shape[0], int(max_seqlen_q), int(max_seqlen_k))
-    if not _values_checked(cu_seqlens_q, cu_seqlens_k, bounds):
+    if not values_checked(cu_seqlens_q, cu_seqlens_k, bounds):
         _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, *bounds)
-        _remember_values_checked(cu_seqlens_q, cu_seqlens_k, bounds)
+        _VALUES_CHECKED.put((cu_seqlens_q, cu_seqlens_k), bounds, True)
     return Varlen(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
 
 
-# (id(cu_seqlens_q), id(cu_seqlens_k)) -> (weak references to both, their version counters, the bounds checked
-# against). An entry counts only while both references still point at the very tensors (a freed tensor's id and
-# memory may be reused by the next batch's) and neither was written since (an in-place write bumps `_version`).
-_CHECKED_VALUES: dict[tuple[int, int], tuple] = {}
-_CHECKED_VALUES_MAX = 64
+# The cu_seqlens pairs whose values passed, with the bounds they were checked against (prepared_cache.TensorMemo:
+# only while both are the very tensors checked and unwritten since).
+_VALUES_CHECKED = TensorMemo()
 
 
-def _values_checked(cu_q: torch.Tensor, cu_k: torch.Tensor, bounds: tuple) -> bool:
-    if cu_q.is_inference() or cu_k.is_inference():  # no version counter: an in-place write would go unseen
-        return False
-    entry = _CHECKED_VALUES.get((id(cu_q), id(cu_k)))
-    if entry is None:
-        return False
-    ref_q, ref_k, version_q, version_k, checked_bounds = entry
-    return (ref_q() is cu_q and ref_k() is cu_k and version_q == cu_q._version and version_k == cu_k._version
-            and checked_bounds == bounds)
-
-
-def _remember_values_checked(cu_q: torch.Tensor, cu_k: torch.Tensor, bounds: tuple) -> None:
-    if cu_q.is_inference() or cu_k.is_inference():
-        return
-    if len(_CHECKED_VALUES) >= _CHECKED_VALUES_MAX:
-        _CHECKED_VALUES.clear()
-    _CHECKED_VALUES[(id(cu_q), id(cu_k))] = (weakref.ref(cu_q), weakref.ref(cu_k), cu_q._version, cu_k._version,
-                                             bounds)
+def values_checked(cu_q: torch.Tensor, cu_k: torch.Tensor, bounds: tuple) -> bool:
+    """Whether this pair of cu_seqlens passed `check_varlen`'s value rules for `bounds` (total_q, total_k,
+    max_seqlen_q, max_seqlen_k) and neither was written since."""
+    return _VALUES_CHECKED.get((cu_q, cu_k), bounds) is not None
 
 
 def _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k) -> None:

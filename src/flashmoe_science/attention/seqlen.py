@@ -6,10 +6,16 @@ Dense batches: sequence b is batch entry b, its rows start at 0, and every seque
 [cu_seqlens[b], cu_seqlens[b+1]) of them, a launch is sized by the longest sequence, and each program reads its own
 sequence's first row and lengths.
 
-Host side: `launch_sizes` (the sequences and lengths a launch covers), `varlen_tile_offsets` and `VarlenBatch` (a
-packed batch's real query tiles, numbered for persistent kernels: hopper/work_items.varlen_work walks them). Kernel
-side, plain `triton.jit` functions that the Gluon kernels call too: `sequence_bounds` (a sequence's first row and
-length) and `sequence_coords` (the same as TMA coordinates).
+Host side: `launch_sizes` (the sequences and lengths a launch covers); a packed batch's work list,
+`varlen_tile_offsets` (the running count of its real tiles, computed on the device), `work_list` (the same,
+computed once per cu_seqlens tensor) and `work_items_bound` (how many programs a launch over it needs); `VarlenBatch`
+(what a persistent forward reads). Kernel side, plain `triton.jit` functions that the Gluon kernels call too:
+`sequence_bounds` (a sequence's first row and length), `sequence_coords` (the same as TMA coordinates) and
+`tile_of_work` (a work item -> its sequence, head and tile).
+
+A packed batch's work items are its real tiles only, numbered sequence by sequence, head by head, a head's tiles
+consecutively: a launch over them has no programs that find their sequence shorter than the longest and exit (a
+grid of max_seqlen tiles per sequence idles most of its programs on a long-tailed batch).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from flashmoe_science.prepared_cache import TensorMemo
 
 
 def launch_sizes(q: torch.Tensor, k: torch.Tensor, varlen) -> tuple[int, int, int]:
@@ -38,6 +46,10 @@ class VarlenBatch:
     cu_seqlens_k: torch.Tensor
     tile_offsets: torch.Tensor
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The per-call tensors, in the order a prepared launch takes them after q, k, v, out, lse."""
+        return self.cu_seqlens_q, self.cu_seqlens_k, self.tile_offsets
+
 
 def varlen_tile_offsets(cu_seqlens_q: torch.Tensor, block_m: int) -> torch.Tensor:
     """int32 (B+1,): entry b counts the block_m-row query tiles of the sequences before b (the last entry: all of
@@ -48,6 +60,45 @@ def varlen_tile_offsets(cu_seqlens_q: torch.Tensor, block_m: int) -> torch.Tenso
     torch.cumsum(torch.div(lengths + (block_m - 1), block_m, rounding_mode="floor"), 0, dtype=torch.int32,
                  out=offsets[1:])
     return offsets
+
+
+# work_list's tables: one per (cu_seqlens tensor, tile rows), while that tensor lives unwritten
+_WORK_LISTS = TensorMemo()
+
+
+def work_list(cu_seqlens: torch.Tensor, block: int) -> torch.Tensor:
+    """varlen_tile_offsets(cu_seqlens, block), computed once per cu_seqlens tensor (a model's layers, forward and
+    backward, share one per batch: the 3 small device ops run once, not once per launch)."""
+    offsets = _WORK_LISTS.get((cu_seqlens,), block)
+    if offsets is None:
+        offsets = varlen_tile_offsets(cu_seqlens, block)
+        _WORK_LISTS.put((cu_seqlens,), block, offsets)
+    return offsets
+
+
+def work_items_bound(num_seqs: int, total: int, longest: int, block: int) -> int:
+    """An upper bound on the block-row tiles of a packed batch (per head), known without reading its lengths:
+    every sequence wastes less than one tile, and none has more than the longest's."""
+    return min(num_seqs * triton.cdiv(longest, block), triton.cdiv(total, block) + num_seqs)
+
+
+@triton.jit
+def tile_of_work(TILE_OFFSETS, num_seqs, num_heads, work):
+    """(sequence, head, tile) of work item `work` < num_heads · TILE_OFFSETS[num_seqs] (the module docstring's
+    numbering): the sequence b with TILE_OFFSETS[b]·H <= work < TILE_OFFSETS[b+1]·H, found by bisection (log2 of
+    the batch size loads, cached), which skips empty sequences."""
+    lo = work * 0
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tl.load(TILE_OFFSETS + mid) * num_heads <= work:
+            lo = mid
+        else:
+            hi = mid
+    first = tl.load(TILE_OFFSETS + lo)
+    num_tiles = tl.load(TILE_OFFSETS + lo + 1) - first
+    rest = work - first * num_heads
+    return lo, rest // num_tiles, rest % num_tiles
 
 
 @triton.jit

@@ -50,11 +50,14 @@ class TritonForward:
         attention_forward(q, k, v, out, lse, features, softmax_scale, self.tiles)
         return out, lse
 
-    def prepare(self, q, k, v, out, lse, causal: bool, softmax_scale: float):
-        """This launch as a PreparedLaunch for the next call of its signature (plain calls)."""
+    def prepare(self, q, k, v, out, lse, features, softmax_scale: float):
+        """This launch as a PreparedLaunch for the next call of its signature, called as `prepared(q, k, v, out,
+        lse)`; None for calls with features beyond the plain causal mask (their arguments are per call)."""
         from flashmoe_science.attention.triton_fwd import prepare_forward
 
-        return prepare_forward(q, k, v, out, lse, causal, softmax_scale, self.tiles)
+        if not features.is_plain:
+            return None
+        return prepare_forward(q, k, v, out, lse, features.causal, softmax_scale, self.tiles)
 
     def describe(self, problem, requested: str, with_features: str, declined: str) -> str:
         q = problem.q

@@ -2,8 +2,9 @@
 
 Suites (bf16, D=128, one GPU; on a CPU-only machine every size shrinks by 64 as a smoke test of the harness):
 
-- ``varlen``: a batch of 16384 tokens in sequences of long-tailed lengths (log-normal, clipped to 64..8192, fixed
-  seed), causal and not. ``flashmoe-varlen`` (`flash_attention_varlen`) against ``flashmoe-dense`` (our dense call
+- ``varlen``: batches of 16384 tokens in sequences of the lengths a user meets (`VARLEN_DISTRIBUTIONS`, fixed
+  seeds): long-tailed (log-normal, clipped to 64..8192), a packed pre-training batch (one 8192-token document and
+  many of 64..512) and uniform 512..4096; causal and not (``--quick``: the long tail only). ``flashmoe-varlen`` (`flash_attention_varlen`) against ``flashmoe-dense`` (our dense call
   at equal tokens, 4 x 4096), ``sdpa-nested`` (SDPA on a jagged nested tensor, whichever kernel PyTorch picks) and
   ``sdpa-cudnn-padded`` (cuDNN's SDPA on the batch padded to the longest sequence, without a key-padding mask: a
   lower bound of the padded call's cost, since a mask would take cuDNN off its fast path).
@@ -77,17 +78,39 @@ def long_tailed_lengths(total: int, low: int, high: int, seed: int = 0) -> list[
     return lengths
 
 
-def _varlen_case(causal: bool, device, dtype, shrink: int) -> Case:
+def uniform_lengths(total: int, low: int, high: int, seed: int = 0) -> list[int]:
+    """Sequence lengths summing to `total`, uniform in [low, high]; the last one takes the remainder."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(min(int(torch.randint(low, high + 1, (1,), generator=gen)), total - sum(lengths)))
+    return lengths
+
+
+def packed_document_lengths(total: int, longest: int, low: int, high: int, seed: int = 0) -> list[int]:
+    """A packed pre-training batch: one `longest`-token document, then documents uniform in [low, high]."""
+    return [longest, *uniform_lengths(total - longest, low, high, seed)]
+
+
+# name -> lengths(shrink): the varlen suite's batches (each VARLEN_TOKENS tokens on a GPU)
+VARLEN_DISTRIBUTIONS = {
+    "long tail": lambda s: long_tailed_lengths(VARLEN_TOKENS // s, max(1, VARLEN_MIN // s), VARLEN_MAX // s),
+    "packed documents": lambda s: packed_document_lengths(VARLEN_TOKENS // s, 8192 // s, max(1, 64 // s), 512 // s),
+    "uniform": lambda s: uniform_lengths(VARLEN_TOKENS // s, max(1, 512 // s), 4096 // s),
+}
+
+
+def _varlen_case(distribution: str, causal: bool, device, dtype, shrink: int) -> Case:
     from flashmoe_science import flash_attention_science, flash_attention_varlen
 
-    lengths = long_tailed_lengths(VARLEN_TOKENS // shrink, max(1, VARLEN_MIN // shrink), VARLEN_MAX // shrink)
+    lengths = VARLEN_DISTRIBUTIONS[distribution](shrink)
     total, longest, heads = sum(lengths), max(lengths), HEADS
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     real = sum(dense_flops(1, heads, n, n, HEAD_DIM, causal) for n in lengths)
     packed = lambda: tuple(_randn(total, heads, HEAD_DIM, device=device, dtype=dtype) for _ in range(3))  # noqa: E731
     dense_len = 4096 // shrink
     dense_batch = total // dense_len
-    case = Case("varlen", f"{len(lengths)} seqs {min(lengths)}..{longest}, {total} tokens"
+    case = Case("varlen", f"{distribution}: {len(lengths)} seqs {min(lengths)}..{longest}, {total} tokens"
                 + (", causal" if causal else ""))
     case.contenders["flashmoe-varlen"] = Contender(
         packed, lambda q, k, v: flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal), real)
@@ -110,6 +133,8 @@ def _varlen_case(causal: bool, device, dtype, shrink: int) -> Case:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
+        if len(lengths) * longest > 8 * total:  # padding would cost more than 8x the tokens: not a user's choice
+            return case
         case.contenders["sdpa-cudnn-padded"] = Contender(
             lambda: tuple(_randn(len(lengths), heads, longest, HEAD_DIM, device=device, dtype=dtype)
                           for _ in range(3)),
@@ -176,7 +201,9 @@ def feature_cases(suites, quick: bool, device, dtype) -> list[Case]:
     shrink = 1 if device.type == "cuda" else CPU_SHRINK
     cases = []
     if "varlen" in suites:
-        cases += [_varlen_case(causal, device, dtype, shrink) for causal in (False, True)]
+        distributions = list(VARLEN_DISTRIBUTIONS)[:1 if quick else None]
+        cases += [_varlen_case(name, causal, device, dtype, shrink) for name in distributions
+                  for causal in (False, True)]
     if "window" in suites:
         cases += [_window_case(length, device, dtype, shrink) for length in WINDOW_LENGTHS[:1 if quick else None]]
     if "mods" in suites:

@@ -29,7 +29,7 @@ from flashmoe_science.attention.hopper.tiles import (
 )
 from flashmoe_science.attention.problem import new_outputs
 from flashmoe_science.attention.record import ran
-from flashmoe_science.attention.tiles import AttentionTiles, padded_head_dim
+from flashmoe_science.attention.tiles import AttentionTiles, autotune_enabled, padded_head_dim
 from flashmoe_science.device import device_traits
 from flashmoe_science.gluon.availability import run_gluon, unavailable_reason
 from flashmoe_science.prepared_cache import remember, tensor_signature
@@ -59,6 +59,22 @@ def _on_hopper(q) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------- forward
+# The forward's launches per call signature (`HopperForward.prepared_key`): a call whose signature ran before skips
+# Triton's binding of its arguments (host time: docs/perf-notes.md).
+PREPARED_FORWARD: dict[tuple, object] = {}
+
+
+def varlen_batch(varlen):
+    """The persistent forward's view of a packed batch (seqlen.VarlenBatch: its work list of query tiles), or None
+    for a dense call."""
+    if varlen is None:
+        return None
+    from flashmoe_science.attention.hopper.fwd_sm90 import BLOCK_M
+    from flashmoe_science.attention.seqlen import VarlenBatch, work_list
+
+    return VarlenBatch(varlen.cu_seqlens_q, varlen.cu_seqlens_k, work_list(varlen.cu_seqlens_q, BLOCK_M))
+
+
 @dataclass(frozen=True)
 class HopperForward:
     """The Gluon sm_90 forward: `tiles` (128 query rows; key tile and ring depth vary), `persistent` (one CTA per SM
@@ -75,35 +91,59 @@ class HopperForward:
     differentiable = False
 
     def run(self, q, k, v, features, softmax_scale, out=None, lse=None):
-        """(out, lse) on checked 4-D views (varlen: (1, H, total, D); lse (1, H, total))."""
-        from flashmoe_science.attention.hopper.fwd_sm90 import BLOCK_M, attention_forward_sm90
-        from flashmoe_science.attention.seqlen import VarlenBatch, varlen_tile_offsets
+        """(out, lse) on checked 4-D views (varlen: (1, H, total, D); lse (1, H, total)). A call of a signature
+        that ran before repeats its PreparedLaunch (`prepared_forward`)."""
+        from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90
 
         if out is None:
             out, lse = new_outputs(q)
-        num_ctas = device_traits(q.device).sm_count if self.persistent else None
         varlen = features.varlen
-        if varlen is not None:  # the kernel numbers the real query tiles only: their running count per sequence
-            offsets = varlen_tile_offsets(varlen.cu_seqlens_q, BLOCK_M)
-            varlen = VarlenBatch(varlen.cu_seqlens_q, varlen.cu_seqlens_k, offsets)
+        batch = varlen_batch(varlen)
+        key = self.prepared_key(q, k, v, out, lse, features, softmax_scale)
+        prepared = PREPARED_FORWARD.get(key) if key is not None else None
+        if prepared is not None:
+            ran("forward", self.backend, self.kernel)
+            prepared(q, k, v, out, lse, *(() if batch is None else batch.tensors()))
+            return out, lse
+        num_ctas = device_traits(q.device).sm_count if self.persistent else None
         if run_gluon("attention forward", lambda: attention_forward_sm90(
                 q, k, v, out, lse, features.causal, softmax_scale, self.tiles, num_ctas, self.q_buffers,
-                self.cross_item, mask=features.mask, alibi_slopes=features.alibi_slopes, varlen=varlen), self.strict):
+                self.cross_item, mask=features.mask, alibi_slopes=features.alibi_slopes, varlen=batch), self.strict):
             ran("forward", self.backend, self.kernel)
+            if key is not None:
+                self.prepare(q, k, v, out, lse, features, softmax_scale)
             return out, lse
         # it did not build on this triton (warned once): the Triton kernel, with its own tiles
         return triton_backend.forward_plan(q, k, v, features).run(q, k, v, features, softmax_scale, out, lse)
 
-    def prepare(self, q, k, v, out, lse, causal: bool, softmax_scale: float):
-        """This launch as a PreparedLaunch for the next call of its signature (plain calls), or None where the
-        call fell back to the Triton kernel (the next call plans, and prepares, that one)."""
-        if unavailable_reason() is not None:
+    def prepared_key(self, q, k, v, out, lse, features, softmax_scale: float) -> tuple | None:
+        """What a PreparedLaunch of this plan freezes from a call (prepared_cache.tensor_signature of every tensor,
+        the mask, the scale), or None for calls it cannot repeat: ALiBi slopes, windows and softcaps are per-call
+        arguments it would freeze."""
+        if features.alibi_slopes is not None or not features.mask.is_plain or autotune_enabled():
             return None
-        from flashmoe_science.attention.hopper.fwd_sm90 import prepare_forward
+        varlen = features.varlen
+        tensors = (q, k, v, out, lse) if varlen is None else (q, k, v, out, lse, varlen.cu_seqlens_q,
+                                                             varlen.cu_seqlens_k)
+        return (self, *map(tensor_signature, tensors), features.causal, softmax_scale)
 
-        num_ctas = device_traits(q.device).sm_count if self.persistent else None
-        return prepare_forward(q, k, v, out, lse, causal, softmax_scale, self.tiles, num_ctas, self.q_buffers,
-                               self.cross_item)
+    def prepare(self, q, k, v, out, lse, features, softmax_scale: float):
+        """This launch as a PreparedLaunch for the next call of its signature (PREPARED_FORWARD), called as
+        `prepared(q, k, v, out, lse)` (varlen: then cu_seqlens_q, cu_seqlens_k and the work list), after a launch
+        of the same signature compiled the kernel; None where the call cannot be repeated (`prepared_key`) or the
+        Gluon build is unavailable (the call ran the Triton kernel)."""
+        key = self.prepared_key(q, k, v, out, lse, features, softmax_scale)
+        if key is None or unavailable_reason() is not None:
+            return None
+        prepared = PREPARED_FORWARD.get(key)
+        if prepared is None:
+            from flashmoe_science.attention.hopper.fwd_sm90 import prepare_forward
+
+            num_ctas = device_traits(q.device).sm_count if self.persistent else None
+            prepared = prepare_forward(q, k, v, out, lse, features.causal, softmax_scale, self.tiles, num_ctas,
+                                       self.q_buffers, self.cross_item, varlen=varlen_batch(features.varlen))
+            remember(PREPARED_FORWARD, key, prepared)
+        return prepared
 
     def describe(self, problem, requested: str, with_features: str, declined: str) -> str:
         tiles = self.tiles
@@ -144,31 +184,35 @@ def forward_plan(problem) -> HopperForward:
 PREPARED_BACKWARD: dict[tuple, object] = {}
 
 
-def _backward_key(tensors, causal: bool, softmax_scale: float) -> tuple:
+def _backward_key(tensors, features, softmax_scale: float) -> tuple:
     """What the backward's launches freeze from a call: each tensor's shape, strides, dtype, device and 16-byte
-    alignment, the mask and the scale."""
-    return (*map(tensor_signature, tensors), causal, softmax_scale)
+    alignment (a packed call's cu_seqlens too, and its maximal lengths, which size the grid), the mask and the
+    scale."""
+    varlen = features.varlen
+    packed = () if varlen is None else (tensor_signature(varlen.cu_seqlens_q), tensor_signature(varlen.cu_seqlens_k),
+                                        varlen.max_seqlen_q, varlen.max_seqlen_k)
+    return (*map(tensor_signature, tensors), *packed, features.causal, softmax_scale)
 
 
 def launch_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float) -> None:
-    """attention_backward_sm90, through a PreparedBackward where the one-pass kernel runs a plain (dense or causal)
-    call (head dims up to 128); calls with features launch directly (their slopes and cu_seqlens are per-call
-    tensors a prepared launch would freeze)."""
+    """attention_backward_sm90, through a PreparedBackward where the one-pass kernel runs a call with a plain mask
+    (dense, causal, packed; head dims up to 128); calls with ALiBi slopes, windows or softcaps launch directly
+    (per-call arguments a prepared launch would freeze)."""
     from flashmoe_science.attention.hopper import bwd_sm90
 
     tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv)
-    if bwd_sm90.is_deterministic(q.shape[-1]) or not features.is_plain:
-        # the D=256 kernels (fewer, larger problems) and feature calls: not prepared
+    if (bwd_sm90.is_deterministic(q.shape[-1]) or not features.mask.is_plain or features.alibi_slopes is not None
+            or autotune_enabled()):
+        # the D=256 kernels (fewer, larger problems) and calls with per-call arguments: not prepared
         bwd_sm90.attention_backward_sm90(*tensors, features, softmax_scale)
         return
-    causal = features.causal
-    key = _backward_key(tensors, causal, softmax_scale)
+    key = _backward_key(tensors, features, softmax_scale)
     prepared = PREPARED_BACKWARD.get(key)
     if prepared is None:
-        bwd_sm90.attention_backward_sm90(*tensors, causal, softmax_scale)  # compiles what has not run yet
-        remember(PREPARED_BACKWARD, key, bwd_sm90.PreparedBackward(*tensors, causal, softmax_scale))
+        bwd_sm90.attention_backward_sm90(*tensors, features, softmax_scale)  # compiles what has not run yet
+        remember(PREPARED_BACKWARD, key, bwd_sm90.PreparedBackward(*tensors, features, softmax_scale))
         return
-    prepared(*tensors)
+    prepared(*tensors, *bwd_sm90.varlen_tensors(features))
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,13 @@ bwd_sm90.attention_backward_sm90 picks the kernels. See bwd_sm90's docstring for
 from __future__ import annotations
 
 import torch
+import triton
 
 from flashmoe_science.gluon.compat import gl, gluon, mbarrier, tma
 
 from flashmoe_science.attention.features import as_features
 from flashmoe_science.attention.mask import LOG2_E, query_tile_range, score_to_log2, visible
-from flashmoe_science.attention.seqlen import launch_sizes
+from flashmoe_science.attention.seqlen import launch_sizes, tile_of_work, work_items_bound, work_list
 
 from flashmoe_science.gluon.sm90 import compile_offline as sm90_compile_offline
 
@@ -152,11 +153,27 @@ def _softcap_grad(ds, t, SOFTCAP: gl.constexpr):
 
 
 @gluon.jit
-def _cta_key_block(seqlen_k, num_kv_heads, CTA_KEYS: gl.constexpr):
-    """This CTA's (first key, batch, kv head): program ids run over a (batch, kv head)'s key blocks consecutively."""
-    num_key_tiles = gl.cdiv(seqlen_k, CTA_KEYS)
-    pid_bh = gl.program_id(0) // num_key_tiles
-    return (gl.program_id(0) % num_key_tiles) * CTA_KEYS, pid_bh // num_kv_heads, pid_bh % num_kv_heads
+def _cta_key_block(seqlen_k, num_kv_heads, WorkTiles, num_seqs, CTA_KEYS: gl.constexpr, VARLEN: gl.constexpr):
+    """This CTA's (first key, batch or sequence, kv head): program ids run over a (batch, kv head)'s key blocks
+    consecutively; a packed batch's over its real key blocks only (seqlen.tile_of_work over WorkTiles, the
+    work list of cu_seqlens_k; the caller returns first where the program id is past them)."""
+    if VARLEN:
+        seq, kv_head, tile = tile_of_work(WorkTiles, num_seqs, num_kv_heads, gl.program_id(0))
+        return tile * CTA_KEYS, seq, kv_head
+    else:
+        num_key_tiles = gl.cdiv(seqlen_k, CTA_KEYS)
+        pid_bh = gl.program_id(0) // num_key_tiles
+        return (gl.program_id(0) % num_key_tiles) * CTA_KEYS, pid_bh // num_kv_heads, pid_bh % num_kv_heads
+
+
+@gluon.jit
+def _past_work(WorkTiles, num_seqs, num_heads, VARLEN: gl.constexpr):
+    """Whether this program lies past a packed batch's real tiles (its launch is sized by seqlen.work_items_bound,
+    which may exceed them); False for dense launches, whose grids are exact."""
+    if VARLEN:
+        return gl.program_id(0) >= num_heads * gl.load(WorkTiles + num_seqs)
+    else:
+        return False
 
 
 @gluon.jit
@@ -211,15 +228,18 @@ def check_features(features) -> None:
         raise ValueError("the sm_90 backward takes no attn_bias (the Triton backward does)")
 
 
-def feature_args(features, softmax_scale: float, q, k) -> tuple[tuple, dict, tuple]:
+def feature_args(features, softmax_scale: float, q, k, work_rows: int, over_queries: bool = False
+                 ) -> tuple[tuple, dict, tuple]:
     """What the three sm_90 backward kernels take for a call's features: (their trailing arguments `Slopes,
-    CuSeqlensQ, CuSeqlensK, stride_slopes, lse_rows, window_left, window_right, softcap_scale`, their feature
-    constexprs, (num_seqs, seqlen_q, seqlen_k, qk_scale) for the grids and the scale argument).
+    CuSeqlensQ, CuSeqlensK, WorkTiles, num_seqs, stride_slopes, lse_rows, window_left, window_right,
+    softcap_scale`, their feature constexprs, (programs per head, seqlen_q, seqlen_k, qk_scale) for the grid and
+    the scale argument). `work_rows`: the key rows of a CTA (over_queries: the query rows) that its grid counts.
 
     Dense and causal-only masks run as CAUSAL with no MASK_* flag (a constant window: mask.key_tile_bounds and
     `_query_tile_bounds`, fewer instructions than the general bounds with a runtime window). Any other window sets
-    MASK_LEFT/MASK_RIGHT from mask.kernel_args. Varlen: one "batch" entry per packed sequence, the
-    maximal lengths (the kernels read each sequence's from cu_seqlens)."""
+    MASK_LEFT/MASK_RIGHT from mask.kernel_args. Varlen: the grid runs over the real tiles only (seqlen.work_list
+    of cu_seqlens_k, or of cu_seqlens_q over_queries; seqlen_q/k are the maxima, each sequence's lengths come from
+    cu_seqlens)."""
     features = as_features(features)
     mask = features.mask
     scalars = mask.kernel_args(softmax_scale)
@@ -228,13 +248,21 @@ def feature_args(features, softmax_scale: float, q, k) -> tuple[tuple, dict, tup
     if slopes is not None and slopes.stride(-1) != 1:
         slopes = slopes.contiguous()  # (B, Hq) float32: a few bytes
     varlen = features.varlen
-    cu_q, cu_k = (None, None) if varlen is None else (varlen.cu_seqlens_q, varlen.cu_seqlens_k)
-    args = (slopes, cu_q, cu_k, 0 if slopes is None else slopes.stride(0), q.shape[2], scalars["window_left"],
-            scalars["window_right"], scalars["softcap_scale"])
+    num_seqs, seqlen_q, seqlen_k = launch_sizes(q, k, varlen)
+    if varlen is None:
+        cu_q = cu_k = work_tiles = num_seqs_arg = None
+        programs = num_seqs * triton.cdiv(seqlen_q if over_queries else seqlen_k, work_rows)
+    else:
+        cu_q, cu_k, num_seqs_arg = varlen.cu_seqlens_q, varlen.cu_seqlens_k, num_seqs
+        work_tiles = work_list(cu_q if over_queries else cu_k, work_rows)
+        total, longest = (q.shape[2], seqlen_q) if over_queries else (k.shape[2], seqlen_k)
+        programs = work_items_bound(num_seqs, total, longest, work_rows)
+    args = (slopes, cu_q, cu_k, work_tiles, num_seqs_arg, 0 if slopes is None else slopes.stride(0), q.shape[2],
+            scalars["window_left"], scalars["window_right"], scalars["softcap_scale"])
     constexprs = dict(CAUSAL=causal_only, MASK_LEFT=scalars["MASK_LEFT"],
                       MASK_RIGHT=scalars["MASK_RIGHT"] and not causal_only, SOFTCAP=scalars["SOFTCAP"],
                       ALIBI=slopes is not None, VARLEN=varlen is not None)
-    return args, constexprs, (*launch_sizes(q, k, varlen), scalars["qk_scale"])
+    return args, constexprs, (programs, seqlen_q, seqlen_k, scalars["qk_scale"])
 
 
 def offline_build(kernel, bound: dict):

@@ -25,9 +25,10 @@ from __future__ import annotations
 import torch
 from flashmoe_science.gluon.compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from flashmoe_science.attention.seqlen import sequence_coords
+from flashmoe_science.attention.seqlen import sequence_coords, tile_of_work
 from flashmoe_science.attention.hopper.bwd_common import (
     _mask_score_start,
+    _past_work,
     _probabilities,
     _score_start,
     _softcap_grad,
@@ -218,31 +219,35 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, k_em
 def attention_backward_dq_sm90_kernel(
     q_desc, do_desc, k_desc, v_desc, LSE, Delta, DQ, stride_dqb, stride_dqh, stride_dqm,
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
-    Slopes, CuSeqlensQ, CuSeqlensK, stride_slopes, lse_rows, window_left, window_right, softcap_scale,
+    Slopes, CuSeqlensQ, CuSeqlensK, WorkTiles, num_seqs, stride_slopes, lse_rows, window_left, window_right,
+    softcap_scale,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
     VARLEN: gl.constexpr,
 ):
     """Grid (cdiv(Lq, 128) · B·Hq,): a head's query tiles consecutive (the CTAs running at once share its K/V in
-    L2), longest first with causal masking. Features as bwd_sm90's kernel (bwd_common.feature_args); VARLEN: B
-    sequences, seqlen_q/k their maxima, CTAs past their sequence's queries return at once."""
+    L2), longest first with causal masking. Features as bwd_sm90's kernel (bwd_common.feature_args); VARLEN: one
+    program per real query tile of every (sequence, query head) (WorkTiles, the work list of cu_seqlens_q)."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
-    num_m_tiles = gl.cdiv(seqlen_q, 2 * ROWS)
-    pid_m = gl.program_id(0) % num_m_tiles
+    if _past_work(WorkTiles, num_seqs, num_q_heads, VARLEN):
+        return
+    if VARLEN:
+        seq, q_head, pid_m = tile_of_work(WorkTiles, num_seqs, num_q_heads, gl.program_id(0))
+        num_m_tiles = gl.load(WorkTiles + seq + 1) - gl.load(WorkTiles + seq)
+    else:
+        num_m_tiles = gl.cdiv(seqlen_q, 2 * ROWS)
+        pid_m = gl.program_id(0) % num_m_tiles
+        pid_bh = gl.program_id(0) // num_m_tiles
+        seq = pid_bh // num_q_heads
+        q_head = pid_bh % num_q_heads
     if CAUSAL:
         pid_m = num_m_tiles - 1 - pid_m
-    pid_bh = gl.program_id(0) // num_m_tiles
-    seq = pid_bh // num_q_heads
-    q_head = pid_bh % num_q_heads
     kv_head = q_head // group_size
     start_m = pid_m * 2 * ROWS
     batch, q_first, seqlen_q, k_first, seqlen_k = sequence_coords(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k,
                                                                   VARLEN)
-    if VARLEN:
-        if start_m >= seqlen_q:
-            return
 
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
@@ -293,15 +298,14 @@ def launch(q, k, v, lse, grad_out, delta, dq, features, softmax_scale: float, nu
 
 def _launch(q, k, v, lse, grad_out, delta, dq, features, softmax_scale: float, num_stages: int):
     """(kernel, grid, every parameter by name)."""
-    import triton
-
     from flashmoe_science.attention.tiles import padded_head_dim
 
     num_q_heads, head_dim = q.shape[1], q.shape[3]
     block_d = padded_head_dim(head_dim)
-    tail, flags, (batch, seqlen_q, seqlen_k, qk_scale) = feature_args(features, softmax_scale, q, k)
+    tail, flags, (programs, seqlen_q, seqlen_k, qk_scale) = feature_args(features, softmax_scale, q, k, 2 * BLOCK_M,
+                                                                          over_queries=True)
     kernel = attention_backward_dq_sm90_kernel
-    grid = (triton.cdiv(seqlen_q, 2 * BLOCK_M) * batch * num_q_heads,)
+    grid = (max(1, programs * num_q_heads),)
     args = (*_tensor_args(q, k, v, grad_out, block_d), lse, delta, dq, *dq.stride()[:3],
             num_q_heads, num_q_heads // k.shape[1], seqlen_q, seqlen_k, qk_scale, softmax_scale, *tail)
     return kernel, grid, dict(zip(kernel.arg_names, args), HEAD_DIM=head_dim, BLOCK_D=block_d,

@@ -66,6 +66,7 @@ from flashmoe_science.attention.hopper import bwd_dq_sm90, bwd_sm90_hdim256
 from flashmoe_science.attention.hopper.bwd_common import (
     TWO_KERNEL_BLOCK_D,
     _cta_key_block,
+    _past_work,
     _probabilities,
     _producer,
     _producer_barriers,
@@ -78,6 +79,7 @@ from flashmoe_science.attention.hopper.bwd_common import (
     offline_build,
 )
 from flashmoe_science.attention.hopper.common import descriptor
+from flashmoe_science.attention.seqlen import work_list
 from flashmoe_science.attention.layout import needs_64bit_rows
 from flashmoe_science.attention.mask import LOG2_E
 from flashmoe_science.attention.seqlen import sequence_coords
@@ -222,7 +224,8 @@ def attention_backward_sm90_kernel(
     q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, Delta, DK, DV,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
-    Slopes, CuSeqlensQ, CuSeqlensK, stride_slopes, lse_rows, window_left, window_right, softcap_scale,
+    Slopes, CuSeqlensQ, CuSeqlensK, WorkTiles, num_seqs, stride_slopes, lse_rows, window_left, window_right,
+    softcap_scale,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
     VARLEN: gl.constexpr,
@@ -231,20 +234,19 @@ def attention_backward_sm90_kernel(
     consecutive, so the CTAs running at once share a few heads' Q and dO in L2. (Ordering causal CTAs longest
     first, in bands of 4-16 heads or over all heads, measured no faster or up to 20% slower: perf-notes.)
 
-    The arguments after sm_scale are the features' (bwd_common.feature_args). VARLEN: B is the number of packed
-    sequences, seqlen_q/k their maxima, and CTAs past their sequence's keys return at once."""
+    The arguments after sm_scale are the features' (bwd_common.feature_args). VARLEN: one program per real key
+    block of every (sequence, kv head) (WorkTiles, the work list of cu_seqlens_k); seqlen_q/k are the maxima."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
     KEYS: gl.constexpr = CTA_KEYS // 2
     DQ_N: gl.constexpr = BLOCK_D // 2
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
-    start_n, seq, kv_head = _cta_key_block(seqlen_k, num_kv_heads, CTA_KEYS)
+    if _past_work(WorkTiles, num_seqs, num_kv_heads, VARLEN):
+        return
+    start_n, seq, kv_head = _cta_key_block(seqlen_k, num_kv_heads, WorkTiles, num_seqs, CTA_KEYS, VARLEN)
     batch, q_first, seqlen_q, k_first, seqlen_k = sequence_coords(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k,
                                                                   VARLEN)
-    if VARLEN:
-        if start_n >= seqlen_k:
-            return
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -358,11 +360,10 @@ def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum,
     """The one-pass path's three launches (head dims padding to 64 or 128), by name, in order: (kernel, grid, every
     parameter by name, launch options, the names of its leading parameters that are tensors or descriptors over
     them). Written once for attention_backward_sm90 and PreparedBackward."""
-    import triton
-
     num_q_heads, head_dim = q.shape[1], q.shape[3]
     num_kv_heads = k.shape[1]
-    tail, flags, (batch, seqlen_q, seqlen_k, qk_scale) = feature_args(as_features(features), softmax_scale, q, k)
+    tail, flags, (programs, seqlen_q, seqlen_k, qk_scale) = feature_args(as_features(features), softmax_scale, q, k,
+                                                                          BLOCK_N)
     block_d = padded_head_dim(head_dim)
     main = attention_backward_sm90_kernel
     main_args = (*_one_pass_tensor_args(block_d, q, grad_out, k, v, dq_accum, lse, delta, dk, dv), *dk.stride()[:3],
@@ -371,7 +372,7 @@ def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum,
     row64 = needs_64bit_rows(q, out, grad_out, dq)
     return {
         "preprocess": _preprocess_launch(q, out, grad_out, delta, dq, dq_accum),
-        "dkdv_dq": (main, (triton.cdiv(seqlen_k, BLOCK_N) * batch * num_kv_heads,), dict(
+        "dkdv_dq": (main, (max(1, programs * num_kv_heads),), dict(
             zip(main.arg_names, main_args), HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages or NUM_STAGES,
             **flags), dict(LAUNCH_OPTIONS), ("q", "grad_out", "k", "v", "dq_accum", "lse", "delta", "dk", "dv")),
         "dq_convert": (*bwd_prep.dq_convert_launch(dq_accum, dq, softmax_scale, row64), ("dq_accum", "dq")),
@@ -388,10 +389,11 @@ def _one_pass_tensor_args(block_d, q, grad_out, k, v, dq_accum, lse, delta, dk, 
 
 class PreparedBackward:
     """attention_backward_sm90's one-pass path (head dims padding to 64 or 128) for one call signature, its three
-    launches as PreparedLaunches: called as ``prepared(q, k, v, out, lse, grad_out, delta, dq, dk, dv)`` on new
-    tensors of the same shapes, strides, dtypes, device and 16-byte alignment (the caller keys its cache on them,
-    attention.api._backward_key), it allocates dq_accum and launches without Triton's per-call binding (host time:
-    docs/perf-notes.md)."""
+    launches as PreparedLaunches: called as ``prepared(q, k, v, out, lse, grad_out, delta, dq, dk, dv)`` (a packed
+    batch: then its `varlen_tensors`) on new tensors of the same shapes, strides, dtypes, device and 16-byte
+    alignment (the caller keys its cache on them, hopper.backend._backward_key), it allocates dq_accum and
+    launches without Triton's per-call binding (host time: docs/perf-notes.md). Plain masks (dense, causal) only:
+    ALiBi slopes, windows and softcaps are per-call arguments it would freeze."""
 
     __slots__ = ("launches", "dq_accum_shape")
 
@@ -403,28 +405,55 @@ class PreparedBackward:
         features = as_features(features)
         if padded_head_dim(q.shape[-1]) == TWO_KERNEL_BLOCK_D:
             raise ValueError("PreparedBackward runs the one-pass kernel (head dims up to 128)")
-        if not features.is_plain:  # its frozen trailing arguments would keep one call's slopes and cu_seqlens
-            raise ValueError("PreparedBackward runs dense and causal calls only")
+        if not features.mask.is_plain or features.alibi_slopes is not None or features.attn_bias is not None:
+            raise ValueError("PreparedBackward runs dense, causal and packed calls without window, softcap or ALiBi")
         self.dq_accum_shape = (*q.shape[:3], padded_head_dim(q.shape[-1]))
         dq_accum = torch.empty(self.dq_accum_shape, dtype=torch.float32, device=q.device)
         tensors = dict(q=q, k=k, v=v, out=out, lse=lse, grad_out=grad_out, delta=delta, dq=dq, dk=dk, dv=dv,
                        dq_accum=dq_accum)
+        tensors.update(zip(VARLEN_TENSORS, varlen_tensors(features)))
         block_d = padded_head_dim(q.shape[-1])
         self.launches = []
         for name, (kernel, grid, bound, options, heads) in _one_pass_launches(
                 q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale,
                 num_stages).items():
-            make_head = (functools.partial(_one_pass_tensor_args, block_d) if name == "dkdv_dq"
-                         else lambda *t: t)
-            self.launches.append((PreparedLaunch(kernel, grid, bound, options, make_head,
-                                                 tuple(tensors[h] for h in heads)), heads))
+            live = None
+            if name == "dkdv_dq":
+                make_head = functools.partial(_one_pass_tensor_args, block_d)
+                if features.varlen is not None:
+                    def make_head(*t, head=make_head):
+                        return (*head(*t[:9]), *t[9:])
 
-    def __call__(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv) -> None:
+                    live = (*kernel.arg_names[:9], "CuSeqlensQ", "CuSeqlensK", "WorkTiles")
+                    heads = (*heads, *VARLEN_TENSORS)
+            else:
+                make_head = _as_given
+            self.launches.append((PreparedLaunch(kernel, grid, bound, options, make_head,
+                                                 tuple(tensors[h] for h in heads), live), heads))
+
+    def __call__(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, *varlen) -> None:
         dq_accum = torch.empty(self.dq_accum_shape, dtype=torch.float32, device=q.device)
         tensors = dict(q=q, k=k, v=v, out=out, lse=lse, grad_out=grad_out, delta=delta, dq=dq, dk=dk, dv=dv,
                        dq_accum=dq_accum)
+        tensors.update(zip(VARLEN_TENSORS, varlen))
         for launch, heads in self.launches:
             launch(*(tensors[h] for h in heads))
+
+
+# A packed call's per-call tensors of the one-pass kernel, in the order PreparedBackward takes them.
+VARLEN_TENSORS = ("cu_seqlens_q", "cu_seqlens_k", "work_tiles")
+
+
+def varlen_tensors(features) -> tuple:
+    """`VARLEN_TENSORS` of a packed call (its cu_seqlens and the key-block work list), () for a dense one."""
+    varlen = features.varlen
+    if varlen is None:
+        return ()
+    return varlen.cu_seqlens_q, varlen.cu_seqlens_k, work_list(varlen.cu_seqlens_k, BLOCK_N)
+
+
+def _as_given(*tensors) -> tuple:
+    return tensors
 
 
 def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,

@@ -32,6 +32,7 @@ from flashmoe_science.attention.seqlen import sequence_coords
 from flashmoe_science.attention.hopper.bwd_common import (
     TWO_KERNEL_BLOCK_D,
     _cta_key_block,
+    _past_work,
     _probabilities,
     _producer,
     _producer_barriers,
@@ -171,23 +172,23 @@ def attention_backward_sm90_hdim256_kernel(
     q_desc, do_desc, k_desc, v_desc, LSE, Delta, DK, DV,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
-    Slopes, CuSeqlensQ, CuSeqlensK, stride_slopes, lse_rows, window_left, window_right, softcap_scale,
+    Slopes, CuSeqlensQ, CuSeqlensK, WorkTiles, num_seqs, stride_slopes, lse_rows, window_left, window_right,
+    softcap_scale,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
     VARLEN: gl.constexpr,
 ):
-    """Grid (cdiv(Lk, 64) · B·Hkv,), key tiles of a (batch, kv head) consecutive (bwd_sm90's order). Features as
-    bwd_sm90's kernel (bwd_common.feature_args)."""
+    """Grid (cdiv(Lk, 64) · B·Hkv,), key tiles of a (batch, kv head) consecutive (bwd_sm90's order; varlen: its
+    real key tiles only). Features as bwd_sm90's kernel (bwd_common.feature_args)."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
     KEYS: gl.constexpr = CTA_KEYS // 2
-    start_n, seq, kv_head = _cta_key_block(seqlen_k, num_kv_heads, CTA_KEYS)
+    if _past_work(WorkTiles, num_seqs, num_kv_heads, VARLEN):
+        return
+    start_n, seq, kv_head = _cta_key_block(seqlen_k, num_kv_heads, WorkTiles, num_seqs, CTA_KEYS, VARLEN)
     batch, q_first, seqlen_q, k_first, seqlen_k = sequence_coords(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k,
                                                                   VARLEN)
-    if VARLEN:
-        if start_n >= seqlen_k:
-            return
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -232,12 +233,10 @@ def launch(q, k, v, lse, grad_out, delta, dk, dv, features, softmax_scale: float
 
 def _launch(q, k, v, lse, grad_out, delta, dk, dv, features, softmax_scale: float, num_stages: int):
     """(kernel, grid, every parameter by name)."""
-    import triton
-
     num_q_heads, head_dim, num_kv_heads = q.shape[1], q.shape[3], k.shape[1]
-    tail, flags, (batch, seqlen_q, seqlen_k, qk_scale) = feature_args(features, softmax_scale, q, k)
+    tail, flags, (programs, seqlen_q, seqlen_k, qk_scale) = feature_args(features, softmax_scale, q, k, BLOCK_N)
     kernel = attention_backward_sm90_hdim256_kernel
-    grid = (triton.cdiv(seqlen_k, BLOCK_N) * batch * num_kv_heads,)
+    grid = (max(1, programs * num_kv_heads),)
     args = (*_tensor_args(q, k, v, grad_out), lse, delta, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
             num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
             *tail)

@@ -548,17 +548,27 @@ def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float
 
 
 def prepare_forward(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles, num_ctas: int | None = None,
-                    q_buffers: int = 1, cross_item: bool = False, *, mask: MaskSpec | None = None) -> PreparedLaunch:
-    """This launch as a PreparedLaunch, called as `prepared(q, k, v, out, lse)` on new tensors of the same shapes,
-    strides, dtypes, device and 16-byte alignment (arguments as attention_forward_sm90, which must have run on
-    them: the kernel is taken from Triton's cache). Dense calls only: ALiBi slopes and varlen lengths are tensors
-    a new call brings."""
+                    q_buffers: int = 1, cross_item: bool = False, *, mask: MaskSpec | None = None,
+                    varlen: VarlenBatch | None = None) -> PreparedLaunch:
+    """This launch as a PreparedLaunch, called as `prepared(q, k, v, out, lse)` (varlen: `prepared(q, k, v, out,
+    lse, cu_seqlens_q, cu_seqlens_k, tile_offsets)`) on new tensors of the same shapes, strides, dtypes, device and
+    16-byte alignment (arguments as attention_forward_sm90, which must have run on them: the kernel is taken from
+    Triton's cache). Without ALiBi slopes or a window or softcap (scalars a new call may change): the caller keys
+    its cache on everything else, the number of packed sequences included."""
     grid, args, constexprs = _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers,
-                                          cross_item, mask)
+                                          cross_item, mask, varlen=varlen)
     bound = dict(zip(attention_forward_sm90_kernel.arg_names, args), **constexprs)
-    make_head = functools.partial(_tensor_args, tiles.block_n, padded_head_dim(q.shape[-1]))
-    return PreparedLaunch(attention_forward_sm90_kernel, grid, bound, LAUNCH_OPTIONS, make_head,
-                          (q, k, v, out, lse))
+    make_tensors = functools.partial(_tensor_args, tiles.block_n, padded_head_dim(q.shape[-1]))
+    if varlen is None:
+        return PreparedLaunch(attention_forward_sm90_kernel, grid, bound, LAUNCH_OPTIONS, make_tensors,
+                              (q, k, v, out, lse))
+
+    def make_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, tile_offsets):
+        return (*make_tensors(q, k, v, out, lse), cu_seqlens_q, cu_seqlens_k, tile_offsets, out)
+
+    live = ("q_desc", "k_desc", "v_desc", "o_desc", "LSE", "CU_SEQLENS_Q", "CU_SEQLENS_K", "TILE_OFFSETS", "O")
+    return PreparedLaunch(attention_forward_sm90_kernel, grid, bound, LAUNCH_OPTIONS, make_args,
+                          (q, k, v, out, lse, *varlen.tensors()), live)
 
 
 def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = None, q_buffers: int = 1,

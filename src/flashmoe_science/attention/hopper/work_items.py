@@ -5,6 +5,7 @@ lengths, and the key tiles a CTA streams for a query tile (mask.key_tile_range /
 
 # no `from __future__ import annotations`: VarlenArgs' field annotations must be classes (compat.aggregate)
 from flashmoe_science.attention.mask import key_tile_bounds, key_tile_range
+from flashmoe_science.attention.seqlen import tile_of_work
 from flashmoe_science.gluon.compat import aggregate, field, gl, gluon
 
 
@@ -70,24 +71,13 @@ def work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size, CTA_ROWS: gl
 @gluon.jit
 def varlen_work(work, TILE_OFFSETS, num_seqs, num_q_heads, CAUSAL: gl.constexpr):
     """Work item `work` of a packed (varlen) batch -> (sequence, query head, query tile), numbered as work_tile's:
-    sequence by sequence, head by head, a head's query tiles consecutively (heaviest first with causal masking).
-    Only real tiles are numbered: TILE_OFFSETS[b] (seqlen.varlen_tile_offsets) counts the query tiles of the
-    sequences before b, and the sequence is found by bisection (log2 of the batch size loads, cached)."""
-    lo = gl.to_tensor(0)
-    hi = gl.to_tensor(num_seqs)
-    while hi - lo > 1:  # TILE_OFFSETS[lo]·H <= work < TILE_OFFSETS[hi]·H
-        mid = (lo + hi) // 2
-        if gl.load(TILE_OFFSETS + mid) * num_q_heads <= work:
-            lo = mid
-        else:
-            hi = mid
-    first = gl.load(TILE_OFFSETS + lo)
-    num_m_tiles = gl.load(TILE_OFFSETS + lo + 1) - first
-    rest = work - first * num_q_heads
-    pid_m = rest % num_m_tiles
+    sequence by sequence, head by head, a head's query tiles consecutively (seqlen.tile_of_work), heaviest first
+    with causal masking."""
+    seq, q_head, pid_m = tile_of_work(TILE_OFFSETS, num_seqs, num_q_heads, work)
     if CAUSAL:
+        num_m_tiles = gl.load(TILE_OFFSETS + seq + 1) - gl.load(TILE_OFFSETS + seq)
         pid_m = num_m_tiles - 1 - pid_m
-    return lo, rest // num_m_tiles, pid_m
+    return seq, q_head, pid_m
 
 
 @gluon.jit
