@@ -49,7 +49,8 @@ def check_close(name, got, expected):
         raise AssertionError(f"{name}: max abs error {err:.3g} (atol {atol}, rtol {rtol})")
 
 
-def _compare(rank, world_size, *, seqlen, heads=(4, 4), causal, window=None, batch=2, head_dim=16, group=None):
+def _compare(rank, world_size, *, seqlen, heads=(4, 4), causal, window=None, batch=2, head_dim=16, group=None,
+             kv_exchange="allgather"):
     hq, hkv = heads
     q = torch.randn(batch, hq, seqlen, head_dim)
     k = torch.randn(batch, hkv, seqlen, head_dim)
@@ -59,7 +60,7 @@ def _compare(rank, world_size, *, seqlen, heads=(4, 4), causal, window=None, bat
     expected = dense_attention(*full, causal, window)
     expected.backward(grad.double())
     local = [zigzag_shard(t, group).requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*local, group, causal=causal, window=window)
+    out = ring_attention(*local, group, causal=causal, window=window, kv_exchange=kv_exchange)
     out.backward(zigzag_shard(grad, group))
     check_close("out", out, zigzag_shard(expected.detach(), group))
     for name, t, ref in zip(("dq", "dk", "dv"), local, full):
@@ -77,6 +78,13 @@ def ring_noncausal_gqa(rank, world_size):
 def ring_ragged_causal(rank, world_size):
     # L not a multiple of 2W: chunks of unequal length, ranks of unequal length
     _compare(rank, world_size, seqlen=8 * world_size + 3, causal=True, heads=(2, 1))
+
+
+def ring_exchange_around_the_ring(rank, world_size):
+    # the forward's other exchange: K/V shards passed around the ring (double-buffered receives)
+    _compare(rank, world_size, seqlen=8 * world_size, causal=True, kv_exchange="ring")
+    _compare(rank, world_size, seqlen=8 * world_size + 3, causal=True, heads=(2, 1), kv_exchange="ring")
+    _compare(rank, world_size, seqlen=10 * world_size, causal=False, window=(3, 7), heads=(2, 2), kv_exchange="ring")
 
 
 def ring_tiny_sequence(rank, world_size):
@@ -193,6 +201,7 @@ def ring_bad_input(rank, world_size):
     _expect_error(lambda: ring_attention(q3, k2, k2), "multiple of k's head count")
     _expect_error(lambda: ring_attention(q3, q3[..., :4, :], q3[..., :4, :]), "same positions")
     _expect_error(lambda: ring_attention(q3, q3, q3, window=(-2, 0)), "window")
+    _expect_error(lambda: ring_attention(q3, q3, q3, kv_exchange="p2p"), "kv_exchange")
     packed = torch.randn(6, 2, 16)  # 12 tokens in two sequences whose split depends on the rank
     _expect_error(lambda: ring_attention_varlen(packed, packed, packed, [0, 4 + rank, 12]), "disagree")
 

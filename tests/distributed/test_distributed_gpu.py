@@ -2,8 +2,9 @@
 
 - One GPU: 2 ranks of a gloo group share it, their tensors staged through host memory
   (distributed/comm.py); checks the local kernels, the merges and the gradient bookkeeping on the GPU.
-- Two or more GPUs: NCCL, one GPU per rank. NVLink multicast is left off
-  (NCCL_NVLS_ENABLE=0 in the environment of the run).
+- Two or more GPUs (`pytest -m multigpu`): NCCL, one GPU per rank, every case (ring attention forward and backward
+  with both K/V exchanges, expert parallelism forward and backward) against the one-process result. NVLink
+  multicast is left off (NCCL_NVLS_ENABLE=0 in the environment of the run).
 """
 
 import pytest
@@ -25,6 +26,7 @@ def _gpu_counts():
     return sorted({n for n in (2, 4, count) if 2 <= n <= count}) or [2]
 
 
+@pytest.mark.multigpu
 @pytest.mark.parametrize("world_size", _gpu_counts())
 @pytest.mark.parametrize("case", CASES)
 def test_cases_nccl(distributed_case, world_size, case):

@@ -4,7 +4,9 @@ sequence (ring_cases.py; all cases of a world size run in one spawn, conftest.py
 import pytest
 
 import ring_cases
-from flashmoe_science.distributed.ring_attention import _plan_step
+import torch
+
+from flashmoe_science.distributed.ring_attention import Block, _plan_step, _Ring, coalesce
 from flashmoe_science.distributed.zigzag import (chunk_starts, sequence_shards, shard_chunks, shard_lengths,
                                                 zigzag_positions)
 
@@ -57,3 +59,62 @@ def test_ring_attention_triton_kernels_interpreted():
         "ring_interpreter_cases.ring_triton_kernels"]
     if error is not None:
         pytest.fail(error, pytrace=False)
+
+
+def _visible_pairs(block: Block) -> int:
+    """(query, key) pairs a kernel call attends to: its rectangle under its bottom-right aligned mask."""
+    rows, keys = block.q_rows.stop - block.q_rows.start, block.k_rows.stop - block.k_rows.start
+    offset = torch.arange(keys).unsqueeze(0) - torch.arange(rows).unsqueeze(1) - (keys - rows)  # j - i - diagonal
+    left, right = block.window if block.window is not None else (-1, -1)
+    right = 0 if block.causal else right
+    seen = torch.ones(rows, keys, dtype=torch.bool)
+    if right >= 0:
+        seen &= offset <= right
+    if left >= 0:
+        seen &= offset >= -left
+    return int(seen.sum())
+
+
+@pytest.mark.parametrize("world_size", (2, 3, 4, 8))
+def test_zigzag_balances_every_ring_step(world_size):
+    # causal, L a multiple of 2W: at every step every rank attends to the same number of pairs (2c^2, c the
+    # chunk length) with one kernel call; the pairs over all ranks and steps are the causal triangle's
+    chunk = 5
+    seqlen = 2 * world_size * chunk
+    rings = [_Ring(None, r, world_size, (seqlen,), True, None, 1.0, "auto") for r in range(world_size)]
+    total = 0
+    for step in range(world_size):
+        plans = [ring.plan(step) for ring in rings]
+        assert all(len(plan) == 1 for plan in plans), plans
+        pairs = [sum(_visible_pairs(b) for b in plan) for plan in plans]
+        assert pairs == [2 * chunk * chunk + (chunk if step == 0 else 0)] * world_size, (step, pairs)
+        total += sum(pairs)
+    assert total == seqlen * (seqlen + 1) // 2
+
+
+@pytest.mark.parametrize("world_size", (2, 4, 8))
+def test_gathered_forward_calls(world_size):
+    # the all-gather forward: the own shard (one causal call) and, for equal chunks, at most three calls over
+    # contiguous key ranges of the gathered buffer, covering exactly the pairs of the ring's other steps; with
+    # unequal chunks (padded slots, never read) more calls
+    for seqlen, rank in ((2 * world_size * 6 + extra, rank) for extra in (0, 1, world_size + 1)
+                         for rank in range(world_size)):
+        ring = _Ring(None, rank, world_size, (seqlen,), True, None, 1.0, "auto")
+        gathered = ring.gathered_blocks()
+        assert len(ring.plan(0)) == 1 and (seqlen % (2 * world_size) or len(gathered) <= 3)
+        ring_pairs = sum(_visible_pairs(b) for step in range(1, world_size) for b in ring.plan(step))
+        assert sum(_visible_pairs(b) for b in gathered) == ring_pairs
+        valid = {row for source in range(world_size) if source != rank
+                 for _, rows in ring.gathered_rows(source, slice(0, ring.length(source))) for row in range(
+                     rows.start, rows.stop)}
+        assert all(set(range(b.k_rows.start, b.k_rows.stop)) <= valid for b in gathered)
+
+
+def test_coalesce_merges_only_unmasked_neighbours():
+    a, b = Block(slice(0, 4), slice(0, 8), False, None), Block(slice(0, 4), slice(8, 12), False, None)
+    c = Block(slice(4, 8), slice(0, 12), False, None)
+    assert coalesce([b, a, c]) == [Block(slice(0, 8), slice(0, 12), False, None)]
+    masked = Block(slice(0, 4), slice(12, 16), True, None)
+    assert masked in coalesce([a, b, masked]) and len(coalesce([a, b, masked])) == 2
+    gap = Block(slice(0, 4), slice(13, 16), False, None)
+    assert len(coalesce([a, gap])) == 2

@@ -3,9 +3,12 @@
 Under ``torchrun --nproc-per-node N`` (N > 1; NCCL on GPUs, gloo on CPUs), `run_scaling_bench`:
 
 - ``ring-attention``: `ring_attention` over the zig-zag sharded sequence (B=1, H=8, D=128, causal, bf16) at 128k to
-  1M tokens, forward and forward+backward, against `flash_attention_science` on the whole sequence on one GPU.
-  ``efficiency = ms_1gpu / (N · ms)``: tokens/s on N GPUs over N times tokens/s on one (1.0 = perfect scaling).
-  PyTorch's ``context_parallel`` SDPA runs in the same pass where this torch has it (``backend`` "torch-cp").
+  1M tokens, forward and forward+backward, each ``kv_exchange`` ("flashmoe-ring/allgather", "flashmoe-ring/ring"),
+  against `flash_attention_science` on the whole sequence on one GPU. ``efficiency = ms_1gpu / (N · ms)``: tokens/s
+  on N GPUs over N times tokens/s on one (1.0 = perfect scaling). PyTorch's ``context_parallel`` SDPA runs in the
+  same pass where this torch has it (``backend`` "torch-cp"; ours carry ``speed_vs_torch_cp``).
+- On GPUs every record of ours also carries what a ``torch.profiler`` trace of one call shows: ``comm_ms`` (NCCL
+  kernels), ``comm_hidden`` (the share of it overlapped by computing kernels) and ``compute_idle_ms``.
 - ``ep-moe``: `ExpertParallelMoE`'s computation (routing, exchange, local experts, combine) at Qwen3-30B-A3B shapes
   (E=128, top-8, d=2048, F=768) with T=16384 tokens per GPU, against `fused_moe` of the whole layer on T tokens on
   one GPU; ``efficiency`` = tokens/s per GPU over the one-GPU layer's; ``overlap_chunks`` 1 (no overlap), 2 and 4.
@@ -106,9 +109,10 @@ def _pass_fn(forward, inputs, pass_: str):
 
 
 # ------------------------------------------------------------------------------------------------ ring attention
-def _ring_records(world_size, rank, group, device, dtype, lengths, shape, progress) -> list[dict]:
+def _ring_records(world_size, rank, group, device, dtype, lengths, shape, progress, on_length=None) -> list[dict]:
     from flashmoe_science.attention.api import flash_attention_science
     from flashmoe_science.distributed import ring_attention
+    from flashmoe_science.distributed.ring_attention import EXCHANGES
     from flashmoe_science.distributed.zigzag import shard_lengths
 
     batch, heads, head_dim = shape["batch"], shape["heads"], shape["head_dim"]
@@ -122,16 +126,78 @@ def _ring_records(world_size, rank, group, device, dtype, lengths, shape, progre
         for pass_ in PASSES:
             one_gpu = _collective_median_ms(
                 _pass_fn(lambda *t: flash_attention_science(*t, causal=True), full, pass_), device, group)
-            ring = _collective_median_ms(
-                _pass_fn(lambda *t: ring_attention(*t, group, causal=True), (q, k, v), pass_), device, group)
-            records.append(_scaling_record(base, pass_, "flashmoe-ring", ring, one_gpu, seqlen, world_size))
             torch_cp = _torch_context_parallel_ms(full, group, world_size, device, pass_)
             if torch_cp is not None:
                 records.append(_scaling_record(base, pass_, "torch-cp", torch_cp, one_gpu, seqlen, world_size))
+            for exchange in EXCHANGES:
+                run = _pass_fn(lambda *t, e=exchange: ring_attention(*t, group, causal=True, kv_exchange=e),
+                               (q, k, v), pass_)
+                ms = _collective_median_ms(run, device, group)
+                record = _scaling_record(base, pass_, f"flashmoe-ring/{exchange}", ms, one_gpu, seqlen, world_size)
+                record["kv_exchange"] = exchange
+                if torch_cp is not None:
+                    record["speed_vs_torch_cp"] = round(torch_cp / ms, 4)
+                records.append({**record, **_comm_overlap(run, device, group)})
             if progress is not None:
                 progress.update(desc=f"ring L={seqlen} {pass_}")
         del q, k, v, full
+        if on_length is not None:
+            on_length(records)
     return records
+
+
+def _kernel_intervals(profile) -> tuple[list, list]:
+    """(communication, computation) kernel intervals (start_us, end_us) of a profiled call: NCCL kernels are the
+    communication, every other kernel the computation (copies done by copy engines are neither)."""
+    comm, compute = [], []
+    for event in profile.events():
+        if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA or event.time_range.elapsed_us() <= 0:
+            continue
+        name = event.name.lower()
+        if "memcpy" in name or "memset" in name:
+            continue
+        (comm if "nccl" in name else compute).append((event.time_range.start, event.time_range.end))
+    return comm, compute
+
+
+def _union(intervals) -> list[tuple[float, float]]:
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _comm_overlap(run, device, group) -> dict:
+    """What a trace of one call shows (``torch.profiler``, CUDA kernels, rank by rank, the worst rank kept): the
+    time NCCL kernels run (``comm_ms``), the share of it during which a computing kernel also runs
+    (``comm_hidden``: 1 = every transfer overlapped), and the time the GPU runs no computing kernel between the
+    call's first and last kernel (``compute_idle_ms``)."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier(group)
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        run()
+        _sync(device)
+    try:
+        comm, compute = _kernel_intervals(trace)
+    except (AttributeError, RuntimeError) as error:  # a profiler without device events: no trace numbers
+        print(f"trace unavailable: {type(error).__name__}: {error}")
+        comm, compute = [], []
+    comm, compute = _union(comm), _union(compute)
+    comm_us = sum(end - start for start, end in comm)
+    hidden_us = sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in comm for s2, e2 in compute)
+    span = (compute[-1][1] - compute[0][0]) if compute else 0.0
+    idle_us = span - sum(end - start for start, end in compute)
+    worst = torch.tensor([comm_us, -(hidden_us / comm_us if comm_us else 1.0), idle_us], dtype=torch.float64,
+                         device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    return {"comm_ms": round(worst[0].item() / 1e3, 4), "comm_hidden": round(-worst[1].item(), 3),
+            "compute_idle_ms": round(worst[2].item() / 1e3, 4)}
 
 
 def _scaling_record(base, pass_, backend, ms, ms_1gpu, tokens, world_size) -> dict:
@@ -189,8 +255,9 @@ def _ep_records(world_size, rank, group, device, dtype, config, tokens, model, p
                 return expert_parallel_experts(x, w1, w2, weights, ids, group, num_experts=num_experts,
                                                overlap_chunks=chunks)
 
-            ms = _collective_median_ms(_pass_fn(layer, (x, w1_local, w2_local, logits), pass_), device, group)
-            records.append({**base, "pass": pass_, "backend": f"flashmoe-ep/chunks={chunks}",
+            run = _pass_fn(layer, (x, w1_local, w2_local, logits), pass_)
+            ms = _collective_median_ms(run, device, group)
+            records.append({**base, **_comm_overlap(run, device, group), "pass": pass_, "backend": f"flashmoe-ep/chunks={chunks}",
                             "overlap_chunks": chunks, "ms": round(ms, 4), "ms_1gpu": round(one_gpu, 4),
                             "tokens_per_s_per_gpu": round(tokens / (ms * 1e-3)),
                             "tflops_per_gpu": round(expert_gemm_flops(tokens, top_k, d_model, d_ff,
@@ -202,15 +269,16 @@ def _ep_records(world_size, rank, group, device, dtype, config, tokens, model, p
     return records
 
 
-def run_scaling_bench(group=None, quick: bool = False, progress=None) -> list[dict]:
-    """The multi-rank suite on an initialised process group (every rank calls it; every rank gets the records)."""
+def run_scaling_bench(group=None, quick: bool = False, progress=None, on_length=None) -> list[dict]:
+    """The multi-rank suite on an initialised process group (every rank calls it; every rank gets the records).
+    ``on_length(records)``: called after each ring length with the records so far (partial results)."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     on_gpu = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
     if on_gpu:
         lengths = RING_LENGTHS[:2] if quick else RING_LENGTHS
-        records = _ring_records(world_size, rank, group, device, dtype, lengths, RING_SHAPE, progress)
+        records = _ring_records(world_size, rank, group, device, dtype, lengths, RING_SHAPE, progress, on_length)
         records += _ep_records(world_size, rank, group, device, dtype, MODELS[EP_MODEL], EP_TOKENS, EP_MODEL, progress)
     else:
         records = _ring_records(world_size, rank, group, device, dtype, CPU_RING_LENGTHS, CPU_RING_SHAPE, progress)
@@ -349,20 +417,22 @@ OVERLAP_FIELDS = ("pass", "chunk", "L_local", "kernel_ms", "copy_ms", "overlappe
 def run_from_cli(args) -> int:
     """`flashmoe-science bench --suite distributed`: the scaling suite under torchrun, else the one-GPU overlap
     measurement; rank 0 prints the tables and writes the JSON (`--out`)."""
-    from flashmoe_science.bench.report import (Progress, environment_metadata, format_table, resolve_commit,
-                                               write_results)
+    from flashmoe_science.bench.report import (PartialResults, Progress, environment_metadata, format_table,
+                                               resolve_commit, write_results)
 
     if launched_by_torchrun():
         init_from_torchrun()
         rank = dist.get_rank()
+        envelope = environment_metadata(resolve_commit(args.commit))
+        partial = PartialResults(args.out, envelope) if rank == 0 else None
         with Progress(desc="distributed", stream=None if rank == 0 else open(os.devnull, "w")) as progress:
-            records = run_scaling_bench(quick=args.quick, progress=progress)
+            records = run_scaling_bench(quick=args.quick, progress=progress, on_length=partial)
         dist.barrier()
         tables = [("ring attention (efficiency = ms_1gpu / (N x ms))",
                    [r for r in records if r["op"] == "ring-attention"], (*RING_FIELDS, "backend")),
                   ("expert-parallel MoE (efficiency = tokens/s per GPU / one-GPU layer's)",
                    [r for r in records if r["op"] == "ep-moe"], (*EP_FIELDS, "backend"))]
-        columns = ("ms", "ms_1gpu", "efficiency")
+        columns = ("ms", "ms_1gpu", "efficiency", "comm_ms", "comm_hidden", "compute_idle_ms")
     elif torch.cuda.is_available():
         rank = 0
         print(f"one GPU ({torch.cuda.get_device_name(0)}): a ring step's local kernel against the next shard's "
@@ -383,8 +453,33 @@ def run_from_cli(args) -> int:
         for title, rows, fields in tables:
             print(f"\n{title}")
             print(format_table([*fields, *columns], [[str(r.get(f)) for f in (*fields, *columns)] for r in rows]))
-        path = write_results(args.out, environment_metadata(resolve_commit(args.commit)), records)
+        envelope = envelope if launched_by_torchrun() else environment_metadata(resolve_commit(args.commit))
+        path = write_results(args.out, envelope, records)
         print(f"\nresults: {path}")
+        if launched_by_torchrun():
+            partial.finish()
+            plotted = plot_scaling(records, path.with_suffix(".png"))
+            if plotted is not None:
+                print(f"plot: {plotted}")
     if launched_by_torchrun():
         dist.destroy_process_group()
     return 0
+
+
+def plot_scaling(records: list[dict], path):
+    """Efficiency against the sequence length (ring attention, one panel per pass, a line per backend) and against
+    the overlap chunks (expert parallelism), as PNG; None without matplotlib or records."""
+    from flashmoe_science.bench.report import plot_panels
+
+    panels: dict[str, dict[str, list]] = {}
+    for r in records:
+        if r["op"] == "ring-attention":
+            title, x = f"ring attention {r['pass']}, {r['world_size']} GPUs", r["L"]
+        elif r["op"] == "ep-moe":
+            title, x = f"expert-parallel MoE, {r['world_size']} GPUs", r["overlap_chunks"]
+        else:
+            continue
+        label = r["backend"] if r["op"] == "ring-attention" else f"flashmoe-ep {r['pass']}"
+        panels.setdefault(title, {}).setdefault(label, []).append((x, r["efficiency"]))
+    return plot_panels(path, panels, "tokens (ring) / overlap chunks (EP)", "efficiency",
+                       "scaling efficiency (1.0 = N GPUs do N times the work)") if panels else None

@@ -27,20 +27,30 @@ def _staged(group, tensor: torch.Tensor) -> bool:
 
 
 class Pending:
-    """Started transfers into ``recv``; ``wait()`` blocks until they are done (on NCCL: until the current stream
-    waits for them) and copies staged data to the device."""
+    """Started transfers into ``recvs``; ``wait()`` blocks until they are done (on NCCL: until the current stream
+    waits for them), copies staged data to the device and returns ``recvs`` (one tensor when one was started)."""
 
-    def __init__(self, works, send: torch.Tensor, recv: torch.Tensor, staging: torch.Tensor | None = None):
-        # send is held until the wait: a temporary (x[rows]) must outlive the transfer that reads it
-        self.works, self.send, self.recv, self.staging = works, send, recv, staging
+    def __init__(self, works, sends, recvs, stagings=None):
+        # sends are held until the wait: a temporary (x[rows]) must outlive the transfer that reads it
+        self.works, self.sends, self.recvs = works, sends, recvs
+        self.stagings = stagings or [None] * len(recvs)
 
-    def wait(self) -> torch.Tensor:
+    def wait(self):
         for work in self.works:
             work.wait()
-        if self.staging is not None:
-            self.recv.copy_(self.staging)
-        self.send = None
-        return self.recv
+        for recv, staging in zip(self.recvs, self.stagings):
+            if staging is not None:
+                recv.copy_(staging)
+        self.sends = None
+        return self.recvs[0] if len(self.recvs) == 1 else self.recvs
+
+
+def _wire(group, send: torch.Tensor, recv: torch.Tensor):
+    """(what to send, where to receive, the staging buffer or None): host copies for CUDA tensors on gloo."""
+    if not _staged(group, send):
+        return send, recv, None
+    staging = torch.empty(recv.shape, dtype=recv.dtype, device="cpu")
+    return send.cpu(), staging, staging
 
 
 def gather_ints(values: list[int], group, device) -> torch.Tensor:
@@ -63,34 +73,44 @@ def all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     return [t.to(tensor.device) for t in everyone]
 
 
-def ring_shift(send: torch.Tensor, recv_shape, next_rank: int, prev_rank: int, group, tag: int) -> Pending:
-    """Start sending ``send`` to global rank ``next_rank`` and receiving a tensor of ``recv_shape`` (send's dtype)
-    from ``prev_rank`` (one ``batch_isend_irecv``)."""
-    recv = torch.empty(recv_shape, dtype=send.dtype, device=send.device)
-    staging = None
-    if _staged(group, send):
-        send, staging = send.cpu(), torch.empty(recv_shape, dtype=send.dtype, device="cpu")
-    ops = [dist.P2POp(dist.isend, send, next_rank, group, tag),
-           dist.P2POp(dist.irecv, recv if staging is None else staging, prev_rank, group, tag)]
-    return Pending(dist.batch_isend_irecv(ops), send, recv, staging)
+def ring_shift(sends: list[torch.Tensor], recvs: list[torch.Tensor], next_rank: int, prev_rank: int, group,
+               tag: int) -> Pending:
+    """Start sending each of ``sends`` (contiguous) to global rank ``next_rank`` and receiving each of ``recvs``
+    (contiguous, preallocated) from ``prev_rank``: one ``batch_isend_irecv``, no packing copy."""
+    ops, wires, stagings = [], [], []
+    for i, (send, recv) in enumerate(zip(sends, recvs)):
+        send, target, staging = _wire(group, send, recv)
+        wires.append(send)
+        stagings.append(staging)
+        ops += [dist.P2POp(dist.isend, send, next_rank, group, tag + 2 * i),
+                dist.P2POp(dist.irecv, target, prev_rank, group, tag + 2 * i)]
+    return Pending(dist.batch_isend_irecv(ops) if ops else [], wires, recvs, stagings)
+
+
+def all_gather_into(sends: list[torch.Tensor], recvs: list[torch.Tensor], group) -> Pending:
+    """Start an all-gather of each of ``sends`` (contiguous, the same shape on every rank) into ``recvs``
+    (``all_gather_into_tensor``: rank w's tensor at rows ``[w·n, (w + 1)·n)`` of dim 0), asynchronous."""
+    works, wires, stagings = [], [], []
+    for send, recv in zip(sends, recvs):
+        send, target, staging = _wire(group, send, recv)
+        works.append(dist.all_gather_into_tensor(target, send, group=group, async_op=True))
+        wires.append(send)
+        stagings.append(staging)
+    return Pending(works, wires, recvs, stagings)
 
 
 def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> Pending:
     """Start an uneven all-to-all of the rows of ``send`` (``all_to_all_single``, asynchronous)."""
     recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
-    staging = None
-    if _staged(group, send):
-        send, staging = send.cpu(), torch.empty(recv.shape, dtype=send.dtype, device="cpu")
-    work = dist.all_to_all_single(recv if staging is None else staging, send, recv_splits, send_splits, group=group,
-                                  async_op=True)
-    return Pending([work], send, recv, staging)
+    wire, target, staging = _wire(group, send, recv)
+    work = dist.all_to_all_single(target, wire, recv_splits, send_splits, group=group, async_op=True)
+    return Pending([work], [wire], [recv], [staging])
 
 
-def all_to_all_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
-    """Exchange a ``(W, n)`` int64 table of counts: row w goes to rank w; row s of the result came from rank s."""
-    device = send_counts.device
-    if _staged(group, send_counts):
-        send_counts = send_counts.cpu()
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    return recv_counts.to(device)
+def all_to_all_counts(send_counts: torch.Tensor, group) -> Pending:
+    """Start exchanging a ``(W, n)`` int64 table of counts: row w goes to rank w; row s of the result came from
+    rank s. Asynchronous: the caller computes while the few bytes fly, then waits."""
+    recv = torch.empty_like(send_counts)
+    wire, target, staging = _wire(group, send_counts, recv)
+    work = dist.all_to_all_single(target, wire, group=group, async_op=True)
+    return Pending([work], [wire], [recv], [staging])

@@ -6,8 +6,8 @@ routes its own tokens, then:
 1. plans the exchange: a token goes once to every rank owning at least one of its top-k experts (not once per
    expert), carrying its k routing weights and its k expert ids made local to that rank, -1 for slots owned
    elsewhere (`fused_experts` skips ids outside ``[0, E_local)``);
-2. exchanges the per-rank counts (one small ``all_to_all_single`` and the only host synchronisation), then the
-   token rows and their (ids, weights) with ``all_to_all_single`` of uneven splits: capacity-free, nothing dropped
+2. exchanges the per-rank counts (one small asynchronous ``all_to_all_single``, issued before the send order is
+   sorted on the device, then the call's only host synchronisation), then the token rows and their (ids, weights) with ``all_to_all_single`` of uneven splits: capacity-free, nothing dropped
    or padded, a rank may send or receive zero tokens;
 3. runs its local experts with `fused_experts` on what it received and sends the weighted partial results back;
    each token's output is the sum of the partials of the ranks it visited.
@@ -53,24 +53,40 @@ class _Exchange:
 
 
 def _plan_exchange(topk_ids: torch.Tensor, bounds: list[int], world_size: int, group, chunks: int) -> _Exchange:
+    """Who sends what to whom, with one host synchronisation: the counts table goes out first (an asynchronous
+    all-to-all of a few bytes), the send order of every (token, destination) pair is sorted on the device while it
+    flies, and one host copy of both count tables then sizes the transfers."""
     num_tokens, top_k = topk_ids.shape
     device = topk_ids.device
     starts = torch.tensor(bounds[:-1], dtype=topk_ids.dtype, device=device)
     owner = torch.bucketize(topk_ids, starts[1:], right=True)  # (T, k): the rank owning each routed expert
     visits = torch.zeros(num_tokens, world_size, dtype=torch.bool, device=device).scatter_(1, owner, True)
-    token_rows, local_ids, counts = [], [], []
-    for c in range(chunks):
-        first, stop = c * num_tokens // chunks, (c + 1) * num_tokens // chunks
-        dest, token = visits[first:stop].T.nonzero(as_tuple=True)  # ordered by destination, then token
-        token = token + first
-        token_rows.append(token)
-        mine = owner[token] == dest.unsqueeze(1)
-        local_ids.append(torch.where(mine, topk_ids[token] - starts[dest].unsqueeze(1), -1).to(torch.int32))
-        counts.append(visits[first:stop].sum(0))
-    send_counts = torch.stack(counts, dim=1)  # (W destinations, chunks)
-    recv_counts = all_to_all_counts(send_counts, group)
-    send_splits = send_counts.T.tolist()
-    recv_splits = recv_counts.T.tolist()  # the one host synchronisation: the splits size the buffers
+    token = torch.arange(num_tokens, device=device)
+    # chunk c holds tokens [c·T // n, (c + 1)·T // n)
+    chunk = torch.bucketize(token, torch.tensor([c * num_tokens // chunks for c in range(1, chunks)],
+                                                dtype=token.dtype, device=device), right=True)
+    send_counts = torch.zeros(world_size, chunks, dtype=torch.int64, device=device)
+    send_counts.index_put_((torch.arange(world_size, device=device).repeat(num_tokens), chunk.repeat_interleave(
+        world_size)), visits.view(-1).long(), accumulate=True)  # (W destinations, chunks)
+    counts_arriving = all_to_all_counts(send_counts, group)
+    # while the counts fly: every (token, destination) pair ordered by (chunk, destination, token), the pairs not
+    # sent last; each with its k expert ids local to the destination (-1 for slots owned elsewhere)
+    dest = torch.arange(world_size, device=device)
+    keys = ((chunk.unsqueeze(1) * world_size + dest) * max(num_tokens, 1) + token.unsqueeze(1))
+    order = torch.where(visits, keys, torch.iinfo(torch.int64).max).view(-1).argsort()
+    pair_token, pair_dest = order // world_size, order % world_size
+    mine = owner[pair_token] == pair_dest.unsqueeze(1)
+    pair_ids = torch.where(mine, topk_ids[pair_token] - starts[pair_dest].unsqueeze(1), -1).to(torch.int32)
+    recv_counts = counts_arriving.wait()
+    tables = torch.stack((send_counts, recv_counts.to(device))).tolist()  # the one host synchronisation
+    send_splits = [list(col) for col in zip(*tables[0])]  # per chunk, per destination
+    recv_splits = [list(col) for col in zip(*tables[1])]  # per chunk, per source
+    token_rows, local_ids, first = [], [], 0
+    for splits in send_splits:
+        stop = first + sum(splits)
+        token_rows.append(pair_token[first:stop])
+        local_ids.append(pair_ids[first:stop])
+        first = stop
     return _Exchange(group, token_rows, local_ids, send_splits, recv_splits)
 
 

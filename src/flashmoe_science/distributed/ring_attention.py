@@ -1,8 +1,12 @@
 """Context-parallel ring attention: a sequence (or packed sequences) sharded zig-zag over the ranks of a group.
 
-Each rank holds its queries and its keys/values (two mirrored chunks, see `zigzag`). The K/V shards travel around
-the ring (rank r sends to r + 1 and receives from r - 1) with ``batch_isend_irecv``; the transfer of the next shard
-is in flight while the local kernel works on the current one. Partial results are merged by their log-sum-exp:
+Each rank holds its queries and its keys/values (two mirrored chunks, see `zigzag`). The forward starts with its
+own shard, needing no transfer, while the other shards travel: by default (``kv_exchange="allgather"``) one
+all-gather brings every shard at once, laid out so that what a query chunk sees whole is a few contiguous key
+ranges (three kernel calls for zig-zag causal, whatever the ring's size) and no transfer competes with the later
+kernels for SMs; with ``"ring"`` the shards pass around the ring (rank r sends to r + 1, receives from r - 1, into
+two alternating buffers), the next in flight while the current one is computed on. Partial results are merged
+into float32 accumulators by their log-sum-exp, in place:
 
     lse = log(exp(lse_a) + exp(lse_b)),    out = exp(lse_a - lse) · out_a + exp(lse_b - lse) · out_b
 
@@ -32,7 +36,7 @@ from flashmoe_science.attention.api import (BACKENDS, attention_backward_lse, at
                                             flash_attention_science)
 from flashmoe_science.attention.mask import make_mask
 from flashmoe_science.attention.reference import default_softmax_scale
-from flashmoe_science.distributed.comm import gather_ints, group_rank_and_size, ring_shift
+from flashmoe_science.distributed.comm import Pending, all_gather_into, gather_ints, group_rank_and_size, ring_shift
 from flashmoe_science.distributed.zigzag import Chunk, _seqlens, sequence_shards, shard_lengths
 
 _KV_TAG, _GRAD_TAG = 0, 1  # gloo matches point-to-point messages by tag; NCCL ignores tags
@@ -118,7 +122,45 @@ def _plan_step(q_chunks, k_chunks, causal: bool, window, same_shard: bool) -> li
     return blocks
 
 
+def _adjacent(a: slice, b: slice) -> bool:
+    return a.stop == b.start
+
+
+def coalesce(blocks: list[Block]) -> list[Block]:
+    """Fewer kernel calls: unmasked blocks with the same query rows and adjacent key rows (or the same key rows and
+    adjacent query rows) become one call. Masked blocks stay as they are (their window is aligned to their own
+    rectangle)."""
+    blocks = list(blocks)
+    merged = True
+    while merged:
+        merged = False
+        blocks.sort(key=lambda b: (b.causal or b.window is not None, b.q_rows.start, b.k_rows.start))
+        for i, a in enumerate(blocks):
+            for j in range(i + 1, len(blocks)):
+                b = blocks[j]
+                if a.causal or b.causal or a.window is not None or b.window is not None:
+                    continue
+                if a.q_rows == b.q_rows and (_adjacent(a.k_rows, b.k_rows) or _adjacent(b.k_rows, a.k_rows)):
+                    keys = slice(min(a.k_rows.start, b.k_rows.start), max(a.k_rows.stop, b.k_rows.stop))
+                    joined = Block(a.q_rows, keys, False, None)
+                elif a.k_rows == b.k_rows and (_adjacent(a.q_rows, b.q_rows) or _adjacent(b.q_rows, a.q_rows)):
+                    rows = slice(min(a.q_rows.start, b.q_rows.start), max(a.q_rows.stop, b.q_rows.stop))
+                    joined = Block(rows, a.k_rows, False, None)
+                else:
+                    continue
+                blocks[i] = joined
+                del blocks[j]
+                merged = True
+                break
+            if merged:
+                break
+    return blocks
+
+
 # ------------------------------------------------------------------------------------------------ the ring
+EXCHANGES = ("allgather", "ring")
+
+
 @dataclass(frozen=True)
 class _Ring:
     # The group as the caller passed it, None for the default group, never resolved to the default group's object:
@@ -133,9 +175,13 @@ class _Ring:
     window: tuple[int, int] | None
     softmax_scale: float
     backend: str  # the local kernels' (flash_attention_science's backend argument)
+    exchange: str = "allgather"  # how the forward brings the other shards' K/V (EXCHANGES)
 
     def chunks(self, rank: int) -> list[tuple[Chunk, Chunk]]:
         return sequence_shards(self.seqlens, self.world_size, rank)
+
+    def length(self, rank: int) -> int:
+        return sum(c.length for pair in self.chunks(rank) for c in pair)
 
     def peer(self, offset: int) -> int:
         """The global rank of the group member ``offset`` steps along the ring."""
@@ -147,59 +193,168 @@ class _Ring:
         return (self.rank - step) % self.world_size
 
     def plan(self, step: int) -> list[Block]:
+        """The kernel calls of ring step ``step``, key rows local to the visiting shard."""
         source = self.source(step)
         return [block for mine, theirs in zip(self.chunks(self.rank), self.chunks(source))
                 for block in _plan_step(mine, theirs, self.causal, self.window, source == self.rank)]
 
-    def shift(self, send: torch.Tensor, recv_shape, tag: int):
-        """Start sending ``send`` to the next rank and receiving a tensor of ``recv_shape`` from the previous one."""
-        return ring_shift(send, recv_shape, self.peer(1), self.peer(-1), self.group, tag)
+    def shift(self, sends, recvs, tag: int):
+        """Start sending ``sends`` to the next rank and receiving ``recvs`` from the previous one."""
+        return ring_shift(sends, recvs, self.peer(1), self.peer(-1), self.group, tag)
 
-    def shard_shape(self, kv: torch.Tensor, step: int) -> tuple[int, ...]:
-        """The shape of the packed K/V (or dK/dV) shard held at ``step``: ``kv``'s, with that rank's length."""
-        length = sum(c.length for pair in self.chunks(self.source(step)) for c in pair)
-        return (*kv.shape[:-2], length, kv.shape[-1])
+    # the all-gather layout ------------------------------------------------------------------------------------
+    def pieces(self, rank: int) -> list[tuple[int, int]]:
+        """The local row ranges of ``rank``'s shard that are gathered into separate regions. One sequence: its
+        second chunk, then its first: in the region of second chunks (rank order: chunks 2W-1 .. W) followed by the
+        region of first chunks (chunks 0 .. W-1), the keys a query chunk sees whole form few contiguous ranges (see
+        `gathered_blocks`). Several packed sequences: the whole shard, one region."""
+        if len(self.seqlens) != 1:
+            return [(0, self.length(rank))]
+        first, second = self.chunks(rank)[0]
+        return [(second.local_start, second.local_start + second.length), (0, first.length)]
+
+    def region_sizes(self) -> list[int]:
+        """Per region, the rows each rank's slot holds (the longest piece of any rank; shorter ones are padded)."""
+        return [max(stop - start for start, stop in (self.pieces(r)[p] for r in range(self.world_size)))
+                for p in range(len(self.pieces(0)))]
+
+    def gathered_rows(self, source: int, rows: slice) -> list[tuple[slice, slice]]:
+        """``rows`` of ``source``'s shard as (local rows, rows of the gathered buffer), one per piece it touches."""
+        out, offset = [], 0
+        for (start, stop), size in zip(self.pieces(source), self.region_sizes()):
+            lo, hi = max(rows.start, start), min(rows.stop, stop)
+            if lo < hi:
+                base = offset + source * size - start
+                out.append((slice(lo, hi), slice(lo + base, hi + base)))
+            offset += self.world_size * size
+        return out
+
+    def gathered_blocks(self) -> list[Block]:
+        """The forward's kernel calls on the other ranks' gathered K/V (key rows of the gathered buffer), merged
+        where they meet. Zig-zag causal over one sequence of 2W equal chunks: rank r's two query chunks see first
+        chunks 0 .. r-1 (one range), its second query chunk also the second chunks of ranks r+1 .. W-1 and the first
+        chunks of ranks r+1 .. W-1 (two ranges): three calls, whatever W."""
+        blocks = []
+        for step in range(1, self.world_size):
+            source = self.source(step)
+            for block in self.plan(step):
+                parts = self.gathered_rows(source, block.k_rows)
+                if len(parts) > 1 and (block.causal or block.window is not None):
+                    raise AssertionError("a masked block spans two gathered pieces")  # _visible_block: one chunk
+                blocks += [Block(block.q_rows, keys, block.causal, block.window) for _, keys in parts]
+        return coalesce(blocks)
+
+    def gather(self, kv: list[torch.Tensor]) -> Pending:
+        """Start gathering every rank's ``kv`` (K and V, ``(..., L_local, D)``) into ``(2, rows, ..., D)``: one
+        all-gather per region and tensor, rows of a region in rank order, sequence-major (a key range is a view)."""
+        sizes, sends, recvs = self.region_sizes(), [], []
+        lead, head_dim = kv[0].shape[:-2], kv[0].shape[-1]
+        total = self.world_size * sum(sizes)
+        gathered = kv[0].new_empty((2, total, *lead, head_dim))
+        offset = 0
+        for (start, stop), size in zip(self.pieces(self.rank), sizes):
+            for i, t in enumerate(kv):
+                send = t.new_zeros((size, *lead, head_dim))
+                send[:stop - start].copy_(t[..., start:stop, :].movedim(-2, 0))
+                sends.append(send)
+                recvs.append(gathered[i, offset:offset + self.world_size * size])
+            offset += self.world_size * size
+        pending = all_gather_into(sends, recvs, self.group)
+        pending.gathered = gathered
+        return pending
 
 
 def _merge_into(out_acc, lse_acc, rows: slice, out, lse) -> None:
-    """Merge a partial (out, lse) for query rows ``rows`` into the float32 accumulators, in place.
-    Rows that have seen no key on either side stay out 0, lse -inf."""
+    """Merge a partial (out, lse) for query rows ``rows`` into the float32 accumulators, in place: two passes over
+    the output rows (scale, then multiply-add) and a few over the row statistics. Rows that have seen no key on
+    either side stay out 0, lse -inf (the shift clamps -inf so exp gives 0, never nan)."""
     acc_out, acc_lse = out_acc[..., rows, :], lse_acc[..., rows]
-    lse = lse.float()
     merged = torch.logaddexp(acc_lse, lse)
-    shift = torch.where(torch.isinf(merged), 0.0, merged)
-    acc_out.mul_(torch.exp(acc_lse - shift).unsqueeze(-1)).add_(out.float() * torch.exp(lse - shift).unsqueeze(-1))
+    shift = merged.clamp_min(torch.finfo(torch.float32).min)
+    acc_out.mul_(torch.exp(acc_lse - shift).unsqueeze(-1)).addcmul_(out, torch.exp(lse - shift).unsqueeze(-1))
     acc_lse.copy_(merged)
 
 
+class _Accumulator:
+    """The float32 out and lse of this rank's queries over the key blocks seen so far. The first partial that covers
+    every row initialises them (a copy, no merge)."""
+
+    def __init__(self, q):
+        self.q, self.out, self.lse = q, None, None
+
+    def add(self, rows: slice, out, lse) -> None:
+        lse = lse.float()
+        if self.out is None and rows.start == 0 and rows.stop == self.q.shape[-2]:
+            self.out, self.lse = out.float(), lse.clone()
+            return
+        if self.out is None:
+            self.out = torch.zeros(self.q.shape, dtype=torch.float32, device=self.q.device)
+            self.lse = torch.full(self.q.shape[:-1], -math.inf, dtype=torch.float32, device=self.q.device)
+        _merge_into(self.out, self.lse, rows, out, lse)
+
+    def result(self):
+        if self.out is None:  # no block at all (e.g. a window that sees no other shard): zeros, lse -inf
+            self.out = torch.zeros(self.q.shape, dtype=torch.float32, device=self.q.device)
+            self.lse = torch.full(self.q.shape[:-1], -math.inf, dtype=torch.float32, device=self.q.device)
+        return self.out.to(self.q.dtype), self.lse
+
+
+def _attend(ring: _Ring, acc: _Accumulator, q, k, v, block: Block) -> None:
+    out, lse = attention_forward_lse(q[..., block.q_rows, :], k[..., block.k_rows, :], v[..., block.k_rows, :],
+                                     causal=block.causal, softmax_scale=ring.softmax_scale, window=block.window,
+                                     backend=ring.backend)
+    acc.add(block.q_rows, out, lse)
+
+
+def _shard_buffers(ring: _Ring, kv: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Two sets of K/V receive buffers (double buffering), each big enough for the longest shard."""
+    longest = max(ring.length(r) for r in range(ring.world_size))
+    return [[t.new_empty((*t.shape[:-2], longest, t.shape[-1])) for t in kv] for _ in range(2)]
+
+
+def _shard_views(ring: _Ring, buffers: list[torch.Tensor], step: int) -> list[torch.Tensor]:
+    """The contiguous views of ``buffers`` that hold the shard visiting at ``step``."""
+    length = ring.length(ring.source(step))
+    return [b.view(-1)[:b[..., :length, :].numel()].view(*b.shape[:-2], length, b.shape[-1]) for b in buffers]
+
+
 def _ring_forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-    kv = torch.stack((k, v))  # one message per step; also the buffer the first send reads
-    out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse_acc = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+    """The forward: the own shard first, while the other shards travel (all-gathered at once, or around the ring
+    with the next shard in flight during each step)."""
+    kv = [k.contiguous(), v.contiguous()]
+    acc = _Accumulator(q)
+    if ring.exchange == "allgather":
+        arriving = ring.gather(kv)
+        for block in ring.plan(0):
+            _attend(ring, acc, q, kv[0], kv[1], block)
+        arriving.wait()
+        keys, values = (arriving.gathered[i].movedim(0, -2) for i in range(2))
+        for block in ring.gathered_blocks():
+            _attend(ring, acc, q, keys, values, block)
+        return acc.result()
+    buffers = _shard_buffers(ring, kv)
     for step in range(ring.world_size):
         last = step == ring.world_size - 1
         if not last:  # the next shard travels while this one is computed on
-            arriving = ring.shift(kv, ring.shard_shape(kv, step + 1), _KV_TAG)
+            arriving = ring.shift(kv, _shard_views(ring, buffers[step % 2], step + 1), _KV_TAG)
         for block in ring.plan(step):
-            out, lse = attention_forward_lse(q[..., block.q_rows, :], kv[0][..., block.k_rows, :],
-                                             kv[1][..., block.k_rows, :], causal=block.causal,
-                                             softmax_scale=ring.softmax_scale, window=block.window,
-                                             backend=ring.backend)
-            _merge_into(out_acc, lse_acc, block.q_rows, out, lse)
+            _attend(ring, acc, q, kv[0], kv[1], block)
         if not last:
             kv = arriving.wait()
-    return out_acc.to(q.dtype), lse_acc
+    return acc.result()
 
 
 def _ring_backward(ring: _Ring, q, k, v, out, lse, grad_out):
-    kv = torch.stack((k, v))
+    kv = [k.contiguous(), v.contiguous()]
+    buffers = _shard_buffers(ring, kv)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     incoming = None  # the dK/dV sums arriving from the previous rank
     for step in range(ring.world_size):
         last = step == ring.world_size - 1
         if not last:
-            arriving = ring.shift(kv, ring.shard_shape(kv, step + 1), _KV_TAG)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # this step's shard's contributions
+            arriving = ring.shift(kv, _shard_views(ring, buffers[step % 2], step + 1), _KV_TAG)
+        # this step's shard's contributions (float32); what earlier ranks added for the same shard is added on
+        dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv]
         for block in ring.plan(step):
             rows, keys = block.q_rows, block.k_rows
             dq_b, dk_b, dv_b = attention_backward_lse(
@@ -209,14 +364,16 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, grad_out):
             dq[..., rows, :] += dq_b
             dkv[0][..., keys, :] += dk_b
             dkv[1][..., keys, :] += dv_b
-        if incoming is not None:  # what earlier ranks added for the same shard
-            dkv += incoming.wait()
+        if incoming is not None:
+            for total, earlier in zip(dkv, incoming.wait()):
+                total += earlier
         # after the last step this hop brings each shard's sum home: the shard of rank r - 1 - (W - 1) = r
-        incoming = ring.shift(dkv, ring.shard_shape(dkv, step + 1), _GRAD_TAG)
+        home = [t.new_empty((*t.shape[:-2], ring.length(ring.source(step + 1)), t.shape[-1])) for t in dkv]
+        incoming = ring.shift(dkv, home, _GRAD_TAG)
         if not last:
             kv = arriving.wait()
-    dkv = incoming.wait()
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    dk, dv = incoming.wait()
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -291,24 +448,27 @@ def _check_ranks(q, k, group, world_size: int, causal: bool, window, seqlens: li
     return seqlens
 
 
-def _ring(q, k, v, group, causal, softmax_scale, window, backend, seqlens=None):
+def _ring(q, k, v, group, causal, softmax_scale, window, backend, kv_exchange, seqlens=None):
     """The checks and the ring of `ring_attention` / `ring_attention_varlen` on ``(..., H, L, D)`` views; returns
     (out, lse), or None for a group of one rank (the caller runs its single-GPU function)."""
     _check_local(q, k, v, causal, softmax_scale)
     window = _check_window(causal, window)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if kv_exchange not in EXCHANGES:
+        raise ValueError(f"kv_exchange must be one of {EXCHANGES}, got {kv_exchange!r}")
     rank, world_size = group_rank_and_size(group)
     if world_size == 1:
         return None
     seqlens = _check_ranks(q, k, group, world_size, causal, window, seqlens)
     scale = float(softmax_scale) if softmax_scale is not None else default_softmax_scale(q.shape[-1])
-    ring = _Ring(group, rank, world_size, tuple(seqlens), causal, window, scale, backend)
+    ring = _Ring(group, rank, world_size, tuple(seqlens), causal, window, scale, backend, kv_exchange)
     return _RingAttention.apply(q, k, v, ring)
 
 
 def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale: float | None = None,
-                   window: tuple[int, int] | None = None, return_lse: bool = False, backend: str = "auto"):
+                   window: tuple[int, int] | None = None, return_lse: bool = False, backend: str = "auto",
+                   kv_exchange: str = "allgather"):
     """Exact attention over a sequence sharded zig-zag over the ranks of ``group`` (None: the default group).
 
     Args:
@@ -321,12 +481,17 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale: 
             ``causal`` the right side is 0).
         return_lse: also return the float32 log-sum-exp ``(..., H, L_local)`` of this rank's queries.
         backend: the local kernels, as `flash_attention_science`'s ``backend`` ("auto": the best for the device).
+        kv_exchange: how the forward brings the other ranks' K/V. "allgather": one all-gather of every shard,
+            in flight while the own shard's block runs, then a few calls over contiguous key ranges of the gathered
+            buffer (memory: the whole sequence's K/V during the forward); no transfer overlaps the later kernels.
+            "ring": each shard in turn around the ring, the next in flight while the current one is computed on
+            (memory: two shards). The backward always passes K/V and the float32 dK/dV around the ring.
 
     Returns ``out`` (q's shape and dtype; differentiable with respect to q, k and v), or ``(out, lse)``. The result is
     that of `flash_attention_science` on the unsharded sequence, sharded the same way; partial results are merged in
     float32 (each partial rounded once to q's dtype). A group of one rank runs the local kernel directly.
     """
-    result = _ring(q, k, v, group, causal, softmax_scale, window, backend)
+    result = _ring(q, k, v, group, causal, softmax_scale, window, backend, kv_exchange)
     if result is None:
         return flash_attention_science(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
                                        return_lse=return_lse, backend=backend)
@@ -335,7 +500,7 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale: 
 
 def ring_attention_varlen(q, k, v, cu_seqlens, group=None, *, causal: bool = False,
                           softmax_scale: float | None = None, window: tuple[int, int] | None = None,
-                          return_lse: bool = False, backend: str = "auto"):
+                          return_lse: bool = False, backend: str = "auto", kv_exchange: str = "allgather"):
     """`ring_attention` over a batch of packed sequences of different lengths, each sharded zig-zag on its own.
 
     Args:
@@ -355,7 +520,7 @@ def ring_attention_varlen(q, k, v, cu_seqlens, group=None, *, causal: bool = Fal
             raise ValueError(f"{name} must be a packed (total, H, D) tensor, got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     result = _ring(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), group, causal, softmax_scale, window,
-                   backend, seqlens)
+                   backend, kv_exchange, seqlens)
     if result is None:
         from flashmoe_science.attention.varlen import flash_attention_varlen
 
