@@ -74,9 +74,10 @@ def quantize_fp8_groups(x: torch.Tensor, cast=round_to_e4m3) -> tuple[torch.Tens
     bytes a kernel stores, as numbers) and ``scale (..., ceil(K/128))`` such that ``x ≈ q * scale`` per group of 128.
     ``scale = max(amax, 1e-10) / 448`` in x's dtype; ``cast`` rounds ``x / scale`` to e4m3 (default: to nearest
     even, as the GPU; a test may pass another rounding)."""
-    groups = _blocks_of(x[..., None, :], 1, BLOCK).reshape(*x.shape[:-1], -1, BLOCK)  # (..., K / 128, 128)
+    num_groups = math.ceil(x.shape[-1] / BLOCK)
+    groups = _blocks_of(x[..., None, :], 1, BLOCK).reshape(*x.shape[:-1], num_groups, BLOCK)
     scale = groups.abs().amax(dim=-1).clamp(min=SCALE_EPS) / FP8_MAX
-    q = cast(groups / scale[..., None]).reshape(*x.shape[:-1], -1)[..., :x.shape[-1]]
+    q = cast(groups / scale[..., None]).reshape(*x.shape[:-1], num_groups * BLOCK)[..., :x.shape[-1]]
     return q, scale
 
 
