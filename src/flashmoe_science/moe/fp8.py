@@ -26,14 +26,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flashmoe_science.attention.fp8_format import FP8_MAX
 from flashmoe_science.backends import Choice, choose
 from flashmoe_science.device import device_traits, triton_interpreter_on
 from flashmoe_science.moe.checks import check_experts, check_tensor
-
-FP8 = torch.float8_e4m3fn
-BLOCK = 128  # weight blocks are BLOCK x BLOCK, activation groups 1 x BLOCK
-SCALE_EPS = 1e-10  # the smallest amax a group's scale is computed from (an all-zero group stays zero)
+from flashmoe_science.moe.fp8_format import BLOCK, FP8, FP8_MAX, SCALE_EPS
+from flashmoe_science.moe.plan import TRITON_DTYPES, _triton_importable, check_backend
+from flashmoe_science.moe.triton_fp8_gemm import choose_fp8_tiles, fp8_forward
 FP8_CAPABILITY = (8, 9)  # e4m3 tensor-core products: Ada, Hopper and newer
 
 
@@ -176,8 +174,6 @@ class Fp8Kernels:
     name = "triton"
 
     def decline(self, problem: Fp8ExpertsProblem) -> str | None:
-        from flashmoe_science.moe.plan import TRITON_DTYPES, _triton_importable
-
         x = problem.x
         if not _triton_importable():
             return "triton is not installed"
@@ -196,8 +192,6 @@ class Fp8Kernels:
         return None
 
     def plan(self, problem: Fp8ExpertsProblem):
-        from flashmoe_science.moe.triton_fp8_gemm import choose_fp8_tiles
-
         x, w1 = problem.x, problem.w1
         return choose_fp8_tiles(x.shape[0], problem.top_k, w1.shape[0], x.shape[1], w1.shape[1] // 2, x.device)
 
@@ -221,8 +215,6 @@ def plan_fp8_experts(problem: Fp8ExpertsProblem) -> Choice:
     """The family that runs a checked FP8 call (``Choice.plan``: the kernels' ``Fp8Tiles``, or None for the
     reference), with the reasons of the families declined before it; a family asked for by name that cannot take
     the call raises ValueError (``backends.NoBackend``)."""
-    from flashmoe_science.moe.plan import check_backend
-
     check_backend(problem.backend)
     return choose(FP8_LAYER_BACKENDS, problem, problem.backend)
 
@@ -242,6 +234,4 @@ def run_fp8_experts(plan: Choice, x, w1, w1_scale, w2, w2_scale, topk_weights, t
     """The FP8 experts on checked inputs, as ``plan`` says."""
     if plan.plan is None:
         return fp8_experts_reference(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids)
-    from flashmoe_science.moe.triton_fp8_gemm import fp8_forward
-
     return fp8_forward(x, w1, w1_scale, w2, w2_scale, topk_weights.float().contiguous(), topk_ids, plan.plan)

@@ -27,10 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from flashmoe_science.attention.fp8_format import FP8_MAX
 from flashmoe_science.device import triton_interpreter_on
 from flashmoe_science.moe.dispatch import flat_ids, sort_buffers, sort_launches
-from flashmoe_science.moe.fp8 import BLOCK, FP8, SCALE_EPS
+from flashmoe_science.moe.fp8_format import BLOCK, FP8, FP8_MAX, SCALE_EPS
 from flashmoe_science.moe.gemms import empty
 from flashmoe_science.moe.launch import Launch
 from flashmoe_science.moe.tiles import GemmTiles, choose_tiles, sm_count, smem_limit, split_k_for
