@@ -262,3 +262,122 @@ def _median_records(measured: dict[tuple, list[dict]]) -> list[dict]:
             record["weight_gbps"] = round_significant(record["weight_bytes"] / ms / 1e6)
 
     return [median_over_rounds(per_round, scale_rates) for per_round in measured.values()]
+
+
+# ------------------------------------------------------------------------------------------------------ FP8
+FP8_TOKENS = (1, 16, 4096, 16384)
+FP8_SWEEP_TOKENS = (16, 4096)
+
+
+def _fp8_layer(tensors, top_k, tiles=None):
+    """The FP8 experts' layer on ``tensors``' weights quantised once (outside any timing): ``fused_moe`` with the
+    block scales, or with ``tiles`` the forward on those tiles (routing, then ``triton_fp8_gemm.fp8_forward``)."""
+    from flashmoe_science.moe import moe_route
+    from flashmoe_science.moe.fp8 import quantize_fp8_weights
+    from flashmoe_science.moe.triton_fp8_gemm import fp8_forward
+
+    x, w1, w2, logits = tensors
+    (q1, s1), (q2, s2) = quantize_fp8_weights(w1), quantize_fp8_weights(w2)
+    if tiles is None:
+        return lambda: fused_moe(x, q1, q2, logits, top_k, w1_scale=s1, w2_scale=s2)
+
+    def layer():
+        weights, ids = moe_route(logits, top_k)
+        return fp8_forward(x, q1, s1, q2, s2, weights.float().contiguous(), ids, tiles)
+    return layer
+
+
+def _fp8_record(model, shape, num_tokens, backend, timing, ms, weight_bytes=None, **extra) -> dict:
+    flops = expert_gemm_flops(num_tokens, shape["top_k"], shape["d_model"], shape["d_ff"], "fwd")
+    record = {"op": "moe", "model": model, "pass": "fwd", "T": num_tokens, "E": shape["num_experts"],
+              "top_k": shape["top_k"], "d_model": shape["d_model"], "d_ff": shape["d_ff"],
+              "dtype": "fp8-e4m3" if backend.endswith("fp8") else "bf16", "backend": backend, "timing": timing,
+              "ms": round_significant(ms), "tflops": round_significant(tflops(flops, ms)), **extra}
+    if weight_bytes is not None:
+        record["weight_bytes"] = weight_bytes
+        record["weight_gbps"] = round_significant(weight_bytes / ms / 1e6)
+    return record
+
+
+def run_moe_fp8_bench(models: list[str] | None = None, tokens=FP8_TOKENS, progress=None) -> list[dict]:
+    """The FP8 experts (``flashmoe-fp8``: e4m3 weights in 128x128 blocks, activations per 1x128 group) beside our
+    bf16 layer (``flashmoe``), forward, side by side per case on one GPU. Both run from router logits; the
+    weights are quantised once before timing. T <= DECODE_TOKENS: also in a CUDA graph, with ``weight_gbps`` (the
+    routed experts' bytes in each layer's own format, per second). Each FP8 record carries ``speedup``: the bf16
+    time over the FP8 time with the same timing."""
+    if not torch.cuda.is_available():
+        raise ValueError("the FP8 experts' benchmark needs a CUDA GPU")
+    device = torch.device("cuda")
+    records = []
+    for model, shape in MODELS.items():
+        if models and model not in models:
+            continue
+        for num_tokens in tokens:
+            tensors = _make_inputs(num_tokens, shape["num_experts"], shape["d_model"], shape["d_ff"],
+                                   torch.bfloat16, device)
+            top_k = shape["top_k"]
+            decode = num_tokens <= DECODE_TOKENS
+            bf16_bytes = _routed_expert_bytes(tensors, top_k) if decode else None
+            flops = expert_gemm_flops(num_tokens, top_k, shape["d_model"], shape["d_ff"], "fwd")
+            layers = {"flashmoe": lambda t=tensors: _layer("flashmoe")(*t, top_k),
+                      "flashmoe-fp8": _fp8_layer(tensors, top_k)}
+            for timing in ("eager", "cuda-graph") if decode else ("eager",):
+                times = {}
+                for backend, layer in layers.items():
+                    sustained = sustained_window(flops, timing, device)
+                    with torch.no_grad():
+                        ms = _graph_median_ms(layer) if timing == "cuda-graph" else _median_ms(layer, device, sustained)
+                    times[backend] = ms
+                    weight_bytes = None if bf16_bytes is None else (
+                        bf16_bytes // 2 if backend == "flashmoe-fp8" else bf16_bytes)
+                    extra = {"speedup": round_significant(times["flashmoe"] / ms)} if backend == "flashmoe-fp8" else {}
+                    records.append(_fp8_record(model, shape, num_tokens, backend, timing, ms, weight_bytes,
+                                               warmup_ms=SUSTAINED_WARMUP_MS if sustained else SHORT_WARMUP_MS,
+                                               **extra))
+                    if progress is not None:
+                        progress.update(desc=f"{model} T={num_tokens} {backend} ({timing})")
+            del tensors, layers
+            torch.cuda.empty_cache()
+    return records
+
+
+def run_fp8_tile_sweep(models: list[str] | None = None, tokens=FP8_SWEEP_TOKENS) -> list[dict]:
+    """Every candidate of ``triton_fp8_gemm.fp8_tile_candidates`` (the default tiles and their alternatives) on
+    the FP8 forward, beside our bf16 layer, per (model, T): records with ``tiles`` (the candidate's name and
+    config) and ``speedup`` over bf16 (CUDA-graph timing at T <= DECODE_TOKENS, eager otherwise). A candidate that
+    fails to compile or run gets a record with its ``error`` instead."""
+    from dataclasses import asdict
+
+    from flashmoe_science.moe.triton_fp8_gemm import fp8_tile_candidates
+
+    if not torch.cuda.is_available():
+        raise ValueError("the FP8 tile sweep needs a CUDA GPU")
+    device = torch.device("cuda")
+    records = []
+    for model, shape in MODELS.items():
+        if models and model not in models:
+            continue
+        for num_tokens in tokens:
+            tensors = _make_inputs(num_tokens, shape["num_experts"], shape["d_model"], shape["d_ff"],
+                                   torch.bfloat16, device)
+            top_k = shape["top_k"]
+            timing = "cuda-graph" if num_tokens <= DECODE_TOKENS else "eager"
+            time_of = _graph_median_ms if timing == "cuda-graph" else (lambda fn: _median_ms(fn, device))
+            with torch.no_grad():
+                bf16_ms = time_of(lambda t=tensors: _layer("flashmoe")(*t, top_k))
+                records.append(_fp8_record(model, shape, num_tokens, "flashmoe", timing, bf16_ms))
+                candidates = fp8_tile_candidates(num_tokens, top_k, shape["num_experts"], shape["d_model"],
+                                                 shape["d_ff"], device)
+                for name, tiles in candidates.items():
+                    config = {"name": name, **asdict(tiles)}
+                    try:
+                        ms = time_of(_fp8_layer(tensors, top_k, tiles))
+                    except Exception as error:  # a candidate that does not build on this GPU is a finding too
+                        records.append({"op": "moe", "model": model, "T": num_tokens, "backend": "flashmoe-fp8",
+                                        "tiles": config, "error": f"{type(error).__name__}: {error}"[:500]})
+                        continue
+                    records.append(_fp8_record(model, shape, num_tokens, "flashmoe-fp8", timing, ms, tiles=config,
+                                               speedup=round_significant(bf16_ms / ms)))
+            del tensors
+            torch.cuda.empty_cache()
+    return records

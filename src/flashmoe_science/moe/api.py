@@ -9,6 +9,7 @@ import torch
 from flashmoe_science.device import on_another_cuda_device
 from flashmoe_science.moe import execute
 from flashmoe_science.moe.checks import check_experts, check_top_k
+from flashmoe_science.moe.fp8 import Fp8ExpertsProblem, check_fp8_experts, describe_fp8, plan_fp8_experts
 from flashmoe_science.moe.plan import ExpertsProblem, describe, plan_experts
 
 
@@ -24,14 +25,21 @@ def moe_route(router_logits, top_k, renormalize=True, scoring="softmax"):
     return execute.route_checked(router_logits, top_k, renormalize, scoring)
 
 
-def fused_experts(x, w1, w2, topk_weights, topk_ids, *, backend="auto"):
+def fused_experts(x, w1, w2, topk_weights, topk_ids, *, backend="auto", w1_scale=None, w2_scale=None):
     """SwiGLU experts for already-routed tokens; returns ``(T, d)`` in ``x.dtype``.
 
     ``x: (T, d)``; ``w1: (E, 2F, d)``, rows ``[0:F]`` the gate and ``[F:2F]`` the up projection; ``w2: (E, d, F)``;
     ``topk_weights: (T, k)`` float; ``topk_ids: (T, k)`` int32/int64, ids outside ``[0, E)`` mark dropped slots.
     ``backend``: ``"auto"`` (Triton on CUDA, else the PyTorch reference), ``"triton"`` or ``"reference"``.
     Differentiable with respect to x, w1, w2 and topk_weights.
+
+    FP8 experts: ``w1``/``w2`` in ``torch.float8_e4m3fn`` with ``w1_scale`` ``(E, ceil(2F/128), ceil(d/128))`` and
+    ``w2_scale`` ``(E, ceil(d/128), ceil(F/128))`` float32 (128x128 block scales, ``weight_scale_inv`` of a
+    DeepSeek-V3 / Qwen3-FP8 checkpoint; ``moe.fp8.quantize_fp8_weights`` makes them); the activations are
+    quantised per 1x128 group inside the kernels (``moe/fp8.py``). Forward only.
     """
+    if w1_scale is not None or w2_scale is not None:
+        return _fp8_call(execute.experts_fp8, x, x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, backend)
     if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
         if execute.records_grad(x, w1, w2, topk_weights):
             return torch.ops.flashmoe_science.fused_experts_forward(x, w1, w2, topk_weights, topk_ids, backend)[0]
@@ -42,12 +50,17 @@ def fused_experts(x, w1, w2, topk_weights, topk_ids, *, backend="auto"):
     return execute.experts(x, w1, w2, topk_weights, topk_ids, backend)
 
 
-def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="softmax", backend="auto"):
+def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="softmax", backend="auto",
+              w1_scale=None, w2_scale=None):
     """A whole MoE FFN layer: route ``router_logits`` ``(T, E)`` to ``top_k`` experts, run them, combine.
 
     Equivalent to ``fused_experts(x, w1, w2, *moe_route(router_logits, top_k, renormalize, scoring))``; gradients
-    reach the router logits through the routing weights.
+    reach the router logits through the routing weights. FP8 experts: e4m3 ``w1``/``w2`` with their block scales
+    ``w1_scale``/``w2_scale``, as ``fused_experts`` takes them (forward only).
     """
+    if w1_scale is not None or w2_scale is not None:
+        return _fp8_call(execute.moe_fp8, x, x, w1, w1_scale, w2, w2_scale, router_logits, top_k, renormalize,
+                         scoring, backend)
     if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
         if execute.records_grad(x, w1, w2, router_logits):
             topk_weights, topk_ids = torch.ops.flashmoe_science.moe_route(router_logits, top_k, renormalize, scoring)
@@ -60,10 +73,23 @@ def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="sof
     return execute.moe(x, w1, w2, router_logits, top_k, renormalize, scoring, backend)
 
 
-def describe_moe(x, w1, w2, top_k, *, backend="auto", training=True) -> str:
+@torch.compiler.disable  # a graph break: the custom ops of torch.compile take unquantised experts only
+def _fp8_call(entry, x, *args):
+    if on_another_cuda_device(x):
+        with torch.cuda.device(x.device):  # Triton launches on the current device: make it x's
+            return entry(*args)
+    return entry(*args)
+
+
+def describe_moe(x, w1, w2, top_k, *, backend="auto", training=True, w1_scale=None, w2_scale=None) -> str:
     """Which kernels a ``fused_moe``/``fused_experts`` call on these tensors runs, and why each family before them
     declined: the layer's family, then each expert GEMM's kernel and tiles (the backward's too with ``training``,
-    the default; without it a few tokens run the one-launch decode kernel)."""
+    the default; without it a few tokens run the one-launch decode kernel). With ``w1_scale``/``w2_scale``: the
+    FP8 experts' plan (forward only: ``training`` does not apply)."""
+    if w1_scale is not None or w2_scale is not None:
+        check_fp8_experts(x, w1, w1_scale, w2, w2_scale)
+        check_top_k(top_k, w1.shape[0])
+        return describe_fp8(plan_fp8_experts(Fp8ExpertsProblem(x, w1, w1_scale, w2, w2_scale, top_k, backend)))
     check_experts(x, w1, w2)
     check_top_k(top_k, w1.shape[0])
     return describe(plan_experts(ExpertsProblem(x, w1, w2, top_k, backend, training)))

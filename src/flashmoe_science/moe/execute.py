@@ -18,6 +18,8 @@ import torch
 from flashmoe_science.backends import Choice
 from flashmoe_science.moe.checks import (check_experts, check_router_logits, check_routing_options, check_same_device,
                                          check_top_k, check_topk)
+from flashmoe_science.moe.fp8 import Fp8ExpertsProblem, check_forward_only, check_fp8_experts, plan_fp8_experts, \
+    run_fp8_experts
 from flashmoe_science.moe.plan import TRITON_DTYPES, ExpertsProblem, KernelPlan, plan_experts
 from flashmoe_science.moe.reference import fused_experts_reference
 from flashmoe_science.moe.routing import route
@@ -130,6 +132,34 @@ def run_experts(plan: Choice, x, w1, w2, topk_weights, topk_ids, key: tuple | No
     out, _ = layer.moe_forward(x, w1, w2, weights32, topk_ids, kernels)
     _remember(key, x, lambda: wrap_prepared(layer.prepare_forward(x, w1, w2, weights32, topk_ids, kernels)))
     return out
+
+
+def _check_fp8_weights(x, w1, w1_scale, w2, w2_scale) -> tuple[int, int, int, int]:
+    if w1_scale is None or w2_scale is None:
+        raise ValueError("FP8 experts need both w1_scale and w2_scale (one was None)")
+    return check_fp8_experts(x, w1, w1_scale, w2, w2_scale)
+
+
+def experts_fp8(x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, backend: str):
+    """``fused_experts`` with FP8 experts: checks (forward only), plan, run."""
+    num_tokens, _, _, _ = _check_fp8_weights(x, w1, w1_scale, w2, w2_scale)
+    check_topk(topk_weights, topk_ids, num_tokens, x)
+    check_forward_only(x, w1, w2, w1_scale, w2_scale, topk_weights)
+    plan = plan_fp8_experts(Fp8ExpertsProblem(x, w1, w1_scale, w2, w2_scale, topk_ids.shape[1], backend))
+    return run_fp8_experts(plan, x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids)
+
+
+def moe_fp8(x, w1, w1_scale, w2, w2_scale, router_logits, top_k, renormalize, scoring, backend: str):
+    """``fused_moe`` with FP8 experts: checks (forward only), plan, routing, run."""
+    num_tokens, _, num_experts, _ = _check_fp8_weights(x, w1, w1_scale, w2, w2_scale)
+    check_router_logits(router_logits, num_tokens, num_experts)
+    check_same_device("router_logits", router_logits, x)
+    check_top_k(top_k, num_experts)
+    check_routing_options(renormalize, scoring)
+    check_forward_only(x, w1, w2, w1_scale, w2_scale, router_logits)
+    plan = plan_fp8_experts(Fp8ExpertsProblem(x, w1, w1_scale, w2, w2_scale, top_k, backend))
+    topk_weights, topk_ids = route(router_logits, top_k, renormalize, scoring)
+    return run_fp8_experts(plan, x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids)
 
 
 # ------------------------------------------------------------------------------------------ prepared calls

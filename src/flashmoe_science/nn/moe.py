@@ -1,6 +1,8 @@
 """``FusedMoE``: a router plus SwiGLU experts running through ``fused_moe``, and converters from the Hugging Face
 Mixtral / Qwen3-MoE sparse-MoE blocks (transformers >= 5, whose experts already store ``gate_up_proj (E, 2F, d)``
-and ``down_proj (E, d, F)``, our layout)."""
+and ``down_proj (E, d, F)``, our layout), including their FP8 form (transformers' ``FP8Experts``: e4m3
+``gate_up_proj`` / ``down_proj`` with 128x128 ``*_scale_inv`` block scales, as DeepSeek-V3 / Qwen3-FP8
+checkpoints load)."""
 
 import math
 
@@ -9,6 +11,7 @@ from torch import nn
 
 from flashmoe_science.moe.api import fused_moe
 from flashmoe_science.moe.checks import check_routing_options, check_top_k
+from flashmoe_science.moe.fp8 import BLOCK, quantize_fp8_weights
 from flashmoe_science.moe.plan import check_backend
 
 # Hugging Face sparse-MoE block classes we convert, by class name (no import of transformers needed)
@@ -50,7 +53,9 @@ def init_experts(w1: torch.Tensor, w2: torch.Tensor) -> None:
 class FusedMoE(nn.Module):
     """Mixture-of-Experts FFN: ``router`` (Linear d -> E, no bias) then top-k SwiGLU experts, weighted sum.
 
-    Parameters: ``router.weight (E, d)``, ``w1 (E, 2F, d)`` (gate rows then up rows), ``w2 (E, d, F)``.
+    Parameters: ``router.weight (E, d)``, ``w1 (E, 2F, d)`` (gate rows then up rows), ``w2 (E, d, F)``; FP8
+    experts (``quantize_fp8()``, or ``from_hf`` of an FP8 block) hold e4m3 ``w1``/``w2`` and their 128x128 block
+    scales ``w1_scale``/``w2_scale`` (None otherwise) and run the forward only.
     Input ``(..., d_model)``; output has the input's shape and dtype.
     """
 
@@ -75,6 +80,8 @@ class FusedMoE(nn.Module):
         self.router = nn.Linear(d_model, num_experts, bias=False, **factory)
         self.w1 = nn.Parameter(torch.empty(num_experts, 2 * d_ff, d_model, **factory))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_ff, **factory))
+        self.register_parameter("w1_scale", None)
+        self.register_parameter("w2_scale", None)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -92,13 +99,32 @@ class FusedMoE(nn.Module):
             renormalize=self.renormalize,
             scoring=self.scoring,
             backend=self.backend,
+            w1_scale=self.w1_scale,
+            w2_scale=self.w2_scale,
         )
         return out.reshape(hidden_states.shape)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.w1_scale is not None
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> "FusedMoE":
+        """Quantises the experts in place to e4m3 with 128x128 block scales (``moe.fp8.quantize_fp8_weights``):
+        half the weight bytes; the layer then runs the forward only. Returns self."""
+        if self.is_fp8:
+            raise ValueError("the experts are already FP8")
+        for name in ("w1", "w2"):
+            q, scale = quantize_fp8_weights(getattr(self, name))
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+        return self
 
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, d_ff={self.d_ff}, num_experts={self.num_experts}, top_k={self.top_k}, "
             f"renormalize={self.renormalize}, scoring={self.scoring!r}, backend={self.backend!r}"
+            + (", experts=fp8-e4m3 (128x128 blocks)" if self.is_fp8 else "")
         )
 
     @classmethod
@@ -107,6 +133,11 @@ class FusedMoE(nn.Module):
         ``Qwen3MoeSparseMoeBlock`` (transformers >= 5): no copy, so training either trains both.
 
         Mixtral's training-time router jitter noise is not reproduced (it is off in eval and by default).
+
+        FP8 blocks (transformers' ``FP8Experts``, as a ``FineGrainedFP8Config`` checkpoint loads: e4m3
+        ``gate_up_proj``/``down_proj`` with ``gate_up_proj_scale_inv``/``down_proj_scale_inv``) share those four
+        tensors the same way, as ``w1``, ``w2``, ``w1_scale``, ``w2_scale`` (128x128 blocks and dynamic activation
+        scales only); the router keeps its dtype, which is the layer's compute dtype. Forward only.
         """
         name = type(block).__name__
         if name not in HF_MOE_BLOCKS:
@@ -118,7 +149,9 @@ class FusedMoE(nn.Module):
         if "silu" not in act_name and "swish" not in act_name:
             raise ValueError(f"block {name} uses activation {type(experts.act_fn).__name__}; FusedMoE needs SiLU")
         num_experts, two_d_ff, d_model = experts.gate_up_proj.shape
-        w = experts.gate_up_proj
+        fp8 = hasattr(experts, "gate_up_proj_scale_inv")
+        if fp8:
+            _check_fp8_block(name, experts)
         module = cls(
             d_model,
             two_d_ff // 2,
@@ -127,12 +160,31 @@ class FusedMoE(nn.Module):
             renormalize=bool(getattr(gate, "norm_topk_prob", True)),  # Mixtral always renormalises
             backend=backend,
             device="meta",
-            dtype=w.dtype,
+            dtype=gate.weight.dtype if fp8 else experts.gate_up_proj.dtype,
         )
         module.router.weight = gate.weight
         module.w1 = experts.gate_up_proj
         module.w2 = experts.down_proj
+        if fp8:
+            module.w1_scale = experts.gate_up_proj_scale_inv
+            module.w2_scale = experts.down_proj_scale_inv
         return module
+
+
+def _check_fp8_block(name: str, experts: nn.Module) -> None:
+    """The FP8 experts of a Hugging Face block in the format the FP8 kernels read."""
+    block_size = getattr(experts, "block_size", None)
+    if block_size is None or tuple(block_size) != (BLOCK, BLOCK):
+        raise ValueError(f"block {name} has FP8 experts with block_size {block_size}; FusedMoE reads "
+                         f"{BLOCK}x{BLOCK} weight blocks")
+    scheme = getattr(experts, "activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(f"block {name} has FP8 experts with activation_scheme={scheme!r}; FusedMoE quantises "
+                         "activations dynamically (per token, per 128-feature group)")
+    for tensor_name in ("gate_up_proj_scale_inv", "down_proj_scale_inv"):
+        if getattr(experts, tensor_name).dtype != torch.float32:
+            raise ValueError(f"block {name}: experts.{tensor_name} is {getattr(experts, tensor_name).dtype}; "
+                             "FusedMoE reads float32 block scales")
 
 
 def replace_hf_moe_blocks(model: nn.Module, *, backend: str = "auto") -> int:
