@@ -19,9 +19,10 @@ import torch
 
 from flashmoe_science.attention import triton_backend
 from flashmoe_science.attention.features import FEATURES
-from flashmoe_science.attention.layout import tma_compatible
+from flashmoe_science.attention.layout import bias_tma_view, tma_compatible
 from flashmoe_science.attention.hopper.tiles import (
     sm90_backward_wins,
+    sm90_bias_tiles,
     sm90_cross_item,
     sm90_forward_tiles,
     sm90_persistent,
@@ -34,9 +35,8 @@ from flashmoe_science.device import device_traits
 from flashmoe_science.gluon.availability import run_gluon, unavailable_reason
 from flashmoe_science.prepared_cache import remember, tensor_signature
 
-# forward: an additive attn_bias stays on the Triton kernel (a (B, H, Lq, Lk) read per score, no TMA box for its
-# broadcast strides); odd head dims reach the kernel padded
-FORWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "varlen"})
+# forward: odd head dims reach the kernel padded; the bias's gradient is the backward's
+FORWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen"})
 # the backward runs after a Triton forward too (`_HopperAttentionBackward.decline`); attn_bias stays on Triton
 BACKWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "varlen"})
 
@@ -63,13 +63,15 @@ def _on_hopper(q) -> bool:
 class HopperForward:
     """The Gluon sm_90 forward: `tiles` (128 query rows; key tile and ring depth vary), `persistent` (one CTA per SM
     looping over query tiles, else one CTA per tile), `q_buffers` per consumer warpgroup, `cross_item` (overlap
-    consecutive work items), `strict` (backend="hopper": a build failure raises instead of running Triton)."""
+    consecutive work items), `strict` (backend="hopper": a build failure raises instead of running Triton),
+    `bias_tma` (the producer loads the attn_bias tiles by TMA; else the consumers load them)."""
 
     tiles: AttentionTiles
     persistent: bool
     q_buffers: int
     cross_item: bool
     strict: bool = False
+    bias_tma: bool = False
     backend = "hopper"
     kernel = FORWARD_KERNEL
     differentiable = False
@@ -88,7 +90,8 @@ class HopperForward:
             varlen = VarlenBatch(varlen.cu_seqlens_q, varlen.cu_seqlens_k, offsets)
         if run_gluon("attention forward", lambda: attention_forward_sm90(
                 q, k, v, out, lse, features.causal, softmax_scale, self.tiles, num_ctas, self.q_buffers,
-                self.cross_item, mask=features.mask, alibi_slopes=features.alibi_slopes, varlen=varlen), self.strict):
+                self.cross_item, mask=features.mask, alibi_slopes=features.alibi_slopes, varlen=varlen,
+                attn_bias=features.attn_bias, bias_tma=self.bias_tma), self.strict):
             ran("forward", self.backend, self.kernel)
             return out, lse
         # it did not build on this triton (warned once): the Triton kernel, with its own tiles
@@ -108,6 +111,10 @@ class HopperForward:
     def describe(self, problem, requested: str, with_features: str, declined: str) -> str:
         tiles = self.tiles
         shape = f"tiles {tiles.block_m}x{tiles.block_n}, {tiles.num_warps} warps, {tiles.num_stages} stages"
+        if problem.features.attn_bias is not None:
+            shape += (", bias tiles loaded by TMA beside K" if self.bias_tma
+                      else ", bias read by the consumers' masked loads (it broadcasts over queries or keys, or its "
+                           "strides or the shared memory do not suit TMA)")
         ctas = (f"persistent, one CTA per SM, {self.q_buffers} Q buffer(s) per consumer"
                 + (", consecutive query tiles overlapped" if self.cross_item else "") if self.persistent
                 else "one CTA per query tile")
@@ -128,14 +135,20 @@ def forward_plan(problem) -> HopperForward:
         # a packed batch with a right bound: the two-stage ring with two Q buffers measured +5.6% over the causal
         # plan's three stages (H200, 17 sequences of 64..8192, D=128: 421 vs 399 TFLOP/s)
         tiles = sm90_forward_tiles(q.shape[-1], False, seqlen_q)
+    bias, bias_tma, bias_bytes = features.attn_bias, False, 0
+    if bias is not None and bias_tma_view(bias, q.shape[-2], problem.k.shape[-2]) is not None:
+        bias_tiles = sm90_bias_tiles(tiles, q.shape[-1], bias.element_size(), traits)
+        if bias_tiles is not None:  # its ring fits: the producer loads it
+            tiles, bias_tma, bias_bytes = bias_tiles, True, bias.element_size()
     num_work = math.prod(q.shape[:-2]) * -(-seqlen_q // tiles.block_m)  # query tiles of all heads
     # Unequal items (what can make one CTA per tile win) come from a right bound without a left one; varlen runs
     # persistent always (the kernel numbers the real tiles itself)
     unequal = right_bounded and not features.mask.bounded_left
     persistent = features.varlen is not None or sm90_persistent(unequal, seqlen_q, num_work, traits.sm_count)
-    q_buffers = sm90_q_buffers(tiles, q.shape[-1], persistent, traits)
+    q_buffers = sm90_q_buffers(tiles, q.shape[-1], persistent, traits, bias_bytes)
     cross_item = sm90_cross_item(tiles, q.shape[-1], right_bounded, persistent, q_buffers)
-    return HopperForward(tiles, persistent, q_buffers, cross_item, strict=problem.backend == "hopper")
+    return HopperForward(tiles, persistent, q_buffers, cross_item, strict=problem.backend == "hopper",
+                         bias_tma=bias_tma)
 
 
 # -------------------------------------------------------------------------------------------------- backward
