@@ -56,6 +56,10 @@ def test_bias_forward_and_gradients(case, bias_grad):
     plan = describe_dispatch(q, k, v, causal=causal, attn_bias=bias)
     assert plan.backend == "hopper", plan.reason
     assert ("loaded by TMA" in plan.reason) == (read == "tma"), plan.reason
+    # the one-pass backward reads TMA-able biases at D=128 (at D=64 the Triton backward wins below L=2048; D=256's
+    # two kernels take no bias)
+    backward = "hopper" if read == "tma" and head_dim == 128 else "triton"
+    assert plan.backward_backend == backward, plan.reason
 
     with recording() as log:
         if bias_grad:
@@ -69,6 +73,7 @@ def test_bias_forward_and_gradients(case, bias_grad):
                 lambda q, k, v, compute: feature_attention(q, k, v, causal=causal, bias=bias, dtype=compute),
                 (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))
     assert ("forward", "hopper", FORWARD_KERNEL) in log, log
+    assert [entry[1] for entry in log if entry[0] == "backward"] == [backward], log
 
 
 def test_bias_with_every_score_modifier():

@@ -37,8 +37,9 @@ from flashmoe_science.prepared_cache import remember, tensor_signature
 
 # forward: odd head dims reach the kernel padded; the bias's gradient is the backward's
 FORWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen"})
-# the backward runs after a Triton forward too (`_HopperAttentionBackward.decline`); attn_bias stays on Triton
-BACKWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "varlen"})
+# the backward runs after a Triton forward too (`_HopperAttentionBackward.decline`); attn_bias where the one-pass
+# kernel reads it by TMA (bwd_sm90.bias_refusal)
+BACKWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen"})
 
 FORWARD_KERNEL = "hopper.fwd_sm90.attention_forward_sm90_kernel"
 BACKWARD_KERNEL = "hopper.bwd_sm90.attention_backward_sm90"
@@ -163,16 +164,17 @@ def _backward_key(tensors, causal: bool, softmax_scale: float) -> tuple:
     return (*map(tensor_signature, tensors), causal, softmax_scale)
 
 
-def launch_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float) -> None:
+def launch_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float, dbias=None,
+                    dbias_atomic: bool = False) -> None:
     """attention_backward_sm90, through a PreparedBackward where the one-pass kernel runs a plain (dense or causal)
-    call (head dims up to 128); calls with features launch directly (their slopes and cu_seqlens are per-call
-    tensors a prepared launch would freeze)."""
+    call (head dims up to 128); calls with features launch directly (their slopes, bias and cu_seqlens are
+    per-call tensors a prepared launch would freeze). dbias: the bias's gradient buffer (`bias_grad_buffer`)."""
     from flashmoe_science.attention.hopper import bwd_sm90
 
     tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv)
     if bwd_sm90.is_deterministic(q.shape[-1]) or not features.is_plain:
         # the D=256 kernels (fewer, larger problems) and feature calls: not prepared
-        bwd_sm90.attention_backward_sm90(*tensors, features, softmax_scale)
+        bwd_sm90.attention_backward_sm90(*tensors, features, softmax_scale, dbias=dbias, dbias_atomic=dbias_atomic)
         return
     causal = features.causal
     key = _backward_key(tensors, causal, softmax_scale)
@@ -198,11 +200,15 @@ class HopperBackward:
 
     def run(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float, deterministic: bool,
             need_dbias: bool):
+        bias = features.attn_bias
+        dbias = dbias_atomic = None
+        if need_dbias:  # the one pass is never deterministic (`backward_refusal`): a buffer of the bias's shape
+            dbias, dbias_atomic = triton_backend.bias_grad_buffer(bias, (*q.shape[:3], k.shape[2]), False)
         if (dq is not None and dk is not None and tma_compatible(grad_out)
                 and run_gluon("attention backward", lambda: launch_backward(
-                    q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale))):
+                    q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale, dbias, dbias_atomic))):
             ran("backward", self.backend, self.kernel)
-            return dq, dk, dv, None
+            return dq, dk, dv, None if dbias is None else dbias.to(bias.dtype)
         return self.fallback.run(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale,
                                  deterministic, need_dbias)
 
@@ -248,6 +254,13 @@ class _HopperAttentionBackward:
         absent = missing(problem.feature_names(), BACKWARD_FEATURES)
         if absent:
             return f"it does not take {', '.join(absent)} yet"
+        if problem.features.attn_bias is not None:
+            from flashmoe_science.attention.hopper.bwd_sm90 import bias_refusal
+
+            refusal = (bias_refusal(problem.features, problem.q4, problem.k4) if problem.q4 is not None
+                       else "it takes attn_bias where the leading dims merge into one batch dim")
+            if refusal is not None:
+                return refusal
         return backward_refusal(problem.head_dim, problem.seqlen_q, problem.softmax_scale,
                                 problem.deterministic_now())
 

@@ -71,7 +71,7 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
     with two Q buffers per consumer the next item's Q does not wait for the current item's epilogue either.
     Varlen boxes may run into the next sequence's rows: extra Q rows are never stored, extra keys are masked.
     BIAS_TMA: each K tile's stage also takes the bias tiles of both consumers' rows (`bias_upper`, `bias_lower`:
-    one ring per consumer), on K's "ready" barrier; the TMA box zero-fills rows and keys past the bias, which are masked."""
+    one ring per consumer), on K's "ready" barrier; the TMA box zero-fills rows and keys past the bias (masked)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     num_ctas = gl.num_programs(0)
     ring = 0  # K/V tiles issued so far by this CTA
