@@ -183,7 +183,8 @@ def test_bias_refusal_names_what_the_one_pass_kernel_does_not_read():
     assert bwd_sm90.bias_refusal(_bias_features(True, (1, 4, 256, 256)), q, k) is None
     wide_q, wide_k = torch.empty(2, 4, 256, 256, device="meta"), torch.empty(2, 2, 256, 256, device="meta")
     assert "head dims" in bwd_sm90.bias_refusal(_bias_features(True, (1, 4, 256, 256)), wide_q, wide_k)
-    assert bwd_sm90.bias_refusal(_bias_features(False, (256, 256), torch.float32), q, k) is None
+    assert "float32" in bwd_sm90.bias_refusal(_bias_features(False, (256, 256), torch.float32), q, k)
+    assert bwd_sm90.bias_refusal(_bias_features(False, (256, 256), torch.float32), q[..., :64], k[..., :64]) is None
     assert "softcap" in bwd_sm90.bias_refusal(_bias_features(False, (1, 4, 256, 256), softcap=5.0), q, k)
     assert "TMA" in bwd_sm90.bias_refusal(_bias_features(False, (2, 4, 1, 256)), q, k)  # broadcast over queries
     odd_k = torch.empty(2, 2, 255, 128, device="meta")

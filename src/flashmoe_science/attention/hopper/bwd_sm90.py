@@ -392,8 +392,8 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, feat
 
 def bias_refusal(features, q, k) -> str | None:
     """Why the sm_90 backward does not take this call's attn_bias, or None: its one-pass kernel (head dims up to
-    128) reads the bias by TMA only (`layout.bias_tma_view`), of dense batches, and adds it to the product's
-    start, which a softcap's tanh would not let through."""
+    128) reads the bias by TMA only (`layout.bias_tma_view`; 16-bit above D=64, where a float32 ring does not
+    fit), of dense batches, and adds it to the product's start, which a softcap's tanh would not let through."""
     bias = features.attn_bias
     if padded_head_dim(q.shape[-1]) == TWO_KERNEL_BLOCK_D:
         return "it takes attn_bias at head dims up to 128 (its one-pass kernel)"
@@ -401,6 +401,10 @@ def bias_refusal(features, q, k) -> str | None:
         return "it takes attn_bias with dense batches only"
     if features.mask.softcap > 0:
         return "it adds attn_bias before the softcap's tanh would be applied"
+    if bias.element_size() > 2 and padded_head_dim(q.shape[-1]) > 64:
+        # the bias ring (NUM_STAGES boxes of BLOCK_M x BLOCK_N) beside Q, dO, K, V and the dS/dQ buffers: 229904
+        # bytes with a 16-bit bias at D=128 (offline build), 32 KiB more than sm_90's 232448 with a float32 one
+        return "a float32 attn_bias's tiles do not fit its shared memory at head dims above 64"
     if bias_tma_view(bias, q.shape[2], k.shape[2]) is None:
         return "it reads attn_bias by TMA only (query and key dims of its own, 16-byte aligned rows)"
     return None
