@@ -7,7 +7,8 @@ after a change that must leave the kernels alone (a move, a rename, a compatibil
 The attention feature builds follow the offline build tests (tests/attention/test_*sm90_build.py): a window bounded
 on both sides, one bounded on the left only, softcap, ALiBi, a packed (varlen) batch and all of them at once, in the
 forward (the persistent kernel, and the varlen short-causal plan with overlapped items) and in the three backward
-kernels. The MoE operands
+kernels; an attn_bias read by TMA and by the consumers' loads (forward), with and without its gradient (backward).
+The MoE operands
 are the offline build tests' (tests/moe), at Mixtral's and Qwen3's dims.
 """
 
@@ -129,6 +130,13 @@ KERNELS = {
        for name in BACKWARD_FEATURES},
     **{f"bwd_dq_d256_{name}": (lambda name=name: _backward_features(bwd_dq_sm90, 256, name))
        for name in BACKWARD_FEATURES},
+    "fwd_d128_causal_bias_tma": lambda: fwd_sm90.compile_offline(128, True, AttentionTiles(128, 128, 8, 2), 132,
+                                                             bias="tma"),
+    "fwd_d128_bias_loads": lambda: fwd_sm90.compile_offline(128, False, AttentionTiles(128, 128, 8, 2), 132,
+                                                        bias="loads"),
+    "bwd_d128_causal_bias": lambda: bwd_sm90.compile_offline(128, offline_features(True, bias=(1, 4, 256, 256))),
+    "bwd_d128_causal_bias_grad": lambda: bwd_sm90.compile_offline(
+        128, offline_features(True, bias=(1, 4, 256, 256)), bias_grad="atomic"),
     "moe_dx": _dx,
     "moe_dh": _dh,
     "moe_dh_swiglu": _dh_swiglu,

@@ -170,3 +170,48 @@ def test_feature_args_run_plain_calls_as_causal_without_window_flags():
                                                            0.125, q, k)
     assert flags["VARLEN"] and flags["ALIBI"] and flags["SOFTCAP"] and (batch, lq, lk) == (2, 256, 256)
     assert args[4] == 300 and qk_scale == pytest.approx(2.0 * 1.4426950408889634)  # lse rows; c·log2(e)
+
+
+def _bias_features(causal, shape, dtype=torch.bfloat16, softcap=None):
+    from flashmoe_science.attention.hopper.bwd_common import offline_features
+
+    return offline_features(causal, softcap=softcap, bias=shape, bias_dtype=dtype)
+
+
+def test_bias_refusal_names_what_the_one_pass_kernel_does_not_read():
+    q, k = torch.empty(2, 4, 256, 128, device="meta"), torch.empty(2, 2, 256, 128, device="meta")
+    assert bwd_sm90.bias_refusal(_bias_features(True, (1, 4, 256, 256)), q, k) is None
+    wide_q, wide_k = torch.empty(2, 4, 256, 256, device="meta"), torch.empty(2, 2, 256, 256, device="meta")
+    assert "head dims" in bwd_sm90.bias_refusal(_bias_features(True, (1, 4, 256, 256)), wide_q, wide_k)
+    assert "float32" in bwd_sm90.bias_refusal(_bias_features(False, (256, 256), torch.float32), q, k)
+    assert bwd_sm90.bias_refusal(_bias_features(False, (256, 256), torch.float32), q[..., :64], k[..., :64]) is None
+    assert "softcap" in bwd_sm90.bias_refusal(_bias_features(False, (1, 4, 256, 256), softcap=5.0), q, k)
+    assert "TMA" in bwd_sm90.bias_refusal(_bias_features(False, (2, 4, 1, 256)), q, k)  # broadcast over queries
+    odd_k = torch.empty(2, 2, 255, 128, device="meta")
+    odd = _bias_features(False, (2, 4, 256, 256))
+    odd = type(odd)(mask=odd.mask, attn_bias=torch.empty(2, 4, 256, 255, dtype=torch.bfloat16, device="meta"))
+    assert "TMA" in bwd_sm90.bias_refusal(odd, q, odd_k)  # rows of 510 bytes
+
+
+# (causal, bias shape, bias_grad, LDL + STL of the triton 3.6 build): a bias without a gradient (the plain
+# kernel's spills plus a few), and its gradient stored (no broadcast dims) or added with atomics (broadcast)
+BIAS_BUILDS = {
+    "causal-fixed": (True, (1, 4, 256, 256), None, 46),
+    "full-store": (False, (2, 4, 256, 256), "store", 176),
+    "causal-atomic": (True, (1, 4, 256, 256), "atomic", 657),
+}
+
+
+@pytest.mark.sm90_build
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
+@pytest.mark.parametrize("name", list(BIAS_BUILDS))
+def test_bias_builds_for_sm90(name):
+    """D=128 with a bias read by TMA beside Q, dQ still by TMA reduce-adds; its gradient by
+    stores or float32 atomics; the bias ring within the shared memory."""
+    causal, shape, bias_grad, spills = BIAS_BUILDS[name]
+    compiled = bwd_sm90.compile_offline(128, _bias_features(causal, shape), bias_grad=bias_grad)
+    sass = sass_or_skip(compiled)
+    assert len(re.findall(r"\bUTMAREDG\.3D\.ADD\b", sass)) == 4
+    assert bool(re.search(r"\bREDG?\.E\.ADD\.F32", sass)) == (bias_grad == "atomic")
+    assert spill_count(sass) <= spill_budget(spills), "spills grew"
+    assert compiled.metadata.shared <= 227 * 1024

@@ -131,3 +131,65 @@ def test_builds_for_sm90_with_tma_and_register_operand_pv(case):
     assert re.search(r"\bUTMALDG\b", sass) and re.search(r"\bUTMASTG\b", sass)
     assert spill_count(sass) <= spill_budget(CASES[case]), "spills grew"
     assert compiled.metadata.shared <= SMEM_PER_BLOCK
+
+
+def test_bias_arguments_by_tma_and_by_loads():
+    """A bias broadcast over the batch (stride 0 after expand) goes to the producer's TMA: a descriptor over its
+    one batch entry, coordinate steps (0, 1), boxes of one consumer's rows x one key tile; one broadcast over the
+    queries goes to the consumers' loads with its strides over the full problem (0 where it broadcasts). The bias
+    joins the scores in the units they are in: log2 e / qk_scale of the raw product, log2 e after ALiBi."""
+    q, k = _meta(2, 4, 300, 128), _meta(2, 2, 512, 128)
+    lse = _meta(2, 4, 300, dtype=torch.float32)
+    plane = _meta(1, 4, 300, 512)
+    _, args, constexprs = fwd_sm90._launch_args(q, k, k, q, lse, True, 0.1, TWO_STAGES, 132, 1, False,
+                                                attn_bias=plane.expand(2, 4, 300, 512), bias_tma=True)
+    named = _named(args)
+    assert constexprs["HAS_BIAS"] and constexprs["BIAS_TMA"] and named["BIAS"] is None
+    assert named["bias_desc"].shape == [1, 4, 300, 512] and named["bias_desc"].block_shape == [1, 1, 64, 128]
+    assert (named["bias_stride_b"], named["bias_stride_h"]) == (0, 1)
+    assert named["bias_log2"] * named["qk_scale"] == pytest.approx(1.4426950408889634)
+
+    padding = _meta(2, 1, 1, 512, dtype=torch.float32)
+    slopes = torch.empty(4, device="meta")
+    _, args, constexprs = fwd_sm90._launch_args(q, k, k, q, lse, False, 0.1, TWO_STAGES, 132, 1, False, None, slopes,
+                                                attn_bias=padding)
+    named = _named(args)
+    assert constexprs["HAS_BIAS"] and not constexprs["BIAS_TMA"] and named["bias_desc"] is None
+    assert named["BIAS"] is padding
+    assert (named["bias_stride_b"], named["bias_stride_h"], named["bias_stride_m"], named["bias_stride_n"]) == (
+        512, 0, 0, 1)
+    assert named["bias_log2"] == pytest.approx(1.4426950408889634)
+    with pytest.raises(ValueError, match="bias_tma"):
+        fwd_sm90._launch_args(q, k, k, q, lse, False, 0.1, TWO_STAGES, 132, 1, False, attn_bias=padding,
+                              bias_tma=True)
+
+
+# (name, compile_offline arguments, LDL + STL of the triton 3.6 build). TMA: the D=128 causal 4k plan with a bf16
+# bias (two stages), a float32 bias's 64-key tiles, D=64 with overlapped items, D=256; loads: a key-padding bias
+# (the fallback: its per-element addresses spill).
+BIAS_BUILDS = {
+    "tma-d128-causal": (dict(head_dim=128, causal=True, tiles=TWO_STAGES, bias="tma"), 290),
+    "tma-d128-fp32": (dict(head_dim=128, causal=True, tiles=AttentionTiles(128, 64, 8, 2, use_tma=True), bias="tma",
+                           bias_dtype=torch.float32), 0),
+    "tma-d64-cross": (dict(head_dim=64, causal=False, tiles=TWO_STAGES, bias="tma", q_buffers=2, cross_item=True), 0),
+    "tma-d256-causal": (dict(head_dim=256, causal=True, tiles=AttentionTiles(128, 64, 8, 2, use_tma=True),
+                             bias="tma"), 84),
+    "loads-d128": (dict(head_dim=128, causal=False, tiles=TWO_STAGES, bias="loads"), 1149),
+}
+
+
+@pytest.mark.sm90_build
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
+@pytest.mark.parametrize("name", list(BIAS_BUILDS))
+def test_bias_builds_for_sm90(name):
+    """TMA: the bias comes through the TMA loads alone (no global loads in the consumers), the bias ring within the
+    shared memory; loads: the consumers' global loads. Spills no more than the tuned build's."""
+    kwargs, spills = BIAS_BUILDS[name]
+    kwargs = dict(kwargs)
+    head_dim, causal, tiles = kwargs.pop("head_dim"), kwargs.pop("causal"), kwargs.pop("tiles")
+    compiled = fwd_sm90.compile_offline(head_dim, causal, tiles, 132, kwargs.pop("q_buffers", 1),
+                                        kwargs.pop("cross_item", False), **kwargs)
+    sass = sass_or_skip(compiled)
+    assert bool(re.search(r"\bLDG\.E", sass)) == (kwargs["bias"] == "loads")
+    assert spill_count(sass) <= spill_budget(spills), "spills grew"
+    assert compiled.metadata.shared <= SMEM_PER_BLOCK

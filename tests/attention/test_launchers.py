@@ -21,6 +21,7 @@ from flashmoe_science.attention.hopper.tiles import (  # noqa: E402
     SM90_PERSISTENT_MAX_CAUSAL_LEN,
     SM90_PERSISTENT_MIN_ROUNDS,
     SM90_SHORT_CAUSAL_LEN,
+    sm90_bias_tiles,
     sm90_cross_item,
     sm90_forward_tiles,
     sm90_persistent,
@@ -267,6 +268,53 @@ def test_sm90_q_buffers_where_measured():
     assert sm90_q_buffers(sm90_forward_tiles(128, True, 512), 128, True, H200) == 2
     assert sm90_q_buffers(sm90_forward_tiles(128, True, 2048), 128, True, H200) == 1
     assert sm90_q_buffers(sm90_forward_tiles(256, False, 2048), 256, True, H200) == 1
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q", [512, 4096])
+@pytest.mark.parametrize("bias_bytes", [2, 4])
+def test_sm90_bias_tiles_fit_the_shared_memory(head_dim, causal, seqlen_q, bias_bytes):
+    """The bias ring beside K/V: the plan's tiles where they fit, else two stages, then 64-key tiles; None (the
+    consumers load the bias) only where even those do not fit."""
+    tiles = sm90_forward_tiles(head_dim, causal, seqlen_q)
+    fitted = sm90_bias_tiles(tiles, head_dim, bias_bytes, H200)
+    if fitted is None:
+        smallest = AttentionTiles(tiles.block_m, 64, tiles.num_warps, 2, use_tma=True)
+        assert sm90_smem_bytes(smallest, head_dim, 1, bias_bytes=bias_bytes) > H200.smem_per_block
+        return
+    assert sm90_smem_bytes(fitted, head_dim, 1, bias_bytes=bias_bytes) <= H200.smem_per_block
+    assert fitted.block_n <= tiles.block_n and fitted.num_stages <= tiles.num_stages and fitted.num_stages >= 2
+    if sm90_smem_bytes(tiles, head_dim, 1, bias_bytes=bias_bytes) <= H200.smem_per_block:
+        assert fitted == tiles
+    n = sm90_q_buffers(fitted, head_dim, True, H200, bias_bytes)
+    assert sm90_smem_bytes(fitted, head_dim, n, bias_bytes=bias_bytes) <= H200.smem_per_block
+
+
+def test_sm90_bias_tiles_where_they_change():
+    # D=128 causal at 4k: the three-stage ring gives up a stage for a bf16 bias, 128-key tiles for a float32 one
+    causal = sm90_forward_tiles(128, True, 4096)
+    assert sm90_bias_tiles(causal, 128, 2, H200) == AttentionTiles(128, 128, 8, 2, use_tma=True)
+    assert sm90_bias_tiles(causal, 128, 4, H200) == AttentionTiles(128, 64, 8, 2, use_tma=True)
+    # D=256: a bf16 bias fits beside the 64-key ring, a float32 one does not
+    wide = sm90_forward_tiles(256, False, 4096)
+    assert sm90_bias_tiles(wide, 256, 2, H200) == wide and sm90_bias_tiles(wide, 256, 4, H200) is None
+
+
+def test_bias_tma_view_steps_over_broadcast_dims():
+    """A batch or head dim the bias broadcasts over (size 1, or stride 0 after expand) is a size-1 dim of the view
+    with coordinate step 0; a bias broadcast over queries or keys, or with rows not 16-byte aligned, has none."""
+    plane = torch.empty(1, 4, 300, 512, dtype=torch.bfloat16)
+    view, step_b, step_h = layout.bias_tma_view(plane.expand(2, 4, 300, 512), 300, 512)
+    assert view.shape == (1, 4, 300, 512) and view.data_ptr() == plane.data_ptr() and (step_b, step_h) == (0, 1)
+    heads = torch.empty(2, 1, 300, 512, dtype=torch.bfloat16).expand(2, 4, 300, 512)
+    assert layout.bias_tma_view(heads, 300, 512)[1:] == (1, 0)
+    full = torch.empty(2, 4, 300, 512, dtype=torch.float32)
+    assert layout.bias_tma_view(full, 300, 512)[1:] == (1, 1)
+    assert layout.bias_tma_view(torch.empty(2, 4, 1, 512).expand(2, 4, 300, 512), 300, 512) is None  # queries
+    assert layout.bias_tma_view(torch.empty(2, 4, 300, 1).expand(2, 4, 300, 512), 300, 512) is None  # keys
+    assert layout.bias_tma_view(torch.empty(2, 4, 300, 517, dtype=torch.bfloat16), 300, 517) is None  # rows
+    assert layout.bias_tma_view(full.transpose(2, 3).contiguous().transpose(2, 3), 300, 512) is None  # strides
 
 
 @pytest.mark.parametrize("seqlen_q", [512, 1024, 2048, 4096, 8192])

@@ -63,8 +63,10 @@ def flash_attention_science(
         alibi_slopes: float32 `(Hq,)` or `(*batch, Hq)`: adds `-slope · |i + Lk - Lq - j|` to the (softcapped)
             scores, as flash-attn. The slopes get no gradient (a slope tensor requiring grad is refused).
         attn_bias: an additive float bias broadcastable to `q.shape[:-1] + (Lk,)` ((B, H, Lq, Lk) for 4-D q),
-            added last; it gets a gradient when it requires grad (memory O(bias); see `autograd._bias_grad_buffer`).
-            Read through stride-0 dims where it broadcasts (no copy); slower than the mask-only kernels.
+            added last; it gets a gradient when it requires grad (memory O(bias); see
+            `triton_backend.bias_grad_buffer`). Read through stride-0 dims where it broadcasts (no copy); on Hopper
+            by TMA tiles beside K where its query and key dims are its own with 16-byte aligned rows, else by
+            masked loads (the forward; the backward then runs the Triton kernels).
         return_lse: also return the natural-log log-sum-exp of the (modified) scaled scores, float32
             `(..., Hq, Lq)` (float64 for float64 inputs), so partial results over key blocks can be merged.
         backend: "auto" (CUDA: the best kernel for the GPU; CPU: the PyTorch reference), "hopper" (the Gluon sm_90

@@ -34,7 +34,7 @@ def kernel_backward(q, k, v, out, lse, grad_out, features: CallFeatures, softmax
 
 class _KernelAttention(torch.autograd.Function):
     """Forward through `plan.forward`, backward through `plan.backward` (`kernel_backward`). Saves only the inputs,
-    out and lse (O(L) memory; the bias's gradient is O(bias), see `triton_backend._bias_grad_buffer`). `bias` is
+    out and lse (O(L) memory; the bias's gradient is O(bias), see `triton_backend.bias_grad_buffer`). `bias` is
     `features.attn_bias`, passed on its own so autograd sees it."""
 
     @staticmethod

@@ -58,3 +58,22 @@ def needs_64bit_rows(*tensors: torch.Tensor | None) -> bool:
     L = 524288. Batch and head offsets are always 64-bit; TMA descriptors address on their own."""
     return any(t is not None and t.shape[-2] > 1 and (t.shape[-2] - 1) * t.stride(-2) + t.shape[-1] >= 2**31
                for t in tensors)
+
+
+def bias_tma_view(bias: torch.Tensor, seqlen_q: int, seqlen_k: int) -> tuple[torch.Tensor, int, int] | None:
+    """A `(Bb, Hb, Lq, Lk)` bias (`features.CallFeatures.attn_bias`) as a TMA can read it: `(view, batch step, head
+    step)`, or None where its query or key dim broadcasts or its strides defeat TMA (`tma_compatible`).
+
+    A TMA descriptor cannot step by 0, so a batch or head dim the bias broadcasts over (size 1, or stride 0 after an
+    `expand`) becomes a size-1 dim of the view and its step 0: the kernel reads TMA coordinate `batch · step`."""
+    if tuple(bias.shape[2:]) != (seqlen_q, seqlen_k) or (seqlen_q > 1 and bias.stride(2) == 0):
+        return None
+    view = bias
+    steps = []
+    for dim in (0, 1):
+        if view.shape[dim] > 1 and view.stride(dim) == 0:
+            view = view.narrow(dim, 0, 1)
+        steps.append(int(view.shape[dim] > 1))
+    if not tma_compatible(view):
+        return None
+    return view, steps[0], steps[1]

@@ -82,7 +82,7 @@ def forward_plan(q, k, v, features) -> TritonForward:
     return TritonForward(tiles)
 
 
-def _bias_grad_buffer(bias: torch.Tensor, full_shape, deterministic: bool) -> tuple[torch.Tensor, bool]:
+def bias_grad_buffer(bias: torch.Tensor, full_shape, deterministic: bool) -> tuple[torch.Tensor, bool]:
     """The float32 buffer the dQ kernel writes the bias's gradient into, and whether it adds with atomics.
 
     A bias without broadcast dims gets each element from one program: stored, deterministic. A broadcast bias
@@ -119,7 +119,7 @@ class TritonBackward:
         bias = features.attn_bias
         if need_dbias:
             full_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-            dbias, dbias_atomic = _bias_grad_buffer(bias, full_shape, deterministic)
+            dbias, dbias_atomic = bias_grad_buffer(bias, full_shape, deterministic)
         attention_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale, self.tiles,
                            dq_accum, dbias=dbias, dbias_atomic=dbias_atomic)
         if dbias is not None:

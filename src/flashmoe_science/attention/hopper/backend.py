@@ -19,9 +19,10 @@ import torch
 
 from flashmoe_science.attention import triton_backend
 from flashmoe_science.attention.features import FEATURES
-from flashmoe_science.attention.layout import tma_compatible
+from flashmoe_science.attention.layout import bias_tma_view, tma_compatible
 from flashmoe_science.attention.hopper.tiles import (
     sm90_backward_wins,
+    sm90_bias_tiles,
     sm90_cross_item,
     sm90_forward_tiles,
     sm90_persistent,
@@ -34,11 +35,11 @@ from flashmoe_science.device import device_traits
 from flashmoe_science.gluon.availability import run_gluon, unavailable_reason
 from flashmoe_science.prepared_cache import remember, tensor_signature
 
-# forward: an additive attn_bias stays on the Triton kernel (a (B, H, Lq, Lk) read per score, no TMA box for its
-# broadcast strides); odd head dims reach the kernel padded
-FORWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "varlen"})
-# the backward runs after a Triton forward too (`_HopperAttentionBackward.decline`); attn_bias stays on Triton
-BACKWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "varlen"})
+# forward: odd head dims reach the kernel padded; the bias's gradient is the backward's
+FORWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen"})
+# the backward runs after a Triton forward too (`_HopperAttentionBackward.decline`); attn_bias where the one-pass
+# kernel reads it by TMA (bwd_sm90.bias_refusal)
+BACKWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen"})
 
 FORWARD_KERNEL = "hopper.fwd_sm90.attention_forward_sm90_kernel"
 BACKWARD_KERNEL = "hopper.bwd_sm90.attention_backward_sm90"
@@ -79,13 +80,15 @@ def varlen_batch(varlen):
 class HopperForward:
     """The Gluon sm_90 forward: `tiles` (128 query rows; key tile and ring depth vary), `persistent` (one CTA per SM
     looping over query tiles, else one CTA per tile), `q_buffers` per consumer warpgroup, `cross_item` (overlap
-    consecutive work items), `strict` (backend="hopper": a build failure raises instead of running Triton)."""
+    consecutive work items), `strict` (backend="hopper": a build failure raises instead of running Triton),
+    `bias_tma` (the producer loads the attn_bias tiles by TMA; else the consumers load them)."""
 
     tiles: AttentionTiles
     persistent: bool
     q_buffers: int
     cross_item: bool
     strict: bool = False
+    bias_tma: bool = False
     backend = "hopper"
     kernel = FORWARD_KERNEL
     differentiable = False
@@ -108,7 +111,8 @@ class HopperForward:
         num_ctas = device_traits(q.device).sm_count if self.persistent else None
         if run_gluon("attention forward", lambda: attention_forward_sm90(
                 q, k, v, out, lse, features.causal, softmax_scale, self.tiles, num_ctas, self.q_buffers,
-                self.cross_item, mask=features.mask, alibi_slopes=features.alibi_slopes, varlen=batch), self.strict):
+                self.cross_item, mask=features.mask, alibi_slopes=features.alibi_slopes, varlen=batch,
+                attn_bias=features.attn_bias, bias_tma=self.bias_tma), self.strict):
             ran("forward", self.backend, self.kernel)
             if key is not None:
                 self.prepare(q, k, v, out, lse, features, softmax_scale)
@@ -120,7 +124,8 @@ class HopperForward:
         """What a PreparedLaunch of this plan freezes from a call (prepared_cache.tensor_signature of every tensor,
         the mask, the scale), or None for calls it cannot repeat: ALiBi slopes, windows and softcaps are per-call
         arguments it would freeze."""
-        if features.alibi_slopes is not None or not features.mask.is_plain or autotune_enabled():
+        if (features.alibi_slopes is not None or features.attn_bias is not None or not features.mask.is_plain
+                or autotune_enabled()):
             return None
         varlen = features.varlen
         tensors = (q, k, v, out, lse) if varlen is None else (q, k, v, out, lse, varlen.cu_seqlens_q,
@@ -148,6 +153,10 @@ class HopperForward:
     def describe(self, problem, requested: str, with_features: str, declined: str) -> str:
         tiles = self.tiles
         shape = f"tiles {tiles.block_m}x{tiles.block_n}, {tiles.num_warps} warps, {tiles.num_stages} stages"
+        if problem.features.attn_bias is not None:
+            shape += (", bias tiles loaded by TMA beside K" if self.bias_tma
+                      else ", bias read by the consumers' masked loads (it broadcasts over queries or keys, or its "
+                           "strides or the shared memory do not suit TMA)")
         ctas = (f"persistent, one CTA per SM, {self.q_buffers} Q buffer(s) per consumer"
                 + (", consecutive query tiles overlapped" if self.cross_item else "") if self.persistent
                 else "one CTA per query tile")
@@ -168,14 +177,20 @@ def forward_plan(problem) -> HopperForward:
         # a packed batch with a right bound: the two-stage ring with two Q buffers measured +5.6% over the causal
         # plan's three stages (H200, 17 sequences of 64..8192, D=128: 421 vs 399 TFLOP/s)
         tiles = sm90_forward_tiles(q.shape[-1], False, seqlen_q)
+    bias, bias_tma, bias_bytes = features.attn_bias, False, 0
+    if bias is not None and bias_tma_view(bias, q.shape[-2], problem.k.shape[-2]) is not None:
+        bias_tiles = sm90_bias_tiles(tiles, q.shape[-1], bias.element_size(), traits)
+        if bias_tiles is not None:  # its ring fits: the producer loads it
+            tiles, bias_tma, bias_bytes = bias_tiles, True, bias.element_size()
     num_work = math.prod(q.shape[:-2]) * -(-seqlen_q // tiles.block_m)  # query tiles of all heads
     # Unequal items (what can make one CTA per tile win) come from a right bound without a left one; varlen runs
     # persistent always (the kernel numbers the real tiles itself)
     unequal = right_bounded and not features.mask.bounded_left
     persistent = features.varlen is not None or sm90_persistent(unequal, seqlen_q, num_work, traits.sm_count)
-    q_buffers = sm90_q_buffers(tiles, q.shape[-1], persistent, traits)
+    q_buffers = sm90_q_buffers(tiles, q.shape[-1], persistent, traits, bias_bytes)
     cross_item = sm90_cross_item(tiles, q.shape[-1], right_bounded, persistent, q_buffers)
-    return HopperForward(tiles, persistent, q_buffers, cross_item, strict=problem.backend == "hopper")
+    return HopperForward(tiles, persistent, q_buffers, cross_item, strict=problem.backend == "hopper",
+                         bias_tma=bias_tma)
 
 
 # -------------------------------------------------------------------------------------------------- backward
@@ -194,17 +209,19 @@ def _backward_key(tensors, features, softmax_scale: float) -> tuple:
     return (*map(tensor_signature, tensors), *packed, features.causal, softmax_scale)
 
 
-def launch_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float) -> None:
+def launch_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float, dbias=None,
+                    dbias_atomic: bool = False) -> None:
     """attention_backward_sm90, through a PreparedBackward where the one-pass kernel runs a call with a plain mask
-    (dense, causal, packed; head dims up to 128); calls with ALiBi slopes, windows or softcaps launch directly
-    (per-call arguments a prepared launch would freeze)."""
+    (dense, causal, packed; head dims up to 128); calls with ALiBi slopes, a bias, windows or softcaps launch
+    directly (per-call arguments a prepared launch would freeze). dbias: the bias's gradient buffer
+    (`bias_grad_buffer`)."""
     from flashmoe_science.attention.hopper import bwd_sm90
 
     tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv)
     if (bwd_sm90.is_deterministic(q.shape[-1]) or not features.mask.is_plain or features.alibi_slopes is not None
-            or autotune_enabled()):
+            or features.attn_bias is not None or autotune_enabled()):
         # the D=256 kernels (fewer, larger problems) and calls with per-call arguments: not prepared
-        bwd_sm90.attention_backward_sm90(*tensors, features, softmax_scale)
+        bwd_sm90.attention_backward_sm90(*tensors, features, softmax_scale, dbias=dbias, dbias_atomic=dbias_atomic)
         return
     key = _backward_key(tensors, features, softmax_scale)
     prepared = PREPARED_BACKWARD.get(key)
@@ -229,11 +246,15 @@ class HopperBackward:
 
     def run(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float, deterministic: bool,
             need_dbias: bool):
+        bias = features.attn_bias
+        dbias = dbias_atomic = None
+        if need_dbias:  # the one pass is never deterministic (`backward_refusal`): a buffer of the bias's shape
+            dbias, dbias_atomic = triton_backend.bias_grad_buffer(bias, (*q.shape[:3], k.shape[2]), False)
         if (dq is not None and dk is not None and tma_compatible(grad_out)
                 and run_gluon("attention backward", lambda: launch_backward(
-                    q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale))):
+                    q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale, dbias, dbias_atomic))):
             ran("backward", self.backend, self.kernel)
-            return dq, dk, dv, None
+            return dq, dk, dv, None if dbias is None else dbias.to(bias.dtype)
         return self.fallback.run(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale,
                                  deterministic, need_dbias)
 
@@ -279,6 +300,13 @@ class _HopperAttentionBackward:
         absent = missing(problem.feature_names(), BACKWARD_FEATURES)
         if absent:
             return f"it does not take {', '.join(absent)} yet"
+        if problem.features.attn_bias is not None:
+            from flashmoe_science.attention.hopper.bwd_sm90 import bias_refusal
+
+            refusal = (bias_refusal(problem.features, problem.q4, problem.k4) if problem.q4 is not None
+                       else "it takes attn_bias where the leading dims merge into one batch dim")
+            if refusal is not None:
+                return refusal
         return backward_refusal(problem.head_dim, problem.seqlen_q, problem.softmax_scale,
                                 problem.deterministic_now())
 

@@ -196,10 +196,13 @@ def _producer_barriers(NUM_STAGES: gl.constexpr):
 def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
               kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
               q_first, k_first, window_left, window_right,
-              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+              bias_desc=None, bias_smem=None, bias_step_b=0, bias_step_h=0, BIAS_TMA: gl.constexpr = False):
     """K and V once, then Q and dO of every visited query tile of every query head of the group. Rows are
     relative to the sequence's first (q_first, k_first: seqlen.sequence_coords; 0 for dense batches). A packed
-    sequence's last tiles may read the next sequence's rows: hidden keys and queries with lse = +inf, harmless."""
+    sequence's last tiles may read the next sequence's rows: hidden keys and queries with lse = +inf, harmless.
+    BIAS_TMA (dense batches): each Q tile's stage also takes the bias tile of its rows and the CTA's keys
+    (`bias_smem`; batch and head coordinates times bias_step_b/h, 0 where the bias broadcasts), on Q's barrier."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
@@ -213,9 +216,15 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
         q_head = kv_head * group_size + g
         stage = ring % NUM_STAGES
         mbarrier.wait(empty.index(stage), ((ring // NUM_STAGES) & 1) ^ 1)  # first pass: passes at once
-        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-        tma.async_load(q_desc, [batch, q_head, start_m, 0], q_ready.index(stage),
-                                        q_smem.index(stage))
+        if BIAS_TMA:
+            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + bias_desc.block_type.nbytes)
+            tma.async_load(q_desc, [batch, q_head, start_m, 0], q_ready.index(stage), q_smem.index(stage))
+            tma.async_load(bias_desc, [batch * bias_step_b, q_head * bias_step_h, start_m, start_n],
+                           q_ready.index(stage), bias_smem.index(stage))
+        else:
+            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+            tma.async_load(q_desc, [batch, q_head, start_m, 0], q_ready.index(stage),
+                                            q_smem.index(stage))
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
         tma.async_load(do_desc, [batch, q_head, start_m, 0], do_ready.index(stage),
                                         do_smem.index(stage))
@@ -272,12 +281,17 @@ def offline_build(kernel, bound: dict):
     return sm90_compile_offline(kernel, [bound[name] for name in kernel.arg_names], constexprs)
 
 
-def offline_features(causal=False, window=None, softcap=None, alibi=False, varlen=False, heads=4):
-    """A CallFeatures over meta tensors for offline builds (two sequences, `heads` query heads)."""
+def offline_features(causal=False, window=None, softcap=None, alibi=False, varlen=False, heads=4, bias=None,
+                     bias_dtype=torch.bfloat16):
+    """A CallFeatures over meta tensors for offline builds (two sequences, `heads` query heads; `bias`: the shape
+    of an attn_bias broadcast to (2, heads, 256, 256), as the front door hands it on)."""
     from flashmoe_science.attention.features import CallFeatures, Varlen
     from flashmoe_science.attention.mask import make_mask
 
     slopes = torch.empty(2, heads, device="meta") if alibi else None
     cu = torch.empty(3, dtype=torch.int32, device="meta")
-    return CallFeatures(mask=make_mask(causal, window, softcap), alibi_slopes=slopes,
+    attn_bias = None
+    if bias is not None:
+        attn_bias = torch.empty(bias, dtype=bias_dtype, device="meta").expand(2, heads, 256, 256)
+    return CallFeatures(mask=make_mask(causal, window, softcap), alibi_slopes=slopes, attn_bias=attn_bias,
                         varlen=Varlen(cu, cu, 256, 256) if varlen else None)

@@ -79,8 +79,8 @@ from flashmoe_science.attention.hopper.bwd_common import (
     offline_build,
 )
 from flashmoe_science.attention.hopper.common import descriptor
+from flashmoe_science.attention.layout import bias_tma_view, needs_64bit_rows
 from flashmoe_science.attention.seqlen import work_list
-from flashmoe_science.attention.layout import needs_64bit_rows
 from flashmoe_science.attention.mask import LOG2_E
 from flashmoe_science.attention.seqlen import sequence_coords
 from flashmoe_science.attention.tiles import padded_head_dim
@@ -99,16 +99,36 @@ SUPPORTED_BLOCK_D = (64, 128, TWO_KERNEL_BLOCK_D)
 
 
 @gluon.jit
+def _store_bias_grad(ds, dbias_args, batch, q_head, queries, keys, seqlen_q, seqlen_k, BIAS_GRAD: gl.constexpr):
+    """dSᵀ (keys x queries, float32) into the bias's gradient buffer (triton_backend.bias_grad_buffer): stored
+    where each element has one writer (BIAS_GRAD 1), added with float32 atomics where the bias broadcasts (2)."""
+    DBIAS, stride_b, stride_h, stride_m, stride_n = dbias_args
+    plane = DBIAS + batch.to(gl.int64) * stride_b + q_head.to(gl.int64) * stride_h
+    ptrs = plane + queries.to(gl.int64) * stride_m + keys.to(gl.int64) * stride_n
+    inside = (queries < seqlen_q) & (keys < seqlen_k)
+    if BIAS_GRAD == 1:
+        gl.store(ptrs, ds, mask=inside)
+    else:
+        gl.atomic_add(ptrs, ds, mask=inside, sem="relaxed")
+
+
+@gluon.jit
 def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, empty, ds_ready,
               dq_desc, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               start_n, batch, kv_head, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
               seq, q_first, k_first, lse_rows, window_left, window_right, softcap_scale, Slopes, stride_slopes,
+              bias_smem, dbias_args,
               CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, ROWS: gl.constexpr,
               KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
-              MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr):
+              MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+              HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr):
     """One consumer warpgroup: keys [start_n + CONSUMER·KEYS, +KEYS), all query tiles of all heads of the group.
     Positions are relative to sequence `seq`'s first rows (q_first, k_first; lse_rows: the lse tensor's rows per
-    head, read with VARLEN only)."""
+    head, read with VARLEN only).
+
+    HAS_BIAS: the stage's bias tile (`bias_smem`, queries x the CTA's keys, landed with Q) joins the Sᵀ
+    accumulator's start as bias / scale (it is linear, like lse); BIAS_GRAD (1: store, 2: float32 atomic add)
+    writes dS, the bias's gradient, at `dbias_args` (base, batch/head/query/key strides)."""
     dtype: gl.constexpr = q_smem.dtype
     DQ_N: gl.constexpr = BLOCK_D // 2  # this consumer's dQ columns
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
@@ -170,6 +190,9 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
                               MASK_RIGHT, SOFTCAP)
         dp_init = gl.zeros([KEYS, ROWS], gl.float32, layout=s_layout) - gl.expand_dims(delta, 0)
         mbarrier.wait(q_ready.index(stage), phase)
+        if HAS_BIAS:  # (keys, queries) of the (queries, CTA keys) tile
+            bias_t = bias_smem.index(stage).reshape([ROWS, 2 * KEYS]).slice(CONSUMER * KEYS, KEYS, dim=1)
+            s_init = s_init + bias_t.permute((1, 0)).load(s_layout).to(gl.float32) * inv_scale
         s = warpgroup_mma(my_keys, q_tile.permute((1, 0)), s_init, is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
         dp = warpgroup_mma(my_values, do_tile.permute((1, 0)), dp_init, is_async=True)
@@ -177,7 +200,11 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
         p, t = _probabilities(s, lse, queries, keys, needs_mask, seqlen_k, diagonal, window_left, window_right,
                               qk_scale, softcap_scale, slope_log2, 0, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
         dp = warpgroup_mma_wait(0, deps=(dp,))
-        ds = _softcap_grad(p * dp, t, SOFTCAP).to(dtype)
+        ds = p * dp
+        if BIAS_GRAD != 0:  # the bias is added to the scores as is: its gradient is dS
+            _store_bias_grad(ds, dbias_args, batch, q_head - batch * num_q_heads, queries, keys, seqlen_q, seqlen_k,
+                             BIAS_GRAD)
+        ds = _softcap_grad(ds, t, SOFTCAP).to(dtype)
         dv = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), do_tile, dv, is_async=True)
         ds_buf.slice(CONSUMER * KEYS, KEYS).store(ds)
         dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_tile, dk, is_async=True)
@@ -226,16 +253,20 @@ def attention_backward_sm90_kernel(
     num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
     Slopes, CuSeqlensQ, CuSeqlensK, WorkTiles, num_seqs, stride_slopes, lse_rows, window_left, window_right,
     softcap_scale,
+    bias_desc, bias_step_b, bias_step_h, DBIAS, stride_dbias_b, stride_dbias_h, stride_dbias_m, stride_dbias_n,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-    VARLEN: gl.constexpr,
+    VARLEN: gl.constexpr, HAS_BIAS: gl.constexpr = False, BIAS_GRAD: gl.constexpr = 0,
 ):
     """Grid (cdiv(Lk, 128) · B·Hkv,); CTAs start roughly in program order, and a (batch, kv head)'s key tiles are
     consecutive, so the CTAs running at once share a few heads' Q and dO in L2. (Ordering causal CTAs longest
     first, in bands of 4-16 heads or over all heads, measured no faster or up to 20% slower: perf-notes.)
 
     The arguments after sm_scale are the features' (bwd_common.feature_args). VARLEN: one program per real key
-    block of every (sequence, kv head) (WorkTiles, the work list of cu_seqlens_k); seqlen_q/k are the maxima."""
+    block of every (sequence, kv head) (WorkTiles, the work list of cu_seqlens_k); seqlen_q/k are the maxima.
+    HAS_BIAS (dense batches): a bias read by TMA through bias_desc (boxes of BLOCK_M queries x the CTA's keys;
+    bias_step_b/h the batch and head steps of its coordinate, 0 where it broadcasts); BIAS_GRAD: its gradient into
+    DBIAS (see _store_bias_grad)."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
@@ -259,6 +290,12 @@ def attention_backward_sm90_kernel(
     dq_smem0 = gl.allocate_shared_memory(gl.float32, [DQ_N // DQ_COLS] + dq_desc.block_type.shape, dq_desc.layout)
     dq_smem1 = gl.allocate_shared_memory(gl.float32, [DQ_N // DQ_COLS] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready, q_ready, do_ready, empty = _producer_barriers(NUM_STAGES)
+    if HAS_BIAS:  # one bias tile per Q/dO stage
+        bias_smem = gl.allocate_shared_memory(bias_desc.dtype, [NUM_STAGES] + bias_desc.block_type.shape,
+                                              bias_desc.layout)
+    else:
+        bias_smem: gl.constexpr = None
+    dbias_args = (DBIAS, stride_dbias_b, stride_dbias_h, stride_dbias_m, stride_dbias_n)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers' dSᵀ rows are in the buffer
@@ -268,19 +305,20 @@ def attention_backward_sm90_kernel(
                      ds_ready, dq_desc, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads, group_size,
                      seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first, lse_rows, window_left,
-                     window_right, softcap_scale, Slopes, stride_slopes,
+                     window_right, softcap_scale, Slopes, stride_slopes, bias_smem, dbias_args,
                      0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                     VARLEN)),
+                     VARLEN, HAS_BIAS, BIAS_GRAD)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem1, kv_ready, q_ready, do_ready, empty,
                      ds_ready, dq_desc, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads, group_size,
                      seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first, lse_rows, window_left,
-                     window_right, softcap_scale, Slopes, stride_slopes,
+                     window_right, softcap_scale, Slopes, stride_slopes, bias_smem, dbias_args,
                      1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                     VARLEN)),
+                     VARLEN, HAS_BIAS, BIAS_GRAD)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_box, v_box,
                      kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
-                     q_first, k_first, window_left, window_right, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT)),
+                     q_first, k_first, window_left, window_right, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT,
+                     bias_desc, bias_smem, bias_step_b, bias_step_h, HAS_BIAS)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -313,14 +351,16 @@ def check_supported(q: torch.Tensor, softmax_scale: float = 1.0) -> None:
 
 
 def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float,
-                            dq_accum=None, num_stages: int | None = None):
+                            dq_accum=None, num_stages: int | None = None, dbias=None, dbias_atomic: bool = False):
     """triton_bwd.attention_backward's conventions, all three gradients wanted: q/out/grad_out/dq `(B, Hq, Lq, D)`,
     k/v/dk/dv `(B, Hkv, Lk, D)` with unit last stride and TMA-compatible strides (layout.tma_compatible of q, k,
     v, grad_out: the caller checks), lse the forward's contiguous float32 `(B, Hq, Lq)`, delta a float32 workspace
     of lse's shape. Writes dq, dk, dv in place; returns the compiled kernels by name.
 
     features: a `features.CallFeatures` (or the causal bool): window, softcap, ALiBi slopes and varlen (the tensors
-    then (1, H, total rows, D), lse (1, Hq, total rows)); attn_bias is not taken here (`check_features`).
+    then (1, H, total rows, D), lse (1, Hq, total rows)); attn_bias on the one-pass kernel only, dense, without a
+    softcap, where `layout.bias_tma_view` holds (`check_bias`). `dbias`: with a bias, the float32 buffer of
+    triton_backend.bias_grad_buffer that receives dS (added with atomics where `dbias_atomic`), or None.
 
     Head dims padding to 64 or 128: this module's one-pass kernel, with dq_accum a contiguous float32
     `(B, Hq, Lq, padded_head_dim(D))` workspace (any contents: the preprocess zeroes it; allocated here if None).
@@ -328,13 +368,16 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, feat
     and deterministic). num_stages: the Q/dO ring depth of the dK/dV kernel (None: its default)."""
     check_supported(q, softmax_scale)
     features = as_features(features)
-    check_features(features)
+    block_d = padded_head_dim(q.shape[-1])
+    split = block_d == TWO_KERNEL_BLOCK_D
+    if split or features.attn_bias is None:
+        check_features(features)
+    else:
+        check_bias(features, q, k)
     if q.shape[2] == 0 or k.shape[2] == 0:  # a packed batch of empty sequences: no TMA box over no rows
         for grad in (dq, dk, dv):
             grad.zero_()
         return {}
-    block_d = padded_head_dim(q.shape[-1])
-    split = block_d == TWO_KERNEL_BLOCK_D
     if dq_accum is None and not split:
         dq_accum = torch.empty(*q.shape[:3], block_d, dtype=torch.float32, device=q.device)
     if split:
@@ -345,7 +388,35 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, feat
         kernels["dq"] = bwd_dq_sm90.launch(q, k, v, lse, grad_out, delta, dq, features, softmax_scale)
         return kernels
     return {name: kernel[grid](**bound, **options) for name, (kernel, grid, bound, options, _) in _one_pass_launches(
-        q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale, num_stages).items()}
+        q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale, num_stages,
+        dbias, dbias_atomic).items()}
+
+
+def bias_refusal(features, q, k) -> str | None:
+    """Why the sm_90 backward does not take this call's attn_bias, or None: its one-pass kernel (head dims up to
+    128) reads the bias by TMA only (`layout.bias_tma_view`; 16-bit above D=64, where a float32 ring does not
+    fit), of dense batches, and adds it to the product's start, which a softcap's tanh would not let through."""
+    bias = features.attn_bias
+    if padded_head_dim(q.shape[-1]) == TWO_KERNEL_BLOCK_D:
+        return "it takes attn_bias at head dims up to 128 (its one-pass kernel)"
+    if features.varlen is not None:
+        return "it takes attn_bias with dense batches only"
+    if features.mask.softcap > 0:
+        return "it adds attn_bias before the softcap's tanh would be applied"
+    if bias.element_size() > 2 and padded_head_dim(q.shape[-1]) > 64:
+        # the bias ring (NUM_STAGES boxes of BLOCK_M x BLOCK_N) beside Q, dO, K, V and the dS/dQ buffers: 229904
+        # bytes with a 16-bit bias at D=128 (offline build), 32 KiB more than sm_90's 232448 with a float32 one
+        return "a float32 attn_bias's tiles do not fit its shared memory at head dims above 64"
+    if bias_tma_view(bias, q.shape[2], k.shape[2]) is None:
+        return "it reads attn_bias by TMA only (query and key dims of its own, 16-byte aligned rows)"
+    return None
+
+
+def check_bias(features, q, k) -> None:
+    """Raise ValueError where `bias_refusal` refuses the call's attn_bias (the caller runs triton_bwd instead)."""
+    why = bias_refusal(features, q, k)
+    if why is not None:
+        raise ValueError(f"the sm_90 backward: {why}")
 
 
 def _preprocess_launch(q, out, grad_out, delta, dq, dq_accum):
@@ -356,19 +427,20 @@ def _preprocess_launch(q, out, grad_out, delta, dq, dq_accum):
 
 
 def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale: float,
-                       num_stages: int | None):
+                       num_stages: int | None, dbias=None, dbias_atomic: bool = False):
     """The one-pass path's three launches (head dims padding to 64 or 128), by name, in order: (kernel, grid, every
     parameter by name, launch options, the names of its leading parameters that are tensors or descriptors over
     them). Written once for attention_backward_sm90 and PreparedBackward."""
     num_q_heads, head_dim = q.shape[1], q.shape[3]
     num_kv_heads = k.shape[1]
-    tail, flags, (programs, seqlen_q, seqlen_k, qk_scale) = feature_args(as_features(features), softmax_scale, q, k,
-                                                                          BLOCK_N)
+    features = as_features(features)
+    tail, flags, (programs, seqlen_q, seqlen_k, qk_scale) = feature_args(features, softmax_scale, q, k, BLOCK_N)
     block_d = padded_head_dim(head_dim)
     main = attention_backward_sm90_kernel
     main_args = (*_one_pass_tensor_args(block_d, q, grad_out, k, v, dq_accum, lse, delta, dk, dv), *dk.stride()[:3],
                  *dv.stride()[:3], num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
-                 qk_scale, softmax_scale, *tail)
+                 qk_scale, softmax_scale, *tail, *_bias_args(features, q, k, dbias))
+    flags.update(HAS_BIAS=features.attn_bias is not None, BIAS_GRAD=0 if dbias is None else 1 + dbias_atomic)
     row64 = needs_64bit_rows(q, out, grad_out, dq)
     return {
         "preprocess": _preprocess_launch(q, out, grad_out, delta, dq, dq_accum),
@@ -377,6 +449,20 @@ def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum,
             **flags), dict(LAUNCH_OPTIONS), ("q", "grad_out", "k", "v", "dq_accum", "lse", "delta", "dk", "dv")),
         "dq_convert": (*bwd_prep.dq_convert_launch(dq_accum, dq, softmax_scale, row64), ("dq_accum", "dq")),
     }
+
+
+def _bias_args(features, q, k, dbias) -> tuple:
+    """The one-pass kernel's bias arguments `(bias_desc, bias_step_b, bias_step_h, DBIAS, its four strides over the
+    full (B, Hq, Lq, Lk) problem)`: a descriptor of BLOCK_M-query x BLOCK_N-key boxes over `layout.bias_tma_view`
+    (the caller checked it holds), the gradient buffer's strides 0 where it broadcasts. None where absent."""
+    bias = features.attn_bias
+    if bias is None:
+        return (None,) * 8
+    view, step_b, step_h = bias_tma_view(bias, q.shape[2], k.shape[2])
+    grad = (None,) * 5
+    if dbias is not None:
+        grad = (dbias, *dbias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]).stride())
+    return descriptor(view, BLOCK_M, BLOCK_N), step_b, step_h, *grad
 
 
 def _one_pass_tensor_args(block_d, q, grad_out, k, v, dq_accum, lse, delta, dk, dv):
@@ -457,11 +543,12 @@ def _as_given(*tensors) -> tuple:
 
 
 def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,
-                    dtype: torch.dtype = torch.bfloat16):
+                    dtype: torch.dtype = torch.bfloat16, bias_grad: str | None = None):
     """The kernel built for sm_90 without a GPU (meta tensors; ptxas ships with triton), specialised as a launch
     would specialise it; returns the CompiledKernel (registers, shared memory, SASS:
     benchmarks/tools/sass_attention_backward.py). features: the causal bool or a CallFeatures (its tensors may live
-    on the meta device: `offline_features`)."""
+    on the meta device: `offline_features`; an attn_bias broadcastable to (2, 4, 256, 256)). bias_grad: "store"
+    or "atomic", the bias's gradient written as a bias of its shape without / with broadcast dims has it."""
 
     block_d = padded_head_dim(head_dim)
     if block_d == 256:
@@ -469,6 +556,11 @@ def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,
     q = torch.empty(2, 4, 256, head_dim, dtype=dtype, device="meta")
     lse = torch.empty(2, 4, 256, device="meta")
     dq_accum = torch.empty(2, 4, 256, block_d, device="meta")
+    features = as_features(features)
+    dbias = None
+    if bias_grad is not None:
+        dbias = torch.empty(features.attn_bias.shape, device="meta")
     kernel, _, bound, _, _ = _one_pass_launches(q, q[:, :2], q[:, :2], q, lse, q, lse, q, q[:, :2], q[:, :2],
-                                                dq_accum, features, 0.07, num_stages)["dkdv_dq"]
+                                                dq_accum, features, 0.07, num_stages, dbias,
+                                                bias_grad == "atomic")["dkdv_dq"]
     return offline_build(kernel, bound)

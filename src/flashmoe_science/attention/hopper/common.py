@@ -13,14 +13,18 @@ from flashmoe_science.gluon.compat import TensorDescriptor, gl, gluon, mbarrier
 from flashmoe_science.gluon.sm90 import GL_DTYPES
 
 
+# what the TMA boxes carry: the kernels' operands, and an attention bias (float32 too)
+_BOX_DTYPES = {**GL_DTYPES, torch.float32: gl.float32}
+
+
 @functools.lru_cache(maxsize=None)
 def _smem_layout(rows: int, block_d: int, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d], GL_DTYPES[dtype])
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, block_d], _BOX_DTYPES[dtype])
 
 
 def descriptor(t: torch.Tensor, rows: int, block_d: int) -> TensorDescriptor:
     """Gluon's rank-4 TMA descriptor over a (B, H, L, D) tensor, boxes of (1, 1, rows, block_d): layout.tma_box plus
-    the shared-memory layout of the box."""
+    the shared-memory layout of the box. (An attention bias (Bb, Hb, Lq, Lk) takes boxes of (1, 1, rows, keys).)"""
     return tma_descriptor(t, rows, block_d, TensorDescriptor, layout=_smem_layout(rows, block_d, t.dtype))
 
 

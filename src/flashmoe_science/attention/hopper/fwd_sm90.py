@@ -42,7 +42,8 @@ import torch
 from flashmoe_science.attention.hopper.common import descriptor, release_unused
 from flashmoe_science.attention.hopper.tiles import sm90_cross_item_safe
 from flashmoe_science.attention.hopper.work_items import VarlenArgs, cta_key_tiles, cta_num_items, item_rows
-from flashmoe_science.attention.layout import tma_compatible
+from flashmoe_science.attention.features import bias_strides
+from flashmoe_science.attention.layout import bias_tma_view, tma_compatible
 from flashmoe_science.attention.mask import (LN_2, LOG2_E, MaskSpec, key_tile_bounds, key_tile_range, score_to_log2,
                                              visible)
 from flashmoe_science.attention.seqlen import VarlenBatch
@@ -60,18 +61,22 @@ BLOCK_M = CONSUMER_ROWS * NUM_CONSUMERS
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, window_left, window_right,
-              varlen_args, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-              Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
+              varlen_args, bias_desc, bias_upper, bias_lower, bias_step_b, bias_step_h,
+              NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+              Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
+              BIAS_TMA: gl.constexpr):
     """The producer warp: for each of the CTA's work items, both halves of the Q tile (once the consumers are done
     with the buffer's previous item), then K and V tiles into the ring as soon as their stage is released. The
     ring position runs on across work items, so the next item's first tiles land during the current epilogue;
     with two Q buffers per consumer the next item's Q does not wait for the current item's epilogue either.
-    Varlen boxes may run into the next sequence's rows: extra Q rows are never stored, extra keys are masked."""
+    Varlen boxes may run into the next sequence's rows: extra Q rows are never stored, extra keys are masked.
+    BIAS_TMA: each K tile's stage also takes the bias tiles of both consumers' rows (`bias_upper`, `bias_lower`:
+    one ring per consumer), on K's "ready" barrier; the TMA box zero-fills rows and keys past the bias (masked)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     num_ctas = gl.num_programs(0)
     ring = 0  # K/V tiles issued so far by this CTA
     for item in range(cta_num_items(num_work)):
-        _, desc_batch, q_head, kv_head, start_m, q_row0, k_row0, item_seqlen_q, item_seqlen_k = item_rows(
+        batch, desc_batch, q_head, kv_head, start_m, q_row0, k_row0, item_seqlen_q, item_seqlen_k = item_rows(
             item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, varlen_args, 2 * ROWS, CAUSAL,
             VARLEN)
         for c in gl.static_range(2):
@@ -88,9 +93,20 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
             free_phase = ((ring // NUM_STAGES) & 1) ^ 1
             key_row = k_row0 + key_start + tile * BLOCK_N
             mbarrier.wait(k_empty.index(stage), free_phase)
-            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_load(k_desc, [desc_batch, kv_head, key_row, 0], k_ready.index(stage),
-                                            k_smem.index(stage))
+            if BIAS_TMA:
+                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes + 2 * bias_desc.block_type.nbytes)
+                tma.async_load(k_desc, [desc_batch, kv_head, key_row, 0], k_ready.index(stage), k_smem.index(stage))
+                bias_batch = batch * bias_step_b
+                bias_head = q_head * bias_step_h
+                bias_col = key_start + tile * BLOCK_N
+                tma.async_load(bias_desc, [bias_batch, bias_head, start_m, bias_col], k_ready.index(stage),
+                               bias_upper.index(stage))
+                tma.async_load(bias_desc, [bias_batch, bias_head, start_m + ROWS, bias_col], k_ready.index(stage),
+                               bias_lower.index(stage))
+            else:
+                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+                tma.async_load(k_desc, [desc_batch, kv_head, key_row, 0], k_ready.index(stage),
+                                                k_smem.index(stage))
             mbarrier.wait(v_empty.index(stage), free_phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
             tma.async_load(v_desc, [desc_batch, kv_head, key_row, 0], v_ready.index(stage),
@@ -99,17 +115,46 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale,
+def _bias_tile(bias_ring, stage, bias_plane, bias_args, offs_m, start_n, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr,
+               BIAS_TMA: gl.constexpr, s_layout: gl.constexpr):
+    """This consumer's bias tile for the key tile at `start_n`, float32 in the score layout, times `bias_log2`
+    (bias_args; see _softmax_tile). BIAS_TMA: from the stage's shared-memory buffer (the producer's TMA copy,
+    landed with K); else masked loads at `bias_plane` (the (batch, head) plane's address) with the query and key
+    strides, which may be 0 where the bias broadcasts."""
+    stride_m, stride_n, bias_log2 = bias_args
+    if BIAS_TMA:
+        ROWS: gl.constexpr = bias_ring.shape[3]
+        bias = bias_ring.index(stage).reshape([ROWS, BLOCK_N]).load(s_layout)
+    else:
+        key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        row_ptrs = gl.expand_dims(bias_plane + offs_m.to(gl.int64) * stride_m, 1)  # 64-bit: Lq·Lk may pass 2**31
+        inside = gl.expand_dims(offs_m < seqlen_q, 1) & gl.expand_dims(key_pos < seqlen_k, 0)
+        bias = gl.load(row_ptrs + gl.expand_dims(key_pos * stride_n, 0), mask=inside, other=0.0)
+    return bias.to(gl.float32) * bias_log2
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free, bias_ring, stage, bias_args,
                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, s_layout: gl.constexpr):
-    """Score modifiers (softcap, ALiBi: mask.score_to_log2), the mask (boundary tiles only: mask.visible), then fold
-    the raw scores s of the item's j-th key tile into the running max m and sum l.
+                  SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
+                  s_layout: gl.constexpr):
+    """Release K's ring stage (`k_free`), then score modifiers (softcap, ALiBi: mask.score_to_log2; the bias), the
+    mask (boundary tiles only: mask.visible), then fold the raw scores s of the item's j-th key tile into the
+    running max m and sum l.
+
+    The bias is added in the units s is in at that point, so the max and exp2 below stay as without it: log2
+    units after ALiBi (bias_log2 = log2 e), else the raw (or tanh'd) product that the exp2's FMA multiplies by
+    qk_scale (bias_log2 = log2 e / qk_scale). Read before the stage is released: the TMA copy shares K's stage.
 
     Returns p = exp2(score − m_new) (unnormalised probabilities), m_new, l_new, alpha = exp2(m_old − m_new).
     """
-    key_start, full_start, full_end, seqlen_k, diagonal, alibi_slope_log2 = tile_mask
+    key_start, full_start, full_end, seqlen_k, diagonal, alibi_slope_log2, bias_plane, seqlen_q = tile_mask
     window_left, window_right, softcap_scale = mask_args
     start_n = key_start + j * BLOCK_N
+    if HAS_BIAS:
+        bias = _bias_tile(bias_ring, stage, bias_plane, bias_args, offs_m, start_n, seqlen_q, seqlen_k, BLOCK_N,
+                          BIAS_TMA, s_layout)
+    mbarrier.arrive(k_free, count=1)
     if SOFTCAP:  # s becomes t = tanh(s·scale/c); its multiplier c·log2e is folded into the FMAs below
         _, s = score_to_log2(s, 0, 0, 0, qk_scale, softcap_scale, 0.0, SOFTCAP, False, True)
     if ALIBI:  # scores in log2 units: t (or s)·multiplier minus the distance term
@@ -117,6 +162,8 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale,
         key_pos_f = (start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))).to(gl.float32)
         s, _ = score_to_log2(s, gl.expand_dims(offs_m.to(gl.float32), 1), gl.expand_dims(key_pos_f, 0),
                              diagonal.to(gl.float32), qk_scale, 1.0, alibi_slope_log2, False, ALIBI)
+    if HAS_BIAS:
+        s = s + bias
     masked = start_n + BLOCK_N > full_end  # only tiles at the window's edges and the ragged end pay for the mask
     if MASK_LEFT:
         masked = masked | (start_n < full_start)
@@ -145,13 +192,14 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale,
 
 @gluon.jit
 def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, mask_args, alibi_args,
-                   varlen_args, CONSUMER: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   varlen_args, bias_ptr_args, CONSUMER: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                    CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, ALIBI: gl.constexpr,
-                   VARLEN: gl.constexpr):
+                   VARLEN: gl.constexpr, BIAS_LOADS: gl.constexpr):
     """This consumer's share of the CTA's item-th work item: (its rows: TMA batch coordinate, query head, first row,
     the sequence's first Q row, Lq), the key tiles the CTA streams, the key tiles this consumer multiplies, and
     what its masks need: (first key of the CTA's tiles, start and end of the keys it sees unmasked, Lk, Lk - Lq,
-    ALiBi slope · log2 e)."""
+    ALiBi slope · log2 e, the address of the item's bias plane where the consumer loads the bias (BIAS_LOADS;
+    bias_ptr_args: base, batch and head strides) else None, Lq)."""
     batch, desc_batch, q_head, _, cta_start_m, q_row0, _, item_seqlen_q, item_seqlen_k = item_rows(
         item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, varlen_args, 2 * ROWS, CAUSAL,
         VARLEN)
@@ -178,8 +226,14 @@ def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_
         alibi_slope_log2 = gl.load(ALIBI_SLOPES + batch * alibi_stride_b + q_head * alibi_stride_h) * LOG2_E
     else:
         alibi_slope_log2 = 0.0
+    if BIAS_LOADS:
+        bias_base, bias_stride_b, bias_stride_h = bias_ptr_args
+        bias_plane = bias_base + batch.to(gl.int64) * bias_stride_b + q_head.to(gl.int64) * bias_stride_h
+    else:
+        bias_plane = 0  # unused
     rows = (desc_batch, q_head, start_m, q_row0, item_seqlen_q)
-    tile_mask = (key_start, full_start, full_end, item_seqlen_k, item_seqlen_k - item_seqlen_q, alibi_slope_log2)
+    tile_mask = (key_start, full_start, full_end, item_seqlen_k, item_seqlen_k - item_seqlen_q, alibi_slope_log2,
+                 bias_plane, item_seqlen_q)
     return rows, cta_tiles, num_tiles, tile_mask
 
 
@@ -196,9 +250,10 @@ def _issue_first_scores(q_tile, q_ready, q_phase, k_smem, k_ready, ring, s_zero,
 
 @gluon.jit
 def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring, num_tiles, p, m_i, l_i, alpha,
-               o_acc, s_zero, offs_m, tile_mask, mask_args, qk_scale,
+               o_acc, s_zero, offs_m, tile_mask, mask_args, qk_scale, bias_ring, bias_args,
                BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+               HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
                s_layout: gl.constexpr, o_rows: gl.constexpr, p_layout: gl.constexpr):
     """Key tiles 1..num_tiles-1 of a work item whose tile 0 is in (p, m_i, l_i, alpha); see the module docstring.
     Returns the state after the last tile's softmax (its P·V is left to the caller)."""
@@ -213,9 +268,9 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         p_op = gl.convert_layout(p.to(q_tile.dtype), p_layout)
         o_acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
-        mbarrier.arrive(k_empty.index(stage), count=1)
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, BLOCK_N, CAUSAL,
-                                           MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, s_layout)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale,
+                                           k_empty.index(stage), bias_ring, stage, bias_args, BLOCK_N, CAUSAL,
+                                           MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA, s_layout)
         o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
     return p, m_i, l_i, alpha, o_acc
@@ -286,12 +341,12 @@ def _tma_store_rows(out, o_desc, o_smem, o_smem_free, coords, ROWS: gl.constexpr
 @gluon.jit
 def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
                         num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
-                        mask_args, alibi_args, varlen_args,
+                        mask_args, alibi_args, varlen_args, bias_ring, bias_ptr_args, bias_args,
                         CONSUMER: gl.constexpr, ROWS: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
                         CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
                         MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                        ALIBI: gl.constexpr, VARLEN: gl.constexpr):
+                        ALIBI: gl.constexpr, VARLEN: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr):
     """One consumer warpgroup: its `ROWS`-row half of every work item the CTA owns, in the producer's order.
 
     With CROSS_ITEM the items overlap: the next item's S_0 = Q·K_0ᵀ is issued before the current item's last P·V,
@@ -300,8 +355,12 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     this consumer's last P·V completes: K_0 reuses the ring stage of tile `last + 1 + unused - NUM_STAGES`, which
     is released already unless NUM_STAGES <= 1 + unused (unused: tiles only the other consumer needs, at most one
     and only with a right bound: causal or a window), hence tiles.sm90_cross_item_safe (no right bound, or three
-    stages)."""
+    stages).
+
+    HAS_BIAS: `bias_ring` is this consumer's ring of bias tiles (BIAS_TMA) or None, `bias_ptr_args` what it loads
+    the bias through otherwise, `bias_args` what both need (see _consumer_item, _bias_tile)."""
     num_warps: gl.constexpr = 4
+    BIAS_LOADS: gl.constexpr = HAS_BIAS and not BIAS_TMA
     # wgmma layouts: warps stacked along the rows (16 rows each); instruction N = the full tile width.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -321,30 +380,33 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     ring = 0  # ring position of the current item's first K/V tile
     rows, cta_tiles, num_tiles, tile_mask = _consumer_item(
         0, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, mask_args, alibi_args, varlen_args,
-        CONSUMER, ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, ALIBI, VARLEN)
+        bias_ptr_args, CONSUMER, ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, ALIBI, VARLEN, BIAS_LOADS)
     q_buf = CONSUMER * Q_BUFFERS
     s = _issue_first_scores(q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), q_ready.index(q_buf), 0, k_smem,
                             k_ready, ring, s_zero, BLOCK_N, BLOCK_D, NUM_STAGES)
     s = warpgroup_mma_wait(0, deps=(s,))
-    mbarrier.arrive(k_empty.index(ring % NUM_STAGES), count=1)
     offs_m = rows[2] + gl.arange(0, ROWS, layout=s_rows)
-    p, m_i, l_i, alpha = _softmax_tile(s, m_init, l_init, 0, offs_m, tile_mask, mask_args, qk_scale, BLOCK_N, CAUSAL,
-                                       MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, s_layout)
+    p, m_i, l_i, alpha = _softmax_tile(s, m_init, l_init, 0, offs_m, tile_mask, mask_args, qk_scale,
+                                       k_empty.index(ring % NUM_STAGES), bias_ring, ring % NUM_STAGES, bias_args,
+                                       BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA,
+                                       s_layout)
     o_acc = o_zero
 
     for item in range(num_items - 1):
         q_buf = CONSUMER * Q_BUFFERS + item % Q_BUFFERS
         p, m_i, l_i, alpha, o_acc = _key_tiles(
             q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
-            num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, qk_scale,
-            BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, s_layout, o_rows, p_layout)
+            num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, qk_scale, bias_ring, bias_args,
+            BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA, s_layout,
+            o_rows, p_layout)
         last = ring + num_tiles - 1
         next_ring = ring + cta_tiles
         next_buf = CONSUMER * Q_BUFFERS + (item + 1) % Q_BUFFERS
         next_q = q_smems.index(next_buf).reshape([ROWS, BLOCK_D])
         n_rows, n_cta_tiles, n_num_tiles, n_tile_mask = _consumer_item(
             item + 1, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, mask_args, alibi_args,
-            varlen_args, CONSUMER, ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, ALIBI, VARLEN)
+            varlen_args, bias_ptr_args, CONSUMER, ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, ALIBI, VARLEN,
+            BIAS_LOADS)
         n_offs_m = n_rows[2] + gl.arange(0, ROWS, layout=s_rows)
         if CROSS_ITEM:
             s = _issue_first_scores(next_q, q_ready.index(next_buf), ((item + 1) // Q_BUFFERS) & 1, k_smem, k_ready,
@@ -352,9 +414,10 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
                                          p_layout)
             s = warpgroup_mma_wait(1, deps=(s,))  # the next item's S_0 is done; this item's last P·V may still run
-            mbarrier.arrive(k_empty.index(next_ring % NUM_STAGES), count=1)
-            p, m_next, l_next, alpha = _softmax_tile(s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, qk_scale,
-                                                     BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, s_layout)
+            p, m_next, l_next, alpha = _softmax_tile(
+                s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, qk_scale, k_empty.index(next_ring % NUM_STAGES),
+                bias_ring, next_ring % NUM_STAGES, bias_args, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                HAS_BIAS, BIAS_TMA, s_layout)
             o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
@@ -371,9 +434,10 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             s = _issue_first_scores(next_q, q_ready.index(next_buf), ((item + 1) // Q_BUFFERS) & 1, k_smem, k_ready,
                                     next_ring, s_zero, BLOCK_N, BLOCK_D, NUM_STAGES)
             s = warpgroup_mma_wait(0, deps=(s,))
-            mbarrier.arrive(k_empty.index(next_ring % NUM_STAGES), count=1)
-            p, m_next, l_next, alpha = _softmax_tile(s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, qk_scale,
-                                                     BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, s_layout)
+            p, m_next, l_next, alpha = _softmax_tile(
+                s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, qk_scale, k_empty.index(next_ring % NUM_STAGES),
+                bias_ring, next_ring % NUM_STAGES, bias_args, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                HAS_BIAS, BIAS_TMA, s_layout)
         m_i, l_i, o_acc = m_next, l_next, o_zero
         rows, cta_tiles, num_tiles, tile_mask = n_rows, n_cta_tiles, n_num_tiles, n_tile_mask
         offs_m = n_offs_m
@@ -383,8 +447,9 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     q_buf = CONSUMER * Q_BUFFERS + (num_items - 1) % Q_BUFFERS
     p, m_i, l_i, alpha, o_acc = _key_tiles(
         q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
-        num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, qk_scale,
-        BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, s_layout, o_rows, p_layout)
+        num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, qk_scale, bias_ring, bias_args,
+        BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA, s_layout,
+        o_rows, p_layout)
     last = ring + num_tiles - 1
     o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
                                  p_layout)
@@ -401,10 +466,12 @@ def attention_forward_sm90_kernel(
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, num_m_tiles, num_work,
     window_left, window_right, softcap_scale, ALIBI_SLOPES, alibi_stride_b, alibi_stride_h,
     CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, num_seqs, O, stride_oh, stride_om, head_dim,
+    bias_desc, BIAS, bias_stride_b, bias_stride_h, bias_stride_m, bias_stride_n, bias_log2,
     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
     MASK_LEFT: gl.constexpr = False, MASK_RIGHT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
-    ALIBI: gl.constexpr = False, VARLEN: gl.constexpr = False,
+    ALIBI: gl.constexpr = False, VARLEN: gl.constexpr = False, HAS_BIAS: gl.constexpr = False,
+    BIAS_TMA: gl.constexpr = False,
 ):
     """Persistent: the CTAs share the num_work = B·Hq·num_m_tiles work items in rounds (see work_items.work_tile).
 
@@ -414,6 +481,9 @@ def attention_forward_sm90_kernel(
     total, D) views of packed tensors, sequences delimited by CU_SEQLENS_Q/K (num_seqs of them); TILE_OFFSETS
     numbers their query tiles (varlen_tile_offsets); num_work is read from it; O (base of o, with its head and row
     strides and head_dim) takes each sequence's ragged last rows; LSE is (H, total_q) and seqlen_q = total_q.
+    HAS_BIAS: an additive bias, times bias_log2 (see _softmax_tile), read by TMA through bias_desc (BIAS_TMA: boxes
+    of 64 query rows x BLOCK_N keys; bias_stride_b/h are the batch and head steps of its coordinate, 0 where it
+    broadcasts) or by the consumers' masked loads from BIAS with the four element strides (0 where it broadcasts).
     Arguments a call does not use are None (constexpr: a plain call compiles to the plain kernel)."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]  # rows per consumer
@@ -421,6 +491,8 @@ def attention_forward_sm90_kernel(
         num_work = num_q_heads * gl.load(TILE_OFFSETS + num_seqs)
     mask_args = (window_left, window_right, softcap_scale)
     alibi_args = (ALIBI_SLOPES, alibi_stride_b, alibi_stride_h)
+    bias_ptr_args = (BIAS, bias_stride_b, bias_stride_h)
+    bias_args = (bias_stride_m, bias_stride_n, bias_log2)
     varlen_args = VarlenArgs(CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, num_seqs, O, stride_oh, stride_om, head_dim)
 
     # Q: one buffer per consumer, or two (Q_BUFFERS=2) so the next item's Q loads while this item runs
@@ -441,24 +513,33 @@ def attention_forward_sm90_kernel(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
         mbarrier.init(v_empty.index(i), count=2)
+    if BIAS_TMA:  # one ring per consumer: the bias tiles of its rows, a stage beside each K stage
+        bias_upper = gl.allocate_shared_memory(bias_desc.dtype, [NUM_STAGES] + bias_desc.block_type.shape,
+                                               bias_desc.layout)
+        bias_lower = gl.allocate_shared_memory(bias_desc.dtype, [NUM_STAGES] + bias_desc.block_type.shape,
+                                               bias_desc.layout)
+    else:
+        bias_upper: gl.constexpr = None
+        bias_lower: gl.constexpr = None
 
     upper: gl.constexpr = 0
     lower: gl.constexpr = 1
     gl.warp_specialize([
         (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
                                num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
-                               mask_args, alibi_args, varlen_args,
+                               mask_args, alibi_args, varlen_args, bias_upper, bias_ptr_args, bias_args,
                                upper, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM,
-                               MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN)),
+                               MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS, BIAS_TMA)),
         (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
                                num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
-                               mask_args, alibi_args, varlen_args,
+                               mask_args, alibi_args, varlen_args, bias_lower, bias_ptr_args, bias_args,
                                lower, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM,
-                               MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN)),
+                               MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS, BIAS_TMA)),
         (_producer, (q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                      k_empty, v_empty, num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k,
-                     window_left, window_right, varlen_args, NUM_STAGES, BLOCK_N, CAUSAL, Q_BUFFERS,
-                     MASK_LEFT, MASK_RIGHT, VARLEN)),
+                     window_left, window_right, varlen_args, bias_desc, bias_upper, bias_lower, bias_stride_b,
+                     bias_stride_h, NUM_STAGES, BLOCK_N, CAUSAL, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN,
+                     BIAS_TMA)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -484,8 +565,26 @@ def _mask_launch_args(mask: MaskSpec, softmax_scale: float) -> tuple[dict, dict]
     return scalars, constexprs
 
 
+def _bias_launch_args(bias, q, k, block_n: int, qk_scale: float, alibi: bool, bias_tma: bool) -> tuple:
+    """The kernel's bias arguments `(bias_desc, BIAS, bias_stride_b, bias_stride_h, bias_stride_m, bias_stride_n,
+    bias_log2)`: a TMA descriptor over `layout.bias_tma_view` with its coordinate steps (bias_tma), or the bias's
+    strides over the full (B, H, Lq, Lk) problem, 0 where it broadcasts. bias_log2: see _softmax_tile."""
+    if bias is None:
+        return (None,) * 7
+    bias_log2 = LOG2_E.value if alibi else LOG2_E.value / qk_scale
+    if bias_tma:
+        tma_view = bias_tma_view(bias, q.shape[2], k.shape[2])
+        if tma_view is None:
+            raise ValueError(f"bias_tma needs a bias TMA can read (layout.bias_tma_view), got shape "
+                             f"{tuple(bias.shape)}, strides {bias.stride()}")
+        view, step_b, step_h = tma_view
+        return descriptor(view, CONSUMER_ROWS, block_n), None, step_b, step_h, None, None, bias_log2
+    strides = bias_strides(bias, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+    return None, bias, *strides, bias_log2
+
+
 def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers, cross_item, mask=None,
-                 alibi_slopes=None, varlen=None):
+                 alibi_slopes=None, varlen=None, attn_bias=None, bias_tma=False):
     """(grid, positional args, constexprs) of one launch; see attention_forward_sm90."""
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     if mask is None:
@@ -520,30 +619,40 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
         num_m_tiles, num_work = None, None
         varlen_args = (varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.tile_offsets, varlen.cu_seqlens_q.shape[0] - 1,
                        out, out.stride(1), out.stride(2), head_dim)
+    if attn_bias is not None and varlen is not None:
+        raise ValueError("attn_bias is not taken with a packed (varlen) batch")
+    bias_args = _bias_launch_args(attn_bias, q, k, tiles.block_n, scalars["qk_scale"], alibi_slopes is not None,
+                                  bias_tma)
     work_bound = num_q_heads * ((seqlen_q + BLOCK_M - 1) // BLOCK_M) if varlen is not None else num_work
     grid = (max(1, work_bound if num_ctas is None else min(num_ctas, work_bound)),)
     args = (*_tensor_args(tiles.block_n, block_d, q, k, v, out, lse), num_q_heads, num_q_heads // k.shape[1],
             seqlen_q, k.shape[2], scalars["qk_scale"], num_m_tiles, num_work,
-            scalars["window_left"], scalars["window_right"], scalars["softcap_scale"], *alibi, *varlen_args)
+            scalars["window_left"], scalars["window_right"], scalars["softcap_scale"], *alibi, *varlen_args,
+            *bias_args)
     constexprs = dict(BLOCK_N=tiles.block_n, BLOCK_D=block_d, NUM_STAGES=tiles.num_stages,
                       CAUSAL=mask_constexprs["CAUSAL"], Q_BUFFERS=q_buffers, CROSS_ITEM=cross_item)
     constexprs.update(MASK_LEFT=mask_constexprs["MASK_LEFT"], MASK_RIGHT=mask_constexprs["MASK_RIGHT"],
                       SOFTCAP=mask_constexprs["SOFTCAP"], ALIBI=alibi_slopes is not None, VARLEN=varlen is not None)
+    constexprs.update(HAS_BIAS=attn_bias is not None, BIAS_TMA=attn_bias is not None and bias_tma)
     return grid, args, constexprs
 
 
 def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles, num_ctas: int | None = None,
                            q_buffers: int = 1, cross_item: bool = False, *, mask: MaskSpec | None = None,
-                           alibi_slopes: torch.Tensor | None = None, varlen: VarlenBatch | None = None):
+                           alibi_slopes: torch.Tensor | None = None, varlen: VarlenBatch | None = None,
+                           attn_bias: torch.Tensor | None = None, bias_tma: bool = False):
     """Launch on checked 4-D bf16/fp16 tensors with TMA-compatible strides (see layout.tma_compatible).
 
     `num_ctas`: how many CTAs share the work items (one per SM: persistent); None launches one per query tile.
     `q_buffers`: Q buffers per consumer (tiles.sm90_q_buffers); 2 lets a persistent CTA load the next item's Q
     during the current item. `cross_item`: overlap consecutive work items (see _attention_consumer); needs
     `tiles.sm90_cross_item_safe`. `mask`: window and softcap (default: `causal` alone). `alibi_slopes`: float32
-    (H,) or (B, H). `varlen`: q/k/v/out are (1, H, total, D) views of packed tensors and lse is (H, total_q)."""
+    (H,) or (B, H). `varlen`: q/k/v/out are (1, H, total, D) views of packed tensors and lse is (H, total_q).
+    `attn_bias`: `features.CallFeatures.attn_bias` (B or 1, H or 1, Lq or 1, Lk or 1), any float dtype and strides;
+    `bias_tma`: the producer loads it by TMA (`layout.bias_tma_view` must hold and its ring fit the shared memory:
+    tiles.sm90_bias_tiles), else the consumers load it."""
     grid, args, constexprs = _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers,
-                                          cross_item, mask, alibi_slopes, varlen)
+                                          cross_item, mask, alibi_slopes, varlen, attn_bias, bias_tma)
     return attention_forward_sm90_kernel[grid](*args, **constexprs, **LAUNCH_OPTIONS)
 
 
@@ -573,11 +682,14 @@ def prepare_forward(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles
 
 def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = None, q_buffers: int = 1,
                     cross_item: bool = False, dtype: torch.dtype = torch.bfloat16, *, mask: MaskSpec | None = None,
-                    alibi: bool = False, varlen: bool = False):
+                    alibi: bool = False, varlen: bool = False, bias: str | None = None,
+                    bias_dtype: torch.dtype | None = None):
     """The kernel built for sm_90 without a GPU (meta tensors; ptxas ships with triton), specialised as a launch of
     (2, 4, 256, head_dim) tensors with these tiles would specialise it (varlen: a (1, 4, 512, head_dim) packed
     batch); `mask` (default: `causal` alone), ALiBi slopes and varlen as attention_forward_sm90 takes them, the
-    arguments a call leaves None as constexprs. Returns the CompiledKernel (registers, shared memory, SASS)."""
+    arguments a call leaves None as constexprs. `bias`: "tma" (a (1, 4, 256, 256) bias the producer loads) or
+    "loads" (a (2, 1, 1, 256) one the consumers load), of `bias_dtype` (default: dtype). Returns the
+    CompiledKernel (registers, shared memory, SASS)."""
     from flashmoe_science.gluon.sm90 import compile_offline as build
 
     mask = mask or MaskSpec(causal=causal, window_right=0 if causal else -1)
@@ -587,8 +699,12 @@ def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = N
     slopes = torch.empty(4, device="meta") if alibi else None
     cu_seqlens = torch.empty(3, dtype=torch.int32, device="meta")
     batch_info = VarlenBatch(cu_seqlens, cu_seqlens, cu_seqlens) if varlen else None
+    attn_bias = None
+    if bias is not None:
+        shape = (1, 4, rows, rows) if bias == "tma" else (batch, 1, 1, rows)
+        attn_bias = torch.empty(shape, dtype=bias_dtype or dtype, device="meta")
     _, args, constexprs = _launch_args(q, q, q, q, lse, mask.causal, 0.1, tiles, num_ctas, q_buffers, cross_item,
-                                       mask, slopes, batch_info)
+                                       mask, slopes, batch_info, attn_bias, bias == "tma")
     kernel = attention_forward_sm90_kernel
     unused = {name: None for name, value in zip(kernel.arg_names, args) if value is None}
     return build(kernel, list(args) + [constexprs[name] for name in kernel.arg_names[len(args):]],

@@ -10,6 +10,7 @@ an H200 (docs/perf-notes.md).
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 from flashmoe_science.attention.tiles import AttentionTiles, padded_head_dim
 from flashmoe_science.device import DeviceTraits
@@ -60,24 +61,43 @@ def sm90_forward_tiles(head_dim: int, causal: bool, seqlen_q: int) -> AttentionT
     return _sm90_tiles(padded_head_dim(head_dim), causal, causal and seqlen_q <= SM90_SHORT_CAUSAL_LEN)
 
 
-def sm90_smem_bytes(tiles: AttentionTiles, head_dim: int, q_buffers: int, elem_bytes: int = 2) -> int:
-    """Shared memory of one sm_90 CTA: `q_buffers` Q tiles of block_m rows, the K/V ring, and a kilobyte for the
-    barriers and alignment (the Gluon kernel allocates everything explicitly: no compiler scratch)."""
+def sm90_smem_bytes(tiles: AttentionTiles, head_dim: int, q_buffers: int, elem_bytes: int = 2,
+                    bias_bytes: int = 0) -> int:
+    """Shared memory of one sm_90 CTA: `q_buffers` Q tiles of block_m rows, the K/V ring, a bias tile per ring
+    stage (`bias_bytes` per element; 0: no bias read by TMA), and a kilobyte for the barriers and alignment (the
+    Gluon kernel allocates everything explicitly: no compiler scratch)."""
     block_d = padded_head_dim(head_dim)
     q_bytes = q_buffers * tiles.block_m * block_d * elem_bytes
     kv_bytes = 2 * tiles.num_stages * tiles.block_n * block_d * elem_bytes
-    return q_bytes + kv_bytes + 1024
+    bias_ring = tiles.num_stages * tiles.block_m * tiles.block_n * bias_bytes
+    return q_bytes + kv_bytes + bias_ring + 1024
 
 
-def sm90_q_buffers(tiles: AttentionTiles, head_dim: int, persistent: bool, traits: DeviceTraits) -> int:
+def sm90_q_buffers(tiles: AttentionTiles, head_dim: int, persistent: bool, traits: DeviceTraits,
+                   bias_bytes: int = 0) -> int:
     """Two Q buffers per consumer when a persistent CTA has the shared memory for them: the producer then loads
     the next work item's Q (and, no longer blocked behind it, its first K/V tiles) while the current item runs.
     Measured on the H200 (docs/perf-notes.md): +3% at L=512 D=128, +1-2.5% at L<=2048, neutral beyond. Where it
     would cost a ring stage (D=128 causal, 3 stages) the trade measured even, so the plan's ring stays; D=256 has
-    no room."""
-    if persistent and sm90_smem_bytes(tiles, head_dim, 2) <= traits.smem_per_block:
+    no room. `bias_bytes`: see sm90_smem_bytes."""
+    if persistent and sm90_smem_bytes(tiles, head_dim, 2, bias_bytes=bias_bytes) <= traits.smem_per_block:
         return 2
     return 1
+
+
+def sm90_bias_tiles(tiles: AttentionTiles, head_dim: int, bias_bytes: int, traits: DeviceTraits
+                    ) -> AttentionTiles | None:
+    """The tiles of a call whose bias the producer loads by TMA (a block_m x block_n tile of `bias_bytes` per
+    element beside each K/V stage): the plan's, with the ring shortened to two stages, then 64-key tiles, until
+    it fits one Q buffer per consumer; None where nothing fits (the consumers then load the bias themselves)."""
+    while sm90_smem_bytes(tiles, head_dim, 1, bias_bytes=bias_bytes) > traits.smem_per_block:
+        if tiles.num_stages > 2:
+            tiles = replace(tiles, num_stages=2)
+        elif tiles.block_n > 64:
+            tiles = replace(tiles, block_n=64)
+        else:
+            return None
+    return tiles
 
 
 def sm90_cross_item_safe(causal: bool, num_stages: int) -> bool:
