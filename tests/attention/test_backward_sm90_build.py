@@ -147,8 +147,10 @@ def test_features_build_for_sm90(case):
                      bwd_dq_sm90.compile_offline(256, features)):
         assert compiled.metadata.shared <= 227 * 1024
     if case in ("window", "alibi", "varlen", "softcap"):
-        # 24 LDL on triton 3.6 (the tuned release); other releases' allocators may spill more (spill_budget)
-        assert len(re.findall(r"\bLDL\b", sass_or_skip(one_pass))) <= spill_budget(24), "spills grew"
+        # 24 LDL on triton 3.6 (the tuned release); the softcap's tanh.approx (inline PTX) 27; other releases'
+        # allocators may spill more (spill_budget)
+        budget = 28 if case == "softcap" else 24
+        assert len(re.findall(r"\bLDL\b", sass_or_skip(one_pass))) <= spill_budget(budget), "spills grew"
 
 
 def test_feature_args_run_plain_calls_as_causal_without_window_flags():

@@ -129,8 +129,14 @@ def _probabilities(s, lse, queries, keys, needs_mask, seqlen_k, diagonal, window
                    softcap_scale, alibi_slope_log2, AXIS: gl.constexpr, CAUSAL: gl.constexpr,
                    MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """(P, t) from the product started by `_score_start`: P = exp2 of mask.score_to_log2's scores minus lse (in
-    log2 units); t is the softcap's tanh, for `_softcap_grad` (unused otherwise). Hidden pairs give P = 0."""
-    x, t = score_to_log2(s, queries, keys, diagonal, qk_scale, softcap_scale, alibi_slope_log2, SOFTCAP, ALIBI)
+    log2 units); t is the softcap's tanh, for `_softcap_grad` (unused otherwise). Hidden pairs give P = 0.
+
+    A softcap takes the forward's tanh.approx (so P matches the forward's lse, and one SFU op per score instead of
+    an exp2 and a division). Its exp2 stays on the SFU: with five products per tile pair instead of the forward's
+    two, two SFU ops per score stay under the tensor-core time, and mask.exp2_fma's temporaries spilled (D=128 LDL
+    18 -> 30)."""
+    x, t = score_to_log2(s, queries, keys, diagonal, qk_scale, softcap_scale, alibi_slope_log2, SOFTCAP, ALIBI,
+                         True)
     if SOFTCAP:
         x = x - gl.expand_dims(lse * LOG2_E, AXIS)
         if needs_mask:
