@@ -14,10 +14,10 @@ can be changed on the command line (``--training.steps 300``, ``--compile.enable
 from __future__ import annotations
 
 from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-from torchtitan.config import OverrideConfig, TrainingConfig
+from torchtitan.config import OverrideConfig, ParallelismConfig, TrainingConfig
 from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.trainer import Trainer
 
@@ -25,14 +25,14 @@ from local_text import VOCAB_SIZE, ByteTokenizer, LocalTextDataLoader
 from titan_models import llama3_spec, qwen3_moe_spec
 
 OURS = "flashmoe_science.integrations.torchtitan."
-FLASH_ATTENTION = [OURS + "flash_attention"]
-FLASH_MOE = [OURS + "flash_attention", OURS + "flash_routed_experts"]
+FLASH_ATTENTION = [OURS + "flash_attention_for_flex"]
+FLASH_MOE = [OURS + "flash_attention_for_flex", OURS + "flash_routed_experts"]
 
 
 def _job(model_spec, *, lr: float, batch: int, seq_len: int, overrides: list[str]) -> Trainer.Config:
     return Trainer.Config(
-        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(
-            global_vocab_size=decoder_vocab_size(model_spec))),
+        # whole logits (a byte vocabulary makes them small); TorchTitan's ChunkedLossWrapper needs torch >= 2.12
+        loss=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec)),
         model_spec=model_spec,
         tokenizer=ByteTokenizer.Config(),
         dataloader=LocalTextDataLoader.Config(),
@@ -40,7 +40,11 @@ def _job(model_spec, *, lr: float, batch: int, seq_len: int, overrides: list[str
         optimizer=default_adamw(lr=lr),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=20, decay_ratio=0.8, decay_type="cosine",
                                                   min_lr_factor=0.1),
-        training=TrainingConfig(local_batch_size=batch, seq_len=seq_len, steps=300),
+        # CUDA graphs off for both kernels: TorchTitan replays one captured step and refuses inputs whose shapes or
+        # host values change, and per-document varlen metadata (ours) changes with every batch
+        training=TrainingConfig(local_batch_size=batch, seq_len=seq_len, steps=300, disable_cuda_graphs=True),
+        # DTensor on the model-parallel axes only: our kernels are opaque to spmd_types' type propagation
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
         checkpoint=CheckpointManager.Config(enable=False),
         override=OverrideConfig(imports=list(overrides)),
         dump_folder="results/torchtitan/outputs",
