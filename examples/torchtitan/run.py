@@ -83,6 +83,15 @@ def main() -> None:
         raise ValueError(f"--gpus and --steps must be >= 1, got {args.gpus} and {args.steps}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    import torch_compat
+
+    torch_compat.install()  # before any TorchTitan import
+    from local_text import LocalTextDataLoader, write_docstring_corpus
+
+    data = LocalTextDataLoader.Config()
+    if not Path(data.dataset_path).exists():  # once here, not in every rank of both runs
+        print(f"writing {data.dataset_path}", flush=True)
+        write_docstring_corpus(Path(data.dataset_path), data.max_chars)
     stem = out / f"{args.model}_{args.gpus}gpu"
     runs = {kind: train(f"{args.model}_{kind}", args.gpus, args.steps, args.extra, Path(f"{stem}_{kind}.log"),
                         args.timeout) for kind in ("titan", "flash")}
