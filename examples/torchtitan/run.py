@@ -22,15 +22,17 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*(-?[\d.]+)GiB.*?tps:\s*([\d,]+)\s+"
-                  r"tflops:\s*([\d.,]+)\s+mfu:\s*([\d.]+)%")
+LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+)\s+grad_norm:\s*([\d.]+).*?memory:\s*(-?[\d.]+)GiB.*?"
+                  r"tps:\s*([\d,]+)\s+tflops:\s*([\d.,]+)\s+mfu:\s*([\d.]+)%")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def train(config: str, gpus: int, steps: int, extra: list[str], log_path: Path, timeout: float | None) -> dict:
-    """One TorchTitan run; its rank-0 rows per step, and whether it finished."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpus}", str(HERE / "train.py"),
-               "--module", "flashmoe_jobs", "--config", config, "--training.steps", str(steps), "--debug.seed", "0",
+def train(config: str, gpus: int, steps: int, extra: list[str], log_path: Path, timeout: float | None, *,
+          launcher: Path = HERE / "train.py", module: str = "flashmoe_jobs") -> dict:
+    """One TorchTitan run (``launcher`` under torchrun, job ``module.config``); its rows per step (TorchTitan's
+    metrics of rank 0) and whether it finished."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+               str(launcher), "--module", module, "--config", config, "--training.steps", str(steps), "--debug.seed", "0",
                "--metrics.log_freq", "1", *extra]
     print(" ".join(command), flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
@@ -50,8 +52,9 @@ def train(config: str, gpus: int, steps: int, extra: list[str], log_path: Path, 
     returncode = proc.returncode
     log = ANSI.sub("", output)
     log_path.write_text(log)
-    rows = [dict(step=int(m[1]), loss=float(m[2]), memory_gib=float(m[3]), tps=int(m[4].replace(",", "")),
-                 tflops=float(m[5].replace(",", "")), mfu=float(m[6])) for m in LINE.finditer(log)]
+    rows = [dict(step=int(m[1]), loss=float(m[2]), grad_norm=float(m[3]), memory_gib=float(m[4]),
+                 tps=int(m[5].replace(",", "")), tflops=float(m[6].replace(",", "")), mfu=float(m[7]))
+            for m in LINE.finditer(log)]
     rows = list({r["step"]: r for r in rows}.values())  # every rank logs; keep one line per step
     if not timed_out and returncode != 0:
         sys.stderr.write(log[-6000:])
@@ -96,7 +99,8 @@ def main() -> None:
     runs = {kind: train(f"{args.model}_{kind}", args.gpus, args.steps, args.extra, Path(f"{stem}_{kind}.log"),
                         args.timeout) for kind in ("titan", "flash")}
     with open(f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["kernels", "step", "loss", "memory_gib", "tps", "tflops", "mfu"])
+        writer = csv.DictWriter(f, fieldnames=["kernels", "step", "loss", "grad_norm", "memory_gib", "tps",
+                                               "tflops", "mfu"])
         writer.writeheader()
         for kind, run in runs.items():
             writer.writerows({"kernels": kind, **r} for r in run["rows"])

@@ -111,6 +111,7 @@ def _apply_fsdp_to_decoder_one_mesh_per_unit(original):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
     from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
+    from torchtitan.tools.logging import logger
 
     def apply_fsdp_to_decoder(model, dp_mesh, param_dtype, reduce_dtype, pp_enabled, cpu_offload=False,
                               reshard_after_forward_policy="default", ep_degree=1, edp_mesh=None,
@@ -140,6 +141,7 @@ def _apply_fsdp_to_decoder_one_mesh_per_unit(original):
                  enable_symm_mem=enable_symm_mem)
         if ep_degree > 1:
             _set_prefetch(model)
+            logger.info("Applied FSDP to the routed experts as their own units on the efsdp mesh (torch_compat)")
 
     return apply_fsdp_to_decoder
 
