@@ -36,7 +36,7 @@ def train(config: str, gpus: int, steps: int, extra: list[str], log_path: Path, 
                "--metrics.log_freq", "1", *extra]
     print(" ".join(command), flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
-    # its own session: a timeout stops torchrun and every worker it started
+    # a process group of its own: a timeout stops torchrun and every worker it started
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:

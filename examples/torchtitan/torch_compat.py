@@ -28,7 +28,7 @@ here only where this torch lacks it (:func:`install`), so on a torch that has th
 5. ``torch.distributed.set_timeout(timeout, group)``, called after the first step to shorten every process group's
    timeout: the same operation is ``distributed_c10d._set_pg_timeout``.
 6. ``torch.compiler._is_non_strict_tracing()``, asked by the token dispatcher before its all-to-alls: a newer torch
-   sets it inside its own non-strict make_fx tracing sessions, which an older torch does not have: False.
+   sets it while its own non-strict make_fx tracing runs, which an older torch does not have: False.
 
 Everything else (model, EP all-to-all, optimizer, loss, gradient clipping over both meshes) is TorchTitan's code.
 """
