@@ -10,6 +10,8 @@ per-document causal masks. Each data-parallel rank reads its own strided share o
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,9 +47,13 @@ class ByteTokenizer(BaseTokenizer):
 def write_docstring_corpus(path: Path, max_chars: int) -> None:
     spec = importlib.util.spec_from_file_location("train_gpt_moe", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, example)  # its dataclasses look their module up there
     spec.loader.exec_module(example)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(example.package_docstrings(["numpy", "torch"], max_chars, progress=False), encoding="utf-8")
+    # every rank of a job may write it: each writes its own file and renames it into place atomically
+    partial = path.with_name(f"{path.name}.{os.getpid()}")
+    partial.write_text(example.package_docstrings(["numpy", "torch"], max_chars, progress=False), encoding="utf-8")
+    os.replace(partial, path)
 
 
 class LocalTextDataLoader(BaseDataLoader):

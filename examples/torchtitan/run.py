@@ -1,11 +1,12 @@
 """Train each model with TorchTitan's default kernels and with ours (same seed, same data) and compare.
 
-    PYTHONPATH=src:examples/torchtitan python examples/torchtitan/run.py --model qwen3_moe --gpus 1 --steps 300
+    PYTHONPATH=src python examples/torchtitan/run.py --model qwen3_moe --gpus 1 --steps 300
 
-Runs ``torchrun --nproc-per-node GPUS -m torchtitan.train --module flashmoe_jobs --config {model}_{titan,flash}``
-(extra TorchTitan flags after ``--``), reads TorchTitan's per-step log lines (loss, memory, tps, tflops, mfu) and
-writes ``results/torchtitan/{model}_{gpus}gpu.csv``, ``.png`` (loss curves) and ``.json`` (final loss, mean tokens/s
-and MFU after the first 10% of steps, peak memory, and ours over TorchTitan's).
+Runs ``torchrun --nproc-per-node GPUS examples/torchtitan/train.py --module flashmoe_jobs --config
+{model}_{titan,flash}`` (extra TorchTitan flags after ``--``), reads TorchTitan's per-step log lines (loss, memory,
+tokens/s, TFLOPS, MFU of rank 0) and writes ``{out}/{model}_{gpus}gpu.csv``, ``.png`` (loss curves), ``.json``
+(final loss, mean tokens/s and MFU after the first 10% of steps, peak memory, ours over TorchTitan's, the torch and
+GPU) and each run's log. A run stopped by ``--timeout`` keeps the steps it logged (``"timed_out": true``).
 """
 
 from __future__ import annotations
@@ -15,33 +16,59 @@ import csv
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
-LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)\s+"
-                  r"tflops:\s*([\d.,]+)\s+mfu:\s*([\d.]+)%")
+HERE = Path(__file__).resolve().parent
+LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+)\s+grad_norm:\s*([\d.]+).*?memory:\s*(-?[\d.]+)GiB.*?"
+                  r"tps:\s*([\d,]+)\s+tflops:\s*([\d.,]+)\s+mfu:\s*([\d.]+)%")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def train(config: str, gpus: int, steps: int, extra: list[str]) -> list[dict]:
-    command = ["torchrun", f"--nproc-per-node={gpus}", "-m", "torchtitan.train", "--module", "flashmoe_jobs",
-               "--config", config, "--training.steps", str(steps), "--debug.seed", "0",
+def train(config: str, gpus: int, steps: int, extra: list[str], log_path: Path, timeout: float | None, *,
+          launcher: Path = HERE / "train.py", module: str = "flashmoe_jobs") -> dict:
+    """One TorchTitan run (``launcher`` under torchrun, job ``module.config``); its rows per step (TorchTitan's
+    metrics of rank 0) and whether it finished."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+               str(launcher), "--module", module, "--config", config, "--training.steps", str(steps), "--debug.seed", "0",
                "--metrics.log_freq", "1", *extra]
     print(" ".join(command), flush=True)
-    proc = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy())
-    log = ANSI.sub("", proc.stdout + proc.stderr)
-    if proc.returncode != 0:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+    # a process group of its own: a timeout stops torchrun and every worker it started
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        output, timed_out = proc.communicate(timeout=timeout)[0], False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # torchrun passes it on to the workers
+        try:
+            output = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output = proc.communicate()[0]
+        timed_out = True
+    returncode = proc.returncode
+    log = ANSI.sub("", output)
+    log_path.write_text(log)
+    rows = [dict(step=int(m[1]), loss=float(m[2]), grad_norm=float(m[3]), memory_gib=float(m[4]),
+                 tps=int(m[5].replace(",", "")), tflops=float(m[6].replace(",", "")), mfu=float(m[7]))
+            for m in LINE.finditer(log)]
+    rows = list({r["step"]: r for r in rows}.values())  # every rank logs; keep one line per step
+    if not timed_out and returncode != 0:
         sys.stderr.write(log[-6000:])
-        raise SystemExit(f"{config} failed (exit {proc.returncode})")
-    rows = [dict(step=int(m[1]), loss=float(m[2]), memory_gib=float(m[3]), tps=int(m[4].replace(",", "")),
-                 tflops=float(m[5].replace(",", "")), mfu=float(m[6])) for m in LINE.finditer(log)]
-    return list({r["step"]: r for r in rows}.values())  # rank 0's line per step
+        raise SystemExit(f"{config} failed (exit {returncode}); log: {log_path}")
+    if not rows:
+        raise SystemExit(f"{config} logged no step before {'its timeout' if timed_out else 'exiting'}; log: {log_path}")
+    return dict(rows=rows, timed_out=timed_out)
 
 
-def summary(rows: list[dict]) -> dict:
-    steady = [r for r in rows if r["step"] > max(1, len(rows) // 10)]
-    return dict(final_loss=rows[-1]["loss"], tokens_per_s=sum(r["tps"] for r in steady) / len(steady),
+def summary(run: dict) -> dict:
+    rows = run["rows"]
+    steady = [r for r in rows if r["step"] > max(1, len(rows) // 10)] or rows
+    return dict(steps=len(rows), timed_out=run["timed_out"], final_loss=rows[-1]["loss"],
+                tokens_per_s=sum(r["tps"] for r in steady) / len(steady),
                 mfu_percent=sum(r["mfu"] for r in steady) / len(steady),
                 peak_memory_gib=max(r["memory_gib"] for r in rows))
 
@@ -51,30 +78,53 @@ def main() -> None:
     parser.add_argument("--model", choices=["llama_100m", "qwen3_moe"], required=True)
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default: none)")
     parser.add_argument("--out", default="results/torchtitan")
     parser.add_argument("extra", nargs="*", help="TorchTitan flags for both runs (after --)")
     args = parser.parse_args()
-    runs = {kind: train(f"{args.model}_{kind}", args.gpus, args.steps, args.extra) for kind in ("titan", "flash")}
+    if args.gpus < 1 or args.steps < 1:
+        raise ValueError(f"--gpus and --steps must be >= 1, got {args.gpus} and {args.steps}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    import torch_compat
+
+    torch_compat.install()  # before any TorchTitan import
+    from local_text import LocalTextDataLoader, write_docstring_corpus
+
+    data = LocalTextDataLoader.Config()
+    if not Path(data.dataset_path).exists():  # once here, not in every rank of both runs
+        print(f"writing {data.dataset_path}", flush=True)
+        write_docstring_corpus(Path(data.dataset_path), data.max_chars)
     stem = out / f"{args.model}_{args.gpus}gpu"
+    runs = {kind: train(f"{args.model}_{kind}", args.gpus, args.steps, args.extra, Path(f"{stem}_{kind}.log"),
+                        args.timeout) for kind in ("titan", "flash")}
     with open(f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["kernels", "step", "loss", "memory_gib", "tps", "tflops", "mfu"])
+        writer = csv.DictWriter(f, fieldnames=["kernels", "step", "loss", "grad_norm", "memory_gib", "tps",
+                                               "tflops", "mfu"])
         writer.writeheader()
-        for kind, rows in runs.items():
-            writer.writerows({"kernels": kind, **r} for r in rows)
-    result = {kind: summary(rows) for kind, rows in runs.items()}
+        for kind, run in runs.items():
+            writer.writerows({"kernels": kind, **r} for r in run["rows"])
+    import torch
+
+    result = {kind: summary(run) for kind, run in runs.items()}
     result["speedup_tokens_per_s"] = result["flash"]["tokens_per_s"] / result["titan"]["tokens_per_s"]
-    result["final_loss_ratio"] = result["flash"]["final_loss"] / result["titan"]["final_loss"]
+    common = min(result["titan"]["steps"], result["flash"]["steps"])
+    result["loss_ratio_at_common_step"] = dict(
+        step=common, ratio=runs["flash"]["rows"][common - 1]["loss"] / runs["titan"]["rows"][common - 1]["loss"])
+    result["setup"] = dict(model=args.model, gpus=args.gpus, steps=args.steps, extra=args.extra,
+                           torch=torch.__version__,
+                           device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
     Path(f"{stem}.json").write_text(json.dumps(result, indent=2))
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
-    for kind, rows in runs.items():
-        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows],
+    for kind, run in runs.items():
+        ax.plot([r["step"] for r in run["rows"]], [r["loss"] for r in run["rows"]],
                 label=f"{kind} ({result[kind]['tokens_per_s']:,.0f} tokens/s)")
-    ax.set(xlabel="step", ylabel="loss", title=f"{args.model}, {args.gpus} GPU(s)")
+    ax.set(xlabel="step", ylabel="loss", title=f"{args.model}, {args.gpus} GPU(s), {result['setup']['device']}")
     ax.legend()
     fig.savefig(f"{stem}.png", dpi=120, bbox_inches="tight")
     print(json.dumps(result, indent=2))

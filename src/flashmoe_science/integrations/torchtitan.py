@@ -27,7 +27,8 @@ three overrides; a job turns them on by name, from the command line or in a conf
 What composes (TorchTitan's own code paths, unchanged):
 - FSDP2 (``fully_shard`` wraps the same parameters; mixed precision hands bf16 weights to our kernels, which run
   in the input's dtype) and HSDP; activation checkpointing (full and selective: our ops are ordinary autograd
-  nodes); ``torch.compile`` per block (``flash_attention_varlen`` and ``fused_experts`` trace as the custom ops
+  nodes; TorchTitan's per-op selective policy saves the outputs of the ops it lists, its own attention and GEMMs,
+  and recomputes ours); ``torch.compile`` per block (``flash_attention_varlen`` and ``fused_experts`` trace as the custom ops
   ``torch.ops.flashmoe_science.*``, registered when ``flashmoe_science`` is imported); expert parallel with the
   ``standard`` all-to-all dispatcher (and any dispatcher that returns rows grouped by local expert); tensor parallel
   of attention heads and of the experts' hidden dimension (each rank's shard is a smaller problem of the same
