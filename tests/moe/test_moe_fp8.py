@@ -24,7 +24,8 @@ from flashmoe_science.moe.fp8 import (BLOCK, FP8, dequantize_fp8, fp8_experts_re
                                       quantize_fp8_weights)
 from flashmoe_science.nn.moe import FusedMoE
 from interpreter_driver import run_under_interpreter
-from fp8_testing import FP8_RMS_BUDGET, assert_matches_emulation, quantized_experts, qwen3_fp8_block, rms_error
+from fp8_testing import (FP8_RMS_BUDGET, assert_matches_emulation, assert_stages_match_emulation, quantized_experts,
+                         qwen3_fp8_block, rms_error)
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # ------------------------------------------------------------------------------------------- quantisers (CPU)
@@ -205,6 +206,37 @@ def test_kernels_match_the_emulation(quantize_in_gather, num_tokens, d_model, d_
     assert_matches_emulation("out", out, emulated)
 
 
+def _gpu_tiles():
+    """The tile families the GPU runs (the interpreter plans 16-row tiles only): 64-row tiles with x quantised
+    first and 256-wide down tiles, the 128-row candidates, 16-row tiles with split-K (even and ragged splits of F)."""
+    from flashmoe_science.moe.tiles import GemmTiles
+    from flashmoe_science.moe.triton_fp8_gemm import Fp8Tiles
+
+    up = GemmTiles(block_n=BLOCK, block_k=BLOCK, num_warps=8, num_stages=3)
+    return {
+        "rows-64-x-first": Fp8Tiles(64, 8, up, GemmTiles(block_n=256, block_k=BLOCK, num_warps=8, num_stages=3), False),
+        "rows-128": Fp8Tiles(128, 8, up, GemmTiles(block_n=128, block_k=BLOCK, num_warps=8, num_stages=4), False),
+        "rows-16-split-3": Fp8Tiles(16, 8, up, GemmTiles(block_n=64, block_k=BLOCK, num_warps=4, num_stages=5,
+                                                         split_k=3), True),
+        "rows-16-split-2": Fp8Tiles(16, 8, up, GemmTiles(block_n=64, block_k=BLOCK, num_warps=4, num_stages=5,
+                                                         split_k=2), True),
+    }
+
+
+@pytest.mark.parametrize("name", ["rows-64-x-first", "rows-128", "rows-16-split-3", "rows-16-split-2"])
+def test_gpu_tiles_match_the_emulation_stage_by_stage(name, monkeypatch):
+    """Each stage (h and its scales, then the down GEMM on that h) and the layer against the emulation, on the
+    tiles the GPU runs: F = 384 splits K evenly in 3 and raggedly in 2."""
+    monkeypatch.setenv("FLASHMOE_SCIENCE_POISON", "1")
+    num_tokens, d_model, d_ff, num_experts, top_k = 70, 256, 384, 3, 2
+    x, _, _, q1, s1, q2, s2 = quantized_experts(num_tokens, d_model, d_ff, num_experts)
+    weights, ids = moe_route(torch.randn(num_tokens, num_experts), top_k)
+    ids[1, 0] = -1
+    out = assert_stages_match_emulation(x, q1, s1, q2, s2, weights, ids, _gpu_tiles()[name], cast=_interpreter_e4m3)
+    emulated = fp8_experts_reference(x.double(), q1, s1, q2, s2, weights, ids, cast=_interpreter_e4m3)
+    assert_matches_emulation("out", out, emulated)
+
+
 def test_front_door_runs_the_kernels_fp16(monkeypatch):
     monkeypatch.setenv("FLASHMOE_SCIENCE_POISON", "1")
     x, _, _, q1, s1, q2, s2 = quantized_experts(9, 256, 128, 4, torch.float16)
@@ -219,7 +251,8 @@ def test_front_door_runs_the_kernels_fp16(monkeypatch):
     assert empty.shape == (0, 256)
 
 
-INTERPRETER_CASES = ("test_kernels_match_the_emulation", "test_front_door_runs_the_kernels_fp16")
+INTERPRETER_CASES = ("test_kernels_match_the_emulation", "test_gpu_tiles_match_the_emulation_stage_by_stage",
+                     "test_front_door_runs_the_kernels_fp16")
 if IN_INTERPRETER:  # the child runs the kernel cases only
     for _name in [n for n in list(globals()) if n.startswith("test_") and n not in INTERPRETER_CASES]:
         del globals()[_name]

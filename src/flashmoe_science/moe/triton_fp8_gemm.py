@@ -15,8 +15,14 @@ launches over the expert-sorted rows:
   ``triton_gemm._down_combine_kernel``.
 
 Register budget: the K block's partial product and the accumulator are both live (two fp32 tiles), so the tiles
-are half the unquantised layer's: 64-row tiles at most (a 64 x (2x128) up tile is 128 registers of fp32 per thread
-at 8 warps).
+are half the unquantised layer's: 64-row tiles by default (a 64 x (2x128) up tile is 64 registers of fp32 per thread
+at 8 warps, twice that with the K step's product); 128-row tiles are candidates of the GPU sweep.
+
+Accuracy: tiles of 16 and 32 rows run mma.sync on e4m3 widened to float16 (exact products, float32 sums); tiles of
+64 rows and more run e4m3 wgmma, whose sums inside a 128-wide K block keep ~13-14 bits (DeepSeek-V3's measurement;
+the block's product then joins the float32 accumulator, scaled, as in DeepGEMM). h's e4m3 rounding turns that
+~1e-3 relative error of gate and up into whole e4m3 steps of a few % of h's elements (tests/moe/fp8_testing.py
+quantifies it), about 1% RMS of the output beside the format's own ~6.4%.
 """
 
 from __future__ import annotations
@@ -312,7 +318,8 @@ def choose_fp8_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int
 def fp8_tile_candidates(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_ff: int, device,
                         x_bytes: int = 2) -> dict[str, Fp8Tiles]:
     """``choose_fp8_tiles``' choice ("default") and the alternatives a GPU sweep times beside it (bench/moe.py,
-    ``run_fp8_tile_sweep``): where x is quantised, deeper pipelines, and narrower down tiles."""
+    ``run_fp8_tile_sweep``): where x is quantised, deeper pipelines, narrower down tiles and, past 48 rows per
+    expert, 128-row tiles."""
     default = choose_fp8_tiles(num_tokens, top_k, num_experts, d_model, d_ff, device, x_bytes)
     limit = smem_limit(device)
     deeper = replace(default, up=replace(default.up, num_stages=default.up.num_stages + 1),
@@ -326,6 +333,14 @@ def fp8_tile_candidates(num_tokens: int, top_k: int, num_experts: int, d_model: 
     if default.block_m >= 64:
         candidates["down-64x128-4warps"] = replace(default, down=GemmTiles(block_n=128, block_k=BLOCK, num_warps=4,
                                                                            num_stages=4))
+        # vLLM's / DeepGEMM's block-FP8 tile: 128 rows, 128-wide K steps scaled into float32 (sm_90 offline builds,
+        # triton 3.9: down 128x128 w8 s4 255 registers, no spills; up 128x(2x128) w8 s3 spills ~100 LDL/STL,
+        # at 16 warps ~200, since the K step's product and the accumulator are two 128x256 float32 tiles)
+        down128 = GemmTiles(block_n=128, block_k=BLOCK, num_warps=8, num_stages=4)
+        candidates["rows-128"] = replace(default, block_m=128, up=replace(default.up, num_warps=8, num_stages=3),
+                                         down=down128)
+        candidates["rows-128-up-16warps"] = replace(default, block_m=128, up=replace(default.up, num_warps=16,
+                                                                                     num_stages=4), down=down128)
     return {name: fit_fp8_tiles(tiles, x_bytes, limit) for name, tiles in candidates.items()}
 
 
@@ -381,22 +396,20 @@ def check_fp8_tiles(tiles: Fp8Tiles) -> None:
                          f"of h), got {tiles.up.block_n}")
 
 
-def fp8_forward(x, w1, w1_scale, w2, w2_scale, weights32, topk_ids, tiles: Fp8Tiles) -> torch.Tensor:
-    """The FP8 experts on checked tensors (weights32 (T, k) contiguous float32): the sort, then (the quantisation
-    of x,) up and down; returns (T, d) in x's dtype."""
+def fp8_up(x, w1, w1_scale, topk_ids, tiles: Fp8Tiles):
+    """The FP8 forward's first stage on checked tensors with T >= 1: the sort, (the quantisation of x,) and the up
+    GEMM. Returns ``(sort, h, h_scale)``: e4m3 ``h (rows, F)`` and its 1x128 scales ``(rows, ceil(F/128))``, one row
+    per sorted (token, slot) pair (``sort.sorted_pair_ids``; padding rows are not written)."""
     check_fp8_tiles(tiles)
     num_tokens, d_model = x.shape
     num_experts, two_d_ff, _ = w1.shape
     d_ff = two_d_ff // 2
-    if num_tokens == 0:
-        return x.new_empty((0, d_model))
     device = x.device
     sort, chunk_counts, chunk_row_base = sort_buffers(num_tokens, topk_ids.shape[1], num_experts, tiles.block_m,
                                                       device)
     num_rows = sort.tile_expert.numel() * tiles.block_m
     h = empty((num_rows, d_ff), FP8, device)
     h_scale = empty((num_rows, triton.cdiv(d_ff, BLOCK)), torch.float32, device)
-    out32 = torch.zeros(x.shape, dtype=torch.float32, device=device)
     launches = list(sort_launches(flat_ids(topk_ids), sort, chunk_counts, chunk_row_base))
     x_in, x_scale = x, None
     if not tiles.quantize_in_gather:
@@ -404,7 +417,23 @@ def fp8_forward(x, w1, w1_scale, w2, w2_scale, weights32, topk_ids, tiles: Fp8Ti
         x_scale = empty((num_tokens, triton.cdiv(d_model, BLOCK)), torch.float32, device)
         launches.append(quantize_groups_launch(x, x_in, x_scale))
     launches.append(up_swiglu_fp8_launch(x_in, x_scale, w1, w1_scale, h, h_scale, sort, tiles))
-    launches.append(down_combine_fp8_launch(h, h_scale, w2, w2_scale, out32, weights32, sort, tiles))
     for launch in launches:
         launch()
-    return out32.to(x.dtype)
+    return sort, h, h_scale
+
+
+def fp8_down(h, h_scale, w2, w2_scale, weights32, sort, tiles: Fp8Tiles, num_tokens: int) -> torch.Tensor:
+    """The second stage: ``out32 (T, d)`` float32, the routing-weighted combine of ``h @ w2[e].T`` per sorted row."""
+    out32 = torch.zeros((num_tokens, w2.shape[1]), dtype=torch.float32, device=h.device)
+    down_combine_fp8_launch(h, h_scale, w2, w2_scale, out32, weights32, sort, tiles)()
+    return out32
+
+
+def fp8_forward(x, w1, w1_scale, w2, w2_scale, weights32, topk_ids, tiles: Fp8Tiles) -> torch.Tensor:
+    """The FP8 experts on checked tensors (weights32 (T, k) contiguous float32): ``fp8_up`` then ``fp8_down``;
+    returns (T, d) in x's dtype."""
+    if x.shape[0] == 0:
+        check_fp8_tiles(tiles)
+        return x.new_empty((0, x.shape[1]))
+    sort, h, h_scale = fp8_up(x, w1, w1_scale, topk_ids, tiles)
+    return fp8_down(h, h_scale, w2, w2_scale, weights32, sort, tiles, x.shape[0]).to(x.dtype)
