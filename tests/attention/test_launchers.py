@@ -374,6 +374,18 @@ def test_hopper_backward_runs_two_passes(head_dim, causal, dtype):
     assert backward_tiles(head_dim, dtype, causal, H200).fused is None
 
 
+@pytest.mark.parametrize("bias_bytes", [2, 4])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_backward_tiles_leave_room_for_a_bias(head_dim, bias_bytes):
+    """An attn_bias's streamed tiles count against the shared memory (a float32 bias at D=128 once asked the dq
+    kernel for 262144 bytes on an H100, past its 232448)."""
+    from flashmoe_science.attention.tiles import backward_smem_bytes, smem_budget
+
+    tiles = backward_tiles(head_dim, torch.bfloat16, True, H200, bias_bytes)
+    for kernel in ("dkdv", "dq"):
+        assert backward_smem_bytes(getattr(tiles, kernel), head_dim, 2, kernel, bias_bytes) <= smem_budget(H200)
+
+
 def test_sm90_launcher_rejects_other_tiles():
     pytest.importorskip("triton.experimental.gluon")
     from flashmoe_science.attention.hopper import fwd_sm90

@@ -282,22 +282,6 @@ def softcap_tanh(x, FAST: tl.constexpr = False):
 
 
 @triton.jit
-def exp2_fma(x):
-    """2^x for x <= 0 (scores minus their running max) on the FMA pipe instead of the SFU: x = j + f with j an
-    integer (rounded by adding 1.5·2^23, whose low mantissa bits then hold j) and f in [-1/2, 1/2]; 2^f by a cubic
-    (least squares on the relative error, below 2.1e-4: bf16's own rounding is 3.9e-3); 2^j added into the exponent
-    bits. 0 below 2^-126 (masked scores, -inf, give exactly 0). With a softcap the SFU already computes one tanh per
-    score, and exp2 there as well saturates it (docs/perf-notes.md)."""
-    y = x + 12582912.0
-    f = x - (y - 12582912.0)
-    p = 0.054848 * f + 0.24180661
-    p = p * f + 0.6932482
-    p = p * f + 0.99998866
-    bits = p.to(tl.int32, bitcast=True) + ((y.to(tl.int32, bitcast=True) - 0x4B400000) << 23)
-    return tl.where(x < -126.0, 0.0, bits.to(tl.float32, bitcast=True))
-
-
-@triton.jit
 def score_to_log2(s, q_pos, k_pos, diagonal, qk_scale, softcap_scale, alibi_slope_log2,
                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FAST_TANH: tl.constexpr = False):
     """Raw products s = q·k -> scores in log2 units (before masking), following `MaskSpec.kernel_args`:

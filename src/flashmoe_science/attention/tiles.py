@@ -139,7 +139,8 @@ class BackwardTiles:
                 "fused": self.fused.as_dict() if self.fused is not None else None}
 
 
-def backward_smem_bytes(tiles: AttentionTiles, head_dim: int, elem_bytes: int, kernel: str) -> int:
+def backward_smem_bytes(tiles: AttentionTiles, head_dim: int, elem_bytes: int, kernel: str,
+                        bias_bytes: int = 0) -> int:
     """Shared memory of one backward kernel ("dkdv", "dq" or "fused"), an estimate for fitting tiles to the budget.
 
     The resident tiles (K and V for "dkdv"/"fused", q and dO for "dq") plus `num_stages` buffered pairs of streamed
@@ -158,19 +159,21 @@ def backward_smem_bytes(tiles: AttentionTiles, head_dim: int, elem_bytes: int, k
         # counting them once gives 196608.
         resident *= 2
     total = 2 * (resident + max(tiles.num_stages, 1) * streamed) * block_d * elem_bytes
+    total += max(tiles.num_stages, 1) * tiles.block_m * tiles.block_n * bias_bytes
     if kernel == "fused":
         total += (2 * tiles.block_m + block_d) * tiles.block_n * elem_bytes
     return total
 
 
 @functools.lru_cache(maxsize=None)
-def backward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: DeviceTraits) -> BackwardTiles:
+def backward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: DeviceTraits,
+                   bias_bytes: int = 0) -> BackwardTiles:
     """The backward kernels' tiles for one call.
 
     ``dkdv`` and ``fused``: each program keeps a ``block_n``-key tile of K, V and their fp32 gradients resident and
     streams ``block_m``-row tiles of q and dO (``num_stages`` deep); ``fused`` also holds a (block_m, D) fp32 dQ
     share per step. ``dq``: each program keeps ``block_m`` rows of q, dO and the fp32 dQ resident and streams
-    ``block_n``-key tiles of K and V.
+    ``block_n``-key tiles of K and V. `bias_bytes`: an attn_bias's element size (its tiles share the budget).
     """
     if traits is INTERPRETER_TRAITS:
         # Small tiles keep the interpreter fast and put diagonal, full and ragged tiles into tiny tests (both paths).
@@ -206,18 +209,18 @@ def backward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: Devi
         dq = replace(dq, block_m=max(16, dq.block_m // 2))
     # No GPU has measured the fused path faster yet (it is exercised by the interpreter tests and direct launches).
     return BackwardTiles(
-        dkdv=_fit_backward_smem(dkdv, head_dim, elem_bytes, "dkdv", traits),
-        dq=_fit_backward_smem(dq, head_dim, elem_bytes, "dq", traits),
+        dkdv=_fit_backward_smem(dkdv, head_dim, elem_bytes, "dkdv", traits, bias_bytes),
+        dq=_fit_backward_smem(dq, head_dim, elem_bytes, "dq", traits, bias_bytes),
         fused=None,
     )
 
 
 def _fit_backward_smem(tiles: AttentionTiles, head_dim: int, elem_bytes: int, kernel: str,
-                       traits: DeviceTraits) -> AttentionTiles:
+                       traits: DeviceTraits, bias_bytes: int = 0) -> AttentionTiles:
     """Fewer stages, then a smaller resident tile, until `kernel` fits the shared-memory budget."""
     budget = smem_budget(traits)
     resident = "block_m" if kernel == "dq" else "block_n"
-    while backward_smem_bytes(tiles, head_dim, elem_bytes, kernel) > budget:
+    while backward_smem_bytes(tiles, head_dim, elem_bytes, kernel, bias_bytes) > budget:
         if tiles.num_stages > 1:
             tiles = replace(tiles, num_stages=tiles.num_stages - 1)
         elif getattr(tiles, resident) > 16:

@@ -132,8 +132,9 @@ class TritonBackward:
 
 def backward_plan(problem) -> TritonBackward:
     """The Triton backward's plan (also what another backend's backward falls back to)."""
-    q = problem.q
-    return TritonBackward(backward_tiles(q.shape[-1], q.dtype, problem.features.causal, device_traits(q.device)))
+    q, bias = problem.q, problem.features.attn_bias
+    return TritonBackward(backward_tiles(q.shape[-1], q.dtype, problem.features.causal, device_traits(q.device),
+                                         0 if bias is None else bias.element_size()))
 
 
 class _TritonAttentionBackward:

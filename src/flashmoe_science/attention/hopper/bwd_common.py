@@ -133,8 +133,8 @@ def _probabilities(s, lse, queries, keys, needs_mask, seqlen_k, diagonal, window
 
     A softcap takes the forward's tanh.approx (so P matches the forward's lse, and one SFU op per score instead of
     an exp2 and a division). Its exp2 stays on the SFU: with five products per tile pair instead of the forward's
-    two, two SFU ops per score stay under the tensor-core time, and mask.exp2_fma's temporaries spilled (D=128 LDL
-    18 -> 30)."""
+    two, two SFU ops per score stay under the tensor-core time (docs/perf-notes.md: an exp2 on the FMA pipe,
+    tried in the forward, measured slower and spilled here)."""
     x, t = score_to_log2(s, queries, keys, diagonal, qk_scale, softcap_scale, alibi_slope_log2, SOFTCAP, ALIBI,
                          True)
     if SOFTCAP:

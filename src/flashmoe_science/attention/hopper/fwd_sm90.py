@@ -44,7 +44,7 @@ from flashmoe_science.attention.hopper.tiles import sm90_cross_item_safe
 from flashmoe_science.attention.hopper.work_items import VarlenArgs, cta_key_tiles, cta_num_items, item_rows
 from flashmoe_science.attention.features import bias_strides
 from flashmoe_science.attention.layout import bias_tma_view, tma_compatible
-from flashmoe_science.attention.mask import (LN_2, LOG2_E, MaskSpec, exp2_fma, key_tile_bounds, key_tile_range, score_to_log2,
+from flashmoe_science.attention.mask import (LN_2, LOG2_E, MaskSpec, key_tile_bounds, key_tile_range, score_to_log2,
                                              visible)
 from flashmoe_science.attention.seqlen import VarlenBatch
 from flashmoe_science.attention.tiles import padded_head_dim
@@ -179,16 +179,12 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
     if ALIBI:  # s is in log2 units already
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-        x = s - gl.expand_dims(m_shift, 1)
+        p = gl.exp2(s - gl.expand_dims(m_shift, 1))
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         # A row that has seen no key keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN.
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-        x = s * qk_scale - gl.expand_dims(m_shift, 1)
-    if SOFTCAP:  # the SFU computed a tanh per score already: this exp2 runs on the FMA pipe (mask.exp2_fma)
-        p = exp2_fma(x)
-    else:
-        p = gl.exp2(x)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_shift, 1))
     alpha = gl.exp2(m_i - m_shift)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_new, alpha
