@@ -46,3 +46,10 @@ def test_suite_flag_matches_the_positional_name():
     parser = cli.build_parser()
     assert parser.parse_args(["bench", "--suite", "decode"]).suite == ["decode"]
     assert parser.parse_args(["bench", "decode"]).what == "decode"
+
+
+def test_chunk_table_ratios():
+    rows = [dict(op="prefill_chunk", Lq=128, L=4096, backend=name, tflops=tflops) for name, tflops in
+            (("flashmoe-chunk", 300.0), ("flashmoe-dense", 400.0), ("sdpa-cudnn", 250.0), ("sdpa-efficient", 100.0))]
+    last = decode_bench.chunk_table(rows).splitlines()[-1].split()
+    assert last[-2:] == ["0.75", "1.20"]  # ours / our dense forward, ours / the best SDPA

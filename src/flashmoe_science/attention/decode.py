@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashmoe_science.attention.checks import check_backend, check_flags
+from flashmoe_science.attention.checks import check_backend, check_flags, check_head_dim
 from flashmoe_science.attention.fp8_format import FP8_MAX
 from flashmoe_science.attention.mask import MaskSpec, make_mask, score_mods
 from flashmoe_science.attention.record import ran
@@ -199,8 +199,7 @@ def _check_query(q, dims):
     if q.dtype not in KERNEL_DTYPES + (torch.float64,):
         raise TypeError(f"q must be bfloat16, float16 or float32 (float64 on the reference), got {q.dtype}")
     head_dim = q.shape[-1]
-    if head_dim % 8 or not 16 <= head_dim <= 256:
-        raise ValueError(f"head dim (last dim of q) must be a multiple of 8 in [16, 256], got {head_dim}")
+    check_head_dim(head_dim)  # any: the kernels pad the head dim to a power of two and mask the loads
     _unit_last_stride("q", q)
     return head_dim
 
@@ -815,7 +814,8 @@ def flash_attention_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=No
     against a KV cache (see the module docstring for the conventions).
 
     Args:
-        q: (B, Lq, Hq, D), Lq >= 1, bf16/fp16/fp32 (float64 on the reference), Hq a multiple of Hkv.
+        q: (B, Lq, Hq, D), Lq >= 1, D in [1, 256], bf16/fp16/fp32 (float64 on the reference), Hq a multiple of
+            Hkv.
         k_cache, v_cache: contiguous (B_cache, Lmax, Hkv, D), or paged (num_blocks, block_size, Hkv, D) with
             ``block_table`` (B, max_blocks) int32, block_size in 16..256; q's dtype, or float8_e4m3fn with
             ``k_scale``/``v_scale`` (float32 (Hkv,) or (1,)). Written in place when k_new is given.
