@@ -15,6 +15,11 @@ arguments. ``check_config`` names any config feature this backend cannot compute
     model = hf.from_config(config)                       # register, check, build, swap the MoE blocks
     model = hf.apply(AutoModelForCausalLM.from_pretrained(name))
 
+Serving: ``model.set_attn_implementation(hf.register_flash())`` (``FLASH_IMPLEMENTATION``) runs transformers' own
+flash-attention path on `integrations.flash_attn_interface`, which is what continuous batching (``generate_batch``,
+``transformers serve``) calls: varlen prefill on packed sequences, and on CUDA the block-table decode on the paged
+cache (``flash_attn_with_kvcache`` -> ``flash_attention_decode``).
+
 transformers has no hook that runs a backend's checks while ``AutoModel.from_config(cfg,
 attn_implementation="fmoe_science")`` builds a model, so a model built that way meets an unsupported feature at
 its first forward (the same ValueError); ``from_config`` and ``apply`` raise it at construction.
