@@ -234,3 +234,15 @@ def test_leftpad_batch_idx_fp8_reference_against_gathered_oracle(lq, num_new):
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_against_cache_reference(paged, causal):
     run_varlen_case(paged, torch.float64, 1e-12, backend="reference", causal=causal)
+
+
+def test_varlen_paged_bad_cu_seqlens_q_is_named():
+    from flashmoe_science import flash_attention_varlen
+
+    q, pool = torch.randn(5, 4, 32), torch.randn(6, 16, 2, 32)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    seqused = torch.tensor([9, 20], dtype=torch.int32)
+    for cu_q in ([0, 3, 6], [0, 4, 2], [1, 2, 5]):
+        with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
+            flash_attention_varlen(q, pool, pool, torch.tensor(cu_q, dtype=torch.int32), None, 4, 20,
+                                   block_table=table, seqused_k=seqused)

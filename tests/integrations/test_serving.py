@@ -92,3 +92,28 @@ def test_generate_batch_matches_transformers_paged_attention():
         ours = generate(model, hf.register_flash(), prompts, **options)
     assert any(kernel.startswith("reference.") for _, _, kernel in ran), ran[:3]  # our varlen call ran
     assert ours == generate(model, "paged|eager", prompts, **options)
+
+
+def test_transformers_padded_batches():
+    """What continuous batching hands over when it pads a batch for a CUDA graph: varlen rows after the last
+    sequence (zeros out; the rest as the unpadded call), and decode padding sequences (cache_seqlens -1, block-table
+    rows of -1: NaN rows, nothing written; the real rows as the unpadded call)."""
+    q, k, v = torch.randn(9, 4, 16), torch.randn(12, 2, 16), torch.randn(12, 2, 16)
+    cu_q, cu_k = torch.tensor([0, 3, 7, 7], dtype=torch.int32), torch.tensor([0, 5, 10, 10], dtype=torch.int32)
+    out = hf._padded_batch_varlen(q, k, v, cu_q, cu_k, 4, 5, causal=True)
+    want = fa.flash_attn_varlen_func(q[:7], k[:10], v[:10], cu_q, cu_k, 4, 5, causal=True)
+    assert torch.equal(out[:7], want) and (out[7:] == 0).all()
+    case = make_case([5, 20, 0], lq=1, hq=4, hkv=2, d=16, block_size=16, capacity=32, num_new=1)
+    case.cache_seqlens[2] = -1
+    case.block_table[2] = -1
+    k_cache = case.k_cache.clone()
+    out = hf._padded_batch_with_kvcache(case.q, k_cache, case.v_cache.clone(), case.k_new, case.v_new,
+                                        cache_seqlens=case.cache_seqlens, block_table=case.block_table)
+    assert torch.isnan(out[2]).all()
+    real = make_case([5, 20], lq=1, hq=4, hkv=2, d=16, block_size=16, capacity=32, num_new=1)
+    real.q, real.k_cache, real.v_cache, real.k_new, real.v_new = (case.q[:2], case.k_cache, case.v_cache,
+                                                                   case.k_new[:2], case.v_new[:2])
+    real.block_table = case.block_table[:2]
+    assert_decode_close(real, out[:2])
+    touched = (k_cache != case.k_cache).flatten(1).any(1).nonzero().flatten().tolist()
+    assert set(touched) <= {int(case.block_table[0, 0]), int(case.block_table[1, 1])}

@@ -327,11 +327,14 @@ def resolve_check_values(check_values, device: torch.device) -> bool:
 
 
 def check_decode_values(problem: DecodeProblem, k_cache, cache_seqlens, block_table, rotary_cos, *,
-                        cache_starts=None, cache_batch_idx=None, rotary_positions: int = 0) -> None:
+                        cache_starts=None, cache_batch_idx=None, rotary_positions: int = 0, cu_seqlens_q=None,
+                        total_q: int = 0) -> None:
     """The value checks, from one device-to-host copy of a few flags (more copies only to name a bad entry).
 
     cache_seqlens: each sequence's end position before the append; cache_starts: its first position (leftpad, or a
-    packed sequence's first key row); rotary_positions: how far past the end the rotary table is read."""
+    packed sequence's first key row); rotary_positions: how far past the end the rotary table is read; cu_seqlens_q
+    (packed queries): starts at 0, never decreases, ends at most at total_q (rows after it are not attended: their
+    output is 0), no sequence longer than the problem's seqlen_q."""
     ends = cache_seqlens.to(torch.int64)
     starts = cache_starts.to(torch.int64) if cache_starts is not None else torch.zeros_like(ends)
     totals = ends + problem.num_new
@@ -347,7 +350,15 @@ def check_decode_values(problem: DecodeProblem, k_cache, cache_seqlens, block_ta
         flags.append(ends + rotary_positions > rotary_cos.shape[0])
     if not ends.numel():
         return
-    found = torch.stack([f.any() for f in flags]).tolist()  # the one synchronisation of a good call
+    queries = torch.zeros((), dtype=torch.bool, device=ends.device)
+    if cu_seqlens_q is not None:
+        lengths = cu_seqlens_q.diff()
+        queries = ((cu_seqlens_q[0] != 0) | (cu_seqlens_q[-1] > total_q) | (lengths < 0).any()
+                   | (lengths > problem.seqlen_q).any())
+    *found, bad_queries = torch.stack([f.any() for f in flags] + [queries]).tolist()  # the one synchronisation
+    if bad_queries:
+        raise ValueError(f"cu_seqlens_q must start at 0, not decrease, end at most at the {total_q} packed queries, "
+                         f"with no sequence longer than max_seqlen_q = {problem.seqlen_q}")
     if not any(found):
         return
     row = lambda f: int(f.nonzero()[0, 0])  # noqa: E731
@@ -608,7 +619,8 @@ def _launch(call: CacheCall, problem: DecodeProblem, tiles: DecodeTiles, splits:
     q, k_cache, v_cache, ends = call.q, call.k_cache, call.v_cache, call.ends
     hq, d = problem.num_q_heads, problem.head_dim
     lq = problem.seqlen_q
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # packed queries: rows after the last sequence are not attended, and read 0
+    out = (torch.zeros if problem.packed_q else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
     if problem.packed_q:  # (total_q, Hq, D) as a batch of one whose rows each sequence indexes from cu_seqlens_q
         lse = torch.empty(hq, q.shape[0], dtype=torch.float32, device=q.device)
         q_strides, o_strides, lse_strides = (0, *q.stride()[:2]), (0, *out.stride()[:2]), (0, lse.stride(0))
@@ -799,7 +811,8 @@ def cache_varlen_call(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, *, cu_seq
     else:
         ends = lengths
     if resolve_check_values(check_values, q.device):
-        check_decode_values(problem, k_cache, ends, block_table, None, cache_starts=starts)
+        check_decode_values(problem, k_cache, ends, block_table, None, cache_starts=starts, cu_seqlens_q=cu_seqlens_q,
+                            total_q=q.shape[0])
     call = CacheCall(q, k_cache, v_cache, ends, starts, None, block_table, cu_seqlens_q, alibi_slopes=alibi_slopes,
                      k_scale=k_scale, v_scale=v_scale)
     return plan_decode(problem, q, num_splits, backend).plan.run(call, problem)

@@ -69,11 +69,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
-                            k_scale=None, v_scale=None, **unsupported):
+                            k_scale=None, v_scale=None, check_values=None, **unsupported):
     """q (B, Lq, Hq, D) against k_cache/v_cache (contiguous (B_cache, Lmax, Hkv, D) or paged with block_table),
     appending k/v (B, L_new, Hkv, D) at cache_seqlens first (in place). cache_seqlens None: the whole contiguous
-    cache. k_scale/v_scale: float32 (Hkv,) scales of float8_e4m3fn caches. Returns out (B, Lq, Hq, D), and the LSE
-    (B, Hq, Lq) with return_softmax_lse."""
+    cache. k_scale/v_scale: float32 (Hkv,) scales of float8_e4m3fn caches; check_values as flash_attention_decode's.
+    Returns out (B, Lq, Hq, D), and the LSE (B, Hq, Lq) with return_softmax_lse."""
     _refuse(0.0, False, unsupported)
     if cache_seqlens is None:
         if block_table is not None:
@@ -86,7 +86,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx,
         cache_leftpad=cache_leftpad, k_scale=k_scale, v_scale=v_scale, causal=causal, softmax_scale=softmax_scale,
         window=tuple(window_size), softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
-        return_lse=bool(return_softmax_lse), num_splits="auto" if num_splits == 0 else num_splits)
+        return_lse=bool(return_softmax_lse), num_splits="auto" if num_splits == 0 else num_splits,
+        check_values=check_values)
     return result
 
 

@@ -80,12 +80,43 @@ def _provide_flash_functions() -> None:
         return
     from flashmoe_science.integrations import flash_attn_interface as fa
 
-    loader._flash_fn, loader._flash_varlen_fn = fa.flash_attn_func, fa.flash_attn_varlen_func
-    loader._flash_with_kvcache_fn = torch.compiler.disable(fa.flash_attn_with_kvcache)
+    loader._flash_fn, loader._flash_varlen_fn = fa.flash_attn_func, _padded_batch_varlen
+    loader._flash_with_kvcache_fn = torch.compiler.disable(_padded_batch_with_kvcache)
     loader._pad_fn, loader._unpad_fn = loader._pad_input, loader._unpad_input
     loader._process_flash_kwargs_fn = loader._lazy_define_process_function(fa.flash_attn_varlen_func)
     loader._process_with_kvcache_kwargs_fn = loader._lazy_define_process_function(fa.flash_attn_with_kvcache)
     loader._loaded_implementation = FLASH_IMPLEMENTATION
+
+
+# Continuous batching pads the batches it captures in CUDA graphs (and runs each once eagerly before capturing it):
+# query and key rows after the last sequence (cu_seqlens[-1] < rows), and in the decode path padding sequences of
+# no tokens (cache_seqlens -1, block-table rows of -1). Their outputs are never read.
+
+
+def _padded_batch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs):
+    """`flash_attn_varlen_func` on the rows the sequences cover: eagerly, one host read of the two totals (trailing
+    padding rows get zeros); while capturing, the packed kernels take the padded tensors as they are (they attend
+    the rows cu_seqlens name and leave the rest; the capture skips the host-side check)."""
+    from flashmoe_science.attention.decode import capturing
+    from flashmoe_science.integrations import flash_attn_interface as fa
+
+    if kwargs.get("block_table") is not None or capturing(q.device):
+        return fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs)
+    total_q, total_k = torch.stack((cu_seqlens_q[-1], cu_seqlens_k[-1])).tolist()
+    if total_q == q.shape[0] and total_k == k.shape[0]:
+        return fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs)
+    out = q.new_zeros(q.shape)
+    out[:total_q] = fa.flash_attn_varlen_func(q[:total_q], k[:total_k], v[:total_k], cu_seqlens_q, cu_seqlens_k,
+                                              *args, **kwargs)
+    return out
+
+
+def _padded_batch_with_kvcache(*args, **kwargs):
+    """`flash_attn_with_kvcache` without the host check: a padding sequence (cache_seqlens -1) gets NaN rows and
+    writes nothing (the kernels' rule for out-of-range values), so the padded batch needs no host read."""
+    from flashmoe_science.integrations import flash_attn_interface as fa
+
+    return fa.flash_attn_with_kvcache(*args, check_values=False, **kwargs)
 
 
 def flash_attention(module, query, key, value, attention_mask, **kwargs):
