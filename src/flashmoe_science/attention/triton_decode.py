@@ -172,8 +172,8 @@ def _append_kernel(
     slot = tl.program_id(2)
     cols = tl.arange(0, BLOCK_D)
     in_row = cols < HEAD_DIM
-    start, end, _, cache_row, bad = _sequence_keys(SEQLENS, STARTS, CACHE_ROWS, batch, num_new, capacity,
-                                                   cache_batch, HAS_STARTS, HAS_CACHE_ROWS)
+    start, end, seqlen_k, cache_row, bad = _sequence_keys(SEQLENS, STARTS, CACHE_ROWS, batch, num_new, capacity,
+                                                          cache_batch, HAS_STARTS, HAS_CACHE_ROWS)
     b64 = batch.to(tl.int64)
     if slot < num_q_heads:
         if ROTARY:
@@ -191,7 +191,7 @@ def _append_kernel(
         table_row = BLOCK_TABLE + b64 * stride_btb
         in_pool = True
         if PAGED:
-            _, in_pool = _page_block(table_row, pos, num_blocks, max_blocks, PAGE_SIZE)
+            page, in_pool = _page_block(table_row, pos, num_blocks, max_blocks, PAGE_SIZE)
         if (token < num_new) & (bad == 0) & in_pool:
             src = K_NEW + b64 * stride_nb + token * stride_nm + head * stride_nh
             if ROTARY:  # rounded to k_new's dtype first: the cache holds (or quantises) what a bf16 k_new would be
