@@ -117,3 +117,19 @@ def test_transformers_padded_batches():
     assert_decode_close(real, out[:2])
     touched = (k_cache != case.k_cache).flatten(1).any(1).nonzero().flatten().tolist()
     assert set(touched) <= {int(case.block_table[0, 0]), int(case.block_table[1, 1])}
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_forward_on_the_flash_implementation_matches_sdpa(padded):
+    """transformers' own flash path outside continuous batching (flash_attn_func; with a padding mask, its unpad
+    and flash_attn_varlen_func): the logits of the real tokens equal sdpa's."""
+    model = _tiny_llama()
+    ids = torch.randint(1, 128, (2, 11))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :4] = 0  # left padding
+    want = model(input_ids=ids, attention_mask=mask).logits
+    model.set_attn_implementation(hf.register_flash())
+    got = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
