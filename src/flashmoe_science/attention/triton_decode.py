@@ -243,10 +243,12 @@ def _attend(acc, l_i, m_i, outside, q, token, slope_log2, key_lo, key_hi,
         v_rows, _ = _cache_rows(cache_row, page, page_ok, key_start + pos, row_ok, block_table_row, num_blocks,
                                 max_blocks, stride_vb, stride_vrow, PAGED, PAGE_SIZE, ONE_PAGE)
         if PAGED:
-            outside += tl.max(tl.where(ok | (pos >= seqlen_k), 0, 1), 0)
-            if ONE_PAGE:
+            if ONE_PAGE:  # one table entry per tile: a scalar test
+                outside += tl.where(page_ok, 0, 1)
                 page, page_ok = _page_block(block_table_row, tl.minimum(start_n + BLOCK_N, key_hi - 1), num_blocks,
                                             max_blocks, PAGE_SIZE)
+            else:
+                outside += tl.max(tl.where(ok | (pos >= seqlen_k), 0, 1), 0)
         k_ptrs = k_head + k_rows[:, None] + cols[None, :]
         v_ptrs = v_head + v_rows[:, None] + cols[None, :]
         if MASKED or BLOCK_D != HEAD_DIM:
