@@ -12,7 +12,7 @@ its TB/s count the e4m3 bytes it reads, half of bf16's).
 
 Prefill chunks (`run_chunk_bench`): Lq = 128 and 512 new tokens appended to a cache of 4k and 32k and attending it
 (bottom-right causal), ours on contiguous and paged caches, against our dense forward on the same shape and SDPA
-(cuDNN, efficient) with a lower-right causal bias on contiguous copies. TFLOP/s count the visible (query, key) pairs.
+(cuDNN, efficient) with a lower-right causal additive bias on contiguous copies. TFLOP/s count the visible (query, key) pairs.
 
 Every call is captured once in a CUDA graph and the graph's replay is timed (triton's do_bench: L2 flushed
 before each replay, median), so host launch overhead is not measured for anyone. Records:
@@ -225,9 +225,8 @@ def decode_table(records: list[dict]) -> str:
 
 def _chunk_contenders(new_tokens: int, length: int, device, dtype) -> dict[str, Callable[[], object]]:
     """A prefill chunk of `new_tokens` appended at length - new_tokens and attending the whole cache."""
-    from torch.nn.attention.bias import causal_lower_right
-
     from flashmoe_science import flash_attention_decode, flash_attention_science
+    from flashmoe_science.attention.mask import make_mask, visibility
     from flashmoe_science.bench.attention import _sdpa_context
 
     q = torch.randn(1, new_tokens, HQ, HEAD_DIM, device=device, dtype=dtype)
@@ -243,7 +242,9 @@ def _chunk_contenders(new_tokens: int, length: int, device, dtype) -> dict[str, 
                                                                  k_new=k_new, v_new=v_new),
         "flashmoe-dense": lambda: flash_attention_science(q_heads, k_heads, v_heads, causal=True),
     }
-    bias = causal_lower_right(new_tokens, length)
+    # an additive bias (0 / -inf), what an SDPA user passes for a chunk: cuDNN and efficient take it, flash does not
+    bias = torch.zeros(new_tokens, length, device=device, dtype=dtype).masked_fill(
+        ~visibility(new_tokens, length, make_mask(True), device), float("-inf"))
     for name in ("sdpa-cudnn", "sdpa-efficient"):
 
         def sdpa(kernel=SDPA_BACKENDS[name]):
