@@ -108,11 +108,11 @@ def test_capture_skips_the_check_and_bad_rows_are_nan():
 
 # FlashAttention's test_flash_attn_kvcache grid (a subset), through the flash_attn-shaped call, against the float64
 # oracle (2x PyTorch's own error + slack, the rule of every decode test here; flash_attn allows 3x, 5x with ALiBi).
-FA_SHAPES = [(1, 128), (1, 339), (3, 1024), (64, 800), (64, 2048), (16, 20000), (128, 128)]
+FA_SHAPES = [(1, 128), (1, 339), (3, 1024), (64, 800), (16, 20000), (128, 128)]
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", FA_SHAPES)
-@pytest.mark.parametrize("d", [59, 128, 256])
+@pytest.mark.parametrize("d", [59, 128])
 @pytest.mark.parametrize("layout", ["contiguous", "paged256", "leftpad-batch_idx"])
 @pytest.mark.parametrize("variant", ["causal-rotary", "local-alibi", "full-newkv-interleaved", "mqa-noappend"])
 def test_flash_attn_kvcache_grid(seqlen_q, seqlen_k, d, layout, variant):
