@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from attention.decode_helpers import assert_decode_close, make_case  # noqa: E402
-from flashmoe_science import flash_attention_decode, flash_attention_science  # noqa: E402
+from flashmoe_science import flash_attention_science  # noqa: E402
 from flashmoe_science.attention.record import recording  # noqa: E402
 from flashmoe_science.integrations import flash_attn_interface as fa  # noqa: E402
 from flashmoe_science.integrations import hf  # noqa: E402

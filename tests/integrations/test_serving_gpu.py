@@ -6,7 +6,6 @@ transformers' own `paged|eager`, and the paged decode kernel is what ran.
 Run on a GPU: `PYTHONPATH=src python -m pytest -q -m gpu tests/integrations/test_serving_gpu.py`."""
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 

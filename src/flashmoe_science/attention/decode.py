@@ -414,8 +414,9 @@ def decode_tiles(problem: DecodeProblem, traits) -> DecodeTiles:
         return DecodeTiles(min(64, max(16, 1 << (rows - 1).bit_length())), 16, 1, 1)
     if rows > DECODE_ROWS:
         tiles = forward_tiles(problem.head_dim, problem.dtype, problem.mask.causal, traits)
-        # Above D=128 the gathered rows' bookkeeping does not fit beside a 64-key tile: the sm_90 build of the
-        # 128x64 tile spilled 136 LDL/STL (triton 3.9, offline), the 128x32 one 0-16 (not timed yet).
+        # Above D=128 the gathered rows' bookkeeping does not fit beside a 64-key tile: the offline build for the
+        # H200 (tests/attention/test_decode_build.py's compile) of the 128x64 tile spilled 136 LDL/STL (triton 3.9),
+        # the 128x32 one 0-16 (not timed yet).
         block_n = min(tiles.block_n, 32) if problem.head_dim > 128 else tiles.block_n
         return DecodeTiles(tiles.block_m, block_n, tiles.num_warps, tiles.num_stages)
     block_n = 64 if problem.head_dim <= 128 else 32

@@ -18,8 +18,6 @@ difference).
 
 from __future__ import annotations
 
-import torch
-
 from flashmoe_science.attention.api import flash_attention_science
 from flashmoe_science.attention.decode import flash_attention_decode
 from flashmoe_science.attention.varlen import flash_attention_varlen
