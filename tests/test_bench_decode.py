@@ -46,3 +46,19 @@ def test_suite_flag_matches_the_positional_name():
     parser = cli.build_parser()
     assert parser.parse_args(["bench", "--suite", "decode"]).suite == ["decode"]
     assert parser.parse_args(["bench", "decode"]).what == "decode"
+
+
+def test_chunk_table_ratios():
+    rows = [dict(op="prefill_chunk", Lq=128, L=4096, backend=name, tflops=tflops) for name, tflops in
+            (("flashmoe-chunk", 300.0), ("flashmoe-dense", 400.0), ("sdpa-cudnn", 250.0), ("sdpa-efficient", 100.0))]
+    last = decode_bench.chunk_table(rows).splitlines()[-1].split()
+    assert last[-2:] == ["0.75", "1.20"]  # ours / our dense forward, ours / the best SDPA
+
+
+def test_chunk_contenders_compute_the_same_attention():
+    """The chunk rows time the same work: ours (contiguous and paged, appending the chunk) and the dense call over
+    the whole cache give one output (the reference, on the CPU)."""
+    calls = decode_bench._chunk_contenders(5, 128, "cpu", torch.float32)
+    dense = calls["flashmoe-dense"]().transpose(1, 2)
+    for name in ("flashmoe-chunk", "flashmoe-chunk-paged64"):
+        torch.testing.assert_close(calls[name](), dense, atol=1e-5, rtol=1e-5)

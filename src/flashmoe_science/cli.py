@@ -276,8 +276,13 @@ def _bench_decode(args: argparse.Namespace) -> int:
     skips: list[str] = []
     with Progress(desc="decode") as progress:
         records = decode_bench.run_decode_bench(progress, skips, contexts, on_case_done=partial)
+    with Progress(desc="prefill chunks") as progress:
+        cases = decode_bench.CHUNK_CASES[:2] if args.quick else decode_bench.CHUNK_CASES
+        records += decode_bench.run_chunk_bench(progress, skips, cases)
     print()
     print(decode_bench.decode_table(records))
+    print()
+    print(decode_bench.chunk_table(records))
     if skips:
         print("\nnot run:\n  " + "\n  ".join(skips))
     _save_and_plot(args, records, partial, decode_bench.plot_decode, "decode")

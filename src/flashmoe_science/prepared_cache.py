@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import weakref
 
+import torch
+
 # Prepared calls kept per cache: ragged workloads make a new signature per length.
 CACHE_MAX = 512
 
@@ -31,7 +33,9 @@ class TensorMemo:
     those very tensors live unwritten: an entry counts only while weak references to its tensors still point at
     them (a freed tensor's id and memory may be reused by the next batch's) and their version counters are
     unchanged (an in-place write bumps `_version`). Inference tensors have no version counter: never remembered.
-    Bounded (`max_entries`; emptied when full)."""
+    Nothing is read or remembered while a CUDA graph is captured: a value computed then is not computed yet (the
+    graph computes it at each replay, from the tensors' contents then), and one from before would be frozen into
+    the graph while the tensors change between replays. Bounded (`max_entries`; emptied when full)."""
 
     __slots__ = ("entries", "max_entries")
 
@@ -41,6 +45,8 @@ class TensorMemo:
 
     def get(self, tensors: tuple, extra=None):
         """The value remembered for these tensors (and `extra`, what else it was derived from), or None."""
+        if _capturing(tensors[0]):
+            return None
         entry = self.entries.get((*map(id, tensors), extra))
         if entry is None:
             return None
@@ -51,9 +57,14 @@ class TensorMemo:
         return value
 
     def put(self, tensors: tuple, extra, value) -> None:
-        if any(t.is_inference() for t in tensors):
+        if any(t.is_inference() for t in tensors) or _capturing(tensors[0]):
             return
         if len(self.entries) >= self.max_entries:
             self.entries.clear()
         self.entries[(*map(id, tensors), extra)] = (tuple(map(weakref.ref, tensors)),
                                                     tuple(t._version for t in tensors), value)
+
+
+def _capturing(t) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (never for CPU tensors)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from decode_helpers import make_case, oracle
+from decode_helpers import make_case, oracle, run_varlen_case
 from flashmoe_science import flash_attention_decode
 from flashmoe_science.attention.decode import DecodeTiles, apply_rotary, check_decode, choose_num_splits
 from helpers import oracle as dense_oracle
@@ -26,12 +26,12 @@ def _gathered(case, k_cache, v_cache, b, lk):
 
 
 @pytest.mark.parametrize("block_size", [None, 16], ids=["contiguous", "paged16"])
-@pytest.mark.parametrize("lq,num_new", [(1, 0), (3, 0), (4, 4), (2, 5)])
+@pytest.mark.parametrize("lq,num_new", [(1, 0), (3, 0), (4, 4), (2, 5), (20, 20), (24, 0)])
 def test_reference_matches_dense_oracle_on_gathered_cache(block_size, lq, num_new):
     """Causal decode = bottom-right causal attention of the new tokens over each row's gathered keys; the append
     writes k_new/v_new at cache_seqlens."""
     case = make_case([0 if num_new else 1, 17, 32, 40], lq=lq, hq=6, hkv=2, d=32, dtype=torch.float64,
-                     block_size=block_size, capacity=48, num_new=num_new)
+                     block_size=block_size, capacity=64, num_new=num_new)
     before_k = case.k_cache.clone()
     out, lse = flash_attention_decode(case.q, case.k_cache, case.v_cache, case.cache_seqlens,
                                       **case.kwargs(return_lse=True))
@@ -128,7 +128,7 @@ def _call(args):
 
 BAD_INPUTS = [
     ("q", lambda a: dict(q=a["q"][:, :, :, :24].contiguous()[..., :16]), "k_cache's head dim"),
-    ("q_tokens", lambda a: dict(q=torch.randn(2, 17, 4, 32)), "1..16 new tokens"),
+    ("q_tokens", lambda a: dict(q=torch.randn(2, 0, 4, 32)), "at least one new token"),
     ("heads", lambda a: dict(q=torch.randn(2, 2, 3, 32)), "multiple of the cache"),
     ("dtype", lambda a: dict(k_cache=a["k_cache"].half()), "k_cache must be torch.float32"),
     ("table_dtype", lambda a: dict(block_table=a["block_table"].long()), "block_table must be torch.int32"),
@@ -154,6 +154,16 @@ BAD_INPUTS = [
     ("over", lambda a: dict(cache_seqlens=torch.tensor([3, 33], dtype=torch.int32), k_new=None, v_new=None),
      "exceeds the cache's capacity"),
     ("rotary_short", lambda a: dict(rotary_cos=torch.ones(4, 8), rotary_sin=torch.ones(4, 8)), "rotary_cos has 4"),
+    ("paged_leftpad", lambda a: dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), "contiguous caches only"),
+    ("paged_batch_idx", lambda a: dict(cache_batch_idx=torch.zeros(2, dtype=torch.int32)), "contiguous caches only"),
+    ("leftpad_past_end", lambda a: dict(block_table=None, k_cache=torch.randn(2, 32, 2, 32), v_cache=torch.randn(2, 32, 2, 32),
+                                        cache_leftpad=torch.tensor([4, 0], dtype=torch.int32)), r"cache_leftpad"),
+    ("batch_idx_range", lambda a: dict(block_table=None, k_cache=torch.randn(3, 32, 2, 32), v_cache=torch.randn(3, 32, 2, 32),
+                                       cache_batch_idx=torch.tensor([0, 3], dtype=torch.int32)), r"cache_batch_idx\[1\] = 3"),
+    ("fp8_scale", lambda a: dict(k_cache=a["k_cache"].to(torch.float8_e4m3fn), v_cache=a["v_cache"].to(torch.float8_e4m3fn)),
+     "k_scale is required"),
+    ("scale_16bit", lambda a: dict(k_scale=torch.ones(2), v_scale=torch.ones(2)), "float8_e4m3fn caches only"),
+    ("check_values", lambda a: dict(check_values=1), "check_values must be a bool"),
 ]
 
 
@@ -172,3 +182,67 @@ def test_unused_table_entries_are_not_checked():
     table[0, 1] = -7  # row 0 holds 3 + 2 keys: block 0 only
     args["block_table"] = table
     assert math.isfinite(_call(args).abs().sum().item())
+
+
+def test_table_capacity_is_checked_and_exactly_full_is_not():
+    """flash_attn's paged bounds case: one block of 16 per sequence; 16 cached keys + 1 new overflow block_table's
+    capacity (ValueError naming it), 17 without new keys likewise; exactly 16 runs."""
+    q, pool = torch.randn(1, 1, 1, 32), torch.randn(4, 16, 1, 32)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    new = torch.randn(1, 1, 1, 32)
+    for seqlens, extra in ((16, dict(k_new=new, v_new=new)), (17, {})):
+        with pytest.raises(ValueError, match="block_table's capacity"):
+            flash_attention_decode(q, pool, pool.clone(), torch.tensor([seqlens], dtype=torch.int32),
+                                   block_table=table, causal=False, **extra)
+    out = flash_attention_decode(q, pool, pool, torch.tensor([16], dtype=torch.int32), block_table=table)
+    assert torch.isfinite(out).all()
+
+
+def test_unchecked_bad_lengths_give_nan_rows_on_the_reference():
+    case = make_case([3, 5, 9], lq=2, hq=4, hkv=2, d=32, dtype=torch.float64, block_size=16, capacity=32)
+    case.cache_seqlens[1] = 40
+    case.block_table[2, 0] = -1
+    out = flash_attention_decode(case.q, case.k_cache, case.v_cache, case.cache_seqlens,
+                                 **case.kwargs(check_values=False))
+    assert torch.isfinite(out[0]).all() and torch.isnan(out[1:]).all()
+
+
+@pytest.mark.parametrize("lq,num_new", [(1, 0), (5, 5), (20, 0)])
+def test_leftpad_batch_idx_fp8_reference_against_gathered_oracle(lq, num_new):
+    """cache_leftpad / cache_batch_idx / e4m3 caches on the reference = dense float64 bottom-right attention over each
+    sequence's keys [leftpad, end) of its cache row, dequantised."""
+    case = make_case([6, 30, 17], lq=lq, hq=4, hkv=2, d=32, dtype=torch.float64, capacity=48, num_new=num_new,
+                     leftpad=True, batch_idx=True, fp8=True)
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    out = flash_attention_decode(case.q, k_cache, v_cache, case.cache_seqlens, **case.kwargs())
+    for b in range(3):
+        row, start = int(case.cache_batch_idx[b]), int(case.cache_leftpad[b])
+        end = int(case.cache_seqlens[b]) + num_new
+        if num_new:
+            expected = (case.k_new[b].float() / case.k_scale.view(1, 2, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+            assert torch.equal(k_cache[row, end - num_new : end].view(torch.uint8), expected.view(torch.uint8))
+        if end == start:  # every key is padding
+            assert (out[b] == 0).all()
+            continue
+        keys = k_cache[row, start:end].to(torch.float64) * case.k_scale.double().view(1, 2, 1)
+        values = v_cache[row, start:end].to(torch.float64) * case.v_scale.double().view(1, 2, 1)
+        ref, _ = dense_oracle(case.q[b].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), causal=True)
+        torch.testing.assert_close(out[b], ref.transpose(0, 1), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "seqused_k"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_against_cache_reference(paged, causal):
+    run_varlen_case(paged, torch.float64, 1e-12, backend="reference", causal=causal)
+
+
+def test_varlen_paged_bad_cu_seqlens_q_is_named():
+    from flashmoe_science import flash_attention_varlen
+
+    q, pool = torch.randn(5, 4, 32), torch.randn(6, 16, 2, 32)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    seqused = torch.tensor([9, 20], dtype=torch.int32)
+    for cu_q in ([0, 3, 6], [0, 4, 2], [1, 2, 5]):
+        with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
+            flash_attention_varlen(q, pool, pool, torch.tensor(cu_q, dtype=torch.int32), None, 4, 20,
+                                   block_table=table, seqused_k=seqused)

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from decode_helpers import assert_decode_close, make_case
+from decode_helpers import assert_decode_close, make_case, run_varlen_case
 from flashmoe_science import flash_attention_decode
 from interpreter_driver import run_under_interpreter
 
@@ -83,24 +83,96 @@ def test_masks(mask):
     _run(case, num_splits=3, **mask)
 
 
-def test_head_dim_padding():
-    case = make_case([7, 33], lq=2, hq=2, hkv=1, d=40, capacity=40)  # D=40 runs as 64 with masked columns
+@pytest.mark.parametrize("d", [40, 59])
+def test_head_dim_padding(d):
+    # D=40 and 59 run as 64 with masked columns (59: flash_attn's odd head dim, with an append and rotary)
+    case = make_case([7, 33], lq=2, hq=2, hkv=1, d=d, capacity=40, num_new=2 if d == 59 else 0, rotary=d == 59)
     _run(case, num_splits=2)
 
 
-def test_bad_values_never_leave_the_cache():
-    """check_values=False (what a CUDA graph needs): out-of-range block indices and lengths are clamped; the call
-    finishes with finite numbers and the spare blocks of the pool are never written."""
-    case = make_case([5, 20], lq=1, hq=2, hkv=1, d=32, block_size=16, capacity=32, num_new=1)
+def test_bad_values_give_nan_and_never_leave_the_cache():
+    """check_values=False (what a CUDA graph needs): a length past the cache, a block-table entry outside the pool and
+    a cache row out of range each make their own sequence's output NaN (never another sequence's keys); the good
+    sequence is exact; no block outside the sequences' own is written, and nothing for the bad sequences."""
+    case = make_case([5, 20, 9], lq=1, hq=2, hkv=1, d=32, block_size=16, capacity=32, num_new=1)
     case.block_table[1, 1] = 1000
     case.cache_seqlens[0] = 10**6
     k_cache = case.k_cache.clone()
     out = flash_attention_decode(case.q, k_cache, case.v_cache.clone(), case.cache_seqlens,
+                                 **case.kwargs(backend="triton", check_values=False, num_splits=2))
+    assert torch.isnan(out[:2]).all() and torch.isfinite(out[2]).all()
+    good = make_case([9], lq=1, hq=2, hkv=1, d=32, block_size=16, capacity=32, num_new=1)
+    good.q, good.k_cache, good.v_cache = case.q[2:], case.k_cache, case.v_cache
+    good.block_table, good.k_new, good.v_new = case.block_table[2:], case.k_new[2:], case.v_new[2:]
+    assert_decode_close(good, out[2:])
+    changed = {block for block in range(k_cache.shape[0]) if not torch.equal(k_cache[block], case.k_cache[block])}
+    assert changed == {int(case.block_table[2, 0])}
+
+
+def test_bad_cache_rows_and_leftpad_give_nan():
+    case = make_case([5, 20, 9], lq=3, hq=4, hkv=2, d=32, capacity=32, batch_idx=True, leftpad=True)
+    case.cache_batch_idx[0] = 6
+    case.cache_leftpad[1] = 21  # past the sequence's end
+    out = flash_attention_decode(case.q, case.k_cache, case.v_cache, case.cache_seqlens,
                                  **case.kwargs(backend="triton", check_values=False))
-    assert torch.isfinite(out).all()
-    used = set(case.block_table.flatten().tolist()) | {k_cache.shape[0] - 1}  # 1000 clamps to the last block
-    for block in set(range(k_cache.shape[0])) - used:
-        assert torch.equal(k_cache[block], case.k_cache[block])
+    assert torch.isnan(out[:2]).all() and torch.isfinite(out[2]).all()
+
+
+@pytest.mark.parametrize("block_size,lq,rotary", [(None, 24, False), (16, 19, True)],
+                         ids=["contiguous", "paged16-rotary"])
+def test_chunked_prefill(block_size, lq, rotary):
+    """A prefill chunk of lq tokens appended to and attending its cache: several row tiles per KV head."""
+    case = make_case([0, 40], lq=lq, hq=4, hkv=2, d=32, block_size=block_size, capacity=64, num_new=lq,
+                     rotary=rotary)
+    _run(case, num_splits=2)
+
+
+@pytest.mark.parametrize("mask", [dict(window=(9, 0)), dict(window=(11, 4), causal=False), dict(softcap=3.0, alibi=True)],
+                         ids=["window", "window-noncausal", "softcap-alibi"])
+def test_chunked_prefill_masks(mask):
+    mask = dict(mask)
+    case = make_case([3, 45], lq=18, hq=6, hkv=2, d=32, block_size=16, capacity=64,
+                     alibi=mask.pop("alibi", False))
+    _run(case, num_splits=3, **mask)
+
+
+@pytest.mark.parametrize("lq,num_new", [(1, 0), (4, 4), (17, 17)])
+def test_leftpad_and_cache_batch_idx(lq, num_new):
+    case = make_case([6, 30], lq=lq, hq=4, hkv=2, d=32, capacity=64, num_new=num_new, rotary=num_new > 0,
+                     leftpad=True, batch_idx=True, alibi=True)
+    _run(case, num_splits=2, window=(12, 0))
+
+
+@pytest.mark.parametrize("block_size,lq,num_new", [(None, 1, 1), (None, 3, 0), (16, 1, 1), (16, 17, 17)],
+                         ids=["contiguous-decode", "contiguous-read", "paged16-decode", "paged16-chunk"])
+def test_fp8_cache(block_size, lq, num_new):
+    """e4m3 caches with per-KV-head scales, appended from fp16 k_new/v_new (bit-exact e4m3 codes), against float64
+    attention over the dequantised cache."""
+    case = make_case([0, 40], lq=lq, hq=4, hkv=2, d=32, dtype=torch.float16, block_size=block_size,
+                     capacity=64, num_new=num_new, fp8=True)
+    _run(case, num_splits=2)
+
+
+def test_fp8_cache_rotary_matches_the_reference():
+    """With rotary, the rotated k_new is rounded to its dtype before quantisation, by the kernel and the reference."""
+    case = make_case([5, 40], lq=2, hq=4, hkv=2, d=32, dtype=torch.float16, block_size=16, capacity=64, num_new=2,
+                     fp8=True, rotary=True)
+    results = []
+    for backend in ("triton", "reference"):
+        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+        out = flash_attention_decode(case.q, k_cache, v_cache, case.cache_seqlens, **case.kwargs(backend=backend))
+        results.append((out.float(), k_cache.view(torch.uint8), v_cache.view(torch.uint8)))
+    assert torch.equal(results[0][1], results[1][1]) and torch.equal(results[0][2], results[1][2])
+    assert (results[0][0] - results[1][0]).abs().max() < 2e-3
+
+
+VARLEN_MASKS = [dict(causal=True), dict(causal=False), dict(causal=True, window=(6, 0)), dict(causal=True, softcap=4.0)]
+
+
+@pytest.mark.parametrize("mask", VARLEN_MASKS, ids=["causal", "full", "window", "softcap"])
+@pytest.mark.parametrize("paged", [True, False], ids=["paged16", "seqused_k"])
+def test_varlen_against_cache(paged, mask):
+    run_varlen_case(paged, torch.float32, 1e-5, backend="triton", **mask)
 
 
 if not IN_INTERPRETER:

@@ -158,10 +158,15 @@ def test_opcheck():
     caches = [torch.randn(2, 24, 2, 16) for _ in range(2)]
     decode_args = (torch.randn(2, 1, 4, 16), *caches, torch.tensor([3, 20], dtype=torch.int32), None)
     torch.library.opcheck(ops.attention_decode,
-                          (*decode_args, None, None, None, None, False, True, None, None, None, None, 0, "auto", None))
+                          (*decode_args, None, None, None, None, False, True, None, None, None, None, 0, "auto", None,
+                           None, None, None, None))
     new_kv = [torch.randn(2, 1, 2, 16) for _ in range(2)]
     torch.library.opcheck(ops.attention_decode_append, (*decode_args, *new_kv, None, None, False, True, None, None,
-                                                        None, None, 0, "auto", None))
+                                                        None, None, 0, "auto", None, None, None, None, None))
+    leftpad = torch.tensor([1, 4], dtype=torch.int32)
+    torch.library.opcheck(ops.attention_decode_append, (*decode_args, *new_kv, None, None, False, True, None, None,
+                                                        None, None, 0, "auto", None, None, leftpad, None, None))
+
 
 
 def test_bad_input_fails_at_trace_time():
@@ -201,6 +206,26 @@ def test_compiled_decode_matches_eager(append):
     torch.testing.assert_close(got_lse, want_lse, atol=1e-12, rtol=0)
     for got, want in zip(caches, eager_caches):  # the appended keys and values land in the caches as in eager mode
         assert torch.equal(got, want)
+
+
+def test_compiled_decode_with_leftpad_and_e4m3_cache_matches_eager():
+    """(opcheck cannot take e4m3 tensors on the CPU: its schema check multiplies them)"""
+    q = torch.randn(2, 3, 4, 16)
+    caches = [(torch.randn(2, 24, 2, 16) * 2).to(torch.float8_e4m3fn) for _ in range(2)]
+    seqlens, leftpad = torch.tensor([5, 17], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32)
+    scales = torch.rand(2) + 0.5, torch.rand(2) + 0.5
+    new = [torch.randn(2, 3, 2, 16) for _ in range(2)]
+
+    def decode(q, k_cache, v_cache):
+        return fs.flash_attention_decode(q, k_cache, v_cache, seqlens, k_new=new[0], v_new=new[1],
+                                         cache_leftpad=leftpad, k_scale=scales[0], v_scale=scales[1])
+
+    eager_caches = [c.clone() for c in caches]
+    want = decode(q, *eager_caches)
+    got = torch.compile(decode, backend="aot_eager", fullgraph=True)(q, *caches)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    for got_cache, want_cache in zip(caches, eager_caches):
+        assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))
 
 
 def test_each_check_runs_once_per_call(monkeypatch):

@@ -155,8 +155,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     The values of cu_seqlens are checked too (start 0, non-decreasing, last entry the tensor's total, no sequence
     longer than max_seqlen): one small device-to-host copy (8 numbers; a sync on a GPU), once per pair of
     cu_seqlens tensors: a model's layers (forward and backward) share one pair per batch, so a batch pays one sync,
-    not one per layer (`values_checked`; inference tensors, which have no version counter, on every call). A
-    first sight makes the call unsuitable for CUDA-graph capture."""
+    not one per layer (`values_checked`; inference tensors, which have no version counter, on every call). While a
+    CUDA graph is captured the values are not read (a capture forbids the copy; as flash_attn, the graph trusts them)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
         if t.dim() != 3:
@@ -177,7 +177,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
             raise TypeError(f"{name} must be a non-negative int, got {value!r}")
     bounds = (q.shape[0], k.shape[0], int(max_seqlen_q), int(max_seqlen_k))
-    if not values_checked(cu_seqlens_q, cu_seqlens_k, bounds):
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()  # no host copy inside a CUDA graph
+    if not capturing and not values_checked(cu_seqlens_q, cu_seqlens_k, bounds):
         _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, *bounds)
         _VALUES_CHECKED.put((cu_seqlens_q, cu_seqlens_k), bounds, True)
     return Varlen(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))

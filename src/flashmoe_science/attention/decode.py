@@ -1,22 +1,35 @@
-"""KV-cache decode: the front door (checks, split heuristic, dispatch) and the PyTorch reference.
+"""Attention against a KV cache: the front door (checks, tiles and splits, dispatch) and the PyTorch reference.
 
-``flash_attention_decode`` attends a few new query tokens (speculative decoding verifies several) to a KV cache,
-contiguous ``(B, Lmax, Hkv, D)`` or paged ``(num_blocks, block_size, Hkv, D)`` with a block table, each sequence
-with its own length. Conventions follow ``flash_attn_with_kvcache``:
+``flash_attention_decode`` attends any number of new query tokens (one for decode, a few for speculative
+decoding, thousands for a chunked prefill) to a KV cache, contiguous ``(B_cache, Lmax, Hkv, D)`` or paged
+``(num_blocks, block_size, Hkv, D)`` with a block table, each sequence with its own length. Conventions follow
+``flash_attn_with_kvcache``:
 
 * ``cache_seqlens[b]`` keys are in the cache before the call. With ``k_new``/``v_new`` (``(B, L_new, Hkv, D)``) the
   new keys are first written at positions ``cache_seqlens[b] + t`` (in place), so the sequence has
   ``Lk = cache_seqlens[b] + L_new`` keys; without them ``Lk = cache_seqlens[b]``.
+* ``cache_batch_idx[b]`` (contiguous caches): the cache row of sequence b (default b). ``cache_leftpad[b]``
+  (contiguous caches): the sequence's keys start at that position; positions before it are padding, so the
+  sequence has ``Lk = cache_seqlens[b] + L_new - cache_leftpad[b]`` keys and key j sits at ``j - cache_leftpad[b]``
+  for the mask and ALiBi (rotary angles stay those of the cache positions).
 * The ``Lq`` query tokens are the last ``Lq`` positions of the sequence: query i sits at ``Lk - Lq + i`` and the
   mask rules of `attention.mask` apply with ``diagonal = Lk - Lq`` (causal: query i sees keys ``<= Lk - Lq + i``).
 * Rotary (``rotary_cos``/``rotary_sin`` of shape ``(seqlen_ro, rotary_dim / 2)``, with k_new only): k_new's token t
   is rotated at position ``cache_seqlens[b] + t``; q's token i at ``cache_seqlens[b] + i`` when the mask is causal
   or windowed, else at ``cache_seqlens[b]``. The caller's q is not modified.
+* FP8 caches: ``float8_e4m3fn`` k_cache/v_cache with float32 ``k_scale``/``v_scale`` per KV head (``(Hkv,)``, or
+  one value for all heads; a cache value times its scale is the key or value, vLLM's and FlashInfer's
+  convention). New keys and values are appended as e4m3 of value / scale, saturated at +-448.
 
-Values are checked on the device's behalf only when ``check_values`` is set (the default on CPU tensors): checking
-block-table entries and lengths needs their values on the host, a synchronisation CUDA graphs forbid. Unchecked,
-the kernels clamp every length to the cache's capacity and every block index into the cache, so bad values give
-wrong numbers for that sequence but never a read or write outside the cache.
+One kernel serves every query count (`triton_decode`): its row tiles pack (token, query head of a KV head) pairs,
+one tile for a decode step's group, many for a prefill chunk, whose tiles are the dense forward's
+(`tiles.forward_tiles`). The packed-query form (`cache_varlen_call`) is the paged path of `flash_attention_varlen`.
+
+Values (lengths, block-table entries, cache rows, the rotary table's length) are checked on the host in eager calls:
+one device-to-host copy of a few flags, as flash_attn pays for paged caches. The check is skipped while a CUDA graph
+is being captured (``torch.cuda.is_current_stream_capturing()``) and when ``check_values=False``; then the kernels
+trust nothing: a sequence whose values are out of range gets NaN outputs, never another sequence's keys, and no
+read or write leaves the cache.
 """
 
 from __future__ import annotations
@@ -28,16 +41,18 @@ from dataclasses import dataclass
 
 import torch
 
-from flashmoe_science.attention.checks import check_backend, check_flags
+from flashmoe_science.attention.checks import check_backend, check_flags, check_head_dim
+from flashmoe_science.attention.fp8_format import FP8_MAX
 from flashmoe_science.attention.mask import MaskSpec, make_mask, score_mods
 from flashmoe_science.attention.record import ran
+from flashmoe_science.attention.tiles import forward_tiles
 from flashmoe_science.backends import Choice, choose
 from flashmoe_science.device import device_traits, dot_precision, on_another_cuda_device, triton_interpreter_on
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_NEW_TOKENS = 16
-MAX_GROUP = 16  # query heads per KV head
+FP8_CACHE = torch.float8_e4m3fn
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
+DECODE_ROWS = 64  # row tiles up to this many (token, head) rows read the cache once per KV head: the decode tiles
 MAX_SPLITS = 128
 MIN_KEYS_PER_SPLIT = 512  # below this a split's fixed cost (partial write, combine) outweighs its parallelism
 LONG_SPLIT_KEYS = 2048  # splits this long hide their fixed cost: then two CTAs per SM pay off
@@ -52,17 +67,21 @@ LONG_SPLIT_KEYS = 2048  # splits this long hide their fixed cost: then two CTAs 
 class DecodeProblem:
     """A checked call's shapes and options (everything a kernel launch depends on besides tensor values)."""
 
-    batch: int
-    seqlen_q: int
+    batch: int  # sequences
+    seqlen_q: int  # query tokens per sequence (packed queries: the longest sequence's)
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
     paged: bool
     block_size: int  # paged block size, or Lmax for a contiguous cache (one "block" per sequence)
-    capacity: int  # keys one sequence can hold: Lmax, or max_blocks * block_size
+    capacity: int  # the last cache position + 1 a sequence may use: Lmax, or max_blocks * block_size
     num_new: int
     mask: MaskSpec
     softmax_scale: float
+    cache_batch: int = 0  # rows of a contiguous cache (cache_batch_idx indexes them)
+    packed_q: bool = False  # queries packed (total_q, Hq, D) with cu_seqlens_q
+    fp8: bool = False
+    dtype: torch.dtype = torch.bfloat16  # q's
 
     @property
     def group(self) -> int:
@@ -89,56 +108,131 @@ def _unit_last_stride(name, t) -> None:
                          "pass .contiguous() explicitly if a copy is intended")
 
 
-def check_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, rotary_cos, rotary_sin,
-                 causal, softmax_scale, window, softcap, alibi_slopes) -> DecodeProblem:
-    """Check every argument's type, shape, dtype and device (never values: see `check_decode_values`)."""
-    _tensor("q", q, 4)
-    if q.dtype not in KERNEL_DTYPES + (torch.float64,):
-        raise TypeError(f"q must be bfloat16, float16 or float32 (float64 on the reference), got {q.dtype}")
-    batch, seqlen_q, num_q_heads, head_dim = q.shape
-    if not 1 <= seqlen_q <= MAX_NEW_TOKENS:
-        raise ValueError(f"q must hold 1..{MAX_NEW_TOKENS} new tokens (dim 1), got {seqlen_q}")
-    if head_dim % 8 or not 16 <= head_dim <= 256:
-        raise ValueError(f"head dim (last dim of q) must be a multiple of 8 in [16, 256], got {head_dim}")
+def _per_sequence(name, t, batch, device) -> None:
+    _tensor(name, t, 1, torch.int32)
+    _same_device(name, t, device)
+    if t.shape[0] != batch:
+        raise ValueError(f"{name} must have q's batch size {batch} entries, got {t.shape[0]}")
+
+
+def _check_scales(k_cache, k_scale, v_scale, num_kv_heads, device) -> bool:
+    """Whether the cache is FP8 (then its scales are checked), refusing scales for a 16/32-bit cache."""
+    fp8 = k_cache.dtype == FP8_CACHE
+    if not fp8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale/v_scale apply to float8_e4m3fn caches only, got a {k_cache.dtype} cache")
+        return False
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is None:
+            raise ValueError(f"{name} is required with a float8_e4m3fn cache (float32 of shape ({num_kv_heads},) "
+                             f"or (1,): cache value x scale = the key or value)")
+        _tensor(name, t, 1, torch.float32)
+        _same_device(name, t, device)
+        if t.shape[0] not in (1, num_kv_heads):
+            raise ValueError(f"{name} must have shape ({num_kv_heads},) or (1,), got {tuple(t.shape)}")
+    return True
+
+
+def _check_cache(q, k_cache, v_cache, head_dim):
+    """k_cache/v_cache against q: dtype (q's, or e4m3), device, layout, head dim. Returns Hkv."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _tensor(name, t, 4, q.dtype)
+        _tensor(name, t, 4)
+        if t.dtype not in (q.dtype, FP8_CACHE):
+            raise TypeError(f"{name} must be {q.dtype} (q's dtype) or float8_e4m3fn, got {t.dtype}")
         _same_device(name, t, q.device)
         _unit_last_stride(name, t)
-    _unit_last_stride("q", q)
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
-    num_kv_heads = k_cache.shape[2]
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)} and dtype {k_cache.dtype}, got "
+                         f"{tuple(v_cache.shape)} {v_cache.dtype}")
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache's head dim must equal q's ({head_dim}), got {k_cache.shape[3]}")
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads or num_q_heads // num_kv_heads > MAX_GROUP:
+    num_kv_heads = k_cache.shape[2]
+    num_q_heads = q.shape[-2]
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
         raise ValueError(f"q's head count ({num_q_heads}) must be a multiple of the cache's ({num_kv_heads}) "
-                         f"by 1..{MAX_GROUP} (GQA/MQA)")
+                         "(GQA/MQA)")
+    return num_kv_heads
+
+
+def _check_block_table(block_table, batch, k_cache, device) -> tuple[int, int]:
+    """(block size, capacity) of a paged cache."""
+    _tensor("block_table", block_table, 2, torch.int32)
+    _same_device("block_table", block_table, device)
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table must have q's batch size {batch} rows, got {block_table.shape[0]}")
+    if block_table.shape[1] == 0:
+        raise ValueError("block_table must have at least one column")
+    if block_table.stride(1) != 1:
+        raise ValueError(f"block_table must have unit stride in dim 1, got strides {block_table.stride()}")
+    block_size = k_cache.shape[1]
+    if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"paged k_cache's block size (dim 1) must be in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], "
+                         f"got {block_size}")
+    if k_cache.shape[0] == 0:
+        raise ValueError("a paged k_cache must hold at least one block (dim 0)")
+    return block_size, block_table.shape[1] * block_size
+
+
+def _check_mask_options(q, batch, num_q_heads, causal, window, softcap, alibi_slopes, softmax_scale, head_dim):
+    mask = make_mask(causal, window, softcap)
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+        _same_device("alibi_slopes", alibi_slopes, q.device)
+        slope_dtypes = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
+        if alibi_slopes.dtype not in slope_dtypes or alibi_slopes.shape not in ((num_q_heads,), (batch, num_q_heads)):
+            raise ValueError(f"alibi_slopes must be float32 of shape ({num_q_heads},) or ({batch}, {num_q_heads}), "
+                             f"got {alibi_slopes.dtype} {tuple(alibi_slopes.shape)}")
+        if alibi_slopes.stride(-1) != 1:
+            raise ValueError("alibi_slopes must have unit stride in its last dim")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+    elif not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+    return mask, float(softmax_scale)
+
+
+def _check_query(q, dims):
+    _tensor("q", q, dims)
+    if q.dtype not in KERNEL_DTYPES + (torch.float64,):
+        raise TypeError(f"q must be bfloat16, float16 or float32 (float64 on the reference), got {q.dtype}")
+    head_dim = q.shape[-1]
+    check_head_dim(head_dim)  # any: the kernels pad the head dim to a power of two and mask the loads
+    _unit_last_stride("q", q)
+    return head_dim
+
+
+def check_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, rotary_cos, rotary_sin,
+                 causal, softmax_scale, window, softcap, alibi_slopes, *, cache_batch_idx=None, cache_leftpad=None,
+                 k_scale=None, v_scale=None) -> DecodeProblem:
+    """Check every argument's type, shape, dtype and device (never values: see `check_decode_values`)."""
+    head_dim = _check_query(q, 4)
+    batch, seqlen_q, num_q_heads, _ = q.shape
+    if seqlen_q == 0:
+        raise ValueError("q must hold at least one new token (dim 1)")
+    num_kv_heads = _check_cache(q, k_cache, v_cache, head_dim)
+    fp8 = _check_scales(k_cache, k_scale, v_scale, num_kv_heads, q.device)
 
     if block_table is None:
         paged, block_size = False, k_cache.shape[1]
         capacity = block_size
-        if k_cache.shape[0] != batch:
-            raise ValueError(f"a contiguous k_cache must have q's batch size {batch} in dim 0, got {k_cache.shape[0]}")
+        if cache_batch_idx is None and k_cache.shape[0] != batch:
+            raise ValueError(f"a contiguous k_cache must have q's batch size {batch} in dim 0 (or pass "
+                             f"cache_batch_idx), got {k_cache.shape[0]}")
     else:
-        _tensor("block_table", block_table, 2, torch.int32)
-        _same_device("block_table", block_table, q.device)
-        if block_table.shape[0] != batch:
-            raise ValueError(f"block_table must have q's batch size {batch} rows, got {block_table.shape[0]}")
-        if block_table.shape[1] and block_table.stride(1) != 1:
-            raise ValueError(f"block_table must have unit stride in dim 1, got strides {block_table.stride()}")
-        paged, block_size = True, k_cache.shape[1]
-        if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
-            raise ValueError(f"paged k_cache's block size (dim 1) must be in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], "
-                             f"got {block_size}")
-        if k_cache.shape[0] == 0:
-            raise ValueError("a paged k_cache must hold at least one block (dim 0)")
-        capacity = block_table.shape[1] * block_size
+        for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+            if t is not None:
+                raise ValueError(f"{name} applies to contiguous caches only, not with block_table (as flash_attn)")
+        block_size, capacity = _check_block_table(block_table, batch, k_cache, q.device)
+        paged = True
+    for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if t is not None:
+            _per_sequence(name, t, batch, q.device)
 
     if isinstance(cache_seqlens, torch.Tensor):
-        _tensor("cache_seqlens", cache_seqlens, 1, torch.int32)
-        _same_device("cache_seqlens", cache_seqlens, q.device)
-        if cache_seqlens.shape[0] != batch:
-            raise ValueError(f"cache_seqlens must have q's batch size {batch} entries, got {cache_seqlens.shape[0]}")
+        _per_sequence("cache_seqlens", cache_seqlens, batch, q.device)
     elif isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, numbers.Integral):
         raise TypeError(f"cache_seqlens must be an int32 tensor (B,) or an int, got {type(cache_seqlens).__name__}")
 
@@ -179,51 +273,121 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, 
             raise ValueError(f"rotary_cos must be (seqlen_ro >= 1, rotary_dim / 2) with rotary_dim <= head dim "
                              f"{head_dim}, got {tuple(rotary_cos.shape)}")
 
-    mask = make_mask(causal, window, softcap)
-    if alibi_slopes is not None:
-        if not isinstance(alibi_slopes, torch.Tensor):
-            raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
-        _same_device("alibi_slopes", alibi_slopes, q.device)
-        slope_dtypes = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
-        if alibi_slopes.dtype not in slope_dtypes or alibi_slopes.shape not in ((num_q_heads,), (batch, num_q_heads)):
-            raise ValueError(f"alibi_slopes must be float32 of shape ({num_q_heads},) or ({batch}, {num_q_heads}), "
-                             f"got {alibi_slopes.dtype} {tuple(alibi_slopes.shape)}")
-        if alibi_slopes.stride(-1) != 1:
-            raise ValueError("alibi_slopes must have unit stride in its last dim")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
-    elif not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+    mask, scale = _check_mask_options(q, batch, num_q_heads, causal, window, softcap, alibi_slopes, softmax_scale,
+                                      head_dim)
     return DecodeProblem(batch, seqlen_q, num_q_heads, num_kv_heads, head_dim, paged, block_size, capacity,
-                         num_new, mask, float(softmax_scale))
+                         num_new, mask, scale, cache_batch=k_cache.shape[0], fp8=fp8, dtype=q.dtype)
 
 
-def check_decode_values(problem: DecodeProblem, k_cache, cache_seqlens, block_table, rotary_cos) -> None:
-    """The value checks (they read tensors on the host: a synchronisation, so not inside a CUDA graph)."""
-    seqlens = cache_seqlens.cpu()
-    total = seqlens.to(torch.int64) + problem.num_new
-    if seqlens.numel() and (seqlens.min() < 0 or total.max() > problem.capacity):
-        worst = int(total.argmax()) if total.max() > problem.capacity else int(seqlens.argmin())
+def check_cache_varlen(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_table, causal, softmax_scale, window,
+                       softcap, alibi_slopes, k_scale=None, v_scale=None) -> DecodeProblem:
+    """The checks of a packed-query call against a cache (`cache_varlen_call`): q `(total_q, Hq, D)`, queries of
+    sequence b at rows [cu_seqlens_q[b], cu_seqlens_q[b+1]), a paged cache with block_table or a packed
+    `(total_k, Hkv, D)` key tensor without."""
+    head_dim = _check_query(q, 3)
+    _tensor("cu_seqlens_q", cu_seqlens_q, 1, torch.int32)
+    _same_device("cu_seqlens_q", cu_seqlens_q, q.device)
+    if cu_seqlens_q.shape[0] < 1:
+        raise ValueError("cu_seqlens_q must have batch + 1 entries")
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, numbers.Integral) or max_seqlen_q < 0:
+        raise TypeError(f"max_seqlen_q must be a non-negative int, got {max_seqlen_q!r}")
+    batch = cu_seqlens_q.shape[0] - 1
+    if block_table is not None:
+        num_kv_heads = _check_cache(q, k_cache, v_cache, head_dim)
+        block_size, capacity = _check_block_table(block_table, batch, k_cache, q.device)
+    else:
+        for name, t in (("k", k_cache), ("v", v_cache)):
+            _tensor(name, t, 3)
+        num_kv_heads = _check_cache(q, k_cache.unsqueeze(0), v_cache.unsqueeze(0), head_dim)
+        block_size = capacity = k_cache.shape[0]
+    fp8 = _check_scales(k_cache, k_scale, v_scale, num_kv_heads, q.device)
+    mask, scale = _check_mask_options(q, batch, q.shape[1], causal, window, softcap, alibi_slopes, softmax_scale,
+                                      head_dim)
+    return DecodeProblem(batch, int(max_seqlen_q), q.shape[1], num_kv_heads, head_dim, block_table is not None,
+                         block_size, capacity, 0, mask, scale, cache_batch=1, packed_q=True, fp8=fp8,
+                         dtype=q.dtype)
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (host synchronisation is not allowed then)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def resolve_check_values(check_values, device: torch.device) -> bool:
+    """`check_values` of the cache calls: None checks in eager calls and skips during graph capture; True while
+    capturing is refused (the check must read values on the host)."""
+    if check_values is None:
+        return not capturing(device)
+    if not isinstance(check_values, bool):
+        raise TypeError(f"check_values must be a bool or None, got {type(check_values).__name__}")
+    if check_values and capturing(device):
+        raise ValueError("check_values=True reads the lengths on the host, which a CUDA graph capture forbids: pass "
+                         "None (checks eager calls only) or False")
+    return check_values
+
+
+def check_decode_values(problem: DecodeProblem, k_cache, cache_seqlens, block_table, rotary_cos, *,
+                        cache_starts=None, cache_batch_idx=None, rotary_positions: int = 0, cu_seqlens_q=None,
+                        total_q: int = 0) -> None:
+    """The value checks, from one device-to-host copy of a few flags (more copies only to name a bad entry).
+
+    cache_seqlens: each sequence's end position before the append; cache_starts: its first position (leftpad, or a
+    packed sequence's first key row); rotary_positions: how far past the end the rotary table is read; cu_seqlens_q
+    (packed queries): starts at 0, never decreases, ends at most at total_q (rows after it are not attended: their
+    output is 0), no sequence longer than the problem's seqlen_q."""
+    ends = cache_seqlens.to(torch.int64)
+    starts = cache_starts.to(torch.int64) if cache_starts is not None else torch.zeros_like(ends)
+    totals = ends + problem.num_new
+    flags = [(starts < 0) | (ends < starts), totals > problem.capacity]
+    if cache_batch_idx is not None:
+        flags.append((cache_batch_idx < 0) | (cache_batch_idx >= problem.cache_batch))
+    if block_table is not None:
+        used = (totals.clamp(0, problem.capacity) + problem.block_size - 1) // problem.block_size
+        in_use = torch.arange(block_table.shape[1], device=block_table.device).unsqueeze(0) < used.unsqueeze(1)
+        outside = in_use & ((block_table < 0) | (block_table >= k_cache.shape[0]))
+        flags.append(outside.any(dim=1))
+    if rotary_cos is not None:
+        flags.append(ends + rotary_positions > rotary_cos.shape[0])
+    if not ends.numel():
+        return
+    queries = torch.zeros((), dtype=torch.bool, device=ends.device)
+    if cu_seqlens_q is not None:
+        lengths = cu_seqlens_q.diff()
+        queries = ((cu_seqlens_q[0] != 0) | (cu_seqlens_q[-1] > total_q) | (lengths < 0).any()
+                   | (lengths > problem.seqlen_q).any())
+    *found, bad_queries = torch.stack([f.any() for f in flags] + [queries]).tolist()  # the one synchronisation
+    if bad_queries:
+        raise ValueError(f"cu_seqlens_q must start at 0, not decrease, end at most at the {total_q} packed queries, "
+                         f"with no sequence longer than max_seqlen_q = {problem.seqlen_q}")
+    if not any(found):
+        return
+    row = lambda f: int(f.nonzero()[0, 0])  # noqa: E731
+    if found[0]:
+        b = row(flags[0])
+        raise ValueError(f"sequence {b}: cache_seqlens[{b}] = {int(ends[b])} must be >= 0 and >= its first position "
+                         f"{int(starts[b])} (cache_leftpad)")
+    if found[1]:
+        b = row(flags[1])
         what = "k_new overflows the cache" if problem.num_new else "cache_seqlens exceeds the cache's capacity"
-        raise ValueError(f"cache_seqlens[{worst}] = {int(seqlens[worst])} (+ {problem.num_new} new tokens) must lie "
-                         f"in [0, {problem.capacity}]: {what}" if total.max() > problem.capacity else
-                         f"cache_seqlens[{worst}] = {int(seqlens[worst])} must be >= 0")
-    if block_table is not None and seqlens.numel():
-        table = block_table.cpu()
-        used = (total + problem.block_size - 1) // problem.block_size  # blocks each sequence touches
-        in_use = torch.arange(table.shape[1]).unsqueeze(0) < used.unsqueeze(1)
-        bad = in_use & ((table < 0) | (table >= k_cache.shape[0]))
-        if bad.any():
-            row, col = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"block_table[{row}, {col}] = {int(table[row, col])} is out of range: the paged cache "
+        where = "block_table's capacity (columns x block size)" if problem.paged else "the cache's length"
+        raise ValueError(f"cache_seqlens[{b}] = {int(ends[b])} (+ {problem.num_new} new tokens) must lie in "
+                         f"[0, {problem.capacity}], {where}: {what}")
+    index = 2
+    if cache_batch_idx is not None:
+        if found[index]:
+            b = row(flags[index])
+            raise ValueError(f"cache_batch_idx[{b}] = {int(cache_batch_idx[b])} is out of range: the cache holds rows "
+                             f"0..{problem.cache_batch - 1}")
+        index += 1
+    if block_table is not None:
+        if found[index]:
+            b, col = (int(i) for i in outside.nonzero()[0])
+            raise ValueError(f"block_table[{b}, {col}] = {int(block_table[b, col])} is out of range: the paged cache "
                              f"holds blocks 0..{k_cache.shape[0] - 1}")
-    if rotary_cos is not None and seqlens.numel():
-        needed = int(total.max())
-        if needed > rotary_cos.shape[0]:
-            raise ValueError(f"rotary_cos has {rotary_cos.shape[0]} positions; the sequences reach position "
-                             f"{needed - 1}")
+        index += 1
+    b = row(flags[index])
+    raise ValueError(f"rotary_cos has {rotary_cos.shape[0]} positions; sequence {b} reaches position "
+                     f"{int(ends[b]) + rotary_positions - 1}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -233,23 +397,30 @@ def check_decode_values(problem: DecodeProblem, k_cache, cache_seqlens, block_ta
 
 @dataclass(frozen=True)
 class DecodeTiles:
-    block_m: int  # rows (query heads x new tokens) per program
+    block_m: int  # rows ((token, query head) pairs) per program
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
 
 
 def decode_tiles(problem: DecodeProblem, traits) -> DecodeTiles:
-    """Row tile: the whole GQA group x new tokens (padded to the 16 rows of an MMA), at most 64 rows. Key tile and
-    pipeline measured on the H200 (benchmarks/tools/sweep_attention_decode.py, docs/perf-notes.md): 64 keys, 4 warps, 3
-    stages led at B=1 128k for both layouts (3.80 / 3.46 TB/s before the paged prefetch; 32-key and 8-warp tiles
-    down to 2.4)."""
+    """Up to DECODE_ROWS rows (a decode step's GQA group x new tokens, padded to the 16 rows of an MMA): one row tile,
+    so each KV head's cache is read once. Key tile and pipeline measured on the H200
+    (benchmarks/tools/sweep_attention_decode.py, docs/perf-notes.md): 64 keys, 4 warps, 3 stages led at B=1 128k for
+    both layouts (3.80 / 3.46 TB/s before the paged prefetch; 32-key and 8-warp tiles down to 2.4). More rows (a
+    prefill chunk): compute-bound like the dense forward, so the dense forward's tiles (`tiles.forward_tiles`)."""
     rows = problem.group * problem.seqlen_q
-    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     if traits.capability == (0, 0):  # the interpreter: small tiles exercise the tile boundaries
-        return DecodeTiles(block_m, 16, 1, 1)
+        return DecodeTiles(min(64, max(16, 1 << (rows - 1).bit_length())), 16, 1, 1)
+    if rows > DECODE_ROWS:
+        tiles = forward_tiles(problem.head_dim, problem.dtype, problem.mask.causal, traits)
+        # Above D=128 the gathered rows' bookkeeping does not fit beside a 64-key tile: the offline build for the
+        # H200 (tests/attention/test_decode_build.py's compile) of the 128x64 tile spilled 136 LDL/STL (triton 3.9),
+        # the 128x32 one 0-16 (not timed yet).
+        block_n = min(tiles.block_n, 32) if problem.head_dim > 128 else tiles.block_n
+        return DecodeTiles(tiles.block_m, block_n, tiles.num_warps, tiles.num_stages)
     block_n = 64 if problem.head_dim <= 128 else 32
-    return DecodeTiles(block_m, block_n, 4, 3)
+    return DecodeTiles(max(16, 1 << (rows - 1).bit_length()), block_n, 4, 3)
 
 
 def choose_num_splits(problem: DecodeProblem, tiles: DecodeTiles, sm_count: int) -> int:
@@ -290,57 +461,112 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     return torch.cat((rotated, rest), dim=-1).to(x.dtype)
 
 
+def q_positions_per_token(problem: DecodeProblem) -> bool:
+    """flash_attn's rotary convention: with a causal or windowed mask each new query token sits at its own position;
+    without one, all of them at cache_seqlens."""
+    return problem.mask.causal or problem.mask.bounded_left or problem.mask.bounded_right
+
+
 def rotate_new_tokens(q, k_new, cos, sin, cache_seqlens, problem: DecodeProblem, interleaved: bool):
     """(q, k_new) rotated at their positions: k_new's token t at cache_seqlens + t; q's token i there too when the
     mask is causal or windowed, else at cache_seqlens (flash_attn_with_kvcache's convention)."""
     starts = cache_seqlens.long().unsqueeze(1)
     k_new = apply_rotary(k_new, cos, sin, starts + torch.arange(problem.num_new, device=q.device), interleaved)
-    per_token = problem.mask.causal or problem.mask.bounded_left or problem.mask.bounded_right
-    q_pos = starts + torch.arange(problem.seqlen_q, device=q.device) * int(per_token)
+    q_pos = starts + torch.arange(problem.seqlen_q, device=q.device) * int(q_positions_per_token(problem))
     return apply_rotary(q, cos, sin, q_pos, interleaved), k_new
 
 
-def cache_positions(problem: DecodeProblem, block_table, batch: int, positions: torch.Tensor):
-    """(block index, row in block) of the cache rows at `positions` of sequence `batch` (contiguous: (batch, pos))."""
+def quantize_to_cache(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(..., Hkv, D) values as an e4m3 cache stores them: value / scale per KV head, saturated at +-448."""
+    return (x.to(torch.float32) / scale.to(torch.float32).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_CACHE)
+
+
+def cache_positions(problem: DecodeProblem, block_table, row: int, positions: torch.Tensor):
+    """(block index, row in block) of the cache rows at `positions` of cache row `row` (contiguous) or of block-table
+    row `row` (paged)."""
     if not problem.paged:
-        return torch.full_like(positions, batch), positions
-    return block_table[batch, positions // problem.block_size].long(), positions % problem.block_size
+        return torch.full_like(positions, row), positions
+    return block_table[row, positions // problem.block_size].long(), positions % problem.block_size
+
+
+def _attend_sequence(queries, keys, values, problem: DecodeProblem, slopes, compute):
+    """queries (Lq, Hq, D), keys/values (Lk, Hkv, D) (dequantised), in `compute` -> (out (Lq, Hq, D), lse (Hq, Lq)).
+    One KV head's keys against its group's query heads x tokens (no repeated K/V: the 1M-token oracle fits)."""
+    lq, lk = queries.shape[0], keys.shape[0]
+    queries = queries.transpose(0, 1).reshape(problem.num_kv_heads, problem.group * lq, problem.head_dim)
+    scores = (queries @ keys.permute(1, 2, 0) * problem.softmax_scale).view(1, problem.num_q_heads, lq, lk)
+    scores = score_mods(scores, problem.mask, lq, lk, slopes)[0]
+    if lk == 0:
+        lse = torch.full((problem.num_q_heads, lq), float("-inf"), dtype=compute, device=queries.device)
+        return torch.zeros(lq, problem.num_q_heads, problem.head_dim, dtype=compute, device=queries.device), lse
+    lse = torch.logsumexp(scores, dim=-1)
+    seen = torch.isfinite(lse)
+    weights = torch.exp(scores - torch.where(seen, lse, 0.0).unsqueeze(-1))
+    out = (weights.view(problem.num_kv_heads, problem.group * lq, lk) @ values.transpose(0, 1)).view(-1, lq,
+                                                                                                    values.shape[-1])
+    return out.masked_fill(~seen.unsqueeze(-1), 0.0).transpose(0, 1), lse
 
 
 def decode_reference(q, k_cache, v_cache, cache_seqlens, problem: DecodeProblem, block_table=None, k_new=None,
-                     v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False, alibi_slopes=None):
-    """Append (in place), gather each sequence's keys, attend: (out (B, Lq, Hq, D) in q's dtype, lse (B, Hq, Lq)),
-    computed in float32 (float64 for float64). Values must have been checked (`check_decode_values`)."""
-    batch, lq = problem.batch, problem.seqlen_q
-    seqlens = torch.as_tensor(cache_seqlens).expand(batch).to("cpu", torch.int64)
+                     v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False, alibi_slopes=None, *,
+                     cache_starts=None, cache_batch_idx=None, cu_seqlens_q=None, k_scale=None, v_scale=None):
+    """Append (in place), gather each sequence's keys, attend: (out in q's layout and dtype, lse (B, Hq, Lq), or
+    (Hq, total_q) for packed queries (cu_seqlens_q)), computed in float32 (float64 for float64). A sequence whose
+    values are out of range (`triton_decode`'s rules) gets NaN, as in the kernels."""
+    batch = problem.batch
+    ends = torch.as_tensor(cache_seqlens).expand(batch).to("cpu", torch.int64)
+    starts = cache_starts.to("cpu", torch.int64) if cache_starts is not None else torch.zeros_like(ends)
+    rows = cache_batch_idx.to("cpu", torch.int64) if cache_batch_idx is not None else torch.arange(batch)
+    if k_cache.dim() == 3:  # packed (total_k, Hkv, D) keys: one cache row that every sequence reads
+        k_cache, v_cache, rows = k_cache.unsqueeze(0), v_cache.unsqueeze(0), torch.zeros_like(rows)
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     if rotary_cos is not None:
-        q, k_new = rotate_new_tokens(q, k_new, rotary_cos, rotary_sin, seqlens.to(q.device), problem,
+        q, k_new = rotate_new_tokens(q, k_new, rotary_cos, rotary_sin, ends.to(q.device), problem,
                                      rotary_interleaved)
-    out = torch.zeros(q.shape, dtype=compute, device=q.device)
-    lse = torch.full((batch, problem.num_q_heads, lq), float("-inf"), dtype=compute, device=q.device)
+    if problem.packed_q:
+        cu = cu_seqlens_q.to("cpu", torch.int64)
+        q_rows = [(slice(None), slice(int(cu[b]), int(cu[b + 1]))) for b in range(batch)]
+        out = torch.zeros(q.shape, dtype=compute, device=q.device)
+        lse = torch.full((problem.num_q_heads, q.shape[0]), float("-inf"), dtype=compute, device=q.device)
+    else:
+        q_rows = [(b, slice(None)) for b in range(batch)]
+        out = torch.zeros(q.shape, dtype=compute, device=q.device)
+        lse = torch.full((batch, problem.num_q_heads, problem.seqlen_q), float("-inf"), dtype=compute,
+                         device=q.device)
+    num_blocks = k_cache.shape[0]
+    k_scale = None if k_scale is None else k_scale.to(compute).expand(problem.num_kv_heads).unsqueeze(-1)
+    v_scale = None if v_scale is None else v_scale.to(compute).expand(problem.num_kv_heads).unsqueeze(-1)
     for b in range(batch):
-        start = int(seqlens[b])
+        start, end, row = int(starts[b]), int(ends[b]), int(rows[b])
+        lk = end + problem.num_new - start
+        bad = start < 0 or end < start or end + problem.num_new > problem.capacity
+        bad = bad or (cache_batch_idx is not None and not 0 <= row < problem.cache_batch)
+        if not bad and problem.paged:
+            used = block_table[row, : (end + problem.num_new + problem.block_size - 1) // problem.block_size]
+            bad = bool(((used < 0) | (used >= num_blocks)).any())
+        query_rows = q[q_rows[b][0]][q_rows[b][1]] if problem.packed_q else q[b]
+        out_view = out[q_rows[b][1]] if problem.packed_q else out[b]
+        lse_view = lse[:, q_rows[b][1]] if problem.packed_q else lse[b]
+        if bad:
+            out_view.fill_(float("nan"))
+            lse_view.fill_(float("nan"))
+            continue
+        if query_rows.shape[0] == 0 and k_new is None:
+            continue
         if k_new is not None:
-            blocks, rows = cache_positions(problem, block_table, b, torch.arange(start, start + problem.num_new,
-                                                                                 device=q.device))
-            k_cache[blocks, rows] = k_new[b]
-            v_cache[blocks, rows] = v_new[b]
-        lk = start + problem.num_new
-        blocks, rows = cache_positions(problem, block_table, b, torch.arange(lk, device=q.device))
-        # One KV head's keys against its group's query heads x tokens (no repeated K/V: the 1M-token oracle fits).
-        keys = k_cache[blocks, rows].permute(1, 2, 0).to(compute)  # (Hkv, D, Lk)
-        values = v_cache[blocks, rows].transpose(0, 1).to(compute)  # (Hkv, Lk, D)
-        queries = q[b].transpose(0, 1).to(compute).reshape(problem.num_kv_heads, problem.group * lq, -1)
-        scores = (queries @ keys * problem.softmax_scale).view(1, problem.num_q_heads, lq, lk)
+            blocks, cache_rows = cache_positions(problem, block_table, row, torch.arange(end, end + problem.num_new,
+                                                                                          device=q.device))
+            k_cache[blocks, cache_rows] = k_new[b] if k_scale is None else quantize_to_cache(k_new[b], k_scale[:, 0])
+            v_cache[blocks, cache_rows] = v_new[b] if v_scale is None else quantize_to_cache(v_new[b], v_scale[:, 0])
+        blocks, cache_rows = cache_positions(problem, block_table, row, torch.arange(start, start + lk,
+                                                                                     device=q.device))
+        keys, values = k_cache[blocks, cache_rows].to(compute), v_cache[blocks, cache_rows].to(compute)
+        if k_scale is not None:
+            keys, values = keys * k_scale, values * v_scale
         slopes = None if alibi_slopes is None else alibi_slopes.expand(batch, -1)[b : b + 1]
-        scores = score_mods(scores, problem.mask, lq, lk, slopes)[0]
-        row_lse = torch.logsumexp(scores, dim=-1) if lk else lse[b]
-        seen = torch.isfinite(row_lse)
-        weights = torch.exp(scores - torch.where(seen, row_lse, 0.0).unsqueeze(-1))
-        weighted = (weights.view(problem.num_kv_heads, problem.group * lq, lk) @ values).view(-1, lq, q.shape[-1])
-        out[b] = weighted.masked_fill(~seen.unsqueeze(-1), 0.0).transpose(0, 1)
-        lse[b] = row_lse
+        seq_out, seq_lse = _attend_sequence(query_rows.to(compute), keys, values, problem, slopes, compute)
+        out_view.copy_(seq_out)
+        lse_view.copy_(seq_lse)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return out.to(q.dtype), lse.to(lse_dtype)
 
@@ -351,75 +577,116 @@ def decode_reference(q, k_cache, v_cache, cache_seqlens, problem: DecodeProblem,
 
 
 @dataclass(frozen=True)
+class CacheCall:
+    """One checked call's tensors as the executors take them: the queries (decode (B, Lq, Hq, D), or packed
+    (total_q, Hq, D) with cu_seqlens_q), the caches, each sequence's end (before the append) and optional first
+    position and cache row, and the optional append, rotary, ALiBi and FP8 scales."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    ends: torch.Tensor
+    starts: torch.Tensor | None = None
+    cache_rows: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    k_new: torch.Tensor | None = None
+    v_new: torch.Tensor | None = None
+    rotary_cos: torch.Tensor | None = None
+    rotary_sin: torch.Tensor | None = None
+    rotary_interleaved: bool = False
+    alibi_slopes: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class TritonDecode:
-    """The Triton decode kernels (triton_decode): the append (with rotary) where new keys come, the split-KV
-    attention with `splits` key splits per sequence, and the LSE combine where splits > 1."""
+    """The Triton cache kernels (triton_decode): the append (with rotary, quantisation) where new keys come, the
+    split-KV attention with `splits` key splits per sequence, and the LSE combine where splits > 1."""
 
     tiles: DecodeTiles
     splits: int
     backend = "triton"
     kernel = "triton_decode._decode_kernel"
 
-    def run(self, q, k_cache, v_cache, seqlens, problem: DecodeProblem, block_table, k_new, v_new, rotary_cos,
-            rotary_sin, rotary_interleaved, alibi_slopes):
+    def run(self, call: CacheCall, problem: DecodeProblem):
         # Triton launches on the current device: make it q's
-        with torch.cuda.device(q.device) if on_another_cuda_device(q) else contextlib.nullcontext():
+        with torch.cuda.device(call.q.device) if on_another_cuda_device(call.q) else contextlib.nullcontext():
             ran("forward", self.backend, self.kernel)
-            return _launch(q, k_cache, v_cache, seqlens, problem, block_table, k_new, v_new, rotary_cos, rotary_sin,
-                           rotary_interleaved, alibi_slopes, self.tiles, self.splits)
+            return _launch(call, problem, self.tiles, self.splits)
 
 
-def _launch(q, k_cache, v_cache, seqlens, problem: DecodeProblem, block_table, k_new, v_new, rotary_cos, rotary_sin,
-            rotary_interleaved, alibi_slopes, tiles: DecodeTiles, splits: int):
+def _launch(call: CacheCall, problem: DecodeProblem, tiles: DecodeTiles, splits: int):
     from flashmoe_science.attention import triton_decode as kernels
 
-    batch, lq, hq, d = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, hq, lq, dtype=torch.float32, device=q.device)
-    table = block_table if block_table is not None else seqlens  # a placeholder pointer when contiguous
+    q, k_cache, v_cache, ends = call.q, call.k_cache, call.v_cache, call.ends
+    hq, d = problem.num_q_heads, problem.head_dim
+    lq = problem.seqlen_q
+    # packed queries: rows after the last sequence are not attended, and read 0
+    out = (torch.zeros if problem.packed_q else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
+    if problem.packed_q:  # (total_q, Hq, D) as a batch of one whose rows each sequence indexes from cu_seqlens_q
+        lse = torch.empty(hq, q.shape[0], dtype=torch.float32, device=q.device)
+        q_strides, o_strides, lse_strides = (0, *q.stride()[:2]), (0, *out.stride()[:2]), (0, lse.stride(0))
+    else:
+        lse = torch.empty(problem.batch, hq, lq, dtype=torch.float32, device=q.device)
+        q_strides, o_strides, lse_strides = q.stride()[:3], out.stride()[:3], lse.stride()[:2]
+    if q.numel() == 0:
+        return out, lse
+    table = call.block_table if call.block_table is not None else ends  # placeholder pointers where absent
     page_size = problem.block_size if problem.paged else 1
     num_blocks = k_cache.shape[0]
-    max_blocks = block_table.shape[1] if block_table is not None else 1
+    max_blocks = table.shape[1] if call.block_table is not None else 1
     block_d = max(16, 1 << (d - 1).bit_length())
+    starts = call.starts if call.starts is not None else ends
+    rows = call.cache_rows if call.cache_rows is not None else ends
+    k_scale = call.k_scale if call.k_scale is not None else lse
+    v_scale = call.v_scale if call.v_scale is not None else lse
+    scale_stride = call.k_scale.stride(0) if call.k_scale is not None and call.k_scale.shape[0] > 1 else 0
+    cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3]) if k_cache.dim() == 4 else \
+        (0, *k_cache.stride()[:2], 0, *v_cache.stride()[:2])  # a packed (total_k, Hkv, D) key tensor: one row
+    layout = dict(PAGED=problem.paged, PAGE_SIZE=page_size, HAS_STARTS=call.starts is not None,
+                  HAS_CACHE_ROWS=call.cache_rows is not None, FP8=problem.fp8)
 
-    if k_new is not None:
-        q_att = torch.empty_like(out) if rotary_cos is not None else q
-        cos, sin = (rotary_cos, rotary_sin) if rotary_cos is not None else (q, q)
-        rotary = rotary_cos is not None
-        kernels._append_kernel[(max(lq, problem.num_new), batch, hq + problem.num_kv_heads)](
-            q, q_att, k_new, v_new, k_cache, v_cache, table, seqlens, cos, sin,
-            *q.stride()[:3], *q_att.stride()[:3], *k_new.stride()[:3], *v_new.stride()[:3],
-            *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0), cos.stride(0),
-            lq, problem.num_new, hq, problem.capacity, num_blocks, max_blocks, cos.shape[0],
-            HEAD_DIM=d, BLOCK_D=block_d, PAGED=problem.paged, PAGE_SIZE=page_size, ROTARY=rotary,
-            ROTARY_DIM=2 * rotary_cos.shape[1] if rotary else 16, INTERLEAVED=bool(rotary_interleaved),
-            Q_POSITIONS_PER_TOKEN=problem.mask.causal or problem.mask.bounded_left or problem.mask.bounded_right,
-            num_warps=1)
-    else:
-        q_att = q
+    q_att = q
+    if call.k_new is not None:
+        rotary = call.rotary_cos is not None
+        q_att = torch.empty_like(out) if rotary else q
+        cos, sin = (call.rotary_cos, call.rotary_sin) if rotary else (q, q)
+        kernels._append_kernel[(max(lq, problem.num_new), problem.batch, hq + problem.num_kv_heads)](
+            q, q_att, call.k_new, call.v_new, k_cache, v_cache, table, ends, starts, rows, cos, sin, k_scale, v_scale,
+            *q.stride()[:3], *q_att.stride()[:3], *call.k_new.stride()[:3], *call.v_new.stride()[:3],
+            *cache_strides, table.stride(0), cos.stride(0), scale_stride,
+            lq, problem.num_new, hq, problem.capacity, problem.cache_batch, num_blocks, max_blocks, cos.shape[0],
+            HEAD_DIM=d, BLOCK_D=block_d, **layout, ROTARY=rotary,
+            ROTARY_DIM=2 * call.rotary_cos.shape[1] if rotary else 16, INTERLEAVED=call.rotary_interleaved,
+            Q_POSITIONS_PER_TOKEN=q_positions_per_token(problem), num_warps=1)
 
-    slopes = alibi_slopes if alibi_slopes is not None else lse
-    slope_batch_stride = alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
-    rows = batch * problem.num_kv_heads * problem.group * lq
+    slopes = call.alibi_slopes
+    slope_batch_stride = slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0
+    rows_total = problem.batch * hq * lq
     if splits > 1:
-        o_part = torch.empty(splits * rows * d, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(splits * rows, dtype=torch.float32, device=q.device)
+        o_part = torch.empty(splits * rows_total * d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(splits * rows_total, dtype=torch.float32, device=q.device)
     else:
         o_part, lse_part = lse, lse
-    grid = (splits, batch * problem.num_kv_heads, math.ceil(problem.group * lq / tiles.block_m))
+    cu_q = call.cu_seqlens_q if call.cu_seqlens_q is not None else ends
+    grid = (splits, problem.batch * problem.num_kv_heads, math.ceil(problem.group * lq / tiles.block_m))
     kernels._decode_kernel[grid](
-        q_att, k_cache, v_cache, table, seqlens, slopes, out, lse, o_part, lse_part,
-        *q_att.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-        table.stride(0), slope_batch_stride, *out.stride()[:3],
-        problem.num_kv_heads, problem.group, problem.num_new, problem.capacity, num_blocks, max_blocks, splits,
-        **_mask_args(problem),
-        SEQLEN_Q=lq, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        PAGED=problem.paged, PAGE_SIZE=page_size, ALIBI=alibi_slopes is not None, SPLIT=splits > 1,
-        **dot_precision(q), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        q_att, k_cache, v_cache, table, ends, starts, rows, cu_q, slopes if slopes is not None else lse, k_scale,
+        v_scale, out, lse, o_part, lse_part,
+        *q_strides, *cache_strides, table.stride(0), slope_batch_stride, *o_strides, *lse_strides, scale_stride,
+        problem.num_kv_heads, problem.group, lq, problem.num_new, problem.capacity, problem.cache_batch, num_blocks,
+        max_blocks, splits, **_mask_args(problem),
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        TILE_TOKENS=(tiles.block_m - 1) // problem.group + 2, VARLEN_Q=problem.packed_q, **layout,
+        ALIBI=slopes is not None, SPLIT=splits > 1, **dot_precision(q), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
     if splits > 1:
-        kernels._combine_kernel[(rows,)](
-            o_part, lse_part, out, lse, rows, splits, hq, *out.stride()[:3],
-            SEQLEN_Q=lq, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(32, 1 << (splits - 1).bit_length()), num_warps=4)
+        kernels._combine_kernel[(rows_total,)](
+            o_part, lse_part, out, lse, cu_q, rows_total, splits, hq, lq, *o_strides, *lse_strides,
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(32, 1 << (splits - 1).bit_length()), VARLEN_Q=problem.packed_q,
+            num_warps=4)
     return out, lse
 
 
@@ -435,11 +702,12 @@ class ReferenceDecode:
     backend = "reference"
     kernel = "decode.decode_reference"
 
-    def run(self, q, k_cache, v_cache, seqlens, problem: DecodeProblem, block_table, k_new, v_new, rotary_cos,
-            rotary_sin, rotary_interleaved, alibi_slopes):
+    def run(self, call: CacheCall, problem: DecodeProblem):
         ran("forward", self.backend, self.kernel)
-        return decode_reference(q, k_cache, v_cache, seqlens, problem, block_table, k_new, v_new, rotary_cos,
-                                rotary_sin, rotary_interleaved, alibi_slopes)
+        return decode_reference(call.q, call.k_cache, call.v_cache, call.ends, problem, call.block_table, call.k_new,
+                                call.v_new, call.rotary_cos, call.rotary_sin, call.rotary_interleaved,
+                                call.alibi_slopes, cache_starts=call.starts, cache_batch_idx=call.cache_rows,
+                                cu_seqlens_q=call.cu_seqlens_q, k_scale=call.k_scale, v_scale=call.v_scale)
 
 
 @dataclass(frozen=True, eq=False)
@@ -488,53 +756,100 @@ def plan_decode(problem: DecodeProblem, q, num_splits="auto", backend: str = "au
     return choose(DECODE_BACKENDS, DecodeCall(problem, q, num_splits), backend)
 
 
-def decode_call(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None, v_new=None, rotary_cos=None,
-                rotary_sin=None, rotary_interleaved=False, causal=True, softmax_scale=None, window=None,
-                softcap=None, alibi_slopes=None, return_lse=False, num_splits="auto", backend="auto",
-                check_values=None):
-    """(out, lse) of `flash_attention_decode` (its arguments): the checks, the plan and the kernels, once. The
-    custom ops (torch.compile) call this too."""
-    problem = check_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, rotary_cos, rotary_sin,
-                           causal, softmax_scale, window, softcap, alibi_slopes)
+def _check_call_options(rotary_interleaved, return_lse, num_splits, backend) -> None:
     if not isinstance(rotary_interleaved, bool) or not isinstance(return_lse, bool):
         raise TypeError("rotary_interleaved and return_lse must be bools")
     if num_splits != "auto" and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
                                  or num_splits < 1):
         raise ValueError(f"num_splits must be 'auto' or an int >= 1, got {num_splits!r}")
     check_backend(backend, BACKENDS)
+
+
+def decode_call(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None, v_new=None, rotary_cos=None,
+                rotary_sin=None, rotary_interleaved=False, cache_batch_idx=None, cache_leftpad=None, k_scale=None,
+                v_scale=None, causal=True, softmax_scale=None, window=None, softcap=None, alibi_slopes=None,
+                return_lse=False, num_splits="auto", backend="auto", check_values=None):
+    """(out, lse) of `flash_attention_decode` (its arguments): the checks, the plan and the kernels, once. The
+    custom ops (torch.compile) call this too."""
+    problem = check_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, rotary_cos, rotary_sin,
+                           causal, softmax_scale, window, softcap, alibi_slopes, cache_batch_idx=cache_batch_idx,
+                           cache_leftpad=cache_leftpad, k_scale=k_scale, v_scale=v_scale)
+    _check_call_options(rotary_interleaved, return_lse, num_splits, backend)
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((problem.batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    if check_values is None:
-        check_values = not q.is_cuda
-    if check_values:
-        check_decode_values(problem, k_cache, cache_seqlens, block_table, rotary_cos)
-    step = plan_decode(problem, q, num_splits, backend).plan
-    return step.run(q, k_cache, v_cache, cache_seqlens, problem, block_table, k_new, v_new, rotary_cos, rotary_sin,
-                    rotary_interleaved, alibi_slopes)
+    if resolve_check_values(check_values, q.device):
+        reach = max(problem.num_new, problem.seqlen_q if q_positions_per_token(problem) else 1)
+        check_decode_values(problem, k_cache, cache_seqlens, block_table, rotary_cos, cache_starts=cache_leftpad,
+                            cache_batch_idx=cache_batch_idx, rotary_positions=reach)
+    call = CacheCall(q, k_cache, v_cache, cache_seqlens, cache_leftpad, cache_batch_idx, block_table, None, k_new,
+                     v_new, rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes, k_scale, v_scale)
+    return plan_decode(problem, q, num_splits, backend).plan.run(call, problem)
+
+
+def cache_varlen_call(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, *, cu_seqlens_k=None, seqused_k=None,
+                      block_table=None, causal=False, softmax_scale=None, window=None, softcap=None,
+                      alibi_slopes=None, k_scale=None, v_scale=None, num_splits="auto", backend="auto",
+                      check_values=None):
+    """(out (total_q, Hq, D), lse (Hq, total_q)) of packed queries against keys read in place: a paged cache
+    (block_table; sequence b's keys are positions [0, seqused_k[b]) of its table row, or cu_seqlens_k's lengths
+    where seqused_k is None) or a packed (total_k, Hkv, D) key tensor whose sequence b starts at row
+    cu_seqlens_k[b] and holds seqused_k[b] keys. flash_attn_varlen_func's paged and seqused_k conventions."""
+    problem = check_cache_varlen(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_table, causal, softmax_scale,
+                                 window, softcap, alibi_slopes, k_scale, v_scale)
+    _check_call_options(False, False, num_splits, backend)
+    if seqused_k is None and cu_seqlens_k is None:
+        raise ValueError("pass seqused_k or cu_seqlens_k: the keys of each sequence")
+    for name, t, size in (("cu_seqlens_k", cu_seqlens_k, problem.batch + 1), ("seqused_k", seqused_k, problem.batch)):
+        if t is not None:
+            _per_sequence(name, t, size, q.device)
+    starts = None
+    if seqused_k is not None:
+        lengths = seqused_k
+    else:
+        lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    if block_table is None:
+        if cu_seqlens_k is None:
+            raise ValueError("packed keys (no block_table) need cu_seqlens_k: where each sequence's keys start")
+        starts = cu_seqlens_k[:-1]
+        ends = (starts + lengths).to(torch.int32)
+    else:
+        ends = lengths
+    if resolve_check_values(check_values, q.device):
+        check_decode_values(problem, k_cache, ends, block_table, None, cache_starts=starts, cu_seqlens_q=cu_seqlens_q,
+                            total_q=q.shape[0])
+    call = CacheCall(q, k_cache, v_cache, ends, starts, None, block_table, cu_seqlens_q, alibi_slopes=alibi_slopes,
+                     k_scale=k_scale, v_scale=v_scale)
+    return plan_decode(problem, q, num_splits, backend).plan.run(call, problem)
 
 
 def flash_attention_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=None, v_new=None,
-                           rotary_cos=None, rotary_sin=None, rotary_interleaved=False, causal=True,
-                           softmax_scale=None, window=None, softcap=None, alibi_slopes=None, return_lse=False,
-                           num_splits="auto", backend="auto", check_values=None):
-    """Attention of a few new tokens against a KV cache (see the module docstring for the conventions).
+                           rotary_cos=None, rotary_sin=None, rotary_interleaved=False, cache_batch_idx=None,
+                           cache_leftpad=None, k_scale=None, v_scale=None, causal=True, softmax_scale=None,
+                           window=None, softcap=None, alibi_slopes=None, return_lse=False, num_splits="auto",
+                           backend="auto", check_values=None):
+    """Attention of new tokens (1 for decode, a few for speculative decoding, thousands for a chunked prefill)
+    against a KV cache (see the module docstring for the conventions).
 
     Args:
-        q: (B, Lq, Hq, D), Lq in 1..16, bf16/fp16/fp32 (float64 on the reference).
-        k_cache, v_cache: contiguous (B, Lmax, Hkv, D), or paged (num_blocks, block_size, Hkv, D) with
-            ``block_table`` (B, max_blocks) int32, block_size in 16..256. Written in place when k_new is given.
-        cache_seqlens: int32 (B,) (or an int for every row): keys in the cache before the call.
-        k_new, v_new: (B, L_new, Hkv, D) appended at cache_seqlens before attending.
+        q: (B, Lq, Hq, D), Lq >= 1, D in [1, 256], bf16/fp16/fp32 (float64 on the reference), Hq a multiple of
+            Hkv.
+        k_cache, v_cache: contiguous (B_cache, Lmax, Hkv, D), or paged (num_blocks, block_size, Hkv, D) with
+            ``block_table`` (B, max_blocks) int32, block_size in 16..256; q's dtype, or float8_e4m3fn with
+            ``k_scale``/``v_scale`` (float32 (Hkv,) or (1,)). Written in place when k_new is given.
+        cache_seqlens: int32 (B,) (or an int for every row): the cache's end before the call.
+        k_new, v_new: (B, L_new, Hkv, D) in q's dtype, appended at cache_seqlens before attending.
         rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2), applied to q and k_new (needs k_new);
             ``rotary_interleaved`` picks GPT-J pairs (2j, 2j+1) over GPT-NeoX halves.
+        cache_batch_idx, cache_leftpad: int32 (B,), contiguous caches only: the cache row of each sequence, and the
+            position its keys start at.
         causal, window (left, right), softcap, alibi_slopes ((Hq,) or (B, Hq) float32): `attention.mask`'s rules
             with diagonal = Lk - Lq.
         return_lse: also return the natural-log LSE, float32 (B, Hq, Lq) (-inf for a row that sees no key).
         num_splits: "auto" (a heuristic on B, Hkv, the cache's capacity and the SM count) or an int >= 1.
         backend: "auto" (CUDA: the Triton kernels; CPU: the reference), "triton", "reference".
-        check_values: check cache_seqlens, block_table and the rotary table's length on the host (a
-            synchronisation; not allowed while capturing a CUDA graph). Default: on for CPU tensors, off on GPUs,
-            where the kernels clamp every index into the cache instead.
+        check_values: None (default) checks lengths, cache rows, block-table entries and the rotary table's length
+            on the host in eager calls (one synchronisation) and not while a CUDA graph is captured; False never
+            (out-of-range values then give NaN rows); True always (refused during capture).
 
     Returns out (B, Lq, Hq, D) in q's dtype, and lse when return_lse.
     """
@@ -546,11 +861,13 @@ def flash_attention_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=No
             torch.ops.flashmoe_science.attention_decode_append
         out, lse = op(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, rotary_cos, rotary_sin,
                       rotary_interleaved, causal, softmax_scale, None if window is None else [int(s) for s in window],
-                      softcap, alibi_slopes, 0 if num_splits == "auto" else num_splits, backend, check_values)
+                      softcap, alibi_slopes, 0 if num_splits == "auto" else num_splits, backend, check_values,
+                      cache_batch_idx, cache_leftpad, k_scale, v_scale)
     else:
         out, lse = decode_call(q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k_new, v_new=v_new,
                                rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-                               causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
-                               alibi_slopes=alibi_slopes, return_lse=return_lse, num_splits=num_splits,
-                               backend=backend, check_values=check_values)
+                               cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, k_scale=k_scale,
+                               v_scale=v_scale, causal=causal, softmax_scale=softmax_scale, window=window,
+                               softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse,
+                               num_splits=num_splits, backend=backend, check_values=check_values)
     return (out, lse) if return_lse else out

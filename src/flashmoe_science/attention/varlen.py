@@ -12,6 +12,7 @@ import torch
 
 from flashmoe_science.attention import call
 from flashmoe_science.attention.checks import check_flags
+from flashmoe_science.attention.decode import cache_varlen_call
 from flashmoe_science.attention.plan import Dispatch, describe, plan_attention
 from flashmoe_science.attention.problem import packed_problem
 from flashmoe_science.attention.reference import default_softmax_scale
@@ -44,6 +45,9 @@ def flash_attention_varlen(
     return_lse: bool = False,
     deterministic: bool = False,
     backend: str = "auto",
+    block_table: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    check_values: bool | None = None,
 ):
     """Attention over a batch of packed sequences of different lengths (flash-attn's varlen layout).
 
@@ -58,6 +62,14 @@ def flash_attention_varlen(
         alibi_slopes: float32 `(Hq,)` or `(batch, Hq)`.
         return_lse: also return the natural-log log-sum-exp, float32 `(Hq, total_q)` (flash-attn's packed layout).
         deterministic, backend: as `flash_attention_science`.
+        block_table: int32 `(batch, max_blocks)`: k and v are then a paged cache `(num_blocks, block_size, Hkv, D)`
+            and sequence b's keys are positions [0, seqused_k[b]) (else cu_seqlens_k's lengths) of its table row.
+        seqused_k: int32 `(batch,)`: sequence b uses only its first seqused_k[b] keys (of the rows from
+            cu_seqlens_k[b] in packed k/v, or of its table row).
+        check_values: with block_table or seqused_k, as `flash_attention_decode`'s (None: checked on the host in
+            eager calls, not during CUDA-graph capture; out-of-range values then give NaN rows).
+        Calls with block_table or seqused_k run the cache kernels (`attention.decode.cache_varlen_call`), forward
+        only (no gradient flows to a cache), any mask and GQA; their max_seqlen_k is not used.
 
     The cu_seqlens values are checked with one small device-to-host copy per new pair of cu_seqlens tensors (see
     `checks.check_varlen`).
@@ -65,6 +77,16 @@ def flash_attention_varlen(
     Returns:
         `out` `(total_q, Hq, D)` in q's dtype, or `(out, lse)` when `return_lse=True`.
     """
+    if block_table is not None or seqused_k is not None:
+        check_flags(return_lse=return_lse)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise ValueError("flash_attention_varlen with block_table or seqused_k is forward only: q, k and v must "
+                             "not require grad")
+        out, lse = cache_varlen_call(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k=cu_seqlens_k,
+                                     seqused_k=seqused_k, block_table=block_table, causal=causal,
+                                     softmax_scale=softmax_scale, window=window, softcap=softcap,
+                                     alibi_slopes=alibi_slopes, backend=backend, check_values=check_values)
+        return (out, lse) if return_lse else out
     if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
         check_flags(return_lse=return_lse)
         out, lse = torch.ops.flashmoe_science.attention_varlen_forward(

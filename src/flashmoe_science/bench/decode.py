@@ -1,4 +1,5 @@
-"""Decode benchmark (`flashmoe-science bench --suite decode`): one new token against a full KV cache.
+"""Decode benchmark (`flashmoe-science bench --suite decode`): one new token against a full KV cache, prefill chunks
+appended to a cache, and a served workload.
 
 Decode reads the cache once, so its measure is bandwidth: bytes of K and V read / time, against the H200's
 4.3 TB/s and against a pure-read kernel over the same bytes timed in the same run. Hq=32, Hkv=8, D=128, bf16;
@@ -6,9 +7,21 @@ contexts 8k..1M at B=1 and at the B with B·context = 256k tokens; our kernel on
 one (block 64, blocks shuffled over the pool); PyTorch SDPA (every backend that takes the shape, enable_gqa, on a
 contiguous (B, Hkv, L, D) copy: their best layout) and compiled FlexAttention (B=1) beside it.
 
+On the GPU an e4m3 cache (per-KV-head scales) is timed beside the bf16 one ("flashmoe-fp8", "flashmoe-fp8-paged64";
+its TB/s count the e4m3 bytes it reads, half of bf16's).
+
+Prefill chunks (`run_chunk_bench`): Lq = 128 and 512 new tokens appended to a cache of 4k and 32k and attending it
+(bottom-right causal), ours on contiguous and paged caches, against our dense forward on the same shape and SDPA
+(cuDNN, efficient) with a lower-right causal additive bias on contiguous copies. TFLOP/s count the visible (query, key) pairs.
+
 Every call is captured once in a CUDA graph and the graph's replay is timed (triton's do_bench: L2 flushed
 before each replay, median), so host launch overhead is not measured for anyone. Records:
-    {"op": "decode", "layout", "B", "L", "Hq", "Hkv", "D", "backend", "ms", "tbps", "of_peak", "of_read"}
+    {"op": "decode", "layout", "B", "L", "Hq", "Hkv", "D", "backend", "kv_dtype", "ms", "tbps", "of_peak", "of_read"}
+    {"op": "prefill_chunk", "layout", "B", "Lq", "L", "Hq", "Hkv", "D", "backend", "ms", "tflops"}
+
+`run_serving_bench`: transformers' continuous batching (`generate_batch`) of a small random Qwen3-like model over
+many prompts, tokens/s per attention implementation (ours, `sdpa`: transformers' paged SDPA), greedy outputs
+compared.
 """
 
 from __future__ import annotations
@@ -37,7 +50,9 @@ TOKENS_PER_BATCH = 1 << 18  # B·context of the batched rows
 PAGE = 64
 SDPA_BACKENDS = {"sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-flash": "FLASH_ATTENTION",
                  "sdpa-efficient": "EFFICIENT_ATTENTION", "sdpa-math": "MATH"}
-BACKEND_ORDER = ("flashmoe", "flashmoe-paged64", "read", *SDPA_BACKENDS, "flex")
+BACKEND_ORDER = ("flashmoe", "flashmoe-paged64", "flashmoe-fp8", "flashmoe-fp8-paged64", "read", *SDPA_BACKENDS,
+                 "flex")
+CHUNK_CASES = ((128, 4096), (512, 4096), (128, 32768), (512, 32768))  # (new tokens, cache length after them)
 
 
 def decode_cases(contexts, batched: bool = True) -> list[tuple[int, int]]:
@@ -112,6 +127,12 @@ def _contenders(batch: int, length: int, device, dtype, on_gpu: bool) -> dict[st
         "flashmoe-paged64": lambda: flash_attention_decode(q, k_pool, v_pool, seqlens, block_table=table),
     }
     if on_gpu:
+        scale = torch.full((HKV,), 0.5, dtype=torch.float32, device=device)
+        k8, v8, k8_pool, v8_pool = (t.div(0.5).to(torch.float8_e4m3fn) for t in (k, v, k_pool, v_pool))
+        calls["flashmoe-fp8"] = lambda: flash_attention_decode(q, k8, v8, seqlens, k_scale=scale, v_scale=scale)
+        calls["flashmoe-fp8-paged64"] = lambda: flash_attention_decode(q, k8_pool, v8_pool, seqlens,
+                                                                       block_table=table, k_scale=scale,
+                                                                       v_scale=scale)
         calls["read"] = _pure_read(k, v)
     # SDPA and flex take (B, H, L, D); a contiguous copy of the cache is their best layout.
     q_heads = q.transpose(1, 2)
@@ -149,7 +170,6 @@ def run_decode_bench(progress, skips: list[str], contexts=None, on_case_done=Non
     records = []
     for batch, length in cases:
         calls = _contenders(batch, length, device, dtype, on_gpu)
-        kv_bytes = 2 * batch * length * HKV * HEAD_DIM * torch.finfo(dtype).bits // 8
         case_records = []
         for name, call in calls.items():
             try:
@@ -157,10 +177,13 @@ def run_decode_bench(progress, skips: list[str], contexts=None, on_case_done=Non
             except Exception as error:  # a backend that rejects the shape or cannot be captured: n/a
                 skips.append(f"{name} B={batch} L={length}: {type(error).__name__}: {str(error)[:160]}")
                 continue
+            kv_dtype = torch.float8_e4m3fn if "fp8" in name else dtype
+            kv_bytes = 2 * batch * length * HKV * HEAD_DIM * torch.finfo(kv_dtype).bits // 8
             tbps = kv_bytes / (ms * 1e-3) / 1e12
             case_records.append({"op": "decode", "layout": "paged64" if name.endswith("paged64") else "contiguous",
                                  "B": batch, "L": length, "Hq": HQ, "Hkv": HKV, "D": HEAD_DIM,
-                                 "dtype": str(dtype).removeprefix("torch."), "backend": name,
+                                 "dtype": str(dtype).removeprefix("torch."),
+                                 "kv_dtype": str(kv_dtype).removeprefix("torch."), "backend": name,
                                  "ms": round_significant(ms), "tbps": round_significant(tbps),
                                  "of_peak": round_significant(tbps / H200_PEAK_TBPS)})
         read = next((r["tbps"] for r in case_records if r["backend"] == "read"), None)
@@ -177,26 +200,147 @@ def run_decode_bench(progress, skips: list[str], contexts=None, on_case_done=Non
 
 
 def decode_table(records: list[dict]) -> str:
-    """TB/s per backend, one row per (B, L); ours against the pure read, the peak and the best SDPA/flex."""
-    rows = {}
+    """TB/s per backend, one row per (B, L); ours against the pure read, the peak and the best SDPA/flex; with an
+    e4m3 cache, its speed-up over bf16 (time ratio, contiguous caches)."""
+    rows, times = {}, {}
     for record in records:
+        if record.get("op", "decode") != "decode":
+            continue
         rows.setdefault((record["B"], record["L"]), {})[record["backend"]] = record["tbps"]
+        times.setdefault((record["B"], record["L"]), {})[record["backend"]] = record.get("ms")
     columns = [name for name in BACKEND_ORDER if any(name in values for values in rows.values())]
     body = []
     for (batch, length), values in rows.items():
         ours = max((values[name] for name in ("flashmoe", "flashmoe-paged64") if name in values), default=None)
         theirs = max((values[name] for name in (*SDPA_BACKENDS, "flex") if name in values), default=None)
+        ms = times[(batch, length)]
+        fp8 = [format_number(ratio(ms.get("flashmoe"), ms.get("flashmoe-fp8")), 2)] if "flashmoe-fp8" in columns else []
         body.append([f"B={batch} L={length}", *(format_number(values.get(name), 2) for name in columns),
                      format_number(ratio(values.get("flashmoe"), values.get("read")), 2),
                      format_number(ratio(values.get("flashmoe"), H200_PEAK_TBPS), 2),
-                     format_number(ratio(ours, theirs), 2)])
-    return format_table(["case (TB/s)", *columns, "ours/read", "ours/4.3", "ours/best-torch"], body)
+                     format_number(ratio(ours, theirs), 2), *fp8])
+    fp8_header = ["fp8 speed-up"] if "flashmoe-fp8" in columns else []
+    return format_table(["case (TB/s)", *columns, "ours/read", "ours/4.3", "ours/best-torch", *fp8_header], body)
+
+
+def _chunk_contenders(new_tokens: int, length: int, device, dtype) -> dict[str, Callable[[], object]]:
+    """A prefill chunk of `new_tokens` appended at length - new_tokens and attending the whole cache."""
+    from flashmoe_science import flash_attention_decode, flash_attention_science
+    from flashmoe_science.attention.mask import make_mask, visibility
+    from flashmoe_science.bench.attention import _sdpa_context
+
+    q = torch.randn(1, new_tokens, HQ, HEAD_DIM, device=device, dtype=dtype)
+    k = torch.randn(1, length, HKV, HEAD_DIM, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    k_new, v_new = k[:, length - new_tokens :].clone(), v[:, length - new_tokens :].clone()
+    cached = torch.full((1,), length - new_tokens, dtype=torch.int32, device=device)
+    k_pool, v_pool, table = _paged_copy(k, v)
+    q_heads, k_heads, v_heads = q.transpose(1, 2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    calls = {
+        "flashmoe-chunk": lambda: flash_attention_decode(q, k, v, cached, k_new=k_new, v_new=v_new),
+        "flashmoe-chunk-paged64": lambda: flash_attention_decode(q, k_pool, v_pool, cached, block_table=table,
+                                                                 k_new=k_new, v_new=v_new),
+        "flashmoe-dense": lambda: flash_attention_science(q_heads, k_heads, v_heads, causal=True),
+    }
+    # an additive bias (0 / -inf), what an SDPA user passes for a chunk: cuDNN and efficient take it, flash does not
+    bias = torch.zeros(new_tokens, length, device=device, dtype=dtype).masked_fill(
+        ~visibility(new_tokens, length, make_mask(True), device), float("-inf"))
+    for name in ("sdpa-cudnn", "sdpa-efficient"):
+
+        def sdpa(kernel=SDPA_BACKENDS[name]):
+            with _sdpa_context(kernel)():
+                return F.scaled_dot_product_attention(q_heads, k_heads, v_heads, attn_mask=bias, enable_gqa=True)
+
+        calls[name] = sdpa
+    return calls
+
+
+def run_chunk_bench(progress, skips: list[str], cases=CHUNK_CASES) -> list[dict]:
+    """Prefill chunks against a cache (GPU): the records of the module docstring."""
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    progress.set_total(len(cases))
+    records = []
+    for new_tokens, length in cases:
+        visible = new_tokens * length - new_tokens * (new_tokens - 1) // 2  # bottom-right causal pairs
+        for name, call in _chunk_contenders(new_tokens, length, device, dtype).items():
+            try:
+                ms = gpu_median_ms(_graphed(call))
+            except Exception as error:  # a backend that rejects the shape or cannot be captured: n/a
+                skips.append(f"{name} Lq={new_tokens} L={length}: {type(error).__name__}: {str(error)[:160]}")
+                continue
+            records.append({"op": "prefill_chunk", "layout": "paged64" if name.endswith("paged64") else "contiguous",
+                            "B": 1, "Lq": new_tokens, "L": length, "Hq": HQ, "Hkv": HKV, "D": HEAD_DIM,
+                            "dtype": "bfloat16", "backend": name, "ms": round_significant(ms),
+                            "tflops": round_significant(4 * HQ * HEAD_DIM * visible / (ms * 1e-3) / 1e12)})
+        torch.cuda.empty_cache()
+        progress.update(desc=f"chunk Lq={new_tokens} L={length}")
+    return records
+
+
+def chunk_table(records: list[dict]) -> str:
+    """TFLOP/s per backend, one row per (Lq, L); ours against our dense forward and the best SDPA."""
+    rows = {}
+    for record in records:
+        if record.get("op") == "prefill_chunk":
+            rows.setdefault((record["Lq"], record["L"]), {})[record["backend"]] = record["tflops"]
+    names = ("flashmoe-chunk", "flashmoe-chunk-paged64", "flashmoe-dense", "sdpa-cudnn", "sdpa-efficient")
+    columns = [name for name in names if any(name in values for values in rows.values())]
+    body = []
+    for (new_tokens, length), values in rows.items():
+        theirs = max((values[name] for name in ("sdpa-cudnn", "sdpa-efficient") if name in values), default=None)
+        body.append([f"Lq={new_tokens} L={length}", *(format_number(values.get(name), 3) for name in columns),
+                     format_number(ratio(values.get("flashmoe-chunk"), values.get("flashmoe-dense")), 2),
+                     format_number(ratio(values.get("flashmoe-chunk"), theirs), 2)])
+    return format_table(["chunk (TFLOP/s)", *columns, "chunk/dense", "chunk/best-sdpa"], body)
+
+
+def run_serving_bench(num_prompts: int = 256, new_tokens: int = 64, device="cuda", seed: int = 0,
+                      implementations=None) -> list[dict]:
+    """tokens/s of transformers' `generate_batch` on a random Qwen3-like model (hidden 1024, 8 layers, 16 query
+    heads, 8 KV heads, head dim 128, bf16) over `num_prompts` prompts of 64..512 tokens, per implementation;
+    each record says whether its greedy tokens equal the first implementation's and the peak memory."""
+    import time
+
+    import transformers
+
+    from flashmoe_science.integrations import hf
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(vocab_size=32000, hidden_size=1024, intermediate_size=3072,
+                                      num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                      max_position_embeddings=4096)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).eval()
+    lengths = torch.randint(64, 513, (num_prompts,)).tolist()
+    prompts = [torch.randint(1, config.vocab_size, (n,)).tolist() for n in lengths]
+    generation = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                               pad_token_id=0)
+    records, first = [], None
+    for implementation in implementations or (hf.register_flash(), "sdpa"):
+        model.set_attn_implementation(implementation)
+        torch.cuda.reset_peak_memory_stats()
+        model.generate_batch(inputs=prompts[:8], generation_config=generation)  # warm-up: compile, capture
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        outputs = model.generate_batch(inputs=prompts, generation_config=generation)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        tokens = {rid: list(o.generated_tokens) for rid, o in outputs.items()}
+        generated = sum(len(t) for t in tokens.values())
+        first = tokens if first is None else first
+        same = sum(tokens.get(rid) == want for rid, want in first.items())
+        records.append({"op": "generate_batch", "implementation": implementation, "prompts": num_prompts,
+                        "new_tokens": new_tokens, "seconds": round_significant(seconds),
+                        "tokens_per_s": round_significant(generated / seconds), "same_greedy_as_first": same,
+                        "peak_gib": round_significant(torch.cuda.max_memory_allocated() / 2**30)})
+    return records
 
 
 def plot_decode(records: list[dict], path, title: str):
     """TB/s against context, one panel for B=1 and one for B·L = 256k, one line per backend."""
     panels: dict[str, dict[str, list]] = {}
     for record in records:
+        if record.get("op", "decode") != "decode":
+            continue
         panel = "B=1" if record["B"] == 1 else f"B·L={TOKENS_PER_BATCH // 1024}k"
         panels.setdefault(panel, {}).setdefault(record["backend"], []).append((record["L"], record["tbps"]))
     if not panels:

@@ -15,6 +15,11 @@ arguments. ``check_config`` names any config feature this backend cannot compute
     model = hf.from_config(config)                       # register, check, build, swap the MoE blocks
     model = hf.apply(AutoModelForCausalLM.from_pretrained(name))
 
+Serving: ``model.set_attn_implementation(hf.register_flash())`` (``FLASH_IMPLEMENTATION``) runs transformers' own
+flash-attention path on `integrations.flash_attn_interface`, which is what continuous batching (``generate_batch``,
+``transformers serve``) calls: varlen prefill on packed sequences, and on CUDA the block-table decode on the paged
+cache (``flash_attn_with_kvcache`` -> ``flash_attention_decode``).
+
 transformers has no hook that runs a backend's checks while ``AutoModel.from_config(cfg,
 attn_implementation="fmoe_science")`` builds a model, so a model built that way meets an unsupported feature at
 its first forward (the same ValueError); ``from_config`` and ``apply`` raise it at construction.
@@ -32,6 +37,11 @@ from flashmoe_science.nn.attention import attention_keywords, require_attention_
 from flashmoe_science.nn.moe import replace_hf_moe_blocks
 
 ATTN_IMPLEMENTATION = "fmoe_science"
+# The flash-attention-shaped implementation for transformers' serving paths (continuous batching). Its name must
+# contain "flash" (continuous batching takes only "paged|eager", "sdpa" and flash implementations) and match
+# "flash...3" for the paged decode path (transformers enables block tables only for flash_attn v2/v3's API, whose
+# flash_attn_with_kvcache `integrations.flash_attn_interface` follows).
+FLASH_IMPLEMENTATION = "fmoe_science_flash_attn3"
 
 
 def register() -> None:
@@ -42,6 +52,80 @@ def register() -> None:
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, flashmoe_science_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_attention_mask)
+
+
+def register_flash() -> str:
+    """Makes ``attn_implementation=FLASH_IMPLEMENTATION`` run transformers' own flash-attention path
+    (``integrations.flash_attention.flash_attention_forward``: padding-free varlen calls, and in continuous batching
+    the paged prefill and the block-table decode) on `integrations.flash_attn_interface`. Returns the name.
+
+    transformers 5.24 resolves the functions of a "flash" implementation once per name in
+    ``modeling_flash_attention_utils.lazy_import_flash_attention``, which knows only the flash_attn packages and
+    the kernels hub (a download); its answer is cached per name. This fills that cache with our module's functions
+    for our name (the wrapper below fills it again before each call, since the cache holds one implementation at a
+    time), and registers the attention and mask functions under the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    _provide_flash_functions()
+    AttentionInterface.register(FLASH_IMPLEMENTATION, flash_attention)
+    AttentionMaskInterface.register(FLASH_IMPLEMENTATION, flash_attention_mask)
+    return FLASH_IMPLEMENTATION
+
+
+def _provide_flash_functions() -> None:
+    from transformers import modeling_flash_attention_utils as loader
+
+    if loader._loaded_implementation == FLASH_IMPLEMENTATION:
+        return
+    from flashmoe_science.integrations import flash_attn_interface as fa
+
+    loader._flash_fn, loader._flash_varlen_fn = fa.flash_attn_func, _padded_batch_varlen
+    loader._flash_with_kvcache_fn = torch.compiler.disable(_padded_batch_with_kvcache)
+    loader._pad_fn, loader._unpad_fn = loader._pad_input, loader._unpad_input
+    loader._process_flash_kwargs_fn = loader._lazy_define_process_function(fa.flash_attn_varlen_func)
+    loader._process_with_kvcache_kwargs_fn = loader._lazy_define_process_function(fa.flash_attn_with_kvcache)
+    loader._loaded_implementation = FLASH_IMPLEMENTATION
+
+
+# Continuous batching pads the batches it captures in CUDA graphs (and runs each once eagerly before capturing it):
+# query and key rows after the last sequence (cu_seqlens[-1] < rows), and in the decode path padding sequences of
+# no tokens (cache_seqlens -1, block-table rows of -1). Their outputs are never read.
+
+
+def _padded_batch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs):
+    """`flash_attn_varlen_func` on the rows the sequences cover: eagerly, one host read of the two totals (trailing
+    padding rows get zeros); while capturing, the packed kernels take the padded tensors as they are (they attend
+    the rows cu_seqlens name and leave the rest; the capture skips the host-side check)."""
+    from flashmoe_science.attention.decode import capturing
+    from flashmoe_science.integrations import flash_attn_interface as fa
+
+    if kwargs.get("block_table") is not None or capturing(q.device):
+        return fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs)
+    total_q, total_k = torch.stack((cu_seqlens_q[-1], cu_seqlens_k[-1])).tolist()
+    if total_q == q.shape[0] and total_k == k.shape[0]:
+        return fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs)
+    out = q.new_zeros(q.shape)
+    out[:total_q] = fa.flash_attn_varlen_func(q[:total_q], k[:total_k], v[:total_k], cu_seqlens_q, cu_seqlens_k,
+                                              *args, **kwargs)
+    return out
+
+
+def _padded_batch_with_kvcache(*args, **kwargs):
+    """`flash_attn_with_kvcache` without the host check: a padding sequence (cache_seqlens -1) gets NaN rows and
+    writes nothing (the kernels' rule for out-of-range values), so the padded batch needs no host read."""
+    from flashmoe_science.integrations import flash_attn_interface as fa
+
+    return fa.flash_attn_with_kvcache(*args, check_values=False, **kwargs)
+
+
+def flash_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' flash-attention function (``integrations.flash_attention.flash_attention_forward``) with its
+    functions resolved to `integrations.flash_attn_interface`."""
+    from transformers.integrations.flash_attention import flash_attention_forward
+
+    _provide_flash_functions()
+    return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def _head_dim(config) -> int | None:
@@ -189,5 +273,5 @@ def _padded_attention(query, key, value, mask, options) -> torch.Tensor:
     return padded.view(batch, length_q, heads, head_dim)
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "apply", "attention_keywords", "check_config", "flashmoe_science_attention",
-           "from_config", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "FLASH_IMPLEMENTATION", "apply", "attention_keywords", "check_config",
+           "flash_attention", "flashmoe_science_attention", "from_config", "register", "register_flash"]

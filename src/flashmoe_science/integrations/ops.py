@@ -207,10 +207,11 @@ attention_varlen_forward.register_autograd(_varlen_autograd_backward, setup_cont
 # them they are only read (a declared mutation would make the compiler copy the whole cache on every call).
 def _decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, rotary_cos, rotary_sin,
             rotary_interleaved, causal, softmax_scale, window, softcap, alibi_slopes, num_splits, backend,
-            check_values):
+            check_values, cache_batch_idx, cache_leftpad, k_scale, v_scale):
     out, lse = decode_call(
         q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k_new, v_new=v_new, rotary_cos=rotary_cos,
-        rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, causal=causal, softmax_scale=softmax_scale,
+        rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad, k_scale=k_scale, v_scale=v_scale, causal=causal, softmax_scale=softmax_scale,
         window=_window(window), softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True,
         num_splits="auto" if num_splits == 0 else num_splits, backend=backend, check_values=check_values)
     return out.contiguous(), lse.to(_lse_dtype(q)).contiguous()
@@ -225,14 +226,16 @@ attention_decode = _op(f"{NAMESPACE}::attention_decode", _decode, mutates_args=(
                        schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table, "
                               "Tensor? k_new, Tensor? v_new, Tensor? rotary_cos, Tensor? rotary_sin, "
                               "bool rotary_interleaved, bool causal, float? softmax_scale, SymInt[]? window, "
-                              "float? softcap, Tensor? alibi_slopes, int num_splits, str backend, bool? check_values) "
+                              "float? softcap, Tensor? alibi_slopes, int num_splits, str backend, bool? check_values, "
+                              "Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? k_scale, Tensor? v_scale) "
                               "-> (Tensor, Tensor)")
 attention_decode_append = _op(
     f"{NAMESPACE}::attention_decode_append", _decode, mutates_args=("k_cache", "v_cache"),
     schema="(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? block_table, "
            "Tensor? k_new, Tensor? v_new, Tensor? rotary_cos, Tensor? rotary_sin, bool rotary_interleaved, "
            "bool causal, float? softmax_scale, SymInt[]? window, float? softcap, Tensor? alibi_slopes, int num_splits, "
-           "str backend, bool? check_values) -> (Tensor, Tensor)")
+           "str backend, bool? check_values, Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? k_scale, "
+           "Tensor? v_scale) -> (Tensor, Tensor)")
 attention_decode.register_fake(_decode_fake)
 attention_decode_append.register_fake(_decode_fake)
 

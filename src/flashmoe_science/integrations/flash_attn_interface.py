@@ -1,0 +1,92 @@
+"""flash_attn's three entry points, with flash_attn's signatures and layouts, on this library's kernels.
+
+For code written against ``flash_attn`` (serving engines, transformers' flash paths): tensors are token-major as
+flash_attn's, ``(batch, seqlen, heads, head_dim)`` or packed ``(total, heads, head_dim)``, and the arguments keep
+flash_attn's names and defaults (``window_size=(-1, -1)``, ``softcap=0.0``, ``rotary_interleaved=True``,
+``num_splits=0`` for a heuristic). Each call is one public function of this library:
+
+| flash_attn                  | here                                                                 |
+|-----------------------------|----------------------------------------------------------------------|
+| ``flash_attn_func``         | ``flash_attention_science`` on ``.transpose(1, 2)`` views (no copy)    |
+| ``flash_attn_varlen_func``  | ``flash_attention_varlen`` (paged with ``block_table``, ``seqused_k``) |
+| ``flash_attn_with_kvcache`` | ``flash_attention_decode`` (any number of new tokens)                  |
+
+Dropout, returned attention probabilities and learnable sinks do not exist here: a nonzero ``dropout_p``,
+``return_attn_probs=True`` or any other argument flash_attn has and this module does not raise (never a silent
+difference).
+"""
+
+from __future__ import annotations
+
+from flashmoe_science.attention.api import flash_attention_science
+from flashmoe_science.attention.decode import flash_attention_decode
+from flashmoe_science.attention.varlen import flash_attention_varlen
+
+
+def _refuse(dropout_p, return_attn_probs, unsupported: dict) -> None:
+    if dropout_p:
+        raise ValueError(f"dropout_p must be 0.0 (attention dropout is not implemented), got {dropout_p}")
+    if return_attn_probs:
+        raise ValueError("return_attn_probs=True is not supported: the kernels never form the probabilities (use "
+                         "return_softmax_lse / the lse output)")
+    given = sorted(name for name, value in unsupported.items() if value is not None)
+    if given:
+        raise TypeError(f"unsupported flash_attn argument(s): {', '.join(given)}")
+
+
+def _softcap(softcap: float):
+    return softcap if softcap else None
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, **unsupported):
+    """q (B, Lq, Hq, D), k/v (B, Lk, Hkv, D) -> out (B, Lq, Hq, D) (and lse (B, Hq, Lq) with return_attn_probs in
+    flash_attn; here only out)."""
+    _refuse(dropout_p, return_attn_probs, unsupported)
+    out = flash_attention_science(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                                  softmax_scale=softmax_scale, window=tuple(window_size), softcap=_softcap(softcap),
+                                  alibi_slopes=alibi_slopes, deterministic=deterministic)
+    return out.transpose(1, 2)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, seqused_k=None,
+                           **unsupported):
+    """Packed q (total_q, Hq, D); k/v packed (total_k, Hkv, D), or a paged cache (num_blocks, block_size, Hkv, D)
+    with block_table (B, max_blocks) int32 (sequence b's keys: the first cu_seqlens_k[b+1] - cu_seqlens_k[b], or
+    seqused_k[b], positions of its table row). Returns out (total_q, Hq, D)."""
+    _refuse(dropout_p, return_attn_probs, unsupported)
+    return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                  causal=causal, softmax_scale=softmax_scale, window=tuple(window_size),
+                                  softcap=_softcap(softcap), alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                  block_table=block_table, seqused_k=seqused_k)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+                            k_scale=None, v_scale=None, check_values=None, **unsupported):
+    """q (B, Lq, Hq, D) against k_cache/v_cache (contiguous (B_cache, Lmax, Hkv, D) or paged with block_table),
+    appending k/v (B, L_new, Hkv, D) at cache_seqlens first (in place). cache_seqlens None: the whole contiguous
+    cache. k_scale/v_scale: float32 (Hkv,) scales of float8_e4m3fn caches; check_values as flash_attention_decode's.
+    Returns out (B, Lq, Hq, D), and the LSE (B, Hq, Lq) with return_softmax_lse."""
+    _refuse(0.0, False, unsupported)
+    if cache_seqlens is None:
+        if block_table is not None:
+            raise ValueError("cache_seqlens is required with block_table")
+        cache_seqlens = k_cache.shape[1] - (0 if k is None else k.shape[1])
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: a heuristic), got {num_splits!r}")
+    result = flash_attention_decode(
+        q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k, v_new=v, rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad, k_scale=k_scale, v_scale=v_scale, causal=causal, softmax_scale=softmax_scale,
+        window=tuple(window_size), softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
+        return_lse=bool(return_softmax_lse), num_splits="auto" if num_splits == 0 else num_splits,
+        check_values=check_values)
+    return result
+
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]

@@ -1,0 +1,160 @@
+"""The serving calls on the GPU against float64 oracles: chunked prefill (hundreds of new tokens) into paged and
+contiguous caches, cache_leftpad / cache_batch_idx, e4m3 caches, paged and seqused_k varlen, out-of-range values
+under CUDA-graph capture, and FlashAttention's own kvcache test grid (tests/test_flash_attn.py's
+test_flash_attn_kvcache parameters, a subset) through the flash_attn-shaped call.
+
+Run on a GPU: `PYTHONPATH=src python -m pytest -q -m gpu tests/attention/test_cache_serving_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from decode_helpers import assert_decode_close, make_case, run_varlen_case
+from flashmoe_science import flash_attention_decode
+from flashmoe_science.integrations.flash_attn_interface import flash_attn_with_kvcache
+
+pytestmark = pytest.mark.gpu
+CUDA = "cuda"
+
+
+def _run(case, **options):
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    out, lse = flash_attention_decode(case.q, k_cache, v_cache, case.cache_seqlens,
+                                      **case.kwargs(return_lse=True, **options))
+    torch.cuda.synchronize()
+    mask = {name: options[name] for name in ("causal", "window", "softcap", "rotary_interleaved") if name in options}
+    appended = case.k_new is not None
+    return assert_decode_close(case, out, lse, k_cache if appended else None, v_cache if appended else None, **mask)
+
+
+@pytest.mark.parametrize("block_size", [None, 16, 256], ids=["contiguous", "paged16", "paged256"])
+@pytest.mark.parametrize("lq", [17, 128, 512])
+@pytest.mark.parametrize("group", [1, 4])
+def test_chunked_prefill(block_size, lq, group):
+    case = make_case([0, 1000, 2048 - lq, 300], lq=lq, hq=2 * group, hkv=2, d=128, dtype=torch.bfloat16, device=CUDA,
+                     block_size=block_size, capacity=2048, num_new=lq, rotary=True)
+    _run(case)
+
+
+@pytest.mark.parametrize("mask", [dict(window=(200, 0)), dict(window=(100, 30), causal=False), dict(softcap=30.0),
+                                  dict(alibi=True)], ids=["window", "window-noncausal", "softcap", "alibi"])
+def test_chunked_prefill_masks(mask):
+    mask = dict(mask)
+    case = make_case([100, 1500, 3000], lq=256, hq=16, hkv=4, d=128, dtype=torch.bfloat16, device=CUDA,
+                     block_size=64, capacity=4096, alibi=mask.pop("alibi", False))
+    _run(case, **mask)
+
+
+@pytest.mark.parametrize("lq,num_new", [(1, 1), (4, 0), (128, 128)])
+def test_leftpad_and_batch_idx(lq, num_new):
+    case = make_case([200, 1000, 1800], lq=lq, hq=16, hkv=4, d=128, dtype=torch.bfloat16, device=CUDA, capacity=2048,
+                     num_new=num_new, rotary=num_new > 0, leftpad=True, batch_idx=True)
+    _run(case)
+
+
+@pytest.mark.parametrize("block_size", [None, 64], ids=["contiguous", "paged64"])
+@pytest.mark.parametrize("lq,num_new", [(1, 1), (4, 4), (128, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fp8_cache(block_size, lq, num_new, dtype):
+    case = make_case([0, 700, 3000, 4096 - num_new], lq=lq, hq=32, hkv=8, d=128, dtype=dtype, device=CUDA,
+                     block_size=block_size, capacity=4096, num_new=num_new, fp8=True)
+    _run(case)
+
+
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(causal=False), dict(causal=True, window=(40, 0))],
+                         ids=["causal", "full", "window"])
+@pytest.mark.parametrize("paged", [True, False], ids=["paged64", "seqused_k"])
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)], ids=["bf16", "fp16"])
+def test_varlen_against_cache(paged, mask, dtype, atol):
+    run_varlen_case(paged, dtype, atol, device=CUDA, hq=16, hkv=4, d=128, block_size=64,
+                    q_lengths=(0, 1, 100, 513, 64), k_lengths=(30, 1, 900, 513, 0), **mask)
+
+
+def test_capture_skips_the_check_and_bad_rows_are_nan():
+    """Captured with good values (the eager warm-up checks them); replayed with a length past block_table's capacity
+    in row 0 and a block outside the pool in row 1: those rows are NaN, rows 2-3 equal an eager call on their own."""
+    case = make_case([100, 1500, 3000, 33], lq=2, hq=32, hkv=8, d=128, dtype=torch.bfloat16, device=CUDA,
+                     block_size=64, capacity=4096, num_new=2)
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+
+    def call():
+        return flash_attention_decode(case.q, k_cache, v_cache, case.cache_seqlens, **case.kwargs())
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    case.cache_seqlens.copy_(torch.tensor([4095, 1500, 3000, 33], dtype=torch.int32))
+    case.block_table[1, 3] = k_cache.shape[0] + 5
+    before = k_cache.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isnan(out[:2]).all() and torch.isfinite(out[2:]).all()
+    changed = (k_cache != before).flatten(1).any(1).nonzero().flatten().tolist()
+    # rows 1-3 append into their own blocks (row 1's bad entry is not where it appends); row 0 writes nothing
+    assert set(changed) <= {int(case.block_table[b, (int(case.cache_seqlens[b]) + t) // 64]) for b in (1, 2, 3)
+                            for t in range(2)}
+    with pytest.raises(ValueError, match="block_table's capacity"):
+        call()
+
+
+# FlashAttention's test_flash_attn_kvcache grid (a subset), through the flash_attn-shaped call, against the float64
+# oracle (2x PyTorch's own error + slack, the rule of every decode test here; flash_attn allows 3x, 5x with ALiBi).
+FA_SHAPES = [(1, 128), (1, 339), (3, 1024), (64, 800), (16, 20000), (128, 128)]
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", FA_SHAPES)
+@pytest.mark.parametrize("d", [59, 128])
+@pytest.mark.parametrize("layout", ["contiguous", "paged256", "leftpad-batch_idx"])
+@pytest.mark.parametrize("variant", ["causal-rotary", "local-alibi", "full-newkv-interleaved", "mqa-noappend"])
+def test_flash_attn_kvcache_grid(seqlen_q, seqlen_k, d, layout, variant):
+    torch.manual_seed(hash((seqlen_q, seqlen_k, d, layout, variant)) % 2**31)
+    new_kv = variant != "mqa-noappend"
+    if seqlen_q > seqlen_k and new_kv:
+        pytest.skip("flash_attn skips new keys longer than the cache")
+    causal = variant == "causal-rotary"
+    local = variant == "local-alibi"
+    rotary = new_kv and variant in ("causal-rotary", "full-newkv-interleaved")
+    hkv = 1 if variant == "mqa-noappend" else 3
+    seqlen_new = seqlen_q if variant != "full-newkv-interleaved" else max(1, seqlen_q // 2)
+    num_new = seqlen_new if new_kv else 0
+    top = seqlen_k - (seqlen_q if (causal or local) and rotary else num_new)
+    lengths = torch.randint(0 if new_kv else 1, top + 1, (2,)).tolist()
+    case = make_case(lengths, lq=seqlen_q, hq=6, hkv=hkv, d=d, dtype=torch.float16, device=CUDA,
+                     block_size=256 if layout == "paged256" else None,
+                     capacity=math.ceil(seqlen_k / 256) * 256 if layout == "paged256" else seqlen_k, num_new=num_new,
+                     rotary=rotary, alibi=local, leftpad=layout == "leftpad-batch_idx",
+                     batch_idx=layout == "leftpad-batch_idx")
+    window = tuple(torch.randint(0, seqlen_k, (2,)).tolist()) if local else (-1, -1)
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    out = flash_attn_with_kvcache(case.q, k_cache, v_cache, case.k_new, case.v_new, case.rotary_cos, case.rotary_sin,
+                                  case.cache_seqlens, case.cache_batch_idx, case.cache_leftpad, case.block_table,
+                                  causal=causal, window_size=window, rotary_interleaved=variant.endswith("interleaved"),
+                                  alibi_slopes=case.alibi_slopes)
+    torch.cuda.synchronize()
+    assert_decode_close(case, out, None, k_cache if new_kv else None, v_cache if new_kv else None, causal=causal,
+                        window=window, rotary_interleaved=variant.endswith("interleaved"))
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_flash_attn_paged_bounds(append):
+    """flash_attn's test_flash_attn_kvcache_paged_block_table_bounds: one 256-key block per sequence; 256 cached keys
+    plus one new, or 257 without, must raise naming block_table; exactly 256 runs."""
+    q = torch.randn(1, 1, 1, 64, device=CUDA, dtype=torch.float16)
+    pool = torch.randn(4, 256, 1, 64, device=CUDA, dtype=torch.float16)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=CUDA)
+    new = torch.randn(1, 1, 1, 64, device=CUDA, dtype=torch.float16) if append else None
+    seqlens = torch.full((1,), 256 if append else 257, dtype=torch.int32, device=CUDA)
+    with pytest.raises(ValueError, match="block_table"):
+        flash_attn_with_kvcache(q, pool, pool.clone(), new, new, cache_seqlens=seqlens, block_table=table)
+    out = flash_attn_with_kvcache(q, pool, pool, cache_seqlens=torch.full((1,), 256, dtype=torch.int32, device=CUDA),
+                                  block_table=table)
+    assert out.shape == (1, 1, 1, 64) and not out.isnan().any()

@@ -1,0 +1,135 @@
+"""Serving paths on the CPU: the flash_attn-shaped module (`integrations.flash_attn_interface`) against this
+library's own calls and float64 oracles, and transformers' continuous batching (`generate_batch`) on
+`hf.FLASH_IMPLEMENTATION` against transformers' own paged implementation (same greedy tokens) on a tiny random
+Llama. On the CPU continuous batching takes its varlen path (the block-table decode path needs CUDA:
+test_serving_gpu.py); the block-table call transformers makes there is run here through its own function."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from attention.decode_helpers import assert_decode_close, make_case  # noqa: E402
+from flashmoe_science import flash_attention_science  # noqa: E402
+from flashmoe_science.attention.record import recording  # noqa: E402
+from flashmoe_science.integrations import flash_attn_interface as fa  # noqa: E402
+from flashmoe_science.integrations import hf  # noqa: E402
+
+
+def test_flash_attn_func_is_the_dense_call_token_major():
+    q, k, v = torch.randn(2, 9, 4, 32), torch.randn(2, 13, 2, 32), torch.randn(2, 13, 2, 32)
+    out = fa.flash_attn_func(q, k, v, causal=True, window_size=(5, -1), softcap=3.0)
+    want = flash_attention_science(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                                   window=(5, -1), softcap=3.0).transpose(1, 2)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_flash_attn_with_kvcache_flash_attn_defaults():
+    """rotary_interleaved defaults to True (flash_attn's default), num_splits=0 picks the heuristic, and
+    return_softmax_lse returns (out, lse); the result matches the float64 oracle."""
+    case = make_case([3, 17], lq=2, hq=4, hkv=2, d=32, block_size=16, capacity=32, num_new=2, rotary=True)
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    out, lse = fa.flash_attn_with_kvcache(case.q, k_cache, v_cache, case.k_new, case.v_new, case.rotary_cos,
+                                          case.rotary_sin, case.cache_seqlens, block_table=case.block_table,
+                                          causal=True, return_softmax_lse=True)
+    assert_decode_close(case, out, lse, k_cache, v_cache, rotary_interleaved=True)
+
+
+@pytest.mark.parametrize("change,message", [(dict(dropout_p=0.1), "dropout_p"),
+                                            (dict(return_attn_probs=True), "return_attn_probs"),
+                                            (dict(learnable_sink=torch.zeros(4)), "learnable_sink")])
+def test_what_flash_attn_has_and_we_do_not_is_refused(change, message):
+    q = torch.randn(1, 3, 4, 32)
+    with pytest.raises((ValueError, TypeError), match=message):
+        fa.flash_attn_func(q, q, q, **change)
+
+
+def test_transformers_block_table_call_through_its_own_function():
+    """transformers' `_flash_attention_forward` with the kwargs its paged cache passes in the decode path (one query
+    token per sequence, block_table, k_cache/v_cache, cu_seq_lens_k counting the new token): appends each token at
+    its sequence's end and attends the whole cache."""
+    from transformers.modeling_flash_attention_utils import _flash_attention_forward
+
+    name = hf.register_flash()
+    case = make_case([5, 0, 30], lq=1, hq=4, hkv=2, d=16, dtype=torch.float32, block_size=16, capacity=48,
+                     num_new=1)
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    lengths = case.cache_seqlens + 1
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
+    cu_q = torch.arange(4, dtype=torch.int32)
+    out = _flash_attention_forward(case.q.view(1, 3, 4, 16), case.k_new.view(1, 3, 2, 16), case.v_new.view(1, 3, 2, 16),
+                                   None, query_length=3, is_causal=True, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k,
+                                   max_length_q=1, max_length_k=int(lengths.max()), block_table=case.block_table,
+                                   k_cache=k_cache, v_cache=v_cache, attn_implementation=name)
+    assert_decode_close(case, out.view(3, 1, 4, 16), None, k_cache, v_cache)
+
+
+def _tiny_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=256)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def generate(model, implementation, prompts, device="cpu", max_new_tokens=6, **cb_options):
+    """Greedy tokens per request from transformers' continuous batching with this attention implementation."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model.set_attn_implementation(implementation)
+    generation = transformers.GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                                               pad_token_id=0)
+    outputs = model.generate_batch(inputs=prompts, generation_config=generation,
+                                   continuous_batching_config=ContinuousBatchingConfig(**cb_options), warmup=False)
+    return {rid: list(o.generated_tokens) for rid, o in outputs.items()}
+
+
+def test_generate_batch_matches_transformers_paged_attention():
+    model = _tiny_llama()
+    prompts = [[1, 5, 9, 22, 7], [3, 4], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7, 11, 40, 2, 19, 20, 21, 22]]
+    options = dict(num_blocks=8, max_batch_tokens=64, page_size=16)
+    with recording() as ran:
+        ours = generate(model, hf.register_flash(), prompts, **options)
+    assert any(kernel.startswith("reference.") for _, _, kernel in ran), ran[:3]  # our varlen call ran
+    assert ours == generate(model, "paged|eager", prompts, **options)
+
+
+def test_transformers_padded_batches():
+    """What continuous batching hands over when it pads a batch for a CUDA graph: varlen rows after the last
+    sequence (zeros out; the rest as the unpadded call), and decode padding sequences (cache_seqlens -1, block-table
+    rows of -1: NaN rows, nothing written; the real rows as the unpadded call)."""
+    q, k, v = torch.randn(9, 4, 16), torch.randn(12, 2, 16), torch.randn(12, 2, 16)
+    cu_q, cu_k = torch.tensor([0, 3, 7, 7], dtype=torch.int32), torch.tensor([0, 5, 10, 10], dtype=torch.int32)
+    out = hf._padded_batch_varlen(q, k, v, cu_q, cu_k, 4, 5, causal=True)
+    want = fa.flash_attn_varlen_func(q[:7], k[:10], v[:10], cu_q, cu_k, 4, 5, causal=True)
+    assert torch.equal(out[:7], want) and (out[7:] == 0).all()
+    case = make_case([5, 20, 0], lq=1, hq=4, hkv=2, d=16, block_size=16, capacity=32, num_new=1)
+    case.cache_seqlens[2] = -1
+    case.block_table[2] = -1
+    k_cache = case.k_cache.clone()
+    out = hf._padded_batch_with_kvcache(case.q, k_cache, case.v_cache.clone(), case.k_new, case.v_new,
+                                        cache_seqlens=case.cache_seqlens, block_table=case.block_table)
+    assert torch.isnan(out[2]).all()
+    real = make_case([5, 20], lq=1, hq=4, hkv=2, d=16, block_size=16, capacity=32, num_new=1)
+    real.q, real.k_cache, real.v_cache, real.k_new, real.v_new = (case.q[:2], case.k_cache, case.v_cache,
+                                                                   case.k_new[:2], case.v_new[:2])
+    real.block_table = case.block_table[:2]
+    assert_decode_close(real, out[:2])
+    touched = (k_cache != case.k_cache).flatten(1).any(1).nonzero().flatten().tolist()
+    assert set(touched) <= {int(case.block_table[0, 0]), int(case.block_table[1, 1])}
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_forward_on_the_flash_implementation_matches_sdpa(padded):
+    """transformers' own flash path outside continuous batching (flash_attn_func; with a padding mask, its unpad
+    and flash_attn_varlen_func): the logits of the real tokens equal sdpa's."""
+    model = _tiny_llama()
+    ids = torch.randint(1, 128, (2, 11))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :4] = 0  # left padding
+    want = model(input_ids=ids, attention_mask=mask).logits
+    model.set_attn_implementation(hf.register_flash())
+    got = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
