@@ -28,7 +28,7 @@ from flashmoe_science.science.supercon_model import (
     ModelConfig,
     element_property_matrix,
 )
-from flashmoe_science.science.supercon_screen import CandidateSpace, pack, score, screen
+from flashmoe_science.science.supercon_screen import CandidateSpace, score, screen
 from flashmoe_science.science.supercon_train import TrainConfig, train
 
 TINY = ModelConfig(d_model=32, num_heads=2, num_layers=1, num_experts=4, top_k=2, d_ff=32, fraction_frequencies=4)
@@ -128,7 +128,7 @@ def test_candidate_space_decodes_substitutions():
     assert "La1.8Sr0.2Cu1O4" in formulas and "Sr2Cu1O4" in formulas and "Nb2.7Sr0.3Sn1" in formulas
     padded = space.padded_batch(0, len(space))
     torch.testing.assert_close(padded.fractions.sum(1), torch.ones(len(space)))  # fractions keep their sum
-    packed = pack(padded)
+    packed = padded.packed()
     assert packed.cu_seqlens[-1] == padded.mask.sum() and packed.elements.numel() == padded.mask.sum()
     for i, formula in enumerate(formulas):  # the tensors decode to the formula written for the same index
         row = {ELEMENT_SYMBOLS[e]: f for e, f, m in zip(padded.elements[i].tolist(), padded.fractions[i].tolist(),
@@ -342,10 +342,12 @@ def test_cli_baselines_beside_ours(small_csv, tmp_path, capsys):
     results = json.loads(path.read_text())
     assert {(r["model"], r["split"]) for r in results["records"]} == {
         (model, split) for model in ("knn", "random_forest", "extra_trees", "lightgbm")
-        for split in ("random", "superconductors")} | {("ours", "random")}
+        for split in ("random", "superconductors")} | {("ours", "random"), ("ours_transformer", "random")}
     assert results["summary"]["extra_trees"]["random"]["seeds"] == [0, 1]
     table = path.with_suffix(".md").read_text()
-    assert "| ours (d=32, layers=1, experts=4, epochs=1, cpu) | " in table and "| LightGBM | " in table
+    assert "| ours (d=32, layers=1, experts=4, epochs=1, cpu + extra trees + LightGBM) | " in table
+    assert "| ours, the transformer alone (d=32, layers=1, experts=4, epochs=1, cpu) | " in table
+    assert "| LightGBM | " in table
     assert "LightGBM" in capsys.readouterr().out
     # the baselines measured once, tabled again beside the model's runs without refitting them
     assert supercon("baselines", "--models", "none", "--include", str(path), "--splits", "random,superconductors",
