@@ -208,6 +208,9 @@ def test_cli_train_screen_and_bench(small_csv, tmp_path, capsys):
                     "--out", str(out / "bench")) == 0
     record = json.loads(next((out / "bench").glob("supercon-*.json")).read_text())
     assert record["screening"]["fused"]["candidates"] == 64 and record["agreement"]["candidates"] == 64
+    # the builds are compared on the transformer; the whole model (with its tree members) screens in its own row
+    assert record["screening"]["whole_model"]["members"] == ["extra_trees", "lightgbm"]
+    assert record["screening"]["whole_model"]["candidates"] == 64
 
 
 def test_quick_train_runs_both_splits(tmp_path):

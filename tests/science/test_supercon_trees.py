@@ -108,6 +108,7 @@ def test_trained_blend_predicts_the_mixture_and_survives_save_and_load(small_csv
     save_model(model, tmp_path / "model.pt")
     loaded = load_model(tmp_path / "model.pt")
     assert list(loaded.members) == ["extra_trees", "lightgbm"] and loaded.members["lightgbm"].reduction == "sum"
+    assert loaded.members["extra_trees"].active == model.members["extra_trees"].active
     before = predict(model, data, index, "plain", torch.device("cpu"))[0]
     torch.testing.assert_close(predict(loaded, data, index, "plain", torch.device("cpu"))[0], before)
 
@@ -119,3 +120,17 @@ def test_transformer_alone_when_no_members(small_csv):
     assert metrics["members"] == {} and len(model.members) == 0 and model.blend.tolist() == [1.0]
     with pytest.raises(ValueError, match="members"):
         train(data, TrainConfig(epochs=1, model=TINY, members=("forest",)), torch.device("cpu"), progress=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tree_walk_on_cuda_matches_cpu():
+    x, y = _data(2000, 6)
+    forest = TreeEnsemble.from_sklearn(sklearn_ensemble.ExtraTreesRegressor(n_estimators=20, random_state=0).fit(x, y))
+    boosted = TreeEnsemble.from_lightgbm(lightgbm.LGBMRegressor(n_estimators=60, verbose=-1).fit(x, y).booster_)
+    test = torch.from_numpy(_data(70000, 7)[0])
+    for trees in (forest, boosted):
+        on_cpu = trees.predict(test)
+        on_gpu = [t.cpu() for t in trees.to("cuda").predict(test.cuda())]
+        torch.testing.assert_close(on_gpu[0], on_cpu[0], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(on_gpu[1], on_cpu[1], rtol=1e-4, atol=1e-4)

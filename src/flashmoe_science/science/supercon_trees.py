@@ -3,9 +3,9 @@ classic composition features, trained beside the transformer and blended with it
 
 A fitted ensemble becomes flat node arrays (every tree's nodes end to end): the split feature, the threshold, the
 two children and the leaf value of each node, a leaf pointing at itself. Evaluation walks all trees of all rows at
-once, one level per step (``x[feature[node]] <= threshold[node]`` picks the child), for as many steps as the deepest
-tree: a few gathers per level on whatever device holds the model, so screening scores the trees on the GPU beside
-the transformer, and a saved model is tensors only (``torch.load(..., weights_only=True)`` reads it).
+once, one level per step (``x[feature[node]] <= threshold[node]`` picks the child): a few gathers per level on
+whatever device holds the model, so screening scores the trees on the GPU beside the transformer, and a saved
+model is tensors only (``torch.load(..., weights_only=True)`` reads it).
 
 The features are float32 (as the libraries see them), and each threshold is stored as the largest float32 not above
 the library's float64 threshold: for a float32 ``x``, ``x <= t64`` holds exactly when ``x <= floor32(t64)``, so the
@@ -71,38 +71,41 @@ def _round_down_float32(threshold: np.ndarray) -> np.ndarray:
 
 class TreeEnsemble(nn.Module):
     """Trees as flat node arrays (buffers): ``forward(x (B, F) float32)`` -> each tree's leaf value ``(B, trees)``;
-    :meth:`predict` reduces them as the ensemble does (``"mean"``: a forest, ``"sum"``: boosting)."""
+    :meth:`predict` reduces them as the ensemble does (``"mean"``: a forest, ``"sum"``: boosting).
 
-    def __init__(self, feature, threshold, left, right, value, roots, depth: int, reduction: str):
+    Node ``n`` splits on ``feature[n]`` at ``threshold[n]``; its children are ``child[2n]`` (``x <= threshold``)
+    and ``child[2n + 1]``; a leaf has itself as both children and threshold +inf. The trees are stored deepest
+    first, so the trees still walking at level ``s`` are a prefix (``active[s]`` of them): the walk costs the sum of
+    the trees' depths, not the number of trees times the deepest (LightGBM's leaf-wise trees: about half)."""
+
+    def __init__(self, feature, threshold, children, value, roots, active: list[int], reduction: str):
         super().__init__()
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        self.reduction, self.depth = reduction, int(depth)
+        self.reduction, self.active = reduction, [int(count) for count in active]
         for name, tensor, dtype in (("feature", feature, torch.int32), ("threshold", threshold, torch.float32),
-                                    ("left", left, torch.int32), ("right", right, torch.int32),
-                                    ("value", value, torch.float32), ("roots", roots, torch.int32)):
+                                    ("child", children, torch.int32), ("value", value, torch.float32),
+                                    ("roots", roots, torch.int32)):
             self.register_buffer(name, torch.as_tensor(np.asarray(tensor)).to(dtype))
 
     @classmethod
     def from_sklearn(cls, forest) -> "TreeEnsemble":
         """A fitted scikit-learn forest regressor (single output): mean of its trees."""
-        parts, offset = [], 0
+        trees = []
         for estimator in forest.estimators_:
             tree = estimator.tree_
             ids = np.arange(tree.node_count)
             leaf = tree.children_left < 0
-            parts.append((np.where(leaf, 0, tree.feature), np.where(leaf, np.inf, tree.threshold),
-                          np.where(leaf, ids, tree.children_left) + offset,
-                          np.where(leaf, ids, tree.children_right) + offset, tree.value[:, 0, 0], offset,
-                          tree.max_depth))
-            offset += tree.node_count
-        return cls._concatenate(parts, "mean")
+            trees.append((np.where(leaf, 0, tree.feature), np.where(leaf, np.inf, tree.threshold),
+                          np.where(leaf, ids, tree.children_left), np.where(leaf, ids, tree.children_right),
+                          tree.value[:, 0, 0], tree.max_depth))
+        return cls._concatenate(trees, "mean")
 
     @classmethod
     def from_lightgbm(cls, booster) -> "TreeEnsemble":
         """A fitted LightGBM regression booster (its ``dump_model()``; numerical ``<=`` splits): sum of its
         trees (the first holds the initial score)."""
-        parts, offset = [], 0
+        trees = []
         for info in booster.dump_model()["tree_info"]:
             nodes = []  # (feature, threshold, left, right, value), children as ids within the tree
 
@@ -121,40 +124,48 @@ class TreeEnsemble(nn.Module):
 
             visit(info["tree_structure"])
             feature, threshold, left, right, value = (np.array(column) for column in zip(*nodes))
-            parts.append((feature, threshold.astype(np.float64), left + offset, right + offset, value, offset,
-                          _depth(left, right)))
-            offset += len(nodes)
-        return cls._concatenate(parts, "sum")
+            trees.append((feature, threshold.astype(np.float64), left, right, value, _depth(left, right)))
+        return cls._concatenate(trees, "sum")
 
     @classmethod
-    def _concatenate(cls, parts, reduction: str) -> "TreeEnsemble":
-        feature, threshold, left, right, value, roots, depth = zip(*parts)
-        return cls(np.concatenate(feature), _round_down_float32(np.concatenate(threshold)), np.concatenate(left),
-                   np.concatenate(right), np.concatenate(value), np.array(roots), max(depth), reduction)
+    def _concatenate(cls, trees, reduction: str) -> "TreeEnsemble":
+        """Per-tree ``(feature, threshold, left, right, value, depth)`` (children as ids within the tree) -> one
+        ensemble, deepest tree first."""
+        trees = sorted(trees, key=lambda tree: -tree[-1])  # stable: equal depths keep their order
+        sizes = np.array([len(tree[0]) for tree in trees])
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        children = np.concatenate([np.stack([tree[2], tree[3]], 1) + offset for tree, offset in zip(trees, offsets)])
+        depths = np.array([tree[-1] for tree in trees])
+        active = [int((depths > level).sum()) for level in range(int(depths.max(initial=0)))]
+        return cls(np.concatenate([tree[0] for tree in trees]),
+                   _round_down_float32(np.concatenate([tree[1] for tree in trees])), children.reshape(-1),
+                   np.concatenate([tree[4] for tree in trees]), offsets, active, reduction)
 
     @classmethod
     def empty_like(cls, state: dict, prefix: str) -> "TreeEnsemble":
         """An ensemble with the buffer shapes of a saved state dict (keys ``prefix`` + buffer name) to load it
-        into (the reduction and depth come with the state's extra state)."""
-        zeros = np.zeros(state[prefix + "feature"].numel())
-        return cls(zeros, zeros, zeros, zeros, zeros, np.zeros(state[prefix + "roots"].numel()), 0, "mean")
+        into (the reduction and the walk's prefix sizes come with the state's extra state)."""
+        nodes = state[prefix + "feature"].numel()
+        zeros = np.zeros(nodes)
+        return cls(zeros, zeros, np.zeros(2 * nodes), zeros, np.zeros(state[prefix + "roots"].numel()), [], "mean")
 
     def get_extra_state(self) -> torch.Tensor:
-        return torch.tensor([("mean", "sum").index(self.reduction), self.depth])
+        return torch.tensor([("mean", "sum").index(self.reduction), *self.active])
 
     def set_extra_state(self, state: torch.Tensor) -> None:
-        reduction, self.depth = state.tolist()
+        reduction, *self.active = state.tolist()
         self.reduction = ("mean", "sum")[reduction]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             raise ValueError(f"x must be (rows, features), got shape {tuple(x.shape)}")
         x = x.float()
-        node = self.roots.expand(x.shape[0], -1)
-        for _ in range(self.depth):
-            go_left = x.gather(1, self.feature[node].long()) <= self.threshold[node]
-            node = torch.where(go_left, self.left[node], self.right[node])
-        return self.value[node]
+        node = self.roots.long().expand(x.shape[0], -1).clone()
+        for count in self.active:
+            walking = node[:, :count]
+            right = x.gather(1, self.feature.take(walking).long()) > self.threshold.take(walking)
+            node[:, :count] = self.child.take(2 * walking + right)
+        return self.value.take(node)
 
     def predict(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(prediction, spread over trees) ``(B,)`` each; the spread is 0 for boosting, whose trees add up."""
