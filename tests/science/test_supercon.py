@@ -357,6 +357,11 @@ def test_cli_baselines_beside_ours(small_csv, tmp_path, capsys):
                     "--out", str(tmp_path / "again")) == 0
     again = json.loads(next((tmp_path / "again").glob("supercon-baselines-*.json")).read_text())
     assert again["records"] == results["records"] and again["summary"] == results["summary"]
+    # new runs of the model beside the earlier baselines replace the earlier file's runs of it
+    assert supercon("baselines", "--models", "none", "--include", str(path), "--ours", str(tmp_path / "ours"),
+                    "--splits", "random,superconductors", "--out", str(tmp_path / "replaced")) == 0
+    replaced = json.loads(next((tmp_path / "replaced").glob("supercon-baselines-*.json")).read_text())["records"]
+    assert sorted(r["model"] for r in replaced if r["model"].startswith("ours")) == ["ours", "ours_transformer"]
     with pytest.raises(CommandError, match="as a supercon baselines result"):
         supercon("baselines", "--models", "none", "--include", str(small_csv), "--out", str(tmp_path / "bad"))
 

@@ -226,6 +226,8 @@ def run_baselines(args: argparse.Namespace) -> int:
     _check_at_least(rows=(args.rows, 1), trees=(args.trees, 1))
     earlier = read_earlier(Path(args.include)) if args.include else []
     ours = read_ours(Path(args.ours)) if args.ours else []
+    if ours:  # the new runs of the model replace an earlier file's
+        earlier = [record for record in earlier if record["model"] in BASELINES]
     models = list(BASELINES) if args.models is None else args.models
     records = []
     if models:
@@ -411,7 +413,7 @@ def add_supercon_parser(commands) -> None:
     baselines.add_argument("--ours", help="a folder of `supercon train` runs (one per seed, e.g. "
                            "runs/supercon/seed0, ...): their test metrics join the table")
     baselines.add_argument("--include", help="an earlier supercon-baselines-*.json: its records join the table "
-                           "(the baselines measured once, beside new --ours runs)")
+                           "(the baselines measured once, beside new --ours runs, which replace its own)")
     baselines.set_defaults(handler=_command(run_baselines))
 
     screen = actions.add_parser("screen", help="score the substitution candidates, write the top N as CSV",
