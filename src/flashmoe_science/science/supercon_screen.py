@@ -210,7 +210,7 @@ def screen(model: CompositionTransformer, space: CandidateSpace, *, top: int, ba
            restart: bool = False, checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S, progress: bool = True,
            known: CompositionSet | None = None) -> dict:
     """Scores candidates ``0:limit`` (all by default) in batches of ``batch_size``; keeps the ``top`` best (by the
-    MC-dropout mean). With ``out_dir``: the state is saved there every ``checkpoint_interval_s`` seconds and on
+    model's mean). With ``out_dir``: the state is saved there every ``checkpoint_interval_s`` seconds and on
     Ctrl-C (raising :class:`Interrupted`), a later call with the same model and settings continues from it
     (``restart``: starts over), and ``top.csv`` (:func:`write_top`; ``known``: the measured compositions, for each
     candidate's nearest) and ``candidates.png`` (:func:`plot_candidates`) are written at the end. Returns a summary
@@ -272,7 +272,8 @@ def screen(model: CompositionTransformer, space: CandidateSpace, *, top: int, ba
 
 def write_top(space: CandidateSpace, state: ScreenState, top: int, path: Path,
               known: CompositionSet | None = None) -> tuple[Path, list[dict]]:
-    """The ``top`` best distinct formulas as CSV: rank, formula, predicted Tc and its uncertainty (MC-dropout std),
+    """The ``top`` best distinct formulas as CSV: rank, formula, predicted Tc and its uncertainty (the model's std:
+    the transformer's MC-dropout spread, with tree members also theirs and the members' disagreement),
     the parent, its measured Tc and the substitution; with ``known`` (the measured compositions) also the nearest
     known composition (L1 distance of the element-fraction vectors, 0 to 2), its measured Tc and the distance.
     Returns the path and the rows."""
