@@ -10,7 +10,7 @@ from flashmoe_science.science.supercon_model import composition_features
 from flashmoe_science.science.supercon_train import TrainConfig, load_model, predict, save_model, train
 from flashmoe_science.science.supercon_trees import TreeEnsemble, _round_down_float32, blend_weights
 
-from test_supercon import TINY, small_csv  # noqa: F401 (the fixture)
+from test_supercon import TINY, TINY_OPTIONS, small_csv, supercon  # noqa: F401 (the fixture)
 
 sklearn_ensemble = pytest.importorskip("sklearn.ensemble")
 lightgbm = pytest.importorskip("lightgbm")
@@ -113,11 +113,16 @@ def test_trained_blend_predicts_the_mixture_and_survives_save_and_load(small_csv
     torch.testing.assert_close(predict(loaded, data, index, "plain", torch.device("cpu"))[0], before)
 
 
-def test_transformer_alone_when_no_members(small_csv):
+def test_transformer_alone_when_no_members(small_csv, tmp_path):
+    args = ["train", "--data", str(small_csv), "--no-progress", "--epochs", "1", "--splits", "random", *TINY_OPTIONS]
+    assert supercon(*args, "--members", "none", "--out", str(tmp_path / "alone")) == 0
+    metrics = (tmp_path / "alone" / "random" / "metrics.json").read_text()
+    assert '"members": {}' in metrics
+    model = load_model(tmp_path / "alone" / "random" / "model.pt")
+    assert len(model.members) == 0 and model.blend.tolist() == [1.0]
+    with pytest.raises(SystemExit):  # argparse: one line naming the option
+        supercon(*args, "--members", "extra_trees,forest", "--out", str(tmp_path / "bad"))
     data, _ = load_supercon(small_csv)
-    config = TrainConfig(epochs=1, batch_size=64, model=TINY, implementation="plain", members=())
-    model, metrics = train(data, config, torch.device("cpu"), progress=False)
-    assert metrics["members"] == {} and len(model.members) == 0 and model.blend.tolist() == [1.0]
     with pytest.raises(ValueError, match="members"):
         train(data, TrainConfig(epochs=1, model=TINY, members=("forest",)), torch.device("cpu"), progress=False)
 
