@@ -28,7 +28,7 @@ from flashmoe_science.science.supercon_model import (
     ModelConfig,
     element_property_matrix,
 )
-from flashmoe_science.science.supercon_screen import CandidateSpace, pack, score, screen
+from flashmoe_science.science.supercon_screen import CandidateSpace, score, screen
 from flashmoe_science.science.supercon_train import TrainConfig, train
 
 TINY = ModelConfig(d_model=32, num_heads=2, num_layers=1, num_experts=4, top_k=2, d_ff=32, fraction_frequencies=4)
@@ -128,7 +128,7 @@ def test_candidate_space_decodes_substitutions():
     assert "La1.8Sr0.2Cu1O4" in formulas and "Sr2Cu1O4" in formulas and "Nb2.7Sr0.3Sn1" in formulas
     padded = space.padded_batch(0, len(space))
     torch.testing.assert_close(padded.fractions.sum(1), torch.ones(len(space)))  # fractions keep their sum
-    packed = pack(padded)
+    packed = padded.packed()
     assert packed.cu_seqlens[-1] == padded.mask.sum() and packed.elements.numel() == padded.mask.sum()
     for i, formula in enumerate(formulas):  # the tensors decode to the formula written for the same index
         row = {ELEMENT_SYMBOLS[e]: f for e, f, m in zip(padded.elements[i].tolist(), padded.fractions[i].tolist(),
@@ -208,6 +208,9 @@ def test_cli_train_screen_and_bench(small_csv, tmp_path, capsys):
                     "--out", str(out / "bench")) == 0
     record = json.loads(next((out / "bench").glob("supercon-*.json")).read_text())
     assert record["screening"]["fused"]["candidates"] == 64 and record["agreement"]["candidates"] == 64
+    # the builds are compared on the transformer; the whole model (with its tree members) screens in its own row
+    assert record["screening"]["whole_model"]["members"] == ["extra_trees", "lightgbm"]
+    assert record["screening"]["whole_model"]["candidates"] == 64
 
 
 def test_quick_train_runs_both_splits(tmp_path):
@@ -342,16 +345,23 @@ def test_cli_baselines_beside_ours(small_csv, tmp_path, capsys):
     results = json.loads(path.read_text())
     assert {(r["model"], r["split"]) for r in results["records"]} == {
         (model, split) for model in ("knn", "random_forest", "extra_trees", "lightgbm")
-        for split in ("random", "superconductors")} | {("ours", "random")}
+        for split in ("random", "superconductors")} | {("ours", "random"), ("ours_transformer", "random")}
     assert results["summary"]["extra_trees"]["random"]["seeds"] == [0, 1]
     table = path.with_suffix(".md").read_text()
-    assert "| ours (d=32, layers=1, experts=4, epochs=1, cpu) | " in table and "| LightGBM | " in table
+    assert "| ours (d=32, layers=1, experts=4, epochs=1, cpu + extra trees + LightGBM) | " in table
+    assert "| ours, the transformer alone (d=32, layers=1, experts=4, epochs=1, cpu) | " in table
+    assert "| LightGBM | " in table
     assert "LightGBM" in capsys.readouterr().out
     # the baselines measured once, tabled again beside the model's runs without refitting them
     assert supercon("baselines", "--models", "none", "--include", str(path), "--splits", "random,superconductors",
                     "--out", str(tmp_path / "again")) == 0
     again = json.loads(next((tmp_path / "again").glob("supercon-baselines-*.json")).read_text())
     assert again["records"] == results["records"] and again["summary"] == results["summary"]
+    # new runs of the model beside the earlier baselines replace the earlier file's runs of it
+    assert supercon("baselines", "--models", "none", "--include", str(path), "--ours", str(tmp_path / "ours"),
+                    "--splits", "random,superconductors", "--out", str(tmp_path / "replaced")) == 0
+    replaced = json.loads(next((tmp_path / "replaced").glob("supercon-baselines-*.json")).read_text())["records"]
+    assert sorted(r["model"] for r in replaced if r["model"].startswith("ours")) == ["ours", "ours_transformer"]
     with pytest.raises(CommandError, match="as a supercon baselines result"):
         supercon("baselines", "--models", "none", "--include", str(small_csv), "--out", str(tmp_path / "bad"))
 

@@ -8,7 +8,7 @@ import torch
 
 from flashmoe_science.science.supercon_data import pack_compositions
 from flashmoe_science.science.supercon_model import CompositionTransformer, ModelConfig
-from flashmoe_science.science.supercon_screen import CandidateSpace, pack, score
+from flashmoe_science.science.supercon_screen import CandidateSpace, score
 
 pytestmark = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -46,7 +46,7 @@ def test_fused_training_step_matches_plain():
     padded = space.padded_batch(0, 512)
 
     grads = {}
-    for implementation, batch in (("fused", pack(padded)), ("plain", padded)):
+    for implementation, batch in (("fused", padded.packed()), ("plain", padded)):
         trained = copy.deepcopy(model)
         trained.config = ModelConfig(**{**CONFIG.to_dict(), "dropout": 0.0, "head_dropout": 0.0})
         for block in trained.blocks:

@@ -121,8 +121,8 @@ def _train_options(args: argparse.Namespace) -> dict:
     """The train options, each the given value or its full/--quick default."""
     options = {name: getattr(args, name) if getattr(args, name) is not None else defaults[int(args.quick)]
                for name, defaults in TRAIN_DEFAULTS.items()}
-    _check_at_least(epochs=(options["epochs"], 1), batch_size=(options["batch_size"], 1),
-                    d_model=(options["d_model"], 1), heads=(options["heads"], 1), layers=(options["layers"], 1),
+    _check_at_least(forest_trees=(args.forest_trees, 1), epochs=(options["epochs"], 1),
+                    batch_size=(options["batch_size"], 1), d_model=(options["d_model"], 1), heads=(options["heads"], 1), layers=(options["layers"], 1),
                     experts=(options["experts"], 1), top_k=(options["top_k"], 1), d_ff=(options["d_ff"], 1),
                     rows=(args.rows, 1))
     if options["lr"] <= 0:
@@ -153,7 +153,8 @@ def run_train(args: argparse.Namespace) -> int:
     summary = {}
     for split in args.splits:
         config = TrainConfig(epochs=options["epochs"], batch_size=options["batch_size"], lr=options["lr"],
-                             seed=args.seed, split=split, implementation=args.implementation, model=model_config)
+                             seed=args.seed, split=split, implementation=args.implementation, model=model_config,
+                             members=tuple(args.members), forest_trees=args.forest_trees)
         implementation = args.implementation or default_implementation(device)
         metrics = None if args.restart else finished_run(out / split, run_settings(config, implementation, data))
         if metrics is not None:
@@ -163,6 +164,9 @@ def run_train(args: argparse.Namespace) -> int:
                 print(f"{split} split: resuming from {out / split / CHECKPOINT_FILE}", flush=True)
             _, metrics = train(data, config, device, out / split, progress=not args.no_progress,
                                restart=args.restart)
+        for name, member in metrics["members"].items():
+            print(f"  {name}: blend weight {member['weight']:.2f}, alone: test R2 = {member['test']['r2']:.4f}, "
+                  f"MAE = {member['test']['mae_K']:.2f} K", flush=True)
         test = metrics["test"]
         print(f"{split} split (seed {args.seed}): test R2 = {test['r2']:.4f} (of log(1+Tc): {test['r2_log1p']:.4f}), "
               f"MAE = {test['mae_K']:.2f} K, RMSE = {test['rmse_K']:.2f} K, n = {test['n']} "
@@ -183,6 +187,18 @@ def _seeds(text: str) -> list[int]:
     if not seeds:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 0,1,2; got {text!r}")
     return seeds
+
+
+def _members(text: str) -> list[str]:
+    from flashmoe_science.science.supercon_trees import MEMBERS
+
+    if text.strip() == "none":
+        return []
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names or any(name not in MEMBERS for name in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected none or a comma-separated list of distinct names from "
+                                         f"{', '.join(MEMBERS)}; got {text!r}")
+    return names
 
 
 def _models(text: str) -> list[str]:
@@ -210,6 +226,8 @@ def run_baselines(args: argparse.Namespace) -> int:
     _check_at_least(rows=(args.rows, 1), trees=(args.trees, 1))
     earlier = read_earlier(Path(args.include)) if args.include else []
     ours = read_ours(Path(args.ours)) if args.ours else []
+    if ours:  # the new runs of the model replace an earlier file's
+        earlier = [record for record in earlier if record["model"] in BASELINES]
     models = list(BASELINES) if args.models is None else args.models
     records = []
     if models:
@@ -370,6 +388,11 @@ def add_supercon_parser(commands) -> None:
     train.add_argument("--experts", type=int, help=_help("experts", "MoE experts per block"))
     train.add_argument("--top-k", type=int, help=_help("top_k", "experts per token"))
     train.add_argument("--d-ff", type=int, help=_help("d_ff", "hidden width of each expert"))
+    train.add_argument("--members", type=_members, default=["extra_trees", "lightgbm"],
+                       help="tree models trained beside the transformer on the composition features and blended "
+                       "with it (weights fitted on the validation rows): comma-separated from extra_trees, lightgbm "
+                       "(default both; needs pip install -e \".[science]\"); none: the transformer alone")
+    train.add_argument("--forest-trees", type=int, default=100, help="trees of the extra-trees member (default 100)")
     train.set_defaults(handler=_command(run_train))
 
     baselines = actions.add_parser("baselines", help="kNN, random forest, extra trees, LightGBM on the same splits",
@@ -390,7 +413,7 @@ def add_supercon_parser(commands) -> None:
     baselines.add_argument("--ours", help="a folder of `supercon train` runs (one per seed, e.g. "
                            "runs/supercon/seed0, ...): their test metrics join the table")
     baselines.add_argument("--include", help="an earlier supercon-baselines-*.json: its records join the table "
-                           "(the baselines measured once, beside new --ours runs)")
+                           "(the baselines measured once, beside new --ours runs, which replace its own)")
     baselines.set_defaults(handler=_command(run_baselines))
 
     screen = actions.add_parser("screen", help="score the substitution candidates, write the top N as CSV",

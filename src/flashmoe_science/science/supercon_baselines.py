@@ -22,36 +22,20 @@ from flashmoe_science.bench.report import environment_metadata, resolve_commit, 
 from flashmoe_science.errors import CommandError
 from flashmoe_science.science.progress import progress_bar
 from flashmoe_science.science.supercon_data import CompositionSet, split_indices
-from flashmoe_science.science.supercon_model import ELEMENT_SYMBOLS, element_property_matrix, element_statistics
+from flashmoe_science.science.supercon_model import ELEMENT_SYMBOLS
+from flashmoe_science.science.supercon_model import composition_features as features_of_packed
 from flashmoe_science.science.supercon_train import regression_metrics
+from flashmoe_science.science.supercon_trees import MEMBERS, fit_member, science_modules
 
 BASELINES = ("knn", "random_forest", "extra_trees", "lightgbm")
-LABELS = {"ours": "ours", "knn": "k-nearest neighbours (k=5), fractions only",
+LABELS = {"ours": "ours", "ours_transformer": "ours, the transformer alone", "knn": "k-nearest neighbours (k=5), fractions only",
           "random_forest": "random forest", "extra_trees": "extra trees", "lightgbm": "LightGBM"}
-LIGHTGBM_MAX_TREES = 5000
-LIGHTGBM_PATIENCE = 100  # rounds without a better validation loss before LightGBM stops
 
 
 def composition_features(data: CompositionSet) -> torch.Tensor:
-    """``(N, 96 + 4 * 29)`` float32: each composition's element-fraction vector, then the fraction-weighted mean,
-    the standard deviation, the max and the min of its elements' standardised properties."""
-    lengths = data.offsets[1:] - data.offsets[:-1]
-    segment = torch.repeat_interleave(torch.arange(len(data)), lengths, output_size=data.elements.numel())
-    properties = element_property_matrix().double()[data.elements]
-    mean, var, high, low, vector = element_statistics(properties, data.elements, data.fractions.double(), segment,
-                                                      len(data))
-    return torch.cat([vector, mean, var.clamp_min(0).sqrt(), high, low], dim=1).float()
-
-
-def _science_modules():
-    try:
-        import lightgbm
-        import sklearn.ensemble
-        import sklearn.neighbors
-    except ImportError as error:
-        raise CommandError(f"supercon baselines needs scikit-learn and LightGBM ({error}): "
-                           "pip install -e \".[science]\"") from None
-    return sklearn, lightgbm
+    """``(N, 96 + 4 * 29)`` float32: the classic features of every composition of ``data``
+    (:func:`~flashmoe_science.science.supercon_model.composition_features`)."""
+    return features_of_packed(data.elements, data.fractions, data.offsets)
 
 
 def fit_predict(name: str, features: torch.Tensor, targets: torch.Tensor, parts: dict[str, torch.Tensor], seed: int,
@@ -60,7 +44,7 @@ def fit_predict(name: str, features: torch.Tensor, targets: torch.Tensor, parts:
     Tc predictions for ``parts["test"]`` (float32)."""
     if name not in BASELINES:
         raise ValueError(f"name must be one of {BASELINES}, got {name!r}")
-    sklearn, lightgbm = _science_modules()
+    sklearn, _ = science_modules()
     x = {part: features[index].numpy() for part, index in parts.items()}
     y = {part: targets[index].numpy() for part, index in parts.items()}
     if name == "knn":
@@ -68,16 +52,11 @@ def fit_predict(name: str, features: torch.Tensor, targets: torch.Tensor, parts:
         model = sklearn.neighbors.KNeighborsRegressor(n_neighbors=5, n_jobs=threads)
         model.fit(x["train"][:, fractions], y["train"])
         return torch.from_numpy(model.predict(x["test"][:, fractions])).float()
-    if name == "lightgbm":
-        model = lightgbm.LGBMRegressor(n_estimators=LIGHTGBM_MAX_TREES, learning_rate=0.03, num_leaves=63,
-                                       subsample=0.8, subsample_freq=1, colsample_bytree=0.5, random_state=seed,
-                                       n_jobs=threads, verbose=-1)
-        model.fit(x["train"], y["train"], eval_X=(x["val"],), eval_y=(y["val"],),
-                  callbacks=[lightgbm.early_stopping(LIGHTGBM_PATIENCE, verbose=False)])
+    if name in MEMBERS:  # the same fits as the model's tree members
+        model = fit_member(name, x, y, seed, trees, threads)
     else:
-        forest = (sklearn.ensemble.RandomForestRegressor if name == "random_forest"
-                  else sklearn.ensemble.ExtraTreesRegressor)
-        model = forest(n_estimators=trees, max_features=1 / 3, random_state=seed, n_jobs=threads)
+        model = sklearn.ensemble.RandomForestRegressor(n_estimators=trees, max_features=1 / 3, random_state=seed,
+                                                       n_jobs=threads)
         model.fit(x["train"], y["train"])
     return torch.from_numpy(model.predict(x["test"])).float()
 
@@ -106,15 +85,22 @@ def run_baselines(data: CompositionSet, splits: list[str], seeds: list[int], mod
 
 def read_ours(folder: Path) -> list[dict]:
     """The records of the finished ``supercon train`` runs under ``folder`` (its ``metrics.json`` files, at any
-    depth), as :func:`run_baselines` writes them, model ``"ours"``."""
+    depth), as :func:`run_baselines` writes them: model ``"ours"`` (the trained model: the transformer blended with
+    its tree members) and, for a blend, ``"ours_transformer"`` (its transformer alone, on the same test rows)."""
     records = []
     for path in sorted(Path(folder).rglob("metrics.json")):
         metrics = json.loads(path.read_text())
         settings = metrics["settings"]
+        members = settings.get("members") or []
         size = (f"d={settings['model']['d_model']}, layers={settings['model']['num_layers']}, "
                 f"experts={settings['model']['num_experts']}, epochs={settings['epochs']}, {metrics['device']}")
-        records.append({"model": "ours", "split": metrics["split"], "seed": metrics["seed"], "size": size,
-                        "test": metrics["test"], "seconds": metrics["train_seconds"], "run": str(path.parent)})
+        common = {"split": metrics["split"], "seed": metrics["seed"], "seconds": metrics["train_seconds"],
+                  "run": str(path.parent)}
+        records.append({"model": "ours", **common, "test": metrics["test"],
+                        "size": size + "".join(f" + {LABELS[name]}" for name in members)})
+        if members:
+            records.append({"model": "ours_transformer", **common, "size": size,
+                            "test": metrics["members"]["transformer"]["test"]})
     if not records:
         raise CommandError(f"no finished `supercon train` run (metrics.json) under {folder}")
     return records
@@ -154,7 +140,7 @@ def markdown_table(summary: dict[str, dict[str, dict]], splits: list[str]) -> st
     """One row per model, one column per split: test R² / MAE, mean ± standard deviation over the seeds."""
     header = ["model", *(f"{split}: R² / MAE (K)" for split in splits), "seeds"]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    order = ["ours", *BASELINES]
+    order = ["ours", "ours_transformer", *BASELINES]
     for model in sorted(summary, key=lambda m: order.index(m) if m in order else len(order)):
         cells = []
         for split in splits:
@@ -171,7 +157,9 @@ def markdown_table(summary: dict[str, dict[str, dict]], splits: list[str]) -> st
 
 NOTE = ("Test R² and MAE (K) of each split's test rows, mean ± standard deviation over the split seeds. Baseline "
         "features: element fractions + fraction-weighted mean, standard deviation, max and min of 29 element "
-        "properties; kNN: the fractions only; LightGBM: early stopping on the validation rows.")
+        "properties; kNN: the fractions only; LightGBM: early stopping on the validation rows. Ours: the composition "
+        "transformer blended with extra-trees and LightGBM members on the same features (convex weights fitted on "
+        "the validation rows), all trained by `supercon train`; the transformer alone: its transformer member.")
 
 
 def write_results(records: list[dict], splits: list[str], out_dir: Path, settings: dict,

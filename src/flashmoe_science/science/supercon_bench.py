@@ -44,12 +44,12 @@ def output_agreement(model: CompositionTransformer, space: CandidateSpace, count
 
 
 def screening_throughput(model: CompositionTransformer, space: CandidateSpace, candidates: int, batch_size: int,
-                         mc_samples: int, rounds: int = 3, bar=None) -> dict:
+                         mc_samples: int, rounds: int = 3, bar=None, implementations=IMPLEMENTATIONS) -> dict:
     """Candidates/s of each build (median of ``rounds`` runs over the same ``candidates``, after a warm-up of at
     most two batches and never more than ``candidates``); ``bar`` (a progress bar) advances by one per run."""
     results = {}
     warmup = min(2 * batch_size, candidates)
-    for implementation in IMPLEMENTATIONS:
+    for implementation in implementations:
         screen(model, space, top=100, batch_size=batch_size, implementation=implementation, mc_samples=mc_samples,
                limit=warmup, progress=False)  # warm-up: compilation, autotuning, allocator
         runs = []
@@ -117,11 +117,14 @@ QUICK_SIZES = BenchSizes(candidates=8192, batch_size=4096, train_steps=10, train
 def run_benchmark(model: CompositionTransformer, data: CompositionSet, space: CandidateSpace, *, sizes: BenchSizes,
                   train_batch_size: int, mc_samples: int, dtype: torch.dtype, out_dir: Path,
                   commit: str | None = None, progress: bool = True) -> tuple[Path, str]:
-    """Agreement, training steps and screening throughput of both builds; writes ``supercon-<gpu>-<date>-<commit>``
-    .json and .md into ``out_dir``; returns the JSON's path and the markdown table."""
+    """Agreement, training steps and screening throughput of both builds of the transformer (its tree members, the
+    same work in either build, left out), and the whole model's screening throughput with the library build;
+    writes ``supercon-<gpu>-<date>-<commit>`` .json and .md into ``out_dir``; returns the JSON's path and the
+    markdown table."""
     device = space.device
-    model = model.to(device).eval()
-    parts = 1 + len(IMPLEMENTATIONS) * (1 + sizes.rounds)
+    whole = model.to(device).eval()
+    model = copy.deepcopy(whole).attach_members({}, torch.ones(1))
+    parts = 1 + len(IMPLEMENTATIONS) * (1 + sizes.rounds) + sizes.rounds * bool(len(whole.members))
     with progress_bar(parts, "supercon bench", unit="part", enabled=progress) as bar:
         agreement = output_agreement(model, space, min(sizes.agreement_candidates, sizes.candidates), dtype,
                                      mc_samples)
@@ -129,12 +132,18 @@ def run_benchmark(model: CompositionTransformer, data: CompositionSet, space: Ca
         steps = training_step_ms(model, data, train_batch_size, device, sizes.train_steps, sizes.train_warmup, bar)
         throughput = screening_throughput(model.cast_parameters(dtype), space, sizes.candidates, sizes.batch_size,
                                           mc_samples, sizes.rounds, bar)
+        members = {}
+        if len(whole.members):
+            members = {"members": list(whole.members), **screening_throughput(
+                whole.cast_parameters(dtype), space, sizes.candidates, sizes.batch_size, mc_samples, sizes.rounds,
+                bar, implementations=("fused",))["fused"]}
     record = {
         **environment_metadata(resolve_commit(commit)),
         "benchmark": "supercon",
         "screening": {"dtype": str(dtype).removeprefix("torch."), "batch_size": sizes.batch_size,
                       "mc_samples": mc_samples, "space_size": len(space), **throughput,
-                      "speedup": throughput["fused"]["candidates_per_s"] / throughput["plain"]["candidates_per_s"]},
+                      "speedup": throughput["fused"]["candidates_per_s"] / throughput["plain"]["candidates_per_s"],
+                      "whole_model": members},
         "training_step": {"batch_size": train_batch_size, "precision": "bf16 autocast" if device.type == "cuda"
                           else "float32", **steps,
                           "speedup": steps["plain"]["median_ms"] / steps["fused"]["median_ms"]},
@@ -163,6 +172,8 @@ def markdown_table(record: dict) -> str:
         "|---|---|---|---|",
         f"| screening, candidates/s ({s['dtype']}, batch {s['batch_size']}, {s['mc_samples']} MC samples) | "
         f"{s['fused']['candidates_per_s']:,.0f} | {s['plain']['candidates_per_s']:,.0f} | {s['speedup']:.2f}x |",
+        *([f"| screening, whole model (library build + {' + '.join(s['whole_model']['members'])}), candidates/s | "
+           f"{s['whole_model']['candidates_per_s']:,.0f} | | |"] if s.get("whole_model") else []),
         f"| training step, ms (batch {t['batch_size']}, {t['precision']}) | {t['fused']['median_ms']:.2f} | "
         f"{t['plain']['median_ms']:.2f} | {t['speedup']:.2f}x |",
         f"| max abs error vs float64, K ({record['agreement']['dtype']}, {record['agreement']['candidates']} "

@@ -135,6 +135,21 @@ def element_statistics(p: torch.Tensor, elements: torch.Tensor, fractions: torch
     return p_mean, p_var, p_max, p_min, vector
 
 
+def composition_features(elements: torch.Tensor, fractions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The classic composition features of packed compositions (``elements (T,)``, ``fractions (T,)``,
+    ``cu_seqlens (N + 1,)``), ``(N, 96 + 4 * 29)`` float32: each one's element-fraction vector, then the
+    fraction-weighted mean, the standard deviation, the max and the min of its elements' standardised periodic-table
+    properties (fixed, not the trained embedding). Computed in float64 and rounded once, so the values do not depend
+    on the device or on the model's dtype (the tree members' input, :mod:`supercon_trees`)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=elements.device), lengths,
+                                      output_size=elements.numel())
+    properties = element_property_matrix().double().to(elements.device)[elements]
+    mean, var, high, low, vector = element_statistics(properties, elements, fractions.double(), segment,
+                                                      lengths.numel())
+    return torch.cat([vector, mean, var.clamp_min(0).sqrt(), high, low], dim=1).float()
+
+
 def _pooled(weighted, mean, p_mean, p_var, p_max, p_min, vector, dtype) -> torch.Tensor:
     """The head's input: pooled tokens, the element-embedding statistics (STATISTICS order), the fraction vector."""
     return torch.cat([weighted, mean, p_mean, (p_var + 1e-4).sqrt(), p_max, p_min, vector], dim=-1).to(dtype)
@@ -181,6 +196,20 @@ class CompositionTransformer(nn.Module):
         self.head_out = nn.Linear(d, 2 if config.two_stage else 1)
         self.register_buffer("target_mean", torch.zeros(()))
         self.register_buffer("target_std", torch.ones(()))
+        # tree members on the composition features (supercon_trees), attached after the transformer is trained, and
+        # the blend's weights: the transformer's first, then each member's
+        self.members = nn.ModuleDict()
+        self.register_buffer("blend", torch.ones(1))
+
+    def attach_members(self, members: dict[str, nn.Module], weights: torch.Tensor) -> "CompositionTransformer":
+        """Tree members (``name -> TreeEnsemble``) and the blend's weights ``(1 + len(members),)``, the
+        transformer's first: :meth:`predict_samples` predicts their weighted mixture."""
+        if weights.shape != (1 + len(members),):
+            raise ValueError(f"weights must have shape ({1 + len(members)},) (the transformer, then each member), got "
+                             f"{tuple(weights.shape)}")
+        self.members = nn.ModuleDict(members)
+        self.blend = weights.to(self.target_mean.device, torch.float32)
+        return self
 
     def cast_parameters(self, dtype: torch.dtype) -> "CompositionTransformer":
         """Parameters to ``dtype`` (bf16 for screening); the target scaling buffers stay float32, where a bf16
@@ -260,8 +289,24 @@ class CompositionTransformer(nn.Module):
         draws = self.head(pooled.repeat(samples, 1), dropout=True).view(samples, -1)
         return draws.mean(0), draws.std(0)
 
+    def predict_samples(self, batch: "PackedBatch | PaddedBatch", samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole model's (mean, std) Tc ``(B,)``: the transformer's MC-dropout mean and std
+        (:meth:`head_samples`), blended with the tree members' predictions and spreads when they are attached. The mixture's
+        std: ``sqrt(sum_i w_i (s_i^2 + (m_i - m)^2))``, each member's own spread plus their disagreement."""
+        mean, std = self.head_samples(batch.pooled(self), samples)
+        if not len(self.members):
+            return mean, std
+        x = batch.features()
+        outputs = [member.predict(x) for member in self.members.values()]
+        means = torch.stack([mean, *(m.to(mean.dtype) for m, _ in outputs)])
+        spreads = torch.stack([std.to(mean.dtype), *(s.to(mean.dtype) for _, s in outputs)])
+        w = self.blend.to(mean.dtype)[:, None]
+        blended = (w * means).sum(0)
+        return blended, (w * (spreads.square() + (means - blended).square())).sum(0).sqrt()
+
     def forward(self, batch: "PackedBatch | PaddedBatch") -> torch.Tensor:
-        """Tc ``(B,)`` of a PackedBatch (library build) or a PaddedBatch (plain build)."""
+        """The transformer's Tc ``(B,)`` of a PackedBatch (library build) or a PaddedBatch (plain build), head
+        dropout as in training (the members, fitted apart, join in :meth:`predict_samples`)."""
         return self.head(batch.pooled(self))
 
 
@@ -274,6 +319,10 @@ class PackedBatch:
 
     def pooled(self, model: CompositionTransformer) -> torch.Tensor:
         return model.pooled_packed(self.elements, self.fractions, self.cu_seqlens, self.max_seqlen)
+
+    def features(self) -> torch.Tensor:
+        """The compositions' classic features (:func:`composition_features`)."""
+        return composition_features(self.elements, self.fractions, self.cu_seqlens)
 
     def padded(self) -> "PaddedBatch":
         """The same compositions as (B, max_seqlen) padded tensors (what a plain-PyTorch pipeline batches)."""
@@ -303,6 +352,17 @@ class PaddedBatch:
 
     def pooled(self, model: CompositionTransformer) -> torch.Tensor:
         return model.pooled_padded(self.elements, self.fractions, self.mask)
+
+    def packed(self) -> PackedBatch:
+        """The real tokens end to end, with int32 cu_seqlens (one host sync for the total)."""
+        lengths = self.mask.sum(1, dtype=torch.int32)
+        cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
+        torch.cumsum(lengths, 0, out=cu_seqlens[1:])
+        return PackedBatch(self.elements[self.mask], self.fractions[self.mask], cu_seqlens, self.elements.shape[1])
+
+    def features(self) -> torch.Tensor:
+        """The compositions' classic features (:func:`composition_features`)."""
+        return self.packed().features()
 
 
 def make_batch(packed: PackedBatch, implementation: str) -> "PackedBatch | PaddedBatch":

@@ -33,7 +33,6 @@ from flashmoe_science.science.supercon_data import CompositionSet
 from flashmoe_science.science.supercon_model import (
     ELEMENT_SYMBOLS,
     CompositionTransformer,
-    PackedBatch,
     PaddedBatch,
 )
 
@@ -148,23 +147,15 @@ class CandidateSpace:
             1, batch.elements, batch.fractions) for batch in vectors]).cpu()
 
 
-def pack(padded: PaddedBatch) -> PackedBatch:
-    """A padded batch's real tokens end to end, with int32 cu_seqlens (one host sync for the total)."""
-    lengths = padded.mask.sum(1, dtype=torch.int32)
-    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
-    torch.cumsum(lengths, 0, out=cu_seqlens[1:])
-    return PackedBatch(padded.elements[padded.mask], padded.fractions[padded.mask], cu_seqlens,
-                       padded.elements.shape[1])
-
-
 # no_grad, not inference_mode: inference tensors have no version counter, so flash_attention_varlen would check the
 # batch's cu_seqlens in every layer instead of once
 @torch.no_grad()
 def score(model: CompositionTransformer, padded: PaddedBatch, implementation: str,
           mc_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, std) predicted Tc of a batch of candidates, with the library build (packed) or the plain one."""
-    batch = pack(padded) if implementation == "fused" else padded
-    return model.head_samples(batch.pooled(model), mc_samples)
+    """(mean, std) predicted Tc of a batch of candidates (the whole model: the transformer with the library build
+    (packed) or the plain one, and its tree members when it has them)."""
+    batch = padded.packed() if implementation == "fused" else padded
+    return model.predict_samples(batch, mc_samples)
 
 
 @dataclass
@@ -219,7 +210,7 @@ def screen(model: CompositionTransformer, space: CandidateSpace, *, top: int, ba
            restart: bool = False, checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S, progress: bool = True,
            known: CompositionSet | None = None) -> dict:
     """Scores candidates ``0:limit`` (all by default) in batches of ``batch_size``; keeps the ``top`` best (by the
-    MC-dropout mean). With ``out_dir``: the state is saved there every ``checkpoint_interval_s`` seconds and on
+    model's mean). With ``out_dir``: the state is saved there every ``checkpoint_interval_s`` seconds and on
     Ctrl-C (raising :class:`Interrupted`), a later call with the same model and settings continues from it
     (``restart``: starts over), and ``top.csv`` (:func:`write_top`; ``known``: the measured compositions, for each
     candidate's nearest) and ``candidates.png`` (:func:`plot_candidates`) are written at the end. Returns a summary
@@ -281,7 +272,8 @@ def screen(model: CompositionTransformer, space: CandidateSpace, *, top: int, ba
 
 def write_top(space: CandidateSpace, state: ScreenState, top: int, path: Path,
               known: CompositionSet | None = None) -> tuple[Path, list[dict]]:
-    """The ``top`` best distinct formulas as CSV: rank, formula, predicted Tc and its uncertainty (MC-dropout std),
+    """The ``top`` best distinct formulas as CSV: rank, formula, predicted Tc and its uncertainty (the model's std:
+    the transformer's MC-dropout spread, with tree members also theirs and the members' disagreement),
     the parent, its measured Tc and the substitution; with ``known`` (the measured compositions) also the nearest
     known composition (L1 distance of the element-fraction vectors, 0 to 2), its measured Tc and the distance.
     Returns the path and the rows."""

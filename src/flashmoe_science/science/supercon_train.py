@@ -22,15 +22,17 @@ from flashmoe_science.science.supercon_data import SPLIT_FRACTIONS, CompositionS
 from flashmoe_science.science.supercon_model import (
     CompositionTransformer,
     ModelConfig,
+    composition_features,
     default_implementation,
     make_batch,
 )
+from flashmoe_science.science.supercon_trees import MEMBERS, TreeEnsemble, blend_weights, fit_member
 
 PREDICT_BATCH = 4096
 MIN_SPLIT_ROWS = 10  # per part (train, validation, test): R2 of fewer rows says little (and is nan on one)
 MIN_ROWS = math.ceil(MIN_SPLIT_ROWS / min(SPLIT_FRACTIONS))
 CHECKPOINT_FILE = "checkpoint.pt"
-MODEL_FORMAT = "flashmoe-science supercon model 1"
+MODEL_FORMAT = "flashmoe-science supercon model 2"
 CHECKPOINT_FORMAT = "flashmoe-science supercon training checkpoint 2"
 LOSSES = {"mse": F.mse_loss, "l1": F.l1_loss, "huber": F.smooth_l1_loss}
 
@@ -48,6 +50,10 @@ class TrainConfig:
     split: str = "random"
     implementation: str | None = None  # None: default_implementation(device)
     model: ModelConfig = field(default_factory=ModelConfig)
+    # tree members blended with the transformer (supercon_trees.MEMBERS; empty: the transformer alone) and the
+    # extra-trees member's tree count
+    members: tuple[str, ...] = MEMBERS
+    forest_trees: int = 100
 
 
 def _r2(predicted: torch.Tensor, measured: torch.Tensor) -> float:
@@ -77,8 +83,8 @@ def predict(model: CompositionTransformer, data: CompositionSet, index: torch.Te
     means, stds = [], []
     for chunk in iterate_batches(index, PREDICT_BATCH):
         with _autocast(device):
-            pooled = make_batch(data.batch(chunk).to(device), implementation).pooled(model)
-            mean, std = model.head_samples(pooled, mc_samples)
+            batch = make_batch(data.batch(chunk).to(device), implementation)
+            mean, std = model.predict_samples(batch, mc_samples)
         means.append(mean.float().cpu())
         stds.append(std.float().cpu())
     model.train(was_training)
@@ -149,7 +155,8 @@ def data_digest(data: CompositionSet) -> str:
 
 def run_settings(config: TrainConfig, implementation: str, data: CompositionSet) -> dict:
     """What a run's numbers depend on (plain values): a checkpoint or finished run resumes only under the same."""
-    return {**{k: v for k, v in config.__dict__.items() if k != "model"}, "implementation": implementation,
+    return {**{k: list(v) if isinstance(v, tuple) else v for k, v in config.__dict__.items() if k != "model"},
+            "implementation": implementation,
             "model": config.model.to_dict(), "data": data_digest(data), "rows": len(data)}
 
 
@@ -190,6 +197,10 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
     over), and the finished run writes ``model.pt``, ``metrics.json``, ``parity.png`` and ``loss.png``."""
     if config.epochs < 1 or config.batch_size < 1:
         raise ValueError(f"epochs and batch_size must be >= 1, got {config.epochs} and {config.batch_size}")
+    unknown = [name for name in config.members if name not in MEMBERS]
+    if unknown or len(set(config.members)) != len(config.members) or config.forest_trees < 1:
+        raise ValueError(f"members must be distinct names from {MEMBERS} and forest_trees >= 1, got "
+                         f"{config.members} and {config.forest_trees}")
     implementation = config.implementation or default_implementation(device)
     try:
         parts = split_indices(data, config.split, config.seed)
@@ -291,8 +302,9 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
     bar.close()
     train_seconds = position["seconds"] + time.perf_counter() - started
     model.load_state_dict(best["state_dict"])
-    test_pred, test_std = predict(model, data, parts["test"], implementation, device, mc_samples=16)
     measured = data.targets[parts["test"]]
+    members = fit_members(model, data, parts, implementation, device, config, progress) if config.members else {}
+    test_pred, test_std = predict(model, data, parts["test"], implementation, device, mc_samples=16)
     metrics = {
         "split": config.split,
         "seed": config.seed,
@@ -300,6 +312,7 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
         "device": str(device),
         "sizes": {part: int(index.numel()) for part, index in parts.items()},
         "test": regression_metrics(test_pred, measured),
+        "members": members,
         "best_val_loss": best["val_loss"],
         "uncertainty_error_spearman": _spearman(test_std, (test_pred - measured).abs()),
         "train_seconds": train_seconds,
@@ -314,6 +327,32 @@ def train(data: CompositionSet, config: TrainConfig, device: torch.device, out_d
         plot_loss(history, out_dir / "loss.png", config.split, config.loss)
         checkpoint_path.unlink(missing_ok=True)  # the run is finished: a rerun finds metrics.json
     return model, metrics
+
+
+def fit_members(model: CompositionTransformer, data: CompositionSet, parts: dict[str, torch.Tensor],
+                implementation: str, device: torch.device, config: TrainConfig, progress: bool = True) -> dict:
+    """Fits ``config.members`` (tree models on the composition features of the training rows), the blend's convex
+    weights on the validation rows (the trained transformer's predictions and the members'), and attaches them to
+    ``model``. Returns each part's test metrics and weight: ``{"transformer": {...}, name: {...}}``."""
+    features = composition_features(data.elements, data.fractions, data.offsets)
+    x = {part: features[index].numpy() for part, index in parts.items()}
+    y = {part: data.targets[index].numpy() for part, index in parts.items()}
+    predictions = {"transformer": {part: predict(model, data, parts[part], implementation, device)[0]
+                                   for part in ("val", "test")}}
+    members = {}
+    bar = progress_bar(len(config.members), "tree members", unit="fit", enabled=progress)
+    for name in config.members:
+        fitted = fit_member(name, x, y, config.seed, config.forest_trees, torch.get_num_threads())
+        members[name] = (TreeEnsemble.from_sklearn(fitted) if name == "extra_trees"
+                         else TreeEnsemble.from_lightgbm(fitted.booster_))
+        predictions[name] = {part: members[name].predict(features[parts[part]])[0] for part in ("val", "test")}
+        bar.update(1)
+    bar.close()
+    weights = blend_weights(torch.stack([p["val"] for p in predictions.values()]), data.targets[parts["val"]])
+    model.attach_members({name: member.to(device) for name, member in members.items()}, weights)
+    measured = data.targets[parts["test"]]
+    return {name: {"weight": float(weight), "test": regression_metrics(p["test"], measured)}
+            for (name, p), weight in zip(predictions.items(), weights)}
 
 
 def _finish_epoch(model, data, parts, implementation, device, config, position, history, best, bar) -> None:
@@ -371,7 +410,10 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> Composit
                            f"model.pt that `supercon train` writes, or {get_one}")
     try:
         model = CompositionTransformer(ModelConfig(**checkpoint["model_config"]))
-        model.load_state_dict(checkpoint["state_dict"])
+        state = checkpoint["state_dict"]
+        model.attach_members({name: TreeEnsemble.empty_like(state, f"members.{name}.") for name in MEMBERS
+                              if f"members.{name}.feature" in state}, state["blend"])
+        model.load_state_dict(state)
     except (KeyError, TypeError, RuntimeError) as error:
         raise CommandError(f"{path} is a damaged supercon model ({type(error).__name__}: "
                            f"{str(error).splitlines()[0][:120]}); {get_one}") from None
