@@ -38,7 +38,11 @@ class PreparedLaunch:
         self.positions = tuple(names.index(name) for name in live)
         if self.positions == tuple(range(len(live))):  # the common case: one tuple concatenation per call
             self.positions = len(live)
-        self.template = tuple(bound[name] for name in names)  # the frozen arguments, in order
+        live_positions = range(self.positions) if isinstance(self.positions, int) else self.positions
+        # the frozen arguments, in order; the per-call ones left empty (holding the first call's tensors or their
+        # descriptors would keep those tensors alive as long as this launch is cached)
+        self.template = tuple(None if position in live_positions else bound[name]
+                              for position, name in enumerate(names))
         self.aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
 
     @property

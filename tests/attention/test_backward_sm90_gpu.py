@@ -134,9 +134,9 @@ def test_unsupported_head_dims_raise():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["bhld", "blhd"])
 def test_prepared_backward_through_autograd(causal, d, transposed):
-    """The second call of a signature goes through hopper.backend.PREPARED_BACKWARD (bwd_sm90.PreparedBackward: frozen
-    launches, new tensors): its gradients on fresh inputs are right, and its dK/dV are bit-identical to the direct
-    launch's on the same inputs."""
+    """A signature is marked on its first call and prepared on its second (hopper.backend.PREPARED_BACKWARD,
+    bwd_sm90.PreparedBackward: frozen launches, new tensors), which the third reuses: its gradients on fresh inputs
+    are right, and its dK/dV are bit-identical to the direct launch's on the same inputs."""
     from flashmoe_science.attention.hopper import backend
 
     bwd_sm90 = hopper_attention_module("bwd_sm90")
@@ -147,7 +147,7 @@ def test_prepared_backward_through_autograd(causal, d, transposed):
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         out = flash_attention_science(*leaves, causal=causal)
         grads = torch.autograd.grad(out, leaves, grad_out)
-        assert len(backend.PREPARED_BACKWARD) == 1  # prepared after the first call, reused by the others
+        assert len(backend.PREPARED_BACKWARD) == 1  # one entry per signature
         assert_grads_close(grads, q, k, v, grad_out, causal, None)
         direct = sm90_grads(q, k, v, grad_out, causal)
         assert torch.equal(grads[1], direct[1]) and torch.equal(grads[2], direct[2])

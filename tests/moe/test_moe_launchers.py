@@ -152,6 +152,7 @@ def test_launch_prepare_freezes_no_tensor(kernels):
     ids, counts = torch.zeros(8, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int32)
     prepared = Launch(kernel, (1,), (ids, counts, 8, 4), dict(CHUNK=16, E_POW2=4)).prepare()
     assert prepared.frozen == (8, 4, 16, 4)
+    assert not any(isinstance(arg, torch.Tensor) for arg in prepared.template)  # the first call's tensors not kept
     with pytest.raises(ValueError, match="frozen"):
         Launch(kernel, (1,), (ids, 8, counts, 4), dict(CHUNK=16, E_POW2=4)).prepare()
 

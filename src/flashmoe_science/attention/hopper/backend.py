@@ -61,8 +61,11 @@ def _on_hopper(q) -> bool:
 
 # --------------------------------------------------------------------------------------------------- forward
 # The forward's launches per call signature (`HopperForward.prepared_key`): a call whose signature ran before skips
-# Triton's binding of its arguments (host time: docs/perf-notes.md).
+# Triton's binding of its arguments (host time: docs/perf-notes.md). A signature is prepared on its second call
+# (SEEN_ONCE marks the first): preparing costs about one more binding, which a signature seen once never repays
+# (packed batches whose sequence count changes every step make a new signature per step).
 PREPARED_FORWARD: dict[tuple, object] = {}
+SEEN_ONCE = object()
 
 
 def varlen_batch(varlen):
@@ -104,7 +107,7 @@ class HopperForward:
         batch = varlen_batch(varlen)
         key = self.prepared_key(q, k, v, out, lse, features, softmax_scale)
         prepared = PREPARED_FORWARD.get(key) if key is not None else None
-        if prepared is not None:
+        if prepared is not None and prepared is not SEEN_ONCE:
             ran("forward", self.backend, self.kernel)
             prepared(q, k, v, out, lse, *(() if batch is None else batch.tensors()))
             return out, lse
@@ -114,8 +117,10 @@ class HopperForward:
                 self.cross_item, mask=features.mask, alibi_slopes=features.alibi_slopes, varlen=batch,
                 attn_bias=features.attn_bias, bias_tma=self.bias_tma), self.strict):
             ran("forward", self.backend, self.kernel)
-            if key is not None:
+            if prepared is SEEN_ONCE:
                 self.prepare(q, k, v, out, lse, features, softmax_scale)
+            elif key is not None:
+                remember(PREPARED_FORWARD, key, SEEN_ONCE)
             return out, lse
         # it did not build on this triton (warned once): the Triton kernel, with its own tiles
         return triton_backend.forward_plan(q, k, v, features).run(q, k, v, features, softmax_scale, out, lse)
@@ -141,7 +146,7 @@ class HopperForward:
         if key is None or unavailable_reason() is not None:
             return None
         prepared = PREPARED_FORWARD.get(key)
-        if prepared is None:
+        if prepared is None or prepared is SEEN_ONCE:
             from flashmoe_science.attention.hopper.fwd_sm90 import prepare_forward
 
             num_ctas = device_traits(q.device).sm_count if self.persistent else None
@@ -225,9 +230,10 @@ def launch_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, so
         return
     key = _backward_key(tensors, features, softmax_scale)
     prepared = PREPARED_BACKWARD.get(key)
-    if prepared is None:
+    if prepared is None or prepared is SEEN_ONCE:  # prepared on the second call of a signature (SEEN_ONCE)
         bwd_sm90.attention_backward_sm90(*tensors, features, softmax_scale)  # compiles what has not run yet
-        remember(PREPARED_BACKWARD, key, bwd_sm90.PreparedBackward(*tensors, features, softmax_scale))
+        remember(PREPARED_BACKWARD, key, SEEN_ONCE if prepared is None
+                 else bwd_sm90.PreparedBackward(*tensors, features, softmax_scale))
         return
     prepared(*tensors, *bwd_sm90.varlen_tensors(features))
 
