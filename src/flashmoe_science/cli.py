@@ -277,8 +277,9 @@ def _bench_decode(args: argparse.Namespace) -> int:
     with Progress(desc="decode") as progress:
         records = decode_bench.run_decode_bench(progress, skips, contexts, on_case_done=partial)
     with Progress(desc="prefill chunks") as progress:
-        cases = decode_bench.CHUNK_CASES[:2] if args.quick else decode_bench.CHUNK_CASES
-        records += decode_bench.run_chunk_bench(progress, skips, cases)
+        cases = decode_bench.QUICK_CHUNK_CASES if args.quick else decode_bench.CHUNK_CASES
+        records += decode_bench.run_chunk_bench(progress, skips, cases,
+                                                on_case_done=lambda chunks: partial(records + chunks))
     print()
     print(decode_bench.decode_table(records))
     print()

@@ -31,9 +31,10 @@ def _run(case, **options):
     return assert_decode_close(case, out, lse, k_cache if appended else None, v_cache if appended else None, **mask)
 
 
+# Each case is a few kernel specialisations to compile (seconds each on the GPU): the parameters are paired rather
+# than crossed, so that the file runs in about a minute while every value is met.
 @pytest.mark.parametrize("block_size", [None, 16, 256], ids=["contiguous", "paged16", "paged256"])
-@pytest.mark.parametrize("lq", [17, 128, 512])
-@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("lq,group", [(17, 1), (512, 4)])
 def test_chunked_prefill(block_size, lq, group):
     case = make_case([0, 1000, 2048 - lq, 300], lq=lq, hq=2 * group, hkv=2, d=128, dtype=torch.bfloat16, device=CUDA,
                      block_size=block_size, capacity=2048, num_new=lq, rotary=True)
@@ -49,16 +50,16 @@ def test_chunked_prefill_masks(mask):
     _run(case, **mask)
 
 
-@pytest.mark.parametrize("lq,num_new", [(1, 1), (4, 0), (128, 128)])
+@pytest.mark.parametrize("lq,num_new", [(1, 1), (128, 128)])
 def test_leftpad_and_batch_idx(lq, num_new):
     case = make_case([200, 1000, 1800], lq=lq, hq=16, hkv=4, d=128, dtype=torch.bfloat16, device=CUDA, capacity=2048,
                      num_new=num_new, rotary=num_new > 0, leftpad=True, batch_idx=True)
     _run(case)
 
 
-@pytest.mark.parametrize("block_size", [None, 64], ids=["contiguous", "paged64"])
-@pytest.mark.parametrize("lq,num_new", [(1, 1), (4, 4), (128, 128)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("block_size,lq,num_new,dtype", [
+    (None, 1, 1, torch.bfloat16), (64, 1, 1, torch.float16), (64, 4, 4, torch.bfloat16),
+    (None, 128, 128, torch.float16), (64, 128, 128, torch.bfloat16)])
 def test_fp8_cache(block_size, lq, num_new, dtype):
     case = make_case([0, 700, 3000, 4096 - num_new], lq=lq, hq=32, hkv=8, d=128, dtype=dtype, device=CUDA,
                      block_size=block_size, capacity=4096, num_new=num_new, fp8=True)
@@ -67,8 +68,8 @@ def test_fp8_cache(block_size, lq, num_new, dtype):
 
 @pytest.mark.parametrize("mask", [dict(causal=True), dict(causal=False), dict(causal=True, window=(40, 0))],
                          ids=["causal", "full", "window"])
-@pytest.mark.parametrize("paged", [True, False], ids=["paged64", "seqused_k"])
-@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("paged,dtype,atol", [(True, torch.bfloat16, 2e-2), (False, torch.float16, 3e-3)],
+                         ids=["paged64-bf16", "seqused_k-fp16"])
 def test_varlen_against_cache(paged, mask, dtype, atol):
     run_varlen_case(paged, dtype, atol, device=CUDA, hq=16, hkv=4, d=128, block_size=64,
                     q_lengths=(0, 1, 100, 513, 64), k_lengths=(30, 1, 900, 513, 0), **mask)
@@ -108,13 +109,24 @@ def test_capture_skips_the_check_and_bad_rows_are_nan():
 
 # FlashAttention's test_flash_attn_kvcache grid (a subset), through the flash_attn-shaped call, against the float64
 # oracle (2x PyTorch's own error + slack, the rule of every decode test here; flash_attn allows 3x, 5x with ALiBi).
-FA_SHAPES = [(1, 128), (1, 339), (3, 1024), (64, 800), (16, 20000), (128, 128)]
+# Every layout with every variant once; each of flash_attn's (seqlen_q, seqlen_k) shapes twice, once per head dim.
+FA_CASES = [  # (seqlen_q, seqlen_k, d, layout, variant)
+    (1, 128, 128, "contiguous", "causal-rotary"),
+    (1, 339, 59, "paged256", "causal-rotary"),
+    (3, 1024, 128, "leftpad-batch_idx", "causal-rotary"),
+    (64, 800, 59, "contiguous", "local-alibi"),
+    (16, 20000, 128, "paged256", "local-alibi"),
+    (1, 128, 59, "leftpad-batch_idx", "local-alibi"),
+    (128, 128, 128, "contiguous", "full-newkv-interleaved"),
+    (3, 1024, 59, "paged256", "full-newkv-interleaved"),
+    (64, 800, 128, "leftpad-batch_idx", "full-newkv-interleaved"),
+    (16, 20000, 59, "contiguous", "mqa-noappend"),
+    (1, 339, 128, "paged256", "mqa-noappend"),
+    (128, 128, 59, "leftpad-batch_idx", "mqa-noappend"),
+]
 
 
-@pytest.mark.parametrize("seqlen_q,seqlen_k", FA_SHAPES)
-@pytest.mark.parametrize("d", [59, 128])
-@pytest.mark.parametrize("layout", ["contiguous", "paged256", "leftpad-batch_idx"])
-@pytest.mark.parametrize("variant", ["causal-rotary", "local-alibi", "full-newkv-interleaved", "mqa-noappend"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,d,layout,variant", FA_CASES)
 def test_flash_attn_kvcache_grid(seqlen_q, seqlen_k, d, layout, variant):
     torch.manual_seed(hash((seqlen_q, seqlen_k, d, layout, variant)) % 2**31)
     new_kv = variant != "mqa-noappend"

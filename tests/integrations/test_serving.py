@@ -4,6 +4,9 @@ library's own calls and float64 oracles, and transformers' continuous batching (
 Llama. On the CPU continuous batching takes its varlen path (the block-table decode path needs CUDA:
 test_serving_gpu.py); the block-table call transformers makes there is run here through its own function."""
 
+import inspect
+import types
+
 import pytest
 import torch
 
@@ -44,24 +47,58 @@ def test_what_flash_attn_has_and_we_do_not_is_refused(change, message):
         fa.flash_attn_func(q, q, q, **change)
 
 
-def test_transformers_block_table_call_through_its_own_function():
-    """transformers' `_flash_attention_forward` with the kwargs its paged cache passes in the decode path (one query
-    token per sequence, block_table, k_cache/v_cache, cu_seq_lens_k counting the new token): appends each token at
-    its sequence's end and attends the whole cache."""
+def _block_table_call_5_24(case, k_cache, v_cache, cu_q, cu_k, max_k):
+    """transformers 5.24: `_flash_attention_forward` with the kwargs its paged cache passes in the decode path."""
     from transformers.modeling_flash_attention_utils import _flash_attention_forward
 
-    name = hf.register_flash()
+    batch, _, heads, dim = case.q.shape
+    hkv = case.k_new.shape[2]
+    out = _flash_attention_forward(case.q.view(1, batch, heads, dim), case.k_new.view(1, batch, hkv, dim),
+                                   case.v_new.view(1, batch, hkv, dim), None, query_length=batch, is_causal=True,
+                                   cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=1, max_length_k=max_k,
+                                   block_table=case.block_table, k_cache=k_cache, v_cache=v_cache,
+                                   attn_implementation=hf.FLASH_IMPLEMENTATION)
+    return out.view(batch, 1, heads, dim)
+
+
+def _block_table_call_5_17(case, k_cache, v_cache, cu_q, cu_k, max_k):
+    """transformers 5.17: continuous batching's registered paged function (`integrations.flash_paged`) on one
+    layer of a paged cache holding this case's pool; the block table's argument name comes from transformers'
+    inspection of our function's signature."""
+    from transformers.generation.continuous_batching import PagedAttentionCache
+
+    batch, _, heads, dim = case.q.shape
+    pool, block_size, hkv, _ = k_cache.shape
+    cache = types.SimpleNamespace(layer_index_to_group_indices={0: (0, 0)}, key_cache=[k_cache.view(-1, hkv, dim)],
+                                  value_cache=[v_cache.view(-1, hkv, dim)], block_size=block_size,
+                                  num_key_value_heads=hkv, head_dim=dim, _block_table_key=None)
+    cache.get_block_table_key = types.MethodType(PagedAttentionCache.get_block_table_key, cache)
+    module = types.SimpleNamespace(layer_idx=0, scaling=dim ** -0.5,
+                                   config=types.SimpleNamespace(_attn_implementation=hf.PAGED_FLASH_IMPLEMENTATION))
+    out, _ = hf.paged_flash_attention(module, case.q.permute(1, 2, 0, 3), case.k_new.permute(1, 2, 0, 3),
+                                      case.v_new.permute(1, 2, 0, 3), None, cache=cache, cu_seq_lens_q=cu_q,
+                                      cu_seq_lens_k=cu_k, max_seqlen_q=1, max_seqlen_k=max_k,
+                                      block_table=case.block_table.unsqueeze(0))
+    return out.view(batch, 1, heads, dim)
+
+
+def test_transformers_block_table_call_through_its_own_function():
+    """transformers' decode-path call (one query token per sequence, the block table, cu_seq_lens_k counting the
+    new token), through the function this transformers version makes it from: appends each token at its sequence's
+    end and attends the whole cache."""
+    import transformers.integrations.flash_paged as flash_paged
+
+    hf.register_flash()
     case = make_case([5, 0, 30], lq=1, hq=4, hkv=2, d=16, dtype=torch.float32, block_size=16, capacity=48,
                      num_new=1)
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     lengths = case.cache_seqlens + 1
     cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
     cu_q = torch.arange(4, dtype=torch.int32)
-    out = _flash_attention_forward(case.q.view(1, 3, 4, 16), case.k_new.view(1, 3, 2, 16), case.v_new.view(1, 3, 2, 16),
-                                   None, query_length=3, is_causal=True, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k,
-                                   max_length_q=1, max_length_k=int(lengths.max()), block_table=case.block_table,
-                                   k_cache=k_cache, v_cache=v_cache, attn_implementation=name)
-    assert_decode_close(case, out.view(3, 1, 4, 16), None, k_cache, v_cache)
+    # 5.17's paged function makes the call itself (`_paged_decode_forward`); 5.24's forwards to the flash path
+    call = _block_table_call_5_17 if hasattr(flash_paged, "_paged_decode_forward") else _block_table_call_5_24
+    out = call(case, k_cache, v_cache, cu_q, cu_k, int(lengths.max()))
+    assert_decode_close(case, out, None, k_cache, v_cache)
 
 
 def _tiny_llama():
@@ -72,10 +109,13 @@ def _tiny_llama():
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def generate(model, implementation, prompts, device="cpu", max_new_tokens=6, **cb_options):
-    """Greedy tokens per request from transformers' continuous batching with this attention implementation."""
+def generate(model, implementation, prompts, device="cpu", max_new_tokens=6, page_size=16, **cb_options):
+    """Greedy tokens per request from transformers' continuous batching with this attention implementation
+    (``page_size`` tokens a cache page: transformers 5.17 names that option block_size)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+    page_option = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+    cb_options[page_option] = page_size
     model.set_attn_implementation(implementation)
     generation = transformers.GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
                                                pad_token_id=0)

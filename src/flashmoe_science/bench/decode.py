@@ -10,9 +10,10 @@ contiguous (B, Hkv, L, D) copy: their best layout) and compiled FlexAttention (B
 On the GPU an e4m3 cache (per-KV-head scales) is timed beside the bf16 one ("flashmoe-fp8", "flashmoe-fp8-paged64";
 its TB/s count the e4m3 bytes it reads, half of bf16's).
 
-Prefill chunks (`run_chunk_bench`): Lq = 128 and 512 new tokens appended to a cache of 4k and 32k and attending it
-(bottom-right causal), ours on contiguous and paged caches, against our dense forward on the same shape and SDPA
-(cuDNN, efficient) with a lower-right causal additive bias on contiguous copies. TFLOP/s count the visible (query, key) pairs.
+Prefill chunks (`run_chunk_bench`): Lq = 512 and 128 new tokens appended to a cache of 4k and 32k (--quick: 512 at
+32k) and attending it (bottom-right causal), ours on contiguous and paged caches, against our dense forward on the
+same shape and SDPA (cuDNN, efficient) with a lower-right causal additive bias on contiguous copies. TFLOP/s count
+the visible (query, key) pairs.
 
 Every call is captured once in a CUDA graph and the graph's replay is timed (triton's do_bench: L2 flushed
 before each replay, median), so host launch overhead is not measured for anyone. Records:
@@ -52,7 +53,10 @@ SDPA_BACKENDS = {"sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-flash": "FLASH_ATTENTION
                  "sdpa-efficient": "EFFICIENT_ATTENTION", "sdpa-math": "MATH"}
 BACKEND_ORDER = ("flashmoe", "flashmoe-paged64", "flashmoe-fp8", "flashmoe-fp8-paged64", "read", *SDPA_BACKENDS,
                  "flex")
-CHUNK_CASES = ((128, 4096), (512, 4096), (128, 32768), (512, 32768))  # (new tokens, cache length after them)
+# (new tokens, cache length after them), grouped by new tokens: a group's cases share their kernels' compilation
+# (seconds per contender, against ~0.15 s of timing), which is most of this table's run time.
+CHUNK_CASES = ((512, 4096), (512, 32768), (128, 4096), (128, 32768))
+QUICK_CHUNK_CASES = ((512, 32768),)  # --quick: one compilation per contender
 
 
 def decode_cases(contexts, batched: bool = True) -> list[tuple[int, int]]:
@@ -255,8 +259,9 @@ def _chunk_contenders(new_tokens: int, length: int, device, dtype) -> dict[str, 
     return calls
 
 
-def run_chunk_bench(progress, skips: list[str], cases=CHUNK_CASES) -> list[dict]:
-    """Prefill chunks against a cache (GPU): the records of the module docstring."""
+def run_chunk_bench(progress, skips: list[str], cases=CHUNK_CASES, on_case_done=None) -> list[dict]:
+    """Prefill chunks against a cache (GPU): the records of the module docstring. ``on_case_done(records)`` after
+    each case."""
     device, dtype = torch.device("cuda"), torch.bfloat16
     progress.set_total(len(cases))
     records = []
@@ -273,6 +278,8 @@ def run_chunk_bench(progress, skips: list[str], cases=CHUNK_CASES) -> list[dict]
                             "dtype": "bfloat16", "backend": name, "ms": round_significant(ms),
                             "tflops": round_significant(4 * HQ * HEAD_DIM * visible / (ms * 1e-3) / 1e12)})
         torch.cuda.empty_cache()
+        if on_case_done is not None:
+            on_case_done(records)
         progress.update(desc=f"chunk Lq={new_tokens} L={length}")
     return records
 

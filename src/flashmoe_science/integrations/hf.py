@@ -27,12 +27,15 @@ its first forward (the same ValueError); ``from_config`` and ``apply`` raise it 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from flashmoe_science.attention.api import flash_attention_science
 from flashmoe_science.attention.checks import MAX_HEAD_DIM, MIN_HEAD_DIM
 from flashmoe_science.attention.varlen import flash_attention_varlen
+from flashmoe_science.integrations import flash_attn_interface as fa
 from flashmoe_science.nn.attention import attention_keywords, require_attention_feature
 from flashmoe_science.nn.moe import replace_hf_moe_blocks
 
@@ -42,6 +45,9 @@ ATTN_IMPLEMENTATION = "fmoe_science"
 # "flash...3" for the paged decode path (transformers enables block tables only for flash_attn v2/v3's API, whose
 # flash_attn_with_kvcache `integrations.flash_attn_interface` follows).
 FLASH_IMPLEMENTATION = "fmoe_science_flash_attn3"
+# Continuous batching switches a model to "paged|" + its implementation. transformers 5.17 looks that name up in the
+# attention registry (and runs it through `integrations.flash_paged`); 5.24 drops the prefix and runs the plain name.
+PAGED_FLASH_IMPLEMENTATION = f"paged|{FLASH_IMPLEMENTATION}"
 
 
 def register() -> None:
@@ -59,18 +65,35 @@ def register_flash() -> str:
     (``integrations.flash_attention.flash_attention_forward``: padding-free varlen calls, and in continuous batching
     the paged prefill and the block-table decode) on `integrations.flash_attn_interface`. Returns the name.
 
-    transformers 5.24 resolves the functions of a "flash" implementation once per name in
+    transformers resolves the functions of a "flash" implementation once per name in
     ``modeling_flash_attention_utils.lazy_import_flash_attention``, which knows only the flash_attn packages and
     the kernels hub (a download); its answer is cached per name. This fills that cache with our module's functions
-    for our name (the wrapper below fills it again before each call, since the cache holds one implementation at a
-    time), and registers the attention and mask functions under the name."""
+    for our name (the wrappers below fill it again before each call, since the cache holds one implementation at a
+    time), and registers the attention and mask functions under the name, and the paged attention function under
+    ``PAGED_FLASH_IMPLEMENTATION`` (no mask: transformers builds none for a paged implementation)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
     _provide_flash_functions()
     AttentionInterface.register(FLASH_IMPLEMENTATION, flash_attention)
+    AttentionInterface.register(PAGED_FLASH_IMPLEMENTATION, paged_flash_attention)
     AttentionMaskInterface.register(FLASH_IMPLEMENTATION, flash_attention_mask)
     return FLASH_IMPLEMENTATION
+
+
+class _LoadedName(str):
+    """``FLASH_IMPLEMENTATION`` as transformers' flash-function cache records it: equal to the name with or
+    without the "paged|" prefix. Continuous batching renames the model to the paged name and transformers 5.17
+    asks the cache for it before any of our functions runs (``set_attn_implementation``, the decode-path
+    probe); both names resolve to the same functions, so the cache answers for both."""
+
+    def __eq__(self, other):
+        return isinstance(other, str) and other in (FLASH_IMPLEMENTATION, PAGED_FLASH_IMPLEMENTATION)
+
+    def __ne__(self, other):
+        return not self == other
+
+    __hash__ = str.__hash__
 
 
 def _provide_flash_functions() -> None:
@@ -78,14 +101,12 @@ def _provide_flash_functions() -> None:
 
     if loader._loaded_implementation == FLASH_IMPLEMENTATION:
         return
-    from flashmoe_science.integrations import flash_attn_interface as fa
-
     loader._flash_fn, loader._flash_varlen_fn = fa.flash_attn_func, _padded_batch_varlen
     loader._flash_with_kvcache_fn = torch.compiler.disable(_padded_batch_with_kvcache)
     loader._pad_fn, loader._unpad_fn = loader._pad_input, loader._unpad_input
     loader._process_flash_kwargs_fn = loader._lazy_define_process_function(fa.flash_attn_varlen_func)
     loader._process_with_kvcache_kwargs_fn = loader._lazy_define_process_function(fa.flash_attn_with_kvcache)
-    loader._loaded_implementation = FLASH_IMPLEMENTATION
+    loader._loaded_implementation = _LoadedName(FLASH_IMPLEMENTATION)
 
 
 # Continuous batching pads the batches it captures in CUDA graphs (and runs each once eagerly before capturing it):
@@ -98,7 +119,6 @@ def _padded_batch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs):
     padding rows get zeros); while capturing, the packed kernels take the padded tensors as they are (they attend
     the rows cu_seqlens name and leave the rest; the capture skips the host-side check)."""
     from flashmoe_science.attention.decode import capturing
-    from flashmoe_science.integrations import flash_attn_interface as fa
 
     if kwargs.get("block_table") is not None or capturing(q.device):
         return fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs)
@@ -111,12 +131,10 @@ def _padded_batch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs):
     return out
 
 
-def _padded_batch_with_kvcache(*args, **kwargs):
-    """`flash_attn_with_kvcache` without the host check: a padding sequence (cache_seqlens -1) gets NaN rows and
-    writes nothing (the kernels' rule for out-of-range values), so the padded batch needs no host read."""
-    from flashmoe_science.integrations import flash_attn_interface as fa
-
-    return fa.flash_attn_with_kvcache(*args, check_values=False, **kwargs)
+# `flash_attn_with_kvcache` without the host check: a padding sequence (cache_seqlens -1) gets NaN rows and writes
+# nothing (the kernels' rule for out-of-range values), so the padded batch needs no host read. A partial keeps the
+# signature, from which transformers picks the block table's argument name (block_table or page_table).
+_padded_batch_with_kvcache = functools.partial(fa.flash_attn_with_kvcache, check_values=False)
 
 
 def flash_attention(module, query, key, value, attention_mask, **kwargs):
@@ -126,6 +144,17 @@ def flash_attention(module, query, key, value, attention_mask, **kwargs):
 
     _provide_flash_functions()
     return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def paged_flash_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' paged flash-attention function (``integrations.flash_paged.paged_attention_forward``: the
+    cache write and varlen prefill, or the block-table decode) with its functions resolved to
+    `integrations.flash_attn_interface`: continuous batching's attention on transformers that keep the "paged|"
+    name."""
+    from transformers.integrations.flash_paged import paged_attention_forward
+
+    _provide_flash_functions()
+    return paged_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def _head_dim(config) -> int | None:
@@ -273,5 +302,6 @@ def _padded_attention(query, key, value, mask, options) -> torch.Tensor:
     return padded.view(batch, length_q, heads, head_dim)
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "FLASH_IMPLEMENTATION", "apply", "attention_keywords", "check_config",
-           "flash_attention", "flashmoe_science_attention", "from_config", "register", "register_flash"]
+__all__ = ["ATTN_IMPLEMENTATION", "FLASH_IMPLEMENTATION", "PAGED_FLASH_IMPLEMENTATION", "apply",
+           "attention_keywords", "check_config", "flash_attention", "flashmoe_science_attention", "from_config",
+           "paged_flash_attention", "register", "register_flash"]
