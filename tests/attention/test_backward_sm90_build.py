@@ -110,14 +110,20 @@ def test_one_pass_launches_bind_every_parameter():
 
 
 def test_backward_key_tells_strides_and_alignment_apart():
+    from flashmoe_science.attention.features import as_features
     from flashmoe_science.attention.hopper.backend import _backward_key
+    from flashmoe_science.attention.hopper.bwd_common import offline_features
 
     t = torch.zeros(2, 3, 8, 16)
-    base = _backward_key((t,), False, 0.25)
-    assert _backward_key((t.transpose(1, 2).contiguous().transpose(1, 2),), False, 0.25) != base
-    assert _backward_key((torch.zeros(2 * 3 * 8 * 16 + 1)[1:].view(2, 3, 8, 16),), False, 0.25) != base
-    assert _backward_key((t,), True, 0.25) != base and _backward_key((t,), False, 0.5) != base
-    assert _backward_key((torch.zeros(2, 3, 8, 16),), False, 0.25) == base
+    dense, causal = as_features(False), as_features(True)
+    base = _backward_key((t,), dense, 0.25)
+    assert _backward_key((t.transpose(1, 2).contiguous().transpose(1, 2),), dense, 0.25) != base
+    assert _backward_key((torch.zeros(2 * 3 * 8 * 16 + 1)[1:].view(2, 3, 8, 16),), dense, 0.25) != base
+    assert _backward_key((t,), causal, 0.25) != base and _backward_key((t,), dense, 0.5) != base
+    assert _backward_key((torch.zeros(2, 3, 8, 16),), dense, 0.25) == base
+    # a packed call: its cu_seqlens' signatures and maximal lengths (the grid) are part of the key
+    packed = _backward_key((t,), offline_features(varlen=True), 0.25)
+    assert packed != base and packed == _backward_key((t,), offline_features(varlen=True), 0.25)
 
 
 FEATURE_CASES = {  # bwd_common.offline_features arguments: each feature alone and all at once
@@ -165,13 +171,15 @@ def test_feature_args_run_plain_calls_as_causal_without_window_flags():
                                           (offline_features(window=(-1, 0)), True, False, False),
                                           (offline_features(causal=True, window=(8, -1)), False, True, True),
                                           (offline_features(window=(-1, 5)), False, False, True)):
-        args, flags, (batch, lq, lk, _) = feature_args(features, 0.125, q, k)
+        args, flags, (programs, lq, lk, _) = feature_args(features, 0.125, q, k, 128)
         assert (flags["CAUSAL"], flags["MASK_LEFT"], flags["MASK_RIGHT"]) == (causal, left, right)
-        assert (batch, lq, lk) == (2, 300, 200) and args[:3] == (None, None, None)
-    args, flags, (batch, lq, lk, qk_scale) = feature_args(offline_features(varlen=True, alibi=True, softcap=2.0),
-                                                           0.125, q, k)
-    assert flags["VARLEN"] and flags["ALIBI"] and flags["SOFTCAP"] and (batch, lq, lk) == (2, 256, 256)
-    assert args[4] == 300 and qk_scale == pytest.approx(2.0 * 1.4426950408889634)  # lse rows; c·log2(e)
+        assert (programs, lq, lk) == (2 * 2, 300, 200) and args[:5] == (None,) * 5  # 2 batches x 2 key blocks
+    args, flags, (programs, lq, lk, qk_scale) = feature_args(offline_features(varlen=True, alibi=True, softcap=2.0),
+                                                             0.125, q, k, 128)
+    assert flags["VARLEN"] and flags["ALIBI"] and flags["SOFTCAP"] and (lq, lk) == (256, 256)
+    # 2 packed sequences, 200 key rows, the longest 256: at most min(2 x 2, cdiv(200, 128) + 2) key blocks
+    assert programs == 4 and args[4] == 2 and args[3] is not None  # num_seqs, the work list
+    assert args[6] == 300 and qk_scale == pytest.approx(2.0 * 1.4426950408889634)  # lse rows; c·log2(e)
 
 
 def _bias_features(causal, shape, dtype=torch.bfloat16, softcap=None):

@@ -25,7 +25,7 @@ from flashmoe_science.moe.fp8 import (BLOCK, FP8, dequantize_fp8, fp8_experts_re
 from flashmoe_science.nn.moe import FusedMoE
 from interpreter_driver import run_under_interpreter
 from fp8_testing import (FP8_RMS_BUDGET, assert_matches_emulation, assert_stages_match_emulation, quantized_experts,
-                         qwen3_fp8_block, rms_error)
+                         qwen3_fp8_block, rms_error, rne_e4m3)
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # ------------------------------------------------------------------------------------------- quantisers (CPU)
@@ -237,6 +237,56 @@ def test_gpu_tiles_match_the_emulation_stage_by_stage(name, monkeypatch):
     assert_matches_emulation("out", out, emulated)
 
 
+def _planned_for_the_gpu(monkeypatch, num_tokens, top_k, num_experts, d_model, d_ff):
+    """fp8_tile_candidates as an H100/H200 plans them (the planner's interpreter branch switched off; CPU tensors
+    size shared memory and SMs as those GPUs)."""
+    from flashmoe_science.moe import tiles as moe_tiles
+    from flashmoe_science.moe import triton_fp8_gemm
+
+    with monkeypatch.context() as patch:
+        for module in (triton_fp8_gemm, moe_tiles):
+            patch.setattr(module, "triton_interpreter_on", lambda: False)
+        return triton_fp8_gemm.fp8_tile_candidates(num_tokens, top_k, num_experts, d_model, d_ff, torch.device("cpu"))
+
+
+def _losslessly_quantised(num_tokens, d_model, dtype):
+    """x whose 1x128 groups are e4m3 values times a power of two, each group holding +-448 times it: the
+    quantisation of x is exact (scale = amax / 448 is that power of two) under any rounding of the cast. Small
+    (|x| <= 448 * 2^-10) so that gate stays far from where silu's exp underflows on 100-fold weight blocks: the
+    interpreter casts float32 subnormals to e4m3 subnormals instead of zero."""
+    groups = -(-d_model // BLOCK)
+    q = rne_e4m3(torch.randn(num_tokens, groups * BLOCK) * 100).clamp(-448, 448)
+    q[:, ::BLOCK] = 448.0 * torch.randint(0, 2, (num_tokens, groups)).mul(2).sub(1)
+    scale = torch.exp2(torch.randint(-16, -9, (num_tokens, groups)).float()).repeat_interleave(BLOCK, dim=1)
+    return (q * scale)[:, :d_model].to(dtype)
+
+
+@pytest.mark.parametrize("num_tokens, d_model, d_ff, num_experts, top_k", [
+    (16, 512, 256, 8, 2),  # decode branch: 16-row tiles, x quantised in the gather, split-K down
+    (77, 200, 136, 6, 2),  # d and F not multiples of 128: partial weight blocks, a partial h group
+    (150, 256, 384, 4, 2),  # 64-row branch and its sweep: 256-wide down tiles, 128-row tiles, x quantised first
+])
+def test_gpu_planned_tiles_apply_each_block_its_scale(num_tokens, d_model, d_ff, num_experts, top_k, monkeypatch):
+    """Every tile config an H100/H200 plans for these dims (fp8_tile_candidates), on weights whose 128x128 block
+    scales differ 100-fold and on losslessly quantised x, stage by stage against the emulation to float32's margin:
+    a block's partial product scaled by another block's scale would move h's group scales by up to 100x."""
+    monkeypatch.setenv("FLASHMOE_SCIENCE_POISON", "1")
+    torch.manual_seed(0)
+    _, _, _, q1, s1, q2, s2 = quantized_experts(num_tokens, d_model, d_ff, num_experts, block_spread=100.0)
+    assert s1.amax() / s1.amin() > 50 and s2.amax() / s2.amin() > 50
+    x = _losslessly_quantised(num_tokens, d_model, torch.bfloat16)
+    weights, ids = moe_route(torch.randn(num_tokens, num_experts), top_k)
+    ids[1, 0] = -1
+    for name, tiles in _planned_for_the_gpu(monkeypatch, num_tokens, top_k, num_experts, d_model, d_ff).items():
+        try:
+            out = assert_stages_match_emulation(x, q1, s1, q2, s2, weights, ids, tiles, cast=_interpreter_e4m3,
+                                                scale_rtol=1e-5, max_rerounded=1e-3)
+        except AssertionError as error:
+            raise AssertionError(f"tiles {name} ({tiles}): {error}") from error
+        emulated = fp8_experts_reference(x.double(), q1, s1, q2, s2, weights, ids, cast=_interpreter_e4m3)
+        assert_matches_emulation(f"out, tiles {name}", out, emulated)
+
+
 def test_front_door_runs_the_kernels_fp16(monkeypatch):
     monkeypatch.setenv("FLASHMOE_SCIENCE_POISON", "1")
     x, _, _, q1, s1, q2, s2 = quantized_experts(9, 256, 128, 4, torch.float16)
@@ -252,7 +302,7 @@ def test_front_door_runs_the_kernels_fp16(monkeypatch):
 
 
 INTERPRETER_CASES = ("test_kernels_match_the_emulation", "test_gpu_tiles_match_the_emulation_stage_by_stage",
-                     "test_front_door_runs_the_kernels_fp16")
+                     "test_gpu_planned_tiles_apply_each_block_its_scale", "test_front_door_runs_the_kernels_fp16")
 if IN_INTERPRETER:  # the child runs the kernel cases only
     for _name in [n for n in list(globals()) if n.startswith("test_") and n not in INTERPRETER_CASES]:
         del globals()[_name]
