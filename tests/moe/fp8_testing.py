@@ -1,4 +1,4 @@
-"""Shared helpers of the FP8 experts' tests: inputs, the error measures, the budget, an FP8 Hugging Face block."""
+"""What the FP8 experts' tests share: inputs, the error measures, the budget, an FP8 Hugging Face block."""
 
 import torch
 import torch.nn.functional as F
