@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from flashmoe_science.backends import Choice, choose
-from flashmoe_science.device import device_traits, triton_interpreter_on
+from flashmoe_science.device import device_traits
 from flashmoe_science.moe.checks import check_experts, check_tensor
 from flashmoe_science.moe.fp8_format import BLOCK, FP8, FP8_MAX, SCALE_EPS
-from flashmoe_science.moe.plan import TRITON_DTYPES, _triton_importable, check_backend
+from flashmoe_science.moe.plan import check_backend, triton_refusal
 from flashmoe_science.moe.triton_fp8_gemm import choose_fp8_tiles, fp8_forward
 FP8_CAPABILITY = (8, 9)  # e4m3 tensor-core products: Ada, Hopper and newer
 
@@ -175,16 +175,9 @@ class Fp8Kernels:
 
     def decline(self, problem: Fp8ExpertsProblem) -> str | None:
         x = problem.x
-        if not _triton_importable():
-            return "triton is not installed"
-        if x.dtype not in TRITON_DTYPES:
-            return f"x is {x.dtype}: the Triton kernels take float16, bfloat16 and float32"
-        if not x.is_cuda:
-            if problem.backend == "auto":
-                return f"x is on {x.device.type}: 'auto' runs the Triton kernels on CUDA tensors only"
-            if not triton_interpreter_on():
-                return f"x is on {x.device.type}: the Triton kernels need a CUDA device, or TRITON_INTERPRET=1"
-            return None
+        refusal = triton_refusal(x, problem.backend)
+        if refusal is not None or not x.is_cuda:
+            return refusal
         capability = device_traits(x.device).capability
         if capability < FP8_CAPABILITY:
             return (f"e4m3 tensor-core products need compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or "

@@ -89,6 +89,21 @@ class ExpertsProblem:
     training: bool = False
 
 
+def triton_refusal(x, backend: str) -> str | None:
+    """Why the Triton kernels cannot run on x (or None): triton missing, x's dtype, a CPU tensor without the
+    interpreter or under "auto" (which runs them on CUDA tensors only)."""
+    if not _triton_importable():
+        return "triton is not installed"
+    if x.dtype not in TRITON_DTYPES:
+        return f"x is {x.dtype}: the Triton kernels take float16, bfloat16 and float32"
+    if not x.is_cuda:
+        if backend == "auto":
+            return f"x is on {x.device.type}: 'auto' runs the Triton kernels on CUDA tensors only"
+        if not triton_interpreter_on():
+            return f"x is on {x.device.type}: the Triton kernels need a CUDA device, or TRITON_INTERPRET=1"
+    return None
+
+
 class KernelLayer:
     """The Triton kernels (and the families of ``GEMM_BACKENDS`` behind them): CUDA tensors, or CPU tensors under
     TRITON_INTERPRET=1 when asked for by name."""
@@ -96,17 +111,7 @@ class KernelLayer:
     name = "triton"
 
     def decline(self, problem: ExpertsProblem) -> str | None:
-        x = problem.x
-        if not _triton_importable():
-            return "triton is not installed"
-        if x.dtype not in TRITON_DTYPES:
-            return f"x is {x.dtype}: the Triton kernels take float16, bfloat16 and float32"
-        if not x.is_cuda:
-            if problem.backend == "auto":
-                return f"x is on {x.device.type}: 'auto' runs the Triton kernels on CUDA tensors only"
-            if not triton_interpreter_on():
-                return f"x is on {x.device.type}: the Triton kernels need a CUDA device, or TRITON_INTERPRET=1"
-        return None
+        return triton_refusal(problem.x, problem.backend)
 
     def plan(self, problem: ExpertsProblem) -> KernelPlan:
         """The decode kernel, or the tiles (``plan_experts`` then plans each GEMM's family)."""
