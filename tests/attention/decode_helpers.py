@@ -191,6 +191,21 @@ def assert_decode_close(case: DecodeCase, out, lse=None, k_after=None, v_after=N
     return ours, theirs
 
 
+def run_and_check(case: DecodeCase, **options):
+    """flash_attention_decode on copies of the case's caches (the append writes them), checked against the oracle:
+    the output, the lse and, where new tokens were appended, the caches."""
+    from flashmoe_science import flash_attention_decode
+
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    out, lse = flash_attention_decode(case.q, k_cache, v_cache, case.cache_seqlens,
+                                      **case.kwargs(return_lse=True, **options))
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    mask = {name: options[name] for name in ("causal", "window", "softcap", "rotary_interleaved") if name in options}
+    appended = case.k_new is not None
+    return assert_decode_close(case, out, lse, k_cache if appended else None, v_cache if appended else None, **mask)
+
+
 def run_varlen_case(paged: bool, dtype, atol: float, *, device="cpu", backend="auto", hq=4, hkv=2, d=32,
                     block_size=16, q_lengths=(0, 1, 7, 20, 5), k_lengths=(3, 1, 30, 20, 0), **mask):
     """flash_attention_varlen with keys read in place (paged with block_table, or packed with spare rows after each

@@ -13,22 +13,12 @@ import math
 import pytest
 import torch
 
-from decode_helpers import assert_decode_close, make_case, run_varlen_case
+from decode_helpers import assert_decode_close, make_case, run_and_check, run_varlen_case
 from flashmoe_science import flash_attention_decode
 from flashmoe_science.integrations.flash_attn_interface import flash_attn_with_kvcache
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
-
-
-def _run(case, **options):
-    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
-    out, lse = flash_attention_decode(case.q, k_cache, v_cache, case.cache_seqlens,
-                                      **case.kwargs(return_lse=True, **options))
-    torch.cuda.synchronize()
-    mask = {name: options[name] for name in ("causal", "window", "softcap", "rotary_interleaved") if name in options}
-    appended = case.k_new is not None
-    return assert_decode_close(case, out, lse, k_cache if appended else None, v_cache if appended else None, **mask)
 
 
 # Each case is a few kernel specialisations to compile (seconds each on the GPU): the parameters are paired rather
@@ -38,7 +28,7 @@ def _run(case, **options):
 def test_chunked_prefill(block_size, lq, group):
     case = make_case([0, 1000, 2048 - lq, 300], lq=lq, hq=2 * group, hkv=2, d=128, dtype=torch.bfloat16, device=CUDA,
                      block_size=block_size, capacity=2048, num_new=lq, rotary=True)
-    _run(case)
+    run_and_check(case)
 
 
 @pytest.mark.parametrize("mask", [dict(window=(200, 0)), dict(window=(100, 30), causal=False), dict(softcap=30.0),
@@ -47,14 +37,14 @@ def test_chunked_prefill_masks(mask):
     mask = dict(mask)
     case = make_case([100, 1500, 3000], lq=256, hq=16, hkv=4, d=128, dtype=torch.bfloat16, device=CUDA,
                      block_size=64, capacity=4096, alibi=mask.pop("alibi", False))
-    _run(case, **mask)
+    run_and_check(case, **mask)
 
 
 @pytest.mark.parametrize("lq,num_new", [(1, 1), (128, 128)])
 def test_leftpad_and_batch_idx(lq, num_new):
     case = make_case([200, 1000, 1800], lq=lq, hq=16, hkv=4, d=128, dtype=torch.bfloat16, device=CUDA, capacity=2048,
                      num_new=num_new, rotary=num_new > 0, leftpad=True, batch_idx=True)
-    _run(case)
+    run_and_check(case)
 
 
 @pytest.mark.parametrize("block_size,lq,num_new,dtype", [
@@ -63,7 +53,7 @@ def test_leftpad_and_batch_idx(lq, num_new):
 def test_fp8_cache(block_size, lq, num_new, dtype):
     case = make_case([0, 700, 3000, 4096 - num_new], lq=lq, hq=32, hkv=8, d=128, dtype=dtype, device=CUDA,
                      block_size=block_size, capacity=4096, num_new=num_new, fp8=True)
-    _run(case)
+    run_and_check(case)
 
 
 @pytest.mark.parametrize("mask", [dict(causal=True), dict(causal=False), dict(causal=True, window=(40, 0))],

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_helpers import DecodeCase, assert_decode_close, make_case
+from decode_helpers import DecodeCase, assert_decode_close, make_case, run_and_check
 from flashmoe_science import flash_attention_decode
 
 pytestmark = pytest.mark.gpu
@@ -22,16 +22,6 @@ def _lengths(batch: int, capacity: int, block: int, num_new: int = 0) -> list[in
     return (fixed + torch.randint(0, top + 1, (batch,)).tolist())[:batch]
 
 
-def _run(case, **options):
-    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
-    out, lse = flash_attention_decode(case.q, k_cache, v_cache, case.cache_seqlens,
-                                      **case.kwargs(return_lse=True, **options))
-    torch.cuda.synchronize()
-    mask = {name: options[name] for name in ("causal", "window", "softcap", "rotary_interleaved") if name in options}
-    appended = case.k_new is not None
-    return assert_decode_close(case, out, lse, k_cache if appended else None, v_cache if appended else None, **mask)
-
-
 @pytest.mark.parametrize("block_size", [None, 16, 64, 256], ids=["contiguous", "paged16", "paged64", "paged256"])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("lq", [1, 4])
@@ -39,7 +29,7 @@ def test_lengths_layouts_gqa(block_size, group, lq):
     capacity = 4096
     case = make_case(_lengths(6, capacity, block_size or 64), lq=lq, hq=2 * group, hkv=2, d=128,
                      dtype=torch.bfloat16, device=CUDA, block_size=block_size, capacity=capacity)
-    _run(case)
+    run_and_check(case)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
@@ -47,14 +37,14 @@ def test_lengths_layouts_gqa(block_size, group, lq):
 def test_dtypes_and_head_dims(dtype, head_dim):
     case = make_case(_lengths(4, 2048, 64), lq=2, hq=8, hkv=2, d=head_dim, dtype=dtype, device=CUDA, block_size=64,
                      capacity=2048)
-    _run(case)
+    run_and_check(case)
 
 
 @pytest.mark.parametrize("splits", [1, 5, 128, "auto"])
 def test_num_splits(splits):
     case = make_case(_lengths(3, 8192, 64), lq=1, hq=32, hkv=8, d=128, dtype=torch.bfloat16, device=CUDA,
                      block_size=64, capacity=8192)
-    _run(case, num_splits=splits)
+    run_and_check(case, num_splits=splits)
 
 
 @pytest.mark.parametrize("block_size", [None, 16, 256], ids=["contiguous", "paged16", "paged256"])
@@ -65,7 +55,7 @@ def test_append_and_rotary(block_size, rotary, interleaved, lq):
     case = make_case(_lengths(5, 2048, block_size or 64, num_new=lq), lq=lq, hq=16, hkv=4, d=128,
                      dtype=torch.bfloat16, device=CUDA, block_size=block_size, capacity=2048, num_new=lq,
                      rotary=rotary)
-    _run(case, rotary_interleaved=interleaved)
+    run_and_check(case, rotary_interleaved=interleaved)
 
 
 @pytest.mark.parametrize("mask", [dict(window=(256, 0)), dict(window=(100, 50), causal=False), dict(softcap=30.0),
@@ -76,7 +66,7 @@ def test_masks(mask, block_size):
     mask = dict(mask)
     case = make_case(_lengths(4, 4096, 64), lq=4, hq=16, hkv=2, d=128, dtype=torch.bfloat16, device=CUDA,
                      block_size=block_size, capacity=4096, alibi=mask.pop("alibi", False))
-    _run(case, **mask)
+    run_and_check(case, **mask)
 
 
 def test_cuda_graph_capture_and_replay():

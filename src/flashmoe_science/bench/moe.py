@@ -309,36 +309,42 @@ def run_moe_fp8_bench(models: list[str] | None = None, tokens=FP8_TOKENS, progre
         raise ValueError("the FP8 experts' benchmark needs a CUDA GPU")
     device = torch.device("cuda")
     records = []
+    for model, shape, num_tokens, tensors in _fp8_cases(models, tokens, device):
+        top_k = shape["top_k"]
+        decode = num_tokens <= DECODE_TOKENS
+        bf16_bytes = _routed_expert_bytes(tensors, top_k) if decode else None
+        flops = expert_gemm_flops(num_tokens, top_k, shape["d_model"], shape["d_ff"], "fwd")
+        layers = {"flashmoe": lambda t=tensors: _layer("flashmoe")(*t, top_k),
+                  "flashmoe-fp8": _fp8_layer(tensors, top_k)}
+        for timing in ("eager", "cuda-graph") if decode else ("eager",):
+            times = {}
+            for backend, layer in layers.items():
+                sustained = sustained_window(flops, timing, device)
+                with torch.no_grad():
+                    ms = _graph_median_ms(layer) if timing == "cuda-graph" else _median_ms(layer, device, sustained)
+                times[backend] = ms
+                weight_bytes = None if bf16_bytes is None else (
+                    bf16_bytes // 2 if backend == "flashmoe-fp8" else bf16_bytes)
+                extra = {"speedup": round_significant(times["flashmoe"] / ms)} if backend == "flashmoe-fp8" else {}
+                records.append(_fp8_record(model, shape, num_tokens, backend, timing, ms, weight_bytes,
+                                           warmup_ms=SUSTAINED_WARMUP_MS if sustained else SHORT_WARMUP_MS,
+                                           **extra))
+                if progress is not None:
+                    progress.update(desc=f"{model} T={num_tokens} {backend} ({timing})")
+        del tensors, layers
+    return records
+
+
+def _fp8_cases(models, tokens, device):
+    """(model, shape, T, bf16 inputs from `_make_inputs`) of every selected case; each case's memory is freed
+    before the next one's inputs are made."""
     for model, shape in MODELS.items():
         if models and model not in models:
             continue
         for num_tokens in tokens:
-            tensors = _make_inputs(num_tokens, shape["num_experts"], shape["d_model"], shape["d_ff"],
-                                   torch.bfloat16, device)
-            top_k = shape["top_k"]
-            decode = num_tokens <= DECODE_TOKENS
-            bf16_bytes = _routed_expert_bytes(tensors, top_k) if decode else None
-            flops = expert_gemm_flops(num_tokens, top_k, shape["d_model"], shape["d_ff"], "fwd")
-            layers = {"flashmoe": lambda t=tensors: _layer("flashmoe")(*t, top_k),
-                      "flashmoe-fp8": _fp8_layer(tensors, top_k)}
-            for timing in ("eager", "cuda-graph") if decode else ("eager",):
-                times = {}
-                for backend, layer in layers.items():
-                    sustained = sustained_window(flops, timing, device)
-                    with torch.no_grad():
-                        ms = _graph_median_ms(layer) if timing == "cuda-graph" else _median_ms(layer, device, sustained)
-                    times[backend] = ms
-                    weight_bytes = None if bf16_bytes is None else (
-                        bf16_bytes // 2 if backend == "flashmoe-fp8" else bf16_bytes)
-                    extra = {"speedup": round_significant(times["flashmoe"] / ms)} if backend == "flashmoe-fp8" else {}
-                    records.append(_fp8_record(model, shape, num_tokens, backend, timing, ms, weight_bytes,
-                                               warmup_ms=SUSTAINED_WARMUP_MS if sustained else SHORT_WARMUP_MS,
-                                               **extra))
-                    if progress is not None:
-                        progress.update(desc=f"{model} T={num_tokens} {backend} ({timing})")
-            del tensors, layers
+            yield model, shape, num_tokens, _make_inputs(num_tokens, shape["num_experts"], shape["d_model"],
+                                                         shape["d_ff"], torch.bfloat16, device)
             torch.cuda.empty_cache()
-    return records
 
 
 def run_fp8_tile_sweep(models: list[str] | None = None, tokens=FP8_SWEEP_TOKENS) -> list[dict]:
@@ -354,30 +360,24 @@ def run_fp8_tile_sweep(models: list[str] | None = None, tokens=FP8_SWEEP_TOKENS)
         raise ValueError("the FP8 tile sweep needs a CUDA GPU")
     device = torch.device("cuda")
     records = []
-    for model, shape in MODELS.items():
-        if models and model not in models:
-            continue
-        for num_tokens in tokens:
-            tensors = _make_inputs(num_tokens, shape["num_experts"], shape["d_model"], shape["d_ff"],
-                                   torch.bfloat16, device)
-            top_k = shape["top_k"]
-            timing = "cuda-graph" if num_tokens <= DECODE_TOKENS else "eager"
-            time_of = _graph_median_ms if timing == "cuda-graph" else (lambda fn: _median_ms(fn, device))
-            with torch.no_grad():
-                bf16_ms = time_of(lambda t=tensors: _layer("flashmoe")(*t, top_k))
-                records.append(_fp8_record(model, shape, num_tokens, "flashmoe", timing, bf16_ms))
-                candidates = fp8_tile_candidates(num_tokens, top_k, shape["num_experts"], shape["d_model"],
-                                                 shape["d_ff"], device)
-                for name, tiles in candidates.items():
-                    config = {"name": name, **asdict(tiles)}
-                    try:
-                        ms = time_of(_fp8_layer(tensors, top_k, tiles))
-                    except Exception as error:  # a candidate that does not build on this GPU is a finding too
-                        records.append({"op": "moe", "model": model, "T": num_tokens, "backend": "flashmoe-fp8",
-                                        "tiles": config, "error": f"{type(error).__name__}: {error}"[:500]})
-                        continue
-                    records.append(_fp8_record(model, shape, num_tokens, "flashmoe-fp8", timing, ms, tiles=config,
-                                               speedup=round_significant(bf16_ms / ms)))
-            del tensors
-            torch.cuda.empty_cache()
+    for model, shape, num_tokens, tensors in _fp8_cases(models, tokens, device):
+        top_k = shape["top_k"]
+        timing = "cuda-graph" if num_tokens <= DECODE_TOKENS else "eager"
+        time_of = _graph_median_ms if timing == "cuda-graph" else (lambda fn: _median_ms(fn, device))
+        with torch.no_grad():
+            bf16_ms = time_of(lambda t=tensors: _layer("flashmoe")(*t, top_k))
+            records.append(_fp8_record(model, shape, num_tokens, "flashmoe", timing, bf16_ms))
+            candidates = fp8_tile_candidates(num_tokens, top_k, shape["num_experts"], shape["d_model"],
+                                             shape["d_ff"], device)
+            for name, tiles in candidates.items():
+                config = {"name": name, **asdict(tiles)}
+                try:
+                    ms = time_of(_fp8_layer(tensors, top_k, tiles))
+                except Exception as error:  # a candidate that does not build on this GPU is a finding too
+                    records.append({"op": "moe", "model": model, "T": num_tokens, "backend": "flashmoe-fp8",
+                                    "tiles": config, "error": f"{type(error).__name__}: {error}"[:500]})
+                    continue
+                records.append(_fp8_record(model, shape, num_tokens, "flashmoe-fp8", timing, ms, tiles=config,
+                                           speedup=round_significant(bf16_ms / ms)))
+        del tensors
     return records
