@@ -39,6 +39,15 @@ families = {"rows-16 w4 s4 gather": replace(default, block_m=16, up=replace(defa
             "rows-16 w8 s3 gather": replace(default, block_m=16, quantize_in_gather=True),
             "rows-64 (default)": default, "rows-64 s1": replace(default, up=replace(default.up, num_stages=1)),
             "rows-128": replace(default, block_m=128)}
+# Triton's sm_90 default lets e4m3 dots accumulate in the tensor core's reduced precision over the whole K; the
+# "precise" families compile the up GEMM with promotion to float32 after every instruction instead.
+import flashmoe_science.moe.triton_fp8_gemm as gemm_module
+_up_launch, PRECISE = gemm_module.up_swiglu_fp8_launch, {"on": False}
+def _patched_up(*args, **kwargs):
+    launch = _up_launch(*args, **kwargs)
+    return launch._replace(meta={**launch.meta, "max_num_imprecise_acc_default": 0}) if PRECISE["on"] else launch
+gemm_module.up_swiglu_fp8_launch = _patched_up
+families.update({"rows-64 precise-acc": default, "rows-16 w8 s3 gather precise-acc": families["rows-16 w8 s3 gather"]})
 def oracle(xx, rows_x, sel_pairs, exact, device):
     cast = rne_e4m3 if exact else round_to_e4m3
     xx = xx.to(device)
@@ -53,6 +62,7 @@ def oracle(xx, rows_x, sel_pairs, exact, device):
     return quantize_fp8_groups(he, cast)
 for xname, xx in (("x normal", x), ("x lossless", _losslessly_quantised(T, d, torch.bfloat16).cuda())):
     for name, tiles in families.items():
+        PRECISE["on"] = name.endswith("precise-acc")
         sort, h, hs = fp8_up(xx, q1, s1, ids, tiles)
         pairs = torch.nonzero(sort.pair_row >= 0).squeeze(1)[:4096]
         rows = sort.pair_row[pairs].long()
