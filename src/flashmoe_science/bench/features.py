@@ -344,6 +344,12 @@ RATIOS = {
 }
 
 
+def measured_ratios(suite: str, records: list[dict]) -> list[tuple[str, str]]:
+    """The suite's RATIOS whose two backends both have records (a run without a backend gets no column of n/a)."""
+    backends = {r["backend"] for r in records}
+    return [(a, b) for a, b in RATIOS[suite] if a in backends and b in backends]
+
+
 def _ratio_column(numerator: str, denominator: str):
     def compute(values: dict) -> str:
         a, b = values.get(numerator), values.get(denominator)
@@ -360,7 +366,7 @@ def features_tables(records: list[dict]) -> str:
         if not rows:
             continue
         extra = {f"{a.removeprefix('flashmoe-')}/{b.removeprefix('flashmoe-')}": _ratio_column(a, b)
-                 for a, b in RATIOS[suite]}
+                 for a, b in measured_ratios(suite, rows)}
         parts.append(f"{suite}: TFLOP/s over the pairs attended\n"
                      + records_table(rows, row_fields=("case", "pass"), extra_columns=extra))
     notes = {(r["backend"], r["note"]) for r in records if r["note"]}
