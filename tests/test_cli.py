@@ -499,3 +499,43 @@ def test_bench_moe_models_picks_models_and_rejects_unknown(monkeypatch):
 def test_bench_attention_refuses_models(capsys):
     assert cli.main(["bench", "attention", "--models", "mixtral-8x7b"]) == 2
     assert "--models applies to the MoE benchmark" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU smoke test")
+def test_bench_varlen_quick_on_cpu_times_the_padded_hf_batch(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLASHMOE_COMMIT", "abc1234")
+    assert cli.main(["bench", "--suite", "varlen", "--quick", "--no-plot", "--rounds", "1",
+                     "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "hf/sdpa-padded" in out
+    assert "sdpa-cudnn-padded" not in out  # no ratio column for a backend the run did not have (cuDNN: CUDA only)
+    _, result = _only_json(tmp_path)
+    padded = {(r["backend"], r["pass"]) for r in result["records"] if r["case"].startswith("HF padded")}
+    assert padded == {(backend, pass_) for backend in ("flashmoe-hf", "sdpa-padded") for pass_ in ("fwd", "bwd")}
+
+
+def test_padded_hf_batch_contenders_agree_on_the_real_tokens():
+    """The padded batch's contenders compute one attention: ours (packed real tokens) and transformers' sdpa with its
+    (B, 1, L, L) mask agree on every real query row, forward and gradients, against a float64 SDPA per sequence."""
+    from flashmoe_science.bench import features
+
+    case = next(c for c in features.feature_cases(["varlen"], True, torch.device("cpu"), torch.float64)
+                if c.name.startswith("HF padded"))
+    lengths = features.padded_batch_lengths(features.PADDED_ROWS, 512 // features.CPU_SHRINK,
+                                            4096 // features.CPU_SHRINK)
+    inputs = case.contenders["flashmoe-hf"].make_inputs()
+    real = torch.arange(inputs[0].shape[1]) < torch.tensor(lengths)[:, None]
+    dout = torch.randn_like(inputs[0]) * real[..., None, None]
+    expected = torch.zeros_like(inputs[0])
+    for row, n in enumerate(lengths):
+        q, k, v = (t[row, :n].transpose(0, 1) for t in inputs)
+        expected[row, :n] = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1)
+    grads = {}
+    for name in ("flashmoe-hf", "sdpa-padded"):
+        q, k, v = (t.clone().requires_grad_(True) for t in inputs)
+        out = case.contenders[name].attend(q, k, v)
+        torch.testing.assert_close(out[real], expected[real])
+        out.backward(dout)
+        grads[name] = [t.grad[real] for t in (q, k, v)]
+    for ours, theirs in zip(grads["flashmoe-hf"], grads["sdpa-padded"]):
+        torch.testing.assert_close(ours, theirs)

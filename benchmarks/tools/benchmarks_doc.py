@@ -28,7 +28,7 @@ TOOLS = Path(__file__).resolve().parent
 sys.path[:0] = [str(TOOLS), str(ROOT / "src")]  # run from a checkout, installed or not
 
 import results_table  # noqa: E402  (benchmarks/tools)
-from flashmoe_science.bench.features import RATIOS, SUITES  # noqa: E402
+from flashmoe_science.bench.features import SUITES, measured_ratios  # noqa: E402
 from flashmoe_science.bench.report import NOT_AVAILABLE, format_number, ordered_columns, pivot, ratio  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -135,7 +135,7 @@ def render_features(data: Mapping, path: Path) -> str:
         records = [r for r in data["records"] if r.get("suite") == suite]
         if records:
             parts.append(f"**{suite}** (TFLOP/s over the (query, key) pairs attended)\n\n"
-                         + pivot_table(records, ("case", "pass"), "tflops", ratios=RATIOS[suite]))
+                         + pivot_table(records, ("case", "pass"), "tflops", ratios=measured_ratios(suite, records)))
     notes = sorted({(r["backend"], r["note"]) for r in data["records"] if r.get("note")})
     if notes:
         parts.append("Notes: " + "; ".join(f"{backend}: {note}" for backend, note in notes) + ".")

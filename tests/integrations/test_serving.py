@@ -38,8 +38,18 @@ def test_flash_attn_with_kvcache_flash_attn_defaults():
     assert_decode_close(case, out, lse, k_cache, v_cache, rotary_interleaved=True)
 
 
+def test_return_attn_probs_returns_the_lse_as_flash_attn_3():
+    q, k, v = torch.randn(2, 9, 4, 32), torch.randn(2, 13, 2, 32), torch.randn(2, 13, 2, 32)
+    out, lse = fa.flash_attn_func(q, k, v, causal=True, window_size=torch.tensor([6, 2]), return_attn_probs=True)
+    want, want_lse = flash_attention_science(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                                             window=(6, 2), return_lse=True)
+    torch.testing.assert_close(out, want.transpose(1, 2), rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("change,message", [(dict(dropout_p=0.1), "dropout_p"),
-                                            (dict(return_attn_probs=True), "return_attn_probs"),
+                                            (dict(window_size=(3, 1.5)), "window_size"),
+                                            (dict(window_size=(3,)), "window_size"),
                                             (dict(learnable_sink=torch.zeros(4)), "learnable_sink")])
 def test_what_flash_attn_has_and_we_do_not_is_refused(change, message):
     q = torch.randn(1, 3, 4, 32)

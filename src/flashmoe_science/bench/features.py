@@ -7,7 +7,11 @@ Suites (bf16, D=128, one GPU; on a CPU-only machine every size shrinks by 64 as 
   many of 64..512) and uniform 512..4096; causal and not (``--quick``: the long tail only). ``flashmoe-varlen`` (`flash_attention_varlen`) against ``flashmoe-dense`` (our dense call
   at equal tokens, 4 x 4096), ``sdpa-nested`` (SDPA on a jagged nested tensor, whichever kernel PyTorch picks) and
   ``sdpa-cudnn-padded`` (cuDNN's SDPA on the batch padded to the longest sequence, without a key-padding mask: a
-  lower bound of the padded call's cost, since a mask would take cuDNN off its fast path).
+  lower bound of the padded call's cost, since a mask would take cuDNN off its fast path). Then a padded Hugging
+  Face batch (`PADDED_ROWS` uniform lengths right-padded to the longest, causal; in ``--quick`` too) through
+  transformers' attention interface end to end: ``flashmoe-hf`` (our registered function, which packs the real
+  tokens) against ``sdpa-padded`` (transformers' "sdpa" with its padding mask) and ``sdpa-cudnn-padded`` (the
+  same on cuDNN without a mask: exact on the real rows, since causal attention hides right padding).
 - ``window``: a causal sliding window of 4096 keys at L = 32k and 128k: ``flashmoe-window`` against our dense causal
   call (``flashmoe-dense``, auto; ``flashmoe-triton-dense``, the Triton kernel the window runs on until the Gluon
   kernels take windows) and compiled FlexAttention with the equivalent block mask (``flex-window``).
@@ -21,6 +25,7 @@ the window. Records: {"op": "attention-features", "suite", "case", "pass", "back
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -142,6 +147,71 @@ def _varlen_case(distribution: str, causal: bool, device, dtype, shrink: int) ->
     return case
 
 
+PADDED_ROWS = 12
+
+
+def padded_batch_lengths(rows: int, low: int, high: int, seed: int = 0) -> list[int]:
+    """`rows` sequence lengths uniform in [low, high] (the uniform distribution's first draws, none cut short)."""
+    return uniform_lengths(rows * high, low, high, seed)[:rows]
+
+
+def _padded_hf_case(device, dtype, shrink: int) -> Case:
+    """A Hugging Face batch: PADDED_ROWS sequences right-padded to the longest with the tokenizer's 0/1 mask,
+    causal, through transformers' attention interface as a decoder layer calls it: the registered function with
+    (module, query, key, value, attention_mask), query/key/value the ``(B, H, L, D)`` transposes of the projections'
+    ``(B, L, H, D)`` outputs, the mask each implementation's own builder makes from the 2-D mask
+    (``create_causal_mask``: ours gets the 2-D mask and packs the real tokens, "sdpa" a (B, 1, L, L) boolean mask).
+    The mask is built once per batch (a model builds it once for all its layers), so the timed call is one layer's
+    attention. ``sdpa-cudnn-padded`` is transformers' "sdpa" without a mask on cuDNN: with right padding, causal
+    attention alone keeps every real query off the padding keys, so its real rows are exact."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import AttentionInterface, LlamaConfig
+    from transformers.masking_utils import create_causal_mask
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from flashmoe_science.integrations import hf
+
+    hf.register()
+    lengths = padded_batch_lengths(PADDED_ROWS, max(1, 512 // shrink), 4096 // shrink)
+    rows, longest, heads = len(lengths), max(lengths), HEADS
+    padding = torch.arange(longest, device=device) < torch.tensor(lengths, device=device)[:, None]
+    config = LlamaConfig(hidden_size=heads * HEAD_DIM, num_attention_heads=heads, num_key_value_heads=heads,
+                         head_dim=HEAD_DIM, num_hidden_layers=1)
+    with torch.device("meta"):  # the attention functions read the module's attributes only
+        module = LlamaAttention(config, layer_idx=0)
+    functions = AttentionInterface()
+
+    def layer_call(implementation: str, padding_mask=padding, backend=None):
+        """One layer's attention call; the mask is built here, once, by the implementation's own mask builder."""
+        config._attn_implementation = implementation
+        embeds = torch.empty(rows, longest, 0, device=device, dtype=dtype)  # its shape, dtype and device only
+        mask = None if padding_mask is None else create_causal_mask(
+            config=config, inputs_embeds=embeds, attention_mask=padding_mask.long(), cache=None)
+        attention = functions[implementation]
+
+        def attend(q, k, v):
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                return attention(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                                 scaling=module.scaling)[0]
+
+        return attend
+
+    make = lambda: tuple(_randn(rows, longest, heads, HEAD_DIM, device=device, dtype=dtype)  # noqa: E731
+                         for _ in range(3))
+    real = sum(dense_flops(1, heads, n, n, HEAD_DIM, True) for n in lengths)
+    case = Case("varlen", f"HF padded: {rows} seqs {min(lengths)}..{longest} ({rows} x {longest}), {sum(lengths)} "
+                          "tokens, causal")
+    case.contenders["flashmoe-hf"] = Contender(make, layer_call(hf.ATTN_IMPLEMENTATION), real,
+                                               "transformers' attention interface, 2-D padding mask")
+    case.contenders["sdpa-padded"] = Contender(make, layer_call("sdpa"), real,
+                                               "transformers' sdpa, (B, 1, L, L) padding mask")
+    if device.type == "cuda":
+        case.contenders["sdpa-cudnn-padded"] = Contender(
+            make, layer_call("sdpa", padding_mask=None, backend=SDPBackend.CUDNN_ATTENTION), real,
+            "HF batch: transformers' sdpa on cuDNN, no mask (causal alone hides the right padding)")
+    return case
+
+
 def window_pairs(length: int, window: int) -> int:
     """(query, key) pairs of a causal window of `window` keys (the query's own included) over `length` tokens."""
     full = max(0, length - window) * window
@@ -204,6 +274,7 @@ def feature_cases(suites, quick: bool, device, dtype) -> list[Case]:
         distributions = list(VARLEN_DISTRIBUTIONS)[:1 if quick else None]
         cases += [_varlen_case(name, causal, device, dtype, shrink) for name in distributions
                   for causal in (False, True)]
+        cases.append(_padded_hf_case(device, dtype, shrink))
     if "window" in suites:
         cases += [_window_case(length, device, dtype, shrink) for length in WINDOW_LENGTHS[:1 if quick else None]]
     if "mods" in suites:
@@ -264,12 +335,19 @@ def _median_records(measured: dict[tuple, list[dict]]) -> list[dict]:
 # The ratios each suite's table shows (numerator, denominator): ours against the call it replaces.
 RATIOS = {
     "varlen": (("flashmoe-varlen", "flashmoe-dense"), ("flashmoe-varlen", "sdpa-nested"),
-               ("flashmoe-varlen", "sdpa-cudnn-padded")),
+               ("flashmoe-varlen", "sdpa-cudnn-padded"), ("flashmoe-hf", "sdpa-padded"),
+               ("flashmoe-hf", "sdpa-cudnn-padded")),
     "window": (("flashmoe-window", "flashmoe-dense"), ("flashmoe-window", "flashmoe-triton-dense"),
                ("flashmoe-window", "flex-window")),
     "mods": (("flashmoe-softcap", "flashmoe"), ("flashmoe-alibi", "flashmoe"), ("flashmoe-bias", "flashmoe"),
              ("flashmoe-softcap", "flashmoe-triton"), ("flashmoe-alibi", "flashmoe-triton")),
 }
+
+
+def measured_ratios(suite: str, records: list[dict]) -> list[tuple[str, str]]:
+    """The suite's RATIOS whose two backends both have records (a run without a backend gets no column of n/a)."""
+    backends = {r["backend"] for r in records}
+    return [(a, b) for a, b in RATIOS[suite] if a in backends and b in backends]
 
 
 def _ratio_column(numerator: str, denominator: str):
@@ -288,7 +366,7 @@ def features_tables(records: list[dict]) -> str:
         if not rows:
             continue
         extra = {f"{a.removeprefix('flashmoe-')}/{b.removeprefix('flashmoe-')}": _ratio_column(a, b)
-                 for a, b in RATIOS[suite]}
+                 for a, b in measured_ratios(suite, rows)}
         parts.append(f"{suite}: TFLOP/s over the pairs attended\n"
                      + records_table(rows, row_fields=("case", "pass"), extra_columns=extra))
     notes = {(r["backend"], r["note"]) for r in records if r["note"]}

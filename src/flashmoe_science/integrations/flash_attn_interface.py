@@ -11,24 +11,25 @@ flash_attn's names and defaults (``window_size=(-1, -1)``, ``softcap=0.0``, ``ro
 | ``flash_attn_varlen_func``  | ``flash_attention_varlen`` (paged with ``block_table``, ``seqused_k``) |
 | ``flash_attn_with_kvcache`` | ``flash_attention_decode`` (any number of new tokens)                  |
 
-Dropout, returned attention probabilities and learnable sinks do not exist here: a nonzero ``dropout_p``,
-``return_attn_probs=True`` or any other argument flash_attn has and this module does not raise (never a silent
-difference).
+``return_attn_probs=True`` returns ``(out, softmax_lse)`` as FlashAttention-3's interface does (the kernels never
+form the probabilities; the LSE is what merging partial results needs): lse ``(B, Hq, Lq)``, packed ``(Hq, total_q)``.
+``window_size`` is a pair of ints or a 2-element tensor (flash_attn's tests draw it with ``torch.randint``).
+Dropout and learnable sinks do not exist here: a nonzero ``dropout_p`` or any other argument flash_attn has and this
+module does not raise (never a silent difference).
 """
 
 from __future__ import annotations
+
+import torch
 
 from flashmoe_science.attention.api import flash_attention_science
 from flashmoe_science.attention.decode import flash_attention_decode
 from flashmoe_science.attention.varlen import flash_attention_varlen
 
 
-def _refuse(dropout_p, return_attn_probs, unsupported: dict) -> None:
+def _refuse(dropout_p, unsupported: dict) -> None:
     if dropout_p:
         raise ValueError(f"dropout_p must be 0.0 (attention dropout is not implemented), got {dropout_p}")
-    if return_attn_probs:
-        raise ValueError("return_attn_probs=True is not supported: the kernels never form the probabilities (use "
-                         "return_softmax_lse / the lse output)")
     given = sorted(name for name, value in unsupported.items() if value is not None)
     if given:
         raise TypeError(f"unsupported flash_attn argument(s): {', '.join(given)}")
@@ -38,15 +39,26 @@ def _softcap(softcap: float):
     return softcap if softcap else None
 
 
+def _window(window_size) -> tuple[int, int]:
+    """flash_attn's (left, right), -1 for unbounded, as a pair of Python ints."""
+    values = window_size.tolist() if isinstance(window_size, torch.Tensor) else list(window_size)
+    if len(values) != 2 or any(isinstance(w, bool) or not isinstance(w, int) for w in values):
+        raise ValueError(f"window_size must be a pair of ints (left, right), -1 for unbounded; got {window_size!r}")
+    return values[0], values[1]
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, **unsupported):
-    """q (B, Lq, Hq, D), k/v (B, Lk, Hkv, D) -> out (B, Lq, Hq, D) (and lse (B, Hq, Lq) with return_attn_probs in
-    flash_attn; here only out)."""
-    _refuse(dropout_p, return_attn_probs, unsupported)
-    out = flash_attention_science(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
-                                  softmax_scale=softmax_scale, window=tuple(window_size), softcap=_softcap(softcap),
-                                  alibi_slopes=alibi_slopes, deterministic=deterministic)
-    return out.transpose(1, 2)
+    """q (B, Lq, Hq, D), k/v (B, Lk, Hkv, D) -> out (B, Lq, Hq, D), or (out, lse (B, Hq, Lq)) with
+    return_attn_probs."""
+    _refuse(dropout_p, unsupported)
+    result = flash_attention_science(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                                     softmax_scale=softmax_scale, window=_window(window_size),
+                                     softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
+                                     deterministic=deterministic, return_lse=bool(return_attn_probs))
+    if return_attn_probs:
+        return result[0].transpose(1, 2), result[1]
+    return result.transpose(1, 2)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -55,12 +67,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            **unsupported):
     """Packed q (total_q, Hq, D); k/v packed (total_k, Hkv, D), or a paged cache (num_blocks, block_size, Hkv, D)
     with block_table (B, max_blocks) int32 (sequence b's keys: the first cu_seqlens_k[b+1] - cu_seqlens_k[b], or
-    seqused_k[b], positions of its table row). Returns out (total_q, Hq, D)."""
-    _refuse(dropout_p, return_attn_probs, unsupported)
+    seqused_k[b], positions of its table row). Returns out (total_q, Hq, D), or (out, lse (Hq, total_q)) with
+    return_attn_probs."""
+    _refuse(dropout_p, unsupported)
     return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                  causal=causal, softmax_scale=softmax_scale, window=tuple(window_size),
+                                  causal=causal, softmax_scale=softmax_scale, window=_window(window_size),
                                   softcap=_softcap(softcap), alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                  block_table=block_table, seqused_k=seqused_k)
+                                  return_lse=bool(return_attn_probs), block_table=block_table, seqused_k=seqused_k)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -72,7 +85,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     appending k/v (B, L_new, Hkv, D) at cache_seqlens first (in place). cache_seqlens None: the whole contiguous
     cache. k_scale/v_scale: float32 (Hkv,) scales of float8_e4m3fn caches; check_values as flash_attention_decode's.
     Returns out (B, Lq, Hq, D), and the LSE (B, Hq, Lq) with return_softmax_lse."""
-    _refuse(0.0, False, unsupported)
+    _refuse(0.0, unsupported)
     if cache_seqlens is None:
         if block_table is not None:
             raise ValueError("cache_seqlens is required with block_table")
@@ -83,7 +96,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k, v_new=v, rotary_cos=rotary_cos,
         rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx,
         cache_leftpad=cache_leftpad, k_scale=k_scale, v_scale=v_scale, causal=causal, softmax_scale=softmax_scale,
-        window=tuple(window_size), softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
+        window=_window(window_size), softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
         return_lse=bool(return_softmax_lse), num_splits="auto" if num_splits == 0 else num_splits,
         check_values=check_values)
     return result

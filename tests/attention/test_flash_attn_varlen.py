@@ -1,0 +1,20 @@
+"""FlashAttention's varlen test through the flash_attn-shaped call on the CPU (the reference backend, float32 against
+float64): every variant and padding mode of flash_attn_grid.py once, at short lengths (the GPU grid:
+test_flash_attn_varlen_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_attn_grid import PADDING, VARIANTS, run_varlen_grid_case
+
+SEQLENS = [(1, 23), (3, 79), (13, 20), (28, 17), (32, 32), (31, 33), (33, 31), (64, 64)]
+HEAD_DIMS = (32, 59, 16, 40)
+CASES = [(*SEQLENS[i], HEAD_DIMS[i % len(HEAD_DIMS)], variant, PADDING[i % len(PADDING)])
+         for i, variant in enumerate(VARIANTS)]
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,d,variant,padding", CASES, ids=str)
+def test_flash_attn_varlen_grid_on_cpu(seqlen_q, seqlen_k, d, variant, padding):
+    run_varlen_grid_case(seqlen_q, seqlen_k, d, variant, padding, torch.float32, "cpu")
