@@ -277,3 +277,19 @@ def test_dense_chunk_refuses_explicit_splits_and_strided_caches():
     assert "num_splits" in dense_chunk_refusal(_chunk_problem(case), 4)
     case.k_cache = case.k_cache.transpose(0, 1).contiguous().transpose(0, 1)  # rows of one sequence not adjacent
     assert "contiguous" in dense_chunk_refusal(_chunk_problem(case), "auto")
+
+
+def test_e4m3_tiles_and_splits_are_chosen_on_bytes():
+    """An e4m3 key is half a bf16 key's bytes: 128-key decode tiles on a contiguous cache (64 within a 64-row page),
+    and the split thresholds in bytes (B=1 8k: 16 splits of 512 bf16 keys, 8 splits of 1024 e4m3 keys)."""
+    from flashmoe_science.attention.decode import decode_tiles
+    from flashmoe_science.device import DeviceTraits
+
+    h200 = DeviceTraits((9, 0), 132, 232448)
+    for paged, block_n in ((None, 128), (64, 64), (256, 128)):
+        case = make_case([40], hq=32, hkv=8, d=128, fp8=True, block_size=paged, capacity=512)
+        assert decode_tiles(_chunk_problem(case), h200).block_n == block_n
+    fp8 = make_case([8192], hq=32, hkv=8, d=128, fp8=True, capacity=8192)
+    tiles = DecodeTiles(16, 128, 4, 3)
+    assert choose_num_splits(_problem(1, 8192), DecodeTiles(16, 64, 4, 3), 132) == 16
+    assert choose_num_splits(_chunk_problem(fp8), tiles, 132) == 8192 // 1024

@@ -153,6 +153,16 @@ def test_fp8_cache(block_size, lq, num_new):
     _run(case, num_splits=2)
 
 
+@pytest.mark.parametrize("mask", [dict(softcap=2.5), dict(softcap=3.0, window=(9, 0), alibi=True)],
+                         ids=["softcap", "softcap-window-alibi"])
+def test_fp8_cache_with_softcap(mask):
+    """The key scale is folded into the softcap's scale (inside the tanh), not the log2 scalar."""
+    mask = dict(mask)
+    case = make_case([7, 40], lq=2, hq=4, hkv=2, d=32, dtype=torch.float16, block_size=16, capacity=64, num_new=2,
+                     fp8=True, alibi=mask.pop("alibi", False))
+    _run(case, num_splits=2, **mask)
+
+
 def test_fp8_cache_rotary_matches_the_reference():
     """With rotary, the rotated k_new is rounded to its dtype before quantisation, by the kernel and the reference."""
     case = make_case([5, 40], lq=2, hq=4, hkv=2, d=32, dtype=torch.float16, block_size=16, capacity=64, num_new=2,

@@ -429,7 +429,18 @@ def decode_tiles(problem: DecodeProblem, traits) -> DecodeTiles:
         block_n = min(tiles.block_n, 32) if problem.head_dim > 128 else tiles.block_n
         return DecodeTiles(tiles.block_m, block_n, tiles.num_warps, tiles.num_stages)
     block_n = 64 if problem.head_dim <= 128 else 32
+    # An e4m3 key is half a bf16 key's bytes: twice the keys keep a tile's (and a pipeline stage's) bytes, which is
+    # what the bf16 tile was measured for. Not measured for e4m3 yet: the sweep's --kv fp8 mode times the others.
+    # A paged tile stays within one page (its one-table-entry prefetch), so page 64 keeps 64-key e4m3 tiles.
+    wide = block_n * _key_bytes_factor(problem)
+    block_n = wide if not problem.paged or problem.block_size % wide == 0 else block_n
     return DecodeTiles(max(16, 1 << (rows - 1).bit_length()), block_n, 4, 3)
+
+
+def _key_bytes_factor(problem: DecodeProblem) -> int:
+    """How many keys of this cache hold the bytes of one bf16 key (the unit the decode heuristics were measured in):
+    2 for an e4m3 cache, else 1."""
+    return 2 if problem.fp8 else 1
 
 
 def choose_num_splits(problem: DecodeProblem, tiles: DecodeTiles, sm_count: int) -> int:
@@ -439,12 +450,14 @@ def choose_num_splits(problem: DecodeProblem, tiles: DecodeTiles, sm_count: int)
     whole extra round: at B=2, 128k, 17 splits ran at 3.6 TB/s, 16 at 4.1). Two CTAs per SM where each split still
     gets >= LONG_SPLIT_KEYS keys of the cache's capacity (B=1 1M: 33 splits 4.45, 16 splits 4.28; B=1 128k paged:
     33 splits 3.77, 16 splits 3.34), else one (B=1 32k contiguous: 16 splits 2.67, 33 splits 2.59); never fewer
-    than MIN_KEYS_PER_SPLIT keys per split."""
+    than MIN_KEYS_PER_SPLIT keys per split. Key counts are bf16 keys' bytes (an e4m3 cache's thresholds are twice the
+    keys)."""
     programs = problem.batch * problem.num_kv_heads * math.ceil(problem.group * problem.seqlen_q / tiles.block_m)
     splits = max(1, 2 * sm_count // programs)
-    if problem.capacity < splits * LONG_SPLIT_KEYS:
+    per_key = _key_bytes_factor(problem)  # the thresholds are bytes: an e4m3 split needs twice the keys
+    if problem.capacity < splits * LONG_SPLIT_KEYS * per_key:
         splits = max(1, sm_count // programs)
-    return max(1, min(splits, problem.capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(splits, problem.capacity // (MIN_KEYS_PER_SPLIT * per_key), MAX_SPLITS))
 
 
 # ----------------------------------------------------------------------------------------------------------------
