@@ -1,11 +1,15 @@
 """Sweep the attention decode kernel's tiles and split counts (attention/triton_decode.py) under CUDA graphs: the
 data behind attention.decode.decode_tiles and choose_num_splits.
 
-    PYTHONPATH=src python benchmarks/tools/sweep_attention_decode.py [--budget-s 100] [--out DIR]
+    PYTHONPATH=src python benchmarks/tools/sweep_attention_decode.py [--kv bf16|fp8|chunk] [--budget-s 100]
+        [--out DIR]
 
-Hq=32, Hkv=8, D=128, bf16, one new token, full caches. Tiles (BLOCK_N, warps, stages) at the heuristic's split
-count on two cases, then split counts at the heuristic's tile for every case. TB/s = K+V bytes / replay time
-(do_bench median, L2 flushed).
+Hq=32, Hkv=8, D=128, bf16 queries, one new token, full caches. Tiles (BLOCK_N, warps, stages) at the heuristic's
+split count on two cases, then split counts at the heuristic's tile for every case. TB/s = K+V bytes / replay time
+(do_bench median, L2 flushed). --kv fp8: e4m3 caches (per-KV-head scales), TB/s of their bytes (1 per value;
+the bf16 rows of the decode bench read 2). --kv chunk: a 512-token prefill chunk against 32k keys in
+a paged (64-row pages) cache, the cache kernel's chunk tiles (BLOCK_M, BLOCK_N, warps, stages), TFLOP/s of the
+visible pairs, beside the heuristic's tile and the contiguous cache's route (the dense forward).
 """
 
 from __future__ import annotations
@@ -24,28 +28,78 @@ from flashmoe_science.bench.decode import _graphed, _paged_copy
 from flashmoe_science.bench.report import gpu_median_ms
 
 
-def _case(batch, length):
+def _case(batch, length, fp8=False):
     q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, length, 8, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     k_pool, v_pool, table = _paged_copy(k, v)
+    if fp8:
+        k, v, k_pool, v_pool = (t.div(0.5).to(torch.float8_e4m3fn) for t in (k, v, k_pool, v_pool))
     seqlens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
     return q, k, v, k_pool, v_pool, table, seqlens
 
 
-def _tbps(batch, length, call):
+def _tbps(batch, length, call, value_bytes=2):
     ms = gpu_median_ms(_graphed(call))
-    return 2 * batch * length * 8 * 128 * 2 / (ms * 1e-3) / 1e12
+    return 2 * batch * length * 8 * 128 * value_bytes / (ms * 1e-3) / 1e12
+
+
+def chunk_sweep(args, started, results):
+    """The paged cache kernel on a 512-token chunk against 32k keys: its chunk tiles, TFLOP/s."""
+    lq, length = 512, 32768
+    q = torch.randn(1, lq, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, length, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    k_pool, v_pool, table = _paged_copy(k, v)
+    k_new, v_new = k[:, length - lq:].clone(), v[:, length - lq:].clone()
+    cached = torch.full((1,), length - lq, dtype=torch.int32, device="cuda")
+    flops = 4 * 32 * 128 * (lq * length - lq * (lq - 1) // 2)
+    heuristic = decode.decode_tiles
+    grid = [None, *itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
+    if args.short:
+        grid = [None, *itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
+    calls = {"contiguous-auto": lambda: flash_attention_decode(q, k, v, cached, k_new=k_new, v_new=v_new)}
+    for layout, call in calls.items():
+        ms = gpu_median_ms(_graphed(call))
+        results.append(dict(sweep="chunk", layout=layout, tiles=None, tflops=round(flops / ms / 1e9, 1)))
+        print(json.dumps(results[-1]), flush=True)
+    for tiles in grid:
+        if time.time() - started > args.budget_s:
+            break
+        chosen = decode.DecodeTiles(*tiles) if tiles else None
+        decode.decode_tiles = (lambda problem, traits: chosen) if chosen else heuristic
+        try:
+            ms = gpu_median_ms(_graphed(lambda: flash_attention_decode(q, k_pool, v_pool, cached, block_table=table,
+                                                                       k_new=k_new, v_new=v_new)))
+        except Exception as error:
+            print(f"chunk {tiles}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+            continue
+        finally:
+            decode.decode_tiles = heuristic
+        results.append(dict(sweep="chunk", layout="paged64", tiles=list(tiles) if tiles else "heuristic",
+                            tflops=round(flops / ms / 1e9, 1)))
+        print(json.dumps(results[-1]), flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget-s", type=float, default=100)
     parser.add_argument("--out", default=".")
+    parser.add_argument("--kv", choices=("bf16", "fp8", "chunk"), default="bf16")
+    parser.add_argument("--short", action="store_true", help="a smaller grid (a few minutes at most)")
     args = parser.parse_args()
     started = time.time()
     heuristic = decode.decode_tiles
     results = []
+    fp8 = args.kv == "fp8"
+    out = Path(args.out) / f"sweep_attention_decode_{args.kv}.json"
+    if args.kv == "chunk":
+        chunk_sweep(args, started, results)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=1))
+        return
+    scale = torch.full((8,), 0.5, dtype=torch.float32, device="cuda")
+    scales = dict(k_scale=scale, v_scale=scale) if fp8 else {}
 
     def timed(label, batch, length, tiles, splits, paged, data):
         q, k, v, k_pool, v_pool, table, seqlens = data
@@ -53,10 +107,10 @@ def main():
         try:
             if paged:
                 call = lambda: flash_attention_decode(q, k_pool, v_pool, seqlens, block_table=table,  # noqa: E731
-                                                      num_splits=splits)
+                                                      num_splits=splits, **scales)
             else:
-                call = lambda: flash_attention_decode(q, k, v, seqlens, num_splits=splits)  # noqa: E731
-            tbps = _tbps(batch, length, call)
+                call = lambda: flash_attention_decode(q, k, v, seqlens, num_splits=splits, **scales)  # noqa: E731
+            tbps = _tbps(batch, length, call, 1 if fp8 else 2)
         except Exception as error:
             print(f"{label}: {type(error).__name__}: {str(error)[:200]}", flush=True)
             return None
@@ -69,9 +123,13 @@ def main():
         return tbps
 
     # 1. tiles on B=1 128k and B=32 8k, contiguous and paged
-    for batch, length in ((1, 131072), (32, 8192)):
-        data = _case(batch, length)
-        for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+    tile_grid = list(itertools.product((64, 128, 256) if fp8 else (32, 64, 128), (2, 4, 8), (2, 3, 4)))
+    if args.short:
+        tile_grid = list(itertools.product((64, 128, 256) if fp8 else (64, 128), (4, 8), (2, 3)))
+    cases = ((8, 32768), (1, 131072)) if fp8 else ((1, 131072), (32, 8192))
+    for batch, length in cases:
+        data = _case(batch, length, fp8)
+        for block_n, warps, stages in tile_grid:
             if time.time() - started > args.budget_s * 0.6:
                 break
             for paged in (False, True):
@@ -79,17 +137,18 @@ def main():
         del data
         torch.cuda.empty_cache()
     # 2. splits at the heuristic's tile
-    for batch, length in ((1, 8192), (1, 32768), (1, 131072), (1, 1 << 20), (8, 32768), (2, 131072)):
+    split_cases = ((1, 8192), (1, 32768), (1, 131072), (1, 1 << 20), (8, 32768), (2, 131072))
+    for batch, length in split_cases[:4] if args.short else split_cases:
         if time.time() - started > args.budget_s:
             break
-        data = _case(batch, length)
+        data = _case(batch, length, fp8)
         for splits in ("auto", 4, 8, 16, 32, 64, 128):
             for paged in (False, True):
                 timed("splits", batch, length, None, splits, paged, data)
         del data
         torch.cuda.empty_cache()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "sweep_attention_decode.json").write_text(json.dumps(results, indent=1))
+    out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -160,3 +160,51 @@ def test_flash_attn_paged_bounds(append):
     out = flash_attn_with_kvcache(q, pool, pool, cache_seqlens=torch.full((1,), 256, dtype=torch.int32, device=CUDA),
                                   block_table=table)
     assert out.shape == (1, 1, 1, 64) and not out.isnan().any()
+
+
+@pytest.mark.parametrize("mask", [dict(), dict(window=(300, 0)), dict(softcap=30.0), dict(rotary=True)],
+                         ids=["causal", "window", "softcap", "rotary"])
+def test_contiguous_chunk_runs_the_dense_forward(mask):
+    """A 512-token chunk on a contiguous cache goes to the dense forward over the cache's views (`DenseChunk`),
+    exact against float64 with per-row lengths (an empty cache, odd lengths, a row filled to its last position)."""
+    from flashmoe_science.attention.record import recording
+
+    mask = dict(mask)
+    case = make_case([0, 1000, 4096 - 512, 77], lq=512, hq=32, hkv=8, d=128, dtype=torch.bfloat16, device=CUDA,
+                     capacity=4096, num_new=512, rotary=mask.pop("rotary", False))
+    with recording() as log:
+        run_and_check(case, **mask)
+    assert ("forward", "dense", "decode.dense_chunk") in log, log
+
+
+def test_dense_chunk_under_capture_bad_rows_are_nan():
+    """Captured with good values, replayed with row 0's length past the cache: row 0 is NaN, row 1 equals an eager
+    call on its own."""
+    case = make_case([100, 900], lq=256, hq=32, hkv=8, d=128, dtype=torch.bfloat16, device=CUDA, capacity=2048,
+                     num_new=256)
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+
+    def call():
+        return flash_attention_decode(case.q, k_cache, v_cache, case.cache_seqlens, backend="dense", **case.kwargs())
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    k_cache.copy_(case.k_cache)
+    v_cache.copy_(case.v_cache)
+    case.cache_seqlens[0] = 2000
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isnan(out[0]).all()
+    single = make_case([900], lq=256, hq=32, hkv=8, d=128, dtype=torch.bfloat16, device=CUDA, capacity=2048,
+                       num_new=256)
+    single.q, single.k_cache, single.v_cache = case.q[1:], case.k_cache[1:], case.v_cache[1:]
+    single.k_new, single.v_new = case.k_new[1:], case.v_new[1:]
+    want = flash_attention_decode(single.q, single.k_cache.clone(), single.v_cache.clone(), single.cache_seqlens,
+                                  backend="dense", **single.kwargs())
+    torch.testing.assert_close(out[1], want[0], rtol=0, atol=0)

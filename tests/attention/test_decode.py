@@ -12,7 +12,8 @@ import torch
 
 from decode_helpers import make_case, oracle, run_varlen_case
 from flashmoe_science import flash_attention_decode
-from flashmoe_science.attention.decode import DecodeTiles, apply_rotary, check_decode, choose_num_splits
+from flashmoe_science.attention.decode import (DecodeTiles, apply_rotary, check_decode, choose_num_splits,
+                                              dense_chunk_refusal)
 from helpers import oracle as dense_oracle
 
 
@@ -246,3 +247,49 @@ def test_varlen_paged_bad_cu_seqlens_q_is_named():
         with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
             flash_attention_varlen(q, pool, pool, torch.tensor(cu_q, dtype=torch.int32), None, 4, 20,
                                    block_table=table, seqused_k=seqused)
+
+
+def _chunk_problem(case, **options):
+    return check_decode(case.q, case.k_cache, case.v_cache, case.cache_seqlens, case.block_table, case.k_new,
+                        case.v_new, case.rotary_cos, case.rotary_sin, options.get("causal", True), None,
+                        options.get("window"), options.get("softcap"), case.alibi_slopes,
+                        cache_batch_idx=case.cache_batch_idx, cache_leftpad=case.cache_leftpad, k_scale=case.k_scale,
+                        v_scale=case.v_scale)
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(lq=16), "a decode step"), (dict(block_size=16), "paged cache"), (dict(fp8=True), "e4m3"),
+    (dict(leftpad=True), "cache_leftpad"), (dict(batch_idx=True), "cache_leftpad or cache_batch_idx"),
+    (dict(alibi=True), "ALiBi"), (dict(), None), (dict(rotary=True), None), (dict(lq=17), None)])
+def test_which_chunks_run_the_dense_forward(change, reason):
+    """The routing rule: contiguous-cache chunks of more than DECODE_ROWS rows per KV head (group 4 x Lq) with what
+    the dense forward computes exactly go to it; the rest stay on the cache kernel."""
+    options = dict(lq=32, hq=8, hkv=2, d=32, capacity=96, num_new=32)
+    options.update(change)
+    options["num_new"] = options["lq"]
+    case = make_case([5, 40], **options)
+    refusal = dense_chunk_refusal(_chunk_problem(case), "auto")
+    assert (refusal is None) if reason is None else (reason in refusal), refusal
+
+
+def test_dense_chunk_refuses_explicit_splits_and_strided_caches():
+    case = make_case([5, 40], lq=32, hq=8, hkv=2, d=32, capacity=96, num_new=32)
+    assert "num_splits" in dense_chunk_refusal(_chunk_problem(case), 4)
+    case.k_cache = case.k_cache.transpose(0, 1).contiguous().transpose(0, 1)  # rows of one sequence not adjacent
+    assert "contiguous" in dense_chunk_refusal(_chunk_problem(case), "auto")
+
+
+def test_e4m3_tiles_and_splits_are_chosen_on_bytes():
+    """An e4m3 key is half a bf16 key's bytes: 128-key decode tiles on a contiguous cache (64 within a 64-row page),
+    and the split thresholds in bytes (B=1 8k: 16 splits of 512 bf16 keys, 8 splits of 1024 e4m3 keys)."""
+    from flashmoe_science.attention.decode import decode_tiles
+    from flashmoe_science.device import DeviceTraits
+
+    h200 = DeviceTraits((9, 0), 132, 232448)
+    for paged, block_n in ((None, 128), (64, 64), (256, 128)):
+        case = make_case([40], hq=32, hkv=8, d=128, fp8=True, block_size=paged, capacity=512)
+        assert decode_tiles(_chunk_problem(case), h200).block_n == block_n
+    fp8 = make_case([8192], hq=32, hkv=8, d=128, fp8=True, capacity=8192)
+    tiles = DecodeTiles(16, 128, 4, 3)
+    assert choose_num_splits(_problem(1, 8192), DecodeTiles(16, 64, 4, 3), 132) == 16
+    assert choose_num_splits(_chunk_problem(fp8), tiles, 132) == 8192 // 1024

@@ -29,10 +29,10 @@ def test_decode_interpreter_in_subprocess(request):
     print(f"TRITON_INTERPRET=1 child: {summary}")
 
 
-def _run(case, **options):
+def _run(case, backend="triton", **options):
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     out, lse = flash_attention_decode(case.q, k_cache, v_cache, case.cache_seqlens,
-                                      **case.kwargs(return_lse=True, backend="triton", **options))
+                                      **case.kwargs(return_lse=True, backend=backend, **options))
     mask = {name: options[name] for name in ("causal", "window", "softcap", "rotary_interleaved") if name in options}
     appended = case.k_new is not None
     assert_decode_close(case, out, lse, k_cache if appended else None, v_cache if appended else None, **mask)
@@ -153,6 +153,16 @@ def test_fp8_cache(block_size, lq, num_new):
     _run(case, num_splits=2)
 
 
+@pytest.mark.parametrize("mask", [dict(softcap=2.5), dict(softcap=3.0, window=(9, 0), alibi=True)],
+                         ids=["softcap", "softcap-window-alibi"])
+def test_fp8_cache_with_softcap(mask):
+    """The key scale is folded into the softcap's scale (inside the tanh), not the log2 scalar."""
+    mask = dict(mask)
+    case = make_case([7, 40], lq=2, hq=4, hkv=2, d=32, dtype=torch.float16, block_size=16, capacity=64, num_new=2,
+                     fp8=True, alibi=mask.pop("alibi", False))
+    _run(case, num_splits=2, **mask)
+
+
 def test_fp8_cache_rotary_matches_the_reference():
     """With rotary, the rotated k_new is rounded to its dtype before quantisation, by the kernel and the reference."""
     case = make_case([5, 40], lq=2, hq=4, hkv=2, d=32, dtype=torch.float16, block_size=16, capacity=64, num_new=2,
@@ -178,3 +188,41 @@ def test_varlen_against_cache(paged, mask):
 if not IN_INTERPRETER:
     for _name in [n for n in list(globals()) if n.startswith("test_") and n != DRIVER]:
         del globals()[_name]
+
+
+# A prefill chunk (group 4 x 20 tokens = 80 rows > DECODE_ROWS) on a contiguous cache: the dense forward over the
+# cache's views (`decode.DenseChunk`), against float64; cache_seqlens per row include an empty cache, an odd length
+# and a row filled to the last position.
+@pytest.mark.parametrize("mask", [dict(), dict(window=(7, 0)), dict(window=(12, 4), causal=False), dict(softcap=2.5),
+                                  dict(rotary=True)], ids=["causal", "window", "window-noncausal", "softcap", "rotary"])
+def test_dense_chunk_matches_float64(mask):
+    rotary = mask.pop("rotary", False)
+    case = make_case([0, 13, 44], lq=20, hq=8, hkv=2, d=32, capacity=64, num_new=20, rotary=rotary)
+    out, lse = _run_dense(case, **mask)
+    assert torch.isfinite(lse).all()
+
+
+def test_dense_chunk_without_new_keys_and_rows_that_see_no_key():
+    """Lq > Lk: bottom-right causal leaves the first rows of the short sequence without a key (0, lse -inf)."""
+    case = make_case([5, 40], lq=20, hq=8, hkv=2, d=32, capacity=48)
+    out, lse = _run_dense(case)
+    assert (out[0, :15] == 0).all() and torch.isneginf(lse[0, :, :15]).all()
+
+
+def test_dense_chunk_out_of_range_sequence_is_nan_without_checks():
+    case = make_case([3, 30], lq=20, hq=8, hkv=2, d=32, capacity=48, num_new=20)
+    case.cache_seqlens[1] = 40  # 40 + 20 new tokens overflow the 48 rows
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    out = flash_attention_decode(case.q, k_cache, v_cache, case.cache_seqlens, backend="dense", check_values=False,
+                                 **case.kwargs())
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
+    assert torch.equal(k_cache[1], case.k_cache[1])  # nothing written for the bad row
+
+
+def _run_dense(case, **options):
+    from flashmoe_science.attention.record import recording
+
+    with recording() as log:
+        result = _run(case, backend="dense", **options)
+    assert ("forward", "dense", "decode.dense_chunk") in log, log
+    return result

@@ -4,7 +4,6 @@ library's own calls and float64 oracles, and transformers' continuous batching (
 Llama. On the CPU continuous batching takes its varlen path (the block-table decode path needs CUDA:
 test_serving_gpu.py); the block-table call transformers makes there is run here through its own function."""
 
-import inspect
 import types
 
 import pytest
@@ -120,17 +119,12 @@ def _tiny_llama():
 
 
 def generate(model, implementation, prompts, device="cpu", max_new_tokens=6, page_size=16, **cb_options):
-    """Greedy tokens per request from transformers' continuous batching with this attention implementation
-    (``page_size`` tokens a cache page: transformers 5.17 names that option block_size)."""
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    page_option = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
-    cb_options[page_option] = page_size
+    """Greedy tokens per request from transformers' continuous batching with this attention implementation."""
     model.set_attn_implementation(implementation)
     generation = transformers.GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
                                                pad_token_id=0)
-    outputs = model.generate_batch(inputs=prompts, generation_config=generation,
-                                   continuous_batching_config=ContinuousBatchingConfig(**cb_options), warmup=False)
+    outputs = model.generate_batch(inputs=prompts, generation_config=generation, warmup=False,
+                                   continuous_batching_config=hf.continuous_batching_config(page_size, **cb_options))
     return {rid: list(o.generated_tokens) for rid, o in outputs.items()}
 
 
@@ -183,3 +177,20 @@ def test_forward_on_the_flash_implementation_matches_sdpa(padded):
     got = model(input_ids=ids, attention_mask=mask).logits
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+
+
+def test_serving_bench_runs_both_implementations_on_one_configuration():
+    """The generate_batch benchmark's own code on a tiny model: both implementations finish every request with the
+    same greedy tokens, under the same continuous-batching options, and each phase is reported."""
+    from flashmoe_science.bench.decode import run_serving_bench
+
+    config = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=1024)
+    phases = []
+    records = run_serving_bench(num_prompts=3, new_tokens=3, device="cpu", model_config=config, dtype=torch.float32,
+                                log=lambda *entry: phases.append(entry[:2]))
+    assert [r["implementation"] for r in records] == [hf.FLASH_IMPLEMENTATION, "sdpa"]
+    assert all(r["requests_done"] == 3 and r["same_greedy_as_first"] == 3 for r in records), records
+    assert records[0]["options"]["num_blocks"] == records[1]["options"]["num_blocks"]
+    assert ("sdpa", "timed pass") in phases and (hf.FLASH_IMPLEMENTATION, "warm-up pass") in phases

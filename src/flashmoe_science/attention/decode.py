@@ -21,9 +21,12 @@ decoding, thousands for a chunked prefill) to a KV cache, contiguous ``(B_cache,
   one value for all heads; a cache value times its scale is the key or value, vLLM's and FlashInfer's
   convention). New keys and values are appended as e4m3 of value / scale, saturated at +-448.
 
-One kernel serves every query count (`triton_decode`): its row tiles pack (token, query head of a KV head) pairs,
-one tile for a decode step's group, many for a prefill chunk, whose tiles are the dense forward's
+The cache kernel (`triton_decode`) serves every query count: its row tiles pack (token, query head of a KV head)
+pairs, one tile for a decode step's group, many for a prefill chunk, whose tiles are the dense forward's
 (`tiles.forward_tiles`). The packed-query form (`cache_varlen_call`) is the paged path of `flash_attention_varlen`.
+A prefill chunk on a contiguous cache, beyond a decode step's tile and with nothing but what the dense forward
+computes (`dense_chunk_refusal`), runs the dense packed forward on views of the cache instead (`DenseChunk`: the
+Gluon sm_90 kernels on Hopper); ``plan_decode`` says which and why.
 
 Values (lengths, block-table entries, cache rows, the rotary table's length) are checked on the host in eager calls:
 one device-to-host copy of a few flags, as flash_attn pays for paged caches. The check is skipped while a CUDA graph
@@ -82,6 +85,9 @@ class DecodeProblem:
     packed_q: bool = False  # queries packed (total_q, Hq, D) with cu_seqlens_q
     fp8: bool = False
     dtype: torch.dtype = torch.bfloat16  # q's
+    rows_indexed: bool = False  # cache_leftpad or cache_batch_idx given: sequences do not start at row 0 of row b
+    alibi: bool = False
+    packed_cache: bool = False  # a contiguous cache whose rows are one (B·Lmax, Hkv, D) tensor without a copy
 
     @property
     def group(self) -> int:
@@ -275,8 +281,11 @@ def check_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, 
 
     mask, scale = _check_mask_options(q, batch, num_q_heads, causal, window, softcap, alibi_slopes, softmax_scale,
                                       head_dim)
+    packed_cache = not paged and k_cache.is_contiguous() and v_cache.is_contiguous()
     return DecodeProblem(batch, seqlen_q, num_q_heads, num_kv_heads, head_dim, paged, block_size, capacity,
-                         num_new, mask, scale, cache_batch=k_cache.shape[0], fp8=fp8, dtype=q.dtype)
+                         num_new, mask, scale, cache_batch=k_cache.shape[0], fp8=fp8, dtype=q.dtype,
+                         rows_indexed=cache_batch_idx is not None or cache_leftpad is not None,
+                         alibi=alibi_slopes is not None, packed_cache=packed_cache)
 
 
 def check_cache_varlen(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_table, causal, softmax_scale, window,
@@ -420,7 +429,18 @@ def decode_tiles(problem: DecodeProblem, traits) -> DecodeTiles:
         block_n = min(tiles.block_n, 32) if problem.head_dim > 128 else tiles.block_n
         return DecodeTiles(tiles.block_m, block_n, tiles.num_warps, tiles.num_stages)
     block_n = 64 if problem.head_dim <= 128 else 32
+    # An e4m3 key is half a bf16 key's bytes: twice the keys keep a tile's (and a pipeline stage's) bytes, which is
+    # what the bf16 tile was measured for. Not measured for e4m3 yet: the sweep's --kv fp8 mode times the others.
+    # A paged tile stays within one page (its one-table-entry prefetch), so page 64 keeps 64-key e4m3 tiles.
+    wide = block_n * _key_bytes_factor(problem)
+    block_n = wide if not problem.paged or problem.block_size % wide == 0 else block_n
     return DecodeTiles(max(16, 1 << (rows - 1).bit_length()), block_n, 4, 3)
+
+
+def _key_bytes_factor(problem: DecodeProblem) -> int:
+    """How many keys of this cache hold the bytes of one bf16 key (the unit the decode heuristics were measured in):
+    2 for an e4m3 cache, else 1."""
+    return 2 if problem.fp8 else 1
 
 
 def choose_num_splits(problem: DecodeProblem, tiles: DecodeTiles, sm_count: int) -> int:
@@ -430,12 +450,14 @@ def choose_num_splits(problem: DecodeProblem, tiles: DecodeTiles, sm_count: int)
     whole extra round: at B=2, 128k, 17 splits ran at 3.6 TB/s, 16 at 4.1). Two CTAs per SM where each split still
     gets >= LONG_SPLIT_KEYS keys of the cache's capacity (B=1 1M: 33 splits 4.45, 16 splits 4.28; B=1 128k paged:
     33 splits 3.77, 16 splits 3.34), else one (B=1 32k contiguous: 16 splits 2.67, 33 splits 2.59); never fewer
-    than MIN_KEYS_PER_SPLIT keys per split."""
+    than MIN_KEYS_PER_SPLIT keys per split. Key counts are bf16 keys' bytes (an e4m3 cache's thresholds are twice the
+    keys)."""
     programs = problem.batch * problem.num_kv_heads * math.ceil(problem.group * problem.seqlen_q / tiles.block_m)
     splits = max(1, 2 * sm_count // programs)
-    if problem.capacity < splits * LONG_SPLIT_KEYS:
+    per_key = _key_bytes_factor(problem)  # the thresholds are bytes: an e4m3 split needs twice the keys
+    if problem.capacity < splits * LONG_SPLIT_KEYS * per_key:
         splits = max(1, sm_count // programs)
-    return max(1, min(splits, problem.capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(splits, problem.capacity // (MIN_KEYS_PER_SPLIT * per_key), MAX_SPLITS))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -617,10 +639,115 @@ class TritonDecode:
             return _launch(call, problem, self.tiles, self.splits)
 
 
+@dataclass(frozen=True)
+class _LaunchArgs:
+    """The cache kernels' shared arguments, with placeholder pointers where an optional tensor is absent."""
+
+    table: torch.Tensor
+    starts: torch.Tensor
+    rows: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    scale_stride: int
+    cache_strides: tuple
+    num_blocks: int
+    max_blocks: int
+    block_d: int
+    layout: dict
+
+    @classmethod
+    def of(cls, call: CacheCall, problem: DecodeProblem, placeholder: torch.Tensor) -> "_LaunchArgs":
+        ends, k_cache, v_cache = call.ends, call.k_cache, call.v_cache
+        table = call.block_table if call.block_table is not None else ends
+        cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3]) if k_cache.dim() == 4 else \
+            (0, *k_cache.stride()[:2], 0, *v_cache.stride()[:2])  # a packed (total_k, Hkv, D) key tensor: one row
+        return cls(table, call.starts if call.starts is not None else ends,
+                   call.cache_rows if call.cache_rows is not None else ends,
+                   call.k_scale if call.k_scale is not None else placeholder,
+                   call.v_scale if call.v_scale is not None else placeholder,
+                   call.k_scale.stride(0) if call.k_scale is not None and call.k_scale.shape[0] > 1 else 0,
+                   cache_strides, k_cache.shape[0], table.shape[1] if call.block_table is not None else 1,
+                   max(16, 1 << (problem.head_dim - 1).bit_length()),
+                   dict(PAGED=problem.paged, PAGE_SIZE=problem.block_size if problem.paged else 1,
+                        HAS_STARTS=call.starts is not None, HAS_CACHE_ROWS=call.cache_rows is not None,
+                        FP8=problem.fp8))
+
+
+def _append(call: CacheCall, problem: DecodeProblem, args: _LaunchArgs) -> torch.Tensor:
+    """Writes k_new/v_new into the cache (rotated, quantised) where given; returns the queries to attend with (q
+    rotated into a new tensor when rotary applies, else q)."""
+    from flashmoe_science.attention import triton_decode as kernels
+
+    q = call.q
+    if call.k_new is None:
+        return q
+    rotary = call.rotary_cos is not None
+    q_att = torch.empty_like(q) if rotary else q
+    cos, sin = (call.rotary_cos, call.rotary_sin) if rotary else (q, q)
+    hq, lq = problem.num_q_heads, problem.seqlen_q
+    kernels._append_kernel[(max(lq, problem.num_new), problem.batch, hq + problem.num_kv_heads)](
+        q, q_att, call.k_new, call.v_new, call.k_cache, call.v_cache, args.table, call.ends, args.starts, args.rows,
+        cos, sin, args.k_scale, args.v_scale,
+        *q.stride()[:3], *q_att.stride()[:3], *call.k_new.stride()[:3], *call.v_new.stride()[:3],
+        *args.cache_strides, args.table.stride(0), cos.stride(0), args.scale_stride,
+        lq, problem.num_new, hq, problem.capacity, problem.cache_batch, args.num_blocks, args.max_blocks, cos.shape[0],
+        HEAD_DIM=problem.head_dim, BLOCK_D=args.block_d, **args.layout, ROTARY=rotary,
+        ROTARY_DIM=2 * call.rotary_cos.shape[1] if rotary else 16, INTERLEAVED=call.rotary_interleaved,
+        Q_POSITIONS_PER_TOKEN=q_positions_per_token(problem), num_warps=1)
+    return q_att
+
+
+@dataclass(frozen=True)
+class DenseChunk:
+    """A prefill chunk on a contiguous cache as the dense packed forward (`call.packed_forward`: the Gluon sm_90
+    kernels where they take the call, else the portable ones) over views of the cache, no copy: the cache
+    (B, Lmax, Hkv, D) is the packed key tensor (B·Lmax, Hkv, D), and sequence b is two packed sequences, its Lq
+    queries against its rows [b·Lmax, b·Lmax + Lk_b), then no queries against the rest of its rows (cu_seqlens built
+    on the device from cache_seqlens: no host read, so a CUDA graph captures it). Each packed sequence has its own
+    diagonal Lk_b - Lq, the bottom-right alignment of every mask here. The append (rotary, new keys) runs first, as
+    in the cache kernel. A sequence whose length is out of range attends no key and gets NaN (the cache kernel's
+    rule)."""
+
+    backend = "dense"
+    kernel = "decode.dense_chunk"
+
+    def run(self, call: CacheCall, problem: DecodeProblem):
+        with torch.cuda.device(call.q.device) if on_another_cuda_device(call.q) else contextlib.nullcontext():
+            ran("forward", self.backend, self.kernel)
+            placeholder = torch.empty(0, dtype=torch.float32, device=call.q.device)
+            q = _append(call, problem, _LaunchArgs.of(call, problem, placeholder))
+            return dense_chunk(q, call.k_cache, call.v_cache, call.ends, problem)
+
+
+def dense_chunk(q, k_cache, v_cache, ends, problem: DecodeProblem):
+    """(out (B, Lq, Hq, D), lse (B, Hq, Lq)) of `DenseChunk`: q against contiguous caches already appended to."""
+    from flashmoe_science.attention.call import packed_forward
+
+    batch, lq, hq, d = q.shape
+    lmax, mask = problem.capacity, problem.mask
+    lengths = ends + problem.num_new
+    valid = (ends >= 0) & (lengths <= lmax)
+    lengths = torch.where(valid, lengths, torch.zeros_like(lengths))
+    row0 = torch.arange(batch, dtype=torch.int32, device=q.device) * lmax
+    cu_k = torch.nn.functional.pad(torch.stack((row0 + lengths, row0 + lmax), 1).flatten(), (1, 0))
+    q_end = torch.arange(1, batch + 1, dtype=torch.int32, device=q.device) * lq
+    cu_q = torch.nn.functional.pad(torch.stack((q_end, q_end), 1).flatten(), (1, 0))
+    window = (mask.window_left, mask.window_right) if mask.bounded_left or mask.bounded_right else None
+    keys = (t.view(batch * lmax, problem.num_kv_heads, d) for t in (k_cache, v_cache))
+    out, lse = packed_forward(q.reshape(batch * lq, hq, d), *keys, cu_q, cu_k, lq, lmax, causal=mask.causal,
+                              softmax_scale=problem.softmax_scale, window=window, softcap=mask.softcap or None,
+                              return_lse=True)
+    out = out.view(batch, lq, hq, d)
+    lse = lse.view(hq, batch, lq).transpose(0, 1).contiguous()
+    out.masked_fill_(~valid.view(batch, 1, 1, 1), float("nan"))
+    lse.masked_fill_(~valid.view(batch, 1, 1), float("nan"))
+    return out, lse
+
+
 def _launch(call: CacheCall, problem: DecodeProblem, tiles: DecodeTiles, splits: int):
     from flashmoe_science.attention import triton_decode as kernels
 
-    q, k_cache, v_cache, ends = call.q, call.k_cache, call.v_cache, call.ends
+    q, k_cache, v_cache = call.q, call.k_cache, call.v_cache
     hq, d = problem.num_q_heads, problem.head_dim
     lq = problem.seqlen_q
     # packed queries: rows after the last sequence are not attended, and read 0
@@ -633,35 +760,8 @@ def _launch(call: CacheCall, problem: DecodeProblem, tiles: DecodeTiles, splits:
         q_strides, o_strides, lse_strides = q.stride()[:3], out.stride()[:3], lse.stride()[:2]
     if q.numel() == 0:
         return out, lse
-    table = call.block_table if call.block_table is not None else ends  # placeholder pointers where absent
-    page_size = problem.block_size if problem.paged else 1
-    num_blocks = k_cache.shape[0]
-    max_blocks = table.shape[1] if call.block_table is not None else 1
-    block_d = max(16, 1 << (d - 1).bit_length())
-    starts = call.starts if call.starts is not None else ends
-    rows = call.cache_rows if call.cache_rows is not None else ends
-    k_scale = call.k_scale if call.k_scale is not None else lse
-    v_scale = call.v_scale if call.v_scale is not None else lse
-    scale_stride = call.k_scale.stride(0) if call.k_scale is not None and call.k_scale.shape[0] > 1 else 0
-    cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3]) if k_cache.dim() == 4 else \
-        (0, *k_cache.stride()[:2], 0, *v_cache.stride()[:2])  # a packed (total_k, Hkv, D) key tensor: one row
-    layout = dict(PAGED=problem.paged, PAGE_SIZE=page_size, HAS_STARTS=call.starts is not None,
-                  HAS_CACHE_ROWS=call.cache_rows is not None, FP8=problem.fp8)
-
-    q_att = q
-    if call.k_new is not None:
-        rotary = call.rotary_cos is not None
-        q_att = torch.empty_like(out) if rotary else q
-        cos, sin = (call.rotary_cos, call.rotary_sin) if rotary else (q, q)
-        kernels._append_kernel[(max(lq, problem.num_new), problem.batch, hq + problem.num_kv_heads)](
-            q, q_att, call.k_new, call.v_new, k_cache, v_cache, table, ends, starts, rows, cos, sin, k_scale, v_scale,
-            *q.stride()[:3], *q_att.stride()[:3], *call.k_new.stride()[:3], *call.v_new.stride()[:3],
-            *cache_strides, table.stride(0), cos.stride(0), scale_stride,
-            lq, problem.num_new, hq, problem.capacity, problem.cache_batch, num_blocks, max_blocks, cos.shape[0],
-            HEAD_DIM=d, BLOCK_D=block_d, **layout, ROTARY=rotary,
-            ROTARY_DIM=2 * call.rotary_cos.shape[1] if rotary else 16, INTERLEAVED=call.rotary_interleaved,
-            Q_POSITIONS_PER_TOKEN=q_positions_per_token(problem), num_warps=1)
-
+    args = _LaunchArgs.of(call, problem, lse)
+    q_att = _append(call, problem, args)
     slopes = call.alibi_slopes
     slope_batch_stride = slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0
     rows_total = problem.batch * hq * lq
@@ -670,22 +770,22 @@ def _launch(call: CacheCall, problem: DecodeProblem, tiles: DecodeTiles, splits:
         lse_part = torch.empty(splits * rows_total, dtype=torch.float32, device=q.device)
     else:
         o_part, lse_part = lse, lse
-    cu_q = call.cu_seqlens_q if call.cu_seqlens_q is not None else ends
+    cu_q = call.cu_seqlens_q if call.cu_seqlens_q is not None else call.ends
     grid = (splits, problem.batch * problem.num_kv_heads, math.ceil(problem.group * lq / tiles.block_m))
     kernels._decode_kernel[grid](
-        q_att, k_cache, v_cache, table, ends, starts, rows, cu_q, slopes if slopes is not None else lse, k_scale,
-        v_scale, out, lse, o_part, lse_part,
-        *q_strides, *cache_strides, table.stride(0), slope_batch_stride, *o_strides, *lse_strides, scale_stride,
-        problem.num_kv_heads, problem.group, lq, problem.num_new, problem.capacity, problem.cache_batch, num_blocks,
-        max_blocks, splits, **_mask_args(problem),
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        TILE_TOKENS=(tiles.block_m - 1) // problem.group + 2, VARLEN_Q=problem.packed_q, **layout,
+        q_att, k_cache, v_cache, args.table, call.ends, args.starts, args.rows, cu_q,
+        slopes if slopes is not None else lse, args.k_scale, args.v_scale, out, lse, o_part, lse_part,
+        *q_strides, *args.cache_strides, args.table.stride(0), slope_batch_stride, *o_strides, *lse_strides,
+        args.scale_stride, problem.num_kv_heads, problem.group, lq, problem.num_new, problem.capacity,
+        problem.cache_batch, args.num_blocks, args.max_blocks, splits, **_mask_args(problem),
+        HEAD_DIM=d, BLOCK_D=args.block_d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        TILE_TOKENS=(tiles.block_m - 1) // problem.group + 2, VARLEN_Q=problem.packed_q, **args.layout,
         ALIBI=slopes is not None, SPLIT=splits > 1, **dot_precision(q), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     if splits > 1:
         kernels._combine_kernel[(rows_total,)](
             o_part, lse_part, out, lse, cu_q, rows_total, splits, hq, lq, *o_strides, *lse_strides,
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=min(32, 1 << (splits - 1).bit_length()), VARLEN_Q=problem.packed_q,
+            HEAD_DIM=d, BLOCK_D=args.block_d, BLOCK_S=min(32, 1 << (splits - 1).bit_length()), VARLEN_Q=problem.packed_q,
             num_warps=4)
     return out, lse
 
@@ -719,6 +819,35 @@ class DecodeCall:
     num_splits: int | str
 
 
+def dense_chunk_refusal(problem: DecodeProblem, num_splits) -> str | None:
+    """Why a cache call is not a `DenseChunk` (None when it is): the rule that sends prefill chunks to the dense
+    forward. It takes what that forward computes exactly, and more rows than a decode step's tile: the cache
+    kernel reads each KV head once for up to DECODE_ROWS rows, which the dense kernels would not."""
+    if problem.group * problem.seqlen_q <= DECODE_ROWS:
+        return f"a decode step ({problem.group * problem.seqlen_q} <= {DECODE_ROWS} query rows per KV head)"
+    for refused, why in ((problem.packed_q, "packed queries (the paged varlen path)"),
+                         (problem.paged, "a paged cache (the dense kernels read no block table)"),
+                         (problem.fp8, "an e4m3 cache"),
+                         (problem.rows_indexed, "cache_leftpad or cache_batch_idx"),
+                         (problem.alibi, "ALiBi slopes"),
+                         (not problem.packed_cache, "a cache that is not contiguous"),
+                         (problem.batch * problem.capacity >= 2**31, "more cache rows than int32 cu_seqlens count"),
+                         (num_splits != "auto", "an explicit num_splits (the cache kernel's)")):
+        if refused:
+            return f"not a dense chunk: {why}"
+    return None
+
+
+class _DenseChunkBackend:
+    name = "dense"
+
+    def decline(self, call: DecodeCall) -> str | None:
+        return _TritonDecodeBackend().decline(call) or dense_chunk_refusal(call.problem, call.num_splits)
+
+    def plan(self, call: DecodeCall) -> DenseChunk:
+        return DenseChunk()
+
+
 class _TritonDecodeBackend:
     name = "triton"
 
@@ -747,7 +876,7 @@ class _ReferenceDecodeBackend:
 
 
 # The ordered backend list of decode calls (walked by backends.choose, as every attention call's).
-DECODE_BACKENDS = (_TritonDecodeBackend(), _ReferenceDecodeBackend())
+DECODE_BACKENDS = (_DenseChunkBackend(), _TritonDecodeBackend(), _ReferenceDecodeBackend())
 BACKENDS = ("auto", *(b.name for b in DECODE_BACKENDS))
 
 

@@ -15,7 +15,8 @@ Three kernels, launched by `attention.decode` on checked tensors:
    ``num_splits`` equal runs of BLOCK_N tiles; each program walks its run with an online softmax in base 2. Tiles
    every row sees whole run without mask arithmetic; the others use `mask.visible`. Scores go through
    `mask.score_to_log2` (scale, softcap, ALiBi); an FP8 cache's keys enter the product as e4m3 values converted to
-   q's dtype (exact), the key scale multiplies the raw product and the value scale the output.
+   q's dtype (exact), the key scale is folded into the score's scalar (scale·log2e, or the softcap's scale/c)
+   once per program and the value scale multiplies the output once.
    With one split the program writes the final output; otherwise an fp32 partial output and its log-sum-exp.
    Queries come as ``(B, Lq, Hq, D)`` (decode) or packed ``(total_q, Hq, D)`` with cu_seqlens_q (varlen).
 3. `_combine_kernel` (only with several splits): merges the partial results of each row by their log-sum-exp.
@@ -219,7 +220,7 @@ def _append_kernel(
 @triton.jit
 def _attend(acc, l_i, m_i, outside, q, token, slope_log2, key_lo, key_hi,
             k_head, v_head, block_table_row, cache_row, key_start, seqlen_k, diagonal, num_blocks, max_blocks,
-            stride_kb, stride_krow, stride_vb, stride_vrow, k_scale,
+            stride_kb, stride_krow, stride_vb, stride_vrow,
             window_left, window_right, qk_scale, softcap_scale,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
             PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr, FP8: tl.constexpr,
@@ -258,12 +259,10 @@ def _attend(acc, l_i, m_i, outside, q, token, slope_log2, key_lo, key_hi,
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-        if FP8:  # e4m3 values are exact in q's dtype; the scales act on the product and the output
+        if FP8:  # e4m3 values are exact in q's dtype; the scales are folded into the score scalars and the output
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if FP8:
-            s = s * k_scale
         s, _ = score_to_log2(s, token[:, None], pos[None, :], diagonal, qk_scale, softcap_scale, slope_log2[:, None],
                              SOFTCAP, ALIBI)
         if MASKED:
@@ -320,9 +319,12 @@ def _decode_kernel(
         slope_log2 = tl.load(SLOPES + b64 * stride_sb + q_head, mask=row_ok, other=0.0).to(tl.float32) * LOG2_E
     else:
         slope_log2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    k_scale = 1.0
-    if FP8:
+    if FP8:  # the key scale multiplies every raw product: folded once into the scalar that multiplies it first
         k_scale = tl.load(K_SCALE + kv_head * stride_scale)
+        if SOFTCAP:
+            softcap_scale = softcap_scale * k_scale
+        else:
+            qk_scale = qk_scale * k_scale
 
     key_start, _, seqlen_k, cache_row, bad = _sequence_keys(SEQLENS, STARTS, CACHE_ROWS, batch, num_new, capacity,
                                                             cache_batch, HAS_STARTS, HAS_CACHE_ROWS)
@@ -346,17 +348,17 @@ def _decode_kernel(
     outside = tl.zeros([], dtype=tl.int32)
     acc, l_i, m_i, outside = _attend(
         acc, l_i, m_i, outside, q, token, slope_log2, lo, full_lo, k_head, v_head, table_row, cache_row, key_start,
-        seqlen_k, diagonal, num_blocks, max_blocks, stride_kb, stride_krow, stride_vb, stride_vrow, k_scale,
+        seqlen_k, diagonal, num_blocks, max_blocks, stride_kb, stride_krow, stride_vb, stride_vrow,
         window_left, window_right, qk_scale, softcap_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
         PAGED, PAGE_SIZE, ONE_PAGE, FP8, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DOT_PRECISION)
     acc, l_i, m_i, outside = _attend(
         acc, l_i, m_i, outside, q, token, slope_log2, full_lo, full_hi, k_head, v_head, table_row, cache_row,
-        key_start, seqlen_k, diagonal, num_blocks, max_blocks, stride_kb, stride_krow, stride_vb, stride_vrow, k_scale,
+        key_start, seqlen_k, diagonal, num_blocks, max_blocks, stride_kb, stride_krow, stride_vb, stride_vrow,
         window_left, window_right, qk_scale, softcap_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
         PAGED, PAGE_SIZE, ONE_PAGE, FP8, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DOT_PRECISION)
     acc, l_i, m_i, outside = _attend(
         acc, l_i, m_i, outside, q, token, slope_log2, full_hi, hi, k_head, v_head, table_row, cache_row, key_start,
-        seqlen_k, diagonal, num_blocks, max_blocks, stride_kb, stride_krow, stride_vb, stride_vrow, k_scale,
+        seqlen_k, diagonal, num_blocks, max_blocks, stride_kb, stride_krow, stride_vb, stride_vrow,
         window_left, window_right, qk_scale, softcap_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
         PAGED, PAGE_SIZE, ONE_PAGE, FP8, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, DOT_PRECISION)
 

@@ -27,6 +27,7 @@ compared.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -301,44 +302,117 @@ def chunk_table(records: list[dict]) -> str:
     return format_table(["chunk (TFLOP/s)", *columns, "chunk/dense", "chunk/best-sdpa"], body)
 
 
-def run_serving_bench(num_prompts: int = 256, new_tokens: int = 64, device="cuda", seed: int = 0,
-                      implementations=None) -> list[dict]:
-    """tokens/s of transformers' `generate_batch` on a random Qwen3-like model (hidden 1024, 8 layers, 16 query
-    heads, 8 KV heads, head dim 128, bf16) over `num_prompts` prompts of 64..512 tokens, per implementation;
-    each record says whether its greedy tokens equal the first implementation's and the peak memory."""
+SERVING_PAGE = 256  # transformers' default page (block) size
+SERVING_BATCH_TOKENS = 8192  # transformers' default max_batch_tokens
+
+
+def serving_model_config():
+    """The served model: a Qwen3-like decoder (hidden 1024, 8 layers, 16 query heads, 8 KV heads, head dim 128)."""
+    import transformers
+
+    return transformers.Qwen3Config(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                                    num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                    max_position_embeddings=4096)
+
+
+def serving_options(lengths: list[int], new_tokens: int, page_size: int = SERVING_PAGE,
+                    max_batch_tokens: int = SERVING_BATCH_TOKENS) -> dict:
+    """Continuous-batching options sized to the workload, the same for every implementation. Left to
+    transformers, the paged cache takes 90% of the free memory (about 2M tokens of this model on an 80 GB card):
+    the CUDA-graph warm-up then runs one max_batch_tokens prefill against the whole cache (a 8192 x 2M attention per
+    layer, twice with asynchronous batching), each `generate_batch` call sizes and warms a new cache, and the second
+    implementation gets only what the first left in PyTorch's allocator. Here the cache holds every request at once
+    (all prompts and their new tokens, one spare page each), so no request waits for pages or is evicted, and the
+    scheduler's limits are explicit: max_batch_tokens, one batch may hold every request, block tables as wide as the
+    longest request."""
+    pages = sum(math.ceil((n + new_tokens) / page_size) + 1 for n in lengths)
+    widest = math.ceil((max(lengths) + new_tokens) / page_size) + 1
+    return dict(page_size=page_size, num_blocks=pages, max_batch_tokens=max_batch_tokens,
+                max_requests_per_batch=len(lengths), max_blocks_per_request=widest + widest % 2)
+
+
+def _phase_logger(log):
+    """log(implementation, phase, seconds) for each finished phase (stderr by default: stdout carries the JSON)."""
+    if log is not None:
+        return log
+    import sys
+
+    return lambda implementation, phase, seconds: print(f"generate_batch {implementation}: {phase} {seconds:.1f} s",
+                                                        file=sys.stderr, flush=True)
+
+
+def run_serving_bench(num_prompts: int = 256, new_tokens: int = 32, device="cuda", seed: int = 0,
+                      implementations=None, model_config=None, dtype=torch.bfloat16, log=None) -> list[dict]:
+    """tokens/s of transformers' continuous batching (`generate_batch`) over `num_prompts` random prompts of 64..512
+    tokens (greedy, `new_tokens` each), per attention implementation: ours (`hf.register_flash()`: varlen prefill,
+    block-table decode on CUDA) and transformers' paged SDPA, on the model of `serving_model_config` (random
+    weights) unless `model_config` is given.
+
+    Both run the same continuous-batching options (`serving_options`); transformers decides per implementation
+    whether to capture CUDA graphs and batch asynchronously (a flash implementation yes; SDPA, which needs an
+    attention mask, no), and each record says what it decided. The manager is kept between a first pass over the
+    whole workload (the warm-up: graph captures and kernel compilations for every batch shape the workload meets)
+    and the timed second pass. A line per phase with its seconds goes to `log` (stderr by default). Each record
+    says whether its greedy tokens equal the first implementation's and the timed pass's peak memory."""
     import time
 
     import transformers
 
     from flashmoe_science.integrations import hf
 
+    log = _phase_logger(log)
+    on_cuda = torch.device(device).type == "cuda"
+
+    def synchronize():
+        if on_cuda:
+            torch.cuda.synchronize(device)
+
+    started = time.perf_counter()
     torch.manual_seed(seed)
-    config = transformers.Qwen3Config(vocab_size=32000, hidden_size=1024, intermediate_size=3072,
-                                      num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                                      max_position_embeddings=4096)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).eval()
+    config = model_config if model_config is not None else serving_model_config()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
     lengths = torch.randint(64, 513, (num_prompts,)).tolist()
     prompts = [torch.randint(1, config.vocab_size, (n,)).tolist() for n in lengths]
     generation = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                                                pad_token_id=0)
+    log("model", "built", time.perf_counter() - started)
     records, first = [], None
     for implementation in implementations or (hf.register_flash(), "sdpa"):
-        model.set_attn_implementation(implementation)
-        torch.cuda.reset_peak_memory_stats()
-        model.generate_batch(inputs=prompts[:8], generation_config=generation)  # warm-up: compile, capture
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        outputs = model.generate_batch(inputs=prompts, generation_config=generation)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
-        tokens = {rid: list(o.generated_tokens) for rid, o in outputs.items()}
-        generated = sum(len(t) for t in tokens.values())
+        options = serving_options(lengths, new_tokens)
+        name = hf.paged_sdpa(options) if implementation == "sdpa" else implementation
+        model.set_attn_implementation(name)
+        cb_config = hf.continuous_batching_config(**options)
+        passes = {}
+        for phase in ("warm-up pass", "timed pass"):
+            if on_cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            synchronize()
+            began = time.perf_counter()
+            outputs = model.generate_batch(inputs=prompts, generation_config=generation,
+                                           continuous_batching_config=cb_config, persistent_manager=True)
+            synchronize()
+            passes[phase] = time.perf_counter() - began
+            log(implementation, phase, passes[phase])
+        decided = model.init_continuous_batching().continuous_batching_config  # the kept manager's resolved options
+        model.destroy_cached_continuous_batching_manager()
+        tokens = [list(o.generated_tokens) for o in outputs.values()]  # in the order of the prompts
+        generated = sum(map(len, tokens))
         first = tokens if first is None else first
-        same = sum(tokens.get(rid) == want for rid, want in first.items())
+        seconds = passes["timed pass"]
         records.append({"op": "generate_batch", "implementation": implementation, "prompts": num_prompts,
                         "new_tokens": new_tokens, "seconds": round_significant(seconds),
-                        "tokens_per_s": round_significant(generated / seconds), "same_greedy_as_first": same,
-                        "peak_gib": round_significant(torch.cuda.max_memory_allocated() / 2**30)})
+                        "warmup_seconds": round_significant(passes["warm-up pass"]),
+                        "tokens_per_s": round_significant(generated / seconds),
+                        "same_greedy_as_first": sum(map(list.__eq__, tokens, first)),
+                        "requests_done": len(tokens),
+                        "cuda_graphs": list(decided.cuda_graph_booleans), "async": bool(decided.use_async_batching),
+                        "options": options,
+                        "peak_gib": round_significant(torch.cuda.max_memory_allocated(device) / 2**30)
+                        if on_cuda else None})
+        del outputs
+        if on_cuda:
+            torch.cuda.empty_cache()
+    log("all", "done", time.perf_counter() - started)
     return records
 
 

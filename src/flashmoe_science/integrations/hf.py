@@ -157,6 +157,32 @@ def paged_flash_attention(module, query, key, value, attention_mask, **kwargs):
     return paged_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+def continuous_batching_config(page_size: int, **options):
+    """transformers' ``ContinuousBatchingConfig`` with ``page_size`` tokens a cache page under the installed
+    version's name for it (``block_size`` up to 5.17, ``page_size`` after) and the other options as given."""
+    import inspect
+
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    names = inspect.signature(ContinuousBatchingConfig).parameters
+    options["page_size" if "page_size" in names else "block_size"] = page_size
+    return ContinuousBatchingConfig(**options)
+
+
+def paged_sdpa(options: dict) -> str:
+    """The name under which continuous batching runs transformers' own paged SDPA attention, with ``options`` (the
+    continuous-batching options) completed so that it is not switched to a flash_attn package: 5.17 takes
+    ``"paged|sdpa"`` as it is; later versions take ``"sdpa"`` and switch only with ``auto_switch_to_flash``."""
+    import inspect
+
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    if "auto_switch_to_flash" in inspect.signature(ContinuousBatchingConfig).parameters:
+        options["auto_switch_to_flash"] = False
+        return "sdpa"
+    return "paged|sdpa"
+
+
 def _head_dim(config) -> int | None:
     head_dim = getattr(config, "head_dim", None)
     if head_dim is None and getattr(config, "hidden_size", None) and getattr(config, "num_attention_heads", None):
@@ -303,5 +329,6 @@ def _padded_attention(query, key, value, mask, options) -> torch.Tensor:
 
 
 __all__ = ["ATTN_IMPLEMENTATION", "FLASH_IMPLEMENTATION", "PAGED_FLASH_IMPLEMENTATION", "apply",
-           "attention_keywords", "check_config", "flash_attention", "flashmoe_science_attention", "from_config",
-           "paged_flash_attention", "register", "register_flash"]
+           "attention_keywords", "check_config", "continuous_batching_config", "flash_attention",
+           "flashmoe_science_attention", "from_config", "paged_flash_attention", "paged_sdpa", "register",
+           "register_flash"]
