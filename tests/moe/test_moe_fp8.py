@@ -63,13 +63,29 @@ def test_group_quantiser_is_per_token_per_128():
     x = torch.randn(5, 300, dtype=torch.float64)
     x[2, :128] = 0  # an all-zero group stays zero
     q, scale = quantize_fp8_groups(x)
-    assert scale.shape == (5, 3)
+    assert scale.shape == (5, 3) and q.dtype == scale.dtype == torch.float64
     assert (q[2, :128] == 0).all()
-    for group in range(3):
+    for group in range(3):  # float32 arithmetic, as the kernels: the scale is the format's float32
         cols = slice(group * BLOCK, (group + 1) * BLOCK)
-        amax = x[:, cols].abs().amax(dim=1)
-        torch.testing.assert_close(scale[:, group], amax.clamp(min=1e-10) / 448, rtol=0, atol=0)
-        assert torch.equal(q[:, cols], (x[:, cols] / scale[:, group, None]).to(FP8).double())
+        x32 = x[:, cols].float()
+        want_scale = x32.abs().amax(dim=1).clamp(min=1e-10) / 448
+        assert torch.equal(scale[:, group], want_scale.double())
+        assert torch.equal(q[:, cols], (x32 / want_scale[:, None]).to(FP8).double())
+
+
+def test_group_quantiser_rounds_exact_ties_to_even():
+    """448 x / amax of 16-bit x is exactly an e4m3 rounding tie for ~0.5% of elements: the quantiser must compute
+    the float32 quotient exactly (IEEE division), so that every tie rounds to the even code, on every device."""
+    powers = torch.tensor([1.0, 2.0, 4.0, 8.0] * 32)[:127]
+    x = torch.cat([torch.tensor([3.5]), powers * 1.0625 / 128])[None]  # scale 3.5 / 448 = 1/128
+    q, scale = quantize_fp8_groups(x.bfloat16().float())
+    assert scale.item() == 3.5 / 448 and q[0, 0] == 448
+    assert torch.equal(q[0, 1:], powers)  # 1.0625 * 2^k lies halfway between 2^k and 1.125 * 2^k: the even one
+    bf16 = torch.randn(64, 1024).bfloat16()
+    q, scale = quantize_fp8_groups(bf16.double())
+    ties = (bf16.float().reshape(64, 8, 128) / scale.float()[..., None]).reshape(64, 1024)
+    exact = bf16.double() / scale.repeat_interleave(BLOCK, dim=1)
+    assert torch.equal(q, rne_e4m3(ties).double()) and (rne_e4m3(exact * (1 + 1e-9)) != q).any()
 
 
 # -------------------------------------------------------------------------------- checks and plan (CPU)

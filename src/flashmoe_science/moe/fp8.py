@@ -7,7 +7,9 @@ Format (DeepSeek-V3 / Qwen3-FP8 checkpoints; vLLM's block-FP8 ``fused_moe`` conv
   shape ``(E, ceil(rows / 128), ceil(cols / 128))`` float32: the real weight is ``w[e, n, k] * scale_inv[e, n //
   128, k // 128]``. A block's scale maps its largest magnitude onto 448, e4m3's largest finite value.
 - activations are quantised per token and per group of 128 consecutive features (1x128): ``scale = max(amax,
-  1e-10) / 448``, ``q = round_to_e4m3(x / scale)``. The experts quantise x this way as they gather it, and the
+  1e-10) / 448``, ``q = round_to_e4m3(x / scale)``, in float32 with both divisions rounded to nearest (the scale is
+  a float32 and ``x / scale`` lands exactly on an e4m3 rounding tie for ~0.5% of 16-bit x: a division a few ulp
+  off, or one in float64, rounds those ties elsewhere). The experts quantise x this way as they gather it, and the
   SwiGLU output ``h`` per 128 columns of F before the down projection.
 
 Every product is an e4m3 x e4m3 dot of one 128-wide K block, accumulated in float32 after multiplying by the row's
@@ -68,15 +70,19 @@ def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8_groups(x: torch.Tensor, cast=round_to_e4m3) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token-group quantisation of ``x (..., K)``: ``(q, scale)`` with ``q`` the e4m3 values in x's dtype (the
-    bytes a kernel stores, as numbers) and ``scale (..., ceil(K/128))`` such that ``x ≈ q * scale`` per group of 128.
-    ``scale = max(amax, 1e-10) / 448`` in x's dtype; ``cast`` rounds ``x / scale`` to e4m3 (default: to nearest
-    even, as the GPU; a test may pass another rounding)."""
+    """Per-token-group quantisation of ``x (..., K)``: ``(q, scale)`` with ``q`` the e4m3 values (the bytes a kernel
+    stores, as numbers) and ``scale (..., ceil(K/128))`` such that ``x ≈ q * scale`` per group of 128, both in x's
+    dtype. Computed as the kernels do, whatever x's dtype: x rounded to float32, ``scale = max(amax, 1e-10) / 448``
+    and ``x / scale`` as IEEE float32 divisions, then ``cast`` rounds to e4m3 (default: to nearest even, as the GPU;
+    a test may pass another rounding). The divisor is a tensor: PyTorch's CUDA division by a Python scalar multiplies
+    by its reciprocal, which is not the rounded quotient."""
     num_groups = math.ceil(x.shape[-1] / BLOCK)
-    groups = _blocks_of(x[..., None, :], 1, BLOCK).reshape(*x.shape[:-1], num_groups, BLOCK)
-    scale = groups.abs().amax(dim=-1).clamp(min=SCALE_EPS) / FP8_MAX
-    q = cast(groups / scale[..., None]).reshape(*x.shape[:-1], num_groups * BLOCK)[..., :x.shape[-1]]
-    return q, scale
+    groups = _blocks_of(x[..., None, :].float(), 1, BLOCK).reshape(*x.shape[:-1], num_groups, BLOCK)
+    amax = groups.abs().amax(dim=-1).clamp(min=SCALE_EPS)
+    scale = amax / torch.full_like(amax, FP8_MAX)
+    q = cast((groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX))
+    q = q.reshape(*x.shape[:-1], num_groups * BLOCK)[..., :x.shape[-1]]
+    return q.to(x.dtype), scale.to(x.dtype)
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:

@@ -44,9 +44,13 @@ from flashmoe_science.moe.triton_gemm import _gate_up_columns, _row_tile_and_col
 
 @triton.jit
 def _quantize_rows(values, EPS: tl.constexpr, FP8_LIMIT: tl.constexpr):
-    """(rows, 128) float32 -> (e4m3 values, per-row scale): ``scale = max(amax, EPS) / 448``."""
-    scale = tl.maximum(tl.max(tl.abs(values), axis=1), EPS) / FP8_LIMIT
-    q = tl.clamp(values / scale[:, None], -FP8_LIMIT, FP8_LIMIT)
+    """(rows, 128) float32 -> (e4m3 values, per-row scale): ``scale = max(amax, EPS) / 448``, ``q = e4m3(values /
+    scale)``, both divisions rounded to nearest as IEEE float32 (``div_rn``). ``/`` compiles to approximations on
+    NVIDIA GPUs (``div.full.f32``, and ``amax * rcp(448)`` for the constant), a few ulp off: enough to move the many
+    values that sit exactly on an e4m3 rounding tie (448 x / amax of 16-bit x is a tie for ~0.5% of elements) to
+    either side, so that the GPU and the interpreter, or two tile families, would round them differently."""
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(values), axis=1), EPS), FP8_LIMIT)
+    q = tl.clamp(tl.math.div_rn(values, scale[:, None]), -FP8_LIMIT, FP8_LIMIT)
     return q.to(tl.float8e4nv), scale
 
 
