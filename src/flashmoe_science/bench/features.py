@@ -185,8 +185,8 @@ def _padded_hf_case(device, dtype, shrink: int) -> Case:
         """One layer's attention call; the mask is built here, once, by the implementation's own mask builder."""
         config._attn_implementation = implementation
         embeds = torch.empty(rows, longest, 0, device=device, dtype=dtype)  # its shape, dtype and device only
-        mask = None if padding_mask is None else create_causal_mask(
-            config=config, inputs_embeds=embeds, attention_mask=padding_mask.long(), cache=None)
+        # the cache passed by position: transformers names it `past_key_values` up to 5.17, `cache` after
+        mask = None if padding_mask is None else create_causal_mask(config, embeds, padding_mask.long(), None)
         attention = functions[implementation]
 
         def attend(q, k, v):
