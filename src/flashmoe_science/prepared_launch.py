@@ -88,30 +88,31 @@ def rebased_head(prepared: tuple, tensors: tuple) -> Callable[..., tuple]:
     tensor as its base. The copy is exact because the cache key freezes every tensor's shape, strides and dtype,
     which are all a descriptor holds besides its base (block shape, padding and shared-memory layout are the
     kernel's); so a descriptor must be over the tensor the caller passes, with its shape and strides."""
-    templates = []
-    for arg, t in zip(prepared, tensors):
+    templates = []  # (position, descriptor class, its fields but the base)
+    for position, (arg, t) in enumerate(zip(prepared, tensors)):
         if isinstance(arg, torch.Tensor) or arg is None or not hasattr(arg, "block_shape"):
-            templates.append(None)
             continue
         base = arg.base
         if base.shape != t.shape or base.stride() != t.stride() or base.data_ptr() != t.data_ptr():
             raise ValueError("PreparedLaunch without make_head: each descriptor must be over the tensor passed for "
                              "it, as it is shaped (a descriptor over a reshaped view needs a make_head)")
         # without the prepared tensor: a cached launch must not keep it alive
-        templates.append((type(arg), {name: value for name, value in vars(arg).items() if name != "base"}))
-    templates = tuple(templates)
+        templates.append((position, type(arg), {name: value for name, value in vars(arg).items() if name != "base"}))
+    if not templates:
+        return _as_given
 
     def head(*tensors) -> tuple:
-        return tuple(t if template is None else _rebase(template, t) for template, t in zip(templates, tensors))
+        args = list(tensors)
+        for position, cls, fields in templates:
+            desc = args[position] = object.__new__(cls)
+            desc.__dict__.update(fields, base=tensors[position])
+        return args
 
     return head
 
 
-def _rebase(template: tuple, t):
-    cls, fields = template
-    desc = object.__new__(cls)
-    desc.__dict__.update(fields, base=t)
-    return desc
+def _as_given(*tensors) -> tuple:
+    return tensors
 
 
 def _hooked(hook) -> bool:

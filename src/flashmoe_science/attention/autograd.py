@@ -119,12 +119,13 @@ class _KernelAttention(torch.autograd.Function):
         ctx.backward_plan = backward_plan(plan, q, k, v, out, lse, features)
         ctx.features = features
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # lse's gradient stays None instead of a zeros tensor (and its launch)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # double backward raises "trying to differentiate twice ..."
     def backward(ctx, grad_out, grad_lse):
-        # grad_lse is always None or zeros: lse is marked non-differentiable.
+        # grad_lse is None: lse is marked non-differentiable; grad_out is set (out is the only differentiable output).
         need_dq, need_dk, need_dv, need_dbias = ctx.needs_input_grad[:4]
         dq, dk, dv, dbias = ctx.backward_plan(*ctx.saved_tensors, grad_out, ctx.features, need_dq, need_dk or need_dv,
                                               need_dbias)
