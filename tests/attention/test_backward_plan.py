@@ -170,3 +170,31 @@ def test_partial_gradients_and_unpreparable_steps_run_the_step():
     for _ in range(4):
         plan(*_tensors(), PLAIN)
     assert [entry[0] for entry in step.log] == ["run", "run", "prepare", "run", "run"]
+
+
+def test_a_recorded_call_replays_its_forward_launch_and_its_backward_plan():
+    """call.Recorded (a repeated plain call that records gradients, kept on the GPU only): the forward is its
+    prepared launch, the backward its BackwardPlan, through autograd, with nothing planned again."""
+    from flashmoe_science.attention import call
+    from flashmoe_science.attention.record import recording
+
+    launched = []
+
+    def prepared(q, k, v, out, lse):
+        launched.append(q)
+        out.copy_(q)
+        lse.zero_()
+
+    forward = type("Forward", (), {"backend": "test", "kernel": "test.forward"})()
+    step = _RecordingStep()
+    recorded = call.Recorded(prepared, forward, autograd.BackwardPlan(step, 0.5, False), PLAIN, 0.5)
+    for _ in range(3):
+        leaves = [t.requires_grad_() for t in _tensors()[:3]]
+        with recording() as log:
+            out, lse = call.replay(recorded, *leaves)
+            assert out.requires_grad and not lse.requires_grad and torch.equal(out, leaves[0])
+            out.sum().backward()
+        assert launched[-1] is leaves[0] and log[0] == ("forward", "test", "test.forward")
+        assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
+    assert [entry[0] for entry in step.log] == ["run", "run", "prepare", "launch"]
+    assert all(entry[1] is PLAIN for entry in step.log)

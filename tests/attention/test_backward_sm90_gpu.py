@@ -141,20 +141,28 @@ def _prepared_launches(plan) -> list:
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["bhld", "blhd"])
 def test_prepared_backward_through_autograd(causal, d, transposed):
-    """One BackwardPlan per forward signature (autograd.BACKWARD_PLANS); its grad_out layout is marked on the first
-    backward and prepared on the second (bwd_sm90.PreparedBackward: frozen launches, new tensors), which the third
-    reuses: its gradients on fresh inputs are right, and its dK/dV are bit-identical to the direct launch's."""
-    from flashmoe_science.attention import autograd
+    """A training loop's calls: one BackwardPlan per forward signature (autograd.BACKWARD_PLANS) and, from the
+    second call on, the call replayed from call.PREPARED (call.Recorded: the prepared forward launch and that
+    BackwardPlan). The plan's grad_out layout is marked on the first backward and prepared on the second
+    (bwd_sm90.PreparedBackward: frozen launches, new tensors), which the third reuses: on fresh inputs every call's
+    output is the inference call's, bit for bit, its gradients are right, and its dK/dV are bit-identical to the
+    direct launch's."""
+    from flashmoe_science.attention import autograd, call
 
     hopper_attention_module("bwd_sm90")
     autograd.BACKWARD_PLANS.clear()
+    call.PREPARED.clear()
     length = SM90_BACKWARD_MIN_LEN_D64 + 77  # the sm_90 backward runs short rows at D=128 only (tiles)
-    for call in range(3):
+    for _ in range(3):
         q, k, v, grad_out = _inputs(1, 4, 2, length, length, d, torch.bfloat16, transposed)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         out = flash_attention_science(*leaves, causal=causal)
         grads = torch.autograd.grad(out, leaves, grad_out)
         assert len(autograd.BACKWARD_PLANS) == 1  # one entry per signature
+        recorded = [entry for entry in call.PREPARED.values() if isinstance(entry, call.Recorded)]
+        assert len(recorded) == 1 and recorded[0].backward is next(iter(autograd.BACKWARD_PLANS.values()))
+        with torch.no_grad():
+            assert torch.equal(out, flash_attention_science(q, k, v, causal=causal))
         assert_grads_close(grads, q, k, v, grad_out, causal, None)
         direct = sm90_grads(q, k, v, grad_out, causal)
         assert torch.equal(grads[1], direct[1]) and torch.equal(grads[2], direct[2])

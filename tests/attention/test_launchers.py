@@ -238,7 +238,7 @@ def test_sm90_prepared_backward_rebases_the_first_calls_descriptors(monkeypatch,
         assert all(arg is None or not hasattr(arg, "base") for arg in launch.template)
 
 
-def test_prepared_key_leaves_autograd_and_ambiguous_arguments_to_the_full_path():
+def test_prepared_key_keys_gradients_apart_and_leaves_ambiguous_arguments_to_the_full_path():
     from flashmoe_science.attention import call
 
     q = torch.randn(1, 2, 8, 16)
@@ -251,9 +251,21 @@ def test_prepared_key_leaves_autograd_and_ambiguous_arguments_to_the_full_path()
     assert call.prepared_key(q, q, q, False, 1, False, "auto", False) is None
     assert call.prepared_key(q, q, q, False, None, False, ["auto"], False) is None
     grad = q.clone().requires_grad_()
-    assert call.prepared_key(grad, q, q, False, None, False, "auto", False) is None
+    recorded = call.prepared_key(grad, q, q, False, None, False, "auto", False)
+    assert recorded is not None and recorded != key and recorded[-1] is False  # its backward: not deterministic
+    assert call.prepared_key(q, grad, q, False, None, False, "auto", True)[-1] is True
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:  # the backward's determinism, asked for globally, is part of a gradient-recording key only
+        assert call.prepared_key(grad, q, q, False, None, False, "auto", False)[-1] is True
+        assert call.prepared_key(q, q, q, False, None, False, "auto", False) == key
+    finally:
+        torch.use_deterministic_algorithms(previous)
     with torch.no_grad():
-        assert call.prepared_key(grad, q, q, False, None, False, "auto", False) is not None
+        assert call.prepared_key(grad, q, q, False, None, False, "auto", False) == key
+    cu = torch.tensor([0, 8], dtype=torch.int32)  # packed calls that record gradients take the full path
+    assert call.packed_key(grad, q, q, cu, cu, 8, 8, False, None, False, "auto", False) is None
+    assert call.packed_key(q, q, q, cu, cu, 8, 8, False, None, False, "auto", False) is not None
 
 
 @pytest.mark.parametrize("head_dim,causal", [(80, True), (128, False), (192, True), (256, False)])

@@ -107,16 +107,21 @@ def backward_plan(plan, q, k, v, out, lse, features: CallFeatures) -> BackwardPl
 
 
 class _KernelAttention(torch.autograd.Function):
-    """Forward through `plan.forward`, backward through the call's `BackwardPlan` (decided here, in the forward).
+    """Forward through `plan.forward`, backward through the call's `BackwardPlan` (decided here, in the forward;
+    a repeated call's `recorded` brings both, its prepared forward launch and its BackwardPlan).
     Keeps the inputs, out and lse (O(L) memory; the bias's gradient is O(bias), see
     `triton_backend.bias_grad_buffer`), the BackwardPlan and the features (a packed call's cu_seqlens are per
     call). `bias` is `features.attn_bias`, passed on its own so autograd sees it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, features, softmax_scale, plan):
-        out, lse = plan.forward.run(q, k, v, features, softmax_scale)
+    def forward(ctx, q, k, v, bias, features, softmax_scale, plan, recorded=None):
+        if recorded is None:
+            out, lse = plan.forward.run(q, k, v, features, softmax_scale)
+            ctx.backward_plan = backward_plan(plan, q, k, v, out, lse, features)
+        else:  # a repeated call (call.Recorded): its forward launch and BackwardPlan as its first call decided
+            out, lse = recorded.run(q, k, v)
+            ctx.backward_plan = recorded.backward
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.backward_plan = backward_plan(plan, q, k, v, out, lse, features)
         ctx.features = features
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # lse's gradient stays None instead of a zeros tensor (and its launch)
@@ -129,8 +134,14 @@ class _KernelAttention(torch.autograd.Function):
         need_dq, need_dk, need_dv, need_dbias = ctx.needs_input_grad[:4]
         dq, dk, dv, dbias = ctx.backward_plan(*ctx.saved_tensors, grad_out, ctx.features, need_dq, need_dk or need_dv,
                                               need_dbias)
-        # the rest: features, scale, plan
-        return (dq if need_dq else None, dk if need_dk else None, dv if need_dv else None, dbias, None, None, None)
+        # the rest: features, scale, plan, recorded
+        return (dq if need_dq else None, dk if need_dk else None, dv if need_dv else None, dbias, None, None, None,
+                None)
+
+
+def replay_recorded(recorded, q, k, v):
+    """(out, lse) of a repeated plain call that records gradients (`call.Recorded`), through `_KernelAttention`."""
+    return _KernelAttention.apply(q, k, v, None, recorded.features, recorded.softmax_scale, None, recorded)
 
 
 class NoKeys(torch.autograd.Function):
