@@ -11,7 +11,9 @@ the full path (the prepared-call cache emptied before each call).
 `--attn-bwd`: the attention backward as the bench times it (out.backward, graph retained) per backend
 (`--backends`, default auto, triton, cudnn): device ms and host µs per backward, the kernels it launched
 (torch.profiler, device µs each) and a cProfile of auto's host side. From its third backward a graph's backward runs
-its BackwardPlan's prepared launch sequence (attention/autograd.py), which the timed calls measure.
+its BackwardPlan's prepared launch sequence (attention/autograd.py), which the timed calls measure. Beside it, a
+training step's attention (forward recording the graph, then its backward; a repeated signature replays
+call.Recorded).
 `--attn-bwd-cpu`: no GPU needed. The Python side of the sm_90 backward (D64 causal, bf16 CPU tensors of B1 H2 L128:
 the host work does not depend on the size, CPU allocations do) with the kernel launches replaced by no-ops
 (Triton's compiled kernels and driver stubbed; descriptors, keys, allocations and autograd real): µs per call of
@@ -149,8 +151,15 @@ def attn_bwd_main(cases, backends):
                         t.grad = None
                     out.backward(grad_out, retain_graph=True)
 
+                def step():  # a training step's attention: forward recording the graph, then its backward
+                    for t in (q, k, v):
+                        t.grad = None
+                    call(name, q, k, v, causal).backward(grad_out)
+
                 device_ms, host_us = _host_and_device(backward, n=30)
-                line.append(f"{name}: device {device_ms:.4f} ms, host {host_us:.0f} us")
+                step_ms, step_us = _host_and_device(step, n=30)
+                line.append(f"{name}: device {device_ms:.4f} ms, host {host_us:.0f} us (fwd+bwd: device "
+                            f"{step_ms:.4f} ms, host {step_us:.0f} us)")
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(5):
                         backward()

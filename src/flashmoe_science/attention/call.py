@@ -136,8 +136,9 @@ def packed_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     """`prepared_key` of a packed call: also the cu_seqlens' signatures and the max lengths (the plan reads them),
     or None where the call must take the full path (a call that records gradients among them)."""
     key = prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic)
-    if (key is None or key[-1] is not None or cu_seqlens_q.__class__ is not torch.Tensor or cu_seqlens_k.__class__ is not torch.Tensor
-            or max_seqlen_q.__class__ is not int or max_seqlen_k.__class__ is not int):
+    if (key is None or key[-1] is not None or cu_seqlens_q.__class__ is not torch.Tensor
+            or cu_seqlens_k.__class__ is not torch.Tensor or max_seqlen_q.__class__ is not int
+            or max_seqlen_k.__class__ is not int):
         return None
     return (*key, tensor_signature(cu_seqlens_q), tensor_signature(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
 
