@@ -8,9 +8,17 @@ cProfile of the sm_90 `auto` path's host side (top functions by cumulative time)
 
 `--moe`: the same for `fused_moe` on the bench's models (bf16), the prepared launch (a repeated signature) against
 the full path (the prepared-call cache emptied before each call).
-`--attn-bwd`: the attention backward as the bench times it (out.backward, graph retained) per backend (auto,
-triton, cudnn): device ms, host µs, the kernels it launched (torch.profiler, device µs each) and a cProfile of
-auto's host side.
+`--attn-bwd`: the attention backward as the bench times it (out.backward, graph retained) per backend
+(`--backends`, default auto, triton, cudnn): device ms and host µs per backward, the kernels it launched
+(torch.profiler, device µs each) and a cProfile of auto's host side. From its third backward a graph's backward runs
+its BackwardPlan's prepared launch sequence (attention/autograd.py), which the timed calls measure. Beside it, a
+training step's attention (forward recording the graph, then its backward; a repeated signature replays
+call.Recorded).
+`--attn-bwd-cpu`: no GPU needed. The Python side of the sm_90 backward (D64 causal, bf16 CPU tensors of B1 H2 L128:
+the host work does not depend on the size, CPU allocations do) with the kernel launches replaced by no-ops
+(Triton's compiled kernels and driver stubbed; descriptors, keys, allocations and autograd real): µs per call of
+the prepared BackwardPlan, of the whole `out.backward` through `_KernelAttention`, and of an autograd.Function
+whose backward only allocates its three gradients (autograd's own floor), then a cProfile.
 `--varlen`: `flash_attention_varlen` on the varlen bench's long-tailed batch (16384 tokens, H=16, D=128) against
 the dense call of the same tokens (4 x 4096), forward alone and forward + backward, causal and not: device ms, host
 µs, the kernels each launches (torch.profiler) and a cProfile of the packed forward's host side.
@@ -66,7 +74,8 @@ def _host_profile(fn, n) -> pstats.Stats:
     for _ in range(n):
         fn()
     prof.disable()
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return pstats.Stats(prof)
 
 
@@ -124,14 +133,14 @@ def moe_bwd_main(tokens):
             stats.sort_stats("tottime").print_stats(12)
 
 
-def attn_bwd_main(cases):
+def attn_bwd_main(cases, backends):
     from torch.profiler import ProfilerActivity, profile
 
     for case in cases.split(","):
         b, h, length, d = map(int, case.split("x"))
         for causal in (False, True):
             line = [f"B{b} H{h} L{length} D{d} causal={int(causal)} bwd"]
-            for name in ("auto", "triton", "cudnn"):
+            for name in backends:
                 q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                            for _ in range(3))
                 out = call(name, q, k, v, causal)
@@ -142,8 +151,15 @@ def attn_bwd_main(cases):
                         t.grad = None
                     out.backward(grad_out, retain_graph=True)
 
+                def step():  # a training step's attention: forward recording the graph, then its backward
+                    for t in (q, k, v):
+                        t.grad = None
+                    call(name, q, k, v, causal).backward(grad_out)
+
                 device_ms, host_us = _host_and_device(backward, n=30)
-                line.append(f"{name}: device {device_ms:.4f} ms, host {host_us:.0f} us")
+                step_ms, step_us = _host_and_device(step, n=30)
+                line.append(f"{name}: device {device_ms:.4f} ms, host {host_us:.0f} us (fwd+bwd: device "
+                            f"{step_ms:.4f} ms, host {step_us:.0f} us)")
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(5):
                         backward()
@@ -158,6 +174,86 @@ def attn_bwd_main(cases):
                 if name == "auto" and not causal:
                     _host_profile(backward, 30).sort_stats("tottime").print_stats(15)
             print(" | ".join(line), flush=True)
+
+
+def attn_bwd_cpu_main(shape=(1, 2, 128, 64), causal=True, n=2000):
+    from flashmoe_science import prepared_launch
+    from flashmoe_science.attention import autograd, bwd_prep
+    from flashmoe_science.attention.features import as_features
+    from flashmoe_science.attention.hopper import backend, bwd_sm90
+    from flashmoe_science.attention.tiles import backward_tiles
+    from flashmoe_science.attention.triton_backend import TritonBackward
+    from flashmoe_science.device import INTERPRETER_TRAITS
+
+    class NoLaunch:  # a CompiledKernel whose launch does nothing
+        function, packed_metadata = None, None
+
+        def run(self, *args):
+            pass
+
+    class Driver:
+        class active:  # noqa: N801 - triton.runtime.driver.driver.active
+            get_current_device = staticmethod(lambda: 0)
+            get_current_stream = staticmethod(lambda device: 0)
+
+    prepared_launch.driver = Driver
+    for kernel in (bwd_sm90.attention_backward_sm90_kernel, bwd_prep.preprocess_kernel, bwd_prep.dq_convert_kernel):
+        kernel.warmup = lambda *args, **kwargs: NoLaunch()
+    backend.launch_backward = lambda *args, **kwargs: None  # the unprepared first two backwards
+    b, h, length, d = shape
+    features = as_features(causal)
+    step = backend.HopperBackward(TritonBackward(backward_tiles(d, torch.bfloat16, causal, INTERPRETER_TRAITS)))
+    plan = autograd.BackwardPlan(step, d ** -0.5, False)
+    q, k, v, grad_out = (torch.randn(b, h, length, d, dtype=torch.bfloat16) for _ in range(4))
+    lse = torch.randn(b, h, length)
+    for _ in range(3):  # run, run + prepare, prepared
+        plan(q, k, v, q, lse, grad_out, features)
+
+    class Forward:  # the forward plan's part _KernelAttention needs, its kernel a no-op
+        @staticmethod
+        def run(q, k, v, features, softmax_scale):
+            return torch.empty_like(q), lse
+
+    graph_plan = type("Plan", (), {"forward": Forward, "problem": None})()
+    autograd.backward_plan = lambda *args: plan
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, _ = autograd._KernelAttention.apply(*leaves, None, features, d ** -0.5, graph_plan)
+
+    class Empty(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            ctx.save_for_backward(q, k, v)
+            return torch.empty_like(q)
+
+        @staticmethod
+        def backward(ctx, grad):
+            q, k, v = ctx.saved_tensors
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    empty_out = Empty.apply(*leaves)
+
+    def timed(fn):
+        for _ in range(50):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    def whole(out):
+        def backward():
+            for t in leaves:
+                t.grad = None
+            out.backward(grad_out, retain_graph=True)
+        return backward
+
+    rounds = [(timed(lambda: plan(q, k, v, q, lse, grad_out, features)), timed(whole(out)), timed(whole(empty_out)))
+              for _ in range(3)]  # interleaved: this machine's speed drifts
+    medians = [sorted(column)[1] for column in zip(*rounds)]
+    print(f"B{b} H{h} L{length} D{d} causal={int(causal)}, launches stubbed, us per call (median of 3 interleaved "
+          f"rounds): BackwardPlan {medians[0]:.1f} | out.backward {medians[1]:.1f} | allocating "
+          f"autograd.Function {medians[2]:.1f}", flush=True)
+    _host_profile(whole(out), n).sort_stats("tottime").print_stats(15)
 
 
 def _kernels(fn, n=5) -> str:
@@ -210,17 +306,21 @@ def main():
     p.add_argument("--moe", action="store_true")
     p.add_argument("--moe-bwd", action="store_true")
     p.add_argument("--attn-bwd", action="store_true")
+    p.add_argument("--attn-bwd-cpu", action="store_true")
     p.add_argument("--varlen", action="store_true")
     p.add_argument("--tokens", default="1,16,64")
     p.add_argument("--cases", default=CASES)
     p.add_argument("--profile", default="32x8x512x256")
+    p.add_argument("--backends", default="auto,triton,cudnn", help="--attn-bwd: the backends timed")
     a = p.parse_args()
     if a.moe:
         return moe_main([int(t) for t in a.tokens.split(",")])
     if a.varlen:
         return varlen_main()
+    if a.attn_bwd_cpu:
+        return attn_bwd_cpu_main()
     if a.attn_bwd:
-        return attn_bwd_main(a.cases)
+        return attn_bwd_main(a.cases, a.backends.split(","))
     if a.moe_bwd:
         return moe_bwd_main([int(t) for t in a.tokens.split(",")])
     for case in a.cases.split(","):

@@ -13,6 +13,10 @@ import torch
 
 # Prepared calls kept per cache: ragged workloads make a new signature per length.
 CACHE_MAX = 512
+# A cache's mark for a signature seen once: it is prepared on its second call (preparing costs about one more
+# binding, which a signature seen once never repays; packed batches whose sequence count changes every step make a
+# new signature per step).
+SEEN_ONCE = object()
 
 
 def tensor_signature(t) -> tuple:

@@ -109,23 +109,6 @@ def test_one_pass_launches_bind_every_parameter():
     assert launches["preprocess"][2]["ZERO_DQ_ACCUM"]
 
 
-def test_backward_key_tells_strides_and_alignment_apart():
-    from flashmoe_science.attention.features import as_features
-    from flashmoe_science.attention.hopper.backend import _backward_key
-    from flashmoe_science.attention.hopper.bwd_common import offline_features
-
-    t = torch.zeros(2, 3, 8, 16)
-    dense, causal = as_features(False), as_features(True)
-    base = _backward_key((t,), dense, 0.25)
-    assert _backward_key((t.transpose(1, 2).contiguous().transpose(1, 2),), dense, 0.25) != base
-    assert _backward_key((torch.zeros(2 * 3 * 8 * 16 + 1)[1:].view(2, 3, 8, 16),), dense, 0.25) != base
-    assert _backward_key((t,), causal, 0.25) != base and _backward_key((t,), dense, 0.5) != base
-    assert _backward_key((torch.zeros(2, 3, 8, 16),), dense, 0.25) == base
-    # a packed call: its cu_seqlens' signatures and maximal lengths (the grid) are part of the key
-    packed = _backward_key((t,), offline_features(varlen=True), 0.25)
-    assert packed != base and packed == _backward_key((t,), offline_features(varlen=True), 0.25)
-
-
 FEATURE_CASES = {  # bwd_common.offline_features arguments: each feature alone and all at once
     "window": dict(window=(100, 20)),
     "window_causal": dict(causal=True, window=(300, -1)),

@@ -130,39 +130,83 @@ def test_unsupported_head_dims_raise():
         bwd_sm90.check_supported(torch.empty(1, 1, 8, 64))
 
 
+def _prepared_launches(plan) -> list:
+    """The prepared launch sequences a BackwardPlan holds (autograd.BackwardPlan.launches without its marks)."""
+    from flashmoe_science.prepared_cache import SEEN_ONCE
+
+    return [launch for launch in plan.launches.values() if launch is not None and launch is not SEEN_ONCE]
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["bhld", "blhd"])
 def test_prepared_backward_through_autograd(causal, d, transposed):
-    """A signature is marked on its first call and prepared on its second (hopper.backend.PREPARED_BACKWARD,
-    bwd_sm90.PreparedBackward: frozen launches, new tensors), which the third reuses: its gradients on fresh inputs
-    are right, and its dK/dV are bit-identical to the direct launch's on the same inputs."""
-    from flashmoe_science.attention.hopper import backend
+    """A training loop's calls: one BackwardPlan per forward signature (autograd.BACKWARD_PLANS) and, from the
+    second call on, the call replayed from call.PREPARED (call.Recorded: the prepared forward launch and that
+    BackwardPlan). The plan's grad_out layout is marked on the first backward and prepared on the second
+    (bwd_sm90.PreparedBackward: frozen launches, new tensors), which the third reuses: on fresh inputs every call's
+    output is the inference call's, bit for bit, its gradients are right, and its dK/dV are bit-identical to the
+    direct launch's."""
+    from flashmoe_science.attention import autograd, call
 
-    bwd_sm90 = hopper_attention_module("bwd_sm90")
-    backend.PREPARED_BACKWARD.clear()
+    hopper_attention_module("bwd_sm90")
+    autograd.BACKWARD_PLANS.clear()
+    call.PREPARED.clear()
     length = SM90_BACKWARD_MIN_LEN_D64 + 77  # the sm_90 backward runs short rows at D=128 only (tiles)
-    for call in range(3):
+    for _ in range(3):
         q, k, v, grad_out = _inputs(1, 4, 2, length, length, d, torch.bfloat16, transposed)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         out = flash_attention_science(*leaves, causal=causal)
         grads = torch.autograd.grad(out, leaves, grad_out)
-        assert len(backend.PREPARED_BACKWARD) == 1  # one entry per signature
+        assert len(autograd.BACKWARD_PLANS) == 1  # one entry per signature
+        recorded = [entry for entry in call.PREPARED.values() if isinstance(entry, call.Recorded)]
+        assert len(recorded) == 1 and recorded[0].backward is next(iter(autograd.BACKWARD_PLANS.values()))
+        with torch.no_grad():
+            assert torch.equal(out, flash_attention_science(q, k, v, causal=causal))
         assert_grads_close(grads, q, k, v, grad_out, causal, None)
         direct = sm90_grads(q, k, v, grad_out, causal)
         assert torch.equal(grads[1], direct[1]) and torch.equal(grads[2], direct[2])
-    assert isinstance(next(iter(backend.PREPARED_BACKWARD.values())), bwd_sm90.PreparedBackward)
+    (plan,) = autograd.BACKWARD_PLANS.values()
+    assert len(_prepared_launches(plan)) == 1
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_repeated_backward_through_the_prepared_plan_is_bit_identical(causal, d):
+    """The same graph's backward, run again and again (as a benchmark times it): the first runs the launches as
+    Triton binds them, the second prepares them, the rest repeat the prepared sequence. dK and dV are bit-identical
+    every time, dQ within its reduce-add order, and the gradients match float64."""
+    from flashmoe_science.attention import autograd
+    from flashmoe_science.attention.record import recording
+
+    hopper_attention_module("bwd_sm90")
+    autograd.BACKWARD_PLANS.clear()
+    q, k, v, grad_out = _inputs(2, 4, 4, SM90_BACKWARD_MIN_LEN_D64 + 131, SM90_BACKWARD_MIN_LEN_D64 + 131, d,
+                                torch.bfloat16)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flash_attention_science(*leaves, causal=causal)
+    runs = []
+    for _ in range(4):
+        with recording() as log:
+            runs.append(torch.autograd.grad(out, leaves, grad_out, retain_graph=True))
+        assert log == [("backward", "hopper", "hopper.bwd_sm90.attention_backward_sm90")]
+    (plan,) = autograd.BACKWARD_PLANS.values()
+    assert len(_prepared_launches(plan)) == 1
+    assert_grads_close(runs[-1], q, k, v, grad_out, causal, None)
+    for grads in runs[1:]:
+        assert torch.equal(grads[1], runs[0][1]) and torch.equal(grads[2], runs[0][2])
+        torch.testing.assert_close(grads[0], runs[0][0], rtol=1e-2, atol=1e-3)
 
 
 def test_prepared_backward_keys_on_strides():
-    """A call whose strides differ does not reuse another signature's launches."""
-    from flashmoe_science.attention.hopper import backend
+    """A call whose strides differ does not reuse another signature's plan or launches."""
+    from flashmoe_science.attention import autograd
 
     hopper_attention_module("bwd_sm90")
-    backend.PREPARED_BACKWARD.clear()
+    autograd.BACKWARD_PLANS.clear()
     for transposed in (False, True):
         q, k, v, grad_out = _inputs(1, 2, 2, 300, 300, 128, torch.bfloat16, transposed)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         grads = torch.autograd.grad(flash_attention_science(*leaves), leaves, grad_out)
         assert_grads_close(grads, q, k, v, grad_out, False, None)
-    assert len(backend.PREPARED_BACKWARD) == 2
+    assert len(autograd.BACKWARD_PLANS) == 2

@@ -192,7 +192,53 @@ def test_triton_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatc
                                     {"num_warps": 4, "num_stages": 3})
 
 
-def test_prepared_key_leaves_autograd_and_ambiguous_arguments_to_the_full_path():
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_sm90_prepared_backward_rebases_the_first_calls_descriptors(monkeypatch, fake_compiled_kernel, head_dim):
+    """bwd_sm90.PreparedBackward's three launches on new tensors: each per-call tensor as given, each TMA descriptor
+    the one a direct launch would build over the new tensor (same fields, new base), the frozen parameters as
+    bound; none of the first call's tensors kept."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashmoe_science.attention import bwd_prep
+    from flashmoe_science.attention.hopper import bwd_sm90
+
+    kernels = {}
+    for module, name in ((bwd_prep, "preprocess_kernel"), (bwd_sm90, "attention_backward_sm90_kernel"),
+                         (bwd_prep, "dq_convert_kernel")):
+        kernels[name] = _recording_warmup_kernel(getattr(module, name).arg_names, fake_compiled_kernel)
+        monkeypatch.setattr(module, name, kernels[name][0])
+
+    def tensors():
+        q, k, v = _blhd(2, 4, 300, head_dim), _blhd(2, 2, 257, head_dim), _blhd(2, 2, 257, head_dim)
+        lse = torch.empty(2, 4, 300)
+        return (q, k, v, torch.empty_like(q), lse, _blhd(2, 4, 300, head_dim), torch.empty_like(lse),
+                torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+
+    first = tensors()
+    prepared = bwd_sm90.PreparedBackward(*first, True, 0.125)
+    new = tensors()
+    prepared(*new)
+    q, k, v, out, lse, grad_out, delta, dq, dk, dv = new
+    (pre,), (main,), (convert,) = (kernels[name][1].runs for name in kernels)
+    dq_accum = pre[12]  # the preprocess zeroes the workspace the main kernel adds into
+    assert dq_accum.shape == (2 * 4, 300, padded_head_dim(head_dim)) and dq_accum.dtype == torch.float32
+    assert all(a is b for a, b in zip(pre[9:13], (out, grad_out, delta, dq_accum)))
+    assert convert[9] is dq_accum and convert[10] is dq
+    expected = bwd_sm90._one_pass_tensor_args(padded_head_dim(head_dim), q, grad_out, k, v, dq_accum, lse, delta,
+                                              dk, dv)
+    for got, want in zip(main[9:18], expected):
+        if isinstance(want, torch.Tensor):
+            assert got is want
+        else:
+            fields = {name: value for name, value in vars(want).items() if name != "base"}
+            assert type(got) is type(want) and got.base.data_ptr() == want.base.data_ptr()
+            assert got.base.shape == want.base.shape and got.base.stride() == want.base.stride()
+            assert {name: value for name, value in vars(got).items() if name != "base"} == fields
+    for launch, _ in prepared.launches:
+        assert not any(isinstance(arg, torch.Tensor) for arg in launch.template)
+        assert all(arg is None or not hasattr(arg, "base") for arg in launch.template)
+
+
+def test_prepared_key_keys_gradients_apart_and_leaves_ambiguous_arguments_to_the_full_path():
     from flashmoe_science.attention import call
 
     q = torch.randn(1, 2, 8, 16)
@@ -205,9 +251,21 @@ def test_prepared_key_leaves_autograd_and_ambiguous_arguments_to_the_full_path()
     assert call.prepared_key(q, q, q, False, 1, False, "auto", False) is None
     assert call.prepared_key(q, q, q, False, None, False, ["auto"], False) is None
     grad = q.clone().requires_grad_()
-    assert call.prepared_key(grad, q, q, False, None, False, "auto", False) is None
+    recorded = call.prepared_key(grad, q, q, False, None, False, "auto", False)
+    assert recorded is not None and recorded != key and recorded[-1] is False  # its backward: not deterministic
+    assert call.prepared_key(q, grad, q, False, None, False, "auto", True)[-1] is True
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:  # the backward's determinism, asked for globally, is part of a gradient-recording key only
+        assert call.prepared_key(grad, q, q, False, None, False, "auto", False)[-1] is True
+        assert call.prepared_key(q, q, q, False, None, False, "auto", False) == key
+    finally:
+        torch.use_deterministic_algorithms(previous)
     with torch.no_grad():
-        assert call.prepared_key(grad, q, q, False, None, False, "auto", False) is not None
+        assert call.prepared_key(grad, q, q, False, None, False, "auto", False) == key
+    cu = torch.tensor([0, 8], dtype=torch.int32)  # packed calls that record gradients take the full path
+    assert call.packed_key(grad, q, q, cu, cu, 8, 8, False, None, False, "auto", False) is None
+    assert call.packed_key(q, q, q, cu, cu, 8, 8, False, None, False, "auto", False) is not None
 
 
 @pytest.mark.parametrize("head_dim,causal", [(80, True), (128, False), (192, True), (256, False)])

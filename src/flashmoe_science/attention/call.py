@@ -21,32 +21,55 @@ from flashmoe_science.prepared_cache import remember, tensor_signature
 
 # Calls whose signature ran before skip the checks, the plan and Triton's argument binding (host time per call:
 # docs/perf-notes.md). Bounded (prepared_cache.CACHE_MAX). Plain calls only (no window, softcap, ALiBi or bias).
-# Values: (the PreparedLaunch, the forward plan it repeats).
-PREPARED: dict[tuple, tuple] = {}
+# Values: (the PreparedLaunch, the forward plan it repeats), or a Recorded for a call that records gradients.
+PREPARED: dict[tuple, tuple | Recorded] = {}
 
 
 def prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic) -> tuple | None:
     """Everything the checks, the plan and the kernel's specialisation read from a call, or None where the call must
-    take the full path: autograd, or arguments of types whose equality would hide a failing check (True == 1)."""
+    take the full path: arguments of types whose equality would hide a failing check (True == 1). A call that
+    records gradients keys apart, with the determinism its backward is planned for."""
     if (causal.__class__ is not bool or return_lse.__class__ is not bool or deterministic.__class__ is not bool
             or not (softmax_scale is None or softmax_scale.__class__ is float) or backend.__class__ is not str
             or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor))):
         return None
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return None
-    return (*map(tensor_signature, (q, k, v)), causal, softmax_scale, return_lse, backend, deterministic)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    # last: None without a gradient, else whether the backward is deterministic (autograd.backward_key reads it)
+    return (*map(tensor_signature, (q, k, v)), causal, softmax_scale, return_lse, backend, deterministic,
+            (deterministic or torch.are_deterministic_algorithms_enabled()) if grad else None)
 
 
 _LOOK_UP = object()  # dense_forward's default key: look the call up in PREPARED itself
 
 
-def replay(entry: tuple, q, k, v):
-    """(out, lse) of a call whose signature ran before (`PREPARED[key]`): checks and plan as then."""
-    prepared, step = entry
+class Recorded:
+    """A repeated plain call that records gradients, as its signature's first call decided it: the forward's
+    PreparedLaunch and plan step, and the BackwardPlan its backward runs (`autograd.backward_plan`). `replay`
+    runs it through `_KernelAttention`, with no checks, plan or key beyond the call's."""
+
+    __slots__ = ("prepared", "step", "backward", "features", "softmax_scale")
+
+    def __init__(self, prepared, step, backward, features, softmax_scale: float):
+        self.prepared, self.step, self.backward = prepared, step, backward
+        self.features, self.softmax_scale = features, softmax_scale
+
+    def run(self, q, k, v):
+        return _launch(self.prepared, self.step, q, k, v)
+
+
+def _launch(prepared, step, q, k, v):
     out, lse = new_outputs(q)
     ran("forward", step.backend, step.kernel)
     prepared(q, k, v, out, lse)
     return out, lse
+
+
+def replay(entry, q, k, v):
+    """(out, lse) of a call whose signature ran before (`PREPARED[key]`): checks and plan as then; a Recorded one
+    with autograd's graph."""
+    if entry.__class__ is Recorded:
+        return autograd.replay_recorded(entry, q, k, v)
+    return _launch(*entry, q, k, v)
 
 
 def dense_forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None, alibi_slopes=None,
@@ -67,9 +90,14 @@ def dense_forward(q, k, v, *, causal=False, softmax_scale=None, window=None, sof
     step = plan.forward
     if (key is not None and not step.differentiable and q.is_cuda and q.dim() == 4 and q.numel() and k.shape[-2]
             and not autotune_enabled()):
-        prepared = step.prepare(q, k, v, out, lse, problem.features, problem.softmax_scale)
+        features, scale = problem.features, problem.softmax_scale
+        prepared = step.prepare(q, k, v, out, lse, features, scale)
         if prepared is not None:
-            remember(PREPARED, key, (prepared, step))
+            if key[-1] is None:
+                remember(PREPARED, key, (prepared, step))
+            else:  # the forward took the signature's BackwardPlan already: the same key finds it
+                backward = autograd.backward_plan(plan, q, k, v, out, lse, features)
+                remember(PREPARED, key, Recorded(prepared, step, backward, features, scale))
     return out, lse
 
 
@@ -106,10 +134,11 @@ def dense_backward(q, k, v, out, lse, grad_out, *, causal=False, softmax_scale=N
 def packed_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse,
                backend, deterministic) -> tuple | None:
     """`prepared_key` of a packed call: also the cu_seqlens' signatures and the max lengths (the plan reads them),
-    or None where the call must take the full path."""
+    or None where the call must take the full path (a call that records gradients among them)."""
     key = prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic)
-    if (key is None or cu_seqlens_q.__class__ is not torch.Tensor or cu_seqlens_k.__class__ is not torch.Tensor
-            or max_seqlen_q.__class__ is not int or max_seqlen_k.__class__ is not int):
+    if (key is None or key[-1] is not None or cu_seqlens_q.__class__ is not torch.Tensor
+            or cu_seqlens_k.__class__ is not torch.Tensor or max_seqlen_q.__class__ is not int
+            or max_seqlen_k.__class__ is not int):
         return None
     return (*key, tensor_signature(cu_seqlens_q), tensor_signature(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
 

@@ -63,8 +63,9 @@ class AttentionProblem:
         return feature_names(self.features, self.head_dim, self.bias_grad)
 
     def deterministic_now(self) -> bool:
-        """Determinism asked for by the call or by `torch.use_deterministic_algorithms` (read when a backward is
-        planned, as PyTorch's own kernels read it)."""
+        """Determinism asked for by the call or by `torch.use_deterministic_algorithms`, read when the backward is
+        planned: for autograd, when the forward runs (autograd.backward_plan), so a training step's backward reads
+        no flag."""
         return self.deterministic or torch.are_deterministic_algorithms_enabled()
 
 

@@ -129,6 +129,11 @@ class TritonBackward:
             dbias = dbias.to(bias.dtype)
         return dq, dk, dv, dbias
 
+    def prepare(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float):
+        """None: the Triton backward's launches are bound by Triton on every call (autograd.BackwardPlan still
+        skips the planning)."""
+        return None
+
 
 def backward_plan(problem) -> TritonBackward:
     """The Triton backward's plan (also what another backend's backward falls back to)."""

@@ -33,7 +33,7 @@ from flashmoe_science.attention.record import ran
 from flashmoe_science.attention.tiles import AttentionTiles, autotune_enabled, padded_head_dim
 from flashmoe_science.device import device_traits
 from flashmoe_science.gluon.availability import run_gluon, unavailable_reason
-from flashmoe_science.prepared_cache import remember, tensor_signature
+from flashmoe_science.prepared_cache import SEEN_ONCE, remember, tensor_signature
 
 # forward: odd head dims reach the kernel padded; the bias's gradient is the backward's
 FORWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen"})
@@ -62,10 +62,8 @@ def _on_hopper(q) -> bool:
 # --------------------------------------------------------------------------------------------------- forward
 # The forward's launches per call signature (`HopperForward.prepared_key`): a call whose signature ran before skips
 # Triton's binding of its arguments (host time: docs/perf-notes.md). A signature is prepared on its second call
-# (SEEN_ONCE marks the first): preparing costs about one more binding, which a signature seen once never repays
-# (packed batches whose sequence count changes every step make a new signature per step).
+# (prepared_cache.SEEN_ONCE marks the first).
 PREPARED_FORWARD: dict[tuple, object] = {}
-SEEN_ONCE = object()
 
 
 def varlen_batch(varlen):
@@ -199,43 +197,14 @@ def forward_plan(problem) -> HopperForward:
 
 
 # -------------------------------------------------------------------------------------------------- backward
-# The one-pass backward's launches per call signature (bwd_sm90.PreparedBackward): a call whose signature ran
-# before skips Triton's binding of its three launches (host time: docs/perf-notes.md).
-PREPARED_BACKWARD: dict[tuple, object] = {}
-
-
-def _backward_key(tensors, features, softmax_scale: float) -> tuple:
-    """What the backward's launches freeze from a call: each tensor's shape, strides, dtype, device and 16-byte
-    alignment (a packed call's cu_seqlens too, and its maximal lengths, which size the grid), the mask and the
-    scale."""
-    varlen = features.varlen
-    packed = () if varlen is None else (tensor_signature(varlen.cu_seqlens_q), tensor_signature(varlen.cu_seqlens_k),
-                                        varlen.max_seqlen_q, varlen.max_seqlen_k)
-    return (*map(tensor_signature, tensors), *packed, features.causal, softmax_scale)
-
-
 def launch_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float, dbias=None,
                     dbias_atomic: bool = False) -> None:
-    """attention_backward_sm90, through a PreparedBackward where the one-pass kernel runs a call with a plain mask
-    (dense, causal, packed; head dims up to 128); calls with ALiBi slopes, a bias, windows or softcaps launch
-    directly (per-call arguments a prepared launch would freeze). dbias: the bias's gradient buffer
-    (`bias_grad_buffer`)."""
-    from flashmoe_science.attention.hopper import bwd_sm90
+    """attention_backward_sm90 (its launches bound by Triton; a repeated signature's run through
+    `HopperBackward.prepare` instead). dbias: the bias's gradient buffer (`bias_grad_buffer`)."""
+    from flashmoe_science.attention.hopper.bwd_sm90 import attention_backward_sm90
 
-    tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv)
-    if (bwd_sm90.is_deterministic(q.shape[-1]) or not features.mask.is_plain or features.alibi_slopes is not None
-            or features.attn_bias is not None or autotune_enabled()):
-        # the D=256 kernels (fewer, larger problems) and calls with per-call arguments: not prepared
-        bwd_sm90.attention_backward_sm90(*tensors, features, softmax_scale, dbias=dbias, dbias_atomic=dbias_atomic)
-        return
-    key = _backward_key(tensors, features, softmax_scale)
-    prepared = PREPARED_BACKWARD.get(key)
-    if prepared is None or prepared is SEEN_ONCE:  # prepared on the second call of a signature (SEEN_ONCE)
-        bwd_sm90.attention_backward_sm90(*tensors, features, softmax_scale)  # compiles what has not run yet
-        remember(PREPARED_BACKWARD, key, SEEN_ONCE if prepared is None
-                 else bwd_sm90.PreparedBackward(*tensors, features, softmax_scale))
-        return
-    prepared(*tensors, *bwd_sm90.varlen_tensors(features))
+    attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale, dbias=dbias,
+                            dbias_atomic=dbias_atomic)
 
 
 @dataclass(frozen=True)
@@ -263,6 +232,28 @@ class HopperBackward:
             return dq, dk, dv, None if dbias is None else dbias.to(bias.dtype)
         return self.fallback.run(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale,
                                  deterministic, need_dbias)
+
+    def prepare(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float):
+        """The one-pass kernel's launch sequence (bwd_sm90.PreparedBackward: the preprocess, the main kernel, the dQ
+        conversion) for the next backward of this call's signature (autograd.BackwardPlan keys it), called as
+        `prepared(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features)` after `run` launched the same
+        signature (the kernels are compiled). None where `run` did not take the one pass here (a grad_out TMA cannot
+        read, the Gluon kernels off) or its launches take per-call arguments a prepared launch would freeze
+        (windows, softcaps, ALiBi slopes, a bias; the D=256 pair, fewer and larger problems, is not prepared)."""
+        from flashmoe_science.attention.hopper.bwd_sm90 import PreparedBackward, is_deterministic, varlen_tensors
+
+        if (is_deterministic(q.shape[-1]) or not features.mask.is_plain or features.alibi_slopes is not None
+                or features.attn_bias is not None or autotune_enabled() or unavailable_reason() is not None
+                or not tma_compatible(grad_out)):
+            return None
+        prepared = PreparedBackward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale)
+        if features.varlen is None:
+            def launch(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features):
+                prepared(q, k, v, out, lse, grad_out, delta, dq, dk, dv)
+        else:
+            def launch(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features):
+                prepared(q, k, v, out, lse, grad_out, delta, dq, dk, dv, *varlen_tensors(features))
+        return launch
 
 
 def backward_refusal(head_dim: int, seqlen_q: int, softmax_scale: float, deterministic: bool) -> str | None:

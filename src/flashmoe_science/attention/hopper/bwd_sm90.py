@@ -56,7 +56,6 @@ dQ's last bits may vary run to run (the reduce-adds arrive in any order); dK and
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -477,7 +476,7 @@ class PreparedBackward:
     """attention_backward_sm90's one-pass path (head dims padding to 64 or 128) for one call signature, its three
     launches as PreparedLaunches: called as ``prepared(q, k, v, out, lse, grad_out, delta, dq, dk, dv)`` (a packed
     batch: then its `varlen_tensors`) on new tensors of the same shapes, strides, dtypes, device and 16-byte
-    alignment (the caller keys its cache on them, hopper.backend._backward_key), it allocates dq_accum and
+    alignment (the caller keys its cache on them: autograd.backward_key and BackwardPlan), it allocates dq_accum and
     launches without Triton's per-call binding (host time: docs/perf-notes.md). Plain masks (dense, causal) only:
     ALiBi slopes, windows and softcaps are per-call arguments it would freeze."""
 
@@ -493,39 +492,33 @@ class PreparedBackward:
             raise ValueError("PreparedBackward runs the one-pass kernel (head dims up to 128)")
         if not features.mask.is_plain or features.alibi_slopes is not None or features.attn_bias is not None:
             raise ValueError("PreparedBackward runs dense, causal and packed calls without window, softcap or ALiBi")
-        self.dq_accum_shape = (*q.shape[:3], padded_head_dim(q.shape[-1]))
+        # dq_accum flat, (B·Hq, Lq, BLOCK_D), as its reduce-add descriptor sees it: the descriptor is over the
+        # tensor itself, so a new call's is the first call's rebased (PreparedLaunch without make_head)
+        self.dq_accum_shape = (q.shape[0] * q.shape[1], q.shape[2], padded_head_dim(q.shape[-1]))
         dq_accum = torch.empty(self.dq_accum_shape, dtype=torch.float32, device=q.device)
-        tensors = dict(q=q, k=k, v=v, out=out, lse=lse, grad_out=grad_out, delta=delta, dq=dq, dk=dk, dv=dv,
-                       dq_accum=dq_accum)
-        tensors.update(zip(VARLEN_TENSORS, varlen_tensors(features)))
-        block_d = padded_head_dim(q.shape[-1])
+        order = (*_CALL_TENSORS, "dq_accum", *VARLEN_TENSORS)  # __call__'s tensors, then dq_accum, then varlen's
+        tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, *varlen_tensors(features))
         self.launches = []
         for name, (kernel, grid, bound, options, heads) in _one_pass_launches(
                 q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale,
                 num_stages).items():
             live = None
-            if name == "dkdv_dq":
-                make_head = functools.partial(_one_pass_tensor_args, block_d)
-                if features.varlen is not None:
-                    def make_head(*t, head=make_head):
-                        return (*head(*t[:9]), *t[9:])
-
-                    live = (*kernel.arg_names[:9], "CuSeqlensQ", "CuSeqlensK", "WorkTiles")
-                    heads = (*heads, *VARLEN_TENSORS)
-            else:
-                make_head = _as_given
-            self.launches.append((PreparedLaunch(kernel, grid, bound, options, make_head,
-                                                 tuple(tensors[h] for h in heads), live), heads))
+            if name == "dkdv_dq" and features.varlen is not None:
+                live = (*kernel.arg_names[:len(heads)], "CuSeqlensQ", "CuSeqlensK", "WorkTiles")
+                heads = (*heads, *VARLEN_TENSORS)
+            positions = tuple(order.index(h) for h in heads)
+            # no make_head: the descriptors over q, dO, k, v and dq_accum are the first call's, rebased
+            self.launches.append((PreparedLaunch(kernel, grid, bound, options, None,
+                                                 tuple(tensors[p] for p in positions), live), positions))
 
     def __call__(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, *varlen) -> None:
         dq_accum = torch.empty(self.dq_accum_shape, dtype=torch.float32, device=q.device)
-        tensors = dict(q=q, k=k, v=v, out=out, lse=lse, grad_out=grad_out, delta=delta, dq=dq, dk=dk, dv=dv,
-                       dq_accum=dq_accum)
-        tensors.update(zip(VARLEN_TENSORS, varlen))
-        for launch, heads in self.launches:
-            launch(*(tensors[h] for h in heads))
+        tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, *varlen)
+        for launch, positions in self.launches:
+            launch(*[tensors[p] for p in positions])
 
 
+_CALL_TENSORS = ("q", "k", "v", "out", "lse", "grad_out", "delta", "dq", "dk", "dv")
 # A packed call's per-call tensors of the one-pass kernel, in the order PreparedBackward takes them.
 VARLEN_TENSORS = ("cu_seqlens_q", "cu_seqlens_k", "work_tiles")
 
@@ -536,10 +529,6 @@ def varlen_tensors(features) -> tuple:
     if varlen is None:
         return ()
     return varlen.cu_seqlens_q, varlen.cu_seqlens_k, work_list(varlen.cu_seqlens_k, BLOCK_N)
-
-
-def _as_given(*tensors) -> tuple:
-    return tensors
 
 
 def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,
