@@ -43,7 +43,8 @@ def test_opcheck_on_the_kernels():
         seqlens = torch.tensor([300, 900], device="cuda", dtype=torch.int32)  # paged: at most 32 blocks of 32
         q1 = torch.randn(2, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
         torch.library.opcheck(ops.attention_decode, (q1, *caches, seqlens, table, None, None, None, None, False, True,
-                                                     None, None, None, None, 0, "auto", None))
+                                                     None, None, None, None, 0, "auto", None, None, None, None,
+                                                     None))
 
 
 def _block_and_input(num_experts):
