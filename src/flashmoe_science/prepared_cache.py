@@ -21,8 +21,11 @@ SEEN_ONCE = object()
 
 def tensor_signature(t) -> tuple:
     """What a PreparedLaunch freezes from a tensor argument, and so what a cache key must hold of it: shape,
-    strides, dtype, device and 16-byte alignment (Triton specialises on it)."""
-    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+    strides, dtype, device and 16-byte alignment (Triton specialises on it). The stride of a dimension of size 1
+    is never multiplied by anything but index 0, so it is left out: a (1, H, L, D) output that a (L, H, D)
+    allocation transposed and a fresh one share a signature."""
+    strides = tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
+    return (t.shape, strides, t.dtype, t.device, t.data_ptr() % 16)
 
 
 def remember(cache: dict, key, prepared) -> None:

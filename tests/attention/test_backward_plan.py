@@ -198,3 +198,15 @@ def test_a_recorded_call_replays_its_forward_launch_and_its_backward_plan():
         assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
     assert [entry[0] for entry in step.log] == ["run", "run", "prepare", "launch"]
     assert all(entry[1] is PLAIN for entry in step.log)
+
+
+def test_signature_leaves_out_the_strides_of_size_one_dims():
+    """A batch of one whose batch stride differs (a view of a larger allocation) addresses as a fresh one: one
+    signature; the layouts of larger dims still differ."""
+    from flashmoe_science.prepared_cache import tensor_signature
+
+    fresh = torch.empty(1, 4, 33, 64)
+    other_batch_stride = fresh.as_strided(fresh.shape, (1, *fresh.stride()[1:]))
+    viewed = torch.empty(1, 33, 4, 64).transpose(1, 2)
+    assert tensor_signature(fresh) == tensor_signature(other_batch_stride)
+    assert tensor_signature(fresh) != tensor_signature(viewed)
