@@ -185,11 +185,6 @@ def test_varlen_against_cache(paged, mask):
     run_varlen_case(paged, torch.float32, 1e-5, backend="triton", **mask)
 
 
-if not IN_INTERPRETER:
-    for _name in [n for n in list(globals()) if n.startswith("test_") and n != DRIVER]:
-        del globals()[_name]
-
-
 # A prefill chunk (group 4 x 20 tokens = 80 rows > DECODE_ROWS) on a contiguous cache: the dense forward over the
 # cache's views (`decode.DenseChunk`), against float64; cache_seqlens per row include an empty cache, an odd length
 # and a row filled to the last position.
@@ -226,3 +221,8 @@ def _run_dense(case, **options):
         result = _run(case, backend="dense", **options)
     assert ("forward", "dense", "decode.dense_chunk") in log, log
     return result
+
+
+if not IN_INTERPRETER:
+    for _name in [n for n in list(globals()) if n.startswith("test_") and n != DRIVER]:
+        del globals()[_name]
