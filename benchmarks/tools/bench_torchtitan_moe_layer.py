@@ -1,0 +1,302 @@
+"""One layer of the TorchTitan example jobs, TorchTitan's default module against the one our overrides put in its
+place: forward + backward time and a torch.profiler table of the top-20 kernels of each.
+
+    PYTHONPATH=src:/tmp/site python benchmarks/tools/bench_torchtitan_moe_layer.py --out "$OUT"
+    PYTHONPATH=src python benchmarks/tools/bench_torchtitan_moe_layer.py --size tiny --device cpu   # smoke run
+
+Cases, at the shapes of ``examples/torchtitan/flashmoe_jobs.py`` (``--size job``; ``tiny``: a few-token model for
+CPU):
+
+- ``qwen3_moe/moe``: the ``MoE`` module of a Qwen3-MoE block (router, dispatch, experts, combine) as TorchTitan's
+  config builds it (``torch._grouped_mm`` experts between its argsort dispatch and scatter-add combine), and with
+  ``flash_routed_experts`` (``fused_experts``); same weights, so the same routing of the same input.
+- ``qwen3_moe/attention`` and ``llama_100m/attention``: the inner attention of a block, TorchTitan's compiled
+  ``FlexAttention`` on its per-document causal ``BlockMask`` against ``FlashAttention`` on the same documents'
+  varlen metadata. The documents are a batch of the job's own data loader (``--dataset-path``).
+- ``*/masks``: building the attention masks (once per step): Flex's ``create_block_mask`` against the varlen
+  metadata.
+
+Parameters are bfloat16 as TorchTitan's FSDP2 mixed precision hands them to the layer on one GPU (its routers'
+float32 buffers stay float32). Each time is the median of ``triton.testing.do_bench`` after its sustained
+warm-up (``bench.report.gpu_median_ms``); on the CPU, the median of a few wall-clock calls, and Flex (no CPU
+backward) runs its mask function as a dense mask through SDPA. The step estimate multiplies each layer's
+difference by the model's layer count. Writes ``torchtitan_layers.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples" / "torchtitan"
+TOP_KERNELS = 20
+PROFILED_CALLS = 3
+
+
+@dataclass
+class Case:
+    """One module pair at one model's shapes: ``make_inputs()`` -> (args, kwargs) of a call, fresh leaves."""
+    model: str
+    layer: str
+    titan: torch.nn.Module | object
+    ours: torch.nn.Module | object
+    make_inputs: object
+    layers: int
+    backward: bool = True
+
+
+def _titan_modules():
+    sys.path.insert(0, str(EXAMPLES))
+    import torch_compat
+
+    torch_compat.install()  # before any TorchTitan model package is imported
+    import titan_models
+
+    return titan_models
+
+
+def _specs(size: str, titan_models) -> dict[str, tuple]:
+    """model name -> (ModelSpec, local batch, seq_len, overrides of our MoE job)."""
+    if size == "job":
+        import flashmoe_jobs
+
+        specs = {}
+        for name in ("qwen3_moe", "llama_100m"):
+            job = getattr(flashmoe_jobs, f"{name}_titan")()
+            specs[name] = (job.model_spec, job.training.local_batch_size, job.training.seq_len,
+                           [f.rsplit(".", 1)[1] for f in flashmoe_jobs.FLASH_MOE])
+        return specs
+    overrides = ["flash_attention_for_flex", "flash_routed_experts"]
+    return {
+        "qwen3_moe": (titan_models.qwen3_moe_spec(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                                                  moe_hidden_dim=32, num_experts=8, top_k=2, vocab_size=257,
+                                                  max_seq_len=64, attn_backend="flex"), 2, 64, overrides),
+        "llama_100m": (titan_models.llama3_spec(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96,
+                                                vocab_size=257, max_seq_len=64, attn_backend="flex"), 2, 64,
+                       overrides),
+    }
+
+
+def _positions(dataset_path: str, batch: int, seq_len: int) -> torch.Tensor:
+    """A batch of the example jobs' data loader: positions restarting at every document."""
+    from local_text import ByteTokenizer, LocalTextDataLoader
+
+    config = LocalTextDataLoader.Config(dataset_path=dataset_path)
+    loader = LocalTextDataLoader(config, dp_world_size=1, dp_rank=0, tokenizer=ByteTokenizer(ByteTokenizer.Config()),
+                                 seq_len=seq_len, local_batch_size=batch)
+    return next(iter(loader))[0]["positions"]
+
+
+def _bf16_params(module: torch.nn.Module, device) -> torch.nn.Module:
+    module.to(device)
+    for p in module.parameters():
+        p.data = p.data.to(torch.bfloat16)  # FSDP2's param_dtype; buffers keep their dtype
+    return module
+
+
+def _dense_flex(q, k, v, *, block_mask, scale, enable_gqa, return_aux, **_):
+    """``flex_attention`` without its compiled kernel (none on the CPU): the mask function as a dense SDPA mask."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    mask = create_mask(block_mask.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2], device=q.device)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                            enable_gqa=enable_gqa), None
+
+
+def _cpu_flex() -> None:
+    import torch_compat
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torchtitan.models.common import attention as titan_attention
+
+    titan_attention.FlexAttention._compiled_flex_attn = _dense_flex
+    eager = create_block_mask
+    if "create_block_mask(separate_full_blocks)" in torch_compat.missing():
+        eager = torch_compat._create_block_mask_without_separate_full_blocks(create_block_mask)
+    titan_attention._compiled_create_block_mask = eager
+
+
+def build_cases(size: str, device: torch.device, dataset_path: str) -> list[Case]:
+    titan_models = _titan_modules()
+    from torchtitan.config import OverrideConfig, apply_overrides
+
+    from flashmoe_science.integrations import torchtitan as ours
+
+    if device.type == "cpu":
+        _cpu_flex()
+    cases = []
+    for name, (spec, batch, seq_len, overrides) in _specs(size, titan_models).items():
+        ours_config = copy.deepcopy(spec.model)
+        apply_overrides(OverrideConfig(imports=[f"{ours.__name__}.{o}" for o in overrides]), ours_config)
+        titan_block, ours_block = spec.model.layers[0], ours_config.layers[0]
+        layers = len(spec.model.layers)
+        with torch.device("meta"):  # get_attention_masks reads only the config
+            titan_model, ours_model = spec.model.build(), ours_config.build()
+        positions = _positions(dataset_path, batch, seq_len).to(device)
+        cases.append(Case(name, "masks", lambda p=positions, m=titan_model: m.get_attention_masks(p),
+                          lambda p=positions, m=ours_model: m.get_attention_masks(p), None, 1, False))
+
+        attention = titan_block.attention
+        head_dim = attention.head_dim or attention.dim // attention.n_heads
+        n_kv = attention.n_kv_heads or attention.n_heads
+        titan_masks = titan_model.get_attention_masks(positions)
+        ours_masks = ours_model.get_attention_masks(positions)
+        scale = head_dim ** -0.5 if attention.head_dim is not None else None
+
+        def attention_inputs(masks, b=batch, s=seq_len, n=attention.n_heads, n_kv=n_kv, h=head_dim, scale=scale):
+            q = torch.randn(b, s, n, h, device=device, dtype=torch.bfloat16, requires_grad=True)
+            k, v = (torch.randn(b, s, n_kv, h, device=device, dtype=torch.bfloat16, requires_grad=True)
+                    for _ in range(2))
+            return (q, k, v), dict(attention_masks=masks, scale=scale, enable_gqa=n > n_kv)
+
+        cases.append(Case(name, "attention", titan_block.attention.inner_attention.build(),
+                          ours_block.attention.inner_attention.build(),
+                          lambda which, tm=titan_masks, om=ours_masks: attention_inputs(tm if which == "titan"
+                                                                                         else om), layers))
+        if titan_block.moe is None:
+            continue
+        torch.manual_seed(0)
+        titan_moe = titan_block.moe.build()
+        titan_moe.init_states()
+        ours_moe = ours_block.moe.build()
+        ours_moe.load_state_dict(titan_moe.state_dict())  # same names and shapes
+        dim = titan_block.moe.router.gate.in_features
+
+        def moe_inputs(which, b=batch, s=seq_len, d=dim):
+            generator = torch.Generator(device=device).manual_seed(1)  # the same x for both: the same routing
+            x = torch.randn(b, s, d, device=device, dtype=torch.bfloat16, generator=generator)
+            return (x.requires_grad_(),), {}
+
+        cases.append(Case(name, "moe", _bf16_params(titan_moe, device), _bf16_params(ours_moe, device), moe_inputs,
+                          layers))
+    return cases
+
+
+def _step(module, case: Case, which: str):
+    """The call (forward and, for a layer, backward) on fresh inputs; its leaves for grad_to_none."""
+    if case.make_inputs is None:
+        return module, []
+    args, kwargs = case.make_inputs(which)
+    grad = None
+
+    def step():
+        nonlocal grad
+        out = module(*args, **kwargs)
+        if grad is None:
+            grad = torch.randn_like(out)
+        out.backward(grad)
+
+    params = list(module.parameters()) if isinstance(module, torch.nn.Module) else []
+    return step, [*args, *params]
+
+
+def median_ms(fn, leaves, device: torch.device, calls: int) -> float:
+    if device.type == "cuda":
+        from flashmoe_science.bench.report import gpu_median_ms
+
+        return gpu_median_ms(fn, grad_to_none=leaves, sustained=True)
+    fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def kernel_table(fn, device: torch.device) -> tuple[str, list[dict]]:
+    """torch.profiler over PROFILED_CALLS calls: its top kernels (CPU ops on the CPU) by self time, per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        for _ in range(PROFILED_CALLS):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = sorted(averages, key=lambda e: getattr(e, key), reverse=True)[:TOP_KERNELS]
+    top = [dict(name=e.key, calls=e.count / PROFILED_CALLS, ms=getattr(e, key) / 1e3 / PROFILED_CALLS)
+           for e in rows if getattr(e, key) > 0]
+    return averages.table(sort_by=key, row_limit=TOP_KERNELS, max_name_column_width=70), top
+
+
+def run(cases: list[Case], device: torch.device, calls: int, profile_tables: bool, save) -> list[dict]:
+    """Each case's times (and kernel tables); ``save(results)`` after each, so a run stopped early keeps them."""
+    results = []
+    for case in cases:
+        row = dict(model=case.model, layer=case.layer, layers=case.layers)
+        for which in ("titan", "ours"):
+            fn, leaves = _step(getattr(case, which), case, which)
+            row[f"{which}_ms"] = median_ms(fn, leaves, device, calls)
+            if profile_tables and case.make_inputs is not None:
+                table, top = kernel_table(fn, device)
+                row[f"{which}_kernels"] = top
+                print(f"\n== {case.model}/{case.layer} {which}: top {TOP_KERNELS} by self device time, "
+                      f"per {PROFILED_CALLS} calls ==\n{table}", flush=True)
+        row["speedup"] = row["titan_ms"] / row["ours_ms"]
+        row["step_delta_ms"] = case.layers * (row["ours_ms"] - row["titan_ms"])
+        results.append(row)
+        save(results)
+        print(f"{case.model}/{case.layer}: titan {row['titan_ms']:.3f} ms, ours {row['ours_ms']:.3f} ms", flush=True)
+    return results
+
+
+def _corpus_of_docs() -> str:
+    """A corpus of this repository's docs (the tiny size needs a few hundred tokens, not the docstring corpus)."""
+    path = Path(tempfile.mkdtemp()) / "corpus.txt"
+    path.write_text("\n\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))))
+    return str(path)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=["job", "tiny"], default="job")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dataset-path", default=None,
+                        help="the jobs' corpus (default: results/torchtitan/corpus.txt for --size job, written "
+                             "as the jobs write it when missing; this repository's docs for --size tiny)")
+    parser.add_argument("--calls", type=int, default=5, help="timed calls per module on the CPU")
+    parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler tables")
+    parser.add_argument("--out", default="results/torchtitan")
+    args = parser.parse_args(argv)
+    if args.calls < 1:
+        raise ValueError(f"--calls must be >= 1, got {args.calls}")
+    device = torch.device(args.device)
+    dataset_path = args.dataset_path or ("results/torchtitan/corpus.txt" if args.size == "job" else _corpus_of_docs())
+    from flashmoe_science.bench.report import gpu_name
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = dict(size=args.size, device=gpu_name() if device.type == "cuda" else "cpu", torch=torch.__version__)
+
+    def save(results):
+        (out / "torchtitan_layers.json").write_text(json.dumps({**report, "results": results}, indent=2))
+
+    cases = build_cases(args.size, device, dataset_path)
+    results = run(cases, device, args.calls, not args.no_profile, save)
+    print(f"\n{'case':<24}{'titan ms':>10}{'ours ms':>10}{'ours/titan':>12}{'x layers':>10}{'step delta ms':>15}")
+    for r in results:
+        print(f"{r['model'] + '/' + r['layer']:<24}{r['titan_ms']:>10.3f}{r['ours_ms']:>10.3f}"
+              f"{r['titan_ms'] / r['ours_ms']:>12.3f}{r['layers']:>10}{r['step_delta_ms']:>15.2f}")
+    for model in dict.fromkeys(r["model"] for r in results):
+        delta = sum(r["step_delta_ms"] for r in results if r["model"] == model)
+        print(f"{model}: ours - titan per step, these layers only: {delta:+.2f} ms")
+    return {**report, "results": results}
+
+
+if __name__ == "__main__":
+    main()
