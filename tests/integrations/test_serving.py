@@ -140,13 +140,16 @@ def test_generate_batch_matches_transformers_paged_attention():
 
 def test_transformers_padded_batches():
     """What continuous batching hands over when it pads a batch for a CUDA graph: varlen rows after the last
-    sequence (zeros out; the rest as the unpadded call), and decode padding sequences (cache_seqlens -1, block-table
-    rows of -1: NaN rows, nothing written; the real rows as the unpadded call)."""
+    sequence (the real rows as the unpadded call; the padding rows' outputs are unspecified, the CPU reference's
+    zeros), and decode padding sequences (cache_seqlens -1, block-table rows of -1: NaN rows, nothing written; the
+    real rows as the unpadded call)."""
     q, k, v = torch.randn(9, 4, 16), torch.randn(12, 2, 16), torch.randn(12, 2, 16)
     cu_q, cu_k = torch.tensor([0, 3, 7, 7], dtype=torch.int32), torch.tensor([0, 5, 10, 10], dtype=torch.int32)
     out = hf._padded_batch_varlen(q, k, v, cu_q, cu_k, 4, 5, causal=True)
     want = fa.flash_attn_varlen_func(q[:7], k[:10], v[:10], cu_q, cu_k, 4, 5, causal=True)
-    assert torch.equal(out[:7], want) and (out[7:] == 0).all()
+    assert out.shape == q.shape and torch.equal(out[:7], want)
+    with pytest.raises(ValueError, match="cu_seqlens_q's last entry"):  # checked by default: padding is refused
+        fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 5, causal=True)
     case = make_case([5, 20, 0], lq=1, hq=4, hkv=2, d=16, block_size=16, capacity=32, num_new=1)
     case.cache_seqlens[2] = -1
     case.block_table[2] = -1
@@ -194,3 +197,55 @@ def test_serving_bench_runs_both_implementations_on_one_configuration():
     assert all(r["requests_done"] == 3 and r["same_greedy_as_first"] == 3 for r in records), records
     assert records[0]["options"]["num_blocks"] == records[1]["options"]["num_blocks"]
     assert ("sdpa", "timed pass") in phases and (hf.FLASH_IMPLEMENTATION, "warm-up pass") in phases
+
+
+class HostReads:
+    """Records every read of a tensor's values on the host (`tolist`, `item`, conversions to Python numbers and
+    bools: a synchronisation on a GPU) outside the CPU reference kernels, which compute on the host by nature."""
+
+    READS = ("tolist", "item", "__bool__", "__int__", "__index__", "__float__")
+
+    def __init__(self, monkeypatch):
+        from flashmoe_science.attention import decode, reference
+
+        self.reads, self.inside_kernel = [], 0
+        for name in self.READS:
+            monkeypatch.setattr(torch.Tensor, name, self._guard(name, getattr(torch.Tensor, name)))
+        for module, kernel in ((reference, "attention_reference"), (decode, "decode_reference")):
+            monkeypatch.setattr(module, kernel, self._kernel(getattr(module, kernel)))
+
+    def _guard(self, name, original):
+        def read(t, *args, **kwargs):
+            if not self.inside_kernel:
+                self.reads.append(name)
+            return original(t, *args, **kwargs)
+        return read
+
+    def _kernel(self, original):
+        def run(*args, **kwargs):
+            self.inside_kernel += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.inside_kernel -= 1
+        return run
+
+
+def test_continuous_batching_calls_read_nothing_on_the_host(monkeypatch):
+    """A padded prefill step and a padded decode step as continuous batching makes them, through the functions
+    `hf.register_flash` gives transformers: no value of any tensor is read on the host before the kernels (a
+    synchronisation per layer and step on a GPU)."""
+    hf.register_flash()
+    q, k, v = torch.randn(9, 4, 16), torch.randn(12, 2, 16), torch.randn(12, 2, 16)
+    cu_q, cu_k = torch.tensor([0, 3, 7, 7], dtype=torch.int32), torch.tensor([0, 5, 10, 10], dtype=torch.int32)
+    case = make_case([5, 20, 0], lq=1, hq=4, hkv=2, d=16, block_size=16, capacity=32, num_new=1)
+    case.cache_seqlens[2] = -1
+    case.block_table[2] = -1
+    reads = HostReads(monkeypatch)
+    out = hf._padded_batch_varlen(q, k, v, cu_q, cu_k, 4, 5, softmax_scale=0.25, causal=True)
+    decoded = hf._padded_batch_with_kvcache(case.q, case.k_cache.clone(), case.v_cache.clone(), case.k_new,
+                                            case.v_new, cache_seqlens=case.cache_seqlens,
+                                            block_table=case.block_table, softmax_scale=0.25, causal=True)
+    assert reads.reads == []
+    monkeypatch.undo()
+    assert out.shape == q.shape and decoded.shape == case.q.shape

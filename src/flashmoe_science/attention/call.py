@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from flashmoe_science.attention import autograd
-from flashmoe_science.attention.checks import values_checked
+from flashmoe_science.attention.checks import resolve_check_values, values_checked
 from flashmoe_science.attention.features import CallFeatures, Varlen
 from flashmoe_science.attention.fp8 import fp8_problem
 from flashmoe_science.attention.plan import plan_attention, plan_fp8
@@ -144,14 +144,17 @@ def packed_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
 
 
 # Packed calls whose signature ran before (`packed_key`): the plan's forward step, the mask and the scale. A replay
-# still asks checks.values_checked for the cu_seqlens pair (their values are not part of a signature).
+# still asks checks.values_checked for the cu_seqlens pair (their values are not part of a signature) unless the
+# call opts out of value checks.
 PREPARED_PACKED: dict[tuple, tuple] = {}
 
 
-def packed_replay(entry: tuple, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def packed_replay(entry: tuple, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values=None):
     """(out, lse) of a packed call whose signature ran before (`PREPARED_PACKED[key]`), or None where its cu_seqlens
-    pair has not passed the value check (the full path checks it)."""
-    if not values_checked(cu_seqlens_q, cu_seqlens_k, (q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)):
+    pair is to be checked (`checks.resolve_check_values`) and has not passed the value check (the full path checks
+    it)."""
+    bounds = (q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    if resolve_check_values(check_values, q.device) and not values_checked(cu_seqlens_q, cu_seqlens_k, bounds):
         return None
     step, mask, softmax_scale = entry
     features = CallFeatures(mask=mask, varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
@@ -168,19 +171,21 @@ def packed_outputs(out4, lse4):
 
 def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                    softmax_scale=None, window=None, softcap=None, alibi_slopes=None, backend="auto",
-                   deterministic=False, return_lse=False):
+                   deterministic=False, return_lse=False, check_values=None):
     """(out (total_q, Hq, D), lse (Hq, total_q)) of a packed call (the arguments of `flash_attention_varlen`)."""
     plain = window is None and softcap is None and alibi_slopes is None
     key = packed_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      return_lse, backend, deterministic) if plain else None
     entry = PREPARED_PACKED.get(key) if key is not None else None
     if entry is not None:
-        outputs = packed_replay(entry, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        outputs = packed_replay(entry, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                check_values)
         if outputs is not None:
             return outputs
     problem = packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                              softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                             backend=backend, deterministic=deterministic, return_lse=return_lse)
+                             backend=backend, deterministic=deterministic, return_lse=return_lse,
+                             check_values=check_values)
     plan = plan_attention(problem)
     out4, lse4 = autograd.run(plan, problem.q4, problem.k4, problem.v4, problem.features, problem.softmax_scale)
     step = plan.forward

@@ -149,14 +149,35 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, device) -> None:
         raise ValueError(f"{name} must be on q's device {device}, got {cu.device}")
 
 
-def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Varlen:
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (host synchronisation is not allowed then)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def resolve_check_values(check_values, device: torch.device) -> bool:
+    """`check_values` of the calls whose lengths live on the device: None checks in eager calls and skips during
+    graph capture; True while capturing is refused (the check must read values on the host)."""
+    if check_values is None:
+        return not capturing(device)
+    if not isinstance(check_values, bool):
+        raise TypeError(f"check_values must be a bool or None, got {type(check_values).__name__}")
+    if check_values and capturing(device):
+        raise ValueError("check_values=True reads the lengths on the host, which a CUDA graph capture forbids: pass "
+                         "None (checks eager calls only) or False")
+    return check_values
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values=None) -> Varlen:
     """The packed layout's arguments (q `(total_q, Hq, D)`, k/v `(total_k, Hkv, D)`) -> a checked `Varlen`.
 
     The values of cu_seqlens are checked too (start 0, non-decreasing, last entry the tensor's total, no sequence
     longer than max_seqlen): one small device-to-host copy (8 numbers; a sync on a GPU), once per pair of
     cu_seqlens tensors: a model's layers (forward and backward) share one pair per batch, so a batch pays one sync,
     not one per layer (`values_checked`; inference tensors, which have no version counter, on every call). While a
-    CUDA graph is captured the values are not read (a capture forbids the copy; as flash_attn, the graph trusts them)."""
+    CUDA graph is captured the values are not read (a capture forbids the copy; as flash_attn, the graph trusts them),
+    nor with `check_values=False` (`resolve_check_values`): then the last entries may fall short of the totals (rows
+    after the last sequence are padding, which no sequence reads), and values out of range are the caller's
+    guarantee, as in a captured graph."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
         if t.dim() != 3:
@@ -177,8 +198,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
             raise TypeError(f"{name} must be a non-negative int, got {value!r}")
     bounds = (q.shape[0], k.shape[0], int(max_seqlen_q), int(max_seqlen_k))
-    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()  # no host copy inside a CUDA graph
-    if not capturing and not values_checked(cu_seqlens_q, cu_seqlens_k, bounds):
+    if resolve_check_values(check_values, q.device) and not values_checked(cu_seqlens_q, cu_seqlens_k, bounds):
         _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, *bounds)
         _VALUES_CHECKED.put((cu_seqlens_q, cu_seqlens_k), bounds, True)
     return Varlen(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashmoe_science.attention.checks import check_backend, check_flags, check_head_dim
+from flashmoe_science.attention.checks import check_backend, check_flags, check_head_dim, resolve_check_values
 from flashmoe_science.attention.fp8_format import FP8_MAX
 from flashmoe_science.attention.mask import MaskSpec, make_mask, score_mods
 from flashmoe_science.attention.record import ran
@@ -315,24 +315,6 @@ def check_cache_varlen(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_ta
     return DecodeProblem(batch, int(max_seqlen_q), q.shape[1], num_kv_heads, head_dim, block_table is not None,
                          block_size, capacity, 0, mask, scale, cache_batch=1, packed_q=True, fp8=fp8,
                          dtype=q.dtype)
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether a CUDA graph is being captured on the current stream (host synchronisation is not allowed then)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def resolve_check_values(check_values, device: torch.device) -> bool:
-    """`check_values` of the cache calls: None checks in eager calls and skips during graph capture; True while
-    capturing is refused (the check must read values on the host)."""
-    if check_values is None:
-        return not capturing(device)
-    if not isinstance(check_values, bool):
-        raise TypeError(f"check_values must be a bool or None, got {type(check_values).__name__}")
-    if check_values and capturing(device):
-        raise ValueError("check_values=True reads the lengths on the host, which a CUDA graph capture forbids: pass "
-                         "None (checks eager calls only) or False")
-    return check_values
 
 
 def check_decode_values(problem: DecodeProblem, k_cache, cache_seqlens, block_table, rotary_cos, *,

@@ -134,10 +134,10 @@ def packed_as_4d(t: torch.Tensor) -> torch.Tensor:
 
 def packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                    softmax_scale=None, window=None, softcap=None, alibi_slopes=None, backend="auto",
-                   deterministic=False, **flags) -> AttentionProblem:
+                   deterministic=False, check_values=None, **flags) -> AttentionProblem:
     """The checked problem of a packed call (flash-attn's varlen layout: q `(total_q, Hq, D)`, k/v
-    `(total_k, Hkv, D)`), over `(1, H, total, D)` views."""
-    varlen = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    `(total_k, Hkv, D)`), over `(1, H, total, D)` views; `check_values` as `checks.check_varlen`'s."""
+    varlen = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values)
     check_scale(softmax_scale)
     check_flags(causal=causal, deterministic=deterministic, **flags)
     mask = make_mask(causal, window, softcap)

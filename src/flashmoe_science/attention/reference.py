@@ -105,6 +105,11 @@ def attention_reference(
                                     _slopes(features, batch), None)
         outs.append(out)
         lses.append(lse)
+    padding = q.shape[2] - sum(o.shape[2] for o in outs)  # rows after the last sequence (unchecked cu_seqlens)
+    if padding > 0:  # attended by no sequence: zeros, lse -inf (a row that sees no key)
+        outs.append(q.new_zeros(*q.shape[:2], padding, v.shape[-1]))
+        lses.append(torch.full((*q.shape[:2], padding), float("-inf"), dtype=_compute_dtype(q.dtype),
+                               device=q.device))
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 

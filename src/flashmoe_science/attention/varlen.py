@@ -66,13 +66,17 @@ def flash_attention_varlen(
             and sequence b's keys are positions [0, seqused_k[b]) (else cu_seqlens_k's lengths) of its table row.
         seqused_k: int32 `(batch,)`: sequence b uses only its first seqused_k[b] keys (of the rows from
             cu_seqlens_k[b] in packed k/v, or of its table row).
-        check_values: with block_table or seqused_k, as `flash_attention_decode`'s (None: checked on the host in
-            eager calls, not during CUDA-graph capture; out-of-range values then give NaN rows).
+        check_values: None (default) checks the values on the host in eager calls and not during CUDA-graph
+            capture; False never (no synchronisation: the caller guarantees the values); True always (refused during
+            capture). With block_table or seqused_k, as `flash_attention_decode`'s (out-of-range values give NaN
+            rows). Without, unchecked cu_seqlens may end short of total_q / total_k: the rows after the last sequence
+            are padding, attended by no sequence, their outputs unspecified (as flash_attn's for the rows its
+            cu_seqlens leave out).
         Calls with block_table or seqused_k run the cache kernels (`attention.decode.cache_varlen_call`), forward
         only (no gradient flows to a cache), any mask and GQA; their max_seqlen_k is not used.
 
-    The cu_seqlens values are checked with one small device-to-host copy per new pair of cu_seqlens tensors (see
-    `checks.check_varlen`).
+    Unless check_values=False, the cu_seqlens values are checked with one small device-to-host copy per new pair of
+    cu_seqlens tensors (see `checks.check_varlen`).
 
     Returns:
         `out` `(total_q, Hq, D)` in q's dtype, or `(out, lse)` when `return_lse=True`.
@@ -100,9 +104,9 @@ def flash_attention_varlen(
             return flash_attention_varlen(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                 softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                return_lse=return_lse, deterministic=deterministic, backend=backend)
+                return_lse=return_lse, deterministic=deterministic, backend=backend, check_values=check_values)
     out, lse = call.packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                    softmax_scale=softmax_scale, window=window, softcap=softcap,
                                    alibi_slopes=alibi_slopes, backend=backend, deterministic=deterministic,
-                                   return_lse=return_lse)
+                                   return_lse=return_lse, check_values=check_values)
     return (out, lse) if return_lse else out

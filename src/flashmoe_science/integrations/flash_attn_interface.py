@@ -64,16 +64,18 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, seqused_k=None,
-                           **unsupported):
+                           check_values=None, **unsupported):
     """Packed q (total_q, Hq, D); k/v packed (total_k, Hkv, D), or a paged cache (num_blocks, block_size, Hkv, D)
     with block_table (B, max_blocks) int32 (sequence b's keys: the first cu_seqlens_k[b+1] - cu_seqlens_k[b], or
-    seqused_k[b], positions of its table row). Returns out (total_q, Hq, D), or (out, lse (Hq, total_q)) with
-    return_attn_probs."""
+    seqused_k[b], positions of its table row). check_values as flash_attention_varlen's (False: no host read of
+    the lengths; padded tensors whose rows after the last sequence are never read). Returns out (total_q, Hq, D),
+    or (out, lse (Hq, total_q)) with return_attn_probs."""
     _refuse(dropout_p, unsupported)
     return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                   causal=causal, softmax_scale=softmax_scale, window=_window(window_size),
                                   softcap=_softcap(softcap), alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                  return_lse=bool(return_attn_probs), block_table=block_table, seqused_k=seqused_k)
+                                  return_lse=bool(return_attn_probs), block_table=block_table, seqused_k=seqused_k,
+                                  check_values=check_values)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,

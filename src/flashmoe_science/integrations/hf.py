@@ -111,24 +111,18 @@ def _provide_flash_functions() -> None:
 
 # Continuous batching pads the batches it captures in CUDA graphs (and runs each once eagerly before capturing it):
 # query and key rows after the last sequence (cu_seqlens[-1] < rows), and in the decode path padding sequences of
-# no tokens (cache_seqlens -1, block-table rows of -1). Their outputs are never read.
+# no tokens (cache_seqlens -1, block-table rows of -1). Their outputs are never read. transformers builds every
+# cu_seqlens it passes to these functions itself (from its scheduler's lengths, or from the padding mask and
+# position_ids outside continuous batching), within the tensors it passes: the calls below trust them, as
+# flash_attn does, and read nothing on the host (a read per layer and step would drain the device's queue each
+# time: the host, which issues every kernel of a small model's step, would then wait for the device layer by layer).
 
 
 def _padded_batch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs):
-    """`flash_attn_varlen_func` on the rows the sequences cover: eagerly, one host read of the two totals (trailing
-    padding rows get zeros); while capturing, the packed kernels take the padded tensors as they are (they attend
-    the rows cu_seqlens name and leave the rest; the capture skips the host-side check)."""
-    from flashmoe_science.attention.decode import capturing
-
-    if kwargs.get("block_table") is not None or capturing(q.device):
-        return fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs)
-    total_q, total_k = torch.stack((cu_seqlens_q[-1], cu_seqlens_k[-1])).tolist()
-    if total_q == q.shape[0] and total_k == k.shape[0]:
-        return fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs)
-    out = q.new_zeros(q.shape)
-    out[:total_q] = fa.flash_attn_varlen_func(q[:total_q], k[:total_k], v[:total_k], cu_seqlens_q, cu_seqlens_k,
-                                              *args, **kwargs)
-    return out
+    """`flash_attn_varlen_func` with ``check_values=False``: the packed kernels take padded tensors as they are
+    (they attend the rows cu_seqlens name; the outputs of rows after the last sequence are unspecified), and the
+    cu_seqlens values are not read on the host, in eager calls as under CUDA-graph capture."""
+    return fa.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, check_values=False, **kwargs)
 
 
 # `flash_attn_with_kvcache` without the host check: a padding sequence (cache_seqlens -1) gets NaN rows and writes
