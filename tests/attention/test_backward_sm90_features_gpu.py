@@ -205,6 +205,15 @@ def test_softcap_and_alibi(d, causal):
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
+def test_alibi_ragged_cross_and_window(d):
+    """ALiBi without a softcap rides in the score product's start: causal ragged batches, Lq != Lk both ways, and a
+    window reaching right of the diagonal (the bias's other sign)."""
+    run_case(RAGGED, RAGGED, 8, 2, d, causal=True, alibi=True)
+    run_case([300], [1000], 4, 2, d, causal=True, alibi=True, varlen=False)
+    run_case([1000], [300], 4, 2, d, window=(150, 20), alibi=True, varlen=False)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_everything_at_once_ragged(d):
     run_case(RAGGED, RAGGED, 8, 2, d, causal=True, window=(200, -1), softcap=20.0, alibi=True)
 

@@ -73,6 +73,8 @@ MASKS = {
     "causal_window": (True, (300, -1), None, False),
     "softcap": (False, None, 5.0, False),
     "alibi": (False, None, None, True),
+    "causal_alibi": (True, None, None, True),
+    "window_alibi": (False, (100, 37), None, True),
     "causal_alibi_softcap": (True, None, 3.0, True),
     "all": (True, (200, -1), 4.0, True),
 }
@@ -110,7 +112,8 @@ def _packed(lengths, heads, head_dim):
     return x, cu.cuda()
 
 
-VARLEN_CASES = [("d128", 128, name, False) for name in ("plain", "causal", "causal_window", "softcap", "all")] + [
+VARLEN_CASES = [("d128", 128, name, False) for name in ("plain", "causal", "causal_window", "softcap", "causal_alibi",
+                                                       "all")] + [
     (f"d{d}", d, name, False) for d in (64, 256) for name in ("causal", "all")] + [("d128", 128, "causal", True)]
 VARLEN_MASKS = {"plain": (False, None, None, False), "causal": (True, None, None, False), **MASKS}
 

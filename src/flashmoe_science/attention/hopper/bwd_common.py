@@ -109,6 +109,22 @@ def _score_start(zeros, lse, inv_scale, queries, keys, needs_mask, seqlen_k, dia
 
 
 @gluon.jit
+def _alibi_score_start(s_init, queries, keys, diagonal, alibi_raw, ALIBI_START: gl.constexpr):
+    """ALiBi in the score product's start (ALIBI_START: ALiBi without a softcap): s_init - m·|i + diagonal - j| /
+    scale, so the product gives the biased scores and the softmax after it is the plain one.
+
+    The bias is linear in the scores (it is added before the exp2, like -lse), so it rides in the accumulator the
+    way lse and the mask do: built before the Q/dO wait, while only dK and dV are live, instead of a distance,
+    an abs and an FMA per score after the product. `alibi_raw` = m / scale (the slope in raw score units);
+    `queries`, `keys`: index tensors expanded to s_init's orientation. With a softcap the bias comes after the tanh
+    and stays in `_probabilities`."""
+    if ALIBI_START:
+        rows = (queries + diagonal).to(gl.float32)  # i + diagonal: one conversion per query, not per score
+        s_init = s_init - alibi_raw * gl.abs(rows - keys.to(gl.float32))
+    return s_init
+
+
+@gluon.jit
 def _mask_score_start(s_init, queries, keys, needs_mask, seqlen_k, diagonal, window_left, window_right,
                       CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                       SOFTCAP: gl.constexpr):

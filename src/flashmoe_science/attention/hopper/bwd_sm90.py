@@ -66,6 +66,7 @@ from flashmoe_science.attention.hopper.bwd_common import (
     TWO_KERNEL_BLOCK_D,
     _cta_key_block,
     _past_work,
+    _alibi_score_start,
     _probabilities,
     _producer,
     _producer_barriers,
@@ -187,6 +188,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
         s_init = _score_start(gl.zeros([KEYS, ROWS], gl.float32, layout=s_layout), lse, inv_scale, queries, keys,
                               needs_mask, seqlen_k, diagonal, window_left, window_right, 0, CAUSAL, MASK_LEFT,
                               MASK_RIGHT, SOFTCAP)
+        s_init = _alibi_score_start(s_init, queries, keys, diagonal, slope_log2 / qk_scale, ALIBI and not SOFTCAP)
         dp_init = gl.zeros([KEYS, ROWS], gl.float32, layout=s_layout) - gl.expand_dims(delta, 0)
         mbarrier.wait(q_ready.index(stage), phase)
         if HAS_BIAS:  # (keys, queries) of the (queries, CTA keys) tile
@@ -197,7 +199,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
         dp = warpgroup_mma(my_values, do_tile.permute((1, 0)), dp_init, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
         p, t = _probabilities(s, lse, queries, keys, needs_mask, seqlen_k, diagonal, window_left, window_right,
-                              qk_scale, softcap_scale, slope_log2, 0, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
+                              qk_scale, softcap_scale, slope_log2, 0, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                              ALIBI and SOFTCAP)  # without a softcap ALiBi rode in s_init
         dp = warpgroup_mma_wait(0, deps=(dp,))
         ds = p * dp
         if BIAS_GRAD != 0:  # the bias is added to the scores as is: its gradient is dS

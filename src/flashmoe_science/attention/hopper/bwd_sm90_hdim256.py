@@ -34,6 +34,7 @@ from flashmoe_science.attention.seqlen import sequence_coords
 from flashmoe_science.attention.hopper.bwd_common import (
     _cta_key_block,
     _past_work,
+    _alibi_score_start,
     _probabilities,
     _producer,
     _producer_barriers,
@@ -123,6 +124,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_read
         s_init = _score_start(gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout), lse, inv_scale, queries, keys,
                               needs_mask, seqlen_k, diagonal, window_left, window_right, 1, CAUSAL, MASK_LEFT,
                               MASK_RIGHT, SOFTCAP)
+        s_init = _alibi_score_start(s_init, queries, keys, diagonal, slope_log2 / qk_scale, ALIBI and not SOFTCAP)
         dp_init = gl.zeros([ROWS, KEYS], gl.float32, layout=s_layout) - gl.expand_dims(delta, 1)
         mbarrier.wait(q_ready.index(stage), phase)
         s = warpgroup_mma(q_tile, my_keys.permute((1, 0)), s_init, is_async=True)
@@ -130,7 +132,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_read
         dp = warpgroup_mma(do_tile, my_values.permute((1, 0)), dp_init, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
         p, t = _probabilities(s, lse, queries, keys, needs_mask, seqlen_k, diagonal, window_left, window_right,
-                              qk_scale, softcap_scale, slope_log2, 1, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI)
+                              qk_scale, softcap_scale, slope_log2, 1, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                              ALIBI and SOFTCAP)  # without a softcap ALiBi rode in s_init
         dp = warpgroup_mma_wait(0, deps=(dp,))
         p_smem.index(slot0 + CONSUMER).store(p.to(dtype))
         ds_smem.index(slot0 + CONSUMER).store(_softcap_grad(p * dp, t, SOFTCAP).to(dtype))

@@ -134,6 +134,31 @@ def _bias_tile(bias_ring, stage, bias_plane, bias_args, offs_m, start_n, seqlen_
 
 
 @gluon.jit
+def _score_start(s_zero, start_n, tile_mask, BLOCK_N: gl.constexpr, ALIBI_LINEAR: gl.constexpr,
+                 s_layout: gl.constexpr):
+    """The accumulator S_j = Q·K_jᵀ starts from: zeros, or with ALIBI_LINEAR ALiBi's key term (see _softmax_tile).
+
+    ALiBi's bias -m·|i + diagonal - j| is linear in i and j for every visible pair on or left of the diagonal
+    (j <= i + diagonal): with r = start_m + diagonal (the consumer's first row on the diagonal) it is
+    -m·(i - start_m) + m·(j - r), a row term plus a key term. The row term is the same for every key tile of a
+    row, so the online softmax never needs it (it cancels in p / l): `_store_output` adds it back to the
+    log-sum-exp only. The key term rides in the product's start, in raw score units (times log2 e / qk_scale), so
+    the softmax after the product is the plain one. Relative to r the terms stay small (|key term| <= m·63
+    over the diagonal tile's visible keys); far left of the diagonal the key term grows with the distance, as the
+    bias itself does, and its float32 rounding (2^-24 of it) matters only where the bias has already driven p to 0.
+    """
+    if ALIBI_LINEAR:
+        alibi_raw, alibi_ref = tile_mask[8], tile_mask[9]
+        # float key offsets plus a per-tile scalar: converting integer positions each tile instead spilled in the
+        # loop (27 loads per tile vs 2 at D=128 causal)
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)).to(gl.float32)
+        start = s_zero + gl.expand_dims((cols + (start_n - alibi_ref).to(gl.float32)) * alibi_raw, 0)
+    else:
+        start = s_zero
+    return start
+
+
+@gluon.jit
 def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free, bias_ring, stage, bias_args,
                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
@@ -142,14 +167,24 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
     mask (boundary tiles only: mask.visible), then fold the raw scores s of the item's j-th key tile into the
     running max m and sum l.
 
+    ALiBi without a softcap (`_score_start`'s linear form): s arrives with the key term already in it and the
+    running max m omits the row term, so the softmax below is the plain one. Pairs right of the diagonal
+    (j > i + diagonal, visible without a right bound or with window_right > 0) have the opposite sign:
+    tiles that reach past the diagonal subtract 2·m·(j - i - diagonal) there (causal calls never). ALiBi with a
+    softcap (not linear) subtracts the whole distance term after the tanh, in log2 units.
+
     The bias is added in the units s is in at that point, so the max and exp2 below stay as without it: log2
-    units after ALiBi (bias_log2 = log2 e), else the raw (or tanh'd) product that the exp2's FMA multiplies by
-    qk_scale (bias_log2 = log2 e / qk_scale). Read before the stage is released: the TMA copy shares K's stage.
+    units after softcap + ALiBi (bias_log2 = log2 e), else the raw (or tanh'd) product that the exp2's FMA
+    multiplies by qk_scale (bias_log2 = log2 e / qk_scale). Read before the stage is released: the TMA copy
+    shares K's stage.
 
     Returns p = exp2(score − m_new) (unnormalised probabilities), m_new, l_new, alpha = exp2(m_old − m_new).
     """
-    key_start, full_start, full_end, seqlen_k, diagonal, alibi_slope_log2, bias_plane, seqlen_q = tile_mask
+    key_start, full_start, full_end, seqlen_k, diagonal, alibi_slope_log2, bias_plane, seqlen_q, alibi_raw, \
+        alibi_ref = tile_mask
     window_left, window_right, softcap_scale = mask_args
+    ALIBI_LINEAR: gl.constexpr = ALIBI and not SOFTCAP
+    LOG2_SCORES: gl.constexpr = ALIBI and SOFTCAP  # s in log2 units after the modifiers
     start_n = key_start + j * BLOCK_N
     if HAS_BIAS:
         bias = _bias_tile(bias_ring, stage, bias_plane, bias_args, offs_m, start_n, seqlen_q, seqlen_k, BLOCK_N,
@@ -157,11 +192,16 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
     mbarrier.arrive(k_free, count=1)
     if SOFTCAP:  # s becomes t = tanh(s·scale/c); its multiplier c·log2e is folded into the FMAs below
         _, s = score_to_log2(s, 0, 0, 0, qk_scale, softcap_scale, 0.0, SOFTCAP, False, True)
-    if ALIBI:  # scores in log2 units: t (or s)·multiplier minus the distance term
+    if LOG2_SCORES:  # scores in log2 units: t·multiplier minus the distance term
         # float positions: the distance costs a subtraction per score, no integer conversion
         key_pos_f = (start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))).to(gl.float32)
         s, _ = score_to_log2(s, gl.expand_dims(offs_m.to(gl.float32), 1), gl.expand_dims(key_pos_f, 0),
                              diagonal.to(gl.float32), qk_scale, 1.0, alibi_slope_log2, False, ALIBI)
+    if ALIBI_LINEAR and not CAUSAL:
+        if start_n + BLOCK_N - 1 > alibi_ref:  # some pair right of the diagonal (alibi_ref: first row + diagonal)
+            key_pos_f = (start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))).to(gl.float32)
+            right = gl.expand_dims(key_pos_f, 0) - gl.expand_dims((offs_m + diagonal).to(gl.float32), 1)
+            s = s - (2.0 * alibi_raw) * gl.maximum(right, 0.0)
     if HAS_BIAS:
         s = s + bias
     masked = start_n + BLOCK_N > full_end  # only tiles at the window's edges and the ragged end pay for the mask
@@ -176,7 +216,7 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
             seen = visible(gl.expand_dims(offs_m, 1), gl.expand_dims(key_pos, 0), seqlen_k, diagonal, 0, 0, False,
                            CAUSAL)
         s = gl.where(seen, s, float("-inf"))
-    if ALIBI:  # s is in log2 units already
+    if LOG2_SCORES:  # s is in log2 units already
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - gl.expand_dims(m_shift, 1))
@@ -192,14 +232,15 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
 
 @gluon.jit
 def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, mask_args, alibi_args,
-                   varlen_args, bias_ptr_args, CONSUMER: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   varlen_args, bias_ptr_args, qk_scale, CONSUMER: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                    CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, ALIBI: gl.constexpr,
                    VARLEN: gl.constexpr, BIAS_LOADS: gl.constexpr):
     """This consumer's share of the CTA's item-th work item: (its rows: TMA batch coordinate, query head, first row,
     the sequence's first Q row, Lq), the key tiles the CTA streams, the key tiles this consumer multiplies, and
     what its masks need: (first key of the CTA's tiles, start and end of the keys it sees unmasked, Lk, Lk - Lq,
     ALiBi slope · log2 e, the address of the item's bias plane where the consumer loads the bias (BIAS_LOADS;
-    bias_ptr_args: base, batch and head strides) else None, Lq)."""
+    bias_ptr_args: base, batch and head strides) else None, Lq, ALiBi slope in raw score units (slope · log2 e /
+    qk_scale) and the reference position of `_score_start`'s linear form (first row + Lk - Lq))."""
     batch, desc_batch, q_head, _, cta_start_m, q_row0, _, item_seqlen_q, item_seqlen_k = item_rows(
         item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, varlen_args, 2 * ROWS, CAUSAL,
         VARLEN)
@@ -224,8 +265,10 @@ def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_
     if ALIBI:
         ALIBI_SLOPES, alibi_stride_b, alibi_stride_h = alibi_args
         alibi_slope_log2 = gl.load(ALIBI_SLOPES + batch * alibi_stride_b + q_head * alibi_stride_h) * LOG2_E
+        alibi_raw = alibi_slope_log2 / qk_scale
     else:
         alibi_slope_log2 = 0.0
+        alibi_raw = 0.0
     if BIAS_LOADS:
         bias_base, bias_stride_b, bias_stride_h = bias_ptr_args
         bias_plane = bias_base + batch.to(gl.int64) * bias_stride_b + q_head.to(gl.int64) * bias_stride_h
@@ -233,19 +276,22 @@ def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_
         bias_plane = 0  # unused
     rows = (desc_batch, q_head, start_m, q_row0, item_seqlen_q)
     tile_mask = (key_start, full_start, full_end, item_seqlen_k, item_seqlen_k - item_seqlen_q, alibi_slope_log2,
-                 bias_plane, item_seqlen_q)
+                 bias_plane, item_seqlen_q, alibi_raw, start_m + item_seqlen_k - item_seqlen_q)
     return rows, cta_tiles, num_tiles, tile_mask
 
 
 @gluon.jit
-def _issue_first_scores(q_tile, q_ready, q_phase, k_smem, k_ready, ring, s_zero,
-                        BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """S_0 = Q·K_0ᵀ of a work item, issued asynchronously once its Q and first K tile have landed."""
+def _issue_first_scores(q_tile, q_ready, q_phase, k_smem, k_ready, ring, s_zero, tile_mask,
+                        BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+                        ALIBI_LINEAR: gl.constexpr, s_layout: gl.constexpr):
+    """S_0 = Q·K_0ᵀ of a work item (from `_score_start`), issued asynchronously once its Q and first K tile have
+    landed."""
+    s_init = _score_start(s_zero, tile_mask[0], tile_mask, BLOCK_N, ALIBI_LINEAR, s_layout)
     mbarrier.wait(q_ready, q_phase)
     stage = ring % NUM_STAGES
     mbarrier.wait(k_ready.index(stage), (ring // NUM_STAGES) & 1)
-    return warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
-                         use_acc=False, is_async=True)
+    return warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_init,
+                         use_acc=ALIBI_LINEAR, is_async=True)
 
 
 @gluon.jit
@@ -257,12 +303,14 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
                s_layout: gl.constexpr, o_rows: gl.constexpr, p_layout: gl.constexpr):
     """Key tiles 1..num_tiles-1 of a work item whose tile 0 is in (p, m_i, l_i, alpha); see the module docstring.
     Returns the state after the last tile's softmax (its P·V is left to the caller)."""
+    ALIBI_LINEAR: gl.constexpr = ALIBI and not SOFTCAP
     for j in range(1, num_tiles):
         prev = (ring + j - 1) % NUM_STAGES
         stage = (ring + j) % NUM_STAGES
+        s_init = _score_start(s_zero, tile_mask[0] + j * BLOCK_N, tile_mask, BLOCK_N, ALIBI_LINEAR, s_layout)
         mbarrier.wait(k_ready.index(stage), ((ring + j) // NUM_STAGES) & 1)
-        s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
-                          use_acc=False, is_async=True)
+        s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_init,
+                          use_acc=ALIBI_LINEAR, is_async=True)
         o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         mbarrier.wait(v_ready.index(prev), ((ring + j - 1) // NUM_STAGES) & 1)
         p_op = gl.convert_layout(p.to(q_tile.dtype), p_layout)
@@ -290,10 +338,11 @@ def _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last,
 
 @gluon.jit
 def _store_output(o_acc, m_i, l_i, o_desc, o_smem, o_smem_free, LSE, rows, num_q_heads, lse_rows, varlen_args,
-                  ROWS: gl.constexpr, BLOCK_D: gl.constexpr, VARLEN: gl.constexpr, s_rows: gl.constexpr,
-                  o_layout: gl.constexpr):
+                  tile_mask, ROWS: gl.constexpr, BLOCK_D: gl.constexpr, VARLEN: gl.constexpr,
+                  ALIBI_LINEAR: gl.constexpr, s_rows: gl.constexpr, o_layout: gl.constexpr):
     """Normalise this consumer's rows of O and store them, and their log-sum-exp (natural log; -inf where no key).
-    LSE is (batch, head, lse_rows) (varlen: (head, total_q) packed; lse_rows = total_q).
+    LSE is (batch, head, lse_rows) (varlen: (head, total_q) packed; lse_rows = total_q). ALIBI_LINEAR: m lacks
+    ALiBi's row term -slope·(i - start_m) (`_score_start`), added back here.
 
     O goes out through shared memory and one TMA store: `o_smem` is the consumer's Q buffer of this item, free
     since its last Q·Kᵀ, and released to the producer (`o_smem_free`) once the copy has read it. Storing from
@@ -307,6 +356,8 @@ def _store_output(o_acc, m_i, l_i, o_desc, o_smem, o_smem_free, LSE, rows, num_q
     offs_m = start_m + gl.arange(0, ROWS, layout=s_rows)
     no_key = l_i == 0.0
     l_safe = gl.where(no_key, 1.0, l_i)
+    if ALIBI_LINEAR:
+        m_i = m_i - tile_mask[5] * (offs_m - start_m).to(gl.float32)
     lse = gl.where(no_key, float("-inf"), (m_i + gl.log2(l_safe)) * LN_2)
     lse_row0 = (desc_batch * num_q_heads + q_head).to(gl.int64) * lse_rows + q_row0
     gl.store(LSE + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
@@ -361,6 +412,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     the bias through otherwise, `bias_args` what both need (see _consumer_item, _bias_tile)."""
     num_warps: gl.constexpr = 4
     BIAS_LOADS: gl.constexpr = HAS_BIAS and not BIAS_TMA
+    ALIBI_LINEAR: gl.constexpr = ALIBI and not SOFTCAP  # see _score_start
     # wgmma layouts: warps stacked along the rows (16 rows each); instruction N = the full tile width.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -380,10 +432,11 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     ring = 0  # ring position of the current item's first K/V tile
     rows, cta_tiles, num_tiles, tile_mask = _consumer_item(
         0, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, mask_args, alibi_args, varlen_args,
-        bias_ptr_args, CONSUMER, ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, ALIBI, VARLEN, BIAS_LOADS)
+        bias_ptr_args, qk_scale, CONSUMER, ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, ALIBI, VARLEN,
+        BIAS_LOADS)
     q_buf = CONSUMER * Q_BUFFERS
     s = _issue_first_scores(q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), q_ready.index(q_buf), 0, k_smem,
-                            k_ready, ring, s_zero, BLOCK_N, BLOCK_D, NUM_STAGES)
+                            k_ready, ring, s_zero, tile_mask, BLOCK_N, BLOCK_D, NUM_STAGES, ALIBI_LINEAR, s_layout)
     s = warpgroup_mma_wait(0, deps=(s,))
     offs_m = rows[2] + gl.arange(0, ROWS, layout=s_rows)
     p, m_i, l_i, alpha = _softmax_tile(s, m_init, l_init, 0, offs_m, tile_mask, mask_args, qk_scale,
@@ -405,12 +458,13 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
         next_q = q_smems.index(next_buf).reshape([ROWS, BLOCK_D])
         n_rows, n_cta_tiles, n_num_tiles, n_tile_mask = _consumer_item(
             item + 1, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, mask_args, alibi_args,
-            varlen_args, bias_ptr_args, CONSUMER, ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, ALIBI, VARLEN,
-            BIAS_LOADS)
+            varlen_args, bias_ptr_args, qk_scale, CONSUMER, ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, ALIBI,
+            VARLEN, BIAS_LOADS)
         n_offs_m = n_rows[2] + gl.arange(0, ROWS, layout=s_rows)
         if CROSS_ITEM:
             s = _issue_first_scores(next_q, q_ready.index(next_buf), ((item + 1) // Q_BUFFERS) & 1, k_smem, k_ready,
-                                    next_ring, s_zero, BLOCK_N, BLOCK_D, NUM_STAGES)
+                                    next_ring, s_zero, n_tile_mask, BLOCK_N, BLOCK_D, NUM_STAGES, ALIBI_LINEAR,
+                                    s_layout)
             o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
                                          p_layout)
             s = warpgroup_mma_wait(1, deps=(s,))  # the next item's S_0 is done; this item's last P·V may still run
@@ -422,7 +476,8 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
             _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, rows,
-                          num_q_heads, seqlen_q, varlen_args, ROWS, BLOCK_D, VARLEN, s_rows, o_layout)
+                          num_q_heads, seqlen_q, varlen_args, tile_mask, ROWS, BLOCK_D, VARLEN, ALIBI_LINEAR, s_rows,
+                          o_layout)
         else:
             o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
                                          p_layout)
@@ -430,9 +485,11 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
             _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, rows,
-                          num_q_heads, seqlen_q, varlen_args, ROWS, BLOCK_D, VARLEN, s_rows, o_layout)
+                          num_q_heads, seqlen_q, varlen_args, tile_mask, ROWS, BLOCK_D, VARLEN, ALIBI_LINEAR, s_rows,
+                          o_layout)
             s = _issue_first_scores(next_q, q_ready.index(next_buf), ((item + 1) // Q_BUFFERS) & 1, k_smem, k_ready,
-                                    next_ring, s_zero, BLOCK_N, BLOCK_D, NUM_STAGES)
+                                    next_ring, s_zero, n_tile_mask, BLOCK_N, BLOCK_D, NUM_STAGES, ALIBI_LINEAR,
+                                    s_layout)
             s = warpgroup_mma_wait(0, deps=(s,))
             p, m_next, l_next, alpha = _softmax_tile(
                 s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, qk_scale, k_empty.index(next_ring % NUM_STAGES),
@@ -457,7 +514,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
     release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, ring + cta_tiles, NUM_STAGES)
     _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, rows, num_q_heads,
-                  seqlen_q, varlen_args, ROWS, BLOCK_D, VARLEN, s_rows, o_layout)
+                  seqlen_q, varlen_args, tile_mask, ROWS, BLOCK_D, VARLEN, ALIBI_LINEAR, s_rows, o_layout)
 
 
 @gluon.jit
@@ -565,13 +622,13 @@ def _mask_launch_args(mask: MaskSpec, softmax_scale: float) -> tuple[dict, dict]
     return scalars, constexprs
 
 
-def _bias_launch_args(bias, q, k, block_n: int, qk_scale: float, alibi: bool, bias_tma: bool) -> tuple:
+def _bias_launch_args(bias, q, k, block_n: int, qk_scale: float, log2_scores: bool, bias_tma: bool) -> tuple:
     """The kernel's bias arguments `(bias_desc, BIAS, bias_stride_b, bias_stride_h, bias_stride_m, bias_stride_n,
     bias_log2)`: a TMA descriptor over `layout.bias_tma_view` with its coordinate steps (bias_tma), or the bias's
     strides over the full (B, H, Lq, Lk) problem, 0 where it broadcasts. bias_log2: see _softmax_tile."""
     if bias is None:
         return (None,) * 7
-    bias_log2 = LOG2_E.value if alibi else LOG2_E.value / qk_scale
+    bias_log2 = LOG2_E.value if log2_scores else LOG2_E.value / qk_scale
     if bias_tma:
         tma_view = bias_tma_view(bias, q.shape[2], k.shape[2])
         if tma_view is None:
@@ -621,8 +678,8 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
                        out, out.stride(1), out.stride(2), head_dim)
     if attn_bias is not None and varlen is not None:
         raise ValueError("attn_bias is not taken with a packed (varlen) batch")
-    bias_args = _bias_launch_args(attn_bias, q, k, tiles.block_n, scalars["qk_scale"], alibi_slopes is not None,
-                                  bias_tma)
+    log2_scores = alibi_slopes is not None and mask_constexprs["SOFTCAP"]  # see _softmax_tile
+    bias_args = _bias_launch_args(attn_bias, q, k, tiles.block_n, scalars["qk_scale"], log2_scores, bias_tma)
     work_bound = num_q_heads * ((seqlen_q + BLOCK_M - 1) // BLOCK_M) if varlen is not None else num_work
     grid = (max(1, work_bound if num_ctas is None else min(num_ctas, work_bound)),)
     args = (*_tensor_args(tiles.block_n, block_d, q, k, v, out, lse), num_q_heads, num_q_heads // k.shape[1],
