@@ -17,7 +17,7 @@ from flashmoe_science.attention.seqlen import VarlenBatch, varlen_tile_offsets  
 from flashmoe_science.attention.hopper.tiles import sm90_forward_tiles  # noqa: E402
 from flashmoe_science.attention.tiles import AttentionTiles  # noqa: E402
 from flashmoe_science.gluon.build import spill_budget, spill_count  # noqa: E402
-from sm90_helpers import sass_or_skip  # noqa: E402
+from sm90_helpers import HOPPER_TRAITS, hopper_forward_plan, sass_or_skip  # noqa: E402
 
 SMEM_PER_BLOCK = 232448  # sm_90's opt-in limit (ANCHORS.md)
 
@@ -192,4 +192,27 @@ def test_bias_builds_for_sm90(name):
     sass = sass_or_skip(compiled)
     assert bool(re.search(r"\bLDG\.E", sass)) == (kwargs["bias"] == "loads")
     assert spill_count(sass) <= spill_budget(spills), "spills grew"
+    assert compiled.metadata.shared <= SMEM_PER_BLOCK
+
+
+# Bands as `auto` plans them on a 132-SM Hopper (tiles.sm90_band_schedule, sm90_plan_length): one CTA per query tile
+# (L=32k, 16 heads), persistent rounds (L=128k, 4 heads), a short band on short causal rows' overlapped 64-key tiles
+BAND_CASES = {"per-tile": (1, 16, 32768, (4095, 0)), "persistent": (1, 4, 131072, (4095, 0)),
+              "short-band": (1, 16, 32768, (511, 0))}
+
+
+@pytest.mark.sm90_build
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
+@pytest.mark.parametrize("name", list(BAND_CASES))
+def test_band_plans_build_for_sm90(name):
+    """Every schedule the band rule picks builds with the window's mask: both products on the tensor cores, TMA in
+    and out, the shared memory within a block's."""
+    batch, heads, seqlen, window = BAND_CASES[name]
+    _, plan, _ = hopper_forward_plan(batch, heads, seqlen, window)
+    compiled = fwd_sm90.compile_offline(128, True, plan.tiles, HOPPER_TRAITS[0] if plan.persistent else None,
+                                        plan.q_buffers, plan.cross_item, mask=make_mask(True, window))
+    sass = sass_or_skip(compiled)
+    assert re.search(r"\bHGMMA\.64x%dx16\.F32\.BF16 R\d+, gdesc" % plan.tiles.block_n, sass)
+    assert re.search(r"\bHGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
+    assert re.search(r"\bUTMALDG\b", sass) and re.search(r"\bUTMASTG\b", sass)
     assert compiled.metadata.shared <= SMEM_PER_BLOCK

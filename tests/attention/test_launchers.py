@@ -20,14 +20,19 @@ from flashmoe_science.attention.hopper.tiles import (  # noqa: E402
     SM90_PERSISTENT_LONG_CAUSAL_LEN,
     SM90_PERSISTENT_MAX_CAUSAL_LEN,
     SM90_PERSISTENT_MIN_ROUNDS,
+    SM90_ITEM_SETUP_KEYS,
     SM90_SHORT_CAUSAL_LEN,
+    sm90_band_schedule,
     sm90_bias_tiles,
     sm90_cross_item,
     sm90_forward_tiles,
     sm90_persistent,
+    sm90_plan_length,
     sm90_q_buffers,
     sm90_smem_bytes,
 )
+from flashmoe_science.attention.mask import make_mask  # noqa: E402
+from sm90_helpers import hopper_forward_plan  # noqa: E402
 from flashmoe_science.attention.tiles import AttentionTiles, backward_tiles, padded_head_dim  # noqa: E402
 from flashmoe_science.device import DeviceTraits  # noqa: E402
 
@@ -410,6 +415,94 @@ def test_sm90_rules_switch_at_the_measured_lengths():
     assert sm90_forward_tiles(128, True, short + 1) == AttentionTiles(128, 128, 8, 3, use_tma=True)
     assert sm90_forward_tiles(128, False, 512) == AttentionTiles(128, 128, 8, 2, use_tma=True)
     assert sm90_forward_tiles(256, True, 1 << 14).block_n == 64
+
+
+def test_sm90_plan_length_is_a_bands_span():
+    """The rules read Lq for dense, causal and one-sided windows, the span of a window bounded on both sides."""
+    assert sm90_plan_length(32768, make_mask(False)) == sm90_plan_length(32768, make_mask(True)) == 32768
+    assert sm90_plan_length(32768, make_mask(True, (4095, 0))) == 4096
+    assert sm90_plan_length(32768, make_mask(False, (2047, 2048))) == 4096
+    assert sm90_plan_length(32768, make_mask(False, (4095, -1))) == 32768  # left bound only: items see to Lk
+    assert sm90_plan_length(32768, make_mask(False, (-1, 0))) == 32768
+    assert sm90_plan_length(1000, make_mask(True, (4095, 0))) == 1000  # wider than the sequence: plain causal
+
+
+def _band_items(seqlen, window_left, window_right, block_m, block_n):
+    """Keys (whole key tiles) each query tile of one (batch, head) streams: from its first row's window start,
+    rounded down to a key tile, to its last row's window end (the rule of mask.key_tile_range, per query tile)."""
+    keys = []
+    for start_m in range(0, seqlen, block_m):
+        key_start = max(start_m - window_left, 0) // block_n * block_n
+        key_end = min(min(start_m + block_m, seqlen) - 1 + window_right + 1, seqlen)
+        keys.append(-(-(key_end - key_start) // block_n) * block_n)
+    return keys
+
+
+def _simulated_balance(items, sm_count):
+    """(static, one CTA per tile) busy fractions of `items` (keys each, in work order): the persistent kernel's
+    snaking rounds (work_items.work_index), each CTA's first item's setup unhidden; the hardware's in-order greedy
+    dispatch, every item paying its setup (SM90_ITEM_SETUP_KEYS)."""
+    import heapq
+
+    setup = SM90_ITEM_SETUP_KEYS
+    loads = [0.0] * sm_count
+    for work, tiles in enumerate(items):
+        rounds, position = divmod(work, sm_count)
+        loads[position if rounds % 2 == 0 else sm_count - 1 - position] += tiles
+    finish = [0.0] * sm_count
+    for tiles in items:
+        heapq.heappush(finish, heapq.heappop(finish) + tiles + setup)
+    mean = sum(items) / sm_count
+    return mean / (max(loads) + setup), mean / max(finish)
+
+
+@pytest.mark.parametrize("heads,seqlen,window", [(16, 32768, (4095, 0)), (4, 131072, (4095, 0)),
+                                                 (16, 131072, (4095, 0)), (16, 32768, (2047, 2048)),
+                                                 (8, 16384, (1023, 0))])
+def test_sm90_band_schedule_estimates_the_rounds(heads, seqlen, window):
+    """The estimate against the work order played out item by item in plain Python: the static rounds exactly, one
+    CTA per tile (the hardware's greedy dispatch, estimated as the mean plus half an item) within 2%, and the
+    same choice wherever the simulated schedules differ by more than that."""
+    mask = make_mask(window[1] == 0, window)
+    tiles = sm90_forward_tiles(128, True, sm90_plan_length(seqlen, mask))
+    band = sm90_band_schedule(tiles, mask, seqlen, seqlen, heads, 132)
+    items = _band_items(seqlen, *window, tiles.block_m, tiles.block_n) * heads
+    assert band.item_keys == max(items)
+    static, per_tile = _simulated_balance(items, 132)
+    assert band.static == pytest.approx(static, rel=1e-9) and band.per_tile == pytest.approx(per_tile, rel=0.02)
+    if abs(static - per_tile) > 0.02:
+        assert band.persistent == (static > per_tile)
+
+
+def test_sm90_band_schedule_only_for_bands():
+    tiles = sm90_forward_tiles(128, True, 4096)
+    for mask in (make_mask(True), make_mask(False), make_mask(False, (4095, -1)), make_mask(True, (40000, 0))):
+        assert sm90_band_schedule(tiles, mask, 32768, 32768, 16, 132) is None
+
+
+BAND_PLANS = {  # (B, H, L, window) -> (key tile, stages, persistent, Q buffers, cross-item)
+    (1, 16, 32768, (4095, 0)): (128, 3, False, 1, False),  # 32 rounds of full items vs a mean of 29.1
+    (1, 4, 131072, (4095, 0)): (128, 3, True, 1, False),  # few clipped items: the rounds balance
+    (1, 16, 32768, (511, 0)): (64, 3, True, 2, True),  # a short band plans as short causal rows
+    (8, 16, 4096, None): (128, 3, True, 1, False),  # dense causal: as before
+    (1, 16, 32768, None): (128, 3, False, 1, False),
+}
+
+
+@pytest.mark.parametrize("case", list(BAND_PLANS), ids=lambda c: f"B{c[0]}-H{c[1]}-L{c[2]}-w{c[3]}")
+def test_sm90_band_plans(case):
+    """What `auto` plans for bands on a 132-SM Hopper, and that describe_dispatch's text says why (the band's keys
+    per query tile and the estimated balance)."""
+    problem, plan, text = hopper_forward_plan(*case)
+    block_n, stages, persistent, q_buffers, cross = BAND_PLANS[case]
+    assert (plan.tiles.block_n, plan.tiles.num_stages) == (block_n, stages)
+    assert (plan.persistent, plan.q_buffers, plan.cross_item) == (persistent, q_buffers, cross)
+    if case[3] is None:
+        assert "band" not in text
+    else:
+        band = sm90_band_schedule(plan.tiles, problem.features.mask, case[2], case[2], case[1], H200.sm_count)
+        assert f"a band of {band.item_keys} keys per query tile" in text
+        assert ("persistent" in text) == persistent and band.persistent == persistent
 
 
 @pytest.mark.parametrize("seqlen_q", [512, 4096])

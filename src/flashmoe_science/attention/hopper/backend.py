@@ -22,10 +22,12 @@ from flashmoe_science.attention.features import FEATURES
 from flashmoe_science.attention.layout import bias_tma_view, tma_compatible
 from flashmoe_science.attention.hopper.tiles import (
     sm90_backward_wins,
+    sm90_band_schedule,
     sm90_bias_tiles,
     sm90_cross_item,
     sm90_forward_tiles,
     sm90_persistent,
+    sm90_plan_length,
     sm90_q_buffers,
 )
 from flashmoe_science.attention.problem import new_outputs
@@ -163,6 +165,11 @@ class HopperForward:
         ctas = (f"persistent, one CTA per SM, {self.q_buffers} Q buffer(s) per consumer"
                 + (", consecutive query tiles overlapped" if self.cross_item else "") if self.persistent
                 else "one CTA per query tile")
+        band = _band_schedule(problem, tiles, device_traits(problem.q.device).sm_count)
+        if band is not None:
+            ctas += (f"; a band of {band.item_keys} keys per query tile, planned as a dense call of that length: "
+                     f"SMs busy {band.static:.2f} in static rounds vs {band.per_tile:.2f} one CTA per tile "
+                     "(estimated)")
         return (f"{requested} the Gluon sm_90 kernel{with_features} (TMA producer warp, two consumer warpgroups, "
                 f"async wgmma, softmax overlapped with P·V; {ctas}); {shape}")
 
@@ -170,12 +177,13 @@ class HopperForward:
 def forward_plan(problem) -> HopperForward:
     """Tiles and schedule of the Gluon forward for a call it takes (hopper/tiles.py has the measurements)."""
     q, features = problem.q, problem.features
+    mask = features.mask
     # a right bound (causal or a window's) plans as causal: query tiles see unequal key ranges, and a consumer may
     # skip the CTA's last key tile (sm90_cross_item_safe)
-    right_bounded = features.mask.bounded_right
+    right_bounded = mask.bounded_right
     traits = device_traits(q.device)
     seqlen_q = problem.seqlen_q
-    tiles = sm90_forward_tiles(q.shape[-1], right_bounded, seqlen_q)
+    tiles = sm90_forward_tiles(q.shape[-1], right_bounded, sm90_plan_length(seqlen_q, mask))
     if features.varlen is not None and tiles.block_n == 128:
         # a packed batch with a right bound: the two-stage ring with two Q buffers measured +5.6% over the causal
         # plan's three stages (H200, 17 sequences of 64..8192, D=128: 421 vs 399 TFLOP/s)
@@ -185,15 +193,32 @@ def forward_plan(problem) -> HopperForward:
         bias_tiles = sm90_bias_tiles(tiles, q.shape[-1], bias.element_size(), traits)
         if bias_tiles is not None:  # its ring fits: the producer loads it
             tiles, bias_tma, bias_bytes = bias_tiles, True, bias.element_size()
-    num_work = math.prod(q.shape[:-2]) * -(-seqlen_q // tiles.block_m)  # query tiles of all heads
-    # Unequal items (what can make one CTA per tile win) come from a right bound without a left one; varlen runs
-    # persistent always (the kernel numbers the real tiles itself)
-    unequal = right_bounded and not features.mask.bounded_left
-    persistent = features.varlen is not None or sm90_persistent(unequal, seqlen_q, num_work, traits.sm_count)
+    batch_heads = math.prod(q.shape[:-2])
+    # packed batches run persistent always (the kernel numbers the real tiles itself); a band by its estimated
+    # balance; other calls by sm90_persistent, where unequal items (what can make one CTA per tile win) come from
+    # a right bound without a left one
+    band = _band_schedule(problem, tiles, traits.sm_count)
+    if features.varlen is not None:
+        persistent = True
+    elif band is not None:
+        persistent = band.persistent
+    else:
+        num_work = batch_heads * -(-seqlen_q // tiles.block_m)  # query tiles of all heads
+        persistent = sm90_persistent(right_bounded and not mask.bounded_left, seqlen_q, num_work, traits.sm_count)
     q_buffers = sm90_q_buffers(tiles, q.shape[-1], persistent, traits, bias_bytes)
     cross_item = sm90_cross_item(tiles, q.shape[-1], right_bounded, persistent, q_buffers)
     return HopperForward(tiles, persistent, q_buffers, cross_item, strict=problem.backend == "hopper",
                          bias_tma=bias_tma)
+
+
+def _band_schedule(problem, tiles: AttentionTiles, sm_count: int):
+    """tiles.sm90_band_schedule of a dense call; None for a packed batch or a mask that is no band."""
+    mask = problem.features.mask
+    if not (mask.bounded_left and mask.bounded_right) or problem.features.varlen is not None:
+        return None
+    q = problem.q
+    return sm90_band_schedule(tiles, mask, problem.seqlen_q, problem.k.shape[-2], math.prod(q.shape[:-2]),
+                              sm_count)
 
 
 # -------------------------------------------------------------------------------------------------- backward

@@ -1,17 +1,25 @@
 """Tile shapes and schedule of the Gluon sm_90 attention kernels: the heuristics behind the Hopper backend's plan.
 
 The forward always runs 128 query rows on two consumer warpgroups plus a producer warp; what varies per call is the
-key tile and ring depth (`sm90_forward_tiles`), persistent CTAs or one CTA per query tile (`sm90_persistent`), Q
-buffers per consumer (`sm90_q_buffers`) and whether consecutive work items overlap (`sm90_cross_item`). The
-backward's one rule is where it beats the Triton backward (`sm90_backward_wins`). Every threshold was measured on
-an H200 (docs/perf-notes.md).
+key tile and ring depth (`sm90_forward_tiles`), persistent CTAs or one CTA per query tile (`sm90_persistent`; for a
+band mask `sm90_band_schedule`), Q buffers per consumer (`sm90_q_buffers`) and whether consecutive work items
+overlap (`sm90_cross_item`). The backward's one rule is where it beats the Triton backward (`sm90_backward_wins`).
+Every threshold was measured on an H200 (docs/perf-notes.md).
+
+The length the rules read is the keys a work item streams: for dense and causal self-attention that is Lq (the
+heaviest query tile sees every key), for a band (a window bounded on both sides, narrower than the sequence) it is
+the window's span, whatever L: a causal 4096 window at L=128k streams 33 key tiles per query tile, the work of a
+dense L=4096 item (`sm90_plan_length`).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
+import torch
+
+from flashmoe_science.attention.mask import MaskSpec
 from flashmoe_science.attention.tiles import AttentionTiles, padded_head_dim
 from flashmoe_science.device import DeviceTraits
 
@@ -21,6 +29,19 @@ SM90_SHORT_CAUSAL_LEN = 1024  # causal, Lq <= this: 64-key tiles for sm_90
 SM90_PERSISTENT_MAX_CAUSAL_LEN = 4096  # causal, Lq <= this: persistent CTAs
 SM90_PERSISTENT_LONG_CAUSAL_LEN = 8192  # causal, Lq <= this: persistent CTAs where each runs enough items
 SM90_PERSISTENT_MIN_ROUNDS = 12  # ... at least this many work items per CTA
+# The time a query tile's prologue (Q load, first K/V tiles) and epilogue cost where nothing overlaps them (one CTA
+# per tile), in key rows streamed: persistent CTAs measured +17% at L=512 and +14% at L=2048 (D=128, non-causal,
+# H200: docs/perf-notes.md), about 90 and 290 keys' time per item; the middle of the two.
+SM90_ITEM_SETUP_KEYS = 192
+
+
+def sm90_plan_length(seqlen_q: int, mask: MaskSpec) -> int:
+    """The length the sm_90 rules are keyed on: the keys a query row sees at most. Lq for dense and causal calls
+    (what the thresholds were measured at, self-attention); for a band (`mask` bounded on both sides) its span
+    window_left + 1 + window_right where that is shorter: a band's work items are bounded by the window, not by L."""
+    if mask.bounded_left and mask.bounded_right:
+        return min(seqlen_q, mask.window_left + 1 + mask.window_right)
+    return seqlen_q
 
 
 def sm90_persistent(causal: bool, seqlen_q: int, num_work: int, sm_count: int) -> bool:
@@ -33,6 +54,65 @@ def sm90_persistent(causal: bool, seqlen_q: int, num_work: int, sm_count: int) -
     if not causal or seqlen_q <= SM90_PERSISTENT_MAX_CAUSAL_LEN:
         return True
     return seqlen_q <= SM90_PERSISTENT_LONG_CAUSAL_LEN and num_work >= SM90_PERSISTENT_MIN_ROUNDS * sm_count
+
+
+@dataclass(frozen=True)
+class BandSchedule:
+    """How the query tiles of a band share the SMs, as estimated by `sm90_band_schedule`: the key rows a full work
+    item streams, and the busy fraction of the SMs (mean work per SM over the time of the busiest) in static
+    persistent rounds and with one CTA per query tile."""
+
+    item_keys: int
+    static: float
+    per_tile: float
+
+    @property
+    def persistent(self) -> bool:
+        return self.static >= self.per_tile
+
+
+def sm90_band_schedule(tiles: AttentionTiles, mask: MaskSpec, seqlen_q: int, seqlen_k: int, batch_heads: int,
+                       sm_count: int) -> BandSchedule | None:
+    """Persistent rounds or one CTA per tile for a band (a window bounded on both sides, narrower than Lq); None for
+    any other mask (`sm90_persistent` decides).
+
+    A band's query tiles are nearly equal: each streams its rows' span, the left edge rounded out to a key tile,
+    plus the tile's own 128 rows, but for the tiles whose window the sequence's ends clip. Static rounds
+    (work_items.work_index: CTA c takes position c of each round of SM-count items, snaking) give every CTA a fixed
+    share in an order that pairs the clipped tiles with nothing (the snaking order pairs a causal call's heavy and
+    light tiles, not a band's few light ones): the busiest CTA's share, computed here item by item, sets the time,
+    plus the first item's prologue, which nothing hides. One CTA per tile is balanced by the hardware (the last
+    SM finishes about half an item after the mean) but pays every item's prologue and epilogue
+    (`SM90_ITEM_SETUP_KEYS`). Persistent where the static rounds are the shorter. A causal 4096 window at L=32k
+    with 16 heads: 4096 items of 33 key tiles on 132 SMs, the busiest CTA runs 32 full ones against a mean of
+    29.1 (0.91 static vs 0.94 per tile); at L=128k with 4 heads the clipped tiles are fewer and the shares even
+    (0.95 vs 0.94)."""
+    span = sm90_plan_length(seqlen_q, mask)
+    if not (mask.bounded_left and mask.bounded_right) or span >= seqlen_q:
+        return None
+    return _band_schedule(tiles.block_m, tiles.block_n, mask.window_left, mask.window_right, seqlen_q, seqlen_k,
+                          batch_heads, sm_count)
+
+
+@functools.lru_cache(maxsize=256)
+def _band_schedule(block_m: int, block_n: int, window_left: int, window_right: int, seqlen_q: int, seqlen_k: int,
+                   batch_heads: int, sm_count: int) -> BandSchedule:
+    # the key tiles of every query tile of one (batch, head): mask.key_tile_range's [key_start, key_end)
+    rows = torch.arange(0, seqlen_q, block_m, dtype=torch.int64) + (seqlen_k - seqlen_q)
+    last = torch.clamp(rows + block_m, max=seqlen_k) - 1
+    key_start = torch.clamp(rows - window_left, min=0) // block_n * block_n
+    key_end = torch.clamp(last + window_right + 1, min=0, max=seqlen_k)
+    keys = (torch.clamp(key_end - key_start, min=1) + block_n - 1) // block_n * block_n
+    work = keys.repeat(batch_heads)  # head by head, each head's tiles in order (no causal reversal)
+    rounds, position = torch.arange(work.numel()).div(sm_count, rounding_mode="floor"), torch.arange(
+        work.numel()) % sm_count
+    cta = torch.where(rounds % 2 == 0, position, sm_count - 1 - position)
+    busiest = float(torch.bincount(cta, weights=work.double(), minlength=sm_count).max())
+    item_keys = int(keys.max())
+    mean = float(work.sum()) / sm_count
+    static = busiest + SM90_ITEM_SETUP_KEYS
+    per_tile = max(mean + item_keys / 2, item_keys) * (item_keys + SM90_ITEM_SETUP_KEYS) / item_keys
+    return BandSchedule(item_keys, mean / static, mean / per_tile)
 
 
 SM90_BACKWARD_MIN_LEN_D64 = 2048  # query rows from which the sm_90 backward beats the Triton two passes at D <= 64
@@ -56,6 +136,7 @@ def sm90_forward_tiles(head_dim: int, causal: bool, seqlen_q: int) -> AttentionT
     output accumulator live in registers: ~240 per thread at D=128 with 128-key tiles), shared memory the depth.
     Short causal rows take 64-key tiles: less of the diagonal tile is masked work (L=512: 267 vs 242 TFLOP/s),
     in a three-stage ring where it fits (D <= 128), which lets consecutive items overlap (sm90_cross_item).
+    seqlen_q: `sm90_plan_length` (a narrow band takes the short causal tiles: two masked edge tiles per item).
     """
     # cached on the length's class, not the length: ragged workloads would grow a per-length cache without bound
     return _sm90_tiles(padded_head_dim(head_dim), causal, causal and seqlen_q <= SM90_SHORT_CAUSAL_LEN)
