@@ -79,8 +79,7 @@ def flash_attention_science(
             differ in its last bits run to run; dK and dV never do): on Hopper the Gluon sm_90 backward (head dims
             up to 128, after the sm_90 forward), under the Triton interpreter the fused Triton pass; other GPUs
             and head dims run the two passes either way. On Hopper, head dims 129..256 always run the Gluon
-            dK/dV and dQ kernels (deterministic), and head dims 65..128 run them when determinism is asked for.
-            The forward is always deterministic.
+            dK/dV and dQ kernels (deterministic). The forward is always deterministic.
         q_descale, k_descale, v_descale: FP8 (forward only): with float8_e4m3fn q, k, v, float32 (B, Hkv) factors
             such that real value = fp8 value × descale (flash-attn's convention; `quantize_fp8` makes all six).
             The output is bfloat16. On Hopper, head dims 64/128/256 run an e4m3 tensor-core kernel; elsewhere the

@@ -71,9 +71,8 @@ class BackwardPlan:
         if launch is _NEW or launch is SEEN_ONCE:
             # prepared on the second backward of a layout: preparing costs about one more binding, which a layout
             # seen once never repays; None where the step cannot repeat this call
-            # (a deterministic backward is never prepared: the prepared sequence is the one-pass kernel's)
-            remember(self.launches, layout, SEEN_ONCE if launch is _NEW else None if self.deterministic else
-                     self.step.prepare(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, self.softmax_scale))
+            remember(self.launches, layout, SEEN_ONCE if launch is _NEW else self.step.prepare(
+                q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, self.softmax_scale))
         return grads
 
 

@@ -223,19 +223,19 @@ def _band_schedule(problem, tiles: AttentionTiles, sm_count: int):
 
 # -------------------------------------------------------------------------------------------------- backward
 def launch_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float, dbias=None,
-                    dbias_atomic: bool = False, deterministic: bool = False) -> None:
+                    dbias_atomic: bool = False) -> None:
     """attention_backward_sm90 (its launches bound by Triton; a repeated signature's run through
     `HopperBackward.prepare` instead). dbias: the bias's gradient buffer (`bias_grad_buffer`)."""
     from flashmoe_science.attention.hopper.bwd_sm90 import attention_backward_sm90
 
     attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale, dbias=dbias,
-                            dbias_atomic=dbias_atomic, deterministic=deterministic)
+                            dbias_atomic=dbias_atomic)
 
 
 @dataclass(frozen=True)
 class HopperBackward:
     """The Gluon sm_90 backward: one pass for all three gradients (D <= 128; dQ summed by TMA reduce-adds, last bits
-    may vary), or the dK/dV and dQ kernels (D 129..256, and D 65..128 when determinism is asked for). It needs dQ and dK/dV both and a
+    may vary), or the dK/dV and dQ kernels (D 129..256, deterministic). It needs dQ and dK/dV both and a
     TMA-compatible grad_out (known when the backward runs); otherwise, or where it does not build on this triton,
     `fallback` runs."""
 
@@ -252,8 +252,7 @@ class HopperBackward:
             dbias, dbias_atomic = triton_backend.bias_grad_buffer(bias, (*q.shape[:3], k.shape[2]), False)
         if (dq is not None and dk is not None and tma_compatible(grad_out)
                 and run_gluon("attention backward", lambda: launch_backward(
-                    q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale, dbias, dbias_atomic,
-                    deterministic))):
+                    q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale, dbias, dbias_atomic))):
             ran("backward", self.backend, self.kernel)
             return dq, dk, dv, None if dbias is None else dbias.to(bias.dtype)
         return self.fallback.run(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale,
@@ -286,15 +285,14 @@ def backward_refusal(head_dim: int, seqlen_q: int, softmax_scale: float, determi
     """Why the Gluon backward does not take a call its inputs suit (TMA-compatible bf16/fp16 on Hopper), or None:
     its head dims, a positive scale (its masks are -inf scores), determinism where asked for, and where it
     measured faster than the Triton backward (`sm90_backward_wins`; seqlen_q: the longest sequence's queries)."""
-    from flashmoe_science.attention.hopper.bwd_sm90 import SUPPORTED_BLOCK_D, runs_two_kernels
+    from flashmoe_science.attention.hopper.bwd_sm90 import SUPPORTED_BLOCK_D, is_deterministic
 
     if padded_head_dim(head_dim) not in SUPPORTED_BLOCK_D:
         return f"it takes head dims padding to {', '.join(map(str, SUPPORTED_BLOCK_D))}"
     if softmax_scale <= 0:
         return "its masks need a positive softmax_scale"
-    if deterministic and not runs_two_kernels(head_dim, True):
-        return ("determinism was asked for: its deterministic kernel pair takes head dims padding to 128 or 256, "
-                "and its one pass sums dQ with reduce-adds in any order")
+    if deterministic and not is_deterministic(head_dim):
+        return "determinism was asked for and its one pass sums dQ with atomics"
     if not sm90_backward_wins(head_dim, seqlen_q):
         return "the Triton backward measured faster at this head dim and length"
     return None
@@ -331,8 +329,6 @@ class _HopperAttentionBackward:
                        else "it takes attn_bias where the leading dims merge into one batch dim")
             if refusal is not None:
                 return refusal
-            if problem.deterministic_now():
-                return "determinism was asked for, and its attn_bias gradient is formed by its one pass only"
         return backward_refusal(problem.head_dim, problem.seqlen_q, problem.softmax_scale,
                                 problem.deterministic_now())
 

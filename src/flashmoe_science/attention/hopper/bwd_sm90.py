@@ -336,17 +336,9 @@ def _dq_accum_descriptor(dq_accum: torch.Tensor) -> TensorDescriptor:
 
 
 def is_deterministic(head_dim: int) -> bool:
-    """Whether attention_backward_sm90's default gradients are bit-identical run to run at this head dim: the
-    two-kernel path (padded 256) is; the one-pass kernel's dQ reduce-adds land in any order."""
+    """Whether attention_backward_sm90's gradients are bit-identical run to run at this head dim: the two-kernel
+    path (padded 256) is; the one-pass kernel's dQ reduce-adds land in any order."""
     return padded_head_dim(head_dim) == TWO_KERNEL_BLOCK_D
-
-
-def runs_two_kernels(head_dim: int, deterministic: bool) -> bool:
-    """Whether attention_backward_sm90 runs bwd_sm90_hdim256 + bwd_dq_sm90 (both deterministic): always at head
-    dims padding to 256, and at those padding to 128 when determinism is asked for (at 64 the dK/dV kernel's
-    half head dim, 32, is below a wgmma's M of 64)."""
-    block_d = padded_head_dim(head_dim)
-    return block_d == TWO_KERNEL_BLOCK_D or (deterministic and block_d == 128)
 
 
 def check_supported(q: torch.Tensor, softmax_scale: float = 1.0) -> None:
@@ -361,8 +353,7 @@ def check_supported(q: torch.Tensor, softmax_scale: float = 1.0) -> None:
 
 
 def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float,
-                            dq_accum=None, num_stages: int | None = None, dbias=None, dbias_atomic: bool = False,
-                            deterministic: bool = False):
+                            dq_accum=None, num_stages: int | None = None, dbias=None, dbias_atomic: bool = False):
     """triton_bwd.attention_backward's conventions, all three gradients wanted: q/out/grad_out/dq `(B, Hq, Lq, D)`,
     k/v/dk/dv `(B, Hkv, Lk, D)` with unit last stride and TMA-compatible strides (layout.tma_compatible of q, k,
     v, grad_out: the caller checks), lse the forward's contiguous float32 `(B, Hq, Lq)`, delta a float32 workspace
@@ -376,12 +367,11 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, feat
     Head dims padding to 64 or 128: this module's one-pass kernel, with dq_accum a contiguous float32
     `(B, Hq, Lq, padded_head_dim(D))` workspace (any contents: the preprocess zeroes it; allocated here if None).
     Padding to 256: two kernels, bwd_sm90_hdim256 (dK, dV) then bwd_dq_sm90 (dQ, written directly: no dq_accum,
-    and deterministic); the same pair at head dims padding to 128 with `deterministic` (`runs_two_kernels`; no
-    attn_bias there). num_stages: the Q/dO ring depth of the dK/dV kernel (None: its default)."""
+    and deterministic). num_stages: the Q/dO ring depth of the dK/dV kernel (None: its default)."""
     check_supported(q, softmax_scale)
     features = as_features(features)
     block_d = padded_head_dim(q.shape[-1])
-    split = runs_two_kernels(q.shape[-1], deterministic)
+    split = block_d == TWO_KERNEL_BLOCK_D
     if split or features.attn_bias is None:
         check_features(features)
     else:

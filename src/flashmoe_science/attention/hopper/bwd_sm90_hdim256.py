@@ -1,6 +1,4 @@
 """dK and dV of the attention backward for Hopper (sm_90) at head dims padding to 256, in Gluon; dQ is bwd_dq_sm90's.
-The same pair runs head dims padding to 128 when determinism is asked for (the one-pass kernel's dQ reduce-adds land
-in any order; this pair sums every gradient in a fixed order).
 
 bwd_sm90's split (each consumer warpgroup keeps 64 keys' dK and dV over the full head dim) needs 2 x 64 x 256 fp32
 accumulators per consumer at D=256: 256 registers a thread, more than a warpgroup has. Here the two consumers split
@@ -32,6 +30,7 @@ import torch
 from flashmoe_science.attention.mask import LOG2_E
 from flashmoe_science.attention.seqlen import sequence_coords
 from flashmoe_science.attention.hopper.bwd_common import (
+    TWO_KERNEL_BLOCK_D,
     _cta_key_block,
     _past_work,
     _alibi_score_start,
@@ -46,7 +45,6 @@ from flashmoe_science.attention.hopper.bwd_common import (
     offline_build,
 )
 from flashmoe_science.attention.hopper.common import descriptor
-from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.gluon.sm90 import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS, wgmma_layout
 from flashmoe_science.gluon.compat import (barrier, fence_async_shared, gl, gluon, mbarrier, warpgroup_mma,
                                                   warpgroup_mma_wait)
@@ -56,6 +54,7 @@ BLOCK_N = 64  # keys per CTA: dKᵀ and dVᵀ of 64 keys x half the head dim fit
 KEYS_PER_CONSUMER = BLOCK_N // NUM_CONSUMERS  # the score columns each consumer computes
 BLOCK_M = 64  # query rows per streamed tile
 NUM_STAGES = 2
+BLOCK_D = TWO_KERNEL_BLOCK_D
 
 
 @gluon.jit
@@ -239,26 +238,24 @@ def _launch(q, k, v, lse, grad_out, delta, dk, dv, features, softmax_scale: floa
     """(kernel, grid, every parameter by name)."""
     num_q_heads, head_dim, num_kv_heads = q.shape[1], q.shape[3], k.shape[1]
     tail, flags, (programs, seqlen_q, seqlen_k, qk_scale) = feature_args(features, softmax_scale, q, k, BLOCK_N)
-    block_d = padded_head_dim(head_dim)
     kernel = attention_backward_sm90_hdim256_kernel
     grid = (max(1, programs * num_kv_heads),)
-    args = (*_tensor_args(q, k, v, grad_out, block_d), lse, delta, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
+    args = (*_tensor_args(q, k, v, grad_out), lse, delta, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
             num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale,
             *tail)
-    return kernel, grid, dict(zip(kernel.arg_names, args), HEAD_DIM=head_dim, BLOCK_D=block_d,
+    return kernel, grid, dict(zip(kernel.arg_names, args), HEAD_DIM=head_dim, BLOCK_D=BLOCK_D,
                               NUM_STAGES=num_stages, **flags)
 
 
-def _tensor_args(q, k, v, grad_out, block_d: int):
-    """TMA descriptors: Q and dO in tiles of BLOCK_M rows, K and V in the CTA's BLOCK_N rows, all block_d wide."""
-    return (descriptor(q, BLOCK_M, block_d), descriptor(grad_out, BLOCK_M, block_d),
-            descriptor(k, BLOCK_N, block_d), descriptor(v, BLOCK_N, block_d))
+def _tensor_args(q, k, v, grad_out):
+    """TMA descriptors: Q and dO in tiles of BLOCK_M rows, K and V in the CTA's BLOCK_N rows, all BLOCK_D wide."""
+    return (descriptor(q, BLOCK_M, BLOCK_D), descriptor(grad_out, BLOCK_M, BLOCK_D),
+            descriptor(k, BLOCK_N, BLOCK_D), descriptor(v, BLOCK_N, BLOCK_D))
 
 
 def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,
                     dtype: torch.dtype = torch.bfloat16):
-    """bwd_sm90.compile_offline's counterpart for this kernel (head dims 129..256; 65..128 for the deterministic
-    backward)."""
+    """bwd_sm90.compile_offline's counterpart for this kernel (head dims 129..256)."""
     q = torch.empty(2, 4, 256, head_dim, dtype=dtype, device="meta")
     kv = torch.empty(2, 2, 256, head_dim, dtype=dtype, device="meta")
     lse = torch.empty(2, 4, 256, device="meta")
