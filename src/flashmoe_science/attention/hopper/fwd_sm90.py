@@ -149,10 +149,15 @@ def _score_start(s_zero, start_n, tile_mask, BLOCK_N: gl.constexpr, ALIBI_LINEAR
     """
     if ALIBI_LINEAR:
         alibi_raw, alibi_ref = tile_mask[8], tile_mask[9]
-        # float key offsets plus a per-tile scalar: converting integer positions each tile instead spilled in the
-        # loop (27 loads per tile vs 2 at D=128 causal)
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)).to(gl.float32)
-        start = s_zero + gl.expand_dims((cols + (start_n - alibi_ref).to(gl.float32)) * alibi_raw, 0)
+        # A thread's key columns in the wgmma accumulator are 2·(lane mod 4) (bits 1-2) OR a per-register
+        # constant (the other bits). Split that way, the constant part folds to immediates and the lane part is
+        # one scalar per thread: one FFMA per column per tile. The whole arange instead is rebuilt from the
+        # thread id per column every tile (ptxas rematerialises it rather than hold 32 registers in the loop).
+        # The split is exact for any layout (c = (c & ~6) + (c & 6)); only its cost depends on the layout.
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        lane_start = ((cols & 6) + (start_n - alibi_ref)).to(gl.float32) * alibi_raw
+        key_term = gl.fma((cols & ~6).to(gl.float32), alibi_raw, lane_start)
+        start = gl.expand_dims(key_term, 0).broadcast_to(s_zero.shape)  # s_zero + x is an FADD per score
     else:
         start = s_zero
     return start
