@@ -137,7 +137,8 @@ def test_bias_arguments_by_tma_and_by_loads():
     """A bias broadcast over the batch (stride 0 after expand) goes to the producer's TMA: a descriptor over its
     one batch entry, coordinate steps (0, 1), boxes of one consumer's rows x one key tile; one broadcast over the
     queries goes to the consumers' loads with its strides over the full problem (0 where it broadcasts). The bias
-    joins the scores in the units they are in: log2 e / qk_scale of the raw product, log2 e after ALiBi."""
+    joins the scores in the units they are in: log2 e / qk_scale of the raw product (ALiBi's linear form included),
+    log2 e after a softcap with ALiBi."""
     q, k = _meta(2, 4, 300, 128), _meta(2, 2, 512, 128)
     lse = _meta(2, 4, 300, dtype=torch.float32)
     plane = _meta(1, 4, 300, 512)
@@ -158,17 +159,24 @@ def test_bias_arguments_by_tma_and_by_loads():
     assert named["BIAS"] is padding
     assert (named["bias_stride_b"], named["bias_stride_h"], named["bias_stride_m"], named["bias_stride_n"]) == (
         512, 0, 0, 1)
-    assert named["bias_log2"] == pytest.approx(1.4426950408889634)
+    # ALiBi without a softcap rides in the product's start (raw units); with one the scores are in log2 units
+    assert named["bias_log2"] * named["qk_scale"] == pytest.approx(1.4426950408889634)
+    _, args, _ = fwd_sm90._launch_args(q, k, k, q, lse, False, 0.1, TWO_STAGES, 132, 1, False,
+                                       make_mask(False, None, 30.0), slopes, attn_bias=padding)
+    assert _named(args)["bias_log2"] == pytest.approx(1.4426950408889634)
     with pytest.raises(ValueError, match="bias_tma"):
         fwd_sm90._launch_args(q, k, k, q, lse, False, 0.1, TWO_STAGES, 132, 1, False, attn_bias=padding,
                               bias_tma=True)
 
 
 # (name, compile_offline arguments, LDL + STL of the triton 3.6 build). TMA: the D=128 causal 4k plan with a bf16
-# bias (two stages), a float32 bias's 64-key tiles, D=64 with overlapped items, D=256; loads: a key-padding bias
-# (the fallback: its per-element addresses spill).
+# bias (two stages; the bias in the scores' start) and with a softcap (the bias added after the tanh), a float32
+# bias's 64-key tiles, D=64 with overlapped items, D=256 (added by the softmax); loads: a key-padding bias (the
+# fallback: its per-element addresses spill).
 BIAS_BUILDS = {
-    "tma-d128-causal": (dict(head_dim=128, causal=True, tiles=TWO_STAGES, bias="tma"), 290),
+    "tma-d128-causal": (dict(head_dim=128, causal=True, tiles=TWO_STAGES, bias="tma"), 252),
+    "tma-d128-causal-softcap": (dict(head_dim=128, causal=True, tiles=TWO_STAGES, bias="tma",
+                                     mask=make_mask(True, None, 30.0)), 290),
     "tma-d128-fp32": (dict(head_dim=128, causal=True, tiles=AttentionTiles(128, 64, 8, 2, use_tma=True), bias="tma",
                            bias_dtype=torch.float32), 0),
     "tma-d64-cross": (dict(head_dim=64, causal=False, tiles=TWO_STAGES, bias="tma", q_buffers=2, cross_item=True), 0),

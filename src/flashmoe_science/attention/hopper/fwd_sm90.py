@@ -133,6 +133,33 @@ def _bias_tile(bias_ring, stage, bias_plane, bias_args, offs_m, start_n, seqlen_
     return bias.to(gl.float32) * bias_log2
 
 
+@gluon.constexpr_function
+def _bias_in_start(BIAS_TMA, SOFTCAP, BLOCK_D):
+    """Whether S_j starts from the bias tile (`_bias_start`) instead of the softmax adding it: a bias read by TMA,
+    no softcap (whose tanh comes between the product and the bias), head dims to 128 (at D=256 the start's
+    registers, live before the product is issued, cost 7 more spill instructions offline)."""
+    return bool(BIAS_TMA) and not SOFTCAP and BLOCK_D <= 128
+
+
+@gluon.jit
+def _bias_start(s_init, bias_ring, stage, bias_args, BLOCK_N: gl.constexpr, ALIBI_LINEAR: gl.constexpr,
+                BIAS_START: gl.constexpr, s_layout: gl.constexpr):
+    """BIAS_START (`_bias_in_start`): S_j's start with the bias tile in it (raw score units: bias·log2 e/qk_scale,
+    plus ALiBi's key term where s_init has it), so the product accumulates Q·K_jᵀ onto it and the softmax after
+    the product's wait is the plain one. Call after K_j's "ready" wait (the tile lands with K). The shared-memory
+    read and its conversion run before the product is issued, while the other consumer's products keep the
+    tensor cores busy, instead of between the product's wait and the exp2s; they write the accumulator's own
+    registers, so nothing more is live across the products (reading the tile into registers under the product
+    and adding it after the wait instead spilled 36 loads and 36 stores per key tile offline). Else s_init."""
+    if BIAS_START:
+        bias = _bias_tile(bias_ring, stage, 0, bias_args, None, 0, 0, 0, BLOCK_N, True, s_layout)
+        if ALIBI_LINEAR:
+            s_init = s_init + bias
+        else:
+            s_init = bias
+    return s_init
+
+
 @gluon.jit
 def _score_start(s_zero, start_n, tile_mask, BLOCK_N: gl.constexpr, ALIBI_LINEAR: gl.constexpr,
                  s_layout: gl.constexpr):
@@ -181,7 +208,7 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
     The bias is added in the units s is in at that point, so the max and exp2 below stay as without it: log2
     units after softcap + ALiBi (bias_log2 = log2 e), else the raw (or tanh'd) product that the exp2's FMA
     multiplies by qk_scale (bias_log2 = log2 e / qk_scale). Read before the stage is released: the TMA copy
-    shares K's stage.
+    shares K's stage. HAS_BIAS: add it here (not where s starts from it: `_bias_start`).
 
     Returns p = exp2(score − m_new) (unnormalised probabilities), m_new, l_new, alpha = exp2(m_old − m_new).
     """
@@ -286,17 +313,18 @@ def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_
 
 
 @gluon.jit
-def _issue_first_scores(q_tile, q_ready, q_phase, k_smem, k_ready, ring, s_zero, tile_mask,
+def _issue_first_scores(q_tile, q_ready, q_phase, k_smem, k_ready, ring, s_zero, tile_mask, bias_ring, bias_args,
                         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                        ALIBI_LINEAR: gl.constexpr, s_layout: gl.constexpr):
-    """S_0 = Q·K_0ᵀ of a work item (from `_score_start`), issued asynchronously once its Q and first K tile have
-    landed."""
+                        ALIBI_LINEAR: gl.constexpr, BIAS_START: gl.constexpr, s_layout: gl.constexpr):
+    """S_0 = Q·K_0ᵀ of a work item (from `_score_start`, and `_bias_start`), issued asynchronously once its Q and
+    first K tile have landed."""
     s_init = _score_start(s_zero, tile_mask[0], tile_mask, BLOCK_N, ALIBI_LINEAR, s_layout)
     mbarrier.wait(q_ready, q_phase)
     stage = ring % NUM_STAGES
     mbarrier.wait(k_ready.index(stage), (ring // NUM_STAGES) & 1)
+    s_init = _bias_start(s_init, bias_ring, stage, bias_args, BLOCK_N, ALIBI_LINEAR, BIAS_START, s_layout)
     return warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_init,
-                         use_acc=ALIBI_LINEAR, is_async=True)
+                         use_acc=ALIBI_LINEAR or BIAS_START, is_async=True)
 
 
 @gluon.jit
@@ -309,13 +337,16 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
     """Key tiles 1..num_tiles-1 of a work item whose tile 0 is in (p, m_i, l_i, alpha); see the module docstring.
     Returns the state after the last tile's softmax (its P·V is left to the caller)."""
     ALIBI_LINEAR: gl.constexpr = ALIBI and not SOFTCAP
+    BIAS_START: gl.constexpr = _bias_in_start(BIAS_TMA, SOFTCAP, BLOCK_D)
+    ADD_BIAS: gl.constexpr = HAS_BIAS and not BIAS_START  # the softmax adds it
     for j in range(1, num_tiles):
         prev = (ring + j - 1) % NUM_STAGES
         stage = (ring + j) % NUM_STAGES
         s_init = _score_start(s_zero, tile_mask[0] + j * BLOCK_N, tile_mask, BLOCK_N, ALIBI_LINEAR, s_layout)
         mbarrier.wait(k_ready.index(stage), ((ring + j) // NUM_STAGES) & 1)
+        s_init = _bias_start(s_init, bias_ring, stage, bias_args, BLOCK_N, ALIBI_LINEAR, BIAS_START, s_layout)
         s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_init,
-                          use_acc=ALIBI_LINEAR, is_async=True)
+                          use_acc=ALIBI_LINEAR or BIAS_START, is_async=True)
         o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         mbarrier.wait(v_ready.index(prev), ((ring + j - 1) // NUM_STAGES) & 1)
         p_op = gl.convert_layout(p.to(q_tile.dtype), p_layout)
@@ -323,7 +354,7 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale,
                                            k_empty.index(stage), bias_ring, stage, bias_args, BLOCK_N, CAUSAL,
-                                           MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA, s_layout)
+                                           MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS, BIAS_TMA, s_layout)
         o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
         mbarrier.arrive(v_empty.index(prev), count=1)
     return p, m_i, l_i, alpha, o_acc
@@ -418,6 +449,8 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     num_warps: gl.constexpr = 4
     BIAS_LOADS: gl.constexpr = HAS_BIAS and not BIAS_TMA
     ALIBI_LINEAR: gl.constexpr = ALIBI and not SOFTCAP  # see _score_start
+    BIAS_START: gl.constexpr = _bias_in_start(BIAS_TMA, SOFTCAP, BLOCK_D)
+    ADD_BIAS: gl.constexpr = HAS_BIAS and not BIAS_START  # the softmax adds it
     # wgmma layouts: warps stacked along the rows (16 rows each); instruction N = the full tile width.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -441,12 +474,13 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
         BIAS_LOADS)
     q_buf = CONSUMER * Q_BUFFERS
     s = _issue_first_scores(q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), q_ready.index(q_buf), 0, k_smem,
-                            k_ready, ring, s_zero, tile_mask, BLOCK_N, BLOCK_D, NUM_STAGES, ALIBI_LINEAR, s_layout)
+                            k_ready, ring, s_zero, tile_mask, bias_ring, bias_args, BLOCK_N, BLOCK_D, NUM_STAGES,
+                            ALIBI_LINEAR, BIAS_START, s_layout)
     s = warpgroup_mma_wait(0, deps=(s,))
     offs_m = rows[2] + gl.arange(0, ROWS, layout=s_rows)
     p, m_i, l_i, alpha = _softmax_tile(s, m_init, l_init, 0, offs_m, tile_mask, mask_args, qk_scale,
                                        k_empty.index(ring % NUM_STAGES), bias_ring, ring % NUM_STAGES, bias_args,
-                                       BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA,
+                                       BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS, BIAS_TMA,
                                        s_layout)
     o_acc = o_zero
 
@@ -468,15 +502,15 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
         n_offs_m = n_rows[2] + gl.arange(0, ROWS, layout=s_rows)
         if CROSS_ITEM:
             s = _issue_first_scores(next_q, q_ready.index(next_buf), ((item + 1) // Q_BUFFERS) & 1, k_smem, k_ready,
-                                    next_ring, s_zero, n_tile_mask, BLOCK_N, BLOCK_D, NUM_STAGES, ALIBI_LINEAR,
-                                    s_layout)
+                                    next_ring, s_zero, n_tile_mask, bias_ring, bias_args, BLOCK_N, BLOCK_D,
+                                    NUM_STAGES, ALIBI_LINEAR, BIAS_START, s_layout)
             o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
                                          p_layout)
             s = warpgroup_mma_wait(1, deps=(s,))  # the next item's S_0 is done; this item's last P·V may still run
             p, m_next, l_next, alpha = _softmax_tile(
                 s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, qk_scale, k_empty.index(next_ring % NUM_STAGES),
                 bias_ring, next_ring % NUM_STAGES, bias_args, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                HAS_BIAS, BIAS_TMA, s_layout)
+                ADD_BIAS, BIAS_TMA, s_layout)
             o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
@@ -493,13 +527,13 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                           num_q_heads, seqlen_q, varlen_args, tile_mask, ROWS, BLOCK_D, VARLEN, ALIBI_LINEAR, s_rows,
                           o_layout)
             s = _issue_first_scores(next_q, q_ready.index(next_buf), ((item + 1) // Q_BUFFERS) & 1, k_smem, k_ready,
-                                    next_ring, s_zero, n_tile_mask, BLOCK_N, BLOCK_D, NUM_STAGES, ALIBI_LINEAR,
-                                    s_layout)
+                                    next_ring, s_zero, n_tile_mask, bias_ring, bias_args, BLOCK_N, BLOCK_D,
+                                    NUM_STAGES, ALIBI_LINEAR, BIAS_START, s_layout)
             s = warpgroup_mma_wait(0, deps=(s,))
             p, m_next, l_next, alpha = _softmax_tile(
                 s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, qk_scale, k_empty.index(next_ring % NUM_STAGES),
                 bias_ring, next_ring % NUM_STAGES, bias_args, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                HAS_BIAS, BIAS_TMA, s_layout)
+                ADD_BIAS, BIAS_TMA, s_layout)
         m_i, l_i, o_acc = m_next, l_next, o_zero
         rows, cta_tiles, num_tiles, tile_mask = n_rows, n_cta_tiles, n_num_tiles, n_tile_mask
         offs_m = n_offs_m
