@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -45,7 +46,8 @@ PROFILED_CALLS = 3
 
 @dataclass
 class Case:
-    """One module pair at one model's shapes: ``make_inputs()`` -> (args, kwargs) of a call, fresh leaves."""
+    """One module pair at one model's shapes: ``make_inputs(which)`` -> (args, kwargs) of a call with fresh leaves,
+    bound (``functools.partial``) to this model's tensors, not looked up when the cases run."""
     model: str
     layer: str
     titan: torch.nn.Module | object
@@ -81,8 +83,9 @@ def _specs(size: str, titan_models) -> dict[str, tuple]:
         "qwen3_moe": (titan_models.qwen3_moe_spec(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                                                   moe_hidden_dim=32, num_experts=8, top_k=2, vocab_size=257,
                                                   max_seq_len=64, attn_backend="flex"), 2, 64, overrides),
+        # another batch and length than qwen3_moe's, as at the job size: a case handed the other model's masks fails
         "llama_100m": (titan_models.llama3_spec(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96,
-                                                vocab_size=257, max_seq_len=64, attn_backend="flex"), 2, 64,
+                                                vocab_size=257, max_seq_len=64, attn_backend="flex"), 3, 48,
                        overrides),
     }
 
@@ -94,7 +97,11 @@ def _positions(dataset_path: str, batch: int, seq_len: int) -> torch.Tensor:
     config = LocalTextDataLoader.Config(dataset_path=dataset_path)
     loader = LocalTextDataLoader(config, dp_world_size=1, dp_rank=0, tokenizer=ByteTokenizer(ByteTokenizer.Config()),
                                  seq_len=seq_len, local_batch_size=batch)
-    return next(iter(loader))[0]["positions"]
+    positions = next(iter(loader))[0]["positions"]
+    if tuple(positions.shape) != (batch, seq_len):
+        raise ValueError(f"dataset_path: its loader gave positions of shape {tuple(positions.shape)}, expected "
+                         f"(local_batch_size, seq_len) = {(batch, seq_len)}")
+    return positions
 
 
 def _bf16_params(module: torch.nn.Module, device) -> torch.nn.Module:
@@ -108,6 +115,11 @@ def _dense_flex(q, k, v, *, block_mask, scale, enable_gqa, return_aux, **_):
     """``flex_attention`` without its compiled kernel (none on the CPU): the mask function as a dense SDPA mask."""
     from torch.nn.attention.flex_attention import create_mask
 
+    # flex_attention's own check: the compiled kernel refuses a mask built for other lengths or another batch
+    mask_batch, _, mask_q, mask_kv = block_mask.shape
+    if (mask_q, mask_kv) != (q.shape[2], k.shape[2]) or mask_batch not in (1, q.shape[0]):
+        raise ValueError(f"block_mask was created for block_mask.shape={tuple(block_mask.shape)} but got batch "
+                         f"{q.shape[0]}, q_len={q.shape[2]} and kv_len={k.shape[2]}")
     mask = create_mask(block_mask.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2], device=q.device)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                             enable_gqa=enable_gqa), None
@@ -123,6 +135,22 @@ def _cpu_flex() -> None:
     if "create_block_mask(separate_full_blocks)" in torch_compat.missing():
         eager = torch_compat._create_block_mask_without_separate_full_blocks(create_block_mask)
     titan_attention._compiled_create_block_mask = eager
+
+
+def _attention_inputs(which: str, *, positions, masks, n_heads, n_kv_heads, head_dim, scale):
+    """q, k, v ``(B, L, N, H)`` of the batch and length of ``positions``, the tokens its masks were built from."""
+    batch, seq_len = positions.shape
+    q = torch.randn(batch, seq_len, n_heads, head_dim, device=positions.device, dtype=torch.bfloat16,
+                    requires_grad=True)
+    k, v = (torch.randn(batch, seq_len, n_kv_heads, head_dim, device=positions.device, dtype=torch.bfloat16,
+                        requires_grad=True) for _ in range(2))
+    return (q, k, v), dict(attention_masks=masks[which], scale=scale, enable_gqa=n_heads > n_kv_heads)
+
+
+def _moe_inputs(which: str, *, shape, device):
+    """The same x ``(B, L, D)`` for both modules, so the same routing."""
+    generator = torch.Generator(device=device).manual_seed(1)
+    return (torch.randn(shape, device=device, dtype=torch.bfloat16, generator=generator).requires_grad_(),), {}
 
 
 def build_cases(size: str, device: torch.device, dataset_path: str) -> list[Case]:
@@ -147,21 +175,12 @@ def build_cases(size: str, device: torch.device, dataset_path: str) -> list[Case
 
         attention = titan_block.attention
         head_dim = attention.head_dim or attention.dim // attention.n_heads
-        n_kv = attention.n_kv_heads or attention.n_heads
-        titan_masks = titan_model.get_attention_masks(positions)
-        ours_masks = ours_model.get_attention_masks(positions)
-        scale = head_dim ** -0.5 if attention.head_dim is not None else None
-
-        def attention_inputs(masks, b=batch, s=seq_len, n=attention.n_heads, n_kv=n_kv, h=head_dim, scale=scale):
-            q = torch.randn(b, s, n, h, device=device, dtype=torch.bfloat16, requires_grad=True)
-            k, v = (torch.randn(b, s, n_kv, h, device=device, dtype=torch.bfloat16, requires_grad=True)
-                    for _ in range(2))
-            return (q, k, v), dict(attention_masks=masks, scale=scale, enable_gqa=n > n_kv)
-
+        masks = dict(titan=titan_model.get_attention_masks(positions), ours=ours_model.get_attention_masks(positions))
         cases.append(Case(name, "attention", titan_block.attention.inner_attention.build(),
                           ours_block.attention.inner_attention.build(),
-                          lambda which, tm=titan_masks, om=ours_masks: attention_inputs(tm if which == "titan"
-                                                                                         else om), layers))
+                          partial(_attention_inputs, positions=positions, masks=masks, n_heads=attention.n_heads,
+                                  n_kv_heads=attention.n_kv_heads or attention.n_heads, head_dim=head_dim,
+                                  scale=head_dim ** -0.5 if attention.head_dim is not None else None), layers))
         if titan_block.moe is None:
             continue
         torch.manual_seed(0)
@@ -169,15 +188,9 @@ def build_cases(size: str, device: torch.device, dataset_path: str) -> list[Case
         titan_moe.init_states()
         ours_moe = ours_block.moe.build()
         ours_moe.load_state_dict(titan_moe.state_dict())  # same names and shapes
-        dim = titan_block.moe.router.gate.in_features
-
-        def moe_inputs(which, b=batch, s=seq_len, d=dim):
-            generator = torch.Generator(device=device).manual_seed(1)  # the same x for both: the same routing
-            x = torch.randn(b, s, d, device=device, dtype=torch.bfloat16, generator=generator)
-            return (x.requires_grad_(),), {}
-
-        cases.append(Case(name, "moe", _bf16_params(titan_moe, device), _bf16_params(ours_moe, device), moe_inputs,
-                          layers))
+        cases.append(Case(name, "moe", _bf16_params(titan_moe, device), _bf16_params(ours_moe, device),
+                          partial(_moe_inputs, shape=(*positions.shape, titan_block.moe.router.gate.in_features),
+                                  device=device), layers))
     return cases
 
 
