@@ -211,14 +211,14 @@ def cpu_trainer(tmp_path, monkeypatch):
     root = EXAMPLES.parents[1]
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(p.read_text() for p in sorted((root / "docs").glob("*.md"))))
-    helper = Path(__file__).with_name("torchtitan_cpu.py")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(helper.parent), str(root / "src")]))
+    cpu_launcher = Path(__file__).with_name("torchtitan_cpu.py")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(cpu_launcher.parent), str(root / "src")]))
     run = importlib.import_module("run")
 
     def train(config, ranks, *extra, steps=3):
         log = tmp_path / f"{config}-{ranks}-{len(list(tmp_path.iterdir()))}.log"
         result = run.train(config, ranks, steps, ["--dump_folder", str(tmp_path / "out"), "--dataloader.dataset_path",
-                                                  str(corpus), *extra], log, 300, launcher=helper,
+                                                  str(corpus), *extra], log, 300, launcher=cpu_launcher,
                            module="torchtitan_cpu")
         assert not result["timed_out"] and len(result["rows"]) == steps
         return result["rows"], log.read_text()
