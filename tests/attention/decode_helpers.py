@@ -253,3 +253,17 @@ def run_varlen_case(paged: bool, dtype, atol: float, *, device="cpu", backend="a
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
     finite = torch.isfinite(ref_lse)
     assert (lse[finite].to(torch.float64) - ref_lse[finite]).abs().max().item() <= max(atol, 1e-4) * 10
+
+
+def captured(call):
+    """`(graph, outputs)`: `call` run once on a side stream (its kernels compile outside the capture), then captured
+    in a CUDA graph whose replays write `outputs`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = call()
+    return graph, outputs

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from decode_helpers import assert_decode_close, make_case, run_and_check, run_varlen_case
+from decode_helpers import assert_decode_close, captured, make_case, run_and_check, run_varlen_case
 from flashmoe_science import flash_attention_decode
 from flashmoe_science.integrations.flash_attn_interface import flash_attn_with_kvcache
 
@@ -75,14 +75,7 @@ def test_capture_skips_the_check_and_bad_rows_are_nan():
     def call():
         return flash_attention_decode(case.q, k_cache, v_cache, case.cache_seqlens, **case.kwargs())
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = captured(call)
     case.cache_seqlens.copy_(torch.tensor([4095, 1500, 3000, 33], dtype=torch.int32))
     case.block_table[1, 3] = k_cache.shape[0] + 5
     before = k_cache.clone()
@@ -187,14 +180,7 @@ def test_dense_chunk_under_capture_bad_rows_are_nan():
     def call():
         return flash_attention_decode(case.q, k_cache, v_cache, case.cache_seqlens, backend="dense", **case.kwargs())
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = captured(call)
     k_cache.copy_(case.k_cache)
     v_cache.copy_(case.v_cache)
     case.cache_seqlens[0] = 2000

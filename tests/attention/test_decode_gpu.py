@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_helpers import DecodeCase, assert_decode_close, make_case, run_and_check
+from decode_helpers import DecodeCase, assert_decode_close, captured, make_case, run_and_check
 from flashmoe_science import flash_attention_decode
 
 pytestmark = pytest.mark.gpu
@@ -80,14 +80,7 @@ def test_cuda_graph_capture_and_replay():
     def call():
         return flash_attention_decode(case.q, k_cache, v_cache, case.cache_seqlens, **kwargs)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = call()
+    graph, (out, lse) = captured(call)
     for step in range(3):
         case.cache_seqlens.copy_(torch.tensor([7 + step, 2000 - step, 33, 4094], dtype=torch.int32))
         case.q.copy_(torch.randn_like(case.q))
