@@ -56,6 +56,17 @@ def test_fp8_cache(block_size, lq, num_new, dtype):
     run_and_check(case)
 
 
+@pytest.mark.parametrize("q_scale", [3e5, 1e-6], ids=["past-fp16-max", "tiny"])
+def test_fp8_cache_bf16_queries_outside_float16_range(q_scale):
+    """bf16 queries against an e4m3 cache run their products in float16 after a power-of-two shift: queries past
+    float16's largest value (65504) or below its normal range give the float64 answer, not inf or zeros (large
+    queries make the softmax one-hot, tiny ones uniform)."""
+    case = make_case([0, 700, 3000], lq=4, hq=32, hkv=8, d=128, dtype=torch.bfloat16, device=CUDA, block_size=64,
+                     capacity=4096, num_new=4, fp8=True)
+    case.q = (case.q.float() * q_scale).to(torch.bfloat16)
+    run_and_check(case)
+
+
 @pytest.mark.parametrize("mask", [dict(causal=True), dict(causal=False), dict(causal=True, window=(40, 0))],
                          ids=["causal", "full", "window"])
 @pytest.mark.parametrize("paged,dtype,atol", [(True, torch.bfloat16, 2e-2), (False, torch.float16, 3e-3)],

@@ -705,15 +705,17 @@ def dense_chunk(q, k_cache, v_cache, ends, problem: DecodeProblem):
     """(out (B, Lq, Hq, D), lse (B, Hq, Lq)) of `DenseChunk`: q against contiguous caches already appended to."""
     from flashmoe_science.attention.call import packed_forward
 
+    import triton
+
+    from flashmoe_science.attention import triton_decode as kernels
+
     batch, lq, hq, d = q.shape
     lmax, mask = problem.capacity, problem.mask
-    lengths = ends + problem.num_new
-    valid = (ends >= 0) & (lengths <= lmax)
-    lengths = torch.where(valid, lengths, torch.zeros_like(lengths))
-    row0 = torch.arange(batch, dtype=torch.int32, device=q.device) * lmax
-    cu_k = torch.nn.functional.pad(torch.stack((row0 + lengths, row0 + lmax), 1).flatten(), (1, 0))
-    q_end = torch.arange(1, batch + 1, dtype=torch.int32, device=q.device) * lq
-    cu_q = torch.nn.functional.pad(torch.stack((q_end, q_end), 1).flatten(), (1, 0))
+    cu_q = torch.empty(2 * batch + 1, dtype=torch.int32, device=q.device)
+    cu_k = torch.empty_like(cu_q)
+    invalid = torch.empty(batch, dtype=torch.bool, device=q.device)
+    kernels._chunk_bounds_kernel[(1,)](ends, cu_q, cu_k, invalid, batch, problem.num_new, lmax, lq,
+                                       BLOCK_B=triton.next_power_of_2(batch))
     window = (mask.window_left, mask.window_right) if mask.bounded_left or mask.bounded_right else None
     keys = (t.view(batch * lmax, problem.num_kv_heads, d) for t in (k_cache, v_cache))
     out, lse = packed_forward(q.reshape(batch * lq, hq, d), *keys, cu_q, cu_k, lq, lmax, causal=mask.causal,
@@ -721,8 +723,8 @@ def dense_chunk(q, k_cache, v_cache, ends, problem: DecodeProblem):
                               return_lse=True)
     out = out.view(batch, lq, hq, d)
     lse = lse.view(hq, batch, lq).transpose(0, 1).contiguous()
-    out.masked_fill_(~valid.view(batch, 1, 1, 1), float("nan"))
-    lse.masked_fill_(~valid.view(batch, 1, 1), float("nan"))
+    out.masked_fill_(invalid.view(batch, 1, 1, 1), float("nan"))
+    lse.masked_fill_(invalid.view(batch, 1, 1), float("nan"))
     return out, lse
 
 

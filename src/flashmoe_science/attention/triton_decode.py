@@ -15,7 +15,7 @@ Three kernels, launched by `attention.decode` on checked tensors:
    ``num_splits`` equal runs of BLOCK_N tiles; each program walks its run with an online softmax in base 2. Tiles
    every row sees whole run without mask arithmetic; the others use `mask.visible`. Scores go through
    `mask.score_to_log2` (scale, softcap, ALiBi); an FP8 cache's keys enter the product as e4m3 values converted to
-   q's dtype (exact), the key scale is folded into the score's scalar (scale·log2e, or the softcap's scale/c)
+   q's dtype (exact; bf16 q runs as float16, scaled by a power of two), the key scale is folded into the score's scalar (scale·log2e, or the softcap's scale/c)
    once per program and the value scale multiplies the output once.
    With one split the program writes the final output; otherwise an fp32 partial output and its log-sum-exp.
    Queries come as ``(B, Lq, Hq, D)`` (decode) or packed ``(total_q, Hq, D)`` with cu_seqlens_q (varlen).
@@ -259,7 +259,7 @@ def _attend(acc, l_i, m_i, outside, q, token, slope_log2, key_lo, key_hi,
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-        if FP8:  # e4m3 values are exact in q's dtype; the scales are folded into the score scalars and the output
+        if FP8:  # e4m3 values are exact in q's dtype (float16 for bf16 q); the scales ride the score scalars and output
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -321,6 +321,14 @@ def _decode_kernel(
         slope_log2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if FP8:  # the key scale multiplies every raw product: folded once into the scalar that multiplies it first
         k_scale = tl.load(K_SCALE + kv_head * stride_scale)
+        if q.dtype == tl.bfloat16:
+            # Products in float16: e4m3 -> float16 is one conversion per pair of values, e4m3 -> bfloat16 one more
+            # per value. q is scaled by a power of two that puts its largest |value| in (2^13, 2^14], so its bf16
+            # values stay exact (float16 keeps 11 bits); P in [0, 1] keeps more bits than in bf16.
+            q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
+            shift = tl.where((q_max > 0) & (q_max < float("inf")), tl.math.ceil(tl.math.log2(q_max)) - 14.0, 0.0)
+            q = (q.to(tl.float32) * tl.math.exp2(-shift)).to(tl.float16)
+            k_scale = k_scale * tl.math.exp2(shift)
         if SOFTCAP:
             softcap_scale = softcap_scale * k_scale
         else:
@@ -428,3 +436,32 @@ def _combine_kernel(O_PART, LSE_PART, O, LSE, CU_SEQLENS_Q, num_rows, num_splits
     tl.store(LSE + batch * stride_lb + q_head * stride_lh + q_first + token, lse)
     tl.store(O + batch * stride_ob + (q_first + token) * stride_om + q_head * stride_oh + cols,
              out.to(O.dtype.element_ty), mask=col_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. A prefill chunk's packed sequence bounds (decode.dense_chunk)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _chunk_bounds_kernel(ENDS, CU_Q, CU_K, INVALID, batch, num_new, capacity, seqlen_q, BLOCK_B: tl.constexpr):
+    """One program: sequence b of a contiguous cache (B, capacity, ...) is two packed sequences, its seqlen_q
+    queries against its rows [b·capacity, b·capacity + length_b), then no queries against the rest of its rows, with
+    length_b = ends_b + num_new; a length outside [0, capacity] (or a negative end) gives no keys and INVALID_b.
+    Writes cu_seqlens_q and cu_seqlens_k (2B + 1 entries each) and INVALID: one launch where the same on torch
+    ops took sixteen small kernels inside the chunk's CUDA graph."""
+    b = tl.arange(0, BLOCK_B)
+    in_batch = b < batch
+    ends = tl.load(ENDS + b, mask=in_batch, other=0)
+    lengths = ends + num_new
+    invalid = (ends < 0) | (lengths > capacity)
+    lengths = tl.where(invalid, 0, lengths)
+    row0 = b * capacity
+    q_end = (b + 1) * seqlen_q
+    tl.store(CU_Q + 2 * b + 1, q_end, mask=in_batch)
+    tl.store(CU_Q + 2 * b + 2, q_end, mask=in_batch)
+    tl.store(CU_K + 2 * b + 1, row0 + lengths, mask=in_batch)
+    tl.store(CU_K + 2 * b + 2, row0 + capacity, mask=in_batch)
+    tl.store(INVALID + b, invalid, mask=in_batch)
+    tl.store(CU_Q + b, 0, mask=b == 0)
+    tl.store(CU_K + b, 0, mask=b == 0)
