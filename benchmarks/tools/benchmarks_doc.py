@@ -143,12 +143,23 @@ def render_features(data: Mapping, path: Path) -> str:
 
 
 def render_decode(data: Mapping, path: Path) -> str:
-    records = data["records"]
-    return ("One new token per sequence against a full KV cache; TB/s = bytes of K and V read / time, each call a "
-            "CUDA-graph replay with L2 flushed; `read`: a kernel that only reads the same bytes; flashmoe-paged64: "
-            "the paged cache (blocks of 64, shuffled over the pool).\n\n"
-            + pivot_table(records, ("B", "L"), "tbps", ratios=(("flashmoe", "read"), ("flashmoe-paged64", "read"),
-                                                              ("flashmoe", "sdpa-cudnn")), digits=2))
+    records = [r for r in data["records"] if r.get("op", "decode") == "decode"]
+    parts = ["New tokens against a KV cache, each call a CUDA-graph replay with L2 flushed.",
+             "**Decode** (one new token per sequence; TB/s = bytes of K and V read / time; `read`: a kernel that only "
+             "reads the same bytes; paged64: blocks of 64 shuffled over the pool; fp8: e4m3 caches, half the bytes)\n\n"
+             + pivot_table(records, ("B", "L"), "tbps", ratios=(("flashmoe", "read"), ("flashmoe-paged64", "read"),
+                                                               ("flashmoe", "sdpa-cudnn")), digits=2)]
+    if any(r["backend"] == "flashmoe-fp8" for r in records):
+        timed = [r for r in records if r["backend"] in ("flashmoe", "flashmoe-fp8")]
+        parts.append("**e4m3 cache speed-up** (ms; flashmoe / flashmoe-fp8 is the time ratio)\n\n"
+                     + pivot_table(timed, ("B", "L"), "ms", ratios=(("flashmoe", "flashmoe-fp8"),), digits=4))
+    chunks = [r for r in data["records"] if r.get("op") == "prefill_chunk"]
+    if chunks:
+        parts.append("**Prefill chunks** (Lq new tokens appended to a cache of L and attending all of it, bottom-right "
+                     "causal; TFLOP/s on the visible pairs; flashmoe-dense: our dense forward of the same shape)\n\n"
+                     + pivot_table(chunks, ("Lq", "L"), "tflops", ratios=(("flashmoe-chunk", "flashmoe-dense"),
+                                                                         ("flashmoe-chunk", "sdpa-cudnn"))))
+    return "\n\n".join(parts)
 
 
 def render_records(data: Mapping, path: Path) -> str:
