@@ -18,6 +18,22 @@ def test_expert_bounds():
     assert expert_bounds(7, 4) == [0, 2, 4, 6, 7]
 
 
+@pytest.mark.parametrize("num_experts,world_size", [(8, 4), (7, 4), (128, 3), (5, 5), (9, 2), (64, 8)])
+def test_owner_arithmetic_matches_expert_bounds(num_experts, world_size):
+    """The plan's device arithmetic (owner and first expert of every id) is expert_bounds' table."""
+    import torch
+
+    from flashmoe_science.distributed.expert_parallel import _owner_and_start
+
+    bounds = expert_bounds(num_experts, world_size)
+    ids = torch.arange(num_experts)
+    owner, start = _owner_and_start(ids, num_experts, world_size)
+    expected = torch.tensor([next(r for r in range(world_size) if bounds[r] <= e < bounds[r + 1])
+                             for e in range(num_experts)])
+    assert torch.equal(owner, expected)
+    assert torch.equal(start, torch.tensor(bounds)[expected])
+
+
 @pytest.mark.parametrize("world_size", (2,))
 def test_distributed_bench_harness(distributed_case, world_size):
     distributed_case(world_size, "bench_cases.bench_scaling_smoke")

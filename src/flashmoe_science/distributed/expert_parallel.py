@@ -52,22 +52,32 @@ class _Exchange:
     recv_splits: list[list[int]]  # per chunk, per source rank
 
 
-def _plan_exchange(topk_ids: torch.Tensor, bounds: list[int], world_size: int, group, chunks: int) -> _Exchange:
+def _owner_and_start(expert_ids: torch.Tensor, num_experts: int, world_size: int):
+    """The rank owning each expert id and that rank's first expert, by `expert_bounds`' arithmetic (the first
+    ``E mod W`` ranks own one expert more): no bounds table to copy to the device."""
+    base, extra = divmod(num_experts, world_size)
+    cut = extra * (base + 1)  # experts below it belong to the larger ranks
+    owner = torch.where(expert_ids < cut, expert_ids // (base + 1), extra + (expert_ids - cut) // base)
+    return owner, owner * base + owner.clamp(max=extra)
+
+
+def _plan_exchange(topk_ids: torch.Tensor, num_experts: int, world_size: int, group, chunks: int) -> _Exchange:
     """Who sends what to whom, with one host synchronisation: the counts table goes out first (an asynchronous
     all-to-all of a few bytes), the send order of every (token, destination) pair is sorted on the device while it
-    flies, and one host copy of both count tables then sizes the transfers."""
+    flies, and one host copy of both count tables then sizes the transfers. Every step is a device op on (T, k) or
+    (T, W) tensors (H100, 16k tokens, W = 2: the counts by an accumulating index_put took 0.74 ms, by a prefix sum
+    a few µs)."""
     num_tokens, top_k = topk_ids.shape
     device = topk_ids.device
-    starts = torch.tensor(bounds[:-1], dtype=topk_ids.dtype, device=device)
-    owner = torch.bucketize(topk_ids, starts[1:], right=True)  # (T, k): the rank owning each routed expert
+    owner, _ = _owner_and_start(topk_ids, num_experts, world_size)  # (T, k): the rank owning each routed expert
     visits = torch.zeros(num_tokens, world_size, dtype=torch.bool, device=device).scatter_(1, owner, True)
     token = torch.arange(num_tokens, device=device)
-    # chunk c holds tokens [c·T // n, (c + 1)·T // n)
-    chunk = torch.bucketize(token, torch.tensor([c * num_tokens // chunks for c in range(1, chunks)],
-                                                dtype=token.dtype, device=device), right=True)
-    send_counts = torch.zeros(world_size, chunks, dtype=torch.int64, device=device)
-    send_counts.index_put_((torch.arange(world_size, device=device).repeat(num_tokens), chunk.repeat_interleave(
-        world_size)), visits.view(-1).long(), accumulate=True)  # (W destinations, chunks)
+    # chunk c holds tokens [c·T // n, (c + 1)·T // n): token t is in chunk ceil((t + 1)·n / T) - 1
+    chunk = ((token + 1) * chunks + num_tokens - 1) // max(num_tokens, 1) - 1
+    # (W destinations, chunks): prefix sums of the visits read at the chunk boundaries
+    bounds = torch.arange(chunks + 1, device=device) * num_tokens // chunks
+    prefix = torch.nn.functional.pad(visits.to(torch.int64).cumsum(0), (0, 0, 1, 0))
+    send_counts = (prefix[bounds[1:]] - prefix[bounds[:-1]]).t().contiguous()
     counts_arriving = all_to_all_counts(send_counts, group)
     # while the counts fly: every (token, destination) pair ordered by (chunk, destination, token), the pairs not
     # sent last; each with its k expert ids local to the destination (-1 for slots owned elsewhere)
@@ -75,8 +85,9 @@ def _plan_exchange(topk_ids: torch.Tensor, bounds: list[int], world_size: int, g
     keys = ((chunk.unsqueeze(1) * world_size + dest) * max(num_tokens, 1) + token.unsqueeze(1))
     order = torch.where(visits, keys, torch.iinfo(torch.int64).max).view(-1).argsort()
     pair_token, pair_dest = order // world_size, order % world_size
-    mine = owner[pair_token] == pair_dest.unsqueeze(1)
-    pair_ids = torch.where(mine, topk_ids[pair_token] - starts[pair_dest].unsqueeze(1), -1).to(torch.int32)
+    pair_owner, pair_start = _owner_and_start(topk_ids[pair_token], num_experts, world_size)
+    mine = pair_owner == pair_dest.unsqueeze(1)
+    pair_ids = torch.where(mine, topk_ids[pair_token] - pair_start, -1).to(torch.int32)
     recv_counts = counts_arriving.wait()
     tables = torch.stack((send_counts, recv_counts.to(device))).tolist()  # the one host synchronisation
     send_splits = [list(col) for col in zip(*tables[0])]  # per chunk, per destination
@@ -132,8 +143,7 @@ class _ExpertParallel(torch.autograd.Function):
         arrivals = [all_to_all(grad_out[rows], send_splits, recv_splits, group)
                     for rows, send_splits, recv_splits in zip(exchange.token_rows, exchange.send_splits,
                                                              exchange.recv_splits)]
-        dw1 = torch.zeros_like(w1_leaf) if need_dw1 else None
-        dw2 = torch.zeros_like(w2_leaf) if need_dw2 else None
+        dw1 = dw2 = None  # the first chunk's weight gradients, then the others added in place (no zero fill)
         returns = []
         for arriving, (y, x_recv, weights_recv), send_splits, recv_splits in zip(
                 arrivals, ctx.saved, exchange.send_splits, exchange.recv_splits):
@@ -147,9 +157,9 @@ class _ExpertParallel(torch.autograd.Function):
             dx_recv = grads.pop(0) if need_dx else None
             dweights_recv = grads.pop(0) if need_dweights else None
             if need_dw1:
-                dw1 += grads.pop(0)
+                dw1 = _accumulate(dw1, grads.pop(0))
             if need_dw2:
-                dw2 += grads.pop(0)
+                dw2 = _accumulate(dw2, grads.pop(0))
             returns.append((all_to_all(dx_recv, recv_splits, send_splits, group) if need_dx else None,
                             all_to_all(dweights_recv.float(), recv_splits, send_splits, group)
                             if need_dweights else None))
@@ -162,6 +172,12 @@ class _ExpertParallel(torch.autograd.Function):
         ctx.saved = ctx.exchange = None  # the local graphs are spent; the graph no longer refers to the group
         return (dx.to(x_dtype) if need_dx else None, dweights.to(w_dtype) if need_dweights else None,
                 dw1, dw2, None, None)
+
+
+def _accumulate(total, grad):
+    """total + grad, in place into total from the second term on (the first term is kept as is: no zeroed buffer
+    and no extra pass over a weight-sized tensor)."""
+    return grad if total is None else total.add_(grad)
 
 
 def _check_chunks(overlap_chunks) -> None:
@@ -201,7 +217,7 @@ def expert_parallel_experts(x, w1, w2, topk_weights, topk_ids, group=None, *, nu
                          f"got {local_experts}")
     if world_size == 1:
         return fused_experts(x, w1, w2, topk_weights, topk_ids, backend=backend)
-    exchange = _plan_exchange(topk_ids, bounds, world_size, group, overlap_chunks)
+    exchange = _plan_exchange(topk_ids, num_experts, world_size, group, overlap_chunks)
     return _ExpertParallel.apply(x, topk_weights, w1, w2, exchange, backend)
 
 
