@@ -74,10 +74,11 @@ def _plan_exchange(topk_ids: torch.Tensor, num_experts: int, world_size: int, gr
     token = torch.arange(num_tokens, device=device)
     # chunk c holds tokens [c·T // n, (c + 1)·T // n): token t is in chunk ceil((t + 1)·n / T) - 1
     chunk = ((token + 1) * chunks + num_tokens - 1) // max(num_tokens, 1) - 1
-    # (W destinations, chunks): prefix sums of the visits read at the chunk boundaries
+    # (W destinations, chunks): prefix sums of the visits read at the chunk boundaries. The scan runs along the
+    # contiguous dim of (W, T): along dim 0 of (T, W) CUDA parallelises over W only (1.5 ms at T = 16k, W = 2).
     bounds = torch.arange(chunks + 1, device=device) * num_tokens // chunks
-    prefix = torch.nn.functional.pad(visits.to(torch.int64).cumsum(0), (0, 0, 1, 0))
-    send_counts = (prefix[bounds[1:]] - prefix[bounds[:-1]]).t().contiguous()
+    prefix = torch.nn.functional.pad(visits.t().to(torch.int32).cumsum(1), (1, 0))
+    send_counts = (prefix[:, bounds[1:]] - prefix[:, bounds[:-1]]).to(torch.int64)
     counts_arriving = all_to_all_counts(send_counts, group)
     # while the counts fly: every (token, destination) pair ordered by (chunk, destination, token), the pairs not
     # sent last; each with its k expert ids local to the destination (-1 for slots owned elsewhere)
