@@ -99,9 +99,11 @@ def all_gather_into(sends: list[torch.Tensor], recvs: list[torch.Tensor], group)
     return Pending(works, wires, recvs, stagings)
 
 
-def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> Pending:
-    """Start an uneven all-to-all of the rows of ``send`` (``all_to_all_single``, asynchronous)."""
-    recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
+def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group,
+               out: torch.Tensor | None = None) -> Pending:
+    """Start an uneven all-to-all of the rows of ``send`` (``all_to_all_single``, asynchronous), into ``out`` (contiguous,
+    ``sum(recv_splits)`` rows) when given."""
+    recv = send.new_empty((sum(recv_splits), *send.shape[1:])) if out is None else out
     wire, target, staging = _wire(group, send, recv)
     work = dist.all_to_all_single(target, wire, recv_splits, send_splits, group=group, async_op=True)
     return Pending([work], [wire], [recv], [staging])

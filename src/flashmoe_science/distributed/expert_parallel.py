@@ -10,7 +10,8 @@ routes its own tokens, then:
    sorted on the device, then the call's only host synchronisation), then the token rows and their (ids, weights) with ``all_to_all_single`` of uneven splits: capacity-free, nothing dropped
    or padded, a rank may send or receive zero tokens;
 3. runs its local experts with `fused_experts` on what it received and sends the weighted partial results back;
-   each token's output is the sum of the partials of the ranks it visited.
+   each token's output is the float32 sum, in rank order, of the partials of the ranks it visited (one gather
+   over all chunks' returns, `_Exchange.combine`).
 
 Overlap: the tokens are cut into ``overlap_chunks`` consecutive pieces, each exchanged by its own asynchronous
 collectives. All dispatches are started first; then for each piece, its experts run as soon as its tokens have
@@ -50,6 +51,22 @@ class _Exchange:
     local_ids: list[torch.Tensor]  # per chunk: (rows, k) int32 expert ids local to the destination, -1 elsewhere
     send_splits: list[list[int]]  # per chunk, per destination rank
     recv_splits: list[list[int]]  # per chunk, per source rank
+    # (T, W): the row of each (token, destination) pair in the send order over all chunks, which is also its row in
+    # the concatenated returns; -1 (the returns' extra zero row) where the token does not visit that rank
+    slots: torch.Tensor
+
+    def returns_buffer(self, like: torch.Tensor, width: int) -> torch.Tensor:
+        """Rows for every chunk's returns in send order, plus a last zero row that ``slots`` -1 reads."""
+        total = sum(sum(splits) for splits in self.send_splits)
+        buffer = like.new_empty((total + 1, width))
+        buffer[-1].zero_()
+        return buffer
+
+    def combine(self, returned: torch.Tensor, dtype) -> torch.Tensor:
+        """Each token's sum of the rows the ranks it visited sent back: one gather of (T, W) rows and a float32 sum
+        in rank order, deterministic (an fp32 copy and an index_add per chunk took 0.8 ms at T = 16k, d = 2048 on
+        an H100; this, one pass over the returns)."""
+        return returned[self.slots].sum(1, dtype=torch.float32).to(dtype)
 
 
 def _owner_and_start(expert_ids: torch.Tensor, num_experts: int, world_size: int):
@@ -89,6 +106,9 @@ def _plan_exchange(topk_ids: torch.Tensor, num_experts: int, world_size: int, gr
     pair_owner, pair_start = _owner_and_start(topk_ids[pair_token], num_experts, world_size)
     mine = pair_owner == pair_dest.unsqueeze(1)
     pair_ids = torch.where(mine, topk_ids[pair_token] - pair_start, -1).to(torch.int32)
+    position = torch.empty(num_tokens * world_size, dtype=torch.int64, device=device)
+    position[order] = torch.arange(num_tokens * world_size, device=device)
+    slots = torch.where(visits.view(-1), position, -1).view(num_tokens, world_size)
     recv_counts = counts_arriving.wait()
     tables = torch.stack((send_counts, recv_counts.to(device))).tolist()  # the one host synchronisation
     send_splits = [list(col) for col in zip(*tables[0])]  # per chunk, per destination
@@ -99,7 +119,7 @@ def _plan_exchange(topk_ids: torch.Tensor, num_experts: int, world_size: int, gr
         token_rows.append(pair_token[first:stop])
         local_ids.append(pair_ids[first:stop])
         first = stop
-    return _Exchange(group, token_rows, local_ids, send_splits, recv_splits)
+    return _Exchange(group, token_rows, local_ids, send_splits, recv_splits, slots)
 
 
 class _ExpertParallel(torch.autograd.Function):
@@ -116,7 +136,8 @@ class _ExpertParallel(torch.autograd.Function):
             meta = torch.cat((ids, topk_weights[rows].float().view(torch.int32)), dim=1)  # one message
             arrivals.append((all_to_all(x[rows], send_splits, recv_splits, group),
                              all_to_all(meta, send_splits, recv_splits, group)))
-        saved, returns = [], []
+        saved, returns, first = [], [], 0
+        returned = exchange.returns_buffer(x, x.shape[1])
         for (x_arriving, meta_arriving), send_splits, recv_splits in zip(arrivals, exchange.send_splits,
                                                                          exchange.recv_splits):
             x_recv, meta_recv = x_arriving.wait(), meta_arriving.wait()
@@ -127,10 +148,12 @@ class _ExpertParallel(torch.autograd.Function):
                 weights_recv.requires_grad_(ctx.needs_input_grad[1])
                 y = fused_experts(x_recv, w1_leaf, w2_leaf, weights_recv, ids_recv, backend=backend)
             saved.append((y, x_recv, weights_recv) if needs_grad else None)
-            returns.append(all_to_all(y.detach(), recv_splits, send_splits, group))
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for rows, partials in zip(exchange.token_rows, returns):
-            out.index_add_(0, rows, partials.wait().float())  # the sum over the ranks each token visited
+            stop = first + sum(send_splits)
+            returns.append(all_to_all(y.detach(), recv_splits, send_splits, group, out=returned[first:stop]))
+            first = stop
+        for partials in returns:
+            partials.wait()
+        out = exchange.combine(returned, x.dtype)  # the sum over the ranks each token visited
         ctx.exchange, ctx.saved, ctx.leaves = exchange, saved, (w1_leaf, w2_leaf)
         ctx.shapes = (x.shape, x.dtype, topk_weights.shape, topk_weights.dtype)
         return out.to(x.dtype)
@@ -145,7 +168,10 @@ class _ExpertParallel(torch.autograd.Function):
                     for rows, send_splits, recv_splits in zip(exchange.token_rows, exchange.send_splits,
                                                              exchange.recv_splits)]
         dw1 = dw2 = None  # the first chunk's weight gradients, then the others added in place (no zero fill)
-        returns = []
+        returns, first = [], 0
+        dx_returned = exchange.returns_buffer(grad_out, x_shape[1]) if need_dx else None  # x's dtype, as dx_recv
+        dweights_returned = (exchange.returns_buffer(grad_out.new_empty(0, dtype=torch.float32), w_shape[1])
+                             if need_dweights else None)
         for arriving, (y, x_recv, weights_recv), send_splits, recv_splits in zip(
                 arrivals, ctx.saved, exchange.send_splits, exchange.recv_splits):
             grad_recv = arriving.wait()
@@ -161,18 +187,19 @@ class _ExpertParallel(torch.autograd.Function):
                 dw1 = _accumulate(dw1, grads.pop(0))
             if need_dw2:
                 dw2 = _accumulate(dw2, grads.pop(0))
-            returns.append((all_to_all(dx_recv, recv_splits, send_splits, group) if need_dx else None,
-                            all_to_all(dweights_recv.float(), recv_splits, send_splits, group)
-                            if need_dweights else None))
-        dx = torch.zeros(x_shape, dtype=torch.float32, device=grad_out.device) if need_dx else None
-        dweights = torch.zeros(w_shape, dtype=torch.float32, device=grad_out.device) if need_dweights else None
-        for rows, (dx_back, dweights_back) in zip(exchange.token_rows, returns):
-            for total, back in ((dx, dx_back), (dweights, dweights_back)):
-                if back is not None:
-                    total.index_add_(0, rows, back.wait().float())
+            stop = first + sum(send_splits)
+            if need_dx:
+                returns.append(all_to_all(dx_recv, recv_splits, send_splits, group, out=dx_returned[first:stop]))
+            if need_dweights:
+                returns.append(all_to_all(dweights_recv.float(), recv_splits, send_splits, group,
+                                          out=dweights_returned[first:stop]))
+            first = stop
+        for back in returns:
+            back.wait()
+        dx = exchange.combine(dx_returned, x_dtype) if need_dx else None
+        dweights = exchange.combine(dweights_returned, w_dtype) if need_dweights else None
         ctx.saved = ctx.exchange = None  # the local graphs are spent; the graph no longer refers to the group
-        return (dx.to(x_dtype) if need_dx else None, dweights.to(w_dtype) if need_dweights else None,
-                dw1, dw2, None, None)
+        return dx, dweights, dw1, dw2, None, None
 
 
 def _accumulate(total, grad):
