@@ -3,6 +3,7 @@ place: forward + backward time and a torch.profiler table of the top-20 kernels 
 
     PYTHONPATH=src:/tmp/site python benchmarks/tools/bench_torchtitan_moe_layer.py --out "$OUT"
     PYTHONPATH=src python benchmarks/tools/bench_torchtitan_moe_layer.py --size tiny --device cpu   # smoke run
+    ... --cases qwen3_moe/moe                     # one case (comma list of model/layer)
 
 Cases, at the shapes of ``examples/torchtitan/flashmoe_jobs.py`` (``--size job``; ``tiny``: a few-token model for
 CPU):
@@ -153,7 +154,8 @@ def _moe_inputs(which: str, *, shape, device):
     return (torch.randn(shape, device=device, dtype=torch.bfloat16, generator=generator).requires_grad_(),), {}
 
 
-def build_cases(size: str, device: torch.device, dataset_path: str) -> list[Case]:
+def build_cases(size: str, device: torch.device, dataset_path: str, only: set[str] | None = None) -> list[Case]:
+    """The cases (``model/layer`` names in ``only``, default all), building nothing for a model none of them names."""
     titan_models = _titan_modules()
     from torchtitan.config import OverrideConfig, apply_overrides
 
@@ -163,6 +165,8 @@ def build_cases(size: str, device: torch.device, dataset_path: str) -> list[Case
         _cpu_flex()
     cases = []
     for name, (spec, batch, seq_len, overrides) in _specs(size, titan_models).items():
+        if only is not None and not any(case.split("/")[0] == name for case in only):
+            continue
         ours_config = copy.deepcopy(spec.model)
         apply_overrides(OverrideConfig(imports=[f"{ours.__name__}.{o}" for o in overrides]), ours_config)
         titan_block, ours_block = spec.model.layers[0], ours_config.layers[0]
@@ -191,7 +195,7 @@ def build_cases(size: str, device: torch.device, dataset_path: str) -> list[Case
         cases.append(Case(name, "moe", _bf16_params(titan_moe, device), _bf16_params(ours_moe, device),
                           partial(_moe_inputs, shape=(*positions.shape, titan_block.moe.router.gate.in_features),
                                   device=device), layers))
-    return cases
+    return [case for case in cases if only is None or f"{case.model}/{case.layer}" in only]
 
 
 def _step(module, case: Case, which: str):
@@ -285,9 +289,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--calls", type=int, default=5, help="timed calls per module on the CPU")
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler tables")
     parser.add_argument("--out", default="results/torchtitan")
+    parser.add_argument("--cases", default="",
+                        help="comma list of model/layer to run (e.g. qwen3_moe/moe; default: every case)")
     args = parser.parse_args(argv)
     if args.calls < 1:
         raise ValueError(f"--calls must be >= 1, got {args.calls}")
+    only = set(args.cases.split(",")) if args.cases else None
+    known = {f"{m}/{layer}" for m in ("qwen3_moe", "llama_100m") for layer in ("masks", "attention", "moe")}
+    if only is not None and not only <= known:
+        raise ValueError(f"--cases: unknown {', '.join(sorted(only - known))}; expected some of "
+                         f"{', '.join(sorted(known))}")
     device = torch.device(args.device)
     dataset_path = args.dataset_path or ("results/torchtitan/corpus.txt" if args.size == "job" else _corpus_of_docs())
     from flashmoe_science.bench.report import gpu_name
@@ -299,7 +310,7 @@ def main(argv=None) -> dict:
     def save(results):
         (out / "torchtitan_layers.json").write_text(json.dumps({**report, "results": results}, indent=2))
 
-    cases = build_cases(args.size, device, dataset_path)
+    cases = build_cases(args.size, device, dataset_path, only)
     results = run(cases, device, args.calls, not args.no_profile, save)
     print(f"\n{'case':<24}{'titan ms':>10}{'ours ms':>10}{'ours/titan':>12}{'x layers':>10}{'step delta ms':>15}")
     for r in results:

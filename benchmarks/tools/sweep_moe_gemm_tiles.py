@@ -23,6 +23,13 @@ candidates, never the layer timings. Writes sweep_moe.json and sweep_moe.txt (th
 
 --offline: no GPU needed; compiles every candidate for sm_90 and reports registers, spills (local memory, LDL/STL),
 shared memory, the HGMMA/HMMA instructions and the loads (LDGSTS = cp.async, UTMALDG = TMA) of each kernel.
+
+The down and dx candidates are timed with their combine (``tiles.COMBINES``): the accumulator's zeroing and rounding
+for the atomic one, the summing pass for the rows one. ``--combine both`` also tries every down/dx candidate with the
+other combine, and times the whole layer (the planner's kernels, Gluon on Hopper) with each:
+``{fwd,bwd}/flashmoe-combine-{atomic,rows}`` rows of the layer table, the measurement behind
+``tiles.choose_combine``. ``qwen3-moe-titan`` is the TorchTitan example job's MoE layer (E=64, top-8, d=1536, F=256,
+4x4096 tokens), whose K = 256 / 512 down and dx GEMMs are small against their (T·k, d) epilogues.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ from flashmoe_science.moe import gemms, layer
 from flashmoe_science.moe import triton_gemm as tg
 from flashmoe_science.moe.dispatch import ExpertSort, max_row_tiles
 from flashmoe_science.moe.plan import plan_kernels
-from flashmoe_science.moe.tiles import GemmTiles, MoETiles, choose_tiles, gemm_smem_bytes, sm_count, smem_limit, split_k_for
+from flashmoe_science.moe.tiles import (COMBINES, GemmTiles, MoETiles, choose_tiles, gemm_smem_bytes, sm_count,
+                                        smem_limit, split_k_for)
 
 SMEM_LIMIT = smem_limit(torch.device("meta"))  # an H200's, as the heuristic sizes for
 CASES = (  # (model, T, passes), most wanted first: a run that hits --budget-s loses the last ones' candidates
@@ -55,7 +63,13 @@ CASES = (  # (model, T, passes), most wanted first: a run that hits --budget-s l
     ("qwen3-30b-a3b", 16, ("fwd", "bwd")),
     ("mixtral-8x7b", 16384, ("fwd", "bwd")),
     ("mixtral-8x7b", 256, ("fwd", "bwd")),  # 64 rows per expert: the block_m = 64 regime
+    ("qwen3-moe-titan", 16384, ("fwd", "bwd")),  # examples/torchtitan's Qwen3-MoE job: F = 256, top-8
 )
+# the benchmark's models and the TorchTitan example job's MoE layer (examples/torchtitan/flashmoe_jobs.py)
+SWEEP_MODELS = {**MODELS, "qwen3-moe-titan": dict(num_experts=64, top_k=8, d_model=1536, d_ff=256)}
+COMBINE_MODES = {"heuristic": False, "both": True}  # --combine: whether down/dx also try the other combine
+TRY_OTHER_COMBINE = [False]
+MAX_REL_ERR_ROWS = 1e-2  # against the other combine: its rows are rounded to bf16 before the sum (~2^-9 each)
 PASS_GEMMS = {"fwd": ("up", "down"), "bwd": ("up_bwd", "dx", "dw1", "dw2")}
 MAX_REL_ERR = 1e-3  # a candidate further than this from the heuristic's output is never "best" (tiles agree to ~1e-5)
 FLOP_FACTOR = {"up": 4, "down": 2, "up_bwd": 2, "dx": 4, "dw1": 4, "dw2": 2}  # x P·d·F
@@ -108,7 +122,7 @@ _COMPUTE = {  # hundreds of rows per expert: tensor-core bound (offline sm_90 bu
 
 
 def _dims(model):
-    s = MODELS[model]
+    s = SWEEP_MODELS[model]
     return s["num_experts"], s["top_k"], s["d_model"], s["d_ff"]
 
 
@@ -129,16 +143,20 @@ def candidates(model: str, num_tokens: int, gemm: str, device=torch.device("meta
             specs = specs[:1] + [(bm, gm, split_k_for(g, row_tiles, k_dim, d_model, sms)) for bm, gm, g in specs[1:]]
         # and split-K variants around the heuristic's own
         specs += [(None, None, replace(own, split_k=s)) for s in (1, own.split_k // 2, own.split_k * 2) if s >= 1]
+    combines = [base.combine]
+    if TRY_OTHER_COMBINE[0] and gemm in ("down", "dx"):
+        combines += [mode for mode in COMBINES if mode != base.combine]
     out, seen = [], set()
-    for block_m, group_m, g in specs:
-        block_m = block_m or base.block_m
-        if gemm_smem_bytes(gemm, block_m, g) > SMEM_LIMIT:
-            continue
-        tiles = replace(base, block_m=block_m, group_m=group_m or base.group_m, **{gemm: g})
-        key = (tiles.block_m, tiles.group_m, g)
-        if key not in seen:
-            seen.add(key)
-            out.append(tiles)
+    for combine in combines:
+        for block_m, group_m, g in specs:
+            block_m = block_m or base.block_m
+            if gemm_smem_bytes(gemm, block_m, g) > SMEM_LIMIT or (combine == "rows" and g.split_k > 1):
+                continue
+            tiles = replace(base, block_m=block_m, group_m=group_m or base.group_m, combine=combine, **{gemm: g})
+            key = (tiles.block_m, tiles.group_m, combine, g)
+            if key not in seen:
+                seen.add(key)
+                out.append(tiles)
     return out
 
 
@@ -153,6 +171,8 @@ def label(tiles: MoETiles, gemm: str) -> str:
         text += f" sk{g.split_k}"
     if g.persistent:
         text += f" p{g.persistent}"
+    if gemm in ("down", "dx") and tiles.combine != "atomic":
+        text += f" {tiles.combine}"
     return text + f" g{tiles.group_m}"  # the weight gradients' output tiles take group_m too
 
 
@@ -183,6 +203,8 @@ class Buffers:
         self.h_out = torch.empty((num_rows, d_ff), dtype=dt, device=dev)
         self.dgu_out = torch.empty((num_rows, 2 * d_ff), dtype=dt, device=dev)
         self.out32 = torch.zeros(x.shape, dtype=torch.float32, device=dev)
+        self.rows_out = torch.empty((num_rows, x.shape[1]), dtype=dt, device=dev)  # the rows combine's
+        self.combined = torch.empty(x.shape, dtype=dt, device=dev)
         self.dweights = torch.zeros(weights32.shape, dtype=torch.float32, device=dev)
         self.dw1 = torch.empty(w1.shape, dtype=dt, device=dev)
         self.dw2 = torch.empty(w2.shape, dtype=dt, device=dev)
@@ -198,21 +220,38 @@ class Buffers:
         if gemm == "up":
             return tg.up_swiglu_launch(self.x, self.w1, self.h_out, None, s, tiles)
         if gemm == "down":
-            return tg.down_forward_launch(self.h_in, self.w2, self.out32, self.weights32, s, tiles)
+            return tg.down_forward_launch(self.h_in, self.w2, self._combine_out(tiles), self.weights32, s, tiles)
         if gemm == "up_bwd":
             return tg.dh_launch(self.grad_out, self.w2, self.h_out, s, tiles)
         if gemm == "dx":
-            return tg.dx_launch(self.dgu_in, self.w1, self.out32, s, tiles)
+            return tg.dx_launch(self.dgu_in, self.w1, self._combine_out(tiles), s, tiles)
         if gemm == "dw1":
             return tg.dw1_launch(self.dgu_in, self.x_sorted, self.dw1, s, tiles)
         return tg.dw2_launch(self.g_sorted, self.h_in, self.dw2, s, tiles)
 
-    def result(self, gemm: str) -> torch.Tensor:
-        """The GEMM's output after one launch from zeroed accumulators (call ``reset`` first), rows per pair."""
+    def _combine_out(self, tiles: MoETiles):
+        return self.rows_out if tiles.combine == "rows" else self.out32
+
+    def timed(self, gemm: str, tiles: MoETiles, launch):
+        """What to time for a candidate: the launch, and for down / dx with their combine's own work around it
+        (the accumulator's zeroing and rounding, or the rows' summing pass), as the layer runs them."""
+        if gemm not in ("down", "dx"):
+            return launch
+        if tiles.combine == "rows":
+            combine = gemms.combine_launch(self.rows_out, self.combined, self.sort, tiles)
+            return lambda: (launch(), combine())
+        return lambda: (self.out32.zero_(), launch(), self.out32.to(self.x.dtype))
+
+    def result(self, gemm: str, tiles: MoETiles) -> torch.Tensor:
+        """The GEMM's output after one launch from zeroed accumulators (call ``reset`` first), rows per pair; down
+        and dx: the (T, d) result after their combine."""
         rows = self.sort.pair_row.long()
         if gemm in ("up", "up_bwd"):  # h, or dh = dout @ w2: both (rows, F)
             return self.h_out[rows]
         if gemm in ("down", "dx"):
+            if tiles.combine == "rows":
+                gemms.combine_launch(self.rows_out, self.combined, self.sort, tiles)()
+                return self.combined
             return self.out32
         return self.dw1 if gemm == "dw1" else self.dw2
 
@@ -489,11 +528,11 @@ def gpu_sweep(cases, out_dir, budget_s, workers, device=None):
                         launch = buf.launch(gemm, tiles)
                         buf.reset()
                         kernel = launch()
-                        out = buf.result(gemm).float()
+                        out = buf.result(gemm, tiles).float()
                         if ref is None:
                             ref = out.clone()
                         err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-                        ms = _bench(launch)
+                        ms = _bench(buf.timed(gemm, tiles, launch))
                     except Exception as error:  # noqa: BLE001
                         rows.append({**rec, "error": f"{type(error).__name__}: {str(error)[:300]}"})
                         continue
@@ -516,6 +555,17 @@ def gpu_sweep(cases, out_dir, budget_s, workers, device=None):
                                        "torch_grouped_mm": torch_rec}
                 lines += _gemm_table(gemm, rows, torch_rec, num_tokens <= 16)
                 print("\n".join(lines[-(len(rows) + 2):]), flush=True)
+        if TRY_OTHER_COMBINE[0]:  # the whole layer (the planner's kernels: Gluon on Hopper) with each combine
+            for mode in COMBINES:
+                for pass_ in passes:
+                    flops = bench_moe.expert_gemm_flops(num_tokens, top_k, d_model, d_ff, pass_)
+                    try:
+                        tiles = _without_split_k(replace(base, combine=mode)) if mode == "rows" else \
+                            replace(base, combine=mode)
+                        ms = _bench(_layer_with_tiles(tensors, top_k, tiles, pass_), rep=100)
+                        case["layer"][f"{pass_}/flashmoe-combine-{mode}"] = {"ms": ms, "tflops": flops / ms / 1e9}
+                    except Exception as error:  # noqa: BLE001
+                        print(f"  layer {pass_} with the {mode} combine failed: {error}")
         # the layer again with each GEMM's best candidate among those that keep the heuristic's block_m
         best = _best_tiles(base, case["gemms"])
         case["best_tiles"] = dataclasses.asdict(best)
@@ -564,17 +614,28 @@ def _gemm_table(gemm, rows, torch_rec, show_bw):
     return out
 
 
+def _without_split_k(tiles: MoETiles) -> MoETiles:
+    return replace(tiles, down=replace(tiles.down, split_k=1), dx=replace(tiles.dx, split_k=1))
+
+
+def _close_enough(row, base: MoETiles) -> bool:
+    limit = MAX_REL_ERR if row["tiles"]["combine"] == base.combine else MAX_REL_ERR_ROWS
+    return row["rel_err_vs_heuristic"] < limit
+
+
 def _best_tiles(base: MoETiles, gemms: dict) -> MoETiles:
     best = base
     for gemm, data in gemms.items():
         timed = [r for r in data["candidates"] if "ms" in r and r["tiles"]["block_m"] == base.block_m
-                 and r["rel_err_vs_heuristic"] < MAX_REL_ERR]
+                 and _close_enough(r, base)]
         if timed:
             winner = min(timed, key=lambda r: r["ms"])["tiles"]
             best = replace(best, **{gemm: GemmTiles(**winner[gemm])})
             if gemm == "up":  # group_m is shared: take the forward GEMM1's
                 best = replace(best, group_m=winner["group_m"])
-    return best
+            if gemm in ("down", "dx"):  # one combine for both: dx's (the longer K, twice down's FLOPs) last
+                best = replace(best, combine=winner["combine"])
+    return _without_split_k(best) if best.combine == "rows" else best
 
 
 def _layer_lines(case):
@@ -596,7 +657,10 @@ def main():
     parser.add_argument("--gemms", default="", help="comma list of GEMMs to sweep (default: all of PASS_GEMMS)")
     parser.add_argument("--budget-s", type=float, default=180.0, help="wall-clock budget of the GPU candidate loop")
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    parser.add_argument("--combine", choices=tuple(COMBINE_MODES), default="heuristic",
+                        help="both: down/dx candidates and the whole layer with either combine (tiles.COMBINES)")
     args = parser.parse_args()
+    TRY_OTHER_COMBINE[0] = COMBINE_MODES[args.combine]
     cases = CASES
     if args.cases:
         wanted = {tuple(c.split(":")) for c in args.cases.split(",")}

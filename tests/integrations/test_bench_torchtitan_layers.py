@@ -31,6 +31,15 @@ def test_tiny_layers_run_on_cpu(tool, tmp_path):
     assert all(r["titan_ms"] > 0 and r["ours_ms"] > 0 for r in report["results"])
 
 
+def test_cases_flag_runs_only_the_named_cases(tool, tmp_path):
+    tool.main(["--size", "tiny", "--device", "cpu", "--calls", "1", "--no-profile", "--out", str(tmp_path),
+               "--cases", "qwen3_moe/moe"])
+    report = json.loads((tmp_path / "torchtitan_layers.json").read_text())
+    assert [(r["model"], r["layer"]) for r in report["results"]] == [("qwen3_moe", "moe")]
+    with pytest.raises(ValueError, match="--cases: unknown qwen3_moe/mlp"):
+        tool.main(["--size", "tiny", "--device", "cpu", "--out", str(tmp_path), "--cases", "qwen3_moe/mlp"])
+
+
 def test_tiny_models_differ_in_batch_and_length(tool):
     """Two shapes, so a case handed another model's masks or inputs fails on the CPU as on the GPU."""
     specs = tool._specs("tiny", tool._titan_modules())

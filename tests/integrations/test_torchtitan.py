@@ -132,11 +132,15 @@ def test_sliding_window_matches_titan_varlen_semantics():
         torch.testing.assert_close(attention(q, k, v, attention_masks=meta), expected, rtol=1e-10, atol=1e-10)
 
 
-def test_routed_experts_match_titan_dispatch_float64():
+def test_routed_experts_match_titan_dispatch_float64(monkeypatch):
     spec = _titan_models().qwen3_moe_spec(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
                                           moe_hidden_dim=24, num_experts=6, top_k=3, vocab_size=50, max_seq_len=32)
     reference, model = _pair(spec, ["flash_routed_experts"], torch.float64)
     titan, flash = reference.layers["0"].moe, model.layers["0"].moe
+    # TorchTitan's configs build the all-to-all dispatcher; without an EP mesh it only reorders local tokens, which
+    # fused_experts does itself: the layer must not call it (nor run the experts at top-1 over its (T·K, D) rows)
+    assert ours.dispatches_locally(flash.routed_experts.token_dispatcher)
+    monkeypatch.setattr(flash.routed_experts.token_dispatcher, "dispatch", None)
     experts = titan.routed_experts.inner_experts
     x = torch.randn(2, 16, 32, dtype=torch.float64)
     with torch.no_grad():
@@ -144,7 +148,8 @@ def test_routed_experts_match_titan_dispatch_float64():
     counts = torch.zeros(6, dtype=torch.int64).scatter_add_(0, ids.flatten(), torch.ones(ids.numel(), dtype=torch.int64))
 
     def titan_experts(x_BLD, scores):
-        """TorchTitan's dispatch and combine around its dense SwiGLU FeedForward, one expert at a time."""
+        """TorchTitan's dispatch around its dense SwiGLU FeedForward, one expert at a time, and its combine's
+        weighted scatter-add in float64 (``LocalTokenDispatcher.combine`` rounds the weighted rows to float32)."""
         dispatcher = titan.routed_experts.token_dispatcher
         rows, grouped_counts, meta = dispatcher.dispatch(x_BLD.view(-1, 32), scores.view(-1, 3), ids.view(-1, 3),
                                                          counts)
@@ -154,7 +159,9 @@ def test_routed_experts_match_titan_dispatch_float64():
         outs = [torch.func.functional_call(ffn, {"w1.weight": experts.w1_EFD[e], "w2.weight": experts.w2_EDF[e],
                                                  "w3.weight": experts.w3_EFD[e]}, (part,))
                 for e, part in enumerate(rows.split(grouped_counts.tolist()))]
-        return dispatcher.combine(torch.cat(outs), meta, x_BLD.view(-1, 32)).view_as(x_BLD)
+        weighted = torch.cat(outs) * meta.topk_scores_experts_sorted_N[:, None]
+        return torch.zeros_like(x_BLD.view(-1, 32)).index_add(0, meta.token_indices_experts_sorted_N,
+                                                              weighted).view_as(x_BLD)
 
     x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
     scores_ref, scores_ours = scores.clone().requires_grad_(), scores.clone().requires_grad_()

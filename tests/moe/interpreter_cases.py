@@ -404,3 +404,76 @@ def test_describe_moe_names_the_kernels_that_run(monkeypatch, training):
         fused_moe(x, w1, w2, logits, 2, backend="triton")
     assert ran and ran == described_kernels(description), description
     assert ("triton_gemm.dw1_launch" in ran) == training
+
+
+# ------------------------------------------------------------------------------------------------ the two combines
+def _layer_grads(x, w1, w2, weights, ids, tiles, grad_out):
+    from flashmoe_science.moe import layer
+
+    weights32 = weights.float().contiguous()
+    plan = plan_kernels(x, w1, w2, ids.shape[1], tiles, training=True)
+    out, saved = layer.moe_forward(x, w1, w2, weights32, ids, plan, save_for_backward=True)
+    dx, dw1, dw2, dweights = layer.moe_backward(grad_out, x, w1, w2, weights32, saved)
+    return out, (dx, dw1, dw2, dweights.to(weights.dtype))
+
+
+@pytest.mark.parametrize("combine", ["atomic", "rows"])
+@pytest.mark.parametrize("num_tokens, d_model, d_ff, num_experts, top_k, dtype", [
+    (13, 48, 40, 5, 1, torch.float32),
+    (19, 40, 24, 6, 2, torch.float16),
+    (11, 48, 40, 16, 8, torch.float32),
+    (7, 32, 24, 12, 8, torch.float16),
+])
+def test_both_combines_match_float64(combine, num_tokens, d_model, d_ff, num_experts, top_k, dtype):
+    """The down GEMM and dx with atomics into (T, d) or rows stored in sorted order and summed per token
+    (tiles.COMBINES), forward and backward against float64: odd sizes, top-k 1/2/8, the last two experts without
+    rows, a dropped slot and, for top_k > 1, a token whose every slot is dropped (its output and dx are zeros)."""
+    from dataclasses import replace
+
+    from flashmoe_science.moe.tiles import choose_tiles
+
+    x, w1, w2 = make_experts(num_tokens, d_model, d_ff, num_experts, dtype)
+    ids = _random_ids(num_tokens, top_k, num_experts - 2)
+    ids[1, 0] = -1
+    if top_k > 1:
+        ids[2, :] = -1
+    weights = torch.rand(num_tokens, top_k)
+    tiles = replace(choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, x.device), combine=combine)
+    grad_out = torch.randn(x.shape).to(dtype)
+    out, grads = _layer_grads(x, w1, w2, weights, ids, tiles, grad_out)
+
+    leaves64 = [t.detach().double().requires_grad_() for t in (x, w1, w2, weights)]
+    ref = reference64(*leaves64, ids)
+    ref_grads = torch.autograd.grad(ref, leaves64, grad_out.double())
+    leaves_same = [t.detach().clone().requires_grad_() for t in (x, w1, w2, weights)]
+    same = torch_loop_same_dtype(*leaves_same, ids)
+    same_grads = torch.autograd.grad(same, leaves_same, grad_out)
+    assert_within_budget("out", out, same, ref)
+    for name, g_ours, g_same, g_ref in zip(("dx", "dw1", "dw2", "dweights"), grads, same_grads, ref_grads):
+        assert_within_budget(name, g_ours, g_same, g_ref)
+    if top_k > 1:
+        assert torch.all(out[2] == 0) and torch.all(grads[0][2] == 0)
+    if combine == "rows":  # a fixed order of the k additions: the same bits on every run
+        again, grads_again = _layer_grads(x, w1, w2, weights, ids, tiles, grad_out)
+        assert torch.equal(out, again) and torch.equal(grads[0], grads_again[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("num_tokens, top_k, num_cols", [(1, 1, 8), (9, 3, 600), (5, 8, 33)])
+def test_combine_pass_sums_each_tokens_rows_in_slot_order(dtype, num_tokens, top_k, num_cols):
+    """``triton_gemm.combine_rows_launch`` against float64: out[t] = sum_j rows[pair_row[t, j]], dropped slots add
+    nothing, rows nobody points at (poisoned with NaN) are never read; columns past one block (600 > 512)."""
+    from flashmoe_science.moe import triton_gemm
+
+    ids = _random_ids(num_tokens, top_k, 10)
+    ids[0, 0] = -1
+    sort = sort_pairs_by_expert(ids, 10, 16)
+    num_rows = sort.sorted_pair_ids.numel()
+    rows = torch.randn(num_rows, num_cols).to(dtype)
+    rows[sort.sorted_pair_ids >= sort.num_pairs] = float("nan")
+    out = torch.full((num_tokens, num_cols), float("nan"), dtype=dtype)
+    triton_gemm.combine_rows_launch(rows, out, sort)()
+    pair_row = sort.pair_row.long().view(num_tokens, top_k)
+    expected = torch.where((pair_row >= 0)[..., None], rows.double()[pair_row.clamp_min(0)], 0.0).sum(1)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(out.double(), expected, **tol)

@@ -235,3 +235,57 @@ def test_forward_runs_the_gluon_down_and_matches_the_reference():
     baseline = torch_loop_same_dtype(x, w1, w2, weights, ids)
     assert_within_budget("eager", out, baseline, ref)
     assert_within_budget("prepared", again, baseline, ref)
+
+
+# ---------------------------------------------------------------------------------------------- the rows combine
+def test_rows_variant_stores_to_sorted_rows_in_the_operand_dtype():
+    # the rows combine (tiles.COMBINES): out is (sort rows, d) in h's dtype; the float32 (T, d) accumulator and a
+    # config with the tail split (its K parts only meet in atomics) are refused
+    h, w2, out32, weights, sort = _cpu_case()
+    rows = torch.zeros(h.shape[0], w2.shape[1], dtype=torch.bfloat16)
+    config = gdx.down_config(w2.shape[2], rows=True)
+    _, args, constexprs = gdx.launch_args(h, w2, rows, sort, 128, config, num_ctas=132, gemm="down_rows",
+                                          row_scale=weights)
+    assert constexprs["EPILOGUE"] == gdx.DOWN_ROWS.value and gdx.b_k_major(gdx.DOWN_ROWS)
+    assert args[5] is rows and args[-1] == rows.stride(0)
+    assert "out_rows must be (sort rows, d)" in gdx.unsupported_reason(h, w2, out32.to(torch.bfloat16), sort, 128,
+                                                                       config, "down_rows", row_scale=weights)
+    assert "dtype" in gdx.unsupported_reason(h, w2, rows.float(), sort, 128, config, "down_rows", row_scale=weights)
+    assert "split_tail" in gdx.unsupported_reason(h, w2, rows, sort, 128, replace(config, split_tail=True),
+                                                  "down_rows", row_scale=weights)
+    assert not gdx.down_config(14336, rows=True).split_tail and gdx.down_config(14336).split_tail
+
+
+@pytest.mark.sm90_build
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
+@pytest.mark.parametrize("gemm", ["down_rows", "dx_rows"])
+def test_rows_variants_build_for_sm90_with_plain_stores_and_no_spills(gemm):
+    """The rows combine's down and dx at the TorchTitan Qwen3-MoE job's dims (d = 1536, F = 256, 64 experts, top-8,
+    16384 tokens) in the tile the planner gives them: TMA loads, warpgroup MMAs, bf16 stores and no atomics."""
+    import re
+
+    from flashmoe_science.gluon.build import offline_sass, spill_budget, spill_count
+    from flashmoe_science.moe.hopper.backend import _config
+
+    num_tokens, top_k, num_experts, d_model, d_ff = 16384, 8, 64, 1536, 256
+    dev = torch.device("meta")
+    sort, _, _ = sort_buffers(num_tokens, top_k, num_experts, 128, dev)  # shapes only
+    rows = sort.tile_expert.numel() * 128
+    out = torch.empty(rows, d_model, dtype=torch.bfloat16, device=dev)
+    config = _config(gemm, d_ff)
+    if gemm == "down_rows":
+        a = torch.empty(rows, d_ff, dtype=torch.bfloat16, device=dev)
+        w = torch.empty(num_experts, d_model, d_ff, dtype=torch.bfloat16, device=dev)
+        weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=dev)
+        compiled = gdx.compile_offline(a, w, out, sort, config, gemm=gemm, row_scale=weights)
+    else:
+        a = torch.empty(rows, 2 * d_ff, dtype=torch.bfloat16, device=dev)
+        w = torch.empty(num_experts, 2 * d_ff, d_model, dtype=torch.bfloat16, device=dev)
+        compiled = gdx.compile_offline(a, w, out, sort, config, gemm=gemm)
+    sass = offline_sass(compiled)
+    if sass is None:
+        pytest.skip("this triton ships no cuobjdump")
+    assert re.search(r"\bHGMMA\.64x%dx16\.F32\.BF16" % config.block_n, sass)
+    assert re.search(r"\bUTMALDG\b", sass) and re.search(r"\bSTG\.E\b", sass)
+    assert not re.search(r"\bRED", sass), "the rows combine's epilogue adds nothing atomically"
+    assert spill_count(sass) <= spill_budget()

@@ -183,12 +183,13 @@ def test_cuda_graph_capture_has_no_host_sync():
     (33, 256, 128, 16, 1, torch.float32, True),
     (4, 1024, 2048, 8, 2, torch.bfloat16, False),  # split-K in down: float32 atomics in any order
     (64, 512, 256, 128, 8, torch.bfloat16, False),  # E=128, k=8: eight float32 atomic adds per element
+    (16384, 1536, 256, 64, 8, torch.bfloat16, True),  # the TorchTitan Qwen3-MoE job's layer: the rows combine
 ])
 def test_repeated_signature_takes_the_prepared_launches(monkeypatch, entry, num_tokens, d_model, d_ff, num_experts,
                                                         top_k, dtype, exact):
     """The second inference call of a signature skips the checks, the tiles and Triton's binding (moe.execute.PREPARED):
     bit for bit the full path's output where the combine is order-independent (at most two float32 atomic adds per
-    output element), and within budget on new data of that signature."""
+    output element, or the rows combine's fixed order), and within budget on new data of that signature."""
     from flashmoe_science.moe import execute, layer
 
     def call(x, w1, w2, logits):
@@ -206,7 +207,7 @@ def test_repeated_signature_takes_the_prepared_launches(monkeypatch, entry, num_
         first = call(x, w1, w2, logits)
         (prepared,) = execute.PREPARED.values()
         tiles = getattr(prepared, "forward", prepared).tiles  # (fused_moe's: the routing, then the forward)
-        assert exact == (tiles.down.split_k == 1 and top_k <= 2)
+        assert exact == (tiles.down.split_k == 1 and (top_k <= 2 or tiles.combine == "rows"))
 
         def full_path(*args, **kwargs):
             raise AssertionError("a repeated signature took the full path")
@@ -306,6 +307,7 @@ def test_triton_routing_matches_pytorch_routing(num_tokens, num_experts, top_k, 
     (4096, 512, 768, 8, 2),  # 1024 rows per expert: 128-row tiles, the Gluon GEMMs on Hopper
     (64, 256, 192, 8, 2),  # 16 rows per expert: the Triton GEMMs everywhere
     (4096, 512, 704, 8, 2),  # F not a multiple of 128: the fused dh declines on Hopper, the other GEMMs are Gluon
+    (16384, 1536, 256, 64, 8),  # the TorchTitan Qwen3-MoE job's layer: the rows combine's down and dx
 ])
 def test_describe_moe_names_the_kernels_that_run(monkeypatch, num_tokens, d_model, d_ff, num_experts, top_k):
     """describe_moe's plan is the one a training call runs: the GEMM kernels it names (Gluon and Triton) are the
@@ -321,3 +323,45 @@ def test_describe_moe_names_the_kernels_that_run(monkeypatch, num_tokens, d_mode
     fused_moe(*leaves, logits, top_k).sum().backward()
     torch.cuda.synchronize()
     assert ran == described_kernels(description), description
+
+
+@pytest.mark.parametrize("combine", ["atomic", "rows"])
+@pytest.mark.parametrize("num_tokens, d_model, d_ff, num_experts, top_k", [
+    (2048, 512, 256, 16, 8),  # 1024 rows per expert: 128-row tiles, the Gluon down and dx on Hopper
+    (1000, 264, 136, 12, 8),  # d and F not multiples of the Gluon tiles: the Triton down and dx
+    (3000, 512, 256, 8, 1),  # top-1 (TorchTitan's expert-parallel rows)
+])
+def test_both_combines_match_float64(combine, num_tokens, d_model, d_ff, num_experts, top_k):
+    """The down GEMM and dx with either combine (tiles.COMBINES), whatever the heuristic would pick, forward and
+    backward against float64 within the same-dtype budget; the rows combine gives the same bits on every run."""
+    from dataclasses import replace
+
+    from flashmoe_science.moe import layer
+    from flashmoe_science.moe.plan import plan_kernels
+    from flashmoe_science.moe.tiles import choose_tiles
+
+    x, w1, w2 = make_experts(num_tokens, d_model, d_ff, num_experts, torch.bfloat16, DEVICE)
+    logits = torch.randn(num_tokens, num_experts, device=DEVICE)
+    weights, ids = moe_route(logits, top_k)
+    ids[0, 0] = -1  # a dropped slot
+    weights32 = weights.float().contiguous()
+    tiles = replace(choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, x.device), combine=combine)
+    plan = plan_kernels(x, w1, w2, top_k, tiles, training=True)
+    grad_out = torch.randn_like(x)
+
+    def run():
+        out, saved = layer.moe_forward(x, w1, w2, weights32, ids, plan, save_for_backward=True)
+        return (out, *layer.moe_backward(grad_out, x, w1, w2, weights32, saved))
+
+    ours = run()
+    leaves64 = _leaves((x, w1, w2, weights), torch.float64)
+    ref = reference64(*leaves64, ids)
+    refs = (ref, *torch.autograd.grad(ref, leaves64, grad_out.double()))
+    same_leaves = _leaves((x, w1, w2, weights))
+    same = torch_loop_same_dtype(*same_leaves, ids)
+    sames = (same, *torch.autograd.grad(same, same_leaves, grad_out))
+    for name, g_ours, g_same, g_ref in zip(("out", "dx", "dw1", "dw2", "dweights"), ours, sames, refs):
+        assert_within_budget(name, g_ours.to(g_same.dtype), g_same.detach(), g_ref.detach())
+    if combine == "rows":
+        again = run()
+        assert torch.equal(ours[0], again[0]) and torch.equal(ours[1], again[1])

@@ -129,6 +129,19 @@ def test_sweep_tries_persistent_weight_gradients():
             assert any(getattr(t, gemm).persistent == 0 for t in tiles)  # and the one-program-per-tile grid
 
 
+def test_sweep_tries_both_combines_when_asked(monkeypatch):
+    sweep_moe = _sweep_moe()
+    for asked, modes in ((False, {"rows"}), (True, {"rows", "atomic"})):
+        monkeypatch.setattr(sweep_moe, "TRY_OTHER_COMBINE", [asked])
+        for gemm in ("down", "dx"):
+            tiles = sweep_moe.candidates("qwen3-moe-titan", 16384, gemm)
+            assert tiles[0].combine == "rows"  # the heuristic's own first
+            assert {t.combine for t in tiles} == modes
+            labels = [sweep_moe.label(t, gemm) for t in tiles]
+            assert len(set(labels)) == len(labels)
+        assert {t.combine for t in sweep_moe.candidates("qwen3-moe-titan", 16384, "up")} == {"rows"}
+
+
 def _sweep_moe():
     import sys
     from pathlib import Path
@@ -235,3 +248,49 @@ def test_every_gemm_fits_shared_memory(monkeypatch, num_tokens, num_experts, top
         from flashmoe_science.moe.tiles import _measured_tiles
 
         assert tiles == _measured_tiles(num_tokens, top_k, num_experts, d_model, d_ff, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, d_model, d_ff, combine", [
+    (16384, 8, 64, 1536, 256, "rows"),  # the TorchTitan Qwen3-MoE job: 96 MiB accumulator, K = 256 / 512
+    (131072, 1, 64, 1536, 256, "rows"),  # its rows at top-1 (TorchTitan's expert-parallel dispatch)
+    (16384, 8, 128, 2048, 768, "rows"),  # Qwen3-30B-A3B at T=16384: 128 MiB
+    (4096, 8, 128, 2048, 768, "atomic"),  # ... at T=4096: 32 MiB, resolved in L2 (the measured layer)
+    (16384, 2, 8, 4096, 14336, "atomic"),  # Mixtral: K = 14336, the main loop dominates
+    (16, 8, 128, 2048, 768, "atomic"),  # few rows: split-K partial sums need the atomics
+])
+def test_combine_choice_follows_the_accumulator_and_k(monkeypatch, num_tokens, top_k, num_experts, d_model, d_ff,
+                                                      combine):
+    from flashmoe_science.moe.tiles import choose_combine
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    tiles = choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, torch.device("cpu"))
+    mode, why = choose_combine(num_tokens, top_k, d_model, d_ff, tiles.block_m)
+    assert tiles.combine == mode == combine and why
+
+
+def test_rows_combine_refuses_split_k_and_unknown_modes():
+    from flashmoe_science.moe.tiles import check_combine
+
+    tiles = choose_tiles(16, 2, 8, 4096, 14336, torch.device("cpu"))
+    with pytest.raises(ValueError, match="tiles.combine must be one of"):
+        check_combine(replace(tiles, combine="sum"))
+    with pytest.raises(ValueError, match="split_k must be 1"):
+        check_combine(replace(tiles, combine="rows"))  # the weight-streaming tiles split K
+    check_combine(replace(tiles, combine="rows", down=replace(tiles.down, split_k=1), dx=replace(tiles.dx, split_k=1)))
+
+
+def test_rows_combine_launches_store_rows_into_the_sorted_rows_buffer(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    num_tokens, top_k, num_experts, d_model, d_ff = 64, 8, 4, 96, 32
+    tiles = replace(choose_tiles(num_tokens, top_k, num_experts, d_model, d_ff, torch.device("cpu")), combine="rows")
+    sort = _sort(num_tokens, top_k, num_experts, tiles.block_m)
+    x = torch.zeros(num_tokens, d_model, dtype=torch.bfloat16)
+    w1 = torch.zeros(num_experts, 2 * d_ff, d_model, dtype=torch.bfloat16)
+    w2 = torch.zeros(num_experts, d_model, d_ff, dtype=torch.bfloat16)
+    h, acc, _ = layer.forward_buffers(x, w1, sort, tiles)
+    assert acc.shape == (h.shape[0], d_model) and acc.dtype == torch.bfloat16
+    down = triton_gemm.down_forward_launch(h, w2, acc, torch.zeros(num_tokens, top_k), sort, tiles)
+    assert down.meta["STORE_ROWS"] and down.args[2] is acc
+    combine = gemms.combine_launch(acc, x, sort, tiles)
+    assert combine.kernel is triton_gemm._combine_rows_kernel and combine.meta["TOP_K"] == top_k
+    assert gemms.combine_launch(acc, x, sort, replace(tiles, combine="atomic")) is None

@@ -18,8 +18,10 @@ three overrides; a job turns them on by name, from the command line or in a conf
 - ``flash_routed_experts`` (replaces ``RoutedExperts``): :class:`FlashRoutedExperts` with
   :class:`FlashGroupedExperts` inside. The parameters keep TorchTitan's names and shapes
   (``routed_experts.inner_experts.w1_EFD / w2_EDF / w3_EFD``), so checkpoints, FSDP2 sharding, TorchTitan's
-  state-dict adapters and its initialisation apply unchanged. Without expert parallelism the layer hands the
-  router's ``(T, K)`` choices straight to ``fused_experts`` (gather, SwiGLU experts, weighted combine in our
+  state-dict adapters and its initialisation apply unchanged. Without expert parallelism (``LocalTokenDispatcher``,
+  or the ``AllToAllTokenDispatcher`` that TorchTitan's configs build by default, before an EP mesh is wired into it:
+  it then falls back to the local reorder) the layer hands the router's ``(T, K)`` choices straight to
+  ``fused_experts`` (gather, SwiGLU experts, weighted combine in our
   kernels: TorchTitan's argsort permutation and scatter-add are skipped). With expert parallelism TorchTitan's
   token dispatcher (all-to-all) still moves the tokens, and ``fused_experts`` runs the local shard of experts on
   the rows it receives (capacity-padding rows beyond the counts are dropped).
@@ -54,14 +56,14 @@ import torch
 from torchtitan.config import derive, override
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention, VarlenMetadata
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
-from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 from torchtitan.protocols.module import Module
 from torch.distributed.tensor import DTensor
 
 from flashmoe_science.attention.varlen import flash_attention_varlen
 from flashmoe_science.moe import fused_experts
 
-__all__ = ["FlashAttention", "FlashGroupedExperts", "FlashRoutedExperts", "flash_attention",
+__all__ = ["FlashAttention", "FlashGroupedExperts", "FlashRoutedExperts", "dispatches_locally", "flash_attention",
            "flash_attention_for_flex", "flash_routed_experts"]
 
 
@@ -148,11 +150,23 @@ class FlashGroupedExperts(GroupedExperts):
         return fused_experts(x_RD, w13, w2, ones, expert_of_row.unsqueeze(1), backend=self.backend)
 
 
+def dispatches_locally(dispatcher) -> bool:
+    """Whether TorchTitan's token dispatcher only reorders this rank's tokens among this rank's experts:
+    ``LocalTokenDispatcher``, or ``AllToAllTokenDispatcher`` (what TorchTitan's MoE configs build, EP or not) while no
+    EP mesh is wired into it, where its ``dispatch`` and ``combine`` are ``LocalTokenDispatcher``'s. Other dispatchers
+    (DeepEP, HybridEP, ...) keep their own exchange."""
+    if type(dispatcher) is LocalTokenDispatcher:
+        return True
+    return type(dispatcher) is AllToAllTokenDispatcher and dispatcher.ep_mesh is None
+
+
 class FlashRoutedExperts(RoutedExperts):
     """TorchTitan's ``RoutedExperts`` (dispatch, experts, combine) with ``fused_experts``.
 
-    Without expert parallelism (TorchTitan's ``LocalTokenDispatcher``) the router's ``(T, K)`` scores and ids go
-    to ``fused_experts`` directly; otherwise TorchTitan's dispatcher moves the tokens and
+    Where the dispatcher would only reorder local tokens (``dispatches_locally``) the router's ``(T, K)`` scores and
+    ids go to ``fused_experts`` directly: its sort, gathers and weighted combine replace TorchTitan's argsort,
+    ``(T·K, D)`` gather and scatter-add, and its kernels see top-K rows per token (one ``(T·K, D)`` product per GEMM
+    instead of K=1 over pre-gathered rows). Otherwise TorchTitan's dispatcher moves the tokens and
     :class:`FlashGroupedExperts` computes the local experts.
     """
 
@@ -161,8 +175,7 @@ class FlashRoutedExperts(RoutedExperts):
         pass
 
     def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E):
-        if type(self.token_dispatcher) is not LocalTokenDispatcher or not isinstance(
-                self.inner_experts, FlashGroupedExperts):
+        if not dispatches_locally(self.token_dispatcher) or not isinstance(self.inner_experts, FlashGroupedExperts):
             return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
         B, L, D = x_BLD.shape
         K = topk_scores_BLK.shape[-1]

@@ -4,16 +4,18 @@
 decided once per call by ``moe/plan.py`` (an ordered walk over ``plan.GEMM_BACKENDS``), whose plan for a product is
 the runner the layer calls. A family's runners take the same operands as the Triton ones here:
 
-- ``up.launch(x, w1, h, gate_up, sort, tiles)`` and ``down.launch(h, w2, out32, weights32, sort, tiles)``: the
+- ``up.launch(x, w1, h, gate_up, sort, tiles)`` and ``down.launch(h, w2, out, weights32, sort, tiles)``: the
   forward's launches, kept as data (run it, or ``prepare()`` it for repeated call signatures); ``down.sort_tensors``
-  names the sort's tensors its prepared launch takes after (h, w2, out32, weights32);
+  names the sort's tensors its prepared launch takes after (h, w2, out, weights32);
 - ``dh_swiglu(grad_out, w2, gate_up, h, weights32, dgu, dweights, sort, tiles)``: d(gate, up) and the
   routing-weight gradient from ``dh = dout @ w2``;
-- ``dx(dgu, w1, dx32, sort, tiles)``; ``dw1(dgu, x_sorted, dw1, sort, tiles)``, ``dw2(g_sorted, h, dw2, sort,
+- ``dx(dgu, w1, dx_out, sort, tiles)``; ``dw1(dgu, x_sorted, dw1, sort, tiles)``, ``dw2(g_sorted, h, dw2, sort,
   tiles)``.
 
-Each runner also says what it runs (``describe(tiles)``) for ``moe.api.describe_moe``. The buffers the layer and
-the runners share (``empty``, ``sorted_rows``, ``dh_buffer``) live here too.
+down and dx write ``combine_buffer``'s tensor as ``tiles.combine`` says (``tiles.COMBINES``: atomics into a (T, d)
+float32 accumulator, or each sorted row to its own row); ``combined`` turns it into the (T, d) result. Each runner
+also says what it runs (``describe(tiles)``) for ``moe.api.describe_moe``. The buffers the layer and the runners
+share (``empty``, ``sorted_rows``, ``dh_buffer``, ``combine_buffer``) live here too.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import torch
 
 from flashmoe_science.moe.dispatch import ExpertSort
 from flashmoe_science.moe.tiles import GemmTiles, MoETiles
-from flashmoe_science.moe.triton_gemm import (down_forward_launch, dh_launch, dw1_launch, dw2_launch, dx_launch,
-                                              gather_rows_launch, swiglu_backward_launch, up_swiglu_launch)
+from flashmoe_science.moe.triton_gemm import (combine_rows_launch, down_forward_launch, dh_launch, dw1_launch,
+                                              dw2_launch, dx_launch, gather_rows_launch, swiglu_backward_launch,
+                                              up_swiglu_launch)
 
 FORWARD_GEMMS = ("up", "down")
 BACKWARD_GEMMS = ("dh_swiglu", "dx", "dw1", "dw2")
@@ -54,6 +57,29 @@ def dh_buffer(dgu):
     return empty((dgu.shape[0], dgu.shape[1] // 2), torch.float32, dgu.device)
 
 
+def combine_buffer(x, num_rows: int, tiles: MoETiles):
+    """What the down GEMM and dx write: the zeroed (T, d) float32 accumulator of their atomics, or with
+    ``tiles.combine == "rows"`` the (num_rows = sort rows, d) buffer of their stored rows, in x's dtype."""
+    if tiles.combine == "rows":
+        return empty((num_rows, x.shape[1]), x.dtype, x.device)
+    return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+
+
+def combine_launch(acc, out, sort: ExpertSort, tiles: MoETiles):
+    """The launch that turns ``combine_buffer``'s rows into ``out`` (T, d), or None for the atomic combine (its
+    accumulator only needs rounding to out's dtype)."""
+    return combine_rows_launch(acc, out, sort) if tiles.combine == "rows" else None
+
+
+def combined(acc, x, sort: ExpertSort, tiles: MoETiles):
+    """The (T, d) result in x's dtype from what the down GEMM or dx wrote into ``combine_buffer(x, ...)``."""
+    if tiles.combine != "rows":
+        return acc.to(x.dtype)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    combine_launch(acc, out, sort, tiles)()
+    return out
+
+
 def _tiles_label(gemm: GemmTiles, block_m: int) -> str:
     rows = gemm.block_m or block_m
     extras = "".join((f", split-K {gemm.split_k}" if gemm.split_k > 1 else "",
@@ -78,11 +104,11 @@ class TritonDown:
 
     sort_tensors = ("sorted_pair_ids", "tile_expert")  # down_combine_launch's
 
-    def launch(self, h, w2, out32, weights32, sort: ExpertSort, tiles: MoETiles):
-        return down_forward_launch(h, w2, out32, weights32, sort, tiles)
+    def launch(self, h, w2, out, weights32, sort: ExpertSort, tiles: MoETiles):
+        return down_forward_launch(h, w2, out, weights32, sort, tiles)
 
     def describe(self, tiles: MoETiles) -> str:
-        return f"triton_gemm.down_forward_launch, {_tiles_label(tiles.down, tiles.block_m)}"
+        return f"triton_gemm.down_forward_launch, {_tiles_label(tiles.down, tiles.block_m)}, {tiles.combine} combine"
 
 
 @dataclass(frozen=True)
@@ -101,13 +127,13 @@ class TritonDhSwiglu:
 
 @dataclass(frozen=True)
 class TritonDx:
-    """``dx32[token] += d(gate, up)[row] @ w1[e]`` (``triton_gemm.dx_launch``)."""
+    """``dx[token] += d(gate, up)[row] @ w1[e]`` (``triton_gemm.dx_launch``)."""
 
-    def __call__(self, dgu, w1, dx32, sort: ExpertSort, tiles: MoETiles):
-        dx_launch(dgu, w1, dx32, sort, tiles)()
+    def __call__(self, dgu, w1, dx_out, sort: ExpertSort, tiles: MoETiles):
+        dx_launch(dgu, w1, dx_out, sort, tiles)()
 
     def describe(self, tiles: MoETiles) -> str:
-        return f"triton_gemm.dx_launch, {_tiles_label(tiles.dx, tiles.block_m)}"
+        return f"triton_gemm.dx_launch, {_tiles_label(tiles.dx, tiles.block_m)}, {tiles.combine} combine"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch
 
 from flashmoe_science.moe.dispatch import (ExpertSort, flat_ids, sort_buffers, sort_launch_tensors, sort_launches,
                                            sort_pairs_by_expert)
-from flashmoe_science.moe.gemms import empty, sorted_rows
+from flashmoe_science.moe.gemms import combine_buffer, combine_launch, combined, empty, sorted_rows
 from flashmoe_science.moe.plan import KernelPlan, plan_kernels
 from flashmoe_science.moe.tiles import MoETiles
 from flashmoe_science.prepared_launch import PreparedLaunch
@@ -27,13 +27,13 @@ class SavedForBackward(NamedTuple):
 
 
 def forward_buffers(x, w1, sort: ExpertSort, tiles: MoETiles, save_for_backward: bool = False):
-    """``h`` (sorted rows, F), the float32 output accumulator (T, d) of the forward and, when saving for the
+    """``h`` (sorted rows, F), what the down GEMM writes (``gemms.combine_buffer``) and, when saving for the
     backward, the pre-activations ``gate_up`` (sorted rows, 2F; else None)."""
     num_rows = sort.tile_expert.numel() * tiles.block_m
     h = empty((num_rows, w1.shape[1] // 2), x.dtype, x.device)
-    out32 = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    acc = combine_buffer(x, num_rows, tiles)
     gate_up = empty((num_rows, w1.shape[1]), x.dtype, x.device) if save_for_backward else None
-    return h, out32, gate_up
+    return h, acc, gate_up
 
 
 def backward_buffers(x, w1, sort: ExpertSort, tiles: MoETiles):
@@ -46,17 +46,21 @@ def backward_buffers(x, w1, sort: ExpertSort, tiles: MoETiles):
 
 
 def _forward_launches(x, w1, w2, weights32, topk_ids, plan: KernelPlan, save_for_backward: bool = False):
-    """Fresh sort buffers, ``h``, ``out32`` (and ``gate_up`` when saving for the backward), and the forward's
-    launches over them, in order: the sort's (one, or count, scan and scatter), then up and down. Returns
-    ``(sort, out32, h, gate_up, launches)``."""
+    """Fresh sort buffers, ``h``, the down GEMM's ``acc`` (``gemms.combine_buffer``), the output ``out`` of the
+    rows combine (None for the atomic one), ``gate_up`` when saving for the backward, and the forward's launches
+    over them, in order: the sort's (one, or count, scan and scatter), up, down, then the rows combine's pass.
+    Returns ``(sort, acc, out, h, gate_up, launches)``."""
     tiles = plan.tiles
     sort, chunk_counts, chunk_row_base = sort_buffers(x.shape[0], topk_ids.shape[1], w1.shape[0], tiles.block_m,
                                                       x.device)
-    h, out32, gate_up = forward_buffers(x, w1, sort, tiles, save_for_backward)
+    h, acc, gate_up = forward_buffers(x, w1, sort, tiles, save_for_backward)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if tiles.combine == "rows" else None
+    combine = combine_launch(acc, out, sort, tiles)
     launches = (*sort_launches(flat_ids(topk_ids), sort, chunk_counts, chunk_row_base),
                 plan.runner("up").launch(x, w1, h, gate_up, sort, tiles),
-                plan.runner("down").launch(h, w2, out32, weights32, sort, tiles))
-    return sort, out32, h, gate_up, launches
+                plan.runner("down").launch(h, w2, acc, weights32, sort, tiles),
+                *((combine,) if combine is not None else ()))
+    return sort, acc, out, h, gate_up, launches
 
 
 def moe_forward(x, w1, w2, weights32, topk_ids, plan: KernelPlan | None = None, save_for_backward: bool = False):
@@ -75,10 +79,12 @@ def moe_forward(x, w1, w2, weights32, topk_ids, plan: KernelPlan | None = None, 
     if x.shape[0] == 0:
         sort = sort_pairs_by_expert(topk_ids, w1.shape[0], plan.tiles.block_m)
         return x.new_empty((0, x.shape[1])), SavedForBackward(sort, plan, None, None)
-    sort, out32, h, gate_up, launches = _forward_launches(x, w1, w2, weights32, topk_ids, plan, save_for_backward)
+    sort, acc, out, h, gate_up, launches = _forward_launches(x, w1, w2, weights32, topk_ids, plan,
+                                                             save_for_backward)
     for launch in launches:
         launch()
-    return out32.to(x.dtype), SavedForBackward(sort, plan, gate_up, h if save_for_backward else None)
+    out = acc.to(x.dtype) if out is None else out
+    return out, SavedForBackward(sort, plan, gate_up, h if save_for_backward else None)
 
 
 class PreparedForward(NamedTuple):
@@ -92,20 +98,26 @@ class PreparedForward(NamedTuple):
     sort: tuple[PreparedLaunch, ...]  # dispatch.sort_launches'
     up: PreparedLaunch
     down: PreparedLaunch
-    down_sort_tensors: tuple[str, ...]  # the sort's tensors ``down`` takes after (h, w2, out32, weights32)
+    down_sort_tensors: tuple[str, ...]  # the sort's tensors ``down`` takes after (h, w2, acc, weights32)
+    combine: PreparedLaunch | None  # the rows combine's pass (triton_gemm.combine_rows_launch), or None
 
     def __call__(self, x, w1, w2, weights32, topk_ids) -> torch.Tensor:
         """``moe_forward(x, w1, w2, weights32, topk_ids)[0]`` for new tensors of the prepared signature."""
         ids = flat_ids(topk_ids)
         sort, chunk_counts, chunk_row_base = sort_buffers(x.shape[0], topk_ids.shape[1], w1.shape[0],
                                                           self.tiles.block_m, x.device)
-        h, out32, _ = forward_buffers(x, w1, sort, self.tiles)
-        # each kernel's tensor parameters, in order, as sort_launches / up_swiglu_launch / the down runner pass them
+        h, acc, _ = forward_buffers(x, w1, sort, self.tiles)
+        # each kernel's tensor parameters, in order, as sort_launches / up_swiglu_launch / the down runner /
+        # combine_rows_launch pass them
         for launch, tensors in zip(self.sort, sort_launch_tensors(ids, sort, chunk_counts, chunk_row_base)):
             launch(*tensors)
         self.up(x, w1, h, h, sort.sorted_pair_ids, sort.tile_expert)  # (h twice: no gate_up in inference)
-        self.down(h, w2, out32, weights32, *(getattr(sort, name) for name in self.down_sort_tensors))
-        return out32.to(x.dtype)
+        self.down(h, w2, acc, weights32, *(getattr(sort, name) for name in self.down_sort_tensors))
+        if self.combine is None:
+            return acc.to(x.dtype)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        self.combine(acc, sort.pair_row, out)
+        return out
 
 
 def prepare_forward(x, w1, w2, weights32, topk_ids, plan: KernelPlan | None = None) -> PreparedForward:
@@ -113,9 +125,11 @@ def prepare_forward(x, w1, w2, weights32, topk_ids, plan: KernelPlan | None = No
     Builds its launches over throwaway buffers; Triton compiles any kernel no call has compiled yet."""
     if plan is None:
         plan = plan_kernels(x, w1, w2, topk_ids.shape[1])
-    _, _, _, _, launches = _forward_launches(x, w1, w2, weights32, topk_ids, plan)
-    *sort, up, down = (launch.prepare() for launch in launches)
-    return PreparedForward(plan.tiles, tuple(sort), up, down, plan.runner("down").sort_tensors)
+    _, _, out, _, _, launches = _forward_launches(x, w1, w2, weights32, topk_ids, plan)
+    prepared = [launch.prepare() for launch in launches]
+    combine = prepared.pop() if out is not None else None
+    *sort, up, down = prepared
+    return PreparedForward(plan.tiles, tuple(sort), up, down, plan.runner("down").sort_tensors, combine)
 
 
 def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
@@ -142,13 +156,13 @@ def moe_backward(grad_out, x, w1, w2, weights32, saved: SavedForBackward,
     dgu, dweights = backward_buffers(x, w1, sort, tiles)
     plan.runner("dh_swiglu")(grad_out, w2, gate_up, h, weights32, dgu, dweights, sort, tiles)
     dx = None
+    num_rows = h.shape[0]
     if need_dx:
-        dx32 = torch.zeros((num_tokens, d_model), dtype=torch.float32, device=x.device)
-        plan.runner("dx")(dgu, w1, dx32, sort, tiles)
-        dx = dx32.to(x.dtype)
+        dx_out = combine_buffer(x, num_rows, tiles)
+        plan.runner("dx")(dgu, w1, dx_out, sort, tiles)
+        dx = combined(dx_out, x, sort, tiles)
     # the weight gradients reduce over sorted rows: their gathered operand is copied to sorted order once (a
     # (rows, d) copy, ~1% of the GEMM's time at T=4096) so that their main loops have affine, pipelined loads
-    num_rows = h.shape[0]
     if need_dw1:
         plan.runner("dw1")(dgu, sorted_rows(x, None, sort, num_rows), dw1, sort, tiles)
     if need_dw2:

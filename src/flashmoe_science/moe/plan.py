@@ -24,7 +24,7 @@ from flashmoe_science.backends import Choice, choose
 from flashmoe_science.device import triton_interpreter_on
 from flashmoe_science.moe.gemms import BACKWARD_GEMMS, FORWARD_GEMMS, GemmProblem, TritonGemms
 from flashmoe_science.moe.hopper.backend import HopperGemms
-from flashmoe_science.moe.tiles import MoETiles, choose_tiles
+from flashmoe_science.moe.tiles import COMBINES, MoETiles, check_combine, choose_combine, choose_tiles
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -41,6 +41,7 @@ class KernelPlan:
     tiles: MoETiles | None
     gemms: tuple[tuple[str, Choice], ...] = ()
     decode: bool = False
+    combine_why: str = ""  # why tiles.combine (``combine_reason``)
 
     def choice(self, gemm: str) -> Choice:
         for name, choice in self.gemms:
@@ -65,15 +66,22 @@ def plan_kernels(x, w1, w2, top_k: int, tiles: MoETiles | None = None, training:
     ``training``, each backward GEMM's."""
     if tiles is None:
         tiles = default_tiles(x, w1, top_k)
+    check_combine(tiles)
     names = FORWARD_GEMMS + (BACKWARD_GEMMS if training else ())
     return KernelPlan(tiles, tuple((name, choose(GEMM_BACKENDS, GemmProblem(name, x, w1, w2, top_k, tiles)))
-                                   for name in names))
+                                   for name in names), combine_why=combine_reason(x, w1, top_k, tiles))
 
 
 def default_tiles(x, w1, top_k: int) -> MoETiles:
     """``tiles.choose_tiles`` for the call's dims, device and operand size."""
     num_experts, two_d_ff, _ = w1.shape
     return choose_tiles(x.shape[0], top_k, num_experts, x.shape[1], two_d_ff // 2, x.device, x.element_size())
+
+
+def combine_reason(x, w1, top_k: int, tiles: MoETiles) -> str:
+    """Why ``tiles.combine`` (``tiles.choose_combine``'s reason, or that the tiles were given with another)."""
+    mode, why = choose_combine(x.shape[0], top_k, x.shape[1], w1.shape[1] // 2, tiles.block_m)
+    return why if mode == tiles.combine else f"as the tiles give it (the heuristic would take {mode!r}: {why})"
 
 
 @dataclass(frozen=True)
@@ -180,4 +188,8 @@ def describe(plan: Choice) -> str:
         for name, choice in kernels.gemms:
             lines.append(f"  {name}: {choice.backend}: {choice.plan.describe(kernels.tiles)}")
             lines += [f"    not {family}: {why}" for family, why in choice.declined]
+        combine = kernels.tiles.combine
+        lines.append(f"  combine of down and dx: {combine}: {COMBINES[combine]}")
+        if kernels.combine_why:
+            lines.append(f"    why: {kernels.combine_why}")
     return "\n".join(lines)

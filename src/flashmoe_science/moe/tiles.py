@@ -49,6 +49,20 @@ class MoETiles:
     dx: GemmTiles  # backward: d(gate, up) @ w1 combined into dx (the down-combine kernel with K = 2F)
     dw1: GemmTiles  # backward: dw1[e] = d(gate, up)_e^T x_e, block_k sorted rows per step
     dw2: GemmTiles  # backward: dw2[e] = (weight * dout)_e^T h_e, block_k sorted rows per step
+    # how the down GEMM's and dx's top_k rows per token meet (COMBINES): "atomic" or "rows" (``choose_combine``)
+    combine: str = "atomic"
+
+
+# The two ways the top_k rows of a token meet in the down-combine GEMMs (the forward's down GEMM, dx):
+COMBINES = {
+    # float32 atomic adds from the epilogue straight into a zeroed (T, d) accumulator, rounded to x's dtype after:
+    # no extra pass, split-K for free; the order of the k additions is not fixed
+    "atomic": "float32 atomics into a (T, d) accumulator",
+    # each sorted row stored (weighted, in x's dtype) to its own row of a (sorted rows, d) buffer, then one pass
+    # (``triton_gemm.combine_rows_launch``) sums each token's k rows in slot order in float32: no atomics, no
+    # accumulator fill or conversion, deterministic
+    "rows": "rows stored in sorted order, then a combine pass over each token's k rows (slot order, deterministic)",
+}
 
 
 # shared-memory bytes per pipeline stage, in operand elements: (rows of A per tile) x BLOCK_K + B tiles
@@ -118,14 +132,63 @@ def split_k_for(gemm: GemmTiles, row_tiles: int, K: int, N: int, sm_count: int) 
     return replace(gemm, split_k=split_k)
 
 
+# The (T, d) float32 accumulator of the atomic combine up to which its atomics are taken to resolve in L2 (H100
+# 50 MB, H200 60 MB, shared with the GEMM's operands): past it every atomic is a DRAM read-modify-write of its
+# sector, as the k rows of a token arrive from k experts far apart in time
+ATOMIC_ACCUMULATOR_L2_BYTES = 32 << 20
+# K (F for down, 2F for dx) per row from which the main loop outweighs any epilogue: the atomic combine measured
+# best or within 2.5% of the GEMM alone at Mixtral's F = 14336 (dx_configs); the rows buffer would then only add
+# traffic
+ROWS_COMBINE_MAX_F = 4096
+
+
+def choose_combine(num_tokens: int, top_k: int, d_model: int, d_ff: int, block_m: int) -> tuple[str, str]:
+    """(COMBINES key, why) for the down GEMM and dx of a call.
+
+    Per token the epilogues emit top_k rows of d values against a main loop of K = F (down) or 2F (dx) per row.
+    The atomic combine moves T·d·4 bytes to zero the accumulator, top_k·T·d·4 of float32 atomics (a DRAM
+    read-modify-write each once the accumulator outgrows L2) and T·d·6 to round it; the rows combine writes
+    top_k·T·d·itemsize, reads it back once and writes T·d·itemsize. With bf16 at T = 16384, d = 1536, top_k = 8
+    (the TorchTitan Qwen3-MoE job): 0.81 GB of atomics (each a DRAM read and write) plus 0.25 GB to zero and round
+    the accumulator, against 0.86 GB of plain stores and loads; at top_k = 1 (expert-parallel rows) 0.10 + 0.25 GB
+    against 0.15 GB. Rows where the epilogue
+    matters (K small against it: F <= ROWS_COMBINE_MAX_F) and the atomics leave L2; atomics where the accumulator
+    fits L2, where K is long, and in the few-row regime (block_m <= 32), whose split-K partial sums meet in them.
+    A prediction from the traffic, not yet measured: ``benchmarks/tools/sweep_moe_gemm_tiles.py --combine`` times
+    both."""
+    accumulator = num_tokens * d_model * 4
+    if block_m <= 32:
+        return "atomic", f"{block_m}-row tiles (few rows per expert): split-K partial sums meet in the atomics"
+    if d_ff > ROWS_COMBINE_MAX_F:
+        return "atomic", f"F = {d_ff} > {ROWS_COMBINE_MAX_F}: the main loop outweighs the epilogue's atomics"
+    if accumulator <= ATOMIC_ACCUMULATOR_L2_BYTES:
+        return "atomic", (f"the (T, d) float32 accumulator ({accumulator / 2**20:.1f} MiB) fits in L2 "
+                          f"(<= {ATOMIC_ACCUMULATOR_L2_BYTES >> 20} MiB): its atomics resolve there")
+    return "rows", (f"{top_k}x{num_tokens} rows of d = {d_model} per GEMM and F = {d_ff} <= {ROWS_COMBINE_MAX_F}: "
+                    f"the accumulator ({accumulator / 2**20:.0f} MiB) outgrows L2, atomics would be DRAM "
+                    "read-modify-writes")
+
+
 def choose_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_ff: int, device,
                  itemsize: int = 2) -> MoETiles:
-    """The launch configs of every MoE GEMM for these dims on ``device``, for operands of ``itemsize`` bytes."""
+    """The launch configs of every MoE GEMM for these dims on ``device``, for operands of ``itemsize`` bytes, and
+    the combine (``choose_combine``)."""
     tiles = _measured_tiles(num_tokens, top_k, num_experts, d_model, d_ff, device)
     limit = smem_limit(device)
     fitted = {name: fit_shared_memory(name, tiles.block_m, getattr(tiles, name), itemsize, limit)
               for name in _OPERANDS}
-    return replace(tiles, **fitted)
+    combine, _ = choose_combine(num_tokens, top_k, d_model, d_ff, tiles.block_m)
+    return replace(tiles, combine=combine, **fitted)
+
+
+def check_combine(tiles: MoETiles) -> None:
+    """ValueError unless ``tiles.combine`` is a COMBINES key that its down-combine tiles can run (the rows combine
+    stores each row once: no split-K)."""
+    if tiles.combine not in COMBINES:
+        raise ValueError(f"tiles.combine must be one of {tuple(COMBINES)}, got {tiles.combine!r}")
+    if tiles.combine == "rows" and (tiles.down.split_k > 1 or tiles.dx.split_k > 1):
+        raise ValueError(f"tiles.combine='rows' stores each sorted row once: split_k must be 1 (down split_k="
+                         f"{tiles.down.split_k}, dx split_k={tiles.dx.split_k})")
 
 
 def _measured_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_ff: int, device) -> MoETiles:

@@ -6,9 +6,12 @@ Forward, two launches after the sort:
 - ``_up_swiglu_kernel``: ``h[row] = silu(x[token] @ w1[e, :F].T) * (x[token] @ w1[e, F:].T)``; the gather of
   token rows happens in the A-operand load, gate and up share it, and only ``h`` (rows, F) reaches memory.
 - ``_down_combine_kernel``: ``out[token] += weight[pair] * (h[row] @ w2[e].T)``; the routing weight is applied in
-  the epilogue and the k rows of a token meet through float32 atomic adds straight into the (T, d) output, so no
-  (T·k, d) buffer is written or reduced. Atomics also make split-K free for the few-token case. The order of
-  the k additions is not fixed: results may differ in the last float32 bit from run to run.
+  the epilogue, and the k rows of a token meet in one of two ways (``tiles.COMBINES``, chosen by
+  ``tiles.choose_combine``): float32 atomic adds straight into a (T, d) accumulator, so no (T·k, d) buffer is
+  written or reduced, and split-K is free for the few-token case (the order of the k additions is not fixed:
+  results may differ in the last float32 bit from run to run); or (``STORE_ROWS``) a plain store of each weighted
+  row to its own sorted row of a (rows, d) buffer in x's dtype, which ``_combine_rows_kernel`` then sums per
+  token in slot order (deterministic; no atomics where the accumulator would outgrow L2).
 
 Gate and up rows of w1 are read as one B tile with interleaved columns (``_gate_up_columns``): one MMA of width
 2·BLOCK_N per step instead of two that each re-read the A tile from shared memory.
@@ -20,7 +23,8 @@ that recomputes both, a third more GEMM work) and h (already written for GEMM2);
   (elementwise, whole rows) writes ``d(gate, up) = dSwiGLU(weight * dh)`` and the routing-weight gradient
   ``dout[token] . y = dh . h`` (a family whose dh kernel has the SwiGLU backward in its epilogue does both in
   one launch).
-- ``_down_combine_kernel`` again for ``dx[token] += d(gate, up)[row] @ w1[e]``.
+- ``_down_combine_kernel`` again for ``dx[token] += d(gate, up)[row] @ w1[e]`` (atomics, or stored rows and
+  ``_combine_rows_kernel``, as the forward's down GEMM).
 - ``_expert_wgrad_kernel`` twice: ``dw1[e] = d(gate, up)_e^T x_e`` and ``dw2[e] = (weight * dout)_e^T h_e``, a
   reduction over each expert's rows, one writer per output element (deterministic). Their gathered operand
   (x, weight * dout) is first copied to sorted-row order by ``_gather_rows_kernel``. With ``GemmTiles.persistent``
@@ -35,7 +39,7 @@ import triton.language as tl
 from flashmoe_science.device import dot_precision
 from flashmoe_science.moe.dispatch import ExpertSort
 from flashmoe_science.moe.launch import Launch
-from flashmoe_science.moe.tiles import GemmTiles, MoETiles, sm_count
+from flashmoe_science.moe.tiles import GemmTiles, MoETiles, check_combine, sm_count
 
 
 @triton.jit
@@ -163,6 +167,7 @@ def _down_combine_kernel(
     stride_bn,
     stride_ot,
     HAS_ROW_SCALE: tl.constexpr,
+    STORE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -171,7 +176,8 @@ def _down_combine_kernel(
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """out[token(row), n] += scale[pair(row)] * sum_k a[row, k] * b[expert, k, n] (float32 atomics)."""
+    """out[token(row), n] += scale[pair(row)] * sum_k a[row, k] * b[expert, k, n] (float32 atomics); with STORE_ROWS
+    out[row, n] = the same product, stored in out's dtype to the row's own row (SPLIT_K must be 1)."""
     tile, col_block = _row_tile_and_col_block(tl.program_id(0), num_row_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
@@ -201,9 +207,44 @@ def _down_combine_kernel(
 
     if HAS_ROW_SCALE:
         acc = acc * tl.load(row_scale_ptr + pairs, mask=row_valid, other=0.0)[:, None]
-    tokens = tl.where(row_valid, pairs // top_k, 0).to(tl.int64)
-    out_ptrs = out_ptr + tokens[:, None] * stride_ot + cols[None, :]
-    tl.atomic_add(out_ptrs, acc, mask=row_valid[:, None] & col_valid[None, :], sem="relaxed")
+    out_mask = row_valid[:, None] & col_valid[None, :]
+    if STORE_ROWS:
+        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tokens = tl.where(row_valid, pairs // top_k, 0).to(tl.int64)
+        out_ptrs = out_ptr + tokens[:, None] * stride_ot + cols[None, :]
+        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+
+
+@triton.jit
+def _combine_rows_kernel(
+    rows_ptr,
+    pair_row_ptr,
+    out_ptr,
+    num_tokens,
+    num_cols,
+    stride_rows,
+    stride_out,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """out[t] = sum over j = 0 .. TOP_K-1 of rows[pair_row[t * TOP_K + j]], in float32, in that order (the same bits
+    on every run), rounded once to out's dtype; dropped slots (pair_row -1) add nothing, so a token without a routed
+    slot gets zeros."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    token_valid = tokens < num_tokens
+    col_valid = (cols < num_cols)[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(pair_row_ptr + tokens * TOP_K + j, mask=token_valid, other=-1)
+        values = tl.load(rows_ptr + row.to(tl.int64)[:, None] * stride_rows + cols[None, :],
+                         mask=(row >= 0)[:, None] & col_valid, other=0.0)
+        acc += values.to(tl.float32)
+    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=token_valid[:, None] & col_valid)
 
 
 @triton.jit
@@ -523,17 +564,34 @@ def up_swiglu_launch(x, w1, h, gate_up, sort: ExpertSort, tiles: MoETiles) -> La
     return Launch(_up_swiglu_kernel, (num_row_tiles * triton.cdiv(d_ff, gemm.block_n),), args, meta)
 
 
-def down_combine_launch(a, b, b_strides, out32, row_scale, sort: ExpertSort, tiles: MoETiles, gemm: GemmTiles,
+def down_combine_launch(a, b, b_strides, out, row_scale, sort: ExpertSort, tiles: MoETiles, gemm: GemmTiles,
                         K: int, N: int) -> Launch:
-    """out32[token] += (row_scale *) a[row] @ b[expert]; ``b_strides`` = (expert, k, n) strides of b."""
+    """``out[token] += (row_scale *) a[row] @ b[expert]`` into the (T, N) float32 accumulator, or with
+    ``tiles.combine == "rows"`` ``out[row] = ...`` into the (sort rows, N) buffer that ``combine_rows_launch`` then
+    sums per token; ``b_strides`` = (expert, k, n) strides of b."""
+    check_combine(tiles)
     num_row_tiles = sort.tile_expert.numel()
-    args = (a, b, out32, row_scale if row_scale is not None else out32, sort.sorted_pair_ids, sort.tile_expert,
-            sort.num_pairs, sort.top_k, K, N, num_row_tiles, a.stride(0), a.stride(1), *b_strides, out32.stride(0))
-    meta = dict(HAS_ROW_SCALE=row_scale is not None, BLOCK_M=tiles.block_m, BLOCK_N=gemm.block_n,
+    args = (a, b, out, row_scale if row_scale is not None else out, sort.sorted_pair_ids, sort.tile_expert,
+            sort.num_pairs, sort.top_k, K, N, num_row_tiles, a.stride(0), a.stride(1), *b_strides, out.stride(0))
+    meta = dict(HAS_ROW_SCALE=row_scale is not None, STORE_ROWS=tiles.combine == "rows", BLOCK_M=tiles.block_m,
+                BLOCK_N=gemm.block_n,
                 BLOCK_K=gemm.block_k, GROUP_M=tiles.group_m, SPLIT_K=gemm.split_k,
                 EVEN_K=K % (gemm.block_k * gemm.split_k) == 0, **dot_precision(a),
                 num_warps=gemm.num_warps, num_stages=gemm.num_stages)
     return Launch(_down_combine_kernel, (num_row_tiles * triton.cdiv(N, gemm.block_n), gemm.split_k), args, meta)
+
+
+def combine_rows_launch(rows, out, sort: ExpertSort) -> Launch:
+    """``out[t] = sum_j rows[pair_row[t, j]]`` (slot order, float32 sums, out's dtype): the rows combine's pass
+    after the down GEMM or dx stored each sorted row of ``rows`` (sort rows, d)."""
+    num_tokens, num_cols = out.shape
+    # whole 16-byte vectors per thread, ~4K elements per load step: one pass over the rows at streaming bandwidth
+    block_c = min(512, triton.next_power_of_2(num_cols))
+    block_t = max(1, 4096 // block_c)
+    args = (rows, sort.pair_row, out, num_tokens, num_cols, rows.stride(0), out.stride(0))
+    meta = dict(TOP_K=sort.top_k, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)
+    return Launch(_combine_rows_kernel, (triton.cdiv(num_tokens, block_t), triton.cdiv(num_cols, block_c)), args,
+                  meta)
 
 
 def dh_launch(grad_out, w2, dh, sort: ExpertSort, tiles: MoETiles) -> Launch:
@@ -596,18 +654,19 @@ def wgrad_launch(a, b, out, sort: ExpertSort, gemm: GemmTiles, group_m: int) -> 
     return Launch(_expert_wgrad_kernel, (tiles_per_expert, num_experts), args, meta)
 
 
-def down_forward_launch(h, w2, out32, weights32, sort: ExpertSort, tiles: MoETiles) -> Launch:
-    """GEMM2 of the forward in Triton: ``out32[token] += weight * h[row] @ w2[e].T`` (tiles.down)."""
+def down_forward_launch(h, w2, out, weights32, sort: ExpertSort, tiles: MoETiles) -> Launch:
+    """GEMM2 of the forward in Triton: ``out[token] += weight * h[row] @ w2[e].T`` (tiles.down; ``out`` as
+    ``down_combine_launch`` takes it for tiles.combine)."""
     d_model, d_ff = w2.shape[1], w2.shape[2]
     w2_strides = (w2.stride(0), w2.stride(2), w2.stride(1))  # (expert, k = F, n = d)
-    return down_combine_launch(h, w2, w2_strides, out32, weights32, sort, tiles, tiles.down, d_ff, d_model)
+    return down_combine_launch(h, w2, w2_strides, out, weights32, sort, tiles, tiles.down, d_ff, d_model)
 
 
-def dx_launch(dgu, w1, dx32, sort: ExpertSort, tiles: MoETiles) -> Launch:
-    """``dx32[token] += d(gate, up)[row] @ w1[e]`` (tiles.dx)."""
+def dx_launch(dgu, w1, dx_out, sort: ExpertSort, tiles: MoETiles) -> Launch:
+    """``dx[token] += d(gate, up)[row] @ w1[e]`` (tiles.dx; ``dx_out`` as ``down_combine_launch`` takes it)."""
     two_d_ff, d_model = w1.shape[1], w1.shape[2]
     w1_strides = (w1.stride(0), w1.stride(1), w1.stride(2))  # (expert, k = 2F, n = d)
-    return down_combine_launch(dgu, w1, w1_strides, dx32, None, sort, tiles, tiles.dx, two_d_ff, d_model)
+    return down_combine_launch(dgu, w1, w1_strides, dx_out, None, sort, tiles, tiles.dx, two_d_ff, d_model)
 
 
 def dw1_launch(dgu, x_sorted, dw1, sort: ExpertSort, tiles: MoETiles) -> Launch:

@@ -36,23 +36,25 @@ class HopperDownLaunch(NamedTuple):
 
     h: torch.Tensor
     w2: torch.Tensor
-    out32: torch.Tensor
+    out: torch.Tensor  # gemms.combine_buffer's, for tiles.combine
     weights32: torch.Tensor
     sort: ExpertSort
-    tiles: MoETiles  # the Triton launch's, where the Gluon kernel does not build on this triton
+    tiles: MoETiles  # the combine, and the Triton launch's tiles where the Gluon kernel does not build
     config: object  # dx_configs.DxConfig
 
     def __call__(self) -> None:
         from flashmoe_science.moe.hopper import dx_sm90
 
-        if not run_gluon("MoE down", lambda: dx_sm90.down_sm90(self.h, self.w2, self.out32, self.weights32,
-                                                                self.sort, self.sort.block_m, self.config)):
-            TRITON_RUNNERS["down"].launch(self.h, self.w2, self.out32, self.weights32, self.sort, self.tiles)()
+        rows = self.tiles.combine == "rows"
+        if not run_gluon("MoE down", lambda: dx_sm90.down_sm90(self.h, self.w2, self.out, self.weights32, self.sort,
+                                                                self.sort.block_m, self.config, store_rows=rows)):
+            TRITON_RUNNERS["down"].launch(self.h, self.w2, self.out, self.weights32, self.sort, self.tiles)()
 
     def prepare(self) -> PreparedLaunch:
         from flashmoe_science.moe.hopper import dx_sm90
 
-        return dx_sm90.prepare_down(self.h, self.w2, self.out32, self.weights32, self.sort, self.config)
+        return dx_sm90.prepare_down(self.h, self.w2, self.out, self.weights32, self.sort, self.config,
+                                    store_rows=self.tiles.combine == "rows")
 
 
 @dataclass(frozen=True)
@@ -67,11 +69,11 @@ class HopperDown:
 
         return dx_sm90.DOWN_SORT_TENSORS
 
-    def launch(self, h, w2, out32, weights32, sort: ExpertSort, tiles: MoETiles):
-        return HopperDownLaunch(h, w2, out32, weights32, sort, tiles, self.config)
+    def launch(self, h, w2, out, weights32, sort: ExpertSort, tiles: MoETiles):
+        return HopperDownLaunch(h, w2, out, weights32, sort, tiles, self.config)
 
     def describe(self, tiles: MoETiles) -> str:
-        return f"dx_sm90.down_sm90, {self.config.label()}"
+        return f"dx_sm90.down_sm90, {self.config.label()}, {tiles.combine} combine"
 
 
 @dataclass(frozen=True)
@@ -96,18 +98,21 @@ class HopperDhSwiglu:
 
 @dataclass(frozen=True)
 class HopperDx:
-    """``dx32[token] += d(gate, up)[row] @ w1[e]`` in ``dx_sm90.dx_sm90`` (TMA, warp-specialised)."""
+    """``dx[token] += d(gate, up)[row] @ w1[e]`` in ``dx_sm90.dx_sm90`` (TMA, warp-specialised), into
+    ``gemms.combine_buffer``'s tensor for tiles.combine."""
 
     config: object
 
-    def __call__(self, dgu, w1, dx32, sort: ExpertSort, tiles: MoETiles):
+    def __call__(self, dgu, w1, dx_out, sort: ExpertSort, tiles: MoETiles):
         from flashmoe_science.moe.hopper import dx_sm90
 
-        if not run_gluon("MoE dx", lambda: dx_sm90.dx_sm90(dgu, w1, dx32, sort, tiles.block_m, self.config)):
-            TRITON_RUNNERS["dx"](dgu, w1, dx32, sort, tiles)
+        rows = tiles.combine == "rows"
+        if not run_gluon("MoE dx", lambda: dx_sm90.dx_sm90(dgu, w1, dx_out, sort, tiles.block_m, self.config,
+                                                            store_rows=rows)):
+            TRITON_RUNNERS["dx"](dgu, w1, dx_out, sort, tiles)
 
     def describe(self, tiles: MoETiles) -> str:
-        return f"dx_sm90.dx_sm90, {self.config.label()}"
+        return f"dx_sm90.dx_sm90, {self.config.label()}, {tiles.combine} combine"
 
 
 @dataclass(frozen=True)
@@ -130,18 +135,24 @@ class HopperWeightGradient:
 
 # ------------------------------------------------------------------------------------------------------ family
 def _config(gemm: str, d_ff: int):
-    """The measured tile config of ``gemm`` (dx_configs' rules by K; the weight gradients' one config)."""
+    """The measured tile config of ``gemm`` (dx_configs' rules by K; the weight gradients' one config); ``gemm``
+    may be a rows-combine product (``_kernel_gemm``)."""
     if gemm in ("dw1", "dw2"):
         from flashmoe_science.moe.hopper.wgrad_sm90 import MEASURED_CONFIG
 
         return MEASURED_CONFIG
     from flashmoe_science.moe.hopper import dx_configs
 
-    if gemm == "down":
-        return dx_configs.down_config(d_ff)
-    if gemm == "dx":
-        return dx_configs.dx_config(2 * d_ff)
+    if gemm in ("down", "down_rows"):
+        return dx_configs.down_config(d_ff, rows=gemm == "down_rows")
+    if gemm in ("dx", "dx_rows"):
+        return dx_configs.dx_config(2 * d_ff, rows=gemm == "dx_rows")
     return dx_configs.DH_SWIGLU_CONFIG
+
+
+def _kernel_gemm(gemm: str, tiles: MoETiles) -> str:
+    """dx_sm90's product for the layer's ``gemm`` under ``tiles.combine``: down and dx have a rows variant."""
+    return f"{gemm}_rows" if gemm in ("down", "dx") and tiles.combine == "rows" else gemm
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -177,6 +188,12 @@ def _kernel_reason(gemm: str, num_tokens: int, top_k: int, dtype: torch.dtype, w
     if gemm == "down":
         return dx_sm90.unsupported_reason(buffer(rows, d_ff), w2, buffer(num_tokens, d_model, dtype=torch.float32),
                                           sort, TILE_ROWS, config, "down", row_scale=weights32)
+    if gemm == "down_rows":
+        return dx_sm90.unsupported_reason(buffer(rows, d_ff), w2, buffer(rows, d_model), sort, TILE_ROWS, config,
+                                          "down_rows", row_scale=weights32)
+    if gemm == "dx_rows":
+        return dx_sm90.unsupported_reason(buffer(rows, two_d_ff), w1, buffer(rows, d_model), sort, TILE_ROWS,
+                                          config, "dx_rows")
     if gemm == "dh_swiglu":
         dgu = buffer(rows, two_d_ff)
         swiglu = dx_sm90.SwigluOperands(buffer(rows, two_d_ff), buffer(rows, d_ff), weights32,
@@ -217,11 +234,11 @@ class HopperGemms:
         reason = unavailable_reason()
         if reason is not None:
             return reason
-        return _kernel_reason(problem.gemm, x.shape[0], problem.top_k, x.dtype, _layout(problem.w1),
-                              _layout(problem.w2))
+        return _kernel_reason(_kernel_gemm(problem.gemm, problem.tiles), x.shape[0], problem.top_k, x.dtype,
+                              _layout(problem.w1), _layout(problem.w2))
 
     def plan(self, problem: GemmProblem):
-        config = _config(problem.gemm, problem.w2.shape[2])
+        config = _config(_kernel_gemm(problem.gemm, problem.tiles), problem.w2.shape[2])
         if problem.gemm in ("dw1", "dw2"):
             return HopperWeightGradient(problem.gemm, config)
         return _RUNNERS[problem.gemm](config)

@@ -3,7 +3,7 @@ the configs measured on the H200 for each product, and the checks a config must 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flashmoe_science.gluon.sm90 import BARRIER_BYTES
 from flashmoe_science.moe.hopper.common import HOPPER_SMEM_PER_BLOCK, check_tile_config
@@ -50,15 +50,20 @@ SHORT_K_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
 LONG_K = 4096  # K = 2F from which LONG_K_CONFIG runs
 
 
-def dx_config(two_d_ff: int) -> DxConfig:
-    """dx's measured tile config for K = 2F (see LONG_K_CONFIG)."""
-    return LONG_K_CONFIG if two_d_ff >= LONG_K else SHORT_K_CONFIG
+def dx_config(two_d_ff: int, rows: bool = False) -> DxConfig:
+    """dx's measured tile config for K = 2F (see LONG_K_CONFIG). ``rows`` (the rows combine, tiles.COMBINES): the
+    same tile without the tail split, whose K parts can only meet in atomics. At small K (2F = 512: 8 K steps of
+    64 per 128-row item) the ping-pong tile is kept for the rows combine too: one consumer's row stores (32 KiB
+    of bf16 per item) run under the other's main loop, where the cooperative tile's consumers would both stop the
+    tensor cores for them. (Not yet measured against the cooperative tile with row stores.)"""
+    config = LONG_K_CONFIG if two_d_ff >= LONG_K else SHORT_K_CONFIG
+    return replace(config, split_tail=False) if rows else config
 
 
-def down_config(d_ff: int) -> DxConfig:
+def down_config(d_ff: int, rows: bool = False) -> DxConfig:
     """The forward's down GEMM's tile config for K = F: the same product shape as dx's (sorted rows times one
-    expert's weight, atomics into token rows), so dx's rule by K (not yet measured for down on its own)."""
-    return dx_config(d_ff)
+    expert's weight, combined into token rows), so dx's rule by K (not yet measured for down on its own)."""
+    return dx_config(d_ff, rows)
 
 
 # dh: H200, Mixtral T=4096: ping-pong 128x128 s4 1.46 ms,

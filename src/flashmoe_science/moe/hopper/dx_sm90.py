@@ -11,6 +11,10 @@
 - dh with the SwiGLU backward (``SWIGLU_BWD``, ``dh_swiglu_sm90``, what moe_backward runs on Hopper): the dh
   product as above, and in the epilogue what ``triton_gemm._swiglu_backward_kernel`` computes from it, so that dh
   never reaches memory (see below).
+- the rows combine's dx and down (``dx_sm90(..., store_rows=True)``: ``ROW_STORE``; ``down_sm90(...,
+  store_rows=True)``: ``DOWN_ROWS``): the same products, each valid sorted row (down: scaled by its routing weight)
+  stored to its own row of a (sort rows, d) buffer in the operands' dtype instead of added into its token's row;
+  ``triton_gemm.combine_rows_launch`` then sums each token's rows (``tiles.COMBINES``: no atomics, deterministic).
 
 All are A (sorted rows x K, dense) times the expert's block of B = the weight viewed (E*K, N), over the
 expert-sorted rows of ``dispatch.ExpertSort``: row tile t (BLOCK_M = 128 sorted rows, one expert) times
@@ -143,12 +147,14 @@ SWIGLU_BWD = gl.constexpr(2)
 # the forward's down GEMM: SCATTER_ADD of the rows scaled by their routing weights; its B (w2, stored (E, d, F)) is
 # K-major: B boxes are (BLOCK_N, BLOCK_K) tiles of w2 viewed (E*d, F), read transposed by the wgmma
 DOWN = gl.constexpr(3)
+# the down GEMM for the rows combine (tiles.COMBINES): DOWN's product and scaling, stored as ROW_STORE stores
+DOWN_ROWS = gl.constexpr(4)
 
 
 @gluon.constexpr_function
 def b_k_major(epilogue):
     """Whether the product's B is stored (N, K) (the forward's w2) rather than (K, N) (dx's w1, dh's w2)."""
-    return getattr(epilogue, "value", epilogue) == DOWN.value
+    return getattr(epilogue, "value", epilogue) in (DOWN.value, DOWN_ROWS.value)
 
 
 # ------------------------------------------------------------------------------------------------------ the kernel
@@ -274,7 +280,7 @@ def _consumer(a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty
             # the rows' pair ids (and routing weights), loaded ahead of the K loop so the epilogue does not wait
             rows = tile * BM + ROW0 + gl.arange(0, ROWS, layout=row_layout)
             pairs = gl.load(sorted_pair_ids_ptr + rows)
-            if EPILOGUE == SWIGLU_BWD or EPILOGUE == DOWN:
+            if EPILOGUE == SWIGLU_BWD or EPILOGUE == DOWN or EPILOGUE == DOWN_ROWS:
                 scale = gl.load(row_scale_ptr + pairs, mask=pairs < num_pairs, other=0.0)
             if PINGPONG:
                 # wait until the other consumer has issued its wgmmas of the previous item (its epilogue then
@@ -298,17 +304,18 @@ def _consumer(a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty
                     # one partial sum per row and column block (the quad of threads holding a row adds once)
                     gl.atomic_add(dscale_ptr + pairs, dscale, mask=valid, sem="relaxed")
                 else:
-                    if EPILOGUE == ROW_STORE:
+                    if EPILOGUE == ROW_STORE or EPILOGUE == DOWN_ROWS:
                         out_rows = rows.to(gl.int64)
                     else:
                         out_rows = gl.where(valid, pairs // top_k, 0).to(gl.int64)  # the rows' tokens
-                    if EPILOGUE == DOWN:
+                    if EPILOGUE == DOWN or EPILOGUE == DOWN_ROWS:
                         acc = acc * gl.expand_dims(scale, 1)
                     cols = col_block * BN + gl.arange(0, BN, layout=col_layout)
                     ptrs = out_ptr + gl.expand_dims(out_rows * stride_out, 1) + gl.expand_dims(cols, 0)
                     mask = gl.expand_dims(valid, 1) & gl.expand_dims(cols < N, 0)
-                    if EPILOGUE == ROW_STORE:
-                        gl.store(ptrs, acc, mask=mask)
+                    if EPILOGUE == ROW_STORE or EPILOGUE == DOWN_ROWS:
+                        # float32 (dh) or the operands' dtype (the rows combine's buffers)
+                        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
                     else:
                         gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
         ring += item_steps
@@ -372,7 +379,13 @@ GEMMS = {"dx": _Gemm("dgu", "w1", "dx32", "2F", "d", "dx_launch", SCATTER_ADD.va
          "dh": _Gemm("dout_sorted", "w2", "dh", "d", "F", "dh_launch", ROW_STORE.value),
          "dh_swiglu": _Gemm("dout_sorted", "w2", "dgu", "d", "F", "dh_launch + swiglu_backward_launch",
                             SWIGLU_BWD.value),
-         "down": _Gemm("h", "w2", "out32", "F", "d", "down_forward_launch", DOWN.value)}
+         "down": _Gemm("h", "w2", "out32", "F", "d", "down_forward_launch", DOWN.value),
+         # the rows combine's (tiles.COMBINES): each sorted row stored to its own row, in the operands' dtype
+         "dx_rows": _Gemm("dgu", "w1", "dx_rows", "2F", "d", "dx_launch", ROW_STORE.value),
+         "down_rows": _Gemm("h", "w2", "out_rows", "F", "d", "down_forward_launch", DOWN_ROWS.value)}
+
+# products whose out is (sort rows, N) in the operands' dtype
+_ROWS_IN_OPERAND_DTYPE = ("dx_rows", "down_rows")
 
 
 def _gemm_dims(w, epilogue: int):
@@ -386,7 +399,9 @@ def unsupported_reason(a, w, out, sort: ExpertSort, block_m: int, config: DxConf
     """Why the kernel cannot take these arguments, or None where it can. ``gemm="dx"``: a = dgu (rows, 2F),
     w = w1 (E, 2F, d), out = dx32 (T, d); ``gemm="dh"``: a = dout_sorted (rows, d), w = w2 (E, d, F),
     out = dh (rows, F); ``gemm="dh_swiglu"``: as dh, but out = dgu (rows, 2F) in w2's dtype, and ``swiglu``;
-    ``gemm="down"``: a = h (rows, F), w = w2 (E, d, F), out = out32 (T, d), and ``row_scale`` (T, k) float32."""
+    ``gemm="down"``: a = h (rows, F), w = w2 (E, d, F), out = out32 (T, d), and ``row_scale`` (T, k) float32;
+    ``gemm="dx_rows"`` / ``"down_rows"``: as dx / down, but out (sort rows, d) in the operands' dtype, each sorted row
+    stored to its own row (the rows combine)."""
     g = GEMMS[gemm]
     name = f"{gemm}_sm90"
     if not isinstance(sort, ExpertSort):
@@ -395,7 +410,8 @@ def unsupported_reason(a, w, out, sort: ExpertSort, block_m: int, config: DxConf
         return (f"{name}: the kernel runs {BLOCK_M}-row tiles; got block_m={block_m}, "
                 f"sort.block_m={sort.block_m}")
     out_shape = {SCATTER_ADD.value: f"(T, {g.n})", ROW_STORE.value: f"(rows, {g.n})",
-                 SWIGLU_BWD.value: f"(rows, 2{g.n})", DOWN.value: f"(T, {g.n})"}[g.epilogue]
+                 SWIGLU_BWD.value: f"(rows, 2{g.n})", DOWN.value: f"(T, {g.n})",
+                 DOWN_ROWS.value: f"(rows, {g.n})"}[g.epilogue]
     w_shape = f"(E, {g.n}, {g.k})" if b_k_major(g.epilogue) else f"(E, {g.k}, {g.n})"
     if w.dim() != 3 or a.dim() != 2 or out.dim() != 2:
         return (f"{name}: expected {g.w} {w_shape}, {g.a} (rows, {g.k}), {g.out} {out_shape}; got "
@@ -405,7 +421,9 @@ def unsupported_reason(a, w, out, sort: ExpertSort, block_m: int, config: DxConf
                 f"{a.dtype} and {w.dtype}")
     if g.epilogue == SWIGLU_BWD.value and out.dtype != w.dtype:
         return f"{name}: {g.out} must be in {g.w}'s dtype {w.dtype} (dw1's operand), got {out.dtype}"
-    if g.epilogue != SWIGLU_BWD.value and out.dtype != torch.float32:
+    if gemm in _ROWS_IN_OPERAND_DTYPE and out.dtype != w.dtype:
+        return f"{name}: {g.out} must be in {g.w}'s dtype {w.dtype} (the rows combine's buffer), got {out.dtype}"
+    if g.epilogue != SWIGLU_BWD.value and gemm not in _ROWS_IN_OPERAND_DTYPE and out.dtype != torch.float32:
         why = "the accumulator, stored as it is" if g.epilogue == ROW_STORE.value else "the atomics add float32"
         return f"{name}: {g.out} must be float32 ({why}), got {out.dtype}"
     num_experts, K, N = _gemm_dims(w, g.epilogue)
@@ -441,7 +459,8 @@ def unsupported_reason(a, w, out, sort: ExpertSort, block_m: int, config: DxConf
         return str(error)
     if g.epilogue == SWIGLU_BWD.value:
         return swiglu_reason(swiglu, w, out, sort, num_rows, config)
-    if g.epilogue == DOWN.value and (not isinstance(row_scale, torch.Tensor) or row_scale.dtype != torch.float32
+    if g.epilogue in (DOWN.value, DOWN_ROWS.value) and (not isinstance(row_scale, torch.Tensor)
+                                                          or row_scale.dtype != torch.float32
                                      or not row_scale.is_contiguous() or row_scale.numel() != sort.num_pairs):
         return (f"{name}: row_scale must be the routing weights, float32 and contiguous, one per (token, slot) pair "
                 f"({sort.num_pairs}), got {type(row_scale).__name__} "
@@ -466,7 +485,8 @@ def launch_args(a, w, out, sort: ExpertSort, block_m: int, config: DxConfig = Dx
     if num_ctas is None:
         num_ctas = sm_count(out.device)
     grid = (max(1, min(num_ctas, max_work)),)
-    epilogue_tensors = tuple(swiglu) if epilogue == SWIGLU_BWD.value else (row_scale,) if epilogue == DOWN.value else ()
+    epilogue_tensors = (tuple(swiglu) if epilogue == SWIGLU_BWD.value
+                        else (row_scale,) if epilogue in (DOWN.value, DOWN_ROWS.value) else ())
     head = kernel_head(gemm, config, a, w, out, sort.sorted_pair_ids, sort.tile_expert, sort.expert_counts,
                        sort.expert_row_start, *epilogue_tensors)
     args = (*head, num_experts, num_tiles_max, sort.num_pairs, sort.top_k, K, N, out.stride(0))
@@ -493,7 +513,7 @@ def kernel_head(gemm: str, config: DxConfig, a, w, out, sorted_pair_ids, tile_ex
         box = [BLOCK_M, config.swiglu_cols]
         epilogue_descs = (sm90.descriptor(gate_up, box), sm90.descriptor(h, box), sm90.descriptor(out, box))
         scales = (row_scale, dscale)
-    elif epilogue == DOWN.value:  # unused descriptors; the routing weights, and an unused pointer
+    elif epilogue in (DOWN.value, DOWN_ROWS.value):  # unused descriptors; the routing weights, an unused pointer
         epilogue_descs, scales = (a_desc,) * 3, (epilogue_tensors[0], out)
     else:  # unused descriptors and pointers
         epilogue_descs, scales = (a_desc,) * 3, (out, out)
@@ -515,15 +535,17 @@ def _launch(gemm, a, w, out, sort: ExpertSort, block_m: int, config: DxConfig, n
 
 
 def dx_sm90(dgu, w1, dx32, sort: ExpertSort, block_m: int, config: DxConfig = DxConfig(),
-            num_ctas: int | None = None):
+            num_ctas: int | None = None, store_rows: bool = False):
     """``dx32[token] += dgu[row] @ w1[expert(row)]`` for every valid sorted row (``triton_gemm.dx_launch``'s product).
 
     dgu: (sort rows, 2F) bf16/fp16 contiguous, the sorted rows' d(gate, up) (padding rows may hold anything);
     w1: (E, 2F, d) contiguous, same dtype; dx32: (T, d) float32 with unit last stride, accumulated into (zero it
     first); sort: the forward's ExpertSort with block_m = 128. ``num_ctas``: persistent CTAs (default: one per SM).
-    Raises ValueError on arguments the kernel cannot take (then use triton_gemm.dx_launch). Returns the compiled
-    kernel (registers, spills, SASS for diagnostics)."""
-    return _launch("dx", dgu, w1, dx32, sort, block_m, config, num_ctas)
+    ``store_rows`` (the rows combine): dx32 is instead a (sort rows, d) buffer in dgu's dtype, and each valid row's
+    product is stored to its own row (padding rows left as they were; config.split_tail must be off). Raises
+    ValueError on arguments the kernel cannot take (then use triton_gemm.dx_launch). Returns the compiled kernel
+    (registers, spills, SASS for diagnostics)."""
+    return _launch("dx_rows" if store_rows else "dx", dgu, w1, dx32, sort, block_m, config, num_ctas)
 
 
 def dh_sm90(dout_sorted, w2, dh, sort: ExpertSort, block_m: int, config: DxConfig = DH_CONFIG,
@@ -552,29 +574,32 @@ def dh_swiglu_sm90(dout_sorted, w2, dgu, swiglu: SwigluOperands, sort: ExpertSor
 
 
 def down_sm90(h, w2, out32, row_scale, sort: ExpertSort, block_m: int, config: DxConfig | None = None,
-              num_ctas: int | None = None):
+              num_ctas: int | None = None, store_rows: bool = False):
     """The forward's down GEMM: ``out32[token] += row_scale[pair] * h[row] @ w2[expert(row)].T`` for every valid
     sorted row (``triton_gemm.down_forward_launch``'s product).
 
     h: (sort rows, F) bf16/fp16 contiguous (padding rows may hold anything); w2: (E, d, F) contiguous, same dtype,
     F a multiple of config.block_k; out32: (T, d) float32 with unit last stride, accumulated into (zero it first);
-    row_scale: (T, k) float32 contiguous, the routing weights. ``config``: default ``down_config(F)``. Otherwise as
-    ``dx_sm90`` (ValueError: use down_forward_launch)."""
+    row_scale: (T, k) float32 contiguous, the routing weights. ``config``: default ``down_config(F)``.
+    ``store_rows``: out32 is a (sort rows, d) buffer in h's dtype, each weighted row stored to its own row (the rows
+    combine). Otherwise as ``dx_sm90`` (ValueError: use down_forward_launch)."""
     config = config or down_config(w2.shape[2])
-    return _launch("down", h, w2, out32, sort, block_m, config, num_ctas, row_scale=row_scale)
+    return _launch("down_rows" if store_rows else "down", h, w2, out32, sort, block_m, config, num_ctas,
+                   row_scale=row_scale)
 
 
 def prepare_down(h, w2, out32, row_scale, sort: ExpertSort, config: DxConfig | None = None,
-                 num_ctas: int | None = None) -> PreparedLaunch:
+                 num_ctas: int | None = None, store_rows: bool = False) -> PreparedLaunch:
     """``down_sm90`` for this call signature as a PreparedLaunch (run it once first, so that it is compiled), called
     with a new call's h, w2, out32, row_scale and the sort's DOWN_SORT_TENSORS. The grid and every
     scalar follow from the shapes (T, k, E, d, F) and the sort's sizes: the caller keys its cache on them."""
     config = config or down_config(w2.shape[2])
-    grid, args, constexprs = launch_args(h, w2, out32, sort, BLOCK_M, config, num_ctas, "down", row_scale=row_scale)
+    gemm = "down_rows" if store_rows else "down"
+    grid, args, constexprs = launch_args(h, w2, out32, sort, BLOCK_M, config, num_ctas, gemm, row_scale=row_scale)
     bound = dict(zip(sorted_rows_sm90_kernel.arg_names, args), **constexprs)
 
     def make_head(h, w2, out32, row_scale, sorted_pair_ids, tile_expert, expert_counts, expert_row_start):
-        return kernel_head("down", config, h, w2, out32, sorted_pair_ids, tile_expert, expert_counts,
+        return kernel_head(gemm, config, h, w2, out32, sorted_pair_ids, tile_expert, expert_counts,
                            expert_row_start, row_scale)
 
     tensors = (h, w2, out32, row_scale, *(getattr(sort, name) for name in DOWN_SORT_TENSORS))
