@@ -132,14 +132,81 @@ def test_gpu_quantisation_matches_the_reference(hadamard):
         assert ((a - b).abs() <= b.abs() / 8 + 1e-6).all(), name  # at most one e4m3 step apart (rounding ties)
 
 
+def _hopper_or_skip():
+    from flashmoe_science.device import device_traits
+
+    if not torch.cuda.is_available() or not device_traits(torch.device("cuda")).is_hopper:
+        pytest.skip("the e4m3 kernels need a Hopper (sm_90) GPU")
+
+
+def _fp8_plan(inputs, causal, kernel, schedule=None):
+    """The checked problem and the plan of one e4m3 kernel: "gluon" (the sm_90 Gluon forward, with `schedule` =
+    (persistent, Q buffers) instead of the planned one if given) or "triton"."""
+    from dataclasses import replace
+
+    from flashmoe_science.attention.fp8 import fp8_problem
+    from flashmoe_science.attention.hopper.backend import Fp8Forward, HopperFp8Forward, fp8_forward_plan
+
+    problem = fp8_problem(*inputs, causal=causal, softmax_scale=None, backend="auto")
+    if kernel == "triton":
+        return problem, Fp8Forward()
+    plan = fp8_forward_plan(problem)
+    assert isinstance(plan, HopperFp8Forward), plan.describe()
+    if schedule is not None:
+        plan = replace(plan, persistent=schedule[0], q_buffers=schedule[1])
+    return problem, plan
+
+
 @gpu
+@pytest.mark.parametrize("kernel", ["gluon", "triton"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lq,lk", [(1, 1), (77, 77), (300, 513), (513, 300)])
-def test_gpu_kernel_against_float64(d, causal, lq, lk):
+def test_gpu_kernel_against_float64(kernel, d, causal, lq, lk):
+    _hopper_or_skip()
     q, k, v = _inputs(b=2, hq=8, hkv=2, lq=lq, lk=lk, d=d, device="cuda")
     inputs = quantize_fp8(q, k, v)
-    out, lse = _call(inputs, causal=causal, return_lse=True)
+    problem, plan = _fp8_plan(inputs, causal, kernel)
+    _check_against_float64(inputs, *plan.run(problem), causal)
+
+
+@gpu
+@pytest.mark.parametrize("schedule", [(True, 2), (True, 1), (False, 1)], ids=["persistent-q2", "persistent-q1",
+                                                                              "per-tile"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_gluon_schedules_against_float64(schedule, d, causal):
+    """Several work items per CTA (2 x 8 heads x 17 query tiles on at most 132 SMs), GQA 4:1, a ragged end."""
+    _hopper_or_skip()
+    q, k, v = _inputs(b=2, hq=8, hkv=2, lq=2100, lk=2100, d=d, device="cuda")
+    inputs = quantize_fp8(q, k, v)
+    problem, plan = _fp8_plan(inputs, causal, "gluon", schedule)
+    _check_against_float64(inputs, *plan.run(problem), causal)
+
+
+@gpu
+def test_gpu_dispatch_runs_the_gluon_kernel_on_hopper():
+    """backend="auto" on Hopper runs the Gluon e4m3 forward (describe_dispatch says so) and gives its result."""
+    from flashmoe_science.attention.api import describe_dispatch
+    from flashmoe_science.attention.hopper.backend import FORWARD_KERNEL
+
+    _hopper_or_skip()
+    q, k, v = _inputs(b=1, hq=4, hkv=4, lq=300, lk=300, d=128, device="cuda")
+    inputs = quantize_fp8(q, k, v)
+    dispatch = describe_dispatch(inputs.q, inputs.k, inputs.v, q_descale=inputs.q_descale,
+                                 k_descale=inputs.k_descale, v_descale=inputs.v_descale, causal=True)
+    assert dispatch.kernel == FORWARD_KERNEL and "e4m3" in dispatch.reason, dispatch
+    out, lse = _call(inputs, causal=True, return_lse=True)
+    problem, plan = _fp8_plan(inputs, True, "gluon")
+    want, want_lse = plan.run(problem)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+def _check_against_float64(inputs, out, lse, causal):
+    """The e4m3 kernel's (out, lse) against float64 attention of the dequantised inputs: within twice PyTorch's
+    bf16 error on the same inputs plus e4m3 P's rounding, rows that see no key zero with lse -inf."""
+    q, k = inputs.q, inputs.k
+    lq, lk = q.shape[2], k.shape[2]
     want, want_lse = _oracle(inputs, causal)
     # PyTorch's own error on the same dequantised inputs in bf16
     qd, kd, vd = (dequantize(t, s, torch.bfloat16) for t, s in

@@ -12,7 +12,8 @@ import torch
 
 from flashmoe_science.attention import call
 from flashmoe_science.attention.checks import check_flags, check_inputs
-from flashmoe_science.attention.plan import BACKENDS, Dispatch, describe, plan_attention  # noqa: F401 (BACKENDS: the names `backend=` takes)
+from flashmoe_science.attention.fp8 import fp8_problem
+from flashmoe_science.attention.plan import BACKENDS, Dispatch, describe, describe_fp8, plan_attention, plan_fp8  # noqa: F401 (BACKENDS: the names `backend=` takes)
 from flashmoe_science.attention.problem import dense_problem
 from flashmoe_science.attention.reference import default_softmax_scale
 from flashmoe_science.device import on_another_cuda_device
@@ -20,9 +21,24 @@ from flashmoe_science.device import on_another_cuda_device
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def _fp8_call(q, k, v, descales, window, softcap, alibi_slopes, attn_bias) -> bool:
+    """Whether a call is an FP8 one (e4m3 inputs or a descale given); raises for the features FP8 does not take."""
+    if not (any(t is not None for t in descales) or any(getattr(t, "dtype", None) in _FP8_DTYPES for t in (q, k, v))):
+        return False
+    if not (window is None and softcap is None and alibi_slopes is None and attn_bias is None):
+        raise ValueError("FP8 attention takes causal masks only: window, softcap, alibi_slopes and attn_bias "
+                         "are not supported with float8_e4m3fn inputs")
+    return True
+
+
 def describe_dispatch(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi_slopes=None,
-                      attn_bias=None, backend: str = "auto") -> Dispatch:
-    """Which kernels `flash_attention_science` would run for these inputs (forward and backward), and why."""
+                      attn_bias=None, backend: str = "auto", q_descale=None, k_descale=None,
+                      v_descale=None) -> Dispatch:
+    """Which kernels `flash_attention_science` would run for these inputs (forward and backward), and why. FP8
+    inputs (with their descales) are described as the FP8 forward plans them."""
+    if _fp8_call(q, k, v, (q_descale, k_descale, v_descale), window, softcap, alibi_slopes, attn_bias):
+        return describe_fp8(plan_fp8(fp8_problem(q, k, v, q_descale, k_descale, v_descale, causal=causal,
+                                                 softmax_scale=None, backend=backend)))
     problem, _ = dense_problem(q, k, v, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                                attn_bias=attn_bias, backend=backend)
     return describe(plan_attention(problem))
@@ -109,12 +125,7 @@ def flash_attention_science(
                 q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
                 alibi_slopes=alibi_slopes, attn_bias=attn_bias, return_lse=return_lse, backend=backend,
                 deterministic=deterministic, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
-    if (q_descale is not None or k_descale is not None or v_descale is not None
-            or getattr(q, "dtype", None) in _FP8_DTYPES or getattr(k, "dtype", None) in _FP8_DTYPES
-            or getattr(v, "dtype", None) in _FP8_DTYPES):
-        if not (window is None and softcap is None and alibi_slopes is None and attn_bias is None):
-            raise ValueError("FP8 attention takes causal masks only: window, softcap, alibi_slopes and attn_bias "
-                             "are not supported with float8_e4m3fn inputs")
+    if _fp8_call(q, k, v, (q_descale, k_descale, v_descale), window, softcap, alibi_slopes, attn_bias):
         out, lse = call.fp8_forward(q, k, v, q_descale, k_descale, v_descale, causal=causal,
                                     softmax_scale=softmax_scale, backend=backend, deterministic=deterministic,
                                     return_lse=return_lse)

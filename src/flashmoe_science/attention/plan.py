@@ -165,6 +165,19 @@ DEQUANTISED = _Dequantised()
 FP8_BACKENDS = (HOPPER_FP8, DEQUANTISED)
 
 
+def describe_fp8(choice: Choice) -> Dispatch:
+    """`describe_dispatch`'s sentences for an FP8 call's plan (`plan_fp8`): the e4m3 kernel, or the dequantised
+    inputs and the dense plan they get."""
+    plan = choice.plan
+    declined = _declined(choice, FP8_BACKENDS) if plan.backend == DEQUANTISED.name else ""
+    if isinstance(plan, DequantisedForward):
+        dense = describe(plan.plan)
+        return Dispatch(dense.backend, dense.kernel, f"FP8 inputs dequantised{declined}; then {dense.reason}",
+                        dense.tiles)
+    return Dispatch(plan.backend, plan.kernel, f"FP8 (e4m3, forward only): {plan.describe()}",
+                    plan.tiles.as_dict() if plan.tiles else None)
+
+
 def plan_fp8(problem) -> Choice:
     """The plan of a checked FP8 call (`fp8.Fp8Problem`): `choice.plan.run(problem)` gives (out, lse)."""
     kernels = [b.name for b in FP8_BACKENDS if b is not DEQUANTISED]

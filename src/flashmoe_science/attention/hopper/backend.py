@@ -6,8 +6,10 @@ What the Gluon kernels take is declared here, once (`FORWARD_FEATURES`, `BACKWAR
 the feature's arguments from `CallFeatures`). The tile and schedule heuristics live in `hopper/tiles.py`.
 
 `HOPPER` plans the forward (`HopperForward`: tiles, persistent CTAs, Q buffers, overlapped work items) and, through
-`HOPPER.backward`, the backward (`HopperBackward`); `HOPPER_FP8` plans the FP8 forward (`Fp8Forward`). Where a Gluon
-kernel does not build on the installed Triton (gluon.availability, warned once) the plans run the Triton kernels.
+`HOPPER.backward`, the backward (`HopperBackward`); `HOPPER_FP8` plans the FP8 forward: the Gluon sm_90 kernel on
+e4m3 operands (`HopperFp8Forward`) where Gluon builds and TMA can read q, k and Vᵀ, else the Triton e4m3 kernel
+(`Fp8Forward`). Where a Gluon kernel does not build on the installed Triton (gluon.availability, warned once) the
+plans run the Triton kernels.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from flashmoe_science.attention.hopper.tiles import (
     sm90_bias_tiles,
     sm90_cross_item,
     sm90_forward_tiles,
+    sm90_fp8_forward_tiles,
+    sm90_fp8_q_buffers,
     sm90_persistent,
     sm90_plan_length,
     sm90_q_buffers,
@@ -371,18 +375,28 @@ HOPPER = HopperAttention()
 FP8_HEAD_DIMS = (64, 128, 256)
 
 
-class Fp8Forward:
-    """The e4m3 tensor-core forward (triton_fp8): bf16 out, float32 lse."""
+def _fp8_outputs(q):
+    """(out bf16, lse float32) of an FP8 call."""
+    return (torch.empty(q.shape, dtype=torch.bfloat16, device=q.device),
+            torch.empty(q.shape[:3], dtype=torch.float32, device=q.device))
 
+
+@dataclass(frozen=True)
+class Fp8Forward:
+    """The e4m3 tensor-core forward in Triton (triton_fp8): bf16 out, float32 lse. `why`: why the Gluon e4m3
+    kernel does not take the call (empty where that is not the question)."""
+
+    why: str = ""
     backend = "hopper"
     kernel = FP8_KERNEL
+    tiles = None
 
-    def run(self, problem):
+    def run(self, problem, out=None, lse=None):
         from flashmoe_science.attention.triton_fp8 import attention_forward_fp8
 
         q, k = problem.q, problem.k
-        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        if out is None:
+            out, lse = _fp8_outputs(q)
         if q.numel() and k.shape[2]:
             ran("forward", self.backend, self.kernel)
             attention_forward_fp8(q, k, problem.v, out, lse, *problem.descales, problem.causal, problem.softmax_scale)
@@ -391,9 +405,70 @@ class Fp8Forward:
             lse.fill_(float("-inf"))
         return out, lse
 
+    def describe(self) -> str:
+        return ("the Triton e4m3 kernel (TMA loads, e4m3 wgmma, descales folded into the softmax multiplier)"
+                + (f" (not the Gluon sm_90 kernel: {self.why})" if self.why else ""))
+
+
+@dataclass(frozen=True)
+class HopperFp8Forward:
+    """The Gluon sm_90 forward on e4m3 operands (fwd_sm90.attention_forward_sm90_fp8): the bf16 kernel's producer
+    warp and two consumer warpgroups, e4m3 wgmma with P in registers, so one consumer's softmax overlaps the other's
+    products. `tiles` (hopper/tiles.sm90_fp8_forward_tiles), `persistent`, `q_buffers` as in HopperForward;
+    `strict` (backend="hopper") raises where the Gluon build fails instead of running the Triton e4m3 kernel."""
+
+    tiles: AttentionTiles
+    persistent: bool
+    q_buffers: int
+    strict: bool = False
+    backend = "hopper"
+    kernel = FORWARD_KERNEL
+
+    def run(self, problem):
+        from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90_fp8
+
+        q, k = problem.q, problem.k
+        out, lse = _fp8_outputs(q)
+        if not (q.numel() and k.shape[2]):
+            return FP8_FORWARD.run(problem, out, lse)
+        num_ctas = device_traits(q.device).sm_count if self.persistent else None
+        descales = tuple(d.contiguous() for d in problem.descales)
+        if run_gluon("e4m3 attention forward", lambda: attention_forward_sm90_fp8(
+                q, k, problem.v, out, lse, *descales, problem.causal, problem.softmax_scale, self.tiles, num_ctas,
+                self.q_buffers), self.strict):
+            ran("forward", self.backend, self.kernel)
+            return out, lse
+        return FP8_FORWARD.run(problem, out, lse)  # it did not build on this triton (warned once)
+
+    def describe(self) -> str:
+        tiles = self.tiles
+        ctas = (f"persistent, one CTA per SM, {self.q_buffers} Q buffer(s) per consumer" if self.persistent
+                else "one CTA per query tile")
+        return (f"the Gluon sm_90 kernel on e4m3 operands (TMA producer warp, two consumer warpgroups, e4m3 wgmma "
+                f"with P in registers, softmax overlapped with P·V; {ctas}); tiles {tiles.block_m}x{tiles.block_n}, "
+                f"{tiles.num_warps} warps, {tiles.num_stages} stages")
+
+
+def fp8_forward_plan(problem) -> HopperFp8Forward | Fp8Forward:
+    """The Gluon e4m3 forward where Gluon builds and TMA can read q, k and Vᵀ (the quantiser's K-major V), with the
+    bf16 plan's persistence rule (tiles.sm90_persistent); else the Triton e4m3 kernel."""
+    q, k, v = problem.q, problem.k, problem.v
+    gluon_off = unavailable_reason()
+    if gluon_off is not None:
+        return Fp8Forward(gluon_off)
+    if not tma_compatible(q, k, v.transpose(-1, -2)):
+        return Fp8Forward(f"it reads q, k and a K-major v (quantize_fp8's layout) by TMA: {TMA_RULE}")
+    traits = device_traits(q.device)
+    tiles = sm90_fp8_forward_tiles(q.shape[-1])
+    seqlen_q = q.shape[-2]
+    num_work = math.prod(q.shape[:-2]) * -(-seqlen_q // tiles.block_m)
+    persistent = sm90_persistent(problem.causal, seqlen_q, num_work, traits.sm_count)
+    return HopperFp8Forward(tiles, persistent, sm90_fp8_q_buffers(tiles, q.shape[-1], persistent, traits),
+                            strict=problem.backend == "hopper")
+
 
 class HopperFp8:
-    """The e4m3 kernel: Hopper GPUs, head dims 64, 128 and 256."""
+    """The e4m3 kernels: Hopper GPUs, head dims 64, 128 and 256 (`fp8_forward_plan` picks Gluon or Triton)."""
 
     name = "hopper"
     title = "the e4m3 kernel"
@@ -409,8 +484,8 @@ class HopperFp8:
                 raise ValueError(f"{name} must have a unit-stride last dim for FP8 attention, got strides {t.stride()}")
         return None
 
-    def plan(self, problem) -> Fp8Forward:
-        return FP8_FORWARD
+    def plan(self, problem) -> HopperFp8Forward | Fp8Forward:
+        return fp8_forward_plan(problem)
 
 
 FP8_FORWARD = Fp8Forward()

@@ -13,8 +13,8 @@ from flashmoe_science.gluon.compat import TensorDescriptor, gl, gluon, mbarrier
 from flashmoe_science.gluon.sm90 import GL_DTYPES
 
 
-# what the TMA boxes carry: the kernels' operands, and an attention bias (float32 too)
-_BOX_DTYPES = {**GL_DTYPES, torch.float32: gl.float32}
+# what the TMA boxes carry: the kernels' operands (e4m3 too: the FP8 forward), and an attention bias (float32 too)
+_BOX_DTYPES = {**GL_DTYPES, torch.float32: gl.float32, torch.float8_e4m3fn: gl.float8e4nv}
 
 
 @functools.lru_cache(maxsize=None)

@@ -53,6 +53,7 @@ from flashmoe_science.gluon.compat import (fence_async_shared, gl, gluon, mbarri
 from flashmoe_science.gluon.sm90 import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS
 from flashmoe_science.prepared_launch import PreparedLaunch
 
+FP8_DTYPE = torch.float8_e4m3fn
 CONSUMER_ROWS = 64  # rows per consumer warpgroup (4 warps x 16 rows of wgmma)
 NUM_CONSUMERS = 2
 BLOCK_M = CONSUMER_ROWS * NUM_CONSUMERS
@@ -109,8 +110,11 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
                                                 k_smem.index(stage))
             mbarrier.wait(v_empty.index(stage), free_phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_load(v_desc, [desc_batch, kv_head, key_row, 0], v_ready.index(stage),
-                                            v_smem.index(stage))
+            if v_desc.dtype == gl.float8e4nv:  # e4m3 V arrives K-major: boxes of (head dim, keys) over Vᵀ
+                tma.async_load(v_desc, [desc_batch, kv_head, 0, key_row], v_ready.index(stage), v_smem.index(stage))
+            else:
+                tma.async_load(v_desc, [desc_batch, kv_head, key_row, 0], v_ready.index(stage),
+                                                v_smem.index(stage))
             ring += 1
 
 
@@ -328,6 +332,45 @@ def _issue_first_scores(q_tile, q_ready, q_phase, k_smem, k_ready, ring, s_zero,
 
 
 @gluon.jit
+def _v_operand(v_smem, stage, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr):
+    """Ring stage `stage` of V as the P·V product's B operand, (BLOCK_N, BLOCK_D). e4m3 wgmma takes its B operand
+    K-major only: e4m3 V arrives as Vᵀ tiles (the quantiser writes V K-major) and is read through a transposed
+    view; 16-bit tiles are row-major."""
+    if v_smem.dtype == gl.float8e4nv:
+        return v_smem.index(stage).reshape([BLOCK_D, BLOCK_N]).permute((1, 0))
+    else:
+        return v_smem.index(stage).reshape([BLOCK_N, BLOCK_D])
+
+
+@gluon.jit
+def _wait_pv(o_acc, p_op):
+    """Wait for the pending P·V product (and everything before it); returns the accumulator.
+
+    16-bit P: the wait also takes P's registers, so nothing reuses them while the product reads them. e4m3 P
+    cannot go there (triton 3.6 lowers the wait's operands to inline-asm constraints of 16, 32 or 64 bits only:
+    "Unexpected bitwidth in WGMMAWaitGroupOp: 8"); its registers stay untouched because ptxas keeps a wgmma's
+    register operands allocated until the wait that retires it (checked in the SASS: see docs/perf-notes.md, FP8)."""
+    if p_op.dtype.primitive_bitwidth == 8:
+        o_acc = warpgroup_mma_wait(0, deps=(o_acc,))
+    else:
+        o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
+    return o_acc
+
+
+@gluon.jit
+def _item_scales(descales, batch, q_head, num_q_heads, group_size, qk_scale, FP8: gl.constexpr):
+    """(softmax multiplier, output multiplier) of a work item. e4m3 inputs carry one descale per (batch, kv-head)
+    (attention/fp8.py): q's and k's fold into the softmax multiplier (scores come out of the product unscaled),
+    v's into the epilogue's normalisation. 16-bit inputs: (qk_scale, 1)."""
+    if FP8:
+        QD, KD, VD = descales
+        slab = batch * (num_q_heads // group_size) + q_head // group_size
+        return qk_scale * gl.load(QD + slab) * gl.load(KD + slab), gl.load(VD + slab)
+    else:
+        return qk_scale, 1.0
+
+
+@gluon.jit
 def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring, num_tiles, p, m_i, l_i, alpha,
                o_acc, s_zero, offs_m, tile_mask, mask_args, qk_scale, bias_ring, bias_args,
                BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -350,12 +393,12 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         mbarrier.wait(v_ready.index(prev), ((ring + j - 1) // NUM_STAGES) & 1)
         p_op = gl.convert_layout(p.to(q_tile.dtype), p_layout)
-        o_acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
+        o_acc = warpgroup_mma(p_op, _v_operand(v_smem, prev, BLOCK_N, BLOCK_D), o_acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale,
                                            k_empty.index(stage), bias_ring, stage, bias_args, BLOCK_N, CAUSAL,
                                            MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS, BIAS_TMA, s_layout)
-        o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
+        o_acc = _wait_pv(o_acc, p_op)
         mbarrier.arrive(v_empty.index(prev), count=1)
     return p, m_i, l_i, alpha, o_acc
 
@@ -368,14 +411,14 @@ def _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last,
     o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
     mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-    o_acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES).reshape([BLOCK_N, BLOCK_D]), o_acc, is_async=True)
+    o_acc = warpgroup_mma(p_op, _v_operand(v_smem, last % NUM_STAGES, BLOCK_N, BLOCK_D), o_acc, is_async=True)
     return o_acc, p_op
 
 
 @gluon.jit
-def _store_output(o_acc, m_i, l_i, o_desc, o_smem, o_smem_free, LSE, rows, num_q_heads, lse_rows, varlen_args,
-                  tile_mask, ROWS: gl.constexpr, BLOCK_D: gl.constexpr, VARLEN: gl.constexpr,
-                  ALIBI_LINEAR: gl.constexpr, s_rows: gl.constexpr, o_layout: gl.constexpr):
+def _store_output(o_acc, m_i, l_i, o_scale, o_desc, o_smem, o_smem_free, LSE, rows, num_q_heads, lse_rows,
+                  varlen_args, tile_mask, ROWS: gl.constexpr, BLOCK_D: gl.constexpr, VARLEN: gl.constexpr,
+                  ALIBI_LINEAR: gl.constexpr, FP8: gl.constexpr, s_rows: gl.constexpr, o_layout: gl.constexpr):
     """Normalise this consumer's rows of O and store them, and their log-sum-exp (natural log; -inf where no key).
     LSE is (batch, head, lse_rows) (varlen: (head, total_q) packed; lse_rows = total_q). ALIBI_LINEAR: m lacks
     ALiBi's row term -slope·(i - start_m) (`_score_start`), added back here.
@@ -398,7 +441,10 @@ def _store_output(o_acc, m_i, l_i, o_desc, o_smem, o_smem_free, LSE, rows, num_q
     lse_row0 = (desc_batch * num_q_heads + q_head).to(gl.int64) * lse_rows + q_row0
     gl.store(LSE + lse_row0 + offs_m, lse, mask=offs_m < seqlen_q)
 
-    out = o_acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
+    if FP8:  # o_scale: v's descale (_item_scales)
+        out = o_acc * gl.expand_dims(gl.convert_layout(o_scale / l_safe, o_rows), 1)
+    else:
+        out = o_acc / gl.expand_dims(gl.convert_layout(l_safe, o_rows), 1)
     if VARLEN:
         if start_m + ROWS > seqlen_q:
             out_rows = start_m + gl.arange(0, ROWS, layout=o_rows)
@@ -426,9 +472,19 @@ def _tma_store_rows(out, o_desc, o_smem, o_smem_free, coords, ROWS: gl.constexpr
 
 
 @gluon.jit
+def _output_staging(q_smems, o_smems, q_buf, CONSUMER: gl.constexpr, FP8: gl.constexpr):
+    """Where a consumer stages its output rows for the TMA store: its Q buffer of the item (free after the item's
+    last Q·Kᵀ), or with e4m3 inputs its bf16 buffer in `o_smems`."""
+    if FP8:
+        return o_smems.index(CONSUMER)
+    else:
+        return q_smems.index(q_buf)
+
+
+@gluon.jit
 def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
                         num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
-                        mask_args, alibi_args, varlen_args, bias_ring, bias_ptr_args, bias_args,
+                        mask_args, alibi_args, varlen_args, bias_ring, bias_ptr_args, bias_args, descales, o_smems,
                         CONSUMER: gl.constexpr, ROWS: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
                         CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
@@ -445,18 +501,25 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     stages).
 
     HAS_BIAS: `bias_ring` is this consumer's ring of bias tiles (BIAS_TMA) or None, `bias_ptr_args` what it loads
-    the bias through otherwise, `bias_args` what both need (see _consumer_item, _bias_tile)."""
+    the bias through otherwise, `bias_args` what both need (see _consumer_item, _bias_tile).
+
+    e4m3 Q, K, V (FP8): the same loop on e4m3 products (wgmma K = 32), P rounded to e4m3 in registers, the
+    descales (`descales`: QD, KD, VD) folded into each item's multipliers (_item_scales), and the bf16 output
+    staged in `o_smems` (the consumer's e4m3 Q buffer holds half its bytes)."""
     num_warps: gl.constexpr = 4
+    FP8: gl.constexpr = q_smems.dtype == gl.float8e4nv
+    INSTR_K: gl.constexpr = 32 if FP8 else 16  # wgmma's K: 32 bytes of the operands' elements
     BIAS_LOADS: gl.constexpr = HAS_BIAS and not BIAS_TMA
     ALIBI_LINEAR: gl.constexpr = ALIBI and not SOFTCAP  # see _score_start
     BIAS_START: gl.constexpr = _bias_in_start(BIAS_TMA, SOFTCAP, BLOCK_D)
     ADD_BIAS: gl.constexpr = HAS_BIAS and not BIAS_START  # the softmax adds it
     # wgmma layouts: warps stacked along the rows (16 rows each); instruction N = the full tile width.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, INSTR_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, BLOCK_D, INSTR_K])
+    # P as the register A operand: 4 bytes of adjacent keys per register
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     num_ctas = gl.num_programs(0)
@@ -472,13 +535,14 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
         0, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, mask_args, alibi_args, varlen_args,
         bias_ptr_args, qk_scale, CONSUMER, ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, ALIBI, VARLEN,
         BIAS_LOADS)
+    scale, o_scale = _item_scales(descales, rows[0], rows[1], num_q_heads, group_size, qk_scale, FP8)
     q_buf = CONSUMER * Q_BUFFERS
     s = _issue_first_scores(q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), q_ready.index(q_buf), 0, k_smem,
                             k_ready, ring, s_zero, tile_mask, bias_ring, bias_args, BLOCK_N, BLOCK_D, NUM_STAGES,
                             ALIBI_LINEAR, BIAS_START, s_layout)
     s = warpgroup_mma_wait(0, deps=(s,))
     offs_m = rows[2] + gl.arange(0, ROWS, layout=s_rows)
-    p, m_i, l_i, alpha = _softmax_tile(s, m_init, l_init, 0, offs_m, tile_mask, mask_args, qk_scale,
+    p, m_i, l_i, alpha = _softmax_tile(s, m_init, l_init, 0, offs_m, tile_mask, mask_args, scale,
                                        k_empty.index(ring % NUM_STAGES), bias_ring, ring % NUM_STAGES, bias_args,
                                        BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS, BIAS_TMA,
                                        s_layout)
@@ -488,7 +552,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
         q_buf = CONSUMER * Q_BUFFERS + item % Q_BUFFERS
         p, m_i, l_i, alpha, o_acc = _key_tiles(
             q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
-            num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, qk_scale, bias_ring, bias_args,
+            num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, scale, bias_ring, bias_args,
             BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA, s_layout,
             o_rows, p_layout)
         last = ring + num_tiles - 1
@@ -500,6 +564,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             varlen_args, bias_ptr_args, qk_scale, CONSUMER, ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, ALIBI,
             VARLEN, BIAS_LOADS)
         n_offs_m = n_rows[2] + gl.arange(0, ROWS, layout=s_rows)
+        n_scale, n_o_scale = _item_scales(descales, n_rows[0], n_rows[1], num_q_heads, group_size, qk_scale, FP8)
         if CROSS_ITEM:
             s = _issue_first_scores(next_q, q_ready.index(next_buf), ((item + 1) // Q_BUFFERS) & 1, k_smem, k_ready,
                                     next_ring, s_zero, n_tile_mask, bias_ring, bias_args, BLOCK_N, BLOCK_D,
@@ -508,33 +573,35 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                                          p_layout)
             s = warpgroup_mma_wait(1, deps=(s,))  # the next item's S_0 is done; this item's last P·V may still run
             p, m_next, l_next, alpha = _softmax_tile(
-                s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, qk_scale, k_empty.index(next_ring % NUM_STAGES),
+                s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, n_scale, k_empty.index(next_ring % NUM_STAGES),
                 bias_ring, next_ring % NUM_STAGES, bias_args, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
                 ADD_BIAS, BIAS_TMA, s_layout)
-            o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
+            o_acc = _wait_pv(o_acc, p_op)
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
-            _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, rows,
-                          num_q_heads, seqlen_q, varlen_args, tile_mask, ROWS, BLOCK_D, VARLEN, ALIBI_LINEAR, s_rows,
-                          o_layout)
+            _store_output(o_acc, m_i, l_i, o_scale, o_desc, _output_staging(q_smems, o_smems, q_buf, CONSUMER, FP8),
+                          q_empty.index(q_buf), LSE, rows, num_q_heads, seqlen_q, varlen_args, tile_mask, ROWS,
+                          BLOCK_D, VARLEN, ALIBI_LINEAR, FP8, s_rows, o_layout)
         else:
             o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
                                          p_layout)
-            o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
+            o_acc = _wait_pv(o_acc, p_op)
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
-            _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, rows,
-                          num_q_heads, seqlen_q, varlen_args, tile_mask, ROWS, BLOCK_D, VARLEN, ALIBI_LINEAR, s_rows,
-                          o_layout)
+            _store_output(o_acc, m_i, l_i, o_scale, o_desc, _output_staging(q_smems, o_smems, q_buf, CONSUMER, FP8),
+                          q_empty.index(q_buf), LSE, rows, num_q_heads, seqlen_q, varlen_args, tile_mask, ROWS,
+                          BLOCK_D, VARLEN, ALIBI_LINEAR, FP8, s_rows, o_layout)
             s = _issue_first_scores(next_q, q_ready.index(next_buf), ((item + 1) // Q_BUFFERS) & 1, k_smem, k_ready,
                                     next_ring, s_zero, n_tile_mask, bias_ring, bias_args, BLOCK_N, BLOCK_D,
                                     NUM_STAGES, ALIBI_LINEAR, BIAS_START, s_layout)
             s = warpgroup_mma_wait(0, deps=(s,))
             p, m_next, l_next, alpha = _softmax_tile(
-                s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, qk_scale, k_empty.index(next_ring % NUM_STAGES),
+                s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, n_scale, k_empty.index(next_ring % NUM_STAGES),
                 bias_ring, next_ring % NUM_STAGES, bias_args, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
                 ADD_BIAS, BIAS_TMA, s_layout)
         m_i, l_i, o_acc = m_next, l_next, o_zero
+        if FP8:  # 16-bit inputs: both stay qk_scale and 1
+            scale, o_scale = n_scale, n_o_scale
         rows, cta_tiles, num_tiles, tile_mask = n_rows, n_cta_tiles, n_num_tiles, n_tile_mask
         offs_m = n_offs_m
         ring = next_ring
@@ -543,17 +610,18 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     q_buf = CONSUMER * Q_BUFFERS + (num_items - 1) % Q_BUFFERS
     p, m_i, l_i, alpha, o_acc = _key_tiles(
         q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
-        num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, qk_scale, bias_ring, bias_args,
+        num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, scale, bias_ring, bias_args,
         BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA, s_layout,
         o_rows, p_layout)
     last = ring + num_tiles - 1
     o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
                                  p_layout)
-    o_acc, _ = warpgroup_mma_wait(0, deps=(o_acc, p_op))
+    o_acc = _wait_pv(o_acc, p_op)
     mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
     release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, ring + cta_tiles, NUM_STAGES)
-    _store_output(o_acc, m_i, l_i, o_desc, q_smems.index(q_buf), q_empty.index(q_buf), LSE, rows, num_q_heads,
-                  seqlen_q, varlen_args, tile_mask, ROWS, BLOCK_D, VARLEN, ALIBI_LINEAR, s_rows, o_layout)
+    _store_output(o_acc, m_i, l_i, o_scale, o_desc, _output_staging(q_smems, o_smems, q_buf, CONSUMER, FP8),
+                  q_empty.index(q_buf), LSE, rows, num_q_heads, seqlen_q, varlen_args, tile_mask, ROWS, BLOCK_D,
+                  VARLEN, ALIBI_LINEAR, FP8, s_rows, o_layout)
 
 
 @gluon.jit
@@ -562,7 +630,7 @@ def attention_forward_sm90_kernel(
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, num_m_tiles, num_work,
     window_left, window_right, softcap_scale, ALIBI_SLOPES, alibi_stride_b, alibi_stride_h,
     CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, num_seqs, O, stride_oh, stride_om, head_dim,
-    bias_desc, BIAS, bias_stride_b, bias_stride_h, bias_stride_m, bias_stride_n, bias_log2,
+    bias_desc, BIAS, bias_stride_b, bias_stride_h, bias_stride_m, bias_stride_n, bias_log2, QD, KD, VD,
     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
     MASK_LEFT: gl.constexpr = False, MASK_RIGHT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
@@ -580,6 +648,8 @@ def attention_forward_sm90_kernel(
     HAS_BIAS: an additive bias, times bias_log2 (see _softmax_tile), read by TMA through bias_desc (BIAS_TMA: boxes
     of 64 query rows x BLOCK_N keys; bias_stride_b/h are the batch and head steps of its coordinate, 0 where it
     broadcasts) or by the consumers' masked loads from BIAS with the four element strides (0 where it broadcasts).
+    e4m3 q, k and Vᵀ descriptors (attention_forward_sm90_fp8): QD, KD, VD are their float32 (B, Hkv) descales and
+    o_desc a bf16 output's.
     Arguments a call does not use are None (constexpr: a plain call compiles to the plain kernel)."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]  # rows per consumer
@@ -590,6 +660,7 @@ def attention_forward_sm90_kernel(
     bias_ptr_args = (BIAS, bias_stride_b, bias_stride_h)
     bias_args = (bias_stride_m, bias_stride_n, bias_log2)
     varlen_args = VarlenArgs(CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, num_seqs, O, stride_oh, stride_om, head_dim)
+    descales = (QD, KD, VD)
 
     # Q: one buffer per consumer, or two (Q_BUFFERS=2) so the next item's Q loads while this item runs
     q_smems = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
@@ -617,6 +688,10 @@ def attention_forward_sm90_kernel(
     else:
         bias_upper: gl.constexpr = None
         bias_lower: gl.constexpr = None
+    if dtype == gl.float8e4nv:  # the bf16 output's staging buffers, one per consumer
+        o_smems = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+    else:
+        o_smems: gl.constexpr = None
 
     upper: gl.constexpr = 0
     lower: gl.constexpr = 1
@@ -624,12 +699,12 @@ def attention_forward_sm90_kernel(
         (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
                                num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
                                mask_args, alibi_args, varlen_args, bias_upper, bias_ptr_args, bias_args,
-                               upper, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM,
+                               descales, o_smems, upper, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM,
                                MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS, BIAS_TMA)),
         (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
                                num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
                                mask_args, alibi_args, varlen_args, bias_lower, bias_ptr_args, bias_args,
-                               lower, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM,
+                               descales, o_smems, lower, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM,
                                MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS, BIAS_TMA)),
         (_producer, (q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                      k_empty, v_empty, num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k,
@@ -641,8 +716,13 @@ def attention_forward_sm90_kernel(
 
 def _tensor_args(k_rows, block_d, q, k, v, out, lse):
     """The kernel's per-call arguments: TMA descriptors over q, k, v, out (boxes of one consumer's rows, of one key
-    tile; out's box is staged in the consumer's Q buffer, so it shares q's), then lse."""
-    return (descriptor(q, CONSUMER_ROWS, block_d), descriptor(k, k_rows, block_d), descriptor(v, k_rows, block_d),
+    tile; a 16-bit out's box is staged in the consumer's Q buffer, so it shares q's; e4m3 V is K-major and read as
+    Vᵀ boxes of (head dim, keys)), then lse."""
+    if v.dtype == FP8_DTYPE:
+        v_desc = descriptor(v.transpose(-1, -2), block_d, k_rows)
+    else:
+        v_desc = descriptor(v, k_rows, block_d)
+    return (descriptor(q, CONSUMER_ROWS, block_d), descriptor(k, k_rows, block_d), v_desc,
             descriptor(out, CONSUMER_ROWS, block_d), lse)
 
 
@@ -680,8 +760,9 @@ def _bias_launch_args(bias, q, k, block_n: int, qk_scale: float, log2_scores: bo
 
 
 def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers, cross_item, mask=None,
-                 alibi_slopes=None, varlen=None, attn_bias=None, bias_tma=False):
-    """(grid, positional args, constexprs) of one launch; see attention_forward_sm90."""
+                 alibi_slopes=None, varlen=None, attn_bias=None, bias_tma=False, descales=None):
+    """(grid, positional args, constexprs) of one launch; see attention_forward_sm90 (and, with `descales`,
+    attention_forward_sm90_fp8)."""
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     if mask is None:
         mask = MaskSpec(causal=causal, window_right=0 if causal else -1)
@@ -695,8 +776,15 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
     if cross_item and q_buffers != 2:
         # the next item's Q·Kᵀ would read the buffer this item's output is staged in
         raise ValueError(f"cross_item needs two Q buffers, got q_buffers={q_buffers}")
-    if out.dtype != q.dtype or out.shape != q.shape or not tma_compatible(out):
-        raise ValueError("out must have q's shape and dtype and TMA-compatible strides (see layout.tma_compatible)")
+    if (q.dtype == FP8_DTYPE) != (descales is not None):
+        raise ValueError("e4m3 inputs take their descales (attention_forward_sm90_fp8), 16-bit inputs none")
+    if descales is not None and (mask.bounded_left or mask.softcap or alibi_slopes is not None or varlen is not None
+                                 or attn_bias is not None):
+        raise ValueError("the e4m3 forward takes the causal mask only (no window, softcap, ALiBi, varlen or bias)")
+    out_dtype = torch.bfloat16 if descales is not None else q.dtype
+    if out.dtype != out_dtype or out.shape != q.shape or not tma_compatible(out):
+        raise ValueError(f"out must have q's shape, dtype {out_dtype} and TMA-compatible strides (see "
+                         f"layout.tma_compatible)")
     block_d = padded_head_dim(head_dim)
     if tiles.block_m != BLOCK_M or tiles.num_warps != 4 * NUM_CONSUMERS:
         raise ValueError(f"the sm_90 kernel runs {BLOCK_M}-row tiles on {4 * NUM_CONSUMERS} warps, got {tiles}")
@@ -724,7 +812,7 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
     args = (*_tensor_args(tiles.block_n, block_d, q, k, v, out, lse), num_q_heads, num_q_heads // k.shape[1],
             seqlen_q, k.shape[2], scalars["qk_scale"], num_m_tiles, num_work,
             scalars["window_left"], scalars["window_right"], scalars["softcap_scale"], *alibi, *varlen_args,
-            *bias_args)
+            *bias_args, *(descales or (None,) * 3))
     constexprs = dict(BLOCK_N=tiles.block_n, BLOCK_D=block_d, NUM_STAGES=tiles.num_stages,
                       CAUSAL=mask_constexprs["CAUSAL"], Q_BUFFERS=q_buffers, CROSS_ITEM=cross_item)
     constexprs.update(MASK_LEFT=mask_constexprs["MASK_LEFT"], MASK_RIGHT=mask_constexprs["MASK_RIGHT"],
@@ -749,6 +837,19 @@ def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float
     tiles.sm90_bias_tiles), else the consumers load it."""
     grid, args, constexprs = _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers,
                                           cross_item, mask, alibi_slopes, varlen, attn_bias, bias_tma)
+    return attention_forward_sm90_kernel[grid](*args, **constexprs, **LAUNCH_OPTIONS)
+
+
+def attention_forward_sm90_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, causal: bool,
+                               softmax_scale: float, tiles, num_ctas: int | None = None, q_buffers: int = 1,
+                               cross_item: bool = False):
+    """The same kernel on e4m3 inputs (attention/fp8.py's convention, checked there): q (B, Hq, Lq, D) and k (B, Hkv,
+    Lk, D) with TMA-compatible strides, v (B, Hkv, Lk, D) K-major (its transpose TMA-compatible: `quantize_fp8`
+    writes it so), out bf16 (B, Hq, Lq, D), lse float32 (B, Hq, Lq), descales float32 (B, Hkv) contiguous. The
+    products run in e4m3 with float32 accumulation; P is rounded to e4m3. Tiles and schedule:
+    tiles.sm90_fp8_forward_tiles and the arguments of attention_forward_sm90."""
+    grid, args, constexprs = _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers,
+                                          cross_item, descales=(q_descale, k_descale, v_descale))
     return attention_forward_sm90_kernel[grid](*args, **constexprs, **LAUNCH_OPTIONS)
 
 
@@ -784,8 +885,9 @@ def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = N
     (2, 4, 256, head_dim) tensors with these tiles would specialise it (varlen: a (1, 4, 512, head_dim) packed
     batch); `mask` (default: `causal` alone), ALiBi slopes and varlen as attention_forward_sm90 takes them, the
     arguments a call leaves None as constexprs. `bias`: "tma" (a (1, 4, 256, 256) bias the producer loads) or
-    "loads" (a (2, 1, 1, 256) one the consumers load), of `bias_dtype` (default: dtype). Returns the
-    CompiledKernel (registers, shared memory, SASS)."""
+    "loads" (a (2, 1, 1, 256) one the consumers load), of `bias_dtype` (default: dtype). dtype e4m3: the FP8
+    forward (attention_forward_sm90_fp8: K-major v, bf16 out, descales). Returns the CompiledKernel (registers,
+    shared memory, SASS)."""
     from flashmoe_science.gluon.sm90 import compile_offline as build
 
     mask = mask or MaskSpec(causal=causal, window_right=0 if causal else -1)
@@ -799,8 +901,13 @@ def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = N
     if bias is not None:
         shape = (1, 4, rows, rows) if bias == "tma" else (batch, 1, 1, rows)
         attn_bias = torch.empty(shape, dtype=bias_dtype or dtype, device="meta")
-    _, args, constexprs = _launch_args(q, q, q, q, lse, mask.causal, 0.1, tiles, num_ctas, q_buffers, cross_item,
-                                       mask, slopes, batch_info, attn_bias, bias == "tma")
+    v, out, descales = q, q, None
+    if dtype == FP8_DTYPE:
+        v = torch.empty(batch, 4, head_dim, rows, dtype=dtype, device="meta").transpose(-1, -2)
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device="meta")
+        descales = (torch.empty(batch, 4, device="meta"),) * 3
+    _, args, constexprs = _launch_args(q, q, v, out, lse, mask.causal, 0.1, tiles, num_ctas, q_buffers, cross_item,
+                                       mask, slopes, batch_info, attn_bias, bias == "tma", descales)
     kernel = attention_forward_sm90_kernel
     unused = {name: None for name, value in zip(kernel.arg_names, args) if value is None}
     return build(kernel, list(args) + [constexprs[name] for name in kernel.arg_names[len(args):]],

@@ -206,3 +206,28 @@ def _sm90_tiles(block_d: int, causal: bool, short_causal: bool) -> AttentionTile
     if short_causal:
         return AttentionTiles(128, 64, 8, 3, use_tma=True)
     return AttentionTiles(128, 128, 8, 3 if causal else 2, use_tma=True)
+
+
+def sm90_fp8_forward_tiles(head_dim: int) -> AttentionTiles:
+    """Tiles of the Gluon sm_90 forward on e4m3 inputs (hopper/fwd_sm90.attention_forward_sm90_fp8). e4m3 halves the
+    K/V ring's bytes, so three stages fit everywhere; registers bound the key tile as in bf16 (the e4m3 P takes half
+    the registers, the float32 scores and output as many): 128-key tiles to D=128, 64-key tiles at D=256 (a 128-key
+    tile there spilled 903 LDL/STL offline, triton 3.6; 64 keys: none). Unmeasured on the GPU:
+    `benchmarks/tools/sweep_attention_fp8_sm90.py` sweeps the alternatives."""
+    if padded_head_dim(head_dim) > 128:
+        return AttentionTiles(128, 64, 8, 3, use_tma=True)
+    return AttentionTiles(128, 128, 8, 3, use_tma=True)
+
+
+def sm90_fp8_smem_bytes(tiles: AttentionTiles, head_dim: int, q_buffers: int) -> int:
+    """Shared memory of one CTA of the e4m3 forward: sm90_smem_bytes at one byte per element, plus the two
+    consumers' bf16 output staging buffers (the e4m3 Q buffer is too small to stage the output in)."""
+    return sm90_smem_bytes(tiles, head_dim, q_buffers, elem_bytes=1) + tiles.block_m * padded_head_dim(head_dim) * 2
+
+
+def sm90_fp8_q_buffers(tiles: AttentionTiles, head_dim: int, persistent: bool, traits: DeviceTraits) -> int:
+    """sm90_q_buffers for the e4m3 forward: two Q buffers per consumer when a persistent CTA has the room."""
+    if persistent and sm90_fp8_smem_bytes(tiles, head_dim, 2) <= traits.smem_per_block:
+        return 2
+    return 1
+
