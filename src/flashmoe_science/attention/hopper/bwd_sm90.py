@@ -5,7 +5,7 @@ The math is `triton_bwd`'s (P recomputed from the forward's LSE, Δ = rowsum(dO 
 bottom-right causal, dead rows -> zero gradients, GQA summed over the group's query heads). What is Hopper-specific
 is who holds what:
 
-A CTA owns BLOCK_N = 128 keys of one (batch, kv head); grid (cdiv(Lk, 128), B·Hkv). Three warp-specialised
+A CTA owns BLOCK_N = 128 keys of one (batch, kv head); grid (cdiv(Lk, 128), B·Hkv). Four warp-specialised
 partitions:
 
 - producer (one warp, 24 registers): loads the CTA's K and V once, then streams Q and dO tiles of BLOCK_M = 64 query
@@ -22,17 +22,29 @@ partitions:
     issue  dV_c += Pᵀ dO,  dK_c += dSᵀ Q          (async wgmma, A from registers)
     store  dSᵀ (bf16/fp16) into this consumer's 64 rows of the shared dSᵀ buffer; both consumers meet (`ds_ready`)
     issue  dQ[:, half c] = dS K[:, half c]        (async wgmma over all 128 keys, A = the buffer read transposed)
-    dQ half -> shared memory (fp32) -> one TMA reduce-add into dq_accum per 32 columns
     release the Q/dO stage
+    dQ half (fp32) -> the tile's staging buffer (`dq_empty` first), signal `dq_full`
 
   Each consumer computes dQ for half of the head dim over both consumers' keys (FA3's split): every dq_accum element
   receives Lk/128 additions, made by the TMA unit in L2 (`cp.reduce.async.bulk.tensor`), not by the warps.
+- dQ writer (one warp, 24 registers): per tile, waits `dq_full` (both halves staged), issues one TMA reduce-add per
+  32 columns, waits until the TMA unit has read the buffer, arrives `dq_empty`. The consumers never wait for a TMA
+  operation: the staging buffer is double-buffered by tile parity (one buffer with an attn_bias above D=64, whose
+  ring takes the second's shared memory), so a consumer waits only if the writer is two tiles behind.
 - epilogue (each consumer): dK_c · softmax_scale and dV_c stored with masked stores (rows past Lk, head-dim padding).
 
 The dSᵀ buffer is double-buffered by tile parity: a consumer writes tile t+1's rows while the other may still read
 tile t's for its dQ product; it cannot reach tile t+2 before the other has finished tile t (it waits for the other's
-arrival of tile t+1 first). The fp32 dQ staging buffer is reused once the previous tile's reduce has read it
-(`tma.store_wait(0)` before the barrier that precedes the next write).
+arrival of tile t+1 first).
+
+Barriers. Gluon (triton 3.6) lowers `mbarrier.arrive` to a warpgroup `bar.sync` and one thread's arrive, and the
+compiler's shared-memory analysis adds a `bar.sync` after each arrive: a consumer runs five warpgroup barriers per
+tile (two per arrival on `ds_ready` and `empty`, one for `dq_full`), all where its four warps arrive together
+(after a wgmma wait or an mbarrier wait every warp took). Before the dQ writer it ran six, one of them behind
+`tma.store_wait` of the previous tile's reduce-adds (only the issuing warp waits there; the other three stall at
+the barrier), and issued the reduce-adds itself. A per-thread arrive (an mbarrier counting 256 arrivals instead of
+a barrier and one) has no Gluon op, and a named-barrier arrive would be inline PTX the compiler's barrier analysis
+does not see.
 
 Which query tiles a key tile visits, per query head (query i sees key j iff j <= i + Lk − Lq): from the first
 that sees one of its keys to the last; [query_start, diag_end) are the causal diagonal's, which mask, the rest
@@ -52,6 +64,28 @@ the next sequence's rows of the float32 workspace, which leaves every value unch
 path). Its last K/V box is masked like any ragged key block; dK and dV stores are masked by the sequence's length.
 
 dQ's last bits may vary run to run (the reduce-adds arrive in any order); dK and dV are deterministic.
+
+Deterministic mode (`deterministic=True`). The writer adds a tile's dQ into dq_accum only after every key block
+before its own (of the same sequence and kv head) that visits the tile has added its share, so every dq_accum
+element receives its additions in increasing key-block order, the same order every run. One int32 counter per
+(query head, query tile) in `semaphores` (lse's shape, read at the tile's first row; the preprocess zeroes it
+with dq_accum): the writer spins (acquire loads) until it equals `_contributors_before`, the number of key blocks
+before this one that visit the tile (0 for the first; the blocks visiting a tile are consecutive, and the first is
+the query tile's first key tile by mask.key_tile_range, so causal and right-bounded masks start at block 0 and a
+left window bound later), issues the reduce-adds, waits for their completion (their writes, not only their
+reads), and increments the counter with release semantics. Each query head of a GQA group has its own counters.
+The zero-adds a packed sequence's last box makes into the next sequence's rows commute with everything (a sum
+that starts at +0 never becomes -0, so adding ±0 changes no bit), so they need no order.
+
+Why it cannot deadlock: CTA n (program id order: a (batch, kv head)'s key blocks are consecutive and increasing,
+dense and packed alike) waits only for CTAs of smaller program id. The hardware starts CTAs in program-id order,
+so each of those has started, holds its SM, and itself waits only for smaller ids; by induction from the first,
+which waits for none, each finishes its reduce-adds. A waiting writer holds up its own CTA's consumers at most two
+tiles later (`dq_empty`), never another CTA. Cost: CTAs that start together form a chain per query tile, each
+writer one counter round trip δ (a completion wait, a release, an acquire load: about a microsecond) behind its
+predecessor; key block n's writer lags n·δ, and its consumers stall once that exceeds the two staged tiles (a
+tile is 1-3 µs). CTAs that start later (when an SM frees) start as staggered as the chain needs, so the stall is
+mostly the first wave's: about δ/(4 · a tile's time) of its time, a few per cent of one wave of many.
 """
 
 from __future__ import annotations
@@ -387,8 +421,9 @@ def _dq_accum_descriptor(dq_accum: torch.Tensor) -> TensorDescriptor:
 
 
 def is_deterministic(head_dim: int) -> bool:
-    """Whether attention_backward_sm90's gradients are bit-identical run to run at this head dim: the two-kernel
-    path (padded 256) is; the one-pass kernel's dQ reduce-adds land in any order."""
+    """Whether attention_backward_sm90's gradients are bit-identical run to run at this head dim without being asked
+    (`deterministic=False`): the two-kernel path (padded 256) is; the one-pass kernel's dQ reduce-adds land in any
+    order unless `deterministic` orders them."""
     return padded_head_dim(head_dim) == TWO_KERNEL_BLOCK_D
 
 
