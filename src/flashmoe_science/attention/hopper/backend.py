@@ -342,14 +342,6 @@ class _HopperAttentionBackward:
                        else "it takes attn_bias where the leading dims merge into one batch dim")
             if refusal is not None:
                 return refusal
-        mask = problem.features.mask
-        if (problem.deterministic_now() and mask.causal and not mask.bounded_left
-                and padded_head_dim(problem.head_dim) <= 128):
-            # Every key block's dQ adds wait for the blocks before it, and under a plain causal mask block 0 visits
-            # every query tile: the whole grid trails one CTA's walk (H100, B·L = 16384: 1.47-1.90x the default
-            # backward, against 1.04-1.25x for the Triton two passes; non-causal 1.00-1.20x).
-            return ("deterministic with a causal mask unbounded on the left: the one pass's ordered dQ adds measured "
-                    "1.5-1.9x the default backward there, the Triton two passes 1.0-1.25x")
         return backward_refusal(problem.head_dim, problem.seqlen_q, problem.softmax_scale)
 
     def plan(self, question) -> HopperBackward:
