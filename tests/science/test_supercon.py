@@ -138,6 +138,38 @@ def test_candidate_space_decodes_substitutions():
         assert row == pytest.approx({s: a / total for s, a in amounts.items()})
 
 
+
+def test_candidate_batches_pack_with_host_token_counts():
+    """The library build's candidate batches, packed with the token count the host computes, equal the padded
+    batches packed by reading the mask, for ranges that start and stop inside a parent, a parent with no dopant
+    left (no candidates), and a level of 1 (the dopant replaces the site: no extra token)."""
+    compositions = [{"La": 1.85, "Sr": 0.15, "Cu": 1, "O": 4}, {"Nb": 3, "Sn": 1}, {"Sr": 1, "Sn": 1, "Zn": 2},
+                    {"Y": 1, "Ba": 2, "Cu": 3, "O": 6.9, "Zn": 0.05}, {"Pb": 1}]
+    parents = pack_compositions(compositions, [str(c) for c in compositions])
+    dopants = torch.tensor([ELEMENT_SYMBOLS.index(s) for s in ("Sr", "Sn", "Zn")])
+    space = CandidateSpace(parents, dopants, levels=(0.3, 1.0, 0.05))
+    masks = space.padded_batch(0, len(space)).mask.sum(1)
+    generator = torch.Generator().manual_seed(0)
+    stops = [0, len(space), *torch.randint(0, len(space) + 1, (40,), generator=generator).tolist()]
+    for stop in stops:
+        assert space.token_count(stop) == int(masks[:stop].sum()), stop
+    for start, stop in [(0, len(space)), (0, 0), (5, 6), (7, 61), (len(space) - 1, len(space))]:
+        packed = space.batch(start, stop, "fused")
+        reference = space.padded_batch(start, stop).packed()
+        for name in ("elements", "fractions", "cu_seqlens"):
+            torch.testing.assert_close(getattr(packed, name), getattr(reference, name), rtol=0, atol=0)
+        assert packed.max_seqlen == reference.max_seqlen
+        assert isinstance(space.batch(start, stop, "plain"), type(space.padded_batch(0, 1)))
+    with pytest.raises(ValueError, match="stop must be"):
+        space.token_count(len(space) + 1)
+    with pytest.raises(ValueError, match="implementation must be"):
+        space.batch(0, 1, "cuda")
+    with pytest.raises(ValueError, match="total must be"):
+        space.padded_batch(0, 1).packed(-1)
+    zero = pack_compositions([{"La": 1, "O": 0}], ["La1O0"])
+    with pytest.raises(ValueError, match="parents must have positive fractions"):
+        CandidateSpace(zero, dopants)
+
 def test_family_split_holds_out_whole_systems(small_csv):
     data, _ = load_supercon(small_csv)
     parts = split_indices(data, "family", seed=1)
