@@ -21,7 +21,13 @@ from flashmoe_science.science.checkpoint import Interrupted, save_atomic
 from flashmoe_science.science.cli import add_supercon_parser
 from flashmoe_science.science.formula import FormulaError, parse_formula, read_formula_csv
 from flashmoe_science.science.progress import progress_bar
-from flashmoe_science.science.supercon_data import PACKAGED_DATA, load_supercon, pack_compositions, split_indices
+from flashmoe_science.science.supercon_data import (
+    PACKAGED_DATA,
+    curate_labels,
+    load_supercon,
+    pack_compositions,
+    split_indices,
+)
 from flashmoe_science.science.supercon_model import (
     ELEMENT_SYMBOLS,
     CompositionTransformer,
@@ -364,6 +370,33 @@ def test_superconductors_split_holds_only_tc_above_zero(small_csv):
     rows = torch.cat(list(parts.values()))
     assert bool((data.targets[rows] > 0).all()) and rows.unique().numel() == int((data.targets > 0).sum())
 
+
+def test_curated_labels_merge_repeats_and_leave_out_conflicts(tmp_path, capsys):
+    """Repeated compositions (another element order or scale) become one row at their median Tc; a 0 K row within
+    the conflict distance of one at >= 30 K is left out with it; rows farther apart or of Tc below 30 K stay."""
+    rows = [("La1.85Sr0.15Cu1O4", 38.0), ("Cu2O8La3.7Sr0.3", 30.0), ("La1.85Sr0.15Cu1O4", 36.0),  # median 36
+            ("Y1Ba2Cu3O6.81", 92.3), ("Y1Ba2Cu3O6.82", 0.0),  # L1 0.0015 apart: a conflict
+            ("Y1Ba2Cu3O6.0", 0.0),  # L1 0.09 from O6.81: kept
+            ("Nb3Sn1", 18.0), ("Nb2.99Sn1.01", 0.0),  # below 30 K: kept
+            ("Mg1B2", 39.0)]
+    data = pack_compositions([parse_formula(f) for f, _ in rows], [f for f, _ in rows], [t for _, t in rows])
+    curated, changes = curate_labels(data)
+    assert changes == {"merged_groups": 1, "merged_rows": 3, "conflicting_rows": 2}
+    assert curated.formulas == ["La1.85Sr0.15Cu1O4", "Y1Ba2Cu3O6.0", "Nb3Sn1", "Nb2.99Sn1.01", "Mg1B2"]
+    torch.testing.assert_close(curated.targets, torch.tensor([36.0, 0.0, 18.0, 0.0, 39.0]))
+    torch.testing.assert_close(curated.fraction_vectors(), data.fraction_vectors()[[0, 5, 6, 7, 8]])
+    wider, changes = curate_labels(data, distance=0.1)  # O6.0 within 0.1 of O6.81 too
+    assert changes["conflicting_rows"] == 3 and "Y1Ba2Cu3O6.0" not in wider.formulas
+    assert curate_labels(data.subset(torch.tensor([6, 8])))[1] == {"merged_groups": 0, "merged_rows": 0,
+                                                                   "conflicting_rows": 0}
+    with pytest.raises(ValueError, match="distance must be"):
+        curate_labels(data, distance=-1)
+    # the command line: the same variant for training and the baselines, said on screen and in the results
+    csv_path = tmp_path / "rows.csv"
+    csv_path.write_text("name,Tc\n" + "".join(f"{f},{t}\n" for f, t in rows))
+    with pytest.raises(CommandError, match="5 readable compositions after --labels curated"):
+        supercon("baselines", "--data", str(csv_path), "--labels", "curated", "--out", str(tmp_path))
+    assert "2 rows of conflicting near-duplicates" in capsys.readouterr().out
 
 def test_cli_baselines_beside_ours(small_csv, tmp_path, capsys):
     pytest.importorskip("sklearn")

@@ -91,7 +91,8 @@ def _load_data(args: argparse.Namespace, minimum_rows: int, purpose: str, labels
               f"L1 {CONFLICT_DISTANCE} of >= {CONFLICT_TC_K:g} K) left out: {len(data)} compositions", flush=True)
     if len(data) < minimum_rows:
         read = f"the first {args.rows} rows of {source}" if args.rows is not None else source
-        raise CommandError(f"{read} hold {len(data)} readable compositions ({len(table.rejected)} rejected); "
+        curated = " after --labels curated" if labels == "curated" else ""
+        raise CommandError(f"{read} hold {len(data)} readable compositions{curated} ({len(table.rejected)} rejected); "
                            f"{purpose} needs at least {minimum_rows}: "
                            + ("use a larger --rows or leave it out" if args.rows is not None
                               else "use a CSV with more valid name,Tc rows"))
