@@ -34,6 +34,7 @@ from flashmoe_science.science.supercon_model import (
     ModelConfig,
     element_property_matrix,
 )
+from flashmoe_science.science.supercon_baselines import write_results
 from flashmoe_science.science.supercon_screen import CandidateSpace, score, screen
 from flashmoe_science.science.supercon_train import TrainConfig, train
 
@@ -397,6 +398,9 @@ def test_curated_labels_merge_repeats_and_leave_out_conflicts(tmp_path, capsys):
     with pytest.raises(CommandError, match="5 readable compositions after --labels curated"):
         supercon("baselines", "--data", str(csv_path), "--labels", "curated", "--out", str(tmp_path))
     assert "2 rows of conflicting near-duplicates" in capsys.readouterr().out
+    path, _ = write_results([], ["random"], tmp_path / "results", {"labels": "curated"}, commit="abc1234")
+    assert json.loads(path.read_text())["note"].startswith("Curated labels")
+    assert path.with_suffix(".md").read_text().startswith("Curated labels")
 
 def test_cli_baselines_beside_ours(small_csv, tmp_path, capsys):
     pytest.importorskip("sklearn")
