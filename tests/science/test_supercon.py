@@ -21,13 +21,20 @@ from flashmoe_science.science.checkpoint import Interrupted, save_atomic
 from flashmoe_science.science.cli import add_supercon_parser
 from flashmoe_science.science.formula import FormulaError, parse_formula, read_formula_csv
 from flashmoe_science.science.progress import progress_bar
-from flashmoe_science.science.supercon_data import PACKAGED_DATA, load_supercon, pack_compositions, split_indices
+from flashmoe_science.science.supercon_data import (
+    PACKAGED_DATA,
+    curate_labels,
+    load_supercon,
+    pack_compositions,
+    split_indices,
+)
 from flashmoe_science.science.supercon_model import (
     ELEMENT_SYMBOLS,
     CompositionTransformer,
     ModelConfig,
     element_property_matrix,
 )
+from flashmoe_science.science.supercon_baselines import write_results
 from flashmoe_science.science.supercon_screen import CandidateSpace, score, screen
 from flashmoe_science.science.supercon_train import TrainConfig, train
 
@@ -137,6 +144,38 @@ def test_candidate_space_decodes_substitutions():
         total = sum(amounts.values())
         assert row == pytest.approx({s: a / total for s, a in amounts.items()})
 
+
+
+def test_candidate_batches_pack_with_host_token_counts():
+    """The library build's candidate batches, packed with the token count the host computes, equal the padded
+    batches packed by reading the mask, for ranges that start and stop inside a parent, a parent with no dopant
+    left (no candidates), and a level of 1 (the dopant replaces the site: no extra token)."""
+    compositions = [{"La": 1.85, "Sr": 0.15, "Cu": 1, "O": 4}, {"Nb": 3, "Sn": 1}, {"Sr": 1, "Sn": 1, "Zn": 2},
+                    {"Y": 1, "Ba": 2, "Cu": 3, "O": 6.9, "Zn": 0.05}, {"Pb": 1}]
+    parents = pack_compositions(compositions, [str(c) for c in compositions])
+    dopants = torch.tensor([ELEMENT_SYMBOLS.index(s) for s in ("Sr", "Sn", "Zn")])
+    space = CandidateSpace(parents, dopants, levels=(0.3, 1.0, 0.05))
+    masks = space.padded_batch(0, len(space)).mask.sum(1)
+    generator = torch.Generator().manual_seed(0)
+    stops = [0, len(space), *torch.randint(0, len(space) + 1, (40,), generator=generator).tolist()]
+    for stop in stops:
+        assert space.token_count(stop) == int(masks[:stop].sum()), stop
+    for start, stop in [(0, len(space)), (0, 0), (5, 6), (7, 61), (len(space) - 1, len(space))]:
+        packed = space.batch(start, stop, "fused")
+        reference = space.padded_batch(start, stop).packed()
+        for name in ("elements", "fractions", "cu_seqlens"):
+            torch.testing.assert_close(getattr(packed, name), getattr(reference, name), rtol=0, atol=0)
+        assert packed.max_seqlen == reference.max_seqlen
+        assert isinstance(space.batch(start, stop, "plain"), type(space.padded_batch(0, 1)))
+    with pytest.raises(ValueError, match="stop must be"):
+        space.token_count(len(space) + 1)
+    with pytest.raises(ValueError, match="implementation must be"):
+        space.batch(0, 1, "cuda")
+    with pytest.raises(ValueError, match="total must be"):
+        space.padded_batch(0, 1).packed(-1)
+    zero = pack_compositions([{"La": 1, "O": 0}], ["La1O0"])
+    with pytest.raises(ValueError, match="parents must have positive fractions"):
+        CandidateSpace(zero, dopants)
 
 def test_family_split_holds_out_whole_systems(small_csv):
     data, _ = load_supercon(small_csv)
@@ -332,6 +371,36 @@ def test_superconductors_split_holds_only_tc_above_zero(small_csv):
     rows = torch.cat(list(parts.values()))
     assert bool((data.targets[rows] > 0).all()) and rows.unique().numel() == int((data.targets > 0).sum())
 
+
+def test_curated_labels_merge_repeats_and_leave_out_conflicts(tmp_path, capsys):
+    """Repeated compositions (another element order or scale) become one row at their median Tc; a 0 K row within
+    the conflict distance of one at >= 30 K is left out with it; rows farther apart or of Tc below 30 K stay."""
+    rows = [("La1.85Sr0.15Cu1O4", 38.0), ("Cu2O8La3.7Sr0.3", 30.0), ("La1.85Sr0.15Cu1O4", 36.0),  # median 36
+            ("Y1Ba2Cu3O6.81", 92.3), ("Y1Ba2Cu3O6.82", 0.0),  # L1 0.0015 apart: a conflict
+            ("Y1Ba2Cu3O6.0", 0.0),  # L1 0.09 from O6.81: kept
+            ("Nb3Sn1", 18.0), ("Nb2.99Sn1.01", 0.0),  # below 30 K: kept
+            ("Mg1B2", 39.0)]
+    data = pack_compositions([parse_formula(f) for f, _ in rows], [f for f, _ in rows], [t for _, t in rows])
+    curated, changes = curate_labels(data)
+    assert changes == {"merged_groups": 1, "merged_rows": 3, "conflicting_rows": 2}
+    assert curated.formulas == ["La1.85Sr0.15Cu1O4", "Y1Ba2Cu3O6.0", "Nb3Sn1", "Nb2.99Sn1.01", "Mg1B2"]
+    torch.testing.assert_close(curated.targets, torch.tensor([36.0, 0.0, 18.0, 0.0, 39.0]))
+    torch.testing.assert_close(curated.fraction_vectors(), data.fraction_vectors()[[0, 5, 6, 7, 8]])
+    wider, changes = curate_labels(data, distance=0.1)  # O6.0 within 0.1 of O6.81 too
+    assert changes["conflicting_rows"] == 3 and "Y1Ba2Cu3O6.0" not in wider.formulas
+    assert curate_labels(data.subset(torch.tensor([6, 8])))[1] == {"merged_groups": 0, "merged_rows": 0,
+                                                                   "conflicting_rows": 0}
+    with pytest.raises(ValueError, match="distance must be"):
+        curate_labels(data, distance=-1)
+    # the command line: the same variant for training and the baselines, said on screen and in the results
+    csv_path = tmp_path / "rows.csv"
+    csv_path.write_text("name,Tc\n" + "".join(f"{f},{t}\n" for f, t in rows))
+    with pytest.raises(CommandError, match="5 readable compositions after --labels curated"):
+        supercon("baselines", "--data", str(csv_path), "--labels", "curated", "--out", str(tmp_path))
+    assert "2 rows of conflicting near-duplicates" in capsys.readouterr().out
+    path, _ = write_results([], ["random"], tmp_path / "results", {"labels": "curated"}, commit="abc1234")
+    assert json.loads(path.read_text())["note"].startswith("Curated labels")
+    assert path.with_suffix(".md").read_text().startswith("Curated labels")
 
 def test_cli_baselines_beside_ours(small_csv, tmp_path, capsys):
     pytest.importorskip("sklearn")

@@ -60,3 +60,19 @@ def test_fused_training_step_matches_plain():
         plain = grads["plain"][name]
         # relative to the gradient's norm: bf16 rounding may route a near-tie token to another expert in one build
         assert (fused - plain).norm() <= 0.05 * plain.norm().clamp_min(1e-6), name
+
+
+@requires_cuda
+def test_fused_candidate_batch_never_waits_for_the_device():
+    """Decoding and packing a batch of candidates for the library build queues device work only (the host counts
+    the tokens), so the host prepares the next batch while the device scores this one."""
+    space = _space("cuda")
+    space.batch(0, 4096, "fused")  # first-call allocations outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        packed = space.batch(1000, 5096, "fused")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    reference = space.padded_batch(1000, 5096).packed()
+    assert torch.equal(packed.elements, reference.elements) and torch.equal(packed.cu_seqlens, reference.cu_seqlens)

@@ -27,7 +27,15 @@ import torch
 from flashmoe_science.bench.report import DEFAULT_OUT
 from flashmoe_science.errors import CommandError
 from flashmoe_science.science.checkpoint import Interrupted
-from flashmoe_science.science.supercon_data import DEFAULT_SPLITS, SPLITS, load_supercon
+from flashmoe_science.science.supercon_data import (
+    CONFLICT_DISTANCE,
+    CONFLICT_TC_K,
+    DEFAULT_SPLITS,
+    LABEL_SETS,
+    SPLITS,
+    curate_labels,
+    load_supercon,
+)
 from flashmoe_science.science.supercon_model import IMPLEMENTATIONS, ModelConfig, default_implementation
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -63,8 +71,9 @@ def _check_at_least(**options) -> None:
             raise CommandError(f"--{name.replace('_', '-')} must be at least {minimum}, got {value}")
 
 
-def _load_data(args: argparse.Namespace, minimum_rows: int, purpose: str):
-    """The data of ``--data`` (default: the packaged SuperCon CSV), with at least ``minimum_rows`` readable rows."""
+def _load_data(args: argparse.Namespace, minimum_rows: int, purpose: str, labels: str = "raw"):
+    """The data of ``--data`` (default: the packaged SuperCon CSV), with at least ``minimum_rows`` readable rows;
+    ``labels="curated"``: the consistent-label variant of :func:`curate_labels`."""
     source = args.data or "the packaged SuperCon data"
     try:
         data, table = load_supercon(args.data, limit=args.rows)
@@ -75,9 +84,15 @@ def _load_data(args: argparse.Namespace, minimum_rows: int, purpose: str):
         raise CommandError(f"{args.data} is not a CSV with columns name,Tc ({str(error).splitlines()[0][:120]})"
                            ) from None
     print(f"{source}: {table.summary()}", flush=True)
+    if labels == "curated":
+        data, changes = curate_labels(data)
+        print(f"curated labels: {changes['merged_rows']} rows of {changes['merged_groups']} repeated compositions "
+              f"merged (median Tc), {changes['conflicting_rows']} rows of conflicting near-duplicates (0 K within "
+              f"L1 {CONFLICT_DISTANCE} of >= {CONFLICT_TC_K:g} K) left out: {len(data)} compositions", flush=True)
     if len(data) < minimum_rows:
         read = f"the first {args.rows} rows of {source}" if args.rows is not None else source
-        raise CommandError(f"{read} hold {len(data)} readable compositions ({len(table.rejected)} rejected); "
+        curated = " after --labels curated" if labels == "curated" else ""
+        raise CommandError(f"{read} hold {len(data)} readable compositions{curated} ({len(table.rejected)} rejected); "
                            f"{purpose} needs at least {minimum_rows}: "
                            + ("use a larger --rows or leave it out" if args.rows is not None
                               else "use a CSV with more valid name,Tc rows"))
@@ -146,7 +161,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     options = _train_options(args)
     device = _device(args.device)
-    data = _load_data(args, MIN_ROWS, "training")
+    data = _load_data(args, MIN_ROWS, "training", args.labels)
     model_config = ModelConfig(d_model=options["d_model"], num_heads=options["heads"], num_layers=options["layers"],
                                num_experts=options["experts"], top_k=options["top_k"], d_ff=options["d_ff"])
     out = Path(args.out)
@@ -231,11 +246,12 @@ def run_baselines(args: argparse.Namespace) -> int:
     models = list(BASELINES) if args.models is None else args.models
     records = []
     if models:
-        data = _load_data(args, MIN_ROWS, "the baselines")
+        data = _load_data(args, MIN_ROWS, "the baselines", args.labels)
         records = run_baselines(data, args.splits, args.seeds, models, trees=args.trees, threads=args.threads,
                                 progress=not args.no_progress)
     settings = {"splits": args.splits, "seeds": args.seeds, "models": models, "trees": args.trees,
-                "rows": args.rows, "data": args.data or "packaged", "ours": args.ours, "include": args.include}
+                "rows": args.rows, "data": args.data or "packaged", "labels": args.labels, "ours": args.ours,
+                "include": args.include}
     path, table = write_results(earlier + ours + records, args.splits, Path(args.out), settings)
     print(table)
     print(f"\nresults: {path} (and {path.with_suffix('.md').name})")
@@ -334,6 +350,14 @@ def _common(parser: argparse.ArgumentParser, model: bool = True) -> None:
                             "given explicitly still apply)")
 
 
+def _labels(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--labels", choices=LABEL_SETS, default="raw",
+                        help="raw: every row as published (default); curated: repeated compositions merged at their "
+                        f"median Tc and the pairs of compositions within L1 {CONFLICT_DISTANCE} (element fractions) "
+                        f"labelled 0 K and >= {CONFLICT_TC_K:g} K left out, before the splits (a dataset variant: "
+                        "compare only runs of the same labels)")
+
+
 def _implementation(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--implementation", choices=IMPLEMENTATIONS,
                         help="fused: packed varlen attention + fused_moe; plain: padding + SDPA + per-expert loop "
@@ -371,6 +395,7 @@ def add_supercon_parser(commands) -> None:
                                "metrics.json, parity.png and loss.png per split under --out. Saves its state every "
                                "minute and on Ctrl-C: the same command again resumes.")
     _common(train)
+    _labels(train)
     _implementation(train)
     train.add_argument("--out", required=True, help="output folder (one subfolder per split); a rerun with the same "
                        "--out resumes or reuses what is there")
@@ -400,6 +425,7 @@ def add_supercon_parser(commands) -> None:
                                    "(needs pip install -e \".[science]\") and writes the results as JSON and a "
                                    "markdown table (with --ours: beside the model's runs) under --out.")
     _common(baselines, model=False)
+    _labels(baselines)
     baselines.add_argument("--out", required=True, help="results folder (supercon-baselines-*.json and .md; "
                            "benchmarks/results publishes the run)")
     baselines.add_argument("--splits", type=_splits, default=list(SPLITS), help=SPLITS_HELP.replace(

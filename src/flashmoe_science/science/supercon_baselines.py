@@ -21,7 +21,7 @@ import torch
 from flashmoe_science.bench.report import environment_metadata, resolve_commit, result_stem, unused_result_path
 from flashmoe_science.errors import CommandError
 from flashmoe_science.science.progress import progress_bar
-from flashmoe_science.science.supercon_data import CompositionSet, split_indices
+from flashmoe_science.science.supercon_data import CONFLICT_DISTANCE, CONFLICT_TC_K, CompositionSet, split_indices
 from flashmoe_science.science.supercon_model import ELEMENT_SYMBOLS
 from flashmoe_science.science.supercon_model import composition_features as features_of_packed
 from flashmoe_science.science.supercon_train import regression_metrics
@@ -161,6 +161,10 @@ NOTE = ("Test R² and MAE (K) of each split's test rows, mean ± standard deviat
         "transformer blended with extra-trees and LightGBM members on the same features (convex weights fitted on "
         "the validation rows), all trained by `supercon train`; the transformer alone: its transformer member.")
 
+CURATED_NOTE = (f"Curated labels (`--labels curated`, a dataset variant): repeated compositions merged at their median "
+                f"Tc, and every pair of compositions within L1 {CONFLICT_DISTANCE} of the element fractions labelled "
+                f"0 K and >= {CONFLICT_TC_K:g} K left out, before the splits; every model on the same rows. ")
+
 
 def write_results(records: list[dict], splits: list[str], out_dir: Path, settings: dict,
                   commit: str | None = None) -> tuple[Path, str]:
@@ -168,11 +172,12 @@ def write_results(records: list[dict], splits: list[str], out_dir: Path, setting
     summary) and the ``.md`` table beside it in ``out_dir``; a second run never overwrites the first."""
     summary = summarize(records)
     table = markdown_table(summary, splits)
-    record = {"benchmark": "supercon-baselines", **environment_metadata(resolve_commit(commit)), "note": NOTE,
+    note = NOTE if settings.get("labels", "raw") == "raw" else CURATED_NOTE + NOTE
+    record = {"benchmark": "supercon-baselines", **environment_metadata(resolve_commit(commit)), "note": note,
               "settings": settings, "splits": splits, "records": records, "summary": summary}
     out_dir.mkdir(parents=True, exist_ok=True)
     path = unused_result_path(out_dir, "supercon-baselines-" + result_stem(record["gpu"], record["date"],
                                                                           record["commit"]))
     path.write_text(json.dumps(record, indent=2) + "\n")
-    path.with_suffix(".md").write_text(f"{NOTE}\n\n{table}\n")
+    path.with_suffix(".md").write_text(f"{note}\n\n{table}\n")
     return path, table

@@ -96,6 +96,48 @@ def load_supercon(path: str | Path | None = None, limit: int | None = None) -> t
     return pack_compositions(table.compositions, table.formulas, table.values), table
 
 
+# the label sets the train and baselines commands read: "raw", every row as published; "curated", exact duplicate
+# compositions merged and conflicting near-duplicates left out (curate_labels)
+LABEL_SETS = ("raw", "curated")
+CONFLICT_DISTANCE = 0.01  # L1 distance of the element-fraction vectors: 0.5% of the atoms replaced
+CONFLICT_TC_K = 30.0  # a 0 K label this close to one at or above this Tc is a conflict
+
+
+def curate_labels(data: CompositionSet, distance: float = CONFLICT_DISTANCE,
+                  conflict_tc: float = CONFLICT_TC_K) -> tuple[CompositionSet, dict[str, int]]:
+    """A dataset variant with consistent labels. Compositions with the same element fractions (the same formula
+    written in another element order or scale) become one row at their median Tc (the first one's formula).
+    Then every pair of compositions at most ``distance`` apart (L1 of the element-fraction vectors) of which one is
+    0 K and the other at least ``conflict_tc`` is left out, both rows: nothing in the composition says which
+    measurement to believe (``Y1Ba2Cu2.94Zr0.06O6.81`` 92.3 K, ``...O6.82`` 0 K). Applied before any split, so
+    every model and baseline trains and is tested on the same rows. Returns the variant and the counts of what
+    changed (``merged_groups``, ``merged_rows``, ``conflicting_rows``)."""
+    if distance < 0 or conflict_tc <= 0:
+        raise ValueError(f"distance must be >= 0 and conflict_tc > 0, got {distance} and {conflict_tc}")
+    vectors = data.fraction_vectors().double()
+    keys = torch.round(vectors * 1e6).to(torch.int64)  # fractions equal to 6 digits: one composition
+    _, group = torch.unique(keys, dim=0, return_inverse=True)
+    order = torch.argsort(group, stable=True)
+    counts = torch.bincount(group)
+    first = order[torch.cumsum(counts, 0) - counts]  # each group's first row in data order
+    targets = torch.stack([data.targets[rows].double().quantile(0.5)
+                           for rows in torch.split(order, counts.tolist())]).float()
+    first, index = torch.sort(first)  # keep the data's order
+    merged = data.subset(first)
+    merged.targets = targets[index]
+    vectors = vectors[first]
+    zero = torch.nonzero(merged.targets == 0).flatten()
+    high = torch.nonzero(merged.targets >= conflict_tc).flatten()
+    close = torch.cdist(vectors[zero], vectors[high], p=1) <= distance if zero.numel() and high.numel() else (
+        torch.zeros(zero.numel(), high.numel(), dtype=torch.bool))
+    conflicting = torch.zeros(len(merged), dtype=torch.bool)
+    conflicting[zero[close.any(1)]] = True
+    conflicting[high[close.any(0)]] = True
+    kept = merged.subset(torch.nonzero(~conflicting).flatten())
+    return kept, {"merged_groups": int((counts > 1).sum()), "merged_rows": int(counts[counts > 1].sum()),
+                  "conflicting_rows": int(conflicting.sum())}
+
+
 def split_indices(data: CompositionSet, split: str, seed: int) -> dict[str, torch.Tensor]:
     """``{"train", "val", "test"}`` -> int64 indices, 80/10/10. ``"random"``: rows shuffled with ``seed``.
     ``"family"``: chemical systems shuffled with ``seed`` and taken whole until each part holds its share of rows.

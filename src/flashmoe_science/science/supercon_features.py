@@ -2,7 +2,7 @@
 Stanev et al. 2018), computed from the packed compositions with tensor operations on any device.
 
 Per composition (elements ``e_i`` with fractions ``x_i``), for each of the 29 standardised element properties
-``p`` of :func:`~flashmoe_science.science.supercon_model.element_property_matrix`:
+``p`` of :func:`~flashmoe_science.science.supercon_model.property_table`:
 
 - the fraction-weighted mean ``m = sum_i x_i p_i`` and average absolute deviation ``sum_i x_i |p_i - m|``,
 - the min, the max and the range (max - min) over the elements present,
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from flashmoe_science.science.element_table import ELEMENT_PROPERTIES, PROPERTY_NAMES
-from flashmoe_science.science.supercon_model import ELEMENT_SYMBOLS, element_property_matrix
+from flashmoe_science.science.supercon_model import ELEMENT_SYMBOLS, property_table
 
 PROPERTY_STATISTICS = ("mean", "avg_dev", "min", "max", "range", "mode")
 NORMS = (2, 3, 5, 7, 10)
@@ -57,7 +57,7 @@ def magpie_features(elements: torch.Tensor, fractions: torch.Tensor, cu_seqlens:
     segment = torch.repeat_interleave(torch.arange(num, device=device), lengths, output_size=elements.numel())
     x = fractions.double()
     w = x[:, None]
-    p = element_property_matrix().double().to(device)[elements]
+    p = property_table(device)[elements]
     width = p.shape[1]
     rows = segment[:, None].expand_as(p)
 

@@ -19,6 +19,7 @@ Both return the same numbers on the real tokens (up to floating-point rounding).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -57,16 +58,27 @@ class ModelConfig:
         return asdict(self)
 
 
-def element_property_matrix() -> torch.Tensor:
-    """``(96, P)`` float32: every property standardised over elements 1..96 (z-score); unknown values get 0, the
-    column mean after standardisation."""
+@functools.cache
+def property_table(device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """``(96, P)`` float64 on ``device``: every property standardised over elements 1..96 (z-score); unknown values
+    get 0, the column mean after standardisation. Built once per device and shared (read it, never write it): the
+    composition features of every screening batch index it, and rebuilding it from the Python table and copying it
+    to the GPU cost a millisecond and a host-device copy per batch."""
+    if device.type != "cpu":
+        return property_table(torch.device("cpu")).to(device)
     raw = torch.tensor([[math.nan if v is None else v for v in values] for values in ELEMENT_PROPERTIES.values()],
                        dtype=torch.float64)
     known = ~torch.isnan(raw)
     count = known.sum(0).clamp_min(1)
     mean = torch.where(known, raw, 0).sum(0) / count
     std = (torch.where(known, raw - mean, 0).pow(2).sum(0) / count).sqrt().clamp_min(1e-12)
-    return torch.where(known, (raw - mean) / std, 0).float()
+    return torch.where(known, (raw - mean) / std, 0)
+
+
+def element_property_matrix() -> torch.Tensor:
+    """``(96, P)`` float32, a new tensor (the model's embedding starts from it and trains it): :func:`property_table`
+    rounded once."""
+    return property_table().float()
 
 
 def fraction_features(fractions: torch.Tensor, frequencies: int) -> torch.Tensor:
@@ -144,7 +156,7 @@ def composition_features(elements: torch.Tensor, fractions: torch.Tensor, cu_seq
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=elements.device), lengths,
                                       output_size=elements.numel())
-    properties = element_property_matrix().double().to(elements.device)[elements]
+    properties = property_table(elements.device)[elements]
     mean, var, high, low, vector = element_statistics(properties, elements, fractions.double(), segment,
                                                       lengths.numel())
     return torch.cat([vector, mean, var.clamp_min(0).sqrt(), high, low], dim=1).float()
@@ -353,12 +365,24 @@ class PaddedBatch:
     def pooled(self, model: CompositionTransformer) -> torch.Tensor:
         return model.pooled_padded(self.elements, self.fractions, self.mask)
 
-    def packed(self) -> PackedBatch:
-        """The real tokens end to end, with int32 cu_seqlens (one host sync for the total)."""
+    def packed(self, total: int | None = None) -> PackedBatch:
+        """The real tokens end to end, with int32 cu_seqlens. ``total``: the number of real tokens when the caller
+        knows it (a candidate space counts them on the host); else it is read from the device (one host sync).
+        Each real token is scattered to its rank among the real tokens, the padding to one spare slot past the end,
+        so the compaction itself never waits for the device (boolean indexing would: its output size is data)."""
         lengths = self.mask.sum(1, dtype=torch.int32)
         cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
         torch.cumsum(lengths, 0, out=cu_seqlens[1:])
-        return PackedBatch(self.elements[self.mask], self.fractions[self.mask], cu_seqlens, self.elements.shape[1])
+        total = int(cu_seqlens[-1]) if total is None else total
+        if total < 0:
+            raise ValueError(f"total must be >= 0, got {total}")
+        mask = self.mask.flatten()
+        slot = torch.where(mask, torch.cumsum(mask, 0) - 1, total)
+
+        def compact(values: torch.Tensor) -> torch.Tensor:
+            return values.new_empty(total + 1).scatter_(0, slot, values.flatten())[:total]
+
+        return PackedBatch(compact(self.elements), compact(self.fractions), cu_seqlens, self.elements.shape[1])
 
     def features(self) -> torch.Tensor:
         """The compositions' classic features (:func:`composition_features`)."""

@@ -10,6 +10,7 @@ its own and a run can resume from any index. Formulas are written only for the N
 
 from __future__ import annotations
 
+import bisect
 import csv
 import hashlib
 import json
@@ -32,7 +33,9 @@ from flashmoe_science.science.progress import progress_bar
 from flashmoe_science.science.supercon_data import CompositionSet
 from flashmoe_science.science.supercon_model import (
     ELEMENT_SYMBOLS,
+    IMPLEMENTATIONS,
     CompositionTransformer,
+    PackedBatch,
     PaddedBatch,
 )
 
@@ -59,6 +62,8 @@ class CandidateSpace:
         self.max_parent_length = int(lengths.max())
         num = len(parents)
         # parent tables, padded: element indices and fractions (B, L)
+        if not bool((parents.fractions > 0).all()):
+            raise ValueError("parents must have positive fractions (an element of amount 0 is no element)")
         padded = parents.batch(torch.arange(num)).padded()
         present = torch.zeros(num, len(ELEMENT_SYMBOLS), dtype=torch.bool)
         present.scatter_(1, padded.elements, padded.mask)
@@ -76,6 +81,14 @@ class CandidateSpace:
         self.offsets = torch.zeros(num + 1, dtype=torch.int64)
         torch.cumsum(per_parent, 0, out=self.offsets[1:])
         self.size = int(self.offsets[-1])
+        # the token counts on the host (token_count): a candidate has its parent's elements, plus the dopant's
+        # when x < 1; the level is the fastest-varying digit of a candidate's index
+        partial = (levels < 1).tolist()
+        self._partial_prefix = [sum(partial[:j]) for j in range(len(partial) + 1)]
+        tokens = per_parent * lengths + per_parent // levels.numel() * self._partial_prefix[-1]
+        self._host_offsets = self.offsets.tolist()
+        self._host_lengths = lengths.tolist()
+        self._token_offsets = [0, *torch.cumsum(tokens, 0).tolist()]
         self.offsets = self.offsets.to(self.device)
         self.signature = hashlib.sha256(
             repr((parents.formulas, dopants.tolist(), levels.tolist())).encode()).hexdigest()[:16]
@@ -92,6 +105,29 @@ class CandidateSpace:
         count = self.dopant_counts[parent]
         rank, site = rest % count, rest // count
         return parent, site, self.dopant_table[parent, rank], self.levels[level]
+
+    def token_count(self, stop: int) -> int:
+        """Element tokens of candidates ``0:stop``, from host-side tables (no device work)."""
+        if not 0 <= stop <= self.size:
+            raise ValueError(f"stop must be in [0, {self.size}], got {stop}")
+        if stop == self.size:
+            return self._token_offsets[-1]
+        parent = bisect.bisect_right(self._host_offsets, stop) - 1
+        done = stop - self._host_offsets[parent]  # candidates of this parent before stop
+        cycles, level = divmod(done, len(self._partial_prefix) - 1)
+        return (self._token_offsets[parent] + done * self._host_lengths[parent]
+                + cycles * self._partial_prefix[-1] + self._partial_prefix[level])
+
+    def batch(self, start: int, stop: int, implementation: str) -> "PackedBatch | PaddedBatch":
+        """Candidates ``start:stop`` in the form an implementation takes: ``"plain"`` a PaddedBatch, ``"fused"``
+        a PackedBatch packed with the host's token count, so building a batch never waits for the device (the
+        host decodes the next batch while the device scores this one)."""
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        padded = self.padded_batch(start, stop)
+        if implementation == "plain":
+            return padded
+        return padded.packed(self.token_count(stop) - self.token_count(start))
 
     def padded_batch(self, start: int, stop: int) -> PaddedBatch:
         """Candidates ``start:stop`` as a PaddedBatch of width max parent length + 1 (the dopant's extra slot)."""
@@ -150,11 +186,12 @@ class CandidateSpace:
 # no_grad, not inference_mode: inference tensors have no version counter, so flash_attention_varlen would check the
 # batch's cu_seqlens in every layer instead of once
 @torch.no_grad()
-def score(model: CompositionTransformer, padded: PaddedBatch, implementation: str,
+def score(model: CompositionTransformer, batch: PackedBatch | PaddedBatch, implementation: str,
           mc_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean, std) predicted Tc of a batch of candidates (the whole model: the transformer with the library build
-    (packed) or the plain one, and its tree members when it has them)."""
-    batch = padded.packed() if implementation == "fused" else padded
+    (packed; a PaddedBatch is packed here) or the plain one, and its tree members when it has them)."""
+    if implementation == "fused" and isinstance(batch, PaddedBatch):
+        batch = batch.packed()
     return model.predict_samples(batch, mc_samples)
 
 
@@ -244,7 +281,7 @@ def screen(model: CompositionTransformer, space: CandidateSpace, *, top: int, ba
         checkpoint = None if state_path is None else Checkpoint(state_path, checkpoint_interval_s)
         for start in range(first, stop, batch_size):
             end = min(start + batch_size, stop)
-            scores, stds = score(model, space.padded_batch(start, end), implementation, mc_samples)
+            scores, stds = score(model, space.batch(start, end, implementation), implementation, mc_samples)
             state.merge(scores, stds, start)
             state.next_index = end
             bar.update(end - start)
