@@ -86,7 +86,7 @@ def _plan_exchange(topk_ids: torch.Tensor, num_experts: int, world_size: int, gr
     a few µs)."""
     num_tokens, top_k = topk_ids.shape
     device = topk_ids.device
-    owner, _ = _owner_and_start(topk_ids, num_experts, world_size)  # (T, k): the rank owning each routed expert
+    owner, start = _owner_and_start(topk_ids, num_experts, world_size)  # (T, k): each routed expert's rank, its first
     visits = torch.zeros(num_tokens, world_size, dtype=torch.bool, device=device).scatter_(1, owner, True)
     token = torch.arange(num_tokens, device=device)
     # chunk c holds tokens [c·T // n, (c + 1)·T // n): token t is in chunk ceil((t + 1)·n / T) - 1
@@ -103,9 +103,8 @@ def _plan_exchange(topk_ids: torch.Tensor, num_experts: int, world_size: int, gr
     keys = ((chunk.unsqueeze(1) * world_size + dest) * max(num_tokens, 1) + token.unsqueeze(1))
     order = torch.where(visits, keys, torch.iinfo(torch.int64).max).view(-1).argsort()
     pair_token, pair_dest = order // world_size, order % world_size
-    pair_owner, pair_start = _owner_and_start(topk_ids[pair_token], num_experts, world_size)
-    mine = pair_owner == pair_dest.unsqueeze(1)
-    pair_ids = torch.where(mine, topk_ids[pair_token] - pair_start, -1).to(torch.int32)
+    mine = owner[pair_token] == pair_dest.unsqueeze(1)
+    pair_ids = torch.where(mine, topk_ids[pair_token] - start[pair_token], -1).to(torch.int32)
     position = torch.empty(num_tokens * world_size, dtype=torch.int64, device=device)
     position[order] = torch.arange(num_tokens * world_size, device=device)
     slots = torch.where(visits.view(-1), position, -1).view(num_tokens, world_size)
