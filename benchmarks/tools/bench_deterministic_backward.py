@@ -1,7 +1,9 @@
 """The attention backward with and without determinism, side by side on one GPU: `flash_attention_science(...,
 deterministic=True)` against the default, per FA3-grid shape (B·L = 16384, H·D = 2048), causal and not; the backward
 alone (autograd.grad on a retained graph, triton.testing.do_bench median). Prints a table (ms, TFLOP/s at
-2.5 x the forward's FLOPs, deterministic / default) and writes JSON to --out.
+2.5 x the forward's FLOPs, deterministic / default) and writes JSON to --out. `--compare OLD.json`: after the run,
+each row's default and deterministic times beside another tree's run of the same shapes (that tree's `--out`, e.g.
+the previous commit's sources on PYTHONPATH), as new / old.
 
     PYTHONPATH=src python benchmarks/tools/bench_deterministic_backward.py [--dims 64,128,256] [--lengths 1024,4096,16384]
 """
@@ -27,6 +29,7 @@ def main():
     parser.add_argument("--dims", default="64,128,256")
     parser.add_argument("--lengths", default="1024,4096,16384")
     parser.add_argument("--out", default="deterministic_backward.json")
+    parser.add_argument("--compare", default=None, help="another run's --out JSON: print new / old per row")
     args = parser.parse_args()
     records = []
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
@@ -53,6 +56,24 @@ def main():
                                 "gpu": torch.cuda.get_device_name()})
     with open(args.out, "w") as f:
         json.dump(records, f, indent=1)
+    if args.compare:
+        compare(records, args.compare)
+
+
+def compare(records, old_path):
+    """Each row's times beside the same row of another run (`old_path`): ms old -> new and new / old."""
+    with open(old_path) as f:
+        old = {(r["shape"], r["causal"]): r for r in json.load(f)}
+    print(f"\n{'shape':28s} {'causal':6s} {'default old -> new ms':>24s} {'new/old':>7s} "
+          f"{'determ. old -> new ms':>24s} {'new/old':>7s} {'determ/default new':>18s}")
+    for r in records:
+        o = old.get((r["shape"], r["causal"]))
+        if o is None:
+            continue
+        print(f"{r['shape']:28s} {str(r['causal']):6s} {o['default_ms']:11.3f} -> {r['default_ms']:8.3f} "
+              f"{r['default_ms'] / o['default_ms']:7.3f} {o['deterministic_ms']:11.3f} -> "
+              f"{r['deterministic_ms']:8.3f} {r['deterministic_ms'] / o['deterministic_ms']:7.3f} "
+              f"{r['deterministic_ms'] / r['default_ms']:18.3f}")
 
 
 if __name__ == "__main__":

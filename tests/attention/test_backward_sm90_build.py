@@ -29,6 +29,66 @@ def test_builds_for_sm90_with_register_operands_and_tma_reduce_adds():
     assert compiled.metadata.shared <= 227 * 1024
 
 
+def _loop_barriers(ptx: str) -> int:
+    """Warpgroup barriers (bar.sync with 128 threads) in a build's PTX: the consumers' only CTA-barrier kind."""
+    return len(re.findall(r"\bbar\.sync\s+\d+, 128;", ptx))
+
+
+@pytest.mark.sm90_build
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dq_writer_takes_the_reduce_adds_out_of_the_consumers(causal, d):
+    """The dQ writer warp issues every reduce-add and waits for their reads; the consumers neither issue nor wait
+    for TMA stores (no cp.async.bulk wait in a 4-warp partition), and each consumer runs at most five warpgroup
+    barriers per query tile (two per Gluon arrive, one for its dQ staging), none behind a TMA wait."""
+    compiled = bwd_sm90.compile_offline(d, causal)
+    ptx, sass = compiled.asm["ptx"], sass_or_skip(compiled)
+    assert len(re.findall(r"\bUTMAREDG\.3D\.ADD\b", sass)) == d // 32  # one per 32 columns, in the writer only
+    assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)) == d // 32
+    assert ptx.count("cp.async.bulk.wait_group.read") == 2  # the writer's per tile and at its end
+    # 15 in the whole kernel on triton 3.6 (5 per consumer per tile), 16 with the reduce-adds in the consumers (6
+    # per tile, one of them behind the previous tile's TMA read)
+    assert _loop_barriers(ptx) <= 15, _loop_barriers(ptx)
+    assert compiled.metadata.shared <= 227 * 1024
+
+
+# (head dim, causal, LDL + STL of the triton 3.6 build): the default mode's plus a few in the consumer prologue
+DETERMINISTIC_BUILDS = {(64, False): 0, (64, True): 0, (128, False): 25, (128, True): 13}
+
+
+@pytest.mark.sm90_build
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
+@pytest.mark.parametrize("d,causal", list(DETERMINISTIC_BUILDS), ids=lambda v: str(v))
+def test_deterministic_builds_order_the_reduce_adds(d, causal):
+    """deterministic=True: the writer spins on its counter with acquire loads, waits for the reduce-adds'
+    completion (not only their reads), and releases the counter with one GPU-scope reduction."""
+    compiled = bwd_sm90.compile_offline(d, causal, deterministic=True)
+    ptx, sass = compiled.asm["ptx"], sass_or_skip(compiled)
+    assert ptx.count("ld.acquire.gpu.global.b32") == 1
+    assert ptx.count("cp.async.bulk.wait_group 0;") == 1 and ptx.count("red.release.gpu.global.add.s32") == 1
+    assert re.search(r"\bLDG\.E\.STRONG\.GPU\b", sass) and re.search(r"\bMEMBAR\.ALL\.GPU\b", sass)
+    assert re.search(r"\bREDG\.E\.ADD\.S32\.STRONG\.GPU\b", sass)
+    assert len(re.findall(r"\bUTMAREDG\.3D\.ADD\b", sass)) == d // 32
+    assert spill_count(sass) <= spill_budget(DETERMINISTIC_BUILDS[(d, causal)]), "spills grew"
+    assert compiled.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.sm90_build
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
+@pytest.mark.parametrize("feature", ["window", "varlen", "softcap"])
+def test_deterministic_builds_with_features(feature):
+    """The ordered reduce-adds with a window (its left bound starts later query tiles at later key blocks:
+    `_contributors_before` reads mask.key_tile_range), packed sequences and a softcap, at D=128."""
+    from flashmoe_science.attention.hopper.bwd_common import offline_features
+
+    features = {"window": offline_features(causal=True, window=(300, 40)), "varlen": offline_features(varlen=True),
+                "softcap": offline_features(causal=True, softcap=20.0)}[feature]
+    compiled = bwd_sm90.compile_offline(128, features, deterministic=True)
+    assert compiled.asm["ptx"].count("red.release.gpu.global.add.s32") == 1
+    assert compiled.metadata.shared <= 227 * 1024
+
+
 @pytest.mark.sm90_build
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -67,23 +127,21 @@ def test_api_takes_it_only_where_it_runs():
     from flashmoe_science.attention.hopper.backend import backward_refusal
     from flashmoe_science.attention.layout import tma_compatible
 
-    def _sm90_backward_runs(q, grad_out, softmax_scale, deterministic):
-        # the plan's rule (backward_refusal) and the run's (a TMA-compatible grad_out)
-        return (backward_refusal(q.shape[-1], q.shape[-2], softmax_scale, deterministic) is None
-                and tma_compatible(grad_out))
+    def _sm90_backward_runs(q, grad_out, softmax_scale):
+        # the plan's rule (backward_refusal) and the run's (a TMA-compatible grad_out); determinism is no reason
+        # to decline (the one pass orders its dQ reduce-adds when asked)
+        return backward_refusal(q.shape[-1], q.shape[-2], softmax_scale) is None and tma_compatible(grad_out)
 
     q = torch.empty(1, 2, 8, 128, dtype=torch.bfloat16)
-    assert _sm90_backward_runs(q, torch.empty_like(q), 0.1, False)
-    assert not _sm90_backward_runs(q, torch.empty_like(q), 0.1, True)  # one pass: dQ's last bits may vary
+    assert _sm90_backward_runs(q, torch.empty_like(q), 0.1)
     short64, long64 = torch.empty(1, 2, 1024, 64, dtype=torch.bfloat16), torch.empty(1, 2, 2048, 64, dtype=torch.bfloat16)
-    assert not _sm90_backward_runs(short64, torch.empty_like(short64), 0.1, False)  # the two passes measured faster
-    assert _sm90_backward_runs(long64, torch.empty_like(long64), 0.1, False)
-    assert not _sm90_backward_runs(q, torch.empty_like(q), 0.0, False)
+    assert not _sm90_backward_runs(short64, torch.empty_like(short64), 0.1)  # the two passes measured faster
+    assert _sm90_backward_runs(long64, torch.empty_like(long64), 0.1)
+    assert not _sm90_backward_runs(q, torch.empty_like(q), 0.0)
     q256 = torch.empty(1, 2, 8, 256, dtype=torch.bfloat16)
-    assert _sm90_backward_runs(q256, torch.empty_like(q256), 0.1, True)  # the two kernels are deterministic
-    assert not _sm90_backward_runs(torch.empty(1, 2, 8, 512, dtype=torch.bfloat16), torch.empty(1, 2, 8, 512), 0.1,
-                                   False)
-    assert not _sm90_backward_runs(q, torch.empty(1, 2, 8, 130)[..., :128], 0.1, False)  # rows not 16-byte aligned
+    assert _sm90_backward_runs(q256, torch.empty_like(q256), 0.1)
+    assert not _sm90_backward_runs(torch.empty(1, 2, 8, 512, dtype=torch.bfloat16), torch.empty(1, 2, 8, 512), 0.1)
+    assert not _sm90_backward_runs(q, torch.empty(1, 2, 8, 130)[..., :128], 0.1)  # rows not 16-byte aligned
 
 
 def test_one_pass_launches_bind_every_parameter():
@@ -97,16 +155,22 @@ def test_one_pass_launches_bind_every_parameter():
     kv = torch.empty(2, 2, 300, 64, dtype=torch.bfloat16, device="meta")
     lse = torch.empty(2, 4, 300, device="meta")
     dq_accum = torch.empty(2, 4, 300, 64, device="meta")
-    launches = bwd_sm90._one_pass_launches(q, kv, kv, q, lse, q, lse, q, kv, kv, dq_accum, True, 0.125, None)
-    assert list(launches) == ["preprocess", "dkdv_dq", "dq_convert"]
-    for kernel, grid, bound, options, heads in launches.values():
-        assert list(bound) == list(kernel.arg_names)
-        per_call = [bound[name] for name in kernel.arg_names[:len(heads)]]
-        assert all(isinstance(t, (torch.Tensor, TensorDescriptor)) for t in per_call)
-        assert not any(isinstance(bound[name], (torch.Tensor, TensorDescriptor))
-                       for name in kernel.arg_names[len(heads):])
-    assert launches["dkdv_dq"][1] == (3 * 2 * 2,)  # key blocks x batch x kv heads
-    assert launches["preprocess"][2]["ZERO_DQ_ACCUM"]
+    semaphores = torch.empty(2, 4, 300, dtype=torch.int32, device="meta")
+    for counters in (None, semaphores):  # the default and the deterministic mode
+        launches = bwd_sm90._one_pass_launches(q, kv, kv, q, lse, q, lse, q, kv, kv, dq_accum, True, 0.125, None,
+                                               semaphores=counters)
+        assert list(launches) == ["preprocess", "dkdv_dq", "dq_convert"]
+        for kernel, grid, bound, options, heads in launches.values():
+            assert list(bound) == list(kernel.arg_names)
+            per_call = [bound[name] for name in kernel.arg_names[:len(heads)]]
+            assert all(isinstance(t, (torch.Tensor, TensorDescriptor)) for t in per_call)
+            assert not any(isinstance(bound[name], (torch.Tensor, TensorDescriptor))
+                           for name in kernel.arg_names[len(heads):])
+        assert launches["dkdv_dq"][1] == (3 * 2 * 2,)  # key blocks x batch x kv heads
+        assert launches["preprocess"][2]["ZERO_DQ_ACCUM"]
+        ordered = counters is not None
+        assert launches["preprocess"][2]["ZERO_SEMAPHORES"] == ordered == launches["dkdv_dq"][2]["DETERMINISTIC"]
+        assert ("semaphores" in launches["dkdv_dq"][4]) == ordered
 
 
 FEATURE_CASES = {  # bwd_common.offline_features arguments: each feature alone and all at once
@@ -189,9 +253,9 @@ def test_bias_refusal_names_what_the_one_pass_kernel_does_not_read():
 # (causal, bias shape, bias_grad, LDL + STL of the triton 3.6 build): a bias without a gradient (the plain
 # kernel's spills plus a few), and its gradient stored (no broadcast dims) or added with atomics (broadcast)
 BIAS_BUILDS = {
-    "causal-fixed": (True, (1, 4, 256, 256), None, 46),
-    "full-store": (False, (2, 4, 256, 256), "store", 176),
-    "causal-atomic": (True, (1, 4, 256, 256), "atomic", 657),
+    "causal-fixed": (True, (1, 4, 256, 256), None, 18),
+    "full-store": (False, (2, 4, 256, 256), "store", 195),
+    "causal-atomic": (True, (1, 4, 256, 256), "atomic", 482),
 }
 
 

@@ -94,9 +94,9 @@ def _cu(lengths):
 
 
 def run_case(lengths_q, lengths_k, hq, hkv, d, *, causal=False, window=None, softcap=None, alibi=False,
-             varlen=True, scale=None, dtype=torch.bfloat16, seed=0):
-    """Random inputs, the sm_90 backward on them, every gradient checked per sequence. Returns (dq, dk, dv) and the
-    inputs (for determinism checks)."""
+             varlen=True, scale=None, dtype=torch.bfloat16, seed=0, deterministic=False):
+    """Random inputs, the sm_90 backward on them (`deterministic`: its ordered dQ reduce-adds), every gradient
+    checked per sequence. Returns (dq, dk, dv) and the inputs (for determinism checks)."""
     from flashmoe_science.attention.features import CallFeatures, Varlen
     from flashmoe_science.attention.mask import make_mask
     from flashmoe_science.attention.tiles import padded_head_dim
@@ -140,7 +140,8 @@ def run_case(lengths_q, lengths_k, hq, hkv, d, *, causal=False, window=None, sof
     dq4, dk4, dv4 = (torch.full_like(t, float("nan")) for t in (q4, k4, v4))
     delta = torch.full_like(lse4, float("nan"))
     dq_accum = torch.full((*q4.shape[:3], padded_head_dim(d)), float("nan"), device=CUDA)
-    bwd_sm90.attention_backward_sm90(q4, k4, v4, out4, lse4, g4, delta, dq4, dk4, dv4, features, scale, dq_accum)
+    bwd_sm90.attention_backward_sm90(q4, k4, v4, out4, lse4, g4, delta, dq4, dk4, dv4, features, scale, dq_accum,
+                                     deterministic=deterministic)
     torch.cuda.synchronize()
 
     _check_sequences((dq4, dk4, dv4), (q4, k4, v4, g4), seq_views, masks, slopes, scale, softcap, dtype)
@@ -286,13 +287,42 @@ def test_varlen_api_backward_runs_the_sm90_kernels(d, monkeypatch):
                      1.0 / math.sqrt(d), 12.0, torch.bfloat16)
 
 
+# the one pass's ordered dQ reduce-adds: a left window bound (later query tiles start at later key blocks), both
+# bounds, packed sequences with empty and one-row ones, MQA/GQA, cross-attention lengths
+DETERMINISTIC_CASES = {
+    "window-left-causal": dict(lengths_q=[1000] * 2, lengths_k=[1000] * 2, hq=4, hkv=2, causal=True,
+                               window=(300, -1), varlen=False),
+    "window-both": dict(lengths_q=[777] * 2, lengths_k=[777] * 2, hq=4, hkv=4, window=(200, 150), varlen=False),
+    "varlen-causal-mqa": dict(lengths_q=[0, 1, 300, 1100, 77], lengths_k=[0, 1, 300, 1100, 77], hq=4, hkv=1,
+                              causal=True),
+    "varlen-window-cross": dict(lengths_q=[129, 600, 1000], lengths_k=[700, 256, 1300], hq=4, hkv=2,
+                                window=(260, 40)),
+}
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("name", list(DETERMINISTIC_CASES))
+def test_deterministic_one_pass_masks_and_varlen(name, d):
+    """deterministic=True on the one-pass kernel: right against float64 per sequence, and every gradient
+    bit-identical over two runs on the same inputs."""
+    first, _ = run_case(**DETERMINISTIC_CASES[name], deterministic=True)
+    second, _ = run_case(**DETERMINISTIC_CASES[name], deterministic=True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("d", [128, 256])
-def test_deterministic_varlen_window_backward_is_bit_identical(d):
-    """deterministic=True: D=256 on the Gluon dK/dV and dQ kernels, D=128 on the Triton two passes (the one-pass
-    kernel's dQ reduce-adds are not ordered); both bit-identical over two runs."""
-    hopper_attention_module("bwd_sm90")
+def test_deterministic_varlen_window_backward_is_bit_identical(d, monkeypatch):
+    """deterministic=True through the API: D=256 on the Gluon dK/dV and dQ kernels, D=128 on the one pass with its
+    dQ reduce-adds in key-block order (spied on); both bit-identical over two runs."""
+    bwd_sm90 = hopper_attention_module("bwd_sm90")
+    modes = []
+    real = bwd_sm90.attention_backward_sm90
+    monkeypatch.setattr(bwd_sm90, "attention_backward_sm90",
+                        lambda *a, **kw: modes.append(kw.get("deterministic")) or real(*a, **kw))
     mask = dict(causal=True, window=(200, -1), softcap=10.0)
     first, _, _ = _varlen_api_grads([700, 1, 0, 1300], 4, 2, d, deterministic=True, **mask)
     second, _, _ = _varlen_api_grads([700, 1, 0, 1300], 4, 2, d, deterministic=True, **mask)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+    assert modes == [True, True], "the backward did not run the sm_90 kernels in their deterministic mode"

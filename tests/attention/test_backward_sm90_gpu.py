@@ -36,7 +36,7 @@ def _inputs(b, hq, hkv, lq, lk, d, dtype, transposed=False):
     return make(hq, lq), make(hkv, lk), make(hkv, lk), make(hq, lq)
 
 
-def sm90_grads(q, k, v, grad_out, causal, softmax_scale=None, num_stages=None):
+def sm90_grads(q, k, v, grad_out, causal, softmax_scale=None, num_stages=None, deterministic=False):
     """(dq, dk, dv) from the library's forward and the sm_90 backward, every output NaN-poisoned first."""
     bwd_sm90 = hopper_attention_module("bwd_sm90")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
@@ -46,7 +46,9 @@ def sm90_grads(q, k, v, grad_out, causal, softmax_scale=None, num_stages=None):
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
     delta = torch.full_like(lse, float("nan"))
     dq_accum = torch.full((*q.shape[:3], padded_head_dim(q.shape[-1])), float("nan"), device=CUDA)
-    kwargs = {} if num_stages is None else {"num_stages": num_stages}
+    kwargs = {"deterministic": deterministic}
+    if num_stages is not None:
+        kwargs["num_stages"] = num_stages
     bwd_sm90.attention_backward_sm90(q, k, v, out, lse.contiguous(), grad_out, delta, dq, dk, dv, causal, scale,
                                      dq_accum, **kwargs)
     torch.cuda.synchronize()
@@ -116,6 +118,23 @@ def test_repeated_runs_agree(causal, d):
     torch.testing.assert_close(first[0], second[0], rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(2, 4, 4, 1000, 1000), (1, 8, 2, 333, 700), (1, 4, 1, 700, 129),
+                                   (1, 2, 2, 4096, 4096)], ids=["odd", "gqa-cross", "mqa-cross", "long"])
+def test_deterministic_one_pass(shape, causal, d):
+    """deterministic=True: the one pass with its dQ reduce-adds in key-block order (each CTA waits for the key
+    blocks before it that see the query tile), right against float64, every gradient bit-identical run to run."""
+    b, hq, hkv, lq, lk = shape
+    q, k, v, grad_out = _inputs(b, hq, hkv, lq, lk, d, torch.bfloat16)
+    first = sm90_grads(q, k, v, grad_out, causal, deterministic=True)
+    assert_grads_close(first, q, k, v, grad_out, causal)
+    for _ in range(2):
+        again = sm90_grads(q, k, v, grad_out, causal, deterministic=True)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("d", [128, 256])
 def test_long_rows(d):
     _check(1, 2, 1, 4096, 4096, d, True)
@@ -172,10 +191,12 @@ def test_prepared_backward_through_autograd(causal, d, transposed):
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_repeated_backward_through_the_prepared_plan_is_bit_identical(causal, d):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_repeated_backward_through_the_prepared_plan_is_bit_identical(deterministic, causal, d):
     """The same graph's backward, run again and again (as a benchmark times it): the first runs the launches as
     Triton binds them, the second prepares them, the rest repeat the prepared sequence. dK and dV are bit-identical
-    every time, dQ within its reduce-add order, and the gradients match float64."""
+    every time, dQ within its reduce-add order (deterministic=True: bit-identical too, its counters allocated and
+    zeroed per call by the prepared sequence), and the gradients match float64."""
     from flashmoe_science.attention import autograd
     from flashmoe_science.attention.record import recording
 
@@ -184,18 +205,21 @@ def test_repeated_backward_through_the_prepared_plan_is_bit_identical(causal, d)
     q, k, v, grad_out = _inputs(2, 4, 4, SM90_BACKWARD_MIN_LEN_D64 + 131, SM90_BACKWARD_MIN_LEN_D64 + 131, d,
                                 torch.bfloat16)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = flash_attention_science(*leaves, causal=causal)
+    out = flash_attention_science(*leaves, causal=causal, deterministic=deterministic)
     runs = []
     for _ in range(4):
         with recording() as log:
             runs.append(torch.autograd.grad(out, leaves, grad_out, retain_graph=True))
         assert log == [("backward", "hopper", "hopper.bwd_sm90.attention_backward_sm90")]
     (plan,) = autograd.BACKWARD_PLANS.values()
-    assert len(_prepared_launches(plan)) == 1
+    assert len(_prepared_launches(plan)) == 1 and plan.step.deterministic == deterministic
     assert_grads_close(runs[-1], q, k, v, grad_out, causal, None)
     for grads in runs[1:]:
         assert torch.equal(grads[1], runs[0][1]) and torch.equal(grads[2], runs[0][2])
-        torch.testing.assert_close(grads[0], runs[0][0], rtol=1e-2, atol=1e-3)
+        if deterministic:
+            assert torch.equal(grads[0], runs[0][0])
+        else:
+            torch.testing.assert_close(grads[0], runs[0][0], rtol=1e-2, atol=1e-3)
 
 
 def test_prepared_backward_keys_on_strides():

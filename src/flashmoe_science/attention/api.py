@@ -88,9 +88,10 @@ def flash_attention_science(
         backend: "auto" (CUDA: the best kernel for the GPU; CPU: the PyTorch reference), "hopper" (the Gluon sm_90
             forward; a ValueError where it cannot run), "triton" (the portable kernels; on CPU tensors only under
             TRITON_INTERPRET=1), or "reference".
-        deterministic: True, or `torch.use_deterministic_algorithms(True)`: the backward runs a dK/dV pass and a
-            dQ pass, no atomics, bit-identical gradients run to run (a broadcast bias's gradient then goes through
-            a (B, H, Lq, Lk) float32 buffer). False (default) allows, when q needs a
+        deterministic: True, or `torch.use_deterministic_algorithms(True)`: bit-identical gradients run to run
+            (a broadcast bias's gradient then goes through a (B, H, Lq, Lk) float32 buffer): on Hopper the Gluon
+            sm_90 one pass up to D=128 with its dQ reduce-adds in key-block order, elsewhere a dK/dV pass and a
+            dQ pass without atomics. False (default) allows, when q needs a
             gradient and k or v does too, one pass for all three that sums dQ with float32 atomics (dQ may then
             differ in its last bits run to run; dK and dV never do): on Hopper the Gluon sm_90 backward (head dims
             up to 128, after the sm_90 forward), under the Triton interpreter the fused Triton pass; other GPUs

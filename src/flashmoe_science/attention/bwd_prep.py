@@ -1,6 +1,6 @@
 """The two row-wise kernels around every attention backward, the Triton and the Gluon one alike: the preprocess
 Δ = rowsum(dO ∘ O) (one float32 value per query row, so no later kernel needs O; it also zeroes a fused path's dQ
-workspace), and the conversion of that float32 workspace into dQ (dQ = dq_accum · scale, in dQ's dtype and strides).
+workspace and, in the sm_90 one pass's deterministic mode, its int32 counters of one value per row), and the conversion of that float32 workspace into dQ (dQ = dq_accum · scale, in dQ's dtype and strides).
 
 Each launch is given as (kernel, grid, every parameter by name, launch options), so a caller may run it at once or
 keep it as a PreparedLaunch. Both kernels walk every row of the (possibly packed) `(B, H, L, D)` tensors, about
@@ -22,15 +22,16 @@ ROW_KERNEL_ELEMENTS = 8192
 
 @triton.jit(do_not_specialize=["num_q_heads", "seqlen_q"])
 def preprocess_kernel(
-    O, DO, Delta, DQ_ACCUM,
+    O, DO, Delta, DQ_ACCUM, SEMAPHORES,
     stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom,
     num_q_heads, seqlen_q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQ_ACCUM: tl.constexpr,
-    ROW64: tl.constexpr,
+    ROW64: tl.constexpr, ZERO_SEMAPHORES: tl.constexpr = False,
 ):
     """Δ[b, h, i] = Σ_d dO[b, h, i, d] · O[b, h, i, d] in float32; with ZERO_DQ_ACCUM, zeroes the same rows of
-    the fused path's dQ workspace (one launch fewer than a separate memset)."""
+    the fused path's dQ workspace, with ZERO_SEMAPHORES those of the int32 counters laid out like Δ (one launch
+    fewer than a separate memset each)."""
     if ROW64:  # row offsets (L-1)·stride_row reach 2**31 elements (e.g. a transposed (B, L, H, D) buffer)
         stride_om, stride_dom = stride_om.to(tl.int64), stride_dom.to(tl.int64)
     pid_m = tl.program_id(0)
@@ -51,6 +52,8 @@ def preprocess_kernel(
         cols = tl.arange(0, BLOCK_D)
         tl.store(DQ_ACCUM + rows[:, None] * BLOCK_D + cols[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
                  mask=in_bounds[:, None])
+    if ZERO_SEMAPHORES:
+        tl.store(SEMAPHORES + rows, tl.zeros([BLOCK_M], tl.int32), mask=in_bounds)
 
 
 @triton.jit(do_not_specialize=["num_q_heads", "seqlen_q"])
@@ -87,16 +90,17 @@ def _row_grid(t: torch.Tensor) -> tuple[int, int, tuple[int, int]]:
 
 
 def preprocess_launch(out: torch.Tensor, grad_out: torch.Tensor, delta: torch.Tensor, dq_accum: torch.Tensor | None,
-                      row64: bool):
+                      row64: bool, semaphores: torch.Tensor | None = None):
     """Δ = rowsum(dO ∘ O) into the float32 `delta` (out's (B, H, L)), and dq_accum (a contiguous float32
-    (B, H, L, padded head dim), or None) zeroed: (kernel, grid, parameters by name, options). row64: 64-bit row
-    offsets (layout.needs_64bit_rows of the call's tensors)."""
+    (B, H, L, padded head dim), or None) and `semaphores` (contiguous int32 of delta's shape, or None) zeroed:
+    (kernel, grid, parameters by name, options). row64: 64-bit row offsets (layout.needs_64bit_rows of the call's
+    tensors)."""
     block_d, row_block, grid = _row_grid(out)
     kernel = preprocess_kernel
-    bound = dict(zip(kernel.arg_names, (out, grad_out, delta, dq_accum, *out.stride()[:3], *grad_out.stride()[:3],
-                                        out.shape[1], out.shape[2])),
+    bound = dict(zip(kernel.arg_names, (out, grad_out, delta, dq_accum, semaphores, *out.stride()[:3],
+                                        *grad_out.stride()[:3], out.shape[1], out.shape[2])),
                  HEAD_DIM=out.shape[-1], BLOCK_D=block_d, BLOCK_M=row_block, ZERO_DQ_ACCUM=dq_accum is not None,
-                 ROW64=row64)
+                 ROW64=row64, ZERO_SEMAPHORES=semaphores is not None)
     return kernel, grid, bound, dict(num_warps=4)
 
 

@@ -94,6 +94,15 @@ def bias_grad_buffer(bias: torch.Tensor, full_shape, deterministic: bool) -> tup
     return torch.zeros(bias.shape, dtype=torch.float32, device=bias.device), broadcast
 
 
+def bias_grad_of_buffer(dbias: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The bias's gradient from `bias_grad_buffer`'s buffer once a backward wrote it: summed over the broadcast dims
+    where determinism gave it the full shape, in the bias's dtype."""
+    if dbias.shape != bias.shape:
+        dims = [d for d in range(4) if bias.shape[d] == 1 and dbias.shape[d] != 1]
+        dbias = dbias.sum(dim=dims, keepdim=True)
+    return dbias.to(bias.dtype)
+
+
 @dataclass(frozen=True)
 class TritonBackward:
     """The Triton backward kernels with these tiles: a dK/dV pass and a dQ pass, or the fused single pass (dQ by
@@ -123,10 +132,7 @@ class TritonBackward:
         attention_backward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale, self.tiles,
                            dq_accum, dbias=dbias, dbias_atomic=dbias_atomic)
         if dbias is not None:
-            if dbias.shape != bias.shape:  # the deterministic broadcast case: sum over the broadcast dims
-                dims = [d for d in range(4) if bias.shape[d] == 1 and dbias.shape[d] != 1]
-                dbias = dbias.sum(dim=dims, keepdim=True)
-            dbias = dbias.to(bias.dtype)
+            dbias = bias_grad_of_buffer(dbias, bias)
         return dq, dk, dv, dbias
 
     def prepare(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float):

@@ -4,7 +4,8 @@ moe/hopper import them from here; neither imports the other).
 Each kernel runs one producer warp (TMA copies only) beside two consumer warpgroups (wgmma and the math): the
 register split between them (``PRODUCER_REGISTERS``, ``CONSUMER_REGISTERS``, ``REGISTER_CAP``), the launch
 options that go with it (``LAUNCH_OPTIONS``), the consumers' accumulator layout (``wgmma_layout``) and its column
-halves (``column_halves``, for epilogues in slices), host-side TMA descriptors (``descriptor``) and offline sm_90
+halves (``column_halves``, for epilogues in slices), ordered global counters between CTAs (``wait_counter``,
+``release_counter_after_bulk``: a deterministic order of TMA reduce-adds), host-side TMA descriptors (``descriptor``) and offline sm_90
 builds (``compile_offline``; the target-independent part is ``build``). Gluon's own names come from ``compat``.
 Gluon inlines the device helpers: the kernels compile as if they were written out in place.
 """
@@ -44,6 +45,38 @@ def column_halves(t):
     ROWS: gl.constexpr = t.shape[0]
     HALF: gl.constexpr = t.shape[1] // 2
     return t.reshape([ROWS, 2, HALF]).permute((0, 2, 1)).split()
+
+
+LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # one element per lane of a one-warp partition
+
+
+@gluon.jit
+def wait_counter(counter, target):
+    """Spin until the int32 at `counter` (global memory) equals `target`, from a one-warp partition: every lane
+    loads it with acquire semantics at GPU scope (what another CTA's `release_counter_after_bulk` published is
+    then visible), then fences the async proxy, so that TMA operations issued after this call are ordered after
+    the observation. Gluon has no scalar acquire load: this is inline PTX, one copy per lane (the loop's label is
+    scoped by the braces)."""
+    lanes = gl.arange(0, 32, layout=LANES)
+    gl.inline_asm_elementwise(
+        "{ .reg .pred ctr_wait; .reg .b32 ctr_value; ctr_spin: ld.acquire.gpu.global.b32 ctr_value, [$1]; "
+        "setp.ne.s32 ctr_wait, ctr_value, $2; @ctr_wait bra ctr_spin; fence.proxy.async.global; "
+        "mov.b32 $0, ctr_value; }",
+        "=r,l,r", [counter + lanes * 0, target + lanes * 0], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def release_counter_after_bulk(counter):
+    """From a one-warp partition: wait until this warp's bulk asynchronous groups (TMA stores and reduce-adds) are
+    complete, their writes performed (``cp.async.bulk.wait_group 0``; ``tma.store_wait`` only waits until their
+    shared-memory source is read), fence the async proxy against the generic one, gather the warp (the issuing
+    lane's completion then precedes lane 0's release), and add 1 to the int32 at `counter` with release semantics
+    at GPU scope from lane 0: a CTA that observes the new value (`wait_counter`) sees those writes done."""
+    lanes = gl.arange(0, 32, layout=LANES)
+    gl.inline_asm_elementwise(
+        "{ .reg .pred ctr_lead; cp.async.bulk.wait_group 0; fence.proxy.async.global; bar.warp.sync -1; "
+        "setp.eq.u32 ctr_lead, $1, 0; @ctr_lead red.release.gpu.global.add.s32 [$2], 1; mov.b32 $0, 0; }",
+        "=r,r,l", [lanes, counter + lanes * 0], dtype=gl.int32, is_pure=False, pack=1)
 
 
 # --------------------------------------------------------------------------------------------------- host helpers

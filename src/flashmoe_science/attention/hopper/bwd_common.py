@@ -12,7 +12,7 @@ import triton
 from flashmoe_science.gluon.compat import gl, gluon, mbarrier, tma
 
 from flashmoe_science.attention.features import as_features
-from flashmoe_science.attention.mask import LOG2_E, query_tile_range, score_to_log2, visible
+from flashmoe_science.attention.mask import LOG2_E, key_tile_range, query_tile_range, score_to_log2, visible
 from flashmoe_science.attention.seqlen import launch_sizes, tile_of_work, work_items_bound, work_list
 
 from flashmoe_science.gluon.sm90 import compile_offline as sm90_compile_offline
@@ -59,6 +59,36 @@ def _visited_query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                                                 CAUSAL)
         full_end = full_start  # unused: masked tiles are [query_start, full_start)
     return query_start, num_tiles, full_start, full_end
+
+
+@gluon.jit
+def _contributors_before(start_n, start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """How many key blocks of BLOCK_N keys before the one at `start_n` (of the same sequence and kv head) visit the
+    query tile at `start_m`, given that this one does (`_visited_query_tiles`).
+
+    The blocks that visit a query tile are consecutive: both ends of `_visited_query_tiles`' range grow with the
+    key block, so if blocks n_lo and n visit tile m, every block between them does, and n_lo is the first block
+    whose range reaches past m. That is the first key tile of the query tile's own range (mask.key_tile_range
+    at these tile sizes: the same rule read the other way): 0 without a left window bound (causal and
+    right-bounded windows only start later query tiles, never later key blocks for a given tile)."""
+    first = 0
+    if MASK_LEFT:
+        first, _, _, _ = key_tile_range(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
+                                        MASK_LEFT, MASK_RIGHT)
+    return (start_n - first) // BLOCK_N
+
+
+@gluon.jit
+def _row_stat_base(q_head, q_first, seqlen_q, lse_rows, VARLEN: gl.constexpr):
+    """The first row of flat query head `q_head` (batch · Hq + head) in the tensors of one value per query row
+    (lse, Δ, the deterministic mode's counters): a packed batch's are (1, Hq, lse_rows), whose sequence rows start
+    at q_first; a dense batch's (B, Hq, Lq)."""
+    if VARLEN:
+        row0 = q_head * lse_rows + q_first
+    else:
+        row0 = q_head * seqlen_q
+    return row0
 
 
 @gluon.jit

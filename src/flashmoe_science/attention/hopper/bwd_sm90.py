@@ -5,7 +5,7 @@ The math is `triton_bwd`'s (P recomputed from the forward's LSE, Δ = rowsum(dO 
 bottom-right causal, dead rows -> zero gradients, GQA summed over the group's query heads). What is Hopper-specific
 is who holds what:
 
-A CTA owns BLOCK_N = 128 keys of one (batch, kv head); grid (cdiv(Lk, 128), B·Hkv). Three warp-specialised
+A CTA owns BLOCK_N = 128 keys of one (batch, kv head); grid (cdiv(Lk, 128), B·Hkv). Four warp-specialised
 partitions:
 
 - producer (one warp, 24 registers): loads the CTA's K and V once, then streams Q and dO tiles of BLOCK_M = 64 query
@@ -22,17 +22,29 @@ partitions:
     issue  dV_c += Pᵀ dO,  dK_c += dSᵀ Q          (async wgmma, A from registers)
     store  dSᵀ (bf16/fp16) into this consumer's 64 rows of the shared dSᵀ buffer; both consumers meet (`ds_ready`)
     issue  dQ[:, half c] = dS K[:, half c]        (async wgmma over all 128 keys, A = the buffer read transposed)
-    dQ half -> shared memory (fp32) -> one TMA reduce-add into dq_accum per 32 columns
     release the Q/dO stage
+    dQ half (fp32) -> the tile's staging buffer (`dq_empty` first), signal `dq_full`
 
   Each consumer computes dQ for half of the head dim over both consumers' keys (FA3's split): every dq_accum element
   receives Lk/128 additions, made by the TMA unit in L2 (`cp.reduce.async.bulk.tensor`), not by the warps.
+- dQ writer (one warp, 24 registers): per tile, waits `dq_full` (both halves staged), issues one TMA reduce-add per
+  32 columns, waits until the TMA unit has read the buffer, arrives `dq_empty`. The consumers never wait for a TMA
+  operation: the staging buffer is double-buffered by tile parity (one buffer with an attn_bias above D=64, whose
+  ring takes the second's shared memory), so a consumer waits only if the writer is two tiles behind.
 - epilogue (each consumer): dK_c · softmax_scale and dV_c stored with masked stores (rows past Lk, head-dim padding).
 
 The dSᵀ buffer is double-buffered by tile parity: a consumer writes tile t+1's rows while the other may still read
 tile t's for its dQ product; it cannot reach tile t+2 before the other has finished tile t (it waits for the other's
-arrival of tile t+1 first). The fp32 dQ staging buffer is reused once the previous tile's reduce has read it
-(`tma.store_wait(0)` before the barrier that precedes the next write).
+arrival of tile t+1 first).
+
+Barriers. Gluon (triton 3.6) lowers `mbarrier.arrive` to a warpgroup `bar.sync` and one thread's arrive, and the
+compiler's shared-memory analysis adds a `bar.sync` after each arrive: a consumer runs five warpgroup barriers per
+tile (two per arrival on `ds_ready` and `empty`, one for `dq_full`), all where its four warps arrive together
+(after a wgmma wait or an mbarrier wait every warp took). Before the dQ writer it ran six, one of them behind
+`tma.store_wait` of the previous tile's reduce-adds (only the issuing warp waits there; the other three stall at
+the barrier), and issued the reduce-adds itself. A per-thread arrive (an mbarrier counting 256 arrivals instead of
+a barrier and one) has no Gluon op, and a named-barrier arrive would be inline PTX the compiler's barrier analysis
+does not see.
 
 Which query tiles a key tile visits, per query head (query i sees key j iff j <= i + Lk − Lq): from the first
 that sees one of its keys to the last; [query_start, diag_end) are the causal diagonal's, which mask, the rest
@@ -52,6 +64,28 @@ the next sequence's rows of the float32 workspace, which leaves every value unch
 path). Its last K/V box is masked like any ragged key block; dK and dV stores are masked by the sequence's length.
 
 dQ's last bits may vary run to run (the reduce-adds arrive in any order); dK and dV are deterministic.
+
+Deterministic mode (`deterministic=True`). The writer adds a tile's dQ into dq_accum only after every key block
+before its own (of the same sequence and kv head) that visits the tile has added its share, so every dq_accum
+element receives its additions in increasing key-block order, the same order every run. One int32 counter per
+(query head, query tile) in `semaphores` (lse's shape, read at the tile's first row; the preprocess zeroes it
+with dq_accum): the writer spins (acquire loads) until it equals `_contributors_before`, the number of key blocks
+before this one that visit the tile (0 for the first; the blocks visiting a tile are consecutive, and the first is
+the query tile's first key tile by mask.key_tile_range, so causal and right-bounded masks start at block 0 and a
+left window bound later), issues the reduce-adds, waits for their completion (their writes, not only their
+reads), and increments the counter with release semantics. Each query head of a GQA group has its own counters.
+The zero-adds a packed sequence's last box makes into the next sequence's rows commute with everything (a sum
+that starts at +0 never becomes -0, so adding ±0 changes no bit), so they need no order.
+
+Why it cannot deadlock: CTA n (program id order: a (batch, kv head)'s key blocks are consecutive and increasing,
+dense and packed alike) waits only for CTAs of smaller program id. The hardware starts CTAs in program-id order,
+so each of those has started, holds its SM, and itself waits only for smaller ids; by induction from the first,
+which waits for none, each finishes its reduce-adds. A waiting writer holds up its own CTA's consumers at most two
+tiles later (`dq_empty`), never another CTA. Cost: CTAs that start together form a chain per query tile, each
+writer one counter round trip δ (a completion wait, a release, an acquire load: about a microsecond) behind its
+predecessor; key block n's writer lags n·δ, and its consumers stall once that exceeds the two staged tiles (a
+tile is 1-3 µs). CTAs that start later (when an SM frees) start as staggered as the chain needs, so the stall is
+mostly the first wave's: about δ/(4 · a tile's time) of its time, a few per cent of one wave of many.
 """
 
 from __future__ import annotations
@@ -67,9 +101,11 @@ from flashmoe_science.attention.hopper.bwd_common import (
     _cta_key_block,
     _past_work,
     _alibi_score_start,
+    _contributors_before,
     _probabilities,
     _producer,
     _producer_barriers,
+    _row_stat_base,
     _score_start,
     _softcap_grad,
     _tile_needs_mask,
@@ -85,8 +121,8 @@ from flashmoe_science.attention.mask import LOG2_E
 from flashmoe_science.attention.seqlen import sequence_coords
 from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.gluon.sm90 import (CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS,
-                                            column_halves, wgmma_layout)
-from flashmoe_science.gluon.compat import (TensorDescriptor, barrier, fence_async_shared, gl, gluon, mbarrier,
+                                            column_halves, release_counter_after_bulk, wait_counter, wgmma_layout)
+from flashmoe_science.gluon.compat import (TensorDescriptor, fence_async_shared, gl, gluon, mbarrier,
                                                   tma, warpgroup_mma, warpgroup_mma_wait)
 
 KEYS_PER_CONSUMER = 64  # one wgmma M tile per consumer warpgroup
@@ -114,7 +150,7 @@ def _store_bias_grad(ds, dbias_args, batch, q_head, queries, keys, seqlen_q, seq
 
 @gluon.jit
 def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, empty, ds_ready,
-              dq_desc, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+              dq_full, dq_empty, dq_desc, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               start_n, batch, kv_head, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
               seq, q_first, k_first, lse_rows, window_left, window_right, softcap_scale, Slopes, stride_slopes,
               bias_smem, dbias_args,
@@ -132,6 +168,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
     dtype: gl.constexpr = q_smem.dtype
     DQ_N: gl.constexpr = BLOCK_D // 2  # this consumer's dQ columns
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
+    HALF_BOXES: gl.constexpr = DQ_N // DQ_COLS  # staging boxes per consumer
+    DQ_BUFFERS: gl.constexpr = dq_full.shape[0]
     # Sᵀ, dPᵀ: (keys, queries); dK, dV: (keys, BLOCK_D); dQ half: (queries, DQ_N). Warps stacked on the rows.
     s_layout: gl.constexpr = wgmma_layout(ROWS)
     kv_layout: gl.constexpr = wgmma_layout(BLOCK_D)
@@ -158,10 +196,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
         g = ring // num_tiles
         start_m = query_start + (ring - g * num_tiles) * ROWS
         q_head = batch * num_q_heads + kv_head * group_size + g  # flat (batch, query head)
-        if VARLEN:  # lse/Δ are (1, Hq, total rows): the sequence's rows of this head
-            q_row0 = q_head * lse_rows + q_first
-        else:
-            q_row0 = q_head * seqlen_q  # this head's first row of lse/Δ
+        q_row0 = _row_stat_base(q_head, q_first, seqlen_q, lse_rows, VARLEN)  # this head's first row of lse/Δ
         if ALIBI:
             slope_log2 = gl.load(Slopes + seq * stride_slopes + kv_head * group_size + g) * LOG2_E
         else:
@@ -211,28 +246,24 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
         ds_buf.slice(CONSUMER * KEYS, KEYS).store(ds)
         dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_tile, dk, is_async=True)
         fence_async_shared()  # the dSᵀ rows (generic proxy) before the wgmma (async proxy) reads them
-        tma.store_wait(0)  # the previous tile's dQ reduce has read the staging buffer
-        barrier()  # every warp's rows are written (and the staging buffer is free)
+        # Gluon's arrive syncs the warpgroup before one thread arrives: every warp's rows are written
         mbarrier.arrive(ds_ready.index(ring % 2), count=1)
         mbarrier.wait(ds_ready.index(ring % 2), (ring // 2) & 1)  # the other consumer's rows too
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
         mbarrier.arrive(empty.index(stage), count=1)  # Q and dO are no longer read
 
-        # dQ half -> staging buffer -> one reduce-add per DQ_COLS columns (rows past Lq are clipped by the TMA unit)
-        if DQ_N == 2 * DQ_COLS:
-            left, right = column_halves(dq)
-            dq_smem.index(0).reshape([ROWS, DQ_COLS]).store(left)
-            dq_smem.index(1).reshape([ROWS, DQ_COLS]).store(right)
-        else:
-            dq_smem.index(0).reshape([ROWS, DQ_COLS]).store(dq)
-        fence_async_shared()
-        barrier()
-        for chunk in gl.static_range(DQ_N // DQ_COLS):
-            tma.async_atomic_add(dq_desc, [q_head, q_first + start_m, CONSUMER * DQ_N + chunk * DQ_COLS],
-                           dq_smem.index(chunk))
+        # dQ half -> this tile's staging buffer, one box per DQ_COLS columns; the dQ writer adds it into dq_accum.
+        # The buffer was last used DQ_BUFFERS tiles ago: its reduce-adds have long read it (first pass: free).
+        buf = ring % DQ_BUFFERS
+        mbarrier.wait(dq_empty.index(buf), ((ring // DQ_BUFFERS) & 1) ^ 1)
+        # one store of the (boxes, rows, columns) view: two stores would each take a warpgroup barrier (the compiler
+        # cannot tell the boxes of a dynamically indexed buffer apart)
+        boxes = dq.reshape([ROWS, HALF_BOXES, DQ_COLS]).permute((1, 0, 2)).reshape([HALF_BOXES * ROWS, DQ_COLS])
+        dq_smem.index(buf * 2 + CONSUMER).store(boxes)
+        fence_async_shared()  # the rows (generic proxy) before the writer's TMA (async proxy) reads them
+        mbarrier.arrive(dq_full.index(buf), count=1)
 
-    tma.store_wait(0)
     dk = dk * sm_scale
     acc_rows: gl.constexpr = gl.SliceLayout(1, kv_layout)
     acc_cols: gl.constexpr = gl.SliceLayout(0, kv_layout)
@@ -249,8 +280,51 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
 
 
 @gluon.jit
+def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Semaphores, start_n, batch, kv_head, num_q_heads, group_size,
+               seqlen_q, seqlen_k, q_first, lse_rows, window_left, window_right, CTA_KEYS: gl.constexpr,
+               CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
+               DETERMINISTIC: gl.constexpr):
+    """The dQ writer (one warp): per query tile, in the consumers' order, wait until both consumers' dQ halves are
+    in the tile's staging buffer (`dq_full`), add them into dq_accum with one TMA reduce-add per box (rows past
+    Lq are clipped by the TMA unit), wait until the TMA unit has read the buffer and hand it back (`dq_empty`).
+
+    DETERMINISTIC: before the reduce-adds of (query head, query tile), wait until its counter in `Semaphores` (the
+    per-row tensor of lse's shape, read at the tile's first row; zeroed by the preprocess) equals the number of key
+    blocks before this CTA's that visit the tile (`_contributors_before`); after them, wait until they are complete
+    (not only read) and increment the counter with release semantics. Each dq_accum element then receives its
+    additions in increasing key-block order, every run alike (see the module docstring for why this cannot
+    deadlock)."""
+    ROWS: gl.constexpr = dq_desc.block_type.shape[1]
+    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
+    DQ_BUFFERS: gl.constexpr = dq_full.shape[0]
+    HALF_BOXES: gl.constexpr = dq_smem.shape[1] // ROWS  # boxes of one consumer's half
+    query_start, num_tiles, _, _ = _visited_query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                                        ROWS, CTA_KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT)
+    for ring in range(group_size * num_tiles):
+        g = ring // num_tiles
+        start_m = query_start + (ring - g * num_tiles) * ROWS
+        q_head = batch * num_q_heads + kv_head * group_size + g
+        buf = ring % DQ_BUFFERS
+        mbarrier.wait(dq_full.index(buf), (ring // DQ_BUFFERS) & 1)
+        if DETERMINISTIC:
+            counter = Semaphores + _row_stat_base(q_head, q_first, seqlen_q, lse_rows, VARLEN) + start_m
+            wait_counter(counter, _contributors_before(start_n, start_m, seqlen_q, seqlen_k, window_left,
+                                                       window_right, ROWS, CTA_KEYS, MASK_LEFT, MASK_RIGHT))
+        for half in gl.static_range(2):
+            for box in gl.static_range(HALF_BOXES):
+                tma.async_atomic_add(dq_desc, [q_head, q_first + start_m, (half * HALF_BOXES + box) * DQ_COLS],
+                                     dq_smem.index(buf * 2 + half).reshape([HALF_BOXES, ROWS, DQ_COLS]).slice(box, 1))
+        if DETERMINISTIC:
+            release_counter_after_bulk(counter)
+        else:
+            tma.store_wait(0)  # the boxes are read: the buffer may be overwritten
+        mbarrier.arrive(dq_empty.index(buf), count=1)
+    tma.store_wait(0)
+
+
+@gluon.jit
 def attention_backward_sm90_kernel(
-    q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, Delta, DK, DV,
+    q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, Delta, DK, DV, Semaphores,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
     Slopes, CuSeqlensQ, CuSeqlensK, WorkTiles, num_seqs, stride_slopes, lse_rows, window_left, window_right,
@@ -259,6 +333,7 @@ def attention_backward_sm90_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
     VARLEN: gl.constexpr, HAS_BIAS: gl.constexpr = False, BIAS_GRAD: gl.constexpr = 0,
+    DETERMINISTIC: gl.constexpr = False, DQ_BUFFERS: gl.constexpr = 2,
 ):
     """Grid (cdiv(Lk, 128) · B·Hkv,); CTAs start roughly in program order, and a (batch, kv head)'s key tiles are
     consecutive, so the CTAs running at once share a few heads' Q and dO in L2. (Ordering causal CTAs longest
@@ -268,7 +343,8 @@ def attention_backward_sm90_kernel(
     block of every (sequence, kv head) (WorkTiles, the work list of cu_seqlens_k); seqlen_q/k are the maxima.
     HAS_BIAS (dense batches): a bias read by TMA through bias_desc (boxes of BLOCK_M queries x the CTA's keys;
     bias_step_b/h the batch and head steps of its coordinate, 0 where it broadcasts); BIAS_GRAD: its gradient into
-    DBIAS (see _store_bias_grad)."""
+    DBIAS (see _store_bias_grad). DETERMINISTIC: dQ's reduce-adds in key-block order through the int32 counters
+    `Semaphores` (lse's shape, zeroed); DQ_BUFFERS: dQ staging buffers (2; 1 where shared memory is short)."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
@@ -289,8 +365,9 @@ def attention_backward_sm90_kernel(
     v_smem = v_box.reshape([CTA_KEYS, BLOCK_D])
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CTA_KEYS, ROWS], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2, CTA_KEYS, ROWS], ds_layout)
-    dq_smem0 = gl.allocate_shared_memory(gl.float32, [DQ_N // DQ_COLS] + dq_desc.block_type.shape, dq_desc.layout)
-    dq_smem1 = gl.allocate_shared_memory(gl.float32, [DQ_N // DQ_COLS] + dq_desc.block_type.shape, dq_desc.layout)
+    # dQ staging: per buffer, consumer 0's half then consumer 1's, each its boxes of ROWS x DQ_COLS stacked
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, DQ_COLS], gl.float32)  # dq_desc's box
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS * 2, DQ_N // DQ_COLS * ROWS, DQ_COLS], dq_layout)
     kv_ready, q_ready, do_ready, empty = _producer_barriers(NUM_STAGES)
     if HAS_BIAS:  # one bias tile per Q/dO stage
         bias_smem = gl.allocate_shared_memory(bias_desc.dtype, [NUM_STAGES] + bias_desc.block_type.shape,
@@ -301,17 +378,22 @@ def attention_backward_sm90_kernel(
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers' dSᵀ rows are in the buffer
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(DQ_BUFFERS):
+        mbarrier.init(dq_full.index(i), count=2)  # both consumers' halves are staged
+        mbarrier.init(dq_empty.index(i), count=1)  # the writer's reduce-adds have read them
 
     gl.warp_specialize([
-        (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem0, kv_ready, q_ready, do_ready, empty,
-                     ds_ready, dq_desc, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, empty,
+                     ds_ready, dq_full, dq_empty, dq_desc, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads, group_size,
                      seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first, lse_rows, window_left,
                      window_right, softcap_scale, Slopes, stride_slopes, bias_smem, dbias_args,
                      0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
                      VARLEN, HAS_BIAS, BIAS_GRAD)),
-        (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem1, kv_ready, q_ready, do_ready, empty,
-                     ds_ready, dq_desc, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, empty,
+                     ds_ready, dq_full, dq_empty, dq_desc, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads, group_size,
                      seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first, lse_rows, window_left,
                      window_right, softcap_scale, Slopes, stride_slopes, bias_smem, dbias_args,
@@ -321,7 +403,10 @@ def attention_backward_sm90_kernel(
                      kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
                      q_first, k_first, window_left, window_right, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT,
                      bias_desc, bias_smem, bias_step_b, bias_step_h, HAS_BIAS)),
-    ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+        (_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Semaphores, start_n, batch, kv_head, num_q_heads,
+                      group_size, seqlen_q, seqlen_k, q_first, lse_rows, window_left, window_right, CTA_KEYS, CAUSAL,
+                      MASK_LEFT, MASK_RIGHT, VARLEN, DETERMINISTIC)),
+    ], [4, 1, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS])
 
 
 def _dq_accum_descriptor(dq_accum: torch.Tensor) -> TensorDescriptor:
@@ -336,8 +421,9 @@ def _dq_accum_descriptor(dq_accum: torch.Tensor) -> TensorDescriptor:
 
 
 def is_deterministic(head_dim: int) -> bool:
-    """Whether attention_backward_sm90's gradients are bit-identical run to run at this head dim: the two-kernel
-    path (padded 256) is; the one-pass kernel's dQ reduce-adds land in any order."""
+    """Whether attention_backward_sm90's gradients are bit-identical run to run at this head dim without being asked
+    (`deterministic=False`): the two-kernel path (padded 256) is; the one-pass kernel's dQ reduce-adds land in any
+    order unless `deterministic` orders them."""
     return padded_head_dim(head_dim) == TWO_KERNEL_BLOCK_D
 
 
@@ -353,7 +439,8 @@ def check_supported(q: torch.Tensor, softmax_scale: float = 1.0) -> None:
 
 
 def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float,
-                            dq_accum=None, num_stages: int | None = None, dbias=None, dbias_atomic: bool = False):
+                            dq_accum=None, num_stages: int | None = None, dbias=None, dbias_atomic: bool = False,
+                            deterministic: bool = False):
     """triton_bwd.attention_backward's conventions, all three gradients wanted: q/out/grad_out/dq `(B, Hq, Lq, D)`,
     k/v/dk/dv `(B, Hkv, Lk, D)` with unit last stride and TMA-compatible strides (layout.tma_compatible of q, k,
     v, grad_out: the caller checks), lse the forward's contiguous float32 `(B, Hq, Lq)`, delta a float32 workspace
@@ -365,7 +452,9 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, feat
     triton_backend.bias_grad_buffer that receives dS (added with atomics where `dbias_atomic`), or None.
 
     Head dims padding to 64 or 128: this module's one-pass kernel, with dq_accum a contiguous float32
-    `(B, Hq, Lq, padded_head_dim(D))` workspace (any contents: the preprocess zeroes it; allocated here if None).
+    `(B, Hq, Lq, padded_head_dim(D))` workspace (any contents: the preprocess zeroes it; allocated here if None);
+    `deterministic`: its dQ reduce-adds in key-block order (bit-identical dQ run to run; no attn_bias gradient
+    with broadcast dims, whose float32 atomics are not ordered: the caller checks).
     Padding to 256: two kernels, bwd_sm90_hdim256 (dK, dV) then bwd_dq_sm90 (dQ, written directly: no dq_accum,
     and deterministic). num_stages: the Q/dO ring depth of the dK/dV kernel (None: its default)."""
     check_supported(q, softmax_scale)
@@ -382,6 +471,7 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, feat
         return {}
     if dq_accum is None and not split:
         dq_accum = torch.empty(*q.shape[:3], block_d, dtype=torch.float32, device=q.device)
+    semaphores = torch.empty(lse.shape, dtype=torch.int32, device=q.device) if deterministic and not split else None
     if split:
         kernel, grid, bound, options, _ = _preprocess_launch(q, out, grad_out, delta, dq, None)
         kernels = {"preprocess": kernel[grid](**bound, **options)}
@@ -391,7 +481,7 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, feat
         return kernels
     return {name: kernel[grid](**bound, **options) for name, (kernel, grid, bound, options, _) in _one_pass_launches(
         q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale, num_stages,
-        dbias, dbias_atomic).items()}
+        dbias, dbias_atomic, semaphores).items()}
 
 
 def bias_refusal(features, q, k) -> str | None:
@@ -421,36 +511,50 @@ def check_bias(features, q, k) -> None:
         raise ValueError(f"the sm_90 backward: {why}")
 
 
-def _preprocess_launch(q, out, grad_out, delta, dq, dq_accum):
-    """bwd_prep's preprocess (delta = rowsum(dO * O); dq_accum zeroed unless None) as (kernel, grid, parameters by
-    name, options, the names of its tensor parameters)."""
-    return (*bwd_prep.preprocess_launch(out, grad_out, delta, dq_accum, needs_64bit_rows(q, out, grad_out, dq)),
-            ("out", "grad_out", "delta", "dq_accum"))
+def _preprocess_launch(q, out, grad_out, delta, dq, dq_accum, semaphores=None):
+    """bwd_prep's preprocess (delta = rowsum(dO * O); dq_accum and the deterministic mode's counters zeroed unless
+    None) as (kernel, grid, parameters by name, options, the names of its tensor parameters)."""
+    return (*bwd_prep.preprocess_launch(out, grad_out, delta, dq_accum, needs_64bit_rows(q, out, grad_out, dq),
+                                        semaphores),
+            ("out", "grad_out", "delta", "dq_accum") + (() if semaphores is None else ("semaphores",)))
 
 
 def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale: float,
-                       num_stages: int | None, dbias=None, dbias_atomic: bool = False):
+                       num_stages: int | None, dbias=None, dbias_atomic: bool = False, semaphores=None):
     """The one-pass path's three launches (head dims padding to 64 or 128), by name, in order: (kernel, grid, every
     parameter by name, launch options, the names of its leading parameters that are tensors or descriptors over
-    them). Written once for attention_backward_sm90 and PreparedBackward."""
+    them). Written once for attention_backward_sm90 and PreparedBackward. `semaphores`: the deterministic mode's
+    int32 counters (lse's shape), or None for the default mode."""
     num_q_heads, head_dim = q.shape[1], q.shape[3]
     num_kv_heads = k.shape[1]
     features = as_features(features)
     tail, flags, (programs, seqlen_q, seqlen_k, qk_scale) = feature_args(features, softmax_scale, q, k, BLOCK_N)
     block_d = padded_head_dim(head_dim)
     main = attention_backward_sm90_kernel
-    main_args = (*_one_pass_tensor_args(block_d, q, grad_out, k, v, dq_accum, lse, delta, dk, dv), *dk.stride()[:3],
+    main_args = (*_one_pass_tensor_args(block_d, q, grad_out, k, v, dq_accum, lse, delta, dk, dv), semaphores,
+                 *dk.stride()[:3],
                  *dv.stride()[:3], num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
                  qk_scale, softmax_scale, *tail, *_bias_args(features, q, k, dbias))
-    flags.update(HAS_BIAS=features.attn_bias is not None, BIAS_GRAD=0 if dbias is None else 1 + dbias_atomic)
+    flags.update(HAS_BIAS=features.attn_bias is not None, BIAS_GRAD=0 if dbias is None else 1 + dbias_atomic,
+                 DETERMINISTIC=semaphores is not None, DQ_BUFFERS=dq_buffers(block_d, features.attn_bias))
+    heads = ("q", "grad_out", "k", "v", "dq_accum", "lse", "delta", "dk", "dv")
+    if semaphores is not None:
+        heads += ("semaphores",)
     row64 = needs_64bit_rows(q, out, grad_out, dq)
     return {
-        "preprocess": _preprocess_launch(q, out, grad_out, delta, dq, dq_accum),
+        "preprocess": _preprocess_launch(q, out, grad_out, delta, dq, dq_accum, semaphores),
         "dkdv_dq": (main, (max(1, programs * num_kv_heads),), dict(
             zip(main.arg_names, main_args), HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages or NUM_STAGES,
-            **flags), dict(LAUNCH_OPTIONS), ("q", "grad_out", "k", "v", "dq_accum", "lse", "delta", "dk", "dv")),
+            **flags), dict(LAUNCH_OPTIONS), heads),
         "dq_convert": (*bwd_prep.dq_convert_launch(dq_accum, dq, softmax_scale, row64), ("dq_accum", "dq")),
     }
+
+
+def dq_buffers(block_d: int, attn_bias) -> int:
+    """The one-pass kernel's dQ staging buffers: two (the consumers stage a tile while the writer's reduce-adds
+    read the previous one), one with an attn_bias above D=64, whose ring takes the second's 32 KiB (a 16-bit bias
+    at D=128 needs 229904 bytes with one buffer; sm_90 has 232448)."""
+    return 1 if attn_bias is not None and block_d > 64 else 2
 
 
 def _bias_args(features, q, k, dbias) -> tuple:
@@ -481,12 +585,13 @@ class PreparedBackward:
     batch: then its `varlen_tensors`) on new tensors of the same shapes, strides, dtypes, device and 16-byte
     alignment (the caller keys its cache on them: autograd.backward_key and BackwardPlan), it allocates dq_accum and
     launches without Triton's per-call binding (host time: docs/perf-notes.md). Plain masks (dense, causal) only:
-    ALiBi slopes, windows and softcaps are per-call arguments it would freeze."""
+    ALiBi slopes, windows and softcaps are per-call arguments it would freeze. `deterministic`: the ordered dQ
+    reduce-adds, with their counters allocated per call beside dq_accum (zeroed by the preprocess)."""
 
-    __slots__ = ("launches", "dq_accum_shape")
+    __slots__ = ("launches", "dq_accum_shape", "semaphores_shape")
 
     def __init__(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float,
-                 num_stages: int | None = None):
+                 num_stages: int | None = None, deterministic: bool = False):
         from flashmoe_science.prepared_launch import PreparedLaunch
 
         check_supported(q, softmax_scale)
@@ -499,12 +604,15 @@ class PreparedBackward:
         # tensor itself, so a new call's is the first call's rebased (PreparedLaunch without make_head)
         self.dq_accum_shape = (q.shape[0] * q.shape[1], q.shape[2], padded_head_dim(q.shape[-1]))
         dq_accum = torch.empty(self.dq_accum_shape, dtype=torch.float32, device=q.device)
-        order = (*_CALL_TENSORS, "dq_accum", *VARLEN_TENSORS)  # __call__'s tensors, then dq_accum, then varlen's
-        tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, *varlen_tensors(features))
+        self.semaphores_shape = lse.shape if deterministic else None
+        semaphores = self._semaphores(q.device)
+        # __call__'s tensors, then the workspaces, then varlen's
+        order = (*_CALL_TENSORS, "dq_accum", "semaphores", *VARLEN_TENSORS)
+        tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, semaphores, *varlen_tensors(features))
         self.launches = []
         for name, (kernel, grid, bound, options, heads) in _one_pass_launches(
                 q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale,
-                num_stages).items():
+                num_stages, semaphores=semaphores).items():
             live = None
             if name == "dkdv_dq" and features.varlen is not None:
                 live = (*kernel.arg_names[:len(heads)], "CuSeqlensQ", "CuSeqlensK", "WorkTiles")
@@ -514,9 +622,14 @@ class PreparedBackward:
             self.launches.append((PreparedLaunch(kernel, grid, bound, options, None,
                                                  tuple(tensors[p] for p in positions), live), positions))
 
+    def _semaphores(self, device):
+        if self.semaphores_shape is None:
+            return None
+        return torch.empty(self.semaphores_shape, dtype=torch.int32, device=device)
+
     def __call__(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, *varlen) -> None:
         dq_accum = torch.empty(self.dq_accum_shape, dtype=torch.float32, device=q.device)
-        tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, *varlen)
+        tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, self._semaphores(q.device), *varlen)
         for launch, positions in self.launches:
             launch(*[tensors[p] for p in positions])
 
@@ -535,12 +648,13 @@ def varlen_tensors(features) -> tuple:
 
 
 def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,
-                    dtype: torch.dtype = torch.bfloat16, bias_grad: str | None = None):
+                    dtype: torch.dtype = torch.bfloat16, bias_grad: str | None = None, deterministic: bool = False):
     """The kernel built for sm_90 without a GPU (meta tensors; ptxas ships with triton), specialised as a launch
     would specialise it; returns the CompiledKernel (registers, shared memory, SASS:
     benchmarks/tools/sass_attention_backward.py). features: the causal bool or a CallFeatures (its tensors may live
     on the meta device: `offline_features`; an attn_bias broadcastable to (2, 4, 256, 256)). bias_grad: "store"
-    or "atomic", the bias's gradient written as a bias of its shape without / with broadcast dims has it."""
+    or "atomic", the bias's gradient written as a bias of its shape without / with broadcast dims has it.
+    deterministic: the ordered dQ reduce-adds (head dims up to 128)."""
 
     block_d = padded_head_dim(head_dim)
     if block_d == 256:
@@ -552,7 +666,8 @@ def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,
     dbias = None
     if bias_grad is not None:
         dbias = torch.empty(features.attn_bias.shape, device="meta")
+    semaphores = torch.empty(lse.shape, dtype=torch.int32, device="meta") if deterministic else None
     kernel, _, bound, _, _ = _one_pass_launches(q, q[:, :2], q[:, :2], q, lse, q, lse, q, q[:, :2], q[:, :2],
                                                 dq_accum, features, 0.07, num_stages, dbias,
-                                                bias_grad == "atomic")["dkdv_dq"]
+                                                bias_grad == "atomic", semaphores)["dkdv_dq"]
     return offline_build(kernel, bound)
