@@ -305,8 +305,8 @@ DETERMINISTIC_CASES = {
 def test_deterministic_one_pass_masks_and_varlen(name, d):
     """deterministic=True on the one-pass kernel: right against float64 per sequence, and every gradient
     bit-identical over two runs on the same inputs."""
-    first, _ = run_case(**DETERMINISTIC_CASES[name], deterministic=True)
-    second, _ = run_case(**DETERMINISTIC_CASES[name], deterministic=True)
+    first, _ = run_case(**DETERMINISTIC_CASES[name], d=d, deterministic=True)
+    second, _ = run_case(**DETERMINISTIC_CASES[name], d=d, deterministic=True)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
