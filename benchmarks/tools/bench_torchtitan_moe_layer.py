@@ -10,7 +10,7 @@ CPU):
 
 - ``qwen3_moe/moe``: the ``MoE`` module of a Qwen3-MoE block (router, dispatch, experts, combine) as TorchTitan's
   config builds it (``torch._grouped_mm`` experts between its argsort dispatch and scatter-add combine), and with
-  ``flash_routed_experts`` (``fused_experts``); same weights, so the same routing of the same input.
+  ``flash_decoder`` (``fused_experts``); same weights, so the same routing of the same input.
 - ``qwen3_moe/attention`` and ``llama_100m/attention``: the inner attention of a block, TorchTitan's compiled
   ``FlexAttention`` on its per-document causal ``BlockMask`` against ``FlashAttention`` on the same documents'
   varlen metadata. The documents are a batch of the job's own data loader (``--dataset-path``).
@@ -69,17 +69,16 @@ def _titan_modules():
 
 
 def _specs(size: str, titan_models) -> dict[str, tuple]:
-    """model name -> (ModelSpec, local batch, seq_len, overrides of our MoE job)."""
-    if size == "job":
-        import flashmoe_jobs
+    """model name -> (ModelSpec, local batch, seq_len, the override entries of our jobs)."""
+    import flashmoe_jobs
 
+    overrides = flashmoe_jobs.FLASH
+    if size == "job":
         specs = {}
         for name in ("qwen3_moe", "llama_100m"):
             job = getattr(flashmoe_jobs, f"{name}_titan")()
-            specs[name] = (job.model_spec, job.training.local_batch_size, job.training.seq_len,
-                           [f.rsplit(".", 1)[1] for f in flashmoe_jobs.FLASH_MOE])
+            specs[name] = (job.model_spec, job.training.local_batch_size, job.training.seq_len, overrides)
         return specs
-    overrides = ["flash_attention_for_flex", "flash_routed_experts"]
     return {
         "qwen3_moe": (titan_models.qwen3_moe_spec(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                                                   moe_hidden_dim=32, num_experts=8, top_k=2, vocab_size=257,
@@ -159,8 +158,6 @@ def build_cases(size: str, device: torch.device, dataset_path: str, only: set[st
     titan_models = _titan_modules()
     from torchtitan.config import OverrideConfig, apply_overrides
 
-    from flashmoe_science.integrations import torchtitan as ours
-
     if device.type == "cpu":
         _cpu_flex()
     cases = []
@@ -168,7 +165,7 @@ def build_cases(size: str, device: torch.device, dataset_path: str, only: set[st
         if only is not None and not any(case.split("/")[0] == name for case in only):
             continue
         ours_config = copy.deepcopy(spec.model)
-        apply_overrides(OverrideConfig(imports=[f"{ours.__name__}.{o}" for o in overrides]), ours_config)
+        apply_overrides(OverrideConfig(imports=list(overrides)), ours_config)
         titan_block, ours_block = spec.model.layers[0], ours_config.layers[0]
         layers = len(spec.model.layers)
         with torch.device("meta"):  # get_attention_masks reads only the config
