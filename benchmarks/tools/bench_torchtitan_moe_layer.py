@@ -220,7 +220,8 @@ def build_cases(size: str, device: torch.device, dataset_path: str, only: set[st
                                    ours_block.attention.inner_attention.build())
         cases.append(Case(name, "attention", titan_inner, ours_inner,
                           partial(_attention_inputs, positions=positions, masks=masks, **qkv_kwargs), layers))
-        cases.append(Case(name, "attention_step", _attention_step(titan_inner, titan_model, batches, qkv_kwargs, layers),
+        cases.append(Case(name, "attention_step",
+                          _attention_step(titan_inner, titan_model, batches, qkv_kwargs, layers),
                           _attention_step(ours_inner, ours_model, batches, qkv_kwargs, layers), None, 1, False))
         if titan_block.moe is None:
             continue

@@ -100,7 +100,8 @@ def test_override_swaps_the_modules_and_keeps_the_parameters():
                                           attn_backend="flex")
     reference = spec.model.build()
     model = _with_overrides(spec).build()
-    assert isinstance(model, type(reference)) and type(model).get_attention_masks is not type(reference).get_attention_masks
+    assert isinstance(model, type(reference))
+    assert type(model).get_attention_masks is not type(reference).get_attention_masks
     layer = model.layers["0"]
     assert isinstance(layer.attention.inner_attention, ours.FlashAttention)
     assert isinstance(layer.moe.routed_experts, ours.FlashRoutedExperts)
@@ -115,7 +116,8 @@ def _packed_positions(generator, rows: int, seq_len: int, *, whole_rows=(), row_
     for row in range(rows):
         lengths = [seq_len] if row in whole_rows else []
         while sum(lengths) < seq_len:
-            lengths.append(int(torch.randint(1, 9, (1,), generator=generator)) if torch.rand(1, generator=generator) < 0.7 else 1)
+            short = torch.rand(1, generator=generator) >= 0.7
+            lengths.append(1 if short else int(torch.randint(1, 9, (1,), generator=generator)))
         positions = torch.cat([torch.arange(n) for n in lengths])[:seq_len]
         if not row_starts:
             positions[:3] += 5
