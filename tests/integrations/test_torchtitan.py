@@ -176,8 +176,10 @@ def test_flash_decoder_keywords_choose_what_is_replaced():
     assert isinstance(attention_only, reference_cls)
     assert attention_only.layers[0].attention.inner_attention.backend == "triton"
     assert not isinstance(attention_only.layers[0].moe.routed_experts, ours.FlashRoutedExperts.Config)
-    # one decoder class per TorchTitan decoder class
+    # one decoder class per TorchTitan decoder class; applied again, the override keeps it
     assert type(_with_overrides(spec)) is type(attention_only)
+    again = dataclasses.replace(spec, model=attention_only)
+    assert type(_with_overrides(again, attention="auto")) is type(attention_only)
     with pytest.raises(TypeError, match="attention"):
         _with_overrides(spec, attention=1)
 

@@ -258,11 +258,14 @@ def _replace(root, config_cls, make) -> None:
                                              "metadata in one pass) and routed experts (fused_experts)")
 def flash_decoder(cfg: Decoder.Config, attention: str | None = "auto", experts: str | None = "auto"
                   ) -> Decoder.Config:
+    """The decoder config with our attention (and the decoder class whose masks are :func:`document_metadata`)
+    where ``attention`` names a backend, our routed experts where ``experts`` does; None keeps TorchTitan's."""
     for name, value in (("attention", attention), ("experts", experts)):
         if value is not None and not isinstance(value, str):
             raise TypeError(f"flash_decoder's {name} must be a backend name or None, got {type(value).__name__}")
     model_cls = cfg._owner
-    if attention is not None and model_cls.get_attention_masks is not Decoder.get_attention_masks:
+    ours = model_cls.get_attention_masks is _document_masks  # the override applied before
+    if attention is not None and not ours and model_cls.get_attention_masks is not Decoder.get_attention_masks:
         raise ValueError(f"flash_decoder: {model_cls.__name__} builds attention masks of its own; pass "
                          f"attention=None to keep TorchTitan's attention")
     if experts is not None:
@@ -276,4 +279,4 @@ def flash_decoder(cfg: Decoder.Config, attention: str | None = "auto", experts: 
     # Flex's language-model masks are causal per document: varlen metadata with window (-1, 0), the default
     _replace(cfg, (FlexAttention.Config, VarlenAttention.Config),
              lambda inner: derive(inner, FlashAttention.Config, backend=attention))
-    return derive(cfg, _flash_decoder_class(model_cls).Config)
+    return cfg if ours else derive(cfg, _flash_decoder_class(model_cls).Config)
