@@ -10,30 +10,38 @@ CPU):
 
 - ``qwen3_moe/moe``: the ``MoE`` module of a Qwen3-MoE block (router, dispatch, experts, combine) as TorchTitan's
   config builds it (``torch._grouped_mm`` experts between its argsort dispatch and scatter-add combine), and with
-  ``flash_routed_experts`` (``fused_experts``); same weights, so the same routing of the same input.
+  ``flash_decoder`` (``fused_experts``); same weights, so the same routing of the same input.
 - ``qwen3_moe/attention`` and ``llama_100m/attention``: the inner attention of a block, TorchTitan's compiled
   ``FlexAttention`` on its per-document causal ``BlockMask`` against ``FlashAttention`` on the same documents'
   varlen metadata. The documents are a batch of the job's own data loader (``--dataset-path``).
 - ``*/masks``: building the attention masks (once per step): Flex's ``create_block_mask`` against the varlen
-  metadata.
+  metadata (``document_metadata``).
+- ``*/attention_step``: a training step's attention: the masks of a new batch of the loader (batches rotate, so
+  each step has new document boundaries, as in training), then the inner attention of every layer forward on those
+  masks, then their backward.
 
 Parameters are bfloat16 as TorchTitan's FSDP2 mixed precision hands them to the layer on one GPU (its routers'
 float32 buffers stay float32). Each time is the median of ``triton.testing.do_bench`` after its sustained
 warm-up (``bench.report.gpu_median_ms``); on the CPU, the median of a few wall-clock calls, and Flex (no CPU
 backward) runs its mask function as a dense mask through SDPA. The step estimate multiplies each layer's
-difference by the model's layer count. Writes ``torchtitan_layers.json`` under ``--out``.
+difference by the model's layer count. Beside each time, the host's: ms to issue one call while the GPU is kept
+busy (behind a long sleep kernel, so nothing waits for the GPU), and the device synchronisations per call
+(``torch.cuda.set_sync_debug_mode``): a call whose host ms reach its time is bound by the host. Writes
+``torchtitan_layers.json`` under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -69,17 +77,19 @@ def _titan_modules():
 
 
 def _specs(size: str, titan_models) -> dict[str, tuple]:
-    """model name -> (ModelSpec, local batch, seq_len, overrides of our MoE job)."""
+    """model name -> (ModelSpec, local batch, seq_len, the override entries of our jobs)."""
     if size == "job":
-        import flashmoe_jobs
+        import flashmoe_jobs  # TorchTitan's trainer (and what it imports: tensorboard, ...)
 
+        overrides = flashmoe_jobs.FLASH
         specs = {}
         for name in ("qwen3_moe", "llama_100m"):
             job = getattr(flashmoe_jobs, f"{name}_titan")()
-            specs[name] = (job.model_spec, job.training.local_batch_size, job.training.seq_len,
-                           [f.rsplit(".", 1)[1] for f in flashmoe_jobs.FLASH_MOE])
+            specs[name] = (job.model_spec, job.training.local_batch_size, job.training.seq_len, overrides)
         return specs
-    overrides = ["flash_attention_for_flex", "flash_routed_experts"]
+    from flashmoe_science.integrations.torchtitan import flash_decoder
+
+    overrides = [f"{flash_decoder.__module__}.{flash_decoder.__name__}"]
     return {
         "qwen3_moe": (titan_models.qwen3_moe_spec(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                                                   moe_hidden_dim=32, num_experts=8, top_k=2, vocab_size=257,
@@ -91,18 +101,21 @@ def _specs(size: str, titan_models) -> dict[str, tuple]:
     }
 
 
-def _positions(dataset_path: str, batch: int, seq_len: int) -> torch.Tensor:
-    """A batch of the example jobs' data loader: positions restarting at every document."""
+STEP_BATCHES = 4  # the attention_step case rotates through this many batches of the loader
+
+
+def _positions(dataset_path: str, batch: int, seq_len: int, count: int = 1) -> list[torch.Tensor]:
+    """``count`` batches of the example jobs' data loader: positions restarting at every document."""
     from local_text import ByteTokenizer, LocalTextDataLoader
 
     config = LocalTextDataLoader.Config(dataset_path=dataset_path)
     loader = LocalTextDataLoader(config, dp_world_size=1, dp_rank=0, tokenizer=ByteTokenizer(ByteTokenizer.Config()),
                                  seq_len=seq_len, local_batch_size=batch)
-    positions = next(iter(loader))[0]["positions"]
-    if tuple(positions.shape) != (batch, seq_len):
-        raise ValueError(f"dataset_path: its loader gave positions of shape {tuple(positions.shape)}, expected "
+    batches = [inputs["positions"] for inputs, _ in (next(it) for it in [iter(loader)] * count)]
+    if tuple(batches[0].shape) != (batch, seq_len):
+        raise ValueError(f"dataset_path: its loader gave positions of shape {tuple(batches[0].shape)}, expected "
                          f"(local_batch_size, seq_len) = {(batch, seq_len)}")
-    return positions
+    return batches
 
 
 def _bf16_params(module: torch.nn.Module, device) -> torch.nn.Module:
@@ -148,6 +161,26 @@ def _attention_inputs(which: str, *, positions, masks, n_heads, n_kv_heads, head
     return (q, k, v), dict(attention_masks=masks[which], scale=scale, enable_gqa=n_heads > n_kv_heads)
 
 
+def _attention_step(inner, model, batches, qkv_kwargs: dict, layers: int):
+    """A training step's attention (the ``attention_step`` case): masks of the next batch (``model``'s
+    ``get_attention_masks``), ``layers`` calls of ``inner`` forward on them, then one backward through all."""
+    leaves = [_attention_inputs("step", positions=batches[0], masks=dict(step=None), **qkv_kwargs)[0]
+              for _ in range(layers)]
+    grads = [torch.randn_like(q) for q, _, _ in leaves]
+    kwargs = _attention_inputs("step", positions=batches[0], masks=dict(step=None), **qkv_kwargs)[1]
+    turn = itertools.count()
+
+    def step():
+        masks = model.get_attention_masks(batches[next(turn) % len(batches)])
+        outs = [inner(q, k, v, **{**kwargs, "attention_masks": masks}) for q, k, v in leaves]
+        for layer in leaves:
+            for t in layer:
+                t.grad = None
+        torch.autograd.backward(outs, grads)
+
+    return step
+
+
 def _moe_inputs(which: str, *, shape, device):
     """The same x ``(B, L, D)`` for both modules, so the same routing."""
     generator = torch.Generator(device=device).manual_seed(1)
@@ -159,32 +192,37 @@ def build_cases(size: str, device: torch.device, dataset_path: str, only: set[st
     titan_models = _titan_modules()
     from torchtitan.config import OverrideConfig, apply_overrides
 
-    from flashmoe_science.integrations import torchtitan as ours
-
     if device.type == "cpu":
         _cpu_flex()
     cases = []
     for name, (spec, batch, seq_len, overrides) in _specs(size, titan_models).items():
         if only is not None and not any(case.split("/")[0] == name for case in only):
             continue
-        ours_config = copy.deepcopy(spec.model)
-        apply_overrides(OverrideConfig(imports=[f"{ours.__name__}.{o}" for o in overrides]), ours_config)
+        # under its ModelSpec, as under the trainer's config: the override replaces the model config itself
+        ours_spec = replace(spec, model=copy.deepcopy(spec.model))
+        apply_overrides(OverrideConfig(imports=list(overrides)), ours_spec)
+        ours_config = ours_spec.model
         titan_block, ours_block = spec.model.layers[0], ours_config.layers[0]
         layers = len(spec.model.layers)
         with torch.device("meta"):  # get_attention_masks reads only the config
             titan_model, ours_model = spec.model.build(), ours_config.build()
-        positions = _positions(dataset_path, batch, seq_len).to(device)
+        batches = [p.to(device) for p in _positions(dataset_path, batch, seq_len, STEP_BATCHES)]
+        positions = batches[0]
         cases.append(Case(name, "masks", lambda p=positions, m=titan_model: m.get_attention_masks(p),
                           lambda p=positions, m=ours_model: m.get_attention_masks(p), None, 1, False))
 
         attention = titan_block.attention
         head_dim = attention.head_dim or attention.dim // attention.n_heads
         masks = dict(titan=titan_model.get_attention_masks(positions), ours=ours_model.get_attention_masks(positions))
-        cases.append(Case(name, "attention", titan_block.attention.inner_attention.build(),
-                          ours_block.attention.inner_attention.build(),
-                          partial(_attention_inputs, positions=positions, masks=masks, n_heads=attention.n_heads,
-                                  n_kv_heads=attention.n_kv_heads or attention.n_heads, head_dim=head_dim,
-                                  scale=head_dim ** -0.5 if attention.head_dim is not None else None), layers))
+        qkv_kwargs = dict(n_heads=attention.n_heads, n_kv_heads=attention.n_kv_heads or attention.n_heads,
+                          head_dim=head_dim, scale=head_dim ** -0.5 if attention.head_dim is not None else None)
+        titan_inner, ours_inner = (titan_block.attention.inner_attention.build(),
+                                   ours_block.attention.inner_attention.build())
+        cases.append(Case(name, "attention", titan_inner, ours_inner,
+                          partial(_attention_inputs, positions=positions, masks=masks, **qkv_kwargs), layers))
+        cases.append(Case(name, "attention_step",
+                          _attention_step(titan_inner, titan_model, batches, qkv_kwargs, layers),
+                          _attention_step(ours_inner, ours_model, batches, qkv_kwargs, layers), None, 1, False))
         if titan_block.moe is None:
             continue
         torch.manual_seed(0)
@@ -230,6 +268,30 @@ def median_ms(fn, leaves, device: torch.device, calls: int) -> float:
     return statistics.median(times)
 
 
+def host_ms(fn, device: torch.device, calls: int) -> tuple[float, float]:
+    """(host ms to issue one call, device synchronisations per call): ``calls`` calls issued behind a sleep kernel
+    that keeps the GPU busy longer than they take to issue, counted by torch.cuda.set_sync_debug_mode("warn")."""
+    if device.type != "cuda":
+        return median_ms(fn, [], device, calls), 0.0
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # ~1 s on an H100's clock
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            elapsed = time.perf_counter() - start
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return 1e3 * elapsed / calls, syncs / calls
+
+
 def kernel_table(fn, device: torch.device) -> tuple[str, list[dict]]:
     """torch.profiler over PROFILED_CALLS calls: its top kernels (CPU ops on the CPU) by self time, per call."""
     from torch.profiler import ProfilerActivity, profile
@@ -259,6 +321,7 @@ def run(cases: list[Case], device: torch.device, calls: int, profile_tables: boo
         for which in ("titan", "ours"):
             fn, leaves = _step(getattr(case, which), case, which)
             row[f"{which}_ms"] = median_ms(fn, leaves, device, calls)
+            row[f"{which}_host_ms"], row[f"{which}_syncs"] = host_ms(fn, device, calls)
             if profile_tables and case.make_inputs is not None:
                 table, top = kernel_table(fn, device)
                 row[f"{which}_kernels"] = top
@@ -268,7 +331,9 @@ def run(cases: list[Case], device: torch.device, calls: int, profile_tables: boo
         row["step_delta_ms"] = case.layers * (row["ours_ms"] - row["titan_ms"])
         results.append(row)
         save(results)
-        print(f"{case.model}/{case.layer}: titan {row['titan_ms']:.3f} ms, ours {row['ours_ms']:.3f} ms", flush=True)
+        print(f"{case.model}/{case.layer}: titan {row['titan_ms']:.3f} ms (host {row['titan_host_ms']:.3f}, "
+              f"{row['titan_syncs']:g} syncs), ours {row['ours_ms']:.3f} ms (host {row['ours_host_ms']:.3f}, "
+              f"{row['ours_syncs']:g} syncs)", flush=True)
     return results
 
 
@@ -295,7 +360,8 @@ def main(argv=None) -> dict:
     if args.calls < 1:
         raise ValueError(f"--calls must be >= 1, got {args.calls}")
     only = set(args.cases.split(",")) if args.cases else None
-    known = {f"{m}/{layer}" for m in ("qwen3_moe", "llama_100m") for layer in ("masks", "attention", "moe")}
+    known = {f"{m}/{layer}" for m in ("qwen3_moe", "llama_100m")
+             for layer in ("masks", "attention", "attention_step", "moe")}
     if only is not None and not only <= known:
         raise ValueError(f"--cases: unknown {', '.join(sorted(only - known))}; expected some of "
                          f"{', '.join(sorted(known))}")
@@ -312,13 +378,16 @@ def main(argv=None) -> dict:
 
     cases = build_cases(args.size, device, dataset_path, only)
     results = run(cases, device, args.calls, not args.no_profile, save)
-    print(f"\n{'case':<24}{'titan ms':>10}{'ours ms':>10}{'ours/titan':>12}{'x layers':>10}{'step delta ms':>15}")
+    print(f"\n{'case':<26}{'titan ms':>10}{'ours ms':>10}{'ours/titan':>12}{'x layers':>10}{'step delta ms':>15}"
+          f"{'titan host':>12}{'ours host':>11}{'syncs t/o':>11}")
     for r in results:
-        print(f"{r['model'] + '/' + r['layer']:<24}{r['titan_ms']:>10.3f}{r['ours_ms']:>10.3f}"
-              f"{r['titan_ms'] / r['ours_ms']:>12.3f}{r['layers']:>10}{r['step_delta_ms']:>15.2f}")
+        print(f"{r['model'] + '/' + r['layer']:<26}{r['titan_ms']:>10.3f}{r['ours_ms']:>10.3f}"
+              f"{r['titan_ms'] / r['ours_ms']:>12.3f}{r['layers']:>10}{r['step_delta_ms']:>15.2f}"
+              f"{r['titan_host_ms']:>12.3f}{r['ours_host_ms']:>11.3f}{r['titan_syncs']:>6g}/{r['ours_syncs']:g}")
     for model in dict.fromkeys(r["model"] for r in results):
-        delta = sum(r["step_delta_ms"] for r in results if r["model"] == model)
-        print(f"{model}: ours - titan per step, these layers only: {delta:+.2f} ms")
+        delta = sum(r["step_delta_ms"] for r in results if r["model"] == model and r["layer"] != "attention_step")
+        print(f"{model}: ours - titan per step, these layers only: {delta:+.2f} ms (attention_step measures the "
+              f"masks and attention layers together)")
     return {**report, "results": results}
 
 

@@ -1,7 +1,8 @@
 """TorchTitan job configs (its ``--module`` / ``--config`` registry functions): a ~90M dense Llama 3 and a
 Qwen3-MoE-style model (1.0B parameters, 0.2B active: 12 layers, hidden 1536, 64 experts top-8, 4k sequences), each
 with TorchTitan's default kernels (its language models' Flex attention with per-document causal masks,
-``torch._grouped_mm`` experts) and with ours (the overrides of ``flashmoe_science.integrations.torchtitan``).
+``torch._grouped_mm`` experts) and with ours (``flashmoe_science.integrations.torchtitan.flash_decoder``: our
+attention on per-document metadata built in one pass, and our routed experts where the model has them).
 Byte-level tokens from a local text file (``local_text``).
 
     PYTHONPATH=src torchrun --nproc-per-node 1 examples/torchtitan/train.py \
@@ -25,9 +26,7 @@ from torchtitan.trainer import Trainer
 from local_text import VOCAB_SIZE, ByteTokenizer, LocalTextDataLoader
 from titan_models import llama3_spec, qwen3_moe_spec
 
-OURS = "flashmoe_science.integrations.torchtitan."
-FLASH_ATTENTION = [OURS + "flash_attention_for_flex"]
-FLASH_MOE = [OURS + "flash_attention_for_flex", OURS + "flash_routed_experts"]
+FLASH = ["flashmoe_science.integrations.torchtitan.flash_decoder"]
 
 
 def _job(model_spec, *, lr: float, batch: int, seq_len: int, overrides: list[str]) -> Trainer.Config:
@@ -71,7 +70,7 @@ def llama_100m_titan() -> Trainer.Config:
 
 
 def llama_100m_flash() -> Trainer.Config:
-    return _job(_llama_100m(), lr=6e-4, batch=16, seq_len=2048, overrides=FLASH_ATTENTION)
+    return _job(_llama_100m(), lr=6e-4, batch=16, seq_len=2048, overrides=FLASH)
 
 
 def qwen3_moe_titan() -> Trainer.Config:
@@ -79,4 +78,4 @@ def qwen3_moe_titan() -> Trainer.Config:
 
 
 def qwen3_moe_flash() -> Trainer.Config:
-    return _job(_qwen3_moe_1b(), lr=4e-4, batch=4, seq_len=4096, overrides=FLASH_MOE)
+    return _job(_qwen3_moe_1b(), lr=4e-4, batch=4, seq_len=4096, overrides=FLASH)

@@ -138,3 +138,65 @@ def test_window_skips_key_tiles():
     out = flash_attention_science(q, k, v_poisoned, window=(10, 0), backend="triton")
     ref = flash_attention_science(q, k, v, window=(10, 0), backend="triton")
     assert torch.equal(out[:, :, 32:], ref[:, :, 32:])
+
+
+def test_a_repeated_packed_training_call_replays_without_checks_or_plan(monkeypatch):
+    """A model's layers call with one cu_seqlens pair per batch: from the second call on (gradients recorded) the
+    call replays its Recorded (no value check, no plan, fewer torch ops) with the same results; a pair written in
+    place is checked and planned again (no stale values), and refused once its values are wrong."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flashmoe_science.attention import call, checks
+
+    class Ops(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.count += 1
+            return func(*args, **(kwargs or {}))
+
+    def counted(fn, log):
+        def wrapper(*args, **kwargs):
+            log.append(1)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    plans, value_checks = [], []
+    monkeypatch.setattr(call, "PREPARED_PACKED", {})
+    monkeypatch.setattr(call, "plan_attention", counted(call.plan_attention, plans))
+    monkeypatch.setattr(checks, "_check_cu_seqlens_values", counted(checks._check_cu_seqlens_values, value_checks))
+    dtype = torch.float16
+    q, k, v, cu_q, cu_k = _ragged(dtype, 32)
+
+    def run(q, k, v):
+        return flash_attention_varlen(q, k, v, cu_q, cu_k, max(LENGTHS_Q) + 1, max(LENGTHS_K) + 1, causal=True,
+                                      backend="triton", return_lse=True)
+
+    def oracle(q, k, v, compute):
+        return varlen_feature_attention(q, k, v, cu_q.tolist(), cu_k.tolist(), dtype=compute, causal=True)
+
+    grad = randn(*q.shape, dtype=dtype)
+    results, ops = [], []
+    for _ in range(3):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        Ops.count = 0
+        with Ops():
+            out, lse = run(*leaves)
+            out.backward(grad)
+        ops.append(Ops.count)
+        results.append((out.detach(), lse, *(t.grad for t in leaves)))
+    assert (len(plans), len(value_checks)) == (1, 1)
+    assert ops[1] < ops[0] and ops[2] == ops[1]
+    for later in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], later))
+    check_forward_and_grads(run, oracle, (q, k, v), dtype, ("dq", "dk", "dv"))  # a replayed call vs float64
+
+    with torch.no_grad():  # one query and one key moved from sequence 3 to sequence 2 (same shape, new values)
+        cu_q[3] += 1
+        cu_k[3] += 1
+    check_forward_and_grads(run, oracle, (q, k, v), dtype, ("dq", "dk", "dv"))
+    assert len(value_checks) == 2 and len(plans) == 2
+    with torch.no_grad():
+        cu_q[2] = cu_q[3] + 1  # decreasing
+    with pytest.raises(ValueError, match="non-decreasing"):
+        run(q, k, v)

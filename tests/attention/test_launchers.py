@@ -268,9 +268,13 @@ def test_prepared_key_keys_gradients_apart_and_leaves_ambiguous_arguments_to_the
         torch.use_deterministic_algorithms(previous)
     with torch.no_grad():
         assert call.prepared_key(grad, q, q, False, None, False, "auto", False) == key
-    cu = torch.tensor([0, 8], dtype=torch.int32)  # packed calls that record gradients take the full path
-    assert call.packed_key(grad, q, q, cu, cu, 8, 8, False, None, False, "auto", False) is None
-    assert call.packed_key(q, q, q, cu, cu, 8, 8, False, None, False, "auto", False) is not None
+    cu = torch.tensor([0, 8], dtype=torch.int32)  # packed calls: the cu_seqlens' signatures and the max lengths
+    packed = call.packed_key(q, q, q, cu, cu, 8, 8, False, None, False, "auto", False)
+    recording_packed = call.packed_key(grad, q, q, cu, cu, 8, 8, False, None, False, "auto", False)
+    assert packed is not None and recording_packed is not None and packed != recording_packed
+    assert packed == call.packed_key(q, q, q, cu.clone(), cu, 8, 8, False, None, False, "auto", False)  # not values
+    assert packed != call.packed_key(q, q, q, cu, cu, 9, 8, False, None, False, "auto", False)
+    assert call.packed_key(q, q, q, cu, cu, 8, True, False, None, False, "auto", False) is None  # True == 1
 
 
 @pytest.mark.parametrize("head_dim,causal", [(80, True), (128, False), (192, True), (256, False)])

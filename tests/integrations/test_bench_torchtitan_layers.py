@@ -26,9 +26,10 @@ def test_tiny_layers_run_on_cpu(tool, tmp_path):
     tool.main(["--size", "tiny", "--device", "cpu", "--calls", "1", "--no-profile", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "torchtitan_layers.json").read_text())
     cases = {(r["model"], r["layer"]) for r in report["results"]}
-    assert cases == {("qwen3_moe", "masks"), ("qwen3_moe", "attention"), ("qwen3_moe", "moe"),
-                     ("llama_100m", "masks"), ("llama_100m", "attention")}
-    assert all(r["titan_ms"] > 0 and r["ours_ms"] > 0 for r in report["results"])
+    assert cases == {("qwen3_moe", "masks"), ("qwen3_moe", "attention"), ("qwen3_moe", "attention_step"),
+                     ("qwen3_moe", "moe"), ("llama_100m", "masks"), ("llama_100m", "attention"),
+                     ("llama_100m", "attention_step")}
+    assert all(r["titan_ms"] > 0 and r["ours_ms"] > 0 and r["ours_host_ms"] > 0 for r in report["results"])
 
 
 def test_cases_flag_runs_only_the_named_cases(tool, tmp_path):

@@ -9,6 +9,7 @@ dispatch and combine around TorchTitan's ``FeedForward`` run expert by expert.
 """
 
 import copy
+import dataclasses
 import importlib
 import os
 import sys
@@ -53,13 +54,16 @@ def eager_flex(monkeypatch):
     monkeypatch.setattr(titan_attention, "_compiled_create_block_mask", eager)
 
 
-def _with_overrides(model_config, *targets):
-    config = copy.deepcopy(model_config)
-    apply_overrides(OverrideConfig(imports=[f"{ours.__name__}.{t}" for t in targets]), config)
-    return config
+def _with_overrides(spec, **kwargs):
+    """``spec``'s model config with ``flash_decoder`` applied (``kwargs``: its keywords) as a job's override.imports
+    apply it (the model config under its ModelSpec, as under the trainer's config)."""
+    spec = dataclasses.replace(spec, model=copy.deepcopy(spec.model))
+    target = f"{ours.__name__}.flash_decoder"
+    apply_overrides(OverrideConfig(imports=[(target, kwargs) if kwargs else target]), spec)
+    return spec.model
 
 
-def _pair(spec, targets, dtype):
+def _pair(spec, dtype, **kwargs):
     """TorchTitan's model (initialised) and ours with its weights, both in ``dtype``."""
     torch.manual_seed(0)
     default = torch.get_default_dtype()
@@ -67,7 +71,7 @@ def _pair(spec, targets, dtype):
     try:
         reference = spec.model.build()
         reference.init_states()
-        model = _with_overrides(spec.model, *targets).build()
+        model = _with_overrides(spec, **kwargs).build()
     finally:
         torch.set_default_dtype(default)
     model.load_state_dict(reference.state_dict())  # same names and shapes: a TorchTitan checkpoint loads as is
@@ -95,7 +99,9 @@ def test_override_swaps_the_modules_and_keeps_the_parameters():
                                           moe_hidden_dim=16, num_experts=4, top_k=2, vocab_size=50, max_seq_len=32,
                                           attn_backend="flex")
     reference = spec.model.build()
-    model = _with_overrides(spec.model, "flash_attention_for_flex", "flash_routed_experts").build()
+    model = _with_overrides(spec).build()
+    assert isinstance(model, type(reference))
+    assert type(model).get_attention_masks is not type(reference).get_attention_masks
     layer = model.layers["0"]
     assert isinstance(layer.attention.inner_attention, ours.FlashAttention)
     assert isinstance(layer.moe.routed_experts, ours.FlashRoutedExperts)
@@ -103,10 +109,95 @@ def test_override_swaps_the_modules_and_keeps_the_parameters():
     assert {n: p.shape for n, p in model.named_parameters()} == {n: p.shape for n, p in reference.named_parameters()}
 
 
+def _packed_positions(generator, rows: int, seq_len: int, *, whole_rows=(), row_starts=True) -> torch.Tensor:
+    """Rows of documents of random lengths (1 included), positions restarting at 0 at each; rows in
+    ``whole_rows`` are one document. ``row_starts=False``: each row starts inside a document."""
+    out = []
+    for row in range(rows):
+        lengths = [seq_len] if row in whole_rows else []
+        while sum(lengths) < seq_len:
+            short = torch.rand(1, generator=generator) >= 0.7
+            lengths.append(1 if short else int(torch.randint(1, 9, (1,), generator=generator)))
+        positions = torch.cat([torch.arange(n) for n in lengths])[:seq_len]
+        if not row_starts:
+            positions[:3] += 5
+        out.append(positions)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("rows, seq_len", [(1, 1), (3, 17), (5, 64), (2, 129)])
+def test_document_metadata_equals_titans(rows, seq_len):
+    generator = torch.Generator().manual_seed(rows * 1000 + seq_len)
+    positions = _packed_positions(generator, rows, seq_len, whole_rows={rows - 1})
+    expected = titan_attention.create_varlen_metadata_for_document(positions)
+    got = ours.document_metadata(positions)
+    assert got.cu_seq_q.dtype == torch.int32 and got.cu_seq_q is got.cu_seq_k
+    torch.testing.assert_close(got.cu_seq_q, expected.cu_seq_q, rtol=0, atol=0)
+    assert (got.max_q, got.max_k) == (expected.max_q, expected.max_k)
+
+
+def test_document_metadata_never_crosses_rows():
+    # rows that start inside a document (TorchTitan's builder would run that document across the row boundary):
+    # the documents are those of TorchTitan's per-row document mask function (get_document_mask_mod)
+    generator = torch.Generator().manual_seed(5)
+    positions = _packed_positions(generator, 4, 23, row_starts=False)
+    meta = ours.document_metadata(positions)
+    cu = meta.cu_seq_q.long()
+    document = torch.bucketize(torch.arange(positions.numel()), cu[1:], right=True).view(4, 23)
+    allowed = (document[:, :, None] == document[:, None, :]) & torch.ones(23, 23, dtype=torch.bool).tril()
+    mask_mod = titan_attention.get_document_mask_mod(positions)
+    causal = titan_attention.get_causal_mask_mod()
+    b, q, k = torch.meshgrid(torch.arange(4), torch.arange(23), torch.arange(23), indexing="ij")
+    expected = mask_mod(b, torch.zeros_like(b), q, k) & causal(b, torch.zeros_like(b), q, k)
+    assert torch.equal(allowed, expected)
+    assert meta.max_q == int((cu[1:] - cu[:-1]).max())
+
+
+def test_document_metadata_refuses_bad_positions():
+    with pytest.raises(TypeError, match="positions"):
+        ours.document_metadata(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="positions"):
+        ours.document_metadata(torch.zeros(6, dtype=torch.int64))
+    empty = ours.document_metadata(torch.zeros(0, 4, dtype=torch.int64))
+    assert empty.cu_seq_q.tolist() == [0] and empty.max_q == 0
+
+
+def test_flash_decoder_keywords_choose_what_is_replaced():
+    spec = _titan_models().qwen3_moe_spec(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
+                                          moe_hidden_dim=16, num_experts=4, top_k=2, vocab_size=50, max_seq_len=32,
+                                          attn_backend="flex")
+    reference_cls = type(spec.model)
+    experts_only = _with_overrides(spec, attention=None)
+    assert type(experts_only) is reference_cls
+    assert isinstance(experts_only.layers[0].attention.inner_attention, titan_attention.FlexAttention.Config)
+    assert isinstance(experts_only.layers[0].moe.routed_experts, ours.FlashRoutedExperts.Config)
+    attention_only = _with_overrides(spec, attention="triton", experts=None)
+    assert type(attention_only).__qualname__ == f"Flash{reference_cls.__qualname__}"
+    assert isinstance(attention_only, reference_cls)
+    assert attention_only.layers[0].attention.inner_attention.backend == "triton"
+    assert not isinstance(attention_only.layers[0].moe.routed_experts, ours.FlashRoutedExperts.Config)
+    # one decoder class per TorchTitan decoder class; applied again, the override keeps it
+    assert type(_with_overrides(spec)) is type(attention_only)
+    again = dataclasses.replace(spec, model=attention_only)
+    assert type(_with_overrides(again, attention="auto")) is type(attention_only)
+    with pytest.raises(TypeError, match="attention"):
+        _with_overrides(spec, attention=1)
+
+
+def test_flash_decoder_refuses_a_decoder_with_masks_of_its_own():
+    from torchtitan.models.gpt_oss import model_registry
+
+    spec = model_registry("debugmodel")
+    with pytest.raises(ValueError, match="masks of its own"):
+        _with_overrides(spec)
+    assert not isinstance(_with_overrides(spec, attention=None).layers[0].attention.inner_attention,
+                          ours.FlashAttention.Config)
+
+
 def test_llama3_matches_titan_flex_float64(eager_flex):
     spec = _titan_models().llama3_spec(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96,
                                        vocab_size=61, max_seq_len=64, attn_backend="flex")
-    reference, model = _pair(spec, ["flash_attention_for_flex"], torch.float64)
+    reference, model = _pair(spec, torch.float64)
     tokens, positions = _batch(61, 32)
     ref_out, ref_grads = _run(reference, tokens, positions)
     out, grads = _run(model, tokens, positions)
@@ -135,7 +226,7 @@ def test_sliding_window_matches_titan_varlen_semantics():
 def test_routed_experts_match_titan_dispatch_float64(monkeypatch):
     spec = _titan_models().qwen3_moe_spec(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
                                           moe_hidden_dim=24, num_experts=6, top_k=3, vocab_size=50, max_seq_len=32)
-    reference, model = _pair(spec, ["flash_routed_experts"], torch.float64)
+    reference, model = _pair(spec, torch.float64, attention=None)
     titan, flash = reference.layers["0"].moe, model.layers["0"].moe
     # TorchTitan's configs build the all-to-all dispatcher; without an EP mesh it only reorders local tokens, which
     # fused_experts does itself: the layer must not call it (nor run the experts at top-1 over its (T·K, D) rows)
@@ -198,7 +289,7 @@ def test_qwen3_moe_model_matches_titan_at_its_bf16_experts(eager_flex):
     spec = _titan_models().qwen3_moe_spec(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                                           moe_hidden_dim=32, num_experts=8, top_k=2, vocab_size=61, max_seq_len=64,
                                           attn_backend="flex")
-    reference, model = _pair(spec, ["flash_attention_for_flex", "flash_routed_experts"], torch.float32)
+    reference, model = _pair(spec, torch.float32)
     tokens, positions = _batch(61, 32)
     ref_out, ref_grads = _run(reference, tokens, positions)
     out, grads = _run(model, tokens, positions)
@@ -245,7 +336,7 @@ def test_trainer_trains_the_example_job_with_ours_as_with_titans(cpu_trainer):
     # TorchTitan's trainer end to end (data loader, FSDP2 on one rank, AdamW, the example's job config), 3 steps
     titan, _ = cpu_trainer("moe_titan", 1)
     ours, log = cpu_trainer("moe_flash", 1)
-    assert "flash_routed_experts" in log
+    assert "flash_decoder" in log
     _close(ours, titan, rtol=1e-3)  # float32 model whose experts TorchTitan rounds to bf16 (ours: float32)
     assert ours[-1]["loss"] < ours[0]["loss"]
 

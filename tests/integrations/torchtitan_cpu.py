@@ -51,7 +51,7 @@ def moe_titan():
 
 
 def moe_flash():
-    return flashmoe_jobs._job(_moe(), lr=1e-3, batch=2, seq_len=128, overrides=flashmoe_jobs.FLASH_MOE)
+    return flashmoe_jobs._job(_moe(), lr=1e-3, batch=2, seq_len=128, overrides=flashmoe_jobs.FLASH)
 
 
 def llama_titan():
@@ -59,7 +59,7 @@ def llama_titan():
 
 
 def llama_flash():
-    return flashmoe_jobs._job(_llama(), lr=1e-3, batch=2, seq_len=128, overrides=flashmoe_jobs.FLASH_ATTENTION)
+    return flashmoe_jobs._job(_llama(), lr=1e-3, batch=2, seq_len=128, overrides=flashmoe_jobs.FLASH)
 
 
 def _on_cpu() -> None:

@@ -119,7 +119,7 @@ class _KernelAttention(torch.autograd.Function):
             out, lse = plan.forward.run(q, k, v, features, softmax_scale)
             ctx.backward_plan = backward_plan(plan, q, k, v, out, lse, features)
         else:  # a repeated call (call.Recorded): its forward launch and BackwardPlan as its first call decided
-            out, lse = recorded.run(q, k, v)
+            out, lse = recorded.run(q, k, v, features)
             ctx.backward_plan = recorded.backward
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.features = features
@@ -139,9 +139,10 @@ class _KernelAttention(torch.autograd.Function):
                 None)
 
 
-def replay_recorded(recorded, q, k, v):
-    """(out, lse) of a repeated plain call that records gradients (`call.Recorded`), through `_KernelAttention`."""
-    return _KernelAttention.apply(q, k, v, None, recorded.features, recorded.softmax_scale, None, recorded)
+def replay_recorded(recorded, q, k, v, features: CallFeatures):
+    """(out, lse) of a repeated plain call that records gradients (`call.Recorded`), through `_KernelAttention`;
+    `features`: the call's (a packed call's carry its own cu_seqlens)."""
+    return _KernelAttention.apply(q, k, v, None, features, recorded.softmax_scale, None, recorded)
 
 
 class NoKeys(torch.autograd.Function):

@@ -43,9 +43,11 @@ _LOOK_UP = object()  # dense_forward's default key: look the call up in PREPARED
 
 
 class Recorded:
-    """A repeated plain call that records gradients, as its signature's first call decided it: the forward's
-    PreparedLaunch and plan step, and the BackwardPlan its backward runs (`autograd.backward_plan`). `replay`
-    runs it through `_KernelAttention`, with no checks, plan or key beyond the call's."""
+    """A repeated plain call that records gradients, as its signature's first call decided it: the forward's plan
+    step (with its PreparedLaunch for a dense call; a packed call's step repeats its own launch, whose per-call
+    tensors come from the call's cu_seqlens), and the BackwardPlan its backward runs (`autograd.backward_plan`).
+    `features`: a dense call's, or a packed call's mask (its cu_seqlens are the call's own). `replay` runs it
+    through `_KernelAttention`, with no checks, plan or key beyond the call's."""
 
     __slots__ = ("prepared", "step", "backward", "features", "softmax_scale")
 
@@ -53,7 +55,9 @@ class Recorded:
         self.prepared, self.step, self.backward = prepared, step, backward
         self.features, self.softmax_scale = features, softmax_scale
 
-    def run(self, q, k, v):
+    def run(self, q, k, v, features):
+        if self.prepared is None:
+            return self.step.run(q, k, v, features, self.softmax_scale)
         return _launch(self.prepared, self.step, q, k, v)
 
 
@@ -68,7 +72,7 @@ def replay(entry, q, k, v):
     """(out, lse) of a call whose signature ran before (`PREPARED[key]`): checks and plan as then; a Recorded one
     with autograd's graph."""
     if entry.__class__ is Recorded:
-        return autograd.replay_recorded(entry, q, k, v)
+        return autograd.replay_recorded(entry, q, k, v, entry.features)
     return _launch(*entry, q, k, v)
 
 
@@ -134,31 +138,38 @@ def dense_backward(q, k, v, out, lse, grad_out, *, causal=False, softmax_scale=N
 def packed_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse,
                backend, deterministic) -> tuple | None:
     """`prepared_key` of a packed call: also the cu_seqlens' signatures and the max lengths (the plan reads them),
-    or None where the call must take the full path (a call that records gradients among them)."""
+    or None where the call must take the full path. Not their values: what a call derives from those (the value
+    check, the kernels' work lists) is remembered per cu_seqlens tensor while it lives unwritten
+    (`prepared_cache.TensorMemo`)."""
     key = prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic)
-    if (key is None or key[-1] is not None or cu_seqlens_q.__class__ is not torch.Tensor
-            or cu_seqlens_k.__class__ is not torch.Tensor or max_seqlen_q.__class__ is not int
-            or max_seqlen_k.__class__ is not int):
+    if (key is None or cu_seqlens_q.__class__ is not torch.Tensor or cu_seqlens_k.__class__ is not torch.Tensor
+            or max_seqlen_q.__class__ is not int or max_seqlen_k.__class__ is not int):
         return None
     return (*key, tensor_signature(cu_seqlens_q), tensor_signature(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
 
 
-# Packed calls whose signature ran before (`packed_key`): the plan's forward step, the mask and the scale. A replay
-# still asks checks.values_checked for the cu_seqlens pair (their values are not part of a signature) unless the
-# call opts out of value checks.
-PREPARED_PACKED: dict[tuple, tuple] = {}
+# Packed calls whose signature ran before (`packed_key`): the plan's forward step, the mask and the scale, or for a
+# call that records gradients its Recorded (the step and the BackwardPlan). A replay still asks
+# checks.values_checked for the cu_seqlens pair (their values are not part of a signature) unless the call opts out
+# of value checks: a model's layers share one pair per batch, so every layer after the first replays without a
+# check, a plan or a device synchronisation.
+PREPARED_PACKED: dict[tuple, tuple | Recorded] = {}
 
 
-def packed_replay(entry: tuple, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values=None):
+def packed_replay(entry, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values=None):
     """(out, lse) of a packed call whose signature ran before (`PREPARED_PACKED[key]`), or None where its cu_seqlens
     pair is to be checked (`checks.resolve_check_values`) and has not passed the value check (the full path checks
     it)."""
     bounds = (q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     if resolve_check_values(check_values, q.device) and not values_checked(cu_seqlens_q, cu_seqlens_k, bounds):
         return None
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    q4, k4, v4 = packed_as_4d(q), packed_as_4d(k), packed_as_4d(v)
+    if entry.__class__ is Recorded:
+        features = CallFeatures(mask=entry.features.mask, varlen=varlen)
+        return packed_outputs(*autograd.replay_recorded(entry, q4, k4, v4, features))
     step, mask, softmax_scale = entry
-    features = CallFeatures(mask=mask, varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-    return packed_outputs(*step.run(packed_as_4d(q), packed_as_4d(k), packed_as_4d(v), features, softmax_scale))
+    return packed_outputs(*step.run(q4, k4, v4, CallFeatures(mask=mask, varlen=varlen), softmax_scale))
 
 
 def packed_outputs(out4, lse4):
@@ -189,8 +200,13 @@ def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     plan = plan_attention(problem)
     out4, lse4 = autograd.run(plan, problem.q4, problem.k4, problem.v4, problem.features, problem.softmax_scale)
     step = plan.forward
-    if key is not None and not step.differentiable and q.is_cuda and q.numel() and k.shape[0]:
-        remember(PREPARED_PACKED, key, (step, problem.features.mask, problem.softmax_scale))
+    if key is not None and not step.differentiable and q.numel() and k.shape[0] and not autotune_enabled():
+        features, scale = problem.features, problem.softmax_scale
+        if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            remember(PREPARED_PACKED, key, (step, features.mask, scale))
+        else:  # the forward took the signature's BackwardPlan already: the same key finds it
+            backward = autograd.backward_plan(plan, problem.q4, problem.k4, problem.v4, out4, lse4, features)
+            remember(PREPARED_PACKED, key, Recorded(None, step, backward, CallFeatures(mask=features.mask), scale))
     return packed_outputs(out4, lse4)
 
 

@@ -1,22 +1,31 @@
-"""TorchTitan (0.3.0): our attention and routed experts as TorchTitan modules, chosen through its override registry.
+"""TorchTitan (0.3.0): our attention and routed experts in TorchTitan's decoders, chosen through its override registry.
 
 TorchTitan builds every model component from a ``Configurable.Config`` tree, and its ``@override`` registry
 (``torchtitan.config.override``) swaps a config node for another before anything is built. This module registers
-three overrides; a job turns them on by name, from the command line or in a config function::
+one override, ``flash_decoder``, on the decoder's own config; a job turns it on by name, from the command line or
+in a config function::
 
     torchrun --nproc-per-node 1 -m torchtitan.train --module llama3 --config llama3_8b \\
-        --override.imports flashmoe_science.integrations.torchtitan.flash_attention_for_flex \\
-                           flashmoe_science.integrations.torchtitan.flash_routed_experts
+        --override.imports flashmoe_science.integrations.torchtitan.flash_decoder
 
-- ``flash_attention`` (replaces ``VarlenAttention``) and ``flash_attention_for_flex`` (replaces ``FlexAttention``):
-  :class:`FlashAttention`, the inner attention of every ``GQAttention`` layer, through ``flash_attention_varlen``.
-  Its config subclasses ``VarlenAttention.Config``, so TorchTitan's decoder builds the same per-document metadata
-  for it (``create_varlen_metadata_for_document``: packed documents attend only within themselves); without
-  positions (no masks) every row is one causal sequence. ``window_size`` (left, right) is TorchTitan's
-  sliding window: ``(-1, 0)`` causal, ``(W, 0)`` causal over the last W+1 keys, ``(-1, -1)`` bidirectional.
-  GQA runs natively (no repeated K/V); ``out_transform`` epilogues receive our log-sum-exp.
-- ``flash_routed_experts`` (replaces ``RoutedExperts``): :class:`FlashRoutedExperts` with
-  :class:`FlashGroupedExperts` inside. The parameters keep TorchTitan's names and shapes
+Its keywords (``'...flash_decoder={"experts": null}'`` on the command line) are ``attention`` and ``experts``:
+our backend for each ("auto", or a backend's name), or None to keep TorchTitan's module.
+
+- ``attention``: :class:`FlashAttention`, the inner attention of every ``GQAttention`` layer (in place of
+  ``FlexAttention`` or ``VarlenAttention``), through ``flash_attention_varlen``; and the decoder becomes its subclass
+  whose ``get_attention_masks`` is :func:`document_metadata`: the per-document varlen metadata (packed documents
+  attend only within themselves) in a few device ops and one host synchronisation, where TorchTitan's
+  ``create_varlen_metadata_for_document`` loops over the batch rows (a ``nonzero`` and a synchronisation per row).
+  The override sits on the decoder because the decoder builds the masks; TorchTitan's registry refuses an override
+  nested in another's node, hence one override for the attention and the experts. ``FlashAttention.Config``
+  subclasses ``VarlenAttention.Config``, so TorchTitan treats it as varlen attention everywhere else (its refusal of
+  context parallel included); without positions (no masks) every row is one causal sequence. ``window_size``
+  (left, right) is TorchTitan's sliding window: ``(-1, 0)`` causal, ``(W, 0)`` causal over the last W+1 keys,
+  ``(-1, -1)`` bidirectional. GQA runs natively (no repeated K/V); ``out_transform`` epilogues receive our
+  log-sum-exp. Decoders with masks of their own (``get_attention_masks`` other than ``Decoder``'s: gpt-oss,
+  Qwen3.5) are refused.
+- ``experts``: :class:`FlashRoutedExperts` with :class:`FlashGroupedExperts` inside, in place of every
+  ``RoutedExperts``. The parameters keep TorchTitan's names and shapes
   (``routed_experts.inner_experts.w1_EFD / w2_EDF / w3_EFD``), so checkpoints, FSDP2 sharding, TorchTitan's
   state-dict adapters and its initialisation apply unchanged. Without expert parallelism (``LocalTokenDispatcher``,
   or the ``AllToAllTokenDispatcher`` that TorchTitan's configs build by default, before an EP mesh is wired into it:
@@ -43,18 +52,17 @@ Not supported:
 - ``spmd_backend`` ``"full_dtensor"`` / ``"spmd_types"`` typechecking: our kernels are opaque to ``spmd_types``.
 - Our own ``ExpertParallelMoE`` in place of TorchTitan's dispatcher: TorchTitan owns the EP mesh and FSDP's
   expert mesh layout; the local-shard path above keeps both.
-
-TorchTitan offers no hook for the inner attention of a model that its config function builds with Flex other than
-this override (``attn_backend`` is not a job-config field), hence the two attention entry points.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torchtitan.config import derive, override
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention, VarlenMetadata
+from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 from torchtitan.protocols.module import Module
@@ -63,8 +71,8 @@ from torch.distributed.tensor import DTensor
 from flashmoe_science.attention.varlen import flash_attention_varlen
 from flashmoe_science.moe import fused_experts
 
-__all__ = ["FlashAttention", "FlashGroupedExperts", "FlashRoutedExperts", "dispatches_locally", "flash_attention",
-           "flash_attention_for_flex", "flash_routed_experts"]
+__all__ = ["FlashAttention", "FlashGroupedExperts", "FlashRoutedExperts", "dispatches_locally", "document_metadata",
+           "flash_decoder"]
 
 
 def _causal_and_window(window_size: tuple[int, int]) -> tuple[bool, tuple[int, int] | None]:
@@ -185,18 +193,90 @@ class FlashRoutedExperts(RoutedExperts):
         return out_TD.view(B, -1, D)
 
 
-@override(target=VarlenAttention.Config, description="flashmoe-science attention (flash_attention_varlen)")
-def flash_attention(cfg: VarlenAttention.Config, backend: str = "auto") -> FlashAttention.Config:
-    return derive(cfg, FlashAttention.Config, backend=backend)
+def document_metadata(positions: torch.Tensor) -> VarlenMetadata:
+    """The per-document varlen metadata of a packed batch, ``positions`` ``(B, L)`` restarting at 0 at each document.
+
+    The batch's ``B·L`` tokens are one packed sequence of documents: a document starts at every token whose position
+    is 0 and at every row's first token (attention never crosses rows, as in Flex's per-row document mask), and runs
+    to the next start. ``cu_seq_q = cu_seq_k`` (int32, documents + 1) are the starts and ``B·L``; ``max_q = max_k``
+    the longest document, a token's distance from the start at or before it (a running maximum of start indices),
+    plus one. The whole batch at once: a few device ops and one host synchronisation, which reads the number of
+    documents and the longest length together (``nonzero_static`` then needs no other). Where every row starts a
+    document (TorchTitan's loaders), equal to TorchTitan's ``create_varlen_metadata_for_document``.
+    """
+    if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.is_complex():
+        raise TypeError(f"positions must be an integer torch.Tensor, got "
+                        f"{positions.dtype if isinstance(positions, torch.Tensor) else type(positions).__name__}")
+    if positions.dim() != 2:
+        raise ValueError(f"positions must be (batch, seq_len), got shape {tuple(positions.shape)}")
+    total = positions.numel()
+    if total == 0:
+        cu_seqlens = torch.zeros(1, dtype=torch.int32, device=positions.device)
+        return VarlenMetadata(cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens, max_q=0, max_k=0)
+    starts = positions == 0
+    starts[:, 0] = True
+    starts = starts.view(-1)
+    index = torch.arange(total, dtype=torch.int32, device=positions.device)
+    doc_first = torch.cummax(torch.where(starts, index, 0), dim=0).values
+    count, longest = torch.stack([starts.sum(dtype=torch.int32), (index - doc_first).max() + 1]).tolist()
+    cu_seqlens = torch.empty(count + 1, dtype=torch.int32, device=positions.device)
+    cu_seqlens[:count] = torch.nonzero_static(starts, size=count).view(-1)
+    cu_seqlens[count] = total
+    return VarlenMetadata(cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens, max_q=longest, max_k=longest)
 
 
-@override(target=FlexAttention.Config, description="flashmoe-science attention in place of FlexAttention")
-def flash_attention_for_flex(cfg: FlexAttention.Config, backend: str = "auto") -> FlashAttention.Config:
+def _document_masks(self, positions: torch.Tensor):
+    """``get_attention_masks`` of a decoder whose attention is ours: :func:`document_metadata`."""
+    attention = self.config.first_attention
+    if attention is not None and isinstance(attention.inner_attention, FlashAttention.Config):
+        return document_metadata(positions)
+    return Decoder.get_attention_masks(self, positions)
+
+
+@functools.cache
+def _flash_decoder_class(model_cls: type) -> type:
+    """``model_cls`` (a TorchTitan ``Decoder`` with ``Decoder``'s masks) whose masks are :func:`document_metadata`,
+    with a ``Config`` of its own (TorchTitan builds a config's owner class); one class per decoder class."""
+    name = f"Flash{model_cls.__name__}"
+    config = dataclass(kw_only=True, slots=True)(
+        type("Config", (model_cls.Config,), {"__module__": __name__, "__qualname__": f"{name}.Config"}))
+    return type(name, (model_cls,), {"Config": config, "get_attention_masks": _document_masks,
+                                     "__module__": __name__, "__qualname__": name,
+                                     "__doc__": f"{model_cls.__name__} with flashmoe-science's document metadata."})
+
+
+def _replace(root, config_cls, make) -> None:
+    """Every config of ``config_cls`` in ``root``'s tree replaced by ``make(config)``, in place."""
+    for _, config, parent, attr in list(root.traverse(config_cls)):
+        if isinstance(parent, list):
+            parent[attr] = make(config)
+        else:
+            setattr(parent, attr, make(config))
+
+
+@override(target=Decoder.Config, description="flashmoe-science attention (flash_attention_varlen, per-document "
+                                             "metadata in one pass) and routed experts (fused_experts)")
+def flash_decoder(cfg: Decoder.Config, attention: str | None = "auto", experts: str | None = "auto"
+                  ) -> Decoder.Config:
+    """The decoder config with our attention (and the decoder class whose masks are :func:`document_metadata`)
+    where ``attention`` names a backend, our routed experts where ``experts`` does; None keeps TorchTitan's."""
+    for name, value in (("attention", attention), ("experts", experts)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"flash_decoder's {name} must be a backend name or None, got {type(value).__name__}")
+    model_cls = cfg._owner
+    ours = model_cls.get_attention_masks is _document_masks  # the override applied before
+    if attention is not None and not ours and model_cls.get_attention_masks is not Decoder.get_attention_masks:
+        raise ValueError(f"flash_decoder: {model_cls.__name__} builds attention masks of its own; pass "
+                         f"attention=None to keep TorchTitan's attention")
+    if experts is not None:
+        def flash_experts(routed: RoutedExperts.Config) -> FlashRoutedExperts.Config:
+            inner = derive(routed.inner_experts, FlashGroupedExperts.Config, backend=experts)
+            return derive(routed, FlashRoutedExperts.Config, inner_experts=inner)
+
+        _replace(cfg, RoutedExperts.Config, flash_experts)
+    if attention is None:
+        return cfg
     # Flex's language-model masks are causal per document: varlen metadata with window (-1, 0), the default
-    return derive(cfg, FlashAttention.Config, backend=backend)
-
-
-@override(target=RoutedExperts.Config, description="flashmoe-science routed experts (fused_experts)")
-def flash_routed_experts(cfg: RoutedExperts.Config, backend: str = "auto") -> FlashRoutedExperts.Config:
-    inner = derive(cfg.inner_experts, FlashGroupedExperts.Config, backend=backend)
-    return derive(cfg, FlashRoutedExperts.Config, inner_experts=inner)
+    _replace(cfg, (FlexAttention.Config, VarlenAttention.Config),
+             lambda inner: derive(inner, FlashAttention.Config, backend=attention))
+    return cfg if ours else derive(cfg, _flash_decoder_class(model_cls).Config)

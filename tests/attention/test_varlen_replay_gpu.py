@@ -1,0 +1,65 @@
+"""A packed training call repeated with the same cu_seqlens tensor (a model's layers within one batch) on the GPU:
+no device synchronisation from its second call on, the first call's plan and launches, and results within the
+float64 rule (`pytest -m gpu tests/attention/test_varlen_replay_gpu.py`)."""
+
+import pytest
+import torch
+
+from flashmoe_science import flash_attention_varlen
+from flashmoe_science.attention import call
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _documents(generator, total: int, longest: int) -> list[int]:
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(int(torch.randint(1, longest + 1, (1,), generator=generator)))
+    lengths[-1] -= sum(lengths) - total
+    return [n for n in lengths if n]
+
+
+def _reference(q, k, v, cu, grad, dtype):
+    """Causal attention per document in `dtype` (PyTorch's SDPA, GQA by repeating k and v): out, dq, dk, dv."""
+    group = q.shape[1] // k.shape[1]
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    outs = []
+    for lo, hi in zip(cu[:-1], cu[1:]):
+        qs, ks, vs = (t[lo:hi].transpose(0, 1) for t in leaves)
+        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
+    out = torch.cat(outs)
+    out.backward(grad.to(dtype))
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def test_repeated_packed_training_call_runs_without_a_sync():
+    generator = torch.Generator().manual_seed(3)
+    lengths = _documents(generator, 4 * 1031, 700)
+    cu_list = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
+    total, longest = cu_list[-1], max(lengths)
+    q = torch.randn(total, 12, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(total, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    grad = torch.randn_like(q)
+    results = []
+    for layer in range(4):  # the first call checks the values and plans; the others replay
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        torch.cuda.synchronize()
+        if layer:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = flash_attention_varlen(*leaves, cu, cu, longest, longest, causal=True)
+            out.backward(grad)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        results.append((out.detach(), *(t.grad for t in leaves)))
+    assert any(isinstance(entry, call.Recorded) for entry in call.PREPARED_PACKED.values())
+    reference = _reference(q, k, v, cu_list, grad, torch.float64)
+    torch_errors = [(t.double() - r).abs().max().item()
+                    for t, r in zip(_reference(q, k, v, cu_list, grad, torch.bfloat16), reference)]
+    for result in results:
+        assert torch.equal(result[0], results[0][0])  # the forward is deterministic
+        for name, ours, ref, torch_error in zip(("out", "dq", "dk", "dv"), result, reference, torch_errors):
+            error = (ours.double() - ref).abs().max().item()
+            assert error <= 2 * torch_error + 1e-2, (name, error, torch_error)

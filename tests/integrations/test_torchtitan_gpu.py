@@ -1,0 +1,41 @@
+"""The TorchTitan integration on the GPU (`pytest -m gpu tests/integrations/test_torchtitan_gpu.py`): the per-document
+metadata of a batch of the example jobs' shape in one device synchronisation, equal to TorchTitan's."""
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytest.importorskip("torchtitan")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "torchtitan"))
+import torch_compat  # noqa: E402
+
+torch_compat.install()
+
+from torchtitan.models.common.attention import create_varlen_metadata_for_document  # noqa: E402
+
+from flashmoe_science.integrations.torchtitan import document_metadata  # noqa: E402
+
+
+def test_document_metadata_syncs_once_and_equals_titans():
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for row in range(16):
+        lengths = [2048] if row == 3 else torch.randint(1, 400, (40,), generator=generator).tolist()
+        rows.append(torch.cat([torch.arange(n) for n in lengths])[:2048])
+    positions = torch.stack(rows).cuda()
+    document_metadata(positions)  # warm-up: allocator, kernels
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            meta = document_metadata(positions)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert sum("synchroniz" in str(w.message) for w in caught) == 1
+    expected = create_varlen_metadata_for_document(positions)
+    assert torch.equal(meta.cu_seq_q, expected.cu_seq_q) and meta.max_q == expected.max_q
