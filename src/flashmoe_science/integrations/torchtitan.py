@@ -201,7 +201,7 @@ def document_metadata(positions: torch.Tensor) -> VarlenMetadata:
     to the next start. ``cu_seq_q = cu_seq_k`` (int32, documents + 1) are the starts and ``B·L``; ``max_q = max_k``
     the longest document, a token's distance from the start at or before it (a running maximum of start indices),
     plus one. The whole batch at once: a few device ops and one host synchronisation, which reads the number of
-    documents and the longest length together (``nonzero_static`` then needs no other). Where every row starts a
+    documents and the longest length together. Where every row starts a
     document (TorchTitan's loaders), equal to TorchTitan's ``create_varlen_metadata_for_document``.
     """
     if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.is_complex():
@@ -219,8 +219,11 @@ def document_metadata(positions: torch.Tensor) -> VarlenMetadata:
     index = torch.arange(total, dtype=torch.int32, device=positions.device)
     doc_first = torch.cummax(torch.where(starts, index, 0), dim=0).values
     count, longest = torch.stack([starts.sum(dtype=torch.int32), (index - doc_first).max() + 1]).tolist()
-    cu_seqlens = torch.empty(count + 1, dtype=torch.int32, device=positions.device)
-    cu_seqlens[:count] = torch.nonzero_static(starts, size=count).view(-1)
+    # each start's index written at its rank among the starts; every other token into a spare last slot (sliced
+    # off): a scatter, where nonzero_static synchronises on CUDA (torch 2.11, set_sync_debug_mode)
+    rank = torch.where(starts, starts.cumsum(0, dtype=torch.int32) - 1, count + 1)
+    cu_seqlens = torch.empty(count + 2, dtype=torch.int32, device=positions.device).scatter_(0, rank.long(), index)
+    cu_seqlens = cu_seqlens[:count + 1]
     cu_seqlens[count] = total
     return VarlenMetadata(cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens, max_q=longest, max_k=longest)
 
