@@ -107,8 +107,8 @@ def _plan_exchange(topk_ids: torch.Tensor, num_experts: int, world_size: int, gr
 
 
 def _plans_in_triton(topk_ids: torch.Tensor) -> bool:
-    """CUDA ids take the two Triton launches of ``triton_plan.plan_pairs``; elsewhere ``_plan_pairs`` (about 25
-    device ops, each launched from Python: host-bound on a GPU)."""
+    """CUDA ids take the two Triton launches of ``triton_plan.plan_pairs``; elsewhere ``_plan_pairs`` (47 aten ops,
+    each launched from Python: host-bound on a GPU; benchmarks/tools/profile_ep_plan.py counts both)."""
     return topk_ids.is_cuda
 
 

@@ -84,7 +84,7 @@ def _counts_kernel(
 ):
     dest, chunk = tl.program_id(0), tl.program_id(1)
     first, stop = _chunk_range(chunk, num_tokens, chunks)
-    dests = tl.full([1], 0, tl.int32) + dest
+    dests = tl.full([1], 0, tl.int32) + dest  # `_visits` over this one destination
     running = tl.zeros([], dtype=tl.int32)
     bases = block_base_ptr + (dest * chunks + chunk) * blocks
     for group in range(0, blocks, GROUP):
@@ -148,7 +148,7 @@ def plan_pairs(topk_ids: torch.Tensor, num_experts: int, world_size: int, send_c
                counts_ready, *, block: int | None = None, step: int = STEP_TOKENS):
     """``expert_parallel._plan_pairs`` in two launches: fills ``send_counts`` (W, chunks, contiguous), calls
     ``counts_ready()`` (which starts the counts' exchange), then returns ``(slots, pair_token, pair_ids)``.
-    ``block`` (tokens per pairs program, default ``PAIRS_TILE // W``) and ``step`` (tokens per counts step) are
+    ``block`` (tokens per pairs program, default ``PAIRS_TILE // W`` within [16, 128]) and ``step`` (tokens per counts step) are
     powers of 2; tests shrink them to cross block and step boundaries on few tokens."""
     if not send_counts.is_contiguous():
         raise ValueError("send_counts must be contiguous: the counts kernel writes it as a (W, chunks) table")
