@@ -34,6 +34,24 @@ def test_owner_arithmetic_matches_expert_bounds(num_experts, world_size):
     assert torch.equal(start, torch.tensor(bounds)[expected])
 
 
+def test_triton_plan_under_interpreter():
+    """The plan's kernels against the PyTorch plan and a loop over tokens (plan_interpreter_cases.py), then the layer
+    planned by them in 4 gloo ranks (ep_interpreter_cases.py): each in a process started with TRITON_INTERPRET=1."""
+    pytest.importorskip("triton")
+    from pathlib import Path
+
+    import ep_interpreter_cases
+    from dist_spawn import run_cases
+    from interpreter_driver import run_under_interpreter
+
+    here = Path(__file__).resolve().parent
+    run_under_interpreter(here.parents[1], str(here / "plan_interpreter_cases.py"), timeout=300)
+    names = [f"ep_interpreter_cases.{case}" for case in ep_interpreter_cases.CASES]
+    errors = {name: error for name, error in run_cases(names, 4, env={"TRITON_INTERPRET": "1"}).items() if error}
+    if errors:
+        pytest.fail("\n".join(f"{name}: {error}" for name, error in errors.items()), pytrace=False)
+
+
 @pytest.mark.parametrize("world_size", (2,))
 def test_distributed_bench_harness(distributed_case, world_size):
     distributed_case(world_size, "bench_cases.bench_scaling_smoke")

@@ -109,10 +109,10 @@ def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int
     return Pending([work], [wire], [recv], [staging])
 
 
-def all_to_all_counts(send_counts: torch.Tensor, group) -> Pending:
-    """Start exchanging a ``(W, n)`` int64 table of counts: row w goes to rank w; row s of the result came from
-    rank s. Asynchronous: the caller computes while the few bytes fly, then waits."""
-    recv = torch.empty_like(send_counts)
+def all_to_all_counts(send_counts: torch.Tensor, group, out: torch.Tensor | None = None) -> Pending:
+    """Start exchanging a ``(W, n)`` int64 table of counts: row w goes to rank w; row s of the result (``out``,
+    contiguous, when given) came from rank s. Asynchronous: the caller computes while the few bytes fly, then waits."""
+    recv = torch.empty_like(send_counts) if out is None else out
     wire, target, staging = _wire(group, send_counts, recv)
     work = dist.all_to_all_single(target, wire, group=group, async_op=True)
     return Pending([work], [wire], [recv], [staging])

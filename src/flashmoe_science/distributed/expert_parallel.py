@@ -7,8 +7,9 @@ routes its own tokens, then:
    expert), carrying its k routing weights and its k expert ids made local to that rank, -1 for slots owned
    elsewhere (`fused_experts` skips ids outside ``[0, E_local)``);
 2. exchanges the per-rank counts (one small asynchronous ``all_to_all_single``, issued before the send order is
-   sorted on the device, then the call's only host synchronisation), then the token rows and their (ids, weights) with ``all_to_all_single`` of uneven splits: capacity-free, nothing dropped
-   or padded, a rank may send or receive zero tokens;
+   computed on the device, then the call's only host synchronisation; on CUDA the plan is two Triton launches,
+   ``triton_plan``), then the token rows and their (ids, weights) with ``all_to_all_single`` of uneven splits:
+   capacity-free, nothing dropped or padded, a rank may send or receive zero tokens;
 3. runs its local experts with `fused_experts` on what it received and sends the weighted partial results back;
    each token's output is the float32 sum, in rank order, of the partials of the ranks it visited (one gather
    over all chunks' returns, `_Exchange.combine`).
@@ -80,11 +81,49 @@ def _owner_and_start(expert_ids: torch.Tensor, num_experts: int, world_size: int
 
 def _plan_exchange(topk_ids: torch.Tensor, num_experts: int, world_size: int, group, chunks: int) -> _Exchange:
     """Who sends what to whom, with one host synchronisation: the counts table goes out first (an asynchronous
-    all-to-all of a few bytes), the send order of every (token, destination) pair is sorted on the device while it
-    flies, and one host copy of both count tables then sizes the transfers. Every step is a device op on (T, k) or
-    (T, W) tensors (H100, 16k tokens, W = 2: the counts by an accumulating index_put took 0.74 ms, by a prefix sum
-    a few µs)."""
+    all-to-all of a few bytes), the send order of every (token, destination) pair is computed on the device while it
+    flies, and one host copy of both count tables then sizes the transfers."""
+    tables = torch.empty((2, world_size, chunks), dtype=torch.int64, device=topk_ids.device)  # sent, received
+    arriving = []
+
+    def counts_ready():
+        arriving.append(all_to_all_counts(tables[0], group, out=tables[1]))
+
+    plan_pairs = _plan_pairs
+    if _plans_in_triton(topk_ids):
+        from flashmoe_science.distributed.triton_plan import plan_pairs
+    slots, pair_token, pair_ids = plan_pairs(topk_ids, num_experts, world_size, tables[0], counts_ready)
+    arriving[0].wait()
+    send_table, recv_table = tables.tolist()  # the one host synchronisation
+    send_splits = [list(col) for col in zip(*send_table)]  # per chunk, per destination
+    recv_splits = [list(col) for col in zip(*recv_table)]  # per chunk, per source
+    token_rows, local_ids, first = [], [], 0
+    for splits in send_splits:
+        stop = first + sum(splits)
+        token_rows.append(pair_token[first:stop])
+        local_ids.append(pair_ids[first:stop])
+        first = stop
+    return _Exchange(group, token_rows, local_ids, send_splits, recv_splits, slots)
+
+
+def _plans_in_triton(topk_ids: torch.Tensor) -> bool:
+    """CUDA ids take the two Triton launches of ``triton_plan.plan_pairs``; elsewhere ``_plan_pairs`` (47 aten ops,
+    each launched from Python: host-bound on a GPU; benchmarks/tools/profile_ep_plan.py counts both)."""
+    return topk_ids.is_cuda
+
+
+def _plan_pairs(topk_ids: torch.Tensor, num_experts: int, world_size: int, send_counts: torch.Tensor, counts_ready):
+    """The send order of every (token, destination) pair, in PyTorch ops: the reference of ``triton_plan.plan_pairs``.
+
+    Fills ``send_counts`` (W, chunks) with the pairs each chunk sends to each rank, calls ``counts_ready()`` (the
+    caller starts the counts' exchange there), then returns ``(slots, pair_token, pair_ids)``: ``slots`` (T, W) int64
+    the row of pair (t, w) in the send order over all chunks, -1 where t does not visit w; ``pair_token`` int64 and
+    ``pair_ids`` (rows, k) int32 the token of each row sent and its k expert ids local to the row's destination (-1
+    for slots owned elsewhere). The order is (chunk, destination, token); rows past the pairs sent are unspecified.
+    Every step is a device op on (T, k) or (T, W) tensors (H100, 16k tokens, W = 2: the counts by an accumulating
+    index_put took 0.74 ms, by a prefix sum a few µs)."""
     num_tokens, top_k = topk_ids.shape
+    chunks = send_counts.shape[1]
     device = topk_ids.device
     owner, start = _owner_and_start(topk_ids, num_experts, world_size)  # (T, k): each routed expert's rank, its first
     visits = torch.zeros(num_tokens, world_size, dtype=torch.bool, device=device).scatter_(1, owner, True)
@@ -95,8 +134,8 @@ def _plan_exchange(topk_ids: torch.Tensor, num_experts: int, world_size: int, gr
     # contiguous dim of (W, T): along dim 0 of (T, W) CUDA parallelises over W only (1.5 ms at T = 16k, W = 2).
     bounds = torch.arange(chunks + 1, device=device) * num_tokens // chunks
     prefix = torch.nn.functional.pad(visits.t().to(torch.int32).cumsum(1), (1, 0))
-    send_counts = (prefix[:, bounds[1:]] - prefix[:, bounds[:-1]]).to(torch.int64)
-    counts_arriving = all_to_all_counts(send_counts, group)
+    send_counts.copy_(prefix[:, bounds[1:]] - prefix[:, bounds[:-1]])
+    counts_ready()
     # while the counts fly: every (token, destination) pair ordered by (chunk, destination, token), the pairs not
     # sent last; each with its k expert ids local to the destination (-1 for slots owned elsewhere)
     dest = torch.arange(world_size, device=device)
@@ -108,17 +147,7 @@ def _plan_exchange(topk_ids: torch.Tensor, num_experts: int, world_size: int, gr
     position = torch.empty(num_tokens * world_size, dtype=torch.int64, device=device)
     position[order] = torch.arange(num_tokens * world_size, device=device)
     slots = torch.where(visits.view(-1), position, -1).view(num_tokens, world_size)
-    recv_counts = counts_arriving.wait()
-    tables = torch.stack((send_counts, recv_counts.to(device))).tolist()  # the one host synchronisation
-    send_splits = [list(col) for col in zip(*tables[0])]  # per chunk, per destination
-    recv_splits = [list(col) for col in zip(*tables[1])]  # per chunk, per source
-    token_rows, local_ids, first = [], [], 0
-    for splits in send_splits:
-        stop = first + sum(splits)
-        token_rows.append(pair_token[first:stop])
-        local_ids.append(pair_ids[first:stop])
-        first = stop
-    return _Exchange(group, token_rows, local_ids, send_splits, recv_splits, slots)
+    return slots, pair_token, pair_ids
 
 
 class _ExpertParallel(torch.autograd.Function):
