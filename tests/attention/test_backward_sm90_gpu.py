@@ -189,6 +189,24 @@ def test_prepared_backward_through_autograd(causal, d, transposed):
     assert len(_prepared_launches(plan)) == 1
 
 
+def _repeated_backward(d, runs, expected_kernel, **flags):
+    """Inputs past the sm_90 backward's length floor, one forward, then its backward ``runs`` times on the same
+    graph, each checked to run ``expected_kernel`` (the recorded (pass, backend, kernel)). Returns the inputs and
+    every run's (dq, dk, dv)."""
+    from flashmoe_science.attention.record import recording
+
+    q, k, v, grad_out = _inputs(2, 4, 4, SM90_BACKWARD_MIN_LEN_D64 + 131, SM90_BACKWARD_MIN_LEN_D64 + 131, d,
+                                torch.bfloat16)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flash_attention_science(*leaves, **flags)
+    grads = []
+    for _ in range(runs):
+        with recording() as log:
+            grads.append(torch.autograd.grad(out, leaves, grad_out, retain_graph=True))
+        assert log == [("backward", *expected_kernel)]
+    return (q, k, v, grad_out), grads
+
+
 @pytest.mark.parametrize("d", [64, 128])
 # deterministic with a plain causal mask runs the Triton two passes (test_deterministic_plain_causal_stays_on_triton)
 @pytest.mark.parametrize("deterministic,causal", [(False, False), (False, True), (True, False)],
@@ -199,19 +217,11 @@ def test_repeated_backward_through_the_prepared_plan_is_bit_identical(determinis
     every time, dQ within its reduce-add order (deterministic=True: bit-identical too, its counters allocated and
     zeroed per call by the prepared sequence), and the gradients match float64."""
     from flashmoe_science.attention import autograd
-    from flashmoe_science.attention.record import recording
 
     hopper_attention_module("bwd_sm90")
     autograd.BACKWARD_PLANS.clear()
-    q, k, v, grad_out = _inputs(2, 4, 4, SM90_BACKWARD_MIN_LEN_D64 + 131, SM90_BACKWARD_MIN_LEN_D64 + 131, d,
-                                torch.bfloat16)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = flash_attention_science(*leaves, causal=causal, deterministic=deterministic)
-    runs = []
-    for _ in range(4):
-        with recording() as log:
-            runs.append(torch.autograd.grad(out, leaves, grad_out, retain_graph=True))
-        assert log == [("backward", "hopper", "hopper.bwd_sm90.attention_backward_sm90")]
+    (q, k, v, grad_out), runs = _repeated_backward(d, 4, ("hopper", "hopper.bwd_sm90.attention_backward_sm90"),
+                                                   causal=causal, deterministic=deterministic)
     (plan,) = autograd.BACKWARD_PLANS.values()
     assert len(_prepared_launches(plan)) == 1 and plan.step.deterministic == deterministic
     assert_grads_close(runs[-1], q, k, v, grad_out, causal, None)
@@ -242,17 +252,8 @@ def test_deterministic_plain_causal_stays_on_triton(d):
     """deterministic=True under a plain causal mask: the sm_90 backend refuses (its ordered dQ adds trail block 0's
     walk over every query tile) and the Triton two passes run, bit-identical in every gradient and right against
     float64."""
-    from flashmoe_science.attention.record import recording
-
-    q, k, v, grad_out = _inputs(2, 4, 4, SM90_BACKWARD_MIN_LEN_D64 + 131, SM90_BACKWARD_MIN_LEN_D64 + 131, d,
-                                torch.bfloat16)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = flash_attention_science(*leaves, causal=True, deterministic=True)
-    runs = []
-    for _ in range(2):
-        with recording() as log:
-            runs.append(torch.autograd.grad(out, leaves, grad_out, retain_graph=True))
-        assert log == [("backward", "triton", "triton_bwd.attention_backward")]
+    (q, k, v, grad_out), runs = _repeated_backward(d, 2, ("triton", "triton_bwd.attention_backward"), causal=True,
+                                                   deterministic=True)
     assert_grads_close(runs[0], q, k, v, grad_out, True, None)
     for a, b in zip(*runs):
         assert torch.equal(a, b)
