@@ -290,15 +290,21 @@ def _ep_records(world_size, rank, group, device, dtype, config, tokens, model, p
 
 def run_scaling_bench(group=None, quick: bool = False, progress=None, on_length=None) -> list[dict]:
     """The multi-rank suite on an initialised process group (every rank calls it; every rank gets the records).
-    ``on_length(records)``: called after each ring length with the records so far (partial results)."""
+    ``on_length(records)``: called after the EP records and after each ring length with the records so far (partial
+    results)."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     on_gpu = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
     if on_gpu:
+        # EP first: minutes shorter than the ring's 1M-token lengths, so a run cut short keeps it in the partial JSON
         lengths = RING_LENGTHS[:2] if quick else RING_LENGTHS
-        records = _ring_records(world_size, rank, group, device, dtype, lengths, RING_SHAPE, progress, on_length)
-        records += _ep_records(world_size, rank, group, device, dtype, MODELS[EP_MODEL], EP_TOKENS, EP_MODEL, progress)
+        ep = _ep_records(world_size, rank, group, device, dtype, MODELS[EP_MODEL], EP_TOKENS, EP_MODEL, progress)
+        if on_length is not None:
+            on_length(ep)
+        ring = _ring_records(world_size, rank, group, device, dtype, lengths, RING_SHAPE, progress,
+                             None if on_length is None else (lambda so_far: on_length(ep + so_far)))
+        records = ring + ep
     else:
         records = _ring_records(world_size, rank, group, device, dtype, CPU_RING_LENGTHS, CPU_RING_SHAPE, progress)
         records += _ep_records(world_size, rank, group, device, dtype, CPU_EP, CPU_EP_TOKENS, "cpu-smoke", progress)
