@@ -12,7 +12,9 @@ import datetime
 import json
 import os
 import socket
+import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -40,15 +42,19 @@ def _worker(rank: int, world_size: int, port: int, names: list[str], out_dir: st
                             timeout=datetime.timedelta(seconds=60), **options)  # a hung collective fails the case
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as report:
         for name in names:
+            started, error = time.perf_counter(), None
             try:
                 torch.manual_seed(1234)  # the same inputs on every rank
                 module, case = name.rsplit(".", 1)
                 getattr(importlib.import_module(module), case)(rank, world_size)
-                report.write(json.dumps([name, None]) + "\n")
             except Exception:
-                report.write(json.dumps([name, traceback.format_exc()]) + "\n")
+                error = traceback.format_exc()
+            report.write(json.dumps([name, error]) + "\n")
             report.flush()
             dist.barrier()
+            if rank == 0 and os.environ.get("FLASHMOE_CASE_PROGRESS"):  # a run cut short by its limit shows how far
+                print(f"{backend} x{world_size} {name}: {'FAILED' if error else 'ok'} "
+                      f"{time.perf_counter() - started:.1f} s", file=sys.__stderr__, flush=True)
     dist.destroy_process_group()
 
 
