@@ -53,8 +53,9 @@ def _worker(rank: int, world_size: int, port: int, names: list[str], out_dir: st
             report.flush()
             dist.barrier()
             if rank == 0 and os.environ.get("FLASHMOE_CASE_PROGRESS"):  # a run cut short by its limit shows how far
-                print(f"{backend} x{world_size} {name}: {'FAILED' if error else 'ok'} "
-                      f"{time.perf_counter() - started:.1f} s", file=sys.__stderr__, flush=True)
+                failure = f"FAILED: {error.strip().splitlines()[-1]}" if error else "ok"
+                print(f"{backend} x{world_size} {name}: {failure} {time.perf_counter() - started:.1f} s",
+                      file=sys.__stderr__, flush=True)
     dist.destroy_process_group()
 
 

@@ -44,8 +44,9 @@ def _compare_module(rank, world_size, tokens_per_rank, *, num_experts=8, top_k=2
     x = x_all[rows].clone().requires_grad_()
     out = sharded(x)
     out.backward(grad_all[rows])
-    router_grad = sharded.router.weight.grad.float().cpu()
+    router_grad = sharded.router.weight.grad.float()
     dist.all_reduce(router_grad)  # replicated router: the data-parallel sum (before any check can raise)
+    router_grad = router_grad.cpu()  # after the reduce: NCCL reduces device tensors only
     check("out", out.detach(), layer(x_all).detach()[rows])
     check("dx", x.grad, x_ref.grad[rows])
     first, stop = sharded.expert_range
