@@ -36,6 +36,7 @@ def test_document_metadata_syncs_once_and_equals_titans():
             meta = document_metadata(positions)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert sum("synchroniz" in str(w.message) for w in caught) == 1
+    syncs = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, f"synchronisations at {syncs}"
     expected = create_varlen_metadata_for_document(positions)
     assert torch.equal(meta.cu_seq_q, expected.cu_seq_q) and meta.max_q == expected.max_q

@@ -213,18 +213,19 @@ def document_metadata(positions: torch.Tensor) -> VarlenMetadata:
     if total == 0:
         cu_seqlens = torch.zeros(1, dtype=torch.int32, device=positions.device)
         return VarlenMetadata(cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens, max_q=0, max_k=0)
+    # Python numbers enter device tensors only as fill/kernel arguments: an assignment such as ``t[i] = n`` is a
+    # host-to-device copy, which synchronises (three syncs measured on an H200 with one of them)
     starts = positions == 0
-    starts[:, 0] = True
+    starts[:, 0].fill_(True)
     starts = starts.view(-1)
     index = torch.arange(total, dtype=torch.int32, device=positions.device)
-    doc_first = torch.cummax(torch.where(starts, index, 0), dim=0).values
+    doc_first = torch.cummax(index.masked_fill(~starts, 0), dim=0).values
     count, longest = torch.stack([starts.sum(dtype=torch.int32), (index - doc_first).max() + 1]).tolist()
-    # each start's index written at its rank among the starts; every other token into a spare last slot (sliced
-    # off): a scatter, where nonzero_static synchronises on CUDA (torch 2.11, set_sync_debug_mode)
-    rank = torch.where(starts, starts.cumsum(0, dtype=torch.int32) - 1, count + 1)
-    cu_seqlens = torch.empty(count + 2, dtype=torch.int32, device=positions.device).scatter_(0, rank.long(), index)
-    cu_seqlens = cu_seqlens[:count + 1]
-    cu_seqlens[count] = total
+    # each start's index written at its rank among the starts, every other token into a spare last slot (sliced
+    # off); slot ``count`` keeps the fill, ``total`` (nonzero_static would synchronise on CUDA, torch 2.11)
+    rank = (starts.cumsum(0, dtype=torch.int32) - 1).masked_fill_(~starts, count + 1)
+    cu_seqlens = torch.full((count + 2,), total, dtype=torch.int32, device=positions.device)
+    cu_seqlens = cu_seqlens.scatter_(0, rank.long(), index)[:count + 1]
     return VarlenMetadata(cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens, max_q=longest, max_k=longest)
 
 
