@@ -49,6 +49,9 @@ Not supported:
 - Context parallel: TorchTitan refuses CP for varlen attention (``VarlenAttention.Config`` in its Llama 3 / Qwen3
   ``update_from_config``), and our config is one; ``flashmoe_science.distributed.ring_attention`` has no hook in
   TorchTitan's CP wrapper (``apply_cp_to_forward`` only knows SDPA and Flex), so a CP job keeps TorchTitan's Flex.
+  The SDPA route, where a ring could stand in, is closed for language models (``get_attention_config`` refuses
+  "sdpa"), and the Flex route shards only ``BlockMask`` masks (``cp_shard``), so per-document varlen metadata
+  cannot pass through TorchTitan's input sharding either.
 - ``spmd_backend`` ``"full_dtensor"`` / ``"spmd_types"`` typechecking: our kernels are opaque to ``spmd_types``.
 - Our own ``ExpertParallelMoE`` in place of TorchTitan's dispatcher: TorchTitan owns the EP mesh and FSDP's
   expert mesh layout; the local-shard path above keeps both.
