@@ -13,7 +13,7 @@ from flashmoe_science.gluon.compat import on_tuned_triton
 def compile_offline(fn, args, constexprs: dict, *, arch: int, options: dict):
     """``triton.compile`` of the Gluon kernel ``fn`` for CUDA compute capability ``arch`` (90 for sm_90) without a
     GPU (meta tensors are enough), specialised as the JIT would specialise these arguments (16-byte aligned pointers,
-    integers divisible by 16) and launched with ``options`` (num_warps, maxnreg, ...); returns the CompiledKernel."""
+    integers divisible by 16 unless ``do_not_specialize`` names them) and launched with ``options`` (num_warps, maxnreg, ...); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -22,9 +22,12 @@ def compile_offline(fn, args, constexprs: dict, *, arch: int, options: dict):
     values = dict(zip(names, args))
     signature = {n: ("constexpr" if n in constexprs else mangle_type(values[n])) for n in names}
     consts = {(names.index(n),): v for n, v in constexprs.items()}
+    # integers the kernel leaves unspecialised (do_not_specialize, by name or position) get no divisibility either
+    plain = {names[n] if isinstance(n, int) else n for n in getattr(fn, "do_not_specialize", ()) or ()}
     # no attributes on constexprs: triton 3.7+ numbers the attributes over the kernel's runtime arguments only
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, v in values.items() if n not in constexprs and (
-        isinstance(v, torch.Tensor) or (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0))}
+        isinstance(v, torch.Tensor) or (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0
+                                        and n not in plain))}
     src = GluonASTSource(fn, signature, consts, attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
 

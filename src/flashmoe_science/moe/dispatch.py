@@ -87,7 +87,7 @@ def _store_pair_rows(ids, lanes, pairs, row_base, sorted_pair_ids_ptr, pair_row_
     tl.store(pair_row_ptr + pairs, tl.where(routed, row, -1), mask=in_range)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _count_chunks(ids_ptr, chunk_counts_ptr, num_pairs, num_experts, CHUNK: tl.constexpr, E_POW2: tl.constexpr):
     chunk = tl.program_id(0)
     _, _, ids = _chunk_ids(ids_ptr, chunk, num_pairs, CHUNK)
@@ -96,7 +96,7 @@ def _count_chunks(ids_ptr, chunk_counts_ptr, num_pairs, num_experts, CHUNK: tl.c
              mask=experts < num_experts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks", "num_tiles_max"])
 def _scan_counts(
     chunk_counts_ptr,
     chunk_row_base_ptr,
@@ -139,7 +139,7 @@ def _scan_counts(
     _store_tile_experts(tile_expert_ptr, tiles, tile_start, expert_mask, num_tiles_max, TILE_BLOCK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _scatter_pairs(
     ids_ptr,
     chunk_row_base_ptr,
@@ -156,7 +156,7 @@ def _scatter_pairs(
     _store_pair_rows(ids, lanes, pairs, base, sorted_pair_ids_ptr, pair_row_ptr, num_pairs, num_experts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_rows", "num_tiles_max"])
 def _sort_one_chunk(
     ids_ptr,
     sorted_pair_ids_ptr,

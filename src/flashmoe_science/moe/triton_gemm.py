@@ -78,7 +78,7 @@ def _gate_up_columns(w_expert_ptr, col_block, ks, d_ff, stride_wf, stride_wd, BL
     return w_expert_ptr + w_rows[None, :] * stride_wf + ks[:, None] * stride_wd, ff < d_ff
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_row_tiles"])
 def _up_swiglu_kernel(
     x_ptr,
     w1_ptr,
@@ -147,7 +147,7 @@ def _up_swiglu_kernel(
         tl.store(gate_ptrs + d_ff, acc_up.to(gate_up_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_row_tiles"])
 def _down_combine_kernel(
     a_ptr,
     b_ptr,
@@ -217,7 +217,7 @@ def _down_combine_kernel(
         tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _combine_rows_kernel(
     rows_ptr,
     pair_row_ptr,
@@ -247,7 +247,7 @@ def _combine_rows_kernel(
              mask=token_valid[:, None] & col_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_row_tiles"])
 def _gathered_rows_gemm_kernel(
     a_ptr,
     b_ptr,
@@ -299,7 +299,7 @@ def _gathered_rows_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_rows"])
 def _swiglu_backward_kernel(
     gate_up_ptr,
     dh_ptr,
@@ -358,7 +358,7 @@ def _swiglu_backward_kernel(
     tl.store(dscale_ptr + pairs, dscale, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_rows"])
 def _gather_rows_kernel(
     src_ptr,
     dst_ptr,

@@ -61,7 +61,7 @@ def _top_k(scores, valid, experts, TOP_K: tl.constexpr, K_POW2: tl.constexpr, RE
     return weights, ids
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _route_forward_kernel(
     logits_ptr,
     weights_ptr,
@@ -88,7 +88,7 @@ def _route_forward_kernel(
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _route_backward_kernel(
     logits_ptr,
     ids_ptr,

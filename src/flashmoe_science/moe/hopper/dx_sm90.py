@@ -323,7 +323,7 @@ def _consumer(a_smem, b_smem, epi_smem, ready, empty, turn, epi_ready, epi_empty
         item += 1
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["num_tiles_max", "num_pairs"])
 def sorted_rows_sm90_kernel(a_desc, b_desc, gate_up_desc, h_desc, dgu_desc, out_ptr, sorted_pair_ids_ptr,
                             tile_expert_ptr, expert_counts_ptr, expert_row_start_ptr, row_scale_ptr, dscale_ptr,
                             num_experts, num_tiles_max, num_pairs, top_k, K, N, stride_out,
