@@ -18,8 +18,10 @@ def bench_scaling_smoke(rank, world_size):
     for record in records:
         if not (record["ms"] > 0 and record["ms_1gpu"] > 0 and record["efficiency"] > 0):
             raise AssertionError(f"bad timing in {record}")
-    backends = {r["backend"] for r in records if r["op"] == "ring-attention"}
-    if backends != {"flashmoe-ring/allgather", "flashmoe-ring/ring"}:  # torch-cp runs on GPUs only
+    backends = {(r["pass"], r["backend"]) for r in records if r["op"] == "ring-attention"}
+    expected = {(p, f"flashmoe-ring/{e}") for p in ("fwd", "fwd+bwd") for e in ("allgather", "ring")}
+    expected.add(("fwd+bwd", "flashmoe-ring/allgather+grad-allgather"))
+    if backends != expected:  # torch-cp runs on GPUs only
         raise AssertionError(f"ring backends {sorted(backends)}")
     if any(r["world_size"] != world_size for r in records):
         raise AssertionError("world_size not recorded")

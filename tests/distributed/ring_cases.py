@@ -50,7 +50,7 @@ def check_close(name, got, expected):
 
 
 def _compare(rank, world_size, *, seqlen, heads=(4, 4), causal, window=None, batch=2, head_dim=16, group=None,
-             kv_exchange="allgather"):
+             kv_exchange="allgather", grad_exchange="ring"):
     hq, hkv = heads
     q = torch.randn(batch, hq, seqlen, head_dim)
     k = torch.randn(batch, hkv, seqlen, head_dim)
@@ -60,7 +60,8 @@ def _compare(rank, world_size, *, seqlen, heads=(4, 4), causal, window=None, bat
     expected = dense_attention(*full, causal, window)
     expected.backward(grad.double())
     local = [zigzag_shard(t, group).requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*local, group, causal=causal, window=window, kv_exchange=kv_exchange)
+    out = ring_attention(*local, group, causal=causal, window=window, kv_exchange=kv_exchange,
+                         grad_exchange=grad_exchange)
     out.backward(zigzag_shard(grad, group))
     check_close("out", out, zigzag_shard(expected.detach(), group))
     for name, t, ref in zip(("dq", "dk", "dv"), local, full):
@@ -85,6 +86,15 @@ def ring_exchange_around_the_ring(rank, world_size):
     _compare(rank, world_size, seqlen=8 * world_size, causal=True, kv_exchange="ring")
     _compare(rank, world_size, seqlen=8 * world_size + 3, causal=True, heads=(2, 1), kv_exchange="ring")
     _compare(rank, world_size, seqlen=10 * world_size, causal=False, window=(3, 7), heads=(2, 2), kv_exchange="ring")
+
+
+def ring_gathered_backward(rank, world_size):
+    # the backward's other exchange: K/V all-gathered, dK/dV accumulated in the gathered layout and reduce-scattered
+    _compare(rank, world_size, seqlen=8 * world_size, causal=True, grad_exchange="allgather")
+    _compare(rank, world_size, seqlen=8 * world_size + 3, causal=True, heads=(2, 1), grad_exchange="allgather")
+    _compare(rank, world_size, seqlen=10 * world_size, causal=False, window=(3, 7), heads=(2, 2),
+             kv_exchange="ring", grad_exchange="allgather")
+    _compare(rank, world_size, seqlen=3, causal=True, batch=1, grad_exchange="allgather")  # ranks with no rows
 
 
 def ring_tiny_sequence(rank, world_size):
@@ -142,7 +152,8 @@ def ring_bf16_error_within_twice_single(rank, world_size):
             raise AssertionError(f"{name}: ring bf16 error {ours_err:.3g} > 2 x single-process {single_err:.3g}")
 
 
-def _compare_varlen(rank, world_size, seqlens, *, causal, window=None, heads=(4, 2), head_dim=16, group=None):
+def _compare_varlen(rank, world_size, seqlens, *, causal, window=None, heads=(4, 2), head_dim=16, group=None,
+                    grad_exchange="ring"):
     bounds = [0]
     for length in seqlens:
         bounds.append(bounds[-1] + length)
@@ -157,7 +168,7 @@ def _compare_varlen(rank, world_size, seqlens, *, causal, window=None, heads=(4,
     expected.backward(grad.double())
     local = [zigzag_shard(t, group, dim=0, cu_seqlens=bounds).requires_grad_() for t in (q, k, v)]
     out, lse = ring_attention_varlen(*local, torch.tensor(bounds), group, causal=causal, window=window,
-                                     return_lse=True)
+                                     return_lse=True, grad_exchange=grad_exchange)
     out.backward(zigzag_shard(grad, group, dim=0, cu_seqlens=bounds))
     gathered = zigzag_unshard(out.detach(), group, dim=0, cu_seqlens=bounds)  # a collective: before any check
     if lse.shape != (hq, out.shape[0]):
@@ -175,6 +186,7 @@ def ring_varlen(rank, world_size):
     _compare_varlen(rank, world_size, seqlens, causal=True, window=(4, -1))
     _compare_varlen(rank, world_size, seqlens, causal=False, window=(2, 3), heads=(2, 2))
     _compare_varlen(rank, world_size, [5, 0, 7], causal=False)
+    _compare_varlen(rank, world_size, seqlens, causal=True, grad_exchange="allgather")
 
 
 def ring_varlen_group_of_one(rank, world_size):
@@ -202,6 +214,7 @@ def ring_bad_input(rank, world_size):
     _expect_error(lambda: ring_attention(q3, q3[..., :4, :], q3[..., :4, :]), "same positions")
     _expect_error(lambda: ring_attention(q3, q3, q3, window=(-2, 0)), "window")
     _expect_error(lambda: ring_attention(q3, q3, q3, kv_exchange="p2p"), "kv_exchange")
+    _expect_error(lambda: ring_attention(q3, q3, q3, grad_exchange="p2p"), "grad_exchange")
     packed = torch.randn(6, 2, 16)  # 12 tokens in two sequences whose split depends on the rank
     _expect_error(lambda: ring_attention_varlen(packed, packed, packed, [0, 4 + rank, 12]), "disagree")
 

@@ -3,8 +3,8 @@
 Under ``torchrun --nproc-per-node N`` (N > 1; NCCL on GPUs, gloo on CPUs), `run_scaling_bench`:
 
 - ``ring-attention``: `ring_attention` over the zig-zag sharded sequence (B=1, H=8, D=128, causal, bf16) at 128k to
-  1M tokens, forward and forward+backward, each ``kv_exchange`` ("flashmoe-ring/allgather", "flashmoe-ring/ring"),
-  against `flash_attention_science` on the whole sequence on one GPU. ``efficiency = ms_1gpu / (N · ms)``: tokens/s
+  1M tokens, forward and forward+backward, each ``kv_exchange`` ("flashmoe-ring/allgather", "flashmoe-ring/ring";
+  forward+backward also with ``grad_exchange="allgather"``, "flashmoe-ring/allgather+grad-allgather"), against `flash_attention_science` on the whole sequence on one GPU. ``efficiency = ms_1gpu / (N · ms)``: tokens/s
   on N GPUs over N times tokens/s on one (1.0 = perfect scaling). PyTorch's ``context_parallel`` SDPA runs in the
   same pass where this torch has it (``backend`` "torch-cp"; ours carry ``speed_vs_torch_cp``).
 - On GPUs every record of ours also carries what a ``torch.profiler`` trace of one call shows: ``comm_ms`` (NCCL
@@ -133,12 +133,17 @@ def _ring_records(world_size, rank, group, device, dtype, lengths, shape, progre
             torch_cp = _torch_context_parallel_ms(full, group, world_size, device, pass_)
             if torch_cp is not None:
                 records.append(_scaling_record(base, pass_, "torch-cp", torch_cp, one_gpu, seqlen, world_size))
-            for exchange in EXCHANGES:
-                run = _pass_fn(lambda *t, e=exchange: ring_attention(*t, group, causal=True, kv_exchange=e),
-                               (q, k, v), pass_)
+            # each forward exchange with the ring backward; forward+backward also the all-gather backward
+            configs = [(e, "ring") for e in EXCHANGES] + [("allgather", "allgather")] * (pass_ == "fwd+bwd")
+            for exchange, grad_exchange in configs:
+                run = _pass_fn(lambda *t, e=exchange, g=grad_exchange: ring_attention(
+                    *t, group, causal=True, kv_exchange=e, grad_exchange=g), (q, k, v), pass_)
                 ms = _collective_median_ms(run, device, group)
-                record = _scaling_record(base, pass_, f"flashmoe-ring/{exchange}", ms, one_gpu, seqlen, world_size)
+                name = f"flashmoe-ring/{exchange}" + ("" if grad_exchange == "ring" else f"+grad-{grad_exchange}")
+                record = _scaling_record(base, pass_, name, ms, one_gpu, seqlen, world_size)
                 record["kv_exchange"] = exchange
+                if pass_ == "fwd+bwd":
+                    record["grad_exchange"] = grad_exchange
                 if torch_cp is not None:
                     record["speed_vs_torch_cp"] = round(torch_cp / ms, 4)
                 records.append({**record, **_comm_overlap(run, device, group)})
@@ -152,8 +157,9 @@ def _ring_records(world_size, rank, group, device, dtype, lengths, shape, progre
 
 # Live (B, H, L, D) tensors of the longest sequence during a forward+backward row (the one-GPU baseline's inputs,
 # outputs and gradients, context_parallel's and ours' buffers): at L=1M, H=8, D=128 (2 GiB each) an 80 GB H100 ran
-# out of memory with 73 GiB allocated, asking for 2 more.
-LIVE_FULL_TENSORS = 40
+# out of memory with 73 GiB allocated, asking for 2 more (40); the all-gather backward adds the gathered K/V (2)
+# and their float32 gradients (4).
+LIVE_FULL_TENSORS = 46
 
 
 def _backward_fits(seqlen: int, shape: dict, device, dtype) -> bool:

@@ -99,6 +99,14 @@ def all_gather_into(sends: list[torch.Tensor], recvs: list[torch.Tensor], group)
     return Pending(works, wires, recvs, stagings)
 
 
+def reduce_scatter_into(send: torch.Tensor, recv: torch.Tensor, group) -> Pending:
+    """Start summing ``send`` (contiguous, ``W·n`` rows: rank w's part at rows ``[w·n, (w + 1)·n)`` of dim 0) over the
+    ranks, rank w receiving the sum of every rank's part w into ``recv`` (``reduce_scatter_tensor``), asynchronous."""
+    wire, target, staging = _wire(group, send, recv)
+    work = dist.reduce_scatter_tensor(target, wire, group=group, async_op=True)
+    return Pending([work], [wire], [recv], [staging])
+
+
 def all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group,
                out: torch.Tensor | None = None) -> Pending:
     """Start an uneven all-to-all of the rows of ``send`` (``all_to_all_single``, asynchronous), into ``out`` (contiguous,

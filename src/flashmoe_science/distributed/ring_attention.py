@@ -12,7 +12,8 @@ into float32 accumulators by their log-sum-exp, in place:
 
 which is exact: softmax over the union of two key sets is this reweighting of the softmaxes over each.
 
-The backward passes the K/V shards around the ring again; each rank computes the gradient contributions of its
+The backward passes the K/V shards around the ring again (or, with ``grad_exchange="allgather"``, gathers them as the
+forward does and reduce-scatters dK/dV at the end); each rank computes the gradient contributions of its
 queries against the visiting shard with the single-GPU backward kernels, given the *global* out and lse (that is all
 the FlashAttention backward needs: P = exp(S - lse), dS = P ∘ (dP - rowsum(dO ∘ O))). dQ stays local; the dK/dV
 contributions (float32) follow their shard around the ring and, after one last hop, arrive at the shard's owner.
@@ -36,7 +37,8 @@ from flashmoe_science.attention.api import (BACKENDS, attention_backward_lse, at
                                             flash_attention_science)
 from flashmoe_science.attention.mask import make_mask
 from flashmoe_science.attention.reference import default_softmax_scale
-from flashmoe_science.distributed.comm import Pending, all_gather_into, gather_ints, group_rank_and_size, ring_shift
+from flashmoe_science.distributed.comm import (Pending, all_gather_into, gather_ints, group_rank_and_size,
+                                               reduce_scatter_into, ring_shift)
 from flashmoe_science.distributed.zigzag import Chunk, _seqlens, sequence_shards, shard_lengths
 
 _KV_TAG, _GRAD_TAG = 0, 1  # gloo matches point-to-point messages by tag; NCCL ignores tags
@@ -176,6 +178,7 @@ class _Ring:
     softmax_scale: float
     backend: str  # the local kernels' (flash_attention_science's backend argument)
     exchange: str = "allgather"  # how the forward brings the other shards' K/V (EXCHANGES)
+    grad_exchange: str = "ring"  # how the backward brings K/V and returns dK/dV (EXCHANGES)
 
     def chunks(self, rank: int) -> list[tuple[Chunk, Chunk]]:
         return sequence_shards(self.seqlens, self.world_size, rank)
@@ -344,7 +347,21 @@ def _ring_forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     return acc.result()
 
 
+def _backward_block(ring: _Ring, q, kv, out, lse, grad_out, block: Block, dq, dkv) -> None:
+    """One kernel call's gradient contributions, added into the float32 ``dq`` and ``dkv`` (rows of ``kv``)."""
+    rows, keys = block.q_rows, block.k_rows
+    dq_b, dk_b, dv_b = attention_backward_lse(
+        q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], out[..., rows, :], lse[..., rows],
+        grad_out[..., rows, :], causal=block.causal, softmax_scale=ring.softmax_scale, window=block.window,
+        backend=ring.backend)
+    dq[..., rows, :] += dq_b
+    dkv[0][..., keys, :] += dk_b
+    dkv[1][..., keys, :] += dv_b
+
+
 def _ring_backward(ring: _Ring, q, k, v, out, lse, grad_out):
+    if ring.grad_exchange == "allgather":
+        return _gathered_backward(ring, q, k, v, out, lse, grad_out)
     kv = [k.contiguous(), v.contiguous()]
     buffers = _shard_buffers(ring, kv)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -356,14 +373,7 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, grad_out):
         # this step's shard's contributions (float32); what earlier ranks added for the same shard is added on
         dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv]
         for block in ring.plan(step):
-            rows, keys = block.q_rows, block.k_rows
-            dq_b, dk_b, dv_b = attention_backward_lse(
-                q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], out[..., rows, :], lse[..., rows],
-                grad_out[..., rows, :], causal=block.causal, softmax_scale=ring.softmax_scale, window=block.window,
-                backend=ring.backend)
-            dq[..., rows, :] += dq_b
-            dkv[0][..., keys, :] += dk_b
-            dkv[1][..., keys, :] += dv_b
+            _backward_block(ring, q, kv, out, lse, grad_out, block, dq, dkv)
         if incoming is not None:
             for total, earlier in zip(dkv, incoming.wait()):
                 total += earlier
@@ -374,6 +384,39 @@ def _ring_backward(ring: _Ring, q, k, v, out, lse, grad_out):
             kv = arriving.wait()
     dk, dv = incoming.wait()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _gathered_backward(ring: _Ring, q, k, v, out, lse, grad_out):
+    """The backward in the forward's all-gather layout: every shard's K/V gathered once while the own shard's blocks
+    run, the other shards' dK/dV accumulated in float32 in the gathered layout over the same few calls as the
+    forward's, then one reduce-scatter per region and tensor sums each shard's gradient on its owner. After the
+    gather no transfer runs beside the kernels; the reduce-scatter (float32, the whole sequence's dK/dV) runs after
+    them. Memory: the whole sequence's K/V and its float32 dK/dV."""
+    kv = [k.contiguous(), v.contiguous()]
+    arriving = ring.gather(kv)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv]
+    for block in ring.plan(0):
+        _backward_block(ring, q, kv, out, lse, grad_out, block, dq, dkv)
+    arriving.wait()
+    gathered = arriving.gathered  # (2, rows, ..., D), regions of W slots
+    dgathered = torch.zeros(gathered.shape, dtype=torch.float32, device=gathered.device)
+    keys = [gathered[i].movedim(0, -2) for i in range(2)]
+    dkeys = [dgathered[i].movedim(0, -2) for i in range(2)]
+    for block in ring.gathered_blocks():
+        _backward_block(ring, q, keys, out, lse, grad_out, block, dq, dkeys)
+    pending, homes, offset = [], [], 0
+    for (start, stop), size in zip(ring.pieces(ring.rank), ring.region_sizes()):
+        for i in range(2):
+            home = dgathered.new_empty((size, *dgathered.shape[2:]))
+            pending.append(reduce_scatter_into(dgathered[i, offset:offset + ring.world_size * size], home, ring.group))
+            homes.append((i, start, stop, home))
+        offset += ring.world_size * size
+    for work in pending:
+        work.wait()
+    for i, start, stop, home in homes:  # this rank's slot: its piece's rows, then padding
+        dkv[i][..., start:stop, :] += home[:stop - start].movedim(0, -2)
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -448,27 +491,28 @@ def _check_ranks(q, k, group, world_size: int, causal: bool, window, seqlens: li
     return seqlens
 
 
-def _ring(q, k, v, group, causal, softmax_scale, window, backend, kv_exchange, seqlens=None):
+def _ring(q, k, v, group, causal, softmax_scale, window, backend, kv_exchange, grad_exchange, seqlens=None):
     """The checks and the ring of `ring_attention` / `ring_attention_varlen` on ``(..., H, L, D)`` views; returns
     (out, lse), or None for a group of one rank (the caller runs its single-GPU function)."""
     _check_local(q, k, v, causal, softmax_scale)
     window = _check_window(causal, window)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if kv_exchange not in EXCHANGES:
-        raise ValueError(f"kv_exchange must be one of {EXCHANGES}, got {kv_exchange!r}")
+    for name, value in (("kv_exchange", kv_exchange), ("grad_exchange", grad_exchange)):
+        if value not in EXCHANGES:
+            raise ValueError(f"{name} must be one of {EXCHANGES}, got {value!r}")
     rank, world_size = group_rank_and_size(group)
     if world_size == 1:
         return None
     seqlens = _check_ranks(q, k, group, world_size, causal, window, seqlens)
     scale = float(softmax_scale) if softmax_scale is not None else default_softmax_scale(q.shape[-1])
-    ring = _Ring(group, rank, world_size, tuple(seqlens), causal, window, scale, backend, kv_exchange)
+    ring = _Ring(group, rank, world_size, tuple(seqlens), causal, window, scale, backend, kv_exchange, grad_exchange)
     return _RingAttention.apply(q, k, v, ring)
 
 
 def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale: float | None = None,
                    window: tuple[int, int] | None = None, return_lse: bool = False, backend: str = "auto",
-                   kv_exchange: str = "allgather"):
+                   kv_exchange: str = "allgather", grad_exchange: str = "ring"):
     """Exact attention over a sequence sharded zig-zag over the ranks of ``group`` (None: the default group).
 
     Args:
@@ -485,13 +529,17 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale: 
             in flight while the own shard's block runs, then a few calls over contiguous key ranges of the gathered
             buffer (memory: the whole sequence's K/V during the forward); no transfer overlaps the later kernels.
             "ring": each shard in turn around the ring, the next in flight while the current one is computed on
-            (memory: two shards). The backward always passes K/V and the float32 dK/dV around the ring.
+            (memory: two shards).
+        grad_exchange: how the backward brings K/V and returns the float32 dK/dV. "ring" (default): K/V and the
+            dK/dV sums pass around the ring, each hop beside a step's kernels (memory: two shards). "allgather": K/V
+            all-gathered during the own shard's blocks, the forward's few calls over the gathered buffer, then one
+            reduce-scatter of the float32 dK/dV (memory: the whole sequence's K/V and its float32 dK/dV).
 
     Returns ``out`` (q's shape and dtype; differentiable with respect to q, k and v), or ``(out, lse)``. The result is
     that of `flash_attention_science` on the unsharded sequence, sharded the same way; partial results are merged in
     float32 (each partial rounded once to q's dtype). A group of one rank runs the local kernel directly.
     """
-    result = _ring(q, k, v, group, causal, softmax_scale, window, backend, kv_exchange)
+    result = _ring(q, k, v, group, causal, softmax_scale, window, backend, kv_exchange, grad_exchange)
     if result is None:
         return flash_attention_science(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
                                        return_lse=return_lse, backend=backend)
@@ -500,7 +548,8 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale: 
 
 def ring_attention_varlen(q, k, v, cu_seqlens, group=None, *, causal: bool = False,
                           softmax_scale: float | None = None, window: tuple[int, int] | None = None,
-                          return_lse: bool = False, backend: str = "auto", kv_exchange: str = "allgather"):
+                          return_lse: bool = False, backend: str = "auto", kv_exchange: str = "allgather",
+                          grad_exchange: str = "ring"):
     """`ring_attention` over a batch of packed sequences of different lengths, each sharded zig-zag on its own.
 
     Args:
@@ -520,7 +569,7 @@ def ring_attention_varlen(q, k, v, cu_seqlens, group=None, *, causal: bool = Fal
             raise ValueError(f"{name} must be a packed (total, H, D) tensor, got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     result = _ring(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), group, causal, softmax_scale, window,
-                   backend, kv_exchange, seqlens)
+                   backend, kv_exchange, grad_exchange, seqlens)
     if result is None:
         from flashmoe_science.attention.varlen import flash_attention_varlen
 
