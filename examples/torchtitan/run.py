@@ -80,6 +80,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default: none)")
     parser.add_argument("--out", default="results/torchtitan")
+    parser.add_argument("--ours", default="flash",
+                        help="our job: {model}_OURS in flashmoe_jobs (default flash; flash_exchange: our "
+                        "expert-parallel exchange)")
     parser.add_argument("extra", nargs="*", help="TorchTitan flags for both runs (after --)")
     args = parser.parse_args()
     if args.gpus < 1 or args.steps < 1:
@@ -96,8 +99,9 @@ def main() -> None:
         print(f"writing {data.dataset_path}", flush=True)
         write_docstring_corpus(Path(data.dataset_path), data.max_chars)
     stem = out / f"{args.model}_{args.gpus}gpu"
-    runs = {kind: train(f"{args.model}_{kind}", args.gpus, args.steps, args.extra, Path(f"{stem}_{kind}.log"),
-                        args.timeout) for kind in ("titan", "flash")}
+    jobs = {"titan": f"{args.model}_titan", "flash": f"{args.model}_{args.ours}"}
+    runs = {kind: train(job, args.gpus, args.steps, args.extra, Path(f"{stem}_{kind}.log"), args.timeout)
+            for kind, job in jobs.items()}
     with open(f"{stem}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["kernels", "step", "loss", "grad_norm", "memory_gib", "tps",
                                                "tflops", "mfu"])
@@ -111,7 +115,7 @@ def main() -> None:
     common = min(result["titan"]["steps"], result["flash"]["steps"])
     result["loss_ratio_at_common_step"] = dict(
         step=common, ratio=runs["flash"]["rows"][common - 1]["loss"] / runs["titan"]["rows"][common - 1]["loss"])
-    result["setup"] = dict(model=args.model, gpus=args.gpus, steps=args.steps, extra=args.extra,
+    result["setup"] = dict(model=args.model, gpus=args.gpus, steps=args.steps, extra=args.extra, jobs=jobs,
                            torch=torch.__version__,
                            device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
     Path(f"{stem}.json").write_text(json.dumps(result, indent=2))

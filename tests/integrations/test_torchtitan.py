@@ -182,6 +182,10 @@ def test_flash_decoder_keywords_choose_what_is_replaced():
     assert type(_with_overrides(again, attention="auto")) is type(attention_only)
     with pytest.raises(TypeError, match="attention"):
         _with_overrides(spec, attention=1)
+    assert _with_overrides(spec, exchange="flashmoe").layers[0].moe.routed_experts.exchange == "flashmoe"
+    assert experts_only.layers[0].moe.routed_experts.exchange == "titan"
+    with pytest.raises(ValueError, match="exchange"):
+        _with_overrides(spec, exchange="p2p")
 
 
 def test_flash_decoder_refuses_a_decoder_with_masks_of_its_own():
@@ -339,6 +343,17 @@ def test_trainer_trains_the_example_job_with_ours_as_with_titans(cpu_trainer):
     assert "flash_decoder" in log
     _close(ours, titan, rtol=1e-3)  # float32 model whose experts TorchTitan rounds to bf16 (ours: float32)
     assert ours[-1]["loss"] < ours[0]["loss"]
+
+
+@pytest.mark.slow
+def test_expert_parallel_with_our_exchange_matches_fsdp_alone(cpu_trainer, monkeypatch):
+    # exchange="flashmoe": expert_parallel_experts on TorchTitan's EP group in place of its dispatcher, against FSDP
+    # over both ranks without EP (same global batch and model: the same losses and gradient norms)
+    fsdp, _ = cpu_trainer("moe_flash", 2)
+    monkeypatch.setenv("FLASHMOE_ONE_MESH_PER_UNIT", "1")
+    ours, log = cpu_trainer("moe_flash_exchange", 2, "--parallelism.expert_parallel_degree", "2")
+    assert "as their own units on the efsdp mesh" in log
+    _close(ours, fsdp, rtol=1e-3)
 
 
 @pytest.mark.slow

@@ -54,6 +54,11 @@ def moe_flash():
     return flashmoe_jobs._job(_moe(), lr=1e-3, batch=2, seq_len=128, overrides=flashmoe_jobs.FLASH)
 
 
+def moe_flash_exchange():  # under expert parallelism our exchange instead of TorchTitan's dispatcher
+    return flashmoe_jobs._job(_moe(), lr=1e-3, batch=2, seq_len=128,
+                              overrides=[(flashmoe_jobs.FLASH[0], {"exchange": "flashmoe"})])
+
+
 def llama_titan():
     return flashmoe_jobs._job(_llama(), lr=1e-3, batch=2, seq_len=128, overrides=[])
 

@@ -9,7 +9,8 @@ in a config function::
         --override.imports flashmoe_science.integrations.torchtitan.flash_decoder
 
 Its keywords (``'...flash_decoder={"experts": null}'`` on the command line) are ``attention`` and ``experts``:
-our backend for each ("auto", or a backend's name), or None to keep TorchTitan's module.
+our backend for each ("auto", or a backend's name), or None to keep TorchTitan's module; and ``exchange``, who moves
+the tokens under expert parallelism ("titan", its dispatcher, or "flashmoe", `expert_parallel_experts`).
 
 - ``attention``: :class:`FlashAttention`, the inner attention of every ``GQAttention`` layer (in place of
   ``FlexAttention`` or ``VarlenAttention``), through ``flash_attention_varlen``; and the decoder becomes its subclass
@@ -33,7 +34,9 @@ our backend for each ("auto", or a backend's name), or None to keep TorchTitan's
   ``fused_experts`` (gather, SwiGLU experts, weighted combine in our
   kernels: TorchTitan's argsort permutation and scatter-add are skipped). With expert parallelism TorchTitan's
   token dispatcher (all-to-all) still moves the tokens, and ``fused_experts`` runs the local shard of experts on
-  the rows it receives (capacity-padding rows beyond the counts are dropped).
+  the rows it receives (capacity-padding rows beyond the counts are dropped); with ``exchange="flashmoe"``
+  `expert_parallel_experts` does, on TorchTitan's EP group and the same local shard: each token travels once per
+  rank it visits instead of once per (token, expert) pair.
 
 What composes (TorchTitan's own code paths, unchanged):
 - FSDP2 (``fully_shard`` wraps the same parameters; mixed precision hands bf16 weights to our kernels, which run
@@ -53,8 +56,6 @@ Not supported:
   "sdpa"), and the Flex route shards only ``BlockMask`` masks (``cp_shard``), so per-document varlen metadata
   cannot pass through TorchTitan's input sharding either.
 - ``spmd_backend`` ``"full_dtensor"`` / ``"spmd_types"`` typechecking: our kernels are opaque to ``spmd_types``.
-- Our own ``ExpertParallelMoE`` in place of TorchTitan's dispatcher: TorchTitan owns the EP mesh and FSDP's
-  expert mesh layout; the local-shard path above keeps both.
 """
 
 from __future__ import annotations
@@ -63,19 +64,22 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torchtitan.config import derive, override
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention, VarlenMetadata
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
+from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.protocols.module import Module
 from torch.distributed.tensor import DTensor
 
 from flashmoe_science.attention.varlen import flash_attention_varlen
+from flashmoe_science.distributed import expert_parallel_experts
 from flashmoe_science.moe import fused_experts
 
 __all__ = ["FlashAttention", "FlashGroupedExperts", "FlashRoutedExperts", "dispatches_locally", "document_metadata",
-           "flash_decoder"]
+           "expert_parallel_group", "flash_decoder"]
 
 
 def _causal_and_window(window_size: tuple[int, int]) -> tuple[bool, tuple[int, int] | None]:
@@ -144,7 +148,7 @@ class FlashGroupedExperts(GroupedExperts):
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        self.backend = config.backend
+        self.backend, self.hidden_dim = config.backend, config.hidden_dim
 
     def swiglu_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``(w1, w2)`` in ``fused_experts``' layout: ``w1`` ``(E, 2F, D)`` = [gate; up], ``w2``
@@ -171,28 +175,61 @@ def dispatches_locally(dispatcher) -> bool:
     return type(dispatcher) is AllToAllTokenDispatcher and dispatcher.ep_mesh is None
 
 
+def expert_parallel_group(dispatcher):
+    """The process group of TorchTitan's expert parallelism where our exchange can stand in for its dispatcher: an
+    ``AllToAllTokenDispatcher`` with its EP mesh wired, under DTensor (not ``spmd_types``) SPMD; else None."""
+    if type(dispatcher) is AllToAllTokenDispatcher and dispatcher.ep_mesh is not None \
+            and get_spmd_backend() != "spmd_types":
+        return dispatcher.ep_mesh.get_group()
+    return None
+
+
+EXCHANGES = ("titan", "flashmoe")
+
+
 class FlashRoutedExperts(RoutedExperts):
     """TorchTitan's ``RoutedExperts`` (dispatch, experts, combine) with ``fused_experts``.
 
     Where the dispatcher would only reorder local tokens (``dispatches_locally``) the router's ``(T, K)`` scores and
     ids go to ``fused_experts`` directly: its sort, gathers and weighted combine replace TorchTitan's argsort,
     ``(T·K, D)`` gather and scatter-add, and its kernels see top-K rows per token (one ``(T·K, D)`` product per GEMM
-    instead of K=1 over pre-gathered rows). Otherwise TorchTitan's dispatcher moves the tokens and
-    :class:`FlashGroupedExperts` computes the local experts.
+    instead of K=1 over pre-gathered rows). Under expert parallelism, ``exchange`` chooses who moves the tokens:
+    "titan" (default), TorchTitan's dispatcher (one row per (token, expert) pair over its all-to-all) with
+    :class:`FlashGroupedExperts` on the local experts; "flashmoe", `expert_parallel_experts` on TorchTitan's EP group
+    and its local expert shard (each token sent once to each rank owning one of its experts, the partial sums
+    returned and combined in float32).
     """
 
     @dataclass(kw_only=True, slots=True)
     class Config(RoutedExperts.Config):
-        pass
+        exchange: str = "titan"
+        """Under expert parallelism: "titan" (TorchTitan's dispatcher) or "flashmoe" (`expert_parallel_experts`)."""
+
+    def __init__(self, config: Config) -> None:
+        if config.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {config.exchange!r}")
+        super().__init__(config)
+        self.exchange = config.exchange
 
     def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E):
-        if not dispatches_locally(self.token_dispatcher) or not isinstance(self.inner_experts, FlashGroupedExperts):
+        ours = isinstance(self.inner_experts, FlashGroupedExperts)
+        group = expert_parallel_group(self.token_dispatcher) if ours and self.exchange == "flashmoe" else None
+        if not ours or (group is None and not dispatches_locally(self.token_dispatcher)):
             return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
         B, L, D = x_BLD.shape
         K = topk_scores_BLK.shape[-1]
         w13, w2 = self.inner_experts.swiglu_weights(x_BLD.dtype)
-        out_TD = fused_experts(x_BLD.reshape(B * L, D), w13, w2, topk_scores_BLK.reshape(B * L, K),
-                               topk_expert_ids_BLK.reshape(B * L, K), backend=self.inner_experts.backend)
+        experts = self.inner_experts.num_experts
+        if group is not None and (w13.shape[1] != 2 * self.inner_experts.hidden_dim
+                                  or w13.shape[0] * dist.get_world_size(group) != experts):
+            # the experts' hidden dim is also split (expert tensor parallel): TorchTitan's path reduces over it
+            return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
+        routing = (x_BLD.reshape(B * L, D), w13, w2, topk_scores_BLK.reshape(B * L, K),
+                   topk_expert_ids_BLK.reshape(B * L, K))
+        if group is None:
+            out_TD = fused_experts(*routing, backend=self.inner_experts.backend)
+        else:
+            out_TD = expert_parallel_experts(*routing, group, num_experts=experts, backend=self.inner_experts.backend)
         return out_TD.view(B, -1, D)
 
 
@@ -263,13 +300,16 @@ def _replace(root, config_cls, make) -> None:
 
 @override(target=Decoder.Config, description="flashmoe-science attention (flash_attention_varlen, per-document "
                                              "metadata in one pass) and routed experts (fused_experts)")
-def flash_decoder(cfg: Decoder.Config, attention: str | None = "auto", experts: str | None = "auto"
-                  ) -> Decoder.Config:
+def flash_decoder(cfg: Decoder.Config, attention: str | None = "auto", experts: str | None = "auto",
+                  exchange: str = "titan") -> Decoder.Config:
     """The decoder config with our attention (and the decoder class whose masks are :func:`document_metadata`)
-    where ``attention`` names a backend, our routed experts where ``experts`` does; None keeps TorchTitan's."""
+    where ``attention`` names a backend, our routed experts where ``experts`` does; None keeps TorchTitan's.
+    ``exchange``: who moves the tokens under expert parallelism (:class:`FlashRoutedExperts`)."""
     for name, value in (("attention", attention), ("experts", experts)):
         if value is not None and not isinstance(value, str):
             raise TypeError(f"flash_decoder's {name} must be a backend name or None, got {type(value).__name__}")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"flash_decoder's exchange must be one of {EXCHANGES}, got {exchange!r}")
     model_cls = cfg._owner
     ours = model_cls.get_attention_masks is _document_masks  # the override applied before
     if attention is not None and not ours and model_cls.get_attention_masks is not Decoder.get_attention_masks:
@@ -278,7 +318,7 @@ def flash_decoder(cfg: Decoder.Config, attention: str | None = "auto", experts: 
     if experts is not None:
         def flash_experts(routed: RoutedExperts.Config) -> FlashRoutedExperts.Config:
             inner = derive(routed.inner_experts, FlashGroupedExperts.Config, backend=experts)
-            return derive(routed, FlashRoutedExperts.Config, inner_experts=inner)
+            return derive(routed, FlashRoutedExperts.Config, inner_experts=inner, exchange=exchange)
 
         _replace(cfg, RoutedExperts.Config, flash_experts)
     if attention is None:
