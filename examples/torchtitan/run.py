@@ -3,7 +3,7 @@
     PYTHONPATH=src python examples/torchtitan/run.py --model qwen3_moe --gpus 1 --steps 300
 
 Runs ``torchrun --nproc-per-node GPUS examples/torchtitan/train.py --module flashmoe_jobs --config
-{model}_{titan,flash}`` (extra TorchTitan flags after ``--``), reads TorchTitan's per-step log lines (loss, memory,
+{model}_{titan,flash}`` (``--ours flash,flash_exchange``: more of ours; extra TorchTitan flags after ``--``), reads TorchTitan's per-step log lines (loss, memory,
 tokens/s, TFLOPS, MFU of rank 0) and writes ``{out}/{model}_{gpus}gpu.csv``, ``.png`` (loss curves), ``.json``
 (final loss, mean tokens/s and MFU after the first 10% of steps, peak memory, ours over TorchTitan's, the torch and
 GPU) and each run's log. A run stopped by ``--timeout`` keeps the steps it logged (``"timed_out": true``).
@@ -81,8 +81,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default: none)")
     parser.add_argument("--out", default="results/torchtitan")
     parser.add_argument("--ours", default="flash",
-                        help="our job: {model}_OURS in flashmoe_jobs (default flash; flash_exchange: our "
-                        "expert-parallel exchange)")
+                        help="our jobs, comma-separated: {model}_NAME in flashmoe_jobs (default flash; "
+                        "flash_exchange: our expert-parallel exchange), each run after TorchTitan's")
     parser.add_argument("extra", nargs="*", help="TorchTitan flags for both runs (after --)")
     args = parser.parse_args()
     if args.gpus < 1 or args.steps < 1:
@@ -99,7 +99,8 @@ def main() -> None:
         print(f"writing {data.dataset_path}", flush=True)
         write_docstring_corpus(Path(data.dataset_path), data.max_chars)
     stem = out / f"{args.model}_{args.gpus}gpu"
-    jobs = {"titan": f"{args.model}_titan", "flash": f"{args.model}_{args.ours}"}
+    ours = args.ours.split(",")
+    jobs = {"titan": f"{args.model}_titan", **{kind: f"{args.model}_{kind}" for kind in ours}}
     runs = {kind: train(job, args.gpus, args.steps, args.extra, Path(f"{stem}_{kind}.log"), args.timeout)
             for kind, job in jobs.items()}
     with open(f"{stem}.csv", "w", newline="") as f:
@@ -111,10 +112,13 @@ def main() -> None:
     import torch
 
     result = {kind: summary(run) for kind, run in runs.items()}
-    result["speedup_tokens_per_s"] = result["flash"]["tokens_per_s"] / result["titan"]["tokens_per_s"]
-    common = min(result["titan"]["steps"], result["flash"]["steps"])
-    result["loss_ratio_at_common_step"] = dict(
-        step=common, ratio=runs["flash"]["rows"][common - 1]["loss"] / runs["titan"]["rows"][common - 1]["loss"])
+    for kind in ours:  # the first of ours under the keys a single comparison has always had
+        common = min(result["titan"]["steps"], result[kind]["steps"])
+        keys = ("speedup_tokens_per_s", "loss_ratio_at_common_step") if kind == ours[0] else \
+            (f"{kind}_speedup_tokens_per_s", f"{kind}_loss_ratio_at_common_step")
+        result[keys[0]] = result[kind]["tokens_per_s"] / result["titan"]["tokens_per_s"]
+        result[keys[1]] = dict(step=common, ratio=runs[kind]["rows"][common - 1]["loss"]
+                               / runs["titan"]["rows"][common - 1]["loss"])
     result["setup"] = dict(model=args.model, gpus=args.gpus, steps=args.steps, extra=args.extra, jobs=jobs,
                            torch=torch.__version__,
                            device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
