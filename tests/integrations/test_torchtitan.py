@@ -346,22 +346,13 @@ def test_trainer_trains_the_example_job_with_ours_as_with_titans(cpu_trainer):
 
 
 @pytest.mark.slow
-def test_expert_parallel_with_our_exchange_matches_fsdp_alone(cpu_trainer, monkeypatch):
-    # exchange="flashmoe": expert_parallel_experts on TorchTitan's EP group in place of its dispatcher, against FSDP
-    # over both ranks without EP (same global batch and model: the same losses and gradient norms)
-    fsdp, _ = cpu_trainer("moe_flash", 2)
-    monkeypatch.setenv("FLASHMOE_ONE_MESH_PER_UNIT", "1")
-    ours, log = cpu_trainer("moe_flash_exchange", 2, "--parallelism.expert_parallel_degree", "2")
-    assert "as their own units on the efsdp mesh" in log
-    _close(ours, fsdp, rtol=1e-3)
-
-
-@pytest.mark.slow
 def test_fsdp_and_expert_parallel_with_one_mesh_per_unit_matches_fsdp_alone(cpu_trainer, monkeypatch):
-    # torch_compat's FSDP2 + EP wrapping (routed experts as their own FSDP units) against FSDP over both ranks
-    # without EP: same global batch, same model, so the same losses and gradient norms
+    # torch_compat's FSDP2 + EP wrapping (routed experts as their own FSDP units), with TorchTitan's dispatcher
+    # (moe_flash) and with our exchange (moe_flash_exchange: expert_parallel_experts on its EP group), against FSDP
+    # over both ranks without EP: same global batch, same model, so the same losses and gradient norms
     fsdp, _ = cpu_trainer("moe_flash", 2)
     monkeypatch.setenv("FLASHMOE_ONE_MESH_PER_UNIT", "1")
-    expert_parallel, log = cpu_trainer("moe_flash", 2, "--parallelism.expert_parallel_degree", "2")
-    assert "as their own units on the efsdp mesh" in log
-    _close(expert_parallel, fsdp, rtol=1e-3)  # gradients summed in another order, through two Adam steps
+    for job in ("moe_flash", "moe_flash_exchange"):
+        expert_parallel, log = cpu_trainer(job, 2, "--parallelism.expert_parallel_degree", "2")
+        assert "as their own units on the efsdp mesh" in log
+        _close(expert_parallel, fsdp, rtol=1e-3)  # gradients summed in another order, through two Adam steps
