@@ -211,25 +211,34 @@ class FlashRoutedExperts(RoutedExperts):
         super().__init__(config)
         self.exchange = config.exchange
 
+    def _exchange_group(self):
+        """TorchTitan's EP group where our exchange moves the tokens; None under "titan", without expert
+        parallelism, or where the experts' hidden dim is also split (expert tensor parallel: TorchTitan's path
+        reduces over it)."""
+        group = expert_parallel_group(self.token_dispatcher) if self.exchange == "flashmoe" else None
+        if group is None:
+            return None
+        experts = self.inner_experts
+        local_experts, hidden, _ = _local(experts.w1_EFD).shape
+        if hidden != experts.hidden_dim or local_experts * dist.get_world_size(group) != experts.num_experts:
+            return None
+        return group
+
     def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E):
         ours = isinstance(self.inner_experts, FlashGroupedExperts)
-        group = expert_parallel_group(self.token_dispatcher) if ours and self.exchange == "flashmoe" else None
+        group = self._exchange_group() if ours else None
         if not ours or (group is None and not dispatches_locally(self.token_dispatcher)):
             return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
         B, L, D = x_BLD.shape
         K = topk_scores_BLK.shape[-1]
         w13, w2 = self.inner_experts.swiglu_weights(x_BLD.dtype)
-        experts = self.inner_experts.num_experts
-        if group is not None and (w13.shape[1] != 2 * self.inner_experts.hidden_dim
-                                  or w13.shape[0] * dist.get_world_size(group) != experts):
-            # the experts' hidden dim is also split (expert tensor parallel): TorchTitan's path reduces over it
-            return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
         routing = (x_BLD.reshape(B * L, D), w13, w2, topk_scores_BLK.reshape(B * L, K),
                    topk_expert_ids_BLK.reshape(B * L, K))
         if group is None:
             out_TD = fused_experts(*routing, backend=self.inner_experts.backend)
         else:
-            out_TD = expert_parallel_experts(*routing, group, num_experts=experts, backend=self.inner_experts.backend)
+            out_TD = expert_parallel_experts(*routing, group, num_experts=self.inner_experts.num_experts,
+                                             backend=self.inner_experts.backend)
         return out_TD.view(B, -1, D)
 
 
