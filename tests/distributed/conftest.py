@@ -2,14 +2,14 @@ import functools
 
 import pytest
 
-from all_cases import CASES
+from all_cases import cases_for
 from dist_spawn import run_cases
 
 
 @functools.lru_cache(maxsize=None)
 def _results(world_size: int, backend: str, device: str) -> dict:
     # every case of one setting in one spawn: ring attention and expert-parallel MoE share the start-up cost
-    return run_cases(CASES, world_size, backend, device)
+    return run_cases(cases_for(device), world_size, backend, device)
 
 
 @pytest.fixture

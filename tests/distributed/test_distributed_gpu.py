@@ -10,10 +10,9 @@
 import pytest
 import torch
 
-from all_cases import CASES as ALL_CASES
+from all_cases import GPU_CASES as CASES
 
 pytestmark = pytest.mark.gpu
-CASES = [name for name in ALL_CASES if not name.startswith("bench_cases.")]  # the bench runs its own GPU sizes
 
 
 @pytest.mark.parametrize("case", CASES)
