@@ -81,6 +81,6 @@ def qwen3_moe_flash() -> Trainer.Config:
     return _job(_qwen3_moe_1b(), lr=4e-4, batch=4, seq_len=4096, overrides=FLASH)
 
 
-def qwen3_moe_flash_exchange() -> Trainer.Config:
-    """Ours with our expert-parallel exchange (flash_decoder's exchange="flashmoe") under expert parallelism."""
-    return _job(_qwen3_moe_1b(), lr=4e-4, batch=4, seq_len=4096, overrides=[(FLASH[0], {"exchange": "flashmoe"})])
+def qwen3_moe_flash_titan_dispatch() -> Trainer.Config:
+    """Our kernels behind TorchTitan's token dispatcher (flash_decoder's exchange="titan") under expert parallelism."""
+    return _job(_qwen3_moe_1b(), lr=4e-4, batch=4, seq_len=4096, overrides=[(FLASH[0], {"exchange": "titan"})])

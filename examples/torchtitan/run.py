@@ -3,7 +3,8 @@
     PYTHONPATH=src python examples/torchtitan/run.py --model qwen3_moe --gpus 1 --steps 300
 
 Runs ``torchrun --nproc-per-node GPUS examples/torchtitan/train.py --module flashmoe_jobs --config
-{model}_{titan,flash}`` (``--ours flash,flash_exchange``: more of ours; extra TorchTitan flags after ``--``), reads TorchTitan's per-step log lines (loss, memory,
+{model}_{titan,flash}`` (``--ours flash,flash_titan_dispatch``: more of ours; extra TorchTitan flags after ``--``),
+reads TorchTitan's per-step log lines (loss, memory,
 tokens/s, TFLOPS, MFU of rank 0) and writes ``{out}/{model}_{gpus}gpu.csv``, ``.png`` (loss curves), ``.json``
 (final loss, mean tokens/s and MFU after the first 10% of steps, peak memory, ours over TorchTitan's, the torch and
 GPU) and each run's log. A run stopped by ``--timeout`` keeps the steps it logged (``"timed_out": true``).
@@ -82,7 +83,7 @@ def main() -> None:
     parser.add_argument("--out", default="results/torchtitan")
     parser.add_argument("--ours", default="flash",
                         help="our jobs, comma-separated: {model}_NAME in flashmoe_jobs (default flash; "
-                        "flash_exchange: our expert-parallel exchange), each run after TorchTitan's")
+                        "flash_titan_dispatch: our kernels behind TorchTitan's EP dispatcher), each run after TorchTitan's")
     parser.add_argument("extra", nargs="*", help="TorchTitan flags for both runs (after --)")
     args = parser.parse_args()
     if args.gpus < 1 or args.steps < 1:

@@ -182,8 +182,8 @@ def test_flash_decoder_keywords_choose_what_is_replaced():
     assert type(_with_overrides(again, attention="auto")) is type(attention_only)
     with pytest.raises(TypeError, match="attention"):
         _with_overrides(spec, attention=1)
-    assert _with_overrides(spec, exchange="flashmoe").layers[0].moe.routed_experts.exchange == "flashmoe"
-    assert experts_only.layers[0].moe.routed_experts.exchange == "titan"
+    assert _with_overrides(spec, exchange="titan").layers[0].moe.routed_experts.exchange == "titan"
+    assert experts_only.layers[0].moe.routed_experts.exchange == "flashmoe"
     with pytest.raises(ValueError, match="exchange"):
         _with_overrides(spec, exchange="p2p")
 
@@ -347,12 +347,12 @@ def test_trainer_trains_the_example_job_with_ours_as_with_titans(cpu_trainer):
 
 @pytest.mark.slow
 def test_fsdp_and_expert_parallel_with_one_mesh_per_unit_matches_fsdp_alone(cpu_trainer, monkeypatch):
-    # torch_compat's FSDP2 + EP wrapping (routed experts as their own FSDP units), with TorchTitan's dispatcher
-    # (moe_flash) and with our exchange (moe_flash_exchange: expert_parallel_experts on its EP group), against FSDP
+    # torch_compat's FSDP2 + EP wrapping (routed experts as their own FSDP units), with our exchange (moe_flash:
+    # expert_parallel_experts on its EP group) and with TorchTitan's dispatcher (moe_flash_titan_dispatch), against FSDP
     # over both ranks without EP: same global batch, same model, so the same losses and gradient norms
     fsdp, _ = cpu_trainer("moe_flash", 2)
     monkeypatch.setenv("FLASHMOE_ONE_MESH_PER_UNIT", "1")
-    for job in ("moe_flash", "moe_flash_exchange"):
+    for job in ("moe_flash", "moe_flash_titan_dispatch"):
         expert_parallel, log = cpu_trainer(job, 2, "--parallelism.expert_parallel_degree", "2")
         assert "as their own units on the efsdp mesh" in log
         _close(expert_parallel, fsdp, rtol=1e-3)  # gradients summed in another order, through two Adam steps

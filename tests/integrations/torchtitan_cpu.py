@@ -54,9 +54,9 @@ def moe_flash():
     return flashmoe_jobs._job(_moe(), lr=1e-3, batch=2, seq_len=128, overrides=flashmoe_jobs.FLASH)
 
 
-def moe_flash_exchange():  # under expert parallelism our exchange instead of TorchTitan's dispatcher
+def moe_flash_titan_dispatch():  # under expert parallelism TorchTitan's dispatcher instead of our exchange
     return flashmoe_jobs._job(_moe(), lr=1e-3, batch=2, seq_len=128,
-                              overrides=[(flashmoe_jobs.FLASH[0], {"exchange": "flashmoe"})])
+                              overrides=[(flashmoe_jobs.FLASH[0], {"exchange": "titan"})])
 
 
 def llama_titan():

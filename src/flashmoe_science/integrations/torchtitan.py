@@ -194,16 +194,17 @@ class FlashRoutedExperts(RoutedExperts):
     ids go to ``fused_experts`` directly: its sort, gathers and weighted combine replace TorchTitan's argsort,
     ``(T·K, D)`` gather and scatter-add, and its kernels see top-K rows per token (one ``(T·K, D)`` product per GEMM
     instead of K=1 over pre-gathered rows). Under expert parallelism, ``exchange`` chooses who moves the tokens:
-    "titan" (default), TorchTitan's dispatcher (one row per (token, expert) pair over its all-to-all) with
-    :class:`FlashGroupedExperts` on the local experts; "flashmoe", `expert_parallel_experts` on TorchTitan's EP group
-    and its local expert shard (each token sent once to each rank owning one of its experts, the partial sums
-    returned and combined in float32).
+    "flashmoe" (default), `expert_parallel_experts` on TorchTitan's EP group and its local expert shard (each token
+    sent once to each rank owning one of its experts, the partial sums returned and combined in float32); "titan",
+    TorchTitan's dispatcher (one row per (token, expert) pair over its all-to-all) with :class:`FlashGroupedExperts`
+    on the local experts. Measured side by side on 4 H100s (FSDP2 + EP 4, the Qwen3-MoE job of
+    examples/torchtitan): "flashmoe" 41.7k tokens/s per GPU at 29 GiB against "titan" 37.5k at 52 GiB.
     """
 
     @dataclass(kw_only=True, slots=True)
     class Config(RoutedExperts.Config):
-        exchange: str = "titan"
-        """Under expert parallelism: "titan" (TorchTitan's dispatcher) or "flashmoe" (`expert_parallel_experts`)."""
+        exchange: str = "flashmoe"
+        """Under expert parallelism: "flashmoe" (`expert_parallel_experts`) or "titan" (TorchTitan's dispatcher)."""
 
     def __init__(self, config: Config) -> None:
         if config.exchange not in EXCHANGES:
@@ -310,7 +311,7 @@ def _replace(root, config_cls, make) -> None:
 @override(target=Decoder.Config, description="flashmoe-science attention (flash_attention_varlen, per-document "
                                              "metadata in one pass) and routed experts (fused_experts)")
 def flash_decoder(cfg: Decoder.Config, attention: str | None = "auto", experts: str | None = "auto",
-                  exchange: str = "titan") -> Decoder.Config:
+                  exchange: str = "flashmoe") -> Decoder.Config:
     """The decoder config with our attention (and the decoder class whose masks are :func:`document_metadata`)
     where ``attention`` names a backend, our routed experts where ``experts`` does; None keeps TorchTitan's.
     ``exchange``: who moves the tokens under expert parallelism (:class:`FlashRoutedExperts`)."""
