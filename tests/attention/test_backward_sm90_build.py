@@ -208,8 +208,8 @@ def test_features_build_for_sm90(case):
 
 def test_feature_args_run_plain_calls_as_causal_without_window_flags():
     """Dense and causal-only masks (including the window (-1, 0)) run as CAUSAL with no MASK_* flag (the constant
-    window's bounds, mask.key_tile_bounds); other windows set MASK_LEFT/MASK_RIGHT; varlen passes the maxima and one
-    entry per sequence."""
+    window's bounds, mask.key_tile_bounds); other windows set MASK_LEFT/MASK_RIGHT; varlen passes the packed totals
+    (not the batch's longest lengths, which change per batch) and one entry per sequence."""
     from flashmoe_science.attention.hopper.bwd_common import feature_args, offline_features
 
     q = torch.empty(2, 4, 300, 64, device="meta")
@@ -223,7 +223,7 @@ def test_feature_args_run_plain_calls_as_causal_without_window_flags():
         assert (programs, lq, lk) == (2 * 2, 300, 200) and args[:5] == (None,) * 5  # 2 batches x 2 key blocks
     args, flags, (programs, lq, lk, qk_scale) = feature_args(offline_features(varlen=True, alibi=True, softcap=2.0),
                                                              0.125, q, k, 128)
-    assert flags["VARLEN"] and flags["ALIBI"] and flags["SOFTCAP"] and (lq, lk) == (256, 256)
+    assert flags["VARLEN"] and flags["ALIBI"] and flags["SOFTCAP"] and (lq, lk) == (300, 200)
     # 2 packed sequences, 200 key rows, the longest 256: at most min(2 x 2, cdiv(200, 128) + 2) key blocks
     assert programs == 4 and args[4] == 2 and args[3] is not None  # num_seqs, the work list
     assert args[6] == 300 and qk_scale == pytest.approx(2.0 * 1.4426950408889634)  # lse rows; c·log2(e)

@@ -28,6 +28,12 @@ import triton.language as tl
 
 from flashmoe_science.prepared_cache import TensorMemo
 
+# The kernel arguments that change with every packed batch: the persistent kernels take them unspecialised
+# (`do_not_specialize`). Triton otherwise specialises an integer argument on divisibility by 16 (and on 1), so the
+# first batch of each class compiled the kernels again: a multi-second step in a training run. The longest lengths
+# change per batch too; those kernels take the packed totals in their place (hopper.bwd_common.feature_args).
+PER_BATCH_ARGS = ("num_seqs",)
+
 
 def launch_sizes(q: torch.Tensor, k: torch.Tensor, varlen) -> tuple[int, int, int]:
     """(sequences, seqlen_q, seqlen_k) of a launch over 4-D q, k: the batch and the tensors' lengths, or for a packed

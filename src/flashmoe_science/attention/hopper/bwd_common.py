@@ -293,14 +293,16 @@ def feature_args(features, softmax_scale: float, q, k, work_rows: int, over_quer
                  ) -> tuple[tuple, dict, tuple]:
     """What the three sm_90 backward kernels take for a call's features: (their trailing arguments `Slopes,
     CuSeqlensQ, CuSeqlensK, WorkTiles, num_seqs, stride_slopes, lse_rows, window_left, window_right,
-    softcap_scale`, their feature constexprs, (programs per head, seqlen_q, seqlen_k, qk_scale) for the grid and
-    the scale argument). `work_rows`: the key rows of a CTA (over_queries: the query rows) that its grid counts.
+    softcap_scale`, their feature constexprs, (programs per head for the grid, the kernels' seqlen_q and seqlen_k
+    arguments, qk_scale)). `work_rows`: the key rows of a CTA (over_queries: the query rows) that its grid counts.
 
     Dense and causal-only masks run as CAUSAL with no MASK_* flag (a constant window: mask.key_tile_bounds and
     `_query_tile_bounds`, fewer instructions than the general bounds with a runtime window). Any other window sets
     MASK_LEFT/MASK_RIGHT from mask.kernel_args. Varlen: the grid runs over the real tiles only (seqlen.work_list
-    of cu_seqlens_k, or of cu_seqlens_q over_queries; seqlen_q/k are the maxima, each sequence's lengths come from
-    cu_seqlens)."""
+    of cu_seqlens_k, or of cu_seqlens_q over_queries; each sequence's lengths come from cu_seqlens).
+
+    A packed batch's kernels take the packed totals as seqlen_q/k, which they never read (sequence_coords replaces
+    them), rather than the longest lengths, which change with every batch (seqlen.PER_BATCH_ARGS says why)."""
     features = as_features(features)
     mask = features.mask
     scalars = mask.kernel_args(softmax_scale)
@@ -318,6 +320,7 @@ def feature_args(features, softmax_scale: float, q, k, work_rows: int, over_quer
         work_tiles = work_list(cu_q if over_queries else cu_k, work_rows)
         total, longest = (q.shape[2], seqlen_q) if over_queries else (k.shape[2], seqlen_k)
         programs = work_items_bound(num_seqs, total, longest, work_rows)
+        seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     args = (slopes, cu_q, cu_k, work_tiles, num_seqs_arg, 0 if slopes is None else slopes.stride(0), q.shape[2],
             scalars["window_left"], scalars["window_right"], scalars["softcap_scale"])
     constexprs = dict(CAUSAL=causal_only, MASK_LEFT=scalars["MASK_LEFT"],

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from flashmoe_science.gluon.compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from flashmoe_science.attention.seqlen import sequence_coords, tile_of_work
+from flashmoe_science.attention.seqlen import PER_BATCH_ARGS, sequence_coords, tile_of_work
 from flashmoe_science.attention.hopper.bwd_common import (
     _mask_score_start,
     _past_work,
@@ -215,7 +215,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, qdo_ready, k_ready, v_ready, k_em
     gl.store(ptrs, (dq * sm_scale).to(dtype), mask=mask)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=PER_BATCH_ARGS)
 def attention_backward_dq_sm90_kernel(
     q_desc, do_desc, k_desc, v_desc, LSE, Delta, DQ, stride_dqb, stride_dqh, stride_dqm,
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,

@@ -118,7 +118,7 @@ from flashmoe_science.attention.hopper.common import descriptor
 from flashmoe_science.attention.layout import bias_tma_view, needs_64bit_rows
 from flashmoe_science.attention.seqlen import work_list
 from flashmoe_science.attention.mask import LOG2_E
-from flashmoe_science.attention.seqlen import sequence_coords
+from flashmoe_science.attention.seqlen import PER_BATCH_ARGS, sequence_coords
 from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.gluon.sm90 import (CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS,
                                             column_halves, release_counter_after_bulk, wait_counter, wgmma_layout)
@@ -322,7 +322,7 @@ def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Semaphores, start_n, batch, 
     tma.store_wait(0)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=PER_BATCH_ARGS)
 def attention_backward_sm90_kernel(
     q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, Delta, DK, DV, Semaphores,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,

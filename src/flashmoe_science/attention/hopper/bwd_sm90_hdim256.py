@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from flashmoe_science.attention.mask import LOG2_E
-from flashmoe_science.attention.seqlen import sequence_coords
+from flashmoe_science.attention.seqlen import PER_BATCH_ARGS, sequence_coords
 from flashmoe_science.attention.hopper.bwd_common import (
     TWO_KERNEL_BLOCK_D,
     _cta_key_block,
@@ -170,7 +170,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_ready, q_read
         gl.store(dv_base + key_rows * stride_dvn + gl.expand_dims(d_idx, 1), dv_j.to(dtype), mask=mask)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=PER_BATCH_ARGS)
 def attention_backward_sm90_hdim256_kernel(
     q_desc, do_desc, k_desc, v_desc, LSE, Delta, DK, DV,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,

@@ -46,7 +46,7 @@ from flashmoe_science.attention.features import bias_strides
 from flashmoe_science.attention.layout import bias_tma_view, tma_compatible
 from flashmoe_science.attention.mask import (LN_2, LOG2_E, MaskSpec, key_tile_bounds, key_tile_range, score_to_log2,
                                              visible)
-from flashmoe_science.attention.seqlen import VarlenBatch
+from flashmoe_science.attention.seqlen import PER_BATCH_ARGS, VarlenBatch
 from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.gluon.compat import (fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma,
                                            warpgroup_mma_wait)
@@ -624,7 +624,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                   VARLEN, ALIBI_LINEAR, FP8, s_rows, o_layout)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=PER_BATCH_ARGS)
 def attention_forward_sm90_kernel(
     q_desc, k_desc, v_desc, o_desc, LSE,
     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, num_m_tiles, num_work,

@@ -1,0 +1,39 @@
+"""A packed batch's persistent sm_90 kernels compile once whatever the batch: no argument that changes from one
+batch to the next is one Triton specialises on (divisibility by 16, equality to 1). No GPU needed: the arguments
+are what the launches would pass, over meta tensors."""
+
+import pytest
+import torch
+
+from flashmoe_science.attention.features import CallFeatures, Varlen
+from flashmoe_science.attention.hopper import bwd_common, bwd_dq_sm90, bwd_sm90, bwd_sm90_hdim256, fwd_sm90
+from flashmoe_science.attention.mask import make_mask
+from flashmoe_science.attention.seqlen import PER_BATCH_ARGS
+
+KERNELS = [fwd_sm90.attention_forward_sm90_kernel, bwd_sm90.attention_backward_sm90_kernel,
+           bwd_dq_sm90.attention_backward_dq_sm90_kernel, bwd_sm90_hdim256.attention_backward_sm90_hdim256_kernel]
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.fn.__name__)
+def test_per_batch_arguments_are_unspecialised(kernel):
+    assert set(PER_BATCH_ARGS) <= set(kernel.arg_names)
+    assert set(PER_BATCH_ARGS) <= set(kernel.do_not_specialize)
+
+
+@pytest.mark.parametrize("over_queries", [False, True])
+def test_backward_kernels_take_the_packed_totals_not_the_longest_lengths(over_queries):
+    q = torch.empty(1, 4, 1000, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 2, 1200, 128, dtype=torch.bfloat16, device="meta")
+    seen = set()
+    for num_seqs, longest_q, longest_k in ((3, 400, 500), (16, 64, 80), (7, 1000, 1200)):
+        cu_q = torch.empty(num_seqs + 1, dtype=torch.int32, device="meta")
+        cu_k = torch.empty(num_seqs + 1, dtype=torch.int32, device="meta")
+        features = CallFeatures(mask=make_mask(True, None, None), alibi_slopes=None, attn_bias=None,
+                                varlen=Varlen(cu_q, cu_k, longest_q, longest_k))
+        tail, _, (programs, seqlen_q, seqlen_k, _) = bwd_common.feature_args(features, 0.1, q, k, 128, over_queries)
+        assert (seqlen_q, seqlen_k) == (1000, 1200)
+        assert tail[4] == num_seqs  # num_seqs: unspecialised by the kernels
+        longest = longest_q if over_queries else longest_k
+        assert programs >= -(-longest // 128)  # the grid still covers the longest sequence's tiles
+        seen.add((seqlen_q, seqlen_k))
+    assert len(seen) == 1
