@@ -37,3 +37,21 @@ def test_backward_kernels_take_the_packed_totals_not_the_longest_lengths(over_qu
         assert programs >= -(-longest // 128)  # the grid still covers the longest sequence's tiles
         seen.add((seqlen_q, seqlen_k))
     assert len(seen) == 1
+
+
+def test_triton_forward_takes_the_packed_totals_and_sizes_its_grid_by_the_longest():
+    from flashmoe_science.attention import triton_fwd
+    from flashmoe_science.attention.tiles import AttentionTiles
+
+    q = torch.empty(1, 4, 1000, 64, dtype=torch.float16, device="meta")
+    k = v = torch.empty(1, 2, 1200, 64, dtype=torch.float16, device="meta")
+    out, lse = torch.empty_like(q), torch.empty(4, 1000, device="meta")
+    tiles = AttentionTiles(64, 64, 4, 2)
+    for num_seqs, longest_q, longest_k in ((3, 400, 500), (16, 64, 80)):
+        cu = torch.empty(num_seqs + 1, dtype=torch.int32, device="meta")
+        features = CallFeatures(mask=make_mask(True, None, None), alibi_slopes=None, attn_bias=None,
+                                varlen=Varlen(cu, cu, longest_q, longest_k))
+        common, strides = triton_fwd._scalar_args(q, k, v, out, features, 0.1, tiles)
+        grid, bound, _ = triton_fwd._launch(q, k, v, out, lse, features, tiles, common, strides)
+        assert (bound["seqlen_q"], bound["seqlen_k"]) == (1000, 1200)
+        assert grid == (-(-longest_q // 64), num_seqs * 4)

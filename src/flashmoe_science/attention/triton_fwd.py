@@ -201,10 +201,12 @@ def attention_forward(
 def _scalar_args(q, k, v, out, features: CallFeatures, softmax_scale, tiles: AttentionTiles) -> tuple[dict, tuple]:
     """The kernel's scalars and constexprs (but the tile shape) by name, and its strides in order."""
     num_q_heads = q.shape[1]
-    _, seqlen_q, seqlen_k = launch_sizes(q, k, features.varlen)
     scalars, feature_strides = feature_args(q, k, features, softmax_scale)
+    # the tensors' lengths: a packed batch's kernel reads each sequence's own from cu_seqlens (sequence_bounds), and
+    # its longest lengths, which change per batch, would be specialised on (seqlen.PER_BATCH_ARGS); the grid is
+    # sized by them instead (_launch)
     common = dict(
-        num_q_heads=num_q_heads, group_size=num_q_heads // k.shape[1], seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        num_q_heads=num_q_heads, group_size=num_q_heads // k.shape[1], seqlen_q=q.shape[2], seqlen_k=k.shape[2],
         lse_rows=q.shape[2], **scalars, HEAD_DIM=q.shape[3], BLOCK_D=padded_head_dim(q.shape[3]),
         USE_TMA=tiles.use_tma,  # the caller checked tma_compatible(q, k, v, out) when it chose TMA
         ROW64=needs_64bit_rows(q, k, v, out),
@@ -228,7 +230,8 @@ def _launch(q, k, v, out, lse, features: CallFeatures, tiles: AttentionTiles, co
                                features)
     bound = dict(zip(_attention_forward_kernel.arg_names, (*tensor_args, *strides)), **common,
                  BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **dot_precision(q))
-    grid = (triton.cdiv(common["seqlen_q"], tiles.block_m), launch_sizes(q, k, features.varlen)[0] * q.shape[1])
+    num_seqs, longest_q, _ = launch_sizes(q, k, features.varlen)
+    grid = (triton.cdiv(longest_q, tiles.block_m), num_seqs * q.shape[1])
     return grid, bound, dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
