@@ -4,10 +4,10 @@
 
 Runs ``torchrun --nproc-per-node GPUS examples/torchtitan/train.py --module flashmoe_jobs --config
 {model}_{titan,flash}`` (``--ours flash,flash_titan_dispatch``: more of ours; extra TorchTitan flags after ``--``),
-reads TorchTitan's per-step log lines (loss, memory,
-tokens/s, TFLOPS, MFU of rank 0) and writes ``{out}/{model}_{gpus}gpu.csv``, ``.png`` (loss curves), ``.json``
-(final loss, mean tokens/s and MFU after the first 10% of steps, peak memory, ours over TorchTitan's, the torch and
-GPU) and each run's log. A run stopped by ``--timeout`` keeps the steps it logged (``"timed_out": true``).
+reads TorchTitan's per-step log lines (loss, memory, tokens/s, TFLOPS, MFU of rank 0) and writes
+``{out}/{model}_{gpus}gpu.csv``, ``.png`` (loss curves), ``.json`` (final loss, mean tokens/s and MFU after the first
+10% of steps, peak memory, ours over TorchTitan's, the torch and GPU) and each run's log. A run stopped by
+``--timeout`` keeps the steps it logged (``"timed_out": true``).
 """
 
 from __future__ import annotations

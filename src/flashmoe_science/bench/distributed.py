@@ -4,7 +4,8 @@ Under ``torchrun --nproc-per-node N`` (N > 1; NCCL on GPUs, gloo on CPUs), `run_
 
 - ``ring-attention``: `ring_attention` over the zig-zag sharded sequence (B=1, H=8, D=128, causal, bf16) at 128k to
   1M tokens, forward and forward+backward, each ``kv_exchange`` ("flashmoe-ring/allgather", "flashmoe-ring/ring";
-  forward+backward also with ``grad_exchange="allgather"``, "flashmoe-ring/allgather+grad-allgather"), against `flash_attention_science` on the whole sequence on one GPU. ``efficiency = ms_1gpu / (N · ms)``: tokens/s
+  forward+backward also with ``grad_exchange="allgather"``, "flashmoe-ring/allgather+grad-allgather"), against
+  `flash_attention_science` on the whole sequence on one GPU. ``efficiency = ms_1gpu / (N · ms)``: tokens/s
   on N GPUs over N times tokens/s on one (1.0 = perfect scaling). PyTorch's ``context_parallel`` SDPA runs in the
   same pass where this torch has it (``backend`` "torch-cp"; ours carry ``speed_vs_torch_cp``).
 - On GPUs every record of ours also carries what a ``torch.profiler`` trace of one call shows: ``comm_ms`` (NCCL

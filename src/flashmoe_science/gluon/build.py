@@ -13,7 +13,8 @@ from flashmoe_science.gluon.compat import on_tuned_triton
 def compile_offline(fn, args, constexprs: dict, *, arch: int, options: dict):
     """``triton.compile`` of the Gluon kernel ``fn`` for CUDA compute capability ``arch`` (90 for sm_90) without a
     GPU (meta tensors are enough), specialised as the JIT would specialise these arguments (16-byte aligned pointers,
-    integers divisible by 16 unless ``do_not_specialize`` names them) and launched with ``options`` (num_warps, maxnreg, ...); returns the CompiledKernel."""
+    integers divisible by 16 unless ``do_not_specialize`` names them) and launched with ``options`` (num_warps,
+    maxnreg, ...); returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type

@@ -10,7 +10,7 @@ in a config function::
 
 Its keywords (``'...flash_decoder={"experts": null}'`` on the command line) are ``attention`` and ``experts``:
 our backend for each ("auto", or a backend's name), or None to keep TorchTitan's module; and ``exchange``, who moves
-the tokens under expert parallelism ("titan", its dispatcher, or "flashmoe", `expert_parallel_experts`).
+the tokens under expert parallelism ("flashmoe", the default: `expert_parallel_experts`; or "titan", its dispatcher).
 
 - ``attention``: :class:`FlashAttention`, the inner attention of every ``GQAttention`` layer (in place of
   ``FlexAttention`` or ``VarlenAttention``), through ``flash_attention_varlen``; and the decoder becomes its subclass
@@ -32,11 +32,11 @@ the tokens under expert parallelism ("titan", its dispatcher, or "flashmoe", `ex
   or the ``AllToAllTokenDispatcher`` that TorchTitan's configs build by default, before an EP mesh is wired into it:
   it then falls back to the local reorder) the layer hands the router's ``(T, K)`` choices straight to
   ``fused_experts`` (gather, SwiGLU experts, weighted combine in our
-  kernels: TorchTitan's argsort permutation and scatter-add are skipped). With expert parallelism TorchTitan's
-  token dispatcher (all-to-all) still moves the tokens, and ``fused_experts`` runs the local shard of experts on
-  the rows it receives (capacity-padding rows beyond the counts are dropped); with ``exchange="flashmoe"``
-  `expert_parallel_experts` does, on TorchTitan's EP group and the same local shard: each token travels once per
-  rank it visits instead of once per (token, expert) pair.
+  kernels: TorchTitan's argsort permutation and scatter-add are skipped). With expert parallelism
+  `expert_parallel_experts` moves the tokens on TorchTitan's EP group and runs its local shard of experts: each
+  token travels once per rank it visits instead of once per (token, expert) pair. With ``exchange="titan"`` (and
+  where the experts' hidden dim is also split) TorchTitan's token dispatcher moves them, and ``fused_experts`` runs
+  the local shard on the rows it receives (capacity-padding rows beyond the counts are dropped).
 
 What composes (TorchTitan's own code paths, unchanged):
 - FSDP2 (``fully_shard`` wraps the same parameters; mixed precision hands bf16 weights to our kernels, which run

@@ -311,22 +311,21 @@ def feature_args(features, softmax_scale: float, q, k, work_rows: int, over_quer
     if slopes is not None and slopes.stride(-1) != 1:
         slopes = slopes.contiguous()  # (B, Hq) float32: a few bytes
     varlen = features.varlen
-    num_seqs, seqlen_q, seqlen_k = launch_sizes(q, k, varlen)
+    num_seqs, longest_q, longest_k = launch_sizes(q, k, varlen)
+    total, longest = (q.shape[2], longest_q) if over_queries else (k.shape[2], longest_k)
     if varlen is None:
         cu_q = cu_k = work_tiles = num_seqs_arg = None
-        programs = num_seqs * triton.cdiv(seqlen_q if over_queries else seqlen_k, work_rows)
+        programs = num_seqs * triton.cdiv(longest, work_rows)
     else:
         cu_q, cu_k, num_seqs_arg = varlen.cu_seqlens_q, varlen.cu_seqlens_k, num_seqs
         work_tiles = work_list(cu_q if over_queries else cu_k, work_rows)
-        total, longest = (q.shape[2], seqlen_q) if over_queries else (k.shape[2], seqlen_k)
         programs = work_items_bound(num_seqs, total, longest, work_rows)
-        seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     args = (slopes, cu_q, cu_k, work_tiles, num_seqs_arg, 0 if slopes is None else slopes.stride(0), q.shape[2],
             scalars["window_left"], scalars["window_right"], scalars["softcap_scale"])
     constexprs = dict(CAUSAL=causal_only, MASK_LEFT=scalars["MASK_LEFT"],
                       MASK_RIGHT=scalars["MASK_RIGHT"] and not causal_only, SOFTCAP=scalars["SOFTCAP"],
                       ALIBI=slopes is not None, VARLEN=varlen is not None)
-    return args, constexprs, (programs, seqlen_q, seqlen_k, scalars["qk_scale"])
+    return args, constexprs, (programs, q.shape[2], k.shape[2], scalars["qk_scale"])
 
 
 def offline_build(kernel, bound: dict):
