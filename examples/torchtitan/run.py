@@ -8,6 +8,11 @@ reads TorchTitan's per-step log lines (loss, memory, tokens/s, TFLOPS, MFU of ra
 ``{out}/{model}_{gpus}gpu.csv``, ``.png`` (loss curves), ``.json`` (final loss, mean tokens/s and MFU after the first
 10% of steps, peak memory, ours over TorchTitan's, the torch and GPU) and each run's log. A run stopped by
 ``--timeout`` keeps the steps it logged (``"timed_out": true``).
+
+``--repeats N`` runs every job N times, interleaved (TorchTitan's first in even rounds, ours first in odd ones), so a
+host whose speed drifts over minutes weighs on both kernel sets alike: on one H100 the same job's tokens/s moved by
+up to 40% for tens of steps at a time, in both kernel sets' runs. The JSON then gives each run's tokens/s
+(``tokens_per_s_rounds``), their mean (``tokens_per_s``) and the ratio of each round (``speedup_rounds``).
 """
 
 from __future__ import annotations
@@ -74,20 +79,49 @@ def summary(run: dict) -> dict:
                 peak_memory_gib=max(r["memory_gib"] for r in rows))
 
 
+def compare(runs: dict[str, list[dict]], ours: list[str]) -> dict:
+    """Each kernel set's summary over its rounds (``runs[kind]``: one ``train`` result per round), and each of ours
+    against TorchTitan's: the ratio of mean tokens/s, the ratio per round, and the loss ratio at the last step both
+    first runs reached."""
+    result = {}
+    for kind, rounds in runs.items():
+        each = [summary(run) for run in rounds]
+        rates = [s["tokens_per_s"] for s in each]
+        result[kind] = dict(each[0], tokens_per_s=sum(rates) / len(rates),
+                            mfu_percent=sum(s["mfu_percent"] for s in each) / len(each),
+                            peak_memory_gib=max(s["peak_memory_gib"] for s in each),
+                            timed_out=any(s["timed_out"] for s in each))
+        if len(rounds) > 1:
+            result[kind]["tokens_per_s_rounds"] = rates
+    for kind in ours:  # the first of ours under the keys a single comparison has always had
+        first, titan_first = runs[kind][0]["rows"], runs["titan"][0]["rows"]
+        common = min(len(first), len(titan_first))
+        keys = ("speedup_tokens_per_s", "loss_ratio_at_common_step") if kind == ours[0] else \
+            (f"{kind}_speedup_tokens_per_s", f"{kind}_loss_ratio_at_common_step")
+        result[keys[0]] = result[kind]["tokens_per_s"] / result["titan"]["tokens_per_s"]
+        result[keys[1]] = dict(step=common, ratio=first[common - 1]["loss"] / titan_first[common - 1]["loss"])
+        if len(runs[kind]) > 1:
+            result[keys[0].replace("tokens_per_s", "rounds")] = [
+                a / b for a, b in zip(result[kind]["tokens_per_s_rounds"], result["titan"]["tokens_per_s_rounds"])]
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["llama_100m", "qwen3_moe"], required=True)
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each job, interleaved (default 1)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run (default: none)")
     parser.add_argument("--out", default="results/torchtitan")
     parser.add_argument("--ours", default="flash",
                         help="our jobs, comma-separated: {model}_NAME in flashmoe_jobs (default flash; "
-                        "flash_titan_dispatch: our kernels behind TorchTitan's EP dispatcher), each run after TorchTitan's")
+                        "flash_titan_dispatch: our kernels behind TorchTitan's EP dispatcher)")
     parser.add_argument("extra", nargs="*", help="TorchTitan flags for both runs (after --)")
     args = parser.parse_args()
-    if args.gpus < 1 or args.steps < 1:
-        raise ValueError(f"--gpus and --steps must be >= 1, got {args.gpus} and {args.steps}")
+    if args.gpus < 1 or args.steps < 1 or args.repeats < 1:
+        raise ValueError(f"--gpus, --steps and --repeats must be >= 1, got {args.gpus}, {args.steps} and "
+                         f"{args.repeats}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import torch_compat
@@ -102,26 +136,24 @@ def main() -> None:
     stem = out / f"{args.model}_{args.gpus}gpu"
     ours = args.ours.split(",")
     jobs = {"titan": f"{args.model}_titan", **{kind: f"{args.model}_{kind}" for kind in ours}}
-    runs = {kind: train(job, args.gpus, args.steps, args.extra, Path(f"{stem}_{kind}.log"), args.timeout)
-            for kind, job in jobs.items()}
+    runs = {kind: [] for kind in jobs}
+    for round_ in range(args.repeats):
+        order = list(jobs) if round_ % 2 == 0 else list(jobs)[::-1]
+        for kind in order:
+            log = Path(f"{stem}_{kind}.log" if args.repeats == 1 else f"{stem}_{kind}_r{round_}.log")
+            runs[kind].append(train(jobs[kind], args.gpus, args.steps, args.extra, log, args.timeout))
     with open(f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["kernels", "step", "loss", "grad_norm", "memory_gib", "tps",
+        writer = csv.DictWriter(f, fieldnames=["kernels", "round", "step", "loss", "grad_norm", "memory_gib", "tps",
                                                "tflops", "mfu"])
         writer.writeheader()
-        for kind, run in runs.items():
-            writer.writerows({"kernels": kind, **r} for r in run["rows"])
+        for kind, rounds in runs.items():
+            for round_, run in enumerate(rounds):
+                writer.writerows({"kernels": kind, "round": round_, **r} for r in run["rows"])
     import torch
 
-    result = {kind: summary(run) for kind, run in runs.items()}
-    for kind in ours:  # the first of ours under the keys a single comparison has always had
-        common = min(result["titan"]["steps"], result[kind]["steps"])
-        keys = ("speedup_tokens_per_s", "loss_ratio_at_common_step") if kind == ours[0] else \
-            (f"{kind}_speedup_tokens_per_s", f"{kind}_loss_ratio_at_common_step")
-        result[keys[0]] = result[kind]["tokens_per_s"] / result["titan"]["tokens_per_s"]
-        result[keys[1]] = dict(step=common, ratio=runs[kind]["rows"][common - 1]["loss"]
-                               / runs["titan"]["rows"][common - 1]["loss"])
-    result["setup"] = dict(model=args.model, gpus=args.gpus, steps=args.steps, extra=args.extra, jobs=jobs,
-                           torch=torch.__version__,
+    result = compare(runs, ours)
+    result["setup"] = dict(model=args.model, gpus=args.gpus, steps=args.steps, repeats=args.repeats,
+                           extra=args.extra, jobs=jobs, torch=torch.__version__,
                            device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
     Path(f"{stem}.json").write_text(json.dumps(result, indent=2))
     import matplotlib
@@ -130,8 +162,8 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for kind, run in runs.items():
-        ax.plot([r["step"] for r in run["rows"]], [r["loss"] for r in run["rows"]],
+    for kind, rounds in runs.items():
+        ax.plot([r["step"] for r in rounds[0]["rows"]], [r["loss"] for r in rounds[0]["rows"]],
                 label=f"{kind} ({result[kind]['tokens_per_s']:,.0f} tokens/s)")
     ax.set(xlabel="step", ylabel="loss", title=f"{args.model}, {args.gpus} GPU(s), {result['setup']['device']}")
     ax.legend()
