@@ -229,7 +229,7 @@ TITLES = {"attention": "Attention", "moe": "MoE layer", "attention-features": "M
           "decode": "KV-cache decode", "ring-step-overlap": "Distributed, on one GPU",
           "supercon": "Science workload: SuperCon Tc model",
           "supercon-baselines": "Science workload: the Tc model beside classical baselines",
-          "groups": "Masked forward, kernel alone",
+          "groups": "Masked forward, kernel alone", "torchtitan-train": "Training in TorchTitan",
           "ladder": "The ladder, from a CPU loop to the Hopper kernel (docs/ladder.md)"}
 SELF_HEADED = ("attention", "ladder", "moe")
 KIND_ORDER = ("attention", "ladder", "groups", "attention-features", "decode", "moe", "ring-step-overlap", "supercon",

@@ -9,10 +9,10 @@ reads TorchTitan's per-step log lines (loss, memory, tokens/s, TFLOPS, MFU of ra
 10% of steps, peak memory, ours over TorchTitan's, the torch and GPU) and each run's log. A run stopped by
 ``--timeout`` keeps the steps it logged (``"timed_out": true``).
 
-``--repeats N`` runs every job N times, interleaved (TorchTitan's first in even rounds, ours first in odd ones), so a
+``--repeats N`` runs every job N times, interleaved (TorchTitan's first in even repeats, ours first in odd ones), so a
 host whose speed drifts over minutes weighs on both kernel sets alike: on one H100 the same job's tokens/s moved by
 up to 40% for tens of steps at a time, in both kernel sets' runs. The JSON then gives each run's tokens/s
-(``tokens_per_s_rounds``), their mean (``tokens_per_s``) and the ratio of each round (``speedup_rounds``).
+(``tokens_per_s_repeats``), their mean (``tokens_per_s``) and the ratio of each repeat (``speedup_repeats``).
 """
 
 from __future__ import annotations
@@ -80,19 +80,19 @@ def summary(run: dict) -> dict:
 
 
 def compare(runs: dict[str, list[dict]], ours: list[str]) -> dict:
-    """Each kernel set's summary over its rounds (``runs[kind]``: one ``train`` result per round), and each of ours
-    against TorchTitan's: the ratio of mean tokens/s, the ratio per round, and the loss ratio at the last step both
+    """Each kernel set's summary over its repeats (``runs[kind]``: one ``train`` result per repeat), and each of ours
+    against TorchTitan's: the ratio of mean tokens/s, the ratio per repeat, and the loss ratio at the last step both
     first runs reached."""
     result = {}
-    for kind, rounds in runs.items():
-        each = [summary(run) for run in rounds]
+    for kind, repeats in runs.items():
+        each = [summary(run) for run in repeats]
         rates = [s["tokens_per_s"] for s in each]
         result[kind] = dict(each[0], tokens_per_s=sum(rates) / len(rates),
                             mfu_percent=sum(s["mfu_percent"] for s in each) / len(each),
                             peak_memory_gib=max(s["peak_memory_gib"] for s in each),
                             timed_out=any(s["timed_out"] for s in each))
-        if len(rounds) > 1:
-            result[kind]["tokens_per_s_rounds"] = rates
+        if len(repeats) > 1:
+            result[kind]["tokens_per_s_repeats"] = rates
     for kind in ours:  # the first of ours under the keys a single comparison has always had
         first, titan_first = runs[kind][0]["rows"], runs["titan"][0]["rows"]
         common = min(len(first), len(titan_first))
@@ -101,8 +101,8 @@ def compare(runs: dict[str, list[dict]], ours: list[str]) -> dict:
         result[keys[0]] = result[kind]["tokens_per_s"] / result["titan"]["tokens_per_s"]
         result[keys[1]] = dict(step=common, ratio=first[common - 1]["loss"] / titan_first[common - 1]["loss"])
         if len(runs[kind]) > 1:
-            result[keys[0].replace("tokens_per_s", "rounds")] = [
-                a / b for a, b in zip(result[kind]["tokens_per_s_rounds"], result["titan"]["tokens_per_s_rounds"])]
+            result[keys[0].replace("tokens_per_s", "repeats")] = [
+                a / b for a, b in zip(result[kind]["tokens_per_s_repeats"], result["titan"]["tokens_per_s_repeats"])]
     return result
 
 
@@ -137,18 +137,18 @@ def main() -> None:
     ours = args.ours.split(",")
     jobs = {"titan": f"{args.model}_titan", **{kind: f"{args.model}_{kind}" for kind in ours}}
     runs = {kind: [] for kind in jobs}
-    for round_ in range(args.repeats):
-        order = list(jobs) if round_ % 2 == 0 else list(jobs)[::-1]
+    for repeat in range(args.repeats):
+        order = list(jobs) if repeat % 2 == 0 else list(jobs)[::-1]
         for kind in order:
-            log = Path(f"{stem}_{kind}.log" if args.repeats == 1 else f"{stem}_{kind}_r{round_}.log")
+            log = Path(f"{stem}_{kind}.log" if args.repeats == 1 else f"{stem}_{kind}_r{repeat}.log")
             runs[kind].append(train(jobs[kind], args.gpus, args.steps, args.extra, log, args.timeout))
     with open(f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["kernels", "round", "step", "loss", "grad_norm", "memory_gib", "tps",
+        writer = csv.DictWriter(f, fieldnames=["kernels", "repeat", "step", "loss", "grad_norm", "memory_gib", "tps",
                                                "tflops", "mfu"])
         writer.writeheader()
-        for kind, rounds in runs.items():
-            for round_, run in enumerate(rounds):
-                writer.writerows({"kernels": kind, "round": round_, **r} for r in run["rows"])
+        for kind, repeats in runs.items():
+            for repeat, run in enumerate(repeats):
+                writer.writerows({"kernels": kind, "repeat": repeat, **r} for r in run["rows"])
     import torch
 
     result = compare(runs, ours)
@@ -162,8 +162,8 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for kind, rounds in runs.items():
-        ax.plot([r["step"] for r in rounds[0]["rows"]], [r["loss"] for r in rounds[0]["rows"]],
+    for kind, repeats in runs.items():
+        ax.plot([r["step"] for r in repeats[0]["rows"]], [r["loss"] for r in repeats[0]["rows"]],
                 label=f"{kind} ({result[kind]['tokens_per_s']:,.0f} tokens/s)")
     ax.set(xlabel="step", ylabel="loss", title=f"{args.model}, {args.gpus} GPU(s), {result['setup']['device']}")
     ax.legend()

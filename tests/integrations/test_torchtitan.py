@@ -358,8 +358,8 @@ def test_fsdp_and_expert_parallel_with_one_mesh_per_unit_matches_fsdp_alone(cpu_
         _close(expert_parallel, fsdp, rtol=1e-3)  # gradients summed in another order, through two Adam steps
 
 
-def test_repeated_runs_compare_by_their_mean_rate_and_each_round():
-    # two interleaved rounds: per-kind mean of each run's steady rate (steps after the first 10%), each round's ratio
+def test_repeated_runs_compare_by_their_mean_rate_and_each_repeat():
+    # two interleaved repeats: per-kind mean of each run's steady rate (steps after the first 10%), each repeat's ratio
     run = importlib.import_module("run")
 
     def one(rates, loss):
@@ -369,9 +369,9 @@ def test_repeated_runs_compare_by_their_mean_rate_and_each_round():
     runs = {"titan": [one([1, 100, 100], 2.0), one([1, 50, 50], 2.0)],
             "flash": [one([1, 120, 120], 2.2), one([1, 60, 60], 2.2)]}
     result = run.compare(runs, ["flash"])
-    assert result["titan"]["tokens_per_s_rounds"] == [100, 50] and result["titan"]["tokens_per_s"] == 75
+    assert result["titan"]["tokens_per_s_repeats"] == [100, 50] and result["titan"]["tokens_per_s"] == 75
     assert result["speedup_tokens_per_s"] == pytest.approx(90 / 75)
-    assert result["speedup_rounds"] == pytest.approx([1.2, 1.2])
+    assert result["speedup_repeats"] == pytest.approx([1.2, 1.2])
     assert result["loss_ratio_at_common_step"] == dict(step=3, ratio=pytest.approx(1.1))
-    single = run.compare({kind: rounds[:1] for kind, rounds in runs.items()}, ["flash"])
-    assert "speedup_rounds" not in single and single["speedup_tokens_per_s"] == pytest.approx(1.2)
+    single = run.compare({kind: repeats[:1] for kind, repeats in runs.items()}, ["flash"])
+    assert "speedup_repeats" not in single and single["speedup_tokens_per_s"] == pytest.approx(1.2)
