@@ -407,7 +407,7 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    commands = parser.add_subparsers(dest="command", metavar="{info,bench,supercon}")
+    commands = parser.add_subparsers(dest="command", metavar="{info,bench,supercon,serve,serve-bench}")
 
     info = commands.add_parser("info", help="GPU, versions, which kernels run here, and which one a sample call takes")
     info.set_defaults(handler=run_info)
@@ -464,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
     from flashmoe_science.science.cli import add_supercon_parser
 
     add_supercon_parser(commands)
+    from flashmoe_science.serving.cli import add_serve_parsers
+
+    add_serve_parsers(commands)
     return parser
 
 

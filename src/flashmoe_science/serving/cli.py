@@ -1,0 +1,95 @@
+"""``flashmoe-science serve`` and ``flashmoe-science serve-bench``: their arguments and what they run."""
+
+from __future__ import annotations
+
+import argparse
+
+from flashmoe_science.serving.model import BACKENDS
+
+DEFAULT_PORT = 8000
+
+
+def _cache_arguments(parser) -> None:
+    parser.add_argument("--device", default=None, help="cuda if available, else cpu (the reference kernels)")
+    parser.add_argument("--dtype", default=None, help="model dtype: bfloat16 on CUDA, float32 on the CPU by default")
+    parser.add_argument("--page-size", type=int, default=256, help="tokens per KV-cache page (default 256)")
+    parser.add_argument("--cache-tokens", type=int, default=131072,
+                        help="KV-cache size in tokens, all requests together (default 131072); a request whose "
+                        "prompt plus max_tokens exceeds it is refused with a 400")
+    parser.add_argument("--max-batch-tokens", type=int, default=8192,
+                        help="most tokens one continuous-batching step computes (default 8192)")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="run every step eagerly (default: transformers decides)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of a config's random weights (default 0)")
+
+
+def add_serve_parsers(commands) -> None:
+    """Adds ``serve`` and ``serve-bench`` to the ``flashmoe-science`` subcommands."""
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible server (transformers' app, continuous batching) on our kernels",
+        description="Serves /v1/chat/completions and /v1/completions (streaming or not), /v1/models, /health and "
+        "/cache with transformers' serving stack and continuous batching, on our attention and MoE kernels "
+        "(--backend flashmoe) or transformers' SDPA (--backend transformers-sdpa). MODEL_OR_CONFIG: a local model "
+        "directory, or a config.json (random weights, a word tokenizer t0 t1 ...). Stops on Ctrl-C or SIGTERM.")
+    serve.add_argument("model", metavar="MODEL_OR_CONFIG")
+    serve.add_argument("--backend", choices=BACKENDS, default="flashmoe")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT)
+    serve.add_argument("--served-model-name", help="the model name clients send (default: MODEL_OR_CONFIG)")
+    serve.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
+    _cache_arguments(serve)
+    serve.set_defaults(handler=run_serve)
+
+    from flashmoe_science.serving.bench import add_bench_arguments
+
+    bench = commands.add_parser(
+        "serve-bench", help="load-test servers on our kernels and on transformers' SDPA with the openai client",
+        description="Starts `flashmoe-science serve` once per backend on the same model, loads each with N "
+        "concurrent streams (closed loop, or --rate requests/s) of prompts drawn from a length range, and writes "
+        "tokens/s, time to first token and inter-token latency (p50/p99) as JSON and a plot.")
+    bench.add_argument("model", metavar="MODEL_OR_CONFIG")
+    _cache_arguments(bench)
+    add_bench_arguments(bench)
+    bench.set_defaults(handler=run_serve_bench)
+
+
+def resolved_device_and_dtype(args: argparse.Namespace) -> tuple[str, str]:
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    return device, dtype
+
+
+def check_stack() -> None:
+    """The serving stack's check (`server.check_serving_stack`) as the command's one-line error."""
+    from flashmoe_science.errors import CommandError
+    from flashmoe_science.serving.server import check_serving_stack
+
+    try:
+        check_serving_stack()
+    except (ImportError, RuntimeError) as error:
+        raise CommandError(str(error)) from None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from flashmoe_science.serving import server
+    from flashmoe_science.serving.model import load_model
+
+    check_stack()
+    device, dtype = resolved_device_and_dtype(args)
+    model, tokenizer = load_model(args.model, args.backend, device, dtype, seed=args.seed)
+    config = server.cb_config(args.backend, args.page_size, args.cache_tokens, args.max_batch_tokens,
+                              False if args.no_cuda_graphs else None)
+    app = server.Server(args.served_model_name or args.model, model, tokenizer, config)
+    print(f"serving {args.model} ({args.backend}, {device}, {dtype}) on http://{args.host}:{args.port}/v1",
+          flush=True)
+    server.run(app, args.host, args.port, args.log_level)
+    return 0
+
+
+def run_serve_bench(args: argparse.Namespace) -> int:
+    from flashmoe_science.serving.bench import run_bench
+
+    check_stack()
+    return run_bench(args)

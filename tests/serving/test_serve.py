@@ -1,0 +1,160 @@
+"""`flashmoe-science serve` on the CPU (our reference kernels), in a subprocess on a free port, through the openai
+client: completions and chat, streaming and not, give the greedy tokens of transformers' own `generate_batch`
+(paged eager attention) on the same random weights; a stream closed by the client gives its cache pages back; a
+request longer than the cache gets a 400 and the server goes on; the load generator measures it; SIGTERM stops it
+with exit status 0, even with a stream open."""
+
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from flashmoe_science.serving.bench import ServerProcess, free_port  # noqa: E402
+from flashmoe_science.serving.load import run_load, summarize  # noqa: E402
+from flashmoe_science.serving.model import load_model, token_ids, words  # noqa: E402
+
+CACHE_TOKENS, PAGE_SIZE, POSITIONS = 1024, 16, 512
+
+
+def tiny_config(path):
+    import transformers
+
+    config = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=POSITIONS)
+    path.write_text(config.to_json_string())
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import sys
+
+    folder = tmp_path_factory.mktemp("serve")
+    config = tiny_config(folder / "config.json")
+    port = free_port()
+    command = [sys.executable, "-m", "flashmoe_science.cli", "serve", config, "--port", str(port), "--device", "cpu",
+               "--dtype", "float32", "--cache-tokens", str(CACHE_TOKENS), "--page-size", str(PAGE_SIZE),
+               "--max-batch-tokens", "256"]
+    process = ServerProcess(command, port, folder / "server.log")
+    try:
+        process.wait_ready(timeout_s=240)
+    except RuntimeError:
+        process.stop()
+        raise RuntimeError((folder / "server.log").read_text()[-3000:])
+    process.config = config
+    process.client = openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    yield process
+    process.stop()
+
+
+def reference_tokens(config, prompts, max_new_tokens):
+    """Greedy tokens of transformers' continuous batching with its own paged eager attention, same weights."""
+    import transformers
+
+    from flashmoe_science.integrations import hf
+
+    model, _ = load_model(config, "transformers-sdpa", "cpu", "float32", seed=0)
+    model.set_attn_implementation("paged|eager")
+    generation = transformers.GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                                               pad_token_id=0)
+    outputs = model.generate_batch(inputs=prompts, generation_config=generation, warmup=False,
+                                   continuous_batching_config=hf.continuous_batching_config(
+                                       PAGE_SIZE, num_blocks=64, max_batch_tokens=256))
+    return [list(o.generated_tokens) for o in outputs.values()]
+
+
+PROMPTS = [[1, 5, 9, 22, 7], [3, 4], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7, 11, 40, 2, 19, 20, 21, 22, 90, 91]]
+NEW = 6
+
+
+def test_the_server_runs_our_attention(server):
+    stats = httpx.get(f"{server.url}/cache").json()
+    assert stats["attn_implementation"] == "fmoe_science_flash_attn3", stats
+    assert stats["pages"] * stats["page_size"] >= CACHE_TOKENS and stats["max_request_tokens"] == POSITIONS
+
+
+def test_completions_give_generate_batch_tokens(server):
+    want = reference_tokens(server.config, PROMPTS, NEW)
+    for prompt, tokens in zip(PROMPTS, want):
+        plain = server.client.completions.create(model=server.config, prompt=words(prompt), max_tokens=NEW)
+        assert token_ids(plain.choices[0].text) == tokens
+        assert plain.usage.prompt_tokens == len(prompt) and plain.usage.completion_tokens == NEW
+        chunks = server.client.completions.create(model=server.config, prompt=words(prompt), max_tokens=NEW,
+                                                  stream=True)
+        assert token_ids("".join(c.choices[0].text for c in chunks if c.choices)) == tokens
+
+
+def test_chat_completions_give_generate_batch_tokens(server):
+    """The word tokenizer's chat template is the messages' text, so a chat is the same prompt."""
+    want = reference_tokens(server.config, PROMPTS[:1], NEW)[0]
+    messages = [{"role": "user", "content": words(PROMPTS[0])}]
+    reply = server.client.chat.completions.create(model=server.config, messages=messages, max_tokens=NEW)
+    assert token_ids(reply.choices[0].message.content) == want
+    stream = server.client.chat.completions.create(model=server.config, messages=messages, max_tokens=NEW,
+                                                   stream=True)
+    assert token_ids("".join(c.choices[0].delta.content or "" for c in stream if c.choices)) == want
+
+
+def _cache(server) -> dict:
+    return httpx.get(f"{server.url}/cache").json()
+
+
+def test_a_closed_stream_gives_its_pages_back(server):
+    stream = server.client.completions.create(model=server.config, prompt=words(range(1, 60)), max_tokens=300,
+                                              stream=True)
+    chunks = iter(stream)
+    next(chunks), next(chunks)
+    held = _cache(server)
+    assert held["requests_active"] == 1 and held["free_fraction"] + held["reusable_fraction"] < 1, held
+    stream.close()
+    deadline = time.monotonic() + 30
+    while (stats := _cache(server))["requests_active"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stats["requests_active"] == 0 and stats["requests_waiting"] == 0, stats
+    assert stats["free_fraction"] + stats["reusable_fraction"] == pytest.approx(1.0), stats
+
+
+def test_a_prompt_longer_than_the_limit_gets_a_400_and_the_server_goes_on(server):
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client.completions.create(model=server.config, prompt=words([3] * (POSITIONS - 2)), max_tokens=8)
+    assert refused.value.status_code == 400
+    assert f"limit of {POSITIONS} tokens" in json.dumps(refused.value.body), refused.value.body
+    reply = server.client.completions.create(model=server.config, prompt=words([1, 2]), max_tokens=3)
+    assert reply.usage.completion_tokens == 3
+
+
+def test_the_load_generator_measures_concurrent_streams(server):
+    prompts = [words(p) for p in PROMPTS + PROMPTS[:1]]
+    lines = run_load(server.url, server.config, prompts, max_tokens=5, concurrency=2)
+    summary = summarize(lines)
+    assert summary["errors"] == 0 and summary["requests"] == 4, summary
+    assert summary["completion_tokens"] == 20 and summary["prompt_tokens"] == sum(map(len, PROMPTS + PROMPTS[:1]))
+    assert 0 < summary["ttft_ms_p50"] <= summary["ttft_ms_p99"] and summary["tokens_per_s"] > 0
+    assert all(len(line.chunks) == 5 for line in lines)
+
+
+def test_sigterm_stops_the_server_with_a_stream_open(server):
+    opened = threading.Event()
+
+    def long_stream():
+        try:
+            for _ in server.client.completions.create(model=server.config, prompt=words([5, 6]), max_tokens=400,
+                                                      stream=True):
+                opened.set()
+        except Exception:  # the server goes away under it
+            pass
+
+    reader = threading.Thread(target=long_stream, daemon=True)
+    reader.start()
+    assert opened.wait(60)
+    started = time.monotonic()
+    assert server.stop(timeout_s=60) == 0
+    assert time.monotonic() - started < 30
