@@ -158,3 +158,22 @@ def test_sigterm_stops_the_server_with_a_stream_open(server):
     started = time.monotonic()
     assert server.stop(timeout_s=60) == 0
     assert time.monotonic() - started < 30
+
+
+def test_serve_bench_writes_records_and_a_plot(tmp_path):
+    """`flashmoe-science serve-bench` end to end on one backend: a server started and stopped (status 0), a record
+    per concurrency with every request done, the JSON and the PNG."""
+    from flashmoe_science.cli import main
+
+    config = tiny_config(tmp_path / "config.json")
+    status = main(["serve-bench", config, "--backends", "flashmoe", "--concurrency", "1,3", "--requests", "3",
+                   "--prompt-tokens", "4:30", "--new-tokens", "4", "--cache-tokens", "1024", "--page-size", "16",
+                   "--max-batch-tokens", "256", "--out", str(tmp_path / "out"), "--commit", "test"])
+    assert status == 0
+    results = list((tmp_path / "out").glob("*.json"))
+    records = json.loads(results[0].read_text())["records"]
+    assert [(r["op"], r["backend"], r["concurrency"]) for r in records] == [("serve", "flashmoe", 1),
+                                                                            ("serve", "flashmoe", 3)]
+    assert all(r["errors"] == 0 and r["completion_tokens"] == 12 and r["server_exit_status"] == 0 for r in records)
+    assert all(r["tokens_per_s"] > 0 and r["itl_ms_p50"] is not None for r in records)
+    assert results[0].with_suffix(".png").exists()

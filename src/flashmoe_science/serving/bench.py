@@ -138,8 +138,10 @@ def make_prompts(model: str, count: int, lengths: tuple[int, int], seed: int) ->
 
 
 def _measure(server: ServerProcess, args, backend: str, log) -> list[dict]:
+    from flashmoe_science.serving.cli import resolved_device_and_dtype
     from flashmoe_science.serving.load import run_load, summarize
 
+    device, dtype = resolved_device_and_dtype(args)
     name = served_model_name(server.url)
     top = max(args.concurrency)
     warmup = make_prompts(args.model, top, args.prompt_tokens, seed=args.seed + 1)
@@ -150,7 +152,8 @@ def _measure(server: ServerProcess, args, backend: str, log) -> list[dict]:
         count = args.requests or max(8, 4 * concurrency)
         prompts = make_prompts(args.model, count, args.prompt_tokens, seed=args.seed + 100 + index)
         summary = summarize(run_load(server.url, name, prompts, args.new_tokens, concurrency, args.rate))
-        records.append({"op": "serve", "name": args.name, "backend": backend, "model": name,
+        records.append({"op": "serve", "name": args.name, "backend": backend, "model": name, "device": device,
+                        "dtype": dtype,
                         "concurrency": concurrency, "rate": args.rate, "prompt_tokens_range": list(args.prompt_tokens),
                         "new_tokens": args.new_tokens, **summary})
         log(f"{backend}: concurrency {concurrency}: {summary['tokens_per_s']} tokens/s, TTFT p50 "
@@ -161,7 +164,10 @@ def _measure(server: ServerProcess, args, backend: str, log) -> list[dict]:
 def bench_backend(args, backend: str, log, log_dir=None) -> list[dict]:
     """Starts the backend's server, measures every concurrency, stops it; its records carry the exit status."""
     port = free_port()
-    log_path = Path(log_dir) / f"server-{backend}.log" if log_dir else None
+    log_path = None
+    if log_dir:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        log_path = Path(log_dir) / f"server-{args.name}-{backend}.log"
     server = ServerProcess(serve_command(args.model, backend, port, args), port, log_path)
     try:
         started = time.monotonic()
