@@ -5,6 +5,7 @@ request longer than the cache gets a 400 and the server goes on; the load genera
 with exit status 0, even with a stream open."""
 
 import json
+import sys
 import threading
 import time
 
@@ -33,14 +34,11 @@ def tiny_config(path):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    import sys
-
-    folder = tmp_path_factory.mktemp("serve")
+def start_server(folder, device="cpu"):
+    """`flashmoe-science serve` of a tiny float32 random model in a subprocess, ready, with an openai client."""
     config = tiny_config(folder / "config.json")
     port = free_port()
-    command = [sys.executable, "-m", "flashmoe_science.cli", "serve", config, "--port", str(port), "--device", "cpu",
+    command = [sys.executable, "-m", "flashmoe_science.cli", "serve", config, "--port", str(port), "--device", device,
                "--dtype", "float32", "--cache-tokens", str(CACHE_TOKENS), "--page-size", str(PAGE_SIZE),
                "--max-batch-tokens", "256"]
     process = ServerProcess(command, port, folder / "server.log")
@@ -49,19 +47,25 @@ def server(tmp_path_factory):
     except RuntimeError:
         process.stop()
         raise RuntimeError((folder / "server.log").read_text()[-3000:])
-    process.config = config
+    process.config, process.device = config, device
     process.client = openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return process
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    process = start_server(tmp_path_factory.mktemp("serve"))
     yield process
     process.stop()
 
 
-def reference_tokens(config, prompts, max_new_tokens):
+def reference_tokens(config, prompts, max_new_tokens, device="cpu"):
     """Greedy tokens of transformers' continuous batching with its own paged eager attention, same weights."""
     import transformers
 
     from flashmoe_science.integrations import hf
 
-    model, _ = load_model(config, "transformers-sdpa", "cpu", "float32", seed=0)
+    model, _ = load_model(config, "transformers-sdpa", device, "float32", seed=0)
     model.set_attn_implementation("paged|eager")
     generation = transformers.GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
                                                pad_token_id=0)
@@ -82,7 +86,11 @@ def test_the_server_runs_our_attention(server):
 
 
 def test_completions_give_generate_batch_tokens(server):
-    want = reference_tokens(server.config, PROMPTS, NEW)
+    check_completions(server)
+
+
+def check_completions(server):
+    want = reference_tokens(server.config, PROMPTS, NEW, server.device)
     for prompt, tokens in zip(PROMPTS, want):
         plain = server.client.completions.create(model=server.config, prompt=words(prompt), max_tokens=NEW)
         assert token_ids(plain.choices[0].text) == tokens
@@ -177,3 +185,14 @@ def test_serve_bench_writes_records_and_a_plot(tmp_path):
     assert all(r["errors"] == 0 and r["completion_tokens"] == 12 and r["server_exit_status"] == 0 for r in records)
     assert all(r["tokens_per_s"] > 0 and r["itl_ms_p50"] is not None for r in records)
     assert results[0].with_suffix(".png").exists()
+
+
+@pytest.mark.gpu
+def test_on_cuda_completions_give_generate_batch_tokens(tmp_path):
+    """On CUDA continuous batching takes the block-table decode (and CUDA graphs): the served tokens still equal
+    transformers' paged eager ones on the same float32 weights."""
+    process = start_server(tmp_path, device="cuda")
+    try:
+        check_completions(process)
+    finally:
+        assert process.stop() == 0

@@ -46,7 +46,7 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--concurrency", type=_int_list, default=[1, 8, 64],
                         help="concurrent streams per run (default 1,8,64)")
     parser.add_argument("--requests", type=int, default=None,
-                        help="requests per run (default: 4 x concurrency, at least 8)")
+                        help="requests per run (default: 2 x concurrency, at least 4)")
     parser.add_argument("--rate", type=float, default=None,
                         help="send requests at this rate (requests/s) instead of closed loop")
     parser.add_argument("--prompt-tokens", type=_length_range, default=(128, 2048),
@@ -149,7 +149,7 @@ def _measure(server: ServerProcess, args, backend: str, log) -> list[dict]:
     log(f"{backend}: warm-up {summary['requests']} requests, {summary['errors']} errors, {summary['seconds']} s")
     records = []
     for index, concurrency in enumerate(args.concurrency):
-        count = args.requests or max(8, 4 * concurrency)
+        count = args.requests or max(4, 2 * concurrency)
         prompts = make_prompts(args.model, count, args.prompt_tokens, seed=args.seed + 100 + index)
         summary = summarize(run_load(server.url, name, prompts, args.new_tokens, concurrency, args.rate))
         records.append({"op": "serve", "name": args.name, "backend": backend, "model": name, "device": device,
@@ -196,7 +196,7 @@ def plot_serve(records: list[dict], path, title: str):
 
 
 def run_bench(args) -> int:
-    from flashmoe_science.bench.report import environment_metadata, resolve_commit, write_results
+    from flashmoe_science.bench.report import PartialResults, environment_metadata, resolve_commit, write_results
 
     unknown = [b for b in args.backends if b not in BACKENDS]
     if unknown:
@@ -205,11 +205,14 @@ def run_bench(args) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    envelope = {**environment_metadata(resolve_commit(args.commit)), "suite": f"serve-{args.name}"}
+    partial = PartialResults(args.out, envelope)  # what was measured survives a killed run
     records = []
     for backend in args.backends:
         records += bench_backend(args, backend, log, log_dir=args.out)
-    envelope = {**environment_metadata(resolve_commit(args.commit)), "suite": f"serve-{args.name}"}
+        partial(records)
     path = write_results(args.out, envelope, records)
+    partial.finish()
     print(json.dumps(records, indent=1))
     print(f"results: {path}", file=sys.stderr)
     if not args.no_plot:

@@ -76,7 +76,8 @@ def load_model(source: str, backend: str = "flashmoe", device: str = "cpu", dtyp
     elif path.is_file():
         config = transformers.AutoConfig.for_model(**json.loads(path.read_text()))
         torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        with torch.device(device):  # random weights drawn where they will live (no host copy of a large model)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
         tokenizer = word_tokenizer(config.vocab_size)
     else:
         raise ValueError(f"MODEL_OR_CONFIG must be a model directory (with config.json) or a config file; "
