@@ -138,10 +138,10 @@ def make_prompts(model: str, count: int, lengths: tuple[int, int], seed: int) ->
 
 
 def _measure(server: ServerProcess, args, backend: str, log) -> list[dict]:
-    from flashmoe_science.serving.cli import resolved_device_and_dtype
     from flashmoe_science.serving.load import run_load, summarize
+    from flashmoe_science.serving.model import default_placement
 
-    device, dtype = resolved_device_and_dtype(args)
+    device, dtype = default_placement(args.device, args.dtype)
     name = served_model_name(server.url)
     top = max(args.concurrency)
     warmup = make_prompts(args.model, top, args.prompt_tokens, seed=args.seed + 1)

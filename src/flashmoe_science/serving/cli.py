@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from flashmoe_science.serving.model import BACKENDS
+from flashmoe_science.serving.model import BACKENDS, default_placement
 
 DEFAULT_PORT = 8000
 
@@ -53,14 +53,6 @@ def add_serve_parsers(commands) -> None:
     bench.set_defaults(handler=run_serve_bench)
 
 
-def resolved_device_and_dtype(args: argparse.Namespace) -> tuple[str, str]:
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    return device, dtype
-
-
 def check_stack() -> None:
     """The serving stack's check (`server.check_serving_stack`) as the command's one-line error."""
     from flashmoe_science.errors import CommandError
@@ -77,7 +69,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from flashmoe_science.serving.model import load_model
 
     check_stack()
-    device, dtype = resolved_device_and_dtype(args)
+    device, dtype = default_placement(args.device, args.dtype)
     model, tokenizer = load_model(args.model, args.backend, device, dtype, seed=args.seed)
     config = server.cb_config(args.backend, args.page_size, args.cache_tokens, args.max_batch_tokens,
                               False if args.no_cuda_graphs else None)

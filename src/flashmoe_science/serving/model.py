@@ -56,6 +56,13 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def default_placement(device: str | None, dtype: str | None) -> tuple[str, str]:
+    """(device, dtype) with the defaults filled in: cuda if available, else cpu; bfloat16 on CUDA, float32 on the
+    CPU (the reference kernels compute in float32)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return device, dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+
+
 def _is_model_directory(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
