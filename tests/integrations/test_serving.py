@@ -249,3 +249,39 @@ def test_continuous_batching_calls_read_nothing_on_the_host(monkeypatch):
     assert reads.reads == []
     monkeypatch.undo()
     assert out.shape == q.shape and decoded.shape == case.q.shape
+
+
+def _paged_varlen_case():
+    """Two sequences of 2 and 3 queries against 10 and 30 cached keys in a paged cache of 16-key blocks."""
+    case = make_case([10, 30], lq=1, hq=4, hkv=2, d=16, block_size=16, capacity=32)
+    q = torch.randn(5, 4, 16)
+    cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 10, 40], dtype=torch.int32)
+    return case, q, cu_q, cu_k
+
+
+def test_paged_varlen_runs_its_forward_on_inputs_that_require_grad():
+    """As flash_attn: the forward of a paged call whose q/k/v require grad runs (same values as without grad) and
+    joins the graph; only a backward through it is refused, with a RuntimeError that says why."""
+    case, q, cu_q, cu_k = _paged_varlen_case()
+    want = fa.flash_attn_varlen_func(q, case.k_cache, case.v_cache, cu_q, cu_k, 3, 30, causal=True,
+                                     block_table=case.block_table)
+    q, k, v = (t.clone().requires_grad_() for t in (q, case.k_cache, case.v_cache))
+    out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 30, causal=True, block_table=case.block_table)
+    assert out.requires_grad and torch.equal(out.detach(), want)
+    with pytest.raises(RuntimeError, match="no backward"):
+        out.sum().backward()
+
+
+def test_bound_errors_are_runtime_errors_as_flash_attn_raises():
+    """flash_attn's checks are TORCH_CHECKs (RuntimeError); ours are ValueErrors: the interface raises both."""
+    case, q, cu_q, cu_k = _paged_varlen_case()
+    past_capacity = torch.tensor([0, 10, 45], dtype=torch.int32)  # 35 keys in a row of two 16-key blocks
+    with pytest.raises(RuntimeError, match="capacity") as raised:
+        fa.flash_attn_varlen_func(q, case.k_cache, case.v_cache, cu_q, past_capacity, 3, 35, causal=True,
+                                  block_table=case.block_table)
+    assert isinstance(raised.value, ValueError)
+    decode = make_case([5, 32], lq=1, hq=4, hkv=2, d=16, block_size=16, capacity=32)
+    with pytest.raises(RuntimeError, match="capacity"):
+        fa.flash_attn_with_kvcache(decode.q, decode.k_cache.clone(), decode.v_cache.clone(), torch.randn(2, 1, 2, 16),
+                                   torch.randn(2, 1, 2, 16), cache_seqlens=decode.cache_seqlens,
+                                   block_table=decode.block_table)

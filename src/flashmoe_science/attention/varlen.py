@@ -72,8 +72,9 @@ def flash_attention_varlen(
             rows). Without, unchecked cu_seqlens may end short of total_q / total_k: the rows after the last sequence
             are padding, attended by no sequence, their outputs unspecified (as flash_attn's for the rows its
             cu_seqlens leave out).
-        Calls with block_table or seqused_k run the cache kernels (`attention.decode.cache_varlen_call`), forward
-        only (no gradient flows to a cache), any mask and GQA; their max_seqlen_k is not used.
+        Calls with block_table or seqused_k run the cache kernels (`attention.decode.cache_varlen_call`), any mask
+        and GQA; their max_seqlen_k is not used. They have no backward: with inputs that require grad the forward
+        runs (as flash_attn's) and a backward through its output raises a RuntimeError.
 
     Unless check_values=False, the cu_seqlens values are checked with one small device-to-host copy per new pair of
     cu_seqlens tensors (see `checks.check_varlen`).
@@ -83,13 +84,17 @@ def flash_attention_varlen(
     """
     if block_table is not None or seqused_k is not None:
         check_flags(return_lse=return_lse)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            raise ValueError("flash_attention_varlen with block_table or seqused_k is forward only: q, k and v must "
-                             "not require grad")
-        out, lse = cache_varlen_call(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k=cu_seqlens_k,
+
+        def run(q, k, v):
+            return cache_varlen_call(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k=cu_seqlens_k,
                                      seqused_k=seqused_k, block_table=block_table, causal=causal,
                                      softmax_scale=softmax_scale, window=window, softcap=softcap,
                                      alibi_slopes=alibi_slopes, backend=backend, check_values=check_values)
+
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            out, lse = _ForwardOnlyCacheCall.apply(q, k, v, run)
+        else:
+            out, lse = run(q, k, v)
         return (out, lse) if return_lse else out
     if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
         check_flags(return_lse=return_lse)
@@ -110,3 +115,19 @@ def flash_attention_varlen(
                                    alibi_slopes=alibi_slopes, backend=backend, deterministic=deterministic,
                                    return_lse=return_lse, check_values=check_values)
     return (out, lse) if return_lse else out
+
+
+class _ForwardOnlyCacheCall(torch.autograd.Function):
+    """A cache call (paged or ``seqused_k``) on inputs that require grad: the output joins the graph, as
+    flash_attn's does, and a backward through it raises (the cache kernels have no backward)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, run):
+        out, lse = run(q, k, v)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        raise RuntimeError("flash_attention_varlen with block_table or seqused_k has no backward: the cache kernels "
+                           "compute the forward only; call it on packed k and v without them to train")

@@ -16,15 +16,36 @@ form the probabilities; the LSE is what merging partial results needs): lse ``(B
 ``window_size`` is a pair of ints or a 2-element tensor (flash_attn's tests draw it with ``torch.randint``).
 Dropout and learnable sinks do not exist here: a nonzero ``dropout_p`` or any other argument flash_attn has and this
 module does not raise (never a silent difference).
+
+Errors: flash_attn checks its inputs in C++ (``TORCH_CHECK``: a RuntimeError, e.g. lengths past a block table's
+capacity); this library's checks raise ValueError. Here they raise `FlashAttnInputError`, which is both, so code
+written against either keeps catching them.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from flashmoe_science.attention.api import flash_attention_science
 from flashmoe_science.attention.decode import flash_attention_decode
 from flashmoe_science.attention.varlen import flash_attention_varlen
+
+
+class FlashAttnInputError(RuntimeError, ValueError):
+    """A check of the inputs failed: a RuntimeError as flash_attn's own checks raise, and the ValueError this
+    library's checks raise."""
+
+
+@contextlib.contextmanager
+def _as_flash_attn_errors():
+    try:
+        yield
+    except FlashAttnInputError:
+        raise
+    except ValueError as error:
+        raise FlashAttnInputError(str(error)) from error
 
 
 def _refuse(dropout_p, unsupported: dict) -> None:
@@ -52,10 +73,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """q (B, Lq, Hq, D), k/v (B, Lk, Hkv, D) -> out (B, Lq, Hq, D), or (out, lse (B, Hq, Lq)) with
     return_attn_probs."""
     _refuse(dropout_p, unsupported)
-    result = flash_attention_science(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
-                                     softmax_scale=softmax_scale, window=_window(window_size),
-                                     softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
-                                     deterministic=deterministic, return_lse=bool(return_attn_probs))
+    with _as_flash_attn_errors():
+        result = flash_attention_science(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                                         softmax_scale=softmax_scale, window=_window(window_size),
+                                         softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
+                                         deterministic=deterministic, return_lse=bool(return_attn_probs))
     if return_attn_probs:
         return result[0].transpose(1, 2), result[1]
     return result.transpose(1, 2)
@@ -71,11 +93,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     the lengths; padded tensors whose rows after the last sequence are never read). Returns out (total_q, Hq, D),
     or (out, lse (Hq, total_q)) with return_attn_probs."""
     _refuse(dropout_p, unsupported)
-    return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                  causal=causal, softmax_scale=softmax_scale, window=_window(window_size),
-                                  softcap=_softcap(softcap), alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                  return_lse=bool(return_attn_probs), block_table=block_table, seqused_k=seqused_k,
-                                  check_values=check_values)
+    with _as_flash_attn_errors():
+        return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                      causal=causal, softmax_scale=softmax_scale, window=_window(window_size),
+                                      softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
+                                      deterministic=deterministic, return_lse=bool(return_attn_probs),
+                                      block_table=block_table, seqused_k=seqused_k, check_values=check_values)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -94,14 +117,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = k_cache.shape[1] - (0 if k is None else k.shape[1])
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: a heuristic), got {num_splits!r}")
-    result = flash_attention_decode(
-        q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k, v_new=v, rotary_cos=rotary_cos,
-        rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx,
-        cache_leftpad=cache_leftpad, k_scale=k_scale, v_scale=v_scale, causal=causal, softmax_scale=softmax_scale,
-        window=_window(window_size), softcap=_softcap(softcap), alibi_slopes=alibi_slopes,
-        return_lse=bool(return_softmax_lse), num_splits="auto" if num_splits == 0 else num_splits,
-        check_values=check_values)
-    return result
+    with _as_flash_attn_errors():
+        return flash_attention_decode(
+            q, k_cache, v_cache, cache_seqlens, block_table=block_table, k_new=k, v_new=v, rotary_cos=rotary_cos,
+            rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx,
+            cache_leftpad=cache_leftpad, k_scale=k_scale, v_scale=v_scale, causal=causal,
+            softmax_scale=softmax_scale, window=_window(window_size), softcap=_softcap(softcap),
+            alibi_slopes=alibi_slopes, return_lse=bool(return_softmax_lse),
+            num_splits="auto" if num_splits == 0 else num_splits, check_values=check_values)
 
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+__all__ = ["FlashAttnInputError", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
