@@ -34,3 +34,4 @@ def test_bad_load_arguments(kwargs, message):
     options = dict(concurrency=1, rate=None) | kwargs
     with pytest.raises(ValueError, match=message):
         run_load("http://127.0.0.1:9", "m", ["t1"], 1, **options)
+

@@ -2,7 +2,7 @@
 client: completions and chat, streaming and not, give the greedy tokens of transformers' own `generate_batch`
 (paged eager attention) on the same random weights; a stream closed by the client gives its cache pages back; a
 request longer than the cache gets a 400 and the server goes on; the load generator measures it; SIGTERM stops it
-with exit status 0, even with a stream open."""
+with exit status 0, even with a stream open. A missing model and an unsupported transformers are one-line errors."""
 
 import json
 import sys
@@ -196,3 +196,20 @@ def test_on_cuda_completions_give_generate_batch_tokens(tmp_path):
         check_completions(process)
     finally:
         assert process.stop() == 0
+
+
+def test_bad_command_input_is_one_line(tmp_path, capsys):
+    from flashmoe_science.cli import main
+
+    assert main(["serve", str(tmp_path / "missing")]) == 2
+    assert "MODEL_OR_CONFIG must be a model directory" in capsys.readouterr().err
+
+
+def test_an_unsupported_transformers_is_refused_by_name(monkeypatch):
+    import transformers
+
+    from flashmoe_science.serving.server import check_serving_stack
+
+    monkeypatch.setattr(transformers, "__version__", "5.99.0")
+    with pytest.raises(RuntimeError, match=r"5\.24.*installed: 5\.99\.0"):
+        check_serving_stack()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from flashmoe_science.errors import CommandError
 from flashmoe_science.serving.model import BACKENDS, default_placement
 
 DEFAULT_PORT = 8000
@@ -55,7 +56,6 @@ def add_serve_parsers(commands) -> None:
 
 def check_stack() -> None:
     """The serving stack's check (`server.check_serving_stack`) as the command's one-line error."""
-    from flashmoe_science.errors import CommandError
     from flashmoe_science.serving.server import check_serving_stack
 
     try:
@@ -70,7 +70,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     check_stack()
     device, dtype = default_placement(args.device, args.dtype)
-    model, tokenizer = load_model(args.model, args.backend, device, dtype, seed=args.seed)
+    try:
+        model, tokenizer = load_model(args.model, args.backend, device, dtype, seed=args.seed)
+    except ValueError as error:
+        raise CommandError(str(error)) from None
     config = server.cb_config(args.backend, args.page_size, args.cache_tokens, args.max_batch_tokens,
                               False if args.no_cuda_graphs else None)
     app = server.Server(args.served_model_name or args.model, model, tokenizer, config)
@@ -84,4 +87,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     from flashmoe_science.serving.bench import run_bench
 
     check_stack()
-    return run_bench(args)
+    try:
+        return run_bench(args)
+    except ValueError as error:
+        raise CommandError(str(error)) from None
