@@ -147,6 +147,9 @@ def test_the_load_generator_measures_concurrent_streams(server):
     assert summary["completion_tokens"] == 20 and summary["prompt_tokens"] == sum(map(len, PROMPTS + PROMPTS[:1]))
     assert 0 < summary["ttft_ms_p50"] <= summary["ttft_ms_p99"] and summary["tokens_per_s"] > 0
     assert all(len(line.chunks) == 5 for line in lines)
+    paced = run_load(server.url, server.config, prompts, max_tokens=2, concurrency=4, rate=10.0)
+    sends = sorted(line.sent for line in paced)
+    assert summarize(paced)["errors"] == 0 and min(b - a for a, b in zip(sends, sends[1:])) >= 0.09
 
 
 def test_sigterm_stops_the_server_with_a_stream_open(server):

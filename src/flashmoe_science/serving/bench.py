@@ -205,7 +205,10 @@ def run_bench(args) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    envelope = {**environment_metadata(resolve_commit(args.commit)), "suite": f"serve-{args.name}"}
+    import transformers
+
+    envelope = {**environment_metadata(resolve_commit(args.commit)), "transformers": transformers.__version__,
+                "suite": f"serve-{args.name}"}
     partial = PartialResults(args.out, envelope)  # what was measured survives a killed run
     records = []
     for backend in args.backends:
