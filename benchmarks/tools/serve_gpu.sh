@@ -5,7 +5,7 @@
 # concurrency 1, 8, 64. Writes under $OUT (flat): env.txt, tests.log, bench.log, serve-<model>.json/.png per model,
 # servers.tgz (the servers' own logs).
 #
-# Run from the repo root on 1 GPU (about 5 minutes), with the serving wheels carried in .whl/serve (6.7 MB):
+# Run from the repo root on 1 GPU (about 5 minutes; at most 8.5: each step has a timeout), with the serving wheels carried in .whl/serve (6.7 MB):
 #   carry .whl ; command: bash benchmarks/tools/serve_gpu.sh
 # The wheels (cp312, manylinux), downloaded on a machine with network:
 #   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -28,7 +28,7 @@ WORK=$(mktemp -d)
 } > "$OUT/env.txt" 2>&1
 
 start=$(date +%s)
-timeout 150 python3 -m pytest -m gpu tests/serving tests/integrations/test_serving_gpu.py -q -p no:cacheprovider \
+timeout 120 python3 -m pytest -m gpu tests/serving tests/integrations/test_serving_gpu.py -q -p no:cacheprovider \
   > "$OUT/tests.log" 2>&1
 status=$?
 echo "tests: $(( $(date +%s) - start )) s, status $status" >> "$OUT/env.txt"
@@ -52,7 +52,7 @@ EOF
 CONCURRENCY=${CONCURRENCY:-1,8,64} PROMPT_TOKENS=${PROMPT_TOKENS:-128:2048} NEW_TOKENS=${NEW_TOKENS:-128}
 for model in ${MODELS:-qwen3-dense qwen3-moe}; do
   start=$(date +%s)
-  timeout ${BENCH_TIMEOUT:-200} python3 -m flashmoe_science.cli serve-bench "$WORK/$model.json" --name "$model" \
+  timeout ${BENCH_TIMEOUT:-180} python3 -m flashmoe_science.cli serve-bench "$WORK/$model.json" --name "$model" \
     --concurrency "$CONCURRENCY" --prompt-tokens "$PROMPT_TOKENS" --new-tokens "$NEW_TOKENS" \
     --cache-tokens ${CACHE_TOKENS:-163840} --out "$WORK/$model" >> "$OUT/bench.log" 2>&1
   status=$?
