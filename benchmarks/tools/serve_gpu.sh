@@ -5,7 +5,8 @@
 # concurrency 1, 8, 64. Writes under $OUT (flat): env.txt, tests.log, bench.log, serve-<model>.json/.png per model,
 # servers.tgz (the servers' own logs).
 #
-# Run from the repo root on 1 GPU (about 5 minutes; at most 8.5: each step has a timeout), with the serving wheels carried in .whl/serve (6.7 MB):
+# Run from the repo root on 1 GPU (about 5 minutes; at most 8.5: each step has a timeout), with the serving wheels
+# carried in .whl/serve (6.7 MB):
 #   carry .whl ; command: bash benchmarks/tools/serve_gpu.sh
 # The wheels (cp312, manylinux), downloaded on a machine with network:
 #   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
