@@ -17,7 +17,9 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export PYTHONPATH=src PYTHONUNBUFFERED=1 FLASHMOE_COMMIT=${FLASHMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null || echo unknown)}
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+FLASHMOE_COMMIT=${FLASHMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)}
+export FLASHMOE_COMMIT=${FLASHMOE_COMMIT:-unknown}
 if ls .whl/serve/*.whl >/dev/null 2>&1; then
   python3 -m pip install --no-index --no-deps --quiet --target /tmp/serve-site .whl/serve/*.whl
   export PYTHONPATH=src:/tmp/serve-site
@@ -25,7 +27,9 @@ fi
 WORK=$(mktemp -d)
 {
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
-  python3 -c "import torch, triton, transformers, fastapi, uvicorn, openai; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__, 'openai', openai.__version__)"
+  python3 -c "import torch, triton, transformers, fastapi, uvicorn, openai as o
+print(torch.__version__, triton.__version__, transformers.__version__, fastapi.__version__, uvicorn.__version__,
+      o.__version__, '(torch triton transformers fastapi uvicorn openai)')"
 } > "$OUT/env.txt" 2>&1
 
 start=$(date +%s)

@@ -166,16 +166,17 @@ class Server:
         self.generation.manager.init_cb(self.model, generation_config)
 
     def cache_statistics(self) -> dict:
-        """The model's attention implementation and the paged cache's pool: its pages, the fractions free and kept only for prefix reuse (unreferenced full
-        pages, evicted when pages run out), the requests holding or awaiting pages, and the per-request limit."""
+        """The model's attention implementation and the paged cache's pool: its pages, the fractions free and kept
+        only for prefix reuse (unreferenced full pages, evicted when pages run out), the requests holding or awaiting
+        pages, and the per-request limit."""
         manager = self.generation.manager
         scheduler = manager.scheduler
         cache = scheduler.cache
         total_bytes = cache.num_sectors * cache.bytes_per_sector
         reusable = sum(len(a.ledger.cached_blocks) * a.bytes_per_block for a in cache.cache_allocators.values())
-        return {"attn_implementation": self.model.config._attn_implementation, "pages": cache.num_blocks, "page_size": manager.page_size,
-                "free_fraction": cache.compute_free_capacity(), "reusable_fraction": reusable / total_bytes,
-                "requests_active": len(scheduler.active_requests),
+        return {"attn_implementation": self.model.config._attn_implementation, "pages": cache.num_blocks,
+                "page_size": manager.page_size, "free_fraction": cache.compute_free_capacity(),
+                "reusable_fraction": reusable / total_bytes, "requests_active": len(scheduler.active_requests),
                 "requests_waiting": len(scheduler.waiting_requests), "max_request_tokens": manager.max_request_tokens}
 
     def shutdown(self) -> None:
