@@ -69,3 +69,16 @@ def test_cli_suite_distributed_without_torchrun_or_gpu(capsys):
         pytest.skip("with a GPU the command runs the one-GPU overlap measurement")
     assert main(["bench", "--suite", "distributed"]) == 2
     assert "torchrun" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("max_tokens,top_k,world_size,factor,expected", [
+    (16384, 8, 4, None, 16384),  # room for every token: never overflows
+    (16384, 8, 4, 1.25, 16384),  # k >= W: a destination may get every token, at most max_tokens
+    (1000, 2, 8, 1.0, 250),  # the average a destination gets from a source: T·min(k, W)/W
+    (1000, 2, 8, 1.5, 375),
+    (3, 1, 4, 0.1, 1),  # at least one row
+])
+def test_symm_exchange_capacity(max_tokens, top_k, world_size, factor, expected):
+    from flashmoe_science.distributed.symm_exchange import capacity
+
+    assert capacity(max_tokens, top_k, world_size, factor) == expected

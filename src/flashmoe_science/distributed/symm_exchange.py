@@ -29,6 +29,7 @@ sent, its token's output (and gradients) are NaN, and the largest count is kept 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,9 +37,12 @@ import torch
 import torch.distributed as dist
 
 from flashmoe_science.distributed.pair_plan import plan_pairs
-from flashmoe_science.distributed.triton_exchange import combine_launch, dispatch_launch, return_launch
+from flashmoe_science.distributed.triton_exchange import DELTA_ALIGN, combine_launch, dispatch_launch, return_launch
 
 ALIGN = 256  # bytes between regions: vector stores stay aligned whatever the widths
+# a rank that never reaches a barrier (an error on one rank) stops the others with a device error instead of a hang;
+# long enough for the other ranks' first-call kernel compilations between two barriers
+BARRIER_TIMEOUT_MS = 300_000
 
 
 def capacity(max_tokens: int, top_k: int, world_size: int, capacity_factor: float | None) -> int:
@@ -123,11 +127,21 @@ def emulated_group(world_size: int, max_tokens: int, width: int, top_k: int, dty
     TRITON_INTERPRET=1)."""
     cap = capacity(max_tokens, top_k, world_size, capacity_factor)
     nbytes = buffer_bytes(world_size, cap, width, top_k, dtype)
-    buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world_size)]
+    allocations = [torch.zeros(nbytes + DELTA_ALIGN, dtype=torch.uint8, device=device) for _ in range(world_size)]
+    buffers = [a[-a.data_ptr() % DELTA_ALIGN:][:nbytes] for a in allocations]  # aligned as the GPUs' mappings are
     ptrs = [b.data_ptr() for b in buffers]
-    return [carve(b, r, world_size, cap, max_tokens, width, top_k, dtype,
-                  torch.tensor([p - ptrs[r] for p in ptrs], dtype=torch.int64, device=device), lambda: None, buffers)
-            for r, b in enumerate(buffers)]
+    return [carve(b, r, world_size, cap, max_tokens, width, top_k, dtype, _deltas(ptrs, r, device), lambda: None,
+                  allocations) for r, b in enumerate(buffers)]
+
+
+def _deltas(ptrs: list[int], rank: int, device) -> torch.Tensor:
+    """(W,) int64 bytes from this rank's buffer to each peer's (multiples of ``DELTA_ALIGN``, as the kernels
+    assume)."""
+    deltas = [p - ptrs[rank] for p in ptrs]
+    if any(d % DELTA_ALIGN for d in deltas):
+        raise RuntimeError(f"the exchange buffers' addresses differ by {deltas} bytes: the kernels need multiples "
+                           f"of {DELTA_ALIGN}")
+    return torch.tensor(deltas, dtype=torch.int64, device=device)
 
 
 def symmetric_group(group, max_tokens: int, width: int, top_k: int, dtype: torch.dtype,
@@ -136,17 +150,18 @@ def symmetric_group(group, max_tokens: int, width: int, top_k: int, dtype: torch
     with the same arguments; ``max_tokens`` the largest over the ranks)."""
     import torch.distributed._symmetric_memory as symm_mem
 
+    # the exchange uses peer mappings only: no NVLink multicast object (which hosts without it fail to create)
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     group = group if group is not None else dist.group.WORLD
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     cap = capacity(max_tokens, top_k, world_size, capacity_factor)
     buffer = symm_mem.empty(buffer_bytes(world_size, cap, width, top_k, dtype), dtype=torch.uint8, device=device)
     buffer.zero_()  # received rows past the counts are never read as data, but stay finite
     handle = symm_mem.rendezvous(buffer, group.group_name)
-    ptrs = list(handle.buffer_ptrs)
-    deltas = torch.tensor([p - ptrs[rank] for p in ptrs], dtype=torch.int64, device=device)
+    deltas = _deltas(list(handle.buffer_ptrs), rank, device)
 
     def barrier():
-        handle.barrier(channel=0)
+        handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
 
     barrier()  # the zero fill is done everywhere before any peer writes
     return carve(buffer, rank, world_size, cap, max_tokens, width, top_k, dtype, deltas, barrier, (handle, buffer))

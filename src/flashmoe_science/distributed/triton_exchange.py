@@ -30,6 +30,10 @@ from flashmoe_science.distributed.triton_plan import _column
 from flashmoe_science.moe.launch import Launch
 
 BLOCK_ROWS = 16  # rows per program: a (16, 256) bf16 tile is 8 KB in flight per store
+# The byte distances between the ranks' buffers are multiples of this (symmetric-memory mappings are granularity
+# aligned; `symm_exchange` checks it): 16 elements of any dtype up to 8 bytes and more, which the kernels tell the
+# compiler so that stores to a peer vectorise as local ones do.
+DELTA_ALIGN = 1024
 
 
 @triton.jit
@@ -93,7 +97,8 @@ def _dispatch_kernel(
         sent = valid & (slot >= 0) & (pos < cap)
         row = rank * cap + pos  # int64
         delta = _pick(deltas, dests, w)
-        tl.store(recv_ptr + delta // ELEM + row[:, None] * width + cols[None, :], rows,
+        shift = tl.multiple_of(delta // ELEM, 16)  # DELTA_ALIGN: peer rows stay as aligned as this rank's
+        tl.store(recv_ptr + shift + row[:, None] * width + cols[None, :], rows,
                  mask=sent[:, None] & in_cols[None, :])
         if META:
             for k in tl.static_range(TOP_K):
@@ -132,8 +137,8 @@ def _return_kernel(
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = back[:, None] & (cols < width)[None, :]
     values = tl.load(rows_ptr + rows[:, None] * width + cols[None, :], mask=mask)
-    delta = tl.load(deltas_ptr + source, mask=valid, other=0) // ELEM
-    tl.store(back_ptr + (delta + (rank * cap + index) * width)[:, None] + cols[None, :], values, mask=mask)
+    shift = tl.multiple_of(tl.load(deltas_ptr + source, mask=valid, other=0) // ELEM, [16])  # DELTA_ALIGN
+    tl.store(back_ptr + (shift + (rank * cap + index) * width)[:, None] + cols[None, :], values, mask=mask)
 
 
 @triton.jit
