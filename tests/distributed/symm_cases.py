@@ -144,6 +144,27 @@ def symm_cuda_graph_training_step(rank, world_size):
         raise AssertionError("; ".join(errors))
 
 
+def symm_no_host_sync(rank, world_size):
+    """A training step (routing, exchange, experts, backward) with CUDA's synchronising calls made errors
+    (``torch.cuda.set_sync_debug_mode``): no host read anywhere."""
+    tokens = 256
+    layer = _graph_layer(world_size, tokens)
+    x = torch.randn(tokens, 256, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(tokens, 256, dtype=torch.bfloat16)
+    layer(x).backward(grad)  # compilations, buffers
+    error = None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x).backward(grad)
+    except RuntimeError as raised:
+        error = raised
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    if error is not None:
+        raise AssertionError(f"a synchronising call in the step: {error}")
+
+
 def symm_overflow_is_loud(rank, world_size):
     """Every token to experts 0 and 1 (rank 0's) with a small capacity: the tokens past it come back NaN, the
     others exact, and the capacity check raises."""
