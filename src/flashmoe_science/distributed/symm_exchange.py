@@ -158,7 +158,11 @@ def symmetric_group(group, max_tokens: int, width: int, top_k: int, dtype: torch
     buffer = symm_mem.empty(buffer_bytes(world_size, cap, width, top_k, dtype), dtype=torch.uint8, device=device)
     buffer.zero_()  # received rows past the counts are never read as data, but stay finite
     handle = symm_mem.rendezvous(buffer, group.group_name)
-    deltas = _deltas(list(handle.buffer_ptrs), rank, device)
+    # the handle's pointers are its allocations' starts; a tensor from the symmetric memory pool may start inside
+    # its allocation, so each rank's offset travels too (one all-gather while the buffers are made)
+    offsets = [None] * world_size
+    dist.all_gather_object(offsets, buffer.data_ptr() - handle.buffer_ptrs[rank], group=group)
+    deltas = _deltas([p + o for p, o in zip(handle.buffer_ptrs, offsets)], rank, device)
 
     def barrier():
         handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
