@@ -38,7 +38,7 @@ class SymmetricMemoryExchange:
         if not problem.x.is_cuda:
             return f"x is on {problem.x.device.type}: peer mappings need CUDA tensors"
         backend = dist.get_backend(problem.group)
-        if backend != "nccl":
+        if "nccl" not in backend:  # "nccl", or a per-device map such as "cuda:nccl,cpu:gloo"
             return f"the group's backend is {backend}: symmetric memory takes NCCL groups (one GPU per rank)"
         if not symmetric_memory_importable():
             return "this torch has no torch.distributed._symmetric_memory"
