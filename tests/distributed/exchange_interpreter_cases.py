@@ -123,3 +123,28 @@ def test_capacity_overflow_gives_nan_rows_and_a_clear_error():
             with pytest.raises(RuntimeError, match="capacity is 8"):
                 group[r].check_capacity()
     assert overflowed == 2
+
+
+@pytest.mark.parametrize("needs", [(True, True, True, True), (False, False, True, False), (True, False, False, True)])
+def test_autograd_function_on_one_rank(needs):
+    """`SymmExpertParallel` (the autograd function the GPU path applies) on a group of one, its barrier a no-op:
+    the gradients asked for, and None for the others, as the whole layer's."""
+    from flashmoe_science.distributed.symm_exchange import SymmExpertParallel
+
+    tokens, num_experts, top_k = 21, 4, 2
+    x, w1, w2, ids, weights, grad = _problem([tokens], num_experts, top_k, 24, 8)
+    expected_leaves = [t.clone().requires_grad_() for t in (x, w1, w2, weights)]
+    expected = fused_experts(*expected_leaves[:3], expected_leaves[3], ids, backend="reference")
+    expected.backward(grad)
+    group = emulated_group(1, tokens, 24, top_k, torch.float64)
+    leaves = [t.clone().requires_grad_(need) for t, need in zip((x, weights, w1, w2), needs)]
+    out = SymmExpertParallel.apply(leaves[0], leaves[1], leaves[2], leaves[3], ids, group[0], num_experts,
+                                   "reference", True)
+    _close("out", out.detach(), expected.detach())
+    out.backward(grad)
+    references = (expected_leaves[0].grad, expected_leaves[3].grad, expected_leaves[1].grad, expected_leaves[2].grad)
+    for name, leaf, need, reference in zip(("dx", "dweights", "dw1", "dw2"), leaves, needs, references):
+        if need:
+            _close(name, leaf.grad, reference, rtol=1e-6 if name == "dweights" else 1e-12)
+        else:
+            assert leaf.grad is None, name
