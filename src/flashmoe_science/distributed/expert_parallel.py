@@ -307,6 +307,13 @@ class ExpertParallelMoE(nn.Module):
                                       capacity_factor=self.capacity_factor, max_tokens=self.max_tokens)
         return out.reshape(hidden_states.shape)
 
+    def check_capacity(self) -> None:
+        """Raise where a call on this layer's group since its symmetric-memory buffers were made sent more tokens to a
+        rank than their capacity (``capacity_factor``); one host read, for outside the step or the captured graph."""
+        from flashmoe_science.distributed.symm_exchange import check_exchange_capacity
+
+        check_exchange_capacity(self.group)
+
     def describe_exchange(self, hidden_states: torch.Tensor) -> str:
         """Which exchange a call on ``hidden_states`` takes, and why the ones before it declined."""
         return describe_exchange(plan_exchange(ExchangeProblem(hidden_states, self.group, self.exchange)))
