@@ -25,7 +25,7 @@ def _bf16_error(got, expected) -> str | None:
     return None if err <= 2e-2 * scale + 1e-3 else f"max abs error {err:.3g} (largest value {scale:.3g})"
 
 
-def _layer_problem(world_size, tokens, num_experts=16, top_k=4, d_model=256, d_ff=128, dtype=torch.bfloat16):
+def _layer_problem(tokens, num_experts=16, top_k=4, d_model=256, d_ff=128, dtype=torch.bfloat16):
     total = sum(tokens)
     x = torch.randn(total, d_model, dtype=dtype)
     logits = torch.randn(total, num_experts, dtype=dtype)
@@ -49,7 +49,7 @@ def _run(x, w1, w2, weights, ids, grad, **kwargs):
 def symm_matches_nccl_and_one_gpu(rank, world_size):
     tokens = [96 + 32 * r for r in range(world_size)]  # ragged
     num_experts = 16
-    x, w1, w2, weights, ids, grad = _layer_problem(world_size, tokens, num_experts)
+    x, w1, w2, weights, ids, grad = _layer_problem(tokens, num_experts)
     whole = _run(x, w1, w2, weights, ids, grad)
     rows = slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
     first, stop = expert_bounds(num_experts, world_size)[rank:rank + 2]
@@ -68,10 +68,10 @@ def symm_matches_nccl_and_one_gpu(rank, world_size):
         raise AssertionError("; ".join(errors))
 
 
-def _graph_layer(world_size, tokens):
-    layer = ExpertParallelMoE(256, 128, 16, 4, exchange="symm_mem", max_tokens=tokens, dtype=torch.bfloat16,
-                              device=torch.device("cuda", torch.cuda.current_device()))
-    return layer
+def _graph_layer(tokens):
+    """Qwen3-like in small (d 256, F 128, 16 experts, top-4), buffers for ``tokens`` per rank."""
+    return ExpertParallelMoE(256, 128, 16, 4, exchange="symm_mem", max_tokens=tokens, dtype=torch.bfloat16,
+                             device=torch.device("cuda", torch.cuda.current_device()))
 
 
 def _warm_up(step, times=2):
@@ -86,7 +86,7 @@ def _warm_up(step, times=2):
 def symm_cuda_graph_forward(rank, world_size):
     """A layer's forward captured once, replayed on new tokens: the eager forward's result, bit for bit."""
     tokens = 256
-    layer = _graph_layer(world_size, tokens)
+    layer = _graph_layer(tokens)
     static_x = torch.randn(tokens, 256, dtype=torch.bfloat16)
     with torch.no_grad():
         _warm_up(lambda: layer(static_x))
@@ -108,7 +108,7 @@ def symm_cuda_graph_forward(rank, world_size):
 def symm_cuda_graph_training_step(rank, world_size):
     """Forward and backward captured in one graph: the replay's output and gradients equal an eager step's."""
     tokens = 256
-    layer = _graph_layer(world_size, tokens)
+    layer = _graph_layer(tokens)
     static_x = torch.randn(tokens, 256, dtype=torch.bfloat16, requires_grad=True)
     static_grad = torch.randn(tokens, 256, dtype=torch.bfloat16)
 
@@ -148,7 +148,7 @@ def symm_no_host_sync(rank, world_size):
     """A training step (routing, exchange, experts, backward) with CUDA's synchronising calls made errors
     (``torch.cuda.set_sync_debug_mode``): no host read anywhere."""
     tokens = 256
-    layer = _graph_layer(world_size, tokens)
+    layer = _graph_layer(tokens)
     x = torch.randn(tokens, 256, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(tokens, 256, dtype=torch.bfloat16)
     layer(x).backward(grad)  # compilations, buffers
@@ -207,4 +207,7 @@ def symm_plan_takes_one_host_nccl_group(rank, world_size):
         raise AssertionError(f"auto chose {choice.backend} ({text}); forced nccl gave {forced.backend}")
 
 
-CASES = [name for name in dir() if name.startswith("symm_")]
+# in the order they run: the comparisons first, the CUDA-graph captures last (a capture that fails may leave the
+# process's CUDA context unusable for what follows)
+CASES = ["symm_matches_nccl_and_one_gpu", "symm_plan_takes_one_host_nccl_group", "symm_no_host_sync",
+         "symm_overflow_is_loud", "symm_cuda_graph_forward", "symm_cuda_graph_training_step"]
