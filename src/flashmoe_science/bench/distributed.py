@@ -378,8 +378,8 @@ def _ep_graph_records(world_size, rank, group, device, dtype, config, tokens, mo
 def run_scaling_bench(group=None, quick: bool = False, progress=None, on_length=None,
                       ops=("ep-moe", "ring-attention")) -> list[dict]:
     """The multi-rank suite on an initialised process group (every rank calls it; every rank gets the records).
-    ``on_length(records)``: called after the EP records and after each ring length with the records so far (partial
-    results). ``ops``: the parts to run."""
+    ``on_length(records)``: called after each part of the EP records and after each ring length with the records so
+    far (partial results). ``ops``: the parts to run."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     on_gpu = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -391,6 +391,8 @@ def run_scaling_bench(group=None, quick: bool = False, progress=None, on_length=
         if "ep-moe" in ops:
             config = MODELS[EP_MODEL]
             ep = _ep_records(world_size, rank, group, device, dtype, config, EP_TOKENS, EP_MODEL, progress)
+            if on_length is not None:
+                on_length(ep)
             ep += _ep_graph_records(world_size, rank, group, device, dtype, config, EP_DECODE_TOKENS, EP_MODEL,
                                     progress)
             if on_length is not None:
