@@ -233,12 +233,10 @@ def expert_parallel_experts(x, w1, w2, topk_weights, topk_ids, group=None, *, nu
     if world_size == 1:
         return fused_experts(x, w1, w2, topk_weights, topk_ids, backend=backend)
     if plan_exchange(ExchangeProblem(x, group, exchange)).backend == "symm_mem":
-        from flashmoe_science.distributed import symm_exchange
+        from flashmoe_science.distributed.symm_exchange import symmetric_expert_parallel
 
-        buffers = symm_exchange.buffers_for(group, num_tokens, x.shape[1], topk_ids.shape[1], x.dtype, x.device,
-                                            capacity_factor, max_tokens)
-        return symm_exchange.SymmExpertParallel.apply(x, topk_weights, w1, w2, topk_ids, buffers, num_experts,
-                                                      backend, torch.is_grad_enabled())
+        return symmetric_expert_parallel(x, topk_weights, w1, w2, topk_ids, group, num_experts, backend,
+                                         capacity_factor, max_tokens)
     plan = _plan_exchange(topk_ids, num_experts, world_size, group, overlap_chunks)
     return _ExpertParallel.apply(x, topk_weights, w1, w2, plan, backend)
 

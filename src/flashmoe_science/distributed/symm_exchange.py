@@ -352,3 +352,13 @@ class SymmExpertParallel(torch.autograd.Function):
         ctx.state = None
         dweights = None if dweights is None else dweights.to(weights_dtype)
         return dx, dweights, experts.dw1, experts.dw2, None, None, None, None, None
+
+
+@torch.compiler.disable  # device barriers and peer stores: eager kernels (a graph break under torch.compile)
+def symmetric_expert_parallel(x, topk_weights, w1, w2, topk_ids, group, num_experts: int, backend: str,
+                              capacity_factor: float | None, max_tokens: int | None):
+    """`expert_parallel_experts` over this exchange, on checked arguments."""
+    buffers = buffers_for(group, x.shape[0], x.shape[1], topk_ids.shape[1], x.dtype, x.device, capacity_factor,
+                          max_tokens)
+    return SymmExpertParallel.apply(x, topk_weights, w1, w2, topk_ids, buffers, num_experts, backend,
+                                    torch.is_grad_enabled())
