@@ -88,9 +88,6 @@ def _dispatch_kernel(
     dests = tl.arange(0, W_POW2)
     offsets = _offsets(send_counts_ptr, dests, WORLD)
     deltas = tl.load(deltas_ptr + dests, mask=dests < WORLD, other=0)
-    # the routing goes once per token, with its first block of columns (a vector: the interpreter rejects a mask
-    # combined with a scalar condition)
-    first_cols = (tl.zeros_like(tokens) + pid_d) == 0
     for w in tl.static_range(WORLD):
         slot = tl.load(slots_ptr + tokens.to(tl.int64) * WORLD + w, mask=valid, other=-1)
         pos = slot - _pick(offsets, dests, w)
@@ -101,16 +98,17 @@ def _dispatch_kernel(
         tl.store(recv_ptr + shift + row[:, None] * width + cols[None, :], rows,
                  mask=sent[:, None] & in_cols[None, :])
         if META:
-            for k in tl.static_range(TOP_K):
-                owner, local = _column(ids_ptr, tokens, valid, k, stride_t, stride_k, num_experts, base, extra)
-                weight = tl.load(weights_ptr + tokens.to(tl.int64) * TOP_K + k, mask=valid, other=0.0)
-                at = delta // 4 + row * TOP_K + k
-                tl.store(ids_recv_ptr + at, tl.where(owner == w, local, -1), mask=sent & first_cols)
-                tl.store(weights_recv_ptr + at, weight, mask=sent & first_cols)
+            if pid_d == 0:  # the routing goes once per token, with its first block of columns
+                for k in tl.static_range(TOP_K):
+                    owner, local = _column(ids_ptr, tokens, valid, k, stride_t, stride_k, num_experts, base, extra)
+                    weight = tl.load(weights_ptr + tokens.to(tl.int64) * TOP_K + k, mask=valid, other=0.0)
+                    at = delta // 4 + row * TOP_K + k
+                    tl.store(ids_recv_ptr + at, tl.where(owner == w, local, -1), mask=sent)
+                    tl.store(weights_recv_ptr + at, weight, mask=sent)
     if META:
-        counts = tl.load(send_counts_ptr + dests, mask=dests < WORLD, other=0).to(tl.int32)
-        first = (tl.zeros_like(dests) + pid_t + pid_d) == 0
-        tl.store(counts_recv_ptr + deltas // 4 + rank, counts, mask=(dests < WORLD) & first)
+        if pid_t + pid_d == 0:
+            counts = tl.load(send_counts_ptr + dests, mask=dests < WORLD, other=0).to(tl.int32)
+            tl.store(counts_recv_ptr + deltas // 4 + rank, counts, mask=dests < WORLD)
 
 
 @triton.jit
