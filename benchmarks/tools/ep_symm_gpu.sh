@@ -22,7 +22,7 @@ echo "tests: rc $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/tests.log"
 tail -n 25 "$OUT/tests.log"
 if grep -q "PASSED.*symm_matches_nccl_and_one_gpu" "$OUT/tests.log"; then
   start=$(date +%s)
-  timeout 270 torchrun --nproc-per-node "$GPUS" -m flashmoe_science.cli bench --suite distributed --ops ep-moe \
+  timeout 270 python3 -m torch.distributed.run --nproc-per-node "$GPUS" -m flashmoe_science.cli bench --suite distributed --ops ep-moe \
     --out "$OUT" > "$OUT/bench.log" 2>&1
   echo "bench: rc $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.log"
   tail -n 30 "$OUT/bench.log"
