@@ -1,4 +1,4 @@
-"""Device ops and time of the expert-parallel exchange plan: the PyTorch plan (``expert_parallel._plan_pairs``, the
+"""Device ops and time of the expert-parallel exchange plan: the PyTorch plan (``pair_plan.plan_pairs_reference``, the
 CPU path) against the Triton plan (``triton_plan.plan_pairs``, the CUDA path) at the distributed bench's EP routing
 (Qwen3-30B-A3B: top-8 of 128 experts, 16k tokens per rank), per world size and chunk count, on one GPU.
 
@@ -24,7 +24,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flashmoe_science.distributed.expert_parallel import _plan_pairs
+from flashmoe_science.distributed.pair_plan import plan_pairs_reference as _plan_pairs
 
 NUM_EXPERTS, TOP_K = 128, 8  # bench/distributed.EP_MODEL's routing
 NOT_DEVICE_WORK = {"view", "t", "slice", "select", "unsqueeze", "empty", "scalar_tensor", "_reshape_alias",

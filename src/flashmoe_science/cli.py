@@ -243,6 +243,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise CommandError(f"bench --dtype {args.dtype}: {GPU_ONLY}; on a CPU the comparison runs float32")
     if args.dtype is not None and what != "attention":
         raise CommandError(f"bench --dtype applies to the attention benchmark, not {what}")
+    if args.ops is not None and what != "distributed":
+        raise CommandError(f"bench --ops applies to --suite distributed, not {what}")
     if what == "ladder":
         from flashmoe_science.bench.ladder import run_from_cli as run_ladder
 
@@ -449,6 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
         "`torchrun --nproc-per-node N -m flashmoe_science.cli bench --suite distributed`, or without torchrun on "
         "one GPU a ring step's overlap and one EP rank's expert work (bench/distributed.py). Or ladder (alone): every "
         "rung of attention.ladder from the CPU to the Hopper kernel (bench/ladder.py)",
+    )
+    bench.add_argument(
+        "--ops", type=_comma_list(("ep-moe", "ring-attention")),
+        help="--suite distributed under torchrun: the parts to run (default: both): ep-moe, ring-attention",
     )
     bench.add_argument(
         "--models", type=_comma_list(tuple(MOE_MODELS)),

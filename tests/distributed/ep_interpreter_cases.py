@@ -2,12 +2,12 @@
 TRITON_INTERPRET=1 on the CPU) in a gloo group: the moe_cases comparisons against the whole layer in one process."""
 
 import moe_cases
-from flashmoe_science.distributed import expert_parallel
+from flashmoe_science.distributed import pair_plan
 
 
 def _with_triton_plan(case):
     def run(rank, world_size):
-        expert_parallel._plans_in_triton = lambda topk_ids: True  # this rank's process only
+        pair_plan.plans_in_triton = lambda topk_ids: True  # this rank's process only
         case(rank, world_size)
     return run
 

@@ -115,7 +115,10 @@ def ep_bad_input(rank, world_size):
     ids, weights = torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1)
     for kwargs, fragment in ((dict(num_experts=100 * world_size), "w1 must hold this rank's"),
                              (dict(num_experts=1), "at least the group's size"),
-                             (dict(num_experts=3 * world_size, overlap_chunks=0), "overlap_chunks")):
+                             (dict(num_experts=3 * world_size, overlap_chunks=0), "overlap_chunks"),
+                             (dict(num_experts=3 * world_size, exchange="nvshmem"), "exchange must be one of"),
+                             (dict(num_experts=3 * world_size, capacity_factor=0), "capacity_factor"),
+                             (dict(num_experts=3 * world_size, max_tokens=0), "max_tokens")):
         try:
             expert_parallel_experts(x, w1, w2, weights, ids, **kwargs)
         except ValueError as error:
@@ -123,6 +126,28 @@ def ep_bad_input(rank, world_size):
                 raise AssertionError(f"{error!r} lacks {fragment!r}") from error
         else:
             raise AssertionError(f"no error for {kwargs}")
+
+
+def ep_exchange_plan_off_nvlink(rank, world_size):
+    # gloo (CPU tensors, or CUDA tensors staged through the host): the NCCL exchange, with symmetric memory's reason;
+    # asked for by name, symmetric memory refuses with it
+    from flashmoe_science.distributed.exchange_plan import ExchangeProblem, describe_exchange, plan_exchange
+
+    if dist.get_backend() == "nccl":  # the NCCL groups' choice: symm_cases.symm_plan_takes_one_host_nccl_group
+        return
+    x = torch.randn(4, 8)
+    choice = plan_exchange(ExchangeProblem(x, None))
+    why = choice.why_not("symm_mem") or ""
+    if choice.backend != "nccl" or not ("cpu" in why or "gloo" in why):
+        raise AssertionError(describe_exchange(choice))
+    layer = ExpertParallelMoE(8, 4, 2 * world_size, 1, exchange="symm_mem", device=x.device)
+    try:
+        layer(x)
+    except ValueError as error:
+        if "symm_mem" not in str(error):
+            raise AssertionError(f"{error!r} does not name the exchange") from error
+    else:
+        raise AssertionError("exchange='symm_mem' on a gloo group ran")
 
 
 CASES = [name for name in dir() if name.startswith("ep_")]

@@ -1,5 +1,5 @@
 """The expert-parallel plan's Triton kernels (distributed/triton_plan.py) under the CPU interpreter, against the
-PyTorch plan (expert_parallel._plan_pairs) and a loop over tokens that states the send order directly.
+PyTorch plan (pair_plan.plan_pairs_reference) and a loop over tokens that states the send order directly.
 
 Not collected directly (no ``test_`` prefix): ``test_expert_parallel.py`` runs this file in a subprocess with
 ``TRITON_INTERPRET=1`` (Triton decides between compiling and interpreting when a kernel module is imported).
@@ -15,7 +15,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 (see test_expert_parallel.py)", allow_module_level=True)
 
 from flashmoe_science.distributed import expert_bounds  # noqa: E402
-from flashmoe_science.distributed.expert_parallel import _plan_pairs  # noqa: E402
+from flashmoe_science.distributed.pair_plan import plan_pairs_reference as _plan_pairs  # noqa: E402
 from flashmoe_science.distributed.triton_plan import plan_pairs  # noqa: E402
 
 

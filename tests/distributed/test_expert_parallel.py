@@ -23,7 +23,7 @@ def test_owner_arithmetic_matches_expert_bounds(num_experts, world_size):
     """The plan's device arithmetic (owner and first expert of every id) is expert_bounds' table."""
     import torch
 
-    from flashmoe_science.distributed.expert_parallel import _owner_and_start
+    from flashmoe_science.distributed.pair_plan import owner_and_start as _owner_and_start
 
     bounds = expert_bounds(num_experts, world_size)
     ids = torch.arange(num_experts)
@@ -35,8 +35,10 @@ def test_owner_arithmetic_matches_expert_bounds(num_experts, world_size):
 
 
 def test_triton_plan_under_interpreter():
-    """The plan's kernels against the PyTorch plan and a loop over tokens (plan_interpreter_cases.py), then the layer
-    planned by them in 4 gloo ranks (ep_interpreter_cases.py): each in a process started with TRITON_INTERPRET=1."""
+    """The plan's kernels against the PyTorch plan and a loop over tokens (plan_interpreter_cases.py), the
+    symmetric-memory exchange's kernels on an emulated group against the whole layer (exchange_interpreter_cases.py),
+    then the layer planned by the plan's kernels in 4 gloo ranks (ep_interpreter_cases.py): each in a process
+    started with TRITON_INTERPRET=1."""
     pytest.importorskip("triton")
     from pathlib import Path
 
@@ -45,7 +47,8 @@ def test_triton_plan_under_interpreter():
     from interpreter_driver import run_under_interpreter
 
     here = Path(__file__).resolve().parent
-    run_under_interpreter(here.parents[1], str(here / "plan_interpreter_cases.py"), timeout=300)
+    run_under_interpreter(here.parents[1], str(here / "plan_interpreter_cases.py"),
+                          str(here / "exchange_interpreter_cases.py"), timeout=300)
     names = [f"ep_interpreter_cases.{case}" for case in ep_interpreter_cases.CASES]
     errors = {name: error for name, error in run_cases(names, 4, env={"TRITON_INTERPRET": "1"}).items() if error}
     if errors:
@@ -66,3 +69,16 @@ def test_cli_suite_distributed_without_torchrun_or_gpu(capsys):
         pytest.skip("with a GPU the command runs the one-GPU overlap measurement")
     assert main(["bench", "--suite", "distributed"]) == 2
     assert "torchrun" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("max_tokens,top_k,world_size,factor,expected", [
+    (16384, 8, 4, None, 16384),  # room for every token: never overflows
+    (16384, 8, 4, 1.25, 16384),  # k >= W: a destination may get every token, at most max_tokens
+    (1000, 2, 8, 1.0, 250),  # the average a destination gets from a source: T·min(k, W)/W
+    (1000, 2, 8, 1.5, 375),
+    (3, 1, 4, 0.1, 1),  # at least one row
+])
+def test_symm_exchange_capacity(max_tokens, top_k, world_size, factor, expected):
+    from flashmoe_science.distributed.symm_exchange import capacity
+
+    assert capacity(max_tokens, top_k, world_size, factor) == expected

@@ -19,7 +19,7 @@ _spec.loader.exec_module(tool)
 @pytest.mark.parametrize("world_size", (2, 4, 8, 16))
 @pytest.mark.parametrize("tokens, chunks", [(16384, 2), (16387, 3), (3, 4), (1, 1)])
 def test_triton_plan_matches_pytorch_plan(world_size, tokens, chunks):
-    from flashmoe_science.distributed.expert_parallel import _plan_pairs
+    from flashmoe_science.distributed.pair_plan import plan_pairs_reference as _plan_pairs
     from flashmoe_science.distributed.triton_plan import plan_pairs
 
     topk_ids = tool.routing(tokens, "cuda")
@@ -30,7 +30,7 @@ def test_triton_plan_matches_pytorch_plan(world_size, tokens, chunks):
 
 
 def test_triton_plan_is_two_kernels():
-    from flashmoe_science.distributed.expert_parallel import _plan_pairs
+    from flashmoe_science.distributed.pair_plan import plan_pairs_reference as _plan_pairs
     from flashmoe_science.distributed.triton_plan import plan_pairs
 
     topk_ids = tool.routing(16384, "cuda")

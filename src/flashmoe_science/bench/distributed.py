@@ -9,10 +9,13 @@ Under ``torchrun --nproc-per-node N`` (N > 1; NCCL on GPUs, gloo on CPUs), `run_
   on N GPUs over N times tokens/s on one (1.0 = perfect scaling). PyTorch's ``context_parallel`` SDPA runs in the
   same pass where this torch has it (``backend`` "torch-cp"; ours carry ``speed_vs_torch_cp``).
 - On GPUs every record of ours also carries what a ``torch.profiler`` trace of one call shows: ``comm_ms`` (NCCL
-  kernels), ``comm_hidden`` (the share of it overlapped by computing kernels) and ``compute_idle_ms``.
+  kernels, or the symmetric-memory exchange's stores to peers and barriers: ``COMM_KERNELS``), ``comm_hidden`` (the share of it overlapped by computing kernels) and ``compute_idle_ms``.
 - ``ep-moe``: `ExpertParallelMoE`'s computation (routing, exchange, local experts, combine) at Qwen3-30B-A3B shapes
   (E=128, top-8, d=2048, F=768) with T=16384 tokens per GPU, against `fused_moe` of the whole layer on T tokens on
-  one GPU; ``efficiency`` = tokens/s per GPU over the one-GPU layer's; ``overlap_chunks`` 1 (no overlap), 2 and 4.
+  one GPU; ``efficiency`` = tokens/s per GPU over the one-GPU layer's; each ``exchange``: NCCL at
+  ``overlap_chunks`` 1 (no overlap), 2 and 4, and symmetric memory where the plan takes it. Then the decode-like
+  regime: the forward at T=2048 per GPU, the one-GPU layer and the symmetric-memory exchange timed as CUDA-graph
+  replays (``timing``), the NCCL exchange eagerly (its host read of the counts cannot be captured).
 
 Timing: the same number of calls on every rank (a collective must be entered by all ranks, so a per-rank adaptive timer
 such as ``do_bench`` cannot be used; the count follows the slowest rank's first call); each call starts after a
@@ -42,7 +45,11 @@ from flashmoe_science.errors import CommandError
 RING_LENGTHS = (131072, 262144, 524288, 1048576)
 RING_SHAPE = dict(batch=1, heads=8, head_dim=128)
 EP_MODEL, EP_TOKENS = "qwen3-30b-a3b", 16384
-EP_CHUNKS = (1, 2, 4)  # overlap_chunks: 1 is no overlap
+EP_CHUNKS = (1, 2, 4)  # overlap_chunks of the NCCL exchange: 1 is no overlap
+EP_DECODE_TOKENS = 2048  # the decode-like regime, timed as CUDA-graph replays
+# kernels that move data between GPUs (lower-case name fragments): NCCL's; the symmetric-memory exchange's stores to
+# the peers (triton_exchange) and its signal-pad barriers
+COMM_KERNELS = ("nccl", "_dispatch_kernel", "_return_kernel", "barrier")
 OVERLAP_SHARDS = (8192, 16384, 32768, 65536, 131072)  # c: the chunk length; a rank holds 2c tokens
 NVLINK_GBPS = 450.0
 # CPU (gloo) smoke sizes: the harness, not a measurement
@@ -173,8 +180,9 @@ def _backward_fits(seqlen: int, shape: dict, device, dtype) -> bool:
 
 
 def _kernel_intervals(profile) -> tuple[list, list]:
-    """(communication, computation) kernel intervals (start_us, end_us) of a profiled call: NCCL kernels are the
-    communication, every other kernel the computation (copies done by copy engines are neither)."""
+    """(communication, computation) kernel intervals (start_us, end_us) of a profiled call: the kernels named by
+    ``COMM_KERNELS`` are the communication, every other kernel the computation (copies done by copy engines are
+    neither)."""
     comm, compute = [], []
     for event in profile.events():
         if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA or event.time_range.elapsed_us() <= 0:
@@ -182,7 +190,8 @@ def _kernel_intervals(profile) -> tuple[list, list]:
         name = event.name.lower()
         if "memcpy" in name or "memset" in name:
             continue
-        (comm if "nccl" in name else compute).append((event.time_range.start, event.time_range.end))
+        (comm if any(part in name for part in COMM_KERNELS) else compute).append(
+            (event.time_range.start, event.time_range.end))
     return comm, compute
 
 
@@ -259,8 +268,8 @@ def _torch_context_parallel_ms(full, group, world_size, device, pass_) -> float 
 
 # ------------------------------------------------------------------------------------------------ expert parallel
 def _ep_records(world_size, rank, group, device, dtype, config, tokens, model, progress) -> list[dict]:
-    from flashmoe_science.distributed import expert_bounds, expert_parallel_experts
-    from flashmoe_science.moe import fused_moe, moe_route
+    from flashmoe_science.distributed import expert_bounds
+    from flashmoe_science.moe import fused_moe
 
     num_experts, top_k, d_model, d_ff = (config[name] for name in ("num_experts", "top_k", "d_model", "d_ff"))
     x = torch.randn(tokens, d_model, device=device, dtype=dtype)
@@ -275,47 +284,128 @@ def _ep_records(world_size, rank, group, device, dtype, config, tokens, model, p
     for pass_ in PASSES:
         one_gpu = _collective_median_ms(
             _pass_fn(lambda *t: fused_moe(*t, top_k), (x, w1, w2, logits), pass_), device, group)
-        for chunks in EP_CHUNKS:
-            def layer(x, w1, w2, logits, chunks=chunks):
-                weights, ids = moe_route(logits, top_k)
-                return expert_parallel_experts(x, w1, w2, weights, ids, group, num_experts=num_experts,
-                                               overlap_chunks=chunks)
-
-            run = _pass_fn(layer, (x, w1_local, w2_local, logits), pass_)
+        for exchange, chunks in _ep_configs(x, group):
+            run = _pass_fn(_ep_layer(group, num_experts, top_k, tokens, exchange, chunks),
+                           (x, w1_local, w2_local, logits), pass_)
             ms = _collective_median_ms(run, device, group)
-            records.append({**base, **_comm_overlap(run, device, group), "pass": pass_, "backend": f"flashmoe-ep/chunks={chunks}",
-                            "overlap_chunks": chunks, "ms": round(ms, 4), "ms_1gpu": round(one_gpu, 4),
-                            "tokens_per_s_per_gpu": round(tokens / (ms * 1e-3)),
-                            "tflops_per_gpu": round(expert_gemm_flops(tokens, top_k, d_model, d_ff,
-                                                                      "fwd" if pass_ == "fwd" else "bwd")
-                                                    / (ms * 1e-3) / 1e12, 1),
-                            "efficiency": round(one_gpu / ms, 4)})
+            records.append({**base, **_comm_overlap(run, device, group), "pass": pass_,
+                            "backend": _ep_backend(exchange, chunks), "exchange": exchange, "overlap_chunks": chunks,
+                            **_ep_rates(ms, one_gpu, tokens, top_k, d_model, d_ff, pass_)})
             if progress is not None:
-                progress.update(desc=f"ep {model} {pass_} chunks={chunks}")
+                progress.update(desc=f"ep {model} {pass_} {exchange} chunks={chunks}")
     return records
 
 
-def run_scaling_bench(group=None, quick: bool = False, progress=None, on_length=None) -> list[dict]:
+def _ep_configs(x, group) -> list[tuple[str, int]]:
+    """(exchange, overlap_chunks) to time: the NCCL exchange at each of EP_CHUNKS, and the symmetric-memory
+    exchange (one piece) where the plan takes it."""
+    from flashmoe_science.distributed.exchange_plan import ExchangeProblem, plan_exchange
+
+    configs = [("nccl", chunks) for chunks in EP_CHUNKS]
+    if plan_exchange(ExchangeProblem(x, group)).backend == "symm_mem":
+        configs.append(("symm_mem", 1))
+    return configs
+
+
+def _ep_backend(exchange: str, chunks: int) -> str:
+    return f"flashmoe-ep/{exchange}" + (f"/chunks={chunks}" if exchange == "nccl" else "")
+
+
+def _ep_layer(group, num_experts, top_k, tokens, exchange, chunks):
+    """One EP layer call on this rank's tokens: the routing, the exchange, the local experts, the combine."""
+    from flashmoe_science.distributed import expert_parallel_experts
+    from flashmoe_science.moe import moe_route
+
+    def layer(x, w1, w2, logits):
+        weights, ids = moe_route(logits, top_k)
+        return expert_parallel_experts(x, w1, w2, weights, ids, group, num_experts=num_experts,
+                                       overlap_chunks=chunks, exchange=exchange, max_tokens=tokens)
+    return layer
+
+
+def _ep_rates(ms, one_gpu, tokens, top_k, d_model, d_ff, pass_) -> dict:
+    flops = expert_gemm_flops(tokens, top_k, d_model, d_ff, "fwd" if pass_ == "fwd" else "bwd")
+    return {"ms": round(ms, 4), "ms_1gpu": round(one_gpu, 4), "tokens_per_s_per_gpu": round(tokens / (ms * 1e-3)),
+            "tflops_per_gpu": round(flops / (ms * 1e-3) / 1e12, 1), "efficiency": round(one_gpu / ms, 4)}
+
+
+def _graph_replay_ms(fn, device, group) -> float:
+    """`_collective_median_ms` of replays of ``fn`` captured in a CUDA graph (after two warm-up calls on a side
+    stream: compilations, buffers); every rank captures and replays alike."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _collective_median_ms(graph.replay, device, group)
+
+
+def _ep_graph_records(world_size, rank, group, device, dtype, config, tokens, model, progress) -> list[dict]:
+    """The decode-like regime: the forward at few tokens per GPU, timed as CUDA-graph replays (the one-GPU layer
+    and the symmetric-memory exchange; the NCCL exchange reads counts on the host, so it runs eagerly)."""
+    from flashmoe_science.distributed import expert_bounds
+    from flashmoe_science.moe import fused_moe
+
+    num_experts, top_k, d_model, d_ff = (config[name] for name in ("num_experts", "top_k", "d_model", "d_ff"))
+    x = torch.randn(tokens, d_model, device=device, dtype=dtype)
+    logits = torch.randn(tokens, num_experts, device=device, dtype=dtype)
+    w1 = torch.randn(num_experts, 2 * d_ff, d_model, device=device, dtype=dtype) / math.sqrt(d_model)
+    w2 = torch.randn(num_experts, d_model, d_ff, device=device, dtype=dtype) / math.sqrt(d_ff)
+    first, stop = expert_bounds(num_experts, world_size)[rank:rank + 2]
+    local = (x, w1[first:stop].clone(), w2[first:stop].clone(), logits)
+    base = dict(op="ep-moe", model=model, E=num_experts, top_k=top_k, d_model=d_model, d_ff=d_ff, T=tokens,
+                world_size=world_size, dtype=str(dtype).removeprefix("torch."), **{"pass": "fwd"})
+    with torch.no_grad():
+        one_gpu = _graph_replay_ms(lambda: fused_moe(x, w1, w2, logits, top_k), device, group)
+        records = []
+        for exchange, chunks in ((e, c) for e, c in _ep_configs(x, group) if c == 1):
+            layer = _ep_layer(group, num_experts, top_k, tokens, exchange, chunks)
+            graphed = exchange == "symm_mem"
+            ms = (_graph_replay_ms(lambda: layer(*local), device, group) if graphed
+                  else _collective_median_ms(lambda: layer(*local), device, group))
+            records.append({**base, "backend": _ep_backend(exchange, chunks) + ("/graph" if graphed else ""),
+                            "exchange": exchange, "overlap_chunks": chunks, "timing": "graph" if graphed else "eager",
+                            "timing_1gpu": "graph", **_ep_rates(ms, one_gpu, tokens, top_k, d_model, d_ff, "fwd")})
+            if progress is not None:
+                progress.update(desc=f"ep {model} T={tokens} {exchange}")
+    return records
+
+
+def run_scaling_bench(group=None, quick: bool = False, progress=None, on_length=None,
+                      ops=("ep-moe", "ring-attention")) -> list[dict]:
     """The multi-rank suite on an initialised process group (every rank calls it; every rank gets the records).
-    ``on_length(records)``: called after the EP records and after each ring length with the records so far (partial
-    results)."""
+    ``on_length(records)``: called after each part of the EP records and after each ring length with the records so
+    far (partial results). ``ops``: the parts to run."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     on_gpu = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
+    ep, ring = [], []
     if on_gpu:
         # EP first: minutes shorter than the ring's 1M-token lengths, so a run cut short keeps it in the partial JSON
         lengths = RING_LENGTHS[:2] if quick else RING_LENGTHS
-        ep = _ep_records(world_size, rank, group, device, dtype, MODELS[EP_MODEL], EP_TOKENS, EP_MODEL, progress)
-        if on_length is not None:
-            on_length(ep)
-        ring = _ring_records(world_size, rank, group, device, dtype, lengths, RING_SHAPE, progress,
-                             None if on_length is None else (lambda so_far: on_length(ep + so_far)))
-        records = ring + ep
+        if "ep-moe" in ops:
+            config = MODELS[EP_MODEL]
+            ep = _ep_records(world_size, rank, group, device, dtype, config, EP_TOKENS, EP_MODEL, progress)
+            if on_length is not None:
+                on_length(ep)
+            ep += _ep_graph_records(world_size, rank, group, device, dtype, config, EP_DECODE_TOKENS, EP_MODEL,
+                                    progress)
+            if on_length is not None:
+                on_length(ep)
+        if "ring-attention" in ops:
+            ring = _ring_records(world_size, rank, group, device, dtype, lengths, RING_SHAPE, progress,
+                                 None if on_length is None else (lambda so_far: on_length(ep + so_far)))
     else:
-        records = _ring_records(world_size, rank, group, device, dtype, CPU_RING_LENGTHS, CPU_RING_SHAPE, progress)
-        records += _ep_records(world_size, rank, group, device, dtype, CPU_EP, CPU_EP_TOKENS, "cpu-smoke", progress)
-    return records
+        if "ring-attention" in ops:
+            ring = _ring_records(world_size, rank, group, device, dtype, CPU_RING_LENGTHS, CPU_RING_SHAPE, progress)
+        if "ep-moe" in ops:
+            ep = _ep_records(world_size, rank, group, device, dtype, CPU_EP, CPU_EP_TOKENS, "cpu-smoke", progress)
+    return ring + ep
 
 
 # ------------------------------------------------------------------------------------------------ one GPU: overlap
@@ -458,7 +548,8 @@ def run_from_cli(args) -> int:
         envelope = environment_metadata(resolve_commit(args.commit))
         partial = PartialResults(args.out, envelope) if rank == 0 else None
         with Progress(desc="distributed", stream=None if rank == 0 else open(os.devnull, "w")) as progress:
-            records = run_scaling_bench(quick=args.quick, progress=progress, on_length=partial)
+            records = run_scaling_bench(quick=args.quick, progress=progress, on_length=partial,
+                                        ops=args.ops or ("ep-moe", "ring-attention"))
         dist.barrier()
         tables = [("ring attention (efficiency = ms_1gpu / (N x ms))",
                    [r for r in records if r["op"] == "ring-attention"], (*RING_FIELDS, "backend")),
@@ -508,10 +599,10 @@ def plot_scaling(records: list[dict], path):
         if r["op"] == "ring-attention":
             title, x = f"ring attention {r['pass']}, {r['world_size']} GPUs", r["L"]
         elif r["op"] == "ep-moe":
-            title, x = f"expert-parallel MoE, {r['world_size']} GPUs", r["overlap_chunks"]
+            title, x = f"expert-parallel MoE, T={r['T']}, {r['world_size']} GPUs", r["overlap_chunks"]
         else:
             continue
-        label = r["backend"] if r["op"] == "ring-attention" else f"flashmoe-ep {r['pass']}"
+        label = r["backend"] if r["op"] == "ring-attention" else f"flashmoe-ep/{r['exchange']} {r['pass']}"
         panels.setdefault(title, {}).setdefault(label, []).append((x, r["efficiency"]))
     return plot_panels(path, panels, "tokens (ring) / overlap chunks (EP)", "efficiency",
                        "scaling efficiency (1.0 = N GPUs do N times the work)") if panels else None

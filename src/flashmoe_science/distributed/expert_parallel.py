@@ -1,7 +1,9 @@
 """Expert-parallel MoE: the experts of a layer sharded over the ranks of a process group.
 
 Rank r owns a contiguous range of experts (`expert_bounds`, sized as ``torch.tensor_split`` sizes them). Each rank
-routes its own tokens, then:
+routes its own tokens; the exchange that moves them is planned per call (``exchange_plan``): on the GPUs of one
+host our kernels over symmetric memory (``symm_exchange``: no host read, CUDA-graph capturable), elsewhere the
+NCCL/gloo collectives described here. With the collectives, each rank:
 
 1. plans the exchange: a token goes once to every rank owning at least one of its top-k experts (not once per
    expert), carrying its k routing weights and its k expert ids made local to that rank, -1 for slots owned
@@ -28,6 +30,9 @@ import torch
 from torch import nn
 
 from flashmoe_science.distributed.comm import all_to_all, all_to_all_counts, group_rank_and_size
+from flashmoe_science.distributed.exchange_plan import (ExchangeProblem, check_capacity_args, check_exchange,
+                                                       describe_exchange, plan_exchange)
+from flashmoe_science.distributed.pair_plan import plan_pairs
 from flashmoe_science.moe.api import fused_experts, moe_route
 from flashmoe_science.moe.checks import check_experts as _check_experts, check_topk as _check_topk
 from flashmoe_science.moe.plan import BACKENDS
@@ -70,15 +75,6 @@ class _Exchange:
         return returned[self.slots].sum(1, dtype=dtype)  # reductions accumulate 16-bit floats in float32
 
 
-def _owner_and_start(expert_ids: torch.Tensor, num_experts: int, world_size: int):
-    """The rank owning each expert id and that rank's first expert, by `expert_bounds`' arithmetic (the first
-    ``E mod W`` ranks own one expert more): no bounds table to copy to the device."""
-    base, extra = divmod(num_experts, world_size)
-    cut = extra * (base + 1)  # experts below it belong to the larger ranks
-    owner = torch.where(expert_ids < cut, expert_ids // (base + 1), extra + (expert_ids - cut) // base)
-    return owner, owner * base + owner.clamp(max=extra)
-
-
 def _plan_exchange(topk_ids: torch.Tensor, num_experts: int, world_size: int, group, chunks: int) -> _Exchange:
     """Who sends what to whom, with one host synchronisation: the counts table goes out first (an asynchronous
     all-to-all of a few bytes), the send order of every (token, destination) pair is computed on the device while it
@@ -89,9 +85,6 @@ def _plan_exchange(topk_ids: torch.Tensor, num_experts: int, world_size: int, gr
     def counts_ready():
         arriving.append(all_to_all_counts(tables[0], group, out=tables[1]))
 
-    plan_pairs = _plan_pairs
-    if _plans_in_triton(topk_ids):
-        from flashmoe_science.distributed.triton_plan import plan_pairs
     slots, pair_token, pair_ids = plan_pairs(topk_ids, num_experts, world_size, tables[0], counts_ready)
     arriving[0].wait()
     send_table, recv_table = tables.tolist()  # the one host synchronisation
@@ -104,50 +97,6 @@ def _plan_exchange(topk_ids: torch.Tensor, num_experts: int, world_size: int, gr
         local_ids.append(pair_ids[first:stop])
         first = stop
     return _Exchange(group, token_rows, local_ids, send_splits, recv_splits, slots)
-
-
-def _plans_in_triton(topk_ids: torch.Tensor) -> bool:
-    """CUDA ids take the two Triton launches of ``triton_plan.plan_pairs``; elsewhere ``_plan_pairs`` (47 aten ops,
-    each launched from Python: host-bound on a GPU; benchmarks/tools/profile_ep_plan.py counts both)."""
-    return topk_ids.is_cuda
-
-
-def _plan_pairs(topk_ids: torch.Tensor, num_experts: int, world_size: int, send_counts: torch.Tensor, counts_ready):
-    """The send order of every (token, destination) pair, in PyTorch ops: the reference of ``triton_plan.plan_pairs``.
-
-    Fills ``send_counts`` (W, chunks) with the pairs each chunk sends to each rank, calls ``counts_ready()`` (the
-    caller starts the counts' exchange there), then returns ``(slots, pair_token, pair_ids)``: ``slots`` (T, W) int64
-    the row of pair (t, w) in the send order over all chunks, -1 where t does not visit w; ``pair_token`` int64 and
-    ``pair_ids`` (rows, k) int32 the token of each row sent and its k expert ids local to the row's destination (-1
-    for slots owned elsewhere). The order is (chunk, destination, token); rows past the pairs sent are unspecified.
-    Every step is a device op on (T, k) or (T, W) tensors (H100, 16k tokens, W = 2: the counts by an accumulating
-    index_put took 0.74 ms, by a prefix sum a few µs)."""
-    num_tokens, top_k = topk_ids.shape
-    chunks = send_counts.shape[1]
-    device = topk_ids.device
-    owner, start = _owner_and_start(topk_ids, num_experts, world_size)  # (T, k): each routed expert's rank, its first
-    visits = torch.zeros(num_tokens, world_size, dtype=torch.bool, device=device).scatter_(1, owner, True)
-    token = torch.arange(num_tokens, device=device)
-    # chunk c holds tokens [c·T // n, (c + 1)·T // n): token t is in chunk ceil((t + 1)·n / T) - 1
-    chunk = ((token + 1) * chunks + num_tokens - 1) // max(num_tokens, 1) - 1
-    # (W destinations, chunks): prefix sums of the visits read at the chunk boundaries. The scan runs along the
-    # contiguous dim of (W, T): along dim 0 of (T, W) CUDA parallelises over W only (1.5 ms at T = 16k, W = 2).
-    bounds = torch.arange(chunks + 1, device=device) * num_tokens // chunks
-    prefix = torch.nn.functional.pad(visits.t().to(torch.int32).cumsum(1), (1, 0))
-    send_counts.copy_(prefix[:, bounds[1:]] - prefix[:, bounds[:-1]])
-    counts_ready()
-    # while the counts fly: every (token, destination) pair ordered by (chunk, destination, token), the pairs not
-    # sent last; each with its k expert ids local to the destination (-1 for slots owned elsewhere)
-    dest = torch.arange(world_size, device=device)
-    keys = ((chunk.unsqueeze(1) * world_size + dest) * max(num_tokens, 1) + token.unsqueeze(1))
-    order = torch.where(visits, keys, torch.iinfo(torch.int64).max).view(-1).argsort()
-    pair_token, pair_dest = order // world_size, order % world_size
-    mine = owner[pair_token] == pair_dest.unsqueeze(1)
-    pair_ids = torch.where(mine, topk_ids[pair_token] - start[pair_token], -1).to(torch.int32)
-    position = torch.empty(num_tokens * world_size, dtype=torch.int64, device=device)
-    position[order] = torch.arange(num_tokens * world_size, device=device)
-    slots = torch.where(visits.view(-1), position, -1).view(num_tokens, world_size)
-    return slots, pair_token, pair_ids
 
 
 class _ExpertParallel(torch.autograd.Function):
@@ -242,7 +191,8 @@ def _check_chunks(overlap_chunks) -> None:
 
 
 def expert_parallel_experts(x, w1, w2, topk_weights, topk_ids, group=None, *, num_experts: int,
-                            backend: str = "auto", overlap_chunks: int = 2):
+                            backend: str = "auto", overlap_chunks: int = 2, exchange: str = "auto",
+                            capacity_factor: float | None = None, max_tokens: int | None = None):
     """`fused_experts` with the experts sharded over ``group`` (None: the default group).
 
     Args:
@@ -252,7 +202,14 @@ def expert_parallel_experts(x, w1, w2, topk_weights, topk_ids, group=None, *, nu
         topk_weights, topk_ids: ``(T, k)`` routing of this rank's tokens over the *global* expert ids ``[0, E)``.
         num_experts: E, the layer's expert count (the same on every rank, at least the group's size).
         overlap_chunks: pieces of the token range whose exchanges overlap the expert GEMMs of the others (the same
-            on every rank); 1: no overlap.
+            on every rank; the NCCL exchange); 1: no overlap.
+        exchange: "auto" (``exchange_plan``: symmetric memory where the group's GPUs share a host, else NCCL),
+            "symm_mem" or "nccl".
+        capacity_factor: the symmetric-memory exchange's rows per (source, destination) over the average
+            (``symm_exchange.capacity``); None: room for every token, never overflows.
+        max_tokens: the most tokens any rank passes, which the symmetric-memory exchange's buffers hold (the same
+            on every rank; default: the most of the first call, agreed by one all-reduce, grown when every rank
+            passes more).
 
     Returns ``(T, d)`` in x's dtype, differentiable with respect to x, topk_weights, w1 and w2 (the gradients of w1
     and w2 include every rank's tokens). Equals `fused_experts` of the whole layer on all ranks' tokens.
@@ -271,10 +228,17 @@ def expert_parallel_experts(x, w1, w2, topk_weights, topk_ids, group=None, *, nu
         raise ValueError(f"w1 must hold this rank's {bounds[rank + 1] - bounds[rank]} experts "
                          f"([{bounds[rank]}, {bounds[rank + 1]}) of {num_experts} over {world_size} ranks), "
                          f"got {local_experts}")
+    check_exchange(exchange)
+    check_capacity_args(capacity_factor, max_tokens)
     if world_size == 1:
         return fused_experts(x, w1, w2, topk_weights, topk_ids, backend=backend)
-    exchange = _plan_exchange(topk_ids, num_experts, world_size, group, overlap_chunks)
-    return _ExpertParallel.apply(x, topk_weights, w1, w2, exchange, backend)
+    if plan_exchange(ExchangeProblem(x, group, exchange)).backend == "symm_mem":
+        from flashmoe_science.distributed.symm_exchange import symmetric_expert_parallel
+
+        return symmetric_expert_parallel(x, topk_weights, w1, w2, topk_ids, group, num_experts, backend,
+                                         capacity_factor, max_tokens)
+    plan = _plan_exchange(topk_ids, num_experts, world_size, group, overlap_chunks)
+    return _ExpertParallel.apply(x, topk_weights, w1, w2, plan, backend)
 
 
 class ExpertParallelMoE(nn.Module):
@@ -288,10 +252,14 @@ class ExpertParallelMoE(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int, group=None, *,
                  renormalize: bool = True, scoring: str = "softmax", backend: str = "auto", overlap_chunks: int = 2,
+                 exchange: str = "auto", capacity_factor: float | None = None, max_tokens: int | None = None,
                  device=None, dtype=None):
         super().__init__()
         check_layer_args(d_model, d_ff, num_experts, top_k, renormalize, scoring, backend)
         _check_chunks(overlap_chunks)
+        check_exchange(exchange)
+        check_capacity_args(capacity_factor, max_tokens)
+        self.exchange, self.capacity_factor, self.max_tokens = exchange, capacity_factor, max_tokens
         rank, world_size = group_rank_and_size(group)
         if num_experts < world_size:
             raise ValueError(f"num_experts ({num_experts}) must be at least the group's size ({world_size})")
@@ -312,11 +280,13 @@ class ExpertParallelMoE(nn.Module):
         self.router.reset_parameters()
 
     @classmethod
-    def from_fused_moe(cls, module, group=None, *, overlap_chunks: int = 2) -> "ExpertParallelMoE":
+    def from_fused_moe(cls, module, group=None, *, overlap_chunks: int = 2, exchange: str = "auto",
+                       capacity_factor: float | None = None, max_tokens: int | None = None) -> "ExpertParallelMoE":
         """This rank's shard of a `FusedMoE` (present on every rank): a copy of its local experts and of its router."""
         sharded = cls(module.d_model, module.d_ff, module.num_experts, module.top_k, group,
                       renormalize=module.renormalize, scoring=module.scoring, backend=module.backend,
-                      overlap_chunks=overlap_chunks, device="meta", dtype=module.w1.dtype)
+                      overlap_chunks=overlap_chunks, exchange=exchange, capacity_factor=capacity_factor,
+                      max_tokens=max_tokens, device="meta", dtype=module.w1.dtype)
         first, stop = sharded.expert_range
         sharded.router = nn.Linear(module.d_model, module.num_experts, bias=False, device=module.w1.device,
                                    dtype=module.router.weight.dtype)
@@ -331,10 +301,23 @@ class ExpertParallelMoE(nn.Module):
         topk_weights, topk_ids = moe_route(self.router(x), self.top_k, self.renormalize, self.scoring)
         out = expert_parallel_experts(x, self.w1, self.w2, topk_weights, topk_ids, self.group,
                                       num_experts=self.num_experts, backend=self.backend,
-                                      overlap_chunks=self.overlap_chunks)
+                                      overlap_chunks=self.overlap_chunks, exchange=self.exchange,
+                                      capacity_factor=self.capacity_factor, max_tokens=self.max_tokens)
         return out.reshape(hidden_states.shape)
+
+    def check_capacity(self) -> None:
+        """Raise where a call on this layer's group since its symmetric-memory buffers were made sent more tokens to a
+        rank than their capacity (``capacity_factor``); one host read, for outside the step or the captured graph."""
+        from flashmoe_science.distributed.symm_exchange import check_exchange_capacity
+
+        check_exchange_capacity(self.group)
+
+    def describe_exchange(self, hidden_states: torch.Tensor) -> str:
+        """Which exchange a call on ``hidden_states`` takes, and why the ones before it declined."""
+        return describe_exchange(plan_exchange(ExchangeProblem(hidden_states, self.group, self.exchange)))
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_ff={self.d_ff}, num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"experts=[{self.expert_range[0]}, {self.expert_range[1]}), backend={self.backend!r}, "
-                f"overlap_chunks={self.overlap_chunks}")
+                f"overlap_chunks={self.overlap_chunks}, exchange={self.exchange!r}, "
+                f"capacity_factor={self.capacity_factor}, max_tokens={self.max_tokens}")

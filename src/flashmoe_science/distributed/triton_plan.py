@@ -1,4 +1,4 @@
-"""The expert-parallel exchange plan in two Triton launches, with the results of ``expert_parallel._plan_pairs``.
+"""The expert-parallel exchange plan in two Triton launches, with the results of ``pair_plan.plan_pairs_reference``.
 
 A token t visits destination rank w when one of its top-k experts lives on w. The tokens are cut into ``chunks``
 consecutive pieces (chunk c holds tokens ``[c·T // n, (c + 1)·T // n)``) and every visiting (token, destination)
@@ -146,7 +146,7 @@ def _pairs_kernel(
 
 def plan_pairs(topk_ids: torch.Tensor, num_experts: int, world_size: int, send_counts: torch.Tensor,
                counts_ready, *, block: int | None = None, step: int = STEP_TOKENS):
-    """``expert_parallel._plan_pairs`` in two launches: fills ``send_counts`` (W, chunks, contiguous), calls
+    """``pair_plan.plan_pairs_reference`` in two launches: fills ``send_counts`` (W, chunks, contiguous), calls
     ``counts_ready()`` (which starts the counts' exchange), then returns ``(slots, pair_token, pair_ids)``.
     ``block`` (tokens per pairs program, default ``PAIRS_TILE // W`` within [16, 128]) and ``step`` (tokens per counts step) are
     powers of 2; tests shrink them to cross block and step boundaries on few tokens."""
