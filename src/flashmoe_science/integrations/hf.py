@@ -30,10 +30,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from flashmoe_science.attention.api import flash_attention_science
 from flashmoe_science.attention.checks import MAX_HEAD_DIM, MIN_HEAD_DIM
+from flashmoe_science.attention.documents import packed_documents
+from flashmoe_science.attention.padded import padded_rows, to_packed, to_tokens
 from flashmoe_science.attention.varlen import flash_attention_varlen
 from flashmoe_science.integrations import flash_attn_interface as fa
 from flashmoe_science.nn.attention import attention_keywords, require_attention_feature
@@ -273,53 +274,55 @@ def flashmoe_science_attention(module, query, key, value, attention_mask, dropou
                          f"shape {tuple(attention_mask.shape)}: build the model with attn_implementation="
                          f"'{ATTN_IMPLEMENTATION}' so that transformers makes that mask")
     if attention_mask is not None:
-        return _padded_attention(query, key, value, attention_mask.bool(), options), None
-    cu_seqlens = _packed_sequences(query, key, kwargs)
-    if cu_seqlens is not None:  # several documents in one row: each attends only within itself
+        return _padded_attention(query, key, value, attention_mask, options), None
+    packed = _packed_sequences(query, key, kwargs)
+    if packed is not None:  # several documents in one row: each attends only within itself
         out = flash_attention_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                     *cu_seqlens, query.shape[2], key.shape[2], **options)
+                                     **packed, **options)
         return out.unsqueeze(0), None
     return flash_attention_science(query, key, value, **options).transpose(1, 2), None
 
 
 def _packed_sequences(query, key, kwargs):
-    """(cu_seqlens_q, cu_seqlens_k) where one batch row packs several sequences, as transformers marks them: its
-    flattening collator's ``cu_seq_lens_q``/``cu_seq_lens_k``, or ``position_ids`` restarting at 0 (checked, as
-    transformers' flash-attention path does, for a single row without a cache: one host synchronisation). Else None."""
-    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
-        return kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32)
+    """`flash_attention_varlen`'s packing arguments where one batch row packs several sequences, as
+    transformers marks them: its flattening collator's ``cu_seq_lens_q/k`` (with ``max_length_q/k``, else the row's
+    lengths bound them; their values are checked once per tensor pair), or ``position_ids`` restarting at 0 (for a
+    single row without a cache, as transformers' flash-attention path reads them: `attention.documents`, one host
+    synchronisation per forward; these cu_seqlens are built here, unchecked). Else None."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None:
+        longest_q, longest_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        return dict(cu_seqlens_q=cu_q.to(torch.int32), cu_seqlens_k=cu_k.to(torch.int32),
+                    max_seqlen_q=query.shape[2] if longest_q is None else int(longest_q),
+                    max_seqlen_k=key.shape[2] if longest_k is None else int(longest_k))
     positions = kwargs.get("position_ids")
     if positions is None or query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] < 2:
         return None
-    positions = positions.reshape(-1)
-    if not bool((positions[1:] <= positions[:-1]).any()):
+    documents = packed_documents(positions if positions.dim() == 2 else positions.reshape(1, -1))
+    if not documents.several_per_row:
         return None
-    starts = (positions == 0).nonzero().reshape(-1).to(torch.int32)
-    if starts.numel() == 0 or int(starts[0]) != 0:
-        raise ValueError(f"{ATTN_IMPLEMENTATION}: packed position_ids must start each sequence at 0")
-    cu_seqlens = torch.cat((starts, starts.new_tensor([positions.numel()])))
-    return cu_seqlens, cu_seqlens
-
-
-def _packed(t: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """The real tokens of ``t (B, H, L, D)`` as ``(tokens, H, D)``, batch by batch (a view's rows gathered)."""
-    tokens = t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])  # no copy for HF's (B, L, H, D) projections
-    return tokens.index_select(0, real)
+    return dict(cu_seqlens_q=documents.cu_seqlens, cu_seqlens_k=documents.cu_seqlens, max_seqlen_q=documents.longest,
+                max_seqlen_k=documents.longest, check_values=False)
 
 
 def _padded_attention(query, key, value, mask, options) -> torch.Tensor:
     """Attention over the real tokens only (bottom-right causal per sequence): the padding mask ``(B, Lk)`` picks
-    the keys, its last Lq columns the queries. Rows of padding queries are zeros. Returns ``(B, Lq, Hq, D)``."""
+    the keys, its last Lq columns the queries. The rows move to the packed layout and back as `attention.padded`
+    orders them (built once per mask, nothing read on the host); rows of padding queries are zeros. Returns
+    ``(B, Lq, Hq, D)``."""
     batch, heads, length_q, head_dim = query.shape
-    mask_q = mask[:, -length_q:]
-    real_q, real_k = mask_q.reshape(-1).nonzero().squeeze(1), mask.reshape(-1).nonzero().squeeze(1)
-    q, k, v = _packed(query, real_q), _packed(key, real_k), _packed(value, real_k)
-    cu_q = F.pad(mask_q.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
-    cu_k = F.pad(mask.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
-    # the padded lengths bound every sequence's (no host synchronisation to find the longest)
-    out = flash_attention_varlen(q, k, v, cu_q, cu_k, length_q, mask.shape[1], **options)
-    padded = out.new_zeros(batch * length_q, heads, head_dim).index_copy(0, real_q, out)
-    return padded.view(batch, length_q, heads, head_dim)
+    rows = padded_rows(mask if mask.dtype == torch.bool else mask.bool(), length_q)
+    q = to_packed(_tokens(query), rows.q)
+    k, v = to_packed(_tokens(key), rows.k), to_packed(_tokens(value), rows.k)
+    # the padded lengths bound every sequence's; the cu_seqlens are built here, within the tensors (no value check)
+    out = flash_attention_varlen(q, k, v, rows.q.cu_seqlens, rows.k.cu_seqlens, rows.max_seqlen_q,
+                                 rows.max_seqlen_k, check_values=False, **options)
+    return to_tokens(out, rows.q).view(batch, length_q, heads, head_dim)
+
+
+def _tokens(t: torch.Tensor) -> torch.Tensor:
+    """``t (B, H, L, D)`` as token-major rows ``(B·L, H, D)`` (no copy for HF's (B, L, H, D) projections)."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
 
 
 __all__ = ["ATTN_IMPLEMENTATION", "FLASH_IMPLEMENTATION", "PAGED_FLASH_IMPLEMENTATION", "apply",
