@@ -178,7 +178,8 @@ def paged_sdpa(options: dict) -> str:
     return "paged|sdpa"
 
 
-def _head_dim(config) -> int | None:
+def head_dim_of(config) -> int | None:
+    """The attention head dim of a transformers config: ``head_dim``, else hidden size / heads."""
     head_dim = getattr(config, "head_dim", None)
     if head_dim is None and getattr(config, "hidden_size", None) and getattr(config, "num_attention_heads", None):
         head_dim = config.hidden_size // config.num_attention_heads
@@ -191,13 +192,34 @@ def _uses_sliding_window(config) -> bool:
     return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
 
 
+def _window(sliding_window: int) -> tuple[int, int]:
+    return (sliding_window - 1, 0)  # transformers: key j visible from query i iff i - j < window
+
+
+def attention_masks(config) -> list[dict]:
+    """The mask keywords (causal, window, softcap) of each layer type of a transformers decoder config: full
+    attention, sliding-window attention, or both (``config.layer_types``)."""
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    softcap = None if softcap is None else float(softcap)
+    types = set(getattr(config, "layer_types", None) or ())
+    if not types:
+        types = {"sliding_attention" if _uses_sliding_window(config) else "full_attention"}
+    masks = []
+    for layer_type in sorted(types):
+        if layer_type not in ("full_attention", "sliding_attention"):
+            raise ValueError(f"layer type {layer_type!r} (config.layer_types) is not supported by {ATTN_IMPLEMENTATION}")
+        window = _window(config.sliding_window) if layer_type == "sliding_attention" else None
+        masks.append(dict(causal=True, window=window, softcap=softcap))
+    return masks
+
+
 def check_config(config) -> None:
     """A ValueError naming the first feature of a transformers config that this backend cannot compute."""
     dropout = getattr(config, "attention_dropout", 0.0) or 0.0
     if dropout > 0:
         raise ValueError(f"attention dropout (config.attention_dropout={dropout}) is not supported by "
                          f"{ATTN_IMPLEMENTATION}: set it to 0.0")
-    head_dim = _head_dim(config)
+    head_dim = head_dim_of(config)
     if head_dim is not None and not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         source = "config.head_dim" if getattr(config, "head_dim", None) is not None else (
             "config.hidden_size // config.num_attention_heads")
@@ -252,7 +274,7 @@ def _attention_options(sliding_window, softcap, kwargs) -> dict:
     options = {}
     if sliding_window is not None:
         require_attention_feature("window", f"a sliding window (sliding_window={sliding_window})")
-        options["window"] = (sliding_window - 1, 0)  # transformers: key j visible from query i iff i - j < window
+        options["window"] = _window(sliding_window)
     if softcap is not None:
         require_attention_feature("softcap", f"logit soft-capping (softcap={softcap})")
         options["softcap"] = float(softcap)
@@ -326,6 +348,6 @@ def _tokens(t: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["ATTN_IMPLEMENTATION", "FLASH_IMPLEMENTATION", "PAGED_FLASH_IMPLEMENTATION", "apply",
-           "attention_keywords", "check_config", "continuous_batching_config", "flash_attention",
-           "flashmoe_science_attention", "from_config", "paged_flash_attention", "paged_sdpa", "register",
+           "attention_keywords", "attention_masks", "check_config", "continuous_batching_config", "flash_attention",
+           "flashmoe_science_attention", "from_config", "head_dim_of", "paged_flash_attention", "paged_sdpa", "register",
            "register_flash"]
