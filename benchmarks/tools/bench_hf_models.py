@@ -4,9 +4,10 @@ Models (random weights, bf16): ``moe``, a Qwen3-MoE-style decoder (8 layers, hid
 D=64, 64 experts top-8 of width 512), and ``dense``, a Llama-style decoder of the same attention (8 layers, hidden
 1024, MLP 3072). Batches: ``full`` (B x L, no mask) and ``padded`` (B rows right-padded to L, lengths uniform in
 [L/4, L], the tokenizer's 0/1 mask). Passes: ``train`` (forward, loss over the real tokens, backward) and ``infer``
-(forward under no_grad; its loss computed from the logits, untimed). Contenders, each the same model object switched between them: ``sdpa`` (transformers'
-defaults: sdpa attention, grouped_mm experts), ``attention`` (our attention, the same experts) and, for the MoE
-model, ``both`` (our attention and `FusedMoE` blocks, a copy sharing nothing but the weights' values).
+(forward under no_grad; its loss computed from the logits, untimed). Contenders, each the same model object
+switched between them: ``sdpa`` (transformers' defaults: sdpa attention, grouped_mm experts), ``attention`` (our
+attention, the same experts) and, for the MoE model, ``both`` (our attention and `FusedMoE` blocks, a copy sharing
+nothing but the weights' values).
 
 Each round times every (model, batch, pass, contender) once, in an order that alternates per round, as the median
 of ``--steps`` steps after two warm steps; the records give each round's ms and each round's ratio to sdpa, and the
@@ -181,7 +182,8 @@ def main(argv=None) -> int:
     if args.out:
         envelope = {**environment_metadata(resolve_commit()), "suite": "hf-models", "rounds": args.rounds,
                     "steps": args.steps}
-        path = pathlib.Path(args.out) / f"{result_stem(envelope['gpu'], envelope['date'], envelope['commit'])}-hf-models.json"
+        stem = result_stem(envelope["gpu"], envelope["date"], envelope["commit"])
+        path = pathlib.Path(args.out) / f"{stem}-hf-models.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({**envelope, "records": records}, indent=1) + "\n")
         print(path)

@@ -8,18 +8,20 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=src:benchmarks/tools PYTHONUNBUFFERED=1
-export FLASHMOE_COMMIT=${FLASHMOE_COMMIT:-$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+COMMIT=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
+export FLASHMOE_COMMIT=${FLASHMOE_COMMIT:-$COMMIT}
 if ! python3 -c "import transformers" 2>/dev/null; then
   python3 -m pip install --quiet --no-index --no-deps --target /tmp/hf-site .whl/*.whl
   export PYTHONPATH=/tmp/hf-site:$PYTHONPATH
 fi
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
-  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, torch.version.cuda, transformers.__version__)"
+  python3 -c "import torch, triton, transformers as t; print(torch.__version__, triton.__version__, t.__version__)"
 } > "$OUT/env.txt" 2>&1
-step() { local start=$(date +%s); "$@"; echo "$(( $(date +%s) - start )) s: ${*:2:3}" >> "$OUT/env.txt"; }
-step timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider tests/integrations/test_hf_host_reads_gpu.py \
+timed() { local start=$(date +%s) rc; "$@"; rc=$?; echo "$(( $(date +%s) - start )) s (exit $rc): ${*:3:2}" >> "$OUT/env.txt"; }
+timed timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider tests/integrations/test_hf_host_reads_gpu.py \
   tests/test_warmup_gpu.py "tests/integrations/test_hf_gpu.py::test_bf16_error_within_twice_sdpa" \
   -k "not mistral_window and not gemma2_softcap and not mixtral" > "$OUT/tests.log" 2>&1
-step timeout 200 python3 benchmarks/tools/bench_hf_models.py --rounds 3 --steps 6 --out "$OUT" > "$OUT/hf_models.log" 2>&1
-step timeout 170 python3 benchmarks/tools/first_call.py --out "$OUT" > "$OUT/first_call.log" 2>&1
+timed timeout 200 python3 benchmarks/tools/bench_hf_models.py --rounds 3 --steps 6 --out "$OUT" \
+  > "$OUT/hf_models.log" 2>&1
+timed timeout 170 python3 benchmarks/tools/first_call.py --out "$OUT" > "$OUT/first_call.log" 2>&1
 tail -n 30 "$OUT/tests.log" "$OUT/hf_models.log" "$OUT/first_call.log" "$OUT/env.txt"

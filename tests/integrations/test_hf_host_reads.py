@@ -32,10 +32,10 @@ def reads(monkeypatch):
             return hf.flashmoe_science_attention(*args, **kwargs)
 
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(COUNTED, counted)
-    AttentionMaskInterface.register(COUNTED, flash_attention_mask)
+    AttentionMaskInterface.register(COUNTED, hf.padding_mask)
     return reads
 
 

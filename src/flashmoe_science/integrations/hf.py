@@ -7,7 +7,8 @@ kernel to fetch from its hub (``transformers.utils.generic.is_flash_attention_re
 (``AttentionInterface``) and, for the masks, transformers' own flash-attention mask builder
 (``AttentionMaskInterface``): the attention then receives either no mask (plain causal or bidirectional attention)
 or the 2-D padding mask of the tokenizer, which it turns into packed variable-length sequences (only the real
-tokens are computed, by ``flash_attention_varlen``).
+tokens are computed, by ``flash_attention_varlen``; the rows' order and lengths are built once per forward on the
+device, `attention.padded`, and nothing is read on the host, so a padded step can be captured in a CUDA graph).
 A sliding-window config becomes ``window``, a logit soft-cap ``softcap`` where ``flash_attention_science`` has those
 arguments. ``check_config`` names any config feature this backend cannot compute (instead of a wrong output);
 ``from_config`` / ``apply`` build or convert a model in one line, MoE blocks included (``nn.replace_hf_moe_blocks``)::
@@ -32,7 +33,7 @@ import functools
 import torch
 
 from flashmoe_science.attention.api import flash_attention_science
-from flashmoe_science.attention.checks import MAX_HEAD_DIM, MIN_HEAD_DIM
+from flashmoe_science.attention.checks import MAX_HEAD_DIM, MIN_HEAD_DIM, capturing
 from flashmoe_science.attention.documents import packed_documents
 from flashmoe_science.attention.padded import padded_rows, to_packed, to_tokens
 from flashmoe_science.attention.varlen import flash_attention_varlen
@@ -55,10 +56,22 @@ def register() -> None:
     """Adds ``"fmoe_science"`` to transformers' attention and mask registries (registering again replaces the
     entries with the same functions: harmless)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, flashmoe_science_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_attention_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask)
+
+
+def padding_mask(*, kv_length: int, attention_mask=None, **kwargs):
+    """The mask our attention function receives: transformers' ``flash_attention_mask`` (the tokenizer's 2-D mask,
+    None where every token is real), except while torch.compile traces or a CUDA graph is captured: there the 2-D
+    mask comes as it is, since testing it for padding (``.all()``) reads it on the host (a graph break, a capture
+    error); the padded path then computes the unpadded batch's result."""
+    from transformers.masking_utils import flash_attention_mask
+
+    if attention_mask is not None and (torch.compiler.is_compiling() or capturing(attention_mask.device)):
+        return attention_mask[:, -kv_length:]
+    return flash_attention_mask(kv_length=kv_length, attention_mask=attention_mask, **kwargs)
 
 
 def register_flash() -> str:
@@ -207,7 +220,8 @@ def attention_masks(config) -> list[dict]:
     masks = []
     for layer_type in sorted(types):
         if layer_type not in ("full_attention", "sliding_attention"):
-            raise ValueError(f"layer type {layer_type!r} (config.layer_types) is not supported by {ATTN_IMPLEMENTATION}")
+            raise ValueError(f"layer type {layer_type!r} (config.layer_types) is not supported by "
+                             f"{ATTN_IMPLEMENTATION}")
         window = _window(config.sliding_window) if layer_type == "sliding_attention" else None
         masks.append(dict(causal=True, window=window, softcap=softcap))
     return masks
@@ -349,5 +363,5 @@ def _tokens(t: torch.Tensor) -> torch.Tensor:
 
 __all__ = ["ATTN_IMPLEMENTATION", "FLASH_IMPLEMENTATION", "PAGED_FLASH_IMPLEMENTATION", "apply",
            "attention_keywords", "attention_masks", "check_config", "continuous_batching_config", "flash_attention",
-           "flashmoe_science_attention", "from_config", "head_dim_of", "paged_flash_attention", "paged_sdpa", "register",
-           "register_flash"]
+           "flashmoe_science_attention", "from_config", "head_dim_of", "padding_mask", "paged_flash_attention",
+           "paged_sdpa", "register", "register_flash"]
