@@ -11,7 +11,8 @@ export PYTHONPATH=src:benchmarks/tools PYTHONUNBUFFERED=1
 COMMIT=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 export FLASHMOE_COMMIT=${FLASHMOE_COMMIT:-$COMMIT}
 if ! python3 -c "import transformers" 2>/dev/null; then
-  python3 -m pip install --quiet --no-index --no-deps --target /tmp/hf-site .whl/*.whl
+  # a wheel is a zip of the installed tree: unpacked as pip --target would, without pip or an index
+  python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/hf-site') for w in glob.glob('.whl/*.whl')]"
   export PYTHONPATH=/tmp/hf-site:$PYTHONPATH
 fi
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
