@@ -10,6 +10,7 @@ Commands:
   bench --suite varlen,window,mods   packed sequences and masks against SDPA/FlexAttention
   bench --suite distributed          ring attention / expert-parallel MoE scaling (under torchrun)
   bench --suite ladder               every rung of attention.ladder, from the CPU loop to the Hopper kernel
+  warmup --hf-config DIR --seq-len L       compile a model's attention kernels before its job (Triton's cache)
   supercon train|screen|bench|baselines   the superconductor critical-temperature model and its baselines
 
 Examples:
@@ -409,7 +410,7 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    commands = parser.add_subparsers(dest="command", metavar="{info,bench,supercon,serve,serve-bench}")
+    commands = parser.add_subparsers(dest="command", metavar="{info,bench,warmup,supercon,serve,serve-bench}")
 
     info = commands.add_parser("info", help="GPU, versions, which kernels run here, and which one a sample call takes")
     info.set_defaults(handler=run_info)
@@ -468,7 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(handler=run_bench)
 
     from flashmoe_science.science.cli import add_supercon_parser
+    from flashmoe_science.warmup import add_warmup_parser
 
+    add_warmup_parser(commands)
     add_supercon_parser(commands)
     from flashmoe_science.serving.cli import add_serve_parsers
 

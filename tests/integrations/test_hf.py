@@ -127,13 +127,18 @@ def test_attention_sinks_raise_at_construction():
         hf.from_config(config)
 
 
-def test_model_compiles_without_graph_breaks():
+@pytest.mark.parametrize("padding", [None, "right"])
+def test_model_compiles_without_graph_breaks(padding):
     sdpa, ours, _ = model_pair("qwen3_moe")  # our attention and FusedMoE in every layer
-    ids, _ = batch(None)
-    explained = torch._dynamo.explain(lambda i: ours(input_ids=i).logits)(ids)
+    ids, mask = batch(padding)
+    mask = mask if padding else None
+    explained = torch._dynamo.explain(lambda i, m: ours(input_ids=i, attention_mask=m).logits)(ids, mask)
     assert explained.graph_break_count == 0, explained.break_reasons
-    compiled = torch.compile(lambda i: ours(input_ids=i).logits, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(ids), sdpa(input_ids=ids).logits, atol=2e-5, rtol=2e-5)
+    compiled = torch.compile(lambda i, m: ours(input_ids=i, attention_mask=m).logits, backend="aot_eager",
+                             fullgraph=True)
+    real = mask.bool() if padding else torch.ones_like(ids, dtype=torch.bool)
+    torch.testing.assert_close(compiled(ids, mask)[real], sdpa(input_ids=ids, attention_mask=mask).logits[real],
+                               atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("how", ["position_ids", "cu_seq_lens"])

@@ -212,11 +212,11 @@ def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 def packed_backward(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                     causal=False, softmax_scale=None, window=None, softcap=None, alibi_slopes=None, backend="auto",
-                    deterministic=False):
+                    deterministic=False, check_values=None):
     """(dq, dk, dv), packed as q, k, v, of a packed call from a given out `(total_q, Hq, D)` and lse `(Hq, total_q)`."""
     problem = packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                              softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                             backend=backend, deterministic=deterministic)
+                             backend=backend, deterministic=deterministic, check_values=check_values)
     plan = plan_attention(problem)
     grads = autograd.backward(plan, packed_as_4d(out), lse.unsqueeze(0), packed_as_4d(grad_out))
     return tuple(g.squeeze(0).permute(1, 0, 2) for g in grads[:3])

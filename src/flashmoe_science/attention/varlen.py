@@ -102,7 +102,7 @@ def flash_attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
             default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale,
             None if window is None else [int(side) for side in window], softcap, alibi_slopes, backend,
-            deterministic)
+            deterministic, check_values)
         return (out, lse) if return_lse else out
     if on_another_cuda_device(q):
         with torch.cuda.device(q.device):

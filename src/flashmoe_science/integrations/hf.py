@@ -7,7 +7,8 @@ kernel to fetch from its hub (``transformers.utils.generic.is_flash_attention_re
 (``AttentionInterface``) and, for the masks, transformers' own flash-attention mask builder
 (``AttentionMaskInterface``): the attention then receives either no mask (plain causal or bidirectional attention)
 or the 2-D padding mask of the tokenizer, which it turns into packed variable-length sequences (only the real
-tokens are computed, by ``flash_attention_varlen``).
+tokens are computed, by ``flash_attention_varlen``; the rows' order and lengths are built once per forward on the
+device, `attention.padded`, and nothing is read on the host, so a padded step can be captured in a CUDA graph).
 A sliding-window config becomes ``window``, a logit soft-cap ``softcap`` where ``flash_attention_science`` has those
 arguments. ``check_config`` names any config feature this backend cannot compute (instead of a wrong output);
 ``from_config`` / ``apply`` build or convert a model in one line, MoE blocks included (``nn.replace_hf_moe_blocks``)::
@@ -30,10 +31,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from flashmoe_science.attention.api import flash_attention_science
-from flashmoe_science.attention.checks import MAX_HEAD_DIM, MIN_HEAD_DIM
+from flashmoe_science.attention.checks import MAX_HEAD_DIM, MIN_HEAD_DIM, capturing
+from flashmoe_science.attention.documents import packed_documents
+from flashmoe_science.attention.padded import padded_rows, to_packed, to_tokens
 from flashmoe_science.attention.varlen import flash_attention_varlen
 from flashmoe_science.integrations import flash_attn_interface as fa
 from flashmoe_science.nn.attention import attention_keywords, require_attention_feature
@@ -54,10 +56,22 @@ def register() -> None:
     """Adds ``"fmoe_science"`` to transformers' attention and mask registries (registering again replaces the
     entries with the same functions: harmless)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, flashmoe_science_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_attention_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask)
+
+
+def padding_mask(*, kv_length: int, attention_mask=None, **kwargs):
+    """The mask our attention function receives: transformers' ``flash_attention_mask`` (the tokenizer's 2-D mask,
+    None where every token is real), except while torch.compile traces or a CUDA graph is captured: there the 2-D
+    mask comes as it is, since testing it for padding (``.all()``) reads it on the host (a graph break, a capture
+    error); the padded path then computes the unpadded batch's result."""
+    from transformers.masking_utils import flash_attention_mask
+
+    if attention_mask is not None and (torch.compiler.is_compiling() or capturing(attention_mask.device)):
+        return attention_mask[:, -kv_length:]
+    return flash_attention_mask(kv_length=kv_length, attention_mask=attention_mask, **kwargs)
 
 
 def register_flash() -> str:
@@ -177,7 +191,8 @@ def paged_sdpa(options: dict) -> str:
     return "paged|sdpa"
 
 
-def _head_dim(config) -> int | None:
+def head_dim_of(config) -> int | None:
+    """The attention head dim of a transformers config: ``head_dim``, else hidden size / heads."""
     head_dim = getattr(config, "head_dim", None)
     if head_dim is None and getattr(config, "hidden_size", None) and getattr(config, "num_attention_heads", None):
         head_dim = config.hidden_size // config.num_attention_heads
@@ -190,13 +205,35 @@ def _uses_sliding_window(config) -> bool:
     return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
 
 
+def _window(sliding_window: int) -> tuple[int, int]:
+    return (sliding_window - 1, 0)  # transformers: key j visible from query i iff i - j < window
+
+
+def attention_masks(config) -> list[dict]:
+    """The mask keywords (causal, window, softcap) of each layer type of a transformers decoder config: full
+    attention, sliding-window attention, or both (``config.layer_types``)."""
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    softcap = None if softcap is None else float(softcap)
+    types = set(getattr(config, "layer_types", None) or ())
+    if not types:
+        types = {"sliding_attention" if _uses_sliding_window(config) else "full_attention"}
+    masks = []
+    for layer_type in sorted(types):
+        if layer_type not in ("full_attention", "sliding_attention"):
+            raise ValueError(f"layer type {layer_type!r} (config.layer_types) is not supported by "
+                             f"{ATTN_IMPLEMENTATION}")
+        window = _window(config.sliding_window) if layer_type == "sliding_attention" else None
+        masks.append(dict(causal=True, window=window, softcap=softcap))
+    return masks
+
+
 def check_config(config) -> None:
     """A ValueError naming the first feature of a transformers config that this backend cannot compute."""
     dropout = getattr(config, "attention_dropout", 0.0) or 0.0
     if dropout > 0:
         raise ValueError(f"attention dropout (config.attention_dropout={dropout}) is not supported by "
                          f"{ATTN_IMPLEMENTATION}: set it to 0.0")
-    head_dim = _head_dim(config)
+    head_dim = head_dim_of(config)
     if head_dim is not None and not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         source = "config.head_dim" if getattr(config, "head_dim", None) is not None else (
             "config.hidden_size // config.num_attention_heads")
@@ -251,7 +288,7 @@ def _attention_options(sliding_window, softcap, kwargs) -> dict:
     options = {}
     if sliding_window is not None:
         require_attention_feature("window", f"a sliding window (sliding_window={sliding_window})")
-        options["window"] = (sliding_window - 1, 0)  # transformers: key j visible from query i iff i - j < window
+        options["window"] = _window(sliding_window)
     if softcap is not None:
         require_attention_feature("softcap", f"logit soft-capping (softcap={softcap})")
         options["softcap"] = float(softcap)
@@ -273,56 +310,58 @@ def flashmoe_science_attention(module, query, key, value, attention_mask, dropou
                          f"shape {tuple(attention_mask.shape)}: build the model with attn_implementation="
                          f"'{ATTN_IMPLEMENTATION}' so that transformers makes that mask")
     if attention_mask is not None:
-        return _padded_attention(query, key, value, attention_mask.bool(), options), None
-    cu_seqlens = _packed_sequences(query, key, kwargs)
-    if cu_seqlens is not None:  # several documents in one row: each attends only within itself
+        return _padded_attention(query, key, value, attention_mask, options), None
+    packed = _packed_sequences(query, key, kwargs)
+    if packed is not None:  # several documents in one row: each attends only within itself
         out = flash_attention_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                     *cu_seqlens, query.shape[2], key.shape[2], **options)
+                                     **packed, **options)
         return out.unsqueeze(0), None
     return flash_attention_science(query, key, value, **options).transpose(1, 2), None
 
 
 def _packed_sequences(query, key, kwargs):
-    """(cu_seqlens_q, cu_seqlens_k) where one batch row packs several sequences, as transformers marks them: its
-    flattening collator's ``cu_seq_lens_q``/``cu_seq_lens_k``, or ``position_ids`` restarting at 0 (checked, as
-    transformers' flash-attention path does, for a single row without a cache: one host synchronisation). Else None."""
-    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
-        return kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32)
+    """`flash_attention_varlen`'s packing arguments where one batch row packs several sequences, as
+    transformers marks them: its flattening collator's ``cu_seq_lens_q/k`` (with ``max_length_q/k``, else the row's
+    lengths bound them; their values are checked once per tensor pair), or ``position_ids`` restarting at 0 (for a
+    single row without a cache, as transformers' flash-attention path reads them: `attention.documents`, one host
+    synchronisation per forward; these cu_seqlens are built here, unchecked). Else None."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None:
+        longest_q, longest_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        return dict(cu_seqlens_q=cu_q.to(torch.int32), cu_seqlens_k=cu_k.to(torch.int32),
+                    max_seqlen_q=query.shape[2] if longest_q is None else int(longest_q),
+                    max_seqlen_k=key.shape[2] if longest_k is None else int(longest_k))
     positions = kwargs.get("position_ids")
     if positions is None or query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] < 2:
         return None
-    positions = positions.reshape(-1)
-    if not bool((positions[1:] <= positions[:-1]).any()):
+    documents = packed_documents(positions if positions.dim() == 2 else positions.reshape(1, -1))
+    if not documents.several_per_row:
         return None
-    starts = (positions == 0).nonzero().reshape(-1).to(torch.int32)
-    if starts.numel() == 0 or int(starts[0]) != 0:
-        raise ValueError(f"{ATTN_IMPLEMENTATION}: packed position_ids must start each sequence at 0")
-    cu_seqlens = torch.cat((starts, starts.new_tensor([positions.numel()])))
-    return cu_seqlens, cu_seqlens
-
-
-def _packed(t: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """The real tokens of ``t (B, H, L, D)`` as ``(tokens, H, D)``, batch by batch (a view's rows gathered)."""
-    tokens = t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])  # no copy for HF's (B, L, H, D) projections
-    return tokens.index_select(0, real)
+    return dict(cu_seqlens_q=documents.cu_seqlens, cu_seqlens_k=documents.cu_seqlens, max_seqlen_q=documents.longest,
+                max_seqlen_k=documents.longest, check_values=False)
 
 
 def _padded_attention(query, key, value, mask, options) -> torch.Tensor:
     """Attention over the real tokens only (bottom-right causal per sequence): the padding mask ``(B, Lk)`` picks
-    the keys, its last Lq columns the queries. Rows of padding queries are zeros. Returns ``(B, Lq, Hq, D)``."""
+    the keys, its last Lq columns the queries. The rows move to the packed layout and back as `attention.padded`
+    orders them (built once per mask, nothing read on the host); rows of padding queries are zeros. Returns
+    ``(B, Lq, Hq, D)``."""
     batch, heads, length_q, head_dim = query.shape
-    mask_q = mask[:, -length_q:]
-    real_q, real_k = mask_q.reshape(-1).nonzero().squeeze(1), mask.reshape(-1).nonzero().squeeze(1)
-    q, k, v = _packed(query, real_q), _packed(key, real_k), _packed(value, real_k)
-    cu_q = F.pad(mask_q.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
-    cu_k = F.pad(mask.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
-    # the padded lengths bound every sequence's (no host synchronisation to find the longest)
-    out = flash_attention_varlen(q, k, v, cu_q, cu_k, length_q, mask.shape[1], **options)
-    padded = out.new_zeros(batch * length_q, heads, head_dim).index_copy(0, real_q, out)
-    return padded.view(batch, length_q, heads, head_dim)
+    rows = padded_rows(mask if mask.dtype == torch.bool else mask.bool(), length_q)
+    q = to_packed(_tokens(query), rows.q)
+    k, v = to_packed(_tokens(key), rows.k), to_packed(_tokens(value), rows.k)
+    # the padded lengths bound every sequence's; the cu_seqlens are built here, within the tensors (no value check)
+    out = flash_attention_varlen(q, k, v, rows.q.cu_seqlens, rows.k.cu_seqlens, rows.max_seqlen_q,
+                                 rows.max_seqlen_k, check_values=False, **options)
+    return to_tokens(out, rows.q).view(batch, length_q, heads, head_dim)
+
+
+def _tokens(t: torch.Tensor) -> torch.Tensor:
+    """``t (B, H, L, D)`` as token-major rows ``(B·L, H, D)`` (no copy for HF's (B, L, H, D) projections)."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
 
 
 __all__ = ["ATTN_IMPLEMENTATION", "FLASH_IMPLEMENTATION", "PAGED_FLASH_IMPLEMENTATION", "apply",
-           "attention_keywords", "check_config", "continuous_batching_config", "flash_attention",
-           "flashmoe_science_attention", "from_config", "paged_flash_attention", "paged_sdpa", "register",
-           "register_flash"]
+           "attention_keywords", "attention_masks", "check_config", "continuous_batching_config", "flash_attention",
+           "flashmoe_science_attention", "from_config", "head_dim_of", "padding_mask", "paged_flash_attention",
+           "paged_sdpa", "register", "register_flash"]

@@ -149,19 +149,21 @@ attention_forward.register_autograd(_attention_autograd_backward, setup_context=
 def attention_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                              max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
                              window: list[int] | None, softcap: float | None, alibi_slopes: Tensor | None,
-                             backend: str, deterministic: bool) -> tuple[Tensor, Tensor]:
+                             backend: str, deterministic: bool,
+                             check_values: bool | None = None) -> tuple[Tensor, Tensor]:
     """``flash_attention_varlen(..., return_lse=True)`` on packed ``(total, H, D)`` tensors."""
     with torch.no_grad():
         out, lse = call.packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                        causal=causal, softmax_scale=softmax_scale, window=_window(window),
                                        softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True, backend=backend,
-                                       deterministic=deterministic)
+                                       deterministic=deterministic, check_values=check_values)
     return out.contiguous(), lse.contiguous()
 
 
 @attention_varlen_forward.register_fake
 def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                   softmax_scale, window, softcap, alibi_slopes, backend, deterministic):
+                                   softmax_scale, window, softcap, alibi_slopes, backend, deterministic,
+                                   check_values=None):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
 
 
@@ -169,13 +171,13 @@ def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
 def attention_varlen_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                               cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                               causal: bool, softmax_scale: float, window: list[int] | None, softcap: float | None,
-                              alibi_slopes: Tensor | None, backend: str,
-                              deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+                              alibi_slopes: Tensor | None, backend: str, deterministic: bool,
+                              check_values: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
     with _on_device(q), _autograd_on():
         grads = call.packed_backward(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, causal=causal, softmax_scale=softmax_scale, window=_window(window),
                                      softcap=softcap, alibi_slopes=alibi_slopes, backend=backend,
-                                     deterministic=deterministic)
+                                     deterministic=deterministic, check_values=check_values)
     return tuple(g.detach().contiguous() for g in grads)
 
 

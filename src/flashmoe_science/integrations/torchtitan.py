@@ -74,6 +74,7 @@ from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.protocols.module import Module
 from torch.distributed.tensor import DTensor
 
+from flashmoe_science.attention.documents import packed_documents
 from flashmoe_science.attention.varlen import flash_attention_varlen
 from flashmoe_science.distributed import expert_parallel_experts
 from flashmoe_science.moe import fused_experts
@@ -244,39 +245,15 @@ class FlashRoutedExperts(RoutedExperts):
 
 
 def document_metadata(positions: torch.Tensor) -> VarlenMetadata:
-    """The per-document varlen metadata of a packed batch, ``positions`` ``(B, L)`` restarting at 0 at each document.
-
-    The batch's ``B·L`` tokens are one packed sequence of documents: a document starts at every token whose position
-    is 0 and at every row's first token (attention never crosses rows, as in Flex's per-row document mask), and runs
-    to the next start. ``cu_seq_q = cu_seq_k`` (int32, documents + 1) are the starts and ``B·L``; ``max_q = max_k``
-    the longest document, a token's distance from the start at or before it (a running maximum of start indices),
-    plus one. The whole batch at once: a few device ops and one host synchronisation, which reads the number of
-    documents and the longest length together. Where every row starts a
-    document (TorchTitan's loaders), equal to TorchTitan's ``create_varlen_metadata_for_document``.
+    """The per-document varlen metadata of a packed batch, ``positions`` ``(B, L)`` restarting at 0 at each document
+    (`attention.documents.packed_documents`: a document also starts at every row's first token, as in Flex's
+    per-row document mask). ``cu_seq_q = cu_seq_k`` (int32, documents + 1), ``max_q = max_k`` the longest document.
+    The whole batch at once: a few device ops and one host synchronisation. Where every row starts a document
+    (TorchTitan's loaders), equal to TorchTitan's ``create_varlen_metadata_for_document``.
     """
-    if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.is_complex():
-        raise TypeError(f"positions must be an integer torch.Tensor, got "
-                        f"{positions.dtype if isinstance(positions, torch.Tensor) else type(positions).__name__}")
-    if positions.dim() != 2:
-        raise ValueError(f"positions must be (batch, seq_len), got shape {tuple(positions.shape)}")
-    total = positions.numel()
-    if total == 0:
-        cu_seqlens = torch.zeros(1, dtype=torch.int32, device=positions.device)
-        return VarlenMetadata(cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens, max_q=0, max_k=0)
-    # Python numbers enter device tensors only as fill/kernel arguments: an assignment such as ``t[i] = n`` is a
-    # host-to-device copy, which synchronises (three syncs measured on an H200 with one of them)
-    starts = positions == 0
-    starts[:, 0].fill_(True)
-    starts = starts.view(-1)
-    index = torch.arange(total, dtype=torch.int32, device=positions.device)
-    doc_first = torch.cummax(index.masked_fill(~starts, 0), dim=0).values
-    count, longest = torch.stack([starts.sum(dtype=torch.int32), (index - doc_first).max() + 1]).tolist()
-    # each start's index written at its rank among the starts, every other token into a spare last slot (sliced
-    # off); slot ``count`` keeps the fill, ``total`` (nonzero_static would synchronise on CUDA, torch 2.11)
-    rank = (starts.cumsum(0, dtype=torch.int32) - 1).masked_fill_(~starts, count + 1)
-    cu_seqlens = torch.full((count + 2,), total, dtype=torch.int32, device=positions.device)
-    cu_seqlens = cu_seqlens.scatter_(0, rank.long(), index)[:count + 1]
-    return VarlenMetadata(cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens, max_q=longest, max_k=longest)
+    documents = packed_documents(positions)
+    return VarlenMetadata(cu_seq_q=documents.cu_seqlens, cu_seq_k=documents.cu_seqlens, max_q=documents.longest,
+                          max_k=documents.longest)
 
 
 def _document_masks(self, positions: torch.Tensor):
