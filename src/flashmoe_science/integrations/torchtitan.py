@@ -77,7 +77,7 @@ from torch.distributed.tensor import DTensor
 from flashmoe_science.attention.documents import packed_documents
 from flashmoe_science.attention.varlen import flash_attention_varlen
 from flashmoe_science.distributed import expert_parallel_experts
-from flashmoe_science.moe import fused_experts
+from flashmoe_science.moe import fused_experts, grouped_experts
 
 __all__ = ["FlashAttention", "FlashGroupedExperts", "FlashRoutedExperts", "dispatches_locally", "document_metadata",
            "expert_parallel_group", "flash_decoder"]
@@ -158,12 +158,8 @@ class FlashGroupedExperts(GroupedExperts):
         return w13.to(dtype), _local(self.w2_EDF).to(dtype)
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        offsets = torch.cumsum(num_tokens_per_expert_E, dim=0)
-        rows = torch.arange(x_RD.shape[0], device=x_RD.device, dtype=offsets.dtype)
-        expert_of_row = torch.searchsorted(offsets, rows, right=True)  # == E past the counts: a dropped slot
         w13, w2 = self.swiglu_weights(x_RD.dtype)
-        ones = torch.ones(x_RD.shape[0], 1, dtype=torch.float32, device=x_RD.device)
-        return fused_experts(x_RD, w13, w2, ones, expert_of_row.unsqueeze(1), backend=self.backend)
+        return grouped_experts(x_RD, w13, w2, num_tokens_per_expert_E, backend=self.backend)
 
 
 def dispatches_locally(dispatcher) -> bool:

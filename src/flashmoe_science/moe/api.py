@@ -1,4 +1,4 @@
-"""The MoE front doors: ``moe_route``, ``fused_experts``, ``fused_moe``, and ``describe_moe``.
+"""The MoE front doors: ``moe_route``, ``fused_experts``, ``grouped_experts``, ``fused_moe``, and ``describe_moe``.
 
 Each runs on x's device and hands the call to ``moe/execute.py`` (checks, one plan, run); under ``torch.compile``
 it goes through the custom ops of ``integrations/ops.py`` instead, which call the same layer.
@@ -48,6 +48,30 @@ def fused_experts(x, w1, w2, topk_weights, topk_ids, *, backend="auto", w1_scale
         with torch.cuda.device(x.device):  # Triton launches on the current device: make it x's
             return execute.experts(x, w1, w2, topk_weights, topk_ids, backend)
     return execute.experts(x, w1, w2, topk_weights, topk_ids, backend)
+
+
+def grouped_experts(x, w1, w2, tokens_per_expert, row_weights=None, *, backend="auto"):
+    """SwiGLU experts for rows already grouped by expert (what token dispatchers hand their experts).
+
+    ``x: (R, d)`` with rows ``[c_0 + ... + c_{e-1}, c_0 + ... + c_e)`` for expert e, where ``tokens_per_expert``
+    ``(E,)`` holds the counts ``c_e`` in expert order (any integer dtype, on any device: it is copied to x's without
+    a synchronisation); rows past the counts' sum (capacity padding) come back as zeros. ``row_weights``: ``(R,)``
+    or ``(R, 1)`` float, each row's output is scaled by it (the router's probability), differentiable; None: ones.
+    ``w1``, ``w2``, ``backend``: as ``fused_experts``, which runs the rows as one routed slot each (top-k 1).
+    """
+    if not isinstance(tokens_per_expert, torch.Tensor) or tokens_per_expert.dim() != 1 \
+            or tokens_per_expert.is_floating_point():
+        raise TypeError("tokens_per_expert must be a 1-D integer torch.Tensor of per-expert row counts")
+    if tokens_per_expert.shape[0] != w1.shape[0]:
+        raise ValueError(f"tokens_per_expert has {tokens_per_expert.shape[0]} counts for {w1.shape[0]} experts")
+    offsets = torch.cumsum(tokens_per_expert.to(x.device, non_blocking=True), dim=0)
+    rows = torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype)
+    expert_of_row = torch.searchsorted(offsets, rows, right=True)  # == E past the counts: a dropped slot
+    if row_weights is None:
+        row_weights = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    elif row_weights.shape not in ((x.shape[0],), (x.shape[0], 1)):
+        raise ValueError(f"row_weights must be ({x.shape[0]},) or ({x.shape[0]}, 1), got {tuple(row_weights.shape)}")
+    return fused_experts(x, w1, w2, row_weights.reshape(-1, 1), expert_of_row.unsqueeze(1), backend=backend)
 
 
 def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="softmax", backend="auto",

@@ -1,0 +1,21 @@
+"""Megatron-core (0.16 to 0.19): our attention and fused experts as entries of its layer specs.
+
+Two swaps, both spec entries, built and called as Megatron's own modules are:
+
+- :class:`FlashCoreAttention` (``attention.py``) at ``self_attention.submodules.core_attention``: causal and
+  bidirectional attention, GQA, packed sequences (``PackedSeqParams``, ``thd``) through our varlen kernels, the
+  config's sliding window, additive attention bias;
+- :class:`FlashExperts` (``experts.py``) at the MoE layer's ``experts``: every local expert's SwiGLU MLP in one
+  ``grouped_experts`` call over the rows Megatron's token dispatcher grouped by expert.
+
+:func:`get_gpt_layer_flash_spec` returns Megatron's local GPT layer spec with both; :func:`with_flash_modules` swaps
+them into any ``TransformerLayer`` spec. Megatron-core is the optional extra ``megatron``
+(``pip install flashmoe-science[megatron]``); nothing else in the library imports it. Megatron-core 0.17 and later
+need Python 3.12; on Python 3.10/3.11 the extra installs 0.16.
+"""
+
+from flashmoe_science.integrations.megatron.attention import FlashCoreAttention
+from flashmoe_science.integrations.megatron.experts import FlashExperts
+from flashmoe_science.integrations.megatron.spec import get_gpt_layer_flash_spec, with_flash_modules
+
+__all__ = ["FlashCoreAttention", "FlashExperts", "get_gpt_layer_flash_spec", "with_flash_modules"]
