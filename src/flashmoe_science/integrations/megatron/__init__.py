@@ -1,4 +1,4 @@
-"""Megatron-core (0.16 to 0.19): our attention and fused experts as entries of its layer specs.
+"""Megatron-core (0.19): our attention and fused experts as entries of its layer specs.
 
 Two swaps, both spec entries, built and called as Megatron's own modules are:
 
@@ -10,8 +10,9 @@ Two swaps, both spec entries, built and called as Megatron's own modules are:
 
 :func:`get_gpt_layer_flash_spec` returns Megatron's local GPT layer spec with both; :func:`with_flash_modules` swaps
 them into any ``TransformerLayer`` spec. Megatron-core is the optional extra ``megatron``
-(``pip install flashmoe-science[megatron]``); nothing else in the library imports it. Megatron-core 0.17 and later
-need Python 3.12; on Python 3.10/3.11 the extra installs 0.16.
+(``pip install flashmoe-science[megatron]``, Python 3.12+ as Megatron-core 0.17+ declares); nothing else in the
+library imports it. Megatron-core 0.16 is not supported: its MoE router calls TransformerEngine's GEMM
+unconditionally (a ``NameError`` without TransformerEngine).
 """
 
 from flashmoe_science.integrations.megatron.attention import FlashCoreAttention

@@ -2,7 +2,7 @@
 
 A Megatron-core ``TransformerLayer`` spec names its core attention at ``submodules.self_attention.submodules.
 core_attention`` and, for MoE layers, its experts at ``submodules.mlp``'s ``MoESubmodules.experts``. Specs nest
-``ModuleSpec`` dataclasses (every entry in 0.16) or ``functools.partial`` builders (the MLP entries since 0.17);
+``ModuleSpec`` dataclasses or ``functools.partial`` builders (the MLP entries since 0.17);
 both are copied here with the two entries replaced, the rest (norms, linears, router, shared experts, dispatcher)
 kept as the given spec has them.
 """
