@@ -1,0 +1,296 @@
+"""Pretrain a GPT-MoE with Megatron-core's training pieces, our kernels against Megatron-core's local spec.
+
+    PYTHONPATH=src python examples/megatron/train_gpt_moe.py                                       # 1 GPU
+    PYTHONPATH=src torchrun --nproc-per-node 4 examples/megatron/train_gpt_moe.py --ep 2 --etp 2   # 4 GPUs
+    PYTHONPATH=src python examples/megatron/train_gpt_moe.py --size tiny --steps 4                 # CPU (gloo)
+
+One process per GPU (or CPU rank, gloo). Each run builds Megatron-core's ``GPTModel`` (``gpt_moe.py``: ~0.55B
+parameters by default) with one kernel set, "flashmoe" (``get_gpt_layer_flash_spec``: our core attention and
+experts) or "local" (``get_gpt_layer_local_spec``: ``DotProductAttention``, ``SequentialMLP``), from the same initial
+weights, and trains it on the same batches with Megatron-core's ``DistributedDataParallel`` (gradients reduced in
+float32), its optimizer (``get_megatron_optimizer``: Adam with float32 main weights under bf16, gradient clipping),
+its ``OptimizerParamScheduler`` (warmup, cosine decay) and ``finalize_model_grads``. The step is the no-pipeline
+schedule written out (forward, loss, backward, gradient finalisation; Megatron's ``forward_backward_no_pipelining``
+allocates a CUDA tensor, so the CPU run could not call it). Data parallelism (every rank), expert parallelism
+(``--ep``: the alltoall token dispatcher) and expert tensor parallelism (``--etp``: each expert's hidden dimension
+split) are Megatron-core's. Dense tensor parallelism is not offered: Megatron-core 0.19 trains MoE layers under
+tensor parallelism only with sequence parallelism, which its norms without TransformerEngine or apex refuse.
+
+Data: random tokens, each sequence a random segment of ``--period`` tokens repeated, so the loss falls as the model
+learns to copy (it cannot predict a segment's first occurrence: the floor is about ``log(vocab) · period / seq``).
+
+``--repeats N`` runs every kernel set N times, interleaved (the order alternates by round). Rank 0 writes to
+``--out``: ``megatron-train.json`` (records: op ``megatron-train``, gpus, kernels, tokens_per_s over the steps after
+``--warmup``, MFU, peak memory, final_loss = mean loss of the last 10 steps; the envelope: GPU, versions, commit,
+date), ``megatron-train.csv`` (every step of every run) and ``megatron-train.png`` (loss curves, tokens/s). On a
+CPU the tokens/s measure nothing (no kernels run there); the run checks the pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.metadata
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpt_moe  # noqa: E402
+
+# bf16 dense tensor-core peak of an H100/H200 SXM (TFLOP/s), the MFU's denominator
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=sorted(gpt_moe.SIZES), default="small")
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--warmup", type=int, default=20, help="steps left out of tokens/s (default 20)")
+    parser.add_argument("--kernels", default="flashmoe,local", help="comma-separated: flashmoe, local")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    parser.add_argument("--etp", type=int, default=1, help="expert tensor parallel size (each expert's hidden dim "
+                                                           "split over this many ranks)")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--period", type=int, default=64, help="length of the repeated random segment")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--commit", default=os.environ.get("FLASHMOE_COMMIT", "unknown"))
+    parser.add_argument("--out", default="megatron-train-out")
+    args = parser.parse_args(argv)
+    args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    if not args.kernels or any(k not in gpt_moe.KERNELS for k in args.kernels):
+        parser.error(f"--kernels takes a comma-separated subset of {gpt_moe.KERNELS}")
+    if args.steps <= args.warmup and args.steps > 1:
+        args.warmup = args.steps // 2
+    return args
+
+
+# ------------------------------------------------------------------------------------------------ process groups
+def init_distributed(args) -> torch.device:
+    from megatron.core import parallel_state
+
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29581")
+        dist.init_process_group("nccl", rank=int(os.environ.get("RANK", 0)),
+                                world_size=int(os.environ.get("WORLD_SIZE", 1)),
+                                device_id=torch.device("cuda", local_rank))
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=args.ep,
+                                                 expert_tensor_parallel_size=args.etp)
+        return torch.device("cuda", local_rank)
+    import megatron_cpu
+
+    megatron_cpu.init(expert_parallel=args.ep, expert_tensor_parallel=args.etp)
+    return torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+def batch(step: int, size: gpt_moe.Size, args, device):
+    """This data-parallel rank's batch of ``step``: (tokens, positions, labels), the same for every kernel set."""
+    from megatron.core import parallel_state
+
+    rank = parallel_state.get_data_parallel_rank()
+    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
+    segments = torch.randint(0, size.vocab, (size.micro_batch, args.period), generator=generator)
+    repeats = -(-(size.seq_len + 1) // args.period)
+    stream = segments.repeat(1, repeats)[:, :size.seq_len + 1]
+    positions = torch.arange(size.seq_len).expand(size.micro_batch, -1)
+    return stream[:, :-1].to(device), positions.to(device), stream[:, 1:].to(device)
+
+
+# ------------------------------------------------------------------------------------------------------ training
+def make_trainer(model, config, args):
+    """Megatron-core's DDP around ``model``, its optimizer (on a CPU: ``megatron_cpu.MainGradAdamW``) and its
+    LR/weight-decay scheduler."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
+    if torch.cuda.is_available():
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.lr / 10, weight_decay=0.01, adam_beta1=0.9,
+                            adam_beta2=0.95, bf16=config.bf16, clip_grad=1.0), [ddp])
+    else:  # Megatron-core's optimizer allocates CUDA tensors
+        import megatron_cpu
+
+        optimizer = megatron_cpu.MainGradAdamW(ddp, lr=args.lr, weight_decay=0.01)
+    warmup = max(1, args.steps // 10)
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.lr / 10,
+                                        lr_warmup_steps=warmup, lr_decay_steps=max(args.steps, warmup + 1),
+                                        lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=1,
+                                        wd_incr_style="constant")
+    return ddp, optimizer, scheduler
+
+
+def train_step(ddp, optimizer, scheduler, tokens, positions, labels, causal_mask) -> float:
+    """One step; returns the data-parallel mean of the language-model loss."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = ddp(tokens, positions, causal_mask, labels=labels).float().mean()
+    loss.backward()
+    finalize_model_grads([ddp])
+    optimizer.step()
+    scheduler.step(increment=1)
+    reported = loss.detach().clone()
+    dist.all_reduce(reported, group=parallel_state.get_data_parallel_group())
+    return reported.item() / parallel_state.get_data_parallel_world_size()
+
+
+def run(kernels: str, size: gpt_moe.Size, args, device, on_step) -> dict:
+    """Train one model with ``kernels``; returns its record and per-step rows."""
+    from megatron.core import parallel_state
+
+    config = gpt_moe.transformer_config(size, expert_parallel=args.ep, expert_tensor_parallel=args.etp,
+                                        bf16=device.type == "cuda")
+    model = gpt_moe.build_model(kernels, config, size, args.seed)
+    model.to(device)
+    ddp, optimizer, scheduler = make_trainer(model, config, args)
+    # Megatron's local attention builds its causal mask on the CUDA device itself; ours reads the layer's type
+    causal = None if device.type == "cuda" else torch.ones(1, 1, size.seq_len, size.seq_len, dtype=torch.bool).triu(1)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    dp = parallel_state.get_data_parallel_world_size()
+    tokens_per_step = dp * size.micro_batch * size.seq_len
+    rows, timed = [], 0.0
+    for step in range(args.steps):
+        tokens, positions, labels = batch(step, size, args, device)
+        start = time.perf_counter()
+        loss = train_step(ddp, optimizer, scheduler, tokens, positions, labels, causal)  # .item() synchronises
+        seconds = time.perf_counter() - start
+        if step >= args.warmup:
+            timed += seconds
+        rows.append({"kernels": kernels, "step": step, "loss": loss, "tokens_per_s": tokens_per_step / seconds})
+        on_step(rows[-1])
+    world = dist.get_world_size()
+    measured = args.steps - args.warmup
+    tokens_per_s = tokens_per_step * measured / timed if timed > 0 else None
+    tail = [row["loss"] for row in rows[-10:]]
+    record = {"op": "megatron-train", "gpus": world if device.type == "cuda" else 0, "kernels": kernels,
+              "parallel": {"ep": args.ep, "etp": args.etp, "dp": dp}, "steps": args.steps,
+              "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_s,
+              "tokens_per_s_per_gpu": tokens_per_s / world if tokens_per_s else None,
+              "mfu_percent": mfu(tokens_per_s, size, world), "final_loss": sum(tail) / len(tail),
+              "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)}
+    del ddp, optimizer, scheduler, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"record": record, "rows": rows}
+
+
+def mfu(tokens_per_s, size: gpt_moe.Size, world: int):
+    if not tokens_per_s or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    peak = next((tflops for gpu, tflops in PEAK_TFLOPS.items() if gpu in name), None)
+    if peak is None:
+        return None
+    return 100 * tokens_per_s * size.train_flops_per_token() / (world * peak * 1e12)
+
+
+# ------------------------------------------------------------------------------------------------------- outputs
+def envelope(args, size: gpt_moe.Size) -> dict:
+    total, active = size.parameters()
+    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "megatron_core": importlib.metadata.version("megatron-core"),
+            "triton": _version("triton"), "commit": args.commit, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+            "model": {"size": args.size, **vars(size), "parameters": total, "active_parameters": active},
+            "dtype": "bfloat16" if torch.cuda.is_available() else "float32", "lr": args.lr,
+            "data": f"random tokens, segments of {args.period} repeated"}
+
+
+def _version(package: str):
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def write_outputs(out: Path, head: dict, results: list[dict]) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    records = [result["record"] for result in results]
+    by_kernels = {}
+    for record in records:
+        by_kernels.setdefault(record["kernels"], []).append(record)
+    summary = {"speedup": None}
+    if "flashmoe" in by_kernels and "local" in by_kernels:
+        rate = {k: sum(r["tokens_per_s"] or 0 for r in v) / len(v) for k, v in by_kernels.items()}
+        loss = {k: sum(r["final_loss"] for r in v) / len(v) for k, v in by_kernels.items()}
+        summary = {"speedup": rate["flashmoe"] / rate["local"] if rate["local"] else None,
+                   "final_loss_ratio": loss["flashmoe"] / loss["local"]}
+    document = {**head, "records": records, "summary": summary}
+    (out / "megatron-train.json").write_text(json.dumps(document, indent=1) + "\n")
+    with open(out / "megatron-train.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["run", "kernels", "step", "loss", "tokens_per_s"])
+        writer.writeheader()
+        for index, result in enumerate(results):
+            for row in result["rows"]:
+                writer.writerow({"run": index, **row})
+    plot(out / "megatron-train.png", head, results)
+    return document
+
+
+def plot(path: Path, head: dict, results: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (loss_axis, rate_axis) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for index, result in enumerate(results):
+        rows, kernels = result["rows"], result["record"]["kernels"]
+        label = f"{kernels} (run {index})"
+        loss_axis.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=label)
+        rate_axis.plot([r["step"] for r in rows], [r["tokens_per_s"] for r in rows], label=label)
+    loss_axis.set(xlabel="step", ylabel="loss", title="language-model loss")
+    rate_axis.set(xlabel="step", ylabel="tokens/s", title="throughput (all ranks)")
+    for axis in (loss_axis, rate_axis):
+        axis.legend()
+        axis.grid(alpha=0.3)
+    model = head["model"]
+    figure.suptitle(f"Megatron-core GPT-MoE ({model['parameters'] / 1e6:.0f}M parameters, "
+                    f"{model['active_parameters'] / 1e6:.0f}M active) on {head['gpu']}, commit {head['commit']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    device = init_distributed(args)
+    size = gpt_moe.SIZES[args.size]
+    rank0 = dist.get_rank() == 0
+    order = [args.kernels if r % 2 == 0 else args.kernels[::-1] for r in range(args.repeats)]
+    results = []
+    try:
+        for kernels in (k for round_ in order for k in round_):
+            def on_step(row, kernels=kernels):
+                if rank0 and (row["step"] % 10 == 0 or row["step"] == args.steps - 1):
+                    print(f"[{kernels}] step {row['step']:4d}  loss {row['loss']:.4f}  "
+                          f"{row['tokens_per_s']:,.0f} tokens/s", flush=True)
+            results.append(run(kernels, size, args, device, on_step))
+        document = write_outputs(Path(args.out), envelope(args, size), results) if rank0 else None
+        if rank0:
+            print(json.dumps({"records": document["records"], "summary": document["summary"]}, indent=1))
+        return document
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
