@@ -59,7 +59,8 @@ def parse_args(argv=None):
     parser.add_argument("--etp", type=int, default=1, help="expert tensor parallel size (each expert's hidden dim "
                                                            "split over this many ranks)")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--period", type=int, default=64, help="length of the repeated random segment")
+    parser.add_argument("--period", type=int, default=None,
+                        help="length of the repeated random segment (default: a sixteenth of the sequence)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit", default=os.environ.get("FLASHMOE_COMMIT", "unknown"))
     parser.add_argument("--out", default="megatron-train-out")
@@ -94,14 +95,18 @@ def init_distributed(args) -> torch.device:
 
 
 # ----------------------------------------------------------------------------------------------------------- data
+def period(size: gpt_moe.Size, args) -> int:
+    return args.period or max(1, size.seq_len // 16)
+
+
 def batch(step: int, size: gpt_moe.Size, args, device):
     """This data-parallel rank's batch of ``step``: (tokens, positions, labels), the same for every kernel set."""
     from megatron.core import parallel_state
 
     rank = parallel_state.get_data_parallel_rank()
     generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
-    segments = torch.randint(0, size.vocab, (size.micro_batch, args.period), generator=generator)
-    repeats = -(-(size.seq_len + 1) // args.period)
+    segments = torch.randint(0, size.vocab, (size.micro_batch, period(size, args)), generator=generator)
+    repeats = -(-(size.seq_len + 1) // segments.shape[1])
     stream = segments.repeat(1, repeats)[:, :size.seq_len + 1]
     positions = torch.arange(size.seq_len).expand(size.micro_batch, -1)
     return stream[:, :-1].to(device), positions.to(device), stream[:, 1:].to(device)
@@ -208,7 +213,7 @@ def envelope(args, size: gpt_moe.Size) -> dict:
             "triton": _version("triton"), "commit": args.commit, "date": time.strftime("%Y-%m-%d", time.gmtime()),
             "model": {"size": args.size, **vars(size), "parameters": total, "active_parameters": active},
             "dtype": "bfloat16" if torch.cuda.is_available() else "float32", "lr": args.lr,
-            "data": f"random tokens, segments of {args.period} repeated"}
+            "data": f"random tokens, segments of {period(size, args)} repeated"}
 
 
 def _version(package: str):
@@ -273,7 +278,7 @@ def main(argv=None) -> dict | None:
     size = gpt_moe.SIZES[args.size]
     rank0 = dist.get_rank() == 0
     order = [args.kernels if r % 2 == 0 else args.kernels[::-1] for r in range(args.repeats)]
-    results = []
+    results, document = [], None
     try:
         for kernels in (k for round_ in order for k in round_):
             def on_step(row, kernels=kernels):
@@ -281,7 +286,8 @@ def main(argv=None) -> dict | None:
                     print(f"[{kernels}] step {row['step']:4d}  loss {row['loss']:.4f}  "
                           f"{row['tokens_per_s']:,.0f} tokens/s", flush=True)
             results.append(run(kernels, size, args, device, on_step))
-        document = write_outputs(Path(args.out), envelope(args, size), results) if rank0 else None
+            # after every run: a later run stopped by a time limit leaves the earlier ones written
+            document = write_outputs(Path(args.out), envelope(args, size), results) if rank0 else None
         if rank0:
             print(json.dumps({"records": document["records"], "summary": document["summary"]}, indent=1))
         return document
