@@ -2,7 +2,7 @@
 # Megatron-core on a GPU machine: the integration's GPU tests (one GPU), then examples/megatron/train_gpt_moe.py, our
 # kernels against Megatron-core's local spec in one run (same weights, same batches). From the repository root, with
 # Megatron-core 0.19's wheel in .whl/ (the machine has no package index; it needs only torch, numpy, packaging):
-#   bash benchmarks/tools/megatron_train.sh 1     # one GPU: GPU tests, then 150 steps per kernel set
+#   bash benchmarks/tools/megatron_train.sh 1     # one GPU: GPU tests, then 120 steps per kernel set
 #   bash benchmarks/tools/megatron_train.sh 4     # four GPUs (torchrun): data parallel 4, experts over --ep 2 --etp 2
 # TRAIN_ARGS adds options of the example (e.g. TRAIN_ARGS="--steps 200 --repeats 2"). Writes flat under $OUT:
 # megatron-gpu-tests.log (one GPU), megatron-train-<N>gpu.{json,csv,png,log}.

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashmoe_science.moe import fused_experts, fused_moe, moe_route
+from flashmoe_science.moe import fused_experts, fused_moe, grouped_experts, moe_route
 from flashmoe_science.moe.reference import fused_experts_reference
 from moe_testing import make_experts
 
@@ -199,3 +199,39 @@ def test_describe_moe_names_the_reference_that_runs(monkeypatch):
                                             "tensors only"]
     fused_moe(**g)
     assert ran == [1]
+
+
+def test_grouped_experts_rows_by_expert_counts():
+    """Rows grouped by expert (a token dispatcher's layout): each row through its expert, scaled by its weight; rows
+    past the counts are zeros; gradients reach x, the weights and the row weights."""
+    x, w1, w2 = make_experts(17, 12, 10, 4, torch.float64)
+    counts = torch.tensor([5, 0, 7, 3])  # 15 rows grouped, 2 padding rows after them
+    row_weights = torch.rand(17, dtype=torch.float64)
+    for t in (x, w1, w2, row_weights):
+        t.requires_grad_(True)
+    out = grouped_experts(x, w1, w2, counts, row_weights)
+    expert_of_row = torch.repeat_interleave(torch.arange(4), counts)
+    expected = torch.zeros_like(x)
+    d_ff = w1.shape[1] // 2
+    for row, expert in enumerate(expert_of_row.tolist()):
+        h = x[row] @ w1[expert].T
+        expected[row] = row_weights[row] * ((F.silu(h[:d_ff]) * h[d_ff:]) @ w2[expert].T)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(out)
+    for ours, theirs in zip(torch.autograd.grad(out, (x, w1, w2, row_weights), grad),
+                            torch.autograd.grad(expected, (x, w1, w2, row_weights), grad)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    unweighted = grouped_experts(x, w1, w2, counts)  # row_weights None: ones
+    torch.testing.assert_close(unweighted * row_weights[:, None], out, rtol=1e-12, atol=1e-12)
+    assert not unweighted[15:].any()
+
+
+@pytest.mark.parametrize("counts, row_weights, error, name", [
+    (torch.tensor([1.0, 2.0, 0.0, 0.0]), None, TypeError, "tokens_per_expert"),
+    (torch.tensor([1, 2, 0]), None, ValueError, "tokens_per_expert"),
+    (torch.tensor([1, 2, 0, 0]), torch.ones(5, 2), ValueError, "row_weights"),
+])
+def test_grouped_experts_rejects_bad_input(counts, row_weights, error, name):
+    x, w1, w2 = make_experts(5, 8, 6, 4, torch.float32)
+    with pytest.raises(error, match=name):
+        grouped_experts(x, w1, w2, counts, row_weights)
