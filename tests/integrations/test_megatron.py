@@ -26,7 +26,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from flashmoe_science.integrations.megatron import FlashCoreAttention, FlashExperts  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "megatron"
-ONE_TP_RANK = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1))
 
 
 def _config(**changes):
@@ -74,8 +73,7 @@ def _grads(out, tensors, grad):
 @pytest.mark.parametrize("window", [None, (5, 0)])
 def test_core_attention_causal_gqa_and_window(window):
     config = _config(window_size=window)
-    attention = FlashCoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
-                                   attention_type="self", pg_collection=ONE_TP_RANK)
+    attention = FlashCoreAttention(config, 1, AttnMaskType.causal, "self")
     q, k, v = _qkv(19, 3)
     out = attention(q, k, v, attention_mask=None)
     expected = _reference(q, k, v, _megatron_mask(19, 19, window))
@@ -88,8 +86,8 @@ def test_core_attention_causal_gqa_and_window(window):
 
 def test_core_attention_window_skip_freq_and_bias():
     config = _config(window_size=(3, 2), window_attn_skip_freq=2)
-    windowed = FlashCoreAttention(config, 1, AttnMaskType.no_mask, "self", pg_collection=ONE_TP_RANK)
-    full = FlashCoreAttention(config, 2, AttnMaskType.no_mask, "self", pg_collection=ONE_TP_RANK)
+    windowed = FlashCoreAttention(config, 1, AttnMaskType.no_mask, "self")
+    full = FlashCoreAttention(config, 2, AttnMaskType.no_mask, "self")
     assert windowed.window == (3, 2) and full.window is None
     q, k, v = _qkv(11, 2)
     bias = torch.randn(2, 4, 11, 11, dtype=torch.float64)
@@ -102,7 +100,7 @@ def test_core_attention_window_skip_freq_and_bias():
 def test_core_attention_packed_sequences(padded):
     """``thd`` batches: each sequence attends causally within itself; with padded cu_seqlens (padding at each
     sequence's end) the real tokens' outputs are those of the unpadded sequences."""
-    attention = FlashCoreAttention(_config(), 1, AttnMaskType.padding_causal, "self", pg_collection=ONE_TP_RANK)
+    attention = FlashCoreAttention(_config(), 1, AttnMaskType.padding_causal, "self")
     lengths = [5, 1, 9]
     stored = [7, 4, 9] if padded else lengths
     q, k, v = (t.detach()[:, 0] for t in _qkv(sum(stored), 1))
@@ -128,13 +126,13 @@ def test_core_attention_packed_sequences(padded):
 ])
 def test_core_attention_refusals(changes, message):
     with pytest.raises(ValueError, match=message):
-        FlashCoreAttention(_config(**changes), 1, AttnMaskType.causal, "self", pg_collection=ONE_TP_RANK)
+        FlashCoreAttention(_config(**changes), 1, AttnMaskType.causal, "self")
 
 
 def test_core_attention_refuses_arbitrary_masks_and_dense_padding():
     with pytest.raises(ValueError, match="attn_mask_type"):
-        FlashCoreAttention(_config(), 1, AttnMaskType.arbitrary, "self", pg_collection=ONE_TP_RANK)
-    attention = FlashCoreAttention(_config(), 1, AttnMaskType.padding, "self", pg_collection=ONE_TP_RANK)
+        FlashCoreAttention(_config(), 1, AttnMaskType.arbitrary, "self")
+    attention = FlashCoreAttention(_config(), 1, AttnMaskType.padding, "self")
     with pytest.raises(ValueError, match="packed_seq_params"):
         attention(*_qkv(4, 1), None)
 
@@ -145,9 +143,18 @@ def test_core_attention_refuses_arbitrary_masks_and_dense_padding():
     (dict(activation_func=F.gelu), "activation_func"),
 ])
 def test_experts_refusals(changes, message):
-    groups = SimpleNamespace(ep=ONE_TP_RANK.tp, expt_tp=ONE_TP_RANK.tp, tp=ONE_TP_RANK.tp)
-    with pytest.raises(ValueError, match=message):
-        FlashExperts(2, _config(**changes), pg_collection=groups)
+    with pytest.raises(ValueError, match=message):  # refused before any process group is read
+        FlashExperts(2, _config(**changes))
+
+
+def test_experts_refuse_zero_copy_buffers():
+    one_rank = SimpleNamespace(size=lambda: 1)
+    experts = FlashExperts(2, _config(), pg_collection=SimpleNamespace(ep=one_rank, expt_tp=one_rank, tp=one_rank))
+    x = torch.randn(3, 64, dtype=torch.float64)
+    out, bias = experts(x, torch.tensor([2, 1]), torch.ones(3, dtype=torch.float64))
+    assert out.shape == (3, 64) and bias is None
+    with pytest.raises(ValueError, match="output_buffer"):
+        experts(x, torch.tensor([2, 1]), torch.ones(3), output_buffer=torch.empty(3, 64))
 
 
 # ------------------------------------------------------------------------------ GPT-MoE models on gloo CPU ranks

@@ -38,14 +38,6 @@ DENSE_TYPES = (AttnMaskType.causal, AttnMaskType.no_mask)
 PACKED_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.no_mask, AttnMaskType.padding)
 
 
-def _tp_size(pg_collection) -> int:
-    if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
-        return pg_collection.tp.size()
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_world_size()
-
-
 def _longest(cu_seqlens: torch.Tensor) -> int:
     return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
 
@@ -85,7 +77,7 @@ class FlashCoreAttention(MegatronModule):
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None, backend: str = "auto", **unused):
+                 cp_comm_type: str | None = None, pg_collection=None, backend: str = "auto"):
         super().__init__(config=config)
         check_config(config, attention_dropout)
         if attn_mask_type not in PACKED_TYPES:
@@ -93,17 +85,14 @@ class FlashCoreAttention(MegatronModule):
                              f"got {attn_mask_type}")
         self.attn_mask_type = attn_mask_type
         self.layer_number = max(1, layer_number)
-        tp = _tp_size(pg_collection)
-        head_dim = config.kv_channels
         # query-key layer scaling divides the scores by layer_number and the softmax multiplies them back: the net
-        # scale is the plain one
-        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-        self.heads_per_partition = config.num_attention_heads // tp
+        # scale is the plain one. The heads arrive split over tensor-parallel ranks already (pg_collection unused).
+        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
         self.window = layer_window(config, self.layer_number, attn_mask_type in CAUSAL_TYPES)
         self.backend = backend
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None, **unused):
+                packed_seq_params=None):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         causal = mask_type in CAUSAL_TYPES
         if packed_seq_params is not None:

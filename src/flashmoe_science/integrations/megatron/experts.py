@@ -111,7 +111,13 @@ class FlashExperts(MegatronModule):
         return self
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
-                permuted_probs: torch.Tensor, **unused):
+                permuted_probs: torch.Tensor, routing_map=None, output_buffer=None, grad_input_buffer=None):
+        """``(output, None)``: the rows' expert outputs (partial sums under expert tensor parallelism), no bias.
+        ``routing_map`` (Megatron's inference dispatcher passes it) is not needed; the zero-copy buffers of
+        Megatron's NCCL-EP dispatcher are refused (the output is a new tensor)."""
+        if output_buffer is not None or grad_input_buffer is not None:
+            raise ValueError("FlashExperts does not write into output_buffer/grad_input_buffer (NCCL-EP zero-copy "
+                             "dispatch); use the allgather or alltoall token dispatcher")
         x = permuted_local_hidden_states
         if self.config.moe_apply_probs_on_input:  # top-1 routing: the probability scales the input instead
             x = (permuted_probs.unsqueeze(-1) * x).to(x.dtype)
