@@ -230,6 +230,7 @@ TITLES = {"attention": "Attention", "moe": "MoE layer", "attention-features": "M
           "supercon": "Science workload: SuperCon Tc model",
           "supercon-baselines": "Science workload: the Tc model beside classical baselines",
           "groups": "Masked forward, kernel alone", "torchtitan-train": "Training in TorchTitan",
+          "megatron-train": "Training in Megatron-core",
           "ladder": "The ladder, from a CPU loop to the Hopper kernel (docs/ladder.md)"}
 SELF_HEADED = ("attention", "ladder", "moe")
 KIND_ORDER = ("attention", "ladder", "groups", "attention-features", "decode", "moe", "ring-step-overlap", "supercon",

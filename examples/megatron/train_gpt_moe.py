@@ -183,8 +183,8 @@ def run(kernels: str, size: gpt_moe.Size, args, device, on_step) -> dict:
     measured = args.steps - args.warmup
     tokens_per_s = tokens_per_step * measured / timed if timed > 0 else None
     tail = [row["loss"] for row in rows[-10:]]
-    record = {"op": "megatron-train", "gpus": world if device.type == "cuda" else 0, "kernels": kernels,
-              "parallel": {"ep": args.ep, "etp": args.etp, "dp": dp}, "steps": args.steps,
+    record = {"op": "megatron-train", "model": model_label(size), "gpus": world if device.type == "cuda" else 0,
+              "kernels": kernels, "dp": dp, "ep": args.ep, "etp": args.etp, "steps": args.steps,
               "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_s,
               "tokens_per_s_per_gpu": tokens_per_s / world if tokens_per_s else None,
               "mfu_percent": mfu(tokens_per_s, size, world), "final_loss": sum(tail) / len(tail),
@@ -193,6 +193,12 @@ def run(kernels: str, size: gpt_moe.Size, args, device, on_step) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"record": record, "rows": rows}
+
+
+def model_label(size: gpt_moe.Size) -> str:
+    total, active = size.parameters()
+    return (f"GPT-MoE {total / 1e9:.2f}B ({active / 1e9:.2f}B active), {size.layers} layers, d={size.hidden}, "
+            f"{size.experts} experts top-{size.top_k}, {size.seq_len} tokens x {size.micro_batch} per rank")
 
 
 def mfu(tokens_per_s, size: gpt_moe.Size, world: int):
@@ -213,7 +219,11 @@ def envelope(args, size: gpt_moe.Size) -> dict:
             "triton": _version("triton"), "commit": args.commit, "date": time.strftime("%Y-%m-%d", time.gmtime()),
             "model": {"size": args.size, **vars(size), "parameters": total, "active_parameters": active},
             "dtype": "bfloat16" if torch.cuda.is_available() else "float32", "lr": args.lr,
-            "data": f"random tokens, segments of {period(size, args)} repeated"}
+            "data": f"random tokens, segments of {period(size, args)} repeated",
+            "note": (f"examples/megatron/train_gpt_moe.py: Megatron-core {_version('megatron-core')}'s GPTModel, DDP (float32 gradient reduction), "
+                     f"Adam and cosine schedule; flashmoe = get_gpt_layer_flash_spec, local = "
+                     f"get_gpt_layer_local_spec, same initial weights and batches; tokens/s over steps "
+                     f"{args.warmup}-{args.steps - 1}, final_loss = mean of the last 10 steps' loss")}
 
 
 def _version(package: str):
