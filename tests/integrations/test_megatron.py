@@ -2,7 +2,8 @@
 
 The GPT-MoE models run on gloo CPU ranks in float64 (``examples/megatron/megatron_cpu.py`` makes Megatron-core's
 CUDA-only buffers CPU ones), each test in its own spawned processes (Megatron's parallel state is global): one rank,
-and two ranks with expert parallelism (the ``allgather`` dispatcher moves the tokens). The same weights (the local
+and two ranks with expert parallelism (the ``allgather`` dispatcher moves the tokens) and then with expert tensor
+parallelism (each rank half of every expert's hidden dim; the dispatcher sums the partial outputs). The same weights (the local
 experts' copied into ours) and batches give the same logits and gradients. The core attention alone is checked in
 this process against a float64 SDPA with Megatron's masks (its causal and sliding-window definitions), including
 packed sequences and GQA; what it cannot take is refused when built.
@@ -164,53 +165,63 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _gpt_parity_worker(rank: int, world: int, port: int, expert_parallel: int) -> None:
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    sys.path.insert(0, str(EXAMPLES))
-    import megatron_cpu
+def _compare_gpt_moe(rank: int, expert_parallel: int, expert_tensor_parallel: int) -> None:
+    """The local-spec and flash-spec GPT-MoE of one parallel layout: same logits and gradients."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from flashmoe_science.integrations.megatron import get_gpt_layer_flash_spec
 
-    megatron_cpu.init(expert_parallel=expert_parallel)
-    try:
-        config = _config(expert_model_parallel_size=expert_parallel)
-        torch.manual_seed(0)
-        build = functools.partial(GPTModel, config=config, vocab_size=97, max_sequence_length=24,
-                                  position_embedding_type="learned_absolute")
-        local = build(transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm"))
-        flash = build(transformer_layer_spec=get_gpt_layer_flash_spec(num_experts=4))
-        flash.load_state_dict(local.state_dict(), strict=False)
-        for theirs, ours in zip(local.decoder.layers, flash.decoder.layers):
-            ours.mlp.experts.copy_from(theirs.mlp.experts)
-        torch.manual_seed(1 + rank)
-        tokens = torch.randint(0, 97, (2, 24))
-        positions = torch.arange(24).expand(2, 24)
-        causal = torch.ones(1, 1, 24, 24, dtype=torch.bool).triu(1)  # True: masked, as Megatron's masks
-        expected = local(tokens, positions, causal)
-        logits = flash(tokens, positions, None)  # the layer's mask type decides (as in Megatron's TE attention)
-        torch.testing.assert_close(logits, expected, rtol=1e-9, atol=1e-9)
-        grad = torch.randn_like(logits)
-        expected.backward(grad)
-        logits.backward(grad)
-        ours = dict(flash.named_parameters())
-        for name, param in local.named_parameters():
-            if ".local_experts." in name:
-                continue
+    config = _config(expert_model_parallel_size=expert_parallel, expert_tensor_parallel_size=expert_tensor_parallel)
+    torch.manual_seed(0)
+    build = functools.partial(GPTModel, config=config, vocab_size=97, max_sequence_length=24,
+                              position_embedding_type="learned_absolute")
+    local = build(transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm"))
+    flash = build(transformer_layer_spec=get_gpt_layer_flash_spec(num_experts=4))
+    flash.load_state_dict(local.state_dict(), strict=False)
+    for theirs, ours in zip(local.decoder.layers, flash.decoder.layers):
+        ours.mlp.experts.copy_from(theirs.mlp.experts)
+    torch.manual_seed(1 + rank)
+    tokens = torch.randint(0, 97, (2, 24))
+    positions = torch.arange(24).expand(2, 24)
+    causal = torch.ones(1, 1, 24, 24, dtype=torch.bool).triu(1)  # True: masked, as Megatron's masks
+    expected = local(tokens, positions, causal)
+    logits = flash(tokens, positions, None)  # the layer's mask type decides (as in Megatron's TE attention)
+    torch.testing.assert_close(logits, expected, rtol=1e-9, atol=1e-9)
+    grad = torch.randn_like(logits)
+    expected.backward(grad)
+    logits.backward(grad)
+    ours = dict(flash.named_parameters())
+    for name, param in local.named_parameters():
+        if ".local_experts." not in name:
             torch.testing.assert_close(ours[name].grad, param.grad, rtol=1e-9, atol=1e-9, msg=name)
-        for theirs, layer in zip(local.decoder.layers, flash.decoder.layers):
-            experts = theirs.mlp.experts.local_experts
-            torch.testing.assert_close(layer.mlp.experts.weight1.grad,
-                                       torch.stack([e.linear_fc1.weight.grad for e in experts]), rtol=1e-9, atol=1e-9)
-            torch.testing.assert_close(layer.mlp.experts.weight2.grad,
-                                       torch.stack([e.linear_fc2.weight.grad for e in experts]), rtol=1e-9, atol=1e-9)
+    for theirs, layer in zip(local.decoder.layers, flash.decoder.layers):
+        experts = theirs.mlp.experts.local_experts
+        torch.testing.assert_close(layer.mlp.experts.weight1.grad,
+                                   torch.stack([e.linear_fc1.weight.grad for e in experts]), rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(layer.mlp.experts.weight2.grad,
+                                   torch.stack([e.linear_fc2.weight.grad for e in experts]), rtol=1e-9, atol=1e-9)
+
+
+def _gpt_parity_worker(rank: int, world: int, port: int, layouts) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    sys.path.insert(0, str(EXAMPLES))
+    import megatron_cpu
+    from megatron.core import parallel_state
+
+    try:
+        for expert_parallel, expert_tensor_parallel in layouts:
+            megatron_cpu.init(expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel)
+            _compare_gpt_moe(rank, expert_parallel, expert_tensor_parallel)
+            parallel_state.destroy_model_parallel()
     finally:
         megatron_cpu.destroy()
 
 
-@pytest.mark.parametrize("world, expert_parallel", [(1, 1), (2, 2)], ids=["1-rank", "2-ranks-ep2"])
-def test_gpt_moe_matches_local_spec(world, expert_parallel):
-    torch.multiprocessing.spawn(_gpt_parity_worker, args=(world, _free_port(), expert_parallel), nprocs=world)
+# (expert parallel, expert tensor parallel) layouts, data parallel over the remaining ranks; two ranks run both of
+# theirs in one pair of processes (spawning costs more than a layout)
+@pytest.mark.parametrize("world, layouts", [(1, [(1, 1)]), (2, [(2, 1), (1, 2)])], ids=["1-rank", "2-ranks-ep2-etp2"])
+def test_gpt_moe_matches_local_spec(world, layouts):
+    torch.multiprocessing.spawn(_gpt_parity_worker, args=(world, _free_port(), layouts), nprocs=world)

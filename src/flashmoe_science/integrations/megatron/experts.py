@@ -1,7 +1,7 @@
 """Megatron-core's MoE ``experts`` on our fused grouped GEMMs: :class:`FlashExperts`.
 
-Megatron's token dispatchers (``allgather``, ``alltoall``, ``flex``) hand the experts module the rows for this
-rank's experts grouped by local expert, the per-expert counts ``tokens_per_expert`` (on the host or the device),
+Megatron's token dispatchers (``allgather``, ``alltoall``) hand the experts module the rows for this rank's
+experts grouped by local expert, the per-expert counts ``tokens_per_expert`` (on the host or the device),
 and each row's router probability. ``SequentialMLP`` (the local spec) loops over the experts with two linears each
 and applies the probability after the activation; this module stores every local expert's weights stacked and runs
 them in one ``grouped_experts`` call (gather, the up GEMM with SwiGLU in its epilogue, the down GEMM with the
