@@ -6,7 +6,8 @@ and two ranks with expert parallelism (the ``allgather`` dispatcher moves the to
 parallelism (each rank half of every expert's hidden dim; the dispatcher sums the partial outputs). The same weights (the local
 experts' copied into ours) and batches give the same logits and gradients. The core attention alone is checked in
 this process against a float64 SDPA with Megatron's masks (its causal and sliding-window definitions), including
-packed sequences and GQA; what it cannot take is refused when built.
+packed sequences and GQA; what it cannot take is refused when built. The Triton kernels behind both modules run on
+Megatron's layouts under the interpreter (interpreter_megatron_cases.py, a child process).
 """
 
 import functools
@@ -25,8 +26,10 @@ from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from flashmoe_science.integrations.megatron import FlashCoreAttention, FlashExperts  # noqa: E402
+from interpreter_driver import run_under_interpreter  # noqa: E402
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "megatron"
+HERE = Path(__file__).resolve().parent
+EXAMPLES = HERE.parents[1] / "examples" / "megatron"
 
 
 def _config(**changes):
@@ -156,6 +159,11 @@ def test_experts_refuse_zero_copy_buffers():
     assert out.shape == (3, 64) and bias is None
     with pytest.raises(ValueError, match="output_buffer"):
         experts(x, torch.tensor([2, 1]), torch.ones(3), output_buffer=torch.empty(3, 64))
+
+
+def test_triton_paths_under_interpreter():
+    pytest.importorskip("triton")
+    run_under_interpreter(HERE.parents[1], str(HERE / "interpreter_megatron_cases.py"), timeout=600)
 
 
 # ------------------------------------------------------------------------------ GPT-MoE models on gloo CPU ranks
