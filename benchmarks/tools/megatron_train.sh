@@ -32,10 +32,11 @@ if [ "$GPUS" = 1 ]; then
     timeout 150 python3 -m pytest -m gpu tests/integrations/test_megatron_gpu.py -q -p no:cacheprovider \
         > "$OUT/megatron-gpu-tests.log" 2>&1
     echo "GPU tests: exit $? after $(( $(date +%s) - start )) s"; tail -n 5 "$OUT/megatron-gpu-tests.log"
-    timeout 330 python3 examples/megatron/train_gpt_moe.py --out "$work" ${TRAIN_ARGS:-} > "$log" 2>&1
+    timeout 330 python3 examples/megatron/train_gpt_moe.py --out "$work" --time-limit 120 ${TRAIN_ARGS:-} \
+        > "$log" 2>&1
 else
     timeout 420 python3 -m torch.distributed.run --standalone --nproc-per-node "$GPUS" \
-        examples/megatron/train_gpt_moe.py --ep 2 --etp 2 --out "$work" ${TRAIN_ARGS:-} > "$log" 2>&1
+        examples/megatron/train_gpt_moe.py --ep 2 --etp 2 --out "$work" --time-limit 150 ${TRAIN_ARGS:-} > "$log" 2>&1
 fi
 echo "training: exit $? after $(( $(date +%s) - start )) s"
 for ext in json csv png; do

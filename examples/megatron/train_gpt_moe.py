@@ -19,7 +19,8 @@ tensor parallelism only with sequence parallelism, which its norms without Trans
 Data: random tokens, each sequence a random segment of ``--period`` tokens repeated, so the loss falls as the model
 learns to copy (it cannot predict a segment's first occurrence: the floor is about ``log(vocab) · period / seq``).
 
-``--repeats N`` runs every kernel set N times, interleaved (the order alternates by round). Rank 0 writes to
+``--repeats N`` runs every kernel set N times, interleaved (the order alternates by round). ``--time-limit S``
+stops a run after S seconds (at the same step on every rank; its record says so). Rank 0 writes to
 ``--out``: ``megatron-train.json`` (records: op ``megatron-train``, gpus, kernels, tokens_per_s over the steps after
 ``--warmup``, MFU, peak memory, final_loss = mean loss of the last 10 steps; the envelope: GPU, versions, commit,
 date), ``megatron-train.csv`` (every step of every run) and ``megatron-train.png`` (loss curves, tokens/s). On a
@@ -55,6 +56,8 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=20, help="steps left out of tokens/s (default 20)")
     parser.add_argument("--kernels", default="flashmoe,local", help="comma-separated: flashmoe, local")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds per run: every rank stops after the step during which this passes")
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size")
     parser.add_argument("--etp", type=int, default=1, help="expert tensor parallel size (each expert's hidden dim "
                                                            "split over this many ranks)")
@@ -137,8 +140,9 @@ def make_trainer(model, config, args):
     return ddp, optimizer, scheduler
 
 
-def train_step(ddp, optimizer, scheduler, tokens, positions, labels, causal_mask) -> float:
-    """One step; returns the data-parallel mean of the language-model loss."""
+def train_step(ddp, optimizer, scheduler, tokens, positions, labels, causal_mask, stop: bool) -> tuple[float, bool]:
+    """One step; returns the data-parallel mean of the language-model loss and whether any rank asked to ``stop``
+    (one all-reduce carries both: every rank then stops after the same step)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
 
@@ -149,9 +153,10 @@ def train_step(ddp, optimizer, scheduler, tokens, positions, labels, causal_mask
     finalize_model_grads([ddp])
     optimizer.step()
     scheduler.step(increment=1)
-    reported = loss.detach().clone()
+    reported = torch.stack([loss.detach(), torch.tensor(float(stop), device=loss.device)])
     dist.all_reduce(reported, group=parallel_state.get_data_parallel_group())
-    return reported.item() / parallel_state.get_data_parallel_world_size()
+    total, stops = reported.tolist()
+    return total / parallel_state.get_data_parallel_world_size(), stops > 0
 
 
 def run(kernels: str, size: gpt_moe.Size, args, device, on_step) -> dict:
@@ -169,23 +174,26 @@ def run(kernels: str, size: gpt_moe.Size, args, device, on_step) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     dp = parallel_state.get_data_parallel_world_size()
     tokens_per_step = dp * size.micro_batch * size.seq_len
-    rows, timed = [], 0.0
+    rows, timed, began, stopped = [], 0.0, time.perf_counter(), False
     for step in range(args.steps):
         tokens, positions, labels = batch(step, size, args, device)
         start = time.perf_counter()
-        loss = train_step(ddp, optimizer, scheduler, tokens, positions, labels, causal)  # .item() synchronises
+        late = args.time_limit is not None and start - began > args.time_limit
+        loss, stopped = train_step(ddp, optimizer, scheduler, tokens, positions, labels, causal, late)  # syncs
         seconds = time.perf_counter() - start
         if step >= args.warmup:
             timed += seconds
         rows.append({"kernels": kernels, "step": step, "loss": loss, "tokens_per_s": tokens_per_step / seconds})
         on_step(rows[-1])
+        if stopped:
+            break
     world = dist.get_world_size()
-    measured = args.steps - args.warmup
-    tokens_per_s = tokens_per_step * measured / timed if timed > 0 else None
+    measured = len(rows) - args.warmup
+    tokens_per_s = tokens_per_step * measured / timed if measured > 0 and timed > 0 else None
     tail = [row["loss"] for row in rows[-10:]]
     record = {"op": "megatron-train", "model": model_label(size), "gpus": world if device.type == "cuda" else 0,
-              "kernels": kernels, "dp": dp, "ep": args.ep, "etp": args.etp, "steps": args.steps,
-              "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_s,
+              "kernels": kernels, "dp": dp, "ep": args.ep, "etp": args.etp, "steps": len(rows),
+              "stopped_by_time_limit": stopped, "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_s,
               "tokens_per_s_per_gpu": tokens_per_s / world if tokens_per_s else None,
               "mfu_percent": mfu(tokens_per_s, size, world), "final_loss": sum(tail) / len(tail),
               "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)}
