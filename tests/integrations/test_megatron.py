@@ -151,6 +151,28 @@ def test_experts_refusals(changes, message):
         FlashExperts(2, _config(**changes))
 
 
+def test_spec_swaps_what_is_named():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from flashmoe_science.integrations.megatron import with_flash_modules
+
+    def modules(spec):
+        core = spec.submodules.self_attention.submodules.core_attention
+        experts = spec.submodules.mlp.keywords["submodules"].experts
+        return (getattr(core, "module", core), getattr(experts, "module", getattr(experts, "func", experts)))
+
+    local = get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm")
+    assert modules(with_flash_modules(local)) == (FlashCoreAttention, FlashExperts)
+    assert modules(with_flash_modules(local, attention=None))[0] is DotProductAttention
+    assert modules(with_flash_modules(local, experts=None))[1] is not FlashExperts
+    assert modules(local)[0] is DotProductAttention  # the given spec is not changed
+    dense = with_flash_modules(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    assert dense.submodules.self_attention.submodules.core_attention.module is FlashCoreAttention
+    with pytest.raises(TypeError, match="experts"):
+        with_flash_modules(local, experts=1)
+
+
 def test_experts_refuse_zero_copy_buffers():
     one_rank = SimpleNamespace(size=lambda: 1)
     experts = FlashExperts(2, _config(), pg_collection=SimpleNamespace(ep=one_rank, expt_tp=one_rank, tp=one_rank))
