@@ -7,9 +7,10 @@
 One process per GPU (or CPU rank, gloo). Each run builds Megatron-core's ``GPTModel`` (``gpt_moe.py``: ~0.55B
 parameters by default) with one kernel set, "flashmoe" (``get_gpt_layer_flash_spec``: our core attention and
 experts) or "local" (``get_gpt_layer_local_spec``: ``DotProductAttention``, ``SequentialMLP``), from the same initial
-weights, and trains it on the same batches with Megatron-core's ``DistributedDataParallel`` (gradients reduced in
-float32), its optimizer (``get_megatron_optimizer``: Adam with float32 main weights under bf16, gradient clipping),
-its ``OptimizerParamScheduler`` (warmup, cosine decay) and ``finalize_model_grads``. The step is the no-pipeline
+weights, and trains it on the same batches with Megatron-core's ``Float16Module`` (bf16 weights),
+``DistributedDataParallel`` (gradients reduced in float32), its optimizer (``get_megatron_optimizer``: Adam with
+float32 main weights under bf16, gradient clipping), its ``OptimizerParamScheduler`` (warmup, cosine decay) and
+``finalize_model_grads``. The step is the no-pipeline
 schedule written out (forward, loss, backward, gradient finalisation; Megatron's ``forward_backward_no_pipelining``
 allocates a CUDA tensor, so the CPU run could not call it). Data parallelism (every rank), expert parallelism
 (``--ep``: the alltoall token dispatcher) and expert tensor parallelism (``--etp``: each expert's hidden dimension
@@ -44,6 +45,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpt_moe  # noqa: E402
+from megatron.core.transformer.module import Float16Module  # noqa: E402
 
 # bf16 dense tensor-core peak of an H100/H200 SXM (TFLOP/s), the MFU's denominator
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
@@ -65,12 +67,16 @@ def parse_args(argv=None):
     parser.add_argument("--period", type=int, default=None,
                         help="length of the repeated random segment (default: a sixteenth of the sequence)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                        help="model dtype (default: bfloat16 on GPUs, float32 on CPUs)")
     parser.add_argument("--commit", default=os.environ.get("FLASHMOE_COMMIT", "unknown"))
     parser.add_argument("--out", default="megatron-train-out")
     args = parser.parse_args(argv)
     args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     if not args.kernels or any(k not in gpt_moe.KERNELS for k in args.kernels):
         parser.error(f"--kernels takes a comma-separated subset of {gpt_moe.KERNELS}")
+    if args.dtype is None:
+        args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     if args.steps <= args.warmup and args.steps > 1:
         args.warmup = args.steps // 2
     return args
@@ -164,8 +170,10 @@ def run(kernels: str, size: gpt_moe.Size, args, device, on_step) -> dict:
     from megatron.core import parallel_state
 
     config = gpt_moe.transformer_config(size, expert_parallel=args.ep, expert_tensor_parallel=args.etp,
-                                        bf16=device.type == "cuda")
+                                        bf16=args.dtype == "bfloat16")
     model = gpt_moe.build_model(kernels, config, size, args.seed)
+    if config.bf16:  # as Megatron's training builds it: every weight in bf16 (norms included), float32 logits/loss
+        model = Float16Module(config, model)
     model.to(device)
     ddp, optimizer, scheduler = make_trainer(model, config, args)
     # Megatron's local attention builds its causal mask on the CUDA device itself; ours reads the layer's type
@@ -226,7 +234,7 @@ def envelope(args, size: gpt_moe.Size) -> dict:
             "torch": torch.__version__, "megatron_core": importlib.metadata.version("megatron-core"),
             "triton": _version("triton"), "commit": args.commit, "date": time.strftime("%Y-%m-%d", time.gmtime()),
             "model": {"size": args.size, **vars(size), "parameters": total, "active_parameters": active},
-            "dtype": "bfloat16" if torch.cuda.is_available() else "float32", "lr": args.lr,
+            "dtype": args.dtype, "lr": args.lr,
             "data": f"random tokens, segments of {period(size, args)} repeated",
             "note": (f"examples/megatron/train_gpt_moe.py: Megatron-core {_version('megatron-core')}'s GPTModel, DDP (float32 gradient reduction), "
                      f"Adam and cosine schedule; flashmoe = get_gpt_layer_flash_spec, local = "

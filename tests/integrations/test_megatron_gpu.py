@@ -62,9 +62,11 @@ def _error(value, reference):
 def test_gpt_moe_bf16_error_within_twice_the_local_specs(megatron_gpu):
     build = functools.partial(GPTModel, vocab_size=512, max_sequence_length=512, position_embedding_type="rope")
     local_spec = get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm")
-    reference = build(config=_config(torch.float64), transformer_layer_spec=local_spec).cuda()
-    local = build(config=_config(torch.bfloat16), transformer_layer_spec=local_spec).cuda()
-    flash = build(config=_config(torch.bfloat16), transformer_layer_spec=get_gpt_layer_flash_spec(num_experts=4)).cuda()
+    # every weight in the model's dtype (Megatron's norms are created float32), as Float16Module makes them
+    reference = build(config=_config(torch.float64), transformer_layer_spec=local_spec).cuda().double()
+    local = build(config=_config(torch.bfloat16), transformer_layer_spec=local_spec).cuda().bfloat16()
+    flash = build(config=_config(torch.bfloat16),
+                  transformer_layer_spec=get_gpt_layer_flash_spec(num_experts=4)).cuda().bfloat16()
     local.load_state_dict(reference.state_dict())
     flash.load_state_dict(reference.state_dict(), strict=False)
     for theirs, ours in zip(local.decoder.layers, flash.decoder.layers):
