@@ -75,13 +75,14 @@ def _qkv(requires_grad=False):
             for _ in range(3)]
 
 
-def _hopper_plan(strict=False):
-    """An sm_90 forward plan for 64-row bf16-shaped test inputs, as the planner would make on Hopper."""
+def _hopper_plan(strict=False, fallback=None):
+    """An sm_90 forward plan for 64-row bf16-shaped test inputs, as the planner would make on Hopper: with
+    `fallback` (the walk's plan for a failed build) unless `strict` (backend="hopper")."""
     from flashmoe_science.attention.hopper.backend import HopperForward
     from flashmoe_science.attention.hopper.tiles import sm90_forward_tiles
 
     return HopperForward(sm90_forward_tiles(64, False, 64), persistent=False, q_buffers=1, cross_item=False,
-                         strict=strict)
+                         fallback=None if strict else fallback)
 
 
 def test_attention_forward_falls_back_to_the_triton_kernel(monkeypatch):
@@ -93,10 +94,11 @@ def test_attention_forward_falls_back_to_the_triton_kernel(monkeypatch):
     monkeypatch.setattr(fwd_sm90, "attention_forward_sm90", _build_failure)
     monkeypatch.setattr(triton_fwd, "attention_forward", lambda *args: ran.append(args[-1]))
     q, k, v = _qkv()
-    plan = _hopper_plan()
+    fallback = triton_backend.forward_plan(q, k, v, PLAIN)
+    plan = _hopper_plan(fallback=fallback)
     with pytest.warns(RuntimeWarning, match="attention forward kernel does not build"):
         plan.run(q, k, v, PLAIN, 0.125)
-    assert ran == [triton_backend.forward_plan(q, k, v, PLAIN).tiles]  # the Triton forward ran, with its own tiles
+    assert ran == [fallback.tiles]  # the planned fallback ran: the Triton forward, with its own tiles
     plan.run(q, k, v, PLAIN, 0.125)  # later calls: no warning, no Gluon attempt
     assert len(ran) == 2
     # later calls plan the Triton kernel: the Hopper backend's decline (after its device checks) returns this reason
@@ -133,7 +135,7 @@ def test_attention_backward_falls_back_to_the_triton_kernels(monkeypatch):
     monkeypatch.setattr(type(forward), "run", lambda self, q, *rest: (torch.zeros_like(q), torch.zeros(q.shape[:3])))
     fallback = TritonBackward(backward_tiles(64, q.dtype, False, INTERPRETER_TRAITS))
     plan = Plan(dense_problem(q, k, v)[0], Choice("hopper", forward), ())
-    plan.__dict__["backward_choice"] = Choice("hopper", backend.HopperBackward(fallback))  # as planned on Hopper
+    plan.__dict__["backward_choice"] = Choice("hopper", backend.HopperBackward(fallback=fallback))  # as on Hopper
     out, _ = _KernelAttention.apply(q, k, v, None, PLAIN, 0.125, plan)
     with pytest.warns(RuntimeWarning, match="attention backward kernel does not build"):
         out.sum().backward()
@@ -141,6 +143,7 @@ def test_attention_backward_falls_back_to_the_triton_kernels(monkeypatch):
 
 
 def test_moe_gemms_fall_back_to_the_triton_kernels(monkeypatch):
+    from flashmoe_science.backends import choose
     from flashmoe_science.device import DeviceTraits
     from flashmoe_science.moe import gemms
     from flashmoe_science.moe.hopper import backend, wgrad_sm90
@@ -157,8 +160,10 @@ def test_moe_gemms_fall_back_to_the_triton_kernels(monkeypatch):
     hopper = backend.HopperGemms()
 
     assert hopper.decline(problem) is None
+    choice = choose((hopper, gemms.TritonGemms()), problem)  # the walk plans the fallback: the Triton runner
+    assert choice.fallback.backend == "triton" and choice.plan.fallback is gemms.TRITON_RUNNERS["dw1"]
     with pytest.warns(RuntimeWarning, match="MoE weight-gradient kernel does not build"):
-        hopper.plan(problem)(None, None, None, None, tiles)
+        choice.plan(None, None, None, None, tiles)
     assert len(ran) == 1
     assert "does not build" in hopper.decline(problem)  # every later MoE call plans the Triton kernels
 

@@ -202,7 +202,8 @@ def attn_bwd_cpu_main(shape=(1, 2, 128, 64), causal=True, n=2000):
     backend.launch_backward = lambda *args, **kwargs: None  # the unprepared first two backwards
     b, h, length, d = shape
     features = as_features(causal)
-    step = backend.HopperBackward(TritonBackward(backward_tiles(d, torch.bfloat16, causal, INTERPRETER_TRAITS)))
+    step = backend.HopperBackward(fallback=TritonBackward(backward_tiles(d, torch.bfloat16, causal,
+                                                                         INTERPRETER_TRAITS)))
     plan = autograd.BackwardPlan(step, d ** -0.5, False)
     q, k, v, grad_out = (torch.randn(b, h, length, d, dtype=torch.bfloat16) for _ in range(4))
     lse = torch.randn(b, h, length)

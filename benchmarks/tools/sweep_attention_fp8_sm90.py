@@ -24,9 +24,10 @@ import triton
 
 from flashmoe_science import quantize_fp8
 from flashmoe_science.attention.fp8 import fp8_problem
-from flashmoe_science.attention.hopper.backend import Fp8Forward, fp8_forward_plan
+from flashmoe_science.attention.hopper.backend import fp8_forward_plan
 from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90_fp8
 from flashmoe_science.attention.hopper.tiles import sm90_fp8_smem_bytes
+from flashmoe_science.attention.triton_backend import TritonFp8Forward
 from flashmoe_science.device import device_traits
 
 DEFAULT_SHAPES = "1x16x16384x128,1x8x16384x256"
@@ -61,7 +62,7 @@ def main() -> None:
             problem = fp8_problem(*inputs, causal=causal, softmax_scale=None, backend="auto")
             plan = fp8_forward_plan(problem)
             reference = None
-            triton_ms = triton.testing.do_bench(lambda: Fp8Forward().run(problem))
+            triton_ms = triton.testing.do_bench(lambda: TritonFp8Forward().run(problem))
             rows.append(dict(shape=shape, causal=causal, kernel="triton", ms=triton_ms,
                              tflops=flops / triton_ms / 1e9))
             print(f"{shape} causal={causal} triton: {triton_ms:.3f} ms {flops / triton_ms / 1e9:.0f} TFLOP/s",

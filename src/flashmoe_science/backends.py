@@ -5,12 +5,17 @@ GEMMs) is a ``Backend``: it says why it cannot take a checked problem (``decline
 can, plans the call (``plan``: tiles and schedule for the forward and the backward alike). ``choose`` walks an
 ordered list of backends and returns the first that takes the problem, with every earlier family's reason, so that
 ``describe_dispatch``/``info`` render the decision instead of deriving it again. Nothing here names an architecture:
-the ordered lists live beside the front doors that own them.
+the ordered lists live beside the front doors that own them (the architectures' families in ``architectures.py``).
+
+Some kernels are built at their first launch (Gluon's), and a build can fail on a triton outside the tested range.
+Their plans have a ``fallback`` field: the walk fills it with the plan of the first later family that takes the same
+call (None where the family was asked for by name: the failure then raises), so the fallback is the planner's
+decision, with the reasons, and ``describe_dispatch`` shows it before the call runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, Protocol, Sequence, TypeVar
 
 P = TypeVar("P")  # a checked problem
@@ -36,6 +41,7 @@ class Choice(Generic[K]):
     backend: str
     plan: K
     declined: tuple[tuple[str, str], ...] = ()
+    fallback: Choice | None = None  # the plan.fallback's choice: which family, and why the ones between declined
 
     def why_not(self, name: str) -> str | None:
         """The reason ``name`` declined this call, or None when it was not asked (or took it)."""
@@ -53,9 +59,19 @@ def choose(backends: Sequence[Backend], problem, requested: str = "auto") -> Cho
     if not walk:
         raise NoBackend(f"backend must be 'auto' or one of {[b.name for b in backends]}, got {requested!r}")
     declined = []
-    for backend in walk:
+    for index, backend in enumerate(walk):
         reason = backend.decline(problem)
         if reason is None:
-            return Choice(backend.name, backend.plan(problem), tuple(declined))
+            plan = backend.plan(problem)
+            fallback = None
+            if builds_at_launch(plan) and index + 1 < len(walk):
+                fallback = choose(walk[index + 1:], problem)
+                plan = replace(plan, fallback=fallback.plan)
+            return Choice(backend.name, plan, tuple(declined), fallback)
         declined.append((backend.name, reason))
     raise NoBackend("; ".join(f"backend={name!r} cannot take this call: {why}" for name, why in declined))
+
+
+def builds_at_launch(plan) -> bool:
+    """Whether ``plan`` runs a kernel whose build may fail at its first launch: it has a ``fallback`` field."""
+    return "fallback" in getattr(type(plan), "__dataclass_fields__", ())

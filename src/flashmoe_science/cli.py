@@ -9,7 +9,7 @@ Commands:
   bench decode             KV-cache decode bandwidth (GPU only)
   bench --suite varlen,window,mods   packed sequences and masks against SDPA/FlexAttention
   bench --suite distributed          ring attention / expert-parallel MoE scaling (under torchrun)
-  bench --suite ladder               every rung of attention.ladder, from the CPU loop to the Hopper kernel
+  bench --suite ladder               every rung of attention.ladder, from the CPU loop to the Gluon kernel
   warmup --hf-config DIR --seq-len L       compile a model's attention kernels before its job (Triton's cache)
   supercon train|screen|bench|baselines   the superconductor critical-temperature model and its baselines
 
@@ -99,22 +99,34 @@ def kernels_here() -> str:
                     "interpreter (TRITON_INTERPRET=1 is set: backend='triton', slow, for tests)")
         return ("the PyTorch reference (backend='auto' on CPU tensors); the Triton kernels only under "
                 "TRITON_INTERPRET=1 (an interpreter, for tests); the GPU kernels need a CUDA GPU")
-    major, minor = torch.cuda.get_device_capability()
-    if major != 9:
-        return f"the portable Triton kernels (sm_{major}{minor}; the Gluon kernels need sm_90) and the reference"
-    return "the Gluon sm_90 kernels, the portable Triton kernels and the reference"
+    from flashmoe_science.architectures import ARCHITECTURES
+    from flashmoe_science.device import current_traits
+
+    arch = current_traits().arch
+    here = [f"the {a.title}" for a in ARCHITECTURES if a.arch == arch]
+    elsewhere = "; ".join(f"the {a.title} need {a.arch}" for a in ARCHITECTURES if a.arch != arch)
+    portable = f"the portable Triton kernels ({arch}{'; ' + elsewhere if elsewhere else ''})" if not here \
+        else "the portable Triton kernels"
+    return f"{', '.join([*here, portable])} and the reference"
 
 
-def gluon_here() -> str:
-    """Whether the Gluon sm_90 kernels run here: a Hopper GPU first, then whether this triton builds them."""
-    from flashmoe_science.gluon.availability import describe
+def architecture_lines() -> list[tuple[str, str]]:
+    """One line per architecture's own kernels (architectures.ARCHITECTURES): whether they run here, on this GPU
+    first, then on this triton."""
+    from flashmoe_science.architectures import ARCHITECTURES
+    from flashmoe_science.device import current_traits
 
-    if not torch.cuda.is_available():
-        return "not on this machine: they need a Hopper GPU (sm_90) and there is no CUDA GPU"
-    major, minor = torch.cuda.get_device_capability()
-    if major != 9:
-        return f"not on this GPU: they need a Hopper GPU (sm_90), this one is sm_{major}{minor}"
-    return describe()
+    traits = current_traits()
+    lines = []
+    for a in ARCHITECTURES:
+        if traits is None:
+            status = f"not on this machine: they need an {a.arch} GPU and there is no CUDA GPU"
+        elif traits.arch != a.arch:
+            status = f"not on this GPU: they need an {a.arch} GPU, this one is {traits.arch}"
+        else:
+            status = a.status()
+        lines.append((a.title, status))
+    return lines
 
 
 def run_info(args: argparse.Namespace) -> int:
@@ -136,7 +148,7 @@ def run_info(args: argparse.Namespace) -> int:
     labels = {"torch": "torch", "triton": "triton", "cuda": "CUDA", "cudnn": "cuDNN", "python": "python"}
     pairs += [(labels[key], version) for key, version in software_versions().items()]
     pairs.append(("kernels here", kernels_here()))
-    pairs.append(("Gluon sm_90 kernels", gluon_here()))
+    pairs += architecture_lines()
     _print_key_values(pairs)
     print()
     _print_sample_dispatch()
@@ -451,7 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
         "distributed (alone): ring attention and expert-parallel MoE scaling under "
         "`torchrun --nproc-per-node N -m flashmoe_science.cli bench --suite distributed`, or without torchrun on "
         "one GPU a ring step's overlap and one EP rank's expert work (bench/distributed.py). Or ladder (alone): every "
-        "rung of attention.ladder from the CPU to the Hopper kernel (bench/ladder.py)",
+        "rung of attention.ladder from the CPU to the warp-specialised Gluon kernel (bench/ladder.py)",
     )
     bench.add_argument(
         "--ops", type=_comma_list(("ep-moe", "ring-attention")),

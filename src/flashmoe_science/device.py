@@ -1,4 +1,10 @@
-"""What the kernels need to know about the device they run on, in one place for every kernel family."""
+"""What the kernels need to know about the device they run on, in one place for every kernel family.
+
+The device's architecture is read here and nowhere else: `DeviceTraits.arch` names it (``"sm_90"``; the
+interpreter's stand-in has none) and the traits say what the planners ask of it (tensor cores, e4m3 products,
+whether the measured tile tables apply). A kernel family for one architecture compares `arch` with the name it
+declares (its backend package's `ARCH`); the generic planners, tiles and the CLI read the traits only.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +15,41 @@ from dataclasses import dataclass
 import torch
 
 
+# The compute capability the portable kernels' tile tables were measured on (an H200; docs/perf-notes.md): GPUs of
+# its generation get them (and TMA descriptors), the others conservative tables keyed by their capability.
+MEASURED_CAPABILITY = (9, 0)
+FP8_CAPABILITY = (8, 9)  # e4m3 tensor-core products: compute capability 8.9 and newer
+
+
+def arch_name(capability: tuple[int, int]) -> str:
+    """The architecture of a compute capability as CUDA names it: (9, 0) -> "sm_90"."""
+    return f"sm_{capability[0]}{capability[1]}"
+
+
 @dataclass(frozen=True)
 class DeviceTraits:
-    capability: tuple[int, int]
+    capability: tuple[int, int]  # (0, 0): the interpreter's stand-in for CPU tensors
     sm_count: int
     smem_per_block: int  # bytes a block may opt in to
 
     @property
-    def is_hopper(self) -> bool:
-        return self.capability[0] == 9
+    def arch(self) -> str | None:
+        """The GPU's architecture ("sm_90"), or None for the interpreter's stand-in."""
+        return arch_name(self.capability) if self.capability != (0, 0) else None
+
+    @property
+    def tensor_cores(self) -> bool:
+        """Ampere or newer: mma tensor-core products, asynchronous copies, the larger tiles."""
+        return self.capability[0] >= 8
+
+    @property
+    def fp8_mma(self) -> bool:
+        return self.capability >= FP8_CAPABILITY
+
+    @property
+    def measured_tiles(self) -> bool:
+        """Whether the tile tables measured on MEASURED_CAPABILITY apply (the same compute-capability major)."""
+        return self.capability[0] == MEASURED_CAPABILITY[0]
 
 
 # Conservative stand-in for CPU tensors run under the Triton interpreter.
@@ -29,6 +61,13 @@ def _cuda_traits(index: int) -> DeviceTraits:
     props = torch.cuda.get_device_properties(index)
     smem = getattr(props, "shared_memory_per_block_optin", 0) or 101376
     return DeviceTraits((props.major, props.minor), props.multi_processor_count, int(smem))
+
+
+def current_traits() -> DeviceTraits | None:
+    """The current CUDA device's traits, or None without a CUDA GPU (the CLI's question)."""
+    if not torch.cuda.is_available():
+        return None
+    return _cuda_traits(torch.cuda.current_device())
 
 
 def device_traits(device: torch.device) -> DeviceTraits:

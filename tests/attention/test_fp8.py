@@ -145,11 +145,12 @@ def _fp8_plan(inputs, causal, kernel, schedule=None):
     from dataclasses import replace
 
     from flashmoe_science.attention.fp8 import fp8_problem
-    from flashmoe_science.attention.hopper.backend import Fp8Forward, HopperFp8Forward, fp8_forward_plan
+    from flashmoe_science.attention.hopper.backend import HopperFp8Forward, fp8_forward_plan
+    from flashmoe_science.attention.triton_backend import TritonFp8Forward
 
     problem = fp8_problem(*inputs, causal=causal, softmax_scale=None, backend="auto")
     if kernel == "triton":
-        return problem, Fp8Forward()
+        return problem, TritonFp8Forward()
     plan = fp8_forward_plan(problem)
     assert isinstance(plan, HopperFp8Forward), plan.describe()
     if schedule is not None:

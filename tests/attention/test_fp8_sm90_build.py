@@ -1,5 +1,5 @@
-"""The Gluon sm_90 forward on e4m3 operands without a GPU: its plan (tiles, schedule, the Triton e4m3 kernel where
-TMA cannot read the inputs), its launch checks, and its sm_90 builds at the planned tiles: P·V with P in registers,
+"""The Gluon sm_90 forward on e4m3 operands without a GPU: its plan (tiles, schedule; declined where TMA cannot read
+the inputs), its launch checks, and its sm_90 builds at the planned tiles: P·V with P in registers,
 P's registers untouched until the wait that retires the product, the softmax between the products' issue and that
 wait (not serialised), spills within the tuned build's. Numerics run on the GPU (test_fp8.py)."""
 
@@ -60,12 +60,16 @@ def test_fp8_plan_runs_the_gluon_kernel_on_k_major_inputs(d):
     assert not plan.persistent and plan.q_buffers == 1
 
 
-def test_fp8_plan_takes_the_triton_kernel_where_tma_cannot_read_v():
-    """A row-major e4m3 V of 300 keys: its transpose has no unit last stride, so the Triton e4m3 kernel runs (it
-    transposes V once), and the description says why."""
+def test_fp8_gluon_kernel_declines_where_tma_cannot_read_v():
+    """A row-major e4m3 V of 300 keys: its transpose has no unit last stride, so the Gluon family declines, saying
+    why, and the FP8 walk goes on to the Triton e4m3 kernel (it transposes V once)."""
     q, k, v, descales = _meta_inputs(2, 8, 2, 300, 300, 128, k_major_v=False)
-    plan, _ = _plan(q, k, v, descales, False)
-    assert isinstance(plan, backend.Fp8Forward) and "TMA" in plan.describe()
+    problem = Fp8Problem(q, k, v, descales, False, 0.1, "auto")
+    with mock.patch.object(backend, "_on_hopper", lambda q: True), \
+            mock.patch.object(backend, "unavailable_reason", lambda: None):
+        assert "TMA" in backend.HOPPER_FP8.decline(problem)
+        q, k, v, descales = _meta_inputs(2, 8, 2, 300, 300, 128)
+        assert backend.HOPPER_FP8.decline(Fp8Problem(q, k, v, descales, False, 0.1, "auto")) is None
 
 
 def test_fp8_launch_checks():

@@ -182,3 +182,32 @@ def fp8_problem(q, k, v, q_descale, k_descale, v_descale, *, causal, softmax_sca
         raise ValueError("FP8 attention is forward-only: q, k and v must not require grad")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return Fp8Problem(q, k, v, (q_descale, k_descale, v_descale), causal, scale, backend)
+
+
+# ---------------------------------------------------------------------------------------------- the e4m3 kernels
+E4M3_HEAD_DIMS = (64, 128, 256)  # what both e4m3 kernels (the Gluon and the Triton one) take
+
+
+def e4m3_kernel_refusal(problem: Fp8Problem) -> str | None:
+    """Why neither e4m3 kernel takes a call its device suits (None when they do): their head dims. q and k must have
+    a unit last stride for them (ValueError)."""
+    q = problem.q
+    if q.shape[-1] not in E4M3_HEAD_DIMS:
+        return f"the e4m3 kernel takes head dims 64, 128 and 256, got {q.shape[-1]}"
+    for name, t in (("q", q), ("k", problem.k)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit-stride last dim for FP8 attention, got strides {t.stride()}")
+    return None
+
+
+def fp8_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out bf16, lse float32) of an FP8 call, for a kernel to write."""
+    return (torch.empty(q.shape, dtype=torch.bfloat16, device=q.device),
+            torch.empty(q.shape[:3], dtype=torch.float32, device=q.device))
+
+
+def no_keys(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 call with nothing to attend over (an empty q or no keys): zeros out, -inf lse."""
+    out.zero_()
+    lse.fill_(float("-inf"))
+    return out, lse

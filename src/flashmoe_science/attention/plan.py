@@ -5,9 +5,11 @@ A checked problem (`problem.AttentionProblem`) goes to `plan_attention`, which w
 by the same walk over the families' backward halves, starting at the family asked for (all of them for "auto"), the
 first time a backward needs it (autograd, `attention_backward_lse`), so inference calls pay nothing for it.
 `describe` renders a `Plan` as the sentences of `describe_dispatch` / `flashmoe-science info`; the execute layer
-(`attention.autograd`, `attention.call`) runs `plan.forward` and `plan.backward`. Nothing else decides a kernel.
+(`attention.autograd`, `attention.call`) runs `plan.forward` and `plan.backward`. Nothing else decides a kernel: a
+kernel built at its first launch carries the walk's plan for a failed build (`backends.choose`), which `describe`
+shows with the rest.
 
-FP8 calls walk `FP8_BACKENDS`: the e4m3 kernel, else the dequantised inputs planned as a dense call.
+FP8 calls walk `FP8_BACKENDS`: the e4m3 kernels, else the dequantised inputs planned as a dense call.
 """
 
 from __future__ import annotations
@@ -17,19 +19,20 @@ from functools import cached_property
 
 import torch
 
+from flashmoe_science.architectures import ATTENTION, ATTENTION_FP8
 from flashmoe_science.attention.autograd import forward
 from flashmoe_science.attention.checks import KERNEL_DTYPES, check_backend, check_triton_layout
 from flashmoe_science.attention.features import CallFeatures
-from flashmoe_science.attention.hopper.backend import HOPPER, HOPPER_FP8
 from flashmoe_science.attention.mask import make_mask
 from flashmoe_science.attention.problem import AttentionProblem
 from flashmoe_science.attention.reference_backend import REFERENCE
-from flashmoe_science.attention.triton_backend import TRITON
+from flashmoe_science.attention.triton_backend import TRITON, TRITON_FP8
 from flashmoe_science.backends import Choice, choose
 from flashmoe_science.device import triton_interpreter_on
 
-# The ordered backend list: the first family that takes a call runs it (a new architecture is one entry here).
-ATTENTION_BACKENDS = (HOPPER, TRITON, REFERENCE)
+# The ordered backend list: the first family that takes a call runs it (an architecture's own kernels first:
+# architectures.py).
+ATTENTION_BACKENDS = (*ATTENTION, TRITON, REFERENCE)
 BACKENDS = ("auto", *(b.name for b in ATTENTION_BACKENDS))  # what `backend=` takes
 
 
@@ -104,6 +107,17 @@ def _declined(choice: Choice, walk) -> str:
     return "".join(f" (not {titles[name]}: {why})" for name, why in choice.declined)
 
 
+def _fallback(choice: Choice, walk, rule: str = "") -> str:
+    """The sentence of a plan's fallback (`backends.choose`): what runs where its kernel does not build at the first
+    launch (`rule`: what else only the launch sees), or nothing."""
+    fallback = choice.fallback
+    if fallback is None:
+        return ""
+    title = next(b.title for b in walk if b.name == fallback.backend)
+    return (f"; {rule + ' or ' if rule else ''}where its build fails on this triton (once, remembered): {title}"
+            + _declined(fallback, walk))
+
+
 def describe(plan: Plan) -> Dispatch:
     """`describe_dispatch`'s sentences for a plan."""
     problem, forward = plan.problem, plan.forward
@@ -113,12 +127,15 @@ def describe(plan: Plan) -> Dispatch:
     with_features = f" with {', '.join(names)}" if names else ""
     declined = _declined(plan.forward_choice, ATTENTION_BACKENDS) if on_gpu else ""
     reason = forward.describe(problem, requested, with_features, declined)
+    reason += _fallback(plan.forward_choice, ATTENTION_BACKENDS)
     backward_choice = plan.backward_choice
     backward = backward_choice.plan
     if not forward.differentiable:
+        halves = [b.backward for b in ATTENTION_BACKENDS]
         reason += f"; the backward runs {backward.title}" + (" too" if backward.backend == plan.backend else "")
         if on_gpu:
-            reason += _declined(backward_choice, [b.backward for b in ATTENTION_BACKENDS])
+            reason += _declined(backward_choice, halves)
+        reason += _fallback(backward_choice, halves, getattr(backward, "launch_rule", ""))
     return Dispatch(plan.backend, forward.kernel, reason, forward.tiles.as_dict() if forward.tiles else None,
                     backward.backend, backward.kernel)
 
@@ -161,8 +178,8 @@ class _Dequantised:
 
 
 DEQUANTISED = _Dequantised()
-# The FP8 walk: the e4m3 kernel, else the dequantised inputs (backend="reference": those alone, on the reference).
-FP8_BACKENDS = (HOPPER_FP8, DEQUANTISED)
+# The FP8 walk: the e4m3 kernels, else the dequantised inputs (backend="reference": those alone, on the reference).
+FP8_BACKENDS = (*ATTENTION_FP8, TRITON_FP8, DEQUANTISED)
 
 
 def describe_fp8(choice: Choice) -> Dispatch:
@@ -174,7 +191,9 @@ def describe_fp8(choice: Choice) -> Dispatch:
         dense = describe(plan.plan)
         return Dispatch(dense.backend, dense.kernel, f"FP8 inputs dequantised{declined}; then {dense.reason}",
                         dense.tiles)
-    return Dispatch(plan.backend, plan.kernel, f"FP8 (e4m3, forward only): {plan.describe()}",
+    declined = _declined(choice, FP8_BACKENDS) if choice.declined else ""
+    return Dispatch(plan.backend, plan.kernel,
+                    f"FP8 (e4m3, forward only): {plan.describe()}{declined}{_fallback(choice, FP8_BACKENDS)}",
                     plan.tiles.as_dict() if plan.tiles else None)
 
 

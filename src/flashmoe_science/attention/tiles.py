@@ -55,16 +55,6 @@ def forward_smem_bytes(tiles: AttentionTiles, head_dim: int, elem_bytes: int) ->
     return q_tile + max(tiles.num_stages, 1) * kv_stage
 
 
-# The Triton tiles' tables were measured on an H200 (compute capability 9.0): GPUs of that generation get them and
-# TMA descriptors; the others get conservative tables keyed by their capability.
-MEASURED_MAJOR = 9
-
-
-def measured_generation(traits: DeviceTraits) -> bool:
-    """Whether the tables measured on the H200 apply to this GPU (same compute-capability major)."""
-    return traits.capability[0] == MEASURED_MAJOR
-
-
 @functools.lru_cache(maxsize=None)
 def forward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: DeviceTraits) -> AttentionTiles:
     """The Triton forward kernel's tile shape for one call. (On the H200 the best tile did not depend on
@@ -75,7 +65,7 @@ def forward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: Devic
 
     block_d = padded_head_dim(head_dim)
     elem_bytes = torch.finfo(dtype).bits // 8
-    if measured_generation(traits):
+    if traits.measured_tiles:
         # Measured on an H200 (docs/perf-notes.md): 128-row query tiles over two warpgroups, and key tiles as
         # wide as registers allow (the score tile and the output accumulator both live in registers).
         if block_d <= 64:
@@ -84,7 +74,7 @@ def forward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: Devic
             tiles = AttentionTiles(64, 64, 4, 3, use_tma=True)
         else:
             tiles = AttentionTiles(128, 64, 8, 2, use_tma=True)
-    elif traits.capability[0] >= 8:
+    elif traits.tensor_cores:
         tiles = AttentionTiles(128, 64 if block_d <= 128 else 32, 8 if block_d > 64 else 4, 3)
     else:
         tiles = AttentionTiles(64, 32, 4, 2)
@@ -120,7 +110,7 @@ _FORWARD_CANDIDATES = (
 def forward_search_space(head_dim: int, dtype: torch.dtype, traits: DeviceTraits) -> list[AttentionTiles]:
     """Candidate tiles for ``FLASHMOE_AUTOTUNE=1``: the measured contenders that fit this GPU's shared memory."""
     elem_bytes = torch.finfo(dtype).bits // 8
-    candidates = [AttentionTiles(*c, use_tma=measured_generation(traits)) for c in _FORWARD_CANDIDATES]
+    candidates = [AttentionTiles(*c, use_tma=traits.measured_tiles) for c in _FORWARD_CANDIDATES]
     return [t for t in candidates if forward_smem_bytes(t, head_dim, elem_bytes) <= smem_budget(traits)]
 
 
@@ -182,7 +172,7 @@ def backward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: Devi
 
     block_d = padded_head_dim(head_dim)
     elem_bytes = torch.finfo(dtype).bits // 8
-    if measured_generation(traits):  # as the forward: the measured tables on their generation only
+    if traits.measured_tiles:  # as the forward: the measured tables on their generation only
         # Measured on an H200 (benchmarks/tools/sweep_attention_backward_tiles.py, bf16, B4 L4096 and B16 L1024; docs/perf-notes.md). Narrow
         # 4-warp dK/dV programs won although they spill (64x64 w4 at D=128: ~116 B/thread): the 8-warp tiles the
         # offline builds preferred for their spill-free registers ran 20-30% slower. The fused single pass (dQ by
@@ -196,7 +186,7 @@ def backward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: Devi
         else:
             dkdv = AttentionTiles(32, 64, 8, 2) if causal else AttentionTiles(64, 32, 4, 2)
             dq = AttentionTiles(128, 64, 8, 1)
-    elif traits.capability[0] >= 8:
+    elif traits.tensor_cores:
         if block_d <= 128:
             dkdv, dq = AttentionTiles(32, 64, 4, 2), AttentionTiles(64, 32, 4, 2)
         else:

@@ -2,8 +2,9 @@
 CPU tensors under TRITON_INTERPRET=1 when asked for by name.
 
 `TRITON` meets the `backends.Backend` contract for the forward and, through `TRITON.backward`, for the backward;
-its plans (`TritonForward`, `TritonBackward`) hold the tiles and run the kernels. Other backends fall back to these
-plans where their own kernels do not build or do not take a backward (`forward_plan`, `backward_plan`).
+its plans (`TritonForward`, `TritonBackward`) hold the tiles and run the kernels; the planner's walk also makes them
+the planned fallback of a family before this one whose kernels may fail to build. `TRITON_FP8` is the e4m3 forward
+(`triton_fp8`) in the FP8 walk.
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ from flashmoe_science.device import device_traits
 
 FORWARD_KERNEL = "triton_fwd._attention_forward_kernel"
 BACKWARD_KERNEL = "triton_bwd.attention_backward"
-
-
+FP8_KERNEL = "triton_fp8.attention_forward_fp8"
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class TritonForward:
 
 
 def forward_plan(q, k, v, features) -> TritonForward:
-    """The Triton forward's plan for checked q, k, v (also where another backend's kernel did not build)."""
+    """The Triton forward's plan for checked q, k, v."""
     tiles = forward_tiles(q.shape[-1], q.dtype, features.causal, device_traits(q.device))
     # decided here, once, so the launch and the report agree. Packed sequences are read with pointer loads: a
     # TMA box would cross into the next sequence's rows (and its stores would overwrite them). The output,
@@ -142,7 +142,7 @@ class TritonBackward:
 
 
 def backward_plan(problem) -> TritonBackward:
-    """The Triton backward's plan (also what another backend's backward falls back to)."""
+    """The Triton backward's plan."""
     q, bias = problem.q, problem.features.attn_bias
     return TritonBackward(backward_tiles(q.shape[-1], q.dtype, problem.features.causal, device_traits(q.device),
                                          0 if bias is None else bias.element_size()))
@@ -186,3 +186,50 @@ class TritonAttention:
 
 
 TRITON = TritonAttention()
+
+
+# ------------------------------------------------------------------------------------------------------- FP8
+@dataclass(frozen=True)
+class TritonFp8Forward:
+    """The e4m3 tensor-core forward in Triton (triton_fp8): bf16 out, float32 lse."""
+
+    backend = "triton"
+    kernel = FP8_KERNEL
+    tiles = None
+
+    def run(self, problem):
+        from flashmoe_science.attention.fp8 import fp8_outputs, no_keys
+        from flashmoe_science.attention.triton_fp8 import attention_forward_fp8
+
+        q, k = problem.q, problem.k
+        out, lse = fp8_outputs(q)
+        if not (q.numel() and k.shape[2]):
+            return no_keys(out, lse)
+        ran("forward", self.backend, self.kernel)
+        attention_forward_fp8(q, k, problem.v, out, lse, *problem.descales, problem.causal, problem.softmax_scale)
+        return out, lse
+
+    def describe(self) -> str:
+        return "the Triton e4m3 kernel (TMA loads, e4m3 wgmma, descales folded into the softmax multiplier)"
+
+
+class TritonFp8:
+    """The Triton e4m3 kernel: CUDA GPUs whose generation its TMA loads and tiles were written and measured on
+    (`DeviceTraits.measured_tiles`), head dims 64, 128 and 256."""
+
+    name = "triton"
+    title = "the Triton e4m3 kernel"
+
+    def decline(self, problem) -> str | None:
+        from flashmoe_science.attention.fp8 import e4m3_kernel_refusal
+
+        q = problem.q
+        if not q.is_cuda or not device_traits(q.device).measured_tiles:
+            return "its TMA loads and tiles are written for the GPU generation the tile tables were measured on"
+        return e4m3_kernel_refusal(problem)
+
+    def plan(self, problem) -> TritonFp8Forward:
+        return TritonFp8Forward()
+
+
+TRITON_FP8 = TritonFp8()

@@ -20,16 +20,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from flashmoe_science.architectures import MOE_GEMMS
 from flashmoe_science.backends import Choice, choose
 from flashmoe_science.device import triton_interpreter_on
 from flashmoe_science.moe.gemms import BACKWARD_GEMMS, FORWARD_GEMMS, GemmProblem, TritonGemms
-from flashmoe_science.moe.hopper.backend import HopperGemms
 from flashmoe_science.moe.tiles import COMBINES, MoETiles, check_combine, choose_combine, choose_tiles
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# The expert GEMMs' families, in the order they are asked.
-GEMM_BACKENDS = (HopperGemms(), TritonGemms())
+# The expert GEMMs' families, in the order they are asked: the architectures' own, then the portable kernels.
+GEMM_BACKENDS = (*MOE_GEMMS, TritonGemms())
 
 
 @dataclass(frozen=True)
@@ -188,6 +188,9 @@ def describe(plan: Choice) -> str:
         for name, choice in kernels.gemms:
             lines.append(f"  {name}: {choice.backend}: {choice.plan.describe(kernels.tiles)}")
             lines += [f"    not {family}: {why}" for family, why in choice.declined]
+            if choice.fallback is not None:
+                lines.append(f"    where its build fails on this triton (once, remembered): {choice.fallback.backend}: "
+                             f"{choice.fallback.plan.describe(kernels.tiles)}")
         combine = kernels.tiles.combine
         lines.append(f"  combine of down and dx: {combine}: {COMBINES[combine]}")
         if kernels.combine_why:

@@ -6,10 +6,12 @@ What the Gluon kernels take is declared here, once (`FORWARD_FEATURES`, `BACKWAR
 the feature's arguments from `CallFeatures`). The tile and schedule heuristics live in `hopper/tiles.py`.
 
 `HOPPER` plans the forward (`HopperForward`: tiles, persistent CTAs, Q buffers, overlapped work items) and, through
-`HOPPER.backward`, the backward (`HopperBackward`); `HOPPER_FP8` plans the FP8 forward: the Gluon sm_90 kernel on
-e4m3 operands (`HopperFp8Forward`) where Gluon builds and TMA can read q, k and Vᵀ, else the Triton e4m3 kernel
-(`Fp8Forward`). Where a Gluon kernel does not build on the installed Triton (gluon.availability, warned once) the
-plans run the Triton kernels.
+`HOPPER.backward`, the backward (`HopperBackward`); `HOPPER_FP8` plans the FP8 forward on e4m3 operands
+(`HopperFp8Forward`) where Gluon builds and TMA can read q, k and Vᵀ. A Gluon kernel is built at its first launch:
+each plan carries the `fallback` the planner's walk chose for the case where that build fails on the installed
+Triton (`backends.choose`, shown by describe_dispatch; None where the family was asked for by name, which then
+raises GluonUnavailable). A failure is remembered (gluon.availability, warned once): every later call's plan
+declines these kernels with its reason.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from flashmoe_science.attention.record import ran
 from flashmoe_science.attention.tiles import AttentionTiles, autotune_enabled, padded_head_dim
 from flashmoe_science.device import device_traits
 from flashmoe_science.gluon.availability import run_gluon, unavailable_reason
+from flashmoe_science.gluon.target import ARCH
 from flashmoe_science.prepared_cache import SEEN_ONCE, remember, tensor_signature
 
 # forward: odd head dims reach the kernel padded; the bias's gradient is the backward's
@@ -49,7 +52,6 @@ BACKWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "
 
 FORWARD_KERNEL = "hopper.fwd_sm90.attention_forward_sm90_kernel"
 BACKWARD_KERNEL = "hopper.bwd_sm90.attention_backward_sm90"
-FP8_KERNEL = "triton_fp8.attention_forward_fp8"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 TMA_RULE = "TMA needs a unit last stride and 16-byte aligned base addresses and strides"
 
@@ -60,9 +62,7 @@ def missing(names: frozenset[str], supported: frozenset[str]) -> list[str]:
 
 
 def _on_hopper(q) -> bool:
-    return q.is_cuda and device_traits(q.device).is_hopper
-
-
+    return q.is_cuda and device_traits(q.device).arch == ARCH
 
 
 # --------------------------------------------------------------------------------------------------- forward
@@ -87,15 +87,15 @@ def varlen_batch(varlen):
 class HopperForward:
     """The Gluon sm_90 forward: `tiles` (128 query rows; key tile and ring depth vary), `persistent` (one CTA per SM
     looping over query tiles, else one CTA per tile), `q_buffers` per consumer warpgroup, `cross_item` (overlap
-    consecutive work items), `strict` (backend="hopper": a build failure raises instead of running Triton),
-    `bias_tma` (the producer loads the attn_bias tiles by TMA; else the consumers load them)."""
+    consecutive work items), `bias_tma` (the producer loads the attn_bias tiles by TMA; else the consumers load
+    them), `fallback` (the planner's plan for a failed Gluon build; None: the failure raises)."""
 
     tiles: AttentionTiles
     persistent: bool
     q_buffers: int
     cross_item: bool
-    strict: bool = False
     bias_tma: bool = False
+    fallback: object = None
     backend = "hopper"
     kernel = FORWARD_KERNEL
     differentiable = False
@@ -119,15 +119,15 @@ class HopperForward:
         if run_gluon("attention forward", lambda: attention_forward_sm90(
                 q, k, v, out, lse, features.causal, softmax_scale, self.tiles, num_ctas, self.q_buffers,
                 self.cross_item, mask=features.mask, alibi_slopes=features.alibi_slopes, varlen=batch,
-                attn_bias=features.attn_bias, bias_tma=self.bias_tma), self.strict):
+                attn_bias=features.attn_bias, bias_tma=self.bias_tma), self.fallback is None):
             ran("forward", self.backend, self.kernel)
             if prepared is SEEN_ONCE:
                 self.prepare(q, k, v, out, lse, features, softmax_scale)
             elif key is not None:
                 remember(PREPARED_FORWARD, key, SEEN_ONCE)
             return out, lse
-        # it did not build on this triton (warned once): the Triton kernel, with its own tiles
-        return triton_backend.forward_plan(q, k, v, features).run(q, k, v, features, softmax_scale, out, lse)
+        # it did not build on this triton (warned once, remembered): the plan the walk chose for that case
+        return self.fallback.run(q, k, v, features, softmax_scale, out, lse)
 
     def prepared_key(self, q, k, v, out, lse, features, softmax_scale: float) -> tuple | None:
         """What a PreparedLaunch of this plan freezes from a call (prepared_cache.tensor_signature of every tensor,
@@ -211,8 +211,7 @@ def forward_plan(problem) -> HopperForward:
         persistent = sm90_persistent(right_bounded and not mask.bounded_left, seqlen_q, num_work, traits.sm_count)
     q_buffers = sm90_q_buffers(tiles, q.shape[-1], persistent, traits, bias_bytes)
     cross_item = sm90_cross_item(tiles, q.shape[-1], right_bounded, persistent, q_buffers)
-    return HopperForward(tiles, persistent, q_buffers, cross_item, strict=problem.backend == "hopper",
-                         bias_tma=bias_tma)
+    return HopperForward(tiles, persistent, q_buffers, cross_item, bias_tma=bias_tma)
 
 
 def _band_schedule(problem, tiles: AttentionTiles, sm_count: int):
@@ -241,11 +240,14 @@ class HopperBackward:
     """The Gluon sm_90 backward: one pass for all three gradients (D <= 128; dQ summed by TMA reduce-adds, whose
     last bits may vary, or with `deterministic` added in key-block order, bit-identical run to run), or the dK/dV
     and dQ kernels (D 129..256, deterministic). It needs dQ and dK/dV both and a TMA-compatible grad_out (known
-    when the backward runs); otherwise, or where it does not build on this triton, `fallback` runs."""
+    when the backward runs: `launch_rule`); otherwise, or where it does not build on this triton, `fallback` runs
+    (the next backward half of the planner's walk that takes the call)."""
 
-    fallback: triton_backend.TritonBackward
     deterministic: bool = False
+    fallback: object = None
     backend = "hopper"
+    # what only the backward's launch can see; describe_dispatch names it with the fallback
+    launch_rule = "where only dQ or only dK/dV is wanted or TMA cannot read grad_out"
     kernel = BACKWARD_KERNEL
 
     @property
@@ -353,8 +355,7 @@ class _HopperAttentionBackward:
         return backward_refusal(problem.head_dim, problem.seqlen_q, problem.softmax_scale)
 
     def plan(self, question) -> HopperBackward:
-        problem = question.problem
-        return HopperBackward(triton_backend.backward_plan(problem), problem.deterministic_now())
+        return HopperBackward(question.problem.deterministic_now())
 
 
 class HopperAttention:
@@ -389,73 +390,36 @@ HOPPER = HopperAttention()
 
 
 # ------------------------------------------------------------------------------------------------------- FP8
-FP8_HEAD_DIMS = (64, 128, 256)
-
-
-def _fp8_outputs(q):
-    """(out bf16, lse float32) of an FP8 call."""
-    return (torch.empty(q.shape, dtype=torch.bfloat16, device=q.device),
-            torch.empty(q.shape[:3], dtype=torch.float32, device=q.device))
-
-
-@dataclass(frozen=True)
-class Fp8Forward:
-    """The e4m3 tensor-core forward in Triton (triton_fp8): bf16 out, float32 lse. `why`: why the Gluon e4m3
-    kernel does not take the call (empty where that is not the question)."""
-
-    why: str = ""
-    backend = "hopper"
-    kernel = FP8_KERNEL
-    tiles = None
-
-    def run(self, problem, out=None, lse=None):
-        from flashmoe_science.attention.triton_fp8 import attention_forward_fp8
-
-        q, k = problem.q, problem.k
-        if out is None:
-            out, lse = _fp8_outputs(q)
-        if q.numel() and k.shape[2]:
-            ran("forward", self.backend, self.kernel)
-            attention_forward_fp8(q, k, problem.v, out, lse, *problem.descales, problem.causal, problem.softmax_scale)
-        else:
-            out.zero_()
-            lse.fill_(float("-inf"))
-        return out, lse
-
-    def describe(self) -> str:
-        return ("the Triton e4m3 kernel (TMA loads, e4m3 wgmma, descales folded into the softmax multiplier)"
-                + (f" (not the Gluon sm_90 kernel: {self.why})" if self.why else ""))
-
-
 @dataclass(frozen=True)
 class HopperFp8Forward:
     """The Gluon sm_90 forward on e4m3 operands (fwd_sm90.attention_forward_sm90_fp8): the bf16 kernel's producer
     warp and two consumer warpgroups, e4m3 wgmma with P in registers, so one consumer's softmax overlaps the other's
     products. `tiles` (hopper/tiles.sm90_fp8_forward_tiles), `persistent`, `q_buffers` as in HopperForward;
-    `strict` (backend="hopper") raises where the Gluon build fails instead of running the Triton e4m3 kernel."""
+    `fallback`: the planner's plan for a failed Gluon build (None: backend="hopper", the failure raises)."""
 
     tiles: AttentionTiles
     persistent: bool
     q_buffers: int
-    strict: bool = False
+    fallback: object = None
     backend = "hopper"
     kernel = FORWARD_KERNEL
 
     def run(self, problem):
+        from flashmoe_science.attention.fp8 import fp8_outputs, no_keys
         from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90_fp8
 
         q, k = problem.q, problem.k
-        out, lse = _fp8_outputs(q)
+        out, lse = fp8_outputs(q)
         if not (q.numel() and k.shape[2]):
-            return FP8_FORWARD.run(problem, out, lse)
+            return no_keys(out, lse)
         num_ctas = device_traits(q.device).sm_count if self.persistent else None
         descales = tuple(d.contiguous() for d in problem.descales)
         if run_gluon("e4m3 attention forward", lambda: attention_forward_sm90_fp8(
                 q, k, problem.v, out, lse, *descales, problem.causal, problem.softmax_scale, self.tiles, num_ctas,
-                self.q_buffers), self.strict):
+                self.q_buffers), self.fallback is None):
             ran("forward", self.backend, self.kernel)
             return out, lse
-        return FP8_FORWARD.run(problem, out, lse)  # it did not build on this triton (warned once)
+        return self.fallback.run(problem)  # it did not build on this triton (warned once, remembered)
 
     def describe(self) -> str:
         tiles = self.tiles
@@ -466,44 +430,39 @@ class HopperFp8Forward:
                 f"{tiles.num_warps} warps, {tiles.num_stages} stages")
 
 
-def fp8_forward_plan(problem) -> HopperFp8Forward | Fp8Forward:
-    """The Gluon e4m3 forward where Gluon builds and TMA can read q, k and Vᵀ (the quantiser's K-major V), with the
-    bf16 plan's persistence rule (tiles.sm90_persistent); else the Triton e4m3 kernel."""
-    q, k, v = problem.q, problem.k, problem.v
-    gluon_off = unavailable_reason()
-    if gluon_off is not None:
-        return Fp8Forward(gluon_off)
-    if not tma_compatible(q, k, v.transpose(-1, -2)):
-        return Fp8Forward(f"it reads q, k and a K-major v (quantize_fp8's layout) by TMA: {TMA_RULE}")
+def fp8_forward_plan(problem) -> HopperFp8Forward:
+    """The Gluon e4m3 forward's tiles, with the bf16 plan's persistence rule (tiles.sm90_persistent)."""
+    q = problem.q
     traits = device_traits(q.device)
     tiles = sm90_fp8_forward_tiles(q.shape[-1])
     seqlen_q = q.shape[-2]
     num_work = math.prod(q.shape[:-2]) * -(-seqlen_q // tiles.block_m)
     persistent = sm90_persistent(problem.causal, seqlen_q, num_work, traits.sm_count)
-    return HopperFp8Forward(tiles, persistent, sm90_fp8_q_buffers(tiles, q.shape[-1], persistent, traits),
-                            strict=problem.backend == "hopper")
+    return HopperFp8Forward(tiles, persistent, sm90_fp8_q_buffers(tiles, q.shape[-1], persistent, traits))
 
 
 class HopperFp8:
-    """The e4m3 kernels: Hopper GPUs, head dims 64, 128 and 256 (`fp8_forward_plan` picks Gluon or Triton)."""
+    """The Gluon e4m3 kernel: Hopper GPUs, head dims 64, 128 and 256, Gluon building on this triton, q, k and Vᵀ (the
+    quantiser's K-major V) readable by TMA."""
 
     name = "hopper"
-    title = "the e4m3 kernel"
+    title = "the Gluon sm_90 e4m3 kernel"
 
     def decline(self, problem) -> str | None:
-        q = problem.q
+        from flashmoe_science.attention.fp8 import e4m3_kernel_refusal
+
+        q, k, v = problem.q, problem.k, problem.v
         if not _on_hopper(q):
-            return "the e4m3 tensor-core kernel needs a Hopper (sm_90) GPU"
-        if q.shape[-1] not in FP8_HEAD_DIMS:
-            return f"the e4m3 kernel takes head dims 64, 128 and 256, got {q.shape[-1]}"
-        for name, t in (("q", q), ("k", problem.k)):
-            if t.stride(-1) != 1:
-                raise ValueError(f"{name} must have a unit-stride last dim for FP8 attention, got strides {t.stride()}")
+            return "it needs a Hopper (sm_90) GPU"
+        refusal = e4m3_kernel_refusal(problem) or unavailable_reason()
+        if refusal is not None:
+            return refusal
+        if not tma_compatible(q, k, v.transpose(-1, -2)):
+            return f"it reads q, k and a K-major v (quantize_fp8's layout) by TMA: {TMA_RULE}"
         return None
 
-    def plan(self, problem) -> HopperFp8Forward | Fp8Forward:
+    def plan(self, problem) -> HopperFp8Forward:
         return fp8_forward_plan(problem)
 
 
-FP8_FORWARD = Fp8Forward()
 HOPPER_FP8 = HopperFp8()

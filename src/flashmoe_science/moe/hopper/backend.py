@@ -6,8 +6,9 @@ They take a call on a Hopper GPU with the layer's 128-row tiles (``moe/tiles.py`
 expert: there the 128-row tiles and these kernels win despite the padding, the layers being bound by the weights'
 bytes) where the kernel's own ``unsupported_reason`` accepts the operands the layer will pass: 16-bit, contiguous,
 TMA-aligned weights and dims that tile (decided once per call on meta stand-ins of the layer's fresh buffers, cached
-per signature). A kernel that fails to build (``gluon.availability.run_gluon``) falls back to the Triton runner of
-the same product, and every later call plans the Triton family.
+per signature). Each runner carries the ``fallback`` the planner's walk chose for a failed build
+(``backends.choose``: the Triton runner of the same product; ``plan.describe`` shows it); a failure is remembered
+(``gluon.availability.run_gluon``) and every later call plans the Triton family.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 
 from flashmoe_science.device import device_traits
 from flashmoe_science.gluon.availability import run_gluon, unavailable_reason
+from flashmoe_science.gluon.target import ARCH
 from flashmoe_science.moe.dispatch import ExpertSort, sort_buffers
-from flashmoe_science.moe.gemms import TRITON_RUNNERS, GemmProblem, sorted_rows
+from flashmoe_science.moe.gemms import GemmProblem, sorted_rows
 from flashmoe_science.moe.tiles import MoETiles
 from flashmoe_science.prepared_launch import PreparedLaunch
 
@@ -41,14 +43,16 @@ class HopperDownLaunch(NamedTuple):
     sort: ExpertSort
     tiles: MoETiles  # the combine, and the Triton launch's tiles where the Gluon kernel does not build
     config: object  # dx_configs.DxConfig
+    fallback: object = None  # HopperDown.fallback
 
     def __call__(self) -> None:
         from flashmoe_science.moe.hopper import dx_sm90
 
         rows = self.tiles.combine == "rows"
         if not run_gluon("MoE down", lambda: dx_sm90.down_sm90(self.h, self.w2, self.out, self.weights32, self.sort,
-                                                                self.sort.block_m, self.config, store_rows=rows)):
-            TRITON_RUNNERS["down"].launch(self.h, self.w2, self.out, self.weights32, self.sort, self.tiles)()
+                                                                self.sort.block_m, self.config, store_rows=rows),
+                         self.fallback is None):
+            self.fallback.launch(self.h, self.w2, self.out, self.weights32, self.sort, self.tiles)()
 
     def prepare(self) -> PreparedLaunch:
         from flashmoe_science.moe.hopper import dx_sm90
@@ -62,6 +66,7 @@ class HopperDown:
     """The forward's down GEMM in ``dx_sm90.down_sm90`` (TMA loads of h and of w2 read K-major)."""
 
     config: object
+    fallback: object = None  # the planner's runner for a failed build
 
     @property
     def sort_tensors(self) -> tuple[str, ...]:
@@ -70,7 +75,7 @@ class HopperDown:
         return dx_sm90.DOWN_SORT_TENSORS
 
     def launch(self, h, w2, out, weights32, sort: ExpertSort, tiles: MoETiles):
-        return HopperDownLaunch(h, w2, out, weights32, sort, tiles, self.config)
+        return HopperDownLaunch(h, w2, out, weights32, sort, tiles, self.config, self.fallback)
 
     def describe(self, tiles: MoETiles) -> str:
         return f"dx_sm90.down_sm90, {self.config.label()}, {tiles.combine} combine"
@@ -82,6 +87,7 @@ class HopperDhSwiglu:
     gathered to the sorted rows first (TMA loads dense boxes)."""
 
     config: object
+    fallback: object = None  # the planner's runner for a failed build
 
     def __call__(self, grad_out, w2, gate_up, h, weights32, dgu, dweights, sort: ExpertSort, tiles: MoETiles):
         from flashmoe_science.moe.hopper import dx_sm90
@@ -89,8 +95,8 @@ class HopperDhSwiglu:
         swiglu = dx_sm90.SwigluOperands(gate_up, h, weights32, dweights)
         dout_sorted = sorted_rows(grad_out, None, sort, dgu.shape[0])
         if not run_gluon("MoE dh", lambda: dx_sm90.dh_swiglu_sm90(dout_sorted, w2, dgu, swiglu, sort, tiles.block_m,
-                                                                  self.config)):
-            TRITON_RUNNERS["dh_swiglu"](grad_out, w2, gate_up, h, weights32, dgu, dweights, sort, tiles)
+                                                                  self.config), self.fallback is None):
+            self.fallback(grad_out, w2, gate_up, h, weights32, dgu, dweights, sort, tiles)
 
     def describe(self, tiles: MoETiles) -> str:
         return f"dx_sm90.dh_swiglu_sm90, {self.config.swiglu_label()}"
@@ -102,14 +108,15 @@ class HopperDx:
     ``gemms.combine_buffer``'s tensor for tiles.combine."""
 
     config: object
+    fallback: object = None  # the planner's runner for a failed build
 
     def __call__(self, dgu, w1, dx_out, sort: ExpertSort, tiles: MoETiles):
         from flashmoe_science.moe.hopper import dx_sm90
 
         rows = tiles.combine == "rows"
         if not run_gluon("MoE dx", lambda: dx_sm90.dx_sm90(dgu, w1, dx_out, sort, tiles.block_m, self.config,
-                                                            store_rows=rows)):
-            TRITON_RUNNERS["dx"](dgu, w1, dx_out, sort, tiles)
+                                                            store_rows=rows), self.fallback is None):
+            self.fallback(dgu, w1, dx_out, sort, tiles)
 
     def describe(self, tiles: MoETiles) -> str:
         return f"dx_sm90.dx_sm90, {self.config.label()}, {tiles.combine} combine"
@@ -122,12 +129,14 @@ class HopperWeightGradient:
 
     gemm: str  # "dw1" or "dw2"
     config: object
+    fallback: object = None  # the planner's runner for a failed build
 
     def __call__(self, a, b, out, sort: ExpertSort, tiles: MoETiles):
         from flashmoe_science.moe.hopper import wgrad_sm90
 
-        if not run_gluon("MoE weight-gradient", lambda: wgrad_sm90.wgrad_sm90(a, b, out, sort, self.config)):
-            TRITON_RUNNERS[self.gemm](a, b, out, sort, tiles)
+        if not run_gluon("MoE weight-gradient", lambda: wgrad_sm90.wgrad_sm90(a, b, out, sort, self.config),
+                         self.fallback is None):
+            self.fallback(a, b, out, sort, tiles)
 
     def describe(self, tiles: MoETiles) -> str:
         return f"wgrad_sm90.wgrad_sm90, {self.config.label()}"
@@ -228,9 +237,9 @@ class HopperGemms:
             return f"x is on {x.device.type}: the Gluon kernels need a CUDA GPU"
         if problem.tiles.block_m != TILE_ROWS:
             return f"the layer's tiles have {problem.tiles.block_m} rows; the Gluon kernels run {TILE_ROWS}-row tiles"
-        capability = device_traits(x.device).capability
-        if capability[0] != 9:
-            return f"the GPU is sm_{capability[0]}{capability[1]}; these kernels are sm_90's"
+        arch = device_traits(x.device).arch
+        if arch != ARCH:
+            return f"the GPU is {arch}; these kernels are {ARCH}'s"
         reason = unavailable_reason()
         if reason is not None:
             return reason
@@ -242,3 +251,6 @@ class HopperGemms:
         if problem.gemm in ("dw1", "dw2"):
             return HopperWeightGradient(problem.gemm, config)
         return _RUNNERS[problem.gemm](config)
+
+
+HOPPER_GEMMS = HopperGemms()
