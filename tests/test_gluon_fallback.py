@@ -173,3 +173,81 @@ def test_info_reports_the_gluon_kernels(capsys):
 
     assert main(["info"]) == 0
     assert "Gluon sm_90 kernels" in capsys.readouterr().out
+
+
+def test_plan_time_build_outside_the_tested_range(monkeypatch):
+    """On a triton outside the tested range the first plan builds one kernel offline: a failure is recorded there,
+    at plan time (one warning), and every plan after declines the Gluon kernels; nothing is built twice."""
+    monkeypatch.setattr(availability, "_probed", False)
+    monkeypatch.setattr(availability, "in_tested_range", lambda version: False)
+    builds = []
+
+    def failing_build():
+        builds.append(1)
+        _build_failure()
+
+    with pytest.warns(RuntimeWarning, match="attention forward kernel does not build"):
+        reason = availability.plan_time_reason("attention forward", failing_build)
+    assert "does not build" in reason
+    assert availability.plan_time_reason("MoE dx", failing_build) == reason and builds == [1]
+
+
+def test_plan_time_build_inside_the_tested_range_builds_nothing(monkeypatch):
+    monkeypatch.setattr(availability, "_probed", False)
+    monkeypatch.setattr(availability, "in_tested_range", lambda version: True)
+    assert availability.plan_time_reason("attention forward", _build_failure) is None
+
+
+@pytest.mark.sm90_build
+@pytest.mark.parametrize("family", ["attention", "moe"])
+def test_the_plan_time_builds_build(monkeypatch, family):
+    """The kernels plan_time_reason builds (attention's D=64 forward, the MoE dx) build on this triton."""
+    from flashmoe_science.attention.hopper import backend as attention
+    from flashmoe_science.moe.hopper import backend as moe
+
+    monkeypatch.setattr(availability, "_probed", False)
+    monkeypatch.setattr(availability, "in_tested_range", lambda version: False)
+    if family == "attention":
+        assert attention.gluon_refusal() is None
+    else:
+        assert availability.plan_time_reason("MoE dx", moe._build_dx) is None
+    assert availability._probed
+
+
+def test_the_walk_plans_the_fallback_of_a_kernel_built_at_launch():
+    """backends.choose fills a plan's `fallback` with the next family's plan (and its reasons) for "auto"; a family
+    asked for by name walks alone: no fallback, its build failure raises."""
+    from dataclasses import dataclass
+
+    from flashmoe_science.backends import choose
+
+    @dataclass(frozen=True)
+    class Built:
+        fallback: object = None
+
+    class Family:
+        def __init__(self, name, plan, why=None):
+            self.name, self._plan, self._why = name, plan, why
+
+        def decline(self, problem):
+            return self._why
+
+        def plan(self, problem):
+            return self._plan
+
+    walk = (Family("gluon", Built()), Family("other", "other plan", "it declines"), Family("portable", "plan"))
+    choice = choose(walk, None)
+    assert choice.plan.fallback == "plan" and choice.fallback.backend == "portable"
+    assert choice.fallback.declined == (("other", "it declines"),)
+    assert choose(walk, None, "gluon").plan.fallback is None
+
+
+def test_describe_names_the_planned_fallback():
+    from flashmoe_science.attention import plan as planner
+    from flashmoe_science.backends import Choice
+
+    choice = Choice("hopper", None, (), Choice("triton", None))
+    sentence = planner._fallback(choice, planner.ATTENTION_BACKENDS, "where only dQ is wanted")
+    assert sentence == ("; where only dQ is wanted or where its build fails on this triton (once, remembered): "
+                        "the portable Triton kernel")
+    assert planner._fallback(Choice("triton", None), planner.ATTENTION_BACKENDS) == ""

@@ -66,7 +66,7 @@ def test_fp8_gluon_kernel_declines_where_tma_cannot_read_v():
     q, k, v, descales = _meta_inputs(2, 8, 2, 300, 300, 128, k_major_v=False)
     problem = Fp8Problem(q, k, v, descales, False, 0.1, "auto")
     with mock.patch.object(backend, "_on_hopper", lambda q: True), \
-            mock.patch.object(backend, "unavailable_reason", lambda: None):
+            mock.patch.object(backend, "gluon_refusal", lambda: None):
         assert "TMA" in backend.HOPPER_FP8.decline(problem)
         q, k, v, descales = _meta_inputs(2, 8, 2, 300, 300, 128)
         assert backend.HOPPER_FP8.decline(Fp8Problem(q, k, v, descales, False, 0.1, "auto")) is None

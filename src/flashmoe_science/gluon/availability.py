@@ -6,6 +6,12 @@ with ``backend="auto"`` the first failure is recorded, one warning names the tri
 from then on every call takes the portable Triton kernels (attention forward and backward, the MoE GEMMs).
 ``backend="hopper"`` raises ``GluonUnavailable`` instead. Builds fail before anything is launched, so a fallback
 recomputes from untouched inputs.
+
+The planners ask ``plan_time_reason`` before planning a Gluon kernel: on a triton outside the tested range it builds
+one kernel offline, once per process (a few seconds), so a Gluon layer that no longer builds is found at plan time
+and every plan, the first included, declines the Gluon kernels with the reason. Inside the tested range the
+offline build tests vouch for the kernels and nothing is built; a variant that still fails at its launch runs the
+fallback its plan carries (``backends.choose``).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Callable
 
 TESTED_TRITON = ("3.6", "3.9")  # oldest and newest release whose Gluon builds the offline sm_90 tests cover
 _failure: str | None = None  # why the Gluon kernels are off in this process (the first build failure)
+_probed = False  # whether plan_time_reason built its kernel in this process
 
 
 class GluonUnavailable(RuntimeError):
@@ -65,6 +72,22 @@ def unavailable_reason() -> str | None:
     """Why the Gluon kernels are not taken in this process (the Gluon layer does not import, or a kernel failed to
     build earlier), or None when they may run."""
     return _failure or _import_error()
+
+
+def plan_time_reason(kernel: str, build: Callable[[], object]) -> str | None:
+    """``unavailable_reason()``, after building ``kernel`` offline with ``build`` (no launch, no GPU needed) where
+    this triton is outside TESTED_TRITON and nothing was built yet in this process: a failure is recorded then (one
+    warning) and returned, so the plan asking declines the Gluon kernels before any launch."""
+    global _probed
+    reason = unavailable_reason()
+    version = triton_version()
+    if reason is None and not _probed and version is not None and not in_tested_range(version):
+        _probed = True
+        try:
+            build()
+        except _build_errors() as error:
+            reason = record_failure(kernel, error)
+    return reason
 
 
 def record_failure(kernel: str, error: BaseException) -> str:

@@ -40,7 +40,7 @@ from flashmoe_science.attention.problem import new_outputs
 from flashmoe_science.attention.record import ran
 from flashmoe_science.attention.tiles import AttentionTiles, autotune_enabled, padded_head_dim
 from flashmoe_science.device import device_traits
-from flashmoe_science.gluon.availability import run_gluon, unavailable_reason
+from flashmoe_science.gluon.availability import plan_time_reason, run_gluon, unavailable_reason
 from flashmoe_science.gluon.target import ARCH
 from flashmoe_science.prepared_cache import SEEN_ONCE, remember, tensor_signature
 
@@ -63,6 +63,17 @@ def missing(names: frozenset[str], supported: frozenset[str]) -> list[str]:
 
 def _on_hopper(q) -> bool:
     return q.is_cuda and device_traits(q.device).arch == ARCH
+
+
+def gluon_refusal() -> str | None:
+    """Why the Gluon kernels are off (gluon.availability.plan_time_reason: on a triton outside the tested range the
+    D=64 forward is built offline first, once per process), or None."""
+    def build():
+        from flashmoe_science.attention.hopper.fwd_sm90 import compile_offline
+
+        compile_offline(64, False, AttentionTiles(128, 128, 8, 2))
+
+    return plan_time_reason("attention forward", build)
 
 
 # --------------------------------------------------------------------------------------------------- forward
@@ -323,6 +334,9 @@ class _HopperAttentionBackward:
     def decline(self, question) -> str | None:
         problem, forward = question.problem, question.forward
         q = problem.q
+        gluon_off = gluon_refusal()
+        if gluon_off is not None:
+            return gluon_off
         if forward.backend != "hopper":  # an sm_90 forward vouches for these
             if not _on_hopper(q):
                 return "it needs a Hopper (sm_90) GPU"
@@ -372,7 +386,7 @@ class HopperAttention:
             return "it needs a Hopper (sm_90) GPU"
         if q.dtype not in KERNEL_DTYPES:
             return "it runs bf16/fp16 only"
-        gluon_off = unavailable_reason()
+        gluon_off = gluon_refusal()
         if gluon_off is not None:
             return gluon_off
         absent = missing(problem.feature_names(), FORWARD_FEATURES)
@@ -454,7 +468,7 @@ class HopperFp8:
         q, k, v = problem.q, problem.k, problem.v
         if not _on_hopper(q):
             return "it needs a Hopper (sm_90) GPU"
-        refusal = e4m3_kernel_refusal(problem) or unavailable_reason()
+        refusal = e4m3_kernel_refusal(problem) or gluon_refusal()
         if refusal is not None:
             return refusal
         if not tma_compatible(q, k, v.transpose(-1, -2)):

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from flashmoe_science.device import device_traits
-from flashmoe_science.gluon.availability import run_gluon, unavailable_reason
+from flashmoe_science.gluon.availability import plan_time_reason, run_gluon
 from flashmoe_science.gluon.target import ARCH
 from flashmoe_science.moe.dispatch import ExpertSort, sort_buffers
 from flashmoe_science.moe.gemms import GemmProblem, sorted_rows
@@ -221,6 +221,18 @@ def _kernel_reason(gemm: str, num_tokens: int, top_k: int, dtype: torch.dtype, w
                                          buffer(num_experts, d_model, d_ff), sort, config)
 
 
+def _build_dx() -> None:
+    """dx_sm90's dx kernel built offline (meta operands of 4096 tokens, top-2 of 8 experts, d 1024, F 2048): what
+    gluon.availability.plan_time_reason builds on a triton outside the tested range."""
+    from flashmoe_science.moe.hopper import dx_sm90
+
+    sort, _, _ = sort_buffers(4096, 2, 8, TILE_ROWS, _META)
+    rows = sort.tile_expert.numel() * TILE_ROWS
+    dx_sm90.compile_offline(torch.empty(rows, 4096, dtype=torch.bfloat16, device=_META),
+                            torch.empty(8, 4096, 1024, dtype=torch.bfloat16, device=_META),
+                            torch.empty(4096, 1024, dtype=torch.float32, device=_META), sort, dx_sm90.DxConfig())
+
+
 _RUNNERS = {"down": HopperDown, "dh_swiglu": HopperDhSwiglu, "dx": HopperDx}
 
 
@@ -240,7 +252,7 @@ class HopperGemms:
         arch = device_traits(x.device).arch
         if arch != ARCH:
             return f"the GPU is {arch}; these kernels are {ARCH}'s"
-        reason = unavailable_reason()
+        reason = plan_time_reason("MoE dx", _build_dx)
         if reason is not None:
             return reason
         return _kernel_reason(_kernel_gemm(problem.gemm, problem.tiles), x.shape[0], problem.top_k, x.dtype,
