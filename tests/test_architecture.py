@@ -16,8 +16,11 @@ PACKAGE = "flashmoe_science"
 # they share. A word below in their code (docstrings excepted: they tell a user which kernels run) is an
 # architecture leaking out of its backend package.
 GENERIC = [f"attention/{name}.py" for name in (
-    "api", "call", "plan", "problem", "autograd", "tiles", "features", "checks", "varlen", "fp8", "decode",
+    "api", "call", "plan", "problem", "autograd", "tiles", "features", "checks", "varlen", "fp8",
     "record", "reference", "reference_backend", "triton_backend")] + [
+    f"attention/decode/{name}.py" for name in (
+        "__init__", "api", "call", "checks", "dense_backend", "launch", "plan", "problem", "reference",
+        "reference_backend", "tiles", "triton_backend")] + [
     "backends.py", "prepared_cache.py", "prepared_launch.py", "integrations/ops.py", "__init__.py"]
 # names, strings (f-string pieces on Python >= 3.12) and comments
 CODE_TOKENS = {tokenize.NAME, tokenize.STRING, tokenize.COMMENT, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}

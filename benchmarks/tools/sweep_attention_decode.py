@@ -1,5 +1,5 @@
 """Sweep the attention decode kernel's tiles and split counts (attention/triton_decode.py) under CUDA graphs: the
-data behind attention.decode.decode_tiles and choose_num_splits.
+data behind attention.decode.tiles.decode_tiles and choose_num_splits.
 
     PYTHONPATH=src python benchmarks/tools/sweep_attention_decode.py [--kv bf16|fp8|chunk] [--budget-s 100]
         [--out DIR]
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from flashmoe_science import flash_attention_decode
-from flashmoe_science.attention import decode
+from flashmoe_science.attention.decode import tiles as decode_tiles_module, triton_backend
 from flashmoe_science.bench.decode import _graphed, _paged_copy
 from flashmoe_science.bench.report import gpu_median_ms
 
@@ -54,7 +54,7 @@ def chunk_sweep(args, started, results):
     k_new, v_new = k[:, length - lq:].clone(), v[:, length - lq:].clone()
     cached = torch.full((1,), length - lq, dtype=torch.int32, device="cuda")
     flops = 4 * 32 * 128 * (lq * length - lq * (lq - 1) // 2)
-    heuristic = decode.decode_tiles
+    heuristic = triton_backend.decode_tiles
     grid = [None, *itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
     if args.short:
         grid = [None, *itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
@@ -66,8 +66,8 @@ def chunk_sweep(args, started, results):
     for tiles in grid:
         if time.time() - started > args.budget_s:
             break
-        chosen = decode.DecodeTiles(*tiles) if tiles else None
-        decode.decode_tiles = (lambda problem, traits: chosen) if chosen else heuristic
+        chosen = decode_tiles_module.DecodeTiles(*tiles) if tiles else None
+        triton_backend.decode_tiles = (lambda problem, traits: chosen) if chosen else heuristic
         try:
             ms = gpu_median_ms(_graphed(lambda: flash_attention_decode(q, k_pool, v_pool, cached, block_table=table,
                                                                        k_new=k_new, v_new=v_new)))
@@ -75,7 +75,7 @@ def chunk_sweep(args, started, results):
             print(f"chunk {tiles}: {type(error).__name__}: {str(error)[:200]}", flush=True)
             continue
         finally:
-            decode.decode_tiles = heuristic
+            triton_backend.decode_tiles = heuristic
         results.append(dict(sweep="chunk", layout="paged64", tiles=list(tiles) if tiles else "heuristic",
                             tflops=round(flops / ms / 1e9, 1)))
         print(json.dumps(results[-1]), flush=True)
@@ -89,7 +89,7 @@ def main():
     parser.add_argument("--short", action="store_true", help="a smaller grid (a few minutes at most)")
     args = parser.parse_args()
     started = time.time()
-    heuristic = decode.decode_tiles
+    heuristic = triton_backend.decode_tiles
     results = []
     fp8 = args.kv == "fp8"
     out = Path(args.out) / f"sweep_attention_decode_{args.kv}.json"
@@ -103,7 +103,7 @@ def main():
 
     def timed(label, batch, length, tiles, splits, paged, data):
         q, k, v, k_pool, v_pool, table, seqlens = data
-        decode.decode_tiles = (lambda problem, traits: tiles) if tiles else heuristic
+        triton_backend.decode_tiles = (lambda problem, traits: tiles) if tiles else heuristic
         try:
             if paged:
                 call = lambda: flash_attention_decode(q, k_pool, v_pool, seqlens, block_table=table,  # noqa: E731
@@ -115,7 +115,7 @@ def main():
             print(f"{label}: {type(error).__name__}: {str(error)[:200]}", flush=True)
             return None
         finally:
-            decode.decode_tiles = heuristic
+            triton_backend.decode_tiles = heuristic
         row = dict(sweep=label, B=batch, L=length, paged=paged, splits=splits,
                    tiles=None if tiles is None else list(tiles.__dict__.values()), tbps=round(tbps, 3))
         results.append(row)
@@ -133,7 +133,7 @@ def main():
             if time.time() - started > args.budget_s * 0.6:
                 break
             for paged in (False, True):
-                timed("tiles", batch, length, decode.DecodeTiles(16, block_n, warps, stages), "auto", paged, data)
+                timed("tiles", batch, length, decode_tiles_module.DecodeTiles(16, block_n, warps, stages), "auto", paged, data)
         del data
         torch.cuda.empty_cache()
     # 2. splits at the heuristic's tile

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from flashmoe_science.attention.decode import FP8_CACHE, check_decode, decode_reference, rotate_new_tokens
+from flashmoe_science.attention.decode.checks import check_decode
+from flashmoe_science.attention.decode.problem import FP8_CACHE
+from flashmoe_science.attention.decode.reference import decode_reference, rotate_new_tokens
 from flashmoe_science.attention.mask import score_mods
 
 OUT_SLACK = {torch.bfloat16: 1e-3, torch.float16: 1e-4, torch.float32: 1e-5, torch.float64: 1e-12}

@@ -8,7 +8,8 @@ import torch
 
 from flashmoe_science import flash_attention_decode, flash_attention_science, flash_attention_varlen, quantize_fp8
 from flashmoe_science.attention.api import attention_backward_lse, attention_forward_lse, describe_dispatch
-from flashmoe_science.attention.decode import check_decode, plan_decode
+from flashmoe_science.attention.decode.checks import check_decode
+from flashmoe_science.attention.decode.plan import plan_decode
 from flashmoe_science.attention.fp8 import fp8_problem
 from flashmoe_science.attention.plan import plan_fp8
 from flashmoe_science.attention.record import recording

@@ -12,8 +12,10 @@ import torch
 
 from decode_helpers import make_case, oracle, run_varlen_case
 from flashmoe_science import flash_attention_decode
-from flashmoe_science.attention.decode import (DecodeTiles, apply_rotary, check_decode, choose_num_splits,
-                                              dense_chunk_refusal)
+from flashmoe_science.attention.decode.checks import check_decode
+from flashmoe_science.attention.decode.dense_backend import dense_chunk_refusal
+from flashmoe_science.attention.decode.reference import apply_rotary
+from flashmoe_science.attention.decode.tiles import DecodeTiles, choose_num_splits
 from helpers import oracle as dense_oracle
 
 
@@ -282,7 +284,7 @@ def test_dense_chunk_refuses_explicit_splits_and_strided_caches():
 def test_e4m3_tiles_and_splits_are_chosen_on_bytes():
     """An e4m3 key is half a bf16 key's bytes: 128-key decode tiles on a contiguous cache (64 within a 64-row page),
     and the split thresholds in bytes (B=1 8k: 16 splits of 512 bf16 keys, 8 splits of 1024 e4m3 keys)."""
-    from flashmoe_science.attention.decode import decode_tiles
+    from flashmoe_science.attention.decode.tiles import decode_tiles
     from flashmoe_science.device import DeviceTraits
 
     h200 = DeviceTraits((9, 0), 132, 232448)

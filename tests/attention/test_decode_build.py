@@ -1,7 +1,7 @@
 """The cache kernels (append, split-KV attention, combine) compiled offline for sm_90 without a GPU, in the
 configurations the interpreter cannot reach: key tiles wider than a page (per-row block-table reads), the prefill
 tiles of a long chunk, e4m3 caches (fp8 loads and conversions), packed queries. The launches are recorded through
-the real front door (`decode.TritonDecode.run`) and compiled as the JIT would specialise them. Numerics:
+the real front door (`decode.triton_backend.TritonDecode.run`) and compiled as the JIT would specialise them. Numerics:
 test_decode_interpreter.py, test_decode_gpu.py, test_cache_serving_gpu.py."""
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 
 from decode_helpers import make_case  # noqa: E402
 from flashmoe_science.attention.tiles import forward_tiles  # noqa: E402
-from flashmoe_science.attention import decode, triton_decode  # noqa: E402
+from flashmoe_science.attention import triton_decode  # noqa: E402
+from flashmoe_science.attention.decode import checks, triton_backend  # noqa: E402
+from flashmoe_science.attention.decode import problem as decode_problem  # noqa: E402
+from flashmoe_science.attention.decode.tiles import decode_tiles  # noqa: E402
 from test_features_build import H200, _compile, _Recorder  # noqa: E402
 
 
@@ -25,8 +28,8 @@ def _record(monkeypatch, call, problem, splits):
                  for name in ("_append_kernel", "_decode_kernel", "_combine_kernel")}
     for name, recorder in recorders.items():
         monkeypatch.setattr(triton_decode, name, recorder)
-    tiles = decode.decode_tiles(problem, H200)
-    decode.TritonDecode(tiles, splits).run(call, problem)
+    tiles = decode_tiles(problem, H200)
+    triton_backend.TritonDecode(tiles, splits).run(call, problem)
     return tiles, recorders
 
 
@@ -44,10 +47,10 @@ def test_paged_append_rotary_masks_compile(monkeypatch, fp8, lq):
     window + ALiBi, GQA 4, three splits; lq 300 takes the prefill tiles."""
     case = make_case([5, 700], lq=lq, hq=16, hkv=4, d=128, dtype=torch.bfloat16, block_size=16, capacity=1024,
                      num_new=lq, rotary=True, alibi=True, fp8=fp8)
-    problem = decode.check_decode(case.q, case.k_cache, case.v_cache, case.cache_seqlens, case.block_table,
+    problem = checks.check_decode(case.q, case.k_cache, case.v_cache, case.cache_seqlens, case.block_table,
                                   case.k_new, case.v_new, case.rotary_cos, case.rotary_sin, True, None, (256, 0), None,
                                   case.alibi_slopes, k_scale=case.k_scale, v_scale=case.v_scale)
-    call = decode.CacheCall(case.q, case.k_cache, case.v_cache, case.cache_seqlens, None, None, case.block_table,
+    call = decode_problem.CacheCall(case.q, case.k_cache, case.v_cache, case.cache_seqlens, None, None, case.block_table,
                             None, case.k_new, case.v_new, case.rotary_cos, case.rotary_sin, False, case.alibi_slopes,
                             case.k_scale, case.v_scale)
     tiles, recorders = _record(monkeypatch, call, problem, 3)
@@ -58,10 +61,10 @@ def test_paged_append_rotary_masks_compile(monkeypatch, fp8, lq):
 def test_contiguous_leftpad_batch_idx_softcap_compile(monkeypatch):
     case = make_case([30, 900], lq=129, hq=8, hkv=8, d=64, dtype=torch.float16, capacity=1200, num_new=129,
                      leftpad=True, batch_idx=True)
-    problem = decode.check_decode(case.q, case.k_cache, case.v_cache, case.cache_seqlens, None, case.k_new,
+    problem = checks.check_decode(case.q, case.k_cache, case.v_cache, case.cache_seqlens, None, case.k_new,
                                   case.v_new, None, None, True, None, None, 30.0, None,
                                   cache_batch_idx=case.cache_batch_idx, cache_leftpad=case.cache_leftpad)
-    call = decode.CacheCall(case.q, case.k_cache, case.v_cache, case.cache_seqlens, case.cache_leftpad,
+    call = decode_problem.CacheCall(case.q, case.k_cache, case.v_cache, case.cache_seqlens, case.cache_leftpad,
                             case.cache_batch_idx, None, None, case.k_new, case.v_new)
     tiles, recorders = _record(monkeypatch, call, problem, 1)
     prefill = forward_tiles(64, torch.float16, True, H200)  # 129 tokens x group 1: the dense forward's tiles
@@ -75,7 +78,7 @@ def test_packed_queries_against_a_paged_cache_compile(monkeypatch):
     cu_q = torch.tensor([0, 1, 500, 700], dtype=torch.int32)
     table = torch.arange(39, dtype=torch.int32)[:39].view(3, 13)
     seqused = torch.tensor([800, 500, 600], dtype=torch.int32)
-    problem = decode.check_cache_varlen(q, pool, pool, cu_q, 499, table, True, None, None, None, None)
-    call = decode.CacheCall(q, pool, pool, seqused, None, None, table, cu_q)
+    problem = checks.check_cache_varlen(q, pool, pool, cu_q, 499, table, True, None, None, None, None)
+    call = decode_problem.CacheCall(q, pool, pool, seqused, None, None, table, cu_q)
     _, recorders = _record(monkeypatch, call, problem, 2)
     _compile_all(recorders, {"_decode_kernel", "_combine_kernel"})

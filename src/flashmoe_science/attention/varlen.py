@@ -12,7 +12,7 @@ import torch
 
 from flashmoe_science.attention import call
 from flashmoe_science.attention.checks import check_flags
-from flashmoe_science.attention.decode import cache_varlen_call
+from flashmoe_science.attention.decode.call import cache_varlen_call
 from flashmoe_science.attention.plan import Dispatch, describe, plan_attention
 from flashmoe_science.attention.problem import packed_problem
 from flashmoe_science.attention.reference import default_softmax_scale
@@ -72,7 +72,7 @@ def flash_attention_varlen(
             rows). Without, unchecked cu_seqlens may end short of total_q / total_k: the rows after the last sequence
             are padding, attended by no sequence, their outputs unspecified (as flash_attn's for the rows its
             cu_seqlens leave out).
-        Calls with block_table or seqused_k run the cache kernels (`attention.decode.cache_varlen_call`), any mask
+        Calls with block_table or seqused_k run the cache kernels (`attention.decode.call.cache_varlen_call`), any mask
         and GQA; their max_seqlen_k is not used. They have no backward: with inputs that require grad the forward
         runs (as flash_attn's) and a backward through its output raises a RuntimeError.
 

@@ -10,7 +10,7 @@ functions never come here (one ``is_compiling()`` test per call): their prepared
 had (benchmarks/tools/host_time_custom_ops.py measures both).
 
 An attention op's real implementation calls the layer below the public functions (``attention.call``, and
-``attention.decode.decode_call``: checked problem -> plan -> execute), so a compiled call runs each check once; only
+``attention.decode.call.decode_call``: checked problem -> plan -> execute), so a compiled call runs each check once; only
 its outputs are made to have the layout its fake promises.
 
 Ops: ``attention_forward`` -> (out, lse) and ``attention_backward`` (window, softcap, ALiBi; not attn_bias, not
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from flashmoe_science.attention import call
-from flashmoe_science.attention.decode import decode_call
+from flashmoe_science.attention.decode.call import decode_call
 from flashmoe_science.attention.problem import dense_problem
 from flashmoe_science.moe import execute as moe_execute
 from flashmoe_science.moe import routing
