@@ -3,7 +3,7 @@ custom ops: called directly, in a compiled function (default mode) and under CUD
 
 The eager rows are the ones that must not move when the custom ops land: run this script at the commit before
 (``git worktree add /tmp/before <commit>``, then ``PYTHONPATH=/tmp/before/src``) and after; the op rows are skipped
-where ``flashmoe_science.integrations.ops`` does not exist. Problems are small, so a call is bound by the host: the
+where the custom ops (``flashmoe_science.attention.ops``) do not exist. Problems are small, so a call is bound by the host: the
 time of `--calls` back-to-back calls (no synchronisation between them) divided by their number, median of
 `--repeats`.
 
@@ -38,9 +38,10 @@ def host_us(fn, calls: int, repeats: int) -> float:
 def cases():
     """(name, eager call, the custom-op call or None, the function to compile)."""
     try:  # absent before the custom ops landed: only the eager rows then
-        from flashmoe_science.integrations import ops
+        from flashmoe_science.attention import ops as attention_ops
+        from flashmoe_science.moe import ops as moe_ops
     except ImportError:
-        ops = None
+        attention_ops = moe_ops = None
     device, dtype = "cuda", torch.bfloat16
     for b, h, length, d in ((1, 8, 128, 64), (4, 8, 1024, 128)):
         q, k, v = (torch.randn(b, h, length, d, device=device, dtype=dtype) for _ in range(3))
@@ -48,7 +49,8 @@ def cases():
         def attention(q=q, k=k, v=v):
             return fs.flash_attention_science(q, k, v, causal=True)
 
-        op = (lambda q=q, k=k, v=v: ops.attention_forward(q, k, v, True, d ** -0.5, None, None, None, "auto", False)) if ops else None
+        op = (lambda q=q, k=k, v=v: attention_ops.attention_forward(q, k, v, True, d ** -0.5, None, None, None, "auto",
+                                                                    False)) if attention_ops else None
         yield f"attention B{b} H{h} L{length} D{d} causal", attention, op
     for tokens, experts, d_model, d_ff in ((1, 8, 1024, 1024), (16, 64, 1024, 512), (256, 8, 1024, 1024)):
         x = torch.randn(tokens, d_model, device=device, dtype=dtype)
@@ -60,7 +62,7 @@ def cases():
             return fs.fused_moe(x, w1, w2, logits, 2)
 
         op = (lambda x=x, w1=w1, w2=w2, logits=logits:
-              ops.fused_moe_inference(x, w1, w2, logits, 2, True, "softmax", "auto")) if ops else None
+              moe_ops.fused_moe_inference(x, w1, w2, logits, 2, True, "softmax", "auto")) if attention_ops else None
         yield f"fused_moe T{tokens} E{experts} d{d_model} F{d_ff} top-2", moe, op
 
 

@@ -5,7 +5,6 @@ from flashmoe_science.attention.decode import flash_attention_decode
 from flashmoe_science.attention.fp8 import quantize_fp8
 from flashmoe_science.attention.varlen import flash_attention_varlen
 from flashmoe_science.moe import fused_experts, fused_moe, moe_route
-from flashmoe_science.integrations import ops as _custom_ops  # noqa: F401  registers the torch.compile custom ops
 
 __version__ = "0.1.0"
 

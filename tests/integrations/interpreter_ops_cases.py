@@ -62,11 +62,11 @@ def test_rotary_kernel_matches_torch(per_row_positions):
 
 @pytest.mark.parametrize("num_tokens", [0, 7, 40])
 def test_moe_triton_residuals_match_the_fake(num_tokens):
-    from flashmoe_science.integrations import ops
+    from flashmoe_science.moe import ops as moe_ops
 
     x = torch.randn(num_tokens, 32, requires_grad=True)
     w1 = (0.1 * torch.randn(4, 64, 32)).requires_grad_()
     w2 = (0.1 * torch.randn(4, 32, 32)).requires_grad_()
     weights, ids = fs.moe_route(torch.randn(num_tokens, 4), 2)
-    torch.library.opcheck(ops.fused_experts_forward, (x, w1, w2, weights.requires_grad_(), ids, "triton"),
+    torch.library.opcheck(moe_ops.fused_experts_forward, (x, w1, w2, weights.requires_grad_(), ids, "triton"),
                           test_utils=("test_schema", "test_faketensor"))

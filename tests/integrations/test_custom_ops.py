@@ -1,4 +1,4 @@
-"""The torch.compile custom ops (integrations/ops.py) on the CPU: fake implementations and autograd registrations
+"""The torch.compile custom ops (custom_ops.py and the ops modules beside the front doors) on the CPU: fake implementations and autograd registrations
 (torch.library.opcheck), compiled graphs without breaks (fullgraph=True, torch._dynamo.explain) whose outputs and
 gradients equal eager mode's, and bad input failing at trace time. The Triton kernels through the same ops run in
 interpreter_ops_cases.py (TRITON_INTERPRET=1 subprocess); inductor and CUDA graphs in test_custom_ops_gpu.py."""
@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import flashmoe_science as fs
-from flashmoe_science.integrations import ops
+from flashmoe_science.attention import ops as attention_ops
+from flashmoe_science.attention.decode import ops as decode_ops
+from flashmoe_science.moe import ops as moe_ops
 from flashmoe_science.nn import TransformerBlock
 from interpreter_driver import run_under_interpreter
 
@@ -148,23 +150,23 @@ def test_transformer_block_compiles_without_graph_breaks(num_experts):
 
 def test_opcheck():
     q, k, v = _qkv((1, 2, 7, 16), (1, 1, 9, 16), torch.float32)
-    torch.library.opcheck(ops.attention_forward, (q, k, v, True, 0.25, None, None, None, "auto", False))
+    torch.library.opcheck(attention_ops.attention_forward, (q, k, v, True, 0.25, None, None, None, "auto", False))
     logits = torch.randn(6, 4, requires_grad=True)
-    torch.library.opcheck(ops.moe_route, (logits, 2, True, "softmax"))
+    torch.library.opcheck(moe_ops.moe_route, (logits, 2, True, "softmax"))
     x, w1 = torch.randn(6, 16, requires_grad=True), torch.randn(4, 24, 16, requires_grad=True)
     w2 = torch.randn(4, 16, 12, requires_grad=True)
     weights, ids = fs.moe_route(logits.detach(), 2)
-    torch.library.opcheck(ops.fused_experts_forward, (x, w1, w2, weights.requires_grad_(), ids, "auto"))
+    torch.library.opcheck(moe_ops.fused_experts_forward, (x, w1, w2, weights.requires_grad_(), ids, "auto"))
     caches = [torch.randn(2, 24, 2, 16) for _ in range(2)]
     decode_args = (torch.randn(2, 1, 4, 16), *caches, torch.tensor([3, 20], dtype=torch.int32), None)
-    torch.library.opcheck(ops.attention_decode,
+    torch.library.opcheck(decode_ops.attention_decode,
                           (*decode_args, None, None, None, None, False, True, None, None, None, None, 0, "auto", None,
                            None, None, None, None))
     new_kv = [torch.randn(2, 1, 2, 16) for _ in range(2)]
-    torch.library.opcheck(ops.attention_decode_append, (*decode_args, *new_kv, None, None, False, True, None, None,
+    torch.library.opcheck(decode_ops.attention_decode_append, (*decode_args, *new_kv, None, None, False, True, None, None,
                                                         None, None, 0, "auto", None, None, None, None, None))
     leftpad = torch.tensor([1, 4], dtype=torch.int32)
-    torch.library.opcheck(ops.attention_decode_append, (*decode_args, *new_kv, None, None, False, True, None, None,
+    torch.library.opcheck(decode_ops.attention_decode_append, (*decode_args, *new_kv, None, None, False, True, None, None,
                                                         None, None, 0, "auto", None, None, leftpad, None, None))
 
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import flashmoe_science as fs
-from flashmoe_science.integrations import ops
+from flashmoe_science.attention import ops as attention_ops
+from flashmoe_science.attention.decode import ops as decode_ops
+from flashmoe_science.moe import ops as moe_ops
 from flashmoe_science.nn import TransformerBlock
 
 pytestmark = pytest.mark.gpu
@@ -21,12 +23,12 @@ def test_opcheck_on_the_kernels():
     v = torch.randn(2, 2, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     # deterministic=True: opcheck compares eager and traced gradients closely, and the one-pass sm_90 backward sums
     # dQ with TMA reduce-adds, whose last bits vary run to run
-    torch.library.opcheck(ops.attention_forward, (q, k, v, True, 0.125, None, None, None, "auto", True))
+    torch.library.opcheck(attention_ops.attention_forward, (q, k, v, True, 0.125, None, None, None, "auto", True))
     qt = torch.randn(2, 300, 8, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
-    torch.library.opcheck(ops.attention_forward, (qt, k, v, False, 0.125, [64, 0], 30.0, None, "auto", True))
+    torch.library.opcheck(attention_ops.attention_forward, (qt, k, v, False, 0.125, [64, 0], 30.0, None, "auto", True))
     for tokens in (1, 40, 3000):
         logits = torch.randn(tokens, 8, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        torch.library.opcheck(ops.moe_route, (logits, 2, True, "softmax"))
+        torch.library.opcheck(moe_ops.moe_route, (logits, 2, True, "softmax"))
         x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w1 = (0.05 * torch.randn(8, 512, 256, device="cuda", dtype=torch.bfloat16)).requires_grad_()
         w2 = (0.05 * torch.randn(8, 256, 256, device="cuda", dtype=torch.bfloat16)).requires_grad_()
@@ -34,7 +36,7 @@ def test_opcheck_on_the_kernels():
         # not test_aot_dispatch_dynamic: it compares every output bit for bit, and the residual outputs (gate_up, h)
         # hold the row tiles' padding rows uninitialised (the backward never reads them); compiled and eager agree
         # on the layer's outputs and gradients in test_compiled_block_on_gpu
-        torch.library.opcheck(ops.fused_experts_forward, (x, w1, w2, weights.requires_grad_(), ids, "auto"),
+        torch.library.opcheck(moe_ops.fused_experts_forward, (x, w1, w2, weights.requires_grad_(), ids, "auto"),
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     for paged in (False, True):
         caches = [torch.randn(64 if paged else 2, 32 if paged else 2048, 2, 128, device="cuda", dtype=torch.bfloat16)
@@ -42,7 +44,7 @@ def test_opcheck_on_the_kernels():
         table = torch.randperm(64, device="cuda", dtype=torch.int32)[:2 * 32].view(2, 32) if paged else None
         seqlens = torch.tensor([300, 900], device="cuda", dtype=torch.int32)  # paged: at most 32 blocks of 32
         q1 = torch.randn(2, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
-        torch.library.opcheck(ops.attention_decode, (q1, *caches, seqlens, table, None, None, None, None, False, True,
+        torch.library.opcheck(decode_ops.attention_decode, (q1, *caches, seqlens, table, None, None, None, None, False, True,
                                                      None, None, None, None, 0, "auto", None, None, None, None,
                                                      None))
 

@@ -1,6 +1,6 @@
 """The dense attention front door: `flash_attention_science`, its lse variants, and `describe_dispatch`.
 
-Each public function routes a torch.compile trace to its custom op (integrations/ops.py), runs a call on another GPU
+Each public function routes a torch.compile trace to its custom op (attention/ops.py), runs a call on another GPU
 under that GPU, and otherwise hands its arguments to the layer below (`attention.call`: checked problem -> plan ->
 execute). Kernels behind it receive only checked 4-D tensors `(B, H, L, D)` with unit stride in the last dim; they
 never validate user input or allocate behind the planner's back.
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from flashmoe_science.attention import call
+from flashmoe_science.attention import call, ops
 from flashmoe_science.attention.checks import check_flags, check_inputs
 from flashmoe_science.attention.fp8 import fp8_problem
-from flashmoe_science.attention.plan import BACKENDS, Dispatch, describe, describe_fp8, plan_attention, plan_fp8  # noqa: F401 (BACKENDS: the names `backend=` takes)
+from flashmoe_science.attention.plan import BACKENDS, Dispatch, describe, describe_fp8, plan_attention, plan_fp8  # noqa: F401,E501 (BACKENDS: the names `backend=` takes)
 from flashmoe_science.attention.problem import dense_problem
 from flashmoe_science.attention.reference import default_softmax_scale
 from flashmoe_science.device import on_another_cuda_device
@@ -185,7 +185,7 @@ def _compiled(q, k, v, *, causal, softmax_scale, window, softcap, alibi_slopes, 
     if slopes is not None and slopes.dim() > 2:  # (*batch, H) slopes follow q's leading dims into one batch dim
         slopes = slopes.reshape(-1, slopes.shape[-1])
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
-    out, lse = torch.ops.flashmoe_science.attention_forward(
+    out, lse = ops.attention_forward(
         _compiled_4d(q), _compiled_4d(k), _compiled_4d(v), causal, scale,
         None if window is None else [int(side) for side in window], softcap, slopes, backend, deterministic)
     return out.reshape(q.shape), lse.reshape(q.shape[:-1])

@@ -1,7 +1,7 @@
 """The layer below the public functions: checked problem -> plan -> execute, once per call.
 
 The front doors (`api`, `varlen`) call these after their device and torch.compile routing; the custom ops
-(`integrations.ops`) call them as their real implementations, so a compiled call runs every check once. Each
+(`attention.ops`) call them as their real implementations, so a compiled call runs every check once. Each
 returns `(out, lse)` (or the gradients) shaped as the public functions document.
 """
 

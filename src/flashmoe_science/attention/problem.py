@@ -1,6 +1,6 @@
 """A checked attention call: the inputs normalised once, in the terms every backend and kernel reads.
 
-The front doors (`api`, `varlen`) and the custom ops (`integrations.ops`) build an `AttentionProblem` here, once per
+The front doors (`api`, `varlen`) and the custom ops (`attention.ops`) build an `AttentionProblem` here, once per
 call: every user-facing check runs in `dense_problem` / `packed_problem` and nowhere after. The planner
 (`attention.plan`) decides the kernels from it; the execute layer (`attention.autograd`) runs them on its 4-D views.
 """

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from flashmoe_science.attention import call
+from flashmoe_science.attention import call, ops
 from flashmoe_science.attention.checks import check_flags
 from flashmoe_science.attention.decode.call import cache_varlen_call
 from flashmoe_science.attention.plan import Dispatch, describe, plan_attention
@@ -98,7 +98,7 @@ def flash_attention_varlen(
         return (out, lse) if return_lse else out
     if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
         check_flags(return_lse=return_lse)
-        out, lse = torch.ops.flashmoe_science.attention_varlen_forward(
+        out, lse = ops.attention_varlen_forward(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
             default_softmax_scale(q.shape[-1]) if softmax_scale is None else softmax_scale,
             None if window is None else [int(side) for side in window], softcap, alibi_slopes, backend,

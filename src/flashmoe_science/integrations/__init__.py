@@ -1,5 +1,4 @@
-"""Integrations: torch.compile custom ops (``ops``, registered on import) and Hugging Face transformers (``hf``)."""
-
-from flashmoe_science.integrations import ops
-
-__all__ = ["ops"]
+"""Integrations: Hugging Face transformers (``hf``), TorchTitan (``torchtitan``), the ``flash_attn`` interface
+(``flash_attn_interface``). The torch.compile custom ops live beside the front doors that call them
+(``custom_ops`` says where).
+"""

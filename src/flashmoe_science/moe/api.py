@@ -1,13 +1,13 @@
 """The MoE front doors: ``moe_route``, ``fused_experts``, ``grouped_experts``, ``fused_moe``, and ``describe_moe``.
 
 Each runs on x's device and hands the call to ``moe/execute.py`` (checks, one plan, run); under ``torch.compile``
-it goes through the custom ops of ``integrations/ops.py`` instead, which call the same layer.
+it goes through the custom ops of ``moe/ops.py`` instead, which call the same layer.
 """
 
 import torch
 
 from flashmoe_science.device import on_another_cuda_device
-from flashmoe_science.moe import execute
+from flashmoe_science.moe import execute, ops
 from flashmoe_science.moe.checks import check_experts, check_top_k
 from flashmoe_science.moe.fp8 import Fp8ExpertsProblem, check_fp8_experts, describe_fp8, plan_fp8_experts
 from flashmoe_science.moe.plan import ExpertsProblem, describe, plan_experts
@@ -21,7 +21,7 @@ def moe_route(router_logits, top_k, renormalize=True, scoring="softmax"):
     float64 logits), ids int64. Differentiable with respect to ``router_logits``.
     """
     if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
-        return torch.ops.flashmoe_science.moe_route(router_logits, top_k, renormalize, scoring)
+        return ops.moe_route(router_logits, top_k, renormalize, scoring)
     return execute.route_checked(router_logits, top_k, renormalize, scoring)
 
 
@@ -42,8 +42,8 @@ def fused_experts(x, w1, w2, topk_weights, topk_ids, *, backend="auto", w1_scale
         return _fp8_call(execute.experts_fp8, x, x, w1, w1_scale, w2, w2_scale, topk_weights, topk_ids, backend)
     if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
         if execute.records_grad(x, w1, w2, topk_weights):
-            return torch.ops.flashmoe_science.fused_experts_forward(x, w1, w2, topk_weights, topk_ids, backend)[0]
-        return torch.ops.flashmoe_science.fused_experts_inference(x, w1, w2, topk_weights, topk_ids, backend)
+            return ops.fused_experts_forward(x, w1, w2, topk_weights, topk_ids, backend)[0]
+        return ops.fused_experts_inference(x, w1, w2, topk_weights, topk_ids, backend)
     if on_another_cuda_device(x):
         with torch.cuda.device(x.device):  # Triton launches on the current device: make it x's
             return execute.experts(x, w1, w2, topk_weights, topk_ids, backend)
@@ -87,10 +87,9 @@ def fused_moe(x, w1, w2, router_logits, top_k, *, renormalize=True, scoring="sof
                          scoring, backend)
     if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
         if execute.records_grad(x, w1, w2, router_logits):
-            topk_weights, topk_ids = torch.ops.flashmoe_science.moe_route(router_logits, top_k, renormalize, scoring)
-            return torch.ops.flashmoe_science.fused_experts_forward(x, w1, w2, topk_weights, topk_ids, backend)[0]
-        return torch.ops.flashmoe_science.fused_moe_inference(x, w1, w2, router_logits, top_k, renormalize, scoring,
-                                                              backend)
+            topk_weights, topk_ids = ops.moe_route(router_logits, top_k, renormalize, scoring)
+            return ops.fused_experts_forward(x, w1, w2, topk_weights, topk_ids, backend)[0]
+        return ops.fused_moe_inference(x, w1, w2, router_logits, top_k, renormalize, scoring, backend)
     if on_another_cuda_device(x):
         with torch.cuda.device(x.device):  # Triton launches on the current device: make it x's
             return execute.moe(x, w1, w2, router_logits, top_k, renormalize, scoring, backend)

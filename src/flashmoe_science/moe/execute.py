@@ -1,7 +1,7 @@
 """The MoE layer below the public functions: checked problem -> plan -> execute.
 
 ``fused_experts``/``fused_moe``/``moe_route`` (moe/api.py) and their ``torch.compile`` custom ops
-(integrations/ops.py) both call ``experts``, ``moe`` and ``route_checked`` here, so a call's checks run once
+(moe/ops.py) both call ``experts``, ``moe`` and ``route_checked`` here, so a call's checks run once
 whichever way it comes. Each checks its inputs, plans the call once (``plan.plan_experts``: the layer family and
 each expert GEMM's) and runs the plan: the PyTorch reference, the autograd function over the kernel layer (its
 backward runs the forward's plan), or the inference path with its prepared calls.

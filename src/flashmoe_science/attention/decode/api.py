@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from flashmoe_science.attention.checks import check_flags
+from flashmoe_science.attention.decode import ops
 from flashmoe_science.attention.decode.call import decode_call
 
 
@@ -44,8 +45,7 @@ def flash_attention_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         check_flags(return_lse=return_lse)
         if not isinstance(cache_seqlens, torch.Tensor):
             cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
-        op = torch.ops.flashmoe_science.attention_decode if k_new is None else \
-            torch.ops.flashmoe_science.attention_decode_append
+        op = ops.attention_decode if k_new is None else ops.attention_decode_append
         out, lse = op(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, rotary_cos, rotary_sin,
                       rotary_interleaved, causal, softmax_scale, None if window is None else [int(s) for s in window],
                       softcap, alibi_slopes, 0 if num_splits == "auto" else num_splits, backend, check_values,
