@@ -11,8 +11,9 @@ import torch
 def hopper_attention_module(name: str):
     """`flashmoe_science.attention.hopper.<name>` (e.g. "fwd_sm90", "bwd_sm90"); skips the test off Hopper."""
     from flashmoe_science.device import device_traits
+    from flashmoe_science.gluon.target import ARCH
 
-    if not torch.cuda.is_available() or not device_traits(torch.device("cuda")).is_hopper:
+    if not torch.cuda.is_available() or device_traits(torch.device("cuda")).arch != ARCH:
         pytest.skip("needs a Hopper (sm_90) GPU")
     return importlib.import_module(f"flashmoe_science.attention.hopper.{name}")
 

@@ -16,6 +16,7 @@ from flashmoe_science.attention.reference import attention_reference, causal_vis
 from flashmoe_science.attention.hopper.tiles import sm90_smem_bytes
 from flashmoe_science.attention.tiles import AttentionTiles, forward_tiles
 from flashmoe_science.device import device_traits
+from flashmoe_science.gluon.target import ARCH
 from flashmoe_science.attention.triton_fwd import attention_forward
 
 pytestmark = pytest.mark.gpu
@@ -134,7 +135,7 @@ def test_sm90_work_sharing(num_ctas, block_n, causal, q_buffers, cross_item):
     """The sm_90 kernel with any number of CTAs sharing the work items (None: one per query tile; 7: partial,
     snaking rounds), one or two Q buffers per consumer, consecutive items overlapped or not (three ring stages
     where causal overlap needs them), GQA, Lq > Lk and ragged tails, NaN-poisoned outputs."""
-    if not device_traits(torch.device("cuda")).is_hopper:
+    if device_traits(torch.device("cuda")).arch != ARCH:
         pytest.skip("needs a Hopper GPU")
     from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90
 
@@ -235,7 +236,7 @@ def test_one_head_of_131072_tokens_without_quadratic_memory():
 def test_repeated_signature_takes_the_prepared_launch(causal, layout, backend, head_dim, dtype):
     """The second call of a signature skips the checks, the plan and Triton's binding (call.PREPARED): same
     output bit for bit as the full path, and exact on new data of that signature."""
-    if backend == "auto" and not device_traits(torch.device("cuda")).is_hopper:
+    if backend == "auto" and device_traits(torch.device("cuda")).arch != ARCH:
         pytest.skip("needs a Hopper GPU")
     from flashmoe_science.attention import call
 

@@ -1,6 +1,8 @@
 """Ring attention in 2 and 4 CPU processes (gloo): outputs and gradients equal the single-process result on the full
 sequence (ring_cases.py; all cases of a world size run in one spawn, conftest.py)."""
 
+import re
+
 import pytest
 
 import ring_cases
@@ -118,3 +120,26 @@ def test_coalesce_merges_only_unmasked_neighbours():
     assert masked in coalesce([a, b, masked]) and len(coalesce([a, b, masked])) == 2
     gap = Block(slice(0, 4), slice(13, 16), False, None)
     assert len(coalesce([a, gap])) == 2
+
+
+def test_ring_checks_its_shards_as_the_single_gpu_front_door():
+    """A rank's shards get attention.checks' errors (one set of checks), then the ring's own: one sequence."""
+    import importlib
+
+    from flashmoe_science.attention.checks import check_inputs
+
+    ring = importlib.import_module("flashmoe_science.distributed.ring_attention")  # the package exports the function
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 8, 16, generator=g), torch.randn(2, 2, 8, 16, generator=g)
+    bad = [((q.int(), k, k, None), TypeError), ((q, k[:, :, :, :8], k[:, :, :, :8], None), ValueError),
+           ((q[:, :3], k, k, None), ValueError), ((q, k, k, -1.0), ValueError), ((q, k, k, "0.1"), TypeError)]
+    for args, error in bad:
+        with pytest.raises(error) as expected:
+            check_inputs(*args)
+        with pytest.raises(error, match=re.escape(str(expected.value))):
+            ring._check_local(*args, "auto")
+    with pytest.raises(ValueError, match="same positions"):
+        ring._check_local(q, k[:, :, :4], k[:, :, :4], None, "auto")
+    with pytest.raises(ValueError, match="backend"):
+        ring._check_local(q, k, k, None, "fastest")

@@ -29,9 +29,8 @@ from typing import NamedTuple
 import torch
 
 from flashmoe_science.attention.checks import check_flags, check_scale
-from flashmoe_science.attention.fp8_format import FP8_MAX, hadamard_signs
-
-FP8 = torch.float8_e4m3fn
+from flashmoe_science.attention.fp8_format import hadamard_signs
+from flashmoe_science.fp8_format import FP8, FP8_MAX
 
 
 class Fp8Inputs(NamedTuple):

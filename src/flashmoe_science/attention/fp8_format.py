@@ -1,12 +1,13 @@
 """The FP8 (e4m3) number format as the attention kernels use it, shared by the front door (fp8.py) and the kernels
-(triton_fp8.py): the largest finite value a scale maps onto, and the fixed random signs of the Hadamard rotation
-(see fp8.py's docstring for the rotation)."""
+(triton_fp8.py, triton_decode.py): the largest finite value a scale maps onto (the package's ``fp8_format``), and
+the fixed random signs of the Hadamard rotation (see fp8.py's docstring for the rotation)."""
 
 from __future__ import annotations
 
 import torch
 
-FP8_MAX = 448.0  # largest finite e4m3fn value
+from flashmoe_science.fp8_format import FP8_MAX  # noqa: F401  (the kernels here read it from this module)
+
 HADAMARD_SEED = 0x5EED
 
 

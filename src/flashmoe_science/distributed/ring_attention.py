@@ -27,7 +27,6 @@ step are merged into one kernel call (`_plan_step`).
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +34,7 @@ import torch.distributed as dist
 
 from flashmoe_science.attention.api import (BACKENDS, attention_backward_lse, attention_forward_lse,
                                             flash_attention_science)
+from flashmoe_science.attention.checks import check_backend, check_inputs
 from flashmoe_science.attention.mask import make_mask
 from flashmoe_science.attention.reference import default_softmax_scale
 from flashmoe_science.distributed.comm import (Pending, all_gather_into, gather_ints, group_rank_and_size,
@@ -447,28 +447,16 @@ def _check_window(causal, window) -> tuple[int, int] | None:
     return None if (left, right) == (-1, -1) else (left, right)
 
 
-def _check_local(q, k, v, causal, softmax_scale) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() not in (3, 4):
-            raise ValueError(f"{name} must be (B, H, L, D) or (H, L, D), got shape {tuple(t.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
-    if k.dim() != q.dim() or v.shape != k.shape:
-        raise ValueError(f"k and v must have one shape with q's number of dims, got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if q.shape[:-3] != k.shape[:-3] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must share batch and head dims, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+def _check_local(q, k, v, softmax_scale, backend) -> None:
+    """A rank's shards as the single-GPU front door checks them (attention.checks), then what the ring adds: 3-D or
+    4-D shards of one sequence (q and k hold the same positions)."""
+    check_inputs(q, k, v, softmax_scale)
+    check_backend(backend, BACKENDS)
+    if q.dim() not in (3, 4):
+        raise ValueError(f"q must be (B, H, L, D) or (H, L, D), got shape {tuple(q.shape)}")
     if q.shape[-2] != k.shape[-2]:
         raise ValueError(f"ring_attention is self-attention over one sharded sequence: q and k must hold the same "
                          f"positions, got local lengths {q.shape[-2]} and {k.shape[-2]}")
-    hq, hkv = q.shape[-3], k.shape[-3]
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"q's head count ({hq}) must be a multiple of k's head count ({hkv}) (GQA/MQA)")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
-                                      or not (math.isfinite(softmax_scale) and softmax_scale > 0)):
-        raise ValueError(f"softmax_scale must be a finite number > 0 or None, got {softmax_scale!r}")
 
 
 def _check_ranks(q, k, group, world_size: int, causal: bool, window, seqlens: list[int] | None) -> list[int]:
@@ -494,10 +482,8 @@ def _check_ranks(q, k, group, world_size: int, causal: bool, window, seqlens: li
 def _ring(q, k, v, group, causal, softmax_scale, window, backend, kv_exchange, grad_exchange, seqlens=None):
     """The checks and the ring of `ring_attention` / `ring_attention_varlen` on ``(..., H, L, D)`` views; returns
     (out, lse), or None for a group of one rank (the caller runs its single-GPU function)."""
-    _check_local(q, k, v, causal, softmax_scale)
+    _check_local(q, k, v, softmax_scale, backend)
     window = _check_window(causal, window)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     for name, value in (("kv_exchange", kv_exchange), ("grad_exchange", grad_exchange)):
         if value not in EXCHANGES:
             raise ValueError(f"{name} must be one of {EXCHANGES}, got {value!r}")

@@ -29,12 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from flashmoe_science.backends import Choice, choose
-from flashmoe_science.device import device_traits
+from flashmoe_science.device import FP8_CAPABILITY, device_traits
 from flashmoe_science.moe.checks import check_experts, check_tensor
 from flashmoe_science.moe.fp8_format import BLOCK, FP8, FP8_MAX, SCALE_EPS
 from flashmoe_science.moe.plan import check_backend, triton_refusal
 from flashmoe_science.moe.triton_fp8_gemm import choose_fp8_tiles, fp8_forward
-FP8_CAPABILITY = (8, 9)  # e4m3 tensor-core products: Ada, Hopper and newer
 
 
 # ---------------------------------------------------------------------------------------------- quantisers
@@ -184,8 +183,9 @@ class Fp8Kernels:
         refusal = triton_refusal(x, problem.backend)
         if refusal is not None or not x.is_cuda:
             return refusal
-        capability = device_traits(x.device).capability
-        if capability < FP8_CAPABILITY:
+        traits = device_traits(x.device)
+        if not traits.fp8_mma:
+            capability = traits.capability
             return (f"e4m3 tensor-core products need compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or "
                     f"newer, this GPU has {capability[0]}.{capability[1]}")
         return None

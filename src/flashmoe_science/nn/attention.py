@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashmoe_science.attention.api import BACKENDS, flash_attention_science
+from flashmoe_science.moe.plan import BACKENDS as MOE_BACKENDS
 from flashmoe_science.nn.moe import FusedMoE, _check_positive_int
 
 
@@ -183,7 +184,8 @@ class TransformerBlock(nn.Module):
         if num_experts is None:
             self.ffn = SwiGLU(d_model, d_ff, bias=attention_options.get("bias", False), **factory)
         else:
-            moe_backend = "auto" if backend == "hopper" else backend  # the MoE has no separate Hopper switch
+            # the MoE layer's walk has no architecture family of its own to ask for: an attention one means "auto"
+            moe_backend = backend if backend in MOE_BACKENDS else "auto"
             self.ffn = moe_class(d_model, d_ff, num_experts, top_k, backend=moe_backend, **factory)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

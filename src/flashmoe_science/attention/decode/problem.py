@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from flashmoe_science.attention.mask import MaskSpec
+from flashmoe_science.fp8_format import FP8
 
-FP8_CACHE = torch.float8_e4m3fn
+FP8_CACHE = FP8  # the e4m3 caches
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from flashmoe_science.attention.decode.problem import FP8_CACHE, DecodeProblem
-from flashmoe_science.attention.fp8_format import FP8_MAX
+from flashmoe_science.fp8_format import FP8_MAX
 from flashmoe_science.attention.mask import score_mods
 
 
