@@ -1,5 +1,7 @@
-"""The shape of the package, checked from its source: no import circle under src/, and the generic attention modules
-name no architecture outside the ordered backend list (a new architecture is a backend package plus one entry)."""
+"""The shape of the package, checked from its source: no import circle under src/; no module outside the architecture
+packages names an architecture (the device's is read in device.py, the families listed in architectures.py: a new
+architecture is a backend package plus its entries there); the custom ops imported by the front doors that call
+them; the e4m3 format's constants written once."""
 
 from __future__ import annotations
 
@@ -12,27 +14,23 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "flashmoe_science"
 
-# The modules that hold no kernel family of their own: the front doors, the planner, the execute layer and what
-# they share. A word below in their code (docstrings excepted: they tell a user which kernels run) is an
-# architecture leaking out of its backend package.
+# The architecture packages: the kernels of one architecture, their heuristics and backend families, the Gluon
+# plumbing they share, the list of families (architectures.py) and the teaching ladder's rungs (one per GPU kernel).
+ARCHITECTURE_PACKAGES = ("attention/hopper/", "moe/hopper/", "gluon/", "attention/ladder/", "architectures.py",
+                         "bench/ladder.py")
+# The modules that decide or describe a call: the front doors, the planners, the execute layers, what they share and
+# the CLI. Not even their comments name an architecture (docstrings excepted: they tell a user which kernels run).
 GENERIC = [f"attention/{name}.py" for name in (
-    "api", "call", "plan", "problem", "autograd", "tiles", "features", "checks", "varlen", "fp8",
+    "api", "call", "plan", "problem", "autograd", "tiles", "features", "checks", "varlen", "fp8", "ops",
     "record", "reference", "reference_backend", "triton_backend")] + [
     f"attention/decode/{name}.py" for name in (
-        "__init__", "api", "call", "checks", "dense_backend", "launch", "plan", "problem", "reference",
+        "__init__", "api", "call", "checks", "dense_backend", "launch", "ops", "plan", "problem", "reference",
         "reference_backend", "tiles", "triton_backend")] + [
-    "backends.py", "prepared_cache.py", "prepared_launch.py", "integrations/ops.py", "__init__.py"]
+    f"moe/{name}.py" for name in ("__init__", "api", "plan", "execute", "ops", "fp8", "gemms", "layer", "tiles")] + [
+    "backends.py", "prepared_cache.py", "prepared_launch.py", "custom_ops.py", "device.py", "cli.py", "__init__.py"]
 # names, strings (f-string pieces on Python >= 3.12) and comments
 CODE_TOKENS = {tokenize.NAME, tokenize.STRING, tokenize.COMMENT, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
 ARCHITECTURE = re.compile(r"sm_?90|hopper|is_hopper", re.IGNORECASE)
-# The lines allowed to name one: the ordered backend lists and their imports.
-ALLOWED = {
-    "attention/plan.py": {
-        "from flashmoe_science.attention.hopper.backend import HOPPER, HOPPER_FP8",
-        "ATTENTION_BACKENDS = (HOPPER, TRITON, REFERENCE)",
-        "FP8_BACKENDS = (HOPPER_FP8, DEQUANTISED)",
-    },
-}
 
 
 def _module_name(path: Path) -> str:
@@ -121,20 +119,72 @@ def _docstring_lines(tree: ast.Module) -> set[int]:
     return lines
 
 
+def _architecture_words(relative: str, kinds) -> list[str]:
+    """Where the module `relative` names an architecture in tokens of `kinds` (docstrings excepted)."""
+    source = (SRC / PACKAGE / relative).read_text()
+    docstrings = _docstring_lines(ast.parse(source))
+    return [f"{relative}:{token.start[0]}: {source.splitlines()[token.start[0] - 1].strip()}"
+            for token in tokenize.generate_tokens(io.StringIO(source).readline)
+            if token.start[0] not in docstrings and token.type in kinds and ARCHITECTURE.search(token.string)]
+
+
+def _modules() -> list[str]:
+    return sorted(str(p.relative_to(SRC / PACKAGE)) for p in (SRC / PACKAGE).rglob("*.py"))
+
+
 def test_generic_modules_name_no_architecture():
-    offending = []
-    for relative in GENERIC:
-        path = SRC / PACKAGE / relative
-        source = path.read_text()
-        docstrings = _docstring_lines(ast.parse(source))
-        allowed = ALLOWED.get(relative, set())
-        for token in tokenize.generate_tokens(io.StringIO(source).readline):
-            if token.start[0] in docstrings or token.type not in CODE_TOKENS:
-                continue
-            line = source.splitlines()[token.start[0] - 1].strip()
-            if ARCHITECTURE.search(token.string) and line not in allowed:
-                offending.append(f"{relative}:{token.start[0]}: {line}")
+    offending = [line for relative in GENERIC for line in _architecture_words(relative, CODE_TOKENS)]
     assert not offending, "\n".join(offending)
+
+
+def test_no_module_outside_the_architecture_packages_names_one_in_code():
+    """Names and strings (comments may say where a measurement was taken)."""
+    code = CODE_TOKENS - {tokenize.COMMENT}
+    offending = [line for relative in _modules() if not relative.startswith(ARCHITECTURE_PACKAGES)
+                 for line in _architecture_words(relative, code)]
+    assert not offending, "\n".join(offending)
+
+
+def test_the_device_architecture_is_read_in_device_py():
+    """Capabilities come from device.device_traits: no other module asks torch for one or unpacks one (bench/report
+    records the GPU's properties beside published numbers)."""
+    reads = re.compile(r"get_device_capability|capability\[|\.major\b")
+    offending = [f"{relative}:{n}: {line.strip()}" for relative in _modules()
+                 if relative not in ("device.py", "bench/report.py")
+                 for n, line in enumerate((SRC / PACKAGE / relative).read_text().splitlines(), 1)
+                 if reads.search(line)]
+    assert not offending, "\n".join(offending)
+
+
+def _calls_ops_namespace(relative: str) -> bool:
+    tree = ast.parse((SRC / PACKAGE / relative).read_text())
+    return any(isinstance(node, ast.Attribute) and node.attr == PACKAGE and isinstance(node.value, ast.Attribute)
+               and node.value.attr == "ops" for node in ast.walk(tree))
+
+
+def test_custom_ops_are_imported_by_the_front_doors_that_call_them():
+    """No module reaches an op through `torch.ops.flashmoe_science` (which holds only what some import registered
+    as a side effect); every module registering ops (`custom_op(`) is imported by a front door."""
+    assert not [relative for relative in _modules() if _calls_ops_namespace(relative)]
+    registering = {relative for relative in _modules()
+                   if "custom_op(" in (SRC / PACKAGE / relative).read_text() and relative != "custom_ops.py"}
+    assert registering == {"attention/ops.py", "attention/decode/ops.py", "moe/ops.py"}
+    graph = _graph()
+    for relative in registering:
+        module = f"{PACKAGE}.{relative[:-3].replace('/', '.')}"
+        front_doors = [name for name, imports in graph.items() if module in imports and name.endswith(".api")]
+        assert front_doors, f"{module}: no front door imports it"
+
+
+def test_the_e4m3_constants_are_written_once():
+    """torch.float8_e4m3fn and its largest value 448 are assigned in fp8_format.py only (the Gluon kernels'
+    packages keep their own names for their kernels)."""
+    assignment = re.compile(r"^\s*\w+\s*=\s*(torch\.float8_e4m3fn|448(\.0)?)\b")
+    offending = [f"{relative}:{n}" for relative in _modules()
+                 if relative != "fp8_format.py" and not relative.startswith(ARCHITECTURE_PACKAGES)
+                 for n, line in enumerate((SRC / PACKAGE / relative).read_text().splitlines(), 1)
+                 if assignment.search(line)]
+    assert not offending, offending
 
 
 def test_the_checks_see_what_they_should():
@@ -142,3 +192,21 @@ def test_the_checks_see_what_they_should():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
     assert ARCHITECTURE.search("device_traits(q.device).is_hopper") and ARCHITECTURE.search('"the sm_90 kernel"')
     assert all((SRC / PACKAGE / relative).exists() for relative in GENERIC)
+
+
+def test_every_walk_takes_the_architectures_families_from_one_list():
+    """An architecture's families enter each planner's walk from architectures.py, ahead of the portable ones; the
+    decode and MoE FP8 walks have none (their kernels are portable)."""
+    from flashmoe_science import architectures
+    from flashmoe_science.attention import plan
+    from flashmoe_science.attention.decode.plan import DECODE_BACKENDS
+    from flashmoe_science.moe import fp8
+    from flashmoe_science.moe import plan as moe_plan
+
+    families = {id(f) for a in architectures.ARCHITECTURES for f in (*a.attention, *a.attention_fp8, *a.moe_gemms)}
+    for walk, own in ((plan.ATTENTION_BACKENDS, architectures.ATTENTION),
+                      (plan.FP8_BACKENDS, architectures.ATTENTION_FP8),
+                      (moe_plan.GEMM_BACKENDS, architectures.MOE_GEMMS),
+                      (DECODE_BACKENDS, ()), (fp8.FP8_LAYER_BACKENDS, ())):
+        assert tuple(walk[:len(own)]) == own
+        assert not any(id(family) in families for family in walk[len(own):])

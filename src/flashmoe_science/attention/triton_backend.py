@@ -62,7 +62,7 @@ class TritonForward:
     def describe(self, problem, requested: str, with_features: str, declined: str) -> str:
         q = problem.q
         traits = device_traits(q.device)
-        where = "the Triton interpreter" if not q.is_cuda else f"sm_{traits.capability[0]}{traits.capability[1]}"
+        where = "the Triton interpreter" if not q.is_cuda else traits.arch
         tuned = q.is_cuda and autotune_enabled() and problem.features.is_plain
         tiles = self.tiles
         shape = f"tiles {tiles.block_m}x{tiles.block_n}, {tiles.num_warps} warps, {tiles.num_stages} stages"

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from flashmoe_science.backends import Choice, choose
-from flashmoe_science.device import FP8_CAPABILITY, device_traits
+from flashmoe_science.device import FP8_CAPABILITY, arch_name, device_traits
 from flashmoe_science.moe.checks import check_experts, check_tensor
 from flashmoe_science.moe.fp8_format import BLOCK, FP8, FP8_MAX, SCALE_EPS
 from flashmoe_science.moe.plan import check_backend, triton_refusal
@@ -185,9 +185,8 @@ class Fp8Kernels:
             return refusal
         traits = device_traits(x.device)
         if not traits.fp8_mma:
-            capability = traits.capability
             return (f"e4m3 tensor-core products need compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or "
-                    f"newer, this GPU has {capability[0]}.{capability[1]}")
+                    f"newer ({arch_name(FP8_CAPABILITY)}), this GPU is {traits.arch}")
         return None
 
     def plan(self, problem: Fp8ExpertsProblem):

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from flashmoe_science.attention.ladder import cpu, hopper, naive_gpu, tiled_fma, tiled_tensor_cores
-from flashmoe_science.device import triton_interpreter_on
+from flashmoe_science.device import device_traits, triton_interpreter_on
 
 # Where a rung runs: "cpu" CPU tensors; "interpreter" CPU tensors under TRITON_INTERPRET=1 (slow; tests and tiny
 # sizes); "cuda" any GPU Triton supports; "sm_90" Hopper GPUs only.
@@ -76,7 +76,7 @@ def unavailable(r: Rung, device: torch.device) -> str | None:
     if "cuda" in r.devices:
         return None
     if "sm_90" in r.devices:
-        if torch.cuda.get_device_capability(device) == (9, 0):
+        if device_traits(device).arch in r.devices:
             return None
         return f"it needs a Hopper (sm_90) GPU, this is {torch.cuda.get_device_name(device)}"
     return "it runs on CPU tensors only"
