@@ -102,11 +102,9 @@ def flash_attention_science(
             The output is bfloat16. On Hopper, head dims 64/128/256 run an e4m3 tensor-core kernel; elsewhere the
             inputs are dequantised and the bf16 (GPU) or float32 (CPU) path runs. See attention/fp8.py.
 
-    Kernels: on Hopper, bf16/fp16 with TMA-compatible strides and only the features the Gluon kernels take
-    (`hopper.backend.FORWARD_FEATURES`) run the Gluon sm_90 kernel (warp-specialised: TMA producer warp, two consumer
-    warpgroups, async wgmma; persistent CTAs except causal rows longer than 8192, or than 4096 with fewer than 12
-    query tiles per SM); everything else on a GPU runs the portable Triton kernel; CPU tensors run the PyTorch
-    reference. `describe_dispatch` says which and why.
+    Kernels: the first family of `plan.ATTENTION_BACKENDS` that takes the call, each family declaring what it takes
+    (the README's table is `plan.policy_table()`, generated from those declarations); `describe_dispatch` says
+    which, why, and with which tiles and schedule.
 
     Accuracy: bf16/fp16 inputs are multiplied on tensor cores with float32 accumulation and a float32 softmax.
     float32 inputs use 3xTF32 tensor-core products on the GPU (close to float32 accuracy, about 3x the cost of

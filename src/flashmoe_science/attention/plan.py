@@ -102,6 +102,15 @@ def plan_attention(problem: AttentionProblem) -> Plan:
     return Plan(problem, forward, tuple(b.backward for b in ATTENTION_BACKENDS[start:]))
 
 
+def policy_table() -> str:
+    """The README's "which kernel runs" table: one row per family of ATTENTION_BACKENDS, in the walk's order, from
+    each family's `policy` (what it takes, its forward, its backward). benchmarks/tools/benchmarks_doc.py writes
+    it into the README and tests/test_docs.py checks it there."""
+    rows = ["| inputs | forward | backward |", "|---|---|---|"]
+    rows += [f"| {' | '.join(family.policy)} |" for family in ATTENTION_BACKENDS]
+    return "\n".join(rows) + "\n"
+
+
 def _declined(choice: Choice, walk) -> str:
     titles = {b.name: b.title for b in walk}
     return "".join(f" (not {titles[name]}: {why})" for name, why in choice.declined)

@@ -58,6 +58,7 @@ class ReferenceAttention:
     name = "reference"
     title = "the PyTorch reference"
     runs_kernels = False
+    policy = ("CPU tensors, float64", "PyTorch reference", "autograd through the reference")
     backward = _ReferenceAttentionBackward()
 
     def decline(self, problem) -> str | None:

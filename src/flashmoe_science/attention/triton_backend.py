@@ -170,6 +170,7 @@ class TritonAttention:
     name = "triton"
     title = "the portable Triton kernel"
     runs_kernels = True  # backend="triton" asks for CUDA tensors (or the interpreter) and a kernel dtype
+    policy = ("other CUDA GPUs, float32, other strides or head dims", "Triton", "Triton (two passes, deterministic)")
     backward = _TritonAttentionBackward()
 
     def decline(self, problem) -> str | None:

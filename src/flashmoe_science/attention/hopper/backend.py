@@ -378,6 +378,12 @@ class HopperAttention:
     name = "hopper"
     title = "the sm_90 kernel"
     runs_kernels = True
+    # the README's row of this family: what it takes, its forward, its backward (plan.policy_table renders it)
+    policy = ("CUDA sm_90, bf16/fp16, TMA-compatible strides, head dim a multiple of 8 in [16, 256]",
+              "Gluon sm_90 kernel (warp-specialised, persistent)",
+              "Gluon sm_90: one pass to D = 128 (at D = 64 from 2048 query rows), a dK/dV and a dQ kernel above; "
+              "`deterministic=True` orders the one pass's dQ adds (a plain causal mask: Triton's two passes); else "
+              "Triton (an `attn_bias` not read by TMA or beside a softcap)")
     backward = _HopperAttentionBackward()
 
     def decline(self, problem) -> str | None:
