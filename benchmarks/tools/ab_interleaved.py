@@ -1,0 +1,126 @@
+"""An interleaved A/B of two source trees on one GPU: the same attention (forward, forward+backward, with a window
+and softcap), KV-cache decode (contiguous and paged) and MoE (fused_moe forward, forward+backward) calls, timed by
+triton.testing.do_bench in one process per tree and round, the trees alternating (A B B A A B ...) so that clock
+and thermal drift fall on both. Only the public functions are called, so any two commits compare.
+
+    PYTHONPATH=src python benchmarks/tools/ab_interleaved.py --a /path/to/old/src --b src --rounds 4 --out "$OUT"
+
+Writes ab.json (every case's ms per tree and round, the medians and the B/A ratio, GPU and versions) and prints a
+table; `--worker SRC` is one tree's process (JSON on stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _cases():
+    """(name, zero-argument call, tensors whose .grad to reset) on the current GPU."""
+    import torch
+
+    import flashmoe_science as fs
+
+    dev, bf16 = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    cases = []
+    for b, h, length, d in ((4, 16, 4096, 128), (16, 16, 1024, 128), (4, 32, 4096, 64)):
+        q, k, v = (torch.randn(b, h, length, d, device=dev, dtype=bf16, generator=g) for _ in range(3))
+        for causal in (False, True):
+            name = f"attn fwd B{b} H{h} L{length} D{d} {'causal' if causal else 'full'}"
+            cases.append((name, lambda q=q, k=k, v=v, c=causal: fs.flash_attention_science(q, k, v, causal=c), None))
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        dout = torch.randn_like(q)
+        cases.append((f"attn fwd+bwd B{b} H{h} L{length} D{d} causal",
+                      lambda q=qg, k=kg, v=vg, o=dout: fs.flash_attention_science(q, k, v, causal=True).backward(o),
+                      [qg, kg, vg]))
+    q, k, v = (torch.randn(4, 16, 4096, 128, device=dev, dtype=bf16, generator=g) for _ in range(3))
+    cases.append(("attn fwd window 1024 softcap 30", lambda: fs.flash_attention_science(
+        q, k, v, causal=True, window=(1024, 0), softcap=30.0), None))
+    for batch, context in ((1, 131072), (16, 8192)):
+        qd = torch.randn(batch, 1, 32, 128, device=dev, dtype=bf16, generator=g)
+        kc, vc = (torch.randn(batch, context, 8, 128, device=dev, dtype=bf16, generator=g) for _ in range(2))
+        seqlens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+        cases.append((f"decode B{batch} {context // 1024}k contiguous",
+                      lambda q=qd, k=kc, v=vc, s=seqlens: fs.flash_attention_decode(q, k, v, s), None))
+        pages = kc.view(batch * context // 64, 64, 8, 128)
+        table = torch.arange(batch * context // 64, dtype=torch.int32, device=dev).view(batch, -1)
+        cases.append((f"decode B{batch} {context // 1024}k paged 64",
+                      lambda q=qd, k=pages, v=pages, s=seqlens, t=table: fs.flash_attention_decode(
+                          q, k, v, s, block_table=t), None))
+    for tokens, experts, d_model, d_ff, top_k in ((4096, 8, 4096, 14336, 2), (8192, 128, 2048, 768, 8)):
+        x = torch.randn(tokens, d_model, device=dev, dtype=bf16, generator=g)
+        w1 = torch.randn(experts, 2 * d_ff, d_model, device=dev, dtype=bf16, generator=g) * d_model ** -0.5
+        w2 = torch.randn(experts, d_model, d_ff, device=dev, dtype=bf16, generator=g) * d_ff ** -0.5
+        logits = torch.randn(tokens, experts, device=dev, dtype=bf16, generator=g)
+        label = f"T{tokens} E{experts} d{d_model} F{d_ff} top{top_k}"
+        cases.append((f"moe fwd {label}", lambda x=x, w1=w1, w2=w2, r=logits, t=top_k: fs.fused_moe(x, w1, w2, r, t),
+                      None))
+        xg, w1g, w2g = (t.clone().requires_grad_() for t in (x, w1, w2))
+        cases.append((f"moe fwd+bwd {label}", lambda x=xg, w1=w1g, w2=w2g, r=logits, t=top_k: fs.fused_moe(
+            x, w1, w2, r, t).sum().backward(), [xg, w1g, w2g]))
+    return cases
+
+
+def worker() -> None:
+    import torch
+    import triton
+    from triton.testing import do_bench
+
+    results = {}
+    for name, fn, grads in _cases():
+        results[name] = float(do_bench(fn, warmup=100, rep=300, grad_to_none=grads, return_mode="median"))
+        torch.cuda.synchronize()
+    json.dump({"ms": results, "torch": torch.__version__, "triton": triton.__version__,
+               "gpu": torch.cuda.get_device_name()}, sys.stdout)
+
+
+def _run(src: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker"], env=env, capture_output=True,
+                          text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--a", help="the baseline tree's src folder")
+    parser.add_argument("--b", help="the new tree's src folder")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker()
+        return 0
+    runs = {"a": [], "b": []}
+    meta = {}
+    for round_ in range(args.rounds):
+        order = ("a", "b") if round_ % 2 == 0 else ("b", "a")
+        for tree in order:
+            start = time.time()
+            result = _run(getattr(args, tree))
+            meta = {key: result[key] for key in ("torch", "triton", "gpu")}
+            runs[tree].append(result["ms"])
+            print(f"round {round_} tree {tree}: {time.time() - start:.0f} s", flush=True)
+    rows = []
+    for name in runs["a"][0]:
+        a = statistics.median(r[name] for r in runs["a"])
+        b = statistics.median(r[name] for r in runs["b"])
+        spread = max(r[name] for r in runs["a"]) / min(r[name] for r in runs["a"]) - 1
+        rows.append({"case": name, "a_ms": [r[name] for r in runs["a"]], "b_ms": [r[name] for r in runs["b"]],
+                     "a_median_ms": a, "b_median_ms": b, "b_over_a": b / a, "a_spread": spread})
+        print(f"{name:48s} A {a:8.3f} ms  B {b:8.3f} ms  B/A {b / a:6.3f}  (A's own spread {spread:.1%})")
+    with open(os.path.join(args.out, "ab.json"), "w") as f:
+        json.dump({"a": args.a, "b": args.b, "rounds": args.rounds, **meta,
+                   "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cases": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
