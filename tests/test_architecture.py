@@ -177,9 +177,9 @@ def test_custom_ops_are_imported_by_the_front_doors_that_call_them():
 
 
 def test_the_e4m3_constants_are_written_once():
-    """torch.float8_e4m3fn and its largest value 448 are assigned in fp8_format.py only (the Gluon kernels'
+    """torch.float8_e4m3fn and its largest value 448 are module constants of fp8_format.py only (the Gluon kernels'
     packages keep their own names for their kernels)."""
-    assignment = re.compile(r"^\s*\w+\s*=\s*(torch\.float8_e4m3fn|448(\.0)?)\b")
+    assignment = re.compile(r"^\w+\s*=\s*(torch\.float8_e4m3fn|448(\.0)?)\b")
     offending = [f"{relative}:{n}" for relative in _modules()
                  if relative != "fp8_format.py" and not relative.startswith(ARCHITECTURE_PACKAGES)
                  for n, line in enumerate((SRC / PACKAGE / relative).read_text().splitlines(), 1)

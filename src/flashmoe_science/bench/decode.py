@@ -43,7 +43,6 @@ from flashmoe_science.bench.report import (
     ratio,
     round_significant,
 )
-from flashmoe_science.fp8_format import FP8
 
 H200_PEAK_TBPS = 4.3
 HQ, HKV, HEAD_DIM = 32, 8, 128
@@ -183,7 +182,7 @@ def run_decode_bench(progress, skips: list[str], contexts=None, on_case_done=Non
             except Exception as error:  # a backend that rejects the shape or cannot be captured: n/a
                 skips.append(f"{name} B={batch} L={length}: {type(error).__name__}: {str(error)[:160]}")
                 continue
-            kv_dtype = FP8 if "fp8" in name else dtype
+            kv_dtype = torch.float8_e4m3fn if "fp8" in name else dtype
             kv_bytes = 2 * batch * length * HKV * HEAD_DIM * torch.finfo(kv_dtype).bits // 8
             tbps = kv_bytes / (ms * 1e-3) / 1e12
             case_records.append({"op": "decode", "layout": "paged64" if name.endswith("paged64") else "contiguous",
