@@ -83,7 +83,9 @@ def worker() -> None:
 def _run(src: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker"], env=env, capture_output=True,
-                          text=True, check=True)
+                          text=True)
+    if done.returncode:
+        raise SystemExit(f"the worker on {src} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -92,6 +94,8 @@ def main() -> int:
     parser.add_argument("--a", help="the baseline tree's src folder")
     parser.add_argument("--b", help="the new tree's src folder")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--budget-s", type=float, default=450.0,
+                        help="start no round that would end past this many seconds (the rounds done are reported)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -100,7 +104,12 @@ def main() -> int:
         return 0
     runs = {"a": [], "b": []}
     meta = {}
+    start_all, longest = time.time(), 0.0
     for round_ in range(args.rounds):
+        if round_ and time.time() - start_all + longest > args.budget_s:
+            print(f"stopping after {round_} rounds: the budget of {args.budget_s:.0f} s", flush=True)
+            break
+        round_start = time.time()
         order = ("a", "b") if round_ % 2 == 0 else ("b", "a")
         for tree in order:
             start = time.time()
@@ -108,6 +117,7 @@ def main() -> int:
             meta = {key: result[key] for key in ("torch", "triton", "gpu")}
             runs[tree].append(result["ms"])
             print(f"round {round_} tree {tree}: {time.time() - start:.0f} s", flush=True)
+        longest = max(longest, time.time() - round_start) if round_ else 0.0  # the first round compiles
     rows = []
     for name in runs["a"][0]:
         a = statistics.median(r[name] for r in runs["a"])
@@ -117,7 +127,7 @@ def main() -> int:
                      "a_median_ms": a, "b_median_ms": b, "b_over_a": b / a, "a_spread": spread})
         print(f"{name:48s} A {a:8.3f} ms  B {b:8.3f} ms  B/A {b / a:6.3f}  (A's own spread {spread:.1%})")
     with open(os.path.join(args.out, "ab.json"), "w") as f:
-        json.dump({"a": args.a, "b": args.b, "rounds": args.rounds, **meta,
+        json.dump({"a": args.a, "b": args.b, "rounds": len(runs["a"]), **meta,
                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cases": rows}, f, indent=1)
     return 0
 
