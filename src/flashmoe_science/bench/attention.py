@@ -50,10 +50,10 @@ from flashmoe_science.bench.report import (
 )
 
 OURS = "flashmoe"
-BACKEND_ORDER = ("flashmoe", "flashmoe-fp8", "flashmoe-triton", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient",
+BACKEND_ORDER = ("flashmoe", "flashmoe-fp8", "flashmoe-triton", "fa4", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient",
                  "sdpa-math", "flex")
 CPU_BACKENDS = ("flashmoe", "sdpa-math")
-GPU_BASELINES = ("sdpa-cudnn", "sdpa-flash")  # what our ratio columns compare against
+GPU_BASELINES = ("fa4", "sdpa-cudnn", "sdpa-flash")  # what our ratio columns compare against
 CPU_BASELINES = ("sdpa-math",)
 PASSES = ("fwd", "bwd")
 BWD_FLOPS_PER_FWD = 2.5  # FlashAttention's convention: backward does 2.5x the forward's matmul work
@@ -216,6 +216,35 @@ def _prepare_sdpa(shape: AttentionShape, device: torch.device) -> Attend:
     return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
 
 
+FA4_HEAD_DIMS = range(8, 257)  # flash_attn.cute's sm_90 kernels: head dims 8..256, multiples of 8
+
+
+def _fa4_skip_reason(shape: AttentionShape) -> str | None:
+    """FlashAttention-4 (`flash_attn.cute`, the CuTe DSL kernels) is a peer, never a dependency: without it, or on a
+    head dim its kernels do not take, the backend has no record."""
+    try:
+        import flash_attn.cute  # noqa: F401
+    except ImportError as error:
+        return f"flash_attn.cute (FlashAttention-4) does not import: {short_error(error)}"
+    if shape.D not in FA4_HEAD_DIMS or shape.D % 8:
+        return f"FlashAttention-4 takes head dims 8..256 in multiples of 8, not {shape.D}"
+    return None
+
+
+def _prepare_fa4(shape: AttentionShape, device: torch.device) -> Attend:
+    """FlashAttention-4's `flash_attn_func` on our (B, H, L, D) tensors, viewed as its (B, L, H, D) layout (no copy:
+    the head dim stays contiguous); its output viewed back. Its first call per shape JIT-compiles, outside timing
+    like every backend's warm-up."""
+    from flash_attn.cute import flash_attn_func
+
+    def attend(q, k, v):
+        result = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=shape.causal)
+        out = result[0] if isinstance(result, tuple) else result
+        return out.transpose(1, 2)
+
+    return attend
+
+
 def _sdpa_context(kernel: str) -> Callable[[], ContextManager]:
     def context() -> ContextManager:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -273,6 +302,7 @@ BACKENDS: dict[str, Backend] = {
     "flashmoe": Backend("flashmoe", _ours("auto")),
     "flashmoe-triton": Backend("flashmoe-triton", _ours("triton")),
     "flashmoe-fp8": Backend("flashmoe-fp8", _prepare_fp8, skip_reason=_fp8_skip_reason),
+    "fa4": Backend("fa4", _prepare_fa4, skip_reason=_fa4_skip_reason),
     "sdpa-cudnn": Backend("sdpa-cudnn", _prepare_sdpa, _sdpa_context("CUDNN_ATTENTION")),
     "sdpa-flash": Backend("sdpa-flash", _prepare_sdpa, _sdpa_context("FLASH_ATTENTION")),
     "sdpa-efficient": Backend("sdpa-efficient", _prepare_sdpa, _sdpa_context("EFFICIENT_ATTENTION")),
