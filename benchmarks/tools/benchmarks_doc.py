@@ -52,7 +52,8 @@ def run_heading(data: Mapping, path: Path) -> str:
     file name, which carries GPU, date and commit."""
     if data.get("gpu"):
         versions = ", ".join(f"{label} {data[key]}" for key, label in
-                             (("torch", "torch"), ("triton", "triton"), ("cuda", "CUDA"), ("cudnn", "cuDNN"))
+                             (("torch", "torch"), ("triton", "triton"), ("cuda", "CUDA"), ("cudnn", "cuDNN"),
+                              ("flash_attn_4", "FlashAttention-4"))
                              if data.get(key))
         return f"{data['gpu']}, {data.get('date', '?')}, commit `{data.get('commit', '?')}`; {versions or 'versions not recorded'}"
     match = STEM.match(path.stem)

@@ -4,8 +4,8 @@
     python benchmarks/tools/results_table.py benchmarks/results/<file>.json          # attention: one table per pass
     python benchmarks/tools/results_table.py --moe benchmarks/results/<file>.json    # the MoE layer benchmark
 
-Attention: one row per shape (B, H, L, D, causal), TFLOP/s of flashmoe, sdpa-cudnn, sdpa-flash and flex, then
-flashmoe's ratio to each baseline (cuDNN, FA2 = sdpa-flash); one table per pass (fwd, bwd); then the geometric mean
+Attention: one row per shape (B, H, L, D, causal), TFLOP/s of flashmoe, fa4, sdpa-cudnn, sdpa-flash and flex, then
+flashmoe's ratio to each baseline (FA4 = FlashAttention-4, cuDNN, FA2 = sdpa-flash); one table per pass (fwd, bwd); then the geometric mean
 of those ratios per (D, causal) over the FlashAttention-3 grid (B·L = 16384, H·D = 2048), or over all shapes when the
 file has none on the grid (a CPU run). Backends or baselines missing from the file are left out; `--backends` and
 `--baselines` choose them explicitly.
@@ -40,12 +40,12 @@ from flashmoe_science.bench.attention import (
 )
 from flashmoe_science.bench.report import NOT_AVAILABLE, format_number, ordered_columns, pivot, ratio
 
-ATTENTION_COLUMNS = ("flashmoe", "sdpa-cudnn", "sdpa-flash", "flex")
-ATTENTION_BASELINES = ("sdpa-cudnn", "sdpa-flash")
+ATTENTION_COLUMNS = ("flashmoe", "fa4", "sdpa-cudnn", "sdpa-flash", "flex")
+ATTENTION_BASELINES = ("fa4", "sdpa-cudnn", "sdpa-flash")
 MOE_COLUMNS = ("flashmoe", "torch-grouped-mm", "torch-loop")
 MOE_BASELINES = ("torch-grouped-mm", "torch-loop")
 PASS_TITLES = {"fwd": "Forward", "bwd": "Backward"}
-SHORT_NAMES = {"sdpa-cudnn": "cuDNN", "sdpa-flash": "FA2", "sdpa-efficient": "efficient", "sdpa-math": "math",
+SHORT_NAMES = {"fa4": "FA4", "sdpa-cudnn": "cuDNN", "sdpa-flash": "FA2", "sdpa-efficient": "efficient", "sdpa-math": "math",
                "torch-grouped-mm": "grouped-mm", "torch-loop": "loop"}
 
 
@@ -71,7 +71,8 @@ def environment_line(data: Mapping, records: Sequence[Mapping], path: Path) -> s
     dtypes = ", ".join(sorted({str(r.get("dtype")) for r in records})) or "?"
     versions = ", ".join(
         f"{label} {data[key]}"
-        for key, label in (("torch", "torch"), ("triton", "triton"), ("cuda", "CUDA"), ("cudnn", "cuDNN"))
+        for key, label in (("torch", "torch"), ("triton", "triton"), ("cuda", "CUDA"), ("cudnn", "cuDNN"),
+                              ("flash_attn_4", "FlashAttention-4"))
         if data.get(key)
     )
     timer = "time.perf_counter medians" if data.get("gpu") == "cpu" else "medians of triton.testing.do_bench"

@@ -10,6 +10,7 @@ Numbers follow the FlashAttention convention: TFLOP/s = FLOPs / time, FLOPs coun
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import math
 import os
@@ -252,9 +253,18 @@ def software_versions() -> dict[str, str | None]:
     }
 
 
+def peer_versions() -> dict[str, str]:
+    """Versions of the installed peers a run may measure beside ours (FlashAttention-4: `bench.attention`'s `fa4`);
+    a peer that is not installed has no key."""
+    try:
+        return {"flash_attn_4": importlib.metadata.version("flash-attn-4")}
+    except importlib.metadata.PackageNotFoundError:
+        return {}
+
+
 def environment_metadata(commit: str) -> dict:
     """The JSON envelope's fields: where and with what the numbers were measured."""
-    return {"gpu": gpu_name(), **software_versions(), "commit": commit, "date": today_utc()}
+    return {"gpu": gpu_name(), **software_versions(), **peer_versions(), "commit": commit, "date": today_utc()}
 
 
 # --------------------------------------------------------------------------------------------------------------------
