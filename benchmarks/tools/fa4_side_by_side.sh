@@ -19,10 +19,10 @@ timeout "${BENCH_S:-150}" python -m flashmoe_science.cli bench --shapes "$SHAPES
 echo "bench rc=$?"; tail -40 "$OUT/bench.log"
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 SECTIONS="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section InstructionStats"
-profile() {  # backend B H L D causal: the last (third) round's kernels whose names match
+profile() {  # backend B H L D causal: every kernel of the profiled (third) round
   local tag="$1-D$5-L$4-c$6"
   echo "=== $tag" >> "$OUT/ncu.txt"
-  timeout "${NCU_S:-45}" "$NCU" $SECTIONS --nvtx --nvtx-include "profiled/" \
+  timeout "${NCU_S:-45}" "$NCU" $SECTIONS --profile-from-start off \
     --launch-count "${COUNT:-8}" --csv --page details \
     python benchmarks/tools/profile_attention_peers_ncu.py "$@" >> "$OUT/ncu.txt" 2>&1
   echo "rc=$? $tag" >> "$OUT/ncu.txt"

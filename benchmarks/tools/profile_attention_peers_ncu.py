@@ -1,11 +1,12 @@
 """Forward and backward of one attention backend, for Nsight Compute beside a peer:
 
-    ncu --nvtx --nvtx-include "profiled/" --section SpeedOfLight ... \\
+    ncu --profile-from-start off --section SpeedOfLight ... \\
         python benchmarks/tools/profile_attention_peers_ncu.py {flashmoe|fa4} B H L D causal
 
 Two warm-up rounds of forward + backward through the public calls (ours: flash_attention_science; FA4:
-flash_attn.cute.flash_attn_func, (B, L, H, D) layout), then the profiled round (an NVTX range) runs warm,
-compiled kernels."""
+flash_attn.cute.flash_attn_func, (B, L, H, D) layout), then the profiled round runs warm, compiled
+kernels between cudaProfilerStart and Stop (process-wide: autograd runs the backward on its own thread, which a
+thread-local NVTX range would miss)."""
 import sys
 
 import torch
@@ -33,8 +34,9 @@ q, k, v = (t.requires_grad_() for t in (q, k, v))
 for _ in range(2):
     attend(q, k, v).backward(grad_out)
 torch.cuda.synchronize()
-torch.cuda.nvtx.range_push("profiled")
+torch.cuda.profiler.start()
 attend(q, k, v).backward(grad_out)
-torch.cuda.nvtx.range_pop()
+torch.cuda.synchronize()
+torch.cuda.profiler.stop()
 torch.cuda.synchronize()
 print("done", backend, b, h, length, d, causal)
