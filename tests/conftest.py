@@ -17,7 +17,35 @@ def _runs_in_interpreter_child(item) -> bool:
                for mark in item.iter_markers("skipif"))
 
 
+# Left out of a plain `pytest` (the quick run a newcomer starts with): minutes-long tests and the offline sm_90 builds.
+# `pytest --full` runs them too (CI does); so does naming test files or giving any -m expression.
+FULL_SUITE_ONLY = ("slow", "sm90_build")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="the full suite: also the tests marked slow (the Triton interpreter suites, the README "
+                     "commands) and sm90_build (offline Gluon builds), which a plain `pytest` leaves out")
+
+
+def _quick_selection(config) -> bool:
+    """A plain `pytest` over the configured testpaths: no --full, no -m, no files or node ids named."""
+    return (not config.getoption("--full") and not config.option.markexpr
+            and config.args_source == pytest.Config.ArgsSource.TESTPATHS)
+
+
+def pytest_report_header(config):
+    if _quick_selection(config):
+        return f"quick run: tests marked {' or '.join(FULL_SUITE_ONLY)} left out (`pytest --full` runs them)"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
+    if _quick_selection(config):
+        dropped = [item for item in items if any(item.get_closest_marker(name) for name in FULL_SUITE_ONLY)]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if item not in dropped]
     if not triton_interpret_enabled():
         dropped = [item for item in items if _runs_in_interpreter_child(item)]
         if dropped:

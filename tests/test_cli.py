@@ -414,6 +414,8 @@ def test_progress_bar_text():
     unknown_total = report.Progress(desc="moe", stream=io.StringIO())
     unknown_total.update()
     assert "1 done" in unknown_total.render()
+    unknown_total.set_total(8)  # the benchmarks set their total once the grid is known: then "1/8" and a time left
+    assert "1/8" in unknown_total.render() and "12%" in unknown_total.render()
 
 
 def test_attention_flops_count_the_visible_pairs_of_a_bottom_right_mask():
@@ -505,6 +507,7 @@ def test_bench_attention_refuses_models(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU smoke test")
+@pytest.mark.slow
 def test_bench_varlen_quick_on_cpu_times_the_padded_hf_batch(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLASHMOE_COMMIT", "abc1234")
     assert cli.main(["bench", "--suite", "varlen", "--quick", "--no-plot", "--rounds", "1",

@@ -1,5 +1,15 @@
 """flashmoe-science: fast, exact attention and Mixture-of-Experts kernels for PyTorch."""
 
+# The kernel modules, and with them the shared mask and MoE-sort rules that the CPU reference is planned beside, are
+# Triton functions defined at import: without triton nothing here imports, so say what to install.
+try:
+    import triton  # noqa: F401
+except ModuleNotFoundError as _error:
+    if _error.name != "triton":
+        raise
+    raise ImportError('flashmoe-science needs triton, which is not installed: pip install "triton>=3.6" (Linux; '
+                      "on a CPU its kernels run only under TRITON_INTERPRET=1, but the package imports them)") from None
+
 from flashmoe_science.attention.api import flash_attention_science
 from flashmoe_science.attention.decode import flash_attention_decode
 from flashmoe_science.attention.fp8 import quantize_fp8

@@ -38,6 +38,7 @@ from flashmoe_science.bench.report import (
     DEFAULT_OUT,
     PartialResults,
     Progress,
+    check_out_dir,
     environment_metadata,
     gpu_properties,
     noise_note,
@@ -258,6 +259,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise CommandError(f"bench --dtype applies to the attention benchmark, not {what}")
     if args.ops is not None and what != "distributed":
         raise CommandError(f"bench --ops applies to --suite distributed, not {what}")
+    check_out_dir(args.out)  # a bad --out fails now, not when the first result is saved
     if what == "ladder":
         from flashmoe_science.bench.ladder import run_from_cli as run_ladder
 

@@ -22,6 +22,7 @@ IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DRIVER = "test_decode_interpreter_in_subprocess"
 
 
+@pytest.mark.slow
 def test_decode_interpreter_in_subprocess(request):
     if IN_INTERPRETER:
         pytest.skip("already under TRITON_INTERPRET=1: the cases run in this process")

@@ -17,6 +17,7 @@ IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 BACKEND, DTYPE = ("triton", torch.float16) if IN_INTERPRETER else ("auto", torch.float32)
 
 
+@pytest.mark.slow
 def test_dispatch_agrees_under_the_interpreter_in_subprocess(request):
     if IN_INTERPRETER:
         pytest.skip("already under TRITON_INTERPRET=1: the cases run in this process")

@@ -141,6 +141,7 @@ def test_gpu_grid_is_the_token_budget():
 
 
 @in_process
+@pytest.mark.slow
 def test_ladder_under_the_interpreter_in_subprocess(request):
     summary = run_under_interpreter(request.config.rootpath, __file__, timeout=600)
     print(f"TRITON_INTERPRET=1 child: {summary}")

@@ -64,6 +64,7 @@ def test_score_mods_softcap_alibi_bias():
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.slow
 def test_kernel_view_matches_host_view_under_the_interpreter():
     script = Path(__file__).with_name("mask_interpreter_check.py")
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -69,6 +69,7 @@ def triton_fwd():
     return module
 
 
+@pytest.mark.slow
 def test_interpreter_suite_in_subprocess(request):
     if IN_INTERPRETER:
         pytest.skip("already under TRITON_INTERPRET=1: the cases run in this process")

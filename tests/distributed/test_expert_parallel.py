@@ -34,6 +34,7 @@ def test_owner_arithmetic_matches_expert_bounds(num_experts, world_size):
     assert torch.equal(start, torch.tensor(bounds)[expected])
 
 
+@pytest.mark.slow
 def test_triton_plan_under_interpreter():
     """The plan's kernels against the PyTorch plan and a loop over tokens (plan_interpreter_cases.py), the
     symmetric-memory exchange's kernels on an emulated group against the whole layer (exchange_interpreter_cases.py),

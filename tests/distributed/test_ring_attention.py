@@ -53,6 +53,7 @@ def test_causal_steps_are_one_call_each():
     assert _plan_step(mine, earlier, False, (0, 0), False) == []  # a diagonal window sees no other shard
 
 
+@pytest.mark.slow
 def test_ring_attention_triton_kernels_interpreted():
     # a spawn of its own: TRITON_INTERPRET=1 must be set before triton is imported
     from dist_spawn import run_cases

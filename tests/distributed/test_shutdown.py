@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 RUNS = 3
 
@@ -31,6 +33,7 @@ def _run_two_ranks() -> list[subprocess.CompletedProcess]:
     return results
 
 
+@pytest.mark.slow
 def test_two_ranks_exit_cleanly_after_destroy_process_group():
     for _ in range(RUNS):
         for rank, result in enumerate(_run_two_ranks()):

@@ -175,6 +175,7 @@ def test_from_hf_loads_an_fp8_qwen3_block():
 
 
 # --------------------------------------------------------------------------------- interpreter (child)
+@pytest.mark.slow
 def test_fp8_kernels_under_interpreter(request):
     pytest.importorskip("triton")
     if IN_INTERPRETER:

@@ -9,6 +9,7 @@ from interpreter_driver import run_under_interpreter
 HERE = Path(__file__).resolve().parent
 
 
+@pytest.mark.slow
 def test_triton_kernels_under_interpreter():
     pytest.importorskip("triton")
     run_under_interpreter(HERE.parents[1], str(HERE / "interpreter_cases.py"), timeout=600)

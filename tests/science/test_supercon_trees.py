@@ -80,6 +80,7 @@ def test_blend_weights_are_convex_and_least_squares():
     assert bool((weights >= 0).all()) and float(weights.sum()) == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_trained_blend_predicts_the_mixture_and_survives_save_and_load(small_csv, tmp_path):
     data, _ = load_supercon(small_csv)
     config = TrainConfig(epochs=1, batch_size=64, model=TINY, implementation="plain", forest_trees=5)

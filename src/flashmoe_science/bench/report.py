@@ -19,10 +19,13 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Hashable, Iterable, Mapping, Sequence, TextIO
 
 import torch
+
+from flashmoe_science.errors import CommandError
 
 # Where every benchmark command writes unless --out says otherwise: a folder of the user's, never beside the
 # published runs in benchmarks/results.
@@ -57,7 +60,7 @@ class Progress:
         interactive = bool(getattr(stream, "isatty", lambda: False)())
         self._bar = tqdm(total=total, desc=desc or None, file=stream, ascii=not interactive, leave=True,
                          dynamic_ncols=interactive, mininterval=0.1 if interactive else log_interval_s,
-                         maxinterval=math.inf, bar_format=None if total else "{desc}: {n} done, {elapsed}{postfix}")
+                         maxinterval=math.inf, bar_format=self._format(total))
 
     @property
     def count(self) -> int:
@@ -67,8 +70,14 @@ class Progress:
     def total(self) -> int | None:
         return self._bar.total
 
+    @staticmethod
+    def _format(total: int | None) -> str | None:
+        """tqdm's bar (count of total, rate, time left) once the total is known; before, the count so far."""
+        return None if total else "{desc}: {n} done, {elapsed}{postfix}"
+
     def set_total(self, total: int | None) -> None:
         self._bar.total = total
+        self._bar.bar_format = self._format(total)
         self._bar.refresh()
 
     def update(self, n: int = 1, desc: str | None = None) -> None:
@@ -278,6 +287,22 @@ def slugify(text: str) -> str:
 def result_stem(gpu: str, date: str, commit: str) -> str:
     """File name without extension: `<gpu-slug>-<YYYY-MM-DD>-<commit>`."""
     return f"{slugify(gpu)}-{date}-{slugify(commit)}"
+
+
+def check_out_dir(out_dir: str | os.PathLike) -> Path:
+    """``out_dir`` as a Path, made if missing, once a file can be written in it; else a CommandError naming
+    ``--out``. Commands call it before any work, so a bad ``--out`` (a file, a read-only place) fails at once instead
+    of when the first result is saved."""
+    path = Path(out_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except FileExistsError:
+        raise CommandError(f"--out {out_dir}: a file of that name is in the way (--out names a folder)") from None
+    except OSError as error:
+        raise CommandError(f"--out {out_dir}: cannot write there ({error.strerror or error})") from None
+    return path
 
 
 def unused_result_path(out_dir: Path, stem: str) -> Path:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from flashmoe_science.bench.report import DEFAULT_OUT
+from flashmoe_science.bench.report import DEFAULT_OUT, check_out_dir
 from flashmoe_science.errors import CommandError
 from flashmoe_science.science.checkpoint import Interrupted
 from flashmoe_science.science.supercon_data import (
@@ -37,6 +37,7 @@ from flashmoe_science.science.supercon_data import (
     load_supercon,
 )
 from flashmoe_science.science.supercon_model import IMPLEMENTATIONS, ModelConfig, default_implementation
+from flashmoe_science.science.supercon_trees import science_modules
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 EXIT_INTERRUPTED = 130  # the shell's code for a command stopped by Ctrl-C (128 + SIGINT)
@@ -54,10 +55,22 @@ DTYPE = ("bfloat16", "float32")
 
 
 def _device(name: str | None) -> torch.device:
+    """The torch device of ``--device`` (default: cuda if available, else cpu), checked by placing an empty tensor
+    on it, so a device this torch or machine lacks fails here in one line rather than after the data has loaded."""
     try:
-        return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError:
         raise CommandError(f"--device {name!r} is not a torch device; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise CommandError(f"--device {name}: the supercon commands run on cpu or cuda (cuda:N)")
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:  # a CPU-only torch raises AssertionError for cuda
+        cuda = (f"torch {torch.__version__} has no CUDA support" if torch.version.cuda is None
+                else f"{torch.cuda.device_count()} CUDA device(s) found")
+        raise CommandError(f"--device {name}: not usable here ({cuda}; {str(error).splitlines()[0][:100]}); "
+                           "leave --device out to use the CPU") from None
+    return device
 
 
 def _per_device(device: torch.device, choices: tuple):
@@ -117,6 +130,7 @@ def _command(handler):
     @functools.wraps(handler)
     def run(args: argparse.Namespace) -> int:
         _check_at_least(threads=(args.threads, 1))
+        check_out_dir(args.out)  # a bad --out fails now, not when the first result is saved
         threads = torch.get_num_threads()
         torch.set_num_threads(args.threads)
         try:
@@ -161,6 +175,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     options = _train_options(args)
     device = _device(args.device)
+    if args.members:  # the tree members need the [science] extra: say so before anything trains
+        science_modules()
     data = _load_data(args, MIN_ROWS, "training", args.labels)
     model_config = ModelConfig(d_model=options["d_model"], num_heads=options["heads"], num_layers=options["layers"],
                                num_experts=options["experts"], top_k=options["top_k"], d_ff=options["d_ff"])
@@ -246,6 +262,7 @@ def run_baselines(args: argparse.Namespace) -> int:
     models = list(BASELINES) if args.models is None else args.models
     records = []
     if models:
+        science_modules()  # before the data loads: a missing [science] extra is the first thing said
         data = _load_data(args, MIN_ROWS, "the baselines", args.labels)
         records = run_baselines(data, args.splits, args.seeds, models, trees=args.trees, threads=args.threads,
                                 progress=not args.no_progress)
@@ -336,7 +353,7 @@ def _common(parser: argparse.ArgumentParser, model: bool = True) -> None:
     """The options every supercon command has; ``model``: also --device and --quick (the commands that run the
     model)."""
     parser.add_argument("--data", help="a CSV with columns name,Tc (gzip if it ends in .gz) instead of the SuperCon "
-                        "data packaged with flashmoe-science (16,414 compositions)")
+                        "data packaged with flashmoe-science (16,406 compositions)")
     parser.add_argument("--rows", type=int, help="read only the first N rows of the data (quick trials)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (results still print)")
     parser.add_argument("--threads", type=int, default=1,

@@ -86,7 +86,7 @@ def pack_compositions(compositions: list[dict[str, float]], formulas: list[str],
 
 
 def load_supercon(path: str | Path | None = None, limit: int | None = None) -> tuple[CompositionSet, FormulaTable]:
-    """Reads a SuperCon CSV (columns ``name``, ``Tc``; gzip when it ends in ``.gz``), by default the 16,414
+    """Reads a SuperCon CSV (columns ``name``, ``Tc``; gzip when it ends in ``.gz``), by default the 16,406
     compositions that ship with the package; returns the packed set and the table (with its rejects)."""
     if path is None:
         with resources.as_file(resources.files("flashmoe_science.science").joinpath(PACKAGED_DATA)) as packaged:

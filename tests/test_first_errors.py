@@ -1,0 +1,67 @@
+"""What a newcomer meets first: a missing optional package or a bad option is one line (exit status 2) said before
+any work starts, not a traceback after the data has loaded or the benchmark has run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashmoe_science.cli import main
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _without(module: str, code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter where ``import <module>`` fails as if it were not installed."""
+    prelude = f"import sys; sys.path.insert(0, {str(SRC)!r}); sys.modules[{module!r}] = None\n"
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=300)
+
+
+def test_import_without_triton_says_what_to_install():
+    child = _without("triton", "import flashmoe_science")
+    assert child.returncode != 0
+    last = child.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: flashmoe-science needs triton") and 'pip install "triton' in last
+
+
+def test_supercon_train_without_the_science_extra_fails_before_any_training(tmp_path):
+    code = ("from flashmoe_science.cli import main; "
+            f"sys.exit(main(['supercon', 'train', '--quick', '--out', {str(tmp_path / 'run')!r}]))")
+    child = _without("sklearn", code)
+    assert child.returncode == 2, child.stderr[-2000:]
+    assert child.stderr.strip().count("\n") == 0 and ".[science]" in child.stderr
+    assert "formulas read" not in child.stdout  # said before the data loads
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_supercon_device_cuda_without_cuda_is_one_line(device, tmp_path, capsys):
+    assert main(["supercon", "train", "--quick", "--device", device, "--out", str(tmp_path / "run")]) == 2
+    captured = capsys.readouterr()
+    assert f"--device {device}: not usable here" in captured.err and captured.err.count("\n") == 1
+    assert "formulas read" not in captured.out
+
+
+def test_supercon_device_of_another_kind_is_one_line(tmp_path, capsys):
+    assert main(["supercon", "train", "--quick", "--device", "meta", "--out", str(tmp_path / "run")]) == 2
+    assert "--device meta: the supercon commands run on cpu or cuda" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["a_file", "a_file/below"])
+def test_bench_out_that_cannot_be_a_folder_fails_before_the_benchmark(where, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / where
+    assert main(["bench", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"flashmoe-science: error: --out {out}: ") and captured.err.count("\n") == 1
+    assert "shapes x" not in captured.out  # nothing was timed
+
+
+def test_supercon_out_that_is_a_file_fails_at_once(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    assert main(["supercon", "bench", "--model", "missing.pt", "--out", str(tmp_path / "a_file")]) == 2
+    assert "a file of that name is in the way" in capsys.readouterr().err
