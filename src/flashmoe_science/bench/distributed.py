@@ -267,9 +267,10 @@ def _torch_context_parallel_ms(full, group, world_size, device, pass_) -> float 
 
 
 # ------------------------------------------------------------------------------------------------ expert parallel
-def _ep_records(world_size, rank, group, device, dtype, config, tokens, model, progress) -> list[dict]:
+def _ep_inputs(world_size, rank, device, dtype, config, tokens, model):
+    """One rank's layer inputs (tokens, router logits, every expert's weights and this rank's slice of them) and the
+    fields every expert-parallel record shares."""
     from flashmoe_science.distributed import expert_bounds
-    from flashmoe_science.moe import fused_moe
 
     num_experts, top_k, d_model, d_ff = (config[name] for name in ("num_experts", "top_k", "d_model", "d_ff"))
     x = torch.randn(tokens, d_model, device=device, dtype=dtype)
@@ -277,9 +278,16 @@ def _ep_records(world_size, rank, group, device, dtype, config, tokens, model, p
     w1 = torch.randn(num_experts, 2 * d_ff, d_model, device=device, dtype=dtype) / math.sqrt(d_model)
     w2 = torch.randn(num_experts, d_model, d_ff, device=device, dtype=dtype) / math.sqrt(d_ff)
     first, stop = expert_bounds(num_experts, world_size)[rank:rank + 2]
-    w1_local, w2_local = w1[first:stop].clone(), w2[first:stop].clone()
     base = dict(op="ep-moe", model=model, E=num_experts, top_k=top_k, d_model=d_model, d_ff=d_ff, T=tokens,
                 world_size=world_size, dtype=str(dtype).removeprefix("torch."))
+    return x, logits, w1, w2, w1[first:stop].clone(), w2[first:stop].clone(), base
+
+
+def _ep_records(world_size, rank, group, device, dtype, config, tokens, model, progress) -> list[dict]:
+    from flashmoe_science.moe import fused_moe
+
+    num_experts, top_k, d_model, d_ff = (config[name] for name in ("num_experts", "top_k", "d_model", "d_ff"))
+    x, logits, w1, w2, w1_local, w2_local, base = _ep_inputs(world_size, rank, device, dtype, config, tokens, model)
     records = []
     for pass_ in PASSES:
         one_gpu = _collective_median_ms(
@@ -347,18 +355,12 @@ def _graph_replay_ms(fn, device, group) -> float:
 def _ep_graph_records(world_size, rank, group, device, dtype, config, tokens, model, progress) -> list[dict]:
     """The decode-like regime: the forward at few tokens per GPU, timed as CUDA-graph replays (the one-GPU layer
     and the symmetric-memory exchange; the NCCL exchange reads counts on the host, so it runs eagerly)."""
-    from flashmoe_science.distributed import expert_bounds
     from flashmoe_science.moe import fused_moe
 
     num_experts, top_k, d_model, d_ff = (config[name] for name in ("num_experts", "top_k", "d_model", "d_ff"))
-    x = torch.randn(tokens, d_model, device=device, dtype=dtype)
-    logits = torch.randn(tokens, num_experts, device=device, dtype=dtype)
-    w1 = torch.randn(num_experts, 2 * d_ff, d_model, device=device, dtype=dtype) / math.sqrt(d_model)
-    w2 = torch.randn(num_experts, d_model, d_ff, device=device, dtype=dtype) / math.sqrt(d_ff)
-    first, stop = expert_bounds(num_experts, world_size)[rank:rank + 2]
-    local = (x, w1[first:stop].clone(), w2[first:stop].clone(), logits)
-    base = dict(op="ep-moe", model=model, E=num_experts, top_k=top_k, d_model=d_model, d_ff=d_ff, T=tokens,
-                world_size=world_size, dtype=str(dtype).removeprefix("torch."), **{"pass": "fwd"})
+    x, logits, w1, w2, w1_local, w2_local, base = _ep_inputs(world_size, rank, device, dtype, config, tokens, model)
+    local = (x, w1_local, w2_local, logits)
+    base["pass"] = "fwd"
     with torch.no_grad():
         one_gpu = _graph_replay_ms(lambda: fused_moe(x, w1, w2, logits, top_k), device, group)
         records = []
