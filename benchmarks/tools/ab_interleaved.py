@@ -1,12 +1,14 @@
-"""An interleaved A/B of two source trees on one GPU: the same attention (forward, forward+backward, with a window
-and softcap), KV-cache decode (contiguous and paged) and MoE (fused_moe forward, forward+backward) calls, timed by
-triton.testing.do_bench in one process per tree and round, the trees alternating (A B B A A B ...) so that clock
-and thermal drift fall on both. Only the public functions are called, so any two commits compare.
+"""An interleaved A/B of two (or three) source trees on one GPU: the same attention (forward, forward+backward,
+with a window and softcap), KV-cache decode (contiguous and paged) and MoE (fused_moe forward, forward+backward)
+calls, timed by triton.testing.do_bench in one process per tree and round, the trees' order rotating each round so
+that clock and thermal drift fall on all. Only the public functions are called, so any two commits compare.
+`--suite backward` times only the attention backward at long rows (B1 H16 L16k, D 64/128, causal or not).
 
-    PYTHONPATH=src python benchmarks/tools/ab_interleaved.py --a /path/to/old/src --b src --rounds 4 --out "$OUT"
+    PYTHONPATH=src python benchmarks/tools/ab_interleaved.py --a /path/to/old/src --b src [--c other/src] \
+        --rounds 4 --out "$OUT"
 
-Writes ab.json (every case's ms per tree and round, the medians and the B/A ratio, GPU and versions) and prints a
-table; `--worker SRC` is one tree's process (JSON on stdout).
+Writes ab.json (every case's ms per tree and round, the medians and each tree's ratio to A, GPU and versions) and
+prints a table; `--worker` is one tree's process (JSON on stdout).
 """
 
 from __future__ import annotations
@@ -67,23 +69,42 @@ def _cases():
     return cases
 
 
-def worker() -> None:
+def _backward_cases():
+    """The attention backward alone (the forward's graph kept), B1 H16 L16k, D 64/128, causal or not."""
+    import torch
+
+    import flashmoe_science as fs
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cases = []
+    for d in (64, 128):
+        q, k, v = (torch.randn(1, 16, 16384, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+                   for _ in range(3))
+        dout = torch.randn_like(q)
+        for causal in (False, True):
+            out = fs.flash_attention_science(q, k, v, causal=causal)
+            cases.append((f"attn bwd B1 H16 L16384 D{d} {'causal' if causal else 'full'}",
+                          lambda o=out, g=dout: o.backward(g, retain_graph=True), [q, k, v]))
+    return cases
+
+
+def worker(suite: str) -> None:
     import torch
     import triton
     from triton.testing import do_bench
 
     results = {}
-    for name, fn, grads in _cases():
+    for name, fn, grads in (_backward_cases() if suite == "backward" else _cases()):
         results[name] = float(do_bench(fn, warmup=100, rep=300, grad_to_none=grads, return_mode="median"))
         torch.cuda.synchronize()
     json.dump({"ms": results, "torch": torch.__version__, "triton": triton.__version__,
                "gpu": torch.cuda.get_device_name()}, sys.stdout)
 
 
-def _run(src: str) -> dict:
+def _run(src: str, suite: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker"], env=env, capture_output=True,
-                          text=True)
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--suite", suite], env=env,
+                          capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"the worker on {src} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -93,6 +114,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--a", help="the baseline tree's src folder")
     parser.add_argument("--b", help="the new tree's src folder")
+    parser.add_argument("--c", help="a third tree's src folder (optional)")
+    parser.add_argument("--suite", choices=("all", "backward"), default="all")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="start no round that would end past this many seconds (the rounds done are reported)")
@@ -100,9 +123,10 @@ def main() -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker()
+        worker(args.suite)
         return 0
-    runs = {"a": [], "b": []}
+    trees = ("a", "b", "c") if args.c else ("a", "b")
+    runs = {tree: [] for tree in trees}
     meta = {}
     start_all, longest = time.time(), 0.0
     for round_ in range(args.rounds):
@@ -110,24 +134,30 @@ def main() -> int:
             print(f"stopping after {round_} rounds: the budget of {args.budget_s:.0f} s", flush=True)
             break
         round_start = time.time()
-        order = ("a", "b") if round_ % 2 == 0 else ("b", "a")
-        for tree in order:
+        shift = round_ % len(trees)
+        order = trees[shift:] + trees[:shift]
+        for tree in order if round_ % 2 == 0 else order[::-1]:
             start = time.time()
-            result = _run(getattr(args, tree))
+            result = _run(getattr(args, tree), args.suite)
             meta = {key: result[key] for key in ("torch", "triton", "gpu")}
             runs[tree].append(result["ms"])
             print(f"round {round_} tree {tree}: {time.time() - start:.0f} s", flush=True)
         longest = max(longest, time.time() - round_start) if round_ else 0.0  # the first round compiles
     rows = []
     for name in runs["a"][0]:
-        a = statistics.median(r[name] for r in runs["a"])
-        b = statistics.median(r[name] for r in runs["b"])
-        spread = max(r[name] for r in runs["a"]) / min(r[name] for r in runs["a"]) - 1
-        rows.append({"case": name, "a_ms": [r[name] for r in runs["a"]], "b_ms": [r[name] for r in runs["b"]],
-                     "a_median_ms": a, "b_median_ms": b, "b_over_a": b / a, "a_spread": spread})
-        print(f"{name:48s} A {a:8.3f} ms  B {b:8.3f} ms  B/A {b / a:6.3f}  (A's own spread {spread:.1%})")
+        row = {"case": name}
+        for tree in trees:
+            row[f"{tree}_ms"] = [r[name] for r in runs[tree]]
+            row[f"{tree}_median_ms"] = statistics.median(row[f"{tree}_ms"])
+            if tree != "a":
+                row[f"{tree}_over_a"] = row[f"{tree}_median_ms"] / row["a_median_ms"]
+        row["a_spread"] = max(row["a_ms"]) / min(row["a_ms"]) - 1
+        rows.append(row)
+        ratios = "  ".join(f"{t.upper()} {row[f'{t}_median_ms']:8.3f} ms {t.upper()}/A {row[f'{t}_over_a']:6.3f}"
+                           for t in trees[1:])
+        print(f"{name:48s} A {row['a_median_ms']:8.3f} ms  {ratios}  (A's own spread {row['a_spread']:.1%})")
     with open(os.path.join(args.out, "ab.json"), "w") as f:
-        json.dump({"a": args.a, "b": args.b, "rounds": len(runs["a"]), **meta,
+        json.dump({"a": args.a, "b": args.b, "c": args.c, "suite": args.suite, "rounds": len(runs["a"]), **meta,
                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cases": rows}, f, indent=1)
     return 0
 

@@ -8,8 +8,8 @@ is who holds what:
 A CTA owns BLOCK_N = 128 keys of one (batch, kv head); grid (cdiv(Lk, 128), B·Hkv). Four warp-specialised
 partitions:
 
-- producer (one warp, 24 registers): loads the CTA's K and V once, then streams Q and dO tiles of BLOCK_M = 64 query
-  rows through a ring of NUM_STAGES stages, for every query head of the GQA group and every query tile that sees
+- producer (one warp, 24 registers): loads the CTA's K and V once, then streams Q and dO tiles of ROWS query rows
+  (`tiles.sm90_backward_rows`: 128 at D=64, else 64) through a ring of NUM_STAGES stages, for every query head of the GQA group and every query tile that sees
   the CTA's keys (`q_ready`, `do_ready`; `empty` takes one arrival per consumer).
 - two consumers (4 warps, 240 registers each): consumer c owns keys [64c, 64c + 64) of the CTA, and keeps their dK_c
   and dV_c in fp32 registers over every query tile of every head of the group. The scores are computed transposed
@@ -115,6 +115,7 @@ from flashmoe_science.attention.hopper.bwd_common import (
     offline_build,
 )
 from flashmoe_science.attention.hopper.common import descriptor
+from flashmoe_science.attention.hopper.tiles import sm90_backward_rows
 from flashmoe_science.attention.layout import bias_tma_view, needs_64bit_rows
 from flashmoe_science.attention.seqlen import work_list
 from flashmoe_science.attention.mask import LOG2_E
@@ -128,7 +129,6 @@ from flashmoe_science.gluon.compat import (TensorDescriptor, fence_async_shared,
 KEYS_PER_CONSUMER = 64  # one wgmma M tile per consumer warpgroup
 NUM_CONSUMERS = 2
 BLOCK_N = KEYS_PER_CONSUMER * NUM_CONSUMERS  # keys per CTA
-BLOCK_M = 64  # query rows per streamed tile
 NUM_STAGES = 2  # Q/dO ring depth
 DQ_COLS = 32  # columns per dQ reduce-add box: 32 fp32 = 128 bytes, the widest swizzled TMA box
 SUPPORTED_BLOCK_D = (64, 128, TWO_KERNEL_BLOCK_D)
@@ -341,7 +341,7 @@ def attention_backward_sm90_kernel(
 
     The arguments after sm_scale are the features' (bwd_common.feature_args). VARLEN: one program per real key
     block of every (sequence, kv head) (WorkTiles, the work list of cu_seqlens_k); seqlen_q/k are the maxima.
-    HAS_BIAS (dense batches): a bias read by TMA through bias_desc (boxes of BLOCK_M queries x the CTA's keys;
+    HAS_BIAS (dense batches): a bias read by TMA through bias_desc (boxes of 64 queries x the CTA's keys;
     bias_step_b/h the batch and head steps of its coordinate, 0 where it broadcasts); BIAS_GRAD: its gradient into
     DBIAS (see _store_bias_grad). DETERMINISTIC: dQ's reduce-adds in key-block order through the int32 counters
     `Semaphores` (lse's shape, zeroed); DQ_BUFFERS: dQ staging buffers (2; 1 where shared memory is short)."""
@@ -409,14 +409,14 @@ def attention_backward_sm90_kernel(
     ], [4, 1, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS])
 
 
-def _dq_accum_descriptor(dq_accum: torch.Tensor) -> TensorDescriptor:
-    """The reduce-add target: dq_accum seen as (B·Hq, Lq, BLOCK_D) float32, boxes of (1, BLOCK_M, DQ_COLS) (a query
+def _dq_accum_descriptor(dq_accum: torch.Tensor, rows: int) -> TensorDescriptor:
+    """The reduce-add target: dq_accum seen as (B·Hq, Lq, BLOCK_D) float32, boxes of (1, rows, DQ_COLS) (a query
     tile's rows past Lq fall outside the box's head and are dropped)."""
     flat = dq_accum.view(-1, *dq_accum.shape[-2:])
     desc = object.__new__(TensorDescriptor)
     desc.__dict__.update(base=flat, shape=list(flat.shape), strides=list(flat.stride()),
-                         block_shape=[1, BLOCK_M, DQ_COLS], padding="zero",
-                         layout=gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, DQ_COLS], gl.float32))
+                         block_shape=[1, rows, DQ_COLS], padding="zero",
+                         layout=gl.NVMMASharedLayout.get_default_for([1, rows, DQ_COLS], gl.float32))
     return desc
 
 
@@ -496,7 +496,7 @@ def bias_refusal(features, q, k) -> str | None:
     if features.mask.softcap > 0:
         return "it adds attn_bias before the softcap's tanh would be applied"
     if bias.element_size() > 2 and padded_head_dim(q.shape[-1]) > 64:
-        # the bias ring (NUM_STAGES boxes of BLOCK_M x BLOCK_N) beside Q, dO, K, V and the dS/dQ buffers: 229904
+        # the bias ring (NUM_STAGES boxes of 64 x BLOCK_N) beside Q, dO, K, V and the dS/dQ buffers: 229904
         # bytes with a 16-bit bias at D=128 (offline build), 32 KiB more than sm_90's 232448 with a float32 one
         return "a float32 attn_bias's tiles do not fit its shared memory at head dims above 64"
     if bias_tma_view(bias, q.shape[2], k.shape[2]) is None:
@@ -530,11 +530,12 @@ def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum,
     features = as_features(features)
     tail, flags, (programs, seqlen_q, seqlen_k, qk_scale) = feature_args(features, softmax_scale, q, k, BLOCK_N)
     block_d = padded_head_dim(head_dim)
+    rows = sm90_backward_rows(head_dim, features.attn_bias is not None)
     main = attention_backward_sm90_kernel
-    main_args = (*_one_pass_tensor_args(block_d, q, grad_out, k, v, dq_accum, lse, delta, dk, dv), semaphores,
+    main_args = (*_one_pass_tensor_args(block_d, rows, q, grad_out, k, v, dq_accum, lse, delta, dk, dv), semaphores,
                  *dk.stride()[:3],
                  *dv.stride()[:3], num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
-                 qk_scale, softmax_scale, *tail, *_bias_args(features, q, k, dbias))
+                 qk_scale, softmax_scale, *tail, *_bias_args(features, q, k, dbias, rows))
     flags.update(HAS_BIAS=features.attn_bias is not None, BIAS_GRAD=0 if dbias is None else 1 + dbias_atomic,
                  DETERMINISTIC=semaphores is not None, DQ_BUFFERS=dq_buffers(block_d, features.attn_bias))
     heads = ("q", "grad_out", "k", "v", "dq_accum", "lse", "delta", "dk", "dv")
@@ -557,9 +558,9 @@ def dq_buffers(block_d: int, attn_bias) -> int:
     return 1 if attn_bias is not None and block_d > 64 else 2
 
 
-def _bias_args(features, q, k, dbias) -> tuple:
+def _bias_args(features, q, k, dbias, rows: int) -> tuple:
     """The one-pass kernel's bias arguments `(bias_desc, bias_step_b, bias_step_h, DBIAS, its four strides over the
-    full (B, Hq, Lq, Lk) problem)`: a descriptor of BLOCK_M-query x BLOCK_N-key boxes over `layout.bias_tma_view`
+    full (B, Hq, Lq, Lk) problem)`: a descriptor of rows-query x BLOCK_N-key boxes over `layout.bias_tma_view`
     (the caller checked it holds), the gradient buffer's strides 0 where it broadcasts. None where absent."""
     bias = features.attn_bias
     if bias is None:
@@ -568,14 +569,14 @@ def _bias_args(features, q, k, dbias) -> tuple:
     grad = (None,) * 5
     if dbias is not None:
         grad = (dbias, *dbias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]).stride())
-    return descriptor(view, BLOCK_M, BLOCK_N), step_b, step_h, *grad
+    return descriptor(view, rows, BLOCK_N), step_b, step_h, *grad
 
 
-def _one_pass_tensor_args(block_d, q, grad_out, k, v, dq_accum, lse, delta, dk, dv):
-    """The one-pass kernel's per-call arguments: TMA descriptors over q, dO (query tiles), k, v (key tiles) and the
-    dq_accum reduce-add target, then the plain tensors."""
-    return (descriptor(q, BLOCK_M, block_d), descriptor(grad_out, BLOCK_M, block_d),
-            descriptor(k, BLOCK_N, block_d), descriptor(v, BLOCK_N, block_d), _dq_accum_descriptor(dq_accum),
+def _one_pass_tensor_args(block_d, rows, q, grad_out, k, v, dq_accum, lse, delta, dk, dv):
+    """The one-pass kernel's per-call arguments: TMA descriptors over q, dO (tiles of `rows` queries), k, v (key
+    tiles) and the dq_accum reduce-add target, then the plain tensors."""
+    return (descriptor(q, rows, block_d), descriptor(grad_out, rows, block_d),
+            descriptor(k, BLOCK_N, block_d), descriptor(v, BLOCK_N, block_d), _dq_accum_descriptor(dq_accum, rows),
             lse, delta, dk, dv)
 
 
