@@ -24,7 +24,7 @@ def _reference(q, k, v, cu, grad, dtype):
     group = q.shape[1] // k.shape[1]
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     outs = []
-    for lo, hi in zip(cu[:-1], cu[1:]):
+    for lo, hi in ((lo, hi) for lo, hi in zip(cu[:-1], cu[1:]) if hi > lo):
         qs, ks, vs = (t[lo:hi].transpose(0, 1) for t in leaves)
         ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
         outs.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
@@ -63,3 +63,29 @@ def test_repeated_packed_training_call_runs_without_a_sync():
         for name, ours, ref, torch_error in zip(("out", "dq", "dk", "dv"), result, reference, torch_errors):
             error = (ours.double() - ref).abs().max().item()
             assert error <= 2 * torch_error + 1e-2, (name, error, torch_error)
+
+
+@pytest.mark.parametrize("lengths", [[384, 100, 257, 0], [0, 100, 257, 384], [1, 5, 17, 3]])
+@pytest.mark.parametrize("d", [64, 128])
+def test_rows_past_the_last_sequence(lengths, d):
+    """cu_seqlens ending short of the packed rows (the padded path's layout: unchecked, the rows after the last
+    sequence attended by none): the grid, sized by the rows, has CTAs past the last work item; they must exit
+    (they hung the persistent sm_90 forward before). Outputs and gradients of the real rows within the float64
+    rule."""
+    rows = 4 * 384
+    cu_list = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(rows, 8, d, device="cuda", dtype=torch.bfloat16, generator=generator)
+    k, v = (torch.randn(rows, 2, d, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(2))
+    grad = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attention_varlen(*leaves, cu, cu, 384, 384, causal=True, check_values=False)
+    out.backward(grad)
+    real = cu_list[-1]
+    ours = [out.detach()[:real], *(t.grad[:real] for t in leaves)]
+    reference = _reference(q[:real], k[:real], v[:real], cu_list, grad[:real], torch.float64)
+    same_dtype = _reference(q[:real], k[:real], v[:real], cu_list, grad[:real], torch.bfloat16)
+    for mine, torch_own, exact in zip(ours, same_dtype, reference):
+        bound = 2 * (torch_own.double() - exact).abs().max().item() + 1e-2
+        assert (mine.double() - exact).abs().max().item() <= bound

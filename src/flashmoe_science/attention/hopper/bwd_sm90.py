@@ -19,11 +19,13 @@ partitions:
     issue  Sᵀ = K_c Qᵀ,  dPᵀ = V_c dOᵀ          (async wgmma, operands in shared memory)
     Pᵀ = exp2(Sᵀ·scale·log2e − lse·log2e)        (masks on boundary tiles only)
     dSᵀ = Pᵀ ∘ (dPᵀ − Δ)
-    issue  dV_c += Pᵀ dO,  dK_c += dSᵀ Q          (async wgmma, A from registers)
+    issue  dV_c += Pᵀ dO                          (async wgmma, A from registers)
     store  dSᵀ (bf16/fp16) into this consumer's 64 rows of the shared dSᵀ buffer; both consumers meet (`ds_ready`)
     issue  dQ[:, half c] = dS K[:, half c]        (async wgmma over all 128 keys, A = the buffer read transposed)
-    release the Q/dO stage
+    issue  dK_c += dSᵀ Q                          (async wgmma, A from registers)
+    wait for dV and dQ only (wgmma groups complete in order): dK runs under the next step
     dQ half (fp32) -> the tile's staging buffer (`dq_empty` first), signal `dq_full`
+    wait for dK, release the Q/dO stage
 
   Each consumer computes dQ for half of the head dim over both consumers' keys (FA3's split): every dq_accum element
   receives Lk/128 additions, made by the TMA unit in L2 (`cp.reduce.async.bulk.tensor`), not by the warps.
@@ -244,14 +246,15 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
         ds = _softcap_grad(ds, t, SOFTCAP).to(dtype)
         dv = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), do_tile, dv, is_async=True)
         ds_buf.slice(CONSUMER * KEYS, KEYS).store(ds)
-        dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_tile, dk, is_async=True)
         fence_async_shared()  # the dSᵀ rows (generic proxy) before the wgmma (async proxy) reads them
         # Gluon's arrive syncs the warpgroup before one thread arrives: every warp's rows are written
         mbarrier.arrive(ds_ready.index(ring % 2), count=1)
         mbarrier.wait(ds_ready.index(ring % 2), (ring // 2) & 1)  # the other consumer's rows too
+        # dQ before dK: wgmma groups complete in order, so waiting for dQ alone leaves dK running under the dQ
+        # staging stores below
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-        mbarrier.arrive(empty.index(stage), count=1)  # Q and dO are no longer read
+        dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_tile, dk, is_async=True)
+        dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
 
         # dQ half -> this tile's staging buffer, one box per DQ_COLS columns; the dQ writer adds it into dq_accum.
         # The buffer was last used DQ_BUFFERS tiles ago: its reduce-adds have long read it (first pass: free).
@@ -263,6 +266,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
         dq_smem.index(buf * 2 + CONSUMER).store(boxes)
         fence_async_shared()  # the rows (generic proxy) before the writer's TMA (async proxy) reads them
         mbarrier.arrive(dq_full.index(buf), count=1)
+        dk = warpgroup_mma_wait(0, deps=(dk,))
+        mbarrier.arrive(empty.index(stage), count=1)  # Q and dO are no longer read
 
     dk = dk * sm_scale
     acc_rows: gl.constexpr = gl.SliceLayout(1, kv_layout)

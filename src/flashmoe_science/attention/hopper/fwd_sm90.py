@@ -655,6 +655,10 @@ def attention_forward_sm90_kernel(
     ROWS: gl.constexpr = q_desc.block_type.shape[2]  # rows per consumer
     if VARLEN:
         num_work = num_q_heads * gl.load(TILE_OFFSETS + num_seqs)
+        # the grid is bounded by the rows (the work list is read here): a CTA past the last item has none, and the
+        # consumers' first item is unconditional
+        if gl.program_id(0) >= num_work:
+            return
     mask_args = (window_left, window_right, softcap_scale)
     alibi_args = (ALIBI_SLOPES, alibi_stride_b, alibi_stride_h)
     bias_ptr_args = (BIAS, bias_stride_b, bias_stride_h)
