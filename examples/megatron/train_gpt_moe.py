@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import importlib.metadata
 import json
 import os
@@ -225,6 +226,7 @@ def run(kernels: str, repeat: int, size: gpt_moe.Size, args, device, on_step) ->
               "mfu_percent": mfu(tokens_per_s, size, world), "final_loss": sum(tail) / len(tail),
               "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)}
     del ddp, optimizer, scheduler, model
+    gc.collect()  # DDP's hooks and the optimizer refer back to the model: free it before the next run builds its own
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"record": record, "rows": rows}
