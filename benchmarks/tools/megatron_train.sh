@@ -1,15 +1,29 @@
 #!/usr/bin/env bash
-# Megatron-core on a GPU machine: the integration's GPU tests (one GPU), then examples/megatron/train_gpt_moe.py, our
-# kernels against Megatron-core's local spec in one run (same weights, same batches). From the repository root, with
-# Megatron-core 0.19's wheel in .whl/ (the machine has no package index; it needs only torch, numpy, packaging):
-#   bash benchmarks/tools/megatron_train.sh 1     # one GPU: GPU tests, then 120 steps per kernel set
-#   bash benchmarks/tools/megatron_train.sh 4     # four GPUs (torchrun): data parallel 4, experts over --ep 2 --etp 2
-# TRAIN_ARGS adds options of the example (e.g. TRAIN_ARGS="--steps 200 --repeats 2"). Writes flat under $OUT, named
-# as benchmarks/results/ names runs: megatron-gpu-tests.log (one GPU) and <gpu>[-x4]-<date>-<commit>-megatron.{json,
-# csv,png,log}.
+# Megatron-core on a GPU machine: examples/megatron/train_gpt_moe.py, our kernels against Megatron-core's local spec
+# (same initial weights, same batches), 100 steps per run, two interleaved repeats of each kernel set in one process
+# (flashmoe, local, local, flashmoe), then, on one GPU, the integration's GPU tests in the time left. From the
+# repository root, with Megatron-core 0.19's wheel in .whl/ (the machine has no package index; it needs only torch,
+# numpy, packaging):
+#   bash benchmarks/tools/megatron_train.sh 1     # one GPU
+#   bash benchmarks/tools/megatron_train.sh 2     # two GPUs (torchrun): data parallel 2, experts over --ep 2
+#   bash benchmarks/tools/megatron_train.sh 4     # four GPUs: data parallel 4, experts over --ep 2 --etp 2
+# BUDGET_S (default 225) bounds the whole script: training gets what is left of it after the setup, the GPU tests
+# what is left after training (skipped under 40 s, or with GPU_TESTS=0). Every run stops after RUN_S seconds
+# (default 60; its record says so). TRAIN_ARGS appends options of the example, later ones winning (e.g.
+# TRAIN_ARGS="--steps 200 --repeats 3"). Writes flat under $OUT, named as benchmarks/results/ names runs:
+# <gpu>[-xN]-<date>-<commit>-megatron.{json,csv,png,log} and megatron-gpu-tests.log (one GPU).
 set -uo pipefail
 GPUS=${1:-1}
 OUT=${OUT:-/tmp/out}
+BUDGET_S=${BUDGET_S:-225}
+start=$(date +%s)
+left() { local s=$(( BUDGET_S - ($(date +%s) - start) )); echo $(( s > 1 ? s : 1 )); }  # timeout 0 would not bound
+case "$GPUS" in
+    1) launch=(python3) parallel=() ;;
+    2) launch=(python3 -m torch.distributed.run --standalone --nproc-per-node 2) parallel=(--ep 2) ;;
+    4) launch=(python3 -m torch.distributed.run --standalone --nproc-per-node 4) parallel=(--ep 2 --etp 2) ;;
+    *) echo "GPUs: 1, 2 or 4, got $GPUS" >&2; exit 2 ;;
+esac
 SITE=/tmp/megatron-site
 mkdir -p "$OUT" "$SITE"
 wheel=$(ls .whl/megatron_core-0.19*-cp312-*.whl 2>/dev/null | head -n 1)
@@ -27,20 +41,34 @@ slug=$(echo "${gpu:-unknown}" | tr '[:upper:]' '[:lower:]' | sed -E 's/[^a-z0-9]
 if [ "$GPUS" != 1 ]; then slug="$slug-x$GPUS"; fi
 stem="$slug-$(date -u +%Y-%m-%d)-$FLASHMOE_COMMIT-megatron"
 log="$OUT/$stem.log"
-start=$(date +%s)
-if [ "$GPUS" = 1 ]; then
-    timeout 150 python3 -m pytest -m gpu tests/integrations/test_megatron_gpu.py -q -p no:cacheprovider \
-        > "$OUT/megatron-gpu-tests.log" 2>&1
-    echo "GPU tests: exit $? after $(( $(date +%s) - start )) s"; tail -n 5 "$OUT/megatron-gpu-tests.log"
-    timeout 330 python3 examples/megatron/train_gpt_moe.py --out "$work" --time-limit 120 ${TRAIN_ARGS:-} \
-        > "$log" 2>&1
-else
-    timeout 420 python3 -m torch.distributed.run --standalone --nproc-per-node "$GPUS" \
-        examples/megatron/train_gpt_moe.py --ep 2 --etp 2 --out "$work" --time-limit 150 ${TRAIN_ARGS:-} > "$log" 2>&1
-fi
-echo "training: exit $? after $(( $(date +%s) - start )) s"
+# shellcheck disable=SC2086  # TRAIN_ARGS is a list of options
+timeout "$(left)" "${launch[@]}" examples/megatron/train_gpt_moe.py "${parallel[@]}" --out "$work" \
+    --steps 100 --warmup 10 --repeats 2 --time-limit "${RUN_S:-60}" ${TRAIN_ARGS:-} > "$log" 2>&1
+status=$?
+echo "training: exit $status after $(( $(date +%s) - start )) s"
+if [ "$status" != 0 ]; then tail -n 30 "$log"; fi
 for ext in json csv png; do
     if [ -f "$work/megatron-train.$ext" ]; then cp "$work/megatron-train.$ext" "$OUT/$stem.$ext"; fi
 done
-grep -E "^\[(flashmoe|local)\]" "$log" | tail -n 12
-tail -n 30 "$log"
+grep -E "^\[(flashmoe|local)\]" "$log" | tail -n 8
+python3 - "$OUT/$stem.json" <<'EOF'
+import json, sys
+try:
+    document = json.load(open(sys.argv[1]))
+except OSError:
+    sys.exit("no JSON written")
+for r in document["records"]:
+    print(f"{r['kernels']:9s} repeat {r['repeat']}  {r['steps']} steps  {r['tokens_per_s'] or 0:,.0f} tokens/s  "
+          f"MFU {r['mfu_percent'] or 0:.1f}%  final loss {r['final_loss']:.4f}  "
+          f"time-limited {r['stopped_by_time_limit']}")
+print(json.dumps(document["summary"]))
+EOF
+if [ "$GPUS" = 1 ] && [ "${GPU_TESTS:-1}" != 0 ]; then
+    if [ "$(left)" -ge 40 ]; then
+        timeout "$(( $(left) - 5 ))" python3 -m pytest -m gpu tests/integrations/test_megatron_gpu.py -q \
+            -p no:cacheprovider > "$OUT/megatron-gpu-tests.log" 2>&1
+        echo "GPU tests: exit $? after $(( $(date +%s) - start )) s"; tail -n 5 "$OUT/megatron-gpu-tests.log"
+    else
+        echo "GPU tests skipped: $(left) s of BUDGET_S=$BUDGET_S left"
+    fi
+fi

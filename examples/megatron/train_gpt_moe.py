@@ -17,21 +17,28 @@ allocates a CUDA tensor, so the CPU run could not call it). Data parallelism (ev
 split) are Megatron-core's. Dense tensor parallelism is not offered: Megatron-core 0.19 trains MoE layers under
 tensor parallelism only with sequence parallelism, which its norms without TransformerEngine or apex refuse.
 
-Data: random tokens, each sequence a random segment of ``--period`` tokens repeated, so the loss falls as the model
-learns to copy (it cannot predict a segment's first occurrence: the floor is about ``log(vocab) · period / seq``).
+Data: random tokens, each sequence a random segment of ``--period`` tokens repeated. The segment's tokens are drawn
+from a Zipf distribution (``--zipf`` s: token r has probability ∝ (r+1)^-s; 0 draws uniformly), so the loss moves
+from the first steps on: from ``log(vocab)`` to the distribution's entropy H (7.31 nats for s=1 over 32,768 tokens)
+as the model learns the token frequencies, then towards about ``H · period / seq`` as it learns to copy (a segment's
+first occurrence cannot be predicted). Batch ``step`` of data-parallel rank r is drawn from ``(--seed, step, r)``
+alone: every kernel set and every repeat sees the same batches.
 
-``--repeats N`` runs every kernel set N times, interleaved (the order alternates by round). ``--time-limit S``
-stops a run after S seconds (at the same step on every rank; its record says so). Rank 0 writes to
-``--out``: ``megatron-train.json`` (records: op ``megatron-train``, gpus, kernels, tokens_per_s over the steps after
-``--warmup``, MFU, peak memory, final_loss = mean loss of the last 10 steps; the envelope: GPU, versions, commit,
-date), ``megatron-train.csv`` (every step of every run) and ``megatron-train.png`` (loss curves, tokens/s). On a
-CPU the tokens/s measure nothing (no kernels run there); the run checks the pipeline.
+``--repeats N`` runs every kernel set N times in one process, interleaved (round r runs the kernel sets in the
+given order for even r, reversed for odd r: flashmoe, local, local, flashmoe, ...), each run from the same initial
+weights. ``--time-limit S`` stops a run after S seconds (at the same step on every rank; its record says so). Rank 0
+writes to ``--out`` (``train_outputs.py``): ``megatron-train.json`` (records: op ``megatron-train``, gpus,
+kernels, repeat, tokens_per_s over the steps after ``--warmup``, MFU, peak memory, final_loss = mean loss of the
+last 10 steps; the envelope: GPU, versions, commit, date; the comparison of the two kernel sets),
+``megatron-train.csv`` (every step of every run) and ``megatron-train.png`` (loss curves, tokens/s, the loss gap).
+On a CPU the tokens/s measure nothing (no kernels run there); the run checks the pipeline.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
+import functools
+import gc
 import importlib.metadata
 import json
 import os
@@ -45,6 +52,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpt_moe  # noqa: E402
+from train_outputs import write_outputs  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
 
 # bf16 dense tensor-core peak of an H100/H200 SXM (TFLOP/s), the MFU's denominator
@@ -66,6 +74,8 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--period", type=int, default=None,
                         help="length of the repeated random segment (default: a sixteenth of the sequence)")
+    parser.add_argument("--zipf", type=float, default=1.0,
+                        help="Zipf exponent of the token distribution (default 1; 0: uniform)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                         help="model dtype (default: bfloat16 on GPUs, float32 on CPUs)")
@@ -75,6 +85,8 @@ def parse_args(argv=None):
     args.kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     if not args.kernels or any(k not in gpt_moe.KERNELS for k in args.kernels):
         parser.error(f"--kernels takes a comma-separated subset of {gpt_moe.KERNELS}")
+    if args.zipf < 0:
+        parser.error(f"--zipf must be >= 0, got {args.zipf}")
     if args.dtype is None:
         args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     if args.steps <= args.warmup and args.steps > 1:
@@ -108,13 +120,21 @@ def period(size: gpt_moe.Size, args) -> int:
     return args.period or max(1, size.seq_len // 16)
 
 
+@functools.cache
+def token_probabilities(vocab: int, zipf: float) -> torch.Tensor:
+    """Zipf's law over ``vocab`` token ids: id r drawn with probability ∝ (r+1)^-zipf (uniform at 0)."""
+    weights = torch.arange(1, vocab + 1, dtype=torch.float64).pow(-zipf)
+    return weights / weights.sum()
+
+
 def batch(step: int, size: gpt_moe.Size, args, device):
     """This data-parallel rank's batch of ``step``: (tokens, positions, labels), the same for every kernel set."""
     from megatron.core import parallel_state
 
     rank = parallel_state.get_data_parallel_rank()
     generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
-    segments = torch.randint(0, size.vocab, (size.micro_batch, period(size, args)), generator=generator)
+    segments = torch.multinomial(token_probabilities(size.vocab, args.zipf), size.micro_batch * period(size, args),
+                                 replacement=True, generator=generator).view(size.micro_batch, -1)
     repeats = -(-(size.seq_len + 1) // segments.shape[1])
     stream = segments.repeat(1, repeats)[:, :size.seq_len + 1]
     positions = torch.arange(size.seq_len).expand(size.micro_batch, -1)
@@ -165,8 +185,8 @@ def train_step(ddp, optimizer, scheduler, tokens, positions, labels, causal_mask
     return total / parallel_state.get_data_parallel_world_size(), stops > 0
 
 
-def run(kernels: str, size: gpt_moe.Size, args, device, on_step) -> dict:
-    """Train one model with ``kernels``; returns its record and per-step rows."""
+def run(kernels: str, repeat: int, size: gpt_moe.Size, args, device, on_step) -> dict:
+    """Train one model with ``kernels`` (the ``repeat``-th time); returns its record and per-step rows."""
     from megatron.core import parallel_state
 
     config = gpt_moe.transformer_config(size, expert_parallel=args.ep, expert_tensor_parallel=args.etp,
@@ -200,12 +220,13 @@ def run(kernels: str, size: gpt_moe.Size, args, device, on_step) -> dict:
     tokens_per_s = tokens_per_step * measured / timed if measured > 0 and timed > 0 else None
     tail = [row["loss"] for row in rows[-10:]]
     record = {"op": "megatron-train", "model": model_label(size), "gpus": world if device.type == "cuda" else 0,
-              "kernels": kernels, "dp": dp, "ep": args.ep, "etp": args.etp, "steps": len(rows),
+              "kernels": kernels, "repeat": repeat, "dp": dp, "ep": args.ep, "etp": args.etp, "steps": len(rows),
               "stopped_by_time_limit": stopped, "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_s,
               "tokens_per_s_per_gpu": tokens_per_s / world if tokens_per_s else None,
               "mfu_percent": mfu(tokens_per_s, size, world), "final_loss": sum(tail) / len(tail),
               "peak_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)}
     del ddp, optimizer, scheduler, model
+    gc.collect()  # DDP's hooks and the optimizer refer back to the model: free it before the next run builds its own
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"record": record, "rows": rows}
@@ -235,11 +256,13 @@ def envelope(args, size: gpt_moe.Size) -> dict:
             "triton": _version("triton"), "commit": args.commit, "date": time.strftime("%Y-%m-%d", time.gmtime()),
             "model": {"size": args.size, **vars(size), "parameters": total, "active_parameters": active},
             "dtype": args.dtype, "lr": args.lr,
-            "data": f"random tokens, segments of {period(size, args)} repeated",
-            "note": (f"examples/megatron/train_gpt_moe.py: Megatron-core {_version('megatron-core')}'s GPTModel, DDP (float32 gradient reduction), "
-                     f"Adam and cosine schedule; flashmoe = get_gpt_layer_flash_spec, local = "
-                     f"get_gpt_layer_local_spec, same initial weights and batches; tokens/s over steps "
-                     f"{args.warmup}-{args.steps - 1}, final_loss = mean of the last 10 steps' loss")}
+            "data": f"random tokens (Zipf exponent {args.zipf}), segments of {period(size, args)} repeated",
+            "repeats": args.repeats,
+            "note": (f"examples/megatron/train_gpt_moe.py: Megatron-core {_version('megatron-core')}'s GPTModel, DDP "
+                     f"(float32 gradient reduction), Adam and cosine schedule; flashmoe = get_gpt_layer_flash_spec, "
+                     f"local = get_gpt_layer_local_spec, same initial weights and batches; tokens/s over steps "
+                     f"{args.warmup}-{args.steps - 1}, final_loss = mean of the last 10 steps' loss; {args.repeats} "
+                     f"repeat(s), kernel sets interleaved in one process")}
 
 
 def _version(package: str):
@@ -247,55 +270,6 @@ def _version(package: str):
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def write_outputs(out: Path, head: dict, results: list[dict]) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    records = [result["record"] for result in results]
-    by_kernels = {}
-    for record in records:
-        by_kernels.setdefault(record["kernels"], []).append(record)
-    summary = {"speedup": None}
-    if "flashmoe" in by_kernels and "local" in by_kernels:
-        rate = {k: sum(r["tokens_per_s"] or 0 for r in v) / len(v) for k, v in by_kernels.items()}
-        loss = {k: sum(r["final_loss"] for r in v) / len(v) for k, v in by_kernels.items()}
-        summary = {"speedup": rate["flashmoe"] / rate["local"] if rate["local"] else None,
-                   "final_loss_ratio": loss["flashmoe"] / loss["local"]}
-    document = {**head, "records": records, "summary": summary}
-    (out / "megatron-train.json").write_text(json.dumps(document, indent=1) + "\n")
-    with open(out / "megatron-train.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["run", "kernels", "step", "loss", "tokens_per_s"])
-        writer.writeheader()
-        for index, result in enumerate(results):
-            for row in result["rows"]:
-                writer.writerow({"run": index, **row})
-    plot(out / "megatron-train.png", head, results)
-    return document
-
-
-def plot(path: Path, head: dict, results: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (loss_axis, rate_axis) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for index, result in enumerate(results):
-        rows, kernels = result["rows"], result["record"]["kernels"]
-        label = f"{kernels} (run {index})"
-        loss_axis.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=label)
-        rate_axis.plot([r["step"] for r in rows], [r["tokens_per_s"] for r in rows], label=label)
-    loss_axis.set(xlabel="step", ylabel="loss", title="language-model loss")
-    rate_axis.set(xlabel="step", ylabel="tokens/s", title="throughput (all ranks)")
-    for axis in (loss_axis, rate_axis):
-        axis.legend()
-        axis.grid(alpha=0.3)
-    model = head["model"]
-    figure.suptitle(f"Megatron-core GPT-MoE ({model['parameters'] / 1e6:.0f}M parameters, "
-                    f"{model['active_parameters'] / 1e6:.0f}M active) on {head['gpu']}, commit {head['commit']}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
 
 
 def main(argv=None) -> dict | None:
@@ -306,12 +280,12 @@ def main(argv=None) -> dict | None:
     order = [args.kernels if r % 2 == 0 else args.kernels[::-1] for r in range(args.repeats)]
     results, document = [], None
     try:
-        for kernels in (k for round_ in order for k in round_):
-            def on_step(row, kernels=kernels):
+        for repeat, kernels in ((r, k) for r, round_ in enumerate(order) for k in round_):
+            def on_step(row, kernels=kernels, repeat=repeat):
                 if rank0 and (row["step"] % 10 == 0 or row["step"] == args.steps - 1):
-                    print(f"[{kernels}] step {row['step']:4d}  loss {row['loss']:.4f}  "
+                    print(f"[{kernels}] repeat {repeat} step {row['step']:4d}  loss {row['loss']:.4f}  "
                           f"{row['tokens_per_s']:,.0f} tokens/s", flush=True)
-            results.append(run(kernels, size, args, device, on_step))
+            results.append(run(kernels, repeat, size, args, device, on_step))
             # after every run: a later run stopped by a time limit leaves the earlier ones written
             document = write_outputs(Path(args.out), envelope(args, size), results) if rank0 else None
         if rank0:
