@@ -54,7 +54,8 @@ def test_dq_writer_takes_the_reduce_adds_out_of_the_consumers(causal, d):
 
 
 # (head dim, causal, LDL + STL of the triton 3.6 build): the default mode's plus a few in the consumer prologue
-DETERMINISTIC_BUILDS = {(64, False): 0, (64, True): 0, (128, False): 25, (128, True): 13}
+# (D=64 runs 128-row query tiles, whose Sᵀ/dPᵀ take twice the registers)
+DETERMINISTIC_BUILDS = {(64, False): 14, (64, True): 24, (128, False): 27, (128, True): 15}
 
 
 @pytest.mark.sm90_build
@@ -253,8 +254,8 @@ def test_bias_refusal_names_what_the_one_pass_kernel_does_not_read():
 # (causal, bias shape, bias_grad, LDL + STL of the triton 3.6 build): a bias without a gradient (the plain
 # kernel's spills plus a few), and its gradient stored (no broadcast dims) or added with atomics (broadcast)
 BIAS_BUILDS = {
-    "causal-fixed": (True, (1, 4, 256, 256), None, 18),
-    "full-store": (False, (2, 4, 256, 256), "store", 195),
+    "causal-fixed": (True, (1, 4, 256, 256), None, 22),
+    "full-store": (False, (2, 4, 256, 256), "store", 213),
     "causal-atomic": (True, (1, 4, 256, 256), "atomic", 482),
 }
 

@@ -535,7 +535,8 @@ def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum,
     features = as_features(features)
     tail, flags, (programs, seqlen_q, seqlen_k, qk_scale) = feature_args(features, softmax_scale, q, k, BLOCK_N)
     block_d = padded_head_dim(head_dim)
-    rows = sm90_backward_rows(head_dim, features.attn_bias is not None)
+    num_stages = num_stages or NUM_STAGES
+    rows = sm90_backward_rows(head_dim, features.attn_bias is not None, num_stages)
     main = attention_backward_sm90_kernel
     main_args = (*_one_pass_tensor_args(block_d, rows, q, grad_out, k, v, dq_accum, lse, delta, dk, dv), semaphores,
                  *dk.stride()[:3],
@@ -550,7 +551,7 @@ def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum,
     return {
         "preprocess": _preprocess_launch(q, out, grad_out, delta, dq, dq_accum, semaphores),
         "dkdv_dq": (main, (max(1, programs * num_kv_heads),), dict(
-            zip(main.arg_names, main_args), HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages or NUM_STAGES,
+            zip(main.arg_names, main_args), HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages,
             **flags), dict(LAUNCH_OPTIONS), heads),
         "dq_convert": (*bwd_prep.dq_convert_launch(dq_accum, dq, softmax_scale, row64), ("dq_accum", "dq")),
     }
