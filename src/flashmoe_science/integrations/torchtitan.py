@@ -74,10 +74,12 @@ from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.protocols.module import Module
 from torch.distributed.tensor import DTensor
 
+from flashmoe_science.attention.checks import capturing, trust_varlen
 from flashmoe_science.attention.documents import packed_documents
 from flashmoe_science.attention.varlen import flash_attention_varlen
 from flashmoe_science.distributed import expert_parallel_experts
 from flashmoe_science.moe import fused_experts, grouped_experts
+from flashmoe_science.prepared_cache import remember
 
 __all__ = ["FlashAttention", "FlashGroupedExperts", "FlashRoutedExperts", "dispatches_locally", "document_metadata",
            "expert_parallel_group", "flash_decoder"]
@@ -93,10 +95,24 @@ def _causal_and_window(window_size: tuple[int, int]) -> tuple[bool, tuple[int, i
     raise ValueError(f"window_size={tuple(window_size)}: expected (-1, 0), (-1, -1) or (left >= 0, right >= 0)")
 
 
+# _dense_metadata's answers per (batch, seq_len, device): one cu_seqlens tensor for every layer and step
+_DENSE_METADATA: dict[tuple, VarlenMetadata] = {}
+
+
 def _dense_metadata(batch: int, seq_len: int, device: torch.device) -> VarlenMetadata:
-    """Each of the batch's rows as one whole sequence (what ``attention_masks=None`` means)."""
-    cu_seqlens = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=device)
-    return VarlenMetadata(cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens, max_q=seq_len, max_k=seq_len)
+    """Each of the batch's rows as one whole sequence (what ``attention_masks=None`` means), built once per shape:
+    a new tensor per layer would be a new pair for the value check (a host read per layer) and for the kernels'
+    work lists. Valid by construction, so recorded as checked (`checks.trust_varlen`). Not kept while a CUDA graph
+    is captured (the tensor would live in the graph's memory pool)."""
+    key = (batch, seq_len, device)
+    meta = _DENSE_METADATA.get(key)
+    if meta is None:
+        cu_seqlens = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=device)
+        meta = VarlenMetadata(cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens, max_q=seq_len, max_k=seq_len)
+        trust_varlen(cu_seqlens, cu_seqlens, (batch * seq_len, batch * seq_len, seq_len, seq_len))
+        if not capturing(device):
+            remember(_DENSE_METADATA, key, meta)
+    return meta
 
 
 class FlashAttention(VarlenAttention):
