@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torchtitan.config import derive, override
-from torchtitan.models.common.attention import FlexAttention, VarlenAttention, VarlenMetadata
+from torchtitan.models.common.attention import FlexAttention, GQAttention, VarlenAttention, VarlenMetadata
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
@@ -80,9 +80,10 @@ from flashmoe_science.attention.varlen import flash_attention_varlen
 from flashmoe_science.distributed import expert_parallel_experts
 from flashmoe_science.moe import fused_experts, grouped_experts
 from flashmoe_science.prepared_cache import remember
+from flashmoe_science.warmup import WarmupCase, packed_lengths
 
 __all__ = ["FlashAttention", "FlashGroupedExperts", "FlashRoutedExperts", "dispatches_locally", "document_metadata",
-           "expert_parallel_group", "flash_decoder"]
+           "expert_parallel_group", "flash_decoder", "warmup_cases"]
 
 
 def _causal_and_window(window_size: tuple[int, int]) -> tuple[bool, tuple[int, int] | None]:
@@ -266,6 +267,31 @@ def document_metadata(positions: torch.Tensor) -> VarlenMetadata:
     documents = packed_documents(positions)
     return VarlenMetadata(cu_seq_q=documents.cu_seqlens, cu_seq_k=documents.cu_seqlens, max_q=documents.longest,
                           max_k=documents.longest)
+
+
+def warmup_cases(model_config: Decoder.Config, *, seq_len: int, batch: int = 1, dtype: str = "bf16",
+                 backward: bool = True) -> list[WarmupCase]:
+    """The `warmup.WarmupCase` of every attention call a TorchTitan decoder config makes with our attention on a
+    training batch of ``batch`` rows of ``seq_len`` tokens: per attention layer kind (heads, KV heads, head dim,
+    window), packed calls whose longest document is each of `warmup.packed_lengths` (TorchTitan's loaders pack
+    documents of any length; rows without positions are one sequence of seq_len), each over the batch's tokens.
+    The config may be the job's before or after `flash_decoder` (its Flex or varlen layers are what ours replace).
+    `warmup.warmup` compiles them into Triton's cache before the job starts."""
+    if not isinstance(model_config, Decoder.Config):
+        raise TypeError(f"model_config must be a TorchTitan Decoder.Config, got {type(model_config).__name__}")
+    cases = []
+    for _, attention, _, _ in model_config.traverse(GQAttention.Config):
+        inner = attention.inner_attention
+        if not isinstance(inner, (FlexAttention.Config, VarlenAttention.Config)):
+            continue
+        causal, window = _causal_and_window(getattr(inner, "window_size", (-1, 0)))
+        heads = attention.n_heads
+        base = dict(head_dim=attention.head_dim or attention.dim // heads, heads=heads,
+                    kv_heads=attention.n_kv_heads or heads, dtype=dtype, causal=causal, window=window,
+                    layout="varlen", backward=backward)
+        for length in packed_lengths(seq_len):
+            cases.append(WarmupCase(seq_len=length, batch=max(1, batch * seq_len // length), **base))
+    return list(dict.fromkeys(cases))
 
 
 def _document_masks(self, positions: torch.Tensor):
