@@ -58,12 +58,17 @@ def _stamps(log: str) -> tuple[float | None, dict[int, float]]:
 
 def first_steps(log: str, launched: float, count: int = 5) -> dict:
     """The first-step times of one run's log: ``setup_s`` (process launch to "Training starts": imports, model,
-    data), ``first_step_s`` (to step 1's line) and ``step_s`` (steps 2..count, each from the line before)."""
+    data), ``first_step_s`` (to step 1's line), ``step_s`` (steps 2..count, each from the line before) and
+    ``slow_steps`` (later steps over 5 times the median step, as [step, seconds]: a kernel compiled mid-run)."""
     start, steps = _stamps(log)
     if start is None or 1 not in steps:
-        return dict(setup_s=None if start is None else start - launched, first_step_s=None, step_s=[])
-    later = [steps[i] - steps[i - 1] for i in range(2, count + 1) if i in steps and i - 1 in steps]
-    return dict(setup_s=start - launched, first_step_s=steps[1] - start, step_s=later)
+        return dict(setup_s=None if start is None else start - launched, first_step_s=None, step_s=[],
+                    slow_steps=[])
+    times = {i: steps[i] - steps[i - 1] for i in sorted(steps) if i > 1 and i - 1 in steps}
+    typical = statistics.median(times.values()) if times else 0.0
+    return dict(setup_s=start - launched, first_step_s=steps[1] - start,
+                step_s=[times[i] for i in range(2, count + 1) if i in times],
+                slow_steps=[[i, round(t, 3)] for i, t in times.items() if i > count and t > 5 * typical])
 
 
 def spread(rows: list[dict]) -> dict:
@@ -139,7 +144,8 @@ class Measurement:
             tokens_per_s=round(summary["tokens_per_s"]), **{k: round(v) for k, v in spread(run["rows"]).items()},
             mfu_percent=round(summary["mfu_percent"], 1), peak_memory_gib=summary["peak_memory_gib"],
             final_loss=summary["final_loss"], first_step_s=first["first_step_s"],
-            steps_2_to_5_s=[round(s, 3) for s in first["step_s"]], setup_s=first["setup_s"],
+            steps_2_to_5_s=[round(s, 3) for s in first["step_s"]], slow_steps=first["slow_steps"],
+            setup_s=first["setup_s"],
             process_s=round(process_s, 1), extra=self.args.extra))
         with self.logs.open("a") as f:
             f.write(f"===== {kind} repeat {repeat} (triton cache: {cache}) =====\n{log.read_text()}\n")

@@ -31,7 +31,13 @@ def test_first_steps_from_the_log_lines():
     assert first["setup_s"] == pytest.approx(7.5)
     assert first["first_step_s"] == pytest.approx(100.25)
     assert first["step_s"] == pytest.approx([0.15, 0.1])
-    assert tool.first_steps("no training yet", launched) == dict(setup_s=None, first_step_s=None, step_s=[])
+    assert first["slow_steps"] == []
+    assert tool.first_steps("no training yet", launched) == dict(setup_s=None, first_step_s=None, step_s=[],
+                                                                 slow_steps=[])
+    # a step past the fifth that takes over 5 times the median: a kernel compiled mid-run
+    lines = [f"[titan] 2026-11-28 10:02:{second:02d},000 - root - INFO - step: {step:2}  loss:  4.0"
+             for step, second in zip(range(4, 10), (0, 1, 2, 3, 13, 14))]
+    assert tool.first_steps(LOG + "\n".join(lines), launched)["slow_steps"] == [[8, 10.0]]
 
 
 def test_run_order_interleaves_after_the_cold_runs():
