@@ -2,8 +2,8 @@
 (tests/host_reads.py) records every operation that would synchronise a CUDA device while the model's forward
 (masks included) and backward run, with the PyTorch reference's own per-sequence loop (the CPU's stand-in for the
 kernels) paused. The only read is the documents' count and longest length (`document_metadata`); the cu_seqlens it
-builds are valid by construction, so no layer reads them back for the value check, and a batch without positions
-(each row one sequence) reads nothing at all."""
+builds are valid by construction (`BuiltMetadata`), so no layer reads them back for the value check, eager or
+compiled, and a batch without positions (each row one sequence) reads nothing at all."""
 
 import pytest
 import torch
@@ -68,6 +68,24 @@ def test_rows_without_positions_read_nothing(reads, value_checks):
         model(tokens).square().mean().backward()
     assert reads.seen == []
     assert value_checks == []
+
+
+def test_compiled_layers_skip_the_value_check_of_built_metadata(value_checks):
+    # under torch.compile the custom op receives new tensor objects for the same cu_seqlens in every call: the type
+    # of the metadata, not a memo of checked tensors, is what spares each layer its host read
+    attention = ours.FlashAttention(ours.FlashAttention.Config(backend="reference"))
+    layer = torch.compile(attention, backend="aot_eager", fullgraph=True)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 0, 1, 2, 3, 4, 5]])
+    q = torch.randn(2, 8, 2, 4, dtype=torch.float64, requires_grad=True)
+    built = ours.document_metadata(positions)
+    x = q
+    for _ in range(3):
+        x = layer(x, x, x, attention_masks=built)
+    x.sum().backward()
+    assert value_checks == []
+    other = ours.VarlenMetadata(*built[:4])  # the same values, not of this module's making: checked
+    layer(q, q, q, attention_masks=other)
+    assert len(value_checks) == 1
 
 
 def test_dense_metadata_is_built_once_per_shape():

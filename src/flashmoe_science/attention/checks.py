@@ -215,13 +215,6 @@ def values_checked(cu_q: torch.Tensor, cu_k: torch.Tensor, bounds: tuple) -> boo
     return _VALUES_CHECKED.get((cu_q, cu_k), bounds) is not None
 
 
-def trust_varlen(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, bounds: tuple) -> None:
-    """Record a cu_seqlens pair that its builder made valid by construction (`check_varlen`'s value rules hold for
-    `bounds`: total_q, total_k, max_seqlen_q, max_seqlen_k): calls on it then skip the value check's host read
-    while both live unwritten, as after a check (`values_checked`)."""
-    _VALUES_CHECKED.put((cu_seqlens_q, cu_seqlens_k), tuple(bounds), True)
-
-
 def _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k) -> None:
     """The value rules of `check_varlen`, from one device-to-host copy."""
     lengths_q, lengths_k = cu_seqlens_q.diff(), cu_seqlens_k.diff()

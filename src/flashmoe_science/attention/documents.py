@@ -4,8 +4,9 @@ calls (documents attend only within themselves).
 A document starts at every token whose position is 0 and at every row's first token (attention never crosses
 rows, as in Flex's per-row document mask), and runs to the next start. The number of documents and the longest one
 size the varlen call, so they are read on the host: once, together, in one small copy. Callers read them once per
-batch (a model forward), never once per layer (`PackedDocuments` is what they keep), and the calls on them read
-nothing more: the cu_seqlens are valid by construction, recorded as checked (`checks.trust_varlen`).
+batch (a model forward), never once per layer (`PackedDocuments` is what they keep). The cu_seqlens are valid by
+construction (from 0 to the token count, non-decreasing, none longer than ``longest``): callers pass
+``check_values=False`` to the varlen calls on them, which then read nothing more.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from flashmoe_science.attention.checks import trust_varlen
 from flashmoe_science.prepared_cache import TensorMemo
 
 # packed_documents' answers, per positions tensor while it lives unwritten
@@ -45,10 +45,6 @@ def packed_documents(positions: torch.Tensor) -> PackedDocuments:
     if documents is None:
         documents = _packed_documents(positions)
         _DOCUMENTS.put((positions,), None, documents)
-        # valid by construction (from 0 to the token count, non-decreasing, none longer than `longest`): the
-        # varlen calls on them skip the value check's host read
-        total = positions.numel()
-        trust_varlen(documents.cu_seqlens, documents.cu_seqlens, (total, total, documents.longest, documents.longest))
     return documents
 
 
