@@ -81,6 +81,10 @@ def spread(rows: list[dict]) -> dict:
                 tokens_per_s_p90=deciles[-1])
 
 
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 3)
+
+
 def _caches(root: Path, name: str) -> dict:
     return {"TRITON_CACHE_DIR": str(root / name / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(root / name / "inductor")}
 
@@ -143,9 +147,9 @@ class Measurement:
             triton_cache=cache, steps=summary["steps"], stopped_by_timeout=summary["timed_out"],
             tokens_per_s=round(summary["tokens_per_s"]), **{k: round(v) for k, v in spread(run["rows"]).items()},
             mfu_percent=round(summary["mfu_percent"], 1), peak_memory_gib=summary["peak_memory_gib"],
-            final_loss=summary["final_loss"], first_step_s=first["first_step_s"],
+            final_loss=summary["final_loss"], first_step_s=_rounded(first["first_step_s"]),
             steps_2_to_5_s=[round(s, 3) for s in first["step_s"]], slow_steps=first["slow_steps"],
-            setup_s=first["setup_s"],
+            setup_s=_rounded(first["setup_s"]),
             process_s=round(process_s, 1), extra=self.args.extra))
         with self.logs.open("a") as f:
             f.write(f"===== {kind} repeat {repeat} (triton cache: {cache}) =====\n{log.read_text()}\n")
