@@ -107,9 +107,14 @@ def _warmup_child(model: str) -> None:
 
 
 def _warmup(model: str, env: dict, timeout: float) -> dict:
+    """`_warmup_child` in a new process: its wall time, exit status (None: stopped at ``timeout``) and its lines."""
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, __file__, "--warmup-child", model], env={**os.environ, **env},
-                            capture_output=True, text=True, timeout=timeout)
+    try:
+        result = subprocess.run([sys.executable, __file__, "--warmup-child", model], env={**os.environ, **env},
+                                capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as stopped:
+        output = stopped.stdout.decode() if isinstance(stopped.stdout, bytes) else stopped.stdout or ""
+        return dict(seconds=time.perf_counter() - start, exit=None, cases=output.strip().splitlines())
     seconds = time.perf_counter() - start
     print(result.stdout + result.stderr[-3000:], flush=True)
     return dict(seconds=seconds, exit=result.returncode, cases=result.stdout.strip().splitlines())
