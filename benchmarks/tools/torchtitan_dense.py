@@ -39,7 +39,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "torchtitan"
-STAMP = re.compile(r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?(Training starts at step|step:\s*(\d+)\s+loss)")
+STAMP = re.compile(r"\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
+                   r".*?(Training starts at step|step:\s*(\d+)\s+loss)")
 KERNELS = {"titan": "TorchTitan defaults (flex attention)", "flash": "flashmoe (varlen attention)"}
 MIN_RUN_S = 60
 
@@ -140,6 +141,7 @@ class Measurement:
         self.records, self.warmup = [], None
         self.logs = out / "runs.log"
         self.logs.write_text("")
+        self.write()
 
     def add(self, kind: str, cache: str, run: dict, first: dict, log: Path, process_s: float) -> None:
         import run as titan_run

@@ -14,11 +14,13 @@ COMMIT=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || ec
 export FLASHMOE_COMMIT=${FLASHMOE_COMMIT:-$COMMIT}
 if ! python3 -c "import torchtitan" 2>/dev/null; then
   # a wheel is a zip of the installed tree: unpacked as pip --target would, without pip or an index
-  python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/titan-site') for w in glob.glob('.whl/titan/*.whl')]"
+  python3 -c "import glob, zipfile
+for wheel in glob.glob('.whl/titan/*.whl'): zipfile.ZipFile(wheel).extractall('/tmp/titan-site')"
   export PYTHONPATH=$PYTHONPATH:/tmp/titan-site
 fi
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
-  python3 -c "import torch, triton, importlib.metadata as m; print(torch.__version__, triton.__version__, m.version('torchtitan'))"
+  python3 -c "import torch, triton, importlib.metadata as m
+print(torch.__version__, triton.__version__, m.version('torchtitan'))"
   nproc
 } > "$OUT/env.txt" 2>&1
 CORPUS=/tmp/titan-corpus.txt
@@ -29,7 +31,9 @@ from pathlib import Path
 from local_text import LocalTextDataLoader, write_docstring_corpus
 write_docstring_corpus(Path('$CORPUS'), LocalTextDataLoader.Config().max_chars)" >> "$OUT/env.txt" 2>&1 &
 CORPUS_PID=$!
-timed() { local start=$(date +%s) rc; "$@"; rc=$?; echo "$(( $(date +%s) - start )) s (exit $rc): ${*:3:3}" >> "$OUT/env.txt"; }
+timed() {
+  local start=$(date +%s) rc; "$@"; rc=$?; echo "$(( $(date +%s) - start )) s (exit $rc): ${*:3:3}" >> "$OUT/env.txt"
+}
 timed timeout 70 python3 -m pytest -m gpu -q -p no:cacheprovider tests/integrations/test_torchtitan_gpu.py \
   > "$OUT/tests.log" 2>&1
 timed wait $CORPUS_PID
