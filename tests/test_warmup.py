@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flashmoe_science import cli
-from flashmoe_science.warmup import WarmupCase, cases_for_config
+from flashmoe_science.warmup import WarmupCase, cases_for_config, packed_lengths
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,6 +33,17 @@ def test_unsupported_config_refused():
     config = transformers.LlamaConfig(**COMMON, head_dim=16, attention_dropout=0.1)
     with pytest.raises(ValueError, match="attention dropout"):
         cases_for_config(config, seq_lens=[64])
+
+
+def test_packed_lengths_reach_every_power_of_two_interval():
+    assert packed_lengths(2048) == [2048, 1024, 512, 256, 128]
+    assert packed_lengths(3000, shortest=300) == [3000, 1500, 750, 375]
+    assert packed_lengths(100) == [100]
+    # every length up to seq_len has a case in its power-of-two interval
+    intervals = {length.bit_length() for length in packed_lengths(3000, shortest=1)}
+    assert all(length.bit_length() in intervals for length in range(1, 3001))
+    with pytest.raises(ValueError, match="seq_len must be a positive int"):
+        packed_lengths(0)
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -92,6 +92,21 @@ def cases_for_config(config, *, seq_lens, batch: int = 1, dtype: str | None = No
     return list(dict.fromkeys(cases))
 
 
+def packed_lengths(seq_len: int, shortest: int = 128) -> list[int]:
+    """The longest-sequence lengths that stand for packed batches of rows of ``seq_len`` tokens (documents of any
+    length up to seq_len): ``seq_len`` and its halvings down to ``shortest``. The kernel variants of a packed call
+    follow its longest sequence only through the plan's length rules, which switch at powers of two (the sm_90
+    short-row tiles, persistent CTAs and backward choice: hopper/tiles.py), so one length in each power-of-two
+    interval reaches every variant."""
+    for name, value in (("seq_len", seq_len), ("shortest", shortest)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    lengths = [seq_len]
+    while lengths[-1] // 2 >= shortest:
+        lengths.append(lengths[-1] // 2)
+    return lengths
+
+
 def _inputs(case: WarmupCase, length_q: int, length_k: int, grad: bool):
     dtype, device = DTYPES[case.dtype], torch.device("cuda")
 
@@ -233,4 +248,4 @@ def add_warmup_parser(commands) -> None:
     parser.set_defaults(handler=run_command)
 
 
-__all__ = ["LAYOUTS", "WarmupCase", "add_warmup_parser", "cases_for_config", "run_case", "warmup"]
+__all__ = ["LAYOUTS", "WarmupCase", "add_warmup_parser", "cases_for_config", "packed_lengths", "run_case", "warmup"]

@@ -198,6 +198,19 @@ def test_flash_decoder_refuses_a_decoder_with_masks_of_its_own():
                           ours.FlashAttention.Config)
 
 
+def test_warmup_cases_of_a_job_config():
+    # TorchTitan's config as the job writes it (Flex) and after flash_decoder: the same packed cases, per layer kind
+    spec = _titan_models().llama3_spec(dim=96, n_layers=2, n_heads=6, n_kv_heads=2, hidden_dim=96, vocab_size=61,
+                                       max_seq_len=1024, attn_backend="flex")
+    for config in (spec.model, _with_overrides(spec)):
+        cases = ours.warmup_cases(config, seq_len=1024, batch=4)
+        assert [(case.seq_len, case.batch) for case in cases] == [(1024, 4), (512, 8), (256, 16), (128, 32)]
+        assert {(case.head_dim, case.heads, case.kv_heads, case.layout, case.causal, case.window, case.dtype)
+                for case in cases} == {(16, 6, 2, "varlen", True, None, "bf16")}
+    with pytest.raises(TypeError, match="Decoder.Config"):
+        ours.warmup_cases(spec, seq_len=1024)
+
+
 def test_llama3_matches_titan_flex_float64(eager_flex):
     spec = _titan_models().llama3_spec(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96,
                                        vocab_size=61, max_seq_len=64, attn_backend="flex")

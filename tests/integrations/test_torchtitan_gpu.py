@@ -47,3 +47,45 @@ def test_document_metadata_syncs_once_and_equals_titans():
     assert len(ours) == 1, f"document_metadata synchronised at {ours} (all synchronisations: {syncs})"
     expected = create_varlen_metadata_for_document(positions)
     assert torch.equal(meta.cu_seq_q, expected.cu_seq_q) and meta.max_q == expected.max_q
+
+
+def _syncs_of_package(step) -> list[str]:
+    """The lines of this package that synchronised the device while ``step()`` ran (torch's sync debug warnings)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+            and Path(w.filename).resolve().is_relative_to(PACKAGE)]
+
+
+def test_training_step_of_a_flash_llama_syncs_once():
+    # TorchTitan's Llama 3 with flash_decoder on a packed batch: masks, 4 layers' forward and backward; the one
+    # synchronisation is document_metadata's (the documents' count and longest length), none per layer
+    from torchtitan.config import OverrideConfig, apply_overrides
+    from titan_models import llama3_spec
+
+    spec = llama3_spec(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=512, vocab_size=257,
+                       max_seq_len=2048, attn_backend="flex")
+    apply_overrides(OverrideConfig(imports=["flashmoe_science.integrations.torchtitan.flash_decoder"]), spec)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = spec.model.build()
+        model.init_states()
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 257, (4, 2048), generator=generator).cuda()
+
+    def step():
+        lengths = torch.randint(1, 700, (60,), generator=generator).tolist()  # a new batch's documents
+        positions = torch.cat([torch.arange(n) for n in lengths])[:4 * 2048].view(4, 2048).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(tokens, positions=positions, attention_masks=model.get_attention_masks(positions))
+        out.float().square().mean().backward()
+        torch.cuda.synchronize()
+
+    step()  # compiles and plans
+    syncs = _syncs_of_package(step)
+    assert len(syncs) == 1 and syncs[0].startswith("documents.py"), syncs

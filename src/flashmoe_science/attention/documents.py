@@ -4,7 +4,9 @@ calls (documents attend only within themselves).
 A document starts at every token whose position is 0 and at every row's first token (attention never crosses
 rows, as in Flex's per-row document mask), and runs to the next start. The number of documents and the longest one
 size the varlen call, so they are read on the host: once, together, in one small copy. Callers read them once per
-batch (a model forward), never once per layer (`PackedDocuments` is what they keep).
+batch (a model forward), never once per layer (`PackedDocuments` is what they keep). The cu_seqlens are valid by
+construction (from 0 to the token count, non-decreasing, none longer than ``longest``): callers pass
+``check_values=False`` to the varlen calls on them, which then read nothing more.
 """
 
 from __future__ import annotations

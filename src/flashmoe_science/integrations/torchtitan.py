@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torchtitan.config import derive, override
-from torchtitan.models.common.attention import FlexAttention, VarlenAttention, VarlenMetadata
+from torchtitan.models.common.attention import FlexAttention, GQAttention, VarlenAttention, VarlenMetadata
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
@@ -74,13 +74,16 @@ from torchtitan.distributed.utils import get_spmd_backend
 from torchtitan.protocols.module import Module
 from torch.distributed.tensor import DTensor
 
+from flashmoe_science.attention.checks import capturing
 from flashmoe_science.attention.documents import packed_documents
 from flashmoe_science.attention.varlen import flash_attention_varlen
 from flashmoe_science.distributed import expert_parallel_experts
 from flashmoe_science.moe import fused_experts, grouped_experts
+from flashmoe_science.prepared_cache import remember
+from flashmoe_science.warmup import WarmupCase, packed_lengths
 
-__all__ = ["FlashAttention", "FlashGroupedExperts", "FlashRoutedExperts", "dispatches_locally", "document_metadata",
-           "expert_parallel_group", "flash_decoder"]
+__all__ = ["BuiltMetadata", "FlashAttention", "FlashGroupedExperts", "FlashRoutedExperts", "dispatches_locally",
+           "document_metadata", "expert_parallel_group", "flash_decoder", "warmup_cases"]
 
 
 def _causal_and_window(window_size: tuple[int, int]) -> tuple[bool, tuple[int, int] | None]:
@@ -93,10 +96,31 @@ def _causal_and_window(window_size: tuple[int, int]) -> tuple[bool, tuple[int, i
     raise ValueError(f"window_size={tuple(window_size)}: expected (-1, 0), (-1, -1) or (left >= 0, right >= 0)")
 
 
-def _dense_metadata(batch: int, seq_len: int, device: torch.device) -> VarlenMetadata:
-    """Each of the batch's rows as one whole sequence (what ``attention_masks=None`` means)."""
-    cu_seqlens = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=device)
-    return VarlenMetadata(cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens, max_q=seq_len, max_k=seq_len)
+class BuiltMetadata(VarlenMetadata):
+    """``VarlenMetadata`` that this module built (`document_metadata`, and rows without positions): valid by
+    construction, so :class:`FlashAttention` calls on it with ``check_values=False`` and reads nothing on the host.
+    The mark is the type, not the tensors: under ``torch.compile`` the custom op receives new tensor objects for the
+    same cu_seqlens (so a memo of checked tensors misses in every layer), while Dynamo specialises on the type."""
+
+    __slots__ = ()
+
+
+# _dense_metadata's answers per (batch, seq_len, device): one cu_seqlens tensor for every layer and step
+_DENSE_METADATA: dict[tuple, BuiltMetadata] = {}
+
+
+def _dense_metadata(batch: int, seq_len: int, device: torch.device) -> BuiltMetadata:
+    """Each of the batch's rows as one whole sequence (what ``attention_masks=None`` means), built once per shape:
+    a new tensor per layer would be new to the kernels' work-list memo in every layer. Not kept while a CUDA graph
+    is captured (the tensor would live in the graph's memory pool)."""
+    key = (batch, seq_len, device)
+    meta = _DENSE_METADATA.get(key)
+    if meta is None:
+        cu_seqlens = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=device)
+        meta = BuiltMetadata(cu_seq_q=cu_seqlens, cu_seq_k=cu_seqlens, max_q=seq_len, max_k=seq_len)
+        if not capturing(device):
+            remember(_DENSE_METADATA, key, meta)
+    return meta
 
 
 class FlashAttention(VarlenAttention):
@@ -124,7 +148,7 @@ class FlashAttention(VarlenAttention):
             q_BLNH.reshape(B * L, -1, head_dim), k_BLNH.reshape(B * L, -1, head_dim),
             v_BLNH.reshape(B * L, -1, value_head_dim), meta.cu_seq_q, meta.cu_seq_k, meta.max_q, meta.max_k,
             causal=self.causal, softmax_scale=scale, window=self.window, return_lse=out_transform is not None,
-            backend=self.backend)
+            backend=self.backend, check_values=False if isinstance(meta, BuiltMetadata) else None)
         if out_transform is None:
             return result.view(B, L, -1, value_head_dim)
         out_TNH, lse_NT = result
@@ -240,16 +264,42 @@ class FlashRoutedExperts(RoutedExperts):
         return out_TD.view(B, -1, D)
 
 
-def document_metadata(positions: torch.Tensor) -> VarlenMetadata:
+def document_metadata(positions: torch.Tensor) -> BuiltMetadata:
     """The per-document varlen metadata of a packed batch, ``positions`` ``(B, L)`` restarting at 0 at each document
     (`attention.documents.packed_documents`: a document also starts at every row's first token, as in Flex's
     per-row document mask). ``cu_seq_q = cu_seq_k`` (int32, documents + 1), ``max_q = max_k`` the longest document.
-    The whole batch at once: a few device ops and one host synchronisation. Where every row starts a document
-    (TorchTitan's loaders), equal to TorchTitan's ``create_varlen_metadata_for_document``.
+    The whole batch at once: a few device ops and one host synchronisation, and none in the attention calls on it
+    (`BuiltMetadata`). Where every row starts a document (TorchTitan's loaders), equal to TorchTitan's
+    ``create_varlen_metadata_for_document``.
     """
     documents = packed_documents(positions)
-    return VarlenMetadata(cu_seq_q=documents.cu_seqlens, cu_seq_k=documents.cu_seqlens, max_q=documents.longest,
+    return BuiltMetadata(cu_seq_q=documents.cu_seqlens, cu_seq_k=documents.cu_seqlens, max_q=documents.longest,
                           max_k=documents.longest)
+
+
+def warmup_cases(model_config: Decoder.Config, *, seq_len: int, batch: int = 1, dtype: str = "bf16",
+                 backward: bool = True) -> list[WarmupCase]:
+    """The `warmup.WarmupCase` of every attention call a TorchTitan decoder config makes with our attention on a
+    training batch of ``batch`` rows of ``seq_len`` tokens: per attention layer kind (heads, KV heads, head dim,
+    window), packed calls whose longest document is each of `warmup.packed_lengths` (TorchTitan's loaders pack
+    documents of any length; rows without positions are one sequence of seq_len), each over the batch's tokens.
+    The config may be the job's before or after `flash_decoder` (its Flex or varlen layers are what ours replace).
+    `warmup.warmup` compiles them into Triton's cache before the job starts."""
+    if not isinstance(model_config, Decoder.Config):
+        raise TypeError(f"model_config must be a TorchTitan Decoder.Config, got {type(model_config).__name__}")
+    cases = []
+    for _, attention, _, _ in model_config.traverse(GQAttention.Config):
+        inner = attention.inner_attention
+        if not isinstance(inner, (FlexAttention.Config, VarlenAttention.Config)):
+            continue
+        causal, window = _causal_and_window(getattr(inner, "window_size", (-1, 0)))
+        heads = attention.n_heads
+        base = dict(head_dim=attention.head_dim or attention.dim // heads, heads=heads,
+                    kv_heads=attention.n_kv_heads or heads, dtype=dtype, causal=causal, window=window,
+                    layout="varlen", backward=backward)
+        for length in packed_lengths(seq_len):
+            cases.append(WarmupCase(seq_len=length, batch=max(1, batch * seq_len // length), **base))
+    return list(dict.fromkeys(cases))
 
 
 def _document_masks(self, positions: torch.Tensor):
