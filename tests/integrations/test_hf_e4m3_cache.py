@@ -7,17 +7,15 @@ Both of transformers' paths: the index path (every step on the CPU: writes and r
 decode (transformers enables it with flash_attn on CUDA only; the test lifts that check, and our decode kernel's
 CPU reference runs it on the e4m3 pages with the scales). Also: the calibrated scales, and the refusals."""
 
-import copy
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from flashmoe_science.attention.decode.reference import quantize_to_cache  # noqa: E402
 from flashmoe_science.attention.record import recording  # noqa: E402
 from flashmoe_science.integrations import hf  # noqa: E402
 from flashmoe_science.integrations import hf_e4m3_cache as e4m3  # noqa: E402
+from integrations.e4m3_oracle import oracle  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 22, 7], [3, 4], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7, 11, 40, 2, 19, 20, 21, 22]]
 NEW = 12
@@ -60,31 +58,6 @@ def continuous_batching(model, prompts, new_tokens, scales=None, decode_path=Fal
     finally:
         manager.stop(block=True, timeout=10)
     return [list(results[i].generated_tokens) for i in ids]
-
-
-def oracle(model, prompts, new_tokens, scales=None):
-    """Greedy tokens of full float64 forwards (no cache) whose attention sees e4m3-rounded keys and values."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def rounded(module, query, key, value, mask, **kwargs):
-        if scales is not None:
-            k_scale, v_scale = (s.double() for s in scales.layer(module.layer_idx))
-            key, value = ((quantize_to_cache(t.transpose(1, 2), s).double() * s[:, None]).transpose(1, 2)
-                          for t, s in ((key, k_scale), (value, v_scale)))
-        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
-
-    AttentionInterface.register("e4m3_oracle", rounded)
-    reference = copy.deepcopy(model).double()  # its own config: the attention implementation is set on it
-    reference.set_attn_implementation("e4m3_oracle")
-    tokens = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(new_tokens):
-                ids.append(int(reference(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-            tokens.append(ids[len(prompt):])
-    return tokens
 
 
 @pytest.fixture(scope="module")
