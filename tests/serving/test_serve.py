@@ -245,6 +245,33 @@ def test_on_cuda_an_e4m3_kv_cache_serves_the_tokens_of_its_rounded_keys_and_valu
     check_e4m3_server(tmp_path, device="cuda")
 
 
+def test_serve_bench_plans_every_model_backend_and_cache(tmp_path):
+    """One server per model, backend and (flashmoe only) KV-cache dtype, model by model, each served under its file
+    name; requests per run: one number for all concurrencies or one each, else refused."""
+    import argparse
+
+    from flashmoe_science.serving.bench import add_bench_arguments, requests_per_run, serve_command, servers
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("models", nargs="+")
+    add_bench_arguments(parser)
+    args = parser.parse_args(["a/dense.json", "b/moe.json", "--kv-cache-dtypes", "auto,e4m3", "--requests", "2,8,64"])
+    assert servers(args) == [(model, backend, dtype) for model in ("a/dense.json", "b/moe.json")
+                             for backend, dtype in (("flashmoe", "auto"), ("flashmoe", "e4m3"),
+                                                    ("transformers-sdpa", "auto"))]
+    command = serve_command("a/dense.json", "flashmoe", "e4m3", 1234, argparse.Namespace(
+        page_size=16, cache_tokens=64, max_batch_tokens=32, seed=0, device=None, dtype=None, no_cuda_graphs=True))
+    assert command[command.index("--served-model-name") + 1] == "dense"
+    assert command[command.index("--kv-cache-dtype") + 1] == "e4m3"
+    assert requests_per_run(args) == [2, 8, 64]
+    assert requests_per_run(parser.parse_args(["m", "--requests", "3"])) == [3, 3, 3]
+    assert requests_per_run(parser.parse_args(["m", "--concurrency", "1,64"])) == [4, 128]
+    with pytest.raises(ValueError, match="one number or one per concurrency"):
+        requests_per_run(parser.parse_args(["m", "--requests", "3,4"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["m", "--kv-cache-dtypes", "fp16"])
+
+
 def test_bad_command_input_is_one_line(tmp_path, capsys):
     from flashmoe_science.cli import main
 

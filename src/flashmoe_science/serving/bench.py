@@ -1,9 +1,11 @@
-"""``flashmoe-science serve-bench``: the same model and workload served by each backend, one server loaded at a time.
+"""``flashmoe-science serve-bench``: each model and the same workload served by each backend, one server loaded at a
+time.
 
-One ``flashmoe-science serve`` process per server: each backend, and the ``flashmoe`` backend once per
-``--kv-cache-dtypes`` entry, all with the same cache options, each on a free port. They start together (their model
-builds, kernel compilations and CUDA-graph captures overlap) and are all waited for (``/cache`` answers once
-continuous batching has started) before any is loaded, so a measured server shares the GPU with idle ones only.
+One ``flashmoe-science serve`` process per server: for each model, each backend, and the ``flashmoe`` backend once
+per ``--kv-cache-dtypes`` entry, all with the same cache options, each on a free port, serving its model under the
+name of its file (or folder) without the extension. They start together (their model builds, kernel compilations
+and CUDA-graph captures overlap) and are all waited for (``/cache`` answers once continuous batching has started)
+before any is loaded, so a measured server shares the GPU with idle ones only.
 Then each in turn: a warm-up run (every prompt length bucket at the highest concurrency, `WARMUP_NEW_TOKENS` new
 tokens: kernel compilations, CUDA-graph captures), not recorded; one `load.run_load` per concurrency, each on fresh
 prompts drawn from the same seeded length distribution (uniform over ``--prompt-tokens``); then SIGTERM, and the
@@ -82,11 +84,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def servers(args) -> list[tuple[str, str]]:
-    """(backend, KV-cache dtype) of each server: ``flashmoe`` once per ``--kv-cache-dtypes`` entry, the others on
-    their own cache (``auto``)."""
-    return [(backend, dtype) for backend in args.backends
+def servers(args) -> list[tuple[str, str, str]]:
+    """(model, backend, KV-cache dtype) of each server, model by model: ``flashmoe`` once per ``--kv-cache-dtypes``
+    entry, the other backends on their own cache (``auto``)."""
+    return [(model, backend, dtype) for model in args.models for backend in args.backends
             for dtype in (args.kv_cache_dtypes if backend == "flashmoe" else ["auto"])]
+
+
+def model_label(model: str) -> str:
+    """The name a model is served and recorded under: its config file's or folder's name without the extension."""
+    return Path(model).name if Path(model).is_dir() else Path(model).stem
 
 
 def requests_per_run(args) -> list[int]:
@@ -104,8 +111,9 @@ def requests_per_run(args) -> list[int]:
 
 def serve_command(model: str, backend: str, kv_cache_dtype: str, port: int, args) -> list[str]:
     """The ``flashmoe-science serve`` command line of one server, with the bench's cache options."""
-    command = [sys.executable, "-m", "flashmoe_science.cli", "serve", model, "--backend", backend,
-               "--kv-cache-dtype", kv_cache_dtype, "--port", str(port), "--page-size", str(args.page_size), "--cache-tokens", str(args.cache_tokens),
+    command = [sys.executable, "-m", "flashmoe_science.cli", "serve", model, "--served-model-name",
+               model_label(model), "--backend", backend, "--kv-cache-dtype", kv_cache_dtype, "--port", str(port),
+               "--page-size", str(args.page_size), "--cache-tokens", str(args.cache_tokens),
                "--max-batch-tokens", str(args.max_batch_tokens), "--seed", str(args.seed)]
     for flag, value in (("--device", args.device), ("--dtype", args.dtype)):
         if value:
@@ -188,12 +196,12 @@ def _measure(server: ServerProcess, args, log) -> list[dict]:
     name = served_model_name(server.url)
     label = server.label
     top = max(args.concurrency)
-    warmup = make_prompts(args.model, top, args.prompt_tokens, seed=args.seed + 1)
+    warmup = make_prompts(server.model, top, args.prompt_tokens, seed=args.seed + 1)
     summary = summarize(run_load(server.url, name, warmup, min(args.new_tokens, WARMUP_NEW_TOKENS), top))
     log(f"{label}: warm-up {summary['requests']} requests, {summary['errors']} errors, {summary['seconds']} s")
     records = []
     for index, (concurrency, count) in enumerate(zip(args.concurrency, requests_per_run(args))):
-        prompts = make_prompts(args.model, count, args.prompt_tokens, seed=args.seed + 100 + index)
+        prompts = make_prompts(server.model, count, args.prompt_tokens, seed=args.seed + 100 + index)
         summary = summarize(run_load(server.url, name, prompts, args.new_tokens, concurrency, args.rate))
         records.append({"op": "serve", "name": args.name, "backend": server.backend,
                         "kv_cache_dtype": server.kv_cache_dtype, "model": name, "device": device, "dtype": dtype,
@@ -204,16 +212,20 @@ def _measure(server: ServerProcess, args, log) -> list[dict]:
     return records
 
 
-def start_server(args, backend: str, kv_cache_dtype: str, log_dir=None) -> ServerProcess:
+def server_label(model: str, backend: str, kv_cache_dtype: str) -> str:
+    return f"{model} {backend}" + ("" if kv_cache_dtype == "auto" else f" {kv_cache_dtype}")
+
+
+def start_server(args, model: str, backend: str, kv_cache_dtype: str, log_dir=None) -> ServerProcess:
     """A ``flashmoe-science serve`` process of one server on a free port (not waited for)."""
     port = free_port()
-    label = backend if kv_cache_dtype == "auto" else f"{backend} {kv_cache_dtype}"
+    label = server_label(model_label(model), backend, kv_cache_dtype)
     log_path = None
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-        log_path = Path(log_dir) / f"server-{args.name}-{label.replace(' ', '-')}.log"
-    server = ServerProcess(serve_command(args.model, backend, kv_cache_dtype, port, args), port, log_path)
-    server.backend, server.kv_cache_dtype, server.label = backend, kv_cache_dtype, label
+        log_path = Path(log_dir) / f"server-{label.replace(' ', '-')}.log"
+    server = ServerProcess(serve_command(model, backend, kv_cache_dtype, port, args), port, log_path)
+    server.model, server.backend, server.kv_cache_dtype, server.label = model, backend, kv_cache_dtype, label
     return server
 
 
@@ -242,7 +254,7 @@ def plot_serve(records: list[dict], path, title: str):
                           ("itl_ms_p50", "ITL p50 (ms)")):
         for record in records:
             if record.get(metric) is not None:
-                name = record["backend"] + ("" if record["kv_cache_dtype"] == "auto" else f" {record['kv_cache_dtype']}")
+                name = server_label(record["model"], record["backend"], record["kv_cache_dtype"])
                 panels.setdefault(label, {}).setdefault(name, []).append((record["concurrency"], record[metric]))
     return plot_panels(path, panels, xlabel="concurrent streams", ylabel="", suptitle=title)
 
@@ -251,6 +263,9 @@ def run_bench(args) -> int:
     from flashmoe_science.bench.report import PartialResults, environment_metadata, resolve_commit, write_results
 
     requests_per_run(args)  # its ValueError before any server starts
+    missing = [model for model in args.models if not Path(model).exists()]
+    if missing:
+        raise ValueError(f"MODEL_OR_CONFIG: no such file or folder: {', '.join(missing)}")
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -263,7 +278,7 @@ def run_bench(args) -> int:
     partial = PartialResults(args.out, envelope)  # what was measured survives a killed run
     # SIGTERM (a timeout) stops the servers too: SystemExit runs the `finally` below
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    started = [start_server(args, backend, dtype, log_dir=args.out) for backend, dtype in servers(args)]
+    started = [start_server(args, *server, log_dir=args.out) for server in servers(args)]
     records, failed = [], 0
     try:
         ready = []

@@ -49,10 +49,10 @@ def add_serve_parsers(commands) -> None:
 
     bench = commands.add_parser(
         "serve-bench", help="load-test servers on our kernels and on transformers' SDPA with the openai client",
-        description="Starts `flashmoe-science serve` once per backend on the same model, loads each with N "
-        "concurrent streams (closed loop, or --rate requests/s) of prompts drawn from a length range, and writes "
-        "tokens/s, time to first token and inter-token latency (p50/p99) as JSON and a plot.")
-    bench.add_argument("model", metavar="MODEL_OR_CONFIG")
+        description="Starts `flashmoe-science serve` once per model and backend (all together), then loads each "
+        "in turn with N concurrent streams (closed loop, or --rate requests/s) of prompts drawn from a length range, "
+        "and writes tokens/s, time to first token and inter-token latency (p50/p99) as JSON and a plot.")
+    bench.add_argument("models", metavar="MODEL_OR_CONFIG", nargs="+")
     _cache_arguments(bench)
     add_bench_arguments(bench)
     bench.set_defaults(handler=run_serve_bench)
