@@ -188,7 +188,7 @@ def make_prompts(model: str, count: int, lengths: tuple[int, int], seed: int) ->
     return [decode([draw.randrange(vocab) for _ in range(draw.randint(*lengths))]) for _ in range(count)]
 
 
-def _measure(server: ServerProcess, args, log) -> list[dict]:
+def _measure(server: ServerProcess, args, log, measured) -> list[dict]:
     from flashmoe_science.serving.load import run_load, summarize
     from flashmoe_science.serving.model import default_placement
 
@@ -209,6 +209,7 @@ def _measure(server: ServerProcess, args, log) -> list[dict]:
                         "new_tokens": args.new_tokens, **summary})
         log(f"{label}: concurrency {concurrency}: {summary['tokens_per_s']} tokens/s, TTFT p50 "
             f"{summary['ttft_ms_p50']} ms, ITL p50 {summary['itl_ms_p50']} ms, {summary['errors']} errors")
+        measured(records)
     return records
 
 
@@ -229,14 +230,14 @@ def start_server(args, model: str, backend: str, kv_cache_dtype: str, log_dir=No
     return server
 
 
-def bench_server(server: ServerProcess, args, log) -> list[dict]:
-    """Waits for the started server, measures every concurrency, stops it; its records carry the exit status and
-    the cache's pages."""
+def bench_server(server: ServerProcess, args, log, measured=lambda records: None) -> list[dict]:
+    """Waits for the started server, measures every concurrency (``measured``: called with the server's records so
+    far after each), stops it; its records carry the exit status and the cache's pages."""
     try:
         started = time.monotonic()
         cache = server.wait_ready()
         log(f"{server.label}: ready after another {time.monotonic() - started:.0f} s, cache {cache}")
-        records = _measure(server, args, log)
+        records = _measure(server, args, log, measured)
     finally:
         status = server.stop()
     log(f"{server.label}: server exited with status {status}")
@@ -292,7 +293,7 @@ def run_bench(args) -> int:
         log(f"{len(ready)} of {len(started)} servers ready")
         for server in ready:
             try:
-                records += bench_server(server, args, log)
+                records += bench_server(server, args, log, measured=lambda current: partial(records + current))
             except (RuntimeError, httpx.HTTPError) as error:
                 failed += 1
                 log(f"{server.label}: {type(error).__name__}: {error}")
