@@ -132,6 +132,7 @@ def _cache_class():
                              **kwargs)
             self.model_dtype, self.scales = dtype, scales
 
+        @torch.compiler.disable  # as transformers' own update: views of the cache tensor
         def update(self, key_states, value_states, layer_idx, kwargs):
             k_scale, v_scale = self.scales.layer(layer_idx)
             if kwargs.get("block_table") is not None:  # the decode fast path: the kernel writes and reads
