@@ -272,6 +272,26 @@ def test_serve_bench_plans_every_model_backend_and_cache(tmp_path):
         parser.parse_args(["m", "--kv-cache-dtypes", "fp16"])
 
 
+def test_process_running_counts_an_exited_unreaped_child_as_exited():
+    """What `serve-bench --after-pid` waits on: a running process, then the same process exited but not yet reaped
+    by its parent (a zombie), then gone."""
+    import os
+    import subprocess
+
+    from flashmoe_science.serving.bench import process_running
+
+    assert process_running(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    assert process_running(child.pid)
+    child.stdin.close()
+    deadline = time.monotonic() + 30
+    while process_running(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not process_running(child.pid)  # exited; the zombie is still there until the wait below
+    child.wait()
+    assert not process_running(child.pid)
+
+
 def test_bad_command_input_is_one_line(tmp_path, capsys):
     from flashmoe_science.cli import main
 

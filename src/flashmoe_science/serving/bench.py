@@ -76,6 +76,9 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--out", default="bench-results", help="folder for the JSON and PNG")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--commit", help="commit to record (default: $FLASHMOE_COMMIT, else git)")
+    parser.add_argument("--after-pid", type=int, default=None,
+                        help="load no server before process PID has exited (another job on the GPU, e.g. tests: "
+                        "the servers start meanwhile)")
 
 
 def free_port() -> int:
@@ -161,6 +164,21 @@ class ServerProcess:
         if self.log is not subprocess.DEVNULL:
             self.log.close()
         return self.process.returncode
+
+
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie, exited but not yet reaped, has)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):  # no /proc: existing is running
+        return True
+    return state != "Z"
 
 
 def served_model_name(url: str) -> str:
@@ -291,6 +309,10 @@ def run_bench(args) -> int:
                 failed += 1
                 log(f"{server.label}: {error}")
         log(f"{len(ready)} of {len(started)} servers ready")
+        if args.after_pid is not None and process_running(args.after_pid):
+            log(f"waiting for process {args.after_pid} to exit before the loads")
+            while process_running(args.after_pid):
+                time.sleep(0.5)
         for server in ready:
             try:
                 records += bench_server(server, args, log, measured=lambda current: partial(records + current))
