@@ -1,42 +1,45 @@
 #!/usr/bin/env bash
-# `flashmoe-science serve` on one GPU: its GPU tests, then `serve-bench` (ours against transformers' SDPA, each served
-# by transformers' OpenAI-compatible app with continuous batching, loaded by the openai client) on a random
-# Qwen3-like dense model and a random Qwen3-MoE-like model: prompts of 128..2048 tokens, 128 new tokens,
-# concurrency 1, 8, 64. Writes under $OUT (flat): env.txt, tests.log, bench.log, serve-<model>.json/.png per model,
-# servers.tgz (the servers' own logs).
+# `flashmoe-science serve` on one GPU in at most 4 minutes: the serving GPU tests, then one `serve-bench` of a random
+# Qwen3-like dense model and a random Qwen3-MoE-like model (prompts of 128..2048 tokens, 128 new tokens,
+# concurrency 1, 8, 64): ours with the model-dtype KV cache, ours with the e4m3 KV cache, and transformers' SDPA,
+# each served by transformers' OpenAI-compatible app with continuous batching and loaded by the openai client. The six
+# servers start together and are loaded one at a time (dense first; the MoE SDPA server last).
+# The GPU tests run while the servers start; the loads begin when both are done.
+# Writes under $OUT (flat, 6 files): env.txt (versions, step times), tests.log, bench.log, serve.json (or
+# serve.partial.json if the time ran out: what was measured), serve.png, servers.tgz (the servers' own logs).
 #
-# Run from the repo root on 1 GPU (about 5 minutes; at most 8.5: each step has a timeout), with the serving wheels
-# carried in .whl/serve (6.7 MB):
-#   carry .whl ; command: bash benchmarks/tools/serve_gpu.sh
-# The wheels (cp312, manylinux), downloaded on a machine with network:
-#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#     --platform manylinux_2_17_x86_64 -d .whl/serve fastapi==0.165.0 uvicorn==0.54.0 openai==3.57.0 \
-#     starlette==1.10.0 httpx
-# They go to a folder put first on PYTHONPATH (a consistent set, whatever the machine has); torch and transformers
-# (5.24.x) are the machine's.
+# Run from the repo root on 1 GPU, carrying .whl (the transformers 5.24 wheel and its dependencies in .whl/, the
+# serving wheels in .whl/serve: fastapi, uvicorn, openai, starlette, httpx and theirs; cp312, manylinux):
+#   bash benchmarks/tools/serve_gpu.sh
+# The wheels are unpacked (a wheel is a zip of the installed tree; no pip, no index) into /tmp/serve-site, put on
+# PYTHONPATH after src: a consistent set whatever the machine has; torch and triton are the machine's.
+# Each step's time limit comes from one deadline (TOTAL_S, default 230 s from the start).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+DEADLINE=$(( $(date +%s) + ${TOTAL_S:-230} ))
+left() { echo $(( DEADLINE - $(date +%s) )); }
+python3 -c "import glob, zipfile
+wheels = sorted(glob.glob('.whl/*.whl')) + sorted(glob.glob('.whl/serve/*.whl'))
+[zipfile.ZipFile(w).extractall('/tmp/serve-site') for w in wheels if 'megatron' not in w]"
+export PYTHONPATH=src:/tmp/serve-site PYTHONUNBUFFERED=1
 FLASHMOE_COMMIT=${FLASHMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || cat .commit 2>/dev/null)}
 export FLASHMOE_COMMIT=${FLASHMOE_COMMIT:-unknown}
-if ls .whl/serve/*.whl >/dev/null 2>&1; then
-  python3 -m pip install --no-index --no-deps --quiet --target /tmp/serve-site .whl/serve/*.whl
-  export PYTHONPATH=src:/tmp/serve-site
-fi
 WORK=$(mktemp -d)
 {
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
   python3 -c "import torch, triton, transformers, fastapi, uvicorn, openai as o
 print(torch.__version__, triton.__version__, transformers.__version__, fastapi.__version__, uvicorn.__version__,
       o.__version__, '(torch triton transformers fastapi uvicorn openai)')"
+  echo "set-up: $(( ${TOTAL_S:-230} - $(left) )) s"
 } > "$OUT/env.txt" 2>&1
 
+# the GPU tests run while the servers start (compilations, CUDA-graph captures); no server is loaded before they end
 start=$(date +%s)
-timeout 120 python3 -m pytest -m gpu tests/serving tests/integrations/test_serving_gpu.py -q -p no:cacheprovider \
-  > "$OUT/tests.log" 2>&1
-status=$?
-echo "tests: $(( $(date +%s) - start )) s, status $status" >> "$OUT/env.txt"
+( timeout -k 5 100 python3 -m pytest -m gpu tests/integrations/test_serving_gpu.py -q -p no:cacheprovider \
+    > "$OUT/tests.log" 2>&1
+  echo "tests: $(( $(date +%s) - start )) s, status $?" >> "$OUT/env.txt" ) &
+tests=$!
 
 python3 - "$WORK" <<'EOF'
 import sys
@@ -53,22 +56,22 @@ for name, config in (("qwen3-dense", dense), ("qwen3-moe", moe)):
     open(f"{folder}/{name}.json", "w").write(config.to_json_string())
 EOF
 
-# the workload (smaller values make a CPU dry run: CONCURRENCY=1,2 PROMPT_TOKENS=8:32 NEW_TOKENS=4 ...)
-CONCURRENCY=${CONCURRENCY:-1,8,64} PROMPT_TOKENS=${PROMPT_TOKENS:-128:2048} NEW_TOKENS=${NEW_TOKENS:-128}
-for model in ${MODELS:-qwen3-dense qwen3-moe}; do
-  start=$(date +%s)
-  timeout ${BENCH_TIMEOUT:-180} python3 -m flashmoe_science.cli serve-bench "$WORK/$model.json" --name "$model" \
-    --concurrency "$CONCURRENCY" --prompt-tokens "$PROMPT_TOKENS" --new-tokens "$NEW_TOKENS" \
-    --cache-tokens ${CACHE_TOKENS:-163840} --out "$WORK/$model" >> "$OUT/bench.log" 2>&1
-  status=$?
-  echo "$model: $(( $(date +%s) - start )) s, status $status" >> "$OUT/bench.log"
-  for f in "$WORK/$model"/*; do
-    case $f in
-      *.partial.json) cp "$f" "$OUT/serve-$model.partial.json" ;;
-      *.json|*.png)   cp "$f" "$OUT/serve-$model.${f##*.}" ;;
-    esac
-  done
+# the workload (smaller values make a CPU dry run: CONCURRENCY=1,2 REQUESTS=2 PROMPT_TOKENS=8:32 NEW_TOKENS=4 ...)
+start=$(date +%s)
+timeout -k 20 $(( $(left) - 25 )) python3 -m flashmoe_science.cli serve-bench "$WORK/qwen3-dense.json" \
+  "$WORK/qwen3-moe.json" --name qwen3-dense-moe --kv-cache-dtypes auto,e4m3 --concurrency "${CONCURRENCY:-1,8,64}" \
+  --requests "${REQUESTS:-2,8,64}" --prompt-tokens "${PROMPT_TOKENS:-128:2048}" --new-tokens "${NEW_TOKENS:-128}" \
+  --cache-tokens "${CACHE_TOKENS:-163840}" --out "$WORK/bench" --after-pid $tests > "$OUT/bench.log" 2>&1
+status=$?
+wait $tests
+echo "serve-bench: $(( $(date +%s) - start )) s, status $status" >> "$OUT/env.txt"
+for f in "$WORK"/bench/*; do
+  case $f in
+    *.partial.json) cp "$f" "$OUT/serve.partial.json" ;;
+    *.json|*.png)   cp "$f" "$OUT/serve.${f##*.}" ;;
+  esac
 done
-tar czf "$OUT/servers.tgz" -C "$WORK" $(cd "$WORK" && ls -d */*.log 2>/dev/null)
-grep -E "tokens/s|ready|exited|status|Error" "$OUT/bench.log" | tail -n 40
+tar czf "$OUT/servers.tgz" -C "$WORK/bench" $(cd "$WORK/bench" && ls *.log 2>/dev/null)
+grep -E "tokens/s|ready|exited|stopped|Error" "$OUT/bench.log" | cut -c1-250 | tail -n 40
 tail -n 5 "$OUT/tests.log"
+cat "$OUT/env.txt"

@@ -2,7 +2,10 @@
 client: completions and chat, streaming and not, give the greedy tokens of transformers' own `generate_batch`
 (paged eager attention) on the same random weights; a stream closed by the client gives its cache pages back; a
 request longer than the cache gets a 400 and the server goes on; the load generator measures it; SIGTERM stops it
-with exit status 0, even with a stream open. A missing model and an unsupported transformers are one-line errors."""
+with exit status 0, even with a stream open. With ``--kv-cache-dtype e4m3`` the cache holds one byte a value and the
+served tokens are those of a float64 oracle whose attention sees the keys and values rounded through e4m3 with the
+server's scales. A missing model, an unsupported transformers and an e4m3 cache on the SDPA backend are one-line
+errors."""
 
 import json
 import sys
@@ -34,13 +37,13 @@ def tiny_config(path):
     return str(path)
 
 
-def start_server(folder, device="cpu"):
+def start_server(folder, device="cpu", *options):
     """`flashmoe-science serve` of a tiny float32 random model in a subprocess, ready, with an openai client."""
     config = tiny_config(folder / "config.json")
     port = free_port()
     command = [sys.executable, "-m", "flashmoe_science.cli", "serve", config, "--port", str(port), "--device", device,
                "--dtype", "float32", "--cache-tokens", str(CACHE_TOKENS), "--page-size", str(PAGE_SIZE),
-               "--max-batch-tokens", "256"]
+               "--max-batch-tokens", "256", *options]
     process = ServerProcess(command, port, folder / "server.log")
     try:
         process.wait_ready(timeout_s=240)
@@ -152,6 +155,36 @@ def test_the_load_generator_measures_concurrent_streams(server):
     assert summarize(paced)["errors"] == 0 and min(b - a for a, b in zip(sends, sends[1:])) >= 0.09
 
 
+def e4m3_oracle_tokens(config, prompts, new_tokens, device="cpu"):
+    """The served model's greedy tokens with its keys and values rounded as the server's e4m3 cache holds them
+    (the same weights, and the same scales: calibrated the same way on them)."""
+    from integrations.e4m3_oracle import oracle
+
+    from flashmoe_science.integrations.hf_e4m3_cache import calibrate_scales
+
+    model, _ = load_model(config, "flashmoe", device, "float32", seed=0)
+    return oracle(model, prompts, new_tokens, calibrate_scales(model, seed=0))
+
+
+def check_e4m3_server(folder, device="cpu"):
+    process = start_server(folder, device, "--kv-cache-dtype", "e4m3")
+    try:
+        stats = _cache(process)
+        one_byte_a_value = stats["pages"] * stats["page_size"] * 2 * 2 * 2 * 16  # layers, k/v, KV heads, head dim
+        assert stats["kv_cache_dtype"] == "e4m3" and stats["cache_bytes"] == one_byte_a_value, stats
+        want = e4m3_oracle_tokens(process.config, PROMPTS, NEW, device)
+        for prompt, tokens in zip(PROMPTS, want):
+            chunks = process.client.completions.create(model=process.config, prompt=words(prompt), max_tokens=NEW,
+                                                       stream=True)
+            assert token_ids("".join(c.choices[0].text for c in chunks if c.choices)) == tokens
+    finally:
+        assert process.stop() == 0
+
+
+def test_an_e4m3_kv_cache_serves_the_tokens_of_its_rounded_keys_and_values(tmp_path):
+    check_e4m3_server(tmp_path)
+
+
 def test_sigterm_stops_the_server_with_a_stream_open(server):
     opened = threading.Event()
 
@@ -177,15 +210,19 @@ def test_serve_bench_writes_records_and_a_plot(tmp_path):
     from flashmoe_science.cli import main
 
     config = tiny_config(tmp_path / "config.json")
-    status = main(["serve-bench", config, "--backends", "flashmoe", "--concurrency", "1,3", "--requests", "3",
-                   "--prompt-tokens", "4:30", "--new-tokens", "4", "--cache-tokens", "1024", "--page-size", "16",
-                   "--max-batch-tokens", "256", "--out", str(tmp_path / "out"), "--commit", "test"])
+    status = main(["serve-bench", config, "--backends", "flashmoe", "--kv-cache-dtypes", "auto,e4m3",
+                   "--concurrency", "1,3", "--requests", "2,3", "--prompt-tokens", "4:30", "--new-tokens", "4",
+                   "--cache-tokens", "1024", "--page-size", "16", "--max-batch-tokens", "256",
+                   "--out", str(tmp_path / "out"), "--commit", "test"])
     assert status == 0
     results = list((tmp_path / "out").glob("*.json"))
     records = json.loads(results[0].read_text())["records"]
-    assert [(r["op"], r["backend"], r["concurrency"]) for r in records] == [("serve", "flashmoe", 1),
-                                                                            ("serve", "flashmoe", 3)]
-    assert all(r["errors"] == 0 and r["completion_tokens"] == 12 and r["server_exit_status"] == 0 for r in records)
+    assert [(r["op"], r["backend"], r["kv_cache_dtype"], r["concurrency"], r["requests"]) for r in records] == [
+        ("serve", "flashmoe", dtype, concurrency, requests) for dtype in ("auto", "e4m3")
+        for concurrency, requests in ((1, 2), (3, 3))]
+    assert all(r["errors"] == 0 and r["completion_tokens"] == 4 * r["requests"] and r["server_exit_status"] == 0
+               for r in records)
+    assert records[0]["cache_bytes"] == 4 * records[2]["cache_bytes"]  # float32 against one byte a value
     assert all(r["tokens_per_s"] > 0 and r["itl_ms_p50"] is not None for r in records)
     assert results[0].with_suffix(".png").exists()
 
@@ -201,11 +238,73 @@ def test_on_cuda_completions_give_generate_batch_tokens(tmp_path):
         assert process.stop() == 0
 
 
+@pytest.mark.gpu
+def test_on_cuda_an_e4m3_kv_cache_serves_the_tokens_of_its_rounded_keys_and_values(tmp_path):
+    """The block-table decode kernel on the e4m3 pages with their scales, and the e4m3 prefill writes, under CUDA
+    graphs: the tokens of the float64 oracle on the same rounding."""
+    check_e4m3_server(tmp_path, device="cuda")
+
+
+def test_serve_bench_plans_every_model_backend_and_cache(tmp_path):
+    """One server per model, backend and (flashmoe only) KV-cache dtype, model by model, each served under its file
+    name; requests per run: one number for all concurrencies or one each, else refused."""
+    import argparse
+
+    from flashmoe_science.serving.bench import add_bench_arguments, requests_per_run, serve_command, servers
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("models", nargs="+")
+    add_bench_arguments(parser)
+    args = parser.parse_args(["a/dense.json", "b/moe.json", "--kv-cache-dtypes", "auto,e4m3", "--requests", "2,8,64"])
+    assert servers(args) == [(model, backend, dtype) for model in ("a/dense.json", "b/moe.json")
+                             for backend, dtype in (("flashmoe", "auto"), ("flashmoe", "e4m3"),
+                                                    ("transformers-sdpa", "auto"))]
+    command = serve_command("a/dense.json", "flashmoe", "e4m3", 1234, argparse.Namespace(
+        page_size=16, cache_tokens=64, max_batch_tokens=32, seed=0, device=None, dtype=None, no_cuda_graphs=True))
+    assert command[command.index("--served-model-name") + 1] == "dense"
+    assert command[command.index("--kv-cache-dtype") + 1] == "e4m3"
+    assert requests_per_run(args) == [2, 8, 64]
+    assert requests_per_run(parser.parse_args(["m", "--requests", "3"])) == [3, 3, 3]
+    assert requests_per_run(parser.parse_args(["m", "--concurrency", "1,64"])) == [4, 128]
+    with pytest.raises(ValueError, match="one number or one per concurrency"):
+        requests_per_run(parser.parse_args(["m", "--requests", "3,4"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["m", "--kv-cache-dtypes", "fp16"])
+
+
+def test_process_running_counts_an_exited_unreaped_child_as_exited():
+    """What `serve-bench --after-pid` waits on: a running process, then the same process exited but not yet reaped
+    by its parent (a zombie), then gone."""
+    import os
+    import subprocess
+
+    from flashmoe_science.serving.bench import process_running
+
+    assert process_running(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    assert process_running(child.pid)
+    child.stdin.close()
+    deadline = time.monotonic() + 30
+    while process_running(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not process_running(child.pid)  # exited; the zombie is still there until the wait below
+    child.wait()
+    assert not process_running(child.pid)
+
+
 def test_bad_command_input_is_one_line(tmp_path, capsys):
     from flashmoe_science.cli import main
 
     assert main(["serve", str(tmp_path / "missing")]) == 2
     assert "MODEL_OR_CONFIG must be a model directory" in capsys.readouterr().err
+
+
+def test_an_e4m3_cache_on_the_sdpa_backend_is_refused(tmp_path, capsys):
+    from flashmoe_science.cli import main
+
+    config = tiny_config(tmp_path / "config.json")
+    assert main(["serve", config, "--backend", "transformers-sdpa", "--kv-cache-dtype", "e4m3"]) == 2
+    assert "--kv-cache-dtype e4m3 needs --backend flashmoe" in capsys.readouterr().err
 
 
 def test_an_unsupported_transformers_is_refused_by_name(monkeypatch):

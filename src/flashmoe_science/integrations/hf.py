@@ -19,7 +19,8 @@ arguments. ``check_config`` names any config feature this backend cannot compute
 Serving: ``model.set_attn_implementation(hf.register_flash())`` (``FLASH_IMPLEMENTATION``) runs transformers' own
 flash-attention path on `integrations.flash_attn_interface`, which is what continuous batching (``generate_batch``,
 ``transformers serve``) calls: varlen prefill on packed sequences, and on CUDA the block-table decode on the paged
-cache (``flash_attn_with_kvcache`` -> ``flash_attention_decode``).
+cache (``flash_attn_with_kvcache`` -> ``flash_attention_decode``); with `hf_e4m3_cache.use_e4m3_cache` that cache is
+e4m3 with per-KV-head scales.
 
 transformers has no hook that runs a backend's checks while ``AutoModel.from_config(cfg,
 attn_implementation="fmoe_science")`` builds a model, so a model built that way meets an unsupported feature at
@@ -119,8 +120,22 @@ def _provide_flash_functions() -> None:
     loader._flash_with_kvcache_fn = torch.compiler.disable(_padded_batch_with_kvcache)
     loader._pad_fn, loader._unpad_fn = loader._pad_input, loader._unpad_input
     loader._process_flash_kwargs_fn = loader._lazy_define_process_function(fa.flash_attn_varlen_func)
-    loader._process_with_kvcache_kwargs_fn = loader._lazy_define_process_function(fa.flash_attn_with_kvcache)
+    loader._process_with_kvcache_kwargs_fn = _with_cache_scales(
+        loader._lazy_define_process_function(fa.flash_attn_with_kvcache))
     loader._loaded_implementation = _LoadedName(FLASH_IMPLEMENTATION)
+
+
+def _with_cache_scales(select):
+    """transformers' choice of the block-table call's keywords (``select``: the names it knows), passing on the
+    ``k_scale`` / ``v_scale`` an e4m3 paged cache (`hf_e4m3_cache`) puts among the attention's keywords."""
+
+    def select_with_scales(*args, k_scale=None, v_scale=None, **kwargs):
+        chosen = select(*args, **kwargs)
+        if k_scale is not None or v_scale is not None:
+            chosen.update(k_scale=k_scale, v_scale=v_scale)
+        return chosen
+
+    return select_with_scales
 
 
 # Continuous batching pads the batches it captures in CUDA graphs (and runs each once eagerly before capturing it):

@@ -1,12 +1,16 @@
-"""``flashmoe-science serve-bench``: the same model and workload served by each backend, one server at a time.
+"""``flashmoe-science serve-bench``: each model and the same workload served by each backend, one server loaded at a
+time.
 
-For each backend a ``flashmoe-science serve`` process is started on a free port with the same cache options and
-waited for (``/cache`` answers once continuous batching has started); a warm-up run (every prompt length bucket at
-the highest concurrency: kernel compilations, CUDA-graph captures) is not recorded; then one `load.run_load` per
-concurrency, each on fresh prompts drawn from the same seeded length distribution (uniform over
-``--prompt-tokens``). The server is stopped with SIGTERM and must exit by itself. Records (op ``serve``) carry the
-backend, concurrency, request rate, `load.summarize`'s numbers and the server's exit status; the JSON envelope the
-GPU, versions, commit and date.
+One ``flashmoe-science serve`` process per server: for each model, each backend, and the ``flashmoe`` backend once
+per ``--kv-cache-dtypes`` entry, all with the same cache options, each on a free port, serving its model under the
+name of its file (or folder) without the extension. They start together (their model builds, kernel compilations
+and CUDA-graph captures overlap) and are all waited for (``/cache`` answers once continuous batching has started)
+before any is loaded, so a measured server shares the GPU with idle ones only.
+Then each in turn: a warm-up run (every prompt length bucket at the highest concurrency, `WARMUP_NEW_TOKENS` new
+tokens: kernel compilations, CUDA-graph captures), not recorded; one `load.run_load` per concurrency, each on fresh
+prompts drawn from the same seeded length distribution (uniform over ``--prompt-tokens``); then SIGTERM, and the
+server must exit by itself. Records (op ``serve``) carry the backend, KV-cache dtype, concurrency, request rate,
+`load.summarize`'s numbers and the server's exit status; the JSON envelope the GPU, versions, commit and date.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ import sys
 import time
 from pathlib import Path
 
+from flashmoe_science.integrations.hf_e4m3_cache import KV_CACHE_DTYPES
 from flashmoe_science.serving.model import BACKENDS
 
 SERVER_START_TIMEOUT_S = 900  # model build, cache allocation and CUDA-graph captures on a cold GPU
+WARMUP_NEW_TOKENS = 16  # enough decode steps to capture the decode graphs; the prompts' prefill is the warm-up's bulk
 
 
 def _int_list(text: str) -> list[int]:
@@ -30,6 +36,16 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise ValueError(f"expected positive integers separated by commas, got {text!r}")
     return values
+
+
+def _names(known: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        names = [name for name in text.split(",") if name]
+        unknown = [name for name in names if name not in known]
+        if not names or unknown:
+            raise ValueError(f"expected names among {', '.join(known)} separated by commas, got {text!r}")
+        return names
+    return parse
 
 
 def _length_range(text: str) -> tuple[int, int]:
@@ -41,12 +57,16 @@ def _length_range(text: str) -> tuple[int, int]:
 
 
 def add_bench_arguments(parser) -> None:
-    parser.add_argument("--backends", type=lambda t: t.split(","), default=list(BACKENDS),
+    parser.add_argument("--backends", type=_names(BACKENDS), default=list(BACKENDS),
                         help=f"backends to serve, one after the other (default {','.join(BACKENDS)})")
+    parser.add_argument("--kv-cache-dtypes", type=_names(KV_CACHE_DTYPES), default=["auto"],
+                        help="KV-cache dtypes of the flashmoe backend, one server each (default auto; "
+                        "transformers-sdpa: auto only)")
     parser.add_argument("--concurrency", type=_int_list, default=[1, 8, 64],
                         help="concurrent streams per run (default 1,8,64)")
-    parser.add_argument("--requests", type=int, default=None,
-                        help="requests per run (default: 2 x concurrency, at least 4)")
+    parser.add_argument("--requests", type=_int_list, default=None,
+                        help="requests per run: one number, or one per concurrency (default: 2 x concurrency, at "
+                        "least 4)")
     parser.add_argument("--rate", type=float, default=None,
                         help="send requests at this rate (requests/s) instead of closed loop")
     parser.add_argument("--prompt-tokens", type=_length_range, default=(128, 2048),
@@ -56,6 +76,9 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--out", default="bench-results", help="folder for the JSON and PNG")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--commit", help="commit to record (default: $FLASHMOE_COMMIT, else git)")
+    parser.add_argument("--after-pid", type=int, default=None,
+                        help="load no server before process PID has exited (another job on the GPU, e.g. tests: "
+                        "the servers start meanwhile)")
 
 
 def free_port() -> int:
@@ -64,10 +87,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(model: str, backend: str, port: int, args) -> list[str]:
-    """The ``flashmoe-science serve`` command line of one backend, with the bench's cache options."""
-    command = [sys.executable, "-m", "flashmoe_science.cli", "serve", model, "--backend", backend, "--port",
-               str(port), "--page-size", str(args.page_size), "--cache-tokens", str(args.cache_tokens),
+def servers(args) -> list[tuple[str, str, str]]:
+    """(model, backend, KV-cache dtype) of each server, model by model: ``flashmoe`` once per ``--kv-cache-dtypes``
+    entry, the other backends on their own cache (``auto``)."""
+    return [(model, backend, dtype) for model in args.models for backend in args.backends
+            for dtype in (args.kv_cache_dtypes if backend == "flashmoe" else ["auto"])]
+
+
+def model_label(model: str) -> str:
+    """The name a model is served and recorded under: its config file's or folder's name without the extension."""
+    return Path(model).name if Path(model).is_dir() else Path(model).stem
+
+
+def requests_per_run(args) -> list[int]:
+    """Requests of each concurrency's run: ``--requests`` (one number, or one per concurrency), else 2 x
+    concurrency, at least 4."""
+    if args.requests is None:
+        return [max(4, 2 * concurrency) for concurrency in args.concurrency]
+    if len(args.requests) == 1:
+        return args.requests * len(args.concurrency)
+    if len(args.requests) != len(args.concurrency):
+        raise ValueError(f"--requests: one number or one per concurrency ({len(args.concurrency)}), got "
+                         f"{len(args.requests)}")
+    return list(args.requests)
+
+
+def serve_command(model: str, backend: str, kv_cache_dtype: str, port: int, args) -> list[str]:
+    """The ``flashmoe-science serve`` command line of one server, with the bench's cache options."""
+    command = [sys.executable, "-m", "flashmoe_science.cli", "serve", model, "--served-model-name",
+               model_label(model), "--backend", backend, "--kv-cache-dtype", kv_cache_dtype, "--port", str(port),
+               "--page-size", str(args.page_size), "--cache-tokens", str(args.cache_tokens),
                "--max-batch-tokens", str(args.max_batch_tokens), "--seed", str(args.seed)]
     for flag, value in (("--device", args.device), ("--dtype", args.dtype)):
         if value:
@@ -98,10 +147,15 @@ class ServerProcess:
                 time.sleep(0.5)
         raise RuntimeError(f"the server did not answer on {self.url} within {timeout_s} s")
 
+    def terminate(self) -> None:
+        """SIGTERM if it is running (`stop` waits for it)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
     def stop(self, timeout_s: float = 60) -> int:
         """SIGTERM, then the exit status (SIGKILL and -9 if it has not exited after ``timeout_s``)."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -110,6 +164,21 @@ class ServerProcess:
         if self.log is not subprocess.DEVNULL:
             self.log.close()
         return self.process.returncode
+
+
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie, exited but not yet reaped, has)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):  # no /proc: existing is running
+        return True
+    return state != "Z"
 
 
 def served_model_name(url: str) -> str:
@@ -137,48 +206,62 @@ def make_prompts(model: str, count: int, lengths: tuple[int, int], seed: int) ->
     return [decode([draw.randrange(vocab) for _ in range(draw.randint(*lengths))]) for _ in range(count)]
 
 
-def _measure(server: ServerProcess, args, backend: str, log) -> list[dict]:
+def _measure(server: ServerProcess, args, log, measured) -> list[dict]:
     from flashmoe_science.serving.load import run_load, summarize
     from flashmoe_science.serving.model import default_placement
 
     device, dtype = default_placement(args.device, args.dtype)
     name = served_model_name(server.url)
+    label = server.label
     top = max(args.concurrency)
-    warmup = make_prompts(args.model, top, args.prompt_tokens, seed=args.seed + 1)
-    summary = summarize(run_load(server.url, name, warmup, args.new_tokens, top))
-    log(f"{backend}: warm-up {summary['requests']} requests, {summary['errors']} errors, {summary['seconds']} s")
+    warmup = make_prompts(server.model, top, args.prompt_tokens, seed=args.seed + 1)
+    summary = summarize(run_load(server.url, name, warmup, min(args.new_tokens, WARMUP_NEW_TOKENS), top))
+    log(f"{label}: warm-up {summary['requests']} requests, {summary['errors']} errors, {summary['seconds']} s")
     records = []
-    for index, concurrency in enumerate(args.concurrency):
-        count = args.requests or max(4, 2 * concurrency)
-        prompts = make_prompts(args.model, count, args.prompt_tokens, seed=args.seed + 100 + index)
+    for index, (concurrency, count) in enumerate(zip(args.concurrency, requests_per_run(args))):
+        prompts = make_prompts(server.model, count, args.prompt_tokens, seed=args.seed + 100 + index)
         summary = summarize(run_load(server.url, name, prompts, args.new_tokens, concurrency, args.rate))
-        records.append({"op": "serve", "name": args.name, "backend": backend, "model": name, "device": device,
-                        "dtype": dtype,
+        records.append({"op": "serve", "name": args.name, "backend": server.backend,
+                        "kv_cache_dtype": server.kv_cache_dtype, "model": name, "device": device, "dtype": dtype,
                         "concurrency": concurrency, "rate": args.rate, "prompt_tokens_range": list(args.prompt_tokens),
                         "new_tokens": args.new_tokens, **summary})
-        log(f"{backend}: concurrency {concurrency}: {summary['tokens_per_s']} tokens/s, TTFT p50 "
+        log(f"{label}: concurrency {concurrency}: {summary['tokens_per_s']} tokens/s, TTFT p50 "
             f"{summary['ttft_ms_p50']} ms, ITL p50 {summary['itl_ms_p50']} ms, {summary['errors']} errors")
+        measured(records)
     return records
 
 
-def bench_backend(args, backend: str, log, log_dir=None) -> list[dict]:
-    """Starts the backend's server, measures every concurrency, stops it; its records carry the exit status."""
+def server_label(model: str, backend: str, kv_cache_dtype: str) -> str:
+    return f"{model} {backend}" + ("" if kv_cache_dtype == "auto" else f" {kv_cache_dtype}")
+
+
+def start_server(args, model: str, backend: str, kv_cache_dtype: str, log_dir=None) -> ServerProcess:
+    """A ``flashmoe-science serve`` process of one server on a free port (not waited for)."""
     port = free_port()
+    label = server_label(model_label(model), backend, kv_cache_dtype)
     log_path = None
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-        log_path = Path(log_dir) / f"server-{args.name}-{backend}.log"
-    server = ServerProcess(serve_command(args.model, backend, port, args), port, log_path)
+        log_path = Path(log_dir) / f"server-{label.replace(' ', '-')}.log"
+    server = ServerProcess(serve_command(model, backend, kv_cache_dtype, port, args), port, log_path)
+    server.model, server.backend, server.kv_cache_dtype, server.label = model, backend, kv_cache_dtype, label
+    return server
+
+
+def bench_server(server: ServerProcess, args, log, measured=lambda records: None) -> list[dict]:
+    """Waits for the started server, measures every concurrency (``measured``: called with the server's records so
+    far after each), stops it; its records carry the exit status and the cache's pages."""
     try:
         started = time.monotonic()
         cache = server.wait_ready()
-        log(f"{backend}: ready in {time.monotonic() - started:.0f} s, cache {cache}")
-        records = _measure(server, args, backend, log)
+        log(f"{server.label}: ready after another {time.monotonic() - started:.0f} s, cache {cache}")
+        records = _measure(server, args, log, measured)
     finally:
         status = server.stop()
-    log(f"{backend}: server exited with status {status}")
+    log(f"{server.label}: server exited with status {status}")
     for record in records:
-        record.update(server_exit_status=status, cache_pages=cache["pages"], page_size=cache["page_size"])
+        record.update(server_exit_status=status, cache_pages=cache["pages"], page_size=cache["page_size"],
+                      cache_bytes=cache["cache_bytes"])
     return records
 
 
@@ -190,34 +273,62 @@ def plot_serve(records: list[dict], path, title: str):
                           ("itl_ms_p50", "ITL p50 (ms)")):
         for record in records:
             if record.get(metric) is not None:
-                panels.setdefault(label, {}).setdefault(record["backend"], []).append(
-                    (record["concurrency"], record[metric]))
+                name = server_label(record["model"], record["backend"], record["kv_cache_dtype"])
+                panels.setdefault(label, {}).setdefault(name, []).append((record["concurrency"], record[metric]))
     return plot_panels(path, panels, xlabel="concurrent streams", ylabel="", suptitle=title)
 
 
 def run_bench(args) -> int:
     from flashmoe_science.bench.report import PartialResults, environment_metadata, resolve_commit, write_results
 
-    unknown = [b for b in args.backends if b not in BACKENDS]
-    if unknown:
-        raise ValueError(f"--backends: unknown {', '.join(unknown)} (known: {', '.join(BACKENDS)})")
+    requests_per_run(args)  # its ValueError before any server starts
+    missing = [model for model in args.models if not Path(model).exists()]
+    if missing:
+        raise ValueError(f"MODEL_OR_CONFIG: no such file or folder: {', '.join(missing)}")
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    import httpx
     import transformers
 
     envelope = {**environment_metadata(resolve_commit(args.commit)), "transformers": transformers.__version__,
                 "suite": f"serve-{args.name}"}
     partial = PartialResults(args.out, envelope)  # what was measured survives a killed run
-    records = []
-    for backend in args.backends:
-        records += bench_backend(args, backend, log, log_dir=args.out)
-        partial(records)
+    # SIGTERM (a timeout) stops the servers too: SystemExit runs the `finally` below
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    started = [start_server(args, *server, log_dir=args.out) for server in servers(args)]
+    records, failed = [], 0
+    try:
+        ready = []
+        for server in started:  # all ready before any is loaded: none still compiles or captures meanwhile
+            try:
+                server.wait_ready()
+                ready.append(server)
+            except RuntimeError as error:  # the others are still measured
+                failed += 1
+                log(f"{server.label}: {error}")
+        log(f"{len(ready)} of {len(started)} servers ready")
+        if args.after_pid is not None and process_running(args.after_pid):
+            log(f"waiting for process {args.after_pid} to exit before the loads")
+            while process_running(args.after_pid):
+                time.sleep(0.5)
+        for server in ready:
+            try:
+                records += bench_server(server, args, log, measured=lambda current: partial(records + current))
+            except (RuntimeError, httpx.HTTPError) as error:
+                failed += 1
+                log(f"{server.label}: {type(error).__name__}: {error}")
+            partial(records)
+    finally:
+        for server in started:  # all signalled, then each waited for
+            server.terminate()
+        for server in started:
+            server.stop()
     path = write_results(args.out, envelope, records)
     partial.finish()
     print(json.dumps(records, indent=1))
     print(f"results: {path}", file=sys.stderr)
-    if not args.no_plot:
+    if records and not args.no_plot:
         plot_serve(records, path.with_suffix(".png"), title=f"{args.name}, {path.stem}")
-    return 0
+    return 1 if failed else 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from flashmoe_science.errors import CommandError
+from flashmoe_science.integrations.hf_e4m3_cache import KV_CACHE_DTYPES
 from flashmoe_science.serving.model import BACKENDS, default_placement
 
 DEFAULT_PORT = 8000
@@ -34,6 +35,9 @@ def add_serve_parsers(commands) -> None:
         "directory, or a config.json (random weights, a word tokenizer t0 t1 ...). Stops on Ctrl-C or SIGTERM.")
     serve.add_argument("model", metavar="MODEL_OR_CONFIG")
     serve.add_argument("--backend", choices=BACKENDS, default="flashmoe")
+    serve.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                       help="auto: the model's dtype; e4m3: one byte a value with per-layer, per-KV-head scales "
+                       "calibrated at start (--backend flashmoe only)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT)
     serve.add_argument("--served-model-name", help="the model name clients send (default: MODEL_OR_CONFIG)")
@@ -45,10 +49,10 @@ def add_serve_parsers(commands) -> None:
 
     bench = commands.add_parser(
         "serve-bench", help="load-test servers on our kernels and on transformers' SDPA with the openai client",
-        description="Starts `flashmoe-science serve` once per backend on the same model, loads each with N "
-        "concurrent streams (closed loop, or --rate requests/s) of prompts drawn from a length range, and writes "
-        "tokens/s, time to first token and inter-token latency (p50/p99) as JSON and a plot.")
-    bench.add_argument("model", metavar="MODEL_OR_CONFIG")
+        description="Starts `flashmoe-science serve` once per model and backend (all together), then loads each "
+        "in turn with N concurrent streams (closed loop, or --rate requests/s) of prompts drawn from a length range, "
+        "and writes tokens/s, time to first token and inter-token latency (p50/p99) as JSON and a plot.")
+    bench.add_argument("models", metavar="MODEL_OR_CONFIG", nargs="+")
     _cache_arguments(bench)
     add_bench_arguments(bench)
     bench.set_defaults(handler=run_serve_bench)
@@ -66,19 +70,21 @@ def check_stack() -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from flashmoe_science.serving import server
-    from flashmoe_science.serving.model import load_model
+    from flashmoe_science.serving.model import check_kv_cache_dtype, kv_cache_scales, load_model
 
     check_stack()
     device, dtype = default_placement(args.device, args.dtype)
     try:
+        check_kv_cache_dtype(args.backend, args.kv_cache_dtype)
         model, tokenizer = load_model(args.model, args.backend, device, dtype, seed=args.seed)
+        kv_scales = kv_cache_scales(model, args.kv_cache_dtype, seed=args.seed)
     except ValueError as error:
         raise CommandError(str(error)) from None
     config = server.cb_config(args.backend, args.page_size, args.cache_tokens, args.max_batch_tokens,
                               False if args.no_cuda_graphs else None)
-    app = server.Server(args.served_model_name or args.model, model, tokenizer, config)
-    print(f"serving {args.model} ({args.backend}, {device}, {dtype}) on http://{args.host}:{args.port}/v1",
-          flush=True)
+    app = server.Server(args.served_model_name or args.model, model, tokenizer, config, kv_scales)
+    print(f"serving {args.model} ({args.backend}, {device}, {dtype}, KV cache {args.kv_cache_dtype}) on "
+          f"http://{args.host}:{args.port}/v1", flush=True)
     server.run(app, args.host, args.port, args.log_level)
     return 0
 

@@ -8,6 +8,10 @@ Backends: ``flashmoe`` puts the model on our attention through transformers' fla
 (``hf.register_flash``: the varlen prefill and, on CUDA, the block-table decode that continuous batching calls) and
 swaps its Mixtral / Qwen3-MoE blocks for ``FusedMoE``; ``transformers-sdpa`` keeps transformers' own SDPA attention
 and experts (the baseline).
+
+KV cache: ``auto`` is transformers' paged cache in the model's dtype; ``e4m3`` (``flashmoe`` only) stores it as e4m3
+with per-layer, per-KV-head scales calibrated on the loaded model (`integrations.hf_e4m3_cache`), which the
+block-table decode reads as it is.
 """
 
 from __future__ import annotations
@@ -92,6 +96,28 @@ def load_model(source: str, backend: str = "flashmoe", device: str = "cpu", dtyp
     model = model.to(device).eval()
     _use_backend(model, backend)
     return model, tokenizer
+
+
+def check_kv_cache_dtype(backend: str, kv_cache_dtype: str) -> None:
+    """A ValueError naming ``--kv-cache-dtype`` when the backend cannot serve that cache."""
+    from flashmoe_science.integrations.hf_e4m3_cache import KV_CACHE_DTYPES
+
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "e4m3" and backend != "flashmoe":
+        raise ValueError(f"--kv-cache-dtype e4m3 needs --backend flashmoe (our decode kernels read the e4m3 cache "
+                         f"with its scales); {backend} reads the cache in the model's dtype")
+
+
+def kv_cache_scales(model, kv_cache_dtype: str, seed: int = 0):
+    """The e4m3 cache's scales (`hf_e4m3_cache.KVScales`, calibrated on ``model``) for ``e4m3``; None for
+    ``auto``."""
+    from flashmoe_science.integrations import hf_e4m3_cache
+
+    if kv_cache_dtype == "auto":
+        return None
+    hf_e4m3_cache.check_config(model.config)
+    return hf_e4m3_cache.calibrate_scales(model, seed=seed)
 
 
 def _use_backend(model, backend: str) -> None:

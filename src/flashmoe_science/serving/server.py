@@ -7,8 +7,9 @@ subclasses, which is why it is pinned to the transformers versions it was tested
 clear error on others):
 
 - the model manager hands out the prepared model and tokenizer instead of loading one by name;
-- the continuous-batching manager is started with the server, not at the first request: the paged cache and any
-  CUDA-graph captures exist before a client waits on them, and the cache's size is known. A request whose prompt
+- the continuous-batching manager is started with the server, not at the first request: the paged cache (e4m3
+  with its scales when given them: `integrations.hf_e4m3_cache`) and any CUDA-graph captures exist before a client
+  waits on them, and the cache's size is known. A request whose prompt
   and ``max_tokens`` cannot fit in the cache (or past the model's positions) gets a 400 naming the numbers; in
   transformers it would wait forever for pages that never come;
 - on shutdown (SIGINT / SIGTERM, through uvicorn) the generation loop is stopped hard after uvicorn's graceful
@@ -63,6 +64,8 @@ def _parts():
     from transformers.cli.serving.model_manager import ModelManager, TimedModel
     from transformers.cli.serving.utils import CBGenerateManager, GenerationState
 
+    from flashmoe_science.integrations.hf_e4m3_cache import use_e4m3_cache
+
     class PreparedModelManager(ModelManager):
         """Serves one model under ``name``: every request gets the prepared model and tokenizer."""
 
@@ -77,15 +80,18 @@ def _parts():
             return timed.model, timed.processor
 
     class CheckedCBManager(CBGenerateManager):
-        """transformers' continuous-batching manager, started eagerly, refusing requests the cache cannot hold."""
+        """transformers' continuous-batching manager, started eagerly, refusing requests the cache cannot hold; an
+        e4m3 paged cache with ``kv_scales`` (`hf_e4m3_cache.KVScales`) when they are given."""
 
-        max_request_tokens = page_size = None
+        max_request_tokens = page_size = kv_scales = None
 
         def init_cb(self, model, gen_config) -> None:
             if self._cb is not None:
                 return
             manager = model.init_continuous_batching(generation_config=gen_config,
                                                      continuous_batching_config=self._cb_config)
+            if self.kv_scales is not None:
+                use_e4m3_cache(manager, self.kv_scales)
             manager.warmup()  # builds the paged cache (and captures CUDA graphs when it uses them)
             cache = manager.batch_processor.cache
             self.page_size = manager.continuous_batching_config.page_size
@@ -118,9 +124,10 @@ def _parts():
     class ServedGeneration(GenerationState):
         """Continuous batching of one model through a `CheckedCBManager`."""
 
-        def __init__(self, config):
+        def __init__(self, config, kv_scales=None):
             super().__init__(continuous_batching=True, cb_config=config)
             self._cb_manager = CheckedCBManager(cb_config=config)
+            self._cb_manager.kv_scales = kv_scales
 
         def get_manager(self, model_id: str, use_cb: bool = False):
             if not use_cb:
@@ -136,9 +143,10 @@ def _parts():
 
 class Server:
     """The app for one prepared model: ``start()`` starts continuous batching, ``app`` is the FastAPI app (run by
-    uvicorn in `run`, or by a test's own uvicorn), ``shutdown()`` stops the generation loop and frees the model."""
+    uvicorn in `run`, or by a test's own uvicorn), ``shutdown()`` stops the generation loop and frees the model.
+    ``kv_scales`` (`hf_e4m3_cache.KVScales`): the paged cache is e4m3 with these scales; None: the model's dtype."""
 
-    def __init__(self, name: str, model, tokenizer, config):
+    def __init__(self, name: str, model, tokenizer, config, kv_scales=None):
         check_serving_stack()
         from transformers.cli.serving.chat_completion import ChatCompletionHandler
         from transformers.cli.serving.completion import CompletionHandler
@@ -150,7 +158,7 @@ class Server:
         PreparedModelManager, ServedGeneration = _parts()
         self.name, self.model = name, model
         self.models = PreparedModelManager(name, model, tokenizer)
-        self.generation = ServedGeneration(config)
+        self.generation = ServedGeneration(config, kv_scales)
         common = dict(model_manager=self.models, generation_state=self.generation)
         self.app = build_server(
             self.models, ChatCompletionHandler(**common), completion_handler=CompletionHandler(**common),
@@ -166,16 +174,17 @@ class Server:
         self.generation.manager.init_cb(self.model, generation_config)
 
     def cache_statistics(self) -> dict:
-        """The model's attention implementation and the paged cache's pool: its pages, the fractions free and kept
-        only for prefix reuse (unreferenced full pages, evicted when pages run out), the requests holding or awaiting
-        pages, and the per-request limit."""
+        """The model's attention implementation and the paged cache's pool: its dtype (``e4m3`` or the model's),
+        pages and bytes, the fractions free and kept only for prefix reuse (unreferenced full pages, evicted when
+        pages run out), the requests holding or awaiting pages, and the per-request limit."""
         manager = self.generation.manager
         scheduler = manager.scheduler
         cache = scheduler.cache
         total_bytes = cache.num_sectors * cache.bytes_per_sector
         reusable = sum(len(a.ledger.cached_blocks) * a.bytes_per_block for a in cache.cache_allocators.values())
-        return {"attn_implementation": self.model.config._attn_implementation, "pages": cache.num_blocks,
-                "page_size": manager.page_size, "free_fraction": cache.compute_free_capacity(),
+        kv_dtype = "e4m3" if manager.kv_scales is not None else str(self.model.dtype).removeprefix("torch.")
+        return {"attn_implementation": self.model.config._attn_implementation, "kv_cache_dtype": kv_dtype,
+                "pages": cache.num_blocks, "cache_bytes": total_bytes, "page_size": manager.page_size, "free_fraction": cache.compute_free_capacity(),
                 "reusable_fraction": reusable / total_bytes, "requests_active": len(scheduler.active_requests),
                 "requests_waiting": len(scheduler.waiting_requests), "max_request_tokens": manager.max_request_tokens}
 
