@@ -4,17 +4,8 @@
 # first step of a fresh process cold / after `flashmoe-science warmup` / sdpa (first_call.py). Logs and JSON under
 # $OUT (7 files, flat). transformers is installed from the wheels in .whl/ (carried) where the machine lacks it.
 #   bash benchmarks/tools/gpu_hf_attention.sh
-set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONPATH=src:benchmarks/tools PYTHONUNBUFFERED=1
-COMMIT=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
-export FLASHMOE_COMMIT=${FLASHMOE_COMMIT:-$COMMIT}
-if ! python3 -c "import transformers" 2>/dev/null; then
-  # a wheel is a zip of the installed tree: unpacked as pip --target would, without pip or an index
-  python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/hf-site') for w in glob.glob('.whl/*.whl')]"
-  export PYTHONPATH=/tmp/hf-site:$PYTHONPATH
-fi
+source benchmarks/tools/gpu_common.sh
+unpack_wheels transformers '.whl/*.whl' /tmp/hf-site first
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
   python3 -c "import torch, triton, transformers as t; print(torch.__version__, triton.__version__, t.__version__)"
 } > "$OUT/env.txt" 2>&1

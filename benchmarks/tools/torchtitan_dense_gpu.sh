@@ -6,18 +6,8 @@
 # the tests run. Logs and JSON under $OUT (6 files, flat). torchtitan 0.3.0 and the packages it needs beyond the
 # machine's are unpacked from the wheels in .whl/titan/ (carried; 2.7 MB) where the machine lacks them.
 #   bash benchmarks/tools/torchtitan_dense_gpu.sh          # STEPS, REPEATS, DEADLINE (s), TITAN_FLAGS to change
-set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONPATH=src:benchmarks/tools PYTHONUNBUFFERED=1
-COMMIT=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
-export FLASHMOE_COMMIT=${FLASHMOE_COMMIT:-$COMMIT}
-if ! python3 -c "import torchtitan" 2>/dev/null; then
-  # a wheel is a zip of the installed tree: unpacked as pip --target would, without pip or an index
-  python3 -c "import glob, zipfile
-for wheel in glob.glob('.whl/titan/*.whl'): zipfile.ZipFile(wheel).extractall('/tmp/titan-site')"
-  export PYTHONPATH=$PYTHONPATH:/tmp/titan-site
-fi
+source benchmarks/tools/gpu_common.sh
+unpack_wheels torchtitan '.whl/titan/*.whl' /tmp/titan-site last
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
   python3 -c "import torch, triton, importlib.metadata as m
 print(torch.__version__, triton.__version__, m.version('torchtitan'))"
