@@ -65,7 +65,7 @@ SIZES = {
 
 
 def transformer_config(size: Size, *, expert_parallel: int, expert_tensor_parallel: int,
-                       bf16: bool) -> TransformerConfig:
+                       bf16: bool, deterministic: bool = False) -> TransformerConfig:
     """Megatron-core's config for ``size``: SwiGLU experts without biases, RMSNorm, no dropout, the alltoall token
     dispatcher (allgather on the CPU, where alltoall needs CUDA streams), auxiliary load-balancing loss, and none of
     the fusions that need apex or TransformerEngine."""
@@ -80,7 +80,7 @@ def transformer_config(size: Size, *, expert_parallel: int, expert_tensor_parall
         expert_model_parallel_size=expert_parallel, expert_tensor_parallel_size=expert_tensor_parallel,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32, use_cpu_initialization=not on_gpu,
         masked_softmax_fusion=False, bias_activation_fusion=on_gpu, persist_layer_norm=False,
-        gradient_accumulation_fusion=False)
+        gradient_accumulation_fusion=False, deterministic_mode=deterministic)
 
 
 def seed_all(seed: int) -> None:

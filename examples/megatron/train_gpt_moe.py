@@ -77,6 +77,9 @@ def parse_args(argv=None):
     parser.add_argument("--zipf", type=float, default=1.0,
                         help="Zipf exponent of the token distribution (default 1; 0: uniform)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deterministic", action="store_true",
+                        help="Megatron-core's deterministic_mode: our attention's dQ adds in a fixed order (the "
+                             "experts' dx adds on Hopper stay unordered)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                         help="model dtype (default: bfloat16 on GPUs, float32 on CPUs)")
     parser.add_argument("--commit", default=os.environ.get("FLASHMOE_COMMIT", "unknown"))
@@ -190,7 +193,7 @@ def run(kernels: str, repeat: int, size: gpt_moe.Size, args, device, on_step) ->
     from megatron.core import parallel_state
 
     config = gpt_moe.transformer_config(size, expert_parallel=args.ep, expert_tensor_parallel=args.etp,
-                                        bf16=args.dtype == "bfloat16")
+                                        bf16=args.dtype == "bfloat16", deterministic=args.deterministic)
     model = gpt_moe.build_model(kernels, config, size, args.seed)
     if config.bf16:  # as Megatron's training builds it: every weight in bf16 (norms included), float32 logits/loss
         model = Float16Module(config, model)

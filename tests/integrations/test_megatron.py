@@ -122,6 +122,25 @@ def test_core_attention_packed_sequences(padded):
         torch.testing.assert_close(out[rows], expected[:, 0], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("mode", [False, True])
+def test_core_attention_follows_deterministic_mode(mode, monkeypatch):
+    """``config.deterministic_mode`` reaches the kernels as ``deterministic``, dense and packed."""
+    from flashmoe_science.integrations.megatron import attention as module
+
+    seen = []
+    for name in ("flash_attention_science", "flash_attention_varlen"):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, original=original, **kwargs: (
+            seen.append(kwargs["deterministic"]), original(*args, **kwargs))[1])
+    attention = FlashCoreAttention(_config(deterministic_mode=mode), 1, AttnMaskType.causal, "self")
+    attention(*_qkv(6, 2), None)
+    q, k, v = (t.detach()[:, :1] for t in _qkv(6, 1))
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=4, max_seqlen_kv=4)
+    attention(q, k, v, None, packed_seq_params=params)
+    assert seen == [mode, mode]
+
+
 @pytest.mark.parametrize("changes, message", [
     (dict(attention_dropout=0.1), "attention_dropout"),
     (dict(softmax_type="off-by-one"), "softmax_type"),

@@ -14,7 +14,9 @@ rotated (RoPE). The core attention returns ``[s, b, heads·d]`` (``[t, heads·d]
 - Megatron's sliding window (``config.window_size`` on the layers ``window_attn_skip_freq`` selects) as our
   ``window``, both bottom-right aligned (query i sees key j iff ``i + sk - sq - left <= j <= i + sk - sq + right``,
   Megatron's ``get_sliding_window_causal_mask``); -1 is an unbounded side, as in TE and flash-attn;
-- ``attention_bias`` (dense batches) as our additive ``attn_bias``, with its gradient when it requires one.
+- ``attention_bias`` (dense batches) as our additive ``attn_bias``, with its gradient when it requires one;
+- ``config.deterministic_mode`` as our ``deterministic`` (bit-identical gradients run to run, as TE's attention
+  under that mode).
 
 Refused when built (``ValueError`` naming the config field): attention dropout, context parallelism, softmax types
 other than "vanilla", QK-clip (it reads the softmax's logits), ``arbitrary`` masks, a causal layer whose window
@@ -89,6 +91,7 @@ class FlashCoreAttention(MegatronModule):
         # scale is the plain one. The heads arrive split over tensor-parallel ranks already (pg_collection unused).
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
         self.window = layer_window(config, self.layer_number, attn_mask_type in CAUSAL_TYPES)
+        self.deterministic = bool(getattr(config, "deterministic_mode", False))
         self.backend = backend
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
@@ -107,7 +110,8 @@ class FlashCoreAttention(MegatronModule):
         # [s, b, heads, d] -> (b, heads, s, d) views: the kernels take any strides
         out = flash_attention_science(
             query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), causal=causal,
-            softmax_scale=self.softmax_scale, window=self.window, attn_bias=attention_bias, backend=self.backend)
+            softmax_scale=self.softmax_scale, window=self.window, attn_bias=attention_bias, backend=self.backend,
+            deterministic=self.deterministic)
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
@@ -130,5 +134,5 @@ class FlashCoreAttention(MegatronModule):
             query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
         out = flash_attention_varlen(query, key, value, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q),
                                      int(max_k), causal=causal, softmax_scale=self.softmax_scale,
-                                     window=self.window, backend=self.backend)
+                                     window=self.window, backend=self.backend, deterministic=self.deterministic)
         return out.reshape(out.shape[0], -1)
