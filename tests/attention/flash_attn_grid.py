@@ -18,7 +18,8 @@ import zlib
 import torch
 import torch.nn.functional as F
 
-from feature_oracle import check_forward_and_grads, varlen_feature_attention
+from feature_oracle import assert_within_rule, check_forward_and_grads, varlen_feature_attention
+from helpers import LSE_SLACK
 from flashmoe_science.integrations.flash_attn_interface import flash_attn_varlen_func
 
 PADDING = ("full", "random", "third", "zero")
@@ -96,3 +97,52 @@ def run_varlen_grid_case(seqlen_q: int, seqlen_k: int, d: int, variant: str, pad
         return _pad(out, indices_q, batch, seqlen_q), lse
 
     check_forward_and_grads(ours, oracle, (q, k, v), dtype, ("dq", "dk", "dv"))
+
+
+def run_paged_varlen_case(seqlen_q: int, seqlen_k: int, d: int, block_size: int, variant: str, padding: str, dtype,
+                          device, batch: int = 4):
+    """FlashAttention's paged varlen test (its tests/test_flash_attn.py, test_flash_attn_varlen_causal with
+    paged_kv_block_size): the keys and values live in a paged cache of 3x the pages the batch needs, sequence b's
+    pages in random order in row b of the block table, and the varlen call reads sequence b's first
+    cu_seqlens_k[b+1] - cu_seqlens_k[b] positions through it. Forward only, as there: out and LSE against the
+    float64 oracle on the same keys gathered into packed rows."""
+    options = VARIANTS[variant]
+    generator = torch.Generator().manual_seed(zlib.crc32(f"paged {seqlen_q} {seqlen_k} {d} {block_size} {variant}"
+                                                         f" {padding}".encode()))
+
+    def randn(*shape):
+        return torch.randn(shape, generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    heads_kv = options.get("heads_kv", HEADS)
+    blocks_per_row = -(-seqlen_k // block_size)
+    num_blocks = 3 * batch * blocks_per_row
+    k_pages, v_pages = randn(num_blocks, block_size, heads_kv, d), randn(num_blocks, block_size, heads_kv, d)
+    table = torch.randperm(num_blocks, generator=generator)[:batch * blocks_per_row].view(batch, blocks_per_row)
+    table = table.to(device=device, dtype=torch.int32)
+    k, v = (pages[table.long()].flatten(1, 2)[:, :seqlen_k] for pages in (k_pages, v_pages))
+    q = randn(batch, seqlen_q, HEADS, d)
+    lengths_q = padding_lengths(padding, seqlen_q, batch, generator)
+    lengths_k = padding_lengths(padding, seqlen_k, batch, generator)
+    mask_q = torch.arange(seqlen_q, device=device) < torch.tensor(lengths_q, device=device)[:, None]
+    mask_k = torch.arange(seqlen_k, device=device) < torch.tensor(lengths_k, device=device)[:, None]
+    window = (torch.randint(0, seqlen_k, (2,), generator=generator) if options.get("local")
+              else torch.tensor([-1, -1]))
+    causal = options.get("causal", False)
+    q_packed, indices_q, cu_q = _unpad(q, mask_q)
+    cu_k = F.pad(mask_k.sum(1).cumsum(0), (1, 0)).to(torch.int32)
+    out, lse = flash_attn_varlen_func(q_packed, k_pages, v_pages, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                      causal=causal, window_size=window, return_attn_probs=True, block_table=table)
+    (k_packed, _, _), (v_packed, _, _) = _unpad(k, mask_k), _unpad(v, mask_k)
+
+    def oracle(compute_dtype):
+        return varlen_feature_attention(*(t.to(compute_dtype) for t in (q_packed, k_packed, v_packed)), cu_q.tolist(),
+                                        cu_k.tolist(), causal=causal, window=tuple(window.tolist()),
+                                        dtype=compute_dtype)
+
+    (ref, ref_lse), (same, same_lse) = oracle(torch.float64), oracle(dtype)
+    assert_within_rule("out", _pad(out, indices_q, batch, seqlen_q).cpu(), _pad(ref, indices_q, batch, seqlen_q).cpu(),
+                       _pad(same, indices_q, batch, seqlen_q).cpu(), dtype)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse: -inf rows differ"
+    assert_within_rule("lse", lse[finite].cpu(), ref_lse[finite].cpu(), same_lse.float()[finite].cpu(), dtype,
+                       LSE_SLACK, relative=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flash_attn_grid import PADDING, VARIANTS, run_varlen_grid_case
+from flash_attn_grid import PADDING, VARIANTS, run_paged_varlen_case, run_varlen_grid_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -28,4 +28,17 @@ CASES = [(*SEQLENS[i % len(SEQLENS)], HEAD_DIMS[i % len(HEAD_DIMS)], list(VARIAN
 @pytest.mark.parametrize("seqlen_q,seqlen_k,d,variant,padding,dtype", CASES, ids=str)
 def test_flash_attn_varlen_grid(seqlen_q, seqlen_k, d, variant, padding, dtype):
     run_varlen_grid_case(seqlen_q, seqlen_k, d, variant, padding, dtype, "cuda")
+    torch.cuda.synchronize()
+
+
+# its paged varlen test at block size 256 (FlashAttention 2 takes multiples of 256; the paged kernels here take 16
+# to 256) and smaller pages, causal and local masks, GQA
+PAGED_CASES = [(113, 203, 64, 256, "causal", "random"), (1024, 1023, 128, 256, "causal-local-gqa", "third"),
+               (256, 512, 128, 64, "full", "zero"), (2048, 2048, 64, 128, "causal", "full")]
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,d,block_size,variant,padding", PAGED_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_flash_attn_paged_varlen_grid(seqlen_q, seqlen_k, d, block_size, variant, padding, dtype):
+    run_paged_varlen_case(seqlen_q, seqlen_k, d, block_size, variant, padding, dtype, "cuda")
     torch.cuda.synchronize()
