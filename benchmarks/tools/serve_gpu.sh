@@ -13,7 +13,8 @@
 #   bash benchmarks/tools/serve_gpu.sh
 # The wheels are unpacked (a wheel is a zip of the installed tree; no pip, no index) into /tmp/serve-site, put on
 # PYTHONPATH after src: a consistent set whatever the machine has; torch and triton are the machine's.
-# Each step's time limit comes from one deadline (TOTAL_S, default 230 s from the start).
+# Each step's time limit comes from one deadline (TOTAL_S, default 230 s from the start). CACHE_GIB sizes every
+# server's cache in memory instead of tokens (CACHE_TOKENS): the e4m3 servers then hold twice the tokens.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -61,7 +62,8 @@ start=$(date +%s)
 timeout -k 20 $(( $(left) - 25 )) python3 -m flashmoe_science.cli serve-bench "$WORK/qwen3-dense.json" \
   "$WORK/qwen3-moe.json" --name qwen3-dense-moe --kv-cache-dtypes auto,e4m3 --concurrency "${CONCURRENCY:-1,8,64}" \
   --requests "${REQUESTS:-2,8,64}" --prompt-tokens "${PROMPT_TOKENS:-128:2048}" --new-tokens "${NEW_TOKENS:-128}" \
-  --cache-tokens "${CACHE_TOKENS:-163840}" --out "$WORK/bench" --after-pid $tests > "$OUT/bench.log" 2>&1
+  $( [ -n "${CACHE_GIB:-}" ] && echo --cache-gib "$CACHE_GIB" || echo --cache-tokens "${CACHE_TOKENS:-163840}" ) \
+  --out "$WORK/bench" --after-pid $tests > "$OUT/bench.log" 2>&1
 status=$?
 wait $tests
 echo "serve-bench: $(( $(date +%s) - start )) s, status $status" >> "$OUT/env.txt"

@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
@@ -259,10 +260,15 @@ def test_serve_bench_plans_every_model_backend_and_cache(tmp_path):
     assert servers(args) == [(model, backend, dtype) for model in ("a/dense.json", "b/moe.json")
                              for backend, dtype in (("flashmoe", "auto"), ("flashmoe", "e4m3"),
                                                     ("transformers-sdpa", "auto"))]
-    command = serve_command("a/dense.json", "flashmoe", "e4m3", 1234, argparse.Namespace(
-        page_size=16, cache_tokens=64, max_batch_tokens=32, seed=0, device=None, dtype=None, no_cuda_graphs=True))
+    options = dict(page_size=16, cache_tokens=64, cache_gib=None, max_batch_tokens=32, seed=0, device=None,
+                   dtype=None, no_cuda_graphs=True)
+    command = serve_command("a/dense.json", "flashmoe", "e4m3", 1234, argparse.Namespace(**options))
     assert command[command.index("--served-model-name") + 1] == "dense"
     assert command[command.index("--kv-cache-dtype") + 1] == "e4m3"
+    assert command[command.index("--cache-tokens") + 1] == "64" and "--cache-gib" not in command
+    command = serve_command("a/dense.json", "flashmoe", "e4m3", 1234,
+                            argparse.Namespace(**{**options, "cache_gib": 0.5}))
+    assert command[command.index("--cache-gib") + 1] == "0.5" and "--cache-tokens" not in command
     assert requests_per_run(args) == [2, 8, 64]
     assert requests_per_run(parser.parse_args(["m", "--requests", "3"])) == [3, 3, 3]
     assert requests_per_run(parser.parse_args(["m", "--concurrency", "1,64"])) == [4, 128]
@@ -315,3 +321,48 @@ def test_an_unsupported_transformers_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(transformers, "__version__", "5.99.0")
     with pytest.raises(RuntimeError, match=r"5\.24.*installed: 5\.99\.0"):
         check_serving_stack()
+
+
+def test_a_cache_sized_in_gib_holds_the_tokens_of_its_dtype(tmp_path):
+    """--cache-gib: keys and values of every layer's KV heads per token, one byte a value for e4m3 (twice a bf16
+    cache's tokens in the same memory); what cannot hold a token, or is not a positive number, is refused."""
+    import transformers
+
+    from flashmoe_science.serving.model import cache_tokens_in
+
+    config = transformers.AutoConfig.from_pretrained(tiny_config(tmp_path / "config.json"))
+    per_token_bf16 = 2 * 2 * 2 * 16 * 2  # K and V, 2 layers, 2 KV heads, head dim 16, 2 bytes
+    assert cache_tokens_in(1, config, "auto", torch.bfloat16) == 2**30 // per_token_bf16
+    assert cache_tokens_in(1, config, "e4m3", torch.bfloat16) == 2 * (2**30 // per_token_bf16)
+    assert cache_tokens_in(1, config, "auto", torch.float32) == 2**30 // (2 * per_token_bf16)
+    with pytest.raises(ValueError, match="holds no token"):
+        cache_tokens_in(1e-9, config, "auto", torch.bfloat16)
+    for bad in (0, -1.0, True, "1"):
+        with pytest.raises(ValueError, match="--cache-gib must be a positive number"):
+            cache_tokens_in(bad, config, "auto", torch.bfloat16)
+
+
+def test_cache_tokens_and_cache_gib_are_exclusive(tmp_path, capsys):
+    from flashmoe_science.cli import main
+
+    config = tiny_config(tmp_path / "config.json")
+    with pytest.raises(SystemExit):
+        main(["serve", config, "--cache-tokens", "64", "--cache-gib", "1"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_a_server_sized_in_gib_has_the_pages_of_that_memory(tmp_path):
+    """`serve --cache-gib` builds a cache of the tokens that memory holds (float32 here: 512 bytes a token of the
+    tiny model), in pages of --page-size, as /cache reports."""
+    config = tiny_config(tmp_path / "config.json")
+    port = free_port()
+    gib = 2**-12  # 262144 bytes: 512 tokens, 32 pages of 16
+    command = [sys.executable, "-m", "flashmoe_science.cli", "serve", config, "--port", str(port), "--device", "cpu",
+               "--dtype", "float32", "--cache-gib", str(gib), "--page-size", str(PAGE_SIZE),
+               "--max-batch-tokens", "256"]
+    process = ServerProcess(command, port, tmp_path / "server.log")
+    try:
+        process.wait_ready(timeout_s=240)
+        assert httpx.get(f"{process.url}/cache").json()["pages"] == 512 // PAGE_SIZE
+    finally:
+        process.stop()

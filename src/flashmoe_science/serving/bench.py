@@ -116,8 +116,10 @@ def serve_command(model: str, backend: str, kv_cache_dtype: str, port: int, args
     """The ``flashmoe-science serve`` command line of one server, with the bench's cache options."""
     command = [sys.executable, "-m", "flashmoe_science.cli", "serve", model, "--served-model-name",
                model_label(model), "--backend", backend, "--kv-cache-dtype", kv_cache_dtype, "--port", str(port),
-               "--page-size", str(args.page_size), "--cache-tokens", str(args.cache_tokens),
-               "--max-batch-tokens", str(args.max_batch_tokens), "--seed", str(args.seed)]
+               "--page-size", str(args.page_size), "--max-batch-tokens", str(args.max_batch_tokens),
+               "--seed", str(args.seed)]
+    command += (["--cache-tokens", str(args.cache_tokens)] if args.cache_gib is None
+                else ["--cache-gib", str(args.cache_gib)])
     for flag, value in (("--device", args.device), ("--dtype", args.dtype)):
         if value:
             command += [flag, value]

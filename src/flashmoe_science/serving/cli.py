@@ -15,9 +15,13 @@ def _cache_arguments(parser) -> None:
     parser.add_argument("--device", default=None, help="cuda if available, else cpu (the reference kernels)")
     parser.add_argument("--dtype", default=None, help="model dtype: bfloat16 on CUDA, float32 on the CPU by default")
     parser.add_argument("--page-size", type=int, default=256, help="tokens per KV-cache page (default 256)")
-    parser.add_argument("--cache-tokens", type=int, default=131072,
-                        help="KV-cache size in tokens, all requests together (default 131072); a request whose "
-                        "prompt plus max_tokens exceeds it is refused with a 400")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--cache-tokens", type=int, default=131072,
+                      help="KV-cache size in tokens, all requests together (default 131072); a request whose "
+                      "prompt plus max_tokens exceeds it is refused with a 400")
+    size.add_argument("--cache-gib", type=float, default=None,
+                      help="KV-cache size in GiB instead of tokens: as many tokens as that memory holds in the "
+                      "cache's dtype (an e4m3 cache twice a bf16 one's)")
     parser.add_argument("--max-batch-tokens", type=int, default=8192,
                         help="most tokens one continuous-batching step computes (default 8192)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
@@ -70,7 +74,7 @@ def check_stack() -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from flashmoe_science.serving import server
-    from flashmoe_science.serving.model import check_kv_cache_dtype, kv_cache_scales, load_model
+    from flashmoe_science.serving.model import cache_tokens_in, check_kv_cache_dtype, kv_cache_scales, load_model
 
     check_stack()
     device, dtype = default_placement(args.device, args.dtype)
@@ -78,9 +82,12 @@ def run_serve(args: argparse.Namespace) -> int:
         check_kv_cache_dtype(args.backend, args.kv_cache_dtype)
         model, tokenizer = load_model(args.model, args.backend, device, dtype, seed=args.seed)
         kv_scales = kv_cache_scales(model, args.kv_cache_dtype, seed=args.seed)
+        cache_tokens = args.cache_tokens
+        if args.cache_gib is not None:
+            cache_tokens = cache_tokens_in(args.cache_gib, model.config, args.kv_cache_dtype, model.dtype)
     except ValueError as error:
         raise CommandError(str(error)) from None
-    config = server.cb_config(args.backend, args.page_size, args.cache_tokens, args.max_batch_tokens,
+    config = server.cb_config(args.backend, args.page_size, cache_tokens, args.max_batch_tokens,
                               False if args.no_cuda_graphs else None)
     app = server.Server(args.served_model_name or args.model, model, tokenizer, config, kv_scales)
     print(f"serving {args.model} ({args.backend}, {device}, {dtype}, KV cache {args.kv_cache_dtype}) on "

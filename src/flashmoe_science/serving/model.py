@@ -109,6 +109,22 @@ def check_kv_cache_dtype(backend: str, kv_cache_dtype: str) -> None:
                          f"with its scales); {backend} reads the cache in the model's dtype")
 
 
+def cache_tokens_in(gib: float, config, kv_cache_dtype: str, dtype: torch.dtype) -> int:
+    """The tokens a KV cache of ``gib`` GiB holds for ``config``'s model: keys and values of every layer's KV heads,
+    one byte a value for ``e4m3``, else ``dtype``'s size."""
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0:
+        raise ValueError(f"--cache-gib must be a positive number, got {gib!r}")
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    value_bytes = 1 if kv_cache_dtype == "e4m3" else dtype.itemsize
+    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * value_bytes
+    tokens = int(gib * 2**30) // per_token
+    if tokens < 1:
+        raise ValueError(f"--cache-gib {gib} holds no token of this model ({per_token} bytes a token)")
+    return tokens
+
+
 def kv_cache_scales(model, kv_cache_dtype: str, seed: int = 0):
     """The e4m3 cache's scales (`hf_e4m3_cache.KVScales`, calibrated on ``model``) for ``e4m3``; None for
     ``auto``."""
