@@ -228,8 +228,9 @@ def test_sm90_prepared_backward_rebases_the_first_calls_descriptors(monkeypatch,
     assert dq_accum.shape == (2 * 4, 300, padded_head_dim(head_dim)) and dq_accum.dtype == torch.float32
     assert all(a is b for a, b in zip(pre[9:13], (out, grad_out, delta, dq_accum)))
     assert convert[9] is dq_accum and convert[10] is dq
-    expected = bwd_sm90._one_pass_tensor_args(padded_head_dim(head_dim), q, grad_out, k, v, dq_accum, lse, delta,
-                                              dk, dv)
+    rows = bwd_sm90.sm90_backward_rows(head_dim, False, bwd_sm90.NUM_STAGES)
+    expected = bwd_sm90._one_pass_tensor_args(padded_head_dim(head_dim), rows, q, grad_out, k, v, dq_accum, lse,
+                                              delta, dk, dv)
     for got, want in zip(main[9:18], expected):
         if isinstance(want, torch.Tensor):
             assert got is want
