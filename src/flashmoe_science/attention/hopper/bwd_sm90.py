@@ -9,8 +9,9 @@ A CTA owns BLOCK_N = 128 keys of one (batch, kv head); grid (cdiv(Lk, 128), B·H
 partitions:
 
 - producer (one warp, 24 registers): loads the CTA's K and V once, then streams Q and dO tiles of ROWS query rows
-  (`tiles.sm90_backward_rows`: 128 at D=64, else 64) through a ring of NUM_STAGES stages, for every query head of the GQA group and every query tile that sees
-  the CTA's keys (`q_ready`, `do_ready`; `empty` takes one arrival per consumer).
+  (`tiles.sm90_backward_rows`: 128 at D=64, else 64) through a ring of NUM_STAGES stages, for every query head of
+  the GQA group and every query tile that sees the CTA's keys (`q_ready`, `do_ready`; `empty` takes one arrival per
+  consumer).
 - two consumers (4 warps, 240 registers each): consumer c owns keys [64c, 64c + 64) of the CTA, and keeps their dK_c
   and dV_c in fp32 registers over every query tile of every head of the group. The scores are computed transposed
   (keys as rows), so that Pᵀ and dSᵀ come out of the wgmma already in the register layout of the A operand of the

@@ -3,7 +3,8 @@
 The forward always runs 128 query rows on two consumer warpgroups plus a producer warp; what varies per call is the
 key tile and ring depth (`sm90_forward_tiles`), persistent CTAs or one CTA per query tile (`sm90_persistent`; for a
 band mask `sm90_band_schedule`), Q buffers per consumer (`sm90_q_buffers`) and whether consecutive work items
-overlap (`sm90_cross_item`). The backward's one rule is where it beats the Triton backward (`sm90_backward_wins`).
+overlap (`sm90_cross_item`). The backward's rules: where it beats the Triton backward (`sm90_backward_wins`) and its
+query rows per tile at each head dim (`sm90_backward_rows`).
 Every threshold was measured on an H200 (docs/perf-notes.md).
 
 The length the rules read is the keys a work item streams: for dense and causal self-attention that is Lq (the
@@ -134,11 +135,11 @@ def sm90_backward_rows(head_dim: int, has_bias: bool, num_stages: int) -> int:
     """Query rows per streamed tile of the one-pass sm_90 backward (hopper/bwd_sm90.py; its CTA always owns 128
     keys on two consumer warpgroups). At D=64 a tile of 128 rows: a consumer's Sᵀ and dPᵀ (64 keys x 128 queries)
     take 64 float32 registers each beside dK, dV and its dQ half at 32, inside 240, and the per-tile work that
-    does not grow with the rows (barriers, waits, wgmma descriptors, the dQ hand-off) is paid half as often: the
-    loop issues 386 instructions per 64 query rows instead of 451 (offline SASS, triton 3.6). Shared memory is
-    the bound: Q, dO (two stages), K, V, the dSᵀ and dQ staging buffers take 229920 of sm_90's 232448 bytes, so
-    neither a bias tile per stage (`has_bias`) nor a third Q/dO stage (`num_stages`: 262736 bytes) fits beside
-    them: 64 rows there. At D=128 the doubled Sᵀ/dPᵀ beside 64-register dK and dV exceed the budget: 64 rows."""
+    does not grow with the rows (barriers, waits, wgmma descriptors, the dQ hand-off) is paid half as often
+    (docs/perf-notes.md has the instruction counts and the measured gain). Shared memory is the bound: Q, dO (two
+    stages), K, V, the dSᵀ and dQ staging buffers take 229920 of sm_90's 232448 bytes, so neither a bias tile per
+    stage (`has_bias`) nor a third Q/dO stage (`num_stages`: 262736 bytes) fits beside them: 64 rows there. At
+    D=128 the doubled Sᵀ/dPᵀ beside 64-register dK and dV exceed the budget: 64 rows."""
     return 128 if padded_head_dim(head_dim) <= 64 and not has_bias and num_stages <= 2 else 64
 
 
