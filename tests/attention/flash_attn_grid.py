@@ -47,6 +47,18 @@ def padding_lengths(mode: str, length: int, batch: int, generator: torch.Generat
     return lengths
 
 
+def _padding_and_window(padding: str, seqlen_q: int, seqlen_k: int, batch: int, options: dict, generator, device):
+    """A case's row lengths (queries, keys) and masks by `padding_lengths`, and its window as flash_attn draws it
+    (both sides in [0, seqlen_k) for a local variant, else (-1, -1))."""
+    lengths_q = padding_lengths(padding, seqlen_q, batch, generator)
+    lengths_k = padding_lengths(padding, seqlen_k, batch, generator)
+    mask_q = torch.arange(seqlen_q, device=device) < torch.tensor(lengths_q, device=device)[:, None]
+    mask_k = torch.arange(seqlen_k, device=device) < torch.tensor(lengths_k, device=device)[:, None]
+    window = (torch.randint(0, seqlen_k, (2,), generator=generator) if options.get("local")
+              else torch.tensor([-1, -1]))
+    return lengths_q, lengths_k, mask_q, mask_k, window
+
+
 def _unpad(padded: torch.Tensor, mask: torch.Tensor):
     """The real rows of (B, L, ...) in batch order, their flat indices, and int32 cu_seqlens."""
     indices = mask.reshape(-1).nonzero().squeeze(1)
@@ -71,12 +83,8 @@ def run_varlen_grid_case(seqlen_q: int, seqlen_k: int, d: int, variant: str, pad
     softcap = options.get("softcap", 0.0)
     q = randn(batch, seqlen_q, HEADS, d) * (softcap / 4 if softcap else 1.0)  # scores across the cap's range
     k, v = randn(batch, seqlen_k, heads_kv, d), randn(batch, seqlen_k, heads_kv, d)
-    lengths_q = padding_lengths(padding, seqlen_q, batch, generator)
-    lengths_k = padding_lengths(padding, seqlen_k, batch, generator)
-    mask_q = torch.arange(seqlen_q, device=device) < torch.tensor(lengths_q, device=device)[:, None]
-    mask_k = torch.arange(seqlen_k, device=device) < torch.tensor(lengths_k, device=device)[:, None]
-    window = (torch.randint(0, seqlen_k, (2,), generator=generator) if options.get("local")
-              else torch.tensor([-1, -1]))
+    lengths_q, lengths_k, mask_q, mask_k, window = _padding_and_window(padding, seqlen_q, seqlen_k, batch, options,
+                                                                       generator, device)
     slopes = (torch.rand(batch, HEADS, generator=generator) * 0.3).to(device) if options.get("alibi") else None
     causal = options.get("causal", False)
 
@@ -121,12 +129,8 @@ def run_paged_varlen_case(seqlen_q: int, seqlen_k: int, d: int, block_size: int,
     table = table.to(device=device, dtype=torch.int32)
     k, v = (pages[table.long()].flatten(1, 2)[:, :seqlen_k] for pages in (k_pages, v_pages))
     q = randn(batch, seqlen_q, HEADS, d)
-    lengths_q = padding_lengths(padding, seqlen_q, batch, generator)
-    lengths_k = padding_lengths(padding, seqlen_k, batch, generator)
-    mask_q = torch.arange(seqlen_q, device=device) < torch.tensor(lengths_q, device=device)[:, None]
-    mask_k = torch.arange(seqlen_k, device=device) < torch.tensor(lengths_k, device=device)[:, None]
-    window = (torch.randint(0, seqlen_k, (2,), generator=generator) if options.get("local")
-              else torch.tensor([-1, -1]))
+    lengths_q, lengths_k, mask_q, mask_k, window = _padding_and_window(padding, seqlen_q, seqlen_k, batch, options,
+                                                                       generator, device)
     causal = options.get("causal", False)
     q_packed, indices_q, cu_q = _unpad(q, mask_q)
     cu_k = F.pad(mask_k.sum(1).cumsum(0), (1, 0)).to(torch.int32)
