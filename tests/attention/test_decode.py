@@ -28,11 +28,12 @@ def _gathered(case, k_cache, v_cache, b, lk):
     return k_cache[blocks, pos % bs], v_cache[blocks, pos % bs]
 
 
-@pytest.mark.parametrize("block_size", [None, 16], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("block_size", [None, 16, 512, 384], ids=["contiguous", "paged16", "paged512", "paged384"])
 @pytest.mark.parametrize("lq,num_new", [(1, 0), (3, 0), (4, 4), (2, 5), (20, 20), (24, 0)])
 def test_reference_matches_dense_oracle_on_gathered_cache(block_size, lq, num_new):
     """Causal decode = bottom-right causal attention of the new tokens over each row's gathered keys; the append
-    writes k_new/v_new at cache_seqlens."""
+    writes k_new/v_new at cache_seqlens (into the caller's cache also where pages above 256 rows are read as
+    smaller ones: `decode.pages`)."""
     case = make_case([0 if num_new else 1, 17, 32, 40], lq=lq, hq=6, hkv=2, d=32, dtype=torch.float64,
                      block_size=block_size, capacity=64, num_new=num_new)
     before_k = case.k_cache.clone()
@@ -142,6 +143,10 @@ BAD_INPUTS = [
     ("new_heads", lambda a: dict(k_new=a["k_new"][:, :, :1], v_new=a["v_new"][:, :, :1]), "k_new must have shape"),
     ("block_size", lambda a: dict(k_cache=torch.randn(9, 8, 2, 32), v_cache=torch.randn(9, 8, 2, 32)),
      "block size"),
+    ("block_size_prime", lambda a: dict(k_cache=torch.randn(9, 257, 2, 32), v_cache=torch.randn(9, 257, 2, 32)),
+     "or a multiple of such a size"),
+    ("pages_apart", lambda a: dict(k_cache=torch.randn(9, 600, 2, 32)[:, :512], v_cache=torch.randn(9, 512, 2, 32)),
+     "adjacent to the next page's"),
     ("strided", lambda a: dict(q=torch.randn(2, 2, 4, 64)[..., ::2]), "q must have unit stride"),
     ("rotary_alone", lambda a: dict(rotary_cos=torch.ones(40, 8), rotary_sin=torch.ones(40, 8), k_new=None,
                                     v_new=None), "pass k_new and v_new"),
@@ -295,3 +300,20 @@ def test_e4m3_tiles_and_splits_are_chosen_on_bytes():
     tiles = DecodeTiles(16, 128, 4, 3)
     assert choose_num_splits(_problem(1, 8192), DecodeTiles(16, 64, 4, 3), 132) == 16
     assert choose_num_splits(_chunk_problem(fp8), tiles, 132) == 8192 // 1024
+
+
+def test_large_pages_are_read_as_smaller_ones():
+    """`decode.pages.split_pages`: a page of B rows is B / s pages of s rows (s the largest size in [16, 256]
+    dividing B), the table's entries expanded in place of each page and negative entries kept negative; views of
+    the same storage. Pages in range, or that no size divides, or not adjacent in memory, are left as they are."""
+    from flashmoe_science.attention.decode.pages import page_split, split_pages
+
+    assert [page_split(b) for b in (16, 256, 512, 384, 1000, 257)] == [16, 256, 256, 192, 250, None]
+    k, v = torch.randn(3, 512, 2, 8), torch.randn(3, 512, 2, 8)
+    table = torch.tensor([[2, 0], [1, -1]], dtype=torch.int32)
+    k2, v2, table2 = split_pages(k, v, table)
+    assert k2.shape == (6, 256, 2, 8) and k2.data_ptr() == k.data_ptr() and v2.data_ptr() == v.data_ptr()
+    assert table2.dtype == torch.int32 and table2.tolist() == [[4, 5, 0, 1], [2, 3, -1, -1]]
+    assert torch.equal(k2[table2[0].long()].flatten(0, 1), k[table[0].long()].flatten(0, 1))
+    for cache in (torch.randn(3, 128, 2, 8), torch.randn(3, 257, 2, 8), torch.randn(3, 600, 2, 8)[:, :512]):
+        assert split_pages(cache, cache, table)[0] is cache

@@ -31,10 +31,10 @@ def test_flash_attn_varlen_grid(seqlen_q, seqlen_k, d, variant, padding, dtype):
     torch.cuda.synchronize()
 
 
-# its paged varlen test at block size 256 (FlashAttention 2 takes multiples of 256; the paged kernels here take 16
-# to 256) and smaller pages, causal and local masks, GQA
-PAGED_CASES = [(113, 203, 64, 256, "causal", "random"), (1024, 1023, 128, 256, "causal-local-gqa", "third"),
-               (256, 512, 128, 64, "full", "zero"), (2048, 2048, 64, 128, "causal", "full")]
+# its paged varlen test at FlashAttention 2's block sizes, 256 and 512 (read as two 256-row pages: decode.pages),
+# and smaller pages; causal and local masks, GQA
+PAGED_CASES = [(113, 203, 64, 256, "causal", "random"), (1024, 1023, 128, 512, "causal-local-gqa", "third"),
+               (256, 512, 128, 64, "full", "zero"), (2048, 2048, 64, 512, "causal", "full")]
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k,d,block_size,variant,padding", PAGED_CASES, ids=str)

@@ -22,7 +22,8 @@ def flash_attention_decode(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         q: (B, Lq, Hq, D), Lq >= 1, D in [1, 256], bf16/fp16/fp32 (float64 on the reference), Hq a multiple of
             Hkv.
         k_cache, v_cache: contiguous (B_cache, Lmax, Hkv, D), or paged (num_blocks, block_size, Hkv, D) with
-            ``block_table`` (B, max_blocks) int32, block_size in 16..256; q's dtype, or float8_e4m3fn with
+            ``block_table`` (B, max_blocks) int32, block_size in 16..256 or a multiple of such a size with
+            adjacent pages (read as smaller pages: `decode.pages`); q's dtype, or float8_e4m3fn with
             ``k_scale``/``v_scale`` (float32 (Hkv,) or (1,)). Written in place when k_new is given.
         cache_seqlens: int32 (B,) (or an int for every row): the cache's end before the call.
         k_new, v_new: (B, L_new, Hkv, D) in q's dtype, appended at cache_seqlens before attending.

@@ -8,6 +8,7 @@ import torch
 from flashmoe_science.attention.checks import resolve_check_values
 from flashmoe_science.attention.decode.checks import (check_cache_varlen, check_call_options, check_decode,
                                                       check_decode_values, per_sequence)
+from flashmoe_science.attention.decode.pages import split_pages
 from flashmoe_science.attention.decode.plan import BACKENDS, plan_decode
 from flashmoe_science.attention.decode.problem import CacheCall
 from flashmoe_science.attention.decode.reference import q_positions_per_token
@@ -19,6 +20,7 @@ def decode_call(q, k_cache, v_cache, cache_seqlens, *, block_table=None, k_new=N
                 return_lse=False, num_splits="auto", backend="auto", check_values=None):
     """(out, lse) of `flash_attention_decode` (its arguments): the checks, the plan and the kernels, once. The
     custom ops (torch.compile) call this too."""
+    k_cache, v_cache, block_table = split_pages(k_cache, v_cache, block_table)
     problem = check_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, rotary_cos, rotary_sin,
                            causal, softmax_scale, window, softcap, alibi_slopes, cache_batch_idx=cache_batch_idx,
                            cache_leftpad=cache_leftpad, k_scale=k_scale, v_scale=v_scale)
@@ -42,6 +44,7 @@ def cache_varlen_call(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, *, cu_seq
     (block_table; sequence b's keys are positions [0, seqused_k[b]) of its table row, or cu_seqlens_k's lengths
     where seqused_k is None) or a packed (total_k, Hkv, D) key tensor whose sequence b starts at row
     cu_seqlens_k[b] and holds seqused_k[b] keys. flash_attn_varlen_func's paged and seqused_k conventions."""
+    k_cache, v_cache, block_table = split_pages(k_cache, v_cache, block_table)
     problem = check_cache_varlen(q, k_cache, v_cache, cu_seqlens_q, max_seqlen_q, block_table, causal, softmax_scale,
                                  window, softcap, alibi_slopes, k_scale, v_scale)
     check_call_options(False, False, num_splits, backend, BACKENDS)

@@ -95,8 +95,9 @@ def _check_block_table(block_table, batch, k_cache, device) -> tuple[int, int]:
         raise ValueError(f"block_table must have unit stride in dim 1, got strides {block_table.stride()}")
     block_size = k_cache.shape[1]
     if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(f"paged k_cache's block size (dim 1) must be in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], "
-                         f"got {block_size}")
+        raise ValueError(f"paged k_cache's block size (dim 1) must be in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], or a "
+                         f"multiple of such a size with each page's rows adjacent to the next page's in memory, got "
+                         f"{block_size}")
     if k_cache.shape[0] == 0:
         raise ValueError("a paged k_cache must hold at least one block (dim 0)")
     return block_size, block_table.shape[1] * block_size
