@@ -114,11 +114,12 @@ def cache_tokens_in(gib: float, config, kv_cache_dtype: str, dtype: torch.dtype)
     one byte a value for ``e4m3``, else ``dtype``'s size."""
     if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0:
         raise ValueError(f"--cache-gib must be a positive number, got {gib!r}")
+    from flashmoe_science.integrations.hf import head_dim_of
+
     text = config.get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     value_bytes = 1 if kv_cache_dtype == "e4m3" else dtype.itemsize
-    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * value_bytes
+    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim_of(text) * value_bytes
     tokens = int(gib * 2**30) // per_token
     if tokens < 1:
         raise ValueError(f"--cache-gib {gib} holds no token of this model ({per_token} bytes a token)")

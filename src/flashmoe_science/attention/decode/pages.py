@@ -5,7 +5,8 @@ takes multiples of 256 (512 is common). A page of ``B`` rows whose rows are adja
 ``r = B / s`` consecutive pages of ``s`` rows, ``s`` the largest size in range that divides ``B``: the cache is viewed
 as ``(num_blocks · r, s, Hkv, D)`` (the same storage, so appended keys land in the caller's cache) and each
 block-table entry ``p`` becomes the ``r`` entries ``p·r .. p·r + r - 1`` (a negative entry, a row that holds no page,
-stays negative). A few device ops on the table, no host read: it works while a CUDA graph is captured.
+stays negative). A few device ops on the table, no host read, once per table tensor while it is unwritten (a
+model's layers share one per step): it works while a CUDA graph is captured.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from __future__ import annotations
 import torch
 
 from flashmoe_science.attention.decode.checks import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+from flashmoe_science.prepared_cache import TensorMemo
+
+# split_pages' expanded tables, per block-table tensor and split
+_SPLIT_TABLES = TensorMemo()
 
 
 def page_split(block_size: int) -> int | None:
@@ -38,9 +43,12 @@ def split_pages(k_cache, v_cache, block_table):
         return k_cache, v_cache, block_table
     parts = block_size // size
     k_cache, v_cache = (c.view(c.shape[0] * parts, size, *c.shape[2:]) for c in (k_cache, v_cache))
-    offsets = torch.arange(parts, dtype=block_table.dtype, device=block_table.device)
-    entries = block_table.unsqueeze(-1)
-    table = torch.where(entries >= 0, entries * parts + offsets, -1).flatten(1).to(block_table.dtype)
+    table = _SPLIT_TABLES.get((block_table,), parts)
+    if table is None:
+        offsets = torch.arange(parts, dtype=block_table.dtype, device=block_table.device)
+        entries = block_table.unsqueeze(-1)
+        table = torch.where(entries >= 0, entries * parts + offsets, -1).flatten(1).to(block_table.dtype)
+        _SPLIT_TABLES.put((block_table,), parts, table)
     return k_cache, v_cache, table
 
 
