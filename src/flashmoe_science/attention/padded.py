@@ -11,8 +11,10 @@ issues its kernels without waiting and can be captured in a CUDA graph.
 
 ``padded_rows(mask, length_q)`` builds the permutations (``PaddedRows``: a handful of device ops) and remembers them
 per mask tensor, so a model's layers, which all receive the same mask, build them once per forward. ``to_packed``
-and ``to_tokens`` move rows between the two layouts as autograd ops: the packed output's padding rows (unspecified)
-come back as zeros, and no gradient reaches a padding token from rows no sequence computed.
+and ``to_tokens`` move rows between the two layouts as autograd ops, one gather each way (``to_packed`` reads the
+``(B, H, L, D)`` tensors in whatever layout they come: a transposed ``(B, L, H, D)`` projection or a contiguous KV
+cache, without a transposing copy first): the packed output's padding rows (unspecified) come back as zeros, and no
+gradient reaches a padding token from rows no sequence computed.
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ from flashmoe_science.prepared_cache import TensorMemo
 
 @dataclass(frozen=True)
 class RowOrder:
-    """One side (queries or keys) of a padded batch: ``order[i]`` is the token row of packed row i (real tokens
-    first), ``inverse`` the packed row of each token row; ``pad_tokens`` / ``pad_rows`` ``(B·L, 1, 1)`` bool mark the
-    padding tokens and the packed rows after the last sequence; ``cu_seqlens`` int32 ``(B+1,)``."""
+    """One side (queries or keys) of a padded batch: ``order[i]`` is the token row ``b·L + l`` of packed row i (real
+    tokens first), ``order_batch`` / ``order_position`` its ``b`` and ``l``, ``inverse`` the packed row of each token
+    row; ``pad_tokens`` / ``pad_rows`` ``(B·L, 1, 1)`` bool mark the padding tokens and the packed rows after the last
+    sequence; ``cu_seqlens`` int32 ``(B+1,)``."""
 
     order: torch.Tensor
+    order_batch: torch.Tensor
+    order_position: torch.Tensor
     inverse: torch.Tensor
     pad_tokens: torch.Tensor
     pad_rows: torch.Tensor
@@ -59,7 +64,9 @@ def row_order(real: torch.Tensor) -> RowOrder:
     inverse = torch.where(flat, flat.cumsum(0) - 1, (~flat).cumsum(0) - 1 + real_count)
     order = torch.empty_like(inverse).scatter_(0, inverse, rows)
     cu_seqlens = F.pad(real.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
-    return RowOrder(order, inverse, (~flat).view(-1, 1, 1), (rows >= real_count).view(-1, 1, 1), cu_seqlens)
+    length = real.shape[1]
+    return RowOrder(order, order // length, order % length, inverse, (~flat).view(-1, 1, 1),
+                    (rows >= real_count).view(-1, 1, 1), cu_seqlens)
 
 
 # padded_rows' answers, per mask tensor while it lives unwritten (a model's layers share one per forward)
@@ -94,8 +101,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, index, drop, inverse, drop_back):
         ctx.save_for_backward(inverse, drop_back)
-        out = x.index_select(0, index)
-        return out if drop is None else out.masked_fill_(drop, 0)
+        return x.index_select(0, index).masked_fill_(drop, 0)
 
     @staticmethod
     def backward(ctx, grad):
@@ -103,15 +109,36 @@ class _Gather(torch.autograd.Function):
         return grad.index_select(0, inverse).masked_fill_(drop_back, 0), None, None, None, None
 
 
-def to_packed(tokens: torch.Tensor, rows: RowOrder) -> torch.Tensor:
-    """Token-major rows ``(B·L, H, D)`` in the packed order. The padding rows are copied as they are (no sequence
-    reads them); the gradient of a padding token is zero."""
-    return _Gather.apply(tokens, rows.order, None, rows.inverse, rows.pad_tokens)
+class _GatherTokens(torch.autograd.Function):
+    """The packed rows ``(N, H, D)`` of a ``(B, H, L, D)`` tensor of any strides: one gather at the rows' (batch,
+    position) pairs, whichever of the two layouts the tensor is in. Its gradient scatters back by the inverse
+    permutation (a gather too) into a token-major buffer, returned as the ``(B, H, L, D)`` view of it (the layout of
+    a projection's ``view(B, L, H, D).transpose(1, 2)``, whose gradient then needs no copy); padding tokens get
+    zeros."""
+
+    @staticmethod
+    def forward(ctx, x, batch, position, inverse, pad_tokens):
+        ctx.save_for_backward(inverse, pad_tokens)
+        ctx.shape = x.shape
+        return x.transpose(1, 2)[batch, position]
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse, pad_tokens = ctx.saved_tensors
+        batch, heads, length, head_dim = ctx.shape
+        tokens = grad.index_select(0, inverse).masked_fill_(pad_tokens, 0)
+        return tokens.view(batch, length, heads, head_dim).transpose(1, 2), None, None, None, None
+
+
+def to_packed(x: torch.Tensor, rows: RowOrder) -> torch.Tensor:
+    """``x (B, H, L, D)`` (any strides) as packed rows ``(B·L, H, D)`` in ``rows``' order. The padding rows are
+    copied as they are (no sequence reads them); the gradient of a padding token is zero."""
+    return _GatherTokens.apply(x, rows.order_batch, rows.order_position, rows.inverse, rows.pad_tokens)
 
 
 def to_tokens(packed: torch.Tensor, rows: RowOrder) -> torch.Tensor:
-    """Packed rows back in token order, the padding tokens' rows zero; rows after the last sequence get no
-    gradient."""
+    """Packed rows back in token order ``(B·L, H, D)``, the padding tokens' rows zero; rows after the last sequence
+    get no gradient."""
     return _Gather.apply(packed, rows.inverse, rows.pad_tokens, rows.order, rows.pad_rows)
 
 

@@ -363,17 +363,11 @@ def _padded_attention(query, key, value, mask, options) -> torch.Tensor:
     ``(B, Lq, Hq, D)``."""
     batch, heads, length_q, head_dim = query.shape
     rows = padded_rows(mask if mask.dtype == torch.bool else mask.bool(), length_q)
-    q = to_packed(_tokens(query), rows.q)
-    k, v = to_packed(_tokens(key), rows.k), to_packed(_tokens(value), rows.k)
+    q, k, v = to_packed(query, rows.q), to_packed(key, rows.k), to_packed(value, rows.k)
     # the padded lengths bound every sequence's; the cu_seqlens are built here, within the tensors (no value check)
     out = flash_attention_varlen(q, k, v, rows.q.cu_seqlens, rows.k.cu_seqlens, rows.max_seqlen_q,
                                  rows.max_seqlen_k, check_values=False, **options)
     return to_tokens(out, rows.q).view(batch, length_q, heads, head_dim)
-
-
-def _tokens(t: torch.Tensor) -> torch.Tensor:
-    """``t (B, H, L, D)`` as token-major rows ``(B·L, H, D)`` (no copy for HF's (B, L, H, D) projections)."""
-    return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
 
 
 __all__ = ["ATTN_IMPLEMENTATION", "FLASH_IMPLEMENTATION", "PAGED_FLASH_IMPLEMENTATION", "apply",
