@@ -328,24 +328,24 @@ def flashmoe_science_attention(module, query, key, value, attention_mask, dropou
         return _padded_attention(query, key, value, attention_mask, options), None
     packed = _packed_sequences(query, key, kwargs)
     if packed is not None:  # several documents in one row: each attends only within itself
-        out = flash_attention_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                     **packed, **options)
-        return out.unsqueeze(0), None
+        out = flash_attention_varlen(_flat_tokens(query), _flat_tokens(key), _flat_tokens(value), **packed, **options)
+        return out.view(query.shape[0], query.shape[2], *out.shape[1:]), None
     return flash_attention_science(query, key, value, **options).transpose(1, 2), None
 
 
 def _packed_sequences(query, key, kwargs):
     """`flash_attention_varlen`'s packing arguments where one batch row packs several sequences, as
-    transformers marks them: its flattening collator's ``cu_seq_lens_q/k`` (with ``max_length_q/k``, else the row's
-    lengths bound them; their values are checked once per tensor pair), or ``position_ids`` restarting at 0 (for a
+    transformers marks them: its flattening collator's ``cu_seq_lens_q/k`` (over the batch's rows one after the
+    other, as transformers' flash-attention path flattens them; with ``max_length_q/k``, else the token count bounds
+    them; their values are checked once per tensor pair), or ``position_ids`` restarting at 0 (for a
     single row without a cache, as transformers' flash-attention path reads them: `attention.documents`, one host
     synchronisation per forward; these cu_seqlens are built here, unchecked). Else None."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None:
         longest_q, longest_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
         return dict(cu_seqlens_q=cu_q.to(torch.int32), cu_seqlens_k=cu_k.to(torch.int32),
-                    max_seqlen_q=query.shape[2] if longest_q is None else int(longest_q),
-                    max_seqlen_k=key.shape[2] if longest_k is None else int(longest_k))
+                    max_seqlen_q=query.shape[0] * query.shape[2] if longest_q is None else int(longest_q),
+                    max_seqlen_k=key.shape[0] * key.shape[2] if longest_k is None else int(longest_k))
     positions = kwargs.get("position_ids")
     if positions is None or query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] < 2:
         return None
@@ -354,6 +354,12 @@ def _packed_sequences(query, key, kwargs):
         return None
     return dict(cu_seqlens_q=documents.cu_seqlens, cu_seqlens_k=documents.cu_seqlens, max_seqlen_q=documents.longest,
                 max_seqlen_k=documents.longest, check_values=False)
+
+
+def _flat_tokens(t: torch.Tensor) -> torch.Tensor:
+    """``t (B, H, L, D)`` as the varlen calls' token rows ``(B·L, H, D)``: a view for one row (its gradient too:
+    no ``select_backward`` copy into a zero buffer), and for a projection's transposed ``(B, L, H, D)`` view."""
+    return t.transpose(1, 2).flatten(0, 1)
 
 
 def _padded_attention(query, key, value, mask, options) -> torch.Tensor:
