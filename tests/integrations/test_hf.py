@@ -154,3 +154,20 @@ def test_packed_sequences_attend_within_themselves(how):
     got = ours(input_ids=ids, position_ids=position_ids, **extra).logits
     want = torch.cat((sdpa(input_ids=ids[:, :4]).logits, sdpa(input_ids=ids[:, 4:]).logits), dim=1)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_cu_seq_lens_count_the_rows_one_after_the_other():
+    # transformers' flash-attention path flattens the batch's rows for cu_seq_lens: a sequence may cross rows
+    heads, kv_heads, length, dim = 4, 2, 11, 16
+    q = torch.randn(2, heads, length, dim, dtype=torch.float64)
+    k, v = (torch.randn(2, kv_heads, length, dim, dtype=torch.float64) for _ in range(2))
+    cu = torch.tensor([0, 4, 15, 22], dtype=torch.int32)
+
+    class Causal:
+        is_causal = True
+
+    got, _ = hf.flashmoe_science_attention(Causal(), q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    rows = [t.transpose(1, 2).flatten(0, 1).transpose(0, 1) for t in (q, k, v)]  # (H, 2L, D)
+    want = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        *(t[:, a:b] for t in rows), is_causal=True, enable_gqa=True) for a, b in zip(cu[:-1], cu[1:])], dim=1)
+    torch.testing.assert_close(got, want.transpose(0, 1).view(2, length, heads, dim))

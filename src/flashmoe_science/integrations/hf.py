@@ -358,7 +358,8 @@ def _packed_sequences(query, key, kwargs):
 
 def _flat_tokens(t: torch.Tensor) -> torch.Tensor:
     """``t (B, H, L, D)`` as the varlen calls' token rows ``(B·L, H, D)``: a view for one row (its gradient too:
-    no ``select_backward`` copy into a zero buffer), and for a projection's transposed ``(B, L, H, D)`` view."""
+    no ``select_backward`` copy into a zero buffer) and for a projection's transposed ``(B, L, H, D)`` view; a copy
+    only for several rows of a (B, H, L, D)-contiguous KV cache."""
     return t.transpose(1, 2).flatten(0, 1)
 
 
