@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Megatron-core on a GPU machine: examples/megatron/train_gpt_moe.py, our kernels against Megatron-core's local spec
+# Megatron-core on a GPU machine: on one GPU first examples/megatron/step_diff.py (one step of the same model, ours
+# and the local spec against the local spec in float64, layer by layer: activations, gradients, the optimizer's
+# update), then examples/megatron/train_gpt_moe.py, our kernels against Megatron-core's local spec
 # (same initial weights, same batches), 100 steps per run, two interleaved repeats of each kernel set in one process
 # (flashmoe, local, local, flashmoe), then, on one GPU, the integration's GPU tests in the time left. From the
 # repository root, with Megatron-core 0.19's wheel in .whl/ (the machine has no package index; it needs only torch,
@@ -7,11 +9,13 @@
 #   bash benchmarks/tools/megatron_train.sh 1     # one GPU
 #   bash benchmarks/tools/megatron_train.sh 2     # two GPUs (torchrun): data parallel 2, experts over --ep 2
 #   bash benchmarks/tools/megatron_train.sh 4     # four GPUs: data parallel 4, experts over --ep 2 --etp 2
-# BUDGET_S (default 225) bounds the whole script: training gets what is left of it after the setup, the GPU tests
+# STEP_DIFF_S (default 120; 0 skips it) bounds the one-step diagnostic. BUDGET_S (default 225) bounds the rest:
+# training gets what is left of it after the setup, the GPU tests
 # what is left after training (skipped under 40 s, or with GPU_TESTS=0). Every run stops after RUN_S seconds
 # (default 60; its record says so). TRAIN_ARGS appends options of the example, later ones winning (e.g.
 # TRAIN_ARGS="--steps 200 --repeats 3"). Writes flat under $OUT, named as benchmarks/results/ names runs:
-# <gpu>[-xN]-<date>-<commit>-megatron.{json,csv,png,log} and megatron-gpu-tests.log (one GPU).
+# <gpu>[-xN]-<date>-<commit>-megatron.{json,csv,png,log}; on one GPU also <...>-megatron-step-diff.{json,log} and
+# megatron-gpu-tests.log.
 set -uo pipefail
 GPUS=${1:-1}
 OUT=${OUT:-/tmp/out}
@@ -41,6 +45,17 @@ slug=$(echo "${gpu:-unknown}" | tr '[:upper:]' '[:lower:]' | sed -E 's/[^a-z0-9]
 if [ "$GPUS" != 1 ]; then slug="$slug-x$GPUS"; fi
 stem="$slug-$(date -u +%Y-%m-%d)-$FLASHMOE_COMMIT-megatron"
 log="$OUT/$stem.log"
+if [ "$GPUS" = 1 ] && [ "${STEP_DIFF_S:-120}" != 0 ]; then
+    # shellcheck disable=SC2086  # TRAIN_ARGS is a list of options
+    timeout "${STEP_DIFF_S:-120}" python3 examples/megatron/step_diff.py --steps 100 --warmup 10 ${TRAIN_ARGS:-} \
+        --out "$work" > "$OUT/$stem-step-diff.log" 2>&1
+    status=$?
+    echo "step diff: exit $status after $(( $(date +%s) - start )) s"
+    if [ "$status" != 0 ]; then tail -n 30 "$OUT/$stem-step-diff.log"; fi
+    if [ -f "$work/megatron-step-diff.json" ]; then cp "$work/megatron-step-diff.json" "$OUT/$stem-step-diff.json"; fi
+    grep '^step-diff summary:' "$OUT/$stem-step-diff.log"
+    start=$(date +%s)  # BUDGET_S bounds what follows
+fi
 # shellcheck disable=SC2086  # TRAIN_ARGS is a list of options
 timeout "$(left)" "${launch[@]}" examples/megatron/train_gpt_moe.py "${parallel[@]}" --out "$work" \
     --steps 100 --warmup 10 --repeats 2 --time-limit "${RUN_S:-60}" ${TRAIN_ARGS:-} > "$log" 2>&1

@@ -96,14 +96,24 @@ def _gpt(config: TransformerConfig, size: Size, spec) -> GPTModel:
                     position_embedding_type="rope" if torch.cuda.is_available() else "learned_absolute")
 
 
-def build_model(kernels: str, config: TransformerConfig, size: Size, seed: int) -> GPTModel:
-    """The GPT-MoE with ``kernels`` ("flashmoe" or "local"), weights drawn from ``seed`` by the local model."""
+def draw_model(kernels: str, config: TransformerConfig, size: Size, seed: int) -> GPTModel:
+    """The GPT-MoE with ``kernels`` ("flashmoe" or "local"), its weights drawn from ``seed`` by its own spec's
+    initialisation."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     seed_all(seed)
-    local = _gpt(config, size, get_gpt_layer_local_spec(num_experts=size.experts, normalization="RMSNorm"))
+    if kernels == "local":
+        return _gpt(config, size, get_gpt_layer_local_spec(num_experts=size.experts, normalization="RMSNorm"))
+    return _gpt(config, size, get_gpt_layer_flash_spec(num_experts=size.experts))
+
+
+def build_model(kernels: str, config: TransformerConfig, size: Size, seed: int) -> GPTModel:
+    """The GPT-MoE with ``kernels`` ("flashmoe" or "local"), weights drawn from ``seed`` by the local model."""
+    local = draw_model("local", config, size, seed)
     if kernels == "local":
         return local
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     flash = _gpt(config, size, get_gpt_layer_flash_spec(num_experts=size.experts))
     keys = flash.load_state_dict(local.state_dict(), strict=False)
     if any(not key.endswith(("experts.weight1", "experts.weight2")) for key in keys.missing_keys):

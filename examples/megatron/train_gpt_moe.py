@@ -169,10 +169,9 @@ def make_trainer(model, config, args):
     return ddp, optimizer, scheduler
 
 
-def train_step(ddp, optimizer, scheduler, tokens, positions, labels, causal_mask, stop: bool) -> tuple[float, bool]:
-    """One step; returns the data-parallel mean of the language-model loss and whether any rank asked to ``stop``
-    (one all-reduce carries both: every rank then stops after the same step)."""
-    from megatron.core import parallel_state
+def forward_backward(ddp, optimizer, tokens, positions, labels, causal_mask) -> torch.Tensor:
+    """A step's forward, loss (the mean over tokens), backward and gradient finalisation, gradients zeroed first;
+    returns this rank's language-model loss. The optimizer then steps on the ``main_grad`` this leaves."""
     from megatron.core.distributed import finalize_model_grads
 
     ddp.zero_grad_buffer()
@@ -180,6 +179,15 @@ def train_step(ddp, optimizer, scheduler, tokens, positions, labels, causal_mask
     loss = ddp(tokens, positions, causal_mask, labels=labels).float().mean()
     loss.backward()
     finalize_model_grads([ddp])
+    return loss
+
+
+def train_step(ddp, optimizer, scheduler, tokens, positions, labels, causal_mask, stop: bool) -> tuple[float, bool]:
+    """One step; returns the data-parallel mean of the language-model loss and whether any rank asked to ``stop``
+    (one all-reduce carries both: every rank then stops after the same step)."""
+    from megatron.core import parallel_state
+
+    loss = forward_backward(ddp, optimizer, tokens, positions, labels, causal_mask)
     optimizer.step()
     scheduler.step(increment=1)
     reported = torch.stack([loss.detach(), torch.tensor(float(stop), device=loss.device)])
@@ -188,19 +196,31 @@ def train_step(ddp, optimizer, scheduler, tokens, positions, labels, causal_mask
     return total / parallel_state.get_data_parallel_world_size(), stops > 0
 
 
-def run(kernels: str, repeat: int, size: gpt_moe.Size, args, device, on_step) -> dict:
-    """Train one model with ``kernels`` (the ``repeat``-th time); returns its record and per-step rows."""
-    from megatron.core import parallel_state
+def causal_mask(size: gpt_moe.Size, device):
+    """The mask the models are called with: None on a GPU, where Megatron's local attention builds its causal mask
+    itself; Megatron's boolean mask (True: masked) on the CPU. Ours reads the layer's mask type."""
+    if device.type == "cuda":
+        return None
+    return torch.ones(1, 1, size.seq_len, size.seq_len, dtype=torch.bool, device=device).triu(1)
 
+
+def build(kernels: str, size: gpt_moe.Size, args, device):
+    """The model with ``kernels`` as a run trains it: the config, Float16Module under bf16, on ``device``."""
     config = gpt_moe.transformer_config(size, expert_parallel=args.ep, expert_tensor_parallel=args.etp,
                                         bf16=args.dtype == "bfloat16", deterministic=args.deterministic)
     model = gpt_moe.build_model(kernels, config, size, args.seed)
     if config.bf16:  # as Megatron's training builds it: every weight in bf16 (norms included), float32 logits/loss
         model = Float16Module(config, model)
-    model.to(device)
+    return model.to(device), config
+
+
+def run(kernels: str, repeat: int, size: gpt_moe.Size, args, device, on_step) -> dict:
+    """Train one model with ``kernels`` (the ``repeat``-th time); returns its record and per-step rows."""
+    from megatron.core import parallel_state
+
+    model, config = build(kernels, size, args, device)
     ddp, optimizer, scheduler = make_trainer(model, config, args)
-    # Megatron's local attention builds its causal mask on the CUDA device itself; ours reads the layer's type
-    causal = None if device.type == "cuda" else torch.ones(1, 1, size.seq_len, size.seq_len, dtype=torch.bool).triu(1)
+    causal = causal_mask(size, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     dp = parallel_state.get_data_parallel_world_size()
