@@ -6,7 +6,9 @@ means over repeats), the same two per repeat (``per_repeat``), each kernel set's
 ((max - min) / mean over its repeats: what the same kernels give twice, the scale a flashmoe/local difference is
 read against), and ``loss_gap_max``: the largest |flashmoe / local - 1| over every step of the two mean loss curves
 (each step's loss averaged over repeats, then a trailing mean over ``WINDOW`` steps, since single steps' losses
-swing with their batch).
+swing with their batch), and ``loss_spikes``: per run, the steps whose loss exceeds ``SPIKE`` times the median of
+the ``WINDOW`` steps before (one spike moves a ``WINDOW``-step mean by several percent: a gap there is read with
+the spikes beside it).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 from pathlib import Path
 
 WINDOW = 10  # steps in the trailing mean of the loss curves compared
+SPIKE = 1.15  # a step's loss over this many times the median of the WINDOW steps before: a spike
 
 
 def write_outputs(out: Path, head: dict, results: list[dict]) -> dict:
@@ -59,6 +62,18 @@ def loss_gap(grouped: dict[str, list[dict]]) -> list[float]:
     return [a / b - 1 for a, b in zip(ours, theirs)]
 
 
+def loss_spikes(rows: list[dict]) -> list[list]:
+    """``[step, loss]`` of every step whose loss exceeds ``SPIKE`` times the median of the ``WINDOW`` before."""
+    losses = [row["loss"] for row in rows]
+    found = []
+    for step in range(WINDOW, len(losses)):
+        before = sorted(losses[step - WINDOW:step])
+        median = (before[(WINDOW - 1) // 2] + before[WINDOW // 2]) / 2
+        if losses[step] > SPIKE * median:
+            found.append([rows[step]["step"], losses[step]])
+    return found
+
+
 def _pair(ours: list[dict], theirs: list[dict]) -> dict:
     rate = _mean(r["record"]["tokens_per_s"] or 0 for r in theirs)
     return {"speedup": _mean(r["record"]["tokens_per_s"] or 0 for r in ours) / rate if rate else None,
@@ -83,7 +98,9 @@ def summarize(results: list[dict]) -> dict:
         spread[kernels] = (max(losses) - min(losses)) / _mean(losses) if len(losses) > 1 else None
     gap = loss_gap(grouped)
     return {**_pair(grouped["flashmoe"], grouped["local"]), "per_repeat": per_repeat, "final_loss_spread": spread,
-            "loss_gap_max": max(abs(g) for g in gap), "loss_gap_window": WINDOW, "loss_gap_steps": len(gap)}
+            "loss_gap_max": max(abs(g) for g in gap), "loss_gap_window": WINDOW, "loss_gap_steps": len(gap),
+            "loss_spikes": {f"{r['record']['kernels']} repeat {r['record']['repeat']}": loss_spikes(r["rows"])
+                            for r in results}}
 
 
 def plot(path: Path, head: dict, results: list[dict]) -> None:

@@ -1,6 +1,7 @@
 """examples/megatron/train_gpt_moe.py on two gloo CPU ranks (data and expert parallel), tiny, two interleaved
 repeats: both kernel sets train from the same weights on the same batches to the same losses in every repeat (both
-run PyTorch references in float32 here), and the records, the comparison, the CSV and the plot are written."""
+run PyTorch references in float32 here), and the records, the comparison, the CSV and the plot are written; the
+comparison's loss spikes; examples/megatron/step_diff.py's one-step, layer-by-layer comparison on one rank."""
 
 import csv
 import json
@@ -17,6 +18,7 @@ pytest.importorskip("matplotlib")
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "megatron" / "train_gpt_moe.py"
+STEP_DIFF = EXAMPLE.with_name("step_diff.py")
 
 
 def _free_port() -> int:
@@ -46,6 +48,7 @@ def test_tiny_run_on_two_cpu_ranks(tmp_path):
     assert [pair["repeat"] for pair in summary["per_repeat"]] == [0, 1]
     assert summary["final_loss_ratio"] == pytest.approx(1, rel=1e-5)
     assert summary["loss_gap_max"] < 1e-5 and summary["loss_gap_steps"] == 4
+    assert summary["loss_spikes"] == {f"{k} repeat {r}": [] for k in ("flashmoe", "local") for r in (0, 1)}
     with open(tmp_path / "megatron-train.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 4 * 4
@@ -55,3 +58,42 @@ def test_tiny_run_on_two_cpu_ranks(tmp_path):
     for step, losses in by_step.items():
         assert losses == pytest.approx([losses[0]] * 4, rel=1e-5), step
     assert (tmp_path / "megatron-train.png").stat().st_size > 0
+
+
+def test_step_diff_on_one_cpu_rank(tmp_path):
+    """examples/megatron/step_diff.py, tiny, float32 on one gloo rank: ours and the local spec against the local
+    spec in float64 from the same weights, layer by layer. Both run PyTorch references here, so both sit at float32
+    rounding; the settings and parameter groups agree but for the two swapped modules, and ours drawn by its own
+    spec from the seed equals the local model's weights."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+           "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(_free_port())}
+    command = [sys.executable, str(STEP_DIFF), "--size", "tiny", "--dtype", "float32", "--out", str(tmp_path)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "megatron-step-diff.json").read_text())
+    assert report["initial_weights"]["copied"] == {"max_abs": 0.0, "differing": []}
+    assert report["initial_weights"]["drawn_by_own_spec"] == {"max_abs": 0.0, "differing": []}
+    summary = report["summary"]
+    assert set(summary["settings_differ"]) == {"core_attention", "experts"}
+    assert summary["param_settings_differ"] == []
+    assert summary["loss"]["flashmoe"] == pytest.approx(summary["loss"]["reference"], rel=1e-6)
+    assert summary["loss"]["local"] == pytest.approx(summary["loss"]["reference"], rel=1e-6)
+    for kernels in ("flashmoe", "local"):
+        assert summary["activations_max_rel"][kernels] < 1e-5
+        assert summary["grads_max_rel"][kernels] < 1e-5
+        assert summary["routing_differs_max"][kernels] == 0
+        assert summary["flipped_max"][kernels] == 0
+    names = set(report["flashmoe"]["grads"])
+    assert names == set(report["local"]["grads"]) and "decoder.layers.0.mlp.experts.weight1" in names
+    assert {"layer0.core_attention", "layer1.mlp", "layer1.router", "logits"} <= set(report["flashmoe"]["activations"])
+
+
+def test_loss_spikes_against_the_median_before():
+    sys.path.insert(0, str(EXAMPLE.parent))
+    from train_outputs import SPIKE, WINDOW, loss_spikes
+
+    losses = [8.0 + 0.1 * (step % 3) for step in range(30)]
+    losses[WINDOW + 2] = 8.1 * SPIKE * 1.01  # over SPIKE x the median before (8.1)
+    losses[WINDOW + 9] = 8.1 * SPIKE * 0.99  # under it
+    rows = [{"step": step, "loss": loss} for step, loss in enumerate(losses)]
+    assert loss_spikes(rows) == [[WINDOW + 2, losses[WINDOW + 2]]]
