@@ -35,6 +35,7 @@ tensors); the training options (``--size``, ``--seed``, ``--lr``, ``--steps``, `
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -51,7 +52,10 @@ import train_gpt_moe as train  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
 
 EXPERT = re.compile(r"(?P<prefix>.*\.mlp\.experts)\.local_experts\.(?P<expert>\d+)\.linear_fc(?P<fc>[12])\.weight$")
-POINTS = ("core_attention", "attention", "mlp", "layer")
+NOTE = ("examples/megatron/step_diff.py: one training step of the example's model (its first batch, the "
+        "optimizer at the schedule's peak lr), ours (get_gpt_layer_flash_spec) and the local spec as the example "
+        "trains them against the local spec in ref_dtype from the same weights; *_max_rel: the largest "
+        "||x - ref|| / ||ref|| over the layers' outputs, the parameters' gradients and their updates")
 
 
 def parse_args(argv=None):
@@ -130,10 +134,9 @@ class Recorder:
 
 # ---------------------------------------------------------------------------------------------------- models
 def reference_model(local, size, args, device, config):
-    """The local spec in ``args.ref_dtype`` with ``local``'s weights (bf16 values widened exactly)."""
-    import dataclasses
-
-    ref_config = dataclasses.replace(config, bf16=False, params_dtype=args.ref_dtype)
+    """The local spec in ``args.ref_dtype`` with ``local``'s weights (bf16 values widened exactly); its SwiGLU
+    unfused (the same arithmetic, without a torch.compile of its own)."""
+    ref_config = dataclasses.replace(config, bf16=False, params_dtype=args.ref_dtype, bias_activation_fusion=False)
     ref = gpt_moe.draw_model("local", ref_config, size, args.seed).to(device=device, dtype=args.ref_dtype)
     ref.load_state_dict(unwrap(local).state_dict())
     return ref
@@ -319,6 +322,23 @@ def summary(report) -> dict:
     return found
 
 
+def records(report, args) -> list[dict]:
+    """One record per kernel set (op ``megatron-step-diff``): the summary's largest errors against the reference."""
+    found, summary_ = [], report["summary"]
+    for kernels in ("flashmoe", "local"):
+        found.append({
+            "op": "megatron-step-diff", "kernels": kernels, "gpus": 1 if torch.cuda.is_available() else 0,
+            "dtype": args.dtype, "ref_dtype": report["ref_dtype"], "loss": report[kernels]["loss"],
+            "loss_error": report[kernels]["loss"] - report["reference"]["loss"],
+            "grad_norm": report[kernels]["grad_norm"],
+            **{f"{kind}_max_rel": summary_[f"{kind}_max_rel"][kernels] for kind in ("activations", "grads", "updates")},
+            "routing_differs_max": summary_["routing_differs_max"][kernels],
+            "update_flipped_max": summary_["flipped_max"][kernels],
+            "grad_repeat_max_abs": summary_["grad_repeat_max_abs"][kernels],
+            "initial_weights_equal": (kernels == "local" or report["initial_weights"]["copied"]["max_abs"] == 0)})
+    return found
+
+
 def print_table(report) -> None:
     ours, local = report["flashmoe"], report["local"]
     print(f"{'tensor':58s} {'ours rel':>10s} {'local rel':>10s}")
@@ -342,14 +362,15 @@ def main(argv=None) -> dict:
         began = time.perf_counter()
         local, config = train.build("local", size, args, device)
         flash, _ = train.build("flashmoe", size, args, device)
-        report = {"envelope": {**train.envelope(args, size), "ref_dtype": str(args.ref_dtype)},
-                  "initial_weights": initial_weights(local, flash, config, size, args, device)}
+        report = {**train.envelope(args, size), "ref_dtype": str(args.ref_dtype).removeprefix("torch."),
+                  "note": NOTE, "initial_weights": initial_weights(local, flash, config, size, args, device)}
         reference = run_reference(local, size, args, device, config, batch, mask)
         report["reference"] = {"loss": reference["loss"], "grad_norm": torch.sqrt(
             sum(g.pow(2).sum() for g in reference["grads"].values())).item()}
         for kernels, model in (("local", local), ("flashmoe", flash)):
             report[kernels] = run_kernels(kernels, model, config, size, args, reference, batch, mask)
         report["summary"] = summary(report)
+        report["records"] = records(report, args)
         report["seconds"] = time.perf_counter() - began
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

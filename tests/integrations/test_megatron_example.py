@@ -86,6 +86,10 @@ def test_step_diff_on_one_cpu_rank(tmp_path):
     names = set(report["flashmoe"]["grads"])
     assert names == set(report["local"]["grads"]) and "decoder.layers.0.mlp.experts.weight1" in names
     assert {"layer0.core_attention", "layer1.mlp", "layer1.router", "logits"} <= set(report["flashmoe"]["activations"])
+    records = report["records"]
+    assert [(r["op"], r["kernels"]) for r in records] == [("megatron-step-diff", "flashmoe"),
+                                                          ("megatron-step-diff", "local")]
+    assert all(r["initial_weights_equal"] and abs(r["loss_error"]) < 1e-5 for r in records)
 
 
 def test_loss_spikes_against_the_median_before():
