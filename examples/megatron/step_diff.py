@@ -363,17 +363,20 @@ def main(argv=None) -> dict:
         local, config = train.build("local", size, args, device)
         flash, _ = train.build("flashmoe", size, args, device)
         report = {**train.envelope(args, size), "ref_dtype": str(args.ref_dtype).removeprefix("torch."),
-                  "note": NOTE, "initial_weights": initial_weights(local, flash, config, size, args, device)}
+                  "note": NOTE, "records": [],
+                  "initial_weights": initial_weights(local, flash, config, size, args, device)}
         reference = run_reference(local, size, args, device, config, batch, mask)
         report["reference"] = {"loss": reference["loss"], "grad_norm": torch.sqrt(
             sum(g.pow(2).sum() for g in reference["grads"].values())).item()}
-        for kernels, model in (("local", local), ("flashmoe", flash)):
-            report[kernels] = run_kernels(kernels, model, config, size, args, reference, batch, mask)
-        report["summary"] = summary(report)
-        report["records"] = records(report, args)
-        report["seconds"] = time.perf_counter() - began
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
+        for kernels, model in (("local", local), ("flashmoe", flash)):
+            report[kernels] = run_kernels(kernels, model, config, size, args, reference, batch, mask)
+            report["seconds"] = time.perf_counter() - began
+            # after each kernel set: a run stopped by a time limit leaves what it measured
+            (out / "megatron-step-diff.json").write_text(json.dumps(report, indent=1) + "\n")
+        report["summary"] = summary(report)
+        report["records"] = records(report, args)
         (out / "megatron-step-diff.json").write_text(json.dumps(report, indent=1) + "\n")
         print_table(report)
         return report
