@@ -9,7 +9,8 @@
 #   bash benchmarks/tools/megatron_train.sh 1     # one GPU
 #   bash benchmarks/tools/megatron_train.sh 2     # two GPUs (torchrun): data parallel 2, experts over --ep 2
 #   bash benchmarks/tools/megatron_train.sh 4     # four GPUs: data parallel 4, experts over --ep 2 --etp 2
-# STEP_DIFF_S (default 120; 0 skips it) bounds the one-step diagnostic. BUDGET_S (default 225) bounds the rest:
+# STEP_DIFF_S (default 120; 0 skips it) bounds the one-step diagnostic (STEP_DIFF_ONLY=1: nothing after it).
+# BUDGET_S (default 225) bounds the rest:
 # training gets what is left of it after the setup, the GPU tests
 # what is left after training (skipped under 40 s, or with GPU_TESTS=0). Every run stops after RUN_S seconds
 # (default 60; its record says so). TRAIN_ARGS appends options of the example, later ones winning (e.g.
@@ -54,6 +55,7 @@ if [ "$GPUS" = 1 ] && [ "${STEP_DIFF_S:-120}" != 0 ]; then
     if [ "$status" != 0 ]; then tail -n 30 "$OUT/$stem-step-diff.log"; fi
     if [ -f "$work/megatron-step-diff.json" ]; then cp "$work/megatron-step-diff.json" "$OUT/$stem-step-diff.json"; fi
     grep '^step-diff summary:' "$OUT/$stem-step-diff.log"
+    if [ "${STEP_DIFF_ONLY:-0}" = 1 ]; then exit "$status"; fi
     start=$(date +%s)  # BUDGET_S bounds what follows
 fi
 # shellcheck disable=SC2086  # TRAIN_ARGS is a list of options
