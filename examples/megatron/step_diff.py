@@ -212,7 +212,7 @@ def settings_of(gpt, config, ddp) -> dict:
         "attention_dropout": dropout.p if isinstance(dropout, torch.nn.Dropout) else config.attention_dropout,
         "attention_softmax_in_fp32": config.attention_softmax_in_fp32,
         "position_embedding_type": gpt.position_embedding_type, "rotary_base": getattr(gpt, "rotary_base", None),
-        "rotary_percent": config.rotary_percent if hasattr(config, "rotary_percent") else None,
+        "rotary_percent": getattr(gpt, "rotary_percent", None),
         "rotary_interleaved": config.rotary_interleaved, "apply_rope_fusion": config.apply_rope_fusion,
         "router": type(mlp.router).__name__, "topk": mlp.router.topk,
         "score_function": config.moe_router_score_function,
