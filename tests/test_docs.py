@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -55,3 +56,27 @@ def test_no_file_narrates_how_the_work_was_organised():
             if match:
                 hits.append(f"{file.relative_to(ROOT)}:{number}: {match.group(0)!r}: {line.strip()[:100]}")
     assert not hits, "narration instead of code and measurements:\n" + "\n".join(hits)
+
+
+def test_a_varlen_run_beside_fa4_renders_with_ours_over_fa4(tmp_path):
+    """A published varlen run with FlashAttention-4's `fa4-varlen` gets its column and the ours / FA4 ratio, forward
+    and backward, in docs/benchmarks.md's masks-and-packed-sequences table (a synthetic run in a temporary folder)."""
+    case = "long tail: 49 seqs 64..1626, 16384 tokens, causal"
+    speeds = {("fwd", "flashmoe-varlen"): 300.0, ("fwd", "fa4-varlen"): 200.0,
+              ("bwd", "flashmoe-varlen"): 150.0, ("bwd", "fa4-varlen"): 200.0, ("fwd", "sdpa-nested"): 20.0}
+    records = [{"op": "attention-features", "suite": "varlen", "case": case, "pass": pass_, "backend": backend,
+                "dtype": "bfloat16", "flops": 1e12, "ms": 1e3 / tflops, "tflops": tflops, "note": ""}
+               for (pass_, backend), tflops in speeds.items()]
+    path = tmp_path / "nvidia-h200-2026-01-01-abcdef0-varlen.json"
+    path.write_text(json.dumps({"gpu": "NVIDIA H200", "torch": "2.11.0", "flash_attn_4": "4.0.0b36",
+                                "commit": "abcdef0", "date": "2026-01-01", "records": records}))
+    text = _benchmarks_doc().render_file(path)
+    assert "FlashAttention-4 4.0.0b36" in text
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("| case"))
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    assert "fa4-varlen" in columns and "flashmoe-varlen / fa4-varlen" in columns
+    ratio_at = columns.index("flashmoe-varlen / fa4-varlen")
+    ratios = {cells[1]: cells[ratio_at] for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                                      for line in lines if line.startswith(f"| {case}"))}
+    assert ratios == {"fwd": "1.50", "bwd": "0.75"}

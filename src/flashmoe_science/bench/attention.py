@@ -217,18 +217,29 @@ def _prepare_sdpa(shape: AttentionShape, device: torch.device) -> Attend:
 
 
 FA4_HEAD_DIMS = range(8, 257)  # flash_attn.cute's sm_90 kernels: head dims 8..256, multiples of 8
+FA4_ARCHES = (9, 10)  # the GPUs FA4's forward and backward are built for: Hopper (sm_90) and Blackwell (sm_100)
 
 
-def _fa4_skip_reason(shape: AttentionShape) -> str | None:
-    """FlashAttention-4 (`flash_attn.cute`, the CuTe DSL kernels) is a peer, never a dependency: without it, or on a
-    head dim its kernels do not take, the backend has no record."""
+def fa4_skip_reason(head_dim: int) -> str | None:
+    """Why FlashAttention-4 (`flash_attn.cute`, the CuTe DSL kernels) cannot be measured here, or None. It is a peer,
+    never a dependency: without it, on a CUDA GPU other than sm_90/sm_100, or at a head dim its kernels do not take,
+    its contenders (the dense `fa4` backend, the varlen suite's `fa4-varlen`) have no record."""
     try:
         import flash_attn.cute  # noqa: F401
-    except ImportError as error:
+    except Exception as error:  # not installed, or its CUDA libraries do not load (OSError, RuntimeError)
         return f"flash_attn.cute (FlashAttention-4) does not import: {short_error(error)}"
-    if shape.D not in FA4_HEAD_DIMS or shape.D % 8:
-        return f"FlashAttention-4 takes head dims 8..256 in multiples of 8, not {shape.D}"
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        if major not in FA4_ARCHES:
+            return f"FlashAttention-4 is measured on sm_90 and sm_100 GPUs, not sm_{major}{minor}"
+    if head_dim not in FA4_HEAD_DIMS or head_dim % 8:
+        return f"FlashAttention-4 takes head dims 8..256 in multiples of 8, not {head_dim}"
     return None
+
+
+def fa4_output(result) -> torch.Tensor:
+    """The attention output of a `flash_attn.cute` call: its functions return (out, lse)."""
+    return result[0] if isinstance(result, tuple) else result
 
 
 def _prepare_fa4(shape: AttentionShape, device: torch.device) -> Attend:
@@ -238,8 +249,7 @@ def _prepare_fa4(shape: AttentionShape, device: torch.device) -> Attend:
     from flash_attn.cute import flash_attn_func
 
     def attend(q, k, v):
-        result = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=shape.causal)
-        out = result[0] if isinstance(result, tuple) else result
+        out = fa4_output(flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=shape.causal))
         return out.transpose(1, 2)
 
     return attend
@@ -302,7 +312,7 @@ BACKENDS: dict[str, Backend] = {
     "flashmoe": Backend("flashmoe", _ours("auto")),
     "flashmoe-triton": Backend("flashmoe-triton", _ours("triton")),
     "flashmoe-fp8": Backend("flashmoe-fp8", _prepare_fp8, skip_reason=_fp8_skip_reason),
-    "fa4": Backend("fa4", _prepare_fa4, skip_reason=_fa4_skip_reason),
+    "fa4": Backend("fa4", _prepare_fa4, skip_reason=lambda shape: fa4_skip_reason(shape.D)),
     "sdpa-cudnn": Backend("sdpa-cudnn", _prepare_sdpa, _sdpa_context("CUDNN_ATTENTION")),
     "sdpa-flash": Backend("sdpa-flash", _prepare_sdpa, _sdpa_context("FLASH_ATTENTION")),
     "sdpa-efficient": Backend("sdpa-efficient", _prepare_sdpa, _sdpa_context("EFFICIENT_ATTENTION")),

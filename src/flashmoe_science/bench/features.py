@@ -3,15 +3,19 @@
 Suites (bf16, D=128, one GPU; on a CPU-only machine every size shrinks by 64 as a smoke test of the harness):
 
 - ``varlen``: batches of 16384 tokens in sequences of the lengths a user meets (`VARLEN_DISTRIBUTIONS`, fixed
-  seeds): long-tailed (log-normal, clipped to 64..8192), a packed pre-training batch (one 8192-token document and
-  many of 64..512) and uniform 512..4096; causal and not (``--quick``: the long tail only). ``flashmoe-varlen`` (`flash_attention_varlen`) against ``flashmoe-dense`` (our dense call
-  at equal tokens, 4 x 4096), ``sdpa-nested`` (SDPA on a jagged nested tensor, whichever kernel PyTorch picks) and
-  ``sdpa-cudnn-padded`` (cuDNN's SDPA on the batch padded to the longest sequence, without a key-padding mask: a
-  lower bound of the padded call's cost, since a mask would take cuDNN off its fast path). Then a padded Hugging
-  Face batch (`PADDED_ROWS` uniform lengths right-padded to the longest, causal; in ``--quick`` too) through
-  transformers' attention interface end to end: ``flashmoe-hf`` (our registered function, which packs the real
-  tokens) against ``sdpa-padded`` (transformers' "sdpa" with its padding mask) and ``sdpa-cudnn-padded`` (the
-  same on cuDNN without a mask: exact on the real rows, since causal attention hides right padding).
+  seeds): long-tailed (log-normal, clipped to 64..8192: at seed 0, 49 sequences of 64..1626), a packed pre-training
+  batch (one 8192-token document and many of 64..512) and uniform 512..4096; causal and not (``--quick``: the long
+  tail only). ``flashmoe-varlen`` (`flash_attention_varlen`) against ``fa4-varlen`` (FlashAttention-4's
+  `flash_attn.cute.flash_attn_varlen_func` on the same packed tensors and cumulative lengths, where
+  `bench.attention.fa4_skip_reason` finds it importable on an sm_90/sm_100 GPU; else skipped with that reason),
+  ``flashmoe-dense`` (our dense call at equal tokens, 4 x 4096), ``sdpa-nested`` (SDPA on a jagged nested tensor,
+  whichever kernel PyTorch picks) and ``sdpa-cudnn-padded`` (cuDNN's SDPA on the batch padded to the longest
+  sequence, without a key-padding mask: a lower bound of the padded call's cost, since a mask would take cuDNN off its
+  fast path). Then a padded Hugging Face batch (`PADDED_ROWS` uniform lengths right-padded to the longest, causal; in
+  ``--quick`` too) through transformers' attention interface end to end: ``flashmoe-hf`` (our registered function,
+  which packs the real tokens) against ``sdpa-padded`` (transformers' "sdpa" with its padding mask) and
+  ``sdpa-cudnn-padded`` (the same on cuDNN without a mask: exact on the real rows, since causal attention hides right
+  padding).
 - ``window``: a causal sliding window of 4096 keys at L = 32k and 128k: ``flashmoe-window`` against our dense causal
   call (``flashmoe-dense``, auto; ``flashmoe-triton-dense``, the Triton kernel the window runs on until the Gluon
   kernels take windows) and compiled FlexAttention with the equivalent block mask (``flex-window``).
@@ -34,7 +38,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from flashmoe_science.bench.attention import _measure_backward, _measure_forward
+from flashmoe_science.bench.attention import _measure_backward, _measure_forward, fa4_output, fa4_skip_reason
 from flashmoe_science.bench.report import (format_number, median_over_rounds, plot_panels, records_table,
                                            round_significant, tflops)
 
@@ -59,9 +63,12 @@ class Contender:
 
 @dataclass
 class Case:
+    """A suite's case: its contenders, and those it leaves out with the reason (a peer not installed here)."""
+
     suite: str
     name: str
     contenders: dict[str, Contender] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
 
 
 def _randn(*shape, device, dtype):
@@ -119,6 +126,11 @@ def _varlen_case(distribution: str, causal: bool, device, dtype, shrink: int) ->
                 + (", causal" if causal else ""))
     case.contenders["flashmoe-varlen"] = Contender(
         packed, lambda q, k, v: flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal), real)
+    fa4_missing = fa4_skip_reason(HEAD_DIM)
+    if fa4_missing is None:
+        case.contenders["fa4-varlen"] = Contender(packed, _fa4_varlen(cu, longest, causal), real)
+    else:
+        case.skipped["fa4-varlen"] = fa4_missing
     case.contenders["flashmoe-dense"] = Contender(
         lambda: tuple(_randn(dense_batch, heads, dense_len, HEAD_DIM, device=device, dtype=dtype) for _ in range(3)),
         lambda q, k, v: flash_attention_science(q, k, v, causal=causal),
@@ -145,6 +157,18 @@ def _varlen_case(distribution: str, causal: bool, device, dtype, shrink: int) ->
                           for _ in range(3)),
             padded, real, f"padded to {len(lengths)} x {longest}, no padding mask")
     return case
+
+
+def _fa4_varlen(cu: torch.Tensor, longest: int, causal: bool) -> Callable:
+    """FlashAttention-4's varlen call on our packed (total, H, D) tensors and int32 cumulative lengths (its layout
+    too, so no copy); it returns (out, lse) and differentiates through its own backward."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    def attend(q, k, v):
+        return fa4_output(flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                                 max_seqlen_k=longest, causal=causal))
+
+    return attend
 
 
 PADDED_ROWS = 12
@@ -284,9 +308,12 @@ def feature_cases(suites, quick: bool, device, dtype) -> list[Case]:
 
 def run_features_bench(suites, quick: bool, device, dtype, timer, progress=None, on_case_done=None,
                        rounds: int = 1) -> list[dict]:
-    """Time every contender of every case, forward and backward; a contender that raises is skipped (warned)."""
+    """Time every contender of every case, forward and backward; a contender that raises is skipped (warned), and
+    so, once per reason, is one a case left out."""
     measured: dict[tuple, list[dict]] = {}
     cases = feature_cases(suites, quick, device, dtype)  # inputs are made per measurement (make_inputs)
+    for name, reason in dict.fromkeys((n, r) for case in cases for n, r in case.skipped.items()):
+        warnings.warn(f"features bench: {name} not run: {reason}")
     if progress is not None:
         progress.set_total(rounds * len(PASSES) * sum(len(case.contenders) for case in cases))
     for _ in range(rounds):
@@ -334,9 +361,9 @@ def _median_records(measured: dict[tuple, list[dict]]) -> list[dict]:
 
 # The ratios each suite's table shows (numerator, denominator): ours against the call it replaces.
 RATIOS = {
-    "varlen": (("flashmoe-varlen", "flashmoe-dense"), ("flashmoe-varlen", "sdpa-nested"),
-               ("flashmoe-varlen", "sdpa-cudnn-padded"), ("flashmoe-hf", "sdpa-padded"),
-               ("flashmoe-hf", "sdpa-cudnn-padded")),
+    "varlen": (("flashmoe-varlen", "fa4-varlen"), ("flashmoe-varlen", "flashmoe-dense"),
+               ("flashmoe-varlen", "sdpa-nested"), ("flashmoe-varlen", "sdpa-cudnn-padded"),
+               ("flashmoe-hf", "sdpa-padded"), ("flashmoe-hf", "sdpa-cudnn-padded")),
     "window": (("flashmoe-window", "flashmoe-dense"), ("flashmoe-window", "flashmoe-triton-dense"),
                ("flashmoe-window", "flex-window")),
     "mods": (("flashmoe-softcap", "flashmoe"), ("flashmoe-alibi", "flashmoe"), ("flashmoe-bias", "flashmoe"),
