@@ -3,6 +3,7 @@ skipped where `flash_attn.cute` does not import or the GPU is not sm_90/sm_100, 
 records with the same fields as ours. On the CPU a stand-in `flash_attn.cute` (SDPA in FA4's (B, L, H, D) and packed
 (total, H, D) layouts) takes its place; the real one runs in the GPU benchmark."""
 
+import importlib.util
 import io
 import sys
 import time
@@ -168,3 +169,13 @@ def test_the_varlen_suite_has_the_ragged_and_packed_batches_fa4_is_measured_on()
     names = [case.name for case in features.feature_cases(["varlen"], False, torch.device("cpu"), torch.float32)]
     for distribution in ("long tail", "packed documents"):
         assert sum(name.startswith(f"{distribution}:") for name in names) == 2  # causal and not
+
+
+def test_without_transformers_the_packed_batches_run_and_the_padded_batch_says_why_not(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "transformers" else real_find_spec(name, *args))
+    with pytest.warns(UserWarning, match="padded Hugging Face batch not run: transformers is not installed"):
+        records = _quick_varlen_run(monkeypatch)
+    assert {r["backend"] for r in records} == {"flashmoe-varlen", "flashmoe-dense"}

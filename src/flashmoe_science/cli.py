@@ -356,8 +356,6 @@ def _bench_attention(args: argparse.Namespace) -> int:
 def _bench_features(args: argparse.Namespace) -> int:
     from flashmoe_science.bench import features as features_bench
 
-    if "varlen" in args.suite:  # its padded Hugging Face batch runs through transformers' attention interface
-        require_extra("transformers")
     on_gpu = torch.cuda.is_available()
     device, dtype = (torch.device("cuda"), torch.bfloat16) if on_gpu else (torch.device("cpu"), torch.float32)
     timer = attention_bench.cuda_median_ms if on_gpu else attention_bench.cpu_median_ms

@@ -15,7 +15,7 @@ Suites (bf16, D=128, one GPU; on a CPU-only machine every size shrinks by 64 as 
   ``--quick`` too) through transformers' attention interface end to end: ``flashmoe-hf`` (our registered function,
   which packs the real tokens) against ``sdpa-padded`` (transformers' "sdpa" with its padding mask) and
   ``sdpa-cudnn-padded`` (the same on cuDNN without a mask: exact on the real rows, since causal attention hides right
-  padding).
+  padding); left out, with a warning saying why, where transformers is not installed.
 - ``window``: a causal sliding window of 4096 keys at L = 32k and 128k: ``flashmoe-window`` against our dense causal
   call (``flashmoe-dense``, auto; ``flashmoe-triton-dense``, the Triton kernel the window runs on until the Gluon
   kernels take windows) and compiled FlexAttention with the equivalent block mask (``flex-window``).
@@ -30,6 +30,7 @@ the window. Records: {"op": "attention-features", "suite", "case", "pass", "back
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -63,7 +64,8 @@ class Contender:
 
 @dataclass
 class Case:
-    """A suite's case: its contenders, and those it leaves out with the reason (a peer not installed here)."""
+    """A suite's case: its contenders, and what it leaves out (a contender, or the whole case) with the reason: a peer
+    or a library not installed here."""
 
     suite: str
     name: str
@@ -298,7 +300,11 @@ def feature_cases(suites, quick: bool, device, dtype) -> list[Case]:
         distributions = list(VARLEN_DISTRIBUTIONS)[:1 if quick else None]
         cases += [_varlen_case(name, causal, device, dtype, shrink) for name in distributions
                   for causal in (False, True)]
-        cases.append(_padded_hf_case(device, dtype, shrink))
+        if importlib.util.find_spec("transformers") is not None:
+            cases.append(_padded_hf_case(device, dtype, shrink))
+        else:  # the packed batches need no transformers: they run, and the padded batch says why it did not
+            cases.append(Case("varlen", "HF padded", skipped={
+                "the padded Hugging Face batch": 'transformers is not installed (pip install "flashmoe-science[hf]")'}))
     if "window" in suites:
         cases += [_window_case(length, device, dtype, shrink) for length in WINDOW_LENGTHS[:1 if quick else None]]
     if "mods" in suites:
