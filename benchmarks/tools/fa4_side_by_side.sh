@@ -6,9 +6,10 @@
 #       D=64 with MORE_NCU=1), L=16k: bench.log, ncu.txt and the bench JSON.
 #   source /tmp/fa4/install-on-device.sh && bash benchmarks/tools/fa4_side_by_side.sh --publish
 #       the runs published with FA4 in them, each ours beside FA4 in one process, ROUNDS (2) rounds, no profiler:
-#       the dense FlashAttention-3 grid at D=64/128 (PUBLISH_SHAPES; flashmoe, fa4, sdpa-cudnn, forward and backward;
-#       <stem>-fa4.json, bench.log), then the varlen suite (flashmoe-varlen beside fa4-varlen and the others, its
-#       ragged and packed batches causal and not; <stem>-varlen-fa4.json, varlen.log). About 6 minutes on an H200.
+#       the varlen suite (flashmoe-varlen beside fa4-varlen and the others on its ragged and packed batches, causal
+#       and not; <stem>-varlen-fa4.json, varlen.log), then the dense FlashAttention-3 grid at D=64/128
+#       (PUBLISH_SHAPES; flashmoe, fa4, sdpa-cudnn, forward and backward; <stem>-fa4.json, bench.log). At most
+#       VARLEN_S + DENSE_S = 390 s, about 5 minutes on an H200.
 # Writes under $OUT (flat, at most 6 files): env.txt and the above. Each step is time-boxed; what finished stays (a
 # bench cut short leaves its records in <name>.partial.json).
 here=$(cd "$(dirname "$0")" && pwd)
@@ -41,11 +42,12 @@ bench() {
 
 if [ "${1:-}" = --publish ]; then
   # the FlashAttention-3 grid (B·L = 16384, H·D = 2048) at D=128 and 64, L = 512 and 2048..16384, and H=16, L=16k at
-  # both head dims; L=1024 and D=256 cost another ~2 minutes (PUBLISH_SHAPES to add them)
+  # both head dims (the published grid); L=1024 and D=256 are 14 more shapes, ~1.6x the time: add them through
+  # PUBLISH_SHAPES with DENSE_S to match
   PUBLISH_SHAPES=${PUBLISH_SHAPES:-1x16x16384x128,1x16x16384x64,32x16x512x128,8x16x2048x128,4x16x4096x128,2x16x8192x128,32x32x512x64,8x32x2048x64,4x32x4096x64,2x32x8192x64,1x32x16384x64}
+  bench varlen-fa4 varlen.log "${VARLEN_S:-180}" --suite varlen --rounds "${ROUNDS:-2}"
   bench fa4 bench.log "${DENSE_S:-210}" --shapes "$PUBLISH_SHAPES" --backends flashmoe,fa4,sdpa-cudnn \
     --pass fwd,bwd --rounds "${ROUNDS:-2}"
-  bench varlen-fa4 varlen.log "${VARLEN_S:-150}" --suite varlen --rounds "${ROUNDS:-2}"
   ls -la "$OUT"
   exit 0
 fi
