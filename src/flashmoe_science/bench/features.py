@@ -365,7 +365,8 @@ def _median_records(measured: dict[tuple, list[dict]]) -> list[dict]:
     return [median_over_rounds(per_round, scale_rates) for per_round in measured.values()]
 
 
-# The ratios each suite's table shows (numerator, denominator): ours against the call it replaces.
+# The ratios each suite's table shows (numerator, denominator): ours against the peer measured beside it
+# (FlashAttention-4's varlen) and the call it replaces.
 RATIOS = {
     "varlen": (("flashmoe-varlen", "fa4-varlen"), ("flashmoe-varlen", "flashmoe-dense"),
                ("flashmoe-varlen", "sdpa-nested"), ("flashmoe-varlen", "sdpa-cudnn-padded"),
