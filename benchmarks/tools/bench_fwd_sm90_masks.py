@@ -20,7 +20,7 @@ from flashmoe_science.attention.hopper import fwd_sm90
 from flashmoe_science.attention.mask import make_mask
 from flashmoe_science.attention.hopper.tiles import (sm90_cross_item, sm90_forward_tiles, sm90_persistent,
                                                      sm90_q_buffers)
-from flashmoe_science.attention.seqlen import VarlenBatch, varlen_tile_offsets
+from flashmoe_science.attention.seqlen import VarlenBatch
 from flashmoe_science.device import device_traits
 
 D, H = 128, 16
@@ -121,9 +121,9 @@ def varlen_rows() -> list[dict]:
     cu = cu.cuda()
     packed = [rand(total, H, D) for _ in range(3)]
     q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in packed)
-    batch = VarlenBatch(cu, cu, varlen_tile_offsets(cu, fwd_sm90.BLOCK_M))
     for causal in (False, True):
         mask = make_mask(causal)
+        batch = VarlenBatch.of(cu, cu, fwd_sm90.BLOCK_M, total, mask.plain_causal)
         pairs = H * sum(visible_pairs(n, n, mask) for n in lengths)
         for two_stage in (False, True) if causal else (False,):
             t = ms(launch(q, k, v, mask, varlen=batch, seqlen_q=max(lengths), two_stage=two_stage))

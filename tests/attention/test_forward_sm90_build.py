@@ -13,7 +13,7 @@ import torch
 
 fwd_sm90 = pytest.importorskip("flashmoe_science.attention.hopper.fwd_sm90")
 from flashmoe_science.attention.mask import make_mask  # noqa: E402
-from flashmoe_science.attention.seqlen import VarlenBatch, varlen_tile_offsets  # noqa: E402
+from flashmoe_science.attention.seqlen import VarlenBatch, ranked_work_list, varlen_tile_offsets  # noqa: E402
 from flashmoe_science.attention.hopper.tiles import sm90_forward_tiles  # noqa: E402
 from flashmoe_science.attention.tiles import AttentionTiles  # noqa: E402
 from flashmoe_science.gluon.build import spill_budget, spill_count  # noqa: E402
@@ -37,6 +37,22 @@ def test_varlen_tile_offsets_count_the_real_query_tiles():
     cu = torch.tensor([0, 0, 1, 128, 257, 257, 900], dtype=torch.int32)
     offsets = varlen_tile_offsets(cu, 128)
     assert offsets.dtype == torch.int32 and offsets.tolist() == [0, 0, 1, 2, 4, 4, 10]  # lengths 0, 1, 127, 129, 0, 643
+
+
+def test_the_causal_path_takes_the_ranked_work_list():
+    """The plain causal mask numbers its items heaviest first (work_items.varlen_work): its launch takes
+    seqlen.ranked_work_list, every other mask the batch-order list; a list of the other kind is refused."""
+    cu = torch.tensor([0, 0, 1, 128, 257, 257, 900], dtype=torch.int32)
+    q, lse = _meta(1, 4, 900, 128), _meta(1, 4, 900, dtype=torch.float32)
+    launch = lambda causal, tiles: fwd_sm90._launch_args(  # noqa: E731
+        q, q, q, q, lse, causal, 0.1, TWO_STAGES if not causal else THREE_STAGES, 132, 1, False, None, None,
+        VarlenBatch(cu, cu, tiles))
+    ranked, plain = ranked_work_list(cu, 128, 900), varlen_tile_offsets(cu, 128)
+    assert _named(launch(True, ranked)[1])["TILE_OFFSETS"] is ranked
+    assert _named(launch(False, plain)[1])["TILE_OFFSETS"] is plain
+    for causal, tiles in ((True, plain), (False, ranked)):
+        with pytest.raises(ValueError, match="tile_offsets"):
+            launch(causal, tiles)
 
 
 def test_plain_calls_leave_every_new_argument_none():

@@ -14,7 +14,7 @@ import torch
 
 from flashmoe_science.attention.mask import make_mask, score_mods
 from flashmoe_science.attention.hopper.tiles import sm90_cross_item, sm90_forward_tiles, sm90_q_buffers
-from flashmoe_science.attention.seqlen import VarlenBatch, varlen_tile_offsets
+from flashmoe_science.attention.seqlen import VarlenBatch
 from flashmoe_science.device import device_traits
 from sm90_helpers import hopper_attention_module
 
@@ -142,7 +142,7 @@ def test_varlen(ids, head_dim, mask_name, two_stage, gqa):
     lse = torch.full((hq, total_q), float("nan"), device="cuda")
     slopes = _slopes(len(lengths_q), hq) if alibi else None
     tiles, num_ctas, q_buffers, cross_item = _plan(fwd_sm90, head_dim, mask, max(lengths_q), two_stage)
-    batch = VarlenBatch(cu_q, cu_k, varlen_tile_offsets(cu_q, fwd_sm90.BLOCK_M))
+    batch = VarlenBatch.of(cu_q, cu_k, fwd_sm90.BLOCK_M, q.shape[2], mask.plain_causal)
     fwd_sm90.attention_forward_sm90(q, k, v, out, lse.unsqueeze(0), causal, scale, tiles, num_ctas, q_buffers,
                                     cross_item, mask=mask, alibi_slopes=slopes, varlen=batch)
     assert torch.isnan(out_packed[total_q:]).all(), "a store ran past the last sequence"

@@ -89,3 +89,31 @@ def test_rows_past_the_last_sequence(lengths, d):
     for mine, torch_own, exact in zip(ours, same_dtype, reference):
         bound = 2 * (torch_own.double() - exact).abs().max().item() + 1e-2
         assert (mine.double() - exact).abs().max().item() <= bound
+
+
+def test_work_list_is_built_without_a_sync_and_replays_in_a_cuda_graph():
+    """seqlen.varlen_work_list on the device: no synchronisation, the CPU's exact integers, and captured in a CUDA
+    graph it recomputes from the cu_seqlens values of each replay."""
+    from flashmoe_science.attention.seqlen import varlen_work_list, work_items_bound
+
+    generator = torch.Generator().manual_seed(5)
+    lengths = [torch.randint(0, 900, (40,), generator=generator) for _ in range(2)]  # one cu shape, empty ones
+    lengths[0][7] = lengths[1][0] = 0
+    slots = work_items_bound(40, 40 * 900, 40 * 900, 128)
+    cus = [torch.cat([torch.zeros(1, dtype=torch.int32), n.cumsum(0).to(torch.int32)]) for n in lengths]
+    cu = cus[0].cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = varlen_work_list(cu, 128, slots)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(eager.cpu(), varlen_work_list(cus[0], 128, slots))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = varlen_work_list(cu, 128, slots)
+    for values in cus:
+        cu.copy_(values)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured.cpu(), varlen_work_list(values, 128, slots))

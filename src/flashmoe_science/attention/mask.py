@@ -58,6 +58,12 @@ class MaskSpec:
         return self.window_right != UNBOUNDED
 
     @property
+    def plain_causal(self) -> bool:
+        """The causal window alone (left unbounded, right bound 0; a softcap may come with it): the kernels' CAUSAL
+        path (mask.key_tile_bounds), where any other window takes the general bounds."""
+        return not self.bounded_left and self.bounded_right and self.window_right == 0
+
+    @property
     def is_plain(self) -> bool:
         """No window beyond causal and no softcap: what the kernels' dense causal/non-causal paths compute."""
         return not self.bounded_left and (not self.bounded_right or self.causal) and self.softcap == 0.0

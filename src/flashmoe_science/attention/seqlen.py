@@ -6,16 +6,23 @@ Dense batches: sequence b is batch entry b, its rows start at 0, and every seque
 [cu_seqlens[b], cu_seqlens[b+1]) of them, a launch is sized by the longest sequence, and each program reads its own
 sequence's first row and lengths.
 
-Host side: `launch_sizes` (the sequences and lengths a launch covers); a packed batch's work list,
-`varlen_tile_offsets` (the running count of its real tiles, computed on the device), `work_list` (the same,
-computed once per cu_seqlens tensor) and `work_items_bound` (how many programs a launch over it needs); `VarlenBatch`
-(what a persistent forward reads). Kernel side, plain `triton.jit` functions that the Gluon kernels call too:
-`sequence_bounds` (a sequence's first row and length), `sequence_coords` (the same as TMA coordinates) and
-`tile_of_work` (a work item -> its sequence, head and tile).
+Host side: `launch_sizes` (the sequences and lengths a launch covers); a packed batch's work lists,
+`varlen_tile_offsets` (the running count of its real tiles, computed on the device) and `varlen_work_list` (its
+tiles with the sequences longest first, and in decreasing causal cost), `work_list` / `ranked_work_list` (the same,
+computed once per cu_seqlens tensor) and `work_items_bound` (how many programs a launch over them needs);
+`VarlenBatch` (what a persistent forward reads). Kernel side, plain `triton.jit` functions that the Gluon kernels
+call too: `sequence_bounds` (a sequence's first row and length), `sequence_coords` (the same as TMA coordinates) and
+a work item -> its sequence, head and tile in each numbering (`tile_of_work`, `ranked_tile_of_work`,
+`heaviest_tile_of_work`).
 
 A packed batch's work items are its real tiles only, numbered sequence by sequence, head by head, a head's tiles
 consecutively: a launch over them has no programs that find their sequence shorter than the longest and exit (a
-grid of max_seqlen tiles per sequence idles most of its programs on a long-tailed batch).
+grid of max_seqlen tiles per sequence idles most of its programs on a long-tailed batch). The sequences come in
+the batch's order (`varlen_tile_offsets`) or longest first (`varlen_work_list`: CTAs that the hardware starts in
+program-id order as SMs free up then take the heaviest first, so the last wave holds short CTAs whatever the
+batch's order; a (sequence, head)'s tiles stay consecutive and increasing, which the deterministic backward's
+order rule needs). A persistent kernel whose CTAs take items in a fixed order balances them when they come in
+decreasing cost (`heaviest_tile_of_work`). docs/perf-notes.md has the schedule model.
 """
 
 from __future__ import annotations
@@ -46,7 +53,8 @@ def launch_sizes(q: torch.Tensor, k: torch.Tensor, varlen) -> tuple[int, int, in
 @dataclass(frozen=True)
 class VarlenBatch:
     """A packed batch as a persistent kernel walks it: int32 cumulative lengths (B+1,) of the queries and keys on q's
-    device, and `tile_offsets` (varlen_tile_offsets of cu_seqlens_q): the work items are the real query tiles only."""
+    device, and `tile_offsets`, the work list of cu_seqlens_q (`work_list`, or `ranked_work_list` with a causal
+    mask: the kernel's numbering follows its mask): the work items are the real query tiles only."""
 
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
@@ -55,6 +63,14 @@ class VarlenBatch:
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The per-call tensors, in the order a prepared launch takes them after q, k, v, out, lse."""
         return self.cu_seqlens_q, self.cu_seqlens_k, self.tile_offsets
+
+    @classmethod
+    def of(cls, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, block: int, rows: int, ranked: bool
+           ) -> "VarlenBatch":
+        """A packed batch of `rows` query rows in tiles of `block` rows: its tiles in decreasing causal cost
+        (`ranked`: ranked_work_list, for a causal mask) or in the batch's order (work_list)."""
+        tiles = ranked_work_list(cu_seqlens_q, block, rows) if ranked else work_list(cu_seqlens_q, block)
+        return cls(cu_seqlens_q, cu_seqlens_k, tiles)
 
 
 def varlen_tile_offsets(cu_seqlens_q: torch.Tensor, block_m: int) -> torch.Tensor:
@@ -68,7 +84,7 @@ def varlen_tile_offsets(cu_seqlens_q: torch.Tensor, block_m: int) -> torch.Tenso
     return offsets
 
 
-# work_list's tables: one per (cu_seqlens tensor, tile rows), while that tensor lives unwritten
+# the work lists: one per (cu_seqlens tensor, tile rows[, packed rows]), while that tensor lives unwritten
 _WORK_LISTS = TensorMemo()
 
 
@@ -82,6 +98,45 @@ def work_list(cu_seqlens: torch.Tensor, block: int) -> torch.Tensor:
     return offsets
 
 
+def varlen_work_list(cu_seqlens: torch.Tensor, block: int, slots: int) -> torch.Tensor:
+    """A packed batch's tiles with its sequences longest first, int32 (1 + 4·slots,), computed on the device (no
+    synchronisation: CUDA graphs capture it): entry 0 counts the batch's tiles (per head); then a record of 4 per
+    slot p < `slots` (at least the batch's tiles: `work_items_bound`), the slots numbering the tiles with the
+    sequences longest first (a stable sort: equal lengths keep the batch's order): the sequence that holds slot p,
+    its first slot, its tiles, and the slot that comes p-th in decreasing causal cost (query tile t of a sequence
+    costs t + 1 key tiles; ties in slot order; slots past the tiles last). A record past the tiles holds the last
+    sequence's and is never read."""
+    num_seqs = cu_seqlens.shape[0] - 1
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    order = torch.argsort(lengths, descending=True, stable=True)
+    offsets = torch.zeros(num_seqs + 1, dtype=torch.int32, device=cu_seqlens.device)
+    torch.cumsum(torch.div(lengths[order] + (block - 1), block, rounding_mode="floor"), 0, dtype=torch.int32,
+                 out=offsets[1:])
+    slot = torch.arange(slots, dtype=torch.int32, device=cu_seqlens.device)
+    rank = (torch.searchsorted(offsets, slot, right=True) - 1).clamp_(0, max(num_seqs - 1, 0))
+    first = offsets[rank]
+    # decreasing cost, then increasing slot: one int64 key (cost <= slots)
+    cost = torch.where(slot < offsets[num_seqs], slot - first + 1, 0).to(torch.int64)
+    heaviest = torch.argsort((slots - cost) * slots + slot)
+    records = torch.stack([order[rank], first, offsets[rank + 1] - first, heaviest], 1)
+    return torch.cat([offsets[num_seqs:], records.flatten().to(torch.int32)])
+
+
+def ranked_work_list_entries(num_seqs: int, rows: int, block: int) -> int:
+    """The length of ranked_work_list's table for num_seqs sequences packed in `rows` rows."""
+    return 1 + 4 * work_items_bound(num_seqs, rows, rows, block)
+
+
+def ranked_work_list(cu_seqlens: torch.Tensor, block: int, rows: int) -> torch.Tensor:
+    """varlen_work_list of a batch packed in `rows` rows (its slots: work_items_bound's), computed once per
+    cu_seqlens tensor, as work_list."""
+    table = _WORK_LISTS.get((cu_seqlens,), (block, rows))
+    if table is None:
+        table = varlen_work_list(cu_seqlens, block, work_items_bound(cu_seqlens.shape[0] - 1, rows, rows, block))
+        _WORK_LISTS.put((cu_seqlens,), (block, rows), table)
+    return table
+
+
 def work_items_bound(num_seqs: int, total: int, longest: int, block: int) -> int:
     """An upper bound on the block-row tiles of a packed batch (per head), known without reading its lengths:
     every sequence wastes less than one tile, and none has more than the longest's."""
@@ -91,8 +146,10 @@ def work_items_bound(num_seqs: int, total: int, longest: int, block: int) -> int
 @triton.jit
 def tile_of_work(TILE_OFFSETS, num_seqs, num_heads, work):
     """(sequence, head, tile) of work item `work` < num_heads · TILE_OFFSETS[num_seqs] (the module docstring's
-    numbering): the sequence b with TILE_OFFSETS[b]·H <= work < TILE_OFFSETS[b+1]·H, found by bisection (log2 of
-    the batch size loads, cached), which skips empty sequences."""
+    numbering, over varlen_tile_offsets' table): the sequence b with TILE_OFFSETS[b]·H <= work < TILE_OFFSETS[b+1]·H,
+    found by bisection (log2 of the batch size loads, cached), which skips empty sequences. The persistent
+    forward's non-causal numbering: its loads, in a loop, hold fewer registers across the CTA's items than
+    ranked_tile_of_work's (the sm_90 forward's D=128 offline build: 35 LDL/STL against 66)."""
     lo = work * 0
     hi = lo + num_seqs
     while hi - lo > 1:
@@ -105,6 +162,28 @@ def tile_of_work(TILE_OFFSETS, num_seqs, num_heads, work):
     num_tiles = tl.load(TILE_OFFSETS + lo + 1) - first
     rest = work - first * num_heads
     return lo, rest // num_tiles, rest % num_tiles
+
+
+@triton.jit
+def ranked_tile_of_work(WORK_LIST, num_heads, work):
+    """(sequence, head, tile, the sequence's tiles) of work item `work` < num_heads · WORK_LIST[0] over
+    varlen_work_list's table: sequences longest first, head by head, a head's tiles consecutively (slot p holds
+    items [p·H, p·H + H) of that numbering). Three independent loads: a bisection over the sequences
+    (`tile_of_work`) takes log2 B dependent ones before a backward CTA can issue its first copy."""
+    record = WORK_LIST + 1 + 4 * (work // num_heads)
+    first = tl.load(record + 1)
+    num_tiles = tl.load(record + 2)
+    rest = work - first * num_heads
+    return tl.load(record), rest // num_tiles, rest % num_tiles, num_tiles
+
+
+@triton.jit
+def heaviest_tile_of_work(WORK_LIST, num_heads, work):
+    """(sequence, head, tile) of work item `work` < num_heads · WORK_LIST[0] over varlen_work_list's table: the
+    tiles of all sequences in decreasing causal cost, the heads of a tile consecutive (work % num_heads)."""
+    slot = tl.load(WORK_LIST + 4 + 4 * (work // num_heads))
+    record = WORK_LIST + 1 + 4 * slot
+    return tl.load(record), work % num_heads, slot - tl.load(record + 1)
 
 
 @triton.jit

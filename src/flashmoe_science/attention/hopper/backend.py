@@ -83,15 +83,15 @@ def gluon_refusal() -> str | None:
 PREPARED_FORWARD: dict[tuple, object] = {}
 
 
-def varlen_batch(varlen):
-    """The persistent forward's view of a packed batch (seqlen.VarlenBatch: its work list of query tiles), or None
-    for a dense call."""
+def varlen_batch(varlen, rows: int, mask):
+    """The persistent forward's view of a packed batch of `rows` query rows under `mask` (seqlen.VarlenBatch: its
+    work list of query tiles, ranked for the causal path), or None for a dense call."""
     if varlen is None:
         return None
     from flashmoe_science.attention.hopper.fwd_sm90 import BLOCK_M
-    from flashmoe_science.attention.seqlen import VarlenBatch, work_list
+    from flashmoe_science.attention.seqlen import VarlenBatch
 
-    return VarlenBatch(varlen.cu_seqlens_q, varlen.cu_seqlens_k, work_list(varlen.cu_seqlens_q, BLOCK_M))
+    return VarlenBatch.of(varlen.cu_seqlens_q, varlen.cu_seqlens_k, BLOCK_M, rows, mask.plain_causal)
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class HopperForward:
         if out is None:
             out, lse = new_outputs(q)
         varlen = features.varlen
-        batch = varlen_batch(varlen)
+        batch = varlen_batch(varlen, q.shape[2], features.mask)
         key = self.prepared_key(q, k, v, out, lse, features, softmax_scale)
         prepared = PREPARED_FORWARD.get(key) if key is not None else None
         if prepared is not None and prepared is not SEEN_ONCE:
@@ -166,7 +166,8 @@ class HopperForward:
 
             num_ctas = device_traits(q.device).sm_count if self.persistent else None
             prepared = prepare_forward(q, k, v, out, lse, features.causal, softmax_scale, self.tiles, num_ctas,
-                                       self.q_buffers, self.cross_item, varlen=varlen_batch(features.varlen))
+                                       self.q_buffers, self.cross_item,
+                                       varlen=varlen_batch(features.varlen, q.shape[2], features.mask))
             remember(PREPARED_FORWARD, key, prepared)
         return prepared
 
@@ -303,7 +304,7 @@ class HopperBackward:
                 prepared(q, k, v, out, lse, grad_out, delta, dq, dk, dv)
         else:
             def launch(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features):
-                prepared(q, k, v, out, lse, grad_out, delta, dq, dk, dv, *varlen_tensors(features))
+                prepared(q, k, v, out, lse, grad_out, delta, dq, dk, dv, *varlen_tensors(features, k.shape[2]))
         return launch
 
 

@@ -13,7 +13,7 @@ from flashmoe_science.gluon.compat import gl, gluon, mbarrier, tma
 
 from flashmoe_science.attention.features import as_features
 from flashmoe_science.attention.mask import LOG2_E, key_tile_range, query_tile_range, score_to_log2, visible
-from flashmoe_science.attention.seqlen import launch_sizes, tile_of_work, work_items_bound, work_list
+from flashmoe_science.attention.seqlen import launch_sizes, ranked_tile_of_work, ranked_work_list, work_items_bound
 
 from flashmoe_science.gluon.sm90 import compile_offline as sm90_compile_offline
 
@@ -205,12 +205,13 @@ def _softcap_grad(ds, t, SOFTCAP: gl.constexpr):
 
 
 @gluon.jit
-def _cta_key_block(seqlen_k, num_kv_heads, WorkTiles, num_seqs, CTA_KEYS: gl.constexpr, VARLEN: gl.constexpr):
+def _cta_key_block(seqlen_k, num_kv_heads, WorkTiles, CTA_KEYS: gl.constexpr, VARLEN: gl.constexpr):
     """This CTA's (first key, batch or sequence, kv head): program ids run over a (batch, kv head)'s key blocks
-    consecutively; a packed batch's over its real key blocks only (seqlen.tile_of_work over WorkTiles, the
-    work list of cu_seqlens_k; the caller returns first where the program id is past them)."""
+    consecutively; a packed batch's over its real key blocks only, longest sequence first (seqlen.ranked_tile_of_work
+    over WorkTiles, the ranked work list of cu_seqlens_k; the caller returns first where the program id is past
+    them)."""
     if VARLEN:
-        seq, kv_head, tile = tile_of_work(WorkTiles, num_seqs, num_kv_heads, gl.program_id(0))
+        seq, kv_head, tile, _ = ranked_tile_of_work(WorkTiles, num_kv_heads, gl.program_id(0))
         return tile * CTA_KEYS, seq, kv_head
     else:
         num_key_tiles = gl.cdiv(seqlen_k, CTA_KEYS)
@@ -219,11 +220,11 @@ def _cta_key_block(seqlen_k, num_kv_heads, WorkTiles, num_seqs, CTA_KEYS: gl.con
 
 
 @gluon.jit
-def _past_work(WorkTiles, num_seqs, num_heads, VARLEN: gl.constexpr):
+def _past_work(WorkTiles, num_heads, VARLEN: gl.constexpr):
     """Whether this program lies past a packed batch's real tiles (its launch is sized by seqlen.work_items_bound,
     which may exceed them); False for dense launches, whose grids are exact."""
     if VARLEN:
-        return gl.program_id(0) >= num_heads * gl.load(WorkTiles + num_seqs)
+        return gl.program_id(0) >= num_heads * gl.load(WorkTiles)  # seqlen.varlen_work_list's tile count
     else:
         return False
 
@@ -298,15 +299,16 @@ def feature_args(features, softmax_scale: float, q, k, work_rows: int, over_quer
 
     Dense and causal-only masks run as CAUSAL with no MASK_* flag (a constant window: mask.key_tile_bounds and
     `_query_tile_bounds`, fewer instructions than the general bounds with a runtime window). Any other window sets
-    MASK_LEFT/MASK_RIGHT from mask.kernel_args. Varlen: the grid runs over the real tiles only (seqlen.work_list
-    of cu_seqlens_k, or of cu_seqlens_q over_queries; each sequence's lengths come from cu_seqlens).
+    MASK_LEFT/MASK_RIGHT from mask.kernel_args. Varlen: the grid runs over the real tiles only, longest sequence
+    first (seqlen.ranked_work_list of cu_seqlens_k, or of cu_seqlens_q over_queries; each sequence's lengths come
+    from cu_seqlens).
 
     A packed batch's kernels take the packed totals as seqlen_q/k, which they never read (sequence_coords replaces
     them), rather than the longest lengths, which change with every batch (seqlen.PER_BATCH_ARGS says why)."""
     features = as_features(features)
     mask = features.mask
     scalars = mask.kernel_args(softmax_scale)
-    causal_only = not mask.bounded_left and mask.bounded_right and mask.window_right == 0
+    causal_only = mask.plain_causal
     slopes = features.alibi_slopes
     if slopes is not None and slopes.stride(-1) != 1:
         slopes = slopes.contiguous()  # (B, Hq) float32: a few bytes
@@ -318,7 +320,7 @@ def feature_args(features, softmax_scale: float, q, k, work_rows: int, over_quer
         programs = num_seqs * triton.cdiv(longest, work_rows)
     else:
         cu_q, cu_k, num_seqs_arg = varlen.cu_seqlens_q, varlen.cu_seqlens_k, num_seqs
-        work_tiles = work_list(cu_q if over_queries else cu_k, work_rows)
+        work_tiles = ranked_work_list(cu_q if over_queries else cu_k, work_rows, total)
         programs = work_items_bound(num_seqs, total, longest, work_rows)
     args = (slopes, cu_q, cu_k, work_tiles, num_seqs_arg, 0 if slopes is None else slopes.stride(0), q.shape[2],
             scalars["window_left"], scalars["window_right"], scalars["softcap_scale"])

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from flashmoe_science.gluon.compat import gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from flashmoe_science.attention.seqlen import PER_BATCH_ARGS, sequence_coords, tile_of_work
+from flashmoe_science.attention.seqlen import PER_BATCH_ARGS, ranked_tile_of_work, sequence_coords
 from flashmoe_science.attention.hopper.bwd_common import (
     _mask_score_start,
     _past_work,
@@ -231,11 +231,10 @@ def attention_backward_dq_sm90_kernel(
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
-    if _past_work(WorkTiles, num_seqs, num_q_heads, VARLEN):
+    if _past_work(WorkTiles, num_q_heads, VARLEN):
         return
     if VARLEN:
-        seq, q_head, pid_m = tile_of_work(WorkTiles, num_seqs, num_q_heads, gl.program_id(0))
-        num_m_tiles = gl.load(WorkTiles + seq + 1) - gl.load(WorkTiles + seq)
+        seq, q_head, pid_m, num_m_tiles = ranked_tile_of_work(WorkTiles, num_q_heads, gl.program_id(0))
     else:
         num_m_tiles = gl.cdiv(seqlen_q, 2 * ROWS)
         pid_m = gl.program_id(0) % num_m_tiles

@@ -120,7 +120,7 @@ from flashmoe_science.attention.hopper.bwd_common import (
 from flashmoe_science.attention.hopper.common import descriptor
 from flashmoe_science.attention.hopper.tiles import sm90_backward_rows
 from flashmoe_science.attention.layout import bias_tma_view, needs_64bit_rows
-from flashmoe_science.attention.seqlen import work_list
+from flashmoe_science.attention.seqlen import ranked_work_list
 from flashmoe_science.attention.mask import LOG2_E
 from flashmoe_science.attention.seqlen import PER_BATCH_ARGS, sequence_coords
 from flashmoe_science.attention.tiles import padded_head_dim
@@ -357,9 +357,9 @@ def attention_backward_sm90_kernel(
     KEYS: gl.constexpr = CTA_KEYS // 2
     DQ_N: gl.constexpr = BLOCK_D // 2
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
-    if _past_work(WorkTiles, num_seqs, num_kv_heads, VARLEN):
+    if _past_work(WorkTiles, num_kv_heads, VARLEN):
         return
-    start_n, seq, kv_head = _cta_key_block(seqlen_k, num_kv_heads, WorkTiles, num_seqs, CTA_KEYS, VARLEN)
+    start_n, seq, kv_head = _cta_key_block(seqlen_k, num_kv_heads, WorkTiles, CTA_KEYS, VARLEN)
     batch, q_first, seqlen_q, k_first, seqlen_k = sequence_coords(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k,
                                                                   VARLEN)
 
@@ -616,7 +616,8 @@ class PreparedBackward:
         semaphores = self._semaphores(q.device)
         # __call__'s tensors, then the workspaces, then varlen's
         order = (*_CALL_TENSORS, "dq_accum", "semaphores", *VARLEN_TENSORS)
-        tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, semaphores, *varlen_tensors(features))
+        tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, semaphores,
+                   *varlen_tensors(features, k.shape[2]))
         self.launches = []
         for name, (kernel, grid, bound, options, heads) in _one_pass_launches(
                 q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale,
@@ -647,12 +648,13 @@ _CALL_TENSORS = ("q", "k", "v", "out", "lse", "grad_out", "delta", "dq", "dk", "
 VARLEN_TENSORS = ("cu_seqlens_q", "cu_seqlens_k", "work_tiles")
 
 
-def varlen_tensors(features) -> tuple:
-    """`VARLEN_TENSORS` of a packed call (its cu_seqlens and the key-block work list), () for a dense one."""
+def varlen_tensors(features, key_rows: int) -> tuple:
+    """`VARLEN_TENSORS` of a packed call whose keys are packed in `key_rows` rows (its cu_seqlens and the key-block
+    work list), () for a dense one."""
     varlen = features.varlen
     if varlen is None:
         return ()
-    return varlen.cu_seqlens_q, varlen.cu_seqlens_k, work_list(varlen.cu_seqlens_k, BLOCK_N)
+    return varlen.cu_seqlens_q, varlen.cu_seqlens_k, ranked_work_list(varlen.cu_seqlens_k, BLOCK_N, key_rows)
 
 
 def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,

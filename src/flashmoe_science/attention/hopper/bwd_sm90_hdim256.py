@@ -187,9 +187,9 @@ def attention_backward_sm90_hdim256_kernel(
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
     KEYS: gl.constexpr = CTA_KEYS // 2
-    if _past_work(WorkTiles, num_seqs, num_kv_heads, VARLEN):
+    if _past_work(WorkTiles, num_kv_heads, VARLEN):
         return
-    start_n, seq, kv_head = _cta_key_block(seqlen_k, num_kv_heads, WorkTiles, num_seqs, CTA_KEYS, VARLEN)
+    start_n, seq, kv_head = _cta_key_block(seqlen_k, num_kv_heads, WorkTiles, CTA_KEYS, VARLEN)
     batch, q_first, seqlen_q, k_first, seqlen_k = sequence_coords(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k,
                                                                   VARLEN)
 

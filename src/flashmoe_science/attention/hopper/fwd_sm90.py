@@ -46,7 +46,7 @@ from flashmoe_science.attention.features import bias_strides
 from flashmoe_science.attention.layout import bias_tma_view, tma_compatible
 from flashmoe_science.attention.mask import (LN_2, LOG2_E, MaskSpec, key_tile_bounds, key_tile_range, score_to_log2,
                                              visible)
-from flashmoe_science.attention.seqlen import PER_BATCH_ARGS, VarlenBatch
+from flashmoe_science.attention.seqlen import PER_BATCH_ARGS, VarlenBatch, ranked_work_list_entries
 from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.gluon.compat import (fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma,
                                            warpgroup_mma_wait)
@@ -643,8 +643,9 @@ def attention_forward_sm90_kernel(
     sets MASK_LEFT/MASK_RIGHT with window_left/window_right. SOFTCAP (softcap_scale, qk_scale = c·log2 e) and ALIBI
     (slopes at ALIBI_SLOPES + b·alibi_stride_b + h·alibi_stride_h) modify the scores. VARLEN: q/k/v/o are (1, H,
     total, D) views of packed tensors, sequences delimited by CU_SEQLENS_Q/K (num_seqs of them); TILE_OFFSETS
-    numbers their query tiles (varlen_tile_offsets); num_work is read from it; O (base of o, with its head and row
-    strides and head_dim) takes each sequence's ragged last rows; LSE is (H, total_q) and seqlen_q = total_q.
+    numbers their query tiles (seqlen.VarlenBatch; work_items.varlen_work); num_work is read from it; O (base of o,
+    with its head and row strides and head_dim) takes each sequence's ragged last rows; LSE is (H, total_q) and
+    seqlen_q = total_q.
     HAS_BIAS: an additive bias, times bias_log2 (see _softmax_tile), read by TMA through bias_desc (BIAS_TMA: boxes
     of 64 query rows x BLOCK_N keys; bias_stride_b/h are the batch and head steps of its coordinate, 0 where it
     broadcasts) or by the consumers' masked loads from BIAS with the four element strides (0 where it broadcasts).
@@ -654,7 +655,10 @@ def attention_forward_sm90_kernel(
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]  # rows per consumer
     if VARLEN:
-        num_work = num_q_heads * gl.load(TILE_OFFSETS + num_seqs)
+        if CAUSAL:  # seqlen.ranked_work_list
+            num_work = num_q_heads * gl.load(TILE_OFFSETS)
+        else:  # seqlen.work_list
+            num_work = num_q_heads * gl.load(TILE_OFFSETS + num_seqs)
         # the grid is bounded by the rows (the work list is read here): a CTA past the last item has none, and the
         # consumers' first item is unconditional
         if gl.program_id(0) >= num_work:
@@ -735,7 +739,7 @@ def _mask_launch_args(mask: MaskSpec, softmax_scale: float) -> tuple[dict, dict]
     right 0) runs as CAUSAL, the dense kernel's own path (mask.key_tile_bounds, heaviest query tiles first); other
     windows as MASK_LEFT/MASK_RIGHT. Unused scalars are None, so a plain call compiles to the plain kernel."""
     kernel = mask.kernel_args(softmax_scale)
-    plain_causal = not mask.bounded_left and mask.bounded_right and mask.window_right == 0
+    plain_causal = mask.plain_causal
     mask_left, mask_right = kernel["MASK_LEFT"], kernel["MASK_RIGHT"] and not plain_causal
     scalars = dict(qk_scale=kernel["qk_scale"],
                    window_left=kernel["window_left"] if mask_left else None,
@@ -805,8 +809,13 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
         # The kernel reads the number of real tiles (>= cdiv(total_q, BLOCK_M)) from tile_offsets: this many
         # CTAs all find work.
         num_m_tiles, num_work = None, None
-        varlen_args = (varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.tile_offsets, varlen.cu_seqlens_q.shape[0] - 1,
-                       out, out.stride(1), out.stride(2), head_dim)
+        num_seqs = varlen.cu_seqlens_q.shape[0] - 1
+        entries = ranked_work_list_entries(num_seqs, seqlen_q, BLOCK_M) if mask_constexprs["CAUSAL"] else num_seqs + 1
+        if varlen.tile_offsets.shape != (entries,):
+            raise ValueError(f"varlen.tile_offsets must have {entries} entries (seqlen.VarlenBatch: the work list "
+                             f"for this mask), got {tuple(varlen.tile_offsets.shape)}")
+        varlen_args = (varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.tile_offsets, num_seqs, out, out.stride(1),
+                       out.stride(2), head_dim)
     if attn_bias is not None and varlen is not None:
         raise ValueError("attn_bias is not taken with a packed (varlen) batch")
     log2_scores = alibi_slopes is not None and mask_constexprs["SOFTCAP"]  # see _softmax_tile
@@ -900,7 +909,8 @@ def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = N
     lse = torch.empty(batch, 4, rows, device="meta")
     slopes = torch.empty(4, device="meta") if alibi else None
     cu_seqlens = torch.empty(3, dtype=torch.int32, device="meta")
-    batch_info = VarlenBatch(cu_seqlens, cu_seqlens, cu_seqlens) if varlen else None
+    work = torch.empty(ranked_work_list_entries(2, rows, BLOCK_M), dtype=torch.int32, device="meta")
+    batch_info = VarlenBatch(cu_seqlens, cu_seqlens, work if mask.plain_causal else cu_seqlens) if varlen else None
     attn_bias = None
     if bias is not None:
         shape = (1, 4, rows, rows) if bias == "tma" else (batch, 1, 1, rows)

@@ -5,15 +5,15 @@ lengths, and the key tiles a CTA streams for a query tile (mask.key_tile_range /
 
 # no `from __future__ import annotations`: VarlenArgs' field annotations must be classes (compat.aggregate)
 from flashmoe_science.attention.mask import key_tile_bounds, key_tile_range
-from flashmoe_science.attention.seqlen import tile_of_work
+from flashmoe_science.attention.seqlen import heaviest_tile_of_work, tile_of_work
 from flashmoe_science.gluon.compat import aggregate, field, gl, gluon
 
 
 @aggregate
 class VarlenArgs:
     """A packed batch as the forward kernel reads it (each field None, a constexpr, in a dense launch): int32
-    cumulative lengths of the queries and keys, the query tiles before each sequence (seqlen.varlen_tile_offsets),
-    the number of sequences, and the output's base pointer with its head and row strides and the head dim, for
+    cumulative lengths of the queries and keys, the work list of their query tiles (seqlen.VarlenBatch), the number
+    of sequences, and the output's base pointer with its head and row strides and the head dim, for
     the ragged last rows a TMA box would write past the sequence."""
 
     cu_seqlens_q: gl.tensor | gl.constexpr
@@ -70,13 +70,18 @@ def work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size, CTA_ROWS: gl
 
 @gluon.jit
 def varlen_work(work, TILE_OFFSETS, num_seqs, num_q_heads, CAUSAL: gl.constexpr):
-    """Work item `work` of a packed (varlen) batch -> (sequence, query head, query tile), numbered as work_tile's:
-    sequence by sequence, head by head, a head's query tiles consecutively (seqlen.tile_of_work), heaviest first
-    with causal masking."""
-    seq, q_head, pid_m = tile_of_work(TILE_OFFSETS, num_seqs, num_q_heads, work)
+    """Work item `work` of a packed (varlen) batch -> (sequence, query head, query tile).
+
+    Without a mask as work_tile's: sequence by sequence in the batch's order, head by head, a head's query tiles
+    consecutively (seqlen.tile_of_work). Causal: the query tiles of all sequences in decreasing cost, the heads of
+    a tile consecutive (seqlen.heaviest_tile_of_work over seqlen.ranked_work_list). Dealt by work_index's static
+    snake, items in decreasing cost give each CTA about the same work; each head's tiles heaviest first, sequence
+    by sequence, did not: rounds of num_ctas items span heads and sequences of different lengths, and the
+    schedule model in docs/perf-notes.md puts that order 25-50% above the ideal, this one 1-5%."""
     if CAUSAL:
-        num_m_tiles = gl.load(TILE_OFFSETS + seq + 1) - gl.load(TILE_OFFSETS + seq)
-        pid_m = num_m_tiles - 1 - pid_m
+        seq, q_head, pid_m = heaviest_tile_of_work(TILE_OFFSETS, num_q_heads, work)
+    else:
+        seq, q_head, pid_m = tile_of_work(TILE_OFFSETS, num_seqs, num_q_heads, work)
     return seq, q_head, pid_m
 
 

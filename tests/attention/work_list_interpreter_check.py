@@ -1,0 +1,89 @@
+"""Run as a script under TRITON_INTERPRET=1 (tests/attention/test_varlen_work_list.py does): decodes every work item
+of random packed batches with the kernels' `seqlen.tile_of_work`, `ranked_tile_of_work` and `heaviest_tile_of_work`
+and checks them against the exact integer rules of each numbering (every real tile of every head once; the batch's
+order, or the sequences longest first, a (sequence, head)'s tiles consecutive and increasing; or every tile in
+decreasing causal cost, the heads of a tile consecutive). Prints "ok N" on success, raises on the first mismatch."""
+
+import random
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from flashmoe_science.attention import seqlen
+
+
+@triton.jit
+def _decode(TABLE, OUT, num_seqs, num_heads, NUMBERING: tl.constexpr):
+    work = tl.program_id(0)
+    num_tiles = -1
+    if NUMBERING == 0:
+        seq, head, tile = seqlen.tile_of_work(TABLE, num_seqs, num_heads, work)
+    elif NUMBERING == 1:
+        seq, head, tile, num_tiles = seqlen.ranked_tile_of_work(TABLE, num_heads, work)
+    else:
+        seq, head, tile = seqlen.heaviest_tile_of_work(TABLE, num_heads, work)
+    tl.store(OUT + work * 4 + 0, seq)
+    tl.store(OUT + work * 4 + 1, head)
+    tl.store(OUT + work * 4 + 2, tile)
+    tl.store(OUT + work * 4 + 3, num_tiles)
+
+
+def decode(table, num_seqs, heads, items, numbering):
+    out = torch.full((items, 4), -2, dtype=torch.int32)
+    if items:
+        _decode[(items,)](table, out, num_seqs, heads, numbering)
+    return [tuple(row) for row in out.tolist()]
+
+
+def _consecutive_tiles(items, tiles):
+    """A (sequence, head)'s tiles consecutive and increasing from 0."""
+    for a, b in zip(items, items[1:]):
+        if a[:2] == b[:2]:
+            assert b[2] == a[2] + 1, (a, b)
+        else:
+            assert b[2] == 0 and a[2] == tiles[a[0]] - 1, (a, b)
+
+
+def check(lengths, heads, block, slots):
+    cu = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+    tiles = [-(-n // block) for n in lengths]
+    everything = sorted((b, h, t) for b in range(len(lengths)) for h in range(heads) for t in range(tiles[b]))
+    count = heads * sum(tiles)
+
+    batch = decode(seqlen.varlen_tile_offsets(cu, block), len(lengths), heads, count, 0)
+    assert sorted(i[:3] for i in batch) == everything, (lengths, heads, block)
+    assert [i[0] for i in batch] == sorted(i[0] for i in batch), lengths  # the batch's order
+    _consecutive_tiles(batch, tiles)
+
+    table = seqlen.varlen_work_list(cu, block, slots)
+    assert table.dtype == torch.int32 and table.shape == (1 + 4 * slots,) and int(table[0]) == sum(tiles)
+    ranked = decode(table, len(lengths), heads, count, 1)
+    assert sorted(i[:3] for i in ranked) == everything, (lengths, heads, block)
+    assert all(n == tiles[b] for b, _, _, n in ranked)
+    lengths_in_order = [lengths[i[0]] for i in ranked]
+    assert lengths_in_order == sorted(lengths_in_order, reverse=True), lengths  # longest first
+    _consecutive_tiles(ranked, tiles)
+
+    heaviest = decode(table, len(lengths), heads, count, 2)
+    assert sorted(i[:3] for i in heaviest) == everything, (lengths, heads, block)
+    assert all(a[2] >= b[2] for a, b in zip(heaviest, heaviest[1:])), lengths  # causal cost tile + 1, decreasing
+    for w, (b, h, t, _) in enumerate(heaviest):  # a tile's heads consecutive
+        assert h == w % heads and heaviest[w - h][0] == b and heaviest[w - h][2] == t
+
+
+def main(seed: int, cases: int) -> None:
+    rng = random.Random(seed)
+    check([0, 1, 127, 129, 0, 643], 2, 128, seqlen.work_items_bound(6, 900, 900, 128))
+    for _ in range(cases - 1):
+        block = rng.choice((64, 128))
+        lengths = [rng.choice((0, 1, block - 1, block, block + 1, rng.randint(1, 6 * block)))
+                   for _ in range(rng.randint(1, 9))]
+        rows = sum(lengths) + rng.randint(0, 3 * block)  # packed rows past the last sequence
+        check(lengths, rng.choice((1, 2, 3)), block, seqlen.work_items_bound(len(lengths), rows, rows, block))
+    print(f"ok {cases}")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
