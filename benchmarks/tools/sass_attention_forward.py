@@ -2,7 +2,11 @@
 registers, shared memory, spills and the SASS instruction mix. Catches compile errors before using GPU time.
 
     PYTHONPATH=src:benchmarks/tools python benchmarks/tools/sass_attention_forward.py [--sass out.sass] [--q-buffers N] [--cross-item]
-        [--window L R] [--softcap C] [--alibi] [--varlen] D BLOCK_N STAGES CAUSAL
+        [--window L R] [--softcap C] [--alibi] [--varlen] [--consumers 2|3] D BLOCK_N STAGES CAUSAL
+
+Besides the whole kernel's counts it prints each consumer's key-tile loop (`key_loops`: the SASS between a
+backward branch and its target that holds HGMMAs): its instructions, spills and exp2s, and the instructions per
+64 query rows and key tile, the number to compare between two and three consumers.
 """
 import argparse
 
@@ -15,8 +19,8 @@ from sass_tools import sass_counts
 
 
 def compile_once(d, bn, stages, causal, dtype=torch.bfloat16, q_buffers=1, cross_item=False, window=None,
-                 softcap=None, alibi=False, varlen=False):
-    tiles = AttentionTiles(fwd_sm90.BLOCK_M, bn, 4 * fwd_sm90.NUM_CONSUMERS, stages, use_tma=True)
+                 softcap=None, alibi=False, varlen=False, consumers=2):
+    tiles = AttentionTiles(64 * consumers, bn, 4 * consumers, stages, use_tma=True)
     return fwd_sm90.compile_offline(d, causal, tiles, None, q_buffers, cross_item, dtype,
                                     mask=make_mask(causal, window, softcap), alibi=alibi, varlen=varlen)
 
@@ -40,6 +44,25 @@ def sweep(head_dims=(128,)):
               f"{k.metadata.shared} LDL {counts['LDL']} STL {counts['STL']}", flush=True)
 
 
+def key_loops(sass: str) -> list[dict]:
+    """The loops of the SASS that issue HGMMAs, innermost spans first (a backward branch `BRA target` closes the
+    loop [target, branch]): per loop its instruction count, LDL/STL, MUFU.EX2 and HGMMA counts. The key-tile loop
+    of each consumer is the one with two products' HGMMAs per iteration."""
+    import re
+
+    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for address, text in lines:
+        branch = re.search(r"\bBRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < address:
+            body = [t for a, t in lines if int(branch.group(1), 16) <= a <= address]
+            count = {op: sum(bool(re.search(r"\b%s\b" % re.escape(op), t)) for t in body)
+                     for op in ("HGMMA", "MUFU.EX2", "LDL", "STL")}
+            if count["HGMMA"]:
+                loops.append(dict(start=int(branch.group(1), 16), end=address, instructions=len(body), **count))
+    return sorted(loops, key=lambda loop: loop["instructions"])
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--sass")
@@ -50,6 +73,7 @@ if __name__ == "__main__":
     p.add_argument("--alibi", action="store_true")
     p.add_argument("--varlen", action="store_true")
     p.add_argument("--sweep", action="store_true", help="build every mask/feature combination (slow)")
+    p.add_argument("--consumers", type=int, default=2, help="consumer warpgroups (64 query rows each)")
     p.add_argument("config", nargs="*", type=int, default=[128, 128, 2, 0], help="D BLOCK_N STAGES CAUSAL")
     a = p.parse_args()
     if a.sweep:
@@ -57,10 +81,17 @@ if __name__ == "__main__":
         raise SystemExit
     d, bn, st, c = a.config
     k = compile_once(d, bn, st, bool(c), q_buffers=a.q_buffers, cross_item=a.cross_item, window=a.window,
-                     softcap=a.softcap, alibi=a.alibi, varlen=a.varlen)
+                     softcap=a.softcap, alibi=a.alibi, varlen=a.varlen, consumers=a.consumers)
     sass, counts = sass_counts(k.asm["cubin"])
-    print(f"D{d} 128x{bn} stages{st} causal{c} qbuf{a.q_buffers} cross{int(a.cross_item)} window{a.window} "
-          f"softcap{a.softcap} alibi{int(a.alibi)} varlen{int(a.varlen)}: smem {k.metadata.shared} | {counts}")
+    print(f"D{d} {64 * a.consumers}x{bn} stages{st} causal{c} qbuf{a.q_buffers} cross{int(a.cross_item)} "
+          f"window{a.window} softcap{a.softcap} alibi{int(a.alibi)} varlen{int(a.varlen)}: smem {k.metadata.shared} "
+          f"| {counts}")
+    # one key tile per iteration: two products (S: D/16 HGMMAs, P·V: BLOCK_N/16), each consumer's loop on 64 rows
+    per_tile = d // 16 + bn // 16
+    for loop in key_loops(sass):
+        if loop["HGMMA"] == per_tile:
+            print(f"key loop {loop['start']:#x}-{loop['end']:#x}: {loop['instructions']} instructions per 64 rows and "
+                  f"key tile, MUFU.EX2 {loop['MUFU.EX2']}, LDL {loop['LDL']}, STL {loop['STL']}")
     if a.sass:
         with open(a.sass, "w") as f:
             f.write(sass)

@@ -88,7 +88,7 @@ def candidates(smem_per_block: int) -> list[Schedule]:
     for block_n, stages in ((128, 2), (128, 3), (64, 2), (64, 3), (64, 4)):
         tiles = AttentionTiles(128, block_n, 8, stages, use_tma=True)
         for persistent, q_buffers, cross in ((False, 1, False), (True, 1, False), (True, 2, False), (True, 2, True)):
-            if cross and not sm90_cross_item_safe(True, stages):
+            if cross and not sm90_cross_item_safe(True, tiles):
                 continue
             if sm90_smem_bytes(tiles, HEAD_DIM, q_buffers) <= smem_per_block:
                 found.append(Schedule(tiles, persistent, q_buffers, cross))

@@ -1,9 +1,10 @@
 """The building blocks every warp-specialised sm_90 Gluon kernel of the library shares (attention/hopper and
 moe/hopper import them from here; neither imports the other).
 
-Each kernel runs one producer warp (TMA copies only) beside two consumer warpgroups (wgmma and the math): the
-register split between them (``PRODUCER_REGISTERS``, ``CONSUMER_REGISTERS``, ``REGISTER_CAP``), the launch
-options that go with it (``LAUNCH_OPTIONS``), the consumers' accumulator layout (``wgmma_layout``) and its column
+Each kernel runs one producer warp (TMA copies only) beside two consumer warpgroups (wgmma and the math; the
+attention forward at small head dims three): the register split between them (``PRODUCER_REGISTERS``,
+``consumer_registers``, ``register_cap``; ``CONSUMER_REGISTERS`` and ``REGISTER_CAP`` for two consumers), the
+launch options that go with it (``launch_options``, ``LAUNCH_OPTIONS``), the consumers' accumulator layout (``wgmma_layout``) and its column
 halves (``column_halves``, for epilogues in slices), ordered global counters between CTAs (``wait_counter``,
 ``release_counter_after_bulk``: a deterministic order of TMA reduce-adds), host-side TMA descriptors (``descriptor``) and offline sm_90
 builds (``compile_offline``; the target-independent part is ``build``). Gluon's own names come from ``compat``.
@@ -19,14 +20,41 @@ from flashmoe_science.gluon import build
 from flashmoe_science.gluon.compat import TensorDescriptor, gl, gluon
 
 PRODUCER_REGISTERS = gl.constexpr(24)  # the fewest a warp may hold: the producer only computes coordinates
-CONSUMER_REGISTERS = gl.constexpr(240)
-# Registers per thread at launch: the three warpgroups (two consumers, the producer's) must fit the 64K register file;
-# setmaxnreg then moves the producer's share to the consumers (2*240 + 24 = 504 <= 3*168).
-REGISTER_CAP = 65536 // (3 * 128) // 8 * 8
-NUM_WARPS = 4  # the default partition (consumer 0); the workers add 4 + 1 warps
+MAX_CONSUMER_REGISTERS = 240  # setmaxnreg's ceiling is 256; 240 is what two consumers get beside the producer
+REGISTER_FILE = 65536  # 32-bit registers per SM, the CTA's whole budget
+NUM_WARPS = 4  # the default partition (consumer 0); the workers add 4 warps per further consumer, then 1
 BARRIER_BYTES = 1024  # mbarriers and alignment, beside the operand ring
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-LAUNCH_OPTIONS = dict(num_warps=NUM_WARPS, maxnreg=REGISTER_CAP)
+
+
+@gluon.constexpr_function
+def register_cap(num_consumers):
+    """Registers per thread at launch (``maxnreg``) of a kernel with `num_consumers` consumer warpgroups and the
+    producer warp. Triton pads the producer warp to a whole warpgroup (setmaxnreg acts on warpgroups: 2 consumers
+    launch 384 threads, 3 launch 512), and every thread must fit the register file at launch: 168 for 2
+    consumers, 128 for 3."""
+    return REGISTER_FILE // ((num_consumers + 1) * 128) // 8 * 8
+
+
+@gluon.constexpr_function
+def consumer_registers(num_consumers):
+    """Registers per consumer thread after setmaxnreg: the launch's share of every warpgroup, less the producer's
+    24, split between the consumers (multiples of 8, at most MAX_CONSUMER_REGISTERS): 2 consumers 240
+    (2*240 + 24 = 504 = 3*168), 3 consumers 160 (3*160 + 24 <= 4*128; the default partition, consumer 0, keeps
+    what the workers leave: 168)."""
+    pool = (num_consumers + 1) * register_cap(num_consumers) - PRODUCER_REGISTERS.value
+    return min(MAX_CONSUMER_REGISTERS, pool // num_consumers // 8 * 8)
+
+
+def launch_options(num_consumers: int = 2) -> dict:
+    """The launch options (num_warps of the default partition, maxnreg) of a kernel with `num_consumers` consumer
+    warpgroups and the producer warp."""
+    return dict(num_warps=NUM_WARPS, maxnreg=register_cap(num_consumers))
+
+
+CONSUMER_REGISTERS = gl.constexpr(consumer_registers(2))
+REGISTER_CAP = register_cap(2)
+LAUNCH_OPTIONS = launch_options(2)
 
 
 # ------------------------------------------------------------------------------------------------- device helpers
@@ -90,7 +118,8 @@ def descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor:
     return desc
 
 
-def compile_offline(fn, args, constexprs: dict):
-    """``build.compile_offline`` for sm_90 with this module's LAUNCH_OPTIONS: the CompiledKernel of the Gluon kernel
-    ``fn`` built without a GPU (meta tensors are enough)."""
-    return build.compile_offline(fn, args, constexprs, arch=90, options=LAUNCH_OPTIONS)
+def compile_offline(fn, args, constexprs: dict, num_consumers: int = 2):
+    """``build.compile_offline`` for sm_90 with the launch options of `num_consumers` consumer warpgroups
+    (``launch_options``): the CompiledKernel of the Gluon kernel ``fn`` built without a GPU (meta tensors are
+    enough)."""
+    return build.compile_offline(fn, args, constexprs, arch=90, options=launch_options(num_consumers))

@@ -25,6 +25,7 @@ from flashmoe_science.attention import triton_backend
 from flashmoe_science.attention.features import FEATURES
 from flashmoe_science.attention.layout import bias_tma_view, tma_compatible
 from flashmoe_science.attention.hopper.tiles import (
+    SM90_CONSUMER_REASONS,
     sm90_backward_wins,
     sm90_band_schedule,
     sm90_bias_tiles,
@@ -83,20 +84,20 @@ def gluon_refusal() -> str | None:
 PREPARED_FORWARD: dict[tuple, object] = {}
 
 
-def varlen_batch(varlen, rows: int, mask):
+def varlen_batch(varlen, rows: int, mask, block_m: int):
     """The persistent forward's view of a packed batch of `rows` query rows under `mask` (seqlen.VarlenBatch: its
-    work list of query tiles, ranked for the causal path), or None for a dense call."""
+    work list of `block_m`-row query tiles, the plan's, ranked for the causal path), or None for a dense call."""
     if varlen is None:
         return None
-    from flashmoe_science.attention.hopper.fwd_sm90 import BLOCK_M
     from flashmoe_science.attention.seqlen import VarlenBatch
 
-    return VarlenBatch.of(varlen.cu_seqlens_q, varlen.cu_seqlens_k, BLOCK_M, rows, mask.plain_causal)
+    return VarlenBatch.of(varlen.cu_seqlens_q, varlen.cu_seqlens_k, block_m, rows, mask.plain_causal)
 
 
 @dataclass(frozen=True)
 class HopperForward:
-    """The Gluon sm_90 forward: `tiles` (128 query rows; key tile and ring depth vary), `persistent` (one CTA per SM
+    """The Gluon sm_90 forward: `tiles` (64 query rows per consumer warpgroup: tiles.sm90_forward_consumers; key
+    tile and ring depth vary), `persistent` (one CTA per SM
     looping over query tiles, else one CTA per tile), `q_buffers` per consumer warpgroup, `cross_item` (overlap
     consecutive work items), `bias_tma` (the producer loads the attn_bias tiles by TMA; else the consumers load
     them), `fallback` (the planner's plan for a failed Gluon build; None: the failure raises)."""
@@ -119,7 +120,7 @@ class HopperForward:
         if out is None:
             out, lse = new_outputs(q)
         varlen = features.varlen
-        batch = varlen_batch(varlen, q.shape[2], features.mask)
+        batch = varlen_batch(varlen, q.shape[2], features.mask, self.tiles.block_m)
         key = self.prepared_key(q, k, v, out, lse, features, softmax_scale)
         prepared = PREPARED_FORWARD.get(key) if key is not None else None
         if prepared is not None and prepared is not SEEN_ONCE:
@@ -167,7 +168,8 @@ class HopperForward:
             num_ctas = device_traits(q.device).sm_count if self.persistent else None
             prepared = prepare_forward(q, k, v, out, lse, features.causal, softmax_scale, self.tiles, num_ctas,
                                        self.q_buffers, self.cross_item,
-                                       varlen=varlen_batch(features.varlen, q.shape[2], features.mask))
+                                       varlen=varlen_batch(features.varlen, q.shape[2], features.mask,
+                                                           self.tiles.block_m))
             remember(PREPARED_FORWARD, key, prepared)
         return prepared
 
@@ -186,8 +188,10 @@ class HopperForward:
             ctas += (f"; a band of {band.item_keys} keys per query tile, planned as a dense call of that length: "
                      f"SMs busy {band.static:.2f} in static rounds vs {band.per_tile:.2f} one CTA per tile "
                      "(estimated)")
-        return (f"{requested} the Gluon sm_90 kernel{with_features} (TMA producer warp, two consumer warpgroups, "
-                f"async wgmma, softmax overlapped with P·V; {ctas}); {shape}")
+        consumers = tiles.block_m // 64
+        return (f"{requested} the Gluon sm_90 kernel{with_features} (TMA producer warp, {consumers} consumer "
+                f"warpgroups of 64 rows{SM90_CONSUMER_REASONS[consumers]}, async wgmma, softmax overlapped with P·V; "
+                f"{ctas}); {shape}")
 
 
 def forward_plan(problem) -> HopperForward:

@@ -15,13 +15,15 @@ explicit, and one iteration over key tile j reads:
 
 The first tile is peeled (there is no P_{-1}) and the last P·V runs after the loop.
 
-A work item is BLOCK_M = 128 query rows of one (batch, head), split between two consumer warpgroups of 64 rows
-each, each in its own warp-specialised partition. They share the K/V tiles but never wait for each other, so the warp
-schedulers interleave one warpgroup's softmax with the other's tensor-core products (FA3's ping-pong, left to
-the hardware). A third partition, one producer warp with 24 registers (the consumers get 240), streams K and V
-through a ring of NUM_STAGES shared-memory stages. Each stage has a "ready" barrier (the TMA copy landed) and an
-"empty" barrier that both consumers arrive on (K after its Q·Kᵀ product, V after its P·V product), so copies run
-ahead as far as the ring allows and never sit in a consumer's instruction stream.
+A work item is NUM_CONSUMERS · 64 query rows of one (batch, head) (`tiles.block_m`: 128 on two consumer
+warpgroups, 192 on three at head dims to 64: hopper/tiles.py), 64 rows per consumer warpgroup, each in its own
+warp-specialised partition. They share the K/V tiles but never wait for each other, so the warp schedulers
+interleave one warpgroup's softmax with the others' tensor-core products (FA3's ping-pong, left to the hardware).
+A further partition, one producer warp with 24 registers (the consumers get 240 with two of them, 160 with three:
+gluon/sm90.consumer_registers), streams K and V through a ring of NUM_STAGES shared-memory stages. Each stage has a
+"ready" barrier (the TMA copy landed) and an "empty" barrier that every consumer arrives on (K after its Q·Kᵀ
+product, V after its P·V product), so copies run ahead as far as the ring allows and never sit in a consumer's
+instruction stream.
 
 Persistent: with `num_ctas` = the SM count, each CTA loops over work items (`work_items.work_tile`: rounds of consecutive
 items, snaking). The producer also loads each item's Q (into one of Q_BUFFERS buffers per consumer, once the
@@ -50,37 +52,47 @@ from flashmoe_science.attention.seqlen import PER_BATCH_ARGS, VarlenBatch, ranke
 from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.gluon.compat import (fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma,
                                            warpgroup_mma_wait)
-from flashmoe_science.gluon.sm90 import CONSUMER_REGISTERS, LAUNCH_OPTIONS, PRODUCER_REGISTERS
+from flashmoe_science.gluon.sm90 import PRODUCER_REGISTERS, consumer_registers, launch_options
 from flashmoe_science.prepared_launch import PreparedLaunch
 
 FP8_DTYPE = torch.float8_e4m3fn
 CONSUMER_ROWS = 64  # rows per consumer warpgroup (4 warps x 16 rows of wgmma)
-NUM_CONSUMERS = 2
-BLOCK_M = CONSUMER_ROWS * NUM_CONSUMERS
+CONSUMER_COUNTS = (2, 3)  # consumer warpgroups a CTA may run (tiles.block_m = 64 per consumer)
+
+
+def num_consumers(tiles) -> int:
+    """The consumer warpgroups of a launch with these tiles: block_m / 64 rows, 4 warps each (CONSUMER_COUNTS)."""
+    consumers = tiles.block_m // CONSUMER_ROWS
+    if (consumers not in CONSUMER_COUNTS or tiles.block_m != consumers * CONSUMER_ROWS
+            or tiles.num_warps != 4 * consumers):
+        raise ValueError(f"the sm_90 kernel runs {' or '.join(str(c * CONSUMER_ROWS) for c in CONSUMER_COUNTS)}-row "
+                         f"tiles on 4 warps per 64 rows, got {tiles}")
+    return consumers
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, window_left, window_right,
-              varlen_args, bias_desc, bias_upper, bias_lower, bias_step_b, bias_step_h,
+              varlen_args, bias_desc, bias_rings, bias_step_b, bias_step_h,
               NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
               Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
-              BIAS_TMA: gl.constexpr):
-    """The producer warp: for each of the CTA's work items, both halves of the Q tile (once the consumers are done
-    with the buffer's previous item), then K and V tiles into the ring as soon as their stage is released. The
-    ring position runs on across work items, so the next item's first tiles land during the current epilogue;
+              BIAS_TMA: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """The producer warp: for each of the CTA's work items, each consumer's rows of the Q tile (once that consumer
+    is done with the buffer's previous item), then K and V tiles into the ring as soon as their stage is released.
+    The ring position runs on across work items, so the next item's first tiles land during the current epilogue;
     with two Q buffers per consumer the next item's Q does not wait for the current item's epilogue either.
     Varlen boxes may run into the next sequence's rows: extra Q rows are never stored, extra keys are masked.
-    BIAS_TMA: each K tile's stage also takes the bias tiles of both consumers' rows (`bias_upper`, `bias_lower`:
-    one ring per consumer), on K's "ready" barrier; the TMA box zero-fills rows and keys past the bias (masked)."""
+    BIAS_TMA: each K tile's stage also takes the bias tiles of every consumer's rows (`bias_rings`: consumer c's
+    ring is stages c·NUM_STAGES..), on K's "ready" barrier; the TMA box zero-fills rows and keys past the bias
+    (masked)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     num_ctas = gl.num_programs(0)
     ring = 0  # K/V tiles issued so far by this CTA
     for item in range(cta_num_items(num_work)):
         batch, desc_batch, q_head, kv_head, start_m, q_row0, k_row0, item_seqlen_q, item_seqlen_k = item_rows(
-            item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, varlen_args, 2 * ROWS, CAUSAL,
-            VARLEN)
-        for c in gl.static_range(2):
+            item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, varlen_args,
+            NUM_CONSUMERS * ROWS, CAUSAL, VARLEN)
+        for c in gl.static_range(NUM_CONSUMERS):
             buf = c * Q_BUFFERS + item % Q_BUFFERS
             # barriers start "phase 1 complete": the first use of each buffer passes
             mbarrier.wait(q_empty.index(buf), ((item // Q_BUFFERS) & 1) ^ 1)
@@ -88,22 +100,22 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
             tma.async_load(q_desc, [desc_batch, q_head, q_row0 + start_m + c * ROWS, 0],
                                             q_ready.index(buf), q_smems.index(buf))
         key_start, num_tiles = cta_key_tiles(start_m, item_seqlen_q, item_seqlen_k, window_left, window_right,
-                                              2 * ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT)
+                                              NUM_CONSUMERS * ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT)
         for tile in range(num_tiles):
             stage = ring % NUM_STAGES
             free_phase = ((ring // NUM_STAGES) & 1) ^ 1
             key_row = k_row0 + key_start + tile * BLOCK_N
             mbarrier.wait(k_empty.index(stage), free_phase)
             if BIAS_TMA:
-                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes + 2 * bias_desc.block_type.nbytes)
+                mbarrier.expect(k_ready.index(stage),
+                                k_desc.block_type.nbytes + NUM_CONSUMERS * bias_desc.block_type.nbytes)
                 tma.async_load(k_desc, [desc_batch, kv_head, key_row, 0], k_ready.index(stage), k_smem.index(stage))
                 bias_batch = batch * bias_step_b
                 bias_head = q_head * bias_step_h
                 bias_col = key_start + tile * BLOCK_N
-                tma.async_load(bias_desc, [bias_batch, bias_head, start_m, bias_col], k_ready.index(stage),
-                               bias_upper.index(stage))
-                tma.async_load(bias_desc, [bias_batch, bias_head, start_m + ROWS, bias_col], k_ready.index(stage),
-                               bias_lower.index(stage))
+                for c in gl.static_range(NUM_CONSUMERS):
+                    tma.async_load(bias_desc, [bias_batch, bias_head, start_m + c * ROWS, bias_col],
+                                   k_ready.index(stage), bias_rings.index(c * NUM_STAGES + stage))
             else:
                 mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
                 tma.async_load(k_desc, [desc_batch, kv_head, key_row, 0], k_ready.index(stage),
@@ -198,7 +210,7 @@ def _score_start(s_zero, start_n, tile_mask, BLOCK_N: gl.constexpr, ALIBI_LINEAR
 def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free, bias_ring, stage, bias_args,
                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
-                  s_layout: gl.constexpr):
+                  s_layout: gl.constexpr, P_DTYPE: gl.constexpr, p_layout: gl.constexpr):
     """Release K's ring stage (`k_free`), then score modifiers (softcap, ALiBi: mask.score_to_log2; the bias), the
     mask (boundary tiles only: mask.visible), then fold the raw scores s of the item's j-th key tile into the
     running max m and sum l.
@@ -214,7 +226,8 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
     multiplies by qk_scale (bias_log2 = log2 e / qk_scale). Read before the stage is released: the TMA copy
     shares K's stage. HAS_BIAS: add it here (not where s starts from it: `_bias_start`).
 
-    Returns p = exp2(score − m_new) (unnormalised probabilities), m_new, l_new, alpha = exp2(m_old − m_new).
+    Returns p = exp2(score − m_new) (unnormalised probabilities; float32, or with P_DTYPE already the P·V product's
+    operand: `_p_operand`), m_new, l_new, alpha = exp2(m_old − m_new).
     """
     key_start, full_start, full_end, seqlen_k, diagonal, alibi_slope_log2, bias_plane, seqlen_q, alibi_raw, \
         alibi_ref = tile_mask
@@ -263,14 +276,28 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_shift, 1))
     alpha = gl.exp2(m_i - m_shift)
     l_new = l_i * alpha + gl.sum(p, 1)
+    if P_DTYPE is not None:
+        p = _p_operand(p, P_DTYPE, p_layout)
     return p, m_new, l_new, alpha
+
+
+@gluon.jit
+def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
+    """P as the register A operand of the P·V product: rounded to the operands' dtype, in `p_layout` (a no-op on a P
+    converted already).
+
+    Where it is converted is a register choice. Two consumers (240 registers) keep the float32 P of tile j until
+    the P·V of tile j is issued, after S_{j+1} = Q·K_{j+1}ᵀ. Three (160 registers) convert it at the end of the
+    softmax (P_DTYPE): a float32 P (64 registers at 128 keys) beside S_{j+1}'s accumulator (64) and O (32) is the
+    whole budget, and the key loop spilled 69-125 LDL/STL per tile offline (triton 3.6, D=64)."""
+    return gl.convert_layout(p.to(dtype), p_layout)
 
 
 @gluon.jit
 def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, mask_args, alibi_args,
                    varlen_args, bias_ptr_args, qk_scale, CONSUMER: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                    CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, ALIBI: gl.constexpr,
-                   VARLEN: gl.constexpr, BIAS_LOADS: gl.constexpr):
+                   VARLEN: gl.constexpr, BIAS_LOADS: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
     """This consumer's share of the CTA's item-th work item: (its rows: TMA batch coordinate, query head, first row,
     the sequence's first Q row, Lq), the key tiles the CTA streams, the key tiles this consumer multiplies, and
     what its masks need: (first key of the CTA's tiles, start and end of the keys it sees unmasked, Lk, Lk - Lq,
@@ -278,14 +305,14 @@ def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_
     bias_ptr_args: base, batch and head strides) else None, Lq, ALiBi slope in raw score units (slope · log2 e /
     qk_scale) and the reference position of `_score_start`'s linear form (first row + Lk - Lq))."""
     batch, desc_batch, q_head, _, cta_start_m, q_row0, _, item_seqlen_q, item_seqlen_k = item_rows(
-        item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, varlen_args, 2 * ROWS, CAUSAL,
-        VARLEN)
+        item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, varlen_args, NUM_CONSUMERS * ROWS,
+        CAUSAL, VARLEN)
     window_left, window_right, _ = mask_args
     key_start, cta_tiles = cta_key_tiles(cta_start_m, item_seqlen_q, item_seqlen_k, window_left, window_right,
-                                          2 * ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT)
+                                          NUM_CONSUMERS * ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT)
     start_m = cta_start_m + CONSUMER * ROWS
     if MASK_LEFT or MASK_RIGHT:
-        # Both consumers walk the CTA's tiles from its first: with a left bound the lower one may find its first
+        # Every consumer walks the CTA's tiles from its first: with a left bound a lower one may find its first
         # tile fully masked (skipping it would let the cross-item prefetch wait on a stage it holds itself).
         _, full_start, full_end, key_end = key_tile_range(start_m, item_seqlen_q, item_seqlen_k, window_left,
                                                           window_right, ROWS, BLOCK_N, MASK_LEFT, MASK_RIGHT)
@@ -295,8 +322,9 @@ def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_
                                             CAUSAL)
         full_start = 0
         num_tiles = gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
-    # A right bound (causal or window): the upper consumer sees fewer key tiles than the CTA streams (at most one
-    # fewer: the two halves are ROWS <= BLOCK_N rows apart), and at least one (see work_items.cta_key_tiles).
+    # A right bound (causal or window): a consumer above the last sees fewer key tiles than the CTA streams (at most
+    # cdiv((NUM_CONSUMERS - 1)·ROWS, BLOCK_N) fewer: tiles.sm90_cross_item_safe), and at least one (see
+    # work_items.cta_key_tiles).
     num_tiles = gl.minimum(num_tiles, cta_tiles)
     if ALIBI:
         ALIBI_SLOPES, alibi_stride_b, alibi_stride_h = alibi_args
@@ -376,7 +404,7 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
                BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
-               s_layout: gl.constexpr, o_rows: gl.constexpr, p_layout: gl.constexpr):
+               s_layout: gl.constexpr, o_rows: gl.constexpr, p_layout: gl.constexpr, P_DTYPE: gl.constexpr):
     """Key tiles 1..num_tiles-1 of a work item whose tile 0 is in (p, m_i, l_i, alpha); see the module docstring.
     Returns the state after the last tile's softmax (its P·V is left to the caller)."""
     ALIBI_LINEAR: gl.constexpr = ALIBI and not SOFTCAP
@@ -392,12 +420,12 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
                           use_acc=ALIBI_LINEAR or BIAS_START, is_async=True)
         o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         mbarrier.wait(v_ready.index(prev), ((ring + j - 1) // NUM_STAGES) & 1)
-        p_op = gl.convert_layout(p.to(q_tile.dtype), p_layout)
+        p_op = _p_operand(p, q_tile.dtype, p_layout)
         o_acc = warpgroup_mma(p_op, _v_operand(v_smem, prev, BLOCK_N, BLOCK_D), o_acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale,
                                            k_empty.index(stage), bias_ring, stage, bias_args, BLOCK_N, CAUSAL,
-                                           MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS, BIAS_TMA, s_layout)
+                                           MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS, BIAS_TMA, s_layout, P_DTYPE, p_layout)
         o_acc = _wait_pv(o_acc, p_op)
         mbarrier.arrive(v_empty.index(prev), count=1)
     return p, m_i, l_i, alpha, o_acc
@@ -410,7 +438,7 @@ def _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last,
     """The item's last O += P·V, issued asynchronously (returns the pending accumulator and its P operand)."""
     o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
     mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
-    p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+    p_op = _p_operand(p, v_smem.dtype, p_layout)
     o_acc = warpgroup_mma(p_op, _v_operand(v_smem, last % NUM_STAGES, BLOCK_N, BLOCK_D), o_acc, is_async=True)
     return o_acc, p_op
 
@@ -484,24 +512,25 @@ def _output_staging(q_smems, o_smems, q_buf, CONSUMER: gl.constexpr, FP8: gl.con
 @gluon.jit
 def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
                         num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
-                        mask_args, alibi_args, varlen_args, bias_ring, bias_ptr_args, bias_args, descales, o_smems,
-                        CONSUMER: gl.constexpr, ROWS: gl.constexpr,
+                        mask_args, alibi_args, varlen_args, bias_rings, bias_ptr_args, bias_args, descales, o_smems,
+                        CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, ROWS: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
                         CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
                         MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                         ALIBI: gl.constexpr, VARLEN: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr):
-    """One consumer warpgroup: its `ROWS`-row half of every work item the CTA owns, in the producer's order.
+    """One consumer warpgroup (number CONSUMER of NUM_CONSUMERS): its `ROWS` rows of every work item the CTA owns,
+    in the producer's order.
 
     With CROSS_ITEM the items overlap: the next item's S_0 = Q·K_0ᵀ is issued before the current item's last P·V,
     and its softmax runs while that product does, so an item boundary costs no more tensor-core idle time than
     any other key tile; the current item's epilogue follows. This needs the next item's K_0 to be loadable before
     this consumer's last P·V completes: K_0 reuses the ring stage of tile `last + 1 + unused - NUM_STAGES`, which
-    is released already unless NUM_STAGES <= 1 + unused (unused: tiles only the other consumer needs, at most one
-    and only with a right bound: causal or a window), hence tiles.sm90_cross_item_safe (no right bound, or three
-    stages).
+    is released already unless NUM_STAGES <= 1 + unused (unused: tiles only the consumers below need, only with a
+    right bound: causal or a window; at most one with 128-key tiles), hence tiles.sm90_cross_item_safe.
 
-    HAS_BIAS: `bias_ring` is this consumer's ring of bias tiles (BIAS_TMA) or None, `bias_ptr_args` what it loads
-    the bias through otherwise, `bias_args` what both need (see _consumer_item, _bias_tile).
+    HAS_BIAS: `bias_rings` holds every consumer's ring of bias tiles (BIAS_TMA; this one's is stages
+    CONSUMER·NUM_STAGES..) or is None, `bias_ptr_args` what it loads the bias through otherwise, `bias_args` what
+    both need (see _consumer_item, _bias_tile).
 
     e4m3 Q, K, V (FP8): the same loop on e4m3 products (wgmma K = 32), P rounded to e4m3 in registers, the
     descales (`descales`: QD, KD, VD) folded into each item's multipliers (_item_scales), and the bf16 output
@@ -513,6 +542,10 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     ALIBI_LINEAR: gl.constexpr = ALIBI and not SOFTCAP  # see _score_start
     BIAS_START: gl.constexpr = _bias_in_start(BIAS_TMA, SOFTCAP, BLOCK_D)
     ADD_BIAS: gl.constexpr = HAS_BIAS and not BIAS_START  # the softmax adds it
+    if BIAS_TMA:
+        bias_ring = bias_rings.slice(CONSUMER * NUM_STAGES, NUM_STAGES)
+    else:
+        bias_ring = bias_rings  # None
     # wgmma layouts: warps stacked along the rows (16 rows each); instruction N = the full tile width.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, INSTR_K])
@@ -520,6 +553,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                                                        instr_shape=[16, BLOCK_D, INSTR_K])
     # P as the register A operand: 4 bytes of adjacent keys per register
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if FP8 else 2)
+    P_DTYPE: gl.constexpr = q_smems.dtype if NUM_CONSUMERS > 2 else None  # see _p_operand
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     num_ctas = gl.num_programs(0)
@@ -534,7 +568,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     rows, cta_tiles, num_tiles, tile_mask = _consumer_item(
         0, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, mask_args, alibi_args, varlen_args,
         bias_ptr_args, qk_scale, CONSUMER, ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, ALIBI, VARLEN,
-        BIAS_LOADS)
+        BIAS_LOADS, NUM_CONSUMERS)
     scale, o_scale = _item_scales(descales, rows[0], rows[1], num_q_heads, group_size, qk_scale, FP8)
     q_buf = CONSUMER * Q_BUFFERS
     s = _issue_first_scores(q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), q_ready.index(q_buf), 0, k_smem,
@@ -545,7 +579,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     p, m_i, l_i, alpha = _softmax_tile(s, m_init, l_init, 0, offs_m, tile_mask, mask_args, scale,
                                        k_empty.index(ring % NUM_STAGES), bias_ring, ring % NUM_STAGES, bias_args,
                                        BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS, BIAS_TMA,
-                                       s_layout)
+                                       s_layout, P_DTYPE, p_layout)
     o_acc = o_zero
 
     for item in range(num_items - 1):
@@ -554,7 +588,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
             num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, scale, bias_ring, bias_args,
             BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA, s_layout,
-            o_rows, p_layout)
+            o_rows, p_layout, P_DTYPE)
         last = ring + num_tiles - 1
         next_ring = ring + cta_tiles
         next_buf = CONSUMER * Q_BUFFERS + (item + 1) % Q_BUFFERS
@@ -562,7 +596,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
         n_rows, n_cta_tiles, n_num_tiles, n_tile_mask = _consumer_item(
             item + 1, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, mask_args, alibi_args,
             varlen_args, bias_ptr_args, qk_scale, CONSUMER, ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, ALIBI,
-            VARLEN, BIAS_LOADS)
+            VARLEN, BIAS_LOADS, NUM_CONSUMERS)
         n_offs_m = n_rows[2] + gl.arange(0, ROWS, layout=s_rows)
         n_scale, n_o_scale = _item_scales(descales, n_rows[0], n_rows[1], num_q_heads, group_size, qk_scale, FP8)
         if CROSS_ITEM:
@@ -575,7 +609,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             p, m_next, l_next, alpha = _softmax_tile(
                 s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, n_scale, k_empty.index(next_ring % NUM_STAGES),
                 bias_ring, next_ring % NUM_STAGES, bias_args, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                ADD_BIAS, BIAS_TMA, s_layout)
+                ADD_BIAS, BIAS_TMA, s_layout, P_DTYPE, p_layout)
             o_acc = _wait_pv(o_acc, p_op)
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
@@ -598,7 +632,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             p, m_next, l_next, alpha = _softmax_tile(
                 s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, n_scale, k_empty.index(next_ring % NUM_STAGES),
                 bias_ring, next_ring % NUM_STAGES, bias_args, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                ADD_BIAS, BIAS_TMA, s_layout)
+                ADD_BIAS, BIAS_TMA, s_layout, P_DTYPE, p_layout)
         m_i, l_i, o_acc = m_next, l_next, o_zero
         if FP8:  # 16-bit inputs: both stay qk_scale and 1
             scale, o_scale = n_scale, n_o_scale
@@ -612,7 +646,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
         q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, scale, bias_ring, bias_args,
         BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA, s_layout,
-        o_rows, p_layout)
+        o_rows, p_layout, P_DTYPE)
     last = ring + num_tiles - 1
     o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
                                  p_layout)
@@ -635,9 +669,11 @@ def attention_forward_sm90_kernel(
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
     MASK_LEFT: gl.constexpr = False, MASK_RIGHT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
     ALIBI: gl.constexpr = False, VARLEN: gl.constexpr = False, HAS_BIAS: gl.constexpr = False,
-    BIAS_TMA: gl.constexpr = False,
+    BIAS_TMA: gl.constexpr = False, NUM_CONSUMERS: gl.constexpr = 2,
 ):
     """Persistent: the CTAs share the num_work = B·Hq·num_m_tiles work items in rounds (see work_items.work_tile).
+    A work item is NUM_CONSUMERS·64 query rows (`num_consumers`); launch with gluon/sm90.launch_options of that
+    count.
 
     Masks (mask.MaskSpec.kernel_args): CAUSAL is the plain causal mask (left unbounded, right 0); any other window
     sets MASK_LEFT/MASK_RIGHT with window_left/window_right. SOFTCAP (softcap_scale, qk_scale = c·log2 e) and ALIBI
@@ -671,55 +707,51 @@ def attention_forward_sm90_kernel(
     descales = (QD, KD, VD)
 
     # Q: one buffer per consumer, or two (Q_BUFFERS=2) so the next item's Q loads while this item runs
-    q_smems = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
+    q_smems = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2 * Q_BUFFERS):
+    for i in gl.static_range(NUM_CONSUMERS * Q_BUFFERS):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=1)  # each consumer owns its half of the Q tile
+        mbarrier.init(q_empty.index(i), count=1)  # each consumer owns its rows of the Q tile
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
-        mbarrier.init(v_empty.index(i), count=2)
-    if BIAS_TMA:  # one ring per consumer: the bias tiles of its rows, a stage beside each K stage
-        bias_upper = gl.allocate_shared_memory(bias_desc.dtype, [NUM_STAGES] + bias_desc.block_type.shape,
-                                               bias_desc.layout)
-        bias_lower = gl.allocate_shared_memory(bias_desc.dtype, [NUM_STAGES] + bias_desc.block_type.shape,
-                                               bias_desc.layout)
+        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)  # one arrival per consumer
+        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
+    if BIAS_TMA:  # one ring per consumer (stages c·NUM_STAGES..): the bias tiles of its rows beside each K stage
+        bias_rings = gl.allocate_shared_memory(bias_desc.dtype, [NUM_CONSUMERS * NUM_STAGES]
+                                               + bias_desc.block_type.shape, bias_desc.layout)
     else:
-        bias_upper: gl.constexpr = None
-        bias_lower: gl.constexpr = None
+        bias_rings: gl.constexpr = None
     if dtype == gl.float8e4nv:  # the bf16 output's staging buffers, one per consumer
-        o_smems = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+        o_smems = gl.allocate_shared_memory(o_desc.dtype, [NUM_CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
     else:
         o_smems: gl.constexpr = None
 
-    upper: gl.constexpr = 0
-    lower: gl.constexpr = 1
+    # consumer 0 is the default partition (the launch's 4 warps); the other consumers and the producer warp (the
+    # last partition) are workers. One comprehension: a `+` of partition lists would unwrap their None arguments.
     gl.warp_specialize([
-        (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
-                               num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
-                               mask_args, alibi_args, varlen_args, bias_upper, bias_ptr_args, bias_args,
-                               descales, o_smems, upper, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM,
-                               MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS, BIAS_TMA)),
-        (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
-                               num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
-                               mask_args, alibi_args, varlen_args, bias_lower, bias_ptr_args, bias_args,
-                               descales, o_smems, lower, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, Q_BUFFERS, CROSS_ITEM,
-                               MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS, BIAS_TMA)),
         (_producer, (q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                      k_empty, v_empty, num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k,
-                     window_left, window_right, varlen_args, bias_desc, bias_upper, bias_lower, bias_stride_b,
+                     window_left, window_right, varlen_args, bias_desc, bias_rings, bias_stride_b,
                      bias_stride_h, NUM_STAGES, BLOCK_N, CAUSAL, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN,
-                     BIAS_TMA)),
-    ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+                     BIAS_TMA, NUM_CONSUMERS))
+        if partition == NUM_CONSUMERS else
+        (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc,
+                               LSE, num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
+                               mask_args, alibi_args, varlen_args, bias_rings, bias_ptr_args, bias_args, descales,
+                               o_smems, partition, NUM_CONSUMERS, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL,
+                               Q_BUFFERS, CROSS_ITEM, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS,
+                               BIAS_TMA))
+        for partition in (0, 1, 2, 3)[:NUM_CONSUMERS + 1]
+    ], [4] * (NUM_CONSUMERS - 1) + [1],
+        [consumer_registers(NUM_CONSUMERS)] * (NUM_CONSUMERS - 1) + [PRODUCER_REGISTERS])
 
 
 def _tensor_args(k_rows, block_d, q, k, v, out, lse):
@@ -778,9 +810,9 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
         raise ValueError(f"mask.causal ({mask.causal}) and causal ({causal}) disagree")
     scalars, mask_constexprs = _mask_launch_args(mask, softmax_scale)
     right_bounded = mask_constexprs["CAUSAL"] or mask_constexprs["MASK_RIGHT"]
-    if cross_item and not sm90_cross_item_safe(right_bounded, tiles.num_stages):
-        raise ValueError(f"cross_item needs a mask without a right bound (causal, window) or three ring stages, "
-                         f"got {tiles}")
+    if cross_item and not sm90_cross_item_safe(right_bounded, tiles):
+        raise ValueError(f"cross_item needs a mask without a right bound (causal, window) or a ring with a stage "
+                         f"more than the tiles a consumer may skip (tiles.sm90_cross_item_safe), got {tiles}")
     if cross_item and q_buffers != 2:
         # the next item's Q·Kᵀ would read the buffer this item's output is staged in
         raise ValueError(f"cross_item needs two Q buffers, got q_buffers={q_buffers}")
@@ -794,23 +826,23 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
         raise ValueError(f"out must have q's shape, dtype {out_dtype} and TMA-compatible strides (see "
                          f"layout.tma_compatible)")
     block_d = padded_head_dim(head_dim)
-    if tiles.block_m != BLOCK_M or tiles.num_warps != 4 * NUM_CONSUMERS:
-        raise ValueError(f"the sm_90 kernel runs {BLOCK_M}-row tiles on {4 * NUM_CONSUMERS} warps, got {tiles}")
+    consumers = num_consumers(tiles)
+    block_m = tiles.block_m
     alibi = (None, None, None)
     if alibi_slopes is not None:  # (H,) or (B, H) float32
         alibi = (alibi_slopes, 0 if alibi_slopes.dim() == 1 else alibi_slopes.stride(0), alibi_slopes.stride(-1))
     if varlen is None:
-        num_m_tiles = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+        num_m_tiles = (seqlen_q + block_m - 1) // block_m
         num_work = num_m_tiles * batch * num_q_heads
         varlen_args = (None,) * 8
     else:
         if batch != 1:
             raise ValueError(f"varlen launches take (1, H, total, D) views of the packed tensors, got {tuple(q.shape)}")
-        # The kernel reads the number of real tiles (>= cdiv(total_q, BLOCK_M)) from tile_offsets: this many
+        # The kernel reads the number of real tiles (>= cdiv(total_q, block_m)) from tile_offsets: this many
         # CTAs all find work.
         num_m_tiles, num_work = None, None
         num_seqs = varlen.cu_seqlens_q.shape[0] - 1
-        entries = ranked_work_list_entries(num_seqs, seqlen_q, BLOCK_M) if mask_constexprs["CAUSAL"] else num_seqs + 1
+        entries = ranked_work_list_entries(num_seqs, seqlen_q, block_m) if mask_constexprs["CAUSAL"] else num_seqs + 1
         if varlen.tile_offsets.shape != (entries,):
             raise ValueError(f"varlen.tile_offsets must have {entries} entries (seqlen.VarlenBatch: the work list "
                              f"for this mask), got {tuple(varlen.tile_offsets.shape)}")
@@ -820,7 +852,7 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
         raise ValueError("attn_bias is not taken with a packed (varlen) batch")
     log2_scores = alibi_slopes is not None and mask_constexprs["SOFTCAP"]  # see _softmax_tile
     bias_args = _bias_launch_args(attn_bias, q, k, tiles.block_n, scalars["qk_scale"], log2_scores, bias_tma)
-    work_bound = num_q_heads * ((seqlen_q + BLOCK_M - 1) // BLOCK_M) if varlen is not None else num_work
+    work_bound = num_q_heads * ((seqlen_q + block_m - 1) // block_m) if varlen is not None else num_work
     grid = (max(1, work_bound if num_ctas is None else min(num_ctas, work_bound)),)
     args = (*_tensor_args(tiles.block_n, block_d, q, k, v, out, lse), num_q_heads, num_q_heads // k.shape[1],
             seqlen_q, k.shape[2], scalars["qk_scale"], num_m_tiles, num_work,
@@ -830,7 +862,8 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
                       CAUSAL=mask_constexprs["CAUSAL"], Q_BUFFERS=q_buffers, CROSS_ITEM=cross_item)
     constexprs.update(MASK_LEFT=mask_constexprs["MASK_LEFT"], MASK_RIGHT=mask_constexprs["MASK_RIGHT"],
                       SOFTCAP=mask_constexprs["SOFTCAP"], ALIBI=alibi_slopes is not None, VARLEN=varlen is not None)
-    constexprs.update(HAS_BIAS=attn_bias is not None, BIAS_TMA=attn_bias is not None and bias_tma)
+    constexprs.update(HAS_BIAS=attn_bias is not None, BIAS_TMA=attn_bias is not None and bias_tma,
+                      NUM_CONSUMERS=consumers)
     return grid, args, constexprs
 
 
@@ -850,7 +883,7 @@ def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float
     tiles.sm90_bias_tiles), else the consumers load it."""
     grid, args, constexprs = _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers,
                                           cross_item, mask, alibi_slopes, varlen, attn_bias, bias_tma)
-    return attention_forward_sm90_kernel[grid](*args, **constexprs, **LAUNCH_OPTIONS)
+    return attention_forward_sm90_kernel[grid](*args, **constexprs, **launch_options(constexprs["NUM_CONSUMERS"]))
 
 
 def attention_forward_sm90_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, causal: bool,
@@ -863,7 +896,7 @@ def attention_forward_sm90_fp8(q, k, v, out, lse, q_descale, k_descale, v_descal
     tiles.sm90_fp8_forward_tiles and the arguments of attention_forward_sm90."""
     grid, args, constexprs = _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers,
                                           cross_item, descales=(q_descale, k_descale, v_descale))
-    return attention_forward_sm90_kernel[grid](*args, **constexprs, **LAUNCH_OPTIONS)
+    return attention_forward_sm90_kernel[grid](*args, **constexprs, **launch_options(constexprs["NUM_CONSUMERS"]))
 
 
 def prepare_forward(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles, num_ctas: int | None = None,
@@ -878,15 +911,15 @@ def prepare_forward(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles
                                           cross_item, mask, varlen=varlen)
     bound = dict(zip(attention_forward_sm90_kernel.arg_names, args), **constexprs)
     make_tensors = functools.partial(_tensor_args, tiles.block_n, padded_head_dim(q.shape[-1]))
+    options = launch_options(constexprs["NUM_CONSUMERS"])
     if varlen is None:
-        return PreparedLaunch(attention_forward_sm90_kernel, grid, bound, LAUNCH_OPTIONS, make_tensors,
-                              (q, k, v, out, lse))
+        return PreparedLaunch(attention_forward_sm90_kernel, grid, bound, options, make_tensors, (q, k, v, out, lse))
 
     def make_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, tile_offsets):
         return (*make_tensors(q, k, v, out, lse), cu_seqlens_q, cu_seqlens_k, tile_offsets, out)
 
     live = ("q_desc", "k_desc", "v_desc", "o_desc", "LSE", "CU_SEQLENS_Q", "CU_SEQLENS_K", "TILE_OFFSETS", "O")
-    return PreparedLaunch(attention_forward_sm90_kernel, grid, bound, LAUNCH_OPTIONS, make_args,
+    return PreparedLaunch(attention_forward_sm90_kernel, grid, bound, options, make_args,
                           (q, k, v, out, lse, *varlen.tensors()), live)
 
 
@@ -909,7 +942,7 @@ def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = N
     lse = torch.empty(batch, 4, rows, device="meta")
     slopes = torch.empty(4, device="meta") if alibi else None
     cu_seqlens = torch.empty(3, dtype=torch.int32, device="meta")
-    work = torch.empty(ranked_work_list_entries(2, rows, BLOCK_M), dtype=torch.int32, device="meta")
+    work = torch.empty(ranked_work_list_entries(2, rows, tiles.block_m), dtype=torch.int32, device="meta")
     batch_info = VarlenBatch(cu_seqlens, cu_seqlens, work if mask.plain_causal else cu_seqlens) if varlen else None
     attn_bias = None
     if bias is not None:
@@ -925,4 +958,4 @@ def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = N
     kernel = attention_forward_sm90_kernel
     unused = {name: None for name, value in zip(kernel.arg_names, args) if value is None}
     return build(kernel, list(args) + [constexprs[name] for name in kernel.arg_names[len(args):]],
-                 {**constexprs, **unused})
+                 {**constexprs, **unused}, constexprs["NUM_CONSUMERS"])

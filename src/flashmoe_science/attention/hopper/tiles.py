@@ -1,7 +1,8 @@
 """Tile shapes and schedule of the Gluon sm_90 attention kernels: the heuristics behind the Hopper backend's plan.
 
-The forward always runs 128 query rows on two consumer warpgroups plus a producer warp; what varies per call is the
-key tile and ring depth (`sm90_forward_tiles`), persistent CTAs or one CTA per query tile (`sm90_persistent`; for a
+The forward runs 64 query rows per consumer warpgroup beside a producer warp: two consumers (128 rows), three at
+head dims to 64 (192 rows, `sm90_forward_consumers`); what varies per call is the consumers, the key tile and the
+ring depth (`sm90_forward_tiles`), persistent CTAs or one CTA per query tile (`sm90_persistent`; for a
 band mask `sm90_band_schedule`), Q buffers per consumer (`sm90_q_buffers`) and whether consecutive work items
 overlap (`sm90_cross_item`). The backward's rules: where it beats the Triton backward (`sm90_backward_wins`) and its
 query rows per tile at each head dim (`sm90_backward_rows`).
@@ -144,15 +145,35 @@ def sm90_backward_rows(head_dim: int, has_bias: bool, num_stages: int) -> int:
 
 
 def sm90_forward_tiles(head_dim: int, causal: bool, seqlen_q: int) -> AttentionTiles:
-    """Tiles of the Gluon sm_90 kernel: always 128 query rows on two consumer warpgroups (8 warps) plus a producer
-    warp; the key tile and the ring depth vary. Registers bound the key tile (score tile, bf16 P and the fp32
-    output accumulator live in registers: ~240 per thread at D=128 with 128-key tiles), shared memory the depth.
-    Short causal rows take 64-key tiles: less of the diagonal tile is masked work (L=512: 267 vs 242 TFLOP/s),
-    in a three-stage ring where it fits (D <= 128), which lets consecutive items overlap (sm90_cross_item).
+    """Tiles of the Gluon sm_90 kernel (bf16/fp16): 64 query rows per consumer warpgroup (4 warps each) plus a
+    producer warp, `sm90_forward_consumers` of them; the key tile and the ring depth vary. Registers bound the key
+    tile (score tile, bf16 P and the fp32 output accumulator live in registers: ~240 per thread at D=128 with
+    128-key tiles), shared memory the depth. Short causal rows take 64-key tiles: less of the diagonal tile is
+    masked work (L=512: 267 vs 242 TFLOP/s), in a three-stage ring where it fits (D <= 128), which lets
+    consecutive items overlap (sm90_cross_item).
     seqlen_q: `sm90_plan_length` (a narrow band takes the short causal tiles: two masked edge tiles per item).
     """
     # cached on the length's class, not the length: ragged workloads would grow a per-length cache without bound
     return _sm90_tiles(padded_head_dim(head_dim), causal, causal and seqlen_q <= SM90_SHORT_CAUSAL_LEN)
+
+
+def sm90_forward_consumers(block_d: int, block_n: int) -> int:
+    """Consumer warpgroups of the bf16/fp16 forward at padded head dim `block_d` with `block_n`-key tiles: three
+    (192-row work items, 160 registers per consumer thread) at head dims to 64 with 128-key tiles, else two (128
+    rows, 240 registers). At D=64 a 64-row consumer's exp2s cost about as much as its two products, so a third
+    warpgroup keeps the tensor cores fed while two run softmax, and each K/V tile serves 192 query rows instead of
+    128 (FlashAttention-4's D=64 schedule: docs/perf-notes.md). Its registers fit D=64 only: S (64 x 128 fp32)
+    takes 64 per thread, P 32, O 32, inside 160. Short causal rows' 64-key tiles keep two: a 192-row item puts
+    more masked work on the diagonal."""
+    return 3 if block_d <= 64 and block_n == 128 else 2
+
+
+# what describe_dispatch adds to the consumer count of a plan (sm90_forward_consumers' reason)
+SM90_CONSUMER_REASONS = {
+    2: "",
+    3: (" (head dim <= 64 with 128-key tiles: three warpgroups cover the exp2s, which cost as much as the products "
+        "there, and each K/V tile serves 192 query rows)"),
+}
 
 
 def sm90_smem_bytes(tiles: AttentionTiles, head_dim: int, q_buffers: int, elem_bytes: int = 2,
@@ -194,11 +215,13 @@ def sm90_bias_tiles(tiles: AttentionTiles, head_dim: int, bias_bytes: int, trait
     return tiles
 
 
-def sm90_cross_item_safe(causal: bool, num_stages: int) -> bool:
+def sm90_cross_item_safe(causal: bool, tiles: AttentionTiles) -> bool:
     """Whether the sm_90 consumers may issue the next work item's first Q·Kᵀ before their last P·V completes: its K
-    tile reuses a ring stage that, with causal masking (a consumer may skip one of the CTA's key tiles) and only two
-    stages, is released by that very P·V, a deadlock (hopper/fwd_sm90._attention_consumer)."""
-    return not causal or num_stages >= 3
+    tile reuses a ring stage that, with causal masking (the first consumer may skip the CTA's last
+    cdiv(block_m - 64, block_n) key tiles: one with two consumers, one with three at 128-key tiles) and a ring no
+    deeper than that plus one, is released by that very P·V, a deadlock (hopper/fwd_sm90._attention_consumer)."""
+    skipped = -(-(tiles.block_m - 64) // tiles.block_n)
+    return not causal or tiles.num_stages >= skipped + 2
 
 
 def sm90_cross_item(tiles: AttentionTiles, head_dim: int, causal: bool, persistent: bool, q_buffers: int) -> bool:
@@ -208,17 +231,20 @@ def sm90_cross_item(tiles: AttentionTiles, head_dim: int, causal: bool, persiste
     With two-stage 128-key rings at D=128/256 it measured 2-4% slower (the next item's first K tile is not
     loaded yet when the last P·V should start). Needs two Q buffers: the current item's output is staged in its
     own Q buffer while the next item's first Q·Kᵀ reads the other."""
-    return (persistent and q_buffers == 2 and sm90_cross_item_safe(causal, tiles.num_stages)
+    return (persistent and q_buffers == 2 and sm90_cross_item_safe(causal, tiles)
             and (padded_head_dim(head_dim) <= 64 or tiles.num_stages >= 3))
 
 
 @functools.lru_cache(maxsize=None)
 def _sm90_tiles(block_d: int, causal: bool, short_causal: bool) -> AttentionTiles:
     if block_d > 128:
-        return AttentionTiles(128, 64, 8, 2, use_tma=True)
-    if short_causal:
-        return AttentionTiles(128, 64, 8, 3, use_tma=True)
-    return AttentionTiles(128, 128, 8, 3 if causal else 2, use_tma=True)
+        block_n, stages = 64, 2
+    elif short_causal:
+        block_n, stages = 64, 3
+    else:
+        block_n, stages = 128, 3 if causal else 2
+    consumers = sm90_forward_consumers(block_d, block_n)
+    return AttentionTiles(64 * consumers, block_n, 4 * consumers, stages, use_tma=True)
 
 
 def sm90_fp8_forward_tiles(head_dim: int) -> AttentionTiles:
