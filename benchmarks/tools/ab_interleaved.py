@@ -2,7 +2,9 @@
 with a window and softcap), KV-cache decode (contiguous and paged) and MoE (fused_moe forward, forward+backward)
 calls, timed by triton.testing.do_bench in one process per tree and round, the trees' order rotating each round so
 that clock and thermal drift fall on all. Only the public functions are called, so any two commits compare.
-`--suite backward` times only the attention backward at long rows (B1 H16 L16k, D 64/128, causal or not).
+`--suite backward` times only the attention backward at long rows (B1 H16 L16k, D 64/128, causal or not),
+`--suite forward` only the attention forward (B1 H16 L16k and B4 H16 L4k at D=64, B1 H16 L16k at D=128; causal or
+not).
 
     PYTHONPATH=src python benchmarks/tools/ab_interleaved.py --a /path/to/old/src --b src [--c other/src] \
         --rounds 4 --out "$OUT"
@@ -88,13 +90,32 @@ def _backward_cases():
     return cases
 
 
+def _forward_cases():
+    """The attention forward alone: B1 H16 L16k and B4 H16 L4k at D=64 and B1 H16 L16k at D=128, causal or not."""
+    import torch
+
+    import flashmoe_science as fs
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cases = []
+    for b, length, d in ((1, 16384, 64), (4, 4096, 64), (1, 16384, 128)):
+        q, k, v = (torch.randn(b, 16, length, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+        for causal in (False, True):
+            cases.append((f"attn fwd B{b} H16 L{length} D{d} {'causal' if causal else 'full'}",
+                          lambda q=q, k=k, v=v, c=causal: fs.flash_attention_science(q, k, v, causal=c), None))
+    return cases
+
+
+SUITES = {"all": _cases, "backward": _backward_cases, "forward": _forward_cases}
+
+
 def worker(suite: str) -> None:
     import torch
     import triton
     from triton.testing import do_bench
 
     results = {}
-    for name, fn, grads in (_backward_cases() if suite == "backward" else _cases()):
+    for name, fn, grads in SUITES[suite]():
         results[name] = float(do_bench(fn, warmup=100, rep=300, grad_to_none=grads, return_mode="median"))
         torch.cuda.synchronize()
     json.dump({"ms": results, "torch": torch.__version__, "triton": triton.__version__,
@@ -115,7 +136,7 @@ def main() -> int:
     parser.add_argument("--a", help="the baseline tree's src folder")
     parser.add_argument("--b", help="the new tree's src folder")
     parser.add_argument("--c", help="a third tree's src folder (optional)")
-    parser.add_argument("--suite", choices=("all", "backward"), default="all")
+    parser.add_argument("--suite", choices=tuple(SUITES), default="all")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="start no round that would end past this many seconds (the rounds done are reported)")

@@ -123,7 +123,8 @@ def varlen_rows() -> list[dict]:
     q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in packed)
     for causal in (False, True):
         mask = make_mask(causal)
-        batch = VarlenBatch.of(cu, cu, fwd_sm90.BLOCK_M, total, mask.plain_causal)
+        block_m = sm90_forward_tiles(D, False, max(lengths)).block_m  # D=128: two consumers
+        batch = VarlenBatch.of(cu, cu, block_m, total, mask.plain_causal)
         pairs = H * sum(visible_pairs(n, n, mask) for n in lengths)
         for two_stage in (False, True) if causal else (False,):
             t = ms(launch(q, k, v, mask, varlen=batch, seqlen_q=max(lengths), two_stage=two_stage))

@@ -4,8 +4,8 @@ registers, shared memory, spills and the SASS instruction mix. Catches compile e
     PYTHONPATH=src:benchmarks/tools python benchmarks/tools/sass_attention_forward.py [--sass out.sass] [--q-buffers N] [--cross-item]
         [--window L R] [--softcap C] [--alibi] [--varlen] [--consumers 2|3] D BLOCK_N STAGES CAUSAL
 
-Besides the whole kernel's counts it prints each consumer's key-tile loop (`key_loops`: the SASS between a
-backward branch and its target that holds HGMMAs): its instructions, spills and exp2s, and the instructions per
+Besides the whole kernel's counts it prints each consumer's key-tile loop (`gluon.build.sass_loops`: the SASS
+between a backward branch and its target that holds HGMMAs): its instructions, spills and exp2s, and the instructions per
 64 query rows and key tile, the number to compare between two and three consumers.
 """
 import argparse
@@ -15,6 +15,7 @@ import torch
 from flashmoe_science.attention.hopper import fwd_sm90
 from flashmoe_science.attention.mask import make_mask
 from flashmoe_science.attention.tiles import AttentionTiles
+from flashmoe_science.gluon.build import sass_loops
 from sass_tools import sass_counts
 
 
@@ -44,25 +45,6 @@ def sweep(head_dims=(128,)):
               f"{k.metadata.shared} LDL {counts['LDL']} STL {counts['STL']}", flush=True)
 
 
-def key_loops(sass: str) -> list[dict]:
-    """The loops of the SASS that issue HGMMAs, innermost spans first (a backward branch `BRA target` closes the
-    loop [target, branch]): per loop its instruction count, LDL/STL, MUFU.EX2 and HGMMA counts. The key-tile loop
-    of each consumer is the one with two products' HGMMAs per iteration."""
-    import re
-
-    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    loops = []
-    for address, text in lines:
-        branch = re.search(r"\bBRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", text)
-        if branch and int(branch.group(1), 16) < address:
-            body = [t for a, t in lines if int(branch.group(1), 16) <= a <= address]
-            count = {op: sum(bool(re.search(r"\b%s\b" % re.escape(op), t)) for t in body)
-                     for op in ("HGMMA", "MUFU.EX2", "LDL", "STL")}
-            if count["HGMMA"]:
-                loops.append(dict(start=int(branch.group(1), 16), end=address, instructions=len(body), **count))
-    return sorted(loops, key=lambda loop: loop["instructions"])
-
-
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--sass")
@@ -88,7 +70,7 @@ if __name__ == "__main__":
           f"| {counts}")
     # one key tile per iteration: two products (S: D/16 HGMMAs, P·V: BLOCK_N/16), each consumer's loop on 64 rows
     per_tile = d // 16 + bn // 16
-    for loop in key_loops(sass):
+    for loop in sass_loops(sass):
         if loop["HGMMA"] == per_tile:
             print(f"key loop {loop['start']:#x}-{loop['end']:#x}: {loop['instructions']} instructions per 64 rows and "
                   f"key tile, MUFU.EX2 {loop['MUFU.EX2']}, LDL {loop['LDL']}, STL {loop['STL']}")

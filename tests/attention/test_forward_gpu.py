@@ -6,6 +6,7 @@ Run on the H200: `PYTHONPATH=src python -m pytest -m gpu tests/attention/test_fo
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from flashmoe_science import flash_attention_science
 from flashmoe_science.attention.reference import attention_reference, causal_visibility
-from flashmoe_science.attention.hopper.tiles import sm90_smem_bytes
+from flashmoe_science.attention.hopper.tiles import sm90_cross_item_safe, sm90_smem_bytes
 from flashmoe_science.attention.tiles import AttentionTiles, forward_tiles
 from flashmoe_science.device import device_traits
 from flashmoe_science.gluon.target import ARCH
@@ -131,26 +132,31 @@ def test_every_element_written(use_tma, head_dim):
 @pytest.mark.parametrize("q_buffers", [1, 2])
 @pytest.mark.parametrize("num_ctas", [None, 1, 7, 132])
 @pytest.mark.parametrize("block_n,causal", [(128, False), (64, True), (128, True)])
-def test_sm90_work_sharing(num_ctas, block_n, causal, q_buffers, cross_item):
+@pytest.mark.parametrize("consumers,head_dim", [(2, 128), (3, 64)], ids=["two-consumers-d128", "three-consumers-d64"])
+def test_sm90_work_sharing(num_ctas, block_n, causal, q_buffers, cross_item, consumers, head_dim):
     """The sm_90 kernel with any number of CTAs sharing the work items (None: one per query tile; 7: partial,
-    snaking rounds), one or two Q buffers per consumer, consecutive items overlapped or not (three ring stages
-    where causal overlap needs them), GQA, Lq > Lk and ragged tails, NaN-poisoned outputs."""
+    snaking rounds), one or two Q buffers per consumer, consecutive items overlapped or not (ring stages as deep as
+    causal overlap needs: tiles.sm90_cross_item_safe), two or three consumer warpgroups (128 or 192-row items),
+    GQA, Lq > Lk and ragged tails, NaN-poisoned outputs."""
     if device_traits(torch.device("cuda")).arch != ARCH:
         pytest.skip("needs a Hopper GPU")
     from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90
 
     if cross_item and q_buffers == 1:
         pytest.skip("overlapped items need two Q buffers (the launcher refuses one: test_launchers.py)")
-    q, k, v = _inputs(3, 4, 2, 700, 333, 128, torch.bfloat16)
+    q, k, v = _inputs(3, 4, 2, 700, 333, head_dim, torch.bfloat16)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-    tiles = AttentionTiles(128, block_n, 8, 3 if cross_item and causal else 2, use_tma=True)
-    if sm90_smem_bytes(tiles, 128, q_buffers) > device_traits(q.device).smem_per_block:
+    tiles = AttentionTiles(64 * consumers, block_n, 4 * consumers, 2, use_tma=True)
+    while cross_item and not sm90_cross_item_safe(causal, tiles):
+        tiles = replace(tiles, num_stages=tiles.num_stages + 1)
+    if sm90_smem_bytes(tiles, head_dim, q_buffers) > device_traits(q.device).smem_per_block:
         pytest.skip("this ring and Q buffering do not fit the shared memory")
-    attention_forward_sm90(q, k, v, out, lse, causal, 128**-0.5, tiles, num_ctas, q_buffers, cross_item)
+    scale = head_dim**-0.5
+    attention_forward_sm90(q, k, v, out, lse, causal, scale, tiles, num_ctas, q_buffers, cross_item)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    _assert_close_to_float64(out, q, k, v, causal, 128**-0.5, torch.bfloat16)
-    _, ref_lse = attention_reference(q.double(), k.double(), v.double(), causal, 128**-0.5)
+    _assert_close_to_float64(out, q, k, v, causal, scale, torch.bfloat16)
+    _, ref_lse = attention_reference(q.double(), k.double(), v.double(), causal, scale)
     seen = torch.isfinite(ref_lse)
     assert torch.equal(seen, torch.isfinite(lse))  # rows that see no key: lse -inf
     torch.testing.assert_close(lse[seen].double(), ref_lse[seen], atol=2e-2, rtol=0)

@@ -16,7 +16,7 @@ from flashmoe_science.attention.mask import make_mask  # noqa: E402
 from flashmoe_science.attention.seqlen import VarlenBatch, ranked_work_list, varlen_tile_offsets  # noqa: E402
 from flashmoe_science.attention.hopper.tiles import sm90_forward_tiles  # noqa: E402
 from flashmoe_science.attention.tiles import AttentionTiles  # noqa: E402
-from flashmoe_science.gluon.build import spill_budget, spill_count  # noqa: E402
+from flashmoe_science.gluon.build import sass_loops, spill_budget, spill_count  # noqa: E402
 from sm90_helpers import HOPPER_TRAITS, hopper_forward_plan, sass_or_skip  # noqa: E402
 
 SMEM_PER_BLOCK = 232448  # sm_90's opt-in limit (ANCHORS.md)
@@ -119,10 +119,13 @@ def test_varlen_causal_overlapped_items_build_for_sm90():
 
 # (head dim, causal, seqlen, Q buffers, cross-item) -> LDL + STL of the triton 3.6 build: the persistent kernel
 # spills a few values at the work-item boundary only (docs/perf-notes.md), none at short causal rows' 64-key tiles.
+# D=64 with 128-key tiles runs three consumers (160 registers): 8 at the item boundary non-causal, 410 causal (the
+# per-item mask set-up), none in the key loop (test_three_consumer_builds_for_sm90).
 # The causal budgets are those of the kernel whose plain causal path shares the mask blocks (key_tile_range, visible)
 # with windows and varlen; the H200 measured it at 620 TFLOP/s (D=128, L=8192) and 550 (D=256, L=2048) causal.
 CASES = {
-    (64, False, 2048, 2, True): 0,
+    (64, False, 2048, 2, True): 8,
+    (64, True, 4096, 2, True): 410,
     (128, False, 2048, 1, False): 65,
     (128, True, 512, 2, False): 0,
     (128, True, 4096, 1, False): 225,
@@ -239,4 +242,58 @@ def test_band_plans_build_for_sm90(name):
     assert re.search(r"\bHGMMA\.64x%dx16\.F32\.BF16 R\d+, gdesc" % plan.tiles.block_n, sass)
     assert re.search(r"\bHGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
     assert re.search(r"\bUTMALDG\b", sass) and re.search(r"\bUTMASTG\b", sass)
+    assert compiled.metadata.shared <= SMEM_PER_BLOCK
+
+
+# (name, compile_offline arguments, LDL + STL of the triton 3.6 build, LDL + STL in each key loop) of the
+# three-consumer forward (192-row items at 160 registers: D <= 64 with 128-key tiles, tiles.sm90_forward_consumers):
+# the plans of B1 H16 L16k (non-causal persistent and overlapped; causal one CTA per tile), the causal persistent
+# plan, a packed batch without and with a right bound (the two-stage ring), a window, softcap with ALiBi, fp16,
+# D=32. The per-item spills come from the mask and work-item set-up; the masked loops (varlen causal, window) spill
+# a few values per key tile.
+THREE_CONSUMERS = AttentionTiles(192, 128, 12, 2, use_tma=True)
+THREE_CONSUMERS_CAUSAL = AttentionTiles(192, 128, 12, 3, use_tma=True)
+THREE_CONSUMER_BUILDS = {
+    "d64-full-cross": (dict(head_dim=64, causal=False, tiles=THREE_CONSUMERS, q_buffers=2, cross_item=True), 8, 0),
+    "d64-causal-per-tile": (dict(head_dim=64, causal=True, tiles=THREE_CONSUMERS_CAUSAL), 333, 0),
+    "d64-causal-cross": (dict(head_dim=64, causal=True, tiles=THREE_CONSUMERS_CAUSAL, q_buffers=2, cross_item=True),
+                         410, 0),
+    "d64-varlen-cross": (dict(head_dim=64, causal=False, tiles=THREE_CONSUMERS, q_buffers=2, cross_item=True,
+                              varlen=True), 140, 0),
+    "d64-varlen-causal": (dict(head_dim=64, causal=True, tiles=THREE_CONSUMERS, q_buffers=2, varlen=True), 311, 12),
+    "d64-window": (dict(head_dim=64, causal=False, tiles=THREE_CONSUMERS_CAUSAL, q_buffers=2,
+                        mask=make_mask(False, (100, 20))), 47, 5),
+    "d64-softcap-alibi": (dict(head_dim=64, causal=False, tiles=THREE_CONSUMERS, q_buffers=2, cross_item=True,
+                               mask=make_mask(False, None, 30.0), alibi=True), 124, 0),
+    "d64-causal-alibi": (dict(head_dim=64, causal=True, tiles=THREE_CONSUMERS_CAUSAL, q_buffers=2, alibi=True),
+                         117, 0),
+    "d64-fp16": (dict(head_dim=64, causal=False, tiles=THREE_CONSUMERS, q_buffers=2, cross_item=True,
+                      dtype=torch.float16), 8, 0),
+    "d32": (dict(head_dim=32, causal=False, tiles=THREE_CONSUMERS, q_buffers=2, cross_item=True), 0, 0),
+}
+
+
+@pytest.mark.sm90_build
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
+@pytest.mark.parametrize("name", list(THREE_CONSUMER_BUILDS))
+def test_three_consumer_builds_for_sm90(name):
+    """192-row items on three consumer warpgroups: 16 warps launched at 128 registers (Triton pads the producer
+    warp to a warpgroup), setmaxnreg to 160 for the worker consumers, three times each product's HGMMAs of the
+    two-consumer kernel's share, both products on the tensor cores, spills within the tuned build's (the whole
+    kernel, and each consumer's key-tile loop)."""
+    kwargs, spills, loop_spills = THREE_CONSUMER_BUILDS[name]
+    kwargs = dict(kwargs)
+    head_dim, causal, tiles = kwargs.pop("head_dim"), kwargs.pop("causal"), kwargs.pop("tiles")
+    compiled = fwd_sm90.compile_offline(head_dim, causal, tiles, 132, kwargs.pop("q_buffers", 1),
+                                        kwargs.pop("cross_item", False), **kwargs)
+    sass = sass_or_skip(compiled)
+    assert compiled.metadata.num_warps == 16
+    assert re.search(r"\bUSETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xa0\b", sass)  # 160 registers
+    dtype = "F16" if kwargs.get("dtype") == torch.float16 else "BF16"
+    assert re.search(r"\bHGMMA\.64x128x16\.F32\.%s R\d+, gdesc" % dtype, sass)  # S: both from smem
+    assert re.search(r"\bHGMMA\.64x%dx16\.F32\.%s R\d+, R\d+, gdesc" % (head_dim, dtype), sass)  # P·V
+    assert spill_count(sass) <= spill_budget(spills), "spills grew"
+    loops = [loop for loop in sass_loops(sass) if loop["HGMMA"] == head_dim // 16 + tiles.block_n // 16]
+    assert len(loops) >= 6  # two per consumer (the overlapped items' loop and the last item's)
+    assert max(loop["LDL"] + loop["STL"] for loop in loops) <= spill_budget(loop_spills), "the key loop spills"
     assert compiled.metadata.shared <= SMEM_PER_BLOCK

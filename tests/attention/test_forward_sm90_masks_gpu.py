@@ -78,9 +78,12 @@ MASKS = {
     "causal_alibi_softcap": (True, None, 3.0, True),
     "all": (True, (200, -1), 4.0, True),
 }
+# d64 with the two-stage ring: 128-key tiles, so 192-row items on three consumer warpgroups (the causal plan at
+# these short lengths takes 64-key tiles on two)
 HEAD_DIM_MASKS = [("d128", 128, name, False) for name in MASKS] + [
     (f"d{d}", d, name, False) for d in (64, 256) for name in ("causal_window", "all")] + [
-    ("d128", 128, name, True) for name in ("causal_window", "window")]
+    ("d128", 128, name, True) for name in ("causal_window", "window")] + [
+    ("d64", 64, name, True) for name in ("window", "causal_window", "softcap", "causal_alibi", "all")]
 
 
 @pytest.mark.parametrize("ids,head_dim,mask_name,two_stage", HEAD_DIM_MASKS,
@@ -114,7 +117,8 @@ def _packed(lengths, heads, head_dim):
 
 VARLEN_CASES = [("d128", 128, name, False) for name in ("plain", "causal", "causal_window", "softcap", "causal_alibi",
                                                        "all")] + [
-    (f"d{d}", d, name, False) for d in (64, 256) for name in ("causal", "all")] + [("d128", 128, "causal", True)]
+    (f"d{d}", d, name, False) for d in (64, 256) for name in ("causal", "all")] + [("d128", 128, "causal", True)] + [
+    ("d64", 64, name, False) for name in ("plain", "softcap")] + [("d64", 64, name, True) for name in ("causal", "all")]
 VARLEN_MASKS = {"plain": (False, None, None, False), "causal": (True, None, None, False), **MASKS}
 
 
@@ -142,7 +146,7 @@ def test_varlen(ids, head_dim, mask_name, two_stage, gqa):
     lse = torch.full((hq, total_q), float("nan"), device="cuda")
     slopes = _slopes(len(lengths_q), hq) if alibi else None
     tiles, num_ctas, q_buffers, cross_item = _plan(fwd_sm90, head_dim, mask, max(lengths_q), two_stage)
-    batch = VarlenBatch.of(cu_q, cu_k, fwd_sm90.BLOCK_M, q.shape[2], mask.plain_causal)
+    batch = VarlenBatch.of(cu_q, cu_k, tiles.block_m, q.shape[2], mask.plain_causal)
     fwd_sm90.attention_forward_sm90(q, k, v, out, lse.unsqueeze(0), causal, scale, tiles, num_ctas, q_buffers,
                                     cross_item, mask=mask, alibi_slopes=slopes, varlen=batch)
     assert torch.isnan(out_packed[total_q:]).all(), "a store ran past the last sequence"

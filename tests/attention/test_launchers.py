@@ -25,6 +25,7 @@ from flashmoe_science.attention.hopper.tiles import (  # noqa: E402
     sm90_band_schedule,
     sm90_bias_tiles,
     sm90_cross_item,
+    sm90_cross_item_safe,
     sm90_forward_tiles,
     sm90_persistent,
     sm90_plan_length,
@@ -163,7 +164,7 @@ def _assert_prepared_launch_matches(kernel, compiled, prepared, new_tensors, des
 def test_sm90_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatch, fake_compiled_kernel, causal):
     pytest.importorskip("triton.experimental.gluon")
     from flashmoe_science.attention.hopper import fwd_sm90
-    from flashmoe_science.gluon.sm90 import REGISTER_CAP
+    from flashmoe_science.gluon.sm90 import launch_options
 
     kernel, compiled = _recording_warmup_kernel(fwd_sm90.attention_forward_sm90_kernel.arg_names,
                                                 fake_compiled_kernel)
@@ -174,8 +175,10 @@ def test_sm90_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatch,
     prepared = fwd_sm90.prepare_forward(q, k, v, out, lse, causal, 0.125, tiles, 132, 2, not causal)
     q2, k2, v2 = _blhd(2, 8, 300, 64), _blhd(2, 2, 257, 64), _blhd(2, 2, 257, 64)
     new = (q2, k2, v2, torch.empty_like(q2), torch.empty(2, 8, 300))
+    # D=64: three consumer warpgroups with 128-key tiles (non-causal), two with short causal rows' 64-key tiles
+    assert fwd_sm90.num_consumers(tiles) == (2 if causal else 3)
     _assert_prepared_launch_matches(kernel, compiled, prepared, new, {"q_desc", "k_desc", "v_desc", "o_desc"},
-                                    {"num_warps": 4, "maxnreg": REGISTER_CAP})
+                                    launch_options(fwd_sm90.num_consumers(tiles)))
 
     misaligned = torch.empty(q2.numel() + 1, dtype=q2.dtype)[1:].view(q2.shape)
     with pytest.raises(ValueError, match="alignment"):
@@ -516,9 +519,40 @@ def test_sm90_band_plans(case):
 def test_sm90_tiles_fit_hopper_shared_memory(head_dim, causal, seqlen_q):
     tiles = sm90_forward_tiles(head_dim, causal, seqlen_q)
     block_d = padded_head_dim(head_dim)
-    # the Q tile (two 64-row halves) + NUM_STAGES K and V tiles, bf16, within 227 KiB less the scratch
+    # the Q tile (a 64-row box per consumer) + NUM_STAGES K and V tiles, bf16, within 227 KiB less the scratch
     smem = (tiles.block_m + tiles.num_stages * 2 * tiles.block_n) * block_d * 2
-    assert (tiles.block_m, tiles.num_warps) == (128, 8) and smem <= H200.smem_per_block - 2048
+    consumers = 3 if block_d <= 64 and tiles.block_n == 128 else 2
+    assert (tiles.block_m, tiles.num_warps) == (64 * consumers, 4 * consumers) and smem <= H200.smem_per_block - 2048
+
+
+@pytest.mark.parametrize("seqlen_q", [512, 1024, 2048, 16384])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [16, 32, 40, 64, 72, 128, 256])
+def test_sm90_three_consumers_at_small_head_dims(head_dim, causal, seqlen_q):
+    """Head dims padding to <= 64 with 128-key tiles run 192-row work items on three consumer warpgroups at 160
+    registers (a launch cap of 128 for the 16 warps Triton pads 13 to); short causal rows' 64-key tiles and wider
+    heads keep two at 240 (cap 168). Overlapped items stay deadlock-free: a causal 192-row item's first consumer
+    skips at most one 128-key tile, so three stages suffice as with two consumers."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashmoe_science.attention.hopper import fwd_sm90
+    from flashmoe_science.gluon.sm90 import consumer_registers, launch_options
+
+    tiles = sm90_forward_tiles(head_dim, causal, seqlen_q)
+    three = padded_head_dim(head_dim) <= 64 and not (causal and seqlen_q <= 1024)
+    consumers = fwd_sm90.num_consumers(tiles)
+    assert consumers == (3 if three else 2) and tiles.block_m == 64 * consumers
+    assert tiles.block_n == 128 or consumers == 2
+    assert launch_options(consumers) == {"num_warps": 4, "maxnreg": 128 if three else 168}
+    assert consumer_registers(consumers) == (160 if three else 240)
+    # every thread fits the register file at launch and after setmaxnreg (the producer warp padded to 4)
+    assert (consumers + 1) * 128 * launch_options(consumers)["maxnreg"] <= 65536
+    assert consumers * 128 * consumer_registers(consumers) + 128 * 24 <= 65536
+    if causal:
+        assert sm90_cross_item_safe(True, tiles) == (tiles.num_stages >= 3)
+    assert not sm90_cross_item_safe(True, AttentionTiles(192, 64, 12, 3, use_tma=True))  # skips two 64-key tiles
+    assert sm90_cross_item_safe(True, AttentionTiles(192, 64, 12, 4, use_tma=True))
+    with pytest.raises(ValueError, match="rows"):
+        fwd_sm90.num_consumers(AttentionTiles(256, 128, 16, 2, use_tma=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -547,7 +581,7 @@ def test_sm90_launcher_rejects_other_tiles():
     from flashmoe_science.attention.hopper import fwd_sm90
 
     q = _blhd(1, 2, 64, 128)
-    with pytest.raises(ValueError, match="128-row tiles"):
+    with pytest.raises(ValueError, match="128 or 192-row tiles"):
         fwd_sm90.attention_forward_sm90(q, q, q, torch.empty_like(q), torch.empty(1, 2, 64), False, 0.1,
                                         AttentionTiles(64, 64, 4, 2, use_tma=True))
 
@@ -591,3 +625,12 @@ def test_64bit_rows_only_where_offsets_pass_2_31():
     assert needs_64bit_rows(blhd(524289))
     assert not needs_64bit_rows(blhd(524289).contiguous())  # row stride D
     assert needs_64bit_rows(None, blhd(16), blhd(1 << 20)) and not needs_64bit_rows(None)
+
+
+@pytest.mark.parametrize("seqlen,consumers", [(16384, 3), (512, 2)], ids=["long-causal", "short-causal"])
+def test_sm90_plan_says_why_it_runs_three_consumers(seqlen, consumers):
+    """describe_dispatch's text names the consumer count and, for three, the head-dim rule behind it."""
+    _, plan, text = hopper_forward_plan(1, 16, seqlen, None, head_dim=64)
+    assert plan.tiles.block_m == 64 * consumers
+    assert f"{consumers} consumer warpgroups of 64 rows" in text
+    assert ("192 query rows" in text) == (consumers == 3)

@@ -65,6 +65,26 @@ def spill_count(sass: str) -> int:
     return len(re.findall(r"\b(?:LDL|STL)\b", sass))
 
 
+def sass_loops(sass: str) -> list[dict]:
+    """The loops of a kernel's SASS that issue HGMMAs, smallest first: a backward branch closes the loop [its target,
+    the branch]. Each as start and end address, its instruction count and its HGMMA, MUFU.EX2, LDL and STL counts
+    (an attention forward's key-tile loop is the one with both products' HGMMAs: head_dim/16 + block_n/16)."""
+    import re
+
+    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for address, text in lines:
+        branch = re.search(r"\bBRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < address:
+            start = int(branch.group(1), 16)
+            body = [t for a, t in lines if start <= a <= address]
+            count = {op: sum(bool(re.search(r"\b%s\b" % re.escape(op), t)) for t in body)
+                     for op in ("HGMMA", "MUFU.EX2", "LDL", "STL")}
+            if count["HGMMA"]:
+                loops.append(dict(start=start, end=address, instructions=len(body), **count))
+    return sorted(loops, key=lambda loop: loop["instructions"])
+
+
 def spill_budget(tuned: int = 0) -> int:
     """The spills a build test allows: ``tuned`` on the triton the kernels were tuned on (compat.TUNED_TRITON),
     ``tuned + UNTUNED_SPILL_SLACK`` on other releases."""

@@ -203,12 +203,13 @@ def forward_plan(problem) -> HopperForward:
     right_bounded = mask.bounded_right
     traits = device_traits(q.device)
     seqlen_q = problem.seqlen_q
-    tiles = sm90_forward_tiles(q.shape[-1], right_bounded, sm90_plan_length(seqlen_q, mask))
+    bias = features.attn_bias
+    tiles = sm90_forward_tiles(q.shape[-1], right_bounded, sm90_plan_length(seqlen_q, mask), bias is not None)
     if features.varlen is not None and tiles.block_n == 128:
         # a packed batch with a right bound: the two-stage ring with two Q buffers measured +5.6% over the causal
         # plan's three stages (H200, 17 sequences of 64..8192, D=128: 421 vs 399 TFLOP/s)
-        tiles = sm90_forward_tiles(q.shape[-1], False, seqlen_q)
-    bias, bias_tma, bias_bytes = features.attn_bias, False, 0
+        tiles = sm90_forward_tiles(q.shape[-1], False, seqlen_q, bias is not None)
+    bias_tma, bias_bytes = False, 0
     if bias is not None and bias_tma_view(bias, q.shape[-2], problem.k.shape[-2]) is not None:
         bias_tiles = sm90_bias_tiles(tiles, q.shape[-1], bias.element_size(), traits)
         if bias_tiles is not None:  # its ring fits: the producer loads it

@@ -73,7 +73,7 @@ def num_consumers(tiles) -> int:
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, window_left, window_right,
-              varlen_args, bias_desc, bias_rings, bias_step_b, bias_step_h,
+              varlen_args, bias_desc, bias_upper, bias_lower, bias_step_b, bias_step_h,
               NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
               Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
               BIAS_TMA: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
@@ -82,8 +82,8 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
     The ring position runs on across work items, so the next item's first tiles land during the current epilogue;
     with two Q buffers per consumer the next item's Q does not wait for the current item's epilogue either.
     Varlen boxes may run into the next sequence's rows: extra Q rows are never stored, extra keys are masked.
-    BIAS_TMA: each K tile's stage also takes the bias tiles of every consumer's rows (`bias_rings`: consumer c's
-    ring is stages c·NUM_STAGES..), on K's "ready" barrier; the TMA box zero-fills rows and keys past the bias
+    BIAS_TMA (two consumers): each K tile's stage also takes the bias tiles of both consumers' rows (`bias_upper`,
+    `bias_lower`: one ring per consumer), on K's "ready" barrier; the TMA box zero-fills rows and keys past the bias
     (masked)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     num_ctas = gl.num_programs(0)
@@ -107,15 +107,15 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
             key_row = k_row0 + key_start + tile * BLOCK_N
             mbarrier.wait(k_empty.index(stage), free_phase)
             if BIAS_TMA:
-                mbarrier.expect(k_ready.index(stage),
-                                k_desc.block_type.nbytes + NUM_CONSUMERS * bias_desc.block_type.nbytes)
+                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes + 2 * bias_desc.block_type.nbytes)
                 tma.async_load(k_desc, [desc_batch, kv_head, key_row, 0], k_ready.index(stage), k_smem.index(stage))
                 bias_batch = batch * bias_step_b
                 bias_head = q_head * bias_step_h
                 bias_col = key_start + tile * BLOCK_N
-                for c in gl.static_range(NUM_CONSUMERS):
-                    tma.async_load(bias_desc, [bias_batch, bias_head, start_m + c * ROWS, bias_col],
-                                   k_ready.index(stage), bias_rings.index(c * NUM_STAGES + stage))
+                tma.async_load(bias_desc, [bias_batch, bias_head, start_m, bias_col], k_ready.index(stage),
+                               bias_upper.index(stage))
+                tma.async_load(bias_desc, [bias_batch, bias_head, start_m + ROWS, bias_col], k_ready.index(stage),
+                               bias_lower.index(stage))
             else:
                 mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
                 tma.async_load(k_desc, [desc_batch, kv_head, key_row, 0], k_ready.index(stage),
@@ -512,7 +512,7 @@ def _output_staging(q_smems, o_smems, q_buf, CONSUMER: gl.constexpr, FP8: gl.con
 @gluon.jit
 def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
                         num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
-                        mask_args, alibi_args, varlen_args, bias_rings, bias_ptr_args, bias_args, descales, o_smems,
+                        mask_args, alibi_args, varlen_args, bias_ring, bias_ptr_args, bias_args, descales, o_smems,
                         CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, ROWS: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
                         CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
@@ -528,8 +528,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     is released already unless NUM_STAGES <= 1 + unused (unused: tiles only the consumers below need, only with a
     right bound: causal or a window; at most one with 128-key tiles), hence tiles.sm90_cross_item_safe.
 
-    HAS_BIAS: `bias_rings` holds every consumer's ring of bias tiles (BIAS_TMA; this one's is stages
-    CONSUMER·NUM_STAGES..) or is None, `bias_ptr_args` what it loads the bias through otherwise, `bias_args` what
+    HAS_BIAS (two consumers): `bias_ring` is this consumer's ring of bias tiles (BIAS_TMA) or None, `bias_ptr_args` what it loads the bias through otherwise, `bias_args` what
     both need (see _consumer_item, _bias_tile).
 
     e4m3 Q, K, V (FP8): the same loop on e4m3 products (wgmma K = 32), P rounded to e4m3 in registers, the
@@ -542,10 +541,6 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     ALIBI_LINEAR: gl.constexpr = ALIBI and not SOFTCAP  # see _score_start
     BIAS_START: gl.constexpr = _bias_in_start(BIAS_TMA, SOFTCAP, BLOCK_D)
     ADD_BIAS: gl.constexpr = HAS_BIAS and not BIAS_START  # the softmax adds it
-    if BIAS_TMA:
-        bias_ring = bias_rings.slice(CONSUMER * NUM_STAGES, NUM_STAGES)
-    else:
-        bias_ring = bias_rings  # None
     # wgmma layouts: warps stacked along the rows (16 rows each); instruction N = the full tile width.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, INSTR_K])
@@ -724,11 +719,15 @@ def attention_forward_sm90_kernel(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)  # one arrival per consumer
         mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
-    if BIAS_TMA:  # one ring per consumer (stages c·NUM_STAGES..): the bias tiles of its rows beside each K stage
-        bias_rings = gl.allocate_shared_memory(bias_desc.dtype, [NUM_CONSUMERS * NUM_STAGES]
-                                               + bias_desc.block_type.shape, bias_desc.layout)
+    if BIAS_TMA:  # one ring per consumer: the bias tiles of its rows, a stage beside each K stage
+        gl.static_assert(NUM_CONSUMERS == 2, "attn_bias runs on two consumers (tiles.sm90_forward_consumers)")
+        bias_upper = gl.allocate_shared_memory(bias_desc.dtype, [NUM_STAGES] + bias_desc.block_type.shape,
+                                               bias_desc.layout)
+        bias_lower = gl.allocate_shared_memory(bias_desc.dtype, [NUM_STAGES] + bias_desc.block_type.shape,
+                                               bias_desc.layout)
     else:
-        bias_rings: gl.constexpr = None
+        bias_upper: gl.constexpr = None
+        bias_lower: gl.constexpr = None
     if dtype == gl.float8e4nv:  # the bf16 output's staging buffers, one per consumer
         o_smems = gl.allocate_shared_memory(o_desc.dtype, [NUM_CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
     else:
@@ -739,13 +738,14 @@ def attention_forward_sm90_kernel(
     gl.warp_specialize([
         (_producer, (q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                      k_empty, v_empty, num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k,
-                     window_left, window_right, varlen_args, bias_desc, bias_rings, bias_stride_b,
+                     window_left, window_right, varlen_args, bias_desc, bias_upper, bias_lower, bias_stride_b,
                      bias_stride_h, NUM_STAGES, BLOCK_N, CAUSAL, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN,
                      BIAS_TMA, NUM_CONSUMERS))
         if partition == NUM_CONSUMERS else
         (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc,
                                LSE, num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
-                               mask_args, alibi_args, varlen_args, bias_rings, bias_ptr_args, bias_args, descales,
+                               mask_args, alibi_args, varlen_args, bias_upper if partition == 0 else bias_lower,
+                               bias_ptr_args, bias_args, descales,
                                o_smems, partition, NUM_CONSUMERS, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL,
                                Q_BUFFERS, CROSS_ITEM, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS,
                                BIAS_TMA))
@@ -850,6 +850,8 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
                        out.stride(2), head_dim)
     if attn_bias is not None and varlen is not None:
         raise ValueError("attn_bias is not taken with a packed (varlen) batch")
+    if attn_bias is not None and consumers != 2:
+        raise ValueError(f"attn_bias runs on two consumer warpgroups (tiles.sm90_forward_consumers), got {tiles}")
     log2_scores = alibi_slopes is not None and mask_constexprs["SOFTCAP"]  # see _softmax_tile
     bias_args = _bias_launch_args(attn_bias, q, k, tiles.block_n, scalars["qk_scale"], log2_scores, bias_tma)
     work_bound = num_q_heads * ((seqlen_q + block_m - 1) // block_m) if varlen is not None else num_work

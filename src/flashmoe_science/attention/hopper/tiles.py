@@ -144,7 +144,7 @@ def sm90_backward_rows(head_dim: int, has_bias: bool, num_stages: int) -> int:
     return 128 if padded_head_dim(head_dim) <= 64 and not has_bias and num_stages <= 2 else 64
 
 
-def sm90_forward_tiles(head_dim: int, causal: bool, seqlen_q: int) -> AttentionTiles:
+def sm90_forward_tiles(head_dim: int, causal: bool, seqlen_q: int, has_bias: bool = False) -> AttentionTiles:
     """Tiles of the Gluon sm_90 kernel (bf16/fp16): 64 query rows per consumer warpgroup (4 warps each) plus a
     producer warp, `sm90_forward_consumers` of them; the key tile and the ring depth vary. Registers bound the key
     tile (score tile, bf16 P and the fp32 output accumulator live in registers: ~240 per thread at D=128 with
@@ -152,20 +152,22 @@ def sm90_forward_tiles(head_dim: int, causal: bool, seqlen_q: int) -> AttentionT
     masked work (L=512: 267 vs 242 TFLOP/s), in a three-stage ring where it fits (D <= 128), which lets
     consecutive items overlap (sm90_cross_item).
     seqlen_q: `sm90_plan_length` (a narrow band takes the short causal tiles: two masked edge tiles per item).
+    has_bias: the call adds an attn_bias (two consumers: `sm90_forward_consumers`).
     """
     # cached on the length's class, not the length: ragged workloads would grow a per-length cache without bound
-    return _sm90_tiles(padded_head_dim(head_dim), causal, causal and seqlen_q <= SM90_SHORT_CAUSAL_LEN)
+    return _sm90_tiles(padded_head_dim(head_dim), causal, causal and seqlen_q <= SM90_SHORT_CAUSAL_LEN, has_bias)
 
 
-def sm90_forward_consumers(block_d: int, block_n: int) -> int:
+def sm90_forward_consumers(block_d: int, block_n: int, has_bias: bool = False) -> int:
     """Consumer warpgroups of the bf16/fp16 forward at padded head dim `block_d` with `block_n`-key tiles: three
     (192-row work items, 160 registers per consumer thread) at head dims to 64 with 128-key tiles, else two (128
     rows, 240 registers). At D=64 a 64-row consumer's exp2s cost about as much as its two products, so a third
     warpgroup keeps the tensor cores fed while two run softmax, and each K/V tile serves 192 query rows instead of
     128 (FlashAttention-4's D=64 schedule: docs/perf-notes.md). Its registers fit D=64 only: S (64 x 128 fp32)
     takes 64 per thread, P 32, O 32, inside 160. Short causal rows' 64-key tiles keep two: a 192-row item puts
-    more masked work on the diagonal."""
-    return 3 if block_d <= 64 and block_n == 128 else 2
+    more masked work on the diagonal. An attn_bias (`has_bias`) keeps two: its tiles, by TMA or the consumers'
+    loads, are not built for three (the kernel refuses the combination)."""
+    return 3 if block_d <= 64 and block_n == 128 and not has_bias else 2
 
 
 # what describe_dispatch adds to the consumer count of a plan (sm90_forward_consumers' reason)
@@ -236,14 +238,14 @@ def sm90_cross_item(tiles: AttentionTiles, head_dim: int, causal: bool, persiste
 
 
 @functools.lru_cache(maxsize=None)
-def _sm90_tiles(block_d: int, causal: bool, short_causal: bool) -> AttentionTiles:
+def _sm90_tiles(block_d: int, causal: bool, short_causal: bool, has_bias: bool) -> AttentionTiles:
     if block_d > 128:
         block_n, stages = 64, 2
     elif short_causal:
         block_n, stages = 64, 3
     else:
         block_n, stages = 128, 3 if causal else 2
-    consumers = sm90_forward_consumers(block_d, block_n)
+    consumers = sm90_forward_consumers(block_d, block_n, has_bias)
     return AttentionTiles(64 * consumers, block_n, 4 * consumers, stages, use_tma=True)
 
 
