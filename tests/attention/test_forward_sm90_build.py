@@ -289,9 +289,9 @@ def test_three_consumer_builds_for_sm90(name):
     sass = sass_or_skip(compiled)
     assert compiled.metadata.num_warps == 16
     assert re.search(r"\bUSETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xa0\b", sass)  # 160 registers
-    dtype = "F16" if kwargs.get("dtype") == torch.float16 else "BF16"
-    assert re.search(r"\bHGMMA\.64x128x16\.F32\.%s R\d+, gdesc" % dtype, sass)  # S: both from smem
-    assert re.search(r"\bHGMMA\.64x%dx16\.F32\.%s R\d+, R\d+, gdesc" % (head_dim, dtype), sass)  # P·V
+    operands = r"\.F32\.BF16" if kwargs.get("dtype", torch.bfloat16) == torch.bfloat16 else r"\.F32"  # fp16: no suffix
+    assert re.search(r"\bHGMMA\.64x128x16%s R\d+, gdesc" % operands, sass)  # S: both from smem
+    assert re.search(r"\bHGMMA\.64x%dx16%s R\d+, R\d+, gdesc" % (head_dim, operands), sass)  # P·V
     assert spill_count(sass) <= spill_budget(spills), "spills grew"
     loops = [loop for loop in sass_loops(sass) if loop["HGMMA"] == head_dim // 16 + tiles.block_n // 16]
     assert len(loops) >= 6  # two per consumer (the overlapped items' loop and the last item's)
