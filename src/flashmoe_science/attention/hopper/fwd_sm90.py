@@ -277,7 +277,7 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
     alpha = gl.exp2(m_i - m_shift)
     l_new = l_i * alpha + gl.sum(p, 1)
     if P_DTYPE is not None:
-        p = _p_operand(p, P_DTYPE, p_layout)
+        p = _p_pack(p, P_DTYPE)
     return p, m_new, l_new, alpha
 
 
@@ -290,7 +290,21 @@ def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
     the P·V of tile j is issued, after S_{j+1} = Q·K_{j+1}ᵀ. Three (160 registers) convert it at the end of the
     softmax (P_DTYPE): a float32 P (64 registers at 128 keys) beside S_{j+1}'s accumulator (64) and O (32) is the
     whole budget, and the key loop spilled 69-125 LDL/STL per tile offline (triton 3.6, D=64)."""
+    if p.dtype == gl.int32:  # packed by _p_pack
+        halves = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [p], dtype=(gl.int16, gl.int16),
+                                           is_pure=True, pack=1)
+        p = gl.join(halves[0], halves[1]).reshape([p.shape[0], 2 * p.shape[1]])
+        return gl.convert_layout(p.to(dtype, bitcast=True), p_layout)
     return gl.convert_layout(p.to(dtype), p_layout)
+
+
+@gluon.jit
+def _p_pack(p, dtype: gl.constexpr):
+    """The float32 P rounded to the 16-bit `dtype`, two adjacent keys per int32 (a thread holds key pairs in the
+    wgmma accumulator layout, so the pairing moves no data): what `_p_operand` unpacks into the P·V operand."""
+    low, high = p.to(dtype).reshape([p.shape[0], p.shape[1] // 2, 2]).split()
+    return gl.inline_asm_elementwise("mov.b32 $0, {$1, $2};", "=r,h,h", [low, high], dtype=gl.int32, is_pure=True,
+                                     pack=1)
 
 
 @gluon.jit
