@@ -119,13 +119,13 @@ def test_varlen_causal_overlapped_items_build_for_sm90():
 
 # (head dim, causal, seqlen, Q buffers, cross-item) -> LDL + STL of the triton 3.6 build: the persistent kernel
 # spills a few values at the work-item boundary only (docs/perf-notes.md), none at short causal rows' 64-key tiles.
-# D=64 with 128-key tiles runs three consumers (160 registers): 8 at the item boundary non-causal, 410 causal (the
-# per-item mask set-up), none in the key loop (test_three_consumer_builds_for_sm90).
+# D=64 with 128-key tiles runs three consumers (160 registers): 2 at the item boundary non-causal, 353 causal (the
+# per-item mask set-up; one value per key tile), see test_three_consumer_builds_for_sm90.
 # The causal budgets are those of the kernel whose plain causal path shares the mask blocks (key_tile_range, visible)
 # with windows and varlen; the H200 measured it at 620 TFLOP/s (D=128, L=8192) and 550 (D=256, L=2048) causal.
 CASES = {
-    (64, False, 2048, 2, True): 8,
-    (64, True, 4096, 2, True): 410,
+    (64, False, 2048, 2, True): 2,
+    (64, True, 4096, 2, True): 353,
     (128, False, 2048, 1, False): 65,
     (128, True, 512, 2, False): 0,
     (128, True, 4096, 1, False): 225,
@@ -186,6 +186,20 @@ def test_bias_arguments_by_tma_and_by_loads():
     with pytest.raises(ValueError, match="bias_tma"):
         fwd_sm90._launch_args(q, k, k, q, lse, False, 0.1, TWO_STAGES, 132, 1, False, attn_bias=padding,
                               bias_tma=True)
+
+
+def test_three_consumer_launch_arguments():
+    """192-row tiles: the work grid counts 192-row query tiles, NUM_CONSUMERS = 3 goes to the kernel with the
+    three-consumer launch options; an attn_bias and e4m3 inputs are refused (two consumers only)."""
+    q = _meta(2, 4, 1000, 64)
+    lse = _meta(2, 4, 1000, dtype=torch.float32)
+    three = AttentionTiles(192, 128, 12, 2, use_tma=True)
+    grid, args, constexprs = fwd_sm90._launch_args(q, q, q, q, lse, False, 0.125, three, None, 2, True)
+    assert constexprs["NUM_CONSUMERS"] == 3 and grid == (2 * 4 * 6,)  # cdiv(1000, 192) = 6 tiles per head
+    assert _named(args)["num_m_tiles"] == 6
+    with pytest.raises(ValueError, match="two consumer warpgroups"):
+        fwd_sm90._launch_args(q, q, q, q, lse, False, 0.125, three, None, 1, False,
+                              attn_bias=_meta(2, 4, 1000, 1000))
 
 
 # (name, compile_offline arguments, LDL + STL of the triton 3.6 build). TMA: the D=128 causal 4k plan with a bf16
@@ -249,27 +263,27 @@ def test_band_plans_build_for_sm90(name):
 # three-consumer forward (192-row items at 160 registers: D <= 64 with 128-key tiles, tiles.sm90_forward_consumers):
 # the plans of B1 H16 L16k (non-causal persistent and overlapped; causal one CTA per tile), the causal persistent
 # plan, a packed batch without and with a right bound (the two-stage ring), a window, softcap with ALiBi, fp16,
-# D=32. The per-item spills come from the mask and work-item set-up; the masked loops (varlen causal, window) spill
-# a few values per key tile.
+# D=32. The per-item spills come from the mask and work-item set-up; the causal loops keep one value in local
+# memory (an LDL and an STL per key tile), the masked loops of a packed causal batch and a window 5-12.
 THREE_CONSUMERS = AttentionTiles(192, 128, 12, 2, use_tma=True)
 THREE_CONSUMERS_CAUSAL = AttentionTiles(192, 128, 12, 3, use_tma=True)
 THREE_CONSUMER_BUILDS = {
-    "d64-full-cross": (dict(head_dim=64, causal=False, tiles=THREE_CONSUMERS, q_buffers=2, cross_item=True), 8, 0),
-    "d64-causal-per-tile": (dict(head_dim=64, causal=True, tiles=THREE_CONSUMERS_CAUSAL), 333, 0),
+    "d64-full-cross": (dict(head_dim=64, causal=False, tiles=THREE_CONSUMERS, q_buffers=2, cross_item=True), 2, 0),
+    "d64-causal-per-tile": (dict(head_dim=64, causal=True, tiles=THREE_CONSUMERS_CAUSAL), 287, 2),
     "d64-causal-cross": (dict(head_dim=64, causal=True, tiles=THREE_CONSUMERS_CAUSAL, q_buffers=2, cross_item=True),
-                         410, 0),
+                         353, 2),
     "d64-varlen-cross": (dict(head_dim=64, causal=False, tiles=THREE_CONSUMERS, q_buffers=2, cross_item=True,
-                              varlen=True), 140, 0),
-    "d64-varlen-causal": (dict(head_dim=64, causal=True, tiles=THREE_CONSUMERS, q_buffers=2, varlen=True), 311, 12),
+                              varlen=True), 4, 0),
+    "d64-varlen-causal": (dict(head_dim=64, causal=True, tiles=THREE_CONSUMERS, q_buffers=2, varlen=True), 157, 12),
     "d64-window": (dict(head_dim=64, causal=False, tiles=THREE_CONSUMERS_CAUSAL, q_buffers=2,
-                        mask=make_mask(False, (100, 20))), 47, 5),
+                        mask=make_mask(False, (100, 20))), 35, 5),
     "d64-softcap-alibi": (dict(head_dim=64, causal=False, tiles=THREE_CONSUMERS, q_buffers=2, cross_item=True,
-                               mask=make_mask(False, None, 30.0), alibi=True), 124, 0),
+                               mask=make_mask(False, None, 30.0), alibi=True), 86, 0),
     "d64-causal-alibi": (dict(head_dim=64, causal=True, tiles=THREE_CONSUMERS_CAUSAL, q_buffers=2, alibi=True),
-                         117, 0),
+                         96, 0),
     "d64-fp16": (dict(head_dim=64, causal=False, tiles=THREE_CONSUMERS, q_buffers=2, cross_item=True,
-                      dtype=torch.float16), 8, 0),
-    "d32": (dict(head_dim=32, causal=False, tiles=THREE_CONSUMERS, q_buffers=2, cross_item=True), 0, 0),
+                      dtype=torch.float16), 2, 0),
+    "d32": (dict(head_dim=32, causal=False, tiles=THREE_CONSUMERS, q_buffers=2, cross_item=True), 16, 0),
 }
 
 

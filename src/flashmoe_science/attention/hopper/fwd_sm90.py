@@ -283,13 +283,15 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
 
 @gluon.jit
 def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
-    """P as the register A operand of the P·V product: rounded to the operands' dtype, in `p_layout` (a no-op on a P
-    converted already).
+    """P as the register A operand of the P·V product: the float32 P rounded to the operands' dtype, or a P packed
+    by `_p_pack` unpacked, in `p_layout`.
 
-    Where it is converted is a register choice. Two consumers (240 registers) keep the float32 P of tile j until
-    the P·V of tile j is issued, after S_{j+1} = Q·K_{j+1}ᵀ. Three (160 registers) convert it at the end of the
-    softmax (P_DTYPE): a float32 P (64 registers at 128 keys) beside S_{j+1}'s accumulator (64) and O (32) is the
-    whole budget, and the key loop spilled 69-125 LDL/STL per tile offline (triton 3.6, D=64)."""
+    Where it is rounded is a register choice. Two consumers (240 registers) keep the float32 P of tile j until the
+    P·V of tile j is issued, after S_{j+1} = Q·K_{j+1}ᵀ. Three (160 registers) round it at the end of the softmax
+    (P_DTYPE): a float32 P (64 registers at 128 keys) beside S_{j+1}'s accumulator (64) and O (32) is the whole
+    budget, and the key loop spilled 69-125 LDL/STL per tile offline (triton 3.6, D=64). Packed, because 16-bit
+    values carried across the loop's back edge take a register each and are repacked (64 PRMT per tile) before
+    the product; the int32 pairs go to the wgmma as they are (docs/perf-notes.md has the counts)."""
     if p.dtype == gl.int32:  # packed by _p_pack
         halves = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [p], dtype=(gl.int16, gl.int16),
                                            is_pure=True, pack=1)
@@ -864,8 +866,10 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
                        out.stride(2), head_dim)
     if attn_bias is not None and varlen is not None:
         raise ValueError("attn_bias is not taken with a packed (varlen) batch")
-    if attn_bias is not None and consumers != 2:
-        raise ValueError(f"attn_bias runs on two consumer warpgroups (tiles.sm90_forward_consumers), got {tiles}")
+    if (attn_bias is not None or descales is not None) and consumers != 2:
+        # three consumers pack a 16-bit P (_p_pack); the bias rings are laid out for two
+        raise ValueError(f"attn_bias and e4m3 inputs run on two consumer warpgroups (tiles.sm90_forward_consumers), "
+                         f"got {tiles}")
     log2_scores = alibi_slopes is not None and mask_constexprs["SOFTCAP"]  # see _softmax_tile
     bias_args = _bias_launch_args(attn_bias, q, k, tiles.block_n, scalars["qk_scale"], log2_scores, bias_tma)
     work_bound = num_q_heads * ((seqlen_q + block_m - 1) // block_m) if varlen is not None else num_work
