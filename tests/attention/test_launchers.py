@@ -17,6 +17,7 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 
 from flashmoe_science.attention import layout, triton_fwd  # noqa: E402
 from flashmoe_science.attention.hopper.tiles import (  # noqa: E402
+    SM90_THREE_CONSUMER_CAUSAL_LEN,
     SM90_PERSISTENT_LONG_CAUSAL_LEN,
     SM90_PERSISTENT_MAX_CAUSAL_LEN,
     SM90_PERSISTENT_MIN_ROUNDS,
@@ -521,7 +522,7 @@ def test_sm90_tiles_fit_hopper_shared_memory(head_dim, causal, seqlen_q):
     block_d = padded_head_dim(head_dim)
     # the Q tile (a 64-row box per consumer) + NUM_STAGES K and V tiles, bf16, within 227 KiB less the scratch
     smem = (tiles.block_m + tiles.num_stages * 2 * tiles.block_n) * block_d * 2
-    consumers = 3 if block_d <= 64 and tiles.block_n == 128 else 2
+    consumers = 3 if block_d <= 64 and tiles.block_n == 128 and not causal else 2  # causal: from 16384 rows
     assert (tiles.block_m, tiles.num_warps) == (64 * consumers, 4 * consumers) and smem <= H200.smem_per_block - 2048
 
 
@@ -538,7 +539,7 @@ def test_sm90_three_consumers_at_small_head_dims(head_dim, causal, seqlen_q):
     from flashmoe_science.gluon.sm90 import consumer_registers, launch_options
 
     tiles = sm90_forward_tiles(head_dim, causal, seqlen_q)
-    three = padded_head_dim(head_dim) <= 64 and not (causal and seqlen_q <= 1024)
+    three = padded_head_dim(head_dim) <= 64 and not (causal and seqlen_q < SM90_THREE_CONSUMER_CAUSAL_LEN)
     consumers = fwd_sm90.num_consumers(tiles)
     assert consumers == (3 if three else 2) and tiles.block_m == 64 * consumers
     assert tiles.block_n == 128 or consumers == 2

@@ -155,10 +155,16 @@ def sm90_forward_tiles(head_dim: int, causal: bool, seqlen_q: int, has_bias: boo
     has_bias: the call adds an attn_bias (two consumers: `sm90_forward_consumers`).
     """
     # cached on the length's class, not the length: ragged workloads would grow a per-length cache without bound
-    return _sm90_tiles(padded_head_dim(head_dim), causal, causal and seqlen_q <= SM90_SHORT_CAUSAL_LEN, has_bias)
+    return _sm90_tiles(padded_head_dim(head_dim), causal, causal and seqlen_q <= SM90_SHORT_CAUSAL_LEN, has_bias,
+                       causal and seqlen_q < SM90_THREE_CONSUMER_CAUSAL_LEN)
 
 
-def sm90_forward_consumers(block_d: int, block_n: int, has_bias: bool = False) -> int:
+# causal rows from this length take three consumers at D <= 64 (H200, B·L = 16384: L=16384 0.944x the two-consumer
+# time, L=4096 1.113x: the 192-row diagonal items' masked work outweighs the shared K/V below it)
+SM90_THREE_CONSUMER_CAUSAL_LEN = 16384
+
+
+def sm90_forward_consumers(block_d: int, block_n: int, has_bias: bool = False, short_causal: bool = False) -> int:
     """Consumer warpgroups of the bf16/fp16 forward at padded head dim `block_d` with `block_n`-key tiles: three
     (192-row work items, 160 registers per consumer thread) at head dims to 64 with 128-key tiles, else two (128
     rows, 240 registers). At D=64 a 64-row consumer's exp2s cost about as much as its two products, so a third
@@ -166,8 +172,9 @@ def sm90_forward_consumers(block_d: int, block_n: int, has_bias: bool = False) -
     128 (FlashAttention-4's D=64 schedule: docs/perf-notes.md). Its registers fit D=64 only: S (64 x 128 fp32)
     takes 64 per thread, P 32, O 32, inside 160. Short causal rows' 64-key tiles keep two: a 192-row item puts
     more masked work on the diagonal. An attn_bias (`has_bias`) keeps two: its tiles, by TMA or the consumers'
-    loads, are not built for three (the kernel refuses the combination)."""
-    return 3 if block_d <= 64 and block_n == 128 and not has_bias else 2
+    loads, are not built for three (the kernel refuses the combination). `short_causal`: causal rows below
+    SM90_THREE_CONSUMER_CAUSAL_LEN keep two (measured)."""
+    return 3 if block_d <= 64 and block_n == 128 and not has_bias and not short_causal else 2
 
 
 # what describe_dispatch adds to the consumer count of a plan (sm90_forward_consumers' reason)
@@ -238,14 +245,15 @@ def sm90_cross_item(tiles: AttentionTiles, head_dim: int, causal: bool, persiste
 
 
 @functools.lru_cache(maxsize=None)
-def _sm90_tiles(block_d: int, causal: bool, short_causal: bool, has_bias: bool) -> AttentionTiles:
+def _sm90_tiles(block_d: int, causal: bool, short_causal: bool, has_bias: bool, two_consumer_causal: bool
+                ) -> AttentionTiles:
     if block_d > 128:
         block_n, stages = 64, 2
     elif short_causal:
         block_n, stages = 64, 3
     else:
         block_n, stages = 128, 3 if causal else 2
-    consumers = sm90_forward_consumers(block_d, block_n, has_bias)
+    consumers = sm90_forward_consumers(block_d, block_n, has_bias, two_consumer_causal)
     return AttentionTiles(64 * consumers, block_n, 4 * consumers, stages, use_tma=True)
 
 
