@@ -5,8 +5,8 @@ registers, shared memory, spills and the SASS instruction mix. Catches compile e
         [--window L R] [--softcap C] [--alibi] [--varlen] [--consumers 2|3] D BLOCK_N STAGES CAUSAL
 
 Besides the whole kernel's counts it prints each consumer's key-tile loop (`gluon.build.sass_loops`: the SASS
-between a backward branch and its target that holds HGMMAs): its instructions, spills and exp2s, and the instructions per
-64 query rows and key tile, the number to compare between two and three consumers.
+between a backward branch and its target that holds HGMMAs): its instructions, spills and exp2s per 64 query rows
+and key tile, the numbers to compare between two and three consumers.
 """
 import argparse
 

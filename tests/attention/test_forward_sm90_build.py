@@ -261,12 +261,13 @@ def test_band_plans_build_for_sm90(name):
 
 
 # (name, compile_offline arguments, LDL + STL of the triton 3.6 build, LDL + STL in each key loop[, LDL + STL of
-# the triton 3.9 build where it passes 3.6's with build.UNTUNED_SPILL_SLACK: ALiBi's key term spills 28-38 values per
-# key tile there]) of the three-consumer forward (192-row items at 160 registers: D <= 64 with 128-key tiles, tiles.sm90_forward_consumers):
-# the plans of B1 H16 L16k (non-causal persistent and overlapped; causal one CTA per tile), the causal persistent
-# plan, a packed batch without and with a right bound (the two-stage ring), a window, softcap with ALiBi, fp16,
-# D=32. The per-item spills come from the mask and work-item set-up; the causal loops keep one value in local
-# memory (an LDL and an STL per key tile), the masked loops of a packed causal batch and a window 5-12.
+# the triton 3.9 build where it passes 3.6's with build.UNTUNED_SPILL_SLACK: ALiBi's key term spills 28-38 values
+# per key tile there]) of the three-consumer forward (192-row items at 160 registers: D <= 64 with 128-key tiles,
+# tiles.sm90_forward_consumers): the plans of B1 H16 L16k (non-causal persistent and overlapped; causal one CTA per
+# tile), the causal persistent plan, a packed batch without and with a right bound (the two-stage ring), a window,
+# softcap with ALiBi, fp16, D=32. The per-item spills come from the mask and work-item set-up; the causal loops keep
+# one value in local memory (an LDL and an STL per key tile), the masked loops of a packed causal batch and a window
+# 5-12.
 THREE_CONSUMERS = AttentionTiles(192, 128, 12, 2, use_tma=True)
 THREE_CONSUMERS_CAUSAL = AttentionTiles(192, 128, 12, 3, use_tma=True)
 THREE_CONSUMER_BUILDS = {

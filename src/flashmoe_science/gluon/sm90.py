@@ -4,10 +4,11 @@ moe/hopper import them from here; neither imports the other).
 Each kernel runs one producer warp (TMA copies only) beside two consumer warpgroups (wgmma and the math; the
 attention forward at small head dims three): the register split between them (``PRODUCER_REGISTERS``,
 ``consumer_registers``, ``register_cap``; ``CONSUMER_REGISTERS`` and ``REGISTER_CAP`` for two consumers), the
-launch options that go with it (``launch_options``, ``LAUNCH_OPTIONS``), the consumers' accumulator layout (``wgmma_layout``) and its column
-halves (``column_halves``, for epilogues in slices), ordered global counters between CTAs (``wait_counter``,
-``release_counter_after_bulk``: a deterministic order of TMA reduce-adds), host-side TMA descriptors (``descriptor``) and offline sm_90
-builds (``compile_offline``; the target-independent part is ``build``). Gluon's own names come from ``compat``.
+launch options that go with it (``launch_options``, ``LAUNCH_OPTIONS``), the consumers' accumulator layout
+(``wgmma_layout``) and its column halves (``column_halves``, for epilogues in slices), ordered global counters
+between CTAs (``wait_counter``, ``release_counter_after_bulk``: a deterministic order of TMA reduce-adds), host-side
+TMA descriptors (``descriptor``) and offline sm_90 builds (``compile_offline``; the target-independent part is
+``build``). Gluon's own names come from ``compat``.
 Gluon inlines the device helpers: the kernels compile as if they were written out in place.
 """
 

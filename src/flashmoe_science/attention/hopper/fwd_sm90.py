@@ -441,7 +441,8 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale,
                                            k_empty.index(stage), bias_ring, stage, bias_args, BLOCK_N, CAUSAL,
-                                           MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS, BIAS_TMA, s_layout, P_DTYPE, p_layout)
+                                           MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS, BIAS_TMA, s_layout,
+                                           P_DTYPE, p_layout)
         o_acc = _wait_pv(o_acc, p_op)
         mbarrier.arrive(v_empty.index(prev), count=1)
     return p, m_i, l_i, alpha, o_acc
@@ -544,8 +545,8 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     is released already unless NUM_STAGES <= 1 + unused (unused: tiles only the consumers below need, only with a
     right bound: causal or a window; at most one with 128-key tiles), hence tiles.sm90_cross_item_safe.
 
-    HAS_BIAS (two consumers): `bias_ring` is this consumer's ring of bias tiles (BIAS_TMA) or None, `bias_ptr_args` what it loads the bias through otherwise, `bias_args` what
-    both need (see _consumer_item, _bias_tile).
+    HAS_BIAS (two consumers): `bias_ring` is this consumer's ring of bias tiles (BIAS_TMA) or None, `bias_ptr_args`
+    what it loads the bias through otherwise, `bias_args` what both need (see _consumer_item, _bias_tile).
 
     e4m3 Q, K, V (FP8): the same loop on e4m3 products (wgmma K = 32), P rounded to e4m3 in registers, the
     descales (`descales`: QD, KD, VD) folded into each item's multipliers (_item_scales), and the bf16 output
