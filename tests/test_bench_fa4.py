@@ -86,10 +86,11 @@ def test_fa4_records_have_our_fields_and_its_output_is_exact(monkeypatch, causal
 
 def test_fa4_is_skipped_on_gpus_other_than_sm90_and_sm100(monkeypatch):
     _fake_fa4(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    from flashmoe_science.device import DeviceTraits
+
+    monkeypatch.setattr(attention_bench, "current_traits", lambda: DeviceTraits((8, 0), 108, 166912))
     assert "not sm_80" in attention_bench.fa4_skip_reason(128)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(attention_bench, "current_traits", lambda: DeviceTraits((9, 0), 132, 232448))
     assert attention_bench.fa4_skip_reason(128) is None
 
 

@@ -46,6 +46,10 @@ class DeviceTraits:
     def fp8_mma(self) -> bool:
         return self.capability >= FP8_CAPABILITY
 
+    def in_families(self, majors: tuple[int, ...]) -> bool:
+        """Whether the GPU's compute-capability major is one of `majors` (the GPUs a peer library is built for)."""
+        return self.capability[0] in majors
+
     @property
     def measured_tiles(self) -> bool:
         """Whether the tile tables measured on MEASURED_CAPABILITY apply (the same compute-capability major)."""

@@ -33,6 +33,7 @@ from typing import Callable, ContextManager, Sequence
 import torch
 import torch.nn.functional as F
 
+from flashmoe_science.device import current_traits
 from flashmoe_science.bench.report import (
     Progress,
     format_number,
@@ -217,7 +218,7 @@ def _prepare_sdpa(shape: AttentionShape, device: torch.device) -> Attend:
 
 
 FA4_HEAD_DIMS = range(8, 257)  # flash_attn.cute's sm_90 kernels: head dims 8..256, multiples of 8
-FA4_ARCHES = (9, 10)  # the GPUs FA4's forward and backward are built for: Hopper (sm_90) and Blackwell (sm_100)
+FA4_MAJORS = (9, 10)  # the compute-capability majors FA4's forward and backward are built for (Hopper, Blackwell)
 
 
 def fa4_skip_reason(head_dim: int) -> str | None:
@@ -228,10 +229,10 @@ def fa4_skip_reason(head_dim: int) -> str | None:
         import flash_attn.cute  # noqa: F401
     except Exception as error:  # not installed, or its CUDA libraries do not load (OSError, RuntimeError)
         return f"flash_attn.cute (FlashAttention-4) does not import: {short_error(error)}"
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        if major not in FA4_ARCHES:
-            return f"FlashAttention-4 is measured on sm_90 and sm_100 GPUs, not sm_{major}{minor}"
+    traits = current_traits()
+    if traits is not None and not traits.in_families(FA4_MAJORS):
+        return (f"FlashAttention-4 is built for compute capability {' and '.join(f'{m}.x' for m in FA4_MAJORS)}, "
+                f"not {traits.arch}")
     if head_dim not in FA4_HEAD_DIMS or head_dim % 8:
         return f"FlashAttention-4 takes head dims 8..256 in multiples of 8, not {head_dim}"
     return None
