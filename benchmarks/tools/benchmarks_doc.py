@@ -237,6 +237,7 @@ TITLES = {"attention": "Attention", "moe": "MoE layer", "attention-features": "M
           "supercon-baselines": "Science workload: the Tc model beside classical baselines",
           "groups": "Masked forward, kernel alone", "torchtitan-train": "Training in TorchTitan",
           "megatron-train": "Training in Megatron-core",
+          "hf-model": "Hugging Face models: our attention (and MoE layer) swapped in, against SDPA",
           "megatron-step-diff": "One training step in Megatron-core, layer by layer, against float64",
           "ladder": "The ladder, from a CPU loop to the Hopper kernel (docs/ladder.md)"}
 SELF_HEADED = ("attention", "ladder", "moe")
