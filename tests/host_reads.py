@@ -42,12 +42,25 @@ class _Methods(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class HostReads:
+class Pausable:
+    """A counter's ``paused()``: what runs inside it is not counted (nested pauses too), read as ``pause_depth``."""
+
+    pause_depth = 0
+
+    @contextlib.contextmanager
+    def paused(self):
+        self.pause_depth += 1
+        try:
+            yield
+        finally:
+            self.pause_depth -= 1
+
+
+class HostReads(Pausable):
     """``with HostReads() as reads: ...`` then ``reads.seen``: the reading operations, in order."""
 
     def __init__(self):
         self.seen: list[str] = []
-        self.pause_depth = 0
         self._stacks: list[contextlib.ExitStack] = []
 
     def __enter__(self):  # re-entrant: a counted function may be called inside a counted region
@@ -59,14 +72,6 @@ class HostReads:
 
     def __exit__(self, *exc):
         return self._stacks.pop().__exit__(*exc)
-
-    @contextlib.contextmanager
-    def paused(self):
-        self.pause_depth += 1
-        try:
-            yield
-        finally:
-            self.pause_depth -= 1
 
 
 def pausing(reads: HostReads, function):

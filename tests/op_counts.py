@@ -12,13 +12,13 @@ buffer) is the GPU's; the stand-ins fill their outputs from the PyTorch referenc
 from __future__ import annotations
 
 import collections
-import contextlib
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashmoe_science.attention import autograd, call, plan, reference
 from flashmoe_science.attention.problem import new_outputs
+from host_reads import Pausable
 
 # The kernels' own buffers (outputs, gradients, the backward's row sums): allocations, no data moved.
 ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty"})
@@ -30,7 +30,7 @@ def is_view(func) -> bool:
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
-class OpCounts(TorchDispatchMode):
+class OpCounts(Pausable, TorchDispatchMode):
     """``with OpCounts() as counts: ...`` then ``counts.work`` (non-view ops but allocations, by name) and
     ``counts.views``."""
 
@@ -38,7 +38,6 @@ class OpCounts(TorchDispatchMode):
         super().__init__()
         self.work: collections.Counter = collections.Counter()
         self.views: collections.Counter = collections.Counter()
-        self.pause_depth = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.pause_depth:
@@ -48,14 +47,6 @@ class OpCounts(TorchDispatchMode):
             elif name not in ALLOCATIONS:
                 self.work[name] += 1
         return func(*args, **(kwargs or {}))
-
-    @contextlib.contextmanager
-    def paused(self):
-        self.pause_depth += 1
-        try:
-            yield
-        finally:
-            self.pause_depth -= 1
 
 
 class _Forward:

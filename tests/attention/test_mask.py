@@ -4,15 +4,13 @@ imported, see test_triton_interpreter.py)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from flashmoe_science.attention.mask import MaskSpec, make_mask, score_mods, visibility
+from interpreter_driver import run_check_script
 
 
 def brute_force(lq, lk, left, right):
@@ -66,10 +64,4 @@ def test_score_mods_softcap_alibi_bias():
 
 @pytest.mark.slow
 def test_kernel_view_matches_host_view_under_the_interpreter():
-    script = Path(__file__).with_name("mask_interpreter_check.py")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, str(script), "1", "150"], env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0 and "ok 150" in result.stdout, result.stdout + result.stderr
+    run_check_script(Path(__file__).with_name("mask_interpreter_check.py"), 1, 150)

@@ -1,15 +1,13 @@
 """A packed batch's ranked work list (seqlen.varlen_work_list): its exact integers on the host, and the kernels'
 decoding of every work list under the Triton interpreter (work_list_interpreter_check.py)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from flashmoe_science.attention.seqlen import (VarlenBatch, ranked_work_list, ranked_work_list_entries,
                                                varlen_work_list, work_items_bound, work_list)
+from interpreter_driver import run_check_script
 
 
 def _cu(*lengths):
@@ -45,10 +43,4 @@ def test_varlen_batch_takes_the_ranked_list_for_the_causal_path():
 
 
 def test_kernels_decode_the_work_lists_under_the_interpreter():
-    script = Path(__file__).with_name("work_list_interpreter_check.py")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, str(script), "3", "40"], env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0 and "ok 40" in result.stdout, result.stdout + result.stderr
+    run_check_script(Path(__file__).with_name("work_list_interpreter_check.py"), 3, 40)

@@ -164,7 +164,8 @@ def sm90_forward_tiles(head_dim: int, causal: bool, seqlen_q: int, has_bias: boo
 SM90_THREE_CONSUMER_CAUSAL_LEN = 16384
 
 
-def sm90_forward_consumers(block_d: int, block_n: int, has_bias: bool = False, short_causal: bool = False) -> int:
+def sm90_forward_consumers(block_d: int, block_n: int, has_bias: bool = False,
+                           two_consumer_causal: bool = False) -> int:
     """Consumer warpgroups of the bf16/fp16 forward at padded head dim `block_d` with `block_n`-key tiles: three
     (192-row work items, 160 registers per consumer thread) at head dims to 64 with 128-key tiles, else two (128
     rows, 240 registers). At D=64 a 64-row consumer's exp2s cost about as much as its two products, so a third
@@ -172,9 +173,9 @@ def sm90_forward_consumers(block_d: int, block_n: int, has_bias: bool = False, s
     128 (FlashAttention-4's D=64 schedule: docs/perf-notes.md). Its registers fit D=64 only: S (64 x 128 fp32)
     takes 64 per thread, P 32, O 32, inside 160. Short causal rows' 64-key tiles keep two: a 192-row item puts
     more masked work on the diagonal. An attn_bias (`has_bias`) keeps two: its tiles, by TMA or the consumers'
-    loads, are not built for three (the kernel refuses the combination). `short_causal`: causal rows below
+    loads, are not built for three (the kernel refuses the combination). `two_consumer_causal`: causal rows below
     SM90_THREE_CONSUMER_CAUSAL_LEN keep two (measured)."""
-    return 3 if block_d <= 64 and block_n == 128 and not has_bias and not short_causal else 2
+    return 3 if block_d <= 64 and block_n == 128 and not has_bias and not two_consumer_causal else 2
 
 
 # what describe_dispatch adds to the consumer count of a plan (sm90_forward_consumers' reason)
