@@ -201,6 +201,30 @@ def test_triton_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatc
                                     {"num_warps": 4, "num_stages": 3})
 
 
+def test_sm90_backward_stages_row_statistics_where_tma_can_read_them():
+    """lse and Δ go through shared memory at head dims padding to 128 on dense batches whose per-head rows start
+    16-byte aligned; D=64, packed batches, other lengths and a misaligned lse read them from global memory."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashmoe_science.attention.hopper import bwd_sm90
+    from flashmoe_science.attention.hopper.tiles import sm90_backward_staged_stats
+
+    assert sm90_backward_staged_stats(128, 4096, False) and sm90_backward_staged_stats(96, 300, False)
+    assert not sm90_backward_staged_stats(64, 4096, False)
+    assert not sm90_backward_staged_stats(128, 1001, False)
+    assert not sm90_backward_staged_stats(128, 4096, True)
+
+    def staged(length, lse_offset=0):
+        q, k, v = _blhd(1, 2, length, 128), _blhd(1, 2, 200, 128), _blhd(1, 2, 200, 128)
+        lse = torch.empty(2 * length + lse_offset)[lse_offset:].view(1, 2, length)
+        grad = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        dq_accum = torch.empty(2, length, 128)
+        launch = bwd_sm90._one_pass_launches(q, k, v, torch.empty_like(q), lse, torch.empty_like(q),
+                                             torch.empty_like(lse), *grad, dq_accum, False, 0.1, None)
+        return launch["dkdv_dq"][2]["STAGED_STATS"]
+
+    assert staged(256) and not staged(255) and not staged(256, lse_offset=1)
+
+
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_sm90_prepared_backward_rebases_the_first_calls_descriptors(monkeypatch, fake_compiled_kernel, head_dim):
     """bwd_sm90.PreparedBackward's three launches on new tensors: each per-call tensor as given, each TMA descriptor
@@ -233,8 +257,9 @@ def test_sm90_prepared_backward_rebases_the_first_calls_descriptors(monkeypatch,
     assert all(a is b for a, b in zip(pre[9:13], (out, grad_out, delta, dq_accum)))
     assert convert[9] is dq_accum and convert[10] is dq
     rows = bwd_sm90.sm90_backward_rows(head_dim, False, bwd_sm90.NUM_STAGES)
+    staged = bwd_sm90.sm90_backward_staged_stats(head_dim, 300, False)  # lse and Δ as descriptors at D=128
     expected = bwd_sm90._one_pass_tensor_args(padded_head_dim(head_dim), rows, q, grad_out, k, v, dq_accum, lse,
-                                              delta, dk, dv)
+                                              delta, dk, dv, staged)
     for got, want in zip(main[9:18], expected):
         if isinstance(want, torch.Tensor):
             assert got is want

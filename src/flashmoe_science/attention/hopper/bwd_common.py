@@ -197,6 +197,50 @@ def _probabilities(s, lse, queries, keys, needs_mask, seqlen_k, diagonal, window
 
 
 @gluon.jit
+def _raw_probabilities(s, neg_lse_log2, queries, keys, seqlen_k, diagonal, window_left, window_right, qk_scale,
+                       softcap_scale, alibi_slope_log2, AXIS: gl.constexpr, CAUSAL: gl.constexpr,
+                       MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+                       ALIBI: gl.constexpr, MASKED: gl.constexpr, hide=False):
+    """(P, t) from a product without lse in its start (zero, a linear bias, and for a MASKED tile the mask of
+    `_mask_score_start`): P = exp2(x − lse·log2e) with x mask.score_to_log2's scores, the subtraction folded into
+    the scaling FFMA (`neg_lse_log2` = −lse·log2e along the queries, expanded on AXIS). Hidden pairs started from
+    −inf give P = 0; with a softcap they started from NaN, which the tanh keeps and this turns into P = 0, t = 0
+    (a dense softcapped call's ragged key block is masked here, after the tanh). t: see `_probabilities`."""
+    x, t = score_to_log2(s, queries, keys, diagonal, qk_scale, softcap_scale, alibi_slope_log2, SOFTCAP, ALIBI,
+                         True)
+    x = x + gl.expand_dims(neg_lse_log2, AXIS)
+    if hide:
+        x = _hide_keys(x, queries, keys, seqlen_k, diagonal, window_left, window_right, CAUSAL, MASK_LEFT,
+                       MASK_RIGHT)
+    if MASKED and SOFTCAP:
+        if CAUSAL or MASK_LEFT or MASK_RIGHT:
+            hidden = t != t
+            x = gl.where(hidden, float("-inf"), x)
+            t = gl.where(hidden, 0.0, t)
+        else:
+            x = _hide_keys(x, queries, keys, seqlen_k, diagonal, window_left, window_right, CAUSAL, MASK_LEFT,
+                           MASK_RIGHT)
+    return gl.exp2(x), t
+
+
+@gluon.jit
+def _staged_neg_lse_log2(lse_tile, start_m, seqlen_q, layout: gl.constexpr, MASKED: gl.constexpr, hide=False):
+    """−lse·log2e of a query tile from its shared-memory copy (the producer's TMA box, `_producer`'s STATS), in
+    `layout` (the queries' slice of the score layout). The box's rows past Lq are another head's or sequence's:
+    there lse is taken as +inf, so P = 0 and those zero-filled (or foreign) query rows add nothing. So is a dead
+    row's (lse = −inf: no visible key, in MASKED tiles only), whose −inf scores would otherwise meet +inf."""
+    ROWS: gl.constexpr = lse_tile.shape[0]
+    lse = lse_tile.load(layout)
+    if MASKED:
+        lse = gl.where(lse == float("-inf"), float("inf"), lse)
+    if hide:
+        lse = gl.where(lse == float("-inf"), float("inf"), lse)
+    if start_m + ROWS > seqlen_q:
+        lse = gl.where(start_m + gl.arange(0, ROWS, layout=layout) < seqlen_q, lse, float("inf"))
+    return lse * -LOG2_E
+
+
+@gluon.jit
 def _softcap_grad(ds, t, SOFTCAP: gl.constexpr):
     """dS through the softcap: d(c·tanh(u/c))/du = 1 - tanh², so dS_raw = dS · (1 - t²)."""
     if SOFTCAP:
@@ -250,12 +294,15 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
               kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
               q_first, k_first, window_left, window_right,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-              bias_desc=None, bias_smem=None, bias_step_b=0, bias_step_h=0, BIAS_TMA: gl.constexpr = False):
+              bias_desc=None, bias_smem=None, bias_step_b=0, bias_step_h=0, BIAS_TMA: gl.constexpr = False,
+              stats=None, STATS: gl.constexpr = False, VARLEN: gl.constexpr = False):
     """K and V once, then Q and dO of every visited query tile of every query head of the group. Rows are
     relative to the sequence's first (q_first, k_first: seqlen.sequence_coords; 0 for dense batches). A packed
     sequence's last tiles may read the next sequence's rows: hidden keys and queries with lse = +inf, harmless.
     BIAS_TMA (dense batches): each Q tile's stage also takes the bias tile of its rows and the CTA's keys
-    (`bias_smem`; batch and head coordinates times bias_step_b/h, 0 where the bias broadcasts), on Q's barrier."""
+    (`bias_smem`; batch and head coordinates times bias_step_b/h, 0 where the bias broadcasts), on Q's barrier.
+    STATS: each stage also takes the tile's lse (on Q's barrier) and Δ (on dO's), `stats` = (lse_desc, delta_desc,
+    lse_smem, delta_smem, num_q_heads, lse_rows): rank-1 boxes of the tile's rows (`_row_stat_base`)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
@@ -263,24 +310,30 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
     tma.async_load(v_desc, [batch, kv_head, k_first + start_n, 0], kv_ready, v_smem)
     query_start, num_tiles, _, _ = _visited_query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                                         ROWS, KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT)
+    q_bytes: gl.constexpr = (q_desc.block_type.nbytes + (bias_desc.block_type.nbytes if BIAS_TMA else 0)
+                             + (stats[0].block_type.nbytes if STATS else 0))
+    do_bytes: gl.constexpr = do_desc.block_type.nbytes + (stats[1].block_type.nbytes if STATS else 0)
     for ring in range(group_size * num_tiles):
         g = ring // num_tiles
         start_m = q_first + query_start + (ring - g * num_tiles) * ROWS
         q_head = kv_head * group_size + g
         stage = ring % NUM_STAGES
         mbarrier.wait(empty.index(stage), ((ring // NUM_STAGES) & 1) ^ 1)  # first pass: passes at once
+        if STATS:
+            lse_desc, delta_desc, lse_smem, delta_smem, num_q_heads, lse_rows = stats
+            stat_row = (_row_stat_base(batch * num_q_heads + q_head, q_first, seqlen_q, lse_rows, VARLEN)
+                        + start_m - q_first)
+        mbarrier.expect(q_ready.index(stage), q_bytes)
+        tma.async_load(q_desc, [batch, q_head, start_m, 0], q_ready.index(stage), q_smem.index(stage))
         if BIAS_TMA:
-            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + bias_desc.block_type.nbytes)
-            tma.async_load(q_desc, [batch, q_head, start_m, 0], q_ready.index(stage), q_smem.index(stage))
             tma.async_load(bias_desc, [batch * bias_step_b, q_head * bias_step_h, start_m, start_n],
                            q_ready.index(stage), bias_smem.index(stage))
-        else:
-            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-            tma.async_load(q_desc, [batch, q_head, start_m, 0], q_ready.index(stage),
-                                            q_smem.index(stage))
-        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-        tma.async_load(do_desc, [batch, q_head, start_m, 0], do_ready.index(stage),
-                                        do_smem.index(stage))
+        if STATS:
+            tma.async_load(lse_desc, [stat_row], q_ready.index(stage), lse_smem.index(stage))
+        mbarrier.expect(do_ready.index(stage), do_bytes)
+        tma.async_load(do_desc, [batch, q_head, start_m, 0], do_ready.index(stage), do_smem.index(stage))
+        if STATS:
+            tma.async_load(delta_desc, [stat_row], do_ready.index(stage), delta_smem.index(stage))
 
 
 # ---------------------------------------------------------------------------------------------------- host side

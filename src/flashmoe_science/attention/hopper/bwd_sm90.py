@@ -11,7 +11,7 @@ partitions:
 - producer (one warp, 24 registers): loads the CTA's K and V once, then streams Q and dO tiles of ROWS query rows
   (`tiles.sm90_backward_rows`: 128 at D=64, else 64) through a ring of NUM_STAGES stages, for every query head of
   the GQA group and every query tile that sees the CTA's keys (`q_ready`, `do_ready`; `empty` takes one arrival per
-  consumer).
+  consumer); where `tiles.sm90_backward_staged_stats` holds, each stage also takes its rows' lse and Δ.
 - two consumers (4 warps, 240 registers each): consumer c owns keys [64c, 64c + 64) of the CTA, and keeps their dK_c
   and dV_c in fp32 registers over every query tile of every head of the group. The scores are computed transposed
   (keys as rows), so that Pᵀ and dSᵀ come out of the wgmma already in the register layout of the A operand of the
@@ -105,12 +105,15 @@ from flashmoe_science.attention.hopper.bwd_common import (
     _past_work,
     _alibi_score_start,
     _contributors_before,
-    _probabilities,
     _producer,
+    _mask_score_start,
     _producer_barriers,
     _row_stat_base,
+    _probabilities,
+    _raw_probabilities,
     _score_start,
     _softcap_grad,
+    _staged_neg_lse_log2,
     _tile_needs_mask,
     _visited_query_tiles,
     check_features,
@@ -118,8 +121,8 @@ from flashmoe_science.attention.hopper.bwd_common import (
     offline_build,
 )
 from flashmoe_science.attention.hopper.common import descriptor
-from flashmoe_science.attention.hopper.tiles import sm90_backward_rows
-from flashmoe_science.attention.layout import bias_tma_view, needs_64bit_rows
+from flashmoe_science.attention.hopper.tiles import sm90_backward_rows, sm90_backward_staged_stats
+from flashmoe_science.attention.layout import bias_tma_view, needs_64bit_rows, tma_compatible
 from flashmoe_science.attention.seqlen import ranked_work_list
 from flashmoe_science.attention.mask import LOG2_E
 from flashmoe_science.attention.seqlen import PER_BATCH_ARGS, sequence_coords
@@ -152,123 +155,213 @@ def _store_bias_grad(ds, dbias_args, batch, q_head, queries, keys, seqlen_q, seq
 
 
 @gluon.jit
+def _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, offs_key, scalars,
+                   CONSUMER: gl.constexpr, ROWS: gl.constexpr, KEYS: gl.constexpr, BLOCK_D: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr,
+                   VARLEN: gl.constexpr, STAGED: gl.constexpr, MASKED: gl.constexpr, tile_bounds=None):
+    """`_consumer`'s step over the query tile at `start_m` of query head g of the group (the ring's `ring`-th
+    tile): returns dK_c and dV_c with the tile's products added (dK's still in flight).
+
+    STAGED: both products start from zero (no accumulator moves); lse and Δ come after them, from the stage's
+    shared-memory copies: −lse·log2e in the exp2's scaling FFMA, Δ in one subtraction. Only linear biases (ALiBi
+    without a softcap, an attn_bias) and, in a MASKED tile, the mask's -inf (NaN with a softcap:
+    `_mask_score_start`) ride in the score product's start. Otherwise lse, Δ and the mask ride in the products'
+    starts, read from LSE and Delta. `tile_bounds` (full_start, full_end of `_visited_query_tiles`): the tile is
+    masked where it falls outside them; None in the split loops, where MASKED says."""
+    q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, bias_smem = smem
+    q_ready, do_ready, empty, ds_ready, dq_full, dq_empty = barriers
+    my_keys, my_values, k_cols = operands
+    s_layout: gl.constexpr = wgmma_layout(ROWS)
+    s_zero = gl.zeros([KEYS, ROWS], gl.float32, layout=s_layout)  # built per tile: one held across it spills
+    (batch, kv_head, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, inv_scale, seq, q_first, lse_rows,
+     LSE, Delta, window_left, window_right, softcap_scale, Slopes, stride_slopes, dbias_args) = scalars
+    dtype: gl.constexpr = q_smem.dtype
+    query_slice: gl.constexpr = gl.SliceLayout(0, s_layout)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+    DQ_N: gl.constexpr = dq_zero.shape[1]
+    DQ_COLS: gl.constexpr = dq_smem.shape[2]
+    HALF_BOXES: gl.constexpr = DQ_N // DQ_COLS  # staging boxes per consumer
+    DQ_BUFFERS: gl.constexpr = dq_full.shape[0]
+    LINEAR_START: gl.constexpr = HAS_BIAS or (ALIBI and not SOFTCAP)
+    diagonal = seqlen_k - seqlen_q
+    q_head = batch * num_q_heads + kv_head * group_size + g  # flat (batch, query head)
+    if not STAGED:
+        q_row0 = _row_stat_base(q_head, q_first, seqlen_q, lse_rows, VARLEN)  # this head's first row of lse/Δ
+    if ALIBI:
+        slope_log2 = gl.load(Slopes + seq * stride_slopes + kv_head * group_size + g) * LOG2_E
+    else:
+        slope_log2 = 0.0
+    stage = ring % NUM_STAGES
+    phase = (ring // NUM_STAGES) & 1
+    q_tile = q_smem.index(stage).reshape([ROWS, BLOCK_D])
+    do_tile = do_smem.index(stage).reshape([ROWS, BLOCK_D])
+    ds_buf = ds_smem.index(ring % 2)  # (BLOCK_N, ROWS): dSᵀ of both consumers
+
+    offs_q = start_m + gl.arange(0, ROWS, layout=query_slice)
+    if not STAGED:
+        # lse and Δ ride in the accumulators: Sᵀ starts from -lse / scale and dPᵀ from -Δ, and so does the mask
+        # (-inf where a key is hidden), built before the Q/dO wait while only dK and dV are live (per-column lse,
+        # Δ and mask bounds held across the products spilled at D=128). Queries past Lq read lse = +inf: their P
+        # is exactly 0 (their zero-filled Q rows give finite scores), so the ragged end needs no mask.
+        in_rows = offs_q < seqlen_q
+        lse = gl.load(LSE + q_row0 + offs_q, mask=in_rows, other=float("inf"))
+        delta = gl.load(Delta + q_row0 + offs_q, mask=in_rows, other=0.0)
+    if tile_bounds is None:  # a masked or unmasked loop: MASKED says
+        hide = False
+    else:  # masked: causal diagonal tiles, window edges, and every tile of a CTA whose keys run past Lk
+        hide = _tile_needs_mask(start_m, tile_bounds[0], tile_bounds[1], True, MASK_LEFT or MASK_RIGHT)
+    queries = gl.expand_dims(offs_q, 0)
+    keys = gl.expand_dims(offs_key, 1)
+    if STAGED:
+        s_init = _alibi_score_start(s_zero, queries, keys, diagonal, slope_log2 / qk_scale, ALIBI and not SOFTCAP)
+        s_init = _mask_score_start(s_init, queries, keys, MASKED, seqlen_k, diagonal, window_left, window_right,
+                                   CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP)
+    else:
+        s_init = _score_start(s_zero, lse, inv_scale, queries, keys, hide, seqlen_k, diagonal, window_left,
+                              window_right, 0, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP)
+        s_init = _alibi_score_start(s_init, queries, keys, diagonal, slope_log2 / qk_scale, ALIBI and not SOFTCAP)
+        dp_init = s_zero - gl.expand_dims(delta, 0)
+    mbarrier.wait(q_ready.index(stage), phase)
+    if HAS_BIAS:  # (keys, queries) of the (queries, CTA keys) tile
+        bias_t = bias_smem.index(stage).reshape([ROWS, 2 * KEYS]).slice(CONSUMER * KEYS, KEYS, dim=1)
+        s_init = s_init + bias_t.permute((1, 0)).load(s_layout).to(gl.float32) * inv_scale
+    if STAGED and not (LINEAR_START or MASKED):
+        s = warpgroup_mma(my_keys, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    else:
+        s = warpgroup_mma(my_keys, q_tile.permute((1, 0)), s_init, is_async=True)
+    mbarrier.wait(do_ready.index(stage), phase)
+    if STAGED:
+        dp = warpgroup_mma(my_values, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    else:
+        dp = warpgroup_mma(my_values, do_tile.permute((1, 0)), dp_init, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s,))
+    if STAGED:
+        neg_lse_log2 = _staged_neg_lse_log2(lse_smem.index(stage), start_m, seqlen_q, query_slice, MASKED, hide)
+        p, t = _raw_probabilities(s, neg_lse_log2, queries, keys, seqlen_k, diagonal, window_left, window_right,
+                                  qk_scale, softcap_scale, slope_log2, 0, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                                  ALIBI and SOFTCAP, MASKED, hide)  # without a softcap ALiBi rode in s
+        delta = delta_smem.index(stage).load(query_slice)
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        ds = p * (dp - gl.expand_dims(delta, 0))
+    else:
+        p, t = _probabilities(s, lse, queries, keys, hide, seqlen_k, diagonal, window_left, window_right,
+                              qk_scale, softcap_scale, slope_log2, 0, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                              ALIBI and SOFTCAP)  # without a softcap ALiBi rode in s_init
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        ds = p * dp
+    if BIAS_GRAD != 0:  # the bias is added to the scores as is: its gradient is dS
+        _store_bias_grad(ds, dbias_args, batch, q_head - batch * num_q_heads, queries, keys, seqlen_q, seqlen_k,
+                         BIAS_GRAD)
+    ds = _softcap_grad(ds, t, SOFTCAP).to(dtype)
+    dv = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), do_tile, dv, is_async=True)
+    ds_buf.slice(CONSUMER * KEYS, KEYS).store(ds)
+    fence_async_shared()  # the dSᵀ rows (generic proxy) before the wgmma (async proxy) reads them
+    # Gluon's arrive syncs the warpgroup before one thread arrives: every warp's rows are written
+    mbarrier.arrive(ds_ready.index(ring % 2), count=1)
+    mbarrier.wait(ds_ready.index(ring % 2), (ring // 2) & 1)  # the other consumer's rows too
+    # dQ before dK: wgmma groups complete in order, so waiting for dQ alone leaves dK running under the dQ
+    # staging stores below
+    dq = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+    dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_tile, dk, is_async=True)
+    dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
+
+    # dQ half -> this tile's staging buffer, one box per DQ_COLS columns; the dQ writer adds it into dq_accum.
+    # The buffer was last used DQ_BUFFERS tiles ago: its reduce-adds have long read it (first pass: free).
+    buf = ring % DQ_BUFFERS
+    mbarrier.wait(dq_empty.index(buf), ((ring // DQ_BUFFERS) & 1) ^ 1)
+    # one store of the (boxes, rows, columns) view: two stores would each take a warpgroup barrier (the compiler
+    # cannot tell the boxes of a dynamically indexed buffer apart)
+    boxes = dq.reshape([ROWS, HALF_BOXES, DQ_COLS]).permute((1, 0, 2)).reshape([HALF_BOXES * ROWS, DQ_COLS])
+    dq_smem.index(buf * 2 + CONSUMER).store(boxes)
+    fence_async_shared()  # the rows (generic proxy) before the writer's TMA (async proxy) reads them
+    mbarrier.arrive(dq_full.index(buf), count=1)
+    dk = warpgroup_mma_wait(0, deps=(dk,))
+    mbarrier.arrive(empty.index(stage), count=1)  # Q and dO are no longer read
+    return dk, dv
+
+
+@gluon.jit
 def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, empty, ds_ready,
-              dq_full, dq_empty, dq_desc, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+              dq_full, dq_empty, dq_desc, LSE, Delta, lse_smem, delta_smem, DK, DV, stride_dkb, stride_dkh,
+              stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               start_n, batch, kv_head, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
               seq, q_first, k_first, lse_rows, window_left, window_right, softcap_scale, Slopes, stride_slopes,
               bias_smem, dbias_args,
               CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, ROWS: gl.constexpr,
               KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
               MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-              HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr):
+              HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr, STAGED: gl.constexpr):
     """One consumer warpgroup: keys [start_n + CONSUMER·KEYS, +KEYS), all query tiles of all heads of the group.
     Positions are relative to sequence `seq`'s first rows (q_first, k_first; lse_rows: the lse tensor's rows per
-    head, read with VARLEN only).
+    head, read with VARLEN only). STAGED: each stage's lse and Δ arrive in `lse_smem` and `delta_smem` with its Q
+    and dO (`tiles.sm90_backward_staged_stats`); else they are read from LSE and Delta.
 
     HAS_BIAS: the stage's bias tile (`bias_smem`, queries x the CTA's keys, landed with Q) joins the Sᵀ
     accumulator's start as bias / scale (it is linear, like lse); BIAS_GRAD (1: store, 2: float32 atomic add)
     writes dS, the bias's gradient, at `dbias_args` (base, batch/head/query/key strides)."""
     dtype: gl.constexpr = q_smem.dtype
     DQ_N: gl.constexpr = BLOCK_D // 2  # this consumer's dQ columns
-    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
-    HALF_BOXES: gl.constexpr = DQ_N // DQ_COLS  # staging boxes per consumer
-    DQ_BUFFERS: gl.constexpr = dq_full.shape[0]
     # Sᵀ, dPᵀ: (keys, queries); dK, dV: (keys, BLOCK_D); dQ half: (queries, DQ_N). Warps stacked on the rows.
     s_layout: gl.constexpr = wgmma_layout(ROWS)
     kv_layout: gl.constexpr = wgmma_layout(BLOCK_D)
     dq_layout: gl.constexpr = wgmma_layout(DQ_N)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     key_slice: gl.constexpr = gl.SliceLayout(1, s_layout)
-    query_slice: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    my_keys = k_smem.slice(CONSUMER * KEYS, KEYS)  # (KEYS, BLOCK_D)
-    my_values = v_smem.slice(CONSUMER * KEYS, KEYS)
-    k_cols = k_smem.slice(CONSUMER * DQ_N, DQ_N, dim=1)  # (BLOCK_N, DQ_N): B of this consumer's dQ half
     my_start_n = start_n + CONSUMER * KEYS
-    diagonal = seqlen_k - seqlen_q
     query_start, num_tiles, full_start, full_end = _visited_query_tiles(
         start_n, seqlen_q, seqlen_k, window_left, window_right, ROWS, 2 * KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT)
     dk = gl.zeros([KEYS, BLOCK_D], gl.float32, layout=kv_layout)
     dv = gl.zeros([KEYS, BLOCK_D], gl.float32, layout=kv_layout)
-    inv_scale = 1.0 / sm_scale  # -lse / scale in the raw scores: exp2((Sᵀ - lse / scale) · scale · log2e) = P
+    smem = (q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, bias_smem)
+    barriers = (q_ready, do_ready, empty, ds_ready, dq_full, dq_empty)
+    operands = (k_smem.slice(CONSUMER * KEYS, KEYS), v_smem.slice(CONSUMER * KEYS, KEYS),
+                k_smem.slice(CONSUMER * DQ_N, DQ_N, dim=1))  # K_c, V_c, and B of this consumer's dQ half
     dq_zero = gl.zeros([ROWS, DQ_N], gl.float32, layout=dq_layout)
     offs_key = my_start_n + gl.arange(0, KEYS, layout=key_slice)
+    scalars = (batch, kv_head, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, 1.0 / sm_scale, seq, q_first,
+               lse_rows, LSE, Delta, window_left, window_right, softcap_scale, Slopes, stride_slopes, dbias_args)
+    # With staged statistics under a causal or window mask, each head's visited tiles run in three loops, masked
+    # (causal diagonal, a window's leading edge, every tile of a CTA whose keys run past Lk), unmasked, masked (a
+    # window's trailing edge): the unmasked loop carries no mask arithmetic and no index vectors, and the masked
+    # ones start Sᵀ from the mask. Otherwise one loop, the mask chosen per tile.
+    SPLIT: gl.constexpr = STAGED and (CAUSAL or MASK_LEFT or MASK_RIGHT)
+    masked_end = gl.minimum(gl.maximum(gl.cdiv(full_start - query_start, ROWS), 0), num_tiles)
+    if MASK_LEFT or MASK_RIGHT:
+        full_tiles_end = gl.minimum(gl.maximum(gl.cdiv(full_end - query_start, ROWS), masked_end), num_tiles)
+    else:
+        full_tiles_end = num_tiles
     mbarrier.wait(kv_ready, 0)
-
-    for ring in range(group_size * num_tiles):
-        g = ring // num_tiles
-        start_m = query_start + (ring - g * num_tiles) * ROWS
-        q_head = batch * num_q_heads + kv_head * group_size + g  # flat (batch, query head)
-        q_row0 = _row_stat_base(q_head, q_first, seqlen_q, lse_rows, VARLEN)  # this head's first row of lse/Δ
-        if ALIBI:
-            slope_log2 = gl.load(Slopes + seq * stride_slopes + kv_head * group_size + g) * LOG2_E
-        else:
-            slope_log2 = 0.0
-        stage = ring % NUM_STAGES
-        phase = (ring // NUM_STAGES) & 1
-        q_tile = q_smem.index(stage).reshape([ROWS, BLOCK_D])
-        do_tile = do_smem.index(stage).reshape([ROWS, BLOCK_D])
-        ds_buf = ds_smem.index(ring % 2)  # (BLOCK_N, ROWS): dSᵀ of both consumers
-
-        # The column statistics ride in the accumulators: Sᵀ starts from -lse / scale and dPᵀ from -Δ, so the
-        # products give Sᵀ - lse/scale and dPᵀ - Δ directly, and so does the mask: Sᵀ starts from -inf where a key
-        # is hidden. All of it is built before the Q/dO wait, while only dK and dV are live (per-column lse, Δ and
-        # mask bounds held across the products spilled at D=128). Queries past Lq read lse = +inf: their P is
-        # exactly 0 (their zero-filled Q rows give finite scores), so the ragged end of the queries needs no mask.
-        offs_q = start_m + gl.arange(0, ROWS, layout=query_slice)
-        in_rows = offs_q < seqlen_q
-        lse = gl.load(LSE + q_row0 + offs_q, mask=in_rows, other=float("inf"))
-        delta = gl.load(Delta + q_row0 + offs_q, mask=in_rows, other=0.0)
-        # masked: causal diagonal tiles, window edges, and every tile of a CTA whose keys run past Lk
-        needs_mask = _tile_needs_mask(start_m, full_start, full_end, True, MASK_LEFT or MASK_RIGHT)
-        queries = gl.expand_dims(offs_q, 0)
-        keys = gl.expand_dims(offs_key, 1)
-        s_init = _score_start(gl.zeros([KEYS, ROWS], gl.float32, layout=s_layout), lse, inv_scale, queries, keys,
-                              needs_mask, seqlen_k, diagonal, window_left, window_right, 0, CAUSAL, MASK_LEFT,
-                              MASK_RIGHT, SOFTCAP)
-        s_init = _alibi_score_start(s_init, queries, keys, diagonal, slope_log2 / qk_scale, ALIBI and not SOFTCAP)
-        dp_init = gl.zeros([KEYS, ROWS], gl.float32, layout=s_layout) - gl.expand_dims(delta, 0)
-        mbarrier.wait(q_ready.index(stage), phase)
-        if HAS_BIAS:  # (keys, queries) of the (queries, CTA keys) tile
-            bias_t = bias_smem.index(stage).reshape([ROWS, 2 * KEYS]).slice(CONSUMER * KEYS, KEYS, dim=1)
-            s_init = s_init + bias_t.permute((1, 0)).load(s_layout).to(gl.float32) * inv_scale
-        s = warpgroup_mma(my_keys, q_tile.permute((1, 0)), s_init, is_async=True)
-        mbarrier.wait(do_ready.index(stage), phase)
-        dp = warpgroup_mma(my_values, do_tile.permute((1, 0)), dp_init, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s,))
-        p, t = _probabilities(s, lse, queries, keys, needs_mask, seqlen_k, diagonal, window_left, window_right,
-                              qk_scale, softcap_scale, slope_log2, 0, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                              ALIBI and SOFTCAP)  # without a softcap ALiBi rode in s_init
-        dp = warpgroup_mma_wait(0, deps=(dp,))
-        ds = p * dp
-        if BIAS_GRAD != 0:  # the bias is added to the scores as is: its gradient is dS
-            _store_bias_grad(ds, dbias_args, batch, q_head - batch * num_q_heads, queries, keys, seqlen_q, seqlen_k,
-                             BIAS_GRAD)
-        ds = _softcap_grad(ds, t, SOFTCAP).to(dtype)
-        dv = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), do_tile, dv, is_async=True)
-        ds_buf.slice(CONSUMER * KEYS, KEYS).store(ds)
-        fence_async_shared()  # the dSᵀ rows (generic proxy) before the wgmma (async proxy) reads them
-        # Gluon's arrive syncs the warpgroup before one thread arrives: every warp's rows are written
-        mbarrier.arrive(ds_ready.index(ring % 2), count=1)
-        mbarrier.wait(ds_ready.index(ring % 2), (ring // 2) & 1)  # the other consumer's rows too
-        # dQ before dK: wgmma groups complete in order, so waiting for dQ alone leaves dK running under the dQ
-        # staging stores below
-        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-        dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_tile, dk, is_async=True)
-        dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
-
-        # dQ half -> this tile's staging buffer, one box per DQ_COLS columns; the dQ writer adds it into dq_accum.
-        # The buffer was last used DQ_BUFFERS tiles ago: its reduce-adds have long read it (first pass: free).
-        buf = ring % DQ_BUFFERS
-        mbarrier.wait(dq_empty.index(buf), ((ring // DQ_BUFFERS) & 1) ^ 1)
-        # one store of the (boxes, rows, columns) view: two stores would each take a warpgroup barrier (the compiler
-        # cannot tell the boxes of a dynamically indexed buffer apart)
-        boxes = dq.reshape([ROWS, HALF_BOXES, DQ_COLS]).permute((1, 0, 2)).reshape([HALF_BOXES * ROWS, DQ_COLS])
-        dq_smem.index(buf * 2 + CONSUMER).store(boxes)
-        fence_async_shared()  # the rows (generic proxy) before the writer's TMA (async proxy) reads them
-        mbarrier.arrive(dq_full.index(buf), count=1)
-        dk = warpgroup_mma_wait(0, deps=(dk,))
-        mbarrier.arrive(empty.index(stage), count=1)  # Q and dO are no longer read
+    if SPLIT:
+        ring = 0
+        for g in range(group_size):
+            for tile in range(0, masked_end):
+                dk, dv = _consumer_tile(ring, g, query_start + tile * ROWS, dk, dv, smem, barriers, operands,
+                                        dq_zero, offs_key, scalars, CONSUMER, ROWS, KEYS, BLOCK_D, NUM_STAGES,
+                                        CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_GRAD, VARLEN,
+                                        STAGED, True)
+                ring += 1
+            for tile in range(masked_end, full_tiles_end):
+                dk, dv = _consumer_tile(ring, g, query_start + tile * ROWS, dk, dv, smem, barriers, operands,
+                                        dq_zero, offs_key, scalars, CONSUMER, ROWS, KEYS, BLOCK_D, NUM_STAGES,
+                                        CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_GRAD, VARLEN,
+                                        STAGED, False)
+                ring += 1
+            if MASK_LEFT or MASK_RIGHT:
+                for tile in range(full_tiles_end, num_tiles):
+                    dk, dv = _consumer_tile(ring, g, query_start + tile * ROWS, dk, dv, smem, barriers, operands,
+                                            dq_zero, offs_key, scalars, CONSUMER, ROWS, KEYS, BLOCK_D, NUM_STAGES,
+                                            CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_GRAD,
+                                            VARLEN, STAGED, True)
+                    ring += 1
+    else:
+        for ring in range(group_size * num_tiles):
+            g = ring // num_tiles
+            start_m = query_start + (ring - g * num_tiles) * ROWS
+            dk, dv = _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, offs_key, scalars,
+                                    CONSUMER, ROWS, KEYS, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT,
+                                    SOFTCAP, ALIBI, HAS_BIAS, BIAS_GRAD, VARLEN, STAGED, False,
+                                    (full_start, full_end))
 
     dk = dk * sm_scale
     acc_rows: gl.constexpr = gl.SliceLayout(1, kv_layout)
@@ -339,7 +432,7 @@ def attention_backward_sm90_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
     VARLEN: gl.constexpr, HAS_BIAS: gl.constexpr = False, BIAS_GRAD: gl.constexpr = 0,
-    DETERMINISTIC: gl.constexpr = False, DQ_BUFFERS: gl.constexpr = 2,
+    DETERMINISTIC: gl.constexpr = False, DQ_BUFFERS: gl.constexpr = 2, STAGED_STATS: gl.constexpr = False,
 ):
     """Grid (cdiv(Lk, 128) · B·Hkv,); CTAs start roughly in program order, and a (batch, kv head)'s key tiles are
     consecutive, so the CTAs running at once share a few heads' Q and dO in L2. (Ordering causal CTAs longest
@@ -350,7 +443,9 @@ def attention_backward_sm90_kernel(
     HAS_BIAS (dense batches): a bias read by TMA through bias_desc (boxes of 64 queries x the CTA's keys;
     bias_step_b/h the batch and head steps of its coordinate, 0 where it broadcasts); BIAS_GRAD: its gradient into
     DBIAS (see _store_bias_grad). DETERMINISTIC: dQ's reduce-adds in key-block order through the int32 counters
-    `Semaphores` (lse's shape, zeroed); DQ_BUFFERS: dQ staging buffers (2; 1 where shared memory is short)."""
+    `Semaphores` (lse's shape, zeroed); DQ_BUFFERS: dQ staging buffers (2; 1 where shared memory is short).
+    STAGED_STATS: LSE and Delta are rank-1 TMA descriptors, read by the producer with each Q/dO stage
+    (`tiles.sm90_backward_staged_stats`); else float32 pointers the consumers read."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
@@ -374,6 +469,14 @@ def attention_backward_sm90_kernel(
     # dQ staging: per buffer, consumer 0's half then consumer 1's, each its boxes of ROWS x DQ_COLS stacked
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, DQ_COLS], gl.float32)  # dq_desc's box
     dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS * 2, DQ_N // DQ_COLS * ROWS, DQ_COLS], dq_layout)
+    if STAGED_STATS:  # each stage's lse and Δ (rank-1 boxes of its rows), beside its Q and dO
+        lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, ROWS], LSE.layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, ROWS], Delta.layout)
+        stats = (LSE, Delta, lse_smem, delta_smem, num_q_heads, lse_rows)
+    else:
+        lse_smem: gl.constexpr = None
+        delta_smem: gl.constexpr = None
+        stats: gl.constexpr = None
     kv_ready, q_ready, do_ready, empty = _producer_barriers(NUM_STAGES)
     if HAS_BIAS:  # one bias tile per Q/dO stage
         bias_smem = gl.allocate_shared_memory(bias_desc.dtype, [NUM_STAGES] + bias_desc.block_type.shape,
@@ -392,23 +495,26 @@ def attention_backward_sm90_kernel(
 
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, empty,
-                     ds_ready, dq_full, dq_empty, dq_desc, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn,
-                     stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads, group_size,
-                     seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first, lse_rows, window_left,
+                     ds_ready, dq_full, dq_empty, dq_desc, LSE, Delta, lse_smem, delta_smem, DK, DV, stride_dkb,
+                     stride_dkh,
+                     stride_dkn, stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads,
+                     group_size, seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first, lse_rows, window_left,
                      window_right, softcap_scale, Slopes, stride_slopes, bias_smem, dbias_args,
                      0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                     VARLEN, HAS_BIAS, BIAS_GRAD)),
+                     VARLEN, HAS_BIAS, BIAS_GRAD, STAGED_STATS)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, empty,
-                     ds_ready, dq_full, dq_empty, dq_desc, LSE, Delta, DK, DV, stride_dkb, stride_dkh, stride_dkn,
-                     stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads, group_size,
-                     seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first, lse_rows, window_left,
+                     ds_ready, dq_full, dq_empty, dq_desc, LSE, Delta, lse_smem, delta_smem, DK, DV, stride_dkb,
+                     stride_dkh,
+                     stride_dkn, stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads,
+                     group_size, seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first, lse_rows, window_left,
                      window_right, softcap_scale, Slopes, stride_slopes, bias_smem, dbias_args,
                      1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                     VARLEN, HAS_BIAS, BIAS_GRAD)),
+                     VARLEN, HAS_BIAS, BIAS_GRAD, STAGED_STATS)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_box, v_box,
                      kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
                      q_first, k_first, window_left, window_right, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT,
-                     bias_desc, bias_smem, bias_step_b, bias_step_h, HAS_BIAS)),
+                     bias_desc, bias_smem, bias_step_b, bias_step_h, HAS_BIAS,
+                     stats, STAGED_STATS, VARLEN)),
         (_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Semaphores, start_n, batch, kv_head, num_q_heads,
                       group_size, seqlen_q, seqlen_k, q_first, lse_rows, window_left, window_right, CTA_KEYS, CAUSAL,
                       MASK_LEFT, MASK_RIGHT, VARLEN, DETERMINISTIC)),
@@ -538,13 +644,17 @@ def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum,
     block_d = padded_head_dim(head_dim)
     num_stages = num_stages or NUM_STAGES
     rows = sm90_backward_rows(head_dim, features.attn_bias is not None, num_stages)
+    staged = (sm90_backward_staged_stats(head_dim, q.shape[2], features.varlen is not None)
+              and tma_compatible(lse, delta))
     main = attention_backward_sm90_kernel
-    main_args = (*_one_pass_tensor_args(block_d, rows, q, grad_out, k, v, dq_accum, lse, delta, dk, dv), semaphores,
+    main_args = (*_one_pass_tensor_args(block_d, rows, q, grad_out, k, v, dq_accum, lse, delta, dk, dv, staged),
+                 semaphores,
                  *dk.stride()[:3],
                  *dv.stride()[:3], num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
                  qk_scale, softmax_scale, *tail, *_bias_args(features, q, k, dbias, rows))
     flags.update(HAS_BIAS=features.attn_bias is not None, BIAS_GRAD=0 if dbias is None else 1 + dbias_atomic,
-                 DETERMINISTIC=semaphores is not None, DQ_BUFFERS=dq_buffers(block_d, features.attn_bias))
+                 DETERMINISTIC=semaphores is not None, DQ_BUFFERS=dq_buffers(block_d, features.attn_bias),
+                 STAGED_STATS=staged)
     heads = ("q", "grad_out", "k", "v", "dq_accum", "lse", "delta", "dk", "dv")
     if semaphores is not None:
         heads += ("semaphores",)
@@ -579,12 +689,30 @@ def _bias_args(features, q, k, dbias, rows: int) -> tuple:
     return descriptor(view, rows, BLOCK_N), step_b, step_h, *grad
 
 
-def _one_pass_tensor_args(block_d, rows, q, grad_out, k, v, dq_accum, lse, delta, dk, dv):
+def _one_pass_tensor_args(block_d, rows, q, grad_out, k, v, dq_accum, lse, delta, dk, dv, staged: bool):
     """The one-pass kernel's per-call arguments: TMA descriptors over q, dO (tiles of `rows` queries), k, v (key
-    tiles) and the dq_accum reduce-add target, then the plain tensors."""
+    tiles) and the dq_accum reduce-add target; lse and Δ (descriptors where `staged`), then the plain tensors."""
+    stats = (lse, delta)
+    if staged:
+        stats = (_row_stat_descriptor(lse, rows, "lse"), _row_stat_descriptor(delta, rows, "delta"))
     return (descriptor(q, rows, block_d), descriptor(grad_out, rows, block_d),
             descriptor(k, BLOCK_N, block_d), descriptor(v, BLOCK_N, block_d), _dq_accum_descriptor(dq_accum, rows),
-            lse, delta, dk, dv)
+            *stats, dk, dv)
+
+
+def _row_stat_descriptor(t: torch.Tensor, rows: int, name: str) -> TensorDescriptor:
+    """A rank-1 TMA descriptor over a contiguous float32 tensor of one value per query row (lse, Δ), boxes of
+    `rows` values: a query tile's, at its first row's flat index. Its base is the tensor as passed (so a prepared
+    launch rebases it on the next call's), its shape the flat element count."""
+    if t.dtype != torch.float32 or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous float32 tensor, got {t.dtype} with strides {t.stride()}")
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(base=t, shape=[t.numel()], strides=[1], block_shape=[rows], padding="zero",
+                         layout=_ROW_STAT_LAYOUT)
+    return desc
+
+
+_ROW_STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
 class PreparedBackward:
