@@ -45,7 +45,9 @@ if [ "${1:-}" = --publish ]; then
   # both head dims (the published grid); L=1024 and D=256 are 8 more shapes, ~1.7x the time: add them through
   # PUBLISH_SHAPES with DENSE_S to match
   PUBLISH_SHAPES=${PUBLISH_SHAPES:-1x16x16384x128,1x16x16384x64,32x16x512x128,8x16x2048x128,4x16x4096x128,2x16x8192x128,32x32x512x64,8x32x2048x64,4x32x4096x64,2x32x8192x64,1x32x16384x64}
-  bench varlen-fa4 varlen.log "${VARLEN_S:-180}" --suite varlen --rounds "${ROUNDS:-2}"
+  if [ "${VARLEN_S:-180}" != 0 ]; then  # VARLEN_S=0: the dense grid alone
+    bench varlen-fa4 varlen.log "${VARLEN_S:-180}" --suite varlen --rounds "${ROUNDS:-2}"
+  fi
   bench fa4 bench.log "${DENSE_S:-210}" --shapes "$PUBLISH_SHAPES" --backends flashmoe,fa4,sdpa-cudnn \
     --pass fwd,bwd --rounds "${ROUNDS:-2}"
   ls -la "$OUT"
