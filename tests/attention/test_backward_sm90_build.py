@@ -25,7 +25,9 @@ def test_builds_for_sm90_with_register_operands_and_tma_reduce_adds():
     assert re.search(r"\bHGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)  # dV, dK: A from registers
     assert len(re.findall(r"\bUTMAREDG\.3D\.ADD\b", sass)) == 4  # two 32-column boxes per consumer
     assert not re.search(r"\b(RED|ATOM)G?\.E\.ADD", sass), "dQ must not use per-thread atomics"
-    assert spill_count(sass) <= spill_budget(24), "spills grew back"  # 3.6: 11 LDL + 9 STL
+    # 3.6: 147 LDL + 127 STL, most in the masked loop's and the prologue's copies of the staged-statistics tile
+    # (tiles.sm90_backward_staged_stats; measured 6% faster than the accumulator starts' 20)
+    assert spill_count(sass) <= spill_budget(274), "spills grew back"
     assert compiled.metadata.shared <= 227 * 1024
 
 
@@ -48,14 +50,15 @@ def test_dq_writer_takes_the_reduce_adds_out_of_the_consumers(causal, d):
     assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)) == d // 32
     assert ptx.count("cp.async.bulk.wait_group.read") == 2  # the writer's per tile and at its end
     # 15 in the whole kernel on triton 3.6 (5 per consumer per tile), 16 with the reduce-adds in the consumers (6
-    # per tile, one of them behind the previous tile's TMA read)
-    assert _loop_barriers(ptx) <= 15, _loop_barriers(ptx)
+    # per tile, one of them behind the previous tile's TMA read); 23 where D=128 causal runs its masked and
+    # unmasked tiles in two loops (staged statistics), each body with its 5
+    assert _loop_barriers(ptx) <= (23 if (d, causal) == (128, True) else 15), _loop_barriers(ptx)
     assert compiled.metadata.shared <= 227 * 1024
 
 
 # (head dim, causal, LDL + STL of the triton 3.6 build): the default mode's plus a few in the consumer prologue
 # (D=64 runs 128-row query tiles, whose Sᵀ/dPᵀ take twice the registers)
-DETERMINISTIC_BUILDS = {(64, False): 14, (64, True): 24, (128, False): 27, (128, True): 15}
+DETERMINISTIC_BUILDS = {(64, False): 14, (64, True): 24, (128, False): 27, (128, True): 274}
 
 
 @pytest.mark.sm90_build

@@ -644,7 +644,8 @@ def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum,
     block_d = padded_head_dim(head_dim)
     num_stages = num_stages or NUM_STAGES
     rows = sm90_backward_rows(head_dim, features.attn_bias is not None, num_stages)
-    staged = (sm90_backward_staged_stats(head_dim, q.shape[2], features.varlen is not None)
+    plain = features.mask.is_plain and features.alibi_slopes is None and features.attn_bias is None
+    staged = (sm90_backward_staged_stats(head_dim, q.shape[2], features.varlen is not None, plain)
               and tma_compatible(lse, delta))
     main = attention_backward_sm90_kernel
     main_args = (*_one_pass_tensor_args(block_d, rows, q, grad_out, k, v, dq_accum, lse, delta, dk, dv, staged),
