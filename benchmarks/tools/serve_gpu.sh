@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# `flashmoe-science serve` on one GPU in at most 4 minutes: the serving GPU tests, then one `serve-bench` of a random
+# `flashmoe-science serve` on one GPU in at most 4 minutes: GPU tests, then one `serve-bench` of a random
 # Qwen3-like dense model and a random Qwen3-MoE-like model (prompts of 128..2048 tokens, 128 new tokens,
 # concurrency 1, 8, 64): ours with the model-dtype KV cache, ours with the e4m3 KV cache, and transformers' SDPA,
-# each served by transformers' OpenAI-compatible app with continuous batching and loaded by the openai client. The six
-# servers start together and are loaded one at a time (dense first; the MoE SDPA server last).
+# each served by transformers' OpenAI-compatible app with continuous batching and loaded by the openai client. The
+# servers start together and are loaded one at a time, model by model (dense first; the MoE SDPA server last).
 # The GPU tests run while the servers start; the loads begin when both are done.
 # Writes under $OUT (flat, 6 files): env.txt (versions, step times), tests.log, bench.log, serve.json (or
 # serve.partial.json if the time ran out: what was measured), serve.png, servers.tgz (the servers' own logs).
@@ -13,8 +13,15 @@
 #   bash benchmarks/tools/serve_gpu.sh
 # The wheels are unpacked (a wheel is a zip of the installed tree; no pip, no index) into /tmp/serve-site, put on
 # PYTHONPATH after src: a consistent set whatever the machine has; torch and triton are the machine's.
-# Each step's time limit comes from one deadline (TOTAL_S, default 230 s from the start). CACHE_GIB sizes every
-# server's cache in memory instead of tokens (CACHE_TOKENS): the e4m3 servers then hold twice the tokens.
+# Each step's time limit comes from one deadline (TOTAL_S, default 230 s from the start).
+# Options (environment; the defaults are the run above):
+#   MODELS=qwen3-dense,qwen3-moe  BACKENDS=flashmoe,transformers-sdpa  KV_CACHE_DTYPES=auto,e4m3  NAME=qwen3-dense-moe
+#   CONCURRENCY=1,8,64  REQUESTS=2,8,64  PROMPT_TOKENS=128:2048  NEW_TOKENS=128  (serve-bench's options)
+#   CACHE_TOKENS=163840, or CACHE_GIB=G (every server's cache in memory: the e4m3 servers then hold twice the tokens)
+#     or CACHE_GIB=G1,G2 (one per model in MODELS' order: the same share of each model's workload)
+#   GPU_TESTS="tests/integrations/test_serving_gpu.py" (pytest's arguments, -m gpu added), TESTS_S=100 (their limit)
+# The e4m3 cache's case, ours only, on long prompts in a cache that holds half of a bf16 server's 64 streams:
+#   BACKENDS=flashmoe CONCURRENCY=8,64 REQUESTS=16,128 PROMPT_TOKENS=2048:3968 CACHE_GIB=4,1 bash ...serve_gpu.sh
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -37,9 +44,10 @@ print(torch.__version__, triton.__version__, transformers.__version__, fastapi._
 
 # the GPU tests run while the servers start (compilations, CUDA-graph captures); no server is loaded before they end
 start=$(date +%s)
-( timeout -k 5 100 python3 -m pytest -m gpu tests/integrations/test_serving_gpu.py -q -p no:cacheprovider \
-    > "$OUT/tests.log" 2>&1
-  echo "tests: $(( $(date +%s) - start )) s, status $?" >> "$OUT/env.txt" ) &
+( timeout -k 5 "${TESTS_S:-100}" python3 -m pytest -m gpu ${GPU_TESTS:-tests/integrations/test_serving_gpu.py} -q \
+    -p no:cacheprovider > "$OUT/tests.log" 2>&1
+  status=$?
+  echo "tests: $(( $(date +%s) - start )) s, status $status" >> "$OUT/env.txt" ) &
 tests=$!
 
 python3 - "$WORK" <<'EOF'
@@ -59,8 +67,10 @@ EOF
 
 # the workload (smaller values make a CPU dry run: CONCURRENCY=1,2 REQUESTS=2 PROMPT_TOKENS=8:32 NEW_TOKENS=4 ...)
 start=$(date +%s)
-timeout -k 20 $(( $(left) - 25 )) python3 -m flashmoe_science.cli serve-bench "$WORK/qwen3-dense.json" \
-  "$WORK/qwen3-moe.json" --name qwen3-dense-moe --kv-cache-dtypes auto,e4m3 --concurrency "${CONCURRENCY:-1,8,64}" \
+models=$(for name in $(echo "${MODELS:-qwen3-dense,qwen3-moe}" | tr , ' '); do echo "$WORK/$name.json"; done)
+timeout -k 20 $(( $(left) - 25 )) python3 -m flashmoe_science.cli serve-bench $models \
+  --name "${NAME:-qwen3-dense-moe}" --backends "${BACKENDS:-flashmoe,transformers-sdpa}" \
+  --kv-cache-dtypes "${KV_CACHE_DTYPES:-auto,e4m3}" --concurrency "${CONCURRENCY:-1,8,64}" \
   --requests "${REQUESTS:-2,8,64}" --prompt-tokens "${PROMPT_TOKENS:-128:2048}" --new-tokens "${NEW_TOKENS:-128}" \
   $( [ -n "${CACHE_GIB:-}" ] && echo --cache-gib "$CACHE_GIB" || echo --cache-tokens "${CACHE_TOKENS:-163840}" ) \
   --out "$WORK/bench" --after-pid $tests > "$OUT/bench.log" 2>&1

@@ -248,10 +248,13 @@ def test_on_cuda_an_e4m3_kv_cache_serves_the_tokens_of_its_rounded_keys_and_valu
 
 def test_serve_bench_plans_every_model_backend_and_cache(tmp_path):
     """One server per model, backend and (flashmoe only) KV-cache dtype, model by model, each served under its file
-    name; requests per run: one number for all concurrencies or one each, else refused."""
+    name; requests per run: one number for all concurrencies or one each, else refused; --cache-gib likewise, one
+    number for all models or one each."""
     import argparse
 
-    from flashmoe_science.serving.bench import add_bench_arguments, requests_per_run, serve_command, servers
+    from flashmoe_science.cli import build_parser
+    from flashmoe_science.serving.bench import (add_bench_arguments, cache_gib_of, requests_per_run, serve_command,
+                                                servers)
 
     parser = argparse.ArgumentParser()
     parser.add_argument("models", nargs="+")
@@ -266,9 +269,19 @@ def test_serve_bench_plans_every_model_backend_and_cache(tmp_path):
     assert command[command.index("--served-model-name") + 1] == "dense"
     assert command[command.index("--kv-cache-dtype") + 1] == "e4m3"
     assert command[command.index("--cache-tokens") + 1] == "64" and "--cache-gib" not in command
-    command = serve_command("a/dense.json", "flashmoe", "e4m3", 1234,
-                            argparse.Namespace(**{**options, "cache_gib": 0.5}))
+    def bench_args(*argv):
+        return build_parser().parse_args(["serve-bench", *argv])
+
+    command = serve_command("b/moe.json", "flashmoe", "e4m3", 1234, bench_args("a/dense.json", "b/moe.json",
+                                                                                 "--cache-gib", "0.5"))
     assert command[command.index("--cache-gib") + 1] == "0.5" and "--cache-tokens" not in command
+    gib_args = bench_args("a/dense.json", "b/moe.json", "--cache-gib", "4,1")  # one per model
+    assert [cache_gib_of(gib_args, model) for model in gib_args.models] == [4.0, 1.0]
+    command = serve_command("b/moe.json", "flashmoe", "auto", 1234, gib_args)
+    assert command[command.index("--cache-gib") + 1] == "1.0"
+    with pytest.raises(ValueError, match="--cache-gib: one number or one per model"):
+        cache_gib_of(bench_args("m", "--cache-gib", "4,1"), "m")
+    assert cache_gib_of(bench_args("m"), "m") is None
     assert requests_per_run(args) == [2, 8, 64]
     assert requests_per_run(parser.parse_args(["m", "--requests", "3"])) == [3, 3, 3]
     assert requests_per_run(parser.parse_args(["m", "--concurrency", "1,64"])) == [4, 128]
@@ -351,18 +364,22 @@ def test_cache_tokens_and_cache_gib_are_exclusive(tmp_path, capsys):
     assert "not allowed with argument" in capsys.readouterr().err
 
 
-def test_a_server_sized_in_gib_has_the_pages_of_that_memory(tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype,tokens", [("auto", 512), ("e4m3", 2048)])
+def test_a_server_sized_in_gib_has_the_pages_of_that_memory(tmp_path, kv_cache_dtype, tokens):
     """`serve --cache-gib` builds a cache of the tokens that memory holds (float32 here: 512 bytes a token of the
-    tiny model), in pages of --page-size, as /cache reports."""
+    tiny model; e4m3: 128 bytes, four times the tokens and pages in the same bytes), in pages of --page-size, as
+    /cache reports."""
     config = tiny_config(tmp_path / "config.json")
     port = free_port()
-    gib = 2**-12  # 262144 bytes: 512 tokens, 32 pages of 16
+    gib = 2**-12  # 262144 bytes
     command = [sys.executable, "-m", "flashmoe_science.cli", "serve", config, "--port", str(port), "--device", "cpu",
                "--dtype", "float32", "--cache-gib", str(gib), "--page-size", str(PAGE_SIZE),
-               "--max-batch-tokens", "256"]
+               "--max-batch-tokens", "256", "--kv-cache-dtype", kv_cache_dtype]
     process = ServerProcess(command, port, tmp_path / "server.log")
     try:
         process.wait_ready(timeout_s=240)
-        assert httpx.get(f"{process.url}/cache").json()["pages"] == 512 // PAGE_SIZE
+        cache = httpx.get(f"{process.url}/cache").json()
+        assert (cache["pages"], cache["cache_bytes"], cache["kv_cache_dtype"]) == (
+            tokens // PAGE_SIZE, 2**18, "float32" if kv_cache_dtype == "auto" else "e4m3")
     finally:
         process.stop()

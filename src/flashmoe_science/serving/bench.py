@@ -38,6 +38,23 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def positive_floats(text: str) -> list[float]:
+    """``--cache-gib`` of ``serve-bench``: positive numbers separated by commas."""
+    values = [float(v) for v in text.split(",") if v]
+    if not values or min(values) <= 0:
+        raise ValueError(f"expected positive numbers separated by commas, got {text!r}")
+    return values
+
+
+def _one_or_each(values: list, count: int, option: str, what: str) -> list:
+    """``values`` given for ``count`` things: one value for all, or one each; else a ValueError naming ``option``."""
+    if len(values) == 1:
+        return values * count
+    if len(values) != count:
+        raise ValueError(f"{option}: one number or one per {what} ({count}), got {len(values)}")
+    return list(values)
+
+
 def _names(known: tuple[str, ...]):
     def parse(text: str) -> list[str]:
         names = [name for name in text.split(",") if name]
@@ -104,12 +121,15 @@ def requests_per_run(args) -> list[int]:
     concurrency, at least 4."""
     if args.requests is None:
         return [max(4, 2 * concurrency) for concurrency in args.concurrency]
-    if len(args.requests) == 1:
-        return args.requests * len(args.concurrency)
-    if len(args.requests) != len(args.concurrency):
-        raise ValueError(f"--requests: one number or one per concurrency ({len(args.concurrency)}), got "
-                         f"{len(args.requests)}")
-    return list(args.requests)
+    return _one_or_each(args.requests, len(args.concurrency), "--requests", "concurrency")
+
+
+def cache_gib_of(args, model: str) -> float | None:
+    """The ``--cache-gib`` of ``model``'s servers (one number for all models, or one per model in their order: a
+    cache that holds the same share of each model's workload); None when the caches are sized in tokens."""
+    if args.cache_gib is None:
+        return None
+    return _one_or_each(args.cache_gib, len(args.models), "--cache-gib", "model")[args.models.index(model)]
 
 
 def serve_command(model: str, backend: str, kv_cache_dtype: str, port: int, args) -> list[str]:
@@ -118,8 +138,8 @@ def serve_command(model: str, backend: str, kv_cache_dtype: str, port: int, args
                model_label(model), "--backend", backend, "--kv-cache-dtype", kv_cache_dtype, "--port", str(port),
                "--page-size", str(args.page_size), "--max-batch-tokens", str(args.max_batch_tokens),
                "--seed", str(args.seed)]
-    command += (["--cache-tokens", str(args.cache_tokens)] if args.cache_gib is None
-                else ["--cache-gib", str(args.cache_gib)])
+    gib = cache_gib_of(args, model)
+    command += ["--cache-tokens", str(args.cache_tokens)] if gib is None else ["--cache-gib", str(gib)]
     for flag, value in (("--device", args.device), ("--dtype", args.dtype)):
         if value:
             command += [flag, value]
@@ -283,7 +303,8 @@ def plot_serve(records: list[dict], path, title: str):
 def run_bench(args) -> int:
     from flashmoe_science.bench.report import PartialResults, environment_metadata, resolve_commit, write_results
 
-    requests_per_run(args)  # its ValueError before any server starts
+    requests_per_run(args)  # its ValueError (and cache_gib_of's) before any server starts
+    cache_gib_of(args, args.models[0])
     missing = [model for model in args.models if not Path(model).exists()]
     if missing:
         raise ValueError(f"MODEL_OR_CONFIG: no such file or folder: {', '.join(missing)}")

@@ -11,7 +11,9 @@ from flashmoe_science.serving.model import BACKENDS, default_placement
 DEFAULT_PORT = 8000
 
 
-def _cache_arguments(parser) -> None:
+def _cache_arguments(parser, per_model: bool = False) -> None:
+    """The cache and model options of ``serve`` and ``serve-bench`` (``per_model``: ``--cache-gib`` takes one
+    number or one per model)."""
     parser.add_argument("--device", default=None, help="cuda if available, else cpu (the reference kernels)")
     parser.add_argument("--dtype", default=None, help="model dtype: bfloat16 on CUDA, float32 on the CPU by default")
     parser.add_argument("--page-size", type=int, default=256, help="tokens per KV-cache page (default 256)")
@@ -19,9 +21,15 @@ def _cache_arguments(parser) -> None:
     size.add_argument("--cache-tokens", type=int, default=131072,
                       help="KV-cache size in tokens, all requests together (default 131072); a request whose "
                       "prompt plus max_tokens exceeds it is refused with a 400")
-    size.add_argument("--cache-gib", type=float, default=None,
+    if per_model:
+        from flashmoe_science.serving.bench import positive_floats
+
+        gib_type, each = positive_floats, "; one number, or one per MODEL_OR_CONFIG in their order"
+    else:
+        gib_type, each = float, ""
+    size.add_argument("--cache-gib", type=gib_type, default=None,
                       help="KV-cache size in GiB instead of tokens: as many tokens as that memory holds in the "
-                      "cache's dtype (an e4m3 cache twice a bf16 one's)")
+                      f"cache's dtype (an e4m3 cache twice a bf16 one's){each}")
     parser.add_argument("--max-batch-tokens", type=int, default=8192,
                         help="most tokens one continuous-batching step computes (default 8192)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
@@ -57,7 +65,7 @@ def add_serve_parsers(commands) -> None:
         "in turn with N concurrent streams (closed loop, or --rate requests/s) of prompts drawn from a length range, "
         "and writes tokens/s, time to first token and inter-token latency (p50/p99) as JSON and a plot.")
     bench.add_argument("models", metavar="MODEL_OR_CONFIG", nargs="+")
-    _cache_arguments(bench)
+    _cache_arguments(bench, per_model=True)
     add_bench_arguments(bench)
     bench.set_defaults(handler=run_serve_bench)
 
