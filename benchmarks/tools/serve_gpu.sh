@@ -20,8 +20,10 @@
 #   CACHE_TOKENS=163840, or CACHE_GIB=G (every server's cache in memory: the e4m3 servers then hold twice the tokens)
 #     or CACHE_GIB=G1,G2 (one per model in MODELS' order: the same share of each model's workload)
 #   GPU_TESTS="tests/integrations/test_serving_gpu.py" (pytest's arguments, -m gpu added), TESTS_S=100 (their limit)
-# The e4m3 cache's case, ours only, on long prompts in a cache that holds half of a bf16 server's 64 streams:
-#   BACKENDS=flashmoe CONCURRENCY=8,64 REQUESTS=16,128 PROMPT_TOKENS=2048:3968 CACHE_GIB=4,1 bash ...serve_gpu.sh
+# The e4m3 cache's case, ours only, on long prompts, each model's cache in bytes that hold about half of 64 streams'
+# tokens in bf16 and all of them in e4m3 (docs/serving.md):
+#   BACKENDS=flashmoe CONCURRENCY=8,64 REQUESTS=16,128 PROMPT_TOKENS=2048:3840 CACHE_GIB=4,1 NAME=qwen3-e4m3-long \
+#     GPU_TESTS="tests/attention/test_flash_attn_varlen_gpu.py -k paged" bash benchmarks/tools/serve_gpu.sh
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
