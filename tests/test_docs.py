@@ -80,3 +80,21 @@ def test_a_varlen_run_beside_fa4_renders_with_ours_over_fa4(tmp_path):
     ratios = {cells[1]: cells[ratio_at] for cells in ([c.strip() for c in line.strip("|").split("|")]
                                                       for line in lines if line.startswith(f"| {case}"))}
     assert ratios == {"fwd": "1.50", "bwd": "0.75"}
+
+
+def test_a_multi_gpu_run_is_headed_with_its_gpu_count(tmp_path):
+    """A run on several GPUs records the device's name; its file name (`<gpu>-xN-<date>-...`) carries the count,
+    which the heading adds unless the name already says it."""
+    doc = _benchmarks_doc()
+    records = [{"op": "megatron-train", "gpus": 4, "kernels": "flashmoe", "tokens_per_s": 1.0}]
+    headings = {}
+    for name, gpu in (("nvidia-h200-x4-2026-01-01-abcdef0-megatron", "NVIDIA H200"),
+                      ("nvidia-h200-x4-2026-01-02-abcdef0-torchtitan", "NVIDIA H200 x4 (NVLink, NCCL)"),
+                      ("nvidia-h200-2026-01-03-abcdef0-megatron", "NVIDIA H200")):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"gpu": gpu, "torch": "2.11.0", "commit": "abcdef0", "date": "2026-01-01",
+                                    "records": records}))
+        headings[name] = doc.render_file(path).splitlines()[2]
+    assert headings["nvidia-h200-x4-2026-01-01-abcdef0-megatron"].startswith("NVIDIA H200 x4, ")
+    assert headings["nvidia-h200-x4-2026-01-02-abcdef0-torchtitan"].startswith("NVIDIA H200 x4 (NVLink, NCCL), ")
+    assert headings["nvidia-h200-2026-01-03-abcdef0-megatron"].startswith("NVIDIA H200, ")

@@ -9,16 +9,24 @@ read against), and ``loss_gap_max``: the largest |flashmoe / local - 1| over eve
 swing with their batch), and ``loss_spikes``: per run, the steps whose loss exceeds ``SPIKE`` times the median of
 the ``WINDOW`` steps before (one spike moves a ``WINDOW``-step mean by several percent: a gap there is read with
 the spikes beside it).
+
+``loss_comparison`` reads the loss curves at matched steps (a run stopped by its time limit is compared over the
+steps both runs reached, where ``final_loss_ratio`` sets its last 10 steps against the other run's): per repeat,
+flashmoe's run against local's, and per kernel set, its repeat 1 against its repeat 0, the same measures on both
+(``compare_losses``), so a gap between the kernel sets is read beside what the same kernels give twice.
+``python train_outputs.py megatron-train.csv`` prints it for a written CSV.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import sys
 from pathlib import Path
 
 WINDOW = 10  # steps in the trailing mean of the loss curves compared
 SPIKE = 1.15  # a step's loss over this many times the median of the WINDOW steps before: a spike
+FIRST_STEP = 10  # loss comparisons start here: the steps before fall by nats each (lr warmup from log(vocab))
 
 
 def write_outputs(out: Path, head: dict, results: list[dict]) -> dict:
@@ -81,6 +89,48 @@ def _pair(ours: list[dict], theirs: list[dict]) -> dict:
                                  / _mean(r["record"]["final_loss"] for r in theirs))}
 
 
+def compare_losses(ours: list[dict], theirs: list[dict]) -> dict | None:
+    """Two runs' rows over the steps from FIRST_STEP on that both reached: ``window_ratio``, the mean loss of the
+    last WINDOW of those steps, ``ours`` over ``theirs``; ``gap_mean`` and ``gap_mean_abs``, the mean over those
+    steps of ours / theirs - 1 and of its magnitude; ``steps``, the first and last step compared. None when they
+    share fewer than WINDOW such steps."""
+    steps = min(len(ours), len(theirs))
+    if steps - FIRST_STEP < WINDOW:
+        return None
+    a, b = ([row["loss"] for row in run[FIRST_STEP:steps]] for run in (ours, theirs))
+    gaps = [x / y - 1 for x, y in zip(a, b)]
+    return {"steps": [ours[FIRST_STEP]["step"], ours[steps - 1]["step"]],
+            "window_ratio": _mean(a[-WINDOW:]) / _mean(b[-WINDOW:]),
+            "gap_mean": _mean(gaps), "gap_mean_abs": _mean(abs(gap) for gap in gaps)}
+
+
+def loss_comparison(results: list[dict]) -> dict:
+    """``per_repeat``: flashmoe's run against local's of the same repeat; ``repeat_to_repeat``: per kernel set, its
+    repeat 1 against its repeat 0 (None with one repeat); each by ``compare_losses``."""
+    runs = {(r["record"]["kernels"], r["record"]["repeat"]): r["rows"] for r in results}
+    repeats = sorted({repeat for _, repeat in runs})
+    return {"first_step": FIRST_STEP, "window": WINDOW,
+            "per_repeat": [{"repeat": repeat, **(compare_losses(runs[("flashmoe", repeat)], runs[("local", repeat)])
+                                                  or {})}
+                           for repeat in repeats if ("flashmoe", repeat) in runs and ("local", repeat) in runs],
+            "repeat_to_repeat": {kernels: (compare_losses(runs[(kernels, 1)], runs[(kernels, 0)])
+                                           if (kernels, 1) in runs and (kernels, 0) in runs else None)
+                                 for kernels in dict.fromkeys(k for k, _ in runs)}}
+
+
+def read_csv(path: Path) -> list[dict]:
+    """A written ``megatron-train.csv`` as ``{"record": {"kernels", "repeat"}, "rows"}`` per run, in run order: what
+    ``loss_comparison`` reads."""
+    runs = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            run = runs.setdefault(int(row["run"]), {"record": {"kernels": row["kernels"],
+                                                               "repeat": int(row["repeat"])}, "rows": []})
+            run["rows"].append({"kernels": row["kernels"], "step": int(row["step"]), "loss": float(row["loss"]),
+                                "tokens_per_s": float(row["tokens_per_s"])})
+    return [runs[index] for index in sorted(runs)]
+
+
 def summarize(results: list[dict]) -> dict:
     """The comparison described in the module docstring (``{"speedup": None}`` unless both kernel sets ran)."""
     grouped = by_kernels(results)
@@ -100,7 +150,8 @@ def summarize(results: list[dict]) -> dict:
     return {**_pair(grouped["flashmoe"], grouped["local"]), "per_repeat": per_repeat, "final_loss_spread": spread,
             "loss_gap_max": max(abs(g) for g in gap), "loss_gap_window": WINDOW, "loss_gap_steps": len(gap),
             "loss_spikes": {f"{r['record']['kernels']} repeat {r['record']['repeat']}": loss_spikes(r["rows"])
-                            for r in results}}
+                            for r in results},
+            "loss_comparison": loss_comparison(results)}
 
 
 def plot(path: Path, head: dict, results: list[dict]) -> None:
@@ -134,3 +185,7 @@ def plot(path: Path, head: dict, results: list[dict]) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+if __name__ == "__main__":
+    print(json.dumps(loss_comparison(read_csv(Path(sys.argv[1]))), indent=1))

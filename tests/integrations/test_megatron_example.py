@@ -101,3 +101,44 @@ def test_loss_spikes_against_the_median_before():
     losses[WINDOW + 9] = 8.1 * SPIKE * 0.99  # under it
     rows = [{"step": step, "loss": loss} for step, loss in enumerate(losses)]
     assert loss_spikes(rows) == [[WINDOW + 2, losses[WINDOW + 2]]]
+
+
+def test_loss_comparison_at_matched_steps(tmp_path):
+    """flashmoe against local per repeat and each kernel set's repeat 1 against its repeat 0, over the steps from
+    FIRST_STEP that both runs reached (a run stopped early is compared over its own steps, not its last ten against
+    the other's), the same from the written CSV."""
+    import random
+
+    sys.path.insert(0, str(EXAMPLE.parent))
+    from train_outputs import FIRST_STEP, WINDOW, loss_comparison, read_csv, write_outputs
+
+    rng = random.Random(0)
+    local = [10.0 - 0.05 * step + rng.uniform(-0.3, 0.3) for step in range(50)]
+    curves = {("flashmoe", 0): [0.99 * loss for loss in local[:40]],  # stopped at 40 steps, 1% lower
+              ("local", 0): local, ("local", 1): local,
+              ("flashmoe", 1): [loss * (1.02 if step % 2 else 0.98) for step, loss in enumerate(local)]}
+    results = [{"record": {"op": "megatron-train", "kernels": kernels, "repeat": repeat, "tokens_per_s": 1000.0,
+                           "final_loss": sum(losses[-10:]) / 10},
+                "rows": [{"kernels": kernels, "step": step, "loss": loss, "tokens_per_s": 1000.0}
+                         for step, loss in enumerate(losses)]}
+               for (kernels, repeat), losses in curves.items()]
+    comparison = loss_comparison(results)
+    assert (comparison["first_step"], comparison["window"]) == (FIRST_STEP, WINDOW)
+    first, second = comparison["per_repeat"]
+    assert first["repeat"] == 0 and first["steps"] == [FIRST_STEP, 39]
+    assert first["window_ratio"] == pytest.approx(0.99, rel=1e-12)
+    assert first["gap_mean"] == pytest.approx(-0.01, rel=1e-9) and first["gap_mean_abs"] == pytest.approx(0.01)
+    compared = range(FIRST_STEP, 50)
+    assert second["steps"] == [FIRST_STEP, 49]
+    assert second["gap_mean"] == pytest.approx(sum(0.02 if s % 2 else -0.02 for s in compared) / len(compared))
+    assert second["gap_mean_abs"] == pytest.approx(0.02)
+    window = range(50 - WINDOW, 50)
+    assert second["window_ratio"] == pytest.approx(sum(curves[("flashmoe", 1)][s] for s in window)
+                                                   / sum(local[s] for s in window))
+    local_twice, ours_twice = comparison["repeat_to_repeat"]["local"], comparison["repeat_to_repeat"]["flashmoe"]
+    assert local_twice["gap_mean_abs"] == 0 and local_twice["window_ratio"] == 1
+    assert ours_twice["steps"] == [FIRST_STEP, 39]
+    head = {"gpu": "cpu", "commit": "0000000", "model": {"parameters": 2e6, "active_parameters": 1e6}}
+    document = write_outputs(tmp_path, head, results)
+    assert document["summary"]["loss_comparison"] == comparison
+    assert loss_comparison(read_csv(tmp_path / "megatron-train.csv")) == comparison
