@@ -6,6 +6,8 @@ import zlib
 import pytest
 import torch
 
+import interpreter_driver
+
 
 # The skip reason of the Triton-kernel tests that a plain run executes in a TRITON_INTERPRET=1 child process (the
 # drivers of tests/interpreter_driver.py); the parent drops its own copies of them instead of listing them as skipped.
@@ -40,6 +42,7 @@ def pytest_report_header(config):
     return None
 
 
+@pytest.hookimpl(trylast=True)  # after -k, -m and --deselect: the interpreter child runs the selected drivers' files
 def pytest_collection_modifyitems(config, items):
     if _quick_selection(config):
         dropped = [item for item in items if any(item.get_closest_marker(name) for name in FULL_SUITE_ONLY)]
@@ -51,6 +54,7 @@ def pytest_collection_modifyitems(config, items):
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = [item for item in items if not _runs_in_interpreter_child(item)]
+    config.stash[interpreter_driver.SUITES] = interpreter_driver.suites_of(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: run `pytest -m gpu` on a GPU machine")

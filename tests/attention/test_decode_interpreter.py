@@ -16,18 +16,18 @@ import torch
 
 from decode_helpers import assert_decode_close, make_case, run_varlen_case
 from flashmoe_science import flash_attention_decode
-from interpreter_driver import run_under_interpreter
+from interpreter_driver import interpreter_suite, run_marked_suite
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DRIVER = "test_decode_interpreter_in_subprocess"
 
 
 @pytest.mark.slow
+@interpreter_suite(__file__)
 def test_decode_interpreter_in_subprocess(request):
     if IN_INTERPRETER:
         pytest.skip("already under TRITON_INTERPRET=1: the cases run in this process")
-    summary = run_under_interpreter(request.config.rootpath, __file__)
-    print(f"TRITON_INTERPRET=1 child: {summary}")
+    print(f"TRITON_INTERPRET=1 child: {run_marked_suite(request)}")
 
 
 def _run(case, backend="triton", **options):

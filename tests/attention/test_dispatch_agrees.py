@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dispatch_agreement as agreement
-from interpreter_driver import run_under_interpreter
+from interpreter_driver import interpreter_suite, run_marked_suite
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # the interpreter's bf16 dot is broken: fp16 there; the reference runs float32
@@ -18,11 +18,11 @@ BACKEND, DTYPE = ("triton", torch.float16) if IN_INTERPRETER else ("auto", torch
 
 
 @pytest.mark.slow
+@interpreter_suite(__file__, timeout=600)
 def test_dispatch_agrees_under_the_interpreter_in_subprocess(request):
     if IN_INTERPRETER:
         pytest.skip("already under TRITON_INTERPRET=1: the cases run in this process")
-    summary = run_under_interpreter(request.config.rootpath, __file__, timeout=600)
-    print(f"TRITON_INTERPRET=1 child: {summary}")
+    print(f"TRITON_INTERPRET=1 child: {run_marked_suite(request)}")
 
 
 @pytest.mark.parametrize("name", list(agreement.DENSE_FEATURES))

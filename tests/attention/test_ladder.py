@@ -24,7 +24,7 @@ import torch
 from flashmoe_science.attention.ladder import RUNGS, rung, unavailable
 from flashmoe_science.attention.ladder import naive_gpu
 from helpers import assert_out_close, dtype_id, make_qkv
-from interpreter_driver import run_under_interpreter
+from interpreter_driver import interpreter_suite, run_marked_suite
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 in_process = pytest.mark.skipif(IN_INTERPRETER, reason="runs in the parent process, not under the interpreter")
@@ -142,9 +142,9 @@ def test_gpu_grid_is_the_token_budget():
 
 @in_process
 @pytest.mark.slow
+@interpreter_suite(__file__, timeout=600)
 def test_ladder_under_the_interpreter_in_subprocess(request):
-    summary = run_under_interpreter(request.config.rootpath, __file__, timeout=600)
-    print(f"TRITON_INTERPRET=1 child: {summary}")
+    print(f"TRITON_INTERPRET=1 child: {run_marked_suite(request)}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import torch
 from flashmoe_science import flash_attention_science
 from flashmoe_science.attention.tiles import INTERPRETER_TRAITS, forward_tiles
 from helpers import assert_lse_close, assert_out_close, dtype_id, make_qkv, oracle, randn
-from interpreter_driver import run_under_interpreter
+from interpreter_driver import interpreter_suite, run_marked_suite
 
 # Decided once, when this module is imported (collection), before any test can monkeypatch the variable.
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -69,16 +69,14 @@ def triton_fwd():
     return module
 
 
+# The backward's and the masks/varlen features' interpreter cases (skipped in a normal run) ride along.
 @pytest.mark.slow
+@interpreter_suite(__file__, *(os.path.join(os.path.dirname(__file__), name)
+                               for name in ("test_backward.py", "test_features_interpreter.py")), timeout=900)
 def test_interpreter_suite_in_subprocess(request):
     if IN_INTERPRETER:
         pytest.skip("already under TRITON_INTERPRET=1: the cases run in this process")
-    # The backward's and the masks/varlen features' interpreter cases (skipped in a normal run) ride along in the
-    # same child.
-    here = os.path.dirname(__file__)
-    riders = [os.path.join(here, name) for name in ("test_backward.py", "test_features_interpreter.py")]
-    summary = run_under_interpreter(request.config.rootpath, __file__, *riders, timeout=900)
-    print(f"TRITON_INTERPRET=1 child: {summary}")
+    print(f"TRITON_INTERPRET=1 child: {run_marked_suite(request)}")
 
 
 def _run(q, k, v, causal=False, softmax_scale=None):

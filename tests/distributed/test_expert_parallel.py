@@ -1,10 +1,15 @@
 """Expert-parallel MoE in 2 and 4 CPU processes (gloo): outputs and gradients equal the whole layer run in one
 process on every rank's tokens (moe_cases.py; ragged token counts, a rank without tokens, a rank that receives none)."""
 
+from pathlib import Path
+
 import pytest
 
 import moe_cases
 from flashmoe_science.distributed import expert_bounds
+from interpreter_driver import interpreter_suite, run_marked_suite
+
+HERE = Path(__file__).resolve().parent
 
 
 @pytest.mark.parametrize("world_size", (2, 4))
@@ -35,21 +40,17 @@ def test_owner_arithmetic_matches_expert_bounds(num_experts, world_size):
 
 
 @pytest.mark.slow
-def test_triton_plan_under_interpreter():
+@interpreter_suite(HERE / "plan_interpreter_cases.py", HERE / "exchange_interpreter_cases.py")
+def test_triton_plan_under_interpreter(request):
     """The plan's kernels against the PyTorch plan and a loop over tokens (plan_interpreter_cases.py), the
     symmetric-memory exchange's kernels on an emulated group against the whole layer (exchange_interpreter_cases.py),
     then the layer planned by the plan's kernels in 4 gloo ranks (ep_interpreter_cases.py): each in a process
     started with TRITON_INTERPRET=1."""
     pytest.importorskip("triton")
-    from pathlib import Path
-
     import ep_interpreter_cases
     from dist_spawn import run_cases
-    from interpreter_driver import run_under_interpreter
 
-    here = Path(__file__).resolve().parent
-    run_under_interpreter(here.parents[1], str(here / "plan_interpreter_cases.py"),
-                          str(here / "exchange_interpreter_cases.py"), timeout=300)
+    run_marked_suite(request)
     names = [f"ep_interpreter_cases.{case}" for case in ep_interpreter_cases.CASES]
     errors = {name: error for name, error in run_cases(names, 4, env={"TRITON_INTERPRET": "1"}).items() if error}
     if errors:

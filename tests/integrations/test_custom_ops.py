@@ -13,7 +13,7 @@ from flashmoe_science.attention import ops as attention_ops
 from flashmoe_science.attention.decode import ops as decode_ops
 from flashmoe_science.moe import ops as moe_ops
 from flashmoe_science.nn import TransformerBlock
-from interpreter_driver import run_under_interpreter
+from interpreter_driver import interpreter_suite, run_marked_suite
 
 HERE = Path(__file__).resolve().parent
 
@@ -183,9 +183,10 @@ def test_bad_input_fails_at_trace_time():
         compiled_moe(x, w1, w2, torch.randn(5, 4))
 
 
-def test_triton_kernels_through_the_ops_under_interpreter():
+@interpreter_suite(HERE / "interpreter_ops_cases.py", timeout=600)
+def test_triton_kernels_through_the_ops_under_interpreter(request):
     pytest.importorskip("triton")
-    run_under_interpreter(HERE.parents[1], str(HERE / "interpreter_ops_cases.py"), timeout=600)
+    run_marked_suite(request)
 
 
 @pytest.mark.parametrize("append", [False, True])

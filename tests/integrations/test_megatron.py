@@ -26,7 +26,7 @@ from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from flashmoe_science.integrations.megatron import FlashCoreAttention, FlashExperts  # noqa: E402
-from interpreter_driver import run_under_interpreter  # noqa: E402
+from interpreter_driver import interpreter_suite, run_marked_suite  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE.parents[1] / "examples" / "megatron"
@@ -202,9 +202,10 @@ def test_experts_refuse_zero_copy_buffers():
         experts(x, torch.tensor([2, 1]), torch.ones(3), output_buffer=torch.empty(3, 64))
 
 
-def test_triton_paths_under_interpreter():
+@interpreter_suite(HERE / "interpreter_megatron_cases.py", timeout=600)
+def test_triton_paths_under_interpreter(request):
     pytest.importorskip("triton")
-    run_under_interpreter(HERE.parents[1], str(HERE / "interpreter_megatron_cases.py"), timeout=600)
+    run_marked_suite(request)
 
 
 # ------------------------------------------------------------------------------ GPT-MoE models on gloo CPU ranks

@@ -23,7 +23,7 @@ from flashmoe_science.moe import describe_moe, fused_experts, fused_moe, moe_rou
 from flashmoe_science.moe.fp8 import (BLOCK, FP8, dequantize_fp8, fp8_experts_reference, quantize_fp8_groups,
                                       quantize_fp8_weights)
 from flashmoe_science.nn.moe import FusedMoE
-from interpreter_driver import run_under_interpreter
+from interpreter_driver import interpreter_suite, run_marked_suite
 from fp8_testing import (FP8_RMS_BUDGET, assert_matches_emulation, assert_stages_match_emulation, quantized_experts,
                          qwen3_fp8_block, rms_error, rne_e4m3)
 
@@ -176,11 +176,12 @@ def test_from_hf_loads_an_fp8_qwen3_block():
 
 # --------------------------------------------------------------------------------- interpreter (child)
 @pytest.mark.slow
+@interpreter_suite(__file__, timeout=600)
 def test_fp8_kernels_under_interpreter(request):
     pytest.importorskip("triton")
     if IN_INTERPRETER:
         pytest.skip("already under TRITON_INTERPRET=1: the cases run in this process")
-    run_under_interpreter(request.config.rootpath, __file__, timeout=600)
+    run_marked_suite(request)
 
 
 def _interpreter_e4m3(values: torch.Tensor) -> torch.Tensor:

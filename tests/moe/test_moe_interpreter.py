@@ -4,12 +4,13 @@ from pathlib import Path
 
 import pytest
 
-from interpreter_driver import run_under_interpreter
+from interpreter_driver import interpreter_suite, run_marked_suite
 
 HERE = Path(__file__).resolve().parent
 
 
 @pytest.mark.slow
-def test_triton_kernels_under_interpreter():
+@interpreter_suite(HERE / "interpreter_cases.py", timeout=600)
+def test_triton_kernels_under_interpreter(request):
     pytest.importorskip("triton")
-    run_under_interpreter(HERE.parents[1], str(HERE / "interpreter_cases.py"), timeout=600)
+    run_marked_suite(request)
