@@ -1,7 +1,6 @@
 """Runs test files in a child pytest under TRITON_INTERPRET=1 (which must be set before triton is first imported:
-see tests/attention/test_triton_interpreter.py's docstring); `run_check_script` does the same for a check script that
-prints "ok N" after N passing draws. (tests/ is on sys.path in every test: pytest puts the root conftest's folder
-there.)
+see tests/attention/test_triton_interpreter.py's docstring). (tests/ is on sys.path in every test: pytest puts the root
+conftest's folder there.)
 
 A driver test names its files with the `interpreter_suite` mark and calls `run_marked_suite(request)`. The first
 driver of a pytest run starts ONE child for the files of every driver the run collected (each child pays the start-up
@@ -98,13 +97,3 @@ def run_marked_suite(request) -> str:
     run = _run_child(str(request.config.rootpath), files, timeout)
     return run.check(request.config.rootpath, own.args)
 
-
-def run_check_script(script: Path, seed: int, draws: int, timeout: int = 600) -> None:
-    """Runs `script seed draws` under TRITON_INTERPRET=1 with the repository's src/ first on PYTHONPATH and asserts
-    that it exited cleanly after printing "ok <draws>"."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, str(script), str(seed), str(draws)], env=env, capture_output=True,
-                            text=True, timeout=timeout)
-    assert result.returncode == 0 and f"ok {draws}" in result.stdout, result.stdout + result.stderr

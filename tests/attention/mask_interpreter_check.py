@@ -1,5 +1,5 @@
-"""Run as a script under TRITON_INTERPRET=1 (tests/attention/test_mask.py does): checks the kernels' view of the
-mask rules (`mask.key_tile_range`, `mask.visible`, `mask.score_to_log2`) against the host view (`mask.visibility`,
+"""Under TRITON_INTERPRET=1, as a script or as the interpreter child's case (tests/attention/test_mask.py's driver
+runs `test_draws`): checks the kernels' view of the mask rules (`mask.key_tile_range`, `mask.visible`, `mask.score_to_log2`) against the host view (`mask.visibility`,
 `mask.score_mods`) on random shapes and windows. Prints "ok N" on success, raises on the first mismatch."""
 
 import math
@@ -94,6 +94,13 @@ def check(rng: random.Random) -> None:
     got = scores[:, :lk] / M.LOG2_E.value
     fin = truth
     assert torch.allclose(got[fin], ref[fin], rtol=1e-5, atol=1e-5), f"score_to_log2 disagrees: {what}"
+
+
+def test_draws():
+    """150 draws from seed 1."""
+    rng = random.Random(1)
+    for _ in range(150):
+        check(rng)
 
 
 if __name__ == "__main__":

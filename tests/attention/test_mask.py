@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashmoe_science.attention.mask import MaskSpec, make_mask, score_mods, visibility
-from interpreter_driver import run_check_script
+from interpreter_driver import interpreter_suite, run_marked_suite
 
 
 def brute_force(lq, lk, left, right):
@@ -63,5 +63,6 @@ def test_score_mods_softcap_alibi_bias():
 
 
 @pytest.mark.slow
-def test_kernel_view_matches_host_view_under_the_interpreter():
-    run_check_script(Path(__file__).with_name("mask_interpreter_check.py"), 1, 150)
+@interpreter_suite(Path(__file__).with_name("mask_interpreter_check.py"))
+def test_kernel_view_matches_host_view_under_the_interpreter(request):
+    run_marked_suite(request)

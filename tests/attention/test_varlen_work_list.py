@@ -7,7 +7,7 @@ import torch
 
 from flashmoe_science.attention.seqlen import (VarlenBatch, ranked_work_list, ranked_work_list_entries,
                                                varlen_work_list, work_items_bound, work_list)
-from interpreter_driver import run_check_script
+from interpreter_driver import interpreter_suite, run_marked_suite
 
 
 def _cu(*lengths):
@@ -42,5 +42,6 @@ def test_varlen_batch_takes_the_ranked_list_for_the_causal_path():
     assert VarlenBatch.of(cu, cu, 128, 135, False).tile_offsets is work_list(cu, 128)
 
 
-def test_kernels_decode_the_work_lists_under_the_interpreter():
-    run_check_script(Path(__file__).with_name("work_list_interpreter_check.py"), 3, 40)
+@interpreter_suite(Path(__file__).with_name("work_list_interpreter_check.py"))
+def test_kernels_decode_the_work_lists_under_the_interpreter(request):
+    run_marked_suite(request)

@@ -1,4 +1,5 @@
-"""Run as a script under TRITON_INTERPRET=1 (tests/attention/test_varlen_work_list.py does): decodes every work item
+"""Under TRITON_INTERPRET=1, as a script or as the interpreter child's case (tests/attention/test_varlen_work_list.py's
+driver runs `test_draws`): decodes every work item
 of random packed batches with the kernels' `seqlen.tile_of_work`, `ranked_tile_of_work` and `heaviest_tile_of_work`
 and checks them against the exact integer rules of each numbering (every real tile of every head once; the batch's
 order, or the sequences longest first, a (sequence, head)'s tiles consecutive and increasing; or every tile in
@@ -83,6 +84,11 @@ def main(seed: int, cases: int) -> None:
         rows = sum(lengths) + rng.randint(0, 3 * block)  # packed rows past the last sequence
         check(lengths, rng.choice((1, 2, 3)), block, seqlen.work_items_bound(len(lengths), rows, rows, block))
     print(f"ok {cases}")
+
+
+def test_draws():
+    """40 packed batches from seed 3."""
+    main(3, 40)
 
 
 if __name__ == "__main__":
