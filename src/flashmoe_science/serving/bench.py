@@ -31,19 +31,20 @@ SERVER_START_TIMEOUT_S = 900  # model build, cache allocation and CUDA-graph cap
 WARMUP_NEW_TOKENS = 16  # enough decode steps to capture the decode graphs; the prompts' prefill is the warm-up's bulk
 
 
-def _int_list(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v]
-    if not values or min(values) < 1:
-        raise ValueError(f"expected positive integers separated by commas, got {text!r}")
-    return values
+def _positive_list(convert, what: str):
+    """An option's parser: positive values of `convert` (int or float) separated by commas."""
+    def parse(text: str) -> list:
+        values = [convert(v) for v in text.split(",") if v]
+        if not values or min(values) <= 0:
+            raise ValueError(f"expected positive {what} separated by commas, got {text!r}")
+        return values
+
+    parse.__name__ = f"positive {what}"  # argparse names the type in its error
+    return parse
 
 
-def positive_floats(text: str) -> list[float]:
-    """``--cache-gib`` of ``serve-bench``: positive numbers separated by commas."""
-    values = [float(v) for v in text.split(",") if v]
-    if not values or min(values) <= 0:
-        raise ValueError(f"expected positive numbers separated by commas, got {text!r}")
-    return values
+_int_list = _positive_list(int, "integers")
+positive_floats = _positive_list(float, "numbers")  # serve-bench's --cache-gib
 
 
 def _one_or_each(values: list, count: int, option: str, what: str) -> list:

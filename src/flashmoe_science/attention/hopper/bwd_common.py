@@ -197,30 +197,15 @@ def _probabilities(s, lse, queries, keys, needs_mask, seqlen_k, diagonal, window
 
 
 @gluon.jit
-def _raw_probabilities(s, neg_lse_log2, queries, keys, seqlen_k, diagonal, window_left, window_right, qk_scale,
-                       softcap_scale, alibi_slope_log2, AXIS: gl.constexpr, CAUSAL: gl.constexpr,
-                       MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                       ALIBI: gl.constexpr, MASKED: gl.constexpr, hide=False):
-    """(P, t) from a product without lse in its start (zero, a linear bias, and for a MASKED tile the mask of
-    `_mask_score_start`): P = exp2(x − lse·log2e) with x mask.score_to_log2's scores, the subtraction folded into
-    the scaling FFMA (`neg_lse_log2` = −lse·log2e along the queries, expanded on AXIS). Hidden pairs started from
-    −inf give P = 0; with a softcap they started from NaN, which the tanh keeps and this turns into P = 0, t = 0
-    (a dense softcapped call's ragged key block is masked here, after the tanh). t: see `_probabilities`."""
-    x, t = score_to_log2(s, queries, keys, diagonal, qk_scale, softcap_scale, alibi_slope_log2, SOFTCAP, ALIBI,
-                         True)
-    x = x + gl.expand_dims(neg_lse_log2, AXIS)
+def _raw_probabilities(s, neg_lse_log2, queries, keys, seqlen_k, diagonal, qk_scale, AXIS: gl.constexpr,
+                       CAUSAL: gl.constexpr, hide=False):
+    """P from a score product started from zero (or, in a masked tile, from `_mask_score_start`'s −inf at hidden
+    pairs) under a full or causal mask: P = exp2(s·scale·log2e − lse·log2e), the subtraction folded into the
+    scaling FFMA (`neg_lse_log2` = −lse·log2e along the queries, expanded on AXIS); `hide` masks it after."""
+    x = s * qk_scale + gl.expand_dims(neg_lse_log2, AXIS)
     if hide:
-        x = _hide_keys(x, queries, keys, seqlen_k, diagonal, window_left, window_right, CAUSAL, MASK_LEFT,
-                       MASK_RIGHT)
-    if MASKED and SOFTCAP:
-        if CAUSAL or MASK_LEFT or MASK_RIGHT:
-            hidden = t != t
-            x = gl.where(hidden, float("-inf"), x)
-            t = gl.where(hidden, 0.0, t)
-        else:
-            x = _hide_keys(x, queries, keys, seqlen_k, diagonal, window_left, window_right, CAUSAL, MASK_LEFT,
-                           MASK_RIGHT)
-    return gl.exp2(x), t
+        x = _hide_keys(x, queries, keys, seqlen_k, diagonal, 0, 0, CAUSAL, False, False)
+    return gl.exp2(x)
 
 
 @gluon.jit

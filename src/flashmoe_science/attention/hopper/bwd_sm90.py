@@ -163,11 +163,10 @@ def _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, 
     """`_consumer`'s step over the query tile at `start_m` of query head g of the group (the ring's `ring`-th
     tile): returns dK_c and dV_c with the tile's products added (dK's still in flight).
 
-    STAGED: both products start from zero (no accumulator moves); lse and Δ come after them, from the stage's
-    shared-memory copies: −lse·log2e in the exp2's scaling FFMA, Δ in one subtraction. Only linear biases (ALiBi
-    without a softcap, an attn_bias) and, in a MASKED tile, the mask's -inf (NaN with a softcap:
-    `_mask_score_start`) ride in the score product's start. Otherwise lse, Δ and the mask ride in the products'
-    starts, read from LSE and Delta. `tile_bounds` (full_start, full_end of `_visited_query_tiles`): the tile is
+    STAGED (full and causal masks, no softcap, ALiBi or attn_bias): both products start from zero (no accumulator
+    moves), except a MASKED tile's score product, which starts from the mask's -inf; lse and Δ come after them,
+    from the stage's shared-memory copies: −lse·log2e in the exp2's scaling FFMA, Δ in one subtraction. Otherwise
+    lse, Δ and the mask ride in the products' starts, read from LSE and Delta. `tile_bounds` (full_start, full_end of `_visited_query_tiles`): the tile is
     masked where it falls outside them; None in the split loops, where MASKED says."""
     q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, bias_smem = smem
     q_ready, do_ready, empty, ds_ready, dq_full, dq_empty = barriers
@@ -183,7 +182,6 @@ def _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, 
     DQ_COLS: gl.constexpr = dq_smem.shape[2]
     HALF_BOXES: gl.constexpr = DQ_N // DQ_COLS  # staging boxes per consumer
     DQ_BUFFERS: gl.constexpr = dq_full.shape[0]
-    LINEAR_START: gl.constexpr = HAS_BIAS or (ALIBI and not SOFTCAP)
     diagonal = seqlen_k - seqlen_q
     q_head = batch * num_q_heads + kv_head * group_size + g  # flat (batch, query head)
     if not STAGED:
@@ -214,8 +212,7 @@ def _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, 
     queries = gl.expand_dims(offs_q, 0)
     keys = gl.expand_dims(offs_key, 1)
     if STAGED:
-        s_init = _alibi_score_start(s_zero, queries, keys, diagonal, slope_log2 / qk_scale, ALIBI and not SOFTCAP)
-        s_init = _mask_score_start(s_init, queries, keys, MASKED, seqlen_k, diagonal, window_left, window_right,
+        s_init = _mask_score_start(s_zero, queries, keys, MASKED, seqlen_k, diagonal, window_left, window_right,
                                    CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP)
     else:
         s_init = _score_start(s_zero, lse, inv_scale, queries, keys, hide, seqlen_k, diagonal, window_left,
@@ -226,7 +223,7 @@ def _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, 
     if HAS_BIAS:  # (keys, queries) of the (queries, CTA keys) tile
         bias_t = bias_smem.index(stage).reshape([ROWS, 2 * KEYS]).slice(CONSUMER * KEYS, KEYS, dim=1)
         s_init = s_init + bias_t.permute((1, 0)).load(s_layout).to(gl.float32) * inv_scale
-    if STAGED and not (LINEAR_START or MASKED):
+    if STAGED and not MASKED:
         s = warpgroup_mma(my_keys, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     else:
         s = warpgroup_mma(my_keys, q_tile.permute((1, 0)), s_init, is_async=True)
@@ -238,9 +235,8 @@ def _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, 
     s = warpgroup_mma_wait(1, deps=(s,))
     if STAGED:
         neg_lse_log2 = _staged_neg_lse_log2(lse_smem.index(stage), start_m, seqlen_q, query_slice, MASKED, hide)
-        p, t = _raw_probabilities(s, neg_lse_log2, queries, keys, seqlen_k, diagonal, window_left, window_right,
-                                  qk_scale, softcap_scale, slope_log2, 0, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                                  ALIBI and SOFTCAP, MASKED, hide)  # without a softcap ALiBi rode in s
+        p = _raw_probabilities(s, neg_lse_log2, queries, keys, seqlen_k, diagonal, qk_scale, 0, CAUSAL, hide)
+        t = s  # the softcap's tanh: no softcap here
         delta = delta_smem.index(stage).load(query_slice)
         dp = warpgroup_mma_wait(0, deps=(dp,))
         ds = p * (dp - gl.expand_dims(delta, 0))
@@ -321,18 +317,15 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
     offs_key = my_start_n + gl.arange(0, KEYS, layout=key_slice)
     scalars = (batch, kv_head, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, 1.0 / sm_scale, seq, q_first,
                lse_rows, LSE, Delta, window_left, window_right, softcap_scale, Slopes, stride_slopes, dbias_args)
-    # With staged statistics under a causal or window mask, each head's visited tiles run in three loops, masked
-    # (causal diagonal, a window's leading edge, every tile of a CTA whose keys run past Lk), unmasked, masked (a
-    # window's trailing edge): the unmasked loop carries no mask arithmetic and no index vectors, and the masked
-    # ones start Sᵀ from the mask. Otherwise one loop, the mask chosen per tile.
-    SPLIT: gl.constexpr = STAGED and (CAUSAL or MASK_LEFT or MASK_RIGHT)
-    masked_end = gl.minimum(gl.maximum(gl.cdiv(full_start - query_start, ROWS), 0), num_tiles)
-    if MASK_LEFT or MASK_RIGHT:
-        full_tiles_end = gl.minimum(gl.maximum(gl.cdiv(full_end - query_start, ROWS), masked_end), num_tiles)
-    else:
-        full_tiles_end = num_tiles
+    # With staged statistics under a causal mask, each head's visited tiles run in two loops, masked (the diagonal,
+    # and every tile of a CTA whose keys run past Lk) then unmasked: the unmasked loop carries no mask arithmetic
+    # and no index vectors, and the masked one starts Sᵀ from the mask. Otherwise one loop, the mask chosen per tile.
+    gl.static_assert(not STAGED or not (SOFTCAP or ALIBI or HAS_BIAS or MASK_LEFT or MASK_RIGHT),
+                     "staged statistics take full and causal masks only (tiles.sm90_backward_staged_stats)")
+    SPLIT: gl.constexpr = STAGED and CAUSAL
     mbarrier.wait(kv_ready, 0)
     if SPLIT:
+        masked_end = gl.minimum(gl.maximum(gl.cdiv(full_start - query_start, ROWS), 0), num_tiles)
         ring = 0
         for g in range(group_size):
             for tile in range(0, masked_end):
@@ -341,19 +334,12 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
                                         CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_GRAD, VARLEN,
                                         STAGED, True)
                 ring += 1
-            for tile in range(masked_end, full_tiles_end):
+            for tile in range(masked_end, num_tiles):
                 dk, dv = _consumer_tile(ring, g, query_start + tile * ROWS, dk, dv, smem, barriers, operands,
                                         dq_zero, offs_key, scalars, CONSUMER, ROWS, KEYS, BLOCK_D, NUM_STAGES,
                                         CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_GRAD, VARLEN,
                                         STAGED, False)
                 ring += 1
-            if MASK_LEFT or MASK_RIGHT:
-                for tile in range(full_tiles_end, num_tiles):
-                    dk, dv = _consumer_tile(ring, g, query_start + tile * ROWS, dk, dv, smem, barriers, operands,
-                                            dq_zero, offs_key, scalars, CONSUMER, ROWS, KEYS, BLOCK_D, NUM_STAGES,
-                                            CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_GRAD,
-                                            VARLEN, STAGED, True)
-                    ring += 1
     else:
         for ring in range(group_size * num_tiles):
             g = ring // num_tiles
