@@ -225,6 +225,23 @@ def test_sm90_backward_stages_row_statistics_where_tma_can_read_them():
     assert staged(256) and not staged(255) and not staged(256, lse_offset=1)
 
 
+@pytest.mark.parametrize("head_dim, consumers, rotation", [(32, 3, True), (64, 3, True), (64, 2, True),
+                                                            (128, 2, False), (256, 2, False)])
+def test_sm90_forward_issues_in_rotation_at_head_dims_to_64(head_dim, consumers, rotation):
+    """The sm_90 forward's consumers take turns to issue their products (and rescale O after P·V) at head dims
+    padding to <= 64, on two consumers or three; wider heads and e4m3 inputs leave the order to the hardware."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashmoe_science.attention.hopper import fwd_sm90
+    from flashmoe_science.attention.hopper.tiles import sm90_forward_pingpong
+
+    q = torch.empty(1, 2, 256, head_dim, dtype=torch.bfloat16, device="meta")
+    tiles = AttentionTiles(64 * consumers, 128 if head_dim <= 128 else 64, 4 * consumers, 2, use_tma=True)
+    _, _, constexprs = fwd_sm90._launch_args(q, q, q, torch.empty_like(q), torch.empty(1, 2, 256, device="meta"),
+                                             False, 0.1, tiles, 132, 1, False)
+    assert constexprs["PINGPONG"] is rotation and constexprs["NUM_CONSUMERS"] == consumers
+    assert not sm90_forward_pingpong(head_dim, fp8=True)
+
+
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_sm90_prepared_backward_rebases_the_first_calls_descriptors(monkeypatch, fake_compiled_kernel, head_dim):
     """bwd_sm90.PreparedBackward's three launches on new tensors: each per-call tensor as given, each TMA descriptor

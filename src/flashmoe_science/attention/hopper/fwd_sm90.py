@@ -17,8 +17,10 @@ The first tile is peeled (there is no P_{-1}) and the last P·V runs after the l
 
 A work item is NUM_CONSUMERS · 64 query rows of one (batch, head) (`tiles.block_m`: 128 on two consumer
 warpgroups, 192 on three at head dims to 64: hopper/tiles.py), 64 rows per consumer warpgroup, each in its own
-warp-specialised partition. They share the K/V tiles but never wait for each other, so the warp schedulers
-interleave one warpgroup's softmax with the others' tensor-core products (FA3's ping-pong, left to the hardware).
+warp-specialised partition. They share the K/V tiles, and the warp schedulers interleave one warpgroup's softmax
+with the others' tensor-core products (FA3's ping-pong). At head dims to 64 the order is explicit: the consumers
+issue each key tile's two products in a fixed rotation and rescale O after its P·V (`_take_turn`,
+`tiles.sm90_forward_pingpong`); elsewhere it is left to the hardware.
 A further partition, one producer warp with 24 registers (the consumers get 240 with two of them, 160 with three:
 gluon/sm90.consumer_registers), streams K and V through a ring of NUM_STAGES shared-memory stages. Each stage has a
 "ready" barrier (the TMA copy landed) and an "empty" barrier that every consumer arrives on (K after its Q·Kᵀ
@@ -42,7 +44,7 @@ import functools
 import torch
 
 from flashmoe_science.attention.hopper.common import descriptor, release_unused
-from flashmoe_science.attention.hopper.tiles import sm90_cross_item_safe
+from flashmoe_science.attention.hopper.tiles import sm90_cross_item_safe, sm90_forward_pingpong
 from flashmoe_science.attention.hopper.work_items import VarlenArgs, cta_key_tiles, cta_num_items, item_rows
 from flashmoe_science.attention.features import bias_strides
 from flashmoe_science.attention.layout import bias_tma_view, tma_compatible
@@ -420,9 +422,13 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
                BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
-               s_layout: gl.constexpr, o_rows: gl.constexpr, p_layout: gl.constexpr, P_DTYPE: gl.constexpr):
+               s_layout: gl.constexpr, o_rows: gl.constexpr, p_layout: gl.constexpr, P_DTYPE: gl.constexpr,
+               turns, turn, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
     """Key tiles 1..num_tiles-1 of a work item whose tile 0 is in (p, m_i, l_i, alpha); see the module docstring.
-    Returns the state after the last tile's softmax (its P·V is left to the caller)."""
+    Returns the state after the last tile's softmax (its P·V is left to the caller) and the turn count.
+    PINGPONG: each tile's two products are issued in this consumer's turn (`_take_turn`), and O is rescaled by
+    alpha_j once P_{j-1}·V_{j-1} is done instead of before that product is issued, so that the turn holds the two
+    issues only; the returned O is then already rescaled for the last tile."""
     ALIBI_LINEAR: gl.constexpr = ALIBI and not SOFTCAP
     BIAS_START: gl.constexpr = _bias_in_start(BIAS_TMA, SOFTCAP, BLOCK_D)
     ADD_BIAS: gl.constexpr = HAS_BIAS and not BIAS_START  # the softmax adds it
@@ -432,12 +438,15 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         s_init = _score_start(s_zero, tile_mask[0] + j * BLOCK_N, tile_mask, BLOCK_N, ALIBI_LINEAR, s_layout)
         mbarrier.wait(k_ready.index(stage), ((ring + j) // NUM_STAGES) & 1)
         s_init = _bias_start(s_init, bias_ring, stage, bias_args, BLOCK_N, ALIBI_LINEAR, BIAS_START, s_layout)
+        _take_turn(turns, turn, CONSUMER, PINGPONG)
         s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_init,
                           use_acc=ALIBI_LINEAR or BIAS_START, is_async=True)
-        o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        if not PINGPONG:
+            o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         mbarrier.wait(v_ready.index(prev), ((ring + j - 1) // NUM_STAGES) & 1)
         p_op = _p_operand(p, q_tile.dtype, p_layout)
         o_acc = warpgroup_mma(p_op, _v_operand(v_smem, prev, BLOCK_N, BLOCK_D), o_acc, is_async=True)
+        turn = _pass_turn(turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
         s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale,
                                            k_empty.index(stage), bias_ring, stage, bias_args, BLOCK_N, CAUSAL,
@@ -445,15 +454,51 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
                                            P_DTYPE, p_layout)
         o_acc = _wait_pv(o_acc, p_op)
         mbarrier.arrive(v_empty.index(prev), count=1)
-    return p, m_i, l_i, alpha, o_acc
+        if PINGPONG:  # outside the turn: O's rescale runs under the other consumers' products
+            o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+    return p, m_i, l_i, alpha, o_acc, turn
+
+
+@gluon.jit
+def _take_turn(turns, turn, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: wait until this consumer's `turn`-th turn to issue a key tile's two products. The consumers issue
+    in a fixed rotation 0, 1, .., NUM_CONSUMERS-1, 0, ..: `turns` holds one barrier per consumer, on which its
+    predecessor arrives once it has issued (`_pass_turn`), so while one warpgroup's products run on the tensor
+    cores the others do their softmax, in order, rather than in whatever order the warp schedulers pick. Consumer
+    0 takes its first turn at once (a fresh barrier's preceding phase counts as complete)."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(CONSUMER), (turn & 1) ^ (1 if CONSUMER == 0 else 0))
+
+
+@gluon.jit
+def _pass_turn(turns, turn, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: hand the turn to the next consumer in the rotation (see _take_turn); returns the turn count."""
+    if PINGPONG:
+        mbarrier.arrive(turns.index((CONSUMER + 1) % NUM_CONSUMERS), count=1)
+    return turn + 1
+
+
+@gluon.jit
+def _skip_turns(turns, turn, count, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: take and pass `count` turns without issuing, for the key tiles of the CTA's item this consumer does
+    not multiply (a right-bounded mask: `release_unused`), so that every consumer takes the same number of turns
+    per item and the rotation stays aligned. Called after those tiles' stages are released: the turns wait on the
+    consumers below, whose remaining tiles need those stages."""
+    if PINGPONG:
+        for _ in range(count):
+            _take_turn(turns, turn, CONSUMER, PINGPONG)
+            turn = _pass_turn(turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
+    return turn
 
 
 @gluon.jit
 def _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last,
                    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   o_rows: gl.constexpr, p_layout: gl.constexpr):
-    """The item's last O += P·V, issued asynchronously (returns the pending accumulator and its P operand)."""
-    o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                   o_rows: gl.constexpr, p_layout: gl.constexpr, PINGPONG: gl.constexpr):
+    """The item's last O += P·V, issued asynchronously (returns the pending accumulator and its P operand). O is
+    rescaled first, unless `_key_tiles` did (PINGPONG)."""
+    if not PINGPONG:
+        o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
     mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
     p_op = _p_operand(p, v_smem.dtype, p_layout)
     o_acc = warpgroup_mma(p_op, _v_operand(v_smem, last % NUM_STAGES, BLOCK_N, BLOCK_D), o_acc, is_async=True)
@@ -534,7 +579,8 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
                         CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
                         MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
-                        ALIBI: gl.constexpr, VARLEN: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr):
+                        ALIBI: gl.constexpr, VARLEN: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
+                        turns, PINGPONG: gl.constexpr):
     """One consumer warpgroup (number CONSUMER of NUM_CONSUMERS): its `ROWS` rows of every work item the CTA owns,
     in the producer's order.
 
@@ -550,7 +596,10 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
 
     e4m3 Q, K, V (FP8): the same loop on e4m3 products (wgmma K = 32), P rounded to e4m3 in registers, the
     descales (`descales`: QD, KD, VD) folded into each item's multipliers (_item_scales), and the bf16 output
-    staged in `o_smems` (the consumer's e4m3 Q buffer holds half its bytes)."""
+    staged in `o_smems` (the consumer's e4m3 Q buffer holds half its bytes).
+
+    PINGPONG: the consumers issue each key tile's two products in rotation (`_take_turn`, barriers `turns`); an
+    item's first Q·Kᵀ and last P·V are issued outside it."""
     num_warps: gl.constexpr = 4
     FP8: gl.constexpr = q_smems.dtype == gl.float8e4nv
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # wgmma's K: 32 bytes of the operands' elements
@@ -593,14 +642,15 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                                        BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS, BIAS_TMA,
                                        s_layout, P_DTYPE, p_layout)
     o_acc = o_zero
+    turn = 0  # key-tile turns taken (PINGPONG: _take_turn)
 
     for item in range(num_items - 1):
         q_buf = CONSUMER * Q_BUFFERS + item % Q_BUFFERS
-        p, m_i, l_i, alpha, o_acc = _key_tiles(
+        p, m_i, l_i, alpha, o_acc, turn = _key_tiles(
             q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
             num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, scale, bias_ring, bias_args,
             BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA, s_layout,
-            o_rows, p_layout, P_DTYPE)
+            o_rows, p_layout, P_DTYPE, turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
         last = ring + num_tiles - 1
         next_ring = ring + cta_tiles
         next_buf = CONSUMER * Q_BUFFERS + (item + 1) % Q_BUFFERS
@@ -616,7 +666,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                                     next_ring, s_zero, n_tile_mask, bias_ring, bias_args, BLOCK_N, BLOCK_D,
                                     NUM_STAGES, ALIBI_LINEAR, BIAS_START, s_layout)
             o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
-                                         p_layout)
+                                         p_layout, PINGPONG)
             s = warpgroup_mma_wait(1, deps=(s,))  # the next item's S_0 is done; this item's last P·V may still run
             p, m_next, l_next, alpha = _softmax_tile(
                 s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, n_scale, k_empty.index(next_ring % NUM_STAGES),
@@ -625,15 +675,17 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             o_acc = _wait_pv(o_acc, p_op)
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
+            turn = _skip_turns(turns, turn, cta_tiles - num_tiles, CONSUMER, NUM_CONSUMERS, PINGPONG)
             _store_output(o_acc, m_i, l_i, o_scale, o_desc, _output_staging(q_smems, o_smems, q_buf, CONSUMER, FP8),
                           q_empty.index(q_buf), LSE, rows, num_q_heads, seqlen_q, varlen_args, tile_mask, ROWS,
                           BLOCK_D, VARLEN, ALIBI_LINEAR, FP8, s_rows, o_layout)
         else:
             o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
-                                         p_layout)
+                                         p_layout, PINGPONG)
             o_acc = _wait_pv(o_acc, p_op)
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
+            turn = _skip_turns(turns, turn, cta_tiles - num_tiles, CONSUMER, NUM_CONSUMERS, PINGPONG)
             _store_output(o_acc, m_i, l_i, o_scale, o_desc, _output_staging(q_smems, o_smems, q_buf, CONSUMER, FP8),
                           q_empty.index(q_buf), LSE, rows, num_q_heads, seqlen_q, varlen_args, tile_mask, ROWS,
                           BLOCK_D, VARLEN, ALIBI_LINEAR, FP8, s_rows, o_layout)
@@ -654,17 +706,18 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
 
     # The last item: nothing left to overlap its last P·V with.
     q_buf = CONSUMER * Q_BUFFERS + (num_items - 1) % Q_BUFFERS
-    p, m_i, l_i, alpha, o_acc = _key_tiles(
+    p, m_i, l_i, alpha, o_acc, turn = _key_tiles(
         q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, scale, bias_ring, bias_args,
         BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA, s_layout,
-        o_rows, p_layout, P_DTYPE)
+        o_rows, p_layout, P_DTYPE, turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
     last = ring + num_tiles - 1
     o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
-                                 p_layout)
+                                 p_layout, PINGPONG)
     o_acc = _wait_pv(o_acc, p_op)
     mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
     release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, ring + cta_tiles, NUM_STAGES)
+    _skip_turns(turns, turn, cta_tiles - num_tiles, CONSUMER, NUM_CONSUMERS, PINGPONG)
     _store_output(o_acc, m_i, l_i, o_scale, o_desc, _output_staging(q_smems, o_smems, q_buf, CONSUMER, FP8),
                   q_empty.index(q_buf), LSE, rows, num_q_heads, seqlen_q, varlen_args, tile_mask, ROWS, BLOCK_D,
                   VARLEN, ALIBI_LINEAR, FP8, s_rows, o_layout)
@@ -681,7 +734,7 @@ def attention_forward_sm90_kernel(
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
     MASK_LEFT: gl.constexpr = False, MASK_RIGHT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
     ALIBI: gl.constexpr = False, VARLEN: gl.constexpr = False, HAS_BIAS: gl.constexpr = False,
-    BIAS_TMA: gl.constexpr = False, NUM_CONSUMERS: gl.constexpr = 2,
+    BIAS_TMA: gl.constexpr = False, NUM_CONSUMERS: gl.constexpr = 2, PINGPONG: gl.constexpr = False,
 ):
     """Persistent: the CTAs share the num_work = B·Hq·num_m_tiles work items in rounds (see work_items.work_tile).
     A work item is NUM_CONSUMERS·64 query rows (`num_consumers`); launch with gluon/sm90.launch_options of that
@@ -736,6 +789,12 @@ def attention_forward_sm90_kernel(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)  # one arrival per consumer
         mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
+    if PINGPONG:  # the consumers' issue rotation (_take_turn)
+        turns = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_CONSUMERS):
+            mbarrier.init(turns.index(i), count=1)
+    else:
+        turns: gl.constexpr = None
     if BIAS_TMA:  # one ring per consumer: the bias tiles of its rows, a stage beside each K stage
         gl.static_assert(NUM_CONSUMERS == 2, "attn_bias runs on two consumers (tiles.sm90_forward_consumers)")
         bias_upper = gl.allocate_shared_memory(bias_desc.dtype, [NUM_STAGES] + bias_desc.block_type.shape,
@@ -765,7 +824,7 @@ def attention_forward_sm90_kernel(
                                bias_ptr_args, bias_args, descales,
                                o_smems, partition, NUM_CONSUMERS, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL,
                                Q_BUFFERS, CROSS_ITEM, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS,
-                               BIAS_TMA))
+                               BIAS_TMA, turns, PINGPONG))
         for partition in (0, 1, 2, 3)[:NUM_CONSUMERS + 1]
     ], [4] * (NUM_CONSUMERS - 1) + [1],
         [consumer_registers(NUM_CONSUMERS)] * (NUM_CONSUMERS - 1) + [PRODUCER_REGISTERS])
@@ -884,7 +943,7 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
     constexprs.update(MASK_LEFT=mask_constexprs["MASK_LEFT"], MASK_RIGHT=mask_constexprs["MASK_RIGHT"],
                       SOFTCAP=mask_constexprs["SOFTCAP"], ALIBI=alibi_slopes is not None, VARLEN=varlen is not None)
     constexprs.update(HAS_BIAS=attn_bias is not None, BIAS_TMA=attn_bias is not None and bias_tma,
-                      NUM_CONSUMERS=consumers)
+                      NUM_CONSUMERS=consumers, PINGPONG=sm90_forward_pingpong(head_dim, descales is not None))
     return grid, args, constexprs
 
 

@@ -270,6 +270,15 @@ def _sm90_tiles(block_d: int, causal: bool, short_causal: bool, has_bias: bool, 
     return AttentionTiles(64 * consumers, block_n, 4 * consumers, stages, use_tma=True)
 
 
+def sm90_forward_pingpong(head_dim: int, fp8: bool) -> bool:
+    """Whether the forward's consumer warpgroups issue each key tile's Q·Kᵀ and P·V in a fixed rotation (a barrier
+    per consumer, hopper/fwd_sm90._take_turn) and rescale O after the P·V product rather than between the two
+    issues, instead of issuing whenever their warps are scheduled. At head dims to 64 (32 accumulator registers of
+    O per thread) 1-3% faster; at 128 the rescale of 64 registers after the wait is on the critical path and the
+    rotation alone changes nothing (docs/perf-notes.md). 16-bit inputs: the e4m3 forward was not measured with it."""
+    return padded_head_dim(head_dim) <= 64 and not fp8
+
+
 def sm90_fp8_forward_tiles(head_dim: int) -> AttentionTiles:
     """Tiles of the Gluon sm_90 forward on e4m3 inputs (hopper/fwd_sm90.attention_forward_sm90_fp8). e4m3 halves the
     K/V ring's bytes, so three stages fit everywhere; registers bound the key tile as in bf16 (the e4m3 P takes half
