@@ -30,6 +30,7 @@ from flashmoe_science.attention.hopper.tiles import (
     sm90_band_schedule,
     sm90_bias_tiles,
     sm90_cross_item,
+    sm90_forward_pingpong,
     sm90_forward_tiles,
     sm90_fp8_forward_tiles,
     sm90_fp8_q_buffers,
@@ -189,9 +190,11 @@ class HopperForward:
                      f"SMs busy {band.static:.2f} in static rounds vs {band.per_tile:.2f} one CTA per tile "
                      "(estimated)")
         consumers = tiles.block_m // 64
+        turns = (", issuing their products in turn (head dim <= 64)"
+                 if sm90_forward_pingpong(problem.q.shape[-1], fp8=False) else "")
         return (f"{requested} the Gluon sm_90 kernel{with_features} (TMA producer warp, {consumers} consumer "
-                f"warpgroups of 64 rows{SM90_CONSUMER_REASONS[consumers]}, async wgmma, softmax overlapped with P·V; "
-                f"{ctas}); {shape}")
+                f"warpgroups of 64 rows{SM90_CONSUMER_REASONS[consumers]}{turns}, async wgmma, softmax overlapped "
+                f"with P·V; {ctas}); {shape}")
 
 
 def forward_plan(problem) -> HopperForward:
