@@ -2,9 +2,13 @@
 Δ = rowsum(dO ∘ O) (one float32 value per query row, so no later kernel needs O; it also zeroes a fused path's dQ
 workspace and, in the sm_90 one pass's deterministic mode, its int32 counters of one value per row), and the conversion of that float32 workspace into dQ (dQ = dq_accum · scale, in dQ's dtype and strides).
 
+A packed batch whose sm_90 backward stages lse and Δ by TMA takes `padded_stats_kernel` as its preprocess instead: the
+same Δ and zeroing, and a copy of lse, with Δ and lse in the layout where every sequence's rows start 16-byte
+aligned (seqlen.padded_row_start).
+
 Each launch is given as (kernel, grid, every parameter by name, launch options), so a caller may run it at once or
-keep it as a PreparedLaunch. Both kernels walk every row of the (possibly packed) `(B, H, L, D)` tensors, about
-ROW_KERNEL_ELEMENTS elements per program.
+keep it as a PreparedLaunch. The kernels walk every row of the (possibly packed) `(B, H, L, D)` tensors (the padded
+one: every row of its layout), about ROW_KERNEL_ELEMENTS elements per program.
 """
 
 from __future__ import annotations
@@ -84,7 +88,8 @@ def padded_stats_kernel(
     rows starts 16-byte aligned), one program per BLOCK_M padded rows of one head: Δ = Σ_d dO ∘ O and a copy of
     the forward's lse (its (H, total_q) layout) at each row's padded slot, 0 and +inf in the padding slots (P = 0
     there, like a row past the sequence). Zeroes the same rows of the dQ workspace (packed layout) and, with
-    ZERO_SEMAPHORES, the int32 counters (padded layout, as lse)."""
+    ZERO_SEMAPHORES, the int32 counters (padded layout, as lse). Every packed row belongs to one sequence
+    (cu_seqlens' last entry is total_q: checks.check_varlen), so every row of the workspace is zeroed once."""
     if ROW64:  # row offsets (L-1)·stride_row reach 2**31 elements (e.g. a transposed (B, L, H, D) buffer)
         stride_om, stride_dom = stride_om.to(tl.int64), stride_dom.to(tl.int64)
     head = tl.program_id(1).to(tl.int64)

@@ -554,7 +554,7 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, feat
     """triton_bwd.attention_backward's conventions, all three gradients wanted: q/out/grad_out/dq `(B, Hq, Lq, D)`,
     k/v/dk/dv `(B, Hkv, Lk, D)` with unit last stride and TMA-compatible strides (layout.tma_compatible of q, k,
     v, grad_out: the caller checks), lse the forward's contiguous float32 `(B, Hq, Lq)`, delta a float32 workspace
-    of lse's shape. Writes dq, dk, dv in place; returns the compiled kernels by name.
+    of lse's shape (unused where a packed call stages its statistics: their padded copies, `padded_stats`). Writes dq, dk, dv in place; returns the compiled kernels by name.
 
     features: a `features.CallFeatures` (or the causal bool): window, softcap, ALiBi slopes and varlen (the tensors
     then (1, H, total rows, D), lse (1, Hq, total rows)); attn_bias on the one-pass kernel only, dense, without a
