@@ -73,16 +73,15 @@ dQ's last bits may vary run to run (the reduce-adds arrive in any order); dK and
 
 Deterministic mode (`deterministic=True`). The writer adds a tile's dQ into dq_accum only after every key block
 before its own (of the same sequence and kv head) that visits the tile has added its share, so every dq_accum
-element receives its additions in increasing key-block order, the same order every run. One int32 counter per
-(query head, query tile) in `semaphores` (laid out as the lse the kernel reads, at the tile's first row; the
-preprocess zeroes it
-with dq_accum): the writer spins (acquire loads) until it equals `_contributors_before`, the number of key blocks
-before this one that visit the tile (0 for the first; the blocks visiting a tile are consecutive, and the first is
-the query tile's first key tile by mask.key_tile_range, so causal and right-bounded masks start at block 0 and a
-left window bound later), issues the reduce-adds, waits for their completion (their writes, not only their
-reads), and increments the counter with release semantics. Each query head of a GQA group has its own counters.
-The zero-adds a packed sequence's last box makes into the next sequence's rows commute with everything (a sum
-that starts at +0 never becomes -0, so adding ±0 changes no bit), so they need no order.
+element receives its additions in increasing key-block order, the same order every run. One int32 counter per (query
+head, query tile) in `semaphores` (laid out as the lse the kernel reads, at the tile's first row; the preprocess
+zeroes it with dq_accum): the writer spins (acquire loads) until it equals `_contributors_before`, the number of key
+blocks before this one that visit the tile (0 for the first; the blocks visiting a tile are consecutive, and the
+first is the query tile's first key tile by mask.key_tile_range, so causal and right-bounded masks start at block 0
+and a left window bound later), issues the reduce-adds, waits for their completion (their writes, not only their
+reads), and increments the counter with release semantics. Each query head of a GQA group has its own counters. The
+zero-adds a packed sequence's last box makes into the next sequence's rows commute with everything (a sum that
+starts at +0 never becomes -0, so adding ±0 changes no bit), so they need no order.
 
 Why it cannot deadlock: CTA n (program id order: a (batch, kv head)'s key blocks are consecutive and increasing,
 dense and packed alike) waits only for CTAs of smaller program id. The hardware starts CTAs in program-id order,
@@ -379,9 +378,8 @@ def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Semaphores, start_n, batch, 
 
     DETERMINISTIC: before the reduce-adds of (query head, query tile), wait until its counter in `Semaphores` (the
     per-row tensor laid out as lse, read at the tile's first row, stat_first + the tile's; zeroed by the preprocess)
-    equals the number of key
-    blocks before this CTA's that visit the tile (`_contributors_before`); after them, wait until they are complete
-    (not only read) and increment the counter with release semantics. Each dq_accum element then receives its
+    equals the number of key blocks before this CTA's that visit the tile (`_contributors_before`); after them,
+    wait until they are complete (not only read) and increment the counter with release semantics. Each dq_accum element then receives its
     additions in increasing key-block order, every run alike (see the module docstring for why this cannot
     deadlock)."""
     ROWS: gl.constexpr = dq_desc.block_type.shape[1]
@@ -514,8 +512,7 @@ def attention_backward_sm90_kernel(
                      stats, STAGED_STATS, VARLEN)),
         (_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Semaphores, start_n, batch, kv_head, num_q_heads,
                       group_size, seqlen_q, seqlen_k, q_first, stat_first, lse_rows, window_left, window_right,
-                      CTA_KEYS, CAUSAL,
-                      MASK_LEFT, MASK_RIGHT, VARLEN, DETERMINISTIC)),
+                      CTA_KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT, VARLEN, DETERMINISTIC)),
     ], [4, 1, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -554,7 +551,8 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, feat
     """triton_bwd.attention_backward's conventions, all three gradients wanted: q/out/grad_out/dq `(B, Hq, Lq, D)`,
     k/v/dk/dv `(B, Hkv, Lk, D)` with unit last stride and TMA-compatible strides (layout.tma_compatible of q, k,
     v, grad_out: the caller checks), lse the forward's contiguous float32 `(B, Hq, Lq)`, delta a float32 workspace
-    of lse's shape (unused where a packed call stages its statistics: their padded copies, `padded_stats`). Writes dq, dk, dv in place; returns the compiled kernels by name.
+    of lse's shape (unused where a packed call stages its statistics: their padded copies, `padded_stats`). Writes
+    dq, dk, dv in place; returns the compiled kernels by name.
 
     features: a `features.CallFeatures` (or the causal bool): window, softcap, ALiBi slopes and varlen (the tensors
     then (1, H, total rows, D), lse (1, Hq, total rows)); attn_bias on the one-pass kernel only, dense, without a
