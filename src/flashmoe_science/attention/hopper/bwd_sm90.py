@@ -379,9 +379,9 @@ def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Semaphores, start_n, batch, 
     DETERMINISTIC: before the reduce-adds of (query head, query tile), wait until its counter in `Semaphores` (the
     per-row tensor laid out as lse, read at the tile's first row, stat_first + the tile's; zeroed by the preprocess)
     equals the number of key blocks before this CTA's that visit the tile (`_contributors_before`); after them,
-    wait until they are complete (not only read) and increment the counter with release semantics. Each dq_accum element then receives its
-    additions in increasing key-block order, every run alike (see the module docstring for why this cannot
-    deadlock)."""
+    wait until they are complete (not only read) and increment the counter with release semantics. Each dq_accum
+    element then receives its additions in increasing key-block order, every run alike (see the module docstring
+    for why this cannot deadlock)."""
     ROWS: gl.constexpr = dq_desc.block_type.shape[1]
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
     DQ_BUFFERS: gl.constexpr = dq_full.shape[0]
