@@ -4,7 +4,8 @@ calls, timed by triton.testing.do_bench in one process per tree and round, the t
 that clock and thermal drift fall on all. Only the public functions are called, so any two commits compare.
 `--suite backward` times only the attention backward at long rows (B1 H16 L16k, D 64/128, causal or not),
 `--suite forward` only the attention forward (B1 H16 L16k and B4 H16 L4k at D=64 and 128, B2 H16 L8k at D=128;
-causal or not).
+causal or not), `--suite varlen` the packed D=128 H16 batches of the features bench (its long tail and packed
+documents): the forward, and the backward alone, causal or not.
 
     PYTHONPATH=src python benchmarks/tools/ab_interleaved.py --a /path/to/old/src --b src [--c other/src] \
         --rounds 4 --out "$OUT"
@@ -107,7 +108,40 @@ def _forward_cases():
     return cases
 
 
-SUITES = {"all": _cases, "backward": _backward_cases, "forward": _forward_cases}
+def _varlen_cases():
+    """Packed batches, D=128 H16 (bench.features' VARLEN_DISTRIBUTIONS "long tail", 49 sequences of 64..1626, and
+    "packed documents", 31 of 37..8192; about 16k tokens each): the forward, and the backward alone (the forward's
+    graph kept), causal or not."""
+    import torch
+
+    import flashmoe_science as fs
+    from flashmoe_science.bench.features import HEAD_DIM, HEADS, VARLEN_DISTRIBUTIONS
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cases = []
+    for distribution in ("long tail", "packed documents"):
+        lengths = VARLEN_DISTRIBUTIONS[distribution](1)
+        total, longest = sum(lengths), max(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        q, k, v = (torch.randn(total, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+                   for _ in range(3))
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        dout = torch.randn_like(q)
+        label = f"{distribution} {len(lengths)} seqs {min(lengths)}..{longest} H{HEADS} D{HEAD_DIM}"
+        for causal in (False, True):
+            mask = "causal" if causal else "full"
+
+            def attend(q, k, v, c=causal):
+                return fs.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=c)
+
+            cases.append((f"varlen fwd {label} {mask}", lambda q=q, k=k, v=v, f=attend: f(q, k, v), None))
+            out = attend(qg, kg, vg)
+            cases.append((f"varlen bwd {label} {mask}", lambda o=out, g=dout: o.backward(g, retain_graph=True),
+                          [qg, kg, vg]))
+    return cases
+
+
+SUITES = {"all": _cases, "backward": _backward_cases, "forward": _forward_cases, "varlen": _varlen_cases}
 
 
 def worker(suite: str) -> None:

@@ -203,7 +203,8 @@ def test_triton_prepared_launch_repeats_the_jit_launch_on_new_tensors(monkeypatc
 
 def test_sm90_backward_stages_row_statistics_where_tma_can_read_them():
     """lse and Δ go through shared memory at head dims padding to 128 on dense batches whose per-head rows start
-    16-byte aligned; D=64, packed batches, other lengths and a misaligned lse read them from global memory."""
+    16-byte aligned and on packed batches (through padded copies); D=64, other masks, other dense lengths and a
+    misaligned lse read them from global memory."""
     pytest.importorskip("triton.experimental.gluon")
     from flashmoe_science.attention.hopper import bwd_sm90
     from flashmoe_science.attention.hopper.tiles import sm90_backward_staged_stats
@@ -211,7 +212,8 @@ def test_sm90_backward_stages_row_statistics_where_tma_can_read_them():
     assert sm90_backward_staged_stats(128, 4096, False) and sm90_backward_staged_stats(96, 300, False)
     assert not sm90_backward_staged_stats(64, 4096, False)
     assert not sm90_backward_staged_stats(128, 1001, False)
-    assert not sm90_backward_staged_stats(128, 4096, True)
+    assert sm90_backward_staged_stats(128, 4096, True) and sm90_backward_staged_stats(128, 1001, True)
+    assert not sm90_backward_staged_stats(64, 1001, True) and not sm90_backward_staged_stats(128, 1001, True, False)
 
     def staged(length, lse_offset=0):
         q, k, v = _blhd(1, 2, length, 128), _blhd(1, 2, 200, 128), _blhd(1, 2, 200, 128)
@@ -288,6 +290,95 @@ def test_sm90_prepared_backward_rebases_the_first_calls_descriptors(monkeypatch,
     for launch, _ in prepared.launches:
         assert not any(isinstance(arg, torch.Tensor) for arg in launch.template)
         assert all(arg is None or not hasattr(arg, "base") for arg in launch.template)
+
+
+def _packed_features(lengths, causal=True):
+    from flashmoe_science.attention.features import CallFeatures, Varlen
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return CallFeatures(mask=make_mask(causal, None, None), varlen=Varlen(cu, cu, max(lengths), max(lengths)))
+
+
+def _packed_tensors(total, head_dim):
+    q, k, v = _blhd(1, 4, total, head_dim), _blhd(1, 2, total, head_dim), _blhd(1, 2, total, head_dim)
+    lse = torch.empty(1, 4, total)
+    return (q, k, v, torch.empty_like(q), lse, _blhd(1, 4, total, head_dim), torch.empty_like(lse),
+            torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sm90_packed_backward_stages_padded_statistics(deterministic):
+    """A packed D=128 call: the preprocess writes lse and Δ into padded copies (seqlen.padded_stat_rows rows per
+    head), the main kernel reads them by TMA with that row count, and the deterministic counters share the layout;
+    at D=64 and with a window the packed call keeps the forward's lse. A mismatched `padded` is refused."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashmoe_science.attention import bwd_prep
+    from flashmoe_science.attention.features import CallFeatures
+    from flashmoe_science.attention.hopper import bwd_sm90
+    from flashmoe_science.attention.seqlen import padded_stat_rows
+
+    lengths = (5, 0, 130, 1, 64)
+    features = _packed_features(lengths)
+    tensors = _packed_tensors(sum(lengths), 128)
+    q, k, v, out, lse, grad_out, delta, dq, dk, dv = tensors
+    padded = bwd_sm90.padded_stats(q, lse, delta, features)
+    rows = padded_stat_rows(200, 5)
+    assert rows == 216 and all(t.shape == (1, 4, rows) and t.is_contiguous() for t in padded)
+    semaphores = torch.empty(bwd_sm90._row_stats_shape(lse, padded), dtype=torch.int32) if deterministic else None
+    dq_accum = torch.empty(1, 4, 200, 128)
+    launches = bwd_sm90._one_pass_launches(*tensors, dq_accum, features, 0.1, None, semaphores=semaphores,
+                                           padded=padded)
+    kernel, grid, bound, _, heads = launches["preprocess"]
+    assert kernel is bwd_prep.padded_stats_kernel and grid == (-(-rows // 64), 4)
+    assert bound["LSE"] is lse and bound["LSE_PADDED"] is padded[0] and bound["DELTA_PADDED"] is padded[1]
+    assert bound["CU_SEQLENS"] is features.varlen.cu_seqlens_q and bound["padded_rows"] == rows
+    per_call = (out, grad_out, lse, *padded, dq_accum, features.varlen.cu_seqlens_q) + (
+        (semaphores,) if deterministic else ())  # the leading parameters, by heads' names
+    assert len(heads) == len(per_call) and all(bound[n] is t for n, t in zip(kernel.arg_names, per_call))
+    assert bound["SEMAPHORES"] is semaphores and bound["ZERO_SEMAPHORES"] == deterministic
+    main, _, main_bound, _, main_heads = launches["dkdv_dq"]
+    assert main_bound["STAGED_STATS"] and main_bound["lse_rows"] == rows
+    assert main_bound["LSE"].base is padded[0] and main_bound["Delta"].base is padded[1]
+    assert main_heads[5:7] == bwd_sm90.PADDED_STATS
+    if deterministic:
+        assert main_bound["Semaphores"].shape == (1, 4, rows)
+    with pytest.raises(ValueError, match="padded"):
+        bwd_sm90._one_pass_launches(*tensors, dq_accum, features, 0.1, None, semaphores=semaphores)
+    small = _packed_tensors(200, 64)
+    window = CallFeatures(mask=make_mask(False, (30, 30), None), varlen=features.varlen)
+    assert bwd_sm90.padded_stats(small[0], small[4], small[6], features) is None
+    assert bwd_sm90.padded_stats(q, lse, delta, window) is None
+    assert bwd_sm90.padded_stats(_blhd(2, 4, 256, 128), lse, delta, True) is None  # dense: lse as it is
+
+
+def test_sm90_prepared_packed_backward_allocates_its_padded_statistics_per_call(monkeypatch, fake_compiled_kernel):
+    """PreparedBackward on a packed D=128 call: the preprocess and the main kernel get fresh padded statistics each
+    call (the same two tensors), and the new call's cu_seqlens."""
+    pytest.importorskip("triton.experimental.gluon")
+    from flashmoe_science.attention import bwd_prep
+    from flashmoe_science.attention.hopper import bwd_sm90
+
+    kernels = {}
+    for module, name in ((bwd_prep, "padded_stats_kernel"), (bwd_sm90, "attention_backward_sm90_kernel"),
+                         (bwd_prep, "dq_convert_kernel")):
+        kernels[name] = _recording_warmup_kernel(getattr(module, name).arg_names, fake_compiled_kernel)
+        monkeypatch.setattr(module, name, kernels[name][0])
+    lengths = (70, 3, 127)
+    features = _packed_features(lengths, causal=False)
+    prepared = bwd_sm90.PreparedBackward(*_packed_tensors(200, 128), features, 0.125, deterministic=True)
+    new_features = _packed_features(lengths, causal=False)
+    new = _packed_tensors(200, 128)
+    prepared(*new, *bwd_sm90.varlen_tensors(new_features, 200))
+    (pre,), (main,), _ = (kernels[name][1].runs for name in kernels)
+    names = bwd_prep.padded_stats_kernel.arg_names
+    pre = dict(zip(names, pre[9:]))
+    assert pre["O"] is new[3] and pre["LSE"] is new[4] and pre["CU_SEQLENS"] is new_features.varlen.cu_seqlens_q
+    lse_padded, delta_padded = pre["LSE_PADDED"], pre["DELTA_PADDED"]
+    assert lse_padded.shape == delta_padded.shape == (1, 4, 212)  # padded_stat_rows(200, 3)
+    main = dict(zip(bwd_sm90.attention_backward_sm90_kernel.arg_names, main[9:]))
+    assert main["LSE"].base is lse_padded and main["Delta"].base is delta_padded
+    assert main["Semaphores"] is pre["SEMAPHORES"] and main["Semaphores"].shape == (1, 4, 212)
+    assert main["CuSeqlensQ"] is new_features.varlen.cu_seqlens_q
 
 
 def test_prepared_key_keys_gradients_apart_and_leaves_ambiguous_arguments_to_the_full_path():

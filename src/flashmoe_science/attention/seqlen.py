@@ -200,6 +200,26 @@ def sequence_bounds(CU_SEQLENS, batch, seqlen, VARLEN: tl.constexpr):
     return start, seqlen
 
 
+def padded_stat_rows(total: int, num_seqs: int) -> int:
+    """The rows per head of a packed batch's per-row statistics in their padded layout (`padded_row_start`): room for
+    `total` rows and 3 padding rows per sequence, rounded up to a multiple of 4 so that every head's rows start
+    16-byte aligned (float32)."""
+    return (total + 3 * num_seqs + 3) // 4 * 4
+
+
+@triton.jit
+def padded_row_start(first, seq):
+    """The first row of sequence `seq` (whose packed rows start at `first` = cu_seqlens[seq]) in the padded layout
+    of a packed batch's per-row statistics: round_up(first + 3·seq, 4), a multiple of 4 rows: 16 bytes of float32,
+    where a rank-1 TMA box must start (hopper.bwd_sm90's staged statistics).
+
+    Why the rows fit: start(s) <= cu[s] + 3s + 3 so start(s) + len(s) <= cu[s+1] + 3(s+1) <= start(s+1); the
+    starts increase and no two sequences' rows meet. The last ends by cu[B] + 3B = total + 3B, which
+    `padded_stat_rows` rounds up to a multiple of 4, the rows per head: head h's rows start at h·that, aligned
+    too. Rows between a sequence's end and the next start are padding (the writer fills them)."""
+    return (first + 3 * seq + 3) // 4 * 4
+
+
 @triton.jit
 def sequence_coords(CU_SEQLENS_Q, CU_SEQLENS_K, seq, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
     """(batch, q_first, seqlen_q, k_first, seqlen_k) of sequence `seq` as TMA coordinates: a packed batch is one

@@ -83,7 +83,8 @@ def _contributors_before(start_n, start_m, seqlen_q, seqlen_k, window_left, wind
 def _row_stat_base(q_head, q_first, seqlen_q, lse_rows, VARLEN: gl.constexpr):
     """The first row of flat query head `q_head` (batch · Hq + head) in the tensors of one value per query row
     (lse, Δ, the deterministic mode's counters): a packed batch's are (1, Hq, lse_rows), whose sequence rows start
-    at q_first; a dense batch's (B, Hq, Lq)."""
+    at q_first (packed, or in the staged statistics' padded layout: seqlen.padded_row_start); a dense batch's
+    (B, Hq, Lq)."""
     if VARLEN:
         row0 = q_head * lse_rows + q_first
     else:
@@ -287,7 +288,8 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
     BIAS_TMA (dense batches): each Q tile's stage also takes the bias tile of its rows and the CTA's keys
     (`bias_smem`; batch and head coordinates times bias_step_b/h, 0 where the bias broadcasts), on Q's barrier.
     STATS: each stage also takes the tile's lse (on Q's barrier) and Δ (on dO's), `stats` = (lse_desc, delta_desc,
-    lse_smem, delta_smem, num_q_heads, lse_rows): rank-1 boxes of the tile's rows (`_row_stat_base`)."""
+    lse_smem, delta_smem, num_q_heads, lse_rows, stat_first): rank-1 boxes of the tile's rows (`_row_stat_base`;
+    stat_first: the sequence's first row there, a packed batch's in the padded layout, 16-byte aligned)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
@@ -305,8 +307,8 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
         stage = ring % NUM_STAGES
         mbarrier.wait(empty.index(stage), ((ring // NUM_STAGES) & 1) ^ 1)  # first pass: passes at once
         if STATS:
-            lse_desc, delta_desc, lse_smem, delta_smem, num_q_heads, lse_rows = stats
-            stat_row = (_row_stat_base(batch * num_q_heads + q_head, q_first, seqlen_q, lse_rows, VARLEN)
+            lse_desc, delta_desc, lse_smem, delta_smem, num_q_heads, lse_rows, stat_first = stats
+            stat_row = (_row_stat_base(batch * num_q_heads + q_head, stat_first, seqlen_q, lse_rows, VARLEN)
                         + start_m - q_first)
         mbarrier.expect(q_ready.index(stage), q_bytes)
         tma.async_load(q_desc, [batch, q_head, start_m, 0], q_ready.index(stage), q_smem.index(stage))
@@ -328,12 +330,13 @@ def check_features(features) -> None:
         raise ValueError("the sm_90 backward takes no attn_bias (the Triton backward does)")
 
 
-def feature_args(features, softmax_scale: float, q, k, work_rows: int, over_queries: bool = False
-                 ) -> tuple[tuple, dict, tuple]:
+def feature_args(features, softmax_scale: float, q, k, work_rows: int, over_queries: bool = False,
+                 lse_rows: int | None = None) -> tuple[tuple, dict, tuple]:
     """What the three sm_90 backward kernels take for a call's features: (their trailing arguments `Slopes,
     CuSeqlensQ, CuSeqlensK, WorkTiles, num_seqs, stride_slopes, lse_rows, window_left, window_right,
     softcap_scale`, their feature constexprs, (programs per head for the grid, the kernels' seqlen_q and seqlen_k
     arguments, qk_scale)). `work_rows`: the key rows of a CTA (over_queries: the query rows) that its grid counts.
+    `lse_rows`: the rows per head of the per-row tensors the kernel reads (None: q's, lse's layout).
 
     Dense and causal-only masks run as CAUSAL with no MASK_* flag (a constant window: mask.key_tile_bounds and
     `_query_tile_bounds`, fewer instructions than the general bounds with a runtime window). Any other window sets
@@ -360,7 +363,8 @@ def feature_args(features, softmax_scale: float, q, k, work_rows: int, over_quer
         cu_q, cu_k, num_seqs_arg = varlen.cu_seqlens_q, varlen.cu_seqlens_k, num_seqs
         work_tiles = ranked_work_list(cu_q if over_queries else cu_k, work_rows, total)
         programs = work_items_bound(num_seqs, total, longest, work_rows)
-    args = (slopes, cu_q, cu_k, work_tiles, num_seqs_arg, 0 if slopes is None else slopes.stride(0), q.shape[2],
+    args = (slopes, cu_q, cu_k, work_tiles, num_seqs_arg, 0 if slopes is None else slopes.stride(0),
+            q.shape[2] if lse_rows is None else lse_rows,
             scalars["window_left"], scalars["window_right"], scalars["softcap_scale"])
     constexprs = dict(CAUSAL=causal_only, MASK_LEFT=scalars["MASK_LEFT"],
                       MASK_RIGHT=scalars["MASK_RIGHT"] and not causal_only, SOFTCAP=scalars["SOFTCAP"],

@@ -65,20 +65,23 @@ their sequence's keys return at once). A packed sequence's last Q/dO box may rea
 lse is read as +inf, so their P and dS are exactly 0, and the dQ reduce-add of that box adds exact zeros (±0) into
 the next sequence's rows of the float32 workspace, which leaves every value unchanged (free: no masked reduce
 path). Its last K/V box is masked like any ragged key block; dK and dV stores are masked by the sequence's length.
+Staged statistics on a packed batch read lse and Δ from copies in which each sequence's rows start 16-byte aligned
+(a rank-1 TMA box must start there; seqlen.padded_row_start), written by the preprocess (bwd_prep.padded_stats_kernel)
+with the padding slots' lse +inf and Δ 0; a box's rows past the sequence are masked as a dense ragged tile's.
 
 dQ's last bits may vary run to run (the reduce-adds arrive in any order); dK and dV are deterministic.
 
 Deterministic mode (`deterministic=True`). The writer adds a tile's dQ into dq_accum only after every key block
 before its own (of the same sequence and kv head) that visits the tile has added its share, so every dq_accum
-element receives its additions in increasing key-block order, the same order every run. One int32 counter per
-(query head, query tile) in `semaphores` (lse's shape, read at the tile's first row; the preprocess zeroes it
-with dq_accum): the writer spins (acquire loads) until it equals `_contributors_before`, the number of key blocks
-before this one that visit the tile (0 for the first; the blocks visiting a tile are consecutive, and the first is
-the query tile's first key tile by mask.key_tile_range, so causal and right-bounded masks start at block 0 and a
-left window bound later), issues the reduce-adds, waits for their completion (their writes, not only their
-reads), and increments the counter with release semantics. Each query head of a GQA group has its own counters.
-The zero-adds a packed sequence's last box makes into the next sequence's rows commute with everything (a sum
-that starts at +0 never becomes -0, so adding ±0 changes no bit), so they need no order.
+element receives its additions in increasing key-block order, the same order every run. One int32 counter per (query
+head, query tile) in `semaphores` (laid out as the lse the kernel reads, at the tile's first row; the preprocess
+zeroes it with dq_accum): the writer spins (acquire loads) until it equals `_contributors_before`, the number of key
+blocks before this one that visit the tile (0 for the first; the blocks visiting a tile are consecutive, and the
+first is the query tile's first key tile by mask.key_tile_range, so causal and right-bounded masks start at block 0
+and a left window bound later), issues the reduce-adds, waits for their completion (their writes, not only their
+reads), and increments the counter with release semantics. Each query head of a GQA group has its own counters. The
+zero-adds a packed sequence's last box makes into the next sequence's rows commute with everything (a sum that
+starts at +0 never becomes -0, so adding ±0 changes no bit), so they need no order.
 
 Why it cannot deadlock: CTA n (program id order: a (batch, kv head)'s key blocks are consecutive and increasing,
 dense and packed alike) waits only for CTAs of smaller program id. The hardware starts CTAs in program-id order,
@@ -125,7 +128,7 @@ from flashmoe_science.attention.hopper.tiles import sm90_backward_rows, sm90_bac
 from flashmoe_science.attention.layout import bias_tma_view, needs_64bit_rows, tma_compatible
 from flashmoe_science.attention.seqlen import ranked_work_list
 from flashmoe_science.attention.mask import LOG2_E
-from flashmoe_science.attention.seqlen import PER_BATCH_ARGS, sequence_coords
+from flashmoe_science.attention.seqlen import PER_BATCH_ARGS, padded_row_start, padded_stat_rows, sequence_coords
 from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.gluon.sm90 import (CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS,
                                             column_halves, release_counter_after_bulk, wait_counter, wgmma_layout)
@@ -366,7 +369,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
 
 @gluon.jit
 def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Semaphores, start_n, batch, kv_head, num_q_heads, group_size,
-               seqlen_q, seqlen_k, q_first, lse_rows, window_left, window_right, CTA_KEYS: gl.constexpr,
+               seqlen_q, seqlen_k, q_first, stat_first, lse_rows, window_left, window_right, CTA_KEYS: gl.constexpr,
                CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
                DETERMINISTIC: gl.constexpr):
     """The dQ writer (one warp): per query tile, in the consumers' order, wait until both consumers' dQ halves are
@@ -374,11 +377,11 @@ def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Semaphores, start_n, batch, 
     Lq are clipped by the TMA unit), wait until the TMA unit has read the buffer and hand it back (`dq_empty`).
 
     DETERMINISTIC: before the reduce-adds of (query head, query tile), wait until its counter in `Semaphores` (the
-    per-row tensor of lse's shape, read at the tile's first row; zeroed by the preprocess) equals the number of key
-    blocks before this CTA's that visit the tile (`_contributors_before`); after them, wait until they are complete
-    (not only read) and increment the counter with release semantics. Each dq_accum element then receives its
-    additions in increasing key-block order, every run alike (see the module docstring for why this cannot
-    deadlock)."""
+    per-row tensor laid out as lse, read at the tile's first row, stat_first + the tile's; zeroed by the preprocess)
+    equals the number of key blocks before this CTA's that visit the tile (`_contributors_before`); after them,
+    wait until they are complete (not only read) and increment the counter with release semantics. Each dq_accum
+    element then receives its additions in increasing key-block order, every run alike (see the module docstring
+    for why this cannot deadlock)."""
     ROWS: gl.constexpr = dq_desc.block_type.shape[1]
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
     DQ_BUFFERS: gl.constexpr = dq_full.shape[0]
@@ -392,7 +395,7 @@ def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Semaphores, start_n, batch, 
         buf = ring % DQ_BUFFERS
         mbarrier.wait(dq_full.index(buf), (ring // DQ_BUFFERS) & 1)
         if DETERMINISTIC:
-            counter = Semaphores + _row_stat_base(q_head, q_first, seqlen_q, lse_rows, VARLEN) + start_m
+            counter = Semaphores + _row_stat_base(q_head, stat_first, seqlen_q, lse_rows, VARLEN) + start_m
             wait_counter(counter, _contributors_before(start_n, start_m, seqlen_q, seqlen_k, window_left,
                                                        window_right, ROWS, CTA_KEYS, MASK_LEFT, MASK_RIGHT))
         for half in gl.static_range(2):
@@ -429,9 +432,11 @@ def attention_backward_sm90_kernel(
     HAS_BIAS (dense batches): a bias read by TMA through bias_desc (boxes of 64 queries x the CTA's keys;
     bias_step_b/h the batch and head steps of its coordinate, 0 where it broadcasts); BIAS_GRAD: its gradient into
     DBIAS (see _store_bias_grad). DETERMINISTIC: dQ's reduce-adds in key-block order through the int32 counters
-    `Semaphores` (lse's shape, zeroed); DQ_BUFFERS: dQ staging buffers (2; 1 where shared memory is short).
+    `Semaphores` (laid out as LSE, zeroed); DQ_BUFFERS: dQ staging buffers (2; 1 where shared memory is short).
     STAGED_STATS: LSE and Delta are rank-1 TMA descriptors, read by the producer with each Q/dO stage
-    (`tiles.sm90_backward_staged_stats`); else float32 pointers the consumers read."""
+    (`tiles.sm90_backward_staged_stats`); else float32 pointers the consumers read. A packed batch's staged
+    statistics and counters are (1, Hq, lse_rows) in the padded layout (seqlen.padded_row_start: each sequence's
+    rows start 16-byte aligned, where a rank-1 box must begin), written by bwd_prep.padded_stats_kernel."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
@@ -443,6 +448,10 @@ def attention_backward_sm90_kernel(
     start_n, seq, kv_head = _cta_key_block(seqlen_k, num_kv_heads, WorkTiles, CTA_KEYS, VARLEN)
     batch, q_first, seqlen_q, k_first, seqlen_k = sequence_coords(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k,
                                                                   VARLEN)
+    if VARLEN and STAGED_STATS:  # the per-row tensors' padded layout: each sequence's rows start 16-byte aligned
+        stat_first = padded_row_start(q_first, seq)
+    else:
+        stat_first = q_first
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -458,7 +467,7 @@ def attention_backward_sm90_kernel(
     if STAGED_STATS:  # each stage's lse and Δ (rank-1 boxes of its rows), beside its Q and dO
         lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, ROWS], LSE.layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, ROWS], Delta.layout)
-        stats = (LSE, Delta, lse_smem, delta_smem, num_q_heads, lse_rows)
+        stats = (LSE, Delta, lse_smem, delta_smem, num_q_heads, lse_rows, stat_first)
     else:
         lse_smem: gl.constexpr = None
         delta_smem: gl.constexpr = None
@@ -502,8 +511,8 @@ def attention_backward_sm90_kernel(
                      bias_desc, bias_smem, bias_step_b, bias_step_h, HAS_BIAS,
                      stats, STAGED_STATS, VARLEN)),
         (_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Semaphores, start_n, batch, kv_head, num_q_heads,
-                      group_size, seqlen_q, seqlen_k, q_first, lse_rows, window_left, window_right, CTA_KEYS, CAUSAL,
-                      MASK_LEFT, MASK_RIGHT, VARLEN, DETERMINISTIC)),
+                      group_size, seqlen_q, seqlen_k, q_first, stat_first, lse_rows, window_left, window_right,
+                      CTA_KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT, VARLEN, DETERMINISTIC)),
     ], [4, 1, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -542,7 +551,8 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, feat
     """triton_bwd.attention_backward's conventions, all three gradients wanted: q/out/grad_out/dq `(B, Hq, Lq, D)`,
     k/v/dk/dv `(B, Hkv, Lk, D)` with unit last stride and TMA-compatible strides (layout.tma_compatible of q, k,
     v, grad_out: the caller checks), lse the forward's contiguous float32 `(B, Hq, Lq)`, delta a float32 workspace
-    of lse's shape. Writes dq, dk, dv in place; returns the compiled kernels by name.
+    of lse's shape (unused where a packed call stages its statistics: their padded copies, `padded_stats`). Writes
+    dq, dk, dv in place; returns the compiled kernels by name.
 
     features: a `features.CallFeatures` (or the causal bool): window, softcap, ALiBi slopes and varlen (the tensors
     then (1, H, total rows, D), lse (1, Hq, total rows)); attn_bias on the one-pass kernel only, dense, without a
@@ -569,7 +579,10 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, feat
         return {}
     if dq_accum is None and not split:
         dq_accum = torch.empty(*q.shape[:3], block_d, dtype=torch.float32, device=q.device)
-    semaphores = torch.empty(lse.shape, dtype=torch.int32, device=q.device) if deterministic and not split else None
+    padded = None if split else padded_stats(q, lse, delta, features)
+    semaphores = None
+    if deterministic and not split:
+        semaphores = torch.empty(_row_stats_shape(lse, padded), dtype=torch.int32, device=q.device)
     if split:
         kernel, grid, bound, options, _ = _preprocess_launch(q, out, grad_out, delta, dq, None)
         kernels = {"preprocess": kernel[grid](**bound, **options)}
@@ -579,7 +592,7 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, feat
         return kernels
     return {name: kernel[grid](**bound, **options) for name, (kernel, grid, bound, options, _) in _one_pass_launches(
         q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale, num_stages,
-        dbias, dbias_atomic, semaphores).items()}
+        dbias, dbias_atomic, semaphores, padded).items()}
 
 
 def bias_refusal(features, q, k) -> str | None:
@@ -618,23 +631,27 @@ def _preprocess_launch(q, out, grad_out, delta, dq, dq_accum, semaphores=None):
 
 
 def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale: float,
-                       num_stages: int | None, dbias=None, dbias_atomic: bool = False, semaphores=None):
+                       num_stages: int | None, dbias=None, dbias_atomic: bool = False, semaphores=None, padded=None):
     """The one-pass path's three launches (head dims padding to 64 or 128), by name, in order: (kernel, grid, every
     parameter by name, launch options, the names of its leading parameters that are tensors or descriptors over
     them). Written once for attention_backward_sm90 and PreparedBackward. `semaphores`: the deterministic mode's
-    int32 counters (lse's shape), or None for the default mode."""
+    int32 counters (`_row_stats_shape`), or None for the default mode. `padded`: a packed batch's staged statistics
+    (`padded_stats`), which its preprocess writes and its main kernel reads, or None."""
     num_q_heads, head_dim = q.shape[1], q.shape[3]
     num_kv_heads = k.shape[1]
     features = as_features(features)
-    tail, flags, (programs, seqlen_q, seqlen_k, qk_scale) = feature_args(features, softmax_scale, q, k, BLOCK_N)
+    if (padded is not None) != (features.varlen is not None and _staged(q, lse, delta, features)):
+        raise ValueError("padded: a packed call's staged statistics (padded_stats) exactly where it stages them")
+    stat_rows = None if padded is None else padded[0].shape[-1]
+    tail, flags, (programs, seqlen_q, seqlen_k, qk_scale) = feature_args(features, softmax_scale, q, k, BLOCK_N,
+                                                                         lse_rows=stat_rows)
     block_d = padded_head_dim(head_dim)
     num_stages = num_stages or NUM_STAGES
     rows = sm90_backward_rows(head_dim, features.attn_bias is not None, num_stages)
-    plain = features.mask.is_plain and features.alibi_slopes is None and features.attn_bias is None
-    staged = (sm90_backward_staged_stats(head_dim, q.shape[2], features.varlen is not None, plain)
-              and tma_compatible(lse, delta))
+    staged = _staged(q, lse, delta, features)
+    stats, stat_names = ((lse, delta), ("lse", "delta")) if padded is None else (padded, PADDED_STATS)
     main = attention_backward_sm90_kernel
-    main_args = (*_one_pass_tensor_args(block_d, rows, q, grad_out, k, v, dq_accum, lse, delta, dk, dv, staged),
+    main_args = (*_one_pass_tensor_args(block_d, rows, q, grad_out, k, v, dq_accum, *stats, dk, dv, staged),
                  semaphores,
                  *dk.stride()[:3],
                  *dv.stride()[:3], num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
@@ -642,17 +659,58 @@ def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum,
     flags.update(HAS_BIAS=features.attn_bias is not None, BIAS_GRAD=0 if dbias is None else 1 + dbias_atomic,
                  DETERMINISTIC=semaphores is not None, DQ_BUFFERS=dq_buffers(block_d, features.attn_bias),
                  STAGED_STATS=staged)
-    heads = ("q", "grad_out", "k", "v", "dq_accum", "lse", "delta", "dk", "dv")
-    if semaphores is not None:
-        heads += ("semaphores",)
+    counters = () if semaphores is None else ("semaphores",)
+    heads = ("q", "grad_out", "k", "v", "dq_accum", *stat_names, "dk", "dv", *counters)
     row64 = needs_64bit_rows(q, out, grad_out, dq)
+    if padded is None:
+        preprocess = _preprocess_launch(q, out, grad_out, delta, dq, dq_accum, semaphores)
+    else:
+        preprocess = (*bwd_prep.padded_stats_launch(out, grad_out, lse, *padded, dq_accum,
+                                                    features.varlen.cu_seqlens_q, row64, semaphores),
+                      ("out", "grad_out", "lse", *PADDED_STATS, "dq_accum", "cu_seqlens_q", *counters))
     return {
-        "preprocess": _preprocess_launch(q, out, grad_out, delta, dq, dq_accum, semaphores),
+        "preprocess": preprocess,
         "dkdv_dq": (main, (max(1, programs * num_kv_heads),), dict(
             zip(main.arg_names, main_args), HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_STAGES=num_stages,
             **flags), dict(LAUNCH_OPTIONS), heads),
         "dq_convert": (*bwd_prep.dq_convert_launch(dq_accum, dq, softmax_scale, row64), ("dq_accum", "dq")),
     }
+
+
+# the names of `padded_stats`' tensors among the launches' per-call tensors
+PADDED_STATS = ("lse_padded", "delta_padded")
+
+
+def _staged(q, lse, delta, features) -> bool:
+    """Whether the one pass stages this call's lse and Δ (`tiles.sm90_backward_staged_stats`): a dense call's read
+    by TMA as they are, a packed call's through their padded copies (`padded_stats`)."""
+    plain = features.mask.is_plain and features.alibi_slopes is None and features.attn_bias is None
+    varlen = features.varlen is not None
+    return (sm90_backward_staged_stats(q.shape[-1], q.shape[2], varlen, plain)
+            and (varlen or tma_compatible(lse, delta)))
+
+
+def padded_stats(q, lse, delta, features) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A packed call's staged statistics, where the one pass stages them (`_staged`): fresh float32 workspaces for
+    the copy of lse and for Δ, (1, Hq, seqlen.padded_stat_rows(total rows, sequences)) each, in which every
+    (head, sequence) run of rows starts 16-byte aligned (the preprocess fills every slot); None otherwise."""
+    features = as_features(features)
+    if features.varlen is None or not _staged(q, lse, delta, features):
+        return None
+    return _padded_workspaces((1, q.shape[1], padded_stat_rows(q.shape[2], features.varlen.num_seqs)), q.device)
+
+
+def _padded_workspaces(shape: tuple, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`padded_stats`' two float32 tensors of `shape` (one allocation), or None where `shape` is None."""
+    if shape is None:
+        return None
+    return tuple(torch.empty(2, *shape, dtype=torch.float32, device=device).unbind(0))
+
+
+def _row_stats_shape(lse, padded) -> tuple:
+    """The shape of the one pass's per-row tensors besides lse and Δ (the deterministic mode's counters): lse's, or
+    the padded statistics' where a packed call stages them (the kernel reads both at one row base)."""
+    return tuple(lse.shape if padded is None else padded[0].shape)
 
 
 def dq_buffers(block_d: int, attn_bias) -> int:
@@ -709,9 +767,10 @@ class PreparedBackward:
     alignment (the caller keys its cache on them: autograd.backward_key and BackwardPlan), it allocates dq_accum and
     launches without Triton's per-call binding (host time: docs/perf-notes.md). Plain masks (dense, causal) only:
     ALiBi slopes, windows and softcaps are per-call arguments it would freeze. `deterministic`: the ordered dQ
-    reduce-adds, with their counters allocated per call beside dq_accum (zeroed by the preprocess)."""
+    reduce-adds, with their counters allocated per call beside dq_accum (zeroed by the preprocess); a packed call
+    with staged statistics allocates its `padded_stats` per call too."""
 
-    __slots__ = ("launches", "dq_accum_shape", "semaphores_shape")
+    __slots__ = ("launches", "dq_accum_shape", "semaphores_shape", "padded_shape")
 
     def __init__(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float,
                  num_stages: int | None = None, deterministic: bool = False):
@@ -727,16 +786,18 @@ class PreparedBackward:
         # tensor itself, so a new call's is the first call's rebased (PreparedLaunch without make_head)
         self.dq_accum_shape = (q.shape[0] * q.shape[1], q.shape[2], padded_head_dim(q.shape[-1]))
         dq_accum = torch.empty(self.dq_accum_shape, dtype=torch.float32, device=q.device)
-        self.semaphores_shape = lse.shape if deterministic else None
+        padded = padded_stats(q, lse, delta, features)
+        self.padded_shape = None if padded is None else padded[0].shape
+        self.semaphores_shape = _row_stats_shape(lse, padded) if deterministic else None
         semaphores = self._semaphores(q.device)
         # __call__'s tensors, then the workspaces, then varlen's
-        order = (*_CALL_TENSORS, "dq_accum", "semaphores", *VARLEN_TENSORS)
-        tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, semaphores,
+        order = (*_CALL_TENSORS, "dq_accum", "semaphores", *PADDED_STATS, *VARLEN_TENSORS)
+        tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, semaphores, *(padded or (None, None)),
                    *varlen_tensors(features, k.shape[2]))
         self.launches = []
         for name, (kernel, grid, bound, options, heads) in _one_pass_launches(
                 q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale,
-                num_stages, semaphores=semaphores).items():
+                num_stages, semaphores=semaphores, padded=padded).items():
             live = None
             if name == "dkdv_dq" and features.varlen is not None:
                 live = (*kernel.arg_names[:len(heads)], "CuSeqlensQ", "CuSeqlensK", "WorkTiles")
@@ -753,7 +814,9 @@ class PreparedBackward:
 
     def __call__(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, *varlen) -> None:
         dq_accum = torch.empty(self.dq_accum_shape, dtype=torch.float32, device=q.device)
-        tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, self._semaphores(q.device), *varlen)
+        padded = _padded_workspaces(self.padded_shape, q.device) or (None, None)
+        tensors = (q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, self._semaphores(q.device), *padded,
+                   *varlen)
         for launch, positions in self.launches:
             launch(*[tensors[p] for p in positions])
 
@@ -791,8 +854,11 @@ def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,
     dbias = None
     if bias_grad is not None:
         dbias = torch.empty(features.attn_bias.shape, device="meta")
-    semaphores = torch.empty(lse.shape, dtype=torch.int32, device="meta") if deterministic else None
+    padded = padded_stats(q, lse, lse, features)
+    semaphores = None
+    if deterministic:
+        semaphores = torch.empty(_row_stats_shape(lse, padded), dtype=torch.int32, device="meta")
     kernel, _, bound, _, _ = _one_pass_launches(q, q[:, :2], q[:, :2], q, lse, q, lse, q, q[:, :2], q[:, :2],
                                                 dq_accum, features, 0.07, num_stages, dbias,
-                                                bias_grad == "atomic", semaphores)["dkdv_dq"]
+                                                bias_grad == "atomic", semaphores, padded)["dkdv_dq"]
     return offline_build(kernel, bound)

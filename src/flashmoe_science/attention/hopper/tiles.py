@@ -149,11 +149,12 @@ def sm90_backward_staged_stats(head_dim: int, seqlen_q: int, varlen: bool, plain
     rank-1 TMA boxes beside Q and dO) and starts its Sᵀ and dPᵀ products from zero, -lse·log2e then joining the
     exp2's scaling FFMA and Δ one subtraction: fewer instructions per tile than the accumulator starts built from
     global loads (docs/perf-notes.md: 5-6% at D=128, full and causal). At head dims padding to 128 only: at 64 each
-    thread's 32 query columns of lse and Δ beside Sᵀ and dPᵀ spill. Dense batches whose rows per head are whole
-    16-byte groups only: a TMA box starts at a 16-byte aligned address, and a packed batch's sequences start at any
-    row. `plain`: a full or causal mask without softcap, ALiBi or attn_bias, what was measured; the others keep
-    the accumulator starts."""
-    return padded_head_dim(head_dim) == 128 and not varlen and seqlen_q % 4 == 0 and plain
+    thread's 32 query columns of lse and Δ beside Sᵀ and dPᵀ spill. A TMA box starts at a 16-byte aligned address:
+    dense batches whose rows per head are whole 16-byte groups (4 float32 rows) read lse and Δ as they are; packed
+    batches (`varlen`), whose sequences start at any row, read copies in which each sequence's rows start aligned
+    (seqlen.padded_row_start, written by the backward's preprocess). `plain`: a full or causal mask without
+    softcap, ALiBi or attn_bias, what was measured; the others keep the accumulator starts."""
+    return padded_head_dim(head_dim) == 128 and (varlen or seqlen_q % 4 == 0) and plain
 
 
 def sm90_forward_tiles(head_dim: int, causal: bool, seqlen_q: int, has_bias: bool = False) -> AttentionTiles:
