@@ -686,7 +686,7 @@ def _staged(q, lse, delta, features) -> bool:
     by TMA as they are, a packed call's through their padded copies (`padded_stats`)."""
     plain = features.mask.is_plain and features.alibi_slopes is None and features.attn_bias is None
     varlen = features.varlen is not None
-    return (sm90_backward_staged_stats(q.shape[-1], q.shape[2], varlen, plain)
+    return (sm90_backward_staged_stats(q.shape[-1], q.shape[2], varlen, plain, features.mask.causal)
             and (varlen or tma_compatible(lse, delta)))
 
 
