@@ -214,6 +214,8 @@ def test_sm90_backward_stages_row_statistics_where_tma_can_read_them():
     assert not sm90_backward_staged_stats(128, 1001, False)
     assert sm90_backward_staged_stats(128, 4096, True) and sm90_backward_staged_stats(128, 1001, True)
     assert not sm90_backward_staged_stats(64, 1001, True) and not sm90_backward_staged_stats(128, 1001, True, False)
+    assert not sm90_backward_staged_stats(128, 4096, True, causal=True)  # packed causal: measured slower
+    assert sm90_backward_staged_stats(128, 4096, False, causal=True)
 
     def staged(length, lse_offset=0):
         q, k, v = _blhd(1, 2, length, 128), _blhd(1, 2, 200, 128), _blhd(1, 2, 200, 128)
@@ -310,7 +312,8 @@ def _packed_tensors(total, head_dim):
 def test_sm90_packed_backward_stages_padded_statistics(deterministic):
     """A packed D=128 call: the preprocess writes lse and Δ into padded copies (seqlen.padded_stat_rows rows per
     head), the main kernel reads them by TMA with that row count, and the deterministic counters share the layout;
-    at D=64 and with a window the packed call keeps the forward's lse. A mismatched `padded` is refused."""
+    at D=64, with a window and under a causal mask the packed call keeps the forward's lse. A mismatched `padded`
+    is refused."""
     pytest.importorskip("triton.experimental.gluon")
     from flashmoe_science.attention import bwd_prep
     from flashmoe_science.attention.features import CallFeatures
@@ -318,7 +321,7 @@ def test_sm90_packed_backward_stages_padded_statistics(deterministic):
     from flashmoe_science.attention.seqlen import padded_stat_rows
 
     lengths = (5, 0, 130, 1, 64)
-    features = _packed_features(lengths)
+    features = _packed_features(lengths, causal=False)
     tensors = _packed_tensors(sum(lengths), 128)
     q, k, v, out, lse, grad_out, delta, dq, dk, dv = tensors
     padded = bwd_sm90.padded_stats(q, lse, delta, features)
@@ -348,6 +351,7 @@ def test_sm90_packed_backward_stages_padded_statistics(deterministic):
     window = CallFeatures(mask=make_mask(False, (30, 30), None), varlen=features.varlen)
     assert bwd_sm90.padded_stats(small[0], small[4], small[6], features) is None
     assert bwd_sm90.padded_stats(q, lse, delta, window) is None
+    assert bwd_sm90.padded_stats(q, lse, delta, _packed_features(lengths, causal=True)) is None
     assert bwd_sm90.padded_stats(_blhd(2, 4, 256, 128), lse, delta, True) is None  # dense: lse as it is
 
 
