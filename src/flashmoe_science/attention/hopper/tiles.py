@@ -154,7 +154,7 @@ def sm90_backward_staged_stats(head_dim: int, seqlen_q: int, varlen: bool, plain
     dense batches whose rows per head are whole 16-byte groups (4 float32 rows) read lse and Δ as they are; packed
     batches (`varlen`), whose sequences start at any row, read copies in which each sequence's rows start aligned
     (seqlen.padded_row_start, written by the backward's preprocess), under the full mask only: the packed causal
-    build spills twice the dense one's values in its key loops and ran 0.4-5.7% slower (full: 3.4-6.2% faster).
+    build spills in its key loops (the sequence lengths are loaded values there) and measured slower.
     `plain`: a full or causal mask without softcap, ALiBi or attn_bias, what was measured; the others keep the
     accumulator starts."""
     aligned = (varlen and not causal) or (not varlen and seqlen_q % 4 == 0)
@@ -279,8 +279,8 @@ def sm90_forward_pingpong(head_dim: int, fp8: bool) -> bool:
     """Whether the forward's consumer warpgroups issue each key tile's Q·Kᵀ and P·V in a fixed rotation (a barrier
     per consumer, hopper/fwd_sm90._take_turn) and rescale O after the P·V product rather than between the two
     issues, instead of issuing whenever their warps are scheduled. At head dims to 64 (32 accumulator registers of
-    O per thread) 1-3% faster; at 128 the rescale of 64 registers after the wait is on the critical path and the
-    rotation alone changes nothing (docs/perf-notes.md). 16-bit inputs: the e4m3 forward was not measured with it."""
+    O per thread) only: at 128 the rescale of 64 registers after the wait is on the critical path, and the rotation
+    alone gains nothing (docs/perf-notes.md). 16-bit inputs: the e4m3 forward was not measured with it."""
     return padded_head_dim(head_dim) <= 64 and not fp8
 
 
