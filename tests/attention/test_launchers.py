@@ -246,20 +246,29 @@ def test_sm90_forward_issues_in_rotation_at_head_dims_to_64(head_dim, consumers,
     assert not sm90_forward_pingpong(head_dim, fp8=True)
 
 
+def _record_backward_launches(monkeypatch, compiled_class, preprocess: str) -> dict:
+    """The sm_90 one pass's three kernels (the preprocess named `preprocess` in bwd_prep, the main kernel, the dQ
+    conversion) replaced by recording kernels, in launch order: {name: (kernel, compiled)}."""
+    from flashmoe_science.attention import bwd_prep
+    from flashmoe_science.attention.hopper import bwd_sm90
+
+    kernels = {}
+    for module, name in ((bwd_prep, preprocess), (bwd_sm90, "attention_backward_sm90_kernel"),
+                         (bwd_prep, "dq_convert_kernel")):
+        kernels[name] = _recording_warmup_kernel(getattr(module, name).arg_names, compiled_class)
+        monkeypatch.setattr(module, name, kernels[name][0])
+    return kernels
+
+
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_sm90_prepared_backward_rebases_the_first_calls_descriptors(monkeypatch, fake_compiled_kernel, head_dim):
     """bwd_sm90.PreparedBackward's three launches on new tensors: each per-call tensor as given, each TMA descriptor
     the one a direct launch would build over the new tensor (same fields, new base), the frozen parameters as
     bound; none of the first call's tensors kept."""
     pytest.importorskip("triton.experimental.gluon")
-    from flashmoe_science.attention import bwd_prep
     from flashmoe_science.attention.hopper import bwd_sm90
 
-    kernels = {}
-    for module, name in ((bwd_prep, "preprocess_kernel"), (bwd_sm90, "attention_backward_sm90_kernel"),
-                         (bwd_prep, "dq_convert_kernel")):
-        kernels[name] = _recording_warmup_kernel(getattr(module, name).arg_names, fake_compiled_kernel)
-        monkeypatch.setattr(module, name, kernels[name][0])
+    kernels = _record_backward_launches(monkeypatch, fake_compiled_kernel, "preprocess_kernel")
 
     def tensors():
         q, k, v = _blhd(2, 4, 300, head_dim), _blhd(2, 2, 257, head_dim), _blhd(2, 2, 257, head_dim)
@@ -362,11 +371,7 @@ def test_sm90_prepared_packed_backward_allocates_its_padded_statistics_per_call(
     from flashmoe_science.attention import bwd_prep
     from flashmoe_science.attention.hopper import bwd_sm90
 
-    kernels = {}
-    for module, name in ((bwd_prep, "padded_stats_kernel"), (bwd_sm90, "attention_backward_sm90_kernel"),
-                         (bwd_prep, "dq_convert_kernel")):
-        kernels[name] = _recording_warmup_kernel(getattr(module, name).arg_names, fake_compiled_kernel)
-        monkeypatch.setattr(module, name, kernels[name][0])
+    kernels = _record_backward_launches(monkeypatch, fake_compiled_kernel, "padded_stats_kernel")
     lengths = (70, 3, 127)
     features = _packed_features(lengths, causal=False)
     prepared = bwd_sm90.PreparedBackward(*_packed_tensors(200, 128), features, 0.125, deterministic=True)

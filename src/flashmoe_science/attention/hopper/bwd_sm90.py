@@ -169,8 +169,9 @@ def _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, 
     STAGED (full and causal masks, no softcap, ALiBi or attn_bias): both products start from zero (no accumulator
     moves), except a MASKED tile's score product, which starts from the mask's -inf; lse and Δ come after them,
     from the stage's shared-memory copies: −lse·log2e in the exp2's scaling FFMA, Δ in one subtraction. Otherwise
-    lse, Δ and the mask ride in the products' starts, read from LSE and Delta. `tile_bounds` (full_start, full_end of `_visited_query_tiles`): the tile is
-    masked where it falls outside them; None in the split loops, where MASKED says."""
+    lse, Δ and the mask ride in the products' starts, read from LSE and Delta. `tile_bounds` (full_start, full_end
+    of `_visited_query_tiles`): the tile is masked where it falls outside them; None in the split loops, where
+    MASKED says."""
     q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, bias_smem = smem
     q_ready, do_ready, empty, ds_ready, dq_full, dq_empty = barriers
     my_keys, my_values, k_cols = operands
@@ -491,18 +492,16 @@ def attention_backward_sm90_kernel(
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, empty,
                      ds_ready, dq_full, dq_empty, dq_desc, LSE, Delta, lse_smem, delta_smem, DK, DV, stride_dkb,
-                     stride_dkh,
-                     stride_dkn, stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads,
-                     group_size, seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first, lse_rows, window_left,
-                     window_right, softcap_scale, Slopes, stride_slopes, bias_smem, dbias_args,
+                     stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head,
+                     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first,
+                     lse_rows, window_left, window_right, softcap_scale, Slopes, stride_slopes, bias_smem, dbias_args,
                      0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
                      VARLEN, HAS_BIAS, BIAS_GRAD, STAGED_STATS)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, empty,
                      ds_ready, dq_full, dq_empty, dq_desc, LSE, Delta, lse_smem, delta_smem, DK, DV, stride_dkb,
-                     stride_dkh,
-                     stride_dkn, stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head, num_q_heads,
-                     group_size, seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first, lse_rows, window_left,
-                     window_right, softcap_scale, Slopes, stride_slopes, bias_smem, dbias_args,
+                     stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head,
+                     num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first,
+                     lse_rows, window_left, window_right, softcap_scale, Slopes, stride_slopes, bias_smem, dbias_args,
                      1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
                      VARLEN, HAS_BIAS, BIAS_GRAD, STAGED_STATS)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_box, v_box,
@@ -640,7 +639,8 @@ def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum,
     num_q_heads, head_dim = q.shape[1], q.shape[3]
     num_kv_heads = k.shape[1]
     features = as_features(features)
-    if (padded is not None) != (features.varlen is not None and _staged(q, lse, delta, features)):
+    staged = _staged(q, lse, delta, features)
+    if (padded is not None) != (features.varlen is not None and staged):
         raise ValueError("padded: a packed call's staged statistics (padded_stats) exactly where it stages them")
     stat_rows = None if padded is None else padded[0].shape[-1]
     tail, flags, (programs, seqlen_q, seqlen_k, qk_scale) = feature_args(features, softmax_scale, q, k, BLOCK_N,
@@ -648,14 +648,12 @@ def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum,
     block_d = padded_head_dim(head_dim)
     num_stages = num_stages or NUM_STAGES
     rows = sm90_backward_rows(head_dim, features.attn_bias is not None, num_stages)
-    staged = _staged(q, lse, delta, features)
     stats, stat_names = ((lse, delta), ("lse", "delta")) if padded is None else (padded, PADDED_STATS)
     main = attention_backward_sm90_kernel
     main_args = (*_one_pass_tensor_args(block_d, rows, q, grad_out, k, v, dq_accum, *stats, dk, dv, staged),
-                 semaphores,
-                 *dk.stride()[:3],
-                 *dv.stride()[:3], num_q_heads, num_kv_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
-                 qk_scale, softmax_scale, *tail, *_bias_args(features, q, k, dbias, rows))
+                 semaphores, *dk.stride()[:3], *dv.stride()[:3], num_q_heads, num_kv_heads,
+                 num_q_heads // num_kv_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale, *tail,
+                 *_bias_args(features, q, k, dbias, rows))
     flags.update(HAS_BIAS=features.attn_bias is not None, BIAS_GRAD=0 if dbias is None else 1 + dbias_atomic,
                  DETERMINISTIC=semaphores is not None, DQ_BUFFERS=dq_buffers(block_d, features.attn_bias),
                  STAGED_STATS=staged)

@@ -479,13 +479,15 @@ def _pass_turn(turns, turn, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
 
 
 @gluon.jit
-def _skip_turns(turns, turn, count, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
-    """PINGPONG: take and pass `count` turns without issuing, for the key tiles of the CTA's item this consumer does
-    not multiply (a right-bounded mask: `release_unused`), so that every consumer takes the same number of turns
-    per item and the rotation stays aligned. Called after those tiles' stages are released: the turns wait on the
-    consumers below, whose remaining tiles need those stages."""
+def _skip_tiles(k_ready, v_ready, k_empty, v_empty, first, end, turns, turn, NUM_STAGES: gl.constexpr,
+                CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ring positions [first, end): the key tiles of the CTA's item this consumer does not multiply (a right-bounded
+    mask). Releases their stages (`release_unused`), then, with PINGPONG, takes and passes their turns without
+    issuing, so that every consumer takes the same number of turns per item and the rotation stays aligned (the
+    turns wait on the consumers below, whose remaining tiles need those stages). Returns the turn count."""
+    release_unused(k_ready, v_ready, k_empty, v_empty, first, end, NUM_STAGES)
     if PINGPONG:
-        for _ in range(count):
+        for _ in range(first, end):
             _take_turn(turns, turn, CONSUMER, PINGPONG)
             turn = _pass_turn(turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
     return turn
@@ -674,8 +676,8 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                 ADD_BIAS, BIAS_TMA, s_layout, P_DTYPE, p_layout)
             o_acc = _wait_pv(o_acc, p_op)
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
-            release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
-            turn = _skip_turns(turns, turn, cta_tiles - num_tiles, CONSUMER, NUM_CONSUMERS, PINGPONG)
+            turn = _skip_tiles(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, turns, turn,
+                               NUM_STAGES, CONSUMER, NUM_CONSUMERS, PINGPONG)
             _store_output(o_acc, m_i, l_i, o_scale, o_desc, _output_staging(q_smems, o_smems, q_buf, CONSUMER, FP8),
                           q_empty.index(q_buf), LSE, rows, num_q_heads, seqlen_q, varlen_args, tile_mask, ROWS,
                           BLOCK_D, VARLEN, ALIBI_LINEAR, FP8, s_rows, o_layout)
@@ -684,8 +686,8 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                                          p_layout, PINGPONG)
             o_acc = _wait_pv(o_acc, p_op)
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
-            release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, NUM_STAGES)
-            turn = _skip_turns(turns, turn, cta_tiles - num_tiles, CONSUMER, NUM_CONSUMERS, PINGPONG)
+            turn = _skip_tiles(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, turns, turn,
+                               NUM_STAGES, CONSUMER, NUM_CONSUMERS, PINGPONG)
             _store_output(o_acc, m_i, l_i, o_scale, o_desc, _output_staging(q_smems, o_smems, q_buf, CONSUMER, FP8),
                           q_empty.index(q_buf), LSE, rows, num_q_heads, seqlen_q, varlen_args, tile_mask, ROWS,
                           BLOCK_D, VARLEN, ALIBI_LINEAR, FP8, s_rows, o_layout)
@@ -716,8 +718,8 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                                  p_layout, PINGPONG)
     o_acc = _wait_pv(o_acc, p_op)
     mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
-    release_unused(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, ring + cta_tiles, NUM_STAGES)
-    _skip_turns(turns, turn, cta_tiles - num_tiles, CONSUMER, NUM_CONSUMERS, PINGPONG)
+    _skip_tiles(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, ring + cta_tiles, turns, turn, NUM_STAGES,
+                CONSUMER, NUM_CONSUMERS, PINGPONG)
     _store_output(o_acc, m_i, l_i, o_scale, o_desc, _output_staging(q_smems, o_smems, q_buf, CONSUMER, FP8),
                   q_empty.index(q_buf), LSE, rows, num_q_heads, seqlen_q, varlen_args, tile_mask, ROWS, BLOCK_D,
                   VARLEN, ALIBI_LINEAR, FP8, s_rows, o_layout)
