@@ -2,8 +2,8 @@
 # Ours, FlashAttention-4 and cuDNN side by side on one GPU. Run from the repo root on the GPU machine after FA4 is
 # staged (../shared/peers/fa4):
 #   source /tmp/fa4/install-on-device.sh && bash benchmarks/tools/fa4_side_by_side.sh
-#       the dense bench at SHAPES, then Nsight Compute on the backward (and forward) of ours and FA4 at D=128 (and
-#       D=64 with MORE_NCU=1), L=16k: bench.log, ncu.txt and the bench JSON.
+#       the dense bench at SHAPES, then Nsight Compute on the backward and forward of ours and FA4 at NCU_SHAPES
+#       (default D=128, L=16k; D=64 too with MORE_NCU=1): bench.log, ncu.txt and the bench JSON.
 #   source /tmp/fa4/install-on-device.sh && bash benchmarks/tools/fa4_side_by_side.sh --publish
 #       the runs published with FA4 in them, each ours beside FA4 in one process, ROUNDS (2) rounds, no profiler:
 #       the varlen suite (flashmoe-varlen beside fa4-varlen and the others on its ragged and packed batches, causal
@@ -67,10 +67,15 @@ profile() {  # backend B H L D causal: every kernel of the profiled (third) roun
     python benchmarks/tools/profile_attention_peers_ncu.py "$@" >> "$OUT/ncu.txt" 2>&1
   echo "rc=$? $tag" >> "$OUT/ncu.txt"
 }
+# NCU_SHAPES: "B H L D causal" entries separated by ';', each profiled for ours and FA4
+NCU_SHAPES=${NCU_SHAPES:-"1 16 16384 128 0"}
+[ "${MORE_NCU:-0}" = 1 ] && NCU_SHAPES="$NCU_SHAPES;1 16 16384 64 0"
 if [ -n "$NCU" ]; then
-  profile flashmoe 1 16 16384 128 0
-  profile fa4 1 16 16384 128 0
-  [ "${MORE_NCU:-0}" = 1 ] && { profile flashmoe 1 16 16384 64 0; profile fa4 1 16 16384 64 0; }
+  IFS=';' read -ra ncu_shapes <<< "$NCU_SHAPES"
+  for shape in "${ncu_shapes[@]}"; do
+    profile flashmoe $shape
+    profile fa4 $shape
+  done
 else
   echo "no ncu on this machine" > "$OUT/ncu.txt"
 fi
