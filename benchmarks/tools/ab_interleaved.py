@@ -3,8 +3,8 @@ with a window and softcap), KV-cache decode (contiguous and paged) and MoE (fuse
 calls, timed by triton.testing.do_bench in one process per tree and round, the trees' order rotating each round so
 that clock and thermal drift fall on all. Only the public functions are called, so any two commits compare.
 `--suite backward` times only the attention backward at long rows (B1 H16 L16k, D 64/128, causal or not),
-`--suite forward` only the attention forward (B1 H16 L16k and B4 H16 L4k at D=64 and 128, B2 H16 L8k at D=128;
-causal or not), `--suite varlen` the packed D=128 H16 batches of the features bench (its long tail and packed
+`--suite forward` only the attention forward (B1 H16 L16k and B4 H16 L4k at D=64 and 128, B2 H16 L8k at D=128,
+B1 H16 L16k and B2 H16 L8k at D=256; causal or not), `--suite varlen` the packed D=128 H16 batches of the features bench (its long tail and packed
 documents): the forward, and the backward alone, causal or not.
 
     PYTHONPATH=src python benchmarks/tools/ab_interleaved.py --a /path/to/old/src --b src [--c other/src] \
@@ -92,15 +92,16 @@ def _backward_cases():
 
 
 def _forward_cases():
-    """The attention forward alone: B1 H16 L16k and B4 H16 L4k at D=64 and 128, B2 H16 L8k at D=128; causal or
-    not."""
+    """The attention forward alone: B1 H16 L16k and B4 H16 L4k at D=64 and 128, B2 H16 L8k at D=128, B1 H16 L16k
+    and B2 H16 L8k at D=256; causal or not."""
     import torch
 
     import flashmoe_science as fs
 
     g = torch.Generator(device="cuda").manual_seed(0)
     cases = []
-    for b, length, d in ((1, 16384, 64), (4, 4096, 64), (1, 16384, 128), (2, 8192, 128), (4, 4096, 128)):
+    for b, length, d in ((1, 16384, 64), (4, 4096, 64), (1, 16384, 128), (2, 8192, 128), (4, 4096, 128),
+                         (1, 16384, 256), (2, 8192, 256)):
         q, k, v = (torch.randn(b, 16, length, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
         for causal in (False, True):
             cases.append((f"attn fwd B{b} H16 L{length} D{d} {'causal' if causal else 'full'}",

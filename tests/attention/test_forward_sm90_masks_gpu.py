@@ -107,6 +107,32 @@ def test_dense_masks(ids, head_dim, mask_name, two_stage, lq, lk):
                None if slopes is None else slopes[i:i + 1])
 
 
+@pytest.mark.parametrize("head_dim", [160, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_lazy_max_follows_scores_that_grow_along_the_keys(head_dim, causal):
+    """At head dims padding to 256 a row's running max moves only when a key tile's max passes it by more than 2^8
+    (tiles.sm90_forward_rescale_threshold): scores that grow along the keys, by less than that per tile in some
+    rows and by far more in others (a few keys late in the sequence with large logits), give the reference's
+    output and lse, with the rows' sums and O kept at the stale max in between."""
+    fwd_sm90 = hopper_attention_module("fwd_sm90")
+    lq = lk = 1500
+    mask = make_mask(causal, None, None)
+    b, hq, hkv, scale = 1, 4, 2, head_dim**-0.5
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = (torch.randn(b, hq, lq, head_dim, device="cuda", generator=g) * 2).bfloat16()
+    ramp = torch.linspace(0.2, 3.0, lk, device="cuda").view(1, 1, lk, 1)
+    k = torch.randn(b, hkv, lk, head_dim, device="cuda", generator=g) * ramp
+    k[:, :, 900::97] *= 6  # late keys whose logits pass every earlier max by far more than 2^8
+    k = k.bfloat16()
+    v = torch.randn(b, hkv, lk, head_dim, device="cuda", generator=g).bfloat16()
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+    tiles, num_ctas, q_buffers, cross_item = _plan(fwd_sm90, head_dim, mask, lq)
+    fwd_sm90.attention_forward_sm90(q, k, v, out, lse, causal, scale, tiles, num_ctas, q_buffers, cross_item,
+                                    mask=mask)
+    _check(out, lse, q, k, v, mask, scale, None)
+
+
 def _packed(lengths, heads, head_dim):
     """A packed (total + SENTINEL_ROWS, H, D) tensor and its cumulative lengths (int32)."""
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
