@@ -5,7 +5,8 @@ that clock and thermal drift fall on all. Only the public functions are called, 
 `--suite backward` times only the attention backward at long rows (B1 H16 L16k, D 64/128, causal or not),
 `--suite forward` only the attention forward (B1 H16 L16k and B4 H16 L4k at D=64 and 128, B2 H16 L8k at D=128,
 B1 H16 L16k and B2 H16 L8k at D=256; causal or not), `--suite varlen` the packed D=128 H16 batches of the features bench (its long tail and packed
-documents): the forward, and the backward alone, causal or not.
+documents): the forward, and the backward alone, causal or not. `--match TEXT` keeps the suite's cases whose name
+contains TEXT.
 
     PYTHONPATH=src python benchmarks/tools/ab_interleaved.py --a /path/to/old/src --b src [--c other/src] \
         --rounds 4 --out "$OUT"
@@ -145,22 +146,25 @@ def _varlen_cases():
 SUITES = {"all": _cases, "backward": _backward_cases, "forward": _forward_cases, "varlen": _varlen_cases}
 
 
-def worker(suite: str) -> None:
+def worker(suite: str, match: str | None = None) -> None:
     import torch
     import triton
     from triton.testing import do_bench
 
     results = {}
     for name, fn, grads in SUITES[suite]():
+        if match and match not in name:
+            continue
         results[name] = float(do_bench(fn, warmup=100, rep=300, grad_to_none=grads, return_mode="median"))
         torch.cuda.synchronize()
     json.dump({"ms": results, "torch": torch.__version__, "triton": triton.__version__,
                "gpu": torch.cuda.get_device_name()}, sys.stdout)
 
 
-def _run(src: str, suite: str) -> dict:
+def _run(src: str, suite: str, match: str | None) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--suite", suite], env=env,
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--suite", suite,
+                           *(["--match", match] if match else [])], env=env,
                           capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"the worker on {src} failed:\n{done.stderr[-4000:]}")
@@ -173,6 +177,7 @@ def main() -> int:
     parser.add_argument("--b", help="the new tree's src folder")
     parser.add_argument("--c", help="a third tree's src folder (optional)")
     parser.add_argument("--suite", choices=tuple(SUITES), default="all")
+    parser.add_argument("--match", help="only the cases whose name contains this text")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="start no round that would end past this many seconds (the rounds done are reported)")
@@ -180,7 +185,7 @@ def main() -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.suite)
+        worker(args.suite, args.match)
         return 0
     trees = ("a", "b", "c") if args.c else ("a", "b")
     runs = {tree: [] for tree in trees}
@@ -195,7 +200,7 @@ def main() -> int:
         order = trees[shift:] + trees[:shift]
         for tree in order if round_ % 2 == 0 else order[::-1]:
             start = time.time()
-            result = _run(getattr(args, tree), args.suite)
+            result = _run(getattr(args, tree), args.suite, args.match)
             meta = {key: result[key] for key in ("torch", "triton", "gpu")}
             runs[tree].append(result["ms"])
             print(f"round {round_} tree {tree}: {time.time() - start:.0f} s", flush=True)

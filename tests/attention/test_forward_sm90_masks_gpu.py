@@ -109,11 +109,11 @@ def test_dense_masks(ids, head_dim, mask_name, two_stage, lq, lk):
 
 @pytest.mark.parametrize("head_dim", [160, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_lazy_max_follows_scores_that_grow_along_the_keys(head_dim, causal):
-    """At head dims padding to 256 a row's running max moves only when a key tile's max passes it by more than 2^8
-    (tiles.sm90_forward_rescale_threshold): scores that grow along the keys, by less than that per tile in some
-    rows and by far more in others (a few keys late in the sequence with large logits), give the reference's
-    output and lse, with the rows' sums and O kept at the stale max in between."""
+def test_rescale_skips_follow_maxima_that_move_late(head_dim, causal):
+    """At head dims padding to 256 a warp branches past O's rescale where none of its rows' maxima moved
+    (tiles.sm90_forward_skip_rescale): scores that grow along the keys, and a few keys late in the sequence with
+    large logits, move the maxima of some warps' rows in tiles where the other warps skip, and the output and lse
+    are the reference's."""
     fwd_sm90 = hopper_attention_module("fwd_sm90")
     lq = lk = 1500
     mask = make_mask(causal, None, None)
@@ -122,7 +122,7 @@ def test_lazy_max_follows_scores_that_grow_along_the_keys(head_dim, causal):
     q = (torch.randn(b, hq, lq, head_dim, device="cuda", generator=g) * 2).bfloat16()
     ramp = torch.linspace(0.2, 3.0, lk, device="cuda").view(1, 1, lk, 1)
     k = torch.randn(b, hkv, lk, head_dim, device="cuda", generator=g) * ramp
-    k[:, :, 900::97] *= 6  # late keys whose logits pass every earlier max by far more than 2^8
+    k[:, :, 900::97] *= 6  # late keys whose logits pass every earlier max
     k = k.bfloat16()
     v = torch.randn(b, hkv, lk, head_dim, device="cuda", generator=g).bfloat16()
     out = torch.full_like(q, float("nan"))

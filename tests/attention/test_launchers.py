@@ -246,20 +246,20 @@ def test_sm90_forward_issues_in_rotation_at_head_dims_to_64(head_dim, consumers,
     assert not sm90_forward_pingpong(head_dim, fp8=True)
 
 
-@pytest.mark.parametrize("head_dim, threshold", [(64, 0.0), (128, 0.0), (160, 8.0), (256, 8.0)])
-def test_sm90_forward_lazy_rescale_at_head_dims_padding_to_256(head_dim, threshold):
-    """The sm_90 forward lets a row's running max lag by up to 2^8 (and skips O's rescale) at head dims padding to
-    256 only; e4m3 inputs keep the exact max."""
+@pytest.mark.parametrize("head_dim, skip", [(64, False), (128, False), (160, True), (256, True)])
+def test_sm90_forward_skips_unneeded_rescales_at_head_dims_padding_to_256(head_dim, skip):
+    """The sm_90 forward's warps branch past O's rescale where no row's max moved, at head dims padding to 256 only;
+    e4m3 inputs multiply every tile."""
     pytest.importorskip("triton.experimental.gluon")
     from flashmoe_science.attention.hopper import fwd_sm90
-    from flashmoe_science.attention.hopper.tiles import sm90_forward_rescale_threshold
+    from flashmoe_science.attention.hopper.tiles import sm90_forward_skip_rescale
 
     q = torch.empty(1, 2, 256, head_dim, dtype=torch.bfloat16, device="meta")
     tiles = AttentionTiles(128, 128 if head_dim <= 128 else 64, 8, 2, use_tma=True)
     _, _, constexprs = fwd_sm90._launch_args(q, q, q, torch.empty_like(q), torch.empty(1, 2, 256, device="meta"),
                                              False, 0.1, tiles, 132, 1, False)
-    assert constexprs["RESCALE_THRESHOLD"] == threshold
-    assert sm90_forward_rescale_threshold(head_dim, fp8=True) == 0.0
+    assert constexprs["SKIP_RESCALE"] is skip
+    assert not sm90_forward_skip_rescale(head_dim, fp8=True)
 
 
 def _record_backward_launches(monkeypatch, compiled_class, preprocess: str) -> dict:

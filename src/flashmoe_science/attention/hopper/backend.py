@@ -31,7 +31,7 @@ from flashmoe_science.attention.hopper.tiles import (
     sm90_bias_tiles,
     sm90_cross_item,
     sm90_forward_pingpong,
-    sm90_forward_rescale_threshold,
+    sm90_forward_skip_rescale,
     sm90_forward_tiles,
     sm90_fp8_forward_tiles,
     sm90_fp8_q_buffers,
@@ -193,8 +193,8 @@ class HopperForward:
         consumers = tiles.block_m // 64
         turns = (", issuing their products in turn (head dim <= 64)"
                  if sm90_forward_pingpong(problem.q.shape[-1], fp8=False) else "")
-        if sm90_forward_rescale_threshold(problem.q.shape[-1], fp8=False):
-            turns += ", a running max that moves only past 2^8 (O's rescale skipped per warp, head dim > 128)"
+        if sm90_forward_skip_rescale(problem.q.shape[-1], fp8=False):
+            turns += ", O's rescale skipped by warps whose row maxima did not move (head dim > 128)"
         return (f"{requested} the Gluon sm_90 kernel{with_features} (TMA producer warp, {consumers} consumer "
                 f"warpgroups of 64 rows{SM90_CONSUMER_REASONS[consumers]}{turns}, async wgmma, softmax overlapped "
                 f"with P·V; {ctas}); {shape}")

@@ -13,9 +13,9 @@ explicit, and one iteration over key tile j reads:
     softmax of S_j -> P_j, alpha_j          (exp2 on the SFU *while the tensor cores run P_{j-1} V_{j-1}*)
     wait for the P·V product, then refill the stage it used with tile j-1+NUM_STAGES
 
-The first tile is peeled (there is no P_{-1}) and the last P·V runs after the loop. At head dims padding to 256
-the running max is lazy (`tiles.sm90_forward_rescale_threshold`): it moves only when a tile's max exceeds it by
-more than 2^8, so after the first tiles alpha stays 1 and each warp branches past O's rescale (`_rescale`).
+The first tile is peeled (there is no P_{-1}) and the last P·V runs after the loop. Once the running maxima
+settle most tiles leave alpha at 1: at head dims padding to 256 a warp whose rows all have alpha == 1 branches past
+O's rescale (`_rescale`, `tiles.sm90_forward_skip_rescale`).
 
 A work item is NUM_CONSUMERS · 64 query rows of one (batch, head) (`tiles.block_m`: 128 on two consumer
 warpgroups, 192 on three at head dims to 64: hopper/tiles.py), 64 rows per consumer warpgroup, each in its own
@@ -47,7 +47,7 @@ import torch
 
 from flashmoe_science.attention.hopper.common import descriptor, release_unused
 from flashmoe_science.attention.hopper.tiles import (sm90_cross_item_safe, sm90_forward_pingpong,
-                                                      sm90_forward_rescale_threshold)
+                                                      sm90_forward_skip_rescale)
 from flashmoe_science.attention.hopper.work_items import VarlenArgs, cta_key_tiles, cta_num_items, item_rows
 from flashmoe_science.attention.features import bias_strides
 from flashmoe_science.attention.layout import bias_tma_view, tma_compatible
@@ -215,8 +215,7 @@ def _score_start(s_zero, start_n, tile_mask, BLOCK_N: gl.constexpr, ALIBI_LINEAR
 def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free, bias_ring, stage, bias_args,
                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
-                  s_layout: gl.constexpr, P_DTYPE: gl.constexpr, p_layout: gl.constexpr,
-                  RESCALE_THRESHOLD: gl.constexpr):
+                  s_layout: gl.constexpr, P_DTYPE: gl.constexpr, p_layout: gl.constexpr):
     """Release K's ring stage (`k_free`), then score modifiers (softcap, ALiBi: mask.score_to_log2; the bias), the
     mask (boundary tiles only: mask.visible), then fold the raw scores s of the item's j-th key tile into the
     running max m and sum l.
@@ -231,10 +230,6 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
     units after softcap + ALiBi (bias_log2 = log2 e), else the raw (or tanh'd) product that the exp2's FMA
     multiplies by qk_scale (bias_log2 = log2 e / qk_scale). Read before the stage is released: the TMA copy
     shares K's stage. HAS_BIAS: add it here (not where s starts from it: `_bias_start`).
-
-    RESCALE_THRESHOLD > 0 (log2 units): a row's running max moves only when the tile's max exceeds it by more than
-    that, so most tiles leave every row's alpha at 1 and `_rescale` skips O's multiplies; p then reaches at most
-    2^RESCALE_THRESHOLD, and the sum, O and lse stay consistent with the max used (the result is the same softmax).
 
     Returns p = exp2(score − m_new) (unnormalised probabilities; float32, or with P_DTYPE already the P·V product's
     operand: `_p_operand`), m_new, l_new, alpha = exp2(m_old − m_new).
@@ -276,11 +271,11 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
                            CAUSAL)
         s = gl.where(seen, s, float("-inf"))
     if LOG2_SCORES:  # s is in log2 units already
-        m_new = _lazy_max(m_i, gl.maximum(m_i, gl.max(s, 1)), RESCALE_THRESHOLD)
+        m_new = gl.maximum(m_i, gl.max(s, 1))
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - gl.expand_dims(m_shift, 1))
     else:
-        m_new = _lazy_max(m_i, gl.maximum(m_i, gl.max(s, 1) * qk_scale), RESCALE_THRESHOLD)
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         # A row that has seen no key keeps m = -inf: shift it by 0 so exp2 gives 0, not NaN.
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_shift, 1))
@@ -289,15 +284,6 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
     if P_DTYPE is not None:
         p = _p_pack(p, P_DTYPE)
     return p, m_new, l_new, alpha
-
-
-@gluon.jit
-def _lazy_max(m_i, m_tile, RESCALE_THRESHOLD: gl.constexpr):
-    """The running max after a tile whose max (with m_i) is m_tile: m_tile, or with RESCALE_THRESHOLD > 0 the old
-    max unless m_tile exceeds it by more than the threshold (a row that has seen no key, m_i = -inf, takes m_tile)."""
-    if RESCALE_THRESHOLD > 0:
-        return gl.where(m_tile > m_i + RESCALE_THRESHOLD, m_tile, m_i)
-    return m_tile
 
 
 @gluon.jit
@@ -436,20 +422,21 @@ def _rescale_constraints(pack):
 
 
 @gluon.jit
-def _rescale(o_acc, alpha, o_rows: gl.constexpr, LAZY: gl.constexpr):
-    """O *= alpha row by row. LAZY (a rescale threshold: `_lazy_max`): every warp whose 16 rows all have alpha == 1
-    skips the BLOCK_D / 2 multiplies per thread by a warp-uniform branch (at D=256, 128 of the ~465 instructions a
-    key tile costs each warp), the same result (x · 1 = x). The flag comes from a vote over the warp's lanes (each
-    thread holds two rows, r and r + 8)."""
+def _rescale(o_acc, alpha, o_rows: gl.constexpr, SKIP: gl.constexpr):
+    """O *= alpha row by row. SKIP: every warp whose 16 rows all have alpha == 1 (none of their running maxima moved
+    in the tile) branches past its BLOCK_D / 2 multiplies per thread (at D=256, 128 of the ~465 instructions a key
+    tile costs each warp); bit-identical, x · 1 = x. The branch is warp-uniform: its flag is a vote over the lanes
+    (each thread holds two rows, r and r + 8)."""
+    if not SKIP:
+        return o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
     alpha = gl.convert_layout(alpha, o_rows)
-    if not LAZY:
-        return o_acc * gl.expand_dims(alpha, 1)
     flag = gl.inline_asm_elementwise(
         "{ .reg .pred %a, %b; setp.eq.f32 %a, $2, 0f3F800000; setp.eq.f32 %b, $3, 0f3F800000; and.pred %a, %a, %b; "
         "vote.sync.all.pred %a, %a, 0xffffffff; selp.u32 $0, 1, 0, %a; mov.b32 $1, $0; }",
         "=r,=r,f,f", [alpha], dtype=gl.int32, is_pure=True, pack=2)
     PACK: gl.constexpr = o_acc.shape[1] // 2
-    return gl.inline_asm_elementwise(_rescale_asm(PACK), _rescale_constraints(PACK), [o_acc, gl.expand_dims(alpha, 1), gl.expand_dims(flag, 1)],
+    return gl.inline_asm_elementwise(_rescale_asm(PACK), _rescale_constraints(PACK),
+                                     [o_acc, gl.expand_dims(alpha, 1), gl.expand_dims(flag, 1)],
                                      dtype=gl.float32, is_pure=True, pack=PACK)
 
 
@@ -474,7 +461,7 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
                HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
                s_layout: gl.constexpr, o_rows: gl.constexpr, p_layout: gl.constexpr, P_DTYPE: gl.constexpr,
                turns, turn, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
-               RESCALE_THRESHOLD: gl.constexpr):
+               SKIP_RESCALE: gl.constexpr):
     """Key tiles 1..num_tiles-1 of a work item whose tile 0 is in (p, m_i, l_i, alpha); see the module docstring.
     Returns the state after the last tile's softmax (its P·V is left to the caller) and the turn count.
     PINGPONG: each tile's two products are issued in this consumer's turn (`_take_turn`), and O is rescaled by
@@ -493,7 +480,7 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         s = warpgroup_mma(q_tile, k_smem.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_init,
                           use_acc=ALIBI_LINEAR or BIAS_START, is_async=True)
         if not PINGPONG:
-            o_acc = _rescale(o_acc, alpha, o_rows, RESCALE_THRESHOLD > 0)
+            o_acc = _rescale(o_acc, alpha, o_rows, SKIP_RESCALE)
         mbarrier.wait(v_ready.index(prev), ((ring + j - 1) // NUM_STAGES) & 1)
         p_op = _p_operand(p, q_tile.dtype, p_layout)
         o_acc = warpgroup_mma(p_op, _v_operand(v_smem, prev, BLOCK_N, BLOCK_D), o_acc, is_async=True)
@@ -502,11 +489,11 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale,
                                            k_empty.index(stage), bias_ring, stage, bias_args, BLOCK_N, CAUSAL,
                                            MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS, BIAS_TMA, s_layout,
-                                           P_DTYPE, p_layout, RESCALE_THRESHOLD)
+                                           P_DTYPE, p_layout)
         o_acc = _wait_pv(o_acc, p_op)
         mbarrier.arrive(v_empty.index(prev), count=1)
         if PINGPONG:  # outside the turn: O's rescale runs under the other consumers' products
-            o_acc = _rescale(o_acc, alpha, o_rows, RESCALE_THRESHOLD > 0)
+            o_acc = _rescale(o_acc, alpha, o_rows, SKIP_RESCALE)
     return p, m_i, l_i, alpha, o_acc, turn
 
 
@@ -548,11 +535,11 @@ def _skip_tiles(k_ready, v_ready, k_empty, v_empty, first, end, turns, turn, NUM
 def _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last,
                    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
                    o_rows: gl.constexpr, p_layout: gl.constexpr, PINGPONG: gl.constexpr,
-                   RESCALE_THRESHOLD: gl.constexpr):
+                   SKIP_RESCALE: gl.constexpr):
     """The item's last O += P·V, issued asynchronously (returns the pending accumulator and its P operand). O is
     rescaled first, unless `_key_tiles` did (PINGPONG)."""
     if not PINGPONG:
-        o_acc = _rescale(o_acc, alpha, o_rows, RESCALE_THRESHOLD > 0)
+        o_acc = _rescale(o_acc, alpha, o_rows, SKIP_RESCALE)
     mbarrier.wait(v_ready.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
     p_op = _p_operand(p, v_smem.dtype, p_layout)
     o_acc = warpgroup_mma(p_op, _v_operand(v_smem, last % NUM_STAGES, BLOCK_N, BLOCK_D), o_acc, is_async=True)
@@ -634,7 +621,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                         CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
                         MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
                         ALIBI: gl.constexpr, VARLEN: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
-                        turns, PINGPONG: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr):
+                        turns, PINGPONG: gl.constexpr, SKIP_RESCALE: gl.constexpr):
     """One consumer warpgroup (number CONSUMER of NUM_CONSUMERS): its `ROWS` rows of every work item the CTA owns,
     in the producer's order.
 
@@ -653,7 +640,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     staged in `o_smems` (the consumer's e4m3 Q buffer holds half its bytes).
 
     PINGPONG: the consumers issue each key tile's two products in rotation (`_take_turn`, barriers `turns`); an
-    item's first Q·Kᵀ and last P·V are issued outside it. RESCALE_THRESHOLD: `_lazy_max`, `_rescale`."""
+    item's first Q·Kᵀ and last P·V are issued outside it. SKIP_RESCALE: see `_rescale`."""
     num_warps: gl.constexpr = 4
     FP8: gl.constexpr = q_smems.dtype == gl.float8e4nv
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # wgmma's K: 32 bytes of the operands' elements
@@ -694,7 +681,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     p, m_i, l_i, alpha = _softmax_tile(s, m_init, l_init, 0, offs_m, tile_mask, mask_args, scale,
                                        k_empty.index(ring % NUM_STAGES), bias_ring, ring % NUM_STAGES, bias_args,
                                        BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS, BIAS_TMA,
-                                       s_layout, P_DTYPE, p_layout, RESCALE_THRESHOLD)
+                                       s_layout, P_DTYPE, p_layout)
     o_acc = o_zero
     turn = 0  # key-tile turns taken (PINGPONG: _take_turn)
 
@@ -704,7 +691,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
             num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, scale, bias_ring, bias_args,
             BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA, s_layout,
-            o_rows, p_layout, P_DTYPE, turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG, RESCALE_THRESHOLD)
+            o_rows, p_layout, P_DTYPE, turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG, SKIP_RESCALE)
         last = ring + num_tiles - 1
         next_ring = ring + cta_tiles
         next_buf = CONSUMER * Q_BUFFERS + (item + 1) % Q_BUFFERS
@@ -720,12 +707,12 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                                     next_ring, s_zero, n_tile_mask, bias_ring, bias_args, BLOCK_N, BLOCK_D,
                                     NUM_STAGES, ALIBI_LINEAR, BIAS_START, s_layout)
             o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
-                                         p_layout, PINGPONG, RESCALE_THRESHOLD)
+                                         p_layout, PINGPONG, SKIP_RESCALE)
             s = warpgroup_mma_wait(1, deps=(s,))  # the next item's S_0 is done; this item's last P·V may still run
             p, m_next, l_next, alpha = _softmax_tile(
                 s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, n_scale, k_empty.index(next_ring % NUM_STAGES),
                 bias_ring, next_ring % NUM_STAGES, bias_args, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                ADD_BIAS, BIAS_TMA, s_layout, P_DTYPE, p_layout, RESCALE_THRESHOLD)
+                ADD_BIAS, BIAS_TMA, s_layout, P_DTYPE, p_layout)
             o_acc = _wait_pv(o_acc, p_op)
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             turn = _skip_tiles(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, turns, turn,
@@ -735,7 +722,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                           BLOCK_D, VARLEN, ALIBI_LINEAR, FP8, s_rows, o_layout)
         else:
             o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
-                                         p_layout, PINGPONG, RESCALE_THRESHOLD)
+                                         p_layout, PINGPONG, SKIP_RESCALE)
             o_acc = _wait_pv(o_acc, p_op)
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             turn = _skip_tiles(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, turns, turn,
@@ -750,7 +737,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             p, m_next, l_next, alpha = _softmax_tile(
                 s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, n_scale, k_empty.index(next_ring % NUM_STAGES),
                 bias_ring, next_ring % NUM_STAGES, bias_args, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                ADD_BIAS, BIAS_TMA, s_layout, P_DTYPE, p_layout, RESCALE_THRESHOLD)
+                ADD_BIAS, BIAS_TMA, s_layout, P_DTYPE, p_layout)
         m_i, l_i, o_acc = m_next, l_next, o_zero
         if FP8:  # 16-bit inputs: both stay qk_scale and 1
             scale, o_scale = n_scale, n_o_scale
@@ -764,10 +751,10 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
         q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, scale, bias_ring, bias_args,
         BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA, s_layout,
-        o_rows, p_layout, P_DTYPE, turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG, RESCALE_THRESHOLD)
+        o_rows, p_layout, P_DTYPE, turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG, SKIP_RESCALE)
     last = ring + num_tiles - 1
     o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
-                                 p_layout, PINGPONG, RESCALE_THRESHOLD)
+                                 p_layout, PINGPONG, SKIP_RESCALE)
     o_acc = _wait_pv(o_acc, p_op)
     mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
     _skip_tiles(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, ring + cta_tiles, turns, turn, NUM_STAGES,
@@ -789,7 +776,7 @@ def attention_forward_sm90_kernel(
     MASK_LEFT: gl.constexpr = False, MASK_RIGHT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
     ALIBI: gl.constexpr = False, VARLEN: gl.constexpr = False, HAS_BIAS: gl.constexpr = False,
     BIAS_TMA: gl.constexpr = False, NUM_CONSUMERS: gl.constexpr = 2, PINGPONG: gl.constexpr = False,
-    RESCALE_THRESHOLD: gl.constexpr = 0.0,
+    SKIP_RESCALE: gl.constexpr = False,
 ):
     """Persistent: the CTAs share the num_work = B·Hq·num_m_tiles work items in rounds (see work_items.work_tile).
     A work item is NUM_CONSUMERS·64 query rows (`num_consumers`); launch with gluon/sm90.launch_options of that
@@ -879,7 +866,7 @@ def attention_forward_sm90_kernel(
                                bias_ptr_args, bias_args, descales,
                                o_smems, partition, NUM_CONSUMERS, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL,
                                Q_BUFFERS, CROSS_ITEM, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS,
-                               BIAS_TMA, turns, PINGPONG, RESCALE_THRESHOLD))
+                               BIAS_TMA, turns, PINGPONG, SKIP_RESCALE))
         for partition in (0, 1, 2, 3)[:NUM_CONSUMERS + 1]
     ], [4] * (NUM_CONSUMERS - 1) + [1],
         [consumer_registers(NUM_CONSUMERS)] * (NUM_CONSUMERS - 1) + [PRODUCER_REGISTERS])
@@ -999,7 +986,7 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
                       SOFTCAP=mask_constexprs["SOFTCAP"], ALIBI=alibi_slopes is not None, VARLEN=varlen is not None)
     constexprs.update(HAS_BIAS=attn_bias is not None, BIAS_TMA=attn_bias is not None and bias_tma,
                       NUM_CONSUMERS=consumers, PINGPONG=sm90_forward_pingpong(head_dim, descales is not None),
-                      RESCALE_THRESHOLD=sm90_forward_rescale_threshold(head_dim, descales is not None))
+                      SKIP_RESCALE=sm90_forward_skip_rescale(head_dim, descales is not None))
     return grid, args, constexprs
 
 

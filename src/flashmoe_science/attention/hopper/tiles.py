@@ -284,18 +284,12 @@ def sm90_forward_pingpong(head_dim: int, fp8: bool) -> bool:
     return padded_head_dim(head_dim) <= 64 and not fp8
 
 
-# log2 units: how far a row's running max may fall behind its true max before the forward moves it (p <= 2^8)
-SM90_RESCALE_THRESHOLD = 8.0
-
-
-def sm90_forward_rescale_threshold(head_dim: int, fp8: bool) -> float:
-    """The forward's lazy rescale (hopper/fwd_sm90._lazy_max, _rescale): with a threshold t > 0 a row's running max
-    moves only when a key tile's max exceeds it by more than t (log2 units), so after the first tiles O keeps its
-    scale and each warp skips its rescale. At head dims padding to 256 only: O's rescale is 128 of a key tile's
-    ~465 instructions per warp there, and the skip measured 6-8% faster; at 128 and below it was neutral or slower
-    (docs/perf-notes.md). 16-bit inputs: an e4m3 P of up to 2^8 leaves less of the format's range for the smaller
-    probabilities. 0.0: the exact running max, O rescaled every tile."""
-    return SM90_RESCALE_THRESHOLD if padded_head_dim(head_dim) > 128 and not fp8 else 0.0
+def sm90_forward_skip_rescale(head_dim: int, fp8: bool) -> bool:
+    """Whether the forward's warps branch past O's rescale where none of their rows' running maxima moved in the key
+    tile (hopper/fwd_sm90._rescale; bit-identical). At head dims padding to 256: the rescale is 128 of a key tile's
+    ~465 instructions per warp there, and the skip measured 3-5% faster; at 128 and below it was neutral
+    (docs/perf-notes.md). 16-bit inputs: the e4m3 forward was not measured with it."""
+    return padded_head_dim(head_dim) > 128 and not fp8
 
 
 def sm90_fp8_forward_tiles(head_dim: int) -> AttentionTiles:
