@@ -287,7 +287,7 @@ def sm90_forward_pingpong(head_dim: int, fp8: bool) -> bool:
 def sm90_forward_skip_rescale(head_dim: int, fp8: bool) -> bool:
     """Whether the forward's warps branch past O's rescale where none of their rows' running maxima moved in the key
     tile (hopper/fwd_sm90._rescale; bit-identical). At head dims padding to 256: the rescale is 128 of a key tile's
-    ~465 instructions per warp there, and the skip measured 3-5% faster; at 128 and below it was neutral
+    ~465 instructions per warp there, and the skip measured up to 5% faster; at 128 and below it was neutral
     (docs/perf-notes.md). 16-bit inputs: the e4m3 forward was not measured with it."""
     return padded_head_dim(head_dim) > 128 and not fp8
 
