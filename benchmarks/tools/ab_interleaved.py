@@ -4,9 +4,9 @@ calls, timed by triton.testing.do_bench in one process per tree and round, the t
 that clock and thermal drift fall on all. Only the public functions are called, so any two commits compare.
 `--suite backward` times only the attention backward at long rows (B1 H16 L16k, D 64/128, causal or not),
 `--suite forward` only the attention forward (B1 H16 L16k and B4 H16 L4k at D=64 and 128, B2 H16 L8k at D=128,
-B1 H16 L16k and B2 H16 L8k at D=256; causal or not), `--suite varlen` the packed D=128 H16 batches of the features bench (its long tail and packed
-documents): the forward, and the backward alone, causal or not. `--match TEXT` keeps the suite's cases whose name
-contains TEXT.
+B1 H16 L16k and B2 H16 L8k at D=256; causal or not), `--suite varlen` the packed D=128 H16 batches of the features
+bench (its long tail and packed documents): the forward, and the backward alone, causal or not. `--match TEXT`
+keeps the suite's cases whose name contains TEXT.
 
     PYTHONPATH=src python benchmarks/tools/ab_interleaved.py --a /path/to/old/src --b src [--c other/src] \
         --rounds 4 --out "$OUT"

@@ -97,7 +97,8 @@ def padded_stats_kernel(
     seq = _sequence_of_padded_rows(CU_SEQLENS, padded, num_seqs)
     first = tl.load(CU_SEQLENS + seq)
     row = padded - padded_row_start(first, seq)  # within the sequence
-    real = (row < tl.load(CU_SEQLENS + seq + 1) - first) & (padded < padded_rows)
+    in_head = padded < padded_rows
+    real = (row < tl.load(CU_SEQLENS + seq + 1) - first) & in_head
     packed = first + row
     cols = tl.arange(0, BLOCK_D)
     inside = real[:, None] & (cols[None, :] < HEAD_DIM)
@@ -106,7 +107,6 @@ def padded_stats_kernel(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # 0 in the padding slots
     lse = tl.load(LSE + head * total_q + packed, mask=real, other=float("inf"))
     slots = head * padded_rows + padded
-    in_head = padded < padded_rows
     tl.store(DELTA_PADDED + slots, delta, mask=in_head)
     tl.store(LSE_PADDED + slots, lse, mask=in_head)
     if ZERO_SEMAPHORES:

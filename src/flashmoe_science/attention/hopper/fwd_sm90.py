@@ -427,9 +427,9 @@ def _rescale(o_acc, alpha, o_rows: gl.constexpr, SKIP: gl.constexpr):
     in the tile) branches past its BLOCK_D / 2 multiplies per thread (at D=256, 128 of the ~465 instructions a key
     tile costs each warp); bit-identical, x · 1 = x. The branch is warp-uniform: its flag is a vote over the lanes
     (each thread holds two rows, r and r + 8)."""
-    if not SKIP:
-        return o_acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
     alpha = gl.convert_layout(alpha, o_rows)
+    if not SKIP:
+        return o_acc * gl.expand_dims(alpha, 1)
     flag = gl.inline_asm_elementwise(
         "{ .reg .pred %a, %b; setp.eq.f32 %a, $2, 0f3F800000; setp.eq.f32 %b, $3, 0f3F800000; and.pred %a, %a, %b; "
         "vote.sync.all.pred %a, %a, 0xffffffff; selp.u32 $0, 1, 0, %a; mov.b32 $1, $0; }",
