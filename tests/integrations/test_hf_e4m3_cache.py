@@ -16,7 +16,9 @@ from flashmoe_science.attention.record import recording  # noqa: E402
 from flashmoe_science.integrations import hf  # noqa: E402
 from flashmoe_science.integrations import hf_e4m3_cache as e4m3  # noqa: E402
 from integrations.e4m3_oracle import oracle  # noqa: E402
+from supported import supported  # noqa: E402
 
+pytestmark = supported("transformers")
 PROMPTS = [[1, 5, 9, 22, 7], [3, 4], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7, 11, 40, 2, 19, 20, 21, 22]]
 NEW = 12
 GAIN = 16.0  # q and k projections scaled up: attention peaky enough for e4m3's rounding to change greedy tokens
@@ -125,6 +127,9 @@ def test_refusals():
                                          num_attention_heads=2, num_key_value_heads=1, sliding_window=16)
     with pytest.raises(ValueError, match="full-attention layers only; this model has sliding_attention"):
         e4m3.check_config(sliding)
+    latent = transformers.DeepseekV3Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, kv_lora_rank=16)
+    with pytest.raises(ValueError, match="MLA layers cache latents"):
+        e4m3.check_config(latent)
     model = peaky_llama()
     manager = model.init_continuous_batching(
         generation_config=transformers.GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None),
@@ -135,9 +140,9 @@ def test_refusals():
 
 
 def test_an_unsupported_transformers_is_refused_by_name(monkeypatch):
-    import sys
+    from flashmoe_science.integrations import versions
 
-    # building a model can rebind sys.modules["transformers"] (its lazy module): patch the one imports return
-    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.99.0")
-    with pytest.raises(RuntimeError, match=r"5\.24; installed: 5\.99\.0"):
-        e4m3.check_transformers()
+    monkeypatch.setattr(versions, "installed", lambda distribution: "5.99.0")
+    manager = peaky_llama().init_continuous_batching(continuous_batching_config=hf.continuous_batching_config(16))
+    with pytest.raises(RuntimeError, match=r"installed: transformers 5\.99\.0; .* supports transformers>=5\.24,<5\.26"):
+        e4m3.use_e4m3_cache(manager, None)

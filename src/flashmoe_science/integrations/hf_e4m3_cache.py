@@ -20,8 +20,8 @@ Larger values saturate at ``448 x scale``.
 
 transformers builds the cache inside its manager (``ContinuousBatchingManager._create_batch_processor``) and has no
 option for its dtype: `use_e4m3_cache` makes one manager build `E4m3PagedCache` instead. That reaches into its
-internals, so it is pinned to the transformers versions it was tested on (`SUPPORTED_TRANSFORMERS`), with a clear
-error on others.
+internals, so it supports the transformers releases it was tested on (`integrations.versions`: 5.24 and 5.25, whose
+paged cache differs only where MLA layers are, which `check_config` refuses), with a one-line error on others.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import torch
 
 from flashmoe_science.attention.decode.reference import quantize_to_cache
 from flashmoe_science.fp8_format import FP8, FP8_MAX
+from flashmoe_science.integrations import versions
 
-SUPPORTED_TRANSFORMERS = ("5.24",)  # major.minor versions whose continuous batching this module was tested on
 HEADROOM = 2.0  # scale = HEADROOM x calibration amax / 448: values up to twice the calibration's largest are kept
 CALIBRATION_SHAPE = (4, 512)  # random sequences x tokens (at most the model's positions) of the calibration forward
 KV_CACHE_DTYPES = ("auto", "e4m3")  # "auto": the model's dtype (transformers' own cache)
@@ -52,22 +52,17 @@ class KVScales:
         return self.k[index], self.v[index]
 
 
-def check_transformers() -> None:
-    """A RuntimeError naming the supported versions if the installed transformers is not one of them."""
-    import transformers
-
-    version = ".".join(transformers.__version__.split(".")[:2])
-    if version not in SUPPORTED_TRANSFORMERS:
-        raise RuntimeError(f"the e4m3 KV cache builds on transformers' continuous-batching internals as of "
-                           f"transformers {', '.join(SUPPORTED_TRANSFORMERS)}; installed: {transformers.__version__}")
-
-
 def check_config(config) -> None:
     """A ValueError if the model has layers the e4m3 cache does not hold: sliding-window layers (transformers keeps
-    them in a ring of pages that the block-table decode does not read)."""
+    them in a ring of pages that the block-table decode does not read) and MLA layers (transformers 5.25 caches
+    their latents, not keys and values)."""
     from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
 
-    kinds = set(group_layers_by_attn_type(config.get_text_config()))
+    text = config.get_text_config()
+    if getattr(text, "kv_lora_rank", None) is not None:
+        raise ValueError("the e4m3 KV cache holds keys and values; this model's MLA layers cache latents "
+                         f"(config.kv_lora_rank={text.kv_lora_rank})")
+    kinds = set(group_layers_by_attn_type(text))
     if kinds != {"full_attention"}:
         raise ValueError(f"the e4m3 KV cache holds full-attention layers only; this model has "
                          f"{', '.join(sorted(kinds))} layers")
@@ -160,7 +155,7 @@ def _dequantize(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
 def use_e4m3_cache(manager, scales: KVScales) -> None:
     """Makes transformers' continuous-batching ``manager`` (``model.init_continuous_batching(...)``, before its
     warm-up or start) build its paged cache as `E4m3PagedCache` with ``scales``."""
-    check_transformers()
+    versions.require("transformers")
     check_config(manager.model.config)
     from transformers.generation.continuous_batching import continuous_api
 
