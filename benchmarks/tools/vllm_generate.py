@@ -1,0 +1,231 @@
+"""vLLM 0.26 on this library's kernels beside vLLM's own backends, one GPU, one engine process per backend.
+
+  python benchmarks/tools/vllm_generate.py agree --out DIR     # greedy tokens and first-step logprobs, eager
+  python benchmarks/tools/vllm_generate.py bench --out DIR [--models llama8b,qwen3moe] [--backends ...] [--cases ...]
+
+Backends: ``flashmoe`` (the CUSTOM attention backend; on MoE models our fused MoE too), ``flashmoe-attn`` (our
+attention, vLLM's MoE), ``flashmoe-fp8`` (ours with an e4m3 KV cache), ``vllm-fa3`` (FLASH_ATTN: FlashAttention-3
+on Hopper), ``vllm-triton`` (TRITON_ATTN). Random weights (``load_format="dummy"``), token-id prompts, greedy,
+``ignore_eos``; `bench` runs vLLM's defaults (torch.compile and CUDA graphs). Records: ``op: "vllm-generate"``,
+model, case, backend, tokens_per_s (prompt + generated), output_tokens_per_s; the envelope names the GPU, versions
+and commit. Needs vLLM importable and this package's ``vllm.general_plugins`` entry point installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+MODELS = {
+    # Llama-3.1-8B's shape
+    "llama8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+                    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                    hidden_act="silu", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                    torch_dtype="bfloat16"),
+    # Qwen3-30B-A3B's shape with 24 of its 48 layers (one H100's memory with room for the cache)
+    "qwen3moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+                     hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                     num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                     num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu",
+                     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16"),
+}
+# small models of the same kinds for the eager agreement run
+TINY = {
+    "llama": dict(MODELS["llama8b"], vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2),
+    "qwen3moe": dict(MODELS["qwen3moe"], vocab_size=8192, hidden_size=1024, num_hidden_layers=4, num_experts=16,
+                     num_experts_per_tok=4, moe_intermediate_size=512, num_attention_heads=16, num_key_value_heads=4),
+}
+BACKENDS = {  # name -> (attention_backend, our MoE, kv_cache_dtype)
+    "flashmoe": ("CUSTOM", True, "auto"),
+    "flashmoe-attn": ("CUSTOM", False, "auto"),
+    "flashmoe-fp8": ("CUSTOM", True, "fp8"),
+    "vllm-fa3": ("FLASH_ATTN", False, "auto"),
+    "vllm-fa3-fp8": ("FLASH_ATTN", False, "fp8"),
+    "vllm-triton": ("TRITON_ATTN", False, "auto"),
+}
+MAX_MODEL_LEN = 4096
+
+
+def workload(case: str, vocab: int, seed: int = 0):
+    """(prompts as token ids, new tokens): ``prefill`` 256 prompts of 256..2048 tokens, 128 new; ``decode`` 256
+    prompts of 128, 512 new; ``agree`` 8 prompts of 5..1500, 32 new."""
+    import random
+
+    rng = random.Random(seed)
+    lengths, new = {"prefill": ([rng.randint(256, 2048) for _ in range(256)], 128),
+                    "decode": ([128] * 256, 512),
+                    "agree": ([5, 17, 64, 200, 333, 700, 1024, 1500], 32)}[case]
+    return [[rng.randrange(10, vocab - 10) for _ in range(n)] for n in lengths], new
+
+
+def _worker(spec: dict) -> list[dict]:
+    os.environ.update({"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                       "VLLM_USE_FLASHINFER_SAMPLER": "0"})
+    attention, our_moe, cache_dtype = BACKENDS[spec["backend"]]
+    if our_moe:
+        os.environ["FLASHMOE_SCIENCE_VLLM_MOE"] = "1"
+    from vllm import LLM, SamplingParams
+
+    config = spec["config"]
+    model_dir = tempfile.mkdtemp()
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    eager = spec["mode"] == "agree"
+    started = time.time()
+    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+              attention_backend=attention, kv_cache_dtype=cache_dtype, enforce_eager=eager,
+              max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=spec.get("memory", 0.85))
+    init_s = time.time() - started
+    if eager:  # weights at a trained model's scale, the same in every process: greedy tokens are then meaningful
+        llm.apply_model(_reinitialize)
+    records = []
+    for case in spec["cases"]:
+        prompts, new = workload(case, config["vocab_size"])
+        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, detokenize=False,
+                                logprobs=5 if eager else None)
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        if not eager:
+            llm.generate(inputs[:8], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False))  # warm-up
+        torch_sync()
+        t0 = time.time()
+        outs = llm.generate(inputs, params, use_tqdm=False)
+        seconds = time.time() - t0
+        generated = sum(len(o.outputs[0].token_ids) for o in outs)
+        prompt_tokens = sum(len(p) for p in prompts)
+        record = dict(op="vllm-generate", model=spec["model"], case=case, backend=spec["backend"],
+                      attention_backend=attention, kv_cache_dtype=cache_dtype, our_moe=our_moe, seconds=seconds,
+                      engine_start_s=init_s, prompts=len(prompts), prompt_tokens=prompt_tokens,
+                      output_tokens=generated, tokens_per_s=(prompt_tokens + generated) / seconds,
+                      output_tokens_per_s=generated / seconds)
+        if eager:
+            record["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+            record["first_logprobs"] = [{int(k): float(v.logprob) for k, v in o.outputs[0].logprobs[0].items()}
+                                        for o in outs]
+        records.append(record)
+        print(json.dumps({k: v for k, v in record.items() if k not in ("tokens", "first_logprobs")}), flush=True)
+    return records
+
+
+def _reinitialize(model) -> None:
+    import torch
+
+    with torch.no_grad():
+        for i, (name, p) in enumerate(sorted(model.named_parameters())):
+            if "norm" in name:
+                p.fill_(1.0)
+            elif p.is_floating_point():
+                g = torch.Generator(device=p.device).manual_seed(1000 + i)
+                p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32) * 0.02)
+
+
+def torch_sync() -> None:
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def _spawn(spec: dict, log) -> list[dict]:
+    with tempfile.NamedTemporaryFile("w+", suffix=".json") as f:
+        cmd = [sys.executable, __file__, "worker", json.dumps(spec), f.name]
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=spec.get("timeout", 540))
+        if done.returncode != 0:
+            print(f"{spec['model']} {spec['backend']}: exit {done.returncode} (see the log)", flush=True)
+            return []
+        return json.load(open(f.name))
+
+
+def _envelope(records: list[dict]) -> dict:
+    import importlib.metadata
+
+    from flashmoe_science.bench.report import environment_metadata, resolve_commit
+
+    meta = environment_metadata(resolve_commit())
+    meta["vllm"] = importlib.metadata.version("vllm")
+    return {**meta, "max_model_len": MAX_MODEL_LEN, "records": records}
+
+
+def agree(out: str) -> int:
+    """Greedy tokens and first-step logprobs of ours against FLASH_ATTN (and TRITON_ATTN against it: what two of
+    vLLM's own backends agree to), tiny Llama and Qwen3-MoE, eager."""
+    runs = {"llama": ["vllm-fa3", "vllm-triton", "flashmoe", "flashmoe-fp8"],
+            "qwen3moe": ["vllm-fa3", "vllm-triton", "flashmoe", "flashmoe-attn"]}
+    records, ok = [], True
+    with open(os.path.join(out, "vllm-agree.log"), "w") as log:
+        for model, backends in runs.items():
+            by = {}
+            for backend in backends:
+                spec = dict(mode="agree", model=model, config=TINY[model], backend=backend, cases=["agree"],
+                            memory=0.3, timeout=300)
+                got = _spawn(spec, log)
+                if got:
+                    by[backend] = got[0]
+            base = by.get("vllm-fa3")
+            for backend, rec in by.items():
+                if base is None or backend == "vllm-fa3":
+                    continue
+                same = sum(a == b for a, b in zip(rec["tokens"], base["tokens"]))
+                prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                          for a, b in zip(rec["tokens"], base["tokens"])]
+                diffs = [abs(lp[t] - bl[t]) for lp, bl in zip(rec["first_logprobs"], base["first_logprobs"])
+                         for t in lp if t in bl]
+                line = dict(model=model, backend=backend, vs="vllm-fa3", prompts=len(prefix),
+                            prompts_equal_32=same, first_divergence=prefix, first_step_logprob_max_diff=max(diffs))
+                records.append(line)
+                print(json.dumps(line), flush=True)
+                if backend.startswith("flashmoe") and same < len(prefix) // 2:
+                    ok = False
+            missing = set(backends) - set(by)
+            if missing:
+                ok = False
+                print(f"AGREE {model}: no result from {sorted(missing)}", flush=True)
+    json.dump(_envelope(records), open(os.path.join(out, "vllm-agree.json"), "w"), indent=1)
+    print("AGREE", "PASS" if ok else "FAIL", flush=True)
+    return 0 if ok else 1
+
+
+def bench(out: str, models: list[str], backends: list[str], cases: list[str], name: str) -> int:
+    records = []
+    path = os.path.join(out, f"vllm-generate-{name}.json")
+    with open(os.path.join(out, f"vllm-generate-{name}.log"), "w") as log:
+        for model in models:
+            for backend in backends:
+                if backend == "flashmoe-attn" and model != "qwen3moe":
+                    continue
+                spec = dict(mode="bench", model=model, config=MODELS[model], backend=backend, cases=cases)
+                records += _spawn(spec, log)
+                json.dump(_envelope(records), open(path, "w"), indent=1)
+    for r in records:
+        print(f"{r['model']:9} {r['case']:8} {r['backend']:14} {r['tokens_per_s']:10.0f} tok/s "
+              f"{r['output_tokens_per_s']:9.0f} out/s  start {r['engine_start_s']:.0f}s", flush=True)
+    return 0 if records else 1
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "worker":
+        json.dump(_worker(json.loads(argv[1])), open(argv[2], "w"))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=["agree", "bench"])
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--models", default="llama8b,qwen3moe")
+    p.add_argument("--backends", default="flashmoe,vllm-fa3,vllm-triton")
+    p.add_argument("--cases", default="prefill,decode")
+    p.add_argument("--name", default="run")
+    a = p.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    if a.what == "agree":
+        return agree(a.out)
+    return bench(a.out, a.models.split(","), a.backends.split(","), a.cases.split(","), a.name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
