@@ -5,7 +5,7 @@ request longer than the cache gets a 400 and the server goes on; the load genera
 with exit status 0, even with a stream open. With ``--kv-cache-dtype e4m3`` the cache holds one byte a value and the
 served tokens are those of a float64 oracle whose attention sees the keys and values rounded through e4m3 with the
 server's scales. A missing model, an unsupported transformers and an e4m3 cache on the SDPA backend are one-line
-errors."""
+errors. The module skips where the installed transformers is outside the supported range."""
 
 import json
 import sys
@@ -24,7 +24,9 @@ pytest.importorskip("uvicorn")
 from flashmoe_science.serving.bench import ServerProcess, free_port  # noqa: E402
 from flashmoe_science.serving.load import run_load, summarize  # noqa: E402
 from flashmoe_science.serving.model import load_model, token_ids, words  # noqa: E402
+from supported import supported  # noqa: E402
 
+pytestmark = supported("transformers")
 CACHE_TOKENS, PAGE_SIZE, POSITIONS = 1024, 16, 512
 
 
@@ -326,14 +328,14 @@ def test_an_e4m3_cache_on_the_sdpa_backend_is_refused(tmp_path, capsys):
     assert "--kv-cache-dtype e4m3 needs --backend flashmoe" in capsys.readouterr().err
 
 
-def test_an_unsupported_transformers_is_refused_by_name(monkeypatch):
-    import transformers
+def test_an_unsupported_transformers_is_refused_by_name(monkeypatch, capsys):
+    from flashmoe_science.cli import main
+    from flashmoe_science.integrations import versions
 
-    from flashmoe_science.serving.server import check_serving_stack
-
-    monkeypatch.setattr(transformers, "__version__", "5.99.0")
-    with pytest.raises(RuntimeError, match=r"5\.24.*installed: 5\.99\.0"):
-        check_serving_stack()
+    monkeypatch.setattr(versions, "installed", lambda distribution: "5.99.0")
+    assert main(["serve", "config.json"]) == 2
+    error = capsys.readouterr().err
+    assert "installed: transformers 5.99.0;" in error and 'pip install "transformers>=5.24,<5.26"' in error
 
 
 def test_a_cache_sized_in_gib_holds_the_tokens_of_its_dtype(tmp_path):

@@ -2,7 +2,8 @@
 
 Requests are sent closed-loop (``concurrency`` streams, each sending its next request when the last one ends) or at a
 fixed rate (``rate`` requests per second, at most ``concurrency`` in flight). Each streamed request records when it
-was sent, when each chunk of text arrived and the token counts of the server's final usage chunk. From those:
+was sent, when each chunk of text arrived and the token counts of the server's final usage chunk (asked for with
+``stream_options``). From those:
 
 - throughput: completion tokens of all requests / (last end - first send);
 - time to first token (TTFT): first text chunk - send, per request;
@@ -47,7 +48,7 @@ async def _stream(client, model: str, prompt: str, max_tokens: int) -> Timeline:
     line = Timeline(sent=time.perf_counter())
     try:
         stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
-                                                 stream=True)
+                                                 stream=True, stream_options={"include_usage": True})
         async for chunk in stream:
             now = time.perf_counter()
             for choice in chunk.choices:
