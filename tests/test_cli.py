@@ -41,6 +41,11 @@ def test_info_prints_versions_and_dispatch(capsys):
     assert torch.__version__ in out
     assert "python" in out and "triton" in out and "cuDNN" in out
     assert "non-causal" in out and "causal" in out
+    from flashmoe_science.integrations import versions
+
+    for name in versions.INTEGRATIONS:  # each integration's framework: its release and whether it is in range
+        line = next(line for line in out.splitlines() if line.startswith(f"integration {name} "))
+        assert line.endswith(versions.status(name))
     if not torch.cuda.is_available():
         assert "no CUDA GPU found" in out and "the PyTorch reference" in out and "TRITON_INTERPRET=1" in out
         from flashmoe_science.architectures import ARCHITECTURES

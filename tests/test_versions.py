@@ -49,14 +49,14 @@ def test_lines_name_the_release_the_range_and_the_command(monkeypatch):
     monkeypatch.setattr(versions, "installed", releases.get)
     assert versions.unsupported("torchtitan") is None
     versions.require("torchtitan")
-    line = versions.unsupported("transformers")
+    line = versions.unsupported("transformers-cb")
     assert "\n" not in line and line.startswith("installed: transformers 5.26.0; transformers' continuous-batching")
     assert line.endswith('supports transformers>=5.24,<5.26 (pip install "transformers>=5.24,<5.26")')
     with pytest.raises(RuntimeError, match="installed: transformers 5.26.0; .* supports transformers>=5.24,<5.26"):
-        versions.require("transformers")
+        versions.require("transformers-cb")
     assert 'pip install "flashmoe-science[megatron]"' in versions.unsupported("megatron")
     assert versions.status("torchtitan") == "torchtitan 0.3.0 (in range: ==0.3.0)"
-    assert versions.status("transformers") == "transformers 5.26.0 (OUT OF RANGE, supported: >=5.24,<5.26)"
+    assert versions.status("transformers-cb") == "transformers 5.26.0 (OUT OF RANGE, supported: >=5.24,<5.26)"
     assert versions.status("vllm") == "not installed (supported: vllm>=0.26,<0.27)"
     with pytest.raises(ValueError, match="name must be one of"):
         versions.unsupported("jax")

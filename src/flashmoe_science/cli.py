@@ -2,7 +2,7 @@
 
 Commands:
   info                     this machine: GPU, versions, which kernels can run here, and which one a sample
-                           attention call takes and why
+                           attention call takes and why; each integration's framework and whether it is in range
   bench [attention]        our attention against every SDPA backend and FlexAttention (TFLOP/s, ms, memory);
                            on a CPU a small smoke test (the PyTorch reference against SDPA), not a speed claim
   bench moe                the MoE layer against a loop over experts and torch._grouped_mm
@@ -130,6 +130,14 @@ def architecture_lines() -> list[tuple[str, str]]:
     return lines
 
 
+def integration_lines() -> list[tuple[str, str]]:
+    """One line per integration (integrations.versions): its framework's installed release and whether the
+    integration supports it."""
+    from flashmoe_science.integrations import versions
+
+    return [(f"integration {name}", versions.status(name)) for name in versions.INTEGRATIONS]
+
+
 def run_info(args: argparse.Namespace) -> int:
     print(f"flashmoe-science {_package_version()}")
     props = gpu_properties()
@@ -150,6 +158,7 @@ def run_info(args: argparse.Namespace) -> int:
     pairs += [(labels[key], version) for key, version in software_versions().items()]
     pairs.append(("kernels here", kernels_here()))
     pairs += architecture_lines()
+    pairs += integration_lines()
     _print_key_values(pairs)
     print()
     _print_sample_dispatch()

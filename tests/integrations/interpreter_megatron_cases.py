@@ -8,6 +8,9 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
+from supported import skip_module_unless_supported  # noqa: E402
+
+skip_module_unless_supported("megatron")
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torchtitan")
+from supported import skip_module_unless_supported  # noqa: E402
+
+skip_module_unless_supported("torchtitan")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "benchmarks" / "tools"), str(ROOT / "examples" / "torchtitan")]
 tool = importlib.import_module("torchtitan_dense")

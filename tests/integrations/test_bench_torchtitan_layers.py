@@ -10,6 +10,9 @@ import pytest
 import torch
 
 pytest.importorskip("torchtitan")
+from supported import skip_module_unless_supported  # noqa: E402
+
+skip_module_unless_supported("torchtitan")
 TOOL = Path(__file__).resolve().parents[2] / "benchmarks" / "tools" / "bench_torchtitan_moe_layer.py"
 
 

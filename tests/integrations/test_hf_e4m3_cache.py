@@ -18,7 +18,7 @@ from flashmoe_science.integrations import hf_e4m3_cache as e4m3  # noqa: E402
 from integrations.e4m3_oracle import oracle  # noqa: E402
 from supported import supported  # noqa: E402
 
-pytestmark = supported("transformers")
+pytestmark = supported("transformers-cb")
 PROMPTS = [[1, 5, 9, 22, 7], [3, 4], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7, 11, 40, 2, 19, 20, 21, 22]]
 NEW = 12
 GAIN = 16.0  # q and k projections scaled up: attention peaky enough for e4m3's rounding to change greedy tokens

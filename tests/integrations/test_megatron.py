@@ -21,6 +21,9 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("megatron.core")
+from supported import skip_module_unless_supported  # noqa: E402
+
+skip_module_unless_supported("megatron")
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402

@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("megatron.core")
+from supported import skip_module_unless_supported  # noqa: E402
+
+skip_module_unless_supported("megatron")
 pytest.importorskip("matplotlib")
 
 ROOT = Path(__file__).resolve().parents[2]

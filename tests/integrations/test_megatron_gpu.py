@@ -17,6 +17,9 @@ import torch.nn.functional as F
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("megatron.core")
+from supported import skip_module_unless_supported  # noqa: E402
+
+skip_module_unless_supported("megatron")
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402

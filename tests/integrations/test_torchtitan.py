@@ -19,6 +19,9 @@ import pytest
 import torch
 
 pytest.importorskip("torchtitan")
+from supported import skip_module_unless_supported  # noqa: E402
+
+skip_module_unless_supported("torchtitan")
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "torchtitan"
 sys.path.insert(0, str(EXAMPLES))
 import torch_compat  # noqa: E402

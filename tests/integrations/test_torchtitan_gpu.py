@@ -10,6 +10,9 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("torchtitan")
+from supported import skip_module_unless_supported  # noqa: E402
+
+skip_module_unless_supported("torchtitan")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "torchtitan"))
 import torch_compat  # noqa: E402
 

@@ -9,6 +9,9 @@ import pytest
 import torch
 
 pytest.importorskip("torchtitan")
+from supported import skip_module_unless_supported  # noqa: E402
+
+skip_module_unless_supported("torchtitan")
 
 from host_reads import HostReads, pausing  # noqa: E402
 from test_torchtitan import _batch, _pair, _titan_models, eager_flex  # noqa: E402,F401  (a fixture)

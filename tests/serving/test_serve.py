@@ -26,7 +26,7 @@ from flashmoe_science.serving.load import run_load, summarize  # noqa: E402
 from flashmoe_science.serving.model import load_model, token_ids, words  # noqa: E402
 from supported import supported  # noqa: E402
 
-pytestmark = supported("transformers")
+pytestmark = supported("transformers-cb")
 CACHE_TOKENS, PAGE_SIZE, POSITIONS = 1024, 16, 512
 
 

@@ -155,7 +155,7 @@ def _dequantize(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
 def use_e4m3_cache(manager, scales: KVScales) -> None:
     """Makes transformers' continuous-batching ``manager`` (``model.init_continuous_batching(...)``, before its
     warm-up or start) build its paged cache as `E4m3PagedCache` with ``scales``."""
-    versions.require("transformers")
+    versions.require("transformers-cb")
     check_config(manager.model.config)
     from transformers.generation.continuous_batching import continuous_api
 

@@ -3,7 +3,8 @@
 TorchTitan builds every model component from a ``Configurable.Config`` tree, and its ``@override`` registry
 (``torchtitan.config.override``) swaps a config node for another before anything is built. This module registers
 one override, ``flash_decoder``, on the decoder's own config; a job turns it on by name, from the command line or
-in a config function::
+in a config function (on another TorchTitan release than `integrations.versions` states, importing it raises a
+RuntimeError naming that release)::
 
     torchrun --nproc-per-node 1 -m torchtitan.train --module llama3 --config llama3_8b \\
         --override.imports flashmoe_science.integrations.torchtitan.flash_decoder
@@ -65,22 +66,27 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torchtitan.config import derive, override
-from torchtitan.models.common.attention import FlexAttention, GQAttention, VarlenAttention, VarlenMetadata
-from torchtitan.models.common.decoder import Decoder
-from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
-from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
-from torchtitan.distributed.utils import get_spmd_backend
-from torchtitan.protocols.module import Module
-from torch.distributed.tensor import DTensor
 
-from flashmoe_science.attention.checks import capturing
-from flashmoe_science.attention.documents import packed_documents
-from flashmoe_science.attention.varlen import flash_attention_varlen
-from flashmoe_science.distributed import expert_parallel_experts
-from flashmoe_science.moe import fused_experts, grouped_experts
-from flashmoe_science.prepared_cache import remember
-from flashmoe_science.warmup import WarmupCase, packed_lengths
+from flashmoe_science.integrations import versions
+
+versions.require("torchtitan")  # before its internals are imported: a release they moved in fails in one line
+
+from torchtitan.config import derive, override  # noqa: E402
+from torchtitan.models.common.attention import FlexAttention, GQAttention, VarlenAttention, VarlenMetadata  # noqa: E402
+from torchtitan.models.common.decoder import Decoder  # noqa: E402
+from torchtitan.models.common.moe import GroupedExperts, RoutedExperts  # noqa: E402
+from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher  # noqa: E402
+from torchtitan.distributed.utils import get_spmd_backend  # noqa: E402
+from torchtitan.protocols.module import Module  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from flashmoe_science.attention.checks import capturing  # noqa: E402
+from flashmoe_science.attention.documents import packed_documents  # noqa: E402
+from flashmoe_science.attention.varlen import flash_attention_varlen  # noqa: E402
+from flashmoe_science.distributed import expert_parallel_experts  # noqa: E402
+from flashmoe_science.moe import fused_experts, grouped_experts  # noqa: E402
+from flashmoe_science.prepared_cache import remember  # noqa: E402
+from flashmoe_science.warmup import WarmupCase, packed_lengths  # noqa: E402
 
 __all__ = ["BuiltMetadata", "FlashAttention", "FlashGroupedExperts", "FlashRoutedExperts", "dispatches_locally",
            "document_metadata", "expert_parallel_group", "flash_decoder", "warmup_cases"]

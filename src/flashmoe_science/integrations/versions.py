@@ -26,7 +26,7 @@ class Integration:
 
 
 INTEGRATIONS = {
-    "transformers": Integration("transformers", ">=5.24,<5.26", "serve",
+    "transformers-cb": Integration("transformers", ">=5.24,<5.26", "serve",
                                 "transformers' continuous-batching and serving internals (the e4m3 KV cache, "
                                 "`flashmoe-science serve`)"),
     "torchtitan": Integration("torchtitan", "==0.3.0", "torchtitan",

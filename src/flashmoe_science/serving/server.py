@@ -37,7 +37,7 @@ def check_serving_stack() -> None:
     missing = [name for name in ("transformers", *SERVE_PACKAGES) if importlib.util.find_spec(name) is None]
     if missing:
         raise ImportError(f"{', '.join(missing)} not installed: pip install \"flashmoe-science[serve]\"")
-    versions.require("transformers")
+    versions.require("transformers-cb")
 
 
 def _stack():
