@@ -29,6 +29,7 @@ import importlib.util
 import json
 import math
 import pathlib
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from flashmoe_science.device import check_device_option
 from flashmoe_science.moe.reference import fused_experts_reference
 from flashmoe_science.moe.routing import route_reference
 from flashmoe_science.nn import Attention, FusedMoE, TransformerBlock
@@ -301,6 +303,10 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/train_gpt_moe"),
                         help="output folder; the corpus, tokenizer and token ids are cached there")
     args = parser.parse_args(argv)
+    try:
+        check_device_option(args.device)
+    except ValueError as error:  # one line, before the corpus and tokenizer are built
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     for name, value in RUN_DEFAULTS[args.config].items():
         if getattr(args, name) is None:
             setattr(args, name, value)

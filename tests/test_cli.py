@@ -100,8 +100,9 @@ def test_bench_never_overwrites_a_result(tmp_path, monkeypatch):
     assert len(names) == 2 and names[1].endswith("-abc1234.json") and names[0].endswith("-abc1234-2.json")
 
 
-def test_bench_keeps_partial_results_until_it_completes(tmp_path, monkeypatch):
-    """A run killed midway (a time limit) leaves `<stem>.partial.json` with every shape measured so far."""
+def test_bench_keeps_partial_results_until_it_completes(tmp_path, monkeypatch, capsys):
+    """A run interrupted midway (Ctrl-C, a time limit) leaves `<stem>.partial.json` with every shape measured so far
+    and names it; a rerun keeps it (its own partial file is `<stem>-2.partial.json`, removed when it completes)."""
     from flashmoe_science.bench import attention as attention_bench
 
     monkeypatch.setenv("FLASHMOE_COMMIT", "abc1234")
@@ -119,6 +120,8 @@ def test_bench_keeps_partial_results_until_it_completes(tmp_path, monkeypatch):
                      "--backends", "sdpa-math"]) == cli.EXIT_INTERRUPTED
     (partial,) = tmp_path.glob("*.json")
     assert partial.name.endswith("-abc1234.partial.json")
+    last = capsys.readouterr().err.splitlines()[-1]  # after the progress bars
+    assert last == f"flashmoe-science: interrupted; what it measured is in {partial}"
     result = json.loads(partial.read_text())
     assert result["partial"] is True and ENVELOPE_FIELDS <= result.keys()
     assert {r["Lq"] for r in result["records"]} == {64}
@@ -126,7 +129,9 @@ def test_bench_keeps_partial_results_until_it_completes(tmp_path, monkeypatch):
     monkeypatch.setattr(attention_bench, "_measure_backend", measured)
     assert cli.main(["bench", "--no-plot", "--out", str(tmp_path), "--shapes", "1x1x64x16",
                      "--backends", "sdpa-math"]) == 0
-    assert sorted(p.name.split("-")[-1] for p in tmp_path.glob("*.json")) == ["abc1234.json"]
+    assert f"-abc1234-2.partial.json until the run completes" in capsys.readouterr().out
+    assert sorted(p.name.split("-")[-1] for p in tmp_path.glob("*.json")) == ["abc1234.json", "abc1234.partial.json"]
+    assert partial.exists() and json.loads(partial.read_text()) == result
 
 
 def test_bench_rejects_bad_arguments_in_one_line(capsys):

@@ -65,3 +65,23 @@ def test_supercon_out_that_is_a_file_fails_at_once(tmp_path, capsys):
     (tmp_path / "a_file").write_text("")
     assert main(["supercon", "bench", "--model", "missing.pt", "--out", str(tmp_path / "a_file")]) == 2
     assert "a file of that name is in the way" in capsys.readouterr().err
+
+
+NO_CUDA = "there is no CUDA device here (torch.cuda.is_available() is False); use --device cpu"
+
+
+def test_bench_device_cuda_without_cuda_is_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--device", "cuda", "--out", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"flashmoe-science: error: --device cuda: {NO_CUDA}\n"
+    assert captured.out == ""  # nothing was timed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_train_example_device_cuda_without_cuda_is_one_line(tmp_path):
+    example = Path(__file__).resolve().parents[1] / "examples" / "train_gpt_moe.py"
+    child = subprocess.run([sys.executable, str(example), "--config", "tiny", "--device", "cuda", "--out",
+                            str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 2 and child.stdout == ""  # before the corpus and tokenizer
+    assert child.stderr == f"train_gpt_moe.py: error: --device cuda: {NO_CUDA}\n"

@@ -249,6 +249,22 @@ FEATURE_SUITES = frozenset(("varlen", "window", "mods"))
 GPU_ONLY = "it needs a CUDA GPU and this machine has none (`flashmoe-science bench` runs the CPU smoke test)"
 
 
+def _check_bench_device(device: str | None, on_gpu: bool) -> None:
+    """bench --device: cuda needs a CUDA device; cpu runs the smoke test where there is none (with a GPU the
+    benchmark times the GPU)."""
+    from flashmoe_science.device import check_device_option
+
+    if device is None:
+        return
+    try:
+        check_device_option(device)
+    except ValueError as error:
+        raise CommandError(str(error)) from None
+    if device == "cpu" and on_gpu:
+        raise CommandError("bench --device cpu: with a CUDA GPU the benchmark times the GPU kernels; the CPU smoke "
+                           "test runs on machines without one")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     require_extra("tqdm", *(() if args.no_plot else ("matplotlib",)))
     suites = args.suite or [args.what]
@@ -260,6 +276,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise CommandError(f"bench --suite: attention, moe, decode, distributed and ladder each run on their own; "
                            f"varlen, window and mods combine; got {','.join(suites)}")
     on_gpu = torch.cuda.is_available()
+    _check_bench_device(args.device, on_gpu)
     if what == "decode" and not on_gpu:
         raise CommandError(f"bench decode measures the bandwidth of CUDA-graph replays against the GPU's: {GPU_ONLY}")
     if not on_gpu and args.dtype is not None:
@@ -441,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time our kernels against PyTorch's. Without a CUDA GPU: a small CPU smoke test, not a speed "
         "claim. Each sweep runs --rounds times; tables show each case's median and the rounds' spread.")
     bench.add_argument("what", nargs="?", choices=("attention", "moe", "decode"), default="attention")
+    bench.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                       help="cuda (the default where there is a CUDA GPU: the benchmark) or cpu (the default "
+                       "elsewhere: a smoke test, not a speed claim)")
     bench.add_argument("--quick", action="store_true", help="a small subset of shapes (under 2 minutes on an H200)")
     bench.add_argument("--out", default=DEFAULT_OUT,
                        help=f"folder for the JSON and PNG (default ./{DEFAULT_OUT}; {PUBLISHED_OUT} publishes a "
@@ -505,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     line and returns 2 (with --debug: raises); Ctrl-C prints one line and returns 130."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    PartialResults.left.clear()  # this run's, named if it is interrupted
     if args.command is None:
         parser.print_help()
         return EXIT_ERROR
@@ -523,7 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if args.debug:
             traceback.print_exc()
-        print(f"{PROG}: interrupted", file=sys.stderr)
+        kept = [str(path) for path in PartialResults.left if path.exists()]
+        where = f"; what it measured is in {', '.join(kept)}" if kept else ""
+        print(f"{PROG}: interrupted{where}", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

@@ -87,6 +87,14 @@ def on_another_cuda_device(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_cuda and t.get_device() != torch.cuda.current_device()
 
 
+def check_device_option(device: str) -> None:
+    """A ValueError in one line when a ``--device`` option names CUDA on a machine without a CUDA device (before any
+    work: torch's own error comes later, as a long traceback)."""
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: there is no CUDA device here (torch.cuda.is_available() is False); "
+                         f"use --device cpu")
+
+
 def triton_interpreter_on() -> bool:
     """TRITON_INTERPRET=1: Triton kernels run on CPU tensors (slowly; for tests)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

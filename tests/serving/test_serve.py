@@ -313,11 +313,15 @@ def test_process_running_counts_an_exited_unreaped_child_as_exited():
     assert not process_running(child.pid)
 
 
-def test_bad_command_input_is_one_line(tmp_path, capsys):
+def test_bad_command_input_is_one_line(tmp_path, capsys, monkeypatch):
     from flashmoe_science.cli import main
 
     assert main(["serve", str(tmp_path / "missing")]) == 2
     assert "MODEL_OR_CONFIG must be a model directory" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["serve", tiny_config(tmp_path / "config.json"), "--device", "cuda"]) == 2
+    assert capsys.readouterr().err.endswith("--device cuda: there is no CUDA device here "
+                                            "(torch.cuda.is_available() is False); use --device cpu\n")
 
 
 def test_an_e4m3_cache_on_the_sdpa_backend_is_refused(tmp_path, capsys):

@@ -305,31 +305,39 @@ def check_out_dir(out_dir: str | os.PathLike) -> Path:
     return path
 
 
-def unused_result_path(out_dir: Path, stem: str) -> Path:
+def unused_result_path(out_dir: Path, stem: str, suffix: str = ".json") -> Path:
     """`<out_dir>/<stem>.json`, or `<stem>-2.json`, `-3`, ... if taken: a second run never overwrites measured data."""
-    path = out_dir / f"{stem}.json"
-    suffix = 2
+    path = out_dir / f"{stem}{suffix}"
+    number = 2
     while path.exists():
-        path = out_dir / f"{stem}-{suffix}.json"
-        suffix += 1
+        path = out_dir / f"{stem}-{number}{suffix}"
+        number += 1
     return path
 
 
 class PartialResults:
-    """`<out_dir>/<stem>.partial.json`, rewritten with every record so far after each completed step, so a run that
-    is killed (a time limit on a shared GPU) still leaves what it measured. `finish` removes it once the full
-    result is written."""
+    """`<out_dir>/<stem>.partial.json` (`-2`, `-3`, ... where an earlier run's is there: that one is kept),
+    rewritten with every record so far after each completed step, so a run that is interrupted or killed (a time
+    limit on a shared GPU) still leaves what it measured. `finish` removes it once the full result is written;
+    `PartialResults.left` lists the ones written and not finished, which the command names on Ctrl-C."""
+
+    left: list[Path] = []
 
     def __init__(self, out_dir: str | os.PathLike, envelope: dict):
         self.envelope = envelope
-        self.path = Path(out_dir) / f"{result_stem(envelope['gpu'], envelope['date'], envelope['commit'])}.partial.json"
+        stem = result_stem(envelope["gpu"], envelope["date"], envelope["commit"])
+        self.path = unused_result_path(Path(out_dir), stem, ".partial.json")
 
     def __call__(self, records: list[dict]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps({**self.envelope, "partial": True, "records": records}, indent=1) + "\n")
+        if self.path not in PartialResults.left:
+            PartialResults.left.append(self.path)
 
     def finish(self) -> None:
         self.path.unlink(missing_ok=True)
+        if self.path in PartialResults.left:
+            PartialResults.left.remove(self.path)
 
 
 def write_results(out_dir: str | os.PathLike, envelope: dict, records: list[dict]) -> Path:

@@ -85,8 +85,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from flashmoe_science.serving.model import cache_tokens_in, check_kv_cache_dtype, kv_cache_scales, load_model
 
     check_stack()
-    device, dtype = default_placement(args.device, args.dtype)
     try:
+        device, dtype = default_placement(args.device, args.dtype)
         check_kv_cache_dtype(args.backend, args.kv_cache_dtype)
         model, tokenizer = load_model(args.model, args.backend, device, dtype, seed=args.seed)
         kv_scales = kv_cache_scales(model, args.kv_cache_dtype, seed=args.seed)
@@ -109,6 +109,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 
     check_stack()
     try:
+        default_placement(args.device, args.dtype)  # a bad --device fails before any server starts
         return run_bench(args)
     except ValueError as error:
         raise CommandError(str(error)) from None

@@ -62,8 +62,11 @@ def _dtype(name: str) -> torch.dtype:
 
 def default_placement(device: str | None, dtype: str | None) -> tuple[str, str]:
     """(device, dtype) with the defaults filled in: cuda if available, else cpu; bfloat16 on CUDA, float32 on the
-    CPU (the reference kernels compute in float32)."""
+    CPU (the reference kernels compute in float32). A ValueError for a CUDA device on a machine without one."""
+    from flashmoe_science.device import check_device_option
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_device_option(device)
     return device, dtype or ("bfloat16" if device.startswith("cuda") else "float32")
 
 
