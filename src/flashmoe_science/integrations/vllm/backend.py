@@ -15,7 +15,8 @@ from vllm import _custom_ops as vllm_ops
 from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionMetadataBuilder,
                                        AttentionType, CommonAttentionMetadata)
 
-from flashmoe_science.integrations.vllm.metadata import CacheLayout, LayerOptions, StepMetadata, build_step, run_step
+from flashmoe_science.integrations.vllm.metadata import (CacheLayout, LayerOptions, StepMetadata, build_step, run_step,
+                                                         warm_prefill)
 
 # head sizes the kernels take (vLLM's models use 64, 80, 96, 128, 256)
 MAX_HEAD_SIZE = 256
@@ -101,6 +102,12 @@ class FlashMoEAttentionImpl(AttentionImpl[StepMetadata]):
         self.options = LayerOptions(self.scale, None if sliding_window is None else (sliding_window - 1, 0),
                                     logits_soft_cap or None, slopes)
         self.fp8 = kv_cache_dtype.startswith("fp8")
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        # before vLLM's profiling run and graph capture: the first requests then find the prefill kernels built
+        if torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+            warm_prefill(self.options, self.num_heads, self.num_kv_heads, self.head_size, act_dtype, device)
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:

@@ -127,6 +127,34 @@ class LayerOptions:
     alibi_slopes: torch.Tensor | None = None  # float32 (Hq,)
 
 
+# Packed batches whose calls build every variant of the sm_90 varlen forward a step can meet (its two tile shapes,
+# chosen by sequence length, each for one sequence and for several; keys longer than queries): the kernel compiles
+# one build per variant on first use, 3-7 s each on an H100, and vLLM's start runs attention without metadata.
+WARM_BATCHES = (([608], [608]), ([1744], [1744]), ([300, 400, 278], [300, 400, 278]),
+                ([1955, 1800, 1000], [1955, 1800, 1000]), ([64, 500], [1000, 3000]), ([4000], [4000]))
+_WARMED: set = set()
+
+
+def warm_prefill(options: LayerOptions, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+    """Compile the packed forward's builds for one layer's shape and masks (once per process and kind; CUDA only)."""
+    alibi = options.alibi_slopes
+    key = (num_heads, num_kv_heads, head_size, dtype, str(device), options.window, options.softcap is None,
+           alibi is None)
+    if key in _WARMED or device.type != "cuda":
+        return
+    _WARMED.add(key)
+    masks = dict(softmax_scale=options.softmax_scale, window=options.window, softcap=options.softcap,
+                 alibi_slopes=None if alibi is None else alibi.to(device))
+    for q_lens, k_lens in WARM_BATCHES:
+        cu_q, cu_k = (torch.tensor(np.concatenate(([0], np.cumsum(n))), dtype=torch.int32, device=device)
+                      for n in (q_lens, k_lens))
+        q = torch.randn(sum(q_lens), num_heads, head_size, dtype=dtype, device=device)
+        k, v = (torch.randn(sum(k_lens), num_kv_heads, head_size, dtype=dtype, device=device) for _ in range(2))
+        flash_attention_varlen(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=True, check_values=False,
+                               **masks)
+
+
 def run_step(meta: StepMetadata, options: LayerOptions, query: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, k_scale: torch.Tensor | None = None,
              v_scale: torch.Tensor | None = None) -> torch.Tensor:
