@@ -8,9 +8,10 @@ import torch
 from flashmoe_science.attention.features import CallFeatures, Varlen
 from flashmoe_science.attention.hopper import bwd_common, bwd_dq_sm90, bwd_sm90, bwd_sm90_hdim256, fwd_sm90
 from flashmoe_science.attention.mask import make_mask
-from flashmoe_science.attention.seqlen import PER_BATCH_ARGS
+from flashmoe_science.attention.seqlen import PACKED_TOTALS, PER_BATCH_ARGS
 
-KERNELS = [fwd_sm90.attention_forward_sm90_kernel, bwd_sm90.attention_backward_sm90_kernel,
+KERNELS = [fwd_sm90.attention_forward_sm90_kernel, fwd_sm90.attention_forward_sm90_varlen_kernel,
+           bwd_sm90.attention_backward_sm90_kernel,
            bwd_dq_sm90.attention_backward_dq_sm90_kernel, bwd_sm90_hdim256.attention_backward_sm90_hdim256_kernel]
 
 
@@ -18,6 +19,14 @@ KERNELS = [fwd_sm90.attention_forward_sm90_kernel, bwd_sm90.attention_backward_s
 def test_per_batch_arguments_are_unspecialised(kernel):
     assert set(PER_BATCH_ARGS) <= set(kernel.arg_names)
     assert set(PER_BATCH_ARGS) <= set(kernel.do_not_specialize)
+
+
+def test_packed_forward_launches_take_the_totals_unspecialised():
+    """A serving engine's steps pack a new total of queries and keys each: the packed forward compiles once per tile
+    shape, not once per class of totals; dense launches keep their specialised build."""
+    assert set(PACKED_TOTALS) <= set(fwd_sm90.attention_forward_sm90_varlen_kernel.do_not_specialize)
+    assert not set(PACKED_TOTALS) & set(fwd_sm90.attention_forward_sm90_kernel.do_not_specialize)
+    assert fwd_sm90._kernel(None) is fwd_sm90.attention_forward_sm90_kernel
 
 
 @pytest.mark.parametrize("over_queries", [False, True])

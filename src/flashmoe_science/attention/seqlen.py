@@ -40,6 +40,10 @@ from flashmoe_science.prepared_cache import TensorMemo
 # first batch of each class compiled the kernels again: a multi-second step in a training run. The longest lengths
 # change per batch too; those kernels take the packed totals in their place (hopper.bwd_common.feature_args).
 PER_BATCH_ARGS = ("num_seqs",)
+# The packed tensors' lengths, which the sm_90 forward takes as its lengths in a packed launch: constant over a
+# training run's fixed-size batches, new with each step of a serving engine (every class of them compiled the
+# forward again, 3-7 s on an H100). Its packed launches take them unspecialised too (fwd_sm90).
+PACKED_TOTALS = ("seqlen_q", "seqlen_k")
 
 
 def launch_sizes(q: torch.Tensor, k: torch.Tensor, varlen) -> tuple[int, int, int]:

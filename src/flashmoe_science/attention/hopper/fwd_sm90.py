@@ -53,7 +53,7 @@ from flashmoe_science.attention.features import bias_strides
 from flashmoe_science.attention.layout import bias_tma_view, tma_compatible
 from flashmoe_science.attention.mask import (LN_2, LOG2_E, MaskSpec, key_tile_bounds, key_tile_range, score_to_log2,
                                              visible)
-from flashmoe_science.attention.seqlen import PER_BATCH_ARGS, VarlenBatch, ranked_work_list_entries
+from flashmoe_science.attention.seqlen import PACKED_TOTALS, PER_BATCH_ARGS, VarlenBatch, ranked_work_list_entries
 from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.gluon.compat import (fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma,
                                            warpgroup_mma_wait)
@@ -917,6 +917,16 @@ def _bias_launch_args(bias, q, k, block_n: int, qk_scale: float, log2_scores: bo
     return None, bias, *strides, bias_log2
 
 
+# The same kernel for packed launches, unspecialised on the packed totals too (seqlen.PACKED_TOTALS); dense launches
+# keep the build specialised on their lengths.
+attention_forward_sm90_varlen_kernel = gluon.jit(do_not_specialize=PER_BATCH_ARGS + PACKED_TOTALS)(
+    attention_forward_sm90_kernel.fn)
+
+
+def _kernel(varlen):
+    return attention_forward_sm90_kernel if varlen is None else attention_forward_sm90_varlen_kernel
+
+
 def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers, cross_item, mask=None,
                  alibi_slopes=None, varlen=None, attn_bias=None, bias_tma=False, descales=None):
     """(grid, positional args, constexprs) of one launch; see attention_forward_sm90 (and, with `descales`,
@@ -1006,7 +1016,7 @@ def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float
     tiles.sm90_bias_tiles), else the consumers load it."""
     grid, args, constexprs = _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers,
                                           cross_item, mask, alibi_slopes, varlen, attn_bias, bias_tma)
-    return attention_forward_sm90_kernel[grid](*args, **constexprs, **launch_options(constexprs["NUM_CONSUMERS"]))
+    return _kernel(varlen)[grid](*args, **constexprs, **launch_options(constexprs["NUM_CONSUMERS"]))
 
 
 def attention_forward_sm90_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, causal: bool,
@@ -1032,17 +1042,18 @@ def prepare_forward(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles
     its cache on everything else, the number of packed sequences included."""
     grid, args, constexprs = _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers,
                                           cross_item, mask, varlen=varlen)
-    bound = dict(zip(attention_forward_sm90_kernel.arg_names, args), **constexprs)
+    kernel = _kernel(varlen)
+    bound = dict(zip(kernel.arg_names, args), **constexprs)
     make_tensors = functools.partial(_tensor_args, tiles.block_n, padded_head_dim(q.shape[-1]))
     options = launch_options(constexprs["NUM_CONSUMERS"])
     if varlen is None:
-        return PreparedLaunch(attention_forward_sm90_kernel, grid, bound, options, make_tensors, (q, k, v, out, lse))
+        return PreparedLaunch(kernel, grid, bound, options, make_tensors, (q, k, v, out, lse))
 
     def make_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, tile_offsets):
         return (*make_tensors(q, k, v, out, lse), cu_seqlens_q, cu_seqlens_k, tile_offsets, out)
 
     live = ("q_desc", "k_desc", "v_desc", "o_desc", "LSE", "CU_SEQLENS_Q", "CU_SEQLENS_K", "TILE_OFFSETS", "O")
-    return PreparedLaunch(attention_forward_sm90_kernel, grid, bound, options, make_args,
+    return PreparedLaunch(kernel, grid, bound, options, make_args,
                           (q, k, v, out, lse, *varlen.tensors()), live)
 
 
@@ -1078,7 +1089,7 @@ def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = N
         descales = (torch.empty(batch, 4, device="meta"),) * 3
     _, args, constexprs = _launch_args(q, q, v, out, lse, mask.causal, 0.1, tiles, num_ctas, q_buffers, cross_item,
                                        mask, slopes, batch_info, attn_bias, bias == "tma", descales)
-    kernel = attention_forward_sm90_kernel
+    kernel = _kernel(batch_info)
     unused = {name: None for name, value in zip(kernel.arg_names, args) if value is None}
     return build(kernel, list(args) + [constexprs[name] for name in kernel.arg_names[len(args):]],
                  {**constexprs, **unused}, constexprs["NUM_CONSUMERS"])
