@@ -239,9 +239,19 @@ def render_training_demo(folder: Path) -> tuple[str, str]:
     return heading, body
 
 
+def render_vllm(data: Mapping, path: Path) -> str:
+    """tokens/s (prompt + generated) and generated tokens/s per model and workload, one column per backend."""
+    records = data["records"]
+    order = ("flashmoe", "flashmoe-attn", "flashmoe-fp8", "vllm-fa3", "vllm-fa3-fp8", "vllm-triton")
+    ratios = [("flashmoe", "vllm-fa3")] if {"flashmoe", "vllm-fa3"} <= {r["backend"] for r in records} else []
+    return "\n\n".join(f"**{label}**\n\n" + pivot_table(records, ("model", "case"), key, order, ratios, digits=0)
+                       for key, label in (("tokens_per_s", "tokens/s, prompt + generated"),
+                                          ("output_tokens_per_s", "generated tokens/s")))
+
+
 RENDERERS: dict[str, Callable[[Mapping, Path], str]] = {
     "attention": render_attention, "ladder": render_attention, "moe": render_moe, "attention-features": render_features,
-    "decode": render_decode,
+    "decode": render_decode, "vllm-generate": render_vllm,
 }
 TITLES = {"attention": "Attention", "moe": "MoE layer", "attention-features": "Masks and packed sequences",
           "decode": "KV-cache decode", "ring-step-overlap": "Distributed, on one GPU",
@@ -251,7 +261,8 @@ TITLES = {"attention": "Attention", "moe": "MoE layer", "attention-features": "M
           "megatron-train": "Training in Megatron-core", "serve": "Serving: the OpenAI-compatible server under load",
           "hf-model": "Hugging Face models: our attention (and MoE layer) swapped in, against SDPA",
           "megatron-step-diff": "One training step in Megatron-core, layer by layer, against float64",
-          "ladder": "The ladder, from a CPU loop to the Hopper kernel (docs/ladder.md)"}
+          "ladder": "The ladder, from a CPU loop to the Hopper kernel (docs/ladder.md)",
+          "vllm-generate": "vLLM serving on our kernels (docs/vllm.md)"}
 SELF_HEADED = ("attention", "ladder", "moe")
 KIND_ORDER = ("attention", "ladder", "groups", "attention-features", "decode", "moe", "ring-step-overlap", "supercon",
               "supercon-baselines")
