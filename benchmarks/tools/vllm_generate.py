@@ -180,8 +180,15 @@ def agree(out: str) -> int:
                             prompts_equal_32=same, first_divergence=prefix, first_step_logprob_max_diff=max(diffs))
                 records.append(line)
                 print(json.dumps(line), flush=True)
-                if backend.startswith("flashmoe") and same < len(prefix) // 2:
-                    ok = False
+            # ours must agree with FLASH_ATTN as closely as TRITON_ATTN does (random weights leave near-ties that
+            # any two bf16 backends break differently); an e4m3 cache is held to the logprobs only
+            judge = next((r for r in records if r["model"] == model and r["backend"] == "vllm-triton"), None)
+            for r in (r for r in records if r["model"] == model and r["backend"].startswith("flashmoe")):
+                if judge is None:
+                    continue
+                close = r["first_step_logprob_max_diff"] <= 2 * judge["first_step_logprob_max_diff"] + 0.01
+                tokens = r["backend"].endswith("fp8") or r["prompts_equal_32"] >= judge["prompts_equal_32"] - 1
+                ok &= close and tokens
             missing = set(backends) - set(by)
             if missing:
                 ok = False
