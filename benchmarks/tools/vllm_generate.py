@@ -2,6 +2,7 @@
 
   python benchmarks/tools/vllm_generate.py agree --out DIR     # greedy tokens and first-step logprobs, eager
   python benchmarks/tools/vllm_generate.py bench --out DIR [--models llama8b,qwen3moe] [--backends ...] [--cases ...]
+  python benchmarks/tools/vllm_generate.py online --out DIR [--models llama8b] [--backends ...]  # `vllm serve`
 
 Backends: ``flashmoe`` (the CUSTOM attention backend; on MoE models our fused MoE too), ``flashmoe-attn`` (our
 attention, vLLM's MoE), ``flashmoe-fp8`` (ours with an e4m3 KV cache), ``vllm-fa3`` (FLASH_ATTN: FlashAttention-3
@@ -80,9 +81,10 @@ def _worker(spec: dict) -> list[dict]:
         json.dump(config, f)
     eager = spec["mode"] == "agree"
     started = time.time()
+    cache = {"kv_cache_memory_bytes": int(spec["kv_cache_gib"] * 2**30)} if spec.get("kv_cache_gib") else {}
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
               attention_backend=attention, kv_cache_dtype=cache_dtype, enforce_eager=eager,
-              max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=spec.get("memory", 0.85))
+              max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=spec.get("memory", 0.85), **cache)
     init_s = time.time() - started
     if eager:  # weights at a trained model's scale, the same in every process: greedy tokens are then meaningful
         llm.apply_model(_reinitialize)
@@ -101,6 +103,7 @@ def _worker(spec: dict) -> list[dict]:
         generated = sum(len(o.outputs[0].token_ids) for o in outs)
         prompt_tokens = sum(len(p) for p in prompts)
         record = dict(op="vllm-generate", model=spec["model"], case=case, backend=spec["backend"],
+                      kv_cache_gib=spec.get("kv_cache_gib"),
                       attention_backend=attention, kv_cache_dtype=cache_dtype, our_moe=our_moe, seconds=seconds,
                       engine_start_s=init_s, prompts=len(prompts), prompt_tokens=prompt_tokens,
                       output_tokens=generated, tokens_per_s=(prompt_tokens + generated) / seconds,
@@ -198,7 +201,8 @@ def agree(out: str) -> int:
     return 0 if ok else 1
 
 
-def bench(out: str, models: list[str], backends: list[str], cases: list[str], name: str) -> int:
+def bench(out: str, models: list[str], backends: list[str], cases: list[str], name: str,
+          kv_cache_gib: float | None = None) -> int:
     records = []
     path = os.path.join(out, f"vllm-generate-{name}.json")
     with open(os.path.join(out, f"vllm-generate-{name}.log"), "w") as log:
@@ -206,12 +210,99 @@ def bench(out: str, models: list[str], backends: list[str], cases: list[str], na
             for backend in backends:
                 if backend == "flashmoe-attn" and model != "qwen3moe":
                     continue
-                spec = dict(mode="bench", model=model, config=MODELS[model], backend=backend, cases=cases)
+                spec = dict(mode="bench", model=model, config=MODELS[model], backend=backend, cases=cases,
+                            kv_cache_gib=kv_cache_gib)
                 records += _spawn(spec, log)
                 json.dump(_envelope(records), open(path, "w"), indent=1)
     for r in records:
         print(f"{r['model']:9} {r['case']:8} {r['backend']:14} {r['tokens_per_s']:10.0f} tok/s "
               f"{r['output_tokens_per_s']:9.0f} out/s  start {r['engine_start_s']:.0f}s", flush=True)
+    return 0 if records else 1
+
+
+ONLINE = ((1, 16), (8, 64), (64, 256))  # (concurrency, requests)
+
+
+async def _load(port: int, prompts: list[list[int]], new: int, concurrency: int) -> list[dict]:
+    """Streams ``prompts`` to /v1/completions, ``concurrency`` at a time: per request the time to the first token
+    and the gaps between tokens (each streamed chunk is one decode step's token)."""
+    import asyncio
+
+    import aiohttp
+
+    queue, done = list(prompts), []
+
+    async def one(session, prompt):
+        body = dict(model="m", prompt=prompt, max_tokens=new, temperature=0.0, ignore_eos=True, stream=True,
+                    return_token_ids=True)
+        start, times = time.perf_counter(), []
+        async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
+            async for line in response.content:
+                if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                    times.append(time.perf_counter())
+        done.append(dict(ttft=times[0] - start, itl=[b - a for a, b in zip(times, times[1:])]))
+
+    async def worker(session):
+        while queue:
+            await one(session, queue.pop())
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    return done
+
+
+def online(out: str, models: list[str], backends: list[str], name: str) -> int:
+    """`vllm serve` per backend (vLLM's defaults, one process each) loaded at concurrency 1, 8 and 64 by prompts of
+    256..2048 tokens, 128 new: p50/p99 time to first token and inter-token latency (op ``vllm-serve``)."""
+    import asyncio
+    import statistics
+    import urllib.request
+
+    records, port = [], 8123
+    path = os.path.join(out, f"vllm-serve-{name}.json")
+    for model in models:
+        for backend in backends:
+            attention, our_moe, cache_dtype = BACKENDS[backend]
+            model_dir = tempfile.mkdtemp()
+            with open(os.path.join(model_dir, "config.json"), "w") as f:
+                json.dump(MODELS[model], f)
+            env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
+            if our_moe:
+                env["FLASHMOE_SCIENCE_VLLM_MOE"] = "1"
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                   "--served-model-name", "m", "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
+                   "--attention-backend", attention, "--kv-cache-dtype", cache_dtype, "--max-model-len",
+                   str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.85", "--port", str(port)]
+            log = open(os.path.join(out, f"vllm-serve-{name}-{model}-{backend}.log"), "w")
+            server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                deadline = time.time() + 300
+                while time.time() < deadline and server.poll() is None:
+                    try:
+                        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                        break
+                    except OSError:
+                        time.sleep(2)
+                else:
+                    print(f"{model} {backend}: the server did not start (see its log)", flush=True)
+                    continue
+                prompts, new = workload("prefill", MODELS[model]["vocab_size"])
+                asyncio.run(_load(port, prompts[:8], 8, 8))  # warm-up
+                for concurrency, count in ONLINE:
+                    got = asyncio.run(_load(port, prompts[:count], new, concurrency))
+                    itl = sorted(g for r in got for g in r["itl"])
+                    ttft = sorted(r["ttft"] for r in got)
+                    q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] * 1e3  # noqa: E731
+                    record = dict(op="vllm-serve", model=model, backend=backend, concurrency=concurrency,
+                                  requests=count, ttft_p50_ms=q(ttft, 0.5), ttft_p99_ms=q(ttft, 0.99),
+                                  itl_p50_ms=q(itl, 0.5), itl_p99_ms=q(itl, 0.99),
+                                  itl_mean_ms=statistics.fmean(itl) * 1e3 if itl else None)
+                    records.append(record)
+                    print(json.dumps(record), flush=True)
+                    json.dump(_envelope(records), open(path, "w"), indent=1)
+            finally:
+                server.terminate()
+                server.wait(timeout=60)
     return 0 if records else 1
 
 
@@ -221,17 +312,22 @@ def main(argv=None) -> int:
         json.dump(_worker(json.loads(argv[1])), open(argv[2], "w"))
         return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["agree", "bench"])
+    p.add_argument("what", choices=["agree", "bench", "online"])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--models", default="llama8b,qwen3moe")
     p.add_argument("--backends", default="flashmoe,vllm-fa3,vllm-triton")
     p.add_argument("--cases", default="prefill,decode")
     p.add_argument("--name", default="run")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="the KV cache's bytes, the same for every backend (an e4m3 cache then holds twice the tokens); "
+                        "default: what gpu_memory_utilization 0.85 leaves")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     if a.what == "agree":
         return agree(a.out)
-    return bench(a.out, a.models.split(","), a.backends.split(","), a.cases.split(","), a.name)
+    if a.what == "online":
+        return online(a.out, a.models.split(","), a.backends.split(","), a.name)
+    return bench(a.out, a.models.split(","), a.backends.split(","), a.cases.split(","), a.name, a.kv_cache_gib)
 
 
 if __name__ == "__main__":

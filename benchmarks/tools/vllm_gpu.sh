@@ -4,7 +4,9 @@
 # takes the staging kit's smoke plugin off the CUSTOM slot, then runs what STEPS names, logs under $OUT:
 #   tests   the backend's GPU tests (float64 oracle, vLLM-shaped batches) and the MoE plugin's GPU check
 #   agree   benchmarks/tools/vllm_generate.py agree (greedy tokens / first-step logprobs against FLASH_ATTN)
-#   bench   benchmarks/tools/vllm_generate.py bench with MODELS, BACKENDS, CASES, NAME
+#   bench   benchmarks/tools/vllm_generate.py bench with MODELS, BACKENDS, CASES, NAME (KV_CACHE_GIB: the cache's
+#           bytes, the same for every backend: the e4m3 cache's case)
+#   online  benchmarks/tools/vllm_generate.py online (`vllm serve` under load) with MODELS, BACKENDS, NAME
 # usage: STEPS=tests,agree bash benchmarks/tools/vllm_gpu.sh
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -34,7 +36,10 @@ for step in ${STEPS//,/ }; do
     bench)
       timeout ${BENCH_S:-560} python3 benchmarks/tools/vllm_generate.py bench --out "$OUT" --models "${MODELS:-llama8b}" \
         --backends "${BACKENDS:-flashmoe,vllm-fa3,vllm-triton}" --cases "${CASES:-prefill,decode}" \
-        --name "${NAME:-run}" || status=1 ;;
+        --name "${NAME:-run}" ${KV_CACHE_GIB:+--kv-cache-gib "$KV_CACHE_GIB"} || status=1 ;;
+    online)
+      timeout ${BENCH_S:-560} python3 benchmarks/tools/vllm_generate.py online --out "$OUT" --models "${MODELS:-llama8b}" \
+        --backends "${BACKENDS:-flashmoe,vllm-fa3}" --name "${NAME:-run}" || status=1 ;;
   esac
   echo "step $step: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/env.txt"
 done
