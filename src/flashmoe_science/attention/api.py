@@ -21,26 +21,28 @@ from flashmoe_science.device import on_another_cuda_device
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _fp8_call(q, k, v, descales, window, softcap, alibi_slopes, attn_bias) -> bool:
+def _fp8_call(q, k, v, descales, window, softcap, alibi_slopes, attn_bias, mods=(None, None)) -> bool:
     """Whether a call is an FP8 one (e4m3 inputs or a descale given); raises for the features FP8 does not take."""
     if not (any(t is not None for t in descales) or any(getattr(t, "dtype", None) in _FP8_DTYPES for t in (q, k, v))):
         return False
-    if not (window is None and softcap is None and alibi_slopes is None and attn_bias is None):
-        raise ValueError("FP8 attention takes causal masks only: window, softcap, alibi_slopes and attn_bias "
-                         "are not supported with float8_e4m3fn inputs")
+    if not (window is None and softcap is None and alibi_slopes is None and attn_bias is None
+            and mods == (None, None)):
+        raise ValueError("FP8 attention takes causal masks only: window, softcap, alibi_slopes, attn_bias, mask_mod "
+                         "and score_mod are not supported with float8_e4m3fn inputs")
     return True
 
 
 def describe_dispatch(q, k, v, *, causal: bool = False, window=None, softcap=None, alibi_slopes=None,
                       attn_bias=None, backend: str = "auto", q_descale=None, k_descale=None,
-                      v_descale=None) -> Dispatch:
+                      v_descale=None, mask_mod=None, score_mod=None) -> Dispatch:
     """Which kernels `flash_attention_science` would run for these inputs (forward and backward), and why. FP8
     inputs (with their descales) are described as the FP8 forward plans them."""
-    if _fp8_call(q, k, v, (q_descale, k_descale, v_descale), window, softcap, alibi_slopes, attn_bias):
+    if _fp8_call(q, k, v, (q_descale, k_descale, v_descale), window, softcap, alibi_slopes, attn_bias,
+                 (mask_mod, score_mod)):
         return describe_fp8(plan_fp8(fp8_problem(q, k, v, q_descale, k_descale, v_descale, causal=causal,
                                                  softmax_scale=None, backend=backend)))
     problem, _ = dense_problem(q, k, v, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                               attn_bias=attn_bias, backend=backend)
+                               attn_bias=attn_bias, backend=backend, mask_mod=mask_mod, score_mod=score_mod)
     return describe(plan_attention(problem))
 
 
@@ -61,6 +63,8 @@ def flash_attention_science(
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    mask_mod=None,
+    score_mod=None,
 ):
     """Exact scaled-dot-product attention, softmax(q kᵀ · scale) v, without materialising the score matrix.
 
@@ -101,6 +105,14 @@ def flash_attention_science(
             such that real value = fp8 value × descale (flash-attn's convention; `quantize_fp8` makes all six).
             The output is bfloat16. On Hopper, head dims 64/128/256 run an e4m3 tensor-core kernel; elsewhere the
             inputs are dequantised and the bf16 (GPU) or float32 (CPU) path runs. See attention/fp8.py.
+        mask_mod: FlexAttention's `mask_mod(b, h, q_idx, kv_idx) -> bool` as a `@triton.jit` function, or
+            `MaskMod(fn, *tensors)` for one that reads tensors (passed after the indices); ANDed with causal and
+            window. Tiles it hides are skipped (a block mask built on the device, remembered per mod and shape).
+        score_mod: `score_mod(score, b, h, q_idx, kv_idx) -> score` on the scaled score, `@triton.jit`, or
+            `ScoreMod(fn, *tensors, grad=dfn)`; gradients need `grad`, its derivative with respect to the score.
+            Not with softcap, alibi_slopes or attn_bias. The mods run in the portable Triton kernels (and the
+            reference, through Triton's interpreter); under torch.compile a call with mods graph-breaks and runs
+            eagerly. See attention/mods.py.
 
     Kernels: the first family of `plan.ATTENTION_BACKENDS` that takes the call, each family declaring what it takes
     (the README's table is `plan.policy_table()`, generated from those declarations); `describe_dispatch` says
@@ -113,6 +125,27 @@ def flash_attention_science(
     Returns:
         `out` with q's shape and dtype, or `(out, lse)` when `return_lse=True`.
     """
+    if mask_mod is not None or score_mod is not None:
+        if torch.compiler.is_compiling():  # a function is no custom op argument: run this call eagerly
+            return _eager_with_mods(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                                    softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
+                                    return_lse=return_lse, backend=backend, deterministic=deterministic,
+                                    q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                    mask_mod=mask_mod, score_mod=score_mod)
+        if on_another_cuda_device(q):
+            with torch.cuda.device(q.device):
+                return flash_attention_science(
+                    q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                    alibi_slopes=alibi_slopes, attn_bias=attn_bias, return_lse=return_lse, backend=backend,
+                    deterministic=deterministic, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                    mask_mod=mask_mod, score_mod=score_mod)
+        _fp8_call(q, k, v, (q_descale, k_descale, v_descale), window, softcap, alibi_slopes, attn_bias,
+                  (mask_mod, score_mod))
+        out, lse = call.dense_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                                      softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
+                                      backend=backend, deterministic=deterministic, return_lse=return_lse, key=None,
+                                      mask_mod=mask_mod, score_mod=score_mod)
+        return (out, lse) if return_lse else out
     if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
         out, lse = _compiled(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
                              alibi_slopes=alibi_slopes, attn_bias=attn_bias, return_lse=return_lse, backend=backend,
@@ -140,6 +173,12 @@ def flash_attention_science(
                                       softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
                                       backend=backend, deterministic=deterministic, return_lse=return_lse, key=key)
     return (out, lse) if return_lse else out
+
+
+# A call with mods inside a compiled region: a graph break, then the eager call (mods.py: functions are not tensors,
+# so no custom op can take them).
+_eager_with_mods = torch.compiler.disable(flash_attention_science,
+                                          reason="mask_mod/score_mod are functions: no custom op takes them")
 
 
 def attention_forward_lse(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, window=None,

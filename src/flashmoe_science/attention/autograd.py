@@ -80,11 +80,11 @@ def backward_key(plan, q, k, v, out, lse, features: CallFeatures) -> tuple | Non
     """Everything the backward's choice and its launches read from a kernel forward's call: the forward's plan and
     the backend asked for, each tensor's signature (a packed call's cu_seqlens too, and its maximal lengths), the
     mask, the scale and the determinism asked for. None where the call's features carry per-call tensors the choice
-    reads (ALiBi slopes, a bias), for a leading index of the per-index loop (its plan was made for the whole
+    reads (ALiBi slopes, a bias, the user's mods), for a leading index of the per-index loop (its plan was made for the whole
     tensor) and under FLASHMOE_AUTOTUNE."""
     problem = plan.problem
     if (q is not problem.q4 or features.alibi_slopes is not None or features.attn_bias is not None
-            or autotune_enabled()):
+            or features.mods is not None or autotune_enabled()):
         return None
     varlen = features.varlen
     packed = () if varlen is None else (tensor_signature(varlen.cu_seqlens_q), tensor_signature(varlen.cu_seqlens_k),

@@ -77,18 +77,21 @@ def replay(entry, q, k, v):
 
 
 def dense_forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None, alibi_slopes=None,
-                  attn_bias=None, backend="auto", deterministic=False, return_lse=False, key=_LOOK_UP):
+                  attn_bias=None, backend="auto", deterministic=False, return_lse=False, key=_LOOK_UP,
+                  mask_mod=None, score_mod=None):
     """(out, lse) of a dense call (the arguments of `flash_attention_science`), with autograd where gradients flow.
     `key`: the call's `prepared_key` where the caller looked it up in PREPARED already (None: not a plain call)."""
     if key is _LOOK_UP:
-        plain = window is None and softcap is None and alibi_slopes is None and attn_bias is None
+        plain = (window is None and softcap is None and alibi_slopes is None and attn_bias is None
+                 and mask_mod is None and score_mod is None)
         key = prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic) if plain else None
         entry = PREPARED.get(key) if key is not None else None
         if entry is not None:
             return replay(entry, q, k, v)
     problem, extras = dense_problem(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
                                     softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias, backend=backend,
-                                    deterministic=deterministic, return_lse=return_lse)
+                                    deterministic=deterministic, return_lse=return_lse, mask_mod=mask_mod,
+                                    score_mod=score_mod)
     plan = plan_attention(problem)
     out, lse = autograd.forward(plan, extras)
     step = plan.forward
@@ -182,9 +185,9 @@ def packed_outputs(out4, lse4):
 
 def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                    softmax_scale=None, window=None, softcap=None, alibi_slopes=None, backend="auto",
-                   deterministic=False, return_lse=False, check_values=None):
+                   deterministic=False, return_lse=False, check_values=None, mask_mod=None, score_mod=None):
     """(out (total_q, Hq, D), lse (Hq, total_q)) of a packed call (the arguments of `flash_attention_varlen`)."""
-    plain = window is None and softcap is None and alibi_slopes is None
+    plain = window is None and softcap is None and alibi_slopes is None and mask_mod is None and score_mod is None
     key = packed_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      return_lse, backend, deterministic) if plain else None
     entry = PREPARED_PACKED.get(key) if key is not None else None
@@ -196,7 +199,7 @@ def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     problem = packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                              softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                              backend=backend, deterministic=deterministic, return_lse=return_lse,
-                             check_values=check_values)
+                             check_values=check_values, mask_mod=mask_mod, score_mod=score_mod)
     plan = plan_attention(problem)
     out4, lse4 = autograd.run(plan, problem.q4, problem.k4, problem.v4, problem.features, problem.softmax_scale)
     step = plan.forward

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 import torch
 
 from flashmoe_science.attention.mask import MaskSpec, make_mask
+from flashmoe_science.attention.mods import Mods
 
 # Every feature word a call can carry (the order is the order describe_dispatch lists them in).
-FEATURES = ("causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen", "odd_head_dim")
+FEATURES = ("causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen", "odd_head_dim", "mask_mod",
+            "score_mod")
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,13 +42,15 @@ class CallFeatures:
 
     alibi_slopes: float32 `(B, Hq)` (a stride-0 batch dim when the user gave `(Hq,)`); for varlen B is the number
         of sequences. attn_bias: 4-D `(Bb, Hb, Lqb, Lkb)`, each dim 1 (broadcast) or the full size; kernels read
-        it through `bias_strides` (stride 0 on broadcast dims).
+        it through `bias_strides` (stride 0 on broadcast dims). mods: the user's mask_mod / score_mod
+        (`mods.Mods`), or None.
     """
 
     mask: MaskSpec = field(default_factory=lambda: make_mask(False))
     alibi_slopes: torch.Tensor | None = None
     attn_bias: torch.Tensor | None = None
     varlen: Varlen | None = None
+    mods: Mods | None = None
 
     @property
     def causal(self) -> bool:
@@ -54,8 +58,10 @@ class CallFeatures:
 
     @property
     def is_plain(self) -> bool:
-        """Only what the original dense kernels compute: no window beyond causal, no softcap, ALiBi, bias, varlen."""
-        return self.mask.is_plain and self.alibi_slopes is None and self.attn_bias is None and self.varlen is None
+        """Only what the original dense kernels compute: no window beyond causal, no softcap, ALiBi, bias, varlen or
+        mods."""
+        return (self.mask.is_plain and self.alibi_slopes is None and self.attn_bias is None and self.varlen is None
+                and self.mods is None)
 
 
 PLAIN = CallFeatures()
@@ -93,4 +99,9 @@ def feature_names(features: CallFeatures, head_dim: int, bias_grad: bool = False
         names.add("varlen")
     if head_dim % 8 or head_dim < 16:
         names.add("odd_head_dim")
+    mods = features.mods
+    if mods is not None and mods.mask is not None:
+        names.add("mask_mod")
+    if mods is not None and mods.score is not None:
+        names.add("score_mod")
     return frozenset(names)

@@ -7,7 +7,7 @@ call: every user-facing check runs in `dense_problem` / `packed_problem` and now
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,6 +21,7 @@ from flashmoe_science.attention.checks import (
 )
 from flashmoe_science.attention.features import PLAIN, CallFeatures, feature_names
 from flashmoe_science.attention.mask import make_mask
+from flashmoe_science.attention.mods import check_mods
 from flashmoe_science.attention.reference import default_softmax_scale
 
 
@@ -111,8 +112,13 @@ def features_4d(mask, slopes, bias, index: tuple = ()) -> CallFeatures:
     return CallFeatures(mask=mask, alibi_slopes=slopes, attn_bias=bias)
 
 
+def _records_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def dense_problem(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None, alibi_slopes=None,
-                  attn_bias=None, backend="auto", deterministic=False, **flags) -> tuple[AttentionProblem, tuple]:
+                  attn_bias=None, backend="auto", deterministic=False, mask_mod=None, score_mod=None,
+                  **flags) -> tuple[AttentionProblem, tuple]:
     """The checked problem of a dense call `(..., H, L, D)`, and the leading views of its extras `(mask, slopes,
     bias)` for the per-index loop. `flags`: the call's other bools, checked here (return_lse)."""
     check_inputs(q, k, v, softmax_scale)
@@ -120,7 +126,12 @@ def dense_problem(q, k, v, *, causal=False, softmax_scale=None, window=None, sof
     mask = make_mask(causal, window, softcap)
     scale = float(softmax_scale) if softmax_scale is not None else default_softmax_scale(q.shape[-1])
     slopes, bias = leading_views(q, k, alibi_slopes, attn_bias)
-    features = features_4d(mask, slopes, bias)
+    mods = check_mods(mask_mod, score_mod, q, softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
+                      records_grad=_records_grad(q, k, v, attn_bias))
+    if mods is not None and not all(as_4d(t) is not None for t in (q, k, v)):
+        raise ValueError("mask_mod and score_mod need q, k, v whose leading dims merge into one batch dim (the "
+                         "mods' b indexes it)")
+    features = replace(features_4d(mask, slopes, bias), mods=mods)
     bias_grad = bias is not None and bias.requires_grad and torch.is_grad_enabled()
     problem = AttentionProblem(q, k, v, as_4d(q), as_4d(k), as_4d(v), scale, features, backend, deterministic,
                                bias_grad)
@@ -134,7 +145,8 @@ def packed_as_4d(t: torch.Tensor) -> torch.Tensor:
 
 def packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                    softmax_scale=None, window=None, softcap=None, alibi_slopes=None, backend="auto",
-                   deterministic=False, check_values=None, **flags) -> AttentionProblem:
+                   deterministic=False, check_values=None, mask_mod=None, score_mod=None,
+                   **flags) -> AttentionProblem:
     """The checked problem of a packed call (flash-attn's varlen layout: q `(total_q, Hq, D)`, k/v
     `(total_k, Hkv, D)`), over `(1, H, total, D)` views; `check_values` as `checks.check_varlen`'s."""
     varlen = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values)
@@ -143,7 +155,9 @@ def packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     mask = make_mask(causal, window, softcap)
     slopes = check_alibi_slopes(alibi_slopes, (varlen.num_seqs,), q.shape[1], q.device)
     scale = float(softmax_scale) if softmax_scale is not None else default_softmax_scale(q.shape[-1])
-    features = CallFeatures(mask=mask, alibi_slopes=slopes, varlen=varlen)
+    mods = check_mods(mask_mod, score_mod, q, softcap=softcap, alibi_slopes=alibi_slopes,
+                      records_grad=_records_grad(q, k, v))
+    features = CallFeatures(mask=mask, alibi_slopes=slopes, varlen=varlen, mods=mods)
     q4, k4, v4 = packed_as_4d(q), packed_as_4d(k), packed_as_4d(v)
     return AttentionProblem(q4, k4, v4, q4, k4, v4, scale, features, backend, deterministic)
 

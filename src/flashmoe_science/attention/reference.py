@@ -20,6 +20,7 @@ import torch
 
 from flashmoe_science.attention.features import CallFeatures, as_features
 from flashmoe_science.attention.mask import make_mask, score_mods, visibility
+from flashmoe_science.attention.mods import apply_mods
 
 CAUSAL = make_mask(True)
 
@@ -45,10 +46,12 @@ def _expand_kv_heads(t: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def _modified_scores(qc: torch.Tensor, kc: torch.Tensor, features: CallFeatures, softmax_scale: float,
-                     alibi_slopes, attn_bias) -> torch.Tensor:
-    """Scaled scores q kᵀ · scale with the call's softcap, ALiBi, bias and mask applied (mask.score_mods)."""
+                     alibi_slopes, attn_bias, b0: int = 0) -> torch.Tensor:
+    """Scaled scores q kᵀ · scale with the call's softcap, ALiBi, bias and mask applied (mask.score_mods), then the
+    user's score_mod and mask_mod (mods.apply_mods: batch indices from b0, a packed sequence's own)."""
     scores = torch.matmul(qc, kc.transpose(-1, -2)) * softmax_scale
-    return score_mods(scores, features.mask, qc.shape[2], kc.shape[2], alibi_slopes, attn_bias)
+    scores = score_mods(scores, features.mask, qc.shape[2], kc.shape[2], alibi_slopes, attn_bias)
+    return apply_mods(scores, features.mods, b0)
 
 
 def _softmax_rows(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -61,11 +64,11 @@ def _softmax_rows(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return weights, weights.sum(dim=-1, keepdim=True), row_max
 
 
-def _dense_reference(q, k, v, features: CallFeatures, softmax_scale: float, alibi_slopes, attn_bias):
+def _dense_reference(q, k, v, features: CallFeatures, softmax_scale: float, alibi_slopes, attn_bias, b0: int = 0):
     group = q.shape[1] // k.shape[1]
     compute = _compute_dtype(q.dtype)
     qc, kc, vc = q.to(compute), _expand_kv_heads(k, group).to(compute), _expand_kv_heads(v, group).to(compute)
-    scores = _modified_scores(qc, kc, features, softmax_scale, alibi_slopes, attn_bias)
+    scores = _modified_scores(qc, kc, features, softmax_scale, alibi_slopes, attn_bias, b0)
     weights, row_sum, row_max = _softmax_rows(scores)
     out = torch.matmul(weights, vc) / torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
     lse = (row_max + torch.log(row_sum)).squeeze(-1)
@@ -102,7 +105,7 @@ def attention_reference(
     outs, lses = [], []
     for batch, q_rows, k_rows in _sequences(features):
         out, lse = _dense_reference(q[:, :, q_rows], k[:, :, k_rows], v[:, :, k_rows], features, softmax_scale,
-                                    _slopes(features, batch), None)
+                                    _slopes(features, batch), None, batch.start or 0)
         outs.append(out)
         lses.append(lse)
     padding = q.shape[2] - sum(o.shape[2] for o in outs)  # rows after the last sequence (unchecked cu_seqlens)
@@ -130,7 +133,8 @@ def attention_backward_reference(q, k, v, out, lse, grad_out, causal, softmax_sc
             qc = q[:, :, q_rows].detach().to(compute).requires_grad_()
             kc = k[:, :, k_rows].detach().to(compute).requires_grad_()
             bc = bias.detach().to(compute).requires_grad_() if bias is not None else None
-            scores = _modified_scores(qc, _expand_kv_heads(kc, group), features, softmax_scale, slopes, bc)
+            scores = _modified_scores(qc, _expand_kv_heads(kc, group), features, softmax_scale, slopes, bc,
+                                      batch.start or 0)
             lse_rows = lse[:, :, q_rows].to(compute).unsqueeze(-1)
             # rows that see no key (lse -inf) have all scores -inf: P is 0 there, not NaN
             p = torch.exp(scores - torch.where(torch.isinf(lse_rows), torch.zeros_like(lse_rows), lse_rows))

@@ -54,6 +54,8 @@ from flashmoe_science.attention import bwd_prep
 from flashmoe_science.attention.features import as_features
 from flashmoe_science.attention.layout import needs_64bit_rows
 from flashmoe_science.attention.mask import LOG2_E, key_tile_range, masked_runs, query_tile_range, visible
+from flashmoe_science.attention.mods import block_mask_args, call_block_mask, clamp_index
+from flashmoe_science.attention.mods import kernel_args as mod_kernel_args
 from flashmoe_science.attention.seqlen import launch_sizes, sequence_bounds
 from flashmoe_science.attention.tiles import BackwardTiles, padded_head_dim
 from flashmoe_science.attention.triton_common import feature_args, feature_tensors, head_extras, load_tile, scores_log2
@@ -65,14 +67,85 @@ _SIZES = ["num_q_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "
 
 
 @triton.jit
+def _dkdv_query_tile(dk, dv, k, v, offs_n, start_m,
+                     q_base, do_base, lse_base, delta_base, dq_accum_base, stride_qm, stride_dom,
+                     seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale, sm_scale, softcap_scale,
+                     alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
+                     batch, q_head, mask_mod, mask_args, score_mod, score_grad, score_args,
+                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+                     FUSE_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add the query tile at start_m of one query head into the key tile's (dK, dV) (see `_dkdv_query_tiles`);
+    the user's mods (mods.py) on the transposed tile: mask_mod on MASKED tiles, score_mod and its derivative."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = load_tile(q_base, q_base, 0, 0, start_m, seqlen_q, stride_qm,
+                  BLOCK_M, BLOCK_D, HEAD_DIM, False, MASKED)
+    do = load_tile(do_base, do_base, 0, 0, start_m, seqlen_q, stride_dom,
+                   BLOCK_M, BLOCK_D, HEAD_DIM, False, MASKED)
+    if MASKED:
+        in_bounds = offs_m < seqlen_q
+        lse2 = tl.load(lse_base + offs_m, mask=in_bounds, other=0.0) * LOG2_E
+        delta = tl.load(delta_base + offs_m, mask=in_bounds, other=0.0)
+    else:
+        lse2 = tl.load(lse_base + offs_m) * LOG2_E
+        delta = tl.load(delta_base + offs_m)
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+    if MASK_MOD or SCORE_MOD:  # the mods see positions inside the sequence (ragged edges clamped)
+        q_idx = clamp_index(offs_m, seqlen_q)[None, :]
+        kv_idx = clamp_index(offs_n, seqlen_k)[:, None]
+    if SCORE_MOD:
+        score_t = s_t * sm_scale
+        x_t = score_mod(score_t, batch, q_head, q_idx, kv_idx, *score_args) * LOG2_E
+    else:
+        x_t, tanh_t = scores_log2(s_t, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, diagonal, qk_scale,
+                                  softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
+                                  SOFTCAP, ALIBI, HAS_BIAS)
+    p_t = tl.math.exp2(x_t - lse2[None, :])
+    if MASKED:
+        seen = visible(offs_m[None, :], offs_n[:, None], seqlen_k, diagonal, window_left, window_right,
+                       MASK_LEFT, MASK_RIGHT) & (offs_m[None, :] < seqlen_q)
+        if MASK_MOD:
+            seen = seen & mask_mod(batch, q_head, q_idx, kv_idx, *mask_args)
+        # where, not a product: a row with lse = -inf has exp2(+inf) here, which must become 0, not NaN.
+        p_t = tl.where(seen, p_t, 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    if SOFTCAP:  # d(c·tanh(s·scale/c))/ds = scale·(1 - tanh²); the scale is applied once at the end
+        ds_t = ds_t * (1.0 - tanh_t * tanh_t)
+    if SCORE_MOD:  # d score_mod(s·scale)/ds = scale·grad; the scale is applied once at the end
+        ds_t = ds_t * score_grad(score_t, batch, q_head, q_idx, kv_idx, *score_args)
+    ds_t = ds_t.to(q.dtype)
+    dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+    if FUSE_DQ:
+        if BLOCK_M >= 64:
+            dq_part = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)
+        else:
+            # Hopper's warpgroup MMA wants >= 64 rows: with fewer query rows, put the head dim on the rows
+            # (dQᵀ = kᵀ dSᵀ); otherwise the product falls back to the slower mma.sync.
+            dq_part = tl.trans(tl.dot(tl.trans(k), ds_t, input_precision=DOT_PRECISION))
+        # The workspace is BLOCK_D wide (padded columns add zeros): only rows need a bound.
+        dq_ptrs = dq_accum_base + offs_m[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
+        # relaxed: nothing reads dq_accum before the kernel ends, so no ordering (fences) is needed
+        if MASKED:
+            tl.atomic_add(dq_ptrs, dq_part, mask=offs_m[:, None] < seqlen_q, sem="relaxed")
+        else:
+            tl.atomic_add(dq_ptrs, dq_part, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
 def _dkdv_query_tiles(dk, dv, k, v, offs_n,
                       q_base, do_base, lse_base, delta_base, dq_accum_base, stride_qm, stride_dom,
                       query_start, query_end, gap_start, gap_end, seqlen_q, seqlen_k, diagonal,
-                      window_left, window_right, qk_scale, softcap_scale, alibi_slope_log2,
+                      window_left, window_right, qk_scale, sm_scale, softcap_scale, alibi_slope_log2,
                       BIAS, bias_offset, stride_bias_m, stride_bias_n,
+                      batch, q_head, score_mod, score_grad, score_args,
                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                       MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-                      SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, SCORE_MOD: tl.constexpr,
                       FUSE_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Add the query tiles [query_start, gap_start) and [gap_end, query_end) of one query head into the key tile's
     (dK, dV); with FUSE_DQ also add the key tile's share of dQ (dS k, unscaled) into those query rows of the fp32
@@ -88,49 +161,33 @@ def _dkdv_query_tiles(dk, dv, k, v, offs_n,
             if start_m >= gap_start:
                 start_m += gap_end - gap_start
         start_m = tl.multiple_of(start_m, BLOCK_M)
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = load_tile(q_base, q_base, 0, 0, start_m, seqlen_q, stride_qm,
-                      BLOCK_M, BLOCK_D, HEAD_DIM, False, MASKED)
-        do = load_tile(do_base, do_base, 0, 0, start_m, seqlen_q, stride_dom,
-                       BLOCK_M, BLOCK_D, HEAD_DIM, False, MASKED)
-        if MASKED:
-            in_bounds = offs_m < seqlen_q
-            lse2 = tl.load(lse_base + offs_m, mask=in_bounds, other=0.0) * LOG2_E
-            delta = tl.load(delta_base + offs_m, mask=in_bounds, other=0.0)
-        else:
-            lse2 = tl.load(lse_base + offs_m) * LOG2_E
-            delta = tl.load(delta_base + offs_m)
-        x_t, tanh_t = scores_log2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION),
-                                  offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, diagonal, qk_scale,
-                                  softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
-                                  SOFTCAP, ALIBI, HAS_BIAS)
-        p_t = tl.math.exp2(x_t - lse2[None, :])
-        if MASKED:
-            seen = visible(offs_m[None, :], offs_n[:, None], seqlen_k, diagonal, window_left, window_right,
-                           MASK_LEFT, MASK_RIGHT) & (offs_m[None, :] < seqlen_q)
-            # where, not a product: a row with lse = -inf has exp2(+inf) here, which must become 0, not NaN.
-            p_t = tl.where(seen, p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        if SOFTCAP:  # d(c·tanh(s·scale/c))/ds = scale·(1 - tanh²); the scale is applied once at the end
-            ds_t = ds_t * (1.0 - tanh_t * tanh_t)
-        ds_t = ds_t.to(q.dtype)
-        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
-        if FUSE_DQ:
-            if BLOCK_M >= 64:
-                dq_part = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)
-            else:
-                # Hopper's warpgroup MMA wants >= 64 rows: with fewer query rows, put the head dim on the rows
-                # (dQᵀ = kᵀ dSᵀ); otherwise the product falls back to the slower mma.sync.
-                dq_part = tl.trans(tl.dot(tl.trans(k), ds_t, input_precision=DOT_PRECISION))
-            # The workspace is BLOCK_D wide (padded columns add zeros): only rows need a bound.
-            dq_ptrs = dq_accum_base + offs_m[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
-            # relaxed: nothing reads dq_accum before the kernel ends, so no ordering (fences) is needed
-            if MASKED:
-                tl.atomic_add(dq_ptrs, dq_part, mask=offs_m[:, None] < seqlen_q, sem="relaxed")
-            else:
-                tl.atomic_add(dq_ptrs, dq_part, sem="relaxed")
+        dk, dv = _dkdv_query_tile(dk, dv, k, v, offs_n, start_m, q_base, do_base, lse_base, delta_base,
+                                  dq_accum_base, stride_qm, stride_dom, seqlen_q, seqlen_k, diagonal, window_left,
+                                  window_right, qk_scale, sm_scale, softcap_scale, alibi_slope_log2, BIAS,
+                                  bias_offset, stride_bias_m, stride_bias_n, batch, q_head, None, None, score_mod,
+                                  score_grad, score_args, BLOCK_M, BLOCK_D, HEAD_DIM, MASKED, MASK_LEFT, MASK_RIGHT,
+                                  SOFTCAP, ALIBI, HAS_BIAS, False, SCORE_MOD, FUSE_DQ, DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_listed_tiles(dk, dv, k, v, offs_n, TILES, count,
+                       q_base, do_base, lse_base, delta_base, dq_accum_base, stride_qm, stride_dom,
+                       seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale, sm_scale,
+                       batch, q_head, mask_mod, mask_args, score_mod, score_grad, score_args,
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                       SCORE_MOD: tl.constexpr, FUSE_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add the first `count` query tiles of the block mask's list TILES (partial ones MASKED, with the mask_mod;
+    full ones without any mask) into the key tile's (dK, dV)."""
+    for i in range(0, count):
+        start_m = tl.multiple_of(tl.load(TILES + i) * BLOCK_M, BLOCK_M)
+        dk, dv = _dkdv_query_tile(dk, dv, k, v, offs_n, start_m, q_base, do_base, lse_base, delta_base,
+                                  dq_accum_base, stride_qm, stride_dom, seqlen_q, seqlen_k, diagonal, window_left,
+                                  window_right, qk_scale, sm_scale, 1.0, 0.0, None, 0, 0, 0, batch, q_head,
+                                  mask_mod, mask_args, score_mod, score_grad, score_args, BLOCK_M, BLOCK_D, HEAD_DIM,
+                                  MASKED, MASK_LEFT, MASK_RIGHT, False, False, False, MASKED, SCORE_MOD, FUSE_DQ,
+                                  DOT_PRECISION)
     return dk, dv
 
 
@@ -151,6 +208,9 @@ def _bwd_dkdv_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr,
     FUSE_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW64: tl.constexpr,
+    # the user's mods (mods.py; None and False without them) and the block mask's lists by key tile
+    mask_mod, mask_args, score_mod, score_grad, score_args, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+    PARTIAL_COUNTS, PARTIAL_TILES, FULL_COUNTS, FULL_TILES, list_len,
 ):
     if ROW64:  # row offsets (L-1)·stride_row reach 2**31 elements (e.g. a transposed (B, L, H, D) buffer)
         stride_qm, stride_kn, stride_vn = stride_qm.to(tl.int64), stride_kn.to(tl.int64), stride_vn.to(tl.int64)
@@ -200,19 +260,36 @@ def _bwd_dkdv_kernel(
             dq_accum_base = DQ_ACCUM
         alibi_slope_log2, bias_offset = head_extras(ALIBI_SLOPES, batch, batch64, q_head, stride_alibi_b,
                                                     stride_alibi_h, stride_bias_b, stride_bias_h, ALIBI)
-        # the masked tiles on both sides of the full ones, in one loop (the full tiles are its gap)
-        dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_accum_base,
-                                   stride_qm, stride_dom, masked_start, query_end, gap_start, full_end,
-                                   seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale,
-                                   softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
-                                   BLOCK_M, BLOCK_D, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                                   HAS_BIAS, FUSE_DQ, DOT_PRECISION)
-        dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_accum_base,
-                                   stride_qm, stride_dom, full_start, full_end, full_end, full_end,
-                                   seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale,
-                                   softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
-                                   BLOCK_M, BLOCK_D, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                                   HAS_BIAS, FUSE_DQ, DOT_PRECISION)
+        if MASK_MOD:  # the block mask's lists of this key tile for this query head: full, then partial tiles
+            tile_row = (batch64 * num_q_heads + q_head64) * tl.num_programs(0) + pid_n
+            dk, dv = _dkdv_listed_tiles(dk, dv, k, v, offs_n, FULL_TILES + tile_row * list_len,
+                                        tl.load(FULL_COUNTS + tile_row), q_base, do_base, lse_base, delta_base,
+                                        dq_accum_base, stride_qm, stride_dom, seqlen_q, seqlen_k, diagonal,
+                                        window_left, window_right, qk_scale, sm_scale, batch, q_head, mask_mod,
+                                        mask_args, score_mod, score_grad, score_args, BLOCK_M, BLOCK_D, HEAD_DIM,
+                                        False, MASK_LEFT, MASK_RIGHT, SCORE_MOD, FUSE_DQ, DOT_PRECISION)
+            dk, dv = _dkdv_listed_tiles(dk, dv, k, v, offs_n, PARTIAL_TILES + tile_row * list_len,
+                                        tl.load(PARTIAL_COUNTS + tile_row), q_base, do_base, lse_base, delta_base,
+                                        dq_accum_base, stride_qm, stride_dom, seqlen_q, seqlen_k, diagonal,
+                                        window_left, window_right, qk_scale, sm_scale, batch, q_head, mask_mod,
+                                        mask_args, score_mod, score_grad, score_args, BLOCK_M, BLOCK_D, HEAD_DIM,
+                                        True, MASK_LEFT, MASK_RIGHT, SCORE_MOD, FUSE_DQ, DOT_PRECISION)
+        else:
+            # the masked tiles on both sides of the full ones, in one loop (the full tiles are its gap)
+            dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_accum_base,
+                                       stride_qm, stride_dom, masked_start, query_end, gap_start, full_end,
+                                       seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale, sm_scale,
+                                       softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m,
+                                       stride_bias_n, batch, q_head, score_mod, score_grad, score_args,
+                                       BLOCK_M, BLOCK_D, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                                       HAS_BIAS, SCORE_MOD, FUSE_DQ, DOT_PRECISION)
+            dk, dv = _dkdv_query_tiles(dk, dv, k, v, offs_n, q_base, do_base, lse_base, delta_base, dq_accum_base,
+                                       stride_qm, stride_dom, full_start, full_end, full_end, full_end,
+                                       seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale, sm_scale,
+                                       softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m,
+                                       stride_bias_n, batch, q_head, score_mod, score_grad, score_args,
+                                       BLOCK_M, BLOCK_D, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                                       HAS_BIAS, SCORE_MOD, FUSE_DQ, DOT_PRECISION)
 
     dk = dk * sm_scale
     cols = tl.arange(0, BLOCK_D)
@@ -228,50 +305,101 @@ def _bwd_dkdv_kernel(
 
 
 @triton.jit
+def _dq_key_tile(dq, q, do, lse2, delta, offs_m, start_n,
+                 k_base, v_base, stride_kn, stride_vn, seqlen_q, seqlen_k, diagonal,
+                 window_left, window_right, qk_scale, sm_scale, softcap_scale, alibi_slope_log2,
+                 BIAS, bias_offset, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+                 batch, q_head, mask_mod, mask_args, score_mod, score_grad, score_args,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
+                 MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add the key tile at start_n into the query tile's dQ (see `_dq_key_tiles`); the user's mods (mods.py):
+    mask_mod on MASKED tiles, score_mod and its derivative."""
+    k = load_tile(k_base, k_base, 0, 0, start_n, seqlen_k, stride_kn,
+                  BLOCK_N, BLOCK_D, HEAD_DIM, False, MASKED)
+    v = load_tile(v_base, v_base, 0, 0, start_n, seqlen_k, stride_vn,
+                  BLOCK_N, BLOCK_D, HEAD_DIM, False, MASKED)
+    key_pos = start_n + tl.arange(0, BLOCK_N)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if MASK_MOD or SCORE_MOD:  # the mods see positions inside the sequence (ragged edges clamped)
+        q_idx = clamp_index(offs_m, seqlen_q)[:, None]
+        kv_idx = clamp_index(key_pos, seqlen_k)[None, :]
+    if SCORE_MOD:
+        score = s * sm_scale
+        x = score_mod(score, batch, q_head, q_idx, kv_idx, *score_args) * LOG2_E
+    else:
+        x, tanh_s = scores_log2(s, offs_m[:, None], key_pos[None, :], seqlen_q, seqlen_k, diagonal, qk_scale,
+                                softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
+                                SOFTCAP, ALIBI, HAS_BIAS)
+    p = tl.math.exp2(x - lse2[:, None])
+    if MASKED:
+        seen = visible(offs_m[:, None], key_pos[None, :], seqlen_k, diagonal, window_left, window_right,
+                       MASK_LEFT, MASK_RIGHT)
+        if MASK_MOD:
+            seen = seen & (offs_m[:, None] < seqlen_q) & mask_mod(batch, q_head, q_idx, kv_idx, *mask_args)
+        p = tl.where(seen, p, 0.0)  # where, not a product: see _dkdv_query_tiles
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    if DBIAS != 0:  # the bias is added to the scores as is: its gradient is dS (rows past Lq have dS = 0)
+        dbias_ptrs = (dbias_base + offs_m[:, None].to(tl.int64) * stride_dbias_m
+                      + key_pos[None, :].to(tl.int64) * stride_dbias_n)
+        in_bounds = (offs_m[:, None] < seqlen_q) & (key_pos[None, :] < seqlen_k)
+        if DBIAS == 1:
+            tl.store(dbias_ptrs, ds, mask=in_bounds)
+        else:
+            tl.atomic_add(dbias_ptrs, ds, mask=in_bounds, sem="relaxed")
+    if SOFTCAP:  # d(c·tanh(s·scale/c))/ds = scale·(1 - tanh²); the scale is applied once at the end
+        ds = ds * (1.0 - tanh_s * tanh_s)
+    if SCORE_MOD:  # d score_mod(s·scale)/ds = scale·grad; the scale is applied once at the end
+        ds = ds * score_grad(score, batch, q_head, q_idx, kv_idx, *score_args)
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _dq_key_tiles(dq, q, do, lse2, delta, offs_m,
                   k_base, v_base, stride_kn, stride_vn,
                   key_start, key_end, gap_start, gap_end, seqlen_q, seqlen_k, diagonal,
-                  window_left, window_right, qk_scale, softcap_scale, alibi_slope_log2,
+                  window_left, window_right, qk_scale, sm_scale, softcap_scale, alibi_slope_log2,
                   BIAS, bias_offset, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
+                  batch, q_head, score_mod, score_grad, score_args,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                   MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  SCORE_MOD: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Add key tiles [key_start, gap_start) and [gap_end, key_end) into the query tile's dQ (MASKED tiles apply
     `mask.visible`). DBIAS (1: store, 2: float32 atomic add) also writes dS, the bias's gradient, for each pair."""
-    offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(key_start, key_end - (gap_end - gap_start), BLOCK_N):
         if MASKED and MASK_LEFT:  # a gap only between two masked runs (see `masked_runs`)
             if start_n >= gap_start:
                 start_n += gap_end - gap_start
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = load_tile(k_base, k_base, 0, 0, start_n, seqlen_k, stride_kn,
-                      BLOCK_N, BLOCK_D, HEAD_DIM, False, MASKED)
-        v = load_tile(v_base, v_base, 0, 0, start_n, seqlen_k, stride_vn,
-                      BLOCK_N, BLOCK_D, HEAD_DIM, False, MASKED)
-        key_pos = start_n + offs_n
-        x, tanh_s = scores_log2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION),
-                                offs_m[:, None], key_pos[None, :], seqlen_q, seqlen_k, diagonal, qk_scale,
-                                softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
-                                SOFTCAP, ALIBI, HAS_BIAS)
-        p = tl.math.exp2(x - lse2[:, None])
-        if MASKED:
-            seen = visible(offs_m[:, None], key_pos[None, :], seqlen_k, diagonal, window_left, window_right,
-                           MASK_LEFT, MASK_RIGHT)
-            p = tl.where(seen, p, 0.0)  # where, not a product: see _dkdv_query_tiles
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        if DBIAS != 0:  # the bias is added to the scores as is: its gradient is dS (rows past Lq have dS = 0)
-            dbias_ptrs = (dbias_base + offs_m[:, None].to(tl.int64) * stride_dbias_m
-                          + key_pos[None, :].to(tl.int64) * stride_dbias_n)
-            in_bounds = (offs_m[:, None] < seqlen_q) & (key_pos[None, :] < seqlen_k)
-            if DBIAS == 1:
-                tl.store(dbias_ptrs, ds, mask=in_bounds)
-            else:
-                tl.atomic_add(dbias_ptrs, ds, mask=in_bounds, sem="relaxed")
-        if SOFTCAP:  # d(c·tanh(s·scale/c))/ds = scale·(1 - tanh²); the scale is applied once at the end
-            ds = ds * (1.0 - tanh_s * tanh_s)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        dq = _dq_key_tile(dq, q, do, lse2, delta, offs_m, start_n, k_base, v_base, stride_kn, stride_vn,
+                          seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale, sm_scale, softcap_scale,
+                          alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n, dbias_base,
+                          stride_dbias_m, stride_dbias_n, batch, q_head, None, None, score_mod, score_grad,
+                          score_args, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                          HAS_BIAS, DBIAS, False, SCORE_MOD, DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _dq_listed_tiles(dq, q, do, lse2, delta, offs_m, TILES, count,
+                     k_base, v_base, stride_kn, stride_vn, seqlen_q, seqlen_k, diagonal,
+                     window_left, window_right, qk_scale, sm_scale,
+                     batch, q_head, mask_mod, mask_args, score_mod, score_grad, score_args,
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                     SCORE_MOD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add the first `count` key tiles of the block mask's list TILES (partial ones MASKED, with the mask_mod)
+    into the query tile's dQ."""
+    for i in range(0, count):
+        start_n = tl.multiple_of(tl.load(TILES + i) * BLOCK_N, BLOCK_N)
+        dq = _dq_key_tile(dq, q, do, lse2, delta, offs_m, start_n, k_base, v_base, stride_kn, stride_vn,
+                          seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale, sm_scale, 1.0, 0.0,
+                          None, 0, 0, 0, None, 0, 0, batch, q_head, mask_mod, mask_args, score_mod, score_grad,
+                          score_args, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, MASK_LEFT, MASK_RIGHT, False, False,
+                          False, 0, MASKED, SCORE_MOD, DOT_PRECISION)
     return dq
 
 
@@ -292,6 +420,9 @@ def _bwd_dq_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr, DBIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ROW64: tl.constexpr,
+    # the user's mods (mods.py; None and False without them) and the block mask's lists by query tile
+    mask_mod, mask_args, score_mod, score_grad, score_args, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+    PARTIAL_COUNTS, PARTIAL_TILES, FULL_COUNTS, FULL_TILES, list_len,
 ):
     if ROW64:  # row offsets (L-1)·stride_row reach 2**31 elements (e.g. a transposed (B, L, H, D) buffer)
         stride_qm, stride_kn, stride_vn = stride_qm.to(tl.int64), stride_kn.to(tl.int64), stride_vn.to(tl.int64)
@@ -334,21 +465,37 @@ def _bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     diagonal = seqlen_k - seqlen_q
-    key_start, full_start, full_end, key_end = key_tile_range(start_m, seqlen_q, seqlen_k, window_left,
-                                                              window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-    masked_start, gap_start = masked_runs(key_start, full_start, full_end, MASK_LEFT)
-    dq = _dq_key_tiles(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kn, stride_vn,
-                       full_start, full_end, full_end, full_end, seqlen_q, seqlen_k, diagonal,
-                       window_left, window_right, qk_scale, softcap_scale, alibi_slope_log2,
-                       BIAS, bias_offset, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
-                       BLOCK_N, BLOCK_D, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, DBIAS,
-                       DOT_PRECISION)
-    dq = _dq_key_tiles(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kn, stride_vn,
-                       masked_start, key_end, gap_start, full_end, seqlen_q, seqlen_k, diagonal,
-                       window_left, window_right, qk_scale, softcap_scale, alibi_slope_log2,
-                       BIAS, bias_offset, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m, stride_dbias_n,
-                       BLOCK_N, BLOCK_D, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, DBIAS,
-                       DOT_PRECISION)
+    if MASK_MOD:  # the block mask's lists of this query tile: its full key tiles, then its partial ones
+        tile_row = (batch64 * num_q_heads + q_head64) * tl.num_programs(0) + pid_m
+        dq = _dq_listed_tiles(dq, q, do, lse2, delta, offs_m, FULL_TILES + tile_row * list_len,
+                              tl.load(FULL_COUNTS + tile_row), k_base, v_base, stride_kn, stride_vn, seqlen_q,
+                              seqlen_k, diagonal, window_left, window_right, qk_scale, sm_scale, batch, q_head,
+                              mask_mod, mask_args, score_mod, score_grad, score_args, BLOCK_N, BLOCK_D, HEAD_DIM,
+                              False, MASK_LEFT, MASK_RIGHT, SCORE_MOD, DOT_PRECISION)
+        dq = _dq_listed_tiles(dq, q, do, lse2, delta, offs_m, PARTIAL_TILES + tile_row * list_len,
+                              tl.load(PARTIAL_COUNTS + tile_row), k_base, v_base, stride_kn, stride_vn, seqlen_q,
+                              seqlen_k, diagonal, window_left, window_right, qk_scale, sm_scale, batch, q_head,
+                              mask_mod, mask_args, score_mod, score_grad, score_args, BLOCK_N, BLOCK_D, HEAD_DIM,
+                              True, MASK_LEFT, MASK_RIGHT, SCORE_MOD, DOT_PRECISION)
+    else:
+        key_start, full_start, full_end, key_end = key_tile_range(start_m, seqlen_q, seqlen_k, window_left,
+                                                                  window_right, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                                                  MASK_RIGHT)
+        masked_start, gap_start = masked_runs(key_start, full_start, full_end, MASK_LEFT)
+        dq = _dq_key_tiles(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kn, stride_vn,
+                           full_start, full_end, full_end, full_end, seqlen_q, seqlen_k, diagonal,
+                           window_left, window_right, qk_scale, sm_scale, softcap_scale, alibi_slope_log2,
+                           BIAS, bias_offset, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m,
+                           stride_dbias_n, batch, q_head, score_mod, score_grad, score_args,
+                           BLOCK_N, BLOCK_D, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, DBIAS,
+                           SCORE_MOD, DOT_PRECISION)
+        dq = _dq_key_tiles(dq, q, do, lse2, delta, offs_m, k_base, v_base, stride_kn, stride_vn,
+                           masked_start, key_end, gap_start, full_end, seqlen_q, seqlen_k, diagonal,
+                           window_left, window_right, qk_scale, sm_scale, softcap_scale, alibi_slope_log2,
+                           BIAS, bias_offset, stride_bias_m, stride_bias_n, dbias_base, stride_dbias_m,
+                           stride_dbias_n, batch, q_head, score_mod, score_grad, score_args,
+                           BLOCK_N, BLOCK_D, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, DBIAS,
+                           SCORE_MOD, DOT_PRECISION)
 
     dq = dq * sm_scale
     cols = tl.arange(0, BLOCK_D)
@@ -397,6 +544,7 @@ def attention_backward(
     fused = dq is not None and dk is not None and dq_accum is not None and dbias is None
     row64 = needs_64bit_rows(q, k, v, out, grad_out, dq, dk, dv)
     extras = feature_tensors(features)
+    mods = mod_kernel_args(features.mods)  # the user's mods; their block masks at each kernel's tiles
     kernels = {}
 
     kernel, grid, bound, options = bwd_prep.preprocess_launch(out, grad_out, delta, dq_accum if fused else None, row64)
@@ -412,7 +560,8 @@ def attention_backward(
             softmax_scale, scalars.pop("softcap_scale"), scalars.pop("window_left"), scalars.pop("window_right"),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dkdv_tiles.block_m, BLOCK_N=dkdv_tiles.block_n,
             **scalars, FUSE_DQ=fused, ROW64=row64, num_warps=dkdv_tiles.num_warps,
-            num_stages=dkdv_tiles.num_stages, **dot_precision(q),
+            num_stages=dkdv_tiles.num_stages, **dot_precision(q), **mods,
+            **block_mask_args(call_block_mask(q, k, features, dkdv_tiles.block_m, dkdv_tiles.block_n), by_key=True),
         )
         scalars, _ = feature_args(q, k, features, softmax_scale)
     if fused:
@@ -433,6 +582,7 @@ def attention_backward(
             scalars.pop("softcap_scale"), scalars.pop("window_left"), scalars.pop("window_right"),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=dq_tiles.block_m, BLOCK_N=dq_tiles.block_n,
             **scalars, DBIAS=0 if dbias is None else (2 if dbias_atomic else 1),
-            ROW64=row64, num_warps=dq_tiles.num_warps, num_stages=dq_tiles.num_stages, **dot_precision(q),
+            ROW64=row64, num_warps=dq_tiles.num_warps, num_stages=dq_tiles.num_stages, **dot_precision(q), **mods,
+            **block_mask_args(call_block_mask(q, k, features, dq_tiles.block_m, dq_tiles.block_n)),
         )
     return kernels

@@ -29,7 +29,9 @@ import triton.language as tl
 
 from flashmoe_science.attention.features import CallFeatures, as_features
 from flashmoe_science.attention.layout import needs_64bit_rows, tma_descriptor
-from flashmoe_science.attention.mask import LN_2, key_tile_range, masked_runs, visible
+from flashmoe_science.attention.mask import LN_2, LOG2_E, key_tile_range, masked_runs, visible
+from flashmoe_science.attention.mods import block_mask_args, call_block_mask, clamp_index
+from flashmoe_science.attention.mods import kernel_args as mod_kernel_args
 from flashmoe_science.attention.seqlen import launch_sizes, sequence_bounds
 from flashmoe_science.attention.tiles import (
     AttentionTiles,
@@ -45,14 +47,56 @@ from flashmoe_science.prepared_launch import PreparedLaunch
 
 
 @triton.jit
+def _fold_key_tile(acc, l_i, m_i, q, offs_m, start_n,
+                   k_base, v_base, K, V, batch, q_head, kv_head, stride_kn, stride_vn,
+                   seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale, sm_scale, softcap_scale,
+                   alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
+                   mask_mod, mask_args, score_mod, score_args,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+                   USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold the key tile at start_n into the running (acc, l, m). MASKED tiles apply `mask.visible` (bounds and
+    window) and the user's mask_mod; a score_mod replaces the built-in score modifiers (mods.py)."""
+    k = load_tile(k_base, K, batch, kv_head, start_n, seqlen_k, stride_kn,
+                  BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    v = load_tile(v_base, V, batch, kv_head, start_n, seqlen_k, stride_vn,
+                  BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
+    key_pos = start_n + tl.arange(0, BLOCK_N)
+    if MASK_MOD or SCORE_MOD:  # the mods see positions inside the sequence (ragged edges clamped)
+        q_idx = clamp_index(offs_m, seqlen_q)[:, None]
+        kv_idx = clamp_index(key_pos, seqlen_k)[None, :]
+    if SCORE_MOD:
+        x = score_mod(s * sm_scale, batch, q_head, q_idx, kv_idx, *score_args) * LOG2_E
+    elif SOFTCAP or ALIBI or HAS_BIAS:
+        x, _ = scores_log2(s, offs_m[:, None], key_pos[None, :], seqlen_q, seqlen_k, diagonal, qk_scale,
+                           softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
+                           SOFTCAP, ALIBI, HAS_BIAS)
+    elif MASKED:
+        x = s * qk_scale
+    else:
+        x = s  # plain full tiles: the scale is applied in _online_softmax_step (RAW)
+    if MASKED:
+        seen = visible(offs_m[:, None], key_pos[None, :], seqlen_k, diagonal, window_left, window_right,
+                       MASK_LEFT, MASK_RIGHT)
+        if MASK_MOD:
+            seen = seen & (offs_m[:, None] < seqlen_q) & mask_mod(batch, q_head, q_idx, kv_idx, *mask_args)
+        x = tl.where(seen, x, float("-inf"))
+    return online_softmax_step(acc, l_i, m_i, x, v, qk_scale,
+                               not (MASKED or SOFTCAP or ALIBI or HAS_BIAS or SCORE_MOD), MASKED, DOT_PRECISION)
+
+
+@triton.jit
 def _attend_key_tiles(acc, l_i, m_i, q, offs_m,
-                      k_base, v_base, K, V, batch, kv_head, stride_kn, stride_vn,
+                      k_base, v_base, K, V, batch, q_head, kv_head, stride_kn, stride_vn,
                       key_start, key_end, gap_start, gap_end, seqlen_q, seqlen_k, diagonal,
-                      window_left, window_right, qk_scale, softcap_scale, alibi_slope_log2,
-                      BIAS, bias_offset, stride_bias_m, stride_bias_n,
+                      window_left, window_right, qk_scale, sm_scale, softcap_scale, alibi_slope_log2,
+                      BIAS, bias_offset, stride_bias_m, stride_bias_n, score_mod, score_args,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                       MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-                      SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, SCORE_MOD: tl.constexpr,
                       USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold key tiles [key_start, gap_start) and [gap_end, key_end) into the running (acc, l, m). MASKED tiles
     apply `mask.visible` (bounds and window); the gap lets one loop visit both runs of masked tiles around the
@@ -62,26 +106,33 @@ def _attend_key_tiles(acc, l_i, m_i, q, offs_m,
             if start_n >= gap_start:
                 start_n += gap_end - gap_start
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = load_tile(k_base, K, batch, kv_head, start_n, seqlen_k, stride_kn,
-                      BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        v = load_tile(v_base, V, batch, kv_head, start_n, seqlen_k, stride_vn,
-                      BLOCK_N, BLOCK_D, HEAD_DIM, USE_TMA, MASKED)
-        key_pos = start_n + tl.arange(0, BLOCK_N)
-        if SOFTCAP or ALIBI or HAS_BIAS:
-            x, _ = scores_log2(s, offs_m[:, None], key_pos[None, :], seqlen_q, seqlen_k, diagonal, qk_scale,
-                               softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
-                               SOFTCAP, ALIBI, HAS_BIAS)
-        elif MASKED:
-            x = s * qk_scale
-        else:
-            x = s  # plain full tiles: the scale is applied in _online_softmax_step (RAW)
-        if MASKED:
-            seen = visible(offs_m[:, None], key_pos[None, :], seqlen_k, diagonal, window_left, window_right,
-                           MASK_LEFT, MASK_RIGHT)
-            x = tl.where(seen, x, float("-inf"))
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, x, v, qk_scale,
-                                            not (MASKED or SOFTCAP or ALIBI or HAS_BIAS), MASKED, DOT_PRECISION)
+        acc, l_i, m_i = _fold_key_tile(acc, l_i, m_i, q, offs_m, start_n, k_base, v_base, K, V, batch, q_head,
+                                       kv_head, stride_kn, stride_vn, seqlen_q, seqlen_k, diagonal, window_left,
+                                       window_right, qk_scale, sm_scale, softcap_scale, alibi_slope_log2, BIAS,
+                                       bias_offset, stride_bias_m, stride_bias_n, None, None, score_mod, score_args,
+                                       BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                                       HAS_BIAS, False, SCORE_MOD, USE_TMA, DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_listed_tiles(acc, l_i, m_i, q, offs_m, TILES, count,
+                         k_base, v_base, K, V, batch, q_head, kv_head, stride_kn, stride_vn,
+                         seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale, sm_scale,
+                         mask_mod, mask_args, score_mod, score_args,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                         SCORE_MOD: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold the first `count` key tiles of the block mask's list TILES (tile indices): its partial tiles (MASKED,
+    with the mask_mod) or its full ones (no mask at all)."""
+    for i in range(0, count):
+        start_n = tl.multiple_of(tl.load(TILES + i) * BLOCK_N, BLOCK_N)
+        acc, l_i, m_i = _fold_key_tile(acc, l_i, m_i, q, offs_m, start_n, k_base, v_base, K, V, batch, q_head,
+                                       kv_head, stride_kn, stride_vn, seqlen_q, seqlen_k, diagonal, window_left,
+                                       window_right, qk_scale, sm_scale, 1.0, 0.0, None, 0, 0, 0,
+                                       mask_mod, mask_args, score_mod, score_args, BLOCK_N, BLOCK_D, HEAD_DIM,
+                                       MASKED, MASK_LEFT, MASK_RIGHT, False, False, False, MASKED, SCORE_MOD,
+                                       USE_TMA, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -99,6 +150,9 @@ def _attention_forward_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, VARLEN: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW64: tl.constexpr,
+    # the user's mods (mods.py; None and False without them) and the block mask's tile lists (mods.block_mask_args)
+    sm_scale, mask_mod, mask_args, score_mod, score_grad, score_args, MASK_MOD: tl.constexpr, SCORE_MOD: tl.constexpr,
+    PARTIAL_COUNTS, PARTIAL_TILES, FULL_COUNTS, FULL_TILES, list_len,
 ):
     if ROW64:  # row offsets (L-1)·stride_row reach 2**31 elements (e.g. a transposed (B, L, H, D) buffer)
         stride_qm, stride_kn = stride_qm.to(tl.int64), stride_kn.to(tl.int64)
@@ -140,21 +194,39 @@ def _attention_forward_kernel(
                                                 stride_alibi_h, stride_bias_b, stride_bias_h, ALIBI)
 
     diagonal = seqlen_k - seqlen_q  # query i sees key j iff i + diagonal - left <= j <= i + diagonal + right
-    key_start, full_start, full_end, key_end = key_tile_range(start_m, seqlen_q, seqlen_k, window_left,
-                                                              window_right, BLOCK_M, BLOCK_N, MASK_LEFT, MASK_RIGHT)
-    masked_start, gap_start = masked_runs(key_start, full_start, full_end, MASK_LEFT)
-    acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, kv_head,
-                                      stride_kn, stride_vn, full_start, full_end, full_end, full_end,
-                                      seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale,
-                                      softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
-                                      BLOCK_N, BLOCK_D, HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                                      HAS_BIAS, USE_TMA, DOT_PRECISION)
-    acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, kv_head,
-                                      stride_kn, stride_vn, masked_start, key_end, gap_start, full_end,
-                                      seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale,
-                                      softcap_scale, alibi_slope_log2, BIAS, bias_offset, stride_bias_m, stride_bias_n,
-                                      BLOCK_N, BLOCK_D, HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                                      HAS_BIAS, USE_TMA, DOT_PRECISION)
+    if MASK_MOD:  # the block mask's lists of this query tile: its full key tiles, then its partial ones
+        tile_row = pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m
+        acc, l_i, m_i = _attend_listed_tiles(acc, l_i, m_i, q, offs_m, FULL_TILES + tile_row * list_len,
+                                             tl.load(FULL_COUNTS + tile_row), k_base, v_base, K, V, batch, q_head,
+                                             kv_head, stride_kn, stride_vn, seqlen_q, seqlen_k, diagonal,
+                                             window_left, window_right, qk_scale, sm_scale, mask_mod, mask_args,
+                                             score_mod, score_args, BLOCK_N, BLOCK_D, HEAD_DIM, False, MASK_LEFT,
+                                             MASK_RIGHT, SCORE_MOD, USE_TMA, DOT_PRECISION)
+        acc, l_i, m_i = _attend_listed_tiles(acc, l_i, m_i, q, offs_m, PARTIAL_TILES + tile_row * list_len,
+                                             tl.load(PARTIAL_COUNTS + tile_row), k_base, v_base, K, V, batch,
+                                             q_head, kv_head, stride_kn, stride_vn, seqlen_q, seqlen_k, diagonal,
+                                             window_left, window_right, qk_scale, sm_scale, mask_mod, mask_args,
+                                             score_mod, score_args, BLOCK_N, BLOCK_D, HEAD_DIM, True, MASK_LEFT,
+                                             MASK_RIGHT, SCORE_MOD, USE_TMA, DOT_PRECISION)
+    else:
+        key_start, full_start, full_end, key_end = key_tile_range(start_m, seqlen_q, seqlen_k, window_left,
+                                                                  window_right, BLOCK_M, BLOCK_N, MASK_LEFT,
+                                                                  MASK_RIGHT)
+        masked_start, gap_start = masked_runs(key_start, full_start, full_end, MASK_LEFT)
+        acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, q_head, kv_head,
+                                          stride_kn, stride_vn, full_start, full_end, full_end, full_end,
+                                          seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale,
+                                          sm_scale, softcap_scale, alibi_slope_log2, BIAS, bias_offset,
+                                          stride_bias_m, stride_bias_n, score_mod, score_args, BLOCK_N, BLOCK_D,
+                                          HEAD_DIM, False, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS,
+                                          SCORE_MOD, USE_TMA, DOT_PRECISION)
+        acc, l_i, m_i = _attend_key_tiles(acc, l_i, m_i, q, offs_m, k_base, v_base, K, V, batch, q_head, kv_head,
+                                          stride_kn, stride_vn, masked_start, key_end, gap_start, full_end,
+                                          seqlen_q, seqlen_k, diagonal, window_left, window_right, qk_scale,
+                                          sm_scale, softcap_scale, alibi_slope_log2, BIAS, bias_offset,
+                                          stride_bias_m, stride_bias_n, score_mod, score_args, BLOCK_N, BLOCK_D,
+                                          HEAD_DIM, True, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS,
+                                          SCORE_MOD, USE_TMA, DOT_PRECISION)
 
     no_key = l_i == 0.0
     l_safe = tl.where(no_key, 1.0, l_i)
@@ -183,10 +255,12 @@ def attention_forward(
     unit stride in the last dim, lse a contiguous float32 `(B, Hq, Lq)`; `tiles.use_tma` only where
     `tma_compatible(q, k, v, out)` holds (never varlen). `causal` is a bool or a `features.CallFeatures` (window,
     softcap, ALiBi, bias; varlen: q/out `(1, Hq, total_q, D)` views of the packed tensors, k/v likewise, lse
-    `(1, Hq, total_q)`). Writes `out` and `lse` in place and
+    `(1, Hq, total_q)`; mods: the user's mask_mod / score_mod, a mask_mod walked through its block mask at these
+    tiles, `mods.call_block_mask`). Writes `out` and `lse` in place and
     returns Triton's compiled kernel (registers, spills and SASS for diagnostics)."""
     features = as_features(causal)
-    common, strides = _scalar_args(q, k, v, out, features, softmax_scale, tiles)
+    blocks = call_block_mask(q, k, features, tiles.block_m, tiles.block_n)
+    common, strides = _scalar_args(q, k, v, out, features, softmax_scale, tiles, blocks)
     if autotune_enabled() and q.is_cuda and features.is_plain:
         kernel = _autotuned_kernel(q.shape[-1], q.dtype, device_traits(q.device))
         # box rows are placeholders: each config's pre_hook sets its own
@@ -198,8 +272,10 @@ def attention_forward(
     return _attention_forward_kernel[grid](**bound, **options)
 
 
-def _scalar_args(q, k, v, out, features: CallFeatures, softmax_scale, tiles: AttentionTiles) -> tuple[dict, tuple]:
-    """The kernel's scalars and constexprs (but the tile shape) by name, and its strides in order."""
+def _scalar_args(q, k, v, out, features: CallFeatures, softmax_scale, tiles: AttentionTiles,
+                 blocks=None) -> tuple[dict, tuple]:
+    """The kernel's scalars and constexprs (but the tile shape) by name, the mods' arguments and the block mask's
+    lists (mods.py), and its strides in order."""
     num_q_heads = q.shape[1]
     scalars, feature_strides = feature_args(q, k, features, softmax_scale)
     # the tensors' lengths: a packed batch's kernel reads each sequence's own from cu_seqlens (sequence_bounds), and
@@ -209,7 +285,8 @@ def _scalar_args(q, k, v, out, features: CallFeatures, softmax_scale, tiles: Att
         num_q_heads=num_q_heads, group_size=num_q_heads // k.shape[1], seqlen_q=q.shape[2], seqlen_k=k.shape[2],
         lse_rows=q.shape[2], **scalars, HEAD_DIM=q.shape[3], BLOCK_D=padded_head_dim(q.shape[3]),
         USE_TMA=tiles.use_tma,  # the caller checked tma_compatible(q, k, v, out) when it chose TMA
-        ROW64=needs_64bit_rows(q, k, v, out),
+        ROW64=needs_64bit_rows(q, k, v, out), sm_scale=softmax_scale, **mod_kernel_args(features.mods),
+        **block_mask_args(blocks),
     )
     return common, (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *feature_strides)
 

@@ -21,10 +21,11 @@ from flashmoe_science.device import on_another_cuda_device
 
 def describe_varlen_dispatch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                              causal: bool = False, window=None, softcap=None, alibi_slopes=None,
-                             backend: str = "auto") -> Dispatch:
+                             backend: str = "auto", mask_mod=None, score_mod=None) -> Dispatch:
     """Which kernels `flash_attention_varlen` would run for these inputs (forward and backward), and why."""
     problem = packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                             window=window, softcap=softcap, alibi_slopes=alibi_slopes, backend=backend)
+                             window=window, softcap=softcap, alibi_slopes=alibi_slopes, backend=backend,
+                             mask_mod=mask_mod, score_mod=score_mod)
     return describe(plan_attention(problem))
 
 
@@ -48,6 +49,8 @@ def flash_attention_varlen(
     block_table: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
     check_values: bool | None = None,
+    mask_mod=None,
+    score_mod=None,
 ):
     """Attention over a batch of packed sequences of different lengths (flash-attn's varlen layout).
 
@@ -72,6 +75,9 @@ def flash_attention_varlen(
             rows). Without, unchecked cu_seqlens may end short of total_q / total_k: the rows after the last sequence
             are padding, attended by no sequence, their outputs unspecified (as flash_attn's for the rows its
             cu_seqlens leave out).
+        mask_mod, score_mod: as `flash_attention_science`'s, per sequence: b is the sequence's index, q_idx and
+            kv_idx positions within it (a mod reading packed tensors adds the offsets, e.g. from a captured
+            cu_seqlens). Not with block_table or seqused_k.
         Calls with block_table or seqused_k run the cache kernels (`attention.decode.call.cache_varlen_call`), any mask
         and GQA; their max_seqlen_k is not used. They have no backward: with inputs that require grad the forward
         runs (as flash_attn's) and a backward through its output raises a RuntimeError.
@@ -84,6 +90,8 @@ def flash_attention_varlen(
     """
     if block_table is not None or seqused_k is not None:
         check_flags(return_lse=return_lse)
+        if mask_mod is not None or score_mod is not None:
+            raise ValueError("mask_mod and score_mod run on packed k and v: not with block_table or seqused_k")
 
         def run(q, k, v):
             return cache_varlen_call(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k=cu_seqlens_k,
@@ -96,6 +104,12 @@ def flash_attention_varlen(
         else:
             out, lse = run(q, k, v)
         return (out, lse) if return_lse else out
+    mods = dict(mask_mod=mask_mod, score_mod=score_mod) if mask_mod is not None or score_mod is not None else {}
+    if mods and torch.compiler.is_compiling():  # a function is no custom op argument: run this call eagerly
+        return _eager_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                             softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                             return_lse=return_lse, deterministic=deterministic, backend=backend,
+                             check_values=check_values, **mods)
     if torch.compiler.is_compiling():  # torch.compile traces a custom op with a fake implementation instead
         check_flags(return_lse=return_lse)
         out, lse = ops.attention_varlen_forward(
@@ -109,12 +123,18 @@ def flash_attention_varlen(
             return flash_attention_varlen(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                 softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                return_lse=return_lse, deterministic=deterministic, backend=backend, check_values=check_values)
+                return_lse=return_lse, deterministic=deterministic, backend=backend, check_values=check_values,
+                **mods)
     out, lse = call.packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                    softmax_scale=softmax_scale, window=window, softcap=softcap,
                                    alibi_slopes=alibi_slopes, backend=backend, deterministic=deterministic,
-                                   return_lse=return_lse, check_values=check_values)
+                                   return_lse=return_lse, check_values=check_values, **mods)
     return (out, lse) if return_lse else out
+
+
+# A call with mods inside a compiled region: a graph break, then the eager call (as api.py's).
+_eager_varlen = torch.compiler.disable(flash_attention_varlen,
+                                       reason="mask_mod/score_mod are functions: no custom op takes them")
 
 
 class _ForwardOnlyCacheCall(torch.autograd.Function):
