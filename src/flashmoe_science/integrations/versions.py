@@ -34,7 +34,8 @@ INTEGRATIONS = {
     "megatron": Integration("megatron-core", ">=0.19,<0.20", "megatron",
                             "flashmoe_science.integrations.megatron and examples/megatron"),
     "vllm": Integration("vllm", ">=0.26,<0.27", "vllm", "the vLLM plugin (flashmoe_science.integrations.vllm)"),
-    "sglang": Integration("sglang", ">=0.5.17,<0.6", "sglang", "the SGLang integration (not yet written)"),
+    "sglang": Integration("sglang", ">=0.5.17,<0.6", "sglang",
+                          "the SGLang plugin (flashmoe_science.integrations.sglang)"),
 }
 
 

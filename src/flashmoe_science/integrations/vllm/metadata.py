@@ -14,7 +14,8 @@ row (the step's own keys included: they are written to the cache before attentio
 
 The cache holds K and V of a block side by side, ``(num_blocks, 2, block_size, num_kv_heads, head_dim)``: a block
 is one page of K then one of V, so K is the strided view ``cache[:, 0]`` (the layout the cache kernels read) and a
-page's rows are adjacent for the gather.
+page's rows are adjacent for the gather. The calls themselves are `integrations.engine_attention`'s (shared with the
+SGLang backend).
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flashmoe_science import flash_attention_decode, flash_attention_varlen
+from flashmoe_science.integrations.engine_attention import (WARM_BATCHES, LayerOptions, decode_into, packed_keys,
+                                                             prefill_into, read_rows, warm_prefill)
+
+__all__ = ["CacheLayout", "LayerOptions", "PrefillPart", "StepMetadata", "WARM_BATCHES", "build_step", "count_decodes",
+           "run_step", "warm_prefill"]
 
 
 @dataclass(frozen=True)
@@ -106,53 +111,12 @@ def build_step(layout: CacheLayout, query_start_loc: torch.Tensor, query_start_l
         if np.array_equal(q_lens, k_lens):
             cu_k = cu_q
         else:
-            cu_k_host = np.concatenate(([0], np.cumsum(k_lens))).astype(np.int32)
+            cu_k_host, requests, positions = packed_keys(k_lens)
             cu_k = torch.from_numpy(cu_k_host).to(device, non_blocking=True)
-            requests = np.repeat(np.arange(num_decodes, num_reqs, dtype=np.int64), k_lens)
-            positions = np.arange(int(cu_k_host[-1]), dtype=np.int64) - np.repeat(cu_k_host[:-1].astype(np.int64),
-                                                                                 k_lens)
-            k_rows = layout.rows(block_table, requests, positions)
+            k_rows = layout.rows(block_table, requests + num_decodes, positions)
         prefill = PrefillPart(token_start, cu_q.to(torch.int32), int(q_lens.max()), cu_k.to(torch.int32),
                               int(k_lens.max()), k_rows)
     return StepMetadata(num_actual_tokens, num_decodes, seq_lens, block_table, prefill)
-
-
-@dataclass(frozen=True)
-class LayerOptions:
-    """One attention layer's fixed settings, in this library's terms."""
-
-    softmax_scale: float
-    window: tuple[int, int] | None = None  # (left, right), -1 unbounded
-    softcap: float | None = None
-    alibi_slopes: torch.Tensor | None = None  # float32 (Hq,)
-
-
-# Packed batches whose calls build every variant of the sm_90 varlen forward a step can meet (its two tile shapes,
-# chosen by sequence length, each for one sequence and for several; keys longer than queries): the kernel compiles
-# one build per variant on first use, 3-7 s each on an H100, and vLLM's start runs attention without metadata.
-WARM_BATCHES = (([608], [608]), ([1744], [1744]), ([300, 400, 278], [300, 400, 278]),
-                ([1955, 1800, 1000], [1955, 1800, 1000]), ([64, 500], [1000, 3000]), ([4000], [4000]))
-_WARMED: set = set()
-
-
-def warm_prefill(options: LayerOptions, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-    """Compile the packed forward's builds for one layer's shape and masks (once per process and kind; CUDA only)."""
-    alibi = options.alibi_slopes
-    key = (num_heads, num_kv_heads, head_size, dtype, str(device), options.window, options.softcap is None,
-           alibi is None)
-    if key in _WARMED or device.type != "cuda":
-        return
-    _WARMED.add(key)
-    masks = dict(softmax_scale=options.softmax_scale, window=options.window, softcap=options.softcap,
-                 alibi_slopes=None if alibi is None else alibi.to(device))
-    for q_lens, k_lens in WARM_BATCHES:
-        cu_q, cu_k = (torch.tensor(np.concatenate(([0], np.cumsum(n))), dtype=torch.int32, device=device)
-                      for n in (q_lens, k_lens))
-        q = torch.randn(sum(q_lens), num_heads, head_size, dtype=dtype, device=device)
-        k, v = (torch.randn(sum(k_lens), num_kv_heads, head_size, dtype=dtype, device=device) for _ in range(2))
-        flash_attention_varlen(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=True, check_values=False,
-                               **masks)
 
 
 def run_step(meta: StepMetadata, options: LayerOptions, query: torch.Tensor, key: torch.Tensor,
@@ -165,16 +129,11 @@ def run_step(meta: StepMetadata, options: LayerOptions, query: torch.Tensor, key
     ``v_scale`` (one value each: the cache holds ``x / scale``).
     """
     k_cache, v_cache = CacheLayout.split(kv_cache)
-    fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    common = dict(softmax_scale=options.softmax_scale, window=options.window, softcap=options.softcap,
-                  alibi_slopes=options.alibi_slopes)
     nd = meta.num_decodes
     if nd:
-        scales = dict(k_scale=k_scale.reshape(1), v_scale=v_scale.reshape(1)) if fp8 else {}
-        out = flash_attention_decode(query[:nd].unsqueeze(1), k_cache, v_cache, meta.seq_lens[:nd],
-                                     block_table=meta.block_table[:nd], causal=True, check_values=False, **scales,
-                                     **common)
-        output[:nd].copy_(out.squeeze(1))
+        scales = (k_scale.reshape(1), v_scale.reshape(1)) if kv_cache.dtype == torch.float8_e4m3fn else (None, None)
+        decode_into(output[:nd], options, query[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.block_table[:nd],
+                    *scales)
     part = meta.prefill
     if part is not None:
         start, end = part.token_start, meta.num_actual_tokens
@@ -182,12 +141,8 @@ def run_step(meta: StepMetadata, options: LayerOptions, query: torch.Tensor, key
             keys, values = key[start:end], value[start:end]
         else:
             rows = kv_cache.view(-1, *kv_cache.shape[3:])
-            keys = rows.index_select(0, part.k_rows)
-            values = rows.index_select(0, part.k_rows + k_cache.shape[1])
-            if fp8:
-                keys = (keys.to(torch.float32) * k_scale).to(query.dtype)
-                values = (values.to(torch.float32) * v_scale).to(query.dtype)
-        out = flash_attention_varlen(query[start:end], keys, values, part.cu_seqlens_q, part.cu_seqlens_k,
-                                     part.max_seqlen_q, part.max_seqlen_k, causal=True, check_values=False, **common)
-        output[start:end].copy_(out)
+            keys = read_rows(rows, part.k_rows, k_scale, query.dtype)
+            values = read_rows(rows, part.k_rows + k_cache.shape[1], v_scale, query.dtype)
+        prefill_into(output[start:end], options, query[start:end], keys, values, part.cu_seqlens_q,
+                     part.cu_seqlens_k, part.max_seqlen_q, part.max_seqlen_k)
     return output

@@ -1,0 +1,136 @@
+"""The SGLang plugin on a GPU (not collected by pytest): the ``flashmoe`` attention backend against SGLang's own
+``triton`` backend in SGLang 0.5.17, and our batch translation against float64.
+
+On the GPU machine, after the SGLang kit's install call (``../shared/peers/sglang/README.md``: SGLang in
+``/tmp/sgsite``), from the repository root:
+
+    export PYTHONPATH=src:/tmp/sgsite SGLANG_IS_FLASHINFER_AVAILABLE=false TVM_FFI_CACHE_DIR=/tmp/sgjit \\
+           HF_HUB_OFFLINE=1 PATH="$(dirname "$(python3 -c 'import sys;print(sys.executable)')"):$PATH"
+    python3 tests/integrations/gpu_sglang_backend.py [float64|engine|all] [--eager]
+
+- ``float64``: ``pytest -m gpu tests/integrations/test_sglang_metadata.py``: SGLang-shaped decode and extend batches
+  (pages of 16 and 64, bf16 and e4m3 pools, decodes up to 32k keys, extends with prefixes) within twice PyTorch's
+  bf16 error of float64.
+- ``engine``: a random two-layer Llama (config.json only, ``load_format="dummy"``, no tokenizer) served by
+  ``sglang.Engine`` with ``attention_backend="triton"`` and then ``"flashmoe"`` (``page_size=16``, decode CUDA graphs
+  unless ``--eager``): greedy tokens and first-step logprobs of the same prompts, a repeated long prompt (a
+  prefix-cache hit: an extend with prefix keys), and a batch that mixes prompt lengths. Passes when every first
+  token agrees, the first-step logprobs agree within ``LOGPROB_TOLERANCE``, and at least ``TOKEN_AGREEMENT`` of all
+  greedy tokens agree (random weights give near-tied logits, so later tokens may part).
+
+The package is not pip-installed on the GPU machine, so the script writes the ``sglang.srt.plugins`` entry point
+(pyproject.toml's) into a dist-info folder on PYTHONPATH: SGLang's scheduler processes, started by spawn, load the
+plugin from there as they would from an installed package.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN_AGREEMENT = 0.9
+LOGPROB_TOLERANCE = 0.05
+NEW_TOKENS = 16
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 8192, "hidden_size": 1024,
+    "intermediate_size": 2816, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "head_dim": 128, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}
+
+
+def float64_check() -> bool:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+           str(ROOT / "tests/integrations/test_sglang_metadata.py")]
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, cwd=ROOT).returncode == 0
+
+
+def install_entry_point(folder: Path) -> None:
+    """pyproject.toml's ``sglang.srt.plugins`` entry point as an installed distribution would carry it."""
+    info = folder / "flashmoe_science_sglang_plugin-0.0.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flashmoe-science-sglang-plugin\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text(
+        "[sglang.srt.plugins]\nflashmoe_science = flashmoe_science.integrations.sglang:register\n")
+    (info / "RECORD").write_text("")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])
+    sys.path.insert(0, str(folder))
+
+
+def prompts() -> dict:
+    long = [1] + [(37 * j) % 8000 + 3 for j in range(1500)]
+    return {
+        "short and long": [[1, 5, 9, 42, 7], list(range(3, 300)), [1] + [100 + i % 50 for i in range(700)]],
+        "mixed lengths": [[1] + [(7 * i + 13 * j) % 8000 + 3 for j in range(64 + 97 * i)] for i in range(12)],
+        "prefix hit": [long, long[:1200] + [5, 6, 7]],  # the second shares 1200 cached keys with the first
+    }
+
+
+def generate(backend: str, model_dir: str, eager: bool) -> dict:
+    import sglang
+
+    kw = dict(model_path=model_dir, load_format="dummy", skip_tokenizer_init=True, attention_backend=backend,
+              page_size=16, sampling_backend="pytorch", dtype="bfloat16", context_length=4096,
+              mem_fraction_static=0.4, disable_cuda_graph=eager, random_seed=0, log_level="warning")
+    if not eager:
+        kw.update(cuda_graph_max_bs_decode=32, disable_prefill_cuda_graph=True)
+    start = time.time()
+    engine = sglang.Engine(**kw)
+    print(f"{backend}: engine up in {time.time() - start:.1f} s", flush=True)
+    params = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    results = {}
+    try:
+        for name, batch in prompts().items():
+            if name == "prefix hit":  # one after the other, so the second finds the first's keys cached
+                outs = [engine.generate(input_ids=[p], sampling_params=params, return_logprob=True)[0] for p in batch]
+            else:
+                outs = engine.generate(input_ids=batch, sampling_params=params, return_logprob=True)
+            results[name] = [(list(o["output_ids"]), [float(e[0]) for e in o["meta_info"]["output_token_logprobs"]])
+                             for o in outs]
+    finally:
+        engine.shutdown()
+    return results
+
+
+def engine_check(eager: bool) -> bool:
+    with tempfile.TemporaryDirectory() as tmp:
+        install_entry_point(Path(tmp) / "site")
+        model_dir = Path(tmp) / "llama"
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(CONFIG))
+        ours = generate("flashmoe", str(model_dir), eager)
+        theirs = generate("triton", str(model_dir), eager)
+    ok, agree, total = True, 0, 0
+    for name in ours:
+        for i, ((ids, lps), (ref_ids, ref_lps)) in enumerate(zip(ours[name], theirs[name])):
+            same = sum(a == b for a, b in zip(ids, ref_ids))
+            agree, total = agree + same, total + len(ref_ids)
+            first_lp = abs(lps[0] - ref_lps[0])
+            ok &= ids[0] == ref_ids[0] and first_lp <= LOGPROB_TOLERANCE and len(ids) == NEW_TOKENS
+            print(f"{name} #{i}: {same}/{len(ref_ids)} tokens agree, first-step logprob diff {first_lp:.4f}")
+    print(f"greedy tokens agreeing with SGLang's triton backend: {agree}/{total} ({agree / total:.3f}); "
+          f"CUDA graphs {'off' if eager else 'on (decode)'}")
+    return ok and agree >= TOKEN_AGREEMENT * total
+
+
+def main() -> int:
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    what = args[0] if args else "all"
+    ok = True
+    if what in ("float64", "all"):
+        ok &= float64_check()
+    if what in ("engine", "all"):
+        ok &= engine_check("--eager" in sys.argv)
+    print("SGLANG BACKEND", "PASS" if ok else "FAIL", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":  # SGLang starts its scheduler by spawn: keep the work under this guard
+    sys.exit(main())
