@@ -5,7 +5,8 @@ SGLang runs `register` in each of its processes (the launcher or ``Engine``, bef
 scheduler process, where the forwards run). It registers the attention backend ``flashmoe``, chosen with
 ``python -m sglang.launch_server --attention-backend flashmoe --page-size 16 ...`` or
 ``sglang.Engine(..., attention_backend="flashmoe", page_size=16)``. On an SGLang release outside the supported range
-it registers nothing and logs one line saying so. Only ``backend`` imports SGLang's model-side modules.
+it registers nothing and logs one line saying so. `register` imports SGLang's registry and argument modules,
+``backend`` its model-side classes, ``metadata`` nothing of SGLang.
 """
 
 from __future__ import annotations
