@@ -232,22 +232,22 @@ async def _load(port: int, prompts: list[list[int]], new: int, concurrency: int)
 
     queue, done = list(prompts), []
 
-    async def one(session, prompt):
+    async def one(client, prompt):
         body = dict(model="m", prompt=prompt, max_tokens=new, temperature=0.0, ignore_eos=True, stream=True,
                     return_token_ids=True)
         start, times = time.perf_counter(), []
-        async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
+        async with client.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
             async for line in response.content:
                 if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
                     times.append(time.perf_counter())
         done.append(dict(ttft=times[0] - start, itl=[b - a for a, b in zip(times, times[1:])]))
 
-    async def worker(session):
+    async def worker(client):
         while queue:
-            await one(session, queue.pop())
+            await one(client, queue.pop())
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
     return done
 
 
