@@ -174,6 +174,7 @@ def test_the_varlen_suite_has_the_ragged_and_packed_batches_fa4_is_measured_on()
 
 def test_without_transformers_the_packed_batches_run_and_the_padded_batch_says_why_not(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "vllm", None)
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *args: None if name == "transformers" else real_find_spec(name, *args))

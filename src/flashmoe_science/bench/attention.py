@@ -13,6 +13,10 @@ How things are measured, and why:
 - `flashmoe` is `flash_attention_science(..., backend="auto")`, `flashmoe-triton` the same with backend="triton".
   Both are always timed: when they dispatch to the same kernel (their "kernel" fields agree), the difference
   between the two rows is the run's measurement noise.
+- Peers, each measured only where it imports (else skipped with the reason): `fa4` (FlashAttention-4,
+  `flash_attn.cute`) and `fa3` (vLLM's FlashAttention-3 build, `vllm.vllm_flash_attn`, forward only: B sequences of
+  equal length through its varlen entry, on token-major copies of our tensors made outside timing). Importing vLLM
+  applies its `vllm.env_override` to the whole process (TORCHINDUCTOR_COMPILE_THREADS=1, patches to inductor).
 - A backend that raises on a shape (unsupported head dim, out of memory, not differentiable yet) gets no record
   there; the table shows "n/a" and the run goes on. sdpa-math is skipped up front where its materialised scores
   would not fit comfortably.
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 from flashmoe_science.device import current_traits
 from flashmoe_science.bench.report import (
     Progress,
+    fa3_import_error,
     format_number,
     format_table,
     geomean,
@@ -47,14 +52,15 @@ from flashmoe_science.bench.report import (
     ratio,
     records_table,
     round_significant,
+    short_error,
     tflops,
 )
 
 OURS = "flashmoe"
-BACKEND_ORDER = ("flashmoe", "flashmoe-fp8", "flashmoe-triton", "fa4", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient",
-                 "sdpa-math", "flex")
+BACKEND_ORDER = ("flashmoe", "flashmoe-fp8", "flashmoe-triton", "fa4", "fa3", "sdpa-cudnn", "sdpa-flash",
+                 "sdpa-efficient", "sdpa-math", "flex")
 CPU_BACKENDS = ("flashmoe", "sdpa-math")
-GPU_BASELINES = ("fa4", "sdpa-cudnn", "sdpa-flash")  # what our ratio columns compare against
+GPU_BASELINES = ("fa4", "fa3", "sdpa-cudnn", "sdpa-flash")  # what our ratio columns compare against
 CPU_BASELINES = ("sdpa-math",)
 PASSES = ("fwd", "bwd")
 BWD_FLOPS_PER_FWD = 2.5  # FlashAttention's convention: backward does 2.5x the forward's matmul work
@@ -171,12 +177,14 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class Backend:
     """One contender. `prepare(shape, device)` does per-shape setup outside timing and returns `attend(q, k, v)`;
-    `context()` is entered around a whole measurement; `skip_reason(shape)` says why not to try a shape (or None)."""
+    `context()` is entered around a whole measurement; `skip_reason(shape)` says why not to try a shape (or None);
+    `no_backward`, for a forward-only backend, says why its backward is not measured."""
 
     name: str
     prepare: Callable[[AttentionShape, torch.device], Attend]
     context: Callable[[], ContextManager] = contextlib.nullcontext
     skip_reason: Callable[[AttentionShape], str | None] = lambda shape: None
+    no_backward: str | None = None
 
 
 def _ours(kernel_backend: str) -> Callable[[AttentionShape, torch.device], Attend]:
@@ -188,20 +196,31 @@ def _ours(kernel_backend: str) -> Callable[[AttentionShape, torch.device], Atten
     return prepare
 
 
+def _once_per_inputs(convert: Callable):
+    """`convert(q, k, v)`, made on the first call with these tensors and reused while the same ones come back (the
+    timer calls `attend` with the same q, k, v): a conversion kept outside the timed calls."""
+    converted: dict[tuple, object] = {}
+
+    def lookup(q, k, v):
+        key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in (q, k, v))
+        if key not in converted:
+            converted.clear()
+            converted[key] = convert(q, k, v)
+        return converted[key]
+
+    return lookup
+
+
 def _prepare_fp8(shape: AttentionShape, device: torch.device) -> Attend:
     """Our e4m3 forward (Hadamard-rotated Q and K): the bf16 inputs are quantised once, on the first call, outside
-    the timed calls that follow (the timer calls `attend` with the same tensors)."""
+    the timed calls that follow."""
     from flashmoe_science.attention.api import flash_attention_science
     from flashmoe_science.attention.fp8 import quantize_fp8
 
-    quantised: dict[tuple, tuple] = {}
+    quantised = _once_per_inputs(lambda q, k, v: quantize_fp8(q, k, v, hadamard=True))
 
     def attend(q, k, v):
-        key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
-        if key not in quantised:
-            quantised.clear()
-            quantised[key] = quantize_fp8(q, k, v, hadamard=True)
-        inputs = quantised[key]
+        inputs = quantised(q, k, v)
         return flash_attention_science(inputs.q, inputs.k, inputs.v, causal=shape.causal,
                                        q_descale=inputs.q_descale, k_descale=inputs.k_descale,
                                        v_descale=inputs.v_descale)
@@ -217,8 +236,20 @@ def _prepare_sdpa(shape: AttentionShape, device: torch.device) -> Attend:
     return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
 
 
-FA4_HEAD_DIMS = range(8, 257)  # flash_attn.cute's sm_90 kernels: head dims 8..256, multiples of 8
+PEER_HEAD_DIMS = range(8, 257)  # FA4's sm_90 kernels and vLLM's FA3 build: head dims 8..256, multiples of 8
 FA4_MAJORS = (9, 10)  # the compute-capability majors FA4's forward and backward are built for (Hopper, Blackwell)
+VLLM_FA3_MAJORS = (9,)  # vLLM's FlashAttention-3 build: Hopper only
+VLLM_FA3_FORWARD_ONLY = "vLLM's FlashAttention-3 build is forward-only (no backward)"
+
+
+def _peer_skip_reason(peer: str, majors: tuple[int, ...], head_dim: int) -> str | None:
+    """Why an importable peer cannot run here: a CUDA GPU outside `majors`, or a head dim its kernels do not take."""
+    traits = current_traits()
+    if traits is not None and not traits.in_families(majors):
+        return f"{peer} is built for compute capability {' and '.join(f'{m}.x' for m in majors)}, not {traits.arch}"
+    if head_dim not in PEER_HEAD_DIMS or head_dim % 8:
+        return f"{peer} takes head dims 8..256 in multiples of 8, not {head_dim}"
+    return None
 
 
 def fa4_skip_reason(head_dim: int) -> str | None:
@@ -229,13 +260,14 @@ def fa4_skip_reason(head_dim: int) -> str | None:
         import flash_attn.cute  # noqa: F401
     except Exception as error:  # not installed, or its CUDA libraries do not load (OSError, RuntimeError)
         return f"flash_attn.cute (FlashAttention-4) does not import: {short_error(error)}"
-    traits = current_traits()
-    if traits is not None and not traits.in_families(FA4_MAJORS):
-        return (f"FlashAttention-4 is built for compute capability {' and '.join(f'{m}.x' for m in FA4_MAJORS)}, "
-                f"not {traits.arch}")
-    if head_dim not in FA4_HEAD_DIMS or head_dim % 8:
-        return f"FlashAttention-4 takes head dims 8..256 in multiples of 8, not {head_dim}"
-    return None
+    return _peer_skip_reason("FlashAttention-4", FA4_MAJORS, head_dim)
+
+
+def fa3_skip_reason(head_dim: int) -> str | None:
+    """Why vLLM's FlashAttention-3 cannot be measured here, or None: like `fa4_skip_reason`, a peer only where it
+    imports, on sm_90, at head dims 8..256 in multiples of 8. Its contenders: the dense `fa3` backend, the varlen
+    suite's `fa3-varlen`, the decode suite's `fa3-paged64` and `fa3-chunk-paged64`."""
+    return fa3_import_error() or _peer_skip_reason("vLLM's FlashAttention-3", VLLM_FA3_MAJORS, head_dim)
 
 
 def fa4_output(result) -> torch.Tensor:
@@ -252,6 +284,48 @@ def _prepare_fa4(shape: AttentionShape, device: torch.device) -> Attend:
     def attend(q, k, v):
         out = fa4_output(flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=shape.causal))
         return out.transpose(1, 2)
+
+    return attend
+
+
+def equal_cu_seqlens(batch: int, length: int, device) -> torch.Tensor:
+    """int32 cumulative lengths of `batch` sequences of `length` tokens: [0, L, 2L, ..., B·L]."""
+    return torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=device)
+
+
+def fa3_varlen(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+               causal: bool) -> Attend:
+    """vLLM's FlashAttention-3 varlen forward (`flash_attn_varlen_func(..., fa_version=3)`) on packed token-major
+    (total, H, D) q and (total, Hkv, D) k, v with int32 cumulative lengths; returns its (total, H, D) output. Causal
+    is bottom-right aligned per sequence, as ours; the scale is ours, D^-0.5."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    def attend(q, k, v):
+        return flash_attn_varlen_func(q, k, v, max_seqlen_q=max_seqlen_q, cu_seqlens_q=cu_seqlens_q,
+                                      max_seqlen_k=max_seqlen_k, cu_seqlens_k=cu_seqlens_k, causal=causal,
+                                      softmax_scale=q.shape[-1] ** -0.5, fa_version=3)
+
+    return attend
+
+
+def _token_major(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) -> a (B·L, H, D) copy: the token-major packing varlen kernels take (B and L do not merge in a
+    view of our layout)."""
+    batch, heads, length, dim = t.shape
+    return t.transpose(1, 2).reshape(batch * length, heads, dim)
+
+
+def _prepare_fa3(shape: AttentionShape, device: torch.device) -> Attend:
+    """vLLM's FlashAttention-3 on our (B, H, L, D) tensors as B sequences of equal length through its varlen entry
+    (its only one): the token-major copies are made once, on the first call, outside the timed calls that follow; its
+    output is viewed back as (B, H, Lq, D) (no copy)."""
+    varlen = fa3_varlen(equal_cu_seqlens(shape.B, shape.Lq, device), equal_cu_seqlens(shape.B, shape.Lk, device),
+                        shape.Lq, shape.Lk, shape.causal)
+    packed = _once_per_inputs(lambda q, k, v: tuple(_token_major(t) for t in (q, k, v)))
+
+    def attend(q, k, v):
+        out = varlen(*packed(q, k, v))
+        return out.view(shape.B, shape.Lq, shape.H, shape.D).transpose(1, 2)
 
     return attend
 
@@ -314,6 +388,8 @@ BACKENDS: dict[str, Backend] = {
     "flashmoe-triton": Backend("flashmoe-triton", _ours("triton")),
     "flashmoe-fp8": Backend("flashmoe-fp8", _prepare_fp8, skip_reason=_fp8_skip_reason),
     "fa4": Backend("fa4", _prepare_fa4, skip_reason=lambda shape: fa4_skip_reason(shape.D)),
+    "fa3": Backend("fa3", _prepare_fa3, skip_reason=lambda shape: fa3_skip_reason(shape.D),
+                   no_backward=VLLM_FA3_FORWARD_ONLY),
     "sdpa-cudnn": Backend("sdpa-cudnn", _prepare_sdpa, _sdpa_context("CUDNN_ATTENTION")),
     "sdpa-flash": Backend("sdpa-flash", _prepare_sdpa, _sdpa_context("FLASH_ATTENTION")),
     "sdpa-efficient": Backend("sdpa-efficient", _prepare_sdpa, _sdpa_context("EFFICIENT_ATTENTION")),
@@ -430,11 +506,6 @@ class SkipLog:
         return "\n".join(lines)
 
 
-def short_error(error: BaseException) -> str:
-    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return f"{type(error).__name__}: {message}"[:160]
-
-
 def run_attention_bench(
     shapes: Sequence[AttentionShape],
     backend_names: Sequence[str],
@@ -507,6 +578,10 @@ def _measure_backend(backend, shape, passes, tensors, timer, device, kernel, ski
             progress.update(len(passes), desc=f"{shape.label()} {backend.name} unavailable")
             return records
         for pass_ in passes:
+            if pass_ == "bwd" and backend.no_backward is not None:
+                skips.note(backend.name, pass_, backend.no_backward)
+                progress.update(desc=f"{shape.label()} {backend.name} {pass_} not measured")
+                continue
             try:
                 with backend.context():
                     if pass_ == "fwd":

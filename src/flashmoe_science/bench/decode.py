@@ -10,6 +10,11 @@ contiguous (B, Hkv, L, D) copy: their best layout) and compiled FlexAttention (B
 On the GPU an e4m3 cache (per-KV-head scales) is timed beside the bf16 one ("flashmoe-fp8", "flashmoe-fp8-paged64";
 its TB/s count the e4m3 bytes it reads, half of bf16's).
 
+vLLM's FlashAttention-3 build ("fa3-paged64", "fa3-chunk-paged64"; where `bench.attention.fa3_skip_reason` finds it
+importable, else one line says why) reads the same paged pool, (num_blocks, 64, Hkv, D) as it takes it, through
+`flash_attn_varlen_func(..., seqused_k=, block_table=, fa_version=3)` as vLLM calls it: scheduler metadata made once
+outside timing; decode with the split bound of vLLM's CUDA-graph decode steps, chunks with FA3's own choice.
+
 Prefill chunks (`run_chunk_bench`): Lq = 512 and 128 new tokens appended to a cache of 4k and 32k (--quick: 512 at
 32k) and attending it (bottom-right causal), ours on contiguous and paged caches, against our dense forward on the
 same shape and SDPA (cuDNN, efficient) with a lower-right causal additive bias on contiguous copies. TFLOP/s count
@@ -52,8 +57,9 @@ TOKENS_PER_BATCH = 1 << 18  # B·context of the batched rows
 PAGE = 64
 SDPA_BACKENDS = {"sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-flash": "FLASH_ATTENTION",
                  "sdpa-efficient": "EFFICIENT_ATTENTION", "sdpa-math": "MATH"}
-BACKEND_ORDER = ("flashmoe", "flashmoe-paged64", "flashmoe-fp8", "flashmoe-fp8-paged64", "read", *SDPA_BACKENDS,
-                 "flex")
+BACKEND_ORDER = ("flashmoe", "flashmoe-paged64", "flashmoe-fp8", "flashmoe-fp8-paged64", "fa3-paged64", "read",
+                 *SDPA_BACKENDS, "flex")
+FA3_DECODE_SPLITS = 32  # vLLM's flash_attn_max_num_splits_for_cuda_graph: the split bound of its graphed decode steps
 # (new tokens, cache length after them), grouped by new tokens: a group's cases share their kernels' compilation
 # (seconds per contender, against ~0.15 s of timing), which is most of this table's run time.
 CHUNK_CASES = ((512, 4096), (512, 32768), (128, 4096), (128, 32768))
@@ -117,8 +123,49 @@ def _paged_copy(k: torch.Tensor, v: torch.Tensor):
     return pools[0], pools[1], table
 
 
-def _contenders(batch: int, length: int, device, dtype, on_gpu: bool) -> dict[str, Callable[[], object]]:
-    """Each backend's call on the same cache contents (a backend that cannot be set up is left out)."""
+def fa3_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seqused_k: torch.Tensor,
+              block_table: torch.Tensor, max_seqlen_k: int, num_splits: int = 0) -> Callable[[], torch.Tensor]:
+    """vLLM's FlashAttention-3 over a paged cache, as vLLM calls it: q (B, Lq, Hq, D) the new tokens (viewed as its
+    token-major (B·Lq, Hq, D)), each row's last Lq of its `seqused_k` cached keys, bottom-right causal; pools
+    (num_blocks, block_size, Hkv, D), an int32 block table. The scheduler metadata is made here, once (vLLM's metadata
+    builder makes it before the layers run); `num_splits` 0 lets FA3 choose. Returns the call, whose output is
+    (B, Lq, Hq, D)."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+
+    batch, new_tokens, heads, dim = q.shape
+    packed = q.view(batch * new_tokens, heads, dim)
+    cu_seqlens_q = torch.arange(0, (batch + 1) * new_tokens, new_tokens, dtype=torch.int32, device=q.device)
+    metadata = get_scheduler_metadata(
+        batch_size=batch, max_seqlen_q=new_tokens, max_seqlen_k=max_seqlen_k, num_heads_q=heads,
+        num_heads_kv=k_pool.shape[2], headdim=dim, cache_seqlens=seqused_k, qkv_dtype=q.dtype,
+        cu_seqlens_q=cu_seqlens_q, page_size=k_pool.shape[1], causal=True, num_splits=num_splits)
+
+    def call():
+        out = flash_attn_varlen_func(packed, k_pool, v_pool, max_seqlen_q=new_tokens, cu_seqlens_q=cu_seqlens_q,
+                                     max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, block_table=block_table,
+                                     causal=True, softmax_scale=dim ** -0.5, scheduler_metadata=metadata,
+                                     num_splits=num_splits, fa_version=3)
+        return out.view(batch, new_tokens, heads, dim)
+
+    return call
+
+
+def fa3_missing_line(skips: list[str]) -> bool:
+    """Whether vLLM's FlashAttention-3 can run the decode suite's shapes here; if not, its reason joins `skips` (one
+    line for the whole command)."""
+    from flashmoe_science.bench.attention import fa3_skip_reason
+
+    reason = fa3_skip_reason(HEAD_DIM)
+    line = f"fa3 (vLLM's FlashAttention-3): {reason}"
+    if reason is not None and line not in skips:
+        skips.append(line)
+    return reason is None
+
+
+def _contenders(batch: int, length: int, device, dtype, on_gpu: bool,
+                fa3: bool = False) -> dict[str, Callable[[], object]]:
+    """Each backend's call on the same cache contents (a backend that cannot be set up is left out); `fa3` adds
+    vLLM's FlashAttention-3 on the paged pool."""
     from flashmoe_science import flash_attention_decode
     from flashmoe_science.bench.attention import _compiled_flex, _sdpa_context
 
@@ -139,6 +186,8 @@ def _contenders(batch: int, length: int, device, dtype, on_gpu: bool) -> dict[st
                                                                        block_table=table, k_scale=scale,
                                                                        v_scale=scale)
         calls["read"] = _pure_read(k, v)
+    if fa3:
+        calls["fa3-paged64"] = fa3_paged(q, k_pool, v_pool, seqlens, table, length, FA3_DECODE_SPLITS)
     # SDPA and flex take (B, H, L, D); a contiguous copy of the cache is their best layout.
     q_heads = q.transpose(1, 2)
     k_heads, v_heads = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
@@ -171,10 +220,11 @@ def run_decode_bench(progress, skips: list[str], contexts=None, on_case_done=Non
     on_gpu = torch.cuda.is_available()
     device, dtype = (torch.device("cuda"), torch.bfloat16) if on_gpu else (torch.device("cpu"), torch.float32)
     cases = decode_cases(contexts or (GPU_CONTEXTS if on_gpu else CPU_CONTEXTS), batched=on_gpu)
+    fa3 = fa3_missing_line(skips)
     progress.set_total(len(cases))
     records = []
     for batch, length in cases:
-        calls = _contenders(batch, length, device, dtype, on_gpu)
+        calls = _contenders(batch, length, device, dtype, on_gpu, fa3)
         case_records = []
         for name, call in calls.items():
             try:
@@ -205,8 +255,9 @@ def run_decode_bench(progress, skips: list[str], contexts=None, on_case_done=Non
 
 
 def decode_table(records: list[dict]) -> str:
-    """TB/s per backend, one row per (B, L); ours against the pure read, the peak and the best SDPA/flex; with an
-    e4m3 cache, its speed-up over bf16 (time ratio, contiguous caches)."""
+    """TB/s per backend, one row per (B, L); ours against the pure read, the peak and the best SDPA/flex; with
+    vLLM's FlashAttention-3, ours on the same paged pool against it; with an e4m3 cache, its speed-up over bf16 (time
+    ratio, contiguous caches)."""
     rows, times = {}, {}
     for record in records:
         if record.get("op", "decode") != "decode":
@@ -220,16 +271,23 @@ def decode_table(records: list[dict]) -> str:
         theirs = max((values[name] for name in (*SDPA_BACKENDS, "flex") if name in values), default=None)
         ms = times[(batch, length)]
         fp8 = [format_number(ratio(ms.get("flashmoe"), ms.get("flashmoe-fp8")), 2)] if "flashmoe-fp8" in columns else []
+        fa3 = ([format_number(ratio(values.get("flashmoe-paged64"), values.get("fa3-paged64")), 2)]
+               if "fa3-paged64" in columns else [])
         body.append([f"B={batch} L={length}", *(format_number(values.get(name), 2) for name in columns),
                      format_number(ratio(values.get("flashmoe"), values.get("read")), 2),
                      format_number(ratio(values.get("flashmoe"), H200_PEAK_TBPS), 2),
-                     format_number(ratio(ours, theirs), 2), *fp8])
+                     format_number(ratio(ours, theirs), 2), *fa3, *fp8])
+    fa3_header = ["paged/fa3"] if "fa3-paged64" in columns else []
     fp8_header = ["fp8 speed-up"] if "flashmoe-fp8" in columns else []
-    return format_table(["case (TB/s)", *columns, "ours/read", "ours/4.3", "ours/best-torch", *fp8_header], body)
+    return format_table(["case (TB/s)", *columns, "ours/read", "ours/4.3", "ours/best-torch", *fa3_header,
+                         *fp8_header], body)
 
 
-def _chunk_contenders(new_tokens: int, length: int, device, dtype) -> dict[str, Callable[[], object]]:
-    """A prefill chunk of `new_tokens` appended at length - new_tokens and attending the whole cache."""
+def _chunk_contenders(new_tokens: int, length: int, device, dtype,
+                      fa3: bool = False) -> dict[str, Callable[[], object]]:
+    """A prefill chunk of `new_tokens` appended at length - new_tokens and attending the whole cache; `fa3` adds
+    vLLM's FlashAttention-3 on the paged pool that already holds the chunk's keys (vLLM writes them before
+    attention)."""
     from flashmoe_science import flash_attention_decode, flash_attention_science
     from flashmoe_science.attention.mask import make_mask, visibility
     from flashmoe_science.bench.attention import _sdpa_context
@@ -247,6 +305,9 @@ def _chunk_contenders(new_tokens: int, length: int, device, dtype) -> dict[str, 
                                                                  k_new=k_new, v_new=v_new),
         "flashmoe-dense": lambda: flash_attention_science(q_heads, k_heads, v_heads, causal=True),
     }
+    if fa3:
+        whole = torch.full((1,), length, dtype=torch.int32, device=device)
+        calls["fa3-chunk-paged64"] = fa3_paged(q, k_pool, v_pool, whole, table, length)
     # an additive bias (0 / -inf), what an SDPA user passes for a chunk: cuDNN and efficient take it, flash does not
     bias = torch.zeros(new_tokens, length, device=device, dtype=dtype).masked_fill(
         ~visibility(new_tokens, length, make_mask(True), device), float("-inf"))
@@ -264,11 +325,12 @@ def run_chunk_bench(progress, skips: list[str], cases=CHUNK_CASES, on_case_done=
     """Prefill chunks against a cache (GPU): the records of the module docstring. ``on_case_done(records)`` after
     each case."""
     device, dtype = torch.device("cuda"), torch.bfloat16
+    fa3 = fa3_missing_line(skips)
     progress.set_total(len(cases))
     records = []
     for new_tokens, length in cases:
         visible = new_tokens * length - new_tokens * (new_tokens - 1) // 2  # bottom-right causal pairs
-        for name, call in _chunk_contenders(new_tokens, length, device, dtype).items():
+        for name, call in _chunk_contenders(new_tokens, length, device, dtype, fa3).items():
             try:
                 ms = gpu_median_ms(_graphed(call))
             except Exception as error:  # a backend that rejects the shape or cannot be captured: n/a
@@ -286,20 +348,26 @@ def run_chunk_bench(progress, skips: list[str], cases=CHUNK_CASES, on_case_done=
 
 
 def chunk_table(records: list[dict]) -> str:
-    """TFLOP/s per backend, one row per (Lq, L); ours against our dense forward and the best SDPA."""
+    """TFLOP/s per backend, one row per (Lq, L); ours against our dense forward and the best SDPA (and, with vLLM's
+    FlashAttention-3, ours on the same paged pool against it)."""
     rows = {}
     for record in records:
         if record.get("op") == "prefill_chunk":
             rows.setdefault((record["Lq"], record["L"]), {})[record["backend"]] = record["tflops"]
-    names = ("flashmoe-chunk", "flashmoe-chunk-paged64", "flashmoe-dense", "sdpa-cudnn", "sdpa-efficient")
+    names = ("flashmoe-chunk", "flashmoe-chunk-paged64", "fa3-chunk-paged64", "flashmoe-dense", "sdpa-cudnn",
+             "sdpa-efficient")
     columns = [name for name in names if any(name in values for values in rows.values())]
+    with_fa3 = "fa3-chunk-paged64" in columns
     body = []
     for (new_tokens, length), values in rows.items():
         theirs = max((values[name] for name in ("sdpa-cudnn", "sdpa-efficient") if name in values), default=None)
+        fa3 = ([format_number(ratio(values.get("flashmoe-chunk-paged64"), values.get("fa3-chunk-paged64")), 2)]
+               if with_fa3 else [])
         body.append([f"Lq={new_tokens} L={length}", *(format_number(values.get(name), 3) for name in columns),
-                     format_number(ratio(values.get("flashmoe-chunk"), values.get("flashmoe-dense")), 2),
+                     *fa3, format_number(ratio(values.get("flashmoe-chunk"), values.get("flashmoe-dense")), 2),
                      format_number(ratio(values.get("flashmoe-chunk"), theirs), 2)])
-    return format_table(["chunk (TFLOP/s)", *columns, "chunk/dense", "chunk/best-sdpa"], body)
+    return format_table(["chunk (TFLOP/s)", *columns, *(["paged/fa3"] if with_fa3 else []), "chunk/dense",
+                         "chunk/best-sdpa"], body)
 
 
 SERVING_PAGE = 256  # transformers' default page (block) size

@@ -8,6 +8,8 @@ Suites (bf16, D=128, one GPU; on a CPU-only machine every size shrinks by 64 as 
   tail only). ``flashmoe-varlen`` (`flash_attention_varlen`) against ``fa4-varlen`` (FlashAttention-4's
   `flash_attn.cute.flash_attn_varlen_func` on the same packed tensors and cumulative lengths, where
   `bench.attention.fa4_skip_reason` finds it importable on an sm_90/sm_100 GPU; else skipped with that reason),
+  ``fa3-varlen`` (vLLM's FlashAttention-3 build, `flash_attn_varlen_func(..., fa_version=3)` on the same tensors,
+  forward only, where `bench.attention.fa3_skip_reason` finds it importable on an sm_90 GPU),
   ``flashmoe-dense`` (our dense call at equal tokens, 4 x 4096), ``sdpa-nested`` (SDPA on a jagged nested tensor,
   whichever kernel PyTorch picks) and ``sdpa-cudnn-padded`` (cuDNN's SDPA on the batch padded to the longest
   sequence, without a key-padding mask: a lower bound of the padded call's cost, since a mask would take cuDNN off its
@@ -39,7 +41,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from flashmoe_science.bench.attention import _measure_backward, _measure_forward, fa4_output, fa4_skip_reason
+from flashmoe_science.bench.attention import (VLLM_FA3_FORWARD_ONLY, _measure_backward, _measure_forward,
+                                              fa3_skip_reason, fa3_varlen, fa4_output, fa4_skip_reason)
 from flashmoe_science.bench.report import (format_number, median_over_rounds, plot_panels, records_table,
                                            round_significant, tflops)
 
@@ -54,12 +57,18 @@ CPU_SHRINK = 64
 
 @dataclass
 class Contender:
-    """One backend of a case: its inputs (q, k, v), the call, the forward FLOPs it is credited with, a note."""
+    """One backend of a case: its inputs (q, k, v), the call, the forward FLOPs it is credited with, a note; a
+    forward-only one (a peer without a backward) is timed forward only."""
 
     make_inputs: Callable[[], tuple[torch.Tensor, ...]]
     attend: Callable
     flops_fwd: float
     note: str = ""
+    forward_only: bool = False
+
+    @property
+    def passes(self) -> tuple[str, ...]:
+        return PASSES[:1] if self.forward_only else PASSES
 
 
 @dataclass
@@ -133,6 +142,13 @@ def _varlen_case(distribution: str, causal: bool, device, dtype, shrink: int) ->
         case.contenders["fa4-varlen"] = Contender(packed, _fa4_varlen(cu, longest, causal), real)
     else:
         case.skipped["fa4-varlen"] = fa4_missing
+    fa3_missing = fa3_skip_reason(HEAD_DIM)
+    if fa3_missing is None:
+        case.contenders["fa3-varlen"] = Contender(packed, fa3_varlen(cu, cu, longest, longest, causal), real,
+                                                  forward_only=True)
+        case.skipped["fa3-varlen backward"] = VLLM_FA3_FORWARD_ONLY
+    else:
+        case.skipped["fa3-varlen"] = fa3_missing
     case.contenders["flashmoe-dense"] = Contender(
         lambda: tuple(_randn(dense_batch, heads, dense_len, HEAD_DIM, device=device, dtype=dtype) for _ in range(3)),
         lambda q, k, v: flash_attention_science(q, k, v, causal=causal),
@@ -321,11 +337,11 @@ def run_features_bench(suites, quick: bool, device, dtype, timer, progress=None,
     for name, reason in dict.fromkeys((n, r) for case in cases for n, r in case.skipped.items()):
         warnings.warn(f"features bench: {name} not run: {reason}")
     if progress is not None:
-        progress.set_total(rounds * len(PASSES) * sum(len(case.contenders) for case in cases))
+        progress.set_total(rounds * sum(len(c.passes) for case in cases for c in case.contenders.values()))
     for _ in range(rounds):
         for case in cases:
             for name, contender in case.contenders.items():
-                for pass_ in PASSES:
+                for pass_ in contender.passes:
                     step = f"{case.suite} {case.name} {pass_} {name}"
                     try:
                         ms = _time(contender, pass_, timer, device)
@@ -365,10 +381,11 @@ def _median_records(measured: dict[tuple, list[dict]]) -> list[dict]:
     return [median_over_rounds(per_round, scale_rates) for per_round in measured.values()]
 
 
-# The ratios each suite's table shows (numerator, denominator): ours against the peer measured beside it
-# (FlashAttention-4's varlen) and the call it replaces.
+# The ratios each suite's table shows (numerator, denominator): ours against the peers measured beside it
+# (FlashAttention-4's and vLLM's FlashAttention-3's varlen) and the call it replaces.
 RATIOS = {
-    "varlen": (("flashmoe-varlen", "fa4-varlen"), ("flashmoe-varlen", "flashmoe-dense"),
+    "varlen": (("flashmoe-varlen", "fa4-varlen"), ("flashmoe-varlen", "fa3-varlen"),
+               ("flashmoe-varlen", "flashmoe-dense"),
                ("flashmoe-varlen", "sdpa-nested"), ("flashmoe-varlen", "sdpa-cudnn-padded"),
                ("flashmoe-hf", "sdpa-padded"), ("flashmoe-hf", "sdpa-cudnn-padded")),
     "window": (("flashmoe-window", "flashmoe-dense"), ("flashmoe-window", "flashmoe-triton-dense"),

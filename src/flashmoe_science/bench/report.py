@@ -262,13 +262,38 @@ def software_versions() -> dict[str, str | None]:
     }
 
 
-def peer_versions() -> dict[str, str]:
-    """Versions of the installed peers a run may measure beside ours (FlashAttention-4: `bench.attention`'s `fa4`);
-    a peer that is not installed has no key."""
+def short_error(error: BaseException) -> str:
+    """An error in one line: its type and its message's first line, at most 160 characters."""
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {message}"[:160]
+
+
+def fa3_import_error() -> str | None:
+    """Why vLLM's FlashAttention-3 build (`vllm.vllm_flash_attn`, its `_vllm_fa3_C` library) does not import here,
+    or None."""
     try:
-        return {"flash_attn_4": importlib.metadata.version("flash-attn-4")}
-    except importlib.metadata.PackageNotFoundError:
-        return {}
+        from vllm.vllm_flash_attn import flash_attn_interface
+    except Exception as error:  # not installed, or its CUDA libraries do not load
+        return f"vllm.vllm_flash_attn (vLLM's FlashAttention-3) does not import: {short_error(error)}"
+    if not getattr(flash_attn_interface, "FA3_AVAILABLE", False):
+        reason = getattr(flash_attn_interface, "FA3_UNAVAILABLE_REASON", None) or "FA3_AVAILABLE is False"
+        return f"vllm.vllm_flash_attn has no FlashAttention-3 library here: {str(reason)[:160]}"
+    return None
+
+
+def peer_versions() -> dict[str, str]:
+    """Versions of the installed peers a run may measure beside ours (FlashAttention-4: `bench.attention`'s `fa4`;
+    vLLM, whose FlashAttention-3 build is its `fa3`, where that build imports: vLLM is imported only when installed);
+    a peer that is not installed has no key."""
+    versions = {}
+    for key, distribution in (("flash_attn_4", "flash-attn-4"), ("vllm", "vllm")):
+        try:
+            versions[key] = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if "vllm" in versions and fa3_import_error() is not None:
+        del versions["vllm"]
+    return versions
 
 
 def environment_metadata(commit: str) -> dict:
