@@ -8,7 +8,6 @@ block table) takes its place; the GPU test at the end compares the real one with
 import importlib.metadata
 import io
 import sys
-import time
 import types
 
 import pytest
@@ -18,6 +17,7 @@ from flashmoe_science.bench import attention as attention_bench
 from flashmoe_science.bench import decode as decode_bench
 from flashmoe_science.bench import features, report
 from flashmoe_science.bench.attention import AttentionShape
+from test_bench_fa4 import _quick_varlen_run, _varlen_cases  # the varlen suite's CPU harness, shared with fa4's
 
 
 def _reference(q, k, v, causal: bool, scale: float) -> torch.Tensor:
@@ -192,26 +192,9 @@ def test_fa3_is_a_backend_and_a_baseline_of_the_gpu_run():
 # --------------------------------------------------------------------------------------------------------------------
 # the varlen suite
 # --------------------------------------------------------------------------------------------------------------------
-def _varlen_cases():
-    return [case for case in features.feature_cases(["varlen"], True, torch.device("cpu"), torch.float64)
-            if not case.name.startswith("HF padded")]
-
-
-def _quick_varlen_run(monkeypatch) -> list[dict]:
-    """`bench --suite varlen --quick` on the CPU with three sequences, each pass timed once."""
-    monkeypatch.setitem(features.VARLEN_DISTRIBUTIONS, "long tail", lambda shrink: [5, 2, 9])
-
-    def one_call_ms(fn, grad_to_none=None):
-        started = time.perf_counter()
-        fn()
-        return 1e3 * (time.perf_counter() - started)
-
-    return features.run_features_bench(["varlen"], True, torch.device("cpu"), torch.float32, one_call_ms)
-
-
 def test_fa3_varlen_is_skipped_cleanly_without_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
-    for case in _varlen_cases():
+    for case in _varlen_cases(quick=True):
         assert "fa3-varlen" not in case.contenders and "does not import" in case.skipped["fa3-varlen"]
     with pytest.warns(UserWarning, match="fa3-varlen not run: vllm.vllm_flash_attn") as caught:
         records = _quick_varlen_run(monkeypatch)
@@ -223,7 +206,7 @@ def test_fa3_varlen_is_skipped_cleanly_without_vllm(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_fa3_varlen_takes_our_packed_tensors_as_they_are_and_matches_ours(monkeypatch, causal):
     calls = _fake_fa3(monkeypatch)
-    case = next(c for c in _varlen_cases() if c.name.endswith(", causal") == causal)
+    case = next(c for c in _varlen_cases(quick=True) if c.name.endswith(", causal") == causal)
     q, k, v = case.contenders["fa3-varlen"].make_inputs()
     out = case.contenders["fa3-varlen"].attend(q, k, v)
     torch.testing.assert_close(out, case.contenders["flashmoe-varlen"].attend(q, k, v))
