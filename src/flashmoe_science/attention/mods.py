@@ -269,12 +269,17 @@ def block_mask(mods: Mods, mask: MaskSpec, varlen, batch: int, heads: int, seqle
     n_q, n_k = triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n)
     states = torch.zeros(batch, heads, n_q, n_k, dtype=torch.int8, device=device)
     if states.numel():
-        _tile_states_kernel[(n_q, batch * heads)](
-            states, varlen.cu_seqlens_q if varlen is not None else None,
-            varlen.cu_seqlens_k if varlen is not None else None, mod.fn, mod.tensors, heads, seqlen_q, seqlen_k,
-            n_q, n_k, max(mask.window_left, 0), max(mask.window_right, 0), BLOCK_M=block_m, BLOCK_N=block_n,
-            MASK_LEFT=mask.bounded_left, MASK_RIGHT=mask.bounded_right, VARLEN=varlen is not None)
-    found = BlockMask(block_m, block_n, states, TileLists.of(states), TileLists.of(states.transpose(2, 3)))
+        # CPU tensors (the reference's tests, the interpreter's runs): the same kernel through Triton's interpreter
+        kernel = _tile_states_kernel if states.is_cuda else _interpreted(_tile_states_kernel.fn)
+        with contextlib.nullcontext() if states.is_cuda else _interpreter():
+            kernel[(n_q, batch * heads)](
+                states, varlen.cu_seqlens_q if varlen is not None else None,
+                varlen.cu_seqlens_k if varlen is not None else None, mod.fn, mod.tensors, heads, seqlen_q, seqlen_k,
+                n_q, n_k, max(mask.window_left, 0), max(mask.window_right, 0), BLOCK_M=block_m, BLOCK_N=block_n,
+                MASK_LEFT=mask.bounded_left, MASK_RIGHT=mask.bounded_right, VARLEN=varlen is not None)
+    # the kernels index the lists as contiguous arrays: transpose a contiguous copy (sort keeps its input's strides)
+    by_key = TileLists.of(states.transpose(2, 3).contiguous())
+    found = BlockMask(block_m, block_n, states, TileLists.of(states), by_key)
     if tensors:
         _BLOCK_MASKS.put(tensors, extra, found)
     else:

@@ -261,7 +261,7 @@ def _bwd_dkdv_kernel(
         alibi_slope_log2, bias_offset = head_extras(ALIBI_SLOPES, batch, batch64, q_head, stride_alibi_b,
                                                     stride_alibi_h, stride_bias_b, stride_bias_h, ALIBI)
         if MASK_MOD:  # the block mask's lists of this key tile for this query head: full, then partial tiles
-            tile_row = (batch64 * num_q_heads + q_head64) * tl.num_programs(0) + pid_n
+            tile_row = (batch.to(tl.int64) * num_q_heads + q_head64) * tl.num_programs(0) + pid_n  # varlen: the sequence
             dk, dv = _dkdv_listed_tiles(dk, dv, k, v, offs_n, FULL_TILES + tile_row * list_len,
                                         tl.load(FULL_COUNTS + tile_row), q_base, do_base, lse_base, delta_base,
                                         dq_accum_base, stride_qm, stride_dom, seqlen_q, seqlen_k, diagonal,
@@ -466,7 +466,7 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     diagonal = seqlen_k - seqlen_q
     if MASK_MOD:  # the block mask's lists of this query tile: its full key tiles, then its partial ones
-        tile_row = (batch64 * num_q_heads + q_head64) * tl.num_programs(0) + pid_m
+        tile_row = (batch.to(tl.int64) * num_q_heads + q_head64) * tl.num_programs(0) + pid_m  # varlen: the sequence
         dq = _dq_listed_tiles(dq, q, do, lse2, delta, offs_m, FULL_TILES + tile_row * list_len,
                               tl.load(FULL_COUNTS + tile_row), k_base, v_base, stride_kn, stride_vn, seqlen_q,
                               seqlen_k, diagonal, window_left, window_right, qk_scale, sm_scale, batch, q_head,
