@@ -192,17 +192,6 @@ def test_fa3_is_a_backend_and_a_baseline_of_the_gpu_run():
 # --------------------------------------------------------------------------------------------------------------------
 # the varlen suite
 # --------------------------------------------------------------------------------------------------------------------
-def test_fa3_varlen_is_skipped_cleanly_without_vllm(monkeypatch):
-    monkeypatch.setitem(sys.modules, "vllm", None)
-    for case in _varlen_cases(quick=True):
-        assert "fa3-varlen" not in case.contenders and "does not import" in case.skipped["fa3-varlen"]
-    with pytest.warns(UserWarning, match="fa3-varlen not run: vllm.vllm_flash_attn") as caught:
-        records = _quick_varlen_run(monkeypatch)
-    assert sum("fa3-varlen" in str(w.message) for w in caught) == 1  # once per reason, not per case and pass
-    assert records and all(r["backend"] != "fa3-varlen" for r in records)
-    assert ("flashmoe-varlen", "fa3-varlen") not in features.measured_ratios("varlen", records)
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_fa3_varlen_takes_our_packed_tensors_as_they_are_and_matches_ours(monkeypatch, causal):
     calls = _fake_fa3(monkeypatch)

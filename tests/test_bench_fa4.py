@@ -112,17 +112,20 @@ def _quick_varlen_run(monkeypatch) -> list[dict]:
     return features.run_features_bench(["varlen"], True, torch.device("cpu"), torch.float32, one_call_ms)
 
 
-def test_fa4_varlen_is_skipped_cleanly_without_flash_attn_cute(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flash_attn", None)
+@pytest.mark.parametrize("package, peer, module", [("flash_attn", "fa4-varlen", "flash_attn.cute"),
+                                                    ("vllm", "fa3-varlen", "vllm.vllm_flash_attn")])
+def test_a_varlen_peer_is_skipped_cleanly_where_it_does_not_import(monkeypatch, package, peer, module):
+    """FlashAttention-4 without `flash_attn.cute`, vLLM's FlashAttention-3 without `vllm` (tests/test_bench_fa3.py)."""
+    monkeypatch.setitem(sys.modules, package, None)
     cases = _varlen_cases(quick=False)
     assert len(cases) == 2 * len(features.VARLEN_DISTRIBUTIONS)
     for case in cases:
-        assert "fa4-varlen" not in case.contenders and "does not import" in case.skipped["fa4-varlen"]
-    with pytest.warns(UserWarning, match="fa4-varlen not run: flash_attn.cute") as caught:
+        assert peer not in case.contenders and "does not import" in case.skipped[peer]
+    with pytest.warns(UserWarning, match=f"{peer} not run: {module}") as caught:
         records = _quick_varlen_run(monkeypatch)
-    assert sum("fa4-varlen" in str(w.message) for w in caught) == 1  # once per reason, not per case and pass
-    assert records and all(r["backend"] != "fa4-varlen" for r in records)
-    assert ("flashmoe-varlen", "fa4-varlen") not in features.measured_ratios("varlen", records)
+    assert sum(peer in str(w.message) for w in caught) == 1  # once per reason, not per case and pass
+    assert records and all(r["backend"] != peer for r in records)
+    assert ("flashmoe-varlen", peer) not in features.measured_ratios("varlen", records)
 
 
 @pytest.mark.parametrize("causal", [False, True])
