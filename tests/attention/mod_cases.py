@@ -138,3 +138,22 @@ def mod_oracle(q, k, v, seen, score_twin, *, scale=None, dtype=torch.float64):
     lse = torch.where(alive, torch.logsumexp(s.masked_fill(~seen, float("-inf")), -1, keepdim=True),
                       torch.full_like(s[..., :1], float("-inf"))).squeeze(-1)
     return weights @ vx, lse
+
+
+def packed_prefix_oracle(q, k, v, cu, lengths, prefix, heads, dtype, window_left=None):
+    """(out (total, H, D), lse (H, total)) of packed q, k, v with a prefix-LM per sequence (prefix[b]), ANDed with a
+    left window bound when given, through `mod_oracle` one sequence at a time."""
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        if n == 0:  # adds no rows
+            continue
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        seen = (j < prefix[b]) | (j <= i)
+        if window_left is not None:
+            seen = seen & (j >= i - window_left)
+        out, lse = mod_oracle(*(t[rows].transpose(0, 1)[None] for t in (q, k, v)), seen.expand(1, heads, n, n),
+                              None, dtype=dtype)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)

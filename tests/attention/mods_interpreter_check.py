@@ -17,7 +17,7 @@ from feature_oracle import check_forward_and_grads
 from flashmoe_science import flash_attention_science, flash_attention_varlen
 from flashmoe_science.attention.mods import MaskMod
 from helpers import dtype_id, randn
-from mod_cases import CASES, case, head_window, mod_oracle, prefix_lm
+from mod_cases import CASES, case, head_window, mod_oracle, packed_prefix_oracle, prefix_lm
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
                                 reason="runs in the TRITON_INTERPRET=1 child process of test_mods.py")
@@ -58,17 +58,7 @@ def test_varlen(dtype):
                                       return_lse=True, mask_mod=MaskMod(prefix_lm, prefix), window=(11, -1))
 
     def oracle(q, k, v, compute):
-        outs, lses = [], []
-        for b, n in enumerate(lengths):
-            if n == 0:  # adds no rows
-                continue
-            rows = slice(int(cu[b]), int(cu[b + 1]))
-            i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-            seen = (((j < prefix[b]) | (j <= i)) & (j >= i - 11)).expand(1, 4, n, n)
-            out, lse = mod_oracle(*(t[rows].transpose(0, 1)[None] for t in (q, k, v)), seen, None, dtype=compute)
-            outs.append(out[0].transpose(0, 1))
-            lses.append(lse[0])
-        return torch.cat(outs), torch.cat(lses, dim=1)
+        return packed_prefix_oracle(q, k, v, cu, lengths, prefix, 4, compute, window_left=11)
 
     check_forward_and_grads(run, oracle, (q, k, v), dtype, ("dq", "dk", "dv"))
 

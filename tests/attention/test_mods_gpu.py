@@ -11,7 +11,7 @@ from flashmoe_science import flash_attention_science, flash_attention_varlen
 from flashmoe_science.attention.api import describe_dispatch
 from flashmoe_science.attention.mods import MaskMod
 from helpers import randn
-from mod_cases import CASES, case, head_window, mod_oracle, prefix_lm
+from mod_cases import CASES, case, head_window, mod_oracle, packed_prefix_oracle, prefix_lm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -47,17 +47,7 @@ def test_varlen():
                                       mask_mod=mod)
 
     def oracle(q, k, v, compute):
-        outs, lses = [], []
-        for b, n in enumerate(lengths):
-            if n == 0:  # adds no rows
-                continue
-            rows = slice(int(cu[b]), int(cu[b + 1]))
-            i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-            seen = ((j < prefix[b]) | (j <= i)).expand(1, 8, n, n)
-            out, lse = mod_oracle(*(t[rows].transpose(0, 1)[None] for t in (q, k, v)), seen, None, dtype=compute)
-            outs.append(out[0].transpose(0, 1))
-            lses.append(lse[0])
-        return torch.cat(outs), torch.cat(lses, dim=1)
+        return packed_prefix_oracle(q, k, v, cu, lengths, prefix, 8, compute)
 
     check_forward_and_grads(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))
 

@@ -261,7 +261,8 @@ def _bwd_dkdv_kernel(
         alibi_slope_log2, bias_offset = head_extras(ALIBI_SLOPES, batch, batch64, q_head, stride_alibi_b,
                                                     stride_alibi_h, stride_bias_b, stride_bias_h, ALIBI)
         if MASK_MOD:  # the block mask's lists of this key tile for this query head: full, then partial tiles
-            tile_row = (batch.to(tl.int64) * num_q_heads + q_head64) * tl.num_programs(0) + pid_n  # varlen: the sequence
+            # varlen: the sequence's row (batch64 is the packed tensors' 0)
+            tile_row = (batch.to(tl.int64) * num_q_heads + q_head64) * tl.num_programs(0) + pid_n
             dk, dv = _dkdv_listed_tiles(dk, dv, k, v, offs_n, FULL_TILES + tile_row * list_len,
                                         tl.load(FULL_COUNTS + tile_row), q_base, do_base, lse_base, delta_base,
                                         dq_accum_base, stride_qm, stride_dom, seqlen_q, seqlen_k, diagonal,
