@@ -60,3 +60,17 @@ def test_lines_name_the_release_the_range_and_the_command(monkeypatch):
     assert versions.status("vllm") == "not installed (supported: vllm>=0.26,<0.27)"
     with pytest.raises(ValueError, match="name must be one of"):
         versions.unsupported("jax")
+
+
+def test_the_oldest_release_is_the_lower_bound():
+    assert versions.oldest("transformers-cb") == "transformers==5.24"
+    assert versions.oldest("torchtitan") == "torchtitan==0.3.0"
+    assert versions.oldest("megatron") == "megatron-core==0.19"
+    for name, entry in versions.INTEGRATIONS.items():
+        assert versions.contains(entry.specifier, versions.oldest(name).partition("==")[2])
+
+
+def test_the_readme_states_each_range_as_versions_does():
+    readme = (PYPROJECT.parent / "README.md").read_text()
+    for entry in versions.INTEGRATIONS.values():
+        assert f"`{entry.requirement}`" in readme, f"README.md should state `{entry.requirement}`"

@@ -101,6 +101,17 @@ def require(name: str) -> None:
         raise RuntimeError(reason)
 
 
+def oldest(name: str) -> str:
+    """The requirement of the oldest supported release of the integration ``name``'s framework (what CI tests beside
+    the newest): ``transformers==5.24``."""
+    entry = integration(name)
+    for clause in entry.specifier.split(","):
+        operator, bound = re.match(r"(==|>=|<)\s*(.+)", clause.strip()).groups()
+        if operator in ("==", ">="):
+            return f"{entry.distribution}=={bound}"
+    raise ValueError(f"{entry.requirement} states no lower bound")
+
+
 def status(name: str) -> str:
     """``flashmoe-science info``'s line: the installed release and whether it is in range."""
     entry = integration(name)
