@@ -1,6 +1,7 @@
 """A Gluon build failure on a future triton (simulated: the kernel launch raises what a failed build raises) never
 fails a call: backend="auto" warns once, naming the triton version, and runs the portable Triton kernels from then
-on (attention forward and backward, the MoE GEMMs); backend="hopper" raises GluonUnavailable; `info` says so."""
+on (attention forward and backward, the MoE GEMMs); backend="hopper" raises GluonUnavailable; `info` says so. An
+error of the host code around a launch is no build failure: it propagates."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 pytest.importorskip("triton.experimental.gluon")
 
 from triton.compiler.errors import CompilationError  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
 
 from flashmoe_science.gluon import availability  # noqa: E402
 
@@ -61,6 +64,74 @@ def test_errors_that_are_not_build_failures_propagate():
     with pytest.raises(torch.cuda.OutOfMemoryError):
         availability.run_gluon("attention forward", out_of_memory)
     assert availability.unavailable_reason() is None
+
+
+def test_host_errors_propagate_and_leave_gluon_on():
+    """An error of the host code around a launch (ours: a missing attribute, a wrong argument) is no build failure:
+    it propagates unchanged, nothing is recorded and no warning is given, strict or not."""
+    def attribute_error():
+        return object().tiles
+
+    def type_error():
+        raise TypeError("attention_forward_sm90() got an unexpected keyword argument 'bias'")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for launch in (attribute_error, type_error):
+            for strict in (False, True):
+                with pytest.raises((AttributeError, TypeError)) as raised:
+                    availability.run_gluon("attention forward", launch, strict)
+                assert type(raised.value) in (AttributeError, TypeError)
+    assert availability.unavailable_reason() is None
+
+
+@gluon.jit
+def _calls_a_missing_op(x_ptr):
+    gl.no_such_op(x_ptr)
+
+
+@gluon.jit
+def _does_nothing(x_ptr):
+    pass
+
+
+def _compile(kernel):
+    from flashmoe_science.gluon.build import compile_offline
+
+    compile_offline(kernel, (torch.empty(16, device="meta"),), {}, arch=90, options={"num_warps": 4})
+
+
+def _runtime_warnings(caught):
+    return [w for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def test_a_real_compile_error_falls_back_once():
+    """Triton's front end rejecting a @gluon.jit body (a Gluon name this triton lacks) is a build failure: one
+    warning, the fallback, the Gluon kernels off for the process."""
+    with pytest.warns(RuntimeWarning) as caught:
+        assert not availability.run_gluon("attention forward", lambda: _compile(_calls_a_missing_op))
+    (warning,) = _runtime_warnings(caught)
+    assert "does not build" in str(warning.message) and "CompilationError" in str(warning.message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert not availability.run_gluon("attention forward", lambda: _compile(_calls_a_missing_op))
+
+
+def test_an_error_inside_triton_compile_is_a_build_failure(monkeypatch):
+    """An MLIR pass of the Gluon lowering fails with a RuntimeError raised inside triton.compile: a build failure;
+    the same type raised by the host code is not one."""
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    def failing_pass(*args, **kwargs):
+        raise RuntimeError("PassManager::run failed")
+
+    assert not availability.is_build_failure(RuntimeError("PassManager::run failed"))
+    monkeypatch.setattr(CUDABackend, "gluon_to_ttgir", failing_pass)
+    with pytest.raises(RuntimeError) as raised:
+        _compile(_does_nothing)
+    assert availability.is_build_failure(raised.value)
+    with pytest.warns(RuntimeWarning, match="RuntimeError: PassManager::run failed"):
+        assert not availability.run_gluon("MoE dx", lambda: _compile(_does_nothing))
 
 
 def test_tested_range():

@@ -5,7 +5,8 @@ names that moved within it) may fail to import or to build a kernel. A user's tr
 with ``backend="auto"`` the first failure is recorded, one warning names the triton version and the fallback, and
 from then on every call takes the portable Triton kernels (attention forward and backward, the MoE GEMMs).
 ``backend="hopper"`` raises ``GluonUnavailable`` instead. Builds fail before anything is launched, so a fallback
-recomputes from untouched inputs.
+recomputes from untouched inputs. Only Triton's compilation fails a build (``is_build_failure``): an error of the
+host code around a launch propagates unchanged and leaves the Gluon kernels on.
 
 The planners ask ``plan_time_reason`` before planning a Gluon kernel: on a triton outside the tested range it builds
 one kernel offline, once per process (a few seconds), so a Gluon layer that no longer builds is found at plan time
@@ -30,18 +31,30 @@ class GluonUnavailable(RuntimeError):
 
 
 def _build_errors() -> tuple[type[BaseException], ...]:
-    """What a kernel build raises (front end, ptxas, resources) or an import of the Gluon layer, never a launch."""
+    """The error types of Triton's compilation, the same on triton 3.6 to 3.9: the front end's CompilationError (its
+    subclasses CompileTimeAssertionFailure and UnsupportedLanguageConstruct included; it wraps whatever a @gluon.jit
+    body raises, a Gluon name or construct this triton lacks among them), ptxas's PTXASError, OutOfResources (shared
+    memory, registers, threads: checked when the built kernel loads)."""
     from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
+    from triton.runtime.errors import OutOfResources, PTXASError
 
-    errors = [CompilationError, OutOfResources, ImportError, AttributeError]
-    try:
-        from triton.runtime.errors import PTXASError
+    return CompilationError, OutOfResources, PTXASError
 
-        errors.append(PTXASError)
-    except ImportError:
-        pass
-    return tuple(errors)
+
+def is_build_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a kernel's build failing on this triton: one of ``_build_errors()``, or anything raised
+    inside ``triton.compile`` (an MLIR pass of the Gluon lowering fails with a RuntimeError). An error of the host
+    code around the launch (ours, or Triton's argument binding) is not one, whatever its type."""
+    if isinstance(error, _build_errors()):
+        return True
+    from triton.compiler import compiler
+
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is compiler.compile.__code__:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,7 +98,9 @@ def plan_time_reason(kernel: str, build: Callable[[], object]) -> str | None:
         _probed = True
         try:
             build()
-        except _build_errors() as error:
+        except Exception as error:
+            if not is_build_failure(error):
+                raise
             reason = record_failure(kernel, error)
     return reason
 
@@ -107,14 +122,17 @@ def record_failure(kernel: str, error: BaseException) -> str:
 
 def run_gluon(kernel: str, launch: Callable[[], object], strict: bool = False) -> bool:
     """Run ``launch`` (a Gluon kernel's launch) unless the Gluon kernels are off. True when it ran; False when they
-    are off or it failed to build (recorded, one warning): the caller then runs its Triton kernel. With ``strict``
-    (backend="hopper") raises GluonUnavailable instead of returning False."""
+    are off or it failed to build (``is_build_failure``; recorded, one warning): the caller then runs its Triton
+    kernel. With ``strict`` (backend="hopper") raises GluonUnavailable instead of returning False. Any other error
+    of the launch propagates unchanged and leaves the Gluon kernels on."""
     reason = unavailable_reason()
     if reason is None:
         try:
             launch()
             return True
-        except _build_errors() as error:
+        except Exception as error:
+            if not is_build_failure(error):
+                raise
             reason = record_failure(kernel, error)
     if strict:
         raise GluonUnavailable(f"backend='hopper': {reason}")
