@@ -27,7 +27,7 @@ from flashmoe_science.attention.mask import make_mask
 from flashmoe_science.attention.problem import AttentionProblem
 from flashmoe_science.attention.reference_backend import REFERENCE
 from flashmoe_science.attention.triton_backend import TRITON, TRITON_FP8
-from flashmoe_science.backends import Choice, choose
+from flashmoe_science.backends import Choice, NoBackend, choose
 from flashmoe_science.device import triton_interpreter_on
 
 # The ordered backend list: the first family that takes a call runs it (an architecture's own kernels first:
@@ -71,7 +71,13 @@ class Plan:
 
     @cached_property
     def backward_choice(self) -> Choice:
-        return choose(self._backward_walk, BackwardQuestion(self.problem, self.forward))
+        """The backward halves' walk; a family asked for by name walks alone, as in the forward: its refusal raises
+        NoBackend (ValueError) naming `backend=` and the reason."""
+        requested = self.problem.backend
+        try:
+            return choose(self._backward_walk, BackwardQuestion(self.problem, self.forward), requested)
+        except NoBackend as error:
+            raise NoBackend(f"{error} (in the backward; backend='auto' runs another family's backward there)") from None
 
     @property
     def backward(self):
@@ -137,7 +143,11 @@ def describe(plan: Plan) -> Dispatch:
     declined = _declined(plan.forward_choice, ATTENTION_BACKENDS) if on_gpu else ""
     reason = forward.describe(problem, requested, with_features, declined)
     reason += _fallback(plan.forward_choice, ATTENTION_BACKENDS)
-    backward_choice = plan.backward_choice
+    try:
+        backward_choice = plan.backward_choice
+    except NoBackend as error:  # a family asked for by name whose backward half declines: a backward raises
+        reason += f"; a backward raises: {error}"
+        return Dispatch(plan.backend, forward.kernel, reason, forward.tiles.as_dict() if forward.tiles else None)
     backward = backward_choice.plan
     if not forward.differentiable:
         halves = [b.backward for b in ATTENTION_BACKENDS]

@@ -264,7 +264,8 @@ class HopperBackward:
     last bits may vary, or with `deterministic` added in key-block order, bit-identical run to run), or the dK/dV
     and dQ kernels (D 129..256, deterministic). It needs dQ and dK/dV both and a TMA-compatible grad_out (known
     when the backward runs: `launch_rule`); otherwise, or where it does not build on this triton, `fallback` runs
-    (the next backward half of the planner's walk that takes the call)."""
+    (the next backward half of the planner's walk that takes the call). Without one (backend="hopper") it runs
+    anyway (`run`) or raises."""
 
     deterministic: bool = False
     fallback: object = None
@@ -282,6 +283,18 @@ class HopperBackward:
 
     def run(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float, deterministic: bool,
             need_dbias: bool):
+        """(dq, dk, dv, dbias). Without a `fallback` (backend="hopper") nothing else runs: a gradient not asked for
+        is computed and dropped, a grad_out TMA cannot read is copied, and a failed build raises GluonUnavailable."""
+        strict = self.fallback is None
+        want_dq, want_dkdv = dq is not None, dk is not None
+        if strict:
+            dq = torch.empty_like(q) if dq is None else dq
+            dk, dv = (torch.empty_like(k), torch.empty_like(v)) if dk is None else (dk, dv)
+            grad_out = grad_out if tma_compatible(grad_out) else grad_out.contiguous()
+            if not tma_compatible(grad_out):
+                raise ValueError(f"backend='hopper': the Gluon sm_90 backward reads grad_out by TMA, which cannot "
+                                 f"read it at head dim {grad_out.shape[-1]} ({TMA_RULE}); backend='auto' runs the "
+                                 "Triton backward there")
         bias = features.attn_bias
         dbias = dbias_atomic = None
         if need_dbias:  # deterministic: no atomics (a full buffer, summed over the broadcast dims after)
@@ -289,9 +302,14 @@ class HopperBackward:
         if (dq is not None and dk is not None and tma_compatible(grad_out)
                 and run_gluon("attention backward", lambda: launch_backward(
                     q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale, dbias, dbias_atomic,
-                    deterministic))):
+                    deterministic), strict)):
             ran("backward", self.backend, self.kernel)
-            return dq, dk, dv, None if dbias is None else triton_backend.bias_grad_of_buffer(dbias, bias)
+            dbias = None if dbias is None else triton_backend.bias_grad_of_buffer(dbias, bias)
+            if not want_dq:  # computed for the kernel's sake only (backend="hopper")
+                dq = None
+            if not want_dkdv:
+                dk = dv = None
+            return dq, dk, dv, dbias
         return self.fallback.run(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale,
                                  deterministic, need_dbias)
 
@@ -319,19 +337,20 @@ class HopperBackward:
         return launch
 
 
-def backward_refusal(head_dim: int, seqlen_q: int, softmax_scale: float) -> str | None:
+def backward_refusal(head_dim: int, seqlen_q: int, softmax_scale: float, measured: bool = True) -> str | None:
     """Why the Gluon backward does not take a call its inputs suit (TMA-compatible bf16/fp16 on Hopper), or None:
-    its head dims, a positive scale (its masks are -inf scores), and where it measured faster than the Triton
-    backward (`sm90_backward_wins`; seqlen_q: the longest sequence's queries). Determinism does not decline it:
-    the one pass orders its dQ reduce-adds (`HopperBackward.deterministic`), the D=256 pair adds nothing; the
-    rule compares with the default Triton backward (the deterministic Triton two passes only cost more)."""
+    its head dims, a positive scale (its masks are -inf scores), and, with `measured` (backend="auto"), where it
+    measured slower than the Triton backward (`sm90_backward_wins`; seqlen_q: the longest sequence's queries).
+    Determinism does not decline it: the one pass orders its dQ reduce-adds (`HopperBackward.deterministic`), the
+    D=256 pair adds nothing; the rule compares with the default Triton backward (the deterministic Triton two
+    passes only cost more)."""
     from flashmoe_science.attention.hopper.bwd_sm90 import SUPPORTED_BLOCK_D
 
     if padded_head_dim(head_dim) not in SUPPORTED_BLOCK_D:
         return f"it takes head dims padding to {', '.join(map(str, SUPPORTED_BLOCK_D))}"
     if softmax_scale <= 0:
         return "its masks need a positive softmax_scale"
-    if not sm90_backward_wins(head_dim, seqlen_q):
+    if measured and not sm90_backward_wins(head_dim, seqlen_q):
         return "the Triton backward measured faster at this head dim and length"
     return None
 
@@ -370,15 +389,17 @@ class _HopperAttentionBackward:
                        else "it takes attn_bias where the leading dims merge into one batch dim")
             if refusal is not None:
                 return refusal
+        # backend="hopper" runs it wherever it can (no other backward may): the rules of speed are "auto"'s
+        measured = problem.backend == "auto"
         mask = problem.features.mask
-        if (problem.deterministic_now() and mask.causal and not mask.bounded_left
+        if (measured and problem.deterministic_now() and mask.causal and not mask.bounded_left
                 and padded_head_dim(problem.head_dim) <= 128):
             # Every key block's dQ adds wait for the blocks before it, and under a plain causal mask block 0 visits
             # every query tile: the whole grid trails one CTA's walk (H100, B·L = 16384: 1.47-1.90x the default
             # backward, against 1.04-1.25x for the Triton two passes; non-causal 1.00-1.20x).
             return ("deterministic with a causal mask unbounded on the left: the one pass's ordered dQ adds measured "
                     "1.5-1.9x the default backward there, the Triton two passes 1.0-1.25x")
-        return backward_refusal(problem.head_dim, problem.seqlen_q, problem.softmax_scale)
+        return backward_refusal(problem.head_dim, problem.seqlen_q, problem.softmax_scale, measured)
 
     def plan(self, question) -> HopperBackward:
         return HopperBackward(question.problem.deterministic_now())
