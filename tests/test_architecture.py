@@ -203,10 +203,46 @@ def test_every_walk_takes_the_architectures_families_from_one_list():
     from flashmoe_science.moe import fp8
     from flashmoe_science.moe import plan as moe_plan
 
-    families = {id(f) for a in architectures.ARCHITECTURES for f in (*a.attention, *a.attention_fp8, *a.moe_gemms)}
+    families = {id(f) for walk in ("attention", "attention_fp8", "moe_gemms") for f in architectures.families(walk)}
     for walk, own in ((plan.ATTENTION_BACKENDS, architectures.ATTENTION),
                       (plan.FP8_BACKENDS, architectures.ATTENTION_FP8),
                       (moe_plan.GEMM_BACKENDS, architectures.MOE_GEMMS),
                       (DECODE_BACKENDS, ()), (fp8.FP8_LAYER_BACKENDS, ())):
         assert tuple(walk[:len(own)]) == own
         assert not any(id(family) in families for family in walk[len(own):])
+
+
+def test_each_planner_loads_only_its_own_architecture_families():
+    """Importing and planning attention (forward, backward, describe_dispatch) imports no MoE backend, and the MoE
+    planner no attention backend: each walk imports the families architectures.py names for it (a fresh
+    interpreter: the modules another test imported do not count)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys
+        import torch
+        import flashmoe_science
+        from flashmoe_science import flash_attention_science
+        from flashmoe_science.attention.api import describe_dispatch
+        q = torch.randn(1, 2, 16, 32, requires_grad=True)
+        flash_attention_science(q, q, q, causal=True).sum().backward()
+        describe_dispatch(q, q, q)
+        assert "flashmoe_science.attention.hopper.backend" in sys.modules
+        assert not [m for m in sys.modules if m.startswith("flashmoe_science.moe.hopper")], "attention"
+        from flashmoe_science.moe import plan
+        assert "flashmoe_science.moe.hopper.backend" in sys.modules
+    """)
+    moe_first = textwrap.dedent("""
+        import sys
+        from flashmoe_science.moe.plan import GEMM_BACKENDS
+        from flashmoe_science.moe import api
+        assert "flashmoe_science.moe.hopper.backend" in sys.modules
+        assert not [m for m in sys.modules if m.startswith("flashmoe_science.attention.hopper")], "moe"
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])))
+    for source in (code, moe_first):
+        child = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, env=env, timeout=300)
+        assert child.returncode == 0, child.stderr[-3000:]

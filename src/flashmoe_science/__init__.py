@@ -10,13 +10,26 @@ except ModuleNotFoundError as _error:
     raise ImportError('flashmoe-science needs triton, which is not installed: pip install "triton>=3.6" (Linux; '
                       "on a CPU its kernels run only under TRITON_INTERPRET=1, but the package imports them)") from None
 
-from flashmoe_science.attention.api import flash_attention_science
-from flashmoe_science.attention.decode import flash_attention_decode
-from flashmoe_science.attention.fp8 import quantize_fp8
-from flashmoe_science.attention.varlen import flash_attention_varlen
-from flashmoe_science.moe import fused_experts, fused_moe, moe_route
-
 __version__ = "0.1.0"
 
-__all__ = ["flash_attention_science", "flash_attention_varlen", "flash_attention_decode", "quantize_fp8",
-           "fused_moe", "fused_experts", "moe_route", "__version__"]
+# Each public name and the module it comes from, imported on first use (PEP 562): importing or planning attention
+# loads no MoE module, and the MoE layer no attention module.
+_FRONT_DOORS = {
+    "flash_attention_science": "flashmoe_science.attention.api",
+    "flash_attention_varlen": "flashmoe_science.attention.varlen",
+    "flash_attention_decode": "flashmoe_science.attention.decode",
+    "quantize_fp8": "flashmoe_science.attention.fp8",
+    "fused_moe": "flashmoe_science.moe.api",
+    "fused_experts": "flashmoe_science.moe.api",
+    "moe_route": "flashmoe_science.moe.api",
+}
+__all__ = [*_FRONT_DOORS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _FRONT_DOORS:
+        raise AttributeError(f"module 'flashmoe_science' has no attribute {name!r}")
+    import importlib
+
+    value = globals()[name] = getattr(importlib.import_module(_FRONT_DOORS[name]), name)  # looked up once
+    return value
