@@ -263,6 +263,19 @@ def test_plan_time_build_outside_the_tested_range(monkeypatch):
     assert availability.plan_time_reason("MoE dx", failing_build) == reason and builds == [1]
 
 
+def test_plan_time_build_records_any_error_of_the_offline_build(monkeypatch):
+    """The offline build runs no call's arguments, only code the build tests pass on the tested releases: outside
+    that range a Gluon name that moved fails it as an AttributeError at the kernel module's import, and counts."""
+    monkeypatch.setattr(availability, "_probed", False)
+    monkeypatch.setattr(availability, "in_tested_range", lambda version: False)
+
+    def moved_name():
+        raise AttributeError("module 'triton.experimental.gluon.language' has no attribute 'thread_barrier'")
+
+    with pytest.warns(RuntimeWarning, match="AttributeError: module 'triton.experimental.gluon.language'"):
+        assert "does not build" in availability.plan_time_reason("attention forward", moved_name)
+
+
 def test_plan_time_build_inside_the_tested_range_builds_nothing(monkeypatch):
     monkeypatch.setattr(availability, "_probed", False)
     monkeypatch.setattr(availability, "in_tested_range", lambda version: True)

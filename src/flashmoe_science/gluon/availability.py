@@ -90,7 +90,9 @@ def unavailable_reason() -> str | None:
 def plan_time_reason(kernel: str, build: Callable[[], object]) -> str | None:
     """``unavailable_reason()``, after building ``kernel`` offline with ``build`` (no launch, no GPU needed) where
     this triton is outside TESTED_TRITON and nothing was built yet in this process: a failure is recorded then (one
-    warning) and returned, so the plan asking declines the Gluon kernels before any launch."""
+    warning) and returned, so the plan asking declines the Gluon kernels before any launch. Any error of ``build``
+    counts: it runs no call's arguments, only code the build tests pass on the tested releases (importing the
+    kernel module, its host-side Gluon layouts, ``triton.compile``), so what fails there is this triton's."""
     global _probed
     reason = unavailable_reason()
     version = triton_version()
@@ -99,8 +101,6 @@ def plan_time_reason(kernel: str, build: Callable[[], object]) -> str | None:
         try:
             build()
         except Exception as error:
-            if not is_build_failure(error):
-                raise
             reason = record_failure(kernel, error)
     return reason
 
