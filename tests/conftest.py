@@ -54,7 +54,9 @@ def pytest_collection_modifyitems(config, items):
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = [item for item in items if not _runs_in_interpreter_child(item)]
-    config.stash[interpreter_driver.SUITES] = interpreter_driver.suites_of(items)
+    marks = interpreter_driver.drivers_last(items)
+    if marks and not triton_interpret_enabled() and not config.option.collectonly:
+        config.stash[interpreter_driver.CHILD] = interpreter_driver.start_child(config, marks)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: run `pytest -m gpu` on a GPU machine")
