@@ -27,8 +27,8 @@ class Integration:
 
 INTEGRATIONS = {
     "transformers-cb": Integration("transformers", ">=5.24,<5.26", "serve",
-                                "transformers' continuous-batching and serving internals (the e4m3 KV cache, "
-                                "`flashmoe-science serve`)"),
+                                   "transformers' continuous-batching and serving internals (the e4m3 KV cache, "
+                                   "`flashmoe-science serve`)"),
     "torchtitan": Integration("torchtitan", "==0.3.0", "torchtitan",
                               "flashmoe_science.integrations.torchtitan and examples/torchtitan"),
     "megatron": Integration("megatron-core", ">=0.19,<0.20", "megatron",
