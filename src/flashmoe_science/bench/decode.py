@@ -44,6 +44,7 @@ from flashmoe_science.bench.report import (
     format_number,
     format_table,
     gpu_median_ms,
+    graph_replay,
     plot_panels,
     ratio,
     round_significant,
@@ -93,20 +94,6 @@ def _pure_read(k: torch.Tensor, v: torch.Tensor) -> Callable[[], object]:
     programs = triton.cdiv(k.numel(), block * iters)
     out = torch.empty(programs, dtype=torch.float32, device=k.device)
     return lambda: _read_kernel[(programs,)](k, v, out, k.numel(), BLOCK=block, ITERS=iters, num_warps=8)
-
-
-def _graphed(fn: Callable[[], object]) -> Callable[[], object]:
-    """fn captured in a CUDA graph (after a warm-up that compiles it); returns the replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def _paged_copy(k: torch.Tensor, v: torch.Tensor):
@@ -228,7 +215,7 @@ def run_decode_bench(progress, skips: list[str], contexts=None, on_case_done=Non
         case_records = []
         for name, call in calls.items():
             try:
-                ms = gpu_median_ms(_graphed(call)) if on_gpu else cpu_median_ms(call)
+                ms = gpu_median_ms(graph_replay(call)) if on_gpu else cpu_median_ms(call)
             except Exception as error:  # a backend that rejects the shape or cannot be captured: n/a
                 skips.append(f"{name} B={batch} L={length}: {type(error).__name__}: {str(error)[:160]}")
                 continue
@@ -332,7 +319,7 @@ def run_chunk_bench(progress, skips: list[str], cases=CHUNK_CASES, on_case_done=
         visible = new_tokens * length - new_tokens * (new_tokens - 1) // 2  # bottom-right causal pairs
         for name, call in _chunk_contenders(new_tokens, length, device, dtype, fa3).items():
             try:
-                ms = gpu_median_ms(_graphed(call))
+                ms = gpu_median_ms(graph_replay(call))
             except Exception as error:  # a backend that rejects the shape or cannot be captured: n/a
                 skips.append(f"{name} Lq={new_tokens} L={length}: {type(error).__name__}: {str(error)[:160]}")
                 continue

@@ -23,6 +23,11 @@ Suites (bf16, D=128, one GPU; on a CPU-only machine every size shrinks by 64 as 
   kernels take windows) and compiled FlexAttention with the equivalent block mask (``flex-window``).
 - ``mods``: softcap (30), ALiBi and a (1, H, L, L) bias at B=4, L=4096, causal, against the plain call (auto and
   Triton).
+- ``packed``: packed batches of equal lengths (`PACKED_TOKENS` tokens, hidden size `PACKED_HIDDEN`: H = 2048 / D),
+  L 512..4096, D 64/128/256, causal and not: ``flashmoe-varlen`` against ``flashmoe-dense`` (the same batch as a
+  dense (B, H, L, D) call), ``fa3-varlen`` and ``fa4-varlen``, each also replayed from a CUDA graph (``-graph``,
+  forward only: a graph repeats the captured kernels, the packed batch's work list included, as serving engines and
+  compiled training steps run them). ``--quick``: L 1024 and 4096.
 
 TFLOP/s count only the pairs attended: FlashAttention's convention for dense calls (4·Lq·Lk·D per head, halved when
 causal; backward 2.5 x forward), each sequence's own for varlen, and the exact number of (query, key) pairs inside
@@ -32,6 +37,7 @@ the window. Records: {"op": "attention-features", "suite", "case", "pass", "back
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import math
 import warnings
@@ -42,17 +48,21 @@ import torch
 import torch.nn.functional as F
 
 from flashmoe_science.bench.attention import (VLLM_FA3_FORWARD_ONLY, _measure_backward, _measure_forward,
-                                              fa3_skip_reason, fa3_varlen, fa4_output, fa4_skip_reason)
-from flashmoe_science.bench.report import (format_number, median_over_rounds, plot_panels, records_table,
-                                           round_significant, tflops)
+                                              equal_cu_seqlens, fa3_skip_reason, fa3_varlen, fa4_output,
+                                              fa4_skip_reason)
+from flashmoe_science.bench.report import (format_number, graph_replay, median_over_rounds, plot_panels,
+                                           records_table, round_significant, tflops)
 
-SUITES = ("varlen", "window", "mods")
+SUITES = ("varlen", "window", "mods", "packed")
 PASSES = ("fwd", "bwd")
 HEADS, HEAD_DIM = 16, 128
 VARLEN_TOKENS, VARLEN_MIN, VARLEN_MAX = 16384, 64, 8192
 WINDOW = 4096
 WINDOW_LENGTHS = (32768, 131072)
 CPU_SHRINK = 64
+PACKED_TOKENS, PACKED_HIDDEN = 16384, 2048
+PACKED_LENGTHS, PACKED_HEAD_DIMS = (512, 1024, 2048, 4096), (64, 128, 256)
+GRAPH_SUFFIX = "-graph"
 
 
 @dataclass
@@ -65,10 +75,11 @@ class Contender:
     flops_fwd: float
     note: str = ""
     forward_only: bool = False
+    graphed: bool = False  # timed as a CUDA-graph replay (forward only)
 
     @property
     def passes(self) -> tuple[str, ...]:
-        return PASSES[:1] if self.forward_only else PASSES
+        return PASSES[:1] if self.forward_only or self.graphed else PASSES
 
 
 @dataclass
@@ -309,6 +320,43 @@ def _mods_case(device, dtype, shrink: int) -> Case:
     return case
 
 
+def _packed_case(head_dim: int, length: int, causal: bool, device, dtype, shrink: int) -> Case:
+    """PACKED_TOKENS tokens in sequences of `length`, through our packed and dense calls and the peers' packed ones;
+    on a GPU each also as a graph replay."""
+    from flashmoe_science import flash_attention_science, flash_attention_varlen
+
+    heads, length = PACKED_HIDDEN // head_dim, max(1, length // shrink)
+    batch = max(1, PACKED_TOKENS // shrink // length)
+    cu = equal_cu_seqlens(batch, length, device)
+    flops = dense_flops(batch, heads, length, length, head_dim, causal)
+    packed = lambda: tuple(_randn(batch * length, heads, head_dim, device=device, dtype=dtype)  # noqa: E731
+                           for _ in range(3))
+    case = Case("packed", f"D={head_dim} {batch} x {length}" + (", causal" if causal else ""))
+    contenders = {
+        "flashmoe-varlen": Contender(packed, lambda q, k, v: flash_attention_varlen(
+            q, k, v, cu, cu, length, length, causal=causal), flops),
+        "flashmoe-dense": Contender(
+            lambda: tuple(_randn(batch, heads, length, head_dim, device=device, dtype=dtype) for _ in range(3)),
+            lambda q, k, v: flash_attention_science(q, k, v, causal=causal), flops),
+    }
+    fa3_missing, fa4_missing = fa3_skip_reason(head_dim), fa4_skip_reason(head_dim)
+    if fa3_missing is None:
+        contenders["fa3-varlen"] = Contender(packed, fa3_varlen(cu, cu, length, length, causal), flops,
+                                             forward_only=True)
+    else:
+        case.skipped["fa3-varlen"] = fa3_missing
+    if fa4_missing is None:
+        contenders["fa4-varlen"] = Contender(packed, _fa4_varlen(cu, length, causal), flops)
+    else:
+        case.skipped["fa4-varlen"] = fa4_missing
+    for name, contender in contenders.items():
+        case.contenders[name] = contender
+        if device.type == "cuda":
+            case.contenders[name + GRAPH_SUFFIX] = dataclasses.replace(contender, graphed=True,
+                                                                       note="CUDA-graph replay")
+    return case
+
+
 def feature_cases(suites, quick: bool, device, dtype) -> list[Case]:
     shrink = 1 if device.type == "cuda" else CPU_SHRINK
     cases = []
@@ -325,6 +373,10 @@ def feature_cases(suites, quick: bool, device, dtype) -> list[Case]:
         cases += [_window_case(length, device, dtype, shrink) for length in WINDOW_LENGTHS[:1 if quick else None]]
     if "mods" in suites:
         cases.append(_mods_case(device, dtype, shrink))
+    if "packed" in suites:
+        lengths = (1024, 4096) if quick else PACKED_LENGTHS
+        cases += [_packed_case(head_dim, length, causal, device, dtype, shrink) for head_dim in PACKED_HEAD_DIMS
+                  for length in lengths for causal in (False, True)]
     return cases
 
 
@@ -367,6 +419,9 @@ def run_features_bench(suites, quick: bool, device, dtype, timer, progress=None,
 
 def _time(contender: Contender, pass_: str, timer, device) -> float:
     q, k, v = contender.make_inputs()
+    if contender.graphed:
+        with torch.no_grad():
+            return timer(graph_replay(lambda: contender.attend(q, k, v)))
     if pass_ == "fwd":
         return _measure_forward(contender.attend, q, k, v, timer, device)[0]
     with torch.no_grad():
@@ -390,6 +445,9 @@ RATIOS = {
                ("flashmoe-hf", "sdpa-padded"), ("flashmoe-hf", "sdpa-cudnn-padded")),
     "window": (("flashmoe-window", "flashmoe-dense"), ("flashmoe-window", "flashmoe-triton-dense"),
                ("flashmoe-window", "flex-window")),
+    "packed": (("flashmoe-varlen", "fa3-varlen"), ("flashmoe-varlen", "fa4-varlen"),
+               ("flashmoe-varlen", "flashmoe-dense"), ("flashmoe-varlen-graph", "fa3-varlen-graph"),
+               ("flashmoe-varlen-graph", "flashmoe-dense-graph"), ("flashmoe-varlen-graph", "flashmoe-varlen")),
     "mods": (("flashmoe-softcap", "flashmoe"), ("flashmoe-alibi", "flashmoe"), ("flashmoe-bias", "flashmoe"),
              ("flashmoe-softcap", "flashmoe-triton"), ("flashmoe-alibi", "flashmoe-triton")),
 }

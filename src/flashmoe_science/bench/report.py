@@ -169,6 +169,21 @@ def gpu_median_ms(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor]
     return float(do_bench(fn, warmup=SHORT_WARMUP_MS, rep=100, grad_to_none=grad_to_none, return_mode="median"))
 
 
+def graph_replay(fn: Callable[[], object]) -> Callable[[], object]:
+    """fn captured in a CUDA graph after two warm-up calls on a side stream (compiles, caches); returns the replay,
+    which repeats the captured kernels on the same tensors: how serving engines and compiled steps run them."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Environment and GPU metadata
 # --------------------------------------------------------------------------------------------------------------------
