@@ -1,5 +1,6 @@
-"""Under TRITON_INTERPRET=1, as a script or as the interpreter child's case (tests/attention/test_varlen_work_list.py's
-driver runs `test_draws`): decodes every work item
+"""Under TRITON_INTERPRET=1, as a script or as the interpreter child's cases (tests/attention/test_varlen_work_list.py's
+driver runs the `test_` functions): the tables of seqlen.varlen_work_list (two Triton kernels) against their
+definition with Python's sorts (`sorted_work_list`), and the decoding of every work item
 of random packed batches with the kernels' `seqlen.tile_of_work`, `ranked_tile_of_work` and `heaviest_tile_of_work`
 and checks them against the exact integer rules of each numbering (every real tile of every head once; the batch's
 order, or the sequences longest first, a (sequence, head)'s tiles consecutive and increasing; or every tile in
@@ -72,6 +73,68 @@ def check(lengths, heads, block, slots):
     assert all(a[2] >= b[2] for a, b in zip(heaviest, heaviest[1:])), lengths  # causal cost tile + 1, decreasing
     for w, (b, h, t, _) in enumerate(heaviest):  # a tile's heads consecutive
         assert h == w % heads and heaviest[w - h][0] == b and heaviest[w - h][2] == t
+
+
+def _cu(*lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def test_records_hold_the_longest_first_slots_and_the_tiles_in_decreasing_causal_cost():
+    cu = _cu(300, 100, 0, 129)  # tiles 3, 1, 0, 2 at 128 rows; longest first: sequences 0, 3, 1, 2
+    slots = seqlen.work_items_bound(4, 600, 600, 128)  # min(4 * 5, 5 + 4)
+    table = seqlen.varlen_work_list(cu, 128, slots)
+    assert table.dtype == torch.int32 and table.shape == (seqlen.ranked_work_list_entries(4, 600, 128),) == (37,)
+    assert table[0] == 6
+    records = table[1:].view(slots, 4).tolist()
+    # slots: sequence 0 -> 0, 1, 2; sequence 3 -> 3, 4; sequence 1 -> 5; past the tiles: the last rank's record
+    assert [r[:3] for r in records] == [[0, 0, 3]] * 3 + [[3, 3, 2]] * 2 + [[1, 5, 1]] + [[2, 6, 0]] * 3
+    # costs (tile + 1) 1, 2, 3, 1, 2, 1: decreasing, ties in slot order; the slots past the tiles last
+    assert [r[3] for r in records] == [2, 1, 4, 0, 3, 5, 6, 7, 8]
+
+
+def test_ranked_work_list_is_computed_once_per_unwritten_tensor_and_packed_rows():
+    cu = _cu(5, 0, 130, 1, 64)
+    first = seqlen.ranked_work_list(cu, 64, 200)
+    assert seqlen.ranked_work_list(cu, 64, 200) is first
+    assert seqlen.ranked_work_list(cu, 64, 400) is not first  # other packed rows, another number of slots
+    assert torch.equal(first, seqlen.varlen_work_list(cu, 64, seqlen.work_items_bound(5, 200, 200, 64)))
+    assert seqlen.ranked_work_list(cu, 64, 200) is not seqlen.work_list(cu, 64)
+
+
+def test_varlen_batch_takes_the_ranked_list_for_the_causal_path():
+    cu = _cu(5, 0, 130)
+    assert seqlen.VarlenBatch.of(cu, cu, 128, 135, True).tile_offsets is seqlen.ranked_work_list(cu, 128, 135)
+    assert seqlen.VarlenBatch.of(cu, cu, 128, 135, False).tile_offsets is seqlen.work_list(cu, 128)
+
+
+def sorted_work_list(cu_seqlens, block: int, slots: int) -> list[int]:
+    """varlen_work_list's table by its definition, with Python's sorts."""
+    lengths = [int(b) - int(a) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    order = sorted(range(len(lengths)), key=lambda b: -lengths[b])  # stable: equal lengths keep the batch's order
+    offsets = [0]
+    for b in order:
+        offsets.append(offsets[-1] + -(-lengths[b] // block))
+    total, records = offsets[-1], []
+    for p in range(slots):
+        rank = max(0, min(max(r for r in range(len(offsets)) if offsets[r] <= p), len(lengths) - 1))
+        records.append([order[rank], offsets[rank], offsets[rank + 1] - offsets[rank]])
+    cost = [p - records[p][1] + 1 if p < total else 0 for p in range(slots)]
+    for place, p in enumerate(sorted(range(slots), key=lambda p: (-cost[p], p))):
+        records[place].append(p)
+    return [total, *(value for record in records for value in record)]
+
+
+def test_tables_equal_their_definition():
+    """Random packed batches, empty ones and empty sequences among them, against sorted_work_list."""
+    rng = random.Random(5)
+    for _ in range(60):
+        block = rng.choice((64, 128))
+        lengths = [rng.choice((0, 1, block - 1, block, block + 1, rng.randint(1, 6 * block)))
+                   for _ in range(rng.choice((0, 1, rng.randint(2, 9), rng.randint(60, 140))))]
+        rows = sum(lengths) + rng.randint(0, 3 * block)
+        cu = _cu(*lengths) if lengths else torch.zeros(1, dtype=torch.int32)
+        slots = seqlen.work_items_bound(len(lengths), rows, rows, block)
+        assert seqlen.varlen_work_list(cu, block, slots).tolist() == sorted_work_list(cu, block, slots), lengths
 
 
 def main(seed: int, cases: int) -> None:

@@ -103,27 +103,93 @@ def work_list(cu_seqlens: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def varlen_work_list(cu_seqlens: torch.Tensor, block: int, slots: int) -> torch.Tensor:
-    """A packed batch's tiles with its sequences longest first, int32 (1 + 4·slots,), computed on the device (no
-    synchronisation: CUDA graphs capture it): entry 0 counts the batch's tiles (per head); then a record of 4 per
-    slot p < `slots` (at least the batch's tiles: `work_items_bound`), the slots numbering the tiles with the
-    sequences longest first (a stable sort: equal lengths keep the batch's order): the sequence that holds slot p,
-    its first slot, its tiles, and the slot that comes p-th in decreasing causal cost (query tile t of a sequence
-    costs t + 1 key tiles; ties in slot order; slots past the tiles last). A record past the tiles holds the last
-    sequence's and is never read."""
+    """A packed batch's tiles with its sequences longest first, int32 (1 + 4·slots,), computed on the device in two
+    launches (no synchronisation: CUDA graphs capture it): entry 0 counts the batch's tiles (per head); then a record
+    of 4 per slot p < `slots` (at least the batch's tiles: `work_items_bound`), the slots numbering the tiles with the
+    sequences longest first (equal lengths keep the batch's order): the sequence that holds slot p, its first slot,
+    its tiles, and the slot that comes p-th in decreasing causal cost (query tile t of a sequence costs t + 1 key
+    tiles; ties in slot order; slots past the tiles last). A record past the tiles holds the last sequence's and is
+    never read. On the meta device: the table's shape only."""
     num_seqs = cu_seqlens.shape[0] - 1
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    order = torch.argsort(lengths, descending=True, stable=True)
-    offsets = torch.zeros(num_seqs + 1, dtype=torch.int32, device=cu_seqlens.device)
-    torch.cumsum(torch.div(lengths[order] + (block - 1), block, rounding_mode="floor"), 0, dtype=torch.int32,
-                 out=offsets[1:])
-    slot = torch.arange(slots, dtype=torch.int32, device=cu_seqlens.device)
-    rank = (torch.searchsorted(offsets, slot, right=True) - 1).clamp_(0, max(num_seqs - 1, 0))
-    first = offsets[rank]
-    # decreasing cost, then increasing slot: one int64 key (cost <= slots)
-    cost = torch.where(slot < offsets[num_seqs], slot - first + 1, 0).to(torch.int64)
-    heaviest = torch.argsort((slots - cost) * slots + slot)
-    records = torch.stack([order[rank], first, offsets[rank + 1] - first, heaviest], 1)
-    return torch.cat([offsets[num_seqs:], records.flatten().to(torch.int32)])
+    device = cu_seqlens.device
+    order = torch.empty(max(num_seqs, 1), dtype=torch.int32, device=device)
+    offsets = torch.empty(num_seqs + 1, dtype=torch.int32, device=device)
+    table = torch.empty(1 + 4 * slots, dtype=torch.int32, device=device)
+    if device.type == "meta":  # shapes only: offline builds, argument checks
+        return table
+    _rank_sequences[(max(1, triton.cdiv(num_seqs, _RANK_BLOCK)),)](cu_seqlens, order, offsets, num_seqs, block,
+                                                                   BLOCK=_RANK_BLOCK)
+    _slot_records[(max(1, triton.cdiv(slots, _SLOT_BLOCK)),)](order, offsets, table, num_seqs, slots,
+                                                              num_seqs.bit_length(), BLOCK=_SLOT_BLOCK)
+    return table
+
+
+_RANK_BLOCK, _SLOT_BLOCK = 64, 256
+
+
+@triton.jit(do_not_specialize=("num_seqs",))
+def _rank_sequences(CU_SEQLENS, ORDER, OFFSETS, num_seqs, block, BLOCK: tl.constexpr):
+    """Each sequence b's place r in the longest-first order (the sequences longer than b, and those as long before
+    it) and its first slot (the tiles of the sequences placed before it): ORDER[r] = b, OFFSETS[r + 1] = its first
+    slot + its tiles, OFFSETS[0] = 0. Every program compares its sequences with all of them (B² compares)."""
+    b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = b < num_seqs
+    length = tl.load(CU_SEQLENS + b + 1, mask=live, other=0) - tl.load(CU_SEQLENS + b, mask=live, other=0)
+    rank = tl.zeros([BLOCK], tl.int32)
+    first = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, num_seqs, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        other_live = j < num_seqs
+        other = tl.load(CU_SEQLENS + j + 1, mask=other_live, other=0) - tl.load(CU_SEQLENS + j, mask=other_live,
+                                                                                 other=0)
+        before = (other[None, :] > length[:, None]) | ((other[None, :] == length[:, None]) & (j[None, :] < b[:, None]))
+        before = before & other_live[None, :]
+        rank += tl.sum(before.to(tl.int32), 1)
+        first += tl.sum(tl.where(before, (other[None, :] + block - 1) // block, 0), 1)
+    tl.store(ORDER + rank, b, mask=live)
+    tl.store(OFFSETS + 1 + rank, first + (length + block - 1) // block, mask=live)
+    tl.store(OFFSETS + b, 0, mask=b == 0)
+
+
+@triton.jit(do_not_specialize=("num_seqs", "slots", "steps"))
+def _slot_records(ORDER, OFFSETS, TABLE, num_seqs, slots, steps, BLOCK: tl.constexpr):
+    """The records of slots p (see varlen_work_list) from _rank_sequences' order: the place r that holds p (the
+    last r with OFFSETS[r] <= p, by bisection in `steps` = bit length of B rounds), and where p comes in decreasing
+    causal cost: tile c - 1 of its sequence comes after the G(c) = Σ_j max(0, tiles_j - c) tiles that cost more
+    (OFFSETS[m] - c·m over the m sequences of more than c tiles, a prefix of the order) and after the r tiles of
+    cost c placed before it (every sequence placed before p's has at least c tiles)."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = p < slots
+    total = tl.load(OFFSETS + num_seqs)
+    lo = tl.zeros([BLOCK], tl.int32)
+    hi = lo + num_seqs + 1
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        active = hi - lo > 1
+        below = tl.load(OFFSETS + mid, mask=active, other=0) <= p
+        lo = tl.where(active & below, mid, lo)
+        hi = tl.where(active & ~below, mid, hi)
+    rank = tl.maximum(tl.minimum(lo, num_seqs - 1), 0)
+    first = tl.load(OFFSETS + rank, mask=live, other=0)
+    tiles = tl.load(OFFSETS + rank + 1, mask=live, other=0) - first
+    cost = p - first + 1
+    # m: the places whose sequences hold more than `cost` tiles (tiles never increase along the order)
+    m = tl.zeros([BLOCK], tl.int32)
+    m_hi = m + num_seqs
+    for _ in range(steps):
+        mid = (m + m_hi) // 2
+        active = m < m_hi
+        more = (tl.load(OFFSETS + mid + 1, mask=active, other=0) - tl.load(OFFSETS + mid, mask=active, other=0)) > cost
+        m = tl.where(active & more, mid + 1, m)
+        m_hi = tl.where(active & ~more, mid, m_hi)
+    heavier = tl.load(OFFSETS + m, mask=live & (p < total), other=0) - cost * m
+    position = tl.where(p < total, heavier + rank, p)
+    record = TABLE + 1 + 4 * p
+    tl.store(record, tl.load(ORDER + rank, mask=live, other=0), mask=live)
+    tl.store(record + 1, first, mask=live)
+    tl.store(record + 2, tiles, mask=live)
+    tl.store(TABLE + 4 + 4 * position, p, mask=live)
+    tl.store(TABLE + p, total, mask=p == 0)
 
 
 def ranked_work_list_entries(num_seqs: int, rows: int, block: int) -> int:
