@@ -333,8 +333,18 @@ def _packed_tensors(total, head_dim):
             torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
 
 
+@pytest.fixture
+def host_work_lists(monkeypatch):
+    """Work lists of the right shape on CPU tensors (their Triton kernels run on a GPU or under the interpreter;
+    these tests check what the launches bind, not the lists' contents)."""
+    from flashmoe_science.attention import seqlen
+
+    monkeypatch.setattr(seqlen, "varlen_work_list",
+                        lambda cu, block, slots: torch.zeros(1 + 4 * slots, dtype=torch.int32, device=cu.device))
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_sm90_packed_backward_stages_padded_statistics(deterministic):
+def test_sm90_packed_backward_stages_padded_statistics(deterministic, host_work_lists):
     """A packed D=128 call: the preprocess writes lse and Δ into padded copies (seqlen.padded_stat_rows rows per
     head), the main kernel reads them by TMA with that row count, and the deterministic counters share the layout;
     at D=64, with a window and under a causal mask the packed call keeps the forward's lse. A mismatched `padded`
@@ -380,7 +390,8 @@ def test_sm90_packed_backward_stages_padded_statistics(deterministic):
     assert bwd_sm90.padded_stats(_blhd(2, 4, 256, 128), lse, delta, True) is None  # dense: lse as it is
 
 
-def test_sm90_prepared_packed_backward_allocates_its_padded_statistics_per_call(monkeypatch, fake_compiled_kernel):
+def test_sm90_prepared_packed_backward_allocates_its_padded_statistics_per_call(monkeypatch, fake_compiled_kernel,
+                                                                                host_work_lists):
     """PreparedBackward on a packed D=128 call: the preprocess and the main kernel get fresh padded statistics each
     call (the same two tensors), and the new call's cu_seqlens."""
     pytest.importorskip("triton.experimental.gluon")

@@ -58,23 +58,26 @@ def launch_sizes(q: torch.Tensor, k: torch.Tensor, varlen) -> tuple[int, int, in
 class VarlenBatch:
     """A packed batch as a persistent kernel walks it: int32 cumulative lengths (B+1,) of the queries and keys on q's
     device, and `tile_offsets`, the work list of cu_seqlens_q (`work_list`, or `ranked_work_list` with a causal
-    mask: the kernel's numbering follows its mask): the work items are the real query tiles only."""
+    mask: the kernel's numbering follows its mask): the work items are the real query tiles only. `band`: the
+    causal list's query tiles per entry (hopper.work_items.varlen_work)."""
 
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
     tile_offsets: torch.Tensor
+    band: int = 1
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The per-call tensors, in the order a prepared launch takes them after q, k, v, out, lse."""
         return self.cu_seqlens_q, self.cu_seqlens_k, self.tile_offsets
 
     @classmethod
-    def of(cls, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, block: int, rows: int, ranked: bool
-           ) -> "VarlenBatch":
-        """A packed batch of `rows` query rows in tiles of `block` rows: its tiles in decreasing causal cost
-        (`ranked`: ranked_work_list, for a causal mask) or in the batch's order (work_list)."""
-        tiles = ranked_work_list(cu_seqlens_q, block, rows) if ranked else work_list(cu_seqlens_q, block)
-        return cls(cu_seqlens_q, cu_seqlens_k, tiles)
+    def of(cls, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, block: int, rows: int, ranked: bool,
+           band: int = 1) -> "VarlenBatch":
+        """A packed batch of `rows` query rows in tiles of `block` rows: its bands of `band` tiles in decreasing
+        causal cost (`ranked`: ranked_work_list, for a causal mask) or its tiles in the batch's order (work_list)."""
+        if not ranked:
+            return cls(cu_seqlens_q, cu_seqlens_k, work_list(cu_seqlens_q, block))
+        return cls(cu_seqlens_q, cu_seqlens_k, ranked_work_list(cu_seqlens_q, block * band, rows), band)
 
 
 def varlen_tile_offsets(cu_seqlens_q: torch.Tensor, block_m: int) -> torch.Tensor:

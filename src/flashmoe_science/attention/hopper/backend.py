@@ -31,6 +31,7 @@ from flashmoe_science.attention.hopper.tiles import (
     sm90_bias_tiles,
     sm90_cross_item,
     sm90_forward_pingpong,
+    sm90_varlen_band,
     sm90_forward_skip_rescale,
     sm90_forward_tiles,
     sm90_fp8_forward_tiles,
@@ -86,14 +87,15 @@ def gluon_refusal() -> str | None:
 PREPARED_FORWARD: dict[tuple, object] = {}
 
 
-def varlen_batch(varlen, rows: int, mask, block_m: int):
+def varlen_batch(varlen, rows: int, mask, block_m: int, band: int = 1):
     """The persistent forward's view of a packed batch of `rows` query rows under `mask` (seqlen.VarlenBatch: its
-    work list of `block_m`-row query tiles, the plan's, ranked for the causal path), or None for a dense call."""
+    work list of `block_m`-row query tiles, the plan's, ranked in bands of `band` tiles for the causal path), or None
+    for a dense call."""
     if varlen is None:
         return None
     from flashmoe_science.attention.seqlen import VarlenBatch
 
-    return VarlenBatch.of(varlen.cu_seqlens_q, varlen.cu_seqlens_k, block_m, rows, mask.plain_causal)
+    return VarlenBatch.of(varlen.cu_seqlens_q, varlen.cu_seqlens_k, block_m, rows, mask.plain_causal, band)
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class HopperForward:
     cross_item: bool
     bias_tma: bool = False
     fallback: object = None
+    band: int = 1
     backend = "hopper"
     kernel = FORWARD_KERNEL
     differentiable = False
@@ -122,7 +125,7 @@ class HopperForward:
         if out is None:
             out, lse = new_outputs(q)
         varlen = features.varlen
-        batch = varlen_batch(varlen, q.shape[2], features.mask, self.tiles.block_m)
+        batch = varlen_batch(varlen, q.shape[2], features.mask, self.tiles.block_m, self.band)
         key = self.prepared_key(q, k, v, out, lse, features, softmax_scale)
         prepared = PREPARED_FORWARD.get(key) if key is not None else None
         if prepared is not None and prepared is not SEEN_ONCE:
@@ -171,7 +174,7 @@ class HopperForward:
             prepared = prepare_forward(q, k, v, out, lse, features.causal, softmax_scale, self.tiles, num_ctas,
                                        self.q_buffers, self.cross_item,
                                        varlen=varlen_batch(features.varlen, q.shape[2], features.mask,
-                                                           self.tiles.block_m))
+                                                           self.tiles.block_m, self.band))
             remember(PREPARED_FORWARD, key, prepared)
         return prepared
 
@@ -185,6 +188,9 @@ class HopperForward:
         ctas = (f"persistent, one CTA per SM, {self.q_buffers} Q buffer(s) per consumer"
                 + (", consecutive query tiles overlapped" if self.cross_item else "") if self.persistent
                 else "one CTA per query tile")
+        if self.band > 1:
+            ctas += (f"; causal packed tiles dealt in bands of {self.band} side by side (its K/V outgrows L2 and its "
+                     "sequences are long: tiles.sm90_varlen_band)")
         band = _band_schedule(problem, tiles, device_traits(problem.q.device).sm_count)
         if band is not None:
             ctas += (f"; a band of {band.item_keys} keys per query tile, planned as a dense call of that length: "
@@ -234,7 +240,12 @@ def forward_plan(problem) -> HopperForward:
         persistent = sm90_persistent(right_bounded and not mask.bounded_left, seqlen_q, num_work, traits.sm_count)
     q_buffers = sm90_q_buffers(tiles, q.shape[-1], persistent, traits, bias_bytes)
     cross_item = sm90_cross_item(tiles, q.shape[-1], right_bounded, persistent, q_buffers)
-    return HopperForward(tiles, persistent, q_buffers, cross_item, bias_tma=bias_tma)
+    band = 1
+    if features.varlen is not None and mask.plain_causal:
+        k = problem.k
+        band = sm90_varlen_band(k.shape[-2] * k.shape[-3] * k.shape[-1] * k.element_size() * 2, q.shape[-2],
+                                features.varlen.num_seqs)
+    return HopperForward(tiles, persistent, q_buffers, cross_item, bias_tma=bias_tma, band=band)
 
 
 def _band_schedule(problem, tiles: AttentionTiles, sm_count: int):

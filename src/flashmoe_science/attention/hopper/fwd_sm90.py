@@ -776,7 +776,7 @@ def attention_forward_sm90_kernel(
     MASK_LEFT: gl.constexpr = False, MASK_RIGHT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
     ALIBI: gl.constexpr = False, VARLEN: gl.constexpr = False, HAS_BIAS: gl.constexpr = False,
     BIAS_TMA: gl.constexpr = False, NUM_CONSUMERS: gl.constexpr = 2, PINGPONG: gl.constexpr = False,
-    SKIP_RESCALE: gl.constexpr = False,
+    SKIP_RESCALE: gl.constexpr = False, VARLEN_BAND: gl.constexpr = 1,
 ):
     """Persistent: the CTAs share the num_work = B·Hq·num_m_tiles work items in rounds (see work_items.work_tile).
     A work item is NUM_CONSUMERS·64 query rows (`num_consumers`); launch with gluon/sm90.launch_options of that
@@ -798,8 +798,8 @@ def attention_forward_sm90_kernel(
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]  # rows per consumer
     if VARLEN:
-        if CAUSAL:  # seqlen.ranked_work_list
-            num_work = num_q_heads * gl.load(TILE_OFFSETS)
+        if CAUSAL:  # seqlen.ranked_work_list of bands of VARLEN_BAND query tiles (work_items.varlen_work)
+            num_work = num_q_heads * VARLEN_BAND * gl.load(TILE_OFFSETS)
         else:  # seqlen.work_list
             num_work = num_q_heads * gl.load(TILE_OFFSETS + num_seqs)
         # the grid is bounded by the rows (the work list is read here): a CTA past the last item has none, and the
@@ -810,7 +810,8 @@ def attention_forward_sm90_kernel(
     alibi_args = (ALIBI_SLOPES, alibi_stride_b, alibi_stride_h)
     bias_ptr_args = (BIAS, bias_stride_b, bias_stride_h)
     bias_args = (bias_stride_m, bias_stride_n, bias_log2)
-    varlen_args = VarlenArgs(CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, num_seqs, O, stride_oh, stride_om, head_dim)
+    varlen_args = VarlenArgs(CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, num_seqs, O, stride_oh, stride_om, head_dim,
+                             VARLEN_BAND)
     descales = (QD, KD, VD)
 
     # Q: one buffer per consumer, or two (Q_BUFFERS=2) so the next item's Q loads while this item runs
@@ -970,7 +971,8 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
         # CTAs all find work.
         num_m_tiles, num_work = None, None
         num_seqs = varlen.cu_seqlens_q.shape[0] - 1
-        entries = ranked_work_list_entries(num_seqs, seqlen_q, block_m) if mask_constexprs["CAUSAL"] else num_seqs + 1
+        entries = (ranked_work_list_entries(num_seqs, seqlen_q, block_m * varlen.band) if mask_constexprs["CAUSAL"]
+                   else num_seqs + 1)
         if varlen.tile_offsets.shape != (entries,):
             raise ValueError(f"varlen.tile_offsets must have {entries} entries (seqlen.VarlenBatch: the work list "
                              f"for this mask), got {tuple(varlen.tile_offsets.shape)}")
@@ -984,7 +986,9 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
                          f"got {tiles}")
     log2_scores = alibi_slopes is not None and mask_constexprs["SOFTCAP"]  # see _softmax_tile
     bias_args = _bias_launch_args(attn_bias, q, k, tiles.block_n, scalars["qk_scale"], log2_scores, bias_tma)
-    work_bound = num_q_heads * ((seqlen_q + block_m - 1) // block_m) if varlen is not None else num_work
+    # a packed batch's items: at most its tiles, plus the tiles its sequences' bands repeat
+    work_bound = (num_q_heads * ((seqlen_q + block_m - 1) // block_m + (varlen.band - 1) * num_seqs)
+                  if varlen is not None else num_work)
     grid = (max(1, work_bound if num_ctas is None else min(num_ctas, work_bound)),)
     args = (*_tensor_args(tiles.block_n, block_d, q, k, v, out, lse), num_q_heads, num_q_heads // k.shape[1],
             seqlen_q, k.shape[2], scalars["qk_scale"], num_m_tiles, num_work,
@@ -993,7 +997,8 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
     constexprs = dict(BLOCK_N=tiles.block_n, BLOCK_D=block_d, NUM_STAGES=tiles.num_stages,
                       CAUSAL=mask_constexprs["CAUSAL"], Q_BUFFERS=q_buffers, CROSS_ITEM=cross_item)
     constexprs.update(MASK_LEFT=mask_constexprs["MASK_LEFT"], MASK_RIGHT=mask_constexprs["MASK_RIGHT"],
-                      SOFTCAP=mask_constexprs["SOFTCAP"], ALIBI=alibi_slopes is not None, VARLEN=varlen is not None)
+                      SOFTCAP=mask_constexprs["SOFTCAP"], ALIBI=alibi_slopes is not None, VARLEN=varlen is not None,
+                      VARLEN_BAND=varlen.band if varlen is not None and mask_constexprs["CAUSAL"] else 1)
     constexprs.update(HAS_BIAS=attn_bias is not None, BIAS_TMA=attn_bias is not None and bias_tma,
                       NUM_CONSUMERS=consumers, PINGPONG=sm90_forward_pingpong(head_dim, descales is not None),
                       SKIP_RESCALE=sm90_forward_skip_rescale(head_dim, descales is not None))
@@ -1060,10 +1065,11 @@ def prepare_forward(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles
 def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = None, q_buffers: int = 1,
                     cross_item: bool = False, dtype: torch.dtype = torch.bfloat16, *, mask: MaskSpec | None = None,
                     alibi: bool = False, varlen: bool = False, bias: str | None = None,
-                    bias_dtype: torch.dtype | None = None):
+                    bias_dtype: torch.dtype | None = None, band: int = 1):
     """The kernel built for sm_90 without a GPU (meta tensors; ptxas ships with triton), specialised as a launch of
     (2, 4, 256, head_dim) tensors with these tiles would specialise it (varlen: a (1, 4, 512, head_dim) packed
-    batch); `mask` (default: `causal` alone), ALiBi slopes and varlen as attention_forward_sm90 takes them, the
+    batch, its causal work list in bands of `band` tiles); `mask` (default: `causal` alone), ALiBi slopes and varlen
+    as attention_forward_sm90 takes them, the
     arguments a call leaves None as constexprs. `bias`: "tma" (a (1, 4, 256, 256) bias the producer loads) or
     "loads" (a (2, 1, 1, 256) one the consumers load), of `bias_dtype` (default: dtype). dtype e4m3: the FP8
     forward (attention_forward_sm90_fp8: K-major v, bf16 out, descales). Returns the CompiledKernel (registers,
@@ -1076,8 +1082,9 @@ def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = N
     lse = torch.empty(batch, 4, rows, device="meta")
     slopes = torch.empty(4, device="meta") if alibi else None
     cu_seqlens = torch.empty(3, dtype=torch.int32, device="meta")
-    work = torch.empty(ranked_work_list_entries(2, rows, tiles.block_m), dtype=torch.int32, device="meta")
-    batch_info = VarlenBatch(cu_seqlens, cu_seqlens, work if mask.plain_causal else cu_seqlens) if varlen else None
+    work = torch.empty(ranked_work_list_entries(2, rows, tiles.block_m * band), dtype=torch.int32, device="meta")
+    batch_info = (VarlenBatch(cu_seqlens, cu_seqlens, work, band) if mask.plain_causal
+                  else VarlenBatch(cu_seqlens, cu_seqlens, cu_seqlens)) if varlen else None
     attn_bias = None
     if bias is not None:
         shape = (1, 4, rows, rows) if bias == "tma" else (batch, 1, 1, rows)

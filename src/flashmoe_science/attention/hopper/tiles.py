@@ -275,6 +275,21 @@ def _sm90_tiles(block_d: int, causal: bool, short_causal: bool, has_bias: bool, 
     return AttentionTiles(64 * consumers, block_n, 4 * consumers, stages, use_tma=True)
 
 
+SM90_L2_BYTES = 50 * 2**20  # H100 and H200
+# mean query rows per sequence from which a causal packed batch whose K/V outgrows L2 takes bands of two tiles
+SM90_BAND_MEAN_ROWS = 1024
+
+
+def sm90_varlen_band(kv_bytes: int, rows: int, num_seqs: int) -> int:
+    """Query tiles per band of the causal packed forward's work list (hopper.work_items.varlen_work): two where the
+    batch's K and V (`kv_bytes`) outgrow L2 and its sequences are long on average (`rows` packed query rows over
+    `num_seqs`), else one. Measured on an H100 (docs/perf-notes.md), D=128 causal, bands of two against one: 16 x 1024
+    MHA 361 vs 271 TFLOP/s (D=256 354 vs 261), uniform 512..4096 462 vs 430; the long tail (mean 334 rows) 212 vs
+    226 and the packed documents (mean 528) 513 vs 535, whose one-tile sequences compute their tile twice; GQA 32/8
+    batches of 8k tokens (33 MB of K/V) 371 vs 417: in L2, one tile per band balances best."""
+    return 2 if kv_bytes > SM90_L2_BYTES and rows >= SM90_BAND_MEAN_ROWS * max(num_seqs, 1) else 1
+
+
 def sm90_forward_pingpong(head_dim: int, fp8: bool) -> bool:
     """Whether the forward's consumer warpgroups issue each key tile's Q·Kᵀ and P·V in a fixed rotation (a barrier
     per consumer, hopper/fwd_sm90._take_turn) and rescale O after the P·V product rather than between the two

@@ -14,7 +14,8 @@ class VarlenArgs:
     """A packed batch as the forward kernel reads it (each field None, a constexpr, in a dense launch): int32
     cumulative lengths of the queries and keys, the work list of their query tiles (seqlen.VarlenBatch), the number
     of sequences, and the output's base pointer with its head and row strides and the head dim, for
-    the ragged last rows a TMA box would write past the sequence."""
+    the ragged last rows a TMA box would write past the sequence; `band`, the causal numbering's query tiles per
+    band (varlen_work)."""
 
     cu_seqlens_q: gl.tensor | gl.constexpr
     cu_seqlens_k: gl.tensor | gl.constexpr
@@ -24,9 +25,11 @@ class VarlenArgs:
     stride_oh: gl.tensor | gl.constexpr
     stride_om: gl.tensor | gl.constexpr
     head_dim: gl.tensor | gl.constexpr
+    band: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, cu_seqlens_q, cu_seqlens_k, tile_offsets, num_seqs, out, stride_oh, stride_om, head_dim):
+    def __init__(self, cu_seqlens_q, cu_seqlens_k, tile_offsets, num_seqs, out, stride_oh, stride_om, head_dim,
+                 band):
         self.cu_seqlens_q = field(cu_seqlens_q)
         self.cu_seqlens_k = field(cu_seqlens_k)
         self.tile_offsets = field(tile_offsets)
@@ -35,6 +38,7 @@ class VarlenArgs:
         self.stride_oh = field(stride_oh)
         self.stride_om = field(stride_om)
         self.head_dim = field(head_dim)
+        self.band = gl.constexpr(band)
 
 
 @gluon.jit
@@ -69,20 +73,38 @@ def work_tile(item, num_ctas, num_m_tiles, num_q_heads, group_size, CTA_ROWS: gl
 
 
 @gluon.jit
-def varlen_work(work, TILE_OFFSETS, num_seqs, num_q_heads, CAUSAL: gl.constexpr):
-    """Work item `work` of a packed (varlen) batch -> (sequence, query head, query tile).
+def varlen_work(work, TILE_OFFSETS, num_seqs, num_q_heads, CAUSAL: gl.constexpr, BAND: gl.constexpr):
+    """Work item `work` of a packed (varlen) batch -> (sequence, query head, query tile or band, tile in the band).
 
     Without a mask as work_tile's: sequence by sequence in the batch's order, head by head, a head's query tiles
-    consecutively (seqlen.tile_of_work). Causal: the query tiles of all sequences in decreasing cost, the heads of
-    a tile consecutive (seqlen.heaviest_tile_of_work over seqlen.ranked_work_list). Dealt by work_index's static
-    snake, items in decreasing cost give each CTA about the same work; each head's tiles heaviest first, sequence
-    by sequence, did not: rounds of num_ctas items span heads and sequences of different lengths, and the
-    schedule model in docs/perf-notes.md puts that order 25-50% above the ideal, this one 1-5%."""
+    consecutively (seqlen.tile_of_work; the band is the tile, 0 within it). Causal: bands of BAND query tiles
+    (counted from a sequence's start, seqlen.ranked_work_list in units of BAND tiles) of all sequences in decreasing
+    cost, the heads of a band consecutive, a band's tiles innermost (seqlen.heaviest_tile_of_work); `band_tile`
+    turns (band, tile in it) into the query tile. Dealt by work_index's static snake, items in decreasing cost give
+    each CTA about the same work; each head's tiles heaviest first, sequence by sequence, did not (rounds of
+    num_ctas items span heads and sequences of different lengths: the schedule model in docs/perf-notes.md puts that
+    order 25-50% above the ideal, this one 1-5%). A band's tiles run side by side on neighbouring CTAs and read the
+    same keys, so L2 serves a band's K/V once: one tile per band reads every (sequence, head)'s K/V anew at each
+    cost level, from DRAM once a batch's K/V outgrows L2."""
     if CAUSAL:
-        seq, q_head, pid_m = heaviest_tile_of_work(TILE_OFFSETS, num_q_heads, work)
+        seq, q_head, band = heaviest_tile_of_work(TILE_OFFSETS, num_q_heads, work // BAND)
+        return seq, q_head, band, work % BAND
     else:
         seq, q_head, pid_m = tile_of_work(TILE_OFFSETS, num_seqs, num_q_heads, work)
-    return seq, q_head, pid_m
+        return seq, q_head, pid_m, 0
+
+
+@gluon.jit
+def band_tile(band, in_band, seqlen_q, CTA_ROWS: gl.constexpr, BAND: gl.constexpr):
+    """The query tile of tile `in_band` of band `band` (varlen_work): bands count from the sequence's start in the
+    work list (its cost order) and cover its tiles from the last one down, the heavier first within a band; the
+    first tile stands in for the tiles a sequence lacks below it (its cheapest: computed twice, stored twice alike)."""
+    if BAND == 1:
+        return band
+    else:
+        num_tiles = gl.cdiv(seqlen_q, CTA_ROWS)
+        num_bands = gl.cdiv(seqlen_q, BAND * CTA_ROWS)
+        return gl.maximum(num_tiles - 1 - BAND * (num_bands - 1 - band) - in_band, 0)
 
 
 @gluon.jit
@@ -95,12 +117,13 @@ def item_rows(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, se
     tensors, sequence b spans rows cu_seqlens[b]..cu_seqlens[b+1], and the per-sequence lengths replace the
     kernel's (see varlen_work for the numbering)."""
     if VARLEN:
-        batch, q_head, pid_m = varlen_work(work_index(item, num_ctas), varlen_args.tile_offsets,
-                                           varlen_args.num_seqs, num_q_heads, CAUSAL)
+        batch, q_head, band, in_band = varlen_work(work_index(item, num_ctas), varlen_args.tile_offsets,
+                                                   varlen_args.num_seqs, num_q_heads, CAUSAL, varlen_args.band)
         q_row0 = gl.load(varlen_args.cu_seqlens_q + batch)
         k_row0 = gl.load(varlen_args.cu_seqlens_k + batch)
         seqlen_q = gl.load(varlen_args.cu_seqlens_q + batch + 1) - q_row0
         seqlen_k = gl.load(varlen_args.cu_seqlens_k + batch + 1) - k_row0
+        pid_m = band_tile(band, in_band, seqlen_q, CTA_ROWS, varlen_args.band)
         desc_batch = 0
         kv_head = q_head // group_size
         start_m = pid_m * CTA_ROWS
