@@ -283,10 +283,9 @@ SM90_BAND_MEAN_ROWS = 1024
 def sm90_varlen_band(kv_bytes: int, rows: int, num_seqs: int) -> int:
     """Query tiles per band of the causal packed forward's work list (hopper.work_items.varlen_work): two where the
     batch's K and V (`kv_bytes`) outgrow L2 and its sequences are long on average (`rows` packed query rows over
-    `num_seqs`), else one. Measured on an H100 (docs/perf-notes.md), D=128 causal, bands of two against one: 16 x 1024
-    MHA 361 vs 271 TFLOP/s (D=256 354 vs 261), uniform 512..4096 462 vs 430; the long tail (mean 334 rows) 212 vs
-    226 and the packed documents (mean 528) 513 vs 535, whose one-tile sequences compute their tile twice; GQA 32/8
-    batches of 8k tokens (33 MB of K/V) 371 vs 417: in L2, one tile per band balances best."""
+    `num_seqs`), else one: in L2 one tile per band balances best, and short sequences would compute their first tile
+    twice. Measured on an H100 (docs/perf-notes.md): D=128 16 x 1024 MHA causal 361 vs 271 TFLOP/s; the long tail
+    and GQA batches of 8k tokens lose 6-11% with bands of two."""
     return 2 if kv_bytes > SM90_L2_BYTES and rows >= SM90_BAND_MEAN_ROWS * max(num_seqs, 1) else 1
 
 
