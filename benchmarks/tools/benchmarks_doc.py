@@ -251,9 +251,11 @@ def render_vllm(data: Mapping, path: Path) -> str:
 
 RENDERERS: dict[str, Callable[[Mapping, Path], str]] = {
     "attention": render_attention, "ladder": render_attention, "moe": render_moe, "attention-features": render_features,
+    "attention-mask-mod": render_features,
     "decode": render_decode, "vllm-generate": render_vllm,
 }
 TITLES = {"attention": "Attention", "moe": "MoE layer", "attention-features": "Masks and packed sequences",
+          "attention-mask-mod": "User masks (mask_mod) against FlexAttention",
           "decode": "KV-cache decode", "ring-step-overlap": "Distributed, on one GPU",
           "supercon": "Science workload: SuperCon Tc model",
           "supercon-baselines": "Science workload: the Tc model beside classical baselines",
@@ -264,8 +266,8 @@ TITLES = {"attention": "Attention", "moe": "MoE layer", "attention-features": "M
           "ladder": "The ladder, from a CPU loop to the Hopper kernel (docs/ladder.md)",
           "vllm-generate": "vLLM serving on our kernels (docs/vllm.md)"}
 SELF_HEADED = ("attention", "ladder", "moe")
-KIND_ORDER = ("attention", "ladder", "groups", "attention-features", "decode", "moe", "ring-step-overlap", "supercon",
-              "supercon-baselines")
+KIND_ORDER = ("attention", "ladder", "groups", "attention-features", "attention-mask-mod", "decode", "moe",
+              "ring-step-overlap", "supercon", "supercon-baselines")
 
 
 def kind(data: Mapping) -> str:

@@ -7,7 +7,7 @@ Commands:
                            on a CPU a small smoke test (the PyTorch reference against SDPA), not a speed claim
   bench moe                the MoE layer against a loop over experts and torch._grouped_mm
   bench decode             KV-cache decode bandwidth (GPU only)
-  bench --suite varlen,window,mods,packed   packed sequences and masks against SDPA/FlexAttention/FA3/FA4
+  bench --suite varlen,window,mods,packed,mask-mods   packed sequences and masks against SDPA/Flex/FA3/FA4
   bench --suite distributed          ring attention / expert-parallel MoE scaling (under torchrun)
   bench --suite ladder               every rung of attention.ladder, from the CPU loop to the Gluon kernel
   warmup --hf-config DIR --seq-len L       compile a model's attention kernels before its job (Triton's cache)
@@ -245,7 +245,7 @@ def _print_noise_note(records: list[dict]) -> None:
         print(note)
 
 
-FEATURE_SUITES = frozenset(("varlen", "window", "mods", "packed"))
+FEATURE_SUITES = frozenset(("varlen", "window", "mods", "packed", "mask-mods"))
 GPU_ONLY = "it needs a CUDA GPU and this machine has none (`flashmoe-science bench` runs the CPU smoke test)"
 
 
@@ -274,7 +274,7 @@ def run_bench(args: argparse.Namespace) -> int:
         what = "features"
     else:
         raise CommandError(f"bench --suite: attention, moe, decode, distributed and ladder each run on their own; "
-                           f"varlen, window, mods and packed combine; got {','.join(suites)}")
+                           f"varlen, window, mods, packed and mask-mods combine; got {','.join(suites)}")
     on_gpu = torch.cuda.is_available()
     _check_bench_device(args.device, on_gpu)
     if what == "decode" and not on_gpu:
@@ -489,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--suite", type=_comma_list(("attention", "moe", "decode", *sorted(FEATURE_SUITES), "distributed", "ladder")),
         help="the benchmark(s) to run instead of the positional name: attention, moe or decode; or the masked/packed "
         "attention suites, which combine: varlen, window, mods (softcap, ALiBi, bias), packed (equal lengths, "
-        "eager and graphed); see bench/features.py. Or "
+        "eager and graphed), mask-mods (user mask_mod functions against Flex); see bench/features.py. Or "
         "distributed (alone): ring attention and expert-parallel MoE scaling under "
         "`torchrun --nproc-per-node N -m flashmoe_science.cli bench --suite distributed`, or without torchrun on "
         "one GPU a ring step's overlap and one EP rank's expert work (bench/distributed.py). Or ladder (alone): every "

@@ -28,6 +28,9 @@ Suites (bf16, D=128, one GPU; on a CPU-only machine every size shrinks by 64 as 
   dense (B, H, L, D) call), ``fa3-varlen`` and ``fa4-varlen``, each also replayed from a CUDA graph (``-graph``,
   forward only: a graph repeats the captured kernels, the packed batch's work list included, as serving engines and
   compiled training steps run them). ``--quick``: L 1024 and 4096.
+- ``mask-mods``: masks users write as `mask_mod` functions (document + window, prefix-LM, per-head windows, a
+  neighbour list) through ``flashmoe`` and compiled FlexAttention with the same block mask (``flex``); see
+  `bench/mask_mods.py`. Records: op "attention-mask-mod" with B, H, L, D.
 
 TFLOP/s count only the pairs attended: FlashAttention's convention for dense calls (4·Lq·Lk·D per head, halved when
 causal; backward 2.5 x forward), each sequence's own for varlen, and the exact number of (query, key) pairs inside
@@ -53,7 +56,8 @@ from flashmoe_science.bench.attention import (VLLM_FA3_FORWARD_ONLY, _measure_ba
 from flashmoe_science.bench.report import (format_number, graph_replay, median_over_rounds, plot_panels,
                                            records_table, round_significant, tflops)
 
-SUITES = ("varlen", "window", "mods", "packed")
+SUITES = ("varlen", "window", "mods", "packed", "mask-mods")
+SUITE_OPS = {"mask-mods": "attention-mask-mod"}  # the record's op; "attention-features" otherwise
 PASSES = ("fwd", "bwd")
 HEADS, HEAD_DIM = 16, 128
 VARLEN_TOKENS, VARLEN_MIN, VARLEN_MAX = 16384, 64, 8192
@@ -91,6 +95,7 @@ class Case:
     name: str
     contenders: dict[str, Contender] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    fields: dict = field(default_factory=dict)  # shape fields its records carry
 
 
 def _randn(*shape, device, dtype):
@@ -357,6 +362,35 @@ def _packed_case(head_dim: int, length: int, causal: bool, device, dtype, shrink
     return case
 
 
+def _mask_mod_cases(device, dtype, shrink: int) -> list[Case]:
+    from flashmoe_science import flash_attention_science
+    from flashmoe_science.bench import mask_mods as mm
+
+    length = mm.LENGTH // shrink
+    make = lambda: tuple(_randn(mm.BATCH, mm.HEADS, length, mm.HEAD_DIM, device=device, dtype=dtype)  # noqa: E731
+                         for _ in range(3))
+    cases = []
+    for name, ours, flex_mask, pairs in mm.mask_cases(length, device):
+        case = Case("mask-mods", name, fields=dict(B=mm.BATCH, H=mm.HEADS, L=length, D=mm.HEAD_DIM))
+        flops = 4.0 * mm.HEAD_DIM * pairs
+        case.contenders["flashmoe"] = Contender(
+            make, lambda q, k, v, ours=ours: flash_attention_science(q, k, v, mask_mod=ours), flops)
+        if device.type == "cuda":
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            from flashmoe_science.bench.attention import _compiled_flex
+
+            block_mask = create_block_mask(flex_mask, B=mm.BATCH, H=mm.HEADS, Q_LEN=length, KV_LEN=length,
+                                           device=device, _compile=True)
+            flex = _compiled_flex()
+            case.contenders["flex"] = Contender(
+                make, lambda q, k, v, block_mask=block_mask: flex(q, k, v, block_mask=block_mask), flops)
+        else:
+            case.skipped["flex"] = "compiled FlexAttention is timed on a GPU only"
+        cases.append(case)
+    return cases
+
+
 def feature_cases(suites, quick: bool, device, dtype) -> list[Case]:
     shrink = 1 if device.type == "cuda" else CPU_SHRINK
     cases = []
@@ -377,6 +411,8 @@ def feature_cases(suites, quick: bool, device, dtype) -> list[Case]:
         lengths = (1024, 4096) if quick else PACKED_LENGTHS
         cases += [_packed_case(head_dim, length, causal, device, dtype, shrink) for head_dim in PACKED_HEAD_DIMS
                   for length in lengths for causal in (False, True)]
+    if "mask-mods" in suites:
+        cases += _mask_mod_cases(device, dtype, shrink)
     return cases
 
 
@@ -403,7 +439,8 @@ def run_features_bench(suites, quick: bool, device, dtype, timer, progress=None,
                     if ms is not None:
                         flops = contender.flops_fwd * (2.5 if pass_ == "bwd" else 1.0)
                         measured.setdefault((case.suite, case.name, pass_, name), []).append({
-                            "op": "attention-features", "suite": case.suite, "case": case.name, "pass": pass_,
+                            "op": SUITE_OPS.get(case.suite, "attention-features"), "suite": case.suite,
+                            "case": case.name, **case.fields, "pass": pass_,
                             "backend": name, "dtype": str(dtype).removeprefix("torch."), "flops": flops,
                             "ms": round_significant(ms), "tflops": round_significant(tflops(flops, ms)),
                             "note": contender.note,
@@ -448,6 +485,7 @@ RATIOS = {
     "packed": (("flashmoe-varlen", "fa3-varlen"), ("flashmoe-varlen", "fa4-varlen"),
                ("flashmoe-varlen", "flashmoe-dense"), ("flashmoe-varlen-graph", "fa3-varlen-graph"),
                ("flashmoe-varlen-graph", "flashmoe-dense-graph"), ("flashmoe-varlen-graph", "flashmoe-varlen")),
+    "mask-mods": (("flashmoe", "flex"),),
     "mods": (("flashmoe-softcap", "flashmoe"), ("flashmoe-alibi", "flashmoe"), ("flashmoe-bias", "flashmoe"),
              ("flashmoe-softcap", "flashmoe-triton"), ("flashmoe-alibi", "flashmoe-triton")),
 }

@@ -1,0 +1,37 @@
+"""The mask-mods suite's masks (bench/mask_mods.py): each `@triton.jit` mod and the torch twin FlexAttention traces
+are one mask, so the two backends are timed on the same work: our CPU reference with the mod against the float64
+oracle with the twin's visibility, and the pairs the suite credits."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashmoe_science import flash_attention_science
+from flashmoe_science.bench import mask_mods
+
+sys.path.insert(0, str(Path(__file__).parent / "attention"))
+from mod_cases import mod_oracle  # noqa: E402
+
+LENGTH = 48
+
+
+def _seen(flex_mask):
+    q, kv = torch.arange(LENGTH)[:, None], torch.arange(LENGTH)[None, :]
+    return torch.stack([torch.stack([flex_mask(b, h, q, kv) for h in range(mask_mods.HEADS)])
+                        for b in range(mask_mods.BATCH)])
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_mod_and_flex_twin_are_one_mask(index):
+    name, ours, flex_mask, pairs = mask_mods.mask_cases(LENGTH, "cpu")[index]
+    seen = _seen(flex_mask)
+    assert pairs == int(seen.sum()) and 0 < pairs < seen.numel(), name
+    gen = torch.Generator().manual_seed(index)
+    q, k, v = (torch.randn(mask_mods.BATCH, mask_mods.HEADS, LENGTH, 32, generator=gen) for _ in range(3))
+    out = flash_attention_science(q, k, v, mask_mod=ours)
+    expected, _ = mod_oracle(q, k, v, seen, None)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
