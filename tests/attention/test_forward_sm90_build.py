@@ -43,7 +43,7 @@ def test_varlen_tile_offsets_count_the_real_query_tiles():
 def test_the_causal_path_takes_the_ranked_work_list():
     """The plain causal mask numbers its items heaviest first (work_items.varlen_work): its launch takes
     seqlen.ranked_work_list, every other mask the batch-order list; a list of the other kind is refused."""
-    cu = torch.tensor([0, 0, 1, 128, 257, 257, 900], dtype=torch.int32)
+    cu = torch.tensor([0, 0, 1, 128, 257, 257, 900], dtype=torch.int32, device="meta")  # shapes: no list is read
     q, lse = _meta(1, 4, 900, 128), _meta(1, 4, 900, dtype=torch.float32)
     launch = lambda causal, tiles: fwd_sm90._launch_args(  # noqa: E731
         q, q, q, q, lse, causal, 0.1, TWO_STAGES if not causal else THREE_STAGES, 132, 1, False, None, None,
