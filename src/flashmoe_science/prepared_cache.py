@@ -1,4 +1,5 @@
-"""The caches of prepared calls (attention.api, moe.api): what their keys hold of a tensor, and their bound.
+"""The tables of prepared calls (attention, MoE): one registry of them (`prepared_table`, `clear_prepared`), what
+their keys hold of a tensor, and their one bound.
 
 A PreparedLaunch (prepared_launch.py) freezes everything but its tensors, so a cache of them is keyed on each
 tensor's signature and on the call's other arguments. Kept apart from prepared_launch so that the front doors can
@@ -11,8 +12,9 @@ import weakref
 
 import torch
 
-# Prepared calls kept per cache: ragged workloads make a new signature per length.
-CACHE_MAX = 512
+# Prepared calls kept per table: ragged workloads make a new signature per length, and an MoE layer's call holds
+# about 12 kernel launches per token count.
+CACHE_MAX = 1024
 # A cache's mark for a signature seen once: it is prepared on its second call (preparing costs about one more
 # binding, which a signature seen once never repays; packed batches whose sequence count changes every step make a
 # new signature per step).
@@ -26,6 +28,23 @@ def tensor_signature(t) -> tuple:
     allocation transposed and a fresh one share a signature."""
     strides = tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
     return (t.shape, strides, t.dtype, t.device, t.data_ptr() % 16)
+
+
+# Every table of prepared calls in the library, by name (`prepared_table`): the attention calls, a GPU forward's
+# launches, the backward plans, the MoE calls and the MoE kernels' launches. One bound (`remember`), one way to empty
+# them all (`clear_prepared`: after changing what a call's plan reads from the environment, or in tests).
+TABLES: dict[str, dict] = {}
+
+
+def prepared_table(name: str) -> dict:
+    """The table of prepared calls named `name`, registered in TABLES (created on first use)."""
+    return TABLES.setdefault(name, {})
+
+
+def clear_prepared() -> None:
+    """Empty every table of prepared calls: the next call of each signature takes the full path again."""
+    for table in TABLES.values():
+        table.clear()
 
 
 def remember(cache: dict, key, prepared) -> None:

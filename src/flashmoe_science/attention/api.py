@@ -12,6 +12,7 @@ import torch
 
 from flashmoe_science.attention import call, ops
 from flashmoe_science.attention.checks import check_flags, check_inputs
+from flashmoe_science.attention.features import plain_call
 from flashmoe_science.attention.fp8 import fp8_problem
 from flashmoe_science.attention.plan import BACKENDS, Dispatch, describe, describe_fp8, plan_attention, plan_fp8  # noqa: F401,E501 (BACKENDS: the names `backend=` takes)
 from flashmoe_science.attention.problem import dense_problem
@@ -25,8 +26,7 @@ def _fp8_call(q, k, v, descales, window, softcap, alibi_slopes, attn_bias, mods=
     """Whether a call is an FP8 one (e4m3 inputs or a descale given); raises for the features FP8 does not take."""
     if not (any(t is not None for t in descales) or any(getattr(t, "dtype", None) in _FP8_DTYPES for t in (q, k, v))):
         return False
-    if not (window is None and softcap is None and alibi_slopes is None and attn_bias is None
-            and mods == (None, None)):
+    if not plain_call(window, softcap, alibi_slopes, attn_bias, *mods):
         raise ValueError("FP8 attention takes causal masks only: window, softcap, alibi_slopes, attn_bias, mask_mod "
                          "and score_mod are not supported with float8_e4m3fn inputs")
     return True
@@ -163,8 +163,8 @@ def flash_attention_science(
                                     return_lse=return_lse)
         return (out, lse) if return_lse else out
     # the host path of a repeated plain call: a dict lookup and the prepared launch (call.PREPARED)
-    plain = window is None and softcap is None and alibi_slopes is None and attn_bias is None
-    key = call.prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic) if plain else None
+    key = (call.prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic)
+           if plain_call(window, softcap, alibi_slopes, attn_bias) else None)
     entry = call.PREPARED.get(key) if key is not None else None
     if entry is not None:
         out, lse = call.replay(entry, q, k, v)

@@ -18,11 +18,11 @@ from flashmoe_science.attention.features import CallFeatures
 from flashmoe_science.attention.problem import features_4d
 from flashmoe_science.attention.record import ran
 from flashmoe_science.attention.tiles import autotune_enabled
-from flashmoe_science.prepared_cache import SEEN_ONCE, remember, tensor_signature
+from flashmoe_science.prepared_cache import SEEN_ONCE, prepared_table, remember, tensor_signature
 
 # The BackwardPlan of each forward signature (`backward_key`), so that a training step's backward neither plans nor
 # checks again (host time: docs/perf-notes.md). Bounded (prepared_cache.CACHE_MAX).
-BACKWARD_PLANS: dict[tuple, BackwardPlan] = {}
+BACKWARD_PLANS: dict[tuple, BackwardPlan] = prepared_table("attention backward plans")
 _NEW = object()  # a grad_out layout no backward of this plan has had
 
 
@@ -83,8 +83,7 @@ def backward_key(plan, q, k, v, out, lse, features: CallFeatures) -> tuple | Non
     reads (ALiBi slopes, a bias, the user's mods), for a leading index of the per-index loop (its plan was made for the whole
     tensor) and under FLASHMOE_AUTOTUNE."""
     problem = plan.problem
-    if (q is not problem.q4 or features.alibi_slopes is not None or features.attn_bias is not None
-            or features.mods is not None or autotune_enabled()):
+    if q is not problem.q4 or features.per_call_tensors or autotune_enabled():
         return None
     varlen = features.varlen
     packed = () if varlen is None else (tensor_signature(varlen.cu_seqlens_q), tensor_signature(varlen.cu_seqlens_k),

@@ -11,18 +11,18 @@ import torch
 
 from flashmoe_science.attention import autograd
 from flashmoe_science.attention.checks import resolve_check_values, values_checked
-from flashmoe_science.attention.features import CallFeatures, Varlen
+from flashmoe_science.attention.features import CallFeatures, Varlen, plain_call
 from flashmoe_science.attention.fp8 import fp8_problem
 from flashmoe_science.attention.plan import plan_attention, plan_fp8
 from flashmoe_science.attention.problem import as_4d, dense_problem, new_outputs, packed_as_4d, packed_problem
 from flashmoe_science.attention.record import ran
 from flashmoe_science.attention.tiles import autotune_enabled
-from flashmoe_science.prepared_cache import remember, tensor_signature
+from flashmoe_science.prepared_cache import prepared_table, remember, tensor_signature
 
 # Calls whose signature ran before skip the checks, the plan and Triton's argument binding (host time per call:
 # docs/perf-notes.md). Bounded (prepared_cache.CACHE_MAX). Plain calls only (no window, softcap, ALiBi or bias).
 # Values: (the PreparedLaunch, the forward plan it repeats), or a Recorded for a call that records gradients.
-PREPARED: dict[tuple, tuple | Recorded] = {}
+PREPARED: dict[tuple, tuple | Recorded] = prepared_table("attention dense calls")
 
 
 def prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic) -> tuple | None:
@@ -82,9 +82,8 @@ def dense_forward(q, k, v, *, causal=False, softmax_scale=None, window=None, sof
     """(out, lse) of a dense call (the arguments of `flash_attention_science`), with autograd where gradients flow.
     `key`: the call's `prepared_key` where the caller looked it up in PREPARED already (None: not a plain call)."""
     if key is _LOOK_UP:
-        plain = (window is None and softcap is None and alibi_slopes is None and attn_bias is None
-                 and mask_mod is None and score_mod is None)
-        key = prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic) if plain else None
+        key = (prepared_key(q, k, v, causal, softmax_scale, return_lse, backend, deterministic)
+               if plain_call(window, softcap, alibi_slopes, attn_bias, mask_mod, score_mod) else None)
         entry = PREPARED.get(key) if key is not None else None
         if entry is not None:
             return replay(entry, q, k, v)
@@ -156,7 +155,7 @@ def packed_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
 # checks.values_checked for the cu_seqlens pair (their values are not part of a signature) unless the call opts out
 # of value checks: a model's layers share one pair per batch, so every layer after the first replays without a
 # check, a plan or a device synchronisation.
-PREPARED_PACKED: dict[tuple, tuple | Recorded] = {}
+PREPARED_PACKED: dict[tuple, tuple | Recorded] = prepared_table("attention packed calls")
 
 
 def packed_replay(entry, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values=None):
@@ -187,9 +186,9 @@ def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                    softmax_scale=None, window=None, softcap=None, alibi_slopes=None, backend="auto",
                    deterministic=False, return_lse=False, check_values=None, mask_mod=None, score_mod=None):
     """(out (total_q, Hq, D), lse (Hq, total_q)) of a packed call (the arguments of `flash_attention_varlen`)."""
-    plain = window is None and softcap is None and alibi_slopes is None and mask_mod is None and score_mod is None
     key = packed_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                     return_lse, backend, deterministic) if plain else None
+                     return_lse, backend, deterministic) if plain_call(window, softcap, alibi_slopes, None, mask_mod,
+                                                                       score_mod) else None
     entry = PREPARED_PACKED.get(key) if key is not None else None
     if entry is not None:
         outputs = packed_replay(entry, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

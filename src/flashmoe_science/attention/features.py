@@ -57,11 +57,27 @@ class CallFeatures:
         return self.mask.causal
 
     @property
+    def per_call_tensors(self) -> bool:
+        """ALiBi slopes, a bias or mods: tensors of the call's own that a remembered plan or launch would freeze."""
+        return self.alibi_slopes is not None or self.attn_bias is not None or self.mods is not None
+
+    @property
+    def plain_scores(self) -> bool:
+        """The scores are q·kᵀ scaled under a causal mask or none: no window, softcap, ALiBi, bias or mods (a packed
+        batch or not). What a prepared launch can repeat: nothing per call beyond the tensors."""
+        return self.mask.is_plain and not self.per_call_tensors
+
+    @property
     def is_plain(self) -> bool:
-        """Only what the original dense kernels compute: no window beyond causal, no softcap, ALiBi, bias, varlen or
-        mods."""
-        return (self.mask.is_plain and self.alibi_slopes is None and self.attn_bias is None and self.varlen is None
-                and self.mods is None)
+        """Only what the original dense kernels compute: plain scores, not packed."""
+        return self.plain_scores and self.varlen is None
+
+
+def plain_call(window=None, softcap=None, alibi_slopes=None, attn_bias=None, mask_mod=None, score_mod=None) -> bool:
+    """Whether a front door's keyword arguments ask for plain scores (CallFeatures.plain_scores) before they are
+    checked: the test of the prepared fast paths, which skip the checks."""
+    return (window is None and softcap is None and alibi_slopes is None and attn_bias is None and mask_mod is None
+            and score_mod is None)
 
 
 PLAIN = CallFeatures()

@@ -23,7 +23,7 @@ from flashmoe_science.moe.fp8 import Fp8ExpertsProblem, check_forward_only, chec
 from flashmoe_science.moe.plan import TRITON_DTYPES, ExpertsProblem, KernelPlan, plan_experts
 from flashmoe_science.moe.reference import fused_experts_reference
 from flashmoe_science.moe.routing import route
-from flashmoe_science.prepared_cache import remember, tensor_signature
+from flashmoe_science.prepared_cache import prepared_table, remember, tensor_signature
 
 
 class FusedExperts(torch.autograd.Function):
@@ -163,7 +163,7 @@ def moe_fp8(x, w1, w1_scale, w2, w2_scale, router_logits, top_k, renormalize, sc
 
 
 # ------------------------------------------------------------------------------------------ prepared calls
-PREPARED: dict[tuple, object] = {}
+PREPARED: dict[tuple, object] = prepared_table("MoE calls")
 
 
 def _remember(key: tuple | None, x, make_prepared) -> None:

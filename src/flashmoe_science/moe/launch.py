@@ -5,13 +5,13 @@ from typing import NamedTuple
 import torch
 
 from flashmoe_science.device import triton_interpreter_on
+from flashmoe_science.prepared_cache import prepared_table, remember
 from flashmoe_science.prepared_launch import PreparedLaunch
 
 # Every launch whose signature ran before goes through its PreparedLaunch instead of Triton's per-call binding
 # (tens of microseconds each: the backward's seven launches and the training forward's five made small-T layers
 # host-bound; docs/perf-notes.md). Bounded: each token count is a new signature (new grids).
-_PREPARED: dict[tuple, PreparedLaunch] = {}
-_PREPARED_MAX = 1024
+_PREPARED: dict[tuple, PreparedLaunch] = prepared_table("MoE kernel launches")
 
 
 class Launch(NamedTuple):
@@ -32,9 +32,7 @@ class Launch(NamedTuple):
             return
         self.kernel[self.grid](*self.args, **self.meta)
         if key is not None:
-            if len(_PREPARED) >= _PREPARED_MAX:
-                _PREPARED.clear()
-            _PREPARED[key] = self.prepare()
+            remember(_PREPARED, key, self.prepare())
 
     def signature(self) -> tuple | None:
         """Everything a PreparedLaunch freezes or Triton specialises on: the kernel, grid, constexprs and scalars

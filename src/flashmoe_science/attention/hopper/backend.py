@@ -46,7 +46,7 @@ from flashmoe_science.attention.tiles import AttentionTiles, autotune_enabled, p
 from flashmoe_science.device import device_traits
 from flashmoe_science.gluon.availability import plan_time_reason, run_gluon, unavailable_reason
 from flashmoe_science.gluon.target import ARCH
-from flashmoe_science.prepared_cache import SEEN_ONCE, remember, tensor_signature
+from flashmoe_science.prepared_cache import SEEN_ONCE, prepared_table, remember, tensor_signature
 
 # forward: odd head dims reach the kernel padded; the bias's gradient is the backward's
 FORWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen"})
@@ -84,7 +84,7 @@ def gluon_refusal() -> str | None:
 # The forward's launches per call signature (`HopperForward.prepared_key`): a call whose signature ran before skips
 # Triton's binding of its arguments (host time: docs/perf-notes.md). A signature is prepared on its second call
 # (prepared_cache.SEEN_ONCE marks the first).
-PREPARED_FORWARD: dict[tuple, object] = {}
+PREPARED_FORWARD: dict[tuple, object] = prepared_table("sm_90 attention forward launches")
 
 
 def varlen_batch(varlen, rows: int, mask, block_m: int, band: int = 1):
@@ -150,8 +150,7 @@ class HopperForward:
         """What a PreparedLaunch of this plan freezes from a call (prepared_cache.tensor_signature of every tensor,
         the mask, the scale), or None for calls it cannot repeat: ALiBi slopes, windows and softcaps are per-call
         arguments it would freeze."""
-        if (features.alibi_slopes is not None or features.attn_bias is not None or not features.mask.is_plain
-                or autotune_enabled()):
+        if not features.plain_scores or autotune_enabled():
             return None
         varlen = features.varlen
         tensors = (q, k, v, out, lse) if varlen is None else (q, k, v, out, lse, varlen.cu_seqlens_q,
@@ -333,9 +332,8 @@ class HopperBackward:
         (windows, softcaps, ALiBi slopes, a bias; the D=256 pair, fewer and larger problems, is not prepared)."""
         from flashmoe_science.attention.hopper.bwd_sm90 import PreparedBackward, is_deterministic, varlen_tensors
 
-        if (is_deterministic(q.shape[-1]) or not features.mask.is_plain or features.alibi_slopes is not None
-                or features.attn_bias is not None or autotune_enabled() or unavailable_reason() is not None
-                or not tma_compatible(grad_out)):
+        if (is_deterministic(q.shape[-1]) or not features.plain_scores or autotune_enabled()
+                or unavailable_reason() is not None or not tma_compatible(grad_out)):
             return None
         prepared = PreparedBackward(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale,
                                     deterministic=self.deterministic)

@@ -682,9 +682,8 @@ PADDED_STATS = ("lse_padded", "delta_padded")
 def _staged(q, lse, delta, features) -> bool:
     """Whether the one pass stages this call's lse and Δ (`tiles.sm90_backward_staged_stats`): a dense call's read
     by TMA as they are, a packed call's through their padded copies (`padded_stats`)."""
-    plain = features.mask.is_plain and features.alibi_slopes is None and features.attn_bias is None
     varlen = features.varlen is not None
-    return (sm90_backward_staged_stats(q.shape[-1], q.shape[2], varlen, plain, features.mask.causal)
+    return (sm90_backward_staged_stats(q.shape[-1], q.shape[2], varlen, features.plain_scores, features.mask.causal)
             and (varlen or tma_compatible(lse, delta)))
 
 
@@ -778,7 +777,7 @@ class PreparedBackward:
         features = as_features(features)
         if padded_head_dim(q.shape[-1]) == TWO_KERNEL_BLOCK_D:
             raise ValueError("PreparedBackward runs the one-pass kernel (head dims up to 128)")
-        if not features.mask.is_plain or features.alibi_slopes is not None or features.attn_bias is not None:
+        if not features.plain_scores:
             raise ValueError("PreparedBackward runs dense, causal and packed calls without window, softcap or ALiBi")
         # dq_accum flat, (B·Hq, Lq, BLOCK_D), as its reduce-add descriptor sees it: the descriptor is over the
         # tensor itself, so a new call's is the first call's rebased (PreparedLaunch without make_head)
