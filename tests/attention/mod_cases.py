@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from flashmoe_science.attention.mods import MaskMod, ScoreMod
+from flashmoe_science.bench.mask_mods import head_windows as head_window, prefix_lm  # the suite's masks, tested here
 
 
 @triton.jit
@@ -26,18 +27,6 @@ def document_window(b, h, q_idx, kv_idx, doc, WINDOW: tl.constexpr = 9):
 @triton.jit
 def document_window_mod(b, h, q_idx, kv_idx, doc):
     return document_window(b, h, q_idx, kv_idx, doc)  # a mod may call other jit functions
-
-
-@triton.jit
-def prefix_lm(b, h, q_idx, kv_idx, prefix):
-    """Keys in the batch row's prefix are seen by every query; the rest causally."""
-    return (kv_idx < tl.load(prefix + b)) | (kv_idx <= q_idx)
-
-
-@triton.jit
-def head_window(b, h, q_idx, kv_idx, windows):
-    """A sliding window whose width is a per-head table."""
-    return (kv_idx <= q_idx) & (q_idx - kv_idx <= tl.load(windows + h))
 
 
 @triton.jit
