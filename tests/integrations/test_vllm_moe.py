@@ -148,7 +148,8 @@ def test_the_default_backend_never_runs_the_host_synchronising_reference(monkeyp
 
 def test_moe_config_and_switches_import_no_vllm():
     code = ("import sys; import flashmoe_science.integrations.vllm.moe_config, "
-            "flashmoe_science.integrations.vllm.switches; assert 'vllm' not in sys.modules, 'vllm imported'")
+            "flashmoe_science.integrations.vllm.switches, flashmoe_science.integrations.engine_moe; "
+            "assert 'vllm' not in sys.modules and 'sglang' not in sys.modules, 'an engine imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env=_child_env())
 
 
@@ -222,11 +223,11 @@ module("vllm.platforms", current_platform=Platform())
 GLUE = '''
 from types import SimpleNamespace as NS
 import torch
-from flashmoe_science.integrations.vllm import moe_config
+from flashmoe_science.integrations import engine_moe
 from flashmoe_science.integrations.vllm.moe import FlashMoEUnquantizedMethod, register_moe
 from flashmoe_science.moe.reference import fused_experts_reference
 
-moe_config.BACKEND = "reference"  # the CPU: the PyTorch reference stands in for the Triton kernels
+engine_moe.BACKEND = "reference"  # the CPU: the PyTorch reference stands in for the Triton kernels
 
 def fused_moe_config(activation="silu", ep_size=1):
     parallel = NS(tp_size=1, dp_size=1, pcp_size=1, ep_size=ep_size, use_ep=ep_size > 1, is_sequence_parallel=False,

@@ -4,16 +4,20 @@
 SGLang runs `register` in each of its processes (the launcher or ``Engine``, before the arguments are parsed, and each
 scheduler process, where the forwards run). It registers the attention backend ``flashmoe``, chosen with
 ``python -m sglang.launch_server --attention-backend flashmoe --page-size 16 ...`` or
-``sglang.Engine(..., attention_backend="flashmoe", page_size=16)``. On an SGLang release outside the supported range
-it registers nothing and logs one line saying so. `register` imports SGLang's registry and argument modules,
-``backend`` its model-side classes, ``metadata`` nothing of SGLang.
+``sglang.Engine(..., attention_backend="flashmoe", page_size=16)``; where ``FLASHMOE_SCIENCE_SGLANG_MOE=1``, also the
+fused MoE for unquantized MoE layers (``moe``). On an SGLang release outside the supported range it registers nothing
+and logs one line saying so. `register` imports SGLang's registry and argument modules, ``backend`` and ``moe`` its
+model-side classes, ``metadata`` nothing of SGLang.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 NAME = "flashmoe"
+# "1": `register` replaces SGLang's method for unquantized MoE layers by ours (integrations/sglang/moe.py)
+MOE_SWITCH = "FLASHMOE_SCIENCE_SGLANG_MOE"
 
 logger = logging.getLogger(__name__)
 
@@ -40,3 +44,7 @@ def register() -> None:
         add_attention_backend_choices([NAME])
     if NAME not in ATTENTION_BACKENDS:
         register_attention_backend(NAME)(create_backend)
+    if os.environ.get(MOE_SWITCH, "0") == "1":
+        from flashmoe_science.integrations.sglang.moe import register_moe
+
+        register_moe()
