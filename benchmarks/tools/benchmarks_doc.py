@@ -239,12 +239,20 @@ def render_training_demo(folder: Path) -> tuple[str, str]:
     return heading, body
 
 
-def render_vllm(data: Mapping, path: Path) -> str:
-    """tokens/s (prompt + generated) and generated tokens/s per model and workload, one column per backend."""
+# the serving engines' backends, ours first; each ratio is ours against the first baseline the run holds
+ENGINE_BACKENDS = ("flashmoe", "flashmoe-attn", "flashmoe-fp8", "vllm-fa3", "vllm-fa3-fp8", "vllm-triton",
+                   "sglang-triton")
+ENGINE_RATIOS = (("flashmoe", "vllm-fa3"), ("flashmoe", "sglang-triton"), ("flashmoe-fp8", "flashmoe"))
+
+
+def render_engine(data: Mapping, path: Path) -> str:
+    """vLLM's and SGLang's generate runs: tokens/s (prompt + generated) and generated tokens/s per model and workload,
+    one column per backend."""
     records = data["records"]
-    order = ("flashmoe", "flashmoe-attn", "flashmoe-fp8", "vllm-fa3", "vllm-fa3-fp8", "vllm-triton")
-    ratios = [("flashmoe", "vllm-fa3")] if {"flashmoe", "vllm-fa3"} <= {r["backend"] for r in records} else []
-    return "\n\n".join(f"**{label}**\n\n" + pivot_table(records, ("model", "case"), key, order, ratios, digits=0)
+    present = {r["backend"] for r in records}
+    ratios = [pair for pair in ENGINE_RATIOS if set(pair) <= present]
+    return "\n\n".join(f"**{label}**\n\n" + pivot_table(records, ("model", "case"), key, ENGINE_BACKENDS, ratios,
+                                                          digits=0)
                        for key, label in (("tokens_per_s", "tokens/s, prompt + generated"),
                                           ("output_tokens_per_s", "generated tokens/s")))
 
@@ -252,7 +260,7 @@ def render_vllm(data: Mapping, path: Path) -> str:
 RENDERERS: dict[str, Callable[[Mapping, Path], str]] = {
     "attention": render_attention, "ladder": render_attention, "moe": render_moe, "attention-features": render_features,
     "attention-mask-mod": render_features,
-    "decode": render_decode, "vllm-generate": render_vllm,
+    "decode": render_decode, "vllm-generate": render_engine, "sglang-generate": render_engine,
 }
 TITLES = {"attention": "Attention", "moe": "MoE layer", "attention-features": "Masks and packed sequences",
           "attention-mask-mod": "User masks (mask_mod) against FlexAttention",
@@ -264,7 +272,8 @@ TITLES = {"attention": "Attention", "moe": "MoE layer", "attention-features": "M
           "hf-model": "Hugging Face models: our attention (and MoE layer) swapped in, against SDPA",
           "megatron-step-diff": "One training step in Megatron-core, layer by layer, against float64",
           "ladder": "The ladder, from a CPU loop to the Hopper kernel (docs/ladder.md)",
-          "vllm-generate": "vLLM serving on our kernels (docs/vllm.md)"}
+          "vllm-generate": "vLLM serving on our kernels (docs/vllm.md)",
+          "sglang-generate": "SGLang serving on our kernels (docs/sglang.md)"}
 SELF_HEADED = ("attention", "ladder", "moe")
 KIND_ORDER = ("attention", "ladder", "groups", "attention-features", "attention-mask-mod", "decode", "moe",
               "ring-step-overlap", "supercon", "supercon-baselines")

@@ -34,7 +34,9 @@ def _pool(seq_lens, page_size, dtype=torch.float32, seed=0, device="cpu", hq=HQ,
     rows = num_pages * page_size
     k_buffer = torch.randn(rows, hkv, d, generator=g).to(device, dtype)
     v_buffer = torch.randn(rows, hkv, d, generator=g).to(device, dtype)
-    req_to_token = torch.randint(0, rows, (MAX_REQS, CONTEXT), generator=g, dtype=torch.int32)
+    # columns past the longest request and not a multiple of a page: the GPU cases hold up to 32k keys
+    context = max(CONTEXT, max(seq_lens, default=0) + 7)
+    req_to_token = torch.randint(0, rows, (MAX_REQS, context), generator=g, dtype=torch.int32)
     free = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
     req_pool_indices = torch.randperm(MAX_REQS, generator=g)[:len(seq_lens)]
     for idx, n in zip(req_pool_indices.tolist(), seq_lens):
