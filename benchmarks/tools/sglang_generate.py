@@ -2,8 +2,9 @@
 
   python benchmarks/tools/sglang_generate.py bench --out DIR [--models llama8b,qwen3moe] [--backends ...] [--cases ...]
 
-Backends: ``flashmoe`` (this package's ``flashmoe`` attention backend, pages of 16 tokens), ``sglang-triton``
-(SGLang's ``triton`` backend with SGLang's default page size). The models and workloads are vLLM's benchmark's
+Backends: ``flashmoe`` (this package's ``flashmoe`` attention backend, pages of 16 tokens; on MoE models our fused MoE
+too, ``FLASHMOE_SCIENCE_SGLANG_MOE=1``), ``flashmoe-attn`` (our attention, SGLang's MoE), ``sglang-triton`` (SGLang's
+``triton`` backend with SGLang's default page size and its own MoE). The models and workloads are vLLM's benchmark's
 (``engine_workloads.py``): random weights (``load_format="dummy"``), token-id prompts, greedy, ``ignore_eos``, SGLang's
 defaults otherwise (decode CUDA graphs, breakable prefill graphs), torch sampling in every backend. Records:
 ``op: "sglang-generate"``, model, case, backend, tokens_per_s (prompt + generated), output_tokens_per_s; the envelope
@@ -23,13 +24,19 @@ import time
 
 from engine_workloads import MAX_MODEL_LEN, MODELS, workload
 
-BACKENDS = {  # name -> Engine settings beyond the shared ones
-    "flashmoe": dict(attention_backend="flashmoe", page_size=16),
-    "sglang-triton": dict(attention_backend="triton"),
+from flashmoe_science.integrations.sglang import MOE_SWITCH
+
+BACKENDS = {  # name -> (Engine settings beyond the shared ones, our MoE)
+    "flashmoe": (dict(attention_backend="flashmoe", page_size=16), True),
+    "flashmoe-attn": (dict(attention_backend="flashmoe", page_size=16), False),
+    "sglang-triton": (dict(attention_backend="triton"), False),
 }
 
 
 def _worker(spec: dict) -> list[dict]:
+    settings, our_moe = BACKENDS[spec["backend"]]
+    if our_moe:  # read by the plugin in SGLang's scheduler processes, which inherit the environment
+        os.environ[MOE_SWITCH] = "1"
     import sglang
     import torch
 
@@ -40,7 +47,7 @@ def _worker(spec: dict) -> list[dict]:
     engine = sglang.Engine(model_path=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                            context_length=MAX_MODEL_LEN, sampling_backend="pytorch", random_seed=0,
                            mem_fraction_static=spec.get("memory", 0.85), log_level="warning",
-                           **BACKENDS[spec["backend"]])
+                           **settings)
     init_s = time.time() - started
     records = []
     try:
@@ -55,7 +62,7 @@ def _worker(spec: dict) -> list[dict]:
             generated = sum(len(o["output_ids"]) for o in outs)
             prompt_tokens = sum(len(p) for p in prompts)
             record = dict(op="sglang-generate", model=spec["model"], case=case, backend=spec["backend"],
-                          **BACKENDS[spec["backend"]], seconds=seconds, engine_start_s=init_s, prompts=len(prompts),
+                          **settings, our_moe=our_moe, seconds=seconds, engine_start_s=init_s, prompts=len(prompts),
                           prompt_tokens=prompt_tokens, output_tokens=generated,
                           tokens_per_s=(prompt_tokens + generated) / seconds, output_tokens_per_s=generated / seconds)
             records.append(record)
@@ -96,6 +103,8 @@ def bench(out: str, models: list[str], backends: list[str], cases: list[str], na
     with open(os.path.join(out, f"sglang-generate-{name}.log"), "w") as log:
         for model in models:
             for backend in backends:
+                if backend == "flashmoe-attn" and "num_experts" not in MODELS[model]:
+                    continue
                 spec = dict(model=model, config=MODELS[model], backend=backend, cases=cases)
                 records += _spawn(spec, log)
                 json.dump(_envelope(records), open(path, "w"), indent=1)
