@@ -1,7 +1,8 @@
 """The shape of the package, checked from its source: no import circle under src/; no module outside the architecture
 packages names an architecture (the device's is read in device.py, the families listed in architectures.py: a new
-architecture is a backend package plus its entries there); the custom ops imported by the front doors that call
-them; the e4m3 format's constants written once."""
+architecture is a backend package plus its entries there); the portable Triton family (attention/triton/) and the
+architecture packages apart but for its backend module; the custom ops imported by the front doors that call them;
+the e4m3 format's constants written once."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ ARCHITECTURE_PACKAGES = ("attention/hopper/", "moe/hopper/", "gluon/", "attentio
 # the CLI. Not even their comments name an architecture (docstrings excepted: they tell a user which kernels run).
 GENERIC = [f"attention/{name}.py" for name in (
     "api", "call", "plan", "problem", "autograd", "tiles", "features", "checks", "varlen", "fp8", "ops",
-    "record", "reference", "reference_backend", "triton_backend")] + [
+    "record", "reference", "reference_backend", "triton/backend")] + [
     f"attention/decode/{name}.py" for name in (
         "__init__", "api", "call", "checks", "dense_backend", "launch", "ops", "plan", "problem", "reference",
         "reference_backend", "tiles", "triton_backend")] + [
@@ -143,6 +144,28 @@ def test_no_module_outside_the_architecture_packages_names_one_in_code():
     offending = [line for relative in _modules() if not relative.startswith(ARCHITECTURE_PACKAGES)
                  for line in _architecture_words(relative, code)]
     assert not offending, "\n".join(offending)
+
+
+def test_the_portable_triton_family_and_the_architecture_packages_keep_apart():
+    """attention/triton/ (the portable family) imports no architecture package; an architecture package reaches it
+    only through its backend module (hopper/backend.py takes the bias gradient's buffer from it), never a kernel
+    module; the Triton kernel modules import `common`, never one another (the backend imports them)."""
+    graph = _graph()
+    portable = f"{PACKAGE}.attention.triton"
+    architectures = tuple(f"{PACKAGE}.{relative.rstrip('/').removesuffix('.py').replace('/', '.')}"
+                          for relative in ARCHITECTURE_PACKAGES)
+
+    def within(module, prefixes):
+        return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+    offending = [f"{name} -> {m}" for name, imports in graph.items() for m in imports if (
+        within(name, (portable,)) and within(m, architectures)
+        or within(name, architectures) and within(m, (portable,)) and m not in (portable, f"{portable}.backend")
+        or within(name, (portable,)) and name not in (portable, f"{portable}.backend") and within(m, (portable,))
+        and m not in (portable, f"{portable}.common"))]
+    assert not offending, "\n".join(offending)
+    assert f"{portable}.common" in graph[f"{portable}.fwd"] and f"{portable}.backend" in graph[
+        f"{PACKAGE}.attention.hopper.backend"]
 
 
 def test_the_device_architecture_is_read_in_device_py():

@@ -157,7 +157,7 @@ def _hopper_plan(strict=False, fallback=None):
 
 
 def test_attention_forward_falls_back_to_the_triton_kernel(monkeypatch):
-    from flashmoe_science.attention import triton_backend, triton_fwd
+    from flashmoe_science.attention.triton import backend as triton_backend, fwd as triton_fwd
     from flashmoe_science.attention.features import PLAIN
     from flashmoe_science.attention.hopper import fwd_sm90
 
@@ -187,13 +187,13 @@ def test_attention_forward_strict_raises(monkeypatch):
 
 
 def test_attention_backward_falls_back_to_the_triton_kernels(monkeypatch):
-    from flashmoe_science.attention import triton_bwd
+    from flashmoe_science.attention.triton import bwd as triton_bwd
     from flashmoe_science.attention.autograd import _KernelAttention
     from flashmoe_science.attention.features import PLAIN
     from flashmoe_science.attention.hopper import backend
     from flashmoe_science.attention.plan import Plan
     from flashmoe_science.attention.problem import dense_problem
-    from flashmoe_science.attention.triton_backend import TritonBackward
+    from flashmoe_science.attention.triton.backend import TritonBackward
     from flashmoe_science.attention.tiles import backward_tiles
     from flashmoe_science.backends import Choice
     from flashmoe_science.device import INTERPRETER_TRAITS

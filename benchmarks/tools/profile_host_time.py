@@ -182,7 +182,7 @@ def attn_bwd_cpu_main(shape=(1, 2, 128, 64), causal=True, n=2000):
     from flashmoe_science.attention.features import as_features
     from flashmoe_science.attention.hopper import backend, bwd_sm90
     from flashmoe_science.attention.tiles import backward_tiles
-    from flashmoe_science.attention.triton_backend import TritonBackward
+    from flashmoe_science.attention.triton.backend import TritonBackward
     from flashmoe_science.device import INTERPRETER_TRAITS
 
     class NoLaunch:  # a CompiledKernel whose launch does nothing

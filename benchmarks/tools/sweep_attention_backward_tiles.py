@@ -5,7 +5,7 @@
 
 Per case (bf16, non-causal and causal) it times the backward of sdpa-cudnn and sdpa-flash as the benchmark does
 (bench/attention.py: one forward, then `out.backward(dout, retain_graph=True)` under `cuda_median_ms`), and ours
-called directly through `triton_bwd.attention_backward` (no autograd) for every candidate of
+called directly through `triton.bwd.attention_backward` (no autograd) for every candidate of
 - the fused path: the dK/dV kernel with dQ fused (with the preprocess and dQ convert: the whole backward);
 - the two-pass path: the dK/dV kernel alone and the dQ kernel alone (each with the preprocess); the best pair is
   then timed together, as a whole two-pass backward.
@@ -31,7 +31,7 @@ import time
 import torch
 import triton
 
-from flashmoe_science.attention import triton_bwd
+from flashmoe_science.attention.triton import bwd as triton_bwd
 from flashmoe_science.attention.tiles import (
     AttentionTiles,
     BackwardTiles,

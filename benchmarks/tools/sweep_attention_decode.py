@@ -1,4 +1,4 @@
-"""Sweep the attention decode kernel's tiles and split counts (attention/triton_decode.py) under CUDA graphs: the
+"""Sweep the attention decode kernel's tiles and split counts (attention/triton/decode.py) under CUDA graphs: the
 data behind attention.decode.tiles.decode_tiles and choose_num_splits.
 
     PYTHONPATH=src python benchmarks/tools/sweep_attention_decode.py [--kv bf16|fp8|chunk] [--budget-s 100]

@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashmoe_science.attention.tiles import AttentionTiles, forward_smem_bytes, smem_budget
 from flashmoe_science.device import device_traits
-from flashmoe_science.attention import triton_fwd
+from flashmoe_science.attention.triton import fwd as triton_fwd
 from flashmoe_science.attention.hopper import fwd_sm90
 from flashmoe_science.bench.attention import AttentionShape, attention_flops, cuda_median_ms
 from sass_tools import sass_counts

@@ -27,7 +27,7 @@ from flashmoe_science.attention.fp8 import fp8_problem
 from flashmoe_science.attention.hopper.backend import fp8_forward_plan
 from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90_fp8
 from flashmoe_science.attention.hopper.tiles import sm90_fp8_smem_bytes
-from flashmoe_science.attention.triton_backend import TritonFp8Forward
+from flashmoe_science.attention.triton.backend import TritonFp8Forward
 from flashmoe_science.device import device_traits
 
 DEFAULT_SHAPES = "1x16x16384x128,1x8x16384x256"

@@ -174,7 +174,7 @@ def test_triton_backward_is_deterministic():
 
 def _recorded_backward_calls(monkeypatch):
     """Record each attention_backward call's dq_accum (None: the two-pass path) and gradient arguments."""
-    from flashmoe_science.attention import triton_bwd
+    from flashmoe_science.attention.triton import bwd as triton_bwd
 
     calls = []
     launch = triton_bwd.attention_backward
@@ -227,7 +227,7 @@ def test_triton_backward_paths_write_every_element(hq, hkv, lq, lk, d, causal):
     # The launcher directly, both paths, NaN-poisoned gradients and workspace: every element must be written (the
     # fused path zeroes its workspace itself), and both paths must match float64. A 64-row fused tile puts the
     # query rows on the dQ product's M side (the interpreter's 16-row tiles put the head dim there).
-    from flashmoe_science.attention.triton_bwd import attention_backward
+    from flashmoe_science.attention.triton.bwd import attention_backward
 
     b, scale = 2, 0.3
     q, grad_out = torch.randn(b, hq, lq, d), torch.randn(b, hq, lq, d)

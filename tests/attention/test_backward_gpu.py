@@ -132,7 +132,7 @@ def test_fused_path_on_the_gpu(hq, hkv, d, causal):
     """The fused single pass, launched directly: gradients vs float64, dK/dV bit-identical run to run, dQ (float32
     atomics in arrival order) within rounding of the two-pass dQ."""
     from flashmoe_science.attention.tiles import AttentionTiles, BackwardTiles, backward_tiles, padded_head_dim
-    from flashmoe_science.attention.triton_bwd import attention_backward
+    from flashmoe_science.attention.triton.bwd import attention_backward
     from flashmoe_science.device import device_traits
 
     q, k, v, grad_out = _inputs(2, hq, hkv, 1000, 1000, d, torch.bfloat16)

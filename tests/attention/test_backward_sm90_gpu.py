@@ -252,7 +252,7 @@ def test_deterministic_plain_causal_stays_on_triton(d):
     """deterministic=True under a plain causal mask: the sm_90 backend refuses (its ordered dQ adds trail block 0's
     walk over every query tile) and the Triton two passes run, bit-identical in every gradient and right against
     float64."""
-    (q, k, v, grad_out), runs = _repeated_backward(d, 2, ("triton", "triton_bwd.attention_backward"), causal=True,
+    (q, k, v, grad_out), runs = _repeated_backward(d, 2, ("triton", "triton.bwd.attention_backward"), causal=True,
                                                    deterministic=True)
     assert_grads_close(runs[0], q, k, v, grad_out, True, None)
     for a, b in zip(*runs):

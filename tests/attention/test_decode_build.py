@@ -16,7 +16,7 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 
 from decode_helpers import make_case  # noqa: E402
 from flashmoe_science.attention.tiles import forward_tiles  # noqa: E402
-from flashmoe_science.attention import triton_decode  # noqa: E402
+from flashmoe_science.attention.triton import decode as triton_decode  # noqa: E402
 from flashmoe_science.attention.decode import checks, triton_backend  # noqa: E402
 from flashmoe_science.attention.decode import problem as decode_problem  # noqa: E402
 from flashmoe_science.attention.decode.tiles import decode_tiles  # noqa: E402

@@ -13,7 +13,8 @@ import torch
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     pytest.skip("compiles for sm_90; the interpreter runs the kernels elsewhere", allow_module_level=True)
 
-from flashmoe_science.attention import bwd_prep, triton_bwd, triton_fwd  # noqa: E402
+from flashmoe_science.attention import bwd_prep  # noqa: E402
+from flashmoe_science.attention.triton import bwd as triton_bwd, fwd as triton_fwd  # noqa: E402
 from flashmoe_science.attention.features import CallFeatures, Varlen  # noqa: E402
 from flashmoe_science.attention.mask import make_mask  # noqa: E402
 from flashmoe_science.attention.tiles import backward_tiles, forward_tiles  # noqa: E402

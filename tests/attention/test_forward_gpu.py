@@ -18,7 +18,7 @@ from flashmoe_science.attention.hopper.tiles import sm90_cross_item_safe, sm90_s
 from flashmoe_science.attention.tiles import AttentionTiles, forward_tiles
 from flashmoe_science.device import device_traits
 from flashmoe_science.gluon.target import ARCH
-from flashmoe_science.attention.triton_fwd import attention_forward
+from flashmoe_science.attention.triton.fwd import attention_forward
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.bfloat16, torch.float16]
@@ -165,7 +165,7 @@ def test_sm90_work_sharing(num_ctas, block_n, causal, q_buffers, cross_item, con
 @pytest.mark.parametrize("causal", [False, True])
 def test_autotune_mode(monkeypatch, causal):
     """FLASHMOE_AUTOTUNE=1: the Triton kernel searches tiles.forward_search_space, and stays exact."""
-    from flashmoe_science.attention.triton_fwd import _autotuned_kernel
+    from flashmoe_science.attention.triton.fwd import _autotuned_kernel
 
     monkeypatch.setenv("FLASHMOE_AUTOTUNE", "1")
     q, k, v = _inputs(2, 4, 2, 300, 333, 64, torch.bfloat16)

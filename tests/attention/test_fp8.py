@@ -1,4 +1,4 @@
-"""FP8 attention (attention/fp8.py, triton_fp8.py): checks, quantisation, the Hadamard rotation, and accuracy
+"""FP8 attention (attention/fp8.py, attention/triton/fp8.py): checks, quantisation, the Hadamard rotation, and accuracy
 against float64 — on the CPU through the dequantised path, on the GPU through the e4m3 kernel."""
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def _fp8_plan(inputs, causal, kernel, schedule=None):
 
     from flashmoe_science.attention.fp8 import fp8_problem
     from flashmoe_science.attention.hopper.backend import HopperFp8Forward, fp8_forward_plan
-    from flashmoe_science.attention.triton_backend import TritonFp8Forward
+    from flashmoe_science.attention.triton.backend import TritonFp8Forward
 
     problem = fp8_problem(*inputs, causal=causal, softmax_scale=None, backend="auto")
     if kernel == "triton":
@@ -237,13 +237,13 @@ def test_gpu_hadamard_cuts_the_error_of_outlier_channels():
 
 def test_e4m3_forward_builds_for_sm90_offline():
     """The e4m3 Triton forward compiles for sm_90 without a GPU (meta tensors; ptxas ships with triton): catches a
-    drift of the shared building blocks it calls (triton_common.online_softmax_step, mask.visible) on the CPU."""
+    drift of the shared building blocks it calls (triton.common.online_softmax_step, mask.visible) on the CPU."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import mangle_type
 
-    from flashmoe_science.attention.triton_fp8 import _fp8_forward_kernel, fp8_tiles
+    from flashmoe_science.attention.triton.fp8 import _fp8_forward_kernel, fp8_tiles
     from flashmoe_science.attention.layout import tma_descriptor
     from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -15,7 +15,8 @@ import torch
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     pytest.skip("launchers are stubbed here; the interpreter runs the real kernels elsewhere", allow_module_level=True)
 
-from flashmoe_science.attention import layout, triton_fwd  # noqa: E402
+from flashmoe_science.attention import layout  # noqa: E402
+from flashmoe_science.attention.triton import fwd as triton_fwd  # noqa: E402
 from flashmoe_science.attention.hopper.tiles import (  # noqa: E402
     SM90_THREE_CONSUMER_CAUSAL_LEN,
     SM90_PERSISTENT_LONG_CAUSAL_LEN,
@@ -771,7 +772,7 @@ def test_sm90_launcher_rejects_an_output_tma_cannot_store():
 
 def test_triton_plan_drops_tma_for_strides_tma_cannot_take(monkeypatch):
     """The plan decides TMA once (the launcher trusts it): on Hopper traits, misaligned strides get pointers."""
-    from flashmoe_science.attention import triton_backend
+    from flashmoe_science.attention.triton import backend as triton_backend
     from flashmoe_science.attention.plan import plan_attention
     from flashmoe_science.attention.problem import dense_problem
 

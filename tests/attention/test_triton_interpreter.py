@@ -3,7 +3,7 @@
 When triton reads TRITON_INTERPRET (triton 3.6): at decoration time. `@triton.jit` checks
 `knobs.runtime.interpret` (os.environ, read on each access) when it wraps a function, so the decision is made
 once per function: for triton's own `tl.max`, `tl.sum`, ... (jit functions in triton/language/standard.py) when
-triton is imported, and for our kernels when `flashmoe_science.attention.triton_fwd` is imported. An interpreted
+triton is imported, and for our kernels when `flashmoe_science.attention.triton.fwd` is imported. An interpreted
 kernel that calls a compiled `tl.max` fails ("Cannot call @triton.jit'd outside of the scope of a kernel"), so
 the variable must be set before the first `import triton` of the process. Setting it at the top of this module is
 not enough (any module collected earlier may have imported triton) and not safe (it would leak into every later
@@ -54,7 +54,7 @@ def _interpreter_only(request):
         return
     import triton.language as tl
 
-    import flashmoe_science.attention.triton_fwd as module
+    import flashmoe_science.attention.triton.fwd as module
 
     assert _interpreted(tl.max) and _interpreted(module._attention_forward_kernel), (
         "triton was imported before TRITON_INTERPRET=1 was set; set it before the process starts"
@@ -64,7 +64,7 @@ def _interpreter_only(request):
 
 @pytest.fixture
 def triton_fwd():
-    import flashmoe_science.attention.triton_fwd as module
+    import flashmoe_science.attention.triton.fwd as module
 
     return module
 
@@ -253,8 +253,8 @@ def test_bf16_interpreter_dot_is_broken():
 def test_64bit_row_offsets_give_the_same_results(monkeypatch, causal):
     """The ROW64 variant of every Triton kernel (taken for rows past 2**31 elements, see needs_64bit_rows; too
     large for the interpreter) computes exactly what the 32-bit one does, forward and backward."""
-    import flashmoe_science.attention.triton_bwd as triton_bwd
-    import flashmoe_science.attention.triton_fwd as triton_fwd
+    import flashmoe_science.attention.triton.bwd as triton_bwd
+    import flashmoe_science.attention.triton.fwd as triton_fwd
 
     q, k, v = make_qkv((1, 4, 37, 32), (1, 2, 45, 32), torch.float32)
     grad = randn(1, 4, 37, 32)

@@ -49,7 +49,7 @@ def test_backward_kernels_take_the_packed_totals_not_the_longest_lengths(over_qu
 
 
 def test_triton_forward_takes_the_packed_totals_and_sizes_its_grid_by_the_longest():
-    from flashmoe_science.attention import triton_fwd
+    from flashmoe_science.attention.triton import fwd as triton_fwd
     from flashmoe_science.attention.tiles import AttentionTiles
 
     q = torch.empty(1, 4, 1000, 64, dtype=torch.float16, device="meta")

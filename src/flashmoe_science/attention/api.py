@@ -84,7 +84,7 @@ def flash_attention_science(
             scores, as flash-attn. The slopes get no gradient (a slope tensor requiring grad is refused).
         attn_bias: an additive float bias broadcastable to `q.shape[:-1] + (Lk,)` ((B, H, Lq, Lk) for 4-D q),
             added last; it gets a gradient when it requires grad (memory O(bias); see
-            `triton_backend.bias_grad_buffer`). Read through stride-0 dims where it broadcasts (no copy); on Hopper
+            `triton.backend.bias_grad_buffer`). Read through stride-0 dims where it broadcasts (no copy); on Hopper
             by TMA tiles beside K where its query and key dims are its own with 16-byte aligned rows, else by
             masked loads (the forward; the backward then runs the Triton kernels).
         return_lse: also return the natural-log log-sum-exp of the (modified) scaled scores, float32

@@ -109,7 +109,7 @@ class _KernelAttention(torch.autograd.Function):
     """Forward through `plan.forward`, backward through the call's `BackwardPlan` (decided here, in the forward;
     a repeated call's `recorded` brings both, its prepared forward launch and its BackwardPlan).
     Keeps the inputs, out and lse (O(L) memory; the bias's gradient is O(bias), see
-    `triton_backend.bias_grad_buffer`), the BackwardPlan and the features (a packed call's cu_seqlens are per
+    `triton.backend.bias_grad_buffer`), the BackwardPlan and the features (a packed call's cu_seqlens are per
     call). `bias` is `features.attn_bias`, passed on its own so autograd sees it."""
 
     @staticmethod

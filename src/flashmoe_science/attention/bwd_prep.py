@@ -19,7 +19,7 @@ import triton.language as tl
 
 from flashmoe_science.attention.seqlen import padded_row_start
 from flashmoe_science.attention.tiles import padded_head_dim
-from flashmoe_science.attention.triton_common import load_tile
+from flashmoe_science.attention.triton.common import load_tile
 
 # Elements per program of the row-wise kernels: ~64 fp32 values per thread at 4 warps.
 ROW_KERNEL_ELEMENTS = 8192

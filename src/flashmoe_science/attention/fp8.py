@@ -85,7 +85,7 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, hadamard:
     if hadamard and (d & (d - 1) or d < 2):
         raise ValueError(f"quantize_fp8: hadamard=True needs a power-of-two head dim, got {d}")
     if q.is_cuda:
-        from flashmoe_science.attention.triton_fp8 import quantize_slabs
+        from flashmoe_science.attention.triton.fp8 import quantize_slabs
 
         group = q.shape[1] // k.shape[1]
         q8, qd = quantize_slabs(q, group, hadamard, transpose=False)

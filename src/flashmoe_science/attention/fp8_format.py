@@ -1,5 +1,5 @@
 """The FP8 (e4m3) number format as the attention kernels use it, shared by the front door (fp8.py) and the kernels
-(triton_fp8.py, triton_decode.py): the largest finite value a scale maps onto (the package's ``fp8_format``), and
+(triton/fp8.py, triton/decode.py): the largest finite value a scale maps onto (the package's ``fp8_format``), and
 the fixed random signs of the Hadamard rotation (see fp8.py's docstring for the rotation)."""
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from flashmoe_science.attention.features import CallFeatures
 from flashmoe_science.attention.mask import make_mask
 from flashmoe_science.attention.problem import AttentionProblem
 from flashmoe_science.attention.reference_backend import REFERENCE
-from flashmoe_science.attention.triton_backend import TRITON, TRITON_FP8
+from flashmoe_science.attention.triton.backend import TRITON, TRITON_FP8
 from flashmoe_science.backends import Choice, NoBackend, choose
 from flashmoe_science.device import triton_interpreter_on
 

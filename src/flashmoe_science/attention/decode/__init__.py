@@ -24,7 +24,7 @@ decoding, thousands for a chunked prefill) to a KV cache, contiguous ``(B_cache,
   one value for all heads; a cache value times its scale is the key or value, vLLM's and FlashInfer's
   convention). New keys and values are appended as e4m3 of value / scale, saturated at +-448.
 
-The cache kernel (`triton_decode`) serves every query count: its row tiles pack (token, query head of a KV head)
+The cache kernel (`triton/decode.py`) serves every query count: its row tiles pack (token, query head of a KV head)
 pairs, one tile for a decode step's group, many for a prefill chunk, whose tiles are the dense forward's
 (`attention.tiles.forward_tiles`). The packed-query form (`cache_varlen_call`) is the paged path of
 `flash_attention_varlen`. A prefill chunk on a contiguous cache, beyond a decode step's tile and with nothing but what the dense forward

@@ -43,7 +43,7 @@ def dense_chunk(q, k_cache, v_cache, ends, problem: DecodeProblem):
 
     import triton
 
-    from flashmoe_science.attention import triton_decode as kernels
+    from flashmoe_science.attention.triton import decode as kernels
 
     batch, lq, hq, d = q.shape
     lmax, mask = problem.capacity, problem.mask

@@ -1,4 +1,4 @@
-"""What the cache kernels share (`triton_decode`): their launch arguments (`LaunchArgs`), the append of new keys and
+"""What the cache kernels share (`triton/decode.py`): their launch arguments (`LaunchArgs`), the append of new keys and
 values (rotated, quantised; `append_new_tokens`) that the Triton cache kernels and a dense chunk both run first, and
 the rule for where the Triton kernels can run at all (`kernel_refusal`)."""
 
@@ -50,7 +50,7 @@ class LaunchArgs:
 def append_new_tokens(call: CacheCall, problem: DecodeProblem, args: LaunchArgs) -> torch.Tensor:
     """Writes k_new/v_new into the cache (rotated, quantised) where given; returns the queries to attend with (q
     rotated into a new tensor when rotary applies, else q)."""
-    from flashmoe_science.attention import triton_decode as kernels
+    from flashmoe_science.attention.triton import decode as kernels
 
     q = call.q
     if call.k_new is None:

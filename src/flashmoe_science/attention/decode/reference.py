@@ -79,7 +79,7 @@ def decode_reference(q, k_cache, v_cache, cache_seqlens, problem: DecodeProblem,
                      cache_starts=None, cache_batch_idx=None, cu_seqlens_q=None, k_scale=None, v_scale=None):
     """Append (in place), gather each sequence's keys, attend: (out in q's layout and dtype, lse (B, Hq, Lq), or
     (Hq, total_q) for packed queries (cu_seqlens_q)), computed in float32 (float64 for float64). A sequence whose
-    values are out of range (`triton_decode`'s rules) gets NaN, as in the kernels."""
+    values are out of range (`triton/decode.py`'s rules) gets NaN, as in the kernels."""
     batch = problem.batch
     ends = torch.as_tensor(cache_seqlens).expand(batch).to("cpu", torch.int64)
     starts = cache_starts.to("cpu", torch.int64) if cache_starts is not None else torch.zeros_like(ends)

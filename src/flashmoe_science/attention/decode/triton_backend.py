@@ -1,5 +1,5 @@
 """The Triton decode family: the split-KV cache kernel over `splits` key splits per sequence, with the append before
-it and the LSE combine after it (`triton_decode`); its tiles and splits come from `decode/tiles.py`."""
+it and the LSE combine after it (`triton/decode.py`); its tiles and splits come from `decode/tiles.py`."""
 
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ from flashmoe_science.device import device_traits, dot_precision, on_another_cud
 
 @dataclass(frozen=True)
 class TritonDecode:
-    """The Triton cache kernels (triton_decode): the append (with rotary, quantisation) where new keys come, the
+    """The Triton cache kernels (triton/decode.py): the append (with rotary, quantisation) where new keys come, the
     split-KV attention with `splits` key splits per sequence, and the LSE combine where splits > 1."""
 
     tiles: DecodeTiles
     splits: int
     backend = "triton"
-    kernel = "triton_decode._decode_kernel"
+    kernel = "triton.decode._decode_kernel"
 
     def run(self, call: CacheCall, problem: DecodeProblem):
         # Triton launches on the current device: make it q's
@@ -34,7 +34,7 @@ class TritonDecode:
 
 
 def _launch(call: CacheCall, problem: DecodeProblem, tiles: DecodeTiles, splits: int):
-    from flashmoe_science.attention import triton_decode as kernels
+    from flashmoe_science.attention.triton import decode as kernels
 
     q, k_cache, v_cache = call.q, call.k_cache, call.v_cache
     hq, d = problem.num_q_heads, problem.head_dim

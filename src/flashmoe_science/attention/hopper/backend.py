@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashmoe_science.attention import triton_backend
+from flashmoe_science.attention.triton import backend as triton_backend
 from flashmoe_science.attention.features import FEATURES
 from flashmoe_science.attention.layout import bias_tma_view, tma_compatible
 from flashmoe_science.attention.hopper.tiles import (

@@ -325,7 +325,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
 
 # ---------------------------------------------------------------------------------------------------- host side
 def check_features(features) -> None:
-    """Raise ValueError for a feature these kernels do not take (the caller runs triton_bwd instead)."""
+    """Raise ValueError for a feature these kernels do not take (the caller runs triton/bwd.py instead)."""
     if features.attn_bias is not None:
         raise ValueError("the sm_90 backward takes no attn_bias (the Triton backward does)")
 

@@ -1,7 +1,7 @@
 """Attention backward for Hopper (sm_90) in Gluon: one pass for dK, dV and dQ, FA3's work split (head dims padding
 to 64 or 128; at 256, attention_backward_sm90 runs bwd_sm90_hdim256 and bwd_dq_sm90 instead).
 
-The math is `triton_bwd`'s (P recomputed from the forward's LSE, Δ = rowsum(dO ∘ O) from its preprocess kernel,
+The math is `triton/bwd.py`'s (P recomputed from the forward's LSE, Δ = rowsum(dO ∘ O) from its preprocess kernel,
 bottom-right causal, dead rows -> zero gradients, GQA summed over the group's query heads). What is Hopper-specific
 is who holds what:
 
@@ -534,7 +534,7 @@ def is_deterministic(head_dim: int) -> bool:
 
 
 def check_supported(q: torch.Tensor, softmax_scale: float = 1.0) -> None:
-    """Raise ValueError for what this kernel does not run (the caller falls back to triton_bwd)."""
+    """Raise ValueError for what this kernel does not run (the caller falls back to triton/bwd.py)."""
     if not softmax_scale > 0:
         raise ValueError(f"the sm_90 backward needs a positive softmax_scale (its masks are -inf scores), got "
                          f"{softmax_scale}")
@@ -547,7 +547,7 @@ def check_supported(q: torch.Tensor, softmax_scale: float = 1.0) -> None:
 def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float,
                             dq_accum=None, num_stages: int | None = None, dbias=None, dbias_atomic: bool = False,
                             deterministic: bool = False):
-    """triton_bwd.attention_backward's conventions, all three gradients wanted: q/out/grad_out/dq `(B, Hq, Lq, D)`,
+    """triton.bwd.attention_backward's conventions, all three gradients wanted: q/out/grad_out/dq `(B, Hq, Lq, D)`,
     k/v/dk/dv `(B, Hkv, Lk, D)` with unit last stride and TMA-compatible strides (layout.tma_compatible of q, k,
     v, grad_out: the caller checks), lse the forward's contiguous float32 `(B, Hq, Lq)`, delta a float32 workspace
     of lse's shape (unused where a packed call stages its statistics: their padded copies, `padded_stats`). Writes
@@ -556,7 +556,7 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, feat
     features: a `features.CallFeatures` (or the causal bool): window, softcap, ALiBi slopes and varlen (the tensors
     then (1, H, total rows, D), lse (1, Hq, total rows)); attn_bias on the one-pass kernel only, dense, without a
     softcap, where `layout.bias_tma_view` holds (`check_bias`). `dbias`: with a bias, the float32 buffer of
-    triton_backend.bias_grad_buffer that receives dS (added with atomics where `dbias_atomic`), or None.
+    triton.backend.bias_grad_buffer that receives dS (added with atomics where `dbias_atomic`), or None.
 
     Head dims padding to 64 or 128: this module's one-pass kernel, with dq_accum a contiguous float32
     `(B, Hq, Lq, padded_head_dim(D))` workspace (any contents: the preprocess zeroes it; allocated here if None);
@@ -615,7 +615,7 @@ def bias_refusal(features, q, k) -> str | None:
 
 
 def check_bias(features, q, k) -> None:
-    """Raise ValueError where `bias_refusal` refuses the call's attn_bias (the caller runs triton_bwd instead)."""
+    """Raise ValueError where `bias_refusal` refuses the call's attn_bias (the caller runs triton/bwd.py instead)."""
     why = bias_refusal(features, q, k)
     if why is not None:
         raise ValueError(f"the sm_90 backward: {why}")

@@ -1,6 +1,6 @@
 """Attention forward for Hopper (sm_90) in Gluon: TMA loads, asynchronous wgmma, softmax overlapped with P·V.
 
-The algorithm is the one in `triton_fwd` (online softmax in base 2, bottom-right causal mask, GQA by index);
+The algorithm is the one in `triton/fwd.py` (online softmax in base 2, bottom-right causal mask, GQA by index);
 what changes is who waits for whom. Triton's compiler waits for each tensor-core product before the next
 instruction that could touch its registers, so the warps and the tensor cores take turns. Here the waits are
 explicit, and one iteration over key tile j reads:

@@ -1,6 +1,6 @@
 """Rung 3, tiled_tensor_cores: the same tiled online softmax, its two products on tensor cores.
 
-This is the library's portable Triton kernel (`attention/triton_fwd.py`), called through the front door with
+This is the library's portable Triton kernel (`attention/triton/fwd.py`), called through the front door with
 ``backend="triton"``. Its inner loop is the loop of `tiled_fma`, with the two products written as ``tl.dot``:
 
     s   = tl.dot(q, tl.trans(k))                 # 16-bit operands, float32 accumulator: tensor cores

@@ -58,7 +58,7 @@ from flashmoe_science.attention.mods import block_mask_args, call_block_mask, cl
 from flashmoe_science.attention.mods import kernel_args as mod_kernel_args
 from flashmoe_science.attention.seqlen import launch_sizes, sequence_bounds
 from flashmoe_science.attention.tiles import BackwardTiles, padded_head_dim
-from flashmoe_science.attention.triton_common import feature_args, feature_tensors, head_extras, load_tile, scores_log2
+from flashmoe_science.attention.triton.common import feature_args, feature_tensors, head_extras, load_tile, scores_log2
 from flashmoe_science.device import dot_precision
 
 # Sizes are runtime values, not specialised: every sequence length reuses one compiled kernel (masks handle tails).

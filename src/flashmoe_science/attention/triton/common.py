@@ -1,4 +1,4 @@
-"""What the portable Triton attention kernels share (triton_fwd, triton_bwd, triton_fp8, bwd_prep): tile loads by
+"""What the portable Triton attention kernels share (fwd, bwd, fp8, and attention/bwd_prep.py): tile loads by
 masked pointers or TMA (`load_tile`), the scores in log2 units with the call's modifiers and bias (`scores_log2`,
 `head_extras`), the online softmax's per-tile update (`online_softmax_step`), and the arguments every kernel takes for
 a call's features (`feature_args`, `feature_tensors`). The kernel files import this module, never each other.

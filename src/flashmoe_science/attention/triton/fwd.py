@@ -40,7 +40,7 @@ from flashmoe_science.attention.tiles import (
     forward_tiles,
     padded_head_dim,
 )
-from flashmoe_science.attention.triton_common import (feature_args, feature_tensors, head_extras, load_tile,
+from flashmoe_science.attention.triton.common import (feature_args, feature_tensors, head_extras, load_tile,
                                                      online_softmax_step, scores_log2)
 from flashmoe_science.device import device_traits, dot_precision
 from flashmoe_science.prepared_launch import PreparedLaunch

@@ -1,7 +1,7 @@
 """FP8 (e4m3) kernels in Triton for Hopper: the fused quantisation (Hadamard rotation, amax, scale, cast, and the
 K-major transpose of V) and the attention forward with e4m3 tensor-core products and float32 accumulation.
 
-The forward is the dense Triton kernel's algorithm (triton_fwd: FlashAttention-2 work split, online softmax in
+The forward is the dense Triton kernel's algorithm (fwd.py: FlashAttention-2 work split, online softmax in
 base 2, masks from attention/mask.py) with three differences:
 - the q and k descales are folded into the softmax multiplier (one scalar per program: free);
 - P is rounded to e4m3 in registers before the P·V product (values in [0, 1]: e4m3 keeps 3 mantissa bits);
@@ -22,7 +22,7 @@ from flashmoe_science.attention.fp8_format import FP8_MAX, hadamard_signs
 from flashmoe_science.attention.layout import tma_compatible, tma_descriptor
 from flashmoe_science.attention.mask import LN_2, LOG2_E, key_tile_bounds, visible
 from flashmoe_science.attention.tiles import AttentionTiles
-from flashmoe_science.attention.triton_common import online_softmax_step
+from flashmoe_science.attention.triton.common import online_softmax_step
 
 # ------------------------------------------------------------------------------------------------ quantisation
 

@@ -1,10 +1,10 @@
-"""The portable Triton backend: the forward (triton_fwd) and backward (triton_bwd) kernels on any CUDA GPU, and on
+"""The portable Triton backend: the forward (fwd.py) and backward (bwd.py) kernels on any CUDA GPU, and on
 CPU tensors under TRITON_INTERPRET=1 when asked for by name.
 
 `TRITON` meets the `backends.Backend` contract for the forward and, through `TRITON.backward`, for the backward;
 its plans (`TritonForward`, `TritonBackward`) hold the tiles and run the kernels; the planner's walk also makes them
 the planned fallback of a family before this one whose kernels may fail to build. `TRITON_FP8` is the e4m3 forward
-(`triton_fp8`) in the FP8 walk.
+(`fp8.py`) in the FP8 walk.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from flashmoe_science.attention.tiles import (
 )
 from flashmoe_science.device import device_traits
 
-FORWARD_KERNEL = "triton_fwd._attention_forward_kernel"
-BACKWARD_KERNEL = "triton_bwd.attention_backward"
-FP8_KERNEL = "triton_fp8.attention_forward_fp8"
+FORWARD_KERNEL = "triton.fwd._attention_forward_kernel"
+BACKWARD_KERNEL = "triton.bwd.attention_backward"
+FP8_KERNEL = "triton.fp8.attention_forward_fp8"
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class TritonForward:
 
     def run(self, q, k, v, features, softmax_scale, out=None, lse=None):
         """(out, lse) on checked 4-D views (written into `out`, `lse` where given)."""
-        from flashmoe_science.attention.triton_fwd import attention_forward
+        from flashmoe_science.attention.triton.fwd import attention_forward
 
         if out is None:
             out, lse = new_outputs(q)
@@ -53,7 +53,7 @@ class TritonForward:
     def prepare(self, q, k, v, out, lse, features, softmax_scale: float):
         """This launch as a PreparedLaunch for the next call of its signature, called as `prepared(q, k, v, out,
         lse)`; None for calls with features beyond the plain causal mask (their arguments are per call)."""
-        from flashmoe_science.attention.triton_fwd import prepare_forward
+        from flashmoe_science.attention.triton.fwd import prepare_forward
 
         if not features.is_plain:
             return None
@@ -115,7 +115,7 @@ class TritonBackward:
 
     def run(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float, deterministic: bool,
             need_dbias: bool):
-        from flashmoe_science.attention.triton_bwd import attention_backward
+        from flashmoe_science.attention.triton.bwd import attention_backward
 
         ran("backward", self.backend, self.kernel)
         # dQ and dK/dV both wanted, determinism not asked for, no bias gradient (formed by the dQ kernel) and the
@@ -192,7 +192,7 @@ TRITON = TritonAttention()
 # ------------------------------------------------------------------------------------------------------- FP8
 @dataclass(frozen=True)
 class TritonFp8Forward:
-    """The e4m3 tensor-core forward in Triton (triton_fp8): bf16 out, float32 lse."""
+    """The e4m3 tensor-core forward in Triton (fp8.py): bf16 out, float32 lse."""
 
     backend = "triton"
     kernel = FP8_KERNEL
@@ -200,7 +200,7 @@ class TritonFp8Forward:
 
     def run(self, problem):
         from flashmoe_science.attention.fp8 import fp8_outputs, no_keys
-        from flashmoe_science.attention.triton_fp8 import attention_forward_fp8
+        from flashmoe_science.attention.triton.fp8 import attention_forward_fp8
 
         q, k = problem.q, problem.k
         out, lse = fp8_outputs(q)
