@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from flashmoe_science.bench.decode import _graphed
+from flashmoe_science.bench.report import graph_replay
 from flashmoe_science.bench.report import gpu_median_ms
 
 
@@ -34,7 +34,7 @@ def main(lengths):
             out = call()
             err = (out.float() - ref.float()).abs().max().item()
             eager = gpu_median_ms(call)
-            graphed = gpu_median_ms(_graphed(call))
+            graphed = gpu_median_ms(graph_replay(call))
             print(f"L={length} {label}: err {err:.2e}, eager {eager * 1e3:.1f} us "
                   f"({kv_bytes / eager / 1e9:.2f} TB/s), graph {graphed * 1e3:.1f} us "
                   f"({kv_bytes / graphed / 1e9:.2f} TB/s)", flush=True)

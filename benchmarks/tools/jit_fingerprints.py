@@ -17,17 +17,23 @@ from triton.runtime.jit import JITFunction
 
 
 def kernels() -> dict[str, JITFunction]:
-    """Every JIT function defined in a module of the package, by `module.name` (imports that fail are skipped: a
-    Gluon module on a triton without Gluon)."""
+    """Every JIT function defined in a module of the package, by `module.name` (modules and packages whose import
+    fails are skipped, with what they hold: a Gluon module on a triton without Gluon, an integration whose engine is
+    not installed)."""
     found = {}
-    for info in pkgutil.walk_packages(flashmoe_science.__path__, "flashmoe_science."):
-        try:
-            module = importlib.import_module(info.name)
-        except Exception:  # noqa: BLE001 - an optional dependency or Gluon missing: not a kernel of this run
-            continue
-        for name, value in vars(module).items():
-            if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__:
-                found[f"{module.__name__}.{name}"] = value
+    pending = [(flashmoe_science.__path__, "flashmoe_science.")]
+    while pending:
+        path, prefix = pending.pop()
+        for info in pkgutil.iter_modules(path, prefix):
+            try:
+                module = importlib.import_module(info.name)
+            except Exception:  # noqa: BLE001 - an optional dependency or Gluon missing: not a kernel of this run
+                continue
+            if info.ispkg:
+                pending.append((module.__path__, info.name + "."))
+            for name, value in vars(module).items():
+                if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__:
+                    found[f"{module.__name__}.{name}"] = value
     return found
 
 

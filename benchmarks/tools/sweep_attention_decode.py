@@ -24,7 +24,8 @@ import torch
 
 from flashmoe_science import flash_attention_decode
 from flashmoe_science.attention.decode import tiles as decode_tiles_module, triton_backend
-from flashmoe_science.bench.decode import _graphed, _paged_copy
+from flashmoe_science.bench.decode import _paged_copy
+from flashmoe_science.bench.report import graph_replay
 from flashmoe_science.bench.report import gpu_median_ms
 
 
@@ -40,7 +41,7 @@ def _case(batch, length, fp8=False):
 
 
 def _tbps(batch, length, call, value_bytes=2):
-    ms = gpu_median_ms(_graphed(call))
+    ms = gpu_median_ms(graph_replay(call))
     return 2 * batch * length * 8 * 128 * value_bytes / (ms * 1e-3) / 1e12
 
 
@@ -60,7 +61,7 @@ def chunk_sweep(args, started, results):
         grid = [None, *itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
     calls = {"contiguous-auto": lambda: flash_attention_decode(q, k, v, cached, k_new=k_new, v_new=v_new)}
     for layout, call in calls.items():
-        ms = gpu_median_ms(_graphed(call))
+        ms = gpu_median_ms(graph_replay(call))
         results.append(dict(sweep="chunk", layout=layout, tiles=None, tflops=round(flops / ms / 1e9, 1)))
         print(json.dumps(results[-1]), flush=True)
     for tiles in grid:
@@ -69,7 +70,7 @@ def chunk_sweep(args, started, results):
         chosen = decode_tiles_module.DecodeTiles(*tiles) if tiles else None
         triton_backend.decode_tiles = (lambda problem, traits: chosen) if chosen else heuristic
         try:
-            ms = gpu_median_ms(_graphed(lambda: flash_attention_decode(q, k_pool, v_pool, cached, block_table=table,
+            ms = gpu_median_ms(graph_replay(lambda: flash_attention_decode(q, k_pool, v_pool, cached, block_table=table,
                                                                        k_new=k_new, v_new=v_new)))
         except Exception as error:
             print(f"chunk {tiles}: {type(error).__name__}: {str(error)[:200]}", flush=True)
