@@ -189,7 +189,8 @@ def test_bench_runs_on_the_cpu(tmp_path, capsys):
                    for causal in (False, True)}
     assert all(r["op"] == "attention" and r["pass"] == "fwd" and r["ms"] > 0 and r["bytes"] > 0
                for r in result["records"])
-    assert {s["backend"] for s in result["stopped"]} == {"hopper"}
+    # the rungs not run here; a loaded machine may also note a slow call (a stop past the shapes measured)
+    assert {s["backend"] for s in result["stopped"] if s["L"] is None} == {"hopper"}
 
 
 # ----------------------------------------------------------------------------------------------------------------

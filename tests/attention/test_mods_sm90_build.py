@@ -15,10 +15,11 @@ import triton
 pytest.importorskip("triton.experimental.gluon")
 
 from flashmoe_science.attention.hopper import backend, fwd_sm90  # noqa: E402
+from flashmoe_science.backends import NoBackend  # noqa: E402
 from flashmoe_science.attention.hopper.tiles import sm90_forward_tiles  # noqa: E402
 from flashmoe_science.attention.mask import make_mask  # noqa: E402
 from flashmoe_science.attention.mods import FULL, PARTIAL, BlockMask, MaskMod, TileLists, clamp_index  # noqa: E402
-from flashmoe_science.attention.plan import describe, plan_attention  # noqa: E402
+from flashmoe_science.attention.plan import plan_attention  # noqa: E402
 from flashmoe_science.attention.problem import dense_problem  # noqa: E402
 from flashmoe_science.attention.tiles import AttentionTiles  # noqa: E402
 from flashmoe_science.bench import mask_mods  # noqa: E402
@@ -163,17 +164,18 @@ def on_hopper(monkeypatch):
     monkeypatch.setattr(availability, "_failure", None)
 
 
-def test_a_mod_forward_plans_the_gluon_kernel_and_the_triton_backward(on_hopper):
-    """Hopper's forward declares mask_mod (beside causal, a window and varlen); its backward does not, so the walk
-    pairs the Gluon forward with the Triton backward, and describe_dispatch says why in the backward's line."""
+def test_a_mod_forward_plans_the_gluon_kernel_when_asked_for(on_hopper, monkeypatch):
+    """Hopper's forward declares mask_mod (beside causal, a window and varlen), taken when backend='hopper' asks for
+    it: auto keeps another family's forward until the GPU checks pass, and says so. Its backward does not take mods:
+    backend='hopper' refuses a mod's backward; auto pairs the Triton backward."""
     q = torch.randn(1, 4, 256, 128, dtype=torch.bfloat16)
     mod = MaskMod(mask_mods.head_windows, torch.full((16,), 32, dtype=torch.int32))
-    plan = plan_attention(dense_problem(q, q, q, causal=True, mask_mod=mod)[0])
-    assert plan.backend == "hopper" and plan.backward_choice.backend == "triton"
-    assert "does not take mask_mod" in plan.backward_choice.why_not("hopper")
-    dispatch = describe(plan)
-    assert dispatch.backend == "hopper" and dispatch.backward_backend == "triton"
-    assert "mask_mod's full key tiles unmasked" in dispatch.reason
-    softcapped = plan_attention(dense_problem(q, q, q, softcap=30.0, mask_mod=mod)[0])
-    assert softcapped.backend != "hopper"  # the next family in the walk (Triton on a GPU)
-    assert "mask_mod beside causal" in softcapped.forward_choice.why_not("hopper")
+    auto = plan_attention(dense_problem(q, q, q, causal=True, mask_mod=mod)[0])
+    assert auto.backend != "hopper" and "not yet checked on a GPU" in auto.forward_choice.why_not("hopper")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # a backend asked for by name plans CPU tensors only under it
+    plan = plan_attention(dense_problem(q, q, q, causal=True, mask_mod=mod, backend="hopper")[0])
+    assert plan.backend == "hopper"
+    with pytest.raises(NoBackend, match="does not take mask_mod"):
+        plan.backward_choice
+    with pytest.raises(NoBackend, match="mask_mod beside causal"):
+        plan_attention(dense_problem(q, q, q, softcap=30.0, mask_mod=mod, backend="hopper")[0])
