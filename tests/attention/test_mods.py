@@ -117,6 +117,10 @@ def _reads(b, h, q_idx, kv_idx, table):
     (dict(score_mod=tanh_softcap), ValueError, "score_mod has no derivative"),
     (dict(score_mod=ScoreMod(tanh_softcap, grad=tanh_softcap_grad), softcap=2.0), ValueError, "softcap"),
     (dict(score_mod=ScoreMod(tanh_softcap, grad=_three)), TypeError, "score_mod's grad must take"),
+    (dict(mask_mod=MaskMod(_reads, torch.ones(4)), softcap=2.0), ValueError, "mask_mod does not combine with softcap"),
+    (dict(mask_mod=MaskMod(_reads, torch.ones(4)), alibi_slopes=torch.ones(2)), ValueError, "mask_mod does not combine"),
+    (dict(mask_mod=MaskMod(_reads, torch.ones(4)), attn_bias=torch.zeros(1, 2, 8, 8, dtype=torch.float64)), ValueError,
+     "mask_mod does not combine"),
 ])
 def test_bad_mods_get_one_line(kwargs, error, match):
     q, k, v = (randn(1, 2, 8, 8, dtype=torch.float64).requires_grad_() for _ in range(3))

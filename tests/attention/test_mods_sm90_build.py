@@ -177,5 +177,5 @@ def test_a_mod_forward_plans_the_gluon_kernel_when_asked_for(on_hopper, monkeypa
     assert plan.backend == "hopper"
     with pytest.raises(NoBackend, match="does not take mask_mod"):
         plan.backward_choice
-    with pytest.raises(NoBackend, match="mask_mod beside causal"):
-        plan_attention(dense_problem(q, q, q, softcap=30.0, mask_mod=mod, backend="hopper")[0])
+    with pytest.raises(ValueError, match="mask_mod does not combine with softcap"):
+        dense_problem(q, q, q, softcap=30.0, mask_mod=mod, backend="hopper")

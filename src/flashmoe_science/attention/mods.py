@@ -28,8 +28,9 @@ Design, and why:
   the elementwise mask (no mask_mod call). Remembered per mod, shape, tiles and mask while the captured tensors
   live unwritten (`prepared_cache.TensorMemo`).
 * **The built-in masks beside a mod**: `mask_mod` ANDs with causal, window and the packed layout's bounds;
-  `score_mod` applies to the scaled score and is refused beside softcap, alibi_slopes and attn_bias (their order
-  relative to it would be one more rule to learn: write them into the score_mod).
+  `score_mod` applies to the scaled score. Either is refused beside softcap, alibi_slopes and attn_bias (for a
+  score_mod their order relative to it would be one more rule to learn; the block-mask walk scores its tiles
+  without them): write them into a score_mod.
 * **The CPU reference** evaluates the same `@triton.jit` functions through Triton's interpreter in this process
   (`mask_values`, `score_values`; tensors are copied to the host), so the reference and the kernels run one
   definition; the tests compare both with a torch twin written in the test.
@@ -133,14 +134,16 @@ def check_mods(mask_mod, score_mod, q: torch.Tensor, *, softcap=None, alibi_slop
     if mask_mod is None and score_mod is None:
         return None
     mask = score = None
+    if (softcap is not None and softcap != 0) or alibi_slopes is not None or attn_bias is not None:
+        # the kernels' block-mask walk scores its tiles without them
+        named = "mask_mod" if score_mod is None else "mask_mod / score_mod"
+        raise ValueError(f"{named} does not combine with softcap, alibi_slopes or attn_bias: write them into a "
+                         "score_mod (ScoreMod(fn, *tensors, grad=dfn)) beside the mask_mod")
     if mask_mod is not None:
         mask = mask_mod if isinstance(mask_mod, MaskMod) else MaskMod(mask_mod)
         _check_function("mask_mod", mask.fn, ("b", "h", "q_idx", "kv_idx"), len(mask.tensors))
         _check_tensors("mask_mod", mask.tensors, q.device)
     if score_mod is not None:
-        if (softcap is not None and softcap != 0) or alibi_slopes is not None or attn_bias is not None:
-            raise ValueError("score_mod does not combine with softcap, alibi_slopes or attn_bias: write them into "
-                             "the score_mod")
         score = score_mod if isinstance(score_mod, ScoreMod) else ScoreMod(score_mod)
         indices = ("score", "b", "h", "q_idx", "kv_idx")
         _check_function("score_mod", score.fn, indices, len(score.tensors))
