@@ -1,5 +1,11 @@
 """The models and workloads that the serving-engine benchmarks share (``vllm_generate.py``, ``sglang_generate.py``):
-random-weight configs of real models' shapes and token-id prompt sets, the same in every engine and backend."""
+random-weight configs of real models' shapes and token-id prompt sets, the same in every engine and backend, and
+the one-process-per-backend runner with the records' envelope."""
+
+import json
+import subprocess
+import sys
+import tempfile
 
 # every engine runs with this context length (the longest workload: 2048-token prompts + 128 new)
 MAX_MODEL_LEN = 4096
@@ -31,3 +37,30 @@ def workload(case: str, vocab: int, seed: int = 0):
                     "decode": ([128] * 256, 512),
                     "agree": ([5, 17, 64, 200, 333, 700, 1024, 1500], 32)}[case]
     return [[rng.randrange(10, vocab - 10) for _ in range(n)] for n in lengths], new
+
+
+def spawn(script: str, spec: dict, log) -> list[dict]:
+    """``python script worker SPEC OUT`` in a process of its own (each engine frees the GPU when it exits): the
+    records it wrote, or [] (said in one line) when it failed or ran past ``spec["timeout"]`` (540 s)."""
+    with tempfile.NamedTemporaryFile("w+", suffix=".json") as f:
+        cmd = [sys.executable, script, "worker", json.dumps(spec), f.name]
+        try:
+            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=spec.get("timeout", 540))
+        except subprocess.TimeoutExpired:
+            print(f"{spec['model']} {spec['backend']}: timed out (see the log)", flush=True)
+            return []
+        if done.returncode != 0:
+            print(f"{spec['model']} {spec['backend']}: exit {done.returncode} (see the log)", flush=True)
+            return []
+        return json.load(open(f.name))
+
+
+def envelope(records: list[dict], *packages: str) -> dict:
+    """The run's GPU, versions (with those of ``packages``, e.g. the engine) and commit around its records."""
+    import importlib.metadata
+
+    from flashmoe_science.bench.report import environment_metadata, resolve_commit
+
+    meta = environment_metadata(resolve_commit())
+    meta.update({name.replace("-", "_"): importlib.metadata.version(name) for name in packages})
+    return {**meta, "max_model_len": MAX_MODEL_LEN, "records": records}

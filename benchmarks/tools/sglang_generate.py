@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
-from engine_workloads import MAX_MODEL_LEN, MODELS, workload
+from engine_workloads import MAX_MODEL_LEN, MODELS, envelope, spawn, workload
 
 from flashmoe_science.integrations.sglang import MOE_SWITCH
 
@@ -72,31 +71,6 @@ def _worker(spec: dict) -> list[dict]:
     return records
 
 
-def _spawn(spec: dict, log) -> list[dict]:
-    with tempfile.NamedTemporaryFile("w+", suffix=".json") as f:
-        cmd = [sys.executable, __file__, "worker", json.dumps(spec), f.name]
-        try:
-            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=spec.get("timeout", 540))
-        except subprocess.TimeoutExpired:
-            print(f"{spec['model']} {spec['backend']}: timed out (see the log)", flush=True)
-            return []
-        if done.returncode != 0:
-            print(f"{spec['model']} {spec['backend']}: exit {done.returncode} (see the log)", flush=True)
-            return []
-        return json.load(open(f.name))
-
-
-def _envelope(records: list[dict]) -> dict:
-    import importlib.metadata
-
-    from flashmoe_science.bench.report import environment_metadata, resolve_commit
-
-    meta = environment_metadata(resolve_commit())
-    meta["sglang"] = importlib.metadata.version("sglang")
-    meta["sglang_kernel"] = importlib.metadata.version("sglang-kernel")
-    return {**meta, "max_model_len": MAX_MODEL_LEN, "records": records}
-
-
 def bench(out: str, models: list[str], backends: list[str], cases: list[str], name: str) -> int:
     records = []
     path = os.path.join(out, f"sglang-generate-{name}.json")
@@ -106,8 +80,8 @@ def bench(out: str, models: list[str], backends: list[str], cases: list[str], na
                 if backend == "flashmoe-attn" and "num_experts" not in MODELS[model]:
                     continue
                 spec = dict(model=model, config=MODELS[model], backend=backend, cases=cases)
-                records += _spawn(spec, log)
-                json.dump(_envelope(records), open(path, "w"), indent=1)
+                records += spawn(__file__, spec, log)
+                json.dump(envelope(records, "sglang", "sglang-kernel"), open(path, "w"), indent=1)
     for r in records:
         print(f"{r['model']:9} {r['case']:8} {r['backend']:14} {r['tokens_per_s']:10.0f} tok/s "
               f"{r['output_tokens_per_s']:9.0f} out/s  start {r['engine_start_s']:.0f}s", flush=True)

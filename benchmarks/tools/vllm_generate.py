@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from engine_workloads import MAX_MODEL_LEN, MODELS, workload
+from engine_workloads import MAX_MODEL_LEN, MODELS, envelope, spawn, workload
 
 # small models of the same kinds for the eager agreement run
 TINY = {
@@ -108,26 +108,6 @@ def torch_sync() -> None:
     torch.cuda.synchronize()
 
 
-def _spawn(spec: dict, log) -> list[dict]:
-    with tempfile.NamedTemporaryFile("w+", suffix=".json") as f:
-        cmd = [sys.executable, __file__, "worker", json.dumps(spec), f.name]
-        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=spec.get("timeout", 540))
-        if done.returncode != 0:
-            print(f"{spec['model']} {spec['backend']}: exit {done.returncode} (see the log)", flush=True)
-            return []
-        return json.load(open(f.name))
-
-
-def _envelope(records: list[dict]) -> dict:
-    import importlib.metadata
-
-    from flashmoe_science.bench.report import environment_metadata, resolve_commit
-
-    meta = environment_metadata(resolve_commit())
-    meta["vllm"] = importlib.metadata.version("vllm")
-    return {**meta, "max_model_len": MAX_MODEL_LEN, "records": records}
-
-
 def agree(out: str) -> int:
     """Greedy tokens and first-step logprobs of ours against FLASH_ATTN (and TRITON_ATTN against it: what two of
     vLLM's own backends agree to), tiny Llama and Qwen3-MoE, eager."""
@@ -140,7 +120,7 @@ def agree(out: str) -> int:
             for backend in backends:
                 spec = dict(mode="agree", model=model, config=TINY[model], backend=backend, cases=["agree"],
                             memory=0.3, timeout=300)
-                got = _spawn(spec, log)
+                got = spawn(__file__, spec, log)
                 if got:
                     by[backend] = got[0]
             base = by.get("vllm-fa3")
@@ -169,7 +149,7 @@ def agree(out: str) -> int:
             if missing:
                 ok = False
                 print(f"AGREE {model}: no result from {sorted(missing)}", flush=True)
-    json.dump(_envelope(records), open(os.path.join(out, "vllm-agree.json"), "w"), indent=1)
+    json.dump(envelope(records, "vllm"), open(os.path.join(out, "vllm-agree.json"), "w"), indent=1)
     print("AGREE", "PASS" if ok else "FAIL", flush=True)
     return 0 if ok else 1
 
@@ -185,8 +165,8 @@ def bench(out: str, models: list[str], backends: list[str], cases: list[str], na
                     continue
                 spec = dict(mode="bench", model=model, config=MODELS[model], backend=backend, cases=cases,
                             kv_cache_gib=kv_cache_gib)
-                records += _spawn(spec, log)
-                json.dump(_envelope(records), open(path, "w"), indent=1)
+                records += spawn(__file__, spec, log)
+                json.dump(envelope(records, "vllm"), open(path, "w"), indent=1)
     for r in records:
         print(f"{r['model']:9} {r['case']:8} {r['backend']:14} {r['tokens_per_s']:10.0f} tok/s "
               f"{r['output_tokens_per_s']:9.0f} out/s  start {r['engine_start_s']:.0f}s", flush=True)
@@ -272,7 +252,7 @@ def online(out: str, models: list[str], backends: list[str], name: str) -> int:
                                   itl_mean_ms=statistics.fmean(itl) * 1e3 if itl else None)
                     records.append(record)
                     print(json.dumps(record), flush=True)
-                    json.dump(_envelope(records), open(path, "w"), indent=1)
+                    json.dump(envelope(records, "vllm"), open(path, "w"), indent=1)
             finally:
                 server.terminate()
                 server.wait(timeout=60)
