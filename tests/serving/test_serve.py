@@ -152,7 +152,9 @@ def test_the_load_generator_measures_concurrent_streams(server):
     assert summary["errors"] == 0 and summary["requests"] == 4, summary
     assert summary["completion_tokens"] == 20 and summary["prompt_tokens"] == sum(map(len, PROMPTS + PROMPTS[:1]))
     assert 0 < summary["ttft_ms_p50"] <= summary["ttft_ms_p99"] and summary["tokens_per_s"] > 0
-    assert all(len(line.chunks) == 5 for line in lines)
+    # a stream that fell behind gets its tokens' texts joined in one event (transformers' serve merges what is
+    # queued), so the events are 1 to 5 and their text is the 5 tokens
+    assert all(1 <= len(line.chunks) <= 5 and len(token_ids(line.text)) == 5 for line in lines)
     paced = run_load(server.url, server.config, prompts, max_tokens=2, concurrency=4, rate=10.0)
     sends = sorted(line.sent for line in paced)
     assert summarize(paced)["errors"] == 0 and min(b - a for a, b in zip(sends, sends[1:])) >= 0.09

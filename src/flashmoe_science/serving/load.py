@@ -7,8 +7,9 @@ was sent, when each chunk of text arrived and the token counts of the server's f
 
 - throughput: completion tokens of all requests / (last end - first send);
 - time to first token (TTFT): first text chunk - send, per request;
-- inter-token latency (ITL): the gaps between consecutive text chunks of a request (the server sends one chunk per
-  token; chunks written together arrive together, which is what a client sees);
+- inter-token latency (ITL): the gaps between consecutive text chunks of a request, which is what a client sees (a
+  server sends one chunk per token while it keeps up; transformers' serve joins the texts of a stream that fell
+  behind into one chunk);
 - time per output token (TPOT): (end - first token) / (tokens - 1), per request.
 
 Percentiles are the nearest-rank p50 and p99 over all requests (TTFT, TPOT) or all gaps (ITL). A request that
