@@ -136,7 +136,7 @@ def check_mods(mask_mod, score_mod, q: torch.Tensor, *, softcap=None, alibi_slop
     mask = score = None
     if (softcap is not None and softcap != 0) or alibi_slopes is not None or attn_bias is not None:
         # the kernels' block-mask walk scores its tiles without them
-        named = " and ".join(name for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)) if mod is not None)
+        named = "mask_mod" if score_mod is None else "mask_mod / score_mod"
         raise ValueError(f"{named} does not combine with softcap, alibi_slopes or attn_bias: write them into a "
                          "score_mod (ScoreMod(fn, *tensors, grad=dfn)) beside the mask_mod")
     if mask_mod is not None:
@@ -250,6 +250,13 @@ class BlockMask:
     def n_q_tiles(self) -> int:
         return self.states.shape[2]
 
+    @functools.cached_property
+    def walk(self) -> torch.Tensor:
+        """(B, H, n_q_tiles, n_k_tiles) int32: each query tile's key tiles, its full ones first, then its partial
+        ones, then its empty ones (each kind ascending): one list the sm_90 forward's producer and consumers walk."""
+        kind = torch.where(self.states == FULL, 0, torch.where(self.states == PARTIAL, 1, 2)).to(torch.int8)
+        return torch.argsort(kind, dim=-1, stable=True).to(torch.int32)
+
     @property
     def n_k_tiles(self) -> int:
         return self.states.shape[3]
@@ -326,16 +333,27 @@ def _as_interpreted(fn) -> InterpretedFunction:
     return fn if isinstance(fn, InterpretedFunction) else _interpreted(fn.fn)
 
 
+# what Triton's interpreter patches for a device function's call and leaves patched (InterpretedFunction.__call__)
+_LANGUAGE = (tl, tl.core, tl.math, tl.core.tensor, tl.core.tensor_descriptor_base)
+
+
 @contextlib.contextmanager
 def _interpreter():
-    """Compiled `@triton.jit` functions called from interpreted code run interpreted too (a mod may call helpers)."""
+    """Compiled `@triton.jit` functions called from interpreted code run interpreted too (a mod may call helpers).
+    triton.language is put back afterwards: a device function's interpreted call patches its operators for good,
+    and a later compilation in this process would run the interpreter's."""
     with _INTERPRETING:
         call = JITFunction.__call__
+        saved = [(obj, dict(vars(obj))) for obj in _LANGUAGE]
         JITFunction.__call__ = lambda self, *args, **kwargs: _interpreted(self.fn)(*args, **kwargs)
         try:
             yield
         finally:
             JITFunction.__call__ = call
+            for obj, attrs in saved:
+                for name, value in attrs.items():
+                    if vars(obj).get(name) is not value:
+                        setattr(obj, name, value)
 
 
 def _mask_grid(OUT, mask_mod, mask_args, b0, seqlen_q, seqlen_k, LQ: tl.constexpr, LK: tl.constexpr):

@@ -23,6 +23,7 @@ import torch
 
 from flashmoe_science.attention.triton import backend as triton_backend
 from flashmoe_science.attention.features import FEATURES
+from flashmoe_science.attention.mods import call_block_mask
 from flashmoe_science.attention.layout import bias_tma_view, tma_compatible
 from flashmoe_science.attention.hopper.tiles import (
     SM90_CONSUMER_REASONS,
@@ -48,8 +49,9 @@ from flashmoe_science.gluon.availability import plan_time_reason, run_gluon, una
 from flashmoe_science.gluon.target import ARCH
 from flashmoe_science.prepared_cache import SEEN_ONCE, prepared_table, remember, tensor_signature
 
-# forward: odd head dims reach the kernel padded; the bias's gradient is the backward's
-FORWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen"})
+# forward: odd head dims reach the kernel padded; the bias's gradient is the backward's; a mask_mod beside causal, a
+# window and varlen (HopperAttention.decline), walked through its block mask; its backward runs in Triton
+FORWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen", "mask_mod"})
 # the backward runs after a Triton forward too (`_HopperAttentionBackward.decline`); attn_bias where the one-pass
 # kernel reads it by TMA (bwd_sm90.bias_refusal)
 BACKWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen"})
@@ -133,10 +135,14 @@ class HopperForward:
             prepared(q, k, v, out, lse, *(() if batch is None else batch.tensors()))
             return out, lse
         num_ctas = device_traits(q.device).sm_count if self.persistent else None
+        mask_mod = features.mods.mask if features.mods is not None else None
+        # the block mask at the kernel's own tiles (built on the device, remembered while the mod's tensors live)
+        blocks = call_block_mask(q, k, features, self.tiles.block_m, self.tiles.block_n)
         if run_gluon("attention forward", lambda: attention_forward_sm90(
                 q, k, v, out, lse, features.causal, softmax_scale, self.tiles, num_ctas, self.q_buffers,
                 self.cross_item, mask=features.mask, alibi_slopes=features.alibi_slopes, varlen=batch,
-                attn_bias=features.attn_bias, bias_tma=self.bias_tma), self.fallback is None):
+                attn_bias=features.attn_bias, bias_tma=self.bias_tma, mask_mod=mask_mod, blocks=blocks),
+                self.fallback is None):
             ran("forward", self.backend, self.kernel)
             if prepared is SEEN_ONCE:
                 self.prepare(q, k, v, out, lse, features, softmax_scale)
@@ -187,6 +193,8 @@ class HopperForward:
         ctas = (f"persistent, one CTA per SM, {self.q_buffers} Q buffer(s) per consumer"
                 + (", consecutive query tiles overlapped" if self.cross_item else "") if self.persistent
                 else "one CTA per query tile")
+        if problem.features.mods is not None:
+            shape += ", mask_mod's full key tiles unmasked and its partial ones masked (its block mask at these tiles)"
         if self.band > 1:
             ctas += (f"; causal packed tiles dealt in bands of {self.band} side by side (its K/V outgrows L2 and its "
                      "sequences are long: tiles.sm90_varlen_band)")
@@ -440,6 +448,14 @@ class HopperAttention:
         absent = missing(problem.feature_names(), FORWARD_FEATURES)
         if absent:
             return f"it does not take {', '.join(absent)} yet"
+        features = problem.features
+        if features.mods is not None and (features.mask.softcap > 0 or features.alibi_slopes is not None
+                                          or features.attn_bias is not None):
+            return "it takes mask_mod beside causal, a window and varlen only (not softcap, ALiBi or attn_bias)"
+        if features.mods is not None and problem.backend != self.name:
+            # offline sm_90 builds only so far: auto keeps mods on the Triton forward until the float64 checks
+            # (tests/attention/test_mods_sm90_gpu.py) have passed on a GPU
+            return "its mask_mod forward runs only when asked for (backend='hopper'): not yet checked on a GPU"
         if not tma_compatible(q, problem.k, problem.v):
             return TMA_RULE
         return None

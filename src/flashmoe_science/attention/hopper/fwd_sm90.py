@@ -53,6 +53,7 @@ from flashmoe_science.attention.features import bias_strides
 from flashmoe_science.attention.layout import bias_tma_view, tma_compatible
 from flashmoe_science.attention.mask import (LN_2, LOG2_E, MaskSpec, key_tile_bounds, key_tile_range, score_to_log2,
                                              visible)
+from flashmoe_science.attention.mods import BlockMask, MaskMod, TileLists, clamp_index
 from flashmoe_science.attention.seqlen import PACKED_TOTALS, PER_BATCH_ARGS, VarlenBatch, ranked_work_list_entries
 from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.gluon.compat import (fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma,
@@ -81,7 +82,7 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
               varlen_args, bias_desc, bias_upper, bias_lower, bias_step_b, bias_step_h,
               NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
               Q_BUFFERS: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
-              BIAS_TMA: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+              BIAS_TMA: gl.constexpr, NUM_CONSUMERS: gl.constexpr, block_lists, MASK_MOD: gl.constexpr):
     """The producer warp: for each of the CTA's work items, each consumer's rows of the Q tile (once that consumer
     is done with the buffer's previous item), then K and V tiles into the ring as soon as their stage is released.
     The ring position runs on across work items, so the next item's first tiles land during the current epilogue;
@@ -89,7 +90,7 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
     Varlen boxes may run into the next sequence's rows: extra Q rows are never stored, extra keys are masked.
     BIAS_TMA (two consumers): each K tile's stage also takes the bias tiles of both consumers' rows (`bias_upper`,
     `bias_lower`: one ring per consumer), on K's "ready" barrier; the TMA box zero-fills rows and keys past the bias
-    (masked)."""
+    (masked). MASK_MOD: the key tiles of the block mask's lists (`_item_tile_lists`), in the consumers' order."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     num_ctas = gl.num_programs(0)
     ring = 0  # K/V tiles issued so far by this CTA
@@ -104,12 +105,18 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
             mbarrier.expect(q_ready.index(buf), q_desc.block_type.nbytes)
             tma.async_load(q_desc, [desc_batch, q_head, q_row0 + start_m + c * ROWS, 0],
                                             q_ready.index(buf), q_smems.index(buf))
-        key_start, num_tiles = cta_key_tiles(start_m, item_seqlen_q, item_seqlen_k, window_left, window_right,
-                                              NUM_CONSUMERS * ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT)
+        if MASK_MOD:
+            item_lists = _item_tile_lists(block_lists, batch, q_head, start_m, NUM_CONSUMERS * ROWS)
+            key_start, num_tiles = 0, item_lists[2]
+        else:
+            key_start, num_tiles = cta_key_tiles(start_m, item_seqlen_q, item_seqlen_k, window_left, window_right,
+                                                  NUM_CONSUMERS * ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT)
         for tile in range(num_tiles):
             stage = ring % NUM_STAGES
             free_phase = ((ring // NUM_STAGES) & 1) ^ 1
             key_row = k_row0 + key_start + tile * BLOCK_N
+            if MASK_MOD:
+                key_row = k_row0 + _listed_tile(item_lists, tile, BLOCK_N)[0]
             mbarrier.wait(k_empty.index(stage), free_phase)
             if BIAS_TMA:
                 mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes + 2 * bias_desc.block_type.nbytes)
@@ -133,6 +140,25 @@ def _producer(q_desc, k_desc, v_desc, q_smems, k_smem, v_smem, q_ready, q_empty,
                 tma.async_load(v_desc, [desc_batch, kv_head, key_row, 0], v_ready.index(stage),
                                                 v_smem.index(stage))
             ring += 1
+
+
+@gluon.jit
+def _item_tile_lists(block_lists, batch, q_head, start_m, CTA_ROWS: gl.constexpr):
+    """A work item's row of the block mask (mods.block_mask at the CTA's BLOCK_M x BLOCK_N tiles; block_lists: full
+    counts, partial counts, the key tiles in walk order, query tiles per (b, h), list length, query heads): (its
+    key tiles, full ones first then partial ones, how many are full, how many to stream: at least one)."""
+    full_counts, partial_counts, walk_tiles, n_q_tiles, list_len, num_q_heads = block_lists
+    row = (batch * num_q_heads + q_head).to(gl.int64) * n_q_tiles + start_m // CTA_ROWS
+    n_full = gl.load(full_counts + row)
+    n_tiles = gl.maximum(n_full + gl.load(partial_counts + row), 1)
+    return walk_tiles + row * list_len, n_full, n_tiles
+
+
+@gluon.jit
+def _listed_tile(item_lists, j, BLOCK_N: gl.constexpr):
+    """Key tile j of a work item (`_item_tile_lists`): (its first key, whether it is partial: the elementwise mask
+    applies). A query tile that sees no key streams the first of its empty tiles, masked whole."""
+    return gl.load(item_lists[0] + j) * BLOCK_N, j >= item_lists[1]
 
 
 @gluon.jit
@@ -212,7 +238,7 @@ def _score_start(s_zero, start_n, tile_mask, BLOCK_N: gl.constexpr, ALIBI_LINEAR
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free, bias_ring, stage, bias_args,
+def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free, bias_ring, stage, bias_args, mask_mod,
                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
                   s_layout: gl.constexpr, P_DTYPE: gl.constexpr, p_layout: gl.constexpr):
@@ -233,13 +259,21 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
 
     Returns p = exp2(score − m_new) (unnormalised probabilities; float32, or with P_DTYPE already the P·V product's
     operand: `_p_operand`), m_new, l_new, alpha = exp2(m_old − m_new).
+
+    A mask_mod (mask_args then carries its captured tensors and the block mask's lists, tile_mask the item's lists,
+    batch and head: `_consumer_item`): tile j is the j-th of the item's lists, and its partial tiles AND the mod
+    into the mask, at positions clamped into the sequence (mods.clamp_index); full tiles mask nothing.
     """
     key_start, full_start, full_end, seqlen_k, diagonal, alibi_slope_log2, bias_plane, seqlen_q, alibi_raw, \
-        alibi_ref = tile_mask
-    window_left, window_right, softcap_scale = mask_args
+        alibi_ref = tile_mask[:10]
+    window_left, window_right, softcap_scale = mask_args[:3]
+    MASK_MOD: gl.constexpr = len(mask_args) > 3
     ALIBI_LINEAR: gl.constexpr = ALIBI and not SOFTCAP
     LOG2_SCORES: gl.constexpr = ALIBI and SOFTCAP  # s in log2 units after the modifiers
-    start_n = key_start + j * BLOCK_N
+    if MASK_MOD:
+        start_n, partial = _listed_tile(tile_mask[10][0], j, BLOCK_N)
+    else:
+        start_n = key_start + j * BLOCK_N
     if HAS_BIAS:
         bias = _bias_tile(bias_ring, stage, bias_plane, bias_args, offs_m, start_n, seqlen_q, seqlen_k, BLOCK_N,
                           BIAS_TMA, s_layout)
@@ -258,9 +292,12 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
             s = s - (2.0 * alibi_raw) * gl.maximum(right, 0.0)
     if HAS_BIAS:
         s = s + bias
-    masked = start_n + BLOCK_N > full_end  # only tiles at the window's edges and the ragged end pay for the mask
-    if MASK_LEFT:
-        masked = masked | (start_n < full_start)
+    if MASK_MOD:
+        masked = partial
+    else:
+        masked = start_n + BLOCK_N > full_end  # only tiles at the window's edges and the ragged end pay for the mask
+        if MASK_LEFT:
+            masked = masked | (start_n < full_start)
     if masked:
         key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         if MASK_LEFT or MASK_RIGHT:
@@ -269,6 +306,10 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
         else:  # the plain mask: bounds, and the causal diagonal (the window (-1, 0))
             seen = visible(gl.expand_dims(offs_m, 1), gl.expand_dims(key_pos, 0), seqlen_k, diagonal, 0, 0, False,
                            CAUSAL)
+        if MASK_MOD:  # rows past the sequence are never stored: their clamped positions need no mask of their own
+            _, b, h = tile_mask[10]
+            seen = seen & mask_mod(b, h, gl.expand_dims(clamp_index(offs_m, seqlen_q), 1),
+                                   gl.expand_dims(clamp_index(key_pos, seqlen_k), 0), *mask_args[3])
         s = gl.where(seen, s, float("-inf"))
     if LOG2_SCORES:  # s is in log2 units already
         m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -324,15 +365,23 @@ def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_
     what its masks need: (first key of the CTA's tiles, start and end of the keys it sees unmasked, Lk, Lk - Lq,
     ALiBi slope · log2 e, the address of the item's bias plane where the consumer loads the bias (BIAS_LOADS;
     bias_ptr_args: base, batch and head strides) else None, Lq, ALiBi slope in raw score units (slope · log2 e /
-    qk_scale) and the reference position of `_score_start`'s linear form (first row + Lk - Lq))."""
+    qk_scale) and the reference position of `_score_start`'s linear form (first row + Lk - Lq)); with a mask_mod
+    (mask_args longer than 3) also (the item's block-mask lists, batch, query head): every consumer walks them whole."""
     batch, desc_batch, q_head, _, cta_start_m, q_row0, _, item_seqlen_q, item_seqlen_k = item_rows(
         item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, varlen_args, NUM_CONSUMERS * ROWS,
         CAUSAL, VARLEN)
-    window_left, window_right, _ = mask_args
-    key_start, cta_tiles = cta_key_tiles(cta_start_m, item_seqlen_q, item_seqlen_k, window_left, window_right,
-                                          NUM_CONSUMERS * ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT)
+    window_left, window_right = mask_args[0], mask_args[1]
+    MASK_MOD: gl.constexpr = len(mask_args) > 3
+    if MASK_MOD:
+        item_lists = _item_tile_lists(mask_args[4], batch, q_head, cta_start_m, NUM_CONSUMERS * ROWS)
+        key_start, cta_tiles = 0, item_lists[2]
+    else:
+        key_start, cta_tiles = cta_key_tiles(cta_start_m, item_seqlen_q, item_seqlen_k, window_left, window_right,
+                                              NUM_CONSUMERS * ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT)
     start_m = cta_start_m + CONSUMER * ROWS
-    if MASK_LEFT or MASK_RIGHT:
+    if MASK_MOD:
+        full_start, full_end, num_tiles = 0, 0, cta_tiles
+    elif MASK_LEFT or MASK_RIGHT:
         # Every consumer walks the CTA's tiles from its first: with a left bound a lower one may find its first
         # tile fully masked (skipping it would let the cross-item prefetch wait on a stage it holds itself).
         _, full_start, full_end, key_end = key_tile_range(start_m, item_seqlen_q, item_seqlen_k, window_left,
@@ -362,6 +411,8 @@ def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_
     rows = (desc_batch, q_head, start_m, q_row0, item_seqlen_q)
     tile_mask = (key_start, full_start, full_end, item_seqlen_k, item_seqlen_k - item_seqlen_q, alibi_slope_log2,
                  bias_plane, item_seqlen_q, alibi_raw, start_m + item_seqlen_k - item_seqlen_q)
+    if MASK_MOD:
+        tile_mask = tile_mask + ((item_lists, batch, q_head),)
     return rows, cta_tiles, num_tiles, tile_mask
 
 
@@ -455,7 +506,7 @@ def _item_scales(descales, batch, q_head, num_q_heads, group_size, qk_scale, FP8
 
 @gluon.jit
 def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring, num_tiles, p, m_i, l_i, alpha,
-               o_acc, s_zero, offs_m, tile_mask, mask_args, qk_scale, bias_ring, bias_args,
+               o_acc, s_zero, offs_m, tile_mask, mask_args, qk_scale, bias_ring, bias_args, mask_mod,
                BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
@@ -487,9 +538,9 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         turn = _pass_turn(turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
         s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale,
-                                           k_empty.index(stage), bias_ring, stage, bias_args, BLOCK_N, CAUSAL,
-                                           MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS, BIAS_TMA, s_layout,
-                                           P_DTYPE, p_layout)
+                                           k_empty.index(stage), bias_ring, stage, bias_args, mask_mod, BLOCK_N,
+                                           CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS, BIAS_TMA,
+                                           s_layout, P_DTYPE, p_layout)
         o_acc = _wait_pv(o_acc, p_op)
         mbarrier.arrive(v_empty.index(prev), count=1)
         if PINGPONG:  # outside the turn: O's rescale runs under the other consumers' products
@@ -616,7 +667,7 @@ def _output_staging(q_smems, o_smems, q_buf, CONSUMER: gl.constexpr, FP8: gl.con
 def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
                         num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
                         mask_args, alibi_args, varlen_args, bias_ring, bias_ptr_args, bias_args, descales, o_smems,
-                        CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, ROWS: gl.constexpr,
+                        mask_mod, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, ROWS: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
                         CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
                         MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
@@ -640,7 +691,8 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     staged in `o_smems` (the consumer's e4m3 Q buffer holds half its bytes).
 
     PINGPONG: the consumers issue each key tile's two products in rotation (`_take_turn`, barriers `turns`); an
-    item's first Q·Kᵀ and last P·V are issued outside it. SKIP_RESCALE: see `_rescale`."""
+    item's first Q·Kᵀ and last P·V are issued outside it. SKIP_RESCALE: see `_rescale`. mask_mod: the user's (see
+    _softmax_tile), or None."""
     num_warps: gl.constexpr = 4
     FP8: gl.constexpr = q_smems.dtype == gl.float8e4nv
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # wgmma's K: 32 bytes of the operands' elements
@@ -680,7 +732,8 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     offs_m = rows[2] + gl.arange(0, ROWS, layout=s_rows)
     p, m_i, l_i, alpha = _softmax_tile(s, m_init, l_init, 0, offs_m, tile_mask, mask_args, scale,
                                        k_empty.index(ring % NUM_STAGES), bias_ring, ring % NUM_STAGES, bias_args,
-                                       BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS, BIAS_TMA,
+                                       mask_mod, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS,
+                                       BIAS_TMA,
                                        s_layout, P_DTYPE, p_layout)
     o_acc = o_zero
     turn = 0  # key-tile turns taken (PINGPONG: _take_turn)
@@ -690,7 +743,8 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
         p, m_i, l_i, alpha, o_acc, turn = _key_tiles(
             q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
             num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, scale, bias_ring, bias_args,
-            BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA, s_layout,
+            mask_mod, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS,
+            BIAS_TMA, s_layout,
             o_rows, p_layout, P_DTYPE, turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG, SKIP_RESCALE)
         last = ring + num_tiles - 1
         next_ring = ring + cta_tiles
@@ -711,7 +765,8 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             s = warpgroup_mma_wait(1, deps=(s,))  # the next item's S_0 is done; this item's last P·V may still run
             p, m_next, l_next, alpha = _softmax_tile(
                 s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, n_scale, k_empty.index(next_ring % NUM_STAGES),
-                bias_ring, next_ring % NUM_STAGES, bias_args, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                bias_ring, next_ring % NUM_STAGES, bias_args, mask_mod, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT,
+                SOFTCAP, ALIBI,
                 ADD_BIAS, BIAS_TMA, s_layout, P_DTYPE, p_layout)
             o_acc = _wait_pv(o_acc, p_op)
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
@@ -736,7 +791,8 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             s = warpgroup_mma_wait(0, deps=(s,))
             p, m_next, l_next, alpha = _softmax_tile(
                 s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, n_scale, k_empty.index(next_ring % NUM_STAGES),
-                bias_ring, next_ring % NUM_STAGES, bias_args, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                bias_ring, next_ring % NUM_STAGES, bias_args, mask_mod, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT,
+                SOFTCAP, ALIBI,
                 ADD_BIAS, BIAS_TMA, s_layout, P_DTYPE, p_layout)
         m_i, l_i, o_acc = m_next, l_next, o_zero
         if FP8:  # 16-bit inputs: both stay qk_scale and 1
@@ -750,7 +806,8 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     p, m_i, l_i, alpha, o_acc, turn = _key_tiles(
         q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, scale, bias_ring, bias_args,
-        BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA, s_layout,
+        mask_mod, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA,
+        s_layout,
         o_rows, p_layout, P_DTYPE, turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG, SKIP_RESCALE)
     last = ring + num_tiles - 1
     o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
@@ -771,12 +828,13 @@ def attention_forward_sm90_kernel(
     window_left, window_right, softcap_scale, ALIBI_SLOPES, alibi_stride_b, alibi_stride_h,
     CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, num_seqs, O, stride_oh, stride_om, head_dim,
     bias_desc, BIAS, bias_stride_b, bias_stride_h, bias_stride_m, bias_stride_n, bias_log2, QD, KD, VD,
+    mask_mod, mask_mod_args, FULL_COUNTS, PARTIAL_COUNTS, WALK_TILES, mod_q_tiles, list_len,
     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
     MASK_LEFT: gl.constexpr = False, MASK_RIGHT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
     ALIBI: gl.constexpr = False, VARLEN: gl.constexpr = False, HAS_BIAS: gl.constexpr = False,
     BIAS_TMA: gl.constexpr = False, NUM_CONSUMERS: gl.constexpr = 2, PINGPONG: gl.constexpr = False,
-    SKIP_RESCALE: gl.constexpr = False, VARLEN_BAND: gl.constexpr = 1,
+    SKIP_RESCALE: gl.constexpr = False, VARLEN_BAND: gl.constexpr = 1, MASK_MOD: gl.constexpr = False,
 ):
     """Persistent: the CTAs share the num_work = B·Hq·num_m_tiles work items in rounds (see work_items.work_tile).
     A work item is NUM_CONSUMERS·64 query rows (`num_consumers`); launch with gluon/sm90.launch_options of that
@@ -794,6 +852,10 @@ def attention_forward_sm90_kernel(
     broadcasts) or by the consumers' masked loads from BIAS with the four element strides (0 where it broadcasts).
     e4m3 q, k and Vᵀ descriptors (attention_forward_sm90_fp8): QD, KD, VD are their float32 (B, Hkv) descales and
     o_desc a bf16 output's.
+    MASK_MOD: the user's `mask_mod` (a `@triton.jit` function) with its captured tensors `mask_mod_args`, and its
+    block mask at the CTA's BLOCK_M x BLOCK_N tiles (mods.BlockMask.walk: per (b, h, query tile) of mod_q_tiles, its
+    full and partial counts and its key tiles in that order, list_len each): each item streams its full key tiles,
+    unmasked, then its partial ones, masked with the mod.
     Arguments a call does not use are None (constexpr: a plain call compiles to the plain kernel)."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]  # rows per consumer
@@ -807,6 +869,11 @@ def attention_forward_sm90_kernel(
         if gl.program_id(0) >= num_work:
             return
     mask_args = (window_left, window_right, softcap_scale)
+    if MASK_MOD:  # the mod's tensors and the block mask's lists ride with the mask (_consumer_item, _softmax_tile)
+        block_lists = (FULL_COUNTS, PARTIAL_COUNTS, WALK_TILES, mod_q_tiles, list_len, num_q_heads)
+        mask_args = mask_args + (mask_mod_args, block_lists)
+    else:
+        block_lists: gl.constexpr = None
     alibi_args = (ALIBI_SLOPES, alibi_stride_b, alibi_stride_h)
     bias_ptr_args = (BIAS, bias_stride_b, bias_stride_h)
     bias_args = (bias_stride_m, bias_stride_n, bias_log2)
@@ -859,13 +926,13 @@ def attention_forward_sm90_kernel(
                      k_empty, v_empty, num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k,
                      window_left, window_right, varlen_args, bias_desc, bias_upper, bias_lower, bias_stride_b,
                      bias_stride_h, NUM_STAGES, BLOCK_N, CAUSAL, Q_BUFFERS, MASK_LEFT, MASK_RIGHT, VARLEN,
-                     BIAS_TMA, NUM_CONSUMERS))
+                     BIAS_TMA, NUM_CONSUMERS, block_lists, MASK_MOD))
         if partition == NUM_CONSUMERS else
         (_attention_consumer, (q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc,
                                LSE, num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
                                mask_args, alibi_args, varlen_args, bias_upper if partition == 0 else bias_lower,
                                bias_ptr_args, bias_args, descales,
-                               o_smems, partition, NUM_CONSUMERS, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL,
+                               o_smems, mask_mod, partition, NUM_CONSUMERS, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL,
                                Q_BUFFERS, CROSS_ITEM, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS,
                                BIAS_TMA, turns, PINGPONG, SKIP_RESCALE))
         for partition in (0, 1, 2, 3)[:NUM_CONSUMERS + 1]
@@ -929,7 +996,8 @@ def _kernel(varlen):
 
 
 def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers, cross_item, mask=None,
-                 alibi_slopes=None, varlen=None, attn_bias=None, bias_tma=False, descales=None):
+                 alibi_slopes=None, varlen=None, attn_bias=None, bias_tma=False, descales=None, mask_mod=None,
+                 blocks=None):
     """(grid, positional args, constexprs) of one launch; see attention_forward_sm90 (and, with `descales`,
     attention_forward_sm90_fp8)."""
     batch, num_q_heads, seqlen_q, head_dim = q.shape
@@ -980,6 +1048,7 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
                        out.stride(2), head_dim)
     if attn_bias is not None and varlen is not None:
         raise ValueError("attn_bias is not taken with a packed (varlen) batch")
+    mod_args = _mask_mod_args(mask_mod, blocks, tiles, mask, alibi_slopes, attn_bias, descales)
     if (attn_bias is not None or descales is not None) and consumers != 2:
         # three consumers pack a 16-bit P (_p_pack); the bias rings are laid out for two
         raise ValueError(f"attn_bias and e4m3 inputs run on two consumer warpgroups (tiles.sm90_forward_consumers), "
@@ -993,7 +1062,7 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
     args = (*_tensor_args(tiles.block_n, block_d, q, k, v, out, lse), num_q_heads, num_q_heads // k.shape[1],
             seqlen_q, k.shape[2], scalars["qk_scale"], num_m_tiles, num_work,
             scalars["window_left"], scalars["window_right"], scalars["softcap_scale"], *alibi, *varlen_args,
-            *bias_args, *(descales or (None,) * 3))
+            *bias_args, *(descales or (None,) * 3), *mod_args)
     constexprs = dict(BLOCK_N=tiles.block_n, BLOCK_D=block_d, NUM_STAGES=tiles.num_stages,
                       CAUSAL=mask_constexprs["CAUSAL"], Q_BUFFERS=q_buffers, CROSS_ITEM=cross_item)
     constexprs.update(MASK_LEFT=mask_constexprs["MASK_LEFT"], MASK_RIGHT=mask_constexprs["MASK_RIGHT"],
@@ -1001,14 +1070,35 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
                       VARLEN_BAND=varlen.band if varlen is not None and mask_constexprs["CAUSAL"] else 1)
     constexprs.update(HAS_BIAS=attn_bias is not None, BIAS_TMA=attn_bias is not None and bias_tma,
                       NUM_CONSUMERS=consumers, PINGPONG=sm90_forward_pingpong(head_dim, descales is not None),
-                      SKIP_RESCALE=sm90_forward_skip_rescale(head_dim, descales is not None))
+                      SKIP_RESCALE=sm90_forward_skip_rescale(head_dim, descales is not None),
+                      MASK_MOD=mask_mod is not None)
     return grid, args, constexprs
+
+
+def _mask_mod_args(mask_mod: MaskMod | None, blocks: BlockMask | None, tiles, mask: MaskSpec, alibi_slopes,
+                   attn_bias, descales) -> tuple:
+    """The kernel's mask_mod arguments (mask_mod, mask_mod_args, FULL_COUNTS, PARTIAL_COUNTS, WALK_TILES, mod_q_tiles,
+    list_len):
+    the mod's function and captured tensors and its block mask `blocks`, built at these tiles (mods.block_mask);
+    all None without a mod."""
+    if mask_mod is None:
+        return (None,) * 7
+    if blocks is None or (blocks.block_m, blocks.block_n) != (tiles.block_m, tiles.block_n):
+        raise ValueError(f"a mask_mod needs its block mask at the launch's {tiles.block_m}x{tiles.block_n} tiles "
+                         f"(mods.call_block_mask), got {None if blocks is None else (blocks.block_m, blocks.block_n)}")
+    if mask.softcap or alibi_slopes is not None or attn_bias is not None or descales is not None:
+        raise ValueError("the sm_90 forward takes a mask_mod beside causal, a window and a packed batch only (no "
+                         "softcap, ALiBi, attn_bias or e4m3 inputs)")
+    lists = blocks.by_query
+    return (mask_mod.fn, mask_mod.tensors, lists.full_counts, lists.partial_counts, blocks.walk, blocks.n_q_tiles,
+            blocks.n_k_tiles)
 
 
 def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles, num_ctas: int | None = None,
                            q_buffers: int = 1, cross_item: bool = False, *, mask: MaskSpec | None = None,
                            alibi_slopes: torch.Tensor | None = None, varlen: VarlenBatch | None = None,
-                           attn_bias: torch.Tensor | None = None, bias_tma: bool = False):
+                           attn_bias: torch.Tensor | None = None, bias_tma: bool = False,
+                           mask_mod: MaskMod | None = None, blocks: BlockMask | None = None):
     """Launch on checked 4-D bf16/fp16 tensors with TMA-compatible strides (see layout.tma_compatible).
 
     `num_ctas`: how many CTAs share the work items (one per SM: persistent); None launches one per query tile.
@@ -1018,9 +1108,11 @@ def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float
     (H,) or (B, H). `varlen`: q/k/v/out are (1, H, total, D) views of packed tensors and lse is (H, total_q).
     `attn_bias`: `features.CallFeatures.attn_bias` (B or 1, H or 1, Lq or 1, Lk or 1), any float dtype and strides;
     `bias_tma`: the producer loads it by TMA (`layout.bias_tma_view` must hold and its ring fit the shared memory:
-    tiles.sm90_bias_tiles), else the consumers load it."""
+    tiles.sm90_bias_tiles), else the consumers load it. `mask_mod`: the user's (mods.MaskMod) and `blocks` its
+    block mask at these tiles (mods.call_block_mask), beside causal, a window and varlen only."""
     grid, args, constexprs = _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers,
-                                          cross_item, mask, alibi_slopes, varlen, attn_bias, bias_tma)
+                                          cross_item, mask, alibi_slopes, varlen, attn_bias, bias_tma,
+                                          mask_mod=mask_mod, blocks=blocks)
     return _kernel(varlen)[grid](*args, **constexprs, **launch_options(constexprs["NUM_CONSUMERS"]))
 
 
@@ -1065,15 +1157,16 @@ def prepare_forward(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles
 def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = None, q_buffers: int = 1,
                     cross_item: bool = False, dtype: torch.dtype = torch.bfloat16, *, mask: MaskSpec | None = None,
                     alibi: bool = False, varlen: bool = False, bias: str | None = None,
-                    bias_dtype: torch.dtype | None = None, band: int = 1):
+                    bias_dtype: torch.dtype | None = None, band: int = 1, mask_mod=None):
     """The kernel built for sm_90 without a GPU (meta tensors; ptxas ships with triton), specialised as a launch of
     (2, 4, 256, head_dim) tensors with these tiles would specialise it (varlen: a (1, 4, 512, head_dim) packed
     batch, its causal work list in bands of `band` tiles); `mask` (default: `causal` alone), ALiBi slopes and varlen
     as attention_forward_sm90 takes them, the
     arguments a call leaves None as constexprs. `bias`: "tma" (a (1, 4, 256, 256) bias the producer loads) or
     "loads" (a (2, 1, 1, 256) one the consumers load), of `bias_dtype` (default: dtype). dtype e4m3: the FP8
-    forward (attention_forward_sm90_fp8: K-major v, bf16 out, descales). Returns the CompiledKernel (registers,
-    shared memory, SASS)."""
+    forward (attention_forward_sm90_fp8: K-major v, bf16 out, descales). `mask_mod`: a `@triton.jit` function or a
+    mods.MaskMod (its captured tensors may be meta), walked through a block mask of meta lists. Returns the
+    CompiledKernel (registers, shared memory, SASS)."""
     from flashmoe_science.gluon.sm90 import compile_offline as build
 
     mask = mask or MaskSpec(causal=causal, window_right=0 if causal else -1)
@@ -1094,9 +1187,19 @@ def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = N
         v = torch.empty(batch, 4, head_dim, rows, dtype=dtype, device="meta").transpose(-1, -2)
         out = torch.empty(q.shape, dtype=torch.bfloat16, device="meta")
         descales = (torch.empty(batch, 4, device="meta"),) * 3
+    blocks = None
+    if mask_mod is not None:
+        mask_mod = mask_mod if isinstance(mask_mod, MaskMod) else MaskMod(mask_mod)
+        n_q, n_k = -(-rows // tiles.block_m), -(-rows // tiles.block_n)
+        lists = TileLists(*(torch.empty(shape, dtype=torch.int32, device="meta")
+                            for shape in ((batch, 4, n_q), (batch, 4, n_q, n_k)) * 2))
+        blocks = BlockMask(tiles.block_m, tiles.block_n, torch.empty(batch, 4, n_q, n_k, dtype=torch.int8,
+                                                                     device="meta"), lists, None)
     _, args, constexprs = _launch_args(q, q, v, out, lse, mask.causal, 0.1, tiles, num_ctas, q_buffers, cross_item,
-                                       mask, slopes, batch_info, attn_bias, bias == "tma", descales)
+                                       mask, slopes, batch_info, attn_bias, bias == "tma", descales, mask_mod, blocks)
     kernel = _kernel(batch_info)
     unused = {name: None for name, value in zip(kernel.arg_names, args) if value is None}
+    if mask_mod is not None:  # a function argument is a constexpr: each mod builds its own kernel
+        unused["mask_mod"] = mask_mod.fn
     return build(kernel, list(args) + [constexprs[name] for name in kernel.arg_names[len(args):]],
                  {**constexprs, **unused}, constexprs["NUM_CONSUMERS"])

@@ -1,0 +1,181 @@
+"""The sm_90 Gluon forward with a user mask_mod, without a GPU: a `@triton.jit` mod that loads from its captured
+tensors called from a Gluon kernel on tensors in wgmma layouts (the smallest such kernel, built for sm_90), the mod
+forward's offline builds (dense and packed, each mask of bench/mask_mods.py) against the plain builds' spills, its
+launch arguments, the block mask's walk order, and the planner picking the Gluon forward for a mod on Hopper (the
+backward stays Triton). Numerics run on the GPU (test_mods_sm90_gpu.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import triton
+
+pytest.importorskip("triton.experimental.gluon")
+
+from flashmoe_science.attention.hopper import backend, fwd_sm90  # noqa: E402
+from flashmoe_science.backends import NoBackend  # noqa: E402
+from flashmoe_science.attention.hopper.tiles import sm90_forward_tiles  # noqa: E402
+from flashmoe_science.attention.mask import make_mask  # noqa: E402
+from flashmoe_science.attention.mods import FULL, PARTIAL, BlockMask, MaskMod, TileLists, clamp_index  # noqa: E402
+from flashmoe_science.attention.plan import plan_attention  # noqa: E402
+from flashmoe_science.attention.problem import dense_problem  # noqa: E402
+from flashmoe_science.attention.tiles import AttentionTiles  # noqa: E402
+from flashmoe_science.bench import mask_mods  # noqa: E402
+from flashmoe_science.device import DeviceTraits  # noqa: E402
+from flashmoe_science.gluon import availability  # noqa: E402
+from flashmoe_science.gluon.build import sass_loops, spill_budget, spill_count  # noqa: E402
+from flashmoe_science.gluon.compat import gl, gluon  # noqa: E402
+from flashmoe_science.gluon.sm90 import compile_offline  # noqa: E402
+from sm90_helpers import sass_or_skip  # noqa: E402
+
+OFFLINE = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build")
+
+
+def _meta(*shape, dtype=torch.int32):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+@gluon.jit
+def _mod_in_wgmma_layout(OUT, mask_mod, mask_args, seqlen):
+    """The consumers' situation: positions in the wgmma accumulator's row and column slices, clamped into the
+    sequence, through the user's mod (which may `tl.load` its captured tensors at them)."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    rows = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
+    seen = mask_mod(1, 2, gl.expand_dims(clamp_index(rows, seqlen), 1), gl.expand_dims(clamp_index(cols, seqlen), 0),
+                    *mask_args)
+    gl.store(OUT + rows, gl.sum(gl.where(seen, 1.0, 0.0), 1))
+
+
+@pytest.mark.sm90_build
+@OFFLINE
+@pytest.mark.parametrize("mod", [mask_mods.document_window, mask_mods.neighbour_list], ids=lambda f: f.fn.__name__)
+def test_a_triton_mod_with_loads_builds_inside_a_gluon_kernel(mod):
+    """tl.load at broadcast indices of a captured tensor's pointer compiles in Gluon: the loads take the layouts of
+    the index tensors (global loads in the SASS), nothing to preload on the mod's behalf."""
+    compiled = compile_offline(_mod_in_wgmma_layout, [_meta(64, dtype=torch.float32), mod, (_meta(4, 4096, 16),), 100],
+                               {"mask_mod": mod}, 2)
+    assert "LDG" in sass_or_skip(compiled)
+
+
+# (head dim, packed, causal, mask) -> LDL + STL of the whole build and the most in one key loop (triton 3.9 builds;
+# the plain build of the same plan first, for comparison: docs/perf-notes.md). Two consumers at D=128 (240
+# registers): the listed tiles, the clamped positions and the mod's values land beside S, O and the pending P·V's
+# operand, 35-75 values per key tile in local memory (the plain loops 0-10, the neighbour list's 16 slots 100-230);
+# at D=64 within the plain build's. Three consumers (D=64 non-causal, 160 registers): 17-30 per key tile for any
+# mod, one without loads too.
+MOD_BUILDS = {
+    (128, False, True, "plain"): (191, 10),
+    (128, False, True, "document_window"): (302, 56),
+    (128, False, True, "prefix_lm"): (239, 49),
+    (128, False, True, "head_windows"): (257, 49),
+    (128, False, True, "neighbour_list"): (515, 111),
+    (128, True, True, "document_window"): (513, 75),
+    (64, False, True, "document_window"): (43, 5),
+    (64, False, True, "head_windows"): (28, 1),
+    (64, True, True, "document_window"): (53, 4),
+    (64, False, False, "plain"): (103, 1),
+    (64, False, False, "prefix_lm"): (297, 26),
+    (64, False, False, "bare"): (329, 30),
+}
+
+
+@triton.jit
+def _bare_causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def _mod(name):
+    tables = {"document_window": _meta(4, 4096), "prefix_lm": _meta(4), "head_windows": _meta(16),
+              "neighbour_list": _meta(4, 4096, 16)}
+    if name == "plain":
+        return None
+    if name == "bare":
+        return MaskMod(_bare_causal)
+    return MaskMod(getattr(mask_mods, name), tables[name])
+
+
+@pytest.mark.sm90_build
+@OFFLINE
+@pytest.mark.parametrize("case", list(MOD_BUILDS), ids=lambda c: "D{}-{}-{}-{}".format(
+    c[0], "varlen" if c[1] else "dense", "causal" if c[2] else "full", c[3]))
+def test_mod_forward_builds_for_sm90(case):
+    """The mod forward at the plan's tiles: both products on the tensor cores, K/V by TMA, spills within the
+    recorded budget (whole kernel and key loops)."""
+    head_dim, varlen, causal, name = case
+    tiles = sm90_forward_tiles(head_dim, causal, 4096)
+    compiled = fwd_sm90.compile_offline(head_dim, causal, tiles, 132, 2 if tiles.block_m == 192 else 1, False,
+                                        varlen=varlen, mask_mod=_mod(name))
+    sass = sass_or_skip(compiled)
+    assert "UTMALDG" in sass and "HGMMA" in sass
+    if name != "plain":
+        assert "LDG" in sass  # the block mask's lists (and the mod's tables)
+    spills, loop_spills = MOD_BUILDS[case]
+    assert spill_count(sass) <= spill_budget(spills), "spills grew"
+    loops = [loop for loop in sass_loops(sass) if loop["HGMMA"] == head_dim // 16 + tiles.block_n // 16]
+    assert max(loop["LDL"] + loop["STL"] for loop in loops) <= spill_budget(loop_spills), "the key loop spills"
+
+
+def _launch(mask_mod=None, blocks=None, tiles=AttentionTiles(128, 128, 8, 2, use_tma=True), **kwargs):
+    q = _meta(2, 4, 300, 128, dtype=torch.bfloat16)
+    lse = _meta(2, 4, 300, dtype=torch.float32)
+    return fwd_sm90._launch_args(q, q, q, q, lse, False, 0.1, tiles, 132, 1, False, mask_mod=mask_mod,
+                                 blocks=blocks, **kwargs)
+
+
+def _blocks(block_m=128, block_n=128):
+    lists = TileLists(*(_meta(*shape) for shape in ((2, 4, 3), (2, 4, 3, 3)) * 2))
+    return BlockMask(block_m, block_n, _meta(2, 4, 3, 3, dtype=torch.int8), lists, None)
+
+
+def test_mod_launch_arguments():
+    """Without a mod every new argument is None (a constexpr: the plain build); with one, the function, its tensors,
+    the counts and the walk order of a block mask at the launch's tiles; refused at other tiles and beside softcap,
+    ALiBi or a bias."""
+    names = fwd_sm90.attention_forward_sm90_kernel.arg_names
+    plain = dict(zip(names, _launch()[1]))
+    assert all(plain[n] is None for n in ("mask_mod", "mask_mod_args", "FULL_COUNTS", "WALK_TILES", "list_len"))
+    assert _launch()[2]["MASK_MOD"] is False
+    mod, blocks = _mod("document_window"), _blocks()
+    _, args, constexprs = _launch(mod, blocks)
+    named = dict(zip(names, args))
+    assert constexprs["MASK_MOD"] and named["mask_mod"] is mod.fn and named["mask_mod_args"] == mod.tensors
+    assert named["WALK_TILES"].shape == (2, 4, 3, 3) and (named["mod_q_tiles"], named["list_len"]) == (3, 3)
+    with pytest.raises(ValueError, match="block mask at the launch's 128x128 tiles"):
+        _launch(mod, _blocks(128, 64))
+    with pytest.raises(ValueError, match="mask_mod beside causal"):
+        _launch(mod, blocks, mask=make_mask(False, None, 30.0))
+
+
+def test_the_walk_lists_full_tiles_then_partial_ones():
+    states = torch.tensor([[[[PARTIAL, 0, FULL, PARTIAL, FULL], [0, 0, 0, 0, 0]]]], dtype=torch.int8)
+    walk = BlockMask(64, 64, states, TileLists.of(states), None).walk
+    assert walk[0, 0, 0].tolist() == [2, 4, 0, 3, 1] and walk.dtype == torch.int32
+    assert walk[0, 0, 1, 0] == 0  # a query tile that sees nothing streams one empty tile, masked whole
+
+
+@pytest.fixture
+def on_hopper(monkeypatch):
+    """CPU tensors planned as on a 132-SM Hopper with the Gluon kernels on."""
+    monkeypatch.setattr(backend, "_on_hopper", lambda q: True)
+    monkeypatch.setattr(backend, "device_traits", lambda device: DeviceTraits((9, 0), 132, 232448))
+    monkeypatch.setattr(availability, "_failure", None)
+
+
+def test_a_mod_forward_plans_the_gluon_kernel_when_asked_for(on_hopper, monkeypatch):
+    """Hopper's forward declares mask_mod (beside causal, a window and varlen), taken when backend='hopper' asks for
+    it: auto keeps another family's forward until the GPU checks pass, and says so. Its backward does not take mods:
+    backend='hopper' refuses a mod's backward; auto pairs the Triton backward."""
+    q = torch.randn(1, 4, 256, 128, dtype=torch.bfloat16)
+    mod = MaskMod(mask_mods.head_windows, torch.full((16,), 32, dtype=torch.int32))
+    auto = plan_attention(dense_problem(q, q, q, causal=True, mask_mod=mod)[0])
+    assert auto.backend != "hopper" and "not yet checked on a GPU" in auto.forward_choice.why_not("hopper")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # a backend asked for by name plans CPU tensors only under it
+    plan = plan_attention(dense_problem(q, q, q, causal=True, mask_mod=mod, backend="hopper")[0])
+    assert plan.backend == "hopper"
+    with pytest.raises(NoBackend, match="does not take mask_mod"):
+        plan.backward_choice
+    with pytest.raises(ValueError, match="mask_mod does not combine with softcap"):
+        dense_problem(q, q, q, softcap=30.0, mask_mod=mod, backend="hopper")

@@ -1,0 +1,81 @@
+"""The sm_90 Gluon forward with a user mask_mod on a Hopper GPU: every mask of bench/mask_mods.py at odd shapes
+(lengths off the tiles, GQA; packed batches with a length-1 and an empty sequence) against the float64 oracle of
+their torch twins, and against the Triton mod forward within bf16 error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from feature_oracle import assert_within_rule
+from flashmoe_science import flash_attention_science, flash_attention_varlen
+from flashmoe_science.bench.mask_mods import mask_cases
+from helpers import randn
+from mod_cases import mod_oracle
+from sm90_helpers import hopper_attention_module
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+NAMES = ("document window", "prefix-LM", "head windows", "neighbour list")
+BATCH, HEADS, KV_HEADS = 2, 8, 2  # within the masks' tables (bench.mask_mods: 4 rows, 16 heads); GQA 4
+
+
+def _case(name, length):
+    hopper_attention_module("fwd_sm90")  # skips off Hopper
+    return next(case for case in mask_cases(length, "cuda") if case[0] == name)
+
+
+def _seen(flex, lq, lk, batch=BATCH):
+    """The twin's visibility (BATCH, HEADS, lq, lk), on the host."""
+    q = torch.arange(lq, device="cuda")[:, None]
+    kv = torch.arange(lk, device="cuda")[None, :]
+    return torch.stack([torch.stack([flex(b, h, q, kv) for h in range(HEADS)]) for b in range(batch)]).cpu()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", NAMES)
+def test_dense_against_float64_and_the_triton_forward(name, head_dim, causal):
+    lq = lk = 1000  # not a multiple of any tile
+    _, mod, flex, _ = _case(name, lk)
+    q = randn(BATCH, HEADS, lq, head_dim, dtype=torch.bfloat16).cuda()
+    k, v = (randn(BATCH, KV_HEADS, lk, head_dim, dtype=torch.bfloat16).cuda() for _ in range(2))
+    out, lse = flash_attention_science(q, k, v, causal=causal, mask_mod=mod, return_lse=True, backend="hopper")
+    seen = _seen(flex, lq, lk)
+    if causal:
+        seen = seen & torch.ones(lq, lk, dtype=torch.bool).tril()
+    ref, ref_lse = mod_oracle(q.cpu(), k.cpu(), v.cpu(), seen)
+    same, _ = mod_oracle(q.cpu(), k.cpu(), v.cpu(), seen, dtype=torch.bfloat16)
+    assert_within_rule("out", out.cpu().double(), ref, same.double(), torch.bfloat16)
+    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.cpu()[finite].double(), ref_lse[finite], rtol=0, atol=2e-2)
+    triton_out = flash_attention_science(q, k, v, causal=causal, mask_mod=mod, backend="triton")
+    torch.testing.assert_close(out, triton_out, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", NAMES)
+def test_varlen_against_float64_and_the_triton_forward(name, head_dim):
+    lengths = [700, 0, 1, 517]  # b indexes the masks' per-row tables (4 rows)
+    _, mod, flex, _ = _case(name, max(lengths))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(cu[-1])
+    q = randn(total, HEADS, head_dim, dtype=torch.bfloat16).cuda()
+    k, v = (randn(total, KV_HEADS, head_dim, dtype=torch.bfloat16).cuda() for _ in range(2))
+    args = (cu.cuda(), cu.cuda(), max(lengths), max(lengths))
+    out, lse = flash_attention_varlen(q, k, v, *args, mask_mod=mod, return_lse=True, backend="hopper")
+    triton_out = flash_attention_varlen(q, k, v, *args, mask_mod=mod, backend="triton")
+    torch.testing.assert_close(out, triton_out, rtol=2e-2, atol=2e-2)
+    seen = _seen(flex, max(lengths), max(lengths), len(lengths))
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        q4, k4, v4 = (t[rows].transpose(0, 1)[None].cpu() for t in (q, k, v))
+        ref, ref_lse = mod_oracle(q4, k4, v4, seen[b:b + 1, :, :n, :n])
+        same, _ = mod_oracle(q4, k4, v4, seen[b:b + 1, :, :n, :n], dtype=torch.bfloat16)
+        ours = out[rows].transpose(0, 1)[None].cpu().double()
+        assert_within_rule(f"out of sequence {b}", ours, ref, same.double(), torch.bfloat16)
+        ours_lse = lse[:, rows].cpu()[None]
+        assert torch.equal(torch.isneginf(ours_lse), torch.isneginf(ref_lse))
