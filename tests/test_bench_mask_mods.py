@@ -35,3 +35,14 @@ def test_mod_and_flex_twin_are_one_mask(index):
     out = flash_attention_science(q, k, v, mask_mod=ours)
     expected, _ = mod_oracle(q, k, v, seen, None)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_the_suite_says_why_its_gpu_contenders_did_not_run_on_a_cpu():
+    from flashmoe_science.bench import features
+
+    cases = features.feature_cases(["mask-mods"], True, torch.device("cpu"), torch.float32)
+    assert [case.name for case in cases] == [name for name, *_ in mask_mods.mask_cases(8, "cpu")]
+    for case in cases:
+        assert list(case.contenders) == ["flashmoe"]
+        assert "Hopper GPU only" in case.skipped["flashmoe-hopper"] and "GPU only" in case.skipped["flex"]
+    assert ("flashmoe-hopper", "flex") in features.RATIOS["mask-mods"]

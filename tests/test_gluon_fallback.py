@@ -29,6 +29,7 @@ def _build_failure(*args, **kwargs):
 def fresh_process_state(monkeypatch):
     """Each test starts as a fresh process would: no build failure recorded."""
     monkeypatch.setattr(availability, "_failure", None)
+    monkeypatch.setattr(availability, "_function_failures", {})
 
 
 def test_first_failure_warns_once_with_the_triton_version_and_turns_gluon_off():
@@ -335,3 +336,32 @@ def test_describe_names_the_planned_fallback():
     assert sentence == ("; where only dQ is wanted or where its build fails on this triton (once, remembered): "
                         "the portable Triton kernel")
     assert planner._fallback(Choice("triton", None), planner.ATTENTION_BACKENDS) == ""
+
+
+def _user_mod(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def test_a_user_functions_failed_build_refuses_that_function_alone():
+    """A build carrying a user's mask_mod that fails is the mod's failure: one warning naming it, the Gluon kernels
+    stay on for every other call, and that mod is refused from then on (not built again); strict raises the same
+    reason."""
+    other = object()
+    with pytest.warns(RuntimeWarning) as caught:
+        assert not availability.run_gluon("attention forward", _build_failure, user_fn=_user_mod)
+    (warning,) = _runtime_warnings(caught)
+    assert "_user_mod does not build in the Gluon sm_90 attention forward" in str(warning.message)
+    assert "the other calls keep the Gluon kernels" in str(warning.message)
+    assert availability.unavailable_reason() is None
+    assert availability.function_refusal(_user_mod).startswith("_user_mod does not build")
+    assert availability.function_refusal(other) is None
+    launched = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no second warning, no second build
+        assert not availability.run_gluon("attention forward", lambda: launched.append(1), user_fn=_user_mod)
+        assert not launched
+        with pytest.raises(availability.GluonUnavailable, match="backend='hopper': _user_mod does not build"):
+            availability.run_gluon("attention forward", lambda: None, strict=True, user_fn=_user_mod)
+        assert availability.run_gluon("attention forward", lambda: launched.append(1), user_fn=other)
+        assert availability.run_gluon("MoE dx", lambda: launched.append(1))
+    assert launched == [1, 1]

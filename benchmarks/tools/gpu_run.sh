@@ -6,6 +6,7 @@
 #   bench      flashmoe-science bench (full) ; benchq: --quick ; benchbwd: fwd+bwd
 #   moe        MoE GPU tests + bench moe
 #   sweepbwd   backward tile sweep (benchmarks/tools/sweep_attention_backward_tiles.py) ; sweepmoe: MoE GEMM sweep (benchmarks/tools/sweep_moe_gemm_tiles.py)
+#   maskmods   the mask_mod GPU tests (Triton kernels and the sm_90 forward) + bench --suite mask-mods (forward and backward)
 #   profile    ncu of the sm_90 forward (benchmarks/tools/profile_attention_forward_ncu.py $PROFILE_ARGS: B H L D CAUSAL BLOCK_N STAGES)
 set -u
 export PYTHONPATH=src:benchmarks/tools PYTHONUNBUFFERED=1
@@ -25,6 +26,10 @@ for step in "$@"; do
     benchbwd) python3 -m flashmoe_science.cli bench --pass fwd,bwd --out "$OUTDIR" > "$OUTDIR/bench.log" 2>&1 ;;
     moe)      python3 -m pytest -m gpu tests/moe -q --timeout=600 -p no:cacheprovider > "$OUTDIR/moe_tests.log" 2>&1;
               python3 -m flashmoe_science.cli bench moe --out "$OUTDIR" > "$OUTDIR/moe_bench.log" 2>&1 ;;
+    maskmods) python3 -m pytest -m gpu tests/attention/test_mods_sm90_gpu.py tests/attention/test_mods_gpu.py -q \
+                  --timeout=600 -p no:cacheprovider > "$OUTDIR/maskmods_tests.log" 2>&1;
+              python3 -m flashmoe_science.cli bench --suite mask-mods --rounds ${ROUNDS:-3} \
+                  --out "$OUTDIR" > "$OUTDIR/maskmods_bench.log" 2>&1 ;;
     sweepbwd) python3 benchmarks/tools/sweep_attention_backward_tiles.py --out "$OUTDIR" > "$OUTDIR/sweep_bwd.log" 2>&1 ;;
     sweepmoe) python3 benchmarks/tools/sweep_moe_gemm_tiles.py --out "$OUTDIR" > "$OUTDIR/sweep_moe.log" 2>&1 ;;
     profile)  ncu --clock-control none --launch-skip 1 --launch-count 3 -k regex:attention_forward \

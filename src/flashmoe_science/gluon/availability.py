@@ -6,7 +6,9 @@ with ``backend="auto"`` the first failure is recorded, one warning names the tri
 from then on every call takes the portable Triton kernels (attention forward and backward, the MoE GEMMs).
 ``backend="hopper"`` raises ``GluonUnavailable`` instead. Builds fail before anything is launched, so a fallback
 recomputes from untouched inputs. Only Triton's compilation fails a build (``is_build_failure``): an error of the
-host code around a launch propagates unchanged and leaves the Gluon kernels on.
+host code around a launch propagates unchanged and leaves the Gluon kernels on. A build that carries a user's
+function (a ``mask_mod``) and fails is that function's failure, not this triton's: the kernels stay on, and that
+function alone is refused by the Gluon kernels from then on (``function_refusal``).
 
 The planners ask ``plan_time_reason`` before planning a Gluon kernel: on a triton outside the tested range it builds
 one kernel offline, once per process (a few seconds), so a Gluon layer that no longer builds is found at plan time
@@ -24,6 +26,7 @@ from typing import Callable
 TESTED_TRITON = ("3.6", "3.9")  # oldest and newest release whose Gluon builds the offline sm_90 tests cover
 _failure: str | None = None  # why the Gluon kernels are off in this process (the first build failure)
 _probed = False  # whether plan_time_reason built its kernel in this process
+_function_failures: dict[object, str] = {}  # user functions whose Gluon builds failed, and why (run_gluon's user_fn)
 
 
 class GluonUnavailable(RuntimeError):
@@ -120,12 +123,29 @@ def record_failure(kernel: str, error: BaseException) -> str:
     return reason
 
 
-def run_gluon(kernel: str, launch: Callable[[], object], strict: bool = False) -> bool:
+def function_refusal(fn) -> str | None:
+    """Why the Gluon kernels refuse the user's function ``fn`` (its build failed in this process), or None."""
+    return _function_failures.get(fn)
+
+
+def _record_function_failure(kernel: str, fn, error: BaseException) -> str:
+    name = getattr(getattr(fn, "fn", fn), "__name__", repr(fn))
+    first_line = (str(error).strip().splitlines() or [""])[-1][:300]
+    reason = f"{name} does not build in the Gluon sm_90 {kernel} ({type(error).__name__}: {first_line})"
+    if fn not in _function_failures:
+        _function_failures[fn] = reason
+        warnings.warn(f"flashmoe_science: {reason}; backend='auto' runs the portable Triton kernels for it from now "
+                      "on (the other calls keep the Gluon kernels)", RuntimeWarning, stacklevel=3)
+    return reason
+
+
+def run_gluon(kernel: str, launch: Callable[[], object], strict: bool = False, user_fn=None) -> bool:
     """Run ``launch`` (a Gluon kernel's launch) unless the Gluon kernels are off. True when it ran; False when they
     are off or it failed to build (``is_build_failure``; recorded, one warning): the caller then runs its Triton
     kernel. With ``strict`` (backend="hopper") raises GluonUnavailable instead of returning False. Any other error
-    of the launch propagates unchanged and leaves the Gluon kernels on."""
-    reason = unavailable_reason()
+    of the launch propagates unchanged and leaves the Gluon kernels on. ``user_fn``: a user's function the build
+    carries (a mask_mod); a failed build is recorded against it alone (`function_refusal`)."""
+    reason = unavailable_reason() or (function_refusal(user_fn) if user_fn is not None else None)
     if reason is None:
         try:
             launch()
@@ -133,7 +153,8 @@ def run_gluon(kernel: str, launch: Callable[[], object], strict: bool = False) -
         except Exception as error:
             if not is_build_failure(error):
                 raise
-            reason = record_failure(kernel, error)
+            reason = (_record_function_failure(kernel, user_fn, error) if user_fn is not None
+                      else record_failure(kernel, error))
     if strict:
         raise GluonUnavailable(f"backend='hopper': {reason}")
     return False

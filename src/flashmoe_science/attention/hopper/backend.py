@@ -45,7 +45,7 @@ from flashmoe_science.attention.problem import new_outputs
 from flashmoe_science.attention.record import ran
 from flashmoe_science.attention.tiles import AttentionTiles, autotune_enabled, padded_head_dim
 from flashmoe_science.device import device_traits
-from flashmoe_science.gluon.availability import plan_time_reason, run_gluon, unavailable_reason
+from flashmoe_science.gluon.availability import function_refusal, plan_time_reason, run_gluon, unavailable_reason
 from flashmoe_science.gluon.target import ARCH
 from flashmoe_science.prepared_cache import SEEN_ONCE, prepared_table, remember, tensor_signature
 
@@ -142,7 +142,7 @@ class HopperForward:
                 q, k, v, out, lse, features.causal, softmax_scale, self.tiles, num_ctas, self.q_buffers,
                 self.cross_item, mask=features.mask, alibi_slopes=features.alibi_slopes, varlen=batch,
                 attn_bias=features.attn_bias, bias_tma=self.bias_tma, mask_mod=mask_mod, blocks=blocks),
-                self.fallback is None):
+                self.fallback is None, mask_mod.fn if mask_mod is not None else None):
             ran("forward", self.backend, self.kernel)
             if prepared is SEEN_ONCE:
                 self.prepare(q, k, v, out, lse, features, softmax_scale)
@@ -452,6 +452,9 @@ class HopperAttention:
         if features.mods is not None and (features.mask.softcap > 0 or features.alibi_slopes is not None
                                           or features.attn_bias is not None):
             return "it takes mask_mod beside causal, a window and varlen only (not softcap, ALiBi or attn_bias)"
+        refused = function_refusal(features.mods.mask.fn) if features.mods is not None else None
+        if refused is not None:
+            return refused
         if features.mods is not None and problem.backend != self.name:
             # offline sm_90 builds only so far: auto keeps mods on the Triton forward until the float64 checks
             # (tests/attention/test_mods_sm90_gpu.py) have passed on a GPU

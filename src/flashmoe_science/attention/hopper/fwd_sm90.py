@@ -58,7 +58,8 @@ from flashmoe_science.attention.seqlen import PACKED_TOTALS, PER_BATCH_ARGS, Var
 from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.gluon.compat import (fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma,
                                            warpgroup_mma_wait)
-from flashmoe_science.gluon.sm90 import PRODUCER_REGISTERS, consumer_registers, launch_options
+from flashmoe_science.gluon.sm90 import (PRODUCER_REGISTERS, column_halves, consumer_registers, launch_options,
+                                         wgmma_layout)
 from flashmoe_science.prepared_launch import PreparedLaunch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -264,14 +265,20 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
     batch and head: `_consumer_item`): tile j is the j-th of the item's lists, and its partial tiles AND the mod
     into the mask, at positions clamped into the sequence (mods.clamp_index); full tiles mask nothing.
     """
-    key_start, full_start, full_end, seqlen_k, diagonal, alibi_slope_log2, bias_plane, seqlen_q, alibi_raw, \
-        alibi_ref = tile_mask[:10]
-    window_left, window_right, softcap_scale = mask_args[:3]
-    MASK_MOD: gl.constexpr = len(mask_args) > 3
+    # tuples are unpacked whole, not sliced or measured: triton 3.6 cannot take len() of a tuple holding None
+    MASK_MOD: gl.constexpr = mask_mod is not None
+    if MASK_MOD:
+        key_start, full_start, full_end, seqlen_k, diagonal, alibi_slope_log2, bias_plane, seqlen_q, alibi_raw, \
+            alibi_ref, mod_item = tile_mask
+        window_left, window_right, softcap_scale, mod_tensors, block_lists = mask_args
+    else:
+        key_start, full_start, full_end, seqlen_k, diagonal, alibi_slope_log2, bias_plane, seqlen_q, alibi_raw, \
+            alibi_ref = tile_mask
+        window_left, window_right, softcap_scale = mask_args
     ALIBI_LINEAR: gl.constexpr = ALIBI and not SOFTCAP
     LOG2_SCORES: gl.constexpr = ALIBI and SOFTCAP  # s in log2 units after the modifiers
     if MASK_MOD:
-        start_n, partial = _listed_tile(tile_mask[10][0], j, BLOCK_N)
+        start_n, partial = _listed_tile(mod_item[0], j, BLOCK_N)
     else:
         start_n = key_start + j * BLOCK_N
     if HAS_BIAS:
@@ -298,7 +305,12 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
         masked = start_n + BLOCK_N > full_end  # only tiles at the window's edges and the ragged end pay for the mask
         if MASK_LEFT:
             masked = masked | (start_n < full_start)
-    if masked:
+    if MASK_MOD:
+        if masked:
+            s = gl.convert_layout(_mod_masked(s, offs_m, start_n, seqlen_q, seqlen_k, diagonal, window_left,
+                                              window_right, mod_item[1], mod_item[2], mask_mod, mod_tensors, CAUSAL,
+                                              MASK_LEFT, MASK_RIGHT, MOD_COLUMNS), s_layout)
+    elif masked:
         key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         if MASK_LEFT or MASK_RIGHT:
             seen = visible(gl.expand_dims(offs_m, 1), gl.expand_dims(key_pos, 0), seqlen_k, diagonal, window_left,
@@ -306,10 +318,6 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
         else:  # the plain mask: bounds, and the causal diagonal (the window (-1, 0))
             seen = visible(gl.expand_dims(offs_m, 1), gl.expand_dims(key_pos, 0), seqlen_k, diagonal, 0, 0, False,
                            CAUSAL)
-        if MASK_MOD:  # rows past the sequence are never stored: their clamped positions need no mask of their own
-            _, b, h = tile_mask[10]
-            seen = seen & mask_mod(b, h, gl.expand_dims(clamp_index(offs_m, seqlen_q), 1),
-                                   gl.expand_dims(clamp_index(key_pos, seqlen_k), 0), *mask_args[3])
         s = gl.where(seen, s, float("-inf"))
     if LOG2_SCORES:  # s is in log2 units already
         m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -325,6 +333,44 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
     if P_DTYPE is not None:
         p = _p_pack(p, P_DTYPE)
     return p, m_new, l_new, alpha
+
+
+MOD_COLUMNS = gl.constexpr(16)  # the widest column slice a mask_mod is evaluated on at once (docs/perf-notes.md)
+
+
+@gluon.jit
+def _mod_masked(s, offs_m, start_n, seqlen_q, seqlen_k, diagonal, window_left, window_right, b, h, mask_mod,
+                mod_tensors, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                COLUMNS: gl.constexpr):
+    """s (wgmma accumulator layout, its first key start_n) masked with -inf where `visible` (bounds, the causal or
+    window mask) and the user's mask_mod do not both hold, the mod at positions clamped into the sequence (rows past
+    it are never stored). Evaluated on column slices at most COLUMNS wide (`column_halves`: register selections, no
+    data moves), so the positions, the mod's loads and its compares of one slice are live at a time, not the
+    whole tile's beside S, O and the pending P·V operand."""
+    ROWS: gl.constexpr = s.shape[0]
+    N: gl.constexpr = s.shape[1]
+    layout: gl.constexpr = wgmma_layout(N)
+    s = gl.convert_layout(s, layout)  # a column slice's layout named (no data moves)
+    if N > COLUMNS:
+        left, right = column_halves(s)
+        left = _mod_masked(left, offs_m, start_n, seqlen_q, seqlen_k, diagonal, window_left, window_right, b, h,
+                           mask_mod, mod_tensors, CAUSAL, MASK_LEFT, MASK_RIGHT, COLUMNS)
+        right = _mod_masked(right, offs_m, start_n + N // 2, seqlen_q, seqlen_k, diagonal, window_left,
+                            window_right, b, h, mask_mod, mod_tensors, CAUSAL, MASK_LEFT, MASK_RIGHT, COLUMNS)
+        s = gl.convert_layout(gl.join(left, right).permute((0, 2, 1)).reshape([ROWS, N]), layout)
+    else:
+        rows = gl.convert_layout(offs_m, gl.SliceLayout(1, layout))
+        key_pos = start_n + gl.arange(0, N, layout=gl.SliceLayout(0, layout))
+        if MASK_LEFT or MASK_RIGHT:
+            seen = visible(gl.expand_dims(rows, 1), gl.expand_dims(key_pos, 0), seqlen_k, diagonal, window_left,
+                           window_right, MASK_LEFT, MASK_RIGHT)
+        else:
+            seen = visible(gl.expand_dims(rows, 1), gl.expand_dims(key_pos, 0), seqlen_k, diagonal, 0, 0, False,
+                           CAUSAL)
+        seen = seen & mask_mod(b, h, gl.expand_dims(clamp_index(rows, seqlen_q), 1),
+                               gl.expand_dims(clamp_index(key_pos, seqlen_k), 0), *mod_tensors)
+        s = gl.where(seen, s, float("-inf"))
+    return s
 
 
 @gluon.jit
@@ -359,23 +405,25 @@ def _p_pack(p, dtype: gl.constexpr):
 def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, mask_args, alibi_args,
                    varlen_args, bias_ptr_args, qk_scale, CONSUMER: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                    CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, ALIBI: gl.constexpr,
-                   VARLEN: gl.constexpr, BIAS_LOADS: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+                   VARLEN: gl.constexpr, BIAS_LOADS: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                   MASK_MOD: gl.constexpr):
     """This consumer's share of the CTA's item-th work item: (its rows: TMA batch coordinate, query head, first row,
     the sequence's first Q row, Lq), the key tiles the CTA streams, the key tiles this consumer multiplies, and
     what its masks need: (first key of the CTA's tiles, start and end of the keys it sees unmasked, Lk, Lk - Lq,
     ALiBi slope · log2 e, the address of the item's bias plane where the consumer loads the bias (BIAS_LOADS;
     bias_ptr_args: base, batch and head strides) else None, Lq, ALiBi slope in raw score units (slope · log2 e /
     qk_scale) and the reference position of `_score_start`'s linear form (first row + Lk - Lq)); with a mask_mod
-    (mask_args longer than 3) also (the item's block-mask lists, batch, query head): every consumer walks them whole."""
+    (MASK_MOD: mask_args ends with its tensors and the block mask's lists) also (the item's block-mask lists, batch,
+    query head): every consumer walks them whole."""
     batch, desc_batch, q_head, _, cta_start_m, q_row0, _, item_seqlen_q, item_seqlen_k = item_rows(
         item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, varlen_args, NUM_CONSUMERS * ROWS,
         CAUSAL, VARLEN)
-    window_left, window_right = mask_args[0], mask_args[1]
-    MASK_MOD: gl.constexpr = len(mask_args) > 3
     if MASK_MOD:
-        item_lists = _item_tile_lists(mask_args[4], batch, q_head, cta_start_m, NUM_CONSUMERS * ROWS)
+        window_left, window_right, _, _, block_lists = mask_args
+        item_lists = _item_tile_lists(block_lists, batch, q_head, cta_start_m, NUM_CONSUMERS * ROWS)
         key_start, cta_tiles = 0, item_lists[2]
     else:
+        window_left, window_right, _ = mask_args
         key_start, cta_tiles = cta_key_tiles(cta_start_m, item_seqlen_q, item_seqlen_k, window_left, window_right,
                                               NUM_CONSUMERS * ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT)
     start_m = cta_start_m + CONSUMER * ROWS
@@ -722,7 +770,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     rows, cta_tiles, num_tiles, tile_mask = _consumer_item(
         0, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, mask_args, alibi_args, varlen_args,
         bias_ptr_args, qk_scale, CONSUMER, ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, ALIBI, VARLEN,
-        BIAS_LOADS, NUM_CONSUMERS)
+        BIAS_LOADS, NUM_CONSUMERS, mask_mod is not None)
     scale, o_scale = _item_scales(descales, rows[0], rows[1], num_q_heads, group_size, qk_scale, FP8)
     q_buf = CONSUMER * Q_BUFFERS
     s = _issue_first_scores(q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), q_ready.index(q_buf), 0, k_smem,
@@ -753,7 +801,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
         n_rows, n_cta_tiles, n_num_tiles, n_tile_mask = _consumer_item(
             item + 1, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, mask_args, alibi_args,
             varlen_args, bias_ptr_args, qk_scale, CONSUMER, ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, ALIBI,
-            VARLEN, BIAS_LOADS, NUM_CONSUMERS)
+            VARLEN, BIAS_LOADS, NUM_CONSUMERS, mask_mod is not None)
         n_offs_m = n_rows[2] + gl.arange(0, ROWS, layout=s_rows)
         n_scale, n_o_scale = _item_scales(descales, n_rows[0], n_rows[1], num_q_heads, group_size, qk_scale, FP8)
         if CROSS_ITEM:
