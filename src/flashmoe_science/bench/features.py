@@ -30,8 +30,8 @@ Suites (bf16, D=128, one GPU; on a CPU-only machine every size shrinks by 64 as 
   compiled training steps run them). ``--quick``: L 1024 and 4096.
 - ``mask-mods``: masks users write as `mask_mod` functions (document + window, prefix-LM, per-head windows, a
   neighbour list) through ``flashmoe`` and compiled FlexAttention with the same block mask (``flex``); see
-  `bench/mask_mods.py`; on a Hopper GPU also the sm_90 mask_mod forward (`flashmoe-hopper`, backend="hopper", forward
-  only). Records: op "attention-mask-mod" with B, H, L, D.
+  `bench/mask_mods.py`; where an architecture family plans the mod forward when asked for by name, also that
+  forward (``flashmoe-arch``, forward only). Records: op "attention-mask-mod" with B, H, L, D.
 
 TFLOP/s count only the pairs attended: FlashAttention's convention for dense calls (4·Lq·Lk·D per head, halved when
 causal; backward 2.5 x forward), each sequence's own for varlen, and the exact number of (query, key) pairs inside
@@ -376,12 +376,7 @@ def _mask_mod_cases(device, dtype, shrink: int) -> list[Case]:
         flops = 4.0 * mm.HEAD_DIM * pairs
         case.contenders["flashmoe"] = Contender(
             make, lambda q, k, v, ours=ours: flash_attention_science(q, k, v, mask_mod=ours), flops)
-        if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
-            case.contenders["flashmoe-hopper"] = Contender(
-                make, lambda q, k, v, ours=ours: flash_attention_science(q, k, v, mask_mod=ours, backend="hopper"),
-                flops, note="the sm_90 mask_mod forward (its backward is Triton's)", forward_only=True)
-        else:
-            case.skipped["flashmoe-hopper"] = "the sm_90 mask_mod forward runs on a Hopper GPU only"
+        _architecture_forward(case, make, ours, flops)
         if device.type == "cuda":
             from torch.nn.attention.flex_attention import create_block_mask
 
@@ -396,6 +391,29 @@ def _mask_mod_cases(device, dtype, shrink: int) -> list[Case]:
             case.skipped["flex"] = "compiled FlexAttention is timed on a GPU only"
         cases.append(case)
     return cases
+
+
+def _architecture_forward(case: Case, make, mask_mod, flops: float) -> None:
+    """`flashmoe-arch`: the mod forward of the first architecture family (`architectures.families`) that plans it
+    here when asked for by name, beside auto's choice (`flashmoe`); forward only (the family may refuse the mod's
+    backward). Skipped with each family's refusal where none does."""
+    from flashmoe_science import architectures, flash_attention_science
+    from flashmoe_science.attention.plan import plan_attention
+    from flashmoe_science.attention.problem import dense_problem
+
+    q = make()[0]
+    refusals = []
+    for family in architectures.families("attention"):
+        try:
+            plan_attention(dense_problem(q, q, q, mask_mod=mask_mod, backend=family.name)[0])
+        except (ValueError, TypeError) as refusal:  # how a family asked for by name refuses (NoBackend among them)
+            refusals.append(str(refusal))
+            continue
+        case.contenders["flashmoe-arch"] = Contender(
+            make, lambda q, k, v, name=family.name: flash_attention_science(q, k, v, mask_mod=mask_mod, backend=name),
+            flops, note=f"backend={family.name!r}, forward only", forward_only=True)
+        return
+    case.skipped["flashmoe-arch"] = "; ".join(refusals) or "no architecture family in this build"
 
 
 def feature_cases(suites, quick: bool, device, dtype) -> list[Case]:
@@ -492,7 +510,7 @@ RATIOS = {
     "packed": (("flashmoe-varlen", "fa3-varlen"), ("flashmoe-varlen", "fa4-varlen"),
                ("flashmoe-varlen", "flashmoe-dense"), ("flashmoe-varlen-graph", "fa3-varlen-graph"),
                ("flashmoe-varlen-graph", "flashmoe-dense-graph"), ("flashmoe-varlen-graph", "flashmoe-varlen")),
-    "mask-mods": (("flashmoe", "flex"), ("flashmoe-hopper", "flex"), ("flashmoe-hopper", "flashmoe")),
+    "mask-mods": (("flashmoe", "flex"), ("flashmoe-arch", "flex"), ("flashmoe-arch", "flashmoe")),
     "mods": (("flashmoe-softcap", "flashmoe"), ("flashmoe-alibi", "flashmoe"), ("flashmoe-bias", "flashmoe"),
              ("flashmoe-softcap", "flashmoe-triton"), ("flashmoe-alibi", "flashmoe-triton")),
 }

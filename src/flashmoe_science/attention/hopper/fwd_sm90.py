@@ -305,20 +305,13 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
         masked = start_n + BLOCK_N > full_end  # only tiles at the window's edges and the ragged end pay for the mask
         if MASK_LEFT:
             masked = masked | (start_n < full_start)
-    if MASK_MOD:
-        if masked:
-            s = gl.convert_layout(_mod_masked(s, offs_m, start_n, seqlen_q, seqlen_k, diagonal, window_left,
-                                              window_right, mod_item[1], mod_item[2], mask_mod, mod_tensors, CAUSAL,
-                                              MASK_LEFT, MASK_RIGHT, MOD_COLUMNS), s_layout)
-    elif masked:
-        key_pos = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        if MASK_LEFT or MASK_RIGHT:
-            seen = visible(gl.expand_dims(offs_m, 1), gl.expand_dims(key_pos, 0), seqlen_k, diagonal, window_left,
-                           window_right, MASK_LEFT, MASK_RIGHT)
-        else:  # the plain mask: bounds, and the causal diagonal (the window (-1, 0))
-            seen = visible(gl.expand_dims(offs_m, 1), gl.expand_dims(key_pos, 0), seqlen_k, diagonal, 0, 0, False,
-                           CAUSAL)
-        s = gl.where(seen, s, float("-inf"))
+    if masked:
+        if MASK_MOD:
+            s = _masked(s, offs_m, start_n, seqlen_q, seqlen_k, diagonal, window_left, window_right, mod_item[1],
+                        mod_item[2], mask_mod, mod_tensors, CAUSAL, MASK_LEFT, MASK_RIGHT, MOD_COLUMNS)
+        else:
+            s = _masked(s, offs_m, start_n, seqlen_q, seqlen_k, diagonal, window_left, window_right, 0, 0, None,
+                        None, CAUSAL, MASK_LEFT, MASK_RIGHT, BLOCK_N)
     if LOG2_SCORES:  # s is in log2 units already
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -339,38 +332,35 @@ MOD_COLUMNS = gl.constexpr(16)  # the widest column slice a mask_mod is evaluate
 
 
 @gluon.jit
-def _mod_masked(s, offs_m, start_n, seqlen_q, seqlen_k, diagonal, window_left, window_right, b, h, mask_mod,
-                mod_tensors, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
-                COLUMNS: gl.constexpr):
-    """s (wgmma accumulator layout, its first key start_n) masked with -inf where `visible` (bounds, the causal or
-    window mask) and the user's mask_mod do not both hold, the mod at positions clamped into the sequence (rows past
-    it are never stored). Evaluated on column slices at most COLUMNS wide (`column_halves`: register selections, no
-    data moves), so the positions, the mod's loads and its compares of one slice are live at a time, not the
-    whole tile's beside S, O and the pending P·V operand."""
-    ROWS: gl.constexpr = s.shape[0]
+def _masked(s, offs_m, start_n, seqlen_q, seqlen_k, diagonal, window_left, window_right, b, h, mask_mod, mod_tensors,
+            CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, COLUMNS: gl.constexpr):
+    """s (a wgmma accumulator tile, its first key start_n) set to -inf where a query does not see a key: `visible`
+    (bounds, and the window, or the plain mask's causal diagonal: the window (-1, 0)), and the user's mask_mod (None:
+    none) at positions clamped into the sequence (rows past it are never stored).
+
+    Evaluated on column slices at most COLUMNS wide (`column_halves`: register selections, no data moves), so only
+    one slice's positions, mod loads and compares are live beside S, O and the pending P·V operand."""
+    layout: gl.constexpr = s.type.layout
     N: gl.constexpr = s.shape[1]
-    layout: gl.constexpr = wgmma_layout(N)
-    s = gl.convert_layout(s, layout)  # a column slice's layout named (no data moves)
     if N > COLUMNS:
+        half: gl.constexpr = wgmma_layout(N // 2)  # the layout column_halves produced, named (no data moves)
         left, right = column_halves(s)
-        left = _mod_masked(left, offs_m, start_n, seqlen_q, seqlen_k, diagonal, window_left, window_right, b, h,
-                           mask_mod, mod_tensors, CAUSAL, MASK_LEFT, MASK_RIGHT, COLUMNS)
-        right = _mod_masked(right, offs_m, start_n + N // 2, seqlen_q, seqlen_k, diagonal, window_left,
-                            window_right, b, h, mask_mod, mod_tensors, CAUSAL, MASK_LEFT, MASK_RIGHT, COLUMNS)
-        s = gl.convert_layout(gl.join(left, right).permute((0, 2, 1)).reshape([ROWS, N]), layout)
+        left = _masked(gl.convert_layout(left, half), offs_m, start_n, seqlen_q, seqlen_k, diagonal, window_left, window_right, b, h,
+                       mask_mod, mod_tensors, CAUSAL, MASK_LEFT, MASK_RIGHT, COLUMNS)
+        right = _masked(gl.convert_layout(right, half), offs_m, start_n + N // 2, seqlen_q, seqlen_k, diagonal, window_left, window_right, b,
+                        h, mask_mod, mod_tensors, CAUSAL, MASK_LEFT, MASK_RIGHT, COLUMNS)
+        return gl.convert_layout(gl.join(left, right).permute((0, 2, 1)).reshape([s.shape[0], N]), layout)
+    rows = gl.convert_layout(offs_m, gl.SliceLayout(1, layout))
+    key_pos = start_n + gl.arange(0, N, layout=gl.SliceLayout(0, layout))
+    if MASK_LEFT or MASK_RIGHT:
+        seen = visible(gl.expand_dims(rows, 1), gl.expand_dims(key_pos, 0), seqlen_k, diagonal, window_left,
+                       window_right, MASK_LEFT, MASK_RIGHT)
     else:
-        rows = gl.convert_layout(offs_m, gl.SliceLayout(1, layout))
-        key_pos = start_n + gl.arange(0, N, layout=gl.SliceLayout(0, layout))
-        if MASK_LEFT or MASK_RIGHT:
-            seen = visible(gl.expand_dims(rows, 1), gl.expand_dims(key_pos, 0), seqlen_k, diagonal, window_left,
-                           window_right, MASK_LEFT, MASK_RIGHT)
-        else:
-            seen = visible(gl.expand_dims(rows, 1), gl.expand_dims(key_pos, 0), seqlen_k, diagonal, 0, 0, False,
-                           CAUSAL)
+        seen = visible(gl.expand_dims(rows, 1), gl.expand_dims(key_pos, 0), seqlen_k, diagonal, 0, 0, False, CAUSAL)
+    if mask_mod is not None:
         seen = seen & mask_mod(b, h, gl.expand_dims(clamp_index(rows, seqlen_q), 1),
                                gl.expand_dims(clamp_index(key_pos, seqlen_k), 0), *mod_tensors)
-        s = gl.where(seen, s, float("-inf"))
-    return s
+    return gl.where(seen, s, float("-inf"))
 
 
 @gluon.jit
