@@ -61,18 +61,18 @@ def test_a_triton_mod_with_loads_builds_inside_a_gluon_kernel(mod):
 
 
 # (head dim, packed, causal, mask) -> LDL + STL of the whole build and the most in one key loop, on the tuned triton
-# (compat.TUNED_TRITON, 3.6); the plain build of the same plan first, for comparison. The mod is evaluated on
-# 16-column slices of the tile (fwd_sm90.MOD_COLUMNS): at D=128 on two consumers (240 registers) the loop keeps 17-18
-# values per key tile in local memory beside S, O and the pending P·V operand (the plain loop 4; the whole tile at
-# once: 36-49; the neighbour list's 16 slots 98), the packed batch 29; D=64 and three consumers (160 registers) none.
-# docs/perf-notes.md has the widths tried, on triton 3.9 too.
+# (compat.TUNED_TRITON, 3.6); the plain build of the same plan first, for comparison. The mod is evaluated on column
+# slices of the tile (fwd_sm90._mod_width: 16 keys, 64 packed): at D=128 on two consumers (240 registers) the dense
+# loop keeps 17-18 values per key tile in local memory beside S, O and the pending P·V operand (the plain loop 4;
+# the whole tile at once: 36-49; the neighbour list's 16 slots 98), the packed one 14; D=64 and three consumers (160
+# registers) none. docs/perf-notes.md has the widths tried, on triton 3.9 too.
 MOD_BUILDS = {
     (128, False, True, "plain"): (225, 4),
     (128, False, True, "document_window"): (182, 18),
     (128, False, True, "prefix_lm"): (142, 17),
     (128, False, True, "head_windows"): (142, 18),
     (128, False, True, "neighbour_list"): (487, 98),
-    (128, True, True, "document_window"): (257, 29),
+    (128, True, True, "document_window"): (131, 14),
     (64, False, True, "document_window"): (0, 0),
     (64, False, True, "head_windows"): (0, 0),
     (64, True, True, "document_window"): (0, 0),

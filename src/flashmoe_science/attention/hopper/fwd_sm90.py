@@ -242,7 +242,8 @@ def _score_start(s_zero, start_n, tile_mask, BLOCK_N: gl.constexpr, ALIBI_LINEAR
 def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free, bias_ring, stage, bias_args, mask_mod,
                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
-                  s_layout: gl.constexpr, P_DTYPE: gl.constexpr, p_layout: gl.constexpr):
+                  s_layout: gl.constexpr, P_DTYPE: gl.constexpr, p_layout: gl.constexpr,
+                  MOD_WIDTH: gl.constexpr):
     """Release K's ring stage (`k_free`), then score modifiers (softcap, ALiBi: mask.score_to_log2; the bias), the
     mask (boundary tiles only: mask.visible), then fold the raw scores s of the item's j-th key tile into the
     running max m and sum l.
@@ -263,7 +264,8 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
 
     A mask_mod (mask_args then carries its captured tensors and the block mask's lists, tile_mask the item's lists,
     batch and head: `_consumer_item`): tile j is the j-th of the item's lists, and its partial tiles AND the mod
-    into the mask, at positions clamped into the sequence (mods.clamp_index); full tiles mask nothing.
+    into the mask, at positions clamped into the sequence (mods.clamp_index), in column slices MOD_WIDTH wide
+    (`_mod_width`); full tiles mask nothing.
     """
     # tuples are unpacked whole, not sliced or measured: triton 3.6 cannot take len() of a tuple holding None
     MASK_MOD: gl.constexpr = mask_mod is not None
@@ -308,7 +310,7 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
     if masked:
         if MASK_MOD:
             s = _masked(s, offs_m, start_n, seqlen_q, seqlen_k, diagonal, window_left, window_right, mod_item[1],
-                        mod_item[2], mask_mod, mod_tensors, CAUSAL, MASK_LEFT, MASK_RIGHT, MOD_COLUMNS)
+                        mod_item[2], mask_mod, mod_tensors, CAUSAL, MASK_LEFT, MASK_RIGHT, MOD_WIDTH)
         else:
             s = _masked(s, offs_m, start_n, seqlen_q, seqlen_k, diagonal, window_left, window_right, 0, 0, None,
                         None, CAUSAL, MASK_LEFT, MASK_RIGHT, BLOCK_N)
@@ -328,7 +330,11 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
     return p, m_new, l_new, alpha
 
 
-MOD_COLUMNS = gl.constexpr(16)  # the widest column slice a mask_mod is evaluated on at once (docs/perf-notes.md)
+@gluon.constexpr_function
+def _mod_width(varlen):
+    """The widest column slice `_masked` evaluates a mask_mod on at once: 16 keys, 64 in a packed batch (the widths
+    whose offline builds spill least in the key loop on triton 3.6 and 3.9: docs/perf-notes.md)."""
+    return 64 if varlen else 16
 
 
 @gluon.jit
@@ -550,7 +556,7 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
                HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
                s_layout: gl.constexpr, o_rows: gl.constexpr, p_layout: gl.constexpr, P_DTYPE: gl.constexpr,
                turns, turn, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
-               SKIP_RESCALE: gl.constexpr):
+               SKIP_RESCALE: gl.constexpr, MOD_WIDTH: gl.constexpr):
     """Key tiles 1..num_tiles-1 of a work item whose tile 0 is in (p, m_i, l_i, alpha); see the module docstring.
     Returns the state after the last tile's softmax (its P·V is left to the caller) and the turn count.
     PINGPONG: each tile's two products are issued in this consumer's turn (`_take_turn`), and O is rescaled by
@@ -578,7 +584,7 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale,
                                            k_empty.index(stage), bias_ring, stage, bias_args, mask_mod, BLOCK_N,
                                            CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS, BIAS_TMA,
-                                           s_layout, P_DTYPE, p_layout)
+                                           s_layout, P_DTYPE, p_layout, MOD_WIDTH)
         o_acc = _wait_pv(o_acc, p_op)
         mbarrier.arrive(v_empty.index(prev), count=1)
         if PINGPONG:  # outside the turn: O's rescale runs under the other consumers' products
@@ -732,6 +738,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     item's first Q·Kᵀ and last P·V are issued outside it. SKIP_RESCALE: see `_rescale`. mask_mod: the user's (see
     _softmax_tile), or None."""
     num_warps: gl.constexpr = 4
+    MOD_WIDTH: gl.constexpr = _mod_width(VARLEN)  # a mask_mod's column slices (_masked)
     FP8: gl.constexpr = q_smems.dtype == gl.float8e4nv
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # wgmma's K: 32 bytes of the operands' elements
     BIAS_LOADS: gl.constexpr = HAS_BIAS and not BIAS_TMA
@@ -772,7 +779,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                                        k_empty.index(ring % NUM_STAGES), bias_ring, ring % NUM_STAGES, bias_args,
                                        mask_mod, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS,
                                        BIAS_TMA,
-                                       s_layout, P_DTYPE, p_layout)
+                                       s_layout, P_DTYPE, p_layout, MOD_WIDTH)
     o_acc = o_zero
     turn = 0  # key-tile turns taken (PINGPONG: _take_turn)
 
@@ -783,7 +790,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, scale, bias_ring, bias_args,
             mask_mod, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS,
             BIAS_TMA, s_layout,
-            o_rows, p_layout, P_DTYPE, turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG, SKIP_RESCALE)
+            o_rows, p_layout, P_DTYPE, turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG, SKIP_RESCALE, MOD_WIDTH)
         last = ring + num_tiles - 1
         next_ring = ring + cta_tiles
         next_buf = CONSUMER * Q_BUFFERS + (item + 1) % Q_BUFFERS
@@ -805,7 +812,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                 s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, n_scale, k_empty.index(next_ring % NUM_STAGES),
                 bias_ring, next_ring % NUM_STAGES, bias_args, mask_mod, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT,
                 SOFTCAP, ALIBI,
-                ADD_BIAS, BIAS_TMA, s_layout, P_DTYPE, p_layout)
+                ADD_BIAS, BIAS_TMA, s_layout, P_DTYPE, p_layout, MOD_WIDTH)
             o_acc = _wait_pv(o_acc, p_op)
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
             turn = _skip_tiles(k_ready, v_ready, k_empty, v_empty, ring + num_tiles, next_ring, turns, turn,
@@ -831,7 +838,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
                 s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, n_scale, k_empty.index(next_ring % NUM_STAGES),
                 bias_ring, next_ring % NUM_STAGES, bias_args, mask_mod, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT,
                 SOFTCAP, ALIBI,
-                ADD_BIAS, BIAS_TMA, s_layout, P_DTYPE, p_layout)
+                ADD_BIAS, BIAS_TMA, s_layout, P_DTYPE, p_layout, MOD_WIDTH)
         m_i, l_i, o_acc = m_next, l_next, o_zero
         if FP8:  # 16-bit inputs: both stay qk_scale and 1
             scale, o_scale = n_scale, n_o_scale
@@ -846,7 +853,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
         num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, scale, bias_ring, bias_args,
         mask_mod, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA,
         s_layout,
-        o_rows, p_layout, P_DTYPE, turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG, SKIP_RESCALE)
+        o_rows, p_layout, P_DTYPE, turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG, SKIP_RESCALE, MOD_WIDTH)
     last = ring + num_tiles - 1
     o_acc, p_op = _issue_last_pv(p, alpha, o_acc, v_smem, v_ready, last, BLOCK_N, BLOCK_D, NUM_STAGES, o_rows,
                                  p_layout, PINGPONG, SKIP_RESCALE)
