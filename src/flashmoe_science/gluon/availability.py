@@ -108,12 +108,15 @@ def plan_time_reason(kernel: str, build: Callable[[], object]) -> str | None:
     return reason
 
 
+def _summary(error: BaseException) -> str:
+    """A build error in one line: its type and the last line of its message (Triton's point at the failing code)."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[-1][:300]}"
+
+
 def record_failure(kernel: str, error: BaseException) -> str:
     """Turn the Gluon kernels off for this process after ``kernel`` failed to build; warns once. Returns the reason."""
     global _failure
-    first_line = (str(error).strip().splitlines() or [""])[-1][:300]
-    reason = (f"the Gluon sm_90 {kernel} kernel does not build on triton {triton_version()} "
-              f"({type(error).__name__}: {first_line})")
+    reason = f"the Gluon sm_90 {kernel} kernel does not build on triton {triton_version()} ({_summary(error)})"
     if _failure is None:
         _failure = reason
         tested = "-".join(TESTED_TRITON)
@@ -130,8 +133,7 @@ def function_refusal(fn) -> str | None:
 
 def _record_function_failure(kernel: str, fn, error: BaseException) -> str:
     name = getattr(getattr(fn, "fn", fn), "__name__", repr(fn))
-    first_line = (str(error).strip().splitlines() or [""])[-1][:300]
-    reason = f"{name} does not build in the Gluon sm_90 {kernel} ({type(error).__name__}: {first_line})"
+    reason = f"{name} does not build in the Gluon sm_90 {kernel} ({_summary(error)})"
     if fn not in _function_failures:
         _function_failures[fn] = reason
         warnings.warn(f"flashmoe_science: {reason}; backend='auto' runs the portable Triton kernels for it from now "
