@@ -5,7 +5,8 @@ that clock and thermal drift fall on all. Only the public functions are called, 
 `--suite backward` times only the attention backward at long rows (B1 H16 L16k, D 64/128, causal or not),
 `--suite forward` only the attention forward (B1 H16 L16k and B4 H16 L4k at D=64 and 128, B2 H16 L8k at D=128,
 B1 H16 L16k and B2 H16 L8k at D=256; causal or not), `--suite varlen` the packed D=128 H16 batches of the features
-bench (its long tail and packed documents): the forward, and the backward alone, causal or not. `--match TEXT`
+bench (its long tail and packed documents): the forward, and the backward alone, causal or not; `--suite
+ragged-decode` a serving engine's decode steps (ragged lengths, pages of 16 and 64, CUDA-graph replays). `--match TEXT`
 keeps the suite's cases whose name contains TEXT.
 
     PYTHONPATH=src python benchmarks/tools/ab_interleaved.py --a /path/to/old/src --b src [--c other/src] \
@@ -143,7 +144,37 @@ def _varlen_cases():
     return cases
 
 
-SUITES = {"all": _cases, "backward": _backward_cases, "forward": _forward_cases, "varlen": _varlen_cases}
+def _ragged_decode_cases():
+    """Decode steps of ragged batches as CUDA-graph replays: 256 sequences of 128..640 keys (vLLM's `decode`
+    workload) and 64 of 1024..4096, Hq 32, Hkv 8, D 128, pages of 16 and 64 scattered over the pool. The pool is
+    built here from public calls only (bench.decode.ragged_paged_cache is newer than some trees compared)."""
+    import torch
+
+    import flashmoe_science as fs
+    from flashmoe_science.bench.report import graph_replay
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cases = []
+    for batch, shortest, longest in ((256, 128, 640), (64, 1024, 4096)):
+        lengths = torch.randint(shortest, longest + 1, (batch,), generator=torch.Generator().manual_seed(batch))
+        q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        seqlens = lengths.to(device="cuda", dtype=torch.int32)
+        for page in (16, 64):
+            per_seq = (lengths + page - 1) // page
+            order = torch.randperm(int(per_seq.sum()), device="cuda", generator=g).to(torch.int32)
+            table = torch.zeros(batch, int(per_seq.max()), dtype=torch.int32, device="cuda")
+            for row, (start, count) in enumerate(zip((per_seq.cumsum(0) - per_seq).tolist(), per_seq.tolist())):
+                table[row, :count] = order[start:start + count]
+            k, v = (torch.randn(order.numel(), page, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+                    for _ in range(2))
+            replay = graph_replay(lambda q=q, k=k, v=v, s=seqlens, t=table: fs.flash_attention_decode(
+                q, k, v, s, block_table=t))
+            cases.append((f"decode B{batch} {shortest}..{longest} page {page}", replay, None))
+    return cases
+
+
+SUITES = {"all": _cases, "backward": _backward_cases, "forward": _forward_cases, "varlen": _varlen_cases,
+          "ragged-decode": _ragged_decode_cases}
 
 
 def worker(suite: str, match: str | None = None) -> None:

@@ -2,7 +2,7 @@
 # The interleaved A/B of benchmarks/tools/ab_interleaved.py on one GPU, from the repository root: A is the src/ of
 # the commit in $AB_BASE (default 7b5f1b8, this tree's base on main), unpacked from ab_base_src.tar if the checkout
 # carries one (make it with `git archive 7b5f1b8 src -o ab_base_src.tar`), else by git archive; B is this tree's
-# src/. AB_SUITE picks ab_interleaved.py's suite (all, backward, forward, varlen). Writes ab.json, ab.log and
+# src/. AB_SUITE picks ab_interleaved.py's suite (all, backward, forward, varlen, ragged-decode). Writes ab.json, ab.log and
 # gpu.txt under $OUT; about 7 minutes on an H100 for the whole suite (AB_BUDGET_S caps it), 2-3 for `forward`.
 set -eu
 OUT=${OUT:-/tmp/out}

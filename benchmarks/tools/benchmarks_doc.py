@@ -171,6 +171,13 @@ def render_decode(data: Mapping, path: Path) -> str:
         timed = [r for r in records if r["backend"] in ("flashmoe", "flashmoe-fp8")]
         parts.append("**e4m3 cache speed-up** (ms; flashmoe / flashmoe-fp8 is the time ratio)\n\n"
                      + pivot_table(timed, ("B", "L"), "ms", ratios=(("flashmoe", "flashmoe-fp8"),), digits=4))
+    ragged = [r for r in data["records"] if r.get("op") == "decode_ragged"]
+    if ragged:
+        parts.append("**Ragged decode steps** (B sequences of L_min..L keys, one new token each, as a serving engine's "
+                     "decode batch; pages of 16 or 64 scattered over the pool; fa3: vLLM's FlashAttention-3 on the "
+                     "same pool; TB/s)\n\n"
+                     + pivot_table(ragged, ("B", "L_min", "L", "layout"), "tbps", ratios=(("flashmoe", "fa3"),),
+                                   digits=2))
     chunks = [r for r in data["records"] if r.get("op") == "prefill_chunk"]
     if chunks:
         parts.append("**Prefill chunks** (Lq new tokens appended to a cache of L and attending all of it, bottom-right "

@@ -323,8 +323,13 @@ def _bench_decode(args: argparse.Namespace) -> int:
         cases = decode_bench.QUICK_CHUNK_CASES if args.quick else decode_bench.CHUNK_CASES
         records += decode_bench.run_chunk_bench(progress, skips, cases,
                                                 on_case_done=lambda chunks: partial(records + chunks))
+    with Progress(desc="ragged decode steps") as progress:
+        records += decode_bench.run_serving_decode_bench(progress, skips,
+                                                         on_case_done=lambda steps: partial(records + steps))
     print()
     print(decode_bench.decode_table(records))
+    print()
+    print(decode_bench.serving_decode_table(records))
     print()
     print(decode_bench.chunk_table(records))
     if skips:

@@ -24,6 +24,7 @@ Every call is captured once in a CUDA graph and the graph's replay is timed (tri
 before each replay, median), so host launch overhead is not measured for anyone. Records:
     {"op": "decode", "layout", "B", "L", "Hq", "Hkv", "D", "backend", "kv_dtype", "ms", "tbps", "of_peak", "of_read"}
     {"op": "prefill_chunk", "layout", "B", "Lq", "L", "Hq", "Hkv", "D", "backend", "ms", "tflops"}
+    {"op": "decode_ragged", ... as "decode", "L_min"}: a serving engine's decode step (`run_serving_decode_bench`)
 
 `run_serving_bench`: transformers' continuous batching (`generate_batch`) of a small random Qwen3-like model over
 many prompts, tokens/s per attention implementation (ours, `sdpa`: transformers' paged SDPA), greedy outputs
@@ -332,6 +333,84 @@ def run_chunk_bench(progress, skips: list[str], cases=CHUNK_CASES, on_case_done=
             on_case_done(records)
         progress.update(desc=f"chunk Lq={new_tokens} L={length}")
     return records
+
+
+# A serving engine's decode step: many sequences of ragged lengths, one new token each (vLLM's `decode` workload:
+# 256 prompts of 128 tokens, 512 new), on its default pages of 16 and on pages of 64; longer contexts beside it.
+SERVING_DECODE_CASES = ((256, 128, 640), (64, 1024, 4096))  # (sequences, shortest, longest)
+SERVING_DECODE_PAGES = (16, 64)
+
+
+def ragged_paged_cache(lengths: list[int], page: int, device, dtype, generator=None):
+    """(k_pool, v_pool, block_table, seqlens) of random K/V for sequences of `lengths` keys in pages of `page` rows,
+    each sequence's pages scattered over the pool; pools (num_blocks, page, Hkv, D), an int32 table."""
+    per_seq = [math.ceil(n / page) for n in lengths]
+    widest, blocks = max(per_seq), sum(per_seq)
+    order = torch.randperm(blocks, device=device, generator=generator).to(torch.int32)
+    table = torch.zeros(len(lengths), widest, dtype=torch.int32, device=device)
+    start = 0
+    for row, count in enumerate(per_seq):
+        table[row, :count] = order[start:start + count]
+        start += count
+    k_pool, v_pool = (torch.randn(blocks, page, HKV, HEAD_DIM, device=device, dtype=dtype, generator=generator)
+                      for _ in range(2))
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    return k_pool, v_pool, table, seqlens
+
+
+def run_serving_decode_bench(progress, skips: list[str], cases=SERVING_DECODE_CASES, on_case_done=None) -> list[dict]:
+    """Decode steps of ragged batches (GPU): ours and vLLM's FlashAttention-3 (its CUDA-graph split bound) on the
+    same pools, pages of 16 and 64; records {"op": "decode_ragged"} with `run_decode_bench`'s fields, layout
+    "paged<page>", L the longest sequence and L_min the shortest, TB/s of the bytes the batch's keys and values
+    hold."""
+    from flashmoe_science import flash_attention_decode
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    fa3 = fa3_missing_line(skips)
+    generator = torch.Generator(device=device).manual_seed(0)
+    progress.set_total(len(cases) * len(SERVING_DECODE_PAGES))
+    records = []
+    for batch, shortest, longest in cases:
+        lengths = torch.randint(shortest, longest + 1, (batch,), generator=torch.Generator().manual_seed(batch))
+        lengths = lengths.tolist()
+        kv_bytes = 2 * sum(lengths) * HKV * HEAD_DIM * torch.finfo(dtype).bits // 8
+        q = torch.randn(batch, 1, HQ, HEAD_DIM, device=device, dtype=dtype, generator=generator)
+        for page in SERVING_DECODE_PAGES:
+            k_pool, v_pool, table, seqlens = ragged_paged_cache(lengths, page, device, dtype, generator)
+            calls = {"flashmoe": lambda: flash_attention_decode(q, k_pool, v_pool, seqlens, block_table=table)}
+            if fa3:
+                calls["fa3"] = fa3_paged(q, k_pool, v_pool, seqlens, table, longest, FA3_DECODE_SPLITS)
+            for name, call in calls.items():
+                try:
+                    ms = gpu_median_ms(graph_replay(call))
+                except Exception as error:  # a backend that rejects the shape or cannot be captured: n/a
+                    skips.append(f"{name} B={batch} {shortest}..{longest} page {page}: {type(error).__name__}: "
+                                 f"{str(error)[:160]}")
+                    continue
+                tbps = kv_bytes / (ms * 1e-3) / 1e12
+                records.append({"op": "decode_ragged", "layout": f"paged{page}", "B": batch, "L": longest,
+                                "L_min": shortest, "Hq": HQ, "Hkv": HKV, "D": HEAD_DIM, "dtype": "bfloat16",
+                                "kv_dtype": "bfloat16", "backend": name, "ms": round_significant(ms),
+                                "tbps": round_significant(tbps), "of_peak": round_significant(tbps / H200_PEAK_TBPS)})
+            del k_pool, v_pool
+            torch.cuda.empty_cache()
+            if on_case_done is not None:
+                on_case_done(records)
+            progress.update(desc=f"B={batch} {shortest}..{longest} page {page}")
+    return records
+
+
+def serving_decode_table(records: list[dict]) -> str:
+    """TB/s per (batch, page): ours, FlashAttention-3, ours / FA3."""
+    rows = {}
+    for record in records:
+        if record.get("op") == "decode_ragged":
+            key = (record["B"], record["L_min"], record["L"], record["layout"])
+            rows.setdefault(key, {})[record["backend"]] = record["tbps"]
+    body = [[f"B={batch} {shortest}..{longest}", layout, format_number(values.get("flashmoe"), 2),
+             format_number(values.get("fa3"), 2), format_number(ratio(values.get("flashmoe"), values.get("fa3")), 2)]
+            for (batch, shortest, longest, layout), values in rows.items()]
+    return format_table(["ragged decode (TB/s)", "layout", "flashmoe", "fa3", "ours/fa3"], body)
 
 
 def chunk_table(records: list[dict]) -> str:

@@ -47,34 +47,40 @@ FP8_MAX = tl.constexpr(fp8_format.FP8_MAX)  # quantised keys and values saturate
 
 
 @triton.jit
+def _row_entries(block_table_row, pos, row_ok, max_blocks, PAGE_SIZE: tl.constexpr):
+    """The block-table entry of each cache position ``pos`` (0 where ``row_ok`` is False), as stored: `_cache_rows`
+    clamps them into the pool and flags the ones outside it."""
+    return tl.load(block_table_row + tl.minimum(pos // PAGE_SIZE, max_blocks - 1), mask=row_ok, other=0)
+
+
+@triton.jit
 def _page_block(block_table_row, pos, num_blocks, max_blocks, PAGE_SIZE: tl.constexpr):
     """(the cache block holding position ``pos``, clamped into the pool as a 64-bit index; whether the table's
     entry lies in the pool)."""
-    block = tl.load(block_table_row + tl.minimum(pos // PAGE_SIZE, max_blocks - 1))
+    block = _row_entries(block_table_row, pos, True, max_blocks, PAGE_SIZE)
     in_pool = (block >= 0) & (block < num_blocks)
     return tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64), in_pool
 
 
 @triton.jit
-def _cache_rows(cache_row, page, page_ok, pos, row_ok, block_table_row, num_blocks, max_blocks, stride_b,
-                stride_row, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr):
+def _cache_rows(cache_row, page, page_ok, entries, pos, num_blocks, stride_b, stride_row, PAGED: tl.constexpr,
+                PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr):
     """(64-bit element offsets of the cache rows at positions ``pos`` of one sequence, head offset excluded; which of
     them come from a block-table entry inside the pool).
 
-    Contiguous: ``cache_row * stride_b + pos * stride_row``. Paged: the row's block ``block_table[pos // PAGE_SIZE]``
-    (clamped into [0, num_blocks)) times the block stride plus ``pos % PAGE_SIZE`` rows. ONE_PAGE: all of ``pos``
-    lie in the block ``page`` (from `_page_block`, with its ``page_ok``; a tile no larger than a page, aligned to
-    it), so the table is not read per row.
+    Contiguous: ``cache_row * stride_b + pos * stride_row``. Paged: the row's block (its table entry, clamped into
+    [0, num_blocks)) times the block stride plus ``pos % PAGE_SIZE`` rows. ONE_PAGE: all of ``pos`` lie in the block
+    ``page`` (from `_page_block`, with its ``page_ok``; a tile no larger than a page, aligned to it); otherwise
+    ``entries`` holds each row's table entry (`_row_entries`), read by the caller so that a key loop can read them
+    one tile ahead.
     """
     if PAGED:
         if ONE_PAGE:
             block = page
             ok = (pos >= 0) & page_ok  # the page's flag over the tile's rows
         else:
-            slot = tl.minimum(pos // PAGE_SIZE, max_blocks - 1)
-            block = tl.load(block_table_row + slot, mask=row_ok, other=0)
-            ok = (block >= 0) & (block < num_blocks)
-            block = tl.minimum(tl.maximum(block, 0), num_blocks - 1).to(tl.int64)
+            ok = (entries >= 0) & (entries < num_blocks)
+            block = tl.minimum(tl.maximum(entries, 0), num_blocks - 1).to(tl.int64)
         return block * stride_b + (pos % PAGE_SIZE).to(tl.int64) * stride_row, ok
     return cache_row * stride_b + pos.to(tl.int64) * stride_row, pos >= 0
 
@@ -190,6 +196,7 @@ def _append_kernel(
         head = slot - num_q_heads
         pos = end + token
         table_row = BLOCK_TABLE + b64 * stride_btb
+        page = tl.zeros([], dtype=tl.int64)
         in_pool = True
         if PAGED:
             page, in_pool = _page_block(table_row, pos, num_blocks, max_blocks, PAGE_SIZE)
@@ -202,10 +209,11 @@ def _append_kernel(
                 k = tl.load(src + cols, mask=in_row, other=0.0)
             v = tl.load(V_NEW + b64 * stride_vnb + token * stride_vnm + head * stride_vnh + cols, mask=in_row,
                         other=0.0)
-            k_row, _ = _cache_rows(cache_row, 0, True, pos, True, table_row, num_blocks, max_blocks, stride_kb,
-                                   stride_krow, PAGED, PAGE_SIZE, False)
-            v_row, _ = _cache_rows(cache_row, 0, True, pos, True, table_row, num_blocks, max_blocks, stride_vb,
-                                   stride_vrow, PAGED, PAGE_SIZE, False)
+            # one position: its page is `_page_block`'s, read above
+            k_row, _ = _cache_rows(cache_row, page, in_pool, 0, pos, num_blocks, stride_kb, stride_krow, PAGED,
+                                   PAGE_SIZE, True)
+            v_row, _ = _cache_rows(cache_row, page, in_pool, 0, pos, num_blocks, stride_vb, stride_vrow, PAGED,
+                                   PAGE_SIZE, True)
             tl.store(K + k_row + head * stride_kh + cols, _to_cache(k, K_SCALE, head, stride_scale, FP8,
                                                                      K.dtype.element_ty), mask=in_row)
             tl.store(V + v_row + head * stride_vh + cols, _to_cache(v, V_SCALE, head, stride_scale, FP8,
@@ -229,20 +237,26 @@ def _attend(acc, l_i, m_i, outside, q, token, slope_log2, key_lo, key_hi,
     """Fold key tiles [key_lo, key_hi) into the running (acc, l, m). MASKED tiles check bounds and the window.
     ``outside`` counts tiles that met a block-table entry outside the pool (the caller poisons the output)."""
     cols = tl.arange(0, BLOCK_D)
-    # One-page tiles: the next tile's block index is read one iteration ahead, so the K/V loads do not wait on a
-    # table load of their own iteration and software-pipeline like a contiguous cache's.
+    # The next tile's block-table entries are read one iteration ahead (one entry for a one-page tile, one per key
+    # otherwise), so the K/V loads do not wait on a table load of their own iteration and software-pipeline like a
+    # contiguous cache's.
     page = tl.zeros([], dtype=tl.int64)
     page_ok = True
-    if PAGED and ONE_PAGE:
-        page, page_ok = _page_block(block_table_row, key_lo, num_blocks, max_blocks, PAGE_SIZE)
+    entries = tl.zeros([BLOCK_N], dtype=tl.int32)
+    if PAGED:
+        if ONE_PAGE:
+            page, page_ok = _page_block(block_table_row, key_lo, num_blocks, max_blocks, PAGE_SIZE)
+        else:
+            first = key_lo + tl.arange(0, BLOCK_N)
+            entries = _row_entries(block_table_row, key_start + first, first < seqlen_k, max_blocks, PAGE_SIZE)
     for start_n in range(key_lo, key_hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         pos = start_n + tl.arange(0, BLOCK_N)
         row_ok = pos < seqlen_k
-        k_rows, ok = _cache_rows(cache_row, page, page_ok, key_start + pos, row_ok, block_table_row, num_blocks,
-                                 max_blocks, stride_kb, stride_krow, PAGED, PAGE_SIZE, ONE_PAGE)
-        v_rows, _ = _cache_rows(cache_row, page, page_ok, key_start + pos, row_ok, block_table_row, num_blocks,
-                                max_blocks, stride_vb, stride_vrow, PAGED, PAGE_SIZE, ONE_PAGE)
+        k_rows, ok = _cache_rows(cache_row, page, page_ok, entries, key_start + pos, num_blocks, stride_kb,
+                                 stride_krow, PAGED, PAGE_SIZE, ONE_PAGE)
+        v_rows, _ = _cache_rows(cache_row, page, page_ok, entries, key_start + pos, num_blocks, stride_vb,
+                                stride_vrow, PAGED, PAGE_SIZE, ONE_PAGE)
         if PAGED:
             if ONE_PAGE:  # one table entry per tile: a scalar test
                 outside += tl.where(page_ok, 0, 1)
@@ -250,6 +264,8 @@ def _attend(acc, l_i, m_i, outside, q, token, slope_log2, key_lo, key_hi,
                                             max_blocks, PAGE_SIZE)
             else:
                 outside += tl.max(tl.where(ok | (pos >= seqlen_k), 0, 1), 0)
+                ahead = pos + BLOCK_N
+                entries = _row_entries(block_table_row, key_start + ahead, ahead < seqlen_k, max_blocks, PAGE_SIZE)
         k_ptrs = k_head + k_rows[:, None] + cols[None, :]
         v_ptrs = v_head + v_rows[:, None] + cols[None, :]
         if MASKED or BLOCK_D != HEAD_DIM:

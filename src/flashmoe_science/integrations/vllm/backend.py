@@ -22,6 +22,9 @@ from flashmoe_science.integrations.vllm.metadata import (CacheLayout, LayerOptio
 MAX_HEAD_SIZE = 256
 # page sizes the cache kernels read (`attention.decode.checks`)
 BLOCK_SIZES = [16, 32, 64, 128, 256]
+# the page vLLM gets unless `--block-size` says otherwise: the decode kernel's 64-key tile then reads one block-table
+# entry per tile instead of one per key
+PREFERRED_BLOCK_SIZE = 64
 
 
 class FlashMoEAttentionBackend(AttentionBackend):
@@ -44,6 +47,10 @@ class FlashMoEAttentionBackend(AttentionBackend):
     @staticmethod
     def get_supported_kernel_block_sizes() -> list[int]:
         return BLOCK_SIZES
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        return PREFERRED_BLOCK_SIZE
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
