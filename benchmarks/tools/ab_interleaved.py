@@ -169,7 +169,9 @@ def _ragged_decode_cases():
                     for _ in range(2))
             replay = graph_replay(lambda q=q, k=k, v=v, s=seqlens, t=table: fs.flash_attention_decode(
                 q, k, v, s, block_table=t))
-            cases.append((f"decode B{batch} {shortest}..{longest} page {page}", replay, None))
+            # the graph reads these tensors: the case holds them for as long as it is timed
+            cases.append((f"decode B{batch} {shortest}..{longest} page {page}",
+                          lambda r=replay, held=(q, k, v, seqlens, table): r(), None))
     return cases
 
 
