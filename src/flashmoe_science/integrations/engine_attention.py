@@ -87,18 +87,36 @@ WARM_BATCHES = (([608], [608]), ([1744], [1744]), ([300, 400, 278], [300, 400, 2
 _WARMED: set = set()
 
 
+# sequences of the warm batch as large as an engine's step: mean rows this long take the work-list order that a
+# step's largest batches can take (the causal order for K/V that outgrows L2 is its own build)
+STEP_WARM_SEQUENCE = 2048
+
+
+def warm_batches(step_tokens: int | None) -> tuple:
+    """WARM_BATCHES, and where the engine's step may hold more tokens than they do, one batch of `step_tokens` tokens
+    in sequences of STEP_WARM_SEQUENCE (the last shorter)."""
+    largest = max(sum(q_lens) for q_lens, _ in WARM_BATCHES)
+    if step_tokens is None or step_tokens <= largest:
+        return WARM_BATCHES
+    lengths = [STEP_WARM_SEQUENCE] * (step_tokens // STEP_WARM_SEQUENCE)
+    if step_tokens % STEP_WARM_SEQUENCE:
+        lengths.append(step_tokens % STEP_WARM_SEQUENCE)
+    return (*WARM_BATCHES, (lengths, lengths))
+
+
 def warm_prefill(options: LayerOptions, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-    """Compile the packed forward's builds for one layer's shape and masks (once per process and kind; CUDA only)."""
+                 device: torch.device, step_tokens: int | None = None) -> None:
+    """Compile the packed forward's builds for one layer's shape and masks (once per process and kind; CUDA only);
+    `step_tokens`: the most tokens the engine's step holds (its largest prefill batch), if known."""
     alibi = options.alibi_slopes
     key = (num_heads, num_kv_heads, head_size, dtype, str(device), options.window, options.softcap is None,
-           alibi is None)
+           alibi is None, step_tokens)
     if key in _WARMED or device.type != "cuda":
         return
     _WARMED.add(key)
     masks = dict(softmax_scale=options.softmax_scale, window=options.window, softcap=options.softcap,
                  alibi_slopes=None if alibi is None else alibi.to(device))
-    for q_lens, k_lens in WARM_BATCHES:
+    for q_lens, k_lens in warm_batches(step_tokens):
         cu_q, cu_k = (torch.tensor(np.concatenate(([0], np.cumsum(n))), dtype=torch.int32, device=device)
                       for n in (q_lens, k_lens))
         q = torch.randn(sum(q_lens), num_heads, head_size, dtype=dtype, device=device)

@@ -105,10 +105,13 @@ class FlashMoEAttnBackend(AttentionBackend):
         self.forward_metadata: DecodeStep | ExtendStep | None = None
         self._options: dict[int, LayerOptions] = {}
         self._scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # the packed forward's builds before CUDA-graph capture and the first request (3-7 s each on an H100)
+        # the packed forward's builds before CUDA-graph capture and the first request (3-7 s each on an H100), up to
+        # a prefill chunk's tokens (unbounded without chunked prefill: no step-sized warm batch then)
+        chunk = getattr(model_runner.server_args, "chunked_prefill_size", None)
+        step_tokens = chunk if chunk is not None and chunk > 0 else None
         for layer in _attention_layers(model_runner.model):
             warm_prefill(self._layer_options(layer), layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim,
-                         model_runner.dtype, self.device)
+                         model_runner.dtype, self.device, step_tokens)
 
     def _layer_options(self, layer) -> LayerOptions:
         options = self._options.get(layer.layer_id)

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import torch
 from vllm import _custom_ops as vllm_ops
+from vllm.config import get_current_vllm_config_or_none
 from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionMetadataBuilder,
                                        AttentionType, CommonAttentionMetadata)
 
@@ -109,12 +110,16 @@ class FlashMoEAttentionImpl(AttentionImpl[StepMetadata]):
         self.options = LayerOptions(self.scale, None if sliding_window is None else (sliding_window - 1, 0),
                                     logits_soft_cap or None, slopes)
         self.fp8 = kv_cache_dtype.startswith("fp8")
+        # the layers are built under the engine's config: its step's token budget sizes the largest warm batch
+        config = get_current_vllm_config_or_none()
+        self.step_tokens = None if config is None else config.scheduler_config.max_num_batched_tokens
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         # before vLLM's profiling run and graph capture: the first requests then find the prefill kernels built
         if torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
-            warm_prefill(self.options, self.num_heads, self.num_kv_heads, self.head_size, act_dtype, device)
+            warm_prefill(self.options, self.num_heads, self.num_kv_heads, self.head_size, act_dtype, device,
+                         self.step_tokens)
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
