@@ -92,6 +92,21 @@ def test_block_mask_tiles():
     assert block_mask(mods, make_mask(False), None, batch, heads, lq, lk, 8, 8, "cpu") is not blocks
 
 
+def test_block_mask_tiles_of_rows_not_a_power_of_two():
+    """Query tiles of 12 rows (as the 192-row tiles of three 64-row warpgroups): each tile's state summarises its
+    own rows, none of the next tile's."""
+    batch, heads, lq, lk = 1, 2, 30, 21
+    windows = torch.tensor([3, 17], dtype=torch.int32)
+    mods = check_mods(MaskMod(head_window, windows), None, torch.empty(1))
+    blocks = block_mask(mods, make_mask(False), None, batch, heads, lq, lk, 12, 8, "cpu")
+    i, j = torch.arange(36)[:, None], torch.arange(24)[None, :]
+    for h in range(heads):
+        seen = (j <= i) & (i - j <= int(windows[h])) & (i < lq) & (j < lk)
+        tiles = seen.view(3, 12, 3, 8).permute(0, 2, 1, 3).reshape(3, 3, 96)
+        want = torch.where(tiles.all(-1), FULL, torch.where(tiles.any(-1), PARTIAL, 0))
+        assert torch.equal(blocks.states[0, h].long(), want)
+
+
 def _plain(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 

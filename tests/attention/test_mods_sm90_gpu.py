@@ -44,8 +44,8 @@ def test_dense_against_float64_and_the_triton_forward(name, head_dim, causal):
     seen = _seen(flex, lq, lk)
     if causal:
         seen = seen & torch.ones(lq, lk, dtype=torch.bool).tril()
-    ref, ref_lse = mod_oracle(q.cpu(), k.cpu(), v.cpu(), seen)
-    same, _ = mod_oracle(q.cpu(), k.cpu(), v.cpu(), seen, dtype=torch.bfloat16)
+    ref, ref_lse = mod_oracle(q.cpu(), k.cpu(), v.cpu(), seen, None)
+    same, _ = mod_oracle(q.cpu(), k.cpu(), v.cpu(), seen, None, dtype=torch.bfloat16)
     assert_within_rule("out", out.cpu().double(), ref, same.double(), torch.bfloat16)
     assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse))
     finite = torch.isfinite(ref_lse)
@@ -73,8 +73,8 @@ def test_varlen_against_float64_and_the_triton_forward(name, head_dim):
             continue
         rows = slice(int(cu[b]), int(cu[b + 1]))
         q4, k4, v4 = (t[rows].transpose(0, 1)[None].cpu() for t in (q, k, v))
-        ref, ref_lse = mod_oracle(q4, k4, v4, seen[b:b + 1, :, :n, :n])
-        same, _ = mod_oracle(q4, k4, v4, seen[b:b + 1, :, :n, :n], dtype=torch.bfloat16)
+        ref, ref_lse = mod_oracle(q4, k4, v4, seen[b:b + 1, :, :n, :n], None)
+        same, _ = mod_oracle(q4, k4, v4, seen[b:b + 1, :, :n, :n], None, dtype=torch.bfloat16)
         ours = out[rows].transpose(0, 1)[None].cpu().double()
         assert_within_rule(f"out of sequence {b}", ours, ref, same.double(), torch.bfloat16)
         ours_lse = lse[:, rows].cpu()[None]

@@ -188,11 +188,13 @@ def clamp_index(idx, length):
 @triton.jit
 def _tile_states_kernel(STATES, CU_SEQLENS_Q, CU_SEQLENS_K, mask_mod, mask_args,
                         num_heads, seqlen_q, seqlen_k, n_q_tiles, n_k_tiles, window_left, window_right,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_LEFT: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, MASK_LEFT: tl.constexpr,
                         MASK_RIGHT: tl.constexpr, VARLEN: tl.constexpr):
     """One query tile of one (b, h): each key tile's state (EMPTY 0, PARTIAL 1, FULL 2) into STATES
     (B, H, n_q_tiles, n_k_tiles), zeroed beforehand. A tile is FULL when every pair of it lies inside the sequence
-    and is seen (the kernels then load it without bounds and mask nothing); tiles past the sequence stay EMPTY."""
+    and is seen (the kernels then load it without bounds and mask nothing); tiles past the sequence stay EMPTY.
+    ROWS: BLOCK_M rounded up to a power of two (a tile of three 64-row warpgroups is 192 rows), the rows past
+    BLOCK_M counted as unseen."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = pid_bh // num_heads
@@ -201,14 +203,15 @@ def _tile_states_kernel(STATES, CU_SEQLENS_Q, CU_SEQLENS_K, mask_mod, mask_args,
     _, seqlen_k = sequence_bounds(CU_SEQLENS_K, batch, seqlen_k, VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m < seqlen_q:
-        rows = start_m + tl.arange(0, BLOCK_M)
+        rows = start_m + tl.arange(0, ROWS)
+        in_tile = (tl.arange(0, ROWS) < BLOCK_M) & (rows < seqlen_q)
         q_idx = clamp_index(rows, seqlen_q)[:, None]
         diagonal = seqlen_k - seqlen_q
         row0 = (pid_bh.to(tl.int64) * n_q_tiles + pid_m) * n_k_tiles
         for tile in range(0, tl.cdiv(seqlen_k, BLOCK_N)):
             cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             seen = visible(rows[:, None], cols[None, :], seqlen_k, diagonal, window_left, window_right,
-                           MASK_LEFT, MASK_RIGHT) & (rows[:, None] < seqlen_q)
+                           MASK_LEFT, MASK_RIGHT) & in_tile[:, None]
             seen = seen & mask_mod(batch, head, q_idx, clamp_index(cols, seqlen_k)[None, :], *mask_args)
             count = tl.sum(seen.to(tl.int32))
             state = tl.where(count == BLOCK_M * BLOCK_N, 2, tl.where(count > 0, 1, 0))
@@ -286,7 +289,7 @@ def block_mask(mods: Mods, mask: MaskSpec, varlen, batch: int, heads: int, seqle
                 states, varlen.cu_seqlens_q if varlen is not None else None,
                 varlen.cu_seqlens_k if varlen is not None else None, mod.fn, mod.tensors, heads, seqlen_q, seqlen_k,
                 n_q, n_k, max(mask.window_left, 0), max(mask.window_right, 0), BLOCK_M=block_m, BLOCK_N=block_n,
-                MASK_LEFT=mask.bounded_left, MASK_RIGHT=mask.bounded_right, VARLEN=varlen is not None)
+                ROWS=triton.next_power_of_2(block_m), MASK_LEFT=mask.bounded_left, MASK_RIGHT=mask.bounded_right, VARLEN=varlen is not None)
     # the kernels index the lists as contiguous arrays: transpose a contiguous copy (sort keeps its input's strides)
     by_key = TileLists.of(states.transpose(2, 3).contiguous())
     found = BlockMask(block_m, block_n, states, TileLists.of(states), by_key)
