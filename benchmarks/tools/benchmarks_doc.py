@@ -162,11 +162,14 @@ def render_features(data: Mapping, path: Path) -> str:
 
 def render_decode(data: Mapping, path: Path) -> str:
     records = [r for r in data["records"] if r.get("op", "decode") == "decode"]
-    parts = ["New tokens against a KV cache, each call a CUDA-graph replay with L2 flushed.",
-             "**Decode** (one new token per sequence; TB/s = bytes of K and V read / time; `read`: a kernel that only "
-             "reads the same bytes; paged64: blocks of 64 shuffled over the pool; fp8: e4m3 caches, half the bytes)\n\n"
-             + pivot_table(records, ("B", "L"), "tbps", ratios=(("flashmoe", "read"), ("flashmoe-paged64", "read"),
-                                                               ("flashmoe", "sdpa-cudnn")), digits=2)]
+    parts = ["New tokens against a KV cache, each call a CUDA-graph replay with L2 flushed."]
+    if records:
+        parts.append("**Decode** (one new token per sequence; TB/s = bytes of K and V read / time; `read`: a kernel "
+                     "that only reads the same bytes; paged64: blocks of 64 shuffled over the pool; fp8: e4m3 caches, "
+                     "half the bytes)\n\n"
+                     + pivot_table(records, ("B", "L"), "tbps", ratios=(("flashmoe", "read"),
+                                                                       ("flashmoe-paged64", "read"),
+                                                                       ("flashmoe", "sdpa-cudnn")), digits=2))
     if any(r["backend"] == "flashmoe-fp8" for r in records):
         timed = [r for r in records if r["backend"] in ("flashmoe", "flashmoe-fp8")]
         parts.append("**e4m3 cache speed-up** (ms; flashmoe / flashmoe-fp8 is the time ratio)\n\n"
@@ -267,11 +270,12 @@ def render_engine(data: Mapping, path: Path) -> str:
 RENDERERS: dict[str, Callable[[Mapping, Path], str]] = {
     "attention": render_attention, "ladder": render_attention, "moe": render_moe, "attention-features": render_features,
     "attention-mask-mod": render_features,
-    "decode": render_decode, "vllm-generate": render_engine, "sglang-generate": render_engine,
+    "decode": render_decode, "decode_ragged": render_decode, "vllm-generate": render_engine, "sglang-generate": render_engine,
 }
 TITLES = {"attention": "Attention", "moe": "MoE layer", "attention-features": "Masks and packed sequences",
           "attention-mask-mod": "User masks (mask_mod) against FlexAttention",
-          "decode": "KV-cache decode", "ring-step-overlap": "Distributed, on one GPU",
+          "decode": "KV-cache decode", "decode_ragged": "KV-cache decode: a serving engine's decode steps",
+          "ring-step-overlap": "Distributed, on one GPU",
           "supercon": "Science workload: SuperCon Tc model",
           "supercon-baselines": "Science workload: the Tc model beside classical baselines",
           "groups": "Masked forward, kernel alone", "torchtitan-train": "Training in TorchTitan",
@@ -282,7 +286,8 @@ TITLES = {"attention": "Attention", "moe": "MoE layer", "attention-features": "M
           "vllm-generate": "vLLM serving on our kernels (docs/vllm.md)",
           "sglang-generate": "SGLang serving on our kernels (docs/sglang.md)"}
 SELF_HEADED = ("attention", "ladder", "moe")
-KIND_ORDER = ("attention", "ladder", "groups", "attention-features", "attention-mask-mod", "decode", "moe",
+KIND_ORDER = ("attention", "ladder", "groups", "attention-features", "attention-mask-mod", "decode", "decode_ragged",
+              "moe",
               "ring-step-overlap", "supercon", "supercon-baselines")
 
 
