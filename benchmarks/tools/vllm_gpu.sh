@@ -6,7 +6,8 @@
 #   agree   benchmarks/tools/vllm_generate.py agree (greedy tokens / first-step logprobs against FLASH_ATTN)
 #   bench   benchmarks/tools/vllm_generate.py bench with MODELS, BACKENDS, CASES, NAME (KV_CACHE_GIB: the cache's
 #           bytes, the same for every backend: the e4m3 cache's case)
-#   online  benchmarks/tools/vllm_generate.py online (`vllm serve` under load) with MODELS, BACKENDS, NAME
+#   online  benchmarks/tools/vllm_generate.py online (`vllm serve` under load) with MODELS, BACKENDS, NAME; the
+#           server's own imports come as wheels in $SERVE_WHEELS (see the step)
 # usage: STEPS=tests,agree bash benchmarks/tools/vllm_gpu.sh
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -38,6 +39,13 @@ for step in ${STEPS//,/ }; do
         --backends "${BACKENDS:-flashmoe,vllm-fa3,vllm-triton}" --cases "${CASES:-prefill,decode}" \
         --name "${NAME:-run}" ${KV_CACHE_GIB:+--kv-cache-gib "$KV_CACHE_GIB"} || status=1 ;;
     online)
+      # `vllm serve` imports what the offline staging kit leaves out (uvicorn, watchfiles,
+      # prometheus_fastapi_instrumentator, model_hosting_container_standards with jmespath and supervisor): carried as
+      # wheels in $SERVE_WHEELS (default .whl) and installed beside vLLM
+      wheels=${SERVE_WHEELS:-.whl}
+      if ls "$wheels"/*.whl > /dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" "$wheels"/*.whl
+      fi
       timeout ${BENCH_S:-560} python3 benchmarks/tools/vllm_generate.py online --out "$OUT" --models "${MODELS:-llama8b}" \
         --backends "${BACKENDS:-flashmoe,vllm-fa3}" --name "${NAME:-run}" || status=1 ;;
   esac
