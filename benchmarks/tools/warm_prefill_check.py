@@ -3,7 +3,7 @@ step budget, then packed causal batches shaped like the engine's steps (prompts 
 budget), each step's first call timed. A step over ~100 ms is a build compiled during it.
 
     PYTHONPATH=src python benchmarks/tools/warm_prefill_check.py [--heads 32 --kv-heads 8 --head-dim 128]
-        [--step-tokens 16384] [--steps 6]
+        [--step-tokens 16384] [--steps 6] [--no-step-batch]
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--step-tokens", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--no-step-batch", action="store_true", help="warm up without the step-sized batch")
     args = parser.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     options = LayerOptions(args.head_dim ** -0.5)
     start = time.perf_counter()
-    warm_prefill(options, args.heads, args.kv_heads, args.head_dim, dtype, device, args.step_tokens)
+    warm_prefill(options, args.heads, args.kv_heads, args.head_dim, dtype, device,
+                 None if args.no_step_batch else args.step_tokens)
     torch.cuda.synchronize()
     print(f"warm-up: {time.perf_counter() - start:.1f} s", flush=True)
     rng = np.random.default_rng(0)
