@@ -1,13 +1,14 @@
 """Sweep the attention decode kernel's tiles and split counts (attention/triton/decode.py) under CUDA graphs: the
 data behind attention.decode.tiles.decode_tiles and choose_num_splits.
 
-    PYTHONPATH=src python benchmarks/tools/sweep_attention_decode.py [--kv bf16|fp8|chunk] [--budget-s 100]
+    PYTHONPATH=src python benchmarks/tools/sweep_attention_decode.py [--kv bf16|fp8|chunk|ragged] [--budget-s 100]
         [--out DIR]
 
 Hq=32, Hkv=8, D=128, bf16 queries, one new token, full caches. Tiles (BLOCK_N, warps, stages) at the heuristic's
 split count on two cases, then split counts at the heuristic's tile for every case. TB/s = K+V bytes / replay time
 (do_bench median, L2 flushed). --kv fp8: e4m3 caches (per-KV-head scales), TB/s of their bytes (1 per value;
-the bf16 rows of the decode bench read 2). --kv chunk: a 512-token prefill chunk against 32k keys in
+the bf16 rows of the decode bench read 2). --kv ragged: split counts on serving decode steps of ragged lengths
+(bench.decode.ragged_paged_cache, pages of 16 and 64). --kv chunk: a 512-token prefill chunk against 32k keys in
 a paged (64-row pages) cache, the cache kernel's chunk tiles (BLOCK_M, BLOCK_N, warps, stages), TFLOP/s of the
 visible pairs, beside the heuristic's tile and the contiguous cache's route (the dense forward).
 """
@@ -82,11 +83,39 @@ def chunk_sweep(args, started, results):
         print(json.dumps(results[-1]), flush=True)
 
 
+RAGGED_CASES = ((256, 128, 640), (128, 512, 2048), (64, 1024, 4096), (32, 2048, 8192))  # (B, shortest, longest)
+
+
+def ragged_sweep(args, started, results):
+    """Split counts on serving decode steps of ragged lengths (pages of 16 and 64), TB/s of the keys and values the
+    batch holds: whether the capacity-based split count leaves the GPU idle behind the longest sequences."""
+    from flashmoe_science.bench.decode import ragged_paged_cache
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for batch, shortest, longest in RAGGED_CASES:
+        lengths = torch.randint(shortest, longest + 1, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
+        q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=generator)
+        for page in (16, 64):
+            k_pool, v_pool, table, seqlens = ragged_paged_cache(lengths, page, "cuda", torch.bfloat16, generator)
+            for splits in ("auto", 1, 2, 3, 4, 8):
+                if time.time() - started > args.budget_s:
+                    return
+                call = lambda: flash_attention_decode(q, k_pool, v_pool, seqlens, block_table=table,  # noqa: E731
+                                                      num_splits=splits)
+                ms = gpu_median_ms(graph_replay(call))
+                row = dict(sweep="ragged", B=batch, L_min=shortest, L=longest, page=page, splits=splits,
+                           ms=round(ms, 4), tbps=round(2 * sum(lengths) * 8 * 128 * 2 / (ms * 1e-3) / 1e12, 3))
+                results.append(row)
+                print(json.dumps(row), flush=True)
+            del k_pool, v_pool
+            torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget-s", type=float, default=100)
     parser.add_argument("--out", default=".")
-    parser.add_argument("--kv", choices=("bf16", "fp8", "chunk"), default="bf16")
+    parser.add_argument("--kv", choices=("bf16", "fp8", "chunk", "ragged"), default="bf16")
     parser.add_argument("--short", action="store_true", help="a smaller grid (a few minutes at most)")
     args = parser.parse_args()
     started = time.time()
@@ -94,8 +123,8 @@ def main():
     results = []
     fp8 = args.kv == "fp8"
     out = Path(args.out) / f"sweep_attention_decode_{args.kv}.json"
-    if args.kv == "chunk":
-        chunk_sweep(args, started, results)
+    if args.kv in ("chunk", "ragged"):
+        (chunk_sweep if args.kv == "chunk" else ragged_sweep)(args, started, results)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=1))
         return
