@@ -89,11 +89,11 @@ RAGGED_CASES = ((256, 128, 640), (128, 512, 2048), (64, 1024, 4096), (32, 2048, 
 def ragged_sweep(args, started, results):
     """Split counts on serving decode steps of ragged lengths (pages of 16 and 64), TB/s of the keys and values the
     batch holds: whether the capacity-based split count leaves the GPU idle behind the longest sequences."""
-    from flashmoe_science.bench.decode import ragged_paged_cache
+    from flashmoe_science.bench.decode import ragged_lengths, ragged_paged_cache
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     for batch, shortest, longest in RAGGED_CASES:
-        lengths = torch.randint(shortest, longest + 1, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
+        lengths = ragged_lengths(batch, shortest, longest)
         q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=generator)
         for page in (16, 64):
             k_pool, v_pool, table, seqlens = ragged_paged_cache(lengths, page, "cuda", torch.bfloat16, generator)

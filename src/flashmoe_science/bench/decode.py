@@ -341,6 +341,11 @@ SERVING_DECODE_CASES = ((256, 128, 640), (64, 1024, 4096))  # (sequences, shorte
 SERVING_DECODE_PAGES = (16, 64)
 
 
+def ragged_lengths(batch: int, shortest: int, longest: int) -> list[int]:
+    """`batch` key counts drawn uniformly from [shortest, longest], the same for a given batch in every run."""
+    return torch.randint(shortest, longest + 1, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
+
+
 def ragged_paged_cache(lengths: list[int], page: int, device, dtype, generator=None):
     """(k_pool, v_pool, block_table, seqlens) of random K/V for sequences of `lengths` keys in pages of `page` rows,
     each sequence's pages scattered over the pool; pools (num_blocks, page, Hkv, D), an int32 table."""
@@ -371,8 +376,7 @@ def run_serving_decode_bench(progress, skips: list[str], cases=SERVING_DECODE_CA
     progress.set_total(len(cases) * len(SERVING_DECODE_PAGES))
     records = []
     for batch, shortest, longest in cases:
-        lengths = torch.randint(shortest, longest + 1, (batch,), generator=torch.Generator().manual_seed(batch))
-        lengths = lengths.tolist()
+        lengths = ragged_lengths(batch, shortest, longest)
         kv_bytes = 2 * sum(lengths) * HKV * HEAD_DIM * torch.finfo(dtype).bits // 8
         q = torch.randn(batch, 1, HQ, HEAD_DIM, device=device, dtype=dtype, generator=generator)
         for page in SERVING_DECODE_PAGES:
