@@ -3,7 +3,8 @@
   python benchmarks/tools/sglang_generate.py bench --out DIR [--models llama8b,qwen3moe] [--backends ...] [--cases ...]
 
 Backends: ``flashmoe`` (this package's ``flashmoe`` attention backend, pages of 16 tokens; on MoE models our fused MoE
-too, ``FLASHMOE_SCIENCE_SGLANG_MOE=1``), ``flashmoe-attn`` (our attention, SGLang's MoE), ``sglang-triton`` (SGLang's
+too, ``FLASHMOE_SCIENCE_SGLANG_MOE=1``), ``flashmoe-p64`` (the same on pages of 64 tokens), ``flashmoe-attn`` (our
+attention, SGLang's MoE), ``sglang-triton`` (SGLang's
 ``triton`` backend with SGLang's default page size and its own MoE). The models and workloads are vLLM's benchmark's
 (``engine_workloads.py``): random weights (``load_format="dummy"``), token-id prompts, greedy, ``ignore_eos``, SGLang's
 defaults otherwise (decode CUDA graphs, breakable prefill graphs), torch sampling in every backend. Records:
@@ -28,6 +29,7 @@ from flashmoe_science.integrations.sglang import MOE_SWITCH
 BACKENDS = {  # name -> (Engine settings beyond the shared ones, our MoE)
     "flashmoe": (dict(attention_backend="flashmoe", page_size=16), True),
     "flashmoe-attn": (dict(attention_backend="flashmoe", page_size=16), False),
+    "flashmoe-p64": (dict(attention_backend="flashmoe", page_size=64), True),
     "sglang-triton": (dict(attention_backend="triton"), False),
 }
 
