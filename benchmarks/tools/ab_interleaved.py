@@ -5,7 +5,8 @@ that clock and thermal drift fall on all. Only the public functions are called, 
 `--suite backward` times only the attention backward at long rows (B1 H16 L16k, D 64/128, causal or not),
 `--suite forward` only the attention forward (B1 H16 L16k and B4 H16 L4k at D=64 and 128, B2 H16 L8k at D=128,
 B1 H16 L16k and B2 H16 L8k at D=256; causal or not), `--suite varlen` the packed D=128 H16 batches of the features
-bench (its long tail and packed documents): the forward, and the backward alone, causal or not; `--suite
+bench (its long tail and packed documents): the forward, and the backward alone, causal or not; `--suite packed`
+causal packed forwards of equal lengths and of a serving prefill step, eager and graphed; `--suite
 ragged-decode` a serving engine's decode steps (ragged lengths, pages of 16 and 64, CUDA-graph replays). `--match TEXT`
 keeps the suite's cases whose name contains TEXT.
 
@@ -144,6 +145,41 @@ def _varlen_cases():
     return cases
 
 
+def _packed_cases():
+    """Causal packed forwards, eager and as CUDA-graph replays, 16k tokens, H = 2048 / D: equal lengths (D 64 and
+    128 at 4 x 4096, 8 x 2048, 16 x 1024) and a serving engine's prefill step (GQA 32/8, D 128, prompts of uniform
+    256..2048 tokens up to 16k tokens, as vLLM's `prefill` workload fills a step)."""
+    import torch
+
+    import flashmoe_science as fs
+    from flashmoe_science.bench.report import graph_replay
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    batches = [(f"D{d} {16384 // n} x {n}", [n] * (16384 // n), 2048 // d, 2048 // d, d)
+               for d in (64, 128) for n in (4096, 2048, 1024)]
+    prompts, total = [], 0
+    for n in torch.randint(256, 2049, (64,), generator=torch.Generator().manual_seed(0)).tolist():
+        if total + n > 16384:
+            break
+        prompts.append(n)
+        total += n
+    batches.append((f"GQA 32/8 D128 {len(prompts)} prompts 256..2048", prompts, 32, 8, 128))
+    cases = []
+    for label, lengths, heads, kv_heads, d in batches:
+        total, longest = sum(lengths), max(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        q = torch.randn(total, heads, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(total, kv_heads, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+
+        def attend(q=q, k=k, v=v, cu=cu, longest=longest):
+            return fs.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
+
+        cases.append((f"packed causal {label}", attend, None))
+        replay = graph_replay(attend)
+        cases.append((f"packed causal {label} graph", lambda r=replay, held=(q, k, v, cu): r(), None))
+    return cases
+
+
 def _ragged_decode_cases():
     """Decode steps of ragged batches as CUDA-graph replays: 256 sequences of 128..640 keys (vLLM's `decode`
     workload) and 64 of 1024..4096, Hq 32, Hkv 8, D 128, pages of 16 and 64 scattered over the pool. The pool is
@@ -176,7 +212,7 @@ def _ragged_decode_cases():
 
 
 SUITES = {"all": _cases, "backward": _backward_cases, "forward": _forward_cases, "varlen": _varlen_cases,
-          "ragged-decode": _ragged_decode_cases}
+          "packed": _packed_cases, "ragged-decode": _ragged_decode_cases}
 
 
 def worker(suite: str, match: str | None = None) -> None:
