@@ -204,6 +204,25 @@ async def _load(port: int, prompts: list[list[int]], new: int, concurrency: int)
     return done
 
 
+def _stop(server: subprocess.Popen) -> None:
+    """Ends the server's process group (the API server and its engine core): SIGTERM, then SIGKILL after 60 s."""
+    import signal
+
+    for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            server.wait(timeout=wait_s)
+            time.sleep(5)  # the engine core leaves after the server
+            os.killpg(server.pid, 0)  # raises once the whole group is gone
+        except (subprocess.TimeoutExpired, PermissionError):
+            continue
+        except ProcessLookupError:
+            return
+
+
 def online(out: str, models: list[str], backends: list[str], name: str) -> int:
     """`vllm serve` per backend (vLLM's defaults, one process each) loaded at concurrency 1, 8 and 64 by prompts of
     256..2048 tokens, 128 new: p50/p99 time to first token and inter-token latency (op ``vllm-serve``)."""
@@ -227,7 +246,9 @@ def online(out: str, models: list[str], backends: list[str], name: str) -> int:
                    "--attention-backend", attention, "--kv-cache-dtype", cache_dtype, "--max-model-len",
                    str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.85", "--port", str(port)]
             log = open(os.path.join(out, f"vllm-serve-{name}-{model}-{backend}.log"), "w")
-            server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            # a session of its own: the engine core is the server's child, and both must be gone (with their GPU
+            # memory) before the next backend's server starts
+            server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 deadline = time.time() + 300
                 while time.time() < deadline and server.poll() is None:
@@ -254,8 +275,7 @@ def online(out: str, models: list[str], backends: list[str], name: str) -> int:
                     print(json.dumps(record), flush=True)
                     json.dump(envelope(records, "vllm"), open(path, "w"), indent=1)
             finally:
-                server.terminate()
-                server.wait(timeout=60)
+                _stop(server)
     return 0 if records else 1
 
 
