@@ -246,7 +246,7 @@ def online(out: str, models: list[str], backends: list[str], name: str) -> int:
                    "--attention-backend", attention, "--kv-cache-dtype", cache_dtype, "--max-model-len",
                    str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.85", "--port", str(port)]
             log = open(os.path.join(out, f"vllm-serve-{name}-{model}-{backend}.log"), "w")
-            # a session of its own: the engine core is the server's child, and both must be gone (with their GPU
+            # its own process group: the engine core is the server's child, and both must be gone (with their GPU
             # memory) before the next backend's server starts
             server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:
