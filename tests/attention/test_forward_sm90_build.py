@@ -118,6 +118,17 @@ def test_varlen_causal_overlapped_items_build_for_sm90():
     assert re.search(r"\bHGMMA\.64x64x16\.F32\.BF16\b", sass_or_skip(compiled))
 
 
+@pytest.mark.sm90_build
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build, not the interpreter")
+@pytest.mark.parametrize("band", [2, 4])
+def test_varlen_causal_bands_build_for_sm90(band):
+    """The causal packed batch's work list in bands (tiles.sm90_varlen_band: two with GQA, four for MHA) on the plan
+    packed causal batches take (128-key tiles, two stages, two Q buffers): both products on the tensor cores."""
+    compiled = fwd_sm90.compile_offline(128, True, TWO_STAGES, 132, q_buffers=2, varlen=True, band=band)
+    assert re.search(r"\bHGMMA\.64x128x16\.F32\.BF16\b", sass_or_skip(compiled))
+    assert compiled.metadata.shared <= SMEM_PER_BLOCK
+
+
 # (head dim, causal, seqlen, Q buffers, cross-item) -> LDL + STL of the triton 3.6 build: the persistent kernel
 # spills a few values at the work-item boundary only (docs/perf-notes.md), none at short causal rows' 64-key tiles.
 # D=64 with 128-key tiles runs three consumers (160 registers; causal from 16384 rows) in an issue rotation: 4 at the

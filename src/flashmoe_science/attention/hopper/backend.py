@@ -251,7 +251,7 @@ def forward_plan(problem) -> HopperForward:
     if features.varlen is not None and mask.plain_causal:
         k = problem.k
         band = sm90_varlen_band(k.shape[-2] * k.shape[-3] * k.shape[-1] * k.element_size() * 2, q.shape[-2],
-                                features.varlen.num_seqs)
+                                features.varlen.num_seqs, q.shape[-3] // k.shape[-3])
     return HopperForward(tiles, persistent, q_buffers, cross_item, bias_tma=bias_tma, band=band)
 
 
