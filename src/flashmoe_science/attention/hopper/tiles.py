@@ -276,7 +276,7 @@ def _sm90_tiles(block_d: int, causal: bool, short_causal: bool, has_bias: bool, 
 
 
 SM90_L2_BYTES = 50 * 2**20  # H100 and H200
-# mean query rows per sequence from which a causal packed batch whose K/V outgrows L2 takes bands of two tiles
+# mean query rows per sequence from which a causal packed batch whose K/V outgrows L2 takes bands of tiles
 SM90_BAND_MEAN_ROWS = 1024
 
 
