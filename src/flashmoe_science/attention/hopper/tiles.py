@@ -284,11 +284,9 @@ def sm90_varlen_band(kv_bytes: int, rows: int, num_seqs: int, group: int = 1) ->
     """Query tiles per band of the causal packed forward's work list (hopper.work_items.varlen_work): several where the
     batch's K and V (`kv_bytes`) outgrow L2 and its sequences are long on average (`rows` packed query rows over
     `num_seqs`), else one: in L2 one tile per band balances best, and short sequences would compute their first tile
-    more than once. Measured on an H100 (docs/perf-notes.md), TFLOP/s for bands of 1 / 2 / 4, MHA: D=128 16 x 1024
-    causal 271 / 361 / 388, D=256 261 / 354 / 393, D=64 233 / 249 / 257, 512..4096 430 / 462 / 468; the long tail
-    and GQA batches of 8k tokens (in L2) lose 6-11% with bands. Four for MHA; two with GQA (`group` query heads per
-    KV head > 1), where neither was measured outgrowing L2 and a group's heads already share their K/V side by
-    side."""
+    more than once. Four for MHA, where bands of four led every batch of the domain measured on an H100 (D=128
+    16 x 1024 causal 388 TFLOP/s against 361 with two, 271 with one; docs/perf-notes.md); two with GQA (`group`
+    query heads per KV head > 1), not measured outgrowing L2, whose heads already share their K/V side by side."""
     if kv_bytes <= SM90_L2_BYTES or rows < SM90_BAND_MEAN_ROWS * max(num_seqs, 1):
         return 1
     return 4 if group == 1 else 2
