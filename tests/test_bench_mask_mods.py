@@ -25,7 +25,7 @@ def _seen(flex_mask):
                         for b in range(mask_mods.BATCH)])
 
 
-@pytest.mark.parametrize("index", range(4))
+@pytest.mark.parametrize("index", range(len(mask_mods.mask_cases(8, "cpu"))))
 def test_mod_and_flex_twin_are_one_mask(index):
     name, ours, flex_mask, pairs = mask_mods.mask_cases(LENGTH, "cpu")[index]
     seen = _seen(flex_mask)
@@ -43,6 +43,16 @@ def test_the_suite_says_why_its_gpu_contenders_did_not_run_on_a_cpu():
     cases = features.feature_cases(["mask-mods"], True, torch.device("cpu"), torch.float32)
     assert [case.name for case in cases] == [name for name, *_ in mask_mods.mask_cases(8, "cpu")]
     for case in cases:
-        assert list(case.contenders) == ["flashmoe"]
+        builtin = ["flashmoe-builtin"] if case.name in mask_mods.BUILTIN_KEYWORDS else []
+        assert list(case.contenders) == ["flashmoe", *builtin]
         assert "needs CUDA tensors" in case.skipped["flashmoe-arch"] and "GPU only" in case.skipped["flex"]
     assert ("flashmoe-arch", "flex") in features.RATIOS["mask-mods"]
+
+
+@pytest.mark.parametrize("name", list(mask_mods.BUILTIN_KEYWORDS))
+def test_a_builtin_written_as_a_mod_is_the_builtin(name):
+    cases = {case_name: ours for case_name, ours, *_ in mask_mods.mask_cases(mask_mods.WINDOW + 40, "cpu")}
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, mask_mods.WINDOW + 40, 16, generator=gen) for _ in range(3))
+    torch.testing.assert_close(flash_attention_science(q, k, v, mask_mod=cases[name]),
+                               flash_attention_science(q, k, v, **mask_mods.BUILTIN_KEYWORDS[name]))

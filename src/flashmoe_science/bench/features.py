@@ -31,7 +31,8 @@ Suites (bf16, D=128, one GPU; on a CPU-only machine every size shrinks by 64 as 
 - ``mask-mods``: masks users write as `mask_mod` functions (document + window, prefix-LM, per-head windows, a
   neighbour list) through ``flashmoe`` and compiled FlexAttention with the same block mask (``flex``); see
   `bench/mask_mods.py`; where an architecture family plans the mod forward when asked for by name, also that
-  forward (``flashmoe-arch``, forward only). Records: op "attention-mask-mod" with B, H, L, D.
+  forward (``flashmoe-arch``, forward only); causal and a sliding window written as mods beside their built-in
+  keywords (``flashmoe-builtin``). Records: op "attention-mask-mod" with B, H, L, D.
 
 TFLOP/s count only the pairs attended: FlashAttention's convention for dense calls (4·Lq·Lk·D per head, halved when
 causal; backward 2.5 x forward), each sequence's own for varlen, and the exact number of (query, key) pairs inside
@@ -377,6 +378,10 @@ def _mask_mod_cases(device, dtype, shrink: int) -> list[Case]:
         case.contenders["flashmoe"] = Contender(
             make, lambda q, k, v, ours=ours: flash_attention_science(q, k, v, mask_mod=ours), flops)
         _architecture_forward(case, make, ours, flops)
+        if name in mm.BUILTIN_KEYWORDS:
+            case.contenders["flashmoe-builtin"] = Contender(
+                make, lambda q, k, v, kw=mm.BUILTIN_KEYWORDS[name]: flash_attention_science(q, k, v, **kw), flops,
+                note="the built-in keyword")
         if device.type == "cuda":
             from torch.nn.attention.flex_attention import create_block_mask
 
@@ -510,7 +515,8 @@ RATIOS = {
     "packed": (("flashmoe-varlen", "fa3-varlen"), ("flashmoe-varlen", "fa4-varlen"),
                ("flashmoe-varlen", "flashmoe-dense"), ("flashmoe-varlen-graph", "fa3-varlen-graph"),
                ("flashmoe-varlen-graph", "flashmoe-dense-graph"), ("flashmoe-varlen-graph", "flashmoe-varlen")),
-    "mask-mods": (("flashmoe", "flex"), ("flashmoe-arch", "flex"), ("flashmoe-arch", "flashmoe")),
+    "mask-mods": (("flashmoe", "flex"), ("flashmoe-arch", "flex"), ("flashmoe-arch", "flashmoe"),
+                  ("flashmoe", "flashmoe-builtin"), ("flashmoe-arch", "flashmoe-builtin")),
     "mods": (("flashmoe-softcap", "flashmoe"), ("flashmoe-alibi", "flashmoe"), ("flashmoe-bias", "flashmoe"),
              ("flashmoe-softcap", "flashmoe-triton"), ("flashmoe-alibi", "flashmoe-triton")),
 }

@@ -9,7 +9,9 @@ once per case, outside timing, like our block mask, which the first call builds 
 - ``prefix-LM``: a per-row prefix every query sees, causal after it;
 - ``head windows``: a causal sliding window whose width is a per-head table (128..2048 keys);
 - ``neighbour list``: atoms (sorted along a space-filling curve, so neighbours are near in index) attending to
-  themselves and to the `NEIGHBOURS` atoms of their row of a neighbour table, within `REACH` positions.
+  themselves and to the `NEIGHBOURS` atoms of their row of a neighbour table, within `REACH` positions;
+- ``causal`` and ``sliding window`` (causal, `WINDOW` keys back): built-in masks written as mods, each also timed as
+  the built-in keyword (`BUILTIN_KEYWORDS`): what a built-in would cost if the kernels took it as a mod.
 
 TFLOP/s count the (query, key) pairs the mask lets through (4·D FLOPs each forward; backward 2.5 x), the same
 for every backend, so their ratio is the time ratio. FlashAttention-4's `mask_mod` is not a contender here: it takes
@@ -63,6 +65,22 @@ def neighbour_list(b, h, q_idx, kv_idx, table):
     return seen
 
 
+@triton.jit
+def causal(b, h, q_idx, kv_idx):
+    """The built-in `causal=True` at Lq == Lk."""
+    return kv_idx <= q_idx
+
+
+@triton.jit
+def sliding_window(b, h, q_idx, kv_idx):
+    """The built-in `window=(WINDOW, 0)`."""
+    return (kv_idx <= q_idx) & (q_idx - kv_idx <= WINDOW_KEYS)
+
+
+# the cases that are a built-in mask written as a mod: the keywords of the same mask
+BUILTIN_KEYWORDS = {"causal": dict(causal=True), "sliding window": dict(window=(WINDOW, 0))}
+
+
 def _document_ids(batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
     """(B, L) int32 ids of about 8 documents per row, in order."""
     cuts = torch.sort(torch.randint(1, length, (batch, 7), generator=gen), dim=1).values
@@ -105,10 +123,18 @@ def mask_cases(length: int, device) -> list[tuple[str, MaskMod, object, int]]:
             seen = seen | (table[b, q, n] == kv)
         return seen
 
+    def flex_causal(b, h, q, kv):
+        return kv <= q
+
+    def flex_window(b, h, q, kv):
+        return (kv <= q) & (q - kv <= WINDOW)
+
     cases = [("document window", MaskMod(document_window, doc), flex_document),
              ("prefix-LM", MaskMod(prefix_lm, prefix), flex_prefix),
              ("head windows", MaskMod(head_windows, windows), flex_windows),
-             ("neighbour list", MaskMod(neighbour_list, table), flex_neighbours)]
+             ("neighbour list", MaskMod(neighbour_list, table), flex_neighbours),
+             ("causal", MaskMod(causal), flex_causal),
+             ("sliding window", MaskMod(sliding_window), flex_window)]
     return [(name, ours, flex, _pairs(flex, length, device)) for name, ours, flex in cases]
 
 
