@@ -259,6 +259,30 @@ def test_feature_args_run_plain_calls_as_causal_without_window_flags():
     assert args[6] == 300 and qk_scale == pytest.approx(2.0 * 1.4426950408889634)  # lse rows; c·log2(e)
 
 
+def test_mod_refusal_names_what_the_one_pass_kernel_does_not_take():
+    """A mask_mod runs on the one-pass kernel beside causal, a window and varlen; refused with a score_mod, beside
+    softcap, ALiBi or a bias, at head dims padding to 256, and deterministic; attention_backward_sm90 raises it."""
+    from dataclasses import replace
+
+    from flashmoe_science.attention.hopper.bwd_common import offline_features
+    from flashmoe_science.attention.mods import MaskMod, Mods, ScoreMod
+
+    def mod(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    mods = Mods(MaskMod(mod))
+    window = replace(offline_features(causal=True, window=(64, -1), varlen=True), mods=mods)
+    assert bwd_sm90.mod_refusal(window, 128) is None and bwd_sm90.mod_refusal(offline_features(), 128) is None
+    assert "score_mod" in bwd_sm90.mod_refusal(replace(window, mods=Mods(score=ScoreMod(mod))), 128)
+    assert "softcap" in bwd_sm90.mod_refusal(replace(offline_features(softcap=5.0), mods=mods), 64)
+    assert "ALiBi" in bwd_sm90.mod_refusal(replace(offline_features(alibi=True), mods=mods), 64)
+    assert "head dims up to 128" in bwd_sm90.mod_refusal(window, 256)
+    assert "deterministic" in bwd_sm90.mod_refusal(window, 128, deterministic=True)
+    q = torch.empty(1, 2, 8, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="the sm_90 backward: it takes mask_mod at head dims up to 128"):
+        bwd_sm90.attention_backward_sm90(q, q, q, q, None, q, None, q, q, q, window, 0.1)
+
+
 def _bias_features(causal, shape, dtype=torch.bfloat16, softcap=None):
     from flashmoe_science.attention.hopper.bwd_common import offline_features
 

@@ -1,8 +1,8 @@
-"""The sm_90 Gluon forward with a user mask_mod, without a GPU: a `@triton.jit` mod that loads from its captured
+"""The sm_90 Gluon kernels with a user mask_mod, without a GPU: a `@triton.jit` mod that loads from its captured
 tensors called from a Gluon kernel on tensors in wgmma layouts (the smallest such kernel, built for sm_90), the mod
-forward's offline builds (dense and packed, each mask of bench/mask_mods.py) against the plain builds' spills, its
-launch arguments, the block mask's walk order, and the planner picking the Gluon forward for a mod on Hopper (the
-backward stays Triton). Numerics run on the GPU (test_mods_sm90_gpu.py)."""
+forward's and the one-pass backward's offline builds (dense and packed, each mask of bench/mask_mods.py) and their
+spills, their launch arguments, the block mask's walk order, and the planner picking the Gluon kernels for a mod on
+Hopper when asked for. Numerics run on the GPU (test_mods_sm90_gpu.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import triton
 
 pytest.importorskip("triton.experimental.gluon")
 
-from flashmoe_science.attention.hopper import backend, fwd_sm90  # noqa: E402
+from flashmoe_science.attention.hopper import backend, bwd_sm90, fwd_sm90  # noqa: E402
+from flashmoe_science.attention.hopper.bwd_common import offline_features  # noqa: E402
 from flashmoe_science.backends import NoBackend  # noqa: E402
 from flashmoe_science.attention.hopper.tiles import sm90_forward_tiles  # noqa: E402
 from flashmoe_science.attention.mask import make_mask  # noqa: E402
@@ -165,19 +166,27 @@ def on_hopper(monkeypatch):
     monkeypatch.setattr(availability, "_failure", None)
 
 
-def test_a_mod_forward_plans_the_gluon_kernel_when_asked_for(on_hopper, monkeypatch):
-    """Hopper's forward declares mask_mod (beside causal, a window and varlen), taken when backend='hopper' asks for
-    it: auto keeps another family's forward until the GPU checks pass, and says so. Its backward does not take mods:
-    backend='hopper' refuses a mod's backward; auto pairs the Triton backward."""
+def test_a_mod_plans_the_gluon_kernels_when_asked_for(on_hopper, monkeypatch):
+    """Hopper's forward and backward declare mask_mod (beside causal, a window and varlen), taken when
+    backend='hopper' asks for them: auto keeps the Triton kernels until the GPU checks pass, and says so for each
+    half. The backward's plan names the block-mask walk; deterministic and D=256 backwards are refused by name."""
     q = torch.randn(1, 4, 256, 128, dtype=torch.bfloat16)
     mod = MaskMod(mask_mods.head_windows, torch.full((16,), 32, dtype=torch.int32))
     auto = plan_attention(dense_problem(q, q, q, causal=True, mask_mod=mod)[0])
     assert auto.backend != "hopper" and "not yet checked on a GPU" in auto.forward_choice.why_not("hopper")
+    assert auto.backward_choice.plan.backend != "hopper"
+    assert "mask_mod backward runs only when asked for" in auto.backward_choice.why_not("hopper")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # a backend asked for by name plans CPU tensors only under it
     plan = plan_attention(dense_problem(q, q, q, causal=True, mask_mod=mod, backend="hopper")[0])
     assert plan.backend == "hopper"
-    with pytest.raises(NoBackend, match="does not take mask_mod"):
-        plan.backward_choice
+    backward = plan.backward_choice.plan
+    assert backward.backend == "hopper" and backward.mask_mod and "block mask" in backward.title
+    with pytest.raises(NoBackend, match="deterministic dQ adds"):
+        plan_attention(dense_problem(q, q, q, causal=True, mask_mod=mod, backend="hopper",
+                                     deterministic=True)[0]).backward_choice
+    wide = torch.randn(1, 4, 256, 256, dtype=torch.bfloat16)
+    with pytest.raises(NoBackend, match="head dims up to 128"):
+        plan_attention(dense_problem(wide, wide, wide, mask_mod=mod, backend="hopper")[0]).backward_choice
     with pytest.raises(ValueError, match="mask_mod does not combine with softcap"):
         dense_problem(q, q, q, softcap=30.0, mask_mod=mod, backend="hopper")
 
@@ -193,3 +202,73 @@ def test_a_mod_whose_gluon_build_failed_is_refused_by_name(on_hopper, monkeypatc
         plan_attention(dense_problem(q, q, q, causal=True, mask_mod=refused, backend="hopper")[0])
     other = MaskMod(_bare_causal)
     assert plan_attention(dense_problem(q, q, q, causal=True, mask_mod=other, backend="hopper")[0]).backend == "hopper"
+
+
+# (head dim, packed, mask, mod) -> LDL + STL of the one-pass backward's build on the tuned triton (compat.TUNED_TRITON,
+# 3.6). A mod streams 64-row query tiles (bwd_sm90.one_pass_tiles) and is evaluated on each consumer's whole 64 x 64
+# tile of Sᵀ in its start: at D=64 nothing spills (on 128-row tiles 240-370), at D=128 118-177 beside the plain
+# unstaged builds' 11-29 (dK and dV hold 128 registers there; loop invariants and 8-28 per tile). 3.9: 98-158.
+MOD_BACKWARD_BUILDS = {
+    (128, False, "causal", "document_window"): 157,
+    (128, False, "full", "prefix_lm"): 128,
+    (128, False, "causal", "head_windows"): 141,
+    (128, False, "causal", "neighbour_list"): 118,
+    (128, False, "window", "head_windows"): 162,
+    (128, True, "causal", "document_window"): 177,
+    (64, False, "causal", "document_window"): 0,
+    (64, False, "full", "prefix_lm"): 0,
+    (64, True, "causal", "document_window"): 0,
+    (64, False, "full", "bare"): 0,
+}
+
+
+@pytest.mark.sm90_build
+@OFFLINE
+@pytest.mark.parametrize("case", list(MOD_BACKWARD_BUILDS), ids=lambda c: "D{}-{}-{}-{}".format(
+    c[0], "varlen" if c[1] else "dense", c[2], c[3]))
+def test_mod_backward_builds_for_sm90(case):
+    """The one-pass backward with a mod: every partition walks the block mask's lists by key block (LDG of the lists),
+    the five products on the tensor cores, dQ still by the writer's TMA reduce-adds, spills within the recorded
+    budget, within the shared memory."""
+    head_dim, varlen, mask, name = case
+    features = offline_features(causal=mask == "causal", window=(100, 20) if mask == "window" else None,
+                                varlen=varlen)
+    compiled = bwd_sm90.compile_offline(head_dim, features, mask_mod=_mod(name))
+    sass = sass_or_skip(compiled)
+    assert "UTMALDG" in sass and "HGMMA" in sass and "LDG" in sass
+    assert sass.count("UTMAREDG.3D.ADD") == head_dim // 32
+    assert spill_count(sass) <= spill_budget(MOD_BACKWARD_BUILDS[case]), "spills grew"
+    assert compiled.metadata.shared <= 227 * 1024
+
+
+def _backward_launch(features, blocks=None):
+    q = _meta(2, 4, 300, 128, dtype=torch.bfloat16)
+    kv = _meta(2, 2, 300, 128, dtype=torch.bfloat16)
+    lse = _meta(2, 4, 300, dtype=torch.float32)
+    launches = bwd_sm90._one_pass_launches(q, kv, kv, q, lse, q, lse, q, kv, kv, lse, features, 0.1, None,
+                                           blocks=blocks)
+    return launches["dkdv_dq"][2]
+
+
+def test_mod_backward_launch_arguments():
+    """Without a mod every new argument is None (a constexpr: the plain build); with one, the function, its tensors,
+    the block mask's lists by key tile and their sizes, at 64-row query tiles; refused at other tiles."""
+    from flashmoe_science.attention.features import CallFeatures
+    from flashmoe_science.attention.mods import Mods
+
+    names = ("mask_mod", "mask_args", "PARTIAL_COUNTS", "PARTIAL_TILES", "FULL_COUNTS", "FULL_TILES", "list_len",
+             "mod_k_tiles")
+    plain = _backward_launch(CallFeatures())
+    assert all(plain[n] is None for n in names) and plain["MASK_MOD"] is False
+    mod = _mod("document_window")
+    features = CallFeatures(mods=Mods(mod))
+    assert bwd_sm90.one_pass_tiles(128, features) == bwd_sm90.one_pass_tiles(64, features) == (64, 128)
+    lists = TileLists(*(_meta(*shape) for shape in ((2, 4, 3), (2, 4, 3, 5)) * 2))
+    blocks = BlockMask(64, 128, _meta(2, 4, 5, 3, dtype=torch.int8), None, lists)
+    bound = _backward_launch(features, blocks)
+    assert bound["MASK_MOD"] and bound["mask_mod"] is mod.fn and bound["mask_args"] == mod.tensors
+    assert bound["FULL_TILES"] is lists.full and bound["PARTIAL_COUNTS"] is lists.partial_counts
+    assert (bound["list_len"], bound["mod_k_tiles"]) == (5, 3)
+    assert bound["q_desc"].block_shape[-2] == 64
+    with pytest.raises(ValueError, match="block mask at the launch's 64x128 tiles"):
+        _backward_launch(features, BlockMask(128, 128, blocks.states, None, lists))

@@ -1,13 +1,14 @@
-"""The sm_90 Gluon forward with a user mask_mod on a Hopper GPU: every mask of bench/mask_mods.py at odd shapes
-(lengths off the tiles, GQA; packed batches with a length-1 and an empty sequence) against the float64 oracle of
-their torch twins, and against the Triton mod forward within bf16 error."""
+"""The sm_90 Gluon forward and backward with a user mask_mod on a Hopper GPU: every mask of bench/mask_mods.py at
+odd shapes (lengths off the tiles, GQA; packed batches with a length-1 and an empty sequence) against the float64
+oracle of their torch twins (out, lse, and dQ, dK, dV through autograd), and the forward against the Triton mod
+forward within bf16 error."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from feature_oracle import assert_within_rule
+from feature_oracle import assert_within_rule, check_forward_and_grads
 from flashmoe_science import flash_attention_science, flash_attention_varlen
 from flashmoe_science.bench.mask_mods import mask_cases
 from helpers import randn
@@ -79,3 +80,65 @@ def test_varlen_against_float64_and_the_triton_forward(name, head_dim):
         assert_within_rule(f"out of sequence {b}", ours, ref, same.double(), torch.bfloat16)
         ours_lse = lse[:, rows].cpu()[None]
         assert torch.equal(torch.isneginf(ours_lse), torch.isneginf(ref_lse))
+
+
+# The backward (backend="hopper" runs the Gluon one pass, or raises): its gradients against float64 autograd of the
+# torch twin's visibility. lq != lk aligns causal bottom-right, and lq > lk leaves its first rows seeing no key
+# (zero gradients, only in the block mask's partial tiles).
+SHAPES = {"square": (1000, 1000), "long_keys": (777, 1000), "dead_rows": (1000, 640)}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", NAMES)
+def test_dense_backward_against_float64(name, head_dim, shape, causal):
+    lq, lk = SHAPES[shape]
+    _, mod, flex, _ = _case(name, max(lq, lk))
+    q = randn(BATCH, HEADS, lq, head_dim, dtype=torch.bfloat16).cuda()
+    k, v = (randn(BATCH, KV_HEADS, lk, head_dim, dtype=torch.bfloat16).cuda() for _ in range(2))
+    seen = _seen(flex, lq, lk)
+    if causal:
+        seen = seen & torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+
+    def run(q, k, v):
+        return flash_attention_science(q, k, v, causal=causal, mask_mod=mod, return_lse=True, backend="hopper")
+
+    def oracle(q, k, v, dtype):
+        return mod_oracle(q, k, v, seen, None, dtype=dtype)
+
+    check_forward_and_grads(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", NAMES)
+def test_varlen_backward_against_float64(name, head_dim, causal):
+    lengths = [700, 0, 1, 517]
+    _, mod, flex, _ = _case(name, max(lengths))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(cu[-1])
+    q = randn(total, HEADS, head_dim, dtype=torch.bfloat16).cuda()
+    k, v = (randn(total, KV_HEADS, head_dim, dtype=torch.bfloat16).cuda() for _ in range(2))
+    seen = _seen(flex, max(lengths), max(lengths), len(lengths))
+    if causal:
+        seen = seen & torch.ones(max(lengths), max(lengths), dtype=torch.bool).tril()
+
+    def run(q, k, v):
+        return flash_attention_varlen(q, k, v, cu.cuda(), cu.cuda(), max(lengths), max(lengths), causal=causal,
+                                      mask_mod=mod, return_lse=True, backend="hopper")
+
+    def oracle(q, k, v, dtype):
+        """Each sequence through mod_oracle: out (total, H, D), lse (H, total)."""
+        outs, lses = [], []
+        for b, n in enumerate(lengths):
+            if n == 0:
+                continue
+            rows = slice(int(cu[b]), int(cu[b + 1]))
+            out, lse = mod_oracle(*(t[rows].transpose(0, 1)[None] for t in (q, k, v)), seen[b:b + 1, :, :n, :n],
+                                  None, dtype=dtype)
+            outs.append(out[0].transpose(0, 1))
+            lses.append(lse[0])
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    check_forward_and_grads(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))

@@ -50,11 +50,12 @@ from flashmoe_science.gluon.target import ARCH
 from flashmoe_science.prepared_cache import SEEN_ONCE, prepared_table, remember, tensor_signature
 
 # forward: odd head dims reach the kernel padded; the bias's gradient is the backward's; a mask_mod beside causal, a
-# window and varlen (HopperAttention.decline), walked through its block mask; its backward runs in Triton
+# window and varlen (HopperAttention.decline), walked through its block mask
 FORWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen", "mask_mod"})
 # the backward runs after a Triton forward too (`_HopperAttentionBackward.decline`); attn_bias where the one-pass
-# kernel reads it by TMA (bwd_sm90.bias_refusal)
-BACKWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen"})
+# kernel reads it by TMA (bwd_sm90.bias_refusal); a mask_mod where its one pass walks the block mask
+# (bwd_sm90.mod_refusal)
+BACKWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen", "mask_mod"})
 
 FORWARD_KERNEL = "hopper.fwd_sm90.attention_forward_sm90_kernel"
 BACKWARD_KERNEL = "hopper.bwd_sm90.attention_backward_sm90"
@@ -287,6 +288,7 @@ class HopperBackward:
 
     deterministic: bool = False
     fallback: object = None
+    mask_mod: bool = False  # the call's mask_mod, walked through its block mask (the title says so)
     backend = "hopper"
     # what only the backward's launch can see; describe_dispatch names it with the fallback
     launch_rule = "where only dQ or only dK/dV is wanted or TMA cannot read grad_out"
@@ -297,6 +299,9 @@ class HopperBackward:
         if self.deterministic:
             return ("the Gluon sm_90 kernels, deterministic (up to D=128 the one pass adds dQ in key-block order: "
                     "each CTA waits for the blocks before it)")
+        if self.mask_mod:
+            return ("the Gluon sm_90 kernels, the one pass walking the mask_mod's block mask by key block (64-row "
+                    "query tiles: full ones unmasked, partial ones masked with the mod, empty ones never loaded)")
         return "the Gluon sm_90 kernels"
 
     def run(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float, deterministic: bool,
@@ -320,7 +325,7 @@ class HopperBackward:
         if (dq is not None and dk is not None and tma_compatible(grad_out)
                 and run_gluon("attention backward", lambda: launch_backward(
                     q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale, dbias, dbias_atomic,
-                    deterministic), strict)):
+                    deterministic), strict, features.mods.mask.fn if self.mask_mod else None)):
             ran("backward", self.backend, self.kernel)
             dbias = None if dbias is None else triton_backend.bias_grad_of_buffer(dbias, bias)
             if not want_dq:  # computed for the kernel's sake only (backend="hopper")
@@ -399,6 +404,18 @@ class _HopperAttentionBackward:
         absent = missing(problem.feature_names(), BACKWARD_FEATURES)
         if absent:
             return f"it does not take {', '.join(absent)} yet"
+        mods = problem.features.mods
+        if mods is not None:
+            from flashmoe_science.attention.hopper.bwd_sm90 import mod_refusal
+
+            refusal = (mod_refusal(problem.features, problem.head_dim, problem.deterministic_now())
+                       or function_refusal(mods.mask.fn))
+            if refusal is not None:
+                return refusal
+            if problem.backend != self.name:
+                # offline sm_90 builds only so far: auto keeps mods on the Triton backward until the float64 checks
+                # (tests/attention/test_mods_sm90_gpu.py) have passed on a GPU
+                return "its mask_mod backward runs only when asked for (backend='hopper'): not yet checked on a GPU"
         if problem.features.attn_bias is not None:
             from flashmoe_science.attention.hopper.bwd_sm90 import bias_refusal
 
@@ -419,7 +436,8 @@ class _HopperAttentionBackward:
         return backward_refusal(problem.head_dim, problem.seqlen_q, problem.softmax_scale, measured)
 
     def plan(self, question) -> HopperBackward:
-        return HopperBackward(question.problem.deterministic_now())
+        problem = question.problem
+        return HopperBackward(problem.deterministic_now(), mask_mod=problem.features.mods is not None)
 
 
 class HopperAttention:

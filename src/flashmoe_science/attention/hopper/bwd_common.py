@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from triton.runtime.jit import JITFunction
 
 from flashmoe_science.gluon.compat import gl, gluon, mbarrier, tma
 
@@ -16,6 +17,7 @@ from flashmoe_science.attention.mask import LOG2_E, key_tile_range, query_tile_r
 from flashmoe_science.attention.seqlen import launch_sizes, ranked_tile_of_work, ranked_work_list, work_items_bound
 
 from flashmoe_science.gluon.sm90 import compile_offline as sm90_compile_offline
+from flashmoe_science.attention.hopper.fwd_sm90 import _masked
 
 TWO_KERNEL_BLOCK_D = 256  # padded head dim run as bwd_sm90_hdim256 (dK, dV) + bwd_dq_sm90 (dQ)
 
@@ -276,12 +278,54 @@ def _producer_barriers(NUM_STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _key_tile_lists(block_lists, g):
+    """Query head g's lists of the CTA's key block in the block mask (mods.block_mask at ROWS x BLOCK_N tiles, its
+    by_key lists; `block_lists`: partial counts, partial tiles, full counts, full tiles, list length, the row of the
+    group's first head, rows per head): (its full tiles, its partial tiles, how many are full, how many in all).
+    Its empty tiles are on neither list: no partition visits them."""
+    partial_counts, partial_tiles, full_counts, full_tiles, list_len, first_row, rows_per_head = block_lists
+    row = first_row + g * rows_per_head
+    n_full = gl.load(full_counts + row)
+    return full_tiles + row * list_len, partial_tiles + row * list_len, n_full, n_full + gl.load(partial_counts + row)
+
+
+@gluon.jit
+def _listed_query_tile(head_lists, i, ROWS: gl.constexpr):
+    """The i-th query tile of `_key_tile_lists`' lists, full ones first: (its first row within the sequence, whether
+    it is partial, i.e. masked elementwise by the mask_mod)."""
+    full_tiles, partial_tiles, n_full, _ = head_lists
+    if i < n_full:
+        tile = gl.load(full_tiles + i)
+    else:
+        tile = gl.load(partial_tiles + (i - n_full))
+    return tile * ROWS, i >= n_full
+
+
+@gluon.jit
+def _mod_score_start(s_init, mod_tile, offs_q, seqlen_q, seqlen_k, diagonal, window_left, window_right, mask_mod,
+                     CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
+    """A mask_mod's score start (keys x the queries `offs_q`): on a partial tile of the block mask, -inf where
+    fwd_sm90._masked hides the pair (the bounds, the window or causal diagonal, and the mod at clamped positions);
+    a full tile's start unchanged. `mod_tile`: (partial, the mod's b and h, the first key, the mod's captured
+    tensors). _masked takes queries x keys: the start goes through it transposed (registers relabelled, no data
+    moved), whole: the mod's tiles are 64 x 64 (bwd_sm90.one_pass_tiles)."""
+    partial, b, h, first_key, mod_tensors = mod_tile
+    if partial:
+        KEYS: gl.constexpr = s_init.shape[0]
+        hidden = _masked(s_init.permute((1, 0)), offs_q, first_key, seqlen_q, seqlen_k, diagonal, window_left,
+                         window_right, b, h, mask_mod, mod_tensors, CAUSAL, MASK_LEFT, MASK_RIGHT, KEYS)
+        s_init = gl.convert_layout(hidden.permute((1, 0)), s_init.type.layout)
+    return s_init
+
+
+@gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
               kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
               q_first, k_first, window_left, window_right,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
               bias_desc=None, bias_smem=None, bias_step_b=0, bias_step_h=0, BIAS_TMA: gl.constexpr = False,
-              stats=None, STATS: gl.constexpr = False, VARLEN: gl.constexpr = False):
+              stats=None, STATS: gl.constexpr = False, VARLEN: gl.constexpr = False, block_lists=None,
+              MASK_MOD: gl.constexpr = False):
     """K and V once, then Q and dO of every visited query tile of every query head of the group. Rows are
     relative to the sequence's first (q_first, k_first: seqlen.sequence_coords; 0 for dense batches). A packed
     sequence's last tiles may read the next sequence's rows: hidden keys and queries with lse = +inf, harmless.
@@ -289,38 +333,63 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
     (`bias_smem`; batch and head coordinates times bias_step_b/h, 0 where the bias broadcasts), on Q's barrier.
     STATS: each stage also takes the tile's lse (on Q's barrier) and Δ (on dO's), `stats` = (lse_desc, delta_desc,
     lse_smem, delta_smem, num_q_heads, lse_rows, stat_first): rank-1 boxes of the tile's rows (`_row_stat_base`;
-    stat_first: the sequence's first row there, a packed batch's in the padded layout, 16-byte aligned)."""
+    stat_first: the sequence's first row there, a packed batch's in the padded layout, 16-byte aligned).
+    MASK_MOD: the visited tiles are each head's of the block mask (`_key_tile_lists`), in the consumers' order."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
     tma.async_load(k_desc, [batch, kv_head, k_first + start_n, 0], kv_ready, k_smem)
     tma.async_load(v_desc, [batch, kv_head, k_first + start_n, 0], kv_ready, v_smem)
-    query_start, num_tiles, _, _ = _visited_query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
-                                                        ROWS, KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT)
     q_bytes: gl.constexpr = (q_desc.block_type.nbytes + (bias_desc.block_type.nbytes if BIAS_TMA else 0)
                              + (stats[0].block_type.nbytes if STATS else 0))
     do_bytes: gl.constexpr = do_desc.block_type.nbytes + (stats[1].block_type.nbytes if STATS else 0)
-    for ring in range(group_size * num_tiles):
-        g = ring // num_tiles
-        start_m = q_first + query_start + (ring - g * num_tiles) * ROWS
-        q_head = kv_head * group_size + g
-        stage = ring % NUM_STAGES
-        mbarrier.wait(empty.index(stage), ((ring // NUM_STAGES) & 1) ^ 1)  # first pass: passes at once
-        if STATS:
-            lse_desc, delta_desc, lse_smem, delta_smem, num_q_heads, lse_rows, stat_first = stats
-            stat_row = (_row_stat_base(batch * num_q_heads + q_head, stat_first, seqlen_q, lse_rows, VARLEN)
-                        + start_m - q_first)
-        mbarrier.expect(q_ready.index(stage), q_bytes)
-        tma.async_load(q_desc, [batch, q_head, start_m, 0], q_ready.index(stage), q_smem.index(stage))
-        if BIAS_TMA:
-            tma.async_load(bias_desc, [batch * bias_step_b, q_head * bias_step_h, start_m, start_n],
-                           q_ready.index(stage), bias_smem.index(stage))
-        if STATS:
-            tma.async_load(lse_desc, [stat_row], q_ready.index(stage), lse_smem.index(stage))
-        mbarrier.expect(do_ready.index(stage), do_bytes)
-        tma.async_load(do_desc, [batch, q_head, start_m, 0], do_ready.index(stage), do_smem.index(stage))
-        if STATS:
-            tma.async_load(delta_desc, [stat_row], do_ready.index(stage), delta_smem.index(stage))
+    if MASK_MOD:
+        ring = 0
+        for g in range(group_size):
+            head_lists = _key_tile_lists(block_lists, g)
+            for i in range(head_lists[3]):
+                start_m, _ = _listed_query_tile(head_lists, i, ROWS)
+                _load_query_tile(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, empty, ring,
+                                 kv_head * group_size + g, q_first + start_m, batch, start_n, q_first, seqlen_q,
+                                 bias_desc, bias_smem, bias_step_b, bias_step_h, stats, q_bytes, do_bytes,
+                                 NUM_STAGES, BIAS_TMA, STATS, VARLEN)
+                ring += 1
+    else:
+        query_start, num_tiles, _, _ = _visited_query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                                            ROWS, KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT)
+        for ring in range(group_size * num_tiles):
+            g = ring // num_tiles
+            start_m = q_first + query_start + (ring - g * num_tiles) * ROWS
+            _load_query_tile(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, empty, ring,
+                             kv_head * group_size + g, start_m, batch, start_n, q_first, seqlen_q, bias_desc,
+                             bias_smem, bias_step_b, bias_step_h, stats, q_bytes, do_bytes, NUM_STAGES, BIAS_TMA,
+                             STATS, VARLEN)
+
+
+@gluon.jit
+def _load_query_tile(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, empty, ring, q_head, start_m, batch,
+                     start_n, q_first, seqlen_q, bias_desc, bias_smem, bias_step_b, bias_step_h, stats,
+                     Q_BYTES: gl.constexpr, DO_BYTES: gl.constexpr, NUM_STAGES: gl.constexpr,
+                     BIAS_TMA: gl.constexpr, STATS: gl.constexpr, VARLEN: gl.constexpr):
+    """`_producer`'s loads of ring position `ring`: Q and dO rows from `start_m` (the packed row) of `q_head`, once
+    the consumers have released the stage, with the bias tile and the statistics where they ride along."""
+    stage = ring % NUM_STAGES
+    mbarrier.wait(empty.index(stage), ((ring // NUM_STAGES) & 1) ^ 1)  # first pass: passes at once
+    if STATS:
+        lse_desc, delta_desc, lse_smem, delta_smem, num_q_heads, lse_rows, stat_first = stats
+        stat_row = (_row_stat_base(batch * num_q_heads + q_head, stat_first, seqlen_q, lse_rows, VARLEN)
+                    + start_m - q_first)
+    mbarrier.expect(q_ready.index(stage), Q_BYTES)
+    tma.async_load(q_desc, [batch, q_head, start_m, 0], q_ready.index(stage), q_smem.index(stage))
+    if BIAS_TMA:
+        tma.async_load(bias_desc, [batch * bias_step_b, q_head * bias_step_h, start_m, start_n],
+                       q_ready.index(stage), bias_smem.index(stage))
+    if STATS:
+        tma.async_load(lse_desc, [stat_row], q_ready.index(stage), lse_smem.index(stage))
+    mbarrier.expect(do_ready.index(stage), DO_BYTES)
+    tma.async_load(do_desc, [batch, q_head, start_m, 0], do_ready.index(stage), do_smem.index(stage))
+    if STATS:
+        tma.async_load(delta_desc, [stat_row], do_ready.index(stage), delta_smem.index(stage))
 
 
 # ---------------------------------------------------------------------------------------------------- host side
@@ -375,7 +444,9 @@ def feature_args(features, softmax_scale: float, q, k, work_rows: int, over_quer
 def offline_build(kernel, bound: dict):
     """sm90_compile_offline of a launch's bound parameters: constexprs and None arguments specialised."""
     declared = {param.name for param in kernel.params if param.is_constexpr}
-    constexprs = {name: value for name, value in bound.items() if value is None or name in declared}
+    # a function argument (a mask_mod) is a constexpr too: each one builds its own kernel
+    constexprs = {name: value for name, value in bound.items()
+                  if value is None or name in declared or isinstance(value, JITFunction)}
     return sm90_compile_offline(kernel, [bound[name] for name in kernel.arg_names], constexprs)
 
 

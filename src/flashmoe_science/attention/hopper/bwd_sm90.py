@@ -68,6 +68,9 @@ path). Its last K/V box is masked like any ragged key block; dK and dV stores ar
 Staged statistics on a packed batch read lse and Δ from copies in which each sequence's rows start 16-byte aligned
 (a rank-1 TMA box must start there; seqlen.padded_row_start), written by the preprocess (bwd_prep.padded_stats_kernel)
 with the padding slots' lse +inf and Δ 0; a box's rows past the sequence are masked as a dense ragged tile's.
+A mask_mod (one pass only; MASK_MOD) replaces the range of visited query tiles by its block mask's lists at 64-row
+tiles (`one_pass_tiles`): every partition walks each head's full query tiles, then its partial ones
+(bwd_common._key_tile_lists), never its empty ones; partial tiles start Sᵀ from the mod's -inf as the masks do.
 
 dQ's last bits may vary run to run (the reduce-adds arrive in any order); dK and dV are deterministic.
 
@@ -96,6 +99,7 @@ mostly the first wave's: about δ/(4 · a tile's time) of its time, a few per ce
 
 from __future__ import annotations
 
+from dataclasses import replace
 
 import torch
 
@@ -110,6 +114,9 @@ from flashmoe_science.attention.hopper.bwd_common import (
     _contributors_before,
     _producer,
     _mask_score_start,
+    _key_tile_lists,
+    _listed_query_tile,
+    _mod_score_start,
     _producer_barriers,
     _row_stat_base,
     _probabilities,
@@ -126,6 +133,8 @@ from flashmoe_science.attention.hopper.bwd_common import (
 from flashmoe_science.attention.hopper.common import descriptor
 from flashmoe_science.attention.hopper.tiles import sm90_backward_rows, sm90_backward_staged_stats
 from flashmoe_science.attention.layout import bias_tma_view, needs_64bit_rows, tma_compatible
+from flashmoe_science.attention.mods import BlockMask, MaskMod, Mods, TileLists, block_mask_args, call_block_mask
+from flashmoe_science.attention.mods import kernel_args as mod_kernel_args
 from flashmoe_science.attention.seqlen import ranked_work_list
 from flashmoe_science.attention.mask import LOG2_E
 from flashmoe_science.attention.seqlen import PER_BATCH_ARGS, padded_row_start, padded_stat_rows, sequence_coords
@@ -162,7 +171,8 @@ def _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, 
                    CONSUMER: gl.constexpr, ROWS: gl.constexpr, KEYS: gl.constexpr, BLOCK_D: gl.constexpr,
                    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr,
-                   VARLEN: gl.constexpr, STAGED: gl.constexpr, MASKED: gl.constexpr, tile_bounds=None):
+                   VARLEN: gl.constexpr, STAGED: gl.constexpr, MASKED: gl.constexpr, tile_bounds=None,
+                   mask_mod=None, mod_tile=None):
     """`_consumer`'s step over the query tile at `start_m` of query head g of the group (the ring's `ring`-th
     tile): returns dK_c and dV_c with the tile's products added (dK's still in flight).
 
@@ -171,7 +181,8 @@ def _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, 
     from the stage's shared-memory copies: −lse·log2e in the exp2's scaling FFMA, Δ in one subtraction. Otherwise
     lse, Δ and the mask ride in the products' starts, read from LSE and Delta. `tile_bounds` (full_start, full_end
     of `_visited_query_tiles`): the tile is masked where it falls outside them; None in the split loops, where
-    MASKED says."""
+    MASKED says. `mask_mod` (not staged): the block mask's tile, `mod_tile` (bwd_common._mod_score_start), its
+    partial tiles masked in the start."""
     q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, bias_smem = smem
     q_ready, do_ready, empty, ds_ready, dq_full, dq_empty = barriers
     my_keys, my_values, k_cols = operands
@@ -222,6 +233,9 @@ def _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, 
         s_init = _score_start(s_zero, lse, inv_scale, queries, keys, hide, seqlen_k, diagonal, window_left,
                               window_right, 0, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP)
         s_init = _alibi_score_start(s_init, queries, keys, diagonal, slope_log2 / qk_scale, ALIBI and not SOFTCAP)
+        if mask_mod is not None:
+            s_init = _mod_score_start(s_init, mod_tile, offs_q, seqlen_q, seqlen_k, diagonal, window_left,
+                                      window_right, mask_mod, CAUSAL, MASK_LEFT, MASK_RIGHT)
         dp_init = s_zero - gl.expand_dims(delta, 0)
     mbarrier.wait(q_ready.index(stage), phase)
     if HAS_BIAS:  # (keys, queries) of the (queries, CTA keys) tile
@@ -287,11 +301,11 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
               stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               start_n, batch, kv_head, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
               seq, q_first, k_first, lse_rows, window_left, window_right, softcap_scale, Slopes, stride_slopes,
-              bias_smem, dbias_args,
+              bias_smem, dbias_args, mask_mod, mask_args, block_lists,
               CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, ROWS: gl.constexpr,
               KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
               MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-              HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr, STAGED: gl.constexpr):
+              HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr, STAGED: gl.constexpr, MASK_MOD: gl.constexpr):
     """One consumer warpgroup: keys [start_n + CONSUMER·KEYS, +KEYS), all query tiles of all heads of the group.
     Positions are relative to sequence `seq`'s first rows (q_first, k_first; lse_rows: the lse tensor's rows per
     head, read with VARLEN only). STAGED: each stage's lse and Δ arrive in `lse_smem` and `delta_smem` with its Q
@@ -299,7 +313,10 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
 
     HAS_BIAS: the stage's bias tile (`bias_smem`, queries x the CTA's keys, landed with Q) joins the Sᵀ
     accumulator's start as bias / scale (it is linear, like lse); BIAS_GRAD (1: store, 2: float32 atomic add)
-    writes dS, the bias's gradient, at `dbias_args` (base, batch/head/query/key strides)."""
+    writes dS, the bias's gradient, at `dbias_args` (base, batch/head/query/key strides).
+
+    MASK_MOD: each head's query tiles are those of the block mask's lists (bwd_common._key_tile_lists: full ones,
+    unmasked, then partial ones, masked with the mask_mod, its captured tensors `mask_args`)."""
     dtype: gl.constexpr = q_smem.dtype
     DQ_N: gl.constexpr = BLOCK_D // 2  # this consumer's dQ columns
     # Sᵀ, dPᵀ: (keys, queries); dK, dV: (keys, BLOCK_D); dQ half: (queries, DQ_N). Warps stacked on the rows.
@@ -344,6 +361,18 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
                                         CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_GRAD, VARLEN,
                                         STAGED, False)
                 ring += 1
+    elif MASK_MOD:
+        ring = 0
+        for g in range(group_size):
+            head_lists = _key_tile_lists(block_lists, g)
+            for i in range(head_lists[3]):
+                start_m, partial = _listed_query_tile(head_lists, i, ROWS)
+                mod_tile = (partial, seq, kv_head * group_size + g, my_start_n, mask_args)
+                dk, dv = _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, offs_key,
+                                        scalars, CONSUMER, ROWS, KEYS, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT,
+                                        MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_GRAD, VARLEN, STAGED, False, None,
+                                        mask_mod, mod_tile)
+                ring += 1
     else:
         for ring in range(group_size * num_tiles):
             g = ring // num_tiles
@@ -370,12 +399,13 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
 
 @gluon.jit
 def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Semaphores, start_n, batch, kv_head, num_q_heads, group_size,
-               seqlen_q, seqlen_k, q_first, stat_first, lse_rows, window_left, window_right, CTA_KEYS: gl.constexpr,
-               CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
-               DETERMINISTIC: gl.constexpr):
+               seqlen_q, seqlen_k, q_first, stat_first, lse_rows, window_left, window_right, block_lists,
+               CTA_KEYS: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+               VARLEN: gl.constexpr, DETERMINISTIC: gl.constexpr, MASK_MOD: gl.constexpr):
     """The dQ writer (one warp): per query tile, in the consumers' order, wait until both consumers' dQ halves are
     in the tile's staging buffer (`dq_full`), add them into dq_accum with one TMA reduce-add per box (rows past
     Lq are clipped by the TMA unit), wait until the TMA unit has read the buffer and hand it back (`dq_empty`).
+    MASK_MOD: the tiles are each head's of the block mask's lists, as the consumers walk them.
 
     DETERMINISTIC: before the reduce-adds of (query head, query tile), wait until its counter in `Semaphores` (the
     per-row tensor laid out as lse, read at the tile's first row, stat_first + the tile's; zeroed by the preprocess)
@@ -384,31 +414,53 @@ def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Semaphores, start_n, batch, 
     element then receives its additions in increasing key-block order, every run alike (see the module docstring
     for why this cannot deadlock)."""
     ROWS: gl.constexpr = dq_desc.block_type.shape[1]
+    if MASK_MOD:
+        ring = 0
+        for g in range(group_size):
+            head_lists = _key_tile_lists(block_lists, g)
+            for i in range(head_lists[3]):
+                start_m, _ = _listed_query_tile(head_lists, i, ROWS)
+                _add_dq_tile(dq_desc, dq_smem, dq_full, dq_empty, Semaphores, ring, batch * num_q_heads
+                             + kv_head * group_size + g, start_m, start_n, seqlen_q, seqlen_k, q_first, stat_first,
+                             lse_rows, window_left, window_right, CTA_KEYS, MASK_LEFT, MASK_RIGHT, VARLEN, False)
+                ring += 1
+    else:
+        query_start, num_tiles, _, _ = _visited_query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                                            ROWS, CTA_KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT)
+        for ring in range(group_size * num_tiles):
+            g = ring // num_tiles
+            start_m = query_start + (ring - g * num_tiles) * ROWS
+            _add_dq_tile(dq_desc, dq_smem, dq_full, dq_empty, Semaphores, ring, batch * num_q_heads
+                         + kv_head * group_size + g, start_m, start_n, seqlen_q, seqlen_k, q_first, stat_first,
+                         lse_rows, window_left, window_right, CTA_KEYS, MASK_LEFT, MASK_RIGHT, VARLEN, DETERMINISTIC)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _add_dq_tile(dq_desc, dq_smem, dq_full, dq_empty, Semaphores, ring, q_head, start_m, start_n, seqlen_q,
+                 seqlen_k, q_first, stat_first, lse_rows, window_left, window_right, CTA_KEYS: gl.constexpr,
+                 MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, VARLEN: gl.constexpr,
+                 DETERMINISTIC: gl.constexpr):
+    """`_dq_writer`'s step for ring position `ring`: the query tile at `start_m` of flat query head `q_head`."""
+    ROWS: gl.constexpr = dq_desc.block_type.shape[1]
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[2]
     DQ_BUFFERS: gl.constexpr = dq_full.shape[0]
     HALF_BOXES: gl.constexpr = dq_smem.shape[1] // ROWS  # boxes of one consumer's half
-    query_start, num_tiles, _, _ = _visited_query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
-                                                        ROWS, CTA_KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT)
-    for ring in range(group_size * num_tiles):
-        g = ring // num_tiles
-        start_m = query_start + (ring - g * num_tiles) * ROWS
-        q_head = batch * num_q_heads + kv_head * group_size + g
-        buf = ring % DQ_BUFFERS
-        mbarrier.wait(dq_full.index(buf), (ring // DQ_BUFFERS) & 1)
-        if DETERMINISTIC:
-            counter = Semaphores + _row_stat_base(q_head, stat_first, seqlen_q, lse_rows, VARLEN) + start_m
-            wait_counter(counter, _contributors_before(start_n, start_m, seqlen_q, seqlen_k, window_left,
-                                                       window_right, ROWS, CTA_KEYS, MASK_LEFT, MASK_RIGHT))
-        for half in gl.static_range(2):
-            for box in gl.static_range(HALF_BOXES):
-                tma.async_atomic_add(dq_desc, [q_head, q_first + start_m, (half * HALF_BOXES + box) * DQ_COLS],
-                                     dq_smem.index(buf * 2 + half).reshape([HALF_BOXES, ROWS, DQ_COLS]).slice(box, 1))
-        if DETERMINISTIC:
-            release_counter_after_bulk(counter)
-        else:
-            tma.store_wait(0)  # the boxes are read: the buffer may be overwritten
-        mbarrier.arrive(dq_empty.index(buf), count=1)
-    tma.store_wait(0)
+    buf = ring % DQ_BUFFERS
+    mbarrier.wait(dq_full.index(buf), (ring // DQ_BUFFERS) & 1)
+    if DETERMINISTIC:
+        counter = Semaphores + _row_stat_base(q_head, stat_first, seqlen_q, lse_rows, VARLEN) + start_m
+        wait_counter(counter, _contributors_before(start_n, start_m, seqlen_q, seqlen_k, window_left,
+                                                   window_right, ROWS, CTA_KEYS, MASK_LEFT, MASK_RIGHT))
+    for half in gl.static_range(2):
+        for box in gl.static_range(HALF_BOXES):
+            tma.async_atomic_add(dq_desc, [q_head, q_first + start_m, (half * HALF_BOXES + box) * DQ_COLS],
+                                 dq_smem.index(buf * 2 + half).reshape([HALF_BOXES, ROWS, DQ_COLS]).slice(box, 1))
+    if DETERMINISTIC:
+        release_counter_after_bulk(counter)
+    else:
+        tma.store_wait(0)  # the boxes are read: the buffer may be overwritten
+    mbarrier.arrive(dq_empty.index(buf), count=1)
 
 
 @gluon.jit(do_not_specialize=PER_BATCH_ARGS)
@@ -419,10 +471,12 @@ def attention_backward_sm90_kernel(
     Slopes, CuSeqlensQ, CuSeqlensK, WorkTiles, num_seqs, stride_slopes, lse_rows, window_left, window_right,
     softcap_scale,
     bias_desc, bias_step_b, bias_step_h, DBIAS, stride_dbias_b, stride_dbias_h, stride_dbias_m, stride_dbias_n,
+    mask_mod, mask_args, PARTIAL_COUNTS, PARTIAL_TILES, FULL_COUNTS, FULL_TILES, list_len, mod_k_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
     VARLEN: gl.constexpr, HAS_BIAS: gl.constexpr = False, BIAS_GRAD: gl.constexpr = 0,
     DETERMINISTIC: gl.constexpr = False, DQ_BUFFERS: gl.constexpr = 2, STAGED_STATS: gl.constexpr = False,
+    MASK_MOD: gl.constexpr = False,
 ):
     """Grid (cdiv(Lk, 128) · B·Hkv,); CTAs start roughly in program order, and a (batch, kv head)'s key tiles are
     consecutive, so the CTAs running at once share a few heads' Q and dO in L2. (Ordering causal CTAs longest
@@ -437,7 +491,11 @@ def attention_backward_sm90_kernel(
     STAGED_STATS: LSE and Delta are rank-1 TMA descriptors, read by the producer with each Q/dO stage
     (`tiles.sm90_backward_staged_stats`); else float32 pointers the consumers read. A packed batch's staged
     statistics and counters are (1, Hq, lse_rows) in the padded layout (seqlen.padded_row_start: each sequence's
-    rows start 16-byte aligned, where a rank-1 box must begin), written by bwd_prep.padded_stats_kernel."""
+    rows start 16-byte aligned, where a rank-1 box must begin), written by bwd_prep.padded_stats_kernel.
+    MASK_MOD: the user's `mask_mod` (a `@triton.jit` function) with its captured tensors `mask_args`, and its block
+    mask at ROWS x CTA_KEYS tiles by key tile (mods.block_mask_args(by_key=True); mod_k_tiles key tiles per (b, h)):
+    every partition walks each head's full, then partial query tiles. Arguments a call does not use are None
+    (constexpr: a call without a mod compiles to the kernel without one)."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     CTA_KEYS: gl.constexpr = k_desc.block_type.shape[2]
@@ -480,6 +538,13 @@ def attention_backward_sm90_kernel(
     else:
         bias_smem: gl.constexpr = None
     dbias_args = (DBIAS, stride_dbias_b, stride_dbias_h, stride_dbias_m, stride_dbias_n)
+    if MASK_MOD:  # the rows of the group's first query head in the block mask's lists, then one per key tile
+        gl.static_assert(not (STAGED_STATS or SOFTCAP or ALIBI or HAS_BIAS or DETERMINISTIC),
+                         "a mask_mod runs beside causal, a window and varlen only (bwd_sm90.mod_refusal)")
+        first_row = (seq * num_q_heads + kv_head * group_size).to(gl.int64) * mod_k_tiles + start_n // CTA_KEYS
+        block_lists = (PARTIAL_COUNTS, PARTIAL_TILES, FULL_COUNTS, FULL_TILES, list_len, first_row, mod_k_tiles)
+    else:
+        block_lists: gl.constexpr = None
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers' dSᵀ rows are in the buffer
@@ -495,23 +560,23 @@ def attention_backward_sm90_kernel(
                      stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head,
                      num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first,
                      lse_rows, window_left, window_right, softcap_scale, Slopes, stride_slopes, bias_smem, dbias_args,
-                     0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                     VARLEN, HAS_BIAS, BIAS_GRAD, STAGED_STATS)),
+                     mask_mod, mask_args, block_lists, 0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL,
+                     MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS, BIAS_GRAD, STAGED_STATS, MASK_MOD)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, empty,
                      ds_ready, dq_full, dq_empty, dq_desc, LSE, Delta, lse_smem, delta_smem, DK, DV, stride_dkb,
                      stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head,
                      num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first,
                      lse_rows, window_left, window_right, softcap_scale, Slopes, stride_slopes, bias_smem, dbias_args,
-                     1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                     VARLEN, HAS_BIAS, BIAS_GRAD, STAGED_STATS)),
+                     mask_mod, mask_args, block_lists, 1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL,
+                     MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS, BIAS_GRAD, STAGED_STATS, MASK_MOD)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_box, v_box,
                      kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
                      q_first, k_first, window_left, window_right, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT,
                      bias_desc, bias_smem, bias_step_b, bias_step_h, HAS_BIAS,
-                     stats, STAGED_STATS, VARLEN)),
+                     stats, STAGED_STATS, VARLEN, block_lists, MASK_MOD)),
         (_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Semaphores, start_n, batch, kv_head, num_q_heads,
                       group_size, seqlen_q, seqlen_k, q_first, stat_first, lse_rows, window_left, window_right,
-                      CTA_KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT, VARLEN, DETERMINISTIC)),
+                      block_lists, CTA_KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT, VARLEN, DETERMINISTIC, MASK_MOD)),
     ], [4, 1, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -572,6 +637,9 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, feat
         check_features(features)
     else:
         check_bias(features, q, k)
+    why = mod_refusal(features, q.shape[-1], deterministic)
+    if why is not None:
+        raise ValueError(f"the sm_90 backward: {why}")
     if q.shape[2] == 0 or k.shape[2] == 0:  # a packed batch of empty sequences: no TMA box over no rows
         for grad in (dq, dk, dv):
             grad.zero_()
@@ -589,9 +657,10 @@ def attention_backward_sm90(q, k, v, out, lse, grad_out, delta, dq, dk, dv, feat
                                                   num_stages or bwd_sm90_hdim256.NUM_STAGES)
         kernels["dq"] = bwd_dq_sm90.launch(q, k, v, lse, grad_out, delta, dq, features, softmax_scale)
         return kernels
+    blocks = call_block_mask(q, k, features, *one_pass_tiles(q.shape[-1], features))
     return {name: kernel[grid](**bound, **options) for name, (kernel, grid, bound, options, _) in _one_pass_launches(
         q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale, num_stages,
-        dbias, dbias_atomic, semaphores, padded).items()}
+        dbias, dbias_atomic, semaphores, padded, blocks).items()}
 
 
 def bias_refusal(features, q, k) -> str | None:
@@ -614,6 +683,25 @@ def bias_refusal(features, q, k) -> str | None:
     return None
 
 
+def mod_refusal(features, head_dim: int, deterministic: bool = False) -> str | None:
+    """Why the sm_90 backward does not take this call's mods, or None (none, or a mask_mod it runs): its one-pass
+    kernel (head dims up to 128) walks a mask_mod's block mask beside causal, a window and varlen (as the sm_90
+    forward); no score_mod; not `deterministic`, whose ordered dQ adds count the key blocks before each one as a
+    run, where a block mask's visitors of a query tile may have gaps."""
+    mods = features.mods
+    if mods is None:
+        return None
+    if mods.score is not None:
+        return "it takes no score_mod (the Triton backward does)"
+    if features.mask.softcap > 0 or features.alibi_slopes is not None or features.attn_bias is not None:
+        return "it takes mask_mod beside causal, a window and varlen only (not softcap, ALiBi or attn_bias)"
+    if padded_head_dim(head_dim) == TWO_KERNEL_BLOCK_D:
+        return "it takes mask_mod at head dims up to 128 (its one-pass kernel)"
+    if deterministic:
+        return "its deterministic dQ adds wait for runs of key blocks, and a mask_mod's need not be runs"
+    return None
+
+
 def check_bias(features, q, k) -> None:
     """Raise ValueError where `bias_refusal` refuses the call's attn_bias (the caller runs triton/bwd.py instead)."""
     why = bias_refusal(features, q, k)
@@ -630,12 +718,14 @@ def _preprocess_launch(q, out, grad_out, delta, dq, dq_accum, semaphores=None):
 
 
 def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum, features, softmax_scale: float,
-                       num_stages: int | None, dbias=None, dbias_atomic: bool = False, semaphores=None, padded=None):
+                       num_stages: int | None, dbias=None, dbias_atomic: bool = False, semaphores=None, padded=None,
+                       blocks=None):
     """The one-pass path's three launches (head dims padding to 64 or 128), by name, in order: (kernel, grid, every
     parameter by name, launch options, the names of its leading parameters that are tensors or descriptors over
     them). Written once for attention_backward_sm90 and PreparedBackward. `semaphores`: the deterministic mode's
     int32 counters (`_row_stats_shape`), or None for the default mode. `padded`: a packed batch's staged statistics
-    (`padded_stats`), which its preprocess writes and its main kernel reads, or None."""
+    (`padded_stats`), which its preprocess writes and its main kernel reads, or None. `blocks`: a mask_mod's block
+    mask at the launch's tiles (`one_pass_tiles`; mods.call_block_mask), None without one."""
     num_q_heads, head_dim = q.shape[1], q.shape[3]
     num_kv_heads = k.shape[1]
     features = as_features(features)
@@ -647,16 +737,17 @@ def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum,
                                                                          lse_rows=stat_rows)
     block_d = padded_head_dim(head_dim)
     num_stages = num_stages or NUM_STAGES
-    rows = sm90_backward_rows(head_dim, features.attn_bias is not None, num_stages)
+    rows = one_pass_tiles(head_dim, features, num_stages)[0]
     stats, stat_names = ((lse, delta), ("lse", "delta")) if padded is None else (padded, PADDED_STATS)
     main = attention_backward_sm90_kernel
+    mod_args = _mod_args(features, blocks, rows)
     main_args = (*_one_pass_tensor_args(block_d, rows, q, grad_out, k, v, dq_accum, *stats, dk, dv, staged),
                  semaphores, *dk.stride()[:3], *dv.stride()[:3], num_q_heads, num_kv_heads,
                  num_q_heads // num_kv_heads, seqlen_q, seqlen_k, qk_scale, softmax_scale, *tail,
-                 *_bias_args(features, q, k, dbias, rows))
+                 *_bias_args(features, q, k, dbias, rows), *mod_args)
     flags.update(HAS_BIAS=features.attn_bias is not None, BIAS_GRAD=0 if dbias is None else 1 + dbias_atomic,
                  DETERMINISTIC=semaphores is not None, DQ_BUFFERS=dq_buffers(block_d, features.attn_bias),
-                 STAGED_STATS=staged)
+                 STAGED_STATS=staged, MASK_MOD=mod_args[0] is not None)
     counters = () if semaphores is None else ("semaphores",)
     heads = ("q", "grad_out", "k", "v", "dq_accum", *stat_names, "dk", "dv", *counters)
     row64 = needs_64bit_rows(q, out, grad_out, dq)
@@ -673,6 +764,29 @@ def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum,
             **flags), dict(LAUNCH_OPTIONS), heads),
         "dq_convert": (*bwd_prep.dq_convert_launch(dq_accum, dq, softmax_scale, row64), ("dq_accum", "dq")),
     }
+
+
+def one_pass_tiles(head_dim: int, features, num_stages: int | None = None) -> tuple[int, int]:
+    """The one-pass kernel's tiles (query rows, keys): its streamed query tiles (tiles.sm90_backward_rows) and its
+    CTA's key block, the tiles at which it walks a mask_mod's block mask. A mask_mod streams 64 rows at every head
+    dim: each consumer then evaluates the mod on a 64 x 64 tile of Sᵀ at once (at D=64 on 128 rows its build
+    spilled hundreds of values, on 64 none: docs/perf-notes.md)."""
+    if features.mods is not None:
+        return KEYS_PER_CONSUMER, BLOCK_N
+    return sm90_backward_rows(head_dim, features.attn_bias is not None, num_stages or NUM_STAGES), BLOCK_N
+
+
+def _mod_args(features, blocks, rows: int) -> tuple:
+    """The one-pass kernel's mask_mod arguments `(mask_mod, mask_args, PARTIAL_COUNTS, PARTIAL_TILES, FULL_COUNTS,
+    FULL_TILES, list_len, mod_k_tiles)`: the mod (mods.kernel_args) and its block mask's lists by key tile
+    (mods.block_mask_args), built at the launch's tiles; all None without a mod."""
+    mods = mod_kernel_args(features.mods)
+    if mods["mask_mod"] is None:
+        return (None,) * 8
+    if blocks is None or (blocks.block_m, blocks.block_n) != (rows, BLOCK_N):
+        raise ValueError(f"a mask_mod needs its block mask at the launch's {rows}x{BLOCK_N} tiles "
+                         f"(mods.call_block_mask), got {None if blocks is None else (blocks.block_m, blocks.block_n)}")
+    return (mods["mask_mod"], mods["mask_args"], *block_mask_args(blocks, by_key=True).values(), blocks.n_k_tiles)
 
 
 # the names of `padded_stats`' tensors among the launches' per-call tensors
@@ -833,13 +947,15 @@ def varlen_tensors(features, key_rows: int) -> tuple:
 
 
 def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,
-                    dtype: torch.dtype = torch.bfloat16, bias_grad: str | None = None, deterministic: bool = False):
+                    dtype: torch.dtype = torch.bfloat16, bias_grad: str | None = None, deterministic: bool = False,
+                    mask_mod=None):
     """The kernel built for sm_90 without a GPU (meta tensors; ptxas ships with triton), specialised as a launch
     would specialise it; returns the CompiledKernel (registers, shared memory, SASS:
     benchmarks/tools/sass_attention_backward.py). features: the causal bool or a CallFeatures (its tensors may live
     on the meta device: `offline_features`; an attn_bias broadcastable to (2, 4, 256, 256)). bias_grad: "store"
     or "atomic", the bias's gradient written as a bias of its shape without / with broadcast dims has it.
-    deterministic: the ordered dQ reduce-adds (head dims up to 128)."""
+    deterministic: the ordered dQ reduce-adds (head dims up to 128). mask_mod: a `@triton.jit` function or a
+    mods.MaskMod (its captured tensors may be meta), walked through a block mask of meta lists."""
 
     block_d = padded_head_dim(head_dim)
     if block_d == 256:
@@ -852,10 +968,25 @@ def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,
     if bias_grad is not None:
         dbias = torch.empty(features.attn_bias.shape, device="meta")
     padded = padded_stats(q, lse, lse, features)
+    blocks = None
+    if mask_mod is not None:
+        features, blocks = _offline_mod(mask_mod, features, q, head_dim)
     semaphores = None
     if deterministic:
         semaphores = torch.empty(_row_stats_shape(lse, padded), dtype=torch.int32, device="meta")
     kernel, _, bound, _, _ = _one_pass_launches(q, q[:, :2], q[:, :2], q, lse, q, lse, q, q[:, :2], q[:, :2],
                                                 dq_accum, features, 0.07, num_stages, dbias,
-                                                bias_grad == "atomic", semaphores, padded)["dkdv_dq"]
+                                                bias_grad == "atomic", semaphores, padded, blocks)["dkdv_dq"]
     return offline_build(kernel, bound)
+
+
+def _offline_mod(mask_mod, features, q, head_dim: int):
+    """compile_offline's features with `mask_mod` added, and its block mask over q's sequences (meta lists)."""
+    features = replace(features, mods=Mods(mask_mod if isinstance(mask_mod, MaskMod) else MaskMod(mask_mod)))
+    rows, keys = one_pass_tiles(head_dim, features)
+    batch, length = (features.varlen.num_seqs, features.varlen.max_seqlen_q) if features.varlen else (2, 256)
+    n_q, n_k = -(-length // rows), -(-length // keys)
+    lists = TileLists(*(torch.empty(shape, dtype=torch.int32, device="meta")
+                        for shape in ((batch, q.shape[1], n_k), (batch, q.shape[1], n_k, n_q)) * 2))
+    states = torch.empty(batch, q.shape[1], n_q, n_k, dtype=torch.int8, device="meta")
+    return features, BlockMask(rows, keys, states, None, lists)
