@@ -206,15 +206,16 @@ def test_a_mod_whose_gluon_build_failed_is_refused_by_name(on_hopper, monkeypatc
 
 # (head dim, packed, mask, mod) -> LDL + STL of the one-pass backward's build on the tuned triton (compat.TUNED_TRITON,
 # 3.6). A mod streams 64-row query tiles (bwd_sm90.one_pass_tiles) and is evaluated on each consumer's whole 64 x 64
-# tile of Sᵀ in its start: at D=64 nothing spills (on 128-row tiles 240-370), at D=128 118-177 beside the plain
-# unstaged builds' 11-29 (dK and dV hold 128 registers there; loop invariants and 8-28 per tile). 3.9: 98-158.
+# tile of Sᵀ, before lse and Δ are loaded; the consumers take each tile from the producer's stage record instead of
+# walking the lists. D=64: nothing spills (on 128-row tiles 240-370); D=128: 45-77 beside the plain unstaged builds'
+# 11-29 (dK and dV hold 128 registers there), 0-24 of them in a consumer's tile loop. 3.9: 40-70.
 MOD_BACKWARD_BUILDS = {
-    (128, False, "causal", "document_window"): 157,
-    (128, False, "full", "prefix_lm"): 128,
-    (128, False, "causal", "head_windows"): 141,
-    (128, False, "causal", "neighbour_list"): 118,
-    (128, False, "window", "head_windows"): 162,
-    (128, True, "causal", "document_window"): 177,
+    (128, False, "causal", "document_window"): 77,
+    (128, False, "full", "prefix_lm"): 45,
+    (128, False, "causal", "head_windows"): 47,
+    (128, False, "causal", "neighbour_list"): 50,
+    (128, False, "window", "head_windows"): 59,
+    (128, True, "causal", "document_window"): 61,
     (64, False, "causal", "document_window"): 0,
     (64, False, "full", "prefix_lm"): 0,
     (64, True, "causal", "document_window"): 0,
@@ -227,7 +228,7 @@ MOD_BACKWARD_BUILDS = {
 @pytest.mark.parametrize("case", list(MOD_BACKWARD_BUILDS), ids=lambda c: "D{}-{}-{}-{}".format(
     c[0], "varlen" if c[1] else "dense", c[2], c[3]))
 def test_mod_backward_builds_for_sm90(case):
-    """The one-pass backward with a mod: every partition walks the block mask's lists by key block (LDG of the lists),
+    """The one-pass backward with a mod: the producer and the dQ writer walk the block mask's lists (LDG of the lists),
     the five products on the tensor cores, dQ still by the writer's TMA reduce-adds, spills within the recorded
     budget, within the shared memory."""
     head_dim, varlen, mask, name = case

@@ -301,6 +301,18 @@ def _listed_query_tile(head_lists, i, ROWS: gl.constexpr):
     return tile * ROWS, i >= n_full
 
 
+_WALK_LANES = gl.constexpr(gl.BlockedLayout([2], [32], [1], [0]))  # a tile record in the producer warp
+
+
+@gluon.jit
+def _stage_walk_record(records, stage, WARPS: gl.constexpr):
+    """The two int32 the producer stored into `stage`'s record (`_load_query_tile`'s `walk`), as scalars, in a
+    partition of WARPS warps: read after the stage's Q barrier completed (its arrival follows the store)."""
+    pair = records.index(stage).load(gl.BlockedLayout([2], [32], [WARPS], [0]))
+    index = gl.arange(0, 2, layout=gl.BlockedLayout([2], [32], [WARPS], [0]))
+    return gl.sum(gl.where(index == 0, pair, 0), 0), gl.sum(gl.where(index == 1, pair, 0), 0)
+
+
 @gluon.jit
 def _mod_score_start(s_init, mod_tile, offs_q, seqlen_q, seqlen_k, diagonal, window_left, window_right, mask_mod,
                      CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr):
@@ -325,7 +337,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
               bias_desc=None, bias_smem=None, bias_step_b=0, bias_step_h=0, BIAS_TMA: gl.constexpr = False,
               stats=None, STATS: gl.constexpr = False, VARLEN: gl.constexpr = False, block_lists=None,
-              MASK_MOD: gl.constexpr = False):
+              MASK_MOD: gl.constexpr = False, walk_smem=None):
     """K and V once, then Q and dO of every visited query tile of every query head of the group. Rows are
     relative to the sequence's first (q_first, k_first: seqlen.sequence_coords; 0 for dense batches). A packed
     sequence's last tiles may read the next sequence's rows: hidden keys and queries with lse = +inf, harmless.
@@ -348,11 +360,11 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
         for g in range(group_size):
             head_lists = _key_tile_lists(block_lists, g)
             for i in range(head_lists[3]):
-                start_m, _ = _listed_query_tile(head_lists, i, ROWS)
+                start_m, partial = _listed_query_tile(head_lists, i, ROWS)
                 _load_query_tile(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, empty, ring,
                                  kv_head * group_size + g, q_first + start_m, batch, start_n, q_first, seqlen_q,
                                  bias_desc, bias_smem, bias_step_b, bias_step_h, stats, q_bytes, do_bytes,
-                                 NUM_STAGES, BIAS_TMA, STATS, VARLEN)
+                                 NUM_STAGES, BIAS_TMA, STATS, VARLEN, (walk_smem, start_m, g * 2 + partial))
                 ring += 1
     else:
         query_start, num_tiles, _, _ = _visited_query_tiles(start_n, seqlen_q, seqlen_k, window_left, window_right,
@@ -370,11 +382,16 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
 def _load_query_tile(q_desc, do_desc, q_smem, do_smem, q_ready, do_ready, empty, ring, q_head, start_m, batch,
                      start_n, q_first, seqlen_q, bias_desc, bias_smem, bias_step_b, bias_step_h, stats,
                      Q_BYTES: gl.constexpr, DO_BYTES: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     BIAS_TMA: gl.constexpr, STATS: gl.constexpr, VARLEN: gl.constexpr):
+                     BIAS_TMA: gl.constexpr, STATS: gl.constexpr, VARLEN: gl.constexpr, walk=None):
     """`_producer`'s loads of ring position `ring`: Q and dO rows from `start_m` (the packed row) of `q_head`, once
-    the consumers have released the stage, with the bias tile and the statistics where they ride along."""
+    the consumers have released the stage, with the bias tile and the statistics where they ride along. `walk` (a
+    mask_mod's): (the stages' records, two int32) stored into the stage's record before Q's barrier is armed."""
     stage = ring % NUM_STAGES
     mbarrier.wait(empty.index(stage), ((ring // NUM_STAGES) & 1) ^ 1)  # first pass: passes at once
+    if walk is not None:
+        records, first, second = walk
+        pair = gl.arange(0, 2, layout=_WALK_LANES)
+        records.index(stage).store(gl.where(pair == 0, first, second))
     if STATS:
         lse_desc, delta_desc, lse_smem, delta_smem, num_q_heads, lse_rows, stat_first = stats
         stat_row = (_row_stat_base(batch * num_q_heads + q_head, stat_first, seqlen_q, lse_rows, VARLEN)

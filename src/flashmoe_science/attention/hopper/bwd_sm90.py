@@ -69,8 +69,10 @@ Staged statistics on a packed batch read lse and Δ from copies in which each se
 (a rank-1 TMA box must start there; seqlen.padded_row_start), written by the preprocess (bwd_prep.padded_stats_kernel)
 with the padding slots' lse +inf and Δ 0; a box's rows past the sequence are masked as a dense ragged tile's.
 A mask_mod (one pass only; MASK_MOD) replaces the range of visited query tiles by its block mask's lists at 64-row
-tiles (`one_pass_tiles`): every partition walks each head's full query tiles, then its partial ones
-(bwd_common._key_tile_lists), never its empty ones; partial tiles start Sᵀ from the mod's -inf as the masks do.
+tiles (`one_pass_tiles`): the producer and the dQ writer walk each head's full query tiles, then its partial ones
+(bwd_common._key_tile_lists), never its empty ones; the producer stores each stage's (first row, head, partial)
+beside its Q, which the consumers read after the Q wait (no list state in their registers); partial tiles start Sᵀ
+from the mod's -inf as the masks do.
 
 dQ's last bits may vary run to run (the reduce-adds arrive in any order); dK and dV are deterministic.
 
@@ -122,6 +124,7 @@ from flashmoe_science.attention.hopper.bwd_common import (
     _probabilities,
     _raw_probabilities,
     _score_start,
+    _stage_walk_record,
     _softcap_grad,
     _staged_neg_lse_log2,
     _tile_needs_mask,
@@ -217,6 +220,9 @@ def _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, 
         # (-inf where a key is hidden), built before the Q/dO wait while only dK and dV are live (per-column lse,
         # Δ and mask bounds held across the products spilled at D=128). Queries past Lq read lse = +inf: their P
         # is exactly 0 (their zero-filled Q rows give finite scores), so the ragged end needs no mask.
+        if mask_mod is not None:  # the mod's -inf (after the Q wait: `_consumer`) before lse and Δ are live
+            mod_start = _mod_score_start(s_zero, mod_tile, offs_q, seqlen_q, seqlen_k, diagonal, window_left,
+                                         window_right, mask_mod, CAUSAL, MASK_LEFT, MASK_RIGHT)
         in_rows = offs_q < seqlen_q
         lse = gl.load(LSE + q_row0 + offs_q, mask=in_rows, other=float("inf"))
         delta = gl.load(Delta + q_row0 + offs_q, mask=in_rows, other=0.0)
@@ -234,8 +240,8 @@ def _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, 
                               window_right, 0, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP)
         s_init = _alibi_score_start(s_init, queries, keys, diagonal, slope_log2 / qk_scale, ALIBI and not SOFTCAP)
         if mask_mod is not None:
-            s_init = _mod_score_start(s_init, mod_tile, offs_q, seqlen_q, seqlen_k, diagonal, window_left,
-                                      window_right, mask_mod, CAUSAL, MASK_LEFT, MASK_RIGHT)
+            if mod_tile[0]:
+                s_init = gl.where(mod_start == float("-inf"), float("-inf"), s_init)
         dp_init = s_zero - gl.expand_dims(delta, 0)
     mbarrier.wait(q_ready.index(stage), phase)
     if HAS_BIAS:  # (keys, queries) of the (queries, CTA keys) tile
@@ -301,7 +307,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
               stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               start_n, batch, kv_head, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
               seq, q_first, k_first, lse_rows, window_left, window_right, softcap_scale, Slopes, stride_slopes,
-              bias_smem, dbias_args, mask_mod, mask_args, block_lists,
+              bias_smem, dbias_args, mask_mod, mask_args, block_lists, walk_smem,
               CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, ROWS: gl.constexpr,
               KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
               MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
@@ -315,8 +321,9 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
     accumulator's start as bias / scale (it is linear, like lse); BIAS_GRAD (1: store, 2: float32 atomic add)
     writes dS, the bias's gradient, at `dbias_args` (base, batch/head/query/key strides).
 
-    MASK_MOD: each head's query tiles are those of the block mask's lists (bwd_common._key_tile_lists: full ones,
-    unmasked, then partial ones, masked with the mask_mod, its captured tensors `mask_args`)."""
+    MASK_MOD: the query tiles are the block mask's (bwd_common._key_tile_lists: full ones, unmasked, then partial
+    ones, masked with the mask_mod, its captured tensors `mask_args`), counted from the lists, each read from the
+    stage's record in `walk_smem` (first row, 2·g + partial) that the producer stored before arming Q's barrier."""
     dtype: gl.constexpr = q_smem.dtype
     DQ_N: gl.constexpr = BLOCK_D // 2  # this consumer's dQ columns
     # Sᵀ, dPᵀ: (keys, queries); dK, dV: (keys, BLOCK_D); dQ half: (queries, DQ_N). Warps stacked on the rows.
@@ -362,17 +369,18 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
                                         STAGED, False)
                 ring += 1
     elif MASK_MOD:
-        ring = 0
+        total = 0
         for g in range(group_size):
-            head_lists = _key_tile_lists(block_lists, g)
-            for i in range(head_lists[3]):
-                start_m, partial = _listed_query_tile(head_lists, i, ROWS)
-                mod_tile = (partial, seq, kv_head * group_size + g, my_start_n, mask_args)
-                dk, dv = _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, offs_key,
-                                        scalars, CONSUMER, ROWS, KEYS, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT,
-                                        MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_GRAD, VARLEN, STAGED, False, None,
-                                        mask_mod, mod_tile)
-                ring += 1
+            total += _key_tile_lists(block_lists, g)[3]
+        for ring in range(total):
+            mbarrier.wait(q_ready.index(ring % NUM_STAGES), (ring // NUM_STAGES) & 1)
+            start_m, code = _stage_walk_record(walk_smem, ring % NUM_STAGES, 4)
+            g = code // 2
+            mod_tile = ((code & 1) != 0, seq, kv_head * group_size + g, my_start_n, mask_args)
+            dk, dv = _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, offs_key,
+                                    scalars, CONSUMER, ROWS, KEYS, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT,
+                                    MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_GRAD, VARLEN, STAGED, False, None,
+                                    mask_mod, mod_tile)
     else:
         for ring in range(group_size * num_tiles):
             g = ring // num_tiles
@@ -494,7 +502,8 @@ def attention_backward_sm90_kernel(
     rows start 16-byte aligned, where a rank-1 box must begin), written by bwd_prep.padded_stats_kernel.
     MASK_MOD: the user's `mask_mod` (a `@triton.jit` function) with its captured tensors `mask_args`, and its block
     mask at ROWS x CTA_KEYS tiles by key tile (mods.block_mask_args(by_key=True); mod_k_tiles key tiles per (b, h)):
-    every partition walks each head's full, then partial query tiles. Arguments a call does not use are None
+    the producer and the dQ writer walk each head's full, then partial query tiles, the consumers take them from the
+    producer's per-stage records (`_consumer`). Arguments a call does not use are None
     (constexpr: a call without a mod compiles to the kernel without one)."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -543,8 +552,11 @@ def attention_backward_sm90_kernel(
                          "a mask_mod runs beside causal, a window and varlen only (bwd_sm90.mod_refusal)")
         first_row = (seq * num_q_heads + kv_head * group_size).to(gl.int64) * mod_k_tiles + start_n // CTA_KEYS
         block_lists = (PARTIAL_COUNTS, PARTIAL_TILES, FULL_COUNTS, FULL_TILES, list_len, first_row, mod_k_tiles)
+        # each stage's (first row, 2·g + partial), from the producer's walk: the consumers walk no lists
+        walk_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
         block_lists: gl.constexpr = None
+        walk_smem: gl.constexpr = None
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers' dSᵀ rows are in the buffer
@@ -560,20 +572,22 @@ def attention_backward_sm90_kernel(
                      stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head,
                      num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first,
                      lse_rows, window_left, window_right, softcap_scale, Slopes, stride_slopes, bias_smem, dbias_args,
-                     mask_mod, mask_args, block_lists, 0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL,
-                     MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS, BIAS_GRAD, STAGED_STATS, MASK_MOD)),
+                     mask_mod, mask_args, block_lists, walk_smem, 0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES,
+                     CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS, BIAS_GRAD, STAGED_STATS,
+                     MASK_MOD)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, empty,
                      ds_ready, dq_full, dq_empty, dq_desc, LSE, Delta, lse_smem, delta_smem, DK, DV, stride_dkb,
                      stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head,
                      num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first,
                      lse_rows, window_left, window_right, softcap_scale, Slopes, stride_slopes, bias_smem, dbias_args,
-                     mask_mod, mask_args, block_lists, 1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL,
-                     MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS, BIAS_GRAD, STAGED_STATS, MASK_MOD)),
+                     mask_mod, mask_args, block_lists, walk_smem, 1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES,
+                     CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS, BIAS_GRAD, STAGED_STATS,
+                     MASK_MOD)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_box, v_box,
                      kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
                      q_first, k_first, window_left, window_right, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT,
                      bias_desc, bias_smem, bias_step_b, bias_step_h, HAS_BIAS,
-                     stats, STAGED_STATS, VARLEN, block_lists, MASK_MOD)),
+                     stats, STAGED_STATS, VARLEN, block_lists, MASK_MOD, walk_smem)),
         (_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Semaphores, start_n, batch, kv_head, num_q_heads,
                       group_size, seqlen_q, seqlen_k, q_first, stat_first, lse_rows, window_left, window_right,
                       block_lists, CTA_KEYS, CAUSAL, MASK_LEFT, MASK_RIGHT, VARLEN, DETERMINISTIC, MASK_MOD)),
