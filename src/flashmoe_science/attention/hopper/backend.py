@@ -467,9 +467,6 @@ class HopperAttention:
         if absent:
             return f"it does not take {', '.join(absent)} yet"
         features = problem.features
-        if features.mods is not None and (features.mask.softcap > 0 or features.alibi_slopes is not None
-                                          or features.attn_bias is not None):
-            return "it takes mask_mod beside causal, a window and varlen only (not softcap, ALiBi or attn_bias)"
         refused = function_refusal(features.mods.mask.fn) if features.mods is not None else None
         if refused is not None:
             return refused

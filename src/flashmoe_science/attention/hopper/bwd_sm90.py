@@ -549,7 +549,7 @@ def attention_backward_sm90_kernel(
     dbias_args = (DBIAS, stride_dbias_b, stride_dbias_h, stride_dbias_m, stride_dbias_n)
     if MASK_MOD:  # the rows of the group's first query head in the block mask's lists, then one per key tile
         gl.static_assert(not (STAGED_STATS or SOFTCAP or ALIBI or HAS_BIAS or DETERMINISTIC),
-                         "a mask_mod runs beside causal, a window and varlen only (bwd_sm90.mod_refusal)")
+                         "a mask_mod runs beside causal, a window and varlen only (mods.check_mods, mod_refusal)")
         first_row = (seq * num_q_heads + kv_head * group_size).to(gl.int64) * mod_k_tiles + start_n // CTA_KEYS
         block_lists = (PARTIAL_COUNTS, PARTIAL_TILES, FULL_COUNTS, FULL_TILES, list_len, first_row, mod_k_tiles)
         # each stage's (first row, 2·g + partial), from the producer's walk: the consumers walk no lists
@@ -700,15 +700,14 @@ def bias_refusal(features, q, k) -> str | None:
 def mod_refusal(features, head_dim: int, deterministic: bool = False) -> str | None:
     """Why the sm_90 backward does not take this call's mods, or None (none, or a mask_mod it runs): its one-pass
     kernel (head dims up to 128) walks a mask_mod's block mask beside causal, a window and varlen (as the sm_90
-    forward); no score_mod; not `deterministic`, whose ordered dQ adds count the key blocks before each one as a
+    forward; softcap, ALiBi and attn_bias beside a mod are refused by mods.check_mods); no score_mod; not
+    `deterministic`, whose ordered dQ adds count the key blocks before each one as a
     run, where a block mask's visitors of a query tile may have gaps."""
     mods = features.mods
     if mods is None:
         return None
     if mods.score is not None:
         return "it takes no score_mod (the Triton backward does)"
-    if features.mask.softcap > 0 or features.alibi_slopes is not None or features.attn_bias is not None:
-        return "it takes mask_mod beside causal, a window and varlen only (not softcap, ALiBi or attn_bias)"
     if padded_head_dim(head_dim) == TWO_KERNEL_BLOCK_D:
         return "it takes mask_mod at head dims up to 128 (its one-pass kernel)"
     if deterministic:
