@@ -56,3 +56,21 @@ def test_a_builtin_written_as_a_mod_is_the_builtin(name):
     q, k, v = (torch.randn(1, 2, mask_mods.WINDOW + 40, 16, generator=gen) for _ in range(3))
     torch.testing.assert_close(flash_attention_science(q, k, v, mask_mod=cases[name]),
                                flash_attention_science(q, k, v, **mask_mods.BUILTIN_KEYWORDS[name]))
+
+
+def test_without_fa4_its_contender_says_so_and_the_suite_imports_no_cute_dsl(monkeypatch):
+    """Without FlashAttention-4 every case leaves ``fa4`` out with a reason naming it; the suite's modules import
+    neither cutlass nor flash_attn (the CuTe DSL twins live in bench/mask_mods_fa4.py, imported only where FA4 runs)."""
+    import subprocess
+
+    from flashmoe_science.bench import features
+
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # `import flash_attn.cute` raises ImportError
+    cases = features.feature_cases(["mask-mods"], True, torch.device("cpu"), torch.float32)
+    for case in cases:
+        assert "fa4" not in case.contenders and "FlashAttention-4" in case.skipped["fa4"], case.name
+    assert {("flashmoe", "fa4"), ("flashmoe-arch", "fa4")} <= set(features.RATIOS["mask-mods"])
+    probe = ("import sys, flashmoe_science.bench.mask_mods, flashmoe_science.bench.features; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cutlass', 'flash_attn')))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]", loaded

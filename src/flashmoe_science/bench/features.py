@@ -29,10 +29,12 @@ Suites (bf16, D=128, one GPU; on a CPU-only machine every size shrinks by 64 as 
   forward only: a graph repeats the captured kernels, the packed batch's work list included, as serving engines and
   compiled training steps run them). ``--quick``: L 1024 and 4096.
 - ``mask-mods``: masks users write as `mask_mod` functions (document + window, prefix-LM, per-head windows, a
-  neighbour list) through ``flashmoe`` and compiled FlexAttention with the same block mask (``flex``); see
-  `bench/mask_mods.py`; where an architecture family plans the mod forward when asked for by name, also that
-  forward (``flashmoe-arch``, forward only); causal and a sliding window written as mods beside their built-in
-  keywords (``flashmoe-builtin``). Records: op "attention-mask-mod" with B, H, L, D.
+  neighbour list) through ``flashmoe``, compiled FlexAttention with the same block mask (``flex``) and, where
+  `fa4_skip_reason` lets it run, FlashAttention-4 with each mask's CuTe DSL twin on that block mask at its own tile
+  (``fa4``, forward and backward; `bench/mask_mods_fa4.py`); see `bench/mask_mods.py`; where an architecture family
+  plans the mod forward when asked for by name, also that forward (``flashmoe-arch``, forward only); causal and a
+  sliding window written as mods beside their built-in keywords (``flashmoe-builtin``). Records: op
+  "attention-mask-mod" with B, H, L, D.
 
 TFLOP/s count only the pairs attended: FlashAttention's convention for dense calls (4·Lq·Lk·D per head, halved when
 causal; backward 2.5 x forward), each sequence's own for varlen, and the exact number of (query, key) pairs inside
@@ -371,6 +373,11 @@ def _mask_mod_cases(device, dtype, shrink: int) -> list[Case]:
     length = mm.LENGTH // shrink
     make = lambda: tuple(_randn(mm.BATCH, mm.HEADS, length, mm.HEAD_DIM, device=device, dtype=dtype)  # noqa: E731
                          for _ in range(3))
+    fa4_missing = fa4_skip_reason(mm.HEAD_DIM)
+    if fa4_missing is None and device.type != "cuda":
+        fa4_missing = "FlashAttention-4 runs on a GPU only"
+    if fa4_missing is None:  # imports cutlass and flash_attn: only where FA4 runs
+        from flashmoe_science.bench import mask_mods_fa4
     cases = []
     for name, ours, flex_mask, pairs in mm.mask_cases(length, device):
         case = Case("mask-mods", name, fields=dict(B=mm.BATCH, H=mm.HEADS, L=length, D=mm.HEAD_DIM))
@@ -394,6 +401,12 @@ def _mask_mod_cases(device, dtype, shrink: int) -> list[Case]:
                 make, lambda q, k, v, block_mask=block_mask: flex(q, k, v, block_mask=block_mask), flops)
         else:
             case.skipped["flex"] = "compiled FlexAttention is timed on a GPU only"
+        if fa4_missing is not None:
+            case.skipped["fa4"] = fa4_missing
+        elif name not in mask_mods_fa4.TWINS:
+            case.skipped["fa4"] = f"no CuTe DSL twin of {name!r} in bench/mask_mods_fa4.py"
+        else:
+            case.contenders["fa4"] = mask_mods_fa4.fa4_contender(name, ours, flex_mask, length, make, flops, device)
         cases.append(case)
     return cases
 
@@ -515,8 +528,9 @@ RATIOS = {
     "packed": (("flashmoe-varlen", "fa3-varlen"), ("flashmoe-varlen", "fa4-varlen"),
                ("flashmoe-varlen", "flashmoe-dense"), ("flashmoe-varlen-graph", "fa3-varlen-graph"),
                ("flashmoe-varlen-graph", "flashmoe-dense-graph"), ("flashmoe-varlen-graph", "flashmoe-varlen")),
-    "mask-mods": (("flashmoe", "flex"), ("flashmoe-arch", "flex"), ("flashmoe-arch", "flashmoe"),
-                  ("flashmoe", "flashmoe-builtin"), ("flashmoe-arch", "flashmoe-builtin")),
+    "mask-mods": (("flashmoe", "flex"), ("flashmoe-arch", "flex"), ("flashmoe", "fa4"), ("flashmoe-arch", "fa4"),
+                  ("flashmoe-arch", "flashmoe"), ("flashmoe", "flashmoe-builtin"),
+                  ("flashmoe-arch", "flashmoe-builtin")),
     "mods": (("flashmoe-softcap", "flashmoe"), ("flashmoe-alibi", "flashmoe"), ("flashmoe-bias", "flashmoe"),
              ("flashmoe-softcap", "flashmoe-triton"), ("flashmoe-alibi", "flashmoe-triton")),
 }

@@ -1,5 +1,5 @@
-"""The ``mask-mods`` suite of `bench/features.py`: masks users write, as `mask_mod` functions, through our kernels and
-through compiled FlexAttention with the same block mask, forward and backward.
+"""The ``mask-mods`` suite of `bench/features.py`: masks users write, as `mask_mod` functions, through our kernels,
+compiled FlexAttention and FlashAttention-4 with the same block mask, forward and backward.
 
 Each case is one mask at B=4, H=16, L=4096, D=128 (bf16; sizes / 64 on a CPU), written twice: the `@triton.jit`
 mod our kernels call (attention/mods.py) and its torch twin, which FlexAttention's `create_block_mask` traces (built
@@ -14,8 +14,8 @@ once per case, outside timing, like our block mask, which the first call builds 
   the built-in keyword (`BUILTIN_KEYWORDS`): what a built-in would cost if the kernels took it as a mod.
 
 TFLOP/s count the (query, key) pairs the mask lets through (4·D FLOPs each forward; backward 2.5 x), the same
-for every backend, so their ratio is the time ratio. FlashAttention-4's `mask_mod` is not a contender here: it takes
-CuTe DSL functions, not these, and runs forward only on Hopper.
+for every backend, so their ratio is the time ratio. FlashAttention-4's `mask_mod` takes CuTe DSL functions: each case's
+CuTe DSL twin, which reads the same tensors, is in `bench/mask_mods_fa4.py` (imported only where FA4 runs).
 """
 
 from __future__ import annotations
