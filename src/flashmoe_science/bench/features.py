@@ -406,7 +406,8 @@ def _mask_mod_cases(device, dtype, shrink: int) -> list[Case]:
         elif name not in mask_mods_fa4.TWINS:
             case.skipped["fa4"] = f"no CuTe DSL twin of {name!r} in bench/mask_mods_fa4.py"
         else:
-            case.contenders["fa4"] = mask_mods_fa4.fa4_contender(name, ours, flex_mask, length, make, flops, device)
+            attend, note = mask_mods_fa4.fa4_attend(name, ours, flex_mask, length, device)
+            case.contenders["fa4"] = Contender(make, attend, flops, note=note)
         cases.append(case)
     return cases
 

@@ -31,7 +31,7 @@ from flash_attn.cute.utils import scalar_to_ssa
 from flashmoe_science.attention.mods import MaskMod
 from flashmoe_science.bench import mask_mods as mm
 from flashmoe_science.bench.attention import fa4_output
-from flashmoe_science.bench.features import Contender
+from flashmoe_science.device import device_traits
 
 WINDOW, NEIGHBOURS = mm.WINDOW, mm.NEIGHBOURS
 FA4_TILE = 128  # FA4's forward tile (M and N) at D=128, sm_90 and sm_100 alike
@@ -92,8 +92,8 @@ def block_size(length: int, device) -> tuple[int, int]:
     """The (query, key) block of FA4's block-sparse lists on this GPU at D=128: its forward's tile, (128, 128) on
     sm_90; on sm_100 a CTA takes two query tiles when the rows are longer than one, (256, 128). Its backward takes the
     same block (Q-direction lists)."""
-    major = torch.cuda.get_device_capability(device)[0]
-    return (2 * FA4_TILE if major == 10 and length > FA4_TILE else FA4_TILE, FA4_TILE)
+    blackwell = device_traits(device).in_families((10,))
+    return (2 * FA4_TILE if blackwell and length > FA4_TILE else FA4_TILE, FA4_TILE)
 
 
 def block_sparse_tensors(flex_mask, length: int, device) -> tuple[BlockSparseTensorsTorch, BlockSparseTensorsTorch]:
@@ -114,11 +114,11 @@ def block_sparse_tensors(flex_mask, length: int, device) -> tuple[BlockSparseTen
     return forward, backward
 
 
-def fa4_contender(name: str, ours: MaskMod, flex_mask, length: int, make: Callable, flops: float,
-                  device) -> Contender:
-    """The ``fa4`` contender of case `name`: `flash_attn_func` with the case's twin, `ours`' tensors as its aux
-    tensors and the block-sparse tensors of `flex_mask`, on our (B, H, L, D) tensors viewed as its (B, L, H, D)
-    layout (no copy); forward and backward (FA4 differentiates through its own backward, mask_mod included)."""
+def fa4_attend(name: str, ours: MaskMod, flex_mask, length: int, device) -> tuple[Callable, str]:
+    """The ``fa4`` contender's call of case `name` and its note: `flash_attn_func` with the case's twin, `ours`'
+    tensors as its aux tensors and the block-sparse tensors of `flex_mask`, on our (B, H, L, D) tensors viewed as its
+    (B, L, H, D) layout (no copy); forward and backward (FA4 differentiates through its own backward, mask_mod
+    included)."""
     if name not in TWINS:
         raise ValueError(f"name: no CuTe DSL twin of the mask {name!r} (twins: {', '.join(TWINS)})")
     twin = TWINS[name]
@@ -131,4 +131,4 @@ def fa4_contender(name: str, ours: MaskMod, flex_mask, length: int, make: Callab
                                          block_sparse_tensors_bwd=backward))
         return out.transpose(1, 2)
 
-    return Contender(make, attend, flops, note=f"CuTe DSL mask_mod, block-sparse at {forward.block_size}")
+    return attend, f"CuTe DSL mask_mod, block-sparse at {forward.block_size}"
