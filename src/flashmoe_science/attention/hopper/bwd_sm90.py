@@ -701,8 +701,8 @@ def mod_refusal(features, head_dim: int, deterministic: bool = False) -> str | N
     """Why the sm_90 backward does not take this call's mods, or None (none, or a mask_mod it runs): its one-pass
     kernel (head dims up to 128) walks a mask_mod's block mask beside causal, a window and varlen (as the sm_90
     forward; softcap, ALiBi and attn_bias beside a mod are refused by mods.check_mods); no score_mod; not
-    `deterministic`, whose ordered dQ adds count the key blocks before each one as a
-    run, where a block mask's visitors of a query tile may have gaps."""
+    `deterministic`, whose ordered dQ adds count the key blocks before each one as a run, where a block mask's
+    visitors of a query tile may have gaps."""
     mods = features.mods
     if mods is None:
         return None
