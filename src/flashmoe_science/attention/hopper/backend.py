@@ -225,9 +225,10 @@ def forward_plan(problem) -> HopperForward:
     seqlen_q = problem.seqlen_q
     bias = features.attn_bias
     tiles = sm90_forward_tiles(q.shape[-1], right_bounded, sm90_plan_length(seqlen_q, mask), bias is not None)
-    if features.varlen is not None and tiles.block_n == 128:
+    if features.varlen is not None and tiles.block_n == 128 and q.shape[-1] > 64:
         # a packed batch with a right bound: the two-stage ring with two Q buffers measured +5.6% over the causal
-        # plan's three stages (H200, 17 sequences of 64..8192, D=128: 421 vs 399 TFLOP/s)
+        # plan's three stages (H200, 17 sequences of 64..8192, D=128: 421 vs 399 TFLOP/s); at D=64 the causal plan's
+        # three stages lead (H100, 8 x 2048: 0.409 vs 0.494 ms)
         tiles = sm90_forward_tiles(q.shape[-1], False, seqlen_q, bias is not None)
     bias_tma, bias_bytes = False, 0
     if bias is not None and bias_tma_view(bias, q.shape[-2], problem.k.shape[-2]) is not None:

@@ -285,11 +285,12 @@ def sm90_varlen_band(kv_bytes: int, rows: int, num_seqs: int, group: int = 1) ->
     batch's K and V (`kv_bytes`) outgrow L2 and its sequences are long on average (`rows` packed query rows over
     `num_seqs`), else one: in L2 one tile per band balances best, and short sequences would compute their first tile
     more than once. Four for MHA, where bands of four led every batch of the domain measured on an H100 (D=128
-    16 x 1024 causal 388 TFLOP/s against 361 with two, 271 with one; docs/perf-notes.md); two with GQA (`group`
-    query heads per KV head > 1), not measured outgrowing L2, whose heads already share their K/V side by side."""
-    if kv_bytes <= SM90_L2_BYTES or rows < SM90_BAND_MEAN_ROWS * max(num_seqs, 1):
+    16 x 1024 causal 388 TFLOP/s against 361 with two, 271 with one; docs/perf-notes.md); one with GQA (`group`
+    query heads per KV head > 1), whose heads already share their K/V side by side (a 16k-token GQA 32/8 step:
+    one led two by 6%)."""
+    if group > 1 or kv_bytes <= SM90_L2_BYTES or rows < SM90_BAND_MEAN_ROWS * max(num_seqs, 1):
         return 1
-    return 4 if group == 1 else 2
+    return 4
 
 
 def sm90_forward_pingpong(head_dim: int, fp8: bool) -> bool:
