@@ -168,12 +168,13 @@ def on_hopper(monkeypatch):
 
 def test_a_mod_plans_the_gluon_kernels_when_asked_for(on_hopper, monkeypatch):
     """Hopper's forward and backward declare mask_mod (beside causal, a window and varlen), taken when
-    backend='hopper' asks for them: auto keeps the Triton kernels until the GPU checks pass, and says so for each
-    half. The backward's plan names the block-mask walk; deterministic and D=256 backwards are refused by name."""
+    backend='hopper' asks for them: auto keeps the Triton kernels (measured faster where partial tiles dominate;
+    the backward's speed unmeasured), and says so for each half. The backward's plan names the block-mask walk;
+    deterministic and D=256 backwards are refused by name."""
     q = torch.randn(1, 4, 256, 128, dtype=torch.bfloat16)
     mod = MaskMod(mask_mods.head_windows, torch.full((16,), 32, dtype=torch.int32))
     auto = plan_attention(dense_problem(q, q, q, causal=True, mask_mod=mod)[0])
-    assert auto.backend != "hopper" and "not yet checked on a GPU" in auto.forward_choice.why_not("hopper")
+    assert auto.backend != "hopper" and "slower where partial tiles dominate" in auto.forward_choice.why_not("hopper")
     assert auto.backward_choice.plan.backend != "hopper"
     assert "mask_mod backward runs only when asked for" in auto.backward_choice.why_not("hopper")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # a backend asked for by name plans CPU tensors only under it
@@ -189,6 +190,21 @@ def test_a_mod_plans_the_gluon_kernels_when_asked_for(on_hopper, monkeypatch):
         plan_attention(dense_problem(wide, wide, wide, mask_mod=mod, backend="hopper")[0]).backward_choice
     with pytest.raises(ValueError, match="mask_mod does not combine with softcap"):
         dense_problem(q, q, q, softcap=30.0, mask_mod=mod, backend="hopper")
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_the_mask_mods_suite_times_the_gluon_backward_where_it_plans(on_hopper, monkeypatch, head_dim):
+    """bench --suite mask-mods's `flashmoe-arch`: forward and backward where Hopper plans the mod's backward (D=128),
+    forward only where it refuses it (D=256)."""
+    from flashmoe_science.bench.features import Case, _architecture_forward
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    mod = MaskMod(mask_mods.head_windows, torch.full((16,), 32, dtype=torch.int32))
+    case = Case("mask-mods", "head windows")
+    _architecture_forward(case, lambda: (torch.randn(1, 4, 256, head_dim, dtype=torch.bfloat16),) * 3, mod, 1.0)
+    arch = case.contenders["flashmoe-arch"]
+    assert arch.forward_only == (head_dim == 256)
+    assert arch.note == "backend='hopper'" + (", forward only" if head_dim == 256 else "")
+
 
 def test_a_mod_whose_gluon_build_failed_is_refused_by_name(on_hopper, monkeypatch):
     """After its Gluon build failed (availability.run_gluon with the mod as user_fn), the Hopper forward declines

@@ -32,9 +32,9 @@ Suites (bf16, D=128, one GPU; on a CPU-only machine every size shrinks by 64 as 
   neighbour list) through ``flashmoe``, compiled FlexAttention with the same block mask (``flex``) and, where
   `fa4_skip_reason` lets it run, FlashAttention-4 with each mask's CuTe DSL twin on that block mask at its own tile
   (``fa4``, forward and backward; `bench/mask_mods_fa4.py`); see `bench/mask_mods.py`; where an architecture family
-  plans the mod forward when asked for by name, also that forward (``flashmoe-arch``, forward only); causal and a
-  sliding window written as mods beside their built-in keywords (``flashmoe-builtin``). Records: op
-  "attention-mask-mod" with B, H, L, D.
+  plans the mod forward when asked for by name, also that forward (``flashmoe-arch``, and its backward where the
+  family plans that); causal and a sliding window written as mods beside their built-in keywords
+  (``flashmoe-builtin``). Records: op "attention-mask-mod" with B, H, L, D.
 
 TFLOP/s count only the pairs attended: FlashAttention's convention for dense calls (4·Lq·Lk·D per head, halved when
 causal; backward 2.5 x forward), each sequence's own for varlen, and the exact number of (query, key) pairs inside
@@ -414,8 +414,8 @@ def _mask_mod_cases(device, dtype, shrink: int) -> list[Case]:
 
 def _architecture_forward(case: Case, make, mask_mod, flops: float) -> None:
     """`flashmoe-arch`: the mod forward of the first architecture family (`architectures.families`) that plans it
-    here when asked for by name, beside auto's choice (`flashmoe`); forward only (the family may refuse the mod's
-    backward). Skipped with each family's refusal where none does."""
+    here when asked for by name, beside auto's choice (`flashmoe`); its backward too where the family plans that
+    (else forward only). Skipped with each family's refusal where none does."""
     from flashmoe_science import architectures, flash_attention_science
     from flashmoe_science.attention.plan import plan_attention
     from flashmoe_science.attention.problem import dense_problem
@@ -424,13 +424,18 @@ def _architecture_forward(case: Case, make, mask_mod, flops: float) -> None:
     refusals = []
     for family in architectures.families("attention"):
         try:
-            plan_attention(dense_problem(q, q, q, mask_mod=mask_mod, backend=family.name)[0])
+            plan = plan_attention(dense_problem(q, q, q, mask_mod=mask_mod, backend=family.name)[0])
         except (ValueError, TypeError) as refusal:  # how a family asked for by name refuses (NoBackend among them)
             refusals.append(str(refusal))
             continue
+        try:
+            forward_only = plan.backward_choice.backend != family.name
+        except ValueError:  # the family asked for by name refuses this mod's backward
+            forward_only = True
         case.contenders["flashmoe-arch"] = Contender(
             make, lambda q, k, v, name=family.name: flash_attention_science(q, k, v, mask_mod=mask_mod, backend=name),
-            flops, note=f"backend={family.name!r}, forward only", forward_only=True)
+            flops, note=f"backend={family.name!r}" + (", forward only" if forward_only else ""),
+            forward_only=forward_only)
         return
     case.skipped["flashmoe-arch"] = "; ".join(refusals) or "no architecture family in this build"
 
