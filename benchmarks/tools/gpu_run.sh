@@ -7,6 +7,8 @@
 #   moe        MoE GPU tests + bench moe
 #   sweepbwd   backward tile sweep (benchmarks/tools/sweep_attention_backward_tiles.py) ; sweepmoe: MoE GEMM sweep (benchmarks/tools/sweep_moe_gemm_tiles.py)
 #   maskmods   the mask_mod GPU tests (Triton kernels and the sm_90 forward) + bench --suite mask-mods (forward and backward)
+#   sanitize   compute-sanitizer over benchmarks/tools/sanitize_kernels.py: memcheck on every case, racecheck and
+#              synccheck on the sm_90 ones ($SAN_S seconds a tool, default 300)
 #   profile    ncu of the sm_90 forward (benchmarks/tools/profile_attention_forward_ncu.py $PROFILE_ARGS: B H L D CAUSAL BLOCK_N STAGES)
 set -u
 export PYTHONPATH=src:benchmarks/tools PYTHONUNBUFFERED=1
@@ -32,6 +34,12 @@ for step in "$@"; do
                   --out "$OUTDIR" > "$OUTDIR/maskmods_bench.log" 2>&1 ;;
     sweepbwd) python3 benchmarks/tools/sweep_attention_backward_tiles.py --out "$OUTDIR" > "$OUTDIR/sweep_bwd.log" 2>&1 ;;
     sweepmoe) python3 benchmarks/tools/sweep_moe_gemm_tiles.py --out "$OUTDIR" > "$OUTDIR/sweep_moe.log" 2>&1 ;;
+    sanitize) for tool in memcheck racecheck synccheck; do
+                cases=""; [ $tool = memcheck ] || cases="packed-d64 packed-gqa-d128 packed-d128-bwd mods-hopper"
+                PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_S:-300} compute-sanitizer --tool $tool \
+                  --target-processes all --print-limit 20 python3 benchmarks/tools/sanitize_kernels.py $cases \
+                  > "$OUTDIR/sanitize_$tool.log" 2>&1
+              done ;;
     profile)  ncu --clock-control none --launch-skip 1 --launch-count 3 -k regex:attention_forward \
                   --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
                   python3 benchmarks/tools/profile_attention_forward_ncu.py ${PROFILE_ARGS:-32 16 512 128 0 128 2} > "$OUTDIR/ncu.log" 2>&1 ;;
