@@ -7,8 +7,9 @@ that clock and thermal drift fall on all. Only the public functions are called, 
 B1 H16 L16k and B2 H16 L8k at D=256; causal or not), `--suite varlen` the packed D=128 H16 batches of the features
 bench (its long tail and packed documents): the forward, and the backward alone, causal or not; `--suite packed`
 causal packed forwards of equal lengths and of a serving prefill step, eager and graphed; `--suite
-ragged-decode` a serving engine's decode steps (ragged lengths, pages of 16 and 64, CUDA-graph replays). `--match TEXT`
-keeps the suite's cases whose name contains TEXT.
+ragged-decode` a serving engine's decode steps (ragged lengths, pages of 16 and 64, CUDA-graph replays); `--suite
+mask-mods` the user masks of `bench --suite mask-mods` on each backend that plans them by name. `--match TEXT` keeps
+the suite's cases whose name contains TEXT.
 
     PYTHONPATH=src python benchmarks/tools/ab_interleaved.py --a /path/to/old/src --b src [--c other/src] \
         --rounds 4 --out "$OUT"
@@ -211,8 +212,39 @@ def _ragged_decode_cases():
     return cases
 
 
+def _mask_mods_cases():
+    """The mask-mods suite's masks (bench.mask_mods: B4 H16 L4096 D128) through each backend that plans them by name
+    (`triton`, and `hopper` where the tree plans a mod there), forward and forward+backward."""
+    import torch
+
+    import flashmoe_science as fs
+    from flashmoe_science.bench import mask_mods as mm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(mm.BATCH, mm.HEADS, mm.LENGTH, mm.HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                           generator=g, requires_grad=True) for _ in range(3))
+    grad = torch.randn_like(q)
+    cases = []
+    for name, mod, _, _ in mm.mask_cases(mm.LENGTH, "cuda"):
+        for backend in ("triton", "hopper"):
+            def forward(mod=mod, backend=backend):
+                return fs.flash_attention_science(q, k, v, mask_mod=mod, backend=backend)
+
+            try:
+                forward()
+            except (ValueError, TypeError):  # this tree does not plan the mod on that backend
+                continue
+            cases.append((f"{name} {backend} fwd", torch.no_grad()(forward), None))
+            try:
+                forward().backward(grad)
+            except (ValueError, TypeError):
+                continue
+            cases.append((f"{name} {backend} fwd+bwd", lambda f=forward: f().backward(grad), (q, k, v)))
+    return cases
+
+
 SUITES = {"all": _cases, "backward": _backward_cases, "forward": _forward_cases, "varlen": _varlen_cases,
-          "packed": _packed_cases, "ragged-decode": _ragged_decode_cases}
+          "packed": _packed_cases, "ragged-decode": _ragged_decode_cases, "mask-mods": _mask_mods_cases}
 
 
 def worker(suite: str, match: str | None = None) -> None:
