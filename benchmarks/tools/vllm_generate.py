@@ -2,6 +2,7 @@
 
   python benchmarks/tools/vllm_generate.py agree --out DIR     # greedy tokens and first-step logprobs, eager
   python benchmarks/tools/vllm_generate.py bench --out DIR [--models llama8b,qwen3moe] [--backends ...] [--cases ...]
+      [--profile DIR]   # each case once more under torch.profiler: its kernels' CUDA time per backend
   python benchmarks/tools/vllm_generate.py online --out DIR [--models llama8b] [--backends ...]  # `vllm serve`
 
 Backends: ``flashmoe`` (the CUSTOM attention backend; on MoE models our fused MoE too), ``flashmoe-attn`` (our
@@ -87,7 +88,27 @@ def _worker(spec: dict) -> list[dict]:
                                         for o in outs]
         records.append(record)
         print(json.dumps({k: v for k, v in record.items() if k not in ("tokens", "first_logprobs")}), flush=True)
+        if spec.get("profile"):
+            _profile(llm, inputs, params, os.path.join(spec["profile"], f"{spec['model']}-{case}-{spec['backend']}"))
     return records
+
+
+def _profile(llm, inputs, params, stem: str) -> None:
+    """The same generate once more under torch.profiler (the engine runs in this process): the kernels by their
+    total CUDA time (graph replays included) in ``stem``.txt, with the share of the whole."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(inputs, params, use_tqdm=False)
+        torch_sync()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]  # the kernels, memcpys and memsets
+    total = sum(e.self_device_time_total for e in events) or 1.0
+    rows = sorted(events, key=lambda e: -e.self_device_time_total)[:40]
+    with open(stem + ".txt", "w") as f:
+        f.write(f"CUDA time {total / 1e3:.1f} ms over the run\n")
+        for e in rows:
+            f.write(f"{e.self_device_time_total / 1e3:10.2f} ms {100 * e.self_device_time_total / total:5.1f}% "
+                    f"{e.count:7d}x  {e.key[:110]}\n")
 
 
 def _reinitialize(model) -> None:
@@ -155,7 +176,7 @@ def agree(out: str) -> int:
 
 
 def bench(out: str, models: list[str], backends: list[str], cases: list[str], name: str,
-          kv_cache_gib: float | None = None) -> int:
+          kv_cache_gib: float | None = None, profile: str | None = None) -> int:
     records = []
     path = os.path.join(out, f"vllm-generate-{name}.json")
     with open(os.path.join(out, f"vllm-generate-{name}.log"), "w") as log:
@@ -164,7 +185,7 @@ def bench(out: str, models: list[str], backends: list[str], cases: list[str], na
                 if backend == "flashmoe-attn" and model != "qwen3moe":
                     continue
                 spec = dict(mode="bench", model=model, config=MODELS[model], backend=backend, cases=cases,
-                            kv_cache_gib=kv_cache_gib)
+                            kv_cache_gib=kv_cache_gib, profile=profile)
                 records += spawn(__file__, spec, log)
                 json.dump(envelope(records, "vllm"), open(path, "w"), indent=1)
     for r in records:
@@ -294,13 +315,18 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="the KV cache's bytes, the same for every backend (an e4m3 cache then holds twice the tokens); "
                         "default: what gpu_memory_utilization 0.85 leaves")
+    p.add_argument("--profile", metavar="DIR", help="bench: after each timed case, run it once more under "
+                   "torch.profiler and write its kernels' CUDA time to DIR/<model>-<case>-<backend>.txt")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     if a.what == "agree":
         return agree(a.out)
     if a.what == "online":
         return online(a.out, a.models.split(","), a.backends.split(","), a.name)
-    return bench(a.out, a.models.split(","), a.backends.split(","), a.cases.split(","), a.name, a.kv_cache_gib)
+    if a.profile:
+        os.makedirs(a.profile, exist_ok=True)
+    return bench(a.out, a.models.split(","), a.backends.split(","), a.cases.split(","), a.name, a.kv_cache_gib,
+                 a.profile and os.path.abspath(a.profile))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 #   tests   the backend's GPU tests (float64 oracle, vLLM-shaped batches) and the MoE plugin's GPU check
 #   agree   benchmarks/tools/vllm_generate.py agree (greedy tokens / first-step logprobs against FLASH_ATTN)
 #   bench   benchmarks/tools/vllm_generate.py bench with MODELS, BACKENDS, CASES, NAME (KV_CACHE_GIB: the cache's
-#           bytes, the same for every backend: the e4m3 cache's case)
+#           bytes, the same for every backend: the e4m3 cache's case; PROFILE=1: each case's kernels under
+#           torch.profiler in $OUT/profile)
 #   online  benchmarks/tools/vllm_generate.py online (`vllm serve` under load) with MODELS, BACKENDS, NAME; the
 #           server's own imports come as wheels in $SERVE_WHEELS (see the step)
 # usage: STEPS=tests,agree bash benchmarks/tools/vllm_gpu.sh
@@ -37,7 +38,8 @@ for step in ${STEPS//,/ }; do
     bench)
       timeout ${BENCH_S:-560} python3 benchmarks/tools/vllm_generate.py bench --out "$OUT" --models "${MODELS:-llama8b}" \
         --backends "${BACKENDS:-flashmoe,vllm-fa3,vllm-triton}" --cases "${CASES:-prefill,decode}" \
-        --name "${NAME:-run}" ${KV_CACHE_GIB:+--kv-cache-gib "$KV_CACHE_GIB"} || status=1 ;;
+        --name "${NAME:-run}" ${KV_CACHE_GIB:+--kv-cache-gib "$KV_CACHE_GIB"} ${PROFILE:+--profile "$OUT/profile"} \
+        || status=1 ;;
     online)
       # `vllm serve` imports what the offline staging kit leaves out (uvicorn, watchfiles,
       # prometheus_fastapi_instrumentator, model_hosting_container_standards with jmespath and supervisor): carried as
