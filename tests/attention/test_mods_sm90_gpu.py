@@ -142,3 +142,28 @@ def test_varlen_backward_against_float64(name, head_dim, causal):
         return torch.cat(outs), torch.cat(lses, dim=1)
 
     check_forward_and_grads(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))
+
+
+@pytest.mark.parametrize("name", ["prefix-LM", "document window"])
+def test_auto_chooses_by_the_partial_tiles_and_its_gradients_hold(name):
+    """Under auto a mask of few partial tiles (prefix-LM over 2048 rows) runs the Gluon forward and the Triton
+    backward (hopper/backend.mod_forward_refusal), a mask of many (document window) both Triton kernels: either way
+    out, lse and dQ, dK, dV against float64."""
+    from flashmoe_science.attention.api import describe_dispatch
+
+    lq = lk = 2048
+    _, mod, flex, _ = _case(name, lk)
+    q = randn(BATCH, HEADS, lq, 128, dtype=torch.bfloat16).cuda()
+    k, v = (randn(BATCH, KV_HEADS, lk, 128, dtype=torch.bfloat16).cuda() for _ in range(2))
+    dispatch = describe_dispatch(q, k, v, mask_mod=mod)
+    assert (dispatch.backend, dispatch.backward_backend) == (("hopper", "triton") if name == "prefix-LM"
+                                                             else ("triton", "triton")), dispatch
+    seen = _seen(flex, lq, lk)
+
+    def run(q, k, v):
+        return flash_attention_science(q, k, v, mask_mod=mod, return_lse=True)
+
+    def oracle(q, k, v, dtype):
+        return mod_oracle(q, k, v, seen, None, dtype=dtype)
+
+    check_forward_and_grads(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))

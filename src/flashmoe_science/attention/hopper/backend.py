@@ -24,6 +24,7 @@ import torch
 from flashmoe_science.attention.triton import backend as triton_backend
 from flashmoe_science.attention.features import FEATURES
 from flashmoe_science.attention.mods import call_block_mask
+from flashmoe_science.attention.checks import capturing
 from flashmoe_science.attention.layout import bias_tma_view, tma_compatible
 from flashmoe_science.attention.hopper.tiles import (
     SM90_CONSUMER_REASONS,
@@ -212,6 +213,40 @@ class HopperForward:
         return (f"{requested} the Gluon sm_90 kernel{with_features} (TMA producer warp, {consumers} consumer "
                 f"warpgroups of 64 rows{SM90_CONSUMER_REASONS[consumers]}{turns}, async wgmma, softmax overlapped "
                 f"with P·V; {ctas}); {shape}")
+
+
+# auto takes the Gluon forward for a mask_mod whose visited tiles are at most this share partial: against the Triton
+# forward in the mask-mods suite (H100, D=128) it ran 1.39-1.45x at 6% partial tiles, 0.94-1.21x at 35-40% and
+# 0.45-0.70x at 61-100% (docs/perf-notes.md, "User masks in the sm_90 forward")
+SM90_MOD_PARTIAL_SHARE = 0.25
+_MOD_SHARES: dict = {}
+
+
+def mod_forward_refusal(problem) -> str | None:
+    """Why auto leaves a mask_mod call to the Triton forward, or None: at D=128 (the head dim measured) the Gluon
+    forward takes a mask whose visited tiles are at most SM90_MOD_PARTIAL_SHARE partial at its own tiles. The share
+    is read on the host once per mod function, mask, packed or not, heads, lengths and tiles
+    (`BlockMask.partial_share`: one synchronisation), never while a CUDA graph is captured."""
+    if padded_head_dim(problem.head_dim) != 128:
+        return "its mask_mod forward runs only when asked for (backend='hopper') at this head dim: measured at D=128"
+    tiles = forward_plan(problem).tiles
+    features = problem.features
+    key = (features.mods.mask.fn, features.mask, features.varlen is not None, problem.q.shape[-3], problem.seqlen_q,
+           problem.k.shape[-2] if features.varlen is None else features.varlen.max_seqlen_k, tiles.block_m,
+           tiles.block_n)
+    share = _MOD_SHARES.get(key)
+    if share is None:
+        if problem.q4 is None or capturing(problem.q.device):
+            return ("auto reads a mask_mod's partial tiles on the host to choose this forward: not while a CUDA "
+                    "graph is captured, nor where the leading dims do not merge (backend='hopper' takes it)")
+        share = call_block_mask(problem.q4, problem.k4, features, tiles.block_m, tiles.block_n).partial_share
+        if len(_MOD_SHARES) >= 256:
+            _MOD_SHARES.clear()
+        _MOD_SHARES[key] = share
+    if share > SM90_MOD_PARTIAL_SHARE:
+        return (f"{share:.0%} of the mask_mod's visited tiles are partial: auto takes this forward up to "
+                f"{SM90_MOD_PARTIAL_SHARE:.0%}, where it leads the Triton forward (whose partial tiles cost less)")
+    return None
 
 
 def forward_plan(problem) -> HopperForward:
@@ -471,14 +506,10 @@ class HopperAttention:
         refused = function_refusal(features.mods.mask.fn) if features.mods is not None else None
         if refused is not None:
             return refused
-        if features.mods is not None and problem.backend != self.name:
-            # the mask-mods suite on an H100: 1.39-1.45x the Triton forward where most visited tiles are full (causal,
-            # prefix-LM), 0.45-0.70x where partial tiles dominate (document window, neighbour list); which kind a
-            # call holds is on the device, so auto keeps the Triton forward
-            return ("its mask_mod forward runs only when asked for (backend='hopper'): 0.45-1.45x the Triton forward, "
-                    "slower where partial tiles dominate")
         if not tma_compatible(q, problem.k, problem.v):
             return TMA_RULE
+        if features.mods is not None and problem.backend != self.name:
+            return mod_forward_refusal(problem)
         return None
 
     def plan(self, problem) -> HopperForward:
