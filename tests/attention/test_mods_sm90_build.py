@@ -203,7 +203,8 @@ def test_auto_takes_the_gluon_mod_forward_where_few_visited_tiles_are_partial(on
     captured = plan_attention(dense_problem(long, long, long, mask_mod=mod)[0])
     assert captured.backend != "hopper" and "not while a CUDA graph" in captured.forward_choice.why_not("hopper")
     monkeypatch.setattr(backend, "capturing", lambda device: False)
-    assert plan_attention(dense_problem(long, long, long, mask_mod=mod)[0]).backend == "hopper"
+    auto = plan_attention(dense_problem(long, long, long, mask_mod=mod)[0])
+    assert auto.backend == "hopper" and auto.backward_choice.plan.backend == "triton"
     assert list(backend._MOD_SHARES.values()) == [16 / 136]
     monkeypatch.setattr(backend, "call_block_mask", None)  # remembered: not built again
     assert plan_attention(dense_problem(long, long, long, mask_mod=mod)[0]).backend == "hopper"
