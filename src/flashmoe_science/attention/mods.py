@@ -264,10 +264,9 @@ class BlockMask:
     def n_k_tiles(self) -> int:
         return self.states.shape[3]
 
-    @functools.cached_property
     def partial_share(self) -> float:
-        """The share of partial tiles among the visited ones (partial or full), read on the host: one
-        synchronisation, then remembered with the block mask."""
+        """The share of partial tiles among the visited ones (partial or full), read on the host (one
+        synchronisation)."""
         partial, visited = torch.stack([(self.states == PARTIAL).sum(), (self.states != EMPTY).sum()]).tolist()
         return partial / max(visited, 1)
 

@@ -25,6 +25,7 @@ from flashmoe_science.attention.triton import backend as triton_backend
 from flashmoe_science.attention.features import FEATURES
 from flashmoe_science.attention.mods import call_block_mask
 from flashmoe_science.attention.checks import capturing
+from flashmoe_science.attention.seqlen import launch_sizes
 from flashmoe_science.attention.layout import bias_tma_view, tma_compatible
 from flashmoe_science.attention.hopper.tiles import (
     SM90_CONSUMER_REASONS,
@@ -229,17 +230,20 @@ def mod_forward_refusal(problem) -> str | None:
     (`BlockMask.partial_share`: one synchronisation), never while a CUDA graph is captured."""
     if padded_head_dim(problem.head_dim) != 128:
         return "its mask_mod forward runs only when asked for (backend='hopper') at this head dim: measured at D=128"
+    if problem.q4 is None:
+        return ("auto reads a mask_mod's partial tiles on the 4-D views to choose this forward, and the leading dims "
+                "do not merge (backend='hopper' takes it)")
     tiles = forward_plan(problem).tiles
     features = problem.features
-    key = (features.mods.mask.fn, features.mask, features.varlen is not None, problem.q.shape[-3], problem.seqlen_q,
-           problem.k.shape[-2] if features.varlen is None else features.varlen.max_seqlen_k, tiles.block_m,
-           tiles.block_n)
+    _, seqlen_q, seqlen_k = launch_sizes(problem.q4, problem.k4, features.varlen)
+    key = (features.mods.mask.fn, features.mask, features.varlen is not None, problem.q4.shape[1], seqlen_q,
+           seqlen_k, tiles.block_m, tiles.block_n)
     share = _MOD_SHARES.get(key)
     if share is None:
-        if problem.q4 is None or capturing(problem.q.device):
+        if capturing(problem.q.device):
             return ("auto reads a mask_mod's partial tiles on the host to choose this forward: not while a CUDA "
-                    "graph is captured, nor where the leading dims do not merge (backend='hopper' takes it)")
-        share = call_block_mask(problem.q4, problem.k4, features, tiles.block_m, tiles.block_n).partial_share
+                    "graph is captured (backend='hopper' takes it)")
+        share = call_block_mask(problem.q4, problem.k4, features, tiles.block_m, tiles.block_n).partial_share()
         if len(_MOD_SHARES) >= 256:
             _MOD_SHARES.clear()
         _MOD_SHARES[key] = share
