@@ -268,10 +268,25 @@ def render_engine(data: Mapping, path: Path) -> str:
                                           ("output_tokens_per_s", "generated tokens/s")))
 
 
+def render_engine_latency(data: Mapping, path: Path) -> str:
+    """`vllm serve` under a client's load: p50 / p99 time to first token and inter-token latency (ms) per model and
+    concurrency, one column per backend."""
+    records = data["records"]
+    present = {r["backend"] for r in records}
+    ratios = [pair for pair in ENGINE_RATIOS if set(pair) <= present]
+    return "\n\n".join(f"**{label}, ms (lower is better)**\n\n" + pivot_table(records, ("model", "concurrency"), key, ENGINE_BACKENDS,
+                                                             ratios, digits=1)
+                       for key, label in (("ttft_p50_ms", "time to first token, p50"),
+                                          ("ttft_p99_ms", "time to first token, p99"),
+                                          ("itl_p50_ms", "inter-token latency, p50"),
+                                          ("itl_p99_ms", "inter-token latency, p99")))
+
+
 RENDERERS: dict[str, Callable[[Mapping, Path], str]] = {
     "attention": render_attention, "ladder": render_attention, "moe": render_moe, "attention-features": render_features,
     "attention-mask-mod": render_features,
     "decode": render_decode, "decode_ragged": render_decode, "vllm-generate": render_engine, "sglang-generate": render_engine,
+    "vllm-serve": render_engine_latency,
 }
 TITLES = {"attention": "Attention", "moe": "MoE layer", "attention-features": "Masks and packed sequences",
           "attention-mask-mod": "User masks (mask_mod) against FlexAttention",
@@ -285,6 +300,7 @@ TITLES = {"attention": "Attention", "moe": "MoE layer", "attention-features": "M
           "megatron-step-diff": "One training step in Megatron-core, layer by layer, against float64",
           "ladder": "The ladder, from a CPU loop to the Hopper kernel (docs/ladder.md)",
           "vllm-generate": "vLLM serving on our kernels (docs/vllm.md)",
+          "vllm-serve": "vLLM's server on our kernels under load: latency (docs/vllm.md)",
           "sglang-generate": "SGLang serving on our kernels (docs/sglang.md)"}
 SELF_HEADED = ("attention", "ladder", "moe")
 KIND_ORDER = ("attention", "ladder", "groups", "attention-features", "attention-mask-mod", "decode", "decode_ragged",

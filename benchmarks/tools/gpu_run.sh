@@ -8,7 +8,9 @@
 #   sweepbwd   backward tile sweep (benchmarks/tools/sweep_attention_backward_tiles.py) ; sweepmoe: MoE GEMM sweep (benchmarks/tools/sweep_moe_gemm_tiles.py)
 #   maskmods   the mask_mod GPU tests (Triton kernels and the sm_90 forward) + bench --suite mask-mods (forward and backward)
 #   sanitize   compute-sanitizer over benchmarks/tools/sanitize_kernels.py: memcheck on every case, racecheck and
-#              synccheck on the sm_90 ones ($SAN_S seconds a tool, default 300)
+#              synccheck on the sm_90 ones ($SAN_S seconds a tool, default 300), then racecheck on
+#              benchmarks/tools/racecheck_probe.py (race-free kernels of the same handoffs: what the tool reports there
+#              is the tool's, not a kernel's)
 #   profile    ncu of the sm_90 forward (benchmarks/tools/profile_attention_forward_ncu.py $PROFILE_ARGS: B H L D CAUSAL BLOCK_N STAGES)
 set -u
 export PYTHONPATH=src:benchmarks/tools PYTHONUNBUFFERED=1
@@ -39,7 +41,10 @@ for step in "$@"; do
                 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_S:-300} compute-sanitizer --tool $tool \
                   --target-processes all --print-limit 20 python3 benchmarks/tools/sanitize_kernels.py $cases \
                   > "$OUTDIR/sanitize_$tool.log" 2>&1
-              done ;;
+              done
+              # the same report on two race-free kernels of the same patterns (mbarrier-guarded handoffs)
+              timeout ${SAN_S:-300} compute-sanitizer --tool racecheck --print-limit 20 \
+                python3 benchmarks/tools/racecheck_probe.py > "$OUTDIR/sanitize_racecheck_probe.log" 2>&1 ;;
     profile)  ncu --clock-control none --launch-skip 1 --launch-count 3 -k regex:attention_forward \
                   --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
                   python3 benchmarks/tools/profile_attention_forward_ncu.py ${PROFILE_ARGS:-32 16 512 128 0 128 2} > "$OUTDIR/ncu.log" 2>&1 ;;

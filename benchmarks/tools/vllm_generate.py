@@ -88,8 +88,9 @@ def _worker(spec: dict) -> list[dict]:
                                         for o in outs]
         records.append(record)
         print(json.dumps({k: v for k, v in record.items() if k not in ("tokens", "first_logprobs")}), flush=True)
-        if spec.get("profile"):
-            _profile(llm, inputs, params, os.path.join(spec["profile"], f"{spec['model']}-{case}-{spec['backend']}"))
+        if spec.get("profile"):  # prompts of another seed: the timed ones are in vLLM's prefix cache by now
+            fresh = [{"prompt_token_ids": p} for p in workload(case, config["vocab_size"], seed=1)[0]]
+            _profile(llm, fresh, params, os.path.join(spec["profile"], f"{spec['model']}-{case}-{spec['backend']}"))
     return records
 
 
@@ -281,9 +282,11 @@ def online(out: str, models: list[str], backends: list[str], name: str) -> int:
                 else:
                     print(f"{model} {backend}: the server did not start (see its log)", flush=True)
                     continue
-                prompts, new = workload("prefill", MODELS[model]["vocab_size"])
-                asyncio.run(_load(port, prompts[:8], 8, 8))  # warm-up
-                for concurrency, count in ONLINE:
+                vocab = MODELS[model]["vocab_size"]
+                asyncio.run(_load(port, workload("prefill", vocab, seed=99)[0][:8], 8, 8))  # warm-up
+                for level, (concurrency, count) in enumerate(ONLINE):
+                    # prompts of a seed per level: none of them is in vLLM's prefix cache from an earlier level
+                    prompts, new = workload("prefill", vocab, seed=level)
                     got = asyncio.run(_load(port, prompts[:count], new, concurrency))
                     itl = sorted(g for r in got for g in r["itl"])
                     ttft = sorted(r["ttft"] for r in got)
