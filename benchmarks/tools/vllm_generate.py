@@ -215,7 +215,7 @@ async def _load(port: int, prompts: list[list[int]], new: int, concurrency: int)
             async for line in response.content:
                 if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
                     times.append(time.perf_counter())
-        done.append(dict(ttft=times[0] - start, itl=[b - a for a, b in zip(times, times[1:])]))
+        done.append(dict(prompt=len(prompt), ttft=times[0] - start, itl=[b - a for a, b in zip(times, times[1:])]))
 
     async def worker(client):
         while queue:
@@ -294,9 +294,10 @@ def online(out: str, models: list[str], backends: list[str], name: str) -> int:
                     record = dict(op="vllm-serve", model=model, backend=backend, concurrency=concurrency,
                                   requests=count, ttft_p50_ms=q(ttft, 0.5), ttft_p99_ms=q(ttft, 0.99),
                                   itl_p50_ms=q(itl, 0.5), itl_p99_ms=q(itl, 0.99),
-                                  itl_mean_ms=statistics.fmean(itl) * 1e3 if itl else None)
+                                  itl_mean_ms=statistics.fmean(itl) * 1e3 if itl else None,
+                                  ttft_ms_by_prompt=sorted([r["prompt"], round(r["ttft"] * 1e3, 2)] for r in got))
                     records.append(record)
-                    print(json.dumps(record), flush=True)
+                    print(json.dumps({k: v for k, v in record.items() if k != "ttft_ms_by_prompt"}), flush=True)
                     json.dump(envelope(records, "vllm"), open(path, "w"), indent=1)
             finally:
                 _stop(server)
