@@ -252,8 +252,8 @@ def render_training_demo(folder: Path) -> tuple[str, str]:
 # the serving engines' backends, ours first; each ratio is ours against the first baseline the run holds
 ENGINE_BACKENDS = ("flashmoe", "flashmoe-p64", "flashmoe-attn", "flashmoe-fp8", "vllm-fa3", "vllm-fa3-fp8",
                    "vllm-triton", "sglang-triton")
-ENGINE_RATIOS = (("flashmoe", "vllm-fa3"), ("flashmoe", "sglang-triton"), ("flashmoe-p64", "sglang-triton"),
-                 ("flashmoe-fp8", "flashmoe"))
+ENGINE_RATIOS = (("flashmoe", "vllm-fa3"), ("flashmoe", "vllm-triton"), ("flashmoe", "flashmoe-attn"),
+                 ("flashmoe", "sglang-triton"), ("flashmoe-p64", "sglang-triton"), ("flashmoe-fp8", "flashmoe"))
 
 
 def render_engine(data: Mapping, path: Path) -> str:

@@ -313,7 +313,7 @@ def main(argv=None) -> int:
     p.add_argument("what", choices=["agree", "bench", "online"])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--models", default="llama8b,qwen3moe")
-    p.add_argument("--backends", default="flashmoe,vllm-fa3,vllm-triton")
+    p.add_argument("--backends", default="flashmoe,flashmoe-attn,vllm-fa3,vllm-triton")
     p.add_argument("--cases", default="prefill,decode")
     p.add_argument("--name", default="run")
     p.add_argument("--kv-cache-gib", type=float, default=None,

@@ -37,7 +37,7 @@ for step in ${STEPS//,/ }; do
       timeout 420 python3 benchmarks/tools/vllm_generate.py agree --out "$OUT" || status=1 ;;
     bench)
       timeout ${BENCH_S:-560} python3 benchmarks/tools/vllm_generate.py bench --out "$OUT" --models "${MODELS:-llama8b}" \
-        --backends "${BACKENDS:-flashmoe,vllm-fa3,vllm-triton}" --cases "${CASES:-prefill,decode}" \
+        --backends "${BACKENDS:-flashmoe,flashmoe-attn,vllm-fa3,vllm-triton}" --cases "${CASES:-prefill,decode}" \
         --name "${NAME:-run}" ${KV_CACHE_GIB:+--kv-cache-gib "$KV_CACHE_GIB"} ${PROFILE:+--profile "$OUT/profile"} \
         || status=1 ;;
     online)
