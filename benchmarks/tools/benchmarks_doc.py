@@ -256,30 +256,30 @@ ENGINE_RATIOS = (("flashmoe", "vllm-fa3"), ("flashmoe", "vllm-triton"), ("flashm
                  ("flashmoe", "sglang-triton"), ("flashmoe-p64", "sglang-triton"), ("flashmoe-fp8", "flashmoe"))
 
 
+def engine_tables(records: Sequence[Mapping], row_fields: Sequence[str], metrics: Sequence[tuple[str, str]],
+                  digits: int) -> str:
+    """One table per (value key, label) of an engine run, a column per backend and the ENGINE_RATIOS it has."""
+    present = {r["backend"] for r in records}
+    ratios = [pair for pair in ENGINE_RATIOS if set(pair) <= present]
+    return "\n\n".join(f"**{label}**\n\n" + pivot_table(records, row_fields, key, ENGINE_BACKENDS, ratios, digits)
+                       for key, label in metrics)
+
+
 def render_engine(data: Mapping, path: Path) -> str:
     """vLLM's and SGLang's generate runs: tokens/s (prompt + generated) and generated tokens/s per model and workload,
     one column per backend."""
-    records = data["records"]
-    present = {r["backend"] for r in records}
-    ratios = [pair for pair in ENGINE_RATIOS if set(pair) <= present]
-    return "\n\n".join(f"**{label}**\n\n" + pivot_table(records, ("model", "case"), key, ENGINE_BACKENDS, ratios,
-                                                          digits=0)
-                       for key, label in (("tokens_per_s", "tokens/s, prompt + generated"),
-                                          ("output_tokens_per_s", "generated tokens/s")))
+    return engine_tables(data["records"], ("model", "case"), (("tokens_per_s", "tokens/s, prompt + generated"),
+                                                               ("output_tokens_per_s", "generated tokens/s")), 0)
 
 
 def render_engine_latency(data: Mapping, path: Path) -> str:
     """`vllm serve` under a client's load: p50 / p99 time to first token and inter-token latency (ms) per model and
     concurrency, one column per backend."""
-    records = data["records"]
-    present = {r["backend"] for r in records}
-    ratios = [pair for pair in ENGINE_RATIOS if set(pair) <= present]
-    return "\n\n".join(f"**{label}, ms (lower is better)**\n\n" + pivot_table(records, ("model", "concurrency"), key, ENGINE_BACKENDS,
-                                                             ratios, digits=1)
-                       for key, label in (("ttft_p50_ms", "time to first token, p50"),
-                                          ("ttft_p99_ms", "time to first token, p99"),
-                                          ("itl_p50_ms", "inter-token latency, p50"),
-                                          ("itl_p99_ms", "inter-token latency, p99")))
+    return engine_tables(data["records"], ("model", "concurrency"),
+                         [(key, f"{label}, ms (lower is better)") for key, label in (
+                             ("ttft_p50_ms", "time to first token, p50"), ("ttft_p99_ms", "time to first token, p99"),
+                             ("itl_p50_ms", "inter-token latency, p50"), ("itl_p99_ms", "inter-token latency, p99"))],
+                         1)
 
 
 RENDERERS: dict[str, Callable[[Mapping, Path], str]] = {
