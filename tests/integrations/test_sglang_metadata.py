@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from flashmoe_science.attention.seqlen import work_list
 from flashmoe_science.integrations.engine_attention import LayerOptions, packed_keys
 from flashmoe_science.integrations.sglang import register
 from flashmoe_science.integrations.sglang.metadata import (DecodeGraphBuffers, PoolLayout, build_decode, build_extend,
@@ -126,6 +127,16 @@ def test_extend_keys_come_from_the_step_or_the_pool():
     step, _ = _extend(cached, LayerOptions(0.2))
     assert step.cu_seqlens_q.tolist() == [0, 1, 6, 15] and step.cu_seqlens_k.tolist() == [0, 20, 25, 55]
     assert step.k_rows.tolist() == torch.cat(cached["slots"]).tolist()
+
+
+def test_an_extend_built_under_inference_mode_lets_its_layers_share_one_work_list():
+    """As vLLM's: the batch's cumulative lengths carry a version counter, so the first layer's work list serves the
+    others."""
+    b = _extend_batch([1, 5, 9], [19, 0, 21], 16)
+    with torch.inference_mode():
+        step = build_extend(b["req_to_token"], b["req_pool_indices"], b["q_lens"], b["prefix_lens"])
+        assert not step.cu_seqlens_q.is_inference() and not step.cu_seqlens_k.is_inference()
+        assert work_list(step.cu_seqlens_k, 64) is work_list(step.cu_seqlens_k, 64)
 
 
 def test_extend_without_k_and_v_reads_the_new_keys_from_the_pool():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from flashmoe_science.attention.seqlen import work_list
 from flashmoe_science.integrations.vllm.metadata import CacheLayout, LayerOptions, build_step, count_decodes, run_step
 
 HQ, HKV, D = 4, 2, 32
@@ -120,6 +121,24 @@ def test_fp8_cache_dequantizes_with_the_layer_scales():
     options = LayerOptions(D ** -0.5)
     _, out = _run(b, options, 16, torch.float32, k_scale=k_scale, v_scale=v_scale)
     torch.testing.assert_close(out.double(), _reference(b, options, 0.5, 0.25), atol=1e-4, rtol=1e-4)
+
+
+def test_a_step_built_under_inference_mode_lets_its_layers_share_one_work_list():
+    """vLLM builds and runs its steps under torch.inference_mode, whose tensors have no version counter: the step's
+    cumulative lengths are made outside it, so the packed forward's work list (remembered per cu_seqlens tensor
+    with a counter) is computed by the first layer only."""
+    b = _batch([1, 5, 9], [20, 5, 30], 16, torch.float32)
+    with torch.inference_mode():
+        qsl, seq_lens = b["qsl"].clone(), b["seq_lens"].clone()
+        assert qsl.is_inference()
+        meta = build_step(CacheLayout(16), qsl, qsl, seq_lens, seq_lens, b["table"], 15, 9)
+        part = meta.prefill
+        assert not part.cu_seqlens_q.is_inference() and not part.cu_seqlens_k.is_inference()
+        assert part.cu_seqlens_q.dtype == part.cu_seqlens_k.dtype == torch.int32
+        assert work_list(part.cu_seqlens_q, 64) is work_list(part.cu_seqlens_q, 64)
+        out = torch.full(b["q"].shape, float("nan"))
+        run_step(meta, LayerOptions(D ** -0.5), b["q"], b["k"], b["v"], b["kv_cache"], out)
+    torch.testing.assert_close(out.double(), _reference(b, LayerOptions(D ** -0.5)), atol=2e-5, rtol=2e-5)
 
 
 def test_count_decodes():

@@ -48,6 +48,17 @@ def packed_keys(k_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return cu.astype(np.int32), requests, positions
 
 
+def packed_lengths(cu_seqlens: torch.Tensor | np.ndarray, device: torch.device | None = None) -> torch.Tensor:
+    """A step's cumulative lengths (a host array, or a tensor) as int32 on `device` (a tensor's own by default), made
+    outside inference mode. Engines build their steps under `torch.inference_mode`, whose tensors carry no version
+    counter, and the packed forward remembers the work list it derives from a cu_seqlens tensor only for one that has
+    a counter (`prepared_cache.TensorMemo`): with these, every layer after a step's first reuses the first's work list
+    instead of computing it again (two launches and their host time per layer)."""
+    with torch.inference_mode(False):
+        t = torch.from_numpy(cu_seqlens) if isinstance(cu_seqlens, np.ndarray) else cu_seqlens
+        return t.to(device=t.device if device is None else device, dtype=torch.int32, non_blocking=True, copy=True)
+
+
 def read_rows(rows: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | float | None,
               dtype: torch.dtype) -> torch.Tensor:
     """``rows.index_select(0, index)`` in ``dtype``: an e4m3 cache (which holds ``x / scale``) dequantised."""

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flashmoe_science.integrations.engine_attention import (LayerOptions, decode_into, packed_keys, prefill_into,
-                                                             read_rows)
+from flashmoe_science.integrations.engine_attention import (LayerOptions, decode_into, packed_keys, packed_lengths,
+                                                             prefill_into, read_rows)
 
 # the cache kernels' page sizes; pages above MAX_DIRECT_PAGE rows are read as several smaller adjacent pages
 # (`attention.decode.pages`)
@@ -148,13 +148,13 @@ def build_extend(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, ext
                          f"req_pool_indices ({req_pool_indices.shape[0]}) must have one entry per request")
     device = req_to_token.device
     cu_q_host = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
-    cu_q = torch.from_numpy(cu_q_host).to(device, non_blocking=True)
+    cu_q = packed_lengths(cu_q_host, device)
     max_q = int(q_lens.max()) if q_lens.size else 0
     if not prefix.any():
         return ExtendStep(int(cu_q_host[-1]), cu_q, max_q, cu_q, max_q, None)
     k_lens = q_lens + prefix
     cu_k_host, requests, positions = packed_keys(k_lens)
-    cu_k = torch.from_numpy(cu_k_host).to(device, non_blocking=True)
+    cu_k = packed_lengths(cu_k_host, device)
     req = req_pool_indices.to(torch.int64)[torch.from_numpy(requests).to(device, non_blocking=True)]
     pos = torch.from_numpy(positions).to(device, non_blocking=True)
     k_rows = req_to_token[req, pos].to(torch.int64)

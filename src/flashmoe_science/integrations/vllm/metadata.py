@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from flashmoe_science.integrations.engine_attention import (WARM_BATCHES, LayerOptions, decode_into, packed_keys,
-                                                             prefill_into, read_rows, warm_prefill)
+                                                             packed_lengths, prefill_into, read_rows, warm_prefill)
 
 __all__ = ["CacheLayout", "LayerOptions", "PrefillPart", "StepMetadata", "WARM_BATCHES", "build_step", "count_decodes",
            "run_step", "warm_prefill"]
@@ -105,17 +105,15 @@ def build_step(layout: CacheLayout, query_start_loc: torch.Tensor, query_start_l
         q_lens = np.diff(starts)
         k_lens = seq_lens_cpu[num_decodes:num_reqs].numpy().astype(np.int64)
         token_start = int(starts[0])
-        device = query_start_loc.device
-        cu_q = query_start_loc[num_decodes:] - token_start
+        cu_q = packed_lengths(query_start_loc[num_decodes:] - token_start)
         k_rows = None
         if np.array_equal(q_lens, k_lens):
             cu_k = cu_q
         else:
             cu_k_host, requests, positions = packed_keys(k_lens)
-            cu_k = torch.from_numpy(cu_k_host).to(device, non_blocking=True)
+            cu_k = packed_lengths(cu_k_host, query_start_loc.device)
             k_rows = layout.rows(block_table, requests + num_decodes, positions)
-        prefill = PrefillPart(token_start, cu_q.to(torch.int32), int(q_lens.max()), cu_k.to(torch.int32),
-                              int(k_lens.max()), k_rows)
+        prefill = PrefillPart(token_start, cu_q, int(q_lens.max()), cu_k, int(k_lens.max()), k_rows)
     return StepMetadata(num_actual_tokens, num_decodes, seq_lens, block_table, prefill)
 
 
