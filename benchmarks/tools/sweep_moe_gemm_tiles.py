@@ -649,11 +649,23 @@ def _layer_lines(case):
     return out
 
 
+def parse_case(text: str) -> tuple[str, int, tuple[str, ...]]:
+    """(model, T, passes) of a --cases entry `model:T` or `model:T:fwd+bwd`."""
+    model, tokens, *passes = text.split(":")
+    if model not in SWEEP_MODELS:
+        raise SystemExit(f"--cases: unknown model {model!r}; known: {', '.join(SWEEP_MODELS)}")
+    passes = tuple(passes[0].split("+")) if passes else ("fwd", "bwd")
+    if not tokens.isdigit() or int(tokens) < 1 or not set(passes) <= {"fwd", "bwd"}:
+        raise SystemExit(f"--cases: {text!r} is not model:T[:fwd+bwd] with T a positive token count")
+    return model, int(tokens), passes
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="")
     parser.add_argument("--offline", action="store_true", help="sm_90 builds and SASS counts only (no GPU needed)")
-    parser.add_argument("--cases", default="", help="comma list of model:T (default: all of CASES)")
+    parser.add_argument("--cases", default="", help="comma list of model:T[:passes] (passes fwd+bwd by default) of "
+                        f"{', '.join(SWEEP_MODELS)}; default: all of CASES")
     parser.add_argument("--gemms", default="", help="comma list of GEMMs to sweep (default: all of PASS_GEMMS)")
     parser.add_argument("--budget-s", type=float, default=180.0, help="wall-clock budget of the GPU candidate loop")
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
@@ -663,8 +675,7 @@ def main():
     TRY_OTHER_COMBINE[0] = COMBINE_MODES[args.combine]
     cases = CASES
     if args.cases:
-        wanted = {tuple(c.split(":")) for c in args.cases.split(",")}
-        cases = tuple(c for c in CASES if (c[0], str(c[1])) in wanted)
+        cases = tuple(parse_case(c) for c in args.cases.split(","))
     if args.gemms:
         wanted = set(args.gemms.split(","))
         PASS_GEMMS.update({p: tuple(g for g in gemms if g in wanted) for p, gemms in PASS_GEMMS.items()})
