@@ -26,8 +26,10 @@ def tensor_signature(t) -> tuple:
     strides, dtype, device and 16-byte alignment (Triton specialises on it). The stride of a dimension of size 1
     is never multiplied by anything but index 0, so it is left out: a (1, H, L, D) output that a (L, H, D)
     allocation transposed and a fresh one share a signature."""
-    strides = tuple(0 if size == 1 else stride for size, stride in zip(t.shape, t.stride()))
-    return (t.shape, strides, t.dtype, t.device, t.data_ptr() % 16)
+    shape, strides = t.shape, t.stride()
+    if 1 in shape:  # the common call has no size-1 dim: its strides as they are (a key built per call)
+        strides = tuple(0 if size == 1 else stride for size, stride in zip(shape, strides))
+    return (shape, strides, t.dtype, t.device, t.data_ptr() % 16)
 
 
 # Every table of prepared calls in the library, by name (`prepared_table`): the attention calls, a GPU forward's

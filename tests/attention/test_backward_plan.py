@@ -176,7 +176,7 @@ def test_a_recorded_call_replays_its_forward_launch_and_its_backward_plan():
     """call.Recorded (a repeated plain call that records gradients, kept on the GPU only): the forward is its
     prepared launch, the backward its BackwardPlan, through autograd, with nothing planned again."""
     from flashmoe_science.attention import call
-    from flashmoe_science.attention.record import recording
+    from flashmoe_science.attention.record import ran, recording
 
     launched = []
 
@@ -185,7 +185,16 @@ def test_a_recorded_call_replays_its_forward_launch_and_its_backward_plan():
         out.copy_(q)
         lse.zero_()
 
-    forward = type("Forward", (), {"backend": "test", "kernel": "test.forward"})()
+    class Forward:  # a forward step's prepared launch, as the kernels' steps run it (`launch`)
+        backend, kernel = "test", "test.forward"
+
+        def launch(self, prepared, q, k, v, features=None):
+            out, lse = torch.empty_like(q), torch.empty(q.shape[:3])
+            ran("forward", self.backend, self.kernel)
+            prepared(q, k, v, out, lse)
+            return out, lse
+
+    forward = Forward()
     step = _RecordingStep()
     recorded = call.Recorded(prepared, forward, autograd.BackwardPlan(step, 0.5, False), PLAIN, 0.5)
     for _ in range(3):

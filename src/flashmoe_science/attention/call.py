@@ -14,8 +14,7 @@ from flashmoe_science.attention.checks import resolve_check_values, values_check
 from flashmoe_science.attention.features import CallFeatures, Varlen, plain_call
 from flashmoe_science.attention.fp8 import fp8_problem
 from flashmoe_science.attention.plan import plan_attention, plan_fp8
-from flashmoe_science.attention.problem import as_4d, dense_problem, new_outputs, packed_as_4d, packed_problem
-from flashmoe_science.attention.record import ran
+from flashmoe_science.attention.problem import as_4d, dense_problem, packed_as_4d, packed_problem
 from flashmoe_science.attention.tiles import autotune_enabled
 from flashmoe_science.prepared_cache import prepared_table, remember, tensor_signature
 
@@ -62,10 +61,7 @@ class Recorded:
 
 
 def _launch(prepared, step, q, k, v):
-    out, lse = new_outputs(q)
-    ran("forward", step.backend, step.kernel)
-    prepared(q, k, v, out, lse)
-    return out, lse
+    return step.launch(prepared, q, k, v)
 
 
 def replay(entry, q, k, v):
@@ -150,18 +146,35 @@ def packed_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     return (*key, tensor_signature(cu_seqlens_q), tensor_signature(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
 
 
-# Packed calls whose signature ran before (`packed_key`): the plan's forward step, the mask and the scale, or for a
-# call that records gradients its Recorded (the step and the BackwardPlan). A replay still asks
-# checks.values_checked for the cu_seqlens pair (their values are not part of a signature) unless the call opts out
-# of value checks: a model's layers share one pair per batch, so every layer after the first replays without a
-# check, a plan or a device synchronisation.
-PREPARED_PACKED: dict[tuple, tuple | Recorded] = prepared_table("attention packed calls")
+# Packed calls whose signature ran before (`packed_key`): the plan's forward step, the mask and the scale (seen
+# once), a PackedLaunch (seen twice: the step's prepared launch), or for a call that records gradients its Recorded
+# (the step and the BackwardPlan). A replay still asks checks.values_checked for the cu_seqlens pair (their values
+# are not part of a signature) unless the call opts out of value checks: a model's layers share one pair per batch,
+# so every layer after the first replays without a check, a plan or a device synchronisation.
+PREPARED_PACKED: dict[tuple, tuple | PackedLaunch | Recorded] = prepared_table("attention packed calls")
 
 
-def packed_replay(entry, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values=None):
+class PackedLaunch:
+    """A packed inference call's signature from its second call on: the forward step's PreparedLaunch (None where the
+    step prepares none for packed calls: its `run` then), the mask and the scale. The packed key determines the
+    step's own key (the 4-D views' and the fresh outputs' signatures follow from the call's), so a replay launches
+    without computing it."""
+
+    __slots__ = ("prepared", "step", "mask", "softmax_scale")
+
+    def __init__(self, prepared, step, mask, softmax_scale: float):
+        self.prepared, self.step, self.mask, self.softmax_scale = prepared, step, mask, softmax_scale
+
+    def run(self, q4, k4, v4, features):
+        if self.prepared is None:
+            return self.step.run(q4, k4, v4, features, self.softmax_scale)
+        return self.step.launch(self.prepared, q4, k4, v4, features)
+
+
+def packed_replay(entry, key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values=None):
     """(out, lse) of a packed call whose signature ran before (`PREPARED_PACKED[key]`), or None where its cu_seqlens
     pair is to be checked (`checks.resolve_check_values`) and has not passed the value check (the full path checks
-    it)."""
+    it). An inference call's second replay of a signature keeps the step's prepared launch (`PackedLaunch`)."""
     bounds = (q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     if resolve_check_values(check_values, q.device) and not values_checked(cu_seqlens_q, cu_seqlens_k, bounds):
         return None
@@ -170,8 +183,14 @@ def packed_replay(entry, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     if entry.__class__ is Recorded:
         features = CallFeatures(mask=entry.features.mask, varlen=varlen)
         return packed_outputs(*autograd.replay_recorded(entry, q4, k4, v4, features))
+    if entry.__class__ is PackedLaunch:
+        return packed_outputs(*entry.run(q4, k4, v4, CallFeatures(mask=entry.mask, varlen=varlen)))
     step, mask, softmax_scale = entry
-    return packed_outputs(*step.run(q4, k4, v4, CallFeatures(mask=mask, varlen=varlen), softmax_scale))
+    features = CallFeatures(mask=mask, varlen=varlen)
+    out4, lse4 = step.run(q4, k4, v4, features, softmax_scale)  # the step prepares its launch on this second call
+    remember(PREPARED_PACKED, key, PackedLaunch(step.prepare(q4, k4, v4, out4, lse4, features, softmax_scale),
+                                                step, mask, softmax_scale))
+    return packed_outputs(out4, lse4)
 
 
 def packed_outputs(out4, lse4):
@@ -191,7 +210,7 @@ def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                                                                        score_mod) else None
     entry = PREPARED_PACKED.get(key) if key is not None else None
     if entry is not None:
-        outputs = packed_replay(entry, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        outputs = packed_replay(entry, key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 check_values)
         if outputs is not None:
             return outputs

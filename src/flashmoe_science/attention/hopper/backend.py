@@ -129,14 +129,11 @@ class HopperForward:
 
         if out is None:
             out, lse = new_outputs(q)
-        varlen = features.varlen
-        batch = varlen_batch(varlen, q.shape[2], features.mask, self.tiles.block_m, self.band)
         key = self.prepared_key(q, k, v, out, lse, features, softmax_scale)
         prepared = PREPARED_FORWARD.get(key) if key is not None else None
         if prepared is not None and prepared is not SEEN_ONCE:
-            ran("forward", self.backend, self.kernel)
-            prepared(q, k, v, out, lse, *(() if batch is None else batch.tensors()))
-            return out, lse
+            return self.launch(prepared, q, k, v, features, out, lse)
+        batch = varlen_batch(features.varlen, q.shape[2], features.mask, self.tiles.block_m, self.band)
         num_ctas = device_traits(q.device).sm_count if self.persistent else None
         mask_mod = features.mods.mask if features.mods is not None else None
         # the block mask at the kernel's own tiles (built on the device, remembered while the mod's tensors live)
@@ -154,6 +151,18 @@ class HopperForward:
             return out, lse
         # it did not build on this triton (warned once, remembered): the plan the walk chose for that case
         return self.fallback.run(q, k, v, features, softmax_scale, out, lse)
+
+    def launch(self, prepared, q, k, v, features=None, out=None, lse=None):
+        """(out, lse) of a call through its signature's PreparedLaunch (`prepare`'s) on checked 4-D views; a packed
+        call's (`features.varlen`) with its cumulative lengths and work list."""
+        if out is None:
+            out, lse = new_outputs(q)
+        varlen = None if features is None else features.varlen
+        batch = (varlen_batch(varlen, q.shape[2], features.mask, self.tiles.block_m, self.band)
+                 if varlen is not None else None)
+        ran("forward", self.backend, self.kernel)
+        prepared(q, k, v, out, lse, *(() if batch is None else batch.tensors()))
+        return out, lse
 
     def prepared_key(self, q, k, v, out, lse, features, softmax_scale: float) -> tuple | None:
         """What a PreparedLaunch of this plan freezes from a call (prepared_cache.tensor_signature of every tensor,

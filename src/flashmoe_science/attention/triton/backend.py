@@ -50,6 +50,14 @@ class TritonForward:
         attention_forward(q, k, v, out, lse, features, softmax_scale, self.tiles)
         return out, lse
 
+    def launch(self, prepared, q, k, v, features=None, out=None, lse=None):
+        """(out, lse) of a call through its signature's PreparedLaunch (`prepare`'s)."""
+        if out is None:
+            out, lse = new_outputs(q)
+        ran("forward", self.backend, self.kernel)
+        prepared(q, k, v, out, lse)
+        return out, lse
+
     def prepare(self, q, k, v, out, lse, features, softmax_scale: float):
         """This launch as a PreparedLaunch for the next call of its signature, called as `prepared(q, k, v, out,
         lse)`; None for calls with features beyond the plain causal mask (their arguments are per call)."""
