@@ -157,7 +157,9 @@ def test_the_load_generator_measures_concurrent_streams(server):
     assert all(1 <= len(line.chunks) <= 5 and len(token_ids(line.text)) == 5 for line in lines)
     paced = run_load(server.url, server.config, prompts, max_tokens=2, concurrency=4, rate=10.0)
     sends = sorted(line.sent for line in paced)
-    assert summarize(paced)["errors"] == 0 and min(b - a for a, b in zip(sends, sends[1:])) >= 0.09
+    # request i leaves at the start + i / rate: one sent late narrows its gap to the next (a loaded machine: 88 ms),
+    # the span of the four stays 0.3 s less the first one's lateness (unpaced, four streams leave together)
+    assert summarize(paced)["errors"] == 0 and sends[-1] - sends[0] >= 0.25
 
 
 def e4m3_oracle_tokens(config, prompts, new_tokens, device="cpu"):
