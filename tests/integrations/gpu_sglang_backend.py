@@ -20,8 +20,8 @@ On the GPU machine, after the SGLang kit's install call (``../shared/peers/sglan
   token agrees, the first-step logprobs agree within ``LOGPROB_TOLERANCE``, and at least ``TOKEN_AGREEMENT`` of all
   greedy tokens agree (random weights give near-tied logits, so later tokens may part).
 - ``moe``: a random four-layer Qwen3-MoE (16 experts, top-4) served with SGLang's ``triton`` attention, first as is
-  and then with ``FLASHMOE_SCIENCE_SGLANG_MOE=1`` (our fused MoE in place of SGLang's triton MoE runner), the same
-  prompts and the same criteria; and the logprobs must not be bit-identical to SGLang's (else the switch did not
+  and then with ``FLASHMOE_SCIENCE_SGLANG_MOE=1`` (our fused MoE in place of SGLang's triton MoE runner), then with
+  both ours (``flashmoe`` attention: Qwen3's rope writes the pool itself), the same prompts and the same criteria; and the logprobs must not be bit-identical to SGLang's (else the switch did not
   take effect in the scheduler processes). Its weights are a checkpoint written here (normal, std 0.02, in
   Qwen3-MoE's per-expert names), not SGLang's dummy ones: those are uniform in +-1e-3, which leaves the experts'
   output below bf16's rounding of the residual stream, so the MoE would hardly reach the logits.
@@ -193,11 +193,14 @@ def engine_check(eager: bool) -> bool:
 
 
 def moe_check(eager: bool) -> bool:
-    theirs, ours = served(MOE_CONFIG, [("triton", False), ("triton", True)], eager, checkpoint=qwen3_moe_checkpoint)
+    theirs, ours, both = served(MOE_CONFIG, [("triton", False), ("triton", True), ("flashmoe", True)], eager,
+                                checkpoint=qwen3_moe_checkpoint)
     if ours == theirs:
         print(f"{MOE_SWITCH}=1 gave SGLang's own results to the bit: the switch did not take effect")
         return False
-    return agreement(ours, theirs, "SGLang's triton MoE runner (Qwen3-MoE, triton attention)", eager)
+    ok = agreement(ours, theirs, "SGLang's triton MoE runner (Qwen3-MoE, triton attention)", eager)
+    # Qwen3's rope writes K and V into the pool itself (save_kv_cache=False), through the backend's pool
+    return agreement(both, theirs, "SGLang's triton attention and MoE (Qwen3-MoE, ours for both)", eager) and ok
 
 
 def main() -> int:

@@ -97,10 +97,13 @@ class FlashMoEAttnBackend(AttentionBackend):
         if reason is not None:
             raise ValueError(f"--attention-backend {NAME}: {reason}")
         self.layout = PoolLayout(model_runner.page_size)
-        self.pool = model_runner.token_to_kv_pool
+        # SGLang's models read the pools through the backend (`forward_context.get_token_to_kv_pool`: Qwen3's rope
+        # writes K and V into the pool itself, then calls attention with save_kv_cache=False)
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.req_to_token_pool = model_runner.req_to_token_pool
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.device = torch.device(model_runner.device)
-        self.fp8 = self.pool.dtype == torch.float8_e4m3fn
+        self.fp8 = self.token_to_kv_pool.dtype == torch.float8_e4m3fn
         self.graph: DecodeGraphBuffers | None = None
         self.forward_metadata: DecodeStep | ExtendStep | None = None
         self._options: dict[int, LayerOptions] = {}
@@ -172,10 +175,8 @@ class FlashMoEAttnBackend(AttentionBackend):
         scaled = self.fp8 and layer.k_scale is not None
         if scaled and clone:  # the pool divides k and v in place by the scales
             k, v = k.clone(), v.clone()
-        if scaled:
-            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
-        else:
-            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+        scales = (layer.k_scale, layer.v_scale) if scaled else ()
+        self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v, *scales)
 
     @staticmethod
     def _refuse_extras(sinks, score_mod, aux_tensors, kwargs):
@@ -192,7 +193,7 @@ class FlashMoEAttnBackend(AttentionBackend):
         query = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         o = torch.empty_like(query)
         scales = self._layer_scales(layer) if self.fp8 else (None, None)
-        k_buffer, v_buffer = self.pool.get_kv_buffer(layer.layer_id)
+        k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         run_decode(self.forward_metadata, self.layout, self._layer_options(layer), query, k_buffer, v_buffer, o,
                    *scales)
         return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
@@ -211,7 +212,7 @@ class FlashMoEAttnBackend(AttentionBackend):
         step = self.forward_metadata
         n = step.num_tokens
         scales = self._layer_scales(layer) if self.fp8 else (None, None)
-        k_buffer, v_buffer = self.pool.get_kv_buffer(layer.layer_id)
+        k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         run_extend(step, self._layer_options(layer), query[:n], None if k is None else k[:n],
                    None if v is None else v[:n], k_buffer, v_buffer, o[:n], *scales,
                    new_rows=forward_batch.out_cache_loc[:n])
