@@ -168,14 +168,17 @@ def on_hopper(monkeypatch):
 
 def test_a_mod_plans_the_gluon_kernels_when_asked_for(on_hopper, monkeypatch):
     """Hopper's forward and backward declare mask_mod (beside causal, a window and varlen), taken when
-    backend='hopper' asks for them: auto keeps the Triton kernels for a mask of mostly partial tiles (windows of 32
-    keys: every visited tile) and the Triton backward (its speed unmeasured), and says so for each half. The
-    backward's plan names the block-mask walk; deterministic and D=256 backwards are refused by name."""
+    backend='hopper' asks for them: auto keeps the Triton forward for a mask of mostly partial tiles (windows of 32
+    keys: every visited tile) and takes the Gluon backward at D=128 (the Triton one at D=64, not measured), and says
+    why. The backward's plan names the block-mask walk; deterministic and D=256 backwards are refused by name."""
     q = torch.randn(1, 4, 256, 128, dtype=torch.bfloat16)
     mod = MaskMod(mask_mods.head_windows, torch.full((16,), 32, dtype=torch.int32))
     auto = plan_attention(dense_problem(q, q, q, causal=True, mask_mod=mod)[0])
     assert auto.backend != "hopper" and "100% of the mask_mod's visited tiles are partial" in \
         auto.forward_choice.why_not("hopper")
+    assert auto.backward_choice.plan.backend == "hopper" and auto.backward_choice.plan.mask_mod
+    narrow = torch.randn(1, 4, 4096, 64, dtype=torch.bfloat16)
+    auto = plan_attention(dense_problem(narrow, narrow, narrow, causal=True, mask_mod=mod)[0])
     assert auto.backward_choice.plan.backend != "hopper"
     assert "mask_mod backward runs only when asked for" in auto.backward_choice.why_not("hopper")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # a backend asked for by name plans CPU tensors only under it
@@ -194,17 +197,17 @@ def test_a_mod_plans_the_gluon_kernels_when_asked_for(on_hopper, monkeypatch):
 
 def test_auto_takes_the_gluon_mod_forward_where_few_visited_tiles_are_partial(on_hopper, monkeypatch):
     """backend.mod_forward_refusal: a causal mod over 2048 rows (16 diagonal tiles of 136 visited: 12%) runs the
-    Gluon forward under auto, over 512 rows (4 of 10) the Triton one; D=64 is not measured; the share is read once
+    Gluon forward under auto, over 256 rows (2 of 3) the Triton one; D=64 is not measured; the share is read once
     per mod, mask and shape, and not while a CUDA graph is captured."""
     monkeypatch.setattr(backend, "_MOD_SHARES", {})
     mod = MaskMod(mask_mods.causal)
-    long, short = (torch.randn(1, 4, n, 128, dtype=torch.bfloat16) for n in (2048, 512))
+    long, short = (torch.randn(1, 4, n, 128, dtype=torch.bfloat16) for n in (2048, 256))
     monkeypatch.setattr(backend, "capturing", lambda device: True)
     captured = plan_attention(dense_problem(long, long, long, mask_mod=mod)[0])
     assert captured.backend != "hopper" and "not while a CUDA graph" in captured.forward_choice.why_not("hopper")
     monkeypatch.setattr(backend, "capturing", lambda device: False)
     auto = plan_attention(dense_problem(long, long, long, mask_mod=mod)[0])
-    assert auto.backend == "hopper" and auto.backward_choice.plan.backend == "triton"
+    assert auto.backend == "hopper" and auto.backward_choice.plan.backend == "hopper"
     assert list(backend._MOD_SHARES.values()) == [16 / 136]
     monkeypatch.setattr(backend, "call_block_mask", None)  # remembered: not built again
     assert plan_attention(dense_problem(long, long, long, mask_mod=mod)[0]).backend == "hopper"
@@ -214,7 +217,7 @@ def test_auto_takes_the_gluon_mod_forward_where_few_visited_tiles_are_partial(on
     monkeypatch.setattr(backend, "device_traits", lambda device: DeviceTraits((9, 0), 132, 232448))
     monkeypatch.setattr(availability, "_failure", None)
     auto = plan_attention(dense_problem(short, short, short, mask_mod=mod)[0])
-    assert auto.backend != "hopper" and "40% of the mask_mod's visited tiles" in auto.forward_choice.why_not("hopper")
+    assert auto.backend != "hopper" and "67% of the mask_mod's visited tiles" in auto.forward_choice.why_not("hopper")
     narrow = torch.randn(1, 4, 2048, 64, dtype=torch.bfloat16)
     assert "measured at D=128" in plan_attention(dense_problem(narrow, narrow, narrow, mask_mod=mod)[0]
                                                  ).forward_choice.why_not("hopper")

@@ -226,9 +226,9 @@ class HopperForward:
 
 
 # auto takes the Gluon forward for a mask_mod whose visited tiles are at most this share partial: against the Triton
-# forward in the mask-mods suite (H100, D=128) it ran 1.39-1.45x at 6% partial tiles, 0.94-1.21x at 35-40% and
-# 0.45-0.70x at 61-100% (docs/perf-notes.md, "User masks in the sm_90 forward")
-SM90_MOD_PARTIAL_SHARE = 0.25
+# forward in the mask-mods suite (H100, D=128, two runs) it ran 1.39-1.45x at 6% partial tiles, 0.94-1.21x at
+# 35-40% and 0.34-0.83x at 61-100% (docs/perf-notes.md, "User masks in the sm_90 forward")
+SM90_MOD_PARTIAL_SHARE = 0.5
 _MOD_SHARES: dict = {}
 
 
@@ -461,10 +461,11 @@ class _HopperAttentionBackward:
                        or function_refusal(mods.mask.fn))
             if refusal is not None:
                 return refusal
-            if problem.backend != self.name:
-                # float64-checked on an H100 (tests/attention/test_mods_sm90_gpu.py); its speed against the Triton
-                # backward is not measured yet, so auto keeps that
-                return "its mask_mod backward runs only when asked for (backend='hopper'): its speed is not measured"
+            if problem.backend != self.name and padded_head_dim(problem.head_dim) != 128:
+                # against the Triton backward in the mask-mods suite (H100, D=128) it ran 1.09-1.27x on every mask,
+                # all-partial ones included (docs/perf-notes.md, "mask_mod in the sm_90 backward")
+                return ("its mask_mod backward runs only when asked for (backend='hopper') at this head dim: "
+                        "measured at D=128")
         if problem.features.attn_bias is not None:
             from flashmoe_science.attention.hopper.bwd_sm90 import bias_refusal
 
