@@ -399,6 +399,28 @@ def test_backend_writes_the_new_keys_then_attends_extend_and_graph_decode(sglang
         backend.init_forward_metadata_out_graph(SimpleNamespace(forward_mode=_Mode("EXTEND"), batch_size=2))
 
 
+def test_backend_exposes_its_pools_for_models_whose_rope_writes_the_keys(sglang_backend):
+    """SGLang's Qwen3 models read the pool through the backend (forward_context.get_token_to_kv_pool), write the new
+    keys into it with their rope, then call attention with save_kv_cache=False: the backend attends to them there."""
+    e = _extend_batch([9, 1, 20], [30, 15, 0], 16, dtype=torch.bfloat16, seed=11)
+    runner, layer = _runner(e, sglang_backend)
+    backend = sglang_backend.FlashMoEAttnBackend(runner)
+    assert backend.token_to_kv_pool is runner.token_to_kv_pool
+    assert backend.req_to_token_pool is runner.req_to_token_pool
+    new = e["out_cache_loc"]
+    e["k_buffer"][new], e["v_buffer"][new] = e["k"], e["v"]  # the rope's fused write
+    fb = SimpleNamespace(forward_mode=_Mode("EXTEND"), batch_size=3, req_pool_indices=e["req_pool_indices"],
+                         seq_lens=e["seq_lens"], seq_lens_cpu=e["seq_lens"], extend_seq_lens_cpu=e["q_lens"],
+                         extend_prefix_lens_cpu=e["prefix_lens"], out_cache_loc=new)
+    backend.init_forward_metadata(fb)
+    written = runner.token_to_kv_pool.set_kv_buffer
+    runner.token_to_kv_pool.set_kv_buffer = None  # not called
+    out = backend.forward_extend(e["q"].reshape(-1, HQ * D), e["k"], e["v"], layer, fb, save_kv_cache=False)
+    runner.token_to_kv_pool.set_kv_buffer = written
+    torch.testing.assert_close(out.view(-1, HQ, D).double(), _reference(e, LayerOptions(D ** -0.5)), atol=2e-2,
+                               rtol=2e-2)
+
+
 def test_backend_on_an_e4m3_pool_keeps_the_models_keys(sglang_backend):
     """SGLang's pool divides the keys it is given by the scales in place: the backend gives it copies in extend,
     whose fresh keys it attends to afterwards."""
