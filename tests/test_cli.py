@@ -144,6 +144,12 @@ def test_bench_rejects_bad_arguments_in_one_line(capsys):
         assert line.startswith("flashmoe-science: error: ") and "--help" in line
 
 
+def test_the_feature_suites_refuse_the_flags_they_do_not_read(capsys):
+    assert cli.main(["bench", "--suite", "packed", "--pass", "bwd", "--no-plot"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("flashmoe-science: error: bench --suite packed: --pass apply to")
+
+
 def test_missing_extra_names_the_pip_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # as if not installed
     assert cli.main(["bench", "--no-plot"]) == 2

@@ -385,6 +385,11 @@ def _bench_attention(args: argparse.Namespace) -> int:
 
 
 def _bench_features(args: argparse.Namespace) -> int:
+    ignored = _attention_only_flags(args) + (["--models"] if args.models else [])
+    if ignored:
+        raise CommandError(f"bench --suite {','.join(args.suite)}: {', '.join(ignored)} apply to the dense attention "
+                           "and MoE benchmarks; the suites time forward and backward of their fixed cases (graph "
+                           "replays forward only; --quick for fewer)")
     from flashmoe_science.bench import features as features_bench
 
     on_gpu = torch.cuda.is_available()
@@ -405,9 +410,14 @@ def _bench_features(args: argparse.Namespace) -> int:
     return 0
 
 
+def _attention_only_flags(args: argparse.Namespace) -> list[str]:
+    """The flags given that only the dense attention benchmark reads."""
+    return [flag for flag, given in (("--shapes", args.shapes), ("--backends", args.backends),
+                                     ("--pass", args.passes != ["fwd"])) if given]
+
+
 def _bench_moe(args: argparse.Namespace) -> int:
-    attention_only = [flag for flag, given in (("--shapes", args.shapes), ("--backends", args.backends),
-                                              ("--pass", args.passes != ["fwd"])) if given]
+    attention_only = _attention_only_flags(args)
     if attention_only:
         raise CommandError(f"bench moe: {', '.join(attention_only)} apply to the attention benchmark; the MoE "
                            "benchmark times forward and backward of its fixed model configs (--quick for fewer)")
