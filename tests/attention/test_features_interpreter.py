@@ -140,6 +140,40 @@ def test_window_skips_key_tiles():
     assert torch.equal(out[:, :, 32:], ref[:, :, 32:])
 
 
+def test_a_repeated_packed_inference_call_writes_the_callers_buffer(monkeypatch):
+    """An engine's prefill (`engine_attention.prefill_into`) hands its output buffer to the packed call: from the
+    signature's second call the kernel writes it (no copy), with the first call's values; q strided as a fused QKV
+    projection's split (its fresh output is already in the packed layout: no copy either)."""
+    from types import SimpleNamespace
+
+    from flashmoe_science.attention import call
+    from flashmoe_science.attention.problem import new_outputs, packed_as_4d
+    from flashmoe_science.integrations.engine_attention import LayerOptions, prefill_into
+
+    monkeypatch.setattr(call, "PREPARED_PACKED", {})
+    dtype = torch.float16
+    _, k, v, cu_q, cu_k = _ragged(dtype, 32)
+    qkv = randn(int(cu_q[-1]), 8 * 32, dtype=dtype)
+    q = qkv[:, :4 * 32].view(-1, 4, 32)  # row stride 256: not dense
+    args = (q, k, v, cu_q, cu_k, max(LENGTHS_Q), max(LENGTHS_K))
+    with torch.inference_mode():
+        first = call.packed_forward(*args, causal=True, check_values=False, backend="triton")[0]
+        fresh, _ = new_outputs(packed_as_4d(q), SimpleNamespace(varlen=True))
+        assert fresh.squeeze(0).permute(1, 0, 2).is_contiguous()  # the packed layout: packed_outputs copies nothing
+        buffer = torch.empty_like(first)
+        for _ in range(2):
+            buffer.zero_()
+            out = call.packed_forward(*args, causal=True, check_values=False, backend="triton", out=buffer)[0]
+            assert out.data_ptr() == buffer.data_ptr() and torch.equal(buffer, first)
+        unaligned = torch.empty(buffer.numel() + 1, dtype=dtype)[1:].view(buffer.shape)
+        out = call.packed_forward(*args, causal=True, check_values=False, backend="triton", out=unaligned)[0]
+        assert out.data_ptr() != unaligned.data_ptr() and torch.equal(out, first)
+        engine = torch.empty_like(first)  # auto on the CPU: the reference, never replayed: a copy every call
+        for _ in range(2):
+            prefill_into(engine, LayerOptions(32 ** -0.5), *args)
+            assert torch.equal(engine, flash_attention_varlen(*args, causal=True, softmax_scale=32 ** -0.5))
+
+
 def test_a_repeated_packed_training_call_replays_without_checks_or_plan(monkeypatch):
     """A model's layers call with one cu_seqlens pair per batch: from the second call on (gradients recorded) the
     call replays its Recorded (no value check, no plan, fewer torch ops) with the same results; a pair written in

@@ -78,3 +78,20 @@ def test_a_signature_the_step_cannot_prepare_runs_the_step(hopper_stubbed, monke
     entry, = call.PREPARED_PACKED.values()
     assert entry.__class__ is call.PackedLaunch and entry.prepared is None
     assert log["run"] == 4 and not log["prepared"]
+
+
+def test_an_engine_buffer_reaches_the_prepared_launch(hopper_stubbed):
+    """`packed_forward(out=)` (an engine's output): the step's second run and every prepared launch after it get the
+    buffer as their out, so the call returns a view of it; the first call (planning) returns its own."""
+    log = hopper_stubbed
+    cu = torch.tensor([0, 70, 70, 200], dtype=torch.int32)
+    qkv = torch.randn(200, (8 + 2 + 2) * 128, dtype=torch.bfloat16)
+    q = qkv[:, :8 * 128].view(200, 8, 128)
+    k, v = (qkv[:, n * 128:(n + 2) * 128].view(200, 2, 128) for n in (8, 10))
+    buffer = torch.empty(200, 8, 128, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        outs = [call.packed_forward(q, k, v, cu, cu, 130, 130, causal=True, check_values=False, out=buffer)[0]
+                for _ in range(4)]
+    assert outs[0].data_ptr() != buffer.data_ptr() and outs[0].is_contiguous()
+    assert all(out.data_ptr() == buffer.data_ptr() for out in outs[1:])
+    assert [tensors[3].data_ptr() for tensors in log["prepared"]] == [buffer.data_ptr()] * 2

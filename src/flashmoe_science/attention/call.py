@@ -165,16 +165,18 @@ class PackedLaunch:
     def __init__(self, prepared, step, mask, softmax_scale: float):
         self.prepared, self.step, self.mask, self.softmax_scale = prepared, step, mask, softmax_scale
 
-    def run(self, q4, k4, v4, features):
+    def run(self, q4, k4, v4, features, out4=None):
         if self.prepared is None:
-            return self.step.run(q4, k4, v4, features, self.softmax_scale)
-        return self.step.launch(self.prepared, q4, k4, v4, features)
+            return self.step.run(q4, k4, v4, features, self.softmax_scale, out4)
+        return self.step.launch(self.prepared, q4, k4, v4, features, out4)
 
 
-def packed_replay(entry, key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values=None):
+def packed_replay(entry, key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values=None,
+                  out4=None):
     """(out, lse) of a packed call whose signature ran before (`PREPARED_PACKED[key]`), or None where its cu_seqlens
     pair is to be checked (`checks.resolve_check_values`) and has not passed the value check (the full path checks
-    it). An inference call's second replay of a signature keeps the step's prepared launch (`PackedLaunch`)."""
+    it). An inference call's second replay of a signature keeps the step's prepared launch (`PackedLaunch`). out4:
+    `packed_forward`'s out as a 4-D view, written by inference replays."""
     bounds = (q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     if resolve_check_values(check_values, q.device) and not values_checked(cu_seqlens_q, cu_seqlens_k, bounds):
         return None
@@ -184,10 +186,10 @@ def packed_replay(entry, key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         features = CallFeatures(mask=entry.features.mask, varlen=varlen)
         return packed_outputs(*autograd.replay_recorded(entry, q4, k4, v4, features))
     if entry.__class__ is PackedLaunch:
-        return packed_outputs(*entry.run(q4, k4, v4, CallFeatures(mask=entry.mask, varlen=varlen)))
+        return packed_outputs(*entry.run(q4, k4, v4, CallFeatures(mask=entry.mask, varlen=varlen), out4))
     step, mask, softmax_scale = entry
     features = CallFeatures(mask=mask, varlen=varlen)
-    out4, lse4 = step.run(q4, k4, v4, features, softmax_scale)  # the step prepares its launch on this second call
+    out4, lse4 = step.run(q4, k4, v4, features, softmax_scale, out4)  # the step prepares its launch on this call
     remember(PREPARED_PACKED, key, PackedLaunch(step.prepare(q4, k4, v4, out4, lse4, features, softmax_scale),
                                                 step, mask, softmax_scale))
     return packed_outputs(out4, lse4)
@@ -203,15 +205,21 @@ def packed_outputs(out4, lse4):
 
 def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                    softmax_scale=None, window=None, softcap=None, alibi_slopes=None, backend="auto",
-                   deterministic=False, return_lse=False, check_values=None, mask_mod=None, score_mod=None):
-    """(out (total_q, Hq, D), lse (Hq, total_q)) of a packed call (the arguments of `flash_attention_varlen`)."""
+                   deterministic=False, return_lse=False, check_values=None, mask_mod=None, score_mod=None, out=None):
+    """(out (total_q, Hq, D), lse (Hq, total_q)) of a packed call (the arguments of `flash_attention_varlen`).
+
+    out: a (total_q, Hq, D) buffer in q's dtype and flash-attn's packed layout (contiguous), which an inference
+    call's repeated signature writes in place of a fresh output (an engine's output: no copy); the returned out is
+    then a view of it. Other calls, or a buffer of another layout, return a fresh out (the caller copies)."""
     key = packed_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      return_lse, backend, deterministic) if plain_call(window, softcap, alibi_slopes, None, mask_mod,
                                                                        score_mod) else None
     entry = PREPARED_PACKED.get(key) if key is not None else None
     if entry is not None:
+        takes_out = out is not None and entry.__class__ is not Recorded and _takes_out(out, q)
+        out4 = packed_as_4d(out) if takes_out else None
         outputs = packed_replay(entry, key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                check_values)
+                                check_values, out4)
         if outputs is not None:
             return outputs
     problem = packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
@@ -229,6 +237,14 @@ def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
             backward = autograd.backward_plan(plan, problem.q4, problem.k4, problem.v4, out4, lse4, features)
             remember(PREPARED_PACKED, key, Recorded(None, step, backward, CallFeatures(mask=features.mask), scale))
     return packed_outputs(out4, lse4)
+
+
+def _takes_out(out, q) -> bool:
+    """Whether `packed_forward`'s out can take the kernels' packed output: its shape, dtype and device, contiguous
+    and 16-byte aligned as a fresh one (`problem.new_outputs`: the prepared launches froze its signature), nothing
+    recording its gradient."""
+    return (out.__class__ is torch.Tensor and out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+            and out.is_contiguous() and out.data_ptr() % 16 == 0 and not out.requires_grad)
 
 
 def packed_backward(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,

@@ -162,6 +162,14 @@ def packed_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     return AttentionProblem(q4, k4, v4, q4, k4, v4, scale, features, backend, deterministic)
 
 
-def new_outputs(q) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward kernels' out (keeps q's strides when q is dense, e.g. a transposed (B, L, H, D) buffer) and lse."""
-    return torch.empty_like(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+def new_outputs(q, features=None, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernels' out and lse for 4-D views q. out: the given one, else a packed call's (`features.varlen`)
+    as (1, H, total, D) view of a (total, H, D) buffer, flash-attn's packed layout, whatever q's strides (the caller
+    then gets it without a copy: `call.packed_outputs`), else one that keeps q's strides when q is dense (e.g. a
+    transposed (B, L, H, D) buffer)."""
+    if out is None:
+        if features is not None and features.varlen is not None:
+            out = packed_as_4d(q.new_empty(q.shape[2], q.shape[1], q.shape[3]))
+        else:
+            out = torch.empty_like(q)
+    return out, torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)

@@ -18,9 +18,14 @@ class ReferenceForward:
     differentiable = True  # autograd runs through its PyTorch ops
     tiles = None
 
-    def run(self, q, k, v, features, softmax_scale):
+    def run(self, q, k, v, features, softmax_scale, out=None, lse=None):
+        """(out, lse), copied into `out` where given (an engine's buffer: inference only)."""
         ran("forward", self.backend, self.kernel)
-        return reference.attention_reference(q, k, v, features, softmax_scale)
+        result, result_lse = reference.attention_reference(q, k, v, features, softmax_scale)
+        if out is None:
+            return result, result_lse
+        out.copy_(result)
+        return out, result_lse
 
     def describe(self, problem, requested: str, with_features: str, declined: str) -> str:
         q = problem.q

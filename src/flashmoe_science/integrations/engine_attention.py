@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from flashmoe_science import flash_attention_decode, flash_attention_varlen
+from flashmoe_science.attention.call import packed_forward
+from flashmoe_science.device import on_another_cuda_device
 
 
 @dataclass(frozen=True)
@@ -83,10 +85,16 @@ def decode_into(output: torch.Tensor, options: LayerOptions, query: torch.Tensor
 def prefill_into(output: torch.Tensor, options: LayerOptions, query: torch.Tensor, keys: torch.Tensor,
                  values: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                  max_seqlen_k: int) -> None:
-    """Causal attention of packed requests (each request's diagonal is its own ``Lk - Lq``) into ``output``."""
-    out = flash_attention_varlen(query, keys, values, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 causal=True, check_values=False, **options.masks())
-    output.copy_(out)
+    """Causal attention of packed requests (each request's diagonal is its own ``Lk - Lq``) into ``output``: from a
+    signature's second call the kernels write it in place (`call.packed_forward`'s out), else a copy."""
+    if on_another_cuda_device(query):
+        out = flash_attention_varlen(query, keys, values, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     causal=True, check_values=False, **options.masks())
+    else:
+        out, _ = packed_forward(query, keys, values, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                causal=True, check_values=False, out=output, **options.masks())
+    if out.data_ptr() != output.data_ptr():
+        output.copy_(out)
 
 
 # Packed batches whose calls build every variant of the sm_90 varlen forward a step can meet (its two tile shapes,

@@ -127,8 +127,8 @@ class HopperForward:
         that ran before repeats its PreparedLaunch (`prepared_forward`)."""
         from flashmoe_science.attention.hopper.fwd_sm90 import attention_forward_sm90
 
-        if out is None:
-            out, lse = new_outputs(q)
+        if lse is None:
+            out, lse = new_outputs(q, features, out)
         key = self.prepared_key(q, k, v, out, lse, features, softmax_scale)
         prepared = PREPARED_FORWARD.get(key) if key is not None else None
         if prepared is not None and prepared is not SEEN_ONCE:
@@ -155,8 +155,8 @@ class HopperForward:
     def launch(self, prepared, q, k, v, features=None, out=None, lse=None):
         """(out, lse) of a call through its signature's PreparedLaunch (`prepare`'s) on checked 4-D views; a packed
         call's (`features.varlen`) with its cumulative lengths and work list."""
-        if out is None:
-            out, lse = new_outputs(q)
+        if lse is None:
+            out, lse = new_outputs(q, features, out)
         varlen = None if features is None else features.varlen
         batch = (varlen_batch(varlen, q.shape[2], features.mask, self.tiles.block_m, self.band)
                  if varlen is not None else None)

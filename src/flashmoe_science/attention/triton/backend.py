@@ -44,16 +44,16 @@ class TritonForward:
         """(out, lse) on checked 4-D views (written into `out`, `lse` where given)."""
         from flashmoe_science.attention.triton.fwd import attention_forward
 
-        if out is None:
-            out, lse = new_outputs(q)
+        if lse is None:
+            out, lse = new_outputs(q, features, out)
         ran("forward", self.backend, self.kernel)
         attention_forward(q, k, v, out, lse, features, softmax_scale, self.tiles)
         return out, lse
 
     def launch(self, prepared, q, k, v, features=None, out=None, lse=None):
         """(out, lse) of a call through its signature's PreparedLaunch (`prepare`'s)."""
-        if out is None:
-            out, lse = new_outputs(q)
+        if lse is None:
+            out, lse = new_outputs(q, features, out)
         ran("forward", self.backend, self.kernel)
         prepared(q, k, v, out, lse)
         return out, lse
