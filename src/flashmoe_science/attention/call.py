@@ -57,11 +57,7 @@ class Recorded:
     def run(self, q, k, v, features):
         if self.prepared is None:
             return self.step.run(q, k, v, features, self.softmax_scale)
-        return _launch(self.prepared, self.step, q, k, v)
-
-
-def _launch(prepared, step, q, k, v):
-    return step.launch(prepared, q, k, v)
+        return self.step.launch(self.prepared, q, k, v)
 
 
 def replay(entry, q, k, v):
@@ -69,7 +65,8 @@ def replay(entry, q, k, v):
     with autograd's graph."""
     if entry.__class__ is Recorded:
         return autograd.replay_recorded(entry, q, k, v, entry.features)
-    return _launch(*entry, q, k, v)
+    prepared, step = entry
+    return step.launch(prepared, q, k, v)
 
 
 def dense_forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None, alibi_slopes=None,
