@@ -166,8 +166,14 @@ def agreement(ours: dict, theirs: dict, label: str, eager: bool) -> bool:
             same = sum(a == b for a, b in zip(ids, ref_ids))
             agree, total = agree + same, total + len(ref_ids)
             first_lp = abs(lps[0] - ref_lps[0])
-            ok &= ids[0] == ref_ids[0] and first_lp <= LOGPROB_TOLERANCE and len(ids) == NEW_TOKENS
-            print(f"{name} #{i}: {same}/{len(ref_ids)} tokens agree, first-step logprob diff {first_lp:.4f}")
+            failed = [why for why, bad in (("first token differs", ids[0] != ref_ids[0]),
+                                           ("first-step logprob", first_lp > LOGPROB_TOLERANCE),
+                                           (f"{len(ids)} tokens", len(ids) != NEW_TOKENS)) if bad]
+            ok &= not failed
+            split = next((j for j, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), None)
+            print(f"{name} #{i}: {same}/{len(ref_ids)} tokens agree"
+                  + (f" (first difference at token {split})" if split is not None else "")
+                  + f", first-step logprob diff {first_lp:.4f}" + (f"; FAILS: {', '.join(failed)}" if failed else ""))
     print(f"greedy tokens agreeing with {label}: {agree}/{total} ({agree / total:.3f}); "
           f"CUDA graphs {'off' if eager else 'on (decode)'}")
     return ok and agree >= TOKEN_AGREEMENT * total
