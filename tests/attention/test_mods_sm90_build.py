@@ -19,7 +19,8 @@ from flashmoe_science.attention.hopper.bwd_common import offline_features  # noq
 from flashmoe_science.backends import NoBackend  # noqa: E402
 from flashmoe_science.attention.hopper.tiles import sm90_forward_tiles  # noqa: E402
 from flashmoe_science.attention.mask import make_mask  # noqa: E402
-from flashmoe_science.attention.mods import FULL, PARTIAL, BlockMask, MaskMod, TileLists, clamp_index  # noqa: E402
+from flashmoe_science.attention.mods import (FULL, PARTIAL, BlockMask, MaskMod, ScoreMod, TileLists,  # noqa: E402
+                                             clamp_index)
 from flashmoe_science.attention.plan import plan_attention  # noqa: E402
 from flashmoe_science.attention.problem import dense_problem  # noqa: E402
 from flashmoe_science.attention.tiles import AttentionTiles  # noqa: E402
@@ -29,6 +30,7 @@ from flashmoe_science.gluon import availability  # noqa: E402
 from flashmoe_science.gluon.build import sass_loops, spill_budget, spill_count  # noqa: E402
 from flashmoe_science.gluon.compat import gl, gluon, on_tuned_triton  # noqa: E402
 from flashmoe_science.gluon.sm90 import compile_offline  # noqa: E402
+import mod_cases  # noqa: E402
 from sm90_helpers import sass_or_skip  # noqa: E402
 
 OFFLINE = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1", reason="a real sm_90 build")
@@ -147,8 +149,18 @@ def test_mod_launch_arguments():
     assert named["WALK_TILES"].shape == (2, 4, 3, 3) and (named["mod_q_tiles"], named["list_len"]) == (3, 3)
     with pytest.raises(ValueError, match="block mask at the launch's 128x128 tiles"):
         _launch(mod, _blocks(128, 64))
-    with pytest.raises(ValueError, match="mask_mod beside causal"):
+    with pytest.raises(ValueError, match="mask_mod and score_mod beside causal"):
         _launch(mod, blocks, mask=make_mask(False, None, 30.0))
+    assert plain["score_mod"] is None and plain["score_mod_args"] is None and not _launch()[2]["SCORE_MOD"]
+    score = ScoreMod(mod_cases.head_slope, _meta(4, dtype=torch.float32), grad=mod_cases.unit_grad)
+    _, args, constexprs = _launch(score_mod=score)  # alone: no block mask
+    named = dict(zip(names, args))
+    assert constexprs["SCORE_MOD"] and not constexprs["MASK_MOD"] and named["mask_mod"] is None
+    assert named["score_mod"] is score.fn and named["score_mod_args"] == score.tensors
+    _, args, constexprs = _launch(mod, blocks, score_mod=score)
+    assert constexprs["SCORE_MOD"] and constexprs["MASK_MOD"]
+    with pytest.raises(ValueError, match="score_mod beside causal"):
+        _launch(score_mod=score, alibi_slopes=_meta(4, dtype=torch.float32))
 
 
 def test_the_walk_lists_full_tiles_then_partial_ones():
@@ -223,6 +235,50 @@ def test_auto_takes_the_gluon_mod_forward_where_few_visited_tiles_are_partial(on
                                                  ).forward_choice.why_not("hopper")
 
 
+def test_a_score_mod_plans_the_gluon_forward_and_the_triton_backward(on_hopper):
+    """A score_mod runs in the Gluon forward (auto at D=128, alone or beside a mask_mod of few partial tiles; the
+    plan says so), and its backward in Triton's, which differentiates it through the user's grad, saying why."""
+    q = torch.randn(1, 4, 2048, 128, dtype=torch.bfloat16)
+    score = ScoreMod(mod_cases.tanh_softcap, grad=mod_cases.tanh_softcap_grad)
+    auto = plan_attention(dense_problem(q, q, q, causal=True, score_mod=score)[0])
+    assert auto.backend == "hopper" and "score_mod on every visited score" in auto.forward_choice.plan.describe(
+        auto.problem, "runs", "", "")
+    assert auto.backward_choice.plan.backend != "hopper"
+    assert "score_mod" in auto.backward_choice.why_not("hopper")
+    both = plan_attention(dense_problem(q, q, q, mask_mod=MaskMod(mask_mods.causal), score_mod=score)[0])
+    assert both.backend == "hopper"
+    narrow = torch.randn(1, 4, 2048, 64, dtype=torch.bfloat16)
+    assert "measured at D=128" in plan_attention(dense_problem(narrow, narrow, narrow, score_mod=score)[0]
+                                                 ).forward_choice.why_not("hopper")
+
+
+@pytest.mark.sm90_build
+@OFFLINE
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("name", ["softcap", "slope_and_prefix"])
+def test_score_mod_forward_builds_for_sm90(name, varlen):
+    """The score_mod forward (D=128, causal, the plan's tiles): a softcap mod alone, and a per-head slope table's
+    ALiBi beside the prefix-LM mask_mod, its key loop's spills within the recorded budget."""
+    tiles = sm90_forward_tiles(128, True, 4096)
+    if name == "softcap":
+        score, mask = ScoreMod(mod_cases.tanh_softcap), None
+    else:
+        score, mask = ScoreMod(mod_cases.head_slope, _meta(16, dtype=torch.float32)), _mod("prefix_lm")
+    compiled = fwd_sm90.compile_offline(128, True, tiles, 132, 1, False, varlen=varlen, mask_mod=mask,
+                                        score_mod=score)
+    sass = sass_or_skip(compiled)
+    assert "UTMALDG" in sass and "HGMMA" in sass
+    loops = [loop for loop in sass_loops(sass) if loop["HGMMA"] == 8 + tiles.block_n // 16]
+    assert max(loop["LDL"] + loop["STL"] for loop in loops) <= spill_budget(SCORE_LOOP_SPILLS[name, varlen])
+
+
+# (mod, packed) -> LDL + STL in the score_mod forward's busiest key loop on the tuned triton (3.6; the plain loop 4):
+# the softcap mod keeps it; the slope table's load beside the prefix mask's holds 46-53 values per tile in local
+# memory (the slope alone: 2-16)
+SCORE_LOOP_SPILLS = {("softcap", False): 4, ("softcap", True): 7, ("slope_and_prefix", False): 53,
+                     ("slope_and_prefix", True): 46}
+
+
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_the_mask_mods_suite_times_the_gluon_backward_where_it_plans(on_hopper, monkeypatch, head_dim):
     """bench --suite mask-mods's `flashmoe-arch`: forward and backward where Hopper plans the mod's backward (D=128),
@@ -239,12 +295,13 @@ def test_the_mask_mods_suite_times_the_gluon_backward_where_it_plans(on_hopper, 
 
 
 def test_a_mod_whose_gluon_build_failed_is_refused_by_name(on_hopper, monkeypatch):
-    """After its Gluon build failed (availability.run_gluon with the mod as user_fn), the Hopper forward declines
-    that mod with the build's reason, backend='hopper' included, and takes any other mod as before."""
+    """After its Gluon build failed (availability.run_gluon with the mods' functions as user_fn), the Hopper
+    forward declines that mod with the build's reason, backend='hopper' included, and takes any other mod as
+    before."""
     monkeypatch.setattr(availability, "_function_failures", {})
     q = torch.randn(1, 4, 256, 128, dtype=torch.bfloat16)
     refused = MaskMod(mask_mods.head_windows, torch.full((16,), 32, dtype=torch.int32))
-    availability._function_failures[refused.fn] = "head_windows does not build in the Gluon sm_90 attention forward"
+    availability._function_failures[(refused.fn,)] = "head_windows does not build in the Gluon sm_90 attention forward"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(NoBackend, match="head_windows does not build in the Gluon"):
         plan_attention(dense_problem(q, q, q, causal=True, mask_mod=refused, backend="hopper")[0])

@@ -167,3 +167,67 @@ def test_auto_chooses_by_the_partial_tiles_and_its_gradients_hold(name):
         return mod_oracle(q, k, v, seen, None, dtype=dtype)
 
     check_forward_and_grads(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))
+
+
+# score_mod in the Gluon forward (the backward is Triton's): a softcap written as a mod (every tile, no mask), and
+# ALiBi from a per-head slope table beside a per-head window mask_mod (the score on every visited tile, the mask on
+# the partial ones), dense at odd lengths with GQA, and packed with an empty and a length-1 sequence
+SCORE_CASES = ("softcap_mod", "alibi_mod_and_window")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", SCORE_CASES)
+def test_score_mod_forward_against_float64_and_the_triton_forward(name, head_dim, causal):
+    from mod_cases import case
+
+    hopper_attention_module("fwd_sm90")
+    lq, lk = 1000, 1000
+    mask_mod, score_mod, seen, twin = case(name, BATCH, HEADS, lq, lk, "cuda")
+    q = randn(BATCH, HEADS, lq, head_dim, dtype=torch.bfloat16).cuda()
+    k, v = (randn(BATCH, KV_HEADS, lk, head_dim, dtype=torch.bfloat16).cuda() for _ in range(2))
+    out, lse = flash_attention_science(q, k, v, causal=causal, mask_mod=mask_mod, score_mod=score_mod,
+                                       return_lse=True, backend="hopper")
+    if causal:
+        tril = torch.ones(lq, lk, dtype=torch.bool).tril()
+        seen = tril if seen is None else seen & tril
+    ref, ref_lse = mod_oracle(q.cpu(), k.cpu(), v.cpu(), seen, twin)
+    same, _ = mod_oracle(q.cpu(), k.cpu(), v.cpu(), seen, twin, dtype=torch.bfloat16)
+    assert_within_rule("out", out.cpu().double(), ref, same.double(), torch.bfloat16)
+    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.cpu()[finite].double(), ref_lse[finite], rtol=0, atol=2e-2)
+    triton_out = flash_attention_science(q, k, v, causal=causal, mask_mod=mask_mod, score_mod=score_mod,
+                                         backend="triton")
+    torch.testing.assert_close(out, triton_out, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", SCORE_CASES)
+def test_score_mod_varlen_forward_against_float64(name, head_dim):
+    from mod_cases import case
+
+    hopper_attention_module("fwd_sm90")
+    lengths = [700, 0, 1, 517]
+    longest = max(lengths)
+    mask_mod, score_mod, _, _ = case(name, len(lengths), HEADS, longest, longest, "cuda")
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q = randn(int(cu[-1]), HEADS, head_dim, dtype=torch.bfloat16).cuda()
+    k, v = (randn(int(cu[-1]), KV_HEADS, head_dim, dtype=torch.bfloat16).cuda() for _ in range(2))
+    args = (cu.cuda(), cu.cuda(), longest, longest)
+    out, lse = flash_attention_varlen(q, k, v, *args, mask_mod=mask_mod, score_mod=score_mod, return_lse=True,
+                                      backend="hopper")
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        q4, k4, v4 = (t[rows].transpose(0, 1)[None].cpu() for t in (q, k, v))
+        _, _, seen, twin = case(name, 1, HEADS, n, n)  # the same seeded tables, this sequence's positions
+        visible = seen
+        ref, ref_lse = mod_oracle(q4, k4, v4, visible, twin)
+        same, _ = mod_oracle(q4, k4, v4, visible, twin, dtype=torch.bfloat16)
+        assert_within_rule(f"out of sequence {b}", out[rows].transpose(0, 1)[None].cpu().double(), ref,
+                           same.double(), torch.bfloat16)
+        ours_lse = lse[:, rows].cpu()[None].double()
+        finite = torch.isfinite(ref_lse)
+        torch.testing.assert_close(ours_lse[finite], ref_lse[finite], rtol=0, atol=2e-2)

@@ -96,6 +96,13 @@ class Mods:
     mask: MaskMod | None = None
     score: ScoreMod | None = None
 
+    @property
+    def functions(self) -> tuple:
+        """The user's functions a kernel build carries (mask_mod, score_mod and its grad, those given): the key a
+        failed Gluon build is remembered under (`gluon.availability.function_refusal`)."""
+        score = () if self.score is None else (self.score.fn,) + (() if self.score.grad is None else (self.score.grad,))
+        return (() if self.mask is None else (self.mask.fn,)) + score
+
 
 def _is_jit(fn) -> bool:
     return isinstance(fn, (JITFunction, InterpretedFunction))

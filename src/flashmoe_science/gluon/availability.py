@@ -132,7 +132,8 @@ def function_refusal(fn) -> str | None:
 
 
 def _record_function_failure(kernel: str, fn, error: BaseException) -> str:
-    name = getattr(getattr(fn, "fn", fn), "__name__", repr(fn))
+    functions = fn if isinstance(fn, tuple) else (fn,)
+    name = " and ".join(getattr(getattr(f, "fn", f), "__name__", repr(f)) for f in functions)
     reason = f"{name} does not build in the Gluon sm_90 {kernel} ({_summary(error)})"
     if fn not in _function_failures:
         _function_failures[fn] = reason
@@ -145,8 +146,8 @@ def run_gluon(kernel: str, launch: Callable[[], object], strict: bool = False, u
     """Run ``launch`` (a Gluon kernel's launch) unless the Gluon kernels are off. True when it ran; False when they
     are off or it failed to build (``is_build_failure``; recorded, one warning): the caller then runs its Triton
     kernel. With ``strict`` (backend="hopper") raises GluonUnavailable instead of returning False. Any other error
-    of the launch propagates unchanged and leaves the Gluon kernels on. ``user_fn``: a user's function the build
-    carries (a mask_mod); a failed build is recorded against it alone (`function_refusal`)."""
+    of the launch propagates unchanged and leaves the Gluon kernels on. ``user_fn``: the user's function (a mask_mod),
+    or tuple of functions, the build carries; a failed build is recorded against it alone (`function_refusal`)."""
     reason = unavailable_reason() or (function_refusal(user_fn) if user_fn is not None else None)
     if reason is None:
         try:

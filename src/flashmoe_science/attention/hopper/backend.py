@@ -52,8 +52,9 @@ from flashmoe_science.gluon.target import ARCH
 from flashmoe_science.prepared_cache import SEEN_ONCE, prepared_table, remember, tensor_signature
 
 # forward: odd head dims reach the kernel padded; the bias's gradient is the backward's; a mask_mod beside causal, a
-# window and varlen (HopperAttention.decline), walked through its block mask
-FORWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen", "mask_mod"})
+# window and varlen (HopperAttention.decline), walked through its block mask; a score_mod on every visited score
+FORWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen", "mask_mod",
+                              "score_mod"})
 # the backward runs after a Triton forward too (`_HopperAttentionBackward.decline`); attn_bias where the one-pass
 # kernel reads it by TMA (bwd_sm90.bias_refusal); a mask_mod where its one pass walks the block mask
 # (bwd_sm90.mod_refusal)
@@ -135,14 +136,15 @@ class HopperForward:
             return self.launch(prepared, q, k, v, features, out, lse)
         batch = varlen_batch(features.varlen, q.shape[2], features.mask, self.tiles.block_m, self.band)
         num_ctas = device_traits(q.device).sm_count if self.persistent else None
-        mask_mod = features.mods.mask if features.mods is not None else None
+        mods = features.mods
+        mask_mod, score_mod = (mods.mask, mods.score) if mods is not None else (None, None)
         # the block mask at the kernel's own tiles (built on the device, remembered while the mod's tensors live)
         blocks = call_block_mask(q, k, features, self.tiles.block_m, self.tiles.block_n)
         if run_gluon("attention forward", lambda: attention_forward_sm90(
                 q, k, v, out, lse, features.causal, softmax_scale, self.tiles, num_ctas, self.q_buffers,
                 self.cross_item, mask=features.mask, alibi_slopes=features.alibi_slopes, varlen=batch,
-                attn_bias=features.attn_bias, bias_tma=self.bias_tma, mask_mod=mask_mod, blocks=blocks),
-                self.fallback is None, mask_mod.fn if mask_mod is not None else None):
+                attn_bias=features.attn_bias, bias_tma=self.bias_tma, mask_mod=mask_mod, blocks=blocks,
+                score_mod=score_mod), self.fallback is None, mods.functions if mods is not None else None):
             ran("forward", self.backend, self.kernel)
             if prepared is SEEN_ONCE:
                 self.prepare(q, k, v, out, lse, features, softmax_scale)
@@ -205,8 +207,11 @@ class HopperForward:
         ctas = (f"persistent, one CTA per SM, {self.q_buffers} Q buffer(s) per consumer"
                 + (", consecutive query tiles overlapped" if self.cross_item else "") if self.persistent
                 else "one CTA per query tile")
-        if problem.features.mods is not None:
+        mods = problem.features.mods
+        if mods is not None and mods.mask is not None:
             shape += ", mask_mod's full key tiles unmasked and its partial ones masked (its block mask at these tiles)"
+        if mods is not None and mods.score is not None:
+            shape += ", score_mod on every visited score"
         if self.band > 1:
             ctas += (f"; causal packed tiles dealt in bands of {self.band} side by side (its K/V outgrows L2 and its "
                      "sequences are long: tiles.sm90_varlen_band)")
@@ -233,12 +238,14 @@ _MOD_SHARES: dict = {}
 
 
 def mod_forward_refusal(problem) -> str | None:
-    """Why auto leaves a mask_mod call to the Triton forward, or None: at D=128 (the head dim measured) the Gluon
-    forward takes a mask whose visited tiles are at most SM90_MOD_PARTIAL_SHARE partial at its own tiles. The share
-    is read on the host once per mod function, mask, packed or not, heads, lengths and tiles
-    (`BlockMask.partial_share`: one synchronisation), never while a CUDA graph is captured."""
+    """Why auto leaves a call with mods to the Triton forward, or None: at D=128 (the head dim measured) the Gluon
+    forward takes a score_mod alone, and a mask_mod whose visited tiles are at most SM90_MOD_PARTIAL_SHARE partial at
+    its own tiles. The share is read on the host once per mod function, mask, packed or not, heads, lengths and
+    tiles (`BlockMask.partial_share`: one synchronisation), never while a CUDA graph is captured."""
     if padded_head_dim(problem.head_dim) != 128:
-        return "its mask_mod forward runs only when asked for (backend='hopper') at this head dim: measured at D=128"
+        return "its mods forward runs only when asked for (backend='hopper') at this head dim: measured at D=128"
+    if problem.features.mods.mask is None:
+        return None
     if problem.q4 is None:
         return ("auto reads a mask_mod's partial tiles on the 4-D views to choose this forward, and the leading dims "
                 "do not merge (backend='hopper' takes it)")
@@ -458,7 +465,7 @@ class _HopperAttentionBackward:
             from flashmoe_science.attention.hopper.bwd_sm90 import mod_refusal
 
             refusal = (mod_refusal(problem.features, problem.head_dim, problem.deterministic_now())
-                       or function_refusal(mods.mask.fn))
+                       or function_refusal(mods.functions))
             if refusal is not None:
                 return refusal
             if problem.backend != self.name and padded_head_dim(problem.head_dim) != 128:
@@ -517,7 +524,7 @@ class HopperAttention:
         if absent:
             return f"it does not take {', '.join(absent)} yet"
         features = problem.features
-        refused = function_refusal(features.mods.mask.fn) if features.mods is not None else None
+        refused = function_refusal(features.mods.functions) if features.mods is not None else None
         if refused is not None:
             return refused
         if not tma_compatible(q, problem.k, problem.v):

@@ -53,7 +53,7 @@ from flashmoe_science.attention.features import bias_strides
 from flashmoe_science.attention.layout import bias_tma_view, tma_compatible
 from flashmoe_science.attention.mask import (LN_2, LOG2_E, MaskSpec, key_tile_bounds, key_tile_range, score_to_log2,
                                              visible)
-from flashmoe_science.attention.mods import BlockMask, MaskMod, TileLists, clamp_index
+from flashmoe_science.attention.mods import BlockMask, MaskMod, ScoreMod, TileLists, clamp_index
 from flashmoe_science.attention.seqlen import PACKED_TOTALS, PER_BATCH_ARGS, VarlenBatch, ranked_work_list_entries
 from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.gluon.compat import (fence_async_shared, gl, gluon, mbarrier, tma, warpgroup_mma,
@@ -240,7 +240,8 @@ def _score_start(s_zero, start_n, tile_mask, BLOCK_N: gl.constexpr, ALIBI_LINEAR
 
 @gluon.jit
 def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free, bias_ring, stage, bias_args, mask_mod,
-                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
+                  score_mod, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
+                  MASK_RIGHT: gl.constexpr,
                   SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
                   s_layout: gl.constexpr, P_DTYPE: gl.constexpr, p_layout: gl.constexpr,
                   MOD_WIDTH: gl.constexpr):
@@ -266,19 +267,22 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
     batch and head: `_consumer_item`): tile j is the j-th of the item's lists, and its partial tiles AND the mod
     into the mask, at positions clamped into the sequence (mods.clamp_index), in column slices MOD_WIDTH wide
     (`_mod_width`); full tiles mask nothing.
+
+    A score_mod (mods refuse softcap, ALiBi and the bias beside it) replaces every visited score, before the mask,
+    by score_mod(s·scale) in log2 units (`_scored`), in the same column slices.
     """
     # tuples are unpacked whole, not sliced or measured: triton 3.6 cannot take len() of a tuple holding None
     MASK_MOD: gl.constexpr = mask_mod is not None
-    if MASK_MOD:
+    SCORE_MOD: gl.constexpr = score_mod is not None
+    if MASK_MOD or SCORE_MOD:
         key_start, full_start, full_end, seqlen_k, diagonal, alibi_slope_log2, bias_plane, seqlen_q, alibi_raw, \
             alibi_ref, mod_item = tile_mask
-        window_left, window_right, softcap_scale, mod_tensors, block_lists = mask_args
     else:
         key_start, full_start, full_end, seqlen_k, diagonal, alibi_slope_log2, bias_plane, seqlen_q, alibi_raw, \
             alibi_ref = tile_mask
-        window_left, window_right, softcap_scale = mask_args
+    window_left, window_right, softcap_scale, mod_tensors, block_lists, score_tensors = mask_args
     ALIBI_LINEAR: gl.constexpr = ALIBI and not SOFTCAP
-    LOG2_SCORES: gl.constexpr = ALIBI and SOFTCAP  # s in log2 units after the modifiers
+    LOG2_SCORES: gl.constexpr = (ALIBI and SOFTCAP) or SCORE_MOD  # s in log2 units after the modifiers
     if MASK_MOD:
         start_n, partial = _listed_tile(mod_item[0], j, BLOCK_N)
     else:
@@ -287,6 +291,9 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
         bias = _bias_tile(bias_ring, stage, bias_plane, bias_args, offs_m, start_n, seqlen_q, seqlen_k, BLOCK_N,
                           BIAS_TMA, s_layout)
     mbarrier.arrive(k_free, count=1)
+    if SCORE_MOD:
+        s = _scored(s, offs_m, start_n, seqlen_q, seqlen_k, mod_item[1], mod_item[2], score_mod, score_tensors,
+                    qk_scale, MOD_WIDTH)
     if SOFTCAP:  # s becomes t = tanh(s·scale/c); its multiplier c·log2e is folded into the FMAs below
         _, s = score_to_log2(s, 0, 0, 0, qk_scale, softcap_scale, 0.0, SOFTCAP, False, True)
     if LOG2_SCORES:  # scores in log2 units: t·multiplier minus the distance term
@@ -370,6 +377,28 @@ def _masked(s, offs_m, start_n, seqlen_q, seqlen_k, diagonal, window_left, windo
 
 
 @gluon.jit
+def _scored(s, offs_m, start_n, seqlen_q, seqlen_k, b, h, score_mod, score_tensors, qk_scale, COLUMNS: gl.constexpr):
+    """s (raw q·k of a wgmma accumulator tile, its first key start_n) as score_mod(s·scale, b, h, q_idx, kv_idx)
+    in log2 units (qk_scale = scale·log2 e), at positions clamped into the sequence; on column slices at most
+    COLUMNS wide, as `_masked`."""
+    layout: gl.constexpr = s.type.layout
+    N: gl.constexpr = s.shape[1]
+    if N > COLUMNS:
+        half: gl.constexpr = wgmma_layout(N // 2)
+        left, right = column_halves(s)
+        left = _scored(gl.convert_layout(left, half), offs_m, start_n, seqlen_q, seqlen_k, b, h, score_mod,
+                       score_tensors, qk_scale, COLUMNS)
+        right = _scored(gl.convert_layout(right, half), offs_m, start_n + N // 2, seqlen_q, seqlen_k, b, h,
+                        score_mod, score_tensors, qk_scale, COLUMNS)
+        return gl.convert_layout(gl.join(left, right).permute((0, 2, 1)).reshape([s.shape[0], N]), layout)
+    rows = gl.convert_layout(offs_m, gl.SliceLayout(1, layout))
+    key_pos = start_n + gl.arange(0, N, layout=gl.SliceLayout(0, layout))
+    x = score_mod(s * (qk_scale * LN_2), b, h, gl.expand_dims(clamp_index(rows, seqlen_q), 1),
+                  gl.expand_dims(clamp_index(key_pos, seqlen_k), 0), *score_tensors)
+    return x * LOG2_E
+
+
+@gluon.jit
 def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
     """P as the register A operand of the P·V product: the float32 P rounded to the operands' dtype, or a P packed
     by `_p_pack` unpacked, in `p_layout`.
@@ -402,7 +431,7 @@ def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_
                    varlen_args, bias_ptr_args, qk_scale, CONSUMER: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                    CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, ALIBI: gl.constexpr,
                    VARLEN: gl.constexpr, BIAS_LOADS: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                   MASK_MOD: gl.constexpr):
+                   MASK_MOD: gl.constexpr, SCORE_MOD: gl.constexpr = False):
     """This consumer's share of the CTA's item-th work item: (its rows: TMA batch coordinate, query head, first row,
     the sequence's first Q row, Lq), the key tiles the CTA streams, the key tiles this consumer multiplies, and
     what its masks need: (first key of the CTA's tiles, start and end of the keys it sees unmasked, Lk, Lk - Lq,
@@ -410,16 +439,16 @@ def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_
     bias_ptr_args: base, batch and head strides) else None, Lq, ALiBi slope in raw score units (slope · log2 e /
     qk_scale) and the reference position of `_score_start`'s linear form (first row + Lk - Lq)); with a mask_mod
     (MASK_MOD: mask_args ends with its tensors and the block mask's lists) also (the item's block-mask lists, batch,
-    query head): every consumer walks them whole."""
+    query head): every consumer walks them whole; with a score_mod alone (SCORE_MOD), (0, batch, query head)."""
     batch, desc_batch, q_head, _, cta_start_m, q_row0, _, item_seqlen_q, item_seqlen_k = item_rows(
         item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, varlen_args, NUM_CONSUMERS * ROWS,
         CAUSAL, VARLEN)
+    window_left, window_right, _, _, block_lists, _ = mask_args
     if MASK_MOD:
-        window_left, window_right, _, _, block_lists = mask_args
         item_lists = _item_tile_lists(block_lists, batch, q_head, cta_start_m, NUM_CONSUMERS * ROWS)
         key_start, cta_tiles = 0, item_lists[2]
     else:
-        window_left, window_right, _ = mask_args
+        item_lists = 0  # unused (triton 3.6 cannot add a tuple holding None)
         key_start, cta_tiles = cta_key_tiles(cta_start_m, item_seqlen_q, item_seqlen_k, window_left, window_right,
                                               NUM_CONSUMERS * ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT)
     start_m = cta_start_m + CONSUMER * ROWS
@@ -455,7 +484,7 @@ def _consumer_item(item, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_
     rows = (desc_batch, q_head, start_m, q_row0, item_seqlen_q)
     tile_mask = (key_start, full_start, full_end, item_seqlen_k, item_seqlen_k - item_seqlen_q, alibi_slope_log2,
                  bias_plane, item_seqlen_q, alibi_raw, start_m + item_seqlen_k - item_seqlen_q)
-    if MASK_MOD:
+    if MASK_MOD or SCORE_MOD:
         tile_mask = tile_mask + ((item_lists, batch, q_head),)
     return rows, cta_tiles, num_tiles, tile_mask
 
@@ -550,7 +579,7 @@ def _item_scales(descales, batch, q_head, num_q_heads, group_size, qk_scale, FP8
 
 @gluon.jit
 def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring, num_tiles, p, m_i, l_i, alpha,
-               o_acc, s_zero, offs_m, tile_mask, mask_args, qk_scale, bias_ring, bias_args, mask_mod,
+               o_acc, s_zero, offs_m, tile_mask, mask_args, qk_scale, bias_ring, bias_args, mask_mod, score_mod,
                BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
                HAS_BIAS: gl.constexpr, BIAS_TMA: gl.constexpr,
@@ -582,7 +611,8 @@ def _key_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         turn = _pass_turn(turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG)
         s = warpgroup_mma_wait(1, deps=(s,))  # S_j done; P_{j-1} V_{j-1} may still run
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale,
-                                           k_empty.index(stage), bias_ring, stage, bias_args, mask_mod, BLOCK_N,
+                                           k_empty.index(stage), bias_ring, stage, bias_args, mask_mod, score_mod,
+                                           BLOCK_N,
                                            CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS, BIAS_TMA,
                                            s_layout, P_DTYPE, p_layout, MOD_WIDTH)
         o_acc = _wait_pv(o_acc, p_op)
@@ -711,7 +741,7 @@ def _output_staging(q_smems, o_smems, q_buf, CONSUMER: gl.constexpr, FP8: gl.con
 def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
                         num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
                         mask_args, alibi_args, varlen_args, bias_ring, bias_ptr_args, bias_args, descales, o_smems,
-                        mask_mod, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, ROWS: gl.constexpr,
+                        mask_mod, score_mod, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, ROWS: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr,
                         CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
                         MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
@@ -735,8 +765,8 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     staged in `o_smems` (the consumer's e4m3 Q buffer holds half its bytes).
 
     PINGPONG: the consumers issue each key tile's two products in rotation (`_take_turn`, barriers `turns`); an
-    item's first Q·Kᵀ and last P·V are issued outside it. SKIP_RESCALE: see `_rescale`. mask_mod: the user's (see
-    _softmax_tile), or None."""
+    item's first Q·Kᵀ and last P·V are issued outside it. SKIP_RESCALE: see `_rescale`. mask_mod, score_mod: the
+    user's (see _softmax_tile), or None."""
     num_warps: gl.constexpr = 4
     MOD_WIDTH: gl.constexpr = _mod_width(VARLEN)  # a mask_mod's column slices (_masked)
     FP8: gl.constexpr = q_smems.dtype == gl.float8e4nv
@@ -767,7 +797,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     rows, cta_tiles, num_tiles, tile_mask = _consumer_item(
         0, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, mask_args, alibi_args, varlen_args,
         bias_ptr_args, qk_scale, CONSUMER, ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, ALIBI, VARLEN,
-        BIAS_LOADS, NUM_CONSUMERS, mask_mod is not None)
+        BIAS_LOADS, NUM_CONSUMERS, mask_mod is not None, score_mod is not None)
     scale, o_scale = _item_scales(descales, rows[0], rows[1], num_q_heads, group_size, qk_scale, FP8)
     q_buf = CONSUMER * Q_BUFFERS
     s = _issue_first_scores(q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), q_ready.index(q_buf), 0, k_smem,
@@ -777,7 +807,8 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     offs_m = rows[2] + gl.arange(0, ROWS, layout=s_rows)
     p, m_i, l_i, alpha = _softmax_tile(s, m_init, l_init, 0, offs_m, tile_mask, mask_args, scale,
                                        k_empty.index(ring % NUM_STAGES), bias_ring, ring % NUM_STAGES, bias_args,
-                                       mask_mod, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, ADD_BIAS,
+                                       mask_mod, score_mod, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                                       ADD_BIAS,
                                        BIAS_TMA,
                                        s_layout, P_DTYPE, p_layout, MOD_WIDTH)
     o_acc = o_zero
@@ -788,7 +819,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
         p, m_i, l_i, alpha, o_acc, turn = _key_tiles(
             q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
             num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, scale, bias_ring, bias_args,
-            mask_mod, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS,
+            mask_mod, score_mod, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS,
             BIAS_TMA, s_layout,
             o_rows, p_layout, P_DTYPE, turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG, SKIP_RESCALE, MOD_WIDTH)
         last = ring + num_tiles - 1
@@ -798,7 +829,7 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
         n_rows, n_cta_tiles, n_num_tiles, n_tile_mask = _consumer_item(
             item + 1, num_ctas, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, mask_args, alibi_args,
             varlen_args, bias_ptr_args, qk_scale, CONSUMER, ROWS, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT, ALIBI,
-            VARLEN, BIAS_LOADS, NUM_CONSUMERS, mask_mod is not None)
+            VARLEN, BIAS_LOADS, NUM_CONSUMERS, mask_mod is not None, score_mod is not None)
         n_offs_m = n_rows[2] + gl.arange(0, ROWS, layout=s_rows)
         n_scale, n_o_scale = _item_scales(descales, n_rows[0], n_rows[1], num_q_heads, group_size, qk_scale, FP8)
         if CROSS_ITEM:
@@ -810,8 +841,8 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             s = warpgroup_mma_wait(1, deps=(s,))  # the next item's S_0 is done; this item's last P·V may still run
             p, m_next, l_next, alpha = _softmax_tile(
                 s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, n_scale, k_empty.index(next_ring % NUM_STAGES),
-                bias_ring, next_ring % NUM_STAGES, bias_args, mask_mod, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT,
-                SOFTCAP, ALIBI,
+                bias_ring, next_ring % NUM_STAGES, bias_args, mask_mod, score_mod, BLOCK_N, CAUSAL, MASK_LEFT,
+                MASK_RIGHT, SOFTCAP, ALIBI,
                 ADD_BIAS, BIAS_TMA, s_layout, P_DTYPE, p_layout, MOD_WIDTH)
             o_acc = _wait_pv(o_acc, p_op)
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
@@ -836,8 +867,8 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
             s = warpgroup_mma_wait(0, deps=(s,))
             p, m_next, l_next, alpha = _softmax_tile(
                 s, m_init, l_init, 0, n_offs_m, n_tile_mask, mask_args, n_scale, k_empty.index(next_ring % NUM_STAGES),
-                bias_ring, next_ring % NUM_STAGES, bias_args, mask_mod, BLOCK_N, CAUSAL, MASK_LEFT, MASK_RIGHT,
-                SOFTCAP, ALIBI,
+                bias_ring, next_ring % NUM_STAGES, bias_args, mask_mod, score_mod, BLOCK_N, CAUSAL, MASK_LEFT,
+                MASK_RIGHT, SOFTCAP, ALIBI,
                 ADD_BIAS, BIAS_TMA, s_layout, P_DTYPE, p_layout, MOD_WIDTH)
         m_i, l_i, o_acc = m_next, l_next, o_zero
         if FP8:  # 16-bit inputs: both stay qk_scale and 1
@@ -851,7 +882,8 @@ def _attention_consumer(q_smems, k_smem, v_smem, q_ready, q_empty, k_ready, v_re
     p, m_i, l_i, alpha, o_acc, turn = _key_tiles(
         q_smems.index(q_buf).reshape([ROWS, BLOCK_D]), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, ring,
         num_tiles, p, m_i, l_i, alpha, o_acc, s_zero, offs_m, tile_mask, mask_args, scale, bias_ring, bias_args,
-        mask_mod, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_TMA,
+        mask_mod, score_mod, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS,
+        BIAS_TMA,
         s_layout,
         o_rows, p_layout, P_DTYPE, turns, turn, CONSUMER, NUM_CONSUMERS, PINGPONG, SKIP_RESCALE, MOD_WIDTH)
     last = ring + num_tiles - 1
@@ -874,12 +906,14 @@ def attention_forward_sm90_kernel(
     CU_SEQLENS_Q, CU_SEQLENS_K, TILE_OFFSETS, num_seqs, O, stride_oh, stride_om, head_dim,
     bias_desc, BIAS, bias_stride_b, bias_stride_h, bias_stride_m, bias_stride_n, bias_log2, QD, KD, VD,
     mask_mod, mask_mod_args, FULL_COUNTS, PARTIAL_COUNTS, WALK_TILES, mod_q_tiles, list_len,
+    score_mod, score_mod_args,
     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_BUFFERS: gl.constexpr, CROSS_ITEM: gl.constexpr,
     MASK_LEFT: gl.constexpr = False, MASK_RIGHT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
     ALIBI: gl.constexpr = False, VARLEN: gl.constexpr = False, HAS_BIAS: gl.constexpr = False,
     BIAS_TMA: gl.constexpr = False, NUM_CONSUMERS: gl.constexpr = 2, PINGPONG: gl.constexpr = False,
     SKIP_RESCALE: gl.constexpr = False, VARLEN_BAND: gl.constexpr = 1, MASK_MOD: gl.constexpr = False,
+    SCORE_MOD: gl.constexpr = False,
 ):
     """Persistent: the CTAs share the num_work = B·Hq·num_m_tiles work items in rounds (see work_items.work_tile).
     A work item is NUM_CONSUMERS·64 query rows (`num_consumers`); launch with gluon/sm90.launch_options of that
@@ -901,6 +935,8 @@ def attention_forward_sm90_kernel(
     block mask at the CTA's BLOCK_M x BLOCK_N tiles (mods.BlockMask.walk: per (b, h, query tile) of mod_q_tiles, its
     full and partial counts and its key tiles in that order, list_len each): each item streams its full key tiles,
     unmasked, then its partial ones, masked with the mod.
+    SCORE_MOD: the user's `score_mod` with its captured tensors `score_mod_args`, applied to every visited score
+    (`_scored`), the mask after it.
     Arguments a call does not use are None (constexpr: a plain call compiles to the plain kernel)."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]  # rows per consumer
@@ -913,12 +949,13 @@ def attention_forward_sm90_kernel(
         # consumers' first item is unconditional
         if gl.program_id(0) >= num_work:
             return
-    mask_args = (window_left, window_right, softcap_scale)
-    if MASK_MOD:  # the mod's tensors and the block mask's lists ride with the mask (_consumer_item, _softmax_tile)
+    if MASK_MOD:
         block_lists = (FULL_COUNTS, PARTIAL_COUNTS, WALK_TILES, mod_q_tiles, list_len, num_q_heads)
-        mask_args = mask_args + (mask_mod_args, block_lists)
     else:
         block_lists: gl.constexpr = None
+    # the mods' tensors and the block mask's lists ride with the mask (_consumer_item, _softmax_tile); None where
+    # absent
+    mask_args = (window_left, window_right, softcap_scale, mask_mod_args, block_lists, score_mod_args)
     alibi_args = (ALIBI_SLOPES, alibi_stride_b, alibi_stride_h)
     bias_ptr_args = (BIAS, bias_stride_b, bias_stride_h)
     bias_args = (bias_stride_m, bias_stride_n, bias_log2)
@@ -977,7 +1014,8 @@ def attention_forward_sm90_kernel(
                                LSE, num_work, num_m_tiles, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale,
                                mask_args, alibi_args, varlen_args, bias_upper if partition == 0 else bias_lower,
                                bias_ptr_args, bias_args, descales,
-                               o_smems, mask_mod, partition, NUM_CONSUMERS, ROWS, BLOCK_N, BLOCK_D, NUM_STAGES, CAUSAL,
+                               o_smems, mask_mod, score_mod, partition, NUM_CONSUMERS, ROWS, BLOCK_N, BLOCK_D,
+                               NUM_STAGES, CAUSAL,
                                Q_BUFFERS, CROSS_ITEM, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS,
                                BIAS_TMA, turns, PINGPONG, SKIP_RESCALE))
         for partition in (0, 1, 2, 3)[:NUM_CONSUMERS + 1]
@@ -1042,7 +1080,7 @@ def _kernel(varlen):
 
 def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers, cross_item, mask=None,
                  alibi_slopes=None, varlen=None, attn_bias=None, bias_tma=False, descales=None, mask_mod=None,
-                 blocks=None):
+                 blocks=None, score_mod=None):
     """(grid, positional args, constexprs) of one launch; see attention_forward_sm90 (and, with `descales`,
     attention_forward_sm90_fp8)."""
     batch, num_q_heads, seqlen_q, head_dim = q.shape
@@ -1093,7 +1131,7 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
                        out.stride(2), head_dim)
     if attn_bias is not None and varlen is not None:
         raise ValueError("attn_bias is not taken with a packed (varlen) batch")
-    mod_args = _mask_mod_args(mask_mod, blocks, tiles, mask, alibi_slopes, attn_bias, descales)
+    mod_args = _mod_args(mask_mod, score_mod, blocks, tiles, mask, alibi_slopes, attn_bias, descales)
     if (attn_bias is not None or descales is not None) and consumers != 2:
         # three consumers pack a 16-bit P (_p_pack); the bias rings are laid out for two
         raise ValueError(f"attn_bias and e4m3 inputs run on two consumer warpgroups (tiles.sm90_forward_consumers), "
@@ -1116,34 +1154,36 @@ def _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_bu
     constexprs.update(HAS_BIAS=attn_bias is not None, BIAS_TMA=attn_bias is not None and bias_tma,
                       NUM_CONSUMERS=consumers, PINGPONG=sm90_forward_pingpong(head_dim, descales is not None),
                       SKIP_RESCALE=sm90_forward_skip_rescale(head_dim, descales is not None),
-                      MASK_MOD=mask_mod is not None)
+                      MASK_MOD=mask_mod is not None, SCORE_MOD=score_mod is not None)
     return grid, args, constexprs
 
 
-def _mask_mod_args(mask_mod: MaskMod | None, blocks: BlockMask | None, tiles, mask: MaskSpec, alibi_slopes,
-                   attn_bias, descales) -> tuple:
-    """The kernel's mask_mod arguments (mask_mod, mask_mod_args, FULL_COUNTS, PARTIAL_COUNTS, WALK_TILES, mod_q_tiles,
-    list_len):
-    the mod's function and captured tensors and its block mask `blocks`, built at these tiles (mods.block_mask);
-    all None without a mod."""
+def _mod_args(mask_mod: MaskMod | None, score_mod: ScoreMod | None, blocks: BlockMask | None, tiles,
+              mask: MaskSpec, alibi_slopes, attn_bias, descales) -> tuple:
+    """The kernel's mod arguments (mask_mod, mask_mod_args, FULL_COUNTS, PARTIAL_COUNTS, WALK_TILES, mod_q_tiles,
+    list_len, score_mod, score_mod_args): the mask_mod's function and captured tensors and its block mask `blocks`,
+    built at these tiles (mods.block_mask), then the score_mod's function and tensors; None where absent."""
+    if (mask_mod is not None or score_mod is not None) and (mask.softcap or alibi_slopes is not None
+                                                            or attn_bias is not None or descales is not None):
+        raise ValueError("the sm_90 forward takes mask_mod and score_mod beside causal, a window and a packed batch "
+                         "only (no softcap, ALiBi, attn_bias or e4m3 inputs)")
+    score = (None, None) if score_mod is None else (score_mod.fn, score_mod.tensors)
     if mask_mod is None:
-        return (None,) * 7
+        return (None,) * 7 + score
     if blocks is None or (blocks.block_m, blocks.block_n) != (tiles.block_m, tiles.block_n):
         raise ValueError(f"a mask_mod needs its block mask at the launch's {tiles.block_m}x{tiles.block_n} tiles "
                          f"(mods.call_block_mask), got {None if blocks is None else (blocks.block_m, blocks.block_n)}")
-    if mask.softcap or alibi_slopes is not None or attn_bias is not None or descales is not None:
-        raise ValueError("the sm_90 forward takes a mask_mod beside causal, a window and a packed batch only (no "
-                         "softcap, ALiBi, attn_bias or e4m3 inputs)")
     lists = blocks.by_query
     return (mask_mod.fn, mask_mod.tensors, lists.full_counts, lists.partial_counts, blocks.walk, blocks.n_q_tiles,
-            blocks.n_k_tiles)
+            blocks.n_k_tiles) + score
 
 
 def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles, num_ctas: int | None = None,
                            q_buffers: int = 1, cross_item: bool = False, *, mask: MaskSpec | None = None,
                            alibi_slopes: torch.Tensor | None = None, varlen: VarlenBatch | None = None,
                            attn_bias: torch.Tensor | None = None, bias_tma: bool = False,
-                           mask_mod: MaskMod | None = None, blocks: BlockMask | None = None):
+                           mask_mod: MaskMod | None = None, blocks: BlockMask | None = None,
+                           score_mod: ScoreMod | None = None):
     """Launch on checked 4-D bf16/fp16 tensors with TMA-compatible strides (see layout.tma_compatible).
 
     `num_ctas`: how many CTAs share the work items (one per SM: persistent); None launches one per query tile.
@@ -1154,10 +1194,11 @@ def attention_forward_sm90(q, k, v, out, lse, causal: bool, softmax_scale: float
     `attn_bias`: `features.CallFeatures.attn_bias` (B or 1, H or 1, Lq or 1, Lk or 1), any float dtype and strides;
     `bias_tma`: the producer loads it by TMA (`layout.bias_tma_view` must hold and its ring fit the shared memory:
     tiles.sm90_bias_tiles), else the consumers load it. `mask_mod`: the user's (mods.MaskMod) and `blocks` its
-    block mask at these tiles (mods.call_block_mask), beside causal, a window and varlen only."""
+    block mask at these tiles (mods.call_block_mask), `score_mod` (mods.ScoreMod), both beside causal, a window and
+    varlen only."""
     grid, args, constexprs = _launch_args(q, k, v, out, lse, causal, softmax_scale, tiles, num_ctas, q_buffers,
                                           cross_item, mask, alibi_slopes, varlen, attn_bias, bias_tma,
-                                          mask_mod=mask_mod, blocks=blocks)
+                                          mask_mod=mask_mod, blocks=blocks, score_mod=score_mod)
     return _kernel(varlen)[grid](*args, **constexprs, **launch_options(constexprs["NUM_CONSUMERS"]))
 
 
@@ -1202,7 +1243,7 @@ def prepare_forward(q, k, v, out, lse, causal: bool, softmax_scale: float, tiles
 def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = None, q_buffers: int = 1,
                     cross_item: bool = False, dtype: torch.dtype = torch.bfloat16, *, mask: MaskSpec | None = None,
                     alibi: bool = False, varlen: bool = False, bias: str | None = None,
-                    bias_dtype: torch.dtype | None = None, band: int = 1, mask_mod=None):
+                    bias_dtype: torch.dtype | None = None, band: int = 1, mask_mod=None, score_mod=None):
     """The kernel built for sm_90 without a GPU (meta tensors; ptxas ships with triton), specialised as a launch of
     (2, 4, 256, head_dim) tensors with these tiles would specialise it (varlen: a (1, 4, 512, head_dim) packed
     batch, its causal work list in bands of `band` tiles); `mask` (default: `causal` alone), ALiBi slopes and varlen
@@ -1210,7 +1251,8 @@ def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = N
     arguments a call leaves None as constexprs. `bias`: "tma" (a (1, 4, 256, 256) bias the producer loads) or
     "loads" (a (2, 1, 1, 256) one the consumers load), of `bias_dtype` (default: dtype). dtype e4m3: the FP8
     forward (attention_forward_sm90_fp8: K-major v, bf16 out, descales). `mask_mod`: a `@triton.jit` function or a
-    mods.MaskMod (its captured tensors may be meta), walked through a block mask of meta lists. Returns the
+    mods.MaskMod (its captured tensors may be meta), walked through a block mask of meta lists; `score_mod` likewise
+    (or a mods.ScoreMod). Returns the
     CompiledKernel (registers, shared memory, SASS)."""
     from flashmoe_science.gluon.sm90 import compile_offline as build
 
@@ -1240,11 +1282,16 @@ def compile_offline(head_dim: int, causal: bool, tiles, num_ctas: int | None = N
                             for shape in ((batch, 4, n_q), (batch, 4, n_q, n_k)) * 2))
         blocks = BlockMask(tiles.block_m, tiles.block_n, torch.empty(batch, 4, n_q, n_k, dtype=torch.int8,
                                                                      device="meta"), lists, None)
+    if score_mod is not None:
+        score_mod = score_mod if isinstance(score_mod, ScoreMod) else ScoreMod(score_mod)
     _, args, constexprs = _launch_args(q, q, v, out, lse, mask.causal, 0.1, tiles, num_ctas, q_buffers, cross_item,
-                                       mask, slopes, batch_info, attn_bias, bias == "tma", descales, mask_mod, blocks)
+                                       mask, slopes, batch_info, attn_bias, bias == "tma", descales, mask_mod, blocks,
+                                       score_mod)
     kernel = _kernel(batch_info)
     unused = {name: None for name, value in zip(kernel.arg_names, args) if value is None}
     if mask_mod is not None:  # a function argument is a constexpr: each mod builds its own kernel
         unused["mask_mod"] = mask_mod.fn
+    if score_mod is not None:
+        unused["score_mod"] = score_mod.fn
     return build(kernel, list(args) + [constexprs[name] for name in kernel.arg_names[len(args):]],
                  {**constexprs, **unused}, constexprs["NUM_CONSUMERS"])
