@@ -235,21 +235,22 @@ def test_auto_takes_the_gluon_mod_forward_where_few_visited_tiles_are_partial(on
                                                  ).forward_choice.why_not("hopper")
 
 
-def test_a_score_mod_plans_the_gluon_forward_and_the_triton_backward(on_hopper):
-    """A score_mod runs in the Gluon forward (auto at D=128, alone or beside a mask_mod of few partial tiles; the
-    plan says so), and its backward in Triton's, which differentiates it through the user's grad, saying why."""
+def test_a_score_mod_plans_the_gluon_forward_when_asked_for(on_hopper, monkeypatch):
+    """The Gluon forward takes a score_mod (alone or beside a mask_mod; the plan says so) when backend='hopper' asks
+    for it; auto keeps the Triton forward, which measured faster, and says why. The backward is Triton's (it
+    differentiates the mod through the user's grad), and the Hopper backward says why not."""
     q = torch.randn(1, 4, 2048, 128, dtype=torch.bfloat16)
     score = ScoreMod(mod_cases.tanh_softcap, grad=mod_cases.tanh_softcap_grad)
     auto = plan_attention(dense_problem(q, q, q, causal=True, score_mod=score)[0])
-    assert auto.backend == "hopper" and "score_mod on every visited score" in auto.forward_choice.plan.describe(
-        auto.problem, "runs", "", "")
+    assert auto.backend != "hopper" and "0.68-0.96x the Triton score_mod forward" in \
+        auto.forward_choice.why_not("hopper")
     assert auto.backward_choice.plan.backend != "hopper"
     assert "score_mod" in auto.backward_choice.why_not("hopper")
-    both = plan_attention(dense_problem(q, q, q, mask_mod=MaskMod(mask_mods.causal), score_mod=score)[0])
-    assert both.backend == "hopper"
-    narrow = torch.randn(1, 4, 2048, 64, dtype=torch.bfloat16)
-    assert "measured at D=128" in plan_attention(dense_problem(narrow, narrow, narrow, score_mod=score)[0]
-                                                 ).forward_choice.why_not("hopper")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # a backend asked for by name plans CPU tensors only under it
+    for mask_mod in (None, MaskMod(mask_mods.causal)):
+        plan = plan_attention(dense_problem(q, q, q, mask_mod=mask_mod, score_mod=score, backend="hopper")[0])
+        assert plan.backend == "hopper"
+        assert "score_mod on every visited score" in plan.forward_choice.plan.describe(plan.problem, "runs", "", "")
 
 
 @pytest.mark.sm90_build
@@ -273,10 +274,10 @@ def test_score_mod_forward_builds_for_sm90(name, varlen):
 
 
 # (mod, packed) -> LDL + STL in the score_mod forward's busiest key loop on the tuned triton (3.6; the plain loop 4):
-# the softcap mod keeps it; the slope table's load beside the prefix mask's holds 46-53 values per tile in local
-# memory (the slope alone: 2-16)
-SCORE_LOOP_SPILLS = {("softcap", False): 4, ("softcap", True): 7, ("slope_and_prefix", False): 53,
-                     ("slope_and_prefix", True): 46}
+# the softcap mod keeps it; the slope table's load beside the prefix mask's holds 56-80 values per tile in local
+# memory
+SCORE_LOOP_SPILLS = {("softcap", False): 4, ("softcap", True): 8, ("slope_and_prefix", False): 56,
+                     ("slope_and_prefix", True): 80}
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])

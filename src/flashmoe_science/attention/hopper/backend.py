@@ -239,13 +239,15 @@ _MOD_SHARES: dict = {}
 
 def mod_forward_refusal(problem) -> str | None:
     """Why auto leaves a call with mods to the Triton forward, or None: at D=128 (the head dim measured) the Gluon
-    forward takes a score_mod alone, and a mask_mod whose visited tiles are at most SM90_MOD_PARTIAL_SHARE partial at
-    its own tiles. The share is read on the host once per mod function, mask, packed or not, heads, lengths and
-    tiles (`BlockMask.partial_share`: one synchronisation), never while a CUDA graph is captured."""
+    forward takes a mask_mod whose visited tiles are at most SM90_MOD_PARTIAL_SHARE partial at its own tiles, and no
+    score_mod (it ran 0.68-0.96x the Triton score_mod forward: docs/perf-notes.md, "User masks in the sm_90
+    forward"). The share is read on the host once per mod function, mask, packed or not, heads, lengths and tiles
+    (`BlockMask.partial_share`: one synchronisation), never while a CUDA graph is captured."""
+    if problem.features.mods.score is not None:
+        return ("its score_mod forward runs only when asked for (backend='hopper'): it measured 0.68-0.96x the "
+                "Triton score_mod forward (H100, D=128)")
     if padded_head_dim(problem.head_dim) != 128:
-        return "its mods forward runs only when asked for (backend='hopper') at this head dim: measured at D=128"
-    if problem.features.mods.mask is None:
-        return None
+        return "its mask_mod forward runs only when asked for (backend='hopper') at this head dim: measured at D=128"
     if problem.q4 is None:
         return ("auto reads a mask_mod's partial tiles on the 4-D views to choose this forward, and the leading dims "
                 "do not merge (backend='hopper' takes it)")

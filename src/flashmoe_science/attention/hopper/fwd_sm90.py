@@ -296,7 +296,7 @@ def _softmax_tile(s, m_i, l_i, j, offs_m, tile_mask, mask_args, qk_scale, k_free
                     qk_scale, MOD_WIDTH)
     if SOFTCAP:  # s becomes t = tanh(s·scale/c); its multiplier c·log2e is folded into the FMAs below
         _, s = score_to_log2(s, 0, 0, 0, qk_scale, softcap_scale, 0.0, SOFTCAP, False, True)
-    if LOG2_SCORES:  # scores in log2 units: t·multiplier minus the distance term
+    if ALIBI and SOFTCAP:  # scores in log2 units: t·multiplier minus the distance term
         # float positions: the distance costs a subtraction per score, no integer conversion
         key_pos_f = (start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))).to(gl.float32)
         s, _ = score_to_log2(s, gl.expand_dims(offs_m.to(gl.float32), 1), gl.expand_dims(key_pos_f, 0),
