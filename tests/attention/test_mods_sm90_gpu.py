@@ -45,14 +45,19 @@ def test_dense_against_float64_and_the_triton_forward(name, head_dim, causal):
     seen = _seen(flex, lq, lk)
     if causal:
         seen = seen & torch.ones(lq, lk, dtype=torch.bool).tril()
-    ref, ref_lse = mod_oracle(q.cpu(), k.cpu(), v.cpu(), seen, None)
-    same, _ = mod_oracle(q.cpu(), k.cpu(), v.cpu(), seen, None, dtype=torch.bfloat16)
+    _check_dense(out, lse, q, k, v, seen, None)
+    triton_out = flash_attention_science(q, k, v, causal=causal, mask_mod=mod, backend="triton")
+    torch.testing.assert_close(out, triton_out, rtol=2e-2, atol=2e-2)
+
+
+def _check_dense(out, lse, q, k, v, seen, twin):
+    """out and lse of a dense bf16 call against the float64 oracle of `seen` and the score twin."""
+    ref, ref_lse = mod_oracle(q.cpu(), k.cpu(), v.cpu(), seen, twin)
+    same, _ = mod_oracle(q.cpu(), k.cpu(), v.cpu(), seen, twin, dtype=torch.bfloat16)
     assert_within_rule("out", out.cpu().double(), ref, same.double(), torch.bfloat16)
     assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse))
     finite = torch.isfinite(ref_lse)
     torch.testing.assert_close(lse.cpu()[finite].double(), ref_lse[finite], rtol=0, atol=2e-2)
-    triton_out = flash_attention_science(q, k, v, causal=causal, mask_mod=mod, backend="triton")
-    torch.testing.assert_close(out, triton_out, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -191,12 +196,7 @@ def test_score_mod_forward_against_float64_and_the_triton_forward(name, head_dim
     if causal:
         tril = torch.ones(lq, lk, dtype=torch.bool).tril()
         seen = tril if seen is None else seen & tril
-    ref, ref_lse = mod_oracle(q.cpu(), k.cpu(), v.cpu(), seen, twin)
-    same, _ = mod_oracle(q.cpu(), k.cpu(), v.cpu(), seen, twin, dtype=torch.bfloat16)
-    assert_within_rule("out", out.cpu().double(), ref, same.double(), torch.bfloat16)
-    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse))
-    finite = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse.cpu()[finite].double(), ref_lse[finite], rtol=0, atol=2e-2)
+    _check_dense(out, lse, q, k, v, seen, twin)
     triton_out = flash_attention_science(q, k, v, causal=causal, mask_mod=mask_mod, score_mod=score_mod,
                                          backend="triton")
     torch.testing.assert_close(out, triton_out, rtol=2e-2, atol=2e-2)
