@@ -380,7 +380,8 @@ def _masked(s, offs_m, start_n, seqlen_q, seqlen_k, diagonal, window_left, windo
 def _scored(s, offs_m, start_n, seqlen_q, seqlen_k, b, h, score_mod, score_tensors, qk_scale, COLUMNS: gl.constexpr):
     """s (raw q·k of a wgmma accumulator tile, its first key start_n) as score_mod(s·scale, b, h, q_idx, kv_idx)
     in log2 units (qk_scale = scale·log2 e), at positions clamped into the sequence; on column slices at most
-    COLUMNS wide, as `_masked`."""
+    COLUMNS wide, as `_masked` (one recursion over a leaf function would carry the leaves' arguments in a tuple,
+    and their unused ones are None, which triton 3.6 cannot put in a tuple)."""
     layout: gl.constexpr = s.type.layout
     N: gl.constexpr = s.shape[1]
     if N > COLUMNS:
