@@ -37,7 +37,7 @@ for step in "$@"; do
     sweepbwd) python3 benchmarks/tools/sweep_attention_backward_tiles.py --out "$OUTDIR" > "$OUTDIR/sweep_bwd.log" 2>&1 ;;
     sweepmoe) python3 benchmarks/tools/sweep_moe_gemm_tiles.py --out "$OUTDIR" > "$OUTDIR/sweep_moe.log" 2>&1 ;;
     sanitize) for tool in memcheck racecheck synccheck; do
-                cases=""; [ $tool = memcheck ] || cases="packed-d64 packed-gqa-d128 packed-d128-bwd mods-hopper"
+                cases=""; [ $tool = memcheck ] || cases="packed-d64 packed-gqa-d128 packed-d128-bwd mods-hopper score-mods-hopper"
                 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_S:-300} compute-sanitizer --tool $tool \
                   --target-processes all --print-limit 20 python3 benchmarks/tools/sanitize_kernels.py $cases \
                   > "$OUTDIR/sanitize_$tool.log" 2>&1

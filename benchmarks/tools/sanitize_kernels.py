@@ -11,8 +11,11 @@ from __future__ import annotations
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 from flashmoe_science import flash_attention_decode, flash_attention_science, flash_attention_varlen
+from flashmoe_science.attention.mods import ScoreMod
 from flashmoe_science.bench import mask_mods
 
 
@@ -35,6 +38,20 @@ def _mods(head_dim, backend):
         flash_attention_science(q, k, v, mask_mod=mod, backend=backend).sum().backward()
 
 
+@triton.jit
+def _softcap(score, b, h, q_idx, kv_idx):
+    return 30.0 * (1.0 - 2.0 / (tl.exp(score * (2.0 / 30.0)) + 1.0))  # 30 tanh(score / 30)
+
+
+def _score_mods():
+    """The sm_90 forward's score_mod at 333 rows, causal alone and beside each mask of the mask-mods suite."""
+    q, k, v = (torch.randn(mask_mods.BATCH, mask_mods.HEADS, 333, 128, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    flash_attention_science(q, k, v, causal=True, score_mod=ScoreMod(_softcap), backend="hopper")
+    for _, mod, _, _ in mask_mods.mask_cases(333, "cuda"):
+        flash_attention_science(q, k, v, mask_mod=mod, score_mod=ScoreMod(_softcap), backend="hopper")
+
+
 def _decode(page):
     batch, heads, kv_heads, head_dim = 5, 8, 2, 128
     lengths = torch.tensor([1, 17, 300, 1023, 64], dtype=torch.int32, device="cuda")
@@ -52,6 +69,7 @@ CASES = {
     "packed-d128-bwd": lambda: _packed([700, 1, 1029, 333], 8, 2, 128, True),
     "mods-hopper": lambda: _mods(128, "hopper"),
     "mods-triton": lambda: _mods(64, "triton"),
+    "score-mods-hopper": _score_mods,
     "decode-pages16": lambda: _decode(16),
     "decode-pages64": lambda: _decode(64),
 }
