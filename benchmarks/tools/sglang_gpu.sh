@@ -2,7 +2,7 @@
 # The SGLang plugin on one GPU, after the SGLang staging kit's call installed SGLang 0.5.17 into /tmp/sgsite:
 # registers this checkout's `sglang.srt.plugins` entry point (a dist-info beside src, as `pip install -e .` would),
 # then runs what STEPS names, logs under $OUT:
-#   tests   tests/integrations/gpu_sglang_backend.py all (float64 oracle on SGLang-shaped batches; tokens and
+#   tests   tests/integrations/gpu_sglang_backend.py ${CHECK:-all} (float64 oracle on SGLang-shaped batches; tokens and
 #           first-step logprobs against SGLang's triton backend in sglang.Engine)
 #   bench   benchmarks/tools/sglang_generate.py bench with MODELS, BACKENDS, CASES, NAME
 # usage: STEPS=tests,bench bash benchmarks/tools/sglang_gpu.sh
@@ -24,7 +24,7 @@ for step in ${STEPS//,/ }; do
   t0=$(date +%s)
   case $step in
     tests)
-      timeout ${TESTS_S:-400} python3 tests/integrations/gpu_sglang_backend.py all > "$OUT/sglang-tests.log" 2>&1 || status=1
+      timeout ${TESTS_S:-400} python3 tests/integrations/gpu_sglang_backend.py ${CHECK:-all} > "$OUT/sglang-tests.log" 2>&1 || status=1
       grep -E "passed|failed|agree|engine up|PASS|FAIL|Error" "$OUT/sglang-tests.log" | tail -20 ;;
     bench)
       timeout ${BENCH_S:-560} python3 benchmarks/tools/sglang_generate.py bench --out "$OUT" \
