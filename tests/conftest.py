@@ -28,6 +28,39 @@ def pytest_addoption(parser):
     parser.addoption("--full", action="store_true",
                      help="the full suite: also the tests marked slow (the Triton interpreter suites, the README "
                      "commands) and sm90_build (offline Gluon builds), which a plain `pytest` leaves out")
+    parser.addoption("--every-build", action="store_true",
+                     help="on a triton other than the one the Gluon kernels are tuned on, every parametrization of "
+                     "the sm90_build tests (by default each test's first: one build per kernel family and check)")
+
+
+def _tuned_or_every_build(config) -> bool:
+    """Whether every sm90_build parametrization runs: --every-build, the interpreter, a triton without Gluon (the
+    build tests skip themselves) or the triton the kernels are tuned on."""
+    if config.getoption("--every-build") or triton_interpret_enabled():
+        return True
+    try:
+        from flashmoe_science.gluon.compat import on_tuned_triton
+    except ImportError:
+        return True
+    return on_tuned_triton()
+
+
+def _untuned_build_repeats(config, items) -> list:
+    """The sm90_build parametrizations after each test function's first, where they are left out: on a triton the
+    Gluon kernels are not tuned on (gluon.compat.TUNED_TRITON), without --every-build. The spill budgets and SASS
+    shapes are tuned on that one release, where CI builds the whole matrix; elsewhere the question is whether each
+    kernel family builds, and the whole matrix would double CI's longest step."""
+    if _tuned_or_every_build(config):
+        return []
+    seen, repeats = set(), []
+    for item in items:
+        if item.get_closest_marker("sm90_build") is None or getattr(item, "callspec", None) is None:
+            continue
+        function = (item.path, item.originalname)
+        if function in seen:
+            repeats.append(item)
+        seen.add(function)
+    return repeats
 
 
 def _quick_selection(config) -> bool:
@@ -39,6 +72,8 @@ def _quick_selection(config) -> bool:
 def pytest_report_header(config):
     if _quick_selection(config):
         return f"quick run: tests marked {' or '.join(FULL_SUITE_ONLY)} left out (`pytest --full` runs them)"
+    if not _tuned_or_every_build(config):
+        return "sm90_build: each test's first parametrization on this untuned triton (--every-build: all of them)"
     return None
 
 
@@ -49,6 +84,10 @@ def pytest_collection_modifyitems(config, items):
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = [item for item in items if item not in dropped]
+    repeats = set(_untuned_build_repeats(config, items))
+    if repeats:
+        config.hook.pytest_deselected(items=list(repeats))
+        items[:] = [item for item in items if item not in repeats]
     if not triton_interpret_enabled():
         dropped = [item for item in items if _runs_in_interpreter_child(item)]
         if dropped:
