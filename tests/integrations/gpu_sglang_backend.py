@@ -22,7 +22,8 @@ On the GPU machine, after the SGLang kit's install call (``../shared/peers/sglan
   ``TOKEN_AGREEMENT`` of all greedy tokens agree (random weights give near-tied logits, so later tokens may part).
 - ``moe``: a random four-layer Qwen3-MoE (16 experts, top-4) served with SGLang's ``triton`` attention, first as is
   and then with ``FLASHMOE_SCIENCE_SGLANG_MOE=1`` (our fused MoE in place of SGLang's triton MoE runner), then with
-  both ours (``flashmoe`` attention: Qwen3's rope writes the pool itself), the same prompts and the same criteria; and the logprobs must not be bit-identical to SGLang's (else the switch did not
+  both ours (``flashmoe`` attention: Qwen3's rope writes the pool itself), the same prompts and the same criteria;
+  and the logprobs must not be bit-identical to SGLang's (else the switch did not
   take effect in the scheduler processes). Its weights are a checkpoint written here (normal, std 0.02, in
   Qwen3-MoE's per-expert names), not SGLang's dummy ones: those are uniform in +-1e-3, which leaves the experts'
   output below bf16's rounding of the residual stream, so the MoE would hardly reach the logits.
@@ -163,9 +164,10 @@ def generate(backend: str, model_dir: str, eager: bool, our_moe: bool = False, l
     return results
 
 
-def tied(token: int, ref_token: int, ref_top: dict) -> bool:
-    """``token`` is ``ref_token`` or, in the reference's first step, within ``LOGPROB_TOLERANCE`` of it."""
-    return token == ref_token or (token in ref_top and ref_top[ref_token] - ref_top[token] <= LOGPROB_TOLERANCE)
+def tied(token: int, ref_token: int, ref_logprob: float, ref_top: dict) -> bool:
+    """``token`` is ``ref_token`` (of logprob ``ref_logprob``) or, among the reference first step's likeliest
+    ``ref_top``, within ``LOGPROB_TOLERANCE`` of it."""
+    return token == ref_token or (token in ref_top and ref_logprob - ref_top[token] <= LOGPROB_TOLERANCE)
 
 
 def agreement(ours: dict, theirs: dict, label: str, eager: bool) -> bool:
@@ -180,7 +182,8 @@ def agreement(ours: dict, theirs: dict, label: str, eager: bool) -> bool:
             if ids[0] != ref_ids[0]:
                 print(f"{name} #{i}: first token {ids[0]} against {ref_ids[0]}; the reference's first step: "
                       + ", ".join(f"{t}: {lp:.4f}" for t, lp in sorted(ref_top.items(), key=lambda e: -e[1])))
-            failed = [why for why, bad in (("first token differs, not a tie", not tied(ids[0], ref_ids[0], ref_top)),
+            tie = tied(ids[0], ref_ids[0], ref_lps[0], ref_top)
+            failed = [why for why, bad in (("first token differs, not a tie", not tie),
                                            ("first-step logprob", first_lp > LOGPROB_TOLERANCE),
                                            (f"{len(ids)} tokens", len(ids) != NEW_TOKENS)) if bad]
             ok &= not failed
