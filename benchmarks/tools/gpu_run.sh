@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU tests, benchmarks, sweeps and profiles in one run on a GPU machine: each step logs under $OUT/run/, and the
 # folder is packed into $OUT/run.tgz at the end (one file to copy back). Usage: bash benchmarks/tools/gpu_run.sh STEP [STEP ...]
-#   tests      GPU pytest (pytest -m gpu) for everything present
+#   tests      GPU pytest (pytest -m gpu) for everything present; testsall: without -x. WORKERS=N spreads either over N
+#              pytest-xdist processes on the one GPU (the image has xdist; the builds then compile in parallel)
 #   sweep      forward tile sweep (benchmarks/tools/sweep_attention_forward_tiles.py)
 #   bench      flashmoe-science bench (full) ; benchq: --quick ; benchbwd: fwd+bwd
 #   moe        MoE GPU tests + bench moe
@@ -22,8 +23,8 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__, t
 for step in "$@"; do
   start=$(date +%s)
   case $step in
-    tests)    python3 -m pytest -m gpu ${TESTS:-tests} -q -x --timeout=600 -p no:cacheprovider 2>&1 | tail -n 60 > "$OUTDIR/tests.log" ;;
-    testsall) python3 -m pytest -m gpu tests -q --timeout=600 -p no:cacheprovider 2>&1 | tail -n 120 > "$OUTDIR/tests.log" ;;
+    tests)    python3 -m pytest -m gpu ${TESTS:-tests} -q -x -n ${WORKERS:-0} --timeout=600 -p no:cacheprovider 2>&1 | tail -n 60 > "$OUTDIR/tests.log" ;;
+    testsall) python3 -m pytest -m gpu tests -q -n ${WORKERS:-0} --timeout=600 -p no:cacheprovider 2>&1 | tail -n 120 > "$OUTDIR/tests.log" ;;
     sweep)    python3 benchmarks/tools/sweep_attention_forward_tiles.py --out "$OUTDIR" > "$OUTDIR/sweep.log" 2>&1 ;;
     bench)    python3 -m flashmoe_science.cli bench --out "$OUTDIR" > "$OUTDIR/bench.log" 2>&1 ;;
     benchq)   python3 -m flashmoe_science.cli bench --quick --out "$OUTDIR" > "$OUTDIR/bench.log" 2>&1 ;;
