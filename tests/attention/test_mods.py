@@ -159,15 +159,14 @@ def test_mods_are_refused_with_a_paged_cache():
 
 
 def test_the_sm90_family_declares_its_mods_and_the_feature_words_say_so():
-    """The Gluon forward declares mask_mod and score_mod, its backward mask_mod only: the walk passes a score_mod's
-    backward to the Triton kernels."""
+    """The Gluon forward and backward declare mask_mod and score_mod."""
     q = randn(1, 2, 8, 16, dtype=torch.float64)
     problem, _ = dense_problem(q, q, q, mask_mod=MaskMod(head_window, torch.ones(2, dtype=torch.int32)),
                                score_mod=ScoreMod(tanh_softcap, grad=tanh_softcap_grad))
     names = problem.feature_names()
     assert {"mask_mod", "score_mod"} <= names
     assert missing(names, FORWARD_FEATURES) == []
-    assert missing(names, BACKWARD_FEATURES) == ["score_mod"]
+    assert missing(names, BACKWARD_FEATURES) == []
     assert not problem.features.is_plain and CallFeatures().mods is None
     reason = describe_dispatch(q, q, q, mask_mod=MaskMod(head_window, torch.ones(2, dtype=torch.int32))).reason
     assert "mask_mod" in reason

@@ -236,9 +236,8 @@ def test_auto_takes_the_gluon_mod_forward_where_few_visited_tiles_are_partial(on
 
 
 def test_a_score_mod_plans_the_gluon_forward_when_asked_for(on_hopper, monkeypatch):
-    """The Gluon forward takes a score_mod (alone or beside a mask_mod; the plan says so) when backend='hopper' asks
-    for it; auto keeps the Triton forward, which measured faster, and says why. The backward is Triton's (it
-    differentiates the mod through the user's grad), and the Hopper backward says why not."""
+    """The Gluon forward and backward take a score_mod (alone or beside a mask_mod; the plans say so) when
+    backend='hopper' asks for them; auto keeps the Triton kernels and says why."""
     q = torch.randn(1, 4, 2048, 128, dtype=torch.bfloat16)
     score = ScoreMod(mod_cases.tanh_softcap, grad=mod_cases.tanh_softcap_grad)
     auto = plan_attention(dense_problem(q, q, q, causal=True, score_mod=score)[0])
@@ -249,8 +248,9 @@ def test_a_score_mod_plans_the_gluon_forward_when_asked_for(on_hopper, monkeypat
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # a backend asked for by name plans CPU tensors only under it
     for mask_mod in (None, MaskMod(mask_mods.causal)):
         plan = plan_attention(dense_problem(q, q, q, mask_mod=mask_mod, score_mod=score, backend="hopper")[0])
-        assert plan.backend == "hopper"
+        assert plan.backend == "hopper" and plan.backward_choice.plan.backend == "hopper"
         assert "score_mod on every visited score" in plan.forward_choice.plan.describe(plan.problem, "runs", "", "")
+        assert "score_mod and its derivative on every visited score" in plan.backward_choice.plan.title
 
 
 @pytest.mark.sm90_build
@@ -348,6 +348,36 @@ def test_mod_backward_builds_for_sm90(case):
     assert compiled.metadata.shared <= 227 * 1024
 
 
+# (head dim, packed, mod) -> LDL + STL of the one-pass backward's build with a score_mod, causal, on the tuned triton
+# (3.6): D=64 spills nothing; at D=128 the mod's P and derivative, both held across the dPᵀ product beside dK and dV,
+# spill 61-73 values with the softcap mod, 228-245 with the slope table beside the prefix-LM mask_mod
+SCORE_BACKWARD_BUILDS = {(128, False, "softcap"): 66, (128, True, "softcap"): 73, (128, False, "slope_and_prefix"): 245,
+                         (64, False, "softcap"): 0, (64, True, "slope_and_prefix"): 0}
+
+
+@pytest.mark.sm90_build
+@OFFLINE
+@pytest.mark.parametrize("case", list(SCORE_BACKWARD_BUILDS), ids=lambda c: "D{}-{}-{}".format(
+    c[0], "varlen" if c[1] else "dense", c[2]))
+def test_score_mod_backward_builds_for_sm90(case):
+    """The one-pass backward with a score_mod and its derivative (alone, or beside a mask_mod): the five products
+    on the tensor cores, dQ by the writer's TMA reduce-adds, spills within the recorded budget and the shared
+    memory."""
+    head_dim, varlen, name = case
+    if name == "softcap":
+        score, mask = ScoreMod(mod_cases.tanh_softcap, grad=mod_cases.tanh_softcap_grad), None
+    else:
+        score = ScoreMod(mod_cases.head_slope, _meta(16, dtype=torch.float32), grad=mod_cases.unit_grad)
+        mask = _mod("prefix_lm")
+    compiled = bwd_sm90.compile_offline(head_dim, offline_features(causal=True, varlen=varlen), mask_mod=mask,
+                                        score_mod=score)
+    sass = sass_or_skip(compiled)
+    assert "UTMALDG" in sass and "HGMMA" in sass
+    assert sass.count("UTMAREDG.3D.ADD") == head_dim // 32
+    assert spill_count(sass) <= spill_budget(SCORE_BACKWARD_BUILDS[case]), "spills grew"
+    assert compiled.metadata.shared <= 227 * 1024
+
+
 def _backward_launch(features, blocks=None):
     q = _meta(2, 4, 300, 128, dtype=torch.bfloat16)
     kv = _meta(2, 2, 300, 128, dtype=torch.bfloat16)
@@ -379,3 +409,11 @@ def test_mod_backward_launch_arguments():
     assert bound["q_desc"].block_shape[-2] == 64
     with pytest.raises(ValueError, match="block mask at the launch's 64x128 tiles"):
         _backward_launch(features, BlockMask(128, 128, blocks.states, None, lists))
+    assert plain["score_mod"] is None and plain["score_args"] is None and plain["SCORE_MOD"] is False
+    score = ScoreMod(mod_cases.head_slope, _meta(4, dtype=torch.float32), grad=mod_cases.unit_grad)
+    bound = _backward_launch(CallFeatures(mods=Mods(None, score)))  # alone: no block mask, the plain tile walk
+    assert bound["SCORE_MOD"] and not bound["MASK_MOD"] and bound["mask_mod"] is None
+    assert (bound["score_mod"], bound["score_grad"], bound["score_args"]) == (score.fn, score.grad, score.tensors)
+    assert bound["q_desc"].block_shape[-2] == 64
+    with pytest.raises(ValueError, match="the backward needs its derivative"):
+        _backward_launch(CallFeatures(mods=Mods(None, ScoreMod(mod_cases.head_slope, _meta(4, dtype=torch.float32)))))

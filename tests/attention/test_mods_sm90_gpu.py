@@ -174,7 +174,7 @@ def test_auto_chooses_by_the_partial_tiles_and_its_gradients_hold(name):
     check_forward_and_grads(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))
 
 
-# score_mod in the Gluon forward (the backward is Triton's): a softcap written as a mod (every tile, no mask), and
+# score_mod in the Gluon forward and backward: a softcap written as a mod (every tile, no mask), and
 # ALiBi from a per-head slope table beside a per-head window mask_mod (the score on every visited tile, the mask on
 # the partial ones), dense at odd lengths with GQA, and packed with an empty and a length-1 sequence
 SCORE_CASES = ("softcap_mod", "alibi_mod_and_window")
@@ -231,3 +231,66 @@ def test_score_mod_varlen_forward_against_float64(name, head_dim):
         ours_lse = lse[:, rows].cpu()[None].double()
         finite = torch.isfinite(ref_lse)
         torch.testing.assert_close(ours_lse[finite], ref_lse[finite], rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", ["square", "long_keys"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", SCORE_CASES)
+def test_score_mod_backward_against_float64(name, head_dim, shape, causal):
+    """out, lse and dQ, dK, dV of the Gluon forward and one-pass backward with a score_mod (backend='hopper' runs
+    both or raises) against float64 autograd of the torch twins."""
+    from mod_cases import case
+
+    hopper_attention_module("bwd_sm90")
+    lq, lk = SHAPES[shape]
+    mask_mod, score_mod, seen, twin = case(name, BATCH, HEADS, lq, lk, "cuda")
+    if causal:
+        tril = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+        seen = tril if seen is None else seen & tril
+    q = randn(BATCH, HEADS, lq, head_dim, dtype=torch.bfloat16).cuda()
+    k, v = (randn(BATCH, KV_HEADS, lk, head_dim, dtype=torch.bfloat16).cuda() for _ in range(2))
+
+    def run(q, k, v):
+        return flash_attention_science(q, k, v, causal=causal, mask_mod=mask_mod, score_mod=score_mod,
+                                       return_lse=True, backend="hopper")
+
+    def oracle(q, k, v, dtype):
+        return mod_oracle(q, k, v, seen, twin, dtype=dtype)
+
+    check_forward_and_grads(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", SCORE_CASES)
+def test_score_mod_varlen_backward_against_float64(name, head_dim):
+    """The same for a packed causal batch with an empty and a length-1 sequence, sequence by sequence."""
+    from mod_cases import case
+
+    hopper_attention_module("bwd_sm90")
+    lengths = [700, 0, 1, 517]
+    longest = max(lengths)
+    mask_mod, score_mod, _, _ = case(name, len(lengths), HEADS, longest, longest, "cuda")
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q = randn(int(cu[-1]), HEADS, head_dim, dtype=torch.bfloat16).cuda()
+    k, v = (randn(int(cu[-1]), KV_HEADS, head_dim, dtype=torch.bfloat16).cuda() for _ in range(2))
+
+    def run(q, k, v):
+        return flash_attention_varlen(q, k, v, cu.cuda(), cu.cuda(), longest, longest, causal=True,
+                                      mask_mod=mask_mod, score_mod=score_mod, return_lse=True, backend="hopper")
+
+    def oracle(q, k, v, dtype):
+        outs, lses = [], []
+        for b, n in enumerate(lengths):
+            if n == 0:
+                continue
+            rows = slice(int(cu[b]), int(cu[b + 1]))
+            _, _, seen, twin = case(name, 1, HEADS, n, n)  # the same seeded tables, this sequence's positions
+            tril = torch.ones(n, n, dtype=torch.bool).tril()
+            seen = tril if seen is None else seen & tril
+            out, lse = mod_oracle(*(t[rows].transpose(0, 1)[None] for t in (q, k, v)), seen, twin, dtype=dtype)
+            outs.append(out[0].transpose(0, 1))
+            lses.append(lse[0])
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    check_forward_and_grads(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))

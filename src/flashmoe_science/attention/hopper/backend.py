@@ -56,9 +56,10 @@ from flashmoe_science.prepared_cache import SEEN_ONCE, prepared_table, remember,
 FORWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen", "mask_mod",
                               "score_mod"})
 # the backward runs after a Triton forward too (`_HopperAttentionBackward.decline`); attn_bias where the one-pass
-# kernel reads it by TMA (bwd_sm90.bias_refusal); a mask_mod where its one pass walks the block mask
-# (bwd_sm90.mod_refusal)
-BACKWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen", "mask_mod"})
+# kernel reads it by TMA (bwd_sm90.bias_refusal); a mask_mod where its one pass walks the block mask, a score_mod
+# and its derivative on every visited score (bwd_sm90.mod_refusal)
+BACKWARD_FEATURES = frozenset({"causal", "window", "softcap", "alibi", "bias", "bias_grad", "varlen", "mask_mod",
+                               "score_mod"})
 
 FORWARD_KERNEL = "hopper.fwd_sm90.attention_forward_sm90_kernel"
 BACKWARD_KERNEL = "hopper.bwd_sm90.attention_backward_sm90"
@@ -347,6 +348,7 @@ class HopperBackward:
     deterministic: bool = False
     fallback: object = None
     mask_mod: bool = False  # the call's mask_mod, walked through its block mask (the title says so)
+    score_mod: bool = False  # the call's score_mod and its derivative, on every visited score
     backend = "hopper"
     # what only the backward's launch can see; describe_dispatch names it with the fallback
     launch_rule = "where only dQ or only dK/dV is wanted or TMA cannot read grad_out"
@@ -357,9 +359,13 @@ class HopperBackward:
         if self.deterministic:
             return ("the Gluon sm_90 kernels, deterministic (up to D=128 the one pass adds dQ in key-block order: "
                     "each CTA waits for the blocks before it)")
+        score = ", score_mod and its derivative on every visited score" if self.score_mod else ""
         if self.mask_mod:
             return ("the Gluon sm_90 kernels, the one pass walking the mask_mod's block mask by key block (64-row "
-                    "query tiles: full ones unmasked, partial ones masked with the mod, empty ones never loaded)")
+                    "query tiles: full ones unmasked, partial ones masked with the mod, empty ones never loaded)"
+                    + score)
+        if self.score_mod:
+            return "the Gluon sm_90 kernels, the one pass on 64-row query tiles" + score
         return "the Gluon sm_90 kernels"
 
     def run(self, q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale: float, deterministic: bool,
@@ -383,7 +389,7 @@ class HopperBackward:
         if (dq is not None and dk is not None and tma_compatible(grad_out)
                 and run_gluon("attention backward", lambda: launch_backward(
                     q, k, v, out, lse, grad_out, delta, dq, dk, dv, features, softmax_scale, dbias, dbias_atomic,
-                    deterministic), strict, features.mods.mask.fn if self.mask_mod else None)):
+                    deterministic), strict, features.mods.functions if features.mods is not None else None)):
             ran("backward", self.backend, self.kernel)
             dbias = None if dbias is None else triton_backend.bias_grad_of_buffer(dbias, bias)
             if not want_dq:  # computed for the kernel's sake only (backend="hopper")
@@ -435,6 +441,11 @@ def backward_refusal(head_dim: int, seqlen_q: int, softmax_scale: float, measure
     return None
 
 
+# why auto leaves a score_mod's backward to the Triton kernels
+SCORE_MOD_BACKWARD_RULE = ("its score_mod backward runs only when asked for (backend='hopper'): not yet measured "
+                           "against the Triton score_mod backward")
+
+
 class _HopperAttentionBackward:
     """The backward half of the Hopper family. It also takes the backward of a Triton forward (a feature the Gluon
     forward does not take, or its build failed) where the inputs suit it."""
@@ -470,6 +481,8 @@ class _HopperAttentionBackward:
                        or function_refusal(mods.functions))
             if refusal is not None:
                 return refusal
+            if problem.backend != self.name and mods.score is not None:
+                return SCORE_MOD_BACKWARD_RULE
             if problem.backend != self.name and padded_head_dim(problem.head_dim) != 128:
                 # against the Triton backward in the mask-mods suite (H100, D=128) it ran 1.09-1.27x on every mask,
                 # all-partial ones included (docs/perf-notes.md, "mask_mod in the sm_90 backward")
@@ -496,7 +509,9 @@ class _HopperAttentionBackward:
 
     def plan(self, question) -> HopperBackward:
         problem = question.problem
-        return HopperBackward(problem.deterministic_now(), mask_mod=problem.features.mods is not None)
+        mods = problem.features.mods
+        return HopperBackward(problem.deterministic_now(), mask_mod=mods is not None and mods.mask is not None,
+                              score_mod=mods is not None and mods.score is not None)
 
 
 class HopperAttention:

@@ -136,10 +136,11 @@ from flashmoe_science.attention.hopper.bwd_common import (
 from flashmoe_science.attention.hopper.common import descriptor
 from flashmoe_science.attention.hopper.tiles import sm90_backward_rows, sm90_backward_staged_stats
 from flashmoe_science.attention.layout import bias_tma_view, needs_64bit_rows, tma_compatible
-from flashmoe_science.attention.mods import BlockMask, MaskMod, Mods, TileLists, block_mask_args, call_block_mask
+from flashmoe_science.attention.mods import (BlockMask, MaskMod, Mods, TileLists, block_mask_args,
+                                             call_block_mask, clamp_index)
 from flashmoe_science.attention.mods import kernel_args as mod_kernel_args
 from flashmoe_science.attention.seqlen import ranked_work_list
-from flashmoe_science.attention.mask import LOG2_E
+from flashmoe_science.attention.mask import LN_2, LOG2_E
 from flashmoe_science.attention.seqlen import PER_BATCH_ARGS, padded_row_start, padded_stat_rows, sequence_coords
 from flashmoe_science.attention.tiles import padded_head_dim
 from flashmoe_science.gluon.sm90 import (CONSUMER_REGISTERS, GL_DTYPES, LAUNCH_OPTIONS, PRODUCER_REGISTERS,
@@ -170,12 +171,28 @@ def _store_bias_grad(ds, dbias_args, batch, q_head, queries, keys, seqlen_q, seq
 
 
 @gluon.jit
+def _scored_probabilities(s, lse, offs_q, offs_key, seqlen_q, seqlen_k, b, h, score_mod, score_grad, score_args,
+                          qk_scale):
+    """(P, d score_mod / d score) of a raw Sᵀ tile (keys x queries, -inf where a mask hides the pair): the user's
+    score_mod and its derivative at score = s·scale, positions clamped into the sequence (mods.clamp_index), and
+    P = exp(score_mod(score) − lse). Both functions see 0 at hidden pairs (a mod of -inf may be NaN), whose P is 0;
+    queries past Lq read lse = +inf, so their P is 0 too."""
+    hidden = s == float("-inf")
+    score = gl.where(hidden, 0.0, s) * (qk_scale * LN_2)
+    q_idx = gl.expand_dims(clamp_index(offs_q, seqlen_q), 0)
+    kv_idx = gl.expand_dims(clamp_index(offs_key, seqlen_k), 1)
+    x = score_mod(score, b, h, q_idx, kv_idx, *score_args) * LOG2_E - gl.expand_dims(lse * LOG2_E, 0)
+    p = gl.exp2(gl.where(hidden, float("-inf"), x))
+    return p, score_grad(score, b, h, q_idx, kv_idx, *score_args)
+
+
+@gluon.jit
 def _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, offs_key, scalars,
                    CONSUMER: gl.constexpr, ROWS: gl.constexpr, KEYS: gl.constexpr, BLOCK_D: gl.constexpr,
                    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr,
                    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, HAS_BIAS: gl.constexpr, BIAS_GRAD: gl.constexpr,
                    VARLEN: gl.constexpr, STAGED: gl.constexpr, MASKED: gl.constexpr, tile_bounds=None,
-                   mask_mod=None, mod_tile=None):
+                   mask_mod=None, mod_tile=None, score_mod=None, score_grad=None, score_args=None):
     """`_consumer`'s step over the query tile at `start_m` of query head g of the group (the ring's `ring`-th
     tile): returns dK_c and dV_c with the tile's products added (dK's still in flight).
 
@@ -185,12 +202,15 @@ def _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, 
     lse, Δ and the mask ride in the products' starts, read from LSE and Delta. `tile_bounds` (full_start, full_end
     of `_visited_query_tiles`): the tile is masked where it falls outside them; None in the split loops, where
     MASKED says. `mask_mod` (not staged): the block mask's tile, `mod_tile` (bwd_common._mod_score_start), its
-    partial tiles masked in the start."""
+    partial tiles masked in the start. `score_mod` (not staged), its derivative `score_grad`, their captured
+    tensors `score_args`: Sᵀ starts raw (the masks' -inf alone in it), and `_scored_probabilities` gives P and
+    the derivative that scales dSᵀ."""
     q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, bias_smem = smem
     q_ready, do_ready, empty, ds_ready, dq_full, dq_empty = barriers
     my_keys, my_values, k_cols = operands
     s_layout: gl.constexpr = wgmma_layout(ROWS)
     s_zero = gl.zeros([KEYS, ROWS], gl.float32, layout=s_layout)  # built per tile: one held across it spills
+    SCORE_MOD: gl.constexpr = score_mod is not None
     (batch, kv_head, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, inv_scale, seq, q_first, lse_rows,
      LSE, Delta, window_left, window_right, softcap_scale, Slopes, stride_slopes, dbias_args) = scalars
     dtype: gl.constexpr = q_smem.dtype
@@ -236,9 +256,14 @@ def _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, 
         s_init = _mask_score_start(s_zero, queries, keys, MASKED, seqlen_k, diagonal, window_left, window_right,
                                    CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP)
     else:
-        s_init = _score_start(s_zero, lse, inv_scale, queries, keys, hide, seqlen_k, diagonal, window_left,
-                              window_right, 0, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP)
-        s_init = _alibi_score_start(s_init, queries, keys, diagonal, slope_log2 / qk_scale, ALIBI and not SOFTCAP)
+        if SCORE_MOD:  # the mod is not linear: lse comes after it (mods refuse softcap, ALiBi and a bias beside it)
+            s_init = _mask_score_start(s_zero, queries, keys, hide, seqlen_k, diagonal, window_left, window_right,
+                                       CAUSAL, MASK_LEFT, MASK_RIGHT, False)
+        else:
+            s_init = _score_start(s_zero, lse, inv_scale, queries, keys, hide, seqlen_k, diagonal, window_left,
+                                  window_right, 0, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP)
+            s_init = _alibi_score_start(s_init, queries, keys, diagonal, slope_log2 / qk_scale,
+                                        ALIBI and not SOFTCAP)
         if mask_mod is not None:
             if mod_tile[0]:
                 s_init = gl.where(mod_start == float("-inf"), float("-inf"), s_init)
@@ -264,6 +289,11 @@ def _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, 
         delta = delta_smem.index(stage).load(query_slice)
         dp = warpgroup_mma_wait(0, deps=(dp,))
         ds = p * (dp - gl.expand_dims(delta, 0))
+    elif SCORE_MOD:
+        p, t = _scored_probabilities(s, lse, offs_q, offs_key, seqlen_q, seqlen_k, seq, kv_head * group_size + g,
+                                     score_mod, score_grad, score_args, qk_scale)
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        ds = p * dp * t  # t: the mod's derivative at each score
     else:
         p, t = _probabilities(s, lse, queries, keys, hide, seqlen_k, diagonal, window_left, window_right,
                               qk_scale, softcap_scale, slope_log2, 0, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP,
@@ -307,7 +337,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
               stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               start_n, batch, kv_head, num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale,
               seq, q_first, k_first, lse_rows, window_left, window_right, softcap_scale, Slopes, stride_slopes,
-              bias_smem, dbias_args, mask_mod, mask_args, block_lists, walk_smem,
+              bias_smem, dbias_args, mask_mod, mask_args, block_lists, walk_smem, score_mod, score_grad, score_args,
               CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, ROWS: gl.constexpr,
               KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_LEFT: gl.constexpr,
               MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
@@ -323,7 +353,9 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
 
     MASK_MOD: the query tiles are the block mask's (bwd_common._key_tile_lists: full ones, unmasked, then partial
     ones, masked with the mask_mod, its captured tensors `mask_args`), counted from the lists, each read from the
-    stage's record in `walk_smem` (first row, 2·g + partial) that the producer stored before arming Q's barrier."""
+    stage's record in `walk_smem` (first row, 2·g + partial) that the producer stored before arming Q's barrier.
+    `score_mod` (None without one), `score_grad`, `score_args`: the user's score_mod, its derivative and their
+    captured tensors, on every visited tile (`_scored_probabilities`)."""
     dtype: gl.constexpr = q_smem.dtype
     DQ_N: gl.constexpr = BLOCK_D // 2  # this consumer's dQ columns
     # Sᵀ, dPᵀ: (keys, queries); dK, dV: (keys, BLOCK_D); dQ half: (queries, DQ_N). Warps stacked on the rows.
@@ -380,7 +412,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
             dk, dv = _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, offs_key,
                                     scalars, CONSUMER, ROWS, KEYS, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT,
                                     MASK_RIGHT, SOFTCAP, ALIBI, HAS_BIAS, BIAS_GRAD, VARLEN, STAGED, False, None,
-                                    mask_mod, mod_tile)
+                                    mask_mod, mod_tile, score_mod, score_grad, score_args)
     else:
         for ring in range(group_size * num_tiles):
             g = ring // num_tiles
@@ -388,7 +420,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_rea
             dk, dv = _consumer_tile(ring, g, start_m, dk, dv, smem, barriers, operands, dq_zero, offs_key, scalars,
                                     CONSUMER, ROWS, KEYS, BLOCK_D, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT,
                                     SOFTCAP, ALIBI, HAS_BIAS, BIAS_GRAD, VARLEN, STAGED, False,
-                                    (full_start, full_end))
+                                    (full_start, full_end), None, None, score_mod, score_grad, score_args)
 
     dk = dk * sm_scale
     acc_rows: gl.constexpr = gl.SliceLayout(1, kv_layout)
@@ -480,11 +512,12 @@ def attention_backward_sm90_kernel(
     softcap_scale,
     bias_desc, bias_step_b, bias_step_h, DBIAS, stride_dbias_b, stride_dbias_h, stride_dbias_m, stride_dbias_n,
     mask_mod, mask_args, PARTIAL_COUNTS, PARTIAL_TILES, FULL_COUNTS, FULL_TILES, list_len, mod_k_tiles,
+    score_mod, score_grad, score_args,
     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     MASK_LEFT: gl.constexpr, MASK_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
     VARLEN: gl.constexpr, HAS_BIAS: gl.constexpr = False, BIAS_GRAD: gl.constexpr = 0,
     DETERMINISTIC: gl.constexpr = False, DQ_BUFFERS: gl.constexpr = 2, STAGED_STATS: gl.constexpr = False,
-    MASK_MOD: gl.constexpr = False,
+    MASK_MOD: gl.constexpr = False, SCORE_MOD: gl.constexpr = False,
 ):
     """Grid (cdiv(Lk, 128) · B·Hkv,); CTAs start roughly in program order, and a (batch, kv head)'s key tiles are
     consecutive, so the CTAs running at once share a few heads' Q and dO in L2. (Ordering causal CTAs longest
@@ -503,7 +536,9 @@ def attention_backward_sm90_kernel(
     MASK_MOD: the user's `mask_mod` (a `@triton.jit` function) with its captured tensors `mask_args`, and its block
     mask at ROWS x CTA_KEYS tiles by key tile (mods.block_mask_args(by_key=True); mod_k_tiles key tiles per (b, h)):
     the producer and the dQ writer walk each head's full, then partial query tiles, the consumers take them from the
-    producer's per-stage records (`_consumer`). Arguments a call does not use are None
+    producer's per-stage records (`_consumer`). SCORE_MOD: the user's `score_mod`, its derivative `score_grad` and
+    their captured tensors `score_args` on every visited score (the tiles walked as without it; 64-row query tiles,
+    `one_pass_tiles`). Arguments a call does not use are None
     (constexpr: a call without a mod compiles to the kernel without one)."""
     dtype: gl.constexpr = q_desc.dtype
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -557,6 +592,9 @@ def attention_backward_sm90_kernel(
     else:
         block_lists: gl.constexpr = None
         walk_smem: gl.constexpr = None
+    if SCORE_MOD:
+        gl.static_assert(not (STAGED_STATS or SOFTCAP or ALIBI or HAS_BIAS),
+                         "a score_mod runs beside causal, a window, varlen and a mask_mod only (mods.check_mods)")
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)  # both consumers' dSᵀ rows are in the buffer
@@ -572,17 +610,17 @@ def attention_backward_sm90_kernel(
                      stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head,
                      num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first,
                      lse_rows, window_left, window_right, softcap_scale, Slopes, stride_slopes, bias_smem, dbias_args,
-                     mask_mod, mask_args, block_lists, walk_smem, 0, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES,
-                     CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS, BIAS_GRAD, STAGED_STATS,
-                     MASK_MOD)),
+                     mask_mod, mask_args, block_lists, walk_smem, score_mod, score_grad, score_args, 0, HEAD_DIM,
+                     BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN,
+                     HAS_BIAS, BIAS_GRAD, STAGED_STATS, MASK_MOD)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, q_ready, do_ready, empty,
                      ds_ready, dq_full, dq_empty, dq_desc, LSE, Delta, lse_smem, delta_smem, DK, DV, stride_dkb,
                      stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, start_n, batch, kv_head,
                      num_q_heads, group_size, seqlen_q, seqlen_k, qk_scale, sm_scale, seq, q_first, k_first,
                      lse_rows, window_left, window_right, softcap_scale, Slopes, stride_slopes, bias_smem, dbias_args,
-                     mask_mod, mask_args, block_lists, walk_smem, 1, HEAD_DIM, BLOCK_D, ROWS, KEYS, NUM_STAGES,
-                     CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN, HAS_BIAS, BIAS_GRAD, STAGED_STATS,
-                     MASK_MOD)),
+                     mask_mod, mask_args, block_lists, walk_smem, score_mod, score_grad, score_args, 1, HEAD_DIM,
+                     BLOCK_D, ROWS, KEYS, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, VARLEN,
+                     HAS_BIAS, BIAS_GRAD, STAGED_STATS, MASK_MOD)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_box, v_box,
                      kv_ready, q_ready, do_ready, empty, start_n, batch, kv_head, group_size, seqlen_q, seqlen_k,
                      q_first, k_first, window_left, window_right, NUM_STAGES, CAUSAL, MASK_LEFT, MASK_RIGHT,
@@ -699,18 +737,16 @@ def bias_refusal(features, q, k) -> str | None:
 
 def mod_refusal(features, head_dim: int, deterministic: bool = False) -> str | None:
     """Why the sm_90 backward does not take this call's mods, or None (none, or a mask_mod it runs): its one-pass
-    kernel (head dims up to 128) walks a mask_mod's block mask beside causal, a window and varlen (as the sm_90
-    forward; softcap, ALiBi and attn_bias beside a mod are refused by mods.check_mods); no score_mod; not
-    `deterministic`, whose ordered dQ adds count the key blocks before each one as a run, where a block mask's
-    visitors of a query tile may have gaps."""
+    kernel (head dims up to 128) walks a mask_mod's block mask and applies a score_mod beside causal, a window and
+    varlen (as the sm_90 forward; softcap, ALiBi and attn_bias beside a mod are refused by mods.check_mods); a
+    mask_mod not `deterministic`, whose ordered dQ adds count the key blocks before each one as a run, where a
+    block mask's visitors of a query tile may have gaps."""
     mods = features.mods
     if mods is None:
         return None
-    if mods.score is not None:
-        return "it takes no score_mod (the Triton backward does)"
     if padded_head_dim(head_dim) == TWO_KERNEL_BLOCK_D:
-        return "it takes mask_mod at head dims up to 128 (its one-pass kernel)"
-    if deterministic:
+        return "it takes mask_mod and score_mod at head dims up to 128 (its one-pass kernel)"
+    if deterministic and mods.mask is not None:
         return "its deterministic dQ adds wait for runs of key blocks, and a mask_mod's need not be runs"
     return None
 
@@ -760,7 +796,7 @@ def _one_pass_launches(q, k, v, out, lse, grad_out, delta, dq, dk, dv, dq_accum,
                  *_bias_args(features, q, k, dbias, rows), *mod_args)
     flags.update(HAS_BIAS=features.attn_bias is not None, BIAS_GRAD=0 if dbias is None else 1 + dbias_atomic,
                  DETERMINISTIC=semaphores is not None, DQ_BUFFERS=dq_buffers(block_d, features.attn_bias),
-                 STAGED_STATS=staged, MASK_MOD=mod_args[0] is not None)
+                 STAGED_STATS=staged, MASK_MOD=mod_args[0] is not None, SCORE_MOD=mod_args[8] is not None)
     counters = () if semaphores is None else ("semaphores",)
     heads = ("q", "grad_out", "k", "v", "dq_accum", *stat_names, "dk", "dv", *counters)
     row64 = needs_64bit_rows(q, out, grad_out, dq)
@@ -790,16 +826,21 @@ def one_pass_tiles(head_dim: int, features, num_stages: int | None = None) -> tu
 
 
 def _mod_args(features, blocks, rows: int) -> tuple:
-    """The one-pass kernel's mask_mod arguments `(mask_mod, mask_args, PARTIAL_COUNTS, PARTIAL_TILES, FULL_COUNTS,
-    FULL_TILES, list_len, mod_k_tiles)`: the mod (mods.kernel_args) and its block mask's lists by key tile
-    (mods.block_mask_args), built at the launch's tiles; all None without a mod."""
+    """The one-pass kernel's mods arguments `(mask_mod, mask_args, PARTIAL_COUNTS, PARTIAL_TILES, FULL_COUNTS,
+    FULL_TILES, list_len, mod_k_tiles, score_mod, score_grad, score_args)`: the mask_mod (mods.kernel_args) and its
+    block mask's lists by key tile (mods.block_mask_args), built at the launch's tiles, then the score_mod's
+    function, derivative and captured tensors; None where absent."""
     mods = mod_kernel_args(features.mods)
+    score = (mods["score_mod"], mods["score_grad"], mods["score_args"])
+    if score[0] is not None and score[1] is None:
+        raise ValueError("score_mod: the backward needs its derivative (ScoreMod(fn, *tensors, grad=...))")
     if mods["mask_mod"] is None:
-        return (None,) * 8
+        return (None,) * 8 + score
     if blocks is None or (blocks.block_m, blocks.block_n) != (rows, BLOCK_N):
         raise ValueError(f"a mask_mod needs its block mask at the launch's {rows}x{BLOCK_N} tiles "
                          f"(mods.call_block_mask), got {None if blocks is None else (blocks.block_m, blocks.block_n)}")
-    return (mods["mask_mod"], mods["mask_args"], *block_mask_args(blocks, by_key=True).values(), blocks.n_k_tiles)
+    return (mods["mask_mod"], mods["mask_args"], *block_mask_args(blocks, by_key=True).values(), blocks.n_k_tiles,
+            *score)
 
 
 # the names of `padded_stats`' tensors among the launches' per-call tensors
@@ -961,14 +1002,15 @@ def varlen_tensors(features, key_rows: int) -> tuple:
 
 def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,
                     dtype: torch.dtype = torch.bfloat16, bias_grad: str | None = None, deterministic: bool = False,
-                    mask_mod=None):
+                    mask_mod=None, score_mod=None):
     """The kernel built for sm_90 without a GPU (meta tensors; ptxas ships with triton), specialised as a launch
     would specialise it; returns the CompiledKernel (registers, shared memory, SASS:
     benchmarks/tools/sass_attention_backward.py). features: the causal bool or a CallFeatures (its tensors may live
     on the meta device: `offline_features`; an attn_bias broadcastable to (2, 4, 256, 256)). bias_grad: "store"
     or "atomic", the bias's gradient written as a bias of its shape without / with broadcast dims has it.
     deterministic: the ordered dQ reduce-adds (head dims up to 128). mask_mod: a `@triton.jit` function or a
-    mods.MaskMod (its captured tensors may be meta), walked through a block mask of meta lists."""
+    mods.MaskMod (its captured tensors may be meta), walked through a block mask of meta lists; score_mod: a
+    mods.ScoreMod with its derivative, on every visited score."""
 
     block_d = padded_head_dim(head_dim)
     if block_d == 256:
@@ -982,8 +1024,8 @@ def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,
         dbias = torch.empty(features.attn_bias.shape, device="meta")
     padded = padded_stats(q, lse, lse, features)
     blocks = None
-    if mask_mod is not None:
-        features, blocks = _offline_mod(mask_mod, features, q, head_dim)
+    if mask_mod is not None or score_mod is not None:
+        features, blocks = _offline_mods(mask_mod, score_mod, features, q, head_dim)
     semaphores = None
     if deterministic:
         semaphores = torch.empty(_row_stats_shape(lse, padded), dtype=torch.int32, device="meta")
@@ -993,9 +1035,14 @@ def compile_offline(head_dim: int, features=False, num_stages: int = NUM_STAGES,
     return offline_build(kernel, bound)
 
 
-def _offline_mod(mask_mod, features, q, head_dim: int):
-    """compile_offline's features with `mask_mod` added, and its block mask over q's sequences (meta lists)."""
-    features = replace(features, mods=Mods(mask_mod if isinstance(mask_mod, MaskMod) else MaskMod(mask_mod)))
+def _offline_mods(mask_mod, score_mod, features, q, head_dim: int):
+    """compile_offline's features with the mods added, and a mask_mod's block mask over q's sequences (meta lists;
+    None without one)."""
+    if mask_mod is not None and not isinstance(mask_mod, MaskMod):
+        mask_mod = MaskMod(mask_mod)
+    features = replace(features, mods=Mods(mask_mod, score_mod))
+    if mask_mod is None:
+        return features, None
     rows, keys = one_pass_tiles(head_dim, features)
     batch, length = (features.varlen.num_seqs, features.varlen.max_seqlen_q) if features.varlen else (2, 256)
     n_q, n_k = -(-length // rows), -(-length // keys)
