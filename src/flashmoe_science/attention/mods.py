@@ -34,6 +34,9 @@ Design, and why:
 * **The CPU reference** evaluates the same `@triton.jit` functions through Triton's interpreter in this process
   (`mask_values`, `score_values`; tensors are copied to the host), so the reference and the kernels run one
   definition; the tests compare both with a torch twin written in the test.
+* **Inside the Gluon kernels** (sm_90) a tile carries its register layout: a mod builds new tiles from its
+  arguments (`score * 0.0 + 1.0`, not `tl.full(score.shape, ...)`, which has no layout there). A mod that does not
+  build in Gluon is remembered as such and runs on the Triton kernels (`gluon.availability.run_gluon`).
 * **torch.compile**: a function is not a tensor, so the custom ops cannot take mods; a call with mods inside a
   compiled region graph-breaks (`torch.compiler.disable`) and runs eagerly, with its autograd.
 """
