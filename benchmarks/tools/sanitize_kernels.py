@@ -43,13 +43,21 @@ def _softcap(score, b, h, q_idx, kv_idx):
     return 30.0 * (1.0 - 2.0 / (tl.exp(score * (2.0 / 30.0)) + 1.0))  # 30 tanh(score / 30)
 
 
+@triton.jit
+def _softcap_grad(score, b, h, q_idx, kv_idx):
+    t = 1.0 - 2.0 / (tl.exp(score * (2.0 / 30.0)) + 1.0)
+    return 1.0 - t * t
+
+
 def _score_mods():
-    """The sm_90 forward's score_mod at 333 rows, causal alone and beside each mask of the mask-mods suite."""
-    q, k, v = (torch.randn(mask_mods.BATCH, mask_mods.HEADS, 333, 128, device="cuda", dtype=torch.bfloat16)
-               for _ in range(3))
-    flash_attention_science(q, k, v, causal=True, score_mod=ScoreMod(_softcap), backend="hopper")
-    for _, mod, _, _ in mask_mods.mask_cases(333, "cuda"):
-        flash_attention_science(q, k, v, mask_mod=mod, score_mod=ScoreMod(_softcap), backend="hopper")
+    """The sm_90 forward and backward with a score_mod at 333 rows, causal alone and beside each mask of the
+    mask-mods suite."""
+    q, k, v = (torch.randn(mask_mods.BATCH, mask_mods.HEADS, 333, 128, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    mod = ScoreMod(_softcap, grad=_softcap_grad)
+    flash_attention_science(q, k, v, causal=True, score_mod=mod, backend="hopper").sum().backward()
+    for _, mask, _, _ in mask_mods.mask_cases(333, "cuda"):
+        flash_attention_science(q, k, v, mask_mod=mask, score_mod=mod, backend="hopper").sum().backward()
 
 
 def _decode(page):
