@@ -260,9 +260,9 @@ def test_feature_args_run_plain_calls_as_causal_without_window_flags():
 
 
 def test_mod_refusal_names_what_the_one_pass_kernel_does_not_take():
-    """A mask_mod runs on the one-pass kernel beside causal, a window and varlen; refused with a score_mod, at head
-    dims padding to 256, and deterministic (softcap, ALiBi or a bias beside a mod never get here: mods.check_mods);
-    attention_backward_sm90 raises it."""
+    """A mask_mod and a score_mod run on the one-pass kernel beside causal, a window and varlen; refused at head dims
+    padding to 256, and a mask_mod deterministic (softcap, ALiBi or a bias beside a mod never get here:
+    mods.check_mods); attention_backward_sm90 raises it."""
     from dataclasses import replace
 
     from flashmoe_science.attention.hopper.bwd_common import offline_features
@@ -274,11 +274,14 @@ def test_mod_refusal_names_what_the_one_pass_kernel_does_not_take():
     mods = Mods(MaskMod(mod))
     window = replace(offline_features(causal=True, window=(64, -1), varlen=True), mods=mods)
     assert bwd_sm90.mod_refusal(window, 128) is None and bwd_sm90.mod_refusal(offline_features(), 128) is None
-    assert "score_mod" in bwd_sm90.mod_refusal(replace(window, mods=Mods(score=ScoreMod(mod))), 128)
+    scored = replace(window, mods=Mods(score=ScoreMod(mod, grad=mod)))
+    assert bwd_sm90.mod_refusal(scored, 128) is None
+    assert bwd_sm90.mod_refusal(scored, 128, deterministic=True) is None  # the plain tile walk: ordered adds hold
+    assert "head dims up to 128" in bwd_sm90.mod_refusal(scored, 256)
     assert "head dims up to 128" in bwd_sm90.mod_refusal(window, 256)
     assert "deterministic" in bwd_sm90.mod_refusal(window, 128, deterministic=True)
     q = torch.empty(1, 2, 8, 256, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="the sm_90 backward: it takes mask_mod at head dims up to 128"):
+    with pytest.raises(ValueError, match="the sm_90 backward: it takes mask_mod and score_mod at head dims up to 128"):
         bwd_sm90.attention_backward_sm90(q, q, q, q, None, q, None, q, q, q, window, 0.1)
 
 
