@@ -85,3 +85,28 @@ def test_train_example_device_cuda_without_cuda_is_one_line(tmp_path):
                             str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert child.returncode == 2 and child.stdout == ""  # before the corpus and tokenizer
     assert child.stderr == f"train_gpt_moe.py: error: --device cuda: {NO_CUDA}\n"
+
+
+def test_bfloat16_cpu_tensors_are_refused_before_the_interpreter_runs_a_kernel(monkeypatch):
+    """Under TRITON_INTERPRET=1 the Triton kernels take CPU tensors, but the interpreter multiplies bfloat16 tl.dot
+    operands as raw bits (triton-lang/triton#11584): attention (forward and backward), decode and the MoE layer
+    (few and many tokens) refuse bfloat16 by name before any kernel runs."""
+    from flashmoe_science import flash_attention_decode, flash_attention_science
+    from flashmoe_science.attention.triton.backend import TritonBackward
+    from flashmoe_science.moe.api import fused_moe
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the planners read it per call; no kernel runs below
+    q = torch.randn(1, 2, 16, 16, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="q is bfloat16 on the CPU: Triton's interpreter"):
+        flash_attention_science(q, q, q, backend="triton")
+    with pytest.raises(TypeError, match="q is bfloat16 on the CPU"):
+        TritonBackward(None).run(q, q, q, q, None, q, None, q, q, q, None, 0.25, False, False)
+    cache = torch.randn(1, 32, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="q is bfloat16 on the CPU"):
+        flash_attention_decode(torch.randn(1, 1, 2, 16, dtype=torch.bfloat16), cache, cache,
+                               torch.tensor([32], dtype=torch.int32), backend="triton")
+    w1, w2 = torch.randn(4, 64, 32, dtype=torch.bfloat16), torch.randn(4, 32, 32, dtype=torch.bfloat16)
+    for tokens in (2, 256):
+        x = torch.randn(tokens, 32, dtype=torch.bfloat16)
+        with pytest.raises(TypeError, match="x is bfloat16 on the CPU"):
+            fused_moe(x, w1, w2, torch.randn(tokens, 4), 2, backend="triton")

@@ -100,6 +100,16 @@ def triton_interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def check_interpreter_operands(name: str, t: torch.Tensor) -> None:
+    """Raise TypeError before a Triton kernel runs on bfloat16 CPU tensors (TRITON_INTERPRET=1): the interpreter's
+    tl.dot multiplies bfloat16 operands as their raw bit patterns (triton-lang/triton#11584), which would give a
+    result wrong by orders of magnitude, silently. Its float16 and float32 products are exact."""
+    if t.device.type == "cpu" and t.dtype == torch.bfloat16 and triton_interpreter_on():
+        raise TypeError(f"{name} is bfloat16 on the CPU: Triton's interpreter multiplies bfloat16 tl.dot operands "
+                        "as raw bits (triton-lang/triton#11584); pass float16 or float32 tensors, or backend='auto' "
+                        "(the reference on the CPU)")
+
+
 def dot_precision(t: torch.Tensor) -> dict:
     """The DOT_PRECISION constexpr of every kernel (attention and MoE): float32 inputs multiply in 3xTF32
     (near-fp32 accuracy; plain TF32 gives ~1e-3 relative error, which compounds through a backward's

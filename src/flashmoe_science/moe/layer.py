@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from flashmoe_science.device import check_interpreter_operands
 from flashmoe_science.moe.dispatch import (ExpertSort, flat_ids, sort_buffers, sort_launch_tensors, sort_launches,
                                            sort_pairs_by_expert)
 from flashmoe_science.moe.gemms import combine_buffer, combine_launch, combined, empty, sorted_rows
@@ -71,6 +72,7 @@ def moe_forward(x, w1, w2, weights32, topk_ids, plan: KernelPlan | None = None, 
     (sorted rows x 2F, in x.dtype) and keeps h (sorted rows x F, GEMM2's operand), which ``moe_backward`` needs:
     saving them costs one (T·k, 2F) write, recomputing them would cost the backward a third more GEMM work
     (docs/perf-notes.md)."""
+    check_interpreter_operands("x", x)
     if plan is None:
         plan = plan_kernels(x, w1, w2, topk_ids.shape[1], training=save_for_backward)
     if save_for_backward and not plan.trains:
@@ -123,6 +125,7 @@ class PreparedForward(NamedTuple):
 def prepare_forward(x, w1, w2, weights32, topk_ids, plan: KernelPlan | None = None) -> PreparedForward:
     """``moe_forward`` for this call signature (arguments as moe_forward, at least one token) as a PreparedForward.
     Builds its launches over throwaway buffers; Triton compiles any kernel no call has compiled yet."""
+    check_interpreter_operands("x", x)
     if plan is None:
         plan = plan_kernels(x, w1, w2, topk_ids.shape[1])
     _, _, out, _, _, launches = _forward_launches(x, w1, w2, weights32, topk_ids, plan)

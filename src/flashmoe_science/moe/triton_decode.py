@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashmoe_science.device import dot_precision
+from flashmoe_science.device import check_interpreter_operands, dot_precision
 from flashmoe_science.moe.launch import Launch
 from flashmoe_science.moe.triton_gemm import _gate_up_columns
 from flashmoe_science.moe.triton_routing import MAX_EXPERTS, _scores, _top_k
@@ -195,6 +195,7 @@ def decode_forward(x, w1, w2, routing, ids, top_k: int, *, route: bool = False, 
     routing weights (T, top_k) with ``ids`` (T, top_k), or, with ``route``, ``routing`` = the router logits (T, E)
     (``ids`` unused) routed as ``routing.route`` routes them (``renormalize``, ``sigmoid``). Returns
     ``(out, launch)``: out (T, d) in x.dtype, and the Launch that made it (``PreparedDecode`` repeats it)."""
+    check_interpreter_operands("x", x)
     if config is None:
         config = decode_config(w1.element_size())
     out, acc, arrivals = decode_buffers(x)

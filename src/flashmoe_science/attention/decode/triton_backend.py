@@ -13,7 +13,7 @@ from flashmoe_science.attention.decode.launch import LaunchArgs, append_new_toke
 from flashmoe_science.attention.decode.problem import CacheCall, DecodeCall, DecodeProblem
 from flashmoe_science.attention.decode.tiles import DecodeTiles, choose_num_splits, decode_tiles
 from flashmoe_science.attention.record import ran
-from flashmoe_science.device import device_traits, dot_precision, on_another_cuda_device
+from flashmoe_science.device import check_interpreter_operands, device_traits, dot_precision, on_another_cuda_device
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class TritonDecode:
     kernel = "triton.decode._decode_kernel"
 
     def run(self, call: CacheCall, problem: DecodeProblem):
+        check_interpreter_operands("q", call.q)
         # Triton launches on the current device: make it q's
         with torch.cuda.device(call.q.device) if on_another_cuda_device(call.q) else contextlib.nullcontext():
             ran("forward", self.backend, self.kernel)

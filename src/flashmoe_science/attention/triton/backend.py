@@ -24,7 +24,7 @@ from flashmoe_science.attention.tiles import (
     forward_tiles,
     padded_head_dim,
 )
-from flashmoe_science.device import device_traits
+from flashmoe_science.device import check_interpreter_operands, device_traits
 
 FORWARD_KERNEL = "triton.fwd._attention_forward_kernel"
 BACKWARD_KERNEL = "triton.bwd.attention_backward"
@@ -44,6 +44,7 @@ class TritonForward:
         """(out, lse) on checked 4-D views (written into `out`, `lse` where given)."""
         from flashmoe_science.attention.triton.fwd import attention_forward
 
+        check_interpreter_operands("q", q)
         if lse is None:
             out, lse = new_outputs(q, features, out)
         ran("forward", self.backend, self.kernel)
@@ -125,6 +126,7 @@ class TritonBackward:
             need_dbias: bool):
         from flashmoe_science.attention.triton.bwd import attention_backward
 
+        check_interpreter_operands("q", q)
         ran("backward", self.backend, self.kernel)
         # dQ and dK/dV both wanted, determinism not asked for, no bias gradient (formed by the dQ kernel) and the
         # fused single pass (5 products per tile pair instead of 7, dQ summed with float32 atomics into dq_accum)
