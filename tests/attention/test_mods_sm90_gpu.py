@@ -133,20 +133,24 @@ def test_varlen_backward_against_float64(name, head_dim, causal):
         return flash_attention_varlen(q, k, v, cu.cuda(), cu.cuda(), max(lengths), max(lengths), causal=causal,
                                       mask_mod=mod, return_lse=True, backend="hopper")
 
+    oracle = _packed_oracle(lengths, cu, lambda b, n: (seen[b:b + 1, :, :n, :n], None))
+    check_forward_and_grads(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))
+
+
+def _packed_oracle(lengths, cu, masks):
+    """`oracle(q, k, v, dtype) -> (out (total, H, D), lse (H, total))` of a packed batch through mod_oracle one
+    sequence at a time; `masks(b, n)`: sequence b's (visibility, score twin) at its n positions."""
     def oracle(q, k, v, dtype):
-        """Each sequence through mod_oracle: out (total, H, D), lse (H, total)."""
         outs, lses = [], []
         for b, n in enumerate(lengths):
             if n == 0:
                 continue
             rows = slice(int(cu[b]), int(cu[b + 1]))
-            out, lse = mod_oracle(*(t[rows].transpose(0, 1)[None] for t in (q, k, v)), seen[b:b + 1, :, :n, :n],
-                                  None, dtype=dtype)
+            out, lse = mod_oracle(*(t[rows].transpose(0, 1)[None] for t in (q, k, v)), *masks(b, n), dtype=dtype)
             outs.append(out[0].transpose(0, 1))
             lses.append(lse[0])
         return torch.cat(outs), torch.cat(lses, dim=1)
-
-    check_forward_and_grads(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))
+    return oracle
 
 
 @pytest.mark.parametrize("name", ["prefix-LM", "document window"])
@@ -202,35 +206,46 @@ def test_score_mod_forward_against_float64_and_the_triton_forward(name, head_dim
     torch.testing.assert_close(out, triton_out, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("name", SCORE_CASES)
-def test_score_mod_varlen_forward_against_float64(name, head_dim):
+def _packed_score_case(name, head_dim):
+    """A packed batch with an empty and a length-1 sequence and the named score case's mods over its longest:
+    (lengths, mask_mod, score_mod, cu_seqlens on the host, q, k, v)."""
     from mod_cases import case
 
-    hopper_attention_module("fwd_sm90")
     lengths = [700, 0, 1, 517]
-    longest = max(lengths)
-    mask_mod, score_mod, _, _ = case(name, len(lengths), HEADS, longest, longest, "cuda")
+    mask_mod, score_mod, _, _ = case(name, len(lengths), HEADS, max(lengths), max(lengths), "cuda")
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     q = randn(int(cu[-1]), HEADS, head_dim, dtype=torch.bfloat16).cuda()
     k, v = (randn(int(cu[-1]), KV_HEADS, head_dim, dtype=torch.bfloat16).cuda() for _ in range(2))
-    args = (cu.cuda(), cu.cuda(), longest, longest)
-    out, lse = flash_attention_varlen(q, k, v, *args, mask_mod=mask_mod, score_mod=score_mod, return_lse=True,
-                                      backend="hopper")
-    for b, n in enumerate(lengths):
-        if n == 0:
-            continue
-        rows = slice(int(cu[b]), int(cu[b + 1]))
-        q4, k4, v4 = (t[rows].transpose(0, 1)[None].cpu() for t in (q, k, v))
-        _, _, seen, twin = case(name, 1, HEADS, n, n)  # the same seeded tables, this sequence's positions
-        visible = seen
-        ref, ref_lse = mod_oracle(q4, k4, v4, visible, twin)
-        same, _ = mod_oracle(q4, k4, v4, visible, twin, dtype=torch.bfloat16)
-        assert_within_rule(f"out of sequence {b}", out[rows].transpose(0, 1)[None].cpu().double(), ref,
-                           same.double(), torch.bfloat16)
-        ours_lse = lse[:, rows].cpu()[None].double()
-        finite = torch.isfinite(ref_lse)
-        torch.testing.assert_close(ours_lse[finite], ref_lse[finite], rtol=0, atol=2e-2)
+    return lengths, mask_mod, score_mod, cu, q, k, v
+
+
+def _packed_score_oracle(name, lengths, cu, causal):
+    """`_packed_oracle` of the named score case (its seeded tables at each sequence's positions)."""
+    from mod_cases import case
+
+    def masks(b, n):
+        _, _, seen, twin = case(name, 1, HEADS, n, n)
+        if causal:
+            tril = torch.ones(n, n, dtype=torch.bool).tril()
+            seen = tril if seen is None else seen & tril
+        return seen, twin
+    return _packed_oracle(lengths, cu, masks)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", SCORE_CASES)
+def test_score_mod_varlen_forward_against_float64(name, head_dim):
+    hopper_attention_module("fwd_sm90")
+    lengths, mask_mod, score_mod, cu, q, k, v = _packed_score_case(name, head_dim)
+    longest = max(lengths)
+    out, lse = flash_attention_varlen(q, k, v, cu.cuda(), cu.cuda(), longest, longest, mask_mod=mask_mod,
+                                      score_mod=score_mod, return_lse=True, backend="hopper")
+    oracle = _packed_score_oracle(name, lengths, cu, causal=False)
+    ref, ref_lse = oracle(q.cpu(), k.cpu(), v.cpu(), torch.float64)
+    same, _ = oracle(q.cpu(), k.cpu(), v.cpu(), torch.bfloat16)
+    assert_within_rule("out", out.cpu().double(), ref, same.double(), torch.bfloat16)
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.cpu().double()[finite], ref_lse[finite], rtol=0, atol=2e-2)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -264,33 +279,14 @@ def test_score_mod_backward_against_float64(name, head_dim, shape, causal):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("name", SCORE_CASES)
 def test_score_mod_varlen_backward_against_float64(name, head_dim):
-    """The same for a packed causal batch with an empty and a length-1 sequence, sequence by sequence."""
-    from mod_cases import case
-
+    """The same for a packed causal batch with an empty and a length-1 sequence."""
     hopper_attention_module("bwd_sm90")
-    lengths = [700, 0, 1, 517]
+    lengths, mask_mod, score_mod, cu, q, k, v = _packed_score_case(name, head_dim)
     longest = max(lengths)
-    mask_mod, score_mod, _, _ = case(name, len(lengths), HEADS, longest, longest, "cuda")
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    q = randn(int(cu[-1]), HEADS, head_dim, dtype=torch.bfloat16).cuda()
-    k, v = (randn(int(cu[-1]), KV_HEADS, head_dim, dtype=torch.bfloat16).cuda() for _ in range(2))
 
     def run(q, k, v):
         return flash_attention_varlen(q, k, v, cu.cuda(), cu.cuda(), longest, longest, causal=True,
                                       mask_mod=mask_mod, score_mod=score_mod, return_lse=True, backend="hopper")
 
-    def oracle(q, k, v, dtype):
-        outs, lses = [], []
-        for b, n in enumerate(lengths):
-            if n == 0:
-                continue
-            rows = slice(int(cu[b]), int(cu[b + 1]))
-            _, _, seen, twin = case(name, 1, HEADS, n, n)  # the same seeded tables, this sequence's positions
-            tril = torch.ones(n, n, dtype=torch.bool).tril()
-            seen = tril if seen is None else seen & tril
-            out, lse = mod_oracle(*(t[rows].transpose(0, 1)[None] for t in (q, k, v)), seen, twin, dtype=dtype)
-            outs.append(out[0].transpose(0, 1))
-            lses.append(lse[0])
-        return torch.cat(outs), torch.cat(lses, dim=1)
-
+    oracle = _packed_score_oracle(name, lengths, cu, causal=True)
     check_forward_and_grads(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))
