@@ -276,6 +276,30 @@ def test_score_mod_backward_against_float64(name, head_dim, shape, causal):
     check_forward_and_grads(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))
 
 
+@pytest.mark.parametrize("name", SCORE_CASES)
+def test_auto_pairs_the_triton_score_mod_forward_with_the_gluon_backward(name):
+    """Under auto a score_mod at D=128 runs the Triton forward and the Gluon backward (each the faster measured):
+    the backward reads the Triton forward's lse, so out, lse and dQ, dK, dV against float64."""
+    from flashmoe_science.attention.api import describe_dispatch
+    from mod_cases import case
+
+    hopper_attention_module("bwd_sm90")
+    lq, lk = SHAPES["long_keys"]
+    mask_mod, score_mod, seen, twin = case(name, BATCH, HEADS, lq, lk, "cuda")
+    q = randn(BATCH, HEADS, lq, 128, dtype=torch.bfloat16).cuda()
+    k, v = (randn(BATCH, KV_HEADS, lk, 128, dtype=torch.bfloat16).cuda() for _ in range(2))
+    dispatch = describe_dispatch(q, k, v, mask_mod=mask_mod, score_mod=score_mod)
+    assert (dispatch.backend, dispatch.backward_backend) == ("triton", "hopper"), dispatch
+
+    def run(q, k, v):
+        return flash_attention_science(q, k, v, mask_mod=mask_mod, score_mod=score_mod, return_lse=True)
+
+    def oracle(q, k, v, dtype):
+        return mod_oracle(q, k, v, seen, twin, dtype=dtype)
+
+    check_forward_and_grads(run, oracle, (q, k, v), torch.bfloat16, ("dq", "dk", "dv"))
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("name", SCORE_CASES)
 def test_score_mod_varlen_backward_against_float64(name, head_dim):

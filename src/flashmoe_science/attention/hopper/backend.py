@@ -441,11 +441,6 @@ def backward_refusal(head_dim: int, seqlen_q: int, softmax_scale: float, measure
     return None
 
 
-# why auto leaves a score_mod's backward to the Triton kernels
-SCORE_MOD_BACKWARD_RULE = ("its score_mod backward runs only when asked for (backend='hopper'): not yet measured "
-                           "against the Triton score_mod backward")
-
-
 class _HopperAttentionBackward:
     """The backward half of the Hopper family. It also takes the backward of a Triton forward (a feature the Gluon
     forward does not take, or its build failed) where the inputs suit it."""
@@ -481,13 +476,12 @@ class _HopperAttentionBackward:
                        or function_refusal(mods.functions))
             if refusal is not None:
                 return refusal
-            if problem.backend != self.name and mods.score is not None:
-                return SCORE_MOD_BACKWARD_RULE
             if problem.backend != self.name and padded_head_dim(problem.head_dim) != 128:
-                # against the Triton backward in the mask-mods suite (H100, D=128) it ran 1.09-1.27x on every mask,
-                # all-partial ones included (docs/perf-notes.md, "mask_mod in the sm_90 backward")
-                return ("its mask_mod backward runs only when asked for (backend='hopper') at this head dim: "
-                        "measured at D=128")
+                # against the Triton backward (H100, D=128) it ran 1.09-1.27x on every mask of the mask-mods suite,
+                # all-partial ones included, and 1.01-1.43x with a softcap or ALiBi-table score_mod
+                # (docs/perf-notes.md, "mask_mod and score_mod in the sm_90 backward")
+                return ("its mask_mod and score_mod backward runs only when asked for (backend='hopper') at this "
+                        "head dim: measured at D=128")
         if problem.features.attn_bias is not None:
             from flashmoe_science.attention.hopper.bwd_sm90 import bias_refusal
 
