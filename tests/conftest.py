@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import interpreter_driver
+import readme_chain
 
 
 # The skip reason of the Triton-kernel tests that a plain run executes in a TRITON_INTERPRET=1 child process (the
@@ -93,9 +94,12 @@ def pytest_collection_modifyitems(config, items):
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = [item for item in items if not _runs_in_interpreter_child(item)]
+    commands = readme_chain.commands_last(items)
     marks = interpreter_driver.drivers_last(items)
     if marks and not triton_interpret_enabled() and not config.option.collectonly:
         config.stash[interpreter_driver.CHILD] = interpreter_driver.start_child(config, marks)
+    if commands and not config.option.collectonly:
+        readme_chain.start(config, commands)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: run `pytest -m gpu` on a GPU machine")

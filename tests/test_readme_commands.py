@@ -3,18 +3,19 @@ with `flashmoe-science ` or `python examples/` and ends neither with `# GPU` nor
 reproduction, an hour of CPU time; a shell loop is not run either), in README order, in one temporary folder
 (later commands read what earlier ones wrote, e.g. a trained model), each expected to exit 0. Lines that install
 (`pip`) or test (`pytest`) are not run. `flashmoe-science` runs as `python -m flashmoe_science.cli` from this
-checkout's src/, so no installed entry point is needed. Minutes on a CPU: marked slow."""
+checkout's src/, so no installed entry point is needed. Minutes on a CPU: marked slow. The commands run in a
+background thread from the end of collection on (tests/readme_chain.py), while the other tests run."""
 
 from __future__ import annotations
 
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import readme_chain
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND_TIMEOUT_S = 1200  # per command: generous for a loaded 2-core CI machine
@@ -54,20 +55,14 @@ def test_readme_commands_are_found():
 
 
 README_COMMANDS = readme_commands((ROOT / "README.md").read_text())
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("readme")
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", README_COMMANDS)
-def test_readme_command_runs(command, workdir):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
-    try:
-        child = subprocess.run(argv_of(command), cwd=workdir, env=env, capture_output=True, text=True,
-                               timeout=COMMAND_TIMEOUT_S)
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"`{command}` ran past {COMMAND_TIMEOUT_S} s:\n{(error.stderr or '')[-3000:]}")
-    assert child.returncode == 0, f"`{command}` exited {child.returncode}:\n{(child.stdout + child.stderr)[-4000:]}"
+@pytest.mark.parametrize("command", [pytest.param(command, marks=pytest.mark.readme_command(
+    argv_of(command), ENV, COMMAND_TIMEOUT_S)) for command in README_COMMANDS])
+def test_readme_command_runs(command, request):
+    outcome = readme_chain.outcome(request)
+    if outcome.returncode is None:
+        pytest.fail(f"`{command}` ran past {COMMAND_TIMEOUT_S} s:\n{outcome.output[-3000:]}")
+    assert outcome.returncode == 0, f"`{command}` exited {outcome.returncode}:\n{outcome.output[-4000:]}"

@@ -68,20 +68,27 @@ def spill_count(sass: str) -> int:
 def sass_loops(sass: str) -> list[dict]:
     """The loops of a kernel's SASS that issue HGMMAs, smallest first: a backward branch closes the loop [its target,
     the branch]. Each as start and end address, its instruction count and its HGMMA, MUFU.EX2, LDL and STL counts
-    (an attention forward's key-tile loop is the one with both products' HGMMAs: head_dim/16 + block_n/16)."""
+    (an attention forward's key-tile loop is the one with both products' HGMMAs: head_dim/16 + block_n/16). Each
+    instruction is read once: a loop's counts are differences of running counts over the address-sorted text."""
+    import bisect
+    import itertools
     import re
 
+    ops = ("HGMMA", "MUFU.EX2", "LDL", "STL")
     lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    ordered = sorted(lines, key=lambda line: line[0])
+    addresses = [a for a, _ in ordered]
+    running = {op: list(itertools.accumulate((bool(re.search(r"\b%s\b" % re.escape(op), t)) for _, t in ordered),
+                                             initial=0)) for op in ops}
     loops = []
     for address, text in lines:
         branch = re.search(r"\bBRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", text)
         if branch and int(branch.group(1), 16) < address:
             start = int(branch.group(1), 16)
-            body = [t for a, t in lines if start <= a <= address]
-            count = {op: sum(bool(re.search(r"\b%s\b" % re.escape(op), t)) for t in body)
-                     for op in ("HGMMA", "MUFU.EX2", "LDL", "STL")}
+            first, last = bisect.bisect_left(addresses, start), bisect.bisect_right(addresses, address)
+            count = {op: running[op][last] - running[op][first] for op in ops}
             if count["HGMMA"]:
-                loops.append(dict(start=start, end=address, instructions=len(body), **count))
+                loops.append(dict(start=start, end=address, instructions=last - first, **count))
     return sorted(loops, key=lambda loop: loop["instructions"])
 
 
