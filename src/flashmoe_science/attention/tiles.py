@@ -135,18 +135,18 @@ def backward_smem_bytes(tiles: AttentionTiles, head_dim: int, elem_bytes: int, k
 
     The resident tiles (K and V for "dkdv"/"fused", q and dO for "dq") plus `num_stages` buffered pairs of streamed
     tiles; "fused" also stages dS (twice, for dK and for dQ = dS k) and may keep a transposed copy of K. Against
-    Triton 3.6's compute-capability-9.0 builds of the candidates in benchmarks/tools/sweep_attention_backward_tiles.py: within 1 KiB for "dkdv" and "dq", and
-    from 1 KiB under to twice the real size for "fused" (an upper bound errs towards tiles that fit), wherever the
-    products run on warpgroup MMAs; narrow tiles that fall back to mma.sync differ by up to 16 KiB either way."""
+    Triton 3.6's compute-capability-9.0 builds of the candidates in
+    benchmarks/tools/sweep_attention_backward_tiles.py: within 1 KiB for "dkdv" and "dq", and from 1 KiB under to
+    twice the real size for "fused" (an upper bound errs towards tiles that fit), wherever the products run on
+    warpgroup MMAs; narrow tiles that fall back to mma.sync differ by up to 16 KiB either way."""
     block_d = padded_head_dim(head_dim)
     if kernel == "dq":
         resident, streamed = tiles.block_m, tiles.block_n
     else:
         resident, streamed = tiles.block_n, tiles.block_m
     if elem_bytes == 4:
-        # float32 operands: the resident tiles are staged twice (converted for the tf32 products). Measured on an
-        # H100 (Triton 3.6): the dq kernel at D=128 with 64x64 tiles and 2 stages asked for 262144 bytes, where
-        # counting them once gives 196608.
+        # float32 operands: the resident tiles are staged twice (converted for the tf32 products), as an H100 build
+        # of the dq kernel showed (Triton 3.6; docs/perf-notes.md)
         resident *= 2
     total = 2 * (resident + max(tiles.num_stages, 1) * streamed) * block_d * elem_bytes
     total += max(tiles.num_stages, 1) * tiles.block_m * tiles.block_n * bias_bytes
@@ -173,11 +173,10 @@ def backward_tiles(head_dim: int, dtype: torch.dtype, causal: bool, traits: Devi
     block_d = padded_head_dim(head_dim)
     elem_bytes = torch.finfo(dtype).bits // 8
     if traits.measured_tiles:  # as the forward: the measured tables on their generation only
-        # Measured on an H200 (benchmarks/tools/sweep_attention_backward_tiles.py, bf16, B4 L4096 and B16 L1024; docs/perf-notes.md). Narrow
-        # 4-warp dK/dV programs won although they spill (64x64 w4 at D=128: ~116 B/thread): the 8-warp tiles the
-        # offline builds preferred for their spill-free registers ran 20-30% slower. The fused single pass (dQ by
-        # atomics) lost to the two passes at every head dim (best fused vs best pair, D=64/128/256: 278/288/184
-        # vs 329/383/208 TFLOP/s), so it is not used here.
+        # Measured on an H200 (benchmarks/tools/sweep_attention_backward_tiles.py; docs/perf-notes.md). Narrow
+        # 4-warp dK/dV programs won although they spill: the 8-warp tiles the offline builds preferred for their
+        # spill-free registers ran slower. The fused single pass (dQ by atomics) lost to the two passes at every
+        # head dim, so it is not used here.
         if block_d <= 64:
             dkdv, dq = AttentionTiles(64, 64, 4, 2), AttentionTiles(128, 64, 8, 3)
         elif block_d <= 128:

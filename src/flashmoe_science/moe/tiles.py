@@ -7,14 +7,9 @@ expert weights and the GEMM shape barely matters), 128-row tiles when every expe
 layer runs any ``MoETiles`` (``plan.plan_kernels(..., tiles=...)``), which is how
 benchmarks/tools/sweep_moe_gemm_tiles.py tries candidates.
 
-Measured: H200 sweep, 2026-11-21 (torch 2.11, triton 3.6, bf16; benchmarks/tools/sweep_moe_gemm_tiles.py, Mixtral-8x7B E=8 k=2
-d=4096 F=14336 and Qwen3-30B-A3B E=128 k=8 d=2048 F=768). Per-GEMM numbers behind each rule are quoted where the
-rule is made; configs the sweep did not reach (the 64-row regime) are the earlier, unmeasured choices. Layer,
-heuristic before -> with these rules (estimated from the per-GEMM times, the best-tiles layer runs agree):
-Mixtral T=4096 fwd 442 -> ~488-507 TFLOP/s (torch grouped_mm 504), bwd 319 -> ~342-360 (grouped_mm 491);
-Mixtral T=16384 fwd 468 -> ~535 (grouped_mm 539); Qwen3 T=4096 fwd 291 -> ~335 (grouped_mm 166), bwd 221 ->
-~238 (grouped_mm 238); T=16 fwd unchanged at ~4150 GB/s (Mixtral) / 3265 GB/s (Qwen3) of expert weights, bwd
-11.5 -> ~13 TFLOP/s (Mixtral), 3.3 -> ~3.8 (Qwen3).
+The rules are the winners of an H200 sweep (benchmarks/tools/sweep_moe_gemm_tiles.py at Mixtral-8x7B's and
+Qwen3-30B-A3B's dims); docs/perf-notes.md ("MoE layer") has the per-GEMM numbers behind each rule and what they
+gave the layer. Configs the sweep did not reach (the 64-row regime) are the earlier, unmeasured choices.
 """
 
 from dataclasses import dataclass, replace
@@ -79,8 +74,7 @@ _OPERANDS = {
 def gemm_smem_bytes(gemm_name: str, block_m: int, gemm: GemmTiles, itemsize: int = 2) -> int:
     """Shared memory of the operand ring (num_stages buffers) and, for the persistent weight-gradient kernel, of
     its epilogue's layout conversion, which cannot reuse the ring (the next tile's loads are in flight there): what
-    Triton 3.6 allocates for these kernels on the H200 (offline builds: 147456 / 180224 / 229376 bytes at 128x256,
-    3 stages, and persistent with 3 and 4 stages)."""
+    Triton 3.6 allocates for these kernels on the H200 (checked against offline builds: docs/perf-notes.md)."""
     ring = gemm.num_stages * _OPERANDS[gemm_name](block_m, gemm) * itemsize
     if gemm.persistent:
         ring += (gemm.block_m or gemm.block_n) * gemm.block_n * itemsize // 2
@@ -114,10 +108,9 @@ def fit_shared_memory(gemm_name: str, block_m: int, gemm: GemmTiles, itemsize: i
     return gemm
 
 
-# programs per SM that split-K aims for in the weight-streaming regime. H200 sweep, 2026-11-21, Mixtral T=16
-# (8 row tiles x 64 column blocks = 512 programs at block_n 64): split_k 4 beats 2 for down (4203 vs 4145 GB/s
-# of expert weights) and for dx, K = 2F (4364 vs 4277 GB/s); the old target of 4 per SM gave split_k 2. Qwen3
-# T=16 (thousands of programs) stays at split_k 1, measured best there (down 3567 vs 3355 GB/s with split_k 2).
+# programs per SM that split-K aims for in the weight-streaming regime: at Mixtral T=16 (512 programs at block_n 64)
+# split_k 4 beat the 2 that a target of 4 per SM gives, for down and dx; Qwen3 T=16 (thousands of programs) stays at
+# split_k 1, measured best there (H200 sweep: docs/perf-notes.md)
 SPLIT_K_PROGRAMS_PER_SM = 8
 
 
@@ -192,7 +185,7 @@ def check_combine(tiles: MoETiles) -> None:
 
 
 def _measured_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int, d_ff: int, device) -> MoETiles:
-    """choose_tiles' choice for 2-byte operands: the H200 sweeps' winners, quoted where each rule is made."""
+    """choose_tiles' choice for 2-byte operands: the H200 sweeps' winners (docs/perf-notes.md, "MoE layer")."""
     if triton_interpreter_on():
         # the interpreter runs each program in numpy: few, small programs keep CPU tests quick
         small = GemmTiles(block_n=32, block_k=32, num_warps=4, num_stages=1)
@@ -204,20 +197,16 @@ def _measured_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int,
     elif rows_per_expert <= 32:
         block_m = 32
     elif rows_per_expert <= 48:
-        # H200, backward vs grouped_mm with 64- / 128-row tiles: Mixtral 40 rows per expert 1.28x / 1.21x, 64 rows
-        # 1.19x / 1.28x, 96 rows 1.05x / 1.30x; Qwen3 40 rows 1.63x / 1.51x, 64 rows 1.56x / 1.55x. Past ~48 rows
-        # the 128-row tiles (and the GEMM families that need them) win despite the padding: these layers are bound
-        # by the weights' bytes, not by the padded MMAs
+        # past ~48 rows per expert the 128-row tiles (and the GEMM families that need them) win despite the
+        # padding: these layers are bound by the weights' bytes, not by the padded MMAs (H200, the backward at
+        # 40-96 rows per expert with 64- and 128-row tiles: docs/perf-notes.md)
         block_m = 64
     else:
         block_m = 128
 
     if block_m <= 32:
-        # weight-streaming regime: deep pipelines over wide K tiles, enough programs to cover every SM.
-        # H200 sweep, 2026-11-21, T=16 (GB/s of expert weights): up n64 k128 w4 s4 is within 0.2% (Mixtral 4406
-        # vs 4415) and 1.9% (Qwen3 3956 vs 4031) of the best (up_bwd, then recomputing gate and up: n64 k128 w4 s3,
-        # 4407 / 4097); down/dx best or within 1.1% with the split-K below (Mixtral down 4203 vs 4215, dx 4364 vs 4414;
-        # Qwen3 down 3567 best, dx 3985 vs 3994).
+        # weight-streaming regime: deep pipelines over wide K tiles, enough programs to cover every SM. up, down and
+        # dx are the H200 sweep's best or near it at T=16 (GB/s of expert weights: docs/perf-notes.md).
         up = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
         # up_bwd (dh = dout @ w2, the pre-activations being saved): the stream tile, not yet swept
         up_bwd = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
@@ -227,9 +216,8 @@ def _measured_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int,
         stream = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
         down = split_k_for(stream, row_tiles, d_ff, d_model, sms)
         dx = split_k_for(stream, row_tiles, 2 * d_ff, d_model, sms)
-        # weight gradients: 64x128 output tiles, 4 warps, 2 stages over the expert's (few, block_m-padded) rows.
-        # H200 sweep, 2026-11-21, T=16: dw1 4432 / 4206 GB/s (Mixtral / Qwen3, best in both), dw2 4275 / 4056
-        # (Mixtral best 4313 at 128x128 w4 s2, Qwen3 best); the old 128x128 w8 s3 got 3358 / 3334 and 3317 / 3182.
+        # weight gradients: 64x128 output tiles, 4 warps, 2 stages over the expert's (few, block_m-padded) rows:
+        # the sweep's best or near it at T=16, ahead of the old 128x128 w8 s3 (docs/perf-notes.md)
         dw1 = dw2 = GemmTiles(block_n=128, block_k=block_m, num_warps=4, num_stages=2, block_m=64)
     elif block_m == 64:
         # not swept at 33-48 rows per expert: the earlier choice
@@ -237,30 +225,22 @@ def _measured_tiles(num_tokens: int, top_k: int, num_experts: int, d_model: int,
         down = dx = GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=4)
         up_bwd = down
         # weight gradients: with <= 64 rows per expert the reduction is one step and the GEMM writes E x 3·d·F
-        # outputs (Mixtral T=256: 2.8 GB). H200 sweep (Mixtral T=256, 64-row tiles): the persistent
-        # 128x256 tile, 8 warps, 3 stages, one program per SM: dw1 0.669 / dw2 0.349 ms, the best of 19 (torch
-        # grouped_mm 0.703 / 0.358); the one-program-per-tile 64x128 w4 s2 got 0.789 / 0.405
+        # outputs (Mixtral T=256: 2.8 GB): the persistent 128x256 tile, 8 warps, 3 stages, one program per SM, was
+        # the best of 19 in an H200 sweep (Mixtral T=256, 64-row tiles: docs/perf-notes.md)
         dw1 = dw2 = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3, block_m=128, persistent=1)
     else:
-        # tensor-core regime (> 48 rows per expert; measured at 256 rows: Qwen3 T=4096, 1024 and 4096: Mixtral
-        # T=4096 / 16384). H200 sweep, 2026-11-21, TFLOP/s (Mixtral 4096 / Qwen3 4096 / Mixtral 16384):
-        # up: 128x(2x128) tiles, 8 warps, 4 stages: 525 / 411 / 534, the best or within 1.2% (Qwen3 best 416 at
-        #     3 stages group 16); the old n64 got 457 / 376 / 467. torch grouped_mm (GEMM alone): 605 / 434 / 644.
+        # tensor-core regime (> 48 rows per expert; measured at 256 to 4096 rows: Qwen3 T=4096, Mixtral T=4096 and
+        # 16384). Each tile below is the H200 sweep's best or within 1.2% of it (docs/perf-notes.md).
+        # up: 128x(2x128) tiles, 8 warps, 4 stages
         up = GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=4)
         # down and dx (the down-combine kernel, K = F and 2F): 128x256 tiles, 8 warps, 4 stages (238 registers,
-        #     no spills): down 485 / 297 / 523 (best, or 0.6% under 3 stages at Mixtral 4096), dx 590 / 386
-        #     (best); the old n128 got down 422 / 234 / 456, dx 458 / 330.
+        #     no spills)
         down = dx = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=4)
-        # up_bwd (dh = dout @ w2 over gathered rows, plain store): the down/dx tile, 212 registers,
-        #     no spills: 591 / 486 TFLOP/s, the best of the sweep at both (torch grouped_mm 586 / 425).
+        # up_bwd (dh = dout @ w2 over gathered rows, plain store): the down/dx tile (212 registers, no spills)
         up_bwd = down
-        # dw1 / dw2: 128x256 output tiles, 64 sorted rows per step, 8 warps, 3 stages: dw1 533 / 333, dw2 474 /
-        #     321, the best in both cases; the old 128x128 got dw1 448 / 297, dw2 390 / 288.
-        # H200 sweeps (Mixtral 4096 / Qwen3 4096 / Mixtral 16384 = 1024 / 256 / 4096 rows per expert, TFLOP/s):
-        #     the persistent kernel (one program per SM) at that tile: dw2 572 / 384 / 606 (one program per tile
-        #     521 / 311 / 611; grouped_mm 692 / 365 / 659); dw1 531 / 395 / 579 (555 / 329 / 582; grouped_mm 548 /
-        #     368 / 614): persistence pays where the reduction is short, and dw1 (twice dw2's outputs) keeps the
-        #     tile grid from 1024 rows per expert. 4 stages won dw1 at Mixtral 4096 (549) but lost at 16384 (498).
+        # dw1 / dw2: 128x256 output tiles, 64 sorted rows per step, 8 warps, 3 stages. The persistent kernel (one
+        #     program per SM) pays where the reduction is short: dw2 takes it, and dw1, with twice dw2's outputs,
+        #     keeps the tile grid from 1024 rows per expert
         wgrad = GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3, block_m=128)
         dw2 = replace(wgrad, persistent=1)
         dw1 = dw2 if rows_per_expert <= 512 else wgrad

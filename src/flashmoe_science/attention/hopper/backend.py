@@ -232,8 +232,8 @@ class HopperForward:
 
 
 # auto takes the Gluon forward for a mask_mod whose visited tiles are at most this share partial: against the Triton
-# forward in the mask-mods suite (H100, D=128, two runs) it ran 1.39-1.45x at 6% partial tiles, 0.94-1.21x at
-# 35-40% and 0.34-0.83x at 61-100% (docs/perf-notes.md, "User masks in the sm_90 forward")
+# forward in the mask-mods suite (H100, D=128) it led where most tiles are full and trailed from 61% partial tiles
+# (docs/perf-notes.md, "User masks in the sm_90 forward")
 SM90_MOD_PARTIAL_SHARE = 0.5
 _MOD_SHARES: dict = {}
 
@@ -241,7 +241,7 @@ _MOD_SHARES: dict = {}
 def mod_forward_refusal(problem) -> str | None:
     """Why auto leaves a call with mods to the Triton forward, or None: at D=128 (the head dim measured) the Gluon
     forward takes a mask_mod whose visited tiles are at most SM90_MOD_PARTIAL_SHARE partial at its own tiles, and no
-    score_mod (it ran 0.68-0.96x the Triton score_mod forward: docs/perf-notes.md, "User masks in the sm_90
+    score_mod (it measured slower than the Triton score_mod forward: docs/perf-notes.md, "User masks in the sm_90
     forward"). The share is read on the host once per mod function, mask, packed or not, heads, lengths and tiles
     (`BlockMask.partial_share`: one synchronisation), never while a CUDA graph is captured."""
     if problem.features.mods.score is not None:
@@ -273,7 +273,8 @@ def mod_forward_refusal(problem) -> str | None:
 
 
 def forward_plan(problem) -> HopperForward:
-    """Tiles and schedule of the Gluon forward for a call it takes (hopper/tiles.py has the measurements)."""
+    """Tiles and schedule of the Gluon forward for a call it takes (the rules are hopper/tiles.py's; docs/perf-notes.md
+    has the measurements)."""
     q, features = problem.q, problem.features
     mask = features.mask
     # a right bound (causal or a window's) plans as causal: query tiles see unequal key ranges, and a consumer may
@@ -284,9 +285,9 @@ def forward_plan(problem) -> HopperForward:
     bias = features.attn_bias
     tiles = sm90_forward_tiles(q.shape[-1], right_bounded, sm90_plan_length(seqlen_q, mask), bias is not None)
     if features.varlen is not None and tiles.block_n == 128 and q.shape[-1] > 64:
-        # a packed batch with a right bound: the two-stage ring with two Q buffers measured +5.6% over the causal
-        # plan's three stages (H200, 17 sequences of 64..8192, D=128: 421 vs 399 TFLOP/s); at D=64 the causal plan's
-        # three stages lead (H100, 8 x 2048: 0.409 vs 0.494 ms)
+        # a packed batch with a right bound: the two-stage ring with two Q buffers measured faster than the causal
+        # plan's three stages at D=128 (H200); at D=64 the causal plan's three stages lead (H100; docs/perf-notes.md,
+        # "Packed causal forward")
         tiles = sm90_forward_tiles(q.shape[-1], False, seqlen_q, bias is not None)
     bias_tma, bias_bytes = False, 0
     if bias is not None and bias_tma_view(bias, q.shape[-2], problem.k.shape[-2]) is not None:
@@ -477,8 +478,8 @@ class _HopperAttentionBackward:
             if refusal is not None:
                 return refusal
             if problem.backend != self.name and padded_head_dim(problem.head_dim) != 128:
-                # against the Triton backward (H100, D=128) it ran 1.09-1.27x on every mask of the mask-mods suite,
-                # all-partial ones included, and 1.01-1.43x with a softcap or ALiBi-table score_mod
+                # measured at D=128 only (H100): ahead of the Triton backward on every mask of the mask-mods suite,
+                # all-partial ones included, and with a softcap or ALiBi-table score_mod
                 # (docs/perf-notes.md, "mask_mod and score_mod in the sm_90 backward")
                 return ("its mask_mod and score_mod backward runs only when asked for (backend='hopper') at this "
                         "head dim: measured at D=128")
@@ -495,8 +496,8 @@ class _HopperAttentionBackward:
         if (measured and problem.deterministic_now() and mask.causal and not mask.bounded_left
                 and padded_head_dim(problem.head_dim) <= 128):
             # Every key block's dQ adds wait for the blocks before it, and under a plain causal mask block 0 visits
-            # every query tile: the whole grid trails one CTA's walk (H100, B·L = 16384: 1.47-1.90x the default
-            # backward, against 1.04-1.25x for the Triton two passes; non-causal 1.00-1.20x).
+            # every query tile: the whole grid trails one CTA's walk (H100: up to 1.90x the default backward, more
+            # than the Triton two passes cost; docs/perf-notes.md, "Deterministic mode in the one pass").
             return ("deterministic with a causal mask unbounded on the left: the one pass's ordered dQ adds measured "
                     "1.5-1.9x the default backward there, the Triton two passes 1.0-1.25x")
         return backward_refusal(problem.head_dim, problem.seqlen_q, problem.softmax_scale, measured)

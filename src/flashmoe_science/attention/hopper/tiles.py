@@ -25,15 +25,14 @@ from flashmoe_science.attention.mask import MaskSpec
 from flashmoe_science.attention.tiles import AttentionTiles, padded_head_dim
 from flashmoe_science.device import DeviceTraits
 
-# Measured on an H200 (docs/perf-notes.md, sweeps of 2026-11-21): below these lengths the
-# choices flip.
+# Measured on an H200 (docs/perf-notes.md): below these lengths the choices flip.
 SM90_SHORT_CAUSAL_LEN = 1024  # causal, Lq <= this: 64-key tiles for sm_90
 SM90_PERSISTENT_MAX_CAUSAL_LEN = 4096  # causal, Lq <= this: persistent CTAs
 SM90_PERSISTENT_LONG_CAUSAL_LEN = 8192  # causal, Lq <= this: persistent CTAs where each runs enough items
 SM90_PERSISTENT_MIN_ROUNDS = 12  # ... at least this many work items per CTA
 # The time a query tile's prologue (Q load, first K/V tiles) and epilogue cost where nothing overlaps them (one CTA
-# per tile), in key rows streamed: persistent CTAs measured +17% at L=512 and +14% at L=2048 (D=128, non-causal,
-# H200: docs/perf-notes.md), about 90 and 290 keys' time per item; the middle of the two.
+# per tile), in key rows streamed: the middle of the ~90 and ~290 keys' time per item that persistent CTAs saved at
+# L=512 and L=2048 (D=128, non-causal, H200: docs/perf-notes.md).
 SM90_ITEM_SETUP_KEYS = 192
 
 
@@ -47,12 +46,13 @@ def sm90_plan_length(seqlen_q: int, mask: MaskSpec) -> int:
 
 
 def sm90_persistent(causal: bool, seqlen_q: int, num_work: int, sm_count: int) -> bool:
-    """Persistent CTAs (one per SM, static snaking rounds over the num_work query tiles) hide each query tile's
-    prologue (Q load, first K/V tiles) and epilogue behind the neighbouring tiles: +10-25% at L <= 2048. With
-    causal masking their fixed shares of unequal items are balanced only roughly, the worse the fewer items a
-    CTA runs and the longer the heaviest; where that costs more than the prologues, one CTA per tile, balanced
-    by the hardware scheduler, wins. Measured on the H200 (docs/perf-notes.md), persistent vs one CTA per tile, causal: L=8192 with 31 and 15.5 items per CTA +4.5% and +6.6%
-    (D=64), +2.8% (D=128, 15.5); with 7.8 items (D=256) -18%; L=16384 -2% (D=64, 31 items), -23% (D=128)."""
+    """Whether the query tiles run on persistent CTAs (one per SM, static snaking rounds over the num_work query
+    tiles), which hide each tile's prologue (Q load, first K/V tiles) and epilogue behind the neighbouring tiles;
+    else one CTA per tile. With causal masking their fixed shares of unequal items are balanced only roughly, the
+    worse the fewer items a CTA runs and the longer the heaviest; where that costs more than the prologues, one CTA
+    per tile, balanced by the hardware scheduler, wins. So every non-causal call runs persistent, and causal rows
+    to SM90_PERSISTENT_MAX_CAUSAL_LEN, or to SM90_PERSISTENT_LONG_CAUSAL_LEN where each CTA runs at least
+    SM90_PERSISTENT_MIN_ROUNDS items (measured on the H200 at L=8192 and 16384: docs/perf-notes.md)."""
     if not causal or seqlen_q <= SM90_PERSISTENT_MAX_CAUSAL_LEN:
         return True
     return seqlen_q <= SM90_PERSISTENT_LONG_CAUSAL_LEN and num_work >= SM90_PERSISTENT_MIN_ROUNDS * sm_count
@@ -85,10 +85,8 @@ def sm90_band_schedule(tiles: AttentionTiles, mask: MaskSpec, seqlen_q: int, seq
     light tiles, not a band's few light ones): the busiest CTA's share, computed here item by item, sets the time,
     plus the first item's prologue, which nothing hides. One CTA per tile is balanced by the hardware (the last
     SM finishes about half an item after the mean) but pays every item's prologue and epilogue
-    (`SM90_ITEM_SETUP_KEYS`). Persistent where the static rounds are the shorter. A causal 4096 window at L=32k
-    with 16 heads: 4096 items of 33 key tiles on 132 SMs, the busiest CTA runs 32 full ones against a mean of
-    29.1 (0.91 static vs 0.94 per tile); at L=128k with 4 heads the clipped tiles are fewer and the shares even
-    (0.95 vs 0.94)."""
+    (`SM90_ITEM_SETUP_KEYS`). Persistent where the static rounds are the shorter (docs/perf-notes.md works a causal
+    4096 window at L=32k and 128k)."""
     span = sm90_plan_length(seqlen_q, mask)
     if not (mask.bounded_left and mask.bounded_right) or span >= seqlen_q:
         return None
@@ -122,13 +120,11 @@ SM90_BACKWARD_MIN_LEN_D64 = 2048  # query rows from which the sm_90 backward bea
 
 def sm90_backward_wins(head_dim: int, seqlen_q: int) -> bool:
     """Whether the Gluon sm_90 backward (hopper/bwd_sm90.py) beats the Triton backward. At head dims padding to
-    256 (its dK/dV and dQ kernels) it always did: 0.9-1.1x cuDNN against the Triton pass's 0.55-0.65x. For the
-    one-pass kernel (64 or 128) vs the Triton two passes: a CTA of 128 keys runs Lq/64 query tiles; with few of
-    them its set-up (K/V loads) and its dK/dV stores, which nothing overlaps, weigh most at D=64, where a tile is
-    cheapest. Measured on the H200 in one
-    process, TFLOP/s sm_90 vs two-pass: D=64 L=512
-    227 vs 243 (causal 149 vs 171), L=1024 287 vs 292 (217 vs 235), L=2048 337 vs 324 (281 vs 286); D=128 the
-    sm_90 kernel is ahead from L=512 (283 vs 248, causal 171 vs 148)."""
+    256 (its dK/dV and dQ kernels) it always did. For the one-pass kernel (64 or 128) vs the Triton two passes: a
+    CTA of 128 keys runs Lq/64 query tiles; with few of them its set-up (K/V loads) and its dK/dV stores, which
+    nothing overlaps, weigh most at D=64, where a tile is cheapest: there it takes over from
+    SM90_BACKWARD_MIN_LEN_D64 query rows, at D=128 it led from L=512 (H200, TFLOP/s per length in
+    docs/perf-notes.md)."""
     return padded_head_dim(head_dim) > 64 or seqlen_q >= SM90_BACKWARD_MIN_LEN_D64
 
 
@@ -166,8 +162,8 @@ def sm90_forward_tiles(head_dim: int, causal: bool, seqlen_q: int, has_bias: boo
     producer warp, `sm90_forward_consumers` of them; the key tile and the ring depth vary. Registers bound the key
     tile (score tile, bf16 P and the fp32 output accumulator live in registers: ~240 per thread at D=128 with
     128-key tiles), shared memory the depth. Short causal rows take 64-key tiles: less of the diagonal tile is
-    masked work (L=512: 267 vs 242 TFLOP/s), in a three-stage ring where it fits (D <= 128), which lets
-    consecutive items overlap (sm90_cross_item).
+    masked work (measured faster to SM90_SHORT_CAUSAL_LEN: docs/perf-notes.md), in a three-stage ring where it
+    fits (D <= 128), which lets consecutive items overlap (sm90_cross_item).
     seqlen_q: `sm90_plan_length` (a narrow band takes the short causal tiles: two masked edge tiles per item).
     has_bias: the call adds an attn_bias (two consumers: `sm90_forward_consumers`).
     """
@@ -176,8 +172,8 @@ def sm90_forward_tiles(head_dim: int, causal: bool, seqlen_q: int, has_bias: boo
                        causal and seqlen_q < SM90_THREE_CONSUMER_CAUSAL_LEN)
 
 
-# causal rows from this length take three consumers at D <= 64 (H200, B·L = 16384: L=16384 0.944x the two-consumer
-# time, L=4096 1.113x: the 192-row diagonal items' masked work outweighs the shared K/V below it)
+# causal rows from this length take three consumers at D <= 64: below it the 192-row diagonal items' masked work
+# outweighs the shared K/V (H200: L=4096 ran 1.113x the two-consumer time; docs/perf-notes.md)
 SM90_THREE_CONSUMER_CAUSAL_LEN = 16384
 
 
@@ -219,9 +215,9 @@ def sm90_q_buffers(tiles: AttentionTiles, head_dim: int, persistent: bool, trait
                    bias_bytes: int = 0) -> int:
     """Two Q buffers per consumer when a persistent CTA has the shared memory for them: the producer then loads
     the next work item's Q (and, no longer blocked behind it, its first K/V tiles) while the current item runs.
-    Measured on the H200 (docs/perf-notes.md): +3% at L=512 D=128, +1-2.5% at L<=2048, neutral beyond. Where it
-    would cost a ring stage (D=128 causal, 3 stages) the trade measured even, so the plan's ring stays; D=256 has
-    no room. `bias_bytes`: see sm90_smem_bytes."""
+    Measured on the H200 (docs/perf-notes.md): a gain at L <= 2048, neutral beyond. Where it would cost a ring
+    stage (D=128 causal, 3 stages) the trade measured even, so the plan's ring stays; D=256 has no room.
+    `bias_bytes`: see sm90_smem_bytes."""
     if persistent and sm90_smem_bytes(tiles, head_dim, 2, bias_bytes=bias_bytes) <= traits.smem_per_block:
         return 2
     return 1
@@ -253,11 +249,11 @@ def sm90_cross_item_safe(causal: bool, tiles: AttentionTiles) -> bool:
 
 def sm90_cross_item(tiles: AttentionTiles, head_dim: int, causal: bool, persistent: bool, q_buffers: int) -> bool:
     """Overlap consecutive work items of a persistent CTA (the next item's first Q·Kᵀ and softmax under the
-    current item's last P·V). Measured on the H200: at D <= 64, where exp2 costs as much as the products, +2-3% at
-    L=512-1024 and +2-4% causal at 2-4k; with short causal 64-key tiles in three stages +1-3% (D=64 and D=128).
-    With two-stage 128-key rings at D=128/256 it measured 2-4% slower (the next item's first K tile is not
-    loaded yet when the last P·V should start). Needs two Q buffers: the current item's output is staged in its
-    own Q buffer while the next item's first Q·Kᵀ reads the other."""
+    current item's last P·V). Measured faster on the H200 at D <= 64, where exp2 costs as much as the products,
+    and with short causal 64-key tiles in three stages (D=64 and D=128); slower with two-stage 128-key rings at
+    D=128/256, where the next item's first K tile is not loaded yet when the last P·V should start
+    (docs/perf-notes.md). Needs two Q buffers: the current item's output is staged in its own Q buffer while the
+    next item's first Q·Kᵀ reads the other."""
     return (persistent and q_buffers == 2 and sm90_cross_item_safe(causal, tiles)
             and (padded_head_dim(head_dim) <= 64 or tiles.num_stages >= 3))
 
@@ -284,10 +280,9 @@ def sm90_varlen_band(kv_bytes: int, rows: int, num_seqs: int, group: int = 1) ->
     """Query tiles per band of the causal packed forward's work list (hopper.work_items.varlen_work): several where the
     batch's K and V (`kv_bytes`) outgrow L2 and its sequences are long on average (`rows` packed query rows over
     `num_seqs`), else one: in L2 one tile per band balances best, and short sequences would compute their first tile
-    more than once. Four for MHA, where bands of four led every batch of the domain measured on an H100 (D=128
-    16 x 1024 causal 388 TFLOP/s against 361 with two, 271 with one; docs/perf-notes.md); one with GQA (`group`
-    query heads per KV head > 1), whose heads already share their K/V side by side (a 16k-token GQA 32/8 step:
-    one led two by 6%)."""
+    more than once. Four for MHA, where bands of four led every batch of the domain measured on an H100; one with
+    GQA (`group` query heads per KV head > 1), whose heads already share their K/V side by side: one led two there
+    (docs/perf-notes.md)."""
     if group > 1 or kv_bytes <= SM90_L2_BYTES or rows < SM90_BAND_MEAN_ROWS * max(num_seqs, 1):
         return 1
     return 4
@@ -305,7 +300,7 @@ def sm90_forward_pingpong(head_dim: int, fp8: bool) -> bool:
 def sm90_forward_skip_rescale(head_dim: int, fp8: bool) -> bool:
     """Whether the forward's warps branch past O's rescale where none of their rows' running maxima moved in the key
     tile (hopper/fwd_sm90._rescale; bit-identical). At head dims padding to 256: the rescale is 128 of a key tile's
-    ~465 instructions per warp there, and the skip measured up to 5% faster; at 128 and below it was neutral
+    ~465 instructions per warp there, and the skip measured faster; at 128 and below it was neutral
     (docs/perf-notes.md). 16-bit inputs: the e4m3 forward was not measured with it."""
     return padded_head_dim(head_dim) > 128 and not fp8
 

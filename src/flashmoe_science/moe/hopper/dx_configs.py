@@ -35,17 +35,13 @@ class DxConfig:
         return f"{self.label()} c{self.swiglu_cols}"
 
 
-# dx's configs by K = 2F (``dx_config``). H200, 5 interleaved runs, the kernel alone / the layer's backward, ms:
-# Mixtral (K = 28672) T=4096 cooperative 128x256 s3 with the tail split 3.07 / 9.61 against ping-pong 128x128 s4
-# 3.26 / 9.82 (1088 items of ~350 us are 8.24 waves: the split is most of the gain; without it the cooperative tile lost, 600 vs 644-684 TFLOP/s); T=16384 11.70 / 35.66 vs
-# 12.13 / 35.96. Qwen3 (K = 1536) the other way: ping-pong 0.50 / 1.64 and 1.63 / 5.17 at T=4096 / 16384 against
-# 0.55 / 1.65 and 1.82 / 5.37 (short items: the cooperative consumers' atomic epilogue leaves the tensor cores idle,
-# which ping-pong hides). Fitting the two (cooperative +5% at K = 1536, -2.5% at 28672, the idle epilogue a fixed
-# cost per item) puts the break-even near K = 4200.
+# dx's configs by K = 2F (``dx_config``). Long K: the cooperative 128x256 tile with the last, partial wave split
+# along K, the split being most of its gain over ping-pong. Short K the other way: its items are short, and the
+# cooperative consumers' atomic epilogue leaves the tensor cores idle, which ping-pong hides. A fit of the two (the idle
+# epilogue a fixed cost per item) puts the break-even near K = 4200 (H200, Mixtral and Qwen3: docs/perf-notes.md).
 LONG_K_CONFIG = DxConfig(block_n=256, num_stages=3, split_tail=True)
-# H200 (T=4096, TFLOP/s): ping-pong 128x128 s4 Qwen3 432 (Triton 399, torch grouped_mm without the combine 426),
-# within 5% of its best (5 stages, 454, but 591 at Mixtral); the tail split measured no gain here (0.52 / 1.63 at
-# T=4096)
+# short K: ping-pong 128x128 s4, within 5% of the best ping-pong depth at Qwen3's K; the tail split gained nothing
+# there (H200: docs/perf-notes.md)
 SHORT_K_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
 LONG_K = 4096  # K = 2F from which LONG_K_CONFIG runs
 
@@ -66,11 +62,10 @@ def down_config(d_ff: int, rows: bool = False) -> DxConfig:
     return dx_config(d_ff, rows)
 
 
-# dh: H200, Mixtral T=4096: ping-pong 128x128 s4 1.46 ms,
-# cooperative 128x256 s3 1.58 ms, Triton dh_launch 1.54 ms
+# dh: ping-pong 128x128 s4, ahead of the cooperative 128x256 s3 and Triton's dh (H200, Mixtral: docs/perf-notes.md)
 DH_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True)
-# dh with the SwiGLU backward in its epilogue: dh's tile, 32-column epilogue chunks (H200: Mixtral
-# T=4096 1.73 ms vs 1.96 with 16-column chunks before the fast sigmoid, 1.83-1.95 with 3 stages; Qwen3 even)
+# dh with the SwiGLU backward in its epilogue: dh's tile, 32-column epilogue chunks, the fastest measured at Mixtral
+# and even at Qwen3 (H200: docs/perf-notes.md)
 DH_SWIGLU_CONFIG = DxConfig(block_n=128, num_stages=4, pingpong=True, swiglu_cols=32)
 
 
