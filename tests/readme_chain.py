@@ -46,6 +46,8 @@ class Chain:
             try:
                 self.process = subprocess.Popen(argv, cwd=self.folder.name, env=env, stdout=subprocess.PIPE,
                                                 stderr=subprocess.STDOUT, text=True)
+                if self.stopped:  # stop() ran between the check above and the start: it saw no process to kill
+                    self.process.kill()
                 try:
                     output, _ = self.process.communicate(timeout=timeout)
                     self.futures[nodeid].set_result(Outcome(self.process.returncode, output))
